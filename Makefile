@@ -1,0 +1,39 @@
+# rlrec: set-up and everyday targets.  Every target installs .venv first if needed;
+# a stamp named after pyproject.toml's hash makes later runs skip installation
+# entirely (no pip call) until pyproject.toml changes.
+
+PYTHON ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+# torch first and pinned: a CPU wheel of this version lies on disk on our
+# machines; an unpinned torch would download GBs of CUDA packages.
+TORCH_VERSION ?= 2.13.0
+PYPROJECT_HASH := $(shell sha256sum pyproject.toml | cut -c1-12)
+STAMP := $(VENV)/.stamp-$(PYPROJECT_HASH)
+PYTEST_ARGS ?=
+
+.PHONY: venv test test-fast demo bench
+
+venv: $(STAMP)
+
+$(STAMP): | $(VENV)/bin/python
+	$(VPY) -m pip install torch==$(TORCH_VERSION)
+	$(VPY) -m pip install -e '.[all]'
+	@rm -f $(VENV)/.stamp-*
+	@touch $@
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+
+test: venv
+	$(VPY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: venv
+	$(VPY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+# A later issue replaces this with `rlrec demo`.
+demo: venv
+	$(VENV)/bin/rlrec record-demo
+
+bench: venv
+	@if [ -f bench/run.py ]; then $(VPY) bench/run.py; else $(VPY) bench/producer.py; fi

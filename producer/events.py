@@ -1,0 +1,417 @@
+"""The event contract: four Avro record kinds, their encoding and their safe decoding.
+
+Wire format (docs/FORMAT.md):
+  * Kafka key   = episode id, UTF-8. All events of an episode go to one partition, in order.
+  * Kafka value = the Avro body written schemaless (fastavro) with the schema
+    `producer/schemas/<Kind>.v<version>.avsc`.
+  * Kafka header `rlrec-schema` = b"<Kind>/<version>", e.g. b"StepBatch/1". Readers resolve any
+    known writer version to the newest reader schema (Avro schema resolution), so old and new
+    producers can share a topic.
+  * With a schema registry, Confluent framing (magic byte 0, 4-byte big-endian schema id) replaces
+    the header; see `producer.registry`.
+
+`decode` never executes code from the data: Avro decoding, `numpy.frombuffer` of allow-listed
+dtypes and `json.loads` are all it uses. Every kind of bad input raises `DecodeError` with a
+`reason` from `DECODE_REASONS`.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import io
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import fastavro
+import numpy as np
+from gymnasium import spaces as gs
+
+from producer.arrays import ALLOWED_DTYPES, ArrayError, array_from_wire, array_to_wire
+from producer.spaces import Leaf, SpaceError, loads_space, space_leaves
+
+__all__ = [
+    "SCHEMA_HEADER",
+    "DECODE_REASONS",
+    "DecodeError",
+    "EpisodeStart",
+    "StepBatch",
+    "RewardDelta",
+    "EpisodeAbort",
+    "Event",
+    "encode",
+    "encode_record",
+    "decode",
+    "dumps_info",
+    "loads_info",
+    "check_leaves",
+    "schema_header",
+    "load_schemas",
+]
+
+SCHEMA_HEADER = "rlrec-schema"
+SCHEMA_DIR = Path(__file__).with_name("schemas")
+
+#: every reason `decode` (and `check_leaves`) may give, documented in docs/FORMAT.md.
+DECODE_REASONS = {
+    "oversize": "the message is larger than the consumer's limit",
+    "bad-header": "no rlrec-schema header (or Confluent frame), or an unparsable one",
+    "unknown-schema": "schema name or version this reader does not know",
+    "malformed": "the body is not a valid Avro record of the named schema (truncated, corrupt, trailing bytes)",
+    "bad-dtype": "an array with a dtype outside the allow-list (e.g. object, void)",
+    "bad-shape": "an array whose shape, byte length or step count is inconsistent",
+    "bad-json": "an info is not a JSON object",
+    "bad-space": "an observation or action space description is invalid or unsupported",
+    "space-mismatch": "an array contradicts the episode's declared space (dtype or shape)",
+    "bad-value": "a field value out of range (empty id, negative t or version, both/neither flags)",
+    "non-finite-reward": "a reward that is NaN or infinite",
+}
+
+
+class DecodeError(ValueError):
+    """A message cannot be used. `reason` is a key of `DECODE_REASONS`."""
+
+    def __init__(self, reason: str, message: str):
+        assert reason in DECODE_REASONS, reason
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+        self.detail = message
+
+
+# ---------------------------------------------------------------------------------------------
+# schemas
+
+
+@functools.lru_cache(maxsize=None)
+def load_schemas() -> dict[tuple[str, int], dict]:
+    """All shipped writer schemas, by (kind, version), parsed."""
+    out = {}
+    for path in sorted(SCHEMA_DIR.glob("*.v*.avsc")):
+        kind, v = path.name[: -len(".avsc")].rsplit(".v", 1)
+        named: dict = {}
+        out[(kind, int(v))] = fastavro.parse_schema(json.loads(path.read_text()), named_schemas=named)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _latest() -> dict[str, tuple[int, dict]]:
+    latest: dict[str, tuple[int, dict]] = {}
+    for (kind, v), s in load_schemas().items():
+        if kind not in latest or v > latest[kind][0]:
+            latest[kind] = (v, s)
+    return latest
+
+
+def schema_header(kind: str) -> list[tuple[str, bytes]]:
+    """The header list for a kind at the newest version (reuse it: it is immutable by convention)."""
+    return [(SCHEMA_HEADER, f"{kind}/{_latest()[kind][0]}".encode())]
+
+
+# ---------------------------------------------------------------------------------------------
+# infos: JSON objects whose values may include numeric arrays
+
+
+def _info_default(o: Any) -> Any:
+    if isinstance(o, np.ndarray):
+        if o.dtype.name not in ALLOWED_DTYPES:
+            raise TypeError(f"info array of dtype {o.dtype} is not allowed; use a numeric dtype")
+        w = array_to_wire(o)
+        return {"$ndarray": {"dtype": w["dtype"], "shape": w["shape"],
+                             "data": base64.b64encode(w["data"]).decode("ascii")}}
+    if isinstance(o, np.generic):
+        return o.item()
+    raise TypeError(
+        f"info value of type {type(o).__name__} is not JSON-compatible; infos may hold None, bool, "
+        "int, float, str, lists, dicts with string keys and numeric numpy arrays"
+    )
+
+
+def dumps_info(info: Mapping | None) -> str:
+    """Encode an info dict; '' for an empty one. Raises TypeError for unsupported values."""
+    if not info:
+        return ""
+    if not isinstance(info, Mapping):
+        raise TypeError(f"info must be a dict, got {type(info).__name__}")
+    return json.dumps(info, default=_info_default, separators=(",", ":"))
+
+
+def _info_hook(d: dict) -> Any:
+    if len(d) == 1 and "$ndarray" in d:
+        spec = d["$ndarray"]
+        if not isinstance(spec, dict) or not isinstance(spec.get("data"), str):
+            raise DecodeError("bad-json", "malformed $ndarray in info")
+        try:
+            return array_from_wire({"dtype": str(spec.get("dtype")), "shape": list(spec.get("shape")),
+                                    "data": base64.b64decode(spec["data"], validate=True)})
+        except ArrayError as e:
+            raise DecodeError(e.reason, f"info array: {e}") from None
+        except (TypeError, ValueError) as e:
+            raise DecodeError("bad-json", f"malformed $ndarray in info: {e}") from None
+    return d
+
+
+def loads_info(text: str) -> dict:
+    if not text:
+        return {}
+    try:
+        d = json.loads(text, object_hook=_info_hook)
+    except DecodeError:
+        raise
+    except (ValueError, RecursionError) as e:
+        raise DecodeError("bad-json", f"info is not JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise DecodeError("bad-json", f"info must be a JSON object, got {type(d).__name__}")
+    return d
+
+
+# ---------------------------------------------------------------------------------------------
+# events
+
+
+@dataclass
+class EpisodeStart:
+    """An episode begins. `observation` holds the leaves of the first observation."""
+
+    episode_id: str
+    policy_id: str
+    policy_version: int
+    observation: list[np.ndarray]
+    observation_space: gs.Space
+    action_space: gs.Space
+    env_id: str = ""
+    info: dict = field(default_factory=dict)
+    timestamp_ms: int = 0
+    KIND = "EpisodeStart"
+
+
+@dataclass
+class StepBatch:
+    """Steps t0 .. t0+n-1 of one episode; arrays are leaves stacked along a leading step axis."""
+
+    episode_id: str
+    t0: int
+    actions: list[np.ndarray]
+    rewards: np.ndarray
+    observations: list[np.ndarray]
+    terminated: bool = False
+    truncated: bool = False
+    infos: list[dict] | None = None
+    extra_model_outputs: dict[str, np.ndarray] = field(default_factory=dict)
+    timestamp_ms: int = 0
+    KIND = "StepBatch"
+
+    @property
+    def n(self) -> int:
+        return int(self.rewards.shape[0])
+
+
+@dataclass
+class RewardDelta:
+    """A delayed reward, added to step `t` of the episode."""
+
+    episode_id: str
+    t: int
+    reward: float
+    timestamp_ms: int = 0
+    KIND = "RewardDelta"
+
+
+@dataclass
+class EpisodeAbort:
+    """The episode ends without a terminal step (finalized as truncated)."""
+
+    episode_id: str
+    reason: str = ""
+    timestamp_ms: int = 0
+    KIND = "EpisodeAbort"
+
+
+Event = EpisodeStart | StepBatch | RewardDelta | EpisodeAbort
+_KINDS = {c.KIND: c for c in (EpisodeStart, StepBatch, RewardDelta, EpisodeAbort)}
+
+
+# ---------------------------------------------------------------------------------------------
+# encoding
+
+
+def encode_record(kind: str, record: dict) -> bytes:
+    """Avro body of a raw record dict of `kind` (the producer's fast path)."""
+    buf = io.BytesIO()
+    fastavro.schemaless_writer(buf, _latest()[kind][1], record)
+    return buf.getvalue()
+
+
+def _wire_leaves(leaves: Iterable) -> list[dict]:
+    return [array_to_wire(np.asarray(x)) for x in leaves]
+
+
+def _to_record(ev: Event) -> dict:
+    from producer.spaces import dumps_space
+
+    if isinstance(ev, EpisodeStart):
+        return {"episode_id": ev.episode_id, "policy_id": ev.policy_id,
+                "policy_version": int(ev.policy_version), "env_id": ev.env_id,
+                "observation": _wire_leaves(ev.observation), "info": dumps_info(ev.info),
+                "observation_space": dumps_space(ev.observation_space),
+                "action_space": dumps_space(ev.action_space), "timestamp_ms": int(ev.timestamp_ms)}
+    if isinstance(ev, StepBatch):
+        infos = None if ev.infos is None or not any(ev.infos) else [dumps_info(i) for i in ev.infos]
+        return {"episode_id": ev.episode_id, "t0": int(ev.t0), "actions": _wire_leaves(ev.actions),
+                "rewards": array_to_wire(np.asarray(ev.rewards, dtype=np.float64)),
+                "observations": _wire_leaves(ev.observations), "terminated": bool(ev.terminated),
+                "truncated": bool(ev.truncated), "infos": infos,
+                "extra_model_outputs": {k: array_to_wire(np.asarray(v)) for k, v in ev.extra_model_outputs.items()},
+                "timestamp_ms": int(ev.timestamp_ms)}
+    if isinstance(ev, RewardDelta):
+        return {"episode_id": ev.episode_id, "t": int(ev.t), "reward": float(ev.reward),
+                "timestamp_ms": int(ev.timestamp_ms)}
+    if isinstance(ev, EpisodeAbort):
+        return {"episode_id": ev.episode_id, "reason": ev.reason, "timestamp_ms": int(ev.timestamp_ms)}
+    raise TypeError(f"not an event: {type(ev).__name__}")
+
+
+def encode(ev: Event) -> tuple[bytes, list[tuple[str, bytes]]]:
+    """(value, headers) of an event; the key is `ev.episode_id.encode()`."""
+    return encode_record(ev.KIND, _to_record(ev)), schema_header(ev.KIND)
+
+
+# ---------------------------------------------------------------------------------------------
+# decoding (untrusted input)
+
+
+def _parse_header(headers: Any) -> tuple[str, int]:
+    value = None
+    if headers:
+        items = headers.items() if isinstance(headers, Mapping) else headers
+        for k, v in items:
+            if k == SCHEMA_HEADER:
+                value = v
+    if value is None:
+        raise DecodeError("bad-header", f"no {SCHEMA_HEADER} header")
+    try:
+        text = value.decode("ascii") if isinstance(value, (bytes, bytearray)) else str(value)
+        kind, v = text.split("/")
+        return kind, int(v)
+    except (ValueError, UnicodeDecodeError, AttributeError):
+        raise DecodeError("bad-header", f"unparsable {SCHEMA_HEADER} header {value!r:.80}") from None
+
+
+def _read_body(kind: str, version: int, body: bytes) -> dict:
+    writer = load_schemas().get((kind, version))
+    if writer is None:
+        raise DecodeError("unknown-schema", f"{kind}/{version} is not a known schema")
+    latest_v, reader = _latest()[kind]
+    buf = io.BytesIO(body)
+    try:
+        rec = fastavro.schemaless_reader(buf, writer, reader if latest_v != version else None)
+    except Exception as e:  # fastavro raises many types on corrupt input
+        raise DecodeError("malformed", f"{kind}/{version}: {type(e).__name__}: {e}"[:300]) from None
+    if buf.tell() != len(body):
+        raise DecodeError("malformed", f"{kind}/{version}: {len(body) - buf.tell()} trailing bytes")
+    return rec
+
+
+def _arrays(recs: list[dict], what: str) -> list[np.ndarray]:
+    try:
+        return [array_from_wire(r) for r in recs]
+    except ArrayError as e:
+        raise DecodeError(e.reason, f"{what}: {e}") from None
+
+
+@functools.lru_cache(maxsize=256)
+def _space(text: str, what: str) -> tuple[gs.Space, tuple[Leaf, ...]]:
+    try:
+        space = loads_space(text)
+        return space, tuple(space_leaves(space))
+    except SpaceError as e:
+        raise DecodeError("bad-space", f"{what}: {e}") from None
+
+
+def parse_space(text: str, what: str = "space") -> tuple[gs.Space, tuple[Leaf, ...]]:
+    """Parse (cached) a space JSON into the space and its leaves; DecodeError('bad-space')."""
+    return _space(text, what)
+
+
+def check_leaves(arrays: list[np.ndarray], leaves: tuple[Leaf, ...] | list[Leaf], n: int | None,
+                 what: str) -> None:
+    """Raise DecodeError('space-mismatch') unless `arrays` match `leaves` (stacked `n` deep if given)."""
+    if len(arrays) != len(leaves):
+        raise DecodeError("space-mismatch", f"{what}: {len(arrays)} leaves, the space has {len(leaves)}")
+    for i, (a, leaf) in enumerate(zip(arrays, leaves)):
+        shape = leaf.shape if n is None else (n, *leaf.shape)
+        if a.dtype != leaf.dtype or a.shape != shape:
+            raise DecodeError("space-mismatch",
+                              f"{what}[{i}]: got {a.dtype}{list(a.shape)}, space says {leaf.dtype}{list(shape)}")
+
+
+def _id(s: str, what: str = "episode_id") -> str:
+    if not s or len(s) > 256:
+        raise DecodeError("bad-value", f"{what} must be 1..256 characters")
+    return s
+
+
+def decode(value: bytes, headers: Any = None, *, max_bytes: int | None = None) -> Event:
+    """Decode one Kafka message value (with its headers) into an event, or raise `DecodeError`.
+
+    Checks structure (schema, dtypes, shapes, step counts, finite rewards, JSON infos, spaces).
+    Whether a step batch matches its episode's spaces needs the episode: see `check_leaves`.
+    """
+    if value is None:
+        raise DecodeError("malformed", "empty (tombstone) message")
+    if max_bytes is not None and len(value) > max_bytes:
+        raise DecodeError("oversize", f"{len(value)} bytes > limit {max_bytes}")
+    kind, version = _parse_header(headers)
+    if kind not in _KINDS:
+        raise DecodeError("unknown-schema", f"unknown event kind {kind!r}")
+    rec = _read_body(kind, version, bytes(value))
+    eid = _id(rec["episode_id"])
+    ts = rec["timestamp_ms"]
+
+    if kind == "StepBatch":
+        rewards = _arrays([rec["rewards"]], "rewards")[0]
+        if rewards.dtype != np.float64 or rewards.ndim != 1 or rewards.shape[0] == 0:
+            raise DecodeError("bad-shape", f"rewards must be float64 of shape (n>=1,), got {rewards.dtype}{list(rewards.shape)}")
+        n = rewards.shape[0]
+        if not np.isfinite(rewards).all():
+            raise DecodeError("non-finite-reward", f"episode {eid} t0={rec['t0']}: {rewards[~np.isfinite(rewards)][:3]}")
+        actions = _arrays(rec["actions"], "actions")
+        observations = _arrays(rec["observations"], "observations")
+        extra = {}
+        for k, r in rec["extra_model_outputs"].items():
+            extra[k] = _arrays([r], f"extra_model_outputs[{k!r}]")[0]
+        for what, arrs in (("actions", actions), ("observations", observations), ("extra_model_outputs", list(extra.values()))):
+            for a in arrs:
+                if a.ndim == 0 or a.shape[0] != n:
+                    raise DecodeError("bad-shape", f"{what}: leading dim {a.shape[:1]} != n={n}")
+        infos = rec["infos"]
+        if infos is not None:
+            if len(infos) != n:
+                raise DecodeError("bad-shape", f"{len(infos)} infos for n={n} steps")
+            infos = [loads_info(s) for s in infos]
+        if rec["t0"] < 0:
+            raise DecodeError("bad-value", f"negative t0 {rec['t0']}")
+        return StepBatch(eid, rec["t0"], actions, rewards, observations, rec["terminated"],
+                         rec["truncated"], infos, extra, ts)
+
+    if kind == "EpisodeStart":
+        if rec["policy_version"] < 0:
+            raise DecodeError("bad-value", f"negative policy_version {rec['policy_version']}")
+        _id(rec["policy_id"], "policy_id")
+        obs_space, obs_leaves = parse_space(rec["observation_space"], "observation_space")
+        act_space, _ = parse_space(rec["action_space"], "action_space")
+        observation = _arrays(rec["observation"], "observation")
+        check_leaves(observation, obs_leaves, None, "observation")
+        return EpisodeStart(eid, rec["policy_id"], rec["policy_version"], observation, obs_space,
+                            act_space, rec["env_id"], loads_info(rec["info"]), ts)
+
+    if kind == "RewardDelta":
+        if rec["t"] < 0:
+            raise DecodeError("bad-value", f"negative t {rec['t']}")
+        if not math.isfinite(rec["reward"]):
+            raise DecodeError("non-finite-reward", f"episode {eid} t={rec['t']}: {rec['reward']}")
+        return RewardDelta(eid, rec["t"], rec["reward"], ts)
+
+    return EpisodeAbort(eid, rec["reason"], ts)

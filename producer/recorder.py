@@ -1,0 +1,595 @@
+"""`EpisodeRecorder`: the policy-side client that publishes transitions to Kafka.
+
+Hot path: `log_step` validates cheaply and appends the step to its episode's in-memory batch.
+Every `max_batch_steps` steps, at the end of an episode, or when the oldest buffered step is
+`max_batch_delay_s` old (a background thread checks), the batch is stacked column-wise into one
+`StepBatch` event and handed to librdkafka, which sends it asynchronously. The policy never waits
+on the network; only `on_overflow="block"` with a full buffer waits, for buffer space.
+
+Accounting is in *records*: one per `begin_episode`, `log_step`, `log_reward` and
+`abort_episode` call. At every moment `produced == delivered + failed + buffered`, and `dropped`
+counts records discarded by `on_overflow="drop"`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+import uuid
+import weakref
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Callable, Mapping
+
+import numpy as np
+from confluent_kafka import KafkaError, KafkaException, Producer
+from gymnasium import spaces as gs
+
+from producer.arrays import ALLOWED_DTYPES, array_to_wire
+from producer.events import dumps_info, encode_record, schema_header
+from producer.spaces import dumps_space, flatten_value, space_leaves
+
+__all__ = ["EpisodeRecorder", "RecorderStats", "RecorderFullError", "RecorderForkedError"]
+
+log = logging.getLogger("rlrec.producer")
+
+_H_START = schema_header("EpisodeStart")
+_H_STEPS = schema_header("StepBatch")
+_H_REWARD = schema_header("RewardDelta")
+_H_ABORT = schema_header("EpisodeAbort")
+
+_recorders: "weakref.WeakSet[EpisodeRecorder]" = weakref.WeakSet()
+
+
+def _mark_forked() -> None:
+    for r in list(_recorders):
+        r._forked = r._unusable = True
+
+
+os.register_at_fork(after_in_child=_mark_forked)
+
+
+class RecorderFullError(BufferError):
+    """`on_overflow="raise"` and `max_buffered_steps` records are waiting for delivery."""
+
+
+class RecorderForkedError(RuntimeError):
+    """A recorder created before `os.fork()` was used in the child process."""
+
+
+@dataclass(frozen=True)
+class RecorderStats:
+    """A snapshot of a recorder's counters (in records; see module docstring)."""
+
+    produced: int
+    delivered: int
+    failed: int
+    dropped: int
+    buffered: int
+    episodes_begun: int
+    messages_produced: int
+    messages_delivered: int
+    messages_failed: int
+
+
+class _Packer:
+    """Per-space validation of step values and column-wise stacking into wire arrays."""
+
+    def __init__(self, space: gs.Space, what: str):
+        self.space = space
+        self.what = what
+        self.leaves = space_leaves(space)
+        self.single = not isinstance(space, (gs.Dict, gs.Tuple))
+        self.shape = self.leaves[0].shape if self.single else None
+
+    def prepare(self, value: Any) -> Any:
+        """Cheap check of one value; returns what the batch buffer stores (value or its leaves)."""
+        if self.single:
+            shape = getattr(value, "shape", None)
+            if shape is None:
+                if not self.shape and isinstance(value, (int, float)):
+                    return value  # a Python scalar for a scalar space (Discrete): nothing to check
+                shape = np.shape(value)
+            if shape != self.shape:
+                raise ValueError(f"{self.what} has shape {tuple(shape)}, the space needs {self.shape}")
+            return value
+        leaves = flatten_value(self.space, value)
+        for x, leaf in zip(leaves, self.leaves):
+            if np.shape(x) != leaf.shape:
+                raise ValueError(f"{self.what} leaf has shape {np.shape(x)}, the space needs {leaf.shape}")
+        return leaves
+
+    def check_dtypes(self, prepared: Any) -> None:
+        values = [prepared] if self.single else prepared
+        for x, leaf in zip(values, self.leaves):
+            dt = np.asarray(x).dtype
+            if not np.can_cast(dt, leaf.dtype, "same_kind"):
+                raise TypeError(f"{self.what} of dtype {dt} can't be stored as the space's {leaf.dtype}")
+
+    def stack(self, buf: list) -> list[dict]:
+        if self.single:
+            return [array_to_wire(self._col(buf, self.leaves[0].dtype))]
+        return [array_to_wire(self._col(col, leaf.dtype)) for col, leaf in zip(zip(*buf), self.leaves)]
+
+    def one(self, value: Any) -> list[dict]:
+        prepared = self.prepare(value)
+        self.check_dtypes(prepared)
+        values = [prepared] if self.single else prepared
+        return [array_to_wire(self._col(v, leaf.dtype)) for v, leaf in zip(values, self.leaves)]
+
+    @staticmethod
+    def _col(values: Any, dtype: np.dtype) -> np.ndarray:
+        a = np.asarray(values)
+        if a.dtype != dtype:
+            a = a.astype(dtype, casting="same_kind")
+        return a
+
+
+class _Episode:
+    __slots__ = ("id", "version", "t", "t0", "steps", "reward_adds", "extra_keys", "first_buffered",
+                 "dropping")
+
+    def __init__(self, eid: str, version: int):
+        self.id = eid
+        self.version = version
+        self.t = 0  # steps logged so far
+        self.t0 = 0  # t of the first buffered step
+        # buffered steps t0..t-1 as (action, reward, observation, info_json, extra_model_outputs)
+        self.steps: list[tuple] = []
+        self.reward_adds: dict[int, float] = {}  # delayed rewards for buffered steps, by t
+        self.extra_keys: frozenset = frozenset()
+        self.first_buffered = 0.0
+        self.dropping = False
+
+
+class EpisodeRecorder:
+    """Publishes the episodes of one policy to a Kafka topic as rlrec events.
+
+    Guarantees: every record is either delivered to the broker (idempotent producer, acks=all),
+    reported as failed (counted, and passed to `on_delivery_error`), or - only with
+    `on_overflow="drop"` - counted as dropped; nothing disappears silently. Events of an episode
+    share its key (the episode id) and so arrive in order on one partition. Thread-safe: several
+    threads may log different episodes. After `os.fork()` the child must create its own recorder.
+    """
+
+    def __init__(
+        self,
+        bootstrap_servers: str,
+        topic: str = "rlrec.transitions",
+        policy_id: str = "default",
+        policy_version: int = 1,
+        observation_space: gs.Space | None = None,
+        action_space: gs.Space | None = None,
+        env_id: str = "",
+        kafka_config: Mapping[str, Any] | None = None,
+        max_buffered_steps: int = 100_000,
+        on_overflow: str = "block",
+        *,
+        max_batch_steps: int = 256,
+        max_batch_delay_s: float = 0.2,
+        max_batch_bytes: int = 256 * 1024,
+        validate_spaces: bool = False,
+        on_delivery_error: Callable[[KafkaError, str, int], None] | None = None,
+    ):
+        if observation_space is None or action_space is None:
+            raise TypeError("observation_space and action_space are required (the consumer rebuilds episodes with them)")
+        if on_overflow not in ("block", "drop", "raise"):
+            raise ValueError(f"on_overflow must be 'block', 'drop' or 'raise', got {on_overflow!r}")
+        if not policy_id or not isinstance(policy_id, str):
+            raise ValueError("policy_id must be a non-empty string")
+        if max_buffered_steps < 1 or max_batch_steps < 1:
+            raise ValueError("max_buffered_steps and max_batch_steps must be >= 1")
+        self.topic = topic
+        self.policy_id = policy_id
+        self._policy_version = self._check_version(policy_version)
+        self.observation_space = observation_space
+        self.action_space = action_space
+        self.env_id = env_id
+        self.max_buffered_steps = int(max_buffered_steps)
+        self.on_overflow = on_overflow
+        self.max_batch_steps = int(max_batch_steps)
+        self.max_batch_delay_s = float(max_batch_delay_s)
+        self.max_batch_bytes = int(max_batch_bytes)
+        self.validate_spaces = validate_spaces
+        self.on_delivery_error = on_delivery_error
+
+        self._obs = _Packer(observation_space, "observation")
+        self._act = _Packer(action_space, "action")
+        # single-leaf spaces: the shape a value must have (None for Dict/Tuple: always flattened)
+        self._obs_shape = self._obs.shape if self._obs.single else object()
+        self._act_shape = self._act.shape if self._act.single else object()
+        self._act_scalar = self._act.single and self._act.shape == ()
+        self._obs_space_json = dumps_space(observation_space)
+        self._act_space_json = dumps_space(action_space)
+
+        conf = {
+            "bootstrap.servers": bootstrap_servers,
+            "enable.idempotence": True,
+            "acks": "all",
+            "compression.type": "lz4",
+            "linger.ms": 20,
+            "queue.buffering.max.messages": 1_000_000,
+        }
+        conf.update(kafka_config or {})
+        self._producer = Producer(conf)
+
+        self._lock = threading.Lock()
+        self._space_freed = threading.Condition(self._lock)
+        self._episodes: dict[str, _Episode] = {}
+        self._finished: dict[str, int] = {}  # recent finished episode -> length, for log_reward checks
+        self._delivered = self._failed = self._dropped = 0  # produced = delivered + failed + buffered
+        self._buffered = 0
+        self._episodes_begun = 0
+        self._msgs = [0, 0, 0]  # produced, delivered, failed
+        self._last_drop_log = 0.0
+        self._closed = False
+        self._forked = False
+        self._unusable = False  # closed or forked: checked first on the hot path
+        # bytes per step, estimated from the spaces until the first batch measures it
+        est = sum(l.dtype.itemsize * int(np.prod(l.shape)) for l in self._obs.leaves + self._act.leaves) + 16
+        self._batch_limit = max(1, min(self.max_batch_steps, self.max_batch_bytes // est))
+        self._step_bytes = None  # estimated bytes per buffered step, set at first emit
+
+        self._stop = threading.Event()
+        self._poller = threading.Thread(target=self._poll_loop, name="rlrec-recorder", daemon=True)
+        self._poller.start()
+        _recorders.add(self)
+
+    # -- public API -----------------------------------------------------------------------------
+
+    @property
+    def policy_version(self) -> int:
+        return self._policy_version
+
+    @policy_version.setter
+    def policy_version(self, value: int) -> None:
+        value = self._check_version(value)
+        if value < self._policy_version:
+            raise ValueError(f"policy_version only grows: {value} < {self._policy_version}")
+        self._policy_version = value
+
+    def begin_episode(self, observation: Any, info: Mapping | None = None, episode_id: str | None = None,
+                      policy_version: int | None = None) -> str:
+        """Start an episode from its first observation; returns its id."""
+        self._check_usable()
+        version = self._policy_version if policy_version is None else self._check_version(policy_version)
+        if self.validate_spaces and not self.observation_space.contains(observation):
+            raise ValueError(f"observation {observation!r:.200} is not in {self.observation_space}")
+        obs_wire = self._obs.one(observation)
+        info_json = dumps_info(info)
+        eid = uuid.uuid4().hex if episode_id is None else str(episode_id)
+        if not eid or len(eid) > 256:
+            raise ValueError("episode_id must be 1..256 characters")
+        with self._lock:
+            if eid in self._episodes:
+                raise ValueError(f"episode {eid} is already open")
+            ep = _Episode(eid, version)
+            self._episodes_begun += 1
+            self._episodes[eid] = ep
+            if not self._admit(None):
+                ep.dropping = True  # nothing of it is sent
+                return eid
+            rec = {"episode_id": eid, "policy_id": self.policy_id, "policy_version": version,
+                   "env_id": self.env_id, "observation": obs_wire, "info": info_json,
+                   "observation_space": self._obs_space_json, "action_space": self._act_space_json,
+                   "timestamp_ms": int(time.time() * 1000)}
+            self._send(eid, encode_record("EpisodeStart", rec), _H_START, 1)
+        return eid
+
+    def log_step(self, episode_id: str, action: Any, reward: float, observation: Any,
+                 terminated: bool = False, truncated: bool = False, info: Mapping | None = None,
+                 extra_model_outputs: Mapping[str, Any] | None = None) -> None:
+        """Record one step: `action` taken, `reward` received, `observation` after it.
+
+        Values are stacked when the batch is sent (within `max_batch_delay_s`): don't mutate an
+        array after passing it in.
+        """
+        if self._unusable:
+            self._check_usable()
+        try:
+            r = float(reward)
+        except (TypeError, ValueError):
+            raise TypeError(f"reward must be a number, got {type(reward).__name__}") from None
+        if not math.isfinite(r):
+            raise ValueError(f"reward must be finite, got {r} (episode {episode_id})")
+        if self.validate_spaces:
+            self._validate(action, observation)
+        # cheap shape checks (the common single-leaf spaces inline, nested spaces flattened)
+        if getattr(observation, "shape", None) != self._obs_shape:
+            observation = self._obs.prepare(observation)
+        if not (self._act_scalar and type(action) is int) and getattr(action, "shape", None) != self._act_shape:
+            action = self._act.prepare(action)
+        info_json = dumps_info(info) if info else ""
+        with self._lock:
+            ep = self._episodes.get(episode_id)
+            if ep is None:
+                raise ValueError(f"episode {episode_id!r} is not open (never begun, already ended or aborted)")
+            if ep.dropping or self._buffered >= self.max_buffered_steps:
+                if not self._admit(ep):
+                    if terminated or truncated:
+                        self._end(ep)
+                    return
+            else:
+                self._buffered += 1
+            if ep.t == 0:
+                self._first_step_checks(ep, observation, action, extra_model_outputs)
+            steps = ep.steps
+            if not steps:
+                ep.first_buffered = time.monotonic()
+            steps.append((action, r, observation, info_json, extra_model_outputs))
+            ep.t += 1
+            if terminated or truncated:
+                self._emit(ep, bool(terminated), bool(truncated))
+                self._end(ep)
+            elif len(steps) >= self._batch_limit:
+                self._emit(ep, False, False)
+
+    def log_reward(self, episode_id: str, t: int, reward: float) -> None:
+        """Add a delayed `reward` to step `t` (0-based) of an episode, open or finished."""
+        self._check_usable()
+        r = float(reward)
+        if not math.isfinite(r):
+            raise ValueError(f"reward must be finite, got {r}")
+        t = int(t)
+        if t < 0:
+            raise ValueError(f"t must be >= 0, got {t}")
+        with self._lock:
+            ep = self._episodes.get(episode_id)
+            length = ep.t if ep is not None else self._finished.get(episode_id)
+            if length is not None and t >= length:
+                raise ValueError(f"episode {episode_id} has {length} steps; no step t={t}")
+            if ep is not None and t >= ep.t0 and not ep.dropping:
+                ep.reward_adds[t] = ep.reward_adds.get(t, 0.0) + r  # still buffered: no message needed
+                return
+            if not self._admit(None):
+                return
+            rec = {"episode_id": episode_id, "t": t, "reward": r, "timestamp_ms": int(time.time() * 1000)}
+            self._send(episode_id, encode_record("RewardDelta", rec), _H_REWARD, 1)
+
+    def abort_episode(self, episode_id: str, reason: str = "") -> None:
+        """End an open episode without a terminal step; the consumer finalizes it as truncated."""
+        self._check_usable()
+        with self._lock:
+            ep = self._episodes.get(episode_id)
+            if ep is None:
+                raise ValueError(f"episode {episode_id!r} is not open")
+            self._abort(ep, reason)
+
+    def flush(self, timeout: float | None = None) -> int:
+        """Send every buffered step and wait for delivery; returns messages still undelivered."""
+        with self._lock:
+            for ep in list(self._episodes.values()):
+                if ep.steps and not ep.dropping:
+                    self._emit(ep, False, False)
+        return self._producer.flush(-1 if timeout is None else timeout)
+
+    def close(self, timeout: float | None = None) -> int:
+        """Abort still-open episodes (reason "recorder-closed"), flush, stop. Idempotent."""
+        if self._closed or self._forked:
+            return 0
+        with self._lock:
+            for ep in list(self._episodes.values()):
+                self._abort(ep, "recorder-closed")
+        left = self.flush(timeout)
+        self._closed = self._unusable = True
+        self._stop.set()
+        self._poller.join(timeout=5)
+        self._producer.poll(0)
+        if left:
+            log.warning("recorder closed with %d messages undelivered", left)
+        return left
+
+    @property
+    def stats(self) -> RecorderStats:
+        with self._lock:
+            return RecorderStats(self._delivered + self._failed + self._buffered, self._delivered, self._failed, self._dropped, self._buffered,
+                                 self._episodes_begun, *self._msgs)
+
+    @property
+    def open_episodes(self) -> int:
+        return len(self._episodes)
+
+    def __enter__(self) -> "EpisodeRecorder":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- internals (called with the lock held unless said otherwise) ----------------------------
+
+    @staticmethod
+    def _check_version(v: Any) -> int:
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+            raise ValueError(f"policy_version must be a non-negative integer, got {v!r}")
+        return int(v)
+
+    def _check_usable(self) -> None:
+        if self._forked:
+            raise RecorderForkedError(
+                "this EpisodeRecorder was created before os.fork(); create a new recorder in the child process"
+            )
+        if self._closed:
+            raise RuntimeError("the recorder is closed")
+
+    def _validate(self, action: Any, observation: Any) -> None:
+        if not self.action_space.contains(action):
+            raise ValueError(f"action {action!r:.200} is not in {self.action_space}")
+        if not self.observation_space.contains(observation):
+            raise ValueError(f"observation {observation!r:.200} is not in {self.observation_space}")
+
+    def _first_step_checks(self, ep: _Episode, obs: Any, act: Any, extra: Mapping | None) -> None:
+        self._obs.check_dtypes(obs)
+        self._act.check_dtypes(act)
+        keys = frozenset(extra or ())
+        for k, v in (extra or {}).items():
+            if not isinstance(k, str):
+                raise TypeError(f"extra_model_outputs keys must be strings, got {k!r}")
+            if np.asarray(v).dtype.name not in ALLOWED_DTYPES:
+                raise TypeError(f"extra_model_outputs[{k!r}] has dtype {np.asarray(v).dtype}; use a numeric dtype")
+        ep.extra_keys = keys
+
+    def _admit(self, ep: _Episode | None) -> bool:
+        """Reserve room for one record, applying the overflow policy. False: the record is dropped."""
+        if ep is not None and ep.dropping:
+            self._count_drop()
+            return False
+        if self._buffered >= self.max_buffered_steps:
+            if self.on_overflow == "raise":
+                raise RecorderFullError(f"{self._buffered} records await delivery (max_buffered_steps="
+                                        f"{self.max_buffered_steps}); flush() or slow down")
+            if self.on_overflow == "drop":
+                self._count_drop()
+                if ep is not None:  # the rest of the episode goes too; what was sent ends as truncated
+                    self._abort_dropping(ep)
+                return False
+            self._emit_all_buffered()
+            while self._buffered >= self.max_buffered_steps:
+                self._space_freed.wait(0.1)
+        self._buffered += 1
+        return True
+
+    def _count_drop(self) -> None:
+        self._dropped += 1
+        now = time.monotonic()
+        if now - self._last_drop_log > 10:
+            self._last_drop_log = now
+            log.warning("recorder buffer full: %d records dropped so far (on_overflow='drop')", self._dropped)
+
+    def _emit_all_buffered(self) -> None:
+        for other in list(self._episodes.values()):
+            if other.steps and not other.dropping:
+                self._emit(other, False, False)
+
+    def _emit(self, ep: _Episode, terminated: bool, truncated: bool) -> None:
+        try:
+            value = self._encode_batch(ep, terminated, truncated)
+        except (ValueError, TypeError) as e:
+            # a step that passed the cheap checks can't be stacked (ragged values, dtype change):
+            # its batch is lost - count it as failed, close the episode, tell the caller
+            n = len(ep.steps)
+            self._buffered -= n
+            self._failed += n
+            ep.steps, ep.reward_adds = [], {}
+            self._abort(ep, "encode-error")
+            raise ValueError(f"episode {ep.id}: steps {ep.t0}..{ep.t - 1} could not be encoded and the "
+                             f"episode was aborted: {e}") from e
+        n = len(ep.steps)
+        if self._step_bytes is None:  # size batches of big observations under max_batch_bytes
+            self._step_bytes = max(1, len(value) // n)
+            self._batch_limit = max(1, min(self.max_batch_steps, self.max_batch_bytes // self._step_bytes))
+        self._send(ep.id, value, _H_STEPS, n)
+        ep.t0 = ep.t
+        ep.steps, ep.reward_adds = [], {}
+
+    def _encode_batch(self, ep: _Episode, terminated: bool, truncated: bool) -> bytes:
+        actions, rewards, observations, infos, extras = zip(*ep.steps)
+        n = len(rewards)
+        rewards = np.asarray(rewards, dtype=np.float64)
+        for t, add in ep.reward_adds.items():
+            rewards[t - ep.t0] += add
+        keys = ep.extra_keys
+        extra = {}
+        if keys:
+            for i, e in enumerate(extras):
+                if e is None or e.keys() != keys:
+                    raise ValueError(f"step {ep.t0 + i}: extra_model_outputs keys {sorted(e or ())} differ "
+                                     f"from the episode's first step {sorted(keys)}")
+            extra = {k: array_to_wire(np.asarray([e[k] for e in extras])) for k in keys}
+        elif any(e for e in extras):
+            raise ValueError("extra_model_outputs given on a later step but not on the episode's first step")
+        rec = {
+            "episode_id": ep.id,
+            "t0": ep.t0,
+            "actions": self._act.stack(actions),
+            "rewards": {"dtype": "float64", "shape": [n], "data": rewards.tobytes()},
+            "observations": self._obs.stack(observations),
+            "terminated": terminated,
+            "truncated": truncated,
+            "infos": list(infos) if any(infos) else None,
+            "extra_model_outputs": extra,
+            "timestamp_ms": int(time.time() * 1000),
+        }
+        return encode_record("StepBatch", rec)
+
+    def _abort(self, ep: _Episode, reason: str) -> None:
+        if ep.dropping:
+            self._episodes.pop(ep.id, None)
+            return
+        if ep.steps:
+            self._emit(ep, False, False)
+        self._buffered += 1  # aborts always get room: they are what makes partial data usable
+        rec = {"episode_id": ep.id, "reason": reason, "timestamp_ms": int(time.time() * 1000)}
+        self._send(ep.id, encode_record("EpisodeAbort", rec), _H_ABORT, 1)
+        self._end(ep)
+
+    def _abort_dropping(self, ep: _Episode) -> None:
+        """An episode hit the full buffer in drop mode: discard its unsent steps, close what was sent."""
+        ep.dropping = True
+        self._dropped += len(ep.steps)
+        self._buffered -= len(ep.steps)
+        ep.steps, ep.reward_adds = [], {}
+        self._buffered += 1
+        rec = {"episode_id": ep.id, "reason": "dropped", "timestamp_ms": int(time.time() * 1000)}
+        self._send(ep.id, encode_record("EpisodeAbort", rec), _H_ABORT, 1)
+
+    def _end(self, ep: _Episode) -> None:
+        self._episodes.pop(ep.id, None)
+        self._finished[ep.id] = ep.t
+        if len(self._finished) > 10_000:
+            for k in list(self._finished)[:5_000]:
+                del self._finished[k]
+
+    def _send(self, key: str, value: bytes, headers: list, records: int) -> None:
+        cb = partial(self._on_delivery, key, records)
+        while True:
+            try:
+                self._producer.produce(self.topic, value, key.encode(), headers=headers, on_delivery=cb)
+                break
+            except BufferError:  # librdkafka's own queue is full: wait for it (rare; our cap is lower)
+                self._lock.release()
+                try:
+                    self._producer.poll(0.05)
+                finally:
+                    self._lock.acquire()
+            except KafkaException as e:
+                self._buffered -= records
+                raise ValueError(f"message of {len(value)} bytes refused by the producer: {e}") from None
+        self._msgs[0] += 1
+
+    def _on_delivery(self, key: str, records: int, err: KafkaError | None, msg: Any) -> None:
+        # runs on the poller thread (or a flush() caller), never with the lock held by this thread
+        with self._lock:
+            self._buffered -= records
+            if err is None:
+                self._delivered += records
+                self._msgs[1] += 1
+            else:
+                self._failed += records
+                self._msgs[2] += 1
+            self._space_freed.notify_all()
+        if err is not None:
+            log.error("delivery failed for episode %s (%d records): %s", key, records, err)
+            if self.on_delivery_error is not None:
+                try:
+                    self.on_delivery_error(err, key, records)
+                except Exception:
+                    log.exception("on_delivery_error callback raised")
+
+    def _poll_loop(self) -> None:
+        next_linger = time.monotonic()
+        while not self._stop.is_set():
+            self._producer.poll(0.05)
+            now = time.monotonic()
+            if now >= next_linger:
+                next_linger = now + self.max_batch_delay_s / 2
+                deadline = now - self.max_batch_delay_s
+                with self._lock:
+                    for ep in list(self._episodes.values()):
+                        if ep.steps and not ep.dropping and ep.first_buffered <= deadline:
+                            try:
+                                self._emit(ep, False, False)
+                            except ValueError as e:
+                                log.error("%s", e)

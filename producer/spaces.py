@@ -1,0 +1,275 @@
+"""Gymnasium spaces as plain JSON data, and the flattening of space values into leaf arrays.
+
+Spaces travel inside events as JSON (never pickled) so that any consumer, in any language, can
+rebuild them. The form, documented in docs/FORMAT.md:
+
+    {"type": "Box", "shape": [4], "dtype": "float32", "low": [...], "high": [...]}
+    {"type": "Discrete", "n": 2, "start": 0, "dtype": "int64"}
+    {"type": "MultiDiscrete", "shape": [2], "nvec": [3, 4], "start": [0, 0], "dtype": "int64"}
+    {"type": "MultiBinary", "shape": [5], "dtype": "int8"}
+    {"type": "Dict", "spaces": [["key", {...}], ...]}        (order kept)
+    {"type": "Tuple", "spaces": [{...}, ...]}
+
+`low`, `high`, `nvec` and `start` are flat, row-major lists; infinities and NaN are the strings
+"inf", "-inf" and "nan" so the JSON stays standard.
+
+A value of a space flattens to its *leaves*: one numpy array per Box/Discrete/MultiDiscrete/
+MultiBinary inside it, depth first, Dict children in the space's key order. Events carry leaves
+stacked along a leading step axis.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from gymnasium import spaces as gs
+
+from producer.arrays import ALLOWED_DTYPES
+
+__all__ = [
+    "SpaceError",
+    "Leaf",
+    "space_to_json",
+    "space_from_json",
+    "dumps_space",
+    "loads_space",
+    "space_leaves",
+    "flatten_value",
+    "unflatten_leaves",
+]
+
+MAX_SPACE_DEPTH = 16
+MAX_SPACE_ELEMENTS = 1 << 24
+
+
+class SpaceError(ValueError):
+    """A space cannot be represented, or a JSON space description is invalid."""
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """One array-valued part of a space: its dtype and per-step shape."""
+
+    dtype: np.dtype
+    shape: tuple[int, ...]
+
+
+# ---------------------------------------------------------------------------------------------
+# space -> JSON
+
+
+def _num(x: float | int) -> float | int | str:
+    if isinstance(x, (float, np.floating)):
+        x = float(x)
+        if math.isnan(x):
+            return "nan"
+        if math.isinf(x):
+            return "inf" if x > 0 else "-inf"
+        return x
+    return int(x)
+
+
+def _flat(a: np.ndarray) -> list:
+    return [_num(v) for v in np.asarray(a).reshape(-1).tolist()]
+
+
+def _dtype_name(dtype: Any) -> str:
+    dt = np.dtype(dtype)
+    if dt.name not in ALLOWED_DTYPES:
+        raise SpaceError(f"space dtype {dt} is not allowed; use one of {sorted(ALLOWED_DTYPES)}")
+    return dt.name
+
+
+def space_to_json(space: gs.Space) -> dict:
+    """Describe a gymnasium space as JSON-compatible data (see module docstring)."""
+    if isinstance(space, gs.Box):
+        return {
+            "type": "Box",
+            "shape": list(space.shape),
+            "dtype": _dtype_name(space.dtype),
+            "low": _flat(space.low),
+            "high": _flat(space.high),
+        }
+    if isinstance(space, gs.Discrete):
+        return {"type": "Discrete", "n": int(space.n), "start": int(space.start),
+                "dtype": _dtype_name(space.dtype)}
+    if isinstance(space, gs.MultiDiscrete):
+        return {"type": "MultiDiscrete", "shape": list(space.shape), "nvec": _flat(space.nvec),
+                "start": _flat(space.start), "dtype": _dtype_name(space.dtype)}
+    if isinstance(space, gs.MultiBinary):
+        return {"type": "MultiBinary", "shape": list(space.shape), "dtype": _dtype_name(space.dtype)}
+    if isinstance(space, gs.Dict):
+        return {"type": "Dict", "spaces": [[str(k), space_to_json(v)] for k, v in space.spaces.items()]}
+    if isinstance(space, gs.Tuple):
+        return {"type": "Tuple", "spaces": [space_to_json(s) for s in space.spaces]}
+    raise SpaceError(
+        f"space type {type(space).__name__} is not supported; use Box, Discrete, MultiDiscrete, "
+        "MultiBinary, Dict or Tuple"
+    )
+
+
+def dumps_space(space: gs.Space) -> str:
+    return json.dumps(space_to_json(space), separators=(",", ":"), allow_nan=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# JSON -> space (input is untrusted: validate everything, execute nothing)
+
+
+def _unnum(v: Any, what: str) -> float:
+    if isinstance(v, bool):
+        raise SpaceError(f"{what}: boolean where a number is expected")
+    if isinstance(v, (int, float)):
+        return v
+    if v in ("inf", "-inf", "nan"):
+        return float(v)
+    raise SpaceError(f"{what}: expected a number or 'inf'/'-inf'/'nan', got {v!r}")
+
+
+def _shape(v: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(v, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in v):
+        raise SpaceError(f"{what}: shape must be a list of non-negative integers, got {v!r}")
+    if len(v) > 32 or math.prod(v) > MAX_SPACE_ELEMENTS:
+        raise SpaceError(f"{what}: shape {v} is too large")
+    return tuple(v)
+
+
+def _array(v: Any, shape: tuple[int, ...], dtype: Any, what: str) -> np.ndarray:
+    dtype = np.dtype(dtype)  # callers pass dtypes and scalar types (np.int64) alike
+    if not isinstance(v, list) or len(v) != math.prod(shape):
+        raise SpaceError(f"{what}: expected a flat list of {math.prod(shape)} values")
+    vals = [_unnum(x, what) for x in v]
+    try:
+        if dtype.kind in "iub":  # exact integers: no trip through float64
+            if not all(isinstance(x, int) for x in vals):
+                raise SpaceError(f"{what}: integer bounds expected")
+            return np.array(vals, dtype=dtype).reshape(shape)
+        return np.asarray(vals, dtype=np.float64).astype(dtype).reshape(shape)
+    except (ValueError, OverflowError) as e:
+        raise SpaceError(f"{what}: {e}") from None
+
+
+def _dtype(v: Any, what: str) -> np.dtype:
+    if not isinstance(v, str) or v not in ALLOWED_DTYPES:
+        raise SpaceError(f"{what}: dtype {v!r} is not allowed")
+    return np.dtype(v)
+
+
+def space_from_json(d: Any, _depth: int = 0) -> gs.Space:
+    """Rebuild a gymnasium space from its JSON description; raises `SpaceError` on bad input."""
+    if _depth > MAX_SPACE_DEPTH:
+        raise SpaceError("space nesting is too deep")
+    if not isinstance(d, dict) or not isinstance(d.get("type"), str):
+        raise SpaceError(f"a space must be an object with a 'type', got {type(d).__name__}")
+    kind = d["type"]
+    try:
+        if kind == "Box":
+            shape = _shape(d.get("shape"), "Box")
+            dtype = _dtype(d.get("dtype"), "Box")
+            low = _array(d.get("low"), shape, dtype, "Box.low")
+            high = _array(d.get("high"), shape, dtype, "Box.high")
+            return gs.Box(low=low, high=high, shape=shape, dtype=dtype)
+        if kind == "Discrete":
+            n, start = d.get("n"), d.get("start", 0)
+            if not isinstance(n, int) or isinstance(n, bool) or n <= 0 or not isinstance(start, int):
+                raise SpaceError("Discrete: n must be a positive integer and start an integer")
+            return gs.Discrete(n, start=start, dtype=_dtype(d.get("dtype", "int64"), "Discrete"))
+        if kind == "MultiDiscrete":
+            shape = _shape(d.get("shape"), "MultiDiscrete")
+            dtype = _dtype(d.get("dtype", "int64"), "MultiDiscrete")
+            nvec = _array(d.get("nvec"), shape, np.int64, "MultiDiscrete.nvec")
+            start = _array(d.get("start", [0] * math.prod(shape)), shape, np.int64, "MultiDiscrete.start")
+            return gs.MultiDiscrete(nvec, dtype=dtype, start=start)
+        if kind == "MultiBinary":
+            shape = _shape(d.get("shape"), "MultiBinary")
+            return gs.MultiBinary(list(shape) if len(shape) != 1 else shape[0])
+        if kind == "Dict":
+            items = d.get("spaces")
+            if not isinstance(items, list) or not all(
+                isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) for p in items
+            ):
+                raise SpaceError("Dict: 'spaces' must be a list of [key, space] pairs")
+            keys = [k for k, _ in items]
+            if len(set(keys)) != len(keys):
+                raise SpaceError("Dict: duplicate keys")
+            children = {k: space_from_json(v, _depth + 1) for k, v in items}
+            space = gs.Dict(children)
+            if list(space.spaces) != keys:  # gymnasium sorts plain dicts: keep the sender's order
+                space.spaces = dict((k, children[k]) for k in keys)
+            return space
+        if kind == "Tuple":
+            items = d.get("spaces")
+            if not isinstance(items, list):
+                raise SpaceError("Tuple: 'spaces' must be a list")
+            return gs.Tuple([space_from_json(v, _depth + 1) for v in items])
+    except SpaceError:
+        raise
+    except (ValueError, TypeError, AssertionError, OverflowError) as e:
+        raise SpaceError(f"{kind}: {e}") from None
+    raise SpaceError(f"unknown space type {kind!r}")
+
+
+def loads_space(text: str | bytes) -> gs.Space:
+    try:
+        d = json.loads(text)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: "[[[[..." bombs
+        raise SpaceError(f"space is not valid JSON: {e}") from None
+    return space_from_json(d)
+
+
+# ---------------------------------------------------------------------------------------------
+# values <-> leaves
+
+
+def space_leaves(space: gs.Space) -> list[Leaf]:
+    """The leaves of `space`, in flattening order."""
+    if isinstance(space, gs.Dict):
+        return [leaf for s in space.spaces.values() for leaf in space_leaves(s)]
+    if isinstance(space, gs.Tuple):
+        return [leaf for s in space.spaces for leaf in space_leaves(s)]
+    if isinstance(space, (gs.Box, gs.Discrete, gs.MultiDiscrete, gs.MultiBinary)):
+        return [Leaf(np.dtype(space.dtype), tuple(space.shape))]
+    raise SpaceError(f"space type {type(space).__name__} is not supported")
+
+
+def flatten_value(space: gs.Space, value: Any, out: list | None = None) -> list:
+    """Append the leaves of `value` (a value of `space`) to `out` and return it.
+
+    Leaves are returned as given (scalars, lists or arrays); stacking casts them to the leaf dtype.
+    """
+    if out is None:
+        out = []
+    if isinstance(space, gs.Dict):
+        if not isinstance(value, dict):
+            raise TypeError(f"expected a dict for a Dict space, got {type(value).__name__}")
+        for k, s in space.spaces.items():
+            if k not in value:
+                raise ValueError(f"missing key {k!r} for a Dict space")
+            flatten_value(s, value[k], out)
+        if len(value) != len(space.spaces):
+            extra = set(value) - set(space.spaces)
+            raise ValueError(f"unexpected keys {sorted(map(str, extra))} for a Dict space")
+    elif isinstance(space, gs.Tuple):
+        if not isinstance(value, (tuple, list)) or len(value) != len(space.spaces):
+            raise TypeError(f"expected a tuple of {len(space.spaces)} for a Tuple space")
+        for s, v in zip(space.spaces, value):
+            flatten_value(s, v, out)
+    else:
+        out.append(value)
+    return out
+
+
+def unflatten_leaves(space: gs.Space, leaves: list, _pos: list | None = None) -> Any:
+    """Inverse of `flatten_value`: rebuild a (possibly nested) value from its leaves."""
+    pos = _pos if _pos is not None else [0]
+    if isinstance(space, gs.Dict):
+        return {k: unflatten_leaves(s, leaves, pos) for k, s in space.spaces.items()}
+    if isinstance(space, gs.Tuple):
+        return tuple(unflatten_leaves(s, leaves, pos) for s in space.spaces)
+    v = leaves[pos[0]]
+    pos[0] += 1
+    return v

@@ -1,0 +1,7 @@
+"""``python -m rlrec`` == ``rlrec``."""
+
+import sys
+
+from rlrec.cli import main
+
+sys.exit(main())

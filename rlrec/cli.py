@@ -1,0 +1,105 @@
+"""``rlrec`` command line.
+
+Each subcommand lives in a *command module* exposing::
+
+    def register(subparsers: argparse._SubParsersAction) -> None:
+        p = subparsers.add_parser("name", help="...")
+        p.add_argument(...)
+        p.set_defaults(func=_run)      # _run(args) -> int | None (exit code)
+
+Command modules are imported every time ``rlrec`` runs, so at module level they
+may import only the standard library: import heavy things (ray, torch, pyarrow,
+confluent_kafka, ...) inside the handler.  ``rlrec --help`` must stay fast and
+must never import ray.
+
+Modules are found in two ways: the names in :data:`COMMAND_MODULES` (a name
+whose module does not exist yet is skipped silently), then every other module in
+the ``rlrec.commands`` package.  To add a command, drop a file into
+``rlrec/commands/``; no change here is needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+from collections.abc import Sequence
+
+#: Command modules, in help order.  Missing ones are skipped.
+COMMAND_MODULES: list[str] = [
+    "rlrec.commands.broker",
+    "rlrec.commands.topics",
+    "rlrec.commands.demo",
+    "rlrec.commands.record_demo",
+    "rlrec.commands.consume",
+    "rlrec.commands.train",
+    "rlrec.commands.bench",
+]
+
+
+def _discovered() -> list[str]:
+    try:
+        import rlrec.commands as pkg
+    except ImportError:
+        return []
+    return sorted(
+        f"{pkg.__name__}.{m.name}"
+        for m in pkgutil.iter_modules(pkg.__path__)
+        if not m.name.startswith("_")
+    )
+
+
+def _load(name: str):
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        # The module itself (or its package) does not exist (yet): skip quietly.
+        if e.name is not None and (name == e.name or name.startswith(e.name + ".")):
+            return None
+        print(f"rlrec: warning: command module {name} failed to import: {e!r}", file=sys.stderr)
+        return None
+    except Exception as e:  # a broken command must not take the others down
+        print(f"rlrec: warning: command module {name} failed to import: {e!r}", file=sys.stderr)
+        return None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rlrec",
+        description="Event-sourced recorder of RL experience: Kafka transitions -> "
+        "RLlib episode shards -> trainer.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    seen: set[str] = set()
+    for name in [*COMMAND_MODULES, *_discovered()]:
+        if name in seen:
+            continue
+        seen.add(name)
+        mod = _load(name)
+        register = getattr(mod, "register", None) if mod is not None else None
+        if register is None:
+            continue
+        try:
+            register(subparsers)
+        except Exception as e:  # e.g. two modules registering the same name
+            print(f"rlrec: warning: command module {name} failed to register: {e!r}", file=sys.stderr)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func = getattr(args, "func", None)
+    if func is None:
+        parser.print_help()
+        return 2
+    try:
+        rc = func(args)
+    except KeyboardInterrupt:
+        return 130
+    return int(rc or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""``rlrec broker``: run a local Tansu broker (and, with s3 storage, a local S3) in the foreground."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "broker",
+        help="run a local Kafka-protocol broker (Tansu) until SIGINT/SIGTERM",
+        description="Run a local Tansu broker on 127.0.0.1 in the foreground. Prints "
+        "'bootstrap_servers=127.0.0.1:PORT' as the first line on stdout (then other "
+        "key=value lines) and runs until SIGINT or SIGTERM. With --storage s3 the "
+        "broker keeps its data in a local S3 server (moto) run by this process, so "
+        "it survives broker restarts but not the end of this command.",
+    )
+    p.add_argument("--port", type=int, default=None, help="listen port (default: a free one)")
+    p.add_argument(
+        "--storage",
+        choices=["memory", "s3"],
+        default="memory",
+        help="memory (default) or s3 (a local moto S3 in this process)",
+    )
+    p.add_argument("--log-path", default=None, help="broker log file (default: a temp file)")
+    p.add_argument(
+        "--startup-timeout", type=float, default=20.0, help="seconds to wait for the broker (default 20)"
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import signal
+    import sys
+    import threading
+
+    from rlrec.local import BrokerStartError, LocalBroker
+
+    stop = threading.Event()
+    received: list[int] = []
+
+    def _on_signal(signum, _frame):
+        received.append(signum)
+        stop.set()
+
+    previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    broker = LocalBroker(
+        args.storage,
+        port=args.port,
+        log_path=args.log_path,
+        startup_timeout=args.startup_timeout,
+    )
+    try:
+        try:
+            broker.start()
+        except BrokerStartError as e:
+            print(f"rlrec broker: {e}", file=sys.stderr)
+            return 1
+        print(f"bootstrap_servers={broker.bootstrap_servers}")
+        if broker.s3 is not None:
+            print(f"s3_endpoint_url={broker.s3.endpoint_url}")
+            print(f"s3_bucket={broker.bucket}")
+        print(f"log_path={broker.log_path}")
+        sys.stdout.flush()
+        print(f"rlrec broker: ready ({broker.storage_url}); stop with Ctrl-C or SIGTERM", file=sys.stderr)
+        while not stop.wait(0.5):
+            if not broker.running:
+                print(
+                    f"rlrec broker: the broker exited unexpectedly; last log lines:\n{broker.log_tail()}",
+                    file=sys.stderr,
+                )
+                return 1
+        print(f"rlrec broker: signal {received[0]} received, stopping", file=sys.stderr)
+        return 0
+    finally:
+        broker.stop()
+        for s, h in previous.items():
+            signal.signal(s, h)

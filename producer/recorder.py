@@ -266,17 +266,25 @@ class EpisodeRecorder:
         with self._lock:
             if eid in self._episodes:
                 raise ValueError(f"episode {eid} is already open")
-            ep = _Episode(eid, version)
-            self._episodes_begun += 1
-            self._episodes[eid] = ep
+            # admit first: if that raises (RecorderFullError) or the producer refuses the message,
+            # no half-registered episode is left open
             if not self._admit(None):
+                ep = _Episode(eid, version)
                 ep.dropping = True  # nothing of it is sent
+                self._episodes_begun += 1
+                self._episodes[eid] = ep
                 return eid
+            if eid in self._episodes:  # opened by another thread while this one waited for room
+                self._buffered -= 1
+                self._space_freed.notify_all()
+                raise ValueError(f"episode {eid} is already open")
             rec = {"episode_id": eid, "policy_id": self.policy_id, "policy_version": version,
                    "env_id": self.env_id, "observation": obs_wire, "info": info_json,
                    "observation_space": self._obs_space_json, "action_space": self._act_space_json,
                    "timestamp_ms": int(time.time() * 1000)}
             self._send(eid, encode_record("EpisodeStart", rec), _H_START, 1)
+            self._episodes_begun += 1
+            self._episodes[eid] = _Episode(eid, version)
         return eid
 
     def log_step(self, episode_id: str, action: Any, reward: float, observation: Any,
@@ -307,6 +315,8 @@ class EpisodeRecorder:
             ep = self._episodes.get(episode_id)
             if ep is None:
                 raise ValueError(f"episode {episode_id!r} is not open (never begun, already ended or aborted)")
+            if ep.t == 0 and not ep.dropping:  # before counting the record: these checks may raise
+                self._first_step_checks(ep, observation, action, extra_model_outputs)
             if ep.dropping or self._buffered >= self.max_buffered_steps:
                 if not self._admit(ep):
                     if terminated or truncated:
@@ -314,8 +324,6 @@ class EpisodeRecorder:
                     return
             else:
                 self._buffered += 1
-            if ep.t == 0:
-                self._first_step_checks(ep, observation, action, extra_model_outputs)
             steps = ep.steps
             if not steps:
                 ep.first_buffered = time.monotonic()
@@ -360,6 +368,8 @@ class EpisodeRecorder:
 
     def flush(self, timeout: float | None = None) -> int:
         """Send every buffered step and wait for delivery; returns messages still undelivered."""
+        if self._forked:  # librdkafka's handle is unusable after fork(): flush(-1) would never return
+            self._check_usable()
         with self._lock:
             for ep in list(self._episodes.values()):
                 if ep.steps and not ep.dropping:
@@ -367,19 +377,33 @@ class EpisodeRecorder:
         return self._producer.flush(-1 if timeout is None else timeout)
 
     def close(self, timeout: float | None = None) -> int:
-        """Abort still-open episodes (reason "recorder-closed"), flush, stop. Idempotent."""
+        """Abort still-open episodes (reason "recorder-closed"), flush, stop. Idempotent.
+
+        Returns the number of messages still undelivered when `timeout` expired; those are purged
+        from librdkafka's queues and counted as failed (their records reach `on_delivery_error`).
+        """
         if self._closed or self._forked:
             return 0
         with self._lock:
             for ep in list(self._episodes.values()):
-                self._abort(ep, "recorder-closed")
+                try:
+                    self._abort(ep, "recorder-closed")
+                except ValueError as e:  # its last batch was refused: counted failed, episode aborted
+                    log.error("%s", e)
         left = self.flush(timeout)
         self._closed = self._unusable = True
         self._stop.set()
         self._poller.join(timeout=5)
-        self._producer.poll(0)
         if left:
-            log.warning("recorder closed with %d messages undelivered", left)
+            # Nobody polls a closed recorder: without this, undelivered messages would stay
+            # "buffered" forever, and librdkafka's references to their delivery callbacks would
+            # keep this recorder and its Producer (threads, connections) alive for good.
+            log.warning("recorder closed with %d messages undelivered: purged, counted as failed", left)
+            try:
+                self._producer.purge()
+            except (KafkaException, RuntimeError) as e:
+                log.error("could not purge undelivered messages: %s", e)
+        self._producer.poll(0)  # serve the remaining delivery callbacks (purged ones fail)
         return left
 
     @property
@@ -480,7 +504,16 @@ class EpisodeRecorder:
         if self._step_bytes is None:  # size batches of big observations under max_batch_bytes
             self._step_bytes = max(1, len(value) // n)
             self._batch_limit = max(1, min(self.max_batch_steps, self.max_batch_bytes // self._step_bytes))
-        self._send(ep.id, value, _H_STEPS, n)
+        try:
+            self._send(ep.id, value, _H_STEPS, n)
+        except ValueError as e:
+            # refused by librdkafka (e.g. larger than message.max.bytes): `_send` took the n records
+            # off `buffered`; they are failed, and the episode is aborted as for an encode error
+            self._failed += n
+            ep.steps, ep.reward_adds = [], {}
+            self._abort(ep, "produce-error")
+            raise ValueError(f"episode {ep.id}: steps {ep.t0}..{ep.t - 1} could not be sent and the "
+                             f"episode was aborted: {e}") from e
         ep.t0 = ep.t
         ep.steps, ep.reward_adds = [], {}
 

@@ -1,0 +1,1 @@
+"""rlrec consumer: episode assembly, shard writing, manifest."""

@@ -1,0 +1,78 @@
+"""The hand-off between episode assembly (events -> episode) and shard writing.
+
+The assembly code (the Kafka loop) fills a `FinishedEpisode` from decoded events; the shard
+writer (`consumer.shards.encode_shard`) and `consumer.episodes.to_single_agent_episode` read it.
+Arrays hold *leaves* (see `producer.spaces.space_leaves`): one numpy array per
+Box/Discrete/MultiDiscrete/MultiBinary part of a space, depth first, stacked along a leading
+step axis. Nothing here imports Ray.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import gymnasium as gym
+import numpy as np
+
+__all__ = ["FinishedEpisode"]
+
+# Rough fixed cost of one episode's Python objects (dataclass, lists, dict, strings).
+_OVERHEAD_BYTES = 512
+
+
+@dataclass
+class FinishedEpisode:
+    """A complete episode assembled from events, ready to be written."""
+
+    episode_id: str
+    policy_id: str
+    policy_version: int
+    env_id: str
+    observation_space: gym.Space
+    action_space: gym.Space
+    observations: list[np.ndarray]   # leaves (producer.spaces.space_leaves order), each stacked (T+1, *leaf_shape)
+    actions: list[np.ndarray]        # leaves, each (T, *leaf_shape)
+    rewards: np.ndarray              # float64 (T,)
+    infos: list[dict]                # T+1 (infos[0] is the reset info)
+    extra_model_outputs: dict[str, np.ndarray]  # each (T, ...)
+    terminated: bool
+    truncated: bool
+    first_offset: int                # Kafka offset of the start event
+    last_offset: int                 # largest Kafka offset of any event applied to it
+    started_ms: int                  # producer wall clock of the start event
+    ended_ms: int                    # producer wall clock of the terminal step / abort
+    finished_at: float = 0.0         # consumer wall clock (time.time()) when it finished
+
+    @property
+    def length(self) -> int:
+        """T, the number of steps (actions/rewards); there are T+1 observations."""
+        return int(np.shape(self.rewards)[0])
+
+    @property
+    def episode_return(self) -> float:
+        """Undiscounted sum of the rewards (0.0 for an empty episode)."""
+        return float(np.sum(self.rewards, dtype=np.float64))
+
+    def nbytes(self) -> int:
+        """Approximate memory held: array bytes plus a small per-episode/per-info overhead.
+
+        Meant for memory accounting of buffered episodes, not exact: non-empty infos are
+        counted by `sys.getsizeof` of their top level plus their array values.
+        """
+        n = _OVERHEAD_BYTES + len(self.episode_id) + len(self.policy_id) + len(self.env_id)
+        for a in self.observations:
+            n += a.nbytes
+        for a in self.actions:
+            n += a.nbytes
+        n += np.asarray(self.rewards).nbytes
+        for v in self.extra_model_outputs.values():
+            n += np.asarray(v).nbytes
+        n += 8 * len(self.infos)  # list slots
+        for info in self.infos:
+            if info:
+                n += sys.getsizeof(info)
+                for v in info.values():
+                    if isinstance(v, np.ndarray):
+                        n += v.nbytes
+        return n

@@ -1,0 +1,267 @@
+"""Maintenance of an output root: garbage collection, inspection, verification.
+
+* :func:`gc` -- delete shard files no manifest entry references (crashed or
+  fenced writers' staging files, staging copies left after publishing,
+  interrupted temp files), once they are older than a grace period.  Never
+  touches ``_manifest/``.
+* :func:`inspect` -- the manifest as a JSON-able document (``rlrec inspect``).
+* :func:`verify` -- check committed shards against the files: missing, size,
+  sha256, duplicate episode ids, log anomalies, optional decode check.
+* :func:`episode_summary` -- episode length/return statistics from the
+  ``length`` / ``episode_return`` columns of the shards, when they have them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from consumer.manifest import (
+    ClaimEntry,
+    ShardEntry,
+    manifest_totals,
+    read_manifest,
+    read_partition_logs,
+)
+from consumer.storage import FileInfo, Storage
+
+__all__ = ["STAGING_DIR", "DecodeCheck", "episode_summary", "gc", "inspect", "verify"]
+
+log = logging.getLogger("rlrec.maintenance")
+
+STAGING_DIR = "_staging"
+
+#: ``decode_check(data, entry) -> (episodes, steps)``: decode a shard's bytes; may
+#: return None for "cannot check this one" (e.g. a format it does not know).
+DecodeCheck = Callable[[bytes, ShardEntry], "tuple[int, int] | None"]
+
+
+def _parent(path: str) -> str:
+    return path.rsplit("/", 1)[0] if "/" in path else ""
+
+
+def _is_temp(name: str) -> bool:
+    return name.startswith(".") and ".tmp-" in name
+
+
+def _candidate_files(storage: Storage) -> tuple[dict[str, list[FileInfo]], set[str]]:
+    """Files directly in each top-level dir (not ``_*``/``.*``) and in its ``_staging/``.
+
+    Returns ({policy_dir: [files]}, {dirs that have a _staging subdir}).
+    """
+    files: dict[str, list[FileInfo]] = {}
+    with_staging: set[str] = set()
+    for top in storage.list(""):
+        if not top.is_dir or top.name.startswith(("_", ".")):
+            continue
+        entries = storage.list(top.path)
+        files[top.path] = [f for f in entries if not f.is_dir]
+        if any(f.is_dir and f.name == STAGING_DIR for f in entries):
+            with_staging.add(top.path)
+            files[top.path] += [f for f in storage.list(f"{top.path}/{STAGING_DIR}") if not f.is_dir]
+    return files, with_staging
+
+
+def gc(
+    storage: Storage,
+    older_than_s: float,
+    dry_run: bool = False,
+    *,
+    now: float | None = None,
+) -> list[str]:
+    """Delete unreferenced shard files older than *older_than_s* seconds.
+
+    Considered: files directly inside a *policy dir* and inside its ``_staging/``
+    (a policy dir is a top-level directory that some manifest entry names as
+    ``policy_id`` or that has a ``_staging/`` subdirectory; other directories,
+    nested directories and ``_manifest/`` are never touched).  Of these, the
+    published ``*.parquet`` files, everything in ``_staging/`` and interrupted
+    temp files (``.NAME.tmp-*``) are garbage unless a committed entry references
+    them: its ``path``, or its ``staging_path`` while the published file does
+    not exist yet (roll-forward still needs it).
+
+    Files are listed *before* the manifest is read, so a shard committed while
+    gc runs is seen as referenced.  The grace period must exceed the longest
+    time a writer may take from writing a staging file to appending its entry
+    and publishing (plus clock skew between this host and the storage, whose
+    mtimes are used).
+
+    Returns the deleted (with *dry_run*: deletable) paths relative to the root.
+    """
+    if older_than_s < 0:
+        raise ValueError("older_than_s must be >= 0")
+    files, with_staging = _candidate_files(storage)  # 1. list files
+    entries = read_manifest(storage)                  # 2. then read the manifest
+    now = time.time() if now is None else now
+    policy_dirs = {e.policy_id for e in entries} | with_staging
+    present = {f.path for fs in files.values() for f in fs}
+    keep: set[str] = set()
+    for e in entries:
+        keep.add(e.path)
+        if e.path not in present:
+            keep.add(e.staging_path)
+    garbage: list[str] = []
+    for d, infos in files.items():
+        if d not in policy_dirs:
+            continue
+        for f in infos:
+            in_staging = _parent(f.path) == f"{d}/{STAGING_DIR}"
+            if not (in_staging or f.name.endswith(".parquet") or _is_temp(f.name)):
+                continue
+            if f.path in keep or f.mtime is None:
+                continue
+            if now - f.mtime < older_than_s:
+                continue
+            garbage.append(f.path)
+    garbage.sort()
+    if not dry_run:
+        for p in garbage:
+            storage.delete(p)
+            log.info("gc: deleted %s", storage.uri(p))
+    return garbage
+
+
+def inspect(storage: Storage) -> dict[str, Any]:
+    """``{"shards": [...], "totals": {...}}`` for ``rlrec inspect``.
+
+    Each shard: path (a URI/absolute path pyarrow can open), topic, partition,
+    first_offset, last_offset, episodes, steps, bytes, policy_id, commit_time.
+    """
+    entries = read_manifest(storage)
+    shards = [
+        {
+            "path": storage.uri(e.path),
+            "topic": e.topic,
+            "partition": e.partition,
+            "first_offset": e.first_offset,
+            "last_offset": e.last_offset,
+            "episodes": e.episodes,
+            "steps": e.steps,
+            "bytes": e.bytes,
+            "policy_id": e.policy_id,
+            "commit_time": e.commit_time,
+        }
+        for e in entries
+    ]
+    return {"shards": shards, "totals": manifest_totals(entries)}
+
+
+def verify(storage: Storage, decode_check: DecodeCheck | None = None) -> list[str]:
+    """Problems found (empty list: all good).
+
+    Checks every committed shard: the published file exists (a shard that is
+    only staged, awaiting roll-forward, is checked in its staging file), its
+    size and sha256 match the entry, no episode id is committed twice, each
+    partition log has no gaps and no shard entry follows a newer epoch's claim
+    (impossible with conditional writes; a sign of unfenced zombies otherwise).
+    With *decode_check* (``(data, entry) -> (episodes, steps) | None``) the
+    decoded counts are compared with the entry too (None: not checked).
+    """
+    problems: list[str] = []
+    logs = read_partition_logs(storage)
+    entries: list[ShardEntry] = []
+    for (topic, partition), log_entries in sorted(logs.items()):
+        seqs = [e.seq for e in log_entries]
+        if seqs != list(range(len(seqs))):
+            problems.append(f"manifest log {topic}/{partition:05d} has gaps (seqs {seqs[:5]}...)")
+        max_claim = 0
+        for e in log_entries:
+            if isinstance(e, ClaimEntry):
+                if e.epoch <= max_claim:
+                    problems.append(f"{topic}/{partition:05d} seq {e.seq}: claim epoch {e.epoch} "
+                                    f"not above earlier claim {max_claim}")
+                max_claim = max(max_claim, e.epoch)
+            else:
+                if e.epoch < max_claim:
+                    problems.append(f"{topic}/{partition:05d} seq {e.seq}: shard of epoch {e.epoch} "
+                                    f"committed after claim of epoch {max_claim} (unfenced zombie)")
+                entries.append(e)
+
+    seen_ids: dict[str, str] = {}
+    for e in sorted(entries, key=lambda e: (e.commit_time, e.topic, e.partition, e.seq)):
+        where = f"{e.topic}/{e.partition:05d} seq {e.seq} ({e.path})"
+        for eid in e.episode_ids:
+            first = seen_ids.setdefault(eid, where)
+            if first != where:
+                problems.append(f"duplicate episode id {eid!r}: in {first} and {where}")
+
+        path = e.path
+        info = storage.info(path)
+        if info is None:
+            info = storage.info(e.staging_path)
+            if info is None:
+                problems.append(f"{where}: published file missing (and staging file missing)")
+                continue
+            path = e.staging_path
+            log.info("%s: not published yet; checking staging file", where)
+        if info.size is not None and info.size != e.bytes:
+            problems.append(f"{where}: size {info.size} != {e.bytes} in manifest")
+            continue
+        try:
+            data = storage.read(path)
+        except FileNotFoundError:
+            problems.append(f"{where}: file vanished while verifying")
+            continue
+        digest = hashlib.sha256(data).hexdigest()
+        if digest != e.sha256:
+            problems.append(f"{where}: sha256 {digest[:16]}... != {e.sha256[:16]}... in manifest")
+            continue
+        if decode_check is not None:
+            try:
+                counts = decode_check(data, e)
+            except Exception as err:  # a broken shard must not stop the others
+                problems.append(f"{where}: cannot decode: {type(err).__name__}: {err}")
+                continue
+            if counts is None:
+                continue
+            episodes, steps = counts
+            if (episodes, steps) != (e.episodes, e.steps):
+                problems.append(f"{where}: decoded {episodes} episodes/{steps} steps, manifest says "
+                                f"{e.episodes}/{e.steps}")
+    return problems
+
+
+def episode_summary(storage: Storage, entries: Iterable[ShardEntry] | None = None) -> dict[str, Any] | None:
+    """count/mean/min/max of the ``length`` and ``episode_return`` columns over the
+    published shards that have them (only those two columns are read).
+
+    Returns None if no shard has either column.
+    """
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    if entries is None:
+        entries = read_manifest(storage)
+    cols = ("length", "episode_return")
+    acc: dict[str, dict[str, float]] = {}
+    for e in entries:
+        try:
+            with storage.filesystem.open_input_file(storage.full_path(e.path)) as f:
+                pf = pq.ParquetFile(f)
+                present = [c for c in cols if c in pf.schema_arrow.names]
+                if not present:
+                    continue
+                table = pf.read(columns=present)
+        except Exception as err:  # missing file, not Parquet, ...: skip, verify reports
+            log.debug("episode summary: skipping %s: %s", e.path, err)
+            continue
+        for c in present:
+            arr = table.column(c).drop_null()
+            if len(arr) == 0:
+                continue
+            a = acc.setdefault(c, {"count": 0, "sum": 0.0, "min": float("inf"), "max": float("-inf")})
+            mm = pc.min_max(arr)
+            a["count"] += len(arr)
+            a["sum"] += float(pc.sum(arr).as_py())
+            a["min"] = min(a["min"], float(mm["min"].as_py()))
+            a["max"] = max(a["max"], float(mm["max"].as_py()))
+    if not acc:
+        return None
+    return {
+        c: {"count": int(a["count"]), "mean": a["sum"] / a["count"], "min": a["min"], "max": a["max"]}
+        for c, a in acc.items()
+    }
+

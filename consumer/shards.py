@@ -1,0 +1,421 @@
+"""Shard encoding: finished episodes -> one complete Parquet file (bytes) that stock RLlib reads.
+
+Two formats, chosen per shard (`encode_shard(..., fmt=...)`):
+
+``fmt="episodes"`` (RLlib's ``output_write_episodes=True`` / ``input_read_episodes=True``)
+    One row per episode. Column ``item`` (binary) holds the packed numpy-form
+    `SingleAgentEpisode` (`consumer.episodes.pack_episode`, byte-for-byte RLlib's own
+    encoding), followed by metadata columns for projection/filter pushdown:
+    ``episode_id``, ``policy_id``, ``env_id`` (string), ``policy_version``, ``length``,
+    ``first_offset``, ``last_offset``, ``started_ms``, ``ended_ms`` (int64),
+    ``episode_return`` (float64), ``terminated``, ``truncated`` (bool).
+    One row group per `episodes_per_row_group` episodes.
+
+    Stock RLlib 2.60 reads a directory (or list of files) of these with::
+
+        BCConfig().environment(observation_space=..., action_space=...)
+            .offline_data(input_=[dir], input_read_episodes=True,
+                          map_batches_kwargs={"concurrency": 1})   # on 2 CPUs, else it hangs
+
+    The PreLearner only reads ``batch["item"]``; the metadata columns are carried along and
+    ignored (drop them with ``input_read_method_kwargs={"columns": ["item"]}`` if you like).
+    WARNING: RLlib's own decoder (`msgpack_numpy.decode` + `SingleAgentEpisode.from_state`)
+    unpickles object arrays and space bounds, so anyone who can write into the input
+    directory can run code in the trainer. Our readers use `read_episodes` (safe).
+
+``fmt="tabular"`` (RLlib's ``output_write_episodes=False`` / ``input_read_episodes=False``)
+    One row per step with RLlib's column names: ``eps_id`` (string), ``agent_id`` and
+    ``module_id`` (null), ``obs``, ``actions``, ``rewards`` (float64), ``new_obs``,
+    ``terminateds``, ``truncateds`` (bool, True only on an episode's last row), ``t`` (int64,
+    step index), ``infos`` (JSON string of the info returned with ``new_obs``, null when empty;
+    the column exists only when some info is non-empty; the reset info has no row and is
+    dropped), one column per extra model output (e.g. ``action_logp``,
+    ``action_dist_inputs``), and ``policy_version`` (int64).
+
+    Arrays are numeric Arrow arrays, never pickled: a scalar leaf is a plain column, a 1-D leaf
+    a ``fixed_size_list<dtype>[n]``, a k-D leaf nested fixed-size lists (``multidim="nested"``,
+    the default) or Arrow's canonical ``arrow.fixed_shape_tensor`` extension
+    (``multidim="tensor"``); Dict/Tuple spaces are struct columns of their leaves (Tuple fields
+    are named "0", "1", ...). pandas, polars and `ray.data.read_parquet` read them as numbers.
+
+    What stock RLlib 2.60 needs to read them (`OfflinePreLearner._map_to_episodes`):
+
+    * ``input_read_episodes=False`` (the default).
+    * ``input_compress_columns=[]``. The default is ``["obs", "new_obs"]``, which makes RLlib
+      call `unpack_if_needed` on every obs/new_obs value. That only unpacks values that are
+      ``str``/``bytes`` (base64 -> LZ4 -> ``pickle.loads``), so our numeric columns also pass
+      through the default untouched and training works either way (tested); ``[]``
+      guarantees nothing in the data is ever unpickled and is the value to use.
+    * Each row becomes a one-step episode (no trajectories), built in list form.
+    * Every column that is neither a key nor a value of RLlib's ``SCHEMA`` (eps_id, agent_id,
+      module_id, obs, actions, rewards, infos, new_obs, terminateds, truncateds, t, ...) is put
+      into the episode's ``extra_model_outputs``: here ``policy_version`` and the extra model
+      outputs. ``infos`` becomes the episode's second info (a JSON string or None, not a
+      dict); BC uses neither. ``input_read_method_kwargs={"columns": [...]}`` projects columns
+      away if an algorithm minds them.
+    * Ray Data hands a 1-D fixed-size-list column to the PreLearner as one numeric array per
+      row (fine), but a nested fixed-size list (k-D leaf, k >= 2) as an object array of object
+      arrays per row, not a numeric tensor. For a k-D Box observation use ``multidim="tensor"``:
+      Ray Data turns a top-level ``arrow.fixed_shape_tensor`` column into real ``(*shape)``
+      ndarrays. Inside a struct column (Dict/Tuple spaces) Ray Data flattens the tensor to 1-D,
+      so k-D leaves of Dict/Tuple spaces reach RLlib with the wrong shape either way: use
+      episode shards for those spaces. (Both checked in tests/test_shards.py; BC itself was only
+      trained on CartPole data. polars reads nested lists as its ``Array`` dtype with the full
+      shape and the tensor extension as flat arrays; pandas gives arrays of arrays for nested
+      lists and flat arrays for the tensor extension.)
+    * Ray 2.60's ``read_parquet`` refuses ``filter=`` (the 2.40 docs' row-filter pushdown via
+      ``input_read_method_kwargs``); ``columns=`` still works.
+
+Every file carries schema metadata ``rlrec.format``, ``rlrec.schema_version``
+(`SHARD_FORMAT_VERSION`) and, when all its episodes share them, ``rlrec.observation_space`` /
+``rlrec.action_space`` (`producer.spaces` JSON).
+
+Episodes must be done (terminated or truncated), non-empty (T >= 1) and have distinct ids
+within a shard: RLlib's PreLearner rejects batches containing undone episodes (ValueError) and
+silently drops duplicate ids; an empty episode has no step to train on. `encode_shard` raises
+ValueError otherwise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from dataclasses import dataclass, field
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs  # noqa: F401 - pa.fs in signatures
+import pyarrow.parquet as pq
+
+from consumer.episodes import check_finished_episode, pack_episode, to_single_agent_episode, unpack_episode
+from consumer.finished import FinishedEpisode
+from producer.events import dumps_info
+from producer.spaces import dumps_space
+
+__all__ = [
+    "SHARD_FORMAT_VERSION",
+    "FORMATS",
+    "EPISODE_COLUMNS",
+    "TABULAR_BASE_COLUMNS",
+    "EncodedShard",
+    "encode_shard",
+    "episodes_table",
+    "tabular_table",
+    "read_episodes",
+    "read_tabular",
+    "shard_metadata",
+]
+
+SHARD_FORMAT_VERSION = 1
+FORMATS = ("episodes", "tabular")
+
+#: metadata columns of an episode shard, after `item`, with their Arrow types.
+EPISODE_COLUMNS: dict[str, pa.DataType] = {
+    "episode_id": pa.string(),
+    "policy_id": pa.string(),
+    "policy_version": pa.int64(),
+    "env_id": pa.string(),
+    "length": pa.int64(),
+    "episode_return": pa.float64(),
+    "terminated": pa.bool_(),
+    "truncated": pa.bool_(),
+    "first_offset": pa.int64(),
+    "last_offset": pa.int64(),
+    "started_ms": pa.int64(),
+    "ended_ms": pa.int64(),
+}
+
+#: fixed columns of a tabular shard (RLlib's names); extra model outputs and `infos` come too.
+TABULAR_BASE_COLUMNS = ("eps_id", "agent_id", "module_id", "obs", "actions", "rewards", "new_obs",
+                        "terminateds", "truncateds", "t", "policy_version")
+_RESERVED = frozenset(TABULAR_BASE_COLUMNS) | {"infos", "dones", "agent_index", "unroll_id", "type"}
+
+META_FORMAT = b"rlrec.format"
+META_VERSION = b"rlrec.schema_version"
+META_OBS_SPACE = b"rlrec.observation_space"
+META_ACT_SPACE = b"rlrec.action_space"
+
+
+@dataclass
+class EncodedShard:
+    """One encoded shard: a complete Parquet file and what it holds."""
+
+    data: bytes
+    episodes: int
+    steps: int
+    sha256: str
+    episode_ids: list[str] = field(default_factory=list)
+    fmt: str = "episodes"
+    schema_version: int = SHARD_FORMAT_VERSION
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data)
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+
+def _check_episodes(episodes: list[FinishedEpisode]) -> None:
+    if not episodes:
+        raise ValueError("a shard needs at least one episode")
+    seen: set[str] = set()
+    for fe in episodes:
+        if fe.episode_id in seen:
+            raise ValueError(f"episode {fe.episode_id} appears twice in one shard (RLlib would drop one silently)")
+        seen.add(fe.episode_id)
+        if not (fe.terminated or fe.truncated):
+            raise ValueError(f"episode {fe.episode_id} is neither terminated nor truncated (RLlib rejects it)")
+        if fe.length < 1:
+            raise ValueError(f"episode {fe.episode_id} has no steps (RLlib cannot sample from it)")
+        check_finished_episode(fe)
+
+
+def _common_space_json(spaces: list[gym.Space]) -> bytes | None:
+    texts = {dumps_space(s) for s in {id(s): s for s in spaces}.values()}
+    return texts.pop().encode() if len(texts) == 1 else None
+
+
+def _metadata(fmt: str, episodes: list[FinishedEpisode]) -> dict[bytes, bytes]:
+    meta = {META_FORMAT: fmt.encode(), META_VERSION: str(SHARD_FORMAT_VERSION).encode()}
+    for key, spaces in ((META_OBS_SPACE, [e.observation_space for e in episodes]),
+                        (META_ACT_SPACE, [e.action_space for e in episodes])):
+        text = _common_space_json(spaces)
+        if text is not None:
+            meta[key] = text
+    return meta
+
+
+def _leaf_to_arrow(a: np.ndarray, multidim: str) -> pa.Array:
+    """(N, *shape) numeric array -> Arrow column (plain, fixed-size list(s) or tensor)."""
+    a = np.ascontiguousarray(a)
+    if a.dtype.byteorder == ">":
+        a = a.astype(a.dtype.newbyteorder("<"))
+    shape = a.shape[1:]
+    if not shape:
+        return pa.array(a)
+    if 0 in shape:
+        raise ValueError(f"a tabular shard cannot hold arrays with a zero-size dimension {shape}; use fmt='episodes'")
+    if len(shape) >= 2 and multidim == "tensor":
+        return pa.FixedShapeTensorArray.from_numpy_ndarray(a)
+    arr: pa.Array = pa.array(a.reshape(-1))
+    for d in reversed(shape):
+        arr = pa.FixedSizeListArray.from_arrays(arr, d)
+    return arr
+
+
+def _space_to_arrow(space: gym.Space, leaves: list[np.ndarray], multidim: str, pos: list[int]) -> pa.Array:
+    if isinstance(space, gym.spaces.Dict):
+        names = list(space.spaces)
+        children = [_space_to_arrow(s, leaves, multidim, pos) for s in space.spaces.values()]
+        return pa.StructArray.from_arrays(children, names=names)
+    if isinstance(space, gym.spaces.Tuple):
+        children = [_space_to_arrow(s, leaves, multidim, pos) for s in space.spaces]
+        return pa.StructArray.from_arrays(children, names=[str(i) for i in range(len(children))])
+    a = leaves[pos[0]]
+    pos[0] += 1
+    return _leaf_to_arrow(a, multidim)
+
+
+def _column(space: gym.Space, per_episode: list[list[np.ndarray]], multidim: str) -> pa.Array:
+    n_leaves = len(per_episode[0])
+    stacked = [np.concatenate([ep[i] for ep in per_episode], axis=0) for i in range(n_leaves)]
+    return _space_to_arrow(space, stacked, multidim, [0])
+
+
+def _write(table: pa.Table, compression: str, row_group_size: int | None) -> bytes:
+    buf = io.BytesIO()
+    pq.write_table(table, buf, compression=compression, row_group_size=row_group_size)
+    return buf.getvalue()
+
+
+# ---------------------------------------------------------------------------------------------
+# tables
+
+
+def episodes_table(episodes: list[FinishedEpisode]) -> pa.Table:
+    """The Arrow table of an episode shard (`item` + metadata columns)."""
+    items = [pack_episode(to_single_agent_episode(fe)) for fe in episodes]
+    cols: dict[str, pa.Array] = {"item": pa.array(items, type=pa.binary())}
+    values: dict[str, list[Any]] = {
+        "episode_id": [e.episode_id for e in episodes],
+        "policy_id": [e.policy_id for e in episodes],
+        "policy_version": [int(e.policy_version) for e in episodes],
+        "env_id": [e.env_id for e in episodes],
+        "length": [e.length for e in episodes],
+        "episode_return": [e.episode_return for e in episodes],
+        "terminated": [bool(e.terminated) for e in episodes],
+        "truncated": [bool(e.truncated) for e in episodes],
+        "first_offset": [int(e.first_offset) for e in episodes],
+        "last_offset": [int(e.last_offset) for e in episodes],
+        "started_ms": [int(e.started_ms) for e in episodes],
+        "ended_ms": [int(e.ended_ms) for e in episodes],
+    }
+    for name, typ in EPISODE_COLUMNS.items():
+        cols[name] = pa.array(values[name], type=typ)
+    return pa.table(cols).replace_schema_metadata(_metadata("episodes", episodes))
+
+
+def tabular_table(episodes: list[FinishedEpisode], multidim: str = "nested") -> pa.Table:
+    """The Arrow table of a tabular shard (one row per step; see module docstring)."""
+    if multidim not in ("nested", "tensor"):
+        raise ValueError(f"multidim must be 'nested' or 'tensor', got {multidim!r}")
+    first = episodes[0]
+    for fe in episodes[1:]:
+        for what, a, b in (("observation", fe.observation_space, first.observation_space),
+                           ("action", fe.action_space, first.action_space)):
+            if a is not b and _arrow_type(a, multidim) != _arrow_type(b, multidim):
+                raise ValueError(
+                    f"episode {fe.episode_id}: {what} space {a} does not fit the shard's column type "
+                    f"(from {b}); write episodes with different space structures to different shards"
+                )
+    lengths = np.array([fe.length for fe in episodes], dtype=np.int64)
+    n = int(lengths.sum())
+    ids = np.array([fe.episode_id for fe in episodes], dtype=object)
+
+    cols: dict[str, pa.Array] = {}
+    cols["eps_id"] = pa.array(np.repeat(ids, lengths), type=pa.string())
+    cols["agent_id"] = pa.nulls(n)
+    cols["module_id"] = pa.nulls(n)
+    cols["obs"] = _column(first.observation_space, [[o[:-1] for o in fe.observations] for fe in episodes], multidim)
+    cols["actions"] = _column(first.action_space, [fe.actions for fe in episodes], multidim)
+    cols["rewards"] = pa.array(np.concatenate([np.asarray(fe.rewards, dtype=np.float64) for fe in episodes]))
+    cols["new_obs"] = _column(first.observation_space, [[o[1:] for o in fe.observations] for fe in episodes], multidim)
+    last = np.zeros(n, dtype=bool)
+    last[np.cumsum(lengths) - 1] = True
+    term = np.repeat(np.array([bool(fe.terminated) for fe in episodes]), lengths) & last
+    trunc = np.repeat(np.array([bool(fe.truncated) for fe in episodes]), lengths) & last
+    cols["terminateds"] = pa.array(term)
+    cols["truncateds"] = pa.array(trunc)
+    cols["t"] = pa.array(np.concatenate([np.arange(L, dtype=np.int64) for L in lengths]))
+
+    if any(info for fe in episodes for info in fe.infos[1:]):
+        cols["infos"] = pa.array([dumps_info(info) or None for fe in episodes for info in fe.infos[1:]],
+                                 type=pa.string())
+
+    keys: list[str] = []
+    for fe in episodes:
+        keys.extend(k for k in fe.extra_model_outputs if k not in keys)
+    for k in keys:
+        if k in _RESERVED:
+            raise ValueError(f"extra model output {k!r} collides with a column name RLlib reserves")
+        ref = next(np.asarray(fe.extra_model_outputs[k]) for fe in episodes if k in fe.extra_model_outputs)
+        chunks = []
+        typ = None
+        for fe in episodes:
+            v = fe.extra_model_outputs.get(k)
+            if v is None:
+                chunks.append(None)
+                continue
+            v = np.asarray(v)
+            if v.dtype != ref.dtype or v.shape[1:] != ref.shape[1:]:
+                raise ValueError(
+                    f"extra model output {k!r}: episode {fe.episode_id} has {v.dtype}{list(v.shape[1:])}, "
+                    f"others {ref.dtype}{list(ref.shape[1:])}"
+                )
+            chunks.append(v)
+        present = [c for c in chunks if c is not None]
+        if len(present) == len(chunks):
+            cols[k] = _leaf_to_arrow(np.concatenate(present, axis=0), multidim)
+        else:  # some episodes lack this output: nulls for their rows
+            parts = []
+            for fe, c in zip(episodes, chunks):
+                if c is not None:
+                    arr = _leaf_to_arrow(c, multidim)
+                    typ = arr.type
+                    parts.append(arr)
+                else:
+                    parts.append(fe.length)
+            cols[k] = pa.concat_arrays([p if isinstance(p, pa.Array) else pa.nulls(p, typ) for p in parts])
+
+    cols["policy_version"] = pa.array(np.repeat(np.array([int(fe.policy_version) for fe in episodes], dtype=np.int64), lengths))
+    return pa.table(cols).replace_schema_metadata(_metadata("tabular", episodes))
+
+
+def _arrow_type(space: gym.Space, multidim: str) -> pa.DataType:
+    from producer.spaces import space_leaves
+
+    leaves = [np.zeros((1, *leaf.shape), dtype=leaf.dtype) for leaf in space_leaves(space)]
+    return _space_to_arrow(space, leaves, multidim, [0]).type
+
+
+# ---------------------------------------------------------------------------------------------
+# encoding
+
+
+def encode_shard(
+    episodes: list[FinishedEpisode],
+    fmt: str = "episodes",
+    compression: str = "zstd",
+    *,
+    episodes_per_row_group: int = 128,
+    rows_per_row_group: int = 65536,
+    multidim: str = "nested",
+) -> EncodedShard:
+    """Encode finished episodes into one complete Parquet file (see module docstring).
+
+    `fmt`: "episodes" (one packed `SingleAgentEpisode` per row, RLlib's episode format) or
+    "tabular" (one row per step, RLlib's column format). `compression`: any Parquet codec
+    pyarrow knows ("zstd", "snappy", "gzip", "lz4", "none"). Raises ValueError for episodes RLlib
+    cannot use (not done, empty, duplicate ids, arrays inconsistent with the spaces).
+    """
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
+    episodes = list(episodes)
+    _check_episodes(episodes)
+    if fmt == "episodes":
+        data = _write(episodes_table(episodes), compression, max(1, episodes_per_row_group))
+    else:
+        data = _write(tabular_table(episodes, multidim), compression, max(1, rows_per_row_group))
+    return EncodedShard(
+        data=data,
+        episodes=len(episodes),
+        steps=sum(fe.length for fe in episodes),
+        sha256=hashlib.sha256(data).hexdigest(),
+        episode_ids=[fe.episode_id for fe in episodes],
+        fmt=fmt,
+        schema_version=SHARD_FORMAT_VERSION,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# reading
+
+
+def _source(path_or_bytes: Any) -> Any:
+    if isinstance(path_or_bytes, (bytes, bytearray, memoryview)):
+        return pa.BufferReader(bytes(path_or_bytes))
+    return path_or_bytes
+
+
+def shard_metadata(path_or_bytes: Any, filesystem: pa.fs.FileSystem | None = None) -> dict[str, str]:
+    """The ``rlrec.*`` schema metadata of a shard (format, schema version, spaces)."""
+    if filesystem is not None and not isinstance(path_or_bytes, (bytes, bytearray, memoryview)):
+        with filesystem.open_input_file(path_or_bytes) as f:
+            schema = pq.read_schema(f)
+    else:
+        schema = pq.read_schema(_source(path_or_bytes))
+    return {k.decode(): v.decode() for k, v in (schema.metadata or {}).items() if k.startswith(b"rlrec.")}
+
+
+def read_episodes(path_or_bytes: Any, filesystem: pa.fs.FileSystem | None = None) -> list:
+    """All episodes of an episode shard (a file path/URI or the file's bytes), decoded SAFELY.
+
+    Only the `item` column is read; each value goes through `consumer.episodes.unpack_episode`,
+    which refuses pickled payloads (`UnsafeEpisodeError`).
+    """
+    table = pq.read_table(_source(path_or_bytes), columns=["item"], filesystem=filesystem)
+    out = []
+    for chunk in table.column("item").chunks:
+        for v in chunk:
+            out.append(unpack_episode(v.as_py()))
+    return out
+
+
+def read_tabular(path_or_bytes: Any, filesystem: pa.fs.FileSystem | None = None,
+                 columns: list[str] | None = None) -> pa.Table:
+    """A tabular shard (file path/URI or bytes) as a pyarrow Table (optionally some columns)."""
+    return pq.read_table(_source(path_or_bytes), columns=columns, filesystem=filesystem)

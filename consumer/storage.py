@@ -1,0 +1,735 @@
+"""Output storage for episode shards and the manifest: any pyarrow filesystem.
+
+:class:`Storage` wraps a ``pyarrow.fs.FileSystem`` plus a base path (the output
+root) and offers the few operations the consumer, the manifest and the
+maintenance commands need, on paths *relative to the output root*:
+
+* ``write(path, data)`` -- atomic for readers (local: temp file + ``os.replace``;
+  object stores: a PUT is atomic).
+* ``create_once(path, data) -> bool`` -- create *path* only if it does not exist
+  (``False`` if it does).  This is what makes the manifest log (and with it writer
+  fencing) safe:
+
+  ========================  ==================================================
+  local filesystem          temp file + ``os.link`` to the final name (atomic,
+                            fails if the name exists), temp removed
+  ``s3://`` (AWS, MinIO,    boto3 ``put_object(..., IfNoneMatch="*")``; HTTP 412
+  moto, ...)                ``PreconditionFailed`` / 409
+                            ``ConditionalRequestConflict`` -> ``False``
+  anything else (``gs://``, exists-check + write: NOT atomic.  A zombie writer
+  ``abfs://``, hdfs, ...)   can then overwrite a manifest entry; a warning is
+                            logged once.  See docs/GUARANTEES.md.
+  ========================  ==================================================
+
+* ``read``, ``exists``, ``list``, ``move`` (publish), ``delete``, ``uri``.
+
+Transient errors (``OSError`` from pyarrow other than not-found / exists /
+permission errors, botocore connection errors, HTTP 5xx / throttling) are retried
+with exponential backoff and full jitter for a bounded number of attempts
+(:class:`RetryPolicy`), then :class:`StorageError` is raised.  pyarrow's and
+botocore's own retries would run *inside* each of our attempts, so the boto3
+client made here makes a single attempt per call (our loop sees, and can
+disambiguate, every failed conditional PUT) and S3 filesystems built by
+:meth:`Storage.from_uri` make one attempt per request (``s3_request_attempts``).
+An explicitly passed filesystem keeps its own retry strategy.
+
+S3 configuration comes from the standard AWS environment, for pyarrow
+(``FileSystem.from_uri``) and boto3 alike: ``AWS_ENDPOINT_URL`` (MinIO, moto),
+``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` / ``AWS_SESSION_TOKEN``,
+``AWS_REGION`` / ``AWS_DEFAULT_REGION`` (default ``us-east-1``).  When a
+``Storage`` is built from an explicit ``S3FileSystem``, the boto3 client for
+conditional puts is configured from that filesystem's endpoint, credentials and
+region (falling back to the environment for what it leaves unset).
+
+Only pyarrow is imported at module level; boto3 is imported when the first
+conditional put on S3 happens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import random
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+from urllib.parse import urlsplit, urlunsplit
+
+import pyarrow.fs as pafs
+
+__all__ = ["FileInfo", "RetryPolicy", "Storage", "StorageError"]
+
+log = logging.getLogger("rlrec.storage")
+
+T = TypeVar("T")
+
+#: Schemes whose conditional create (create_once) is atomic.
+CONDITIONAL_WRITE_KINDS = frozenset({"local", "s3"})
+
+
+class StorageError(Exception):
+    """A storage operation failed after all retry attempts (or for good).
+
+    ``__cause__`` is the last underlying error; ``attempts`` how many were made.
+    """
+
+    def __init__(self, message: str, *, attempts: int = 0) -> None:
+        super().__init__(message)
+        self.attempts = attempts
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Exponential backoff with full jitter: sleep ``uniform(0, min(max_delay, base_delay * 2**i))``
+    after failed attempt *i* (0-based); at most *attempts* attempts in all."""
+
+    attempts: int = 5
+    base_delay: float = 0.05
+    max_delay: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise ValueError("RetryPolicy.attempts must be >= 1")
+        if self.base_delay < 0 or self.max_delay < 0:
+            raise ValueError("RetryPolicy delays must be >= 0")
+
+    def delay(self, attempt: int) -> float:
+        return random.uniform(0.0, min(self.max_delay, self.base_delay * (2.0**attempt)))
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    """One listed file or directory; *path* is relative to the output root."""
+
+    path: str
+    size: int | None
+    mtime: float | None  # seconds since the epoch (storage's clock), None if unknown
+    is_dir: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.path.rsplit("/", 1)[-1]
+
+
+# ----------------------------------------------------------------- transient?
+
+_PERMANENT_ERRNOS = {
+    errno.ENOENT,
+    errno.EEXIST,
+    errno.EACCES,
+    errno.EPERM,
+    errno.EISDIR,
+    errno.ENOTDIR,
+    errno.ENOSPC,
+    errno.EROFS,
+    errno.ENAMETOOLONG,
+    errno.EINVAL,
+    errno.ENOTEMPTY,
+}
+# Substrings of pyarrow's S3/GCS error messages that mean "retrying will not help".
+_PERMANENT_MARKERS = (
+    "ACCESS_DENIED",
+    "AccessDenied",
+    "NO_SUCH_KEY",
+    "NoSuchKey",
+    "NO_SUCH_BUCKET",
+    "NoSuchBucket",
+    "INVALID_ACCESS_KEY_ID",
+    "InvalidAccessKeyId",
+    "SIGNATURE_DOES_NOT_MATCH",
+    "SignatureDoesNotMatch",
+    "HTTP status 400",
+    "HTTP status 401",
+    "HTTP status 403",
+    "HTTP status 404",
+    "HTTP status 405",
+    "BadScheme",
+)
+_TRANSIENT_S3_CODES = {
+    "InternalError",
+    "ServiceUnavailable",
+    "SlowDown",
+    "Throttling",
+    "ThrottlingException",
+    "RequestTimeout",
+    "RequestTimeTooSkewed",
+    "503",
+    "500",
+    "502",
+    "504",
+}
+
+
+def _is_transient(exc: BaseException) -> bool:
+    if isinstance(exc, StorageError):
+        return False
+    if isinstance(
+        exc,
+        (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError, PermissionError),
+    ):
+        return False
+    mod = type(exc).__module__ or ""
+    if mod.startswith("botocore") or mod.startswith("urllib3"):
+        try:
+            from botocore.exceptions import ClientError, ConnectionError, HTTPClientError
+        except ImportError:  # pragma: no cover
+            return False
+        if isinstance(exc, (ConnectionError, HTTPClientError)):
+            return True
+        if isinstance(exc, ClientError):
+            resp = exc.response or {}
+            status = int(resp.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+            code = str(resp.get("Error", {}).get("Code", ""))
+            return status >= 500 or status == 429 or code in _TRANSIENT_S3_CODES
+        return False
+    if isinstance(exc, OSError):
+        if exc.errno is not None and exc.errno in _PERMANENT_ERRNOS:
+            return False
+        msg = str(exc)
+        return not any(m in msg for m in _PERMANENT_MARKERS)
+    return False
+
+
+def _is_precondition_failure(exc: BaseException) -> bool:
+    """boto3: HTTP 412 PreconditionFailed or 409 ConditionalRequestConflict."""
+    resp = getattr(exc, "response", None)
+    if not isinstance(resp, dict):
+        return False
+    status = int(resp.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+    code = str(resp.get("Error", {}).get("Code", ""))
+    return status == 412 or code in ("PreconditionFailed", "ConditionalRequestConflict")
+
+
+# -------------------------------------------------------------------- Storage
+
+
+def _clean_rel(path: str) -> str:
+    """Normalise a path relative to the output root; reject escapes."""
+    if not isinstance(path, str):
+        raise TypeError(f"path must be str, got {type(path).__name__}")
+    p = path.replace("\\", "/")
+    if p.startswith("/"):
+        raise ValueError(f"path must be relative to the output root: {path!r}")
+    parts = [c for c in p.split("/") if c not in ("", ".")]
+    if any(c == ".." for c in parts):
+        raise ValueError(f"path must not contain '..': {path!r}")
+    return "/".join(parts)
+
+
+def _split_uri(uri: str) -> tuple[str, str]:
+    """('scheme', rest) -- scheme '' for plain local paths (incl. Windows drives)."""
+    if "://" in uri:
+        scheme = uri.split("://", 1)[0].lower()
+        return scheme, uri
+    return "", uri
+
+
+class Storage:
+    """A pyarrow filesystem + output root, with retries and conditional creates.
+
+    Build with :meth:`from_uri` (``"s3://bucket/prefix"``, ``"/tmp/x"``,
+    ``"file:///tmp/x"``, ``"gs://..."``) or ``Storage(filesystem, base)``.
+
+    Attributes: ``filesystem`` (the ``pyarrow.fs.FileSystem``), ``base`` (the
+    output root inside it, no trailing slash), ``kind`` (``"local"``, ``"s3"``,
+    ``"gcs"``, ``"abfs"``, ...), ``retry`` (:class:`RetryPolicy`).
+    """
+
+    def __init__(
+        self,
+        filesystem: pafs.FileSystem,
+        base: str,
+        *,
+        retry: RetryPolicy | None = None,
+        fsync: bool = True,
+        s3_client: Any = None,
+        uri: str | None = None,
+    ) -> None:
+        if not isinstance(filesystem, pafs.FileSystem):
+            raise TypeError("filesystem must be a pyarrow.fs.FileSystem")
+        # Unwrap SubTreeFileSystem so that the kind (and conditional writes) are known.
+        while isinstance(filesystem, pafs.SubTreeFileSystem):
+            inner = filesystem.base_path.rstrip("/")
+            base = f"{inner}/{base.lstrip('/')}" if base.strip("/") else inner
+            filesystem = filesystem.base_fs
+        self.filesystem: pafs.FileSystem = filesystem
+        self.kind: str = filesystem.type_name
+        if self.kind == "local":
+            base = os.path.abspath(base or ".")
+            self.base = base.rstrip("/") or "/"
+        else:
+            self.base = base.strip("/")
+            if not self.base:
+                raise ValueError(f"{self.kind} storage needs a base path (at least a bucket)")
+        self.retry = retry or RetryPolicy()
+        self.fsync = fsync
+        self._s3_client = s3_client
+        self._s3_lock = threading.Lock()
+        self._uri = self._uri_template(uri)
+        self._warned_unsafe = False
+
+    # ------------------------------------------------------------ construction
+    @classmethod
+    def from_uri(
+        cls,
+        uri: str | os.PathLike[str],
+        *,
+        retry: RetryPolicy | None = None,
+        s3_request_attempts: int = 1,
+        **kw: Any,
+    ) -> Storage:
+        """A Storage for a local path or any URI ``pyarrow.fs.FileSystem.from_uri`` accepts.
+
+        For ``s3://`` the endpoint and credentials come from the standard AWS
+        environment (``AWS_ENDPOINT_URL`` etc.) unless given as URI parameters.
+        The S3 filesystem is rebuilt with the same settings plus: an explicit
+        region (URI > ``AWS_REGION`` > ``AWS_DEFAULT_REGION`` > ``us-east-1``),
+        ``allow_delayed_open=True`` (small objects go up in one PUT instead of a
+        3-request multipart upload) and pyarrow's own retries limited to
+        *s3_request_attempts* per request, so that :class:`RetryPolicy` alone
+        decides how long transient errors are retried (pyarrow's default
+        strategy, combined with region lookups, was seen making 30-100 requests
+        over 6-20 s against a failing endpoint before giving up).
+        """
+        uri = os.fspath(uri)
+        scheme, _ = _split_uri(uri)
+        if scheme == "" or (len(scheme) == 1 and os.name == "nt"):
+            return cls(pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(uri)), retry=retry, **kw)
+        fs, path = pafs.FileSystem.from_uri(uri)
+        if fs.type_name == "s3":
+            fs = _rebuild_s3(fs, s3_request_attempts)
+        return cls(fs, path, retry=retry, uri=uri, **kw)
+
+    def _uri_template(self, uri: str | None) -> tuple[str, str] | None:
+        """(prefix, query) for uri(); None -> derive from kind + base."""
+        if uri is None or self.kind == "local":
+            return None
+        parts = urlsplit(uri)
+        netloc = parts.netloc.rsplit("@", 1)[-1]  # never echo credentials
+        if parts.scheme.lower() == "s3" or self.kind == "s3":
+            prefix = f"s3://{self.base}"
+        else:
+            prefix = urlunsplit((parts.scheme, netloc, parts.path.rstrip("/"), "", ""))
+        return prefix, parts.query
+
+    def __repr__(self) -> str:
+        return f"Storage({self.uri('')!r})"
+
+    # ------------------------------------------------------------------ paths
+    def full_path(self, path: str = "") -> str:
+        """*path* (relative to the output root) as a path inside ``self.filesystem``."""
+        rel = _clean_rel(path)
+        if not rel:
+            return self.base
+        if self.kind == "local":
+            return os.path.join(self.base, *rel.split("/"))
+        return f"{self.base}/{rel}"
+
+    def uri(self, path: str = "") -> str:
+        """A URI (``s3://bucket/prefix/...``) or absolute local path pyarrow can open.
+
+        For a Storage built from a URI with query parameters (e.g.
+        ``?endpoint_override=...``) the parameters are carried over; credentials
+        embedded in a URI are not.  For a Storage built from an explicit
+        filesystem whose settings are not in the environment, open the returned
+        path with ``self.filesystem`` / :meth:`full_path` instead.
+        """
+        rel = _clean_rel(path)
+        if self.kind == "local":
+            return self.full_path(rel)
+        if self._uri is not None:
+            prefix, query = self._uri
+        else:
+            scheme = {"s3": "s3", "gcs": "gs", "abfs": "abfs", "hdfs": "hdfs"}.get(self.kind)
+            prefix, query = (f"{scheme}://{self.base}" if scheme else self.base), ""
+        out = f"{prefix}/{rel}" if rel else prefix
+        return f"{out}?{query}" if query else out
+
+    @property
+    def conditional_writes(self) -> bool:
+        """True if :meth:`create_once` is atomic on this storage (local, S3)."""
+        return self.kind in CONDITIONAL_WRITE_KINDS
+
+    # ------------------------------------------------------------------ retry
+    def _retry(self, what: str, fn: Callable[[int], T]) -> T:
+        """Run fn(attempt) with retries on transient errors; StorageError at the end."""
+        policy = self.retry
+        last: BaseException | None = None
+        for attempt in range(policy.attempts):
+            try:
+                return fn(attempt)
+            except Exception as e:
+                if not _is_transient(e):
+                    raise
+                last = e
+                if attempt + 1 < policy.attempts:
+                    d = policy.delay(attempt)
+                    log.debug("%s: transient error (attempt %d/%d), retrying in %.3fs: %s",
+                              what, attempt + 1, policy.attempts, d, e)
+                    time.sleep(d)
+        log.warning("%s: giving up after %d attempts: %s", what, policy.attempts, last)
+        raise StorageError(f"{what}: failed after {policy.attempts} attempts: {last}",
+                           attempts=policy.attempts) from last
+
+    # ------------------------------------------------------------ local helpers
+    def _fsync_dir(self, d: str) -> None:
+        if not self.fsync:
+            return
+        try:
+            fd = os.open(d, os.O_RDONLY)
+        except OSError:
+            return
+        try:
+            os.fsync(fd)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+    def _local_tmp(self, full: str) -> str:
+        d, name = os.path.split(full)
+        return os.path.join(d, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
+
+    def _local_write_tmp(self, full: str, data: bytes) -> str:
+        os.makedirs(os.path.dirname(full), exist_ok=True)
+        tmp = self._local_tmp(full)
+        with open(tmp, "xb") as f:
+            f.write(data)
+            if self.fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        return tmp
+
+    # --------------------------------------------------------------- S3 helpers
+    def _bucket_key(self, path: str) -> tuple[str, str]:
+        full = self.full_path(path)
+        bucket, _, key = full.partition("/")
+        return bucket, key
+
+    def s3_client(self) -> Any:
+        """The boto3 S3 client used for conditional puts (made on first use)."""
+        with self._s3_lock:
+            if self._s3_client is None:
+                self._s3_client = self._make_s3_client()
+            return self._s3_client
+
+    def _make_s3_client(self) -> Any:
+        import boto3
+        from botocore.config import Config
+
+        settings: dict[str, Any] = {}
+        try:
+            settings = dict(self.filesystem.__reduce__()[1][0])
+        except Exception:  # not an S3FileSystem we can introspect
+            settings = {}
+        kwargs: dict[str, Any] = {}
+        endpoint = settings.get("endpoint_override") or os.environ.get("AWS_ENDPOINT_URL_S3") \
+            or os.environ.get("AWS_ENDPOINT_URL")
+        if endpoint:
+            if "://" not in endpoint:
+                endpoint = f"{settings.get('scheme') or 'https'}://{endpoint}"
+            kwargs["endpoint_url"] = endpoint
+        if settings.get("access_key"):
+            kwargs["aws_access_key_id"] = settings["access_key"]
+            kwargs["aws_secret_access_key"] = settings.get("secret_key") or None
+            if settings.get("session_token"):
+                kwargs["aws_session_token"] = settings["session_token"]
+        region = (settings.get("region") or os.environ.get("AWS_REGION")
+                  or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1")
+        cfg = Config(
+            retries={"total_max_attempts": 1, "mode": "standard"},
+            connect_timeout=10,
+            read_timeout=30,
+            s3={"addressing_style": "virtual" if settings.get("force_virtual_addressing") else "auto"},
+        )
+        session = boto3.session.Session()
+        return session.client("s3", region_name=region, config=cfg, **kwargs)
+
+    # ------------------------------------------------------------------ write
+    def write(self, path: str, data: bytes) -> None:
+        """Write *data* to *path* (replacing it), atomically for readers."""
+        data = bytes(data)
+        full = self.full_path(path)
+        if self.kind == "local":
+
+            def op(_: int) -> None:
+                tmp = self._local_write_tmp(full, data)
+                try:
+                    os.replace(tmp, full)
+                except BaseException:
+                    _unlink_quiet(tmp)
+                    raise
+                self._fsync_dir(os.path.dirname(full))
+
+        else:
+
+            def op(_: int) -> None:
+                with self.filesystem.open_output_stream(full) as out:
+                    out.write(data)
+
+        self._retry(f"write {self.uri(path)}", op)
+
+    def create_once(self, path: str, data: bytes) -> bool:
+        """Create *path* with *data* unless it exists; ``True`` if this call created it.
+
+        Atomic on local filesystems and S3.  If an attempt fails ambiguously (the
+        request may have been applied, e.g. a 5xx or lost connection) and a retry
+        then finds the object, the object's content is compared with *data*: equal
+        bytes mean our earlier attempt created it (``True``).
+        """
+        data = bytes(data)
+        full = self.full_path(path)
+        if self.kind == "local":
+            return self._retry(f"create_once {full}", lambda _: self._create_once_local(full, data))
+        if self.kind == "s3":
+            return self._create_once_s3(path, data)
+        return self._create_once_unsafe(path, data)
+
+    def _create_once_local(self, full: str, data: bytes) -> bool:
+        tmp = self._local_write_tmp(full, data)
+        try:
+            try:
+                os.link(tmp, full)
+            except FileExistsError:
+                return False
+            except OSError as e:
+                if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.EXDEV):
+                    raise
+                # No hard links here: O_EXCL create (atomic existence check; a
+                # concurrent reader may briefly see a partial file).
+                try:
+                    fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                except FileExistsError:
+                    return False
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                    if self.fsync:
+                        f.flush()
+                        os.fsync(f.fileno())
+        finally:
+            _unlink_quiet(tmp)
+        self._fsync_dir(os.path.dirname(full))
+        return True
+
+    def _create_once_s3(self, path: str, data: bytes) -> bool:
+        bucket, key = self._bucket_key(path)
+        client = self.s3_client()
+        ambiguous = False
+
+        def op(attempt: int) -> bool:
+            nonlocal ambiguous
+            try:
+                client.put_object(Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
+                return True
+            except Exception as e:
+                if _is_precondition_failure(e):
+                    if ambiguous and self._same_content(path, data):
+                        return True
+                    return False
+                if _is_transient(e):
+                    ambiguous = True
+                raise
+
+        return self._retry(f"create_once {self.uri(path)}", op)
+
+    def _same_content(self, path: str, data: bytes) -> bool:
+        try:
+            return self.read(path) == data
+        except FileNotFoundError:
+            return False
+
+    def _create_once_unsafe(self, path: str, data: bytes) -> bool:
+        if not self._warned_unsafe:
+            self._warned_unsafe = True
+            log.warning(
+                "storage %s (%s) has no conditional writes in pyarrow: create_once falls back to "
+                "exists-check + write, which is NOT atomic -- zombie-writer fencing of the manifest "
+                "needs conditional writes (local filesystem or S3); see docs/GUARANTEES.md",
+                self.uri(""), self.kind,
+            )
+        if self.exists(path):
+            return False
+        self.write(path, data)
+        return True
+
+    # ------------------------------------------------------------------- read
+    def read(self, path: str) -> bytes:
+        """The whole content of *path*; ``FileNotFoundError`` if it does not exist."""
+        full = self.full_path(path)
+        if self.kind == "local":
+
+            def op(_: int) -> bytes:
+                with open(full, "rb") as f:
+                    return f.read()
+
+        else:
+
+            def op(_: int) -> bytes:
+                with self.filesystem.open_input_stream(full) as f:
+                    return f.read()
+
+        return self._retry(f"read {self.uri(path)}", op)
+
+    def exists(self, path: str) -> bool:
+        """True if *path* is a file or a directory."""
+        full = self.full_path(path)
+        info = self._retry(f"stat {self.uri(path)}", lambda _: self.filesystem.get_file_info(full))
+        return info.type != pafs.FileType.NotFound
+
+    def info(self, path: str) -> FileInfo | None:
+        """Size/mtime of *path*, or None if it does not exist."""
+        full = self.full_path(path)
+        info = self._retry(f"stat {self.uri(path)}", lambda _: self.filesystem.get_file_info(full))
+        if info.type == pafs.FileType.NotFound:
+            return None
+        return self._file_info(info)
+
+    def _rel(self, full: str) -> str:
+        base = self.base
+        if self.kind == "local":
+            return os.path.relpath(full, base).replace(os.sep, "/")
+        if full == base:
+            return ""
+        if full.startswith(base + "/"):
+            return full[len(base) + 1 :]
+        return full
+
+    def _file_info(self, info: pafs.FileInfo) -> FileInfo:
+        is_dir = info.type == pafs.FileType.Directory
+        mtime_ns = info.mtime_ns
+        return FileInfo(
+            path=self._rel(info.path),
+            size=None if is_dir else info.size,
+            mtime=None if mtime_ns is None else mtime_ns / 1e9,
+            is_dir=is_dir,
+        )
+
+    def list(self, prefix: str = "", recursive: bool = False) -> list[FileInfo]:
+        """Files and directories under the directory *prefix* (``[]`` if it does not exist).
+
+        Sorted by path.  Includes hidden temp files (``.name.tmp-*``) of
+        interrupted local writes.
+        """
+        full = self.full_path(prefix)
+        sel = pafs.FileSelector(full, recursive=recursive, allow_not_found=True)
+
+        def op(_: int) -> list[pafs.FileInfo]:
+            for _attempt in range(3):
+                try:
+                    return self.filesystem.get_file_info(sel)
+                except FileNotFoundError:
+                    # pyarrow (local): the directory appeared between its failed
+                    # listing and its existence check (a concurrent makedirs), or
+                    # a subdirectory vanished mid-walk.  Listing again settles it.
+                    continue
+            return self.filesystem.get_file_info(sel)
+
+        infos = self._retry(f"list {self.uri(prefix)}", op)
+        return sorted((self._file_info(i) for i in infos), key=lambda f: f.path)
+
+    # ------------------------------------------------------------------- move
+    def move(self, src: str, dst: str) -> None:
+        """Move *src* to *dst* (replacing *dst*); used to publish staged shards.
+
+        Local: ``os.replace`` (atomic).  S3: server-side copy then delete (the
+        copy appears atomically).  ``FileNotFoundError`` if *src* does not exist.
+        """
+        fsrc, fdst = self.full_path(src), self.full_path(dst)
+        if self.kind == "local":
+
+            def op(_: int) -> None:
+                os.makedirs(os.path.dirname(fdst), exist_ok=True)
+                os.replace(fsrc, fdst)
+                self._fsync_dir(os.path.dirname(fdst))
+
+        else:
+
+            def op(_: int) -> None:
+                with _not_found_as_fnf():
+                    self.filesystem.move(fsrc, fdst)
+
+        self._retry(f"move {self.uri(src)} -> {self.uri(dst)}", op)
+
+    def copy(self, src: str, dst: str) -> None:
+        """Copy *src* to *dst* (server-side on object stores)."""
+        fsrc, fdst = self.full_path(src), self.full_path(dst)
+        if self.kind == "local":
+            self.write(dst, self.read(src))
+            return
+        def op(_: int) -> None:
+            with _not_found_as_fnf():
+                self.filesystem.copy_file(fsrc, fdst)
+
+        self._retry(f"copy {self.uri(src)} -> {self.uri(dst)}", op)
+
+    # ----------------------------------------------------------------- delete
+    def delete(self, path: str, *, missing_ok: bool = True) -> bool:
+        """Delete the file *path*; returns False if it did not exist (and *missing_ok*)."""
+        full = self.full_path(path)
+        if self.kind == "local":
+
+            def op(_: int) -> bool:
+                try:
+                    os.unlink(full)
+                    return True
+                except FileNotFoundError:
+                    if missing_ok:
+                        return False
+                    raise
+
+        else:
+
+            def op(_: int) -> bool:
+                try:
+                    self.filesystem.delete_file(full)
+                    return True
+                except FileNotFoundError:
+                    if missing_ok:
+                        return False
+                    raise
+
+        return self._retry(f"delete {self.uri(path)}", op)
+
+
+def _rebuild_s3(fs: pafs.FileSystem, request_attempts: int) -> pafs.FileSystem:
+    """The same S3FileSystem with an explicit region, delayed open and bounded retries."""
+    try:
+        kw = dict(fs.__reduce__()[1][0])
+    except Exception:  # pragma: no cover - unknown pyarrow internals: keep as is
+        return fs
+    for k in ("connect_timeout", "request_timeout"):
+        if kw.get(k) is not None and kw[k] < 0:
+            kw[k] = None
+    kw["region"] = (kw.get("region") or os.environ.get("AWS_REGION")
+                    or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1")
+    kw["allow_delayed_open"] = True
+    try:
+        return pafs.S3FileSystem(
+            **kw, retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=max(1, int(request_attempts)))
+        )
+    except TypeError:  # pragma: no cover - a pyarrow without one of these options
+        log.debug("cannot rebuild S3FileSystem with %s; using it as is", sorted(kw))
+        return fs
+
+
+@contextlib.contextmanager
+def _not_found_as_fnf() -> Iterator[None]:
+    """pyarrow reports a missing S3 copy source as a plain OSError (NO_SUCH_KEY)."""
+    try:
+        yield
+    except OSError as e:
+        if not isinstance(e, FileNotFoundError) and ("NO_SUCH_KEY" in str(e) or "NoSuchKey" in str(e)):
+            raise FileNotFoundError(errno.ENOENT, str(e)) from e
+        raise
+
+
+def _unlink_quiet(p: str) -> None:
+    try:
+        os.unlink(p)
+    except OSError:
+        pass

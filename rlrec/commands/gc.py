@@ -1,0 +1,67 @@
+"""``rlrec gc``: delete shard files that no manifest entry references."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration(text: str) -> float:
+    """``"90"``/``"90s"``, ``"15m"``, ``"1.5h"``, ``"2d"`` -> seconds."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([smhd]?)\s*", text.lower())
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (use e.g. 90s, 15m, 1h, 2d)")
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "gc",
+        help="delete unreferenced shard files (crashed/fenced writers' leftovers)",
+        description="Delete files in policy directories and their _staging/ that no manifest "
+        "entry references and that are older than --older-than. Manifest entries are never "
+        "deleted. Prints the deleted (or, with --dry-run, deletable) files.",
+    )
+    p.add_argument("uri", metavar="URI", help="output root: /path, file:///path, s3://bucket/prefix, ...")
+    p.add_argument(
+        "--older-than",
+        type=parse_duration,
+        required=True,
+        metavar="DURATION",
+        help="grace period, e.g. 90s, 15m, 1h, 2d; must exceed the longest commit",
+    )
+    p.add_argument("--dry-run", action="store_true", help="list what would be deleted, delete nothing")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import sys
+
+    from consumer.manifest import ManifestError
+    from consumer.storage import StorageError
+
+    try:
+        return _run(args)
+    except (StorageError, ManifestError, OSError) as e:
+        print(f"rlrec gc: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    import logging
+    import sys
+
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format="%(levelname)s %(name)s: %(message)s")
+    from consumer.maintenance import gc
+    from consumer.storage import Storage
+
+    storage = Storage.from_uri(args.uri)
+    paths = gc(storage, args.older_than, dry_run=args.dry_run)
+    for p in paths:
+        print(storage.uri(p))
+    verb = "would delete" if args.dry_run else "deleted"
+    print(f"rlrec gc: {verb} {len(paths)} file(s) older than {args.older_than:g}s", file=sys.stderr)
+    return 0

@@ -1,0 +1,85 @@
+"""Shared test helpers: recording ground-truth episodes and waiting on the manifest."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+from gymnasium import spaces as gs
+
+OBS_SPACE = gs.Box(-np.inf, np.inf, (4,), np.float32)
+ACT_SPACE = gs.Discrete(2)
+
+
+@dataclass
+class TruthEpisode:
+    episode_id: str
+    policy_id: str
+    observations: list = field(default_factory=list)  # T+1
+    actions: list = field(default_factory=list)
+    rewards: list = field(default_factory=list)
+    logp: list = field(default_factory=list)
+    terminated: bool = False
+    truncated: bool = False
+
+
+def record_episodes(recorder, n: int, *, seed: int = 0, min_len: int = 3, max_len: int = 40,
+                    abort_every: int = 0, delayed_every: int = 0, policy_id: str | None = None) -> dict[str, TruthEpisode]:
+    """Log `n` synthetic episodes (random lengths) through `recorder`; returns the ground truth.
+
+    abort_every=k aborts every k-th episode (truncated); delayed_every=k adds a delayed reward to
+    step 0 of every k-th episode after it ended.
+    """
+    rng = np.random.default_rng(seed)
+    truth: dict[str, TruthEpisode] = {}
+    for i in range(n):
+        length = int(rng.integers(min_len, max_len + 1))
+        obs = rng.standard_normal(4).astype(np.float32)
+        eid = recorder.begin_episode(obs)
+        ep = TruthEpisode(eid, policy_id or recorder.policy_id, [obs])
+        aborted = abort_every and i % abort_every == abort_every - 1
+        steps = length - 1 if aborted else length
+        for t in range(steps):
+            a = int(rng.integers(0, 2))
+            r = float(rng.standard_normal())
+            obs = rng.standard_normal(4).astype(np.float32)
+            lp = np.float32(-rng.random())
+            last = t == steps - 1 and not aborted
+            term = last and (i % 2 == 0)
+            trunc = last and not term
+            recorder.log_step(eid, a, r, obs, terminated=term, truncated=trunc, extra_model_outputs={"action_logp": lp})
+            ep.observations.append(obs)
+            ep.actions.append(a)
+            ep.rewards.append(r)
+            ep.logp.append(lp)
+            ep.terminated, ep.truncated = term, trunc
+        if aborted:
+            recorder.abort_episode(eid)
+            ep.truncated = True
+        elif delayed_every and i % delayed_every == 0:
+            recorder.log_reward(eid, 0, 0.5)
+            ep.rewards[0] += 0.5
+        truth[eid] = ep
+    return truth
+
+
+def assert_episode_matches(ep, truth: TruthEpisode) -> None:
+    """`ep` is an RLlib SingleAgentEpisode read back from a shard."""
+    assert ep.id_ == truth.episode_id
+    np.testing.assert_allclose(np.asarray(ep.get_observations()), np.stack(truth.observations), rtol=0, atol=0)
+    np.testing.assert_array_equal(np.asarray(ep.get_actions()), np.asarray(truth.actions))
+    np.testing.assert_allclose(np.asarray(ep.get_rewards()), np.asarray(truth.rewards), rtol=0, atol=1e-12)
+    np.testing.assert_allclose(np.asarray(ep.get_extra_model_outputs("action_logp")), np.asarray(truth.logp))
+    assert bool(ep.is_terminated) == truth.terminated
+    assert bool(ep.is_truncated) == truth.truncated
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.2, what: str = "condition"):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        v = predicate()
+        if v:
+            return v
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")

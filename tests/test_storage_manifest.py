@@ -1,0 +1,711 @@
+"""Storage layer, manifest log (claims / fencing / conflicts), gc, recover, inspect/verify, CLI.
+
+Every storage test runs on a local directory AND on the local S3 (moto, in this
+process).  Nothing of pyarrow or boto3 is mocked: storage faults come from a
+real HTTP proxy in front of moto that answers 503 when told to.
+
+moto's conditional PUT is check-then-act (``get_object`` then ``put_object`` in
+two steps, server threads in between), unlike real S3 where it is atomic.  The
+``_atomic_moto_puts`` fixture serialises moto's PutObject handler so that the
+concurrency tests exercise our protocol, not moto's race.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import http.server
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.dataset as pads
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+import pytest
+
+from consumer.maintenance import episode_summary, gc, inspect, verify
+from consumer.manifest import (
+    ClaimEntry,
+    ConflictError,
+    FencedError,
+    ManifestError,
+    PartitionLog,
+    ShardEntry,
+    entry_path,
+    manifest_totals,
+    parse_entry,
+    read_manifest,
+)
+from consumer.storage import RetryPolicy, Storage, StorageError
+
+FAST_RETRY = RetryPolicy(attempts=4, base_delay=0.005, max_delay=0.02)
+TOPIC = "rl.transitions"
+
+
+# --------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _atomic_moto_puts() -> Iterator[None]:
+    from moto.s3.responses import S3Response
+
+    orig = S3Response.put_object
+    lock = threading.Lock()
+
+    def put_object(self):  # type: ignore[no-untyped-def]
+        with lock:
+            return orig(self)
+
+    S3Response.put_object = put_object
+    try:
+        yield
+    finally:
+        S3Response.put_object = orig
+
+
+@pytest.fixture
+def s3_env(local_s3, monkeypatch):
+    for k, v in local_s3.env().items():
+        monkeypatch.setenv(k, v)
+    return local_s3
+
+
+def _bucket(local_s3) -> str:
+    return local_s3.create_bucket(f"t-{uuid.uuid4().hex[:10]}")
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request, tmp_path) -> Storage:
+    if request.param == "local":
+        return Storage.from_uri(str(tmp_path / "out"), retry=FAST_RETRY)
+    s3 = request.getfixturevalue("s3_env")
+    return Storage.from_uri(f"s3://{_bucket(s3)}/out", retry=FAST_RETRY)
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def shard_bytes(ids: list[str], length: int = 5) -> bytes:
+    table = pa.table({
+        "episode_id": ids,
+        "length": pa.array([length] * len(ids), pa.int64()),
+        "episode_return": pa.array([float(length) / 2] * len(ids), pa.float64()),
+    })
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    return sink.getvalue().to_pybytes()
+
+
+def make_entry(ids: list[str], *, policy: str = "pol", partition: int = 0, first: int = 0, last: int = 9,
+               data: bytes | None = None, length: int = 5) -> tuple[ShardEntry, bytes]:
+    data = shard_bytes(ids, length) if data is None else data
+    name = f"{TOPIC}+{partition:05d}+{first:020d}+{last:020d}+{uuid.uuid4().hex[:6]}.parquet"
+    e = ShardEntry(
+        path=f"{policy}/{name}", staging_path=f"{policy}/_staging/{name}", topic=TOPIC, partition=partition,
+        policy_id=policy, first_offset=first, last_offset=last, episode_ids=ids, episodes=len(ids),
+        steps=length * len(ids), bytes=len(data), sha256=hashlib.sha256(data).hexdigest(), format="test",
+        format_version=1, event_schema_versions={"EpisodeStart": 1, "StepBatch": 1},
+        min_policy_version=1, max_policy_version=2,
+    )
+    return e, data
+
+
+def commit(store: Storage, log: PartitionLog, ids: list[str], *, publish: bool = True, **kw) -> ShardEntry:
+    """The caller's commit sequence: stage -> append entry -> publish."""
+    e, data = make_entry(ids, partition=log.partition, **kw)
+    store.write(e.staging_path, data)
+    e = log.append_shard(e)
+    if publish:
+        assert log.publish(e) is True
+    return e
+
+
+# ---------------------------------------------------------------------- storage
+
+
+def test_create_once(store: Storage) -> None:
+    assert store.create_once("m/a.json", b"first") is True
+    assert store.create_once("m/a.json", b"second") is False
+    assert store.read("m/a.json") == b"first"
+    # Racing creators: exactly one wins, its bytes stay.
+    barrier = threading.Barrier(6)
+
+    def racer(i: int) -> bool:
+        barrier.wait()
+        return store.create_once("m/race.json", f"writer {i}".encode())
+
+    with ThreadPoolExecutor(6) as ex:
+        results = list(ex.map(racer, range(6)))
+    assert sum(results) == 1
+    assert store.read("m/race.json") == f"writer {results.index(True)}".encode()
+    # No temp files left behind.
+    assert [f.name for f in store.list("m")] == ["a.json", "race.json"]
+
+
+def test_basic_operations_and_uri(store: Storage) -> None:
+    store.write("pol/_staging/s.parquet", b"abc")
+    store.write("pol/_staging/s.parquet", b"abcd")  # replace
+    assert store.read("pol/_staging/s.parquet") == b"abcd"
+    assert store.exists("pol/_staging/s.parquet") and not store.exists("pol/s.parquet")
+    store.move("pol/_staging/s.parquet", "pol/s.parquet")
+    assert not store.exists("pol/_staging/s.parquet")
+    files = [f for f in store.list("pol") if not f.is_dir]
+    assert [(f.path, f.size) for f in files] == [("pol/s.parquet", 4)]
+    assert files[0].mtime is not None and abs(files[0].mtime - time.time()) < 120
+    assert [f.path for f in store.list("", recursive=True) if not f.is_dir] == ["pol/s.parquet"]
+    assert store.list("does/not/exist") == []
+    with pytest.raises(FileNotFoundError):
+        store.read("nope")
+    with pytest.raises(FileNotFoundError):
+        store.move("nope", "nope2")
+    # uri() is something pyarrow opens by itself.
+    uri = store.uri("pol/s.parquet")
+    fs, p = pafs.FileSystem.from_uri(uri) if "://" in uri else (pafs.LocalFileSystem(), uri)
+    with fs.open_input_stream(p) as f:
+        assert f.read() == b"abcd"
+    assert store.delete("pol/s.parquet") is True
+    assert store.delete("pol/s.parquet") is False
+    with pytest.raises(ValueError):
+        store.read("../escape")
+
+
+def test_from_uri_variants(tmp_path: Path, local_s3, monkeypatch) -> None:
+    a = Storage.from_uri(f"file://{tmp_path}/x")
+    b = Storage.from_uri(str(tmp_path / "x"))
+    assert a.kind == b.kind == "local" and a.base == b.base == str(tmp_path / "x")
+    assert a.uri("p/q") == str(tmp_path / "x" / "p" / "q")
+    # Explicit S3FileSystem + base, no AWS_* environment at all: the boto3 client for
+    # conditional puts is configured from the filesystem.
+    for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(k, raising=False)
+    bucket = _bucket(local_s3)
+    s = Storage(local_s3.filesystem(), f"{bucket}/root")
+    assert s.kind == "s3" and s.conditional_writes
+    assert s.create_once("k", b"1") is True and s.create_once("k", b"2") is False
+    assert s.uri("k") == f"s3://{bucket}/root/k"
+    # SubTreeFileSystem is unwrapped.
+    sub = Storage(pafs.SubTreeFileSystem(f"{bucket}/root", local_s3.filesystem()), "")
+    assert sub.kind == "s3" and sub.read("k") == b"1"
+
+
+# --------------------------------------------------------------- manifest JSON
+
+
+def test_entry_json_roundtrip_and_validation() -> None:
+    e, _ = make_entry(["a", "b"])
+    e = e.with_commit(seq=3, epoch=2, writer="h:1:u")
+    assert parse_entry(e.to_json()) == e
+    assert ShardEntry.from_json(e.to_json().encode()) == e
+    c = ClaimEntry(seq=0, epoch=1, writer="h:1:u")
+    assert ClaimEntry.from_json(c.to_json()) == c
+    good = json.loads(e.to_json())
+    bad_cases = {
+        "unknown type": {**good, "type": "checkpoint"},
+        "unknown field": {**good, "extra": 1},
+        "missing field": {k: v for k, v in good.items() if k != "sha256"},
+        "bool as int": {**good, "partition": True},
+        "bad sha": {**good, "sha256": "xyz"},
+        "count mismatch": {**good, "episodes": 5},
+        "duplicate ids": {**good, "episode_ids": ["a", "a"]},
+        "path escape": {**good, "path": "../x.parquet"},
+        "offsets": {**good, "first_offset": 10, "last_offset": 9},
+        "epoch 0": {**good, "epoch": 0},
+    }
+    for what, d in bad_cases.items():
+        with pytest.raises(ManifestError):
+            parse_entry(json.dumps(d))
+            pytest.fail(what)
+    for raw in (b"not json", b"[1, 2]", b"\xff\xfe"):
+        with pytest.raises(ManifestError):
+            parse_entry(raw)
+    with pytest.raises(ManifestError):
+        ShardEntry.from_json(c.to_json())
+    with pytest.raises(ManifestError):  # an entry without seq/epoch cannot be written
+        make_entry(["a"])[0].to_json()
+
+
+# ------------------------------------------------------------------ the log
+
+
+def test_claim_epochs_increase(store: Storage) -> None:
+    logs = [PartitionLog(store, TOPIC, 3) for _ in range(3)]
+    assert [lg.claim(f"w{i}") for i, lg in enumerate(logs)] == [1, 2, 3]
+    fresh = PartitionLog(store, TOPIC, 3)
+    entries = fresh.load()
+    assert [(e.seq, e.epoch, e.writer) for e in entries] == [(0, 1, "w0"), (1, 2, "w1"), (2, 3, "w2")]
+    assert fresh.max_epoch == 3 and fresh.next_seq == 3 and fresh.epoch is None
+    assert store.exists(entry_path(TOPIC, 3, 2))
+    assert fresh.claim("w3") == 4
+    # Other partitions are separate logs.
+    assert PartitionLog(store, TOPIC, 4).claim("x") == 1
+
+
+def test_zombie_writer_is_fenced(store: Storage) -> None:
+    a = PartitionLog(store, TOPIC, 0)
+    assert a.claim("A") == 1
+    commit(store, a, ["e1"])
+    b = PartitionLog(store, TOPIC, 0)
+    assert b.claim("B") == 2  # B gets the partition; A does not know yet
+    assert b.committed_episode_ids() == {"e1"}
+    e, data = make_entry(["e2"], first=10, last=19)
+    store.write(e.staging_path, data)  # A staged a shard...
+    with pytest.raises(FencedError) as exc:
+        a.append_shard(e)  # ...but cannot commit it
+    assert exc.value.epoch == 1 and exc.value.newer_epoch == 2 and exc.value.newer_writer == "B"
+    with pytest.raises(FencedError):
+        a.append_shard(e)  # stays fenced (from its cache, no storage round trip needed)
+    e2 = commit(store, b, ["e2"], first=10, last=19)
+    assert (e2.seq, e2.epoch, e2.writer) == (3, 2, "B")
+    shards = PartitionLog(store, TOPIC, 0)
+    shards.load()
+    assert [s.episode_ids for s in shards.shard_entries()] == [("e1",), ("e2",)]
+    assert shards.max_offset() == 19
+
+
+def test_conflict_with_own_epoch_and_duplicates(store: Storage) -> None:
+    log = PartitionLog(store, TOPIC, 1)
+    epoch = log.claim("W")
+    commit(store, log, ["a"])
+    # An earlier append of ours failed ambiguously (StorageError) but did land:
+    landed, _ = make_entry(["b", "c"], partition=1)
+    landed = landed.with_commit(seq=log.next_seq, epoch=epoch, writer="W")
+    assert store.create_once(entry_path(TOPIC, 1, landed.seq), landed.to_json().encode())
+    retry, _ = make_entry(["b", "c", "d"], partition=1)
+    with pytest.raises(ConflictError) as exc:
+        log.append_shard(retry)
+    assert [x.seq for x in exc.value.entries] == [landed.seq]
+    assert exc.value.duplicate_episode_ids == {"b", "c"}
+    # The caller drops committed ids and retries: lands after the unseen entry.
+    e = commit(store, log, ["d"])
+    assert e.seq == landed.seq + 1
+    # Repeating committed ids is refused up front, with the entries holding them.
+    again, _ = make_entry(["a", "z"], partition=1)
+    with pytest.raises(ConflictError) as exc:
+        log.append_shard(again)
+    assert exc.value.duplicate_episode_ids == {"a"} and exc.value.entries[0].episode_ids == ("a",)
+    assert log.committed_episode_ids() == {"a", "b", "c", "d"}
+    with pytest.raises(RuntimeError):  # must claim before appending
+        PartitionLog(store, TOPIC, 1).append_shard(make_entry(["q"], partition=1)[0])
+
+
+def test_concurrent_appends_one_writer(store: Storage) -> None:
+    log = PartitionLog(store, TOPIC, 2)
+    log.claim("W")
+
+    def append(i: int) -> int:
+        return log.append_shard(make_entry([f"ep-{i}"], partition=2)[0]).seq
+
+    with ThreadPoolExecutor(4) as ex:
+        seqs = list(ex.map(append, range(16)))
+    assert sorted(seqs) == list(range(1, 17))
+    check = PartitionLog(store, TOPIC, 2)
+    check.load()
+    assert sorted(e.episode_ids[0] for e in check.shard_entries()) == sorted(f"ep-{i}" for i in range(16))
+
+
+def test_concurrent_writers_fence_each_other(store: Storage) -> None:
+    """Writers in threads keep re-claiming (as if the group rebalanced constantly):
+    every append that returned is in the log exactly once, nothing else is, and no
+    shard is ever committed under an epoch older than the latest claim before it."""
+    n_writers, per_writer = 4, 4
+    barrier = threading.Barrier(n_writers)
+
+    def writer(w: int) -> tuple[list[str], int]:
+        log = PartitionLog(store, TOPIC, 7)
+        barrier.wait()
+        log.claim(f"w{w}")
+        done, fenced = [], 0
+        for j in range(per_writer):
+            e = make_entry([f"w{w}-{j}"], partition=7)[0]
+            while True:
+                try:
+                    done.append(log.append_shard(e).episode_ids[0])
+                    break
+                except FencedError:
+                    fenced += 1
+                    log.claim(f"w{w}")
+        return done, fenced
+
+    with ThreadPoolExecutor(n_writers) as ex:
+        results = list(ex.map(writer, range(n_writers)))
+    committed = [eid for done, _ in results for eid in done]
+    assert len(committed) == n_writers * per_writer
+
+    log = PartitionLog(store, TOPIC, 7)
+    entries = log.load()  # raises on gaps
+    ids = [e.episode_ids[0] for e in entries if isinstance(e, ShardEntry)]
+    assert sorted(ids) == sorted(committed)  # none lost, none duplicated, none extra
+    current = 0
+    for e in entries:
+        if isinstance(e, ClaimEntry):
+            assert e.epoch > current
+            current = e.epoch
+        else:
+            assert e.epoch == current
+    problems = verify(store)  # no shard files were written: only "missing" may be reported
+    assert len(problems) == len(committed) and all("published file missing" in p for p in problems)
+
+
+# ------------------------------------------------------- crash points, gc, recover
+
+
+def test_crash_before_entry_is_garbage_after_grace(store: Storage) -> None:
+    log = PartitionLog(store, TOPIC, 0)
+    log.claim("W")
+    kept = commit(store, log, ["a"])
+    unpublished = commit(store, log, ["b"], publish=False)  # crash after the entry: keep staging
+    orphan, data = make_entry(["c"])
+    store.write(orphan.staging_path, data)  # crash after staging, before the entry
+    store.write(f"pol/{orphan.path.rsplit('/', 1)[1]}.x", b"not ours")  # not *.parquet: left alone
+    store.write("notes/readme.txt", b"not a policy dir")
+    # A published shard's staging copy (publish = copy + delete interrupted) is garbage too.
+    store.write(kept.staging_path, b"leftover")
+
+    assert gc(store, older_than_s=3600) == []  # too young
+    future = time.time() + 7200
+    assert gc(store, older_than_s=3600, dry_run=True, now=future) == sorted([orphan.staging_path,
+                                                                              kept.staging_path])
+    assert store.exists(orphan.staging_path)  # dry run deletes nothing
+    assert gc(store, older_than_s=3600, now=future) == sorted([orphan.staging_path, kept.staging_path])
+    assert not store.exists(orphan.staging_path) and not store.exists(kept.staging_path)
+    assert store.exists(kept.path) and store.exists(unpublished.staging_path)
+    assert store.exists("notes/readme.txt")
+    assert len(PartitionLog(store, TOPIC, 0).load()) == 3  # manifest untouched
+
+
+def test_crash_after_entry_is_rolled_forward(store: Storage) -> None:
+    old = PartitionLog(store, TOPIC, 5)
+    old.claim("old")
+    done = commit(store, old, ["a", "b"], first=0, last=9)
+    pending = commit(store, old, ["c"], first=10, last=12, publish=False)  # crash before publish
+    policy_dir = store.uri("pol")
+
+    def visible() -> set[str]:  # what a stock reader of the policy dir sees (skips _staging)
+        if "://" in policy_dir:
+            fs, p = pafs.FileSystem.from_uri(policy_dir)
+            ds = pads.dataset(p, filesystem=fs, format="parquet")
+        else:
+            ds = pads.dataset(policy_dir, format="parquet")
+        return set(ds.to_table(columns=["episode_id"]).column("episode_id").to_pylist())
+
+    assert visible() == {"a", "b"}  # the unpublished shard is not visible yet
+    new = PartitionLog(store, TOPIC, 5)
+    new.claim("new")
+    assert new.recover() == 1
+    assert store.exists(pending.path) and not store.exists(pending.staging_path)
+    assert visible() == {"a", "b", "c"}
+    assert new.recover() == 0  # idempotent
+    assert old.publish(pending) is False  # a zombie finishing its publish late is harmless
+    assert store.exists(done.path)
+    assert verify(store) == []
+
+
+# ------------------------------------------------------------ inspect / verify
+
+
+def test_inspect_and_verify(store: Storage) -> None:
+    p0, p1 = PartitionLog(store, TOPIC, 0), PartitionLog(store, TOPIC, 1)
+    p0.claim("W")
+    p1.claim("W")
+    good = commit(store, p0, ["a", "b"], first=0, last=9)
+    lost = commit(store, p0, ["c"], first=10, last=19, policy="other")
+    corrupt = commit(store, p0, ["d"], first=20, last=29)
+    dup = commit(store, p1, ["b", "e"], first=0, last=5)  # "b" again, via another partition
+
+    doc = inspect(store)
+    assert doc["totals"] == manifest_totals(read_manifest(store))
+    assert doc["totals"]["shards"] == 4 and doc["totals"]["episodes"] == 6 and doc["totals"]["steps"] == 30
+    assert doc["totals"]["policies"]["other"]["episodes"] == 1
+    assert [s["path"] for s in doc["shards"]] == [store.uri(e.path) for e in (good, lost, corrupt, dup)]
+    assert {k for k in doc["shards"][0]} >= {"path", "partition", "first_offset", "last_offset", "episodes",
+                                             "steps", "bytes", "policy_id", "commit_time"}
+    problems = verify(store)
+    assert len(problems) == 1 and "duplicate episode id 'b'" in problems[0]
+    summary = episode_summary(store)
+    assert summary["length"] == {"count": 6, "mean": 5.0, "min": 5.0, "max": 5.0}
+
+    store.delete(lost.path)
+    data = store.read(corrupt.path)
+    store.write(corrupt.path, data[:-1] + bytes([data[-1] ^ 1]))  # same size, different bytes
+    problems = verify(store)
+    assert len(problems) == 3, problems
+    assert any("published file missing" in p and lost.path in p for p in problems)
+    assert any("sha256" in p and corrupt.path in p for p in problems)
+    assert any("duplicate episode id 'b'" in p for p in problems)
+
+    def decode(data: bytes, entry: ShardEntry) -> tuple[int, int]:
+        t = pq.read_table(pa.BufferReader(data))
+        return t.num_rows, 4 * t.num_rows  # pretend one step per episode was lost
+
+    problems = verify(store, decode_check=decode)
+    assert sum("decoded" in p for p in problems) == 2  # good and dup (lost/corrupt fail earlier)
+
+
+# ------------------------------------------------------------------ faults
+
+
+class FaultProxy:
+    """HTTP proxy on 127.0.0.1 forwarding to moto.
+
+    ``fail_next(n)``: the next *n* requests get a 503 without reaching moto.
+    ``swallow_next(n)``: the next *n* requests reach moto, but the client gets a
+    503 (an ambiguous failure: the write happened).
+    """
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self._fail = 0
+        self._swallow = 0
+        self.requests = 0
+        self._lock = threading.Lock()
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _body(self) -> bytes:
+                if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+                    chunks = []
+                    while True:
+                        n = int(self.rfile.readline().split(b";")[0].strip(), 16)
+                        if n == 0:
+                            while self.rfile.readline().strip():
+                                pass
+                            return b"".join(chunks)
+                        chunks.append(self.rfile.read(n))
+                        self.rfile.readline()
+                n = int(self.headers.get("Content-Length") or 0)
+                return self.rfile.read(n) if n else b""
+
+            def _reply(self, status: int, headers: list[tuple[str, str]], body: bytes) -> None:
+                self.send_response(status)
+                for k, v in headers:
+                    if k.lower() not in ("transfer-encoding", "content-length", "connection", "server", "date"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(body)
+
+            def _handle(self) -> None:
+                body = self._body()
+                with proxy._lock:
+                    proxy.requests += 1
+                    fail = proxy._fail > 0
+                    proxy._fail -= fail
+                    swallow = not fail and proxy._swallow > 0
+                    proxy._swallow -= swallow
+                err = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>ServiceUnavailable</Code>'
+                       b"<Message>injected by FaultProxy</Message></Error>")
+                if fail:
+                    self._reply(503, [("Content-Type", "application/xml")], err)
+                    return
+                headers = {k: v for k, v in self.headers.items()
+                           if k.lower() not in ("transfer-encoding", "content-length", "connection", "expect")}
+                if body or self.command in ("PUT", "POST"):
+                    headers["Content-Length"] = str(len(body))
+                conn = http.client.HTTPConnection("127.0.0.1", proxy.upstream_port, timeout=30)
+                try:
+                    conn.request(self.command, self.path, body=body, headers=headers)
+                    resp = conn.getresponse()
+                    data = resp.read()
+                finally:
+                    conn.close()
+                if swallow:
+                    self._reply(503, [("Content-Type", "application/xml")], err)
+                elif self.command == "HEAD":
+                    self.send_response(resp.status)
+                    for k, v in resp.getheaders():
+                        if k.lower() not in ("transfer-encoding", "connection", "server", "date"):
+                            self.send_header(k, v)
+                    self.end_headers()
+                else:
+                    self._reply(resp.status, resp.getheaders(), data)
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def fail_next(self, n: int) -> None:
+        with self._lock:
+            self._fail = n
+
+    def swallow_next(self, n: int) -> None:
+        with self._lock:
+            self._swallow = n
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture(scope="module")
+def fault_proxy(local_s3) -> Iterator[FaultProxy]:
+    p = FaultProxy(local_s3.port)
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+@pytest.fixture
+def faulty_store(local_s3, fault_proxy, monkeypatch) -> Storage:
+    for k, v in local_s3.env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{fault_proxy.port}")
+    fault_proxy.fail_next(0)
+    fault_proxy.swallow_next(0)
+    return Storage.from_uri(f"s3://{_bucket(local_s3)}/out", retry=FAST_RETRY)
+
+
+def test_transient_errors_are_retried(faulty_store: Storage, fault_proxy: FaultProxy) -> None:
+    st = faulty_store
+    ops = {
+        "write": lambda: st.write("pol/_staging/x.parquet", b"x" * 1000),
+        "create_once": lambda: st.create_once("m/0.json", b"{}"),
+        "read": lambda: st.read("pol/_staging/x.parquet"),
+        "exists": lambda: st.exists("pol/_staging/x.parquet"),
+        "list": lambda: st.list("pol/_staging"),
+        "move": lambda: st.move("pol/_staging/x.parquet", "pol/x.parquet"),
+        "delete": lambda: st.delete("pol/x.parquet"),
+    }
+    for name, op in ops.items():
+        fault_proxy.fail_next(FAST_RETRY.attempts - 1)  # fails all but the last attempt
+        before = fault_proxy.requests
+        result = op()
+        assert fault_proxy.requests - before >= FAST_RETRY.attempts, name
+        if name == "create_once":
+            assert result is True
+        if name == "read":
+            assert result == b"x" * 1000
+    # The manifest protocol works through a flaky store as well.
+    log = PartitionLog(st, TOPIC, 0)
+    fault_proxy.fail_next(2)
+    assert log.claim("W") == 1
+    fault_proxy.fail_next(3)
+    assert log.append_shard(make_entry(["a"])[0]).seq == 1
+
+
+def test_exhausted_retries_raise_storage_error(faulty_store: Storage, fault_proxy: FaultProxy) -> None:
+    st = faulty_store
+    st.write("f", b"1")
+    for name, op in {
+        "write": lambda: st.write("g", b"2"),
+        "create_once": lambda: st.create_once("h", b"3"),
+        "read": lambda: st.read("f"),
+        "list": lambda: st.list(""),
+    }.items():
+        fault_proxy.fail_next(10_000)
+        before = fault_proxy.requests
+        t0 = time.monotonic()
+        with pytest.raises(StorageError) as exc:
+            op()
+        assert exc.value.attempts == FAST_RETRY.attempts, name
+        assert fault_proxy.requests - before == FAST_RETRY.attempts, name  # bounded: no hidden retries
+        assert time.monotonic() - t0 < 5, name
+    fault_proxy.fail_next(0)
+    assert not st.exists("h") and st.read("f") == b"1"
+
+
+def test_ambiguous_conditional_put_is_resolved(faulty_store: Storage, fault_proxy: FaultProxy) -> None:
+    st = faulty_store
+    fault_proxy.swallow_next(1)  # the PUT lands, the client sees 503, retries, gets 412
+    assert st.create_once("m/amb.json", b"mine") is True
+    fault_proxy.swallow_next(1)
+    assert st.create_once("m/amb.json", b"other") is False  # exists with other bytes
+    # Same through the log: the appended entry is reported as committed exactly once.
+    log = PartitionLog(st, TOPIC, 0)
+    log.claim("W")
+    fault_proxy.swallow_next(1)
+    e = log.append_shard(make_entry(["x"])[0])
+    fresh = PartitionLog(st, TOPIC, 0)
+    fresh.load()
+    assert [s.episode_ids for s in fresh.shard_entries()] == [("x",)] and e.seq == 1
+
+
+def test_unreachable_storage_raises_storage_error(tmp_path: Path, monkeypatch) -> None:
+    from rlrec.local import free_port
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nobody listens
+    for k, v in {"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "x", "AWS_REGION": "us-east-1",
+                 "AWS_EC2_METADATA_DISABLED": "true"}.items():
+        monkeypatch.setenv(k, v)
+    st = Storage.from_uri("s3://nobody-home/x", retry=RetryPolicy(attempts=2, base_delay=0.001, max_delay=0.002))
+    with pytest.raises(StorageError):
+        st.create_once("a", b"1")
+    with pytest.raises(StorageError):
+        st.read("a")
+
+
+# ----------------------------------------------------------------------- CLI
+
+
+def _run_cli(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "rlrec", *args], capture_output=True, text=True, timeout=60,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_cli_inspect_json_and_verify(store: Storage, local_s3) -> None:
+    log = PartitionLog(store, TOPIC, 0)
+    log.claim("W")
+    e = commit(store, log, ["a", "b"])
+    uri = store.uri("")
+    env = local_s3.env() if store.kind == "s3" else {}
+
+    r = _run_cli(["inspect", uri, "--json"], env)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)  # stdout is exactly one JSON document
+    assert doc["totals"]["episodes"] == 2 and doc["shards"][0]["path"] == store.uri(e.path)
+    assert doc["episode_summary"]["episode_return"]["mean"] == 2.5
+
+    store.delete(e.path)
+    r = _run_cli(["inspect", uri, "--json", "--verify"], env)
+    assert r.returncode == 1
+    doc = json.loads(r.stdout)
+    assert len(doc["problems"]) == 1 and "missing" in doc["problems"][0]
+
+
+def test_cli_gc_dry_run_and_human_inspect(tmp_path: Path, capsys) -> None:
+    from rlrec.cli import main
+    from rlrec.commands.gc import parse_duration
+
+    assert [parse_duration(s) for s in ("90", "90s", "15m", "1.5h", "2d")] == [90, 90, 900, 5400, 172800]
+    store = Storage.from_uri(str(tmp_path / "out"))
+    log = PartitionLog(store, TOPIC, 0)
+    log.claim("W")
+    commit(store, log, ["a"])
+    orphan, data = make_entry(["z"])
+    store.write(orphan.staging_path, data)
+    old = time.time() - 7200
+    os.utime(store.full_path(orphan.staging_path), (old, old))
+
+    assert main(["gc", store.uri(""), "--older-than", "3h", "--dry-run"]) == 0
+    assert capsys.readouterr().out == ""
+    assert main(["gc", store.uri(""), "--older-than", "1h", "--dry-run"]) == 0
+    assert capsys.readouterr().out.split() == [store.uri(orphan.staging_path)]
+    assert store.exists(orphan.staging_path)
+    assert main(["gc", store.uri(""), "--older-than", "1h"]) == 0
+    assert capsys.readouterr().out.split() == [store.uri(orphan.staging_path)]
+    assert not store.exists(orphan.staging_path)
+
+    assert main(["inspect", store.uri(""), "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert "totals" in out and "no problems" in out and "episode_return" in out

@@ -1,0 +1,146 @@
+"""End to end: EpisodeRecorder -> real broker -> RecorderConsumer -> local dir and S3 -> episodes."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import pytest
+from confluent_kafka import Consumer, TopicPartition
+
+from consumer.maintenance import verify
+from consumer.manifest import read_manifest
+from consumer.service import ConsumerConfig, RecorderConsumer
+from consumer.shards import read_episodes
+from consumer.storage import Storage
+from producer import EpisodeRecorder
+from tests.helpers import ACT_SPACE, OBS_SPACE, assert_episode_matches, record_episodes, wait_for
+
+pytestmark = pytest.mark.broker
+
+FAST = {"session.timeout.ms": 2000, "heartbeat.interval.ms": 500, "topic.metadata.refresh.interval.ms": 3000}
+
+
+def run_consumer(cfg: ConsumerConfig, storage: Storage | None = None):
+    c = RecorderConsumer(cfg, storage)
+    t = threading.Thread(target=c.run, kwargs={"install_signals": False}, daemon=True)
+    t.start()
+    return c, t
+
+
+def committed_episodes(storage: Storage) -> int:
+    return sum(e.episodes for e in read_manifest(storage))
+
+
+def read_all(storage: Storage) -> dict:
+    out = {}
+    for e in read_manifest(storage):
+        for ep in read_episodes(storage.read(e.path)):
+            assert ep.id_ not in out, f"episode {ep.id_} committed twice"
+            out[ep.id_] = (ep, e)
+    return out
+
+
+def drain_dlq(bootstrap: str, topic: str, timeout: float = 4.0) -> list:
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"dlq-{uuid.uuid4().hex[:6]}",
+                  "auto.offset.reset": "earliest", **FAST})
+    c.subscribe([f"{topic}.dlq"])
+    out = []
+    deadline = time.time() + timeout + 3
+    while time.time() < deadline:
+        m = c.poll(0.5)
+        if m is None or m.error():
+            continue
+        out.append(m)
+    c.close()
+    return out
+
+
+def _recorders(bootstrap, topic):
+    kw = dict(topic=topic, observation_space=OBS_SPACE, action_space=ACT_SPACE, env_id="synthetic")
+    return (EpisodeRecorder(bootstrap, policy_id="pol-a", **kw), EpisodeRecorder(bootstrap, policy_id="pol-b", **kw))
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_recorded_episodes_land_exactly_once(where, broker, topic, tmp_path, local_s3, monkeypatch):
+    if where == "s3":
+        bucket = local_s3.create_bucket(f"e2e-{uuid.uuid4().hex[:8]}")
+        for k, v in local_s3.env().items():
+            monkeypatch.setenv(k, v)
+        output = f"s3://{bucket}/exp"
+    else:
+        output = str(tmp_path / "out")
+    ra, rb = _recorders(broker.bootstrap_servers, topic)
+    truth = record_episodes(ra, 30, seed=1, abort_every=7, delayed_every=5)
+    truth.update(record_episodes(rb, 20, seed=2))
+    assert ra.flush(10) == 0 and rb.flush(10) == 0
+    cfg = ConsumerConfig(bootstrap_servers=broker.bootstrap_servers, output=output, topic=topic,
+                         group_id=f"g-{uuid.uuid4().hex[:6]}", max_file_age_s=0.5, commit_interval_s=0.5,
+                         kafka_config=FAST, create_topics=False)
+    storage = Storage.from_uri(output)
+    c, t = run_consumer(cfg, storage)
+    try:
+        wait_for(lambda: committed_episodes(storage) >= len(truth), 40, what="all episodes committed")
+        # a second wave after the first commit goes to new shards
+        more = record_episodes(ra, 10, seed=3)
+        ra.flush(10)
+        truth.update(more)
+        wait_for(lambda: committed_episodes(storage) >= len(truth), 30, what="second wave committed")
+    finally:
+        c.stop()
+        t.join(30)
+        messages = ra.stats.messages_produced + rb.stats.messages_produced
+        ra.close()
+        rb.close()
+    assert not t.is_alive()
+    got = read_all(storage)
+    assert set(got) == set(truth)
+    for eid, (ep, entry) in got.items():
+        assert_episode_matches(ep, truth[eid])
+        assert entry.policy_id == truth[eid].policy_id == ep.custom_data["policy_id"]
+    # layout: {output}/{policy_id}/..., names from topic+partition+offsets
+    for e in read_manifest(storage):
+        assert e.path.startswith(f"{e.policy_id}/{topic}+{e.partition:05d}+")
+        assert storage.exists(e.path)
+    assert verify(storage) == []
+    assert drain_dlq(broker.bootstrap_servers, topic) == []
+    # offsets were committed past everything: nothing is left to replay
+    k = Consumer({"bootstrap.servers": broker.bootstrap_servers, "group.id": cfg.group_id, **FAST})
+    committed = k.committed([TopicPartition(topic, p) for p in range(4)], timeout=10)
+    k.close()
+    assert sum(max(tp.offset, 0) for tp in committed) == messages
+
+
+def test_restart_replays_without_duplicates(broker, topic, tmp_path):
+    """Stop after a partial commit, restart with the same group: no episode twice, none lost."""
+    output = str(tmp_path / "out")
+    ra, _ = _recorders(broker.bootstrap_servers, topic)
+    # open (unfinished) episodes hold the committed offset back: they must be replayed
+    open_ids = [ra.begin_episode(OBS_SPACE.sample()) for _ in range(3)]
+    for eid in open_ids:
+        ra.log_step(eid, 0, 1.0, OBS_SPACE.sample())
+    truth = record_episodes(ra, 25, seed=4)
+    ra.flush(10)
+    cfg = ConsumerConfig(bootstrap_servers=broker.bootstrap_servers, output=output, topic=topic,
+                         group_id=f"g-{uuid.uuid4().hex[:6]}", max_file_age_s=0.3, commit_interval_s=0.3,
+                         kafka_config=FAST, create_topics=False)
+    storage = Storage.from_uri(output)
+    c, t = run_consumer(cfg, storage)
+    wait_for(lambda: committed_episodes(storage) >= 25, 40, what="first run committed")
+    c.stop()
+    t.join(30)
+    # finish the open episodes; the restarted consumer replays from before their starts
+    for eid in open_ids:
+        ra.log_step(eid, 1, 1.0, OBS_SPACE.sample(), terminated=True)
+    ra.flush(10)
+    c2, t2 = run_consumer(cfg, storage)
+    try:
+        wait_for(lambda: committed_episodes(storage) >= 28, 40, what="replayed episodes committed")
+    finally:
+        c2.stop()
+        t2.join(30)
+        ra.close()
+    got = read_all(storage)
+    assert set(got) == set(truth) | set(open_ids)
+    assert c2.metrics.episodes_committed._value.get() == 3  # only the 3 replayed ones were new

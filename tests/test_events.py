@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import base64
-import io
 import json
 import math
 import pickle
-from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np

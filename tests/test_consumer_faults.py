@@ -58,12 +58,15 @@ def test_kill9_at_random_moments_loses_and_duplicates_nothing(broker, topic, tmp
                           action_space=ACT_SPACE)
     truth: dict = {}
     done = threading.Event()
+    kills_done = threading.Event()
 
     def produce():
-        for wave in range(20):
+        for wave in range(60):  # until the kills are done (at least 10 waves)
+            if wave >= 10 and kills_done.is_set():
+                break
             truth.update(record_episodes(rec, 100, seed=100 + wave, min_len=2, max_len=12, abort_every=9,
                                          delayed_every=11))
-            time.sleep(0.4)
+            time.sleep(0.5)
         rec.flush(30)
         done.set()
 
@@ -75,11 +78,15 @@ def test_kill9_at_random_moments_loses_and_duplicates_nothing(broker, topic, tmp
     proc = subprocess.Popen(_consume_cmd(cfg), stdout=log, stderr=log)
     try:
         while kills < 5:
-            time.sleep(rng.uniform(1.5, 3.5))
+            # each kill lands on a consumer that has committed something, at a random moment after
+            seen = committed_episodes(storage)
+            wait_for(lambda: committed_episodes(storage) > seen, 60, interval=0.1, what="a commit before the kill")
+            time.sleep(rng.uniform(0.0, 1.0))
             proc.send_signal(signal.SIGKILL)
             proc.wait(10)
             kills += 1
             proc = subprocess.Popen(_consume_cmd(cfg), stdout=log, stderr=log)
+        kills_done.set()
         done.wait(120)
         wait_for(lambda: committed_episodes(storage) >= len(truth), 90, interval=1, what="all episodes committed")
     finally:
@@ -91,7 +98,7 @@ def test_kill9_at_random_moments_loses_and_duplicates_nothing(broker, topic, tmp
         rec.close()
     got = read_all(storage)  # asserts that no episode is in two shards
     assert set(got) == set(truth)
-    assert len(truth) == 2000 and kills == 5
+    assert len(truth) >= 1000 and kills == 5
     for eid, (ep, _entry) in got.items():
         assert np.allclose(np.asarray(ep.get_rewards()), truth[eid].rewards, rtol=0, atol=1e-12), eid
 

@@ -105,6 +105,7 @@ class RecorderConsumer:
         self._paused: set[int] = set()
         self._committed: dict[int, int] = {}
         self._last_commit = 0.0
+        self._last_lag = 0.0
         self.consumer: Consumer | None = None
         self.dlq: Producer | None = None
         self.last_loop_at = time.time()
@@ -329,6 +330,9 @@ class RecorderConsumer:
         self._update_gauges()
         if now - self._last_commit >= cfg.commit_interval_s:
             self._commit()
+        if now - self._last_lag >= 10.0:
+            self._last_lag = now
+            self._report_lag()
 
     def _enforce_capacity(self) -> None:
         cfg = self.config
@@ -428,6 +432,20 @@ class RecorderConsumer:
             return
         for tp in offsets:
             self._committed[tp.partition] = tp.offset
+
+    def _report_lag(self) -> None:
+        """Lag = high watermark - position, where the broker reports watermarks (Tansu's are
+        wrong: the figure is informational and nothing depends on it)."""
+        try:
+            tps = self.consumer.position([TopicPartition(self.config.topic, p) for p in self.writers])
+            for tp in tps:
+                if tp.offset < 0:
+                    continue
+                _low, high = self.consumer.get_watermark_offsets(tp, timeout=1.0, cached=False)
+                if high >= tp.offset:
+                    self.metrics.lag.labels(str(tp.partition)).set(high - tp.offset)
+        except KafkaException as e:
+            log.debug("lag not available: %s", e)
 
     def _update_gauges(self) -> None:
         self.metrics.open_episodes.set(sum(len(w.assembler.open) for w in self.writers.values() if w.assembler))

@@ -6,6 +6,7 @@ import threading
 import time
 import uuid
 
+import numpy as np
 import pytest
 from confluent_kafka import Consumer, TopicPartition
 
@@ -144,3 +145,58 @@ def test_restart_replays_without_duplicates(broker, topic, tmp_path):
     got = read_all(storage)
     assert set(got) == set(truth) | set(open_ids)
     assert c2.metrics.episodes_committed._value.get() == 3  # only the 3 replayed ones were new
+
+
+@pytest.mark.slow
+def test_stock_rllib_bc_trains_on_consumer_shards(broker, topic, tmp_path):
+    """Stock, unmodified BC reads {output}/{policy_id} (committed shards only) and trains 2 iterations."""
+    import gymnasium as gym
+    import ray
+    from ray.rllib.algorithms.bc import BCConfig
+
+    from producer import RecordingWrapper
+
+    output = tmp_path / "out"
+    env = gym.make("CartPole-v1")
+    rec = EpisodeRecorder(broker.bootstrap_servers, topic=topic, policy_id="expert",
+                          observation_space=env.observation_space, action_space=env.action_space, env_id="CartPole-v1")
+    wrapped = RecordingWrapper(env, rec)
+    for i in range(20):
+        obs, _ = wrapped.reset(seed=i)
+        done = False
+        while not done:
+            wrapped.set_model_outputs({"action_logp": np.float32(-0.05)})
+            obs, _, te, tr, _ = wrapped.step(int(obs[2] + 0.5 * obs[3] > 0))
+            done = te or tr
+    rec.close()
+    storage = Storage.from_uri(str(output))
+    cfg = ConsumerConfig(bootstrap_servers=broker.bootstrap_servers, output=str(output), topic=topic,
+                         group_id=f"g-{uuid.uuid4().hex[:6]}", max_file_age_s=0.3, kafka_config=FAST,
+                         create_topics=False)
+    c, t = run_consumer(cfg, storage)
+    try:
+        wait_for(lambda: committed_episodes(storage) >= 20, 40, what="episodes committed")
+    finally:
+        c.stop()
+        t.join(30)
+    # a staged, uncommitted leftover must not be read by stock RLlib
+    (output / "expert" / "_staging").mkdir(exist_ok=True)
+    (output / "expert" / "_staging" / "junk.parquet").write_bytes(b"not parquet")
+    ray.init(num_cpus=4, include_dashboard=False, ignore_reinit_error=True)
+    try:
+        config = (
+            BCConfig()
+            .environment(observation_space=env.observation_space, action_space=env.action_space)
+            .offline_data(input_=[str(output / "expert")], input_read_episodes=True,
+                          map_batches_kwargs={"concurrency": 1}, dataset_num_iters_per_learner=2)
+            .training(train_batch_size_per_learner=256)
+        )
+        algo = config.build()
+        results = [algo.train() for _ in range(2)]
+        learner = results[-1]["learners"]["default_policy"]
+        assert np.isfinite(learner["policy_loss"])
+        assert results[-1]["learners"]["__all_modules__"]["num_env_steps_trained_lifetime"] > 0
+        algo.offline_data.batch_iterators = None
+        algo.stop()
+    finally:
+        ray.shutdown()

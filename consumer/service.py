@@ -76,6 +76,7 @@ class ConsumerConfig:
     max_message_bytes: int = 8 * 1024 * 1024
     dlq_max_message_bytes: int = 900_000
     commit_interval_s: float = 5.0
+    schema_registry_url: str | None = None
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
     kafka_config: dict[str, Any] = field(default_factory=dict)
@@ -109,6 +110,12 @@ class RecorderConsumer:
         self.consumer: Consumer | None = None
         self.dlq: Producer | None = None
         self.last_loop_at = time.time()
+        self.metrics_port: int | None = None  # the port /metrics is served on, once run() started it
+        self.registry = None
+        if config.schema_registry_url:
+            from producer.registry import SchemaRegistry
+
+            self.registry = SchemaRegistry(config.schema_registry_url)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -125,6 +132,7 @@ class RecorderConsumer:
         if cfg.metrics_port is not None:
             port = self.metrics.serve(cfg.metrics_port, healthy=lambda: time.time() - self.last_loop_at < 60,
                                       host=cfg.metrics_host)
+            self.metrics_port = port
             log.info("metrics on http://127.0.0.1:%d/metrics (and /healthz)", port)
         conf = {
             "bootstrap.servers": cfg.bootstrap_servers,
@@ -268,7 +276,7 @@ class RecorderConsumer:
         value = m.value()
         self.metrics.bytes_in.inc(len(value) if value else 0)
         try:
-            event = decode(value, m.headers(), max_bytes=self.config.max_message_bytes)
+            event = decode(value, m.headers(), max_bytes=self.config.max_message_bytes, registry=self.registry)
         except DecodeError as e:
             self._dead_letter(m, DeadLetter(e.reason, e.detail, m.offset()))
             w.assembler.next_offset = m.offset() + 1

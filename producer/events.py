@@ -49,6 +49,7 @@ __all__ = [
     "loads_info",
     "check_leaves",
     "schema_header",
+    "schema_version",
     "load_schemas",
 ]
 
@@ -103,6 +104,11 @@ def _latest() -> dict[str, tuple[int, dict]]:
         if kind not in latest or v > latest[kind][0]:
             latest[kind] = (v, s)
     return latest
+
+
+def schema_version(kind: str) -> int:
+    """The newest shipped version of an event kind (what producers write)."""
+    return _latest()[kind][0]
 
 
 def schema_header(kind: str) -> list[tuple[str, bytes]]:
@@ -353,17 +359,32 @@ def _id(s: str, what: str = "episode_id") -> str:
     return s
 
 
-def decode(value: bytes, headers: Any = None, *, max_bytes: int | None = None) -> Event:
+def _has_header(headers: Any) -> bool:
+    if not headers:
+        return False
+    items = headers.items() if isinstance(headers, Mapping) else headers
+    return any(k == SCHEMA_HEADER for k, _ in items)
+
+
+def decode(value: bytes, headers: Any = None, *, max_bytes: int | None = None, registry: Any = None) -> Event:
     """Decode one Kafka message value (with its headers) into an event, or raise `DecodeError`.
 
     Checks structure (schema, dtypes, shapes, step counts, finite rewards, JSON infos, spaces).
     Whether a step batch matches its episode's spaces needs the episode: see `check_leaves`.
+    With `registry` (a `producer.registry.SchemaRegistry`), values without the rlrec-schema
+    header are read as Confluent-framed.
     """
     if value is None:
         raise DecodeError("malformed", "empty (tombstone) message")
     if max_bytes is not None and len(value) > max_bytes:
         raise DecodeError("oversize", f"{len(value)} bytes > limit {max_bytes}")
-    kind, version = _parse_header(headers)
+    if registry is not None and not _has_header(headers):  # Confluent framing (producer.registry)
+        from producer.registry import unframe
+
+        schema_id, value = unframe(bytes(value))
+        kind, version = registry.kind_of(schema_id)
+    else:
+        kind, version = _parse_header(headers)
     if kind not in _KINDS:
         raise DecodeError("unknown-schema", f"unknown event kind {kind!r}")
     rec = _read_body(kind, version, bytes(value))

@@ -29,17 +29,14 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 from gymnasium import spaces as gs
 
 from producer.arrays import ALLOWED_DTYPES, array_to_wire
-from producer.events import dumps_info, encode_record, schema_header
+from producer.events import dumps_info, encode_record, schema_header, schema_version
 from producer.spaces import dumps_space, flatten_value, space_leaves
 
 __all__ = ["EpisodeRecorder", "RecorderStats", "RecorderFullError", "RecorderForkedError"]
 
 log = logging.getLogger("rlrec.producer")
 
-_H_START = schema_header("EpisodeStart")
-_H_STEPS = schema_header("StepBatch")
-_H_REWARD = schema_header("RewardDelta")
-_H_ABORT = schema_header("EpisodeAbort")
+_KINDS = ("EpisodeStart", "StepBatch", "RewardDelta", "EpisodeAbort")
 
 _recorders: "weakref.WeakSet[EpisodeRecorder]" = weakref.WeakSet()
 
@@ -173,6 +170,7 @@ class EpisodeRecorder:
         max_batch_bytes: int = 256 * 1024,
         validate_spaces: bool = False,
         on_delivery_error: Callable[[KafkaError, str, int], None] | None = None,
+        schema_registry_url: str | None = None,
     ):
         if observation_space is None or action_space is None:
             raise TypeError("observation_space and action_space are required (the consumer rebuilds episodes with them)")
@@ -196,6 +194,14 @@ class EpisodeRecorder:
         self.validate_spaces = validate_spaces
         self.on_delivery_error = on_delivery_error
 
+        # per kind: (value prefix, headers) - the rlrec-schema header, or Confluent framing
+        if schema_registry_url:
+            from producer.registry import SchemaRegistry, frame
+
+            reg = SchemaRegistry(schema_registry_url)
+            self._wire = {k: (frame(reg.schema_id(k, schema_version(k)), b""), None) for k in _KINDS}
+        else:
+            self._wire = {k: (b"", schema_header(k)) for k in _KINDS}
         self._obs = _Packer(observation_space, "observation")
         self._act = _Packer(action_space, "action")
         # single-leaf spaces: the shape a value must have (None for Dict/Tuple: always flattened)
@@ -282,7 +288,7 @@ class EpisodeRecorder:
                    "env_id": self.env_id, "observation": obs_wire, "info": info_json,
                    "observation_space": self._obs_space_json, "action_space": self._act_space_json,
                    "timestamp_ms": int(time.time() * 1000)}
-            self._send(eid, encode_record("EpisodeStart", rec), _H_START, 1)
+            self._send(eid, encode_record("EpisodeStart", rec), "EpisodeStart", 1)
             self._episodes_begun += 1
             self._episodes[eid] = _Episode(eid, version)
         return eid
@@ -355,7 +361,7 @@ class EpisodeRecorder:
             if not self._admit(None):
                 return
             rec = {"episode_id": episode_id, "t": t, "reward": r, "timestamp_ms": int(time.time() * 1000)}
-            self._send(episode_id, encode_record("RewardDelta", rec), _H_REWARD, 1)
+            self._send(episode_id, encode_record("RewardDelta", rec), "RewardDelta", 1)
 
     def abort_episode(self, episode_id: str, reason: str = "") -> None:
         """End an open episode without a terminal step; the consumer finalizes it as truncated."""
@@ -505,7 +511,7 @@ class EpisodeRecorder:
             self._step_bytes = max(1, len(value) // n)
             self._batch_limit = max(1, min(self.max_batch_steps, self.max_batch_bytes // self._step_bytes))
         try:
-            self._send(ep.id, value, _H_STEPS, n)
+            self._send(ep.id, value, "StepBatch", n)
         except ValueError as e:
             # refused by librdkafka (e.g. larger than message.max.bytes): `_send` took the n records
             # off `buffered`; they are failed, and the episode is aborted as for an encode error
@@ -555,7 +561,7 @@ class EpisodeRecorder:
             self._emit(ep, False, False)
         self._buffered += 1  # aborts always get room: they are what makes partial data usable
         rec = {"episode_id": ep.id, "reason": reason, "timestamp_ms": int(time.time() * 1000)}
-        self._send(ep.id, encode_record("EpisodeAbort", rec), _H_ABORT, 1)
+        self._send(ep.id, encode_record("EpisodeAbort", rec), "EpisodeAbort", 1)
         self._end(ep)
 
     def _abort_dropping(self, ep: _Episode) -> None:
@@ -566,7 +572,7 @@ class EpisodeRecorder:
         ep.steps, ep.reward_adds = [], {}
         self._buffered += 1
         rec = {"episode_id": ep.id, "reason": "dropped", "timestamp_ms": int(time.time() * 1000)}
-        self._send(ep.id, encode_record("EpisodeAbort", rec), _H_ABORT, 1)
+        self._send(ep.id, encode_record("EpisodeAbort", rec), "EpisodeAbort", 1)
 
     def _end(self, ep: _Episode) -> None:
         self._episodes.pop(ep.id, None)
@@ -575,7 +581,10 @@ class EpisodeRecorder:
             for k in list(self._finished)[:5_000]:
                 del self._finished[k]
 
-    def _send(self, key: str, value: bytes, headers: list, records: int) -> None:
+    def _send(self, key: str, value: bytes, kind: str, records: int) -> None:
+        prefix, headers = self._wire[kind]
+        if prefix:
+            value = prefix + value
         cb = partial(self._on_delivery, key, records)
         while True:
             try:

@@ -22,6 +22,7 @@ _EXPORTS = {
     "decode": "producer.events",
     "LocalBroker": "rlrec.local",
     "LocalS3": "rlrec.local",
+    "load_policy": "trainer.policy",
 }
 
 __all__ = sorted(_EXPORTS)

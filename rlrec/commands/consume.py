@@ -34,6 +34,7 @@ OPTIONS: list[tuple[str, type, object, str]] = [
     ("partitions", int, 8, "partitions for topics this command creates"),
     ("max-message-bytes", int, 8 * 1024 * 1024, "messages larger than this are dead-lettered (oversize)"),
     ("commit-interval-s", float, 5.0, "how often offsets are committed when no flush did it"),
+    ("schema-registry-url", str, None, "read Confluent-framed values through this schema registry"),
     ("metrics-port", int, None, "serve Prometheus /metrics and /healthz here (0: pick a free port)"),
     ("metrics-host", str, "127.0.0.1", "interface for the metrics server (0.0.0.0 in containers)"),
     ("max-seconds", float, None, "stop after this many seconds (tests, demos)"),

@@ -1,0 +1,135 @@
+"""Following the consumer's manifest (no Ray): which shards are committed, and their spaces."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from consumer.manifest import MANIFEST_DIR, ManifestError, PartitionLog, ShardEntry
+from consumer.storage import Storage
+from trainer.feed import ShardInfo
+
+__all__ = ["ManifestFollower", "spaces_from_shard"]
+
+log = logging.getLogger("rlrec.trainer")
+
+
+class ManifestFollower:
+    """Incremental reader of the consumer's manifest (`_manifest/{topic}/{partition}/{seq}`).
+
+    `poll()` returns the `ShardInfo`s of shard entries committed since the last poll that pass
+    the filters. Partition logs are discovered by listing the manifest's *directories* every
+    `discover_interval_s`; known logs are refreshed by probing their next sequence numbers only
+    (`PartitionLog.refresh`), so a poll costs one small read per partition.
+    """
+
+    def __init__(self, storage: Storage, *, policy_id: str | None = None,
+                 min_policy_version: int | None = None, max_policy_version: int | None = None,
+                 fmt: str | None = None, discover_interval_s: float = 2.0) -> None:
+        self.storage = storage
+        self.policy_id = policy_id
+        self.min_policy_version = min_policy_version
+        self.max_policy_version = max_policy_version
+        self.fmt = fmt
+        self.discover_interval_s = discover_interval_s
+        self.logs: dict[tuple[str, int], PartitionLog] = {}
+        self._done: dict[tuple[str, int], int] = {}
+        self._last_discover = -1e18
+        self._next_idx = 0
+        self._warned: set[str] = set()
+        self.entries: dict[str, ShardEntry] = {}   # key -> entry (selected shards)
+        self.skipped = 0
+
+    def _discover(self) -> None:
+        for t in self.storage.list(MANIFEST_DIR):
+            if not t.is_dir:
+                continue
+            for p in self.storage.list(t.path):
+                if not p.is_dir or not p.name.isdigit() or len(p.name) != 5:
+                    continue
+                key = (t.name, int(p.name))
+                if key not in self.logs:
+                    try:
+                        self.logs[key] = PartitionLog(self.storage, t.name, int(p.name))
+                    except ValueError as e:
+                        self._warn_once(f"bad-log:{key}", "ignoring manifest log %s: %s", key, e)
+
+    def _warn_once(self, key: str, msg: str, *args: Any) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(msg, *args)
+
+    def _selected(self, e: ShardEntry) -> bool:
+        if self.policy_id is not None and e.policy_id != self.policy_id:
+            return False
+        lo, hi = e.min_policy_version, e.max_policy_version
+        if self.min_policy_version is not None and isinstance(hi, int) and hi < self.min_policy_version:
+            return False
+        if self.max_policy_version is not None and isinstance(lo, int) and lo > self.max_policy_version:
+            return False
+        if e.format not in ("episodes", "tabular"):
+            self._warn_once(f"fmt:{e.format}", "skipping shards of unknown format %r", e.format)
+            return False
+        if self.fmt is None:
+            self.fmt = e.format
+        if e.format != self.fmt:
+            self._warn_once(f"mixed:{e.format}", "the input holds %s and %s shards; training on %s shards "
+                            "only (select with --offline-config input_read_episodes=...)", self.fmt, e.format,
+                            self.fmt)
+            return False
+        return True
+
+    def poll(self, force_discover: bool = False) -> list[ShardInfo]:
+        now = time.monotonic()
+        if force_discover or now - self._last_discover >= self.discover_interval_s:
+            self._discover()
+            self._last_discover = now
+        out: list[ShardInfo] = []
+        for key, plog in list(self.logs.items()):
+            try:
+                plog.refresh()
+            except (ManifestError, OSError) as e:
+                self._warn_once(f"refresh:{key}:{e}", "cannot read manifest log %s/%05d: %s", key[0], key[1], e)
+                continue
+            entries = plog.entries
+            for e in entries[self._done.get(key, 0):]:
+                if isinstance(e, ShardEntry) and e.path not in self.entries:
+                    if self._selected(e):
+                        self.entries[e.path] = e
+                        out.append(ShardInfo.from_entry(self._next_idx, e))
+                        self._next_idx += 1
+                    else:
+                        self.skipped += 1
+            self._done[key] = len(entries)
+        out.sort(key=lambda s: (s.commit_time, s.idx))
+        return out
+
+
+def spaces_from_shard(storage: Storage, entry: ShardEntry):
+    """(observation_space, action_space) of a shard: from its ``rlrec.*`` schema metadata or,
+    for episode shards without it, from its first episode (decoded safely)."""
+    from consumer.shards import read_episodes, shard_metadata
+    from producer.spaces import loads_space
+
+    data = _read_shard_bytes(storage, entry.path, entry.staging_path)
+    meta = shard_metadata(data)
+    if "rlrec.observation_space" in meta and "rlrec.action_space" in meta:
+        return loads_space(meta["rlrec.observation_space"]), loads_space(meta["rlrec.action_space"])
+    if entry.format == "episodes":
+        ep = read_episodes(data)[0]
+        return ep.observation_space, ep.action_space
+    raise ValueError(f"shard {entry.path} carries no spaces; pass --env")
+
+
+def _read_shard_bytes(storage: Storage, path: str, staging_path: str | None) -> bytes:
+    try:
+        return storage.read(path)
+    except FileNotFoundError:
+        if not staging_path:
+            raise
+        # committed but not yet published (the consumer publishes right after committing, or
+        # its next owner rolls the publish forward): the staged file is the committed content
+        return storage.read(staging_path)
+
+

@@ -1,0 +1,651 @@
+"""The continuous trainer service behind ``rlrec train`` (see docs/TRAINER.md).
+
+One process: follows the manifest, trains an RLlib offline algorithm (BC, MARWIL, CQL, IQL)
+iteration by iteration on fresh shards plus a replay window, writes one metrics line per
+iteration, checkpoints every N iterations (and on SIGTERM), publishes each checkpointed policy
+and resumes from the latest checkpoint with its weights, optimizer state and shard cursor.
+
+Checkpoint directory layout (a local path or any URI `consumer.storage.Storage` accepts)::
+
+    metrics.jsonl                         one JSON object per iteration
+    checkpoints/latest.json               {"iteration", "path"}: the commit point of a checkpoint
+    checkpoints/ckpt-00000012/algo/       RLlib checkpoint (Algorithm.save_to_path): weights,
+                                          optimizer state, ...
+    checkpoints/ckpt-00000012/trainer.json  cursor (shards trained on), counters, policy version
+    policies/                             published policies (see trainer.policy)
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import json
+import logging
+import math
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from consumer.storage import Storage
+
+__all__ = ["TrainerConfig", "ContinuousTrainer", "ALGORITHMS", "parse_kv", "UnsupportedCombination"]
+
+log = logging.getLogger("rlrec.trainer")
+
+#: algorithm name -> (config class path, allowed action space types)
+ALGORITHMS = {
+    "BC": ("ray.rllib.algorithms.bc:BCConfig", ("Discrete", "Box")),
+    "MARWIL": ("ray.rllib.algorithms.marwil:MARWILConfig", ("Discrete", "Box")),
+    "CQL": ("ray.rllib.algorithms.cql:CQLConfig", ("Box",)),
+    "IQL": ("ray.rllib.algorithms.iql:IQLConfig", ("Box",)),
+}
+
+METRICS_FILE = "metrics.jsonl"
+CKPT_DIR = "checkpoints"
+CKPT_LATEST = f"{CKPT_DIR}/latest.json"
+STATE_FILE = "trainer.json"
+STATE_VERSION = 1
+
+
+class UnsupportedCombination(ValueError):
+    """The algorithm cannot train on these spaces (RLlib 2.60)."""
+
+
+def parse_kv(items: list[str] | None) -> dict[str, Any]:
+    """``["lr=0.001", "model_config={'fcnet_hiddens': [64]}", "x=abc"]`` -> dict.
+
+    Values are parsed as JSON, then as Python literals, else kept as strings.
+    """
+    out: dict[str, Any] = {}
+    for item in items or ():
+        if "=" not in item:
+            raise ValueError(f"expected key=value, got {item!r}")
+        k, v = item.split("=", 1)
+        k = k.strip()
+        if not k:
+            raise ValueError(f"empty key in {item!r}")
+        try:
+            out[k] = json.loads(v)
+        except ValueError:
+            try:
+                out[k] = ast.literal_eval(v)
+            except (ValueError, SyntaxError):
+                out[k] = v
+    return out
+
+
+def _import(path: str) -> Any:
+    """``"pkg.mod:Name"`` or ``"pkg.mod.Name"`` -> the object."""
+    mod, name = path.split(":", 1) if ":" in path else path.rsplit(".", 1)
+    return getattr(importlib.import_module(mod), name)
+
+
+@dataclass
+class TrainerConfig:
+    input: str
+    checkpoint_dir: str
+    algo: str = "BC"
+    env: str | None = None
+    resume: bool = False
+    num_learners: int = 0
+    num_gpus_per_learner: float = 0.0
+    eval_interval: int = 0               # 0: never (needs env)
+    eval_episodes: int = 5
+    max_iterations: int | None = None
+    checkpoint_interval: int = 10
+    keep_checkpoints: int = 3
+    algo_config: dict = field(default_factory=dict)
+    offline_config: dict = field(default_factory=dict)
+    map_batches_concurrency: int | None = None
+    policy_id: str | None = None
+    min_policy_version: int | None = None
+    max_policy_version: int | None = None
+    wait_for_data: bool = False
+    min_time_s_per_iteration: float = 1.0
+    fresh_fraction: float = 0.5
+    replay_shards: int | None = None
+    replay_max_age_s: float | None = None
+    replay_policy_versions: int | None = None
+    prelearner_mode: str = "episodes"
+    poll_interval_s: float = 0.5
+    cache_ttl_s: float = 30.0
+    publish: bool = True
+    publish_dir: str | None = None
+    metrics_port: int | None = None
+    progress: bool = True
+    num_cpus: int | None = None
+    seed: int | None = None
+    idle_log_interval_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        self.algo = self.algo.upper()
+        if self.algo not in ALGORITHMS:
+            raise ValueError(f"--algo must be one of {', '.join(ALGORITHMS)}, got {self.algo!r}")
+        if self.checkpoint_interval < 1:
+            raise ValueError("checkpoint_interval must be >= 1")
+        if self.eval_interval and not self.env:
+            raise ValueError("--eval-interval needs --env (evaluation runs episodes in the environment)")
+
+
+# ---------------------------------------------------------------------------------- helpers
+
+
+def _check_spaces(algo: str, obs_space: Any, act_space: Any) -> None:
+    import gymnasium as gym
+
+    allowed = ALGORITHMS[algo][1]
+    kind = type(act_space).__name__
+    if kind not in allowed:
+        hint = (" (RLlib 2.60's CQL and IQL assume continuous Box actions; use BC or MARWIL for "
+                "discrete actions)" if algo in ("CQL", "IQL") else "")
+        raise UnsupportedCombination(
+            f"{algo} cannot train on a {kind} action space{hint}; supported: {', '.join(allowed)}")
+    if not isinstance(obs_space, gym.spaces.Box):
+        raise UnsupportedCombination(
+            f"{algo} with RLlib's default models needs a Box observation space, got {type(obs_space).__name__}")
+    if isinstance(act_space, gym.spaces.Box) and not (
+            (act_space.bounded_below.all() and act_space.bounded_above.all()) or algo in ("BC", "MARWIL")):
+        raise UnsupportedCombination(f"{algo} needs a bounded Box action space, got {act_space}")
+
+
+def _result_get(d: dict, *path: str, default: Any = None) -> Any:
+    for p in path:
+        if not isinstance(d, dict) or p not in d:
+            return default
+        d = d[p]
+    return d
+
+
+def _finite(x: Any) -> float | None:
+    try:
+        f = float(x)
+    except (TypeError, ValueError):
+        return None
+    return f if math.isfinite(f) else None
+
+
+class _Metrics:
+    """metrics.jsonl (flushed per line), Prometheus gauges, progress line."""
+
+    GAUGES = ("iteration", "policy_version", "timesteps_trained", "shards_total", "shards_new",
+              "newest_shard_age_s", "learner_loss", "eval_return_mean", "learner_wait_share",
+              "fresh_backlog", "shards_missing")
+
+    def __init__(self, storage: Storage, port: int | None, progress: bool) -> None:
+        self.storage = storage
+        self.progress = progress
+        self.local = storage.kind == "local"
+        self._lines: list[str] = []
+        self._f = None
+        self.gauges: dict[str, Any] = {}
+        self._server = None
+        if port is not None:
+            from prometheus_client import CollectorRegistry, Gauge, start_http_server
+
+            reg = CollectorRegistry()
+            self.gauges = {k: Gauge(f"rlrec_trainer_{k}", k.replace("_", " "), registry=reg) for k in self.GAUGES}
+            self._server = start_http_server(port, registry=reg)
+
+    def truncate_after(self, iteration: int | None) -> None:
+        """Drop lines of iterations after `iteration` (training lost by a crash); None: keep none."""
+        try:
+            data = self.storage.read(METRICS_FILE).decode()
+        except FileNotFoundError:
+            data = ""
+        keep = []
+        for line in data.splitlines():
+            try:
+                it = json.loads(line).get("iteration")
+            except ValueError:
+                continue
+            if iteration is not None and isinstance(it, int) and it <= iteration:
+                keep.append(line)
+        self._lines = keep
+        self.storage.write(METRICS_FILE, "".join(x + "\n" for x in keep).encode())
+
+    def write(self, rec: dict) -> None:
+        line = json.dumps(rec, sort_keys=False, allow_nan=False)
+        if self.local:
+            if self._f is None:
+                self._f = open(self.storage.full_path(METRICS_FILE), "a", encoding="utf-8")
+            self._f.write(line + "\n")
+            self._f.flush()
+        else:  # object stores cannot append: rewrite the (small) file
+            self._lines.append(line)
+            self.storage.write(METRICS_FILE, "".join(x + "\n" for x in self._lines).encode())
+        for k, g in self.gauges.items():
+            v = rec.get(k)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                g.set(v)
+        if self.progress:
+            ev = rec.get("eval_return_mean")
+            age = rec.get("newest_shard_age_s")
+            loss = rec.get("learner_loss")
+            log.info("iter %d  v%d  steps %d  shards %d (+%d)  newest %s  loss %s  wait %.0f%%%s",
+                     rec["iteration"], rec["policy_version"], rec["timesteps_trained"], rec["shards_total"],
+                     rec["shards_new"], f"{age:.1f}s" if age is not None else "-",
+                     f"{loss:.4f}" if loss is not None else "-", 100 * (rec.get("learner_wait_share") or 0),
+                     f"  eval {ev:.1f}" if ev is not None else "")
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+        if self._server is not None:
+            try:
+                self._server[0].shutdown()
+            except Exception:
+                pass
+
+
+# ---------------------------------------------------------------------------------- trainer
+
+
+class ContinuousTrainer:
+    """Build with a `TrainerConfig`, then `run()` (blocks until max_iterations or stop())."""
+
+    def __init__(self, cfg: TrainerConfig, *, install_signals: bool = False) -> None:
+        self.cfg = cfg
+        self.install_signals = install_signals
+        self.input = Storage.from_uri(cfg.input)
+        self.out = Storage.from_uri(cfg.checkpoint_dir)
+        self.publish_storage = Storage.from_uri(cfg.publish_dir) if cfg.publish_dir else \
+            Storage.from_uri(self.out.uri("policies") if self.out.kind != "local" else self.out.full_path("policies"))
+        self._stop = threading.Event()
+        self.stop_reason: str | None = None
+        self.algo: Any = None
+        self.iteration = 0
+        self.policy_version = 0
+        self.timesteps_trained = 0
+        self.trained: set[str] = set()           # the cursor: shard keys trained on
+        self.since_publish: set[str] = set()
+        self.missing_total = 0
+        self.metrics: _Metrics | None = None
+        self._started_ray = False
+        self.obs_space = self.act_space = None
+        self.fmt: str | None = None
+        self.last_record: dict | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def stop(self, reason: str = "stop requested") -> None:
+        self.stop_reason = self.stop_reason or reason
+        self._stop.set()
+
+    def install_signal_handlers(self) -> None:
+        def handler(signum: int, _frame: Any) -> None:
+            name = signal.Signals(signum).name
+            if self._stop.is_set():
+                log.warning("%s again: exiting without waiting", name)
+                raise KeyboardInterrupt
+            log.info("%s: finishing the current iteration, then checkpointing", name)
+            self.stop(name)
+
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+
+    # ------------------------------------------------------------------ data discovery
+    def _first_shards(self) -> list:
+        from trainer.manifest import ManifestFollower
+
+        fmt = None
+        if "input_read_episodes" in self.cfg.offline_config:
+            fmt = "episodes" if self.cfg.offline_config["input_read_episodes"] else "tabular"
+        follower = ManifestFollower(self.input, policy_id=self.cfg.policy_id,
+                                    min_policy_version=self.cfg.min_policy_version,
+                                    max_policy_version=self.cfg.max_policy_version, fmt=fmt)
+        last_log = 0.0
+        while not self._stop.is_set():
+            infos = follower.poll(force_discover=True)
+            if infos:
+                self.fmt = follower.fmt
+                return [follower.entries[i.key] for i in infos]
+            if time.monotonic() - last_log > self.cfg.idle_log_interval_s:
+                log.info("waiting for the first committed shard under %s%s", self.input.uri(),
+                         f" (policy {self.cfg.policy_id})" if self.cfg.policy_id else "")
+                last_log = time.monotonic()
+            self._stop.wait(max(0.2, self.cfg.poll_interval_s))
+        return []
+
+    def _spaces(self, entries: list) -> None:
+        from trainer.manifest import spaces_from_shard
+
+        shard_spaces = None
+        for e in entries[:5]:
+            try:
+                shard_spaces = spaces_from_shard(self.input, e)
+                break
+            except FileNotFoundError:
+                log.warning("shard %s is missing; trying the next one for the spaces", e.path)
+        if self.cfg.env:
+            import gymnasium as gym
+
+            env = gym.make(self.cfg.env)
+            self.obs_space, self.act_space = env.observation_space, env.action_space
+            env.close()
+            if shard_spaces is not None and (shard_spaces[0].shape != self.obs_space.shape
+                                             or type(shard_spaces[1]) is not type(self.act_space)):
+                raise UnsupportedCombination(
+                    f"the shards' spaces {shard_spaces} do not match {self.cfg.env}'s "
+                    f"{(self.obs_space, self.act_space)}")
+        elif shard_spaces is None:
+            raise RuntimeError("cannot determine the spaces: no readable shard and no --env")
+        else:
+            self.obs_space, self.act_space = shard_spaces
+        _check_spaces(self.cfg.algo, self.obs_space, self.act_space)
+
+    # ------------------------------------------------------------------ config
+    def build_config(self) -> Any:
+        from trainer.data import configure_continuous
+        from trainer.feed import FeedPolicy
+
+        cfg = self.cfg
+        config_cls = _import(ALGORITHMS[cfg.algo][0])
+        config = config_cls()
+        # spaces always (RLlib requires them whenever no evaluation runs); env for evaluation
+        config.environment(env=cfg.env, observation_space=self.obs_space, action_space=self.act_space)
+        config.env_runners(num_env_runners=0)
+        config.learners(num_learners=cfg.num_learners, num_gpus_per_learner=cfg.num_gpus_per_learner)
+        config.reporting(min_time_s_per_iteration=cfg.min_time_s_per_iteration)
+        if cfg.seed is not None:
+            config.debugging(seed=cfg.seed)
+        algo_kw = dict(cfg.algo_config)
+        if cfg.algo == "CQL" and "lr" not in algo_kw:
+            algo_kw["lr"] = None   # CQLConfig's default lr fails its own (SAC) validation in RLlib 2.60
+        try:
+            config.training(**algo_kw)
+        except TypeError as e:
+            raise ValueError(f"--algo-config: {e}") from None
+        off = dict(cfg.offline_config)
+        off.pop("input_", None)
+        pre = off.get("prelearner_class")
+        if isinstance(pre, str):
+            off["prelearner_class"] = _import(pre)
+        if cfg.map_batches_concurrency is not None:
+            mb = dict(off.get("map_batches_kwargs") or {})
+            mb["concurrency"] = int(cfg.map_batches_concurrency)
+            off["map_batches_kwargs"] = mb
+        for k in ("materialize_data", "materialize_mapped_data"):
+            if off.pop(k, False):
+                log.warning("--offline-config %s=True is ignored: it would freeze the data of a "
+                            "continuous trainer", k)
+        if off.pop("input_compress_columns", None):
+            raise ValueError("--offline-config input_compress_columns: compressed columns are "
+                             "unpickled by RLlib; the trainer never unpickles shard data")
+        off.pop("input_read_episodes", None)
+        if off:
+            config.offline_data(**off)
+        if cfg.eval_interval:
+            config.evaluation(evaluation_interval=cfg.eval_interval, evaluation_duration=cfg.eval_episodes,
+                              evaluation_duration_unit="episodes", evaluation_num_env_runners=0,
+                              evaluation_config={"explore": False})
+        fp = FeedPolicy(fresh_fraction=cfg.fresh_fraction, replay_shards=cfg.replay_shards,
+                        replay_max_age_s=cfg.replay_max_age_s, replay_policy_versions=cfg.replay_policy_versions,
+                        seed=cfg.seed)
+        configure_continuous(config, cfg.input, fmt=self.fmt or "episodes", feed_policy=fp,
+                             policy_id=cfg.policy_id, min_policy_version=cfg.min_policy_version,
+                             max_policy_version=cfg.max_policy_version, poll_interval_s=cfg.poll_interval_s,
+                             prelearner_mode=cfg.prelearner_mode, cache_ttl_s=cfg.cache_ttl_s)
+        return config
+
+    # ------------------------------------------------------------------ checkpoints
+    def _latest_checkpoint(self) -> dict | None:
+        try:
+            return json.loads(self.out.read(CKPT_LATEST))
+        except FileNotFoundError:
+            return None
+
+    def checkpoint(self) -> str:
+        """Save the algorithm + trainer state; publish the policy; move `latest` (commit point)."""
+        t0 = time.time()
+        name = f"{CKPT_DIR}/ckpt-{self.iteration:08d}"
+        if self.cfg.publish:
+            self.publish()
+        state = {
+            "version": STATE_VERSION,
+            "iteration": self.iteration,
+            "policy_version": self.policy_version,
+            "timesteps_trained": self.timesteps_trained,
+            "algo": self.cfg.algo,
+            "input": self.input.uri(),
+            "trained_shards": sorted(self.trained),
+            "since_publish": sorted(self.since_publish),
+            "time": time.time(),
+        }
+        if self.out.kind == "local":
+            target = self.out.full_path(f"{name}/algo")
+            if os.path.exists(target):
+                shutil.rmtree(target)
+            self.algo.save_to_path(target)
+        else:
+            with tempfile.TemporaryDirectory(prefix="rlrec-ckpt-") as tmp:
+                self.algo.save_to_path(tmp)
+                for root, _dirs, files in os.walk(tmp):
+                    for fn in files:
+                        full = os.path.join(root, fn)
+                        rel = os.path.relpath(full, tmp).replace(os.sep, "/")
+                        with open(full, "rb") as f:
+                            self.out.write(f"{name}/algo/{rel}", f.read())
+        self.out.write(f"{name}/{STATE_FILE}", json.dumps(state).encode())
+        self.out.write(CKPT_LATEST, json.dumps({"iteration": self.iteration, "path": name,
+                                                "policy_version": self.policy_version}).encode())
+        self._prune_checkpoints(keep=name)
+        log.info("checkpoint %s (policy v%d) in %.2fs", name, self.policy_version, time.time() - t0)
+        return name
+
+    def _prune_checkpoints(self, keep: str) -> None:
+        try:
+            dirs = sorted(i.path for i in self.out.list(CKPT_DIR) if i.is_dir and i.name.startswith("ckpt-"))
+        except Exception:
+            return
+        for d in dirs[:-max(1, self.cfg.keep_checkpoints)]:
+            if d == keep:
+                continue
+            try:
+                if self.out.kind == "local":
+                    shutil.rmtree(self.out.full_path(d), ignore_errors=True)
+                else:
+                    for f in self.out.list(d, recursive=True):
+                        if not f.is_dir:
+                            self.out.delete(f.path)
+            except Exception as e:
+                log.warning("could not prune checkpoint %s: %s", d, e)
+
+    def publish(self) -> None:
+        from trainer.export import publish_policy
+
+        version = self.policy_version + 1
+        try:
+            publish_policy(self.publish_storage, algo=self.algo, version=version, algo_name=self.cfg.algo,
+                           observation_space=self.obs_space, action_space=self.act_space,
+                           iteration=self.iteration, timesteps_trained=self.timesteps_trained,
+                           shards=sorted(self.trained), new_shards=sorted(self.since_publish),
+                           parent_version=self.policy_version or None)
+        except Exception as e:
+            log.error("publishing policy v%d failed: %s", version, e)
+            return
+        self.policy_version = version
+        self.since_publish = set()
+
+    def _restore(self) -> bool:
+        latest = self._latest_checkpoint()
+        if latest is None:
+            log.info("--resume: no checkpoint under %s; starting fresh", self.out.uri())
+            self.metrics.truncate_after(None)
+            return False
+        path = latest["path"]
+        state = json.loads(self.out.read(f"{path}/{STATE_FILE}"))
+        if state.get("algo") != self.cfg.algo:
+            raise ValueError(f"the checkpoint was written by {state.get('algo')}, not {self.cfg.algo}")
+        # Only the LearnerGroup (weights + optimizer state): Algorithm.restore_from_path syncs
+        # weights to an EnvRunnerGroup that offline algorithms without an env do not have
+        # (AttributeError in RLlib 2.60). Evaluation EnvRunners get the weights before evaluating.
+        if self.out.kind == "local":
+            self.algo.learner_group.restore_from_path(self.out.full_path(f"{path}/algo/learner_group"))
+        else:
+            with tempfile.TemporaryDirectory(prefix="rlrec-restore-") as tmp:
+                for f in self.out.list(f"{path}/algo", recursive=True):
+                    if f.is_dir:
+                        continue
+                    rel = f.path[len(f"{path}/algo/"):]
+                    dst = os.path.join(tmp, *rel.split("/"))
+                    os.makedirs(os.path.dirname(dst), exist_ok=True)
+                    with open(dst, "wb") as fh:
+                        fh.write(self.out.read(f.path))
+                self.algo.learner_group.restore_from_path(os.path.join(tmp, "learner_group"))
+        self.iteration = int(state["iteration"])
+        self.algo._iteration = self.iteration
+        self.policy_version = int(state["policy_version"])
+        self.timesteps_trained = int(state["timesteps_trained"])
+        self.trained = set(state["trained_shards"])
+        self.since_publish = set(state.get("since_publish", ()))
+        self.metrics.truncate_after(self.iteration)
+        log.info("resumed from %s: iteration %d, policy v%d, %d shards trained on", path, self.iteration,
+                 self.policy_version, len(self.trained))
+        return True
+
+    # ------------------------------------------------------------------ main loop
+    def setup(self) -> bool:
+        import ray
+
+        entries = self._first_shards()
+        if not entries:
+            return False
+        self._spaces(entries)
+        if not ray.is_initialized():
+            ray.init(num_cpus=self.cfg.num_cpus, include_dashboard=False, log_to_driver=False,
+                     configure_logging=False)
+            self._started_ray = True
+        if self.install_signals:   # after ray.init: Ray installs its own SIGTERM handler
+            self.install_signal_handlers()
+        import ray.data
+
+        ctx = ray.data.DataContext.get_current()
+        ctx.enable_progress_bars = False
+        ctx.print_on_execution_start = False
+        config = self.build_config()
+        self.algo = config.build_algo()
+        self.metrics = _Metrics(self.out, self.cfg.metrics_port, self.cfg.progress)
+        if self.cfg.resume:
+            self._restore()
+        else:
+            if self._latest_checkpoint() is not None:
+                log.warning("%s holds a checkpoint; starting fresh because --resume was not given "
+                            "(metrics.jsonl is restarted)", self.out.uri())
+            self.metrics.truncate_after(None)
+        self.algo.offline_data.start(self.trained)
+        return True
+
+    def _record(self, result: dict, st: Any, dt: float) -> dict:
+        from ray.rllib.core import DEFAULT_MODULE_ID
+
+        od = self.algo.offline_data
+        now = time.time()
+        ages = [now - e.commit_time for k in st.seen if (e := od.entry(k)) is not None]
+        loss = _finite(_result_get(result, "learners", DEFAULT_MODULE_ID, "total_loss"))
+        rec: dict[str, Any] = {
+            "iteration": self.iteration,
+            "policy_version": self.policy_version,
+            "timesteps_trained": self.timesteps_trained,
+            "shards_total": od.shards_total,
+            "shards_new": len(st.newly_trained),
+            "newest_shard_age_s": round(min(ages), 3) if ages else None,
+            "learner_loss": loss,
+        }
+        ev = _finite(_result_get(result, "evaluation", "env_runners", "episode_return_mean"))
+        if ev is not None:
+            rec["eval_return_mean"] = ev
+        lat = sorted(t - e.commit_time for k, t in st.newly_trained.items() if (e := od.entry(k)) is not None)
+        try:
+            rec["fresh_backlog"] = int(od.summary()["fresh"])
+        except Exception:
+            pass
+        rec.update({
+            "time": round(now, 3),
+            "iteration_s": round(dt, 3),
+            "rows_trained": st.rows_trained,
+            "rows_streamed": st.rows_streamed,
+            "shards_trained_iter": len(st.seen),
+            "learner_wait_s": round(st.wait_s, 3),
+            "learner_wait_share": round(min(1.0, st.wait_s / dt), 4) if dt > 0 else None,
+            "commit_to_train_s_max": round(lat[-1], 3) if lat else None,
+            "shards_missing": self.missing_total,
+            "new_shards": sorted(st.newly_trained),
+        })
+        return rec
+
+    def train_once(self) -> dict:
+        algo = self.algo
+        od = algo.offline_data
+        t0 = time.time()
+        result = algo.train()
+        marks = od.iteration_marks(algo.learner_group)
+        st = od.pop_stats(marks)
+        dt = time.time() - t0
+        self.iteration = algo.iteration
+        self.timesteps_trained += st.rows_trained
+        new = set(st.newly_trained) - self.trained
+        st.newly_trained = {k: v for k, v in st.newly_trained.items() if k in new}
+        self.trained |= new
+        self.since_publish |= new
+        for k in st.missing:
+            self.missing_total += 1
+            log.warning("shard %s was deleted outside the trainer; skipping it", k)
+        for k, why in st.bad:
+            log.error("shard %s cannot be used (%s); skipping it", k, why)
+        rec = self._record(result, st, dt)
+        if self.iteration % self.cfg.checkpoint_interval == 0:
+            self.checkpoint()
+            rec["policy_version"] = self.policy_version
+            rec["checkpoint"] = True
+        self.metrics.write(rec)
+        self.last_record = rec
+        return rec
+
+    def run(self) -> int:
+        """Train until max_iterations, stop() or a signal. Returns a process exit code."""
+        try:
+            if not self.setup():
+                return 0
+            od = self.algo.offline_data
+            last_idle_log = 0.0
+            while not self._stop.is_set():
+                if self.cfg.max_iterations is not None and self.iteration >= self.cfg.max_iterations:
+                    self.stop_reason = self.stop_reason or "max iterations"
+                    break
+                ready = od.has_fresh() if self.cfg.wait_for_data else od.has_data()
+                if not ready:
+                    if time.monotonic() - last_idle_log > self.cfg.idle_log_interval_s:
+                        log.info("no %s data; waiting for new shards", "fresh" if self.cfg.wait_for_data else "usable")
+                        last_idle_log = time.monotonic()
+                    self._stop.wait(self.cfg.poll_interval_s)
+                    continue
+                self.train_once()
+            if self.algo is not None and self.iteration > 0:
+                latest = self._latest_checkpoint()
+                if latest is None or latest.get("iteration") != self.iteration:
+                    self.checkpoint()
+            return 0
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.algo is not None:
+            try:
+                self.algo.offline_data.stop()
+                self.algo.offline_data.batch_iterators = None
+                self.algo.stop()
+            except Exception as e:
+                log.debug("algo.stop: %s", e)
+            self.algo = None
+        if self._started_ray:
+            import ray
+
+            ray.shutdown()
+            self._started_ray = False

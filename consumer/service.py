@@ -21,6 +21,7 @@ SIGTERM/SIGINT: flush every finished episode, commit, leave the group.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import logging
 import random
 import signal
@@ -104,6 +105,7 @@ class RecorderConsumer:
         self.metrics = ConsumerMetrics()
         self._stop = threading.Event()
         self._paused: set[int] = set()
+        self._budget_paused: set[int] = set()  # paused only because max_buffered_bytes is exceeded
         self._committed: dict[int, int] = {}
         self._last_commit = 0.0
         self._last_lag = 0.0
@@ -335,6 +337,7 @@ class RecorderConsumer:
             if (len(ready) >= cfg.max_episodes_per_file or a.finished_bytes >= cfg.max_file_bytes
                     or now - oldest >= cfg.max_file_age_s or over_budget or w.failing_since is not None):
                 self._flush_partition(p, force=False, now=now)
+        self._hold_back_over_budget()
         self._update_gauges()
         if now - self._last_commit >= cfg.commit_interval_s:
             self._commit()
@@ -342,16 +345,36 @@ class RecorderConsumer:
             self._last_lag = now
             self._report_lag()
 
+    def _hold_back_over_budget(self) -> None:
+        """Still over max_buffered_bytes after flushing (the storage is failing): read no partition
+        until the finished episodes are written; partitions without a failing flush would otherwise
+        keep filling memory. Resumes them once under the budget."""
+        total = sum(w.assembler.finished_bytes for w in self.writers.values() if w.assembler)
+        if total > self.config.max_buffered_bytes:
+            for p in self.writers:
+                if p not in self._paused:
+                    self._pause(p)
+                    self._budget_paused.add(p)
+        elif self._budget_paused:
+            for p in self._budget_paused:
+                w = self.writers.get(p)
+                if w is not None and w.assembler is not None and w.failing_since is None:
+                    self._resume(p)
+            self._budget_paused.clear()
+
     def _enforce_capacity(self) -> None:
         cfg = self.config
         total = sum(len(w.assembler.open) for w in self.writers.values() if w.assembler)
-        while total > cfg.max_open_episodes:
-            # the longest-idle open episode over all partitions
-            p, eid = min(((p, e) for p, w in self.writers.items() if w.assembler for e in w.assembler.open),
-                         key=lambda pe: self.writers[pe[0]].assembler.open[pe[1]].last_event_at)
+        if total <= cfg.max_open_episodes:
+            return
+        # the longest-idle open episodes over all partitions, chosen in one pass (one scan per
+        # eviction would be quadratic: a burst of 100k new episodes against a 20k cap)
+        victims = heapq.nsmallest(total - cfg.max_open_episodes,
+                                  ((ep.last_event_at, p, eid) for p, w in self.writers.items() if w.assembler
+                                   for eid, ep in w.assembler.open.items()))
+        for _, p, eid in victims:
             for dl in self.writers[p].assembler.evict(eid, truncate=cfg.on_capacity == "truncate"):
                 self._dead_letter(None, dl, partition=p)
-            total -= 1
 
     def _flush_partition(self, p: int, force: bool, now: float) -> None:
         w = self.writers.get(p)

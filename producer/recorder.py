@@ -39,6 +39,7 @@ log = logging.getLogger("rlrec.producer")
 _KINDS = ("EpisodeStart", "StepBatch", "RewardDelta", "EpisodeAbort")
 
 _recorders: "weakref.WeakSet[EpisodeRecorder]" = weakref.WeakSet()
+_monotonic = time.monotonic
 
 
 def _mark_forked() -> None:
@@ -301,27 +302,33 @@ class EpisodeRecorder:
         Values are stacked when the batch is sent (within `max_batch_delay_s`): don't mutate an
         array after passing it in.
         """
+        # hot path: every attribute lookup and call here costs a visible share of a step
         if self._unusable:
             self._check_usable()
-        try:
-            r = float(reward)
-        except (TypeError, ValueError):
-            raise TypeError(f"reward must be a number, got {type(reward).__name__}") from None
-        if not math.isfinite(r):
-            raise ValueError(f"reward must be finite, got {r} (episode {episode_id})")
+        if type(reward) is not float:
+            try:
+                reward = float(reward)
+            except (TypeError, ValueError):
+                raise TypeError(f"reward must be a number, got {type(reward).__name__}") from None
+        if reward - reward != 0.0:  # NaN or +-inf (cheaper than math.isfinite)
+            raise ValueError(f"reward must be finite, got {reward} (episode {episode_id})")
         if self.validate_spaces:
             self._validate(action, observation)
         # cheap shape checks (the common single-leaf spaces inline, nested spaces flattened)
         if getattr(observation, "shape", None) != self._obs_shape:
             observation = self._obs.prepare(observation)
-        if not (self._act_scalar and type(action) is int) and getattr(action, "shape", None) != self._act_shape:
+        if not (type(action) is int and self._act_scalar) and getattr(action, "shape", None) != self._act_shape:
             action = self._act.prepare(action)
         info_json = dumps_info(info) if info else ""
-        with self._lock:
+        # acquire/release: `with` on a Lock costs about twice as much (its __exit__ takes *args)
+        lock = self._lock
+        lock.acquire()
+        try:
             ep = self._episodes.get(episode_id)
             if ep is None:
                 raise ValueError(f"episode {episode_id!r} is not open (never begun, already ended or aborted)")
-            if ep.t == 0 and not ep.dropping:  # before counting the record: these checks may raise
+            t = ep.t
+            if not t and not ep.dropping:  # before counting the record: these checks may raise
                 self._first_step_checks(ep, observation, action, extra_model_outputs)
             if ep.dropping or self._buffered >= self.max_buffered_steps:
                 if not self._admit(ep):
@@ -332,14 +339,16 @@ class EpisodeRecorder:
                 self._buffered += 1
             steps = ep.steps
             if not steps:
-                ep.first_buffered = time.monotonic()
-            steps.append((action, r, observation, info_json, extra_model_outputs))
-            ep.t += 1
+                ep.first_buffered = _monotonic()
+            steps.append((action, reward, observation, info_json, extra_model_outputs))
+            ep.t = t + 1
             if terminated or truncated:
                 self._emit(ep, bool(terminated), bool(truncated))
                 self._end(ep)
             elif len(steps) >= self._batch_limit:
                 self._emit(ep, False, False)
+        finally:
+            lock.release()
 
     def log_reward(self, episode_id: str, t: int, reward: float) -> None:
         """Add a delayed `reward` to step `t` (0-based) of an episode, open or finished."""
@@ -532,11 +541,21 @@ class EpisodeRecorder:
         keys = ep.extra_keys
         extra = {}
         if keys:
-            for i, e in enumerate(extras):
-                if e is None or e.keys() != keys:
-                    raise ValueError(f"step {ep.t0 + i}: extra_model_outputs keys {sorted(e or ())} differ "
-                                     f"from the episode's first step {sorted(keys)}")
-            extra = {k: array_to_wire(np.asarray([e[k] for e in extras])) for k in keys}
+            # fast path for plain dicts: as many keys as the first step's and none missing (KeyError)
+            # means the same keys; anything else takes the per-step check below
+            nk = len(keys)
+            try:
+                same = all(type(e) is dict and len(e) == nk for e in extras)
+                columns = {k: [e[k] for e in extras] for k in keys} if same else None
+            except KeyError:
+                same = False
+            if not same:
+                for i, e in enumerate(extras):
+                    if e is None or e.keys() != keys:
+                        raise ValueError(f"step {ep.t0 + i}: extra_model_outputs keys {sorted(e or ())} differ "
+                                         f"from the episode's first step {sorted(keys)}")
+                columns = {k: [e[k] for e in extras] for k in keys}
+            extra = {k: array_to_wire(np.asarray(col)) for k, col in columns.items()}
         elif any(e for e in extras):
             raise ValueError("extra_model_outputs given on a later step but not on the episode's first step")
         rec = {

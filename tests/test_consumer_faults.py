@@ -1,10 +1,8 @@
-"""The consumer under failure: kill -9, rebalances, storage errors, hostile bytes, memory caps,
-and a zombie writer. Real broker, real storage; nothing mocked."""
+"""The consumer under failure: kill -9, rebalances, storage errors, memory caps, and a zombie
+writer (hostile input: tests/test_hostile.py). Real broker, real storage; nothing mocked."""
 
 from __future__ import annotations
 
-import os
-import pickle
 import random
 import signal
 import subprocess
@@ -15,7 +13,6 @@ import uuid
 
 import numpy as np
 import pytest
-from confluent_kafka import Producer
 
 from consumer.assembly import PartitionAssembler
 from consumer.manifest import FencedError, read_manifest
@@ -23,7 +20,6 @@ from consumer.service import ConsumerConfig
 from consumer.storage import RetryPolicy, Storage, StorageError
 from consumer.writer import PartitionWriter
 from producer import EpisodeRecorder
-from producer.events import EpisodeStart, StepBatch, encode, schema_header
 from tests.faults import FaultProxy
 from tests.helpers import ACT_SPACE, OBS_SPACE, record_episodes, wait_for
 from tests.test_consumer_e2e import FAST, committed_episodes, drain_dlq, read_all, run_consumer
@@ -170,77 +166,6 @@ def _committed_or_zero(storage: Storage) -> int:
         return committed_episodes(storage)
     except StorageError:  # the test's own reads fail during the outage too
         return 0
-
-
-def _raw(producer: Producer, topic: str, key: bytes, value: bytes, headers) -> None:
-    producer.produce(topic, value, key, headers=headers)
-
-
-class _Boom:
-    def __reduce__(self):
-        return (os.system, (f"touch {_MARKER}",))
-
-
-_MARKER = f"/tmp/rlrec-pwned-{uuid.uuid4().hex}"
-
-
-def test_hostile_messages_are_dead_lettered_and_good_episodes_land(broker, topic, tmp_path):
-    output = str(tmp_path / "out")
-    cfg = _cfg(broker, topic, output, max_message_bytes=200_000, dlq_max_message_bytes=100_000)
-    storage = Storage.from_uri(output)
-    rec = EpisodeRecorder(broker.bootstrap_servers, topic=topic, policy_id="pol", observation_space=OBS_SPACE,
-                          action_space=ACT_SPACE)
-    truth = record_episodes(rec, 5, seed=31)
-    rec.flush(10)
-    p = Producer({"bootstrap.servers": broker.bootstrap_servers})
-    step_h = schema_header("StepBatch")
-    start = EpisodeStart("evil-1", "pol", 1, [np.zeros(4, np.float32)], OBS_SPACE, ACT_SPACE)
-    v_start, h_start = encode(start)
-    good_batch = StepBatch("evil-1", 0, [np.zeros(2, np.int64)], np.ones(2), [np.zeros((2, 4), np.float32)])
-    v_batch, _ = encode(good_batch)
-    nan_batch = StepBatch("evil-1", 0, [np.zeros(2, np.int64)], np.array([np.nan, 1.0]), [np.zeros((2, 4), np.float32)])
-    wrong_shape = StepBatch("evil-1", 0, [np.zeros(2, np.int64)], np.ones(2), [np.zeros((2, 7), np.float32)])
-    cases = {
-        "bad-header": (b"k", os.urandom(50), None),
-        "unknown-schema": (b"k", v_batch, [("rlrec-schema", b"StepBatch/99")]),
-        "malformed": (b"k", os.urandom(64), step_h),
-        "malformed-truncated": (b"k", v_batch[: len(v_batch) // 2], step_h),
-        "non-finite-reward": (b"evil-1", encode(nan_batch)[0], step_h),
-        "oversize": (b"k", b"\0" * 250_000, step_h),
-        "unknown-episode": (b"nobody", encode(StepBatch("nobody", 0, [np.zeros(1, np.int64)], np.ones(1),
-                                                        [np.zeros((1, 4), np.float32)]))[0], step_h),
-        "pickle": (b"k", pickle.dumps(_Boom()), step_h),
-        "space-mismatch": (b"evil-1", encode(wrong_shape)[0], step_h),
-    }
-    _raw(p, topic, b"evil-1", v_start, h_start)
-    for key, value, headers in cases.values():
-        _raw(p, topic, key, value, headers)
-    assert p.flush(10) == 0
-    truth.update(record_episodes(rec, 5, seed=32))  # good episodes after the bad ones still land
-    rec.flush(10)
-    c, t = run_consumer(cfg, storage)
-    try:
-        wait_for(lambda: committed_episodes(storage) >= 10, 40, what="good episodes committed")
-        dlq = wait_for(lambda: (lambda m: m if len(m) >= len(cases) else None)(drain_dlq(broker.bootstrap_servers, topic, 2)),
-                       30, what="dead letters")
-    finally:
-        c.stop()
-        t.join(30)
-        rec.close()
-    assert t.is_alive() is False
-    reasons = sorted(dict(m.headers())["rlrec-dlq-reason"].decode() for m in dlq)
-    expected = sorted(r.split("-truncated")[0] if r.startswith("malformed") else ("malformed" if r == "pickle" else r)
-                      for r in cases)
-    assert reasons == expected
-    for m in dlq:
-        h = dict(m.headers())
-        assert h["rlrec-source-topic"].decode() == topic and int(h["rlrec-source-offset"]) >= 0
-        if h["rlrec-dlq-reason"] == b"oversize":
-            assert int(h["rlrec-original-length"]) == 250_000 and len(m.value()) == 100_000
-            assert len(h["rlrec-original-sha256"]) == 64
-    assert not os.path.exists(_MARKER), "a pickle payload was executed"
-    got = read_all(storage)
-    assert set(truth) <= set(got)
 
 
 def test_open_episode_cap_evicts_to_dead_letters(broker, topic, tmp_path):

@@ -31,9 +31,10 @@ test: venv
 test-fast: venv
 	$(VPY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
-# A later issue replaces this with `rlrec demo`.
+# The closed loop on this machine (DEMO_ARGS, e.g. DEMO_ARGS="--s3 --duration 300").
+DEMO_ARGS ?=
 demo: venv
-	$(VENV)/bin/rlrec record-demo
+	$(VENV)/bin/rlrec demo $(DEMO_ARGS)
 
 bench: venv
 	@if [ -f bench/run.py ]; then $(VPY) bench/run.py; else $(VPY) bench/producer.py; fi

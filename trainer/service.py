@@ -121,6 +121,9 @@ class TrainerConfig:
     num_cpus: int | None = None
     seed: int | None = None
     idle_log_interval_s: float = 30.0
+    promotion_gate: bool = False          # publish only candidates not worse than the deployed version
+    promotion_baseline: float | None = None  # return of what is deployed before the first publication
+    promotion_episodes: int = 10
 
     def __post_init__(self) -> None:
         self.algo = self.algo.upper()
@@ -130,6 +133,8 @@ class TrainerConfig:
             raise ValueError("checkpoint_interval must be >= 1")
         if self.eval_interval and not self.env:
             raise ValueError("--eval-interval needs --env (evaluation runs episodes in the environment)")
+        if self.promotion_gate and not self.env:
+            raise ValueError("--promotion-gate needs --env (candidates are evaluated in the environment)")
 
 
 # ---------------------------------------------------------------------------------- helpers
@@ -270,6 +275,8 @@ class ContinuousTrainer:
         self.obs_space = self.act_space = None
         self.fmt: str | None = None
         self.last_record: dict | None = None
+        self.deployed_return: float | None = cfg.promotion_baseline   # promotion gate state
+        self.last_promotion: dict | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def stop(self, reason: str = "stop requested") -> None:
@@ -399,11 +406,14 @@ class ContinuousTrainer:
         except FileNotFoundError:
             return None
 
-    def checkpoint(self) -> str:
-        """Save the algorithm + trainer state; publish the policy; move `latest` (commit point)."""
+    def checkpoint(self, final: bool = False) -> str:
+        """Save the algorithm + trainer state; publish the policy; move `latest` (commit point).
+
+        With the promotion gate, the final (stop) checkpoint publishes nothing: every decision
+        is taken at a periodic checkpoint and recorded in that iteration's metrics line."""
         t0 = time.time()
         name = f"{CKPT_DIR}/ckpt-{self.iteration:08d}"
-        if self.cfg.publish:
+        if self.cfg.publish and not (final and self.cfg.promotion_gate):
             self.publish()
         state = {
             "version": STATE_VERSION,
@@ -414,6 +424,7 @@ class ContinuousTrainer:
             "input": self.input.uri(),
             "trained_shards": sorted(self.trained),
             "since_publish": sorted(self.since_publish),
+            "deployed_return": self.deployed_return,
             "time": time.time(),
         }
         if self.out.kind == "local":
@@ -459,6 +470,8 @@ class ContinuousTrainer:
         from trainer.export import publish_policy
 
         version = self.policy_version + 1
+        if self.cfg.promotion_gate and not self._promote(version):
+            return
         try:
             publish_policy(self.publish_storage, algo=self.algo, version=version, algo_name=self.cfg.algo,
                            observation_space=self.obs_space, action_space=self.act_space,
@@ -467,9 +480,33 @@ class ContinuousTrainer:
                            parent_version=self.policy_version or None)
         except Exception as e:
             log.error("publishing policy v%d failed: %s", version, e)
+            if self.last_promotion is not None and self.last_promotion["candidate_version"] == version:
+                self.last_promotion["promoted"] = False     # not deployed after all
             return
         self.policy_version = version
         self.since_publish = set()
+        if self.last_promotion is not None and self.last_promotion["candidate_version"] == version:
+            self.deployed_return = self.last_promotion["candidate_return"]
+
+    def _promote(self, version: int) -> bool:
+        """The promotion gate: evaluate the candidate; True if it is not worse than the deployed one."""
+        from trainer.promotion import decide, evaluate_exported, export_candidate
+
+        t0 = time.time()
+        try:
+            model, spec = export_candidate(self.algo, self.obs_space, self.act_space, version)
+            ret = evaluate_exported(model, spec, self.cfg.env, self.cfg.promotion_episodes,
+                                    seed=self.cfg.seed or 0)
+        except Exception as e:
+            log.error("evaluating candidate v%d failed (%s): not promoted", version, e)
+            return False
+        d = decide(version, ret, self.policy_version or None, self.deployed_return)
+        self.last_promotion = d.to_dict()
+        log.info("promotion gate: candidate v%d return %.1f vs deployed %s return %s: %s (%.2fs)", version, ret,
+                 f"v{self.policy_version}" if self.policy_version else "(baseline)",
+                 "-" if d.deployed_return is None else f"{d.deployed_return:.1f}",
+                 "promoted" if d.promoted else "kept the deployed version", time.time() - t0)
+        return d.promoted
 
     def _restore(self) -> bool:
         latest = self._latest_checkpoint()
@@ -503,6 +540,8 @@ class ContinuousTrainer:
         self.timesteps_trained = int(state["timesteps_trained"])
         self.trained = set(state["trained_shards"])
         self.since_publish = set(state.get("since_publish", ()))
+        if state.get("deployed_return") is not None:
+            self.deployed_return = float(state["deployed_return"])
         self.metrics.truncate_after(self.iteration)
         log.info("resumed from %s: iteration %d, policy v%d, %d shards trained on", path, self.iteration,
                  self.policy_version, len(self.trained))
@@ -599,9 +638,13 @@ class ContinuousTrainer:
             log.error("shard %s cannot be used (%s); skipping it", k, why)
         rec = self._record(result, st, dt)
         if self.iteration % self.cfg.checkpoint_interval == 0:
+            self.last_promotion = None
             self.checkpoint()
             rec["policy_version"] = self.policy_version
             rec["checkpoint"] = True
+            if self.last_promotion is not None:   # the gate's decision (and its evaluation)
+                rec["promotion"] = self.last_promotion
+                rec.setdefault("eval_return_mean", self.last_promotion["candidate_return"])
         self.metrics.write(rec)
         self.last_record = rec
         return rec
@@ -628,7 +671,7 @@ class ContinuousTrainer:
             if self.algo is not None and self.iteration > 0:
                 latest = self._latest_checkpoint()
                 if latest is None or latest.get("iteration") != self.iteration:
-                    self.checkpoint()
+                    self.checkpoint(final=True)
             return 0
         finally:
             self.close()

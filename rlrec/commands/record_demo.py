@@ -72,10 +72,22 @@ class _Progress:
             self._bar.advance(self._tasks[name], n)
 
 
-def _record(args, bootstrap: str, progress: _Progress) -> dict:
-    """Play and record the episodes; returns what was recorded."""
+def scripted_action(obs, rng, epsilon: float) -> tuple[int, float]:
+    """The scripted CartPole expert with epsilon-noise: (action, log-probability of it).
+
+    Pushes the cart towards where the pole falls (``obs[2] + 0.5 * obs[3] > 0``); with
+    probability *epsilon* a uniformly random action instead. Also used by ``rlrec demo``.
+    """
     import math
 
+    greedy = int(obs[2] + 0.5 * obs[3] > 0)
+    action = int(rng.integers(2)) if rng.random() < epsilon else greedy
+    p = 1 - epsilon / 2 if action == greedy else epsilon / 2
+    return action, (math.log(p) if p > 0 else -math.inf)
+
+
+def _record(args, bootstrap: str, progress: _Progress) -> dict:
+    """Play and record the episodes; returns what was recorded."""
     import gymnasium as gym
     import numpy as np
 
@@ -97,11 +109,8 @@ def _record(args, bootstrap: str, progress: _Progress) -> dict:
             eid = wrapped.episode_id
             ret, n, done = 0.0, 0, False
             while not done:
-                # push the cart towards where the pole falls; explore with probability epsilon
-                greedy = int(obs[2] + 0.5 * obs[3] > 0)
-                action = int(rng.integers(2)) if rng.random() < eps else greedy
-                p = 1 - eps / 2 if action == greedy else eps / 2
-                wrapped.set_model_outputs({"action_logp": np.float32(math.log(p) if p > 0 else -np.inf)})
+                action, logp = scripted_action(obs, rng, eps)
+                wrapped.set_model_outputs({"action_logp": np.float32(logp)})
                 obs, reward, terminated, truncated, _ = wrapped.step(action)
                 ret += float(reward)
                 n += 1

@@ -55,6 +55,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--prelearner-mode", default="episodes", choices=("episodes", "buffer"),
                    help="episodes: every timestep of each read chunk, shuffled at the Learner; buffer: RLlib's "
                         "PreLearner episode-buffer sampling [episodes]")
+    p.add_argument("--promotion-gate", action="store_true",
+                   help="publish a checkpoint's policy only if its evaluation (greedy, --promotion-episodes "
+                        "episodes of --env) is not worse than the deployed version's; decisions go to metrics.jsonl")
+    p.add_argument("--promotion-baseline", type=float,
+                   help="with --promotion-gate: the return of what is deployed before the first publication")
+    p.add_argument("--promotion-episodes", type=int, default=10, help="episodes per promotion evaluation [10]")
     p.add_argument("--publish-dir", help="where to publish policies [{checkpoint-dir}/policies]")
     p.add_argument("--no-publish", action="store_true", help="do not publish policies")
     p.add_argument("--metrics-port", type=int, help="serve the metrics on a Prometheus endpoint on this port")
@@ -85,6 +91,8 @@ def _run(args: argparse.Namespace) -> int:
             replay_max_age_s=args.replay_max_age_s, replay_policy_versions=args.replay_policy_versions,
             prelearner_mode=args.prelearner_mode, publish=not args.no_publish, publish_dir=args.publish_dir,
             metrics_port=args.metrics_port, num_cpus=args.num_cpus, seed=args.seed,
+            promotion_gate=args.promotion_gate, promotion_baseline=args.promotion_baseline,
+            promotion_episodes=args.promotion_episodes,
         )
     except ValueError as e:
         print(f"rlrec train: {e}", file=sys.stderr)

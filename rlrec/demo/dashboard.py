@@ -1,0 +1,253 @@
+"""The demo's numbers and how they are shown.
+
+`Collector.snapshot()` gathers one `Snapshot` per refresh: steps published (the policy processes'
+status lines), episodes/shards committed and dead letters (the consumer's Prometheus endpoint),
+trainer iteration, timesteps, newest-shard age, evaluation return, promotions (the trainer's
+metrics.jsonl). `Dashboard` shows snapshots: a rich Live table on a terminal, else one compact
+line every few seconds. Each snapshot is also one line of demo-data/metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["Snapshot", "Collector", "Dashboard", "TrainerTail", "scrape_consumer"]
+
+
+@dataclass
+class Snapshot:
+    """One refresh; `to_record()` is the demo metrics.jsonl line (docs: briefs/layout.md)."""
+
+    time: float
+    elapsed_s: float
+    steps_published: int = 0
+    steps_per_s: float = 0.0
+    episodes_committed: int = 0
+    shards_committed: int = 0
+    dead_letters: dict = field(default_factory=dict)
+    trainer_iteration: int | None = None
+    timesteps_trained: int | None = None
+    newest_shard_age_s: float | None = None
+    eval_return_mean: float | None = None
+    policy_version: int | None = None          # newest version a policy process acts with
+    policy_versions_in_use: list = field(default_factory=list)
+    published_version: int | None = None       # newest version the trainer published
+    deployed_return: float | None = None       # evaluation return of the published version
+    promotions: int = 0
+    rejections: int = 0
+    policies: list = field(default_factory=list)   # per process: index, policy_version, steps, return_mean
+
+    def to_record(self) -> dict:
+        d = asdict(self)
+        d["time"] = round(d["time"], 3)
+        d["elapsed_s"] = round(d["elapsed_s"], 2)
+        d["steps_per_s"] = round(d["steps_per_s"], 1)
+        return d
+
+
+def scrape_consumer(port: int, timeout: float = 1.0) -> dict | None:
+    """episodes/shards committed and dead letters by reason from the consumer's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout) as r:
+            text = r.read().decode()
+    except OSError:
+        return None
+    out: dict[str, Any] = {"episodes": 0, "shards": 0, "dead_letters": {}}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == "rlrec_episodes_committed_total":
+                out["episodes"] = int(s.value)
+            elif s.name == "rlrec_shards_committed_total":
+                out["shards"] = int(s.value)
+            elif s.name == "rlrec_dead_letters_total":
+                out["dead_letters"][s.labels.get("reason", "?")] = int(s.value)
+    return out
+
+
+class TrainerTail:
+    """Follows the trainer's metrics.jsonl (complete lines only)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._pos = 0
+        self._partial = b""
+        self.last: dict | None = None
+        self.eval_return: float | None = None
+        self.published_version: int | None = None
+        self.deployed_return: float | None = None
+        self.promotions = self.rejections = 0
+        self.shards_new_total = 0
+
+    def poll(self) -> list[dict]:
+        try:
+            with open(self.path, "rb") as f:
+                if os.fstat(f.fileno()).st_size < self._pos:   # restarted (truncated)
+                    self._pos, self._partial = 0, b""
+                f.seek(self._pos)
+                data = f.read()
+                self._pos = f.tell()
+        except FileNotFoundError:
+            return []
+        data = self._partial + data
+        lines = data.split(b"\n")
+        self._partial = lines.pop()
+        new = []
+        for ln in lines:
+            try:
+                rec = json.loads(ln)
+            except ValueError:
+                continue
+            new.append(rec)
+            self.last = rec
+            self.shards_new_total += int(rec.get("shards_new") or 0)
+            if rec.get("eval_return_mean") is not None:
+                self.eval_return = float(rec["eval_return_mean"])
+            if rec.get("policy_version"):
+                self.published_version = int(rec["policy_version"])
+            promo = rec.get("promotion")
+            if promo:
+                if promo.get("promoted"):
+                    self.promotions += 1
+                    self.deployed_return = float(promo["candidate_return"])
+                else:
+                    self.rejections += 1
+        return new
+
+
+class Collector:
+    """Builds snapshots from the policy processes, the consumer and the trainer."""
+
+    def __init__(self, policies: list, consumer_port: int | None, trainer_metrics: str) -> None:
+        self.policies = policies            # processes.Child with .status
+        self.consumer_port = consumer_port
+        self.trainer = TrainerTail(trainer_metrics)
+        self.t0 = time.time()
+        self._consumer = {"episodes": 0, "shards": 0, "dead_letters": {}}
+        self._rate: list[tuple[float, int]] = []
+
+    def snapshot(self) -> Snapshot:
+        now = time.time()
+        if self.consumer_port is not None:
+            got = scrape_consumer(self.consumer_port)
+            if got is not None:     # keep the last numbers once the consumer is gone
+                self._consumer = got
+        self.trainer.poll()
+        st = [p.status for p in self.policies if p.status]
+        steps = sum(int(s.get("steps", 0)) for s in st)
+        self._rate.append((now, steps))
+        while len(self._rate) > 2 and now - self._rate[0][0] > 5.0:
+            self._rate.pop(0)
+        t_old, s_old = self._rate[0]
+        rate = (steps - s_old) / (now - t_old) if now > t_old else 0.0
+        versions = sorted({int(s["policy_version"]) for s in st if s.get("policy_version") is not None})
+        last = self.trainer.last or {}
+        return Snapshot(
+            time=now, elapsed_s=now - self.t0, steps_published=steps, steps_per_s=rate,
+            episodes_committed=self._consumer["episodes"], shards_committed=self._consumer["shards"],
+            dead_letters=dict(self._consumer["dead_letters"]),
+            trainer_iteration=last.get("iteration"), timesteps_trained=last.get("timesteps_trained"),
+            newest_shard_age_s=last.get("newest_shard_age_s"), eval_return_mean=self.trainer.eval_return,
+            policy_version=versions[-1] if versions else None, policy_versions_in_use=versions,
+            published_version=self.trainer.published_version, deployed_return=self.trainer.deployed_return,
+            promotions=self.trainer.promotions, rejections=self.trainer.rejections,
+            policies=[{"index": s.get("index"), "policy_version": s.get("policy_version"), "steps": s.get("steps"),
+                       "episodes": s.get("episodes"), "return_mean": s.get("return_mean")} for s in st],
+        )
+
+
+def _f(x: Any, fmt: str = "{:.1f}", none: str = "-") -> str:
+    return none if x is None else fmt.format(x)
+
+
+def compact_line(s: Snapshot) -> str:
+    dl = sum(s.dead_letters.values())
+    return (f"[{s.elapsed_s:5.0f}s] steps {s.steps_published} ({s.steps_per_s:.0f}/s)  "
+            f"episodes {s.episodes_committed}  shards {s.shards_committed}  dead letters {dl}  "
+            f"iter {_f(s.trainer_iteration, '{}')}  trained {_f(s.timesteps_trained, '{}')}  "
+            f"newest shard {_f(s.newest_shard_age_s, '{:.1f}s')}  eval {_f(s.eval_return_mean)}  "
+            f"published v{_f(s.published_version, '{}', '0')}  acting {s.policy_versions_in_use}")
+
+
+class Dashboard:
+    """rich Live on a terminal; otherwise a compact line every `line_every_s` seconds."""
+
+    def __init__(self, title: str, live: bool, line_every_s: float = 5.0) -> None:
+        self.title = title
+        self.live = None
+        self.line_every_s = line_every_s
+        self._last_line = 0.0
+        self.note = ""
+        if live:
+            from rich.console import Console
+            from rich.live import Live
+
+            self.live = Live(console=Console(), refresh_per_second=2, transient=False)
+
+    def __enter__(self) -> Dashboard:
+        if self.live is not None:
+            self.live.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.live is not None:
+            self.live.__exit__(*exc)
+
+    def say(self, msg: str) -> None:
+        """A message above the dashboard (or a plain line)."""
+        if self.live is not None:
+            self.live.console.print(msg)
+        else:
+            print(msg, flush=True)
+
+    def show(self, s: Snapshot) -> None:
+        if self.live is not None:
+            self.live.update(self._table(s))
+        elif time.time() - self._last_line >= self.line_every_s:
+            self._last_line = time.time()
+            print(compact_line(s), flush=True)
+
+    def _table(self, s: Snapshot):
+        from rich.table import Table
+
+        t = Table(title=f"{self.title}  [dim]{s.elapsed_s:.0f} s[/dim]", show_header=False, min_width=64)
+        t.add_column("what", style="cyan")
+        t.add_column("value", justify="right")
+        dl = ", ".join(f"{k} {v}" for k, v in sorted(s.dead_letters.items())) or "0"
+        rows = [
+            ("[b]policies[/b] steps published", f"{s.steps_published:,}  ({s.steps_per_s:,.0f}/s)"),
+            ("  acting with policy versions", ", ".join(f"v{v}" for v in s.policy_versions_in_use) or "-"),
+            ("[b]consumer[/b] episodes committed", f"{s.episodes_committed:,}"),
+            ("  shards committed", f"{s.shards_committed:,}"),
+            ("  dead letters", dl),
+            ("[b]trainer[/b] iteration", _f(s.trainer_iteration, "{}")),
+            ("  timesteps trained", _f(s.timesteps_trained, "{:,}")),
+            ("  newest shard age", _f(s.newest_shard_age_s, "{:.1f} s")),
+            ("  evaluation return", _f(s.eval_return_mean)),
+            ("  published policy version", f"v{s.published_version or 0}  (return {_f(s.deployed_return)}; "
+                                           f"{s.promotions} promoted, {s.rejections} held back)"),
+        ]
+        for a, b in rows:
+            t.add_row(a, b)
+        for p in s.policies:
+            t.add_row(f"  policy-{p['index']}", f"v{p['policy_version']}  {p['episodes']} episodes  "
+                                                f"return {_f(p['return_mean'])}")
+        if self.note:
+            t.caption = self.note
+        return t
+
+
+def write_line(path: str, s: Snapshot) -> None:
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(s.to_record()) + "\n")
+
+
+def is_tty() -> bool:
+    return sys.stdout.isatty()

@@ -1,0 +1,146 @@
+"""One simulated deployed policy of `rlrec demo` (run as ``python -m rlrec.demo.policy_process``).
+
+Plays CartPole-v1 behind a `RecordingWrapper`, publishing every step through `EpisodeRecorder`.
+It starts as the scripted expert with epsilon-noise (policy version 0) and, between episodes,
+polls the trainer's published policies (`rlrec.load_policy`: torch only, never Ray); it switches
+to every newer version, and the episodes it records from then on carry that `policy_version`.
+Steps are throttled to `--steps-per-s`. Every second a JSON status line goes to stdout. SIGTERM
+or SIGINT: the current episode is played to its end, the recorder is flushed and closed, exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+import time
+from collections import deque
+
+POLICY_ID = "cartpole"
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m rlrec.demo.policy_process", description=__doc__)
+    p.add_argument("--bootstrap-servers", required=True)
+    p.add_argument("--topic", required=True)
+    p.add_argument("--policies", required=True, help="the trainer's publish root ({checkpoint_dir}/policies)")
+    p.add_argument("--index", type=int, default=0)
+    p.add_argument("--epsilon", type=float, default=0.3, help="random-action probability of the scripted expert")
+    p.add_argument("--policy-epsilon", type=float, default=0.05,
+                   help="random-action probability once acting with a published policy")
+    p.add_argument("--steps-per-s", type=float, default=800.0, help="throttle (0: unthrottled)")
+    p.add_argument("--poll-s", type=float, default=2.0, help="how often to look for a newer published policy")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+class _Throttle:
+    """Sleeps so that `tick()` is called at most `rate` times per second on average."""
+
+    def __init__(self, rate: float) -> None:
+        self.period = 1.0 / rate if rate > 0 else 0.0
+        self.t = time.monotonic()
+
+    def tick(self) -> None:
+        if not self.period:
+            return
+        self.t += self.period
+        delay = self.t - time.monotonic()
+        if delay > 0.002:
+            time.sleep(delay)
+        elif delay < -1.0:      # fell behind (busy machine): do not try to catch up
+            self.t = time.monotonic()
+
+
+def run(args: argparse.Namespace) -> int:
+    import gymnasium as gym
+    import numpy as np
+
+    from producer import EpisodeRecorder, RecordingWrapper
+    from rlrec.commands.record_demo import scripted_action
+    from trainer.policy import load_policy   # = rlrec.load_policy (torch only); imported now, not mid-episode
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+
+    env = gym.make("CartPole-v1")
+    recorder = EpisodeRecorder(args.bootstrap_servers, args.topic, policy_id=POLICY_ID, policy_version=0,
+                               observation_space=env.observation_space, action_space=env.action_space,
+                               env_id="CartPole-v1")
+    wrapped = RecordingWrapper(env, recorder)
+    rng = np.random.default_rng(args.seed)
+    throttle = _Throttle(args.steps_per_s)
+    policy = None
+    last_poll = 0.0
+    steps = episodes = 0
+    returns: deque = deque(maxlen=20)
+    last_status = 0.0
+    poll_errors = 0
+
+    def status(final: bool = False) -> None:
+        print(json.dumps({"index": args.index, "steps": steps, "episodes": episodes,
+                          "policy_version": recorder.policy_version,
+                          "return_mean": float(np.mean(returns)) if returns else None,
+                          "delivered": recorder.stats.messages_delivered, "final": final}), flush=True)
+
+    def maybe_switch() -> None:
+        nonlocal policy, last_poll, poll_errors
+        if time.monotonic() - last_poll < args.poll_s:
+            return
+        last_poll = time.monotonic()
+        try:
+            if policy is None:
+                policy = load_policy(args.policies, seed=args.seed)
+                switched = True
+            else:
+                switched = policy.poll()
+        except Exception as e:   # nothing published yet, or a version being written
+            if "no policy is published" not in str(e) and poll_errors < 5:
+                print(f"policy-{args.index}: poll failed: {e}", file=sys.stderr, flush=True)
+                poll_errors += 1
+            return
+        if switched:
+            recorder.policy_version = policy.policy_version
+            print(f"policy-{args.index}: now acting with policy v{policy.policy_version}", file=sys.stderr, flush=True)
+
+    try:
+        k = 0
+        while not stop.is_set():
+            maybe_switch()
+            obs, _ = wrapped.reset(seed=args.seed * 100_003 + k)
+            k += 1
+            total, done = 0.0, False
+            while not done:   # a started episode is always finished, even when stopping
+                if policy is None:
+                    action, logp = scripted_action(obs, rng, args.epsilon)
+                else:
+                    eps = args.policy_epsilon     # epsilon-greedy around the policy's greedy action
+                    greedy, _ = policy.act(obs)
+                    action = int(rng.integers(2)) if rng.random() < eps else int(greedy)
+                    logp = float(np.log(max(1 - eps / 2 if action == greedy else eps / 2, 1e-12)))
+                wrapped.set_model_outputs({"action_logp": np.float32(logp)})
+                obs, reward, terminated, truncated, _ = wrapped.step(action)
+                total += float(reward)
+                steps += 1
+                done = terminated or truncated
+                if not stop.is_set():
+                    throttle.tick()
+                if time.monotonic() - last_status >= 1.0:
+                    last_status = time.monotonic()
+                    status()
+            episodes += 1
+            returns.append(total)
+    finally:
+        wrapped.close()
+        left = recorder.close(timeout=30)
+        status(final=True)
+        if left:
+            print(f"policy-{args.index}: {left} records undelivered at exit", file=sys.stderr, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run(parse()))

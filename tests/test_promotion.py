@@ -1,0 +1,53 @@
+"""The trainer's promotion gate (trainer/promotion.py): the decision rule and the evaluation of an
+exported TorchScript policy (torch + gymnasium only, no Ray). The gate inside the running trainer is
+covered end to end by tests/test_demo.py (decisions in metrics.jsonl)."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from trainer.promotion import decide, evaluate_exported  # noqa: E402
+
+SPEC = {"policy_version": 1, "action_dist": "categorical", "observation_shape": [4],
+        "action_space": {"type": "Discrete", "n": 2}}
+
+
+class _Expert(torch.nn.Module):
+    """Logits of the scripted CartPole expert (push towards where the pole falls), or its opposite."""
+
+    def __init__(self, sign: float) -> None:
+        super().__init__()
+        self.sign = sign
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        s = self.sign * (obs[:, 2] + 0.5 * obs[:, 3])
+        return torch.stack([-s, s], dim=1)
+
+
+def _script(sign: float) -> bytes:
+    buf = io.BytesIO()
+    torch.jit.save(torch.jit.trace(_Expert(sign), torch.zeros(2, 4)), buf)
+    return buf.getvalue()
+
+
+def test_decide_promotes_only_when_not_worse():
+    assert decide(1, 100.0, None, None).promoted                  # nothing deployed yet
+    assert decide(1, 100.0, None, 120.0).promoted is False        # below the baseline
+    assert decide(3, 500.0, 2, 500.0).promoted                    # equal is not worse
+    d = decide(3, 499.0, 2, 500.0)
+    assert d.promoted is False
+    assert d.to_dict() == {"candidate_version": 3, "candidate_return": 499.0, "deployed_version": 2,
+                           "deployed_return": 500.0, "promoted": False}
+
+
+def test_evaluate_exported_measures_the_artifact():
+    good = evaluate_exported(_script(1.0), SPEC, "CartPole-v1", episodes=3, seed=0)
+    bad = evaluate_exported(_script(-1.0), SPEC, "CartPole-v1", episodes=3, seed=0)
+    assert good == 500.0
+    assert bad < 50.0
+    # same seeds, same greedy policy: the same number (candidates and deployed compare fairly)
+    assert evaluate_exported(_script(-1.0), SPEC, "CartPole-v1", episodes=3, seed=0) == bad

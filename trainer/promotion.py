@@ -1,0 +1,78 @@
+"""The promotion gate: publish a candidate policy only if it is not worse than the deployed one.
+
+`evaluate_exported` plays the *exported* candidate (the TorchScript artifact a deployed service
+would load, acting greedily) for N episodes of the gymnasium env on fixed seeds, so the candidate
+and the deployed version are measured on the same starts and exactly what would be deployed is
+measured (RLlib's own evaluation metrics are smoothed over past evaluation rounds).
+`decide` compares it with the deployed version's return. Torch + gymnasium only.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+__all__ = ["Promotion", "decide", "evaluate_exported", "export_candidate"]
+
+
+@dataclass
+class Promotion:
+    """One gate decision, as recorded in metrics.jsonl under ``"promotion"``."""
+
+    candidate_version: int
+    candidate_return: float
+    deployed_version: int | None
+    deployed_return: float | None
+    promoted: bool
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def decide(candidate_version: int, candidate_return: float, deployed_version: int | None,
+           deployed_return: float | None) -> Promotion:
+    """Promote unless the candidate's return is lower than the deployed one (None: nothing to beat)."""
+    ok = deployed_return is None or candidate_return >= deployed_return
+    return Promotion(candidate_version, float(candidate_return), deployed_version,
+                     None if deployed_return is None else float(deployed_return), ok)
+
+
+def export_candidate(algo, observation_space, action_space, version: int) -> tuple[bytes, dict]:
+    """The TorchScript the trainer would publish now (Learner weights) and the spec to act with it."""
+    from producer.spaces import space_to_json
+    from trainer.export import _module_from_algo, action_dist_name, export_module
+
+    module = _module_from_algo(algo)
+    spec = {"policy_version": version, "action_dist": action_dist_name(module),
+            "action_space": space_to_json(action_space), "observation_shape": list(observation_space.shape)}
+    return export_module(module, observation_space), spec
+
+
+def evaluate_exported(model: bytes, spec: dict, env_id: str, episodes: int, seed: int = 0) -> float:
+    """Mean return of `episodes` greedy episodes of the TorchScript `model` (spec as in policy.json)."""
+    import gymnasium as gym
+    import torch
+
+    from trainer.policy import _Model
+
+    module = torch.jit.load(io.BytesIO(model), map_location="cpu")
+    module.eval()
+    policy = _Model(spec, module)
+    rng = np.random.default_rng(seed)
+    env = gym.make(env_id)
+    returns = []
+    try:
+        for k in range(max(1, int(episodes))):
+            obs, _ = env.reset(seed=seed + k)
+            total, done = 0.0, False
+            while not done:
+                action, _ = policy.act(obs, False, rng)
+                obs, reward, terminated, truncated, _ = env.step(action)
+                total += float(reward)
+                done = terminated or truncated
+            returns.append(total)
+    finally:
+        env.close()
+    return float(np.mean(returns))

@@ -260,7 +260,9 @@ class RecorderConsumer:
         w = self.writers.pop(p, None)
         if w is not None:
             w.drop()
-        self._paused.discard(p)
+        # librdkafka keeps a partition's pause across revoke and re-assignment to this consumer:
+        # undo it while the partition is still assigned, or once given back it is never read again
+        self._resume(p)
         self._committed.pop(p, None)
 
     # -- messages -----------------------------------------------------------------------------

@@ -1,0 +1,264 @@
+"""The chaos run's verdict: committed shards vs. the producers' ground truth, offsets vs. manifest.
+
+Reads everything from the real systems after the consumers stopped: the transitions topic and
+its dead-letter topic (from the beginning), the group's committed offsets, every committed shard
+through the manifest. `check()` returns a `Verdict`; `lost`/`duplicated` count episodes,
+`problems` lists everything else that is wrong (content differences, unexpected dead letters,
+offsets that disagree with the manifest).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
+
+from consumer.manifest import ClaimEntry, ShardEntry, read_partition_logs
+from consumer.shards import read_episodes
+from consumer.storage import Storage
+from producer.events import (
+    DecodeError,
+    EpisodeAbort,
+    EpisodeStart,
+    RewardDelta,
+    StepBatch,
+    decode,
+)
+from rlrec.local import consumer_test_config
+from tests.chaos.truth import TruthEpisode
+
+__all__ = ["TopicScan", "DeadLetters", "Verdict", "scan_topic", "scan_dead_letters", "committed_offsets", "check"]
+
+
+def _read_all(bootstrap: str, topic: str, partitions: int, idle_s: float = 6.0, timeout: float = 300.0):
+    """Every message of `topic` from the beginning: yields Kafka messages, partition by partition
+    in offset order. Stops when every partition reported its end (or nothing came for idle_s)."""
+    c = Consumer(consumer_test_config(bootstrap, f"chaos-scan-{uuid.uuid4().hex[:8]}",
+                                      {"enable.partition.eof": True}))
+    c.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in range(partitions)])
+    at_end: set[int] = set()
+    deadline = time.monotonic() + timeout
+    last_msg = time.monotonic()
+    try:
+        while time.monotonic() < deadline and len(at_end) < partitions and time.monotonic() - last_msg < idle_s:
+            for m in c.consume(num_messages=5000, timeout=0.5):
+                if m.error() is not None:
+                    if m.error().code() == KafkaError._PARTITION_EOF:
+                        at_end.add(m.partition())
+                    continue
+                at_end.discard(m.partition())
+                last_msg = time.monotonic()
+                yield m
+    finally:
+        c.close()
+
+
+@dataclass
+class TopicScan:
+    """Where each episode's events are on the transitions topic."""
+
+    end_offsets: dict[int, int] = field(default_factory=dict)  # partition -> last offset + 1
+    messages: int = 0
+    partition_of: dict[str, int] = field(default_factory=dict)
+    start_offset: dict[str, int] = field(default_factory=dict)  # first EpisodeStart
+    end_offset: dict[str, int] = field(default_factory=dict)  # first terminal batch or abort
+    split: set[str] = field(default_factory=set)  # episodes on several partitions (must stay empty)
+    undecodable: int = 0
+    offsets_not_increasing: int = 0  # a broker fault: offsets repeated or going back in a partition
+
+
+def scan_topic(bootstrap: str, topic: str, partitions: int) -> TopicScan:
+    s = TopicScan(end_offsets={p: 0 for p in range(partitions)})
+    for m in _read_all(bootstrap, topic, partitions):
+        p, off = m.partition(), m.offset()
+        s.messages += 1
+        s.offsets_not_increasing += off < s.end_offsets[p]
+        s.end_offsets[p] = max(s.end_offsets[p], off + 1)
+        try:
+            ev = decode(m.value(), m.headers())
+        except DecodeError:
+            s.undecodable += 1
+            continue
+        eid = ev.episode_id
+        if s.partition_of.setdefault(eid, p) != p:
+            s.split.add(eid)
+        if isinstance(ev, EpisodeStart):
+            s.start_offset.setdefault(eid, off)
+        elif isinstance(ev, EpisodeAbort) or (isinstance(ev, StepBatch) and (ev.terminated or ev.truncated)):
+            s.end_offset.setdefault(eid, off)
+    return s
+
+
+@dataclass
+class DeadLetters:
+    """The dead-letter topic, by reason."""
+
+    reasons: Counter = field(default_factory=Counter)  # messages per reason
+    late_rewards: set[tuple[str, int, float]] = field(default_factory=set)  # (episode, t, reward)
+    empty: set[str] = field(default_factory=set)  # episodes dead-lettered as empty-episode
+    other: list[str] = field(default_factory=list)  # anything else: unexpected in a chaos run
+
+
+def scan_dead_letters(bootstrap: str, topic: str, partitions: int) -> DeadLetters:
+    d = DeadLetters()
+    for m in _read_all(bootstrap, f"{topic}.dlq", partitions, idle_s=4.0):
+        headers = m.headers() or []
+        reason = dict(headers).get("rlrec-dlq-reason", b"?").decode()
+        d.reasons[reason] += 1
+        try:
+            ev = decode(m.value(), headers)
+        except DecodeError as e:
+            d.other.append(f"{reason}: undecodable dead letter ({e})")
+            continue
+        if reason == "late-reward" and isinstance(ev, RewardDelta):
+            d.late_rewards.add((ev.episode_id, ev.t, ev.reward))
+        elif reason == "empty-episode":
+            d.empty.add(ev.episode_id)
+        else:
+            d.other.append(f"{reason}: {type(ev).__name__} of episode {ev.episode_id}: "
+                           f"{dict(headers).get('rlrec-dlq-detail', b'').decode()}")
+    return d
+
+
+def committed_offsets(bootstrap: str, group: str, topic: str, partitions: int) -> dict[int, int]:
+    """The group's committed offset per partition (0 where nothing was committed)."""
+    c = Consumer(consumer_test_config(bootstrap, group))
+    try:
+        tps = c.committed([TopicPartition(topic, p) for p in range(partitions)], timeout=20)
+    finally:
+        c.close()
+    return {tp.partition: max(tp.offset, 0) for tp in tps}
+
+
+@dataclass
+class Verdict:
+    """The outcome: `ok` only if nothing was lost or duplicated and no problem was found."""
+
+    expected: int = 0  # episodes the product must commit
+    committed: int = 0  # distinct episode ids in committed shards
+    lost: int = 0
+    duplicated: int = 0  # extra copies of episodes in committed shards
+    mismatched: int = 0  # committed episodes that differ from the ground truth
+    shards: int = 0
+    claims: int = 0  # manifest claims beyond the first of each partition (ownership changes)
+    rewards_applied: int = 0
+    rewards_dead_lettered: int = 0
+    rewards_both: int = 0  # applied after a consumer that dead-lettered it died (see the report)
+    dead_letters: dict = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.lost == 0 and self.duplicated == 0 and not self.problems
+
+
+def _same(got, want: np.ndarray) -> bool:
+    got = np.asarray(got)
+    return got.dtype == want.dtype and got.shape == want.shape and got.tobytes() == want.tobytes()
+
+
+def compare_episode(ep, entry: ShardEntry, t: TruthEpisode, late: set, v: Verdict) -> list[str]:
+    """Differences between a committed RLlib episode and its ground truth (also counts rewards)."""
+    out = []
+    if not _same(ep.get_observations(), t.observations):
+        out.append("observations differ")
+    if not _same(ep.get_actions(), t.actions):
+        out.append("actions differ")
+    if bool(ep.is_terminated) != t.terminated or bool(ep.is_truncated) != t.truncated:
+        out.append(f"flags {ep.is_terminated}/{ep.is_truncated} != {t.terminated}/{t.truncated}")
+    extra_keys = set(ep.extra_model_outputs.keys()) if len(ep) else set()
+    if extra_keys != set(t.extra):
+        out.append(f"extra model outputs {sorted(extra_keys)} != {sorted(t.extra)}")
+    for k, want in t.extra.items():
+        if k in extra_keys and not _same(ep.get_extra_model_outputs(k), want):
+            out.append(f"extra model output {k} differs")
+    if list(ep.get_infos()) != t.infos:
+        out.append("infos differ")
+    cd = ep.custom_data
+    if (cd.get("policy_id"), cd.get("policy_version"), cd.get("env_id")) != (t.policy_id, t.policy_version, t.env_id):
+        out.append(f"policy fields {cd} != {t.policy_id}/{t.policy_version}/{t.env_id}")
+    if entry.policy_id != t.policy_id or not entry.min_policy_version <= t.policy_version <= entry.max_policy_version:
+        out.append("manifest entry's policy fields disagree")
+    rewards = np.asarray(ep.get_rewards())
+    if rewards.dtype != np.float64 or rewards.shape != t.rewards.shape:
+        return out + [f"rewards {rewards.dtype}{rewards.shape} != float64{t.rewards.shape}"]
+    expect = t.rewards.copy()
+    delayed = dict(t.delayed)
+    for step, delta in t.delayed:
+        applied = rewards[step] == t.rewards[step] + delta
+        dead = (t.episode_id, step, delta) in late
+        if applied:
+            expect[step] = t.rewards[step] + delta
+            v.rewards_applied += 1
+            v.rewards_both += dead
+        elif dead:
+            v.rewards_dead_lettered += 1
+        else:
+            out.append(f"delayed reward {delta} for t={step} neither applied nor dead-lettered")
+    if expect.tobytes() != rewards.tobytes():
+        bad = [i for i in range(len(expect)) if expect[i] != rewards[i] and i not in delayed]
+        out.append(f"rewards differ at steps {bad[:5]}")
+    return out
+
+
+def check(storage: Storage, truth: dict[str, TruthEpisode], scan: TopicScan, dlq: DeadLetters,
+          offsets: dict[int, int]) -> Verdict:
+    v = Verdict(expected=sum(t.committed for t in truth.values()), dead_letters=dict(dlq.reasons))
+    logs = read_partition_logs(storage)
+    entries = [e for log in logs.values() for e in log if isinstance(e, ShardEntry)]
+    v.shards = len(entries)
+    v.claims = sum(sum(isinstance(e, ClaimEntry) for e in log) - 1 for log in logs.values())
+    copies: dict[str, int] = defaultdict(int)
+    for entry in sorted(entries, key=lambda e: (e.partition, e.seq)):
+        for ep in read_episodes(storage.read(entry.path)):
+            eid = ep.id_
+            copies[eid] += 1
+            if copies[eid] > 1:
+                continue
+            t = truth.get(eid)
+            if t is None or not t.committed:
+                v.problems.append(f"episode {eid} committed but {'not produced' if t is None else 'empty'}")
+                continue
+            diff = compare_episode(ep, entry, t, dlq.late_rewards, v)
+            if diff:
+                v.mismatched += 1
+                v.problems.append(f"episode {eid} ({entry.path}): {'; '.join(diff)}")
+    v.committed = len(copies)
+    v.duplicated = sum(n - 1 for n in copies.values())
+    lost = [eid for eid, t in truth.items() if t.committed and eid not in copies]
+    lost += [eid for eid, t in truth.items() if not t.committed and eid not in dlq.empty]  # vanished
+    v.lost = len(lost)
+    v.problems += [f"lost episode {eid} ({truth[eid].kind}, {len(truth[eid].actions)} steps)" for eid in lost[:20]]
+    v.problems += [f"unexpected dead letter: {x}" for x in dlq.other[:20]]
+    v.problems += _offset_problems(entries, scan, offsets)
+    return v
+
+
+def _offset_problems(entries: list[ShardEntry], scan: TopicScan, offsets: dict[int, int]) -> list[str]:
+    """Manifest entries vs. where their episodes' events are; committed offsets vs. partition ends."""
+    out = [f"episode {eid} has events on several partitions" for eid in sorted(scan.split)[:5]]
+    if scan.offsets_not_increasing:
+        out.append(f"{scan.offsets_not_increasing} messages whose offset does not increase within its partition")
+    if scan.undecodable:
+        out.append(f"{scan.undecodable} undecodable messages on the transitions topic")
+    for e in entries:
+        starts = []
+        for eid in e.episode_ids:
+            if scan.partition_of.get(eid) != e.partition or eid not in scan.start_offset:
+                out.append(f"{e.path}: episode {eid} is not on partition {e.partition}")
+                continue
+            starts.append(scan.start_offset[eid])
+            if scan.end_offset.get(eid, 1 << 62) > e.last_offset:
+                out.append(f"{e.path}: episode {eid} ends after the entry's last_offset {e.last_offset}")
+        if starts and min(starts) != e.first_offset:
+            out.append(f"{e.path}: first_offset {e.first_offset} != first start {min(starts)}")
+        if e.last_offset >= scan.end_offsets.get(e.partition, 0):
+            out.append(f"{e.path}: last_offset {e.last_offset} beyond the partition's end")
+    for p, end in sorted(scan.end_offsets.items()):
+        if offsets.get(p, 0) != end:
+            out.append(f"partition {p}: committed offset {offsets.get(p, 0)} != end of partition {end}")
+    return out

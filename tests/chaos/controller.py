@@ -1,0 +1,449 @@
+"""The chaos controller: runs the stack, the producers and the consumers, and injects faults.
+
+Stack (all on 127.0.0.1): Tansu with s3:// storage on its own S3 server (LocalBroker); the shard
+store's S3 server behind a FaultProxy (tests.faults) that the consumers talk to (both S3 servers
+are moto in processes of their own, tests.chaos.s3server); producer processes (tests.chaos.producer);
+`rlrec consume` processes with a Prometheus port each.
+
+Timeline (seeded): `kills` kill -9s, each of a consumer that holds partitions and has committed a
+shard (read from its /metrics), followed by a replacement; `joins` membership changes (an extra
+consumer, or a graceful leave and a new one when 3 run); `storage_faults` windows in which the
+proxy stalls every request and then answers 503 (plus a few ambiguous 503s whose request did
+reach the store); one broker restart. The moments are drawn from the seed; what is eligible for a
+kill at that moment depends on timing, so two runs with one seed are alike, not identical.
+Then: wait for the producers, read the topic, wait until the manifest holds every expected
+episode and the group's offsets reached the end of every partition, stop the consumers
+(SIGTERM), and check (tests.chaos.check) plus `rlrec inspect --verify`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from consumer.manifest import PartitionLog, ShardEntry
+from consumer.storage import Storage
+from rlrec.local import LocalBroker, create_topics, dlq_topic_name, free_port
+from tests.chaos.check import (
+    Verdict,
+    check,
+    committed_offsets,
+    scan_dead_letters,
+    scan_topic,
+)
+from tests.chaos.s3server import S3Process
+from tests.chaos.truth import read_truth
+from tests.faults import FaultProxy
+
+REPO = Path(__file__).resolve().parents[2]
+BUCKET = "chaos-shards"
+CONSUMER_KAFKA = {"session.timeout.ms": 3000, "heartbeat.interval.ms": 750, "topic.metadata.refresh.interval.ms": 3000}
+MAX_CONSUMERS = 3
+
+
+@dataclass
+class ChaosConfig:
+    episodes: int
+    kills: int
+    seed: int = 1
+    producers: int = 3
+    partitions: int = 8
+    duration: float | None = None  # seconds over which producers spread their episodes
+    joins: int | None = None
+    storage_faults: int | None = None
+    broker_restart: bool = True
+    workdir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.joins is None:
+            self.joins = max(1, self.kills // 4)
+        if self.storage_faults is None:
+            self.storage_faults = max(1, self.kills // 6)
+        if self.duration is None:
+            events = self.kills + self.joins + self.storage_faults + int(self.broker_restart)
+            self.duration = max(40.0, 8.0 * events, 0.05 * self.episodes)
+
+
+@dataclass
+class ConsumerProc:
+    name: str
+    proc: subprocess.Popen
+    metrics_port: int
+
+    def metrics(self) -> dict[str, float]:
+        """The consumer's Prometheus metrics ({} if it does not answer)."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=2) as r:
+                text = r.read().decode()
+        except OSError:
+            return {}
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                k, _, val = line.rpartition(" ")
+                try:
+                    out[k] = float(val)
+                except ValueError:
+                    pass
+        return out
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+
+@dataclass
+class Tally:
+    kills: int = 0
+    kills_skipped: int = 0
+    rebalances: int = 0  # consumer group membership changes after the initial consumers
+    storage_faults: int = 0
+    broker_restarts: int = 0
+    faults: list[str] = field(default_factory=list)  # every fault, as logged
+
+
+class Chaos:
+    """One chaos run (see the module docstring). `run()` returns the process exit code.
+
+    Guarantees: the exit code is 0 only if every produced episode is committed exactly once and
+    bit-identical to the ground truth, offsets agree with the manifest, `rlrec inspect --verify`
+    passes, every planned kill happened and the broker kept every produced message; the last
+    stdout line is exactly `lost=<n> duplicated=<n>`.
+    """
+
+    def __init__(self, cfg: ChaosConfig, console: Console | None = None):
+        self.cfg = cfg
+        self.console = console or Console(highlight=False, width=None if sys.stdout.isatty() else 120)
+        self.rng = random.Random(cfg.seed)
+        self.work = Path(cfg.workdir or tempfile.mkdtemp(prefix="rlrec-chaos-"))
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.topic = f"chaos-{cfg.seed}-{os.getpid()}"
+        self.group = f"chaos-group-{cfg.seed}-{os.getpid()}"
+        self.output = f"s3://{BUCKET}/run"
+        self.tally = Tally()
+        self.consumers: list[ConsumerProc] = []
+        self.producers: list[subprocess.Popen] = []
+        self.t0 = time.monotonic()
+        self._n = 0
+        self.produced = 0
+        self._fault_thread: threading.Thread | None = None
+        self._committed_ids: set[str] = set()
+        self._logs: dict[int, PartitionLog] = {}
+        self.hold = self.work / "hold"
+
+    # -- output -------------------------------------------------------------------------------
+
+    def say(self, msg: str) -> None:
+        self.console.print(f"[dim]{time.monotonic() - self.t0:7.1f}s[/dim]  {msg}")
+
+    # -- stack --------------------------------------------------------------------------------
+
+    def _start_stack(self) -> None:
+        self.shard_s3 = S3Process(BUCKET, self.work / "s3-shards.log")
+        s3_port = self.shard_s3.port
+        self.proxy = FaultProxy(s3_port)
+        self.proxy.server.handle_error = lambda *a: None  # clients hanging up mid-fault: expected, not news
+        creds = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1",
+                 "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
+        # consumers reach the shard store through the proxy; this process (checks) directly
+        self.consumer_env = {**os.environ, **creds, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{self.proxy.port}"}
+        os.environ.update({**creds, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{s3_port}"})
+        self.direct_env = dict(os.environ)
+        self.storage = Storage.from_uri(self.output)
+        self.broker_s3 = S3Process("chaos-broker", self.work / "s3-broker.log")
+        self.broker = LocalBroker("s3", s3=self.broker_s3, log_path=self.work / "tansu.log").start()
+        n = self.cfg.partitions
+        create_topics(self.broker.bootstrap_servers, {self.topic: n, dlq_topic_name(self.topic): n})
+        self.say(f"stack up: Tansu {self.broker.bootstrap_servers} (s3://{self.broker.bucket}), shard store "
+                 f"127.0.0.1:{s3_port} behind fault proxy :{self.proxy.port}, topic {self.topic} ({n} partitions)")
+
+    def _stop_stack(self) -> None:
+        for c in self.consumers:
+            if c.alive:
+                c.proc.kill()
+                c.proc.wait(10)
+        for p in self.producers:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+        for name in ("broker", "proxy", "broker_s3", "shard_s3"):
+            thing = getattr(self, name, None)
+            try:
+                if thing is not None:
+                    thing.close() if name == "proxy" else thing.stop()
+            except Exception as e:  # already down
+                self.say(f"[yellow]cleanup of {name}: {e}[/yellow]")
+
+    # -- processes ----------------------------------------------------------------------------
+
+    def _start_producers(self) -> None:
+        cfg = self.cfg
+        share = [cfg.episodes // cfg.producers + (i < cfg.episodes % cfg.producers) for i in range(cfg.producers)]
+        for i, n in enumerate(share):
+            cmd = [sys.executable, "-m", "tests.chaos.producer", "--bootstrap-servers", self.broker.bootstrap_servers,
+                   "--topic", self.topic, "--index", str(i), "--episodes", str(n), "--seed", str(cfg.seed * 1000 + i),
+                   "--duration", str(cfg.duration), "--truth", str(self.work / f"truth-{i}.jsonl"),
+                   "--stats", str(self.work / f"producer-{i}.json"), "--hold", str(self.hold)]
+            log = open(self.work / f"producer-{i}.log", "ab")
+            self.producers.append(subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=log))
+        self.say(f"{cfg.producers} producers: {cfg.episodes} episodes over {cfg.duration:.0f}s")
+
+    def start_consumer(self) -> ConsumerProc:
+        self._n += 1
+        name, port = f"c{self._n}", free_port()
+        cmd = [sys.executable, "-m", "rlrec", "consume", "--bootstrap-servers", self.broker.bootstrap_servers,
+               "--topic", self.topic, "--group-id", self.group, "--output", self.output, "--no-create-topics",
+               "--max-file-age-s", "1", "--commit-interval-s", "1", "--max-episodes-per-file", "100",
+               "--reward-join-window-s", "2", "--metrics-port", str(port)]
+        for k, v in CONSUMER_KAFKA.items():
+            cmd += ["--kafka-config", f"{k}={v}"]
+        log = open(self.work / f"consumer-{name}.log", "ab")
+        c = ConsumerProc(name, subprocess.Popen(cmd, cwd=REPO, env=self.consumer_env, stdout=log, stderr=log), port)
+        self.consumers.append(c)
+        self.say(f"start consumer {name} (pid {c.proc.pid})")
+        return c
+
+    def alive(self) -> list[ConsumerProc]:
+        return [c for c in self.consumers if c.alive]
+
+    # -- faults -------------------------------------------------------------------------------
+
+    def kill(self) -> None:
+        deadline = time.monotonic() + 90
+        while True:
+            eligible = []
+            for c in self.alive():
+                m = c.metrics()
+                if m.get("rlrec_assigned_partitions", 0) > 0 and m.get("rlrec_shards_committed_total", 0) > 0:
+                    eligible.append((c, m))
+            if eligible:
+                break
+            if time.monotonic() > deadline:
+                self.tally.kills_skipped += 1
+                self.say("[red]kill skipped: no consumer holds partitions and has committed a shard[/red]")
+                return
+            time.sleep(0.3)
+        c, m = self.rng.choice(eligible)
+        c.proc.send_signal(signal.SIGKILL)
+        c.proc.wait(10)
+        self.tally.kills += 1
+        self.tally.rebalances += 1
+        self._fault(f"kill -9 consumer {c.name} (pid {c.proc.pid}: {m['rlrec_assigned_partitions']:.0f} partitions, "
+                    f"{m['rlrec_shards_committed_total']:.0f} shards committed)")
+        time.sleep(self.rng.uniform(0, 3))
+        self.start_consumer()
+        self.tally.rebalances += 1
+
+    def join(self) -> None:
+        running = self.alive()
+        if len(running) >= MAX_CONSUMERS:
+            c = self.rng.choice(running)
+            c.proc.send_signal(signal.SIGTERM)
+            self.say(f"consumer {c.name} leaves the group (SIGTERM)")
+            try:
+                c.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                c.proc.kill()
+            self.tally.rebalances += 1
+        self.start_consumer()
+        self.tally.rebalances += 1
+
+    def storage_fault(self) -> None:
+        if self._fault_thread is not None:
+            self._fault_thread.join()
+        stall_s, stall_for = self.rng.uniform(0.3, 1.0), self.rng.uniform(2, 5)
+        fail_for, swallow = self.rng.uniform(3, 8), self.rng.randint(2, 6)
+        self.tally.storage_faults += 1
+        self._fault(f"storage fault: every request stalls {stall_s:.2f}s for {stall_for:.1f}s, then 503s for "
+                    f"{fail_for:.1f}s, then {swallow} ambiguous 503s (request applied)")
+
+        def window() -> None:
+            self.proxy.stall(stall_s)
+            time.sleep(stall_for)
+            self.proxy.stall(0)
+            self.proxy.fail_for(fail_for)
+            time.sleep(fail_for)
+            self.proxy.swallow_next(swallow)
+            self.say("storage fault window over")
+
+        self._fault_thread = threading.Thread(target=window, daemon=True)
+        self._fault_thread.start()
+
+    def restart_broker(self) -> None:
+        # producers first deliver everything and wait: see tests/chaos/producer.py on Tansu and
+        # idempotent producers. The consumers keep running: they must ride through the restart.
+        self.hold.touch()
+        try:
+            deadline = time.monotonic() + 120
+            while not all(p.poll() is not None or Path(f"{self.hold}.{i}").exists()
+                          for i, p in enumerate(self.producers)):
+                if time.monotonic() > deadline:
+                    raise TimeoutError("producers did not hold within 120 s")
+                time.sleep(0.05)
+            self.say("producers hold (nothing in flight)")
+            t = time.monotonic()
+            self.broker.restart()
+        finally:
+            self.hold.unlink()
+        self.tally.broker_restarts += 1
+        self._fault(f"broker restarted (SIGTERM, same port and s3:// data) in {time.monotonic() - t:.1f}s")
+
+    def _fault(self, msg: str) -> None:
+        self.tally.faults.append(f"{time.monotonic() - self.t0:.1f}s {msg}")
+        self.say(f"[bold yellow]{msg}[/bold yellow]")
+
+    # -- progress -----------------------------------------------------------------------------
+
+    def committed_ids(self) -> set[str]:
+        """Episode ids in committed shards (manifest logs read incrementally, directly from S3)."""
+        for p in range(self.cfg.partitions):
+            log = self._logs.setdefault(p, PartitionLog(self.storage, self.topic, p))
+            try:
+                new = log.refresh()
+            except Exception:  # not there yet
+                continue
+            for e in new:
+                if isinstance(e, ShardEntry):
+                    self._committed_ids.update(e.episode_ids)
+        return self._committed_ids
+
+    # -- the run ------------------------------------------------------------------------------
+
+    def _timeline(self) -> list[tuple[float, str]]:
+        cfg = self.cfg
+        lo, hi = 0.1 * cfg.duration, 0.8 * cfg.duration
+        plan = [(self.rng.uniform(lo, hi), "kill") for _ in range(cfg.kills)]
+        plan += [(self.rng.uniform(lo, hi), "join") for _ in range(cfg.joins)]
+        plan += [(self.rng.uniform(lo, hi), "storage") for _ in range(cfg.storage_faults)]
+        if cfg.broker_restart:
+            plan.append((self.rng.uniform(0.3 * cfg.duration, 0.6 * cfg.duration), "broker"))
+        return sorted(plan)
+
+    def _wait_drained(self, expected: set[str], end_offsets: dict[int, int], timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        last_say = 0.0
+        while time.monotonic() < deadline:
+            missing = len(expected - self.committed_ids())
+            offsets = committed_offsets(self.broker.bootstrap_servers, self.group, self.topic, self.cfg.partitions)
+            behind = sum(offsets.get(p, 0) < end for p, end in end_offsets.items())
+            if not missing and not behind:
+                return True
+            if time.monotonic() - last_say > 10:
+                last_say = time.monotonic()
+                self.say(f"draining: {missing} episodes not committed yet, {behind} partitions' offsets behind")
+            time.sleep(1)
+        return False
+
+    def run(self) -> int:
+        cfg = self.cfg
+        self.say(f"chaos run: episodes={cfg.episodes} kills={cfg.kills} joins={cfg.joins} "
+                 f"storage_faults={cfg.storage_faults} broker_restart={cfg.broker_restart} seed={cfg.seed} "
+                 f"workdir={self.work}")
+        problems: list[str] = []
+        verdict = None
+        verify_rc = None
+        try:
+            self._start_stack()
+            for _ in range(2):
+                self.start_consumer()
+            self._start_producers()
+            t_start = time.monotonic()
+            for at, what in self._timeline():
+                while time.monotonic() < t_start + at:
+                    time.sleep(0.2)
+                {"kill": self.kill, "join": self.join, "storage": self.storage_fault,
+                 "broker": self.restart_broker}[what]()
+                self.say(f"committed so far: {len(self.committed_ids())} episodes")
+            if self._fault_thread is not None:
+                self._fault_thread.join()
+            for i, p in enumerate(self.producers):
+                rc = p.wait(cfg.duration * 3 + 300)
+                if rc != 0:
+                    problems.append(f"producer {i} exited with {rc} (see {self.work}/producer-{i}.log)")
+            stats = [json.loads((self.work / f"producer-{i}.json").read_text()) for i in range(cfg.producers)
+                     if (self.work / f"producer-{i}.json").exists()]
+            truth = read_truth(sorted(self.work.glob("truth-*.jsonl")))
+            self.produced = len(truth)
+            self.say(f"producers done: {len(truth)} episodes, {sum(s['messages'] for s in stats)} messages "
+                     f"({sum(s['duplicate_messages'] for s in stats)} duplicate sends)")
+            scan = scan_topic(self.broker.bootstrap_servers, self.topic, cfg.partitions)
+            if scan.messages != sum(s["messages"] for s in stats):
+                problems.append(f"the topic holds {scan.messages} messages, producers delivered "
+                                f"{sum(s['messages'] for s in stats)}")
+            expected = {eid for eid, t in truth.items() if t.committed}
+            if not self._wait_drained(expected, scan.end_offsets, timeout=300 + 0.1 * cfg.episodes):
+                problems.append("timed out waiting for every episode to commit and offsets to reach the end")
+            for c in self.alive():
+                c.proc.send_signal(signal.SIGTERM)
+            for c in self.consumers:
+                try:
+                    c.proc.wait(60)
+                except subprocess.TimeoutExpired:
+                    problems.append(f"consumer {c.name} did not stop on SIGTERM within 60 s")
+                    c.proc.kill()
+            self.say("consumers stopped; checking")
+            dlq = scan_dead_letters(self.broker.bootstrap_servers, self.topic, cfg.partitions)
+            offsets = committed_offsets(self.broker.bootstrap_servers, self.group, self.topic, cfg.partitions)
+            verdict = check(self.storage, truth, scan, dlq, offsets)
+            verify_rc = subprocess.run([sys.executable, "-m", "rlrec", "inspect", self.output, "--verify", "--json"],
+                                       cwd=REPO, env=self.direct_env, capture_output=True).returncode
+            if verify_rc != 0:
+                problems.append(f"rlrec inspect --verify exited with {verify_rc}")
+            if self.tally.kills_skipped:
+                problems.append(f"{self.tally.kills_skipped} kill(s) found no eligible consumer")
+        except Exception as e:
+            problems.append(f"chaos run failed: {type(e).__name__}: {e}")
+            self.console.print_exception()
+        finally:
+            self._stop_stack()
+        return self._report(verdict, problems, verify_rc)
+
+    def _report(self, v: Verdict | None, problems: list[str], verify_rc: int | None) -> int:
+        elapsed = time.monotonic() - self.t0
+        if v is None:  # the run broke before the check: nothing is known
+            v = Verdict(lost=-1, duplicated=-1)
+        problems = v.problems + problems
+        ok = v.ok and not problems and verify_rc == 0
+        t = Table(title=f"chaos run (seed {self.cfg.seed})")
+        t.add_column("metric")
+        t.add_column("value", justify="right")
+        tl = self.tally
+        rows = [
+            ("episodes produced (empty ones: dead-lettered)", f"{self.produced} ({self.produced - v.expected})"),
+            ("episodes committed", v.committed),
+            ("shards", v.shards), ("kills (kill -9)", tl.kills), ("rebalances (membership changes)", tl.rebalances),
+            ("partition claims after the first", v.claims), ("storage fault windows", tl.storage_faults),
+            ("broker restarts", tl.broker_restarts),
+            ("delayed rewards applied / dead-lettered late / both", f"{v.rewards_applied} / "
+             f"{v.rewards_dead_lettered} / {v.rewards_both}"),
+            ("dead letters", ", ".join(f"{k}={n}" for k, n in sorted(v.dead_letters.items())) or "0"),
+            ("mismatched", v.mismatched), ("inspect --verify", "ok" if verify_rc == 0 else f"rc={verify_rc}"),
+            ("lost", v.lost), ("duplicated", v.duplicated), ("time", f"{elapsed:.0f}s"),
+        ]
+        for k, val in rows:
+            t.add_row(k, str(val))
+        self.console.print(t)
+        for p in problems[:40]:
+            self.console.print(f"[red]problem:[/red] {p}", markup=True, highlight=False)
+        result = {"config": asdict(self.cfg), "tally": asdict(tl), "verdict": {**asdict(v), "problems": problems[:200]},
+                  "verify_rc": verify_rc, "seconds": round(elapsed, 1), "ok": ok,
+                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+        (self.work / "result.json").write_text(json.dumps(result, indent=2, default=str))
+        self.console.print(f"logs and result.json in {self.work}")
+        self.console.file.flush()
+        print(f"lost={v.lost} duplicated={v.duplicated}", flush=True)
+        return 0 if ok else 1
+

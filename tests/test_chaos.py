@@ -1,0 +1,32 @@
+"""The bounded chaos run (tests/chaos): 300 episodes, 3 kill -9s, an extra consumer, a storage
+fault window and a broker restart; nothing may be lost or duplicated.
+
+Runs `python -m tests.chaos` as a subprocess, exactly as documented; the full version and its
+last result are in docs/GUARANTEES.md ("Chaos run").
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.broker, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_bounded_chaos_run_loses_and_duplicates_nothing(tmp_path):
+    if os.environ.get("RLREC_TEST_BROKER", "tansu").strip().lower() not in ("", "tansu"):
+        pytest.skip("the chaos run restarts its own Tansu broker (s3:// storage)")
+    cmd = [sys.executable, "-m", "tests.chaos", "--episodes", "300", "--kills", "3", "--joins", "1",
+           "--storage-faults", "1", "--seed", "7", "--workdir", str(tmp_path / "chaos")]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    lines = proc.stdout.strip().splitlines()
+    tail = "\n".join(lines[-40:]) + "\n" + proc.stderr[-3000:]
+    assert lines and lines[-1] == "lost=0 duplicated=0", tail
+    assert proc.returncode == 0, tail
+    assert "broker restarted" in proc.stdout and proc.stdout.count("kill -9 consumer") == 3, tail

@@ -221,7 +221,12 @@ class EpisodeRecorder:
             "queue.buffering.max.messages": 1_000_000,
         }
         conf.update(kafka_config or {})
+        self._user_error_cb = conf.pop("error_cb", None)
+        conf["error_cb"] = self._on_kafka_error
+        self._conf = conf
         self._producer = Producer(conf)
+        self._fatal: KafkaError | None = None  # set by error_cb; the poller replaces the producer
+        self.producer_restarts = 0
 
         self._lock = threading.Lock()
         self._space_freed = threading.Condition(self._lock)
@@ -617,6 +622,14 @@ class EpisodeRecorder:
                     self._lock.acquire()
             except KafkaException as e:
                 self._buffered -= records
+                err = e.args[0] if e.args and isinstance(e.args[0], KafkaError) else None
+                if err is not None and err.fatal():  # the poller is replacing the producer
+                    self._fatal = err
+                    self._failed += records
+                    self._msgs[0] += 1
+                    self._msgs[2] += 1
+                    log.error("episode %s: %d records failed, the producer hit a fatal error: %s", key, records, err)
+                    return
                 raise ValueError(f"message of {len(value)} bytes refused by the producer: {e}") from None
         self._msgs[0] += 1
 
@@ -639,10 +652,54 @@ class EpisodeRecorder:
                 except Exception:
                     log.exception("on_delivery_error callback raised")
 
+    def _on_kafka_error(self, err: KafkaError) -> None:
+        # librdkafka's error callback (poller thread). Transport errors are retried by librdkafka;
+        # a fatal one (e.g. the idempotent producer's sequence state lost by a restarted broker)
+        # leaves the producer unusable: the poller replaces it (see _replace_producer).
+        if err.fatal():
+            log.error("fatal producer error, starting a new producer: %s", err)
+            self._fatal = err
+        else:
+            log.warning("producer error (retried by librdkafka): %s", err)
+        if self._user_error_cb is not None:
+            try:
+                self._user_error_cb(err)
+            except Exception:
+                log.exception("error_cb raised")
+
+    def _replace_producer(self) -> None:
+        """Swap in a new Producer after a fatal error, so recording goes on. Messages the old one
+        still held fail through their delivery callbacks (counted as failed, passed to
+        `on_delivery_error`); the consumer dead-letters the episodes they leave incomplete."""
+        with self._lock:
+            old, self._producer = self._producer, Producer(self._conf)
+            self._fatal = None
+            self.producer_restarts += 1
+        try:
+            old.purge()
+        except (KafkaException, RuntimeError) as e:
+            log.debug("purge after a fatal error: %s", e)
+        deadline = time.monotonic() + 10
+        while len(old) and time.monotonic() < deadline:
+            try:
+                old.poll(0.05)  # serves the failed messages' delivery callbacks
+            except KafkaException as e:
+                log.debug("poll after a fatal error: %s", e)
+        if len(old):
+            log.error("%d messages of the failed producer got no delivery report", len(old))
+
     def _poll_loop(self) -> None:
         next_linger = time.monotonic()
         while not self._stop.is_set():
-            self._producer.poll(0.05)
+            try:
+                self._producer.poll(0.05)
+            except KafkaException as e:  # defensive: librdkafka raises fatal errors without error_cb
+                err = e.args[0] if e.args and isinstance(e.args[0], KafkaError) else None
+                log.error("producer poll failed: %s", e)
+                if err is not None and err.fatal():
+                    self._fatal = err
+            if self._fatal is not None:
+                self._replace_producer()
             now = time.monotonic()
             if now >= next_linger:
                 next_linger = now + self.max_batch_delay_s / 2

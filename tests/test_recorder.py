@@ -38,6 +38,7 @@ from producer.events import (
 )
 from producer.spaces import flatten_value, space_leaves, unflatten_leaves
 from rlrec.local import LocalBroker, create_topics
+from tests.helpers import wait_for
 
 NOWHERE = "127.0.0.1:1"  # nothing listens there: records stay buffered until they time out
 QUIET = {"log_level": 0}  # librdkafka would log every refused connection to stderr
@@ -624,6 +625,44 @@ def test_delivery_failure_accounting():
             from confluent_kafka import KafkaError
 
             assert all(err.code() == KafkaError._MSG_TIMED_OUT for err, _, _ in errors)
+        finally:
+            rec.close(timeout=3)
+
+
+def test_fatal_producer_error_replaces_the_producer_and_counts_the_lost_records():
+    """A fatal librdkafka error (a restarted broker that forgot the idempotent producer's state)
+    leaves a Producer unusable: the recorder swaps in a new one, the old one's messages count as
+    failed (and reach on_delivery_error), and recording goes on."""
+    from confluent_kafka import KafkaError
+
+    errors: list = []
+    with LocalBroker() as b:
+        create_topics(b.bootstrap_servers, {"fatal": 1})
+        rec = EpisodeRecorder(b.bootstrap_servers, "fatal", observation_space=OBS, action_space=ACT,
+                              max_batch_delay_s=60.0, kafka_config={"log_level": 0},
+                              on_delivery_error=lambda err, key, n: errors.append((err, key, n)))
+        try:
+            e1 = rec.begin_episode(np.zeros(3, np.float32))
+            assert rec.flush(10) == 0 and rec.stats.delivered == 1
+            b.kill()
+            for _ in range(5):
+                rec.log_step(e1, 0, 1.0, np.zeros(3, np.float32))
+            rec.abort_episode(e1, "gone")  # a 5-step batch + an abort, queued in the producer
+            old = rec._producer
+            rec._on_kafka_error(KafkaError(KafkaError._FATAL, "injected", fatal=True))
+            assert wait_for(lambda: rec.producer_restarts == 1 and rec.stats.buffered == 0, timeout=20)
+            assert rec._producer is not old
+            st = rec.stats
+            assert (st.delivered, st.failed, st.buffered) == (1, 6, 0)
+            assert st.produced == st.delivered + st.failed + st.buffered
+            assert sum(n for _, _, n in errors) == 6 and {k for _, k, _ in errors} == {e1}
+            b.start()  # memory:// storage: the topic is gone with the old broker process
+            create_topics(b.bootstrap_servers, {"fatal": 1})
+            e2 = rec.begin_episode(np.zeros(3, np.float32))
+            rec.log_step(e2, 1, 1.0, np.zeros(3, np.float32), terminated=True)
+            assert rec.flush(30) == 0
+            st = rec.stats
+            assert (st.delivered, st.failed, st.buffered) == (3, 6, 0)
         finally:
             rec.close(timeout=3)
 

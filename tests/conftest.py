@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from hypothesis import settings
 
 from rlrec.local import (
     LocalBroker,
@@ -38,6 +39,12 @@ from rlrec.local import (
 BROKER_MODE = os.environ.get("RLREC_TEST_BROKER", "tansu").strip().lower() or "tansu"
 KAFKA_IMAGE = os.environ.get("RLREC_TEST_KAFKA_IMAGE", "apache/kafka:3.9.1")
 TOPIC_PARTITIONS = 4
+
+# Property tests are derandomized by default so CI is reproducible; run with
+# HYPOTHESIS_PROFILE=explore to search new examples (and keep a local database).
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @dataclass

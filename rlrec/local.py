@@ -38,6 +38,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 __all__ = [
+    "RAY_LOOPBACK_ENV",
     "BrokerStartError",
     "LocalBroker",
     "LocalS3",
@@ -49,6 +50,12 @@ __all__ = [
 ]
 
 _HOST = "127.0.0.1"
+
+# Ray picks the machine's routable IP as its node address and its gRPC servers (GCS, raylet,
+# workers) listen on every interface. This setting, read when `ray` is imported, makes a
+# single-machine Ray use the loopback address instead, so everything binds 127.0.0.1 only.
+# The embedded stack (tests, demo, benchmarks) uses it; never set it for a multi-node cluster.
+RAY_LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 _ANSI_RE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 

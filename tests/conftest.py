@@ -27,6 +27,7 @@ import pytest
 from hypothesis import settings
 
 from rlrec.local import (
+    RAY_LOOPBACK_ENV,
     LocalBroker,
     LocalS3,
     consumer_test_config,
@@ -39,6 +40,11 @@ from rlrec.local import (
 BROKER_MODE = os.environ.get("RLREC_TEST_BROKER", "tansu").strip().lower() or "tansu"
 KAFKA_IMAGE = os.environ.get("RLREC_TEST_KAFKA_IMAGE", "apache/kafka:3.9.1")
 TOPIC_PARTITIONS = 4
+
+# Test servers bind 127.0.0.1 only: Ray too (read when `ray` is first imported, and inherited by
+# every subprocess a test starts).
+for _k, _v in RAY_LOOPBACK_ENV.items():
+    os.environ.setdefault(_k, _v)
 
 # Property tests are derandomized by default so CI is reproducible; run with
 # HYPOTHESIS_PROFILE=explore to search new examples (and keep a local database).

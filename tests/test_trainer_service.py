@@ -366,3 +366,23 @@ def test_load_policy_acts_without_ray(cli_run, tmp_path):
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert res["ray"] is False and res["v1"] == 1
     assert np.mean(res["returns"]) >= 400, res
+
+
+def test_ray_listens_on_loopback_only(ray_cluster):
+    """Test servers bind 127.0.0.1 only, Ray's too (conftest sets rlrec.local.RAY_LOOPBACK_ENV)."""
+    import psutil
+    import ray
+
+    @ray.remote
+    def where() -> str:
+        return ray.util.get_node_ip_address()
+
+    assert ray.get(where.remote()) == "127.0.0.1"
+    ours = {p.pid for p in psutil.Process().children(recursive=True)} | {os.getpid()}
+    listening = [c for c in psutil.net_connections(kind="inet")
+                 if c.status == psutil.CONN_LISTEN and c.pid in ours]
+    assert len(listening) >= 3, listening   # GCS, raylet, the worker at least
+    loopback = {"127.0.0.1", "::ffff:127.0.0.1", "::1"}
+    exposed = [(c.laddr.ip, c.laddr.port, psutil.Process(c.pid).name()) for c in listening
+               if c.laddr.ip not in loopback]
+    assert not exposed, f"Ray listens beyond loopback: {exposed}"

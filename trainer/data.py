@@ -768,7 +768,14 @@ class StreamIterator:
             if collate_fn is not None:
                 yield collate_fn(b)
                 continue
-            yield {k: torch.as_tensor(np.ascontiguousarray(v), device=dev) for k, v in b.items()}
+            yield {k: torch.as_tensor(_writable(v), device=dev) for k, v in b.items()}
+
+
+def _writable(a: np.ndarray) -> np.ndarray:
+    """A contiguous array torch may share: arrays viewed from Arrow buffers are read-only, and
+    torch warns about (and must not write through) a tensor over read-only memory."""
+    a = np.ascontiguousarray(a)
+    return a if a.flags.writeable else a.copy()
 
 
 # =============================================================================================

@@ -390,6 +390,8 @@ class EpisodeRecorder:
         """Send every buffered step and wait for delivery; returns messages still undelivered."""
         if self._forked:  # librdkafka's handle is unusable after fork(): flush(-1) would never return
             self._check_usable()
+        if self._closed:  # close() flushed; what it could not deliver was purged and counted failed
+            return 0
         with self._lock:
             for ep in list(self._episodes.values()):
                 if ep.steps and not ep.dropping:
@@ -424,7 +426,19 @@ class EpisodeRecorder:
             except (KafkaException, RuntimeError) as e:
                 log.error("could not purge undelivered messages: %s", e)
         self._producer.poll(0)  # serve the remaining delivery callbacks (purged ones fail)
+        self._release_producer()
         return left
+
+    def _release_producer(self) -> None:
+        """Shut librdkafka's instance down now (threads, connections), not when the garbage
+        collector gets to it: a closed recorder kept around must not keep reconnecting."""
+        close = getattr(self._producer, "close", None)  # confluent-kafka >= 2.11
+        if close is None or len(self._producer):
+            return
+        try:
+            close()
+        except (KafkaException, RuntimeError) as e:
+            log.debug("producer close: %s", e)
 
     @property
     def stats(self) -> RecorderStats:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import gymnasium as gym
 import numpy as np
+import psutil
 import pytest
 from gymnasium import spaces as gs
 
@@ -564,6 +565,7 @@ def test_overflow_block_many_threads_all_delivered(broker, topic, recorders):
 
 @pytest.mark.broker
 def test_flush_and_close(broker, topic):
+    threads_before = psutil.Process().num_threads()
     rec = EpisodeRecorder(broker.bootstrap_servers, topic, observation_space=OBS, action_space=ACT, max_batch_delay_s=60.0)
     e1 = rec.begin_episode(np.zeros(3, np.float32))
     for t in range(3):
@@ -571,9 +573,12 @@ def test_flush_and_close(broker, topic):
     e2 = rec.begin_episode(np.zeros(3, np.float32))
     assert rec.flush() == 0
     assert rec.stats.buffered == 0 and rec.stats.delivered == 5 and rec.open_episodes == 2
+    assert psutil.Process().num_threads() > threads_before  # librdkafka's and the poller
     assert rec.close() == 0
     assert rec.open_episodes == 0
-    assert rec.close() == 0  # idempotent
+    # close() releases the Kafka client at once (threads, connections), not at garbage collection
+    wait_for(lambda: psutil.Process().num_threads() <= threads_before, 10, what="the client's threads to end")
+    assert rec.close() == 0 and rec.flush() == 0  # idempotent
     for call in (lambda: rec.begin_episode(np.zeros(3, np.float32)),
                  lambda: rec.log_step(e1, 1, 1.0, np.zeros(3, np.float32)),
                  lambda: rec.log_reward(e1, 0, 1.0),

@@ -176,7 +176,11 @@ class RecorderConsumer:
         except Exception:
             log.exception("consumer close failed")
         if self.dlq is not None:
-            self.dlq.flush(10)
+            left = self.dlq.flush(10)
+            if left:  # their source offsets were not committed past (see _commit): they come again
+                log.error("%d dead letters undelivered at shutdown", left)
+            elif hasattr(self.dlq, "close"):  # confluent-kafka >= 2.11: release the client now
+                self.dlq.close()
         self.metrics.stop()
 
     def _create_topics(self) -> None:

@@ -571,8 +571,8 @@ def _get(obj, path):
 
 
 def test_trainer_column_stream_refuses_object_arrays(tmp_path):
-    """The Learner-side column decoder of the trainer (`trainer.data.unpack_columns`) refuses object dtypes."""
-    from trainer.data import pack_columns, unpack_columns
+    """The Learner-side column decoder of the trainer (`trainer.envelopes.unpack_columns`) refuses object dtypes."""
+    from trainer.envelopes import pack_columns, unpack_columns
 
     marker = tmp_path / "pwned"
     ok = pack_columns({"obs": np.ones((2, 3), np.float32)})

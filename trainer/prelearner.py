@@ -1,0 +1,163 @@
+"""RLlib's `OfflinePreLearner` with a decoder that never unpickles, and envelope packing."""
+
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict
+
+import numpy as np
+import pyarrow as pa
+from ray.rllib.offline.offline_prelearner import OfflinePreLearner
+from ray.rllib.utils import flatten_dict
+
+from trainer.envelopes import ENVELOPE, ipc_to_numpy_batch, pack_columns, row_count
+from trainer.feed import TAG
+from trainer.feed_actor import LEARNER_CONFIG_KEY, get_feed
+
+log = logging.getLogger("rlrec.trainer")
+
+
+def _tag_episode(ep: Any, tag: int) -> None:
+    """Give every timestep of `ep` the extra model output TAG (rows keep it into the batch)."""
+    from ray.rllib.env.utils.infinite_lookback_buffer import InfiniteLookbackBuffer
+
+    rb = ep.rewards
+    n = len(rb.data)
+    data: Any = [tag] * n if isinstance(rb.data, list) else np.full(n, tag, dtype=np.int64)
+    buf = InfiniteLookbackBuffer(data=data, lookback=rb.lookback)
+    buf.finalized = rb.finalized
+    ep.extra_model_outputs[TAG] = buf
+
+
+class SafeOfflinePreLearner(OfflinePreLearner):
+    """`OfflinePreLearner` that decodes episode rows with `consumer.episodes.unpack_episode`.
+
+    RLlib's own `__call__` runs ``msgpack.unpackb(item, object_hook=msgpack_numpy.decode)`` and
+    ``SingleAgentEpisode.from_state``: both unpickle data from the shard (object arrays, space
+    bounds), so anyone who can write to the bucket could run code in the trainer. This class
+    refuses such payloads (the episode is skipped, logged and counted), skips episodes that are
+    not done or empty (RLlib would raise and stop the pipeline), keeps only the extra model
+    outputs listed in ``learner_config_dict["rlrec"]["keep_extra_model_outputs"]`` (keys that
+    differ between shards would break batching) and tags every timestep (``rlrec_tag``).
+    Tabular rows are mapped by RLlib's `_map_to_episodes` (with ``input_compress_columns=[]``
+    nothing is unpickled); the tag column rides along as an extra model output.
+
+    Subclass it for custom pre-processing (``--offline-config prelearner_class=pkg.mod.Class``).
+    """
+
+    def __init__(self, *, config: Any, spaces: Any = None, module_state: Any = None, **kwargs: Any) -> None:
+        super().__init__(config=config, spaces=spaces, module_state=module_state, **kwargs)
+        spec = (config.learner_config_dict or {}).get(LEARNER_CONFIG_KEY, {})
+        self._rlrec_keep = set(spec.get("keep_extra_model_outputs") or ())
+        self._rlrec_mode = spec.get("prelearner_mode", "episodes")
+        self.rlrec_skipped = 0
+
+    def _decode(self, batch: Dict[str, np.ndarray]) -> list:
+        from consumer.episodes import EpisodeDecodeError, unpack_episode
+
+        tags = batch.get(TAG)
+        episodes = []
+        for i, item in enumerate(batch["item"]):
+            try:
+                ep = unpack_episode(bytes(item))
+            except EpisodeDecodeError as e:
+                self.rlrec_skipped += 1
+                if self.rlrec_skipped <= 10:
+                    log.error("skipping an episode that cannot be decoded safely: %s", e)
+                continue
+            if not ep.is_done or len(ep) == 0:
+                self.rlrec_skipped += 1
+                continue
+            for k in [k for k in ep.extra_model_outputs if k not in self._rlrec_keep]:
+                del ep.extra_model_outputs[k]
+            if tags is not None:
+                _tag_episode(ep, int(tags[i]))
+            episodes.append(ep)
+        return episodes
+
+    def _postprocess_and_sample(self, episodes: list) -> list:
+        """RLlib's version, except that sampled transitions keep their extra model outputs
+        (RLlib drops them: ``include_extra_model_outputs`` defaults to False), so the tag
+        survives. All other extra outputs were removed in `_decode` unless kept on purpose."""
+        episodes = self._validate_episodes(episodes)
+        if self._module.is_stateful() and not self.config.prelearner_use_recorded_module_states:
+            from ray.rllib.core.columns import Columns
+
+            for eps in episodes:
+                eps.extra_model_outputs.pop(Columns.STATE_OUT, None)
+                eps.extra_model_outputs.pop(Columns.STATE_IN, None)
+        self.episode_buffer.add(episodes)
+        batch_length_T = self.config.model_config.get("max_seq_len", 0) if self._module.is_stateful() else None
+        kw = dict(
+            num_items=self.config.train_batch_size_per_learner,
+            batch_length_T=batch_length_T,
+            n_step=self.config.get("n_step", 1),
+            sample_episodes=True,
+            to_numpy=True,
+            lookback=self.config.episode_lookback_horizon,
+            min_batch_length_T=getattr(self.config, "burnin_len", 0),
+        )
+        try:
+            return self.episode_buffer.sample(include_extra_model_outputs=True, **kw)
+        except TypeError:  # a custom buffer class without that option (no shard tracking then)
+            return self.episode_buffer.sample(**kw)
+
+    def __call__(self, batch: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
+        if self.config.input_read_episodes:
+            episodes = self._decode(batch)
+            if self._rlrec_mode == "buffer":
+                if episodes or self.episode_buffer.get_num_timesteps() > 0:
+                    episodes = self._postprocess_and_sample(episodes)
+            elif self._module.is_stateful() and not self.config.prelearner_use_recorded_module_states:
+                from ray.rllib.core.columns import Columns
+
+                for eps in episodes:
+                    eps.extra_model_outputs.pop(Columns.STATE_OUT, None)
+                    eps.extra_model_outputs.pop(Columns.STATE_IN, None)
+        else:
+            from ray.rllib.offline.offline_prelearner import SCHEMA
+
+            schema = SCHEMA | (self.config.input_read_schema or {})
+            known = set(schema) | set(schema.values()) | self._rlrec_keep | {TAG}
+            batch = {k: v for k, v in batch.items() if k in known}
+            episodes = self._map_to_episodes(batch, to_numpy=False)["episodes"]
+        if not episodes:
+            return {}
+        out = self._learner_connector(rl_module=self._module, batch={}, episodes=episodes,
+                                      shared_data={}, metrics=None)
+        for module_id in list(out):
+            if not self._should_module_be_updated(module_id, out):
+                del out[module_id]
+        return flatten_dict(out)
+
+
+_envelope_classes: dict[type, type] = {}
+
+
+def envelope_prelearner_class(cls: type) -> type:
+    """`cls` (an OfflinePreLearner class) taking and returning envelopes (see above), and
+    reporting to the feed how many rows it produced from which chunks."""
+    if cls in _envelope_classes:
+        return _envelope_classes[cls]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        cls.__init__(self, *args, **kwargs)
+        spec = (kwargs["config"].learner_config_dict or {}).get(LEARNER_CONFIG_KEY, {})
+        self._rlrec_feed = get_feed(spec) if spec.get("feed") else None
+
+    def __call__(self, batch: Dict[str, np.ndarray]) -> pa.Table:
+        outs, rows = [], []
+        for env, tag in zip(batch[ENVELOPE], batch[TAG]):
+            out = cls.__call__(self, ipc_to_numpy_batch(bytes(env)))
+            outs.append(pack_columns(out) if out else b"")
+            rows.append(row_count(out) if out else 0)
+            if self._rlrec_feed is not None:
+                self._rlrec_feed.processed.remote([int(tag)], rows[-1])
+        # an Arrow table, not a numpy object array: Ray Data sizes Arrow blocks exactly, so each
+        # one-row envelope leaves the actor at once (object arrays were held back, unsized)
+        return pa.table({ENVELOPE: pa.array(outs, type=pa.binary()), "rlrec_rows": pa.array(rows, type=pa.int64())})
+
+    wrapped = type(f"Envelope{cls.__name__}", (cls,), {"__init__": __init__, "__call__": __call__})
+    _envelope_classes[cls] = wrapped
+    return wrapped

@@ -1,0 +1,157 @@
+"""The never-ending read task: asks the feed for work, reads committed shards, yields chunks."""
+
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections import OrderedDict
+from typing import Any, Iterable, List, Optional
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import ray
+
+from consumer.storage import Storage
+from trainer.envelopes import ENVELOPE, table_to_ipc
+from trainer.feed import TAG, ShardInfo
+from trainer.feed_actor import get_feed
+from trainer.manifest import _read_shard_bytes
+
+log = logging.getLogger("rlrec.trainer")
+
+
+class _TableCache:
+    """Decoded shard tables, LRU by bytes (replay re-reads the same shards). An entry older
+    than `ttl_s` is only served after checking that the shard still exists (deleted shards
+    must stop being trained on)."""
+
+    def __init__(self, max_bytes: int, ttl_s: float = 30.0) -> None:
+        self.max_bytes = max_bytes
+        self.ttl_s = ttl_s
+        self.items: OrderedDict[str, tuple[pa.Table, float]] = OrderedDict()
+        self.nbytes = 0
+
+    def get(self, key: str, still_there: Any = None) -> pa.Table | None:
+        item = self.items.get(key)
+        if item is None:
+            return None
+        table, t = item
+        if still_there is not None and time.monotonic() - t > self.ttl_s:
+            if not still_there():
+                self.drop(key)
+                return None
+            self.items[key] = (table, time.monotonic())
+        self.items.move_to_end(key)
+        return table
+
+    def drop(self, key: str) -> None:
+        item = self.items.pop(key, None)
+        if item is not None:
+            self.nbytes -= item[0].nbytes
+
+    def put(self, key: str, table: pa.Table) -> None:
+        if key in self.items or table.nbytes > self.max_bytes:
+            return
+        self.items[key] = (table, time.monotonic())
+        self.nbytes += table.nbytes
+        while self.nbytes > self.max_bytes and self.items:
+            _, (old, _t) = self.items.popitem(last=False)
+            self.nbytes -= old.nbytes
+
+
+class BadShard(Exception):
+    """A committed shard whose content cannot be used (checksum, format)."""
+
+
+def _load_table(storage: Storage, s: ShardInfo, columns: list[str] | None, verify: bool) -> pa.Table:
+    data = _read_shard_bytes(storage, s.path, s.staging_path)
+    if verify and s.sha256 and hashlib.sha256(data).hexdigest() != s.sha256:
+        raise BadShard(f"sha256 mismatch (the manifest says {s.sha256[:12]}...)")
+    try:
+        pf = pq.ParquetFile(pa.BufferReader(data))
+        names = pf.schema_arrow.names
+        if s.fmt == "episodes" and "item" not in names:
+            raise BadShard("episode shard without an `item` column")
+        cols = [c for c in columns if c in names] if columns else None
+        table = pf.read(columns=cols)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise BadShard(f"not a readable Parquet file: {e}") from None
+    if table.num_rows != s.rows:
+        raise BadShard(f"{table.num_rows} rows, the manifest says {s.rows}")
+    return table
+
+
+def _tabular_columns(table: pa.Table, requested: list[str] | None) -> list[str]:
+    if requested:
+        return [c for c in requested if c in table.column_names]
+    # Columns RLlib's tabular PreLearner uses; null-typed agent/module ids, step index and
+    # JSON infos are left out (nothing trains on them and their types vary between shards).
+    drop = {"agent_id", "module_id", "t", "infos", "policy_version"}
+    return [c for c in table.column_names if c not in drop and not pa.types.is_null(table.schema.field(c).type)]
+
+
+def _read_stream(spec: dict) -> Iterable[pa.Table]:
+    """The body of the single, never-ending read task: feed -> chunk -> envelope block."""
+    feed = get_feed(spec)
+    storage = Storage.from_uri(spec["input"])
+    cache = _TableCache(int(spec.get("cache_bytes", 256 << 20)), float(spec.get("cache_ttl_s", 30.0)))
+    columns = spec.get("columns")
+    verify = bool(spec.get("verify_checksums", True))
+    while True:
+        try:
+            w = ray.get(feed.next_work.remote(1.0))
+        except Exception:  # the feed is gone: the trainer is shutting down, end the stream
+            return
+        if w is None:
+            continue
+        if isinstance(w, str):  # "closed"
+            return
+        s = w.shard
+        table = cache.get(s.key, lambda: storage.exists(s.path) or storage.exists(s.staging_path))
+        if table is None:
+            try:
+                table = _load_table(storage, s, columns if s.fmt == "episodes" else None, verify)
+                if s.fmt == "tabular":
+                    table = table.select(_tabular_columns(table, columns))
+            except FileNotFoundError:
+                feed.failed.remote(w.tag, "missing")
+                continue
+            except BadShard as e:
+                feed.failed.remote(w.tag, "bad", str(e))
+                continue
+            except Exception as e:  # storage outage etc.: give the chunk back, retry later
+                log.warning("reading %s failed: %s", s.path, e)
+                feed.failed.remote(w.tag, "retry", str(e))
+                time.sleep(0.5)
+                continue
+            cache.put(s.key, table)
+        n = w.stop - w.start
+        chunk = table.slice(w.start, n)
+        chunk = chunk.append_column(TAG, pa.array(np.full(n, w.tag, dtype=np.int64)))
+        yield pa.table({ENVELOPE: pa.array([table_to_ipc(chunk)], type=pa.binary()),
+                        TAG: pa.array([w.tag], type=pa.int64())})
+
+
+class ShardStreamDatasource(ray.data.Datasource):
+    """A Ray Data source with ONE read task that never ends (see `_read_stream`)."""
+
+    def __init__(self, spec: dict) -> None:
+        super().__init__()
+        self.spec = dict(spec)
+
+    def estimate_inmemory_data_size(self) -> Optional[int]:
+        return None
+
+    def get_read_tasks(self, parallelism: int, per_task_row_limit: Optional[int] = None,
+                       data_context: Any = None) -> List[ray.data.ReadTask]:
+        from ray.data.block import BlockMetadata
+
+        spec = self.spec
+        meta = BlockMetadata(num_rows=None, size_bytes=None, exec_stats=None, input_files=None)
+        return [ray.data.ReadTask(lambda: _read_stream(spec), meta)]
+
+    def get_name(self) -> str:
+        return "RlrecShardStream"

@@ -14,6 +14,7 @@ import sys
 import textwrap
 import threading
 import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -113,9 +114,15 @@ def test_shards_committed_while_training_are_trained_within_one_iteration(ray_cl
     for i in range(3):
         c.commit(expert_cartpole_episodes(3, seed=i, max_steps=200))
     trainer = ContinuousTrainer(cfg(out, ck, num_learners=num_learners, checkpoint_interval=4,
-                                    min_time_s_per_iteration=iteration_s))
+                                    min_time_s_per_iteration=iteration_s, metrics_port=0))
     t, box = run_in_thread(trainer)
     wait_for(lambda: len(read_metrics(ck)) >= 2, 90, "the first iterations")
+    # the same numbers on the Prometheus endpoint (127.0.0.1, a free port)
+    with urllib.request.urlopen(f"http://127.0.0.1:{trainer.metrics.port}/metrics", timeout=10) as r:
+        scraped = {ln.split()[0]: float(ln.split()[1]) for ln in r.read().decode().splitlines()
+                   if ln.startswith("rlrec_trainer_")}
+    assert scraped["rlrec_trainer_iteration"] >= 2 and scraped["rlrec_trainer_timesteps_trained"] > 0, scraped
+    assert scraped["rlrec_trainer_shards_total"] == 3, scraped
     storage = Storage.from_uri(out)
     first = read_manifest(storage)[0]
     if num_learners == 0:  # a shard deleted outside the trainer (retention): skipped with a warning
@@ -369,7 +376,11 @@ def test_load_policy_acts_without_ray(cli_run, tmp_path):
 
 
 def test_ray_listens_on_loopback_only(ray_cluster):
-    """Test servers bind 127.0.0.1 only, Ray's too (conftest sets rlrec.local.RAY_LOOPBACK_ENV)."""
+    """Test servers bind 127.0.0.1 only, Ray's too (conftest sets rlrec.local.RAY_LOOPBACK_ENV).
+
+    A remote Learner of an earlier test may still be exiting: its torch.distributed TCPStore
+    listens on every interface while it lives (torch has no option to bind it; docs/TRAINER.md),
+    so exposure must be gone within a few seconds; Ray's own servers would stay exposed."""
     import psutil
     import ray
 
@@ -378,11 +389,23 @@ def test_ray_listens_on_loopback_only(ray_cluster):
         return ray.util.get_node_ip_address()
 
     assert ray.get(where.remote()) == "127.0.0.1"
-    ours = {p.pid for p in psutil.Process().children(recursive=True)} | {os.getpid()}
-    listening = [c for c in psutil.net_connections(kind="inet")
-                 if c.status == psutil.CONN_LISTEN and c.pid in ours]
-    assert len(listening) >= 3, listening   # GCS, raylet, the worker at least
     loopback = {"127.0.0.1", "::ffff:127.0.0.1", "::1"}
-    exposed = [(c.laddr.ip, c.laddr.port, psutil.Process(c.pid).name()) for c in listening
-               if c.laddr.ip not in loopback]
-    assert not exposed, f"Ray listens beyond loopback: {exposed}"
+
+    def exposed() -> list:
+        ours = {p.pid for p in psutil.Process().children(recursive=True)} | {os.getpid()}
+        listening = [c for c in psutil.net_connections(kind="inet")
+                     if c.status == psutil.CONN_LISTEN and c.pid in ours]
+        assert len(listening) >= 3, listening   # GCS, raylet, the worker at least
+        out = []
+        for c in listening:
+            if c.laddr.ip not in loopback:
+                try:
+                    out.append((c.laddr.ip, c.laddr.port, psutil.Process(c.pid).name()))
+                except psutil.NoSuchProcess:
+                    pass
+        return out
+
+    deadline = time.time() + 20
+    while exposed() and time.time() < deadline:
+        time.sleep(0.5)
+    assert not exposed(), f"Ray listens beyond loopback: {exposed()}"

@@ -116,7 +116,8 @@ class TrainerConfig:
     cache_ttl_s: float = 30.0
     publish: bool = True
     publish_dir: str | None = None
-    metrics_port: int | None = None
+    metrics_port: int | None = None          # Prometheus /metrics; 0 picks a free port
+    metrics_host: str = "127.0.0.1"          # 0.0.0.0 in containers
     progress: bool = True
     num_cpus: int | None = None
     seed: int | None = None
@@ -181,7 +182,7 @@ class _Metrics:
               "newest_shard_age_s", "learner_loss", "eval_return_mean", "learner_wait_share",
               "fresh_backlog", "shards_missing")
 
-    def __init__(self, storage: Storage, port: int | None, progress: bool) -> None:
+    def __init__(self, storage: Storage, port: int | None, progress: bool, host: str = "127.0.0.1") -> None:
         self.storage = storage
         self.progress = progress
         self.local = storage.kind == "local"
@@ -189,12 +190,15 @@ class _Metrics:
         self._f = None
         self.gauges: dict[str, Any] = {}
         self._server = None
+        self.port: int | None = None  # where /metrics is served, once started
         if port is not None:
             from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
             reg = CollectorRegistry()
             self.gauges = {k: Gauge(f"rlrec_trainer_{k}", k.replace("_", " "), registry=reg) for k in self.GAUGES}
-            self._server = start_http_server(port, registry=reg)
+            self._server = start_http_server(port, addr=host, registry=reg)
+            self.port = self._server[0].server_port
+            log.info("metrics on http://%s:%d/metrics", host, self.port)
 
     def truncate_after(self, iteration: int | None) -> None:
         """Drop lines of iterations after `iteration` (training lost by a crash); None: keep none."""
@@ -244,6 +248,7 @@ class _Metrics:
         if self._server is not None:
             try:
                 self._server[0].shutdown()
+                self._server[0].server_close()
             except Exception:
                 pass
 
@@ -568,7 +573,7 @@ class ContinuousTrainer:
         ctx.print_on_execution_start = False
         config = self.build_config()
         self.algo = config.build_algo()
-        self.metrics = _Metrics(self.out, self.cfg.metrics_port, self.cfg.progress)
+        self.metrics = _Metrics(self.out, self.cfg.metrics_port, self.cfg.progress, self.cfg.metrics_host)
         if self.cfg.resume:
             self._restore()
         else:

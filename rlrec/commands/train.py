@@ -63,7 +63,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--promotion-episodes", type=int, default=10, help="episodes per promotion evaluation [10]")
     p.add_argument("--publish-dir", help="where to publish policies [{checkpoint-dir}/policies]")
     p.add_argument("--no-publish", action="store_true", help="do not publish policies")
-    p.add_argument("--metrics-port", type=int, help="serve the metrics on a Prometheus endpoint on this port")
+    p.add_argument("--metrics-port", type=int,
+                   help="serve the metrics on a Prometheus endpoint on this port (0: pick a free port)")
+    p.add_argument("--metrics-host", default="127.0.0.1",
+                   help="interface for the metrics server (0.0.0.0 in containers) [127.0.0.1]")
     p.add_argument("--num-cpus", type=int, help="CPUs Ray may use (default: all)")
     p.add_argument("--seed", type=int)
     p.add_argument("--log-level", default="INFO")
@@ -90,7 +93,7 @@ def _run(args: argparse.Namespace) -> int:
             fresh_fraction=args.fresh_fraction, replay_shards=args.replay_shards,
             replay_max_age_s=args.replay_max_age_s, replay_policy_versions=args.replay_policy_versions,
             prelearner_mode=args.prelearner_mode, publish=not args.no_publish, publish_dir=args.publish_dir,
-            metrics_port=args.metrics_port, num_cpus=args.num_cpus, seed=args.seed,
+            metrics_port=args.metrics_port, metrics_host=args.metrics_host, num_cpus=args.num_cpus, seed=args.seed,
             promotion_gate=args.promotion_gate, promotion_baseline=args.promotion_baseline,
             promotion_episodes=args.promotion_episodes,
         )

@@ -51,10 +51,9 @@ import numpy as np
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, ROOT)
 
-from rlrec.local import RAY_LOOPBACK_ENV  # noqa: E402  (single-machine Ray: listen on 127.0.0.1 only)
+from rlrec.local import ray_on_loopback  # noqa: E402
 
-for _k, _v in RAY_LOOPBACK_ENV.items():
-    os.environ.setdefault(_k, _v)
+ray_on_loopback()  # single-machine Ray: listen on 127.0.0.1 only
 
 TARGET_VS_FLOOR = 0.5
 TARGET_VS_RLLIB = 3.0

@@ -28,10 +28,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from rlrec.local import RAY_LOOPBACK_ENV  # noqa: E402  (single-machine Ray: listen on 127.0.0.1 only)
+from rlrec.local import ray_on_loopback  # noqa: E402
 
-for _k, _v in RAY_LOOPBACK_ENV.items():
-    os.environ.setdefault(_k, _v)
+ray_on_loopback()  # single-machine Ray: listen on 127.0.0.1 only
 
 
 def _pct(xs, q):

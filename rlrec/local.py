@@ -32,7 +32,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -46,6 +46,7 @@ __all__ = [
     "create_topics",
     "dlq_topic_name",
     "free_port",
+    "ray_on_loopback",
     "wait_for_broker",
 ]
 
@@ -56,6 +57,17 @@ _HOST = "127.0.0.1"
 # single-machine Ray use the loopback address instead, so everything binds 127.0.0.1 only.
 # The embedded stack (tests, demo, benchmarks) uses it; never set it for a multi-node cluster.
 RAY_LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+def ray_on_loopback(env: MutableMapping[str, str] | None = None) -> MutableMapping[str, str]:
+    """Set `RAY_LOOPBACK_ENV` in `env` (default: this process's environment, before `ray` is
+    imported) unless already set there; returns `env`."""
+    env = os.environ if env is None else env
+    for k, v in RAY_LOOPBACK_ENV.items():
+        env.setdefault(k, v)
+    return env
+
+
 _ANSI_RE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 

@@ -27,13 +27,13 @@ import pytest
 from hypothesis import settings
 
 from rlrec.local import (
-    RAY_LOOPBACK_ENV,
     LocalBroker,
     LocalS3,
     consumer_test_config,
     create_topics,
     dlq_topic_name,
     free_port,
+    ray_on_loopback,
     wait_for_broker,
 )
 
@@ -43,8 +43,7 @@ TOPIC_PARTITIONS = 4
 
 # Test servers bind 127.0.0.1 only: Ray too (read when `ray` is first imported, and inherited by
 # every subprocess a test starts).
-for _k, _v in RAY_LOOPBACK_ENV.items():
-    os.environ.setdefault(_k, _v)
+ray_on_loopback()
 
 # Property tests are derandomized by default so CI is reproducible; run with
 # HYPOTHESIS_PROFILE=explore to search new examples (and keep a local database).

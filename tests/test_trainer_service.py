@@ -376,7 +376,7 @@ def test_load_policy_acts_without_ray(cli_run, tmp_path):
 
 
 def test_ray_listens_on_loopback_only(ray_cluster):
-    """Test servers bind 127.0.0.1 only, Ray's too (conftest sets rlrec.local.RAY_LOOPBACK_ENV).
+    """Test servers bind 127.0.0.1 only, Ray's too (conftest calls rlrec.local.ray_on_loopback).
 
     A remote Learner of an earlier test may still be exiting: its torch.distributed TCPStore
     listens on every interface while it lives (torch has no option to bind it; docs/TRAINER.md),

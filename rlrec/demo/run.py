@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 from rlrec.demo.dashboard import Collector, Dashboard, Snapshot, write_line
 from rlrec.demo.datadir import DataDir, DataDirError, committed_by_version
 from rlrec.demo.processes import Child, stop_all
-from rlrec.local import RAY_LOOPBACK_ENV
+from rlrec.local import ray_on_loopback
 
 __all__ = ["DemoConfig", "run_demo"]
 
@@ -118,9 +118,7 @@ def _child_env(extra: dict[str, str]) -> dict[str, str]:
     env.update(extra)
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("AWS_EC2_METADATA_DISABLED", "true")
-    for k, v in RAY_LOOPBACK_ENV.items():   # the demo's Ray (trainer) listens on 127.0.0.1 only
-        env.setdefault(k, v)
-    return env
+    return ray_on_loopback(env)  # the demo's Ray (trainer) listens on 127.0.0.1 only
 
 
 def _py() -> list[str]:

@@ -118,11 +118,19 @@ def test_shards_committed_while_training_are_trained_within_one_iteration(ray_cl
     t, box = run_in_thread(trainer)
     wait_for(lambda: len(read_metrics(ck)) >= 2, 90, "the first iterations")
     # the same numbers on the Prometheus endpoint (127.0.0.1, a free port)
-    with urllib.request.urlopen(f"http://127.0.0.1:{trainer.metrics.port}/metrics", timeout=10) as r:
-        scraped = {ln.split()[0]: float(ln.split()[1]) for ln in r.read().decode().splitlines()
-                   if ln.startswith("rlrec_trainer_")}
-    assert scraped["rlrec_trainer_iteration"] >= 2 and scraped["rlrec_trainer_timesteps_trained"] > 0, scraped
-    assert scraped["rlrec_trainer_shards_total"] == 3, scraped
+    def scrape() -> dict:
+        with urllib.request.urlopen(f"http://127.0.0.1:{trainer.metrics.port}/metrics", timeout=10) as r:
+            return {ln.split()[0]: float(ln.split()[1]) for ln in r.read().decode().splitlines()
+                    if ln.startswith("rlrec_trainer_")}
+
+    def scraped_equals_its_line():   # (a scrape may fall between two gauge updates: retry)
+        d = scrape()
+        line = next((r for r in read_metrics(ck) if r["iteration"] == d.get("rlrec_trainer_iteration")), None)
+        keys = ("policy_version", "timesteps_trained", "shards_total", "shards_new")
+        return line if line and all(d[f"rlrec_trainer_{k}"] == line[k] for k in keys) else None
+
+    line = wait_for(scraped_equals_its_line, 10, "gauges equal to a metrics.jsonl line")
+    assert line["timesteps_trained"] > 0 and line["shards_total"] == 3
     storage = Storage.from_uri(out)
     first = read_manifest(storage)[0]
     if num_learners == 0:  # a shard deleted outside the trainer (retention): skipped with a warning

@@ -414,6 +414,8 @@ def test_ray_listens_on_loopback_only(ray_cluster):
         return out
 
     deadline = time.time() + 20
-    while exposed() and time.time() < deadline:
+    left = exposed()
+    while left and time.time() < deadline:
         time.sleep(0.5)
-    assert not exposed(), f"Ray listens beyond loopback: {exposed()}"
+        left = exposed()
+    assert not left, f"Ray listens beyond loopback: {left}"

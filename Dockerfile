@@ -31,7 +31,9 @@ RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 WORKDIR /opt/rlrec
 # Project metadata and sources only (see .dockerignore): a change in tests/ or docs/ keeps the cache.
 COPY pyproject.toml README.md ./
+# The five folders are installed as one package, rlrec (rlrec.producer, rlrec.store, ...).
 COPY producer ./producer
+COPY store ./store
 COPY consumer ./consumer
 COPY trainer ./trainer
 COPY rlrec ./rlrec

@@ -12,7 +12,7 @@ PYPROJECT_HASH := $(shell sha256sum pyproject.toml | cut -c1-12)
 STAMP := $(VENV)/.stamp-$(PYPROJECT_HASH)
 PYTEST_ARGS ?=
 
-.PHONY: venv test test-fast demo bench
+.PHONY: venv test test-fast lint format demo bench
 
 venv: $(STAMP)
 
@@ -31,10 +31,19 @@ test: venv
 test-fast: venv
 	$(VPY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
+# ruff, configured in pyproject.toml (CI runs `lint` before the tests; `format` rewrites files)
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: venv
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
 # The closed loop on this machine (DEMO_ARGS, e.g. DEMO_ARGS="--s3 --duration 300").
 DEMO_ARGS ?=
 demo: venv
 	$(VENV)/bin/rlrec demo $(DEMO_ARGS)
 
 bench: venv
-	@if [ -f bench/run.py ]; then $(VPY) bench/run.py; else $(VPY) bench/producer.py; fi
+	$(VPY) bench/run.py

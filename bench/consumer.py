@@ -8,8 +8,8 @@ Tansu broker (`rlrec.local.LocalBroker`), then processed three ways, each in a f
 process (so its peak RSS is its own; `ray.rllib`, which the consumer imports to build episodes,
 is imported before any clock starts):
 
-  (a) floor: a bare confluent-kafka loop (`assign`, `consume(1000)`), `producer.events.decode`,
-      `consumer.assembly.PartitionAssembler`, and per finished episode
+  (a) floor: a bare confluent-kafka loop (`assign`, `consume(1000)`), `rlrec.producer.events.decode`,
+      `rlrec.consumer.assembly.PartitionAssembler`, and per finished episode
       `to_single_agent_episode` + `pack_episode` (RLlib's msgpack bytes). Writes and commits
       nothing. Clock: first message -> last episode packed.
   (b) ours: the real `RecorderConsumer` (fresh group id, small max_file_age_s) writing committed
@@ -51,7 +51,7 @@ import numpy as np
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, ROOT)
 
-from rlrec.local import ray_on_loopback  # noqa: E402
+from rlrec.local import FAST_GROUP_KAFKA, ray_on_loopback  # noqa: E402
 
 ray_on_loopback()  # single-machine Ray: listen on 127.0.0.1 only
 
@@ -59,8 +59,6 @@ TARGET_VS_FLOOR = 0.5
 TARGET_VS_RLLIB = 3.0
 PARTITIONS = 4
 MIN_LEN, MAX_LEN = 50, 200
-#: fast group settings (Tansu waits session.timeout.ms / 2 before a new group's first assignment)
-FAST_GROUP = {"session.timeout.ms": 2000, "heartbeat.interval.ms": 500, "topic.metadata.refresh.interval.ms": 3000}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -75,12 +73,18 @@ def _spaces():
 
 def publish(bootstrap: str, topic: str, episodes: int, seed: int = 0, pace_eps_per_s: float | None = None) -> dict:
     """Publish `episodes` CartPole-size episodes; returns {episodes, steps, messages}."""
-    from producer import EpisodeRecorder
+    from rlrec.producer import EpisodeRecorder
 
     obs_space, act_space = _spaces()
     rng = np.random.default_rng(seed)
-    rec = EpisodeRecorder(bootstrap, topic=topic, policy_id="bench", observation_space=obs_space,
-                          action_space=act_space, env_id="CartPole-v1")
+    rec = EpisodeRecorder(
+        bootstrap,
+        topic=topic,
+        policy_id="bench",
+        observation_space=obs_space,
+        action_space=act_space,
+        env_id="CartPole-v1",
+    )
     steps = 0
     t0 = time.time()
     try:
@@ -91,8 +95,14 @@ def publish(bootstrap: str, topic: str, episodes: int, seed: int = 0, pace_eps_p
             logp = (-rng.random(length)).astype(np.float32)
             eid = rec.begin_episode(obs[0])
             for t in range(length):
-                rec.log_step(eid, int(acts[t]), 1.0, obs[t + 1], terminated=t == length - 1,
-                             extra_model_outputs={"action_logp": logp[t]})
+                rec.log_step(
+                    eid,
+                    int(acts[t]),
+                    1.0,
+                    obs[t + 1],
+                    terminated=t == length - 1,
+                    extra_model_outputs={"action_logp": logp[t]},
+                )
             steps += length
             if pace_eps_per_s:
                 delay = t0 + (i + 1) / pace_eps_per_s - time.time()
@@ -107,8 +117,13 @@ def publish(bootstrap: str, topic: str, episodes: int, seed: int = 0, pace_eps_p
 
 
 def _spawn(mode: str, spec: dict, stderr=None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", mode, json.dumps(spec)],
-                            stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=ROOT)
+    return subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), "--worker", mode, json.dumps(spec)],
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+        cwd=ROOT,
+    )
 
 
 def _result(proc: subprocess.Popen, timeout: float) -> dict:
@@ -139,9 +154,9 @@ def _wait_ready(proc: subprocess.Popen, timeout: float) -> None:
     raise RuntimeError("consumer worker did not get its partitions")
 
 
-def run(episodes: int, rounds: int, max_file_age_s: float, live_episodes: int, live_rate: float,
-        quick: bool) -> dict:
-    from rlrec.local import LocalBroker, create_topics, dlq_topic_name
+def run(episodes: int, rounds: int, max_file_age_s: float, live_episodes: int, live_rate: float, quick: bool) -> dict:
+    from rlrec.consumer.topics import create_topics, dlq_topic_name
+    from rlrec.local import LocalBroker
 
     tmp = tempfile.mkdtemp(prefix="rlrec-bench-consumer-")
     broker = LocalBroker("memory").start()
@@ -149,29 +164,50 @@ def run(episodes: int, rounds: int, max_file_age_s: float, live_episodes: int, l
         bootstrap = broker.bootstrap_servers
         topic = f"bench-consumer-{uuid.uuid4().hex[:8]}"
         live_topic = topic + "-live"
-        create_topics(bootstrap, {topic: PARTITIONS, dlq_topic_name(topic): PARTITIONS,
-                                  live_topic: PARTITIONS, dlq_topic_name(live_topic): PARTITIONS})
+        create_topics(
+            bootstrap,
+            {
+                topic: PARTITIONS,
+                dlq_topic_name(topic): PARTITIONS,
+                live_topic: PARTITIONS,
+                dlq_topic_name(live_topic): PARTITIONS,
+            },
+        )
         t = time.time()
         pub = publish(bootstrap, topic, episodes)
-        print(f"published {pub['episodes']:,} episodes, {pub['steps']:,} steps in {pub['messages']:,} messages "
-              f"({time.time() - t:.1f}s)", file=sys.stderr)
-        base = {"bootstrap": bootstrap, "topic": topic, "partitions": PARTITIONS, "episodes": pub["episodes"],
-                "steps": pub["steps"], "max_file_age_s": max_file_age_s}
+        print(
+            f"published {pub['episodes']:,} episodes, {pub['steps']:,} steps in {pub['messages']:,} messages "
+            f"({time.time() - t:.1f}s)",
+            file=sys.stderr,
+        )
+        base = {
+            "bootstrap": bootstrap,
+            "topic": topic,
+            "partitions": PARTITIONS,
+            "episodes": pub["episodes"],
+            "steps": pub["steps"],
+            "max_file_age_s": max_file_age_s,
+        }
 
         floors, ours = [], []
         for r in range(rounds):  # alternate; keep each side's best
             floors.append(_result(_spawn("floor", base), 600))
             out = os.path.join(tmp, f"out-{r}")
-            ours.append(_result(_spawn("consumer", {**base, "output": out,
-                                                    "group": f"bench-{uuid.uuid4().hex[:8]}"}), 600))
+            ours.append(
+                _result(_spawn("consumer", {**base, "output": out, "group": f"bench-{uuid.uuid4().hex[:8]}"}), 600)
+            )
             shutil.rmtree(out, ignore_errors=True)
-            print(f"round {r + 1}/{rounds}: floor {floors[-1]['steps_per_s']:,.0f} steps/s, "
-                  f"consumer {ours[-1]['steps_per_s']:,.0f} steps/s", file=sys.stderr)
+            print(
+                f"round {r + 1}/{rounds}: floor {floors[-1]['steps_per_s']:,.0f} steps/s, "
+                f"consumer {ours[-1]['steps_per_s']:,.0f} steps/s",
+                file=sys.stderr,
+            )
         # Ray Data logs every execution to stderr: keep it in a file, shown if the worker fails
         with open(os.path.join(tmp, "rllib.log"), "w+") as log:
             try:
-                rllib = _result(_spawn("rllib", {**base, "output": os.path.join(tmp, "rllib"), "repeats": rounds},
-                                       stderr=log), 900)
+                rllib = _result(
+                    _spawn("rllib", {**base, "output": os.path.join(tmp, "rllib"), "repeats": rounds}, stderr=log), 900
+                )
             except RuntimeError:
                 log.seek(0)
                 sys.stderr.write(log.read()[-5000:])
@@ -179,8 +215,17 @@ def run(episodes: int, rounds: int, max_file_age_s: float, live_episodes: int, l
         print(f"rllib: {rllib['steps_per_s']:,.0f} steps/s", file=sys.stderr)
 
         # live run: a consumer keeps up with a steady producer; freshness is the pipeline's own
-        proc = _spawn("consumer", {**base, "topic": live_topic, "episodes": live_episodes, "steps": None,
-                                   "output": os.path.join(tmp, "live"), "group": f"bench-{uuid.uuid4().hex[:8]}"})
+        proc = _spawn(
+            "consumer",
+            {
+                **base,
+                "topic": live_topic,
+                "episodes": live_episodes,
+                "steps": None,
+                "output": os.path.join(tmp, "live"),
+                "group": f"bench-{uuid.uuid4().hex[:8]}",
+            },
+        )
         try:
             _wait_ready(proc, 60)
             publish(bootstrap, live_topic, live_episodes, seed=1, pace_eps_per_s=live_rate)
@@ -251,8 +296,8 @@ def _import_episode_code() -> None:
     """ray.rllib (imported by the first episode build) costs ~2 s: pay it before any clock."""
     from ray.rllib.env.single_agent_episode import SingleAgentEpisode  # noqa: F401
 
-    import consumer.service  # noqa: F401
-    import consumer.shards  # noqa: F401
+    import rlrec.consumer.service
+    import rlrec.store.shards  # noqa: F401
 
 
 def _read_floor(spec: dict, on_episode) -> tuple[float, float, int, int]:
@@ -260,12 +305,18 @@ def _read_floor(spec: dict, on_episode) -> tuple[float, float, int, int]:
     Returns (wall seconds, CPU seconds, episodes, steps) from the first message on."""
     from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
-    from consumer.assembly import PartitionAssembler
-    from producer.events import decode
+    from rlrec.consumer.assembly import PartitionAssembler
+    from rlrec.producer.events import decode
 
-    c = Consumer({"bootstrap.servers": spec["bootstrap"], "group.id": f"floor-{uuid.uuid4().hex[:8]}",
-                  "enable.auto.commit": False, "auto.offset.reset": "earliest",
-                  "fetch.message.max.bytes": 8 * 1024 * 1024})
+    c = Consumer(
+        {
+            "bootstrap.servers": spec["bootstrap"],
+            "group.id": f"floor-{uuid.uuid4().hex[:8]}",
+            "enable.auto.commit": False,
+            "auto.offset.reset": "earliest",
+            "fetch.message.max.bytes": 8 * 1024 * 1024,
+        }
+    )
     topic = spec["topic"]
     c.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in range(spec["partitions"])])
     assemblers = {p: PartitionAssembler(topic, p) for p in range(spec["partitions"])}
@@ -296,7 +347,7 @@ def _read_floor(spec: dict, on_episode) -> tuple[float, float, int, int]:
 
 
 def worker_floor(spec: dict) -> dict:
-    from consumer.episodes import pack_episode, to_single_agent_episode
+    from rlrec.store.episodes import pack_episode, to_single_agent_episode
 
     _import_episode_code()
     rss0 = _rss_mb()
@@ -307,21 +358,36 @@ def worker_floor(spec: dict) -> dict:
 
     wall, cpu, episodes, steps = _read_floor(spec, on_episode)
     assert steps == spec["steps"], (steps, spec["steps"])
-    return {"wall_s": wall, "cpu_s": cpu, "steps_per_s": steps / wall, "cpu_us_per_step": cpu / steps * 1e6,
-            "episodes": episodes, "steps": steps, "packed_bytes": nbytes[0],
-            "rss_after_imports_mb": rss0, "peak_rss_mb": _peak_rss_mb()}
+    return {
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "steps_per_s": steps / wall,
+        "cpu_us_per_step": cpu / steps * 1e6,
+        "episodes": episodes,
+        "steps": steps,
+        "packed_bytes": nbytes[0],
+        "rss_after_imports_mb": rss0,
+        "peak_rss_mb": _peak_rss_mb(),
+    }
 
 
 def worker_consumer(spec: dict) -> dict:
-    from consumer.manifest import read_manifest
-    from consumer.service import ConsumerConfig, RecorderConsumer
-    from consumer.storage import Storage
+    from rlrec.consumer.service import ConsumerConfig, RecorderConsumer
+    from rlrec.store.manifest import read_manifest
+    from rlrec.store.storage import Storage
 
     _import_episode_code()
     rss0 = _rss_mb()
-    cfg = ConsumerConfig(bootstrap_servers=spec["bootstrap"], output=spec["output"], topic=spec["topic"],
-                         group_id=spec["group"], max_file_age_s=spec["max_file_age_s"], commit_interval_s=1.0,
-                         create_topics=False, kafka_config=dict(FAST_GROUP))
+    cfg = ConsumerConfig(
+        bootstrap_servers=spec["bootstrap"],
+        output=spec["output"],
+        topic=spec["topic"],
+        group_id=spec["group"],
+        max_file_age_s=spec["max_file_age_s"],
+        commit_interval_s=1.0,
+        create_topics=False,
+        kafka_config=dict(FAST_GROUP_KAFKA),
+    )
     storage = Storage.from_uri(spec["output"])
     c = RecorderConsumer(cfg, storage)
     expected = spec["episodes"]
@@ -364,16 +430,25 @@ def worker_consumer(spec: dict) -> dict:
         assert steps == spec["steps"], (steps, spec["steps"])
     wall, cpu = clock["t1"] - clock["t0"], clock["cpu1"] - clock["cpu0"]
     fresh = c.metrics.freshness_samples
-    return {"wall_s": wall, "cpu_s": cpu, "steps_per_s": steps / wall, "cpu_us_per_step": cpu / steps * 1e6,
-            "episodes": got, "steps": steps, "shards": len(entries),
-            "freshness_p50_s": _pct(fresh, 50), "freshness_p99_s": _pct(fresh, 99),
-            "rss_after_imports_mb": rss0, "peak_rss_mb": _peak_rss_mb()}
+    return {
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "steps_per_s": steps / wall,
+        "cpu_us_per_step": cpu / steps * 1e6,
+        "episodes": got,
+        "steps": steps,
+        "shards": len(entries),
+        "freshness_p50_s": _pct(fresh, 50),
+        "freshness_p99_s": _pct(fresh, 99),
+        "rss_after_imports_mb": rss0,
+        "peak_rss_mb": _peak_rss_mb(),
+    }
 
 
 def worker_rllib(spec: dict) -> dict:
     import ray
 
-    from consumer.episodes import pack_episode, to_single_agent_episode
+    from rlrec.store.episodes import pack_episode, to_single_agent_episode
 
     _import_episode_code()
     built = []
@@ -399,8 +474,14 @@ def worker_rllib(spec: dict) -> dict:
             best_write = t2 - t1 if best_write is None else min(best_write, t2 - t1)
     finally:
         ray.shutdown()
-    return {"wall_s": best, "write_only_s": best_write, "steps_per_s": steps / best,
-            "write_only_steps_per_s": steps / best_write, "episodes": len(built), "steps": steps}
+    return {
+        "wall_s": best,
+        "write_only_s": best_write,
+        "steps_per_s": steps / best,
+        "write_only_steps_per_s": steps / best_write,
+        "episodes": len(built),
+        "steps": steps,
+    }
 
 
 WORKERS = {"floor": worker_floor, "consumer": worker_consumer, "rllib": worker_rllib}
@@ -419,25 +500,41 @@ def print_table(r: dict) -> None:
     def verdict(key):
         return {True: "PASS", False: "FAIL", None: "(not judged)"}[r["pass"][key]]
 
-    print(f"\n{r['episodes']:,} episodes, {r['steps']:,} steps, {r['messages']:,} messages, "
-          f"{PARTITIONS} partitions; best of {r['rounds']} round(s); max_file_age_s={r['max_file_age_s']}")
+    print(
+        f"\n{r['episodes']:,} episodes, {r['steps']:,} steps, {r['messages']:,} messages, "
+        f"{PARTITIONS} partitions; best of {r['rounds']} round(s); max_file_age_s={r['max_file_age_s']}"
+    )
     print(f"{'side':<44}{'steps/s':>12}{'CPU µs/step':>13}{'peak RSS MB':>13}")
-    print(f"{'(a) floor: poll + decode + assemble + pack':<44}{_fmt(r['floor_steps_per_s']):>12}"
-          f"{r['floor_cpu_us_per_step']:>13.2f}{r['floor_peak_rss_mb']:>13.0f}")
-    print(f"{'(b) RecorderConsumer -> committed shards':<44}{_fmt(r['consumer_steps_per_s']):>12}"
-          f"{r['consumer_cpu_us_per_step']:>13.2f}{r['consumer_peak_rss_mb']:>13.0f}")
+    print(
+        f"{'(a) floor: poll + decode + assemble + pack':<44}{_fmt(r['floor_steps_per_s']):>12}"
+        f"{r['floor_cpu_us_per_step']:>13.2f}{r['floor_peak_rss_mb']:>13.0f}"
+    )
+    print(
+        f"{'(b) RecorderConsumer -> committed shards':<44}{_fmt(r['consumer_steps_per_s']):>12}"
+        f"{r['consumer_cpu_us_per_step']:>13.2f}{r['consumer_peak_rss_mb']:>13.0f}"
+    )
     print(f"{'(c) RLlib: pack + from_items.write_parquet':<44}{_fmt(r['rllib_steps_per_s']):>12}")
     print(f"{'    (c) write_parquet only':<44}{_fmt(r['rllib_write_only_steps_per_s']):>12}")
-    print(f"{'ratio b/a':<44}{r['ratio_consumer_vs_floor']:>12.2f}   target >= {TARGET_VS_FLOOR}  "
-          f"{verdict('consumer_vs_floor')}")
-    print(f"{'ratio b/c':<44}{r['ratio_consumer_vs_rllib']:>12.2f}   target >= {TARGET_VS_RLLIB}  "
-          f"{verdict('consumer_vs_rllib')}")
-    print(f"freshness (live, {r['freshness_live_episodes']} episodes at {r['freshness_live_rate_eps_per_s']:g}/s): "
-          f"p50 {_fmt(r['freshness_p50_s'], '.3f')} s, p99 {_fmt(r['freshness_p99_s'], '.3f')} s")
-    print(f"freshness of the timed backlog run (b): p50 {_fmt(r['backlog_freshness_p50_s'], '.3f')} s, "
-          f"p99 {_fmt(r['backlog_freshness_p99_s'], '.3f')} s (time the pre-published episodes waited)")
-    print(f"consumer RSS: {r['consumer_rss_after_imports_mb']:.0f} MB after imports (ray.rllib, torch), "
-          f"peak {r['consumer_peak_rss_mb']:.0f} MB; shards written: {r['consumer_shards']}")
+    print(
+        f"{'ratio b/a':<44}{r['ratio_consumer_vs_floor']:>12.2f}   target >= {TARGET_VS_FLOOR}  "
+        f"{verdict('consumer_vs_floor')}"
+    )
+    print(
+        f"{'ratio b/c':<44}{r['ratio_consumer_vs_rllib']:>12.2f}   target >= {TARGET_VS_RLLIB}  "
+        f"{verdict('consumer_vs_rllib')}"
+    )
+    print(
+        f"freshness (live, {r['freshness_live_episodes']} episodes at {r['freshness_live_rate_eps_per_s']:g}/s): "
+        f"p50 {_fmt(r['freshness_p50_s'], '.3f')} s, p99 {_fmt(r['freshness_p99_s'], '.3f')} s"
+    )
+    print(
+        f"freshness of the timed backlog run (b): p50 {_fmt(r['backlog_freshness_p50_s'], '.3f')} s, "
+        f"p99 {_fmt(r['backlog_freshness_p99_s'], '.3f')} s (time the pre-published episodes waited)"
+    )
+    print(
+        f"consumer RSS: {r['consumer_rss_after_imports_mb']:.0f} MB after imports (ray.rllib, torch), "
+        f"peak {r['consumer_peak_rss_mb']:.0f} MB; shards written: {r['consumer_shards']}"
+    )
     if not judged:
         print("quick mode: smoke test, nothing judged")
 

@@ -34,8 +34,16 @@ TARGET_STEPS_PER_S = 50_000
 def _bare(bootstrap: str, topic: str, steps: int) -> float:
     from confluent_kafka import Producer
 
-    p = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True, "acks": "all",
-                  "compression.type": "lz4", "linger.ms": 20, "queue.buffering.max.messages": 1_000_000})
+    p = Producer(
+        {
+            "bootstrap.servers": bootstrap,
+            "enable.idempotence": True,
+            "acks": "all",
+            "compression.type": "lz4",
+            "linger.ms": 20,
+            "queue.buffering.max.messages": 1_000_000,
+        }
+    )
     value = os.urandom(100)
     key = uuid.uuid4().hex.encode()
     p.produce(topic, value, key)  # connect before timing
@@ -53,14 +61,20 @@ def _bare(bootstrap: str, topic: str, steps: int) -> float:
 def _ours(bootstrap: str, topic: str, steps: int, episode_len: int) -> tuple[float, object]:
     import gymnasium as gym
 
-    from producer import EpisodeRecorder
+    from rlrec.producer import EpisodeRecorder
 
     obs_space = gym.spaces.Box(-np.inf, np.inf, (4,), np.float32)
     act_space = gym.spaces.Discrete(2)
     rng = np.random.default_rng(0)
     observations = rng.standard_normal((episode_len + 1, 4)).astype(np.float32)
-    rec = EpisodeRecorder(bootstrap, topic=topic, policy_id="bench", observation_space=obs_space,
-                          action_space=act_space, env_id="CartPole-v1")
+    rec = EpisodeRecorder(
+        bootstrap,
+        topic=topic,
+        policy_id="bench",
+        observation_space=obs_space,
+        action_space=act_space,
+        env_id="CartPole-v1",
+    )
     warm = rec.begin_episode(observations[0])
     rec.log_step(warm, 0, 1.0, observations[1], terminated=True)
     rec.flush(10)
@@ -71,8 +85,9 @@ def _ours(bootstrap: str, topic: str, steps: int, episode_len: int) -> tuple[flo
         eid = rec.begin_episode(observations[0])
         n = min(episode_len, steps - done)
         for i in range(n):
-            rec.log_step(eid, i & 1, 1.0, observations[i + 1], terminated=(i == n - 1),
-                         extra_model_outputs={"action_logp": logp})
+            rec.log_step(
+                eid, i & 1, 1.0, observations[i + 1], terminated=(i == n - 1), extra_model_outputs={"action_logp": logp}
+            )
         done += n
     left = rec.flush(60)
     cpu = time.process_time() - t
@@ -128,12 +143,18 @@ def main(argv: list[str] | None = None) -> int:
     steps = 20_000 if args.quick else args.steps
     r = run(steps, args.episode_len, args.bootstrap_servers, rounds=1 if args.quick else args.rounds)
     print(f"{'figure':<34}{'ours':>14}{'bare':>14}{'ratio':>8}  target")
-    print(f"{'CPU µs per step':<34}{r['ours_cpu_us_per_step']:>14.2f}{r['bare_cpu_us_per_step']:>14.2f}"
-          f"{r['ratio']:>8.2f}  <= {TARGET_RATIO}")
-    print(f"{'steps/s of CPU':<34}{r['steps_per_s']:>14,.0f}{r['bare_produce_per_s']:>14,.0f}"
-          f"{'':>8}  >= {TARGET_STEPS_PER_S:,}")
-    print(f"messages sent: {r['messages']:,} for {r['steps']:,} steps; "
-          f"{'PASS' if r['pass'] else 'FAIL'}{' (quick: not judged)' if args.quick else ''}")
+    print(
+        f"{'CPU µs per step':<34}{r['ours_cpu_us_per_step']:>14.2f}{r['bare_cpu_us_per_step']:>14.2f}"
+        f"{r['ratio']:>8.2f}  <= {TARGET_RATIO}"
+    )
+    print(
+        f"{'steps/s of CPU':<34}{r['steps_per_s']:>14,.0f}{r['bare_produce_per_s']:>14,.0f}"
+        f"{'':>8}  >= {TARGET_STEPS_PER_S:,}"
+    )
+    print(
+        f"messages sent: {r['messages']:,} for {r['steps']:,} steps; "
+        f"{'PASS' if r['pass'] else 'FAIL'}{' (quick: not judged)' if args.quick else ''}"
+    )
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump(r, f, indent=2)

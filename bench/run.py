@@ -33,8 +33,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -46,8 +46,23 @@ BENCHES = ("producer", "consumer", "trainer")
 ARGS = {
     "producer": ([], ["--quick"]),
     "consumer": ([], ["--quick"]),
-    "trainer": ([], ["--shards", "4", "--episodes-per-shard", "3", "--seconds", "4", "--stream-seconds", "14",
-                     "--interval", "1.5", "--warmup-iterations", "1"]),
+    "trainer": (
+        [],
+        [
+            "--shards",
+            "4",
+            "--episodes-per-shard",
+            "3",
+            "--seconds",
+            "4",
+            "--stream-seconds",
+            "14",
+            "--interval",
+            "1.5",
+            "--warmup-iterations",
+            "1",
+        ],
+    ),
 }
 #: seconds a child may take: (full, quick)
 TIMEOUTS = {"producer": (600, 240), "consumer": (900, 300), "trainer": (900, 300)}
@@ -83,8 +98,15 @@ def _num(r: dict, *path: str) -> float:
     return float(v)
 
 
-def _row(figure: str, ours: float, baseline: float | None, target: str, ok: Callable[[float, float], bool],
-         quick: bool, bound: float | None = None) -> Row:
+def _row(
+    figure: str,
+    ours: float,
+    baseline: float | None,
+    target: str,
+    ok: Callable[[float, float], bool],
+    quick: bool,
+    bound: float | None = None,
+) -> Row:
     ratio = ours / baseline if baseline is not None else ours / bound
     return Row(figure, ours, baseline, ratio, target, None if quick else bool(ok(ours, ratio)))
 
@@ -93,12 +115,22 @@ def producer_rows(r: dict, quick: bool) -> list[Row]:
     from bench.producer import TARGET_RATIO, TARGET_STEPS_PER_S
 
     return [
-        _row("producer: CPU µs per step vs bare produce()",
-             _num(r, "ours_cpu_us_per_step"), _num(r, "bare_cpu_us_per_step"), f"ratio ≤ {TARGET_RATIO:g}",
-             lambda o, q: q <= TARGET_RATIO, quick),
-        _row("producer: steps/s of CPU vs bare produce() msgs/s",
-             _num(r, "steps_per_s"), _num(r, "bare_produce_per_s"), f"ours ≥ {TARGET_STEPS_PER_S:,} steps/s",
-             lambda o, q: o >= TARGET_STEPS_PER_S, quick),
+        _row(
+            "producer: CPU µs per step vs bare produce()",
+            _num(r, "ours_cpu_us_per_step"),
+            _num(r, "bare_cpu_us_per_step"),
+            f"ratio ≤ {TARGET_RATIO:g}",
+            lambda o, q: q <= TARGET_RATIO,
+            quick,
+        ),
+        _row(
+            "producer: steps/s of CPU vs bare produce() msgs/s",
+            _num(r, "steps_per_s"),
+            _num(r, "bare_produce_per_s"),
+            f"ours ≥ {TARGET_STEPS_PER_S:,} steps/s",
+            lambda o, q: o >= TARGET_STEPS_PER_S,
+            quick,
+        ),
     ]
 
 
@@ -111,15 +143,30 @@ def consumer_rows(r: dict, quick: bool) -> list[Row]:
 
     ours = _num(r, "consumer_steps_per_s")
     return [
-        _row("consumer: steps/s vs bare poll+decode+assemble+pack",
-             ours, _num(r, "floor_steps_per_s"), f"ratio ≥ {TARGET_VS_FLOOR:g}",
-             lambda o, q: q >= TARGET_VS_FLOOR, quick),
-        _row("consumer: steps/s vs RLlib's write path",
-             ours, _num(r, "rllib_steps_per_s"), f"ratio ≥ {TARGET_VS_RLLIB:g}",
-             lambda o, q: q >= TARGET_VS_RLLIB, quick),
-        _row("consumer: peak RSS MB vs the bare loop's",
-             _num(r, "consumer_peak_rss_mb"), _num(r, "floor_peak_rss_mb"), f"ratio ≤ {CONSUMER_RSS_VS_FLOOR:g}",
-             lambda o, q: q <= CONSUMER_RSS_VS_FLOOR, quick),
+        _row(
+            "consumer: steps/s vs bare poll+decode+assemble+pack",
+            ours,
+            _num(r, "floor_steps_per_s"),
+            f"ratio ≥ {TARGET_VS_FLOOR:g}",
+            lambda o, q: q >= TARGET_VS_FLOOR,
+            quick,
+        ),
+        _row(
+            "consumer: steps/s vs RLlib's write path",
+            ours,
+            _num(r, "rllib_steps_per_s"),
+            f"ratio ≥ {TARGET_VS_RLLIB:g}",
+            lambda o, q: q >= TARGET_VS_RLLIB,
+            quick,
+        ),
+        _row(
+            "consumer: peak RSS MB vs the bare loop's",
+            _num(r, "consumer_peak_rss_mb"),
+            _num(r, "floor_peak_rss_mb"),
+            f"ratio ≤ {CONSUMER_RSS_VS_FLOOR:g}",
+            lambda o, q: q <= CONSUMER_RSS_VS_FLOOR,
+            quick,
+        ),
     ]
 
 
@@ -130,15 +177,32 @@ TARGET_P95_S = 5.0
 
 def trainer_rows(r: dict, quick: bool) -> list[Row]:
     return [
-        _row("trainer: timesteps/s vs stock OfflineData (BC)",
-             _num(r, "static", "ours", "timesteps_per_s"), _num(r, "static", "stock", "timesteps_per_s"),
-             f"ratio ≥ {TARGET_TRAINER_RATIO:g}", lambda o, q: q >= TARGET_TRAINER_RATIO, quick),
-        _row("trainer: learner wait share, streaming (mean)",
-             _num(r, "streaming", "learner_wait_share_mean"), None, f"< {TARGET_WAIT_SHARE:.0%}",
-             lambda o, q: o < TARGET_WAIT_SHARE, quick, bound=TARGET_WAIT_SHARE),
-        _row("trainer: shard commit → first gradient, p95 s",
-             _num(r, "streaming", "commit_to_first_gradient_s_p95"), None, f"< {TARGET_P95_S:g} s",
-             lambda o, q: o < TARGET_P95_S, quick, bound=TARGET_P95_S),
+        _row(
+            "trainer: timesteps/s vs stock OfflineData (BC)",
+            _num(r, "static", "ours", "timesteps_per_s"),
+            _num(r, "static", "stock", "timesteps_per_s"),
+            f"ratio ≥ {TARGET_TRAINER_RATIO:g}",
+            lambda o, q: q >= TARGET_TRAINER_RATIO,
+            quick,
+        ),
+        _row(
+            "trainer: learner wait share, streaming (mean)",
+            _num(r, "streaming", "learner_wait_share_mean"),
+            None,
+            f"< {TARGET_WAIT_SHARE:.0%}",
+            lambda o, q: o < TARGET_WAIT_SHARE,
+            quick,
+            bound=TARGET_WAIT_SHARE,
+        ),
+        _row(
+            "trainer: shard commit → first gradient, p95 s",
+            _num(r, "streaming", "commit_to_first_gradient_s_p95"),
+            None,
+            f"< {TARGET_P95_S:g} s",
+            lambda o, q: o < TARGET_P95_S,
+            quick,
+            bound=TARGET_P95_S,
+        ),
     ]
 
 
@@ -181,8 +245,9 @@ def _verdict(p: bool | None) -> str:
 def markdown(rows: list[Row]) -> str:
     lines = ["| figure | ours | baseline | ratio | target | pass |", "|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r.figure} | {_fmt(r.ours)} | {_fmt(r.baseline)} | {r.ratio:.2f} | {r.target} | "
-                     f"{_verdict(r.pass_)} |")
+        lines.append(
+            f"| {r.figure} | {_fmt(r.ours)} | {_fmt(r.baseline)} | {r.ratio:.2f} | {r.target} | {_verdict(r.pass_)} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -191,13 +256,25 @@ def print_table(rows: list[Row], title: str) -> None:
     from rich.table import Table
 
     t = Table(title=title)
-    for col, just in (("figure", "left"), ("ours", "right"), ("baseline", "right"), ("ratio", "right"),
-                      ("target", "left"), ("pass", "center")):
+    for col, just in (
+        ("figure", "left"),
+        ("ours", "right"),
+        ("baseline", "right"),
+        ("ratio", "right"),
+        ("target", "left"),
+        ("pass", "center"),
+    ):
         t.add_column(col, justify=just)
     style = {True: "green", False: "red", None: "dim"}
     for r in rows:
-        t.add_row(r.figure, _fmt(r.ours), _fmt(r.baseline), f"{r.ratio:.2f}", r.target,
-                  f"[{style[r.pass_]}]{_verdict(r.pass_)}[/]")
+        t.add_row(
+            r.figure,
+            _fmt(r.ours),
+            _fmt(r.baseline),
+            f"{r.ratio:.2f}",
+            r.target,
+            f"[{style[r.pass_]}]{_verdict(r.pass_)}[/]",
+        )
     console = Console()
     if not console.is_terminal:
         console.width = max(console.width, 120)

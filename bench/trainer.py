@@ -28,7 +28,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from rlrec.local import ray_on_loopback  # noqa: E402
+from rlrec.local import ray_on_loopback
 
 ray_on_loopback()  # single-machine Ray: listen on 127.0.0.1 only
 
@@ -43,12 +43,13 @@ def _pct(xs, q):
 
 
 def make_shards(out: str, n: int, episodes: int, seed0: int = 0) -> list:
-    from trainer.synthetic import ShardCommitter, expert_cartpole_episodes
+    from rlrec.store.commit import ShardCommitter
+    from rlrec.trainer.synthetic import expert_cartpole_episodes
 
     c = ShardCommitter(out)
     entries = []
     for i in range(n):
-        entries += c.commit(expert_cartpole_episodes(episodes, seed=seed0 + i, epsilon=0.05))
+        entries += c.commit(expert_cartpole_episodes(episodes, seed=seed0 + i, epsilon=0.05)).entries
     return entries
 
 
@@ -57,11 +58,13 @@ def base_config(args):
     from ray.rllib.algorithms.bc import BCConfig
 
     env = gym.make("CartPole-v1")
-    return (BCConfig()
-            .environment(observation_space=env.observation_space, action_space=env.action_space)
-            .training(train_batch_size_per_learner=args.batch_size, lr=1e-3)
-            .reporting(min_time_s_per_iteration=1.0)
-            .learners(num_learners=args.num_learners))
+    return (
+        BCConfig()
+        .environment(observation_space=env.observation_space, action_space=env.action_space)
+        .training(train_batch_size_per_learner=args.batch_size, lr=1e-3)
+        .reporting(min_time_s_per_iteration=1.0)
+        .learners(num_learners=args.num_learners)
+    )
 
 
 def steps_trained(result) -> int:
@@ -69,15 +72,20 @@ def steps_trained(result) -> int:
 
 
 def run_static(args, out: str) -> dict:
-    from trainer.data import configure_continuous
+    from rlrec.trainer.data import configure_continuous
 
     files = sorted(glob.glob(os.path.join(out, "expert", "*.parquet")))
     res = {}
     for name in ("stock", "ours"):
         config = base_config(args)
         if name == "stock":
-            config.offline_data(input_=files, input_read_episodes=True, input_read_method_kwargs={"columns": ["item"]},
-                                map_batches_kwargs={"concurrency": 1}, dataset_num_iters_per_learner=args.num_iters)
+            config.offline_data(
+                input_=files,
+                input_read_episodes=True,
+                input_read_method_kwargs={"columns": ["item"]},
+                map_batches_kwargs={"concurrency": 1},
+                dataset_num_iters_per_learner=args.num_iters,
+            )
         else:
             config.offline_data(dataset_num_iters_per_learner=args.num_iters)
             configure_continuous(config, out)
@@ -104,9 +112,14 @@ def run_static(args, out: str) -> dict:
             else:
                 steps += steps_trained(r)
             secs += dt
-        res[name] = {"timesteps_per_s": steps / secs, "timesteps": steps, "seconds": round(secs, 2),
-                     "build_s": round(build_s, 2), "first_iteration_s": round(first_s, 2),
-                     "first_iteration_timesteps": steps_trained(first)}
+        res[name] = {
+            "timesteps_per_s": steps / secs,
+            "timesteps": steps,
+            "seconds": round(secs, 2),
+            "build_s": round(build_s, 2),
+            "first_iteration_s": round(first_s, 2),
+            "first_iteration_timesteps": steps_trained(first),
+        }
         if waits:
             res[name]["learner_wait_share_mean"] = statistics.mean(waits)
             res[name]["streamed_rows_per_s"] = streamed / secs
@@ -123,20 +136,26 @@ def ray_get_timeline(od) -> dict:
     """{shard key: first times (added to the feed, first read, first trained)}."""
     import ray
 
-    tl = ray.get(od.feed.__ray_call__.remote(lambda self: {
-        self.state.shards[i].key: dict(v) for i, v in self.state.timeline.items()}))
+    tl = ray.get(
+        od.feed.__ray_call__.remote(
+            lambda self: {self.state.shards[i].key: dict(v) for i, v in self.state.timeline.items()}
+        )
+    )
     return tl
 
 
 def run_streaming(args, out: str) -> dict:
-    from consumer.manifest import read_manifest
-    from consumer.storage import Storage
-    from trainer.data import configure_continuous
-    from trainer.synthetic import ShardCommitter, expert_cartpole_episodes
+    from rlrec.store.commit import ShardCommitter
+    from rlrec.store.manifest import read_manifest
+    from rlrec.store.storage import Storage
+    from rlrec.trainer.data import configure_continuous
+    from rlrec.trainer.synthetic import expert_cartpole_episodes
 
     config = base_config(args)
     config.offline_data(dataset_num_iters_per_learner=args.num_iters)
-    configure_continuous(config, out, feed_policy={"fresh_fraction": args.fresh_fraction} if args.fresh_fraction else None)
+    configure_continuous(
+        config, out, feed_policy={"fresh_fraction": args.fresh_fraction} if args.fresh_fraction else None
+    )
     algo = config.build_algo()
     od = algo.offline_data
     od.start()
@@ -147,7 +166,9 @@ def run_streaming(args, out: str) -> dict:
     def produce():
         i = 0
         while not stop.wait(args.interval):
-            for e in committer.commit(expert_cartpole_episodes(args.episodes_per_shard, seed=10_000 + i, epsilon=0.05)):
+            for e in committer.commit(
+                expert_cartpole_episodes(args.episodes_per_shard, seed=10_000 + i, epsilon=0.05)
+            ).entries:
                 commits[e.path] = e.commit_time
             i += 1
 
@@ -162,14 +183,21 @@ def run_streaming(args, out: str) -> dict:
         dt = time.time() - t0
         st = od.pop_stats(od.iteration_marks(algo.learner_group))
         first_train.update(st.newly_trained)
-        iters.append({"seconds": dt, "wait_share": st.wait_s / dt, "rows": st.rows_trained,
-                      "streamed": st.rows_streamed, "new": len(st.newly_trained)})
+        iters.append(
+            {
+                "seconds": dt,
+                "wait_share": st.wait_s / dt,
+                "rows": st.rows_trained,
+                "streamed": st.rows_streamed,
+                "new": len(st.newly_trained),
+            }
+        )
     stop.set()
     th.join()
     # shards committed during the run whose first gradient step we saw
     lat = [first_train[k] - ct for k, ct in commits.items() if k in first_train]
     untrained = [k for k in commits if k not in first_train]
-    steady = iters[args.warmup_iterations:]
+    steady = iters[args.warmup_iterations :]
     tl = ray_get_timeline(od)
     phases = {"manifest_to_feed": [], "feed_to_read": [], "read_to_gradient": []}
     for k, ct in commits.items():
@@ -190,7 +218,9 @@ def run_streaming(args, out: str) -> dict:
         "learner_wait_share_mean": statistics.mean(x["wait_share"] for x in steady) if steady else None,
         "learner_wait_share_p95": _pct([x["wait_share"] for x in steady], 0.95),
         "timesteps_per_s": sum(x["rows"] for x in steady) / sum(x["seconds"] for x in steady) if steady else None,
-        "streamed_rows_per_s": sum(x["streamed"] for x in steady) / sum(x["seconds"] for x in steady) if steady else None,
+        "streamed_rows_per_s": sum(x["streamed"] for x in steady) / sum(x["seconds"] for x in steady)
+        if steady
+        else None,
         "commit_to_first_gradient_s_p50": _pct(lat, 0.5),
         "commit_to_first_gradient_s_p95": _pct(lat, 0.95),
         "commit_to_first_gradient_s_max": max(lat) if lat else None,
@@ -226,35 +256,48 @@ def main(argv=None) -> int:
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
     ctx.print_on_execution_start = False
-    results: dict = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                                 "ray": ray.__version__}, "args": vars(args)}
+    results: dict = {
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "ray": ray.__version__},
+        "args": vars(args),
+    }
     try:
         with tempfile.TemporaryDirectory(prefix="rlrec-bench-") as tmp:
             static_out = os.path.join(tmp, "static")
             t0 = time.time()
             entries = make_shards(static_out, args.shards, args.episodes_per_shard)
-            results["data"] = {"shards": len(entries), "episodes": sum(e.episodes for e in entries),
-                               "steps": sum(e.steps for e in entries), "bytes": sum(e.bytes for e in entries),
-                               "generate_s": round(time.time() - t0, 2)}
+            results["data"] = {
+                "shards": len(entries),
+                "episodes": sum(e.episodes for e in entries),
+                "steps": sum(e.steps for e in entries),
+                "bytes": sum(e.bytes for e in entries),
+                "generate_s": round(time.time() - t0, 2),
+            }
             if not args.skip_static:
                 results["static"] = run_static(args, static_out)
-                print(f"static: stock {results['static']['stock']['timesteps_per_s']:.0f} ts/s, ours "
-                      f"{results['static']['ours']['timesteps_per_s']:.0f} ts/s, ratio {results['static']['ratio']:.2f}",
-                      flush=True)
+                print(
+                    f"static: stock {results['static']['stock']['timesteps_per_s']:.0f} ts/s, ours "
+                    f"{results['static']['ours']['timesteps_per_s']:.0f} ts/s, ratio {results['static']['ratio']:.2f}",
+                    flush=True,
+                )
             if not args.skip_streaming:
                 stream_out = os.path.join(tmp, "stream")
                 make_shards(stream_out, 3, args.episodes_per_shard, seed0=5000)
                 s = results["streaming"] = run_streaming(args, stream_out)
-                print(f"streaming: wait share {s['learner_wait_share_mean']:.1%} (p95 {s['learner_wait_share_p95']:.1%}), "
-                      f"commit->gradient p50 {s['commit_to_first_gradient_s_p50']:.2f}s p95 "
-                      f"{s['commit_to_first_gradient_s_p95']:.2f}s", flush=True)
+                print(
+                    f"streaming: wait share {s['learner_wait_share_mean']:.1%} (p95 {s['learner_wait_share_p95']:.1%}), "
+                    f"commit->gradient p50 {s['commit_to_first_gradient_s_p50']:.2f}s p95 "
+                    f"{s['commit_to_first_gradient_s_p95']:.2f}s",
+                    flush=True,
+                )
     finally:
         ray.shutdown()
     stream = results.get("streaming", {})
     wait, p95 = stream.get("learner_wait_share_mean"), stream.get("commit_to_first_gradient_s_p95")
-    results["targets"] = {"ratio>=1.0": results.get("static", {}).get("ratio", 0) >= 1.0,
-                          "wait_share<0.10": wait is not None and wait < 0.10,
-                          "p95_latency<5s": p95 is not None and p95 < 5.0}
+    results["targets"] = {
+        "ratio>=1.0": results.get("static", {}).get("ratio", 0) >= 1.0,
+        "wait_share<0.10": wait is not None and wait < 0.10,
+        "p95_latency<5s": p95 is not None and p95 < 5.0,
+    }
     text = json.dumps(results, indent=2, default=float)
     if args.json:
         with open(args.json, "w") as f:

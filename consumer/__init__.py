@@ -1,1 +1,1 @@
-"""rlrec consumer: episode assembly, shard writing, manifest."""
+"""rlrec consumer: the Kafka loop, episode assembly and shard writing (storage model: `rlrec.store`)."""

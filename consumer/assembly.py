@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 
-from consumer.finished import FinishedEpisode
-from producer.events import (
+from rlrec.producer.events import (
     DecodeError,
     EpisodeAbort,
     EpisodeStart,
@@ -37,11 +37,12 @@ from producer.events import (
     check_leaves,
     encode,
 )
-from producer.spaces import space_leaves
+from rlrec.producer.spaces import space_leaves
+from rlrec.store.finished import FinishedEpisode
 
-__all__ = ["CONSUMER_REASONS", "DeadLetter", "AssemblyConfig", "OpenEpisode", "PartitionAssembler", "Counters"]
+__all__ = ["CONSUMER_REASONS", "AssemblyConfig", "Counters", "DeadLetter", "OpenEpisode", "PartitionAssembler"]
 
-#: dead-letter reasons decided by assembly (decode reasons come from producer.events.DECODE_REASONS).
+#: dead-letter reasons decided by assembly (decode reasons come from rlrec.producer.events.DECODE_REASONS).
 CONSUMER_REASONS = {
     "unknown-episode": "a step, reward or abort for an episode this partition never started",
     "duplicate-start": "a start, different from the first, for an episode that is open or finished",
@@ -114,8 +115,9 @@ class PartitionAssembler:
     the first event of an episode not handed out and confirmed committed (`mark_committed`).
     """
 
-    def __init__(self, topic: str, partition: int, committed: dict[str, int] | None = None,
-                 config: AssemblyConfig | None = None):
+    def __init__(
+        self, topic: str, partition: int, committed: dict[str, int] | None = None, config: AssemblyConfig | None = None
+    ):
         self.topic = topic
         self.partition = partition
         self.config = config or AssemblyConfig()
@@ -159,7 +161,9 @@ class PartitionAssembler:
                 return self._on_steps(ep, offset, event, now)
             if isinstance(event, RewardDelta):
                 if event.t >= ep.t:
-                    return [DeadLetter("bad-reward-t", f"episode {eid} has {ep.t} steps; reward for t={event.t}", offset)]
+                    return [
+                        DeadLetter("bad-reward-t", f"episode {eid} has {ep.t} steps; reward for t={event.t}", offset)
+                    ]
                 ep.rewards_later.append(event)
                 ep.last_offset = offset
                 self.counters.rewards_applied += 1
@@ -175,13 +179,19 @@ class PartitionAssembler:
                 if eid in self.in_flight:  # being written right now: too late for this shard
                     return [DeadLetter("late-reward", f"episode {eid} is being committed", offset)]
                 if event.t >= fe.length:
-                    return [DeadLetter("bad-reward-t", f"episode {eid} has {fe.length} steps; reward for t={event.t}", offset)]
+                    return [
+                        DeadLetter(
+                            "bad-reward-t", f"episode {eid} has {fe.length} steps; reward for t={event.t}", offset
+                        )
+                    ]
                 fe.rewards[event.t] += event.reward
                 fe.last_offset = offset
                 self.counters.rewards_applied += 1
                 return []
             if isinstance(event, StepBatch) and event.t0 >= fe.length:
-                return [DeadLetter("step-after-end", f"episode {eid} ended after {fe.length} steps; t0={event.t0}", offset)]
+                return [
+                    DeadLetter("step-after-end", f"episode {eid} ended after {fe.length} steps; t0={event.t0}", offset)
+                ]
             self.counters.duplicates += 1
             return []
 
@@ -196,10 +206,13 @@ class PartitionAssembler:
             if same:
                 self.counters.duplicates += 1
                 return []
-            return [DeadLetter("duplicate-start", f"episode {ev.episode_id} is already open with a different start", offset)]
+            return [
+                DeadLetter("duplicate-start", f"episode {ev.episode_id} is already open with a different start", offset)
+            ]
         self.evicted.pop(ev.episode_id, None)
-        self.open[ev.episode_id] = OpenEpisode(ev, offset, h, last_offset=offset, last_event_at=now,
-                                               nbytes=sum(a.nbytes for a in ev.observation) + 1000)
+        self.open[ev.episode_id] = OpenEpisode(
+            ev, offset, h, last_offset=offset, last_event_at=now, nbytes=sum(a.nbytes for a in ev.observation) + 1000
+        )
         return []
 
     def _on_steps(self, ep: OpenEpisode, offset: int, b: StepBatch, now: float) -> list[DeadLetter]:
@@ -210,7 +223,9 @@ class PartitionAssembler:
             if b.t0 + b.n <= ep.t:
                 self.counters.duplicates += 1
                 return []
-            return [DeadLetter("backwards-t", f"episode {eid} at t={ep.t}, batch covers {b.t0}..{b.t0 + b.n - 1}", offset)]
+            return [
+                DeadLetter("backwards-t", f"episode {eid} at t={ep.t}, batch covers {b.t0}..{b.t0 + b.n - 1}", offset)
+            ]
         obs_leaves = _leaves(ep.start.observation_space)
         act_leaves = _leaves(ep.start.action_space)
         try:
@@ -222,7 +237,9 @@ class PartitionAssembler:
         if ep.extra_keys is None:
             ep.extra_keys = keys
         elif keys != ep.extra_keys:
-            return [DeadLetter("extra-mismatch", f"episode {eid}: keys {sorted(keys)} != {sorted(ep.extra_keys)}", offset)]
+            return [
+                DeadLetter("extra-mismatch", f"episode {eid}: keys {sorted(keys)} != {sorted(ep.extra_keys)}", offset)
+            ]
         ep.batches.append(b)
         ep.t += b.n
         ep.last_offset = offset
@@ -231,12 +248,15 @@ class PartitionAssembler:
             return self._finish(ep, terminated=b.terminated, truncated=b.truncated, ended_ms=b.timestamp_ms, now=now)
         return []
 
-    def _finish(self, ep: OpenEpisode, *, terminated: bool, truncated: bool, ended_ms: int, now: float,
-                reason: str = "aborted") -> list[DeadLetter]:
+    def _finish(
+        self, ep: OpenEpisode, *, terminated: bool, truncated: bool, ended_ms: int, now: float, reason: str = "aborted"
+    ) -> list[DeadLetter]:
         eid = ep.start.episode_id
         del self.open[eid]
         if ep.t == 0:
-            return self._dead_letter_episode(ep, "empty-episode", f"episode {eid} ended ({reason}) before its first step")
+            return self._dead_letter_episode(
+                ep, "empty-episode", f"episode {eid} ended ({reason}) before its first step"
+            )
         fe = _build(ep, terminated, truncated, ended_ms, now)
         self.finished[eid] = fe
         self.finished_bytes += fe.nbytes()
@@ -318,10 +338,6 @@ class PartitionAssembler:
             return min(firsts)
         return self.next_offset
 
-    @property
-    def open_bytes(self) -> int:
-        return sum(ep.nbytes for ep in self.open.values())
-
 
 # ---------------------------------------------------------------------------------------------
 
@@ -364,9 +380,22 @@ def _build(ep: OpenEpisode, terminated: bool, truncated: bool, ended_ms: int, no
         infos.extend(b.infos if b.infos is not None else ({} for _ in range(b.n)))
     extra = {k: np.concatenate([b.extra_model_outputs[k] for b in batches]) for k in (ep.extra_keys or ())}
     return FinishedEpisode(
-        episode_id=s.episode_id, policy_id=s.policy_id, policy_version=s.policy_version, env_id=s.env_id,
-        observation_space=s.observation_space, action_space=s.action_space, observations=observations,
-        actions=actions, rewards=rewards, infos=infos, extra_model_outputs=extra, terminated=terminated,
-        truncated=truncated, first_offset=ep.first_offset, last_offset=ep.last_offset,
-        started_ms=s.timestamp_ms, ended_ms=ended_ms, finished_at=now,
+        episode_id=s.episode_id,
+        policy_id=s.policy_id,
+        policy_version=s.policy_version,
+        env_id=s.env_id,
+        observation_space=s.observation_space,
+        action_space=s.action_space,
+        observations=observations,
+        actions=actions,
+        rewards=rewards,
+        infos=infos,
+        extra_model_outputs=extra,
+        terminated=terminated,
+        truncated=truncated,
+        first_offset=ep.first_offset,
+        last_offset=ep.last_offset,
+        started_ms=s.timestamp_ms,
+        ended_ms=ended_ms,
+        finished_at=now,
     )

@@ -33,7 +33,7 @@ refused (``incomplete="drop"|"truncate"|"error"``). Observations are ``obs`` of 
 ``new_obs`` are counted in `ConvertResult.discontinuous` and noted). The reset info is not in a tabular recording: ``infos[0] = {}``.
 Multi-agent recordings (several ``agent_id`` values in one episode) are refused.
 
-Spaces: given (JSON, see `producer.spaces`), taken from the files' ``rlrec.*_space`` metadata
+Spaces: given (JSON, see `rlrec.producer.spaces`), taken from the files' ``rlrec.*_space`` metadata
 (our own tabular shards), or inferred from the data: floats -> ``Box(-inf, inf)``, integer
 scalars -> ``Discrete(max + 1)``, integer arrays -> ``Box`` over the dtype's range, bools ->
 ``MultiBinary``, structs -> ``Dict``/``Tuple``.
@@ -43,7 +43,7 @@ Metadata: ``policy_id`` from the ``module_id`` column (or the MultiAgentBatch ke
 (first row of the episode), else 0; ``started_ms = ended_ms = 0`` (unknown); the manifest's
 offsets are the rows' positions in the input. Both can be overridden.
 
-Output: committed exactly like the consumer does (`consumer.writer.PartitionWriter`: stage,
+Output: committed exactly like the consumer does (`rlrec.store.commit.ShardCommitter`: stage,
 manifest append, publish) under manifest topic ``topic`` (default ``converted``), partition 0,
 so ``rlrec inspect --verify``, the trainer and stock RLlib (``input_read_episodes=True`` on
 ``{output}/{policy_id}``) read the result. Re-running into the same output is idempotent: episodes
@@ -67,22 +67,45 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from consumer.finished import FinishedEpisode
-from consumer.storage import Storage
-from consumer.writer import PartitionWriter
-from producer.spaces import dumps_space, loads_space, space_leaves
+from rlrec.producer.spaces import dumps_space, loads_space, space_leaves
+from rlrec.store.commit import ShardCommitter
+from rlrec.store.finished import FinishedEpisode
+from rlrec.store.storage import Storage
 
-__all__ = ["ConvertError", "UnsafeInputError", "ConvertOptions", "ConvertResult", "SCHEMA_KEYS",
-           "INPUT_FORMATS", "convert", "read_rows", "rows_to_episodes"]
+__all__ = [
+    "INPUT_FORMATS",
+    "SCHEMA_KEYS",
+    "ConvertError",
+    "ConvertOptions",
+    "ConvertResult",
+    "UnsafeInputError",
+    "convert",
+    "read_rows",
+    "rows_to_episodes",
+]
 
 INPUT_FORMATS = ("tabular", "sample-batch")
 #: keys a user mapping (``schema``) may rename; the values are the default column names.
-SCHEMA_KEYS = ("eps_id", "agent_id", "module_id", "obs", "actions", "rewards", "new_obs", "terminateds",
-               "truncateds", "t", "infos", "dones", "policy_version")
+SCHEMA_KEYS = (
+    "eps_id",
+    "agent_id",
+    "module_id",
+    "obs",
+    "actions",
+    "rewards",
+    "new_obs",
+    "terminateds",
+    "truncateds",
+    "t",
+    "infos",
+    "dones",
+    "policy_version",
+)
 _VERSION_COLUMNS = ("policy_version", "weights_seq_no")
 #: bookkeeping columns of RLlib that are neither data nor extra model outputs
-_IGNORED = frozenset({"agent_index", "unroll_id", "type", "count", "seq_lens", "weights_seq_no",
-                      "policy_version", "env_id"})
+_IGNORED = frozenset(
+    {"agent_index", "unroll_id", "type", "count", "seq_lens", "weights_seq_no", "policy_version", "env_id"}
+)
 _ARRAY_KEYS = ("obs", "new_obs", "actions")
 _POLICY_RE = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 DEFAULT_POLICY_ID = "default_policy"
@@ -156,8 +179,8 @@ def _unpack_rllib(value: Any, what: str, allow_pickle: bool) -> np.ndarray:
 
     try:
         raw = lz4.frame.decompress(base64.b64decode(value))
-        return np.asarray(pickle.loads(raw))  # noqa: S301 - explicit opt-in, documented
-    except Exception as e:  # noqa: BLE001 - corrupt input raises many types
+        return np.asarray(pickle.loads(raw))
+    except Exception as e:
         raise ConvertError(f"{what}: cannot decode a compressed value: {type(e).__name__}: {e}") from None
 
 
@@ -172,8 +195,12 @@ def _arrow_tree(col: pa.Array, what: str, allow_pickle: bool) -> Any:
             return pa.FixedShapeTensorArray.from_storage(t, col.storage).to_numpy_ndarray()
         shape = getattr(t, "shape", None)  # Ray's tensor extensions: a list column of flattened tensors
         inner = _arrow_tree(col.storage, what, allow_pickle)
-        if isinstance(shape, tuple) and isinstance(inner, np.ndarray) and all(isinstance(d, int) for d in shape) \
-                and inner.size == len(inner) * int(np.prod(shape)):
+        if (
+            isinstance(shape, tuple)
+            and isinstance(inner, np.ndarray)
+            and all(isinstance(d, int) for d in shape)
+            and inner.size == len(inner) * int(np.prod(shape))
+        ):
             return inner.reshape((len(inner), *shape))
         return inner
     if col.null_count:
@@ -242,8 +269,10 @@ def _tree_concat(trees: list[Any], what: str) -> Any:
     if not all(isinstance(t, tuple) and t[0] == kind and len(t[1]) == len(children) for t in trees):
         raise ConvertError(f"{what}: inputs disagree on the structure")
     if kind == "dict":
-        return ("dict", [(name, _tree_concat([t[1][i][1] for t in trees], what)) for i, (name, _) in
-                         enumerate(children)])
+        return (
+            "dict",
+            [(name, _tree_concat([t[1][i][1] for t in trees], what)) for i, (name, _) in enumerate(children)],
+        )
     return ("tuple", [_tree_concat([t[1][i] for t in trees], what) for i in range(len(children))])
 
 
@@ -281,7 +310,9 @@ def _fit_leaves(tree: Any, space: gym.Space, what: str) -> list[np.ndarray]:
             if a.size == len(a) * int(np.prod(leaf.shape)) and len(leaf.shape) > 0:
                 a = a.reshape((len(a), *leaf.shape))  # flattened tensors (e.g. Ray's extension storage)
             else:
-                raise ConvertError(f"{what}[{i}]: rows have shape {list(a.shape[1:])}, the space wants {list(leaf.shape)}")
+                raise ConvertError(
+                    f"{what}[{i}]: rows have shape {list(a.shape[1:])}, the space wants {list(leaf.shape)}"
+                )
         if a.dtype != leaf.dtype:
             if a.dtype.kind == "f" and leaf.dtype.kind in "iub" and not np.array_equal(a, np.round(a)):
                 raise ConvertError(f"{what}[{i}]: non-integer values for an integer space")
@@ -299,11 +330,11 @@ class _Block:
     """Rows of one input chunk (a Parquet file or one JSON line / policy batch)."""
 
     n: int
-    arrays: dict[str, Any]          # obs/new_obs/actions -> tree
+    arrays: dict[str, Any]  # obs/new_obs/actions -> tree
     columns: dict[str, np.ndarray]  # eps_id, rewards, flags, t, agent/module ids, versions
     infos: list[dict] | None
     extras: dict[str, np.ndarray]
-    policy_id: str | None = None    # a MultiAgentBatch's key
+    policy_id: str | None = None  # a MultiAgentBatch's key
     spaces: dict[str, gym.Space] = field(default_factory=dict)  # from rlrec.* file metadata
     notes: list[str] = field(default_factory=list)
 
@@ -321,8 +352,13 @@ def _files(uri: str, suffixes: tuple[str, ...]) -> tuple[pafs.FileSystem, list[s
     if info.type == pafs.FileType.File:
         return fs, [base]
     infos = fs.get_file_info(pafs.FileSelector(base, recursive=True))
-    paths = sorted(i.path for i in infos if i.type == pafs.FileType.File and i.path.endswith(suffixes)
-                   and not any(p.startswith(("_", ".")) for p in i.path[len(base):].split("/") if p))
+    paths = sorted(
+        i.path
+        for i in infos
+        if i.type == pafs.FileType.File
+        and i.path.endswith(suffixes)
+        and not any(p.startswith(("_", ".")) for p in i.path[len(base) :].split("/") if p)
+    )
     if not paths:
         raise ConvertError(f"no {'/'.join(suffixes)} files under {uri}")
     return fs, paths
@@ -337,8 +373,15 @@ def _rename(cols: dict[str, Any], schema: dict[str, str]) -> dict[str, Any]:
     return out
 
 
-def _block(cols: dict[str, Any], n: int, what: str, opts: ConvertOptions, tree_of: Callable,
-           infos: list | None, policy_id: str | None = None) -> _Block:
+def _block(
+    cols: dict[str, Any],
+    n: int,
+    what: str,
+    opts: ConvertOptions,
+    tree_of: Callable,
+    infos: list | None,
+    policy_id: str | None = None,
+) -> _Block:
     cols = _rename(cols, opts.schema)
     if "terminateds" not in cols and "dones" in cols:
         cols["terminateds"] = cols.pop("dones")
@@ -358,7 +401,7 @@ def _block(cols: dict[str, Any], n: int, what: str, opts: ConvertOptions, tree_o
             if not isinstance(a, np.ndarray) or a.ndim != 1:
                 raise ConvertError(f"{what}: column {k!r} must hold one number per row")
             columns[k] = a
-    for k, v in list(arrays.items()) + [(k, v) for k, v in columns.items()]:
+    for k, v in list(arrays.items()) + list(columns.items()):
         got = len(_tree_leaves(v)[0]) if not isinstance(v, np.ndarray) else len(v)
         if got != n:
             raise ConvertError(f"{what}: column {k!r} has {got} rows, expected {n}")
@@ -369,9 +412,15 @@ def _block(cols: dict[str, Any], n: int, what: str, opts: ConvertOptions, tree_o
         if k in known:
             continue
         typ = v.type if isinstance(v, (pa.Array, pa.ChunkedArray)) else None
-        if isinstance(v, str) or (typ is not None and (pa.types.is_string(typ) or pa.types.is_binary(typ)
-                                                      or pa.types.is_large_string(typ)
-                                                      or pa.types.is_large_binary(typ))):
+        if isinstance(v, str) or (
+            typ is not None
+            and (
+                pa.types.is_string(typ)
+                or pa.types.is_binary(typ)
+                or pa.types.is_large_string(typ)
+                or pa.types.is_large_binary(typ)
+            )
+        ):
             notes.append(f"column {k!r} holds strings, not numbers; not kept")
             continue
         try:
@@ -385,8 +434,7 @@ def _block(cols: dict[str, Any], n: int, what: str, opts: ConvertOptions, tree_o
             extras[k] = a
         else:
             notes.append(f"column {k!r} is not one numeric value or array per row; not kept")
-    return _Block(n=n, arrays=arrays, columns=columns, infos=infos, extras=extras, policy_id=policy_id,
-                  notes=notes)
+    return _Block(n=n, arrays=arrays, columns=columns, infos=infos, extras=extras, policy_id=policy_id, notes=notes)
 
 
 def _parquet_blocks(fs: pafs.FileSystem, path: str, opts: ConvertOptions) -> Iterator[_Block]:
@@ -419,11 +467,11 @@ def _info(v: Any, what: str) -> dict:
     if isinstance(v, list):  # a Parquet map column
         return dict(v)
     if isinstance(v, (str, bytes)):
-        from producer.events import loads_info
+        from rlrec.producer.events import loads_info
 
         try:
             return loads_info(v.decode() if isinstance(v, bytes) else v)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise ConvertError(f"{what}: an infos value is not a JSON object: {e}") from None
     raise ConvertError(f"{what}: an infos value is a {type(v).__name__}, expected a dict")
 
@@ -520,137 +568,307 @@ def _same_rows(arrays: list[np.ndarray], a: np.ndarray, b: np.ndarray) -> bool:
     return all(np.array_equal(x[a], x[b]) for x in arrays)
 
 
-def rows_to_episodes(blocks: list[_Block], opts: ConvertOptions, result: ConvertResult) -> list[FinishedEpisode]:
-    """Group the rows by episode id, order, deduplicate and build `FinishedEpisode`s."""
-    if opts.incomplete not in ("drop", "truncate", "error"):
-        raise ConvertError(f"incomplete must be drop, truncate or error, got {opts.incomplete!r}")
-    n = sum(b.n for b in blocks)
-    result.rows = n
+@dataclass
+class _Rows:
+    """Every input row: the blocks' columns concatenated in input order (row i is at input offset i)."""
+
+    observation_space: gym.Space
+    action_space: gym.Space
+    obs: list[np.ndarray]  # leaves, cast to the observation space
+    new_obs: list[np.ndarray]
+    actions: list[np.ndarray]  # leaves, cast to the action space
+    eps: np.ndarray  # episode ids (object)
+    rewards: np.ndarray  # float64
+    term: np.ndarray  # bool
+    trunc: np.ndarray  # bool
+    t: np.ndarray | None
+    agent: np.ndarray | None
+    module: np.ndarray | None
+    versions: np.ndarray | None  # policy_version, else weights_seq_no
+    block_pid: np.ndarray  # a MultiAgentBatch's key per row, else None
+    infos: list[dict] | None
+    extras: dict[str, np.ndarray]
+    done: np.ndarray = field(init=False)  # term | trunc
+    compare: list[np.ndarray] = field(init=False)  # what two copies of a row must agree on
+
+    def __post_init__(self) -> None:
+        self.done = self.term | self.trunc
+        self.compare = [*self.obs, *self.actions, self.rewards]
+
+
+def _check_incomplete_option(incomplete: str) -> None:
+    if incomplete not in ("drop", "truncate", "error"):
+        raise ConvertError(f"incomplete must be drop, truncate or error, got {incomplete!r}")
+
+
+def _merge_notes(blocks: list[_Block], notes: list[str]) -> None:
+    """Append the blocks' notes to `notes`, each note once."""
     for b in blocks:
-        result.notes.extend(x for x in b.notes if x not in result.notes)
-    trees = {k: _tree_concat([b.arrays[k] for b in blocks], f"column {k!r}") for k in _ARRAY_KEYS}
-    obs_space = _space_for("obs", opts.observation_space, blocks,
-                           _tree_concat([trees["obs"], trees["new_obs"]], "obs"))
+        for x in b.notes:
+            if x not in notes:
+                notes.append(x)
+
+
+def _choose_spaces(blocks: list[_Block], opts: ConvertOptions, trees: dict[str, Any]) -> tuple[gym.Space, gym.Space]:
+    """(observation space, action space): given, from the files' metadata, or inferred from the data."""
+    obs_space = _space_for("obs", opts.observation_space, blocks, _tree_concat([trees["obs"], trees["new_obs"]], "obs"))
     act_space = _space_for("actions", opts.action_space, blocks, trees["actions"])
-    result.observation_space, result.action_space = obs_space, act_space
-    obs = _fit_leaves(trees["obs"], obs_space, "obs")
-    new_obs = _fit_leaves(trees["new_obs"], obs_space, "new_obs")
-    actions = _fit_leaves(trees["actions"], act_space, "actions")
+    return obs_space, act_space
 
-    def col(k: str, default: Any = None) -> np.ndarray | None:
-        parts = [b.columns.get(k) for b in blocks]
-        if all(p is None for p in parts):
-            return None
-        if any(p is None for p in parts):
-            if default is None:
-                raise ConvertError(f"column {k!r} is in some input files only")
-            parts = [p if p is not None else np.full(b.n, default) for p, b in zip(parts, blocks)]
-        return np.concatenate(parts)
 
-    eps = col("eps_id")
-    rewards = col("rewards").astype(np.float64)
-    term = col("terminateds", False)
-    trunc = col("truncateds", False)
-    term = np.zeros(n, bool) if term is None else term.astype(bool)
-    trunc = np.zeros(n, bool) if trunc is None else trunc.astype(bool)
-    t = col("t")
-    agent = col("agent_id")
-    module = col("module_id")
-    versions = next((v for v in (col(k) for k in _VERSION_COLUMNS) if v is not None), None)
-    block_pid = np.concatenate([np.full(b.n, b.policy_id, dtype=object) for b in blocks])
-    infos = None
-    if any(b.infos is not None for b in blocks):
-        infos = [i for b in blocks for i in (b.infos if b.infos is not None else [{}] * b.n)]
-    extra_keys: list[str] = []
+def _concat_column(blocks: list[_Block], k: str, default: Any = None) -> np.ndarray | None:
+    """Column `k` of every block; None if no block has it. Blocks without it get `default` (None: an error)."""
+    parts = [b.columns.get(k) for b in blocks]
+    if all(p is None for p in parts):
+        return None
+    if any(p is None for p in parts):
+        if default is None:
+            raise ConvertError(f"column {k!r} is in some input files only")
+        parts = [p if p is not None else np.full(b.n, default) for p, b in zip(parts, blocks)]
+    return np.concatenate(parts)
+
+
+def _flag_column(blocks: list[_Block], k: str) -> np.ndarray:
+    """A bool column (terminateds/truncateds); False where absent."""
+    a = _concat_column(blocks, k, False)
+    return np.zeros(sum(b.n for b in blocks), bool) if a is None else a.astype(bool)
+
+
+def _version_column(blocks: list[_Block]) -> np.ndarray | None:
+    """The first of the policy version columns that the input has."""
+    return next((v for v in (_concat_column(blocks, k) for k in _VERSION_COLUMNS) if v is not None), None)
+
+
+def _concat_infos(blocks: list[_Block]) -> list[dict] | None:
+    """Every row's info ({} in blocks without infos); None if no block has infos."""
+    if not any(b.infos is not None for b in blocks):
+        return None
+    return [i for b in blocks for i in (b.infos if b.infos is not None else [{}] * b.n)]
+
+
+def _concat_extras(blocks: list[_Block], notes: list[str]) -> dict[str, np.ndarray]:
+    """Extra model outputs in every block with one shape/dtype; the others are dropped (noted)."""
+    keys: list[str] = []
     for b in blocks:
-        extra_keys.extend(k for k in b.extras if k not in extra_keys)
+        keys.extend(k for k in b.extras if k not in keys)
     extras: dict[str, np.ndarray] = {}
-    for k in extra_keys:
+    for k in keys:
         parts = [b.extras.get(k) for b in blocks]
         shapes = {(p.shape[1:], p.dtype) for p in parts if p is not None}
         if any(p is None for p in parts) or len(shapes) != 1:
-            result.notes.append(f"extra column {k!r} is not in every input file with one shape/dtype; dropped")
+            notes.append(f"extra column {k!r} is not in every input file with one shape/dtype; dropped")
             continue
         extras[k] = np.concatenate(parts)
+    return extras
 
+
+def _gather_rows(blocks: list[_Block], opts: ConvertOptions, result: ConvertResult) -> _Rows:
+    """Concatenate the blocks; choose the spaces (set on `result`) and cast obs/new_obs/actions to them."""
+    trees = {k: _tree_concat([b.arrays[k] for b in blocks], f"column {k!r}") for k in _ARRAY_KEYS}
+    obs_space, act_space = _choose_spaces(blocks, opts, trees)
+    result.observation_space, result.action_space = obs_space, act_space
+    return _Rows(  # arguments are evaluated in this order (it decides which error comes first)
+        observation_space=obs_space,
+        action_space=act_space,
+        obs=_fit_leaves(trees["obs"], obs_space, "obs"),
+        new_obs=_fit_leaves(trees["new_obs"], obs_space, "new_obs"),
+        actions=_fit_leaves(trees["actions"], act_space, "actions"),
+        eps=_concat_column(blocks, "eps_id"),
+        rewards=_concat_column(blocks, "rewards").astype(np.float64),
+        term=_flag_column(blocks, "terminateds"),
+        trunc=_flag_column(blocks, "truncateds"),
+        t=_concat_column(blocks, "t"),
+        agent=_concat_column(blocks, "agent_id"),
+        module=_concat_column(blocks, "module_id"),
+        versions=_version_column(blocks),
+        block_pid=np.concatenate([np.full(b.n, b.policy_id, dtype=object) for b in blocks]),
+        infos=_concat_infos(blocks),
+        extras=_concat_extras(blocks, result.notes),
+    )
+
+
+def _group_by_episode(eps: np.ndarray) -> dict[str, np.ndarray]:
+    """Row indices of each episode id, in input order; episodes in order of their first row."""
     groups: dict[str, list[int]] = {}
     for i, e in enumerate(eps):
         if e is None:
             raise ConvertError(f"row {i}: eps_id is null")
         groups.setdefault(e, []).append(i)
+    return {e: np.asarray(rows, dtype=np.int64) for e, rows in groups.items()}
 
-    compare = [*obs, *actions, rewards]
-    out: list[FinishedEpisode] = []
-    for eid, rows in groups.items():
-        idx = np.asarray(rows, dtype=np.int64)
-        if t is not None:
-            idx = idx[np.argsort(t[idx], kind="stable")]
-            ts = t[idx]
-            dup = np.concatenate([[False], ts[1:] == ts[:-1]])
-            if dup.any():
-                for j in np.flatnonzero(dup):
-                    first = idx[np.searchsorted(ts, ts[j])]
-                    if not _same_rows(compare, np.array([first]), np.array([idx[j]])):
-                        raise ConvertError(f"episode {eid}: two different rows for t={ts[j]}")
-                result.duplicate_rows += int(dup.sum())
-                idx, ts = idx[~dup], ts[~dup]
-            if len(ts) > 1 and not (np.diff(ts) == 1).all():
-                gap = int(ts[np.flatnonzero(np.diff(ts) != 1)[0]])
-                raise ConvertError(f"episode {eid}: steps are missing after t={gap}")
-        else:
-            ends = np.flatnonzero(term[idx] | trunc[idx])
-            if len(ends) > 1 and ends[-1] == len(idx) - 1 and len(idx) % len(ends) == 0 \
-                    and (ends + 1 == np.arange(1, len(ends) + 1) * (len(idx) // len(ends))).all():
-                L = len(idx) // len(ends)
-                copies = [idx[c * L:(c + 1) * L] for c in range(len(ends))]
-                if all(_same_rows(compare, copies[0], c) for c in copies[1:]):
-                    result.duplicate_rows += len(idx) - L
-                    idx = copies[0]
-        done = term[idx] | trunc[idx]
-        if done[:-1].any():
-            raise ConvertError(f"episode {eid}: rows after its terminal row (episode ids reused?)")
-        if agent is not None and len({a for a in agent[idx] if a is not None}) > 1:
-            raise ConvertError(f"episode {eid}: several agent_id values; multi-agent recordings are not supported")
-        terminated, truncated = bool(term[idx[-1]]), bool(trunc[idx[-1]])
-        if not (terminated or truncated):
-            if opts.incomplete == "error":
-                raise ConvertError(f"episode {eid} has no terminal row (use incomplete=drop or truncate)")
-            if opts.incomplete == "drop":
-                result.incomplete_dropped += 1
-                continue
-            result.incomplete_truncated += 1
-            truncated = True
-        if len(idx) > 1 and not all(np.array_equal(o[idx[1:]], no[idx[:-1]]) for o, no in zip(obs, new_obs)):
-            result.discontinuous += 1  # rows out of order or missing; obs of every row is kept
-        pid = opts.policy_id
-        if pid is None:
-            pid = next((str(x) for x in (module[idx[0]] if module is not None else None, block_pid[idx[0]])
-                        if x is not None), DEFAULT_POLICY_ID)
-        if not _POLICY_RE.match(pid) or pid in (".", ".."):
-            raise ConvertError(f"policy id {pid!r} cannot name a directory; pass --policy-id")
-        if opts.policy_version is not None:
-            version = int(opts.policy_version)
-        elif versions is not None:
-            version = int(versions[idx[0]])
-        else:
-            version = 0
-        T = len(idx)
-        last = idx[-1:]
-        out.append(FinishedEpisode(
-            episode_id=str(eid), policy_id=pid, policy_version=version, env_id=opts.env_id,
-            observation_space=obs_space, action_space=act_space,
-            observations=[np.concatenate([o[idx], no[last]]) for o, no in zip(obs, new_obs)],
-            actions=[a[idx] for a in actions],
-            rewards=rewards[idx],
-            infos=[{}] + ([infos[i] for i in idx] if infos is not None else [{} for _ in range(T)]),
-            extra_model_outputs={k: v[idx] for k, v in extras.items()},
-            terminated=terminated, truncated=truncated,
-            first_offset=int(idx.min()), last_offset=int(idx.max()), started_ms=0, ended_ms=0,
-        ))
-    result.episodes = len(out)
+
+def _drop_repeated_t(
+    eid: str, idx: np.ndarray, ts: np.ndarray, compare: list[np.ndarray], result: ConvertResult
+) -> np.ndarray:
+    """Rows `idx` sorted by t (`ts`): a row with the t of the row before must equal it and is dropped (counted)."""
+    dup = np.concatenate([[False], ts[1:] == ts[:-1]])
+    if not dup.any():
+        return idx
+    for j in np.flatnonzero(dup):
+        first = idx[np.searchsorted(ts, ts[j])]
+        if not _same_rows(compare, np.array([first]), np.array([idx[j]])):
+            raise ConvertError(f"episode {eid}: two different rows for t={ts[j]}")
+    result.duplicate_rows += int(dup.sum())
+    return idx[~dup]
+
+
+def _check_no_gaps(eid: str, ts: np.ndarray) -> None:
+    if len(ts) > 1 and not (np.diff(ts) == 1).all():
+        gap = int(ts[np.flatnonzero(np.diff(ts) != 1)[0]])
+        raise ConvertError(f"episode {eid}: steps are missing after t={gap}")
+
+
+def _order_by_t(
+    eid: str, idx: np.ndarray, t: np.ndarray, compare: list[np.ndarray], result: ConvertResult
+) -> np.ndarray:
+    """Sort by t (stable), drop rows repeated with the same t, refuse gaps in t."""
+    idx = idx[np.argsort(t[idx], kind="stable")]
+    idx = _drop_repeated_t(eid, idx, t[idx], compare, result)
+    _check_no_gaps(eid, t[idx])
+    return idx
+
+
+def _drop_repeated_copies(
+    idx: np.ndarray, done: np.ndarray, compare: list[np.ndarray], result: ConvertResult
+) -> np.ndarray:
+    """Without t: rows holding the same complete sequence k times (each copy ends at a done row) keep one copy."""
+    ends = np.flatnonzero(done[idx])
+    if (
+        len(ends) > 1
+        and ends[-1] == len(idx) - 1
+        and len(idx) % len(ends) == 0
+        and (ends + 1 == np.arange(1, len(ends) + 1) * (len(idx) // len(ends))).all()
+    ):
+        L = len(idx) // len(ends)
+        copies = [idx[c * L : (c + 1) * L] for c in range(len(ends))]
+        if all(_same_rows(compare, copies[0], c) for c in copies[1:]):
+            result.duplicate_rows += len(idx) - L
+            return copies[0]
+    return idx
+
+
+def _episode_rows(eid: str, idx: np.ndarray, rows: _Rows, result: ConvertResult) -> np.ndarray:
+    """The episode's rows in order, each once: ordered by t if there is a t column, else in input order."""
+    if rows.t is not None:
+        return _order_by_t(eid, idx, rows.t, rows.compare, result)
+    return _drop_repeated_copies(idx, rows.done, rows.compare, result)
+
+
+def _check_ends_last(eid: str, idx: np.ndarray, done: np.ndarray) -> None:
+    if done[idx][:-1].any():
+        raise ConvertError(f"episode {eid}: rows after its terminal row (episode ids reused?)")
+
+
+def _check_single_agent(eid: str, idx: np.ndarray, agent: np.ndarray | None) -> None:
+    if agent is not None and len({a for a in agent[idx] if a is not None}) > 1:
+        raise ConvertError(f"episode {eid}: several agent_id values; multi-agent recordings are not supported")
+
+
+def _end_flags(
+    eid: str, idx: np.ndarray, rows: _Rows, incomplete: str, result: ConvertResult
+) -> tuple[bool, bool] | None:
+    """(terminated, truncated) of the last row; without an end: refused, dropped (None) or truncated (counted)."""
+    terminated, truncated = bool(rows.term[idx[-1]]), bool(rows.trunc[idx[-1]])
+    if terminated or truncated:
+        return terminated, truncated
+    if incomplete == "error":
+        raise ConvertError(f"episode {eid} has no terminal row (use incomplete=drop or truncate)")
+    if incomplete == "drop":
+        result.incomplete_dropped += 1
+        return None
+    result.incomplete_truncated += 1
+    return False, True
+
+
+def _is_discontinuous(idx: np.ndarray, rows: _Rows) -> bool:
+    """Some row's obs differs from the previous row's new_obs (rows missing or out of order)."""
+    return len(idx) > 1 and not all(np.array_equal(o[idx[1:]], no[idx[:-1]]) for o, no in zip(rows.obs, rows.new_obs))
+
+
+def _policy_id(idx: np.ndarray, rows: _Rows, opts: ConvertOptions) -> str:
+    """The option, else the first row's module_id, else its MultiAgentBatch key, else the default; must name a dir."""
+    pid = opts.policy_id
+    if pid is None:
+        first = idx[0]
+        pid = next(
+            (
+                str(x)
+                for x in (rows.module[first] if rows.module is not None else None, rows.block_pid[first])
+                if x is not None
+            ),
+            DEFAULT_POLICY_ID,
+        )
+    if not _POLICY_RE.match(pid) or pid in (".", ".."):
+        raise ConvertError(f"policy id {pid!r} cannot name a directory; pass --policy-id")
+    return pid
+
+
+def _policy_version(idx: np.ndarray, rows: _Rows, opts: ConvertOptions) -> int:
+    """The option, else the first row's policy_version/weights_seq_no, else 0."""
+    if opts.policy_version is not None:
+        return int(opts.policy_version)
+    if rows.versions is not None:
+        return int(rows.versions[idx[0]])
+    return 0
+
+
+def _build_episode(
+    eid: str, idx: np.ndarray, rows: _Rows, opts: ConvertOptions, terminated: bool, truncated: bool
+) -> FinishedEpisode:
+    """Observations are every row's obs plus the last row's new_obs; infos[0] = {}; offsets are input positions."""
+    pid = _policy_id(idx, rows, opts)
+    version = _policy_version(idx, rows, opts)
+    last = idx[-1:]
+    infos = [rows.infos[i] for i in idx] if rows.infos is not None else [{} for _ in range(len(idx))]
+    return FinishedEpisode(
+        episode_id=str(eid),
+        policy_id=pid,
+        policy_version=version,
+        env_id=opts.env_id,
+        observation_space=rows.observation_space,
+        action_space=rows.action_space,
+        observations=[np.concatenate([o[idx], no[last]]) for o, no in zip(rows.obs, rows.new_obs)],
+        actions=[a[idx] for a in rows.actions],
+        rewards=rows.rewards[idx],
+        infos=[{}, *infos],
+        extra_model_outputs={k: v[idx] for k, v in rows.extras.items()},
+        terminated=terminated,
+        truncated=truncated,
+        first_offset=int(idx.min()),
+        last_offset=int(idx.max()),
+        started_ms=0,
+        ended_ms=0,
+    )
+
+
+def _note_discontinuous(result: ConvertResult) -> None:
     if result.discontinuous:
-        result.notes.append(f"{result.discontinuous} episode(s) have obs of a row != new_obs of the row before "
-                            "(rows missing or out of order?); their observations are the rows' obs plus the last new_obs")
+        result.notes.append(
+            f"{result.discontinuous} episode(s) have obs of a row != new_obs of the row before "
+            "(rows missing or out of order?); their observations are the rows' obs plus the last "
+            "new_obs"
+        )
+
+
+def rows_to_episodes(blocks: list[_Block], opts: ConvertOptions, result: ConvertResult) -> list[FinishedEpisode]:
+    """Group the rows by episode id, order, deduplicate and build `FinishedEpisode`s."""
+    _check_incomplete_option(opts.incomplete)
+    result.rows = sum(b.n for b in blocks)
+    _merge_notes(blocks, result.notes)
+    rows = _gather_rows(blocks, opts, result)
+    out: list[FinishedEpisode] = []
+    for eid, idx in _group_by_episode(rows.eps).items():
+        idx = _episode_rows(eid, idx, rows, result)
+        _check_ends_last(eid, idx, rows.done)
+        _check_single_agent(eid, idx, rows.agent)
+        flags = _end_flags(eid, idx, rows, opts.incomplete, result)
+        if flags is None:
+            continue  # incomplete, dropped
+        if _is_discontinuous(idx, rows):
+            result.discontinuous += 1  # the observations are still every row's obs
+        out.append(_build_episode(eid, idx, rows, opts, *flags))
+    result.episodes = len(out)
+    _note_discontinuous(result)
     return out
 
 
@@ -658,8 +876,9 @@ def rows_to_episodes(blocks: list[_Block], opts: ConvertOptions, result: Convert
 # the whole conversion
 
 
-def convert(input_uri: str, output: str | Storage, opts: ConvertOptions,
-            progress: Progress | None = None) -> ConvertResult:
+def convert(
+    input_uri: str, output: str | Storage, opts: ConvertOptions, progress: Progress | None = None
+) -> ConvertResult:
     """Convert the recordings at `input_uri` into committed episode shards under `output`."""
     if opts.episodes_per_shard < 1:
         raise ConvertError("episodes_per_shard must be >= 1")
@@ -671,20 +890,19 @@ def convert(input_uri: str, output: str | Storage, opts: ConvertOptions,
     episodes = rows_to_episodes(blocks, opts, result)
     del blocks
     storage = output if isinstance(output, Storage) else Storage.from_uri(output)
-    writer = PartitionWriter(storage, opts.topic, 0, fmt="episodes", compression=opts.compression)
-    writer.claim()
-    committed = writer.log.committed_episode_ids()
+    committer = ShardCommitter(storage, opts.topic, 0, fmt="episodes", compression=opts.compression)
+    committed = committer.claim()
     todo = [fe for fe in episodes if fe.episode_id not in committed]
     result.skipped_committed = len(episodes) - len(todo)
     done = 0
     for start in range(0, len(todo), opts.episodes_per_shard):
-        chunk = todo[start:start + opts.episodes_per_shard]
-        res = writer.flush(chunk)
+        chunk = todo[start : start + opts.episodes_per_shard]
+        res = committer.commit(chunk)
         result.shards += res.shards
         result.written_episodes += res.episodes
         result.steps += res.steps
         result.bytes += res.bytes
-        result.entries.extend(res.entries or [])
+        result.entries.extend(res.entries)
         done += len(chunk)
         if progress:
             progress("write", done, len(todo))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
@@ -27,19 +27,30 @@ class ConsumerMetrics:
         self.shards_committed = Counter("rlrec_shards_committed", "shards committed", registry=r)
         self.bytes_committed = Counter("rlrec_bytes_committed", "shard bytes committed", registry=r)
         self.bytes_in = Counter("rlrec_bytes_consumed", "message bytes consumed", registry=r)
-        self.dead_letters = Counter("rlrec_dead_letters", "messages sent to the dead-letter topic", ["reason"], registry=r)
+        self.dead_letters = Counter(
+            "rlrec_dead_letters", "messages sent to the dead-letter topic", ["reason"], registry=r
+        )
         self.flush_failures = Counter("rlrec_flush_failures", "shard flushes that failed (retried)", registry=r)
         self.fenced = Counter("rlrec_fenced", "times this consumer was fenced by a newer writer", registry=r)
         self.open_episodes = Gauge("rlrec_open_episodes", "episodes being assembled", registry=r)
         self.buffered_bytes = Gauge("rlrec_buffered_bytes", "bytes of finished episodes not yet written", registry=r)
         self.assigned = Gauge("rlrec_assigned_partitions", "partitions owned", registry=r)
         self.paused_partitions = Gauge("rlrec_paused_partitions", "partitions paused (storage failing)", registry=r)
-        self.lag = Gauge("rlrec_consumer_lag", "high watermark - position (where the broker reports it)",
-                         ["partition"], registry=r)
-        self.commit_latency = Histogram("rlrec_commit_latency_seconds", "encode + write + manifest + publish",
-                                        buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=r)
-        self.freshness = Histogram("rlrec_freshness_seconds", "shard commit time - episode end time (producer clock)",
-                                   buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600), registry=r)
+        self.lag = Gauge(
+            "rlrec_consumer_lag", "high watermark - position (where the broker reports it)", ["partition"], registry=r
+        )
+        self.commit_latency = Histogram(
+            "rlrec_commit_latency_seconds",
+            "encode + write + manifest + publish",
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=r,
+        )
+        self.freshness = Histogram(
+            "rlrec_freshness_seconds",
+            "shard commit time - episode end time (producer clock)",
+            buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600),
+            registry=r,
+        )
         self._server: WSGIServer | None = None
         self.freshness_samples: list[float] = []  # kept for benchmarks (bounded)
 

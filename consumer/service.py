@@ -32,14 +32,15 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
-from consumer.assembly import AssemblyConfig, DeadLetter
-from consumer.manifest import FencedError
-from consumer.metrics import ConsumerMetrics
-from consumer.storage import Storage
-from consumer.writer import PartitionWriter
-from producer.events import DecodeError, decode
+from rlrec.consumer.assembly import AssemblyConfig, DeadLetter
+from rlrec.consumer.metrics import ConsumerMetrics
+from rlrec.consumer.topics import client_settings, create_topics, dlq_topic_name
+from rlrec.consumer.writer import PartitionWriter
+from rlrec.producer.events import DecodeError, decode
+from rlrec.store.manifest import FencedError
+from rlrec.store.storage import Storage
 
-__all__ = ["ConsumerConfig", "RecorderConsumer", "FAST_FAILOVER_KAFKA"]
+__all__ = ["FAST_FAILOVER_KAFKA", "ConsumerConfig", "RecorderConsumer"]
 
 log = logging.getLogger("rlrec.consumer")
 
@@ -84,7 +85,7 @@ class ConsumerConfig:
 
     @property
     def dlq(self) -> str:
-        return self.dlq_topic or f"{self.topic}.dlq"
+        return self.dlq_topic or dlq_topic_name(self.topic)
 
 
 class RecorderConsumer:
@@ -115,7 +116,7 @@ class RecorderConsumer:
         self.metrics_port: int | None = None  # the port /metrics is served on, once run() started it
         self.registry = None
         if config.schema_registry_url:
-            from producer.registry import SchemaRegistry
+            from rlrec.producer.registry import SchemaRegistry
 
             self.registry = SchemaRegistry(config.schema_registry_url)
 
@@ -130,10 +131,16 @@ class RecorderConsumer:
             signal.signal(signal.SIGTERM, self.stop)
             signal.signal(signal.SIGINT, self.stop)
         if cfg.create_topics:
-            self._create_topics()
+            seen = create_topics(
+                cfg.bootstrap_servers,
+                {cfg.topic: cfg.partitions, cfg.dlq: cfg.partitions},
+                client_config=client_settings(cfg.kafka_config),
+            )
+            log.info("topics ready: %s", ", ".join(f"{t} ({n} partitions)" for t, n in seen.items()))
         if cfg.metrics_port is not None:
-            port = self.metrics.serve(cfg.metrics_port, healthy=lambda: time.time() - self.last_loop_at < 60,
-                                      host=cfg.metrics_host)
+            port = self.metrics.serve(
+                cfg.metrics_port, healthy=lambda: time.time() - self.last_loop_at < 60, host=cfg.metrics_host
+            )
             self.metrics_port = port
             log.info("metrics on http://127.0.0.1:%d/metrics (and /healthz)", port)
         conf = {
@@ -147,11 +154,18 @@ class RecorderConsumer:
             **cfg.kafka_config,
         }
         self.consumer = Consumer(conf)
-        self.dlq = Producer({"bootstrap.servers": cfg.bootstrap_servers, "enable.idempotence": True,
-                             "acks": "all", "linger.ms": 5,
-                             **{k: v for k, v in cfg.kafka_config.items() if k.startswith(("security.", "sasl.", "ssl."))}})
-        self.consumer.subscribe([cfg.topic], on_assign=self._on_assign, on_revoke=self._on_revoke,
-                                on_lost=self._on_lost)
+        self.dlq = Producer(
+            {
+                "bootstrap.servers": cfg.bootstrap_servers,
+                "enable.idempotence": True,
+                "acks": "all",
+                "linger.ms": 5,
+                **client_settings(cfg.kafka_config),
+            }
+        )
+        self.consumer.subscribe(
+            [cfg.topic], on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost
+        )
         deadline = None if max_seconds is None else time.time() + max_seconds
         try:
             while not self._stop.is_set() and (deadline is None or time.time() < deadline):
@@ -183,20 +197,6 @@ class RecorderConsumer:
                 self.dlq.close()
         self.metrics.stop()
 
-    def _create_topics(self) -> None:
-        from confluent_kafka.admin import AdminClient, NewTopic
-
-        admin = AdminClient({"bootstrap.servers": self.config.bootstrap_servers,
-                             **{k: v for k, v in self.config.kafka_config.items() if k.startswith(("security.", "sasl.", "ssl."))}})
-        wanted = [NewTopic(t, self.config.partitions, 1) for t in (self.config.topic, self.config.dlq)]
-        for t, fut in admin.create_topics(wanted, request_timeout=15).items():
-            try:
-                fut.result(timeout=20)
-                log.info("created topic %s", t)
-            except KafkaException as e:
-                if e.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
-                    raise
-
     # -- rebalance callbacks ------------------------------------------------------------------
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
@@ -205,8 +205,14 @@ class RecorderConsumer:
         self.metrics.assigned.set(len(self.writers))
 
     def _claim(self, p: int) -> None:
-        w = PartitionWriter(self.storage, self.config.topic, p, fmt=self.config.format,
-                            compression=self.config.compression, assembly=self.assembly)
+        w = PartitionWriter(
+            self.storage,
+            self.config.topic,
+            p,
+            fmt=self.config.format,
+            compression=self.config.compression,
+            assembly=self.assembly,
+        )
         self.writers[p] = w
         for attempt in range(3):
             try:
@@ -214,7 +220,7 @@ class RecorderConsumer:
                 return
             except Exception as e:  # storage unavailable: retried from the loop, partition paused
                 log.warning("partition %d: claim failed (%s), attempt %d", p, e, attempt + 1)
-                time.sleep(0.2 * 2 ** attempt)
+                time.sleep(0.2 * 2**attempt)
         log.error("partition %d: could not claim; paused until a claim succeeds", p)
         self._unclaimed(p, w)
 
@@ -301,12 +307,18 @@ class RecorderConsumer:
             partition = m.partition()
         else:
             key, value, headers = dl.key, dl.value, list(dl.headers or [])
-        headers += [("rlrec-dlq-reason", dl.reason.encode()), ("rlrec-dlq-detail", dl.detail[:1000].encode()),
-                    ("rlrec-source-topic", cfg.topic.encode()), ("rlrec-source-partition", str(partition).encode()),
-                    ("rlrec-source-offset", str(dl.offset).encode())]
+        headers += [
+            ("rlrec-dlq-reason", dl.reason.encode()),
+            ("rlrec-dlq-detail", dl.detail[:1000].encode()),
+            ("rlrec-source-topic", cfg.topic.encode()),
+            ("rlrec-source-partition", str(partition).encode()),
+            ("rlrec-source-offset", str(dl.offset).encode()),
+        ]
         if len(value) > cfg.dlq_max_message_bytes:
-            headers += [("rlrec-original-length", str(len(value)).encode()),
-                        ("rlrec-original-sha256", hashlib.sha256(value).hexdigest().encode())]
+            headers += [
+                ("rlrec-original-length", str(len(value)).encode()),
+                ("rlrec-original-sha256", hashlib.sha256(value).hexdigest().encode()),
+            ]
             value = value[: cfg.dlq_max_message_bytes]
         while True:
             try:
@@ -340,8 +352,13 @@ class RecorderConsumer:
             if not ready:
                 continue
             oldest = min(fe.finished_at for fe in ready)
-            if (len(ready) >= cfg.max_episodes_per_file or a.finished_bytes >= cfg.max_file_bytes
-                    or now - oldest >= cfg.max_file_age_s or over_budget or w.failing_since is not None):
+            if (
+                len(ready) >= cfg.max_episodes_per_file
+                or a.finished_bytes >= cfg.max_file_bytes
+                or now - oldest >= cfg.max_file_age_s
+                or over_budget
+                or w.failing_since is not None
+            ):
                 self._flush_partition(p, force=False, now=now)
         self._hold_back_over_budget()
         self._update_gauges()
@@ -375,9 +392,15 @@ class RecorderConsumer:
             return
         # the longest-idle open episodes over all partitions, chosen in one pass (one scan per
         # eviction would be quadratic: a burst of 100k new episodes against a 20k cap)
-        victims = heapq.nsmallest(total - cfg.max_open_episodes,
-                                  ((ep.last_event_at, p, eid) for p, w in self.writers.items() if w.assembler
-                                   for eid, ep in w.assembler.open.items()))
+        victims = heapq.nsmallest(
+            total - cfg.max_open_episodes,
+            (
+                (ep.last_event_at, p, eid)
+                for p, w in self.writers.items()
+                if w.assembler
+                for eid, ep in w.assembler.open.items()
+            ),
+        )
         for _, p, eid in victims:
             for dl in self.writers[p].assembler.evict(eid, truncate=cfg.on_capacity == "truncate"):
                 self._dead_letter(None, dl, partition=p)

@@ -10,12 +10,11 @@ import math
 
 import numpy as np
 
-__all__ = ["ALLOWED_DTYPES", "MAX_ARRAY_BYTES", "ArrayError", "array_to_wire", "array_from_wire"]
+__all__ = ["ALLOWED_DTYPES", "MAX_ARRAY_BYTES", "ArrayError", "array_from_wire", "array_to_wire"]
 
 #: dtype names accepted anywhere in an event (observations, actions, extra outputs, infos).
 ALLOWED_DTYPES = frozenset(
-    ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-     "float16", "float32", "float64"]
+    ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16", "float32", "float64"]
 )
 _LE = {name: np.dtype(name).newbyteorder("<") for name in ALLOWED_DTYPES}
 #: no single array may claim more than this many bytes (a message is far smaller anyway).

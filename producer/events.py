@@ -8,7 +8,7 @@ Wire format (docs/FORMAT.md):
     known writer version to the newest reader schema (Avro schema resolution), so old and new
     producers can share a topic.
   * With a schema registry, Confluent framing (magic byte 0, 4-byte big-endian schema id) replaces
-    the header; see `producer.registry`.
+    the header; see `rlrec.producer.registry`.
 
 `decode` never executes code from the data: Avro decoding, `numpy.frombuffer` of allow-listed
 dtypes and `json.loads` are all it uses. Every kind of bad input raises `DecodeError` with a
@@ -22,35 +22,36 @@ import functools
 import io
 import json
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import fastavro
 import numpy as np
 from gymnasium import spaces as gs
 
-from producer.arrays import ALLOWED_DTYPES, ArrayError, array_from_wire, array_to_wire
-from producer.spaces import Leaf, SpaceError, loads_space, space_leaves
+from rlrec.producer.arrays import ALLOWED_DTYPES, ArrayError, array_from_wire, array_to_wire
+from rlrec.producer.spaces import Leaf, SpaceError, loads_space, space_leaves
 
 __all__ = [
-    "SCHEMA_HEADER",
     "DECODE_REASONS",
+    "SCHEMA_HEADER",
     "DecodeError",
-    "EpisodeStart",
-    "StepBatch",
-    "RewardDelta",
     "EpisodeAbort",
+    "EpisodeStart",
     "Event",
-    "encode",
-    "encode_record",
+    "RewardDelta",
+    "StepBatch",
+    "check_leaves",
     "decode",
     "dumps_info",
+    "encode",
+    "encode_record",
+    "load_schemas",
     "loads_info",
-    "check_leaves",
     "schema_header",
     "schema_version",
-    "load_schemas",
 ]
 
 SCHEMA_HEADER = "rlrec-schema"
@@ -86,7 +87,7 @@ class DecodeError(ValueError):
 # schemas
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_schemas() -> dict[tuple[str, int], dict]:
     """All shipped writer schemas, by (kind, version), parsed."""
     out = {}
@@ -97,7 +98,7 @@ def load_schemas() -> dict[tuple[str, int], dict]:
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _latest() -> dict[str, tuple[int, dict]]:
     latest: dict[str, tuple[int, dict]] = {}
     for (kind, v), s in load_schemas().items():
@@ -125,8 +126,9 @@ def _info_default(o: Any) -> Any:
         if o.dtype.name not in ALLOWED_DTYPES:
             raise TypeError(f"info array of dtype {o.dtype} is not allowed; use a numeric dtype")
         w = array_to_wire(o)
-        return {"$ndarray": {"dtype": w["dtype"], "shape": w["shape"],
-                             "data": base64.b64encode(w["data"]).decode("ascii")}}
+        return {
+            "$ndarray": {"dtype": w["dtype"], "shape": w["shape"], "data": base64.b64encode(w["data"]).decode("ascii")}
+        }
     if isinstance(o, np.generic):
         return o.item()
     raise TypeError(
@@ -150,8 +152,13 @@ def _info_hook(d: dict) -> Any:
         if not isinstance(spec, dict) or not isinstance(spec.get("data"), str):
             raise DecodeError("bad-json", "malformed $ndarray in info")
         try:
-            return array_from_wire({"dtype": str(spec.get("dtype")), "shape": list(spec.get("shape")),
-                                    "data": base64.b64decode(spec["data"], validate=True)})
+            return array_from_wire(
+                {
+                    "dtype": str(spec.get("dtype")),
+                    "shape": list(spec.get("shape")),
+                    "data": base64.b64decode(spec["data"], validate=True),
+                }
+            )
         except ArrayError as e:
             raise DecodeError(e.reason, f"info array: {e}") from None
         except (TypeError, ValueError) as e:
@@ -255,25 +262,41 @@ def _wire_leaves(leaves: Iterable) -> list[dict]:
 
 
 def _to_record(ev: Event) -> dict:
-    from producer.spaces import dumps_space
+    from rlrec.producer.spaces import dumps_space
 
     if isinstance(ev, EpisodeStart):
-        return {"episode_id": ev.episode_id, "policy_id": ev.policy_id,
-                "policy_version": int(ev.policy_version), "env_id": ev.env_id,
-                "observation": _wire_leaves(ev.observation), "info": dumps_info(ev.info),
-                "observation_space": dumps_space(ev.observation_space),
-                "action_space": dumps_space(ev.action_space), "timestamp_ms": int(ev.timestamp_ms)}
+        return {
+            "episode_id": ev.episode_id,
+            "policy_id": ev.policy_id,
+            "policy_version": int(ev.policy_version),
+            "env_id": ev.env_id,
+            "observation": _wire_leaves(ev.observation),
+            "info": dumps_info(ev.info),
+            "observation_space": dumps_space(ev.observation_space),
+            "action_space": dumps_space(ev.action_space),
+            "timestamp_ms": int(ev.timestamp_ms),
+        }
     if isinstance(ev, StepBatch):
         infos = None if ev.infos is None or not any(ev.infos) else [dumps_info(i) for i in ev.infos]
-        return {"episode_id": ev.episode_id, "t0": int(ev.t0), "actions": _wire_leaves(ev.actions),
-                "rewards": array_to_wire(np.asarray(ev.rewards, dtype=np.float64)),
-                "observations": _wire_leaves(ev.observations), "terminated": bool(ev.terminated),
-                "truncated": bool(ev.truncated), "infos": infos,
-                "extra_model_outputs": {k: array_to_wire(np.asarray(v)) for k, v in ev.extra_model_outputs.items()},
-                "timestamp_ms": int(ev.timestamp_ms)}
+        return {
+            "episode_id": ev.episode_id,
+            "t0": int(ev.t0),
+            "actions": _wire_leaves(ev.actions),
+            "rewards": array_to_wire(np.asarray(ev.rewards, dtype=np.float64)),
+            "observations": _wire_leaves(ev.observations),
+            "terminated": bool(ev.terminated),
+            "truncated": bool(ev.truncated),
+            "infos": infos,
+            "extra_model_outputs": {k: array_to_wire(np.asarray(v)) for k, v in ev.extra_model_outputs.items()},
+            "timestamp_ms": int(ev.timestamp_ms),
+        }
     if isinstance(ev, RewardDelta):
-        return {"episode_id": ev.episode_id, "t": int(ev.t), "reward": float(ev.reward),
-                "timestamp_ms": int(ev.timestamp_ms)}
+        return {
+            "episode_id": ev.episode_id,
+            "t": int(ev.t),
+            "reward": float(ev.reward),
+            "timestamp_ms": int(ev.timestamp_ms),
+        }
     if isinstance(ev, EpisodeAbort):
         return {"episode_id": ev.episode_id, "reason": ev.reason, "timestamp_ms": int(ev.timestamp_ms)}
     raise TypeError(f"not an event: {type(ev).__name__}")
@@ -341,16 +364,16 @@ def parse_space(text: str, what: str = "space") -> tuple[gs.Space, tuple[Leaf, .
     return _space(text, what)
 
 
-def check_leaves(arrays: list[np.ndarray], leaves: tuple[Leaf, ...] | list[Leaf], n: int | None,
-                 what: str) -> None:
+def check_leaves(arrays: list[np.ndarray], leaves: tuple[Leaf, ...] | list[Leaf], n: int | None, what: str) -> None:
     """Raise DecodeError('space-mismatch') unless `arrays` match `leaves` (stacked `n` deep if given)."""
     if len(arrays) != len(leaves):
         raise DecodeError("space-mismatch", f"{what}: {len(arrays)} leaves, the space has {len(leaves)}")
     for i, (a, leaf) in enumerate(zip(arrays, leaves)):
         shape = leaf.shape if n is None else (n, *leaf.shape)
         if a.dtype != leaf.dtype or a.shape != shape:
-            raise DecodeError("space-mismatch",
-                              f"{what}[{i}]: got {a.dtype}{list(a.shape)}, space says {leaf.dtype}{list(shape)}")
+            raise DecodeError(
+                "space-mismatch", f"{what}[{i}]: got {a.dtype}{list(a.shape)}, space says {leaf.dtype}{list(shape)}"
+            )
 
 
 def _id(s: str, what: str = "episode_id") -> str:
@@ -371,15 +394,15 @@ def decode(value: bytes, headers: Any = None, *, max_bytes: int | None = None, r
 
     Checks structure (schema, dtypes, shapes, step counts, finite rewards, JSON infos, spaces).
     Whether a step batch matches its episode's spaces needs the episode: see `check_leaves`.
-    With `registry` (a `producer.registry.SchemaRegistry`), values without the rlrec-schema
+    With `registry` (a `rlrec.producer.registry.SchemaRegistry`), values without the rlrec-schema
     header are read as Confluent-framed.
     """
     if value is None:
         raise DecodeError("malformed", "empty (tombstone) message")
     if max_bytes is not None and len(value) > max_bytes:
         raise DecodeError("oversize", f"{len(value)} bytes > limit {max_bytes}")
-    if registry is not None and not _has_header(headers):  # Confluent framing (producer.registry)
-        from producer.registry import unframe
+    if registry is not None and not _has_header(headers):  # Confluent framing (rlrec.producer.registry)
+        from rlrec.producer.registry import unframe
 
         schema_id, value = unframe(bytes(value))
         kind, version = registry.kind_of(schema_id)
@@ -394,16 +417,24 @@ def decode(value: bytes, headers: Any = None, *, max_bytes: int | None = None, r
     if kind == "StepBatch":
         rewards = _arrays([rec["rewards"]], "rewards")[0]
         if rewards.dtype != np.float64 or rewards.ndim != 1 or rewards.shape[0] == 0:
-            raise DecodeError("bad-shape", f"rewards must be float64 of shape (n>=1,), got {rewards.dtype}{list(rewards.shape)}")
+            raise DecodeError(
+                "bad-shape", f"rewards must be float64 of shape (n>=1,), got {rewards.dtype}{list(rewards.shape)}"
+            )
         n = rewards.shape[0]
         if not np.isfinite(rewards).all():
-            raise DecodeError("non-finite-reward", f"episode {eid} t0={rec['t0']}: {rewards[~np.isfinite(rewards)][:3]}")
+            raise DecodeError(
+                "non-finite-reward", f"episode {eid} t0={rec['t0']}: {rewards[~np.isfinite(rewards)][:3]}"
+            )
         actions = _arrays(rec["actions"], "actions")
         observations = _arrays(rec["observations"], "observations")
         extra = {}
         for k, r in rec["extra_model_outputs"].items():
             extra[k] = _arrays([r], f"extra_model_outputs[{k!r}]")[0]
-        for what, arrs in (("actions", actions), ("observations", observations), ("extra_model_outputs", list(extra.values()))):
+        for what, arrs in (
+            ("actions", actions),
+            ("observations", observations),
+            ("extra_model_outputs", list(extra.values())),
+        ):
             for a in arrs:
                 if a.ndim == 0 or a.shape[0] != n:
                     raise DecodeError("bad-shape", f"{what}: leading dim {a.shape[:1]} != n={n}")
@@ -414,8 +445,9 @@ def decode(value: bytes, headers: Any = None, *, max_bytes: int | None = None, r
             infos = [loads_info(s) for s in infos]
         if rec["t0"] < 0:
             raise DecodeError("bad-value", f"negative t0 {rec['t0']}")
-        return StepBatch(eid, rec["t0"], actions, rewards, observations, rec["terminated"],
-                         rec["truncated"], infos, extra, ts)
+        return StepBatch(
+            eid, rec["t0"], actions, rewards, observations, rec["terminated"], rec["truncated"], infos, extra, ts
+        )
 
     if kind == "EpisodeStart":
         if rec["policy_version"] < 0:
@@ -425,8 +457,17 @@ def decode(value: bytes, headers: Any = None, *, max_bytes: int | None = None, r
         act_space, _ = parse_space(rec["action_space"], "action_space")
         observation = _arrays(rec["observation"], "observation")
         check_leaves(observation, obs_leaves, None, "observation")
-        return EpisodeStart(eid, rec["policy_id"], rec["policy_version"], observation, obs_space,
-                            act_space, rec["env_id"], loads_info(rec["info"]), ts)
+        return EpisodeStart(
+            eid,
+            rec["policy_id"],
+            rec["policy_version"],
+            observation,
+            obs_space,
+            act_space,
+            rec["env_id"],
+            loads_info(rec["info"]),
+            ts,
+        )
 
     if kind == "RewardDelta":
         if rec["t"] < 0:

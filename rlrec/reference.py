@@ -19,7 +19,7 @@ import os
 import re
 from collections.abc import Iterator
 
-__all__ = ["render", "REFRESH_COMMAND"]
+__all__ = ["REFRESH_COMMAND", "render"]
 
 #: The command that rewrites docs/CONFIG.md (quoted in the file and in the staleness test).
 REFRESH_COMMAND = "rlrec config-reference --output docs/CONFIG.md"
@@ -83,8 +83,9 @@ def _flag(action: argparse.Action) -> str:
     names = ", ".join(f"`{s}`" for s in action.option_strings)
     if action.nargs == 0:
         return names
-    metavar = action.metavar or (action.dest.upper() if action.choices is None
-                                 else "{" + ",".join(map(str, action.choices)) + "}")
+    metavar = action.metavar or (
+        action.dest.upper() if action.choices is None else "{" + ",".join(map(str, action.choices)) + "}"
+    )
     return f"{names} {metavar}"
 
 
@@ -135,11 +136,10 @@ def _command_section(path: list[str], sub: argparse.ArgumentParser, help_: str) 
             rows.append(f"| {_flag(action)} | {default} | {help_text} |")
     if rows:
         if sources is not None:
-            lines += ["| option | default | environment | config-file key | description |",
-                      "|---|---|---|---|---|"]
+            lines += ["| option | default | environment | config-file key | description |", "|---|---|---|---|---|"]
         else:
             lines += ["| option | default | description |", "|---|---|---|"]
-        lines += rows + [""]
+        lines += [*rows, ""]
     for child, child_parser in _subcommands(sub):
         lines += _command_section([*path, child], child_parser, _help_of(sub, child))
     return lines

@@ -29,7 +29,7 @@ from typing import Any
 
 from rlrec.report_data import ReportData, collect
 
-__all__ = ["write_report", "render_html", "SECTIONS"]
+__all__ = ["SECTIONS", "render_html", "write_report"]
 
 #: (id, title) of every plot section, in order; the <img> of a section has id "plot-{id}".
 SECTIONS = (
@@ -83,12 +83,18 @@ def _t0(data: ReportData) -> float:
 
 
 def plot_eval(data: ReportData) -> str | None:
-    pts = [(t, ev, m.get("policy_version")) for m in data.trainer
-           if (t := _num(m.get("time"))) is not None and (ev := _num(m.get("eval_return_mean"))) is not None]
+    pts = [
+        (t, ev, m.get("policy_version"))
+        for m in data.trainer
+        if (t := _num(m.get("time"))) is not None and (ev := _num(m.get("eval_return_mean"))) is not None
+    ]
     source = "trainer"
     if not pts:
-        pts = [(t, ev, m.get("policy_version")) for m in data.demo_metrics
-               if (t := _num(m.get("time"))) is not None and (ev := _num(m.get("eval_return_mean"))) is not None]
+        pts = [
+            (t, ev, m.get("policy_version"))
+            for m in data.demo_metrics
+            if (t := _num(m.get("time"))) is not None and (ev := _num(m.get("eval_return_mean"))) is not None
+        ]
         source = "demo dashboard"
     if not pts:
         data.note("eval", "no evaluation results yet (no eval_return_mean in the trainer or demo metrics)")
@@ -98,18 +104,33 @@ def plot_eval(data: ReportData) -> str | None:
     fig, ax = plt.subplots(figsize=(9, 3.6))
     ax.plot([p[0] - t0 for p in pts], [p[1] for p in pts], marker=".", label=f"eval return ({source})")
     changes, prev = [], None
-    for m in (data.trainer if source == "trainer" else data.demo_metrics):
+    for m in data.trainer if source == "trainer" else data.demo_metrics:
         v, t = m.get("policy_version"), _num(m.get("time"))
         if isinstance(v, int) and t is not None:
             if prev is not None and v != prev:
                 changes.append((t - t0, v))
             prev = v
     for i, (t, v) in enumerate(changes):
-        ax.axvline(t, color="tab:gray", linestyle="--", linewidth=0.8, label="policy version change" if i == 0 else None)
-        ax.annotate(f"v{v}", (t, 1), xycoords=("data", "axes fraction"), fontsize=7, rotation=90,
-                    va="top", ha="right", color="tab:gray")
-    promo = [(t - t0, p) for m in data.trainer if isinstance(p := m.get("promotion"), dict)
-             and (t := _num(m.get("time"))) is not None and _num(p.get("candidate_return")) is not None]
+        ax.axvline(
+            t, color="tab:gray", linestyle="--", linewidth=0.8, label="policy version change" if i == 0 else None
+        )
+        ax.annotate(
+            f"v{v}",
+            (t, 1),
+            xycoords=("data", "axes fraction"),
+            fontsize=7,
+            rotation=90,
+            va="top",
+            ha="right",
+            color="tab:gray",
+        )
+    promo = [
+        (t - t0, p)
+        for m in data.trainer
+        if isinstance(p := m.get("promotion"), dict)
+        and (t := _num(m.get("time"))) is not None
+        and _num(p.get("candidate_return")) is not None
+    ]
     if promo:
         ok = [(t, p["candidate_return"]) for t, p in promo if p.get("promoted")]
         no = [(t, p["candidate_return"]) for t, p in promo if not p.get("promoted")]
@@ -143,8 +164,15 @@ def plot_returns(data: ReportData) -> str | None:
     ax.boxplot([by_version[k] for k in keys], showmeans=True)
     ax.set_xticks(range(1, len(keys) + 1), [f"v{k}" for k in keys], rotation=90 if len(keys) > 12 else 0, fontsize=8)
     for i, k in enumerate(keys, 1):
-        ax.annotate(f"n={len(by_version[k])}", (i, 0), xycoords=("data", "axes fraction"), fontsize=6,
-                    ha="center", va="bottom", color="tab:gray")
+        ax.annotate(
+            f"n={len(by_version[k])}",
+            (i, 0),
+            xycoords=("data", "axes fraction"),
+            fontsize=6,
+            ha="center",
+            va="bottom",
+            color="tab:gray",
+        )
     ax.set_xlabel("policy version")
     ax.set_ylabel("episode return")
     ax.grid(alpha=0.3, axis="y")
@@ -162,15 +190,21 @@ def freshness(data: ReportData) -> dict[str, list[float]]:
         if path in data.first_trained:
             end_trained.append(data.first_trained[path] - ended / 1000.0)
     commit_trained = [data.first_trained[e.path] - e.commit_time for e in data.shards if e.path in data.first_trained]
-    return {"episode end → shard commit": end_commit, "shard commit → first trained on": commit_trained,
-            "episode end → first trained on": end_trained}
+    return {
+        "episode end → shard commit": end_commit,
+        "shard commit → first trained on": commit_trained,
+        "episode end → first trained on": end_trained,
+    }
 
 
 def plot_freshness(data: ReportData) -> str | None:
     f = freshness(data)
     if not any(f.values()):
-        data.note("freshness", "no latencies: needs committed episode shards with ended_ms and, for the "
-                  "training side, trainer metrics with new_shards")
+        data.note(
+            "freshness",
+            "no latencies: needs committed episode shards with ended_ms and, for the "
+            "training side, trainer metrics with new_shards",
+        )
         return None
     if not f["shard commit → first trained on"]:
         data.note("freshness", "no shard was trained on yet (no trainer metrics with new_shards)")
@@ -233,13 +267,14 @@ def plot_dead_letters(data: ReportData) -> str | None:
 
 def summary(data: ReportData) -> list[tuple[str, str]]:
     """The summary table's (label, value) rows."""
-    from consumer.manifest import manifest_totals
+    from rlrec.store.manifest import manifest_totals
 
     tot = manifest_totals(data.shards)
     versions = sorted({v for v in data.episodes.get("policy_version", []) if isinstance(v, int)})
     if not versions:
-        versions = sorted({v for e in data.shards for v in (e.min_policy_version, e.max_policy_version)
-                           if isinstance(v, int)})
+        versions = sorted(
+            {v for e in data.shards for v in (e.min_policy_version, e.max_policy_version) if isinstance(v, int)}
+        )
     policies = sorted(tot["policies"])
     rows = [
         ("episodes", f"{tot['episodes']:,}"),
@@ -305,21 +340,35 @@ img { max-width: 100%; } .src { color: #777; font-size: 0.85em; }
 def render_html(data: ReportData) -> str:
     """The report as one HTML document (no external resources)."""
     e = html.escape
-    plots = {"eval": plot_eval(data), "returns": plot_returns(data), "freshness": plot_freshness(data),
-             "shards": plot_shards(data), "dead-letters": plot_dead_letters(data)}
+    plots = {
+        "eval": plot_eval(data),
+        "returns": plot_returns(data),
+        "freshness": plot_freshness(data),
+        "shards": plot_shards(data),
+        "dead-letters": plot_dead_letters(data),
+    }
     rows = summary(data)
-    parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
-             "<title>rlrec report</title>", f"<style>{_CSS}</style></head><body>",
-             "<h1>rlrec report</h1>",
-             f'<p class="src">generated {_utc(time.time())} UTC · shards: {e(str(data.shards_uri or "–"))} · '
-             f'trainer: {e(str(data.trainer_uri or "–"))}</p>',
-             '<h2 id="summary">Summary</h2>', '<table id="summary-table">']
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        "<title>rlrec report</title>",
+        f"<style>{_CSS}</style></head><body>",
+        "<h1>rlrec report</h1>",
+        f'<p class="src">generated {_utc(time.time())} UTC · shards: {e(str(data.shards_uri or "–"))} · '
+        f"trainer: {e(str(data.trainer_uri or '–'))}</p>",
+        '<h2 id="summary">Summary</h2>',
+        '<table id="summary-table">',
+    ]
     parts += [f'<tr><th>{e(k)}</th><td class="v">{e(v)}</td></tr>' for k, v in rows]
     parts.append("</table>")
     for n in data.notes.get("summary", []):
         parts.append(f'<p class="note">{e(n)}</p>')
-    extra_notes = {"shards": ["shards", "episodes"], "returns": ["episodes"], "eval": ["trainer"],
-                   "freshness": ["trainer"]}
+    extra_notes = {
+        "shards": ["shards", "episodes"],
+        "returns": ["episodes"],
+        "eval": ["trainer"],
+        "freshness": ["trainer"],
+    }
     for sid, title in SECTIONS:
         parts.append(f'<h2 id="{sid}">{e(title)}</h2>')
         img = plots[sid]
@@ -337,17 +386,28 @@ def render_html(data: ReportData) -> str:
     return "\n".join(parts)
 
 
-def write_report(data_dir: str | os.PathLike | None, out: str | os.PathLike | None = None, *,
-                 input_uri: str | None = None, checkpoint_dir: str | None = None,
-                 bootstrap_servers: str | None = None, dlq_topic: str | None = None) -> Path:
+def write_report(
+    data_dir: str | os.PathLike | None,
+    out: str | os.PathLike | None = None,
+    *,
+    input_uri: str | None = None,
+    checkpoint_dir: str | None = None,
+    bootstrap_servers: str | None = None,
+    dlq_topic: str | None = None,
+) -> Path:
     """Write the HTML report and return its path.
 
     `data_dir`: a demo data dir (demo.json, shards/, trainer/, metrics.jsonl) or a shards root;
     `out` defaults to ``{data_dir}/report.html`` for a demo data dir, else ``./report.html``.
     Each section degrades to a note when its data is absent; this never fails for missing data.
     """
-    data = collect(data_dir, input_uri=input_uri, checkpoint_dir=checkpoint_dir,
-                   bootstrap_servers=bootstrap_servers, dlq_topic=dlq_topic)
+    data = collect(
+        data_dir,
+        input_uri=input_uri,
+        checkpoint_dir=checkpoint_dir,
+        bootstrap_servers=bootstrap_servers,
+        dlq_topic=dlq_topic,
+    )
     if out is None:
         out = os.path.join(data.demo_dir, "report.html") if data.demo_dir else "report.html"
     path = Path(out)

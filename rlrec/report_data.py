@@ -3,7 +3,7 @@
 Sources (each optional; a missing one leaves its fields empty and adds a note):
 
 * the shards root (local or ``s3://``): committed shards from the manifest
-  (`consumer.manifest.read_manifest`), and per episode the metadata columns of episode shards
+  (`rlrec.store.manifest.read_manifest`), and per episode the metadata columns of episode shards
   (policy id/version, length, return, started_ms/ended_ms), read column by column, never the
   packed episodes;
 * the trainer's checkpoint dir: ``metrics.jsonl`` (one line per iteration: ``time``,
@@ -40,12 +40,12 @@ class ReportData:
     shards_uri: str | None = None
     trainer_uri: str | None = None
     demo: dict = field(default_factory=dict)
-    shards: list = field(default_factory=list)                 # ShardEntry, by commit_time
-    episodes: dict[str, list] = field(default_factory=dict)    # column -> values (one per episode)
-    episode_commit_time: list[float] = field(default_factory=list)   # per episode: its shard's commit
-    episode_shard: list[str] = field(default_factory=list)          # per episode: its shard's path
-    trainer: list[dict] = field(default_factory=list)          # trainer metrics lines
-    demo_metrics: list[dict] = field(default_factory=list)     # demo dashboard lines
+    shards: list = field(default_factory=list)  # ShardEntry, by commit_time
+    episodes: dict[str, list] = field(default_factory=dict)  # column -> values (one per episode)
+    episode_commit_time: list[float] = field(default_factory=list)  # per episode: its shard's commit
+    episode_shard: list[str] = field(default_factory=list)  # per episode: its shard's path
+    trainer: list[dict] = field(default_factory=list)  # trainer metrics lines
+    demo_metrics: list[dict] = field(default_factory=list)  # demo dashboard lines
     dead_letters: dict[str, int] = field(default_factory=dict)
     dead_letters_source: str | None = None
     first_trained: dict[str, float] = field(default_factory=dict)  # shard path -> first trained time
@@ -71,7 +71,7 @@ def _read_jsonl(text: str) -> list[dict]:
 
 
 def _storage(uri: str):
-    from consumer.storage import Storage
+    from rlrec.store.storage import Storage
 
     return Storage.from_uri(uri)
 
@@ -94,12 +94,12 @@ def _episode_columns(storage: Any, entry: Any) -> dict[str, list] | None:
 
 
 def _load_shards(data: ReportData, uri: str) -> None:
-    from consumer.manifest import read_manifest
+    from rlrec.store.manifest import read_manifest
 
     try:
         storage = _storage(uri)
         data.shards = read_manifest(storage)
-    except Exception as e:  # noqa: BLE001 - unreachable S3, bad manifest, ...: degrade
+    except Exception as e:
         data.note("shards", f"cannot read the manifest under {uri}: {type(e).__name__}: {e}")
         return
     if not data.shards:
@@ -129,7 +129,7 @@ def _load_shards(data: ReportData, uri: str) -> None:
 def _safe_columns(storage: Any, entry: Any) -> dict[str, list] | None:
     try:
         return _episode_columns(storage, entry)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         log.debug("report: cannot read %s: %s", entry.path, e)
         return None
 
@@ -140,7 +140,7 @@ def _load_trainer(data: ReportData, uri: str) -> None:
     except FileNotFoundError:
         data.note("trainer", f"no trainer metrics ({uri}/metrics.jsonl does not exist yet)")
         return
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         data.note("trainer", f"cannot read {uri}/metrics.jsonl: {type(e).__name__}: {e}")
         return
     data.trainer = _read_jsonl(text)
@@ -155,8 +155,9 @@ def _load_trainer(data: ReportData, uri: str) -> None:
                 data.first_trained.setdefault(key, float(t))
 
 
-def read_dead_letter_topic(bootstrap_servers: str, topic: str, *, idle_s: float = 2.0,
-                           timeout_s: float = 20.0) -> dict[str, int]:
+def read_dead_letter_topic(
+    bootstrap_servers: str, topic: str, *, idle_s: float = 2.0, timeout_s: float = 20.0
+) -> dict[str, int]:
     """Count the messages of a dead-letter topic by their ``rlrec-dlq-reason`` header.
 
     Reads every partition from the beginning (assigned, no consumer group commits) until no
@@ -164,8 +165,14 @@ def read_dead_letter_topic(bootstrap_servers: str, topic: str, *, idle_s: float 
     """
     from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
-    c = Consumer({"bootstrap.servers": bootstrap_servers, "group.id": f"rlrec-report-{os.getpid()}",
-                  "enable.auto.commit": False, "auto.offset.reset": "earliest"})
+    c = Consumer(
+        {
+            "bootstrap.servers": bootstrap_servers,
+            "group.id": f"rlrec-report-{os.getpid()}",
+            "enable.auto.commit": False,
+            "auto.offset.reset": "earliest",
+        }
+    )
     counts: dict[str, int] = {}
     try:
         md = c.list_topics(topic, timeout=10)
@@ -188,18 +195,29 @@ def read_dead_letter_topic(bootstrap_servers: str, topic: str, *, idle_s: float 
     return counts
 
 
-def collect(data_dir: str | os.PathLike | None = None, *, input_uri: str | None = None,
-            checkpoint_dir: str | None = None, bootstrap_servers: str | None = None,
-            dlq_topic: str | None = None) -> ReportData:
+def collect(
+    data_dir: str | os.PathLike | None = None,
+    *,
+    input_uri: str | None = None,
+    checkpoint_dir: str | None = None,
+    bootstrap_servers: str | None = None,
+    dlq_topic: str | None = None,
+) -> ReportData:
     """Gather the report's data. `data_dir`: a demo data dir (layout: demo.json, shards/,
     trainer/, metrics.jsonl) or a shards root; `input_uri`/`checkpoint_dir` override."""
     data = ReportData()
     demo_dir = None
     if data_dir is not None:
         d = os.fspath(data_dir)
-        if "://" not in d and os.path.isdir(d) and (os.path.exists(os.path.join(d, "demo.json"))
-                                                    or os.path.isdir(os.path.join(d, "shards"))
-                                                    or os.path.exists(os.path.join(d, "metrics.jsonl"))):
+        if (
+            "://" not in d
+            and os.path.isdir(d)
+            and (
+                os.path.exists(os.path.join(d, "demo.json"))
+                or os.path.isdir(os.path.join(d, "shards"))
+                or os.path.exists(os.path.join(d, "metrics.jsonl"))
+            )
+        ):
             demo_dir = d
         elif input_uri is None:
             input_uri = d  # not a demo dir: take it as the shards root
@@ -215,8 +233,12 @@ def collect(data_dir: str | os.PathLike | None = None, *, input_uri: str | None 
         if endpoint and str(data.demo.get("shards_uri", "")).startswith("s3://"):
             # the demo's local S3 server (moto takes any credentials); the caller's env wins
             os.environ.setdefault("AWS_ENDPOINT_URL", endpoint if "://" in endpoint else f"http://{endpoint}")
-            for k, v in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
-                         ("AWS_REGION", "us-east-1"), ("AWS_EC2_METADATA_DISABLED", "true")):
+            for k, v in (
+                ("AWS_ACCESS_KEY_ID", "testing"),
+                ("AWS_SECRET_ACCESS_KEY", "testing"),
+                ("AWS_REGION", "us-east-1"),
+                ("AWS_EC2_METADATA_DISABLED", "true"),
+            ):
                 os.environ.setdefault(k, v)
         input_uri = input_uri or data.demo.get("shards_uri") or os.path.join(demo_dir, "shards")
         checkpoint_dir = checkpoint_dir or data.demo.get("trainer_dir") or os.path.join(demo_dir, "trainer")
@@ -241,17 +263,21 @@ def collect(data_dir: str | os.PathLike | None = None, *, input_uri: str | None 
         try:
             data.dead_letters = read_dead_letter_topic(bootstrap_servers, dlq_topic)
             data.dead_letters_source = f"topic {dlq_topic}"
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             data.note("dead-letters", f"cannot read the dead-letter topic {dlq_topic}: {e}")
     elif bootstrap_servers:
         data.note("dead-letters", "no dead-letter topic name (--dlq-topic) to read")
     if data.dead_letters_source is None:
-        last = next((m["dead_letters"] for m in reversed(data.demo_metrics)
-                     if isinstance(m.get("dead_letters"), dict)), None)
+        last = next(
+            (m["dead_letters"] for m in reversed(data.demo_metrics) if isinstance(m.get("dead_letters"), dict)), None
+        )
         if last is not None:
             data.dead_letters = {str(k): int(v) for k, v in last.items() if isinstance(v, (int, float))}
             data.dead_letters_source = "demo metrics.jsonl (last line)"
         else:
-            data.note("dead-letters", "no dead-letter counts (no demo metrics.jsonl; give --bootstrap-servers "
-                      "and --dlq-topic to read the dead-letter topic)")
+            data.note(
+                "dead-letters",
+                "no dead-letter counts (no demo metrics.jsonl; give --bootstrap-servers "
+                "and --dlq-topic to read the dead-letter topic)",
+            )
     return data

@@ -26,12 +26,11 @@ from typing import Any
 import pytest
 from hypothesis import settings
 
+from rlrec.consumer.topics import create_topics, dlq_topic_name
 from rlrec.local import (
     LocalBroker,
     LocalS3,
     consumer_test_config,
-    create_topics,
-    dlq_topic_name,
     free_port,
     ray_on_loopback,
     wait_for_broker,
@@ -67,9 +66,7 @@ def _docker_or_skip() -> None:
 
         docker.from_env().ping()
     except Exception as e:  # no SDK, no socket, daemon down, ...
-        pytest.skip(
-            f"RLREC_TEST_BROKER=testcontainers but no Docker engine answers ({type(e).__name__}: {e})"
-        )
+        pytest.skip(f"RLREC_TEST_BROKER=testcontainers but no Docker engine answers ({type(e).__name__}: {e})")
 
 
 def _start_kafka_container() -> tuple[Any, ExternalBroker]:
@@ -191,4 +188,3 @@ def consumer_config(broker: Any, request: pytest.FixtureRequest) -> Callable[...
         )
 
     return make
-

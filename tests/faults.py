@@ -69,15 +69,20 @@ class FaultProxy:
                     stall = proxy._stall_s
                     swallow = not fail and proxy._swallow > 0
                     proxy._swallow -= swallow
-                err = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>ServiceUnavailable</Code>'
-                       b"<Message>injected by FaultProxy</Message></Error>")
+                err = (
+                    b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>ServiceUnavailable</Code>'
+                    b"<Message>injected by FaultProxy</Message></Error>"
+                )
                 if stall:
                     time.sleep(stall)
                 if fail:
                     self._reply(503, [("Content-Type", "application/xml")], err)
                     return
-                headers = {k: v for k, v in self.headers.items()
-                           if k.lower() not in ("transfer-encoding", "content-length", "connection", "expect")}
+                headers = {
+                    k: v
+                    for k, v in self.headers.items()
+                    if k.lower() not in ("transfer-encoding", "content-length", "connection", "expect")
+                }
                 if body or self.command in ("PUT", "POST"):
                     headers["Content-Length"] = str(len(body))
                 conn = http.client.HTTPConnection("127.0.0.1", proxy.upstream_port, timeout=30)

@@ -24,8 +24,17 @@ class TruthEpisode:
     truncated: bool = False
 
 
-def record_episodes(recorder, n: int, *, seed: int = 0, min_len: int = 3, max_len: int = 40,
-                    abort_every: int = 0, delayed_every: int = 0, policy_id: str | None = None) -> dict[str, TruthEpisode]:
+def record_episodes(
+    recorder,
+    n: int,
+    *,
+    seed: int = 0,
+    min_len: int = 3,
+    max_len: int = 40,
+    abort_every: int = 0,
+    delayed_every: int = 0,
+    policy_id: str | None = None,
+) -> dict[str, TruthEpisode]:
     """Log `n` synthetic episodes (random lengths) through `recorder`; returns the ground truth.
 
     abort_every=k aborts every k-th episode (truncated); delayed_every=k adds a delayed reward to

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from gymnasium import spaces as gs
 
-from consumer.assembly import AssemblyConfig, PartitionAssembler
-from producer.events import EpisodeAbort, EpisodeStart, RewardDelta, StepBatch, decode, encode
+from rlrec.consumer.assembly import AssemblyConfig, PartitionAssembler
+from rlrec.producer.events import EpisodeAbort, EpisodeStart, RewardDelta, StepBatch, decode, encode
 
 OBS = gs.Box(-10, 10, (4,), np.float32)
 ACT = gs.Discrete(2)
@@ -21,11 +21,14 @@ def start(eid="e1", obs0=None, version=1):
 def steps(eid="e1", t0=0, n=3, terminated=False, truncated=False, extra=True, seed=0):
     rng = np.random.default_rng(seed + t0)
     return StepBatch(
-        eid, t0,
+        eid,
+        t0,
         [np.arange(t0, t0 + n, dtype=np.int64) % 2],
         np.full(n, 1.0),
         [rng.standard_normal((n, 4)).astype(np.float32)],
-        terminated, truncated, None,
+        terminated,
+        truncated,
+        None,
         {"action_logp": np.full(n, -0.5, np.float32)} if extra else {},
         2000 + t0,
     )

@@ -24,8 +24,13 @@ PREFIXES = {"producer": 2, "consumer": 3, "trainer": 3}
 
 def test_quick_run_writes_the_documented_json(tmp_path):
     out, md = tmp_path / "bench.json", tmp_path / "bench.md"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "run.py"), "--quick", "--json", str(out),
-                           "--markdown", str(md)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "run.py"), "--quick", "--json", str(out), "--markdown", str(md)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert list(doc) == ["rows"] and isinstance(doc["rows"], list)
@@ -53,6 +58,11 @@ def test_quick_run_writes_the_documented_json(tmp_path):
 
 
 def test_bad_arguments_fail_clearly():
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "run.py"), "--only", "nope"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "run.py"), "--only", "nope"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode != 0 and "unknown benchmark" in proc.stderr

@@ -22,8 +22,23 @@ REPO = Path(__file__).resolve().parents[1]
 def test_bounded_chaos_run_loses_and_duplicates_nothing(tmp_path):
     if os.environ.get("RLREC_TEST_BROKER", "tansu").strip().lower() not in ("", "tansu"):
         pytest.skip("the chaos run restarts its own Tansu broker (s3:// storage)")
-    cmd = [sys.executable, "-m", "tests.chaos", "--episodes", "300", "--kills", "3", "--joins", "1",
-           "--storage-faults", "1", "--seed", "7", "--workdir", str(tmp_path / "chaos")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tests.chaos",
+        "--episodes",
+        "300",
+        "--kills",
+        "3",
+        "--joins",
+        "1",
+        "--storage-faults",
+        "1",
+        "--seed",
+        "7",
+        "--workdir",
+        str(tmp_path / "chaos"),
+    ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     lines = proc.stdout.strip().splitlines()
     tail = "\n".join(lines[-40:]) + "\n" + proc.stderr[-3000:]

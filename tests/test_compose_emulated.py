@@ -37,8 +37,9 @@ class Service:
     def __init__(self, name: str, argv: list[str], env: dict[str, str], log: Path) -> None:
         self.name, self.log = name, log
         self._f = open(log, "wb")
-        self.proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=self._f, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            argv, env=env, cwd=ROOT, stdout=self._f, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
     def text(self) -> str:
         return self.log.read_text(errors="replace")
@@ -96,16 +97,18 @@ def test_compose_services_close_the_loop_on_local_kafka_and_s3(tmp_path):
         s3.create_bucket(bucket)
 
         metrics_port = free_port()
-        consumer = rlrec("consumer", "consumer.log", RLREC_METRICS_HOST="127.0.0.1",
-                         RLREC_METRICS_PORT=str(metrics_port))
+        consumer = rlrec(
+            "consumer", "consumer.log", RLREC_METRICS_HOST="127.0.0.1", RLREC_METRICS_PORT=str(metrics_port)
+        )
         trainer = rlrec("trainer", "trainer.log")
         policy_svc = services["policy"]
         (script,) = command_list(policy_svc)
         script = _swap(script, swaps).replace("exec python -m", f"exec {sys.executable} -m", 1)
         policies = []
         for i in range(int(policy_svc["deploy"]["replicas"])):
-            svc = Service(f"policy-{i}", [*policy_svc["entrypoint"], script], env_for("policy"),
-                          tmp_path / f"policy-{i}.log")
+            svc = Service(
+                f"policy-{i}", [*policy_svc["entrypoint"], script], env_for("policy"), tmp_path / f"policy-{i}.log"
+            )
             started.append(svc)
             policies.append(svc)
 
@@ -122,8 +125,9 @@ def test_compose_services_close_the_loop_on_local_kafka_and_s3(tmp_path):
             dead = [s.name for s in started[1:] if s.proc.poll() is not None]
             assert not dead, f"{dead} exited early:\n" + "\n".join(f"--- {s.name}\n{s.text()[-3000:]}" for s in started)
             time.sleep(2)
-        assert acting_version() >= 1, ("no policy process acted with a published policy in time:\n"
-                                       + "\n".join(f"--- {s.name}\n{s.text()[-3000:]}" for s in started))
+        assert acting_version() >= 1, "no policy process acted with a published policy in time:\n" + "\n".join(
+            f"--- {s.name}\n{s.text()[-3000:]}" for s in started
+        )
 
         # stop in the demo's order: policies, then consumer and trainer (they flush / checkpoint)
         for p in policies:
@@ -134,8 +138,14 @@ def test_compose_services_close_the_loop_on_local_kafka_and_s3(tmp_path):
         # what the compose user would look at: shards, manifest, checkpoints and policies on S3
         env = env_for("consumer")
         shards = _swap(env["RLREC_OUTPUT"], swaps)
-        r = subprocess.run([sys.executable, "-m", "rlrec", "inspect", shards, "--verify", "--json"],
-                           env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+        r = subprocess.run(
+            [sys.executable, "-m", "rlrec", "inspect", shards, "--verify", "--json"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
+        )
         assert r.returncode == 0, r.stderr
         doc = json.loads(r.stdout)
         assert doc["totals"]["episodes"] > 0 and not doc["problems"]

@@ -20,8 +20,10 @@ DOC = ROOT / "docs" / "CONFIG.md"
 def test_docs_config_md_is_up_to_date():
     current = DOC.read_text(encoding="utf-8") if DOC.exists() else ""
     if current != render():
-        pytest.fail(f"docs/CONFIG.md is stale (an option, default or help text changed): refresh it with "
-                    f"`{REFRESH_COMMAND}` (or `.venv/bin/{REFRESH_COMMAND}`) and commit it")
+        pytest.fail(
+            f"docs/CONFIG.md is stale (an option, default or help text changed): refresh it with "
+            f"`{REFRESH_COMMAND}` (or `.venv/bin/{REFRESH_COMMAND}`) and commit it"
+        )
 
 
 def _walk(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
@@ -44,7 +46,7 @@ def test_every_command_and_option_is_in_the_reference():
 
 def test_consume_env_vars_in_the_reference_are_the_ones_resolve_options_reads():
     text = render()
-    section = text[text.index("`rlrec consume`\n"):text.index("`rlrec train`\n")]
+    section = text[text.index("`rlrec consume`\n") : text.index("`rlrec train`\n")]
     args = build_parser().parse_args(["consume"])
     for flag, typ, default, _ in OPTIONS:
         var = f"RLREC_{_env(flag)}"
@@ -70,8 +72,13 @@ def test_check_mode_says_how_to_refresh(tmp_path):
     cmd = [sys.executable, "-m", "rlrec", "config-reference", "--check", "--output", str(stale)]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert r.returncode == 1 and REFRESH_COMMAND in r.stderr, r.stderr
-    r = subprocess.run([sys.executable, "-m", "rlrec", "config-reference", "--output", str(stale)],
-                       capture_output=True, text=True, cwd=ROOT, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "rlrec", "config-reference", "--output", str(stale)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr
     assert stale.read_text() == render()
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=60)

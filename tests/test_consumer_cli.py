@@ -19,9 +19,9 @@ import pytest
 
 from rlrec.cli import build_parser
 from rlrec.commands.consume import OPTIONS, resolve_options
+from rlrec.local import FAST_GROUP_KAFKA
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FAST = {"session.timeout.ms": 2000, "heartbeat.interval.ms": 500, "topic.metadata.refresh.interval.ms": 3000}
 
 
 def parse(*argv: str):
@@ -47,15 +47,25 @@ def test_defaults_when_nothing_is_given():
 def test_config_file_overrides_defaults(kind, tmp_path):
     if kind == "json":
         path = tmp_path / "consume.json"
-        path.write_text(json.dumps({
-            "bootstrap-servers": "file:9092", "topic": "file-topic", "max_file_age_s": 7, "partitions": 3,
-            "format": "tabular", "kafka_config": {"client.id": "from-file", "acks": "all"},
-        }))
+        path.write_text(
+            json.dumps(
+                {
+                    "bootstrap-servers": "file:9092",
+                    "topic": "file-topic",
+                    "max_file_age_s": 7,
+                    "partitions": 3,
+                    "format": "tabular",
+                    "kafka_config": {"client.id": "from-file", "acks": "all"},
+                }
+            )
+        )
     else:
         path = tmp_path / "consume.toml"
-        path.write_text('bootstrap-servers = "file:9092"\ntopic = "file-topic"\nmax_file_age_s = 7\n'
-                        'partitions = 3\nformat = "tabular"\n'
-                        '[kafka_config]\n"client.id" = "from-file"\nacks = "all"\n')
+        path.write_text(
+            'bootstrap-servers = "file:9092"\ntopic = "file-topic"\nmax_file_age_s = 7\n'
+            'partitions = 3\nformat = "tabular"\n'
+            '[kafka_config]\n"client.id" = "from-file"\nacks = "all"\n'
+        )
     opts = resolve_options(parse("--config", str(path)), environ={})
     assert opts["bootstrap_servers"] == "file:9092"
     assert opts["topic"] == "file-topic"
@@ -70,8 +80,13 @@ def test_config_file_overrides_defaults(kind, tmp_path):
 def test_environment_overrides_config_file_and_is_typed(tmp_path):
     path = tmp_path / "consume.json"
     path.write_text(json.dumps({"topic": "file-topic", "max-file-age-s": 7, "group-id": "file-group"}))
-    env = {"RLREC_TOPIC": "env-topic", "RLREC_MAX_FILE_AGE_S": "2.5", "RLREC_PARTITIONS": "5",
-           "RLREC_METRICS_PORT": "0", "UNRELATED": "x"}
+    env = {
+        "RLREC_TOPIC": "env-topic",
+        "RLREC_MAX_FILE_AGE_S": "2.5",
+        "RLREC_PARTITIONS": "5",
+        "RLREC_METRICS_PORT": "0",
+        "UNRELATED": "x",
+    }
     opts = resolve_options(parse("--config", str(path)), environ=env)
     assert opts["topic"] == "env-topic"
     assert opts["max_file_age_s"] == 2.5
@@ -84,8 +99,7 @@ def test_command_line_overrides_environment_and_file(tmp_path):
     path = tmp_path / "consume.toml"
     path.write_text('topic = "file-topic"\nmax-file-age-s = 7.0\ncompression = "snappy"\n')
     env = {"RLREC_TOPIC": "env-topic", "RLREC_MAX_FILE_AGE_S": "2.5"}
-    opts = resolve_options(parse("--config", str(path), "--topic", "cli-topic", "--max-file-age-s", "0.5"),
-                           environ=env)
+    opts = resolve_options(parse("--config", str(path), "--topic", "cli-topic", "--max-file-age-s", "0.5"), environ=env)
     assert opts["topic"] == "cli-topic"
     assert opts["max_file_age_s"] == 0.5
     assert opts["compression"] == "snappy"  # the file still fills what nobody else set
@@ -94,11 +108,25 @@ def test_command_line_overrides_environment_and_file(tmp_path):
 def test_kafka_config_pairs_merge_over_the_file(tmp_path):
     path = tmp_path / "consume.json"
     path.write_text(json.dumps({"kafka-config": {"client.id": "from-file", "acks": "all"}}))
-    opts = resolve_options(parse("--config", str(path), "--kafka-config", "security.protocol=SASL_SSL",
-                                 "--kafka-config", "sasl.password=a=b=c", "--kafka-config", "client.id=cli"),
-                           environ={})
-    assert opts["kafka_config"] == {"client.id": "cli", "acks": "all", "security.protocol": "SASL_SSL",
-                                    "sasl.password": "a=b=c"}  # split at the first '=' only
+    opts = resolve_options(
+        parse(
+            "--config",
+            str(path),
+            "--kafka-config",
+            "security.protocol=SASL_SSL",
+            "--kafka-config",
+            "sasl.password=a=b=c",
+            "--kafka-config",
+            "client.id=cli",
+        ),
+        environ={},
+    )
+    assert opts["kafka_config"] == {
+        "client.id": "cli",
+        "acks": "all",
+        "security.protocol": "SASL_SSL",
+        "sasl.password": "a=b=c",
+    }  # split at the first '=' only
 
 
 def test_kafka_config_without_equals_is_an_error():
@@ -118,8 +146,14 @@ def test_no_create_topics_from_every_source(tmp_path):
 
 def test_help_lists_every_option():
     env = {**os.environ, "COLUMNS": "200"}
-    out = subprocess.run([sys.executable, "-m", "rlrec", "consume", "--help"], capture_output=True, text=True,
-                         cwd=ROOT, env=env, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "rlrec", "consume", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     flags = set(re.findall(r"--[a-z0-9-]+", out.stdout))
     for flag, *_ in OPTIONS:
@@ -142,7 +176,7 @@ def restore_root_logger():
 
 def test_log_format_json_writes_json_lines(monkeypatch, tmp_path, capsys, restore_root_logger):
     """`rlrec consume --log-format json` goes through setup_logging: every log line is a JSON object."""
-    import consumer.service
+    import rlrec.consumer.service
     from rlrec.cli import main
 
     seen = {}
@@ -159,9 +193,20 @@ def test_log_format_json_writes_json_lines(monkeypatch, tmp_path, capsys, restor
             except RuntimeError:
                 log.exception("flush failed")
 
-    monkeypatch.setattr(consumer.service, "RecorderConsumer", FakeConsumer)
-    rc = main(["consume", "--bootstrap-servers", "127.0.0.1:1", "--output", str(tmp_path / "out"),
-               "--log-format", "json", "--log-level", "debug"])
+    monkeypatch.setattr(rlrec.consumer.service, "RecorderConsumer", FakeConsumer)
+    rc = main(
+        [
+            "consume",
+            "--bootstrap-servers",
+            "127.0.0.1:1",
+            "--output",
+            str(tmp_path / "out"),
+            "--log-format",
+            "json",
+            "--log-level",
+            "debug",
+        ]
+    )
     assert rc == 0
     assert seen["config"].bootstrap_servers == "127.0.0.1:1"
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
@@ -192,7 +237,7 @@ def test_setup_logging_json_and_text(capsys, restore_root_logger):
 
 
 def _run_consumer(cfg):
-    from consumer.service import RecorderConsumer
+    from rlrec.consumer.service import RecorderConsumer
 
     c = RecorderConsumer(cfg)
     t = threading.Thread(target=c.run, kwargs={"install_signals": False}, daemon=True)
@@ -201,11 +246,17 @@ def _run_consumer(cfg):
 
 
 def _recorder(broker, topic):
-    from producer import EpisodeRecorder
+    from rlrec.producer import EpisodeRecorder
     from tests.helpers import ACT_SPACE, OBS_SPACE
 
-    return EpisodeRecorder(broker.bootstrap_servers, topic=topic, policy_id="pol", observation_space=OBS_SPACE,
-                           action_space=ACT_SPACE, env_id="synthetic")
+    return EpisodeRecorder(
+        broker.bootstrap_servers,
+        topic=topic,
+        policy_id="pol",
+        observation_space=OBS_SPACE,
+        action_space=ACT_SPACE,
+        env_id="synthetic",
+    )
 
 
 def _get(url: str) -> tuple[int, str]:
@@ -225,12 +276,20 @@ def _committed_metric(port: int) -> float:
 
 @pytest.mark.broker
 def test_metrics_and_healthz_are_served(broker, topic, tmp_path):
-    from consumer.service import ConsumerConfig
+    from rlrec.consumer.service import ConsumerConfig
     from tests.helpers import record_episodes, wait_for
 
-    cfg = ConsumerConfig(bootstrap_servers=broker.bootstrap_servers, output=str(tmp_path / "out"), topic=topic,
-                         group_id=f"g-{uuid.uuid4().hex[:6]}", max_file_age_s=0.3, commit_interval_s=0.3,
-                         metrics_port=0, kafka_config=FAST, create_topics=False)
+    cfg = ConsumerConfig(
+        bootstrap_servers=broker.bootstrap_servers,
+        output=str(tmp_path / "out"),
+        topic=topic,
+        group_id=f"g-{uuid.uuid4().hex[:6]}",
+        max_file_age_s=0.3,
+        commit_interval_s=0.3,
+        metrics_port=0,
+        kafka_config=FAST_GROUP_KAFKA,
+        create_topics=False,
+    )
     c, t = _run_consumer(cfg)
     rec = _recorder(broker, topic)
     try:
@@ -257,9 +316,9 @@ def test_metrics_and_healthz_are_served(broker, topic, tmp_path):
 def test_tabular_format_end_to_end(broker, topic, tmp_path):
     import pandas as pd
 
-    from consumer.manifest import read_manifest
-    from consumer.service import ConsumerConfig
-    from consumer.storage import Storage
+    from rlrec.consumer.service import ConsumerConfig
+    from rlrec.store.manifest import read_manifest
+    from rlrec.store.storage import Storage
     from tests.helpers import record_episodes, wait_for
 
     output = str(tmp_path / "out")
@@ -268,13 +327,22 @@ def test_tabular_format_end_to_end(broker, topic, tmp_path):
     truth = record_episodes(rec, 12, seed=5, delayed_every=4)
     assert rec.flush(10) == 0
     rec.close()
-    cfg = ConsumerConfig(bootstrap_servers=broker.bootstrap_servers, output=output, topic=topic, format="tabular",
-                         group_id=f"g-{uuid.uuid4().hex[:6]}", max_file_age_s=0.3, commit_interval_s=0.3,
-                         kafka_config=FAST, create_topics=False)
+    cfg = ConsumerConfig(
+        bootstrap_servers=broker.bootstrap_servers,
+        output=output,
+        topic=topic,
+        format="tabular",
+        group_id=f"g-{uuid.uuid4().hex[:6]}",
+        max_file_age_s=0.3,
+        commit_interval_s=0.3,
+        kafka_config=FAST_GROUP_KAFKA,
+        create_topics=False,
+    )
     c, t = _run_consumer(cfg)
     try:
-        wait_for(lambda: sum(e.episodes for e in read_manifest(storage)) >= len(truth), 30,
-                 what="all episodes committed")
+        wait_for(
+            lambda: sum(e.episodes for e in read_manifest(storage)) >= len(truth), 30, what="all episodes committed"
+        )
     finally:
         c.stop()
         t.join(30)

@@ -10,17 +10,16 @@ import numpy as np
 import pytest
 from confluent_kafka import Consumer, TopicPartition
 
-from consumer.maintenance import verify
-from consumer.manifest import read_manifest
-from consumer.service import ConsumerConfig, RecorderConsumer
-from consumer.shards import read_episodes
-from consumer.storage import Storage
-from producer import EpisodeRecorder
+from rlrec.consumer.service import ConsumerConfig, RecorderConsumer
+from rlrec.local import FAST_GROUP_KAFKA
+from rlrec.producer import EpisodeRecorder
+from rlrec.store.maintenance import verify
+from rlrec.store.manifest import read_manifest
+from rlrec.store.shards import read_episodes
+from rlrec.store.storage import Storage
 from tests.helpers import ACT_SPACE, OBS_SPACE, assert_episode_matches, record_episodes, wait_for
 
 pytestmark = pytest.mark.broker
-
-FAST = {"session.timeout.ms": 2000, "heartbeat.interval.ms": 500, "topic.metadata.refresh.interval.ms": 3000}
 
 
 def run_consumer(cfg: ConsumerConfig, storage: Storage | None = None):
@@ -44,8 +43,14 @@ def read_all(storage: Storage) -> dict:
 
 
 def drain_dlq(bootstrap: str, topic: str, timeout: float = 4.0) -> list:
-    c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"dlq-{uuid.uuid4().hex[:6]}",
-                  "auto.offset.reset": "earliest", **FAST})
+    c = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"dlq-{uuid.uuid4().hex[:6]}",
+            "auto.offset.reset": "earliest",
+            **FAST_GROUP_KAFKA,
+        }
+    )
     c.subscribe([f"{topic}.dlq"])
     out = []
     deadline = time.time() + timeout + 3
@@ -59,7 +64,7 @@ def drain_dlq(bootstrap: str, topic: str, timeout: float = 4.0) -> list:
 
 
 def _recorders(bootstrap, topic):
-    kw = dict(topic=topic, observation_space=OBS_SPACE, action_space=ACT_SPACE, env_id="synthetic")
+    kw = {"topic": topic, "observation_space": OBS_SPACE, "action_space": ACT_SPACE, "env_id": "synthetic"}
     return (EpisodeRecorder(bootstrap, policy_id="pol-a", **kw), EpisodeRecorder(bootstrap, policy_id="pol-b", **kw))
 
 
@@ -76,9 +81,16 @@ def test_recorded_episodes_land_exactly_once(where, broker, topic, tmp_path, loc
     truth = record_episodes(ra, 30, seed=1, abort_every=7, delayed_every=5)
     truth.update(record_episodes(rb, 20, seed=2))
     assert ra.flush(10) == 0 and rb.flush(10) == 0
-    cfg = ConsumerConfig(bootstrap_servers=broker.bootstrap_servers, output=output, topic=topic,
-                         group_id=f"g-{uuid.uuid4().hex[:6]}", max_file_age_s=0.5, commit_interval_s=0.5,
-                         kafka_config=FAST, create_topics=False)
+    cfg = ConsumerConfig(
+        bootstrap_servers=broker.bootstrap_servers,
+        output=output,
+        topic=topic,
+        group_id=f"g-{uuid.uuid4().hex[:6]}",
+        max_file_age_s=0.5,
+        commit_interval_s=0.5,
+        kafka_config=FAST_GROUP_KAFKA,
+        create_topics=False,
+    )
     storage = Storage.from_uri(output)
     c, t = run_consumer(cfg, storage)
     try:
@@ -107,7 +119,7 @@ def test_recorded_episodes_land_exactly_once(where, broker, topic, tmp_path, loc
     assert verify(storage) == []
     assert drain_dlq(broker.bootstrap_servers, topic) == []
     # offsets were committed past everything: nothing is left to replay
-    k = Consumer({"bootstrap.servers": broker.bootstrap_servers, "group.id": cfg.group_id, **FAST})
+    k = Consumer({"bootstrap.servers": broker.bootstrap_servers, "group.id": cfg.group_id, **FAST_GROUP_KAFKA})
     committed = k.committed([TopicPartition(topic, p) for p in range(4)], timeout=10)
     k.close()
     assert sum(max(tp.offset, 0) for tp in committed) == messages
@@ -124,9 +136,16 @@ def test_restart_replays_without_duplicates(broker, topic, tmp_path):
         ra.log_step(eid, 0, 1.0, OBS_SPACE.sample())
     truth = record_episodes(ra, 25, seed=4)
     ra.flush(10)
-    cfg = ConsumerConfig(bootstrap_servers=broker.bootstrap_servers, output=output, topic=topic,
-                         group_id=f"g-{uuid.uuid4().hex[:6]}", max_file_age_s=0.3, commit_interval_s=0.3,
-                         kafka_config=FAST, create_topics=False)
+    cfg = ConsumerConfig(
+        bootstrap_servers=broker.bootstrap_servers,
+        output=output,
+        topic=topic,
+        group_id=f"g-{uuid.uuid4().hex[:6]}",
+        max_file_age_s=0.3,
+        commit_interval_s=0.3,
+        kafka_config=FAST_GROUP_KAFKA,
+        create_topics=False,
+    )
     storage = Storage.from_uri(output)
     c, t = run_consumer(cfg, storage)
     wait_for(lambda: committed_episodes(storage) >= 25, 40, what="first run committed")
@@ -155,12 +174,18 @@ def test_stock_rllib_bc_trains_on_consumer_shards(broker, topic, tmp_path):
     import ray
     from ray.rllib.algorithms.bc import BCConfig
 
-    from producer import RecordingWrapper
+    from rlrec.producer import RecordingWrapper
 
     output = tmp_path / "out"
     env = gym.make("CartPole-v1")
-    rec = EpisodeRecorder(broker.bootstrap_servers, topic=topic, policy_id="expert",
-                          observation_space=env.observation_space, action_space=env.action_space, env_id="CartPole-v1")
+    rec = EpisodeRecorder(
+        broker.bootstrap_servers,
+        topic=topic,
+        policy_id="expert",
+        observation_space=env.observation_space,
+        action_space=env.action_space,
+        env_id="CartPole-v1",
+    )
     wrapped = RecordingWrapper(env, rec)
     for i in range(20):
         obs, _ = wrapped.reset(seed=i)
@@ -171,9 +196,15 @@ def test_stock_rllib_bc_trains_on_consumer_shards(broker, topic, tmp_path):
             done = te or tr
     rec.close()
     storage = Storage.from_uri(str(output))
-    cfg = ConsumerConfig(bootstrap_servers=broker.bootstrap_servers, output=str(output), topic=topic,
-                         group_id=f"g-{uuid.uuid4().hex[:6]}", max_file_age_s=0.3, kafka_config=FAST,
-                         create_topics=False)
+    cfg = ConsumerConfig(
+        bootstrap_servers=broker.bootstrap_servers,
+        output=str(output),
+        topic=topic,
+        group_id=f"g-{uuid.uuid4().hex[:6]}",
+        max_file_age_s=0.3,
+        kafka_config=FAST_GROUP_KAFKA,
+        create_topics=False,
+    )
     c, t = run_consumer(cfg, storage)
     try:
         wait_for(lambda: committed_episodes(storage) >= 20, 40, what="episodes committed")
@@ -188,8 +219,12 @@ def test_stock_rllib_bc_trains_on_consumer_shards(broker, topic, tmp_path):
         config = (
             BCConfig()
             .environment(observation_space=env.observation_space, action_space=env.action_space)
-            .offline_data(input_=[str(output / "expert")], input_read_episodes=True,
-                          map_batches_kwargs={"concurrency": 1}, dataset_num_iters_per_learner=2)
+            .offline_data(
+                input_=[str(output / "expert")],
+                input_read_episodes=True,
+                map_batches_kwargs={"concurrency": 1},
+                dataset_num_iters_per_learner=2,
+            )
             .training(train_batch_size_per_learner=256)
         )
         algo = config.build()

@@ -14,33 +14,63 @@ import uuid
 import numpy as np
 import pytest
 
-from consumer.assembly import PartitionAssembler
-from consumer.manifest import FencedError, read_manifest
-from consumer.service import ConsumerConfig
-from consumer.storage import RetryPolicy, Storage, StorageError
-from consumer.writer import PartitionWriter
-from producer import EpisodeRecorder
+from rlrec.consumer.assembly import PartitionAssembler
+from rlrec.consumer.service import ConsumerConfig
+from rlrec.consumer.writer import PartitionWriter
+from rlrec.local import FAST_GROUP_KAFKA
+from rlrec.producer import EpisodeRecorder
+from rlrec.store.manifest import FencedError, read_manifest
+from rlrec.store.storage import RetryPolicy, Storage, StorageError
 from tests.faults import FaultProxy
 from tests.helpers import ACT_SPACE, OBS_SPACE, record_episodes, wait_for
-from tests.test_consumer_e2e import FAST, committed_episodes, drain_dlq, read_all, run_consumer
+from tests.test_consumer_e2e import committed_episodes, drain_dlq, read_all, run_consumer
 
 pytestmark = pytest.mark.broker
 
 
 def _cfg(broker, topic, output, **kw) -> ConsumerConfig:
-    base = dict(bootstrap_servers=broker.bootstrap_servers, output=output, topic=topic,
-                group_id=f"g-{uuid.uuid4().hex[:6]}", max_file_age_s=0.3, commit_interval_s=0.3,
-                kafka_config=FAST, create_topics=False)
+    base = {
+        "bootstrap_servers": broker.bootstrap_servers,
+        "output": output,
+        "topic": topic,
+        "group_id": f"g-{uuid.uuid4().hex[:6]}",
+        "max_file_age_s": 0.3,
+        "commit_interval_s": 0.3,
+        "kafka_config": FAST_GROUP_KAFKA,
+        "create_topics": False,
+    }
     base.update(kw)
     return ConsumerConfig(**base)
 
 
 def _consume_cmd(cfg: ConsumerConfig) -> list[str]:
-    cmd = [sys.executable, "-m", "rlrec", "consume", "--bootstrap-servers", cfg.bootstrap_servers,
-           "--topic", cfg.topic, "--group-id", cfg.group_id, "--output", cfg.output,
-           "--max-file-age-s", "0.3", "--commit-interval-s", "0.3", "--no-create-topics",
-           "--max-episodes-per-file", "50"]
-    for k, v in FAST.items():
+    cmd = [
+        sys.executable,
+        "-m",
+        "rlrec",
+        "consume",
+        "--bootstrap-servers",
+        cfg.bootstrap_servers,
+        "--topic",
+        cfg.topic,
+        "--group-id",
+        cfg.group_id,
+        "--output",
+        cfg.output,
+        "--max-file-age-s",
+        "0.3",
+        "--commit-interval-s",
+        "0.3",
+        "--no-create-topics",
+        "--max-episodes-per-file",
+        "50",
+        # a delayed reward comes as its own event right after the episode's last step; without a
+        # join window a flush between the two commits the episode first and dead-letters the
+        # reward (late-reward), which this test, about kills, does not want to depend on
+        "--reward-join-window-s",
+        "1.0",
+    ]
+    for k, v in FAST_GROUP_KAFKA.items():
         cmd += ["--kafka-config", f"{k}={v}"]
     return cmd
 
@@ -50,8 +80,9 @@ def test_kill9_at_random_moments_loses_and_duplicates_nothing(broker, topic, tmp
     output = str(tmp_path / "out")
     cfg = _cfg(broker, topic, output)
     storage = Storage.from_uri(output)
-    rec = EpisodeRecorder(broker.bootstrap_servers, topic=topic, policy_id="pol", observation_space=OBS_SPACE,
-                          action_space=ACT_SPACE)
+    rec = EpisodeRecorder(
+        broker.bootstrap_servers, topic=topic, policy_id="pol", observation_space=OBS_SPACE, action_space=ACT_SPACE
+    )
     truth: dict = {}
     done = threading.Event()
     kills_done = threading.Event()
@@ -60,8 +91,9 @@ def test_kill9_at_random_moments_loses_and_duplicates_nothing(broker, topic, tmp
         for wave in range(60):  # until the kills are done (at least 10 waves)
             if wave >= 10 and kills_done.is_set():
                 break
-            truth.update(record_episodes(rec, 100, seed=100 + wave, min_len=2, max_len=12, abort_every=9,
-                                         delayed_every=11))
+            truth.update(
+                record_episodes(rec, 100, seed=100 + wave, min_len=2, max_len=12, abort_every=9, delayed_every=11)
+            )
             time.sleep(0.5)
         rec.flush(30)
         done.set()
@@ -76,7 +108,9 @@ def test_kill9_at_random_moments_loses_and_duplicates_nothing(broker, topic, tmp
         while kills < 5:
             # each kill lands on a consumer that has committed something, at a random moment after
             seen = committed_episodes(storage)
-            wait_for(lambda: committed_episodes(storage) > seen, 60, interval=0.1, what="a commit before the kill")
+            wait_for(
+                lambda seen=seen: committed_episodes(storage) > seen, 60, interval=0.1, what="a commit before the kill"
+            )
             time.sleep(rng.uniform(0.0, 1.0))
             proc.send_signal(signal.SIGKILL)
             proc.wait(10)
@@ -103,8 +137,9 @@ def test_rebalance_between_two_consumers(broker, topic, tmp_path):
     output = str(tmp_path / "out")
     cfg = _cfg(broker, topic, output)
     storage = Storage.from_uri(output)
-    rec = EpisodeRecorder(broker.bootstrap_servers, topic=topic, policy_id="pol", observation_space=OBS_SPACE,
-                          action_space=ACT_SPACE)
+    rec = EpisodeRecorder(
+        broker.bootstrap_servers, topic=topic, policy_id="pol", observation_space=OBS_SPACE, action_space=ACT_SPACE
+    )
     open_ids = [rec.begin_episode(OBS_SPACE.sample()) for _ in range(8)]  # span the rebalances
     truth = record_episodes(rec, 40, seed=11)
     rec.flush(10)
@@ -140,8 +175,9 @@ def test_storage_outage_pauses_and_recovers(broker, topic, local_s3, monkeypatch
     output = f"s3://{bucket}/exp"
     storage = Storage.from_uri(output, retry=RetryPolicy(attempts=2, base_delay=0.05, max_delay=0.1))
     cfg = _cfg(broker, topic, output)
-    rec = EpisodeRecorder(broker.bootstrap_servers, topic=topic, policy_id="pol", observation_space=OBS_SPACE,
-                          action_space=ACT_SPACE)
+    rec = EpisodeRecorder(
+        broker.bootstrap_servers, topic=topic, policy_id="pol", observation_space=OBS_SPACE, action_space=ACT_SPACE
+    )
     c, t = run_consumer(cfg, storage)
     try:
         truth = record_episodes(rec, 20, seed=21)
@@ -172,8 +208,9 @@ def test_open_episode_cap_evicts_to_dead_letters(broker, topic, tmp_path):
     output = str(tmp_path / "out")
     cfg = _cfg(broker, topic, output, max_open_episodes=5)
     storage = Storage.from_uri(output)
-    rec = EpisodeRecorder(broker.bootstrap_servers, topic=topic, policy_id="pol", observation_space=OBS_SPACE,
-                          action_space=ACT_SPACE)
+    rec = EpisodeRecorder(
+        broker.bootstrap_servers, topic=topic, policy_id="pol", observation_space=OBS_SPACE, action_space=ACT_SPACE
+    )
     idle = [rec.begin_episode(OBS_SPACE.sample()) for _ in range(20)]
     for eid in idle:
         rec.log_step(eid, 0, 1.0, OBS_SPACE.sample())

@@ -13,9 +13,9 @@ import threading
 
 import pytest
 
-from consumer.service import RecorderConsumer
-from consumer.storage import Storage
-from producer import EpisodeRecorder
+from rlrec.consumer.service import RecorderConsumer
+from rlrec.producer import EpisodeRecorder
+from rlrec.store.storage import Storage
 from tests.helpers import ACT_SPACE, OBS_SPACE, record_episodes, wait_for
 from tests.test_consumer_e2e import committed_episodes, read_all, run_consumer
 from tests.test_consumer_faults import _cfg
@@ -41,8 +41,9 @@ def test_partition_paused_at_revoke_is_read_after_reassignment(broker, topic, tm
     output = str(tmp_path / "out")
     cfg = _cfg(broker, topic, output)
     storage = Storage.from_uri(output)
-    rec = EpisodeRecorder(broker.bootstrap_servers, topic=topic, policy_id="pol", observation_space=OBS_SPACE,
-                          action_space=ACT_SPACE)
+    rec = EpisodeRecorder(
+        broker.bootstrap_servers, topic=topic, policy_id="pol", observation_space=OBS_SPACE, action_space=ACT_SPACE
+    )
     a = _PausingConsumer(cfg, storage)
     ta = threading.Thread(target=a.run, kwargs={"install_signals": False}, daemon=True)
     ta.start()

@@ -14,12 +14,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from consumer.convert import ConvertError, ConvertOptions, UnsafeInputError, convert
-from consumer.manifest import read_manifest
-from consumer.shards import read_episodes, tabular_table
-from consumer.storage import Storage
 from rlrec.cli import main
-from trainer.synthetic import expert_cartpole_episodes
+from rlrec.consumer.convert import ConvertError, ConvertOptions, UnsafeInputError, convert
+from rlrec.store.manifest import read_manifest
+from rlrec.store.shards import read_episodes, tabular_table
+from rlrec.store.storage import Storage
+from rlrec.trainer.synthetic import expert_cartpole_episodes
 
 ENV = gym.make("CartPole-v1")
 
@@ -81,8 +81,19 @@ def test_tabular_round_trip_and_rerun_is_idempotent(tmp_path, capsys):
     eps = _episodes()
     _write_tabular(eps, tmp_path / "in")
     out = tmp_path / "out"
-    args = ["convert", "--from", "tabular", str(tmp_path / "in"), "--output", str(out), "--policy-id", "expert",
-            "--episodes-per-shard", "4", "--json"]
+    args = [
+        "convert",
+        "--from",
+        "tabular",
+        str(tmp_path / "in"),
+        "--output",
+        str(out),
+        "--policy-id",
+        "expert",
+        "--episodes-per-shard",
+        "4",
+        "--json",
+    ]
     assert main(args) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["episodes_written"] == 6 and doc["shards"] == 2 and doc["duplicate_rows_dropped"] == 2
@@ -99,7 +110,7 @@ def test_tabular_round_trip_and_rerun_is_idempotent(tmp_path, capsys):
     assert "verify: no problems" in capsys.readouterr().out
 
     # what the trainer does with it: follow the manifest, take the spaces, decode safely
-    from trainer.manifest import ManifestFollower, spaces_from_shard
+    from rlrec.trainer.manifest_follower import ManifestFollower, spaces_from_shard
 
     storage = Storage.from_uri(str(out))
     infos = ManifestFollower(storage).poll(force_discover=True)
@@ -119,15 +130,19 @@ def _rllib_recorder_style(eps, d):
     obs = table.column("obs").combine_chunks().flatten().to_numpy().reshape(rows, 4).astype(np.float32)
     new_obs = table.column("new_obs").combine_chunks().flatten().to_numpy().reshape(rows, 4).astype(np.float32)
     cols = {
-        "eps_id": table.column("eps_id"), "agent_id": table.column("agent_id"),
+        "eps_id": table.column("eps_id"),
+        "agent_id": table.column("agent_id"),
         "module_id": table.column("module_id"),
         "obs": pa.array([pack(o) for o in obs], pa.string()),
         "new_obs": pa.array([pack(o) for o in new_obs], pa.string()),
-        "actions": table.column("actions").cast(pa.int32()), "rewards": table.column("rewards"),
-        "terminateds": table.column("terminateds"), "truncateds": table.column("truncateds"),
+        "actions": table.column("actions").cast(pa.int32()),
+        "rewards": table.column("rewards"),
+        "terminateds": table.column("terminateds"),
+        "truncateds": table.column("truncateds"),
         "action_logp": table.column("action_logp"),
         "action_dist_inputs": ArrowTensorArray.from_numpy(
-            table.column("action_dist_inputs").combine_chunks().flatten().to_numpy().reshape(rows, 2)),
+            table.column("action_dist_inputs").combine_chunks().flatten().to_numpy().reshape(rows, 2)
+        ),
         "weights_seq_no": pa.array(np.full(rows, 3, np.int64)),
     }
     t = pa.table(cols)
@@ -147,14 +162,35 @@ def test_rllib_compressed_columns_need_allow_pickle(tmp_path, capsys):
     assert "--allow-pickle" in err and "executes code" in err
     assert not (out / "_manifest").exists()
 
-    assert main(["convert", "--from", "tabular", str(tmp_path / "in"), "--output", str(out), "--allow-pickle",
-                 "--env", "CartPole-v1", "--json"]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                "--from",
+                "tabular",
+                str(tmp_path / "in"),
+                "--output",
+                str(out),
+                "--allow-pickle",
+                "--env",
+                "CartPole-v1",
+                "--json",
+            ]
+        )
+        == 0
+    )
     doc = json.loads(capsys.readouterr().out)
     # no t column: the complete second copy of every episode is recognised and dropped
     assert doc["episodes_written"] == 6 and doc["duplicate_rows_dropped"] == sum(e.length for e in eps)
     # module_id is null -> RLlib's default module id; weights_seq_no -> policy_version
-    _assert_same(eps, _read_back(out), policy_id="default_policy", version=3, infos=False,
-                 extras=("action_logp", "action_dist_inputs"))
+    _assert_same(
+        eps,
+        _read_back(out),
+        policy_id="default_policy",
+        version=3,
+        infos=False,
+        extras=("action_logp", "action_dist_inputs"),
+    )
 
 
 def _write_sample_batches(eps, d, *, compress=()):
@@ -167,15 +203,21 @@ def _write_sample_batches(eps, d, *, compress=()):
         T = e.length
         for lo in range(0, T, 17):
             hi = min(T, lo + 17)
-            b = SampleBatch({
-                "obs": e.observations[0][lo:hi], "new_obs": e.observations[0][lo + 1:hi + 1],
-                "actions": e.actions[0][lo:hi], "rewards": e.rewards[lo:hi],
-                "terminateds": np.array([e.terminated and i == T - 1 for i in range(lo, hi)]),
-                "truncateds": np.array([e.truncated and i == T - 1 for i in range(lo, hi)]),
-                "eps_id": np.full(hi - lo, 1000 + n), "t": np.arange(lo, hi), "agent_index": np.zeros(hi - lo, int),
-                "action_logp": e.extra_model_outputs["action_logp"][lo:hi],
-                "infos": np.array(e.infos[lo + 1:hi + 1]),
-            })
+            b = SampleBatch(
+                {
+                    "obs": e.observations[0][lo:hi],
+                    "new_obs": e.observations[0][lo + 1 : hi + 1],
+                    "actions": e.actions[0][lo:hi],
+                    "rewards": e.rewards[lo:hi],
+                    "terminateds": np.array([e.terminated and i == T - 1 for i in range(lo, hi)]),
+                    "truncateds": np.array([e.truncated and i == T - 1 for i in range(lo, hi)]),
+                    "eps_id": np.full(hi - lo, 1000 + n),
+                    "t": np.arange(lo, hi),
+                    "agent_index": np.zeros(hi - lo, int),
+                    "action_logp": e.extra_model_outputs["action_logp"][lo:hi],
+                    "infos": np.array(e.infos[lo + 1 : hi + 1]),
+                }
+            )
             w.write(MultiAgentBatch({"expert": b}, hi - lo) if n == 0 else b)
     w.cur_file.close()
 
@@ -188,8 +230,24 @@ def test_sample_batch_round_trip(tmp_path, capsys):
     lines = f.read_text().splitlines()
     f.write_text("\n".join(reversed(lines)) + "\n")
     out = tmp_path / "out"
-    assert main(["convert", "--from", "sample-batch", str(tmp_path / "in"), "--output", str(out), "--env",
-                 "CartPole-v1", "--policy-version", "7", "--json"]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                "--from",
+                "sample-batch",
+                str(tmp_path / "in"),
+                "--output",
+                str(out),
+                "--env",
+                "CartPole-v1",
+                "--policy-version",
+                "7",
+                "--json",
+            ]
+        )
+        == 0
+    )
     doc = json.loads(capsys.readouterr().out)
     assert doc["episodes_written"] == 6 and sorted(doc["policies"]) == ["default_policy", "expert"]
     for e, n in zip(eps, range(len(eps))):
@@ -214,8 +272,20 @@ def test_hostile_and_invalid_input(tmp_path, monkeypatch):
     evil = base64.b64encode(lz4.frame.compress(pickle.dumps(_Boom()))).decode()
     d = tmp_path / "evil"
     d.mkdir()
-    (d / "x.json").write_text(json.dumps({"type": "SampleBatch", "obs": evil, "new_obs": evil, "actions": [0],
-                                          "rewards": [1.0], "terminateds": [True], "eps_id": [1]}) + "\n")
+    (d / "x.json").write_text(
+        json.dumps(
+            {
+                "type": "SampleBatch",
+                "obs": evil,
+                "new_obs": evil,
+                "actions": [0],
+                "rewards": [1.0],
+                "terminateds": [True],
+                "eps_id": [1],
+            }
+        )
+        + "\n"
+    )
     with pytest.raises(UnsafeInputError):
         convert(str(d), str(tmp_path / "o"), ConvertOptions(input_format="sample-batch"))
     assert not marker.exists()
@@ -227,8 +297,15 @@ def test_hostile_and_invalid_input(tmp_path, monkeypatch):
         with pytest.raises(ConvertError, match=match):
             convert(str(p), str(tmp_path / "o"), ConvertOptions(input_format="sample-batch", **kw))
 
-    base = {"obs": [[0.0], [1.0]], "new_obs": [[1.0], [2.0]], "actions": [0, 1], "rewards": [1.0, 1.0],
-            "terminateds": [False, True], "eps_id": [5, 5], "t": [0, 1]}
+    base = {
+        "obs": [[0.0], [1.0]],
+        "new_obs": [[1.0], [2.0]],
+        "actions": [0, 1],
+        "rewards": [1.0, 1.0],
+        "terminateds": [False, True],
+        "eps_id": [5, 5],
+        "t": [0, 1],
+    }
     bad({k: v for k, v in base.items() if k != "new_obs"}, r"missing column\(s\) \['new_obs'\]")
     bad(dict(base, obs=[[0.0], [1.0, 2.0]]), "not a rectangular numeric array")
     bad(dict(base, terminateds=[True, True]), "rows after its terminal row")
@@ -254,20 +331,33 @@ def test_hostile_and_invalid_input(tmp_path, monkeypatch):
 
 def test_schema_mapping_dones_and_incomplete(tmp_path):
     # a: terminated; b: no terminal row; c: row 1's obs is not row 0's new_obs (a row is missing)
-    rows = {"observation": [[0.0], [1.0], [5.0], [6.0], [10.0], [20.0]],
-            "next_observation": [[1.0], [2.0], [6.0], [7.0], [11.0], [21.0]],
-            "action": [0, 1, 1, 0, 0, 0], "reward": [1.0, 1.0, 0.5, 0.5, 0.0, 0.0],
-            "dones": [False, True, False, False, False, True], "episode": ["a", "a", "b", "b", "c", "c"]}
+    rows = {
+        "observation": [[0.0], [1.0], [5.0], [6.0], [10.0], [20.0]],
+        "next_observation": [[1.0], [2.0], [6.0], [7.0], [11.0], [21.0]],
+        "action": [0, 1, 1, 0, 0, 0],
+        "reward": [1.0, 1.0, 0.5, 0.5, 0.0, 0.0],
+        "dones": [False, True, False, False, False, True],
+        "episode": ["a", "a", "b", "b", "c", "c"],
+    }
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "x.jsonl").write_text(json.dumps(rows) + "\n")
-    schema = {"obs": "observation", "new_obs": "next_observation", "actions": "action", "rewards": "reward",
-              "eps_id": "episode"}
-    res = convert(str(tmp_path / "in"), str(tmp_path / "o1"), ConvertOptions(input_format="sample-batch",
-                                                                               schema=schema))
+    schema = {
+        "obs": "observation",
+        "new_obs": "next_observation",
+        "actions": "action",
+        "rewards": "reward",
+        "eps_id": "episode",
+    }
+    res = convert(
+        str(tmp_path / "in"), str(tmp_path / "o1"), ConvertOptions(input_format="sample-batch", schema=schema)
+    )
     assert (res.written_episodes, res.incomplete_dropped, res.discontinuous) == (2, 1, 1)
     assert any("new_obs of the row before" in n for n in res.notes)
-    res = convert(str(tmp_path / "in"), str(tmp_path / "o2"), ConvertOptions(input_format="sample-batch",
-                                                                               schema=schema, incomplete="truncate"))
+    res = convert(
+        str(tmp_path / "in"),
+        str(tmp_path / "o2"),
+        ConvertOptions(input_format="sample-batch", schema=schema, incomplete="truncate"),
+    )
     assert (res.written_episodes, res.incomplete_truncated) == (3, 1)
     got = _read_back(tmp_path / "o2")
     a, b = got["a"][1], got["b"][1]
@@ -284,7 +374,7 @@ def test_trainer_and_stock_bc_train_on_converted_shards(tmp_path):
     from ray.rllib.algorithms.bc import BCConfig
 
     from rlrec.report_data import collect
-    from trainer.service import ContinuousTrainer, TrainerConfig
+    from rlrec.trainer.service import ContinuousTrainer, TrainerConfig
 
     eps = expert_cartpole_episodes(12, seed=3, max_steps=100, policy_id="expert")
     _write_tabular(eps, tmp_path / "in")
@@ -293,10 +383,19 @@ def test_trainer_and_stock_bc_train_on_converted_shards(tmp_path):
     assert (res.written_episodes, res.shards) == (12, 2)
     ray.init(num_cpus=4, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
     try:
-        tr = ContinuousTrainer(TrainerConfig(
-            input=str(out), checkpoint_dir=str(ck), algo="BC", max_iterations=2, checkpoint_interval=2,
-            progress=False, poll_interval_s=0.2, algo_config={"train_batch_size_per_learner": 128},
-            offline_config={"dataset_num_iters_per_learner": 2}))
+        tr = ContinuousTrainer(
+            TrainerConfig(
+                input=str(out),
+                checkpoint_dir=str(ck),
+                algo="BC",
+                max_iterations=2,
+                checkpoint_interval=2,
+                progress=False,
+                poll_interval_s=0.2,
+                algo_config={"train_batch_size_per_learner": 128},
+                offline_config={"dataset_num_iters_per_learner": 2},
+            )
+        )
         assert tr.run() == 0
         data = collect(None, input_uri=str(out), checkpoint_dir=str(ck))
         assert [r["iteration"] for r in data.trainer] == [1, 2]
@@ -305,8 +404,12 @@ def test_trainer_and_stock_bc_train_on_converted_shards(tmp_path):
         algo = (
             BCConfig()
             .environment(observation_space=ENV.observation_space, action_space=ENV.action_space)
-            .offline_data(input_=[str(out / "expert")], input_read_episodes=True,
-                          map_batches_kwargs={"concurrency": 1}, dataset_num_iters_per_learner=2)
+            .offline_data(
+                input_=[str(out / "expert")],
+                input_read_episodes=True,
+                map_batches_kwargs={"concurrency": 1},
+                dataset_num_iters_per_learner=2,
+            )
             .training(train_batch_size_per_learner=256)
         ).build()
         result = algo.train()
@@ -322,20 +425,34 @@ def test_trainer_and_stock_bc_train_on_converted_shards(tmp_path):
 
 def _structured_episodes():
     """Dict observations (a 2x3 Box and a Discrete) and a Tuple action, two episodes."""
-    from consumer.finished import FinishedEpisode
+    from rlrec.store.finished import FinishedEpisode
 
     obs_space = gym.spaces.Dict({"img": gym.spaces.Box(0.0, 1.0, (2, 3), np.float32), "k": gym.spaces.Discrete(5)})
     act_space = gym.spaces.Tuple([gym.spaces.Discrete(3), gym.spaces.Box(-1.0, 1.0, (2,), np.float32)])
     rng = np.random.default_rng(0)
     out = []
     for n, T in enumerate((4, 6)):
-        out.append(FinishedEpisode(
-            episode_id=f"ep{n}", policy_id="p", policy_version=1, env_id="", observation_space=obs_space,
-            action_space=act_space,
-            observations=[rng.random((T + 1, 2, 3), dtype=np.float32), rng.integers(0, 5, T + 1)],
-            actions=[rng.integers(0, 3, T), rng.uniform(-1, 1, (T, 2)).astype(np.float32)],
-            rewards=rng.random(T), infos=[{}] * (T + 1), extra_model_outputs={},
-            terminated=n == 0, truncated=n == 1, first_offset=0, last_offset=T, started_ms=0, ended_ms=0))
+        out.append(
+            FinishedEpisode(
+                episode_id=f"ep{n}",
+                policy_id="p",
+                policy_version=1,
+                env_id="",
+                observation_space=obs_space,
+                action_space=act_space,
+                observations=[rng.random((T + 1, 2, 3), dtype=np.float32), rng.integers(0, 5, T + 1)],
+                actions=[rng.integers(0, 3, T), rng.uniform(-1, 1, (T, 2)).astype(np.float32)],
+                rewards=rng.random(T),
+                infos=[{}] * (T + 1),
+                extra_model_outputs={},
+                terminated=n == 0,
+                truncated=n == 1,
+                first_offset=0,
+                last_offset=T,
+                started_ms=0,
+                ended_ms=0,
+            )
+        )
     return out
 
 
@@ -361,3 +478,72 @@ def test_tabular_dict_and_tuple_spaces_round_trip(tmp_path, multidim):
         np.testing.assert_array_equal(acts[1], fe.actions[1])
         assert (ep.is_terminated, ep.is_truncated) == (fe.terminated, fe.truncated)
         assert ep.custom_data["policy_id"] == "default_policy"
+
+
+def test_episode_rules_offsets_policy_version_copies_and_multi_agent(tmp_path):
+    """Rules of `rows_to_episodes` the round trips do not pin down (see the module docstring)."""
+    from rlrec.consumer.convert import ConvertResult, read_rows, rows_to_episodes
+
+    def episodes(name: str, *batches: dict, **kw):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "x.jsonl").write_text("".join(json.dumps(b) + "\n" for b in batches))
+        opts = ConvertOptions(input_format="sample-batch", **kw)
+        res = ConvertResult()
+        out = rows_to_episodes(read_rows(str(d), opts)[0], opts, res)
+        return {fe.episode_id: fe for fe in out}, res
+
+    # "a" at input rows 1, 3, 4 (written out of order of t), "b" at rows 0, 2: offsets are input positions;
+    # policy id = module_id, policy version = policy_version (not weights_seq_no) of the episode's first row by t
+    rows = {
+        "eps_id": ["b", "a", "b", "a", "a"],
+        "t": [0, 2, 1, 0, 1],
+        "obs": [[10.0], [2.0], [11.0], [0.0], [1.0]],
+        "new_obs": [[11.0], [3.0], [12.0], [1.0], [2.0]],
+        "actions": [0, 1, 0, 1, 0],
+        "rewards": [1.0, 2.0, 3.0, 4.0, 5.0],
+        "terminateds": [False, True, False, False, False],
+        "truncateds": [False, False, True, False, False],
+        "module_id": ["pb", "pa2", "pb2", "pa", "pa3"],
+        "policy_version": [7, 9, 8, 5, 6],
+        "weights_seq_no": [1, 1, 1, 1, 1],
+    }
+    got, res = episodes("offsets", rows)
+    a, b = got["a"], got["b"]
+    assert (a.first_offset, a.last_offset, b.first_offset, b.last_offset) == (1, 4, 0, 2)
+    assert (a.policy_id, a.policy_version, b.policy_id, b.policy_version) == ("pa", 5, "pb", 7)
+    np.testing.assert_array_equal(a.observations[0], [[0.0], [1.0], [2.0], [3.0]])
+    np.testing.assert_array_equal(a.rewards, [4.0, 5.0, 2.0])
+    assert (a.terminated, a.truncated, b.terminated, b.truncated) == (True, False, False, True)
+    assert a.infos == [{}] * 4 and res.discontinuous == 0
+    got, _ = episodes("override", rows, policy_id="p", policy_version=3)
+    assert {(fe.policy_id, fe.policy_version) for fe in got.values()} == {("p", 3)}
+    got, _ = episodes("wsn", {k: v for k, v in rows.items() if k != "policy_version"})
+    assert {fe.policy_version for fe in got.values()} == {1}
+
+    # no t column: the same complete episode written three times keeps one copy; differing copies are refused
+    one = {
+        "eps_id": [4, 4],
+        "obs": [[0.0], [1.0]],
+        "new_obs": [[1.0], [2.0]],
+        "actions": [0, 1],
+        "rewards": [1.0, 0.5],
+        "terminateds": [False, True],
+    }
+    got, res = episodes("copies", one, one, one)
+    assert res.duplicate_rows == 4 and len(got["4"].rewards) == 2
+    assert (got["4"].first_offset, got["4"].last_offset) == (0, 1)
+    with pytest.raises(ConvertError, match="rows after its terminal row"):
+        episodes("differ", one, dict(one, rewards=[1.0, 0.0]))
+
+    # integer arrays -> Box over the dtype's range, bool arrays -> MultiBinary
+    ints = dict(one, obs=[[0, 1], [1, 2]], new_obs=[[1, 2], [2, 3]], actions=[[True, False], [False, True]])
+    _, res = episodes("spaces", ints)
+    info = np.iinfo(res.observation_space.dtype)
+    assert res.observation_space.dtype.kind == "i" and res.observation_space.shape == (2,)
+    assert (res.observation_space.low.min(), res.observation_space.high.max()) == (info.min, info.max)
+    assert res.action_space == gym.spaces.MultiBinary([2])
+
+    # one episode, two agents: refused
+    with pytest.raises(ConvertError, match="multi-agent recordings are not supported"):
+        episodes("multi", dict(one, agent_id=["agent0", "agent1"]))

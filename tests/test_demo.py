@@ -17,23 +17,51 @@ import time
 import psutil
 import pytest
 
-from consumer.manifest import read_manifest
-from consumer.shards import read_episodes
-from consumer.storage import Storage
+from rlrec.store.manifest import read_manifest
+from rlrec.store.shards import read_episodes
+from rlrec.store.storage import Storage
 
 pytestmark = [pytest.mark.slow, pytest.mark.broker]
 
-LAYOUT_KEYS = {"time", "elapsed_s", "steps_published", "steps_per_s", "episodes_committed", "shards_committed",
-               "dead_letters", "trainer_iteration", "timesteps_trained", "newest_shard_age_s", "eval_return_mean",
-               "policy_version", "policy_versions_in_use"}
+LAYOUT_KEYS = {
+    "time",
+    "elapsed_s",
+    "steps_published",
+    "steps_per_s",
+    "episodes_committed",
+    "shards_committed",
+    "dead_letters",
+    "trainer_iteration",
+    "timesteps_trained",
+    "newest_shard_age_s",
+    "eval_return_mean",
+    "policy_version",
+    "policy_versions_in_use",
+}
 
 
 def _demo(data_dir, *extra: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("RLREC_BOOTSTRAP_SERVERS", None)
-    return subprocess.Popen([sys.executable, "-m", "rlrec", "demo", "--data-dir", str(data_dir), "--no-live",
-                             "--no-report", "--policies", "2", *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "rlrec",
+            "demo",
+            "--data-dir",
+            str(data_dir),
+            "--no-live",
+            "--no-report",
+            "--policies",
+            "2",
+            *extra,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
 
 
 def _jsonl(path) -> list[dict]:
@@ -46,8 +74,11 @@ def _jsonl(path) -> list[dict]:
 
 def _committed_versions(shards: str) -> list[int]:
     storage = Storage.from_uri(shards)
-    return [int(ep.custom_data["policy_version"]) for e in read_manifest(storage)
-            for ep in read_episodes(storage.read(e.path))]
+    return [
+        int(ep.custom_data["policy_version"])
+        for e in read_manifest(storage)
+        for ep in read_episodes(storage.read(e.path))
+    ]
 
 
 def _assert_gone(pids: list[int]) -> None:
@@ -70,8 +101,7 @@ def _assert_gone(pids: list[int]) -> None:
 
 def test_demo_closes_the_loop(tmp_path):
     # ends as soon as a published version (the gate: better than the noisy expert) is in use
-    proc = _demo(tmp_path, "--duration", "200", "--until-return", "1", "--settle-s", "3",
-                 "--checkpoint-interval", "2")
+    proc = _demo(tmp_path, "--duration", "200", "--until-return", "1", "--settle-s", "3", "--checkpoint-interval", "2")
     out, _ = proc.communicate(timeout=280)
     assert proc.returncode == 0, out[-4000:]
     desc = json.load(open(tmp_path / "demo.json"))
@@ -96,7 +126,7 @@ def test_demo_closes_the_loop(tmp_path):
     assert max(versions) <= latest["policy_version"]
     # the demo's own metrics follow the layout
     lines = _jsonl(tmp_path / "metrics.jsonl")
-    assert len(lines) >= 3 and all(LAYOUT_KEYS <= r.keys() for r in lines)
+    assert len(lines) >= 3 and all(r.keys() >= LAYOUT_KEYS for r in lines)
     assert lines[-1]["episodes_committed"] == summary["episodes"]
     assert max(r["policy_version"] or 0 for r in lines) >= 1
     assert f"rlrec inspect {desc['shards_uri']}" in out and "rlrec report" in out
@@ -105,7 +135,7 @@ def test_demo_closes_the_loop(tmp_path):
 def test_demo_stops_cleanly_on_sigint(tmp_path):
     proc = _demo(tmp_path, "--duration", "300", "--until-return", "0")
     try:
-        deadline = time.time() + 150   # everything running: episodes committed, the trainer training
+        deadline = time.time() + 150  # everything running: episodes committed, the trainer training
         while time.time() < deadline:
             lines = _jsonl(tmp_path / "metrics.jsonl")
             if lines and lines[-1]["episodes_committed"] > 0 and (lines[-1]["trainer_iteration"] or 0) >= 1:
@@ -115,7 +145,7 @@ def test_demo_stops_cleanly_on_sigint(tmp_path):
         else:
             raise AssertionError("no episode committed and trained on within 150 s")
         children = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
-        assert len(children) >= 5   # broker, consumer, trainer, 2 policies (+ Ray's processes)
+        assert len(children) >= 5  # broker, consumer, trainer, 2 policies (+ Ray's processes)
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=180)
     finally:

@@ -1,4 +1,4 @@
-"""consumer.finished / consumer.episodes: building RLlib episodes, packing, safe unpacking.
+"""rlrec.store.finished / rlrec.store.episodes: building RLlib episodes, packing, safe unpacking.
 
 No broker and no Ray cluster: only `ray.rllib`'s SingleAgentEpisode (imported in-process).
 
@@ -10,11 +10,11 @@ of the building process): RLlib sets them, we leave them None.
 
 from __future__ import annotations
 
+import base64
 import inspect
 import io
 import pickle
 import zlib
-import base64
 from collections import OrderedDict
 
 import gymnasium as gym
@@ -23,15 +23,15 @@ import msgpack_numpy as mnp
 import numpy as np
 import pytest
 
-from consumer.episodes import (
+from rlrec.producer.spaces import flatten_value, space_from_json, space_leaves, space_to_json
+from rlrec.store.episodes import (
     EpisodeDecodeError,
     UnsafeEpisodeError,
     pack_episode,
     to_single_agent_episode,
     unpack_episode,
 )
-from consumer.finished import FinishedEpisode
-from producer.spaces import flatten_value, space_from_json, space_leaves, space_to_json
+from rlrec.store.finished import FinishedEpisode
 
 SingleAgentEpisode = pytest.importorskip("ray.rllib.env.single_agent_episode").SingleAgentEpisode
 
@@ -53,23 +53,36 @@ def _leaves(space: gym.Space, values: list) -> list[np.ndarray]:
     ]
 
 
-def make_case(obs_space, act_space, obs, actions, rewards, infos, extras, terminated, truncated,
-              eid="ep-1"):
+def make_case(obs_space, act_space, obs, actions, rewards, infos, extras, terminated, truncated, eid="ep-1"):
     """(FinishedEpisode, RLlib's own numpy episode) for the same per-step data."""
     fe = FinishedEpisode(
-        episode_id=eid, policy_id="pol-a", policy_version=3, env_id="Env-v0",
-        observation_space=obs_space, action_space=act_space,
-        observations=_leaves(obs_space, obs), actions=_leaves(act_space, actions),
-        rewards=np.asarray(rewards, dtype=np.float64), infos=infos,
+        episode_id=eid,
+        policy_id="pol-a",
+        policy_version=3,
+        env_id="Env-v0",
+        observation_space=obs_space,
+        action_space=act_space,
+        observations=_leaves(obs_space, obs),
+        actions=_leaves(act_space, actions),
+        rewards=np.asarray(rewards, dtype=np.float64),
+        infos=infos,
         extra_model_outputs={k: np.asarray(v) for k, v in extras.items()},
-        terminated=terminated, truncated=truncated, first_offset=10, last_offset=20,
-        started_ms=1000, ended_ms=2000, finished_at=3.0,
+        terminated=terminated,
+        truncated=truncated,
+        first_offset=10,
+        last_offset=20,
+        started_ms=1000,
+        ended_ms=2000,
+        finished_at=3.0,
     )
     ref = SingleAgentEpisode(id_=eid, observation_space=obs_space, action_space=act_space)
     ref.add_env_reset(obs[0], infos[0])
     for t in range(len(actions)):
         ref.add_env_step(
-            obs[t + 1], actions[t], rewards[t], infos[t + 1],
+            obs[t + 1],
+            actions[t],
+            rewards[t],
+            infos[t + 1],
             terminated=terminated and t == len(actions) - 1,
             truncated=truncated and t == len(actions) - 1,
             extra_model_outputs={k: v[t] for k, v in extras.items()} if extras else None,
@@ -90,38 +103,70 @@ def cartpole_case(terminated: bool, seed: int = 0):
         a = 0 if terminated else int(o[2] + 0.5 * o[3] > 0)
         z = float(o[2] + 0.5 * o[3])
         o, r, term, trunc, info = env.step(a)
-        obs.append(o); acts.append(a); rews.append(r); infos.append(info); logits.append([-z, z])
+        obs.append(o)
+        acts.append(a)
+        rews.append(r)
+        infos.append(info)
+        logits.append([-z, z])
         if term or trunc:
             break
     assert (term, trunc) == (terminated, not terminated)
-    extras = {"action_dist_inputs": np.asarray(logits, dtype=np.float32),
-              "action_logp": np.full(len(acts), -0.5, dtype=np.float32)}
-    return make_case(env.observation_space, env.action_space, obs, acts, rews, infos, extras,
-                     term, trunc, eid=f"cartpole-{seed}-{terminated}")
+    extras = {
+        "action_dist_inputs": np.asarray(logits, dtype=np.float32),
+        "action_logp": np.full(len(acts), -0.5, dtype=np.float32),
+    }
+    return make_case(
+        env.observation_space,
+        env.action_space,
+        obs,
+        acts,
+        rews,
+        infos,
+        extras,
+        term,
+        trunc,
+        eid=f"cartpole-{seed}-{terminated}",
+    )
 
 
 def dict_space() -> gym.spaces.Dict:
     # keys deliberately not sorted: the producer keeps the sender's order
-    sp = gym.spaces.Dict(OrderedDict([
-        ("pos", gym.spaces.Box(-1.0, 1.0, (2,), np.float32)),
-        ("kind", gym.spaces.Discrete(3)),
-        ("aux", gym.spaces.Tuple([gym.spaces.MultiBinary(3), gym.spaces.Box(0.0, 1.0, (2, 2), np.float64)])),
-        ("md", gym.spaces.MultiDiscrete([3, 4])),
-    ]))
+    sp = gym.spaces.Dict(
+        OrderedDict(
+            [
+                ("pos", gym.spaces.Box(-1.0, 1.0, (2,), np.float32)),
+                ("kind", gym.spaces.Discrete(3)),
+                ("aux", gym.spaces.Tuple([gym.spaces.MultiBinary(3), gym.spaces.Box(0.0, 1.0, (2, 2), np.float64)])),
+                ("md", gym.spaces.MultiDiscrete([3, 4])),
+            ]
+        )
+    )
     return space_from_json(space_to_json(sp))  # as the consumer sees it (decoded from events)
 
 
 def dict_case(terminated: bool, T: int = 7, seed: int = 1):
     osp = dict_space()
-    asp = space_from_json(space_to_json(gym.spaces.Tuple([gym.spaces.Discrete(3), gym.spaces.Box(-2, 2, (2,), np.float32)])))
+    asp = space_from_json(
+        space_to_json(gym.spaces.Tuple([gym.spaces.Discrete(3), gym.spaces.Box(-2, 2, (2,), np.float32)]))
+    )
     osp.seed(seed)
     asp.seed(seed)
     obs = [osp.sample() for _ in range(T + 1)]
     acts = [asp.sample() for _ in range(T)]
     infos = [{"reset": True, "arr": np.arange(3, dtype=np.int32)}] + [{"t": t} if t % 2 else {} for t in range(T)]
     extras = {"vf_preds": np.linspace(0, 1, T).astype(np.float32), "state_out": np.ones((T, 2, 3), np.float32)}
-    return make_case(osp, asp, obs, acts, [0.5 * t for t in range(T)], infos, extras,
-                     terminated, not terminated, eid=f"dict-{terminated}")
+    return make_case(
+        osp,
+        asp,
+        obs,
+        acts,
+        [0.5 * t for t in range(T)],
+        infos,
+        extras,
+        terminated,
+        not terminated,
+        eid=f"dict-{terminated}",
+    )
 
 
 CASES = {
@@ -159,7 +204,11 @@ def assert_same(a, b, path="") -> None:
 def assert_episodes_equal(ours, ref, *, tuples_as_lists=False) -> None:
     assert isinstance(ours, SingleAgentEpisode)
     assert ours.id_ == ref.id_
-    assert (ours.agent_id, ours.module_id, ours.multi_agent_episode_id) == (ref.agent_id, ref.module_id, ref.multi_agent_episode_id)
+    assert (ours.agent_id, ours.module_id, ours.multi_agent_episode_id) == (
+        ref.agent_id,
+        ref.module_id,
+        ref.multi_agent_episode_id,
+    )
     assert ours.is_numpy == ref.is_numpy
     for name in ("observations", "actions", "rewards", "infos"):
         x, y = getattr(ours, name), getattr(ref, name)
@@ -192,8 +241,12 @@ def test_finished_episode_properties():
     fe, _ = cartpole_case(False)
     assert fe.length == 40 == len(fe.actions[0]) == len(fe.observations[0]) - 1
     assert fe.episode_return == pytest.approx(40.0)
-    arrays = fe.observations[0].nbytes + fe.actions[0].nbytes + fe.rewards.nbytes + sum(
-        v.nbytes for v in fe.extra_model_outputs.values())
+    arrays = (
+        fe.observations[0].nbytes
+        + fe.actions[0].nbytes
+        + fe.rewards.nbytes
+        + sum(v.nbytes for v in fe.extra_model_outputs.values())
+    )
     assert arrays < fe.nbytes() < arrays + 2048
     assert fe.finished_at == 3.0
 
@@ -295,13 +348,17 @@ def test_custom_data_survives_get_state_from_state():
 
 
 def test_numpy_form_is_smaller_than_list_form():
-    fe, ref = cartpole_case(False)
+    fe, _ref = cartpole_case(False)
     numpy_bytes = len(pack_episode(to_single_agent_episode(fe)))
     listy = SingleAgentEpisode(id_="x", observation_space=fe.observation_space, action_space=fe.action_space)
     listy.add_env_reset(fe.observations[0][0])
     for t in range(fe.length):
-        listy.add_env_step(fe.observations[0][t + 1], int(fe.actions[0][t]), 1.0,
-                           extra_model_outputs={k: v[t] for k, v in fe.extra_model_outputs.items()})
+        listy.add_env_step(
+            fe.observations[0][t + 1],
+            int(fe.actions[0][t]),
+            1.0,
+            extra_model_outputs={k: v[t] for k, v in fe.extra_model_outputs.items()},
+        )
     assert numpy_bytes < 0.7 * len(pack_episode(listy))
 
 
@@ -360,8 +417,7 @@ def test_unpack_refuses_other_bad_payloads(tmp_path):
     fe, _ = cartpole_case(True)
     state = to_single_agent_episode(fe).get_state()
     good = msgpack.packb(state, default=mnp.encode)
-    for bad in (b"", b"\x00\x01garbage", good[: len(good) // 2], msgpack.packb([1, 2, 3]),
-                msgpack.packb({"id_": "x"})):
+    for bad in (b"", b"\x00\x01garbage", good[: len(good) // 2], msgpack.packb([1, 2, 3]), msgpack.packb({"id_": "x"})):
         with pytest.raises(EpisodeDecodeError):
             unpack_episode(bad)
     # an object scalar, a structured dtype, a byte-length lie

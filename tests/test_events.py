@@ -1,4 +1,4 @@
-"""The event contract (producer.events): encode/decode round trips and hostile input. No broker."""
+"""The event contract (rlrec.producer.events): encode/decode round trips and hostile input. No broker."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from gymnasium import spaces as gs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from producer.arrays import ALLOWED_DTYPES, array_to_wire
-from producer.events import (
+from rlrec.producer.arrays import ALLOWED_DTYPES, array_to_wire
+from rlrec.producer.events import (
     DECODE_REASONS,
     SCHEMA_HEADER,
     DecodeError,
@@ -33,7 +33,7 @@ from producer.events import (
     parse_space,
     schema_header,
 )
-from producer.spaces import (
+from rlrec.producer.spaces import (
     dumps_space,
     flatten_value,
     loads_space,
@@ -145,15 +145,20 @@ def box_spaces(draw) -> gs.Box:
 
 @st.composite
 def discrete_spaces(draw) -> gs.Discrete:
-    return gs.Discrete(draw(st.integers(1, 10)), start=draw(st.integers(-5, 5)),
-                       dtype=draw(st.sampled_from([np.int64, np.int32])))
+    return gs.Discrete(
+        draw(st.integers(1, 10)), start=draw(st.integers(-5, 5)), dtype=draw(st.sampled_from([np.int64, np.int32]))
+    )
 
 
 @st.composite
 def multidiscrete_spaces(draw) -> gs.MultiDiscrete:
     shape = draw(st.sampled_from([(1,), (3,), (2, 2), (2, 3)]))
-    nvec = np.array(draw(st.lists(st.integers(1, 6), min_size=math.prod(shape), max_size=math.prod(shape)))).reshape(shape)
-    start = np.array(draw(st.lists(st.integers(-3, 3), min_size=math.prod(shape), max_size=math.prod(shape)))).reshape(shape)
+    nvec = np.array(draw(st.lists(st.integers(1, 6), min_size=math.prod(shape), max_size=math.prod(shape)))).reshape(
+        shape
+    )
+    start = np.array(draw(st.lists(st.integers(-3, 3), min_size=math.prod(shape), max_size=math.prod(shape)))).reshape(
+        shape
+    )
     return gs.MultiDiscrete(nvec, dtype=draw(st.sampled_from([np.int64, np.int32])), start=start)
 
 
@@ -179,16 +184,21 @@ spaces = st.recursive(leaf_spaces, lambda children: st.one_of(_dicts(children), 
 def nested_space() -> gs.Dict:
     """A Dict holding a Tuple holding a Dict (and every leaf type), keys deliberately unsorted."""
     inner = gs.Dict([("z", gs.Box(-1, 1, (2, 2), np.float32)), ("a", gs.MultiBinary([2, 2]))])
-    return gs.Dict([
-        ("pos", gs.Box(-np.inf, np.inf, (3,), np.float64)),
-        ("inv", gs.Tuple([gs.Discrete(4, start=1), inner, gs.MultiDiscrete([[2, 3], [4, 5]])])),
-        ("flag", gs.Box(0, 1, (), bool)),
-    ])
+    return gs.Dict(
+        [
+            ("pos", gs.Box(-np.inf, np.inf, (3,), np.float64)),
+            ("inv", gs.Tuple([gs.Discrete(4, start=1), inner, gs.MultiDiscrete([[2, 3], [4, 5]])])),
+            ("flag", gs.Box(0, 1, (), bool)),
+        ]
+    )
 
 
 json_scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**63), 2**64),
-    st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=8),
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), 2**64),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=8),
 )
 info_keys = st.text(max_size=6).filter(lambda k: k != "$ndarray")
 
@@ -226,7 +236,7 @@ def test_space_json_round_trip(space):
     json.loads(text)  # standard JSON (no NaN/Infinity tokens)
     back = loads_space(text)
     assert_space_equal(back, space)
-    assert [(l.dtype, l.shape) for l in space_leaves(back)] == [(l.dtype, l.shape) for l in space_leaves(space)]
+    assert [(x.dtype, x.shape) for x in space_leaves(back)] == [(x.dtype, x.shape) for x in space_leaves(space)]
 
 
 def test_space_json_examples_and_key_order():
@@ -253,14 +263,29 @@ def test_space_json_examples_and_key_order():
 
 
 @SETTINGS
-@given(space=spaces, act_space=spaces, seed=st.integers(0, 2**31 - 1), info=infos, eid=ids, pid=ids,
-       version=st.integers(0, 2**62), env_id=st.text(max_size=20), ts=st.integers(0, 2**62))
+@given(
+    space=spaces,
+    act_space=spaces,
+    seed=st.integers(0, 2**31 - 1),
+    info=infos,
+    eid=ids,
+    pid=ids,
+    version=st.integers(0, 2**62),
+    env_id=st.text(max_size=20),
+    ts=st.integers(0, 2**62),
+)
 def test_episode_start_round_trip(space, act_space, seed, info, eid, pid, version, env_id, ts):
     space.seed(seed)
     obs = leaves_of(space, space.sample())
     ev = EpisodeStart(eid, pid, version, obs, space, act_space, env_id, info, ts)
     out = roundtrip(ev)
-    assert (out.episode_id, out.policy_id, out.policy_version, out.env_id, out.timestamp_ms) == (eid, pid, version, env_id, ts)
+    assert (out.episode_id, out.policy_id, out.policy_version, out.env_id, out.timestamp_ms) == (
+        eid,
+        pid,
+        version,
+        env_id,
+        ts,
+    )
     assert len(out.observation) == len(obs)
     for g, w in zip(out.observation, obs):
         assert_array_equal(g, w)
@@ -273,8 +298,15 @@ def test_episode_start_round_trip(space, act_space, seed, info, eid, pid, versio
 
 
 @SETTINGS
-@given(obs_space=spaces, act_space=spaces, seed=st.integers(0, 2**31 - 1), n=st.integers(1, 5),
-       data=st.data(), t0=st.integers(0, 2**40), flags=st.sampled_from([(False, False), (True, False), (False, True)]))
+@given(
+    obs_space=spaces,
+    act_space=spaces,
+    seed=st.integers(0, 2**31 - 1),
+    n=st.integers(1, 5),
+    data=st.data(),
+    t0=st.integers(0, 2**40),
+    flags=st.sampled_from([(False, False), (True, False), (False, True)]),
+)
 def test_step_batch_round_trip(obs_space, act_space, seed, n, data, t0, flags):
     obs_space.seed(seed)
     act_space.seed(seed + 1)
@@ -335,8 +367,16 @@ def test_box_of_every_dtype_round_trip(dtype):
         start = roundtrip(EpisodeStart("e", "p", 0, leaves_of(space, values[0]), space, space))
         assert_array_equal(start.observation[0], np.asarray(values[0], dt))
         assert start.observation[0].shape == shape
-        batch = roundtrip(StepBatch("e", 0, stacked_leaves(space, values[1:]), np.zeros(3), stacked_leaves(space, values[1:]),
-                                    extra_model_outputs={"x": np.zeros((3, *shape), dt)}))
+        batch = roundtrip(
+            StepBatch(
+                "e",
+                0,
+                stacked_leaves(space, values[1:]),
+                np.zeros(3),
+                stacked_leaves(space, values[1:]),
+                extra_model_outputs={"x": np.zeros((3, *shape), dt)},
+            )
+        )
         for arrays in (batch.actions, batch.observations, [batch.extra_model_outputs["x"]]):
             assert arrays[0].dtype.name == dtype and arrays[0].shape == (3, *shape)
         assert_array_equal(batch.observations[0], np.stack([np.asarray(v, dt) for v in values[1:]]))
@@ -349,20 +389,42 @@ def test_nested_dict_in_tuple_in_dict_all_kinds():
     obs_space.seed(0)
     act_space.seed(1)
     first = obs_space.sample()
-    start = roundtrip(EpisodeStart("e", "p", 2, leaves_of(obs_space, first), obs_space, act_space, "Nested-v0",
-                                   {"deep": [{"x": np.arange(4, dtype=np.int16).reshape(2, 2)}, None]}, 5))
+    start = roundtrip(
+        EpisodeStart(
+            "e",
+            "p",
+            2,
+            leaves_of(obs_space, first),
+            obs_space,
+            act_space,
+            "Nested-v0",
+            {"deep": [{"x": np.arange(4, dtype=np.int16).reshape(2, 2)}, None]},
+            5,
+        )
+    )
     assert_space_equal(start.observation_space, obs_space)
     # leaves: depth first, Dict children in key order (pos, inv: [Discrete, z, a, MultiDiscrete], flag)
-    assert [l.shape for l in space_leaves(start.observation_space)] == [(3,), (), (2, 2), (2, 2), (2, 2), ()]
+    assert [x.shape for x in space_leaves(start.observation_space)] == [(3,), (), (2, 2), (2, 2), (2, 2), ()]
     rebuilt = unflatten_leaves(start.observation_space, start.observation)
     assert list(rebuilt) == ["pos", "inv", "flag"] and list(rebuilt["inv"][1]) == ["z", "a"]
     assert obs_space.contains(rebuilt)
     np.testing.assert_array_equal(rebuilt["inv"][1]["z"], first["inv"][1]["z"])
     obs = [obs_space.sample() for _ in range(3)]
     acts = [act_space.sample() for _ in range(3)]
-    batch = roundtrip(StepBatch("e", 0, stacked_leaves(act_space, acts), np.array([1.0, 0.0, -1.0]),
-                                stacked_leaves(obs_space, obs), True, False,
-                                [{}, {"a": 1}, {}], {"logits": np.zeros((3, 3), np.float32)}, 6))
+    batch = roundtrip(
+        StepBatch(
+            "e",
+            0,
+            stacked_leaves(act_space, acts),
+            np.array([1.0, 0.0, -1.0]),
+            stacked_leaves(obs_space, obs),
+            True,
+            False,
+            [{}, {"a": 1}, {}],
+            {"logits": np.zeros((3, 3), np.float32)},
+            6,
+        )
+    )
     check_leaves(batch.observations, space_leaves(start.observation_space), 3, "observations")
     check_leaves(batch.actions, space_leaves(start.action_space), 3, "actions")
     assert batch.infos == [{}, {"a": 1}, {}]
@@ -382,19 +444,35 @@ def test_info_round_trip(info):
 
 
 def test_info_nested_values_and_arrays():
-    info = {"a": {"b": [1, 2.5, None, True, "x", {"c": []}]}, "arr": np.arange(6, dtype=np.float32).reshape(2, 3),
-            "scalar": np.float32(0.25), "flag": np.bool_(True), "empty": np.zeros((0, 2), np.uint8)}
+    info = {
+        "a": {"b": [1, 2.5, None, True, "x", {"c": []}]},
+        "arr": np.arange(6, dtype=np.float32).reshape(2, 3),
+        "scalar": np.float32(0.25),
+        "flag": np.bool_(True),
+        "empty": np.zeros((0, 2), np.uint8),
+    }
     back = loads_info(dumps_info(info))
     assert back["a"] == info["a"] and back["scalar"] == 0.25 and back["flag"] is True
     assert_array_equal(back["arr"], info["arr"])
     assert_array_equal(back["empty"], info["empty"])
     assert json.loads(dumps_info({"arr": np.array([1], np.int64)})) == {
-        "arr": {"$ndarray": {"dtype": "int64", "shape": [1], "data": base64.b64encode(np.int64(1).tobytes()).decode()}}}
+        "arr": {"$ndarray": {"dtype": "int64", "shape": [1], "data": base64.b64encode(np.int64(1).tobytes()).decode()}}
+    }
     assert dumps_info({}) == "" and dumps_info(None) == "" and loads_info("") == {}
 
 
-@pytest.mark.parametrize("bad", [{1, 2}, object(), np.array([object()]), np.array(["str"]), np.array([1j]),
-                                 b"bytes", {"nested": {"set": frozenset()}}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {1, 2},
+        object(),
+        np.array([object()]),
+        np.array(["str"]),
+        np.array([1j]),
+        b"bytes",
+        {"nested": {"set": frozenset()}},
+    ],
+)
 def test_info_unsupported_values_raise_type_error(bad):
     info = {"k": bad}
     with pytest.raises(TypeError):
@@ -422,14 +500,29 @@ def _raw(kind: str, **over) -> tuple[bytes, list]:
     """A valid raw record of `kind` (Box(2,) float32 obs, Discrete(3) actions), with fields replaced."""
     box = gs.Box(-1, 1, (2,), np.float32)
     base = {
-        "EpisodeStart": {"episode_id": "e1", "policy_id": "p", "policy_version": 1, "env_id": "",
-                         "observation": [_arr(np.zeros(2, np.float32))], "info": "",
-                         "observation_space": dumps_space(box), "action_space": dumps_space(gs.Discrete(3)),
-                         "timestamp_ms": 1},
-        "StepBatch": {"episode_id": "e1", "t0": 0, "actions": [_arr(np.array([0, 1], np.int64))],
-                      "rewards": _arr(np.array([1.0, 2.0])), "observations": [_arr(np.zeros((2, 2), np.float32))],
-                      "terminated": False, "truncated": False, "infos": None, "extra_model_outputs": {},
-                      "timestamp_ms": 1},
+        "EpisodeStart": {
+            "episode_id": "e1",
+            "policy_id": "p",
+            "policy_version": 1,
+            "env_id": "",
+            "observation": [_arr(np.zeros(2, np.float32))],
+            "info": "",
+            "observation_space": dumps_space(box),
+            "action_space": dumps_space(gs.Discrete(3)),
+            "timestamp_ms": 1,
+        },
+        "StepBatch": {
+            "episode_id": "e1",
+            "t0": 0,
+            "actions": [_arr(np.array([0, 1], np.int64))],
+            "rewards": _arr(np.array([1.0, 2.0])),
+            "observations": [_arr(np.zeros((2, 2), np.float32))],
+            "terminated": False,
+            "truncated": False,
+            "infos": None,
+            "extra_model_outputs": {},
+            "timestamp_ms": 1,
+        },
         "RewardDelta": {"episode_id": "e1", "t": 0, "reward": 1.0, "timestamp_ms": 1},
         "EpisodeAbort": {"episode_id": "e1", "reason": "", "timestamp_ms": 1},
     }[kind]
@@ -451,8 +544,22 @@ def test_no_header(headers):
     assert reason_of(value, headers) == "bad-header"
 
 
-@pytest.mark.parametrize("hv", [b"", b"StepBatch", b"StepBatch/", b"StepBatch/x", b"/1", b"a/b/c", b"StepBatch/1/2",
-                                b"\xff\xfe/1", b"StepBatch/\xff", None, b"StepBatch/1.0"])
+@pytest.mark.parametrize(
+    "hv",
+    [
+        b"",
+        b"StepBatch",
+        b"StepBatch/",
+        b"StepBatch/x",
+        b"/1",
+        b"a/b/c",
+        b"StepBatch/1/2",
+        b"\xff\xfe/1",
+        b"StepBatch/\xff",
+        None,
+        b"StepBatch/1.0",
+    ],
+)
 def test_garbage_header(hv):
     value, _ = VALID[1]
     assert reason_of(value, [(SCHEMA_HEADER, hv)]) in ("bad-header", "unknown-schema")
@@ -471,7 +578,9 @@ def test_unknown_kind(hv):
     assert reason_of(VALID[1][0], [(SCHEMA_HEADER, hv)]) == "unknown-schema"
 
 
-@pytest.mark.parametrize("hv", [b"StepBatch/0", b"StepBatch/2", b"StepBatch/99", b"StepBatch/-1", b"EpisodeStart/" + b"9" * 30])
+@pytest.mark.parametrize(
+    "hv", [b"StepBatch/0", b"StepBatch/2", b"StepBatch/99", b"StepBatch/-1", b"EpisodeStart/" + b"9" * 30]
+)
 def test_unknown_version(hv):
     assert reason_of(VALID[1][0], [(SCHEMA_HEADER, hv)]) == "unknown-schema"
 
@@ -504,10 +613,24 @@ def test_bit_flipped_bodies_raise_only_decode_error():
     """Every single-bit flip of every valid message: an event or a DecodeError, nothing else."""
     nested = nested_space()
     nested.seed(3)
-    extra = [encode(EpisodeStart("e", "p", 1, leaves_of(nested, nested.sample()), nested, gs.Discrete(2), "x",
-                                 {"a": np.arange(3)}, 1)),
-             encode(StepBatch("e", 0, [np.array([1, 0])], np.array([0.5, 1.0]), [np.ones((2, 2), np.float32)],
-                              infos=[{"x": [1]}, {}], extra_model_outputs={"logp": np.zeros(2, np.float32)}))]
+    extra = [
+        encode(
+            EpisodeStart(
+                "e", "p", 1, leaves_of(nested, nested.sample()), nested, gs.Discrete(2), "x", {"a": np.arange(3)}, 1
+            )
+        ),
+        encode(
+            StepBatch(
+                "e",
+                0,
+                [np.array([1, 0])],
+                np.array([0.5, 1.0]),
+                [np.ones((2, 2), np.float32)],
+                infos=[{"x": [1]}, {}],
+                extra_model_outputs={"logp": np.zeros(2, np.float32)},
+            )
+        ),
+    ]
     reasons = set()
     for value, headers in VALID + extra:
         for pos in range(len(value)):
@@ -521,7 +644,9 @@ def test_bit_flipped_bodies_raise_only_decode_error():
     assert "malformed" in reasons and reasons <= set(DECODE_REASONS)
 
 
-@pytest.mark.parametrize("dtype", ["object", "void", "<U4", "O", "V8", "complex128", "float128", "datetime64", ">f4", "f4", ""])
+@pytest.mark.parametrize(
+    "dtype", ["object", "void", "<U4", "O", "V8", "complex128", "float128", "datetime64", ">f4", "f4", ""]
+)
 def test_bad_dtype(dtype):
     a = {"dtype": dtype, "shape": [2], "data": b"\x00" * 8}
     assert reason_of(*_raw("StepBatch", actions=[a])) == "bad-dtype"
@@ -532,14 +657,30 @@ def test_bad_dtype(dtype):
     assert reason_of(*_raw("StepBatch", infos=[info, ""])) == "bad-dtype"
 
 
-@pytest.mark.parametrize("shape,nbytes", [([2], 7), ([2], 9), ([2, 2], 8), ([], 0), ([0], 4), ([3], 0),
-                                          ([-1], 4), ([2, -2], 16), ([-1, -1], 4), ([0, 2**62, 2**62], 0),
-                                          ([2**40, 2**40], 0), ([1] * 40, 4)])
+@pytest.mark.parametrize(
+    "shape,nbytes",
+    [
+        ([2], 7),
+        ([2], 9),
+        ([2, 2], 8),
+        ([], 0),
+        ([0], 4),
+        ([3], 0),
+        ([-1], 4),
+        ([2, -2], 16),
+        ([-1, -1], 4),
+        ([0, 2**62, 2**62], 0),
+        ([2**40, 2**40], 0),
+        ([1] * 40, 4),
+    ],
+)
 def test_bad_shape(shape, nbytes):
     a = {"dtype": "float32", "shape": shape, "data": b"\x00" * nbytes}
     assert reason_of(*_raw("StepBatch", observations=[a])) == "bad-shape"
     assert reason_of(*_raw("EpisodeStart", observation=[a])) == "bad-shape"
-    info = json.dumps({"a": {"$ndarray": {"dtype": "float32", "shape": shape, "data": base64.b64encode(b"\0" * nbytes).decode()}}})
+    info = json.dumps(
+        {"a": {"$ndarray": {"dtype": "float32", "shape": shape, "data": base64.b64encode(b"\0" * nbytes).decode()}}}
+    )
     assert reason_of(*_raw("EpisodeStart", info=info)) == "bad-shape"
 
 
@@ -579,30 +720,46 @@ def test_episode_start_observation_contradicts_space():
     dict_space = gs.Dict([("b", gs.Discrete(2)), ("a", gs.Box(0, 1, (2,), np.float32))])
     # leaves in the wrong order (a's leaf first) contradict the declared key order
     wrong = [_arr(np.zeros(2, np.float32)), _arr(np.int64(0))]
-    assert reason_of(*_raw("EpisodeStart", observation_space=dumps_space(dict_space), observation=wrong)) == "space-mismatch"
+    assert (
+        reason_of(*_raw("EpisodeStart", observation_space=dumps_space(dict_space), observation=wrong))
+        == "space-mismatch"
+    )
     right = [_arr(np.int64(0)), _arr(np.zeros(2, np.float32))]
-    assert isinstance(decode(*_raw("EpisodeStart", observation_space=dumps_space(dict_space), observation=right)), EpisodeStart)
+    assert isinstance(
+        decode(*_raw("EpisodeStart", observation_space=dumps_space(dict_space), observation=right)), EpisodeStart
+    )
 
 
-@pytest.mark.parametrize("text", [
-    "", "not json", "[]", "null", "1", '{"type": "Weird"}', '{"n": 3}', '{"type": "Discrete", "n": 0}',
-    '{"type": "Discrete", "n": true}', '{"type": "Discrete", "n": 3, "dtype": "object"}',
-    '{"type": "Box", "shape": [2], "dtype": "object", "low": [0, 0], "high": [1, 1]}',
-    '{"type": "Box", "shape": [2], "dtype": "float32", "low": [0], "high": [1, 1]}',
-    '{"type": "Box", "shape": [-2], "dtype": "float32", "low": [], "high": []}',
-    '{"type": "Box", "shape": [2], "dtype": "float32", "low": ["x", 0], "high": [1, 1]}',
-    '{"type": "Box", "shape": [1], "dtype": "int8", "low": [0], "high": [1000]}',
-    '{"type": "Box", "shape": [1], "dtype": "int8", "low": [0.5], "high": [1]}',
-    '{"type": "Box", "shape": [100000, 100000], "dtype": "uint8", "low": [], "high": []}',
-    '{"type": "MultiDiscrete", "shape": [2], "nvec": [2], "dtype": "int64"}',
-    '{"type": "MultiBinary", "shape": "3"}',
-    '{"type": "Dict", "spaces": {"a": {"type": "Discrete", "n": 2}}}',
-    '{"type": "Dict", "spaces": [["a", {"type": "Discrete", "n": 2}], ["a", {"type": "Discrete", "n": 2}]]}',
-    '{"type": "Tuple", "spaces": "x"}',
-    '{"type": "Graph"}',
-    '{"type": "Tuple", "spaces": [' * 40 + '{"type": "Discrete", "n": 2}' + "]}" * 40,
-    "[" * 100_000,
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "not json",
+        "[]",
+        "null",
+        "1",
+        '{"type": "Weird"}',
+        '{"n": 3}',
+        '{"type": "Discrete", "n": 0}',
+        '{"type": "Discrete", "n": true}',
+        '{"type": "Discrete", "n": 3, "dtype": "object"}',
+        '{"type": "Box", "shape": [2], "dtype": "object", "low": [0, 0], "high": [1, 1]}',
+        '{"type": "Box", "shape": [2], "dtype": "float32", "low": [0], "high": [1, 1]}',
+        '{"type": "Box", "shape": [-2], "dtype": "float32", "low": [], "high": []}',
+        '{"type": "Box", "shape": [2], "dtype": "float32", "low": ["x", 0], "high": [1, 1]}',
+        '{"type": "Box", "shape": [1], "dtype": "int8", "low": [0], "high": [1000]}',
+        '{"type": "Box", "shape": [1], "dtype": "int8", "low": [0.5], "high": [1]}',
+        '{"type": "Box", "shape": [100000, 100000], "dtype": "uint8", "low": [], "high": []}',
+        '{"type": "MultiDiscrete", "shape": [2], "nvec": [2], "dtype": "int64"}',
+        '{"type": "MultiBinary", "shape": "3"}',
+        '{"type": "Dict", "spaces": {"a": {"type": "Discrete", "n": 2}}}',
+        '{"type": "Dict", "spaces": [["a", {"type": "Discrete", "n": 2}], ["a", {"type": "Discrete", "n": 2}]]}',
+        '{"type": "Tuple", "spaces": "x"}',
+        '{"type": "Graph"}',
+        '{"type": "Tuple", "spaces": [' * 40 + '{"type": "Discrete", "n": 2}' + "]}" * 40,
+        "[" * 100_000,
+    ],
+)
 def test_invalid_space_json(text):
     assert reason_of(*_raw("EpisodeStart", observation_space=text)) == "bad-space"
     assert reason_of(*_raw("EpisodeStart", action_space=text)) == "bad-space"
@@ -616,8 +773,16 @@ def test_check_leaves_mismatch():
     ok = [np.zeros((4, 2), np.float32), np.zeros(4, np.int64)]
     check_leaves(ok, leaves, 4, "observations")
     check_leaves([a[0] for a in ok], leaves, None, "observation")
-    for bad, n in [(ok, 3), (ok[:1], 4), (ok + ok[:1], 4), ([ok[0].astype(np.float64), ok[1]], 4),
-                   ([ok[0], ok[1].astype(np.int32)], 4), ([ok[0][:, :1], ok[1]], 4), (ok, None), ([ok[1], ok[0]], 4)]:
+    for bad, n in [
+        (ok, 3),
+        (ok[:1], 4),
+        (ok + ok[:1], 4),
+        ([ok[0].astype(np.float64), ok[1]], 4),
+        ([ok[0], ok[1].astype(np.int32)], 4),
+        ([ok[0][:, :1], ok[1]], 4),
+        (ok, None),
+        ([ok[1], ok[0]], 4),
+    ]:
         with pytest.raises(DecodeError) as ei:
             check_leaves(bad, leaves, n, "observations")
         assert ei.value.reason == "space-mismatch"
@@ -640,11 +805,22 @@ def test_bad_values():
     assert reason_of(*_raw("EpisodeStart", policy_id="")) == "bad-value"
 
 
-@pytest.mark.parametrize("info", ["[1, 2]", "1", "not json", '"s"', "{", '{"a": {"$ndarray": 1}}',
-                                  '{"a": {"$ndarray": {"dtype": "int8", "shape": [1], "data": "!!"}}}',
-                                  '{"a": {"$ndarray": {"dtype": "int8", "shape": null, "data": "AA=="}}}',
-                                  '{"a": {"$ndarray": {"dtype": "int8", "shape": ["x"], "data": "AA=="}}}',
-                                  '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}", '{"a": 1' + "0" * 5000 + "}"])
+@pytest.mark.parametrize(
+    "info",
+    [
+        "[1, 2]",
+        "1",
+        "not json",
+        '"s"',
+        "{",
+        '{"a": {"$ndarray": 1}}',
+        '{"a": {"$ndarray": {"dtype": "int8", "shape": [1], "data": "!!"}}}',
+        '{"a": {"$ndarray": {"dtype": "int8", "shape": null, "data": "AA=="}}}',
+        '{"a": {"$ndarray": {"dtype": "int8", "shape": ["x"], "data": "AA=="}}}',
+        '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}",
+        '{"a": 1' + "0" * 5000 + "}",
+    ],
+)
 def test_bad_info_json(info):
     assert reason_of(*_raw("EpisodeStart", info=info)) == "bad-json"
     assert reason_of(*_raw("StepBatch", infos=[info, ""])) == "bad-json"
@@ -672,7 +848,9 @@ def _payloads(marker: Path) -> list[bytes]:
         return out
     # msgpack-numpy's object-array form: decoding it with msgpack_numpy.decode unpickles `data`
     out.append(msgpack.packb({b"nd": True, b"type": b"|O", b"kind": b"O", b"shape": [1], b"data": pk[-1]}))
-    out.append(msgpack.packb({"observations": {b"nd": True, b"type": b"|O", b"kind": b"O", b"shape": [1], b"data": pk[-1]}}))
+    out.append(
+        msgpack.packb({"observations": {b"nd": True, b"type": b"|O", b"kind": b"O", b"shape": [1], b"data": pk[-1]}})
+    )
     out.append(msgpack.packb(msgpack.ExtType(42, pk[-1])))
     return out
 
@@ -712,11 +890,11 @@ def test_crafted_pickle_and_msgpack_payloads_are_not_executed(tmp_path):
 
 
 def test_decode_module_imports_nothing_unsafe():
-    import producer.arrays
-    import producer.events
-    import producer.spaces
+    import rlrec.producer.arrays
+    import rlrec.producer.events
+    import rlrec.producer.spaces
 
-    for mod in (producer.events, producer.arrays, producer.spaces):
+    for mod in (rlrec.producer.events, rlrec.producer.arrays, rlrec.producer.spaces):
         src = Path(mod.__file__).read_text()
         for name in ("import pickle", "import msgpack", "cloudpickle", "eval(", "exec(", "allow_pickle=True"):
             assert name not in src, (mod.__name__, name)
@@ -733,12 +911,18 @@ _HEADER_VALUES = [f"{k}/{v}".encode() for k in KINDS for v in (0, 1, 2)] + [b"",
     body=st.one_of(
         st.binary(max_size=400),
         st.tuples(st.sampled_from(_VALID_BODIES), st.integers(0, 400), st.binary(min_size=1, max_size=8)).map(
-            lambda t: t[0][: t[1]] + t[2] + t[0][t[1] + len(t[2]):]),  # overwrite a few bytes of a valid body
+            lambda t: t[0][: t[1]] + t[2] + t[0][t[1] + len(t[2]) :]
+        ),  # overwrite a few bytes of a valid body
     ),
     headers=st.one_of(
         st.none(),
-        st.lists(st.tuples(st.sampled_from([SCHEMA_HEADER, "other", "RLREC-SCHEMA"]),
-                           st.one_of(st.none(), st.binary(max_size=20), st.sampled_from(_HEADER_VALUES))), max_size=3),
+        st.lists(
+            st.tuples(
+                st.sampled_from([SCHEMA_HEADER, "other", "RLREC-SCHEMA"]),
+                st.one_of(st.none(), st.binary(max_size=20), st.sampled_from(_HEADER_VALUES)),
+            ),
+            max_size=3,
+        ),
         st.dictionaries(st.sampled_from([SCHEMA_HEADER, "x"]), st.sampled_from(_HEADER_VALUES)),
     ),
     max_bytes=st.none() | st.integers(0, 500),
@@ -753,8 +937,19 @@ def test_fuzz_decode_returns_event_or_decode_error(body, headers, max_bytes):
 
 
 def test_decode_reasons_documented():
-    assert set(DECODE_REASONS) == {"oversize", "bad-header", "unknown-schema", "malformed", "bad-dtype", "bad-shape",
-                                   "bad-json", "bad-space", "space-mismatch", "bad-value", "non-finite-reward"}
+    assert set(DECODE_REASONS) == {
+        "oversize",
+        "bad-header",
+        "unknown-schema",
+        "malformed",
+        "bad-dtype",
+        "bad-shape",
+        "bad-json",
+        "bad-space",
+        "space-mismatch",
+        "bad-value",
+        "non-finite-reward",
+    }
     with pytest.raises(AssertionError):
         DecodeError("not-a-reason", "x")
     assert issubclass(DecodeError, ValueError)

@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import producer.events as events
-from producer.events import EpisodeAbort, EpisodeStart, RewardDelta, StepBatch, decode, dumps_info, encode
-from producer.spaces import dumps_space, loads_space, space_leaves, space_to_json
+import rlrec.producer.events as events
+from rlrec.producer.events import EpisodeAbort, EpisodeStart, RewardDelta, StepBatch, decode, dumps_info, encode
+from rlrec.producer.spaces import dumps_space, loads_space, space_leaves, space_to_json
 
 GOLDEN = Path(events.__file__).with_name("schemas") / "golden"
 NAMES = sorted(p.stem for p in GOLDEN.glob("*.json"))
@@ -60,14 +60,30 @@ def expected_event(doc: dict):
     f = doc["fields"]
     kind = doc["kind"]
     if kind == "EpisodeStart":
-        return EpisodeStart(f["episode_id"], f["policy_id"], f["policy_version"], [_array(a) for a in f["observation"]],
-                            _space(f, "observation_space"), _space(f, "action_space"), f["env_id"], _info(f["info"]),
-                            f["timestamp_ms"])
+        return EpisodeStart(
+            f["episode_id"],
+            f["policy_id"],
+            f["policy_version"],
+            [_array(a) for a in f["observation"]],
+            _space(f, "observation_space"),
+            _space(f, "action_space"),
+            f["env_id"],
+            _info(f["info"]),
+            f["timestamp_ms"],
+        )
     if kind == "StepBatch":
-        return StepBatch(f["episode_id"], f["t0"], [_array(a) for a in f["actions"]], _array(f["rewards"]),
-                         [_array(a) for a in f["observations"]], f["terminated"], f["truncated"],
-                         None if f["infos"] is None else [_info(i) for i in f["infos"]],
-                         {k: _array(v) for k, v in f["extra_model_outputs"].items()}, f["timestamp_ms"])
+        return StepBatch(
+            f["episode_id"],
+            f["t0"],
+            [_array(a) for a in f["actions"]],
+            _array(f["rewards"]),
+            [_array(a) for a in f["observations"]],
+            f["terminated"],
+            f["truncated"],
+            None if f["infos"] is None else [_info(i) for i in f["infos"]],
+            {k: _array(v) for k, v in f["extra_model_outputs"].items()},
+            f["timestamp_ms"],
+        )
     if kind == "RewardDelta":
         return RewardDelta(f["episode_id"], f["t"], f["reward"], f["timestamp_ms"])
     assert kind == "EpisodeAbort", kind
@@ -99,8 +115,14 @@ def assert_same(got, want) -> None:
 
 
 def test_golden_set_is_complete():
-    assert {"episode_start", "step_batch", "reward_delta", "episode_abort", "episode_start_dict",
-            "step_batch_multi"} <= set(NAMES)
+    assert {
+        "episode_start",
+        "step_batch",
+        "reward_delta",
+        "episode_abort",
+        "episode_start_dict",
+        "step_batch_multi",
+    } <= set(NAMES)
     assert {json.loads((GOLDEN / f"{n}.json").read_text())["kind"] for n in NAMES} == set(KINDS)
     bins = {p.stem for p in GOLDEN.glob("*.bin")}
     assert bins == set(NAMES), "every .bin needs its .json and vice versa"
@@ -119,17 +141,27 @@ def test_golden_decodes_to_its_json(name):
     f = doc["fields"]
     if isinstance(ev, EpisodeStart):
         assert (ev.policy_id, ev.policy_version, ev.env_id, ev.timestamp_ms) == (
-            want.policy_id, want.policy_version, want.env_id, want.timestamp_ms)
+            want.policy_id,
+            want.policy_version,
+            want.env_id,
+            want.timestamp_ms,
+        )
         assert_same(ev.observation, want.observation)
         assert dumps_space(ev.observation_space) == f["observation_space_json"]
         assert dumps_space(ev.action_space) == f["action_space_json"]
         assert ev.observation_space == want.observation_space and ev.action_space == want.action_space
         assert_same(ev.info, want.info)
-        assert [(l.dtype.name, list(l.shape)) for l in space_leaves(ev.observation_space)] == [
-            (a["dtype"], a["shape"]) for a in f["observation"]]
+        assert [(x.dtype.name, list(x.shape)) for x in space_leaves(ev.observation_space)] == [
+            (a["dtype"], a["shape"]) for a in f["observation"]
+        ]
     elif isinstance(ev, StepBatch):
         assert (ev.t0, ev.n, ev.terminated, ev.truncated, ev.timestamp_ms) == (
-            f["t0"], f["n"], f["terminated"], f["truncated"], f["timestamp_ms"])
+            f["t0"],
+            f["n"],
+            f["terminated"],
+            f["truncated"],
+            f["timestamp_ms"],
+        )
         assert_same(ev.actions, want.actions)
         assert_same(ev.rewards, want.rewards)
         assert_same(ev.observations, want.observations)

@@ -8,9 +8,9 @@ keeps running, executes nothing, and still commits the good episodes around it.
   message is matched, by source partition and offset, to exactly one dead letter with its reason.
   (Moved here from test_consumer_faults.py and extended.)
 * `test_fuzz_*`: property-based fuzzing (hypothesis, derandomized, fixed example budgets) of
-  `producer.events.decode` (structure-aware records and byte mutations: an event or a
+  `rlrec.producer.events.decode` (structure-aware records and byte mutations: an event or a
   `DecodeError`, nothing else) and of the trainer's safe episode decoding
-  (`consumer.episodes.unpack_episode`: an episode or an `EpisodeDecodeError`, and object arrays
+  (`rlrec.store.episodes.unpack_episode`: an episode or an `EpisodeDecodeError`, and object arrays
   anywhere are refused without being unpickled).
 
 Decode-level reasons for single fields are pinned in tests/test_events.py; the assembly rules in
@@ -34,12 +34,10 @@ from confluent_kafka import Producer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from consumer.assembly import CONSUMER_REASONS
-from consumer.episodes import EpisodeDecodeError, UnsafeEpisodeError, pack_episode, to_single_agent_episode, unpack_episode
-from consumer.storage import Storage
-from producer import EpisodeRecorder
-from producer.arrays import ALLOWED_DTYPES, array_to_wire
-from producer.events import (
+from rlrec.consumer.assembly import CONSUMER_REASONS
+from rlrec.producer import EpisodeRecorder
+from rlrec.producer.arrays import ALLOWED_DTYPES, array_to_wire
+from rlrec.producer.events import (
     DECODE_REASONS,
     SCHEMA_HEADER,
     DecodeError,
@@ -52,7 +50,15 @@ from producer.events import (
     encode_record,
     schema_header,
 )
-from producer.spaces import dumps_space
+from rlrec.producer.spaces import dumps_space
+from rlrec.store.episodes import (
+    EpisodeDecodeError,
+    UnsafeEpisodeError,
+    pack_episode,
+    to_single_agent_episode,
+    unpack_episode,
+)
+from rlrec.store.storage import Storage
 from tests.helpers import ACT_SPACE, OBS_SPACE, assert_episode_matches, record_episodes, wait_for
 from tests.test_consumer_e2e import committed_episodes, drain_dlq, read_all, run_consumer
 from tests.test_consumer_faults import _cfg
@@ -82,8 +88,7 @@ def pickle_payloads(marker: str) -> dict[str, bytes]:
         "pickle": pickle.dumps(_Boom(marker)),
         # msgpack-numpy pickles object arrays (kind b'O'); `msgpack_numpy.decode` unpickles them
         "msgpack-numpy": msgpack.packb(obj_array, default=mnp.encode),
-        "msgpack-numpy-in-state": msgpack.packb({"id_": "x", "observations": {"data": obj_array}},
-                                                default=mnp.encode),
+        "msgpack-numpy-in-state": msgpack.packb({"id_": "x", "observations": {"data": obj_array}}, default=mnp.encode),
     }
 
 
@@ -108,19 +113,34 @@ def _arr(a) -> dict:
 
 
 def start_rec(eid: str, **over) -> dict:
-    rec = {"episode_id": eid, "policy_id": "pol", "policy_version": 1, "env_id": "",
-           "observation": [_arr(np.zeros(4, np.float32))], "info": "",
-           "observation_space": dumps_space(OBS_SPACE), "action_space": dumps_space(ACT_SPACE), "timestamp_ms": 1}
+    rec = {
+        "episode_id": eid,
+        "policy_id": "pol",
+        "policy_version": 1,
+        "env_id": "",
+        "observation": [_arr(np.zeros(4, np.float32))],
+        "info": "",
+        "observation_space": dumps_space(OBS_SPACE),
+        "action_space": dumps_space(ACT_SPACE),
+        "timestamp_ms": 1,
+    }
     rec.update(over)
     return rec
 
 
 def steps_rec(eid: str, t0: int, n: int, *, terminated: bool = False, extra: bool = True, **over) -> dict:
-    rec = {"episode_id": eid, "t0": t0, "actions": [_arr(np.arange(n, dtype=np.int64) % 2)],
-           "rewards": _arr(np.ones(n)), "observations": [_arr(np.full((n, 4), t0, np.float32))],
-           "terminated": terminated, "truncated": False, "infos": None,
-           "extra_model_outputs": {"action_logp": _arr(np.full(n, -0.5, np.float32))} if extra else {},
-           "timestamp_ms": 1}
+    rec = {
+        "episode_id": eid,
+        "t0": t0,
+        "actions": [_arr(np.arange(n, dtype=np.int64) % 2)],
+        "rewards": _arr(np.ones(n)),
+        "observations": [_arr(np.full((n, 4), t0, np.float32))],
+        "terminated": terminated,
+        "truncated": False,
+        "infos": None,
+        "extra_model_outputs": {"action_logp": _arr(np.full(n, -0.5, np.float32))} if extra else {},
+        "timestamp_ms": 1,
+    }
     rec.update(over)
     return rec
 
@@ -201,7 +221,12 @@ def _hostile_messages(marker: str) -> list[tuple[str, bytes, bytes | None, list 
         ("h-fin start", b"h-fin", *raw("EpisodeStart", start_rec("h-fin")), None),
         ("h-fin steps 0", b"h-fin", *raw("StepBatch", steps_rec("h-fin", 0, 1, terminated=True)), None),
         ("h-empty start", b"h-empty", *raw("EpisodeStart", start_rec("h-empty")), None),
-        ("h-empty abort", b"h-empty", *raw("EpisodeAbort", {"episode_id": "h-empty", "reason": "", "timestamp_ms": 1}), None),
+        (
+            "h-empty abort",
+            b"h-empty",
+            *raw("EpisodeAbort", {"episode_id": "h-empty", "reason": "", "timestamp_ms": 1}),
+            None,
+        ),
         # random bytes, garbage headers
         ("random, no header", b"r1", rng.bytes(64), None, "bad-header"),
         ("random, step header", b"r2", rand, step_h, _reason(rand, step_h)),
@@ -219,29 +244,94 @@ def _hostile_messages(marker: str) -> list[tuple[str, bytes, bytes | None, list 
         ("schema v0", b"h-open", v_steps, [(SCHEMA_HEADER, b"StepBatch/0")], "unknown-schema"),
         ("unknown kind", b"h-open", v_steps, [(SCHEMA_HEADER, b"Episode/1")], "unknown-schema"),
         # arrays contradicting the declared space
-        ("obs float64", b"h-open", *raw("StepBatch", steps_rec("h-open", 2, 2, observations=[_arr(np.zeros((2, 4)))])),
-         "space-mismatch"),
-        ("obs shape (2,7)", b"h-open",
-         *raw("StepBatch", steps_rec("h-open", 2, 2, observations=[_arr(np.zeros((2, 7), np.float32))])), "space-mismatch"),
-        ("action float32", b"h-open",
-         *raw("StepBatch", steps_rec("h-open", 2, 2, actions=[_arr(np.zeros(2, np.float32))])), "space-mismatch"),
-        ("two obs leaves", b"h-open", *raw("StepBatch", steps_rec("h-open", 2, 2, observations=[
-            _arr(np.zeros((2, 4), np.float32))] * 2)), "space-mismatch"),
-        ("start obs (3,)", b"h-x1", *raw("EpisodeStart", start_rec("h-x1", observation=[_arr(np.zeros(3, np.float32))])),
-         "space-mismatch"),
-        ("bytes != shape", b"h-open", *raw("StepBatch", steps_rec("h-open", 2, 2, observations=[
-            {"dtype": "float32", "shape": [2, 5], "data": b"\0" * 32}])), "bad-shape"),
-        ("huge claimed shape", b"h-open", *raw("StepBatch", steps_rec("h-open", 2, 2, observations=[
-            {"dtype": "float32", "shape": [2, 2**40], "data": b"\0" * 32}])), "bad-shape"),
-        ("empty rewards", b"h-open", *raw("StepBatch", steps_rec("h-open", 2, 2, rewards=_arr(np.zeros(0)))), "bad-shape"),
+        (
+            "obs float64",
+            b"h-open",
+            *raw("StepBatch", steps_rec("h-open", 2, 2, observations=[_arr(np.zeros((2, 4)))])),
+            "space-mismatch",
+        ),
+        (
+            "obs shape (2,7)",
+            b"h-open",
+            *raw("StepBatch", steps_rec("h-open", 2, 2, observations=[_arr(np.zeros((2, 7), np.float32))])),
+            "space-mismatch",
+        ),
+        (
+            "action float32",
+            b"h-open",
+            *raw("StepBatch", steps_rec("h-open", 2, 2, actions=[_arr(np.zeros(2, np.float32))])),
+            "space-mismatch",
+        ),
+        (
+            "two obs leaves",
+            b"h-open",
+            *raw("StepBatch", steps_rec("h-open", 2, 2, observations=[_arr(np.zeros((2, 4), np.float32))] * 2)),
+            "space-mismatch",
+        ),
+        (
+            "start obs (3,)",
+            b"h-x1",
+            *raw("EpisodeStart", start_rec("h-x1", observation=[_arr(np.zeros(3, np.float32))])),
+            "space-mismatch",
+        ),
+        (
+            "bytes != shape",
+            b"h-open",
+            *raw(
+                "StepBatch",
+                steps_rec("h-open", 2, 2, observations=[{"dtype": "float32", "shape": [2, 5], "data": b"\0" * 32}]),
+            ),
+            "bad-shape",
+        ),
+        (
+            "huge claimed shape",
+            b"h-open",
+            *raw(
+                "StepBatch",
+                steps_rec("h-open", 2, 2, observations=[{"dtype": "float32", "shape": [2, 2**40], "data": b"\0" * 32}]),
+            ),
+            "bad-shape",
+        ),
+        (
+            "empty rewards",
+            b"h-open",
+            *raw("StepBatch", steps_rec("h-open", 2, 2, rewards=_arr(np.zeros(0)))),
+            "bad-shape",
+        ),
         # disallowed dtypes
         ("object obs", b"h-open", *raw("StepBatch", steps_rec("h-open", 2, 2, observations=[obj])), "bad-dtype"),
-        ("void obs", b"h-open", *raw("StepBatch", steps_rec("h-open", 2, 2, observations=[
-            {"dtype": "V16", "shape": [2], "data": b"\0" * 32}])), "bad-dtype"),
-        ("object extra", b"h-open", *raw("StepBatch", steps_rec("h-open", 2, 2, extra_model_outputs={"action_logp": obj})),
-         "bad-dtype"),
-        ("object array in info", b"h-open", *raw("StepBatch", steps_rec("h-open", 2, 2, infos=["", json.dumps(
-            {"x": {"$ndarray": {"dtype": "object", "shape": [1], "data": "AAAAAAAAAAA="}}})])), "bad-dtype"),
+        (
+            "void obs",
+            b"h-open",
+            *raw(
+                "StepBatch",
+                steps_rec("h-open", 2, 2, observations=[{"dtype": "V16", "shape": [2], "data": b"\0" * 32}]),
+            ),
+            "bad-dtype",
+        ),
+        (
+            "object extra",
+            b"h-open",
+            *raw("StepBatch", steps_rec("h-open", 2, 2, extra_model_outputs={"action_logp": obj})),
+            "bad-dtype",
+        ),
+        (
+            "object array in info",
+            b"h-open",
+            *raw(
+                "StepBatch",
+                steps_rec(
+                    "h-open",
+                    2,
+                    2,
+                    infos=[
+                        "",
+                        json.dumps({"x": {"$ndarray": {"dtype": "object", "shape": [1], "data": "AAAAAAAAAAA="}}}),
+                    ],
+                ),
+            ),
+            "bad-dtype",
+        ),
         # other decode reasons
         ("info not JSON", b"h-open", *raw("StepBatch", steps_rec("h-open", 2, 2, infos=["{", ""])), "bad-json"),
         ("space not JSON", b"h-x2", *raw("EpisodeStart", start_rec("h-x2", observation_space="{")), "bad-space"),
@@ -249,29 +339,61 @@ def _hostile_messages(marker: str) -> list[tuple[str, bytes, bytes | None, list 
         ("empty episode id", b"h-open", *raw("StepBatch", steps_rec("", 2, 2)), "bad-value"),
         ("oversize", b"h-open", b"\0" * 250_000, step_h, "oversize"),
         # non-finite rewards
-        ("NaN reward", b"h-open", *raw("StepBatch", steps_rec("h-open", 2, 2, rewards=_arr([np.nan, 1.0]))),
-         "non-finite-reward"),
-        ("inf reward", b"h-open", *raw("StepBatch", steps_rec("h-open", 2, 2, rewards=_arr([1.0, np.inf]))),
-         "non-finite-reward"),
-        ("-inf reward", b"h-open", *raw("StepBatch", steps_rec("h-open", 2, 2, rewards=_arr([-np.inf, 1.0]))),
-         "non-finite-reward"),
-        ("NaN delayed reward", b"h-open",
-         *raw("RewardDelta", {"episode_id": "h-open", "t": 0, "reward": math.nan, "timestamp_ms": 1}), "non-finite-reward"),
-        ("inf delayed reward", b"h-open",
-         *raw("RewardDelta", {"episode_id": "h-open", "t": 0, "reward": math.inf, "timestamp_ms": 1}), "non-finite-reward"),
+        (
+            "NaN reward",
+            b"h-open",
+            *raw("StepBatch", steps_rec("h-open", 2, 2, rewards=_arr([np.nan, 1.0]))),
+            "non-finite-reward",
+        ),
+        (
+            "inf reward",
+            b"h-open",
+            *raw("StepBatch", steps_rec("h-open", 2, 2, rewards=_arr([1.0, np.inf]))),
+            "non-finite-reward",
+        ),
+        (
+            "-inf reward",
+            b"h-open",
+            *raw("StepBatch", steps_rec("h-open", 2, 2, rewards=_arr([-np.inf, 1.0]))),
+            "non-finite-reward",
+        ),
+        (
+            "NaN delayed reward",
+            b"h-open",
+            *raw("RewardDelta", {"episode_id": "h-open", "t": 0, "reward": math.nan, "timestamp_ms": 1}),
+            "non-finite-reward",
+        ),
+        (
+            "inf delayed reward",
+            b"h-open",
+            *raw("RewardDelta", {"episode_id": "h-open", "t": 0, "reward": math.inf, "timestamp_ms": 1}),
+            "non-finite-reward",
+        ),
         # events for unknown episodes
         ("steps, unknown episode", b"nobody", *raw("StepBatch", steps_rec("nobody", 0, 1)), "unknown-episode"),
-        ("reward, unknown episode", b"nobody",
-         *raw("RewardDelta", {"episode_id": "nobody", "t": 0, "reward": 1.0, "timestamp_ms": 1}), "unknown-episode"),
-        ("abort, unknown episode", b"nobody",
-         *raw("EpisodeAbort", {"episode_id": "nobody", "reason": "", "timestamp_ms": 1}), "unknown-episode"),
+        (
+            "reward, unknown episode",
+            b"nobody",
+            *raw("RewardDelta", {"episode_id": "nobody", "t": 0, "reward": 1.0, "timestamp_ms": 1}),
+            "unknown-episode",
+        ),
+        (
+            "abort, unknown episode",
+            b"nobody",
+            *raw("EpisodeAbort", {"episode_id": "nobody", "reason": "", "timestamp_ms": 1}),
+            "unknown-episode",
+        ),
         # assembly rules
         ("different start", b"h-open", *raw("EpisodeStart", start_rec("h-open", policy_version=7)), "duplicate-start"),
         ("gap", b"h-open", *raw("StepBatch", steps_rec("h-open", 5, 1)), "gap"),
         ("overlap, different", b"h-open", *raw("StepBatch", steps_rec("h-open", 1, 2)), "backwards-t"),
         ("extra keys differ", b"h-open", *raw("StepBatch", steps_rec("h-open", 2, 1, extra=False)), "extra-mismatch"),
-        ("reward past the end", b"h-open",
-         *raw("RewardDelta", {"episode_id": "h-open", "t": 50, "reward": 1.0, "timestamp_ms": 1}), "bad-reward-t"),
+        (
+            "reward past the end",
+            b"h-open",
+            *raw("RewardDelta", {"episode_id": "h-open", "t": 50, "reward": 1.0, "timestamp_ms": 1}),
+            "bad-reward-t",
+        ),
         ("step after the end", b"h-fin", *raw("StepBatch", steps_rec("h-fin", 1, 1)), "step-after-end"),
     ]
     # payloads crafted to unpickle, with and without a plausible header
@@ -292,11 +414,13 @@ def test_hostile_topic_dead_letters_everything_and_good_episodes_land(broker, to
     output = str(tmp_path / "out")
     # the join window keeps finished episodes unwritten for 2 s, so "step after the end" meets a
     # finished (not yet committed) episode whatever the timing
-    cfg = _cfg(broker, topic, output, max_message_bytes=200_000, dlq_max_message_bytes=100_000,
-               reward_join_window_s=2.0)
+    cfg = _cfg(
+        broker, topic, output, max_message_bytes=200_000, dlq_max_message_bytes=100_000, reward_join_window_s=2.0
+    )
     storage = Storage.from_uri(output)
-    rec = EpisodeRecorder(broker.bootstrap_servers, topic=topic, policy_id="pol", observation_space=OBS_SPACE,
-                          action_space=ACT_SPACE)
+    rec = EpisodeRecorder(
+        broker.bootstrap_servers, topic=topic, policy_id="pol", observation_space=OBS_SPACE, action_space=ACT_SPACE
+    )
     hostile = HostileTopic(broker.bootstrap_servers, topic)
     msgs = _hostile_messages(marker)
     half = len(msgs) // 2
@@ -319,16 +443,26 @@ def test_hostile_topic_dead_letters_everything_and_good_episodes_land(broker, to
         # phase 2: a delayed reward for a committed episode is late; h-open, hit by all of the
         # above, still finishes and lands
         late = next(iter(truth))
-        hostile.send("late reward", late.encode(),
-                     *raw("RewardDelta", {"episode_id": late, "t": 0, "reward": 1.0, "timestamp_ms": 1}), "late-reward")
+        hostile.send(
+            "late reward",
+            late.encode(),
+            *raw("RewardDelta", {"episode_id": late, "t": 0, "reward": 1.0, "timestamp_ms": 1}),
+            "late-reward",
+        )
         hostile.send("h-open steps 2-3", b"h-open", *raw("StepBatch", steps_rec("h-open", 2, 2, terminated=True)), None)
         hostile.flush()
         truth.update(record_episodes(rec, 4, seed=34))
         rec.flush(10)
         wait_for(lambda: committed_episodes(storage) >= len(truth) + 2, 60, what="h-open and the last episodes")
         n_expected = len(hostile.expected) + 1  # + h-empty's start, dead-lettered as empty-episode
-        wait_for(lambda: sum(s.value for m in c.metrics.dead_letters.collect() for s in m.samples
-                             if s.name.endswith("_total")) >= n_expected, 30, what="all dead letters")
+        wait_for(
+            lambda: (
+                sum(s.value for m in c.metrics.dead_letters.collect() for s in m.samples if s.name.endswith("_total"))
+                >= n_expected
+            ),
+            30,
+            what="all dead letters",
+        )
         assert t.is_alive() and not c._stop.is_set(), "the consumer exited"
     finally:
         c.stop()
@@ -351,7 +485,9 @@ def test_hostile_topic_dead_letters_everything_and_good_episodes_land(broker, to
             assert len(h["rlrec-original-sha256"]) == 64
     wrong = {hostile.names.get(w, w): (got.get(w), r) for w, r in expected.items() if got.get(w) != r}
     assert not wrong, f"(got, expected) dead-letter reasons: {wrong}"
-    assert set(got) == set(expected), f"unexpected dead letters: {[hostile.names.get(w, w) for w in set(got) - set(expected)]}"
+    assert set(got) == set(expected), (
+        f"unexpected dead letters: {[hostile.names.get(w, w) for w in set(got) - set(expected)]}"
+    )
     # every reason is exercised, except the two with suites of their own (timeouts, capacity)
     assert set(expected.values()) == set(DECODE_REASONS) | (set(CONSUMER_REASONS) - {"timeout", "capacity"})
 
@@ -367,51 +503,103 @@ def test_hostile_topic_dead_letters_everything_and_good_episodes_land(broker, to
 # ---------------------------------------------------------------------------------------------
 # property-based fuzzing (no broker)
 
-FUZZ = settings(max_examples=500, derandomize=True, database=None, deadline=timedelta(seconds=10),
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FUZZ = settings(
+    max_examples=500,
+    derandomize=True,
+    database=None,
+    deadline=timedelta(seconds=10),
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 _bad_dtypes = ["object", "O", "|O", "V8", "void", "<U4", "S3", "complex64", "float128", "datetime64[s]", "", ">f4"]
 _dtypes = st.sampled_from(sorted(ALLOWED_DTYPES)) | st.sampled_from(_bad_dtypes) | st.text(max_size=8)
 _longs = st.integers(0, 9) | st.integers(-(2**63), 2**63 - 1)  # plausible values first
 _dims = st.integers(-2, 6) | _longs
-wire_arrays = st.fixed_dictionaries({"dtype": _dtypes, "shape": st.lists(_dims, max_size=5),
-                                     "data": st.binary(max_size=64)})
+wire_arrays = st.fixed_dictionaries(
+    {"dtype": _dtypes, "shape": st.lists(_dims, max_size=5), "data": st.binary(max_size=64)}
+)
 # well-formed arrays too, so the checks after the array layer are reached
-good_arrays = st.builds(lambda n, w, dt: _arr(np.zeros((n, w), dtype=dt)), st.integers(0, 3), st.integers(1, 4),
-                        st.sampled_from(["float32", "float64", "int64", "uint8", "bool"]))
+good_arrays = st.builds(
+    lambda n, w, dt: _arr(np.zeros((n, w), dtype=dt)),
+    st.integers(0, 3),
+    st.integers(1, 4),
+    st.sampled_from(["float32", "float64", "int64", "uint8", "bool"]),
+)
 arrays = wire_arrays | good_arrays
 json_values = st.recursive(
     st.none() | st.booleans() | st.floats() | st.integers() | st.text(max_size=8),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
-    max_leaves=10)
-_ndarray_specs = st.fixed_dictionaries({"dtype": _dtypes, "shape": json_values | st.lists(_dims, max_size=3),
-                                        "data": st.text(max_size=16) | json_values})
-json_texts = (st.just("") | st.text(max_size=40) | json_values.map(json.dumps)
-              | st.dictionaries(st.text(max_size=5), st.builds(lambda s: {"$ndarray": s}, _ndarray_specs) | json_values,
-                                max_size=3).map(json.dumps))
+    max_leaves=10,
+)
+_ndarray_specs = st.fixed_dictionaries(
+    {"dtype": _dtypes, "shape": json_values | st.lists(_dims, max_size=3), "data": st.text(max_size=16) | json_values}
+)
+json_texts = (
+    st.just("")
+    | st.text(max_size=40)
+    | json_values.map(json.dumps)
+    | st.dictionaries(
+        st.text(max_size=5), st.builds(lambda s: {"$ndarray": s}, _ndarray_specs) | json_values, max_size=3
+    ).map(json.dumps)
+)
 _valid_spaces = [dumps_space(s) for s in (OBS_SPACE, ACT_SPACE)]
-space_texts = st.sampled_from(_valid_spaces) | json_texts | json_values.map(lambda v: json.dumps(
-    {"type": "Box", "shape": v, "dtype": "float32", "low": v, "high": v})) | st.builds(
-    lambda kind, d: json.dumps({"type": kind, **d}), st.sampled_from(["Box", "Discrete", "MultiDiscrete", "MultiBinary",
-                                                                      "Dict", "Tuple", "Graph"]),
-    st.dictionaries(st.sampled_from(["shape", "dtype", "low", "high", "n", "start", "nvec", "spaces"]), json_values))
+space_texts = (
+    st.sampled_from(_valid_spaces)
+    | json_texts
+    | json_values.map(lambda v: json.dumps({"type": "Box", "shape": v, "dtype": "float32", "low": v, "high": v}))
+    | st.builds(
+        lambda kind, d: json.dumps({"type": kind, **d}),
+        st.sampled_from(["Box", "Discrete", "MultiDiscrete", "MultiBinary", "Dict", "Tuple", "Graph"]),
+        st.dictionaries(
+            st.sampled_from(["shape", "dtype", "low", "high", "n", "start", "nvec", "spaces"]), json_values
+        ),
+    )
+)
 ids = st.sampled_from(["e", "ep-1"]) | st.text(max_size=300)
 
 records = st.one_of(
-    st.tuples(st.just("EpisodeStart"), st.fixed_dictionaries({
-        "episode_id": ids, "policy_id": ids, "policy_version": _longs, "env_id": st.text(max_size=10),
-        "observation": st.just([_arr(np.zeros(4, np.float32))]) | st.lists(arrays, max_size=3), "info": json_texts, "observation_space": space_texts,
-        "action_space": space_texts, "timestamp_ms": _longs})),
-    st.tuples(st.just("StepBatch"), st.fixed_dictionaries({
-        "episode_id": ids, "t0": _longs, "actions": st.lists(arrays, max_size=3),
-        "rewards": arrays | st.lists(st.floats(), min_size=1, max_size=4).map(lambda r: _arr(np.asarray(r, np.float64))),
-        "observations": st.lists(arrays, max_size=3), "terminated": st.booleans(), "truncated": st.booleans(),
-        "infos": st.none() | st.lists(json_texts, max_size=4),
-        "extra_model_outputs": st.dictionaries(st.text(max_size=5), arrays, max_size=2), "timestamp_ms": _longs})),
-    st.tuples(st.just("RewardDelta"), st.fixed_dictionaries({
-        "episode_id": ids, "t": _longs, "reward": st.floats(), "timestamp_ms": _longs})),
-    st.tuples(st.just("EpisodeAbort"), st.fixed_dictionaries({
-        "episode_id": ids, "reason": st.text(max_size=20), "timestamp_ms": _longs})),
+    st.tuples(
+        st.just("EpisodeStart"),
+        st.fixed_dictionaries(
+            {
+                "episode_id": ids,
+                "policy_id": ids,
+                "policy_version": _longs,
+                "env_id": st.text(max_size=10),
+                "observation": st.just([_arr(np.zeros(4, np.float32))]) | st.lists(arrays, max_size=3),
+                "info": json_texts,
+                "observation_space": space_texts,
+                "action_space": space_texts,
+                "timestamp_ms": _longs,
+            }
+        ),
+    ),
+    st.tuples(
+        st.just("StepBatch"),
+        st.fixed_dictionaries(
+            {
+                "episode_id": ids,
+                "t0": _longs,
+                "actions": st.lists(arrays, max_size=3),
+                "rewards": arrays
+                | st.lists(st.floats(), min_size=1, max_size=4).map(lambda r: _arr(np.asarray(r, np.float64))),
+                "observations": st.lists(arrays, max_size=3),
+                "terminated": st.booleans(),
+                "truncated": st.booleans(),
+                "infos": st.none() | st.lists(json_texts, max_size=4),
+                "extra_model_outputs": st.dictionaries(st.text(max_size=5), arrays, max_size=2),
+                "timestamp_ms": _longs,
+            }
+        ),
+    ),
+    st.tuples(
+        st.just("RewardDelta"),
+        st.fixed_dictionaries({"episode_id": ids, "t": _longs, "reward": st.floats(), "timestamp_ms": _longs}),
+    ),
+    st.tuples(
+        st.just("EpisodeAbort"),
+        st.fixed_dictionaries({"episode_id": ids, "reason": st.text(max_size=20), "timestamp_ms": _longs}),
+    ),
 )
 
 
@@ -442,26 +630,39 @@ def _seed_messages() -> list[tuple[bytes, list]]:
 
     nested = gs.Dict({"a": gs.Box(-1, 1, (2, 3), np.float32), "b": gs.Tuple([gs.Discrete(3), gs.MultiBinary(2)])})
     nested.seed(0)
-    from producer.spaces import flatten_value
+    from rlrec.producer.spaces import flatten_value
 
     leaves = [np.asarray(x) for x in flatten_value(nested, nested.sample())]
     return [
         encode(EpisodeStart("e", "p", 1, leaves, nested, gs.MultiDiscrete([2, 3]), "env", {"a": np.arange(3)}, 1)),
-        encode(StepBatch("e", 3, [np.array([1, 0])], np.array([0.5, 1.0]), [np.ones((2, 4), np.float32)],
-                         infos=[{"x": [1]}, {}], extra_model_outputs={"logp": np.zeros(2, np.float32)})),
+        encode(
+            StepBatch(
+                "e",
+                3,
+                [np.array([1, 0])],
+                np.array([0.5, 1.0]),
+                [np.ones((2, 4), np.float32)],
+                infos=[{"x": [1]}, {}],
+                extra_model_outputs={"logp": np.zeros(2, np.float32)},
+            )
+        ),
         encode(RewardDelta("e", 2, 0.25, 7)),
         encode(EpisodeAbort("e", "why", 7)),
     ]
 
 
 SEEDS = _seed_messages()
-_ops = st.lists(st.one_of(
-    st.tuples(st.just("flip"), st.integers(0, 10**6), st.integers(0, 7)),
-    st.tuples(st.just("delete"), st.integers(0, 10**6), st.integers(1, 16)),
-    st.tuples(st.just("insert"), st.integers(0, 10**6), st.binary(min_size=1, max_size=16)),
-    st.tuples(st.just("duplicate"), st.integers(0, 10**6), st.integers(1, 32)),
-    st.tuples(st.just("truncate"), st.integers(0, 10**6)),
-), min_size=1, max_size=6)
+_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("flip"), st.integers(0, 10**6), st.integers(0, 7)),
+        st.tuples(st.just("delete"), st.integers(0, 10**6), st.integers(1, 16)),
+        st.tuples(st.just("insert"), st.integers(0, 10**6), st.binary(min_size=1, max_size=16)),
+        st.tuples(st.just("duplicate"), st.integers(0, 10**6), st.integers(1, 32)),
+        st.tuples(st.just("truncate"), st.integers(0, 10**6)),
+    ),
+    min_size=1,
+    max_size=6,
+)
 
 
 def _mutate(value: bytes, ops) -> bytes:
@@ -471,19 +672,23 @@ def _mutate(value: bytes, ops) -> bytes:
         if op[0] == "flip" and b:
             b[pos % len(b)] ^= 1 << op[2]
         elif op[0] == "delete":
-            del b[pos:pos + op[2]]
+            del b[pos : pos + op[2]]
         elif op[0] == "insert":
             b[pos:pos] = op[2]
         elif op[0] == "duplicate":
-            b[pos:pos] = b[pos:pos + op[2]]
+            b[pos:pos] = b[pos : pos + op[2]]
         elif op[0] == "truncate":
             del b[pos:]
     return bytes(b)
 
 
 @settings(FUZZ, max_examples=1000)
-@given(seed=st.sampled_from(range(len(SEEDS))), ops=_ops, other_header=st.none() | st.sampled_from(KINDS),
-       max_bytes=st.none() | st.integers(0, 400))
+@given(
+    seed=st.sampled_from(range(len(SEEDS))),
+    ops=_ops,
+    other_header=st.none() | st.sampled_from(KINDS),
+    max_bytes=st.none() | st.integers(0, 400),
+)
 def test_fuzz_decode_mutated_events(seed, ops, other_header, max_bytes):
     """Byte mutations of valid events (flips, deletions, insertions, duplications, truncation)."""
     value, headers = SEEDS[seed]
@@ -491,8 +696,10 @@ def test_fuzz_decode_mutated_events(seed, ops, other_header, max_bytes):
 
 
 @FUZZ
-@given(value=st.binary(max_size=300), header=st.binary(max_size=24) | st.sampled_from(
-    [f"{k}/{v}".encode() for k in KINDS for v in (0, 1, 2)]))
+@given(
+    value=st.binary(max_size=300),
+    header=st.binary(max_size=24) | st.sampled_from([f"{k}/{v}".encode() for k in KINDS for v in (0, 1, 2)]),
+)
 def test_fuzz_decode_arbitrary_bytes(value, header):
     _decodes_or_decode_error(value, [(SCHEMA_HEADER, header)])
 
@@ -503,8 +710,10 @@ def test_fuzz_decode_arbitrary_bytes(value, header):
 def _packed_seeds() -> list[bytes]:
     from tests.test_episodes import cartpole_case, dict_case
 
-    return [pack_episode(to_single_agent_episode(case()[0]))
-            for case in (lambda: cartpole_case(True), lambda: dict_case(False, T=3))]
+    return [
+        pack_episode(to_single_agent_episode(case()[0]))
+        for case in (lambda: cartpole_case(True), lambda: dict_case(False, T=3))
+    ]
 
 
 PACKED = _packed_seeds()
@@ -542,8 +751,11 @@ def _replace(obj, path, value):
 
 
 @settings(FUZZ, max_examples=150)
-@given(seed=st.sampled_from(range(len(PACKED))), where=st.integers(0, 10**6),
-       form=st.sampled_from(["object", "object-scalar", "structured"]))
+@given(
+    seed=st.sampled_from(range(len(PACKED))),
+    where=st.integers(0, 10**6),
+    form=st.sampled_from(["object", "object-scalar", "structured"]),
+)
 def test_fuzz_unpack_episode_refuses_object_arrays_anywhere(seed, where, form, tmp_path_factory):
     """An object array planted anywhere in a packed episode is refused and never unpickled."""
     marker = tmp_path_factory.mktemp("m") / "pwned"
@@ -551,9 +763,11 @@ def test_fuzz_unpack_episode_refuses_object_arrays_anywhere(seed, where, form, t
     paths = list(_nd_paths(state))
     path = paths[where % len(paths)]
     payload = pickle.dumps(_Boom(str(marker)))
-    evil = {"object": {b"nd": True, b"type": "|O", b"kind": b"O", b"shape": [1], b"data": payload},
-            "object-scalar": {b"nd": False, b"type": "|O", b"kind": b"O", b"data": payload},
-            "structured": {b"nd": True, b"type": [["a", "|O"]], b"kind": b"V", b"shape": [1], b"data": payload}}[form]
+    evil = {
+        "object": {b"nd": True, b"type": "|O", b"kind": b"O", b"shape": [1], b"data": payload},
+        "object-scalar": {b"nd": False, b"type": "|O", b"kind": b"O", b"data": payload},
+        "structured": {b"nd": True, b"type": [["a", "|O"]], b"kind": b"V", b"shape": [1], b"data": payload},
+    }[form]
     if path and isinstance(_get(state, path), dict) and b"nd" not in _get(state, path):
         evil_state = _replace(state, (*path, "evil"), evil)  # a new key in a map
     else:
@@ -571,8 +785,8 @@ def _get(obj, path):
 
 
 def test_trainer_column_stream_refuses_object_arrays(tmp_path):
-    """The Learner-side column decoder of the trainer (`trainer.envelopes.unpack_columns`) refuses object dtypes."""
-    from trainer.envelopes import pack_columns, unpack_columns
+    """The Learner-side column decoder of the trainer (`rlrec.trainer.envelopes.unpack_columns`) refuses object dtypes."""
+    from rlrec.trainer.envelopes import pack_columns, unpack_columns
 
     marker = tmp_path / "pwned"
     ok = pack_columns({"obs": np.ones((2, 3), np.float32)})

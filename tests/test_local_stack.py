@@ -14,12 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from rlrec.consumer.topics import create_topics, dlq_topic_name
 from rlrec.local import (
     BrokerStartError,
     LocalBroker,
     consumer_test_config,
-    create_topics,
-    dlq_topic_name,
     wait_for_broker,
 )
 
@@ -106,9 +105,7 @@ def test_cli_help_is_light_and_tolerates_missing_command_modules(monkeypatch):
         "heavy = sorted(m for m in ('ray', 'torch', 'pyarrow', 'confluent_kafka', 'moto') if m in sys.modules)\n"
         "print('HEAVY', heavy)\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60, check=True
-    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60, check=True)
     assert "HEAVY []" in out.stdout, out.stdout + out.stderr
     assert "broker" in out.stdout and "topics" in out.stdout
 
@@ -230,6 +227,27 @@ def test_cli_topics_create_creates_topic_and_dlq(broker, capsys):
     assert len(md.topics[dlq_topic_name(name)].partitions) == 3
     assert len(md.topics[f"{name}-x"].partitions) == 2
     assert dlq_topic_name(f"{name}-x") not in md.topics
+
+
+@pytest.mark.broker
+def test_cli_topics_kafka_config_reaches_the_admin_client(broker, capsys):
+    """--kafka-config (SASL/SSL settings) is passed to the admin client of create and list."""
+    from rlrec.cli import main
+
+    name = f"cli-{uuid.uuid4().hex[:8]}"
+    args = ["--bootstrap-servers", broker.bootstrap_servers, "--timeout", "10"]
+    ok = ["--kafka-config", "client.id=rlrec-topics-test"]
+    assert main(["topics", "create", *args, *ok, "--topic", name, "--partitions", "1", "--no-dlq"]) == 0
+    assert main(["topics", "list", *args, *ok]) == 0
+    assert f"{name}\t1" in capsys.readouterr().out
+    # librdkafka refuses an unknown property: proof that the setting reached the client
+    bad = ["--kafka-config", "no.such.property=1"]
+    assert main(["topics", "create", *args, *bad, "--topic", f"{name}-b", "--partitions", "1"]) == 1
+    assert main(["topics", "list", *args, *bad]) == 1
+    assert capsys.readouterr().err.count("no.such.property") == 2
+    assert main(["topics", "list", *args, "--kafka-config", "security.protocol"]) == 2
+    assert "KEY=VALUE" in capsys.readouterr().err
+    assert f"{name}-b" not in _metadata(broker.bootstrap_servers).topics
 
 
 @pytest.mark.broker

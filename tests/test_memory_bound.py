@@ -3,7 +3,7 @@ against a 20k cap, and a storage outage while finished episodes keep arriving.
 
 Both tests run `rlrec consume` as a subprocess (its RSS is its own, read with psutil) against the
 real broker, and watch it through its /metrics endpoint. Events are produced raw (the Avro
-records of `producer.events`, one confluent-kafka `produce` each): 100k recorders would take
+records of `rlrec.producer.events`, one confluent-kafka `produce` each): 100k recorders would take
 minutes.
 
 RSS budget: growth over the consumer's RSS once warm (ray.rllib imported, a shard committed)
@@ -27,13 +27,13 @@ import psutil
 import pytest
 from confluent_kafka import Consumer, Producer
 
-from consumer.manifest import read_manifest
-from consumer.storage import Storage
-from producer.events import encode_record, schema_header
-from rlrec.local import free_port
+from rlrec.local import FAST_GROUP_KAFKA, free_port
+from rlrec.producer.events import encode_record, schema_header
+from rlrec.store.manifest import read_manifest
+from rlrec.store.storage import Storage
 from tests.faults import FaultProxy
 from tests.helpers import wait_for
-from tests.test_consumer_e2e import FAST, read_all
+from tests.test_consumer_e2e import read_all
 from tests.test_consumer_faults import _cfg, _consume_cmd
 from tests.test_hostile import start_rec, steps_rec
 
@@ -64,8 +64,15 @@ class RawEvents:
 
 
 def _producer(bootstrap: str) -> Producer:
-    return Producer({"bootstrap.servers": bootstrap, "linger.ms": 20, "batch.num.messages": 10_000,
-                     "queue.buffering.max.messages": 500_000, "compression.type": "lz4"})
+    return Producer(
+        {
+            "bootstrap.servers": bootstrap,
+            "linger.ms": 20,
+            "batch.num.messages": 10_000,
+            "queue.buffering.max.messages": 500_000,
+            "compression.type": "lz4",
+        }
+    )
 
 
 def _produce(p: Producer, topic: str, key: str, value: bytes, headers) -> None:
@@ -83,8 +90,12 @@ class ConsumerProcess:
     def __init__(self, cmd: list[str], log_path, env: dict | None = None):
         self.port = free_port()
         self.log = open(log_path, "ab")
-        self.proc = subprocess.Popen([*cmd, "--metrics-port", str(self.port)], stdout=self.log, stderr=self.log,
-                                     env={**os.environ, **(env or {})})
+        self.proc = subprocess.Popen(
+            [*cmd, "--metrics-port", str(self.port)],
+            stdout=self.log,
+            stderr=self.log,
+            env={**os.environ, **(env or {})},
+        )
         self.ps = psutil.Process(self.proc.pid)
         self.peak_rss = 0
         self.samples: list[dict[str, float]] = []
@@ -153,8 +164,15 @@ def _warm_up(c: ConsumerProcess, bootstrap: str, topic: str, ev: RawEvents, n: i
 def _read_dlq(bootstrap: str, topic: str, expected: int, timeout: float = 90) -> tuple[dict[str, Counter], Counter]:
     """{episode id: Counter of event kinds} and Counter of reasons over the whole DLQ (until
     `expected` messages were read, or `timeout`)."""
-    c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"dlq-{uuid.uuid4().hex[:6]}",
-                  "auto.offset.reset": "earliest", "enable.auto.commit": False, **FAST})
+    c = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"dlq-{uuid.uuid4().hex[:6]}",
+            "auto.offset.reset": "earliest",
+            "enable.auto.commit": False,
+            **FAST_GROUP_KAFKA,
+        }
+    )
     c.subscribe([f"{topic}.dlq"])
     by_key: dict[str, Counter] = {}
     reasons: Counter = Counter()
@@ -204,23 +222,37 @@ def test_100k_open_episodes_against_a_20k_cap(broker, topic, tmp_path):
         assert p.flush(60) == 0
         produce_s = time.time() - t0
         evicted = OPEN - CAP
-        wait_for(lambda: c.metric('rlrec_dead_letters_total{reason="capacity"}') >= 2 * evicted, 180, interval=1,
-                 what="evictions of everything over the cap")
+        wait_for(
+            lambda: c.metric('rlrec_dead_letters_total{reason="capacity"}') >= 2 * evicted,
+            180,
+            interval=1,
+            what="evictions of everything over the cap",
+        )
         assert c.metric("rlrec_open_episodes") == CAP
         for eid in ids:  # every episode finishes: the 20k still open commit, the rest are dead letters
             _produce(p, topic, eid, ev.encode(ev.last, eid), STEP_H)
         assert p.flush(60) == 0
-        wait_for(lambda: c.metric("rlrec_episodes_committed_total") >= 20 + CAP, 180, interval=1,
-                 what="the episodes under the cap committed")
-        wait_for(lambda: c.metric('rlrec_dead_letters_total{reason="capacity"}') >= 3 * evicted, 60, interval=1,
-                 what="the evicted episodes' last steps dead-lettered")
+        wait_for(
+            lambda: c.metric("rlrec_episodes_committed_total") >= 20 + CAP,
+            180,
+            interval=1,
+            what="the episodes under the cap committed",
+        )
+        wait_for(
+            lambda: c.metric('rlrec_dead_letters_total{reason="capacity"}') >= 3 * evicted,
+            60,
+            interval=1,
+            what="the evicted episodes' last steps dead-lettered",
+        )
         assert c.metric("rlrec_open_episodes") == 0
         assert c.alive(), "the consumer exited"
         peak_mb = c.peak_rss / 2**20
     finally:
         c.stop()
-    print(f"\nproduced {2 * OPEN:,} events in {produce_s:.1f}s; consumer RSS warm {rss0:.0f} MB, "
-          f"peak {peak_mb:.0f} MB (growth {peak_mb - rss0:.0f} MB, budget {RSS_GROWTH_BUDGET_MB} MB)")
+    print(
+        f"\nproduced {2 * OPEN:,} events in {produce_s:.1f}s; consumer RSS warm {rss0:.0f} MB, "
+        f"peak {peak_mb:.0f} MB (growth {peak_mb - rss0:.0f} MB, budget {RSS_GROWTH_BUDGET_MB} MB)"
+    )
     assert peak_mb - rss0 <= RSS_GROWTH_BUDGET_MB
 
     # nothing vanished: every episode is either committed or (all of its events) dead-lettered
@@ -254,8 +286,12 @@ def test_buffered_bytes_budget_holds_while_storage_fails(broker, topic, local_s3
             _produce(p, topic, eid, ev.encode(ev.whole, eid), STEP_H)
         assert p.flush(60) == 0
         wait_for(lambda: c.metric("rlrec_flush_failures_total") > 0, 30, what="a failed flush")
-        wait_for(lambda: c.metric("rlrec_episodes_committed_total") >= 20 + episodes, 120, interval=1,
-                 what="everything committed after the outage")
+        wait_for(
+            lambda: c.metric("rlrec_episodes_committed_total") >= 20 + episodes,
+            120,
+            interval=1,
+            what="everything committed after the outage",
+        )
         wait_for(lambda: c.metric("rlrec_paused_partitions") == 0, 30, what="partitions resumed")
         assert c.alive(), "the consumer exited"
         peak_mb = c.peak_rss / 2**20
@@ -268,10 +304,19 @@ def test_buffered_bytes_budget_holds_while_storage_fails(broker, topic, local_s3
     # one consume call (<= 1000 messages: 500 episodes here) is applied before the budget is
     # checked again, so the bound is the budget plus one such batch
     episode_bytes = 512 + 8 + 16 * (steps + 1) + 8 * steps * 2 + 4 * steps + 8 * (steps + 1)
-    print(f"\nbuffered bytes max {max_buffered:,.0f} (budget {budget:,}, {episodes * episode_bytes:,} produced); "
-          f"paused partitions max {max_paused:.0f}; RSS warm {rss0:.0f} MB, peak {peak_mb:.0f} MB")
-    timeline = [(s.get("rlrec_buffered_bytes"), s.get("rlrec_paused_partitions"), s.get("rlrec_flush_failures_total"),
-                 s.get("rlrec_episodes_committed_total")) for s in samples]
+    print(
+        f"\nbuffered bytes max {max_buffered:,.0f} (budget {budget:,}, {episodes * episode_bytes:,} produced); "
+        f"paused partitions max {max_paused:.0f}; RSS warm {rss0:.0f} MB, peak {peak_mb:.0f} MB"
+    )
+    timeline = [
+        (
+            s.get("rlrec_buffered_bytes"),
+            s.get("rlrec_paused_partitions"),
+            s.get("rlrec_flush_failures_total"),
+            s.get("rlrec_episodes_committed_total"),
+        )
+        for s in samples
+    ]
     assert max_paused > 0, "no partition was paused while the storage failed"
     assert 0 < max_buffered <= budget + 500 * episode_bytes, f"(buffered, paused, failures, committed): {timeline}"
     assert max_buffered < episodes * episode_bytes / 2  # the budget bound, not the data volume

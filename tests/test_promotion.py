@@ -10,10 +10,14 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from trainer.promotion import decide, evaluate_exported  # noqa: E402
+from rlrec.trainer.promotion import decide, evaluate_exported  # noqa: E402
 
-SPEC = {"policy_version": 1, "action_dist": "categorical", "observation_shape": [4],
-        "action_space": {"type": "Discrete", "n": 2}}
+SPEC = {
+    "policy_version": 1,
+    "action_dist": "categorical",
+    "observation_shape": [4],
+    "action_space": {"type": "Discrete", "n": 2},
+}
 
 
 class _Expert(torch.nn.Module):
@@ -35,13 +39,18 @@ def _script(sign: float) -> bytes:
 
 
 def test_decide_promotes_only_when_not_worse():
-    assert decide(1, 100.0, None, None).promoted                  # nothing deployed yet
-    assert decide(1, 100.0, None, 120.0).promoted is False        # below the baseline
-    assert decide(3, 500.0, 2, 500.0).promoted                    # equal is not worse
+    assert decide(1, 100.0, None, None).promoted  # nothing deployed yet
+    assert decide(1, 100.0, None, 120.0).promoted is False  # below the baseline
+    assert decide(3, 500.0, 2, 500.0).promoted  # equal is not worse
     d = decide(3, 499.0, 2, 500.0)
     assert d.promoted is False
-    assert d.to_dict() == {"candidate_version": 3, "candidate_return": 499.0, "deployed_version": 2,
-                           "deployed_return": 500.0, "promoted": False}
+    assert d.to_dict() == {
+        "candidate_version": 3,
+        "candidate_return": 499.0,
+        "deployed_version": 2,
+        "deployed_return": 500.0,
+        "promoted": False,
+    }
 
 
 def test_evaluate_exported_measures_the_artifact():

@@ -59,7 +59,7 @@ def test_record_demo_external_broker_shared_topic(broker, topic, capsys):
 
 @pytest.mark.broker
 def test_record_demo_reports_mismatch(broker, topic, capsys, monkeypatch):
-    import producer.events as events
+    import rlrec.producer.events as events
 
     real = events.decode
 

@@ -22,13 +22,15 @@ import psutil
 import pytest
 from gymnasium import spaces as gs
 
-from producer import (
+from rlrec.consumer.topics import create_topics
+from rlrec.local import LocalBroker
+from rlrec.producer import (
     EpisodeRecorder,
     RecorderForkedError,
     RecorderFullError,
     RecordingWrapper,
 )
-from producer.events import (
+from rlrec.producer.events import (
     SCHEMA_HEADER,
     EpisodeAbort,
     EpisodeStart,
@@ -37,8 +39,7 @@ from producer.events import (
     check_leaves,
     decode,
 )
-from producer.spaces import flatten_value, space_leaves, unflatten_leaves
-from rlrec.local import LocalBroker, create_topics
+from rlrec.producer.spaces import flatten_value, space_leaves, unflatten_leaves
 from tests.helpers import wait_for
 
 NOWHERE = "127.0.0.1:1"  # nothing listens there: records stay buffered until they time out
@@ -79,8 +80,15 @@ def read_messages(bootstrap: str, topic: str, n: int, timeout: float = 15.0, set
     """
     from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
-    c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"read-{uuid.uuid4().hex}",
-                  "enable.auto.commit": False, "auto.offset.reset": "earliest", "fetch.wait.max.ms": 50})
+    c = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"read-{uuid.uuid4().hex}",
+            "enable.auto.commit": False,
+            "auto.offset.reset": "earliest",
+            "fetch.wait.max.ms": 50,
+        }
+    )
     try:
         parts = c.list_topics(topic, timeout=10).topics[topic].partitions
         c.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in parts])
@@ -196,8 +204,15 @@ def assert_info_equal(got: dict, want: dict) -> None:
 
 @pytest.mark.broker
 def test_interleaved_episodes_in_threads_round_trip(broker, topic, recorders):
-    rec = recorders(broker.bootstrap_servers, topic, policy_id="p-threads", policy_version=7, env_id="Synthetic-v0",
-                    max_batch_steps=8, max_batch_delay_s=60.0)  # batches go out at 8 steps or at the end
+    rec = recorders(
+        broker.bootstrap_servers,
+        topic,
+        policy_id="p-threads",
+        policy_version=7,
+        env_id="Synthetic-v0",
+        max_batch_steps=8,
+        max_batch_delay_s=60.0,
+    )  # batches go out at 8 steps or at the end
     n_threads, per_thread = 4, 3
     logged: dict[str, dict] = {}
     records = [0] * n_threads
@@ -211,8 +226,16 @@ def test_interleaved_episodes_in_threads_round_trip(broker, topic, recorders):
                 obs0 = rng.standard_normal(3).astype(np.float32)
                 info0 = {"worker": w, "nested": {"j": j, "ids": [1, 2]}, "arr": np.arange(3, dtype=np.int32) + w}
                 eid = rec.begin_episode(obs0, info=info0, episode_id=f"w{w}-e{j}")
-                e = {"id": eid, "how": ("terminated", "truncated", "aborted")[(w + j) % 3], "obs0": obs0, "info0": info0,
-                     "length": int(rng.integers(12, 30)), "steps": [], "delays": [], "done": False}
+                e = {
+                    "id": eid,
+                    "how": ("terminated", "truncated", "aborted")[(w + j) % 3],
+                    "obs0": obs0,
+                    "info0": info0,
+                    "length": int(rng.integers(12, 30)),
+                    "steps": [],
+                    "delays": [],
+                    "done": False,
+                }
                 eps.append(e)
                 logged[eid] = e
                 records[w] += 1
@@ -231,9 +254,20 @@ def test_interleaved_episodes_in_threads_round_trip(broker, topic, recorders):
                     r = float(rng.standard_normal())
                     o = rng.standard_normal(3).astype(np.float32)
                     info = {"t": t, "v": np.full(2, t, np.float64)} if t % 4 == 0 else {}
-                    extra = {"action_logp": np.float32(-t / 10), "action_dist_inputs": rng.standard_normal(3).astype(np.float32)}
-                    rec.log_step(e["id"], a, r, o, terminated=last and e["how"] == "terminated",
-                                 truncated=last and e["how"] == "truncated", info=info, extra_model_outputs=extra)
+                    extra = {
+                        "action_logp": np.float32(-t / 10),
+                        "action_dist_inputs": rng.standard_normal(3).astype(np.float32),
+                    }
+                    rec.log_step(
+                        e["id"],
+                        a,
+                        r,
+                        o,
+                        terminated=last and e["how"] == "terminated",
+                        truncated=last and e["how"] == "truncated",
+                        info=info,
+                        extra_model_outputs=extra,
+                    )
                     records[w] += 1
                     e["steps"].append((a, r, o, info, extra))
                     e["done"] = last
@@ -277,7 +311,9 @@ def test_interleaved_episodes_in_threads_round_trip(broker, topic, recorders):
         assert s.column("actions").dtype == np.int64
         np.testing.assert_array_equal(s.column("observations"), np.stack([o for _, _, o, *_ in steps]))
         np.testing.assert_array_equal(s.extra("action_logp"), [x["action_logp"] for *_, x in steps])
-        np.testing.assert_array_equal(s.extra("action_dist_inputs"), np.stack([x["action_dist_inputs"] for *_, x in steps]))
+        np.testing.assert_array_equal(
+            s.extra("action_dist_inputs"), np.stack([x["action_dist_inputs"] for *_, x in steps])
+        )
         for got, (*_, info, _) in zip(s.infos(), steps):
             assert_info_equal(got, info)
         # rewards: the batch carries the logged reward plus delays that arrived while it was buffered
@@ -286,7 +322,9 @@ def test_interleaved_episodes_in_threads_round_trip(broker, topic, recorders):
             if when == "buffered":
                 want[t] += d
         np.testing.assert_array_equal(s.rewards(), want)
-        assert sorted((d.t, d.reward) for d in s.deltas) == sorted((t, d) for t, d, when in e["delays"] if when == "sent")
+        assert sorted((d.t, d.reward) for d in s.deltas) == sorted(
+            (t, d) for t, d, when in e["delays"] if when == "sent"
+        )
         for d in s.deltas:  # a RewardDelta follows the batch holding its step
             first_after = next(i for i, ev in enumerate(s.events) if isinstance(ev, StepBatch) and ev.t0 + ev.n > d.t)
             assert s.events.index(d) > first_after
@@ -302,11 +340,18 @@ def test_interleaved_episodes_in_threads_round_trip(broker, topic, recorders):
 
 
 def nested_obs_space() -> gs.Dict:
-    return gs.Dict([
-        ("pos", gs.Box(-1, 1, (2, 2), np.float32)),
-        ("inv", gs.Tuple([gs.Discrete(4, start=1), gs.Dict([("z", gs.MultiBinary(3)), ("a", gs.Box(0, 9, (), np.int16))])])),
-        ("mask", gs.MultiBinary([2, 2])),
-    ])
+    return gs.Dict(
+        [
+            ("pos", gs.Box(-1, 1, (2, 2), np.float32)),
+            (
+                "inv",
+                gs.Tuple(
+                    [gs.Discrete(4, start=1), gs.Dict([("z", gs.MultiBinary(3)), ("a", gs.Box(0, 9, (), np.int16))])]
+                ),
+            ),
+            ("mask", gs.MultiBinary([2, 2])),
+        ]
+    )
 
 
 @pytest.mark.broker
@@ -316,15 +361,28 @@ def test_dict_observation_space_round_trip(broker, topic, recorders):
     act_space = gs.Tuple([gs.Discrete(3), gs.MultiDiscrete([[2, 3], [4, 5]])])
     obs_space.seed(1)
     act_space.seed(2)
-    rec = recorders(broker.bootstrap_servers, topic, observation_space=obs_space, action_space=act_space,
-                    validate_spaces=True, max_batch_steps=2)
+    rec = recorders(
+        broker.bootstrap_servers,
+        topic,
+        observation_space=obs_space,
+        action_space=act_space,
+        validate_spaces=True,
+        max_batch_steps=2,
+    )
     obs0 = obs_space.sample()
     eid = rec.begin_episode(obs0, info={"map": np.eye(2, dtype=np.uint8)})
     steps = []
     for t in range(5):
         a, o = act_space.sample(), obs_space.sample()
-        rec.log_step(eid, a, float(t), o, terminated=t == 4, info={"t": t},
-                     extra_model_outputs={"action_logp": np.float64(-t), "logits": np.full((2, 3), t, np.float32)})
+        rec.log_step(
+            eid,
+            a,
+            float(t),
+            o,
+            terminated=t == 4,
+            info={"t": t},
+            extra_model_outputs={"action_logp": np.float64(-t), "logits": np.full((2, 3), t, np.float32)},
+        )
         steps.append((a, o))
     s = consume(rec, broker, topic)[eid]
     start = s.start
@@ -357,8 +415,14 @@ def test_dict_observation_space_round_trip(broker, topic, recorders):
 @pytest.mark.broker
 def test_recording_wrapper_cartpole(broker, topic, recorders):
     env = gym.make("CartPole-v1")
-    rec = recorders(broker.bootstrap_servers, topic, policy_id="cartpole", observation_space=env.observation_space,
-                    action_space=env.action_space, env_id="CartPole-v1")
+    rec = recorders(
+        broker.bootstrap_servers,
+        topic,
+        policy_id="cartpole",
+        observation_space=env.observation_space,
+        action_space=env.action_space,
+        env_id="CartPole-v1",
+    )
     wrapped = RecordingWrapper(env, rec)
     env.action_space.seed(0)
     rng = np.random.default_rng(0)
@@ -366,7 +430,7 @@ def test_recording_wrapper_cartpole(broker, topic, recorders):
     # plan: (controller, steps before leaving early, how it leaves)
     plan = [("random", None, None), ("scripted", None, None), ("random", 5, "reset"), ("random", 3, "close")]
     for k, (controller, cut, how) in enumerate(plan):
-        obs, info = wrapped.reset(seed=100 + k)
+        obs, _info = wrapped.reset(seed=100 + k)
         run = runs[wrapped.episode_id] = {"obs0": obs.copy(), "steps": [], "how": how}
         while True:
             if cut is not None and len(run["steps"]) == cut:
@@ -377,7 +441,7 @@ def test_recording_wrapper_cartpole(broker, topic, recorders):
             p = float(rng.uniform(0.5, 1.0))
             outputs = {"action_logp": np.float32(np.log(p)), "action_dist_inputs": np.array([p, 1 - p], np.float32)}
             wrapped.set_model_outputs(outputs)
-            obs, reward, terminated, truncated, info = wrapped.step(action)
+            obs, reward, terminated, truncated, _info = wrapped.step(action)
             run["steps"].append((action, reward, obs.copy(), terminated, truncated, outputs))
             if terminated or truncated:
                 assert wrapped.episode_id is None
@@ -397,7 +461,9 @@ def test_recording_wrapper_cartpole(broker, topic, recorders):
         np.testing.assert_array_equal(s.rewards(), [r for _, r, *_ in steps])
         np.testing.assert_array_equal(s.column("observations"), np.stack([o for _, _, o, *_ in steps]))
         np.testing.assert_array_equal(s.extra("action_logp"), [x["action_logp"] for *_, x in steps])
-        np.testing.assert_array_equal(s.extra("action_dist_inputs"), np.stack([x["action_dist_inputs"] for *_, x in steps]))
+        np.testing.assert_array_equal(
+            s.extra("action_dist_inputs"), np.stack([x["action_dist_inputs"] for *_, x in steps])
+        )
         last = s.batches[-1]
         if run["how"] is None:
             assert (last.terminated, last.truncated) == steps[-1][3:5] and s.abort is None
@@ -427,7 +493,7 @@ def test_small_max_batch_steps_splits_episode(broker, topic, recorders):
 def test_max_batch_delay_sends_partial_batch(broker, topic, recorders):
     rec = recorders(broker.bootstrap_servers, topic, max_batch_steps=100, max_batch_delay_s=0.2)
     eid = rec.begin_episode(np.zeros(3, np.float32))
-    for t in range(3):
+    for _t in range(3):
         rec.log_step(eid, 1, 1.0, np.ones(3, np.float32))
     t0 = time.monotonic()
     msgs = read_messages(broker.bootstrap_servers, topic, 2, timeout=2.5, settle=0.0)  # no flush()
@@ -442,8 +508,13 @@ def test_max_batch_delay_sends_partial_batch(broker, topic, recorders):
 
 
 def test_overflow_raise(recorders):
-    rec = recorders(NOWHERE, max_buffered_steps=3, on_overflow="raise", max_batch_delay_s=60.0,
-                    kafka_config={"message.timeout.ms": 1500})
+    rec = recorders(
+        NOWHERE,
+        max_buffered_steps=3,
+        on_overflow="raise",
+        max_batch_delay_s=60.0,
+        kafka_config={"message.timeout.ms": 1500},
+    )
     eid = rec.begin_episode(np.zeros(3, np.float32))
     rec.log_step(eid, 0, 1.0, np.zeros(3, np.float32))
     rec.log_step(eid, 0, 1.0, np.zeros(3, np.float32))
@@ -464,8 +535,15 @@ def test_overflow_raise(recorders):
 @pytest.mark.broker
 def test_overflow_drop(broker, topic, recorders):
     # linger.ms 10 s: nothing is delivered before flush(), so the buffer fills deterministically
-    rec = recorders(broker.bootstrap_servers, topic, max_buffered_steps=6, on_overflow="drop", max_batch_steps=2,
-                    max_batch_delay_s=60.0, kafka_config={"linger.ms": 10_000})
+    rec = recorders(
+        broker.bootstrap_servers,
+        topic,
+        max_buffered_steps=6,
+        on_overflow="drop",
+        max_batch_steps=2,
+        max_batch_delay_s=60.0,
+        kafka_config={"linger.ms": 10_000},
+    )
     z = np.zeros(3, np.float32)
     a = rec.begin_episode(z, episode_id="A")  # 1
     rec.log_step(a, 0, 1.0, z)
@@ -501,8 +579,15 @@ def test_overflow_drop(broker, topic, recorders):
 @pytest.mark.broker
 def test_overflow_block_waits_for_space(broker, topic, recorders):
     # linger.ms 10 s: deliveries happen only when the main thread flushes
-    rec = recorders(broker.bootstrap_servers, topic, max_buffered_steps=4, on_overflow="block", max_batch_steps=2,
-                    max_batch_delay_s=60.0, kafka_config={"linger.ms": 10_000})
+    rec = recorders(
+        broker.bootstrap_servers,
+        topic,
+        max_buffered_steps=4,
+        on_overflow="block",
+        max_batch_steps=2,
+        max_batch_delay_s=60.0,
+        kafka_config={"linger.ms": 10_000},
+    )
     n = 40
     progress = [0]
 
@@ -566,9 +651,11 @@ def test_overflow_block_many_threads_all_delivered(broker, topic, recorders):
 @pytest.mark.broker
 def test_flush_and_close(broker, topic):
     threads_before = psutil.Process().num_threads()
-    rec = EpisodeRecorder(broker.bootstrap_servers, topic, observation_space=OBS, action_space=ACT, max_batch_delay_s=60.0)
+    rec = EpisodeRecorder(
+        broker.bootstrap_servers, topic, observation_space=OBS, action_space=ACT, max_batch_delay_s=60.0
+    )
     e1 = rec.begin_episode(np.zeros(3, np.float32))
-    for t in range(3):
+    for _t in range(3):
         rec.log_step(e1, 1, 1.0, np.zeros(3, np.float32))
     e2 = rec.begin_episode(np.zeros(3, np.float32))
     assert rec.flush() == 0
@@ -579,16 +666,20 @@ def test_flush_and_close(broker, topic):
     # close() releases the Kafka client at once (threads, connections), not at garbage collection
     wait_for(lambda: psutil.Process().num_threads() <= threads_before, 10, what="the client's threads to end")
     assert rec.close() == 0 and rec.flush() == 0  # idempotent
-    for call in (lambda: rec.begin_episode(np.zeros(3, np.float32)),
-                 lambda: rec.log_step(e1, 1, 1.0, np.zeros(3, np.float32)),
-                 lambda: rec.log_reward(e1, 0, 1.0),
-                 lambda: rec.abort_episode(e1)):
+    for call in (
+        lambda: rec.begin_episode(np.zeros(3, np.float32)),
+        lambda: rec.log_step(e1, 1, 1.0, np.zeros(3, np.float32)),
+        lambda: rec.log_reward(e1, 0, 1.0),
+        lambda: rec.abort_episode(e1),
+    ):
         with pytest.raises(RuntimeError, match="closed"):
             call()
     st = rec.stats
     assert (st.delivered, st.failed, st.buffered) == (7, 0, 0)
     seen = decode_all(read_messages(broker.bootstrap_servers, topic, st.messages_delivered))
-    assert seen[e1].kinds == ["EpisodeStart", "StepBatch", "EpisodeAbort"] and seen[e1].abort.reason == "recorder-closed"
+    assert (
+        seen[e1].kinds == ["EpisodeStart", "StepBatch", "EpisodeAbort"] and seen[e1].abort.reason == "recorder-closed"
+    )
     assert seen[e2].kinds == ["EpisodeStart", "EpisodeAbort"] and seen[e2].abort.reason == "recorder-closed"
     with EpisodeRecorder(broker.bootstrap_servers, topic, observation_space=OBS, action_space=ACT) as r2:
         e3 = r2.begin_episode(np.zeros(3, np.float32))
@@ -602,14 +693,20 @@ def test_delivery_failure_accounting():
     errors: list = []
     with LocalBroker() as b:
         create_topics(b.bootstrap_servers, {"acct": 1})
-        rec = EpisodeRecorder(b.bootstrap_servers, "acct", observation_space=OBS, action_space=ACT, max_batch_delay_s=60.0,
-                              kafka_config={"message.timeout.ms": 2000, "log_level": 0},
-                              on_delivery_error=lambda err, key, n: errors.append((err, key, n)))
+        rec = EpisodeRecorder(
+            b.bootstrap_servers,
+            "acct",
+            observation_space=OBS,
+            action_space=ACT,
+            max_batch_delay_s=60.0,
+            kafka_config={"message.timeout.ms": 2000, "log_level": 0},
+            on_delivery_error=lambda err, key, n: errors.append((err, key, n)),
+        )
         try:
             e1 = rec.begin_episode(np.zeros(3, np.float32))
             assert rec.flush(10) == 0 and rec.stats.delivered == 1
             b.kill()
-            for t in range(5):
+            for _t in range(5):
                 rec.log_step(e1, 0, 1.0, np.zeros(3, np.float32))
             rec.abort_episode(e1, "gone")  # a batch of 5 steps + an abort
             e2 = rec.begin_episode(np.zeros(3, np.float32))
@@ -643,9 +740,15 @@ def test_fatal_producer_error_replaces_the_producer_and_counts_the_lost_records(
     errors: list = []
     with LocalBroker() as b:
         create_topics(b.bootstrap_servers, {"fatal": 1})
-        rec = EpisodeRecorder(b.bootstrap_servers, "fatal", observation_space=OBS, action_space=ACT,
-                              max_batch_delay_s=60.0, kafka_config={"log_level": 0},
-                              on_delivery_error=lambda err, key, n: errors.append((err, key, n)))
+        rec = EpisodeRecorder(
+            b.bootstrap_servers,
+            "fatal",
+            observation_space=OBS,
+            action_space=ACT,
+            max_batch_delay_s=60.0,
+            kafka_config={"log_level": 0},
+            on_delivery_error=lambda err, key, n: errors.append((err, key, n)),
+        )
         try:
             e1 = rec.begin_episode(np.zeros(3, np.float32))
             assert rec.flush(10) == 0 and rec.stats.delivered == 1
@@ -760,8 +863,13 @@ def test_validate_spaces(recorders):
 def test_refused_batch_is_counted_failed_and_close_still_works(recorders):
     """A batch larger than librdkafka's message.max.bytes: failed, episode aborted, recorder usable."""
     big = gs.Box(0, 255, (3000,), np.uint8)
-    rec = recorders(NOWHERE, observation_space=big, max_batch_steps=16, max_batch_delay_s=60.0,
-                    kafka_config={"message.max.bytes": 36_000, "message.timeout.ms": 1000})
+    rec = recorders(
+        NOWHERE,
+        observation_space=big,
+        max_batch_steps=16,
+        max_batch_delay_s=60.0,
+        kafka_config={"message.max.bytes": 36_000, "message.timeout.ms": 1000},
+    )
     obs = np.zeros(3000, np.uint8)
     eid = rec.begin_episode(obs)
     with pytest.raises(ValueError, match="could not be sent"):
@@ -784,8 +892,14 @@ def test_close_timeout_purges_undelivered_messages():
     from confluent_kafka import KafkaError
 
     errors: list = []
-    rec = EpisodeRecorder(NOWHERE, "t", observation_space=OBS, action_space=ACT, kafka_config=QUIET,
-                          on_delivery_error=lambda err, key, n: errors.append((err.code(), key, n)))
+    rec = EpisodeRecorder(
+        NOWHERE,
+        "t",
+        observation_space=OBS,
+        action_space=ACT,
+        kafka_config=QUIET,
+        on_delivery_error=lambda err, key, n: errors.append((err.code(), key, n)),
+    )
     eid = rec.begin_episode(np.zeros(3, np.float32))
     rec.log_step(eid, 0, 1.0, np.zeros(3, np.float32))
     assert rec.close(timeout=0.2) == 3  # EpisodeStart, the batch, the "recorder-closed" abort
@@ -807,8 +921,13 @@ def test_fork_child_gets_recorder_forked_error(recorders):
     if pid == 0:  # child: report through the exit code, never return into pytest
         code = 0
         try:
-            calls = [lambda: rec.begin_episode(z), lambda: rec.log_step(eid, 0, 1.0, z),
-                     lambda: rec.log_reward(eid, 0, 1.0), lambda: rec.abort_episode(eid), lambda: rec.flush()]
+            calls = [
+                lambda: rec.begin_episode(z),
+                lambda: rec.log_step(eid, 0, 1.0, z),
+                lambda: rec.log_reward(eid, 0, 1.0),
+                lambda: rec.abort_episode(eid),
+                lambda: rec.flush(),
+            ]
             for i, call in enumerate(calls):
                 try:
                     call()
@@ -841,7 +960,7 @@ def test_fork_child_gets_recorder_forked_error(recorders):
 def test_import_does_not_pull_ray_or_torch():
     code = (
         "import sys\n"
-        "import producer\n"
+        "import rlrec.producer\n"
         "from rlrec import EpisodeRecorder, RecordingWrapper\n"
         "import rlrec.cli; rlrec.cli.build_parser()\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('ray', 'torch'))\n"

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from confluent_kafka import Consumer
 
-from producer import EpisodeRecorder
-from producer.events import DecodeError, StepBatch, decode, encode
-from producer.registry import RegistryUnavailable, SchemaRegistry, frame, unframe
+from rlrec.producer import EpisodeRecorder
+from rlrec.producer.events import DecodeError, StepBatch, decode, encode
+from rlrec.producer.registry import RegistryUnavailable, SchemaRegistry, frame, unframe
 from tests.helpers import ACT_SPACE, OBS_SPACE, record_episodes
 
 
@@ -96,15 +96,32 @@ def test_unreachable_registry_is_not_the_messages_fault():
 
 @pytest.mark.broker
 def test_recorder_with_registry_end_to_end(broker, topic, registry):
-    rec = EpisodeRecorder(broker.bootstrap_servers, topic=topic, policy_id="p", observation_space=OBS_SPACE,
-                          action_space=ACT_SPACE, schema_registry_url=registry.url)
+    rec = EpisodeRecorder(
+        broker.bootstrap_servers,
+        topic=topic,
+        policy_id="p",
+        observation_space=OBS_SPACE,
+        action_space=ACT_SPACE,
+        schema_registry_url=registry.url,
+    )
     truth = record_episodes(rec, 3, seed=5)
     assert rec.flush(10) == 0
     rec.close()
     assert {json.loads(s)["name"] for s in registry.schemas.values()} == {
-        "EpisodeStart", "StepBatch", "RewardDelta", "EpisodeAbort"}
-    c = Consumer({"bootstrap.servers": broker.bootstrap_servers, "group.id": uuid.uuid4().hex,
-                  "auto.offset.reset": "earliest", "session.timeout.ms": 2000, "heartbeat.interval.ms": 500})
+        "EpisodeStart",
+        "StepBatch",
+        "RewardDelta",
+        "EpisodeAbort",
+    }
+    c = Consumer(
+        {
+            "bootstrap.servers": broker.bootstrap_servers,
+            "group.id": uuid.uuid4().hex,
+            "auto.offset.reset": "earliest",
+            "session.timeout.ms": 2000,
+            "heartbeat.interval.ms": 500,
+        }
+    )
     c.subscribe([topic])
     reg = SchemaRegistry(registry.url)
     steps, starts = 0, 0

@@ -9,12 +9,13 @@ import time
 
 import pytest
 
-from consumer.manifest import read_manifest
-from consumer.storage import Storage
 from rlrec.cli import main
 from rlrec.report import SECTIONS, freshness, write_report
 from rlrec.report_data import collect
-from trainer.synthetic import ShardCommitter, expert_cartpole_episodes
+from rlrec.store.commit import ShardCommitter
+from rlrec.store.manifest import read_manifest
+from rlrec.store.storage import Storage
+from rlrec.trainer.synthetic import expert_cartpole_episodes
 
 DEAD = {"bad-schema": 3, "oversized": 1}
 
@@ -27,37 +28,65 @@ def _demo_dir(tmp_path, *, trainer: bool = True, demo_metrics: bool = True):
     committer = ShardCommitter(str(shards))
     entries = []
     for v in (1, 2, 3):
-        eps = expert_cartpole_episodes(4, seed=v, policy_id="cartpole", policy_version=v,
-                                       epsilon=0.1 * v, max_steps=60)
+        eps = expert_cartpole_episodes(4, seed=v, policy_id="cartpole", policy_version=v, epsilon=0.1 * v, max_steps=60)
         for i, e in enumerate(eps):
             e.started_ms = int((t0 + 10 * v + i) * 1000)
             e.ended_ms = e.started_ms + 500
-        entries += committer.commit(eps)
+        entries += committer.commit(eps).entries
     assert len(entries) == 3
-    (d / "demo.json").write_text(json.dumps({
-        "started": t0, "ended": t0 + 90, "args": {}, "shards_uri": str(shards), "trainer_dir": str(d / "trainer"),
-        "s3_endpoint": None, "topic": "rl", "dlq_topic": "rl.dlq", "policies": 2}))
+    (d / "demo.json").write_text(
+        json.dumps(
+            {
+                "started": t0,
+                "ended": t0 + 90,
+                "args": {},
+                "shards_uri": str(shards),
+                "trainer_dir": str(d / "trainer"),
+                "s3_endpoint": None,
+                "topic": "rl",
+                "dlq_topic": "rl.dlq",
+                "policies": 2,
+            }
+        )
+    )
     if trainer:
         (d / "trainer").mkdir()
         lines = []
         for it, e in enumerate(entries, 1):
             t = e.commit_time + 1.5
-            lines.append({"iteration": it, "policy_version": it, "timesteps_trained": 1000 * it, "time": t,
-                          "eval_return_mean": 100.0 * it, "new_shards": [e.path],
-                          "promotion": {"candidate_version": it + 1, "candidate_return": 100.0 * it,
-                                        "deployed_version": it, "deployed_return": 90.0 * it,
-                                        "promoted": it != 2}})
+            lines.append(
+                {
+                    "iteration": it,
+                    "policy_version": it,
+                    "timesteps_trained": 1000 * it,
+                    "time": t,
+                    "eval_return_mean": 100.0 * it,
+                    "new_shards": [e.path],
+                    "promotion": {
+                        "candidate_version": it + 1,
+                        "candidate_return": 100.0 * it,
+                        "deployed_version": it,
+                        "deployed_return": 90.0 * it,
+                        "promoted": it != 2,
+                    },
+                }
+            )
         (d / "trainer" / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     if demo_metrics:
         (d / "metrics.jsonl").write_text(
-            json.dumps({"time": t0 + 5, "dead_letters": {"bad-schema": 1}}) + "\n"
-            + json.dumps({"time": t0 + 80, "dead_letters": DEAD}) + "\n")
+            json.dumps({"time": t0 + 5, "dead_letters": {"bad-schema": 1}})
+            + "\n"
+            + json.dumps({"time": t0 + 80, "dead_letters": DEAD})
+            + "\n"
+        )
     return d, entries
 
 
 def _images(html: str) -> dict[str, bytes]:
-    return {m.group(1): base64.b64decode(m.group(2))
-            for m in re.finditer(r'<img id="plot-([a-z-]+)"[^>]*src="data:image/png;base64,([A-Za-z0-9+/=]+)"', html)}
+    return {
+        m.group(1): base64.b64decode(m.group(2))
+        for m in re.finditer(r'<img id="plot-([a-z-]+)"[^>]*src="data:image/png;base64,([A-Za-z0-9+/=]+)"', html)
+    }
 
 
 def _summary(html: str) -> dict[str, str]:
@@ -84,7 +113,7 @@ def test_report_has_every_section_and_the_summary(tmp_path):
 
 
 def test_freshness_maps_new_shards_to_manifest_entries(tmp_path):
-    d, entries = _demo_dir(tmp_path)
+    d, _entries = _demo_dir(tmp_path)
     data = collect(d)
     assert data.first_trained.keys() == {e.path for e in read_manifest(Storage.from_uri(str(d / "shards")))}
     f = freshness(data)
@@ -127,7 +156,7 @@ def test_report_and_convert_on_s3(tmp_path, local_s3, monkeypatch, capsys):
 
     import pyarrow.parquet as pq
 
-    from consumer.shards import tabular_table
+    from rlrec.store.shards import tabular_table
 
     bucket = local_s3.create_bucket(f"rep-{uuid.uuid4().hex[:8]}")
     for k, v in local_s3.env().items():
@@ -152,7 +181,7 @@ def test_dead_letters_from_the_dlq_topic(tmp_path, broker, topic):
     """With --bootstrap-servers the dead letters are counted from the DLQ's reason headers."""
     from confluent_kafka import Producer
 
-    from rlrec.local import dlq_topic_name
+    from rlrec.consumer.topics import dlq_topic_name
 
     dlq = dlq_topic_name(topic)
     p = Producer({"bootstrap.servers": broker.bootstrap_servers})
@@ -162,8 +191,10 @@ def test_dead_letters_from_the_dlq_topic(tmp_path, broker, topic):
     assert p.flush(10) == 0
     d, _ = _demo_dir(tmp_path, trainer=False)  # its metrics.jsonl says DEAD; the topic wins
     out = tmp_path / "r.html"
-    assert main(["report", str(d), "--out", str(out), "--bootstrap-servers", broker.bootstrap_servers,
-                 "--dlq-topic", dlq]) == 0
+    assert (
+        main(["report", str(d), "--out", str(out), "--bootstrap-servers", broker.bootstrap_servers, "--dlq-topic", dlq])
+        == 0
+    )
     data = collect(d, bootstrap_servers=broker.bootstrap_servers, dlq_topic=dlq)
     assert data.dead_letters == {"bad-schema": 3, "oversized": 1, "unknown": 1}
     html = out.read_text()

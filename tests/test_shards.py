@@ -1,4 +1,4 @@
-"""consumer.shards: episode and tabular Parquet shards, read back by us, pandas, polars, Ray Data
+"""rlrec.store.shards: episode and tabular Parquet shards, read back by us, pandas, polars, Ray Data
 and stock RLlib 2.60 (BC). No broker.
 
 The Ray tests (marked `slow`) share one module-scoped Ray session (`ray.init(num_cpus=4)`: on 2
@@ -19,9 +19,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from consumer.episodes import pack_episode, to_single_agent_episode
-from consumer.finished import FinishedEpisode
-from consumer.shards import (
+from rlrec.producer.spaces import flatten_value, loads_space, space_from_json, space_leaves, space_to_json
+from rlrec.store.episodes import pack_episode, to_single_agent_episode
+from rlrec.store.finished import FinishedEpisode
+from rlrec.store.shards import (
     EPISODE_COLUMNS,
     SHARD_FORMAT_VERSION,
     EncodedShard,
@@ -30,7 +31,6 @@ from consumer.shards import (
     read_tabular,
     shard_metadata,
 )
-from producer.spaces import flatten_value, loads_space, space_from_json, space_leaves, space_to_json
 
 BATCH = 128  # BC train_batch_size_per_learner
 
@@ -39,8 +39,9 @@ BATCH = 128  # BC train_batch_size_per_learner
 # data: real CartPole-v1 episodes from a scripted controller
 
 
-def cartpole_episodes(n: int, seed: int = 0, max_steps: int = 120, infos: bool = False,
-                      prefix: str = "ep") -> list[FinishedEpisode]:
+def cartpole_episodes(
+    n: int, seed: int = 0, max_steps: int = 120, infos: bool = False, prefix: str = "ep"
+) -> list[FinishedEpisode]:
     """Every third episode uses a bad controller (terminates fast); the others mostly truncate."""
     env = gym.make("CartPole-v1", max_episode_steps=max_steps)
     out = []
@@ -52,29 +53,54 @@ def cartpole_episodes(n: int, seed: int = 0, max_steps: int = 120, infos: bool =
             a = int(o[2] + 0.5 * o[3] > 0) if good else 0
             z = float(o[2] + 0.5 * o[3])
             o, r, term, trunc, info = env.step(a)
-            obs.append(o); acts.append(a); rews.append(r); logits.append([-z, z])
+            obs.append(o)
+            acts.append(a)
+            rews.append(r)
+            logits.append([-z, z])
             infs.append({"step": len(acts)} if infos and len(acts) % 5 == 0 else dict(info))
             if term or trunc:
                 break
-        out.append(FinishedEpisode(
-            episode_id=f"{prefix}-{seed}-{e}", policy_id="scripted", policy_version=e % 4,
-            env_id="CartPole-v1", observation_space=env.observation_space, action_space=env.action_space,
-            observations=[np.stack(obs).astype(np.float32)], actions=[np.asarray(acts, dtype=np.int64)],
-            rewards=np.asarray(rews, dtype=np.float64), infos=infs,
-            extra_model_outputs={"action_dist_inputs": np.asarray(logits, dtype=np.float32),
-                                 "action_logp": np.full(len(acts), -0.25, dtype=np.float32)},
-            terminated=bool(term), truncated=bool(trunc), first_offset=100 * e,
-            last_offset=100 * e + 7, started_ms=1_700_000_000_000 + e, ended_ms=1_700_000_001_000 + e,
-        ))
+        out.append(
+            FinishedEpisode(
+                episode_id=f"{prefix}-{seed}-{e}",
+                policy_id="scripted",
+                policy_version=e % 4,
+                env_id="CartPole-v1",
+                observation_space=env.observation_space,
+                action_space=env.action_space,
+                observations=[np.stack(obs).astype(np.float32)],
+                actions=[np.asarray(acts, dtype=np.int64)],
+                rewards=np.asarray(rews, dtype=np.float64),
+                infos=infs,
+                extra_model_outputs={
+                    "action_dist_inputs": np.asarray(logits, dtype=np.float32),
+                    "action_logp": np.full(len(acts), -0.25, dtype=np.float32),
+                },
+                terminated=bool(term),
+                truncated=bool(trunc),
+                first_offset=100 * e,
+                last_offset=100 * e + 7,
+                started_ms=1_700_000_000_000 + e,
+                ended_ms=1_700_000_001_000 + e,
+            )
+        )
     return out
 
 
 def dict_episodes(n: int = 3, T: int = 5) -> list[FinishedEpisode]:
-    osp = space_from_json(space_to_json(gym.spaces.Dict(OrderedDict([
-        ("pos", gym.spaces.Box(-1.0, 1.0, (3,), np.float32)),
-        ("img", gym.spaces.Box(0, 255, (2, 3), np.uint8)),
-        ("pair", gym.spaces.Tuple([gym.spaces.Discrete(4), gym.spaces.MultiBinary(2)])),
-    ]))))
+    osp = space_from_json(
+        space_to_json(
+            gym.spaces.Dict(
+                OrderedDict(
+                    [
+                        ("pos", gym.spaces.Box(-1.0, 1.0, (3,), np.float32)),
+                        ("img", gym.spaces.Box(0, 255, (2, 3), np.uint8)),
+                        ("pair", gym.spaces.Tuple([gym.spaces.Discrete(4), gym.spaces.MultiBinary(2)])),
+                    ]
+                )
+            )
+        )
+    )
     asp = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
     osp.seed(5)
     asp.seed(5)
@@ -83,10 +109,27 @@ def dict_episodes(n: int = 3, T: int = 5) -> list[FinishedEpisode]:
         values = [osp.sample() for _ in range(T + 1)]
         per = [flatten_value(osp, v) for v in values]
         leaves = [np.stack([np.asarray(p[i], dtype=lf.dtype) for p in per]) for i, lf in enumerate(space_leaves(osp))]
-        out.append(FinishedEpisode(
-            f"d-{e}", "pol", 1, "DictEnv", osp, asp, leaves,
-            [np.stack([asp.sample() for _ in range(T)])], np.arange(T, dtype=np.float64),
-            [{}] * (T + 1), {}, e % 2 == 0, e % 2 == 1, e, e, 0, 0))
+        out.append(
+            FinishedEpisode(
+                f"d-{e}",
+                "pol",
+                1,
+                "DictEnv",
+                osp,
+                asp,
+                leaves,
+                [np.stack([asp.sample() for _ in range(T)])],
+                np.arange(T, dtype=np.float64),
+                [{}] * (T + 1),
+                {},
+                e % 2 == 0,
+                e % 2 == 1,
+                e,
+                e,
+                0,
+                0,
+            )
+        )
     return out
 
 
@@ -125,10 +168,18 @@ def test_episode_shard_columns_and_counts(cartpole):
     rows = t.drop_columns(["item"]).to_pylist()
     for e, r in zip(eps, rows):
         assert r == {
-            "episode_id": e.episode_id, "policy_id": "scripted", "policy_version": e.policy_version,
-            "env_id": "CartPole-v1", "length": e.length, "episode_return": e.episode_return,
-            "terminated": e.terminated, "truncated": e.truncated, "first_offset": e.first_offset,
-            "last_offset": e.last_offset, "started_ms": e.started_ms, "ended_ms": e.ended_ms,
+            "episode_id": e.episode_id,
+            "policy_id": "scripted",
+            "policy_version": e.policy_version,
+            "env_id": "CartPole-v1",
+            "length": e.length,
+            "episode_return": e.episode_return,
+            "terminated": e.terminated,
+            "truncated": e.truncated,
+            "first_offset": e.first_offset,
+            "last_offset": e.last_offset,
+            "started_ms": e.started_ms,
+            "ended_ms": e.ended_ms,
         }
     # the item is exactly RLlib's packing of our episode
     assert t.column("item")[3].as_py() == pack_episode(to_single_agent_episode(eps[3]))
@@ -151,14 +202,20 @@ def test_read_episodes_bytes_and_path(cartpole, tmp_path):
             np.testing.assert_array_equal(b.get_observations(), e.observations[0])
             np.testing.assert_array_equal(b.get_actions(), e.actions[0])
             np.testing.assert_array_equal(b.get_rewards(), e.rewards)
-            np.testing.assert_array_equal(b.get_extra_model_outputs("action_dist_inputs"),
-                                          e.extra_model_outputs["action_dist_inputs"])
+            np.testing.assert_array_equal(
+                b.get_extra_model_outputs("action_dist_inputs"), e.extra_model_outputs["action_dist_inputs"]
+            )
             assert b.get_infos() == ref.get_infos()
             assert (b.is_terminated, b.is_truncated) == (e.terminated, e.truncated)
-            assert b.custom_data == {"policy_id": "scripted", "policy_version": e.policy_version, "env_id": "CartPole-v1"}
+            assert b.custom_data == {
+                "policy_id": "scripted",
+                "policy_version": e.policy_version,
+                "env_id": "CartPole-v1",
+            }
             assert b.observation_space == e.observation_space and b.action_space == e.action_space
     # pyarrow filesystem argument
     from pyarrow import fs
+
     assert len(read_episodes(str(path), filesystem=fs.LocalFileSystem())) == 6
 
 
@@ -183,9 +240,17 @@ def test_shard_validation(cartpole):
     undone = FinishedEpisode(**{**e0.__dict__, "terminated": False, "truncated": False, "episode_id": "u"})
     with pytest.raises(ValueError, match="neither terminated nor truncated"):
         encode_shard([undone], fmt="tabular")
-    empty = FinishedEpisode(**{**e0.__dict__, "episode_id": "z", "observations": [e0.observations[0][:1]],
-                               "actions": [e0.actions[0][:0]], "rewards": e0.rewards[:0], "infos": [{}],
-                               "extra_model_outputs": {}})
+    empty = FinishedEpisode(
+        **{
+            **e0.__dict__,
+            "episode_id": "z",
+            "observations": [e0.observations[0][:1]],
+            "actions": [e0.actions[0][:0]],
+            "rewards": e0.rewards[:0],
+            "infos": [{}],
+            "extra_model_outputs": {},
+        }
+    )
     with pytest.raises(ValueError, match="no steps"):
         encode_shard([empty])
     bad = FinishedEpisode(**{**e0.__dict__, "episode_id": "b", "extra_model_outputs": {"obs": e0.rewards}})
@@ -206,9 +271,22 @@ def test_tabular_shard_columns_and_values(cartpole):
     assert (shard.fmt, shard.episodes, shard.steps) == ("tabular", 5, n)
     t = read_tabular(shard.data)
     assert t.num_rows == n
-    assert t.schema.names == ["eps_id", "agent_id", "module_id", "obs", "actions", "rewards", "new_obs",
-                              "terminateds", "truncateds", "t", "infos", "action_dist_inputs", "action_logp",
-                              "policy_version"]
+    assert t.schema.names == [
+        "eps_id",
+        "agent_id",
+        "module_id",
+        "obs",
+        "actions",
+        "rewards",
+        "new_obs",
+        "terminateds",
+        "truncateds",
+        "t",
+        "infos",
+        "action_dist_inputs",
+        "action_logp",
+        "policy_version",
+    ]
     types = {f.name: f.type for f in t.schema}
     assert types["eps_id"] == pa.string() and types["agent_id"] == pa.null() == types["module_id"]
     assert types["obs"] == pa.list_(pa.float32(), 4) == types["new_obs"]
@@ -224,7 +302,10 @@ def test_tabular_shard_columns_and_values(cartpole):
     np.testing.assert_array_equal(new_obs, np.concatenate([e.observations[0][1:] for e in eps]))
     np.testing.assert_array_equal(t.column("actions").to_numpy(), np.concatenate([e.actions[0] for e in eps]))
     ends = np.cumsum([e.length for e in eps]) - 1
-    term, trunc = t.column("terminateds").to_numpy(zero_copy_only=False), t.column("truncateds").to_numpy(zero_copy_only=False)
+    term, trunc = (
+        t.column("terminateds").to_numpy(zero_copy_only=False),
+        t.column("truncateds").to_numpy(zero_copy_only=False),
+    )
     assert list(np.flatnonzero(term | trunc)) == list(ends)
     assert [bool(term[i]) for i in ends] == [e.terminated for e in eps]
     assert [bool(trunc[i]) for i in ends] == [e.truncated for e in eps]
@@ -313,7 +394,7 @@ def shard_dirs(cartpole, tmp_path_factory):
     for fmt in ("episodes", "tabular"):
         d = tmp_path_factory.mktemp(fmt)
         for i in range(3):
-            shard = encode_shard(cartpole[8 * i: 8 * (i + 1)], fmt=fmt)
+            shard = encode_shard(cartpole[8 * i : 8 * (i + 1)], fmt=fmt)
             (d / f"shard-{i:05d}.parquet").write_bytes(shard.data)
         dirs[fmt] = d
     return dirs
@@ -328,8 +409,9 @@ def _bc_config(input_dir, **offline):
         .environment(observation_space=env.observation_space, action_space=env.action_space)
         .learners(num_learners=0)
         .training(train_batch_size_per_learner=BATCH)
-        .offline_data(input_=[str(input_dir)], map_batches_kwargs={"concurrency": 1},
-                      dataset_num_iters_per_learner=1, **offline)
+        .offline_data(
+            input_=[str(input_dir)], map_batches_kwargs={"concurrency": 1}, dataset_num_iters_per_learner=1, **offline
+        )
     )
 
 
@@ -353,8 +435,9 @@ def _check_prelearner_batch(cfg, batch, cartpole) -> None:
 
     env = gym.make("CartPole-v1")
     spaces = (env.observation_space, env.action_space)
-    pl = OfflinePreLearner(config=cfg, spaces=spaces,
-                           module_spec=cfg.get_multi_rl_module_spec(spaces={"default_policy": spaces}))
+    pl = OfflinePreLearner(
+        config=cfg, spaces=spaces, module_spec=cfg.get_multi_rl_module_spec(spaces={"default_policy": spaces})
+    )
     out = pl(batch)
     obs, act = out["default_policy/obs"].numpy(), out["default_policy/actions"].numpy()
     assert obs.shape == (BATCH, 4) and obs.dtype == np.float32
@@ -408,9 +491,28 @@ def test_ray_data_multidim_leaves(ray_session):
     box = space_from_json(space_to_json(gym.spaces.Box(-1.0, 1.0, (2, 3), np.float32)))
     box.seed(2)
     T = 4
-    eps = [FinishedEpisode(f"b-{i}", "p", 0, "BoxEnv", box, gym.spaces.Discrete(2),
-                           [np.stack([box.sample() for _ in range(T + 1)])], [np.zeros(T, np.int64)],
-                           np.zeros(T), [{}] * (T + 1), {}, True, False, 0, 0, 0, 0) for i in range(2)]
+    eps = [
+        FinishedEpisode(
+            f"b-{i}",
+            "p",
+            0,
+            "BoxEnv",
+            box,
+            gym.spaces.Discrete(2),
+            [np.stack([box.sample() for _ in range(T + 1)])],
+            [np.zeros(T, np.int64)],
+            np.zeros(T),
+            [{}] * (T + 1),
+            {},
+            True,
+            False,
+            0,
+            0,
+            0,
+            0,
+        )
+        for i in range(2)
+    ]
 
     def first_obs(episodes, multidim, key=None):
         table = read_tabular(encode_shard(episodes, fmt="tabular", multidim=multidim).data)

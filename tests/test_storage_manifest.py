@@ -30,10 +30,8 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 
-from tests.faults import FaultProxy
-
-from consumer.maintenance import episode_summary, gc, inspect, verify
-from consumer.manifest import (
+from rlrec.store.maintenance import episode_summary, gc, inspect, verify
+from rlrec.store.manifest import (
     ClaimEntry,
     ConflictError,
     FencedError,
@@ -45,7 +43,8 @@ from consumer.manifest import (
     parse_entry,
     read_manifest,
 )
-from consumer.storage import RetryPolicy, Storage, StorageError
+from rlrec.store.storage import RetryPolicy, Storage, StorageError
+from tests.faults import FaultProxy
 
 FAST_RETRY = RetryPolicy(attempts=4, base_delay=0.005, max_delay=0.02)
 TOPIC = "rl.transitions"
@@ -95,26 +94,48 @@ def store(request, tmp_path) -> Storage:
 
 
 def shard_bytes(ids: list[str], length: int = 5) -> bytes:
-    table = pa.table({
-        "episode_id": ids,
-        "length": pa.array([length] * len(ids), pa.int64()),
-        "episode_return": pa.array([float(length) / 2] * len(ids), pa.float64()),
-    })
+    table = pa.table(
+        {
+            "episode_id": ids,
+            "length": pa.array([length] * len(ids), pa.int64()),
+            "episode_return": pa.array([float(length) / 2] * len(ids), pa.float64()),
+        }
+    )
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink)
     return sink.getvalue().to_pybytes()
 
 
-def make_entry(ids: list[str], *, policy: str = "pol", partition: int = 0, first: int = 0, last: int = 9,
-               data: bytes | None = None, length: int = 5) -> tuple[ShardEntry, bytes]:
+def make_entry(
+    ids: list[str],
+    *,
+    policy: str = "pol",
+    partition: int = 0,
+    first: int = 0,
+    last: int = 9,
+    data: bytes | None = None,
+    length: int = 5,
+) -> tuple[ShardEntry, bytes]:
     data = shard_bytes(ids, length) if data is None else data
     name = f"{TOPIC}+{partition:05d}+{first:020d}+{last:020d}+{uuid.uuid4().hex[:6]}.parquet"
     e = ShardEntry(
-        path=f"{policy}/{name}", staging_path=f"{policy}/_staging/{name}", topic=TOPIC, partition=partition,
-        policy_id=policy, first_offset=first, last_offset=last, episode_ids=ids, episodes=len(ids),
-        steps=length * len(ids), bytes=len(data), sha256=hashlib.sha256(data).hexdigest(), format="test",
-        format_version=1, event_schema_versions={"EpisodeStart": 1, "StepBatch": 1},
-        min_policy_version=1, max_policy_version=2,
+        path=f"{policy}/{name}",
+        staging_path=f"{policy}/_staging/{name}",
+        topic=TOPIC,
+        partition=partition,
+        policy_id=policy,
+        first_offset=first,
+        last_offset=last,
+        episode_ids=ids,
+        episodes=len(ids),
+        steps=length * len(ids),
+        bytes=len(data),
+        sha256=hashlib.sha256(data).hexdigest(),
+        format="test",
+        format_version=1,
+        event_schema_versions={"EpisodeStart": 1, "StepBatch": 1},
+        min_policy_version=1,
+        max_policy_version=2,
     )
     return e, data
 
@@ -197,6 +218,69 @@ def test_from_uri_variants(tmp_path: Path, local_s3, monkeypatch) -> None:
     assert sub.kind == "s3" and sub.read("k") == b"1"
 
 
+def _tree(root: Path, files: dict[str, bytes]) -> Path:
+    for rel, data in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+    return root
+
+
+def _read_tree(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+def test_upload_download_delete_tree(store: Storage, tmp_path: Path) -> None:
+    first = {
+        "rllib_checkpoint.json": b"{}",
+        "learner_group/learner/state.pkl": os.urandom(300_000),
+        "learner_group/metadata.json": b'{"a": 1}',
+        "empty": b"",
+    }
+    second = {"rllib_checkpoint.json": b'{"v": 2}', "learner_group/learner/other.pkl": b"new"}
+    store.write("ck/keep.json", b"sibling")
+    assert store.upload_dir(_tree(tmp_path / "one", first), "ck/c1/algo") == 4
+    files = {f.path: f.size for f in store.list("ck/c1", recursive=True) if not f.is_dir}
+    assert files == {f"ck/c1/algo/{k}": len(v) for k, v in first.items()}
+    assert store.read("ck/c1/algo/learner_group/learner/state.pkl") == first["learner_group/learner/state.pkl"]
+    # Uploading again replaces the tree: nothing of the first upload is left.
+    assert store.upload_dir(_tree(tmp_path / "two", second), "ck/c1/algo") == 2
+    assert sorted(f.path for f in store.list("ck/c1", recursive=True) if not f.is_dir) == [
+        "ck/c1/algo/learner_group/learner/other.pkl",
+        "ck/c1/algo/rllib_checkpoint.json",
+    ]
+    # Download: the same bytes; other files already in the local directory stay.
+    dst = _tree(tmp_path / "dst", {"unrelated.txt": b"mine", "rllib_checkpoint.json": b"old"})
+    assert store.download_dir("ck/c1/algo", dst) == 2
+    assert _read_tree(dst) == {**second, "unrelated.txt": b"mine"}
+    assert store.download_dir("ck/c1/algo/learner_group", tmp_path / "new" / "lg") == 1
+    assert _read_tree(tmp_path / "new" / "lg") == {"learner/other.pkl": b"new"}
+    # Delete: every file and the directory itself (no directory markers left on S3).
+    assert store.delete_tree("ck/c1") == 2
+    assert not store.exists("ck/c1")
+    assert [(f.path, f.is_dir) for f in store.list("ck", recursive=True)] == [("ck/keep.json", False)]
+    assert store.delete_tree("ck/c1") == 0  # missing is fine
+    assert store.read("ck/keep.json") == b"sibling"
+
+
+def test_directory_tree_errors(store: Storage, tmp_path: Path) -> None:
+    store.write("f.json", b"1")
+    with pytest.raises(FileNotFoundError):
+        store.download_dir("no/such/dir", tmp_path / "d")
+    with pytest.raises(NotADirectoryError):
+        store.download_dir("f.json", tmp_path / "d")
+    with pytest.raises(NotADirectoryError):
+        store.delete_tree("f.json")
+    with pytest.raises(FileNotFoundError):
+        store.upload_dir(tmp_path / "missing", "x")
+    with pytest.raises(ValueError):  # never the whole output root
+        store.delete_tree("")
+    with pytest.raises(ValueError):
+        store.upload_dir(_tree(tmp_path / "src", {"a": b"1"}), ".")
+    with pytest.raises(ValueError):
+        store.delete_tree("../escape")
+    assert store.read("f.json") == b"1" and not store.exists("x")
+
+
 # --------------------------------------------------------------- manifest JSON
 
 
@@ -268,7 +352,7 @@ def test_zombie_writer_is_fenced(store: Storage) -> None:
     shards = PartitionLog(store, TOPIC, 0)
     shards.load()
     assert [s.episode_ids for s in shards.shard_entries()] == [("e1",), ("e2",)]
-    assert shards.max_offset() == 19
+    assert max(s.last_offset for s in shards.shard_entries()) == 19
 
 
 def test_conflict_with_own_epoch_and_duplicates(store: Storage) -> None:
@@ -372,8 +456,7 @@ def test_crash_before_entry_is_garbage_after_grace(store: Storage) -> None:
 
     assert gc(store, older_than_s=3600) == []  # too young
     future = time.time() + 7200
-    assert gc(store, older_than_s=3600, dry_run=True, now=future) == sorted([orphan.staging_path,
-                                                                              kept.staging_path])
+    assert gc(store, older_than_s=3600, dry_run=True, now=future) == sorted([orphan.staging_path, kept.staging_path])
     assert store.exists(orphan.staging_path)  # dry run deletes nothing
     assert gc(store, older_than_s=3600, now=future) == sorted([orphan.staging_path, kept.staging_path])
     assert not store.exists(orphan.staging_path) and not store.exists(kept.staging_path)
@@ -426,8 +509,17 @@ def test_inspect_and_verify(store: Storage) -> None:
     assert doc["totals"]["shards"] == 4 and doc["totals"]["episodes"] == 6 and doc["totals"]["steps"] == 30
     assert doc["totals"]["policies"]["other"]["episodes"] == 1
     assert [s["path"] for s in doc["shards"]] == [store.uri(e.path) for e in (good, lost, corrupt, dup)]
-    assert {k for k in doc["shards"][0]} >= {"path", "partition", "first_offset", "last_offset", "episodes",
-                                             "steps", "bytes", "policy_id", "commit_time"}
+    assert set(doc["shards"][0]) >= {
+        "path",
+        "partition",
+        "first_offset",
+        "last_offset",
+        "episodes",
+        "steps",
+        "bytes",
+        "policy_id",
+        "commit_time",
+    }
     problems = verify(store)
     assert len(problems) == 1 and "duplicate episode id 'b'" in problems[0]
     summary = episode_summary(store)
@@ -541,8 +633,12 @@ def test_unreachable_storage_raises_storage_error(tmp_path: Path, monkeypatch) -
     from rlrec.local import free_port
 
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nobody listens
-    for k, v in {"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "x", "AWS_REGION": "us-east-1",
-                 "AWS_EC2_METADATA_DISABLED": "true"}.items():
+    for k, v in {
+        "AWS_ACCESS_KEY_ID": "x",
+        "AWS_SECRET_ACCESS_KEY": "x",
+        "AWS_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }.items():
         monkeypatch.setenv(k, v)
     st = Storage.from_uri("s3://nobody-home/x", retry=RetryPolicy(attempts=2, base_delay=0.001, max_delay=0.002))
     with pytest.raises(StorageError):
@@ -556,7 +652,10 @@ def test_unreachable_storage_raises_storage_error(tmp_path: Path, monkeypatch) -
 
 def _run_cli(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "rlrec", *args], capture_output=True, text=True, timeout=60,
+        [sys.executable, "-m", "rlrec", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
         env={**os.environ, **(env or {})},
     )
 

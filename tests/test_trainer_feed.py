@@ -11,16 +11,27 @@ import gymnasium as gym
 import numpy as np
 import pytest
 
-from consumer.storage import Storage
-from trainer.feed import TAG_SHIFT, FeedPolicy, FeedState, ShardInfo, shard_of_tag
-from trainer.manifest import ManifestFollower, spaces_from_shard
-from trainer.synthetic import ShardCommitter, expert_cartpole_episodes
+from rlrec.store.commit import ShardCommitter
+from rlrec.store.storage import Storage
+from rlrec.trainer.feed import TAG_SHIFT, FeedPolicy, FeedState, ShardInfo, shard_of_tag
+from rlrec.trainer.manifest_follower import ManifestFollower, spaces_from_shard
+from rlrec.trainer.synthetic import expert_cartpole_episodes
 
 
 def shard(idx, *, t=None, rows=10, steps=1000, fmt="episodes", v=1):
-    return ShardInfo(idx=idx, key=f"p/s{idx}.parquet", path=f"p/s{idx}.parquet", staging_path=f"p/_staging/s{idx}",
-                     fmt=fmt, rows=rows, steps=steps, commit_time=float(idx if t is None else t), policy_id="p",
-                     min_policy_version=v, max_policy_version=v)
+    return ShardInfo(
+        idx=idx,
+        key=f"p/s{idx}.parquet",
+        path=f"p/s{idx}.parquet",
+        staging_path=f"p/_staging/s{idx}",
+        fmt=fmt,
+        rows=rows,
+        steps=steps,
+        commit_time=float(idx if t is None else t),
+        policy_id="p",
+        min_policy_version=v,
+        max_policy_version=v,
+    )
 
 
 class Clock:
@@ -47,7 +58,11 @@ def test_fresh_shards_are_delivered_oldest_first_in_chunks():
     ws = drain(st, 10)
     # 1000 steps / 10 episodes -> 100 steps per episode -> 5 episodes per chunk -> 2 chunks per shard
     assert [(shard_of_tag(w.tag), w.start, w.stop, w.fresh) for w in ws[:4]] == [
-        (1, 0, 5, True), (1, 5, 10, True), (2, 0, 5, True), (2, 5, 10, True)]
+        (1, 0, 5, True),
+        (1, 5, 10, True),
+        (2, 0, 5, True),
+        (2, 5, 10, True),
+    ]
     # then delivered-but-unacknowledged shards are read again (the stream never runs dry while
     # their rows may sit in a Learner's shuffle buffer), as replay: not fresh, not yet trained
     assert len(ws) == 10 and all(not w.fresh for w in ws[4:])
@@ -67,7 +82,7 @@ def test_ack_marks_trained_once_and_feeds_the_replay_window():
     # fresh and replay alternate while both exist (fresh_fraction 0.5)
     kinds = [w.fresh for w in drain(st, 4)]
     assert kinds == [False, True, False, True]
-    assert st.window()[0] == 0 and set(st.window()) == {0, 1, 2}   # trained + in flight
+    assert st.window()[0] == 0 and set(st.window()) == {0, 1, 2}  # trained + in flight
     st.ack({(1 << TAG_SHIFT) | 99: 1})
     assert set(st.pop_stats().newly_trained) == {"p/s1.parquet"}
 
@@ -79,17 +94,17 @@ def test_restored_cursor_shards_are_history_not_fresh():
     assert ws[0].fresh and shard_of_tag(ws[0].tag) == 1
     assert all(not w.fresh for w in ws[1:]) and 0 in {shard_of_tag(w.tag) for w in ws[1:]}
     st.ack({w.tag: 5 for w in ws[1:] if shard_of_tag(w.tag) == 0})
-    assert st.pop_stats().newly_trained == {}      # shard 0 was trained before the restart
+    assert st.pop_stats().newly_trained == {}  # shard 0 was trained before the restart
 
 
 def test_flow_control_limits_rows_in_flight():
     st = FeedState(FeedPolicy(chunk_steps=1000, max_ahead_rows=2500), clock=Clock())
     st.add_shards([shard(i) for i in range(10)])
     ws = drain(st, 10)
-    assert len(ws) == 5                      # fresh chunks may fill up to twice the limit
+    assert len(ws) == 5  # fresh chunks may fill up to twice the limit
     st.processed([ws[0].tag], 1000)
-    assert st.next_work() is None            # produced but not trained: still in flight
-    st.ack({w.tag: 1000 for w in ws[:3]})    # 2000 in flight: under 2 x 2500 again
+    assert st.next_work() is None  # produced but not trained: still in flight
+    st.ack({w.tag: 1000 for w in ws[:3]})  # 2000 in flight: under 2 x 2500 again
     assert st.next_work().fresh
     # replay only (nothing fresh left): held at the limit itself
     st2 = FeedState(FeedPolicy(chunk_steps=1000, max_ahead_rows=2500), clock=Clock())
@@ -113,7 +128,7 @@ def test_fresh_shard_not_trained_in_time_is_delivered_again():
     st = FeedState(FeedPolicy(chunk_steps=1000, max_ahead_rows=10**9, redeliver_after_s=5), clock=clock)
     st.add_shards([shard(0)])
     w = st.next_work()
-    assert w.fresh and not st.next_work().fresh      # in flight: replayable, not fresh again
+    assert w.fresh and not st.next_work().fresh  # in flight: replayable, not fresh again
     clock.t += 6
     w2 = st.next_work()
     assert w2.fresh and shard_of_tag(w2.tag) == 0
@@ -121,16 +136,18 @@ def test_fresh_shard_not_trained_in_time_is_delivered_again():
     assert list(st.pop_stats().newly_trained) == ["p/s0.parquet"]
 
 
-@pytest.mark.parametrize("kw,expected", [
-    ({"replay_shards": 2}, [3, 4]),
-    ({"replay_max_age_s": 2.5}, [3, 4]),        # now=5: commit times 3, 4 are within 2.5 s... 2.5 >= 5-3
-    ({"replay_policy_versions": 1}, [2, 3, 4]),   # versions: 0,0,1,1,1
-    ({}, [0, 1, 2, 3, 4]),
-])
+@pytest.mark.parametrize(
+    "kw,expected",
+    [
+        ({"replay_shards": 2}, [3, 4]),
+        ({"replay_max_age_s": 2.5}, [3, 4]),  # now=5: commit times 3, 4 are within 2.5 s... 2.5 >= 5-3
+        ({"replay_policy_versions": 1}, [2, 3, 4]),  # versions: 0,0,1,1,1
+        ({}, [0, 1, 2, 3, 4]),
+    ],
+)
 def test_replay_window(kw, expected):
     st = FeedState(FeedPolicy(max_ahead_rows=10**9, **kw), clock=Clock(5.0))
-    st.add_shards([shard(i, v=0 if i < 2 else 1) for i in range(5)],
-                  trained_keys={f"p/s{i}.parquet" for i in range(5)})
+    st.add_shards([shard(i, v=0 if i < 2 else 1) for i in range(5)], trained_keys={f"p/s{i}.parquet" for i in range(5)})
     assert st.window() == expected
 
 
@@ -178,16 +195,21 @@ def test_manifest_follower_is_incremental_and_filters(tmp_path):
 
 
 def test_parse_kv():
-    from trainer.service import parse_kv
+    from rlrec.trainer.service import parse_kv
 
     assert parse_kv(["lr=0.001", "x=abc", "m={'fcnet_hiddens': [64]}", "b=true", "s=[1, 2]"]) == {
-        "lr": 0.001, "x": "abc", "m": {"fcnet_hiddens": [64]}, "b": True, "s": [1, 2]}
+        "lr": 0.001,
+        "x": "abc",
+        "m": {"fcnet_hiddens": [64]},
+        "b": True,
+        "s": [1, 2],
+    }
     with pytest.raises(ValueError):
         parse_kv(["novalue"])
 
 
 def test_unsupported_algorithm_space_combinations():
-    from trainer.service import UnsupportedCombination, _check_spaces
+    from rlrec.trainer.service import UnsupportedCombination, _check_spaces
 
     box = gym.spaces.Box(-1, 1, (3,), np.float32)
     _check_spaces("BC", box, gym.spaces.Discrete(2))
@@ -203,15 +225,30 @@ def test_unsupported_algorithm_space_combinations():
 def test_cli_rejects_cql_on_discrete_actions_without_starting_ray(tmp_path):
     out = str(tmp_path / "out")
     ShardCommitter(out).commit(expert_cartpole_episodes(1))
-    r = subprocess.run([sys.executable, "-m", "rlrec", "train", "--input", out, "--algo", "CQL",
-                        "--checkpoint-dir", str(tmp_path / "ck")], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rlrec",
+            "train",
+            "--input",
+            out,
+            "--algo",
+            "CQL",
+            "--checkpoint-dir",
+            str(tmp_path / "ck"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2
     assert "CQL cannot train on a Discrete action space" in r.stderr
     assert "Started a local Ray instance" not in r.stderr
 
 
 def test_load_policy_refuses_missing_and_tampered(tmp_path):
-    from trainer.policy import PolicyLoadError, load_policy
+    from rlrec.trainer.policy import PolicyLoadError, load_policy
 
     with pytest.raises(PolicyLoadError, match="no policy is published"):
         load_policy(str(tmp_path))

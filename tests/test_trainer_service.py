@@ -19,9 +19,10 @@ import urllib.request
 import numpy as np
 import pytest
 
-from consumer.manifest import read_manifest
-from consumer.storage import Storage
-from trainer.synthetic import ShardCommitter, expert_cartpole_episodes, pendulum_episodes
+from rlrec.store.commit import ShardCommitter
+from rlrec.store.manifest import read_manifest
+from rlrec.store.storage import Storage
+from rlrec.trainer.synthetic import expert_cartpole_episodes, pendulum_episodes
 
 pytestmark = pytest.mark.slow
 
@@ -65,7 +66,7 @@ def run_in_thread(trainer):
     def target():
         try:
             box["rc"] = trainer.run()
-        except BaseException as e:  # noqa: BLE001 - reported to the test
+        except BaseException as e:
             box["error"] = e
 
     t = threading.Thread(target=target, daemon=True)
@@ -74,11 +75,18 @@ def run_in_thread(trainer):
 
 
 def cfg(out, ck, **kw):
-    from trainer.service import TrainerConfig
+    from rlrec.trainer.service import TrainerConfig
 
-    base = dict(input=out, checkpoint_dir=ck, algo="BC", poll_interval_s=0.2, progress=False, cache_ttl_s=1.0,
-                algo_config={"train_batch_size_per_learner": 256, "lr": 1e-3},
-                offline_config={"dataset_num_iters_per_learner": 5})
+    base = {
+        "input": out,
+        "checkpoint_dir": ck,
+        "algo": "BC",
+        "poll_interval_s": 0.2,
+        "progress": False,
+        "cache_ttl_s": 1.0,
+        "algo_config": {"train_batch_size_per_learner": 256, "lr": 1e-3},
+        "offline_config": {"dataset_num_iters_per_learner": 5},
+    }
     base.update(kw)
     return TrainerConfig(**base)
 
@@ -105,25 +113,38 @@ def assert_each_shard_new_exactly_once(lines, keys):
 # with the pipeline for this 2-CPU box, and commit -> first gradient step measured ~1.3-1.6 s
 # (remote Learner: 0.2-0.4 s); 2-s iterations keep "within one iteration" meaningful there.
 @pytest.mark.parametrize("num_learners,iteration_s", [(0, 2.0), (1, 1.0)])
-def test_shards_committed_while_training_are_trained_within_one_iteration(ray_cluster, tmp_path, num_learners,
-                                                                         iteration_s, caplog):
-    from trainer.service import ContinuousTrainer
+def test_shards_committed_while_training_are_trained_within_one_iteration(
+    ray_cluster, tmp_path, num_learners, iteration_s, caplog
+):
+    from rlrec.trainer.service import ContinuousTrainer
 
     out, ck = str(tmp_path / "out"), str(tmp_path / "ck")
     c = ShardCommitter(out)
     for i in range(3):
         c.commit(expert_cartpole_episodes(3, seed=i, max_steps=200))
-    trainer = ContinuousTrainer(cfg(out, ck, num_learners=num_learners, checkpoint_interval=4,
-                                    min_time_s_per_iteration=iteration_s, metrics_port=0))
+    trainer = ContinuousTrainer(
+        cfg(
+            out,
+            ck,
+            num_learners=num_learners,
+            checkpoint_interval=4,
+            min_time_s_per_iteration=iteration_s,
+            metrics_port=0,
+        )
+    )
     t, box = run_in_thread(trainer)
     wait_for(lambda: len(read_metrics(ck)) >= 2, 90, "the first iterations")
+
     # the same numbers on the Prometheus endpoint (127.0.0.1, a free port)
     def scrape() -> dict:
         with urllib.request.urlopen(f"http://127.0.0.1:{trainer.metrics.port}/metrics", timeout=10) as r:
-            return {ln.split()[0]: float(ln.split()[1]) for ln in r.read().decode().splitlines()
-                    if ln.startswith("rlrec_trainer_")}
+            return {
+                ln.split()[0]: float(ln.split()[1])
+                for ln in r.read().decode().splitlines()
+                if ln.startswith("rlrec_trainer_")
+            }
 
-    def scraped_equals_its_line():   # (a scrape may fall between two gauge updates: retry)
+    def scraped_equals_its_line():  # (a scrape may fall between two gauge updates: retry)
         d = scrape()
         line = next((r for r in read_metrics(ck) if r["iteration"] == d.get("rlrec_trainer_iteration")), None)
         keys = ("policy_version", "timesteps_trained", "shards_total", "shards_new")
@@ -137,7 +158,7 @@ def test_shards_committed_while_training_are_trained_within_one_iteration(ray_cl
         storage.delete(first.path)
     committed = {}
     for i in range(4):
-        e = c.commit(expert_cartpole_episodes(3, seed=100 + i, max_steps=200))[0]
+        e = c.commit(expert_cartpole_episodes(3, seed=100 + i, max_steps=200)).entries[0]
         committed[e.path] = e.commit_time
         time.sleep(1.3)
     keys = {e.path for e in read_manifest(storage)}
@@ -151,13 +172,20 @@ def test_shards_committed_while_training_are_trained_within_one_iteration(ray_cl
     assert [r["iteration"] for r in lines] == list(range(1, len(lines) + 1))
     assert_each_shard_new_exactly_once(lines, keys)
     for key, ct in committed.items():
-        k = next(i for i, r in enumerate(lines) if r["time"] >= ct)   # the iteration running at commit
+        k = next(i for i, r in enumerate(lines) if r["time"] >= ct)  # the iteration running at commit
         got = next(i for i, r in enumerate(lines) if key in r["new_shards"])
         assert got <= k + 1, f"{key} committed during iteration {k + 1}, first trained in {got + 1}"
         assert lines[got]["newest_shard_age_s"] is not None
     for r in lines:
-        assert {"iteration", "policy_version", "timesteps_trained", "shards_total", "shards_new",
-                "newest_shard_age_s", "learner_loss"} <= r.keys()
+        assert {
+            "iteration",
+            "policy_version",
+            "timesteps_trained",
+            "shards_total",
+            "shards_new",
+            "newest_shard_age_s",
+            "learner_loss",
+        } <= r.keys()
         assert r["learner_loss"] is not None and np.isfinite(r["learner_loss"])
     assert lines[-1]["timesteps_trained"] > 0 and lines[-1]["shards_total"] == len(keys)
     # the stop checkpoint holds the cursor: every shard trained on
@@ -174,7 +202,7 @@ class SimulatedCrash(Exception):
 
 
 def test_resume_after_a_crash_loses_and_double_counts_no_fresh_shard(ray_cluster, tmp_path):
-    from trainer.service import ContinuousTrainer
+    from rlrec.trainer.service import ContinuousTrainer
 
     out, ck = str(tmp_path / "out"), str(tmp_path / "ck")
     c = ShardCommitter(out)
@@ -187,8 +215,10 @@ def test_resume_after_a_crash_loses_and_double_counts_no_fresh_shard(ray_cluster
     def crashing():
         rec = real()
         if rec["iteration"] == 1:
-            committed_during.extend(e.path for e in c.commit(expert_cartpole_episodes(2, seed=10, max_steps=200)))
-        if rec["iteration"] == 5:   # after iteration 5's metrics line; last checkpoint: iteration 3
+            committed_during.extend(
+                e.path for e in c.commit(expert_cartpole_episodes(2, seed=10, max_steps=200)).entries
+            )
+        if rec["iteration"] == 5:  # after iteration 5's metrics line; last checkpoint: iteration 3
             raise SimulatedCrash()
         return rec
 
@@ -199,32 +229,35 @@ def test_resume_after_a_crash_loses_and_double_counts_no_fresh_shard(ray_cluster
     before = read_metrics(ck)
     assert [r["iteration"] for r in before] == [1, 2, 3, 4, 5]
     assert json.load(open(os.path.join(ck, "checkpoints", "latest.json")))["iteration"] == 3
-    lost = set().union(*(set(r["new_shards"]) for r in before[3:]))   # trained after the checkpoint
-    for i in range(2):   # committed while the trainer is down
+    lost = set().union(*(set(r["new_shards"]) for r in before[3:]))  # trained after the checkpoint
+    for i in range(2):  # committed while the trainer is down
         c.commit(expert_cartpole_episodes(2, seed=20 + i, max_steps=200))
     keys = {e.path for e in read_manifest(Storage.from_uri(out))}
 
     b = ContinuousTrainer(cfg(out, ck, resume=True, checkpoint_interval=3))
     t, box = run_in_thread(b)
-    wait_for(lambda: set().union(*new_shards_per_line(read_metrics(ck))) >= keys
-             and read_metrics(ck)[-1]["iteration"] >= 6, 90, "all shards trained after the resume")
+    wait_for(
+        lambda: set().union(*new_shards_per_line(read_metrics(ck))) >= keys and read_metrics(ck)[-1]["iteration"] >= 6,
+        90,
+        "all shards trained after the resume",
+    )
     b.stop("test")
     t.join(60)
     assert "error" not in box, box
     lines = read_metrics(ck)
     its = [r["iteration"] for r in lines]
-    assert its == list(range(1, len(lines) + 1)), its      # lost iterations 4-5 were dropped and redone
+    assert its == list(range(1, len(lines) + 1)), its  # lost iterations 4-5 were dropped and redone
     assert_each_shard_new_exactly_once(lines, keys)
-    for k in lost:   # trained only into weights the crash lost: fresh again after the resume
+    for k in lost:  # trained only into weights the crash lost: fresh again after the resume
         assert any(k in r["new_shards"] for r in lines if r["iteration"] >= 4)
     assert lines[3]["timesteps_trained"] > lines[2]["timesteps_trained"]
 
 
 def test_resume_restores_weights_and_optimizer_state(ray_cluster, tmp_path):
     import torch
-
     from ray.rllib.core import DEFAULT_MODULE_ID
-    from trainer.service import ContinuousTrainer
+
+    from rlrec.trainer.service import ContinuousTrainer
 
     out, ck = str(tmp_path / "out"), str(tmp_path / "ck")
     ShardCommitter(out).commit(expert_cartpole_episodes(2, seed=0, max_steps=200))
@@ -240,7 +273,7 @@ def test_resume_restores_weights_and_optimizer_state(ray_cluster, tmp_path):
         steps = [p["step"] for v in opt.values() for p in v["state"]["state"].values()]
         assert steps and min(float(np.asarray(s)) for s in steps) > 0
         # same weights as the policy published at that checkpoint
-        from trainer.policy import load_policy
+        from rlrec.trainer.policy import load_policy
 
         p = load_policy(ck)
         obs = np.zeros(4, np.float32)
@@ -257,21 +290,34 @@ def test_resume_restores_weights_and_optimizer_state(ray_cluster, tmp_path):
 # ------------------------------------------------------------------------------------- algorithms
 
 
-@pytest.mark.parametrize("algo,fmt", [("MARWIL", "episodes"), ("BC", "tabular"), ("CQL", "episodes"),
-                                      ("IQL", "episodes")])
+@pytest.mark.parametrize(
+    "algo,fmt", [("MARWIL", "episodes"), ("BC", "tabular"), ("CQL", "episodes"), ("IQL", "episodes")]
+)
 def test_algorithms_and_formats(ray_cluster, tmp_path, algo, fmt):
-    from trainer.policy import load_policy
-    from trainer.service import ContinuousTrainer
+    from rlrec.trainer.policy import load_policy
+    from rlrec.trainer.service import ContinuousTrainer
 
     out, ck = str(tmp_path / "out"), str(tmp_path / "ck")
     c = ShardCommitter(out, fmt=fmt)
     continuous = algo in ("CQL", "IQL")
     for i in range(2):
-        c.commit(pendulum_episodes(2, seed=i, max_steps=100) if continuous
-                 else expert_cartpole_episodes(2, seed=i, max_steps=200))
+        c.commit(
+            pendulum_episodes(2, seed=i, max_steps=100)
+            if continuous
+            else expert_cartpole_episodes(2, seed=i, max_steps=200)
+        )
     algo_config = {"train_batch_size_per_learner": 128}
-    tr = ContinuousTrainer(cfg(out, ck, algo=algo, max_iterations=2, checkpoint_interval=2, algo_config=algo_config,
-                               env="Pendulum-v1" if continuous else None))
+    tr = ContinuousTrainer(
+        cfg(
+            out,
+            ck,
+            algo=algo,
+            max_iterations=2,
+            checkpoint_interval=2,
+            algo_config=algo_config,
+            env="Pendulum-v1" if continuous else None,
+        )
+    )
     assert tr.run() == 0
     lines = read_metrics(ck)
     assert [r["iteration"] for r in lines] == [1, 2]
@@ -300,23 +346,61 @@ def cli_run(tmp_path_factory):
         c.commit(expert_cartpole_episodes(4, seed=i, epsilon=0.05))
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rlrec", "train", "--input", out, "--algo", "BC", "--env", "CartPole-v1",
-         "--checkpoint-dir", ck, "--eval-interval", "3", "--eval-episodes", "3", "--checkpoint-interval", "1000",
-         "--algo-config", "lr=0.001", "--algo-config", "train_batch_size_per_learner=512", "--num-cpus", "2"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+        [
+            sys.executable,
+            "-m",
+            "rlrec",
+            "train",
+            "--input",
+            out,
+            "--algo",
+            "BC",
+            "--env",
+            "CartPole-v1",
+            "--checkpoint-dir",
+            ck,
+            "--eval-interval",
+            "3",
+            "--eval-episodes",
+            "3",
+            "--checkpoint-interval",
+            "1000",
+            "--algo-config",
+            "lr=0.001",
+            "--algo-config",
+            "train_batch_size_per_learner=512",
+            "--num-cpus",
+            "2",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
     t0 = time.time()
     try:
-        best = wait_for(lambda: max((r.get("eval_return_mean") or 0 for r in read_metrics(ck)), default=0) >= 400
-                        and max(r.get("eval_return_mean") or 0 for r in read_metrics(ck)), 150, "eval return >= 400",
-                        interval=0.5)
+        best = wait_for(
+            lambda: (
+                max((r.get("eval_return_mean") or 0 for r in read_metrics(ck)), default=0) >= 400
+                and max(r.get("eval_return_mean") or 0 for r in read_metrics(ck))
+            ),
+            150,
+            "eval return >= 400",
+            interval=0.5,
+        )
         proc.send_signal(signal.SIGTERM)
         output, _ = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-    return {"out": out, "ck": ck, "rc": proc.returncode, "output": output.decode(errors="replace"),
-            "best": best, "seconds": time.time() - t0}
+    return {
+        "out": out,
+        "ck": ck,
+        "rc": proc.returncode,
+        "output": output.decode(errors="replace"),
+        "best": best,
+        "seconds": time.time() - t0,
+    }
 
 
 def test_cli_bc_on_scripted_expert_reaches_400(cli_run):
@@ -328,7 +412,7 @@ def test_cli_sigterm_checkpoints_and_publishes(cli_run):
     ck = cli_run["ck"]
     lines = read_metrics(ck)
     latest = json.load(open(os.path.join(ck, "checkpoints", "latest.json")))
-    assert latest["iteration"] == lines[-1]["iteration"]           # the SIGTERM checkpoint
+    assert latest["iteration"] == lines[-1]["iteration"]  # the SIGTERM checkpoint
     assert lines[-1].get("checkpoint") is not True or lines[-1]["iteration"] % 1000 == 0
     state = json.load(open(os.path.join(ck, latest["path"], "trainer.json")))
     assert set(state["trained_shards"]) == set().union(*(set(r["new_shards"]) for r in lines))
@@ -401,9 +485,8 @@ def test_ray_listens_on_loopback_only(ray_cluster):
 
     def exposed() -> list:
         ours = {p.pid for p in psutil.Process().children(recursive=True)} | {os.getpid()}
-        listening = [c for c in psutil.net_connections(kind="inet")
-                     if c.status == psutil.CONN_LISTEN and c.pid in ours]
-        assert len(listening) >= 3, listening   # GCS, raylet, the worker at least
+        listening = [c for c in psutil.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN and c.pid in ours]
+        assert len(listening) >= 3, listening  # GCS, raylet, the worker at least
         out = []
         for c in listening:
             if c.laddr.ip not in loopback:

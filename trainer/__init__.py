@@ -1,37 +1,24 @@
 """rlrec trainer: continuous offline training on committed shards, and published policies.
 
-`from trainer import load_policy` needs torch only (never Ray); the Ray side (`trainer.data`,
-`trainer.service`, `trainer.export`) is imported only when used.
+`from rlrec.trainer import load_policy` needs torch only (never Ray); the Ray side
+(`rlrec.trainer.data`, `.service`, `.export`) is imported only when used.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from rlrec._lazy import lazy_exports
 
 _EXPORTS = {
-    "load_policy": "trainer.policy",
-    "Policy": "trainer.policy",
-    "PolicyLoadError": "trainer.policy",
-    "TrainerConfig": "trainer.service",
-    "ContinuousTrainer": "trainer.service",
-    "ManifestOfflineData": "trainer.data",
-    "SafeOfflinePreLearner": "trainer.data",
-    "configure_continuous": "trainer.data",
-    "FeedPolicy": "trainer.feed",
+    "load_policy": "rlrec.trainer.policy",
+    "Policy": "rlrec.trainer.policy",
+    "PolicyLoadError": "rlrec.trainer.policy",
+    "TrainerConfig": "rlrec.trainer.service",
+    "ContinuousTrainer": "rlrec.trainer.service",
+    "ManifestOfflineData": "rlrec.trainer.data",
+    "SafeOfflinePreLearner": "rlrec.trainer.data",
+    "configure_continuous": "rlrec.trainer.data",
+    "FeedPolicy": "rlrec.trainer.feed",
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'trainer' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -6,24 +6,24 @@ measurements in docs/TRAINER.md):
 
 * `ManifestFollower` reads the consumer's manifest incrementally (never a directory listing of
   shards), so only committed shards are ever read.
-* A `ShardFeed` actor (wrapping `trainer.feed.FeedState`) decides which chunk of which shard is
+* A `ShardFeed` actor (wrapping `rlrec.trainer.feed.FeedState`) decides which chunk of which shard is
   read next: fresh shards first (a configurable share), otherwise a chunk from the replay window.
 * The dataset is built ONCE: ``read_datasource(ShardStreamDatasource)`` -- a single read task
   that never ends: it asks the feed for work, reads the chunk (Arrow), tags every row and yields
   it -- ``.map_batches(PreLearner)`` -- ``iter_batches`` / ``iterator()`` / ``streaming_split``.
   New shards enter the running pipeline through the feed; nothing is rebuilt per shard, and the
   Learners' cached iterators (`Learner.iterator`) stay valid for the whole run.
-* `SafeOfflinePreLearner` decodes episode shards with `consumer.episodes.unpack_episode`
+* `SafeOfflinePreLearner` decodes episode shards with `rlrec.store.episodes.unpack_episode`
   (refuses pickled payloads) instead of RLlib's ``msgpack_numpy.decode``.
 * Blocks are one-row "envelopes" (a never-ending read task cannot use Ray Data's block
-  shaping, see `trainer.envelopes`); `StreamIterator` unpacks them on the Learner side,
+  shaping, see `rlrec.trainer.envelopes`); `StreamIterator` unpacks them on the Learner side,
   re-batches and acknowledges to the feed the tags of the rows each Learner takes for a
   gradient step: that defines "trained on" for the shard cursor, ``shards_new`` and lineage,
   and gives the feed its flow-control signal.
 
-Modules: `trainer.feed` (which chunk next, pure logic), `trainer.feed_actor` (the `ShardFeed`
-actor around it), `trainer.read_task` (the never-ending read task), `trainer.envelopes`
-(one-row blocks), `trainer.prelearner` (safe PreLearner), `trainer.stream_iterator` (Learner
+Modules: `rlrec.trainer.feed` (which chunk next, pure logic), `rlrec.trainer.feed_actor` (the `ShardFeed`
+actor around it), `rlrec.trainer.read_task` (the never-ending read task), `rlrec.trainer.envelopes`
+(one-row blocks), `rlrec.trainer.prelearner` (safe PreLearner), `rlrec.trainer.stream_iterator` (Learner
 side); this module holds `ManifestOfflineData` and `configure_continuous`.
 """
 
@@ -33,7 +33,8 @@ import logging
 import threading
 import types
 import uuid
-from typing import Any, Dict, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 import ray
@@ -43,27 +44,27 @@ from ray.rllib.offline.offline_data import OfflineData
 from ray.rllib.policy.sample_batch import MultiAgentBatch, SampleBatch
 from ray.rllib.utils import force_list, unflatten_dict
 
-from consumer.manifest import ShardEntry
-from consumer.storage import Storage
-from trainer.feed import TAG, FeedPolicy, IterationStats
-from trainer.feed_actor import LEARNER_CONFIG_KEY, ShardFeed
-from trainer.manifest import ManifestFollower, spaces_from_shard
-from trainer.prelearner import SafeOfflinePreLearner, envelope_prelearner_class
-from trainer.read_task import ShardStreamDatasource
-from trainer.stream_iterator import StreamIterator
+from rlrec.store.manifest import ShardEntry
+from rlrec.store.storage import Storage
+from rlrec.trainer.feed import TAG, FeedPolicy, IterationStats
+from rlrec.trainer.feed_actor import LEARNER_CONFIG_KEY, ShardFeed
+from rlrec.trainer.manifest_follower import ManifestFollower, spaces_from_shard
+from rlrec.trainer.prelearner import SafeOfflinePreLearner, envelope_prelearner_class
+from rlrec.trainer.read_task import ShardStreamDatasource
+from rlrec.trainer.stream_iterator import StreamIterator
 
 __all__ = [
+    "DEFAULT_DATASET_NUM_ITERS_PER_LEARNER",
     "TAG",
     "ManifestFollower",
+    "ManifestOfflineData",
+    "SafeOfflinePreLearner",
     "ShardFeed",
     "ShardStreamDatasource",
-    "SafeOfflinePreLearner",
-    "ManifestOfflineData",
     "StreamIterator",
-    "envelope_prelearner_class",
     "configure_continuous",
+    "envelope_prelearner_class",
     "spaces_from_shard",
-    "DEFAULT_DATASET_NUM_ITERS_PER_LEARNER",
 ]
 
 log = logging.getLogger("rlrec.trainer")
@@ -88,14 +89,14 @@ class ManifestOfflineData(OfflineData):
     ``poll_interval_s``), `pop_stats()` after each iteration and `stop()` at the end.
     """
 
-    def __init__(self, config: Any) -> None:  # noqa: D401 - deliberately no super().__init__
+    def __init__(self, config: Any) -> None:
         self.config = config
         self.is_multi_agent = config.is_multi_agent
         if self.is_multi_agent:
             raise ValueError("the continuous trainer supports single-agent data only")
         spec = (config.learner_config_dict or {}).get(LEARNER_CONFIG_KEY)
         if not spec:
-            raise ValueError("ManifestOfflineData needs trainer.data.configure_continuous(config, ...)")
+            raise ValueError("ManifestOfflineData needs rlrec.trainer.data.configure_continuous(config, ...)")
         self.spec = spec
         self.path = spec["input"]
         self.storage = Storage.from_uri(spec["input"])
@@ -116,12 +117,15 @@ class ManifestOfflineData(OfflineData):
         self.learner_handles = None
         self.module_spec = None
         self.follower = ManifestFollower(
-            self.storage, policy_id=spec.get("policy_id"), min_policy_version=spec.get("min_policy_version"),
+            self.storage,
+            policy_id=spec.get("policy_id"),
+            min_policy_version=spec.get("min_policy_version"),
             max_policy_version=spec.get("max_policy_version"),
             fmt="episodes" if config.input_read_episodes else "tabular",
         )
-        self.feed = ShardFeed.options(name=spec["feed"], namespace=spec["namespace"],
-                                      get_if_exists=True).remote(spec["feed_policy"])
+        self.feed = ShardFeed.options(name=spec["feed"], namespace=spec["namespace"], get_if_exists=True).remote(
+            spec["feed_policy"]
+        )
         self.poll_interval_s = float(spec.get("poll_interval_s", 0.5))
         self._started = False
         self._trained_keys: set[str] = set()
@@ -206,7 +210,7 @@ class ManifestOfflineData(OfflineData):
                 except Exception:
                     pass
         self.batch_iterators = None
-        try:   # ends the stream: the read task returns, the iterators see the end
+        try:  # ends the stream: the read task returns, the iterators see the end
             ray.get(self.feed.close.remote(), timeout=5)
         except Exception:
             pass
@@ -247,7 +251,7 @@ class ManifestOfflineData(OfflineData):
                 "module_spec": self.module_spec,
                 "module_state": module_state if module_state is not None else self._module_state(num_shards),
             },
-            batch_size=None,   # one envelope (one chunk) per call
+            batch_size=None,  # one envelope (one chunk) per call
             **self.map_batches_kwargs,
         )
         self.data_is_mapped = True
@@ -262,6 +266,7 @@ class ManifestOfflineData(OfflineData):
         """Barrier marks of every StreamIterator in use (local and remote Learners)."""
         marks = [it.rlrec_mark() for it in self._local_iterators]
         if learner_group is not None and learner_group.is_remote:
+
             def mark(learner: Any) -> Any:
                 it = getattr(getattr(learner, "iterator", None), "_iterator", None)
                 return it.rlrec_mark() if hasattr(it, "rlrec_mark") else None
@@ -275,8 +280,9 @@ class ManifestOfflineData(OfflineData):
                     marks.append(tuple(v))
         return marks
 
-    def sample(self, num_samples: int, return_iterator: bool = False, num_shards: int = 1,
-               module_state: Any = None) -> Any:
+    def sample(
+        self, num_samples: int, return_iterator: bool = False, num_shards: int = 1, module_state: Any = None
+    ) -> Any:
         if not self.data_is_mapped:
             self.build_pipeline(num_shards, module_state)
         if not self.batch_iterators:
@@ -288,7 +294,8 @@ class ManifestOfflineData(OfflineData):
                 if num_shards == 0:
                     self._local_iterators = list(self.batch_iterators)
             else:
-                def _collate_fn(_batch: Dict[str, np.ndarray]) -> MultiAgentBatch:
+
+                def _collate_fn(_batch: dict[str, np.ndarray]) -> MultiAgentBatch:
                     _batch = unflatten_dict(_batch)
                     return MultiAgentBatch(
                         {mid: SampleBatch(d) for mid, d in _batch.items()},
@@ -297,8 +304,9 @@ class ManifestOfflineData(OfflineData):
 
                 it = StreamIterator(self.data.iterator(), self.spec)
                 self._local_iterators = [it]
-                self.batch_iterators = iter(it.iter_batches(batch_size=num_samples, _collate_fn=_collate_fn,
-                                                            **self.iter_batches_kwargs))
+                self.batch_iterators = iter(
+                    it.iter_batches(batch_size=num_samples, _collate_fn=_collate_fn, **self.iter_batches_kwargs)
+                )
         if return_iterator:
             return force_list(self.batch_iterators)
         return next(self.batch_iterators)
@@ -308,14 +316,24 @@ class ManifestOfflineData(OfflineData):
 # configuration
 
 
-def configure_continuous(config: Any, input_uri: str, *, fmt: str = "episodes",
-                         feed_policy: FeedPolicy | dict | None = None, policy_id: str | None = None,
-                         min_policy_version: int | None = None, max_policy_version: int | None = None,
-                         poll_interval_s: float = 0.5, verify_checksums: bool = True,
-                         keep_extra_model_outputs: Iterable[str] = (), cache_bytes: int = 256 << 20,
-                         cache_ttl_s: float = 30.0,
-                         prelearner_mode: str = "episodes", learner_buffer_rows: int | None = None,
-                         fresh_share: float = 0.5) -> Any:
+def configure_continuous(
+    config: Any,
+    input_uri: str,
+    *,
+    fmt: str = "episodes",
+    feed_policy: FeedPolicy | dict | None = None,
+    policy_id: str | None = None,
+    min_policy_version: int | None = None,
+    max_policy_version: int | None = None,
+    poll_interval_s: float = 0.5,
+    verify_checksums: bool = True,
+    keep_extra_model_outputs: Iterable[str] = (),
+    cache_bytes: int = 256 << 20,
+    cache_ttl_s: float = 30.0,
+    prelearner_mode: str = "episodes",
+    learner_buffer_rows: int | None = None,
+    fresh_share: float = 0.5,
+) -> Any:
     """Make an RLlib offline `config` (BC, MARWIL, CQL, IQL, ...) train continuously on the
     shards committed under `input_uri`. Returns the config (changed in place).
 
@@ -334,12 +352,12 @@ def configure_continuous(config: Any, input_uri: str, *, fmt: str = "episodes",
     if not 0.0 < fresh_share <= 1.0:
         raise ValueError("fresh_share must be in (0, 1]")
     pre = config.prelearner_class
-    if pre is not None:
-        if fmt == "episodes" and not issubclass(pre, SafeOfflinePreLearner):
-            raise ValueError(
-                f"prelearner_class {pre.__name__} must subclass trainer.prelearner.SafeOfflinePreLearner for "
-                "episode shards: RLlib's OfflinePreLearner decodes them with msgpack_numpy, which "
-                "unpickles data from the bucket")
+    if pre is not None and fmt == "episodes" and not issubclass(pre, SafeOfflinePreLearner):
+        raise ValueError(
+            f"prelearner_class {pre.__name__} must subclass rlrec.trainer.prelearner.SafeOfflinePreLearner for "
+            "episode shards: RLlib's OfflinePreLearner decodes them with msgpack_numpy, which "
+            "unpickles data from the bucket"
+        )
     if isinstance(feed_policy, dict):
         feed_policy = FeedPolicy(**feed_policy)
     feed_policy = feed_policy or FeedPolicy()
@@ -349,7 +367,7 @@ def configure_continuous(config: Any, input_uri: str, *, fmt: str = "episodes",
     if config.input_read_batch_size:
         feed_policy.chunk_rows = int(config.input_read_batch_size)
     if feed_policy.chunk_steps is None and feed_policy.chunk_rows is None:
-        feed_policy.chunk_steps = 4 * B   # fewer, larger PreLearner calls (measured: ~1.5x rows/s vs 1*B)
+        feed_policy.chunk_steps = 4 * B  # fewer, larger PreLearner calls (measured: ~1.5x rows/s vs 1*B)
     chunk = int(feed_policy.chunk_steps or feed_policy.chunk_rows or B)
     if prelearner_mode == "buffer" and fmt == "episodes":
         chunk = B

@@ -9,10 +9,7 @@ envelope is its output batch packed column by column (`pack_columns`, raw numeri
 pickle). `StreamIterator` (Learner side) unpacks and re-batches to exactly the minibatch size.
 """
 
-
 from __future__ import annotations
-
-from typing import Dict
 
 import numpy as np
 import pyarrow as pa
@@ -27,7 +24,7 @@ def table_to_ipc(table: pa.Table) -> bytes:
     return sink.getvalue().to_pybytes()
 
 
-def ipc_to_numpy_batch(data: bytes) -> Dict[str, np.ndarray]:
+def ipc_to_numpy_batch(data: bytes) -> dict[str, np.ndarray]:
     from ray.data.block import BlockAccessor
 
     table = pa.ipc.open_stream(pa.BufferReader(data)).read_all()
@@ -35,7 +32,7 @@ def ipc_to_numpy_batch(data: bytes) -> Dict[str, np.ndarray]:
     return BlockAccessor.for_block(table).to_batch_format("numpy")
 
 
-def pack_columns(batch: Dict[str, np.ndarray]) -> bytes:
+def pack_columns(batch: dict[str, np.ndarray]) -> bytes:
     """A flat dict of numeric numpy arrays -> bytes (msgpack of dtype, shape, raw bytes)."""
     import msgpack
 
@@ -49,7 +46,7 @@ def pack_columns(batch: Dict[str, np.ndarray]) -> bytes:
     return msgpack.packb(out, use_bin_type=True)
 
 
-def unpack_columns(data: bytes) -> Dict[str, np.ndarray]:
+def unpack_columns(data: bytes) -> dict[str, np.ndarray]:
     import msgpack
 
     d = msgpack.unpackb(data, raw=False)
@@ -62,5 +59,5 @@ def unpack_columns(data: bytes) -> Dict[str, np.ndarray]:
     return out
 
 
-def row_count(batch: Dict[str, np.ndarray]) -> int:
+def row_count(batch: dict[str, np.ndarray]) -> int:
     return len(next(iter(batch.values()))) if batch else 0

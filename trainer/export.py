@@ -1,6 +1,6 @@
 """Export the trained RLModule as a self-contained TorchScript policy and publish it.
 
-See `trainer.policy` for the layout and the loader. This module runs in the trainer (Ray side).
+See `rlrec.trainer.policy` for the layout and the loader. This module runs in the trainer (Ray side).
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from consumer.storage import Storage
-from producer.spaces import space_to_json
-from trainer.policy import LATEST, LINEAGE, MODEL, SPEC
+from rlrec.producer.spaces import space_to_json
+from rlrec.store.storage import Storage
+from rlrec.trainer.policy import LATEST, LINEAGE, MODEL, SPEC
 
-__all__ = ["export_module", "publish_policy", "action_dist_name"]
+__all__ = ["action_dist_name", "export_module", "publish_policy"]
 
 _DISTS = {
     "TorchCategorical": "categorical",
@@ -43,7 +43,8 @@ def _module_from_algo(algo: Any) -> Any:
     spec = algo.offline_data.module_spec if algo.offline_data is not None else None
     if spec is None:
         spec = algo.config.get_multi_rl_module_spec(
-            spaces={DEFAULT_MODULE_ID: (algo.config.observation_space, algo.config.action_space)})
+            spaces={DEFAULT_MODULE_ID: (algo.config.observation_space, algo.config.action_space)}
+        )
     multi = spec.build()
     weights = algo.learner_group.get_weights()
     multi.set_state(weights)
@@ -74,10 +75,20 @@ def export_module(module: Any, observation_space: gym.Space) -> bytes:
     return buf.getvalue()
 
 
-def publish_policy(storage: Storage, *, algo: Any, version: int, algo_name: str,
-                   observation_space: gym.Space, action_space: gym.Space, iteration: int,
-                   timesteps_trained: int, shards: list[str], new_shards: list[str],
-                   parent_version: int | None) -> dict:
+def publish_policy(
+    storage: Storage,
+    *,
+    algo: Any,
+    version: int,
+    algo_name: str,
+    observation_space: gym.Space,
+    action_space: gym.Space,
+    iteration: int,
+    timesteps_trained: int,
+    shards: list[str],
+    new_shards: list[str],
+    parent_version: int | None,
+) -> dict:
     """Write ``v{version}/{model.pt,policy.json,lineage.json}`` then ``latest.json``."""
     if not isinstance(observation_space, gym.spaces.Box):
         raise ValueError(f"publishing needs a Box observation space, got {observation_space}")
@@ -101,13 +112,22 @@ def publish_policy(storage: Storage, *, algo: Any, version: int, algo_name: str,
         "shards_trained": len(shards),
         "time": time.time(),
     }
-    lineage = {"policy_version": version, "parent_version": parent_version, "iteration": iteration,
-               "shards": sorted(shards), "new_shards": sorted(new_shards)}
+    lineage = {
+        "policy_version": version,
+        "parent_version": parent_version,
+        "iteration": iteration,
+        "shards": sorted(shards),
+        "new_shards": sorted(new_shards),
+    }
     spec_bytes = json.dumps(spec, indent=1, sort_keys=True).encode()
     storage.write(f"{d}/{MODEL}", model)
     storage.write(f"{d}/{LINEAGE}", json.dumps(lineage).encode())
     storage.write(f"{d}/{SPEC}", spec_bytes)
-    latest = {"policy_version": version, "path": d, "sha256": hashlib.sha256(spec_bytes).hexdigest(),
-              "time": spec["time"]}
+    latest = {
+        "policy_version": version,
+        "path": d,
+        "sha256": hashlib.sha256(spec_bytes).hexdigest(),
+        "time": spec["time"],
+    }
     storage.write(LATEST, json.dumps(latest, sort_keys=True).encode())
     return spec

@@ -29,7 +29,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["TAG", "TAG_SHIFT", "ShardInfo", "FeedPolicy", "FeedState", "Work", "shard_of_tag"]
+__all__ = ["TAG", "TAG_SHIFT", "FeedPolicy", "FeedState", "ShardInfo", "Work", "shard_of_tag"]
 
 #: name of the column / extra model output carrying the tag of every row.
 TAG = "rlrec_tag"
@@ -45,12 +45,12 @@ def shard_of_tag(tag: int) -> int:
 class ShardInfo:
     """What the feed and the read task need to know about one committed shard."""
 
-    idx: int                      # trainer-local index (stable for this trainer process)
-    key: str                      # identity across restarts: the shard's path in the output
+    idx: int  # trainer-local index (stable for this trainer process)
+    key: str  # identity across restarts: the shard's path in the output
     path: str
     staging_path: str
-    fmt: str                      # "episodes" | "tabular"
-    rows: int                     # episodes (episode shards) or steps (tabular shards)
+    fmt: str  # "episodes" | "tabular"
+    rows: int  # episodes (episode shards) or steps (tabular shards)
     steps: int
     commit_time: float
     policy_id: str
@@ -61,11 +61,21 @@ class ShardInfo:
 
     @classmethod
     def from_entry(cls, idx: int, e: Any) -> ShardInfo:
-        return cls(idx=idx, key=e.path, path=e.path, staging_path=e.staging_path, fmt=e.format,
-                   rows=e.episodes if e.format == "episodes" else e.steps, steps=e.steps,
-                   commit_time=float(e.commit_time), policy_id=e.policy_id,
-                   min_policy_version=e.min_policy_version, max_policy_version=e.max_policy_version,
-                   sha256=e.sha256, nbytes=e.bytes)
+        return cls(
+            idx=idx,
+            key=e.path,
+            path=e.path,
+            staging_path=e.staging_path,
+            fmt=e.format,
+            rows=e.episodes if e.format == "episodes" else e.steps,
+            steps=e.steps,
+            commit_time=float(e.commit_time),
+            policy_id=e.policy_id,
+            min_policy_version=e.min_policy_version,
+            max_policy_version=e.max_policy_version,
+            sha256=e.sha256,
+            nbytes=e.bytes,
+        )
 
 
 @dataclass
@@ -94,7 +104,7 @@ class FeedPolicy:
     replay_policy_versions: int | None = None
     chunk_steps: int | None = None
     chunk_rows: int | None = None
-    batch_rows: int = 512            # rows per PreLearner call in "buffer" mode (train_batch_size_per_learner)
+    batch_rows: int = 512  # rows per PreLearner call in "buffer" mode (train_batch_size_per_learner)
     prelearner_mode: str = "episodes"  # "episodes": a chunk's rows = its timesteps; "buffer": batch_rows
     max_ahead_rows: int = 4096
     redeliver_after_s: float = 30.0
@@ -122,7 +132,7 @@ class Work:
 
     tag: int
     shard: ShardInfo
-    start: int          # row range [start, stop) of the shard
+    start: int  # row range [start, stop) of the shard
     stop: int
     fresh: bool
 
@@ -139,12 +149,12 @@ class _Pending:
 
 @dataclass
 class IterationStats:
-    newly_trained: dict = field(default_factory=dict)     # key -> first gradient step time
-    seen: set = field(default_factory=set)                 # shard keys trained on (any)
-    missing: list = field(default_factory=list)            # keys found deleted
-    bad: list = field(default_factory=list)                # (key, reason)
+    newly_trained: dict = field(default_factory=dict)  # key -> first gradient step time
+    seen: set = field(default_factory=set)  # shard keys trained on (any)
+    missing: list = field(default_factory=list)  # keys found deleted
+    bad: list = field(default_factory=list)  # (key, reason)
     rows_trained: int = 0
-    rows_streamed: int = 0                                 # of rows_trained, taken from the stream
+    rows_streamed: int = 0  # of rows_trained, taken from the stream
     wait_s: float = 0.0
     compute_s: float = 0.0
     updates: int = 0
@@ -161,13 +171,13 @@ class FeedState:
         self.by_key: dict[str, int] = {}
         self.trained: set[int] = set()
         self.deleted: set[int] = set()
-        self.fresh: deque[int] = deque()           # fresh shards not yet (fully) delivered
+        self.fresh: deque[int] = deque()  # fresh shards not yet (fully) delivered
         self.fresh_queued: set[int] = set()
-        self._chunks: deque[tuple[int, int, int]] = deque()   # chunks of the fresh shard being delivered
+        self._chunks: deque[tuple[int, int, int]] = deque()  # chunks of the fresh shard being delivered
         self.inflight_fresh: dict[int, float] = {}  # fully delivered fresh shard -> last delivery time
-        self.pending: dict[int, _Pending] = {}      # tag -> delivered chunk not yet through the PreLearner
-        self.produced = 0                           # rows out of the PreLearner
-        self.acked = 0                              # rows trained on
+        self.pending: dict[int, _Pending] = {}  # tag -> delivered chunk not yet through the PreLearner
+        self.produced = 0  # rows out of the PreLearner
+        self.acked = 0  # rows trained on
         self.credit = 1.0
         self._seq = 0
         self._window: list[int] = []
@@ -175,7 +185,7 @@ class FeedState:
         self._window_dirty = True
         self._window_time = 0.0
         self.stats = IterationStats()
-        self.timeline: dict[int, dict] = {}     # shard -> first times (added, delivered, trained)
+        self.timeline: dict[int, dict] = {}  # shard -> first times (added, delivered, trained)
         self.totals = {"deliveries": 0, "fresh_deliveries": 0, "replay_deliveries": 0, "rows_delivered": 0}
 
     # ------------------------------------------------------------------ shards
@@ -224,8 +234,9 @@ class FeedState:
         k = self.policy.replay_policy_versions
         if not k:
             return None
-        versions = sorted({v for i in eligible if isinstance(v := self.shards[i].max_policy_version, int)
-                           and not isinstance(v, bool)})
+        versions = sorted(
+            {v for i in eligible if isinstance(v := self.shards[i].max_policy_version, int) and not isinstance(v, bool)}
+        )
         if not versions:
             return None
         return versions[-k] if len(versions) >= k else versions[0]
@@ -236,8 +247,9 @@ class FeedState:
         if not self._window_dirty and (self.policy.replay_max_age_s is None or now - self._window_time < 1.0):
             return self._window
         p = self.policy
-        eligible = sorted((i for i in self.trained if i not in self.deleted),
-                          key=lambda i: (self.shards[i].commit_time, i))
+        eligible = sorted(
+            (i for i in self.trained if i not in self.deleted), key=lambda i: (self.shards[i].commit_time, i)
+        )
         # delivered fresh shards not yet acknowledged may be read again too: the Learner side
         # may be holding their rows (e.g. in its shuffle buffer) until more data arrives, so the
         # stream must not run dry while they are in flight. They are not "trained" until acked.
@@ -246,12 +258,13 @@ class FeedState:
             newest = eligible[-1]
             floor = self._versions_floor(eligible)
             if floor is not None:
-                eligible = [i for i in eligible
-                            if not isinstance(v := self.shards[i].max_policy_version, int) or v >= floor]
+                eligible = [
+                    i for i in eligible if not isinstance(v := self.shards[i].max_policy_version, int) or v >= floor
+                ]
             if p.replay_max_age_s is not None:
                 eligible = [i for i in eligible if now - self.shards[i].commit_time <= p.replay_max_age_s]
             if p.replay_shards is not None:
-                eligible = eligible[-int(p.replay_shards):]
+                eligible = eligible[-int(p.replay_shards) :]
             if not eligible:  # never let the window run dry while history exists
                 eligible = [newest]
         eligible = eligible + sorted(inflight, key=lambda i: (self.shards[i].commit_time, i))
@@ -383,8 +396,15 @@ class FeedState:
         if requeue and p is not None and p.fresh and p.shard not in self.deleted:
             self._chunks.appendleft((p.shard, p.start, p.stop))
 
-    def ack(self, counts: dict[int, int], t: float | None = None, wait_s: float = 0.0,
-            compute_s: float = 0.0, updates: int = 0, consumed: int | None = None) -> None:
+    def ack(
+        self,
+        counts: dict[int, int],
+        t: float | None = None,
+        wait_s: float = 0.0,
+        compute_s: float = 0.0,
+        updates: int = 0,
+        consumed: int | None = None,
+    ) -> None:
         """A learner did gradient steps on rows with these tags (tag -> row count), `consumed` of
         them taken from the stream (the others re-sampled from its buffer; default: all)."""
         t = self.clock() if t is None else t
@@ -415,8 +435,12 @@ class FeedState:
 
     def summary(self) -> dict:
         return {
-            "shards": len(self.shards), "trained": len(self.trained), "deleted": len(self.deleted),
+            "shards": len(self.shards),
+            "trained": len(self.trained),
+            "deleted": len(self.deleted),
             "fresh": sum(1 for i in self.fresh if i not in self.deleted) + len({c[0] for c in self._chunks}),
-            "inflight_fresh": len(self.inflight_fresh), "window": len(self.window()),
-            "in_flight_rows": self.in_flight_rows(), **self.totals,
+            "inflight_fresh": len(self.inflight_fresh),
+            "window": len(self.window()),
+            "in_flight_rows": self.in_flight_rows(),
+            **self.totals,
         }

@@ -1,16 +1,14 @@
 """The `ShardFeed` Ray actor: one `FeedState` shared by the read task and the Learners."""
 
-
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from typing import Any
 
 import ray
 
-from trainer.feed import (
+from rlrec.trainer.feed import (
     FeedPolicy,
     FeedState,
     IterationStats,
@@ -75,8 +73,17 @@ class ShardFeed:
             self.state.mark_bad(idx, reason)
         self._notify()
 
-    async def ack(self, counts: dict, t: float, wait_s: float, compute_s: float, updates: int,
-                  iter_id: str | None = None, seq: int = 0, consumed: int | None = None) -> None:
+    async def ack(
+        self,
+        counts: dict,
+        t: float,
+        wait_s: float,
+        compute_s: float,
+        updates: int,
+        iter_id: str | None = None,
+        seq: int = 0,
+        consumed: int | None = None,
+    ) -> None:
         self.state.ack(counts, t, wait_s, compute_s, updates, consumed)
         if iter_id is not None:
             self._acked[iter_id] = max(seq, self._acked.get(iter_id, 0))
@@ -105,12 +112,6 @@ class ShardFeed:
 
     async def summary(self) -> dict:
         return self.state.summary()
-
-    async def set_policy(self, **kw: Any) -> None:
-        for k, v in kw.items():
-            setattr(self.state.policy, k, v)
-        self.state._window_dirty = True
-        self._notify()
 
     async def close(self) -> None:
         self.closed = True

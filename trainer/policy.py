@@ -1,6 +1,6 @@
 """Published policies: loading and acting with torch only (never Ray).
 
-Layout written by the trainer (`trainer.export.publish_policy`) under the publish root
+Layout written by the trainer (`rlrec.trainer.export.publish_policy`) under the publish root
 (default ``{checkpoint_dir}/policies``)::
 
     latest.json                      {"policy_version": N, "path": "v00000N", "sha256": <policy.json>}
@@ -14,7 +14,7 @@ Layout written by the trainer (`trainer.export.publish_policy`) under the publis
 
 A deployed service::
 
-    from rlrec import load_policy            # or: from trainer import load_policy
+    from rlrec import load_policy            # or: from rlrec.trainer import load_policy
     policy = load_policy("s3://bucket/run/policies")
     action, extra = policy.act(obs)          # extra: action_dist_inputs, action_logp
     recorder.policy_version = policy.policy_version   # data recorded now carries the version
@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Policy", "load_policy", "PolicyLoadError", "read_latest"]
+__all__ = ["Policy", "PolicyLoadError", "load_policy", "read_latest"]
 
 LATEST = "latest.json"
 SPEC = "policy.json"
@@ -61,7 +61,7 @@ class _Files:
     def __init__(self, root: str) -> None:
         root = os.fspath(root)
         if root.startswith("file://"):
-            root = root[len("file://"):]
+            root = root[len("file://") :]
         self.local = "://" not in root
         if self.local:
             self.root = os.path.abspath(os.path.expanduser(root))
@@ -113,7 +113,7 @@ class _Model:
         self.module = module
         self.version = int(spec["policy_version"])
         self.dist = spec["action_dist"]
-        self.action_space = spec["action_space"]            # producer.spaces JSON
+        self.action_space = spec["action_space"]  # rlrec.producer.spaces JSON
         self.obs_shape = tuple(spec["observation_shape"])
         a = self.action_space
         if a.get("type") == "Box":
@@ -133,8 +133,11 @@ class _Model:
         logits = self.forward(obs)
         if self.dist == "categorical":
             logp_all = logits - _logsumexp(logits)
-            a = int(rng.choice(len(logits), p=np.exp(logp_all) / np.exp(logp_all).sum())) if explore \
+            a = (
+                int(rng.choice(len(logits), p=np.exp(logp_all) / np.exp(logp_all).sum()))
+                if explore
                 else int(np.argmax(logits))
+            )
             return a, {"action_dist_inputs": logits, "action_logp": np.float32(logp_all[a])}
         if self.dist in ("diag_gaussian", "squashed_gaussian"):
             n = logits.shape[-1] // 2
@@ -171,8 +174,9 @@ def _load_version(files: _Files, rel_dir: str) -> _Model:
 class Policy:
     """A published policy, ready to act; `poll()` switches to a newer published version."""
 
-    def __init__(self, root: str, *, version: int | None = None, explore: bool = False,
-                 seed: int | None = None) -> None:
+    def __init__(
+        self, root: str, *, version: int | None = None, explore: bool = False, seed: int | None = None
+    ) -> None:
         self.root = root
         self.explore = explore
         self._files = _Files(root)
@@ -220,6 +224,7 @@ class Policy:
 
     def start_polling(self, interval_s: float = 5.0, on_update: Any = None) -> None:
         """Poll in a daemon thread; `on_update(policy)` after each switch."""
+
         def loop() -> None:
             while not self._stop.wait(interval_s):
                 try:
@@ -242,8 +247,9 @@ class Policy:
         return f"Policy({self.root!r}, policy_version={self.policy_version}, dist={self._model.dist!r})"
 
 
-def load_policy(uri: str, *, version: int | None = None, explore: bool = False, seed: int | None = None,
-                wait_s: float = 0.0) -> Policy:
+def load_policy(
+    uri: str, *, version: int | None = None, explore: bool = False, seed: int | None = None, wait_s: float = 0.0
+) -> Policy:
     """Load the latest (or a given) published policy under `uri` (a publish root, e.g.
     ``{checkpoint_dir}/policies``; a checkpoint dir with a ``policies/`` folder works too).
     `wait_s` > 0: wait that long for a first publication."""

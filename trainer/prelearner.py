@@ -1,19 +1,18 @@
 """RLlib's `OfflinePreLearner` with a decoder that never unpickles, and envelope packing."""
 
-
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 from ray.rllib.offline.offline_prelearner import OfflinePreLearner
 from ray.rllib.utils import flatten_dict
 
-from trainer.envelopes import ENVELOPE, ipc_to_numpy_batch, pack_columns, row_count
-from trainer.feed import TAG
-from trainer.feed_actor import LEARNER_CONFIG_KEY, get_feed
+from rlrec.trainer.envelopes import ENVELOPE, ipc_to_numpy_batch, pack_columns, row_count
+from rlrec.trainer.feed import TAG
+from rlrec.trainer.feed_actor import LEARNER_CONFIG_KEY, get_feed
 
 log = logging.getLogger("rlrec.trainer")
 
@@ -31,7 +30,7 @@ def _tag_episode(ep: Any, tag: int) -> None:
 
 
 class SafeOfflinePreLearner(OfflinePreLearner):
-    """`OfflinePreLearner` that decodes episode rows with `consumer.episodes.unpack_episode`.
+    """`OfflinePreLearner` that decodes episode rows with `rlrec.store.episodes.unpack_episode`.
 
     RLlib's own `__call__` runs ``msgpack.unpackb(item, object_hook=msgpack_numpy.decode)`` and
     ``SingleAgentEpisode.from_state``: both unpickle data from the shard (object arrays, space
@@ -53,8 +52,8 @@ class SafeOfflinePreLearner(OfflinePreLearner):
         self._rlrec_mode = spec.get("prelearner_mode", "episodes")
         self.rlrec_skipped = 0
 
-    def _decode(self, batch: Dict[str, np.ndarray]) -> list:
-        from consumer.episodes import EpisodeDecodeError, unpack_episode
+    def _decode(self, batch: dict[str, np.ndarray]) -> list:
+        from rlrec.store.episodes import EpisodeDecodeError, unpack_episode
 
         tags = batch.get(TAG)
         episodes = []
@@ -89,21 +88,21 @@ class SafeOfflinePreLearner(OfflinePreLearner):
                 eps.extra_model_outputs.pop(Columns.STATE_IN, None)
         self.episode_buffer.add(episodes)
         batch_length_T = self.config.model_config.get("max_seq_len", 0) if self._module.is_stateful() else None
-        kw = dict(
-            num_items=self.config.train_batch_size_per_learner,
-            batch_length_T=batch_length_T,
-            n_step=self.config.get("n_step", 1),
-            sample_episodes=True,
-            to_numpy=True,
-            lookback=self.config.episode_lookback_horizon,
-            min_batch_length_T=getattr(self.config, "burnin_len", 0),
-        )
+        kw = {
+            "num_items": self.config.train_batch_size_per_learner,
+            "batch_length_T": batch_length_T,
+            "n_step": self.config.get("n_step", 1),
+            "sample_episodes": True,
+            "to_numpy": True,
+            "lookback": self.config.episode_lookback_horizon,
+            "min_batch_length_T": getattr(self.config, "burnin_len", 0),
+        }
         try:
             return self.episode_buffer.sample(include_extra_model_outputs=True, **kw)
         except TypeError:  # a custom buffer class without that option (no shard tracking then)
             return self.episode_buffer.sample(**kw)
 
-    def __call__(self, batch: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         if self.config.input_read_episodes:
             episodes = self._decode(batch)
             if self._rlrec_mode == "buffer":
@@ -124,8 +123,7 @@ class SafeOfflinePreLearner(OfflinePreLearner):
             episodes = self._map_to_episodes(batch, to_numpy=False)["episodes"]
         if not episodes:
             return {}
-        out = self._learner_connector(rl_module=self._module, batch={}, episodes=episodes,
-                                      shared_data={}, metrics=None)
+        out = self._learner_connector(rl_module=self._module, batch={}, episodes=episodes, shared_data={}, metrics=None)
         for module_id in list(out):
             if not self._should_module_be_updated(module_id, out):
                 del out[module_id]
@@ -146,7 +144,7 @@ def envelope_prelearner_class(cls: type) -> type:
         spec = (kwargs["config"].learner_config_dict or {}).get(LEARNER_CONFIG_KEY, {})
         self._rlrec_feed = get_feed(spec) if spec.get("feed") else None
 
-    def __call__(self, batch: Dict[str, np.ndarray]) -> pa.Table:
+    def __call__(self, batch: dict[str, np.ndarray]) -> pa.Table:
         outs, rows = [], []
         for env, tag in zip(batch[ENVELOPE], batch[TAG]):
             out = cls.__call__(self, ipc_to_numpy_batch(bytes(env)))

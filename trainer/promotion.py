@@ -31,22 +31,32 @@ class Promotion:
         return asdict(self)
 
 
-def decide(candidate_version: int, candidate_return: float, deployed_version: int | None,
-           deployed_return: float | None) -> Promotion:
+def decide(
+    candidate_version: int, candidate_return: float, deployed_version: int | None, deployed_return: float | None
+) -> Promotion:
     """Promote unless the candidate's return is lower than the deployed one (None: nothing to beat)."""
     ok = deployed_return is None or candidate_return >= deployed_return
-    return Promotion(candidate_version, float(candidate_return), deployed_version,
-                     None if deployed_return is None else float(deployed_return), ok)
+    return Promotion(
+        candidate_version,
+        float(candidate_return),
+        deployed_version,
+        None if deployed_return is None else float(deployed_return),
+        ok,
+    )
 
 
 def export_candidate(algo, observation_space, action_space, version: int) -> tuple[bytes, dict]:
     """The TorchScript the trainer would publish now (Learner weights) and the spec to act with it."""
-    from producer.spaces import space_to_json
-    from trainer.export import _module_from_algo, action_dist_name, export_module
+    from rlrec.producer.spaces import space_to_json
+    from rlrec.trainer.export import _module_from_algo, action_dist_name, export_module
 
     module = _module_from_algo(algo)
-    spec = {"policy_version": version, "action_dist": action_dist_name(module),
-            "action_space": space_to_json(action_space), "observation_shape": list(observation_space.shape)}
+    spec = {
+        "policy_version": version,
+        "action_dist": action_dist_name(module),
+        "action_space": space_to_json(action_space),
+        "observation_shape": list(observation_space.shape),
+    }
     return export_module(module, observation_space), spec
 
 
@@ -55,7 +65,7 @@ def evaluate_exported(model: bytes, spec: dict, env_id: str, episodes: int, seed
     import gymnasium as gym
     import torch
 
-    from trainer.policy import _Model
+    from rlrec.trainer.policy import _Model
 
     module = torch.jit.load(io.BytesIO(model), map_location="cpu")
     module.eval()

@@ -1,24 +1,24 @@
 """The never-ending read task: asks the feed for work, reads committed shards, yields chunks."""
 
-
 from __future__ import annotations
 
 import hashlib
 import logging
 import time
 from collections import OrderedDict
-from typing import Any, Iterable, List, Optional
+from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import ray
 
-from consumer.storage import Storage
-from trainer.envelopes import ENVELOPE, table_to_ipc
-from trainer.feed import TAG, ShardInfo
-from trainer.feed_actor import get_feed
-from trainer.manifest import _read_shard_bytes
+from rlrec.store.commit import read_committed_shard
+from rlrec.store.storage import Storage
+from rlrec.trainer.envelopes import ENVELOPE, table_to_ipc
+from rlrec.trainer.feed import TAG, ShardInfo
+from rlrec.trainer.feed_actor import get_feed
 
 log = logging.getLogger("rlrec.trainer")
 
@@ -67,7 +67,7 @@ class BadShard(Exception):
 
 
 def _load_table(storage: Storage, s: ShardInfo, columns: list[str] | None, verify: bool) -> pa.Table:
-    data = _read_shard_bytes(storage, s.path, s.staging_path)
+    data = read_committed_shard(storage, s.path, s.staging_path)
     if verify and s.sha256 and hashlib.sha256(data).hexdigest() != s.sha256:
         raise BadShard(f"sha256 mismatch (the manifest says {s.sha256[:12]}...)")
     try:
@@ -110,7 +110,7 @@ def _read_stream(spec: dict) -> Iterable[pa.Table]:
         if isinstance(w, str):  # "closed"
             return
         s = w.shard
-        table = cache.get(s.key, lambda: storage.exists(s.path) or storage.exists(s.staging_path))
+        table = cache.get(s.key, lambda s=s: storage.exists(s.path) or storage.exists(s.staging_path))
         if table is None:
             try:
                 table = _load_table(storage, s, columns if s.fmt == "episodes" else None, verify)
@@ -131,8 +131,9 @@ def _read_stream(spec: dict) -> Iterable[pa.Table]:
         n = w.stop - w.start
         chunk = table.slice(w.start, n)
         chunk = chunk.append_column(TAG, pa.array(np.full(n, w.tag, dtype=np.int64)))
-        yield pa.table({ENVELOPE: pa.array([table_to_ipc(chunk)], type=pa.binary()),
-                        TAG: pa.array([w.tag], type=pa.int64())})
+        yield pa.table(
+            {ENVELOPE: pa.array([table_to_ipc(chunk)], type=pa.binary()), TAG: pa.array([w.tag], type=pa.int64())}
+        )
 
 
 class ShardStreamDatasource(ray.data.Datasource):
@@ -142,11 +143,12 @@ class ShardStreamDatasource(ray.data.Datasource):
         super().__init__()
         self.spec = dict(spec)
 
-    def estimate_inmemory_data_size(self) -> Optional[int]:
+    def estimate_inmemory_data_size(self) -> int | None:
         return None
 
-    def get_read_tasks(self, parallelism: int, per_task_row_limit: Optional[int] = None,
-                       data_context: Any = None) -> List[ray.data.ReadTask]:
+    def get_read_tasks(
+        self, parallelism: int, per_task_row_limit: int | None = None, data_context: Any = None
+    ) -> list[ray.data.ReadTask]:
         from ray.data.block import BlockMetadata
 
         spec = self.spec

@@ -5,14 +5,7 @@ iteration by iteration on fresh shards plus a replay window, writes one metrics 
 iteration, checkpoints every N iterations (and on SIGTERM), publishes each checkpointed policy
 and resumes from the latest checkpoint with its weights, optimizer state and shard cursor.
 
-Checkpoint directory layout (a local path or any URI `consumer.storage.Storage` accepts)::
-
-    metrics.jsonl                         one JSON object per iteration
-    checkpoints/latest.json               {"iteration", "path"}: the commit point of a checkpoint
-    checkpoints/ckpt-00000012/algo/       RLlib checkpoint (Algorithm.save_to_path): weights,
-                                          optimizer state, ...
-    checkpoints/ckpt-00000012/trainer.json  cursor (shards trained on), counters, policy version
-    policies/                             published policies (see trainer.policy)
+The checkpoint directory layout is described in `rlrec.trainer.checkpoints`; the metrics in `rlrec.trainer.metrics`.
 """
 
 from __future__ import annotations
@@ -22,18 +15,17 @@ import importlib
 import json
 import logging
 import math
-import os
-import shutil
 import signal
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from consumer.storage import Storage
+from rlrec.store.storage import Storage
+from rlrec.trainer.checkpoints import STATE_VERSION, CheckpointStore
+from rlrec.trainer.metrics import TrainerMetrics
 
-__all__ = ["TrainerConfig", "ContinuousTrainer", "ALGORITHMS", "parse_kv", "UnsupportedCombination"]
+__all__ = ["ALGORITHMS", "ContinuousTrainer", "TrainerConfig", "UnsupportedCombination", "parse_kv"]
 
 log = logging.getLogger("rlrec.trainer")
 
@@ -44,12 +36,6 @@ ALGORITHMS = {
     "CQL": ("ray.rllib.algorithms.cql:CQLConfig", ("Box",)),
     "IQL": ("ray.rllib.algorithms.iql:IQLConfig", ("Box",)),
 }
-
-METRICS_FILE = "metrics.jsonl"
-CKPT_DIR = "checkpoints"
-CKPT_LATEST = f"{CKPT_DIR}/latest.json"
-STATE_FILE = "trainer.json"
-STATE_VERSION = 1
 
 
 class UnsupportedCombination(ValueError):
@@ -94,7 +80,7 @@ class TrainerConfig:
     resume: bool = False
     num_learners: int = 0
     num_gpus_per_learner: float = 0.0
-    eval_interval: int = 0               # 0: never (needs env)
+    eval_interval: int = 0  # 0: never (needs env)
     eval_episodes: int = 5
     max_iterations: int | None = None
     checkpoint_interval: int = 10
@@ -116,13 +102,13 @@ class TrainerConfig:
     cache_ttl_s: float = 30.0
     publish: bool = True
     publish_dir: str | None = None
-    metrics_port: int | None = None          # Prometheus /metrics; 0 picks a free port
-    metrics_host: str = "127.0.0.1"          # 0.0.0.0 in containers
+    metrics_port: int | None = None  # Prometheus /metrics; 0 picks a free port
+    metrics_host: str = "127.0.0.1"  # 0.0.0.0 in containers
     progress: bool = True
     num_cpus: int | None = None
     seed: int | None = None
     idle_log_interval_s: float = 30.0
-    promotion_gate: bool = False          # publish only candidates not worse than the deployed version
+    promotion_gate: bool = False  # publish only candidates not worse than the deployed version
     promotion_baseline: float | None = None  # return of what is deployed before the first publication
     promotion_episodes: int = 10
 
@@ -147,15 +133,21 @@ def _check_spaces(algo: str, obs_space: Any, act_space: Any) -> None:
     allowed = ALGORITHMS[algo][1]
     kind = type(act_space).__name__
     if kind not in allowed:
-        hint = (" (RLlib 2.60's CQL and IQL assume continuous Box actions; use BC or MARWIL for "
-                "discrete actions)" if algo in ("CQL", "IQL") else "")
+        hint = (
+            " (RLlib 2.60's CQL and IQL assume continuous Box actions; use BC or MARWIL for discrete actions)"
+            if algo in ("CQL", "IQL")
+            else ""
+        )
         raise UnsupportedCombination(
-            f"{algo} cannot train on a {kind} action space{hint}; supported: {', '.join(allowed)}")
+            f"{algo} cannot train on a {kind} action space{hint}; supported: {', '.join(allowed)}"
+        )
     if not isinstance(obs_space, gym.spaces.Box):
         raise UnsupportedCombination(
-            f"{algo} with RLlib's default models needs a Box observation space, got {type(obs_space).__name__}")
+            f"{algo} with RLlib's default models needs a Box observation space, got {type(obs_space).__name__}"
+        )
     if isinstance(act_space, gym.spaces.Box) and not (
-            (act_space.bounded_below.all() and act_space.bounded_above.all()) or algo in ("BC", "MARWIL")):
+        (act_space.bounded_below.all() and act_space.bounded_above.all()) or algo in ("BC", "MARWIL")
+    ):
         raise UnsupportedCombination(f"{algo} needs a bounded Box action space, got {act_space}")
 
 
@@ -175,84 +167,6 @@ def _finite(x: Any) -> float | None:
     return f if math.isfinite(f) else None
 
 
-class _Metrics:
-    """metrics.jsonl (flushed per line), Prometheus gauges, progress line."""
-
-    GAUGES = ("iteration", "policy_version", "timesteps_trained", "shards_total", "shards_new",
-              "newest_shard_age_s", "learner_loss", "eval_return_mean", "learner_wait_share",
-              "fresh_backlog", "shards_missing")
-
-    def __init__(self, storage: Storage, port: int | None, progress: bool, host: str = "127.0.0.1") -> None:
-        self.storage = storage
-        self.progress = progress
-        self.local = storage.kind == "local"
-        self._lines: list[str] = []
-        self._f = None
-        self.gauges: dict[str, Any] = {}
-        self._server = None
-        self.port: int | None = None  # where /metrics is served, once started
-        if port is not None:
-            from prometheus_client import CollectorRegistry, Gauge, start_http_server
-
-            reg = CollectorRegistry()
-            self.gauges = {k: Gauge(f"rlrec_trainer_{k}", k.replace("_", " "), registry=reg) for k in self.GAUGES}
-            self._server = start_http_server(port, addr=host, registry=reg)
-            self.port = self._server[0].server_port
-            log.info("metrics on http://%s:%d/metrics", host, self.port)
-
-    def truncate_after(self, iteration: int | None) -> None:
-        """Drop lines of iterations after `iteration` (training lost by a crash); None: keep none."""
-        try:
-            data = self.storage.read(METRICS_FILE).decode()
-        except FileNotFoundError:
-            data = ""
-        keep = []
-        for line in data.splitlines():
-            try:
-                it = json.loads(line).get("iteration")
-            except ValueError:
-                continue
-            if iteration is not None and isinstance(it, int) and it <= iteration:
-                keep.append(line)
-        self._lines = keep
-        self.storage.write(METRICS_FILE, "".join(x + "\n" for x in keep).encode())
-
-    def write(self, rec: dict) -> None:
-        line = json.dumps(rec, sort_keys=False, allow_nan=False)
-        if self.local:
-            if self._f is None:
-                self._f = open(self.storage.full_path(METRICS_FILE), "a", encoding="utf-8")
-            self._f.write(line + "\n")
-            self._f.flush()
-        else:  # object stores cannot append: rewrite the (small) file
-            self._lines.append(line)
-            self.storage.write(METRICS_FILE, "".join(x + "\n" for x in self._lines).encode())
-        for k, g in self.gauges.items():
-            v = rec.get(k)
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
-                g.set(v)
-        if self.progress:
-            ev = rec.get("eval_return_mean")
-            age = rec.get("newest_shard_age_s")
-            loss = rec.get("learner_loss")
-            log.info("iter %d  v%d  steps %d  shards %d (+%d)  newest %s  loss %s  wait %.0f%%%s",
-                     rec["iteration"], rec["policy_version"], rec["timesteps_trained"], rec["shards_total"],
-                     rec["shards_new"], f"{age:.1f}s" if age is not None else "-",
-                     f"{loss:.4f}" if loss is not None else "-", 100 * (rec.get("learner_wait_share") or 0),
-                     f"  eval {ev:.1f}" if ev is not None else "")
-
-    def close(self) -> None:
-        if self._f is not None:
-            self._f.close()
-            self._f = None
-        if self._server is not None:
-            try:
-                self._server[0].shutdown()
-                self._server[0].server_close()
-            except Exception:
-                pass
-
-
 # ---------------------------------------------------------------------------------- trainer
 
 
@@ -264,23 +178,23 @@ class ContinuousTrainer:
         self.install_signals = install_signals
         self.input = Storage.from_uri(cfg.input)
         self.out = Storage.from_uri(cfg.checkpoint_dir)
-        self.publish_storage = Storage.from_uri(cfg.publish_dir) if cfg.publish_dir else \
-            Storage.from_uri(self.out.uri("policies") if self.out.kind != "local" else self.out.full_path("policies"))
+        self.checkpoints = CheckpointStore(self.out)
+        self.publish_storage = Storage.from_uri(cfg.publish_dir or self.out.uri("policies"))
         self._stop = threading.Event()
         self.stop_reason: str | None = None
         self.algo: Any = None
         self.iteration = 0
         self.policy_version = 0
         self.timesteps_trained = 0
-        self.trained: set[str] = set()           # the cursor: shard keys trained on
+        self.trained: set[str] = set()  # the cursor: shard keys trained on
         self.since_publish: set[str] = set()
         self.missing_total = 0
-        self.metrics: _Metrics | None = None
+        self.metrics: TrainerMetrics | None = None
         self._started_ray = False
         self.obs_space = self.act_space = None
         self.fmt: str | None = None
         self.last_record: dict | None = None
-        self.deployed_return: float | None = cfg.promotion_baseline   # promotion gate state
+        self.deployed_return: float | None = cfg.promotion_baseline  # promotion gate state
         self.last_promotion: dict | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -302,14 +216,18 @@ class ContinuousTrainer:
 
     # ------------------------------------------------------------------ data discovery
     def _first_shards(self) -> list:
-        from trainer.manifest import ManifestFollower
+        from rlrec.trainer.manifest_follower import ManifestFollower
 
         fmt = None
         if "input_read_episodes" in self.cfg.offline_config:
             fmt = "episodes" if self.cfg.offline_config["input_read_episodes"] else "tabular"
-        follower = ManifestFollower(self.input, policy_id=self.cfg.policy_id,
-                                    min_policy_version=self.cfg.min_policy_version,
-                                    max_policy_version=self.cfg.max_policy_version, fmt=fmt)
+        follower = ManifestFollower(
+            self.input,
+            policy_id=self.cfg.policy_id,
+            min_policy_version=self.cfg.min_policy_version,
+            max_policy_version=self.cfg.max_policy_version,
+            fmt=fmt,
+        )
         last_log = 0.0
         while not self._stop.is_set():
             infos = follower.poll(force_discover=True)
@@ -317,14 +235,17 @@ class ContinuousTrainer:
                 self.fmt = follower.fmt
                 return [follower.entries[i.key] for i in infos]
             if time.monotonic() - last_log > self.cfg.idle_log_interval_s:
-                log.info("waiting for the first committed shard under %s%s", self.input.uri(),
-                         f" (policy {self.cfg.policy_id})" if self.cfg.policy_id else "")
+                log.info(
+                    "waiting for the first committed shard under %s%s",
+                    self.input.uri(),
+                    f" (policy {self.cfg.policy_id})" if self.cfg.policy_id else "",
+                )
                 last_log = time.monotonic()
             self._stop.wait(max(0.2, self.cfg.poll_interval_s))
         return []
 
     def _spaces(self, entries: list) -> None:
-        from trainer.manifest import spaces_from_shard
+        from rlrec.trainer.manifest_follower import spaces_from_shard
 
         shard_spaces = None
         for e in entries[:5]:
@@ -339,11 +260,13 @@ class ContinuousTrainer:
             env = gym.make(self.cfg.env)
             self.obs_space, self.act_space = env.observation_space, env.action_space
             env.close()
-            if shard_spaces is not None and (shard_spaces[0].shape != self.obs_space.shape
-                                             or type(shard_spaces[1]) is not type(self.act_space)):
+            if shard_spaces is not None and (
+                shard_spaces[0].shape != self.obs_space.shape or type(shard_spaces[1]) is not type(self.act_space)
+            ):
                 raise UnsupportedCombination(
                     f"the shards' spaces {shard_spaces} do not match {self.cfg.env}'s "
-                    f"{(self.obs_space, self.act_space)}")
+                    f"{(self.obs_space, self.act_space)}"
+                )
         elif shard_spaces is None:
             raise RuntimeError("cannot determine the spaces: no readable shard and no --env")
         else:
@@ -352,8 +275,8 @@ class ContinuousTrainer:
 
     # ------------------------------------------------------------------ config
     def build_config(self) -> Any:
-        from trainer.data import configure_continuous
-        from trainer.feed import FeedPolicy
+        from rlrec.trainer.data import configure_continuous
+        from rlrec.trainer.feed import FeedPolicy
 
         cfg = self.cfg
         config_cls = _import(ALGORITHMS[cfg.algo][0])
@@ -367,7 +290,7 @@ class ContinuousTrainer:
             config.debugging(seed=cfg.seed)
         algo_kw = dict(cfg.algo_config)
         if cfg.algo == "CQL" and "lr" not in algo_kw:
-            algo_kw["lr"] = None   # CQLConfig's default lr fails its own (SAC) validation in RLlib 2.60
+            algo_kw["lr"] = None  # CQLConfig's default lr fails its own (SAC) validation in RLlib 2.60
         try:
             config.training(**algo_kw)
         except TypeError as e:
@@ -383,41 +306,51 @@ class ContinuousTrainer:
             off["map_batches_kwargs"] = mb
         for k in ("materialize_data", "materialize_mapped_data"):
             if off.pop(k, False):
-                log.warning("--offline-config %s=True is ignored: it would freeze the data of a "
-                            "continuous trainer", k)
+                log.warning("--offline-config %s=True is ignored: it would freeze the data of a continuous trainer", k)
         if off.pop("input_compress_columns", None):
-            raise ValueError("--offline-config input_compress_columns: compressed columns are "
-                             "unpickled by RLlib; the trainer never unpickles shard data")
+            raise ValueError(
+                "--offline-config input_compress_columns: compressed columns are "
+                "unpickled by RLlib; the trainer never unpickles shard data"
+            )
         off.pop("input_read_episodes", None)
         if off:
             config.offline_data(**off)
         if cfg.eval_interval:
-            config.evaluation(evaluation_interval=cfg.eval_interval, evaluation_duration=cfg.eval_episodes,
-                              evaluation_duration_unit="episodes", evaluation_num_env_runners=0,
-                              evaluation_config={"explore": False})
-        fp = FeedPolicy(fresh_fraction=cfg.fresh_fraction, replay_shards=cfg.replay_shards,
-                        replay_max_age_s=cfg.replay_max_age_s, replay_policy_versions=cfg.replay_policy_versions,
-                        seed=cfg.seed)
-        configure_continuous(config, cfg.input, fmt=self.fmt or "episodes", feed_policy=fp,
-                             policy_id=cfg.policy_id, min_policy_version=cfg.min_policy_version,
-                             max_policy_version=cfg.max_policy_version, poll_interval_s=cfg.poll_interval_s,
-                             prelearner_mode=cfg.prelearner_mode, cache_ttl_s=cfg.cache_ttl_s)
+            config.evaluation(
+                evaluation_interval=cfg.eval_interval,
+                evaluation_duration=cfg.eval_episodes,
+                evaluation_duration_unit="episodes",
+                evaluation_num_env_runners=0,
+                evaluation_config={"explore": False},
+            )
+        fp = FeedPolicy(
+            fresh_fraction=cfg.fresh_fraction,
+            replay_shards=cfg.replay_shards,
+            replay_max_age_s=cfg.replay_max_age_s,
+            replay_policy_versions=cfg.replay_policy_versions,
+            seed=cfg.seed,
+        )
+        configure_continuous(
+            config,
+            cfg.input,
+            fmt=self.fmt or "episodes",
+            feed_policy=fp,
+            policy_id=cfg.policy_id,
+            min_policy_version=cfg.min_policy_version,
+            max_policy_version=cfg.max_policy_version,
+            poll_interval_s=cfg.poll_interval_s,
+            prelearner_mode=cfg.prelearner_mode,
+            cache_ttl_s=cfg.cache_ttl_s,
+        )
         return config
 
     # ------------------------------------------------------------------ checkpoints
-    def _latest_checkpoint(self) -> dict | None:
-        try:
-            return json.loads(self.out.read(CKPT_LATEST))
-        except FileNotFoundError:
-            return None
-
     def checkpoint(self, final: bool = False) -> str:
         """Save the algorithm + trainer state; publish the policy; move `latest` (commit point).
 
         With the promotion gate, the final (stop) checkpoint publishes nothing: every decision
         is taken at a periodic checkpoint and recorded in that iteration's metrics line."""
         t0 = time.time()
-        name = f"{CKPT_DIR}/ckpt-{self.iteration:08d}"
         if self.cfg.publish and not (final and self.cfg.promotion_gate):
             self.publish()
         state = {
@@ -432,61 +365,35 @@ class ContinuousTrainer:
             "deployed_return": self.deployed_return,
             "time": time.time(),
         }
-        if self.out.kind == "local":
-            target = self.out.full_path(f"{name}/algo")
-            if os.path.exists(target):
-                shutil.rmtree(target)
-            self.algo.save_to_path(target)
-        else:
-            with tempfile.TemporaryDirectory(prefix="rlrec-ckpt-") as tmp:
-                self.algo.save_to_path(tmp)
-                for root, _dirs, files in os.walk(tmp):
-                    for fn in files:
-                        full = os.path.join(root, fn)
-                        rel = os.path.relpath(full, tmp).replace(os.sep, "/")
-                        with open(full, "rb") as f:
-                            self.out.write(f"{name}/algo/{rel}", f.read())
-        self.out.write(f"{name}/{STATE_FILE}", json.dumps(state).encode())
-        self.out.write(CKPT_LATEST, json.dumps({"iteration": self.iteration, "path": name,
-                                                "policy_version": self.policy_version}).encode())
-        self._prune_checkpoints(keep=name)
+        name = self.checkpoints.save(self.iteration, self.algo, state, policy_version=self.policy_version)
+        self.checkpoints.prune(self.cfg.keep_checkpoints, current=name)
         log.info("checkpoint %s (policy v%d) in %.2fs", name, self.policy_version, time.time() - t0)
         return name
 
-    def _prune_checkpoints(self, keep: str) -> None:
-        try:
-            dirs = sorted(i.path for i in self.out.list(CKPT_DIR) if i.is_dir and i.name.startswith("ckpt-"))
-        except Exception:
-            return
-        for d in dirs[:-max(1, self.cfg.keep_checkpoints)]:
-            if d == keep:
-                continue
-            try:
-                if self.out.kind == "local":
-                    shutil.rmtree(self.out.full_path(d), ignore_errors=True)
-                else:
-                    for f in self.out.list(d, recursive=True):
-                        if not f.is_dir:
-                            self.out.delete(f.path)
-            except Exception as e:
-                log.warning("could not prune checkpoint %s: %s", d, e)
-
     def publish(self) -> None:
-        from trainer.export import publish_policy
+        from rlrec.trainer.export import publish_policy
 
         version = self.policy_version + 1
         if self.cfg.promotion_gate and not self._promote(version):
             return
         try:
-            publish_policy(self.publish_storage, algo=self.algo, version=version, algo_name=self.cfg.algo,
-                           observation_space=self.obs_space, action_space=self.act_space,
-                           iteration=self.iteration, timesteps_trained=self.timesteps_trained,
-                           shards=sorted(self.trained), new_shards=sorted(self.since_publish),
-                           parent_version=self.policy_version or None)
+            publish_policy(
+                self.publish_storage,
+                algo=self.algo,
+                version=version,
+                algo_name=self.cfg.algo,
+                observation_space=self.obs_space,
+                action_space=self.act_space,
+                iteration=self.iteration,
+                timesteps_trained=self.timesteps_trained,
+                shards=sorted(self.trained),
+                new_shards=sorted(self.since_publish),
+                parent_version=self.policy_version or None,
+            )
         except Exception as e:
             log.error("publishing policy v%d failed: %s", version, e)
             if self.last_promotion is not None and self.last_promotion["candidate_version"] == version:
-                self.last_promotion["promoted"] = False     # not deployed after all
+                self.last_promotion["promoted"] = False  # not deployed after all
             return
         self.policy_version = version
         self.since_publish = set()
@@ -495,50 +402,39 @@ class ContinuousTrainer:
 
     def _promote(self, version: int) -> bool:
         """The promotion gate: evaluate the candidate; True if it is not worse than the deployed one."""
-        from trainer.promotion import decide, evaluate_exported, export_candidate
+        from rlrec.trainer.promotion import decide, evaluate_exported, export_candidate
 
         t0 = time.time()
         try:
             model, spec = export_candidate(self.algo, self.obs_space, self.act_space, version)
-            ret = evaluate_exported(model, spec, self.cfg.env, self.cfg.promotion_episodes,
-                                    seed=self.cfg.seed or 0)
+            ret = evaluate_exported(model, spec, self.cfg.env, self.cfg.promotion_episodes, seed=self.cfg.seed or 0)
         except Exception as e:
             log.error("evaluating candidate v%d failed (%s): not promoted", version, e)
             return False
         d = decide(version, ret, self.policy_version or None, self.deployed_return)
         self.last_promotion = d.to_dict()
-        log.info("promotion gate: candidate v%d return %.1f vs deployed %s return %s: %s (%.2fs)", version, ret,
-                 f"v{self.policy_version}" if self.policy_version else "(baseline)",
-                 "-" if d.deployed_return is None else f"{d.deployed_return:.1f}",
-                 "promoted" if d.promoted else "kept the deployed version", time.time() - t0)
+        log.info(
+            "promotion gate: candidate v%d return %.1f vs deployed %s return %s: %s (%.2fs)",
+            version,
+            ret,
+            f"v{self.policy_version}" if self.policy_version else "(baseline)",
+            "-" if d.deployed_return is None else f"{d.deployed_return:.1f}",
+            "promoted" if d.promoted else "kept the deployed version",
+            time.time() - t0,
+        )
         return d.promoted
 
     def _restore(self) -> bool:
-        latest = self._latest_checkpoint()
+        latest = self.checkpoints.latest()
         if latest is None:
             log.info("--resume: no checkpoint under %s; starting fresh", self.out.uri())
             self.metrics.truncate_after(None)
             return False
         path = latest["path"]
-        state = json.loads(self.out.read(f"{path}/{STATE_FILE}"))
+        state = self.checkpoints.read_state(path)
         if state.get("algo") != self.cfg.algo:
             raise ValueError(f"the checkpoint was written by {state.get('algo')}, not {self.cfg.algo}")
-        # Only the LearnerGroup (weights + optimizer state): Algorithm.restore_from_path syncs
-        # weights to an EnvRunnerGroup that offline algorithms without an env do not have
-        # (AttributeError in RLlib 2.60). Evaluation EnvRunners get the weights before evaluating.
-        if self.out.kind == "local":
-            self.algo.learner_group.restore_from_path(self.out.full_path(f"{path}/algo/learner_group"))
-        else:
-            with tempfile.TemporaryDirectory(prefix="rlrec-restore-") as tmp:
-                for f in self.out.list(f"{path}/algo", recursive=True):
-                    if f.is_dir:
-                        continue
-                    rel = f.path[len(f"{path}/algo/"):]
-                    dst = os.path.join(tmp, *rel.split("/"))
-                    os.makedirs(os.path.dirname(dst), exist_ok=True)
-                    with open(dst, "wb") as fh:
-                        fh.write(self.out.read(f.path))
-                self.algo.learner_group.restore_from_path(os.path.join(tmp, "learner_group"))
+        self.checkpoints.restore_learner_group(self.algo, path)
         self.iteration = int(state["iteration"])
         self.algo._iteration = self.iteration
         self.policy_version = int(state["policy_version"])
@@ -548,8 +444,13 @@ class ContinuousTrainer:
         if state.get("deployed_return") is not None:
             self.deployed_return = float(state["deployed_return"])
         self.metrics.truncate_after(self.iteration)
-        log.info("resumed from %s: iteration %d, policy v%d, %d shards trained on", path, self.iteration,
-                 self.policy_version, len(self.trained))
+        log.info(
+            "resumed from %s: iteration %d, policy v%d, %d shards trained on",
+            path,
+            self.iteration,
+            self.policy_version,
+            len(self.trained),
+        )
         return True
 
     # ------------------------------------------------------------------ main loop
@@ -561,10 +462,9 @@ class ContinuousTrainer:
             return False
         self._spaces(entries)
         if not ray.is_initialized():
-            ray.init(num_cpus=self.cfg.num_cpus, include_dashboard=False, log_to_driver=False,
-                     configure_logging=False)
+            ray.init(num_cpus=self.cfg.num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
             self._started_ray = True
-        if self.install_signals:   # after ray.init: Ray installs its own SIGTERM handler
+        if self.install_signals:  # after ray.init: Ray installs its own SIGTERM handler
             self.install_signal_handlers()
         import ray.data
 
@@ -573,13 +473,15 @@ class ContinuousTrainer:
         ctx.print_on_execution_start = False
         config = self.build_config()
         self.algo = config.build_algo()
-        self.metrics = _Metrics(self.out, self.cfg.metrics_port, self.cfg.progress, self.cfg.metrics_host)
+        self.metrics = TrainerMetrics(self.out, self.cfg.metrics_port, self.cfg.progress, self.cfg.metrics_host)
         if self.cfg.resume:
             self._restore()
         else:
-            if self._latest_checkpoint() is not None:
-                log.warning("%s holds a checkpoint; starting fresh because --resume was not given "
-                            "(metrics.jsonl is restarted)", self.out.uri())
+            if self.checkpoints.latest() is not None:
+                log.warning(
+                    "%s holds a checkpoint; starting fresh because --resume was not given (metrics.jsonl is restarted)",
+                    self.out.uri(),
+                )
             self.metrics.truncate_after(None)
         self.algo.offline_data.start(self.trained)
         return True
@@ -608,18 +510,20 @@ class ContinuousTrainer:
             rec["fresh_backlog"] = int(od.summary()["fresh"])
         except Exception:
             pass
-        rec.update({
-            "time": round(now, 3),
-            "iteration_s": round(dt, 3),
-            "rows_trained": st.rows_trained,
-            "rows_streamed": st.rows_streamed,
-            "shards_trained_iter": len(st.seen),
-            "learner_wait_s": round(st.wait_s, 3),
-            "learner_wait_share": round(min(1.0, st.wait_s / dt), 4) if dt > 0 else None,
-            "commit_to_train_s_max": round(lat[-1], 3) if lat else None,
-            "shards_missing": self.missing_total,
-            "new_shards": sorted(st.newly_trained),
-        })
+        rec.update(
+            {
+                "time": round(now, 3),
+                "iteration_s": round(dt, 3),
+                "rows_trained": st.rows_trained,
+                "rows_streamed": st.rows_streamed,
+                "shards_trained_iter": len(st.seen),
+                "learner_wait_s": round(st.wait_s, 3),
+                "learner_wait_share": round(min(1.0, st.wait_s / dt), 4) if dt > 0 else None,
+                "commit_to_train_s_max": round(lat[-1], 3) if lat else None,
+                "shards_missing": self.missing_total,
+                "new_shards": sorted(st.newly_trained),
+            }
+        )
         return rec
 
     def train_once(self) -> dict:
@@ -647,7 +551,7 @@ class ContinuousTrainer:
             self.checkpoint()
             rec["policy_version"] = self.policy_version
             rec["checkpoint"] = True
-            if self.last_promotion is not None:   # the gate's decision (and its evaluation)
+            if self.last_promotion is not None:  # the gate's decision (and its evaluation)
                 rec["promotion"] = self.last_promotion
                 rec.setdefault("eval_return_mean", self.last_promotion["candidate_return"])
         self.metrics.write(rec)
@@ -674,7 +578,7 @@ class ContinuousTrainer:
                     continue
                 self.train_once()
             if self.algo is not None and self.iteration > 0:
-                latest = self._latest_checkpoint()
+                latest = self.checkpoints.latest()
                 if latest is None or latest.get("iteration") != self.iteration:
                     self.checkpoint(final=True)
             return 0

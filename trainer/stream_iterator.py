@@ -1,19 +1,18 @@
 """Learner side: unpack envelopes, re-batch to exact minibatches, acknowledge trained rows."""
 
-
 from __future__ import annotations
 
 import logging
 import threading
 import time
 import uuid
-from typing import Any, Dict
+from typing import Any
 
 import numpy as np
 
-from trainer.envelopes import ENVELOPE, row_count, unpack_columns
-from trainer.feed import TAG
-from trainer.feed_actor import get_feed
+from rlrec.trainer.envelopes import ENVELOPE, row_count, unpack_columns
+from rlrec.trainer.feed import TAG
+from rlrec.trainer.feed_actor import get_feed
 
 log = logging.getLogger("rlrec.trainer")
 
@@ -23,12 +22,12 @@ class _RowBuffer:
 
     def __init__(self, capacity: int, seed: int | None = None) -> None:
         self.capacity = max(1, int(capacity))
-        self.cols: Dict[str, np.ndarray] | None = None
+        self.cols: dict[str, np.ndarray] | None = None
         self.size = 0
         self.pos = 0
         self.rng = np.random.default_rng(seed)
 
-    def add(self, batch: Dict[str, np.ndarray]) -> None:
+    def add(self, batch: dict[str, np.ndarray]) -> None:
         n = row_count(batch)
         if n == 0:
             return
@@ -38,7 +37,7 @@ class _RowBuffer:
             self.cols = {k: np.empty((self.capacity, *v.shape[1:]), dtype=v.dtype) for k, v in batch.items()}
             self.size = self.pos = 0
         if n >= self.capacity:
-            batch = {k: v[-self.capacity:] for k, v in batch.items()}
+            batch = {k: v[-self.capacity :] for k, v in batch.items()}
             n = self.capacity
         idx = (self.pos + np.arange(n)) % self.capacity
         for k, v in batch.items():
@@ -46,7 +45,7 @@ class _RowBuffer:
         self.pos = (self.pos + n) % self.capacity
         self.size = min(self.capacity, self.size + n)
 
-    def sample(self, n: int) -> Dict[str, np.ndarray]:
+    def sample(self, n: int) -> dict[str, np.ndarray]:
         idx = self.rng.integers(0, self.size, n)
         return {k: v[idx] for k, v in self.cols.items()}
 
@@ -72,9 +71,12 @@ class StreamIterator:
 
     def __init__(self, it: Any, spec: dict) -> None:
         self._it = it
-        self._spec = {"feed": spec.get("feed"), "namespace": spec.get("namespace"),
-                      "learner_buffer_rows": spec.get("learner_buffer_rows"),
-                      "fresh_share": float(spec.get("fresh_share", 0.5))}
+        self._spec = {
+            "feed": spec.get("feed"),
+            "namespace": spec.get("namespace"),
+            "learner_buffer_rows": spec.get("learner_buffer_rows"),
+            "fresh_share": float(spec.get("fresh_share", 0.5)),
+        }
         self.iter_id = uuid.uuid4().hex
         self.seq = 0
         self._feed = None
@@ -104,10 +106,11 @@ class StreamIterator:
     def _ack(self, counts: dict[int, int], wait: float, consumed: int) -> None:
         """Acks are batched (every 50 ms or 8 minibatches): an actor call per minibatch costs
         about as much as a small gradient step."""
-        p = self.__dict__.setdefault("_unsent", {"counts": {}, "wait": 0.0, "consumed": 0, "n": 0,
-                                                 "t": time.time(), "sent": time.monotonic()})
+        p = self.__dict__.setdefault(
+            "_unsent", {"counts": {}, "wait": 0.0, "consumed": 0, "n": 0, "t": time.time(), "sent": time.monotonic()}
+        )
         if not p["n"]:
-            p["t"] = time.time()        # time of the first minibatch of this ack
+            p["t"] = time.time()  # time of the first minibatch of this ack
         for k, v in counts.items():
             p["counts"][k] = p["counts"].get(k, 0) + v
         p["wait"] += wait
@@ -124,8 +127,7 @@ class StreamIterator:
         self.seq += 1
         if feed is not None:
             feed.ack.remote(p["counts"], p["t"], p["wait"], 0.0, p["n"], self.iter_id, self.seq, p["consumed"])
-        self._unsent = {"counts": {}, "wait": 0.0, "consumed": 0, "n": 0, "t": time.time(),
-                        "sent": time.monotonic()}
+        self._unsent = {"counts": {}, "wait": 0.0, "consumed": 0, "n": 0, "t": time.time(), "sent": time.monotonic()}
 
     def close(self) -> None:
         if self._stop is not None:
@@ -178,8 +180,15 @@ class StreamIterator:
         if sys.getswitchinterval() > 0.0005:
             sys.setswitchinterval(0.0005)
 
-    def _batches(self, batch_size: int, *, local_shuffle_buffer_size: int | None = None,
-                 local_shuffle_seed: int | None = None, drop_last: bool = False, **_: Any):
+    def _batches(
+        self,
+        batch_size: int,
+        *,
+        local_shuffle_buffer_size: int | None = None,
+        local_shuffle_seed: int | None = None,
+        drop_last: bool = False,
+        **_: Any,
+    ):
         import queue
 
         if self._thread is None:
@@ -191,8 +200,8 @@ class StreamIterator:
         if self._buffer is None:
             self._buffer = _RowBuffer(cap, local_shuffle_seed)
         buf = self._buffer
-        max_fresh = max(1, int(round(self._spec["fresh_share"] * B)))
-        pending: list[Dict[str, np.ndarray]] = []
+        max_fresh = max(1, round(self._spec["fresh_share"] * B))
+        pending: list[dict[str, np.ndarray]] = []
         n_pending = 0
         wait = 0.0
         while True:
@@ -217,8 +226,9 @@ class StreamIterator:
                 keys = set(pending[0])
                 for p in pending[1:]:
                     keys &= set(p)
-                merged = {k: np.concatenate([p[k] for p in pending]) if len(pending) > 1 else pending[0][k]
-                          for k in keys}
+                merged = {
+                    k: np.concatenate([p[k] for p in pending]) if len(pending) > 1 else pending[0][k] for k in keys
+                }
             else:
                 merged = {}
             # fresh rows first: all of them while the buffer is cold, else up to max_fresh
@@ -250,8 +260,9 @@ class StreamIterator:
         for b in self._batches(batch_size, **kwargs):
             yield _collate_fn(b) if _collate_fn is not None else b
 
-    def iter_torch_batches(self, *, batch_size: int, device: Any = None, dtypes: Any = None,
-                           collate_fn: Any = None, **kwargs: Any):
+    def iter_torch_batches(
+        self, *, batch_size: int, device: Any = None, dtypes: Any = None, collate_fn: Any = None, **kwargs: Any
+    ):
         import torch
 
         dev = device if device is not None else "cpu"

@@ -3,11 +3,12 @@
 `expert_cartpole_episodes` plays CartPole-v1 with the scripted controller
 ``action = int(obs[2] + 0.5 * obs[3] > 0)`` (balances to the 500-step limit);
 `pendulum_episodes` plays Pendulum-v1 with a simple energy/PD controller (continuous
-actions, for CQL/IQL). `ShardCommitter` commits lists of episodes as shards exactly the way
-the consumer does (`consumer.writer.PartitionWriter`: stage, manifest append, publish), so a
-trainer reading the manifest cannot tell the difference.
+actions, for CQL/IQL). Commit them with `rlrec.store.commit.ShardCommitter`, exactly the way the consumer does (stage, manifest append, publish), so a trainer
+reading the manifest cannot tell the difference::
 
-No Ray here (only gymnasium, numpy and the consumer's shard writer).
+    c = ShardCommitter(uri); c.claim(); c.commit(expert_cartpole_episodes(10)).entries
+
+No Ray here (only gymnasium, numpy and the store).
 """
 
 from __future__ import annotations
@@ -18,11 +19,9 @@ import uuid
 import gymnasium as gym
 import numpy as np
 
-from consumer.finished import FinishedEpisode
-from consumer.storage import Storage
-from consumer.writer import PartitionWriter
+from rlrec.store.finished import FinishedEpisode
 
-__all__ = ["expert_cartpole_episodes", "pendulum_episodes", "ShardCommitter", "cartpole_expert_action"]
+__all__ = ["cartpole_expert_action", "expert_cartpole_episodes", "pendulum_episodes"]
 
 _offsets = itertools.count(1)
 
@@ -31,8 +30,20 @@ def cartpole_expert_action(obs: np.ndarray) -> int:
     return int(obs[2] + 0.5 * obs[3] > 0)
 
 
-def _episode(env_id, obs_space, act_space, observations, actions, rewards, terminated, truncated, *,
-             policy_id, policy_version, extra=None) -> FinishedEpisode:
+def _episode(
+    env_id,
+    obs_space,
+    act_space,
+    observations,
+    actions,
+    rewards,
+    terminated,
+    truncated,
+    *,
+    policy_id,
+    policy_version,
+    extra=None,
+) -> FinishedEpisode:
     T = len(rewards)
     first = next(_offsets)
     for _ in range(T):
@@ -58,9 +69,16 @@ def _episode(env_id, obs_space, act_space, observations, actions, rewards, termi
     )
 
 
-def expert_cartpole_episodes(n: int, *, seed: int = 0, policy_id: str = "expert", policy_version: int = 1,
-                             epsilon: float = 0.0, max_steps: int = 500,
-                             with_logp: bool = True) -> list[FinishedEpisode]:
+def expert_cartpole_episodes(
+    n: int,
+    *,
+    seed: int = 0,
+    policy_id: str = "expert",
+    policy_version: int = 1,
+    epsilon: float = 0.0,
+    max_steps: int = 500,
+    with_logp: bool = True,
+) -> list[FinishedEpisode]:
     """`n` CartPole-v1 episodes of the scripted expert (with probability `epsilon` a random action)."""
     env = gym.make("CartPole-v1", max_episode_steps=max_steps)
     rng = np.random.default_rng(seed)
@@ -78,14 +96,34 @@ def expert_cartpole_episodes(n: int, *, seed: int = 0, policy_id: str = "expert"
             actions.append(a)
             rewards.append(r)
         extra = {"action_logp": np.full(len(actions), np.log(1 - epsilon / 2 + 1e-9), np.float32)} if with_logp else {}
-        out.append(_episode("CartPole-v1", env.observation_space, env.action_space, observations, actions,
-                            rewards, term, trunc, policy_id=policy_id, policy_version=policy_version, extra=extra))
+        out.append(
+            _episode(
+                "CartPole-v1",
+                env.observation_space,
+                env.action_space,
+                observations,
+                actions,
+                rewards,
+                term,
+                trunc,
+                policy_id=policy_id,
+                policy_version=policy_version,
+                extra=extra,
+            )
+        )
     env.close()
     return out
 
 
-def pendulum_episodes(n: int, *, seed: int = 0, policy_id: str = "pendulum", policy_version: int = 1,
-                      noise: float = 0.3, max_steps: int = 200) -> list[FinishedEpisode]:
+def pendulum_episodes(
+    n: int,
+    *,
+    seed: int = 0,
+    policy_id: str = "pendulum",
+    policy_version: int = 1,
+    noise: float = 0.3,
+    max_steps: int = 200,
+) -> list[FinishedEpisode]:
     """`n` Pendulum-v1 episodes of an energy-pumping + PD controller with Gaussian action noise."""
     env = gym.make("Pendulum-v1", max_episode_steps=max_steps)
     rng = np.random.default_rng(seed)
@@ -107,25 +145,19 @@ def pendulum_episodes(n: int, *, seed: int = 0, policy_id: str = "pendulum", pol
             observations.append(obs)
             actions.append([u])
             rewards.append(r)
-        out.append(_episode("Pendulum-v1", env.observation_space, env.action_space, observations, actions,
-                            rewards, term, trunc, policy_id=policy_id, policy_version=policy_version))
+        out.append(
+            _episode(
+                "Pendulum-v1",
+                env.observation_space,
+                env.action_space,
+                observations,
+                actions,
+                rewards,
+                term,
+                trunc,
+                policy_id=policy_id,
+                policy_version=policy_version,
+            )
+        )
     env.close()
     return out
-
-
-class ShardCommitter:
-    """Commit episodes as shards of one (topic, partition), like the consumer does.
-
-    ``ShardCommitter(storage_or_uri, fmt="episodes").commit(episodes)`` -> the committed
-    `ShardEntry`s (one per policy id). Each instance claims its partition once (a new writer
-    epoch), so use one instance per partition at a time.
-    """
-
-    def __init__(self, storage: Storage | str, *, topic: str = "rl", partition: int = 0, fmt: str = "episodes"):
-        self.storage = Storage.from_uri(storage) if isinstance(storage, str) else storage
-        self.writer = PartitionWriter(self.storage, topic, partition, fmt=fmt)
-        self.writer.claim()
-
-    def commit(self, episodes: list[FinishedEpisode]):
-        res = self.writer.flush(list(episodes))
-        return res.entries

@@ -23,9 +23,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="memory (default) or s3 (a local moto S3 in this process)",
     )
     p.add_argument("--log-path", default=None, help="broker log file (default: a temp file)")
-    p.add_argument(
-        "--startup-timeout", type=float, default=20.0, help="seconds to wait for the broker (default 20)"
-    )
+    p.add_argument("--startup-timeout", type=float, default=20.0, help="seconds to wait for the broker (default 20)")
     p.set_defaults(func=run)
 
 

@@ -14,9 +14,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "parsers. Without --output it goes to stdout.",
     )
     p.add_argument("--output", metavar="FILE", help="write it to FILE instead of stdout")
-    p.add_argument("--check", action="store_true",
-                   help="don't write: exit 1 if FILE (--output, default docs/CONFIG.md) differs from what "
-                        "would be generated")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="don't write: exit 1 if FILE (--output, default docs/CONFIG.md) differs from what would be generated",
+    )
     p.set_defaults(func=run)
 
 
@@ -34,8 +36,7 @@ def run(args: argparse.Namespace) -> int:
         except FileNotFoundError:
             current = None
         if current != text:
-            print(f"rlrec config-reference: {path} is stale; refresh it with: {REFRESH_COMMAND}",
-                  file=sys.stderr)
+            print(f"rlrec config-reference: {path} is stale; refresh it with: {REFRESH_COMMAND}", file=sys.stderr)
             return 1
         print(f"{path} is up to date")
         return 0

@@ -13,6 +13,8 @@ import json
 import os
 import sys
 
+from rlrec.commands._common import parse_key_values
+
 # (flag, type, default, help) - the single source for the CLI, the env vars and the config file
 OPTIONS: list[tuple[str, type, object, str]] = [
     ("bootstrap-servers", str, None, "Kafka bootstrap servers (required)"),
@@ -22,8 +24,18 @@ OPTIONS: list[tuple[str, type, object, str]] = [
     ("format", str, "episodes", "episodes (RLlib output_write_episodes=True) or tabular"),
     ("compression", str, "zstd", "Parquet compression: zstd, snappy, gzip, lz4, none"),
     ("max-episodes-per-file", int, 1000, "roll a shard after this many episodes (RLlib output_max_rows_per_file)"),
-    ("max-file-bytes", int, 128 * 1024 * 1024, "roll a shard at about this many bytes of episodes (output_max_file_size)"),
-    ("max-file-age-s", float, 60.0, "write finished episodes at the latest this long after they finish (idle partitions too)"),
+    (
+        "max-file-bytes",
+        int,
+        128 * 1024 * 1024,
+        "roll a shard at about this many bytes of episodes (output_max_file_size)",
+    ),
+    (
+        "max-file-age-s",
+        float,
+        60.0,
+        "write finished episodes at the latest this long after they finish (idle partitions too)",
+    ),
     ("reward-join-window-s", float, 0.0, "keep a finished episode this long for delayed rewards before writing it"),
     ("episode-timeout-s", float, 600.0, "an open episode with no event for this long is finalized"),
     ("on-timeout", str, "truncate", "truncate (write it as truncated) or dead-letter"),
@@ -44,14 +56,25 @@ OPTIONS: list[tuple[str, type, object, str]] = [
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("consume", help="consume transitions into exactly-once Parquet episode shards",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser(
+        "consume",
+        help="consume transitions into exactly-once Parquet episode shards",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--config", help="JSON or TOML file with option values")
     for flag, typ, _default, help_ in OPTIONS:
         p.add_argument(f"--{flag}", type=typ, default=None, help=f"{help_} [env RLREC_{_env(flag)}]")
-    p.add_argument("--no-create-topics", action="store_true", help="don't create the topic and its DLQ (ops provision them)")
-    p.add_argument("--kafka-config", action="append", default=[], metavar="KEY=VALUE",
-                   help="librdkafka setting passed through (repeatable), e.g. security.protocol=SASL_SSL")
+    p.add_argument(
+        "--no-create-topics", action="store_true", help="don't create the topic and its DLQ (ops provision them)"
+    )
+    p.add_argument(
+        "--kafka-config",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="librdkafka setting passed through (repeatable), e.g. security.protocol=SASL_SSL",
+    )
     p.set_defaults(func=_run)
 
 
@@ -85,14 +108,16 @@ def resolve_options(args: argparse.Namespace, environ: dict | None = None) -> di
             value = typ(file_values[flag])
         out[dest] = default if value is None else value
     kafka = dict(file_values.get("kafka-config", {}))
-    for item in args.kafka_config:
-        k, sep, v = item.partition("=")
-        if not sep:
-            raise SystemExit(f"--kafka-config expects KEY=VALUE, got {item!r}")
-        kafka[k] = v
+    try:
+        kafka.update(parse_key_values(args.kafka_config, "--kafka-config"))
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     out["kafka_config"] = kafka
-    out["create_topics"] = not (args.no_create_topics or file_values.get("no-create-topics", False)
-                                or environ.get("RLREC_NO_CREATE_TOPICS", "") in ("1", "true"))
+    out["create_topics"] = not (
+        args.no_create_topics
+        or file_values.get("no-create-topics", False)
+        or environ.get("RLREC_NO_CREATE_TOPICS", "") in ("1", "true")
+    )
     return out
 
 
@@ -108,7 +133,7 @@ def _run(args: argparse.Namespace) -> int:
     from rlrec.logs import setup_logging
 
     setup_logging(opts.pop("log_format"), opts.pop("log_level"))
-    from consumer.service import ConsumerConfig, RecorderConsumer
+    from rlrec.consumer.service import ConsumerConfig, RecorderConsumer
 
     max_seconds = opts.pop("max_seconds")
     RecorderConsumer(ConsumerConfig(**opts)).run(max_seconds=max_seconds)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import re
 
+from rlrec.commands._common import reports_storage_errors
+
 _UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 
@@ -36,27 +38,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+@reports_storage_errors("gc")
 def run(args: argparse.Namespace) -> int:
-    import sys
-
-    from consumer.manifest import ManifestError
-    from consumer.storage import StorageError
-
-    try:
-        return _run(args)
-    except (StorageError, ManifestError, OSError) as e:
-        print(f"rlrec gc: error: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
-
-
-def _run(args: argparse.Namespace) -> int:
     import logging
     import sys
 
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
-                        format="%(levelname)s %(name)s: %(message)s")
-    from consumer.maintenance import gc
-    from consumer.storage import Storage
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    from rlrec.store.maintenance import gc
+    from rlrec.store.storage import Storage
 
     storage = Storage.from_uri(args.uri)
     paths = gc(storage, args.older_than, dry_run=args.dry_run)

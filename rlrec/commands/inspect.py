@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from rlrec.commands._common import reports_storage_errors
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -20,16 +22,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _decode_check(notes: list[str]):
-    """A decode callback built on consumer.shards, or None if that is not importable.
+    """A decode callback built on rlrec.store.shards, or None if that is not importable.
 
     "episodes" shards are decoded with ``read_episodes`` (every episode unpacked
     safely); "tabular" shards are counted from their ``eps_id`` column; other
     formats are not checked (the callback returns None).
     """
     try:
-        from consumer.shards import read_episodes, read_tabular
+        from rlrec.store.shards import read_episodes, read_tabular
     except Exception as e:  # not available / missing optional deps
-        notes.append(f"decode checks skipped: consumer.shards is not importable ({e})")
+        notes.append(f"decode checks skipped: rlrec.store.shards is not importable ({e})")
         return None
 
     def check(data: bytes, entry) -> tuple[int, int] | None:
@@ -52,30 +54,17 @@ def _human_bytes(n: float) -> str:
     return f"{n} B"
 
 
+@reports_storage_errors("inspect")
 def run(args: argparse.Namespace) -> int:
-    import sys
-
-    from consumer.manifest import ManifestError
-    from consumer.storage import StorageError
-
-    try:
-        return _run(args)
-    except (StorageError, ManifestError, OSError) as e:
-        print(f"rlrec inspect: error: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
-
-
-def _run(args: argparse.Namespace) -> int:
     import json
     import logging
     import sys
     from datetime import datetime, timezone
 
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
-                        format="%(levelname)s %(name)s: %(message)s")
-    from consumer.maintenance import episode_summary, inspect, verify
-    from consumer.manifest import read_manifest
-    from consumer.storage import Storage
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    from rlrec.store.maintenance import episode_summary, inspect, verify
+    from rlrec.store.manifest import read_manifest
+    from rlrec.store.storage import Storage
 
     storage = Storage.from_uri(args.uri)
     doc = inspect(storage)
@@ -120,8 +109,14 @@ def _run(args: argparse.Namespace) -> int:
         t = datetime.fromtimestamp(s["commit_time"], tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
         name = s["path"].split("?", 1)[0].rsplit("/", 1)[-1]
         table.add_row(
-            s["policy_id"], f"{s['topic']}/{s['partition']}", f"{s['first_offset']}-{s['last_offset']}",
-            str(s["episodes"]), str(s["steps"]), _human_bytes(s["bytes"]), t, name,
+            s["policy_id"],
+            f"{s['topic']}/{s['partition']}",
+            f"{s['first_offset']}-{s['last_offset']}",
+            str(s["episodes"]),
+            str(s["steps"]),
+            _human_bytes(s["bytes"]),
+            t,
+            name,
         )
     console.print(table)
 
@@ -131,8 +126,9 @@ def _run(args: argparse.Namespace) -> int:
         totals.add_column(col, justify="left" if col == "policy" else "right")
     for pid, t in tot["policies"].items():
         totals.add_row(pid, str(t["shards"]), str(t["episodes"]), str(t["steps"]), _human_bytes(t["bytes"]))
-    totals.add_row("[bold]all[/bold]", str(tot["shards"]), str(tot["episodes"]), str(tot["steps"]),
-                   _human_bytes(tot["bytes"]))
+    totals.add_row(
+        "[bold]all[/bold]", str(tot["shards"]), str(tot["episodes"]), str(tot["steps"]), _human_bytes(tot["bytes"])
+    )
     console.print(totals)
 
     if summary:

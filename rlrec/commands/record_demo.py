@@ -2,7 +2,7 @@
 
 A scripted controller plays ``CartPole-v1`` behind a :class:`producer.RecordingWrapper`; every
 step goes to Kafka as rlrec events (with ``action_logp`` as an extra model output). The topic is
-then read back with a consumer group, every message is decoded with ``producer.events.decode``
+then read back with a consumer group, every message is decoded with ``rlrec.producer.events.decode``
 and the counts are compared with what was recorded. Exit code 0 when they match, 1 otherwise.
 """
 
@@ -33,9 +33,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="host:port of a broker (default: $RLREC_BOOTSTRAP_SERVERS, else an embedded local broker)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the env resets and of the exploration (default 0)")
-    p.add_argument("--epsilon", type=float, default=0.05,
-                   help="probability of a uniformly random action (default 0.05)")
-    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for delivery and read-back (default 30)")
+    p.add_argument(
+        "--epsilon", type=float, default=0.05, help="probability of a uniformly random action (default 0.05)"
+    )
+    p.add_argument(
+        "--timeout", type=float, default=30.0, help="seconds to wait for delivery and read-back (default 30)"
+    )
     p.add_argument("--no-progress", action="store_true", help="plain lines only, no progress bar")
     p.set_defaults(func=run)
 
@@ -54,7 +57,7 @@ class _Progress:
                 self._bar = None
         self._tasks: dict[str, int] = {}
 
-    def __enter__(self) -> "_Progress":
+    def __enter__(self) -> _Progress:
         if self._bar is not None:
             self._bar.__enter__()
         return self
@@ -91,12 +94,17 @@ def _record(args, bootstrap: str, progress: _Progress) -> dict:
     import gymnasium as gym
     import numpy as np
 
-    from producer import EpisodeRecorder, RecordingWrapper
+    from rlrec.producer import EpisodeRecorder, RecordingWrapper
 
     env = gym.make("CartPole-v1")
     recorder = EpisodeRecorder(
-        bootstrap, args.topic, policy_id="scripted-cartpole", policy_version=1,
-        observation_space=env.observation_space, action_space=env.action_space, env_id="CartPole-v1",
+        bootstrap,
+        args.topic,
+        policy_id="scripted-cartpole",
+        policy_version=1,
+        observation_space=env.observation_space,
+        action_space=env.action_space,
+        env_id="CartPole-v1",
     )
     wrapped = RecordingWrapper(env, recorder)
     rng = np.random.default_rng(args.seed)
@@ -134,15 +142,28 @@ def _read_back(args, bootstrap: str, recorded: dict, progress: _Progress) -> dic
 
     from confluent_kafka import Consumer
 
-    from producer.events import DecodeError, EpisodeAbort, EpisodeStart, RewardDelta, StepBatch, decode
     from rlrec.local import consumer_test_config
+    from rlrec.producer.events import DecodeError, EpisodeAbort, EpisodeStart, RewardDelta, StepBatch, decode
 
     ours = {eid.encode() for eid in recorded["episodes"]}
     expected = recorded["stats"].messages_delivered
-    got = {"messages": 0, "foreign": 0, "undecodable": 0, "episodes_started": 0, "step_batches": 0, "steps": 0,
-           "aborts": 0, "reward_deltas": 0, "returns": {}, "lengths": {}, "ended": set(), "gaps": 0}
-    consumer = Consumer(consumer_test_config(bootstrap, f"rlrec-record-demo-{uuid.uuid4().hex[:12]}",
-                                             {"fetch.wait.max.ms": 100}))
+    got = {
+        "messages": 0,
+        "foreign": 0,
+        "undecodable": 0,
+        "episodes_started": 0,
+        "step_batches": 0,
+        "steps": 0,
+        "aborts": 0,
+        "reward_deltas": 0,
+        "returns": {},
+        "lengths": {},
+        "ended": set(),
+        "gaps": 0,
+    }
+    consumer = Consumer(
+        consumer_test_config(bootstrap, f"rlrec-record-demo-{uuid.uuid4().hex[:12]}", {"fetch.wait.max.ms": 100})
+    )
     progress.task("reading back", expected)
     try:
         consumer.subscribe([args.topic])
@@ -199,7 +220,8 @@ def run(args: argparse.Namespace) -> int:
     broker = None
     bootstrap = args.bootstrap_servers
     try:
-        from rlrec.local import BrokerStartError, LocalBroker, create_topics
+        from rlrec.consumer.topics import create_topics
+        from rlrec.local import BrokerStartError, LocalBroker
 
         if not bootstrap:
             broker = LocalBroker("memory")
@@ -219,16 +241,20 @@ def run(args: argparse.Namespace) -> int:
             st = recorded["stats"]
             n_rec = len(recorded["episodes"])
             mean_rec = sum(e["return"] for e in recorded["episodes"].values()) / n_rec
-            print(f"recorded: episodes={n_rec} steps={recorded['steps']} mean_return={mean_rec:.2f} "
-                  f"messages={st.messages_produced} delivered={st.messages_delivered} failed={st.messages_failed}")
+            print(
+                f"recorded: episodes={n_rec} steps={recorded['steps']} mean_return={mean_rec:.2f} "
+                f"messages={st.messages_produced} delivered={st.messages_delivered} failed={st.messages_failed}"
+            )
             got = _read_back(args, bootstrap, recorded, progress)
 
         returns = got["returns"]
         mean_got = sum(returns.values()) / len(returns) if returns else float("nan")
-        print(f"read back: episodes_started={got['episodes_started']} step_batches={got['step_batches']} "
-              f"steps={got['steps']} aborts={got['aborts']} reward_deltas={got['reward_deltas']} "
-              f"mean_return={mean_got:.2f} undecodable={got['undecodable']}"
-              + (f" other_messages={got['foreign']}" if got["foreign"] else ""))
+        print(
+            f"read back: episodes_started={got['episodes_started']} step_batches={got['step_batches']} "
+            f"steps={got['steps']} aborts={got['aborts']} reward_deltas={got['reward_deltas']} "
+            f"mean_return={mean_got:.2f} undecodable={got['undecodable']}"
+            + (f" other_messages={got['foreign']}" if got["foreign"] else "")
+        )
 
         # the recorder sent one EpisodeStart per episode, step batches, no aborts, no reward deltas
         problems = []
@@ -249,8 +275,10 @@ def run(args: argparse.Namespace) -> int:
                 problems.append(f"{what}: {have}, expected {want}")
         for eid, e in recorded["episodes"].items():
             if got["lengths"].get(eid) != e["steps"] or eid not in returns or abs(returns[eid] - e["return"]) > 1e-9:
-                problems.append(f"episode {eid}: {got['lengths'].get(eid)} steps, return {returns.get(eid)}; "
-                                f"recorded {e['steps']} steps, return {e['return']}")
+                problems.append(
+                    f"episode {eid}: {got['lengths'].get(eid)} steps, return {returns.get(eid)}; "
+                    f"recorded {e['steps']} steps, return {e['return']}"
+                )
         if problems:
             for p in problems:
                 print(f"MISMATCH {p}")
@@ -263,4 +291,3 @@ def run(args: argparse.Namespace) -> int:
 
             gc.collect()  # drop the demo's Kafka clients first: Tansu drains open connections on SIGTERM
             broker.stop()
-

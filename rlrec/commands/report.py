@@ -13,10 +13,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "./demo-data: demo.json, shards/, trainer/, metrics.jsonl) or, with --input/--checkpoint-dir, about "
         "any deployment. Sections whose data is missing show a note instead. See docs/TOOLS.md.",
     )
-    p.add_argument("uri", metavar="URI", nargs="?", default=None,
-                   help="demo data dir (default ./demo-data when --input is not given), or a shards root")
-    p.add_argument("--out", metavar="PATH", help="output HTML file (default: URI/report.html for a demo dir, "
-                   "else ./report.html)")
+    p.add_argument(
+        "uri",
+        metavar="URI",
+        nargs="?",
+        default=None,
+        help="demo data dir (default ./demo-data when --input is not given), or a shards root",
+    )
+    p.add_argument(
+        "--out", metavar="PATH", help="output HTML file (default: URI/report.html for a demo dir, else ./report.html)"
+    )
     p.add_argument("--input", metavar="URI", help="shards root (local or s3://...), overrides the demo's")
     p.add_argument("--checkpoint-dir", metavar="URI", help="trainer checkpoint dir (holds metrics.jsonl)")
     p.add_argument("--bootstrap-servers", help="Kafka bootstrap servers: count dead letters from the DLQ topic")
@@ -42,8 +48,14 @@ def run(args: argparse.Namespace) -> int:
     from rlrec.report import write_report
 
     try:
-        path = write_report(uri, args.out, input_uri=args.input, checkpoint_dir=args.checkpoint_dir,
-                            bootstrap_servers=args.bootstrap_servers, dlq_topic=args.dlq_topic)
+        path = write_report(
+            uri,
+            args.out,
+            input_uri=args.input,
+            checkpoint_dir=args.checkpoint_dir,
+            bootstrap_servers=args.bootstrap_servers,
+            dlq_topic=args.dlq_topic,
+        )
     except OSError as e:
         print(f"rlrec report: error: {e}", file=sys.stderr)
         return 2

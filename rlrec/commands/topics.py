@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
+
+from rlrec.commands._common import parse_key_values
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -20,6 +23,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="host:port[,host:port] (default: $RLREC_BOOTSTRAP_SERVERS)",
     )
     common.add_argument("--timeout", type=float, default=30.0, help="seconds (default 30)")
+    common.add_argument(
+        "--kafka-config",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="librdkafka client setting (repeatable), e.g. security.protocol=SASL_SSL, sasl.mechanism=PLAIN",
+    )
 
     c = sub.add_parser(
         "create",
@@ -32,42 +42,52 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     c.add_argument("--partitions", type=int, required=True)
     c.add_argument("--replication-factor", type=int, default=1)
     c.add_argument("--no-dlq", action="store_true", help="do not create TOPIC.dlq")
-    c.add_argument(
-        "--dlq-partitions", type=int, default=None, help="partitions of TOPIC.dlq (default: --partitions)"
-    )
-    c.add_argument(
-        "--config", action="append", default=[], metavar="KEY=VALUE", help="topic config (repeatable)"
-    )
+    c.add_argument("--dlq-partitions", type=int, default=None, help="partitions of TOPIC.dlq (default: --partitions)")
+    c.add_argument("--config", action="append", default=[], metavar="KEY=VALUE", help="topic config (repeatable)")
     c.set_defaults(func=run_create)
 
     ls = sub.add_parser("list", parents=[common], help="list topics and their partition counts")
     ls.set_defaults(func=run_list)
 
 
+def _client_config(args: argparse.Namespace, command: str) -> dict[str, str] | None:
+    try:
+        return parse_key_values(args.kafka_config, "--kafka-config")
+    except ValueError as e:
+        print(f"rlrec topics {command}: {e}", file=sys.stderr)
+        return None
+
+
 def run_create(args: argparse.Namespace) -> int:
-    import sys
+    from rlrec.consumer.topics import create_topics, dlq_topic_name
 
-    from rlrec.local import create_topics, dlq_topic_name
-
-    config = {}
-    for kv in args.config:
-        key, sep, value = kv.partition("=")
-        if not sep:
-            print(f"rlrec topics create: --config wants KEY=VALUE, got {kv!r}", file=sys.stderr)
-            return 2
-        config[key] = value
+    client = _client_config(args, "create")
+    try:
+        config = parse_key_values(args.config, "--config")
+    except ValueError as e:
+        print(f"rlrec topics create: {e}", file=sys.stderr)
+        return 2
+    if client is None:
+        return 2
     topics: dict[str, int] = {}
     for t in args.topic:
         topics[t] = args.partitions
         if not args.no_dlq:
             topics[dlq_topic_name(t)] = args.dlq_partitions or args.partitions
-    seen = create_topics(
-        args.bootstrap_servers,
-        topics,
-        config=config or None,
-        timeout=args.timeout,
-        replication_factor=args.replication_factor,
-    )
+    from confluent_kafka import KafkaException
+
+    try:
+        seen = create_topics(
+            args.bootstrap_servers,
+            topics,
+            config=config or None,
+            timeout=args.timeout,
+            replication_factor=args.replication_factor,
+            client_config=client,
+        )
+    except (KafkaException, TimeoutError) as e:
+        print(f"rlrec topics create: error: {e}", file=sys.stderr)
+        return 1
     for name, n in seen.items():
         print(f"{name}\t{n}")
     return 0
@@ -76,7 +96,16 @@ def run_create(args: argparse.Namespace) -> int:
 def run_list(args: argparse.Namespace) -> int:
     from confluent_kafka.admin import AdminClient
 
-    md = AdminClient({"bootstrap.servers": args.bootstrap_servers}).list_topics(timeout=args.timeout)
+    client = _client_config(args, "list")
+    if client is None:
+        return 2
+    from confluent_kafka import KafkaException
+
+    try:
+        md = AdminClient({**client, "bootstrap.servers": args.bootstrap_servers}).list_topics(timeout=args.timeout)
+    except KafkaException as e:
+        print(f"rlrec topics list: error: {e}", file=sys.stderr)
+        return 1
     for name in sorted(md.topics):
         if not name.startswith("__"):
             print(f"{name}\t{len(md.topics[name].partitions)}")

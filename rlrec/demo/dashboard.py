@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 import urllib.request
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["Snapshot", "Collector", "Dashboard", "TrainerTail", "scrape_consumer"]
+__all__ = ["Collector", "Dashboard", "Snapshot", "TrainerTail", "scrape_consumer"]
 
 
 @dataclass
@@ -35,13 +34,13 @@ class Snapshot:
     timesteps_trained: int | None = None
     newest_shard_age_s: float | None = None
     eval_return_mean: float | None = None
-    policy_version: int | None = None          # newest version a policy process acts with
+    policy_version: int | None = None  # newest version a policy process acts with
     policy_versions_in_use: list = field(default_factory=list)
-    published_version: int | None = None       # newest version the trainer published
-    deployed_return: float | None = None       # evaluation return of the published version
+    published_version: int | None = None  # newest version the trainer published
+    deployed_return: float | None = None  # evaluation return of the published version
     promotions: int = 0
     rejections: int = 0
-    policies: list = field(default_factory=list)   # per process: index, policy_version, steps, return_mean
+    policies: list = field(default_factory=list)  # per process: index, policy_version, steps, return_mean
 
     def to_record(self) -> dict:
         d = asdict(self)
@@ -84,12 +83,11 @@ class TrainerTail:
         self.published_version: int | None = None
         self.deployed_return: float | None = None
         self.promotions = self.rejections = 0
-        self.shards_new_total = 0
 
     def poll(self) -> list[dict]:
         try:
             with open(self.path, "rb") as f:
-                if os.fstat(f.fileno()).st_size < self._pos:   # restarted (truncated)
+                if os.fstat(f.fileno()).st_size < self._pos:  # restarted (truncated)
                     self._pos, self._partial = 0, b""
                 f.seek(self._pos)
                 data = f.read()
@@ -107,7 +105,6 @@ class TrainerTail:
                 continue
             new.append(rec)
             self.last = rec
-            self.shards_new_total += int(rec.get("shards_new") or 0)
             if rec.get("eval_return_mean") is not None:
                 self.eval_return = float(rec["eval_return_mean"])
             if rec.get("policy_version"):
@@ -126,7 +123,7 @@ class Collector:
     """Builds snapshots from the policy processes, the consumer and the trainer."""
 
     def __init__(self, policies: list, consumer_port: int | None, trainer_metrics: str) -> None:
-        self.policies = policies            # processes.Child with .status
+        self.policies = policies  # processes.Child with .status
         self.consumer_port = consumer_port
         self.trainer = TrainerTail(trainer_metrics)
         self.t0 = time.time()
@@ -137,7 +134,7 @@ class Collector:
         now = time.time()
         if self.consumer_port is not None:
             got = scrape_consumer(self.consumer_port)
-            if got is not None:     # keep the last numbers once the consumer is gone
+            if got is not None:  # keep the last numbers once the consumer is gone
                 self._consumer = got
         self.trainer.poll()
         st = [p.status for p in self.policies if p.status]
@@ -150,16 +147,33 @@ class Collector:
         versions = sorted({int(s["policy_version"]) for s in st if s.get("policy_version") is not None})
         last = self.trainer.last or {}
         return Snapshot(
-            time=now, elapsed_s=now - self.t0, steps_published=steps, steps_per_s=rate,
-            episodes_committed=self._consumer["episodes"], shards_committed=self._consumer["shards"],
+            time=now,
+            elapsed_s=now - self.t0,
+            steps_published=steps,
+            steps_per_s=rate,
+            episodes_committed=self._consumer["episodes"],
+            shards_committed=self._consumer["shards"],
             dead_letters=dict(self._consumer["dead_letters"]),
-            trainer_iteration=last.get("iteration"), timesteps_trained=last.get("timesteps_trained"),
-            newest_shard_age_s=last.get("newest_shard_age_s"), eval_return_mean=self.trainer.eval_return,
-            policy_version=versions[-1] if versions else None, policy_versions_in_use=versions,
-            published_version=self.trainer.published_version, deployed_return=self.trainer.deployed_return,
-            promotions=self.trainer.promotions, rejections=self.trainer.rejections,
-            policies=[{"index": s.get("index"), "policy_version": s.get("policy_version"), "steps": s.get("steps"),
-                       "episodes": s.get("episodes"), "return_mean": s.get("return_mean")} for s in st],
+            trainer_iteration=last.get("iteration"),
+            timesteps_trained=last.get("timesteps_trained"),
+            newest_shard_age_s=last.get("newest_shard_age_s"),
+            eval_return_mean=self.trainer.eval_return,
+            policy_version=versions[-1] if versions else None,
+            policy_versions_in_use=versions,
+            published_version=self.trainer.published_version,
+            deployed_return=self.trainer.deployed_return,
+            promotions=self.trainer.promotions,
+            rejections=self.trainer.rejections,
+            policies=[
+                {
+                    "index": s.get("index"),
+                    "policy_version": s.get("policy_version"),
+                    "steps": s.get("steps"),
+                    "episodes": s.get("episodes"),
+                    "return_mean": s.get("return_mean"),
+                }
+                for s in st
+            ],
         )
 
 
@@ -169,11 +183,13 @@ def _f(x: Any, fmt: str = "{:.1f}", none: str = "-") -> str:
 
 def compact_line(s: Snapshot) -> str:
     dl = sum(s.dead_letters.values())
-    return (f"[{s.elapsed_s:5.0f}s] steps {s.steps_published} ({s.steps_per_s:.0f}/s)  "
-            f"episodes {s.episodes_committed}  shards {s.shards_committed}  dead letters {dl}  "
-            f"iter {_f(s.trainer_iteration, '{}')}  trained {_f(s.timesteps_trained, '{}')}  "
-            f"newest shard {_f(s.newest_shard_age_s, '{:.1f}s')}  eval {_f(s.eval_return_mean)}  "
-            f"published v{_f(s.published_version, '{}', '0')}  acting {s.policy_versions_in_use}")
+    return (
+        f"[{s.elapsed_s:5.0f}s] steps {s.steps_published} ({s.steps_per_s:.0f}/s)  "
+        f"episodes {s.episodes_committed}  shards {s.shards_committed}  dead letters {dl}  "
+        f"iter {_f(s.trainer_iteration, '{}')}  trained {_f(s.timesteps_trained, '{}')}  "
+        f"newest shard {_f(s.newest_shard_age_s, '{:.1f}s')}  eval {_f(s.eval_return_mean)}  "
+        f"published v{_f(s.published_version, '{}', '0')}  acting {s.policy_versions_in_use}"
+    )
 
 
 class Dashboard:
@@ -231,14 +247,19 @@ class Dashboard:
             ("  timesteps trained", _f(s.timesteps_trained, "{:,}")),
             ("  newest shard age", _f(s.newest_shard_age_s, "{:.1f} s")),
             ("  evaluation return", _f(s.eval_return_mean)),
-            ("  published policy version", f"v{s.published_version or 0}  (return {_f(s.deployed_return)}; "
-                                           f"{s.promotions} promoted, {s.rejections} held back)"),
+            (
+                "  published policy version",
+                f"v{s.published_version or 0}  (return {_f(s.deployed_return)}; "
+                f"{s.promotions} promoted, {s.rejections} held back)",
+            ),
         ]
         for a, b in rows:
             t.add_row(a, b)
         for p in s.policies:
-            t.add_row(f"  policy-{p['index']}", f"v{p['policy_version']}  {p['episodes']} episodes  "
-                                                f"return {_f(p['return_mean'])}")
+            t.add_row(
+                f"  policy-{p['index']}",
+                f"v{p['policy_version']}  {p['episodes']} episodes  return {_f(p['return_mean'])}",
+            )
         if self.note:
             t.caption = self.note
         return t
@@ -247,7 +268,3 @@ class Dashboard:
 def write_line(path: str, s: Snapshot) -> None:
     with open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps(s.to_record()) + "\n")
-
-
-def is_tty() -> bool:
-    return sys.stdout.isatty()

@@ -45,8 +45,9 @@ class DataDir:
                     os.remove(p)
             cleared = True
         else:
-            raise DataDirError(f"{self.root} is not empty and holds no demo.json (not a demo data dir); "
-                               "choose another --data-dir")
+            raise DataDirError(
+                f"{self.root} is not empty and holds no demo.json (not a demo data dir); choose another --data-dir"
+            )
         os.makedirs(self.path("logs"), exist_ok=True)
         os.makedirs(self.path("trainer"), exist_ok=True)
         return cleared
@@ -65,23 +66,22 @@ def committed_by_version(shards_uri: str) -> dict:
 
     import pyarrow.parquet as pq
 
-    from consumer.manifest import manifest_totals, read_manifest
-    from consumer.storage import Storage
+    from rlrec.store.commit import read_committed_shard
+    from rlrec.store.manifest import manifest_totals, read_manifest
+    from rlrec.store.storage import Storage
 
     storage = Storage.from_uri(shards_uri)
     entries = read_manifest(storage)
     by_version: dict[int, list[float]] = {}
     for e in entries:
-        try:
-            data = storage.read(e.path)
-        except FileNotFoundError:
-            data = storage.read(e.staging_path)
+        data = read_committed_shard(storage, e.path, e.staging_path)
         t = pq.read_table(io.BytesIO(data), columns=["policy_version", "episode_return"])
         for v, r in zip(t.column("policy_version").to_pylist(), t.column("episode_return").to_pylist()):
             by_version.setdefault(int(v), []).append(float(r))
     totals = manifest_totals(entries)
     totals.pop("policies", None)
-    totals["by_version"] = {v: {"episodes": len(rs), "return_mean": sum(rs) / len(rs)}
-                            for v, rs in sorted(by_version.items())}
+    totals["by_version"] = {
+        v: {"episodes": len(rs), "return_mean": sum(rs) / len(rs)} for v, rs in sorted(by_version.items())
+    }
     totals["newest_commit_age_s"] = round(time.time() - entries[-1].commit_time, 1) if entries else None
     return totals

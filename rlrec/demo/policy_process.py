@@ -28,8 +28,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--policies", required=True, help="the trainer's publish root ({checkpoint_dir}/policies)")
     p.add_argument("--index", type=int, default=0)
     p.add_argument("--epsilon", type=float, default=0.3, help="random-action probability of the scripted expert")
-    p.add_argument("--policy-epsilon", type=float, default=0.05,
-                   help="random-action probability once acting with a published policy")
+    p.add_argument(
+        "--policy-epsilon",
+        type=float,
+        default=0.05,
+        help="random-action probability once acting with a published policy",
+    )
     p.add_argument("--steps-per-s", type=float, default=800.0, help="throttle (0: unthrottled)")
     p.add_argument("--poll-s", type=float, default=2.0, help="how often to look for a newer published policy")
     p.add_argument("--seed", type=int, default=0)
@@ -50,7 +54,7 @@ class _Throttle:
         delay = self.t - time.monotonic()
         if delay > 0.002:
             time.sleep(delay)
-        elif delay < -1.0:      # fell behind (busy machine): do not try to catch up
+        elif delay < -1.0:  # fell behind (busy machine): do not try to catch up
             self.t = time.monotonic()
 
 
@@ -58,18 +62,24 @@ def run(args: argparse.Namespace) -> int:
     import gymnasium as gym
     import numpy as np
 
-    from producer import EpisodeRecorder, RecordingWrapper
     from rlrec.commands.record_demo import scripted_action
-    from trainer.policy import load_policy   # = rlrec.load_policy (torch only); imported now, not mid-episode
+    from rlrec.producer import EpisodeRecorder, RecordingWrapper
+    from rlrec.trainer.policy import load_policy  # = rlrec.load_policy (torch only); imported now, not mid-episode
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
 
     env = gym.make("CartPole-v1")
-    recorder = EpisodeRecorder(args.bootstrap_servers, args.topic, policy_id=POLICY_ID, policy_version=0,
-                               observation_space=env.observation_space, action_space=env.action_space,
-                               env_id="CartPole-v1")
+    recorder = EpisodeRecorder(
+        args.bootstrap_servers,
+        args.topic,
+        policy_id=POLICY_ID,
+        policy_version=0,
+        observation_space=env.observation_space,
+        action_space=env.action_space,
+        env_id="CartPole-v1",
+    )
     wrapped = RecordingWrapper(env, recorder)
     rng = np.random.default_rng(args.seed)
     throttle = _Throttle(args.steps_per_s)
@@ -81,10 +91,20 @@ def run(args: argparse.Namespace) -> int:
     poll_errors = 0
 
     def status(final: bool = False) -> None:
-        print(json.dumps({"index": args.index, "steps": steps, "episodes": episodes,
-                          "policy_version": recorder.policy_version,
-                          "return_mean": float(np.mean(returns)) if returns else None,
-                          "delivered": recorder.stats.messages_delivered, "final": final}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "index": args.index,
+                    "steps": steps,
+                    "episodes": episodes,
+                    "policy_version": recorder.policy_version,
+                    "return_mean": float(np.mean(returns)) if returns else None,
+                    "delivered": recorder.stats.messages_delivered,
+                    "final": final,
+                }
+            ),
+            flush=True,
+        )
 
     def maybe_switch() -> None:
         nonlocal policy, last_poll, poll_errors
@@ -97,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
                 switched = True
             else:
                 switched = policy.poll()
-        except Exception as e:   # nothing published yet, or a version being written
+        except Exception as e:  # nothing published yet, or a version being written
             if "no policy is published" not in str(e) and poll_errors < 5:
                 print(f"policy-{args.index}: poll failed: {e}", file=sys.stderr, flush=True)
                 poll_errors += 1
@@ -113,11 +133,11 @@ def run(args: argparse.Namespace) -> int:
             obs, _ = wrapped.reset(seed=args.seed * 100_003 + k)
             k += 1
             total, done = 0.0, False
-            while not done:   # a started episode is always finished, even when stopping
+            while not done:  # a started episode is always finished, even when stopping
                 if policy is None:
                     action, logp = scripted_action(obs, rng, args.epsilon)
                 else:
-                    eps = args.policy_epsilon     # epsilon-greedy around the policy's greedy action
+                    eps = args.policy_epsilon  # epsilon-greedy around the policy's greedy action
                     greedy, _ = policy.act(obs)
                     action = int(rng.integers(2)) if rng.random() < eps else int(greedy)
                     logp = float(np.log(max(1 - eps / 2 if action == greedy else eps / 2, 1e-12)))

@@ -36,8 +36,15 @@ class Child:
 
     def start(self) -> Child:
         self._log = open(self.log_path, "ab", buffering=0)
-        self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                     stderr=self._log, env=self.env, start_new_session=True, close_fds=True)
+        self.proc = subprocess.Popen(
+            self.argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            env=self.env,
+            start_new_session=True,
+            close_fds=True,
+        )
         self._reader = threading.Thread(target=self._read, name=f"rlrec-demo-{self.name}", daemon=True)
         self._reader.start()
         return self
@@ -80,7 +87,7 @@ class Child:
         if self.proc is None:
             return
         try:
-            os.killpg(self.proc.pid, signal.SIGKILL)   # start_new_session: pgid == pid
+            os.killpg(self.proc.pid, signal.SIGKILL)  # start_new_session: pgid == pid
         except (ProcessLookupError, PermissionError):
             pass
         self.killed = True
@@ -112,8 +119,9 @@ class Child:
         return "\n".join(text.splitlines()[-lines:])
 
 
-def stop_all(children: list[Child], timeout: float, say=lambda msg: None,
-             hurry: threading.Event | None = None) -> list[str]:
+def stop_all(
+    children: list[Child], timeout: float, say=lambda msg: None, hurry: threading.Event | None = None
+) -> list[str]:
     """SIGTERM every child, wait up to `timeout` s for all (less once `hurry` is set), SIGKILL
     (process group) the rest. Also reaps lingering members of each child's process group.
     Returns the names of the children killed."""

@@ -44,24 +44,24 @@ S3_BUCKET = "rlrec-demo"
 class DemoConfig:
     data_dir: str = "demo-data"
     duration: float = 600.0
-    until_return: float = 400.0          # 0: no target
-    settle_s: float = 15.0               # keep running this long once the target is in use
+    until_return: float = 400.0  # 0: no target
+    settle_s: float = 15.0  # keep running this long once the target is in use
     policies: int = 3
-    steps_per_s: float = 800.0           # per policy process
-    epsilon: float = 0.3                 # the scripted expert's random-action probability
-    policy_epsilon: float = 0.05         # ... once acting with a published policy
+    steps_per_s: float = 800.0  # per policy process
+    epsilon: float = 0.3  # the scripted expert's random-action probability
+    policy_epsilon: float = 0.05  # ... once acting with a published policy
     s3: bool = False
     algo: str = "BC"
     promotion_gate: bool = True
-    checkpoint_interval: int = 3         # trainer iterations between candidates (= publications)
+    checkpoint_interval: int = 3  # trainer iterations between candidates (= publications)
     promotion_episodes: int = 10
     train_batch_size: int = 512
     lr: float = 1e-3
-    max_file_age_s: float = 2.0          # consumer: a finished episode is committed within this
+    max_file_age_s: float = 2.0  # consumer: a finished episode is committed within this
     partitions: int = 4
     trainer_cpus: int = 2
     seed: int = 0
-    live: bool | None = None             # None: rich Live when stdout is a terminal
+    live: bool | None = None  # None: rich Live when stdout is a terminal
     refresh_s: float = 1.0
     line_every_s: float = 5.0
     report: bool = True
@@ -137,6 +137,7 @@ class Demo:
         self.consumer: Child | None = None
         self.trainer: Child | None = None
         self.policies: list[Child] = []
+        self.collector: Collector | None = None
         self.desc: dict = {}
         self.shards_uri = self.dd.path("shards")
         self.trainer_dir = self.dd.path("trainer")
@@ -146,13 +147,14 @@ class Demo:
 
     # ------------------------------------------------------------------ start
     def _start_storage_and_broker(self, say) -> str:
-        from rlrec.local import LocalBroker, LocalS3, create_topics, dlq_topic_name
+        from rlrec.consumer.topics import create_topics, dlq_topic_name
+        from rlrec.local import LocalBroker, LocalS3
 
         if self.cfg.s3:
             self.s3 = LocalS3().start()
             self.s3.create_bucket(S3_BUCKET)
             self.env.update(self.s3.env())
-            os.environ.update(self.s3.env())    # for this process (summary, snapshot)
+            os.environ.update(self.s3.env())  # for this process (summary, snapshot)
             self.shards_uri = f"s3://{S3_BUCKET}/shards"
             say(f"local S3 server: {self.s3.endpoint_url}  (shards at {self.shards_uri})")
         self.broker = LocalBroker("memory")
@@ -169,42 +171,115 @@ class Demo:
         env = _child_env(self.env)
         logs = self.dd.path("logs")
         self.consumer_port = free_port()
-        self.consumer = Child("consumer", _py() + [
-            "rlrec", "consume", "--bootstrap-servers", bootstrap, "--topic", TOPIC, "--output", self.shards_uri,
-            "--group-id", "rlrec-demo", "--partitions", str(cfg.partitions), "--no-create-topics",
-            "--max-file-age-s", str(cfg.max_file_age_s), "--max-episodes-per-file", "200",
-            "--commit-interval-s", "2", "--metrics-port", str(self.consumer_port)],
-            os.path.join(logs, "consumer.log"), env).start()
-        targs = ["rlrec", "train", "--input", self.shards_uri, "--checkpoint-dir", self.trainer_dir,
-                 "--algo", cfg.algo, "--env", "CartPole-v1", "--checkpoint-interval", str(cfg.checkpoint_interval),
-                 "--num-cpus", str(cfg.trainer_cpus), "--map-batches-concurrency", "1",
-                 "--min-time-s-per-iteration", "1", "--seed", str(cfg.seed),
-                 "--algo-config", f"lr={cfg.lr}", "--algo-config", f"train_batch_size_per_learner={cfg.train_batch_size}"]
+        self.consumer = Child(
+            "consumer",
+            [
+                *_py(),
+                "rlrec",
+                "consume",
+                "--bootstrap-servers",
+                bootstrap,
+                "--topic",
+                TOPIC,
+                "--output",
+                self.shards_uri,
+                "--group-id",
+                "rlrec-demo",
+                "--partitions",
+                str(cfg.partitions),
+                "--no-create-topics",
+                "--max-file-age-s",
+                str(cfg.max_file_age_s),
+                "--max-episodes-per-file",
+                "200",
+                "--commit-interval-s",
+                "2",
+                "--metrics-port",
+                str(self.consumer_port),
+            ],
+            os.path.join(logs, "consumer.log"),
+            env,
+        ).start()
+        targs = [
+            "rlrec",
+            "train",
+            "--input",
+            self.shards_uri,
+            "--checkpoint-dir",
+            self.trainer_dir,
+            "--algo",
+            cfg.algo,
+            "--env",
+            "CartPole-v1",
+            "--checkpoint-interval",
+            str(cfg.checkpoint_interval),
+            "--num-cpus",
+            str(cfg.trainer_cpus),
+            "--map-batches-concurrency",
+            "1",
+            "--min-time-s-per-iteration",
+            "1",
+            "--seed",
+            str(cfg.seed),
+            "--algo-config",
+            f"lr={cfg.lr}",
+            "--algo-config",
+            f"train_batch_size_per_learner={cfg.train_batch_size}",
+        ]
         if cfg.promotion_gate:
             targs += ["--promotion-gate", "--promotion-episodes", str(cfg.promotion_episodes)]
             if baseline is not None:
                 targs += ["--promotion-baseline", f"{baseline:.3f}"]
         else:
             targs += ["--eval-interval", str(cfg.checkpoint_interval)]
-        self.trainer = Child("trainer", _py() + targs + list(cfg.extra_trainer_args),
-                             os.path.join(logs, "trainer.log"), env).start()
-        penv = dict(env, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")   # torch: one thread per policy
+        self.trainer = Child(
+            "trainer", _py() + targs + list(cfg.extra_trainer_args), os.path.join(logs, "trainer.log"), env
+        ).start()
+        penv = dict(env, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")  # torch: one thread per policy
         for i in range(cfg.policies):
-            self.policies.append(Child(f"policy-{i}", _py() + [
-                "rlrec.demo.policy_process", "--bootstrap-servers", bootstrap, "--topic", TOPIC,
-                "--policies", os.path.join(self.trainer_dir, "policies"), "--index", str(i),
-                "--epsilon", str(cfg.epsilon), "--policy-epsilon", str(cfg.policy_epsilon),
-                "--steps-per-s", str(cfg.steps_per_s), "--seed", str(cfg.seed * 1000 + i)],
-                os.path.join(logs, f"policy-{i}.log"), penv).start())
+            self.policies.append(
+                Child(
+                    f"policy-{i}",
+                    [
+                        *_py(),
+                        "rlrec.demo.policy_process",
+                        "--bootstrap-servers",
+                        bootstrap,
+                        "--topic",
+                        TOPIC,
+                        "--policies",
+                        os.path.join(self.trainer_dir, "policies"),
+                        "--index",
+                        str(i),
+                        "--epsilon",
+                        str(cfg.epsilon),
+                        "--policy-epsilon",
+                        str(cfg.policy_epsilon),
+                        "--steps-per-s",
+                        str(cfg.steps_per_s),
+                        "--seed",
+                        str(cfg.seed * 1000 + i),
+                    ],
+                    os.path.join(logs, f"policy-{i}.log"),
+                    penv,
+                ).start()
+            )
 
     def _describe(self, ended: float | None = None, **extra) -> None:
-        from rlrec.local import dlq_topic_name
+        from rlrec.consumer.topics import dlq_topic_name
 
         if not self.desc:
-            self.desc = {"started": time.time(), "ended": None, "args": asdict(self.cfg),
-                         "shards_uri": self.shards_uri, "trainer_dir": self.trainer_dir,
-                         "s3_endpoint": self.s3.endpoint_url if self.s3 is not None else None,
-                         "topic": TOPIC, "dlq_topic": dlq_topic_name(TOPIC), "policies": self.cfg.policies}
+            self.desc = {
+                "started": time.time(),
+                "ended": None,
+                "args": asdict(self.cfg),
+                "shards_uri": self.shards_uri,
+                "trainer_dir": self.trainer_dir,
+                "s3_endpoint": self.s3.endpoint_url if self.s3 is not None else None,
+                "topic": TOPIC,
+                "dlq_topic": dlq_topic_name(TOPIC),
+                "policies": self.cfg.policies,
+            }
         self.desc["ended"] = ended
         self.desc.update(extra)
         self.dd.write_description(self.desc)
@@ -221,12 +296,17 @@ class Demo:
             if good is not None and good >= r and tail.published_version:
                 self.outcome["target_reached_s"] = round(time.time() - t0, 1)
                 self._target_version = tail.published_version
-        if self.outcome["target_reached_s"] is not None and self.outcome["target_used_s"] is None:
-            if snap.policy_version is not None and snap.policy_version >= self._target_version:
-                self.outcome["target_used_s"] = round(time.time() - t0, 1)
-                if self.cfg.settle_s > 0:
-                    self.board.note = (f"evaluation return >= {r:g} in use: showing the deployed policies "
-                                       f"for {self.cfg.settle_s:g} s more")
+        if (
+            self.outcome["target_reached_s"] is not None
+            and self.outcome["target_used_s"] is None
+            and snap.policy_version is not None
+            and snap.policy_version >= self._target_version
+        ):
+            self.outcome["target_used_s"] = round(time.time() - t0, 1)
+            if self.cfg.settle_s > 0:
+                self.board.note = (
+                    f"evaluation return >= {r:g} in use: showing the deployed policies for {self.cfg.settle_s:g} s more"
+                )
         used = self.outcome["target_used_s"]
         return used is not None and time.time() - t0 >= used + self.cfg.settle_s
 
@@ -267,11 +347,32 @@ class Demo:
         if self.policies:
             say("stopping the policies (each finishes its episode and flushes its recorder) ...")
             killed += stop_all(self.policies, 30, say, hurry)
+            self._drain(say)
         rest = [c for c in (self.consumer, self.trainer) if c is not None]
         if rest:
             say("stopping the consumer (commits every finished episode) and the trainer (checkpoints) ...")
             killed += stop_all(rest, 120, say, hurry)
         return killed
+
+    def _drain(self, say, timeout: float = 60.0) -> None:
+        """Before the consumer stops: wait until it has committed every episode the (stopped)
+        policies played, so that Ctrl-C leaves nothing unread in Kafka (a second Ctrl-C or
+        `timeout` s stop the wait; what is left then is committed by the next run)."""
+        if self.collector is None or self.consumer is None:
+            return
+        played = sum(int(c.status.get("episodes", 0)) for c in self.policies)
+        deadline = time.monotonic() + timeout
+        committed = self.collector.snapshot().episodes_committed
+        while committed < played and time.monotonic() < deadline and not self.signals.hurry.is_set():
+            if self.consumer.proc is None or self.consumer.proc.poll() is not None:
+                break
+            time.sleep(0.2)
+            committed = self.collector.snapshot().episodes_committed
+        if committed < played:
+            say(
+                f"the consumer committed {committed:,} of the {played:,} episodes played; stopping it anyway "
+                "(the rest stays in Kafka for the next run)"
+            )
 
     def _stop_stack(self) -> None:
         import gc
@@ -313,8 +414,12 @@ class Demo:
         self.last_snap = None
         try:
             baseline = expert_return(cfg.epsilon) if cfg.promotion_gate else None
-            say(f"scripted expert (epsilon {cfg.epsilon:g}): mean return {baseline:.1f} over 20 episodes "
-                "= what a published policy must not fall below" if baseline is not None else "no promotion gate")
+            say(
+                f"scripted expert (epsilon {cfg.epsilon:g}): mean return {baseline:.1f} over 20 episodes "
+                "= what a published policy must not fall below"
+                if baseline is not None
+                else "no promotion gate"
+            )
             bootstrap = self._start_storage_and_broker(say)
             self._describe(baseline_return=baseline)
             if self.signals.stop.is_set():
@@ -322,11 +427,14 @@ class Demo:
             self._start_children(bootstrap, baseline)
             self._describe(processes={c.name: c.pid for c in [self.consumer, self.trainer, *self.policies]})
             say(f"started the consumer, the trainer and {cfg.policies} policies; logs in {self.dd.path('logs')}")
-            self.collector = Collector(self.policies, self.consumer_port, os.path.join(self.trainer_dir, "metrics.jsonl"))
+            self.collector = Collector(
+                self.policies, self.consumer_port, os.path.join(self.trainer_dir, "metrics.jsonl")
+            )
             live = cfg.live if cfg.live is not None else sys.stdout.isatty()
             target = f", until evaluation return >= {cfg.until_return:g}" if cfg.until_return > 0 else ""
-            board = Dashboard(f"rlrec demo  (Ctrl-C stops it cleanly; at most {cfg.duration:g} s{target})",
-                              live, cfg.line_every_s)
+            board = Dashboard(
+                f"rlrec demo  (Ctrl-C stops it cleanly; at most {cfg.duration:g} s{target})", live, cfg.line_every_s
+            )
             self.board = board
             with board:
                 self._loop(board, t0)
@@ -347,7 +455,7 @@ class Demo:
                 summary = committed_by_version(self.shards_uri)
             except Exception as e:
                 say(f"could not read the manifest: {e}")
-            if self.last_snap is not None:   # final line: after the consumer's last commit
+            if self.last_snap is not None:  # final line: after the consumer's last commit
                 final = self.collector.snapshot()
                 if summary is not None:
                     final.episodes_committed, final.shards_committed = summary["episodes"], summary["shards"]
@@ -371,8 +479,10 @@ class Demo:
         elif self.signals.signum is not None:
             rc = 128 + self.signals.signum
         elif cfg.until_return > 0 and self.outcome["target_used_s"] is None:
-            print(f"rlrec demo: the evaluation return did not reach {cfg.until_return:g} within "
-                  f"{cfg.duration:g} s", file=sys.stderr)
+            print(
+                f"rlrec demo: the evaluation return did not reach {cfg.until_return:g} within {cfg.duration:g} s",
+                file=sys.stderr,
+            )
             rc = 1
         return rc
 
@@ -384,8 +494,14 @@ class Demo:
             return None
         say("writing the report ...")
         try:
-            r = subprocess.run(_py() + ["rlrec", "report", self.dd.root], stdin=subprocess.DEVNULL,
-                               capture_output=True, text=True, timeout=300, env=_child_env({}))
+            r = subprocess.run(
+                [*_py(), "rlrec", "report", self.dd.root],
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                timeout=300,
+                env=_child_env({}),
+            )
         except (OSError, subprocess.TimeoutExpired) as e:
             say(f"the report failed: {e}")
             return None
@@ -399,31 +515,38 @@ class Demo:
         o = self.outcome
         print(f"\nrlrec demo ended after {elapsed:.0f} s: {o['reason']}")
         if o["target_reached_s"] is not None:
-            print(f"  evaluation return >= {self.cfg.until_return:g}: published after {o['target_reached_s']} s, "
-                  f"in use by a policy after {o['target_used_s']} s")
-        tail = getattr(getattr(self, "collector", None), "trainer", None)
+            print(
+                f"  evaluation return >= {self.cfg.until_return:g}: published after {o['target_reached_s']} s, "
+                f"in use by a policy after {o['target_used_s']} s"
+            )
+        tail = self.collector.trainer if self.collector is not None else None
         if tail is not None and tail.last:
             ret = tail.deployed_return if tail.deployed_return is not None else tail.eval_return
-            print(f"  trainer: {tail.last.get('iteration')} iterations, {tail.last.get('timesteps_trained'):,} "
-                  f"timesteps trained, published v{tail.published_version or 0} "
-                  f"(evaluation return {'-' if ret is None else f'{ret:.1f}'}), "
-                  f"{tail.promotions} promoted / {tail.rejections} held back by the gate")
+            print(
+                f"  trainer: {tail.last.get('iteration')} iterations, {tail.last.get('timesteps_trained'):,} "
+                f"timesteps trained, published v{tail.published_version or 0} "
+                f"(evaluation return {'-' if ret is None else f'{ret:.1f}'}), "
+                f"{tail.promotions} promoted / {tail.rejections} held back by the gate"
+            )
         if summary is not None:
-            print(f"  committed: {summary['episodes']:,} episodes, {summary['steps']:,} steps in "
-                  f"{summary['shards']:,} shards (the policies played {summary.get('episodes_played', 0):,} "
-                  f"episodes, {summary.get('steps_played', 0):,} steps)")
+            print(
+                f"  committed: {summary['episodes']:,} episodes, {summary['steps']:,} steps in "
+                f"{summary['shards']:,} shards (the policies played {summary.get('episodes_played', 0):,} "
+                f"episodes, {summary.get('steps_played', 0):,} steps)"
+            )
             for v, d in summary["by_version"].items():
                 who = "scripted expert" if v == 0 else f"trainer's v{v}"
                 print(f"    policy version {v} ({who}): {d['episodes']:,} episodes, mean return {d['return_mean']:.1f}")
         root = self.dd.root
-        print(f"  data:        {self.shards_uri}\n  checkpoints: {os.path.join(self.trainer_dir, 'checkpoints')}"
-              f"\n  policies:    {os.path.join(self.trainer_dir, 'policies')}\n  metrics:     "
-              f"{os.path.join(root, 'metrics.jsonl')}, {os.path.join(self.trainer_dir, 'metrics.jsonl')}"
-              f"\n  logs:        {os.path.join(root, 'logs')}")
+        print(
+            f"  data:        {self.shards_uri}\n  checkpoints: {os.path.join(self.trainer_dir, 'checkpoints')}"
+            f"\n  policies:    {os.path.join(self.trainer_dir, 'policies')}\n  metrics:     "
+            f"{os.path.join(root, 'metrics.jsonl')}, {os.path.join(self.trainer_dir, 'metrics.jsonl')}"
+            f"\n  logs:        {os.path.join(root, 'logs')}"
+        )
         if report:
             print(f"  report:      {report}")
-        print(f"inspect:  rlrec inspect {self.shards_uri} --verify\n"
-              f"report:   rlrec report {root}")
+        print(f"inspect:  rlrec inspect {self.shards_uri} --verify\nreport:   rlrec report {root}")
 
 
 def run_demo(cfg: DemoConfig) -> int:

@@ -17,10 +17,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
 
-from consumer.manifest import ClaimEntry, ShardEntry, read_partition_logs
-from consumer.shards import read_episodes
-from consumer.storage import Storage
-from producer.events import (
+from rlrec.local import consumer_test_config
+from rlrec.producer.events import (
     DecodeError,
     EpisodeAbort,
     EpisodeStart,
@@ -28,17 +26,18 @@ from producer.events import (
     StepBatch,
     decode,
 )
-from rlrec.local import consumer_test_config
+from rlrec.store.manifest import ClaimEntry, ShardEntry, read_partition_logs
+from rlrec.store.shards import read_episodes
+from rlrec.store.storage import Storage
 from tests.chaos.truth import TruthEpisode
 
-__all__ = ["TopicScan", "DeadLetters", "Verdict", "scan_topic", "scan_dead_letters", "committed_offsets", "check"]
+__all__ = ["DeadLetters", "TopicScan", "Verdict", "check", "committed_offsets", "scan_dead_letters", "scan_topic"]
 
 
 def _read_all(bootstrap: str, topic: str, partitions: int, idle_s: float = 6.0, timeout: float = 300.0):
     """Every message of `topic` from the beginning: yields Kafka messages, partition by partition
     in offset order. Stops when every partition reported its end (or nothing came for idle_s)."""
-    c = Consumer(consumer_test_config(bootstrap, f"chaos-scan-{uuid.uuid4().hex[:8]}",
-                                      {"enable.partition.eof": True}))
+    c = Consumer(consumer_test_config(bootstrap, f"chaos-scan-{uuid.uuid4().hex[:8]}", {"enable.partition.eof": True}))
     c.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in range(partitions)])
     at_end: set[int] = set()
     deadline = time.monotonic() + timeout
@@ -72,7 +71,7 @@ class TopicScan:
 
 
 def scan_topic(bootstrap: str, topic: str, partitions: int) -> TopicScan:
-    s = TopicScan(end_offsets={p: 0 for p in range(partitions)})
+    s = TopicScan(end_offsets=dict.fromkeys(range(partitions), 0))
     for m in _read_all(bootstrap, topic, partitions):
         p, off = m.partition(), m.offset()
         s.messages += 1
@@ -119,8 +118,10 @@ def scan_dead_letters(bootstrap: str, topic: str, partitions: int) -> DeadLetter
         elif reason == "empty-episode":
             d.empty.add(ev.episode_id)
         else:
-            d.other.append(f"{reason}: {type(ev).__name__} of episode {ev.episode_id}: "
-                           f"{dict(headers).get('rlrec-dlq-detail', b'').decode()}")
+            d.other.append(
+                f"{reason}: {type(ev).__name__} of episode {ev.episode_id}: "
+                f"{dict(headers).get('rlrec-dlq-detail', b'').decode()}"
+            )
     return d
 
 
@@ -185,7 +186,7 @@ def compare_episode(ep, entry: ShardEntry, t: TruthEpisode, late: set, v: Verdic
         out.append("manifest entry's policy fields disagree")
     rewards = np.asarray(ep.get_rewards())
     if rewards.dtype != np.float64 or rewards.shape != t.rewards.shape:
-        return out + [f"rewards {rewards.dtype}{rewards.shape} != float64{t.rewards.shape}"]
+        return [*out, f"rewards {rewards.dtype}{rewards.shape} != float64{t.rewards.shape}"]
     expect = t.rewards.copy()
     delayed = dict(t.delayed)
     for step, delta in t.delayed:
@@ -205,8 +206,9 @@ def compare_episode(ep, entry: ShardEntry, t: TruthEpisode, late: set, v: Verdic
     return out
 
 
-def check(storage: Storage, truth: dict[str, TruthEpisode], scan: TopicScan, dlq: DeadLetters,
-          offsets: dict[int, int]) -> Verdict:
+def check(
+    storage: Storage, truth: dict[str, TruthEpisode], scan: TopicScan, dlq: DeadLetters, offsets: dict[int, int]
+) -> Verdict:
     v = Verdict(expected=sum(t.committed for t in truth.values()), dead_letters=dict(dlq.reasons))
     logs = read_partition_logs(storage)
     entries = [e for log in logs.values() for e in log if isinstance(e, ShardEntry)]

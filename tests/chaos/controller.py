@@ -34,9 +34,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from consumer.manifest import PartitionLog, ShardEntry
-from consumer.storage import Storage
-from rlrec.local import LocalBroker, create_topics, dlq_topic_name, free_port
+from rlrec.consumer.topics import create_topics, dlq_topic_name
+from rlrec.local import LocalBroker, free_port
+from rlrec.store.manifest import PartitionLog, ShardEntry
+from rlrec.store.storage import Storage
 from tests.chaos.check import (
     Verdict,
     check,
@@ -156,8 +157,13 @@ class Chaos:
         s3_port = self.shard_s3.port
         self.proxy = FaultProxy(s3_port)
         self.proxy.server.handle_error = lambda *a: None  # clients hanging up mid-fault: expected, not news
-        creds = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1",
-                 "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
+        creds = {
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_REGION": "us-east-1",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_EC2_METADATA_DISABLED": "true",
+        }
         # consumers reach the shard store through the proxy; this process (checks) directly
         self.consumer_env = {**os.environ, **creds, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{self.proxy.port}"}
         os.environ.update({**creds, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{s3_port}"})
@@ -167,8 +173,10 @@ class Chaos:
         self.broker = LocalBroker("s3", s3=self.broker_s3, log_path=self.work / "tansu.log").start()
         n = self.cfg.partitions
         create_topics(self.broker.bootstrap_servers, {self.topic: n, dlq_topic_name(self.topic): n})
-        self.say(f"stack up: Tansu {self.broker.bootstrap_servers} (s3://{self.broker.bucket}), shard store "
-                 f"127.0.0.1:{s3_port} behind fault proxy :{self.proxy.port}, topic {self.topic} ({n} partitions)")
+        self.say(
+            f"stack up: Tansu {self.broker.bootstrap_servers} (s3://{self.broker.bucket}), shard store "
+            f"127.0.0.1:{s3_port} behind fault proxy :{self.proxy.port}, topic {self.topic} ({n} partitions)"
+        )
 
     def _stop_stack(self) -> None:
         for c in self.consumers:
@@ -193,10 +201,29 @@ class Chaos:
         cfg = self.cfg
         share = [cfg.episodes // cfg.producers + (i < cfg.episodes % cfg.producers) for i in range(cfg.producers)]
         for i, n in enumerate(share):
-            cmd = [sys.executable, "-m", "tests.chaos.producer", "--bootstrap-servers", self.broker.bootstrap_servers,
-                   "--topic", self.topic, "--index", str(i), "--episodes", str(n), "--seed", str(cfg.seed * 1000 + i),
-                   "--duration", str(cfg.duration), "--truth", str(self.work / f"truth-{i}.jsonl"),
-                   "--stats", str(self.work / f"producer-{i}.json"), "--hold", str(self.hold)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "tests.chaos.producer",
+                "--bootstrap-servers",
+                self.broker.bootstrap_servers,
+                "--topic",
+                self.topic,
+                "--index",
+                str(i),
+                "--episodes",
+                str(n),
+                "--seed",
+                str(cfg.seed * 1000 + i),
+                "--duration",
+                str(cfg.duration),
+                "--truth",
+                str(self.work / f"truth-{i}.jsonl"),
+                "--stats",
+                str(self.work / f"producer-{i}.json"),
+                "--hold",
+                str(self.hold),
+            ]
             log = open(self.work / f"producer-{i}.log", "ab")
             self.producers.append(subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=log))
         self.say(f"{cfg.producers} producers: {cfg.episodes} episodes over {cfg.duration:.0f}s")
@@ -204,10 +231,31 @@ class Chaos:
     def start_consumer(self) -> ConsumerProc:
         self._n += 1
         name, port = f"c{self._n}", free_port()
-        cmd = [sys.executable, "-m", "rlrec", "consume", "--bootstrap-servers", self.broker.bootstrap_servers,
-               "--topic", self.topic, "--group-id", self.group, "--output", self.output, "--no-create-topics",
-               "--max-file-age-s", "1", "--commit-interval-s", "1", "--max-episodes-per-file", "100",
-               "--reward-join-window-s", "2", "--metrics-port", str(port)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "rlrec",
+            "consume",
+            "--bootstrap-servers",
+            self.broker.bootstrap_servers,
+            "--topic",
+            self.topic,
+            "--group-id",
+            self.group,
+            "--output",
+            self.output,
+            "--no-create-topics",
+            "--max-file-age-s",
+            "1",
+            "--commit-interval-s",
+            "1",
+            "--max-episodes-per-file",
+            "100",
+            "--reward-join-window-s",
+            "2",
+            "--metrics-port",
+            str(port),
+        ]
         for k, v in CONSUMER_KAFKA.items():
             cmd += ["--kafka-config", f"{k}={v}"]
         log = open(self.work / f"consumer-{name}.log", "ab")
@@ -241,8 +289,10 @@ class Chaos:
         c.proc.wait(10)
         self.tally.kills += 1
         self.tally.rebalances += 1
-        self._fault(f"kill -9 consumer {c.name} (pid {c.proc.pid}: {m['rlrec_assigned_partitions']:.0f} partitions, "
-                    f"{m['rlrec_shards_committed_total']:.0f} shards committed)")
+        self._fault(
+            f"kill -9 consumer {c.name} (pid {c.proc.pid}: {m['rlrec_assigned_partitions']:.0f} partitions, "
+            f"{m['rlrec_shards_committed_total']:.0f} shards committed)"
+        )
         time.sleep(self.rng.uniform(0, 3))
         self.start_consumer()
         self.tally.rebalances += 1
@@ -267,8 +317,10 @@ class Chaos:
         stall_s, stall_for = self.rng.uniform(0.3, 1.0), self.rng.uniform(2, 5)
         fail_for, swallow = self.rng.uniform(3, 8), self.rng.randint(2, 6)
         self.tally.storage_faults += 1
-        self._fault(f"storage fault: every request stalls {stall_s:.2f}s for {stall_for:.1f}s, then 503s for "
-                    f"{fail_for:.1f}s, then {swallow} ambiguous 503s (request applied)")
+        self._fault(
+            f"storage fault: every request stalls {stall_s:.2f}s for {stall_for:.1f}s, then 503s for "
+            f"{fail_for:.1f}s, then {swallow} ambiguous 503s (request applied)"
+        )
 
         def window() -> None:
             self.proxy.stall(stall_s)
@@ -288,8 +340,9 @@ class Chaos:
         self.hold.touch()
         try:
             deadline = time.monotonic() + 120
-            while not all(p.poll() is not None or Path(f"{self.hold}.{i}").exists()
-                          for i, p in enumerate(self.producers)):
+            while not all(
+                p.poll() is not None or Path(f"{self.hold}.{i}").exists() for i, p in enumerate(self.producers)
+            ):
                 if time.monotonic() > deadline:
                     raise TimeoutError("producers did not hold within 120 s")
                 time.sleep(0.05)
@@ -349,9 +402,11 @@ class Chaos:
 
     def run(self) -> int:
         cfg = self.cfg
-        self.say(f"chaos run: episodes={cfg.episodes} kills={cfg.kills} joins={cfg.joins} "
-                 f"storage_faults={cfg.storage_faults} broker_restart={cfg.broker_restart} seed={cfg.seed} "
-                 f"workdir={self.work}")
+        self.say(
+            f"chaos run: episodes={cfg.episodes} kills={cfg.kills} joins={cfg.joins} "
+            f"storage_faults={cfg.storage_faults} broker_restart={cfg.broker_restart} seed={cfg.seed} "
+            f"workdir={self.work}"
+        )
         problems: list[str] = []
         verdict = None
         verify_rc = None
@@ -364,8 +419,9 @@ class Chaos:
             for at, what in self._timeline():
                 while time.monotonic() < t_start + at:
                     time.sleep(0.2)
-                {"kill": self.kill, "join": self.join, "storage": self.storage_fault,
-                 "broker": self.restart_broker}[what]()
+                {"kill": self.kill, "join": self.join, "storage": self.storage_fault, "broker": self.restart_broker}[
+                    what
+                ]()
                 self.say(f"committed so far: {len(self.committed_ids())} episodes")
             if self._fault_thread is not None:
                 self._fault_thread.join()
@@ -373,16 +429,22 @@ class Chaos:
                 rc = p.wait(cfg.duration * 3 + 300)
                 if rc != 0:
                     problems.append(f"producer {i} exited with {rc} (see {self.work}/producer-{i}.log)")
-            stats = [json.loads((self.work / f"producer-{i}.json").read_text()) for i in range(cfg.producers)
-                     if (self.work / f"producer-{i}.json").exists()]
+            stats = [
+                json.loads((self.work / f"producer-{i}.json").read_text())
+                for i in range(cfg.producers)
+                if (self.work / f"producer-{i}.json").exists()
+            ]
             truth = read_truth(sorted(self.work.glob("truth-*.jsonl")))
             self.produced = len(truth)
-            self.say(f"producers done: {len(truth)} episodes, {sum(s['messages'] for s in stats)} messages "
-                     f"({sum(s['duplicate_messages'] for s in stats)} duplicate sends)")
+            self.say(
+                f"producers done: {len(truth)} episodes, {sum(s['messages'] for s in stats)} messages "
+                f"({sum(s['duplicate_messages'] for s in stats)} duplicate sends)"
+            )
             scan = scan_topic(self.broker.bootstrap_servers, self.topic, cfg.partitions)
             if scan.messages != sum(s["messages"] for s in stats):
-                problems.append(f"the topic holds {scan.messages} messages, producers delivered "
-                                f"{sum(s['messages'] for s in stats)}")
+                problems.append(
+                    f"the topic holds {scan.messages} messages, producers delivered {sum(s['messages'] for s in stats)}"
+                )
             expected = {eid for eid, t in truth.items() if t.committed}
             if not self._wait_drained(expected, scan.end_offsets, timeout=300 + 0.1 * cfg.episodes):
                 problems.append("timed out waiting for every episode to commit and offsets to reach the end")
@@ -398,8 +460,12 @@ class Chaos:
             dlq = scan_dead_letters(self.broker.bootstrap_servers, self.topic, cfg.partitions)
             offsets = committed_offsets(self.broker.bootstrap_servers, self.group, self.topic, cfg.partitions)
             verdict = check(self.storage, truth, scan, dlq, offsets)
-            verify_rc = subprocess.run([sys.executable, "-m", "rlrec", "inspect", self.output, "--verify", "--json"],
-                                       cwd=REPO, env=self.direct_env, capture_output=True).returncode
+            verify_rc = subprocess.run(
+                [sys.executable, "-m", "rlrec", "inspect", self.output, "--verify", "--json"],
+                cwd=REPO,
+                env=self.direct_env,
+                capture_output=True,
+            ).returncode
             if verify_rc != 0:
                 problems.append(f"rlrec inspect --verify exited with {verify_rc}")
             if self.tally.kills_skipped:
@@ -424,26 +490,39 @@ class Chaos:
         rows = [
             ("episodes produced (empty ones: dead-lettered)", f"{self.produced} ({self.produced - v.expected})"),
             ("episodes committed", v.committed),
-            ("shards", v.shards), ("kills (kill -9)", tl.kills), ("rebalances (membership changes)", tl.rebalances),
-            ("partition claims after the first", v.claims), ("storage fault windows", tl.storage_faults),
+            ("shards", v.shards),
+            ("kills (kill -9)", tl.kills),
+            ("rebalances (membership changes)", tl.rebalances),
+            ("partition claims after the first", v.claims),
+            ("storage fault windows", tl.storage_faults),
             ("broker restarts", tl.broker_restarts),
-            ("delayed rewards applied / dead-lettered late / both", f"{v.rewards_applied} / "
-             f"{v.rewards_dead_lettered} / {v.rewards_both}"),
+            (
+                "delayed rewards applied / dead-lettered late / both",
+                f"{v.rewards_applied} / {v.rewards_dead_lettered} / {v.rewards_both}",
+            ),
             ("dead letters", ", ".join(f"{k}={n}" for k, n in sorted(v.dead_letters.items())) or "0"),
-            ("mismatched", v.mismatched), ("inspect --verify", "ok" if verify_rc == 0 else f"rc={verify_rc}"),
-            ("lost", v.lost), ("duplicated", v.duplicated), ("time", f"{elapsed:.0f}s"),
+            ("mismatched", v.mismatched),
+            ("inspect --verify", "ok" if verify_rc == 0 else f"rc={verify_rc}"),
+            ("lost", v.lost),
+            ("duplicated", v.duplicated),
+            ("time", f"{elapsed:.0f}s"),
         ]
         for k, val in rows:
             t.add_row(k, str(val))
         self.console.print(t)
         for p in problems[:40]:
             self.console.print(f"[red]problem:[/red] {p}", markup=True, highlight=False)
-        result = {"config": asdict(self.cfg), "tally": asdict(tl), "verdict": {**asdict(v), "problems": problems[:200]},
-                  "verify_rc": verify_rc, "seconds": round(elapsed, 1), "ok": ok,
-                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+        result = {
+            "config": asdict(self.cfg),
+            "tally": asdict(tl),
+            "verdict": {**asdict(v), "problems": problems[:200]},
+            "verify_rc": verify_rc,
+            "seconds": round(elapsed, 1),
+            "ok": ok,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        }
         (self.work / "result.json").write_text(json.dumps(result, indent=2, default=str))
         self.console.print(f"logs and result.json in {self.work}")
         self.console.file.flush()
         print(f"lost={v.lost} duplicated={v.duplicated}", flush=True)
         return 0 if ok else 1
-

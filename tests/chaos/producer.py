@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from confluent_kafka import Producer
 
-from producer import EpisodeRecorder
-from producer.events import EpisodeAbort, EpisodeStart, StepBatch, encode
+from rlrec.producer import EpisodeRecorder
+from rlrec.producer.events import EpisodeAbort, EpisodeStart, StepBatch, encode
 from tests.chaos.truth import TruthEpisode
 from tests.helpers import ACT_SPACE, OBS_SPACE
 
@@ -93,12 +93,19 @@ class ChaosProducer:
         self.rng = np.random.default_rng(args.seed)
         self.errors: list[str] = []
         self.rec = EpisodeRecorder(
-            args.bootstrap_servers, topic=args.topic, policy_id=f"chaos-pol-{args.index % 2}",
-            observation_space=OBS_SPACE, action_space=ACT_SPACE, env_id=ENV_ID, max_batch_steps=32,
+            args.bootstrap_servers,
+            topic=args.topic,
+            policy_id=f"chaos-pol-{args.index % 2}",
+            observation_space=OBS_SPACE,
+            action_space=ACT_SPACE,
+            env_id=ENV_ID,
+            max_batch_steps=32,
             kafka_config={"linger.ms": 100},  # fewer, larger produce requests: each is an S3 object for Tansu
-            on_delivery_error=lambda err, key, n: self.errors.append(f"{key}: {err}"))
-        self.raw = Producer({"bootstrap.servers": args.bootstrap_servers, "enable.idempotence": True,
-                             "acks": "all", "linger.ms": 5})
+            on_delivery_error=lambda err, key, n: self.errors.append(f"{key}: {err}"),
+        )
+        self.raw = Producer(
+            {"bootstrap.servers": args.bootstrap_servers, "enable.idempotence": True, "acks": "all", "linger.ms": 5}
+        )
         self.dup_messages = 0
         self.live: dict[str, _Live] = {}
         self.rewards_due: list[tuple[float, int, str, int, float]] = []
@@ -115,8 +122,11 @@ class ChaosProducer:
         bump_every = max(1, a.episodes // 3)
         while started < a.episodes or self.live or self.rewards_due:
             now = time.monotonic()
-            if (started < a.episodes and len(self.live) < MAX_OPEN
-                    and now >= t_start + a.duration * started / a.episodes):
+            if (
+                started < a.episodes
+                and len(self.live) < MAX_OPEN
+                and now >= t_start + a.duration * started / a.episodes
+            ):
                 if started and started % bump_every == 0:
                     self.rec.policy_version = self.rec.policy_version + 1
                 self._begin()
@@ -156,10 +166,20 @@ class ChaosProducer:
         self.truth_file.close()
         ok = left == 0 and left_raw == 0 and stats.failed == 0 and stats.dropped == 0 and not self.errors
         with open(self.args.stats, "w", encoding="utf-8") as f:
-            json.dump({"index": self.args.index, "episodes": self.written,
-                       "messages": stats.messages_delivered + self.dup_messages,
-                       "duplicate_messages": self.dup_messages, "failed": stats.failed, "dropped": stats.dropped,
-                       "undelivered": left + left_raw, "errors": self.errors[:20], "ok": ok}, f)
+            json.dump(
+                {
+                    "index": self.args.index,
+                    "episodes": self.written,
+                    "messages": stats.messages_delivered + self.dup_messages,
+                    "duplicate_messages": self.dup_messages,
+                    "failed": stats.failed,
+                    "dropped": stats.dropped,
+                    "undelivered": left + left_raw,
+                    "errors": self.errors[:20],
+                    "ok": ok,
+                },
+                f,
+            )
         return 0 if ok else 1
 
     # -- one episode --------------------------------------------------------------------------
@@ -171,8 +191,15 @@ class ChaosProducer:
         r = rng.random()
         length = int(rng.integers(1, 31) if r < 0.7 else rng.integers(31, 101) if r < 0.95 else rng.integers(101, 401))
         slow = sum(e.speed < 0.1 for e in self.live.values()) < MAX_SLOW and rng.random() < 0.05
-        ep = _Live("", kind, 0 if kind == "empty" else length, 0.03 if slow else float(rng.uniform(0.3, 1.0)),
-                   dup=rng.random() < 0.10, with_infos=rng.random() < 0.3, policy_version=self.rec.policy_version)
+        ep = _Live(
+            "",
+            kind,
+            0 if kind == "empty" else length,
+            0.03 if slow else float(rng.uniform(0.3, 1.0)),
+            dup=rng.random() < 0.10,
+            with_infos=rng.random() < 0.3,
+            policy_version=self.rec.policy_version,
+        )
         if ep.dup and ep.length >= 2:
             ep.dup_mid_at = int(rng.integers(0, ep.length - 1))
         if ep.length >= 20 and rng.random() < 0.4:
@@ -185,8 +212,12 @@ class ChaosProducer:
         self.live[ep.eid] = ep
         if ep.dup:
             self._confirm_sent()
-            self._resend(ep, EpisodeStart(ep.eid, self.rec.policy_id, ep.policy_version, [obs], OBS_SPACE, ACT_SPACE,
-                                          ENV_ID, info or {}))
+            self._resend(
+                ep,
+                EpisodeStart(
+                    ep.eid, self.rec.policy_id, ep.policy_version, [obs], OBS_SPACE, ACT_SPACE, ENV_ID, info or {}
+                ),
+            )
         if kind == "empty":
             self._end(ep, aborted=True)
 
@@ -201,8 +232,16 @@ class ChaosProducer:
         last = t == ep.length - 1
         term = last and ep.kind == "done" and rng.random() < 0.6
         trunc = last and ep.kind == "done" and not term
-        self.rec.log_step(ep.eid, a, r, obs, terminated=term, truncated=trunc, info=info,
-                          extra_model_outputs={"action_logp": lp, "vf_preds": vf})
+        self.rec.log_step(
+            ep.eid,
+            a,
+            r,
+            obs,
+            terminated=term,
+            truncated=trunc,
+            info=info,
+            extra_model_outputs={"action_logp": lp, "vf_preds": vf},
+        )
         ep.actions.append(a)
         ep.rewards.append(r)
         ep.observations.append(obs)
@@ -233,7 +272,9 @@ class ChaosProducer:
         if ep.t and rng.random() < 0.15:  # delayed rewards after the end
             for _ in range(int(rng.integers(1, 3))):
                 late = rng.random() < 0.2  # after the consumer's join window: may be dead-lettered
-                self._delay(ep, int(rng.integers(0, ep.t)), due=float(rng.uniform(2.5, 6.0) if late else rng.uniform(0, 1.2)))
+                self._delay(
+                    ep, int(rng.integers(0, ep.t)), due=float(rng.uniform(2.5, 6.0) if late else rng.uniform(0, 1.2))
+                )
 
     def _delay(self, ep: _Live, t: int, due: float) -> None:
         if t in ep.used_t:  # one delayed reward per step: the checker knows the float64 sum exactly
@@ -254,10 +295,17 @@ class ChaosProducer:
             raise RuntimeError(f"recorder could not deliver {left} messages in 300 s")
 
     def _batch(self, ep: _Live, t0: int, t1: int, term: bool, trunc: bool) -> StepBatch:
-        return StepBatch(ep.eid, t0, [np.asarray(ep.actions[t0:t1], np.int64)], np.asarray(ep.rewards[t0:t1], np.float64),
-                         [np.stack(ep.observations[t0 + 1:t1 + 1])], term, trunc, ep.infos[t0 + 1:t1 + 1],
-                         {"action_logp": np.asarray(ep.logp[t0:t1], np.float32),
-                          "vf_preds": np.asarray(ep.vf[t0:t1], np.float32)})
+        return StepBatch(
+            ep.eid,
+            t0,
+            [np.asarray(ep.actions[t0:t1], np.int64)],
+            np.asarray(ep.rewards[t0:t1], np.float64),
+            [np.stack(ep.observations[t0 + 1 : t1 + 1])],
+            term,
+            trunc,
+            ep.infos[t0 + 1 : t1 + 1],
+            {"action_logp": np.asarray(ep.logp[t0:t1], np.float32), "vf_preds": np.asarray(ep.vf[t0:t1], np.float32)},
+        )
 
     def _resend(self, ep: _Live, event) -> None:
         value, headers = encode(event)
@@ -275,11 +323,23 @@ class ChaosProducer:
     def _write_truth(self, ep: _Live) -> None:
         del self.live[ep.eid]
         truth = TruthEpisode(
-            ep.eid, self.rec.policy_id, ep.policy_version, ENV_ID, ep.kind,
-            np.stack(ep.observations), np.asarray(ep.actions, np.int64), np.asarray(ep.rewards, np.float64),
-            ep.terminated, ep.truncated, ep.infos,
-            {} if not ep.t else {"action_logp": np.asarray(ep.logp, np.float32), "vf_preds": np.asarray(ep.vf, np.float32)},
-            sorted(ep.delayed), ep.dup_messages)
+            ep.eid,
+            self.rec.policy_id,
+            ep.policy_version,
+            ENV_ID,
+            ep.kind,
+            np.stack(ep.observations),
+            np.asarray(ep.actions, np.int64),
+            np.asarray(ep.rewards, np.float64),
+            ep.terminated,
+            ep.truncated,
+            ep.infos,
+            {}
+            if not ep.t
+            else {"action_logp": np.asarray(ep.logp, np.float32), "vf_preds": np.asarray(ep.vf, np.float32)},
+            sorted(ep.delayed),
+            ep.dup_messages,
+        )
         self.truth_file.write(truth.to_json() + "\n")
         self.truth_file.flush()
         self.written += 1

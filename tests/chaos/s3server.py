@@ -26,12 +26,17 @@ class S3Process(LocalS3):
 
     def __init__(self, bucket: str, log_path: str | Path):
         super().__init__()
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.chaos.s3server", bucket], cwd=REPO,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(log_path, "ab"))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.chaos.s3server", bucket],
+            cwd=REPO,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=open(log_path, "ab"),
+        )
         self._port = int(self.proc.stdout.readline())
         self._server = self.proc  # running
 
-    def start(self) -> "S3Process":
+    def start(self) -> S3Process:
         if self.proc.poll() is not None:
             raise RuntimeError(f"the S3 server process exited with {self.proc.returncode}")
         return self

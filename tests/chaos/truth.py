@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import base64
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 
-__all__ = ["TruthEpisode", "read_truth", "array_to_json", "array_from_json"]
+__all__ = ["TruthEpisode", "array_from_json", "array_to_json", "read_truth"]
 
 
 def array_to_json(a: np.ndarray) -> dict:
@@ -62,23 +63,44 @@ class TruthEpisode:
         return self.kind != "empty"
 
     def to_json(self) -> str:
-        return json.dumps({
-            "episode_id": self.episode_id, "policy_id": self.policy_id, "policy_version": self.policy_version,
-            "env_id": self.env_id, "kind": self.kind, "observations": array_to_json(self.observations),
-            "actions": array_to_json(self.actions), "rewards": array_to_json(self.rewards),
-            "terminated": self.terminated, "truncated": self.truncated, "infos": self.infos,
-            "extra": {k: array_to_json(v) for k, v in self.extra.items()},
-            "delayed": [[t, d] for t, d in self.delayed], "duplicate_messages": self.duplicate_messages,
-        }, separators=(",", ":"))
+        return json.dumps(
+            {
+                "episode_id": self.episode_id,
+                "policy_id": self.policy_id,
+                "policy_version": self.policy_version,
+                "env_id": self.env_id,
+                "kind": self.kind,
+                "observations": array_to_json(self.observations),
+                "actions": array_to_json(self.actions),
+                "rewards": array_to_json(self.rewards),
+                "terminated": self.terminated,
+                "truncated": self.truncated,
+                "infos": self.infos,
+                "extra": {k: array_to_json(v) for k, v in self.extra.items()},
+                "delayed": [[t, d] for t, d in self.delayed],
+                "duplicate_messages": self.duplicate_messages,
+            },
+            separators=(",", ":"),
+        )
 
     @classmethod
-    def from_json(cls, line: str) -> "TruthEpisode":
+    def from_json(cls, line: str) -> TruthEpisode:
         d: dict[str, Any] = json.loads(line)
         return cls(
-            d["episode_id"], d["policy_id"], d["policy_version"], d["env_id"], d["kind"],
-            array_from_json(d["observations"]), array_from_json(d["actions"]), array_from_json(d["rewards"]),
-            d["terminated"], d["truncated"], d["infos"], {k: array_from_json(v) for k, v in d["extra"].items()},
-            [(int(t), float(x)) for t, x in d["delayed"]], d["duplicate_messages"],
+            d["episode_id"],
+            d["policy_id"],
+            d["policy_version"],
+            d["env_id"],
+            d["kind"],
+            array_from_json(d["observations"]),
+            array_from_json(d["actions"]),
+            array_from_json(d["rewards"]),
+            d["terminated"],
+            d["truncated"],
+            d["infos"],
+            {k: array_from_json(v) for k, v in d["extra"].items()},
+            [(int(t), float(x)) for t, x in d["delayed"]],
+            d["duplicate_messages"],
         )
 
 

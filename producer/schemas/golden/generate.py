@@ -30,8 +30,8 @@ from typing import Any
 import numpy as np
 from gymnasium import spaces as gs
 
-from producer.events import EpisodeAbort, EpisodeStart, RewardDelta, StepBatch, dumps_info, encode
-from producer.spaces import dumps_space, unflatten_leaves
+from rlrec.producer.events import EpisodeAbort, EpisodeStart, RewardDelta, StepBatch, dumps_info, encode
+from rlrec.producer.spaces import dumps_space, unflatten_leaves
 
 HERE = Path(__file__).resolve().parent
 TS = 1_767_225_600_000  # 2026-01-01T00:00:00Z, in ms
@@ -47,15 +47,22 @@ def cartpole_spaces() -> tuple[gs.Box, gs.Discrete]:
 
 
 def dict_spaces() -> tuple[gs.Dict, gs.Tuple]:
-    obs = gs.Dict([  # a list of pairs keeps this (unsorted) key order
-        ("pos", gs.Box(-1.0, 1.0, (2, 3), np.float32)),
-        ("inv", gs.Tuple([
-            gs.Discrete(5, start=1),
-            gs.Dict([("z", gs.MultiBinary([2, 2])), ("a", gs.MultiDiscrete([[2, 3], [4, 5]]))]),
-        ])),
-        ("health", gs.Box(0, 100, (), np.uint8)),
-        ("flag", gs.Box(0, 1, (), bool)),
-    ])
+    obs = gs.Dict(
+        [  # a list of pairs keeps this (unsorted) key order
+            ("pos", gs.Box(-1.0, 1.0, (2, 3), np.float32)),
+            (
+                "inv",
+                gs.Tuple(
+                    [
+                        gs.Discrete(5, start=1),
+                        gs.Dict([("z", gs.MultiBinary([2, 2])), ("a", gs.MultiDiscrete([[2, 3], [4, 5]]))]),
+                    ]
+                ),
+            ),
+            ("health", gs.Box(0, 100, (), np.uint8)),
+            ("flag", gs.Box(0, 1, (), bool)),
+        ]
+    )
     act = gs.Tuple([gs.Discrete(3), gs.Box(-1.0, 1.0, (2,), np.float64)])
     return obs, act
 
@@ -79,30 +86,69 @@ def events() -> dict[str, Any]:
     d_steps = [dict_obs(i) for i in (5, 6, 7)]
     return {
         "episode_start": EpisodeStart(
-            "golden-cartpole-0001", "golden-policy", 3, [_f32(0.03125, -0.015625, 0.0234375, 0.046875)], cp_obs, cp_act,
-            "CartPole-v1", {}, TS),
+            "golden-cartpole-0001",
+            "golden-policy",
+            3,
+            [_f32(0.03125, -0.015625, 0.0234375, 0.046875)],
+            cp_obs,
+            cp_act,
+            "CartPole-v1",
+            {},
+            TS,
+        ),
         "step_batch": StepBatch(
-            "golden-cartpole-0001", 0, [np.array([1, 0, 1], dtype=np.int64)], np.array([1.0, 1.0, 1.0]),
-            [np.array([[0.03125, 0.1875, 0.0234375, -0.25], [0.03125, -0.015625, 0.0234375, 0.0625],
-                       [0.0390625, 0.1875, 0.03125, -0.21875]], dtype=np.float32)],
-            False, False, None, {}, TS + 60),
+            "golden-cartpole-0001",
+            0,
+            [np.array([1, 0, 1], dtype=np.int64)],
+            np.array([1.0, 1.0, 1.0]),
+            [
+                np.array(
+                    [
+                        [0.03125, 0.1875, 0.0234375, -0.25],
+                        [0.03125, -0.015625, 0.0234375, 0.0625],
+                        [0.0390625, 0.1875, 0.03125, -0.21875],
+                    ],
+                    dtype=np.float32,
+                )
+            ],
+            False,
+            False,
+            None,
+            {},
+            TS + 60,
+        ),
         "reward_delta": RewardDelta("golden-cartpole-0001", 1, -0.25, TS + 90),
         "episode_abort": EpisodeAbort("golden-cartpole-0001", "env-closed", TS + 120),
         "episode_start_dict": EpisodeStart(
-            "golden-dict-0001", "golden-policy", 12, dict_obs(4), d_obs, d_act, "Maze-v0",
-            {"seed": 7, "level": {"name": "maze-1", "walls": [[0, 1], [2, 3]], "dark": False, "gravity": None},
-             "map": np.array([[1, -2], [3, 400]], dtype=np.int16)},
-            TS + 1000),
+            "golden-dict-0001",
+            "golden-policy",
+            12,
+            dict_obs(4),
+            d_obs,
+            d_act,
+            "Maze-v0",
+            {
+                "seed": 7,
+                "level": {"name": "maze-1", "walls": [[0, 1], [2, 3]], "dark": False, "gravity": None},
+                "map": np.array([[1, -2], [3, 400]], dtype=np.int16),
+            },
+            TS + 1000,
+        ),
         "step_batch_multi": StepBatch(
-            "golden-dict-0001", 4,
+            "golden-dict-0001",
+            4,
             [np.array([2, 0, 1], dtype=np.int64), np.array([[0.5, -0.5], [1.0, 0.0], [-0.25, 0.75]])],
             np.array([0.5, -1.0, 2.25]),
             [np.stack([s[j] for s in d_steps]) for j in range(len(d_steps[0]))],
-            False, True,
+            False,
+            True,
             [{"x": 1}, {}, {"note": "time limit", "arr": _f32(1.5, -2.0)}],
-            {"action_logp": _f32(-0.125, -2.25, -1.5),
-             "action_dist_inputs": np.array([[2.0, 0.125, -1.0, 0.0, 0.5]] * 2 + [[0.0] * 5], dtype=np.float32)},
-            TS + 1240),
+            {
+                "action_logp": _f32(-0.125, -2.25, -1.5),
+                "action_dist_inputs": np.array([[2.0, 0.125, -1.0, 0.0, 0.5]] * 2 + [[0.0] * 5], dtype=np.float32),
+            },
+            TS + 1240,
+        ),
     }
 
 
@@ -134,9 +180,13 @@ def fields_json(ev: Any) -> dict:
     """The fields of an event in the JSON form described in the module docstring."""
     if isinstance(ev, EpisodeStart):
         return {
-            "episode_id": ev.episode_id, "policy_id": ev.policy_id, "policy_version": ev.policy_version,
-            "env_id": ev.env_id, "observation": [array_json(a) for a in ev.observation],
-            "info": info_json(ev.info), "info_json": dumps_info(ev.info),
+            "episode_id": ev.episode_id,
+            "policy_id": ev.policy_id,
+            "policy_version": ev.policy_version,
+            "env_id": ev.env_id,
+            "observation": [array_json(a) for a in ev.observation],
+            "info": info_json(ev.info),
+            "info_json": dumps_info(ev.info),
             "observation_space": json.loads(dumps_space(ev.observation_space)),
             "observation_space_json": dumps_space(ev.observation_space),
             "action_space": json.loads(dumps_space(ev.action_space)),
@@ -146,10 +196,14 @@ def fields_json(ev: Any) -> dict:
     if isinstance(ev, StepBatch):
         sent_infos = None if ev.infos is None or not any(ev.infos) else ev.infos
         return {
-            "episode_id": ev.episode_id, "t0": ev.t0, "n": ev.n,
-            "actions": [array_json(a) for a in ev.actions], "rewards": array_json(ev.rewards),
+            "episode_id": ev.episode_id,
+            "t0": ev.t0,
+            "n": ev.n,
+            "actions": [array_json(a) for a in ev.actions],
+            "rewards": array_json(ev.rewards),
             "observations": [array_json(a) for a in ev.observations],
-            "terminated": ev.terminated, "truncated": ev.truncated,
+            "terminated": ev.terminated,
+            "truncated": ev.truncated,
             "infos": None if sent_infos is None else [info_json(i) for i in sent_infos],
             "infos_json": None if sent_infos is None else [dumps_info(i) for i in sent_infos],
             "extra_model_outputs": {k: array_json(v) for k, v in ev.extra_model_outputs.items()},
@@ -170,8 +224,14 @@ def _check_values(evs: dict[str, Any]) -> None:
         elif isinstance(ev, StepBatch):
             obs_space, act_space = spaces[ev.episode_id]
             for i in range(ev.n):
-                assert obs_space.contains(unflatten_leaves(obs_space, [np.asarray(a[i]) for a in ev.observations])), (name, i)
-                assert act_space.contains(unflatten_leaves(act_space, [np.asarray(a[i]) for a in ev.actions])), (name, i)
+                assert obs_space.contains(unflatten_leaves(obs_space, [np.asarray(a[i]) for a in ev.observations])), (
+                    name,
+                    i,
+                )
+                assert act_space.contains(unflatten_leaves(act_space, [np.asarray(a[i]) for a in ev.actions])), (
+                    name,
+                    i,
+                )
 
 
 def _pretty(v: Any, indent: int = 0) -> str:

@@ -22,6 +22,8 @@ maintenance commands need, on paths *relative to the output root*:
   ========================  ==================================================
 
 * ``read``, ``exists``, ``list``, ``move`` (publish), ``delete``, ``uri``.
+* ``upload_dir`` / ``download_dir`` / ``delete_tree``: a whole directory tree (e.g. a
+  checkpoint) between a local directory and the storage, and its deletion.
 
 Transient errors (``OSError`` from pyarrow other than not-found / exists /
 permission errors, botocore connection errors, HTTP 5xx / throttling) are retried
@@ -52,6 +54,7 @@ import errno
 import logging
 import os
 import random
+import shutil
 import threading
 import time
 import uuid
@@ -369,12 +372,19 @@ class Storage:
                 last = e
                 if attempt + 1 < policy.attempts:
                     d = policy.delay(attempt)
-                    log.debug("%s: transient error (attempt %d/%d), retrying in %.3fs: %s",
-                              what, attempt + 1, policy.attempts, d, e)
+                    log.debug(
+                        "%s: transient error (attempt %d/%d), retrying in %.3fs: %s",
+                        what,
+                        attempt + 1,
+                        policy.attempts,
+                        d,
+                        e,
+                    )
                     time.sleep(d)
         log.warning("%s: giving up after %d attempts: %s", what, policy.attempts, last)
-        raise StorageError(f"{what}: failed after {policy.attempts} attempts: {last}",
-                           attempts=policy.attempts) from last
+        raise StorageError(
+            f"{what}: failed after {policy.attempts} attempts: {last}", attempts=policy.attempts
+        ) from last
 
     # ------------------------------------------------------------ local helpers
     def _fsync_dir(self, d: str) -> None:
@@ -428,8 +438,11 @@ class Storage:
         except Exception:  # not an S3FileSystem we can introspect
             settings = {}
         kwargs: dict[str, Any] = {}
-        endpoint = settings.get("endpoint_override") or os.environ.get("AWS_ENDPOINT_URL_S3") \
+        endpoint = (
+            settings.get("endpoint_override")
+            or os.environ.get("AWS_ENDPOINT_URL_S3")
             or os.environ.get("AWS_ENDPOINT_URL")
+        )
         if endpoint:
             if "://" not in endpoint:
                 endpoint = f"{settings.get('scheme') or 'https'}://{endpoint}"
@@ -439,8 +452,12 @@ class Storage:
             kwargs["aws_secret_access_key"] = settings.get("secret_key") or None
             if settings.get("session_token"):
                 kwargs["aws_session_token"] = settings["session_token"]
-        region = (settings.get("region") or os.environ.get("AWS_REGION")
-                  or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1")
+        region = (
+            settings.get("region")
+            or os.environ.get("AWS_REGION")
+            or os.environ.get("AWS_DEFAULT_REGION")
+            or "us-east-1"
+        )
         cfg = Config(
             retries={"total_max_attempts": 1, "mode": "standard"},
             connect_timeout=10,
@@ -528,9 +545,7 @@ class Storage:
                 return True
             except Exception as e:
                 if _is_precondition_failure(e):
-                    if ambiguous and self._same_content(path, data):
-                        return True
-                    return False
+                    return bool(ambiguous and self._same_content(path, data))
                 if _is_transient(e):
                     ambiguous = True
                 raise
@@ -550,7 +565,8 @@ class Storage:
                 "storage %s (%s) has no conditional writes in pyarrow: create_once falls back to "
                 "exists-check + write, which is NOT atomic -- zombie-writer fencing of the manifest "
                 "needs conditional writes (local filesystem or S3); see docs/GUARANTEES.md",
-                self.uri(""), self.kind,
+                self.uri(""),
+                self.kind,
             )
         if self.exists(path):
             return False
@@ -661,6 +677,7 @@ class Storage:
         if self.kind == "local":
             self.write(dst, self.read(src))
             return
+
         def op(_: int) -> None:
             with _not_found_as_fnf():
                 self.filesystem.copy_file(fsrc, fdst)
@@ -695,6 +712,105 @@ class Storage:
 
         return self._retry(f"delete {self.uri(path)}", op)
 
+    # ------------------------------------------------------------ directory trees
+    def _is_dir(self, path: str) -> bool:
+        """True for a directory, False if *path* does not exist; ``NotADirectoryError`` for a file."""
+        info = self.info(path)
+        if info is None:
+            return False
+        if not info.is_dir:
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory", self.uri(path))
+        return True
+
+    def upload_dir(self, local_dir: str | os.PathLike[str], prefix: str) -> int:
+        """Copy every file under the local directory *local_dir* to *prefix*/...; the number of files.
+
+        What was under *prefix* is deleted first, so afterwards *prefix* holds exactly the
+        files of *local_dir* (a re-upload never mixes old and new files).  Not atomic as a
+        whole: publish the tree to readers with a pointer written afterwards.  Local: the
+        tree is copied with ``shutil.copytree`` (not fsynced); object stores: one
+        :meth:`write` per file.  ``FileNotFoundError`` if *local_dir* is not a directory;
+        ``ValueError`` for the output root itself (``prefix=""``).
+        """
+        src = os.fspath(local_dir)
+        if not os.path.isdir(src):
+            raise FileNotFoundError(errno.ENOENT, "not a directory", src)
+        files = _local_files(src)
+        self.delete_tree(prefix)
+        if self.kind == "local":
+            dst = self.full_path(prefix)
+
+            def op(_: int) -> None:
+                shutil.copytree(src, dst, dirs_exist_ok=True)
+
+            self._retry(f"upload_dir {src} -> {self.uri(prefix)}", op)
+        else:
+            for rel in files:
+                with open(os.path.join(src, *rel.split("/")), "rb") as f:
+                    self.write(f"{prefix}/{rel}", f.read())
+        return len(files)
+
+    def download_dir(self, prefix: str, local_dir: str | os.PathLike[str]) -> int:
+        """Copy every file under *prefix* into the local directory *local_dir*; the number of files.
+
+        *local_dir* is created if needed; files already there with the same relative
+        path are replaced, others are left alone.  ``FileNotFoundError`` if *prefix* does
+        not exist, ``NotADirectoryError`` if it is a file.
+        """
+        base = _clean_rel(prefix)
+        dst = os.fspath(local_dir)
+        if not self._is_dir(base):
+            raise FileNotFoundError(errno.ENOENT, "no such directory", self.uri(base))
+        files = [f for f in self.list(base, recursive=True) if not f.is_dir]
+        if self.kind == "local":
+            src = self.full_path(base)
+
+            def op(_: int) -> None:
+                shutil.copytree(src, dst, dirs_exist_ok=True)
+
+            self._retry(f"download_dir {self.uri(base)} -> {dst}", op)
+        else:
+            for f in files:
+                rel = f.path[len(base) + 1 :] if base else f.path
+                target = os.path.join(dst, *rel.split("/"))
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                data = self.read(f.path)
+                with open(target, "wb") as out:
+                    out.write(data)
+        return len(files)
+
+    def delete_tree(self, prefix: str) -> int:
+        """Delete every file under *prefix*, and the directory itself; the number of files deleted.
+
+        A missing *prefix* is fine (0); ``NotADirectoryError`` if it is a file.  On object
+        stores the directory markers pyarrow leaves behind are deleted too, so the directory
+        no longer shows up in :meth:`list`.  ``ValueError`` for the output root itself
+        (``prefix=""``).
+        """
+        rel = _clean_rel(prefix)
+        if not rel:
+            raise ValueError("delete_tree needs a directory below the output root, not the root itself")
+        if not self._is_dir(rel):
+            return 0
+        files = [f for f in self.list(rel, recursive=True) if not f.is_dir]
+        full = self.full_path(rel)
+
+        def op(_: int) -> None:
+            with contextlib.suppress(FileNotFoundError):  # deleted meanwhile
+                self.filesystem.delete_dir(full)
+
+        self._retry(f"delete_tree {self.uri(rel)}", op)
+        return len(files)
+
+
+def _local_files(root: str) -> list[str]:
+    """Paths (``/``-separated, relative to *root*) of the files under the local directory *root*, sorted."""
+    out = []
+    for d, _dirs, names in os.walk(root):
+        for n in names:
+            out.append(os.path.relpath(os.path.join(d, n), root).replace(os.sep, "/"))
+    return sorted(out)
+
 
 def _rebuild_s3(fs: pafs.FileSystem, request_attempts: int) -> pafs.FileSystem:
     """The same S3FileSystem with an explicit region, delayed open and bounded retries."""
@@ -705,8 +821,9 @@ def _rebuild_s3(fs: pafs.FileSystem, request_attempts: int) -> pafs.FileSystem:
     for k in ("connect_timeout", "request_timeout"):
         if kw.get(k) is not None and kw[k] < 0:
             kw[k] = None
-    kw["region"] = (kw.get("region") or os.environ.get("AWS_REGION")
-                    or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1")
+    kw["region"] = (
+        kw.get("region") or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+    )
     kw["allow_delayed_open"] = True
     try:
         return pafs.S3FileSystem(

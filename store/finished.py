@@ -1,8 +1,8 @@
 """The hand-off between episode assembly (events -> episode) and shard writing.
 
 The assembly code (the Kafka loop) fills a `FinishedEpisode` from decoded events; the shard
-writer (`consumer.shards.encode_shard`) and `consumer.episodes.to_single_agent_episode` read it.
-Arrays hold *leaves* (see `producer.spaces.space_leaves`): one numpy array per
+writer (`rlrec.store.shards.encode_shard`) and `rlrec.store.episodes.to_single_agent_episode` read it.
+Arrays hold *leaves* (see `rlrec.producer.spaces.space_leaves`): one numpy array per
 Box/Discrete/MultiDiscrete/MultiBinary part of a space, depth first, stacked along a leading
 step axis. Nothing here imports Ray.
 """
@@ -31,18 +31,18 @@ class FinishedEpisode:
     env_id: str
     observation_space: gym.Space
     action_space: gym.Space
-    observations: list[np.ndarray]   # leaves (producer.spaces.space_leaves order), each stacked (T+1, *leaf_shape)
-    actions: list[np.ndarray]        # leaves, each (T, *leaf_shape)
-    rewards: np.ndarray              # float64 (T,)
-    infos: list[dict]                # T+1 (infos[0] is the reset info)
+    observations: list[np.ndarray]  # leaves (rlrec.producer.spaces.space_leaves order), each stacked (T+1, *leaf_shape)
+    actions: list[np.ndarray]  # leaves, each (T, *leaf_shape)
+    rewards: np.ndarray  # float64 (T,)
+    infos: list[dict]  # T+1 (infos[0] is the reset info)
     extra_model_outputs: dict[str, np.ndarray]  # each (T, ...)
     terminated: bool
     truncated: bool
-    first_offset: int                # Kafka offset of the start event
-    last_offset: int                 # largest Kafka offset of any event applied to it
-    started_ms: int                  # producer wall clock of the start event
-    ended_ms: int                    # producer wall clock of the terminal step / abort
-    finished_at: float = 0.0         # consumer wall clock (time.time()) when it finished
+    first_offset: int  # Kafka offset of the start event
+    last_offset: int  # largest Kafka offset of any event applied to it
+    started_ms: int  # producer wall clock of the start event
+    ended_ms: int  # producer wall clock of the terminal step / abort
+    finished_at: float = 0.0  # consumer wall clock (time.time()) when it finished
 
     @property
     def length(self) -> int:

@@ -1,4 +1,4 @@
-"""Following the consumer's manifest (no Ray): which shards are committed, and their spaces."""
+"""Following the manifest (no Ray): which shards are committed, and their spaces."""
 
 from __future__ import annotations
 
@@ -6,9 +6,10 @@ import logging
 import time
 from typing import Any
 
-from consumer.manifest import MANIFEST_DIR, ManifestError, PartitionLog, ShardEntry
-from consumer.storage import Storage
-from trainer.feed import ShardInfo
+from rlrec.store.commit import read_committed_shard
+from rlrec.store.manifest import MANIFEST_DIR, ManifestError, PartitionLog, ShardEntry
+from rlrec.store.storage import Storage
+from rlrec.trainer.feed import ShardInfo
 
 __all__ = ["ManifestFollower", "spaces_from_shard"]
 
@@ -24,9 +25,16 @@ class ManifestFollower:
     (`PartitionLog.refresh`), so a poll costs one small read per partition.
     """
 
-    def __init__(self, storage: Storage, *, policy_id: str | None = None,
-                 min_policy_version: int | None = None, max_policy_version: int | None = None,
-                 fmt: str | None = None, discover_interval_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        storage: Storage,
+        *,
+        policy_id: str | None = None,
+        min_policy_version: int | None = None,
+        max_policy_version: int | None = None,
+        fmt: str | None = None,
+        discover_interval_s: float = 2.0,
+    ) -> None:
         self.storage = storage
         self.policy_id = policy_id
         self.min_policy_version = min_policy_version
@@ -38,7 +46,7 @@ class ManifestFollower:
         self._last_discover = -1e18
         self._next_idx = 0
         self._warned: set[str] = set()
-        self.entries: dict[str, ShardEntry] = {}   # key -> entry (selected shards)
+        self.entries: dict[str, ShardEntry] = {}  # key -> entry (selected shards)
         self.skipped = 0
 
     def _discover(self) -> None:
@@ -74,9 +82,14 @@ class ManifestFollower:
         if self.fmt is None:
             self.fmt = e.format
         if e.format != self.fmt:
-            self._warn_once(f"mixed:{e.format}", "the input holds %s and %s shards; training on %s shards "
-                            "only (select with --offline-config input_read_episodes=...)", self.fmt, e.format,
-                            self.fmt)
+            self._warn_once(
+                f"mixed:{e.format}",
+                "the input holds %s and %s shards; training on %s shards "
+                "only (select with --offline-config input_read_episodes=...)",
+                self.fmt,
+                e.format,
+                self.fmt,
+            )
             return False
         return True
 
@@ -93,7 +106,7 @@ class ManifestFollower:
                 self._warn_once(f"refresh:{key}:{e}", "cannot read manifest log %s/%05d: %s", key[0], key[1], e)
                 continue
             entries = plog.entries
-            for e in entries[self._done.get(key, 0):]:
+            for e in entries[self._done.get(key, 0) :]:
                 if isinstance(e, ShardEntry) and e.path not in self.entries:
                     if self._selected(e):
                         self.entries[e.path] = e
@@ -109,10 +122,10 @@ class ManifestFollower:
 def spaces_from_shard(storage: Storage, entry: ShardEntry):
     """(observation_space, action_space) of a shard: from its ``rlrec.*`` schema metadata or,
     for episode shards without it, from its first episode (decoded safely)."""
-    from consumer.shards import read_episodes, shard_metadata
-    from producer.spaces import loads_space
+    from rlrec.producer.spaces import loads_space
+    from rlrec.store.shards import read_episodes, shard_metadata
 
-    data = _read_shard_bytes(storage, entry.path, entry.staging_path)
+    data = read_committed_shard(storage, entry.path, entry.staging_path)
     meta = shard_metadata(data)
     if "rlrec.observation_space" in meta and "rlrec.action_space" in meta:
         return loads_space(meta["rlrec.observation_space"]), loads_space(meta["rlrec.action_space"])
@@ -120,16 +133,3 @@ def spaces_from_shard(storage: Storage, entry: ShardEntry):
         ep = read_episodes(data)[0]
         return ep.observation_space, ep.action_space
     raise ValueError(f"shard {entry.path} carries no spaces; pass --env")
-
-
-def _read_shard_bytes(storage: Storage, path: str, staging_path: str | None) -> bytes:
-    try:
-        return storage.read(path)
-    except FileNotFoundError:
-        if not staging_path:
-            raise
-        # committed but not yet published (the consumer publishes right after committing, or
-        # its next owner rolls the publish forward): the staged file is the committed content
-        return storage.read(staging_path)
-
-

@@ -5,7 +5,7 @@ Layout (relative to the output root)::
     _manifest/{topic}/{partition:05d}/{seq:012d}.json
 
 Each entry is a small immutable JSON document created with a create-once write
-(:meth:`consumer.storage.Storage.create_once`); ``seq`` runs 0, 1, 2, ... with no
+(:meth:`rlrec.store.storage.Storage.create_once`); ``seq`` runs 0, 1, 2, ... with no
 gaps.  Two entry types:
 
 * ``claim`` (:class:`ClaimEntry`) -- a consumer that gets the partition appends
@@ -41,9 +41,9 @@ import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
-from consumer.storage import Storage
+from rlrec.store.storage import Storage
 
 __all__ = [
     "MANIFEST_DIR",
@@ -83,8 +83,9 @@ class ManifestError(ValueError):
 class FencedError(RuntimeError):
     """A newer writer claimed the partition: this writer must stop writing it."""
 
-    def __init__(self, message: str, *, epoch: int | None, newer_epoch: int | None,
-                 newer_writer: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, epoch: int | None, newer_epoch: int | None, newer_writer: str | None = None
+    ) -> None:
         super().__init__(message)
         self.epoch = epoch
         self.newer_epoch = newer_epoch
@@ -102,8 +103,9 @@ class ConflictError(RuntimeError):
     the shard and append again.
     """
 
-    def __init__(self, message: str, *, entries: Sequence[Entry] = (),
-                 duplicate_episode_ids: Iterable[str] = ()) -> None:
+    def __init__(
+        self, message: str, *, entries: Sequence[Entry] = (), duplicate_episode_ids: Iterable[str] = ()
+    ) -> None:
         super().__init__(message)
         self.entries = list(entries)
         self.duplicate_episode_ids = set(duplicate_episode_ids)
@@ -120,9 +122,7 @@ def _check_type(d: Mapping[str, Any], key: str, types: tuple[type, ...], *, null
     if isinstance(v, bool) and bool not in types:
         raise ManifestError(f"field {key!r}: expected {'/'.join(t.__name__ for t in types)}, got bool")
     if not isinstance(v, types):
-        raise ManifestError(
-            f"field {key!r}: expected {'/'.join(t.__name__ for t in types)}, got {type(v).__name__}"
-        )
+        raise ManifestError(f"field {key!r}: expected {'/'.join(t.__name__ for t in types)}, got {type(v).__name__}")
     return v
 
 
@@ -205,12 +205,31 @@ class ShardEntry:
     seq: int | None = None
 
     type = "shard"
-    _REQUIRED = frozenset({
-        "type", "seq", "epoch", "path", "staging_path", "topic", "partition", "policy_id",
-        "first_offset", "last_offset", "episode_ids", "episodes", "steps", "bytes", "sha256",
-        "format", "format_version", "event_schema_versions", "commit_time",
-        "min_policy_version", "max_policy_version",
-    })
+    _REQUIRED = frozenset(
+        {
+            "type",
+            "seq",
+            "epoch",
+            "path",
+            "staging_path",
+            "topic",
+            "partition",
+            "policy_id",
+            "first_offset",
+            "last_offset",
+            "episode_ids",
+            "episodes",
+            "steps",
+            "bytes",
+            "sha256",
+            "format",
+            "format_version",
+            "event_schema_versions",
+            "commit_time",
+            "min_policy_version",
+            "max_policy_version",
+        }
+    )
     _OPTIONAL = frozenset({"writer"})
 
     def __post_init__(self) -> None:
@@ -249,7 +268,7 @@ class ShardEntry:
         return dataclasses.replace(self, seq=seq, epoch=epoch, writer=writer)
 
 
-Entry = Union[ClaimEntry, ShardEntry]
+Entry = ClaimEntry | ShardEntry
 
 
 def _dumps(d: Mapping[str, Any]) -> str:
@@ -306,8 +325,9 @@ def _validate_shard(d: Mapping[str, Any]) -> None:
             raise ManifestError("field 'event_schema_versions': keys must be strings")
         vers = list(vers.values())
     if not all(isinstance(v, (int, str)) and not isinstance(v, bool) for v in vers):
-        raise ManifestError("field 'event_schema_versions' must be a list of int/str "
-                            "or an object {event type: int/str}")
+        raise ManifestError(
+            "field 'event_schema_versions' must be a list of int/str or an object {event type: int/str}"
+        )
     _check_type(d, "commit_time", (int, float))
     for k in ("min_policy_version", "max_policy_version"):
         _check_type(d, k, (int, str), nullable=True)
@@ -390,8 +410,7 @@ class PartitionLog:
         self._committed: set[str] = set()
 
     def __repr__(self) -> str:
-        return (f"PartitionLog({self.topic}/{self.partition}, next_seq={len(self._entries)}, "
-                f"epoch={self._epoch})")
+        return f"PartitionLog({self.topic}/{self.partition}, next_seq={len(self._entries)}, epoch={self._epoch})"
 
     # ------------------------------------------------------------- reading
     def _path(self, seq: int) -> str:
@@ -409,9 +428,7 @@ class PartitionLog:
         if e.seq != seq:
             raise ManifestError(f"{self.storage.uri(self._path(seq))}: entry says seq={e.seq}")
         if isinstance(e, ShardEntry) and (e.topic != self.topic or e.partition != self.partition):
-            raise ManifestError(
-                f"{self.storage.uri(self._path(seq))}: entry is for {e.topic}/{e.partition}"
-            )
+            raise ManifestError(f"{self.storage.uri(self._path(seq))}: entry is for {e.topic}/{e.partition}")
         return e
 
     def _add(self, e: Entry) -> None:
@@ -488,19 +505,9 @@ class PartitionLog:
         with self._lock:
             return [e for e in self._entries if isinstance(e, ShardEntry)]
 
-    def claim_entries(self) -> list[ClaimEntry]:
-        with self._lock:
-            return [e for e in self._entries if isinstance(e, ClaimEntry)]
-
     def committed_episode_ids(self) -> set[str]:
         with self._lock:
             return set(self._committed)
-
-    def max_offset(self) -> int | None:
-        """Largest ``last_offset`` of any committed shard (None if there is none)."""
-        with self._lock:
-            offs = [e.last_offset for e in self._entries if isinstance(e, ShardEntry)]
-            return max(offs) if offs else None
 
     # ------------------------------------------------------------- writing
     def claim(self, writer_id: str | None = None, *, max_attempts: int = 100) -> int:
@@ -517,8 +524,9 @@ class PartitionLog:
                 if self.storage.create_once(self._path(seq), entry.to_json().encode()):
                     self._add(entry)
                     self._epoch, self._writer = entry.epoch, writer
-                    log.info("%s/%d: claimed epoch %d at seq %d (%s)", self.topic, self.partition,
-                             entry.epoch, seq, writer)
+                    log.info(
+                        "%s/%d: claimed epoch %d at seq %d (%s)", self.topic, self.partition, entry.epoch, seq, writer
+                    )
                     return entry.epoch
                 new = self._refresh_after_conflict(seq)
                 if new and new[0] == entry:  # our own write, acknowledged late
@@ -552,7 +560,9 @@ class PartitionLog:
         return FencedError(
             f"{self.topic}/{self.partition}: writer epoch {self._epoch} ({self._writer}) is fenced by "
             f"epoch {claim.epoch} ({claim.writer}) claimed at seq {claim.seq}",
-            epoch=self._epoch, newer_epoch=claim.epoch, newer_writer=claim.writer,
+            epoch=self._epoch,
+            newer_epoch=claim.epoch,
+            newer_writer=claim.writer,
         )
 
     def append_shard(self, entry: ShardEntry) -> ShardEntry:
@@ -562,7 +572,7 @@ class PartitionLog:
         Raises :class:`FencedError` if another writer has claimed the partition,
         :class:`ConflictError` if unseen entries of this epoch appeared or the
         shard repeats committed episode ids (nothing is appended then), and
-        :class:`consumer.storage.StorageError` if storage keeps failing -- the
+        :class:`rlrec.store.storage.StorageError` if storage keeps failing -- the
         entry may or may not exist then: the next ``append_shard`` or
         ``refresh`` finds out.
         """
@@ -578,11 +588,11 @@ class PartitionLog:
                 raise self._fenced(newer)
             dup = self._committed.intersection(entry.episode_ids)
             if dup:
-                holders = [e for e in self._entries
-                           if isinstance(e, ShardEntry) and dup.intersection(e.episode_ids)]
+                holders = [e for e in self._entries if isinstance(e, ShardEntry) and dup.intersection(e.episode_ids)]
                 raise ConflictError(
                     f"{self.topic}/{self.partition}: {len(dup)} episode id(s) already committed",
-                    entries=holders, duplicate_episode_ids=dup,
+                    entries=holders,
+                    duplicate_episode_ids=dup,
                 )
             seq = self.next_seq
             e = entry.with_commit(seq=seq, epoch=self._epoch, writer=self._writer)
@@ -596,14 +606,13 @@ class PartitionLog:
             if newer is not None:
                 raise self._fenced(newer)
             if not new:
-                raise ConflictError(
-                    f"{self.topic}/{self.partition}: entry {seq} exists but cannot be read"
-                )
+                raise ConflictError(f"{self.topic}/{self.partition}: entry {seq} exists but cannot be read")
             dup = {i for n in new if isinstance(n, ShardEntry) for i in n.episode_ids}
             raise ConflictError(
                 f"{self.topic}/{self.partition}: {len(new)} unseen entr{'y' if len(new) == 1 else 'ies'} "
                 f"of epoch {self._epoch} at seq {seq}..{seq + len(new) - 1}",
-                entries=new, duplicate_episode_ids=dup.intersection(entry.episode_ids),
+                entries=new,
+                duplicate_episode_ids=dup.intersection(entry.episode_ids),
             )
 
     # ----------------------------------------------------------- publishing
@@ -621,8 +630,7 @@ class PartitionLog:
             if st.exists(entry.path):  # published meanwhile (e.g. by a recovering owner)
                 return False
             raise FileNotFoundError(
-                f"committed shard {entry.path} (seq {entry.seq}) has neither a published "
-                f"nor a staged file"
+                f"committed shard {entry.path} (seq {entry.seq}) has neither a published nor a staged file"
             ) from None
 
     def recover(self) -> int:
@@ -649,11 +657,16 @@ class PartitionLog:
             if e.staging_path in present:
                 if self.publish(e):
                     published += 1
-                    log.info("%s/%d: rolled forward shard seq %d -> %s", self.topic, self.partition,
-                             e.seq, e.path)
+                    log.info("%s/%d: rolled forward shard seq %d -> %s", self.topic, self.partition, e.seq, e.path)
             else:
-                log.error("%s/%d: committed shard seq %d lost: neither %s nor %s exists",
-                          self.topic, self.partition, e.seq, e.path, e.staging_path)
+                log.error(
+                    "%s/%d: committed shard seq %d lost: neither %s nor %s exists",
+                    self.topic,
+                    self.partition,
+                    e.seq,
+                    e.path,
+                    e.staging_path,
+                )
         return published
 
 
@@ -705,8 +718,7 @@ def read_partition_logs(storage: Storage) -> dict[tuple[str, int], list[Entry]]:
 
 def read_manifest(storage: Storage) -> list[ShardEntry]:
     """All committed shard entries of all topics/partitions, sorted by commit_time."""
-    shards = [e for entries in read_partition_logs(storage).values() for e in entries
-              if isinstance(e, ShardEntry)]
+    shards = [e for entries in read_partition_logs(storage).values() for e in entries if isinstance(e, ShardEntry)]
     shards.sort(key=lambda e: (e.commit_time, e.topic, e.partition, e.seq))
     return shards
 

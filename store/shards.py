@@ -1,79 +1,18 @@
-"""Shard encoding: finished episodes -> one complete Parquet file (bytes) that stock RLlib reads.
+"""Shard encoding and safe reading: finished episodes -> one complete Parquet file (bytes) that
+stock RLlib reads, and back.
 
-Two formats, chosen per shard (`encode_shard(..., fmt=...)`):
-
-``fmt="episodes"`` (RLlib's ``output_write_episodes=True`` / ``input_read_episodes=True``)
-    One row per episode. Column ``item`` (binary) holds the packed numpy-form
-    `SingleAgentEpisode` (`consumer.episodes.pack_episode`, byte-for-byte RLlib's own
-    encoding), followed by metadata columns for projection/filter pushdown:
-    ``episode_id``, ``policy_id``, ``env_id`` (string), ``policy_version``, ``length``,
-    ``first_offset``, ``last_offset``, ``started_ms``, ``ended_ms`` (int64),
-    ``episode_return`` (float64), ``terminated``, ``truncated`` (bool).
-    One row group per `episodes_per_row_group` episodes.
-
-    Stock RLlib 2.60 reads a directory (or list of files) of these with::
-
-        BCConfig().environment(observation_space=..., action_space=...)
-            .offline_data(input_=[dir], input_read_episodes=True,
-                          map_batches_kwargs={"concurrency": 1})   # on 2 CPUs, else it hangs
-
-    The PreLearner only reads ``batch["item"]``; the metadata columns are carried along and
-    ignored (drop them with ``input_read_method_kwargs={"columns": ["item"]}`` if you like).
-    WARNING: RLlib's own decoder (`msgpack_numpy.decode` + `SingleAgentEpisode.from_state`)
-    unpickles object arrays and space bounds, so anyone who can write into the input
-    directory can run code in the trainer. Our readers use `read_episodes` (safe).
-
-``fmt="tabular"`` (RLlib's ``output_write_episodes=False`` / ``input_read_episodes=False``)
-    One row per step with RLlib's column names: ``eps_id`` (string), ``agent_id`` and
-    ``module_id`` (null), ``obs``, ``actions``, ``rewards`` (float64), ``new_obs``,
-    ``terminateds``, ``truncateds`` (bool, True only on an episode's last row), ``t`` (int64,
-    step index), ``infos`` (JSON string of the info returned with ``new_obs``, null when empty;
-    the column exists only when some info is non-empty; the reset info has no row and is
-    dropped), one column per extra model output (e.g. ``action_logp``,
-    ``action_dist_inputs``), and ``policy_version`` (int64).
-
-    Arrays are numeric Arrow arrays, never pickled: a scalar leaf is a plain column, a 1-D leaf
-    a ``fixed_size_list<dtype>[n]``, a k-D leaf nested fixed-size lists (``multidim="nested"``,
-    the default) or Arrow's canonical ``arrow.fixed_shape_tensor`` extension
-    (``multidim="tensor"``); Dict/Tuple spaces are struct columns of their leaves (Tuple fields
-    are named "0", "1", ...). pandas, polars and `ray.data.read_parquet` read them as numbers.
-
-    What stock RLlib 2.60 needs to read them (`OfflinePreLearner._map_to_episodes`):
-
-    * ``input_read_episodes=False`` (the default).
-    * ``input_compress_columns=[]``. The default is ``["obs", "new_obs"]``, which makes RLlib
-      call `unpack_if_needed` on every obs/new_obs value. That only unpacks values that are
-      ``str``/``bytes`` (base64 -> LZ4 -> ``pickle.loads``), so our numeric columns also pass
-      through the default untouched and training works either way (tested); ``[]``
-      guarantees nothing in the data is ever unpickled and is the value to use.
-    * Each row becomes a one-step episode (no trajectories), built in list form.
-    * Every column that is neither a key nor a value of RLlib's ``SCHEMA`` (eps_id, agent_id,
-      module_id, obs, actions, rewards, infos, new_obs, terminateds, truncateds, t, ...) is put
-      into the episode's ``extra_model_outputs``: here ``policy_version`` and the extra model
-      outputs. ``infos`` becomes the episode's second info (a JSON string or None, not a
-      dict); BC uses neither. ``input_read_method_kwargs={"columns": [...]}`` projects columns
-      away if an algorithm minds them.
-    * Ray Data hands a 1-D fixed-size-list column to the PreLearner as one numeric array per
-      row (fine), but a nested fixed-size list (k-D leaf, k >= 2) as an object array of object
-      arrays per row, not a numeric tensor. For a k-D Box observation use ``multidim="tensor"``:
-      Ray Data turns a top-level ``arrow.fixed_shape_tensor`` column into real ``(*shape)``
-      ndarrays. Inside a struct column (Dict/Tuple spaces) Ray Data flattens the tensor to 1-D,
-      so k-D leaves of Dict/Tuple spaces reach RLlib with the wrong shape either way: use
-      episode shards for those spaces. (Both checked in tests/test_shards.py; BC itself was only
-      trained on CartPole data. polars reads nested lists as its ``Array`` dtype with the full
-      shape and the tensor extension as flat arrays; pandas gives arrays of arrays for nested
-      lists and flat arrays for the tensor extension.)
-    * Ray 2.60's ``read_parquet`` refuses ``filter=`` (the 2.40 docs' row-filter pushdown via
-      ``input_read_method_kwargs``); ``columns=`` still works.
-
-Every file carries schema metadata ``rlrec.format``, ``rlrec.schema_version``
-(`SHARD_FORMAT_VERSION`) and, when all its episodes share them, ``rlrec.observation_space`` /
-``rlrec.action_space`` (`producer.spaces` JSON).
+Two formats, chosen per shard (`encode_shard(..., fmt=...)`): ``episodes`` (RLlib's
+``input_read_episodes=True``: one row per episode, the packed `SingleAgentEpisode` in column
+``item`` plus metadata columns) and ``tabular`` (RLlib's ``input_read_episodes=False``: one row
+per step with RLlib's column names, numeric Arrow arrays, never pickled). The specification --
+columns, Arrow types, schema metadata, what stock RLlib needs to read each format -- is
+docs/FORMAT.md, "Shard formats"; `EPISODE_COLUMNS`, `TABULAR_BASE_COLUMNS` and
+`SHARD_FORMAT_VERSION` here are its code.
 
 Episodes must be done (terminated or truncated), non-empty (T >= 1) and have distinct ids
 within a shard: RLlib's PreLearner rejects batches containing undone episodes (ValueError) and
 silently drops duplicate ids; an empty episode has no step to train on. `encode_shard` raises
-ValueError otherwise.
+ValueError otherwise. Our readers (`read_episodes`, `read_tabular`) never unpickle.
 """
 
 from __future__ import annotations
@@ -86,26 +25,26 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 import pyarrow as pa
-import pyarrow.fs  # noqa: F401 - pa.fs in signatures
+import pyarrow.fs
 import pyarrow.parquet as pq
 
-from consumer.episodes import check_finished_episode, pack_episode, to_single_agent_episode, unpack_episode
-from consumer.finished import FinishedEpisode
-from producer.events import dumps_info
-from producer.spaces import dumps_space
+from rlrec.producer.events import dumps_info
+from rlrec.producer.spaces import dumps_space
+from rlrec.store.episodes import check_finished_episode, pack_episode, to_single_agent_episode, unpack_episode
+from rlrec.store.finished import FinishedEpisode
 
 __all__ = [
-    "SHARD_FORMAT_VERSION",
-    "FORMATS",
     "EPISODE_COLUMNS",
+    "FORMATS",
+    "SHARD_FORMAT_VERSION",
     "TABULAR_BASE_COLUMNS",
     "EncodedShard",
     "encode_shard",
     "episodes_table",
-    "tabular_table",
     "read_episodes",
     "read_tabular",
     "shard_metadata",
+    "tabular_table",
 ]
 
 SHARD_FORMAT_VERSION = 1
@@ -128,8 +67,19 @@ EPISODE_COLUMNS: dict[str, pa.DataType] = {
 }
 
 #: fixed columns of a tabular shard (RLlib's names); extra model outputs and `infos` come too.
-TABULAR_BASE_COLUMNS = ("eps_id", "agent_id", "module_id", "obs", "actions", "rewards", "new_obs",
-                        "terminateds", "truncateds", "t", "policy_version")
+TABULAR_BASE_COLUMNS = (
+    "eps_id",
+    "agent_id",
+    "module_id",
+    "obs",
+    "actions",
+    "rewards",
+    "new_obs",
+    "terminateds",
+    "truncateds",
+    "t",
+    "policy_version",
+)
 _RESERVED = frozenset(TABULAR_BASE_COLUMNS) | {"infos", "dones", "agent_index", "unroll_id", "type"}
 
 META_FORMAT = b"rlrec.format"
@@ -181,8 +131,10 @@ def _common_space_json(spaces: list[gym.Space]) -> bytes | None:
 
 def _metadata(fmt: str, episodes: list[FinishedEpisode]) -> dict[bytes, bytes]:
     meta = {META_FORMAT: fmt.encode(), META_VERSION: str(SHARD_FORMAT_VERSION).encode()}
-    for key, spaces in ((META_OBS_SPACE, [e.observation_space for e in episodes]),
-                        (META_ACT_SPACE, [e.action_space for e in episodes])):
+    for key, spaces in (
+        (META_OBS_SPACE, [e.observation_space for e in episodes]),
+        (META_ACT_SPACE, [e.action_space for e in episodes]),
+    ):
         text = _common_space_json(spaces)
         if text is not None:
             meta[key] = text
@@ -265,8 +217,10 @@ def tabular_table(episodes: list[FinishedEpisode], multidim: str = "nested") -> 
         raise ValueError(f"multidim must be 'nested' or 'tensor', got {multidim!r}")
     first = episodes[0]
     for fe in episodes[1:]:
-        for what, a, b in (("observation", fe.observation_space, first.observation_space),
-                           ("action", fe.action_space, first.action_space)):
+        for what, a, b in (
+            ("observation", fe.observation_space, first.observation_space),
+            ("action", fe.action_space, first.action_space),
+        ):
             if a is not b and _arrow_type(a, multidim) != _arrow_type(b, multidim):
                 raise ValueError(
                     f"episode {fe.episode_id}: {what} space {a} does not fit the shard's column type "
@@ -293,8 +247,9 @@ def tabular_table(episodes: list[FinishedEpisode], multidim: str = "nested") -> 
     cols["t"] = pa.array(np.concatenate([np.arange(L, dtype=np.int64) for L in lengths]))
 
     if any(info for fe in episodes for info in fe.infos[1:]):
-        cols["infos"] = pa.array([dumps_info(info) or None for fe in episodes for info in fe.infos[1:]],
-                                 type=pa.string())
+        cols["infos"] = pa.array(
+            [dumps_info(info) or None for fe in episodes for info in fe.infos[1:]], type=pa.string()
+        )
 
     keys: list[str] = []
     for fe in episodes:
@@ -331,12 +286,14 @@ def tabular_table(episodes: list[FinishedEpisode], multidim: str = "nested") -> 
                     parts.append(fe.length)
             cols[k] = pa.concat_arrays([p if isinstance(p, pa.Array) else pa.nulls(p, typ) for p in parts])
 
-    cols["policy_version"] = pa.array(np.repeat(np.array([int(fe.policy_version) for fe in episodes], dtype=np.int64), lengths))
+    cols["policy_version"] = pa.array(
+        np.repeat(np.array([int(fe.policy_version) for fe in episodes], dtype=np.int64), lengths)
+    )
     return pa.table(cols).replace_schema_metadata(_metadata("tabular", episodes))
 
 
 def _arrow_type(space: gym.Space, multidim: str) -> pa.DataType:
-    from producer.spaces import space_leaves
+    from rlrec.producer.spaces import space_leaves
 
     leaves = [np.zeros((1, *leaf.shape), dtype=leaf.dtype) for leaf in space_leaves(space)]
     return _space_to_arrow(space, leaves, multidim, [0]).type
@@ -404,7 +361,7 @@ def shard_metadata(path_or_bytes: Any, filesystem: pa.fs.FileSystem | None = Non
 def read_episodes(path_or_bytes: Any, filesystem: pa.fs.FileSystem | None = None) -> list:
     """All episodes of an episode shard (a file path/URI or the file's bytes), decoded SAFELY.
 
-    Only the `item` column is read; each value goes through `consumer.episodes.unpack_episode`,
+    Only the `item` column is read; each value goes through `rlrec.store.episodes.unpack_episode`,
     which refuses pickled payloads (`UnsafeEpisodeError`).
     """
     table = pq.read_table(_source(path_or_bytes), columns=["item"], filesystem=filesystem)
@@ -415,7 +372,8 @@ def read_episodes(path_or_bytes: Any, filesystem: pa.fs.FileSystem | None = None
     return out
 
 
-def read_tabular(path_or_bytes: Any, filesystem: pa.fs.FileSystem | None = None,
-                 columns: list[str] | None = None) -> pa.Table:
+def read_tabular(
+    path_or_bytes: Any, filesystem: pa.fs.FileSystem | None = None, columns: list[str] | None = None
+) -> pa.Table:
     """A tabular shard (file path/URI or bytes) as a pyarrow Table (optionally some columns)."""
     return pq.read_table(_source(path_or_bytes), columns=columns, filesystem=filesystem)

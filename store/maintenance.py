@@ -19,14 +19,14 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from consumer.manifest import (
+from rlrec.store.manifest import (
     ClaimEntry,
     ShardEntry,
     manifest_totals,
     read_manifest,
     read_partition_logs,
 )
-from consumer.storage import FileInfo, Storage
+from rlrec.store.storage import FileInfo, Storage
 
 __all__ = ["STAGING_DIR", "DecodeCheck", "episode_summary", "gc", "inspect", "verify"]
 
@@ -94,7 +94,7 @@ def gc(
     if older_than_s < 0:
         raise ValueError("older_than_s must be >= 0")
     files, with_staging = _candidate_files(storage)  # 1. list files
-    entries = read_manifest(storage)                  # 2. then read the manifest
+    entries = read_manifest(storage)  # 2. then read the manifest
     now = time.time() if now is None else now
     policy_dirs = {e.policy_id for e in entries} | with_staging
     present = {f.path for fs in files.values() for f in fs}
@@ -171,13 +171,17 @@ def verify(storage: Storage, decode_check: DecodeCheck | None = None) -> list[st
         for e in log_entries:
             if isinstance(e, ClaimEntry):
                 if e.epoch <= max_claim:
-                    problems.append(f"{topic}/{partition:05d} seq {e.seq}: claim epoch {e.epoch} "
-                                    f"not above earlier claim {max_claim}")
+                    problems.append(
+                        f"{topic}/{partition:05d} seq {e.seq}: claim epoch {e.epoch} "
+                        f"not above earlier claim {max_claim}"
+                    )
                 max_claim = max(max_claim, e.epoch)
             else:
                 if e.epoch < max_claim:
-                    problems.append(f"{topic}/{partition:05d} seq {e.seq}: shard of epoch {e.epoch} "
-                                    f"committed after claim of epoch {max_claim} (unfenced zombie)")
+                    problems.append(
+                        f"{topic}/{partition:05d} seq {e.seq}: shard of epoch {e.epoch} "
+                        f"committed after claim of epoch {max_claim} (unfenced zombie)"
+                    )
                 entries.append(e)
 
     seen_ids: dict[str, str] = {}
@@ -219,8 +223,9 @@ def verify(storage: Storage, decode_check: DecodeCheck | None = None) -> list[st
                 continue
             episodes, steps = counts
             if (episodes, steps) != (e.episodes, e.steps):
-                problems.append(f"{where}: decoded {episodes} episodes/{steps} steps, manifest says "
-                                f"{e.episodes}/{e.steps}")
+                problems.append(
+                    f"{where}: decoded {episodes} episodes/{steps} steps, manifest says {e.episodes}/{e.steps}"
+                )
     return problems
 
 
@@ -264,4 +269,3 @@ def episode_summary(storage: Storage, entries: Iterable[ShardEntry] | None = Non
         c: {"count": int(a["count"]), "mean": a["sum"] / a["count"], "min": a["min"], "max": a["max"]}
         for c, a in acc.items()
     }
-

@@ -15,7 +15,7 @@ Why numpy form:
 RLlib's own recorder (`OfflineSingleAgentEnvRunner`) writes *list-form* episodes instead
 (it asserts `is_numpy is False` before packing); both forms decode with the same code.
 
-The stacked leaves are unflattened (`producer.spaces.unflatten_leaves`) into the struct that
+The stacked leaves are unflattened (`rlrec.producer.spaces.unflatten_leaves`) into the struct that
 `to_numpy()` would build from per-step structures: for a Dict space a dict (the space's key
 order) of arrays shaped (T+1, *leaf_shape), for a Tuple space a tuple. The tests check that the
 result equals, field by field, the episode RLlib builds itself with `add_env_reset` /
@@ -26,7 +26,7 @@ the building process, meaningless elsewhere): ours are None (`get_duration_s()` 
 A zero-length episode (T=0, e.g. aborted right after its start) is built like RLlib's
 `to_numpy()` leaves it: observations stacked, actions/rewards empty lists, no extra model
 outputs (RLlib's `get_state` cannot serialise empty extra-output buffers). RLlib cannot train on
-such episodes; `consumer.shards.encode_shard` refuses them.
+such episodes; `rlrec.store.shards.encode_shard` refuses them.
 
 Bytes
 -----
@@ -68,16 +68,16 @@ import msgpack
 import msgpack_numpy
 import numpy as np
 
-from consumer.finished import FinishedEpisode
-from producer.spaces import space_leaves, unflatten_leaves
+from rlrec.producer.spaces import space_leaves, unflatten_leaves
+from rlrec.store.finished import FinishedEpisode
 
 __all__ = [
     "EpisodeDecodeError",
     "UnsafeEpisodeError",
-    "to_single_agent_episode",
-    "pack_episode",
-    "unpack_episode",
     "check_finished_episode",
+    "pack_episode",
+    "to_single_agent_episode",
+    "unpack_episode",
 ]
 
 # dtype kinds an array in a packed episode may have: bool, ints, floats, complex, fixed-width
@@ -130,7 +130,9 @@ def check_finished_episode(fe: FinishedEpisode) -> None:
         raise ValueError(f"episode {fe.episode_id}: {len(fe.infos)} infos for T={T} (expected T+1)")
     for k, v in fe.extra_model_outputs.items():
         if np.ndim(v) == 0 or np.shape(v)[0] != T:
-            raise ValueError(f"episode {fe.episode_id}: extra_model_outputs[{k!r}] has shape {np.shape(v)}, expected ({T}, ...)")
+            raise ValueError(
+                f"episode {fe.episode_id}: extra_model_outputs[{k!r}] has shape {np.shape(v)}, expected ({T}, ...)"
+            )
 
 
 def _struct(space: gym.Space, leaves: list[np.ndarray]) -> Any:
@@ -140,7 +142,7 @@ def _struct(space: gym.Space, leaves: list[np.ndarray]) -> Any:
     return leaves[0]
 
 
-def to_single_agent_episode(fe: FinishedEpisode) -> "SingleAgentEpisode":  # noqa: F821
+def to_single_agent_episode(fe: FinishedEpisode) -> SingleAgentEpisode:  # noqa: F821
     """Build the numpy-form `SingleAgentEpisode` of a finished episode (see module docstring).
 
     `id_` = episode id, `t_started=0`, no lookback buffer, the spaces attached, flags kept
@@ -172,9 +174,7 @@ def to_single_agent_episode(fe: FinishedEpisode) -> "SingleAgentEpisode":  # noq
         t_started=0,
         len_lookback_buffer=0,
     )
-    ep.custom_data.update(
-        {"policy_id": fe.policy_id, "policy_version": int(fe.policy_version), "env_id": fe.env_id}
-    )
+    ep.custom_data.update({"policy_id": fe.policy_id, "policy_version": int(fe.policy_version), "env_id": fe.env_id})
     return ep
 
 
@@ -223,8 +223,11 @@ def _safe_ndarray_hook(obj: dict) -> Any:
             raise EpisodeDecodeError("array without bytes data")
         if nd is True:
             shape = obj.get(b"shape")
-            if (not isinstance(shape, (list, tuple)) or len(shape) > _MAX_NDIM
-                    or not all(type(d) is int and d >= 0 for d in shape)):
+            if (
+                not isinstance(shape, (list, tuple))
+                or len(shape) > _MAX_NDIM
+                or not all(type(d) is int and d >= 0 for d in shape)
+            ):
                 raise EpisodeDecodeError(f"array with invalid shape {shape!r:.80}")
             if math.prod(shape) * dt.itemsize != len(data):
                 raise EpisodeDecodeError(f"array of {dt}{list(shape)} with {len(data)} bytes")
@@ -263,7 +266,7 @@ def _npy(b64: Any, what: str) -> np.ndarray:
         if "allow_pickle" in str(e) or "Object arrays" in str(e):
             raise UnsafeEpisodeError(f"{what}: pickled object array in a space; refused") from None
         raise EpisodeDecodeError(f"{what}: {e}") from None
-    except Exception as e:  # noqa: BLE001 - np.load raises many types on corrupt input
+    except Exception as e:
         raise EpisodeDecodeError(f"{what}: {type(e).__name__}: {e}") from None
     if not isinstance(a, np.ndarray):
         raise EpisodeDecodeError(f"{what}: not a single array")
@@ -345,10 +348,25 @@ def _tuplify(space: gym.Space | None, data: Any) -> Any:
 
 
 _BUFFER_KEYS = ("data", "lookback", "finalized", "space")
-_STATE_KEYS = ("id_", "agent_id", "module_id", "multi_agent_episode_id", "observations", "actions",
-               "rewards", "infos", "extra_model_outputs", "is_terminated", "is_truncated",
-               "t_started", "t", "_observation_space", "_action_space", "_start_time",
-               "_last_step_time")
+_STATE_KEYS = (
+    "id_",
+    "agent_id",
+    "module_id",
+    "multi_agent_episode_id",
+    "observations",
+    "actions",
+    "rewards",
+    "infos",
+    "extra_model_outputs",
+    "is_terminated",
+    "is_truncated",
+    "t_started",
+    "t",
+    "_observation_space",
+    "_action_space",
+    "_start_time",
+    "_last_step_time",
+)
 
 
 def _buffer_state(b: Any, what: str) -> tuple[dict, gym.Space | None]:
@@ -374,7 +392,7 @@ def unpack_episode(data: bytes):
         state = msgpack.unpackb(data, object_hook=_safe_ndarray_hook)
     except EpisodeDecodeError:
         raise
-    except Exception as e:  # noqa: BLE001 - msgpack raises many types on corrupt input
+    except Exception as e:
         raise EpisodeDecodeError(f"not a msgpack episode: {type(e).__name__}: {e}"[:300]) from None
     if not isinstance(state, dict) or not all(k in state for k in _STATE_KEYS):
         missing = [k for k in _STATE_KEYS if not isinstance(state, dict) or k not in state]
@@ -417,12 +435,15 @@ def unpack_episode(data: bytes):
         for k, s in extra_spaces.items():
             ep.extra_model_outputs[k].space = s
         n_obs = len(ep.observations)
-        if not (n_obs == len(ep.infos) and (n_obs == 0 or n_obs == len(ep.rewards) + 1 == len(ep.actions) + 1)
-                and all(len(v) == len(ep.rewards) for v in ep.extra_model_outputs.values())
-                and len(ep) == len(ep.rewards)):
+        if not (
+            n_obs == len(ep.infos)
+            and (n_obs == 0 or n_obs == len(ep.rewards) + 1 == len(ep.actions) + 1)
+            and all(len(v) == len(ep.rewards) for v in ep.extra_model_outputs.values())
+            and len(ep) == len(ep.rewards)
+        ):
             raise EpisodeDecodeError("inconsistent buffer lengths")
     except EpisodeDecodeError:
         raise
-    except Exception as e:  # noqa: BLE001 - from_state/validate raise AssertionError, TypeError, ...
+    except Exception as e:
         raise EpisodeDecodeError(f"cannot rebuild the episode: {type(e).__name__}: {e}"[:300]) from None
     return ep

@@ -1,0 +1,123 @@
+"""The continuous trainer's per-iteration metrics: ``metrics.jsonl``, Prometheus gauges, a progress log line."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from rlrec.store.storage import Storage
+
+__all__ = ["METRICS_FILE", "TrainerMetrics"]
+
+log = logging.getLogger("rlrec.trainer")
+
+METRICS_FILE = "metrics.jsonl"
+
+
+class TrainerMetrics:
+    """One metrics record per training iteration, written to ``metrics.jsonl`` in the checkpoint dir.
+
+    Guarantees: each :meth:`write` adds exactly one JSON line (no NaN/Infinity) and the line is
+    readable when it returns -- appended and flushed on a local filesystem; on object stores, which
+    cannot append, the whole (small) file is rewritten with one atomic PUT. :meth:`truncate_after`
+    leaves only the lines of iterations up to a given one (none for None). With a *port*, the
+    numeric fields named in :attr:`GAUGES` are served as Prometheus gauges ``rlrec_trainer_<name>``
+    on *host* (0 picks a free port, then in :attr:`port`), set right after the line is written.
+    With *progress*, one summary line per record goes to the log.
+    """
+
+    GAUGES = (
+        "iteration",
+        "policy_version",
+        "timesteps_trained",
+        "shards_total",
+        "shards_new",
+        "newest_shard_age_s",
+        "learner_loss",
+        "eval_return_mean",
+        "learner_wait_share",
+        "fresh_backlog",
+        "shards_missing",
+    )
+
+    def __init__(self, storage: Storage, port: int | None, progress: bool, host: str = "127.0.0.1") -> None:
+        self.storage = storage
+        self.progress = progress
+        self.local = storage.kind == "local"
+        self._lines: list[str] = []
+        self._f: Any = None
+        self.gauges: dict[str, Any] = {}
+        self._server: Any = None
+        self.port: int | None = None  # where /metrics is served, once started
+        if port is not None:
+            from prometheus_client import CollectorRegistry, Gauge, start_http_server
+
+            reg = CollectorRegistry()
+            self.gauges = {k: Gauge(f"rlrec_trainer_{k}", k.replace("_", " "), registry=reg) for k in self.GAUGES}
+            self._server = start_http_server(port, addr=host, registry=reg)
+            self.port = self._server[0].server_port
+            log.info("metrics on http://%s:%d/metrics", host, self.port)
+
+    def truncate_after(self, iteration: int | None) -> None:
+        """Drop lines of iterations after `iteration` (training lost by a crash); None: keep none."""
+        try:
+            data = self.storage.read(METRICS_FILE).decode()
+        except FileNotFoundError:
+            data = ""
+        keep = []
+        for line in data.splitlines():
+            try:
+                it = json.loads(line).get("iteration")
+            except ValueError:
+                continue
+            if iteration is not None and isinstance(it, int) and it <= iteration:
+                keep.append(line)
+        self._lines = keep
+        self.storage.write(METRICS_FILE, "".join(x + "\n" for x in keep).encode())
+
+    def write(self, rec: dict) -> None:
+        """Add *rec* (needs ``iteration``, ``policy_version``, ``timesteps_trained``, ``shards_total``,
+        ``shards_new`` for the progress line) as one line; update the gauges; log the progress line."""
+        line = json.dumps(rec, sort_keys=False, allow_nan=False)
+        if self.local:
+            if self._f is None:  # kept open (appending) until close()
+                self._f = open(self.storage.full_path(METRICS_FILE), "a", encoding="utf-8")
+            self._f.write(line + "\n")
+            self._f.flush()
+        else:  # object stores cannot append: rewrite the (small) file
+            self._lines.append(line)
+            self.storage.write(METRICS_FILE, "".join(x + "\n" for x in self._lines).encode())
+        for k, g in self.gauges.items():
+            v = rec.get(k)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                g.set(v)
+        if self.progress:
+            ev = rec.get("eval_return_mean")
+            age = rec.get("newest_shard_age_s")
+            loss = rec.get("learner_loss")
+            log.info(
+                "iter %d  v%d  steps %d  shards %d (+%d)  newest %s  loss %s  wait %.0f%%%s",
+                rec["iteration"],
+                rec["policy_version"],
+                rec["timesteps_trained"],
+                rec["shards_total"],
+                rec["shards_new"],
+                f"{age:.1f}s" if age is not None else "-",
+                f"{loss:.4f}" if loss is not None else "-",
+                100 * (rec.get("learner_wait_share") or 0),
+                f"  eval {ev:.1f}" if ev is not None else "",
+            )
+
+    def close(self) -> None:
+        """Close metrics.jsonl and stop the Prometheus server (idempotent)."""
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+        if self._server is not None:
+            try:
+                self._server[0].shutdown()
+                self._server[0].server_close()
+            except Exception:
+                pass
+            self._server = None

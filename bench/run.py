@@ -1,14 +1,16 @@
-"""The benchmark suite: producer, consumer and trainer benchmarks in one go, one table.
+"""The benchmark suite: producer, consumer, memory and trainer benchmarks in one go, one table.
 
-    python bench/run.py [--quick] [--json PATH] [--markdown PATH] [--only producer,consumer,trainer]
+    python bench/run.py [--quick] [--json PATH] [--markdown PATH] [--only producer,consumer,memory,trainer]
 
-Runs `bench/producer.py`, `bench/consumer.py` and `bench/trainer.py`, each in its own child
+Runs `bench/producer.py`, `bench/consumer.py`, `bench/memory.py` and `bench/trainer.py`, each in its own child
 process with `--json` (so each keeps its own broker, Ray instance and peak RSS), and merges their
 results into rows. Every benchmark measures its own bare baseline in the same run:
 
   producer  EpisodeRecorder vs bare confluent-kafka `produce()`            (CPU per step)
   consumer  RecorderConsumer vs a bare poll+decode+assemble+pack loop, and vs RLlib's
             `ray.data.from_items(...).write_parquet` write path            (steps/s, peak RSS)
+  memory    RecorderConsumer's peak RSS under a hostile mix (huge infos, huge spaces, endless
+            episodes) vs the sum of its configured memory budgets
   trainer   ManifestOfflineData vs stock `OfflineData`, same BC config     (timesteps/s);
             streaming: learner wait share, shard commit -> first gradient p95
 
@@ -40,12 +42,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
-BENCHES = ("producer", "consumer", "trainer")
+BENCHES = ("producer", "consumer", "memory", "trainer")
 
 #: child arguments per benchmark: (full, quick)
 ARGS = {
     "producer": ([], ["--quick"]),
     "consumer": ([], ["--quick"]),
+    "memory": ([], ["--quick"]),
     "trainer": (
         [],
         [
@@ -65,7 +68,7 @@ ARGS = {
     ),
 }
 #: seconds a child may take: (full, quick)
-TIMEOUTS = {"producer": (600, 240), "consumer": (900, 300), "trainer": (900, 300)}
+TIMEOUTS = {"producer": (600, 240), "consumer": (900, 300), "memory": (1200, 300), "trainer": (900, 300)}
 
 
 @dataclass
@@ -206,7 +209,22 @@ def trainer_rows(r: dict, quick: bool) -> list[Row]:
     ]
 
 
-ROWS = {"producer": producer_rows, "consumer": consumer_rows, "trainer": trainer_rows}
+def memory_rows(r: dict, quick: bool) -> list[Row]:
+    from bench.memory import TARGET_RATIO
+
+    return [
+        _row(
+            "consumer: peak RSS MB above idle, hostile mix, vs its budgets",
+            _num(r, "peak_above_idle_mb_median"),
+            _num(r, "bound_mb"),
+            f"ratio ≤ {TARGET_RATIO:g}",
+            lambda o, q: q <= TARGET_RATIO,
+            quick,
+        )
+    ]
+
+
+ROWS = {"producer": producer_rows, "consumer": consumer_rows, "memory": memory_rows, "trainer": trainer_rows}
 
 
 def run_child(name: str, quick: bool, workdir: str) -> dict:

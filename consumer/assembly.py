@@ -35,12 +35,23 @@ from rlrec.producer.events import (
     RewardDelta,
     StepBatch,
     check_leaves,
+    check_values,
     encode,
+    info_nbytes,
 )
-from rlrec.producer.spaces import space_leaves
+from rlrec.producer.spaces import Leaf, space_leaves
 from rlrec.store.finished import FinishedEpisode
 
-__all__ = ["CONSUMER_REASONS", "AssemblyConfig", "Counters", "DeadLetter", "OpenEpisode", "PartitionAssembler"]
+__all__ = [
+    "CONSUMER_REASONS",
+    "VALIDATE_SPACES",
+    "AssemblyConfig",
+    "Counters",
+    "DeadLetter",
+    "OpenEpisode",
+    "PartitionAssembler",
+    "finished_events",
+]
 
 #: dead-letter reasons decided by assembly (decode reasons come from rlrec.producer.events.DECODE_REASONS).
 CONSUMER_REASONS = {
@@ -54,8 +65,14 @@ CONSUMER_REASONS = {
     "extra-mismatch": "a step batch whose extra_model_outputs keys differ from the episode's first batch",
     "empty-episode": "an episode aborted (or timed out) before its first step",
     "timeout": "an open episode idle for episode_timeout_s (with on_timeout='dead-letter')",
-    "capacity": "an open episode evicted because max_open_episodes was reached",
+    "capacity": "an open episode evicted because max_open_episodes or max_open_bytes was reached",
+    "episode-too-large": "an open episode over max_episode_bytes (with on_episode_too_large='dead-letter')",
+    "unwritable": "a finished episode the shard format cannot encode (found when its shard was written)",
+    "internal": "data that made rlrec's own code fail (the exception class is in the detail): a bug to report",
 }
+
+#: --validate-spaces: what an event is checked against before it is applied
+VALIDATE_SPACES = ("strict", "shape", "off")
 
 
 @dataclass
@@ -75,6 +92,19 @@ class AssemblyConfig:
     reward_join_window_s: float = 0.0
     episode_timeout_s: float = 600.0
     on_timeout: str = "truncate"  # or "dead-letter"
+    #: strict: dtypes and shapes of the declared spaces, action ranges, finite observations and
+    #: actions; shape: dtypes and shapes only; off: only what building the episode needs (every
+    #: batch like the episode's first)
+    validate_spaces: str = "strict"
+    max_episode_bytes: int = 64 * 1024 * 1024
+    on_episode_too_large: str = "dead-letter"  # or "truncate"
+
+    def __post_init__(self) -> None:
+        if self.validate_spaces not in VALIDATE_SPACES:
+            raise ValueError(f"validate_spaces must be one of {VALIDATE_SPACES}, got {self.validate_spaces!r}")
+        for name, value in (("on_timeout", self.on_timeout), ("on_episode_too_large", self.on_episode_too_large)):
+            if value not in ("truncate", "dead-letter"):
+                raise ValueError(f"{name} must be 'truncate' or 'dead-letter', got {value!r}")
 
 
 @dataclass
@@ -93,18 +123,46 @@ class OpenEpisode:
     start: EpisodeStart
     first_offset: int
     start_hash: bytes
+    obs_leaves: tuple = ()
+    act_leaves: tuple = ()
     batches: list[StepBatch] = field(default_factory=list)
     rewards_later: list[RewardDelta] = field(default_factory=list)  # for steps already applied
+    batch_offsets: list[int] = field(default_factory=list)  # Kafka offset of each of `batches`
+    reward_offsets: list[int] = field(default_factory=list)  # ... and of each of `rewards_later`
     t: int = 0
     last_offset: int = 0
     last_event_at: float = 0.0
     extra_keys: frozenset | None = None
+    #: (dtype, per-step shape) of each extra model output, from the episode's first batch
+    extra_layout: dict[str, tuple[np.dtype, tuple[int, ...]]] | None = None
     nbytes: int = 0
 
 
 def _batch_nbytes(b: StepBatch) -> int:
+    """Memory a step batch holds: arrays, parsed infos, a fixed overhead."""
     n = b.rewards.nbytes + sum(a.nbytes for a in b.actions) + sum(a.nbytes for a in b.observations)
-    return n + sum(a.nbytes for a in b.extra_model_outputs.values()) + 200
+    n += sum(a.nbytes for a in b.extra_model_outputs.values()) + 200
+    if b.infos is not None:
+        n += sum(info_nbytes(i) for i in b.infos if i)
+    return n
+
+
+def _start_nbytes(ev: EpisodeStart) -> int:
+    n = sum(a.nbytes for a in ev.observation) + (info_nbytes(ev.info) if ev.info else 0) + 1000
+    return n + _space_nbytes(ev.observation_space) + _space_nbytes(ev.action_space)
+
+
+def _space_nbytes(space: Any) -> int:
+    """Memory a space object holds (its bound arrays dominate: a Box of a million elements holds
+    8 MB). Counted for every episode even where episodes share one space object: an upper bound."""
+    n = 500
+    for name in ("low", "high", "nvec", "start"):
+        v = getattr(space, name, None)
+        if isinstance(v, np.ndarray):
+            n += v.nbytes
+    for sub in getattr(space, "spaces", None) or ():
+        n += _space_nbytes(space.spaces[sub] if isinstance(space.spaces, dict) else sub)
+    return n
 
 
 class PartitionAssembler:
@@ -130,6 +188,7 @@ class PartitionAssembler:
         self.next_offset: int | None = None
         self.counters = Counters()
         self.finished_bytes = 0
+        self.open_nbytes = 0  # memory held by open episodes (OpenEpisode.nbytes summed)
 
     # -- events -------------------------------------------------------------------------------
 
@@ -147,6 +206,8 @@ class PartitionAssembler:
                 self.counters.replay_skipped += 1
             elif isinstance(event, RewardDelta):
                 return [DeadLetter("late-reward", f"episode {eid} is already committed", offset)]
+            elif eid in self.evicted:  # cut short by us (e.g. episode-too-large): its rest is dead-lettered
+                return [DeadLetter(self.evicted[eid], f"episode {eid} was ended early ({self.evicted[eid]})", offset)]
             else:
                 self.counters.duplicates += 1
             return []
@@ -165,6 +226,7 @@ class PartitionAssembler:
                         DeadLetter("bad-reward-t", f"episode {eid} has {ep.t} steps; reward for t={event.t}", offset)
                     ]
                 ep.rewards_later.append(event)
+                ep.reward_offsets.append(offset)
                 ep.last_offset = offset
                 self.counters.rewards_applied += 1
                 return []
@@ -209,10 +271,23 @@ class PartitionAssembler:
             return [
                 DeadLetter("duplicate-start", f"episode {ev.episode_id} is already open with a different start", offset)
             ]
+        obs_leaves = ev.observation_leaves or _leaves(ev.observation_space)
+        act_leaves = ev.action_leaves or _leaves(ev.action_space)
+        if self.config.validate_spaces == "strict":
+            try:
+                check_values(ev.observation, obs_leaves, "observation")
+            except DecodeError as e:
+                self._remember_evicted(ev.episode_id, e.reason)
+                return [DeadLetter(e.reason, e.detail, offset)]
+        nbytes = _start_nbytes(ev)
+        if nbytes > self.config.max_episode_bytes:  # nothing to truncate to: the start alone is too large
+            self._remember_evicted(ev.episode_id, "episode-too-large")
+            return [DeadLetter("episode-too-large", f"start holds {nbytes} bytes", offset)]
         self.evicted.pop(ev.episode_id, None)
         self.open[ev.episode_id] = OpenEpisode(
-            ev, offset, h, last_offset=offset, last_event_at=now, nbytes=sum(a.nbytes for a in ev.observation) + 1000
+            ev, offset, h, obs_leaves, act_leaves, last_offset=offset, last_event_at=now, nbytes=nbytes
         )
+        self.open_nbytes += nbytes
         return []
 
     def _on_steps(self, ep: OpenEpisode, offset: int, b: StepBatch, now: float) -> list[DeadLetter]:
@@ -226,24 +301,48 @@ class PartitionAssembler:
             return [
                 DeadLetter("backwards-t", f"episode {eid} at t={ep.t}, batch covers {b.t0}..{b.t0 + b.n - 1}", offset)
             ]
-        obs_leaves = _leaves(ep.start.observation_space)
-        act_leaves = _leaves(ep.start.action_space)
+        mode = self.config.validate_spaces
         try:
-            check_leaves(b.observations, obs_leaves, b.n, "observations")
-            check_leaves(b.actions, act_leaves, b.n, "actions")
+            if mode == "off":  # no declared space: only what stacking the batches needs
+                ref = ep.batches[0] if ep.batches else None
+                first_obs = tuple(Leaf(a.dtype, a.shape) for a in ep.start.observation)
+                check_leaves(b.observations, _layout(ref.observations) if ref else first_obs, b.n, "observations")
+                if ref is not None:
+                    check_leaves(b.actions, _layout(ref.actions), b.n, "actions")
+            else:
+                check_leaves(b.observations, ep.obs_leaves, b.n, "observations")
+                check_leaves(b.actions, ep.act_leaves, b.n, "actions")
         except DecodeError as e:
             return [DeadLetter(e.reason, e.detail, offset)]
+        if mode == "strict":
+            try:
+                check_values(b.observations, ep.obs_leaves, "observations")
+                check_values(b.actions, ep.act_leaves, "actions")
+            except DecodeError as e:  # the values themselves are bad: so is the episode
+                return self._poison(ep, offset, e.reason, e.detail)
         keys = frozenset(b.extra_model_outputs)
         if ep.extra_keys is None:
             ep.extra_keys = keys
+            ep.extra_layout = {k: (a.dtype, a.shape[1:]) for k, a in b.extra_model_outputs.items()}
         elif keys != ep.extra_keys:
             return [
                 DeadLetter("extra-mismatch", f"episode {eid}: keys {sorted(keys)} != {sorted(ep.extra_keys)}", offset)
             ]
+        else:
+            for k, a in b.extra_model_outputs.items():
+                want = ep.extra_layout[k]
+                if (a.dtype, a.shape[1:]) != want:
+                    detail = f"episode {eid}: {k} is {a.dtype}{list(a.shape[1:])}, first batch {want[0]}{list(want[1])}"
+                    return [DeadLetter("extra-output-mismatch", detail, offset)]
+        nbytes = _batch_nbytes(b)
+        if ep.nbytes + nbytes > self.config.max_episode_bytes:
+            return self._too_large(ep, offset, ep.nbytes + nbytes, now)
         ep.batches.append(b)
+        ep.batch_offsets.append(offset)
         ep.t += b.n
         ep.last_offset = offset
-        ep.nbytes += _batch_nbytes(b)
+        ep.nbytes += nbytes
+        self.open_nbytes += nbytes
         if b.terminated or b.truncated:
             return self._finish(ep, terminated=b.terminated, truncated=b.truncated, ended_ms=b.timestamp_ms, now=now)
         return []
@@ -253,11 +352,15 @@ class PartitionAssembler:
     ) -> list[DeadLetter]:
         eid = ep.start.episode_id
         del self.open[eid]
+        self.open_nbytes -= ep.nbytes
         if ep.t == 0:
             return self._dead_letter_episode(
                 ep, "empty-episode", f"episode {eid} ended ({reason}) before its first step"
             )
-        fe = _build(ep, terminated, truncated, ended_ms, now)
+        try:
+            fe = _build(ep, terminated, truncated, ended_ms, now)
+        except Exception as e:  # a data case the checks above missed: the episode, not the consumer
+            return self._dead_letter_episode(ep, "internal", f"building episode {eid}: {type(e).__name__}: {e}")
         self.finished[eid] = fe
         self.finished_bytes += fe.nbytes()
         self.counters.episodes_finished += 1
@@ -274,6 +377,7 @@ class PartitionAssembler:
             self.counters.timeouts += 1
             if self.config.on_timeout == "dead-letter":
                 del self.open[ep.start.episode_id]
+                self.open_nbytes -= ep.nbytes
                 out += self._dead_letter_episode(ep, "timeout", f"no event for {self.config.episode_timeout_s}s")
             else:
                 last_ms = ep.batches[-1].timestamp_ms if ep.batches else ep.start.timestamp_ms
@@ -288,19 +392,53 @@ class PartitionAssembler:
             last_ms = ep.batches[-1].timestamp_ms if ep.batches else ep.start.timestamp_ms
             return self._finish(ep, terminated=False, truncated=True, ended_ms=last_ms, now=time.time(), reason=reason)
         del self.open[eid]
+        self.open_nbytes -= ep.nbytes
         return self._dead_letter_episode(ep, reason, f"evicted: {reason}")
+
+    def poison(self, eid: str, offset: int, reason: str, detail: str) -> list[DeadLetter]:
+        """The event at `offset` of episode `eid` is bad in a way that spoils the episode: dead-letter
+        the episode's events so far (if it is open) and remember the reason for its later events.
+        The caller dead-letters the message at `offset` itself."""
+        ep = self.open.get(eid)
+        if ep is None:
+            self._remember_evicted(eid, reason)
+            return []
+        return self._poison(ep, offset, reason, detail)[:-1]
+
+    def _poison(self, ep: OpenEpisode, offset: int, reason: str, detail: str) -> list[DeadLetter]:
+        del self.open[ep.start.episode_id]
+        self.open_nbytes -= ep.nbytes
+        self.counters.evicted += 1
+        return [*self._dead_letter_episode(ep, reason, detail), DeadLetter(reason, detail, offset)]
+
+    def _too_large(self, ep: OpenEpisode, offset: int, nbytes: int, now: float) -> list[DeadLetter]:
+        """The batch at `offset` would take `ep` over max_episode_bytes."""
+        eid = ep.start.episode_id
+        detail = f"episode {eid} would hold {nbytes} bytes > max_episode_bytes {self.config.max_episode_bytes}"
+        if self.config.on_episode_too_large == "dead-letter" or ep.t == 0:
+            return self._poison(ep, offset, "episode-too-large", detail)
+        # truncate: keep the steps so far as a truncated episode; this batch and the rest are dead letters
+        last_ms = ep.batches[-1].timestamp_ms if ep.batches else ep.start.timestamp_ms
+        out = self._finish(ep, terminated=False, truncated=True, ended_ms=last_ms, now=now, reason="episode-too-large")
+        self._remember_evicted(eid, "episode-too-large")
+        return [*out, DeadLetter("episode-too-large", detail, offset)]
+
+    def _remember_evicted(self, eid: str, reason: str) -> None:
+        self.evicted[eid] = reason
+        if len(self.evicted) > 100_000:  # bounded: the oldest half goes
+            for k in list(self.evicted)[:50_000]:
+                del self.evicted[k]
 
     def _dead_letter_episode(self, ep: OpenEpisode, reason: str, detail: str) -> list[DeadLetter]:
         """Re-encode everything received for `ep` as dead letters, so nothing vanishes."""
         eid = ep.start.episode_id
-        self.evicted[eid] = reason
-        if len(self.evicted) > 100_000:
-            for k in list(self.evicted)[:50_000]:
-                del self.evicted[k]
+        self._remember_evicted(eid, reason)
         out = []
-        for ev in [ep.start, *ep.batches, *ep.rewards_later]:
+        events = [ep.start, *ep.batches, *ep.rewards_later]
+        offsets = [ep.first_offset, *ep.batch_offsets, *ep.reward_offsets]
+        for ev, offset in zip(events, offsets):
             value, headers = encode(ev)
-            out.append(DeadLetter(reason, detail, ep.first_offset, eid.encode(), value, headers))
+            out.append(DeadLetter(reason, detail, offset, eid.encode(), value, headers))
         return out
 
     # -- hand-off to the writer ---------------------------------------------------------------
@@ -322,6 +460,12 @@ class PartitionAssembler:
             self.in_flight.pop(fe.episode_id, None)
             self.committed[fe.episode_id] = entry_last_offset
 
+    def drop_unwritable(self, fe: FinishedEpisode) -> None:
+        """A handed-out episode the shard format cannot encode (dead-lettered by the caller): it
+        leaves for good; its later events are dead-lettered `unwritable` too."""
+        self.in_flight.pop(fe.episode_id, None)
+        self._remember_evicted(fe.episode_id, "unwritable")
+
     def give_back(self, episodes: Iterable[FinishedEpisode]) -> None:
         """A write failed: the episodes wait for the next attempt (rewards apply again)."""
         for fe in episodes:
@@ -342,18 +486,14 @@ class PartitionAssembler:
 # ---------------------------------------------------------------------------------------------
 
 
-_leaf_cache: dict[int, tuple] = {}
-
-
 def _leaves(space: Any) -> tuple:
-    key = id(space)
-    hit = _leaf_cache.get(key)
-    if hit is None or hit[0] is not space:
-        hit = (space, tuple(space_leaves(space)))
-        if len(_leaf_cache) > 1024:
-            _leaf_cache.clear()
-        _leaf_cache[key] = hit
-    return hit[1]
+    """Leaves of a space an EpisodeStart did not come with (built in code, not decoded)."""
+    return tuple(space_leaves(space))
+
+
+def _layout(arrays: list[np.ndarray]) -> tuple[Leaf, ...]:
+    """Leaves (dtype, per-step shape) of stacked arrays, to check later batches against."""
+    return tuple(Leaf(a.dtype, a.shape[1:]) for a in arrays)
 
 
 def _start_hash(ev: EpisodeStart) -> bytes:
@@ -399,3 +539,33 @@ def _build(ep: OpenEpisode, terminated: bool, truncated: bool, ended_ms: int, no
         ended_ms=ended_ms,
         finished_at=now,
     )
+
+
+def finished_events(fe: FinishedEpisode) -> list[EpisodeStart | StepBatch]:
+    """A finished episode as events again (its start and one batch of all its steps, delayed
+    rewards folded in): what the DLQ gets for an episode that cannot be written."""
+    start = EpisodeStart(
+        fe.episode_id,
+        fe.policy_id,
+        fe.policy_version,
+        [o[0] for o in fe.observations],
+        fe.observation_space,
+        fe.action_space,
+        fe.env_id,
+        fe.infos[0] if fe.infos else {},
+        fe.started_ms,
+    )
+    infos = list(fe.infos[1:]) if any(fe.infos[1:]) else None
+    steps = StepBatch(
+        fe.episode_id,
+        0,
+        list(fe.actions),
+        np.asarray(fe.rewards, np.float64),
+        [o[1:] for o in fe.observations],
+        fe.terminated,
+        fe.truncated,
+        infos,
+        dict(fe.extra_model_outputs),
+        fe.ended_ms,
+    )
+    return [start, steps] if fe.length else [start]

@@ -56,7 +56,6 @@ from __future__ import annotations
 import base64
 import json
 import pickle
-import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,6 +66,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from rlrec.producer.events import POLICY_ID_RE
 from rlrec.producer.spaces import dumps_space, loads_space, space_leaves
 from rlrec.store.commit import ShardCommitter
 from rlrec.store.finished import FinishedEpisode
@@ -107,7 +107,6 @@ _IGNORED = frozenset(
     {"agent_index", "unroll_id", "type", "count", "seq_lens", "weights_seq_no", "policy_version", "env_id"}
 )
 _ARRAY_KEYS = ("obs", "new_obs", "actions")
-_POLICY_RE = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 DEFAULT_POLICY_ID = "default_policy"
 
 
@@ -798,7 +797,7 @@ def _policy_id(idx: np.ndarray, rows: _Rows, opts: ConvertOptions) -> str:
             ),
             DEFAULT_POLICY_ID,
         )
-    if not _POLICY_RE.match(pid) or pid in (".", ".."):
+    if not POLICY_ID_RE.match(pid):  # the consumer's rule for policy ids (docs/FORMAT.md)
         raise ConvertError(f"policy id {pid!r} cannot name a directory; pass --policy-id")
     return pid
 

@@ -30,12 +30,24 @@ class ConsumerMetrics:
         self.dead_letters = Counter(
             "rlrec_dead_letters", "messages sent to the dead-letter topic", ["reason"], registry=r
         )
+        self.dead_letter_failures = Counter(
+            "rlrec_dead_letter_failures", "dead-letter deliveries that failed (produced again)", registry=r
+        )
+        self.dead_letters_pending = Gauge(
+            "rlrec_dead_letters_pending", "dead letters not yet acknowledged by the broker", registry=r
+        )
+        self.registry_failures = Counter(
+            "rlrec_registry_failures", "schema-registry lookups that failed (message read again)", registry=r
+        )
         self.flush_failures = Counter("rlrec_flush_failures", "shard flushes that failed (retried)", registry=r)
         self.fenced = Counter("rlrec_fenced", "times this consumer was fenced by a newer writer", registry=r)
         self.open_episodes = Gauge("rlrec_open_episodes", "episodes being assembled", registry=r)
+        self.open_bytes = Gauge("rlrec_open_bytes", "bytes held by episodes being assembled", registry=r)
         self.buffered_bytes = Gauge("rlrec_buffered_bytes", "bytes of finished episodes not yet written", registry=r)
         self.assigned = Gauge("rlrec_assigned_partitions", "partitions owned", registry=r)
-        self.paused_partitions = Gauge("rlrec_paused_partitions", "partitions paused (storage failing)", registry=r)
+        self.paused_partitions = Gauge(
+            "rlrec_paused_partitions", "partitions paused (storage or registry failing, budgets)", registry=r
+        )
         self.lag = Gauge(
             "rlrec_consumer_lag", "high watermark - position (where the broker reports it)", ["partition"], registry=r
         )
@@ -67,15 +79,18 @@ class ConsumerMetrics:
             if len(self.freshness_samples) < 1_000_000:
                 self.freshness_samples.append(f)
 
-    def serve(self, port: int, healthy: Callable[[], bool] = lambda: True, host: str = "127.0.0.1") -> int:
-        """Serve /metrics and /healthz on `port` (0 picks a free one); returns the port."""
+    def serve(
+        self, port: int, healthy: Callable[[], tuple[bool, str]] = lambda: (True, "ok"), host: str = "127.0.0.1"
+    ) -> int:
+        """Serve /metrics and /healthz on `port` (0 picks a free one); returns the port. /healthz
+        answers 200 "ok" or 503 with the reasons `healthy()` gives."""
         metrics_app = make_wsgi_app(self.registry)
 
         def app(environ, start_response):
             if environ.get("PATH_INFO") == "/healthz":
-                ok = healthy()
+                ok, reason = healthy()
                 start_response("200 OK" if ok else "503 Service Unavailable", [("Content-Type", "text/plain")])
-                return [b"ok\n" if ok else b"stalled\n"]
+                return [f"{reason}\n".encode()]
             return metrics_app(environ, start_response)
 
         self._server = make_server(host, port, app, handler_class=_QuietHandler)

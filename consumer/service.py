@@ -4,24 +4,37 @@ One process consumes the transitions topic in a consumer group; partitions are t
 parallelism. The loop:
 
     poll a batch of messages
-      -> decode (bad bytes: dead letter) -> the partition's assembler (in offset order)
+      -> decode -> the partition's assembler (in offset order); what cannot be used is a dead letter
     maintenance, every iteration:
-      1. time out idle open episodes; evict the longest-idle ones over max_open_episodes
+      1. time out idle open episodes; evict the longest-idle ones over max_open_episodes or
+         max_open_bytes
       2. flush partitions whose ready episodes hit a rolling limit (count, bytes, age) or when
          finished-but-unwritten bytes exceed the budget; a failing flush pauses its partition
          and is retried with backoff
-      3. commit offsets: for each partition, assembler.safe_offset() - after the dead-letter
-         producer has delivered everything it was given
+      3. commit offsets: for each partition, the lower of assembler.safe_offset() and the source
+         offset of its oldest dead letter the broker has not acknowledged
+
+Data errors and infrastructure errors are handled apart (docs/GUARANTEES.md, "Poison messages"):
+
+* data -- anything raised because of what a message or an episode holds, while decoding,
+  applying, building or encoding it: caught at the narrowest scope, the message (or, once an
+  episode is known to be bad, every event of that episode) is dead-lettered with a reason and the
+  consumer goes on. `internal` (with the exception class in the detail) is the last resort.
+* infrastructure -- storage errors, an unreachable or failing schema registry, a dead-letter
+  topic that does not acknowledge: never dead-lettered; the partition is paused (storage,
+  registry) or its offset held back (DLQ), retried with backoff, counted, logged, and shown by
+  /healthz once it lasts.
 
 Rebalances: on revoke, ready episodes are flushed and offsets committed before the partition
 goes; on assign, the partition's manifest log is claimed (new writer epoch: any zombie is fenced).
-SIGTERM/SIGINT: flush every finished episode, commit, leave the group.
+SIGTERM/SIGINT: flush every finished episode, wait for dead-letter acknowledgements, commit,
+leave the group.
 """
 
 from __future__ import annotations
 
-import hashlib
 import heapq
+import json
 import logging
 import random
 import signal
@@ -32,11 +45,13 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
-from rlrec.consumer.assembly import AssemblyConfig, DeadLetter
+from rlrec.consumer.assembly import VALIDATE_SPACES, AssemblyConfig, DeadLetter, finished_events
+from rlrec.consumer.dead_letters import DeadLetterQueue, dead_letter_record
 from rlrec.consumer.metrics import ConsumerMetrics
 from rlrec.consumer.topics import client_settings, create_topics, dlq_topic_name
 from rlrec.consumer.writer import PartitionWriter
-from rlrec.producer.events import DecodeError, decode
+from rlrec.producer.events import DecodeError, decode, encode
+from rlrec.producer.registry import RegistryUnavailable
 from rlrec.store.manifest import FencedError
 from rlrec.store.storage import Storage
 
@@ -51,6 +66,11 @@ FAST_FAILOVER_KAFKA = {
     "topic.metadata.refresh.interval.ms": 5000,  # see new partitions/topics quickly
     "max.poll.interval.ms": 300000,
 }
+
+#: /healthz turns 503 once a failure (storage, registry, DLQ deliveries) lasts this long
+UNHEALTHY_AFTER_S = 60.0
+#: pending (unacknowledged) dead-letter bytes over which no partition is read
+MAX_PENDING_DEAD_LETTER_BYTES = 64 * 1024 * 1024
 
 
 @dataclass
@@ -70,7 +90,11 @@ class ConsumerConfig:
     episode_timeout_s: float = 600.0
     on_timeout: str = "truncate"
     max_open_episodes: int = 100_000
+    max_open_bytes: int = 1024 * 1024 * 1024
     on_capacity: str = "dead-letter"  # or "truncate"
+    max_episode_bytes: int = 64 * 1024 * 1024
+    on_episode_too_large: str = "dead-letter"  # or "truncate"
+    validate_spaces: str = "strict"  # or "shape", "off"
     max_buffered_bytes: int = 512 * 1024 * 1024
     dlq_topic: str | None = None
     partitions: int = 8
@@ -83,6 +107,13 @@ class ConsumerConfig:
     metrics_host: str = "127.0.0.1"
     kafka_config: dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if self.validate_spaces not in VALIDATE_SPACES:
+            raise ValueError(f"validate_spaces must be one of {', '.join(VALIDATE_SPACES)}")
+        for name in ("on_timeout", "on_capacity", "on_episode_too_large"):
+            if getattr(self, name) not in ("truncate", "dead-letter"):
+                raise ValueError(f"{name} must be truncate or dead-letter, got {getattr(self, name)!r}")
+
     @property
     def dlq(self) -> str:
         return self.dlq_topic or dlq_topic_name(self.topic)
@@ -92,26 +123,37 @@ class RecorderConsumer:
     """Consumes rlrec events and commits every finished episode to exactly one shard.
 
     Guarantees (docs/GUARANTEES.md): the committed Kafka offset of a partition never passes the
-    first event of an episode that is not in a committed shard, so a crash at any point loses
-    nothing; replay skips episodes the manifest already holds, so nothing is committed twice;
-    a writer whose partition moved is fenced by the new owner's epoch claim. Events that can't
-    be used go to the dead-letter topic with a reason; the consumer keeps running.
+    first event of an episode that is not in a committed shard, nor a dead letter the broker has
+    not acknowledged, so a crash at any point loses nothing; replay skips episodes the manifest
+    already holds, so nothing is committed twice; a writer whose partition moved is fenced by
+    the new owner's epoch claim. No message can stop the process, a partition or the group: what
+    cannot be used goes to the dead-letter topic with a reason, and the consumer keeps running.
     """
+
+    #: /healthz turns 503 once a failure lasts this long
+    unhealthy_after_s = UNHEALTHY_AFTER_S
 
     def __init__(self, config: ConsumerConfig, storage: Storage | None = None):
         self.config = config
         self.storage = storage or Storage.from_uri(config.output)
-        self.assembly = AssemblyConfig(config.reward_join_window_s, config.episode_timeout_s, config.on_timeout)
+        self.assembly = AssemblyConfig(
+            reward_join_window_s=config.reward_join_window_s,
+            episode_timeout_s=config.episode_timeout_s,
+            on_timeout=config.on_timeout,
+            validate_spaces=config.validate_spaces,
+            max_episode_bytes=config.max_episode_bytes,
+            on_episode_too_large=config.on_episode_too_large,
+        )
         self.writers: dict[int, PartitionWriter] = {}
         self.metrics = ConsumerMetrics()
         self._stop = threading.Event()
-        self._paused: set[int] = set()
-        self._budget_paused: set[int] = set()  # paused only because max_buffered_bytes is exceeded
+        self._pause_reasons: dict[int, set[str]] = {}  # partition -> why it is paused (empty: reading)
+        self._registry_retry: dict[int, tuple[float, int, float]] = {}  # partition -> (resume at, attempts, since)
         self._committed: dict[int, int] = {}
         self._last_commit = 0.0
         self._last_lag = 0.0
         self.consumer: Consumer | None = None
-        self.dlq: Producer | None = None
+        self.dlq: DeadLetterQueue | None = None
         self.last_loop_at = time.time()
         self.metrics_port: int | None = None  # the port /metrics is served on, once run() started it
         self.registry = None
@@ -119,6 +161,10 @@ class RecorderConsumer:
             from rlrec.producer.registry import SchemaRegistry
 
             self.registry = SchemaRegistry(config.schema_registry_url)
+
+    @property
+    def _paused(self) -> set[int]:
+        return {p for p, why in self._pause_reasons.items() if why}
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -138,9 +184,7 @@ class RecorderConsumer:
             )
             log.info("topics ready: %s", ", ".join(f"{t} ({n} partitions)" for t, n in seen.items()))
         if cfg.metrics_port is not None:
-            port = self.metrics.serve(
-                cfg.metrics_port, healthy=lambda: time.time() - self.last_loop_at < 60, host=cfg.metrics_host
-            )
+            port = self.metrics.serve(cfg.metrics_port, healthy=self.health, host=cfg.metrics_host)
             self.metrics_port = port
             log.info("metrics on http://127.0.0.1:%d/metrics (and /healthz)", port)
         conf = {
@@ -150,18 +194,23 @@ class RecorderConsumer:
             "auto.offset.reset": "earliest",
             "partition.assignment.strategy": "range",
             "fetch.message.max.bytes": cfg.max_message_bytes,
+            "queued.max.messages.kbytes": 65536,  # the prefetch queue: part of the memory bound
             **FAST_FAILOVER_KAFKA,
             **cfg.kafka_config,
         }
         self.consumer = Consumer(conf)
-        self.dlq = Producer(
+        producer = Producer(
             {
                 "bootstrap.servers": cfg.bootstrap_servers,
                 "enable.idempotence": True,
                 "acks": "all",
                 "linger.ms": 5,
+                "queue.buffering.max.kbytes": 65536,  # librdkafka's copy of pending dead letters: bounded
                 **client_settings(cfg.kafka_config),
             }
+        )
+        self.dlq = DeadLetterQueue(
+            producer, cfg.dlq, on_failure=lambda letter, err: self.metrics.dead_letter_failures.inc()
         )
         self.consumer.subscribe(
             [cfg.topic], on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost
@@ -170,32 +219,57 @@ class RecorderConsumer:
         try:
             while not self._stop.is_set() and (deadline is None or time.time() < deadline):
                 msgs = self.consumer.consume(num_messages=1000, timeout=0.2)
+                held: set[int] = set()  # partitions told to re-read from a message (registry down)
                 for m in msgs:
-                    self._on_message(m)
+                    if m.partition() not in held and not self._on_message(m):
+                        held.add(m.partition())
                 self._maintain(time.time())
                 self.last_loop_at = time.time()
         finally:
             self._shutdown()
 
     def _shutdown(self) -> None:
-        log.info("shutting down: flushing finished episodes and committing offsets")
+        log.info("shutting down: flushing finished episodes, delivering dead letters, committing offsets")
         try:
             for p in list(self.writers):
                 self._flush_partition(p, force=True, now=time.time())
+        except Exception:
+            log.exception("final flush failed; uncommitted episodes will be replayed")
+        if self.dlq is not None and not self.dlq.flush(10):
+            # their source offsets are not committed past (see _commit): they come again
+            log.error("%d dead letters unacknowledged at shutdown; they will be produced again", len(self.dlq.pending))
+        try:
             self._commit(force=True)
         except Exception:
-            log.exception("final flush/commit failed; uncommitted episodes will be replayed")
+            log.exception("final commit failed; uncommitted episodes will be replayed")
         try:
             self.consumer.close()  # leaves the group
         except Exception:
             log.exception("consumer close failed")
         if self.dlq is not None:
-            left = self.dlq.flush(10)
-            if left:  # their source offsets were not committed past (see _commit): they come again
-                log.error("%d dead letters undelivered at shutdown", left)
-            elif hasattr(self.dlq, "close"):  # confluent-kafka >= 2.11: release the client now
-                self.dlq.close()
+            self.dlq.close()
         self.metrics.stop()
+
+    def health(self) -> tuple[bool, str]:
+        """(ok, reason): not ok once the loop stalls or a failure lasts `unhealthy_after_s`."""
+        now = time.time()
+        problems = []
+        if now - self.last_loop_at >= self.unhealthy_after_s:
+            problems.append(f"the consumer loop has not run for {now - self.last_loop_at:.0f}s")
+        for p, w in self.writers.items():
+            if w.failing_since is not None and now - w.failing_since >= self.unhealthy_after_s:
+                problems.append(f"partition {p}: flush failing for {now - w.failing_since:.0f}s (storage)")
+        mono = time.monotonic()
+        for p, (_at, _n, since) in self._registry_retry.items():
+            if mono - since >= self.unhealthy_after_s:
+                problems.append(f"partition {p}: schema registry unavailable for {mono - since:.0f}s")
+        failing = self.dlq.oldest_failure() if self.dlq is not None else None
+        if failing is not None and mono - failing.first_failure >= self.unhealthy_after_s:
+            problems.append(
+                f"dead letters not acknowledged for {mono - failing.first_failure:.0f}s "
+                f"({len(self.dlq.pending)} pending; {failing.last_error})"
+            )
+        return (not problems, "; ".join(problems) or "ok")
 
     # -- rebalance callbacks ------------------------------------------------------------------
 
@@ -229,7 +303,7 @@ class RecorderConsumer:
         then start over from the committed offset."""
         w.assembler = None
         w.next_attempt = time.time() + retry_in
-        self._pause(p)
+        self._pause(p, "unclaimed")
 
     def _reclaim(self, p: int, w: PartitionWriter) -> None:
         try:
@@ -238,13 +312,16 @@ class RecorderConsumer:
             log.warning("partition %d: claim failed again (%s)", p, e)
             w.next_attempt = time.time() + 10.0
             return
+        self._seek_committed(p)
+        self._resume(p, "unclaimed")
+        log.info("partition %d: claimed again; replaying from the committed offset", p)
+
+    def _seek_committed(self, p: int) -> None:
         tp = TopicPartition(self.config.topic, p)
         committed = self.consumer.committed([tp], timeout=10)[0].offset
         tp.offset = committed if committed >= 0 else -2  # OFFSET_BEGINNING
-        self._resume(p)
         self.consumer.seek(tp)
         self._committed.pop(p, None)
-        log.info("partition %d: claimed again; replaying from offset %s", p, committed)
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         now = time.time()
@@ -255,6 +332,8 @@ class RecorderConsumer:
                 except Exception:
                     log.exception("partition %d: flush on revoke failed; the next owner replays it", tp.partition)
         try:
+            if self.dlq is not None:
+                self.dlq.flush(10)
             self._commit(force=True, only=[tp.partition for tp in partitions])
         except Exception:
             log.exception("commit on revoke failed")
@@ -272,68 +351,121 @@ class RecorderConsumer:
             w.drop()
         # librdkafka keeps a partition's pause across revoke and re-assignment to this consumer:
         # undo it while the partition is still assigned, or once given back it is never read again
-        self._resume(p)
+        self._resume(p, *self._pause_reasons.get(p, ()))
+        self._pause_reasons.pop(p, None)
+        self._registry_retry.pop(p, None)
         self._committed.pop(p, None)
 
     # -- messages -----------------------------------------------------------------------------
 
-    def _on_message(self, m: Any) -> None:
+    def _on_message(self, m: Any) -> bool:
+        """Handle one message. False: the partition was told to read again from this message
+        (an infrastructure failure); skip its other messages of this batch."""
         err = m.error()
         if err is not None:
             if err.code() != KafkaError._PARTITION_EOF:
                 log.warning("consumer error: %s", err)
-            return
+            return True
         p = m.partition()
         w = self.writers.get(p)
-        if w is None or w.assembler is None:
-            return  # not ours (any more) or not claimed: the owner reads it
+        if w is None or w.assembler is None or "registry" in self._pause_reasons.get(p, ()):
+            return True  # not ours (any more), not claimed, or waiting for the registry: read again later
+        a = w.assembler
+        offset = m.offset()
         value = m.value()
         self.metrics.bytes_in.inc(len(value) if value else 0)
         try:
-            event = decode(value, m.headers(), max_bytes=self.config.max_message_bytes, registry=self.registry)
-        except DecodeError as e:
-            self._dead_letter(m, DeadLetter(e.reason, e.detail, m.offset()))
-            w.assembler.next_offset = m.offset() + 1
-            return
-        letters = w.assembler.apply(m.offset(), event)
+            event = decode(
+                value, m.headers(), max_bytes=self.config.max_message_bytes, registry=self.registry, key=m.key()
+            )
+        except DecodeError as e:  # data
+            self._dead_letter(m, DeadLetter(e.reason, e.detail, offset))
+            a.next_offset = offset + 1
+            return True
+        except RegistryUnavailable as e:  # infrastructure: this message again, later
+            self._retry_registry(p, offset, e)
+            return False
+        except Exception as e:  # data that broke the decoder itself: last resort
+            self._dead_letter(m, DeadLetter("internal", f"decode: {type(e).__name__}: {e}"[:1000], offset))
+            a.next_offset = offset + 1
+            return True
+        self._registry_ok(p)
+        try:
+            letters = a.apply(offset, event)
+        except Exception as e:  # data that broke assembly: the message and its episode
+            detail = f"apply: {type(e).__name__}: {e}"[:1000]
+            log.exception("partition %d offset %d: %s", p, offset, detail)
+            letters = [*a.poison(event.episode_id, offset, "internal", detail), DeadLetter("internal", detail, offset)]
+            a.next_offset = offset + 1
         for dl in letters:
             self._dead_letter(m if dl.value is None else None, dl, partition=p)
+        return True
 
     def _dead_letter(self, m: Any | None, dl: DeadLetter, partition: int | None = None) -> None:
         """Send to the DLQ: the original message (m) or a re-encoded event (dl.value)."""
         cfg = self.config
         if m is not None:
-            key, value, headers = m.key(), m.value() or b"", list(m.headers() or [])
-            partition = m.partition()
+            key, value, headers, partition = m.key(), m.value(), m.headers(), m.partition()
         else:
-            key, value, headers = dl.key, dl.value, list(dl.headers or [])
-        headers += [
-            ("rlrec-dlq-reason", dl.reason.encode()),
-            ("rlrec-dlq-detail", dl.detail[:1000].encode()),
-            ("rlrec-source-topic", cfg.topic.encode()),
-            ("rlrec-source-partition", str(partition).encode()),
-            ("rlrec-source-offset", str(dl.offset).encode()),
-        ]
-        if len(value) > cfg.dlq_max_message_bytes:
-            headers += [
-                ("rlrec-original-length", str(len(value)).encode()),
-                ("rlrec-original-sha256", hashlib.sha256(value).hexdigest().encode()),
-            ]
-            value = value[: cfg.dlq_max_message_bytes]
-        while True:
-            try:
-                self.dlq.produce(cfg.dlq, value, key, headers=headers)
-                break
-            except BufferError:
-                self.dlq.poll(0.1)
-        self.dlq.poll(0)
+            key, value, headers = dl.key, dl.value, dl.headers
+        key, value, headers = dead_letter_record(
+            topic=cfg.topic,
+            partition=partition,
+            offset=dl.offset,
+            reason=dl.reason,
+            detail=dl.detail,
+            key=key,
+            value=value,
+            headers=headers,
+            max_value_bytes=cfg.dlq_max_message_bytes,
+        )
+        self.dlq.send(partition, dl.offset, dl.reason, key, value, headers)
         self.metrics.dead_letters.labels(dl.reason).inc()
         log.debug("dead letter %s at %d/%s: %s", dl.reason, partition, dl.offset, dl.detail)
+
+    def _dead_letter_finished(self, p: int, fe: Any, reason: str, detail: str) -> None:
+        """Dead-letter a finished episode that cannot be written: its events, re-encoded."""
+        eid = fe.episode_id
+        try:
+            records = [encode(ev) for ev in finished_events(fe)]
+        except Exception as e:  # not even re-encodable: a summary, so the DLQ still says what was lost
+            summary = {"episode_id": eid, "steps": fe.length, "error": f"{type(e).__name__}: {e}"[:500]}
+            records = [(json.dumps(summary).encode(), [])]
+        # the start's offset, then the episode's last: the batch holds every step up to there
+        for (value, headers), offset in zip(records, [fe.first_offset, fe.last_offset]):
+            self._dead_letter(None, DeadLetter(reason, detail, offset, eid.encode(), value, headers), p)
+
+    # -- infrastructure: the schema registry ---------------------------------------------------
+
+    def _retry_registry(self, p: int, offset: int, err: Exception) -> None:
+        """The registry could not say what a message is: pause the partition, read it again from
+        this message after a backoff (0.5 s doubling to 30 s). Never a dead letter."""
+        now = time.monotonic()
+        _at, attempts, since = self._registry_retry.get(p, (0.0, 0, now))
+        backoff = min(30.0, 0.5 * 2 ** min(attempts, 6))
+        self._registry_retry[p] = (now + backoff, attempts + 1, since)
+        self.metrics.registry_failures.inc()
+        log.warning(
+            "partition %d: schema registry unavailable (%s); retrying offset %d in %.1fs", p, err, offset, backoff
+        )
+        self._pause(p, "registry")
+        try:
+            self.consumer.seek(TopicPartition(self.config.topic, p, offset))
+        except KafkaException as e:
+            log.warning("partition %d: seek to %d failed (%s); replaying from the committed offset", p, offset, e)
+
+    def _registry_ok(self, p: int) -> None:
+        if self._registry_retry.pop(p, None) is not None:
+            log.info("partition %d: schema registry answers again", p)
 
     # -- maintenance --------------------------------------------------------------------------
 
     def _maintain(self, now: float) -> None:
         cfg = self.config
+        mono = time.monotonic()
+        for p, (at, _n, _since) in list(self._registry_retry.items()):
+            if mono >= at and "registry" in self._pause_reasons.get(p, ()):
+                self._resume(p, "registry")  # read the message again (it stays in _registry_retry until it decodes)
         for p, w in list(self.writers.items()):
             if w.assembler is None:
                 if now >= w.next_attempt:
@@ -361,6 +493,9 @@ class RecorderConsumer:
             ):
                 self._flush_partition(p, force=False, now=now)
         self._hold_back_over_budget()
+        if self.dlq is not None:
+            self.dlq.poll()
+            self._hold_back_dead_letters()
         self._update_gauges()
         if now - self._last_commit >= cfg.commit_interval_s:
             self._commit()
@@ -375,33 +510,43 @@ class RecorderConsumer:
         total = sum(w.assembler.finished_bytes for w in self.writers.values() if w.assembler)
         if total > self.config.max_buffered_bytes:
             for p in self.writers:
-                if p not in self._paused:
-                    self._pause(p)
-                    self._budget_paused.add(p)
-        elif self._budget_paused:
-            for p in self._budget_paused:
-                w = self.writers.get(p)
-                if w is not None and w.assembler is not None and w.failing_since is None:
-                    self._resume(p)
-            self._budget_paused.clear()
+                self._pause(p, "budget")
+        else:
+            for p in list(self._pause_reasons):
+                self._resume(p, "budget")
+
+    def _hold_back_dead_letters(self) -> None:
+        """Dead letters the broker does not acknowledge stay in memory: past
+        MAX_PENDING_DEAD_LETTER_BYTES read nothing more until they are delivered."""
+        if self.dlq.pending_bytes > MAX_PENDING_DEAD_LETTER_BYTES:
+            for p in self.writers:
+                self._pause(p, "dead-letters")
+        elif self.dlq.pending_bytes < MAX_PENDING_DEAD_LETTER_BYTES // 2:
+            for p in list(self._pause_reasons):
+                self._resume(p, "dead-letters")
 
     def _enforce_capacity(self) -> None:
+        """Evict the longest-idle open episodes over max_open_episodes or max_open_bytes."""
         cfg = self.config
-        total = sum(len(w.assembler.open) for w in self.writers.values() if w.assembler)
-        if total <= cfg.max_open_episodes:
+        assemblers = [(p, w.assembler) for p, w in self.writers.items() if w.assembler]
+        count = sum(len(a.open) for _, a in assemblers)
+        nbytes = sum(a.open_nbytes for _, a in assemblers)
+        if count <= cfg.max_open_episodes and nbytes <= cfg.max_open_bytes:
             return
-        # the longest-idle open episodes over all partitions, chosen in one pass (one scan per
-        # eviction would be quadratic: a burst of 100k new episodes against a 20k cap)
-        victims = heapq.nsmallest(
-            total - cfg.max_open_episodes,
-            (
-                (ep.last_event_at, p, eid)
-                for p, w in self.writers.items()
-                if w.assembler
-                for eid, ep in w.assembler.open.items()
-            ),
-        )
-        for _, p, eid in victims:
+        # the longest-idle first, chosen in one pass (one scan per eviction would be quadratic:
+        # a burst of 100k new episodes against a 20k cap)
+        idle = ((ep.last_event_at, p, eid, ep.nbytes) for p, a in assemblers for eid, ep in a.open.items())
+        over_count = count - cfg.max_open_episodes
+        if nbytes <= cfg.max_open_bytes:
+            victims = heapq.nsmallest(over_count, idle)
+        else:
+            victims = []
+            for item in sorted(idle):
+                if len(victims) >= over_count and nbytes <= cfg.max_open_bytes:
+                    break
+                victims.append(item)
+                nbytes -= item[3]
+        for _, p, eid, _n in victims:
             for dl in self.writers[p].assembler.evict(eid, truncate=cfg.on_capacity == "truncate"):
                 self._dead_letter(None, dl, partition=p)
 
@@ -435,7 +580,7 @@ class RecorderConsumer:
                 # time to happen (sooner would fence the rightful owner back and forth)
                 self._unclaimed(p, w, retry_in=60.0)
                 return
-            except Exception as e:
+            except Exception as e:  # infrastructure (storage): data errors come back in res.unwritable
                 a.give_back(chunk)
                 w.attempts += 1
                 backoff = min(30.0, 0.5 * 2 ** min(w.attempts, 6)) * (0.5 + random.random())
@@ -444,31 +589,43 @@ class RecorderConsumer:
                     w.failing_since = time.time()
                 log.error("partition %d: flush failed (%s: %s); retry in %.1fs", p, type(e).__name__, e, backoff)
                 self.metrics.flush_failures.inc()
-                self._pause(p)
+                self._pause(p, "storage")
                 return
+            for fe, detail in res.unwritable:  # data: these episodes, not the others of the shard
+                log.error("partition %d: episode %s cannot be written (%s); dead-lettered", p, fe.episode_id, detail)
+                self._dead_letter_finished(p, fe, "unwritable", detail)
+                a.drop_unwritable(fe)
             w.attempts = 0
             w.failing_since = None
-            self._resume(p)
-            self.metrics.on_commit(res, time.time() - t0, chunk)
+            self._resume(p, "storage")
+            written = {e for entry in res.entries for e in entry.episode_ids}
+            self.metrics.on_commit(res, time.time() - t0, [fe for fe in chunk if fe.episode_id in written])
 
-    def _pause(self, p: int) -> None:
-        if p not in self._paused and self.consumer is not None:
-            try:
-                self.consumer.pause([TopicPartition(self.config.topic, p)])
-                self._paused.add(p)
-            except KafkaException as e:
-                log.warning("pause of partition %d failed: %s", p, e)
+    def _pause(self, p: int, reason: str = "requested") -> None:
+        """Stop reading partition p for `reason`; it is read again once every reason is resumed."""
+        reasons = self._pause_reasons.setdefault(p, set())
+        if reasons or self.consumer is None:
+            reasons.add(reason)
+            return
+        try:
+            self.consumer.pause([TopicPartition(self.config.topic, p)])
+            reasons.add(reason)
+        except KafkaException as e:
+            log.warning("pause of partition %d failed: %s", p, e)
 
-    def _resume(self, p: int) -> None:
-        if p in self._paused and self.consumer is not None:
+    def _resume(self, p: int, *reasons: str) -> None:
+        current = self._pause_reasons.get(p)
+        if not current or not current.intersection(reasons):
+            return
+        current.difference_update(reasons)
+        if not current and self.consumer is not None:
             try:
                 self.consumer.resume([TopicPartition(self.config.topic, p)])
             except KafkaException as e:
                 log.warning("resume of partition %d failed: %s", p, e)
-            self._paused.discard(p)
 
     def _commit(self, force: bool = False, only: list[int] | None = None) -> None:
-        """Commit each partition's safe offset, once the DLQ holds everything sent to it."""
+        """Commit each partition's safe offset, never past a dead letter not yet acknowledged."""
         offsets = []
         for p, w in self.writers.items():
             if only is not None and p not in only:
@@ -476,14 +633,13 @@ class RecorderConsumer:
             if w.assembler is None:
                 continue
             off = w.assembler.safe_offset()
+            unacked = self.dlq.min_unacked(p) if self.dlq is not None else None
+            if off is not None and unacked is not None:
+                off = min(off, unacked)
             if off is not None and off > self._committed.get(p, -1):
                 offsets.append(TopicPartition(self.config.topic, p, off))
         self._last_commit = time.time()
         if not offsets:
-            return
-        left = self.dlq.flush(30)
-        if left:
-            log.error("dead-letter producer has %d undelivered messages; not committing offsets", left)
             return
         try:
             self.consumer.commit(offsets=offsets, asynchronous=False)
@@ -508,6 +664,10 @@ class RecorderConsumer:
             log.debug("lag not available: %s", e)
 
     def _update_gauges(self) -> None:
-        self.metrics.open_episodes.set(sum(len(w.assembler.open) for w in self.writers.values() if w.assembler))
-        self.metrics.buffered_bytes.set(sum(w.assembler.finished_bytes for w in self.writers.values() if w.assembler))
+        assemblers = [w.assembler for w in self.writers.values() if w.assembler]
+        self.metrics.open_episodes.set(sum(len(a.open) for a in assemblers))
+        self.metrics.open_bytes.set(sum(a.open_nbytes for a in assemblers))
+        self.metrics.buffered_bytes.set(sum(a.finished_bytes for a in assemblers))
         self.metrics.paused_partitions.set(len(self._paused))
+        if self.dlq is not None:
+            self.metrics.dead_letters_pending.set(len(self.dlq.pending))

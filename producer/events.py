@@ -22,6 +22,10 @@ import functools
 import io
 import json
 import math
+import re
+import sys
+import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +40,8 @@ from rlrec.producer.spaces import Leaf, SpaceError, loads_space, space_leaves
 
 __all__ = [
     "DECODE_REASONS",
+    "MAX_KEY_BYTES",
+    "POLICY_ID_RE",
     "SCHEMA_HEADER",
     "DecodeError",
     "EpisodeAbort",
@@ -43,11 +49,15 @@ __all__ = [
     "Event",
     "RewardDelta",
     "StepBatch",
+    "check_env_id",
     "check_leaves",
+    "check_policy_id",
+    "check_values",
     "decode",
     "dumps_info",
     "encode",
     "encode_record",
+    "info_nbytes",
     "load_schemas",
     "loads_info",
     "schema_header",
@@ -70,7 +80,20 @@ DECODE_REASONS = {
     "space-mismatch": "an array contradicts the episode's declared space (dtype or shape)",
     "bad-value": "a field value out of range (empty id, negative t or version, both/neither flags)",
     "non-finite-reward": "a reward that is NaN or infinite",
+    "bad-policy-id": "a policy_id that cannot name a directory: it must match ^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$",
+    "bad-env-id": "an env_id longer than 256 characters or with control (non-printable) characters",
+    "bad-info": "an info value the shard formats cannot represent (an integer outside int64/uint64, a lone surrogate)",
+    "key-too-large": "a Kafka key over 1 KiB (keys are episode ids)",
+    "extra-output-mismatch": "an extra model output whose dtype or trailing shape differs from the episode's first batch",
+    "out-of-space": "an action outside the declared action space (Discrete/MultiDiscrete/MultiBinary range)",
+    "non-finite-value": "an observation or action with NaN or infinite values",
 }
+
+#: `policy_id` names a directory of the output: one safe path component, never hidden or reserved
+POLICY_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+MAX_ENV_ID_CHARS = 256
+MAX_KEY_BYTES = 1024
+_INT_MIN, _UINT_MAX = -(2**63), 2**64 - 1
 
 
 class DecodeError(ValueError):
@@ -167,6 +190,8 @@ def _info_hook(d: dict) -> Any:
 
 
 def loads_info(text: str) -> dict:
+    """Decode an info JSON object; DecodeError `bad-json`, or `bad-info` for values the shard
+    formats cannot represent (integers outside int64/uint64, strings with lone surrogates)."""
     if not text:
         return {}
     try:
@@ -177,7 +202,62 @@ def loads_info(text: str) -> dict:
         raise DecodeError("bad-json", f"info is not JSON: {e}") from None
     if not isinstance(d, dict):
         raise DecodeError("bad-json", f"info must be a JSON object, got {type(d).__name__}")
+    _check_info_values(d)
     return d
+
+
+def _check_info_values(root: dict) -> None:
+    """Iteratively (no recursion limit to hit): every int fits int64 or uint64 and every string
+    (keys included) is valid UTF-8 text -- what msgpack (episode shards) and JSON (tabular) keep."""
+    stack: list[Any] = [root]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+        elif isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                raise DecodeError("bad-info", f"info string with a lone surrogate: {v[:40]!r}") from None
+        elif isinstance(v, int) and not isinstance(v, bool) and not _INT_MIN <= v <= _UINT_MAX:
+            raise DecodeError("bad-info", f"info integer {str(v)[:40]} is outside int64/uint64")
+
+
+def info_nbytes(info: Any) -> int:
+    """Memory held by a decoded info (its Python objects and arrays), approximately. A JSON text
+    can cost 20x its size once parsed (many small objects), so budgets count this, not the text."""
+    n = 0
+    stack: list[Any] = [info]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, np.ndarray):
+            n += v.nbytes + 112
+            continue
+        n += sys.getsizeof(v)
+        if isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return n
+
+
+def check_policy_id(policy_id: Any) -> str:
+    """`policy_id` if it can name a directory (POLICY_ID_RE), else DecodeError `bad-policy-id`."""
+    if not isinstance(policy_id, str) or not POLICY_ID_RE.match(policy_id):
+        raise DecodeError("bad-policy-id", f"policy_id {str(policy_id)[:60]!r} does not match {POLICY_ID_RE.pattern}")
+    return policy_id
+
+
+def check_env_id(env_id: Any) -> str:
+    """`env_id` if it is printable text of at most 256 characters (gymnasium ids such as
+    ``ALE/Pong-v5`` are), else DecodeError `bad-env-id`."""
+    if not isinstance(env_id, str) or len(env_id) > MAX_ENV_ID_CHARS or not env_id.isprintable():
+        raise DecodeError("bad-env-id", f"env_id {str(env_id)[:60]!r}: at most {MAX_ENV_ID_CHARS} printable characters")
+    return env_id
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,6 +278,9 @@ class EpisodeStart:
     info: dict = field(default_factory=dict)
     timestamp_ms: int = 0
     KIND = "EpisodeStart"
+    #: the spaces' leaves, as `decode` parsed them (None: compute with `space_leaves` when needed)
+    observation_leaves: tuple[Leaf, ...] | None = field(default=None, repr=False, compare=False)
+    action_leaves: tuple[Leaf, ...] | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass
@@ -350,18 +433,52 @@ def _arrays(recs: list[dict], what: str) -> list[np.ndarray]:
         raise DecodeError(e.reason, f"{what}: {e}") from None
 
 
-@functools.lru_cache(maxsize=256)
-def _space(text: str, what: str) -> tuple[gs.Space, tuple[Leaf, ...]]:
-    try:
-        space = loads_space(text)
-        return space, tuple(space_leaves(space))
-    except SpaceError as e:
-        raise DecodeError("bad-space", f"{what}: {e}") from None
+class _SpaceCache:
+    """Parsed spaces by their JSON text, least recently used first out, bounded by bytes: an entry
+    costs about 8x its text (the parsed space and its leaves), texts over `max_entry_chars` are
+    parsed every time and never cached. Thread-safe."""
+
+    def __init__(self, max_bytes: int = 64 * 1024 * 1024, max_entry_chars: int = 256 * 1024) -> None:
+        self.max_bytes = max_bytes
+        self.max_entry_chars = max_entry_chars
+        self.nbytes = 0
+        self._entries: OrderedDict[str, tuple[gs.Space, tuple[Leaf, ...]]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _cost(text: str) -> int:
+        return 8 * len(text) + 1024
+
+    def get(self, text: str, what: str) -> tuple[gs.Space, tuple[Leaf, ...]]:
+        with self._lock:
+            hit = self._entries.get(text)
+            if hit is not None:
+                self._entries.move_to_end(text)
+                return hit
+        try:
+            space = loads_space(text)
+            parsed = (space, tuple(space_leaves(space)))
+        except SpaceError as e:
+            raise DecodeError("bad-space", f"{what}: {e}") from None
+        except RecursionError:
+            raise DecodeError("bad-space", f"{what}: nested too deeply") from None
+        if len(text) <= self.max_entry_chars:
+            with self._lock:
+                if text not in self._entries:
+                    self._entries[text] = parsed
+                    self.nbytes += self._cost(text)
+                    while self.nbytes > self.max_bytes and self._entries:
+                        old, _ = self._entries.popitem(last=False)
+                        self.nbytes -= self._cost(old)
+        return parsed
+
+
+_SPACES = _SpaceCache()
 
 
 def parse_space(text: str, what: str = "space") -> tuple[gs.Space, tuple[Leaf, ...]]:
-    """Parse (cached) a space JSON into the space and its leaves; DecodeError('bad-space')."""
-    return _space(text, what)
+    """Parse (cached, byte-bounded) a space JSON into the space and its leaves; DecodeError('bad-space')."""
+    return _SPACES.get(text, what)
 
 
 def check_leaves(arrays: list[np.ndarray], leaves: tuple[Leaf, ...] | list[Leaf], n: int | None, what: str) -> None:
@@ -374,6 +491,22 @@ def check_leaves(arrays: list[np.ndarray], leaves: tuple[Leaf, ...] | list[Leaf]
             raise DecodeError(
                 "space-mismatch", f"{what}[{i}]: got {a.dtype}{list(a.shape)}, space says {leaf.dtype}{list(shape)}"
             )
+
+
+def check_values(arrays: list[np.ndarray], leaves: tuple[Leaf, ...] | list[Leaf], what: str) -> None:
+    """Raise DecodeError unless `arrays` (leaves already matching `leaves`, stacked or not) hold
+    values of their space: `non-finite-value` for NaN/inf, `out-of-space` for integers outside a
+    Discrete/MultiDiscrete/MultiBinary range. Box bounds are not enforced."""
+    for i, (a, leaf) in enumerate(zip(arrays, leaves)):
+        if a.dtype.kind in "fc" and not np.isfinite(a).all():
+            raise DecodeError("non-finite-value", f"{what}[{i}]: {a[~np.isfinite(a)][:3]}")
+        if leaf.low is not None and a.size:
+            outside = (a < leaf.low) | (a > leaf.high)  # low/high have the leaf's shape: they broadcast
+            if outside.any():
+                raise DecodeError(
+                    "out-of-space",
+                    f"{what}[{i}]: values {a[outside][:3].tolist()} outside [{leaf.low.min()}, {leaf.high.max()}]",
+                )
 
 
 def _id(s: str, what: str = "episode_id") -> str:
@@ -389,14 +522,20 @@ def _has_header(headers: Any) -> bool:
     return any(k == SCHEMA_HEADER for k, _ in items)
 
 
-def decode(value: bytes, headers: Any = None, *, max_bytes: int | None = None, registry: Any = None) -> Event:
-    """Decode one Kafka message value (with its headers) into an event, or raise `DecodeError`.
+def decode(
+    value: bytes, headers: Any = None, *, max_bytes: int | None = None, registry: Any = None, key: bytes | None = None
+) -> Event:
+    """Decode one Kafka message value (with its headers and, if given, its key) into an event, or
+    raise `DecodeError`.
 
-    Checks structure (schema, dtypes, shapes, step counts, finite rewards, JSON infos, spaces).
-    Whether a step batch matches its episode's spaces needs the episode: see `check_leaves`.
-    With `registry` (a `rlrec.producer.registry.SchemaRegistry`), values without the rlrec-schema
-    header are read as Confluent-framed.
+    Checks structure (schema, dtypes, shapes, step counts, finite rewards, JSON infos and their
+    values, spaces, policy and env ids, the key's size). Whether a step batch matches its
+    episode's spaces needs the episode: see `check_leaves`. With `registry` (a
+    `rlrec.producer.registry.SchemaRegistry`), values without the rlrec-schema header are read as
+    Confluent-framed; its `RegistryUnavailable` (not the message's fault) propagates.
     """
+    if key is not None and len(key) > MAX_KEY_BYTES:
+        raise DecodeError("key-too-large", f"{len(key)}-byte key > {MAX_KEY_BYTES}")
     if value is None:
         raise DecodeError("malformed", "empty (tombstone) message")
     if max_bytes is not None and len(value) > max_bytes:
@@ -452,9 +591,10 @@ def decode(value: bytes, headers: Any = None, *, max_bytes: int | None = None, r
     if kind == "EpisodeStart":
         if rec["policy_version"] < 0:
             raise DecodeError("bad-value", f"negative policy_version {rec['policy_version']}")
-        _id(rec["policy_id"], "policy_id")
+        check_policy_id(rec["policy_id"])
+        check_env_id(rec["env_id"])
         obs_space, obs_leaves = parse_space(rec["observation_space"], "observation_space")
-        act_space, _ = parse_space(rec["action_space"], "action_space")
+        act_space, act_leaves = parse_space(rec["action_space"], "action_space")
         observation = _arrays(rec["observation"], "observation")
         check_leaves(observation, obs_leaves, None, "observation")
         return EpisodeStart(
@@ -467,6 +607,8 @@ def decode(value: bytes, headers: Any = None, *, max_bytes: int | None = None, r
             rec["env_id"],
             loads_info(rec["info"]),
             ts,
+            observation_leaves=obs_leaves,
+            action_leaves=act_leaves,
         )
 
     if kind == "RewardDelta":

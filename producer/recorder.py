@@ -30,7 +30,15 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 from gymnasium import spaces as gs
 
 from rlrec.producer.arrays import ALLOWED_DTYPES, array_to_wire
-from rlrec.producer.events import dumps_info, encode_record, schema_header, schema_version
+from rlrec.producer.events import (
+    DecodeError,
+    check_env_id,
+    check_policy_id,
+    dumps_info,
+    encode_record,
+    schema_header,
+    schema_version,
+)
 from rlrec.producer.spaces import dumps_space, flatten_value, space_leaves
 
 __all__ = ["EpisodeRecorder", "RecorderForkedError", "RecorderFullError", "RecorderStats"]
@@ -189,8 +197,11 @@ class EpisodeRecorder:
             )
         if on_overflow not in ("block", "drop", "raise"):
             raise ValueError(f"on_overflow must be 'block', 'drop' or 'raise', got {on_overflow!r}")
-        if not policy_id or not isinstance(policy_id, str):
-            raise ValueError("policy_id must be a non-empty string")
+        for check, value in ((check_policy_id, policy_id), (check_env_id, env_id)):
+            try:  # the consumer dead-letters what breaks these rules: say so here, at once
+                check(value)
+            except DecodeError as e:
+                raise ValueError(e.detail) from None
         if max_buffered_steps < 1 or max_batch_steps < 1:
             raise ValueError("max_buffered_steps and max_batch_steps must be >= 1")
         self.topic = topic

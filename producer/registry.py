@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import struct
 import threading
+import time
 import urllib.error
 import urllib.request
 from typing import Any
@@ -42,13 +43,21 @@ def unframe(value: bytes) -> tuple[int, bytes]:
 
 
 class SchemaRegistry:
-    """A small client of a Confluent-compatible schema registry, with caches both ways."""
+    """A small client of a Confluent-compatible schema registry, with caches both ways.
+
+    Guarantees: a known id costs no call; an id that is not one of rlrec's schemas costs at most
+    one call per `NEGATIVE_TTL_S`; registry trouble is `RegistryUnavailable`, never a DecodeError.
+    """
+
+    NEGATIVE_TTL_S = 60.0
+    MAX_UNKNOWN = 10_000
 
     def __init__(self, url: str, timeout: float = 10.0):
         self.url = url.rstrip("/")
         self.timeout = timeout
         self._ids: dict[str, int] = {}
         self._kinds: dict[int, tuple[str, int]] = {}
+        self._unknown: dict[int, tuple[float, str]] = {}  # id -> (expiry, message)
         self._lock = threading.Lock()
 
     def _call(self, method: str, path: str, payload: Any = None) -> Any:
@@ -74,24 +83,48 @@ class SchemaRegistry:
             return self._ids[key]
 
     def kind_of(self, schema_id: int) -> tuple[str, int]:
-        """(kind, version) of a schema id; DecodeError('unknown-schema') for foreign schemas."""
+        """(kind, version) of a schema id.
+
+        DecodeError('unknown-schema') for ids the registry does not have (404) and for schemas
+        that are not rlrec's Avro event schemas -- remembered for `NEGATIVE_TTL_S`, so a flood of
+        such messages costs one registry call per id and minute; `RegistryUnavailable` when the
+        registry cannot answer (unreachable, 5xx, other 4xx, a reply that is not JSON): not the
+        message's fault, so the caller retries instead of dead-lettering.
+        """
+        now = time.monotonic()
         with self._lock:
             hit = self._kinds.get(schema_id)
-        if hit is not None:
-            return hit
+            if hit is not None:
+                return hit
+            miss = self._unknown.get(schema_id)
+            if miss is not None and miss[0] > now:
+                raise DecodeError("unknown-schema", miss[1])
         try:
-            schema = json.loads(self._call("GET", f"/schemas/ids/{schema_id}")["schema"])
+            reply = self._call("GET", f"/schemas/ids/{schema_id}")
         except urllib.error.HTTPError as e:
             if e.code == 404:
-                raise DecodeError("unknown-schema", f"schema id {schema_id} is not in the registry") from None
+                self._remember_unknown(schema_id, f"schema id {schema_id} is not in the registry", now)
             raise RegistryUnavailable(f"schema registry {self.url}: HTTP {e.code}") from e
+        except ValueError as e:  # a reply that is not JSON: the registry (or a proxy) is broken
+            raise RegistryUnavailable(f"schema registry {self.url}: not a JSON reply ({e})") from e
         except (urllib.error.URLError, OSError) as e:
             raise RegistryUnavailable(f"schema registry {self.url}: {e}") from e
         try:
+            if reply.get("schemaType", "AVRO") != "AVRO":
+                raise ValueError(f"a {reply['schemaType']} schema")
+            schema = json.loads(reply["schema"])
             name = schema["name"].rsplit(".", 1)[-1]
             version = int(schema["rlrec.version"])
-        except (KeyError, TypeError, ValueError, AttributeError):
-            raise DecodeError("unknown-schema", f"schema id {schema_id} is not an rlrec event schema") from None
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            self._remember_unknown(schema_id, f"schema id {schema_id} is not an rlrec Avro event schema ({e})", now)
         with self._lock:
             self._kinds[schema_id] = (name, version)
         return name, version
+
+    def _remember_unknown(self, schema_id: int, message: str, now: float) -> None:
+        """Cache a negative answer for NEGATIVE_TTL_S (bounded: the oldest go first) and raise it."""
+        with self._lock:
+            self._unknown[schema_id] = (now + self.NEGATIVE_TTL_S, message)
+            while len(self._unknown) > self.MAX_UNKNOWN:
+                self._unknown.pop(next(iter(self._unknown)))
+        raise DecodeError("unknown-schema", message)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -52,10 +52,14 @@ class SpaceError(ValueError):
 
 @dataclass(frozen=True)
 class Leaf:
-    """One array-valued part of a space: its dtype and per-step shape."""
+    """One array-valued part of a space: its dtype and per-step shape; for Discrete,
+    MultiDiscrete and MultiBinary also the inclusive integer range of its values (`low`, `high`,
+    arrays of the leaf's shape; None for Box, whose bounds rlrec does not enforce)."""
 
     dtype: np.dtype
     shape: tuple[int, ...]
+    low: np.ndarray | None = field(default=None, compare=False, repr=False)
+    high: np.ndarray | None = field(default=None, compare=False, repr=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -235,7 +239,16 @@ def space_leaves(space: gs.Space) -> list[Leaf]:
         return [leaf for s in space.spaces.values() for leaf in space_leaves(s)]
     if isinstance(space, gs.Tuple):
         return [leaf for s in space.spaces for leaf in space_leaves(s)]
-    if isinstance(space, (gs.Box, gs.Discrete, gs.MultiDiscrete, gs.MultiBinary)):
+    if isinstance(space, gs.Discrete):
+        low = np.asarray(int(space.start))
+        return [Leaf(np.dtype(space.dtype), tuple(space.shape), low, low + int(space.n) - 1)]
+    if isinstance(space, gs.MultiDiscrete):
+        low = np.asarray(space.start, dtype=np.int64)
+        return [Leaf(np.dtype(space.dtype), tuple(space.shape), low, low + np.asarray(space.nvec, np.int64) - 1)]
+    if isinstance(space, gs.MultiBinary):
+        shape = tuple(space.shape)
+        return [Leaf(np.dtype(space.dtype), shape, np.zeros(shape, np.int64), np.ones(shape, np.int64))]
+    if isinstance(space, gs.Box):
         return [Leaf(np.dtype(space.dtype), tuple(space.shape))]
     raise SpaceError(f"space type {type(space).__name__} is not supported")
 

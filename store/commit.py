@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from rlrec.producer.events import load_schemas
 from rlrec.store.finished import FinishedEpisode
 from rlrec.store.manifest import ConflictError, PartitionLog, ShardEntry, default_writer_id
-from rlrec.store.shards import encode_shard
+from rlrec.store.shards import EncodedShard, encode_shard
 from rlrec.store.storage import Storage
 
 __all__ = ["EVENT_SCHEMA_VERSIONS", "CommitResult", "ShardCommitter", "read_committed_shard"]
@@ -54,6 +54,8 @@ class CommitResult:
     bytes: int = 0
     duplicates_dropped: int = 0  # episodes another writer had committed already
     entries: list[ShardEntry] = field(default_factory=list)
+    #: episodes the shard format cannot encode (data errors: written nowhere), with the reason
+    unwritable: list[tuple[FinishedEpisode, str]] = field(default_factory=list)
 
 
 class ShardCommitter:
@@ -101,10 +103,12 @@ class ShardCommitter:
         """Commit `episodes` as shards, one per policy id (steps 1-4 above).
 
         `on_committed(episodes, last_offset)` is called as soon as episodes are known committed,
-        by this writer or (found on a conflict) by another one. Claims the partition first if
-        `claim()` was not called. Raises `FencedError` when a newer
-        writer claimed the partition, and storage errors as they come (the episodes committed
-        before the error stay committed and were reported to `on_committed`).
+        by this writer or (found on a conflict) by another one. Episodes the shard format cannot
+        encode (data errors) are written nowhere and returned in `CommitResult.unwritable`; the
+        others are committed. Claims the partition first if `claim()` was not called. Raises
+        `FencedError` when a newer writer claimed the partition, and storage errors as they come
+        (the episodes committed before the error stay committed and were reported to
+        `on_committed`).
         """
         if self.epoch is None:  # a one-off committer (tools, tests): claim on first use
             self.claim()
@@ -112,29 +116,63 @@ class ShardCommitter:
         by_policy: dict[str, list[FinishedEpisode]] = defaultdict(list)
         for fe in episodes:
             by_policy[fe.policy_id].append(fe)
-        for policy_id, eps in by_policy.items():
-            while eps:
-                entry, remaining = self._commit_one(policy_id, eps, on_committed)
-                if entry is None:  # a conflict removed some episodes
-                    result.duplicates_dropped += len(eps) - len(remaining)
-                    eps = remaining
-                    continue
-                if on_committed is not None:
-                    on_committed(eps, entry.last_offset)
-                result.shards += 1
-                result.episodes += entry.episodes
-                result.steps += entry.steps
-                result.bytes += entry.bytes
-                result.entries.append(entry)
-                break
+        pending = [group for eps in by_policy.values() for group in self._encode(eps, result)]
+        while pending:
+            eps, shard = pending.pop(0)
+            entry, remaining = self._commit_one(eps[0].policy_id, eps, shard, on_committed)
+            if entry is None:  # a conflict removed some episodes: the rest again
+                result.duplicates_dropped += len(eps) - len(remaining)
+                if remaining:
+                    pending[:0] = self._encode(remaining, result)
+                continue
+            if on_committed is not None:
+                on_committed(eps, entry.last_offset)
+            result.shards += 1
+            result.episodes += entry.episodes
+            result.steps += entry.steps
+            result.bytes += entry.bytes
+            result.entries.append(entry)
         return result
 
+    def _encode(
+        self, eps: list[FinishedEpisode], result: CommitResult
+    ) -> list[tuple[list[FinishedEpisode], EncodedShard]]:
+        """Step 1: encode episodes of one policy into a shard. Encoding touches no storage, so
+        whatever it raises is the data's fault: then each episode is tried alone, those that
+        fail go to `result.unwritable` and the rest make the shard (or, if only together they
+        fail -- e.g. tabular episodes whose spaces give different column types -- a shard each)."""
+        try:
+            return [(eps, encode_shard(eps, fmt=self.fmt, compression=self.compression))]
+        except MemoryError:  # the machine's fault, not the data's
+            raise
+        except Exception as e:
+            log.warning(
+                "partition %d: %d episode(s) do not encode together (%s); trying them alone",
+                self.partition,
+                len(eps),
+                e,
+            )
+        alone = []
+        for fe in eps:
+            try:
+                alone.append(([fe], encode_shard([fe], fmt=self.fmt, compression=self.compression)))
+            except MemoryError:
+                raise
+            except Exception as e:
+                result.unwritable.append((fe, f"{type(e).__name__}: {e}"[:1000]))
+        good = [group[0][0] for group in alone]
+        if 1 < len(good) < len(eps):
+            try:
+                return [(good, encode_shard(good, fmt=self.fmt, compression=self.compression))]
+            except Exception:
+                pass
+        return alone
+
     def _commit_one(
-        self, policy_id: str, eps: list[FinishedEpisode], on_committed: OnCommitted | None
+        self, policy_id: str, eps: list[FinishedEpisode], shard: EncodedShard, on_committed: OnCommitted | None
     ) -> tuple[ShardEntry | None, list[FinishedEpisode]]:
         first = min(fe.first_offset for fe in eps)
         last = max(fe.last_offset for fe in eps)
-        shard = encode_shard(eps, fmt=self.fmt, compression=self.compression)  # 1. encode
         self._attempt += 1
         name = f"{self.topic}+{self.partition:05d}+{first:020d}+{last:020d}+e{self.epoch}.{self._attempt}.parquet"
         path = f"{policy_id}/{name}"

@@ -193,3 +193,142 @@ def test_round_trip_through_the_wire():
         v, h = encode(ev)
         a.apply(off, decode(v, h))
     assert a.finished["e1"].length == 4
+
+
+# ---------------------------------------------------------------------------------------------
+# data that spoils a message or an episode (consumer hardening)
+
+
+def _reasons(letters) -> list[tuple[str, int]]:
+    return [(dl.reason, dl.offset) for dl in letters]
+
+
+def _with(b: StepBatch, **kw) -> StepBatch:
+    for k, v in kw.items():
+        setattr(b, k, v)
+    return b
+
+
+def test_out_of_space_action_dead_letters_the_whole_episode_with_source_offsets():
+    """The landed consumer stored action 7 for Discrete(2); RLlib's logp then failed in the trainer."""
+    a = PartitionAssembler("t", 0)
+    a.apply(10, start())
+    a.apply(11, steps(n=2))
+    a.apply(12, RewardDelta("e1", 0, 0.5))
+    bad = _with(steps(t0=2, n=1), actions=[np.array([7])])
+    letters = a.apply(13, bad)
+    # the start, the batch and the reward re-encoded (each at its own offset), then the bad message
+    assert _reasons(letters) == [("out-of-space", 10), ("out-of-space", 11), ("out-of-space", 12), ("out-of-space", 13)]
+    assert [type(decode(dl.value, dl.headers)).__name__ for dl in letters[:3]] == [
+        "EpisodeStart",
+        "StepBatch",
+        "RewardDelta",
+    ]
+    assert letters[3].value is None  # the caller attaches the original message
+    assert not a.open and a.open_nbytes == 0
+    assert _reasons(a.apply(14, steps(t0=3, n=1, terminated=True))) == [("out-of-space", 14)]  # and its rest
+    assert a.safe_offset() == 15
+
+
+@pytest.mark.parametrize("mode", ["strict", "shape", "off"])
+def test_validate_spaces_modes(mode):
+    a = PartitionAssembler("t", 0, config=AssemblyConfig(validate_spaces=mode))
+    a.apply(0, start())
+    a.apply(1, steps(n=2))
+    nan = _with(steps(t0=2, n=1), observations=[np.full((1, 4), np.nan, np.float32)])
+    letters = a.apply(2, nan)
+    assert (letters[-1].reason if letters else None) == ("non-finite-value" if mode == "strict" else None)
+    b = PartitionAssembler("t", 0, config=AssemblyConfig(validate_spaces=mode))
+    b.apply(0, start())
+    wrong_dtype = _with(steps(n=1), observations=[np.zeros((1, 4), np.float64)])
+    letters = b.apply(1, wrong_dtype)
+    # off: no declared space, but a batch must still stack with the start's observation
+    assert _reasons(letters) == [("space-mismatch", 1)]
+    c = PartitionAssembler("t", 0, config=AssemblyConfig(validate_spaces=mode))
+    c.apply(0, start())
+    c.apply(1, steps(n=1))
+    c.apply(2, _with(steps(t0=1, n=1, terminated=True), actions=[np.array([5])]))
+    assert ("e1" in c.finished) == (mode != "strict")  # ranges are checked in strict mode only
+
+
+@pytest.mark.parametrize(
+    ("first", "bad"),
+    [
+        (np.zeros((2, 2), np.float32), np.zeros((1, 3), np.float32)),  # the landed consumer crashed (concatenate)
+        (np.zeros(2, np.float32), np.zeros(1, np.int64)),  # ... and silently promoted this to float64
+    ],
+)
+def test_extra_output_trailing_shape_or_dtype_change_is_one_dead_letter(first, bad):
+    a = PartitionAssembler("t", 0)
+    a.apply(0, start())
+    a.apply(1, _with(steps(n=2), extra_model_outputs={"action_logp": first}))
+    letters = a.apply(2, _with(steps(t0=2, n=1), extra_model_outputs={"action_logp": bad}))
+    assert _reasons(letters) == [("extra-output-mismatch", 2)]
+    a.apply(3, _with(steps(t0=2, n=1, terminated=True), extra_model_outputs={"action_logp": first[:1]}))
+    fe = a.finished["e1"]
+    assert fe.length == 3 and fe.extra_model_outputs["action_logp"].dtype == np.float32
+
+
+def test_episode_too_large_dead_letters_or_truncates():
+    batch = steps(n=100)
+    per_batch = batch.rewards.nbytes + batch.actions[0].nbytes + batch.observations[0].nbytes + 400 + 200
+    limit = 3 * per_batch + 2000 + 1200  # the start: its observation, info and spaces
+    a = PartitionAssembler("t", 0, config=AssemblyConfig(max_episode_bytes=limit))
+    a.apply(0, start())
+    for i in range(3):
+        assert a.apply(1 + i, steps(t0=100 * i, n=100)) == []
+    letters = a.apply(4, steps(t0=300, n=100))
+    assert [r for r, _ in _reasons(letters)] == ["episode-too-large"] * 5 and "e1" not in a.open
+    t = PartitionAssembler("t", 0, config=AssemblyConfig(max_episode_bytes=limit, on_episode_too_large="truncate"))
+    t.apply(0, start())
+    for i in range(3):
+        t.apply(1 + i, steps(t0=100 * i, n=100))
+    assert _reasons(t.apply(4, steps(t0=300, n=100))) == [("episode-too-large", 4)]
+    fe = t.finished["e1"]
+    assert fe.length == 300 and fe.truncated and not fe.terminated
+    assert _reasons(t.apply(5, steps(t0=400, n=1))) == [("step-after-end", 5)]
+
+
+def test_info_memory_counts_toward_the_episode_budget():
+    """A 6 MB info message held ~138 MiB while the landed consumer counted ~1.2 KB."""
+    big = {"x": list(range(100_000))}  # ~0.7 MB of JSON, several MB of Python objects
+    a = PartitionAssembler("t", 0, config=AssemblyConfig(max_episode_bytes=2 * 1024 * 1024))
+    a.apply(0, start())
+    letters = a.apply(1, _with(steps(n=1), infos=[big]))
+    assert [r for r, _ in _reasons(letters)] == ["episode-too-large", "episode-too-large"]
+    b = PartitionAssembler("t", 0)
+    b.apply(0, start())
+    b.apply(1, _with(steps(n=1), infos=[big]))
+    assert b.open_nbytes > 3_000_000  # counted, not the ~1 KB of old
+
+
+def test_a_bug_while_building_dead_letters_the_episode_as_internal(monkeypatch):
+    import rlrec.consumer.assembly as assembly
+
+    def broken(*args, **kw):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(assembly, "_build", broken)
+    a = PartitionAssembler("t", 0)
+    a.apply(0, start())
+    letters = a.apply(1, steps(n=2, terminated=True))
+    assert _reasons(letters) == [("internal", 0), ("internal", 1)] and "boom" in letters[0].detail
+    assert not a.open and not a.finished and a.safe_offset() == 2
+
+
+def test_finished_events_re_encode_an_episode():
+    from rlrec.consumer.assembly import finished_events
+
+    a = PartitionAssembler("t", 0)
+    a.apply(0, start())
+    a.apply(1, steps(n=3))
+    a.apply(2, steps(t0=3, n=2, truncated=True))
+    fe = a.finished["e1"]
+    ev_start, ev_steps = (decode(*encode(ev)) for ev in finished_events(fe))
+    b = PartitionAssembler("t", 1)
+    b.apply(0, ev_start)
+    b.apply(1, ev_steps)
+    again = b.finished["e1"]
+    for x, y in zip(fe.observations + fe.actions, again.observations + again.actions):
+        np.testing.assert_array_equal(x, y)
+    assert again.truncated and again.length == 5 and again.infos == fe.infos

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from rlrec.producer.arrays import ALLOWED_DTYPES, array_to_wire
 from rlrec.producer.events import (
     DECODE_REASONS,
+    POLICY_ID_RE,
     SCHEMA_HEADER,
     DecodeError,
     EpisodeAbort,
@@ -196,7 +197,7 @@ def nested_space() -> gs.Dict:
 json_scalars = st.one_of(
     st.none(),
     st.booleans(),
-    st.integers(-(2**63), 2**64),
+    st.integers(-(2**63), 2**64 - 1),  # what msgpack keeps (outside: bad-info)
     st.floats(allow_nan=False, allow_infinity=False),
     st.text(max_size=8),
 )
@@ -223,6 +224,8 @@ json_values = st.recursive(
 )
 infos = st.dictionaries(info_keys, json_values, max_size=4)
 ids = st.text(min_size=1, max_size=40)
+policy_ids = st.from_regex(POLICY_ID_RE, fullmatch=True)
+env_ids = st.text(max_size=20).filter(str.isprintable)
 finite = st.floats(allow_nan=False, allow_infinity=False)
 
 
@@ -269,9 +272,9 @@ def test_space_json_examples_and_key_order():
     seed=st.integers(0, 2**31 - 1),
     info=infos,
     eid=ids,
-    pid=ids,
+    pid=policy_ids,
     version=st.integers(0, 2**62),
-    env_id=st.text(max_size=20),
+    env_id=env_ids,
     ts=st.integers(0, 2**62),
 )
 def test_episode_start_round_trip(space, act_space, seed, info, eid, pid, version, env_id, ts):
@@ -802,7 +805,76 @@ def test_bad_values():
     assert reason_of(*_raw("StepBatch", t0=-1)) == "bad-value"
     assert reason_of(*_raw("RewardDelta", t=-5)) == "bad-value"
     assert reason_of(*_raw("EpisodeStart", policy_version=-1)) == "bad-value"
-    assert reason_of(*_raw("EpisodeStart", policy_id="")) == "bad-value"
+    # policy ids become path components; env ids are printable text (see also test_ids_are_validated)
+    assert reason_of(*_raw("EpisodeStart", policy_id="")) == "bad-policy-id"
+
+
+@pytest.mark.parametrize(
+    "policy_id", ["../x", "/x", ".", "..", "a//b", "a/b", "x\0y", "a" * 201, "_manifest", ".hidden", "-x", "a b", "é"]
+)
+def test_policy_ids_that_cannot_name_a_directory_are_refused(policy_id):
+    """Today's main accepted all of these; the flush then failed on every retry (or wrote outside
+    the policy's directory) and the partition stalled."""
+    assert reason_of(*_raw("EpisodeStart", policy_id=policy_id)) == "bad-policy-id"
+
+
+@pytest.mark.parametrize("policy_id", ["pol", "cartpole-expert", "A.b_c-9", "a" * 200, "0"])
+def test_good_policy_ids_pass(policy_id):
+    assert decode(*_raw("EpisodeStart", policy_id=policy_id)).policy_id == policy_id
+
+
+@pytest.mark.parametrize(
+    ("env_id", "reason"),
+    [
+        ("ALE/Pong-v5", None),
+        ("CartPole-v1", None),
+        ("", None),
+        ("x" * 256, None),
+        ("x" * 257, "bad-env-id"),
+        ("a\nb", "bad-env-id"),
+        ("a\x00b", "bad-env-id"),
+        ("a\x1bb", "bad-env-id"),
+        ("\ud800", "bad-env-id"),
+    ],
+)
+def test_env_ids(env_id, reason):
+    if "\ud800" in env_id:  # Avro cannot even carry a lone surrogate (not UTF-8): malformed or bad-env-id
+        with pytest.raises((DecodeError, UnicodeEncodeError)):
+            decode(*_raw("EpisodeStart", env_id=env_id))
+        return
+    assert reason_or_none(*_raw("EpisodeStart", env_id=env_id)) == reason
+
+
+@pytest.mark.parametrize(
+    ("info", "reason"),
+    [
+        ('{"x": 18446744073709551615}', None),  # uint64 max
+        ('{"x": -9223372036854775808}', None),  # int64 min
+        ('{"x": 18446744073709551616}', "bad-info"),  # 2**64: msgpack cannot pack it
+        ('{"x": -9223372036854775809}', "bad-info"),
+        ('{"x": [1, {"y": 99999999999999999999999}]}', "bad-info"),
+        ('{"x": "\\ud800"}', "bad-info"),  # a lone surrogate (JSON escape)
+        ('{"\\udfff": 1}', "bad-info"),  # ... also in a key
+        ('{"x": "\\ud83d\\ude00"}', None),  # a surrogate *pair* is a real character
+    ],
+)
+def test_info_values_the_shard_formats_cannot_hold(info, reason):
+    """Today's main stored these; the episodes-format flush then raised on every retry."""
+    assert reason_or_none(*_raw("StepBatch", infos=[info, ""])) == reason  # n=2 steps
+
+
+def test_keys_over_1_kib_are_refused():
+    value, headers = _raw("RewardDelta")
+    assert isinstance(decode(value, headers, key=b"k" * 1024), RewardDelta)
+    assert reason_of(value, headers, key=b"k" * 1025) == "key-too-large"
+
+
+def reason_or_none(value, headers=None, **kw) -> str | None:
+    try:
+        decode(value, headers, **kw)
+    except DecodeError as e:
+        return e.reason
+    return None
 
 
 @pytest.mark.parametrize(
@@ -949,7 +1021,16 @@ def test_decode_reasons_documented():
         "space-mismatch",
         "bad-value",
         "non-finite-reward",
+        "bad-policy-id",
+        "bad-env-id",
+        "bad-info",
+        "key-too-large",
+        "extra-output-mismatch",
+        "out-of-space",
+        "non-finite-value",
     }
+    fmt = (Path(__file__).resolve().parents[1] / "docs" / "FORMAT.md").read_text()
+    assert [r for r in DECODE_REASONS if f"| `{r}` |" not in fmt] == []  # each has its row in FORMAT.md
     with pytest.raises(AssertionError):
         DecodeError("not-a-reason", "x")
     assert issubclass(DecodeError, ValueError)

@@ -842,6 +842,19 @@ def test_validation_errors(recorders):
         recorders(NOWHERE, policy_id="")
 
 
+@pytest.mark.parametrize("policy_id", ["../x", "/x", ".", "a//b", "x\0y", "p" * 201, "_manifest", ".h"])
+def test_policy_ids_the_consumer_would_dead_letter_are_refused_at_once(recorders, policy_id):
+    with pytest.raises(ValueError, match="policy_id"):
+        recorders(NOWHERE, policy_id=policy_id)
+
+
+@pytest.mark.parametrize("env_id", ["a\nb", "x" * 257, "\x1b[31m"])
+def test_env_ids_the_consumer_would_dead_letter_are_refused_at_once(recorders, env_id):
+    with pytest.raises(ValueError, match="env_id"):
+        recorders(NOWHERE, env_id=env_id)
+    assert recorders(NOWHERE, env_id="ALE/Pong-v5").env_id == "ALE/Pong-v5"
+
+
 def test_validate_spaces(recorders):
     rec = recorders(NOWHERE, observation_space=gs.Box(-1, 1, (3,), np.float32), validate_spaces=True)
     z = np.zeros(3, np.float32)

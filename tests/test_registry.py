@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.server
 import json
 import threading
+import time
 import uuid
 
 import numpy as np
@@ -22,6 +23,9 @@ class _Registry:
 
     def __init__(self):
         self.schemas: dict[int, str] = {}
+        self.foreign: dict[int, dict] = {}  # ids of schemas that are not rlrec's (e.g. PROTOBUF)
+        self.fail_gets_until = 0.0  # GET answers 503 until then (time.monotonic())
+        self.gets = 0
         reg = self
 
         class H(http.server.BaseHTTPRequestHandler):
@@ -45,7 +49,12 @@ class _Registry:
                 self._send(200, {"id": i})
 
             def do_GET(self):
+                reg.gets += 1
+                if time.monotonic() < reg.fail_gets_until:
+                    return self._send(503, {"error_code": 50302, "message": "overloaded"})
                 i = int(self.path.rsplit("/", 1)[-1])
+                if i in reg.foreign:
+                    return self._send(200, reg.foreign[i])
                 if i not in reg.schemas:
                     return self._send(404, {"error_code": 40403, "message": "Schema not found"})
                 self._send(200, {"schema": reg.schemas[i]})
@@ -125,8 +134,6 @@ def test_recorder_with_registry_end_to_end(broker, topic, registry):
     c.subscribe([topic])
     reg = SchemaRegistry(registry.url)
     steps, starts = 0, 0
-    import time
-
     deadline = time.time() + 20
     while time.time() < deadline and steps < sum(len(t.actions) for t in truth.values()):
         m = c.poll(0.5)
@@ -138,3 +145,78 @@ def test_recorder_with_registry_end_to_end(broker, topic, registry):
         steps += ev.n if ev.KIND == "StepBatch" else 0
     c.close()
     assert starts == 3 and steps == sum(len(t.actions) for t in truth.values())
+
+
+def test_foreign_schemas_are_unknown_and_remembered(registry):
+    """A schema id whose schema is not Avro JSON made the landed decode() raise JSONDecodeError,
+    and unknown ids were looked up again for every message (a blocking HTTP call each)."""
+    registry.foreign[70] = {"schemaType": "PROTOBUF", "schema": 'syntax = "proto3"; message M {}'}
+    registry.foreign[71] = {"schema": "not json at all"}
+    registry.foreign[72] = {"schema": json.dumps({"type": "record", "name": "Other", "fields": []})}
+    reg = SchemaRegistry(registry.url)
+    body, _ = encode(StepBatch("e", 0, [np.zeros(1, np.int64)], np.ones(1), [np.zeros((1, 4), np.float32)]))
+    for schema_id in (70, 71, 72, 999):
+        for _ in range(3):
+            with pytest.raises(DecodeError) as e:
+                decode(frame(schema_id, body), None, registry=reg)
+            assert e.value.reason == "unknown-schema"
+    assert registry.gets == 4  # one lookup per id: the answer is cached for a minute
+
+
+def test_registry_failures_are_not_the_messages_fault(registry):
+    registry.fail_gets_until = time.monotonic() + 60
+    reg = SchemaRegistry(registry.url)
+    with pytest.raises(RegistryUnavailable):
+        reg.kind_of(1)
+    with pytest.raises(RegistryUnavailable):  # not cached: asked again
+        reg.kind_of(1)
+    assert registry.gets == 2
+
+
+@pytest.mark.broker
+def test_consumer_pauses_while_the_registry_fails_and_loses_nothing(broker, topic, registry, tmp_path):
+    """Registry 5xx: the landed consumer raised RegistryUnavailable out of run(). Now the partition
+    is paused and the message read again with backoff; no good data is dead-lettered."""
+    from rlrec.consumer.service import ConsumerConfig
+    from rlrec.local import FAST_GROUP_KAFKA
+    from rlrec.store.storage import Storage
+    from tests.helpers import wait_for
+    from tests.test_consumer_e2e import committed_episodes, read_all, run_consumer
+
+    rec = EpisodeRecorder(
+        broker.bootstrap_servers,
+        topic=topic,
+        policy_id="p",
+        observation_space=OBS_SPACE,
+        action_space=ACT_SPACE,
+        schema_registry_url=registry.url,
+    )
+    truth = record_episodes(rec, 12, seed=8)
+    assert rec.flush(10) == 0
+    registry.fail_gets_until = time.monotonic() + 4.0
+    output = str(tmp_path / "out")
+    storage = Storage.from_uri(output)
+    cfg = ConsumerConfig(
+        bootstrap_servers=broker.bootstrap_servers,
+        output=output,
+        topic=topic,
+        group_id=f"g-{uuid.uuid4().hex[:6]}",
+        max_file_age_s=0.3,
+        commit_interval_s=0.3,
+        schema_registry_url=registry.url,
+        kafka_config=FAST_GROUP_KAFKA,
+        create_topics=False,
+    )
+    c, t = run_consumer(cfg, storage)
+    try:
+        wait_for(lambda: c.metrics.registry_failures._value.get() >= 1, 30, what="a registry failure")
+        wait_for(lambda: c._paused, 5, interval=0.05, what="a partition paused while the registry fails")
+        wait_for(lambda: committed_episodes(storage) >= len(truth), 60, what="every episode committed")
+        assert t.is_alive()
+        dead = sum(s.value for m in c.metrics.dead_letters.collect() for s in m.samples if s.name.endswith("_total"))
+        assert dead == 0
+    finally:
+        c.stop()
+        t.join(30)
+        rec.close()
+    assert set(read_all(storage)) == set(truth)

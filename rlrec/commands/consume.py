@@ -41,6 +41,27 @@ OPTIONS: list[tuple[str, type, object, str]] = [
     ("on-timeout", str, "truncate", "truncate (write it as truncated) or dead-letter"),
     ("max-open-episodes", int, 100_000, "cap on episodes being assembled; over it the longest-idle is evicted"),
     ("on-capacity", str, "dead-letter", "what eviction does: dead-letter (reason capacity) or truncate"),
+    (
+        "max-open-bytes",
+        int,
+        1024 * 1024 * 1024,
+        "memory budget of all open episodes (observations, actions, infos, extra outputs); over it the "
+        "longest-idle is evicted as --on-capacity says",
+    ),
+    ("max-episode-bytes", int, 64 * 1024 * 1024, "memory budget of one open episode"),
+    (
+        "on-episode-too-large",
+        str,
+        "dead-letter",
+        "an episode over --max-episode-bytes: dead-letter (reason episode-too-large) or truncate",
+    ),
+    (
+        "validate-spaces",
+        str,
+        "strict",
+        "strict (dtypes, shapes, action ranges, finite obs/actions: out-of-space, non-finite-value), "
+        "shape (dtypes and shapes only) or off",
+    ),
     ("max-buffered-bytes", int, 512 * 1024 * 1024, "budget of finished-but-unwritten episode bytes; over it, flush"),
     ("dlq-topic", str, None, "dead-letter topic (default: {topic}.dlq)"),
     ("partitions", int, 8, "partitions for topics this command creates"),
@@ -136,5 +157,10 @@ def _run(args: argparse.Namespace) -> int:
     from rlrec.consumer.service import ConsumerConfig, RecorderConsumer
 
     max_seconds = opts.pop("max_seconds")
-    RecorderConsumer(ConsumerConfig(**opts)).run(max_seconds=max_seconds)
+    try:
+        config = ConsumerConfig(**opts)
+    except ValueError as e:
+        print(f"rlrec consume: {e}", file=sys.stderr)
+        return 2
+    RecorderConsumer(config).run(max_seconds=max_seconds)
     return 0

@@ -66,6 +66,7 @@ CONSUMER_REASONS = {
     "empty-episode": "an episode aborted (or timed out) before its first step",
     "timeout": "an open episode idle for episode_timeout_s (with on_timeout='dead-letter')",
     "capacity": "an open episode evicted because max_open_episodes or max_open_bytes was reached",
+    "partition-change": "part of an episode split across partitions when the topic's partition count changed",
     "episode-too-large": "an open episode over max_episode_bytes (with on_episode_too_large='dead-letter')",
     "unwritable": "a finished episode the shard format cannot encode (found when its shard was written)",
     "internal": "data that made rlrec's own code fail (the exception class is in the detail): a bug to report",
@@ -73,6 +74,35 @@ CONSUMER_REASONS = {
 
 #: --validate-spaces: what an event is checked against before it is applied
 VALIDATE_SPACES = ("strict", "shape", "off")
+
+#: an `EpisodeAbort` reason of this form is a decision of a consumer: "rlrec:<reason>:<action>"
+DECISION_PREFIX = "rlrec:"
+DECISION_ACTIONS = ("truncate", "dead-letter")
+#: a decision not seen back in the log after this long is taken again
+DECISION_RETRY_S = 30.0
+
+
+@dataclass(frozen=True)
+class Decision:
+    """An early end a consumer decided for an open episode (reason: timeout, capacity,
+    partition-change). It is produced as an `EpisodeAbort` to the episode's own partition and
+    takes effect only when read back, so every consumer, now or on replay, applies the same
+    sequence of events."""
+
+    episode_id: str
+    reason: str
+    action: str  # truncate | dead-letter
+
+    def abort(self) -> EpisodeAbort:
+        return EpisodeAbort(self.episode_id, f"{DECISION_PREFIX}{self.reason}:{self.action}", int(time.time() * 1000))
+
+
+def parse_decision(abort_reason: str) -> tuple[str, str] | None:
+    """(reason, action) of a decision abort, None for a producer's own abort."""
+    if not abort_reason.startswith(DECISION_PREFIX):
+        return None
+    reason, _, action = abort_reason[len(DECISION_PREFIX) :].rpartition(":")
+    return (reason, action) if reason in CONSUMER_REASONS and action in DECISION_ACTIONS else None
 
 
 @dataclass
@@ -116,6 +146,8 @@ class Counters:
     episodes_finished: int = 0
     timeouts: int = 0
     evicted: int = 0
+    decisions: int = 0  # decision aborts applied
+    decisions_superseded: int = 0  # decision aborts for episodes no longer open (a repeat, or too late)
 
 
 @dataclass
@@ -136,6 +168,7 @@ class OpenEpisode:
     #: (dtype, per-step shape) of each extra model output, from the episode's first batch
     extra_layout: dict[str, tuple[np.dtype, tuple[int, ...]]] | None = None
     nbytes: int = 0
+    decided_at: float | None = None  # when a decision for it was produced (not yet read back)
 
 
 def _batch_nbytes(b: StepBatch) -> int:
@@ -189,6 +222,11 @@ class PartitionAssembler:
         self.counters = Counters()
         self.finished_bytes = 0
         self.open_nbytes = 0  # memory held by open episodes (OpenEpisode.nbytes summed)
+        #: since when the partition has been read live (caught up, not paused); None: it is not.
+        #: Timeouts count only live time, so an outage never ends an episode early.
+        self.live_since: float | None = None
+        #: the topic's partition count changed lately: episodes may be split across partitions
+        self.split_suspected = False
 
     # -- events -------------------------------------------------------------------------------
 
@@ -199,6 +237,10 @@ class PartitionAssembler:
         self.next_offset = offset + 1
         self.counters.events += 1
         eid = event.episode_id
+        if isinstance(event, EpisodeAbort):
+            decision = parse_decision(event.reason)
+            if decision is not None:
+                return self._on_decision(offset, event, *decision, now)
 
         last = self.committed.get(eid)
         if last is not None:
@@ -208,8 +250,10 @@ class PartitionAssembler:
                 return [DeadLetter("late-reward", f"episode {eid} is already committed", offset)]
             elif eid in self.evicted:  # cut short by us (e.g. episode-too-large): its rest is dead-lettered
                 return [DeadLetter(self.evicted[eid], f"episode {eid} was ended early ({self.evicted[eid]})", offset)]
-            else:
-                self.counters.duplicates += 1
+            elif isinstance(event, EpisodeStart):
+                return [DeadLetter("duplicate-start", f"episode {eid} is already committed", offset)]
+            else:  # a step (or abort) after the committed end in the log: never silently a duplicate
+                return [DeadLetter("step-after-end", f"episode {eid} is committed (through offset {last})", offset)]
             return []
 
         if isinstance(event, EpisodeStart):
@@ -257,7 +301,7 @@ class PartitionAssembler:
             self.counters.duplicates += 1
             return []
 
-        reason = self.evicted.get(eid, "unknown-episode")
+        reason = self.evicted.get(eid) or ("partition-change" if self.split_suspected else "unknown-episode")
         return [DeadLetter(reason, f"{type(event).__name__} for episode {eid} not open on this partition", offset)]
 
     def _on_start(self, offset: int, ev: EpisodeStart, now: float) -> list[DeadLetter]:
@@ -368,21 +412,48 @@ class PartitionAssembler:
 
     # -- time-driven --------------------------------------------------------------------------
 
-    def expire(self, now: float | None = None) -> list[DeadLetter]:
-        """Finalize (truncated) or dead-letter open episodes idle for episode_timeout_s."""
+    def decide_timeouts(self, now: float | None = None) -> list[Decision]:
+        """Decisions to end open episodes idle for episode_timeout_s of *live* time (since the
+        later of their last event and `live_since`); none while the partition is not live."""
+        if self.live_since is None:
+            return []
         now = time.time() if now is None else now
         limit = now - self.config.episode_timeout_s
-        out: list[DeadLetter] = []
-        for ep in [e for e in self.open.values() if e.last_event_at <= limit]:
-            self.counters.timeouts += 1
-            if self.config.on_timeout == "dead-letter":
-                del self.open[ep.start.episode_id]
-                self.open_nbytes -= ep.nbytes
-                out += self._dead_letter_episode(ep, "timeout", f"no event for {self.config.episode_timeout_s}s")
-            else:
-                last_ms = ep.batches[-1].timestamp_ms if ep.batches else ep.start.timestamp_ms
-                out += self._finish(ep, terminated=False, truncated=True, ended_ms=last_ms, now=now, reason="timeout")
+        out = []
+        for ep in self.open.values():
+            if max(ep.last_event_at, self.live_since) <= limit:
+                # after a partition-count change an idle episode may be the first part of a split one
+                reason, action = ("partition-change", "dead-letter") if self.split_suspected else ("timeout", "")
+                d = self.decide(ep.start.episode_id, reason, action or self.config.on_timeout, now)
+                if d is not None:
+                    out.append(d)
         return out
+
+    def decide(self, eid: str, reason: str, action: str, now: float | None = None) -> Decision | None:
+        """A decision to end open episode `eid` early (None if one is already on its way)."""
+        ep = self.open.get(eid)
+        now = time.time() if now is None else now
+        if ep is None or (ep.decided_at is not None and now - ep.decided_at < DECISION_RETRY_S):
+            return None
+        ep.decided_at = now
+        return Decision(eid, reason, action)
+
+    def _on_decision(self, offset: int, ev: EpisodeAbort, reason: str, action: str, now: float) -> list[DeadLetter]:
+        """A consumer's decision read back from the log: applied to the episode if it is still open."""
+        ep = self.open.get(ev.episode_id)
+        if ep is None:
+            self.counters.decisions_superseded += 1
+            return []
+        self.counters.decisions += 1
+        if reason == "timeout":
+            self.counters.timeouts += 1
+        ep.last_offset = offset
+        if action == "dead-letter":
+            self._remember_evicted(ev.episode_id, reason)
+            out = self.evict(ev.episode_id, reason, truncate=False)
+            return [*out, DeadLetter(reason, f"decision: {reason}", offset)]
+        last_ms = ep.batches[-1].timestamp_ms if ep.batches else ep.start.timestamp_ms
+        return self._finish(ep, terminated=False, truncated=True, ended_ms=last_ms, now=now, reason=reason)
 
     def evict(self, eid: str, reason: str = "capacity", truncate: bool = False) -> list[DeadLetter]:
         """Remove an open episode to bound memory: dead-letter its events, or finish it truncated."""

@@ -39,6 +39,15 @@ class ConsumerMetrics:
         self.registry_failures = Counter(
             "rlrec_registry_failures", "schema-registry lookups that failed (message read again)", registry=r
         )
+        self.decisions = Counter(
+            "rlrec_decisions",
+            "early ends decided and written to the log (timeout, capacity, ...)",
+            ["reason"],
+            registry=r,
+        )
+        self.partition_count_changes = Counter(
+            "rlrec_partition_count_changes", "changes of the topic's partition count seen", registry=r
+        )
         self.flush_failures = Counter("rlrec_flush_failures", "shard flushes that failed (retried)", registry=r)
         self.fenced = Counter("rlrec_fenced", "times this consumer was fenced by a newer writer", registry=r)
         self.open_episodes = Gauge("rlrec_open_episodes", "episodes being assembled", registry=r)

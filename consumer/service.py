@@ -45,7 +45,7 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
-from rlrec.consumer.assembly import VALIDATE_SPACES, AssemblyConfig, DeadLetter, finished_events
+from rlrec.consumer.assembly import VALIDATE_SPACES, AssemblyConfig, DeadLetter, Decision, finished_events
 from rlrec.consumer.dead_letters import DeadLetterQueue, dead_letter_record
 from rlrec.consumer.metrics import ConsumerMetrics
 from rlrec.consumer.topics import client_settings, create_topics, dlq_topic_name
@@ -71,6 +71,16 @@ FAST_FAILOVER_KAFKA = {
 UNHEALTHY_AFTER_S = 60.0
 #: pending (unacknowledged) dead-letter bytes over which no partition is read
 MAX_PENDING_DEAD_LETTER_BYTES = 64 * 1024 * 1024
+#: messages asked of one consume() call
+POLL_BATCH = 1000
+#: a partition is read live when its newest message read is at most this old (or none came):
+#: only then does idle time count toward episode timeouts (a backlog or an outage never ends an
+#: episode early)
+LIVE_LAG_S = 10.0
+#: how often the topic's partition count is checked
+PARTITION_CHECK_S = 30.0
+#: a transport error from the broker makes every partition "not live" for this long
+BROKER_TROUBLE_S = 10.0
 
 
 @dataclass
@@ -152,6 +162,11 @@ class RecorderConsumer:
         self._committed: dict[int, int] = {}
         self._last_commit = 0.0
         self._last_lag = 0.0
+        self._newest_ms: dict[int, int] = {}  # partition -> newest message timestamp of the last poll
+        self._broker_trouble_at = -1e18
+        self._partition_count: int | None = None
+        self._last_partition_check = 0.0
+        self._split_suspected_until = 0.0
         self.consumer: Consumer | None = None
         self.dlq: DeadLetterQueue | None = None
         self.last_loop_at = time.time()
@@ -218,9 +233,12 @@ class RecorderConsumer:
         deadline = None if max_seconds is None else time.time() + max_seconds
         try:
             while not self._stop.is_set() and (deadline is None or time.time() < deadline):
-                msgs = self.consumer.consume(num_messages=1000, timeout=0.2)
+                msgs = self.consumer.consume(num_messages=POLL_BATCH, timeout=0.2)
+                self._newest_ms = {}
                 held: set[int] = set()  # partitions told to re-read from a message (registry down)
                 for m in msgs:
+                    if m.error() is None:
+                        self._newest_ms[m.partition()] = m.timestamp()[1]
                     if m.partition() not in held and not self._on_message(m):
                         held.add(m.partition())
                 self._maintain(time.time())
@@ -365,6 +383,8 @@ class RecorderConsumer:
         if err is not None:
             if err.code() != KafkaError._PARTITION_EOF:
                 log.warning("consumer error: %s", err)
+                if err.code() in (KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN):
+                    self._broker_trouble_at = time.monotonic()  # not live: no timeouts meanwhile
             return True
         p = m.partition()
         w = self.writers.get(p)
@@ -466,13 +486,21 @@ class RecorderConsumer:
         for p, (at, _n, _since) in list(self._registry_retry.items()):
             if mono >= at and "registry" in self._pause_reasons.get(p, ()):
                 self._resume(p, "registry")  # read the message again (it stays in _registry_retry until it decodes)
+        self._check_partition_count(now)
+        broker_ok = mono - self._broker_trouble_at >= BROKER_TROUBLE_S
         for p, w in list(self.writers.items()):
-            if w.assembler is None:
+            a = w.assembler
+            if a is None:
                 if now >= w.next_attempt:
                     self._reclaim(p, w)
                 continue
-            for dl in w.assembler.expire(now):
-                self._dead_letter(None, dl, partition=p)
+            newest = self._newest_ms.get(p)
+            recent = newest is None or newest / 1000.0 >= now - LIVE_LAG_S
+            live = recent and broker_ok and not self._pause_reasons.get(p)
+            a.live_since = (a.live_since or now) if live else None
+            a.split_suspected = now < self._split_suspected_until
+            for d in a.decide_timeouts(now):
+                self._decide(p, d)
         self._enforce_capacity()
         total_ready_bytes = sum(w.assembler.finished_bytes for w in self.writers.values() if w.assembler)
         over_budget = total_ready_bytes > cfg.max_buffered_bytes
@@ -529,13 +557,20 @@ class RecorderConsumer:
         """Evict the longest-idle open episodes over max_open_episodes or max_open_bytes."""
         cfg = self.config
         assemblers = [(p, w.assembler) for p, w in self.writers.items() if w.assembler]
-        count = sum(len(a.open) for _, a in assemblers)
-        nbytes = sum(a.open_nbytes for _, a in assemblers)
+        # episodes with a decision on its way count as gone already (they go when it is read back)
+        going = [(p, ep) for p, a in assemblers for ep in a.open.values() if ep.decided_at is not None]
+        count = sum(len(a.open) for _, a in assemblers) - len(going)
+        nbytes = sum(a.open_nbytes for _, a in assemblers) - sum(ep.nbytes for _, ep in going)
         if count <= cfg.max_open_episodes and nbytes <= cfg.max_open_bytes:
             return
         # the longest-idle first, chosen in one pass (one scan per eviction would be quadratic:
         # a burst of 100k new episodes against a 20k cap)
-        idle = ((ep.last_event_at, p, eid, ep.nbytes) for p, a in assemblers for eid, ep in a.open.items())
+        idle = (
+            (ep.last_event_at, p, eid, ep.nbytes)
+            for p, a in assemblers
+            for eid, ep in a.open.items()
+            if ep.decided_at is None
+        )
         over_count = count - cfg.max_open_episodes
         if nbytes <= cfg.max_open_bytes:
             victims = heapq.nsmallest(over_count, idle)
@@ -546,9 +581,61 @@ class RecorderConsumer:
                     break
                 victims.append(item)
                 nbytes -= item[3]
+        now = time.time()
         for _, p, eid, _n in victims:
-            for dl in self.writers[p].assembler.evict(eid, truncate=cfg.on_capacity == "truncate"):
-                self._dead_letter(None, dl, partition=p)
+            d = self.writers[p].assembler.decide(eid, "capacity", cfg.on_capacity, now)
+            if d is not None:
+                self._decide(p, d)
+
+    def _decide(self, p: int, d: Decision) -> None:
+        """Write a decision (an EpisodeAbort with the reason) to the episode's own partition; it
+        takes effect when read back, so a replay builds the same episodes. A failed produce is
+        forgotten and decided again."""
+        value, headers = encode(d.abort())
+
+        def delivered(err: Any, _msg: Any) -> None:
+            if err is not None:
+                log.warning("partition %d: decision %s for %s not delivered (%s)", p, d.reason, d.episode_id, err)
+                w = self.writers.get(p)
+                ep = w.assembler.open.get(d.episode_id) if w is not None and w.assembler else None
+                if ep is not None:
+                    ep.decided_at = None
+
+        try:
+            self.dlq.producer.produce(
+                self.config.topic, value, d.episode_id.encode(), partition=p, headers=headers, on_delivery=delivered
+            )
+        except (BufferError, KafkaException) as e:
+            delivered(e, None)
+            return
+        self.metrics.decisions.labels(d.reason).inc()
+        log.info("partition %d: decided %s (%s) for episode %s", p, d.reason, d.action, d.episode_id)
+
+    def _check_partition_count(self, now: float) -> None:
+        """Adding partitions re-maps episode keys: parts of open episodes land on other partitions.
+        Logged loudly; for two episode timeouts afterwards, unknown-episode dead letters and
+        timeouts say `partition-change` (runbook: docs/DEPLOY.md)."""
+        if self.consumer is None or now - self._last_partition_check < PARTITION_CHECK_S:
+            return
+        self._last_partition_check = now
+        try:
+            md = self.consumer.list_topics(self.config.topic, timeout=5)
+            n = len(md.topics[self.config.topic].partitions)
+        except (KafkaException, KeyError) as e:
+            log.debug("partition count not available: %s", e)
+            return
+        if self._partition_count is not None and n != self._partition_count:
+            log.error(
+                "the topic %s changed from %d to %d partitions: episodes open across the change are split "
+                "between partitions; their parts are dead-lettered (partition-change). Drain producers before "
+                "adding partitions (docs/DEPLOY.md)",
+                self.config.topic,
+                self._partition_count,
+                n,
+            )
+            self.metrics.partition_count_changes.inc()
+            self._split_suspected_until = now + 2 * self.config.episode_timeout_s
+        self._partition_count = n
 
     def _flush_partition(self, p: int, force: bool, now: float) -> None:
         w = self.writers.get(p)

@@ -133,27 +133,80 @@ def test_replay_skips_committed_episodes_silently():
     assert a.apply(12, steps(t0=3, n=1, terminated=True)) == []
     assert a.counters.replay_skipped == 3 and not a.open and not a.finished
     assert [d.reason for d in a.apply(20, RewardDelta("e1", 0, 1.0))] == ["late-reward"]
-    assert a.apply(21, steps(t0=0, n=3)) == [] and a.counters.duplicates == 1
+    # a step after the committed end in the log is dead-lettered, never silently a duplicate
+    assert [d.reason for d in a.apply(21, steps(t0=0, n=3))] == ["step-after-end"]
+    assert [d.reason for d in a.apply(22, start())] == ["duplicate-start"]
 
 
-def test_timeouts_truncate_or_dead_letter():
+def _decided(a: PartitionAssembler, decisions, offset: int, now: float):
+    """Read the decisions back from the log (as the consumer does) at consecutive offsets."""
+    letters = []
+    for i, d in enumerate(decisions):
+        letters += a.apply(offset + i, decode(*encode(d.abort())), now=now)
+    return letters
+
+
+def test_timeouts_are_decided_in_live_time_and_applied_when_read_back():
     a = PartitionAssembler("t", 0, config=AssemblyConfig(episode_timeout_s=5))
     a.apply(0, start("a"), now=100.0)
     a.apply(1, steps("a", 0, 2), now=100.0)
     a.apply(2, start("b"), now=100.0)
-    assert a.expire(now=104.0) == []
-    dls = a.expire(now=106.0)
-    assert a.finished["a"].truncated and not a.finished["a"].terminated
+    assert a.decide_timeouts(now=200.0) == []  # not live (paused, backlog, outage): no timeouts at all
+    a.live_since = 150.0  # live again since 150: the idle time counts from there
+    assert a.decide_timeouts(now=154.0) == []
+    decisions = a.decide_timeouts(now=156.0)
+    assert [(d.episode_id, d.reason, d.action) for d in decisions] == [
+        ("a", "timeout", "truncate"),
+        ("b", "timeout", "truncate"),
+    ]
+    assert a.decide_timeouts(now=157.0) == []  # once: the decision is on its way
+    assert "a" in a.open  # nothing happens until the decisions are read back from the log
+    a.apply(3, steps("a", 2, 1), now=158.0)  # a step before the decision in the log still counts
+    dls = _decided(a, decisions, 4, now=159.0)
+    fe = a.finished["a"]
+    assert fe.truncated and not fe.terminated and fe.length == 3 and fe.last_offset == 4
     assert [d.reason for d in dls] == ["empty-episode"]  # b had no steps
-    a2 = PartitionAssembler("t", 0, config=AssemblyConfig(episode_timeout_s=5, on_timeout="dead-letter"))
-    a2.apply(0, start("a"), now=100.0)
-    a2.apply(1, steps("a", 0, 2), now=100.0)
-    dls = a2.expire(now=106.0)
-    assert [d.reason for d in dls] == ["timeout", "timeout"]
-    # the dead letters are the episode's events, re-encoded: nothing vanishes
-    evs = [decode(d.value, d.headers) for d in dls]
+    assert [d.reason for d in a.apply(6, steps("a", 3, 1))] == ["step-after-end"]
+    assert _decided(a, decisions[:1], 7, now=160.0) == [] and a.counters.decisions_superseded == 1
+
+
+def test_timeout_dead_letter_decision():
+    a = PartitionAssembler("t", 0, config=AssemblyConfig(episode_timeout_s=5, on_timeout="dead-letter"))
+    a.apply(0, start("a"), now=100.0)
+    a.apply(1, steps("a", 0, 2), now=100.0)
+    a.live_since = 100.0
+    dls = _decided(a, a.decide_timeouts(now=106.0), 2, now=106.0)
+    assert [(d.reason, d.offset) for d in dls] == [("timeout", 0), ("timeout", 1), ("timeout", 2)]
+    # the dead letters are the episode's events, re-encoded (and the decision itself): nothing vanishes
+    evs = [decode(d.value, d.headers) for d in dls[:2]]
     assert [type(e).__name__ for e in evs] == ["EpisodeStart", "StepBatch"]
-    assert a2.safe_offset() == 2
+    assert a.safe_offset() == 3
+
+
+def test_a_decision_replays_the_same_way():
+    """The same log (events and decision) builds the same episode whatever the clock says."""
+    from rlrec.consumer.assembly import Decision
+
+    log = [
+        start("a"),
+        steps("a", 0, 2),
+        decode(*encode(Decision("a", "capacity", "truncate").abort())),
+        steps("a", 2, 1),
+    ]
+    results = []
+    for now in (100.0, 1e9):
+        a = PartitionAssembler("t", 0, config=AssemblyConfig(episode_timeout_s=5))
+        letters = [dl.reason for i, ev in enumerate(log) for dl in a.apply(i, ev, now=now)]
+        results.append((a.finished["a"].length, a.finished["a"].truncated, letters))
+    assert results[0] == results[1] == (2, True, ["step-after-end"])
+
+
+def test_forged_or_unknown_decisions_are_ordinary_aborts():
+    a = PartitionAssembler("t", 0)
+    a.apply(0, start("a"))
+    a.apply(1, steps("a", 0, 2))
+    a.apply(2, EpisodeAbort("a", "rlrec:not-a-reason:truncate"))  # not a decision: the producer's abort
+    assert a.finished["a"].truncated and a.counters.decisions == 0
 
 
 def test_eviction_dead_letters_whole_episode_and_later_events():

@@ -47,6 +47,7 @@ class PartitionWriter:
         self.assembly_config = assembly or AssemblyConfig()
         self.assembler: PartitionAssembler | None = None
         self.state = "ASSIGNED"
+        self.replay_from: int | None = None  # the committed Kafka offset the last claim replays from
         self.failing_since: float | None = None
         self.next_attempt = 0.0
         self.attempts = 0
@@ -61,10 +62,15 @@ class PartitionWriter:
         """Claim a new writer epoch, roll forward unpublished commits, load the committed episode
         ids that can still be replayed from Kafka offset `replay_from` (all if None)."""
         committed = self.committer.claim(replay_from)
+        self.replay_from = replay_from
         self.assembler = PartitionAssembler(self.topic, self.partition, committed, self.assembly_config)
         self.state = "ACTIVE"
         log.info(
-            "partition %d: claimed epoch %d (%d committed episodes known)", self.partition, self.epoch, len(committed)
+            "partition %d: claimed epoch %d (%d committed episodes that can be replayed from offset %s)",
+            self.partition,
+            self.epoch,
+            len(committed),
+            replay_from,
         )
 
     # -- flushing -----------------------------------------------------------------------------

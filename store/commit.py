@@ -166,7 +166,7 @@ class ShardCommitter:
         """
         if self.epoch is None:  # a one-off committer (tools, tests): claim on first use
             self.claim()
-        self.publish_pending(force=True)  # roll forward earlier commits first
+        self.publish_pending()  # roll forward earlier commits first (unless backing off after a failure)
         result = CommitResult()
         by_policy: dict[str, list[FinishedEpisode]] = defaultdict(list)
         for fe in episodes:

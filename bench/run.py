@@ -1,10 +1,11 @@
 """The benchmark suite: producer, consumer, memory and trainer benchmarks in one go, one table.
 
-    python bench/run.py [--quick] [--json PATH] [--markdown PATH] [--only producer,consumer,memory,trainer]
+    python bench/run.py [--quick] [--json PATH] [--markdown PATH] [--only producer,consumer,memory,trainer,manifest]
 
-Runs `bench/producer.py`, `bench/consumer.py`, `bench/memory.py` and `bench/trainer.py`, each in its own child
-process with `--json` (so each keeps its own broker, Ray instance and peak RSS), and merges their
-results into rows. Every benchmark measures its own bare baseline in the same run:
+Runs `bench/producer.py`, `bench/consumer.py`, `bench/memory.py`, `bench/trainer.py` and
+`bench/manifest.py`, each in its own child process with `--json` (so each keeps its own broker,
+Ray instance and peak RSS), and merges their results into rows. Every benchmark measures its own
+bare baseline in the same run:
 
   producer  EpisodeRecorder vs bare confluent-kafka `produce()`            (CPU per step)
   consumer  RecorderConsumer vs a bare poll+decode+assemble+pack loop, and vs RLlib's
@@ -13,11 +14,17 @@ results into rows. Every benchmark measures its own bare baseline in the same ru
             episodes) vs the sum of its configured memory budgets
   trainer   ManifestOfflineData vs stock `OfflineData`, same BC config     (timesteps/s);
             streaming: learner wait share, shard commit -> first gradient p95
+  manifest  a partition claim at 20k log entries vs the claim before snapshots (commit 51d84f6)
+            (seconds on a local dir and on S3, storage calls; alternated rounds)
 
 JSON (`--json PATH`), exactly::
 
     {"rows": [{"figure": str, "ours": float, "baseline": float|null, "ratio": float,
-               "target": str, "pass": true|false|null}, ...]}
+               "target": str, "pass": true|false|null, "rounds": {...}|null}, ...]}
+
+`rounds` holds a row's raw per-round values and their spread where its benchmark reports them
+(`{"ours": [...], "baseline": [...], "spread": {"ours": [min, max], "baseline": [min, max]}}`;
+`ours`/`baseline` are then medians), else null.
 
 `ratio` is ours/baseline; for a row without a baseline it is ours/bound of its target (so a
 "< bound" target is met by a ratio below 1). Full mode judges every row against its target
@@ -42,7 +49,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
-BENCHES = ("producer", "consumer", "memory", "trainer")
+BENCHES = ("producer", "consumer", "memory", "trainer", "manifest")
 
 #: child arguments per benchmark: (full, quick)
 ARGS = {
@@ -66,9 +73,16 @@ ARGS = {
             "1",
         ],
     ),
+    "manifest": ([], ["--quick"]),
 }
 #: seconds a child may take: (full, quick)
-TIMEOUTS = {"producer": (600, 240), "consumer": (900, 300), "memory": (1200, 300), "trainer": (900, 300)}
+TIMEOUTS = {
+    "producer": (600, 240),
+    "consumer": (900, 300),
+    "memory": (1200, 300),
+    "trainer": (900, 300),
+    "manifest": (2400, 300),
+}
 
 
 @dataclass
@@ -81,10 +95,12 @@ class Row:
     ratio: float
     target: str
     pass_: bool | None
+    rounds: dict | None = None
 
     def as_json(self) -> dict:
         d = asdict(self)
         d["pass"] = d.pop("pass_")
+        d["rounds"] = d.pop("rounds")
         return d
 
 
@@ -224,7 +240,59 @@ def memory_rows(r: dict, quick: bool) -> list[Row]:
     ]
 
 
-ROWS = {"producer": producer_rows, "consumer": consumer_rows, "memory": memory_rows, "trainer": trainer_rows}
+#: our claim must be at most this fraction of the claim before snapshots, at 20k entries
+TARGET_CLAIM_RATIO = 0.1
+
+
+def manifest_rows(r: dict, quick: bool) -> list[Row]:
+    from bench.manifest import CLAIM_BUDGET
+
+    n = int(_num(r, "entries"))
+    rows = []
+    for where, label in (("s3", "S3 (moto)"), ("local", "local dir")):
+        raw = r[where]["raw"]
+        ours = [x["seconds"] for x in raw["ours"]]
+        base = [x["seconds"] for x in raw.get("baseline", [])] or None
+        rounds = {
+            "ours": ours,
+            "baseline": base,
+            "spread": {"ours": [min(ours), max(ours)], "baseline": [min(base), max(base)] if base else None},
+        }
+        row = _row(
+            f"manifest: claim s at {n:,} log entries, {label}, vs before snapshots",
+            _num(r, where, "ours", "seconds", "median"),
+            _num(r, where, "baseline", "seconds", "median") if base else None,
+            f"ratio ≤ {TARGET_CLAIM_RATIO:g}",
+            lambda o, q: q <= TARGET_CLAIM_RATIO,
+            quick,
+            bound=1.0,
+        )
+        row.rounds = rounds
+        rows.append(row)
+    tail = int(_num(r, "tail_after_snapshot"))
+    calls = [x["storage_calls"] for x in r["local"]["raw"]["ours"]]
+    base_calls = [x["storage_calls"] for x in r["local"]["raw"].get("baseline", [])] or None
+    row = _row(
+        f"manifest: storage calls per claim at {n:,} log entries vs before snapshots",
+        _num(r, "local", "ours", "storage_calls", "median"),
+        _num(r, "local", "baseline", "storage_calls", "median") if base_calls else None,
+        f"≤ {CLAIM_BUDGET} + {tail} (entries since the last snapshot)",
+        lambda o, q: o <= CLAIM_BUDGET + tail,
+        quick,
+        bound=float(CLAIM_BUDGET + tail),
+    )
+    row.rounds = {"ours": calls, "baseline": base_calls, "spread": None}
+    rows.append(row)
+    return rows
+
+
+ROWS = {
+    "producer": producer_rows,
+    "consumer": consumer_rows,
+    "memory": memory_rows,
+    "trainer": trainer_rows,
+    "manifest": manifest_rows,
+}
 
 
 def run_child(name: str, quick: bool, workdir: str) -> dict:
@@ -321,7 +389,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="smoke test: small runs, nothing judged")
     ap.add_argument("--json", dest="json_path", help="write {'rows': [...]} here")
     ap.add_argument("--markdown", help="write the Markdown table here (printed otherwise)")
-    ap.add_argument("--only", default=",".join(BENCHES), help="comma-separated subset of producer,consumer,trainer")
+    ap.add_argument(
+        "--only", default=",".join(BENCHES), help="comma-separated subset of producer,consumer,trainer,manifest"
+    )
     ap.add_argument("--keep-logs", metavar="DIR", help="keep each child's log and JSON in DIR")
     args = ap.parse_args(argv)
     only = tuple(s.strip() for s in args.only.split(",") if s.strip())

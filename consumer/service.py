@@ -53,7 +53,7 @@ from rlrec.consumer.writer import PartitionWriter
 from rlrec.producer.events import DecodeError, decode, encode
 from rlrec.producer.registry import RegistryUnavailable
 from rlrec.store.manifest import FencedError
-from rlrec.store.storage import Storage
+from rlrec.store.storage import Storage, require_conditional_writes
 
 __all__ = ["FAST_FAILOVER_KAFKA", "ConsumerConfig", "RecorderConsumer"]
 
@@ -115,6 +115,7 @@ class ConsumerConfig:
     schema_registry_url: str | None = None
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
+    allow_unfenced_storage: bool = False  # run on a store that ignores create-once writes (no fencing)
     kafka_config: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -188,6 +189,8 @@ class RecorderConsumer:
 
     def run(self, max_seconds: float | None = None, install_signals: bool = True) -> None:
         cfg = self.config
+        # before anything else: no fencing or deduplication without create-once writes
+        require_conditional_writes(self.storage, allow_unfenced=cfg.allow_unfenced_storage)
         if install_signals and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self.stop)
             signal.signal(signal.SIGINT, self.stop)
@@ -292,11 +295,22 @@ class RecorderConsumer:
     # -- rebalance callbacks ------------------------------------------------------------------
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        replay_from = self._committed_offsets([tp.partition for tp in partitions])
         for tp in partitions:
-            self._claim(tp.partition)
+            self._claim(tp.partition, replay_from.get(tp.partition))
         self.metrics.assigned.set(len(self.writers))
 
-    def _claim(self, p: int) -> None:
+    def _committed_offsets(self, partitions: list[int]) -> dict[int, int]:
+        """The group's committed offsets (0 where none: replay from the start); {} if the broker
+        does not answer (the claim then loads every committed episode id)."""
+        try:
+            tps = self.consumer.committed([TopicPartition(self.config.topic, p) for p in partitions], timeout=10)
+        except KafkaException as e:
+            log.warning("committed offsets not available (%s); claims load every committed episode id", e)
+            return {}
+        return {tp.partition: max(tp.offset, 0) for tp in tps if tp.error is None}
+
+    def _claim(self, p: int, replay_from: int | None = None) -> None:
         w = PartitionWriter(
             self.storage,
             self.config.topic,
@@ -308,7 +322,7 @@ class RecorderConsumer:
         self.writers[p] = w
         for attempt in range(3):
             try:
-                w.claim()
+                w.claim(replay_from)
                 return
             except Exception as e:  # storage unavailable: retried from the loop, partition paused
                 log.warning("partition %d: claim failed (%s), attempt %d", p, e, attempt + 1)
@@ -324,22 +338,19 @@ class RecorderConsumer:
         self._pause(p, "unclaimed")
 
     def _reclaim(self, p: int, w: PartitionWriter) -> None:
+        tp = TopicPartition(self.config.topic, p)
         try:
-            w.claim()
+            committed = self.consumer.committed([tp], timeout=10)[0].offset
+            w.claim(max(committed, 0))
         except Exception as e:
             log.warning("partition %d: claim failed again (%s)", p, e)
             w.next_attempt = time.time() + 10.0
             return
-        self._seek_committed(p)
-        self._resume(p, "unclaimed")
-        log.info("partition %d: claimed again; replaying from the committed offset", p)
-
-    def _seek_committed(self, p: int) -> None:
-        tp = TopicPartition(self.config.topic, p)
-        committed = self.consumer.committed([tp], timeout=10)[0].offset
         tp.offset = committed if committed >= 0 else -2  # OFFSET_BEGINNING
         self.consumer.seek(tp)
         self._committed.pop(p, None)
+        self._resume(p, "unclaimed")
+        log.info("partition %d: claimed again; replaying from offset %s", p, committed)
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         now = time.time()
@@ -498,6 +509,7 @@ class RecorderConsumer:
             recent = newest is None or newest / 1000.0 >= now - LIVE_LAG_S
             live = recent and broker_ok and not self._pause_reasons.get(p)
             a.live_since = (a.live_since or now) if live else None
+            w.publish_pending()  # roll forward committed shards whose publish failed
             a.split_suspected = now < self._split_suspected_until
             for d in a.decide_timeouts(now):
                 self._decide(p, d)
@@ -735,6 +747,9 @@ class RecorderConsumer:
             return
         for tp in offsets:
             self._committed[tp.partition] = tp.offset
+            w = self.writers.get(tp.partition)
+            if w is not None:
+                w.offsets_committed(tp.offset)  # forget committed ids no owner can replay
 
     def _report_lag(self) -> None:
         """Lag = high watermark - position, where the broker reports watermarks (Tansu's are

@@ -47,6 +47,7 @@ class PartitionWriter:
         self.assembly_config = assembly or AssemblyConfig()
         self.assembler: PartitionAssembler | None = None
         self.state = "ASSIGNED"
+        self.replay_from: int | None = None  # the committed Kafka offset the last claim replays from
         self.failing_since: float | None = None
         self.next_attempt = 0.0
         self.attempts = 0
@@ -57,13 +58,19 @@ class PartitionWriter:
 
     # -- ownership ----------------------------------------------------------------------------
 
-    def claim(self) -> None:
-        """Claim a new writer epoch, roll forward unpublished commits, load committed episode ids."""
-        committed = self.committer.claim()
+    def claim(self, replay_from: int | None = None) -> None:
+        """Claim a new writer epoch, roll forward unpublished commits, load the committed episode
+        ids that can still be replayed from Kafka offset `replay_from` (all if None)."""
+        committed = self.committer.claim(replay_from)
+        self.replay_from = replay_from
         self.assembler = PartitionAssembler(self.topic, self.partition, committed, self.assembly_config)
         self.state = "ACTIVE"
         log.info(
-            "partition %d: claimed epoch %d (%d committed episodes known)", self.partition, self.epoch, len(committed)
+            "partition %d: claimed epoch %d (%d committed episodes that can be replayed from offset %s)",
+            self.partition,
+            self.epoch,
+            len(committed),
+            replay_from,
         )
 
     # -- flushing -----------------------------------------------------------------------------
@@ -79,6 +86,18 @@ class PartitionWriter:
         except FencedError:
             self.state = "FENCED"
             raise
+
+    def publish_pending(self) -> int:
+        """Publish shards committed by earlier flushes whose publish failed (cheap when none)."""
+        return self.committer.publish_pending()
+
+    def offsets_committed(self, offset: int) -> None:
+        """The partition's Kafka offset is committed at `offset`: drop the committed episode ids
+        no owner can replay any more (the store decides which: `ShardCommitter.offsets_committed`)."""
+        forgotten = self.committer.offsets_committed(offset)
+        if self.assembler is not None:
+            for eid in forgotten:
+                self.assembler.committed.pop(eid, None)
 
     def drop(self) -> None:
         """Forget all in-memory state (revoked or fenced). Uncommitted episodes are replayed by the

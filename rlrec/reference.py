@@ -91,12 +91,15 @@ def _flag(action: argparse.Action) -> str:
 
 def _consume_sources() -> dict[str, tuple[str, str, str]]:
     """consume's ``--flag`` -> (default, env var, config-file key) from its OPTIONS table."""
-    from rlrec.commands.consume import OPTIONS, _env
+    from rlrec.commands.consume import OPTIONS, _env, flag
 
     out = {}
-    for flag, _typ, default, _help in OPTIONS:
+    for name, typ, default, _help in OPTIONS:
+        if typ is flag:  # on/off: given alone on the command line, 1/true in the environment
+            out[f"--{name}"] = ("on" if default else "off", f"`RLREC_{_env(name)}=1`", f"`{name}`")
+            continue
         shown = "" if default is None else f"`{default}`"
-        out[f"--{flag}"] = (shown, f"`RLREC_{_env(flag)}`", f"`{flag}`")
+        out[f"--{name}"] = (shown, f"`RLREC_{_env(name)}`", f"`{name}`")
     out["--no-create-topics"] = ("off", "`RLREC_NO_CREATE_TOPICS=1`", "`no-create-topics`")
     out["--kafka-config"] = ("", "", "`kafka-config` (a table)")
     return out

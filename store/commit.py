@@ -8,20 +8,26 @@ epoch. For a commit, per policy id present (see docs/GUARANTEES.md):
   3. append a shard entry to the partition's manifest log (create-once): the commit point.
      A conflict means another writer appended first: if it claimed a newer epoch we are fenced
      (`FencedError`), otherwise drop the episodes it committed and retry with the rest;
-  4. publish: move the staged file to `{policy}/{name}` (rolled forward by the next owner's
-     claim if we crash first).
+  4. publish: move the staged file to `{policy}/{name}`. If that fails (or a conflict reveals an
+     entry of ours that landed although its append raised), the entry is *pending*: published
+     at the start of the next `commit()` or by `publish_pending()` (the consumer calls it every
+     loop tick), re-written from memory if the staged file is gone; the next owner's claim
+     rolls it forward if we crash first.
 
-The caller (the consumer) then commits its Kafka offsets. Shard names derive from (topic,
+The caller (the consumer) then commits its Kafka offsets and tells the committer
+(`offsets_committed`), which forgets committed ids that can no longer be replayed. Shard names derive from (topic,
 partition, offset range, writer epoch, attempt), never random ids, and an attempt never
 overwrites a file an earlier (maybe landed) attempt staged.
 
 Readers use `read_committed_shard`: a committed shard is readable from the moment its entry
-exists, at its published path or, until it is published, at its staging path.
+exists, at its published path or, until it is published, at its staging path (and a publish
+between the two reads is caught by reading the published path again).
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
@@ -29,7 +35,7 @@ from dataclasses import dataclass, field
 
 from rlrec.producer.events import load_schemas
 from rlrec.store.finished import FinishedEpisode
-from rlrec.store.manifest import ConflictError, PartitionLog, ShardEntry, default_writer_id
+from rlrec.store.manifest import SNAPSHOT_EVERY, ConflictError, PartitionLog, ShardEntry, default_writer_id
 from rlrec.store.shards import EncodedShard, encode_shard
 from rlrec.store.storage import Storage
 
@@ -64,7 +70,9 @@ class ShardCommitter:
     Guarantees: an episode is in at most one committed shard entry (the manifest log's
     create-once appends, with committed ids re-checked on conflict); once another writer has
     claimed the partition, this one commits nothing more (`FencedError`); a staged file becomes
-    visible to readers only after its entry exists. Use one instance per partition and owner.
+    visible to readers only after its entry exists; a shard this writer committed is published
+    by its next flush cycle (`commit` / `publish_pending`) once storage works, from memory if
+    its staged file is gone. Use one instance per partition and owner.
     """
 
     def __init__(
@@ -75,29 +83,79 @@ class ShardCommitter:
         *,
         fmt: str = "episodes",
         compression: str = "zstd",
+        snapshot_every: int | None = None,
     ) -> None:
         self.storage = Storage.from_uri(storage) if isinstance(storage, str) else storage
         self.topic = topic
         self.partition = partition
         self.fmt = fmt
         self.compression = compression
-        self.log = PartitionLog(self.storage, topic, partition)
+        self.log = PartitionLog(
+            self.storage, topic, partition, snapshot_every=SNAPSHOT_EVERY if snapshot_every is None else snapshot_every
+        )
         self.epoch: int | None = None
         self._attempt = 0
+        #: committed by this writer, not yet published: seq -> (entry, shard bytes)
+        self._pending: dict[int, tuple[ShardEntry, bytes]] = {}
+        #: staged attempts whose append raised (the entry may have landed): staging path -> bytes
+        self._ambiguous: dict[str, bytes] = {}
+        self._publish_failures = 0
+        self._next_publish = 0.0
 
-    def claim(self) -> dict[str, int]:
+    def claim(self, replay_from: int | None = None) -> dict[str, int]:
         """Claim a new writer epoch and roll forward unpublished commits.
 
-        Returns the committed episode ids, each with the last offset of its entry."""
-        self.epoch = self.log.claim(default_writer_id())
+        Returns the committed episode ids that can still be replayed, each with the last offset
+        of its entry: with `replay_from` (the partition's committed Kafka offset, where this
+        writer's consumer starts reading) those of entries with `last_offset >= replay_from`
+        plus the most recent ones (the newest snapshot's segment and after); without it,
+        every committed id (reads the log's whole history).
+        """
+        self.epoch = self.log.claim(default_writer_id(), replay_from=replay_from)
         recovered = self.log.recover()
         if recovered:
             log.info("partition %d: published %d committed shard(s) left staged by a crash", self.partition, recovered)
-        committed: dict[str, int] = {}
-        for e in self.log.shard_entries():
-            for eid in e.episode_ids:
-                committed[eid] = e.last_offset
-        return committed
+        return self.log.committed_last_offsets()
+
+    def offsets_committed(self, offset: int) -> list[str]:
+        """The partition's Kafka offset was committed at `offset`: returns the committed episode
+        ids forgotten because no owner can replay them any more (see `PartitionLog.forget_before`);
+        the caller drops them from its own skip set."""
+        return self.log.forget_before(offset)
+
+    @property
+    def pending(self) -> list[ShardEntry]:
+        """Entries this writer committed that are not published yet."""
+        return [e for e, _ in self._pending.values()]
+
+    def publish_pending(self, *, force: bool = False) -> int:
+        """Publish the shards this writer committed but could not publish yet (roll forward);
+        returns how many were published. Costs nothing when none are pending; after a failure
+        it waits (exponential backoff, up to 30 s) unless `force`."""
+        if not self._pending or (not force and time.monotonic() < self._next_publish):
+            return 0
+        done = 0
+        for seq, (entry, data) in sorted(self._pending.items()):
+            try:
+                self.log.publish(entry, data)
+            except Exception as e:  # stays pending; retried by the next cycle
+                self._publish_failures += 1
+                delay = min(30.0, 0.5 * 2 ** min(self._publish_failures, 6)) * (0.5 + random.random())
+                self._next_publish = time.monotonic() + delay
+                log.warning(
+                    "partition %d: publish of %s failed (%s: %s); retry in %.1fs",
+                    self.partition,
+                    entry.path,
+                    type(e).__name__,
+                    e,
+                    delay,
+                )
+                return done
+            del self._pending[seq]
+            done += 1
+            log.info("partition %d: rolled forward the publish of %s (seq %d)", self.partition, entry.path, seq)
+        self._publish_failures = 0
+        return done
 
     def commit(self, episodes: Iterable[FinishedEpisode], on_committed: OnCommitted | None = None) -> CommitResult:
         """Commit `episodes` as shards, one per policy id (steps 1-4 above).
@@ -112,6 +170,7 @@ class ShardCommitter:
         """
         if self.epoch is None:  # a one-off committer (tools, tests): claim on first use
             self.claim()
+        self.publish_pending()  # roll forward earlier commits first (unless backing off after a failure)
         result = CommitResult()
         by_policy: dict[str, list[FinishedEpisode]] = defaultdict(list)
         for fe in episodes:
@@ -202,6 +261,7 @@ class ShardCommitter:
         try:
             entry = self.log.append_shard(entry)  # 3. the commit point (FencedError propagates)
         except ConflictError as c:
+            self._roll_forward_landed(c.entries)
             taken = {eid for e in c.entries if isinstance(e, ShardEntry) for eid in e.episode_ids}
             if on_committed is not None:
                 for e in c.entries:
@@ -213,23 +273,42 @@ class ShardCommitter:
                 sum(fe.episode_id in taken for fe in eps),
             )
             return None, [fe for fe in eps if fe.episode_id not in taken]
+        except Exception:  # StorageError: the entry may have landed; the next append finds out
+            self._ambiguous[staging] = shard.data
+            raise
+        self._ambiguous.clear()  # entry `seq` was free: no earlier attempt landed
         try:
-            self.storage.move(staging, path)  # 4. publish
-        except Exception as e:  # committed already; the next claim rolls the publish forward
-            log.error(
-                "partition %d: publish of %s failed (%s); it stays staged until recovered", self.partition, path, e
-            )
+            self.log.publish(entry, shard.data)  # 4. publish
+        except Exception as e:  # committed already: published by the next flush cycle
+            self._pending[entry.seq] = (entry, shard.data)
+            log.error("partition %d: publish of %s failed (%s); retried next cycle", self.partition, path, e)
         return entry, eps
+
+    def _roll_forward_landed(self, entries: Iterable[object]) -> None:
+        """A conflict revealed entries: those of this writer's earlier attempts (an append that
+        raised although it landed) are committed and must be published now."""
+        for e in entries:
+            if isinstance(e, ShardEntry) and e.staging_path in self._ambiguous and e.seq is not None:
+                self._pending[e.seq] = (e, self._ambiguous.pop(e.staging_path))
+        if self._pending:
+            self.publish_pending(force=True)
 
 
 def read_committed_shard(storage: Storage, path: str, staging_path: str | None) -> bytes:
     """The bytes of a committed shard (its entry's `path` and `staging_path`): the published file
-    or, until it is published, the staged one."""
+    or, until it is published, the staged one. A publish between the two reads (the staged file
+    moved to `path` after `path` was found missing) is caught by reading `path` again, so a
+    committed shard is never reported missing because it moved: FileNotFoundError means neither
+    file exists."""
     try:
         return storage.read(path)
     except FileNotFoundError:
         if not staging_path:
             raise
-        # committed but not yet published (the writer publishes right after committing, or its
-        # next owner rolls the publish forward): the staged file is the committed content
+    try:
+        # committed but not yet published (the writer publishes right after committing, or at
+        # its next flush cycle, or its next owner rolls the publish forward)
         return storage.read(staging_path)
+    except FileNotFoundError:
+        pass
+    return storage.read(path)  # published meanwhile (publishing moves staging -> path)

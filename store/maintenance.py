@@ -1,12 +1,14 @@
 """Maintenance of an output root: garbage collection, inspection, verification.
 
-* :func:`gc` -- delete shard files no manifest entry references (crashed or
-  fenced writers' staging files, staging copies left after publishing,
-  interrupted temp files), once they are older than a grace period.  Never
-  touches ``_manifest/``.
+* :func:`gc` -- delete shard files no manifest entry names (crashed or fenced
+  writers' staging files, interrupted temp files), once they are older than a
+  grace period.  A file a committed entry names, as ``path`` or as
+  ``staging_path``, is never deleted, whatever its age.  Never touches
+  ``_manifest/``.
 * :func:`inspect` -- the manifest as a JSON-able document (``rlrec inspect``).
 * :func:`verify` -- check committed shards against the files: missing, size,
-  sha256, duplicate episode ids, log anomalies, optional decode check.
+  sha256, duplicate episode ids, log anomalies (gaps, unfenced zombies,
+  snapshots that disagree with the entries they fold), optional decode check.
 * :func:`episode_summary` -- episode length/return statistics from the
   ``length`` / ``episode_return`` columns of the shards, when they have them.
 """
@@ -21,7 +23,10 @@ from typing import Any
 
 from rlrec.store.manifest import (
     ClaimEntry,
+    Entry,
+    PartitionLog,
     ShardEntry,
+    SnapshotEntry,
     manifest_totals,
     read_manifest,
     read_partition_logs,
@@ -79,15 +84,17 @@ def gc(
     ``policy_id`` or that has a ``_staging/`` subdirectory; other directories,
     nested directories and ``_manifest/`` are never touched).  Of these, the
     published ``*.parquet`` files, everything in ``_staging/`` and interrupted
-    temp files (``.NAME.tmp-*``) are garbage unless a committed entry references
-    them: its ``path``, or its ``staging_path`` while the published file does
-    not exist yet (roll-forward still needs it).
+    temp files (``.NAME.tmp-*``) are garbage unless a committed entry names
+    them -- as its ``path`` or its ``staging_path``, published or not, whatever
+    their age: this is the one place that rule is enforced (a staged copy of a
+    published shard is removed by the writer's roll-forward, never by gc).
 
     Files are listed *before* the manifest is read, so a shard committed while
     gc runs is seen as referenced.  The grace period must exceed the longest
     time a writer may take from writing a staging file to appending its entry
-    and publishing (plus clock skew between this host and the storage, whose
-    mtimes are used).
+    (plus clock skew between this host and the storage, whose mtimes are used);
+    a writer whose staged file was deleted anyway publishes the shard from
+    memory (``ShardCommitter``).
 
     Returns the deleted (with *dry_run*: deletable) paths relative to the root.
     """
@@ -97,12 +104,7 @@ def gc(
     entries = read_manifest(storage)  # 2. then read the manifest
     now = time.time() if now is None else now
     policy_dirs = {e.policy_id for e in entries} | with_staging
-    present = {f.path for fs in files.values() for f in fs}
-    keep: set[str] = set()
-    for e in entries:
-        keep.add(e.path)
-        if e.path not in present:
-            keep.add(e.staging_path)
+    keep = {p for e in entries for p in (e.path, e.staging_path)}  # named by an entry: never garbage
     garbage: list[str] = []
     for d, infos in files.items():
         if d not in policy_dirs:
@@ -167,8 +169,11 @@ def verify(storage: Storage, decode_check: DecodeCheck | None = None) -> list[st
         seqs = [e.seq for e in log_entries]
         if seqs != list(range(len(seqs))):
             problems.append(f"manifest log {topic}/{partition:05d} has gaps (seqs {seqs[:5]}...)")
+        problems += _snapshot_problems(storage, topic, partition, log_entries)
         max_claim = 0
         for e in log_entries:
+            if isinstance(e, SnapshotEntry):
+                continue
             if isinstance(e, ClaimEntry):
                 if e.epoch <= max_claim:
                     problems.append(
@@ -227,6 +232,48 @@ def verify(storage: Storage, decode_check: DecodeCheck | None = None) -> list[st
                     f"{where}: decoded {episodes} episodes/{steps} steps, manifest says {e.episodes}/{e.steps}"
                 )
     return problems
+
+
+def _snapshot_problems(storage: Storage, topic: str, partition: int, entries: list[Entry]) -> list[str]:
+    """Each snapshot must agree with the entries below it: its newest claim, its offsets,
+    and every entry it folds byte for byte equal to the entry on storage."""
+    plog = PartitionLog(storage, topic, partition)
+    problems: list[str] = []
+    top_claim: ClaimEntry | None = None
+    max_lo = -1
+    max_lo_before: dict[int, int] = {}  # seq -> max last_offset of the shard entries below it
+    for e in entries:
+        if e.seq is None:
+            continue
+        max_lo_before[e.seq] = max_lo
+        if isinstance(e, ClaimEntry):
+            if top_claim is None or e.epoch > top_claim.epoch:
+                top_claim = e
+        elif isinstance(e, ShardEntry):
+            max_lo = max(max_lo, e.last_offset)
+            continue
+        if not isinstance(e, SnapshotEntry):
+            continue
+        where = f"{topic}/{partition:05d} snapshot seq {e.seq}"
+        if top_claim is None or e.last_claim != top_claim:
+            problems.append(f"{where}: last_claim {e.last_claim.seq} is not the newest claim below it")
+        if e.max_last_offset != max_lo_before[e.seq]:
+            problems.append(f"{where}: max_last_offset {e.max_last_offset} != {max_lo_before[e.seq]} of its entries")
+        if e.below_max_last_offset != max_lo_before.get(e.folded_from, -1):
+            problems.append(f"{where}: below_max_last_offset {e.below_max_last_offset} does not match the log")
+        seqs = list(range(e.folded_from, e.seq))
+        for seq, folded, original in zip(seqs, e.entries, _read_many(plog.read_entry, seqs)):
+            if original != folded:
+                what = "is missing on storage" if original is None else "differs from the entry on storage"
+                problems.append(f"{where}: folded entry {seq} {what}")
+    return problems
+
+
+def _read_many(fn: Callable[[int], Any], items: list[int]) -> list[Any]:
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=8) as ex:
+        return list(ex.map(fn, items))
 
 
 def episode_summary(storage: Storage, entries: Iterable[ShardEntry] | None = None) -> dict[str, Any] | None:

@@ -2,34 +2,44 @@
 
 Layout (relative to the output root)::
 
-    _manifest/{topic}/{partition:05d}/{seq:012d}.json
+    _manifest/{topic}/{partition:05d}/{seq:012d}.json   the entries (create-once, never changed)
+    _manifest/{topic}/{partition:05d}/.head.json        a hint: the seq of a recent snapshot
 
 Each entry is a small immutable JSON document created with a create-once write
 (:meth:`rlrec.store.storage.Storage.create_once`); ``seq`` runs 0, 1, 2, ... with no
-gaps.  Two entry types:
+gaps.  Three entry types (:mod:`rlrec.store.manifest_entries`):
 
 * ``claim`` (:class:`ClaimEntry`) -- a consumer that gets the partition appends
   a claim with writer epoch ``E = max(epochs in the log) + 1``.
 * ``shard`` (:class:`ShardEntry`) -- a shard of episodes is *committed* when
   its entry exists.  Its ``epoch`` is the epoch of the writer that appended it.
+* ``snapshot`` (:class:`SnapshotEntry`) -- appended by a writer every
+  :data:`SNAPSHOT_EVERY` entries: folds the log below it (the newest claim, the entries
+  since the previous snapshot, the shards not known to be published).
 
-Rule: a writer appends entry ``k`` only after it has read every entry ``< k``.
+Rule: a writer appends entry ``k`` only after it has read every entry ``< k`` -- directly,
+or through the newest snapshot below ``k``, which summarizes everything below it.
 If entry ``k`` already exists (the create-once write fails), the writer reads
-the new entries: a claim with another epoch means a newer owner took the
-partition and the writer is fenced (:class:`FencedError`); otherwise
+the new entries: a claim with another epoch (or a snapshot folding one) means a newer
+owner took the partition and the writer is fenced (:class:`FencedError`); otherwise
 :class:`ConflictError` carries the new entries so the caller can drop episode
 ids that are already committed and retry.  A writer that lost its partition can
 therefore commit nothing after the new owner's claim -- no clocks or leases
 involved.  See docs/GUARANTEES.md.
 
-Entries are plain JSON (never pickle): :func:`parse_entry` rejects unknown entry
-types, unknown or missing fields and wrongly typed values with
-:class:`ManifestError`.
+Reading cost.  A writer's :meth:`PartitionLog.claim` reads the hint, the snapshot it
+names and the entries after it (probing ``seq`` until one is missing): a constant number
+of storage calls plus the entries since the last snapshot, whatever the history's
+length.  The hint is only a hint: a missing or stale one costs a listing or a longer
+tail, never correctness, because a snapshot is immutable and the tail is probed entry by
+entry.  Whole-history readers (:meth:`PartitionLog.load`, :func:`read_partition_logs`)
+follow the chain of snapshots back (one read per snapshot) instead of listing and reading
+every entry.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import bisect
 import json
 import logging
 import os
@@ -38,24 +48,40 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
+from rlrec.store.manifest_entries import (
+    MANIFEST_DIR,
+    TOPIC_RE,
+    ClaimEntry,
+    Entry,
+    LogEntry,
+    ManifestError,
+    ShardEntry,
+    SnapshotEntry,
+    entry_path,
+    parse_entry,
+)
 from rlrec.store.storage import Storage
 
 __all__ = [
+    "HEAD_HINT",
     "MANIFEST_DIR",
+    "SNAPSHOT_EVERY",
     "ClaimEntry",
     "ConflictError",
     "Entry",
     "FencedError",
+    "LogEntry",
     "ManifestError",
     "PartitionLog",
     "ShardEntry",
+    "SnapshotEntry",
     "default_writer_id",
     "entry_path",
+    "list_partition_logs",
     "manifest_totals",
     "parse_entry",
     "read_manifest",
@@ -64,20 +90,20 @@ __all__ = [
 
 log = logging.getLogger("rlrec.manifest")
 
-MANIFEST_DIR = "_manifest"
+#: a writer appends a snapshot once this many entries follow the newest one
+SNAPSHOT_EVERY = 100
+#: at most this many entries are folded into one snapshot (older ones stay "unfolded")
+MAX_SEGMENT = 1000
+#: name of the hint file in each partition's log directory (dot-prefixed: not an entry)
+HEAD_HINT = ".head.json"
+
 _SEQ_RE = re.compile(r"^(\d{12})\.json$")
 _PART_RE = re.compile(r"^\d{5}$")
-# Kafka topic names: [a-zA-Z0-9._-], at most 249 characters; "." and ".." are invalid.
-_TOPIC_RE = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
-_SHA_RE = re.compile(r"^[0-9a-f]{64}$")
 _READ_WORKERS = 8
+_BACKWARD_BATCH = 16  # entries read at a time when searching a listed log backwards
 
 
 # --------------------------------------------------------------------- errors
-
-
-class ManifestError(ValueError):
-    """A manifest entry (or the log) is malformed: unknown type, bad fields, gaps."""
 
 
 class FencedError(RuntimeError):
@@ -111,261 +137,13 @@ class ConflictError(RuntimeError):
         self.duplicate_episode_ids = set(duplicate_episode_ids)
 
 
-# -------------------------------------------------------------------- entries
-
-
-def _check_type(d: Mapping[str, Any], key: str, types: tuple[type, ...], *, nullable: bool = False) -> Any:
-    v = d[key]
-    if v is None and nullable:
-        return v
-    # bool is an int subclass: never accept it where a number is expected.
-    if isinstance(v, bool) and bool not in types:
-        raise ManifestError(f"field {key!r}: expected {'/'.join(t.__name__ for t in types)}, got bool")
-    if not isinstance(v, types):
-        raise ManifestError(f"field {key!r}: expected {'/'.join(t.__name__ for t in types)}, got {type(v).__name__}")
-    return v
-
-
-def _check_rel_path(key: str, p: str) -> None:
-    if not p or p.startswith("/") or "\\" in p or any(c in ("", ".", "..") for c in p.split("/")):
-        raise ManifestError(f"field {key!r}: not a clean relative path: {p!r}")
-
-
-def _check_keys(d: Mapping[str, Any], required: set[str], optional: set[str], what: str) -> None:
-    missing = required - d.keys()
-    if missing:
-        raise ManifestError(f"{what} entry: missing fields {sorted(missing)}")
-    unknown = d.keys() - required - optional
-    if unknown:
-        raise ManifestError(f"{what} entry: unknown fields {sorted(unknown)}")
-
-
-@dataclass(frozen=True, kw_only=True)
-class ClaimEntry:
-    """``{"type": "claim", "seq", "epoch", "writer", "time"}``."""
-
-    epoch: int
-    writer: str
-    time: float = field(default_factory=time.time)
-    seq: int | None = None
-
-    type = "claim"
-    _REQUIRED = frozenset({"type", "seq", "epoch", "writer", "time"})
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"type": "claim", "seq": self.seq, "epoch": self.epoch, "writer": self.writer, "time": self.time}
-
-    def to_json(self) -> str:
-        d = self.to_dict()
-        _validate_claim(d)
-        return _dumps(d)
-
-    @classmethod
-    def from_json(cls, data: str | bytes | Mapping[str, Any]) -> ClaimEntry:
-        e = parse_entry(data)
-        if not isinstance(e, ClaimEntry):
-            raise ManifestError(f"expected a claim entry, got {e.type!r}")
-        return e
-
-
-@dataclass(frozen=True, kw_only=True)
-class ShardEntry:
-    """One committed shard of complete episodes from one partition and one policy.
-
-    Build it without ``seq``/``epoch``/``writer``; :meth:`PartitionLog.append_shard`
-    fills them in.  ``path``/``staging_path`` are relative to the output root and
-    must be unique per append attempt (see docs/GUARANTEES.md).  ``first_offset``
-    is the smallest start offset and ``last_offset`` the largest event offset of
-    the shard's episodes.  ``episode_ids`` (a list is accepted, a tuple is kept)
-    must have ``episodes`` unique ids.  ``event_schema_versions`` is a list of
-    versions or a mapping ``{event type: version}``.  ``commit_time`` defaults
-    to the time the entry object was made (Unix seconds).
-    """
-
-    path: str
-    staging_path: str
-    topic: str
-    partition: int
-    policy_id: str
-    first_offset: int
-    last_offset: int
-    episode_ids: tuple[str, ...]
-    episodes: int
-    steps: int
-    bytes: int
-    sha256: str
-    format: str
-    format_version: int
-    event_schema_versions: tuple[int | str, ...] | dict[str, int | str] = ()
-    commit_time: float = field(default_factory=time.time)
-    min_policy_version: int | str | None = None
-    max_policy_version: int | str | None = None
-    writer: str | None = None
-    epoch: int = -1
-    seq: int | None = None
-
-    type = "shard"
-    _REQUIRED = frozenset(
-        {
-            "type",
-            "seq",
-            "epoch",
-            "path",
-            "staging_path",
-            "topic",
-            "partition",
-            "policy_id",
-            "first_offset",
-            "last_offset",
-            "episode_ids",
-            "episodes",
-            "steps",
-            "bytes",
-            "sha256",
-            "format",
-            "format_version",
-            "event_schema_versions",
-            "commit_time",
-            "min_policy_version",
-            "max_policy_version",
-        }
-    )
-    _OPTIONAL = frozenset({"writer"})
-
-    def __post_init__(self) -> None:
-        # Accept lists (e.g. from callers); store tuples so the entry stays immutable.
-        if not isinstance(self.episode_ids, tuple):
-            object.__setattr__(self, "episode_ids", tuple(self.episode_ids))
-        v = self.event_schema_versions
-        if isinstance(v, Mapping):
-            object.__setattr__(self, "event_schema_versions", {str(k): v[k] for k in sorted(v)})
-        elif not isinstance(v, tuple):
-            object.__setattr__(self, "event_schema_versions", tuple(v))
-
-    def to_dict(self) -> dict[str, Any]:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        d["type"] = "shard"
-        d["episode_ids"] = list(self.episode_ids)
-        v = self.event_schema_versions
-        d["event_schema_versions"] = dict(v) if isinstance(v, Mapping) else list(v)
-        if d["writer"] is None:
-            del d["writer"]
-        return d
-
-    def to_json(self) -> str:
-        d = self.to_dict()
-        _validate_shard(d)
-        return _dumps(d)
-
-    @classmethod
-    def from_json(cls, data: str | bytes | Mapping[str, Any]) -> ShardEntry:
-        e = parse_entry(data)
-        if not isinstance(e, ShardEntry):
-            raise ManifestError(f"expected a shard entry, got {e.type!r}")
-        return e
-
-    def with_commit(self, *, seq: int, epoch: int, writer: str | None) -> ShardEntry:
-        return dataclasses.replace(self, seq=seq, epoch=epoch, writer=writer)
-
-
-Entry = ClaimEntry | ShardEntry
-
-
-def _dumps(d: Mapping[str, Any]) -> str:
-    return json.dumps(d, sort_keys=True, separators=(",", ":"), allow_nan=False)
-
-
-def _validate_common(d: Mapping[str, Any]) -> None:
-    seq = _check_type(d, "seq", (int,))
-    if seq < 0:
-        raise ManifestError(f"field 'seq' must be >= 0, got {seq}")
-    epoch = _check_type(d, "epoch", (int,))
-    if epoch < 1:
-        raise ManifestError(f"field 'epoch' must be >= 1, got {epoch}")
-
-
-def _validate_claim(d: Mapping[str, Any]) -> None:
-    _check_keys(d, set(ClaimEntry._REQUIRED), set(), "claim")
-    _validate_common(d)
-    if not _check_type(d, "writer", (str,)):
-        raise ManifestError("field 'writer' must not be empty")
-    _check_type(d, "time", (int, float))
-
-
-def _validate_shard(d: Mapping[str, Any]) -> None:
-    _check_keys(d, set(ShardEntry._REQUIRED), set(ShardEntry._OPTIONAL), "shard")
-    _validate_common(d)
-    for k in ("path", "staging_path"):
-        _check_rel_path(k, _check_type(d, k, (str,)))
-    if d["path"] == d["staging_path"]:
-        raise ManifestError("fields 'path' and 'staging_path' must differ")
-    if not _TOPIC_RE.match(_check_type(d, "topic", (str,))) or d["topic"] in (".", ".."):
-        raise ManifestError(f"field 'topic': not a valid topic name: {d['topic']!r}")
-    for k in ("partition", "first_offset", "last_offset", "episodes", "steps", "bytes", "format_version"):
-        if _check_type(d, k, (int,)) < 0:
-            raise ManifestError(f"field {k!r} must be >= 0, got {d[k]}")
-    if d["first_offset"] > d["last_offset"]:
-        raise ManifestError(f"first_offset {d['first_offset']} > last_offset {d['last_offset']}")
-    if not _check_type(d, "policy_id", (str,)):
-        raise ManifestError("field 'policy_id' must not be empty")
-    ids = _check_type(d, "episode_ids", (list, tuple))
-    if not all(isinstance(i, str) and i for i in ids):
-        raise ManifestError("field 'episode_ids' must be a list of non-empty strings")
-    if len(set(ids)) != len(ids):
-        raise ManifestError("field 'episode_ids' has duplicates")
-    if len(ids) != d["episodes"]:
-        raise ManifestError(f"field 'episodes' ({d['episodes']}) != len(episode_ids) ({len(ids)})")
-    if not _SHA_RE.match(_check_type(d, "sha256", (str,))):
-        raise ManifestError("field 'sha256' must be 64 lowercase hex digits")
-    if not _check_type(d, "format", (str,)):
-        raise ManifestError("field 'format' must not be empty")
-    vers = _check_type(d, "event_schema_versions", (list, tuple, dict))
-    if isinstance(vers, dict):
-        if not all(isinstance(k, str) for k in vers):
-            raise ManifestError("field 'event_schema_versions': keys must be strings")
-        vers = list(vers.values())
-    if not all(isinstance(v, (int, str)) and not isinstance(v, bool) for v in vers):
-        raise ManifestError(
-            "field 'event_schema_versions' must be a list of int/str or an object {event type: int/str}"
-        )
-    _check_type(d, "commit_time", (int, float))
-    for k in ("min_policy_version", "max_policy_version"):
-        _check_type(d, k, (int, str), nullable=True)
-    if "writer" in d:
-        _check_type(d, "writer", (str,), nullable=True)
-
-
-def parse_entry(data: str | bytes | Mapping[str, Any]) -> Entry:
-    """Parse one manifest entry (JSON text/bytes or an already decoded dict)."""
-    if isinstance(data, Mapping):
-        d = dict(data)
-    else:
-        try:
-            d = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ManifestError(f"manifest entry is not valid JSON: {e}") from None
-    if not isinstance(d, dict):
-        raise ManifestError(f"manifest entry must be a JSON object, got {type(d).__name__}")
-    kind = d.get("type")
-    if kind == "claim":
-        _validate_claim(d)
-        return ClaimEntry(seq=d["seq"], epoch=d["epoch"], writer=d["writer"], time=float(d["time"]))
-    if kind == "shard":
-        _validate_shard(d)
-        kw = {k: d[k] for k in d if k != "type"}
-        kw["commit_time"] = float(kw["commit_time"])
-        return ShardEntry(**kw)
-    raise ManifestError(f"unknown manifest entry type {kind!r}")
-
-
-def entry_path(topic: str, partition: int, seq: int) -> str:
-    """``_manifest/{topic}/{partition:05d}/{seq:012d}.json``."""
-    return f"{MANIFEST_DIR}/{topic}/{int(partition):05d}/{int(seq):012d}.json"
-
-
 def default_writer_id() -> str:
     """``host:pid:uuid`` -- unique per PartitionLog owner incarnation."""
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex}"
+
+
+def _parent(path: str) -> str:
+    return path.rsplit("/", 1)[0] if "/" in path else ""
 
 
 # ------------------------------------------------------------- PartitionLog
@@ -377,23 +155,26 @@ class PartitionLog:
     Thread-safe (one lock per object).  Typical owner::
 
         log = PartitionLog(storage, topic, partition)
-        epoch = log.claim()              # on partition assignment
-        log.recover()                    # publish committed-but-unpublished shards
-        skip = log.committed_episode_ids()
+        epoch = log.claim(replay_from=C)  # on assignment; C: the partition's committed Kafka offset
+        log.recover()                     # publish committed-but-unpublished shards
+        skip = log.committed_last_offsets()
         ...
         storage.write(staging_path, parquet_bytes)   # 1. stage
         entry = log.append_shard(entry)               # 2. commit point
         log.publish(entry)                            # 3. staging -> published
-        # 4. commit Kafka offsets (caller)
+        # 4. commit Kafka offsets (caller), then log.forget_before(offset)
 
-    ``append_shard`` raises :class:`FencedError` once another writer has claimed
-    the partition, and :class:`ConflictError` in the (abnormal) case that
-    entries of this writer's own epoch appeared that it had not read, or the
-    shard repeats committed episode ids.
+    Guarantees: ``append_shard`` raises :class:`FencedError` once another writer has claimed
+    the partition, and :class:`ConflictError` if entries of this writer's own epoch appeared
+    that it had not read, or the shard repeats a committed episode id it knows.  A writer
+    (a log first loaded by :meth:`claim`) keeps in memory only the entries since the newest
+    snapshot and the committed ids that can still be replayed (``replay_from``), so its
+    memory and its claim cost do not grow with the log's history.  A reader (a log loaded
+    by :meth:`load` / :meth:`refresh`) holds every entry.
     """
 
-    def __init__(self, storage: Storage, topic: str, partition: int) -> None:
-        if not _TOPIC_RE.match(topic) or topic in (".", ".."):
+    def __init__(self, storage: Storage, topic: str, partition: int, *, snapshot_every: int = SNAPSHOT_EVERY) -> None:
+        if not TOPIC_RE.match(topic) or topic in (".", ".."):
             raise ValueError(f"not a valid Kafka topic name: {topic!r}")
         if not isinstance(partition, int) or isinstance(partition, bool) or not 0 <= partition <= 99999:
             raise ValueError(f"partition must be an int in [0, 99999], got {partition!r}")
@@ -401,91 +182,284 @@ class PartitionLog:
         self.topic = topic
         self.partition = partition
         self.prefix = f"{MANIFEST_DIR}/{topic}/{partition:05d}"
+        self.snapshot_every = snapshot_every
         self._lock = threading.RLock()
-        self._entries: list[Entry] = []
-        self._loaded = False
         self._epoch: int | None = None
         self._writer: str | None = None
-        self._max_epoch = 0
-        self._committed: set[str] = set()
+        self._floor: int | None = None
+        self._reset(keep_all=True)
+
+    def _reset(self, *, keep_all: bool) -> None:
+        self._entries: list[Entry] = []  # in seq order; all of them (reader) or since _base (writer)
+        self._next = 0  # the next seq to append / probe
+        self._loaded = False
+        self._keep_all = keep_all
+        self._last_claim: ClaimEntry | None = None  # the claim with the highest epoch seen
+        self._max_last_offset = -1
+        self._base: SnapshotEntry | None = None  # the newest snapshot seen
+        self._window_from = 0  # ids of entries at/after this seq are kept whatever their offsets
+        self._ids: dict[str, ShardEntry] = {}  # committed episode id -> its entry (the skip set)
+        # committed shard entries not known to be published: seq -> (entry, a snapshot listed it)
+        self._unknown: dict[int, tuple[ShardEntry, bool]] = {}
 
     def __repr__(self) -> str:
-        return f"PartitionLog({self.topic}/{self.partition}, next_seq={len(self._entries)}, epoch={self._epoch})"
+        return f"PartitionLog({self.topic}/{self.partition}, next_seq={self._next}, epoch={self._epoch})"
 
     # ------------------------------------------------------------- reading
     def _path(self, seq: int) -> str:
         return f"{self.prefix}/{seq:012d}.json"
+
+    @property
+    def hint_path(self) -> str:
+        return f"{self.prefix}/{HEAD_HINT}"
+
+    def read_entry(self, seq: int) -> Entry | None:
+        """Entry *seq* as stored (None if it does not exist); nothing is cached."""
+        return self._read_entry(seq)
 
     def _read_entry(self, seq: int) -> Entry | None:
         try:
             data = self.storage.read(self._path(seq))
         except FileNotFoundError:
             return None
+        where = self.storage.uri(self._path(seq))
         try:
             e = parse_entry(data)
         except ManifestError as err:
-            raise ManifestError(f"{self.storage.uri(self._path(seq))}: {err}") from None
+            raise ManifestError(f"{where}: {err}") from None
         if e.seq != seq:
-            raise ManifestError(f"{self.storage.uri(self._path(seq))}: entry says seq={e.seq}")
-        if isinstance(e, ShardEntry) and (e.topic != self.topic or e.partition != self.partition):
-            raise ManifestError(f"{self.storage.uri(self._path(seq))}: entry is for {e.topic}/{e.partition}")
+            raise ManifestError(f"{where}: entry says seq={e.seq}")
+        shards = [e] if isinstance(e, ShardEntry) else []
+        if isinstance(e, SnapshotEntry):
+            shards = [*e.shards(), *e.unpublished]
+        for s in shards:
+            if s.topic != self.topic or s.partition != self.partition:
+                raise ManifestError(f"{where}: entry is for {s.topic}/{s.partition}")
         return e
 
-    def _add(self, e: Entry) -> None:
-        assert e.seq == len(self._entries), (e.seq, len(self._entries))
-        self._entries.append(e)
-        self._max_epoch = max(self._max_epoch, e.epoch)
-        if isinstance(e, ShardEntry):
-            self._committed.update(e.episode_ids)
+    def _read_range(self, lo: int, hi: int, *, strict: bool = True) -> list[Entry]:
+        """Entries ``lo .. hi-1``, read in parallel; a missing one is a gap (ManifestError, or
+        with ``strict=False`` a warning and left out)."""
+        seqs = list(range(lo, hi))
+        out = []
+        for seq, e in zip(seqs, _read_many(self._read_entry, seqs)):
+            if e is None:
+                if strict:
+                    raise ManifestError(f"manifest log {self.storage.uri(self.prefix)} has a gap: seq {seq} missing")
+                log.warning("manifest log %s has a gap: seq %d missing", self.storage.uri(self.prefix), seq)
+                continue
+            out.append(e)
+        return out
 
-    def load(self) -> list[Entry]:
-        """(Re)read the whole log: list the directory, read every entry in seq order."""
-        with self._lock:
-            infos = self.storage.list(self.prefix)
-            seqs = sorted(int(m.group(1)) for i in infos if not i.is_dir and (m := _SEQ_RE.match(i.name)))
-            if seqs and seqs != list(range(len(seqs))):
-                missing = sorted(set(range(seqs[-1] + 1)) - set(seqs))
-                raise ManifestError(
-                    f"manifest log {self.storage.uri(self.prefix)} has gaps: missing seq {missing[:10]}"
-                )
-            entries = _read_many(self._read_entry, seqs)
-            self._entries, self._committed, self._max_epoch = [], set(), 0
-            for seq, e in zip(seqs, entries):
-                if e is None:
+    def _read_hint(self) -> int | None:
+        try:
+            doc = json.loads(self.storage.read(self.hint_path))
+            seq = doc["snapshot"]
+            if isinstance(seq, int) and not isinstance(seq, bool) and seq >= 0:
+                return seq
+        except FileNotFoundError:
+            return None
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+            pass
+        log.warning("ignoring a malformed hint %s", self.storage.uri(self.hint_path))
+        return None
+
+    def _find_base(self, *, full: bool, strict: bool) -> tuple[SnapshotEntry | None, list[Entry], bool]:
+        """(a recent snapshot, the entries read after it, whether the hint named it).
+
+        Through the hint: (the snapshot it names, [], True) -- two reads.  Without a usable
+        hint the log is listed; a reader then reads every entry (None, all), a writer reads
+        backwards until it finds a snapshot (the newest snapshot, the entries after it).
+        """
+        hinted = self._read_hint()
+        if hinted is not None:
+            try:
+                e = self._read_entry(hinted)
+            except ManifestError as err:
+                log.warning("ignoring the hint of %s: %s", self.storage.uri(self.prefix), err)
+                e = None
+            if isinstance(e, SnapshotEntry):
+                return e, [], True
+            log.warning("ignoring the hint of %s: seq %d is not a snapshot", self.storage.uri(self.prefix), hinted)
+        infos = self.storage.list(self.prefix)
+        seqs = sorted(int(m.group(1)) for i in infos if not i.is_dir and (m := _SEQ_RE.match(i.name)))
+        if seqs and seqs != list(range(len(seqs))):
+            missing = sorted(set(range(seqs[-1] + 1)) - set(seqs))
+            msg = f"manifest log {self.storage.uri(self.prefix)} has gaps: missing seq {missing[:10]}"
+            if strict:
+                raise ManifestError(msg)
+            log.warning(msg)
+        if full:
+            return None, self._read_listed(seqs, strict), False
+        got: list[Entry] = []
+        hi = len(seqs)
+        while hi > 0:
+            lo = max(0, hi - _BACKWARD_BATCH)
+            got = self._read_listed(seqs[lo:hi], strict) + got
+            hi = lo
+            snaps = [i for i, e in enumerate(got) if isinstance(e, SnapshotEntry)]
+            if snaps:
+                return got[snaps[-1]], got[snaps[-1] + 1 :], False  # type: ignore[return-value]
+        return None, got, False
+
+    def _read_listed(self, seqs: list[int], strict: bool) -> list[Entry]:
+        out = []
+        for seq, e in zip(seqs, _read_many(self._read_entry, seqs)):
+            if e is None:
+                if strict:
                     raise ManifestError(f"manifest entry {seq} disappeared while loading")
-                self._add(e)
+                continue
+            out.append(e)
+        return out
+
+    def _expand(self, snap: SnapshotEntry, strict: bool) -> list[Entry]:
+        """Every entry below ``snap``: the snapshots of its chain, their segments and the
+        unfolded ranges between them."""
+        chunks: list[list[Entry]] = []
+        x = snap
+        while True:
+            chunks.append(list(x.entries))
+            lo = 0 if x.prev is None else x.prev + 1
+            if lo < x.folded_from:
+                chunks.append(self._read_range(lo, x.folded_from, strict=strict))
+            if x.prev is None:
+                break
+            p = self._read_entry(x.prev)
+            if not isinstance(p, SnapshotEntry):
+                raise ManifestError(f"{self.storage.uri(self._path(x.seq))}: prev {x.prev} is not a snapshot")
+            chunks.append([p])
+            x = p
+        return [e for chunk in reversed(chunks) for e in chunk]
+
+    def _walk_replayable(self, replay_from: int | None) -> None:
+        """Add the committed ids below the newest snapshot's segment that can still be
+        replayed (entries with ``last_offset >= replay_from``; every id if None): follow the
+        chain back while a snapshot says entries below its segment reach ``replay_from``."""
+        x = self._base
+        while x is not None and (replay_from is None or x.below_max_last_offset >= replay_from):
+            lo = 0 if x.prev is None else x.prev + 1
+            older: list[Entry] = self._read_range(lo, x.folded_from) if lo < x.folded_from else []
+            p = None
+            if x.prev is not None:
+                p = self._read_entry(x.prev)
+                if not isinstance(p, SnapshotEntry):
+                    raise ManifestError(f"{self.storage.uri(self._path(x.seq))}: prev {x.prev} is not a snapshot")
+                older += p.entries
+            for e in older:
+                if isinstance(e, ShardEntry) and (replay_from is None or e.last_offset >= replay_from):
+                    for i in e.episode_ids:
+                        self._ids.setdefault(i, e)
+            x = p
+
+    def _add(self, e: Entry, *, strict: bool = True) -> None:
+        if e.seq != self._next and (strict or e.seq < self._next):
+            raise AssertionError((e.seq, self._next))
+        self._entries.append(e)
+        self._next = e.seq + 1
+        if isinstance(e, ClaimEntry):
+            self._note_claim(e)
+        elif isinstance(e, ShardEntry):
+            self._max_last_offset = max(self._max_last_offset, e.last_offset)
+            for i in e.episode_ids:
+                self._ids[i] = e
+            self._unknown[e.seq] = (e, False)
+        else:
+            self._on_snapshot(e)
+
+    def _note_claim(self, c: ClaimEntry) -> None:
+        if self._last_claim is None or c.epoch > self._last_claim.epoch:
+            self._last_claim = c
+
+    def _on_snapshot(self, s: SnapshotEntry) -> None:
+        self._note_claim(s.last_claim)
+        self._max_last_offset = max(self._max_last_offset, s.max_last_offset)
+        for u in s.unpublished:
+            self._unknown[u.seq] = (u, True)
+        for e in s.shards():
+            for i in e.episode_ids:
+                self._ids.setdefault(i, e)
+        self._base = s
+        self._window_from = s.folded_from
+        if not self._keep_all:  # a writer keeps only what follows the newest snapshot
+            self._entries = [s]
+        self._prune()
+
+    def _prune(self) -> list[str]:
+        """Forget committed ids that cannot be replayed any more: entries below the
+        newest snapshot's segment whose last_offset is below the replay floor."""
+        if self._floor is None:
+            return []
+        floor, window = self._floor, self._window_from
+        gone = [i for i, e in self._ids.items() if e.seq < window and e.last_offset < floor]  # type: ignore[operator]
+        for i in gone:
+            del self._ids[i]
+        return gone
+
+    def load(self, *, strict: bool = True) -> list[Entry]:
+        """(Re)read the whole log: every entry from seq 0 in order (snapshots included, folded
+        entries taken from their snapshots).  ``strict=False`` tolerates gaps (a warning)."""
+        with self._lock:
+            self._reset(keep_all=True)
+            base, after, _ = self._find_base(full=True, strict=strict)
+            if base is not None:
+                for e in self._expand(base, strict):
+                    self._add(e, strict=strict)
+                self._add(base, strict=strict)
+            for e in after:
+                self._add(e, strict=strict)
+            self._probe()  # entries written since
             self._loaded = True
-            # Entries written between the listing and now.
-            self._probe()
             return list(self._entries)
+
+    def _load_head(self, replay_from: int | None) -> None:
+        """A writer's load: the newest snapshot, the entries after it, and the committed ids
+        that can still be replayed from Kafka offset ``replay_from`` (all if None)."""
+        self._reset(keep_all=False)
+        base, after, hinted = self._find_base(full=False, strict=True)
+        if base is not None:
+            self._next = base.seq
+            self._add(base)
+        for e in after:
+            self._add(e)
+        self._loaded = True
+        self._probe()
+        self._walk_replayable(replay_from)
+        if self._base is not None and (not hinted or self._base is not base):
+            self._write_hint(self._base.seq)  # the hint was missing or stale: point it at the newest
 
     def _probe(self) -> list[Entry]:
         new: list[Entry] = []
         while True:
-            e = self._read_entry(len(self._entries))
+            e = self._read_entry(self._next)
             if e is None:
                 return new
             self._add(e)
             new.append(e)
 
     def refresh(self) -> list[Entry]:
-        """Read only entries appended since the last load/refresh; returns them."""
+        """Read only entries appended since the last load/refresh; returns them.  The first
+        call on a fresh log loads the whole log (:meth:`load`) and returns every entry."""
         with self._lock:
             if not self._loaded:
-                before = len(self._entries)
-                self.load()
-                return self._entries[before:]
+                return self.load()
             return self._probe()
 
     # ----------------------------------------------------------- properties
     @property
     def entries(self) -> list[Entry]:
+        """The entries in memory: all of them (a reader) or those since the newest snapshot (a writer)."""
         with self._lock:
             return list(self._entries)
 
+    def entries_since(self, seq: int) -> list[Entry]:
+        """The entries in memory with ``seq`` or above, in order."""
+        with self._lock:
+            i = bisect.bisect_left(self._entries, seq, key=lambda e: e.seq)  # type: ignore[arg-type]
+            return self._entries[i:]
+
     @property
     def next_seq(self) -> int:
-        return len(self._entries)
+        return self._next
 
     @property
     def epoch(self) -> int | None:
@@ -499,28 +473,57 @@ class PartitionLog:
     @property
     def max_epoch(self) -> int:
         """Highest epoch seen in the log (0 for an empty log)."""
-        return self._max_epoch
+        return self._last_claim.epoch if self._last_claim is not None else 0
+
+    @property
+    def snapshot(self) -> SnapshotEntry | None:
+        """The newest snapshot read (None: the log has none yet)."""
+        return self._base
 
     def shard_entries(self) -> list[ShardEntry]:
         with self._lock:
             return [e for e in self._entries if isinstance(e, ShardEntry)]
 
     def committed_episode_ids(self) -> set[str]:
+        """The committed episode ids this log knows (a writer: those that can still be replayed)."""
         with self._lock:
-            return set(self._committed)
+            return set(self._ids)
+
+    def committed_last_offsets(self) -> dict[str, int]:
+        """``{episode id: last_offset of its entry}`` for :meth:`committed_episode_ids`."""
+        with self._lock:
+            return {i: e.last_offset for i, e in self._ids.items()}
+
+    def forget_before(self, offset: int) -> list[str]:
+        """The partition's Kafka offset is committed at ``offset``: no owner will replay an event
+        before it.  Forgets (and returns) the committed ids of entries with ``last_offset <
+        offset``, except those of the newest snapshot's segment and after (a window that
+        still recognizes late producer re-sends of recently committed episodes)."""
+        with self._lock:
+            self._floor = offset if self._floor is None else max(self._floor, offset)
+            return self._prune()
 
     # ------------------------------------------------------------- writing
-    def claim(self, writer_id: str | None = None, *, max_attempts: int = 100) -> int:
+    def claim(self, writer_id: str | None = None, *, replay_from: int | None = None, max_attempts: int = 100) -> int:
         """Become the writer of this partition: append a claim with epoch max+1.
 
-        Every earlier writer is fenced from here on.  Returns the new epoch.
+        Every earlier writer is fenced from here on.  Returns the new epoch.  ``replay_from``:
+        the Kafka offset this writer replays from (the partition's committed offset); the
+        log then keeps only the committed ids that can still be replayed (entries with
+        ``last_offset >= replay_from``, plus the newest snapshot's segment and after).
+        None keeps every committed id (reads the whole chain).
         """
         writer = writer_id or default_writer_id()
         with self._lock:
-            self.refresh()
+            if not self._loaded:
+                self._load_head(replay_from)
+            else:
+                self._probe()
+            if replay_from is not None:
+                self.forget_before(replay_from)
             for _ in range(max_attempts):
-                seq = self.next_seq
-                entry = ClaimEntry(seq=seq, epoch=self._max_epoch + 1, writer=writer)
+                seq = self._next
+                entry = ClaimEntry(seq=seq, epoch=self.max_epoch + 1, writer=writer)
                 if self.storage.create_once(self._path(seq), entry.to_json().encode()):
                     self._add(entry)
                     self._epoch, self._writer = entry.epoch, writer
@@ -541,20 +544,11 @@ class PartitionLog:
         delay = 0.01
         for _ in range(8):
             new = self._probe()
-            if new or self.next_seq > seq:
+            if new or self._next > seq:
                 return new
             time.sleep(delay)
             delay = min(delay * 2, 0.5)
         return []
-
-    def _newer_claim(self, entries: Iterable[Entry], *, unseen: bool = False) -> ClaimEntry | None:
-        """A claim newer than ours among *entries*.  Among *unseen* entries (read
-        after a failed append) any claim that is not ours counts."""
-        assert self._epoch is not None
-        for e in entries:
-            if isinstance(e, ClaimEntry) and (e.epoch > self._epoch or (unseen and e.epoch != self._epoch)):
-                return e
-        return None
 
     def _fenced(self, claim: ClaimEntry) -> FencedError:
         return FencedError(
@@ -565,7 +559,18 @@ class PartitionLog:
             newer_writer=claim.writer,
         )
 
-    def append_shard(self, entry: ShardEntry) -> ShardEntry:
+    def _newer_claim(self, unseen: Sequence[Entry] = ()) -> ClaimEntry | None:
+        """A claim newer than ours: the newest claim read (directly or folded in a snapshot) if
+        its epoch is higher; among *unseen* entries (read after a failed append) any claim
+        that is not ours."""
+        assert self._epoch is not None
+        for e in unseen:
+            if isinstance(e, ClaimEntry) and e.epoch != self._epoch:
+                return e
+        c = self._last_claim
+        return c if c is not None and c.epoch > self._epoch else None
+
+    def append_shard(self, entry: ShardEntry, *, max_attempts: int = 100) -> ShardEntry:
         """Commit *entry*: append it at the next seq with this writer's epoch.
 
         Returns the committed entry (with ``seq``, ``epoch`` and ``writer`` set).
@@ -574,7 +579,7 @@ class PartitionLog:
         shard repeats committed episode ids (nothing is appended then), and
         :class:`rlrec.store.storage.StorageError` if storage keeps failing -- the
         entry may or may not exist then: the next ``append_shard`` or
-        ``refresh`` finds out.
+        ``refresh`` finds out.  May append a snapshot after the entry.
         """
         if not isinstance(entry, ShardEntry):
             raise TypeError("append_shard wants a ShardEntry")
@@ -583,91 +588,181 @@ class PartitionLog:
         with self._lock:
             if self._epoch is None:
                 raise RuntimeError(f"{self.topic}/{self.partition}: claim() the partition before appending")
-            newer = self._newer_claim(self._entries)
+            newer = self._newer_claim()
             if newer is not None:
                 raise self._fenced(newer)
-            dup = self._committed.intersection(entry.episode_ids)
+            dup = {i for i in entry.episode_ids if i in self._ids}
             if dup:
-                holders = [e for e in self._entries if isinstance(e, ShardEntry) and dup.intersection(e.episode_ids)]
+                holders = {self._ids[i].seq: self._ids[i] for i in dup}
                 raise ConflictError(
                     f"{self.topic}/{self.partition}: {len(dup)} episode id(s) already committed",
-                    entries=holders,
+                    entries=[holders[s] for s in sorted(holders)],
                     duplicate_episode_ids=dup,
                 )
-            seq = self.next_seq
-            e = entry.with_commit(seq=seq, epoch=self._epoch, writer=self._writer)
-            if self.storage.create_once(self._path(seq), e.to_json().encode()):
-                self._add(e)
-                return e
-            new = self._refresh_after_conflict(seq)
-            if new and new[0] == e:  # our own earlier attempt (ambiguous failure)
-                return new[0]
-            newer = self._newer_claim(new, unseen=True)
-            if newer is not None:
-                raise self._fenced(newer)
-            if not new:
-                raise ConflictError(f"{self.topic}/{self.partition}: entry {seq} exists but cannot be read")
-            dup = {i for n in new if isinstance(n, ShardEntry) for i in n.episode_ids}
-            raise ConflictError(
-                f"{self.topic}/{self.partition}: {len(new)} unseen entr{'y' if len(new) == 1 else 'ies'} "
-                f"of epoch {self._epoch} at seq {seq}..{seq + len(new) - 1}",
-                entries=new,
-                duplicate_episode_ids=dup.intersection(entry.episode_ids),
-            )
+            for _ in range(max_attempts):
+                seq = self._next
+                e = entry.with_commit(seq=seq, epoch=self._epoch, writer=self._writer)
+                if self.storage.create_once(self._path(seq), e.to_json().encode()):
+                    self._add(e)
+                    self._maybe_snapshot()
+                    return e
+                new = self._refresh_after_conflict(seq)
+                if new and new[0] == e:  # our own earlier attempt (ambiguous failure)
+                    self._maybe_snapshot()
+                    return e
+                newer = self._newer_claim(new)
+                if newer is not None:
+                    raise self._fenced(newer)
+                if not new:
+                    raise ConflictError(f"{self.topic}/{self.partition}: entry {seq} exists but cannot be read")
+                if all(isinstance(n, SnapshotEntry) for n in new):
+                    continue  # the log was folded meanwhile: append after the snapshot
+                dup_ids = {i for n in new if isinstance(n, ShardEntry) for i in n.episode_ids}
+                raise ConflictError(
+                    f"{self.topic}/{self.partition}: {len(new)} unseen entr{'y' if len(new) == 1 else 'ies'} "
+                    f"of epoch {self._epoch} at seq {seq}..{seq + len(new) - 1}",
+                    entries=new,
+                    duplicate_episode_ids=dup_ids.intersection(entry.episode_ids),
+                )
+            raise ConflictError(f"{self.topic}/{self.partition}: could not append after {max_attempts} attempts")
+
+    # ------------------------------------------------------------ snapshots
+    def _maybe_snapshot(self) -> SnapshotEntry | None:
+        """Append a snapshot if at least ``snapshot_every`` entries follow the newest one.
+
+        Best effort: a storage error or a lost race only postpones it to the next append."""
+        if self._epoch is None or self._writer is None or self.snapshot_every <= 0:
+            return None
+        seq = self._next
+        since = 0 if self._base is None else self._base.seq + 1
+        if seq - since < self.snapshot_every or self._newer_claim() is not None or self._last_claim is None:
+            return None
+        folded_from = max(since, seq - MAX_SEGMENT)
+        segment = [e for e in self._entries if folded_from <= e.seq < seq]
+        if len(segment) != seq - folded_from or any(isinstance(e, SnapshotEntry) for e in segment):
+            return None  # not all in memory (a gap tolerated by a reader): leave it to a writer
+        below = -1 if self._base is None else self._base.max_last_offset
+        for e in self._entries:
+            if isinstance(e, ShardEntry) and since <= e.seq < folded_from:
+                below = max(below, e.last_offset)
+        snap = SnapshotEntry(
+            seq=seq,
+            epoch=self._epoch,
+            writer=self._writer,
+            prev=None if self._base is None else self._base.seq,
+            folded_from=folded_from,
+            entries=segment,  # type: ignore[arg-type]
+            last_claim=self._last_claim,
+            max_last_offset=max([below, *(e.last_offset for e in segment if isinstance(e, ShardEntry))]),
+            below_max_last_offset=below,
+            unpublished=[e for s, (e, _) in sorted(self._unknown.items()) if s < seq],
+        )
+        try:
+            created = self.storage.create_once(self._path(seq), snap.to_json().encode())
+        except Exception as err:  # maybe landed: the next probe finds out
+            log.warning("%s/%d: snapshot at seq %d failed (%s); retried later", self.topic, self.partition, seq, err)
+            return None
+        if not created:
+            try:
+                self._probe()
+            except Exception as err:
+                log.warning("%s/%d: cannot read entry %d (%s)", self.topic, self.partition, seq, err)
+            return None
+        self._add(snap)
+        self._write_hint(seq)
+        log.info(
+            "%s/%d: snapshot at seq %d folds entries %d..%d", self.topic, self.partition, seq, folded_from, seq - 1
+        )
+        return snap
+
+    def _write_hint(self, seq: int) -> None:
+        try:
+            self.storage.write(self.hint_path, json.dumps({"snapshot": seq}).encode())
+        except Exception as err:  # only a hint: the next snapshot writes it again
+            log.warning("%s/%d: cannot write the log's hint (%s)", self.topic, self.partition, err)
 
     # ----------------------------------------------------------- publishing
-    def publish(self, entry: ShardEntry) -> bool:
+    def publish(self, entry: ShardEntry, data: bytes | None = None) -> bool:
         """Move a committed shard from staging to its published path (idempotent).
 
-        Returns True if this call moved it, False if it was already published.
-        Raises FileNotFoundError if neither file exists.
+        Returns True if this call published it, False if it was already published.  If
+        neither file exists and *data* (the shard's bytes, checked against the entry's
+        sha256) is given, the published file is written from it; otherwise
+        FileNotFoundError.
         """
         st = self.storage
         try:
             st.move(entry.staging_path, entry.path)
-            return True
+            moved = True
         except FileNotFoundError:
             if st.exists(entry.path):  # published meanwhile (e.g. by a recovering owner)
-                return False
-            raise FileNotFoundError(
-                f"committed shard {entry.path} (seq {entry.seq}) has neither a published nor a staged file"
-            ) from None
+                moved = False
+            elif data is not None and _sha256(data) == entry.sha256:
+                st.write(entry.path, data)
+                moved = True
+                log.warning(
+                    "%s/%d: staged file of seq %d was gone; published %s from memory",
+                    self.topic,
+                    self.partition,
+                    entry.seq,
+                    entry.path,
+                )
+            else:
+                raise FileNotFoundError(
+                    f"committed shard {entry.path} (seq {entry.seq}) has neither a published nor a staged file"
+                ) from None
+        with self._lock:
+            self._unknown.pop(entry.seq, None)  # type: ignore[arg-type]
+        return moved
 
     def recover(self) -> int:
-        """Roll forward: publish every committed shard whose published file is
-        missing but whose staging file exists.  Returns how many were published.
+        """Roll forward: publish every committed shard not known to be published whose staging
+        file exists (the entries read since the newest snapshot and those a snapshot lists as
+        unpublished).  Returns how many were published.  One listing per staging directory
+        involved, whatever the history's length.
 
-        Committed shards with neither file are logged as errors (data loss, e.g.
-        a manual delete or a gc grace period shorter than a commit took).
+        A shard a snapshot listed as unpublished that has neither file is logged as an
+        error (data loss, e.g. a manual delete); ``verify`` checks every shard.
         """
         with self._lock:
             self.refresh()
-            shards = self.shard_entries()
-        if not shards:
-            return 0
-        dirs = {e.path.rsplit("/", 1)[0] if "/" in e.path else "" for e in shards}
-        dirs |= {e.staging_path.rsplit("/", 1)[0] if "/" in e.staging_path else "" for e in shards}
+            cands = [self._unknown[s] for s in sorted(self._unknown)]
         present: set[str] = set()
-        for d in sorted(dirs):
+        for d in sorted({_parent(e.staging_path) for e, _ in cands}):
             present.update(i.path for i in self.storage.list(d) if not i.is_dir)
         published = 0
-        for e in shards:
-            if e.path in present:
-                continue
+        for e, listed in cands:
             if e.staging_path in present:
-                if self.publish(e):
-                    published += 1
-                    log.info("%s/%d: rolled forward shard seq %d -> %s", self.topic, self.partition, e.seq, e.path)
-            else:
-                log.error(
-                    "%s/%d: committed shard seq %d lost: neither %s nor %s exists",
-                    self.topic,
-                    self.partition,
-                    e.seq,
-                    e.path,
-                    e.staging_path,
-                )
+                try:
+                    if self.publish(e):
+                        published += 1
+                        log.info("%s/%d: rolled forward shard seq %d -> %s", self.topic, self.partition, e.seq, e.path)
+                    continue
+                except FileNotFoundError:
+                    pass
+            elif not listed or self.storage.exists(e.path):
+                with self._lock:
+                    self._unknown.pop(e.seq, None)  # type: ignore[arg-type]
+                continue
+            log.error(
+                "%s/%d: committed shard seq %d lost: neither %s nor %s exists",
+                self.topic,
+                self.partition,
+                e.seq,
+                e.path,
+                e.staging_path,
+            )
+            with self._lock:
+                self._unknown.pop(e.seq, None)  # type: ignore[arg-type]
+        with self._lock:
+            self._maybe_snapshot()
         return published
+
+
+def _sha256(data: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha256(data).hexdigest()
 
 
 def _read_many(fn: Any, items: Sequence[Any]) -> list[Any]:
@@ -680,40 +775,30 @@ def _read_many(fn: Any, items: Sequence[Any]) -> list[Any]:
 # -------------------------------------------------------------- whole manifest
 
 
+def list_partition_logs(storage: Storage) -> list[tuple[str, int]]:
+    """``[(topic, partition)]`` of every partition log (two directory levels listed, no entries)."""
+    out = []
+    for t in storage.list(MANIFEST_DIR):
+        if not t.is_dir:
+            continue
+        if not TOPIC_RE.match(t.name) or t.name in (".", ".."):
+            log.warning("ignoring unexpected directory in the manifest: %s", t.path)
+            continue
+        for p in storage.list(t.path):
+            if p.is_dir and _PART_RE.match(p.name):
+                out.append((t.name, int(p.name)))
+            elif not p.name.startswith("."):
+                log.warning("ignoring unexpected file in the manifest: %s", p.path)
+    return sorted(out)
+
+
 def read_partition_logs(storage: Storage) -> dict[tuple[str, int], list[Entry]]:
     """Every entry of every partition log: ``{(topic, partition): [entries in seq order]}``.
 
-    One recursive listing plus one read per entry (in parallel).
+    Per log: the hint, the chain of snapshots (one read each) and the entries not folded
+    in one (read in parallel).  Gaps are logged, not raised (``verify`` reports them).
     """
-    keys: list[tuple[str, int, int, str]] = []
-    for info in storage.list(MANIFEST_DIR, recursive=True):
-        if info.is_dir:
-            continue
-        parts = info.path.split("/")
-        if len(parts) != 4 or not _PART_RE.match(parts[2]) or not (m := _SEQ_RE.match(parts[3])):
-            if not parts[-1].startswith("."):
-                log.warning("ignoring unexpected file in the manifest: %s", info.path)
-            continue
-        keys.append((parts[1], int(parts[2]), int(m.group(1)), info.path))
-
-    def read(k: tuple[str, int, int, str]) -> Entry:
-        topic, partition, seq, path = k
-        try:
-            e = parse_entry(storage.read(path))
-        except ManifestError as err:
-            raise ManifestError(f"{storage.uri(path)}: {err}") from None
-        if e.seq != seq or (isinstance(e, ShardEntry) and (e.topic, e.partition) != (topic, partition)):
-            raise ManifestError(f"{storage.uri(path)}: entry does not match its path")
-        return e
-
-    out: dict[tuple[str, int], list[Entry]] = {}
-    for k, e in zip(keys, _read_many(read, keys)):
-        out.setdefault((k[0], k[1]), []).append(e)
-    for (topic, partition), entries in out.items():
-        entries.sort(key=lambda e: e.seq)
-        if [e.seq for e in entries] != list(range(len(entries))):
-            log.warning("manifest log %s/%05d has gaps", topic, partition)
-    return out
+    return {k: PartitionLog(storage, *k).load(strict=False) for k in list_partition_logs(storage)}
 
 
 def read_manifest(storage: Storage) -> list[ShardEntry]:

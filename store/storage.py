@@ -22,6 +22,8 @@ maintenance commands need, on paths *relative to the output root*:
   ========================  ==================================================
 
 * ``read``, ``exists``, ``list``, ``move`` (publish), ``delete``, ``uri``.
+* :func:`require_conditional_writes` -- refuse to write to a store whose create-once is not
+  enforced (checked on ``s3://`` by a probe: two create-once writes of one key).
 * ``upload_dir`` / ``download_dir`` / ``delete_tree``: a whole directory tree (e.g. a
   checkpoint) between a local directory and the storage, and its deletion.
 
@@ -65,7 +67,14 @@ from urllib.parse import urlsplit, urlunsplit
 
 import pyarrow.fs as pafs
 
-__all__ = ["FileInfo", "RetryPolicy", "Storage", "StorageError"]
+__all__ = [
+    "ConditionalWritesError",
+    "FileInfo",
+    "RetryPolicy",
+    "Storage",
+    "StorageError",
+    "require_conditional_writes",
+]
 
 log = logging.getLogger("rlrec.storage")
 
@@ -84,6 +93,11 @@ class StorageError(Exception):
     def __init__(self, message: str, *, attempts: int = 0) -> None:
         super().__init__(message)
         self.attempts = attempts
+
+
+class ConditionalWritesError(RuntimeError):
+    """The storage does not enforce create-once writes (S3 ``If-None-Match: *``): writer
+    fencing and episode deduplication would silently be off."""
 
 
 @dataclass(frozen=True)
@@ -801,6 +815,62 @@ class Storage:
 
         self._retry(f"delete_tree {self.uri(rel)}", op)
         return len(files)
+
+
+#: where the probe writes (dot-prefixed: manifest readers skip it), relative to the output root
+PROBE_PREFIX = "_manifest/.probe-conditional-writes-"
+
+
+def probe_conditional_writes(storage: Storage) -> bool:
+    """True if the storage enforces create-once writes.
+
+    Local filesystems do (``os.link`` / ``O_EXCL``); ``s3://`` is probed: one dot-prefixed key
+    under ``_manifest/`` is created twice with ``create_once`` (the second must be refused:
+    HTTP 412) and deleted afterwards.  Other stores (``gs://``, ``abfs://``, ...) have no
+    conditional create in pyarrow: False.  Storage errors propagate.
+    """
+    if storage.kind == "local":
+        return True
+    if storage.kind != "s3":
+        return False
+    key = f"{PROBE_PREFIX}{uuid.uuid4().hex}"
+    try:
+        if not storage.create_once(key, b"first"):
+            raise StorageError(f"create_once probe {storage.uri(key)}: a fresh key already exists")
+        return not storage.create_once(key, b"second")
+    finally:
+        try:
+            storage.delete(key)
+        except Exception as e:  # leave it: a few bytes, ignored by every reader
+            log.warning("cannot delete the probe %s: %s", storage.uri(key), e)
+
+
+def require_conditional_writes(storage: Storage, *, allow_unfenced: bool = False) -> bool:
+    """Refuse to write a manifest to a store that ignores create-once writes.
+
+    The one place that rule is enforced (``RecorderConsumer.run`` calls it before anything
+    else).  Returns whether the store enforces them; raises :class:`ConditionalWritesError`
+    if it does not, unless *allow_unfenced* (``rlrec consume --allow-unfenced-storage``),
+    which only logs an error: fencing and deduplication are then off.
+    """
+    if probe_conditional_writes(storage):
+        return True
+    why = (
+        "a second create-once write of one key succeeded: the store ignores If-None-Match"
+        if storage.kind == "s3"
+        else f"pyarrow offers no conditional create for {storage.kind} storage"
+    )
+    msg = (
+        f"storage {storage.uri('')} does not enforce create-once writes ({why}). Without them a "
+        "zombie consumer is not fenced and an episode can be committed twice (docs/GUARANTEES.md, "
+        "section 6). Use a store that enforces them (AWS S3, or an S3-compatible store with "
+        "conditional writes), or pass --allow-unfenced-storage to run without fencing and "
+        "deduplication (only if one consumer per partition is guaranteed by other means)."
+    )
+    if not allow_unfenced:
+        raise ConditionalWritesError(msg)
+    log.error("%s -- continuing: --allow-unfenced-storage is set", msg)
+    return False
 
 
 def _local_files(root: str) -> list[str]:

@@ -17,6 +17,12 @@ class FaultProxy:
     ``fail_next(n)``: the next *n* requests get a 503 without reaching moto.
     ``swallow_next(n)``: the next *n* requests reach moto, but the client gets a
     503 (an ambiguous failure: the write happened).
+    ``fail_matching(n, ...)`` / ``swallow_matching(n, ...)``: the same for the next *n*
+    requests with that method whose path contains a substring (e.g. the PUT of a manifest
+    entry, the copy of a publish).
+    ``strip_request_headers``: header names (lower case) removed before forwarding, e.g.
+    ``{"if-none-match"}`` for a store that ignores conditional writes.
+    ``log``: with ``record = True``, (method, path) of every request, in order.
     """
 
     def __init__(self, upstream_port: int) -> None:
@@ -25,7 +31,11 @@ class FaultProxy:
         self._swallow = 0
         self._fail_until = 0.0
         self._stall_s = 0.0
+        self._rules: list[list] = []  # [action, remaining, method or None, substring, header or None]
         self.requests = 0
+        self.strip_request_headers: set[str] = set()
+        self.record = False
+        self.log: list[tuple[str, str]] = []
         self._lock = threading.Lock()
         proxy = self
 
@@ -63,12 +73,27 @@ class FaultProxy:
                 body = self._body()
                 with proxy._lock:
                     proxy.requests += 1
+                    if proxy.record:
+                        proxy.log.append((self.command, self.path))
                     fail = proxy._fail > 0
                     proxy._fail -= fail
                     fail = fail or time.time() < proxy._fail_until
                     stall = proxy._stall_s
                     swallow = not fail and proxy._swallow > 0
                     proxy._swallow -= swallow
+                    for rule in proxy._rules:
+                        action, left, method, part, header = rule
+                        if (
+                            left > 0
+                            and (method is None or method == self.command)
+                            and part in self.path
+                            and (header is None or header.lower() in (k.lower() for k in self.headers))
+                        ):
+                            rule[1] -= 1
+                            fail = fail or action == "fail"
+                            swallow = not fail and (swallow or action == "swallow")
+                            break
+                    strip = set(proxy.strip_request_headers)
                 err = (
                     b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>ServiceUnavailable</Code>'
                     b"<Message>injected by FaultProxy</Message></Error>"
@@ -81,7 +106,7 @@ class FaultProxy:
                 headers = {
                     k: v
                     for k, v in self.headers.items()
-                    if k.lower() not in ("transfer-encoding", "content-length", "connection", "expect")
+                    if k.lower() not in ("transfer-encoding", "content-length", "connection", "expect", *strip)
                 }
                 if body or self.command in ("PUT", "POST"):
                     headers["Content-Length"] = str(len(body))
@@ -118,6 +143,28 @@ class FaultProxy:
     def swallow_next(self, n: int) -> None:
         with self._lock:
             self._swallow = n
+
+    def fail_matching(
+        self, n: int, path_contains: str, *, method: str | None = None, header: str | None = None
+    ) -> None:
+        """The next *n* requests (of *method*, carrying *header*) whose path contains
+        *path_contains* get a 503 without reaching moto."""
+        with self._lock:
+            self._rules.append(["fail", n, method, path_contains, header])
+
+    def swallow_matching(
+        self, n: int, path_contains: str, *, method: str | None = None, header: str | None = None
+    ) -> None:
+        """The next *n* matching requests reach moto, but the client gets a 503."""
+        with self._lock:
+            self._rules.append(["swallow", n, method, path_contains, header])
+
+    def clear_rules(self) -> None:
+        with self._lock:
+            self._rules.clear()
+            self.strip_request_headers = set()
+            self.record = False
+            self.log = []
 
     def fail_for(self, seconds: float) -> None:
         """Every request fails with 503 for the next `seconds`."""

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from rlrec.cli import build_parser
-from rlrec.commands.consume import OPTIONS, _env, resolve_options
+from rlrec.commands.consume import OPTIONS, _env, flag, resolve_options
 from rlrec.reference import REFRESH_COMMAND, _subcommands, render
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,13 +48,19 @@ def test_consume_env_vars_in_the_reference_are_the_ones_resolve_options_reads():
     text = render()
     section = text[text.index("`rlrec consume`\n") : text.index("`rlrec train`\n")]
     args = build_parser().parse_args(["consume"])
-    for flag, typ, default, _ in OPTIONS:
-        var = f"RLREC_{_env(flag)}"
+    for name, typ, default, _ in OPTIONS:
+        var = f"RLREC_{_env(name)}"
+        row = section.split(f"`--{name}`", 1)[1].split("\n", 1)[0]
+        if typ is flag:  # on/off options: documented as VAR=1, default on/off
+            assert f"`{var}=1`" in row and f"| {'on' if default else 'off'} |" in row, name
+            for value, expected in (("1", True), ("true", True), ("0", False)):
+                assert resolve_options(args, environ={var: value})[name.replace("-", "_")] is expected, var
+            continue
         assert f"`{var}`" in section, var
         value = "7" if typ in (int, float) else "from-env"
-        assert resolve_options(args, environ={var: value})[flag.replace("-", "_")] == typ(value), var
+        assert resolve_options(args, environ={var: value})[name.replace("-", "_")] == typ(value), var
         if default is not None:
-            assert f"| `{default}` |" in section.split(f"`--{flag}`", 1)[1].split("\n", 1)[0], flag
+            assert f"| `{default}` |" in row, name
     assert resolve_options(args, environ={"RLREC_NO_CREATE_TOPICS": "1"})["create_topics"] is False
     assert "`RLREC_NO_CREATE_TOPICS=1`" in section
 

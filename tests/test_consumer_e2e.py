@@ -167,6 +167,52 @@ def test_restart_replays_without_duplicates(broker, topic, tmp_path):
     assert c2.metrics.episodes_committed._value.get() == 3  # only the 3 replayed ones were new
 
 
+def test_claim_replays_from_the_group_committed_offset(broker, topic, tmp_path):
+    """The consumer passes each partition's committed offset to its claim (`replay_from`), so the
+    claim loads only the committed episode ids that can still be replayed (issue 13; fails on
+    main, which had no replay_from)."""
+    from confluent_kafka import TopicPartition
+
+    output = str(tmp_path / "out")
+    ra, rb = _recorders(broker.bootstrap_servers, topic)
+    rb.close()
+    record_episodes(ra, 12, seed=5)
+    ra.flush(10)
+    cfg = ConsumerConfig(
+        bootstrap_servers=broker.bootstrap_servers,
+        output=output,
+        topic=topic,
+        group_id=f"g-{uuid.uuid4().hex[:6]}",
+        max_file_age_s=0.3,
+        commit_interval_s=0.3,
+        kafka_config=FAST_GROUP_KAFKA,
+        create_topics=False,
+    )
+    storage = Storage.from_uri(output)
+    c, t = run_consumer(cfg, storage)
+    try:
+        wait_for(lambda: committed_episodes(storage) >= 12 and len(c._committed) >= 1, 40, what="committed")
+        time.sleep(1.0)  # one more offset commit
+    finally:
+        c.stop()
+        t.join(30)
+        ra.close()
+    probe = Consumer({"bootstrap.servers": broker.bootstrap_servers, "group.id": cfg.group_id, **FAST_GROUP_KAFKA})
+    committed = {
+        tp.partition: max(tp.offset, 0)
+        for tp in probe.committed([TopicPartition(topic, p) for p in range(4)], timeout=10)
+    }
+    probe.close()
+    assert any(off > 0 for off in committed.values()), committed
+    c2, t2 = run_consumer(cfg, storage)
+    try:
+        wait_for(lambda: len(c2.writers) == 4 and all(w.assembler for w in c2.writers.values()), 40, what="claims")
+        assert {p: w.replay_from for p, w in c2.writers.items()} == committed
+    finally:
+        c2.stop()
+        t2.join(30)
+
+
 @pytest.mark.slow
 def test_stock_rllib_bc_trains_on_consumer_shards(broker, topic, tmp_path):
     """Stock, unmodified BC reads {output}/{policy_id} (committed shards only) and trains 2 iterations."""

@@ -451,16 +451,19 @@ def test_crash_before_entry_is_garbage_after_grace(store: Storage) -> None:
     store.write(orphan.staging_path, data)  # crash after staging, before the entry
     store.write(f"pol/{orphan.path.rsplit('/', 1)[1]}.x", b"not ours")  # not *.parquet: left alone
     store.write("notes/readme.txt", b"not a policy dir")
-    # A published shard's staging copy (publish = copy + delete interrupted) is garbage too.
+    # A published shard's staging copy (publish = copy + delete interrupted) is named by its entry.
     store.write(kept.staging_path, b"leftover")
 
     assert gc(store, older_than_s=3600) == []  # too young
     future = time.time() + 7200
-    assert gc(store, older_than_s=3600, dry_run=True, now=future) == sorted([orphan.staging_path, kept.staging_path])
+    assert gc(store, older_than_s=3600, dry_run=True, now=future) == [orphan.staging_path]
     assert store.exists(orphan.staging_path)  # dry run deletes nothing
-    assert gc(store, older_than_s=3600, now=future) == sorted([orphan.staging_path, kept.staging_path])
-    assert not store.exists(orphan.staging_path) and not store.exists(kept.staging_path)
-    assert store.exists(kept.path) and store.exists(unpublished.staging_path)
+    assert gc(store, older_than_s=3600, now=future) == [orphan.staging_path]
+    assert not store.exists(orphan.staging_path)
+    # a file an entry names is never deleted, whatever its age (fails on main, which deleted the
+    # staged copy of a published shard): the writer's roll-forward removes such a copy
+    assert gc(store, older_than_s=3600, now=future + 10 * 365 * 86400) == []
+    assert store.exists(kept.path) and store.exists(kept.staging_path) and store.exists(unpublished.staging_path)
     assert store.exists("notes/readme.txt")
     assert len(PartitionLog(store, TOPIC, 0).load()) == 3  # manifest untouched
 
@@ -490,6 +493,99 @@ def test_crash_after_entry_is_rolled_forward(store: Storage) -> None:
     assert old.publish(pending) is False  # a zombie finishing its publish late is harmless
     assert store.exists(done.path)
     assert verify(store) == []
+
+
+# ------------------------------------------------- roll-forward publication, the reader race
+
+
+def _episodes(n: int, seed: int):
+    from rlrec.trainer.synthetic import expert_cartpole_episodes
+
+    return expert_cartpole_episodes(n, seed=seed, max_steps=20, policy_id="pol")
+
+
+def test_own_landed_entry_is_published_within_one_flush_cycle(faulty_store: Storage, fault_proxy: FaultProxy) -> None:
+    """The staged-then-conflict sequence (fails on main: the shard stayed in _staging until the
+    next owner's claim). The append lands but every attempt is answered 503 (StorageError); the
+    consumer gives the episodes back and flushes again; the conflict shows the landed entry."""
+    from rlrec.store.commit import ShardCommitter, read_committed_shard
+
+    st = faulty_store
+    c = ShardCommitter(st, TOPIC, 0, fmt="tabular")
+    c.claim()
+    eps = _episodes(2, seed=0)
+    fault_proxy.swallow_matching(1, "/_manifest/", method="PUT")
+    fault_proxy.fail_matching(FAST_RETRY.attempts - 1, "/_manifest/", method="PUT")
+    with pytest.raises(StorageError):
+        c.commit(eps)
+    fault_proxy.clear_rules()
+    [landed] = PartitionLog(st, TOPIC, 0).load()[1:]
+    assert isinstance(landed, ShardEntry) and st.exists(landed.staging_path) and not st.exists(landed.path)
+
+    marked: list[tuple[str, int]] = []
+    res = c.commit(eps, on_committed=lambda fes, last: marked.extend((fe.episode_id, last) for fe in fes))
+    assert res.shards == 0 and res.duplicates_dropped == 2
+    assert sorted(marked) == sorted((fe.episode_id, landed.last_offset) for fe in eps)
+    assert st.exists(landed.path) and not st.exists(landed.staging_path)  # published in this cycle
+    assert c.pending == []
+    assert hashlib.sha256(read_committed_shard(st, landed.path, landed.staging_path)).hexdigest() == landed.sha256
+    assert verify(st) == []
+
+
+def test_failed_publish_is_rolled_forward_by_the_next_cycle(faulty_store: Storage, fault_proxy: FaultProxy) -> None:
+    """Fails on main (a failed publish waited for the next owner's claim). Publishing copies the
+    staged object (S3 CopyObject: a PUT with x-amz-copy-source); the proxy fails those."""
+    from rlrec.store.commit import ShardCommitter
+
+    st = faulty_store
+    c = ShardCommitter(st, TOPIC, 1, fmt="tabular")
+    c.claim()
+    fault_proxy.fail_matching(10_000, "/", method="PUT", header="x-amz-copy-source")
+    [first] = c.commit(_episodes(1, seed=1)).entries
+    assert not st.exists(first.path) and st.exists(first.staging_path)
+    fault_proxy.clear_rules()
+    [second] = c.commit(_episodes(1, seed=2)).entries  # the next flush publishes the first shard first
+    assert st.exists(first.path) and not st.exists(first.staging_path) and st.exists(second.path)
+    assert c.pending == []
+
+    # the staged file is gone as well (deleted by hand, or by a gc grace period shorter than the
+    # outage): the writer publishes the committed bytes it still holds
+    fault_proxy.fail_matching(10_000, "/", method="PUT", header="x-amz-copy-source")
+    [third] = c.commit(_episodes(1, seed=3)).entries
+    assert c.pending == [third] and c.publish_pending() == 0  # backing off: costs no storage call
+    fault_proxy.clear_rules()
+    st.delete(third.staging_path)
+    assert c.publish_pending(force=True) == 1 and c.pending == []
+    assert hashlib.sha256(st.read(third.path)).hexdigest() == third.sha256
+    assert verify(st) == []
+
+
+def test_reader_rereads_the_published_path_after_a_staging_miss(store: Storage) -> None:
+    """A publish between the reader's two reads (path: missing; then staging_path: moved away)
+    must not report a committed shard missing (fails on main: FileNotFoundError)."""
+    from rlrec.store.commit import read_committed_shard
+
+    log = PartitionLog(store, TOPIC, 0)
+    log.claim("W")
+    e = commit(store, log, ["a"], publish=False)
+
+    class PublishedBetweenReads(Storage):
+        """Publishes the shard (as its writer does) just before the reader's read of the staged file."""
+
+        moved = False
+
+        def read(self, path: str) -> bytes:
+            if path == e.staging_path and not self.moved:
+                self.moved = True
+                log.publish(e)
+            return super().read(path)
+
+    racing = PublishedBetweenReads(store.filesystem, store.base, retry=FAST_RETRY)
+    data = read_committed_shard(racing, e.path, e.staging_path)
+    assert racing.moved and hashlib.sha256(data).hexdigest() == e.sha256
+    store.delete(e.path)
+    with pytest.raises(FileNotFoundError):  # really gone: still reported
+        read_committed_shard(store, e.path, e.staging_path)
 
 
 # ------------------------------------------------------------ inspect / verify

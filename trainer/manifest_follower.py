@@ -21,8 +21,10 @@ class ManifestFollower:
 
     `poll()` returns the `ShardInfo`s of shard entries committed since the last poll that pass
     the filters. Partition logs are discovered by listing the manifest's *directories* every
-    `discover_interval_s`; known logs are refreshed by probing their next sequence numbers only
-    (`PartitionLog.refresh`), so a poll costs one small read per partition.
+    `discover_interval_s`; a new log is read once through its snapshots (the chain of snapshot
+    entries plus the entries after the newest: `PartitionLog.load`), known logs are refreshed by
+    probing their next sequence numbers only (`PartitionLog.refresh`), so a poll costs one small
+    read per partition.
     """
 
     def __init__(
@@ -105,8 +107,7 @@ class ManifestFollower:
             except (ManifestError, OSError) as e:
                 self._warn_once(f"refresh:{key}:{e}", "cannot read manifest log %s/%05d: %s", key[0], key[1], e)
                 continue
-            entries = plog.entries
-            for e in entries[self._done.get(key, 0) :]:
+            for e in plog.entries_since(self._done.get(key, 0)):
                 if isinstance(e, ShardEntry) and e.path not in self.entries:
                     if self._selected(e):
                         self.entries[e.path] = e
@@ -114,7 +115,7 @@ class ManifestFollower:
                         self._next_idx += 1
                     else:
                         self.skipped += 1
-            self._done[key] = len(entries)
+            self._done[key] = plog.next_seq
         out.sort(key=lambda s: (s.commit_time, s.idx))
         return out
 

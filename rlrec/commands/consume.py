@@ -15,6 +15,20 @@ import sys
 
 from rlrec.commands._common import parse_key_values
 
+
+def flag(text: str | bool) -> bool:
+    """An on/off option: given alone on the command line; `1`/`true`/`yes`/`on` or
+    `0`/`false`/`no`/`off` in the environment; a boolean (or those strings) in a config file."""
+    if isinstance(text, bool):
+        return text
+    value = str(text).strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"not an on/off value: {text!r} (use 1/0, true/false)")
+
+
 # (flag, type, default, help) - the single source for the CLI, the env vars and the config file
 OPTIONS: list[tuple[str, type, object, str]] = [
     ("bootstrap-servers", str, None, "Kafka bootstrap servers (required)"),
@@ -70,6 +84,14 @@ OPTIONS: list[tuple[str, type, object, str]] = [
     ("schema-registry-url", str, None, "read Confluent-framed values through this schema registry"),
     ("metrics-port", int, None, "serve Prometheus /metrics and /healthz here (0: pick a free port)"),
     ("metrics-host", str, "127.0.0.1", "interface for the metrics server (0.0.0.0 in containers)"),
+    (
+        "allow-unfenced-storage",
+        flag,
+        False,
+        "start even if the output store ignores create-once writes (S3 If-None-Match; probed at "
+        "start): LOSES writer fencing and episode deduplication - only with one consumer per "
+        "partition guaranteed by other means",
+    ),
     ("max-seconds", float, None, "stop after this many seconds (tests, demos)"),
     ("log-format", str, "text", "text or json (one JSON object per line)"),
     ("log-level", str, "INFO", "DEBUG, INFO, WARNING, ERROR"),
@@ -84,8 +106,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--config", help="JSON or TOML file with option values")
-    for flag, typ, _default, help_ in OPTIONS:
-        p.add_argument(f"--{flag}", type=typ, default=None, help=f"{help_} [env RLREC_{_env(flag)}]")
+    for name, typ, _default, help_ in OPTIONS:
+        if typ is flag:
+            p.add_argument(
+                f"--{name}", action="store_const", const=True, default=None, help=f"{help_} [env RLREC_{_env(name)}]"
+            )
+        else:
+            p.add_argument(f"--{name}", type=typ, default=None, help=f"{help_} [env RLREC_{_env(name)}]")
     p.add_argument(
         "--no-create-topics", action="store_true", help="don't create the topic and its DLQ (ops provision them)"
     )
@@ -120,13 +147,16 @@ def resolve_options(args: argparse.Namespace, environ: dict | None = None) -> di
     environ = os.environ if environ is None else environ
     file_values = _load_file(args.config) if args.config else {}
     out = {}
-    for flag, typ, default, _ in OPTIONS:
-        dest = flag.replace("-", "_")
+    for name, typ, default, _ in OPTIONS:
+        dest = name.replace("-", "_")
         value = getattr(args, dest)
-        if value is None and f"RLREC_{_env(flag)}" in environ:
-            value = typ(environ[f"RLREC_{_env(flag)}"])
-        if value is None and flag in file_values:
-            value = typ(file_values[flag])
+        try:
+            if value is None and f"RLREC_{_env(name)}" in environ:
+                value = typ(environ[f"RLREC_{_env(name)}"])
+            if value is None and name in file_values:
+                value = typ(file_values[name])
+        except ValueError as e:
+            raise SystemExit(f"rlrec consume: --{name}: {e}") from None
         out[dest] = default if value is None else value
     kafka = dict(file_values.get("kafka-config", {}))
     try:
@@ -155,6 +185,7 @@ def _run(args: argparse.Namespace) -> int:
 
     setup_logging(opts.pop("log_format"), opts.pop("log_level"))
     from rlrec.consumer.service import ConsumerConfig, RecorderConsumer
+    from rlrec.store.storage import ConditionalWritesError
 
     max_seconds = opts.pop("max_seconds")
     try:
@@ -162,5 +193,9 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"rlrec consume: {e}", file=sys.stderr)
         return 2
-    RecorderConsumer(config).run(max_seconds=max_seconds)
+    try:
+        RecorderConsumer(config).run(max_seconds=max_seconds)
+    except ConditionalWritesError as e:
+        print(f"rlrec consume: {e}", file=sys.stderr)
+        return 2
     return 0

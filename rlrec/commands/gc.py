@@ -23,8 +23,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "gc",
         help="delete unreferenced shard files (crashed/fenced writers' leftovers)",
         description="Delete files in policy directories and their _staging/ that no manifest "
-        "entry references and that are older than --older-than. Manifest entries are never "
-        "deleted. Prints the deleted (or, with --dry-run, deletable) files.",
+        "entry names and that are older than --older-than. A file an entry names (published or "
+        "staged) is never deleted, whatever its age; neither is anything under _manifest/. Prints "
+        "the deleted (or, with --dry-run, deletable) files.",
     )
     p.add_argument("uri", metavar="URI", help="output root: /path, file:///path, s3://bucket/prefix, ...")
     p.add_argument(

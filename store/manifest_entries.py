@@ -1,0 +1,448 @@
+"""Manifest entries: the immutable JSON documents of a partition's manifest log.
+
+Three entry types, each a frozen dataclass with ``to_json`` and strict parsing
+(:func:`parse_entry` rejects unknown entry types, unknown or missing fields and
+wrongly typed values with :class:`ManifestError`; never pickle):
+
+* ``claim`` (:class:`ClaimEntry`) -- a writer takes the partition with epoch ``E``.
+* ``shard`` (:class:`ShardEntry`) -- a shard of episodes is committed when its entry exists.
+* ``snapshot`` (:class:`SnapshotEntry`) -- folds the log below it (the claim with the
+  highest epoch, the entries since the previous snapshot, the committed shards not known
+  to be published), so that a writer or reader starts from the newest snapshot instead of
+  entry 0.  See docs/GUARANTEES.md, section 3.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "MANIFEST_DIR",
+    "ClaimEntry",
+    "Entry",
+    "LogEntry",
+    "ManifestError",
+    "ShardEntry",
+    "SnapshotEntry",
+    "entry_path",
+    "parse_entry",
+]
+
+MANIFEST_DIR = "_manifest"
+# Kafka topic names: [a-zA-Z0-9._-], at most 249 characters; "." and ".." are invalid.
+TOPIC_RE = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
+_SHA_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+class ManifestError(ValueError):
+    """A manifest entry (or the log) is malformed: unknown type, bad fields, gaps."""
+
+
+# -------------------------------------------------------------------- entries
+
+
+def _check_type(d: Mapping[str, Any], key: str, types: tuple[type, ...], *, nullable: bool = False) -> Any:
+    v = d[key]
+    if v is None and nullable:
+        return v
+    # bool is an int subclass: never accept it where a number is expected.
+    if isinstance(v, bool) and bool not in types:
+        raise ManifestError(f"field {key!r}: expected {'/'.join(t.__name__ for t in types)}, got bool")
+    if not isinstance(v, types):
+        raise ManifestError(f"field {key!r}: expected {'/'.join(t.__name__ for t in types)}, got {type(v).__name__}")
+    return v
+
+
+def _check_rel_path(key: str, p: str) -> None:
+    if not p or p.startswith("/") or "\\" in p or any(c in ("", ".", "..") for c in p.split("/")):
+        raise ManifestError(f"field {key!r}: not a clean relative path: {p!r}")
+
+
+def _check_keys(d: Mapping[str, Any], required: set[str], optional: set[str], what: str) -> None:
+    missing = required - d.keys()
+    if missing:
+        raise ManifestError(f"{what} entry: missing fields {sorted(missing)}")
+    unknown = d.keys() - required - optional
+    if unknown:
+        raise ManifestError(f"{what} entry: unknown fields {sorted(unknown)}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClaimEntry:
+    """``{"type": "claim", "seq", "epoch", "writer", "time"}``."""
+
+    epoch: int
+    writer: str
+    time: float = field(default_factory=time.time)
+    seq: int | None = None
+
+    type = "claim"
+    _REQUIRED = frozenset({"type", "seq", "epoch", "writer", "time"})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": "claim", "seq": self.seq, "epoch": self.epoch, "writer": self.writer, "time": self.time}
+
+    def to_json(self) -> str:
+        d = self.to_dict()
+        _validate_claim(d)
+        return _dumps(d)
+
+    @classmethod
+    def from_json(cls, data: str | bytes | Mapping[str, Any]) -> ClaimEntry:
+        e = parse_entry(data)
+        if not isinstance(e, ClaimEntry):
+            raise ManifestError(f"expected a claim entry, got {e.type!r}")
+        return e
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardEntry:
+    """One committed shard of complete episodes from one partition and one policy.
+
+    Build it without ``seq``/``epoch``/``writer``; :meth:`PartitionLog.append_shard`
+    fills them in.  ``path``/``staging_path`` are relative to the output root and
+    must be unique per append attempt (see docs/GUARANTEES.md).  ``first_offset``
+    is the smallest start offset and ``last_offset`` the largest event offset of
+    the shard's episodes.  ``episode_ids`` (a list is accepted, a tuple is kept)
+    must have ``episodes`` unique ids.  ``event_schema_versions`` is a list of
+    versions or a mapping ``{event type: version}``.  ``commit_time`` defaults
+    to the time the entry object was made (Unix seconds).
+    """
+
+    path: str
+    staging_path: str
+    topic: str
+    partition: int
+    policy_id: str
+    first_offset: int
+    last_offset: int
+    episode_ids: tuple[str, ...]
+    episodes: int
+    steps: int
+    bytes: int
+    sha256: str
+    format: str
+    format_version: int
+    event_schema_versions: tuple[int | str, ...] | dict[str, int | str] = ()
+    commit_time: float = field(default_factory=time.time)
+    min_policy_version: int | str | None = None
+    max_policy_version: int | str | None = None
+    writer: str | None = None
+    epoch: int = -1
+    seq: int | None = None
+
+    type = "shard"
+    _REQUIRED = frozenset(
+        {
+            "type",
+            "seq",
+            "epoch",
+            "path",
+            "staging_path",
+            "topic",
+            "partition",
+            "policy_id",
+            "first_offset",
+            "last_offset",
+            "episode_ids",
+            "episodes",
+            "steps",
+            "bytes",
+            "sha256",
+            "format",
+            "format_version",
+            "event_schema_versions",
+            "commit_time",
+            "min_policy_version",
+            "max_policy_version",
+        }
+    )
+    _OPTIONAL = frozenset({"writer"})
+
+    def __post_init__(self) -> None:
+        # Accept lists (e.g. from callers); store tuples so the entry stays immutable.
+        if not isinstance(self.episode_ids, tuple):
+            object.__setattr__(self, "episode_ids", tuple(self.episode_ids))
+        v = self.event_schema_versions
+        if isinstance(v, Mapping):
+            object.__setattr__(self, "event_schema_versions", {str(k): v[k] for k in sorted(v)})
+        elif not isinstance(v, tuple):
+            object.__setattr__(self, "event_schema_versions", tuple(v))
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["type"] = "shard"
+        d["episode_ids"] = list(self.episode_ids)
+        v = self.event_schema_versions
+        d["event_schema_versions"] = dict(v) if isinstance(v, Mapping) else list(v)
+        if d["writer"] is None:
+            del d["writer"]
+        return d
+
+    def to_json(self) -> str:
+        d = self.to_dict()
+        _validate_shard(d)
+        return _dumps(d)
+
+    @classmethod
+    def from_json(cls, data: str | bytes | Mapping[str, Any]) -> ShardEntry:
+        e = parse_entry(data)
+        if not isinstance(e, ShardEntry):
+            raise ManifestError(f"expected a shard entry, got {e.type!r}")
+        return e
+
+    def with_commit(self, *, seq: int, epoch: int, writer: str | None) -> ShardEntry:
+        return dataclasses.replace(self, seq=seq, epoch=epoch, writer=writer)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SnapshotEntry:
+    """Folds the log below it, so that nobody has to read the log from entry 0.
+
+    A snapshot at ``seq`` is a pure summary of the entries ``< seq`` (its writer has read
+    them all, rule R1) plus what its writer knew about publication:
+
+    * ``entries``: every claim and shard entry ``folded_from .. seq-1``, unchanged (the
+      *segment*); ``prev`` is the seq of the previous snapshot (None: none).  Entries
+      between ``prev`` (or 0) and ``folded_from`` are *unfolded*: readers read them
+      one by one (only a log written before snapshots existed has them);
+    * ``last_claim``: the claim with the highest epoch below ``seq`` (fencing);
+    * ``max_last_offset`` / ``below_max_last_offset``: the largest ``last_offset`` of
+      the shard entries below ``seq`` / below ``folded_from`` (-1: none), so that a claim
+      replaying from Kafka offset ``C`` knows where to stop looking for committed ids;
+    * ``unpublished``: committed shard entries below ``seq`` not known to be published.
+
+    The folded entries stay on storage, unchanged: a snapshot adds a shortcut, it
+    never replaces the record (``verify`` compares the two).
+    """
+
+    epoch: int
+    writer: str
+    prev: int | None
+    folded_from: int
+    entries: tuple[ClaimEntry | ShardEntry, ...]
+    last_claim: ClaimEntry
+    max_last_offset: int
+    below_max_last_offset: int
+    unpublished: tuple[ShardEntry, ...] = ()
+    time: float = field(default_factory=time.time)
+    seq: int | None = None
+
+    type = "snapshot"
+    _REQUIRED = frozenset(
+        {
+            "type",
+            "seq",
+            "epoch",
+            "writer",
+            "time",
+            "prev",
+            "folded_from",
+            "entries",
+            "last_claim",
+            "max_last_offset",
+            "below_max_last_offset",
+            "unpublished",
+        }
+    )
+
+    def __post_init__(self) -> None:
+        for k in ("entries", "unpublished"):
+            if not isinstance(getattr(self, k), tuple):
+                object.__setattr__(self, k, tuple(getattr(self, k)))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "type": "snapshot",
+            "seq": self.seq,
+            "epoch": self.epoch,
+            "writer": self.writer,
+            "time": self.time,
+            "prev": self.prev,
+            "folded_from": self.folded_from,
+            "entries": [e.to_dict() for e in self.entries],
+            "last_claim": self.last_claim.to_dict(),
+            "max_last_offset": self.max_last_offset,
+            "below_max_last_offset": self.below_max_last_offset,
+            "unpublished": [e.to_dict() for e in self.unpublished],
+        }
+
+    def to_json(self) -> str:
+        d = self.to_dict()
+        _validate_snapshot(d)
+        return _dumps(d)
+
+    @classmethod
+    def from_json(cls, data: str | bytes | Mapping[str, Any]) -> SnapshotEntry:
+        e = parse_entry(data)
+        if not isinstance(e, SnapshotEntry):
+            raise ManifestError(f"expected a snapshot entry, got {e.type!r}")
+        return e
+
+    def shards(self) -> list[ShardEntry]:
+        """The shard entries of the segment."""
+        return [e for e in self.entries if isinstance(e, ShardEntry)]
+
+
+#: what a snapshot folds: claims and shard entries
+LogEntry = ClaimEntry | ShardEntry
+Entry = ClaimEntry | ShardEntry | SnapshotEntry
+
+
+def _dumps(d: Mapping[str, Any]) -> str:
+    return json.dumps(d, sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+
+def _validate_common(d: Mapping[str, Any]) -> None:
+    seq = _check_type(d, "seq", (int,))
+    if seq < 0:
+        raise ManifestError(f"field 'seq' must be >= 0, got {seq}")
+    epoch = _check_type(d, "epoch", (int,))
+    if epoch < 1:
+        raise ManifestError(f"field 'epoch' must be >= 1, got {epoch}")
+
+
+def _validate_claim(d: Mapping[str, Any]) -> None:
+    _check_keys(d, set(ClaimEntry._REQUIRED), set(), "claim")
+    _validate_common(d)
+    if not _check_type(d, "writer", (str,)):
+        raise ManifestError("field 'writer' must not be empty")
+    _check_type(d, "time", (int, float))
+
+
+def _validate_shard(d: Mapping[str, Any]) -> None:
+    _check_keys(d, set(ShardEntry._REQUIRED), set(ShardEntry._OPTIONAL), "shard")
+    _validate_common(d)
+    for k in ("path", "staging_path"):
+        _check_rel_path(k, _check_type(d, k, (str,)))
+    if d["path"] == d["staging_path"]:
+        raise ManifestError("fields 'path' and 'staging_path' must differ")
+    if not TOPIC_RE.match(_check_type(d, "topic", (str,))) or d["topic"] in (".", ".."):
+        raise ManifestError(f"field 'topic': not a valid topic name: {d['topic']!r}")
+    for k in ("partition", "first_offset", "last_offset", "episodes", "steps", "bytes", "format_version"):
+        if _check_type(d, k, (int,)) < 0:
+            raise ManifestError(f"field {k!r} must be >= 0, got {d[k]}")
+    if d["first_offset"] > d["last_offset"]:
+        raise ManifestError(f"first_offset {d['first_offset']} > last_offset {d['last_offset']}")
+    if not _check_type(d, "policy_id", (str,)):
+        raise ManifestError("field 'policy_id' must not be empty")
+    ids = _check_type(d, "episode_ids", (list, tuple))
+    if not all(isinstance(i, str) and i for i in ids):
+        raise ManifestError("field 'episode_ids' must be a list of non-empty strings")
+    if len(set(ids)) != len(ids):
+        raise ManifestError("field 'episode_ids' has duplicates")
+    if len(ids) != d["episodes"]:
+        raise ManifestError(f"field 'episodes' ({d['episodes']}) != len(episode_ids) ({len(ids)})")
+    if not _SHA_RE.match(_check_type(d, "sha256", (str,))):
+        raise ManifestError("field 'sha256' must be 64 lowercase hex digits")
+    if not _check_type(d, "format", (str,)):
+        raise ManifestError("field 'format' must not be empty")
+    vers = _check_type(d, "event_schema_versions", (list, tuple, dict))
+    if isinstance(vers, dict):
+        if not all(isinstance(k, str) for k in vers):
+            raise ManifestError("field 'event_schema_versions': keys must be strings")
+        vers = list(vers.values())
+    if not all(isinstance(v, (int, str)) and not isinstance(v, bool) for v in vers):
+        raise ManifestError(
+            "field 'event_schema_versions' must be a list of int/str or an object {event type: int/str}"
+        )
+    _check_type(d, "commit_time", (int, float))
+    for k in ("min_policy_version", "max_policy_version"):
+        _check_type(d, k, (int, str), nullable=True)
+    if "writer" in d:
+        _check_type(d, "writer", (str,), nullable=True)
+
+
+def _validate_snapshot(
+    d: Mapping[str, Any],
+) -> tuple[list[ClaimEntry | ShardEntry], ClaimEntry, list[ShardEntry]]:
+    """Check a snapshot document; returns its parsed (entries, last_claim, unpublished)."""
+    _check_keys(d, set(SnapshotEntry._REQUIRED), set(), "snapshot")
+    _validate_common(d)
+    seq = d["seq"]
+    if not _check_type(d, "writer", (str,)):
+        raise ManifestError("field 'writer' must not be empty")
+    _check_type(d, "time", (int, float))
+    prev = _check_type(d, "prev", (int,), nullable=True)
+    folded_from = _check_type(d, "folded_from", (int,))
+    if not 0 <= folded_from <= seq or (prev is not None and not 0 <= prev < folded_from):
+        raise ManifestError(f"snapshot {seq}: need 0 <= prev < folded_from <= seq, got {prev}, {folded_from}")
+    entries = _check_type(d, "entries", (list, tuple))
+    if len(entries) != seq - folded_from:
+        raise ManifestError(f"snapshot {seq}: folds {len(entries)} entries, expected {seq - folded_from}")
+    parsed = [_parse_folded(x, f"snapshot {seq} entry") for x in entries]
+    if [e.seq for e in parsed] != list(range(folded_from, seq)):
+        raise ManifestError(f"snapshot {seq}: folded entries are not seq {folded_from}..{seq - 1}")
+    last_claim = _parse_folded(d["last_claim"], f"snapshot {seq} last_claim")
+    if not isinstance(last_claim, ClaimEntry) or last_claim.seq >= seq:
+        raise ManifestError(f"snapshot {seq}: last_claim must be a claim below it")
+    if d["epoch"] > last_claim.epoch or any(e.epoch > last_claim.epoch for e in parsed):
+        raise ManifestError(f"snapshot {seq}: an epoch above last_claim's {last_claim.epoch}")
+    top = _check_type(d, "max_last_offset", (int,))
+    below = _check_type(d, "below_max_last_offset", (int,))
+    if below < -1 or top != max([below, *(e.last_offset for e in parsed if isinstance(e, ShardEntry))]):
+        raise ManifestError(f"snapshot {seq}: max_last_offset {top} does not match its entries")
+    unpublished = [_parse_folded(x, f"snapshot {seq} unpublished") for x in _check_type(d, "unpublished", (list,))]
+    useqs = [e.seq for e in unpublished]
+    if not all(isinstance(e, ShardEntry) for e in unpublished) or len(set(useqs)) != len(useqs):
+        raise ManifestError(f"snapshot {seq}: unpublished must be distinct shard entries")
+    if any(s >= seq for s in useqs):
+        raise ManifestError(f"snapshot {seq}: unpublished entries must be below it")
+    return parsed, last_claim, unpublished  # type: ignore[return-value]
+
+
+def _parse_folded(x: Any, what: str) -> ClaimEntry | ShardEntry:
+    if not isinstance(x, Mapping):
+        raise ManifestError(f"{what}: expected an object")
+    if x.get("type") not in ("claim", "shard"):
+        raise ManifestError(f"{what}: a snapshot folds claim and shard entries only, got {x.get('type')!r}")
+    return parse_entry(x)  # type: ignore[return-value]
+
+
+def parse_entry(data: str | bytes | Mapping[str, Any]) -> Entry:
+    """Parse one manifest entry (JSON text/bytes or an already decoded dict)."""
+    if isinstance(data, Mapping):
+        d = dict(data)
+    else:
+        try:
+            d = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ManifestError(f"manifest entry is not valid JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise ManifestError(f"manifest entry must be a JSON object, got {type(d).__name__}")
+    kind = d.get("type")
+    if kind == "claim":
+        _validate_claim(d)
+        return ClaimEntry(seq=d["seq"], epoch=d["epoch"], writer=d["writer"], time=float(d["time"]))
+    if kind == "shard":
+        _validate_shard(d)
+        kw = {k: d[k] for k in d if k != "type"}
+        kw["commit_time"] = float(kw["commit_time"])
+        return ShardEntry(**kw)
+    if kind == "snapshot":
+        entries, last_claim, unpublished = _validate_snapshot(d)
+        return SnapshotEntry(
+            seq=d["seq"],
+            epoch=d["epoch"],
+            writer=d["writer"],
+            time=float(d["time"]),
+            prev=d["prev"],
+            folded_from=d["folded_from"],
+            entries=tuple(entries),
+            last_claim=last_claim,
+            max_last_offset=d["max_last_offset"],
+            below_max_last_offset=d["below_max_last_offset"],
+            unpublished=tuple(unpublished),
+        )
+    raise ManifestError(f"unknown manifest entry type {kind!r}")
+
+
+def entry_path(topic: str, partition: int, seq: int) -> str:
+    """``_manifest/{topic}/{partition:05d}/{seq:012d}.json``."""
+    return f"{MANIFEST_DIR}/{topic}/{int(partition):05d}/{int(seq):012d}.json"

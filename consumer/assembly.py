@@ -85,24 +85,32 @@ DECISION_RETRY_S = 30.0
 @dataclass(frozen=True)
 class Decision:
     """An early end a consumer decided for an open episode (reason: timeout, capacity,
-    partition-change). It is produced as an `EpisodeAbort` to the episode's own partition and
-    takes effect only when read back, so every consumer, now or on replay, applies the same
-    sequence of events."""
+    partition-change), written as an `EpisodeAbort` to the episode's own partition so that every
+    consumer, now or on replay, builds the same episode. A timeout takes effect when the abort is
+    read back (the episode holds every event before it in the log). A capacity eviction frees
+    memory at once: `cut_t` records where the episode was cut (truncate), and a replay that reads
+    the abort cuts it there too; events after the cut are dead-lettered either way."""
 
     episode_id: str
     reason: str
     action: str  # truncate | dead-letter
+    cut_t: int | None = None
 
     def abort(self) -> EpisodeAbort:
-        return EpisodeAbort(self.episode_id, f"{DECISION_PREFIX}{self.reason}:{self.action}", int(time.time() * 1000))
+        cut = "" if self.cut_t is None else f"@{self.cut_t}"
+        reason = f"{DECISION_PREFIX}{self.reason}:{self.action}{cut}"
+        return EpisodeAbort(self.episode_id, reason, int(time.time() * 1000))
 
 
-def parse_decision(abort_reason: str) -> tuple[str, str] | None:
-    """(reason, action) of a decision abort, None for a producer's own abort."""
+def parse_decision(abort_reason: str) -> tuple[str, str, int | None] | None:
+    """(reason, action, cut_t) of a decision abort, None for a producer's own abort."""
     if not abort_reason.startswith(DECISION_PREFIX):
         return None
-    reason, _, action = abort_reason[len(DECISION_PREFIX) :].rpartition(":")
-    return (reason, action) if reason in CONSUMER_REASONS and action in DECISION_ACTIONS else None
+    body, _, cut = abort_reason[len(DECISION_PREFIX) :].partition("@")
+    reason, _, action = body.rpartition(":")
+    if reason not in CONSUMER_REASONS or action not in DECISION_ACTIONS or (cut and not cut.isdigit()):
+        return None
+    return reason, action, int(cut) if cut else None
 
 
 @dataclass
@@ -240,7 +248,7 @@ class PartitionAssembler:
         if isinstance(event, EpisodeAbort):
             decision = parse_decision(event.reason)
             if decision is not None:
-                return self._on_decision(offset, event, *decision, now)
+                return self._on_decision(offset, event, *decision, now=now)
 
         last = self.committed.get(eid)
         if last is not None:
@@ -295,9 +303,8 @@ class PartitionAssembler:
                 self.counters.rewards_applied += 1
                 return []
             if isinstance(event, StepBatch) and event.t0 >= fe.length:
-                return [
-                    DeadLetter("step-after-end", f"episode {eid} ended after {fe.length} steps; t0={event.t0}", offset)
-                ]
+                reason = self.evicted.get(eid, "step-after-end")  # cut short by us: that reason
+                return [DeadLetter(reason, f"episode {eid} ended after {fe.length} steps; t0={event.t0}", offset)]
             self.counters.duplicates += 1
             return []
 
@@ -438,22 +445,73 @@ class PartitionAssembler:
         ep.decided_at = now
         return Decision(eid, reason, action)
 
-    def _on_decision(self, offset: int, ev: EpisodeAbort, reason: str, action: str, now: float) -> list[DeadLetter]:
-        """A consumer's decision read back from the log: applied to the episode if it is still open."""
-        ep = self.open.get(ev.episode_id)
+    def _on_decision(
+        self, offset: int, ev: EpisodeAbort, reason: str, action: str, cut_t: int | None, *, now: float
+    ) -> list[DeadLetter]:
+        """A consumer's decision read back from the log: applied to the episode if it is still
+        open (a timeout; or a replay of an eviction this pass did not make); else a no-op."""
+        eid = ev.episode_id
+        ep = self.open.get(eid)
         if ep is None:
             self.counters.decisions_superseded += 1
             return []
         self.counters.decisions += 1
         if reason == "timeout":
             self.counters.timeouts += 1
-        ep.last_offset = offset
         if action == "dead-letter":
-            self._remember_evicted(ev.episode_id, reason)
-            out = self.evict(ev.episode_id, reason, truncate=False)
+            out = self.evict(eid, reason, truncate=False)
             return [*out, DeadLetter(reason, f"decision: {reason}", offset)]
+        out = self._cut(ep, cut_t, reason) if cut_t is not None else []
+        ep.last_offset = offset
+        self._remember_evicted(eid, reason)
+        return out + self._truncate(ep, reason, now)
+
+    def _cut(self, ep: OpenEpisode, cut_t: int, reason: str) -> list[DeadLetter]:
+        """Drop (dead-letter) the batches at or after step `cut_t` (a batch boundary when the cut
+        was made) and the delayed rewards for those steps."""
+        eid = ep.start.episode_id
+        out = []
+        keep_b, keep_o = [], []
+        for b, o in zip(ep.batches, ep.batch_offsets):
+            if b.t0 < cut_t:
+                keep_b.append(b)
+                keep_o.append(o)
+            else:
+                value, headers = encode(b)
+                out.append(DeadLetter(reason, f"after the cut at t={cut_t}", o, eid.encode(), value, headers))
+                ep.nbytes -= _batch_nbytes(b)
+                self.open_nbytes -= _batch_nbytes(b)
+        ep.batches, ep.batch_offsets = keep_b, keep_o
+        ep.t = sum(b.n for b in keep_b)
+        keep_r, keep_ro = [], []
+        for r, o in zip(ep.rewards_later, ep.reward_offsets):
+            if r.t < ep.t:
+                keep_r.append(r)
+                keep_ro.append(o)
+            else:
+                value, headers = encode(r)
+                out.append(DeadLetter(reason, f"after the cut at t={cut_t}", o, eid.encode(), value, headers))
+        ep.rewards_later, ep.reward_offsets = keep_r, keep_ro
+        return out
+
+    def _truncate(self, ep: OpenEpisode, reason: str, now: float) -> list[DeadLetter]:
         last_ms = ep.batches[-1].timestamp_ms if ep.batches else ep.start.timestamp_ms
         return self._finish(ep, terminated=False, truncated=True, ended_ms=last_ms, now=now, reason=reason)
+
+    def evict_now(
+        self, eid: str, reason: str, action: str, now: float | None = None
+    ) -> tuple[Decision, list[DeadLetter]]:
+        """Free an open episode's memory at once (capacity): dead-letter its events, or finish it
+        truncated where it stands. Returns the decision to write to the log (so a replay ends
+        the episode the same way) and the dead letters."""
+        now = time.time() if now is None else now
+        ep = self.open[eid]
+        if action == "dead-letter":
+            return Decision(eid, reason, action), self.evict(eid, reason, truncate=False)
+        self.counters.evicted += 1
+        decision = Decision(eid, reason, action, cut_t=ep.t)
+        self._remember_evicted(eid, reason)
+        return decision, self._truncate(ep, reason, now)
 
     def evict(self, eid: str, reason: str = "capacity", truncate: bool = False) -> list[DeadLetter]:
         """Remove an open episode to bound memory: dead-letter its events, or finish it truncated."""

@@ -134,6 +134,8 @@ class PendingLetter:
     key: bytes | None
     value: bytes
     headers: Headers
+    topic: str | None = None  # where it goes (None: the dead-letter topic)
+    to_partition: int | None = None  # ... and to which partition (None: by key)
     attempts: int = 0
     retry_at: float = 0.0
     in_flight: bool = False
@@ -173,9 +175,23 @@ class DeadLetterQueue:
 
     # -- producing ----------------------------------------------------------------------------
 
-    def send(self, partition: int, offset: int, reason: str, key: bytes | None, value: bytes, headers: Headers) -> None:
+    def send(
+        self,
+        partition: int,
+        offset: int,
+        reason: str,
+        key: bytes | None,
+        value: bytes,
+        headers: Headers,
+        *,
+        topic: str | None = None,
+        to_partition: int | None = None,
+    ) -> None:
+        """Produce a record that holds back partition `partition`'s commit at `offset` until the
+        broker acknowledged it: a dead letter, or (with `topic`/`to_partition`) a consumer's
+        decision written to the log."""
         self._seq += 1
-        letter = PendingLetter(self._seq, partition, offset, reason, key, value, headers)
+        letter = PendingLetter(self._seq, partition, offset, reason, key, value, headers, topic, to_partition)
         self.pending[letter.seq] = letter
         self.pending_bytes += letter.nbytes
         self._produce(letter)
@@ -188,12 +204,14 @@ class DeadLetterQueue:
         try:
             while True:
                 try:
+                    extra = {} if letter.to_partition is None else {"partition": letter.to_partition}
                     self.producer.produce(
-                        self.topic,
+                        letter.topic or self.topic,
                         letter.value,
                         letter.key,
                         headers=letter.headers,
                         on_delivery=lambda err, msg, seq=letter.seq: self._delivered(seq, err),
+                        **extra,
                     )
                     break
                 except BufferError:  # the local queue is full: serve callbacks, then try again

@@ -512,7 +512,7 @@ class RecorderConsumer:
             w.publish_pending()  # roll forward committed shards whose publish failed
             a.split_suspected = now < self._split_suspected_until
             for d in a.decide_timeouts(now):
-                self._decide(p, d)
+                self._decide(p, d, a.open[d.episode_id].first_offset)
         self._enforce_capacity()
         total_ready_bytes = sum(w.assembler.finished_bytes for w in self.writers.values() if w.assembler)
         over_budget = total_ready_bytes > cfg.max_buffered_bytes
@@ -569,7 +569,7 @@ class RecorderConsumer:
         """Evict the longest-idle open episodes over max_open_episodes or max_open_bytes."""
         cfg = self.config
         assemblers = [(p, w.assembler) for p, w in self.writers.items() if w.assembler]
-        # episodes with a decision on its way count as gone already (they go when it is read back)
+        # episodes with a timeout decision on its way count as gone already (they go when it is read back)
         going = [(p, ep) for p, a in assemblers for ep in a.open.values() if ep.decided_at is not None]
         count = sum(len(a.open) for _, a in assemblers) - len(going)
         nbytes = sum(a.open_nbytes for _, a in assemblers) - sum(ep.nbytes for _, ep in going)
@@ -595,33 +595,30 @@ class RecorderConsumer:
                 nbytes -= item[3]
         now = time.time()
         for _, p, eid, _n in victims:
-            d = self.writers[p].assembler.decide(eid, "capacity", cfg.on_capacity, now)
-            if d is not None:
-                self._decide(p, d)
+            a = self.writers[p].assembler
+            first_offset = a.open[eid].first_offset
+            d, letters = a.evict_now(eid, "capacity", cfg.on_capacity, now)
+            self._decide(p, d, first_offset)
+            for dl in letters:
+                self._dead_letter(None, dl, partition=p)
 
-    def _decide(self, p: int, d: Decision) -> None:
-        """Write a decision (an EpisodeAbort with the reason) to the episode's own partition; it
-        takes effect when read back, so a replay builds the same episodes. A failed produce is
-        forgotten and decided again."""
+    def _decide(self, p: int, d: Decision, first_offset: int) -> None:
+        """Write a decision (an EpisodeAbort with the reason) to the episode's own partition, so
+        a replay ends the episode the same way. Like a dead letter it is kept until acknowledged
+        and holds the partition's commit at the episode's first offset until then."""
         value, headers = encode(d.abort())
-
-        def delivered(err: Any, _msg: Any) -> None:
-            if err is not None:
-                log.warning("partition %d: decision %s for %s not delivered (%s)", p, d.reason, d.episode_id, err)
-                w = self.writers.get(p)
-                ep = w.assembler.open.get(d.episode_id) if w is not None and w.assembler else None
-                if ep is not None:
-                    ep.decided_at = None
-
-        try:
-            self.dlq.producer.produce(
-                self.config.topic, value, d.episode_id.encode(), partition=p, headers=headers, on_delivery=delivered
-            )
-        except (BufferError, KafkaException) as e:
-            delivered(e, None)
-            return
+        self.dlq.send(
+            p,
+            first_offset,
+            f"decision:{d.reason}",
+            d.episode_id.encode(),
+            value,
+            headers,
+            topic=self.config.topic,
+            to_partition=p,
+        )
         self.metrics.decisions.labels(d.reason).inc()
-        log.info("partition %d: decided %s (%s) for episode %s", p, d.reason, d.action, d.episode_id)
+        log.debug("partition %d: decided %s (%s) for episode %s", p, d.reason, d.action, d.episode_id)
 
     def _check_partition_count(self, now: float) -> None:
         """Adding partitions re-maps episode keys: parts of open episodes land on other partitions.

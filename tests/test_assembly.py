@@ -166,7 +166,7 @@ def test_timeouts_are_decided_in_live_time_and_applied_when_read_back():
     fe = a.finished["a"]
     assert fe.truncated and not fe.terminated and fe.length == 3 and fe.last_offset == 4
     assert [d.reason for d in dls] == ["empty-episode"]  # b had no steps
-    assert [d.reason for d in a.apply(6, steps("a", 3, 1))] == ["step-after-end"]
+    assert [d.reason for d in a.apply(6, steps("a", 3, 1))] == ["timeout"]  # ended by a timeout
     assert _decided(a, decisions[:1], 7, now=160.0) == [] and a.counters.decisions_superseded == 1
 
 
@@ -198,7 +198,7 @@ def test_a_decision_replays_the_same_way():
         a = PartitionAssembler("t", 0, config=AssemblyConfig(episode_timeout_s=5))
         letters = [dl.reason for i, ev in enumerate(log) for dl in a.apply(i, ev, now=now)]
         results.append((a.finished["a"].length, a.finished["a"].truncated, letters))
-    assert results[0] == results[1] == (2, True, ["step-after-end"])
+    assert results[0] == results[1] == (2, True, ["capacity"])
 
 
 def test_forged_or_unknown_decisions_are_ordinary_aborts():
@@ -207,6 +207,28 @@ def test_forged_or_unknown_decisions_are_ordinary_aborts():
     a.apply(1, steps("a", 0, 2))
     a.apply(2, EpisodeAbort("a", "rlrec:not-a-reason:truncate"))  # not a decision: the producer's abort
     assert a.finished["a"].truncated and a.counters.decisions == 0
+
+
+def test_capacity_eviction_frees_memory_at_once_and_replays_the_same_way():
+    from rlrec.consumer.assembly import parse_decision
+
+    a = PartitionAssembler("t", 0)
+    a.apply(0, start("a"))
+    a.apply(1, steps("a", 0, 2))
+    d, letters = a.evict_now("a", "capacity", "truncate")
+    assert letters == [] and a.finished["a"].length == 2 and a.open_nbytes == 0
+    assert parse_decision(d.abort().reason) == ("capacity", "truncate", 2)
+    assert _reasons(a.apply(2, steps("a", 2, 1))) == [("capacity", 2)]  # after the cut
+    assert _decided(a, [d], 3, now=0.0) == []  # read back: already applied
+    # a replay (a fresh consumer) reads the same log: the step after the cut is in memory when
+    # the decision arrives, and is cut away the same way
+    r = PartitionAssembler("t", 0)
+    for i, ev in enumerate([start("a"), steps("a", 0, 2), steps("a", 2, 1)]):
+        assert r.apply(i, ev) == []
+    assert _reasons(_decided(r, [d], 3, now=0.0)) == [("capacity", 2)]
+    fe, again = a.finished["a"], r.finished["a"]
+    assert again.length == fe.length == 2 and again.truncated
+    np.testing.assert_array_equal(again.observations[0], fe.observations[0])
 
 
 def test_eviction_dead_letters_whole_episode_and_later_events():
@@ -339,7 +361,7 @@ def test_episode_too_large_dead_letters_or_truncates():
     assert _reasons(t.apply(4, steps(t0=300, n=100))) == [("episode-too-large", 4)]
     fe = t.finished["e1"]
     assert fe.length == 300 and fe.truncated and not fe.terminated
-    assert _reasons(t.apply(5, steps(t0=400, n=1))) == [("step-after-end", 5)]
+    assert _reasons(t.apply(5, steps(t0=400, n=1))) == [("episode-too-large", 5)]
 
 
 def test_info_memory_counts_toward_the_episode_budget():
@@ -385,3 +407,16 @@ def test_finished_events_re_encode_an_episode():
     for x, y in zip(fe.observations + fe.actions, again.observations + again.actions):
         np.testing.assert_array_equal(x, y)
     assert again.truncated and again.length == 5 and again.infos == fe.infos
+
+
+def test_after_a_partition_count_change_orphans_and_split_parts_say_so():
+    a = PartitionAssembler("t", 0, config=AssemblyConfig(episode_timeout_s=5))
+    a.split_suspected = True
+    a.apply(0, start("first-part"), now=100.0)
+    a.apply(1, steps("first-part", 0, 2), now=100.0)
+    # the rest of an episode whose start went to another partition before the change
+    assert _reasons(a.apply(2, steps("second-part", 3, 1), now=100.0)) == [("partition-change", 2)]
+    a.live_since = 100.0
+    decisions = a.decide_timeouts(now=106.0)
+    assert [(d.reason, d.action) for d in decisions] == [("partition-change", "dead-letter")]
+    assert [r for r, _ in _reasons(_decided(a, decisions, 3, now=106.0))] == ["partition-change"] * 3

@@ -492,6 +492,7 @@ def test_hostile_topic_dead_letters_everything_and_good_episodes_land(broker, to
     # every reason is exercised, except those with suites of their own: timeouts and capacity,
     # and the poison pills of tests/test_poison_pills.py (which runs these messages too)
     elsewhere = {"timeout", "capacity", "unwritable", "internal", "episode-too-large", "bad-policy-id", "bad-env-id"}
+    elsewhere.add("partition-change")
     elsewhere |= {"bad-info", "key-too-large", "extra-output-mismatch", "out-of-space", "non-finite-value"}
     assert set(expected.values()) == (set(DECODE_REASONS) | set(CONSUMER_REASONS)) - elsewhere
 

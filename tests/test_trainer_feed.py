@@ -257,5 +257,5 @@ def test_load_policy_refuses_missing_and_tampered(tmp_path):
     (d / "model.pt").write_bytes(b"not a model")
     (d / "policy.json").write_text(json.dumps({"policy_version": 1, "model_sha256": "0" * 64}))
     (tmp_path / "latest.json").write_text(json.dumps({"policy_version": 1, "path": "v000001"}))
-    with pytest.raises(PolicyLoadError, match="sha256"):
-        load_policy(str(tmp_path))
+    with pytest.raises(PolicyLoadError, match="sha256"), pytest.warns(UserWarning, match="unsigned TorchScript"):
+        load_policy(str(tmp_path), allow_unsigned_code=True)

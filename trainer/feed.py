@@ -153,6 +153,7 @@ class IterationStats:
     seen: set = field(default_factory=set)  # shard keys trained on (any)
     missing: list = field(default_factory=list)  # keys found deleted
     bad: list = field(default_factory=list)  # (key, reason)
+    skipped: list = field(default_factory=list)  # (key, episodes, first reason): unusable episodes, once per chunk
     rows_trained: int = 0
     rows_streamed: int = 0  # of rows_trained, taken from the stream
     wait_s: float = 0.0
@@ -185,6 +186,7 @@ class FeedState:
         self._window_dirty = True
         self._window_time = 0.0
         self.stats = IterationStats()
+        self._skips_seen: set[tuple[int, int]] = set()
         self.timeline: dict[int, dict] = {}  # shard -> first times (added, delivered, trained)
         self.totals = {"deliveries": 0, "fresh_deliveries": 0, "replay_deliveries": 0, "rows_delivered": 0}
 
@@ -388,6 +390,18 @@ class FeedState:
         for t in tags:
             self.pending.pop(int(t), None)
         self.produced += int(rows_out)
+
+    def skipped(self, tag: int, episodes: int, reason: str) -> None:
+        """The PreLearner skipped `episodes` unusable episodes of chunk `tag`; counted once per
+        chunk of a shard (replaying the chunk skips them again without counting them again)."""
+        p = self.pending.get(int(tag))
+        idx = shard_of_tag(tag)
+        key = (idx, p.start if p is not None else -1)
+        s = self.shards.get(idx)
+        if key in self._skips_seen or s is None:
+            return
+        self._skips_seen.add(key)
+        self.stats.skipped.append((s.key, int(episodes), reason))
 
     def failed(self, tag: int, requeue: bool = False) -> None:
         """A delivered chunk could not be read. `requeue`: a transient error, deliver a fresh

@@ -402,7 +402,42 @@ def allow_list_markdown() -> str:
         + "; ".join(f"`{k}`: {', '.join(f'`{e}`' for e in sorted(v)) or 'none'}" for k, v in ALLOWED_EXTENSIONS.items())
         + f". `{PICKLED_OBJECT_EXTENSION}` only in `legacy-tabular` input with `--allow-pickle`.",
         "",
+        "`legacy-tabular` (RLlib recordings read by `rlrec convert --from tabular`): any column names; "
+        "types built from numeric, bool, string, binary and null primitives (large variants too), "
+        "`list`/`large_list`/`fixed_size_list`, `struct`, `map`, `dictionary` and the extension types above.",
+        "",
         "Reserved names (no extra-model-output column of a tabular shard may have them, nor any name "
         "starting with `rlrec_`): " + ", ".join(f"`{n}`" for n in sorted(RESERVED_TABULAR_NAMES)) + ".",
     ]
     return "\n".join(lines) + "\n"
+
+
+_BEGIN, _END = "<!-- schema-gate:begin -->\n", "<!-- schema-gate:end -->"
+
+
+def update_doc(path: str, check: bool = False) -> bool:
+    """Rewrite the generated table between the schema-gate markers of `path`; True if it changed
+    (with `check`, nothing is written)."""
+    with open(path, encoding="utf-8") as f:
+        doc = f.read()
+    if _BEGIN not in doc or _END not in doc:
+        raise ValueError(f"{path} has no {_BEGIN.strip()} ... {_END} block")
+    head, rest = doc.split(_BEGIN, 1)
+    _old, tail = rest.split(_END, 1)
+    new = head + _BEGIN + allow_list_markdown() + _END + tail
+    if new != doc and not check:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(new)
+    return new != doc
+
+
+if __name__ == "__main__":  # python -m rlrec.store.schema_gate --update docs/FORMAT.md [--check]
+    import argparse
+    import sys
+
+    ap = argparse.ArgumentParser(description="refresh the schema-gate table in docs/FORMAT.md")
+    ap.add_argument("--update", required=True, metavar="FILE")
+    ap.add_argument("--check", action="store_true", help="exit 1 if the table is stale; write nothing")
+    a = ap.parse_args()
+    changed = update_doc(a.update, check=a.check)
+    sys.exit(1 if (changed and a.check) else 0)

@@ -29,6 +29,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("dir", metavar="DIR", help="directory for the key pair (created if needed)")
     g.add_argument("--force", action="store_true", help="replace an existing key pair")
     g.add_argument("--if-missing", action="store_true", help="do nothing (exit 0) if the key pair exists")
+    g.add_argument(
+        "--export-public",
+        metavar="PUBDIR",
+        help="also copy the public key to PUBDIR/policy-signing.pub (a place policy services may read "
+        "without seeing the private key)",
+    )
     g.set_defaults(func=_generate)
     p.set_defaults(func=lambda _args: (p.print_help(), 2)[1])
 
@@ -42,12 +48,17 @@ def _generate(args: argparse.Namespace) -> int:
     if args.if_missing and os.path.exists(priv) and os.path.exists(pub):
         load_private_key(priv)  # a broken key must not pass silently
         print(f"rlrec keys: keeping {priv} and {pub}", file=sys.stderr)
-        return 0
-    try:
-        priv_path, pub_path = generate_keys(args.dir, overwrite=args.force)
-    except FileExistsError as e:
-        print(f"rlrec keys: {e} (use --force to replace it, --if-missing to keep it)", file=sys.stderr)
-        return 1
-    print(f"private key (keep secret; rlrec train --signing-key): {priv_path}")
-    print(f"public key (policy services; RLREC_POLICY_PUBLIC_KEY): {pub_path}")
+    else:
+        try:
+            priv, pub = (str(p) for p in generate_keys(args.dir, overwrite=args.force))
+        except FileExistsError as e:
+            print(f"rlrec keys: {e} (use --force to replace it, --if-missing to keep it)", file=sys.stderr)
+            return 1
+        print(f"private key (keep secret; rlrec train --signing-key): {priv}")
+        print(f"public key (policy services; RLREC_POLICY_PUBLIC_KEY): {pub}")
+    if args.export_public:
+        import shutil
+
+        os.makedirs(args.export_public, exist_ok=True)
+        shutil.copyfile(pub, os.path.join(args.export_public, PUBLIC_KEY_FILE))
     return 0

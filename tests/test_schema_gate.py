@@ -231,3 +231,20 @@ def test_convert_without_allow_pickle_never_unpickles(tmp_path, column):
     with pytest.raises(UnsafeInputError, match=r"ray\.data\.arrow_pickled_object.*--allow-pickle"):
         convert(str(inp), str(tmp_path / "out"), ConvertOptions(input_format="tabular"))
     assert not marker.exists(), "a pickled payload was executed"
+
+
+def test_convert_with_allow_pickle_reads_pickled_columns(tmp_path):
+    """With --allow-pickle (trusted data) a Ray pickled-object column is read: infos as dicts."""
+    from ray.data._internal.object_extensions.arrow import ArrowPythonObjectArray
+
+    from rlrec.consumer.convert import ConvertOptions, convert
+
+    inp = tmp_path / "in"
+    inp.mkdir()
+    tab = _table("tabular").replace_schema_metadata(None)
+    infos = ArrowPythonObjectArray.from_objects([{"step": i} for i in range(tab.num_rows)])
+    (inp / "part-0.parquet").write_bytes(to_parquet(tab.append_column("infos", infos)))
+    res = convert(str(inp), str(tmp_path / "out"), ConvertOptions(input_format="tabular", allow_pickle=True))
+    assert res.written_episodes == 1
+    (ep,) = read_episodes(Storage.from_uri(str(tmp_path / "out")).read(res.entries[0].path))
+    assert ep.infos[1] == {"step": 0}

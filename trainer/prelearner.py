@@ -59,11 +59,17 @@ class SafeOfflinePreLearner(OfflinePreLearner):
     def _skip(self, reason: str) -> None:
         self.rlrec_skipped += 1
         self.rlrec_last_skips.append(reason)
+        if self.rlrec_skipped <= 10:  # the driver logs once per shard, after the iteration
+            log.error("skipping an episode the trainer cannot use: %s", reason)
 
     def _usable(self, ep: Any) -> bool:
         from rlrec.trainer.episode_check import unusable_reason
 
-        reason = unusable_reason(ep, self.observation_space, self.action_space)
+        # the spaces the RLModule is built for (the PreLearner's own `observation_space` can be the
+        # batched space of a vector env, e.g. Box(1, 3) for Pendulum with CQL)
+        obs_space = self.config.observation_space or self.observation_space
+        act_space = self.config.action_space or self.action_space
+        reason = unusable_reason(ep, obs_space, act_space)
         if reason is not None:
             self._skip(f"episode {getattr(ep, 'id_', '?')}: {reason}")
             return False

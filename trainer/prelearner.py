@@ -62,13 +62,25 @@ class SafeOfflinePreLearner(OfflinePreLearner):
         if self.rlrec_skipped <= 10:  # the driver logs once per shard, after the iteration
             log.error("skipping an episode the trainer cannot use: %s", reason)
 
+    def _rlrec_module_spaces(self) -> tuple[Any, Any]:
+        """The spaces the RLModule is built for: the config's, else the module's. (The PreLearner's
+        own `observation_space` can be the batched space of a vector env, e.g. Box(1, 3) for
+        Pendulum with CQL, which no recorded episode fits.)"""
+        obs, act = self.config.observation_space, self.config.action_space
+        if obs is None or act is None:
+            try:
+                from ray.rllib.core import DEFAULT_MODULE_ID
+
+                module = self._module[DEFAULT_MODULE_ID]
+                obs, act = obs or module.observation_space, act or module.action_space
+            except Exception:
+                obs, act = obs or self.observation_space, act or self.action_space
+        return obs, act
+
     def _usable(self, ep: Any) -> bool:
         from rlrec.trainer.episode_check import unusable_reason
 
-        # the spaces the RLModule is built for (the PreLearner's own `observation_space` can be the
-        # batched space of a vector env, e.g. Box(1, 3) for Pendulum with CQL)
-        obs_space = self.config.observation_space or self.observation_space
-        act_space = self.config.action_space or self.action_space
+        obs_space, act_space = self._rlrec_module_spaces()
         reason = unusable_reason(ep, obs_space, act_space)
         if reason is not None:
             self._skip(f"episode {getattr(ep, 'id_', '?')}: {reason}")

@@ -64,7 +64,7 @@ class ShardFeed:
         self.state.processed(tags, rows_out)
         self._notify()
 
-    async def skipped(self, tag: int, episodes: int, reason: str) -> None:
+    async def skipped(self, tag: int, episodes: list[str], reason: str) -> None:
         self.state.skipped(tag, episodes, reason)
 
     async def failed(self, tag: int, kind: str, reason: str = "") -> None:

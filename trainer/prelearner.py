@@ -53,12 +53,13 @@ class SafeOfflinePreLearner(OfflinePreLearner):
         self._rlrec_keep = set(spec.get("keep_extra_model_outputs") or ())
         self._rlrec_mode = spec.get("prelearner_mode", "episodes")
         self.rlrec_skipped = 0
-        #: why each episode of the last call was skipped (read by the envelope wrapper)
-        self.rlrec_last_skips: list[str] = []
+        #: (episode id, or "#<row in the chunk>" if undecodable; why) of each episode the last call
+        #: skipped (read by the envelope wrapper, reported to the feed, which counts each once)
+        self.rlrec_last_skips: list[tuple[str, str]] = []
 
-    def _skip(self, reason: str) -> None:
+    def _skip(self, episode: str, reason: str) -> None:
         self.rlrec_skipped += 1
-        self.rlrec_last_skips.append(reason)
+        self.rlrec_last_skips.append((episode, reason))
         if self.rlrec_skipped <= 10:  # the driver logs once per shard, after the iteration
             log.error("skipping an episode the trainer cannot use: %s", reason)
 
@@ -83,7 +84,7 @@ class SafeOfflinePreLearner(OfflinePreLearner):
         obs_space, act_space = self._rlrec_module_spaces()
         reason = unusable_reason(ep, obs_space, act_space)
         if reason is not None:
-            self._skip(f"episode {getattr(ep, 'id_', '?')}: {reason}")
+            self._skip(str(getattr(ep, "id_", "?")), f"episode {getattr(ep, 'id_', '?')}: {reason}")
             return False
         return True
 
@@ -96,7 +97,7 @@ class SafeOfflinePreLearner(OfflinePreLearner):
             try:
                 ep = unpack_episode(bytes(item))
             except EpisodeDecodeError as e:
-                self._skip(f"cannot be decoded safely: {e}")
+                self._skip(f"#{i}", f"cannot be decoded safely: {e}")
                 continue
             if not self._usable(ep):
                 continue
@@ -186,7 +187,7 @@ def envelope_prelearner_class(cls: type) -> type:
             if self._rlrec_feed is not None:
                 skips = getattr(self, "rlrec_last_skips", None)
                 if skips:  # before `processed`: the feed still knows which chunk the tag was
-                    self._rlrec_feed.skipped.remote(int(tag), len(skips), skips[0])
+                    self._rlrec_feed.skipped.remote(int(tag), [e for e, _ in skips], skips[0][1])
                 self._rlrec_feed.processed.remote([int(tag)], rows[-1])
         # an Arrow table, not a numpy object array: Ray Data sizes Arrow blocks exactly, so each
         # one-row envelope leaves the actor at once (object arrays were held back, unsized)

@@ -44,7 +44,10 @@ ARG EXTRAS=trainer
 RUN pip install ".[${EXTRAS}]" && rlrec --help >/dev/null
 
 # Not root. HOME is where Ray keeps its session files (/tmp/ray) and pip/ray caches go.
-RUN useradd --create-home --uid 1000 rlrec
+RUN useradd --create-home --uid 1000 rlrec \
+    && mkdir -p /keys /pubkey && chown rlrec:rlrec /keys /pubkey && chmod 700 /keys
+# /keys and /pubkey: mount points of the compose volumes for the policy-signing key pair (a new
+# named volume takes the owner of its mount point, so the unprivileged user can write the keys)
 USER rlrec
 WORKDIR /home/rlrec
 

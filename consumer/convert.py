@@ -18,9 +18,12 @@ Two input formats, both read as rows (one row per step) and rebuilt into episode
     RLlib's JsonReader does). Rows of one episode may be spread over many lines and files.
 
 Pickle: RLlib compresses ``obs``/``new_obs`` by default (``output_compress_columns``) into
-base64(LZ4(cloudpickle)) strings. Decoding those executes code from the data, so it is refused
-(`UnsafeInputError`) unless ``allow_pickle=True`` (``--allow-pickle``): use it only for data
-you trust. Numeric columns never need it.
+base64(LZ4(cloudpickle)) strings, and Ray Data stores columns it cannot convert as the extension
+type ``ray.data.arrow_pickled_object``. Decoding either executes code from the data, so it is
+refused (`UnsafeInputError`) unless ``allow_pickle=True`` (``--allow-pickle``): use it only for
+data you trust. Numeric columns never need it. Every Parquet file passes the schema gate
+(`rlrec.store.schema_gate.open_legacy_tabular`) before any column is read: without
+``allow_pickle`` a pickled-object column of any name refuses the file, whatever the column types.
 
 Episodes: rows are grouped by ``eps_id`` and ordered by ``t`` (input order when there is no
 ``t`` column). Rows repeated with the same ``t`` are dropped (RLlib's recorder with
@@ -64,12 +67,12 @@ import gymnasium as gym
 import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
-import pyarrow.parquet as pq
 
 from rlrec.producer.events import POLICY_ID_RE
 from rlrec.producer.spaces import dumps_space, loads_space, space_leaves
 from rlrec.store.commit import ShardCommitter
 from rlrec.store.finished import FinishedEpisode
+from rlrec.store.schema_gate import PICKLED_OBJECT_EXTENSION, ShardSchemaError, open_legacy_tabular
 from rlrec.store.storage import Storage
 
 __all__ = [
@@ -188,6 +191,10 @@ def _arrow_tree(col: pa.Array, what: str, allow_pickle: bool) -> Any:
         col = col.combine_chunks()
     t = col.type
     if isinstance(t, pa.BaseExtensionType):
+        if t.extension_name == PICKLED_OBJECT_EXTENSION:  # the gate let it through: allow_pickle is on
+            if not allow_pickle:
+                raise UnsafeInputError(f"{what} holds pickled Python objects; pass --allow-pickle only if you trust it")
+            return _json_tree(col.to_pylist(), what, allow_pickle)
         if isinstance(t, pa.FixedShapeTensorType):
             if col.null_count:
                 raise ConvertError(f"{what} has {col.null_count} null value(s)")
@@ -438,7 +445,12 @@ def _block(
 
 def _parquet_blocks(fs: pafs.FileSystem, path: str, opts: ConvertOptions) -> Iterator[_Block]:
     with fs.open_input_file(path) as f:
-        table = pq.read_table(f)
+        try:  # the schema gate, before any column is read
+            table = open_legacy_tabular(f, allow_pickle=opts.allow_pickle).read()
+        except ShardSchemaError as e:
+            raise (UnsafeInputError if PICKLED_OBJECT_EXTENSION in e.reason else ConvertError)(
+                f"{path}: cannot read: {e.reason}"
+            ) from None
     what = path.rsplit("/", 1)[-1]
     cols: dict[str, Any] = {name: table.column(name) for name in table.column_names}
     for k in ("eps_id", "agent_id", "module_id"):

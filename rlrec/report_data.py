@@ -77,16 +77,16 @@ def _storage(uri: str):
 
 
 def _episode_columns(storage: Any, entry: Any) -> dict[str, list] | None:
-    import pyarrow.parquet as pq
+    from rlrec.store.schema_gate import open_shard
 
     for path in (entry.path, entry.staging_path):
         try:
             with storage.filesystem.open_input_file(storage.full_path(path)) as f:
-                pf = pq.ParquetFile(f)
-                present = [c for c in _EPISODE_COLUMNS if c in pf.schema_arrow.names]
+                shard = open_shard(f, fmt=entry.format)  # the schema gate (ShardSchemaError)
+                present = [c for c in _EPISODE_COLUMNS if c in shard.names]
                 if not present:
                     return None
-                table = pf.read(columns=present)
+                table = shard.read(present)
                 return {c: table.column(c).to_pylist() for c in present}
         except FileNotFoundError:
             continue
@@ -107,8 +107,11 @@ def _load_shards(data: ReportData, uri: str) -> None:
         return
     with ThreadPoolExecutor(max_workers=8) as ex:
         cols = list(ex.map(lambda e: _safe_columns(storage, e), data.shards))
-    missing = tabular = 0
+    missing = tabular = refused = 0
     for entry, c in zip(data.shards, cols):
+        if isinstance(c, str):
+            refused += 1
+            continue
         if c is None:
             if entry.format == "episodes":
                 missing += 1
@@ -122,13 +125,23 @@ def _load_shards(data: ReportData, uri: str) -> None:
         data.episode_shard.extend([entry.path] * n)
     if missing:
         data.note("episodes", f"{missing} shard(s) could not be read (missing files?)")
+    if refused:
+        data.note(
+            "episodes", f"{refused} shard(s) refused by the schema gate (not shown; see `rlrec inspect --verify`)"
+        )
     if tabular:
         data.note("episodes", f"{tabular} tabular shard(s) have no per-episode columns; not shown")
 
 
-def _safe_columns(storage: Any, entry: Any) -> dict[str, list] | None:
+def _safe_columns(storage: Any, entry: Any) -> dict[str, list] | str | None:
+    """The shard's episode columns; None if unreadable; the reason (a str) if the gate refused it."""
+    from rlrec.store.schema_gate import ShardSchemaError
+
     try:
         return _episode_columns(storage, entry)
+    except ShardSchemaError as e:
+        log.warning("report: shard %s refused by the schema gate: %s", entry.path, e.reason)
+        return e.reason
     except Exception as e:
         log.debug("report: cannot read %s: %s", entry.path, e)
         return None

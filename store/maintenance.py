@@ -283,7 +283,8 @@ def episode_summary(storage: Storage, entries: Iterable[ShardEntry] | None = Non
     Returns None if no shard has either column.
     """
     import pyarrow.compute as pc
-    import pyarrow.parquet as pq
+
+    from rlrec.store.schema_gate import open_shard
 
     if entries is None:
         entries = read_manifest(storage)
@@ -292,12 +293,12 @@ def episode_summary(storage: Storage, entries: Iterable[ShardEntry] | None = Non
     for e in entries:
         try:
             with storage.filesystem.open_input_file(storage.full_path(e.path)) as f:
-                pf = pq.ParquetFile(f)
-                present = [c for c in cols if c in pf.schema_arrow.names]
+                shard = open_shard(f, fmt=e.format)  # the schema gate, before any column is read
+                present = [c for c in cols if c in shard.names]
                 if not present:
                     continue
-                table = pf.read(columns=present)
-        except Exception as err:  # missing file, not Parquet, ...: skip, verify reports
+                table = shard.read(present)
+        except Exception as err:  # missing file, not Parquet, refused by the gate: skip, verify reports
             log.debug("episode summary: skipping %s: %s", e.path, err)
             continue
         for c in present:

@@ -32,6 +32,13 @@ from rlrec.producer.events import dumps_info
 from rlrec.producer.spaces import dumps_space
 from rlrec.store.episodes import check_finished_episode, pack_episode, to_single_agent_episode, unpack_episode
 from rlrec.store.finished import FinishedEpisode
+from rlrec.store.schema_gate import (
+    EPISODE_COLUMNS,
+    RESERVED_TABULAR_NAMES,
+    SHARD_FORMAT_VERSION,
+    SHARD_FORMATS,
+    open_shard,
+)
 
 __all__ = [
     "EPISODE_COLUMNS",
@@ -47,24 +54,7 @@ __all__ = [
     "tabular_table",
 ]
 
-SHARD_FORMAT_VERSION = 1
-FORMATS = ("episodes", "tabular")
-
-#: metadata columns of an episode shard, after `item`, with their Arrow types.
-EPISODE_COLUMNS: dict[str, pa.DataType] = {
-    "episode_id": pa.string(),
-    "policy_id": pa.string(),
-    "policy_version": pa.int64(),
-    "env_id": pa.string(),
-    "length": pa.int64(),
-    "episode_return": pa.float64(),
-    "terminated": pa.bool_(),
-    "truncated": pa.bool_(),
-    "first_offset": pa.int64(),
-    "last_offset": pa.int64(),
-    "started_ms": pa.int64(),
-    "ended_ms": pa.int64(),
-}
+FORMATS = SHARD_FORMATS
 
 #: fixed columns of a tabular shard (RLlib's names); extra model outputs and `infos` come too.
 TABULAR_BASE_COLUMNS = (
@@ -80,7 +70,7 @@ TABULAR_BASE_COLUMNS = (
     "t",
     "policy_version",
 )
-_RESERVED = frozenset(TABULAR_BASE_COLUMNS) | {"infos", "dones", "agent_index", "unroll_id", "type"}
+_RESERVED = RESERVED_TABULAR_NAMES
 
 META_FORMAT = b"rlrec.format"
 META_VERSION = b"rlrec.schema_version"
@@ -255,8 +245,8 @@ def tabular_table(episodes: list[FinishedEpisode], multidim: str = "nested") -> 
     for fe in episodes:
         keys.extend(k for k in fe.extra_model_outputs if k not in keys)
     for k in keys:
-        if k in _RESERVED:
-            raise ValueError(f"extra model output {k!r} collides with a column name RLlib reserves")
+        if k in _RESERVED or k.startswith("rlrec_"):
+            raise ValueError(f"extra model output {k!r} collides with a column name RLlib or rlrec reserves")
         ref = next(np.asarray(fe.extra_model_outputs[k]) for fe in episodes if k in fe.extra_model_outputs)
         chunks = []
         typ = None
@@ -342,29 +332,20 @@ def encode_shard(
 # reading
 
 
-def _source(path_or_bytes: Any) -> Any:
-    if isinstance(path_or_bytes, (bytes, bytearray, memoryview)):
-        return pa.BufferReader(bytes(path_or_bytes))
-    return path_or_bytes
-
-
 def shard_metadata(path_or_bytes: Any, filesystem: pa.fs.FileSystem | None = None) -> dict[str, str]:
-    """The ``rlrec.*`` schema metadata of a shard (format, schema version, spaces)."""
-    if filesystem is not None and not isinstance(path_or_bytes, (bytes, bytearray, memoryview)):
-        with filesystem.open_input_file(path_or_bytes) as f:
-            schema = pq.read_schema(f)
-    else:
-        schema = pq.read_schema(_source(path_or_bytes))
-    return {k.decode(): v.decode() for k, v in (schema.metadata or {}).items() if k.startswith(b"rlrec.")}
+    """The ``rlrec.*`` schema metadata of a shard (format, schema version, spaces), once its
+    schema passed the gate (`rlrec.store.schema_gate`; `ShardSchemaError` otherwise)."""
+    return open_shard(path_or_bytes, filesystem=filesystem).metadata()
 
 
 def read_episodes(path_or_bytes: Any, filesystem: pa.fs.FileSystem | None = None) -> list:
     """All episodes of an episode shard (a file path/URI or the file's bytes), decoded SAFELY.
 
-    Only the `item` column is read; each value goes through `rlrec.store.episodes.unpack_episode`,
-    which refuses pickled payloads (`UnsafeEpisodeError`).
+    The schema passes the gate first (`ShardSchemaError`); then only the `item` column is read and
+    each value goes through `rlrec.store.episodes.unpack_episode`, which refuses pickled payloads
+    (`UnsafeEpisodeError`).
     """
-    table = pq.read_table(_source(path_or_bytes), columns=["item"], filesystem=filesystem)
+    table = open_shard(path_or_bytes, fmt="episodes", filesystem=filesystem).read(["item"])
     out = []
     for chunk in table.column("item").chunks:
         for v in chunk:
@@ -375,5 +356,6 @@ def read_episodes(path_or_bytes: Any, filesystem: pa.fs.FileSystem | None = None
 def read_tabular(
     path_or_bytes: Any, filesystem: pa.fs.FileSystem | None = None, columns: list[str] | None = None
 ) -> pa.Table:
-    """A tabular shard (file path/URI or bytes) as a pyarrow Table (optionally some columns)."""
-    return pq.read_table(_source(path_or_bytes), columns=columns, filesystem=filesystem)
+    """A tabular shard (file path/URI or bytes) as a pyarrow Table (optionally some columns), once
+    its schema passed the gate (`ShardSchemaError` otherwise)."""
+    return open_shard(path_or_bytes, fmt="tabular", filesystem=filesystem).read(columns)

@@ -35,7 +35,7 @@ DOCKERIGNORE = ROOT / ".dockerignore"
 DEPLOY_DOC = ROOT / "docs" / "DEPLOY.md"
 
 RLREC_SERVICES = ("topics", "policy", "consumer", "trainer")  # services running the rlrec image
-ONE_SHOT = ("topics", "minio-init")
+ONE_SHOT = ("topics", "minio-init", "keys")
 
 
 def parse_service_command(name: str, service: dict, monkeypatch):
@@ -125,7 +125,7 @@ def test_kafka_is_a_single_kraft_node_that_rlrec_containers_reach(services):
     assert any(addr.endswith(f":{port}") for addr in listeners.values()), (check, listeners)
 
 
-@pytest.mark.parametrize("name", RLREC_SERVICES)
+@pytest.mark.parametrize("name", (*RLREC_SERVICES, "keys"))
 def test_every_rlrec_command_parses_with_the_real_cli(services, name, monkeypatch):
     service = services[name]
     module, argv = invocation(service)
@@ -210,6 +210,27 @@ def test_consumer_env_values_take_effect(services):
             assert opts[dest] == t(value), var
 
 
+def test_a_key_pair_is_made_on_first_start_and_only_the_trainer_sees_the_private_key(services, monkeypatch):
+    """`keys` generates the pair once (--if-missing) into a volume only the trainer mounts, and
+    exports the public key to the volume the policies verify with (RLREC_POLICY_PUBLIC_KEY)."""
+    keys = parse_service_command("keys", services["keys"], monkeypatch)
+    assert keys.if_missing and not keys.force
+    volumes = {name: {v.split(":")[0]: v.split(":")[1] for v in services[name].get("volumes", [])} for name in services}
+    priv_vol = next(v for v, path in volumes["keys"].items() if path == keys.dir)
+    pub_vol = next(v for v, path in volumes["keys"].items() if path == keys.export_public)
+    assert priv_vol != pub_vol
+    assert [n for n in services if priv_vol in volumes[n]] == ["keys", "trainer"]
+    train = parse_service_command("trainer", services["trainer"], monkeypatch)
+    assert train.signing_key == f"{volumes['trainer'][priv_vol]}/policy-signing.key"
+    assert all(v.endswith(":ro") for v in services["trainer"]["volumes"])
+    pub = env_of(services["policy"])["RLREC_POLICY_PUBLIC_KEY"]
+    assert pub == f"{volumes['policy'][pub_vol]}/policy-signing.pub"
+    assert services["policy"]["volumes"] == [f"{pub_vol}:{volumes['policy'][pub_vol]}:ro"]
+    # the mount points exist in the image, owned by its user (a new named volume takes their owner)
+    text = DOCKERFILE.read_text()
+    assert "chown rlrec:rlrec /keys /pubkey" in text and text.index("chown rlrec") < text.index("USER rlrec")
+
+
 def test_depends_on_and_healthchecks_fit_together(services):
     for name, service in services.items():
         deps = service.get("depends_on") or {}
@@ -227,8 +248,9 @@ def test_depends_on_and_healthchecks_fit_together(services):
         "minio-init": {"minio": "service_healthy"},
         "policy": {"topics": "service_completed_successfully"},
         "consumer": {"topics": "service_completed_successfully", "minio-init": "service_completed_successfully"},
-        "trainer": {"minio-init": "service_completed_successfully"},
+        "trainer": {"minio-init": "service_completed_successfully", "keys": "service_completed_successfully"},
     }
+    need["policy"]["keys"] = "service_completed_successfully"
     for name, deps in need.items():
         for dep, cond in deps.items():
             assert services[name]["depends_on"][dep]["condition"] == cond, (name, dep)

@@ -70,7 +70,12 @@ def test_compose_services_close_the_loop_on_local_kafka_and_s3(tmp_path):
     services = load_compose()["services"]
     broker = LocalBroker("memory").start()
     s3 = LocalS3().start()
-    swaps = {"kafka:9092": broker.bootstrap_servers, "http://minio:9000": s3.endpoint_url}
+    swaps = {
+        "kafka:9092": broker.bootstrap_servers,
+        "http://minio:9000": s3.endpoint_url,
+        "/keys": str(tmp_path / "keys"),  # the compose volumes of the key pair
+        "/pubkey": str(tmp_path / "pubkey"),
+    }
     started: list[Service] = []
 
     def env_for(name: str, **extra: str) -> dict[str, str]:
@@ -89,6 +94,8 @@ def test_compose_services_close_the_loop_on_local_kafka_and_s3(tmp_path):
         # topics: one-shot, must succeed
         topics = rlrec("topics", "topics.log")
         assert topics.proc.wait(120) == 0, topics.text()
+        keygen = rlrec("keys", "keys.log")  # one-shot: the policy-signing key pair
+        assert keygen.proc.wait(60) == 0, keygen.text()
         # minio-init: the bucket its `mc mb` creates
         init = services["minio-init"]
         script = " ".join(command_list(init))
@@ -122,7 +129,7 @@ def test_compose_services_close_the_loop_on_local_kafka_and_s3(tmp_path):
 
         deadline = time.monotonic() + LOOP_TIMEOUT_S
         while time.monotonic() < deadline and acting_version() < 1:
-            dead = [s.name for s in started[1:] if s.proc.poll() is not None]
+            dead = [s.name for s in started if s.name not in ("topics", "keys") and s.proc.poll() is not None]
             assert not dead, f"{dead} exited early:\n" + "\n".join(f"--- {s.name}\n{s.text()[-3000:]}" for s in started)
             time.sleep(2)
         assert acting_version() >= 1, "no policy process acted with a published policy in time:\n" + "\n".join(
@@ -155,6 +162,7 @@ def test_compose_services_close_the_loop_on_local_kafka_and_s3(tmp_path):
         assert "trainer/metrics.jsonl" in keys, keys
         latest = json.loads(client.get_object(Bucket=bucket, Key="trainer/policies/latest.json")["Body"].read())
         assert latest["policy_version"] >= 1
+        assert f"trainer/policies/{latest['path']}/policy.json.sig" in keys  # signed, and the policies verified it
     finally:
         for svc in reversed(started):
             svc.stop(30)

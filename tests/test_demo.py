@@ -124,6 +124,9 @@ def test_demo_closes_the_loop(tmp_path):
     # used: episodes recorded by a policy process acting with a published version are committed
     assert 0 in versions and max(versions) >= 1, sorted(set(versions))
     assert max(versions) <= latest["policy_version"]
+    # the key pair made on first start signs what is published (the policies verify with its public key)
+    assert (tmp_path / "keys" / "policy-signing.key").stat().st_mode & 0o777 == 0o600
+    assert (tmp_path / "trainer" / "policies" / latest["path"] / "policy.json.sig").exists()
     # the demo's own metrics follow the layout
     lines = _jsonl(tmp_path / "metrics.jsonl")
     assert len(lines) >= 3 and all(r.keys() >= LAYOUT_KEYS for r in lines)

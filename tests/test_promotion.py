@@ -1,10 +1,9 @@
 """The trainer's promotion gate (trainer/promotion.py): the decision rule and the evaluation of an
-exported TorchScript policy (torch + gymnasium only, no Ray). The gate inside the running trainer is
+exported policy artifact (safetensors + network spec, rebuilt like load_policy does; torch +
+gymnasium only, no Ray). The gate inside the running trainer is
 covered end to end by tests/test_demo.py (decisions in metrics.jsonl)."""
 
 from __future__ import annotations
-
-import io
 
 import pytest
 
@@ -14,28 +13,21 @@ from rlrec.trainer.promotion import decide, evaluate_exported  # noqa: E402
 
 SPEC = {
     "policy_version": 1,
-    "action_dist": "categorical",
-    "observation_shape": [4],
+    "format": "safetensors",
+    "action_dist": {"type": "categorical", "n": 2},
+    "network": {"input_dim": 4, "layers": [{"type": "linear", "in": 4, "out": 2, "bias": False}], "log_std_clip": None},
     "action_space": {"type": "Discrete", "n": 2},
+    "observation_shape": [4],
 }
 
 
-class _Expert(torch.nn.Module):
-    """Logits of the scripted CartPole expert (push towards where the pole falls), or its opposite."""
+def _expert(sign: float) -> bytes:
+    """safetensors weights of the scripted CartPole expert's logits (push towards where the pole
+    falls: s = obs[2] + 0.5 obs[3], logits (-s, s)), or of its opposite."""
+    from safetensors.torch import save
 
-    def __init__(self, sign: float) -> None:
-        super().__init__()
-        self.sign = sign
-
-    def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        s = self.sign * (obs[:, 2] + 0.5 * obs[:, 3])
-        return torch.stack([-s, s], dim=1)
-
-
-def _script(sign: float) -> bytes:
-    buf = io.BytesIO()
-    torch.jit.save(torch.jit.trace(_Expert(sign), torch.zeros(2, 4)), buf)
-    return buf.getvalue()
+    w = sign * torch.tensor([[0.0, 0.0, -1.0, -0.5], [0.0, 0.0, 1.0, 0.5]])
+    return save({"layers.0.weight": w})
 
 
 def test_decide_promotes_only_when_not_worse():
@@ -54,9 +46,9 @@ def test_decide_promotes_only_when_not_worse():
 
 
 def test_evaluate_exported_measures_the_artifact():
-    good = evaluate_exported(_script(1.0), SPEC, "CartPole-v1", episodes=3, seed=0)
-    bad = evaluate_exported(_script(-1.0), SPEC, "CartPole-v1", episodes=3, seed=0)
+    good = evaluate_exported(_expert(1.0), SPEC, "CartPole-v1", episodes=3, seed=0)
+    bad = evaluate_exported(_expert(-1.0), SPEC, "CartPole-v1", episodes=3, seed=0)
     assert good == 500.0
     assert bad < 50.0
     # same seeds, same greedy policy: the same number (candidates and deployed compare fairly)
-    assert evaluate_exported(_script(-1.0), SPEC, "CartPole-v1", episodes=3, seed=0) == bad
+    assert evaluate_exported(_expert(-1.0), SPEC, "CartPole-v1", episodes=3, seed=0) == bad

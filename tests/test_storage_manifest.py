@@ -94,16 +94,36 @@ def store(request, tmp_path) -> Storage:
 
 
 def shard_bytes(ids: list[str], length: int = 5) -> bytes:
-    table = pa.table(
-        {
-            "episode_id": ids,
-            "length": pa.array([length] * len(ids), pa.int64()),
-            "episode_return": pa.array([float(length) / 2] * len(ids), pa.float64()),
-        }
-    )
-    sink = pa.BufferOutputStream()
-    pq.write_table(table, sink)
-    return sink.getvalue().to_pybytes()
+    """A real episode shard (it passes the schema gate): `length` steps of reward 0.5 per episode."""
+    import numpy as np
+    from gymnasium import spaces
+
+    from rlrec.store.finished import FinishedEpisode
+    from rlrec.store.shards import encode_shard
+
+    episodes = [
+        FinishedEpisode(
+            episode_id=eid,
+            policy_id="pol",
+            policy_version=1,
+            env_id="",
+            observation_space=spaces.Box(-1, 1, (2,), np.float32),
+            action_space=spaces.Discrete(2),
+            observations=[np.zeros((length + 1, 2), np.float32)],
+            actions=[np.zeros(length, np.int64)],
+            rewards=np.full(length, 0.5),
+            infos=[{} for _ in range(length + 1)],
+            extra_model_outputs={},
+            terminated=True,
+            truncated=False,
+            first_offset=0,
+            last_offset=length,
+            started_ms=0,
+            ended_ms=0,
+        )
+        for eid in ids
+    ]
+    return encode_shard(episodes).data
 
 
 def make_entry(
@@ -131,7 +151,7 @@ def make_entry(
         steps=length * len(ids),
         bytes=len(data),
         sha256=hashlib.sha256(data).hexdigest(),
-        format="test",
+        format="episodes",
         format_version=1,
         event_schema_versions={"EpisodeStart": 1, "StepBatch": 1},
         min_policy_version=1,

@@ -89,3 +89,42 @@ def test_prune_keeps_the_newest_and_never_the_current_one(storage):
     store.prune(0, current=paths[4])  # keep is at least 1
     assert sorted(i.path for i in storage.list("checkpoints") if i.is_dir) == [paths[4]]
     assert store.latest()["path"] == paths[4]
+
+
+def test_signed_index_guards_resume(storage, tmp_path):
+    """With a signing key every checkpoint gets index.json + index.json.sig, and restoring refuses
+    files that do not match the signed index before RLlib (pickle) would read them. (The old code
+    wrote no index and restored whatever the checkpoint dir held.)"""
+    from rlrec.trainer.checkpoints import CheckpointVerificationError
+    from rlrec.trainer.signing import generate_keys, load_private_key
+
+    key = load_private_key(generate_keys(tmp_path / "keys")[0])
+    files = {"learner_group/state.pkl": b"weights", "learner_group/sub/opt.pkl": b"optimizer", "algo.json": b"{}"}
+    store = CheckpointStore(storage, signing_key=key)
+    path = store.save(3, FakeAlgo(files), {"iteration": 3}, policy_version=1)
+    index = json.loads(storage.read(f"{path}/index.json"))
+    assert set(index["files"]) == {f"algo/{k}" for k in files} | {"trainer.json"}
+    assert store.read_state(path) == {"iteration": 3}
+    algo = FakeAlgo({})
+    store.restore_learner_group(algo, path)
+    assert algo.learner_group.restored == {"state.pkl": b"weights", os.path.join("sub", "opt.pkl"): b"optimizer"}
+
+    storage.write(f"{path}/algo/learner_group/state.pkl", b"evil pickle")  # tampered
+    with pytest.raises(CheckpointVerificationError, match="do not match its signed index"):
+        store.restore_learner_group(FakeAlgo({}), path)
+    storage.write(f"{path}/algo/learner_group/state.pkl", b"weights")
+    storage.write(f"{path}/algo/learner_group/extra.pkl", b"added")  # an added file
+    with pytest.raises(CheckpointVerificationError, match=r"extra\.pkl"):
+        store.restore_learner_group(FakeAlgo({}), path)
+    storage.delete(f"{path}/algo/learner_group/extra.pkl")
+    storage.write(f"{path}/trainer.json", b'{"iteration": 99}')
+    with pytest.raises(CheckpointVerificationError, match=r"trainer\.json"):
+        store.read_state(path)
+    other = load_private_key(generate_keys(tmp_path / "other")[0])
+    with pytest.raises(CheckpointVerificationError, match="does not verify"):
+        CheckpointStore(storage, signing_key=other).read_state(path)
+    storage.delete(f"{path}/index.json.sig")
+    with pytest.raises(CheckpointVerificationError, match="no signed index"):
+        store.restore_learner_group(FakeAlgo({}), path)
+    # without a key nothing is verified (the checkpoint dir must be trusted)
+    CheckpointStore(storage).restore_learner_group(FakeAlgo({}), path)

@@ -257,5 +257,22 @@ def test_load_policy_refuses_missing_and_tampered(tmp_path):
     (d / "model.pt").write_bytes(b"not a model")
     (d / "policy.json").write_text(json.dumps({"policy_version": 1, "model_sha256": "0" * 64}))
     (tmp_path / "latest.json").write_text(json.dumps({"policy_version": 1, "path": "v000001"}))
-    with pytest.raises(PolicyLoadError, match="sha256"):
-        load_policy(str(tmp_path))
+    with pytest.raises(PolicyLoadError, match="sha256"), pytest.warns(UserWarning, match="unsigned TorchScript"):
+        load_policy(str(tmp_path), allow_unsigned_code=True)
+
+
+def test_skipped_episodes_are_counted_once_per_shard():
+    """Replays skip an unusable episode again (at random chunk offsets) without counting it again;
+    undecodable rows are identified by their row in the shard."""
+    st = FeedState(FeedPolicy(chunk_steps=500, max_ahead_rows=10**9, fresh_fraction=1.0), clock=Clock())
+    st.add_shards([shard(1)])
+    w1, w2 = drain(st, 2)
+    st.skipped(w1.tag, ["ep-a", "#1"], "actions holds 7")
+    st.skipped(w2.tag, ["ep-b"], "NaN")
+    st.skipped(w1.tag, ["ep-a", "#1"], "actions holds 7")  # the same chunk again
+    stats = st.pop_stats()
+    assert sum(n for _, n, _ in stats.skipped) == 3 and {k for k, _, _ in stats.skipped} == {"p/s1.parquet"}
+    replay = (1 << 24) | 999  # a replay delivery of chunk 1 (tag = shard index << 24 | delivery)
+    st.pending[replay] = type(st.pending[w2.tag])(1, 1, 0.0, False, start=w1.start)
+    st.skipped(replay, ["#1", "ep-a", "ep-c"], "x")
+    assert [n for _, n, _ in st.pop_stats().skipped] == [1]

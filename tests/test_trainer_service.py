@@ -275,7 +275,7 @@ def test_resume_restores_weights_and_optimizer_state(ray_cluster, tmp_path):
         # same weights as the policy published at that checkpoint
         from rlrec.trainer.policy import load_policy
 
-        p = load_policy(ck)
+        p = load_policy(ck, allow_unsigned=True)  # trained without --signing-key
         obs = np.zeros(4, np.float32)
         spec = b.algo.offline_data.module_spec
         m = spec.build()[DEFAULT_MODULE_ID]
@@ -307,6 +307,9 @@ def test_algorithms_and_formats(ray_cluster, tmp_path, algo, fmt):
             else expert_cartpole_episodes(2, seed=i, max_steps=200)
         )
     algo_config = {"train_batch_size_per_learner": 128}
+    from rlrec.trainer.signing import generate_keys
+
+    priv, pub = generate_keys(tmp_path / "keys")
     tr = ContinuousTrainer(
         cfg(
             out,
@@ -316,6 +319,7 @@ def test_algorithms_and_formats(ray_cluster, tmp_path, algo, fmt):
             checkpoint_interval=2,
             algo_config=algo_config,
             env="Pendulum-v1" if continuous else None,
+            signing_key=str(priv),
         )
     )
     assert tr.run() == 0
@@ -323,10 +327,11 @@ def test_algorithms_and_formats(ray_cluster, tmp_path, algo, fmt):
     assert [r["iteration"] for r in lines] == [1, 2]
     assert sum(r["shards_new"] for r in lines) >= 1
     assert all(r["learner_loss"] is not None for r in lines)
-    p = load_policy(ck)
+    p = load_policy(ck, public_key=pub)
+    assert p.signed and p.spec["format"] == "safetensors"  # code-free for every algorithm here
     a, extra = p.act(np.zeros(3 if continuous else 4, np.float32))
     if continuous:
-        assert p.spec["action_dist"] in ("squashed_gaussian", "diag_gaussian")
+        assert p.spec["action_dist"]["type"] in ("squashed_gaussian", "diag_gaussian")
         assert a.shape == (1,) and -2.0 <= float(a[0]) <= 2.0
     else:
         assert a in (0, 1)
@@ -341,6 +346,9 @@ def cli_run(tmp_path_factory):
     """`rlrec train` on scripted-expert CartPole shards until evaluation reaches 400, then SIGTERM."""
     base = tmp_path_factory.mktemp("cli")
     out, ck = str(base / "out"), str(base / "ck")
+    from rlrec.trainer.signing import generate_keys
+
+    priv, pub = generate_keys(base / "keys")
     c = ShardCommitter(out)
     for i in range(8):
         c.commit(expert_cartpole_episodes(4, seed=i, epsilon=0.05))
@@ -371,6 +379,8 @@ def cli_run(tmp_path_factory):
             "train_batch_size_per_learner=512",
             "--num-cpus",
             "2",
+            "--signing-key",
+            str(priv),
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -400,6 +410,8 @@ def cli_run(tmp_path_factory):
         "output": output.decode(errors="replace"),
         "best": best,
         "seconds": time.time() - t0,
+        "private_key": str(priv),
+        "public_key": str(pub),
     }
 
 
@@ -434,9 +446,10 @@ def test_load_policy_acts_without_ray(cli_run, tmp_path):
                 if name == "ray" or name.startswith("ray."):
                     raise ImportError("ray must not be imported")
         sys.meta_path.insert(0, NoRay())
-        import gymnasium as gym
+        import gymnasium as gym, hashlib
         from rlrec import load_policy
-        p = load_policy({str(pol)!r})
+        from rlrec.trainer.signing import load_private_key, sign
+        p = load_policy({str(pol)!r}, public_key={cli_run["public_key"]!r})
         env = gym.make("CartPole-v1")
         rets = []
         for ep in range(3):
@@ -451,12 +464,16 @@ def test_load_policy_acts_without_ray(cli_run, tmp_path):
         assert set(extra) >= {{"action_dist_inputs", "action_logp"}}
         v1 = p.policy_version
         assert p.poll() is False
-        # a newer version appears: poll() switches to it
+        # a newer version appears (signed by the trainer's key): poll() switches to it
         shutil.copytree({str(pol / "v000001")!r}, {str(pol / "v000002")!r})
         spec = json.load(open({str(pol / "v000002" / "policy.json")!r}))
-        spec["policy_version"] = 2
-        json.dump(spec, open({str(pol / "v000002" / "policy.json")!r}, "w"))
-        json.dump({{"policy_version": 2, "path": "v000002"}}, open({str(pol / "latest.json")!r}, "w"))
+        spec["policy_version"], spec["directory"] = 2, "v000002"
+        data = json.dumps(spec).encode()
+        open({str(pol / "v000002" / "policy.json")!r}, "wb").write(data)
+        key = load_private_key({cli_run["private_key"]!r})
+        open({str(pol / "v000002" / "policy.json.sig")!r}, "wb").write(sign(key, data))
+        json.dump({{"policy_version": 2, "path": "v000002", "sha256": hashlib.sha256(data).hexdigest()}},
+                  open({str(pol / "latest.json")!r}, "w"))
         assert p.poll() is True and p.policy_version == 2
         print(json.dumps({{"returns": rets, "v1": v1, "ray": "ray" in sys.modules}}))
     """)

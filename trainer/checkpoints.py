@@ -7,14 +7,24 @@ Checkpoint directory layout (a local path or any URI `rlrec.store.storage.Storag
     checkpoints/ckpt-00000012/algo/       RLlib checkpoint (Algorithm.save_to_path): weights,
                                           optimizer state, ...
     checkpoints/ckpt-00000012/trainer.json  cursor (shards trained on), counters, policy version
+    checkpoints/ckpt-00000012/index.json    {"iteration", "path", "files": {relative path: sha256}}:
+                                          every file of the checkpoint, written after them
+    checkpoints/ckpt-00000012/index.json.sig  Ed25519 signature of index.json (with a signing key)
     policies/                             published policies (see rlrec.trainer.policy)
 
 What goes into ``trainer.json`` is the trainer's business (`rlrec.trainer.service`); this module
 stores it. Ray is never imported here: the algorithm is passed in.
+
+Trust boundary: RLlib restores checkpoints through pickle (optimizer and module state), so
+whoever can write a checkpoint dir can run code in a trainer that resumes from it. With a
+signing key, `restore_learner_group` and `read_state` first verify ``index.json.sig`` and the
+sha256 of every file they read against the signed index, and refuse anything else
+(`CheckpointVerificationError`); without a key the checkpoint dir must be trusted.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -23,7 +33,16 @@ from typing import Any
 
 from rlrec.store.storage import Storage
 
-__all__ = ["CKPT_DIR", "CKPT_LATEST", "STATE_FILE", "STATE_VERSION", "CheckpointStore", "checkpoint_path"]
+__all__ = [
+    "CKPT_DIR",
+    "CKPT_LATEST",
+    "INDEX_FILE",
+    "STATE_FILE",
+    "STATE_VERSION",
+    "CheckpointStore",
+    "CheckpointVerificationError",
+    "checkpoint_path",
+]
 
 log = logging.getLogger("rlrec.trainer")
 
@@ -32,6 +51,23 @@ CKPT_LATEST = f"{CKPT_DIR}/latest.json"
 STATE_FILE = "trainer.json"
 STATE_VERSION = 1
 ALGO_DIR = "algo"
+INDEX_FILE = "index.json"
+SIG_SUFFIX = ".sig"
+
+
+class CheckpointVerificationError(RuntimeError):
+    """A checkpoint's files do not match its signed index (or it has no valid signed index)."""
+
+
+def _local_hashes(root: str, prefix: str) -> dict[str, str]:
+    out = {}
+    for dirpath, _dirs, names in os.walk(root):
+        for n in names:
+            full = os.path.join(dirpath, n)
+            rel = os.path.relpath(full, root).replace(os.sep, "/")
+            with open(full, "rb") as f:
+                out[f"{prefix}/{rel}"] = hashlib.sha256(f.read()).hexdigest()
+    return out
 
 
 def checkpoint_path(iteration: int) -> str:
@@ -48,8 +84,9 @@ class CheckpointStore:
     :meth:`prune` never deletes the checkpoint it is told to keep, and a failed prune only logs.
     """
 
-    def __init__(self, storage: Storage) -> None:
+    def __init__(self, storage: Storage, signing_key: Any = None) -> None:
         self.storage = storage
+        self.signing_key = signing_key  # Ed25519 private key: signs index.json, verifies on restore
 
     def latest(self) -> dict | None:
         """The ``latest.json`` pointer (``{"iteration", "path", "policy_version"}``), None if nothing is saved."""
@@ -63,8 +100,17 @@ class CheckpointStore:
         path = checkpoint_path(iteration)
         with tempfile.TemporaryDirectory(prefix="rlrec-ckpt-") as tmp:
             algo.save_to_path(tmp)
+            files = _local_hashes(tmp, ALGO_DIR)
             self.storage.upload_dir(tmp, f"{path}/{ALGO_DIR}")
-        self.storage.write(f"{path}/{STATE_FILE}", json.dumps(state).encode())
+        state_bytes = json.dumps(state).encode()
+        self.storage.write(f"{path}/{STATE_FILE}", state_bytes)
+        files[STATE_FILE] = hashlib.sha256(state_bytes).hexdigest()
+        index = json.dumps({"iteration": iteration, "path": path, "files": files}, sort_keys=True).encode()
+        self.storage.write(f"{path}/{INDEX_FILE}", index)
+        if self.signing_key is not None:
+            from rlrec.trainer.signing import sign
+
+            self.storage.write(f"{path}/{INDEX_FILE}{SIG_SUFFIX}", sign(self.signing_key, index))
         self.storage.write(
             CKPT_LATEST, json.dumps({"iteration": iteration, "path": path, "policy_version": policy_version}).encode()
         )
@@ -84,18 +130,60 @@ class CheckpointStore:
             except Exception as e:
                 log.warning("could not prune checkpoint %s: %s", d, e)
 
+    def verified_index(self, path: str) -> dict[str, str] | None:
+        """{relative path: sha256} of the checkpoint at *path* from its signed index; None without
+        a signing key (nothing to verify with). Raises `CheckpointVerificationError`."""
+        if self.signing_key is None:
+            return None
+        from rlrec.trainer.signing import SignatureError, verify
+
+        try:
+            index_bytes = self.storage.read(f"{path}/{INDEX_FILE}")
+            sig = self.storage.read(f"{path}/{INDEX_FILE}{SIG_SUFFIX}")
+        except FileNotFoundError:
+            raise CheckpointVerificationError(
+                f"checkpoint {path} has no signed index.json (written without a signing key, or by an older "
+                "rlrec): refusing to restore it through RLlib's pickle; resume without --signing-key only if "
+                "you trust everyone who can write the checkpoint dir"
+            ) from None
+        try:
+            verify(self.signing_key.public_key(), index_bytes, sig)
+        except SignatureError:
+            raise CheckpointVerificationError(f"checkpoint {path}: index.json.sig does not verify") from None
+        index = json.loads(index_bytes)
+        if index.get("path") != path or not isinstance(index.get("files"), dict):
+            raise CheckpointVerificationError(f"checkpoint {path}: its signed index names {index.get('path')!r}")
+        return index["files"]
+
     def read_state(self, path: str) -> dict:
-        """The ``trainer.json`` of the checkpoint at *path* (as named by :meth:`latest`)."""
-        return json.loads(self.storage.read(f"{path}/{STATE_FILE}"))
+        """The ``trainer.json`` of the checkpoint at *path* (as named by :meth:`latest`), checked
+        against the signed index when a signing key is configured."""
+        data = self.storage.read(f"{path}/{STATE_FILE}")
+        files = self.verified_index(path)
+        if files is not None and files.get(STATE_FILE) != hashlib.sha256(data).hexdigest():
+            raise CheckpointVerificationError(f"checkpoint {path}: {STATE_FILE} does not match its signed index")
+        return json.loads(data)
 
     def restore_learner_group(self, algo: Any, path: str) -> None:
         """Restore *algo*'s LearnerGroup (weights + optimizer state) from the checkpoint at *path*.
 
         Only the LearnerGroup: ``Algorithm.restore_from_path`` syncs weights to an EnvRunnerGroup
         that offline algorithms without an env do not have (AttributeError in RLlib 2.60).
-        Evaluation EnvRunners get the weights before evaluating.
+        Evaluation EnvRunners get the weights before evaluating. With a signing key, every
+        downloaded file must be in the signed index with its sha256 and every indexed file of the
+        LearnerGroup must be there, before RLlib (pickle) reads any of them.
         """
+        files = self.verified_index(path)
         with tempfile.TemporaryDirectory(prefix="rlrec-restore-") as tmp:
             local = os.path.join(tmp, "learner_group")
-            self.storage.download_dir(f"{path}/{ALGO_DIR}/learner_group", local)
+            prefix = f"{ALGO_DIR}/learner_group"
+            self.storage.download_dir(f"{path}/{prefix}", local)
+            if files is not None:
+                got = _local_hashes(local, prefix)
+                want = {k: v for k, v in files.items() if k.startswith(prefix + "/")}
+                if got != want:
+                    bad = sorted(k for k in set(got) | set(want) if got.get(k) != want.get(k))
+                    raise CheckpointVerificationError(
+                        f"checkpoint {path}: files do not match its signed index: {bad[:5]}"
+                    )
             algo.learner_group.restore_from_path(local)

@@ -1,6 +1,17 @@
-"""Export the trained RLModule as a self-contained TorchScript policy and publish it.
+"""Export the trained RLModule's inference network as a code-free artifact, and publish it.
 
-See `rlrec.trainer.policy` for the layout and the loader. This module runs in the trainer (Ray side).
+`build_artifact` describes the inference path of RLlib 2.60's default RLModules -- BC
+(``_encoder`` + ``_pi_head``), MARWIL (``encoder.encoder`` or ``encoder.actor_encoder`` + ``pi``),
+CQL/IQL/SAC (``pi_encoder`` + ``pi``): MLP encoder and MLP head, Linear layers, activations,
+LayerNorm, the head's log-std clipping -- as a JSON network spec plus its weights in safetensors
+(`rlrec.trainer.policy_net` rebuilds it in plain torch). A module the spec cannot describe (a
+custom RLModule, a CNN or LSTM encoder, a free-log-std head, a non-flat observation) falls back
+to TorchScript (`model.pt`), which `load_policy` runs only when the version is signed by the
+configured key or with ``allow_unsigned_code=True``.
+
+`publish_policy` writes ``v{N:06d}/`` (weights, ``lineage.json``, ``policy.json``, and
+``policy.json.sig`` when a signing key is given) and then ``latest.json``; see
+`rlrec.trainer.policy` for the layout and the loader. Runs in the trainer (Ray side).
 """
 
 from __future__ import annotations
@@ -8,7 +19,9 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import gymnasium as gym
@@ -16,24 +29,142 @@ import numpy as np
 
 from rlrec.producer.spaces import space_to_json
 from rlrec.store.storage import Storage
-from rlrec.trainer.policy import LATEST, LINEAGE, MODEL, SPEC
+from rlrec.trainer.policy import (
+    ARTIFACT_VERSION,
+    LATEST,
+    LINEAGE,
+    SAFETENSORS_MODEL,
+    SPEC,
+    TORCHSCRIPT_MODEL,
+    version_dir,
+)
+from rlrec.trainer.signing import SIG_SUFFIX, public_key_fingerprint, sign
 
-__all__ = ["action_dist_name", "export_module", "publish_policy"]
+__all__ = ["PolicyArtifact", "UndescribableModule", "build_artifact", "describe_module", "publish_policy"]
 
-_DISTS = {
-    "TorchCategorical": "categorical",
-    "TorchDiagGaussian": "diag_gaussian",
-    "TorchSquashedGaussian": "squashed_gaussian",
-}
+log = logging.getLogger("rlrec.trainer")
 
 
-def action_dist_name(module: Any) -> str:
+class UndescribableModule(ValueError):
+    """The RLModule's inference path is not a plain MLP the network spec can describe."""
+
+
+@dataclass
+class PolicyArtifact:
+    """One exported network: the weights file (name -> bytes) and the spec fields describing it.
+
+    ``fmt`` is ``"safetensors"`` (code-free: JSON network spec + tensors) or ``"torchscript"``
+    (the fallback; code). ``fallback_reason`` says why the spec could not describe the module."""
+
+    fmt: str
+    files: dict[str, bytes]
+    spec: dict
+    fallback_reason: str | None = None
+    tensors: dict[str, Any] = field(default_factory=dict)
+
+
+def _dist_spec(module: Any, action_space: gym.Space) -> dict:
+    from ray.rllib.core.distribution.torch.torch_distribution import (
+        TorchCategorical,
+        TorchDiagGaussian,
+        TorchSquashedGaussian,
+    )
+    from ray.rllib.utils.numpy import MAX_LOG_NN_OUTPUT, MIN_LOG_NN_OUTPUT, SMALL_NUMBER
+
     cls = module.get_inference_action_dist_cls()
-    name = getattr(cls, "__name__", str(cls))
-    for k, v in _DISTS.items():
-        if k in name:
-            return v
-    raise ValueError(f"cannot export a policy with action distribution {name}")
+    if cls is TorchCategorical and isinstance(action_space, gym.spaces.Discrete):
+        return {"type": "categorical", "n": int(action_space.n)}
+    if isinstance(action_space, gym.spaces.Box):
+        dim = int(np.prod(action_space.shape))
+        if cls is TorchDiagGaussian:
+            return {"type": "diag_gaussian", "dim": dim}
+        if cls is TorchSquashedGaussian:
+            return {
+                "type": "squashed_gaussian",
+                "dim": dim,
+                "log_std_min": float(MIN_LOG_NN_OUTPUT),
+                "log_std_max": float(MAX_LOG_NN_OUTPUT),
+                "small_number": float(SMALL_NUMBER),
+            }
+    raise UndescribableModule(f"action distribution {getattr(cls, '__name__', cls)} on {action_space}")
+
+
+def _inference_path(module: Any) -> tuple[Any, Any]:
+    """(encoder, policy head) of a default RLModule, by exact class (a subclass may override forward)."""
+    from ray.rllib.algorithms.bc.torch.default_bc_torch_rl_module import DefaultBCTorchRLModule
+    from ray.rllib.algorithms.cql.torch.default_cql_torch_rl_module import DefaultCQLTorchRLModule
+    from ray.rllib.algorithms.iql.torch.default_iql_torch_rl_module import DefaultIQLTorchRLModule
+    from ray.rllib.algorithms.ppo.torch.default_ppo_torch_rl_module import DefaultPPOTorchRLModule
+    from ray.rllib.algorithms.sac.torch.default_sac_torch_rl_module import DefaultSACTorchRLModule
+
+    cls = type(module)
+    if cls is DefaultBCTorchRLModule:
+        return module._encoder, module._pi_head
+    if cls is DefaultPPOTorchRLModule:  # MARWIL's default module
+        enc = module.encoder
+        return (enc.encoder if enc.config.shared else enc.actor_encoder), module.pi
+    if cls in (DefaultCQLTorchRLModule, DefaultIQLTorchRLModule, DefaultSACTorchRLModule):
+        return module.pi_encoder, module.pi
+    raise UndescribableModule(f"RLModule class {cls.__module__}.{cls.__name__} is not one of RLlib's defaults")
+
+
+def _mlp_layers(mlp: Any, what: str, layers: list[dict], tensors: dict[str, Any]) -> None:
+    import torch
+    from torch import nn
+
+    names = {nn.Tanh: "tanh", nn.ReLU: "relu", nn.SiLU: "silu", nn.Sigmoid: "sigmoid"}
+    for m in mlp:
+        i = len(layers)
+        if type(m) is nn.Linear:
+            layers.append({"type": "linear", "in": m.in_features, "out": m.out_features, "bias": m.bias is not None})
+            tensors[f"layers.{i}.weight"] = m.weight.detach().to(torch.float32).contiguous().clone()
+            if m.bias is not None:
+                tensors[f"layers.{i}.bias"] = m.bias.detach().to(torch.float32).contiguous().clone()
+        elif type(m) is nn.LayerNorm and m.elementwise_affine and m.bias is not None and len(m.normalized_shape) == 1:
+            layers.append({"type": "layer_norm", "dim": int(m.normalized_shape[0]), "eps": float(m.eps)})
+            tensors[f"layers.{i}.weight"] = m.weight.detach().to(torch.float32).contiguous().clone()
+            tensors[f"layers.{i}.bias"] = m.bias.detach().to(torch.float32).contiguous().clone()
+        elif type(m) is nn.ELU:
+            layers.append({"type": "elu", "alpha": float(m.alpha)})
+        elif type(m) in names:
+            layers.append({"type": names[type(m)]})
+        elif type(m) is nn.Identity:
+            continue
+        else:
+            raise UndescribableModule(f"{what}: layer {type(m).__name__} is not describable")
+
+
+def describe_module(module: Any, observation_space: gym.Space, action_space: gym.Space) -> tuple[dict, dict, dict]:
+    """(network spec, action distribution spec, tensors) of `module`'s inference path.
+
+    Raises `UndescribableModule` when the spec cannot describe it exactly."""
+    from ray.rllib.core.models.torch.encoder import TorchMLPEncoder
+    from ray.rllib.core.models.torch.heads import TorchMLPHead
+    from ray.rllib.core.models.torch.primitives import TorchMLP
+
+    if not isinstance(observation_space, gym.spaces.Box) or len(observation_space.shape) != 1:
+        raise UndescribableModule(f"observation space {observation_space} is not a flat Box")
+    if module.is_stateful():
+        raise UndescribableModule("stateful (recurrent) RLModule")
+    encoder, head = _inference_path(module)
+    if type(encoder) is not TorchMLPEncoder or type(encoder.net) is not TorchMLP:
+        raise UndescribableModule(f"encoder {type(encoder).__name__} is not an MLP encoder")
+    if type(head) is not TorchMLPHead or type(head.net) is not TorchMLP:
+        raise UndescribableModule(f"policy head {type(head).__name__} is not an MLP head")
+    dist = _dist_spec(module, action_space)
+    layers: list[dict] = []
+    tensors: dict[str, Any] = {}
+    _mlp_layers(encoder.net.mlp, "encoder", layers, tensors)
+    _mlp_layers(head.net.mlp, "head", layers, tensors)
+    clip = float(head.log_std_clip_param_const.reshape(-1)[0]) if head.clip_log_std else None
+    network = {"input_dim": int(observation_space.shape[0]), "layers": layers, "log_std_clip": clip}
+    from rlrec.trainer.policy_net import NetworkSpecError, check_network_spec
+
+    try:
+        check_network_spec(network, dist)
+    except NetworkSpecError as e:
+        raise UndescribableModule(f"the description is inconsistent: {e}") from None
+    return network, dist, tensors
 
 
 def _module_from_algo(algo: Any) -> Any:
@@ -53,8 +184,8 @@ def _module_from_algo(algo: Any) -> Any:
     return module
 
 
-def export_module(module: Any, observation_space: gym.Space) -> bytes:
-    """TorchScript (traced) of obs batch -> action distribution inputs, as bytes."""
+def _torchscript(module: Any, observation_space: gym.Space) -> bytes:
+    """TorchScript (traced) of obs batch -> action distribution inputs, as bytes (the fallback)."""
     import torch
     from ray.rllib.core.columns import Columns
 
@@ -75,6 +206,38 @@ def export_module(module: Any, observation_space: gym.Space) -> bytes:
     return buf.getvalue()
 
 
+def _fallback_dist(module: Any, action_space: gym.Space) -> dict:
+    try:
+        return _dist_spec(module, action_space)
+    except UndescribableModule as e:
+        raise ValueError(f"cannot export a policy with {e}") from None
+
+
+def build_artifact(module: Any, observation_space: gym.Space, action_space: gym.Space) -> PolicyArtifact:
+    """The artifact `publish_policy` would write for `module`: safetensors + spec, else TorchScript."""
+    from safetensors.torch import save
+
+    try:
+        network, dist, tensors = describe_module(module, observation_space, action_space)
+    except UndescribableModule as e:
+        reason = str(e)
+        dist = _fallback_dist(module, action_space)
+        data = _torchscript(module, observation_space)
+        return PolicyArtifact(
+            "torchscript",
+            {TORCHSCRIPT_MODEL: data},
+            {"format": "torchscript", "model": TORCHSCRIPT_MODEL, "action_dist": dist},
+            fallback_reason=reason,
+        )
+    data = save(tensors, metadata={"format": "rlrec-policy"})
+    return PolicyArtifact(
+        "safetensors",
+        {SAFETENSORS_MODEL: data},
+        {"format": "safetensors", "model": SAFETENSORS_MODEL, "action_dist": dist, "network": network},
+        tensors=tensors,
+    )
+
+
 def publish_policy(
     storage: Storage,
     *,
@@ -88,41 +251,60 @@ def publish_policy(
     shards: list[str],
     new_shards: list[str],
     parent_version: int | None,
+    signing_key: Any = None,
+    artifact: PolicyArtifact | None = None,
 ) -> dict:
-    """Write ``v{version}/{model.pt,policy.json,lineage.json}`` then ``latest.json``."""
+    """Write ``v{version:06d}/`` (weights, lineage.json, policy.json[, policy.json.sig]) then ``latest.json``.
+
+    ``policy.json`` pins the sha256 of every other file of the version, its ``policy_version``
+    and its directory name; with `signing_key` (an Ed25519 private key) ``policy.json.sig`` is
+    the signature over its exact bytes. `artifact`: reuse an artifact built already (the
+    promotion gate evaluated it)."""
     if not isinstance(observation_space, gym.spaces.Box):
         raise ValueError(f"publishing needs a Box observation space, got {observation_space}")
-    module = _module_from_algo(algo)
-    dist = action_dist_name(module)
-    model = export_module(module, observation_space)
-    d = f"v{version:06d}"
+    if artifact is None:
+        artifact = build_artifact(_module_from_algo(algo), observation_space, action_space)
+    if artifact.fallback_reason:
+        log.warning(
+            "policy v%d is published as TorchScript (code; services load it only when it is signed or "
+            "with allow_unsigned_code=True): %s",
+            version,
+            artifact.fallback_reason,
+        )
+    d = version_dir(version)
+    lineage = json.dumps(
+        {
+            "policy_version": version,
+            "parent_version": parent_version,
+            "iteration": iteration,
+            "shards": sorted(shards),
+            "new_shards": sorted(new_shards),
+        }
+    ).encode()
+    files = {**artifact.files, LINEAGE: lineage}
     spec = {
+        "artifact_version": ARTIFACT_VERSION,
         "policy_version": version,
+        "directory": d,
         "algo": algo_name,
-        "action_dist": dist,
+        **artifact.spec,
         "observation_space": space_to_json(observation_space),
         "observation_shape": list(observation_space.shape),
         "action_space": space_to_json(action_space),
-        "model": MODEL,
-        "model_sha256": hashlib.sha256(model).hexdigest(),
-        "format": "torchscript",
+        "files": {name: hashlib.sha256(data).hexdigest() for name, data in sorted(files.items())},
         "iteration": iteration,
         "timesteps_trained": timesteps_trained,
         "parent_version": parent_version,
         "shards_trained": len(shards),
+        "signing_key": public_key_fingerprint(signing_key.public_key()) if signing_key is not None else None,
         "time": time.time(),
     }
-    lineage = {
-        "policy_version": version,
-        "parent_version": parent_version,
-        "iteration": iteration,
-        "shards": sorted(shards),
-        "new_shards": sorted(new_shards),
-    }
     spec_bytes = json.dumps(spec, indent=1, sort_keys=True).encode()
-    storage.write(f"{d}/{MODEL}", model)
-    storage.write(f"{d}/{LINEAGE}", json.dumps(lineage).encode())
+    for name, data in files.items():
+        storage.write(f"{d}/{name}", data)
     storage.write(f"{d}/{SPEC}", spec_bytes)
+    if signing_key is not None:
+        storage.write(f"{d}/{SPEC}{SIG_SUFFIX}", sign(signing_key, spec_bytes))
     latest = {
         "policy_version": version,
         "path": d,

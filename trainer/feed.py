@@ -153,6 +153,7 @@ class IterationStats:
     seen: set = field(default_factory=set)  # shard keys trained on (any)
     missing: list = field(default_factory=list)  # keys found deleted
     bad: list = field(default_factory=list)  # (key, reason)
+    skipped: list = field(default_factory=list)  # (key, new episodes, a reason): unusable episodes, each once
     rows_trained: int = 0
     rows_streamed: int = 0  # of rows_trained, taken from the stream
     wait_s: float = 0.0
@@ -185,6 +186,7 @@ class FeedState:
         self._window_dirty = True
         self._window_time = 0.0
         self.stats = IterationStats()
+        self._skips_seen: set[tuple[int, str]] = set()
         self.timeline: dict[int, dict] = {}  # shard -> first times (added, delivered, trained)
         self.totals = {"deliveries": 0, "fresh_deliveries": 0, "replay_deliveries": 0, "rows_delivered": 0}
 
@@ -388,6 +390,25 @@ class FeedState:
         for t in tags:
             self.pending.pop(int(t), None)
         self.produced += int(rows_out)
+
+    def skipped(self, tag: int, episodes: list[str], reason: str) -> None:
+        """The PreLearner skipped these unusable `episodes` (ids; ``#i``: the i-th row of the chunk,
+        undecodable) of chunk `tag`. Each episode of a shard is counted once: replays skip it again
+        without counting it again."""
+        p = self.pending.get(int(tag))
+        idx = shard_of_tag(tag)
+        s = self.shards.get(idx)
+        if s is None:
+            return
+        new = 0
+        for e in episodes:
+            if e.startswith("#") and e[1:].isdigit():
+                e = f"row {p.start + int(e[1:])}" if p is not None else f"chunk {tag} {e}"
+            if (idx, e) not in self._skips_seen:
+                self._skips_seen.add((idx, e))
+                new += 1
+        if new:
+            self.stats.skipped.append((s.key, new, reason))
 
     def failed(self, tag: int, requeue: bool = False) -> None:
         """A delivered chunk could not be read. `requeue`: a transient error, deliver a fresh

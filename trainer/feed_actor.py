@@ -64,6 +64,9 @@ class ShardFeed:
         self.state.processed(tags, rows_out)
         self._notify()
 
+    async def skipped(self, tag: int, episodes: list[str], reason: str) -> None:
+        self.state.skipped(tag, episodes, reason)
+
     async def failed(self, tag: int, kind: str, reason: str = "") -> None:
         idx = shard_of_tag(tag)
         self.state.failed(tag, requeue=(kind == "retry"))

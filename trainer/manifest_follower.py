@@ -122,15 +122,17 @@ class ManifestFollower:
 
 def spaces_from_shard(storage: Storage, entry: ShardEntry):
     """(observation_space, action_space) of a shard: from its ``rlrec.*`` schema metadata or,
-    for episode shards without it, from its first episode (decoded safely)."""
+    for episode shards without it, from its first episode (decoded safely). The shard's schema
+    passes the gate first (`rlrec.store.schema_gate.ShardSchemaError`, a ValueError)."""
     from rlrec.producer.spaces import loads_space
-    from rlrec.store.shards import read_episodes, shard_metadata
+    from rlrec.store.episodes import unpack_episode
+    from rlrec.store.schema_gate import open_shard
 
-    data = read_committed_shard(storage, entry.path, entry.staging_path)
-    meta = shard_metadata(data)
+    shard = open_shard(read_committed_shard(storage, entry.path, entry.staging_path), fmt=entry.format)
+    meta = shard.metadata()
     if "rlrec.observation_space" in meta and "rlrec.action_space" in meta:
         return loads_space(meta["rlrec.observation_space"]), loads_space(meta["rlrec.action_space"])
-    if entry.format == "episodes":
-        ep = read_episodes(data)[0]
+    if shard.fmt == "episodes" and shard.num_rows:
+        ep = unpack_episode(shard.read(["item"]).column("item")[0].as_py())
         return ep.observation_space, ep.action_space
     raise ValueError(f"shard {entry.path} carries no spaces; pass --env")

@@ -39,6 +39,8 @@ class TrainerMetrics:
         "learner_wait_share",
         "fresh_backlog",
         "shards_missing",
+        "shards_skipped",
+        "episodes_skipped",
     )
 
     def __init__(self, storage: Storage, port: int | None, progress: bool, host: str = "127.0.0.1") -> None:

@@ -35,8 +35,10 @@ class SafeOfflinePreLearner(OfflinePreLearner):
     RLlib's own `__call__` runs ``msgpack.unpackb(item, object_hook=msgpack_numpy.decode)`` and
     ``SingleAgentEpisode.from_state``: both unpickle data from the shard (object arrays, space
     bounds), so anyone who can write to the bucket could run code in the trainer. This class
-    refuses such payloads (the episode is skipped, logged and counted), skips episodes that are
-    not done or empty (RLlib would raise and stop the pipeline), keeps only the extra model
+    refuses such payloads (the episode is skipped and counted), skips episodes the RLModule
+    cannot use (`rlrec.trainer.episode_check.unusable_reason`: not done, empty, actions outside
+    the action space, NaN/inf values, wrong shapes -- RLlib would raise and stop the pipeline or
+    the Learner), keeps only the extra model
     outputs listed in ``learner_config_dict["rlrec"]["keep_extra_model_outputs"]`` (keys that
     differ between shards would break batching) and tags every timestep (``rlrec_tag``).
     Tabular rows are mapped by RLlib's `_map_to_episodes` (with ``input_compress_columns=[]``
@@ -51,6 +53,40 @@ class SafeOfflinePreLearner(OfflinePreLearner):
         self._rlrec_keep = set(spec.get("keep_extra_model_outputs") or ())
         self._rlrec_mode = spec.get("prelearner_mode", "episodes")
         self.rlrec_skipped = 0
+        #: (episode id, or "#<row in the chunk>" if undecodable; why) of each episode the last call
+        #: skipped (read by the envelope wrapper, reported to the feed, which counts each once)
+        self.rlrec_last_skips: list[tuple[str, str]] = []
+
+    def _skip(self, episode: str, reason: str) -> None:
+        self.rlrec_skipped += 1
+        self.rlrec_last_skips.append((episode, reason))
+        if self.rlrec_skipped <= 10:  # the driver logs once per shard, after the iteration
+            log.error("skipping an episode the trainer cannot use: %s", reason)
+
+    def _rlrec_module_spaces(self) -> tuple[Any, Any]:
+        """The spaces the RLModule is built for: the config's, else the module's. (The PreLearner's
+        own `observation_space` can be the batched space of a vector env, e.g. Box(1, 3) for
+        Pendulum with CQL, which no recorded episode fits.)"""
+        obs, act = self.config.observation_space, self.config.action_space
+        if obs is None or act is None:
+            try:
+                from ray.rllib.core import DEFAULT_MODULE_ID
+
+                module = self._module[DEFAULT_MODULE_ID]
+                obs, act = obs or module.observation_space, act or module.action_space
+            except Exception:
+                obs, act = obs or self.observation_space, act or self.action_space
+        return obs, act
+
+    def _usable(self, ep: Any) -> bool:
+        from rlrec.trainer.episode_check import unusable_reason
+
+        obs_space, act_space = self._rlrec_module_spaces()
+        reason = unusable_reason(ep, obs_space, act_space)
+        if reason is not None:
+            self._skip(str(getattr(ep, "id_", "?")), f"episode {getattr(ep, 'id_', '?')}: {reason}")
+            return False
+        return True
 
     def _decode(self, batch: dict[str, np.ndarray]) -> list:
         from rlrec.store.episodes import EpisodeDecodeError, unpack_episode
@@ -61,12 +97,9 @@ class SafeOfflinePreLearner(OfflinePreLearner):
             try:
                 ep = unpack_episode(bytes(item))
             except EpisodeDecodeError as e:
-                self.rlrec_skipped += 1
-                if self.rlrec_skipped <= 10:
-                    log.error("skipping an episode that cannot be decoded safely: %s", e)
+                self._skip(f"#{i}", f"cannot be decoded safely: {e}")
                 continue
-            if not ep.is_done or len(ep) == 0:
-                self.rlrec_skipped += 1
+            if not self._usable(ep):
                 continue
             for k in [k for k in ep.extra_model_outputs if k not in self._rlrec_keep]:
                 del ep.extra_model_outputs[k]
@@ -103,6 +136,7 @@ class SafeOfflinePreLearner(OfflinePreLearner):
             return self.episode_buffer.sample(**kw)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        self.rlrec_last_skips = []
         if self.config.input_read_episodes:
             episodes = self._decode(batch)
             if self._rlrec_mode == "buffer":
@@ -120,7 +154,7 @@ class SafeOfflinePreLearner(OfflinePreLearner):
             schema = SCHEMA | (self.config.input_read_schema or {})
             known = set(schema) | set(schema.values()) | self._rlrec_keep | {TAG}
             batch = {k: v for k, v in batch.items() if k in known}
-            episodes = self._map_to_episodes(batch, to_numpy=False)["episodes"]
+            episodes = [ep for ep in self._map_to_episodes(batch, to_numpy=False)["episodes"] if self._usable(ep)]
         if not episodes:
             return {}
         out = self._learner_connector(rl_module=self._module, batch={}, episodes=episodes, shared_data={}, metrics=None)
@@ -151,6 +185,9 @@ def envelope_prelearner_class(cls: type) -> type:
             outs.append(pack_columns(out) if out else b"")
             rows.append(row_count(out) if out else 0)
             if self._rlrec_feed is not None:
+                skips = getattr(self, "rlrec_last_skips", None)
+                if skips:  # before `processed`: the feed still knows which chunk the tag was
+                    self._rlrec_feed.skipped.remote(int(tag), [e for e, _ in skips], skips[0][1])
                 self._rlrec_feed.processed.remote([int(tag)], rows[-1])
         # an Arrow table, not a numpy object array: Ray Data sizes Arrow blocks exactly, so each
         # one-row envelope leaves the actor at once (object arrays were held back, unsized)

@@ -1,16 +1,17 @@
 """The promotion gate: publish a candidate policy only if it is not worse than the deployed one.
 
-`evaluate_exported` plays the *exported* candidate (the TorchScript artifact a deployed service
-would load, acting greedily) for N episodes of the gymnasium env on fixed seeds, so the candidate
-and the deployed version are measured on the same starts and exactly what would be deployed is
-measured (RLlib's own evaluation metrics are smoothed over past evaluation rounds).
+`evaluate_exported` plays the *exported* candidate -- the artifact a deployed service would load
+(safetensors + network spec, rebuilt in plain torch exactly as `load_policy` rebuilds it; or the
+TorchScript fallback), acting greedily -- for N episodes of the gymnasium env on fixed seeds, so
+the candidate and the deployed version are measured on the same starts and exactly what would be
+deployed is measured (RLlib's own evaluation metrics are smoothed over past evaluation rounds).
 `decide` compares it with the deployed version's return. Torch + gymnasium only.
 """
 
 from __future__ import annotations
 
-import io
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 
@@ -45,32 +46,24 @@ def decide(
     )
 
 
-def export_candidate(algo, observation_space, action_space, version: int) -> tuple[bytes, dict]:
-    """The TorchScript the trainer would publish now (Learner weights) and the spec to act with it."""
-    from rlrec.producer.spaces import space_to_json
-    from rlrec.trainer.export import _module_from_algo, action_dist_name, export_module
+def export_candidate(algo: Any, observation_space: Any, action_space: Any) -> Any:
+    """The `PolicyArtifact` the trainer would publish now (Learner weights)."""
+    from rlrec.trainer.export import _module_from_algo, build_artifact
 
-    module = _module_from_algo(algo)
-    spec = {
-        "policy_version": version,
-        "action_dist": action_dist_name(module),
-        "action_space": space_to_json(action_space),
-        "observation_shape": list(observation_space.shape),
-    }
-    return export_module(module, observation_space), spec
+    return build_artifact(_module_from_algo(algo), observation_space, action_space)
 
 
 def evaluate_exported(model: bytes, spec: dict, env_id: str, episodes: int, seed: int = 0) -> float:
-    """Mean return of `episodes` greedy episodes of the TorchScript `model` (spec as in policy.json)."""
+    """Mean return of `episodes` greedy episodes of the exported `model` (its weights file's bytes)
+    described by `spec` (``format``, ``action_dist``, ``action_space``, ``observation_shape`` and,
+    for safetensors, ``network``: the fields of policy.json)."""
     import gymnasium as gym
     import torch
 
-    from rlrec.trainer.policy import _Model
+    from rlrec.trainer.policy import version_from_artifact
 
-    module = torch.jit.load(io.BytesIO(model), map_location="cpu")
-    module.eval()
-    policy = _Model(spec, module)
-    rng = np.random.default_rng(seed)
+    policy = version_from_artifact(spec, model)
+    generator = torch.Generator().manual_seed(seed)
     env = gym.make(env_id)
     returns = []
     try:
@@ -78,7 +71,7 @@ def evaluate_exported(model: bytes, spec: dict, env_id: str, episodes: int, seed
             obs, _ = env.reset(seed=seed + k)
             total, done = 0.0, False
             while not done:
-                action, _ = policy.act(obs, False, rng)
+                action, _ = policy.act(obs, False, generator)
                 obs, reward, terminated, truncated, _ = env.step(action)
                 total += float(reward)
                 done = terminated or truncated

@@ -11,10 +11,10 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import ray
 
 from rlrec.store.commit import read_committed_shard
+from rlrec.store.schema_gate import ShardSchemaError, open_shard
 from rlrec.store.storage import Storage
 from rlrec.trainer.envelopes import ENVELOPE, table_to_ipc
 from rlrec.trainer.feed import TAG, ShardInfo
@@ -71,14 +71,10 @@ def _load_table(storage: Storage, s: ShardInfo, columns: list[str] | None, verif
     if verify and s.sha256 and hashlib.sha256(data).hexdigest() != s.sha256:
         raise BadShard(f"sha256 mismatch (the manifest says {s.sha256[:12]}...)")
     try:
-        pf = pq.ParquetFile(pa.BufferReader(data))
-        names = pf.schema_arrow.names
-        if s.fmt == "episodes" and "item" not in names:
-            raise BadShard("episode shard without an `item` column")
-        cols = [c for c in columns if c in names] if columns else None
-        table = pf.read(columns=cols)
-    except (pa.ArrowInvalid, OSError) as e:
-        raise BadShard(f"not a readable Parquet file: {e}") from None
+        shard = open_shard(data, fmt=s.fmt)  # the schema gate: nothing is read before it passes
+        table = shard.read(columns or None)
+    except ShardSchemaError as e:
+        raise BadShard(f"refused by the schema gate: {e.reason}") from None
     if table.num_rows != s.rows:
         raise BadShard(f"{table.num_rows} rows, the manifest says {s.rows}")
     return table

@@ -111,6 +111,7 @@ class TrainerConfig:
     promotion_gate: bool = False  # publish only candidates not worse than the deployed version
     promotion_baseline: float | None = None  # return of what is deployed before the first publication
     promotion_episodes: int = 10
+    signing_key: str | None = None  # Ed25519 private key (PEM): signs policy.json and checkpoint index.json
 
     def __post_init__(self) -> None:
         self.algo = self.algo.upper()
@@ -178,7 +179,8 @@ class ContinuousTrainer:
         self.install_signals = install_signals
         self.input = Storage.from_uri(cfg.input)
         self.out = Storage.from_uri(cfg.checkpoint_dir)
-        self.checkpoints = CheckpointStore(self.out)
+        self.signing_key = self._load_signing_key(cfg.signing_key)
+        self.checkpoints = CheckpointStore(self.out, signing_key=self.signing_key)
         self.publish_storage = Storage.from_uri(cfg.publish_dir or self.out.uri("policies"))
         self._stop = threading.Event()
         self.stop_reason: str | None = None
@@ -196,6 +198,20 @@ class ContinuousTrainer:
         self.last_record: dict | None = None
         self.deployed_return: float | None = cfg.promotion_baseline  # promotion gate state
         self.last_promotion: dict | None = None
+        self.shards_skipped = 0  # shards refused (schema gate, checksum, unreadable), cumulative
+        self.episodes_skipped = 0  # episodes the PreLearner could not use, cumulative
+        self._skip_logged: set[str] = set()
+
+    @staticmethod
+    def _load_signing_key(path: str | None) -> Any:
+        if not path:
+            return None
+        from rlrec.trainer.signing import SignatureError, load_private_key
+
+        try:
+            return load_private_key(path)
+        except SignatureError as e:
+            raise ValueError(f"--signing-key: {e}") from None
 
     # ------------------------------------------------------------------ lifecycle
     def stop(self, reason: str = "stop requested") -> None:
@@ -215,7 +231,7 @@ class ContinuousTrainer:
         signal.signal(signal.SIGINT, handler)
 
     # ------------------------------------------------------------------ data discovery
-    def _first_shards(self) -> list:
+    def _first_shards(self, skip: set[str] | None = None) -> list:
         from rlrec.trainer.manifest_follower import ManifestFollower
 
         fmt = None
@@ -230,7 +246,7 @@ class ContinuousTrainer:
         )
         last_log = 0.0
         while not self._stop.is_set():
-            infos = follower.poll(force_discover=True)
+            infos = [i for i in follower.poll(force_discover=True) if i.key not in (skip or ())]
             if infos:
                 self.fmt = follower.fmt
                 return [follower.entries[i.key] for i in infos]
@@ -244,16 +260,19 @@ class ContinuousTrainer:
             self._stop.wait(max(0.2, self.cfg.poll_interval_s))
         return []
 
-    def _spaces(self, entries: list) -> None:
+    def _spaces(self, entries: list) -> bool:
+        """Set the spaces (from --env, else the first usable shard); False: no usable shard yet."""
         from rlrec.trainer.manifest_follower import spaces_from_shard
 
         shard_spaces = None
-        for e in entries[:5]:
+        for e in entries:
             try:
                 shard_spaces = spaces_from_shard(self.input, e)
                 break
             except FileNotFoundError:
                 log.warning("shard %s is missing; trying the next one for the spaces", e.path)
+            except ValueError as e2:  # refused by the schema gate, undecodable, no spaces
+                self._skip_shard(e.path, str(e2))
         if self.cfg.env:
             import gymnasium as gym
 
@@ -268,10 +287,19 @@ class ContinuousTrainer:
                     f"{(self.obs_space, self.act_space)}"
                 )
         elif shard_spaces is None:
-            raise RuntimeError("cannot determine the spaces: no readable shard and no --env")
+            return False  # no usable shard yet and no --env: wait for more shards
         else:
             self.obs_space, self.act_space = shard_spaces
         _check_spaces(self.cfg.algo, self.obs_space, self.act_space)
+        return True
+
+    def _skip_shard(self, key: str, why: str) -> None:
+        """Count a shard the trainer cannot use; log it once."""
+        if key in self._skip_logged:
+            return
+        self._skip_logged.add(key)
+        self.shards_skipped += 1
+        log.error("shard %s cannot be used (%s); skipping it", key, why)
 
     # ------------------------------------------------------------------ config
     def build_config(self) -> Any:
@@ -374,8 +402,11 @@ class ContinuousTrainer:
         from rlrec.trainer.export import publish_policy
 
         version = self.policy_version + 1
-        if self.cfg.promotion_gate and not self._promote(version):
-            return
+        artifact = None
+        if self.cfg.promotion_gate:
+            artifact = self._promote(version)
+            if artifact is None:
+                return
         try:
             publish_policy(
                 self.publish_storage,
@@ -389,6 +420,8 @@ class ContinuousTrainer:
                 shards=sorted(self.trained),
                 new_shards=sorted(self.since_publish),
                 parent_version=self.policy_version or None,
+                signing_key=self.signing_key,
+                artifact=artifact,
             )
         except Exception as e:
             log.error("publishing policy v%d failed: %s", version, e)
@@ -400,17 +433,26 @@ class ContinuousTrainer:
         if self.last_promotion is not None and self.last_promotion["candidate_version"] == version:
             self.deployed_return = self.last_promotion["candidate_return"]
 
-    def _promote(self, version: int) -> bool:
-        """The promotion gate: evaluate the candidate; True if it is not worse than the deployed one."""
+    def _promote(self, version: int) -> Any:
+        """The promotion gate: evaluate the candidate artifact; the artifact if it is not worse than
+        the deployed one (it is then published as evaluated), else None."""
+        from rlrec.producer.spaces import space_to_json
         from rlrec.trainer.promotion import decide, evaluate_exported, export_candidate
 
         t0 = time.time()
         try:
-            model, spec = export_candidate(self.algo, self.obs_space, self.act_space, version)
+            artifact = export_candidate(self.algo, self.obs_space, self.act_space)
+            spec = {
+                **artifact.spec,
+                "policy_version": version,
+                "action_space": space_to_json(self.act_space),
+                "observation_shape": list(self.obs_space.shape),
+            }
+            model = artifact.files[artifact.spec["model"]]
             ret = evaluate_exported(model, spec, self.cfg.env, self.cfg.promotion_episodes, seed=self.cfg.seed or 0)
         except Exception as e:
             log.error("evaluating candidate v%d failed (%s): not promoted", version, e)
-            return False
+            return None
         d = decide(version, ret, self.policy_version or None, self.deployed_return)
         self.last_promotion = d.to_dict()
         log.info(
@@ -422,7 +464,7 @@ class ContinuousTrainer:
             "promoted" if d.promoted else "kept the deployed version",
             time.time() - t0,
         )
-        return d.promoted
+        return artifact if d.promoted else None
 
     def _restore(self) -> bool:
         latest = self.checkpoints.latest()
@@ -460,7 +502,10 @@ class ContinuousTrainer:
         entries = self._first_shards()
         if not entries:
             return False
-        self._spaces(entries)
+        while not self._spaces(entries):  # every shard so far refused, and no --env
+            entries = self._first_shards(skip=self._skip_logged)
+            if not entries:
+                return False
         if not ray.is_initialized():
             ray.init(num_cpus=self.cfg.num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
             self._started_ray = True
@@ -521,6 +566,8 @@ class ContinuousTrainer:
                 "learner_wait_share": round(min(1.0, st.wait_s / dt), 4) if dt > 0 else None,
                 "commit_to_train_s_max": round(lat[-1], 3) if lat else None,
                 "shards_missing": self.missing_total,
+                "shards_skipped": self.shards_skipped,
+                "episodes_skipped": self.episodes_skipped,
                 "new_shards": sorted(st.newly_trained),
             }
         )
@@ -544,7 +591,12 @@ class ContinuousTrainer:
             self.missing_total += 1
             log.warning("shard %s was deleted outside the trainer; skipping it", k)
         for k, why in st.bad:
-            log.error("shard %s cannot be used (%s); skipping it", k, why)
+            self._skip_shard(k, why)
+        for k, n, why in st.skipped:
+            self.episodes_skipped += n
+            if f"episodes:{k}" not in self._skip_logged:
+                self._skip_logged.add(f"episodes:{k}")
+                log.error("shard %s: skipping %d episode(s) the trainer cannot use (first: %s)", k, n, why)
         rec = self._record(result, st, dt)
         if self.iteration % self.cfg.checkpoint_interval == 0:
             self.last_promotion = None

@@ -12,8 +12,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "inspect",
         help="show committed shards and totals (from the manifest); --verify checks files",
         description="Read the manifest under URI and show its committed shards and totals. "
-        "With --verify, check every shard (exists, size, sha256, duplicate episode ids, decode) "
-        "and exit 1 if anything is wrong.",
+        "With --verify, check every shard (exists, size, sha256, duplicate episode ids, the schema "
+        "gate's allow-list of columns and Arrow types, decode) and exit 1 if anything is wrong.",
     )
     p.add_argument("uri", metavar="URI", help="output root: /path, file:///path, s3://bucket/prefix, ...")
     p.add_argument("--json", action="store_true", help="print only a JSON document on stdout")
@@ -24,9 +24,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _decode_check(notes: list[str]):
     """A decode callback built on rlrec.store.shards, or None if that is not importable.
 
-    "episodes" shards are decoded with ``read_episodes`` (every episode unpacked
-    safely); "tabular" shards are counted from their ``eps_id`` column; other
-    formats are not checked (the callback returns None).
+    Every shard passes the schema gate first (`rlrec.store.schema_gate`: a refused
+    shard is a problem with the reason, nothing of it is read); "episodes" shards are
+    decoded with ``read_episodes`` (every episode unpacked safely); "tabular" shards
+    are counted from their ``eps_id`` column; other formats are not checked (the
+    callback returns None).
     """
     try:
         from rlrec.store.shards import read_episodes, read_tabular

@@ -97,6 +97,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="with --promotion-gate: the return of what is deployed before the first publication",
     )
     p.add_argument("--promotion-episodes", type=int, default=10, help="episodes per promotion evaluation [10]")
+    p.add_argument(
+        "--signing-key",
+        help="Ed25519 private key (PEM; `rlrec keys generate DIR` writes DIR/policy-signing.key): signs each "
+        "published policy.json (policy.json.sig) and each checkpoint's index.json; --resume then refuses a "
+        "checkpoint whose files do not match its signed index",
+    )
     p.add_argument("--publish-dir", help="where to publish policies [{checkpoint-dir}/policies]")
     p.add_argument("--no-publish", action="store_true", help="do not publish policies")
     p.add_argument(
@@ -156,13 +162,20 @@ def _run(args: argparse.Namespace) -> int:
             promotion_gate=args.promotion_gate,
             promotion_baseline=args.promotion_baseline,
             promotion_episodes=args.promotion_episodes,
+            signing_key=args.signing_key,
         )
     except ValueError as e:
         print(f"rlrec train: {e}", file=sys.stderr)
         return 2
-    trainer = ContinuousTrainer(cfg, install_signals=True)
+    try:
+        trainer = ContinuousTrainer(cfg, install_signals=True)
+    except ValueError as e:  # e.g. an unreadable --signing-key
+        print(f"rlrec train: {e}", file=sys.stderr)
+        return 2
+    from rlrec.trainer.checkpoints import CheckpointVerificationError
+
     try:
         return trainer.run()
-    except UnsupportedCombination as e:
+    except (UnsupportedCombination, CheckpointVerificationError) as e:
         print(f"rlrec train: {e}", file=sys.stderr)
         return 2

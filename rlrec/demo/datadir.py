@@ -62,12 +62,9 @@ class DataDir:
 def committed_by_version(shards_uri: str) -> dict:
     """From the manifest and the committed shards' metadata columns: totals and, per policy
     version, episodes and mean episode return."""
-    import io
-
-    import pyarrow.parquet as pq
-
     from rlrec.store.commit import read_committed_shard
     from rlrec.store.manifest import manifest_totals, read_manifest
+    from rlrec.store.schema_gate import ShardSchemaError, open_shard
     from rlrec.store.storage import Storage
 
     storage = Storage.from_uri(shards_uri)
@@ -75,7 +72,10 @@ def committed_by_version(shards_uri: str) -> dict:
     by_version: dict[int, list[float]] = {}
     for e in entries:
         data = read_committed_shard(storage, e.path, e.staging_path)
-        t = pq.read_table(io.BytesIO(data), columns=["policy_version", "episode_return"])
+        try:
+            t = open_shard(data, fmt=e.format).read(["policy_version", "episode_return"])
+        except ShardSchemaError:
+            continue  # refused by the schema gate: not counted
         for v, r in zip(t.column("policy_version").to_pylist(), t.column("episode_return").to_pylist()):
             by_version.setdefault(int(v), []).append(float(r))
     totals = manifest_totals(entries)

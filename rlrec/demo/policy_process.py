@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
@@ -37,6 +38,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps-per-s", type=float, default=800.0, help="throttle (0: unthrottled)")
     p.add_argument("--poll-s", type=float, default=2.0, help="how often to look for a newer published policy")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--public-key",
+        default=os.environ.get("RLREC_POLICY_PUBLIC_KEY"),
+        help="the trainer's policy-signing public key (PEM) [$RLREC_POLICY_PUBLIC_KEY]; published "
+        "versions must carry its signature",
+    )
     return p.parse_args(argv)
 
 
@@ -113,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
         last_poll = time.monotonic()
         try:
             if policy is None:
-                policy = load_policy(args.policies, seed=args.seed)
+                policy = load_policy(args.policies, seed=args.seed, public_key=args.public_key)
                 switched = True
             else:
                 switched = policy.poll()

@@ -11,7 +11,11 @@ training data for good (no replay window), so the loop can improve and cannot co
 
 Data dir::
 
-    demo.json  metrics.jsonl  shards/  trainer/{metrics.jsonl,checkpoints,policies}  logs/  report.html
+    demo.json  metrics.jsonl  shards/  trainer/{metrics.jsonl,checkpoints,policies}  keys/  logs/  report.html
+
+``keys/`` holds the policy-signing key pair, generated on first start: the trainer signs every
+published version with ``policy-signing.key``, the policy processes load only versions signed by
+``policy-signing.pub``.
 
 Ends at ``--duration``, at ``--until-return R`` (a published version evaluated >= R is in use by
 a policy process) or on Ctrl-C; children are stopped in order (policies, then consumer and
@@ -164,12 +168,23 @@ class Demo:
         say(f"embedded broker: {bootstrap} (memory://), topic {TOPIC}")
         return bootstrap
 
+    def _keys(self) -> tuple[str, str]:
+        """The demo's policy-signing key pair, generated on first start ({data_dir}/keys)."""
+        from rlrec.trainer.signing import PRIVATE_KEY_FILE, PUBLIC_KEY_FILE, generate_keys
+
+        d = self.dd.path("keys")
+        priv, pub = os.path.join(d, PRIVATE_KEY_FILE), os.path.join(d, PUBLIC_KEY_FILE)
+        if not (os.path.exists(priv) and os.path.exists(pub)):
+            generate_keys(d, overwrite=True)
+        return priv, pub
+
     def _start_children(self, bootstrap: str, baseline: float | None) -> None:
         from rlrec.local import free_port
 
         cfg = self.cfg
         env = _child_env(self.env)
         logs = self.dd.path("logs")
+        signing_key, public_key = self._keys()
         self.consumer_port = free_port()
         self.consumer = Child(
             "consumer",
@@ -225,6 +240,8 @@ class Demo:
             f"lr={cfg.lr}",
             "--algo-config",
             f"train_batch_size_per_learner={cfg.train_batch_size}",
+            "--signing-key",
+            signing_key,
         ]
         if cfg.promotion_gate:
             targs += ["--promotion-gate", "--promotion-episodes", str(cfg.promotion_episodes)]
@@ -249,6 +266,8 @@ class Demo:
                         TOPIC,
                         "--policies",
                         os.path.join(self.trainer_dir, "policies"),
+                        "--public-key",
+                        public_key,
                         "--index",
                         str(i),
                         "--epsilon",

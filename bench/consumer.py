@@ -404,7 +404,7 @@ def worker_consumer(spec: dict) -> dict:
     def message(m):
         if "t0" not in clock:
             clock["t0"], clock["cpu0"] = time.perf_counter(), time.process_time()
-        on_message(m)
+        return on_message(m)
 
     def committed(result, seconds, eps):
         on_commit(result, seconds, eps)

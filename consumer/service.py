@@ -36,7 +36,6 @@ from __future__ import annotations
 import heapq
 import json
 import logging
-import random
 import signal
 import threading
 import time
@@ -49,10 +48,9 @@ from rlrec.consumer.assembly import VALIDATE_SPACES, AssemblyConfig, DeadLetter,
 from rlrec.consumer.dead_letters import DeadLetterQueue, dead_letter_record
 from rlrec.consumer.metrics import ConsumerMetrics
 from rlrec.consumer.topics import client_settings, create_topics, dlq_topic_name
-from rlrec.consumer.writer import PartitionWriter
+from rlrec.consumer.writer import PartitionWriter, Rotation
 from rlrec.producer.events import DecodeError, decode, encode
 from rlrec.producer.registry import RegistryUnavailable
-from rlrec.store.manifest import FencedError
 from rlrec.store.storage import Storage, require_conditional_writes
 
 __all__ = ["FAST_FAILOVER_KAFKA", "ConsumerConfig", "RecorderConsumer"]
@@ -155,6 +153,7 @@ class RecorderConsumer:
             max_episode_bytes=config.max_episode_bytes,
             on_episode_too_large=config.on_episode_too_large,
         )
+        self.rotation = Rotation(config.max_episodes_per_file, config.max_file_bytes, config.max_file_age_s)
         self.writers: dict[int, PartitionWriter] = {}
         self.metrics = ConsumerMetrics()
         self._stop = threading.Event()
@@ -318,6 +317,7 @@ class RecorderConsumer:
             fmt=self.config.format,
             compression=self.config.compression,
             assembly=self.assembly,
+            rotation=self.rotation,
         )
         self.writers[p] = w
         for attempt in range(3):
@@ -328,14 +328,15 @@ class RecorderConsumer:
                 log.warning("partition %d: claim failed (%s), attempt %d", p, e, attempt + 1)
                 time.sleep(0.2 * 2**attempt)
         log.error("partition %d: could not claim; paused until a claim succeeds", p)
-        self._unclaimed(p, w)
+        w.unclaimed(5.0)
+        self._sync_pause(p, w)
 
-    def _unclaimed(self, p: int, w: PartitionWriter, retry_in: float = 5.0) -> None:
-        """The partition is assigned to us but we hold no claim: read nothing until we claim again,
-        then start over from the committed offset."""
-        w.assembler = None
-        w.next_attempt = time.time() + retry_in
-        self._pause(p, "unclaimed")
+    def _sync_pause(self, p: int, w: PartitionWriter) -> None:
+        """The writer's state decides whether its partition is read."""
+        if w.paused:
+            self._pause(p, "writer")
+        else:
+            self._resume(p, "writer")
 
     def _reclaim(self, p: int, w: PartitionWriter) -> None:
         tp = TopicPartition(self.config.topic, p)
@@ -344,12 +345,12 @@ class RecorderConsumer:
             w.claim(max(committed, 0))
         except Exception as e:
             log.warning("partition %d: claim failed again (%s)", p, e)
-            w.next_attempt = time.time() + 10.0
+            w.unclaimed(10.0, w.state)
             return
         tp.offset = committed if committed >= 0 else -2  # OFFSET_BEGINNING
         self.consumer.seek(tp)
         self._committed.pop(p, None)
-        self._resume(p, "unclaimed")
+        self._sync_pause(p, w)
         log.info("partition %d: claimed again; replaying from offset %s", p, committed)
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
@@ -492,6 +493,8 @@ class RecorderConsumer:
     # -- maintenance --------------------------------------------------------------------------
 
     def _maintain(self, now: float) -> None:
+        """The loop's tick (after poll and apply, before commit): registry retries, claims,
+        decisions (timeouts, capacity), writers' ticks, budgets, dead letters, offsets."""
         cfg = self.config
         mono = time.monotonic()
         for p, (at, _n, _since) in list(self._registry_retry.items()):
@@ -500,10 +503,10 @@ class RecorderConsumer:
         self._check_partition_count(now)
         broker_ok = mono - self._broker_trouble_at >= BROKER_TROUBLE_S
         for p, w in list(self.writers.items()):
+            if w.claim_due(now):
+                self._reclaim(p, w)
             a = w.assembler
             if a is None:
-                if now >= w.next_attempt:
-                    self._reclaim(p, w)
                 continue
             newest = self._newest_ms.get(p)
             recent = newest is None or newest / 1000.0 >= now - LIVE_LAG_S
@@ -517,20 +520,7 @@ class RecorderConsumer:
         total_ready_bytes = sum(w.assembler.finished_bytes for w in self.writers.values() if w.assembler)
         over_budget = total_ready_bytes > cfg.max_buffered_bytes
         for p, w in list(self.writers.items()):
-            a = w.assembler
-            if a is None or now < w.next_attempt:
-                continue
-            ready = a.ready(now)
-            if not ready:
-                continue
-            oldest = min(fe.finished_at for fe in ready)
-            if (
-                len(ready) >= cfg.max_episodes_per_file
-                or a.finished_bytes >= cfg.max_file_bytes
-                or now - oldest >= cfg.max_file_age_s
-                or over_budget
-                or w.failing_since is not None
-            ):
+            if w.due(now, over_budget):
                 self._flush_partition(p, force=False, now=now)
         self._hold_back_over_budget()
         if self.dlq is not None:
@@ -647,55 +637,22 @@ class RecorderConsumer:
         self._partition_count = n
 
     def _flush_partition(self, p: int, force: bool, now: float) -> None:
+        """One writer tick: commit what is ready, then act on the outcome (metrics, dead letters
+        for unwritable episodes, the partition paused or resumed as the writer's state says)."""
         w = self.writers.get(p)
         if w is None or w.assembler is None:
             return
-        a = w.assembler
-        ready = a.ready(now, force=force)
-        if not ready:
-            return
-        # respect the rolling limits: several shards if needed
-        chunks, cur, cur_bytes = [], [], 0
-        for fe in ready:
-            if cur and (len(cur) >= self.config.max_episodes_per_file or cur_bytes >= self.config.max_file_bytes):
-                chunks.append(cur)
-                cur, cur_bytes = [], 0
-            cur.append(fe)
-            cur_bytes += fe.nbytes()
-        chunks.append(cur)
-        for chunk in chunks:
-            a.hand_out(chunk)
-            t0 = time.time()
-            try:
-                res = w.flush(chunk)
-            except FencedError:
-                # another consumer claimed the partition: it is moving (or moved) away from us
-                log.error("partition %d: fenced by a newer writer; dropping its state", p)
-                self.metrics.fenced.inc()
-                # claim again only if the group still gives it to us well after a rebalance had
-                # time to happen (sooner would fence the rightful owner back and forth)
-                self._unclaimed(p, w, retry_in=60.0)
-                return
-            except Exception as e:  # infrastructure (storage): data errors come back in res.unwritable
-                a.give_back(chunk)
-                w.attempts += 1
-                backoff = min(30.0, 0.5 * 2 ** min(w.attempts, 6)) * (0.5 + random.random())
-                w.next_attempt = time.time() + backoff
-                if w.failing_since is None:
-                    w.failing_since = time.time()
-                log.error("partition %d: flush failed (%s: %s); retry in %.1fs", p, type(e).__name__, e, backoff)
-                self.metrics.flush_failures.inc()
-                self._pause(p, "storage")
-                return
-            for fe, detail in res.unwritable:  # data: these episodes, not the others of the shard
-                log.error("partition %d: episode %s cannot be written (%s); dead-lettered", p, fe.episode_id, detail)
-                self._dead_letter_finished(p, fe, "unwritable", detail)
-                a.drop_unwritable(fe)
-            w.attempts = 0
-            w.failing_since = None
-            self._resume(p, "storage")
-            written = {e for entry in res.entries for e in entry.episode_ids}
-            self.metrics.on_commit(res, time.time() - t0, [fe for fe in chunk if fe.episode_id in written])
+        t = w.tick(now, force=force)
+        if t.fenced:
+            self.metrics.fenced.inc()
+        if t.failed is not None:
+            self.metrics.flush_failures.inc()
+        for fe, detail in t.unwritable:  # data: these episodes, not the others of the shard
+            log.error("partition %d: episode %s cannot be written (%s); dead-lettered", p, fe.episode_id, detail)
+            self._dead_letter_finished(p, fe, "unwritable", detail)
+        for f in t.flushed:
+            self.metrics.on_commit(f.result, f.seconds, f.episodes)
+        self._sync_pause(p, w)
 
     def _pause(self, p: int, reason: str = "requested") -> None:
         """Stop reading partition p for `reason`; it is read again once every reason is resumed."""

@@ -1,34 +1,90 @@
-"""`PartitionWriter`: one partition's state machine from claimed ownership to committed shards.
+"""`PartitionWriter`: one partition's state machine, from claimed ownership to committed shards.
 
-    ASSIGNED --claim()--> ACTIVE --flush()*--> ... --drop()--> REVOKED
-                              \\--FencedError--> FENCED (state dropped; the new owner replays)
+    CLAIMING --claim ok--> ACTIVE --flush fails (storage)--> BACKING_OFF --retry ok--> ACTIVE
+        ^  \\--claim fails (retried)                 \\--fenced--> FENCED --60 s, still assigned--> CLAIMING
+        |                                                         any state --drop()--> REVOKED
+        +-- re-claim
 
-A flush commits episodes with the store's commit protocol (`rlrec.store.commit`: encode,
-stage, manifest append, publish) and marks them committed in the partition's assembler; the
-caller then commits the Kafka offset `assembler.safe_offset()` (docs/GUARANTEES.md).
+The state drives what the service does with the partition: it reads it only while ACTIVE (every
+other state pauses it), re-claims it when a CLAIMING or FENCED writer is due, and commits its
+offset only while it holds a claim. In ACTIVE and BACKING_OFF a `tick` buffers finished
+episodes, rotates them into shards (count, bytes, age), writes them with the store's commit
+protocol (`rlrec.store.commit.ShardCommitter`: 1 encode, 2 stage, 3 append to the manifest log,
+4 publish) and backs off after a storage failure. Step 5 -- committing the Kafka offset
+`assembler.safe_offset()`, never past an unacknowledged dead letter -- is the service's
+(docs/GUARANTEES.md quotes the same steps).
 """
 
 from __future__ import annotations
 
 import logging
+import random
+import time
+from dataclasses import dataclass, field
+from enum import Enum
 
 from rlrec.consumer.assembly import AssemblyConfig, PartitionAssembler
-from rlrec.store.commit import CommitResult, ShardCommitter
+from rlrec.store.commit import AmbiguousCommitError, CommitResult, ShardCommitter
 from rlrec.store.finished import FinishedEpisode
 from rlrec.store.manifest import FencedError
 from rlrec.store.storage import Storage
 
-__all__ = ["PartitionWriter"]
+__all__ = ["Flushed", "PartitionWriter", "Rotation", "Tick", "WriterState"]
 
 log = logging.getLogger("rlrec.consumer")
 
+#: after being fenced, claim again only if the group still assigns the partition this much later
+FENCED_RETRY_S = 60.0
+
+
+class WriterState(Enum):
+    CLAIMING = "claiming"  # assigned, no claim held (yet): not read; claimed at `next_attempt`
+    ACTIVE = "active"  # claimed: read, assembled, rotated into shards
+    BACKING_OFF = "backing-off"  # a flush failed (storage): not read; retried at `next_attempt`
+    FENCED = "fenced"  # a newer writer claimed the partition: state dropped, nothing written
+    REVOKED = "revoked"  # no longer assigned: state dropped
+
+
+#: states in which the partition is not read
+PAUSED_STATES = frozenset({WriterState.CLAIMING, WriterState.BACKING_OFF, WriterState.FENCED})
+
+
+@dataclass(frozen=True)
+class Rotation:
+    """When finished episodes become a shard (RLlib's output_max_rows_per_file, output_max_file_size)."""
+
+    max_episodes: int = 1000
+    max_bytes: int = 128 * 1024 * 1024
+    max_age_s: float = 60.0
+
+
+@dataclass
+class Flushed:
+    """One committed chunk: what the store committed, how long it took, the episodes written."""
+
+    result: CommitResult
+    seconds: float
+    episodes: list[FinishedEpisode]
+
+
+@dataclass
+class Tick:
+    """What a tick did: chunks committed, episodes that cannot be written (to dead-letter)."""
+
+    flushed: list[Flushed] = field(default_factory=list)
+    unwritable: list[tuple[FinishedEpisode, str]] = field(default_factory=list)
+    failed: str | None = None  # the storage error that sent the writer BACKING_OFF
+    fenced: bool = False
+
 
 class PartitionWriter:
-    """Owns one partition: its assembler, its manifest log and its writer epoch.
+    """Owns one partition: its assembler, its manifest log, its writer epoch and its state.
 
     Guarantees: an episode is in at most one committed shard entry, and the assembler learns of
-    every committed episode before `flush` returns or raises (so none is written twice by this
-    owner); a writer whose epoch was superseded never commits again (FencedError).
+    every committed episode before `tick` returns (so none is written twice by this owner); a
+    writer whose epoch was superseded never commits again (FENCED); episodes whose append had an
+    unknown outcome stay handed out -- unchanged, no delayed reward applied -- until a retry
+    settles it (`AmbiguousCommitError`).
     """
 
     def __init__(
@@ -40,31 +96,41 @@ class PartitionWriter:
         fmt: str = "episodes",
         compression: str = "zstd",
         assembly: AssemblyConfig | None = None,
+        rotation: Rotation | None = None,
     ):
         self.topic = topic
         self.partition = partition
         self.committer = ShardCommitter(storage, topic, partition, fmt=fmt, compression=compression)
         self.assembly_config = assembly or AssemblyConfig()
+        self.rotation = rotation or Rotation()
         self.assembler: PartitionAssembler | None = None
-        self.state = "ASSIGNED"
+        self.state = WriterState.CLAIMING
         self.replay_from: int | None = None  # the committed Kafka offset the last claim replays from
         self.failing_since: float | None = None
         self.next_attempt = 0.0
         self.attempts = 0
+        self.uncertain: list[FinishedEpisode] = []  # handed out; their last append's outcome is unknown
 
     @property
     def epoch(self) -> int | None:
         return self.committer.epoch
 
+    @property
+    def paused(self) -> bool:
+        return self.state in PAUSED_STATES
+
     # -- ownership ----------------------------------------------------------------------------
 
     def claim(self, replay_from: int | None = None) -> None:
         """Claim a new writer epoch, roll forward unpublished commits, load the committed episode
-        ids that can still be replayed from Kafka offset `replay_from` (all if None)."""
+        ids that can still be replayed from Kafka offset `replay_from` (all if None). Raises on
+        storage errors (the state stays CLAIMING)."""
         committed = self.committer.claim(replay_from)
         self.replay_from = replay_from
         self.assembler = PartitionAssembler(self.topic, self.partition, committed, self.assembly_config)
-        self.state = "ACTIVE"
+        self.state = WriterState.ACTIVE
+        self.uncertain = []
+        self.attempts, self.failing_since = 0, None
         log.info(
             "partition %d: claimed epoch %d (%d committed episodes that can be replayed from offset %s)",
             self.partition,
@@ -73,19 +139,115 @@ class PartitionWriter:
             replay_from,
         )
 
-    # -- flushing -----------------------------------------------------------------------------
+    def unclaimed(self, retry_in: float, state: WriterState = WriterState.CLAIMING) -> None:
+        """No claim held (it failed, or we were fenced): drop the state, claim again later and
+        start over from the committed offset."""
+        self.assembler = None
+        self.uncertain = []
+        self.state = state
+        self.next_attempt = time.time() + retry_in
 
-    def flush(self, episodes: list[FinishedEpisode]) -> CommitResult:
-        """Commit `episodes` (already handed out by the assembler) as shards, one per policy id.
+    def claim_due(self, now: float) -> bool:
+        return self.state in (WriterState.CLAIMING, WriterState.FENCED) and now >= self.next_attempt
 
-        On a storage error the caller gives the episodes back (`assembler.give_back`) and retries
-        later; on FencedError the caller drops this writer.
-        """
-        try:
-            return self.committer.commit(episodes, on_committed=self.assembler.mark_committed)
-        except FencedError:
-            self.state = "FENCED"
-            raise
+    def drop(self) -> None:
+        """Forget all in-memory state (revoked). Uncommitted episodes are replayed by the next
+        owner from the committed Kafka offset."""
+        self.assembler = None
+        self.uncertain = []
+        self.state = WriterState.REVOKED
+
+    # -- rotation and writing -----------------------------------------------------------------
+
+    def due(self, now: float, over_budget: bool = False) -> bool:
+        """Whether finished episodes should be written now (a rotation limit, the buffered-bytes
+        budget, or a retry that is due)."""
+        a = self.assembler
+        if a is None or self.state not in (WriterState.ACTIVE, WriterState.BACKING_OFF) or now < self.next_attempt:
+            return False
+        if self.uncertain or self.state is WriterState.BACKING_OFF:
+            return True
+        ready = a.ready(now)
+        if not ready:
+            return False
+        r = self.rotation
+        return (
+            len(ready) >= r.max_episodes
+            or a.finished_bytes >= r.max_bytes
+            or now - min(fe.finished_at for fe in ready) >= r.max_age_s
+            or over_budget
+        )
+
+    def tick(self, now: float, *, force: bool = False) -> Tick:
+        """Write what is ready (all finished episodes with `force`): episodes of uncertain
+        appends first, then the rest in shards of at most `rotation`'s count and bytes."""
+        out = Tick()
+        a = self.assembler
+        if a is None or self.state not in (WriterState.ACTIVE, WriterState.BACKING_OFF):
+            return out
+        chunks: list[list[FinishedEpisode]] = []
+        if self.uncertain:
+            chunks.append(self.uncertain)
+        ready = a.ready(now, force=force)
+        cur: list[FinishedEpisode] = []
+        cur_bytes = 0
+        for fe in ready:
+            if cur and (len(cur) >= self.rotation.max_episodes or cur_bytes >= self.rotation.max_bytes):
+                chunks.append(cur)
+                cur, cur_bytes = [], 0
+            cur.append(fe)
+            cur_bytes += fe.nbytes()
+        if cur:
+            chunks.append(cur)
+        a.hand_out(ready)
+        for i, chunk in enumerate(chunks):
+            t0 = time.time()
+            try:
+                res = self.committer.commit(chunk, on_committed=a.mark_committed)
+            except FencedError:
+                log.error("partition %d: fenced by a newer writer; dropping its state", self.partition)
+                self.unclaimed(FENCED_RETRY_S, WriterState.FENCED)
+                out.fenced = True
+                return out
+            except Exception as e:  # storage (data errors come back in res.unwritable)
+                self._back_off(e, [fe for c in chunks[i:] for fe in c])
+                out.failed = f"{type(e).__name__}: {e}"
+                return out
+            if chunk is self.uncertain:
+                self.uncertain = []
+            for fe, _detail in res.unwritable:
+                a.drop_unwritable(fe)
+            out.unwritable += res.unwritable
+            written = {eid for entry in res.entries for eid in entry.episode_ids}
+            out.flushed.append(Flushed(res, time.time() - t0, [fe for fe in chunk if fe.episode_id in written]))
+        self.attempts, self.failing_since = 0, None
+        self.state = WriterState.ACTIVE
+        return out
+
+    def _back_off(self, err: Exception, unwritten: list[FinishedEpisode]) -> None:
+        """A flush failed on storage: give the episodes back for the retry (delayed rewards apply
+        again) -- except those of an append with an unknown outcome, which stay handed out."""
+        a = self.assembler
+        uncertain_ids = {fe.episode_id for fe in self.uncertain}
+        if isinstance(err, AmbiguousCommitError):
+            uncertain_ids |= {fe.episode_id for fe in err.episodes}
+        a.give_back([fe for fe in unwritten if fe.episode_id not in uncertain_ids])
+        self.uncertain = [fe for fe in unwritten if fe.episode_id in uncertain_ids and fe.episode_id in a.in_flight]
+        self.attempts += 1
+        backoff = min(30.0, 0.5 * 2 ** min(self.attempts, 6)) * (0.5 + random.random())
+        self.next_attempt = time.time() + backoff
+        self.failing_since = self.failing_since or time.time()
+        self.state = WriterState.BACKING_OFF
+        log.error(
+            "partition %d: flush failed (%s: %s); retry in %.1fs%s",
+            self.partition,
+            type(err).__name__,
+            err,
+            backoff,
+            f" ({len(self.uncertain)} episode(s) of an uncertain append kept as they are)" if self.uncertain else "",
+        )
+
+    # -- upkeep -------------------------------------------------------------------------------
 
     def publish_pending(self) -> int:
         """Publish shards committed by earlier flushes whose publish failed (cheap when none)."""
@@ -98,10 +260,3 @@ class PartitionWriter:
         if self.assembler is not None:
             for eid in forgotten:
                 self.assembler.committed.pop(eid, None)
-
-    def drop(self) -> None:
-        """Forget all in-memory state (revoked or fenced). Uncommitted episodes are replayed by the
-        next owner from the committed Kafka offset."""
-        self.assembler = None
-        if self.state != "FENCED":
-            self.state = "REVOKED"

@@ -39,7 +39,7 @@ from rlrec.store.manifest import SNAPSHOT_EVERY, ConflictError, PartitionLog, Sh
 from rlrec.store.shards import EncodedShard, encode_shard
 from rlrec.store.storage import Storage
 
-__all__ = ["EVENT_SCHEMA_VERSIONS", "CommitResult", "ShardCommitter", "read_committed_shard"]
+__all__ = ["EVENT_SCHEMA_VERSIONS", "AmbiguousCommitError", "CommitResult", "ShardCommitter", "read_committed_shard"]
 
 log = logging.getLogger("rlrec.store")
 
@@ -48,6 +48,19 @@ EVENT_SCHEMA_VERSIONS = dict(sorted(load_schemas()))
 
 #: `on_committed(episodes, entry_last_offset)`: these episodes are in a committed entry
 OnCommitted = Callable[[list[FinishedEpisode], int], None]
+
+
+class AmbiguousCommitError(Exception):
+    """Storage failed while appending a shard entry: it may or may not have landed. `episodes`
+    must be committed again exactly as they are (a later append finds out: a conflict with the
+    landed entry marks them committed); they must not change meanwhile (no delayed rewards)."""
+
+    def __init__(self, episodes: list[FinishedEpisode], cause: BaseException) -> None:
+        super().__init__(
+            f"append of {len(episodes)} episode(s) failed, outcome unknown: {type(cause).__name__}: {cause}"
+        )
+        self.episodes = episodes
+        self.cause = cause
 
 
 @dataclass
@@ -273,9 +286,9 @@ class ShardCommitter:
                 sum(fe.episode_id in taken for fe in eps),
             )
             return None, [fe for fe in eps if fe.episode_id not in taken]
-        except Exception:  # StorageError: the entry may have landed; the next append finds out
+        except Exception as e:  # StorageError: the entry may have landed; the next append finds out
             self._ambiguous[staging] = shard.data
-            raise
+            raise AmbiguousCommitError(eps, e) from e
         self._ambiguous.clear()  # entry `seq` was free: no earlier attempt landed
         try:
             self.log.publish(entry, shard.data)  # 4. publish

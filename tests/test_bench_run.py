@@ -22,6 +22,7 @@ ROW_KEYS = {"figure", "ours", "baseline", "ratio", "target", "pass", "rounds"}
 PREFIXES = {"producer": 2, "consumer": 4, "trainer": 3, "manifest": 3}  # consumer: 3 + the memory benchmark
 
 
+@pytest.mark.timeout(900)  # five quick benchmarks, each in its own processes
 def test_quick_run_writes_the_documented_json(tmp_path):
     out, md = tmp_path / "bench.json", tmp_path / "bench.md"
     proc = subprocess.run(
@@ -29,7 +30,7 @@ def test_quick_run_writes_the_documented_json(tmp_path):
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=840,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads(out.read_text())

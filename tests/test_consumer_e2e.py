@@ -13,6 +13,7 @@ from confluent_kafka import Consumer, TopicPartition
 from rlrec.consumer.service import ConsumerConfig, RecorderConsumer
 from rlrec.local import FAST_GROUP_KAFKA
 from rlrec.producer import EpisodeRecorder
+from rlrec.store.commit import read_committed_shard
 from rlrec.store.maintenance import verify
 from rlrec.store.manifest import read_manifest
 from rlrec.store.shards import read_episodes
@@ -36,7 +37,7 @@ def committed_episodes(storage: Storage) -> int:
 def read_all(storage: Storage) -> dict:
     out = {}
     for e in read_manifest(storage):
-        for ep in read_episodes(storage.read(e.path)):
+        for ep in read_episodes(read_committed_shard(storage, e.path, e.staging_path)):
             assert ep.id_ not in out, f"episode {ep.id_} committed twice"
             out[ep.id_] = (ep, e)
     return out

@@ -16,10 +16,10 @@ import pytest
 
 from rlrec.consumer.assembly import PartitionAssembler
 from rlrec.consumer.service import ConsumerConfig
-from rlrec.consumer.writer import PartitionWriter
+from rlrec.consumer.writer import PartitionWriter, WriterState
 from rlrec.local import FAST_GROUP_KAFKA
 from rlrec.producer import EpisodeRecorder
-from rlrec.store.manifest import FencedError, read_manifest
+from rlrec.store.manifest import read_manifest
 from rlrec.store.storage import RetryPolicy, Storage, StorageError
 from tests.faults import FaultProxy
 from tests.helpers import ACT_SPACE, OBS_SPACE, record_episodes, wait_for
@@ -244,13 +244,10 @@ def test_zombie_writer_is_fenced(tmp_path):
     owner.claim()  # the partition moved: new epoch
     for off, ev in enumerate([start("a"), steps("a", 0, 2, terminated=True)]):
         owner.assembler.apply(off, ev)
-    ready = zombie.assembler.ready(force=True)
-    zombie.assembler.hand_out(ready)
-    with pytest.raises(FencedError):
-        zombie.flush(ready)
-    ready = owner.assembler.ready(force=True)
-    owner.assembler.hand_out(ready)
-    assert owner.flush(ready).episodes == 1
+    t = zombie.tick(time.time(), force=True)
+    assert t.fenced and not t.flushed and zombie.state is WriterState.FENCED and zombie.assembler is None
+    t = owner.tick(time.time(), force=True)
+    assert [f.result.episodes for f in t.flushed] == [1] and owner.state is WriterState.ACTIVE
     entries = read_manifest(storage)
     assert [e.episode_ids for e in entries] == [("a",)] and entries[0].epoch == owner.epoch
     assert isinstance(owner.assembler, PartitionAssembler)

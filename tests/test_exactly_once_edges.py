@@ -1,0 +1,159 @@
+"""Exactly-once at the edges (real broker, local S3 behind a fault proxy):
+
+* an append that lands although storage said it failed, followed by a delayed reward: the
+  landed consumer gave the episode back, applied the reward in memory, then found its own
+  entry on the retry and moved the offset past the reward -- in no shard and not in the DLQ;
+* a storage outage twice as long as `episode_timeout_s` while an episode keeps stepping: the
+  landed consumer expired it on the wall clock while its partition was paused and wrote it
+  truncated; its later steps then vanished as "duplicates".
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from rlrec.consumer.service import ConsumerConfig
+from rlrec.consumer.topics import create_topics, dlq_topic_name
+from rlrec.consumer.writer import WriterState
+from rlrec.local import FAST_GROUP_KAFKA
+from rlrec.producer import EpisodeRecorder
+from rlrec.store.storage import RetryPolicy, Storage
+from tests.faults import FaultProxy
+from tests.helpers import ACT_SPACE, OBS_SPACE, wait_for
+from tests.test_consumer_e2e import drain_dlq, read_all, run_consumer
+
+pytestmark = [pytest.mark.broker, pytest.mark.slow]
+
+
+@pytest.fixture
+def proxied(local_s3, monkeypatch):
+    """(consumer storage through a fault proxy, direct storage for the test, proxy)."""
+    bucket = local_s3.create_bucket(f"edge-{uuid.uuid4().hex[:8]}")
+    proxy = FaultProxy(local_s3.port)
+    for k, v in local_s3.env().items():
+        monkeypatch.setenv(k, v)
+    direct = Storage.from_uri(f"s3://{bucket}/out")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
+    through = Storage.from_uri(f"s3://{bucket}/out", retry=RetryPolicy(attempts=3, base_delay=0.01, max_delay=0.05))
+    yield through, direct, proxy
+    proxy.close()
+
+
+def _setup(broker, storage, **kw):
+    topic = f"edge-{uuid.uuid4().hex[:8]}"
+    create_topics(broker.bootstrap_servers, {topic: 1, dlq_topic_name(topic): 1})
+    cfg = ConsumerConfig(
+        bootstrap_servers=broker.bootstrap_servers,
+        output="s3://unused/out",
+        topic=topic,
+        group_id=f"g-{uuid.uuid4().hex[:6]}",
+        max_file_age_s=0.2,
+        commit_interval_s=0.2,
+        kafka_config=FAST_GROUP_KAFKA,
+        create_topics=False,
+        **kw,
+    )
+    c, t = run_consumer(cfg, storage)
+    wait_for(lambda: c.writers and all(w.state is WriterState.ACTIVE for w in c.writers.values()), 30, what="a claim")
+    rec = EpisodeRecorder(
+        broker.bootstrap_servers, topic=topic, policy_id="pol", observation_space=OBS_SPACE, action_space=ACT_SPACE
+    )
+    return topic, c, t, rec
+
+
+def _obs(i: float) -> np.ndarray:
+    return np.full(4, i, np.float32)
+
+
+def test_a_reward_after_an_ambiguous_append_is_a_late_reward_never_lost(broker, proxied):
+    through, direct, proxy = proxied
+    topic, c, t, rec = _setup(broker, through)
+    try:
+        # the next append of a manifest entry lands, but the consumer is told it failed (and its
+        # retries fail): the outcome is unknown to it
+        proxy.swallow_matching(1, "/_manifest/", method="PUT")
+        proxy.fail_matching(1_000, "/_manifest/")
+        eid = rec.begin_episode(_obs(0))
+        rec.log_step(eid, 1, 1.0, _obs(1))
+        rec.log_step(eid, 0, 1.0, _obs(2), terminated=True)
+        assert rec.flush(10) == 0
+        w = next(iter(c.writers.values()))
+        wait_for(lambda: w.uncertain, 30, interval=0.05, what="an append with an unknown outcome")
+        rec.log_reward(eid, 0, 0.5)  # published while the outcome is unknown
+        assert rec.flush(10) == 0
+        time.sleep(1.0)
+        proxy.clear_rules()  # the retry finds the landed entry: committed as it was, without the reward
+        wait_for(lambda: eid in read_all(direct) and not w.uncertain, 90, what="the episode committed")
+        late = c.metrics.dead_letters.labels("late-reward")
+        wait_for(lambda: late._value.get() >= 1, 30, what="the reward dead-lettered late")
+        wait_for(lambda: not c.dlq.pending, 30, what="dead letters acknowledged")
+    finally:
+        c.stop()
+        t.join(30)
+        rec.close()
+    ep, _entry = read_all(direct)[eid]  # once (read_all checks), without the reward
+    assert np.asarray(ep.get_rewards()).tolist() == [1.0, 1.0]
+    reasons = [dict(m.headers())["rlrec-dlq-reason"] for m in drain_dlq(broker.bootstrap_servers, topic)]
+    assert reasons == [b"late-reward"]
+
+
+def test_a_storage_outage_longer_than_the_episode_timeout_truncates_nothing(broker, proxied):
+    through, direct, proxy = proxied
+    _topic, c, t, rec = _setup(broker, through, episode_timeout_s=2.0)
+    try:
+        long_eid = rec.begin_episode(_obs(0))
+        short = rec.begin_episode(_obs(0))
+        rec.log_step(short, 0, 1.0, _obs(1), terminated=True)  # its flush meets the outage
+        proxy.fail_for(4.0)  # twice the episode timeout
+        steps = 0
+        t_end = time.time() + 8.0
+        while time.time() < t_end:
+            rec.log_step(long_eid, 1, 1.0, _obs(steps))
+            steps += 1
+            rec.flush(5)
+            time.sleep(0.5)
+        rec.log_step(long_eid, 0, 1.0, _obs(steps), terminated=True)
+        steps += 1
+        assert rec.flush(10) == 0
+        wait_for(lambda: {long_eid, short} <= set(read_all(direct)), 60, what="both episodes committed")
+        assert c.metrics.flush_failures._value.get() >= 1  # the outage was met
+        assert c.metrics.decisions.labels("timeout")._value.get() == 0
+    finally:
+        c.stop()
+        t.join(30)
+        rec.close()
+    ep, _ = read_all(direct)[long_eid]
+    assert len(ep) == steps and ep.is_terminated and not ep.is_truncated
+
+
+def test_an_uncertain_append_keeps_its_episodes_closed_to_rewards(proxied):
+    """The writer alone (no broker): a reward read while an append's outcome is unknown is a
+    late reward, and the retry commits the episode as it was. The landed writer gave the episodes
+    back: the reward was applied in memory, then the retry found the landed entry (without it)
+    and marked the episode committed -- the reward was in no shard and not in the DLQ."""
+    from rlrec.consumer.writer import PartitionWriter
+    from rlrec.producer.events import RewardDelta
+    from tests.test_assembly import start, steps
+
+    through, direct, proxy = proxied
+    w = PartitionWriter(through, "edges", 0)
+    w.claim()
+    w.assembler.apply(0, start("a"))
+    w.assembler.apply(1, steps("a", 0, 2, terminated=True))
+    proxy.swallow_matching(1, "/_manifest/", method="PUT")
+    proxy.fail_matching(1_000, "/_manifest/")
+    t = w.tick(time.time(), force=True)
+    assert t.failed and w.state is WriterState.BACKING_OFF and [fe.episode_id for fe in w.uncertain] == ["a"]
+    letters = w.assembler.apply(2, RewardDelta("a", 0, 0.5))
+    assert [dl.reason for dl in letters] == ["late-reward"]
+    proxy.clear_rules()
+    w.next_attempt = 0.0
+    t = w.tick(time.time())
+    assert w.state is WriterState.ACTIVE and not w.uncertain and "a" in w.assembler.committed
+    ep, _ = read_all(direct)["a"]
+    assert np.asarray(ep.get_rewards()).tolist() == [1.0, 1.0]
+    assert w.assembler.safe_offset() == 3

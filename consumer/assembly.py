@@ -222,6 +222,9 @@ class PartitionAssembler:
         self.config = config or AssemblyConfig()
         #: episode id -> last offset of the committed shard entry that holds it
         self.committed: dict[str, int] = dict(committed or {})
+        #: episode id -> its number of steps, for the episodes this assembler saw committed (a
+        #: re-send of steps within it is a duplicate; beyond it, or unknown, a dead letter)
+        self.committed_steps: dict[str, int] = {}
         self.open: dict[str, OpenEpisode] = {}
         self.finished: dict[str, FinishedEpisode] = {}  # in finish order
         self.in_flight: dict[str, FinishedEpisode] = {}  # handed out, commit not yet confirmed
@@ -260,7 +263,11 @@ class PartitionAssembler:
                 return [DeadLetter(self.evicted[eid], f"episode {eid} was ended early ({self.evicted[eid]})", offset)]
             elif isinstance(event, EpisodeStart):
                 return [DeadLetter("duplicate-start", f"episode {eid} is already committed", offset)]
-            else:  # a step (or abort) after the committed end in the log: never silently a duplicate
+            elif isinstance(event, EpisodeAbort) or (
+                isinstance(event, StepBatch) and event.t0 + event.n <= self.committed_steps.get(eid, -1)
+            ):
+                self.counters.duplicates += 1  # a re-sent abort (adds no step), or steps the shard holds
+            else:  # a step after the committed end in the log: never silently a duplicate
                 return [DeadLetter("step-after-end", f"episode {eid} is committed (through offset {last})", offset)]
             return []
 
@@ -588,6 +595,7 @@ class PartitionAssembler:
         for fe in episodes:
             self.in_flight.pop(fe.episode_id, None)
             self.committed[fe.episode_id] = entry_last_offset
+            self.committed_steps[fe.episode_id] = fe.length
 
     def drop_unwritable(self, fe: FinishedEpisode) -> None:
         """A handed-out episode the shard format cannot encode (dead-lettered by the caller): it

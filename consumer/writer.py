@@ -260,3 +260,4 @@ class PartitionWriter:
         if self.assembler is not None:
             for eid in forgotten:
                 self.assembler.committed.pop(eid, None)
+                self.assembler.committed_steps.pop(eid, None)

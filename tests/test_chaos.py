@@ -1,5 +1,7 @@
 """The bounded chaos run (tests/chaos): 300 episodes, 3 kill -9s, an extra consumer, a storage
-fault window and a broker restart; nothing may be lost or duplicated.
+outage twice as long as the consumers' episode timeout, a consumer whose dead-letter topic the
+broker refuses, delayed rewards and a broker restart; nothing may be lost or duplicated, and no
+dead letter may be left unacknowledged.
 
 Runs `python -m tests.chaos` as a subprocess, exactly as documented; the full version and its
 last result are in docs/GUARANTEES.md ("Chaos run").
@@ -42,6 +44,7 @@ def test_bounded_chaos_run_loses_and_duplicates_nothing(tmp_path):
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     lines = proc.stdout.strip().splitlines()
     tail = "\n".join(lines[-40:]) + "\n" + proc.stderr[-3000:]
-    assert lines and lines[-1] == "lost=0 duplicated=0", tail
+    assert lines and lines[-1] == "lost=0 duplicated=0 dead_letters_unacked=0", tail
     assert proc.returncode == 0, tail
     assert "broker restarted" in proc.stdout and proc.stdout.count("kill -9 consumer") == 3, tail
+    assert "joins with a dead-letter topic the broker refuses" in proc.stdout, tail

@@ -20,22 +20,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--storage-faults", type=int, default=None, help="storage fault windows (default: kills/6, at least 1)"
     )
+    p.add_argument(
+        "--dlq-faults", type=int, default=1, help="consumers that join with a refused dead-letter topic, then leave"
+    )
     p.add_argument("--no-broker-restart", dest="broker_restart", action="store_false", help="don't restart the broker")
     p.add_argument("--workdir", default=None, help="where logs, ground truth and result.json go (default: a temp dir)")
     a = p.parse_args(argv)
     if a.episodes < 1 or a.kills < 0 or a.producers < 1:
         p.error("--episodes and --producers must be >= 1, --kills >= 0")
     cfg = ChaosConfig(
-        a.episodes,
-        a.kills,
-        a.seed,
-        a.producers,
-        a.partitions,
-        a.duration,
-        a.joins,
-        a.storage_faults,
-        a.broker_restart,
-        a.workdir,
+        episodes=a.episodes,
+        kills=a.kills,
+        seed=a.seed,
+        producers=a.producers,
+        partitions=a.partitions,
+        duration=a.duration,
+        joins=a.joins,
+        storage_faults=a.storage_faults,
+        dlq_faults=a.dlq_faults,
+        broker_restart=a.broker_restart,
+        workdir=a.workdir,
     )
     return Chaos(cfg).run()
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
 
+from rlrec.consumer.assembly import parse_decision
 from rlrec.local import consumer_test_config
 from rlrec.producer.events import (
     DecodeError,
@@ -26,6 +27,7 @@ from rlrec.producer.events import (
     StepBatch,
     decode,
 )
+from rlrec.store.commit import read_committed_shard
 from rlrec.store.manifest import ClaimEntry, ShardEntry, read_partition_logs
 from rlrec.store.shards import read_episodes
 from rlrec.store.storage import Storage
@@ -67,6 +69,7 @@ class TopicScan:
     end_offset: dict[str, int] = field(default_factory=dict)  # first terminal batch or abort
     split: set[str] = field(default_factory=set)  # episodes on several partitions (must stay empty)
     undecodable: int = 0
+    decisions: int = 0  # EpisodeAborts consumers wrote for their own decisions (timeouts, evictions)
     offsets_not_increasing: int = 0  # a broker fault: offsets repeated or going back in a partition
 
 
@@ -83,6 +86,9 @@ def scan_topic(bootstrap: str, topic: str, partitions: int) -> TopicScan:
             s.undecodable += 1
             continue
         eid = ev.episode_id
+        if isinstance(ev, EpisodeAbort) and parse_decision(ev.reason) is not None:
+            s.decisions += 1  # a consumer's, not a producer's: not an end the producer chose
+            continue
         if s.partition_of.setdefault(eid, p) != p:
             s.split.add(eid)
         if isinstance(ev, EpisodeStart):
@@ -99,6 +105,9 @@ class DeadLetters:
     reasons: Counter = field(default_factory=Counter)  # messages per reason
     late_rewards: set[tuple[str, int, float]] = field(default_factory=set)  # (episode, t, reward)
     empty: set[str] = field(default_factory=set)  # episodes dead-lettered as empty-episode
+    #: step batches after a committed episode's end: a producer's re-sends the consumer could not
+    #: tell from new steps (the episode was committed by an earlier owner); checked against the truth
+    after_end: list = field(default_factory=list)
     other: list[str] = field(default_factory=list)  # anything else: unexpected in a chaos run
 
 
@@ -117,6 +126,8 @@ def scan_dead_letters(bootstrap: str, topic: str, partitions: int) -> DeadLetter
             d.late_rewards.add((ev.episode_id, ev.t, ev.reward))
         elif reason == "empty-episode":
             d.empty.add(ev.episode_id)
+        elif reason == "step-after-end" and isinstance(ev, StepBatch):
+            d.after_end.append(ev)
         else:
             d.other.append(
                 f"{reason}: {type(ev).__name__} of episode {ev.episode_id}: "
@@ -149,6 +160,7 @@ class Verdict:
     rewards_applied: int = 0
     rewards_dead_lettered: int = 0
     rewards_both: int = 0  # applied after a consumer that dead-lettered it died (see the report)
+    resent_dead_lettered: int = 0  # producer re-sends after a commit by an earlier owner (step-after-end)
     dead_letters: dict = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
 
@@ -216,7 +228,7 @@ def check(
     v.claims = sum(sum(isinstance(e, ClaimEntry) for e in log) - 1 for log in logs.values())
     copies: dict[str, int] = defaultdict(int)
     for entry in sorted(entries, key=lambda e: (e.partition, e.seq)):
-        for ep in read_episodes(storage.read(entry.path)):
+        for ep in read_episodes(read_committed_shard(storage, entry.path, entry.staging_path)):
             eid = ep.id_
             copies[eid] += 1
             if copies[eid] > 1:
@@ -236,6 +248,12 @@ def check(
     v.lost = len(lost)
     v.problems += [f"lost episode {eid} ({truth[eid].kind}, {len(truth[eid].actions)} steps)" for eid in lost[:20]]
     v.problems += [f"unexpected dead letter: {x}" for x in dlq.other[:20]]
+    for sb in dlq.after_end:  # must be re-sends of steps the committed episode holds, nothing new
+        t = truth.get(sb.episode_id)
+        if t is None or sb.t0 + sb.n > len(t.actions) or not _same(sb.actions[0], t.actions[sb.t0 : sb.t0 + sb.n]):
+            v.problems.append(f"step-after-end dead letter that is not a re-send: {sb.episode_id} t0={sb.t0}")
+        else:
+            v.resent_dead_lettered += 1
     v.problems += _offset_problems(entries, scan, offsets)
     return v
 

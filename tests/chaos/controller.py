@@ -53,6 +53,10 @@ REPO = Path(__file__).resolve().parents[2]
 BUCKET = "chaos-shards"
 CONSUMER_KAFKA = {"session.timeout.ms": 3000, "heartbeat.interval.ms": 750, "topic.metadata.refresh.interval.ms": 3000}
 MAX_CONSUMERS = 3
+#: consumers run with this episode timeout; the first storage fault window outlasts it twice
+EPISODE_TIMEOUT_S = 15.0
+#: a dead-letter topic name the broker refuses ("Broker: Invalid topic") for the DLQ faults
+REFUSED_DLQ = "bad topic!"
 
 
 @dataclass
@@ -65,6 +69,7 @@ class ChaosConfig:
     duration: float | None = None  # seconds over which producers spread their episodes
     joins: int | None = None
     storage_faults: int | None = None
+    dlq_faults: int = 1  # consumers that join with a dead-letter topic the broker refuses, then leave
     broker_restart: bool = True
     workdir: str | None = None
 
@@ -74,7 +79,7 @@ class ChaosConfig:
         if self.storage_faults is None:
             self.storage_faults = max(1, self.kills // 6)
         if self.duration is None:
-            events = self.kills + self.joins + self.storage_faults + int(self.broker_restart)
+            events = self.kills + self.joins + self.storage_faults + self.dlq_faults + int(self.broker_restart)
             self.duration = max(40.0, 8.0 * events, 0.05 * self.episodes)
 
 
@@ -112,7 +117,9 @@ class Tally:
     kills_skipped: int = 0
     rebalances: int = 0  # consumer group membership changes after the initial consumers
     storage_faults: int = 0
+    dlq_faults: int = 0
     broker_restarts: int = 0
+    dead_letters_unacked: int = -1  # pending dead letters of the consumers when the run ends
     faults: list[str] = field(default_factory=list)  # every fault, as logged
 
 
@@ -122,7 +129,7 @@ class Chaos:
     Guarantees: the exit code is 0 only if every produced episode is committed exactly once and
     bit-identical to the ground truth, offsets agree with the manifest, `rlrec inspect --verify`
     passes, every planned kill happened and the broker kept every produced message; the last
-    stdout line is exactly `lost=<n> duplicated=<n>`.
+    stdout line is exactly `lost=<n> duplicated=<n> dead_letters_unacked=<n>`.
     """
 
     def __init__(self, cfg: ChaosConfig, console: Console | None = None):
@@ -228,7 +235,7 @@ class Chaos:
             self.producers.append(subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=log))
         self.say(f"{cfg.producers} producers: {cfg.episodes} episodes over {cfg.duration:.0f}s")
 
-    def start_consumer(self) -> ConsumerProc:
+    def start_consumer(self, dlq_topic: str | None = None) -> ConsumerProc:
         self._n += 1
         name, port = f"c{self._n}", free_port()
         cmd = [
@@ -253,15 +260,19 @@ class Chaos:
             "100",
             "--reward-join-window-s",
             "2",
+            "--episode-timeout-s",
+            str(EPISODE_TIMEOUT_S),
             "--metrics-port",
             str(port),
         ]
+        if dlq_topic is not None:
+            cmd += ["--dlq-topic", dlq_topic]
         for k, v in CONSUMER_KAFKA.items():
             cmd += ["--kafka-config", f"{k}={v}"]
         log = open(self.work / f"consumer-{name}.log", "ab")
         c = ConsumerProc(name, subprocess.Popen(cmd, cwd=REPO, env=self.consumer_env, stdout=log, stderr=log), port)
         self.consumers.append(c)
-        self.say(f"start consumer {name} (pid {c.proc.pid})")
+        self.say(f"start consumer {name} (pid {c.proc.pid}){f' with DLQ {dlq_topic!r}' if dlq_topic else ''}")
         return c
 
     def alive(self) -> list[ConsumerProc]:
@@ -311,11 +322,34 @@ class Chaos:
         self.start_consumer()
         self.tally.rebalances += 1
 
+    def dlq_fault(self) -> None:
+        """A consumer whose dead letters the broker refuses joins, takes partitions, dead-letters
+        what comes (nothing acknowledged: its offsets must stay behind those letters), and leaves;
+        the next owners replay from its committed offsets and dead-letter again, for real."""
+        c = self.start_consumer(dlq_topic=REFUSED_DLQ)
+        self.tally.rebalances += 1
+        self.tally.dlq_faults += 1
+        self._fault(f"consumer {c.name} joins with a dead-letter topic the broker refuses")
+        time.sleep(self.rng.uniform(10, 15))
+        m = c.metrics()
+        c.proc.send_signal(signal.SIGTERM)
+        try:
+            c.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            c.proc.kill()
+        self.tally.rebalances += 1
+        self.say(
+            f"consumer {c.name} leaves (SIGTERM) with {m.get('rlrec_dead_letters_pending', 0):.0f} dead letters "
+            f"unacknowledged, {m.get('rlrec_dead_letter_failures_total', 0):.0f} failed deliveries"
+        )
+
     def storage_fault(self) -> None:
         if self._fault_thread is not None:
             self._fault_thread.join()
         stall_s, stall_for = self.rng.uniform(0.3, 1.0), self.rng.uniform(2, 5)
         fail_for, swallow = self.rng.uniform(3, 8), self.rng.randint(2, 6)
+        if self.tally.storage_faults == 0:  # the first outage outlasts the episode timeout twice
+            fail_for = 2 * EPISODE_TIMEOUT_S + 1
         self.tally.storage_faults += 1
         self._fault(
             f"storage fault: every request stalls {stall_s:.2f}s for {stall_for:.1f}s, then 503s for "
@@ -381,6 +415,7 @@ class Chaos:
         plan = [(self.rng.uniform(lo, hi), "kill") for _ in range(cfg.kills)]
         plan += [(self.rng.uniform(lo, hi), "join") for _ in range(cfg.joins)]
         plan += [(self.rng.uniform(lo, hi), "storage") for _ in range(cfg.storage_faults)]
+        plan += [(self.rng.uniform(lo, hi), "dlq") for _ in range(cfg.dlq_faults)]
         if cfg.broker_restart:
             plan.append((self.rng.uniform(0.3 * cfg.duration, 0.6 * cfg.duration), "broker"))
         return sorted(plan)
@@ -419,9 +454,13 @@ class Chaos:
             for at, what in self._timeline():
                 while time.monotonic() < t_start + at:
                     time.sleep(0.2)
-                {"kill": self.kill, "join": self.join, "storage": self.storage_fault, "broker": self.restart_broker}[
-                    what
-                ]()
+                {
+                    "kill": self.kill,
+                    "join": self.join,
+                    "storage": self.storage_fault,
+                    "dlq": self.dlq_fault,
+                    "broker": self.restart_broker,
+                }[what]()
                 self.say(f"committed so far: {len(self.committed_ids())} episodes")
             if self._fault_thread is not None:
                 self._fault_thread.join()
@@ -441,13 +480,19 @@ class Chaos:
                 f"({sum(s['duplicate_messages'] for s in stats)} duplicate sends)"
             )
             scan = scan_topic(self.broker.bootstrap_servers, self.topic, cfg.partitions)
-            if scan.messages != sum(s["messages"] for s in stats):
+            if scan.messages - scan.decisions != sum(s["messages"] for s in stats):
                 problems.append(
-                    f"the topic holds {scan.messages} messages, producers delivered {sum(s['messages'] for s in stats)}"
+                    f"the topic holds {scan.messages} messages ({scan.decisions} consumers' decisions), "
+                    f"producers delivered {sum(s['messages'] for s in stats)}"
                 )
             expected = {eid for eid, t in truth.items() if t.committed}
             if not self._wait_drained(expected, scan.end_offsets, timeout=300 + 0.1 * cfg.episodes):
                 problems.append("timed out waiting for every episode to commit and offsets to reach the end")
+            self.tally.dead_letters_unacked = sum(
+                int(c.metrics().get("rlrec_dead_letters_pending", 0)) for c in self.alive()
+            )
+            if self.tally.dead_letters_unacked:
+                problems.append(f"{self.tally.dead_letters_unacked} dead letters unacknowledged when the run ends")
             for c in self.alive():
                 c.proc.send_signal(signal.SIGTERM)
             for c in self.consumers:
@@ -494,17 +539,20 @@ class Chaos:
             ("kills (kill -9)", tl.kills),
             ("rebalances (membership changes)", tl.rebalances),
             ("partition claims after the first", v.claims),
-            ("storage fault windows", tl.storage_faults),
+            ("storage fault windows (the first longer than 2 episode timeouts)", tl.storage_faults),
+            ("consumers with a refused dead-letter topic", tl.dlq_faults),
             ("broker restarts", tl.broker_restarts),
             (
                 "delayed rewards applied / dead-lettered late / both",
                 f"{v.rewards_applied} / {v.rewards_dead_lettered} / {v.rewards_both}",
             ),
             ("dead letters", ", ".join(f"{k}={n}" for k, n in sorted(v.dead_letters.items())) or "0"),
+            ("  of which re-sent steps after an earlier owner's commit", v.resent_dead_lettered),
             ("mismatched", v.mismatched),
             ("inspect --verify", "ok" if verify_rc == 0 else f"rc={verify_rc}"),
             ("lost", v.lost),
             ("duplicated", v.duplicated),
+            ("dead letters unacknowledged at the end", tl.dead_letters_unacked),
             ("time", f"{elapsed:.0f}s"),
         ]
         for k, val in rows:
@@ -524,5 +572,5 @@ class Chaos:
         (self.work / "result.json").write_text(json.dumps(result, indent=2, default=str))
         self.console.print(f"logs and result.json in {self.work}")
         self.console.file.flush()
-        print(f"lost={v.lost} duplicated={v.duplicated}", flush=True)
+        print(f"lost={v.lost} duplicated={v.duplicated} dead_letters_unacked={tl.dead_letters_unacked}", flush=True)
         return 0 if ok else 1

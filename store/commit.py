@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 from rlrec.producer.events import load_schemas
 from rlrec.store.finished import FinishedEpisode
-from rlrec.store.manifest import SNAPSHOT_EVERY, ConflictError, PartitionLog, ShardEntry, default_writer_id
+from rlrec.store.manifest import SNAPSHOT_EVERY, ConflictError, FencedError, PartitionLog, ShardEntry, default_writer_id
 from rlrec.store.shards import EncodedShard, encode_shard
 from rlrec.store.storage import Storage
 
@@ -286,6 +286,8 @@ class ShardCommitter:
                 sum(fe.episode_id in taken for fe in eps),
             )
             return None, [fe for fe in eps if fe.episode_id not in taken]
+        except FencedError:  # certain: nothing of this writer's lands from now on
+            raise
         except Exception as e:  # StorageError: the entry may have landed; the next append finds out
             self._ambiguous[staging] = shard.data
             raise AmbiguousCommitError(eps, e) from e

@@ -528,7 +528,7 @@ def test_own_landed_entry_is_published_within_one_flush_cycle(faulty_store: Stor
     """The staged-then-conflict sequence (fails on main: the shard stayed in _staging until the
     next owner's claim). The append lands but every attempt is answered 503 (StorageError); the
     consumer gives the episodes back and flushes again; the conflict shows the landed entry."""
-    from rlrec.store.commit import ShardCommitter, read_committed_shard
+    from rlrec.store.commit import AmbiguousCommitError, ShardCommitter, read_committed_shard
 
     st = faulty_store
     c = ShardCommitter(st, TOPIC, 0, fmt="tabular")
@@ -536,8 +536,9 @@ def test_own_landed_entry_is_published_within_one_flush_cycle(faulty_store: Stor
     eps = _episodes(2, seed=0)
     fault_proxy.swallow_matching(1, "/_manifest/", method="PUT")
     fault_proxy.fail_matching(FAST_RETRY.attempts - 1, "/_manifest/", method="PUT")
-    with pytest.raises(StorageError):
+    with pytest.raises(AmbiguousCommitError) as raised:
         c.commit(eps)
+    assert isinstance(raised.value.__cause__, StorageError)
     fault_proxy.clear_rules()
     [landed] = PartitionLog(st, TOPIC, 0).load()[1:]
     assert isinstance(landed, ShardEntry) and st.exists(landed.staging_path) and not st.exists(landed.path)

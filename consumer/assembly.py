@@ -78,8 +78,12 @@ VALIDATE_SPACES = ("strict", "shape", "off")
 #: an `EpisodeAbort` reason of this form is a decision of a consumer: "rlrec:<reason>:<action>"
 DECISION_PREFIX = "rlrec:"
 DECISION_ACTIONS = ("truncate", "dead-letter")
-#: a decision not seen back in the log after this long is taken again
-DECISION_RETRY_S = 30.0
+#: an episode whose decision is on its way counts as gone for the memory caps for this long;
+#: after it (the decision is not read back: a backlog, or the topic refuses our writes) it
+#: counts again and may be evicted
+DECISION_GRACE_S = 30.0
+#: decisions taken because an episode was idle: void if it has stepped since (`Decision`)
+IDLE_DECISIONS = ("timeout", "partition-change")
 
 
 @dataclass(frozen=True)
@@ -87,9 +91,11 @@ class Decision:
     """An early end a consumer decided for an open episode (reason: timeout, capacity,
     partition-change), written as an `EpisodeAbort` to the episode's own partition so that every
     consumer, now or on replay, builds the same episode. A timeout takes effect when the abort is
-    read back (the episode holds every event before it in the log). A capacity eviction frees
-    memory at once: `cut_t` records where the episode was cut (truncate), and a replay that reads
-    the abort cuts it there too; events after the cut are dead-lettered either way."""
+    read back (the episode holds every event before it in the log), and only if the episode has
+    no more steps than when it was found idle (`cut_t`): a step that reached the log before the
+    abort voids it, on every pass alike. A capacity eviction frees memory at once: `cut_t`
+    records where the episode was cut (truncate), and a replay that reads the abort cuts it
+    there too; events after the cut are dead-lettered either way."""
 
     episode_id: str
     reason: str
@@ -108,7 +114,8 @@ def parse_decision(abort_reason: str) -> tuple[str, str, int | None] | None:
         return None
     body, _, cut = abort_reason[len(DECISION_PREFIX) :].partition("@")
     reason, _, action = body.rpartition(":")
-    if reason not in CONSUMER_REASONS or action not in DECISION_ACTIONS or (cut and not cut.isdigit()):
+    valid_cut = not cut or (len(cut) <= 18 and cut.isascii() and cut.isdecimal())
+    if reason not in CONSUMER_REASONS or action not in DECISION_ACTIONS or not valid_cut:
         return None
     return reason, action, int(cut) if cut else None
 
@@ -229,6 +236,9 @@ class PartitionAssembler:
         self.finished: dict[str, FinishedEpisode] = {}  # in finish order
         self.in_flight: dict[str, FinishedEpisode] = {}  # handed out, commit not yet confirmed
         self.evicted: dict[str, str] = {}  # episode id -> reason, bounded
+        #: episode id -> offset of the latest dead letter made from its events while it was open
+        #: or finished (see `may_write`)
+        self.letters_upto: dict[str, int] = {}
         self.next_offset: int | None = None
         self.counters = Counters()
         self.finished_bytes = 0
@@ -244,6 +254,22 @@ class PartitionAssembler:
     def apply(self, offset: int, event: Any, now: float | None = None) -> list[DeadLetter]:
         """Apply one decoded event at `offset`. Returns dead letters (without raw bytes: the caller
         attaches the original message)."""
+        letters = self._apply(offset, event, now)
+        eid = event.episode_id
+        if letters and (eid in self.open or eid in self.finished):
+            self.letters_upto[eid] = max(self.letters_upto.get(eid, -1), *(dl.offset for dl in letters))
+        return letters
+
+    def may_write(self, fe: FinishedEpisode, first_unacked: int | None) -> bool:
+        """Whether finished episode `fe` may go into a shard now, given the partition's first dead
+        letter the broker has not acknowledged (None: none). A replay skips every event of a
+        committed episode up to its shard's last offset, dead-lettered ones included: so an
+        episode whose own events made dead letters waits until they are all acknowledged, else
+        the next owner would skip, not re-send, a dead letter that was never delivered."""
+        upto = self.letters_upto.get(fe.episode_id)
+        return upto is None or first_unacked is None or upto < first_unacked
+
+    def _apply(self, offset: int, event: Any, now: float | None) -> list[DeadLetter]:
         now = time.time() if now is None else now
         self.next_offset = offset + 1
         self.counters.events += 1
@@ -309,7 +335,7 @@ class PartitionAssembler:
                 fe.last_offset = offset
                 self.counters.rewards_applied += 1
                 return []
-            if isinstance(event, StepBatch) and event.t0 >= fe.length:
+            if isinstance(event, StepBatch) and event.t0 + event.n > fe.length:  # reaches past the end
                 reason = self.evicted.get(eid, "step-after-end")  # cut short by us: that reason
                 return [DeadLetter(reason, f"episode {eid} ended after {fe.length} steps; t0={event.t0}", offset)]
             self.counters.duplicates += 1
@@ -444,13 +470,14 @@ class PartitionAssembler:
         return out
 
     def decide(self, eid: str, reason: str, action: str, now: float | None = None) -> Decision | None:
-        """A decision to end open episode `eid` early (None if one is already on its way)."""
+        """A decision to end open episode `eid` early (None if one is already on its way: the
+        decision is sent until the broker acknowledges it, so it is taken once)."""
         ep = self.open.get(eid)
         now = time.time() if now is None else now
-        if ep is None or (ep.decided_at is not None and now - ep.decided_at < DECISION_RETRY_S):
+        if ep is None or ep.decided_at is not None:
             return None
         ep.decided_at = now
-        return Decision(eid, reason, action)
+        return Decision(eid, reason, action, cut_t=ep.t)
 
     def _on_decision(
         self, offset: int, ev: EpisodeAbort, reason: str, action: str, cut_t: int | None, *, now: float
@@ -459,7 +486,9 @@ class PartitionAssembler:
         open (a timeout; or a replay of an eviction this pass did not make); else a no-op."""
         eid = ev.episode_id
         ep = self.open.get(eid)
-        if ep is None:
+        if ep is None or (reason in IDLE_DECISIONS and cut_t is not None and ep.t > cut_t):
+            if ep is not None:  # it stepped after it was found idle: not idle after all
+                ep.decided_at = None
             self.counters.decisions_superseded += 1
             return []
         self.counters.decisions += 1
@@ -569,6 +598,7 @@ class PartitionAssembler:
         """Re-encode everything received for `ep` as dead letters, so nothing vanishes."""
         eid = ep.start.episode_id
         self._remember_evicted(eid, reason)
+        self.letters_upto.pop(eid, None)
         out = []
         events = [ep.start, *ep.batches, *ep.rewards_later]
         offsets = [ep.first_offset, *ep.batch_offsets, *ep.reward_offsets]
@@ -579,11 +609,18 @@ class PartitionAssembler:
 
     # -- hand-off to the writer ---------------------------------------------------------------
 
-    def ready(self, now: float | None = None, force: bool = False) -> list[FinishedEpisode]:
-        """Finished episodes past the reward join window (all of them with `force`)."""
+    def ready(
+        self, now: float | None = None, force: bool = False, first_unacked: int | None = None
+    ) -> list[FinishedEpisode]:
+        """Finished episodes past the reward join window (all of them with `force`) that may be
+        written given the first unacknowledged dead letter (`may_write`)."""
         now = time.time() if now is None else now
         limit = now - self.config.reward_join_window_s
-        return [fe for fe in self.finished.values() if force or fe.finished_at <= limit]
+        return [
+            fe
+            for fe in self.finished.values()
+            if (force or fe.finished_at <= limit) and self.may_write(fe, first_unacked)
+        ]
 
     def hand_out(self, episodes: Iterable[FinishedEpisode]) -> None:
         """The writer takes these: no more rewards are applied to them."""
@@ -594,6 +631,7 @@ class PartitionAssembler:
     def mark_committed(self, episodes: Iterable[FinishedEpisode], entry_last_offset: int) -> None:
         for fe in episodes:
             self.in_flight.pop(fe.episode_id, None)
+            self.letters_upto.pop(fe.episode_id, None)
             self.committed[fe.episode_id] = entry_last_offset
             self.committed_steps[fe.episode_id] = fe.length
 
@@ -601,6 +639,7 @@ class PartitionAssembler:
         """A handed-out episode the shard format cannot encode (dead-lettered by the caller): it
         leaves for good; its later events are dead-lettered `unwritable` too."""
         self.in_flight.pop(fe.episode_id, None)
+        self.letters_upto.pop(fe.episode_id, None)
         self._remember_evicted(fe.episode_id, "unwritable")
 
     def give_back(self, episodes: Iterable[FinishedEpisode]) -> None:

@@ -44,7 +44,14 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
-from rlrec.consumer.assembly import VALIDATE_SPACES, AssemblyConfig, DeadLetter, Decision, finished_events
+from rlrec.consumer.assembly import (
+    DECISION_GRACE_S,
+    VALIDATE_SPACES,
+    AssemblyConfig,
+    DeadLetter,
+    Decision,
+    finished_events,
+)
 from rlrec.consumer.dead_letters import DeadLetterQueue, dead_letter_record
 from rlrec.consumer.metrics import ConsumerMetrics
 from rlrec.consumer.topics import client_settings, create_topics, dlq_topic_name
@@ -348,7 +355,13 @@ class RecorderConsumer:
             w.unclaimed(10.0, w.state)
             return
         tp.offset = committed if committed >= 0 else -2  # OFFSET_BEGINNING
-        self.consumer.seek(tp)
+        try:
+            self.consumer.seek(tp)
+        except KafkaException as e:  # reading on from elsewhere would skip or repeat events
+            log.warning("partition %d: seek to the committed offset failed (%s); claiming again", p, e)
+            w.unclaimed(1.0)
+            self._sync_pause(p, w)
+            return
         self._committed.pop(p, None)
         self._sync_pause(p, w)
         log.info("partition %d: claimed again; replaying from offset %s", p, committed)
@@ -463,9 +476,11 @@ class RecorderConsumer:
         except Exception as e:  # not even re-encodable: a summary, so the DLQ still says what was lost
             summary = {"episode_id": eid, "steps": fe.length, "error": f"{type(e).__name__}: {e}"[:500]}
             records = [(json.dumps(summary).encode(), [])]
-        # the start's offset, then the episode's last: the batch holds every step up to there
-        for (value, headers), offset in zip(records, [fe.first_offset, fe.last_offset]):
-            self._dead_letter(None, DeadLetter(reason, detail, offset, eid.encode(), value, headers), p)
+        # both at the start's offset: until every record is acknowledged, the commit stays
+        # before the episode's first event (a later offset would let an unacknowledged record's
+        # steps fall behind the commit)
+        for value, headers in records:
+            self._dead_letter(None, DeadLetter(reason, detail, fe.first_offset, eid.encode(), value, headers), p)
 
     # -- infrastructure: the schema registry ---------------------------------------------------
 
@@ -483,8 +498,12 @@ class RecorderConsumer:
         self._pause(p, "registry")
         try:
             self.consumer.seek(TopicPartition(self.config.topic, p, offset))
-        except KafkaException as e:
+        except KafkaException as e:  # reading on would skip this message: start over instead
             log.warning("partition %d: seek to %d failed (%s); replaying from the committed offset", p, offset, e)
+            w = self.writers.get(p)
+            if w is not None:
+                w.unclaimed(1.0)  # its reclaim seeks to the committed offset
+                self._sync_pause(p, w)
 
     def _registry_ok(self, p: int) -> None:
         if self._registry_retry.pop(p, None) is not None:
@@ -520,7 +539,7 @@ class RecorderConsumer:
         total_ready_bytes = sum(w.assembler.finished_bytes for w in self.writers.values() if w.assembler)
         over_budget = total_ready_bytes > cfg.max_buffered_bytes
         for p, w in list(self.writers.items()):
-            if w.due(now, over_budget):
+            if w.due(now, over_budget, self._first_unacked(p)):
                 self._flush_partition(p, force=False, now=now)
         self._hold_back_over_budget()
         if self.dlq is not None:
@@ -559,8 +578,14 @@ class RecorderConsumer:
         """Evict the longest-idle open episodes over max_open_episodes or max_open_bytes."""
         cfg = self.config
         assemblers = [(p, w.assembler) for p, w in self.writers.items() if w.assembler]
-        # episodes with a timeout decision on its way count as gone already (they go when it is read back)
-        going = [(p, ep) for p, a in assemblers for ep in a.open.values() if ep.decided_at is not None]
+        # episodes with a timeout decision on its way count as gone already (they go when it is
+        # read back) -- for DECISION_GRACE_S: a decision never read back must not pin memory
+        now = time.time()
+
+        def going_soon(ep: Any) -> bool:
+            return ep.decided_at is not None and now - ep.decided_at < DECISION_GRACE_S
+
+        going = [(p, ep) for p, a in assemblers for ep in a.open.values() if going_soon(ep)]
         count = sum(len(a.open) for _, a in assemblers) - len(going)
         nbytes = sum(a.open_nbytes for _, a in assemblers) - sum(ep.nbytes for _, ep in going)
         if count <= cfg.max_open_episodes and nbytes <= cfg.max_open_bytes:
@@ -571,7 +596,7 @@ class RecorderConsumer:
             (ep.last_event_at, p, eid, ep.nbytes)
             for p, a in assemblers
             for eid, ep in a.open.items()
-            if ep.decided_at is None
+            if not going_soon(ep)
         )
         over_count = count - cfg.max_open_episodes
         if nbytes <= cfg.max_open_bytes:
@@ -583,7 +608,6 @@ class RecorderConsumer:
                     break
                 victims.append(item)
                 nbytes -= item[3]
-        now = time.time()
         for _, p, eid, _n in victims:
             a = self.writers[p].assembler
             first_offset = a.open[eid].first_offset
@@ -642,7 +666,7 @@ class RecorderConsumer:
         w = self.writers.get(p)
         if w is None or w.assembler is None:
             return
-        t = w.tick(now, force=force)
+        t = w.tick(now, force=force, first_unacked=self._first_unacked(p))
         if t.fenced:
             self.metrics.fenced.inc()
         if t.failed is not None:
@@ -653,6 +677,11 @@ class RecorderConsumer:
         for f in t.flushed:
             self.metrics.on_commit(f.result, f.seconds, f.episodes)
         self._sync_pause(p, w)
+
+    def _first_unacked(self, p: int) -> int | None:
+        """Partition p's first dead letter the broker has not acknowledged (None: none): the
+        offset commit stops there, and episodes with dead letters after it wait to be written."""
+        return self.dlq.min_unacked(p) if self.dlq is not None else None
 
     def _pause(self, p: int, reason: str = "requested") -> None:
         """Stop reading partition p for `reason`; it is read again once every reason is resumed."""
@@ -686,7 +715,7 @@ class RecorderConsumer:
             if w.assembler is None:
                 continue
             off = w.assembler.safe_offset()
-            unacked = self.dlq.min_unacked(p) if self.dlq is not None else None
+            unacked = self._first_unacked(p)
             if off is not None and unacked is not None:
                 off = min(off, unacked)
             if off is not None and off > self._committed.get(p, -1):

@@ -159,7 +159,7 @@ class PartitionWriter:
 
     # -- rotation and writing -----------------------------------------------------------------
 
-    def due(self, now: float, over_budget: bool = False) -> bool:
+    def due(self, now: float, over_budget: bool = False, first_unacked: int | None = None) -> bool:
         """Whether finished episodes should be written now (a rotation limit, the buffered-bytes
         budget, or a retry that is due)."""
         a = self.assembler
@@ -167,7 +167,7 @@ class PartitionWriter:
             return False
         if self.uncertain or self.state is WriterState.BACKING_OFF:
             return True
-        ready = a.ready(now)
+        ready = a.ready(now, first_unacked=first_unacked)
         if not ready:
             return False
         r = self.rotation
@@ -178,9 +178,10 @@ class PartitionWriter:
             or over_budget
         )
 
-    def tick(self, now: float, *, force: bool = False) -> Tick:
-        """Write what is ready (all finished episodes with `force`): episodes of uncertain
-        appends first, then the rest in shards of at most `rotation`'s count and bytes."""
+    def tick(self, now: float, *, force: bool = False, first_unacked: int | None = None) -> Tick:
+        """Write what is ready (all finished episodes with `force`, except those waiting for
+        their dead letters' acknowledgement: `PartitionAssembler.may_write`): episodes of
+        uncertain appends first, then the rest in shards of at most `rotation`'s count and bytes."""
         out = Tick()
         a = self.assembler
         if a is None or self.state not in (WriterState.ACTIVE, WriterState.BACKING_OFF):
@@ -188,7 +189,7 @@ class PartitionWriter:
         chunks: list[list[FinishedEpisode]] = []
         if self.uncertain:
             chunks.append(self.uncertain)
-        ready = a.ready(now, force=force)
+        ready = a.ready(now, force=force, first_unacked=first_unacked)
         cur: list[FinishedEpisode] = []
         cur_bytes = 0
         for fe in ready:

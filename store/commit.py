@@ -110,8 +110,10 @@ class ShardCommitter:
         self._attempt = 0
         #: committed by this writer, not yet published: seq -> (entry, shard bytes)
         self._pending: dict[int, tuple[ShardEntry, bytes]] = {}
-        #: staged attempts whose append raised (the entry may have landed): staging path -> bytes
-        self._ambiguous: dict[str, bytes] = {}
+        #: staged attempts whose append raised (the entry may have landed): staging path ->
+        #: (episode ids, shard). A retry of the same episodes re-uses its name and bytes, so one
+        #: copy is kept per set of episodes however often the append fails.
+        self._ambiguous: dict[str, tuple[frozenset[str], str, EncodedShard]] = {}
         self._publish_failures = 0
         self._next_publish = 0.0
 
@@ -245,8 +247,13 @@ class ShardCommitter:
     ) -> tuple[ShardEntry | None, list[FinishedEpisode]]:
         first = min(fe.first_offset for fe in eps)
         last = max(fe.last_offset for fe in eps)
-        self._attempt += 1
-        name = f"{self.topic}+{self.partition:05d}+{first:020d}+{last:020d}+e{self.epoch}.{self._attempt}.parquet"
+        ids = frozenset(fe.episode_id for fe in eps)
+        again = next(((n, sh) for i, n, sh in self._ambiguous.values() if i == ids), None)
+        if again is not None:  # the retry of an append with an unknown outcome: the same attempt
+            name, shard = again
+        else:
+            self._attempt += 1
+            name = f"{self.topic}+{self.partition:05d}+{first:020d}+{last:020d}+e{self.epoch}.{self._attempt}.parquet"
         path = f"{policy_id}/{name}"
         staging = f"{policy_id}/_staging/{name}"
         self.storage.write(staging, shard.data)  # 2. stage
@@ -289,7 +296,7 @@ class ShardCommitter:
         except FencedError:  # certain: nothing of this writer's lands from now on
             raise
         except Exception as e:  # StorageError: the entry may have landed; the next append finds out
-            self._ambiguous[staging] = shard.data
+            self._ambiguous[staging] = (ids, name, shard)
             raise AmbiguousCommitError(eps, e) from e
         self._ambiguous.clear()  # entry `seq` was free: no earlier attempt landed
         try:
@@ -304,7 +311,7 @@ class ShardCommitter:
         raised although it landed) are committed and must be published now."""
         for e in entries:
             if isinstance(e, ShardEntry) and e.staging_path in self._ambiguous and e.seq is not None:
-                self._pending[e.seq] = (e, self._ambiguous.pop(e.staging_path))
+                self._pending[e.seq] = (e, self._ambiguous.pop(e.staging_path)[2].data)
         if self._pending:
             self.publish_pending(force=True)
 

@@ -161,13 +161,72 @@ def test_timeouts_are_decided_in_live_time_and_applied_when_read_back():
     ]
     assert a.decide_timeouts(now=157.0) == []  # once: the decision is on its way
     assert "a" in a.open  # nothing happens until the decisions are read back from the log
-    a.apply(3, steps("a", 2, 1), now=158.0)  # a step before the decision in the log still counts
+    a.apply(3, steps("a", 2, 1), now=158.0)  # a step before the decision in the log voids it
     dls = _decided(a, decisions, 4, now=159.0)
+    assert "a" in a.open and a.open["a"].t == 3 and a.counters.decisions_superseded == 1
+    assert [d.reason for d in dls] == ["empty-episode"]  # b had no steps: it was idle, it ends
+    [again] = a.decide_timeouts(now=170.0)  # idle once more: decided anew, at its new length
+    assert again.cut_t == 3
+    assert _decided(a, [again], 6, now=171.0) == []
     fe = a.finished["a"]
-    assert fe.truncated and not fe.terminated and fe.length == 3 and fe.last_offset == 4
-    assert [d.reason for d in dls] == ["empty-episode"]  # b had no steps
-    assert [d.reason for d in a.apply(6, steps("a", 3, 1))] == ["timeout"]  # ended by a timeout
-    assert _decided(a, decisions[:1], 7, now=160.0) == [] and a.counters.decisions_superseded == 1
+    assert fe.truncated and not fe.terminated and fe.length == 3 and fe.last_offset == 6
+    assert [d.reason for d in a.apply(7, steps("a", 3, 1))] == ["timeout"]  # ended by a timeout
+    assert _decided(a, [again], 8, now=172.0) == [] and a.counters.decisions_superseded == 2
+
+
+def test_a_late_timeout_never_cuts_an_episode_that_stepped_again():
+    """An outage the consumer took for idleness: the producer's steps reach the log before the
+    consumer's timeout. Every pass (live or replay) reads the steps first and voids the timeout."""
+    log = [start("a"), steps("a", 0, 2)]
+    a = PartitionAssembler("t", 0, config=AssemblyConfig(episode_timeout_s=5))
+    for i, ev in enumerate(log):
+        a.apply(i, ev, now=100.0)
+    a.live_since = 100.0
+    [d] = a.decide_timeouts(now=106.0)
+    log += [steps("a", 2, 2, terminated=True), decode(*encode(d.abort()))]
+    for now in (106.0, 1e9):  # live, then a replay much later
+        r = PartitionAssembler("t", 0, config=AssemblyConfig(episode_timeout_s=5))
+        assert [dl for i, ev in enumerate(log) for dl in r.apply(i, ev, now=now)] == []
+        fe = r.finished["a"]
+        assert fe.terminated and not fe.truncated and fe.length == 4
+
+
+def test_an_episode_waits_for_the_acknowledgement_of_its_own_dead_letters():
+    """A replay skips a committed episode's events up to its shard's last offset, dead-lettered
+    ones too: an episode is written only once the dead letters of its events are acknowledged
+    (else the next owner would skip a dead letter that never reached the broker)."""
+    a = PartitionAssembler("t", 0)
+    a.apply(0, start("a"))
+    a.apply(1, steps("a", 0, 2))
+    assert _reasons(a.apply(2, steps("a", 5, 1))) == [("gap", 2)]
+    a.apply(3, start("b"))
+    a.apply(4, steps("b", 0, 1, terminated=True))
+    a.apply(5, steps("a", 2, 1, terminated=True))
+    ready = lambda first_unacked: sorted(fe.episode_id for fe in a.ready(force=True, first_unacked=first_unacked))  # noqa: E731
+    assert ready(None) == ["a", "b"]  # every dead letter acknowledged
+    assert ready(2) == ["b"]  # a's gap letter unacknowledged: a waits, b (no letters) does not
+    assert ready(1) == ["b"]  # an earlier letter (any episode's) unacknowledged: a waits too
+    assert ready(3) == ["a", "b"]  # a's letters acknowledged
+    a.hand_out(a.ready(force=True))
+    a.mark_committed(list(a.in_flight.values()), 5)
+    assert a.letters_upto == {}  # forgotten once committed: memory does not grow
+
+
+def test_a_step_batch_reaching_past_a_finished_end_is_dead_lettered():
+    a = PartitionAssembler("t", 0)
+    a.apply(0, start("a"))
+    a.apply(1, steps("a", 0, 3, terminated=True))
+    assert a.apply(2, steps("a", 0, 3)) == [] and a.counters.duplicates == 1  # a re-send: held already
+    assert _reasons(a.apply(3, steps("a", 2, 2))) == [("step-after-end", 3)]  # steps 3.. are new
+
+
+def test_decision_cuts_must_be_short_ascii_numbers():
+    from rlrec.consumer.assembly import parse_decision
+
+    assert parse_decision("rlrec:capacity:truncate@12") == ("capacity", "truncate", 12)
+    for cut in ("\u00b2", "1" * 5000, "-1", "1e3", ""):
+        bad = f"rlrec:capacity:truncate@{cut}"
+        assert parse_decision(bad) is None or cut == "", cut
 
 
 def test_timeout_dead_letter_decision():

@@ -15,9 +15,10 @@ from rlrec.consumer.service import ConsumerConfig
 from rlrec.consumer.topics import create_topics, dlq_topic_name
 from rlrec.local import FAST_GROUP_KAFKA
 from rlrec.producer import EpisodeRecorder
-from rlrec.producer.events import schema_header
+from rlrec.producer.events import RewardDelta, encode, schema_header
 from rlrec.store.storage import Storage
 from tests.helpers import ACT_SPACE, OBS_SPACE, record_episodes, wait_for
+from tests.test_assembly import start, steps
 from tests.test_consumer_e2e import committed_episodes, drain_dlq, read_all, run_consumer
 
 REFUSED_TOPIC = "bad topic!"  # Tansu refuses it at delivery: "Broker: Invalid topic"
@@ -131,6 +132,16 @@ def test_consumer_offset_waits_for_an_unacknowledged_dead_letter(broker, tmp_pat
         headers=schema_header("StepBatch"),
         on_delivery=lambda err, msg: where.update(offset=msg.offset()),
     )
+    # episode "x" makes a dead letter of its own (a reward for a step it never had) and ends:
+    # it must wait for that letter's acknowledgement (a replay would skip, not re-send, it)
+    for ev in (
+        start("x"),
+        steps("x", 0, 2),
+        RewardDelta("x", 99, 1.0),
+        steps("x", 2, 1, terminated=True),
+    ):
+        value, headers = encode(ev)
+        raw.produce(topic, value, b"x", headers=headers)
     assert raw.flush(10) == 0
     truth.update(record_episodes(rec, 3, seed=2))
     assert rec.flush(10) == 0
@@ -164,6 +175,7 @@ def test_consumer_offset_waits_for_an_unacknowledged_dead_letter(broker, tmp_pat
         time.sleep(1.0)
         assert committed() == where["offset"]  # held at the unacknowledged dead letter
         assert c.dlq.min_unacked(0) == where["offset"] and c.metrics.dead_letter_failures._value.get() >= 1
+        assert "x" not in read_all(storage) and "x" in c.writers[0].assembler.finished  # waits
     finally:
         c.stop()
         t.join(30)
@@ -178,6 +190,9 @@ def test_consumer_offset_waits_for_an_unacknowledged_dead_letter(broker, tmp_pat
         rec.close()
     letters = drain_dlq(broker.bootstrap_servers, topic, 4)
     assert [(dict(m.headers())["rlrec-source-offset"], m.key()) for m in letters] == [
-        (str(where["offset"]).encode(), b"poison")
+        (str(where["offset"]).encode(), b"poison"),
+        (str(where["offset"] + 3).encode(), b"x"),  # x's bad reward, re-sent by the replay
     ]
-    assert set(read_all(storage)) == set(truth)  # every good episode once (read_all checks duplicates)
+    assert dict(letters[1].headers())["rlrec-dlq-reason"] == b"bad-reward-t"
+    # every good episode once (read_all checks duplicates), and x with its steps
+    assert set(read_all(storage)) == set(truth) | {"x"} and len(read_all(storage)["x"][0]) == 3

@@ -553,6 +553,32 @@ def test_own_landed_entry_is_published_within_one_flush_cycle(faulty_store: Stor
     assert verify(st) == []
 
 
+def test_retries_of_an_uncertain_append_keep_one_copy(faulty_store: Storage, fault_proxy: FaultProxy) -> None:
+    """Every failed append of the same episodes targets the same entry: the retry re-uses the
+    attempt's name and bytes (one copy in memory, one staged file), and the landed one is
+    published when the conflict reveals it."""
+    from rlrec.store.commit import AmbiguousCommitError, ShardCommitter
+
+    st = faulty_store
+    c = ShardCommitter(st, TOPIC, 2, fmt="tabular")
+    c.claim()
+    eps = _episodes(2, seed=4)
+    fault_proxy.swallow_matching(1, "/_manifest/", method="PUT")  # the first attempt lands
+    fault_proxy.fail_matching(FAST_RETRY.attempts - 1, "/_manifest/", method="PUT")
+    for _ in range(3):
+        with pytest.raises(AmbiguousCommitError):
+            c.commit(eps)
+        fault_proxy.clear_rules()
+        fault_proxy.fail_matching(FAST_RETRY.attempts, "/_manifest/", method="PUT")
+    assert len(c._ambiguous) == 1
+    fault_proxy.clear_rules()
+    res = c.commit(eps)
+    assert res.shards == 0 and res.duplicates_dropped == 2 and c._ambiguous == {}
+    [landed] = PartitionLog(st, TOPIC, 2).load()[1:]
+    assert st.exists(landed.path) and st.list(f"{landed.policy_id}/_staging") == []
+    assert verify(st) == []
+
+
 def test_failed_publish_is_rolled_forward_by_the_next_cycle(faulty_store: Storage, fault_proxy: FaultProxy) -> None:
     """Fails on main (a failed publish waited for the next owner's claim). Publishing copies the
     staged object (S3 CopyObject: a PUT with x-amz-copy-source); the proxy fails those."""

@@ -105,8 +105,9 @@ class DeadLetters:
     reasons: Counter = field(default_factory=Counter)  # messages per reason
     late_rewards: set[tuple[str, int, float]] = field(default_factory=set)  # (episode, t, reward)
     empty: set[str] = field(default_factory=set)  # episodes dead-lettered as empty-episode
-    #: step batches after a committed episode's end: a producer's re-sends the consumer could not
-    #: tell from new steps (the episode was committed by an earlier owner); checked against the truth
+    #: step batches after a committed episode's end and starts of committed episodes: a producer's
+    #: re-sends the consumer could not tell from new events (the episode was committed by an
+    #: earlier owner); checked against the truth
     after_end: list = field(default_factory=list)
     other: list[str] = field(default_factory=list)  # anything else: unexpected in a chaos run
 
@@ -128,6 +129,8 @@ def scan_dead_letters(bootstrap: str, topic: str, partitions: int) -> DeadLetter
             d.empty.add(ev.episode_id)
         elif reason == "step-after-end" and isinstance(ev, StepBatch):
             d.after_end.append(ev)
+        elif reason == "duplicate-start" and isinstance(ev, EpisodeStart):
+            d.after_end.append(ev)  # a re-sent start after an earlier owner committed the episode
         else:
             d.other.append(
                 f"{reason}: {type(ev).__name__} of episode {ev.episode_id}: "
@@ -160,7 +163,7 @@ class Verdict:
     rewards_applied: int = 0
     rewards_dead_lettered: int = 0
     rewards_both: int = 0  # applied after a consumer that dead-lettered it died (see the report)
-    resent_dead_lettered: int = 0  # producer re-sends after a commit by an earlier owner (step-after-end)
+    resent_dead_lettered: int = 0  # re-sends after a commit by an earlier owner (step-after-end, duplicate-start)
     dead_letters: dict = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
 
@@ -248,8 +251,14 @@ def check(
     v.lost = len(lost)
     v.problems += [f"lost episode {eid} ({truth[eid].kind}, {len(truth[eid].actions)} steps)" for eid in lost[:20]]
     v.problems += [f"unexpected dead letter: {x}" for x in dlq.other[:20]]
-    for sb in dlq.after_end:  # must be re-sends of steps the committed episode holds, nothing new
+    for sb in dlq.after_end:  # must be re-sends of what the committed episode holds, nothing new
         t = truth.get(sb.episode_id)
+        if isinstance(sb, EpisodeStart):
+            if t is None or not t.committed or not _same(sb.observation[0], t.observations[0]):
+                v.problems.append(f"duplicate-start dead letter that is not a re-send: {sb.episode_id}")
+            else:
+                v.resent_dead_lettered += 1
+            continue
         if t is None or sb.t0 + sb.n > len(t.actions) or not _same(sb.actions[0], t.actions[sb.t0 : sb.t0 + sb.n]):
             v.problems.append(f"step-after-end dead letter that is not a re-send: {sb.episode_id} t0={sb.t0}")
         else:

@@ -547,7 +547,7 @@ class Chaos:
                 f"{v.rewards_applied} / {v.rewards_dead_lettered} / {v.rewards_both}",
             ),
             ("dead letters", ", ".join(f"{k}={n}" for k, n in sorted(v.dead_letters.items())) or "0"),
-            ("  of which re-sent steps after an earlier owner's commit", v.resent_dead_lettered),
+            ("  of which re-sent events after an earlier owner's commit", v.resent_dead_lettered),
             ("mismatched", v.mismatched),
             ("inspect --verify", "ok" if verify_rc == 0 else f"rc={verify_rc}"),
             ("lost", v.lost),

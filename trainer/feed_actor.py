@@ -89,6 +89,8 @@ class ShardFeed:
     ) -> None:
         self.state.ack(counts, t, wait_s, compute_s, updates, consumed)
         if iter_id is not None:
+            by = self.state.stats.rows_streamed_by_learner
+            by[iter_id] = by.get(iter_id, 0) + int(consumed if consumed is not None else sum(counts.values()))
             self._acked[iter_id] = max(seq, self._acked.get(iter_id, 0))
         self._notify()
 

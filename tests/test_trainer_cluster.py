@@ -156,14 +156,21 @@ def _stop(proc: subprocess.Popen) -> str:
     return out.decode(errors="replace")
 
 
+#: the --map-batches-concurrency 2 run doubles this test's time; CI runs concurrency 1 only
+#: (RLREC_TEST_MANUAL=1 runs both: see docs/DEPLOY.md §4 for the measured manual run)
+MANUAL = pytest.mark.skipif(not os.environ.get("RLREC_TEST_MANUAL"), reason="manual run: RLREC_TEST_MANUAL=1")
+
+
 @pytest.mark.slow
 @pytest.mark.broker
+@pytest.mark.parametrize("prelearners", [1, pytest.param(2, marks=MANUAL)])
 def test_two_learners_on_two_nodes_train_on_shards_a_live_consumer_commits(
-    two_nodes, broker, topic, local_s3, tmp_path, monkeypatch
+    prelearners, two_nodes, broker, topic, local_s3, tmp_path, monkeypatch
 ):
     """`rlrec train --ray-address ... --num-learners 2` with the input on S3: every Learner
     streams fresh rows, a shard committed mid-run is trained on within two iterations, each
-    shard is counted new exactly once, SIGTERM checkpoints and --resume continues."""
+    shard is counted new exactly once, SIGTERM checkpoints and --resume continues. With
+    `prelearners=2`, two PreLearner actors (--map-batches-concurrency 2) feed the two Learners."""
     from rlrec.consumer.service import ConsumerConfig, RecorderConsumer
     from rlrec.local import FAST_GROUP_KAFKA
     from rlrec.producer import EpisodeRecorder
@@ -216,10 +223,11 @@ def test_two_learners_on_two_nodes_train_on_shards_a_live_consumer_commits(
         )
         return set(keys()) - before
 
+    mb = ["--map-batches-concurrency", str(prelearners)]
     try:
         commit_more()
         t0 = time.time()
-        proc = _train(two_nodes.address, out, ck, "--num-learners", "2")
+        proc = _train(two_nodes.address, out, ck, "--num-learners", "2", *mb)
         try:
             wait_for(lambda: len(read_metrics(ck)) >= 2, 150, 0.5, what="the first two iterations")
             mid = commit_more()  # committed while training
@@ -249,7 +257,7 @@ def test_two_learners_on_two_nodes_train_on_shards_a_live_consumer_commits(
         assert set(state["trained_shards"]) == set().union(*(set(r["new_shards"]) for r in lines))
 
         down = commit_more()  # committed while the trainer is down
-        proc = _train(two_nodes.address, out, ck, "--num-learners", "2", "--resume")
+        proc = _train(two_nodes.address, out, ck, "--num-learners", "2", "--resume", *mb)
         try:
             wait_for(
                 lambda: down <= set().union(*(set(r["new_shards"]) for r in read_metrics(ck))),

@@ -124,7 +124,9 @@ def two_nodes():
 def _train(address: str, inp: str, ck: str, *extra: str, env: dict | None = None) -> subprocess.Popen:
     args = [sys.executable, "-m", "rlrec", "train", "--input", inp, "--checkpoint-dir", ck, "--ray-address", address]
     args += ["--algo-config", "train_batch_size_per_learner=128", "--offline-config", "dataset_num_iters_per_learner=4"]
-    args += ["--checkpoint-interval", "1000", "--no-publish", *extra]
+    # 2-s iterations: "trained within two iterations" stays meaningful on a busy 2-core box where
+    # a 1-s iteration is shorter than commit -> PreLearner -> Learner under contention
+    args += ["--checkpoint-interval", "1000", "--no-publish", "--min-time-s-per-iteration", "2", *extra]
     return subprocess.Popen(
         args,
         stdout=subprocess.PIPE,
@@ -170,7 +172,8 @@ def test_two_learners_on_two_nodes_train_on_shards_a_live_consumer_commits(
     """`rlrec train --ray-address ... --num-learners 2` with the input on S3: every Learner
     streams fresh rows, a shard committed mid-run is trained on within two iterations, each
     shard is counted new exactly once, SIGTERM checkpoints and --resume continues. With
-    `prelearners=2`, two PreLearner actors (--map-batches-concurrency 2) feed the two Learners."""
+    `prelearners=2`, two read tasks and two PreLearner actors (--read-tasks 2
+    --map-batches-concurrency 2) feed the two Learners."""
     from rlrec.consumer.service import ConsumerConfig, RecorderConsumer
     from rlrec.local import FAST_GROUP_KAFKA
     from rlrec.producer import EpisodeRecorder
@@ -223,7 +226,7 @@ def test_two_learners_on_two_nodes_train_on_shards_a_live_consumer_commits(
         )
         return set(keys()) - before
 
-    mb = ["--map-batches-concurrency", str(prelearners)]
+    mb = ["--map-batches-concurrency", str(prelearners), "--read-tasks", str(prelearners)]
     try:
         commit_more()
         t0 = time.time()
@@ -239,7 +242,8 @@ def test_two_learners_on_two_nodes_train_on_shards_a_live_consumer_commits(
                 what="the mid-run shard trained on",
             )
             trained_in = {k: r["iteration"] for r in read_metrics(ck) for k in r["new_shards"]}
-            assert max(trained_in[k] for k in mid) <= at + 2, (trained_in, at)
+            timing = [(r["iteration"], r["iteration_s"], r["commit_to_train_s_max"]) for r in read_metrics(ck)]
+            assert max(trained_in[k] for k in mid) <= at + 2, (at, [trained_in[k] for k in mid], timing)
             wait_for(lambda: read_metrics(ck)[-1]["iteration"] >= at + 3, 60, 0.3, what="more iterations")
         finally:
             output = _stop(proc)
@@ -251,6 +255,7 @@ def test_two_learners_on_two_nodes_train_on_shards_a_live_consumer_commits(
         fed = [r["rows_streamed_per_learner"] for r in lines]
         assert all(len(f) == 2 and min(f) > 0 for f in fed[1:]), fed
         assert all(r["rows_trained"] > 0 for r in lines)
+        assert lines[-1]["read_tasks_running"] == prelearners  # every read task runs at once
         latest = json.load(open(os.path.join(ck, "checkpoints", "latest.json")))
         assert latest["iteration"] == lines[-1]["iteration"]  # the SIGTERM checkpoint
         state = json.load(open(os.path.join(ck, latest["path"], "trainer.json")))

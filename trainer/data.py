@@ -8,9 +8,11 @@ measurements in docs/TRAINER.md):
   shards), so only committed shards are ever read.
 * A `ShardFeed` actor (wrapping `rlrec.trainer.feed.FeedState`) decides which chunk of which shard is
   read next: fresh shards first (a configurable share), otherwise a chunk from the replay window.
-* The dataset is built ONCE: ``read_datasource(ShardStreamDatasource)`` -- a single read task
-  that never ends: it asks the feed for work, reads the chunk (Arrow), tags every row and yields
-  it -- ``.map_batches(PreLearner)`` -- ``iter_batches`` / ``iterator()`` / ``streaming_split``.
+* The dataset is built ONCE: ``read_datasource(ShardStreamDatasource)`` -- one read task (or
+  ``read_tasks`` of them sharing the feed) that never ends: it asks the feed for work, reads the
+  chunk (Arrow), tags every row and yields it -- ``.map_batches(PreLearner)`` --
+  ``iter_batches`` / ``iterator()`` / ``streaming_split``. A node-local input is read on the
+  driver's node only (`ManifestOfflineData._read_task_placement`).
   New shards enter the running pipeline through the feed; nothing is rebuilt per shard, and the
   Learners' cached iterators (`Learner.iterator`) stay valid for the whole run.
 * `SafeOfflinePreLearner` decodes episode shards with `rlrec.store.episodes.unpack_episode`

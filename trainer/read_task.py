@@ -90,12 +90,23 @@ def _tabular_columns(table: pa.Table, requested: list[str] | None) -> list[str]:
 
 
 def _read_stream(spec: dict) -> Iterable[pa.Table]:
-    """The body of the single, never-ending read task: feed -> chunk -> envelope block."""
+    """The body of each never-ending read task: feed -> chunk -> envelope block."""
     feed = get_feed(spec)
     storage = Storage.from_uri(spec["input"])
     cache = _TableCache(int(spec.get("cache_bytes", 256 << 20)), float(spec.get("cache_ttl_s", 30.0)))
     columns = spec.get("columns")
     verify = bool(spec.get("verify_checksums", True))
+    feed.reader.remote(1)
+    try:
+        yield from _serve(feed, storage, cache, columns, verify)
+    finally:
+        try:
+            feed.reader.remote(-1)
+        except Exception:  # the feed is gone (shutdown)
+            pass
+
+
+def _serve(feed: Any, storage: Storage, cache: _TableCache, columns: list[str] | None, verify: bool):
     while True:
         try:
             w = ray.get(feed.next_work.remote(1.0))

@@ -610,7 +610,9 @@ class ContinuousTrainer:
             rec["eval_return_mean"] = ev
         lat = sorted(t - e.commit_time for k, t in st.newly_trained.items() if (e := od.entry(k)) is not None)
         try:
-            rec["fresh_backlog"] = int(od.summary()["fresh"])
+            summary = od.summary()
+            rec["fresh_backlog"] = int(summary["fresh"])
+            rec["read_tasks_running"] = int(summary.get("read_tasks", 0))
         except Exception:
             pass
         rec.update(

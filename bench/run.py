@@ -295,11 +295,25 @@ ROWS = {
 }
 
 
+def scaleout_rows(r: dict, quick: bool) -> list[Row]:
+    """bench/consumer_scaleout.py: 2 consumer processes vs 1 on 4 partitions (reported, never judged)."""
+    two, one = ([x["steps_per_s"] for x in r["runs"] if x["processes"] == n] for n in (2, 1))
+    rounds = {"ours": two, "baseline": one, "spread": {"ours": r["spread"]["two"], "baseline": r["spread"]["one"]}}
+    ours, base = _num(r, "two_processes_steps_per_s"), _num(r, "one_process_steps_per_s")
+    target = f"reported only ({r['cpu_count']} shared cores: contention, not scaling)"
+    return [Row("scaleout: consumer steps/s, 2 processes vs 1", ours, base, ours / base, target, None, rounds)]
+
+
+#: run only when named in --only (bench/consumer_scaleout.py; minutes, not part of the default run)
+ARGS["scaleout"], TIMEOUTS["scaleout"], ROWS["scaleout"] = ([], ["--quick"]), (1200, 300), scaleout_rows
+
+
 def run_child(name: str, quick: bool, workdir: str) -> dict:
     """Run bench/<name>.py with --json in a child process; returns its JSON result."""
     out = os.path.join(workdir, f"{name}.json")
     log_path = os.path.join(workdir, f"{name}.log")
-    cmd = [sys.executable, os.path.join(HERE, f"{name}.py"), *ARGS[name][quick], "--json", out]
+    script = {"scaleout": "consumer_scaleout"}.get(name, name)
+    cmd = [sys.executable, os.path.join(HERE, f"{script}.py"), *ARGS[name][quick], "--json", out]
     timeout = TIMEOUTS[name][quick]
     with open(log_path, "w") as log:
         try:
@@ -395,9 +409,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep-logs", metavar="DIR", help="keep each child's log and JSON in DIR")
     args = ap.parse_args(argv)
     only = tuple(s.strip() for s in args.only.split(",") if s.strip())
-    unknown = [s for s in only if s not in BENCHES]
+    unknown = [s for s in only if s not in ROWS]
     if unknown or not only:
-        ap.error(f"--only: unknown benchmark(s) {unknown}; choose from {', '.join(BENCHES)}")
+        ap.error(f"--only: unknown benchmark(s) {unknown}; choose from {', '.join(ROWS)}")
     if args.keep_logs:
         os.makedirs(args.keep_logs, exist_ok=True)
     t0 = time.time()

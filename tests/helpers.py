@@ -92,3 +92,27 @@ def wait_for(predicate, timeout: float, interval: float = 0.2, what: str = "cond
             return v
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def read_metrics(ck: str) -> list[dict]:
+    """The trainer's metrics.jsonl lines under checkpoint dir `ck` ([] before the first)."""
+    import json
+    import os
+
+    try:
+        with open(os.path.join(ck, "metrics.jsonl")) as f:
+            return [json.loads(x) for x in f if x.strip()]
+    except FileNotFoundError:
+        return []
+
+
+def assert_each_shard_new_exactly_once(lines, keys):
+    """Every key in `keys` is counted new (``new_shards``) in exactly one metrics line."""
+    seen: dict[str, int] = {}
+    for rec in lines:
+        for k in rec["new_shards"]:
+            assert k not in seen, f"shard {k} counted new in iterations {seen[k]} and {rec['iteration']}"
+            seen[k] = rec["iteration"]
+        assert rec["shards_new"] == len(rec["new_shards"])
+    assert set(seen) == set(keys), (set(keys) - set(seen), set(seen) - set(keys))
+    assert sum(r["shards_new"] for r in lines) == len(keys)

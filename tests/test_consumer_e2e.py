@@ -283,3 +283,82 @@ def test_stock_rllib_bc_trains_on_consumer_shards(broker, topic, tmp_path):
         algo.stop()
     finally:
         ray.shutdown()
+
+
+def test_a_second_consumer_process_joins_mid_run_exactly_once(broker, topic, tmp_path):
+    """Scale-out: a second `rlrec consume` process joins the group while episodes are open and
+    traffic flows. The group rebalances (partitions move to the new process with their open
+    episodes), and every episode is committed exactly once, by one of the two processes."""
+    import signal
+    import subprocess
+    import sys
+
+    output = str(tmp_path / "out")
+    ra, rb = _recorders(broker.bootstrap_servers, topic)
+    rb.close()
+    truth = record_episodes(ra, 20, seed=6)
+    open_ids = [ra.begin_episode(OBS_SPACE.sample()) for _ in range(8)]  # open across the rebalance
+    for eid in open_ids:
+        ra.log_step(eid, 0, 1.0, OBS_SPACE.sample())
+    assert ra.flush(10) == 0
+    group = f"g-{uuid.uuid4().hex[:6]}"
+    cfg = ConsumerConfig(
+        bootstrap_servers=broker.bootstrap_servers,
+        output=output,
+        topic=topic,
+        group_id=group,
+        max_file_age_s=0.3,
+        commit_interval_s=0.3,
+        kafka_config=FAST_GROUP_KAFKA,
+        create_topics=False,
+    )
+    storage = Storage.from_uri(output)
+    a, ta = run_consumer(cfg, storage)
+    proc = None
+    try:
+        wait_for(lambda: committed_episodes(storage) >= 20 and len(a.writers) == 4, 40, what="first process")
+        args = ["consume", "--bootstrap-servers", broker.bootstrap_servers, "--topic", topic, "--group-id", group]
+        args += ["--output", output, "--no-create-topics", "--max-file-age-s", "0.3", "--commit-interval-s", "0.3"]
+        args += [x for k, v in FAST_GROUP_KAFKA.items() for x in ("--kafka-config", f"{k}={v}")]
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "rlrec", *args],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        stop_traffic = threading.Event()
+        seeds = iter(range(100, 10_000))
+
+        def traffic():  # episodes keep arriving while the group rebalances
+            while not stop_traffic.is_set():
+                truth.update(record_episodes(ra, 2, seed=next(seeds)))
+                ra.flush(10)
+                time.sleep(0.1)
+
+        tt = threading.Thread(target=traffic, daemon=True)
+        tt.start()
+        wait_for(lambda: 0 < len(a.writers) < 4, 60, what="the rebalance giving partitions to the new process")
+        for eid in open_ids:  # finish the open episodes after the rebalance
+            ra.log_step(eid, 1, 1.0, OBS_SPACE.sample(), terminated=True)
+        time.sleep(1.0)
+        stop_traffic.set()
+        tt.join(30)
+        assert ra.flush(10) == 0
+        expected = set(truth) | set(open_ids)
+        wait_for(lambda: committed_episodes(storage) >= len(expected), 60, what="every episode committed")
+        time.sleep(1.0)  # a late duplicate would show up here
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        err = proc.communicate(timeout=60)[1] if proc is not None else ""
+        a.stop()
+        ta.join(30)
+        ra.close()
+    assert proc.returncode == 0, err[-3000:]
+    got = read_all(storage)  # raises on an episode committed twice
+    assert set(got) == expected and len(got) == committed_episodes(storage)
+    assert {e.partition for e in read_manifest(storage)} == {0, 1, 2, 3}
+    a_committed = a.metrics.episodes_committed._value.get()
+    assert 0 < a_committed < len(expected)  # both processes committed some episodes
+    assert verify(storage) == []
+    assert drain_dlq(broker.bootstrap_servers, topic) == []

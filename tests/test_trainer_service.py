@@ -23,6 +23,7 @@ from rlrec.store.commit import ShardCommitter
 from rlrec.store.manifest import read_manifest
 from rlrec.store.storage import Storage
 from rlrec.trainer.synthetic import expert_cartpole_episodes, pendulum_episodes
+from tests.helpers import assert_each_shard_new_exactly_once, read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -40,14 +41,6 @@ def ray_cluster():
         yield
     finally:
         ray.shutdown()
-
-
-def read_metrics(ck: str) -> list[dict]:
-    try:
-        with open(os.path.join(ck, "metrics.jsonl")) as f:
-            return [json.loads(x) for x in f if x.strip()]
-    except FileNotFoundError:
-        return []
 
 
 def wait_for(pred, timeout: float, what: str, interval: float = 0.2):
@@ -93,17 +86,6 @@ def cfg(out, ck, **kw):
 
 def new_shards_per_line(lines):
     return [set(x.get("new_shards", ())) for x in lines]
-
-
-def assert_each_shard_new_exactly_once(lines, keys):
-    seen: dict[str, int] = {}
-    for rec in lines:
-        for k in rec["new_shards"]:
-            assert k not in seen, f"shard {k} counted new in iterations {seen[k]} and {rec['iteration']}"
-            seen[k] = rec["iteration"]
-        assert rec["shards_new"] == len(rec["new_shards"])
-    assert set(seen) == set(keys), (set(keys) - set(seen), set(seen) - set(keys))
-    assert sum(r["shards_new"] for r in lines) == len(keys)
 
 
 # ------------------------------------------------------------------------------------- streaming

@@ -8,9 +8,11 @@ measurements in docs/TRAINER.md):
   shards), so only committed shards are ever read.
 * A `ShardFeed` actor (wrapping `rlrec.trainer.feed.FeedState`) decides which chunk of which shard is
   read next: fresh shards first (a configurable share), otherwise a chunk from the replay window.
-* The dataset is built ONCE: ``read_datasource(ShardStreamDatasource)`` -- a single read task
-  that never ends: it asks the feed for work, reads the chunk (Arrow), tags every row and yields
-  it -- ``.map_batches(PreLearner)`` -- ``iter_batches`` / ``iterator()`` / ``streaming_split``.
+* The dataset is built ONCE: ``read_datasource(ShardStreamDatasource)`` -- one read task (or
+  ``read_tasks`` of them sharing the feed) that never ends: it asks the feed for work, reads the
+  chunk (Arrow), tags every row and yields it -- ``.map_batches(PreLearner)`` --
+  ``iter_batches`` / ``iterator()`` / ``streaming_split``. A node-local input is read on the
+  driver's node only (`ManifestOfflineData._read_task_placement`).
   New shards enter the running pipeline through the feed; nothing is rebuilt per shard, and the
   Learners' cached iterators (`Learner.iterator`) stay valid for the whole run.
 * `SafeOfflinePreLearner` decodes episode shards with `rlrec.store.episodes.unpack_episode`
@@ -233,10 +235,12 @@ class ManifestOfflineData(OfflineData):
         """Build the one dataset of the run: stream source -> PreLearner (map_batches)."""
         if not self._started:
             self.start()
+        n_tasks = int(self.spec.get("read_tasks", 1))
         ds = ray.data.read_datasource(
-            ShardStreamDatasource({**self.spec, "columns": self._columns()}),
-            override_num_blocks=1,
+            ShardStreamDatasource({**self.spec, "columns": self._columns()}, num_tasks=n_tasks),
+            override_num_blocks=n_tasks,
             num_cpus=0,
+            ray_remote_args=self._read_task_placement(),
         )
         # every block is one envelope row: emit each as soon as it is yielded (see above)
         ds.context.target_max_block_size = 1
@@ -255,6 +259,19 @@ class ManifestOfflineData(OfflineData):
             **self.map_batches_kwargs,
         )
         self.data_is_mapped = True
+
+    def _read_task_placement(self) -> dict:
+        """A node-local input is read on the driver's node only: a read task scheduled on another
+        node (e.g. one that joined after the start-up check) would find no file and mark the
+        shard missing. Object storage and file:// (shared mount) inputs are read anywhere."""
+        from rlrec.trainer.cluster import is_node_local_path
+
+        if not is_node_local_path(self.path):
+            return {}
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        node = ray.get_runtime_context().get_node_id()
+        return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node, soft=False)}
 
     def _columns(self) -> list[str] | None:
         if self.config.input_read_episodes:
@@ -333,6 +350,7 @@ def configure_continuous(
     prelearner_mode: str = "episodes",
     learner_buffer_rows: int | None = None,
     fresh_share: float = 0.5,
+    read_tasks: int = 1,
 ) -> Any:
     """Make an RLlib offline `config` (BC, MARWIL, CQL, IQL, ...) train continuously on the
     shards committed under `input_uri`. Returns the config (changed in place).
@@ -344,6 +362,8 @@ def configure_continuous(
     has no epochs), PreLearner concurrency 1 unless set, and ``learner_config_dict["rlrec"]``
     with the feed's name and the data-path settings. `learner_buffer_rows` (default 64 x
     train_batch_size_per_learner) and `fresh_share` configure the Learner side (`StreamIterator`).
+    `read_tasks` never-ending read tasks share the feed (more than one helps when reading and
+    decoding shards, not the PreLearner, limits fresh-data throughput).
     """
     if fmt not in ("episodes", "tabular"):
         raise ValueError(f"fmt must be 'episodes' or 'tabular', got {fmt!r}")
@@ -351,6 +371,8 @@ def configure_continuous(
         raise ValueError(f"prelearner_mode must be 'episodes' or 'buffer', got {prelearner_mode!r}")
     if not 0.0 < fresh_share <= 1.0:
         raise ValueError("fresh_share must be in (0, 1]")
+    if int(read_tasks) < 1:
+        raise ValueError("read_tasks must be >= 1")
     pre = config.prelearner_class
     if pre is not None and fmt == "episodes" and not issubclass(pre, SafeOfflinePreLearner):
         raise ValueError(
@@ -409,6 +431,7 @@ def configure_continuous(
         "prelearner_mode": prelearner_mode,
         "learner_buffer_rows": learner_buffer_rows,
         "fresh_share": float(fresh_share),
+        "read_tasks": int(read_tasks),
     }
     config.learners(learner_config_dict={LEARNER_CONFIG_KEY: spec})
     return config

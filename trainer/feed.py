@@ -159,6 +159,7 @@ class IterationStats:
     wait_s: float = 0.0
     compute_s: float = 0.0
     updates: int = 0
+    rows_streamed_by_learner: dict = field(default_factory=dict)  # Learner iterator id -> rows from the stream
 
 
 class FeedState:

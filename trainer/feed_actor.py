@@ -30,6 +30,7 @@ class ShardFeed:
         self.state = FeedState(FeedPolicy(**policy))
         self._event: asyncio.Event | None = None
         self._acked: dict[str, int] = {}
+        self.readers = 0  # read tasks running (they register when they start, leave when they end)
         self.closed = False
 
     def _notify(self) -> None:
@@ -89,6 +90,8 @@ class ShardFeed:
     ) -> None:
         self.state.ack(counts, t, wait_s, compute_s, updates, consumed)
         if iter_id is not None:
+            by = self.state.stats.rows_streamed_by_learner
+            by[iter_id] = by.get(iter_id, 0) + int(consumed if consumed is not None else sum(counts.values()))
             self._acked[iter_id] = max(seq, self._acked.get(iter_id, 0))
         self._notify()
 
@@ -113,8 +116,11 @@ class ShardFeed:
     async def has_fresh(self) -> bool:
         return self.state.has_fresh()
 
+    async def reader(self, delta: int) -> None:
+        self.readers += int(delta)
+
     async def summary(self) -> dict:
-        return self.state.summary()
+        return {**self.state.summary(), "read_tasks": self.readers}
 
     async def close(self) -> None:
         self.closed = True

@@ -90,12 +90,23 @@ def _tabular_columns(table: pa.Table, requested: list[str] | None) -> list[str]:
 
 
 def _read_stream(spec: dict) -> Iterable[pa.Table]:
-    """The body of the single, never-ending read task: feed -> chunk -> envelope block."""
+    """The body of each never-ending read task: feed -> chunk -> envelope block."""
     feed = get_feed(spec)
     storage = Storage.from_uri(spec["input"])
     cache = _TableCache(int(spec.get("cache_bytes", 256 << 20)), float(spec.get("cache_ttl_s", 30.0)))
     columns = spec.get("columns")
     verify = bool(spec.get("verify_checksums", True))
+    feed.reader.remote(1)
+    try:
+        yield from _serve(feed, storage, cache, columns, verify)
+    finally:
+        try:
+            feed.reader.remote(-1)
+        except Exception:  # the feed is gone (shutdown)
+            pass
+
+
+def _serve(feed: Any, storage: Storage, cache: _TableCache, columns: list[str] | None, verify: bool):
     while True:
         try:
             w = ray.get(feed.next_work.remote(1.0))
@@ -133,11 +144,13 @@ def _read_stream(spec: dict) -> Iterable[pa.Table]:
 
 
 class ShardStreamDatasource(ray.data.Datasource):
-    """A Ray Data source with ONE read task that never ends (see `_read_stream`)."""
+    """A Ray Data source of `num_tasks` read tasks (one by default) that never end (see
+    `_read_stream`); they share the feed, so no chunk is read twice."""
 
-    def __init__(self, spec: dict) -> None:
+    def __init__(self, spec: dict, num_tasks: int = 1) -> None:
         super().__init__()
         self.spec = dict(spec)
+        self.num_tasks = max(1, int(num_tasks))
 
     def estimate_inmemory_data_size(self) -> int | None:
         return None
@@ -147,9 +160,10 @@ class ShardStreamDatasource(ray.data.Datasource):
     ) -> list[ray.data.ReadTask]:
         from ray.data.block import BlockMetadata
 
-        spec = self.spec
+        spec = dict(self.spec)  # the table cache budget is shared by the tasks
+        spec["cache_bytes"] = int(spec.get("cache_bytes", 256 << 20)) // self.num_tasks
         meta = BlockMetadata(num_rows=None, size_bytes=None, exec_stats=None, input_files=None)
-        return [ray.data.ReadTask(lambda: _read_stream(spec), meta)]
+        return [ray.data.ReadTask(lambda: _read_stream(spec), meta) for _ in range(self.num_tasks)]
 
     def get_name(self) -> str:
         return "RlrecShardStream"

@@ -105,7 +105,10 @@ class TrainerConfig:
     metrics_port: int | None = None  # Prometheus /metrics; 0 picks a free port
     metrics_host: str = "127.0.0.1"  # 0.0.0.0 in containers
     progress: bool = True
-    num_cpus: int | None = None
+    num_cpus: int | None = None  # a Ray started here; refused with ray_address
+    ray_address: str | None = None  # join a running cluster (else RAY_ADDRESS; else start one here)
+    ray_runtime_env: dict | str | None = None  # extra job runtime_env, e.g. {"py_modules": [...]}
+    read_tasks: int = 1  # never-ending read tasks feeding the PreLearner(s)
     seed: int | None = None
     idle_log_interval_s: float = 30.0
     promotion_gate: bool = False  # publish only candidates not worse than the deployed version
@@ -123,6 +126,18 @@ class TrainerConfig:
             raise ValueError("--eval-interval needs --env (evaluation runs episodes in the environment)")
         if self.promotion_gate and not self.env:
             raise ValueError("--promotion-gate needs --env (candidates are evaluated in the environment)")
+        if self.num_learners < 0:
+            raise ValueError("--num-learners must be >= 0")
+        if self.num_gpus_per_learner < 0:
+            raise ValueError("--num-gpus-per-learner must be >= 0")
+        if self.map_batches_concurrency is not None and self.map_batches_concurrency < 1:
+            raise ValueError("--map-batches-concurrency must be >= 1")
+        if self.read_tasks < 1:
+            raise ValueError("--read-tasks must be >= 1")
+        from rlrec.trainer.cluster import RayPlacement
+
+        #: how this trainer gets its Ray (raises ClusterConfigError, a ValueError, on contradictions)
+        self.placement = RayPlacement.resolve(self.ray_address, self.num_cpus, self.ray_runtime_env)
 
 
 # ---------------------------------------------------------------------------------- helpers
@@ -193,6 +208,7 @@ class ContinuousTrainer:
         self.missing_total = 0
         self.metrics: TrainerMetrics | None = None
         self._started_ray = False
+        self._connected = False
         self.obs_space = self.act_space = None
         self.fmt: str | None = None
         self.last_record: dict | None = None
@@ -369,6 +385,7 @@ class ContinuousTrainer:
             poll_interval_s=cfg.poll_interval_s,
             prelearner_mode=cfg.prelearner_mode,
             cache_ttl_s=cfg.cache_ttl_s,
+            read_tasks=cfg.read_tasks,
         )
         return config
 
@@ -499,6 +516,8 @@ class ContinuousTrainer:
     def setup(self) -> bool:
         import ray
 
+        if self.cfg.placement.address is not None:  # joining a cluster: check it before waiting for data
+            self._connect()
         entries = self._first_shards()
         if not entries:
             return False
@@ -506,11 +525,7 @@ class ContinuousTrainer:
             entries = self._first_shards(skip=self._skip_logged)
             if not entries:
                 return False
-        if not ray.is_initialized():
-            ray.init(num_cpus=self.cfg.num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
-            self._started_ray = True
-        if self.install_signals:  # after ray.init: Ray installs its own SIGTERM handler
-            self.install_signal_handlers()
+        self._connect()
         import ray.data
 
         ctx = ray.data.DataContext.get_current()
@@ -518,6 +533,8 @@ class ContinuousTrainer:
         ctx.print_on_execution_start = False
         config = self.build_config()
         self.algo = config.build_algo()
+        if self.cfg.num_learners:
+            self._log_learner_nodes()
         self.metrics = TrainerMetrics(self.out, self.cfg.metrics_port, self.cfg.progress, self.cfg.metrics_host)
         if self.cfg.resume:
             self._restore()
@@ -530,6 +547,47 @@ class ContinuousTrainer:
             self.metrics.truncate_after(None)
         self.algo.offline_data.start(self.trained)
         return True
+
+    def _connect(self) -> None:
+        """Start or join Ray (once), check the cluster, then install the signal handlers."""
+        import ray
+
+        if self._connected:
+            return
+        if not ray.is_initialized():
+            ray.init(**self.cfg.placement.init_kwargs())
+            self._started_ray = True
+        self._connected = True
+        self._check_cluster()
+        if self.install_signals:  # after ray.init: Ray installs its own SIGTERM handler
+            self.install_signal_handlers()
+
+    def _log_learner_nodes(self) -> None:
+        def node(_learner: Any) -> str:
+            import ray
+
+            return ray.get_runtime_context().get_node_id()
+
+        try:
+            nodes = [r.get() for r in self.algo.learner_group.foreach_learner(node)]
+        except Exception as e:  # informational only
+            log.debug("learner nodes: %s", e)
+            return
+        log.info("%d Learner(s) on %d node(s): %s", len(nodes), len(set(nodes)), ", ".join(n[:8] for n in nodes))
+
+    def _check_cluster(self) -> None:
+        """Refuse what cannot work on this cluster (a node-local input with several nodes)."""
+        from rlrec.trainer.cluster import alive_nodes, check_input_reachable
+
+        nodes = alive_nodes()
+        check_input_reachable(self.cfg.input, len(nodes))
+        if len(nodes) > 1 or self.cfg.placement.address is not None:
+            log.info(
+                "Ray cluster: %d node(s), %s CPUs, %s GPUs",
+                len(nodes),
+                sum(n.get("Resources", {}).get("CPU", 0) for n in nodes),
+                sum(n.get("Resources", {}).get("GPU", 0) for n in nodes),
+            )
 
     def _record(self, result: dict, st: Any, dt: float) -> dict:
         from ray.rllib.core import DEFAULT_MODULE_ID
@@ -552,7 +610,9 @@ class ContinuousTrainer:
             rec["eval_return_mean"] = ev
         lat = sorted(t - e.commit_time for k, t in st.newly_trained.items() if (e := od.entry(k)) is not None)
         try:
-            rec["fresh_backlog"] = int(od.summary()["fresh"])
+            summary = od.summary()
+            rec["fresh_backlog"] = int(summary["fresh"])
+            rec["read_tasks_running"] = int(summary.get("read_tasks", 0))
         except Exception:
             pass
         rec.update(
@@ -561,6 +621,8 @@ class ContinuousTrainer:
                 "iteration_s": round(dt, 3),
                 "rows_trained": st.rows_trained,
                 "rows_streamed": st.rows_streamed,
+                # rows each Learner took from the stream this iteration (fresh data reaching every Learner)
+                "rows_streamed_per_learner": sorted(st.rows_streamed_by_learner.values(), reverse=True),
                 "shards_trained_iter": len(st.seen),
                 "learner_wait_s": round(st.wait_s, 3),
                 "learner_wait_share": round(min(1.0, st.wait_s / dt), 4) if dt > 0 else None,
@@ -653,3 +715,4 @@ class ContinuousTrainer:
 
             ray.shutdown()
             self._started_ray = False
+        self._connected = False

@@ -76,6 +76,7 @@ class StreamIterator:
             "namespace": spec.get("namespace"),
             "learner_buffer_rows": spec.get("learner_buffer_rows"),
             "fresh_share": float(spec.get("fresh_share", 0.5)),
+            "device_prefetch": spec.get("device_prefetch"),  # None: one batch ahead on CUDA only
         }
         self.iter_id = uuid.uuid4().hex
         self.seq = 0
@@ -180,7 +181,13 @@ class StreamIterator:
         if sys.getswitchinterval() > 0.0005:
             sys.setswitchinterval(0.0005)
 
-    def _batches(
+    def _batches(self, batch_size: int, **kwargs: Any):
+        """Minibatches, each acknowledged right before the Learner gets it."""
+        for out, ack in self._raw_batches(batch_size, **kwargs):
+            self._ack(*ack)
+            yield out
+
+    def _raw_batches(
         self,
         batch_size: int,
         *,
@@ -252,9 +259,8 @@ class StreamIterator:
                 vals, cnts = np.unique(out.pop(k), return_counts=True)
                 for v, c in zip(vals.tolist(), cnts.tolist()):
                     counts[int(v)] = counts.get(int(v), 0) + int(c)
-            self._ack(counts, wait, take)
+            yield out, (counts, wait, take)  # acknowledged when handed to the Learner
             wait = 0.0
-            yield out
 
     def iter_batches(self, *, batch_size: int, _collate_fn: Any = None, **kwargs: Any):
         for b in self._batches(batch_size, **kwargs):
@@ -263,18 +269,17 @@ class StreamIterator:
     def iter_torch_batches(
         self, *, batch_size: int, device: Any = None, dtypes: Any = None, collate_fn: Any = None, **kwargs: Any
     ):
-        import torch
-
-        dev = device if device is not None else "cpu"
-        for b in self._batches(batch_size, **kwargs):
-            if collate_fn is not None:
+        """Torch minibatches on `device`. On a CUDA device the next minibatch is copied to it
+        (pinned host memory, a side stream) while the Learner computes on this one
+        (`rlrec.trainer.device_prefetch.DevicePrefetcher`); each minibatch is acknowledged when
+        the Learner gets it, never when it is prefetched."""
+        if collate_fn is not None:
+            for b in self._batches(batch_size, **kwargs):
                 yield collate_fn(b)
-                continue
-            yield {k: torch.as_tensor(_writable(v), device=dev) for k, v in b.items()}
+            return
+        from rlrec.trainer.device_prefetch import DevicePrefetcher
 
-
-def _writable(a: np.ndarray) -> np.ndarray:
-    """A contiguous array torch may share: arrays viewed from Arrow buffers are read-only, and
-    torch warns about (and must not write through) a tensor over read-only memory."""
-    a = np.ascontiguousarray(a)
-    return a if a.flags.writeable else a.copy()
+        prefetcher = DevicePrefetcher(device if device is not None else "cpu", self._spec.get("device_prefetch"))
+        for tensors, ack in prefetcher.iterate(self._raw_batches(batch_size, **kwargs)):
+            self._ack(*ack)
+            yield tensors

@@ -113,7 +113,29 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default="127.0.0.1",
         help="interface for the metrics server (0.0.0.0 in containers) [127.0.0.1]",
     )
-    p.add_argument("--num-cpus", type=int, help="CPUs Ray may use (default: all)")
+    p.add_argument(
+        "--num-cpus",
+        type=int,
+        help="CPUs of the Ray this command starts (default: all); not with --ray-address/RAY_ADDRESS",
+    )
+    p.add_argument(
+        "--ray-address",
+        help="join a running Ray cluster (GCS address host:port, or auto) instead of starting Ray here; "
+        "default: $RAY_ADDRESS. rlrec must be installed on every node (same image) or shipped with "
+        "--ray-runtime-env py_modules; AWS_*/GOOGLE_*/AZURE_* settings are forwarded to the workers "
+        "as runtime_env env_vars (visible in the Ray dashboard: prefer instance roles for credentials)",
+    )
+    p.add_argument(
+        "--ray-runtime-env",
+        metavar="JSON",
+        help='extra runtime_env for the job, e.g. \'{"py_modules": ["dist/rlrec-0.1.0-py3-none-any.whl"]}\'',
+    )
+    p.add_argument(
+        "--read-tasks",
+        type=int,
+        default=1,
+        help="never-ending read tasks sharing the shard feed (more help when reading shards is the limit) [1]",
+    )
     p.add_argument("--seed", type=int)
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--log-format", default="text", help="text or json")
@@ -158,6 +180,9 @@ def _run(args: argparse.Namespace) -> int:
             metrics_port=args.metrics_port,
             metrics_host=args.metrics_host,
             num_cpus=args.num_cpus,
+            ray_address=args.ray_address,
+            ray_runtime_env=args.ray_runtime_env,
+            read_tasks=args.read_tasks,
             seed=args.seed,
             promotion_gate=args.promotion_gate,
             promotion_baseline=args.promotion_baseline,
@@ -173,9 +198,10 @@ def _run(args: argparse.Namespace) -> int:
         print(f"rlrec train: {e}", file=sys.stderr)
         return 2
     from rlrec.trainer.checkpoints import CheckpointVerificationError
+    from rlrec.trainer.cluster import ClusterConfigError
 
     try:
         return trainer.run()
-    except (UnsupportedCombination, CheckpointVerificationError) as e:
+    except (UnsupportedCombination, CheckpointVerificationError, ClusterConfigError) as e:
         print(f"rlrec train: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,74 @@
+"""The host -> device prefetch of the Learner side, on CPU (no GPU here).
+
+What runs: the look-ahead path of `DevicePrefetcher` (order, tags, values, one batch ahead) and
+`StreamIterator.iter_torch_batches` acknowledging a minibatch when the Learner gets it, never
+when it is prefetched. What cannot run here: pinned memory, the side CUDA stream and the event
+the Learner's stream waits on (CPU builds of torch raise on ``pin_memory()``; the prefetcher
+never calls it without CUDA, which these tests prove by running).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from rlrec.trainer.device_prefetch import DevicePrefetcher
+from rlrec.trainer.envelopes import ENVELOPE, pack_columns
+from rlrec.trainer.feed import TAG
+from rlrec.trainer.stream_iterator import StreamIterator
+
+
+def test_prefetch_keeps_order_tags_and_values_and_holds_one_batch_ahead():
+    torch = pytest.importorskip("torch")
+    pulled = []
+
+    def pairs():
+        for i in range(5):
+            pulled.append(i)
+            yield {"obs": np.full((4, 3), i, np.float32), "a": np.arange(4) + i}, f"tag{i}"
+
+    p = DevicePrefetcher("cpu", ahead=True)
+    assert not p.pins_memory and not p.cuda
+    got = []
+    for tensors, tag in p.iterate(pairs()):
+        got.append(tag)
+        i = int(tag[3:])
+        assert len(pulled) <= i + 2  # at most one batch staged ahead of the caller
+        assert tensors["obs"].device.type == "cpu" and torch.equal(tensors["obs"], torch.full((4, 3), float(i)))
+        assert tensors["a"].tolist() == [i, i + 1, i + 2, i + 3]
+    assert got == [f"tag{i}" for i in range(5)]
+    assert list(DevicePrefetcher("cpu").iterate([])) == []
+    assert DevicePrefetcher("cpu").ahead is False  # on CPU nothing to overlap: on demand by default
+
+
+class _Envelopes:
+    """A stand-in for the Ray Data iterator: yields PreLearner envelopes (real packing)."""
+
+    def __init__(self, chunks: int, rows: int) -> None:
+        self.chunks, self.rows = chunks, rows
+
+    def iter_batches(self, **_kw):
+        for c in range(self.chunks):
+            batch = {"obs": np.full((self.rows, 2), c, np.float32), TAG: np.full(self.rows, c + 1, np.int64)}
+            yield {ENVELOPE: np.array([pack_columns(batch)], dtype=object)}
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_minibatches_are_acknowledged_when_the_learner_gets_them(ahead):
+    pytest.importorskip("torch")
+    it = StreamIterator(_Envelopes(chunks=8, rows=16), {"device_prefetch": ahead, "fresh_share": 1.0})
+    acks = []
+    ack = it._ack
+    it._ack = lambda counts, wait, consumed: (acks.append(dict(counts)), ack(counts, wait, consumed))
+    gen = it.iter_torch_batches(batch_size=16, device="cpu")
+    try:
+        for n in range(1, 4):
+            b = next(gen)
+            assert TAG not in b and b["obs"].shape == (16, 2)
+            assert len(acks) == n  # the batch in the Learner's hands, not the staged one
+            assert acks[-1] == {n: 16}  # its own rows' tags (chunk n), in order
+            # one more minibatch was produced (taken from the stream) when prefetching
+            assert it.stats["rows_streamed"] == 16 * (n + (1 if ahead else 0))
+    finally:
+        gen.close()
+        it.close()

@@ -1,16 +1,29 @@
-"""Benchmark of the trainer's data path (issue 4, section 6).
+"""Trainer benchmark: rlrec's `ManifestOfflineData` vs RLlib's stock `OfflineData`, pinned (issue 15).
 
-Same run, same Ray instance, same static shards (scripted-expert CartPole episodes):
+    python bench/trainer.py [--rounds R] [--seconds S] [--stock-batch 2 8] [--switch-interval X] --json PATH
 
-1. static: timesteps/s trained through RLlib's stock `OfflineData` (BC defaults:
-   ``materialize_mapped_data=True``, ``map_batches_kwargs={"concurrency": 1}`` for 2 CPUs) vs the
-   trainer's `ManifestOfflineData`, same algorithm (BC), batch size, learner updates per
-   training step and ``min_time_s_per_iteration``. Ratio = ours / stock (target >= 1.0).
-2. streaming: the trainer with a new shard committed every ``--interval`` seconds: the share of
-   iteration time the Learner waits for data in steady state (target < 10 %) and the time from
-   a shard's commit to the first gradient step that uses it, p50/p95 (target p95 < 5 s).
+Same data: scripted-expert CartPole shards committed once (`--shards` x `--episodes-per-shard`),
+read by both sides. Same work: BC, same `train_batch_size_per_learner`, learner count,
+`dataset_num_iters_per_learner` and `min_time_s_per_iteration`. The stock side is pinned to
+`BCConfig().offline_data(input_read_episodes=True, input_read_batch_size=B,
+materialize_data=False, materialize_mapped_data=False, map_batches_kwargs={"concurrency": 1},
+dataset_num_iters_per_learner=<same>)` for each B in `--stock-batch` (the better B is reported).
+Same process conditions: every side and round runs in a fresh process (its own `ray.init`),
+sides alternate (order reversed every other round), warm-up iterations are excluded on both
+sides, and interpreter settings (`sys.setswitchinterval`) are set by this harness for every
+side alike (`--switch-interval`) or for none; product code does not change them.
 
-    python bench/trainer.py --json bench-trainer.json
+Figures:
+  T1  distinct rows per second that entered the Learner (rlrec: rows streamed from shards into
+      the Learner-side buffer, each (episode, t) once); stock's is not measured here (it needs a
+      hook inside the PreLearner actor) - reported for rlrec only. Start-up (build -> end of the
+      warm-up iterations) is reported for both.
+  T2  learner updates/s (training_step calls x num_iters) and RLlib's
+      `num_env_steps_trained_lifetime` delta per second, same batch size. Target >= 0.9x.
+  T3  freshness: rlrec while shards are committed at 50 % of its T1 rate (`--stream-shards`
+      shards, default 100): commit -> first trained p50/p99; a shard not trained by the end is a
+      miss, counted, with (end - commit) as its latency. Target p99 <= 2 s + one iteration.
+  T4  (time to a greedy CartPole return >= 450) is not measured yet.
 """
 
 from __future__ import annotations

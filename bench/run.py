@@ -1,36 +1,44 @@
-"""The benchmark suite: producer, consumer, memory and trainer benchmarks in one go, one table.
+"""The benchmark suite: producer, consumer, memory, trainer and manifest benchmarks, one JSON, one table.
 
-    python bench/run.py [--quick] [--json PATH] [--markdown PATH] [--only producer,consumer,memory,trainer,manifest]
+    python bench/run.py [--quick] [--json PATH] [--markdown PATH] [--png PATH] [--readme README.md]
+                        [--only producer,consumer,memory,trainer,manifest] [--keep-logs DIR]
 
-Runs `bench/producer.py`, `bench/consumer.py`, `bench/memory.py`, `bench/trainer.py` and
-`bench/manifest.py`, each in its own child process with `--json` (so each keeps its own broker,
-Ray instance and peak RSS), and merges their results into rows. Every benchmark measures its own
-bare baseline in the same run:
+Runs each `bench/<name>.py` in its own child process with `--json` (so each keeps its own broker,
+Ray instance and peak RSS) and turns their results into rows. Every benchmark measures its
+baseline in the same run, same data, same work, same process conditions, in alternated rounds
+(medians and spread; raw rounds kept) - see each file's docstring for why the work is equal:
 
-  producer  EpisodeRecorder vs bare confluent-kafka `produce()`            (CPU per step)
-  consumer  RecorderConsumer vs a bare poll+decode+assemble+pack loop, and vs RLlib's
-            `ray.data.from_items(...).write_parquet` write path            (steps/s, peak RSS)
-  memory    RecorderConsumer's peak RSS under a hostile mix (huge infos, huge spaces, endless
-            episodes) vs the sum of its configured memory budgets
-  trainer   ManifestOfflineData vs stock `OfflineData`, same BC config     (timesteps/s);
-            streaming: learner wait share, shard commit -> first gradient p95
+  producer  EpisodeRecorder vs a bare `produce()` of one pre-encoded message per step with the same
+            bytes: back-to-back, 64 episodes paced at 2k and 20k steps/s, 84x84x4 at 2k steps/s
+            (CPU µs/step, log_step p99, wire bytes/step, achieved rate)
+  consumer  RecorderConsumer (fsync, and no fsync) vs (a) the bare poll+decode+assemble+pack loop
+            and (c) the same + `ray.data` write_parquet with matched blocks and codec; CartPole-size
+            and 84x84x4 (steps/s, peak RSS)
+  memory    RecorderConsumer's peak RSS under a hostile mix vs its configured memory budgets
+  trainer   ManifestOfflineData vs the pinned stock `OfflineData` (input_read_batch_size 2 and 8):
+            T2 updates/s and env steps trained/s, T1 distinct rows/s and start-up, T3 freshness
   manifest  a partition claim at 20k log entries vs the claim before snapshots (commit 51d84f6)
-            (seconds on a local dir and on S3, storage calls; alternated rounds)
 
-JSON (`--json PATH`), exactly::
+JSON (`--json PATH`)::
 
     {"rows": [{"figure": str, "ours": float, "baseline": float|null, "ratio": float,
-               "target": str, "pass": true|false|null, "rounds": {...}|null}, ...]}
+               "target": str, "pass": true|false|null, "rounds": {...}|null}, ...],
+     "run": {"started": "YYYY-MM-DD HH:MM" (UTC), "duration_s": float, "quick": bool, "only": [...],
+             "json": path},
+     "machine": {"cpus", "cpus_usable", "load_avg_at_start", "memory_gib", "platform", "python",
+                 "versions": {package: version}, "commit", "dirty"},
+     "results": {benchmark: its own JSON, every raw round included}}
 
-`rounds` holds a row's raw per-round values and their spread where its benchmark reports them
-(`{"ours": [...], "baseline": [...], "spread": {"ours": [min, max], "baseline": [min, max]}}`;
-`ours`/`baseline` are then medians), else null.
+`rounds` holds a row's raw per-round values and their spread
+(`{"ours": [...], "baseline": [...]|null, "spread": {"ours": [min, max], "baseline": [min, max]|null}}`;
+the row's `ours`/`baseline` are medians), else null.
 
 `ratio` is ours/baseline; for a row without a baseline it is ours/bound of its target (so a
-"< bound" target is met by a ratio below 1). Full mode judges every row against its target
-(`pass` true/false) and exits 1 if any row fails; `--quick` is a smoke test (small runs, a few
-minutes) that judges nothing: every `pass` is null. The Markdown table (for README's
-"Benchmarks" section) is printed, or written to `--markdown PATH`.
+"< bound" target is met by a ratio below 1). Rows whose target is "reported" are never judged.
+Full mode judges every other row (`pass` true/false) and exits 1 if any fails; `--quick` is a
+smoke test (small runs, about 3 minutes) that judges nothing: every `pass` is null. `--png`
+draws the paced-producer and trainer-freshness results; `--readme` regenerates the block between
+README_BEGIN and README_END in that file from the run's JSON (the table and where it came from).
 """
 
 from __future__ import annotations

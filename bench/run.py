@@ -420,11 +420,16 @@ def _verdict(p: bool | None) -> str:
     return {True: "PASS", False: "FAIL", None: "not judged"}[p]
 
 
+def _ratio(r: Row) -> str:
+    """A reported row without a baseline has no meaningful ratio: shown as a dash."""
+    return "–" if r.baseline is None and r.target == "reported" else f"{r.ratio:.2f}"
+
+
 def markdown(rows: list[Row]) -> str:
     lines = ["| figure | ours | baseline | ratio | target | pass |", "|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
-            f"| {r.figure} | {_fmt(r.ours)} | {_fmt(r.baseline)} | {r.ratio:.2f} | {r.target} | {_verdict(r.pass_)} |"
+            f"| {r.figure} | {_fmt(r.ours)} | {_fmt(r.baseline)} | {_ratio(r)} | {r.target} | {_verdict(r.pass_)} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -449,7 +454,7 @@ def print_table(rows: list[Row], title: str) -> None:
             r.figure,
             _fmt(r.ours),
             _fmt(r.baseline),
-            f"{r.ratio:.2f}",
+            _ratio(r),
             r.target,
             f"[{style[r.pass_]}]{_verdict(r.pass_)}[/]",
         )
@@ -605,7 +610,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--readme", help="regenerate this README's benchmark block from the run's JSON")
     ap.add_argument("--only", default=",".join(BENCHES), help=f"comma-separated subset of {','.join(BENCHES)}")
     ap.add_argument("--keep-logs", metavar="DIR", help="keep each child's log and JSON in DIR")
+    ap.add_argument(
+        "--from-json", metavar="PATH", help="run nothing: redraw --png / regenerate --readme, --markdown from PATH"
+    )
     args = ap.parse_args(argv)
+    if args.from_json:
+        with open(args.from_json) as f:
+            doc = json.load(f)
+        rows = [Row(r["figure"], r["ours"], r["baseline"], r["ratio"], r["target"], r["pass"]) for r in doc["rows"]]
+        if args.markdown:
+            with open(args.markdown, "w") as f:
+                f.write(markdown(rows))
+        if args.png:
+            plot(doc, args.png)
+        if args.readme:
+            update_readme(args.readme, doc)
+        return 0
     only = tuple(s.strip() for s in args.only.split(",") if s.strip())
     unknown = [s for s in only if s not in BENCHES]
     if unknown or not only:

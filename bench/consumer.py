@@ -284,29 +284,32 @@ def run(
             "atari": measure(bootstrap, tmp, "atari", atari_episodes, rounds, max_file_age_s, log),
         }
         # live run: a consumer keeps up with a steady producer; freshness is the pipeline's own
-        live_topic = f"bench-consumer-live-{uuid.uuid4().hex[:8]}"
-        create_topics(bootstrap, {live_topic: PARTITIONS, dlq_topic_name(live_topic): PARTITIONS})
-        proc = _spawn(
-            "ours",
-            {
-                "bootstrap": bootstrap,
-                "partitions": PARTITIONS,
-                "max_file_age_s": max_file_age_s,
-                "topic": live_topic,
-                "episodes": live_episodes,
-                "steps": None,
-                "output": os.path.join(tmp, "live"),
-                "group": f"bench-{uuid.uuid4().hex[:8]}",
-                "fsync": True,
-            },
-        )
-        try:
-            _wait_ready(proc, 60)
-            publish(bootstrap, live_topic, live_episodes, seed=1, pace_eps_per_s=live_rate)
-            live = _result(proc, 120)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
+        # (skipped with live_episodes=0: --quick)
+        live = {"freshness_p50_s": None, "freshness_p99_s": None, "episodes": 0}
+        if live_episodes:
+            live_topic = f"bench-consumer-live-{uuid.uuid4().hex[:8]}"
+            create_topics(bootstrap, {live_topic: PARTITIONS, dlq_topic_name(live_topic): PARTITIONS})
+            proc = _spawn(
+                "ours",
+                {
+                    "bootstrap": bootstrap,
+                    "partitions": PARTITIONS,
+                    "max_file_age_s": max_file_age_s,
+                    "topic": live_topic,
+                    "episodes": live_episodes,
+                    "steps": None,
+                    "output": os.path.join(tmp, "live"),
+                    "group": f"bench-{uuid.uuid4().hex[:8]}",
+                    "fsync": True,
+                },
+            )
+            try:
+                _wait_ready(proc, 60)
+                publish(bootstrap, live_topic, live_episodes, seed=1, pace_eps_per_s=live_rate)
+                live = _result(proc, 120)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
     finally:
         broker.stop()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -595,7 +598,7 @@ def main(argv: list[str] | None = None) -> int:
         print("RESULT " + json.dumps(result), flush=True)
         return 0
     if args.quick:
-        r = run(min(args.episodes, 200), 4, 1, args.max_file_age_s, 30, 30.0, quick=True)
+        r = run(min(args.episodes, 200), 4, 1, args.max_file_age_s, 0, 30.0, quick=True)
     else:
         r = run(
             args.episodes,

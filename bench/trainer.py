@@ -1,16 +1,29 @@
-"""Benchmark of the trainer's data path (issue 4, section 6).
+"""Trainer benchmark: rlrec's `ManifestOfflineData` vs RLlib's stock `OfflineData`, pinned (issue 15).
 
-Same run, same Ray instance, same static shards (scripted-expert CartPole episodes):
+    python bench/trainer.py [--rounds R] [--seconds S] [--stock-batch 2 8] [--switch-interval X] --json PATH
 
-1. static: timesteps/s trained through RLlib's stock `OfflineData` (BC defaults:
-   ``materialize_mapped_data=True``, ``map_batches_kwargs={"concurrency": 1}`` for 2 CPUs) vs the
-   trainer's `ManifestOfflineData`, same algorithm (BC), batch size, learner updates per
-   training step and ``min_time_s_per_iteration``. Ratio = ours / stock (target >= 1.0).
-2. streaming: the trainer with a new shard committed every ``--interval`` seconds: the share of
-   iteration time the Learner waits for data in steady state (target < 10 %) and the time from
-   a shard's commit to the first gradient step that uses it, p50/p95 (target p95 < 5 s).
+Same data: scripted-expert CartPole shards committed once (`--shards` x `--episodes-per-shard`),
+read by both sides. Same work: BC, same `train_batch_size_per_learner`, learner count,
+`dataset_num_iters_per_learner` and `min_time_s_per_iteration`. The stock side is pinned to
+`BCConfig().offline_data(input_read_episodes=True, input_read_batch_size=B,
+materialize_data=False, materialize_mapped_data=False, map_batches_kwargs={"concurrency": 1},
+dataset_num_iters_per_learner=<same>)` for each B in `--stock-batch` (the better B is reported).
+Same process conditions: every side and round runs in a fresh process (its own `ray.init`),
+sides alternate (order reversed every other round), warm-up iterations are excluded on both
+sides, and interpreter settings (`sys.setswitchinterval`) are set by this harness for every
+side alike (`--switch-interval`) or for none; product code does not change them.
 
-    python bench/trainer.py --json bench-trainer.json
+Figures:
+  T1  distinct rows per second that entered the Learner (rlrec: rows streamed from shards into
+      the Learner-side buffer, each (episode, t) once); stock's is not measured here (it needs a
+      hook inside the PreLearner actor) - reported for rlrec only. Start-up (build -> end of the
+      warm-up iterations) is reported for both.
+  T2  learner updates/s (training_step calls x num_iters) and RLlib's
+      `num_env_steps_trained_lifetime` delta per second, same batch size. Target >= 0.9x.
+  T3  freshness: rlrec while shards are committed at 50 % of its T1 rate (`--stream-shards`
+      shards, default 100): commit -> first trained p50/p99; a shard not trained by the end is a
+      miss, counted, with (end - commit) as its latency. Target p99 <= 2 s + one iteration.
+  T4  (time to a greedy CartPole return >= 450) is not measured yet.
 """
 
 from __future__ import annotations
@@ -21,6 +34,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -71,65 +85,84 @@ def steps_trained(result) -> int:
     return int(result.get("learners", {}).get("__all_modules__", {}).get("num_env_steps_trained", 0) or 0)
 
 
-def run_static(args, out: str) -> dict:
+def lifetime_trained(result) -> int:
+    return int(result.get("learners", {}).get("__all_modules__", {}).get("num_env_steps_trained_lifetime", 0) or 0)
+
+
+def build_side(args, out: str, side: str):
+    """Build the BC algorithm for one side: "ours" (ManifestOfflineData) or "stockB" (pinned stock)."""
     from rlrec.trainer.data import configure_continuous
 
-    files = sorted(glob.glob(os.path.join(out, "expert", "*.parquet")))
-    res = {}
-    for name in ("stock", "ours"):
-        config = base_config(args)
-        if name == "stock":
-            config.offline_data(
-                input_=files,
-                input_read_episodes=True,
-                input_read_method_kwargs={"columns": ["item"]},
-                map_batches_kwargs={"concurrency": 1},
-                dataset_num_iters_per_learner=args.num_iters,
-            )
-        else:
-            config.offline_data(dataset_num_iters_per_learner=args.num_iters)
-            configure_continuous(config, out)
+    config = base_config(args)
+    if side == "ours":
+        config.offline_data(dataset_num_iters_per_learner=args.num_iters)
+        configure_continuous(config, out)
+    else:
+        B = int(side.removeprefix("stock"))
+        files = sorted(glob.glob(os.path.join(out, "expert", "*.parquet")))
+        config.offline_data(
+            input_=files,
+            input_read_episodes=True,
+            input_read_batch_size=B,
+            input_read_method_kwargs={"columns": ["item"]},
+            materialize_data=False,
+            materialize_mapped_data=False,
+            map_batches_kwargs={"concurrency": args.prelearner_concurrency},
+            dataset_num_iters_per_learner=args.num_iters,
+        )
+    algo = config.build_algo()
+    if side == "ours":
+        algo.offline_data.start()
+    return algo
+
+
+def stop_side(algo, side: str) -> None:
+    if side == "ours":
+        algo.offline_data.stop()
+    else:
+        algo.offline_data.batch_iterators = None
+    algo.stop()
+
+
+def run_static_side(args, out: str, side: str) -> dict:
+    """T2 (and T1 for ours) for one side in this fresh process: warm-up iterations excluded, then
+    `args.seconds` of train() calls."""
+    t0 = time.time()
+    algo = build_side(args, out, side)
+    build_s = time.time() - t0
+    t0 = time.time()
+    for _ in range(max(1, args.warmup_iterations)):
+        r = algo.train()
+        if side == "ours":
+            od = algo.offline_data
+            od.pop_stats(od.iteration_marks(algo.learner_group))
+    first_s = time.time() - t0
+    life0 = lifetime_trained(r)
+    calls = steps = streamed = 0
+    secs = 0.0
+    deadline = time.time() + args.seconds
+    while time.time() < deadline:
         t0 = time.time()
-        algo = config.build_algo()
-        if name == "ours":
-            algo.offline_data.start()
-        build_s = time.time() - t0
-        t0 = time.time()
-        first = algo.train()
-        first_s = time.time() - t0
-        steps, secs, waits, streamed = 0, 0.0, [], 0
-        deadline = time.time() + args.seconds
-        while time.time() < deadline:
-            t0 = time.time()
-            r = algo.train()
-            dt = time.time() - t0
-            if name == "ours":
-                od = algo.offline_data
-                st = od.pop_stats(od.iteration_marks(algo.learner_group))
-                steps += st.rows_trained
-                streamed += st.rows_streamed
-                waits.append(st.wait_s / dt)
-            else:
-                steps += steps_trained(r)
-            secs += dt
-        res[name] = {
-            "timesteps_per_s": steps / secs,
-            "timesteps": steps,
-            "seconds": round(secs, 2),
-            "build_s": round(build_s, 2),
-            "first_iteration_s": round(first_s, 2),
-            "first_iteration_timesteps": steps_trained(first),
-        }
-        if waits:
-            res[name]["learner_wait_share_mean"] = statistics.mean(waits)
-            res[name]["streamed_rows_per_s"] = streamed / secs
-        if name == "ours":
-            algo.offline_data.stop()
-        else:
-            algo.offline_data.batch_iterators = None
-        algo.stop()
-    res["ratio"] = res["ours"]["timesteps_per_s"] / res["stock"]["timesteps_per_s"]
-    return res
+        r = algo.train()
+        secs += time.time() - t0
+        calls += int(r.get("num_training_step_calls_per_iteration", 1) or 1)
+        steps += steps_trained(r)
+        if side == "ours":
+            od = algo.offline_data
+            streamed += od.pop_stats(od.iteration_marks(algo.learner_group)).rows_streamed
+    life = lifetime_trained(r) - life0
+    stop_side(algo, side)
+    updates = calls * args.num_iters * max(1, args.num_learners)
+    return {
+        "side": side,
+        "updates_per_s": updates / secs,
+        "env_steps_trained_lifetime_per_s": life / secs,
+        "env_steps_trained_per_s": steps / secs,
+        "distinct_rows_per_s": streamed / secs if side == "ours" else None,
+        "seconds": round(secs, 2),
+        "build_s": round(build_s, 2),
+        "warmup_s": round(first_s, 2),
+    }
 
 
 def ray_get_timeline(od) -> dict:
@@ -163,21 +196,35 @@ def run_streaming(args, out: str) -> dict:
     commits: dict[str, float] = {}
     committer = ShardCommitter(out, partition=1)
 
+    # episodes are generated before the clock: committing, not generating, is the paced work
+    pending = [
+        expert_cartpole_episodes(args.episodes_per_shard, seed=10_000 + i, epsilon=0.05)
+        for i in range(args.stream_shards)
+    ]
+    done = threading.Event()
+    rows = [0]
+
     def produce():
-        i = 0
-        while not stop.wait(args.interval):
-            for e in committer.commit(
-                expert_cartpole_episodes(args.episodes_per_shard, seed=10_000 + i, epsilon=0.05)
-            ).entries:
+        t0 = time.time()
+        for i, eps in enumerate(pending):
+            if stop.wait(max(0.0, t0 + (i + 1) * args.interval - time.time())):
+                break
+            for e in committer.commit(eps).entries:
                 commits[e.path] = e.commit_time
-            i += 1
+                rows[0] += e.steps
+        done.set()
 
     iters = []
     first_train: dict[str, float] = {}
     th = threading.Thread(target=produce, daemon=True)
     th.start()
-    t_end = time.time() + args.stream_seconds
-    while time.time() < t_end:
+    t_start = time.time()
+    t_end = None  # the last commit + a grace of 2 s plus one (median) iteration
+    while t_end is None or time.time() < t_end:
+        if time.time() - t_start > args.stream_seconds:
+            break  # safety cap
+        if t_end is None and done.is_set():
+            t_end = time.time() + 2.0 + (statistics.median(x["seconds"] for x in iters) if iters else 1.0)
         t0 = time.time()
         algo.train()
         dt = time.time() - t0
@@ -194,9 +241,12 @@ def run_streaming(args, out: str) -> dict:
         )
     stop.set()
     th.join()
-    # shards committed during the run whose first gradient step we saw
+    # commit -> first gradient step; a shard not trained by the end is a miss: counted, and its
+    # latency is taken as (end - commit), a lower bound, so misses raise the percentiles
+    t_stop = time.time()
     lat = [first_train[k] - ct for k, ct in commits.items() if k in first_train]
     untrained = [k for k in commits if k not in first_train]
+    lat_all = lat + [t_stop - commits[k] for k in untrained]
     steady = iters[args.warmup_iterations :]
     tl = ray_get_timeline(od)
     phases = {"manifest_to_feed": [], "feed_to_read": [], "read_to_gradient": []}
@@ -215,17 +265,132 @@ def run_streaming(args, out: str) -> dict:
         "shards_committed_during_run": len(commits),
         "shards_not_yet_trained_at_end": len(untrained),
         "shards_total": total,
-        "learner_wait_share_mean": statistics.mean(x["wait_share"] for x in steady) if steady else None,
-        "learner_wait_share_p95": _pct([x["wait_share"] for x in steady], 0.95),
         "timesteps_per_s": sum(x["rows"] for x in steady) / sum(x["seconds"] for x in steady) if steady else None,
         "streamed_rows_per_s": sum(x["streamed"] for x in steady) / sum(x["seconds"] for x in steady)
         if steady
         else None,
-        "commit_to_first_gradient_s_p50": _pct(lat, 0.5),
-        "commit_to_first_gradient_s_p95": _pct(lat, 0.95),
-        "commit_to_first_gradient_s_max": max(lat) if lat else None,
+        "commit_rate_rows_per_s": rows[0] / (len(commits) * args.interval) if commits else None,
+        "misses": len(untrained),
+        "commit_to_first_gradient_s_p50": _pct(lat_all, 0.5),
+        "commit_to_first_gradient_s_p99": _pct(lat_all, 0.99),
+        "commit_to_first_gradient_s_max": max(lat_all) if lat_all else None,
+        "iteration_s_median": statistics.median(x["seconds"] for x in iters) if iters else None,
+        "latencies_s": lat_all,
         "phases_s_p50_p95": {k: [_pct(v, 0.5), _pct(v, 0.95)] for k, v in phases.items()},
     }
+
+
+SIDES = ("ours", "stock2", "stock8")
+
+
+def _child(args, extra: list[str], out_json: str, timeout: float) -> dict:
+    keep = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k in CHILD_ARGS and v is not None]
+    cmd = [sys.executable, os.path.abspath(__file__), *keep, *extra, "--json", out_json]
+    proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"trainer benchmark child {extra} failed:\n{proc.stderr[-4000:]}")
+    with open(out_json) as f:
+        return json.load(f)
+
+
+CHILD_ARGS = (
+    "batch_size",
+    "num_iters",
+    "num_learners",
+    "seconds",
+    "warmup_iterations",
+    "num_cpus",
+    "prelearner_concurrency",
+    "switch_interval",
+    "episodes_per_shard",
+    "stream_seconds",
+    "stream_shards",
+    "fresh_fraction",
+)
+
+
+def _median_spread(xs: list[float]) -> dict:
+    return {"median": statistics.median(xs), "spread": [min(xs), max(xs)], "rounds": xs}
+
+
+def parent(args) -> dict:
+    import ray
+
+    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    results: dict = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "ray": ray.__version__}}
+    results["args"] = vars(args)
+    with tempfile.TemporaryDirectory(prefix="rlrec-bench-") as tmp:
+        static_out = os.path.join(tmp, "static")
+        t0 = time.time()
+        entries = make_shards(static_out, args.shards, args.episodes_per_shard)
+        results["data"] = {
+            "shards": len(entries),
+            "episodes": sum(e.episodes for e in entries),
+            "steps": sum(e.steps for e in entries),
+            "bytes": sum(e.bytes for e in entries),
+            "generate_s": round(time.time() - t0, 2),
+        }
+        sides = ("ours", *[f"stock{b}" for b in args.stock_batch])
+        raw: dict[str, list[dict]] = {s: [] for s in sides}
+        for r in range(args.rounds):
+            order = list(sides) if r % 2 == 0 else list(reversed(sides))
+            for side in order:
+                res = _child(args, ["--side", side, "--data", static_out], os.path.join(tmp, "side.json"), 600)
+                raw[side].append(res)
+                log(
+                    f"trainer round {r + 1}/{args.rounds} {side}: {res['updates_per_s']:.1f} updates/s, "
+                    f"{res['env_steps_trained_lifetime_per_s']:,.0f} env steps trained/s"
+                )
+        static = {
+            side: {
+                k: _median_spread([x[k] for x in runs])
+                for k in ("updates_per_s", "env_steps_trained_lifetime_per_s", "warmup_s")
+            }
+            for side, runs in raw.items()
+        }
+        static["ours"]["distinct_rows_per_s"] = _median_spread([x["distinct_rows_per_s"] for x in raw["ours"]])
+        best = max(
+            (s for s in sides if s != "ours"), key=lambda s: static[s]["updates_per_s"]["median"]
+        )  # the better stock batch size
+        static["stock_best"] = best
+        static["raw"] = raw
+        results["static"] = static
+        # T3 at 50 % of ours' T1 (distinct rows/s), with --stream-shards shards
+        t1 = static["ours"]["distinct_rows_per_s"]["median"]
+        rows_per_shard = results["data"]["steps"] / max(1, results["data"]["shards"])
+        interval = max(0.05, rows_per_shard / (0.5 * t1)) if t1 else args.interval
+        stream_out = os.path.join(tmp, "stream")
+        make_shards(stream_out, 3, args.episodes_per_shard, seed0=5000)
+        results["streaming"] = _child(
+            args,
+            ["--streaming", "--data", stream_out, f"--interval={interval}"],
+            os.path.join(tmp, "stream.json"),
+            900,
+        )
+        log(
+            f"streaming: {results['streaming']['shards_committed_during_run']} shards every {interval:.2f}s, "
+            f"p99 {results['streaming']['commit_to_first_gradient_s_p99']:.2f}s, "
+            f"misses {results['streaming']['misses']}"
+        )
+    return results
+
+
+def child(args) -> dict:
+    import ray
+    import ray.data
+
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)  # the harness sets it, for every side alike
+    ray.init(num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False
+    ctx.print_on_execution_start = False
+    try:
+        if args.streaming:
+            return run_streaming(args, args.data)
+        return run_static_side(args, args.data, args.side)
+    finally:
+        ray.shutdown()
 
 
 def main(argv=None) -> int:
@@ -236,73 +401,30 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-size", type=int, default=512, help="train_batch_size_per_learner [512]")
     ap.add_argument("--num-iters", type=int, default=10, help="dataset_num_iters_per_learner [10]")
     ap.add_argument("--num-learners", type=int, default=0)
-    ap.add_argument("--seconds", type=float, default=15.0, help="measured seconds per static variant [15]")
-    ap.add_argument("--stream-seconds", type=float, default=30.0, help="streaming run length [30]")
-    ap.add_argument("--interval", type=float, default=2.0, help="seconds between committed shards [2]")
-    ap.add_argument("--warmup-iterations", type=int, default=3)
+    ap.add_argument("--seconds", type=float, default=10.0, help="measured seconds per side and round [10]")
+    ap.add_argument("--rounds", type=int, default=3, help="alternated rounds, each side in a fresh process [3]")
+    ap.add_argument("--stock-batch", type=int, nargs="+", default=[2, 8], help="input_read_batch_size B [2 8]")
+    ap.add_argument("--prelearner-concurrency", type=int, default=1, help="map_batches concurrency (stock) [1]")
+    ap.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval, every side [unset]")
+    ap.add_argument("--stream-shards", type=int, default=100, help="shards committed in the T3 run [100]")
+    ap.add_argument("--stream-seconds", type=float, default=300.0, help="T3 safety cap [300]")
+    ap.add_argument("--interval", type=float, default=2.0, help=argparse.SUPPRESS)
+    ap.add_argument("--warmup-iterations", type=int, default=2)
     ap.add_argument("--num-cpus", type=int, default=None, help="ray.init(num_cpus) [all]")
     ap.add_argument("--fresh-fraction", type=float, default=None, help="FeedPolicy.fresh_fraction [library default]")
-    ap.add_argument("--skip-static", action="store_true")
-    ap.add_argument("--skip-streaming", action="store_true")
+    ap.add_argument("--side", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--streaming", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--data", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
     import logging
 
     logging.basicConfig(level=logging.WARNING)
-    import ray
-    import ray.data
-
-    ray.init(num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    ctx = ray.data.DataContext.get_current()
-    ctx.enable_progress_bars = False
-    ctx.print_on_execution_start = False
-    results: dict = {
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "ray": ray.__version__},
-        "args": vars(args),
-    }
-    try:
-        with tempfile.TemporaryDirectory(prefix="rlrec-bench-") as tmp:
-            static_out = os.path.join(tmp, "static")
-            t0 = time.time()
-            entries = make_shards(static_out, args.shards, args.episodes_per_shard)
-            results["data"] = {
-                "shards": len(entries),
-                "episodes": sum(e.episodes for e in entries),
-                "steps": sum(e.steps for e in entries),
-                "bytes": sum(e.bytes for e in entries),
-                "generate_s": round(time.time() - t0, 2),
-            }
-            if not args.skip_static:
-                results["static"] = run_static(args, static_out)
-                print(
-                    f"static: stock {results['static']['stock']['timesteps_per_s']:.0f} ts/s, ours "
-                    f"{results['static']['ours']['timesteps_per_s']:.0f} ts/s, ratio {results['static']['ratio']:.2f}",
-                    flush=True,
-                )
-            if not args.skip_streaming:
-                stream_out = os.path.join(tmp, "stream")
-                make_shards(stream_out, 3, args.episodes_per_shard, seed0=5000)
-                s = results["streaming"] = run_streaming(args, stream_out)
-                print(
-                    f"streaming: wait share {s['learner_wait_share_mean']:.1%} (p95 {s['learner_wait_share_p95']:.1%}), "
-                    f"commit->gradient p50 {s['commit_to_first_gradient_s_p50']:.2f}s p95 "
-                    f"{s['commit_to_first_gradient_s_p95']:.2f}s",
-                    flush=True,
-                )
-    finally:
-        ray.shutdown()
-    stream = results.get("streaming", {})
-    wait, p95 = stream.get("learner_wait_share_mean"), stream.get("commit_to_first_gradient_s_p95")
-    results["targets"] = {
-        "ratio>=1.0": results.get("static", {}).get("ratio", 0) >= 1.0,
-        "wait_share<0.10": wait is not None and wait < 0.10,
-        "p95_latency<5s": p95 is not None and p95 < 5.0,
-    }
+    results = child(args) if (args.side or args.streaming) else parent(args)
     text = json.dumps(results, indent=2, default=float)
     if args.json:
         with open(args.json, "w") as f:
             f.write(text + "\n")
-    print(text)
     return 0
 
 

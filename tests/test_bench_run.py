@@ -19,22 +19,48 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = [pytest.mark.slow, pytest.mark.broker]
 
 ROW_KEYS = {"figure", "ours", "baseline", "ratio", "target", "pass", "rounds"}
-PREFIXES = {"producer": 2, "consumer": 4, "trainer": 3, "manifest": 3}  # consumer: 3 + the memory benchmark
+# rows per benchmark: producer 4 workloads x (CPU, p99, wire bytes) + 3 paced achieved rates;
+# consumer 2 sizes x 2 durabilities x 2 baselines + RSS, + 1 from the memory benchmark;
+# trainer T2 x 2, T1 x 2, T3 x 2; manifest 3
+PREFIXES = {"producer": 15, "consumer": 10, "trainer": 6, "manifest": 3}
+BENCHES = ["producer", "consumer", "memory", "trainer", "manifest"]
 
 
-@pytest.mark.timeout(900)  # five quick benchmarks, each in its own processes
+@pytest.mark.timeout(600)  # five quick benchmarks, each in its own processes
 def test_quick_run_writes_the_documented_json(tmp_path):
-    out, md = tmp_path / "bench.json", tmp_path / "bench.md"
+    out, md, png, readme = tmp_path / "bench.json", tmp_path / "bench.md", tmp_path / "bench.png", tmp_path / "R.md"
+    sys.path.insert(0, ROOT)
+    from bench.run import README_BEGIN, README_END
+
+    readme.write_text(f"# title\n\n{README_BEGIN}\nold table\n{README_END}\n\n## next\n")
     proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "bench", "run.py"), "--quick", "--json", str(out), "--markdown", str(md)],
+        [
+            sys.executable,
+            os.path.join(ROOT, "bench", "run.py"),
+            "--quick",
+            "--json",
+            str(out),
+            "--markdown",
+            str(md),
+            "--png",
+            str(png),
+            "--readme",
+            str(readme),
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=840,
+        timeout=540,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads(out.read_text())
-    assert list(doc) == ["rows"] and isinstance(doc["rows"], list)
+    assert list(doc) == ["rows", "run", "machine", "results"]
+    # the run and the machine the numbers came from
+    assert doc["run"]["quick"] is True and doc["run"]["duration_s"] > 0 and doc["run"]["started"]
+    m = doc["machine"]
+    assert type(m["cpus"]) is int and m["cpus"] >= 1 and m["python"]
+    assert m["versions"]["ray"] and m["versions"]["pyarrow"] and m["versions"]["librdkafka"]
+    assert sorted(doc["results"]) == sorted(BENCHES)  # every child's own JSON is kept
     rows = doc["rows"]
     for r in rows:
         assert set(r) == ROW_KEYS, r
@@ -46,7 +72,14 @@ def test_quick_run_writes_the_documented_json(tmp_path):
         if r["baseline"] is not None:
             assert r["ratio"] == pytest.approx(r["ours"] / r["baseline"])
         assert r["pass"] is None, "quick mode judges nothing"
-        assert r["rounds"] is None or (isinstance(r["rounds"], dict) and r["rounds"]["ours"]), r
+        rounds = r["rounds"]
+        assert rounds is None or (isinstance(rounds, dict) and rounds["ours"]), r
+        if rounds is not None and rounds.get("spread"):  # raw rounds: the median lies within them
+            lo, hi = rounds["spread"]["ours"]
+            assert lo <= r["ours"] <= hi and min(rounds["ours"]) == lo and max(rounds["ours"]) == hi, r
+            if r["baseline"] is not None and rounds["baseline"]:
+                blo, bhi = rounds["spread"]["baseline"]
+                assert blo <= r["baseline"] <= bhi, r
     figures = [r["figure"] for r in rows]
     assert len(set(figures)) == len(figures)
     for name, n in PREFIXES.items():  # every benchmark contributed its rows
@@ -54,9 +87,21 @@ def test_quick_run_writes_the_documented_json(tmp_path):
     # each benchmark compares against a baseline measured in the same run
     for name in PREFIXES:
         assert any(r["baseline"] is not None for r in rows if r["figure"].startswith(name + ":")), name
+    # the fair comparisons are there: paced producer workloads, the consumer's (c) pipeline with
+    # both durabilities, the pinned stock trainer
+    assert any("paced 20k/s" in f for f in figures) and any("84×84×4 paced 2k/s" in f for f in figures)
+    assert any("(c) same + ray.data write_parquet" in f and "no fsync" in f for f in figures)
+    assert any(f.startswith("trainer: (T2)") and "input_read_batch_size=" in f for f in figures)
+    c = doc["results"]["consumer"]["sizes"]["cartpole"]
+    assert c["pipeline_blocks"][0] == c["shards"][0]  # (c) wrote as many blocks as rlrec wrote shards
     table = md.read_text().splitlines()
     assert table[0] == "| figure | ours | baseline | ratio | target | pass |"
     assert len(table) == 2 + len(rows) and all(line.count("|") == 7 for line in table)
+    # README's block is regenerated from the JSON, the rest of the file is untouched
+    text = readme.read_text()
+    assert text.startswith("# title\n\n" + README_BEGIN) and text.endswith(README_END + "\n\n## next\n")
+    assert "old table" not in text and "\n".join(table) in text and doc["run"]["started"] in text
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_bad_arguments_fail_clearly():

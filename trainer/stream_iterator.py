@@ -173,13 +173,8 @@ class StreamIterator:
 
         self._thread = threading.Thread(target=pump, name="rlrec-stream", daemon=True)
         self._thread.start()
-        # The Learner loop (mostly Python between short torch calls) would otherwise hold the
-        # GIL for whole 5 ms switch intervals and starve this thread and Ray Data's executor
-        # thread when the Learner runs in the driver (num_learners=0): measured 3k vs 17k rows/s.
-        import sys
-
-        if sys.getswitchinterval() > 0.0005:
-            sys.setswitchinterval(0.0005)
+        # Interpreter settings (sys.setswitchinterval) are the application's to choose, not ours:
+        # bench/trainer.py sets them for every side alike (--switch-interval).
 
     def _batches(self, batch_size: int, **kwargs: Any):
         """Minibatches, each acknowledged right before the Learner gets it."""

@@ -151,8 +151,8 @@ def _spawn(mode: str, spec: dict, stderr=None) -> subprocess.Popen:
     )
 
 
-def _result(proc: subprocess.Popen, timeout: float) -> dict:
-    """Wait for the child's `RESULT {...}` line."""
+def worker_result(proc: subprocess.Popen, timeout: float) -> dict:
+    """Wait for a benchmark child's `RESULT {...}` line (killed after `timeout` seconds)."""
     timer = threading.Timer(timeout, proc.kill)
     timer.start()
     try:
@@ -222,7 +222,7 @@ def measure(bootstrap: str, tmp: str, obs_kind: str, episodes: int, rounds: int,
                 if side == "pipeline":
                     spec |= {"output": os.path.join(tmp, f"pipe-{obs_kind}-{r}"), "blocks": shards, "codec": CODEC}
                 try:
-                    res = _result(_spawn(side, spec, stderr=rllib_log if side == "pipeline" else None), 600)
+                    res = worker_result(_spawn(side, spec, stderr=rllib_log if side == "pipeline" else None), 600)
                 except RuntimeError:
                     rllib_log.seek(0)
                     sys.stderr.write(rllib_log.read()[-5000:])
@@ -306,7 +306,7 @@ def run(
             try:
                 _wait_ready(proc, 60)
                 publish(bootstrap, live_topic, live_episodes, seed=1, pace_eps_per_s=live_rate)
-                live = _result(proc, 120)
+                live = worker_result(proc, 120)
             finally:
                 if proc.poll() is None:
                     proc.kill()

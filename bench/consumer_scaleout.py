@@ -28,13 +28,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, ROOT)
 
+from bench.consumer import worker_result  # noqa: E402
 from rlrec.local import FAST_GROUP_KAFKA  # noqa: E402
 
 PARTITIONS = 4
@@ -52,22 +52,6 @@ def _spawn(spec: dict) -> subprocess.Popen:
         text=True,
         cwd=ROOT,
     )
-
-
-def _read_result(proc: subprocess.Popen, timeout: float) -> dict:
-    timer = threading.Timer(timeout, proc.kill)
-    timer.start()
-    try:
-        result = None
-        for line in proc.stdout:
-            if line.startswith("RESULT "):
-                result = json.loads(line[7:])
-        rc = proc.wait()
-    finally:
-        timer.cancel()
-    if result is None or rc != 0:
-        raise RuntimeError(f"scale-out worker failed (exit code {rc})")
-    return result
 
 
 def drain(bootstrap: str, topic: str, processes: int, expected: dict, workdir: str, timeout: float = 300) -> dict:
@@ -95,7 +79,7 @@ def drain(bootstrap: str, topic: str, processes: int, expected: dict, workdir: s
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)  # rlrec consume's graceful stop
-    results = [_read_result(p, 60) for p in procs]
+    results = [worker_result(p, 60) for p in procs]
     entries = read_manifest(storage)
     ids = [i for e in entries for i in e.episode_ids]
     steps = sum(e.steps for e in entries)

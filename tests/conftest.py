@@ -188,3 +188,19 @@ def consumer_config(broker: Any, request: pytest.FixtureRequest) -> Callable[...
         )
 
     return make
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray (4 logical CPUs, quiet Ray Data) for one test module, shut down after it."""
+    import ray
+    import ray.data
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False
+    ctx.print_on_execution_start = False
+    try:
+        yield
+    finally:
+        ray.shutdown()

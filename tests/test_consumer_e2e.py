@@ -350,7 +350,11 @@ def test_a_second_consumer_process_joins_mid_run_exactly_once(broker, topic, tmp
     finally:
         if proc is not None and proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
-        err = proc.communicate(timeout=60)[1] if proc is not None else ""
+        try:
+            err = proc.communicate(timeout=60)[1] if proc is not None else ""
+        except subprocess.TimeoutExpired:  # never leave it running
+            proc.kill()
+            err = proc.communicate()[1]
         a.stop()
         ta.join(30)
         ra.close()

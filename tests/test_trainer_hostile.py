@@ -28,21 +28,6 @@ from tests.hostile_shards import hostile_shard, replace_committed
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    import ray
-    import ray.data
-
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    ctx = ray.data.DataContext.get_current()
-    ctx.enable_progress_bars = False
-    ctx.print_on_execution_start = False
-    try:
-        yield
-    finally:
-        ray.shutdown()
-
-
 def _cfg(out, ck, **kw):
     from rlrec.trainer.service import TrainerConfig
 

@@ -19,8 +19,14 @@ any clock starts; Ray, where a side uses it, is started and warmed up before its
       manifest holds every episode.
   (c) the same poll + decode + assemble + pack as (a), then
       `ray.data.from_items(items, override_num_blocks=<shards (b) wrote>).write_parquet(dir,
-      compression=<rlrec's codec, zstd>)`. Clock: first message -> `write_parquet` returns.
+      compression=<rlrec's codec, zstd>, use_dictionary=False, write_statistics=False)` (rlrec's
+      writer options for the `item` column). Clock: first message -> `write_parquet` returns.
       Ray's writer cannot fsync: compare it with both (b) rows.
+
+All three pack with the same `rlrec.store.episodes.pack_episode` (the bytes of RLlib's
+`msgpack.packb(get_state())`, spaces serialised once per space object). rlrec's edge in (b) is
+its architecture, not cheaper work: shards are encoded on a second thread (Parquet, zstd and
+hashing release the GIL) while the loop polls and assembles; (c) writes after its loop.
 
 Why it is equal work: every side reads the same messages from the same broker and does the same
 decode, assembly and packing; (b) and (c) write the same episodes, as many files, with the same
@@ -528,7 +534,10 @@ def worker_pipeline(spec: dict) -> dict:
         )
         blocks = int(spec["blocks"] or 1)
         path = os.path.join(spec["output"], "data")
-        ray.data.from_items(packed, override_num_blocks=blocks).write_parquet(path, compression=spec["codec"])
+        # rlrec's writer options for the packed column too (no dictionary, no statistics)
+        ray.data.from_items(packed, override_num_blocks=blocks).write_parquet(
+            path, compression=spec["codec"], use_dictionary=False, write_statistics=False
+        )
         wall, cpu = time.perf_counter() - clock["t0"], time.process_time() - clock["cpu0"]
         rows = ray.data.read_parquet(path).count()
         assert rows == episodes == spec["episodes"], (rows, episodes)

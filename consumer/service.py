@@ -39,6 +39,7 @@ import logging
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -162,6 +163,9 @@ class RecorderConsumer:
         )
         self.rotation = Rotation(config.max_episodes_per_file, config.max_file_bytes, config.max_file_age_s)
         self.writers: dict[int, PartitionWriter] = {}
+        # shard encoding (Parquet, zstd, hashing; mostly without the GIL) runs on this thread
+        # while the loop polls and assembles: the second core works (PartitionWriter)
+        self.encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlrec-encode")
         self.metrics = ConsumerMetrics()
         self._stop = threading.Event()
         self._pause_reasons: dict[int, set[str]] = {}  # partition -> why it is paused (empty: reading)
@@ -275,6 +279,7 @@ class RecorderConsumer:
             log.exception("consumer close failed")
         if self.dlq is not None:
             self.dlq.close()
+        self.encoder.shutdown(wait=True, cancel_futures=True)  # what is left belonged to dropped partitions
         self.metrics.stop()
 
     def health(self) -> tuple[bool, str]:
@@ -325,6 +330,7 @@ class RecorderConsumer:
             compression=self.config.compression,
             assembly=self.assembly,
             rotation=self.rotation,
+            encoder=self.encoder,
         )
         self.writers[p] = w
         for attempt in range(3):
@@ -536,7 +542,7 @@ class RecorderConsumer:
             for d in a.decide_timeouts(now):
                 self._decide(p, d, a.open[d.episode_id].first_offset)
         self._enforce_capacity()
-        total_ready_bytes = sum(w.assembler.finished_bytes for w in self.writers.values() if w.assembler)
+        total_ready_bytes = sum(w.buffered_bytes for w in self.writers.values())
         over_budget = total_ready_bytes > cfg.max_buffered_bytes
         for p, w in list(self.writers.items()):
             if w.due(now, over_budget, self._first_unacked(p)):
@@ -556,7 +562,7 @@ class RecorderConsumer:
         """Still over max_buffered_bytes after flushing (the storage is failing): read no partition
         until the finished episodes are written; partitions without a failing flush would otherwise
         keep filling memory. Resumes them once under the budget."""
-        total = sum(w.assembler.finished_bytes for w in self.writers.values() if w.assembler)
+        total = sum(w.buffered_bytes for w in self.writers.values())
         if total > self.config.max_buffered_bytes:
             for p in self.writers:
                 self._pause(p, "budget")
@@ -752,7 +758,7 @@ class RecorderConsumer:
         assemblers = [w.assembler for w in self.writers.values() if w.assembler]
         self.metrics.open_episodes.set(sum(len(a.open) for a in assemblers))
         self.metrics.open_bytes.set(sum(a.open_nbytes for a in assemblers))
-        self.metrics.buffered_bytes.set(sum(a.finished_bytes for a in assemblers))
+        self.metrics.buffered_bytes.set(sum(w.buffered_bytes for w in self.writers.values()))
         self.metrics.paused_partitions.set(len(self._paused))
         if self.dlq is not None:
             self.metrics.dead_letters_pending.set(len(self.dlq.pending))

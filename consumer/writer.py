@@ -20,11 +20,12 @@ from __future__ import annotations
 import logging
 import random
 import time
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from enum import Enum
 
 from rlrec.consumer.assembly import AssemblyConfig, PartitionAssembler
-from rlrec.store.commit import AmbiguousCommitError, CommitResult, ShardCommitter
+from rlrec.store.commit import AmbiguousCommitError, CommitResult, PreparedShards, ShardCommitter
 from rlrec.store.finished import FinishedEpisode
 from rlrec.store.manifest import FencedError
 from rlrec.store.storage import Storage
@@ -85,6 +86,13 @@ class PartitionWriter:
     writer whose epoch was superseded never commits again (FENCED); episodes whose append had an
     unknown outcome stay handed out -- unchanged, no delayed reward applied -- until a retry
     settles it (`AmbiguousCommitError`).
+
+    With an `encoder` (an executor; the service gives every writer the same one-thread pool),
+    step 1 -- encoding, which touches no storage -- runs there while the service reads on: a
+    tick hands the episodes out and starts encoding them, a later tick (as soon as `due` sees
+    it done, or at once with `force`) commits them (steps 2-4) on the caller's thread. Until
+    then they are in flight exactly as during a synchronous commit: no delayed reward applies
+    and the partition's safe offset stays at or before their first offset.
     """
 
     def __init__(
@@ -97,6 +105,7 @@ class PartitionWriter:
         compression: str = "zstd",
         assembly: AssemblyConfig | None = None,
         rotation: Rotation | None = None,
+        encoder: Executor | None = None,
     ):
         self.topic = topic
         self.partition = partition
@@ -110,6 +119,10 @@ class PartitionWriter:
         self.next_attempt = 0.0
         self.attempts = 0
         self.uncertain: list[FinishedEpisode] = []  # handed out; their last append's outcome is unknown
+        self.encoder = encoder
+        #: chunks handed out and being encoded on `encoder`, with the future of their shards
+        self._encoding: tuple[list[list[FinishedEpisode]], Future] | None = None
+        self._encoding_bytes = 0
 
     @property
     def epoch(self) -> int | None:
@@ -118,6 +131,13 @@ class PartitionWriter:
     @property
     def paused(self) -> bool:
         return self.state in PAUSED_STATES
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Finished episodes held in memory and not committed: waiting to be written plus being
+        encoded (what the service's max_buffered_bytes budget counts)."""
+        waiting = self.assembler.finished_bytes if self.assembler is not None else 0
+        return waiting + (self._encoding_bytes if self._encoding is not None else 0)
 
     # -- ownership ----------------------------------------------------------------------------
 
@@ -130,6 +150,7 @@ class PartitionWriter:
         self.assembler = PartitionAssembler(self.topic, self.partition, committed, self.assembly_config)
         self.state = WriterState.ACTIVE
         self.uncertain = []
+        self._encoding = None
         self.attempts, self.failing_since = 0, None
         log.info(
             "partition %d: claimed epoch %d (%d committed episodes that can be replayed from offset %s)",
@@ -144,6 +165,7 @@ class PartitionWriter:
         start over from the committed offset."""
         self.assembler = None
         self.uncertain = []
+        self._encoding = None  # its episodes belonged to the dropped state
         self.state = state
         self.next_attempt = time.time() + retry_in
 
@@ -155,6 +177,7 @@ class PartitionWriter:
         owner from the committed Kafka offset."""
         self.assembler = None
         self.uncertain = []
+        self._encoding = None
         self.state = WriterState.REVOKED
 
     # -- rotation and writing -----------------------------------------------------------------
@@ -163,7 +186,11 @@ class PartitionWriter:
         """Whether finished episodes should be written now (a rotation limit, the buffered-bytes
         budget, or a retry that is due)."""
         a = self.assembler
-        if a is None or self.state not in (WriterState.ACTIVE, WriterState.BACKING_OFF) or now < self.next_attempt:
+        if a is None or self.state not in (WriterState.ACTIVE, WriterState.BACKING_OFF):
+            return False
+        if self._encoding is not None:  # due once encoded: then it is committed
+            return self._encoding[1].done()
+        if now < self.next_attempt:
             return False
         if self.uncertain or self.state is WriterState.BACKING_OFF:
             return True
@@ -181,11 +208,40 @@ class PartitionWriter:
     def tick(self, now: float, *, force: bool = False, first_unacked: int | None = None) -> Tick:
         """Write what is ready (all finished episodes with `force`, except those waiting for
         their dead letters' acknowledgement: `PartitionAssembler.may_write`): episodes of
-        uncertain appends first, then the rest in shards of at most `rotation`'s count and bytes."""
+        uncertain appends first, then the rest in shards of at most `rotation`'s count and bytes.
+        With an `encoder`, a tick either starts encoding them or, once encoded, commits them;
+        `force` (revoke, shutdown) waits for an encoding under way, commits it and writes the
+        rest at once."""
         out = Tick()
-        a = self.assembler
-        if a is None or self.state not in (WriterState.ACTIVE, WriterState.BACKING_OFF):
+        if self.assembler is None or self.state not in (WriterState.ACTIVE, WriterState.BACKING_OFF):
             return out
+        if self._encoding is not None:
+            chunks, future = self._encoding
+            if not (force or future.done()):
+                return out
+            self._encoding = None
+            try:
+                prepared = future.result()
+            except Exception as e:  # MemoryError and the like: the machine's fault, not the data's
+                self._back_off(e, [fe for chunk in chunks for fe in chunk])
+                out.failed = f"{type(e).__name__}: {e}"
+                return out
+            if not self._commit(chunks, prepared, out) or not force:
+                return out
+        chunks = self._hand_out(now, force, first_unacked)
+        if not chunks:
+            return out
+        if self.encoder is not None and not force:
+            committer = self.committer
+            self._encoding = (chunks, self.encoder.submit(lambda: [committer.prepare(c) for c in chunks]))
+            self._encoding_bytes = sum(fe.nbytes() for chunk in chunks for fe in chunk)
+            return out
+        self._commit(chunks, [self.committer.prepare(c) for c in chunks], out)
+        return out
+
+    def _hand_out(self, now: float, force: bool, first_unacked: int | None) -> list[list[FinishedEpisode]]:
+        """The chunks to write now (the uncertain append's first), handed out by the assembler."""
+        a = self.assembler
         chunks: list[list[FinishedEpisode]] = []
         if self.uncertain:
             chunks.append(self.uncertain)
@@ -201,19 +257,24 @@ class PartitionWriter:
         if cur:
             chunks.append(cur)
         a.hand_out(ready)
-        for i, chunk in enumerate(chunks):
+        return chunks
+
+    def _commit(self, chunks: list[list[FinishedEpisode]], prepared: list[PreparedShards], out: Tick) -> bool:
+        """Steps 2-4 for encoded chunks, in order; False if it stopped (fenced, storage failure)."""
+        a = self.assembler
+        for i, (chunk, shards) in enumerate(zip(chunks, prepared)):
             t0 = time.time()
             try:
-                res = self.committer.commit(chunk, on_committed=a.mark_committed)
+                res = self.committer.commit(chunk, on_committed=a.mark_committed, prepared=shards)
             except FencedError:
                 log.error("partition %d: fenced by a newer writer; dropping its state", self.partition)
                 self.unclaimed(FENCED_RETRY_S, WriterState.FENCED)
                 out.fenced = True
-                return out
+                return False
             except Exception as e:  # storage (data errors come back in res.unwritable)
                 self._back_off(e, [fe for c in chunks[i:] for fe in c])
                 out.failed = f"{type(e).__name__}: {e}"
-                return out
+                return False
             if chunk is self.uncertain:
                 self.uncertain = []
             for fe, _detail in res.unwritable:
@@ -223,7 +284,7 @@ class PartitionWriter:
             out.flushed.append(Flushed(res, time.time() - t0, [fe for fe in chunk if fe.episode_id in written]))
         self.attempts, self.failing_since = 0, None
         self.state = WriterState.ACTIVE
-        return out
+        return True
 
     def _back_off(self, err: Exception, unwritten: list[FinishedEpisode]) -> None:
         """A flush failed on storage: give the episodes back for the retry (delayed rewards apply

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import json
 import math
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +38,7 @@ __all__ = [
     "dumps_space",
     "flatten_value",
     "loads_space",
+    "per_space",
     "space_from_json",
     "space_leaves",
     "space_to_json",
@@ -122,6 +125,28 @@ def space_to_json(space: gs.Space) -> dict:
 
 def dumps_space(space: gs.Space) -> str:
     return json.dumps(space_to_json(space), separators=(",", ":"), allow_nan=False)
+
+
+class per_space:
+    """`fn(space)` remembered per space *object* (spaces are not changed once events or episodes
+    hold them; the assembler shares one object per distinct space). The space is held by the
+    memo, so its id is never reused for another space while remembered; the `size` most recently
+    added are kept. For serialisations that cost milliseconds for large Boxes (84x84x4 bounds)."""
+
+    def __init__(self, fn: Callable[[gs.Space], Any], size: int = 256) -> None:
+        self.fn = fn
+        self.size = size
+        self._memo: OrderedDict[int, tuple[gs.Space, Any]] = OrderedDict()
+
+    def __call__(self, space: gs.Space) -> Any:
+        hit = self._memo.get(id(space))
+        if hit is not None and hit[0] is space:
+            return hit[1]
+        value = self.fn(space)
+        self._memo[id(space)] = (space, value)
+        while len(self._memo) > self.size:
+            self._memo.popitem(last=False)
+        return value
 
 
 # ---------------------------------------------------------------------------------------------

@@ -39,7 +39,14 @@ from rlrec.store.manifest import SNAPSHOT_EVERY, ConflictError, FencedError, Par
 from rlrec.store.shards import EncodedShard, encode_shard
 from rlrec.store.storage import Storage
 
-__all__ = ["EVENT_SCHEMA_VERSIONS", "AmbiguousCommitError", "CommitResult", "ShardCommitter", "read_committed_shard"]
+__all__ = [
+    "EVENT_SCHEMA_VERSIONS",
+    "AmbiguousCommitError",
+    "CommitResult",
+    "PreparedShards",
+    "ShardCommitter",
+    "read_committed_shard",
+]
 
 log = logging.getLogger("rlrec.store")
 
@@ -74,6 +81,15 @@ class CommitResult:
     duplicates_dropped: int = 0  # episodes another writer had committed already
     entries: list[ShardEntry] = field(default_factory=list)
     #: episodes the shard format cannot encode (data errors: written nowhere), with the reason
+    unwritable: list[tuple[FinishedEpisode, str]] = field(default_factory=list)
+
+
+@dataclass
+class PreparedShards:
+    """Step 1's output (`ShardCommitter.prepare`): encoded shards with their episodes, and the
+    episodes the shard format cannot encode (with the reason)."""
+
+    groups: list[tuple[list[FinishedEpisode], EncodedShard]] = field(default_factory=list)
     unwritable: list[tuple[FinishedEpisode, str]] = field(default_factory=list)
 
 
@@ -172,7 +188,25 @@ class ShardCommitter:
         self._publish_failures = 0
         return done
 
-    def commit(self, episodes: Iterable[FinishedEpisode], on_committed: OnCommitted | None = None) -> CommitResult:
+    def prepare(self, episodes: Iterable[FinishedEpisode]) -> PreparedShards:
+        """Step 1 alone: encode `episodes` into shards, one per policy id (data errors go to
+        `unwritable`, see `_encode`). Touches no storage and no state of this committer, so it may
+        run on another thread while the caller goes on; the episodes must not change until the
+        shards are committed (the writer hands them out first: no delayed rewards)."""
+        by_policy: dict[str, list[FinishedEpisode]] = defaultdict(list)
+        for fe in episodes:
+            by_policy[fe.policy_id].append(fe)
+        prepared = PreparedShards()
+        for eps in by_policy.values():
+            prepared.groups += self._encode(eps, prepared.unwritable)
+        return prepared
+
+    def commit(
+        self,
+        episodes: Iterable[FinishedEpisode],
+        on_committed: OnCommitted | None = None,
+        prepared: PreparedShards | None = None,
+    ) -> CommitResult:
         """Commit `episodes` as shards, one per policy id (steps 1-4 above).
 
         `on_committed(episodes, last_offset)` is called as soon as episodes are known committed,
@@ -181,23 +215,23 @@ class ShardCommitter:
         others are committed. Claims the partition first if `claim()` was not called. Raises
         `FencedError` when a newer writer claimed the partition, and storage errors as they come
         (the episodes committed before the error stay committed and were reported to
-        `on_committed`).
+        `on_committed`). `prepared`: step 1 done already (`prepare(episodes)`, maybe on another
+        thread) for exactly these episodes.
         """
         if self.epoch is None:  # a one-off committer (tools, tests): claim on first use
             self.claim()
         self.publish_pending()  # roll forward earlier commits first (unless backing off after a failure)
-        result = CommitResult()
-        by_policy: dict[str, list[FinishedEpisode]] = defaultdict(list)
-        for fe in episodes:
-            by_policy[fe.policy_id].append(fe)
-        pending = [group for eps in by_policy.values() for group in self._encode(eps, result)]
+        if prepared is None:
+            prepared = self.prepare(episodes)
+        result = CommitResult(unwritable=list(prepared.unwritable))
+        pending = list(prepared.groups)
         while pending:
             eps, shard = pending.pop(0)
             entry, remaining = self._commit_one(eps[0].policy_id, eps, shard, on_committed)
             if entry is None:  # a conflict removed some episodes: the rest again
                 result.duplicates_dropped += len(eps) - len(remaining)
                 if remaining:
-                    pending[:0] = self._encode(remaining, result)
+                    pending[:0] = self._encode(remaining, result.unwritable)
                 continue
             if on_committed is not None:
                 on_committed(eps, entry.last_offset)
@@ -209,11 +243,11 @@ class ShardCommitter:
         return result
 
     def _encode(
-        self, eps: list[FinishedEpisode], result: CommitResult
+        self, eps: list[FinishedEpisode], unwritable: list[tuple[FinishedEpisode, str]]
     ) -> list[tuple[list[FinishedEpisode], EncodedShard]]:
         """Step 1: encode episodes of one policy into a shard. Encoding touches no storage, so
         whatever it raises is the data's fault: then each episode is tried alone, those that
-        fail go to `result.unwritable` and the rest make the shard (or, if only together they
+        fail go to `unwritable` and the rest make the shard (or, if only together they
         fail -- e.g. tabular episodes whose spaces give different column types -- a shard each)."""
         try:
             return [(eps, encode_shard(eps, fmt=self.fmt, compression=self.compression))]
@@ -233,7 +267,7 @@ class ShardCommitter:
             except MemoryError:
                 raise
             except Exception as e:
-                result.unwritable.append((fe, f"{type(e).__name__}: {e}"[:1000]))
+                unwritable.append((fe, f"{type(e).__name__}: {e}"[:1000]))
         good = [group[0][0] for group in alone]
         if 1 < len(good) < len(eps):
             try:

@@ -68,13 +68,14 @@ import msgpack
 import msgpack_numpy
 import numpy as np
 
-from rlrec.producer.spaces import space_leaves, unflatten_leaves
+from rlrec.producer.spaces import per_space, space_leaves, unflatten_leaves
 from rlrec.store.finished import FinishedEpisode
 
 __all__ = [
     "EpisodeDecodeError",
     "UnsafeEpisodeError",
     "check_finished_episode",
+    "episode_state",
     "pack_episode",
     "to_single_agent_episode",
     "unpack_episode",
@@ -183,8 +184,56 @@ def to_single_agent_episode(fe: FinishedEpisode) -> SingleAgentEpisode:  # noqa:
 
 
 def pack_episode(ep) -> bytes:
-    """The `item` bytes RLlib writes for an episode (`OfflineSingleAgentEnvRunner.sample`)."""
-    return msgpack.packb(ep.get_state(), default=msgpack_numpy.encode)
+    """The `item` bytes RLlib writes for an episode (`OfflineSingleAgentEnvRunner.sample`):
+    byte for byte `msgpack.packb(ep.get_state(), default=msgpack_numpy.encode)`, computed
+    faster (`episode_state`: each space is serialised once, not per episode and buffer)."""
+    return msgpack.packb(episode_state(ep), default=msgpack_numpy.encode)
+
+
+def episode_state(ep) -> dict:
+    """`SingleAgentEpisode.get_state()` (ray 2.60, which rlrec pins), with each space's
+    `gym_space_to_dict` computed once per space object instead of five times per episode (the
+    observation and action spaces twice, the rewards' Box once). The tests check, for every
+    kind of space, that packing it gives the bytes of packing `get_state()`."""
+
+    def buffer(b) -> dict:
+        return {"data": b.data, "lookback": b.lookback, "finalized": b.finalized, "space": _space_dict(b.space)}
+
+    extra = ep.extra_model_outputs
+    return {
+        "id_": ep.id_,
+        "agent_id": ep.agent_id,
+        "module_id": ep.module_id,
+        "multi_agent_episode_id": ep.multi_agent_episode_id,
+        "observations": buffer(ep.observations),
+        "actions": buffer(ep.actions),
+        "rewards": buffer(ep.rewards),
+        "infos": buffer(ep.infos),
+        "extra_model_outputs": {k: buffer(v) if v else v for k, v in extra.items()} if len(extra) > 0 else None,
+        "is_terminated": ep.is_terminated,
+        "is_truncated": ep.is_truncated,
+        "t_started": ep.t_started,
+        "t": ep.t,
+        "_observation_space": _space_dict(ep._observation_space),
+        "_action_space": _space_dict(ep._action_space),
+        "_start_time": ep._start_time,
+        "_last_step_time": ep._last_step_time,
+        "custom_data": ep.custom_data,
+    }
+
+
+def _gym_space_to_dict(space: gym.Space) -> dict:
+    from ray.rllib.utils.serialization import gym_space_to_dict
+
+    return gym_space_to_dict(space)
+
+
+_rllib_space_dict = per_space(_gym_space_to_dict)
+
+
+def _space_dict(space: gym.Space | None) -> dict | None:
+    """RLlib's `gym_space_to_dict(space)`, computed once per space object (`per_space`)."""
+    return _rllib_space_dict(space) if space else None  # get_state's own test: falsy -> None
 
 
 # ---------------------------------------------------------------------------------------------

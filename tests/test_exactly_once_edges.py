@@ -157,3 +157,78 @@ def test_an_uncertain_append_keeps_its_episodes_closed_to_rewards(proxied):
     ep, _ = read_all(direct)["a"]
     assert np.asarray(ep.get_rewards()).tolist() == [1.0, 1.0]
     assert w.assembler.safe_offset() == 3
+
+
+def test_encoding_on_another_thread_keeps_episodes_in_flight_until_committed(tmp_path):
+    """With an encoder (the service's thread), a tick hands the episodes out and encodes them
+    there; until a later tick commits them they are in flight: a reward for them is a late
+    reward, the safe offset holds at their start and the memory budget still counts them. A
+    drop while encoding writes nothing; `force` waits for the encoding and writes the rest too."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rlrec.consumer.writer import PartitionWriter
+    from rlrec.producer.events import RewardDelta
+    from rlrec.store.manifest import read_manifest
+    from tests.test_assembly import start, steps
+
+    storage = Storage.from_uri(str(tmp_path / "out"))
+    later = time.time() + 3600  # past the reward join window
+    gate = threading.Event()
+    pool = ThreadPoolExecutor(max_workers=1)
+    try:
+        pool.submit(gate.wait)  # the encoder is busy until the gate opens
+        w = PartitionWriter(storage, "async", 0, encoder=pool)
+        w.claim()
+        a = w.assembler
+        a.apply(0, start("a"))
+        a.apply(1, steps("a", 0, 2, terminated=True))
+        waiting = w.buffered_bytes
+        assert waiting > 0
+        t = w.tick(later, force=False)
+        assert not t.flushed and "a" in a.in_flight and not read_manifest(storage)
+        assert w.buffered_bytes == waiting and not w.due(later)  # counted, not due until encoded
+        assert [dl.reason for dl in a.apply(2, RewardDelta("a", 0, 0.5))] == ["late-reward"]
+        assert a.safe_offset() == 0
+        a.apply(3, start("b"))
+        a.apply(4, steps("b", 0, 1, terminated=True))
+        gate.set()
+        for _ in range(200):
+            if w.due(later):
+                break
+            time.sleep(0.01)
+        t = w.tick(later)  # commits "a" only: "b" was not handed out
+        assert [fe.episode_id for f in t.flushed for fe in f.episodes] == ["a"]
+        assert "a" in a.committed and "b" in a.finished
+        t = w.tick(later, force=True)  # nothing encoding: "b" written at once
+        assert [fe.episode_id for f in t.flushed for fe in f.episodes] == ["b"]
+        assert sorted(i for e in read_manifest(storage) for i in e.episode_ids) == ["a", "b"]
+        assert a.safe_offset() == 5 and w.buffered_bytes == 0
+
+        # dropped while encoding: nothing of it is written
+        gate.clear()
+        pool.submit(gate.wait)
+        a.apply(5, start("c"))
+        a.apply(6, steps("c", 0, 1, terminated=True))
+        w.tick(later, force=False)
+        w.drop()
+        gate.set()
+        pool.submit(lambda: None).result(timeout=10)
+        assert w.tick(later, force=True).flushed == [] and w.buffered_bytes == 0
+        assert sorted(i for e in read_manifest(storage) for i in e.episode_ids) == ["a", "b"]
+
+        # force collects an encoding under way and writes what became ready meanwhile
+        w2 = PartitionWriter(Storage.from_uri(str(tmp_path / "out2")), "async", 1, encoder=pool)
+        w2.claim()
+        a2 = w2.assembler
+        a2.apply(0, start("d"))
+        a2.apply(1, steps("d", 0, 1, terminated=True))
+        w2.tick(later, force=False)
+        a2.apply(2, start("e"))
+        a2.apply(3, steps("e", 0, 1, terminated=True))
+        t = w2.tick(later, force=True)
+        assert [fe.episode_id for f in t.flushed for fe in f.episodes] == ["d", "e"]
+        assert a2.safe_offset() == 4 and not a2.in_flight
+    finally:
+        gate.set()
+        pool.shutdown(wait=True)

@@ -77,6 +77,7 @@ __all__ = [
     "check_finished_episode",
     "episode_state",
     "pack_episode",
+    "pack_episodes",
     "to_single_agent_episode",
     "unpack_episode",
 ]
@@ -188,6 +189,19 @@ def pack_episode(ep) -> bytes:
     byte for byte `msgpack.packb(ep.get_state(), default=msgpack_numpy.encode)`, computed
     faster (`episode_state`: each space is serialised once, not per episode and buffer)."""
     return msgpack.packb(episode_state(ep), default=msgpack_numpy.encode)
+
+
+def pack_episodes(episodes) -> tuple[memoryview, list[int]]:
+    """`pack_episode` of each episode, back to back in one buffer: (the buffer, each episode's end
+    offset in it). Saves two copies per episode (msgpack's result bytes, then the copy into an
+    Arrow column) -- for 84x84x4 frames, megabytes each."""
+    packer = msgpack.Packer(default=msgpack_numpy.encode, autoreset=False)
+    ends = []
+    for ep in episodes:
+        packer.pack(episode_state(ep))
+        with packer.getbuffer() as view:  # released at once: the packer cannot grow while exported
+            ends.append(len(view))
+    return packer.getbuffer(), ends
 
 
 def episode_state(ep) -> dict:

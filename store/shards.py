@@ -18,7 +18,6 @@ ValueError otherwise. Our readers (`read_episodes`, `read_tabular`) never unpick
 from __future__ import annotations
 
 import hashlib
-import io
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +29,7 @@ import pyarrow.parquet as pq
 
 from rlrec.producer.events import dumps_info
 from rlrec.producer.spaces import dumps_space, per_space
-from rlrec.store.episodes import check_finished_episode, pack_episode, to_single_agent_episode, unpack_episode
+from rlrec.store.episodes import check_finished_episode, pack_episodes, to_single_agent_episode, unpack_episode
 from rlrec.store.finished import FinishedEpisode
 from rlrec.store.schema_gate import (
     EPISODE_COLUMNS,
@@ -177,7 +176,7 @@ _PLAIN_COLUMNS = frozenset({"item"})
 
 
 def _write(table: pa.Table, compression: str, row_group_size: int | None) -> bytes:
-    buf = io.BytesIO()
+    buf = pa.BufferOutputStream()  # Arrow's own memory: no Python call (nor the GIL) per page
     usual = [name for name in table.column_names if name not in _PLAIN_COLUMNS]
     pq.write_table(
         table,
@@ -187,17 +186,26 @@ def _write(table: pa.Table, compression: str, row_group_size: int | None) -> byt
         use_dictionary=usual,
         write_statistics=usual,
     )
-    return buf.getvalue()
+    return buf.getvalue().to_pybytes()
 
 
 # ---------------------------------------------------------------------------------------------
 # tables
 
 
+def _item_column(episodes: list[FinishedEpisode]) -> pa.Array:
+    """The packed episodes (`pack_episode` bytes) as a binary column, built on msgpack's buffer
+    without copying it (copied into chunks if over binary's 2 GiB of offsets)."""
+    data, ends = pack_episodes(to_single_agent_episode(fe) for fe in episodes)
+    if ends[-1] > np.iinfo(np.int32).max:
+        return pa.array([bytes(data[a:b]) for a, b in zip([0, *ends[:-1]], ends)], type=pa.binary())
+    offsets = np.array([0, *ends], dtype=np.int32)
+    return pa.Array.from_buffers(pa.binary(), len(ends), [None, pa.py_buffer(offsets), pa.py_buffer(data)])
+
+
 def episodes_table(episodes: list[FinishedEpisode]) -> pa.Table:
     """The Arrow table of an episode shard (`item` + metadata columns)."""
-    items = [pack_episode(to_single_agent_episode(fe)) for fe in episodes]
-    cols: dict[str, pa.Array] = {"item": pa.array(items, type=pa.binary())}
+    cols: dict[str, pa.Array] = {"item": _item_column(episodes)}
     values: dict[str, list[Any]] = {
         "episode_id": [e.episode_id for e in episodes],
         "policy_id": [e.policy_id for e in episodes],

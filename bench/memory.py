@@ -16,7 +16,8 @@ max_episode_bytes = 32 MiB, max_buffered_bytes = 64 MiB and samples its own RSS 
 from the moment it is assigned the partition (its idle RSS: imports, Kafka clients, Ray's
 episode classes, all imported and warmed up first) until it has read everything. Reported: peak
 RSS above idle, against the sum of the budgets that bound what the consumer holds -- open
-episodes, finished-but-unwritten episodes, the parsed-space cache (64 MiB), unacknowledged dead
+episodes, finished-but-unwritten episodes (waiting or being encoded), the parsed-space cache
+(64 MiB) and the shard encoder's per-space serialisations (2 x 8 MiB), unacknowledged dead
 letters (64 MiB, and librdkafka's copy of them: 64 MiB), librdkafka's prefetch queue (64 MiB)
 and the batch of messages in hand (as much again) -- plus one message in flight as decoded
 (max_message_bytes x 8). Every term is a setting, none grows with the input: the full mix
@@ -52,12 +53,20 @@ BUDGETS = {
     "max_message_bytes": 4 * MiB,
 }
 SPACE_CACHE = 64 * MiB  # rlrec.producer.events._SpaceCache
+SPACE_MEMOS = 2 * 8 * MiB  # the shard encoder's per-space serialisations (two `per_space` memos)
 DLQ_PENDING = 2 * 64 * MiB  # MAX_PENDING_DEAD_LETTER_BYTES, and librdkafka's copy (queue.buffering.max.kbytes)
 PREFETCH = 64 * MiB  # librdkafka's queued.max.messages.kbytes (the consumer sets it)
 BATCH = 64 * MiB  # the messages of one consume() call in hand (at most what was prefetched)
 IN_FLIGHT = 8 * BUDGETS["max_message_bytes"]  # one message as decoded (JSON infos expand)
 BOUND = (
-    BUDGETS["max_open_bytes"] + BUDGETS["max_buffered_bytes"] + SPACE_CACHE + DLQ_PENDING + PREFETCH + BATCH + IN_FLIGHT
+    BUDGETS["max_open_bytes"]
+    + BUDGETS["max_buffered_bytes"]
+    + SPACE_CACHE
+    + SPACE_MEMOS
+    + DLQ_PENDING
+    + PREFETCH
+    + BATCH
+    + IN_FLIGHT
 )
 TARGET_RATIO = 1.0
 

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import json
 import math
+import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -128,25 +130,55 @@ def dumps_space(space: gs.Space) -> str:
 
 
 class per_space:
-    """`fn(space)` remembered per space *object* (spaces are not changed once events or episodes
-    hold them; the assembler shares one object per distinct space). The space is held by the
-    memo, so its id is never reused for another space while remembered; the `size` most recently
-    added are kept. For serialisations that cost milliseconds for large Boxes (84x84x4 bounds)."""
+    """`fn(space)` remembered per space *object*, for serialisations that cost milliseconds for
+    large Boxes (an 84x84x4 space's bounds). Guarantees: a value is returned only for the very
+    object it was computed from (spaces are not changed once events or episodes hold them; the
+    decoder shares one object per distinct space); the memo holds no space alive (weak
+    references: an entry goes with its space) and at most `max_bytes` of values (estimated;
+    least recently added first out), so hostile streams of distinct huge spaces cannot grow it."""
 
-    def __init__(self, fn: Callable[[gs.Space], Any], size: int = 256) -> None:
+    def __init__(self, fn: Callable[[gs.Space], Any], max_bytes: int = 8 * 2**20) -> None:
         self.fn = fn
-        self.size = size
-        self._memo: OrderedDict[int, tuple[gs.Space, Any]] = OrderedDict()
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self._memo: OrderedDict[int, tuple[weakref.ref, Any, int]] = OrderedDict()
+        # the encoding thread fills it; a space's last reference may go on any thread (RLock: a
+        # collection may run the weakref callback while this thread holds the lock)
+        self._lock = threading.RLock()
 
     def __call__(self, space: gs.Space) -> Any:
-        hit = self._memo.get(id(space))
-        if hit is not None and hit[0] is space:
+        key = id(space)
+        hit = self._memo.get(key)
+        if hit is not None and hit[0]() is space:
             return hit[1]
         value = self.fn(space)
-        self._memo[id(space)] = (space, value)
-        while len(self._memo) > self.size:
-            self._memo.popitem(last=False)
+        size = _approx_nbytes(value)
+        if size <= self.max_bytes:
+            ref = weakref.ref(space, lambda _ref, key=key: self._forget(key))
+            with self._lock:
+                self._forget(key)
+                self._memo[key] = (ref, value, size)
+                self.nbytes += size
+                while self.nbytes > self.max_bytes and self._memo:
+                    self._forget(next(iter(self._memo)))
         return value
+
+    def _forget(self, key: int) -> None:
+        with self._lock:
+            entry = self._memo.pop(key, None)
+            if entry is not None:
+                self.nbytes -= entry[2]
+
+
+def _approx_nbytes(value: Any, depth: int = 0) -> int:
+    """Rough memory of a serialised space (strings dominate: JSON or base64 bounds)."""
+    if isinstance(value, (str, bytes)):
+        return 64 + len(value)
+    if depth < 64 and isinstance(value, dict):
+        return 64 + sum(_approx_nbytes(k, depth + 1) + _approx_nbytes(v, depth + 1) for k, v in value.items())
+    if depth < 64 and isinstance(value, (list, tuple)):
+        return 64 + sum(_approx_nbytes(v, depth + 1) for v in value)
+    return 64
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1035,3 +1035,38 @@ def test_decode_reasons_documented():
         DecodeError("not-a-reason", "x")
     assert issubclass(DecodeError, ValueError)
     assert set(load_schemas()) == {(k, 1) for k in KINDS}
+
+
+def test_per_space_remembers_per_object_holds_no_space_and_is_byte_bounded():
+    """The memo behind shard encoding (`per_space`): the same object gives the remembered value,
+    an equal but distinct one is computed again, a collected space leaves the memo, and distinct
+    huge spaces (a hostile stream) never hold more than `max_bytes` of values."""
+    import gc
+
+    from rlrec.producer.spaces import dumps_space, per_space
+
+    calls = []
+
+    def fn(space):
+        calls.append(type(space).__name__)  # not the space: the memo must be its only referrer
+        return dumps_space(space)
+
+    memo = per_space(fn, max_bytes=2_000_000)
+    box = gs.Box(0, 1, (4,), np.float32)
+    assert memo(box) == memo(box) == dumps_space(box) and len(calls) == 1
+    twin = gs.Box(0, 1, (4,), np.float32)
+    assert memo(twin) == dumps_space(box) and len(calls) == 2
+    del twin
+    gc.collect()
+    assert len(memo._memo) == 1  # the collected twin's entry went with it
+    held = []
+    for i in range(20):  # ~0.6 MB of JSON each
+        held.append(gs.Box(-float(i), 1.0, (40_000,), np.float32))
+        memo(held[-1])
+        assert memo.nbytes <= 2_000_000
+    assert 1 <= len(memo._memo) <= 4
+    assert memo(held[-1]) == dumps_space(held[-1]) and len(calls) == 22  # the newest is remembered
+    assert memo(box) == dumps_space(box) and len(calls) == 23  # the oldest was dropped for room
+    del held
+    gc.collect()
+    assert len(memo._memo) == 1 and memo.nbytes < 1000

@@ -33,7 +33,7 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 from gymnasium import spaces as gs
 
 from rlrec.producer.arrays import ALLOWED_DTYPES, array_to_wire
-from rlrec.producer.avro_write import ARRAY_END, array_parts, bool_byte, long_bytes, string_bytes
+from rlrec.producer.avro_write import ARRAY_END, array_parts, bool_byte, long_bytes, shape_bytes, string_bytes
 from rlrec.producer.events import (
     DecodeError,
     check_env_id,
@@ -43,7 +43,7 @@ from rlrec.producer.events import (
     schema_header,
     schema_version,
 )
-from rlrec.producer.spaces import dumps_space, flatten_value, space_leaves
+from rlrec.producer.spaces import Leaf, dumps_space, flatten_value, space_leaves
 
 __all__ = ["EpisodeRecorder", "RecorderForkedError", "RecorderFullError", "RecorderStats"]
 
@@ -147,6 +147,8 @@ class _Packer:
         # scalar integer leaves (Discrete): a column of Python ints packs with `array`
         self._int_code = _INT_CODES.get(self.leaves[0].dtype.name) if self.single and not self.shape else None
         self._count = long_bytes(len(self.leaves)) if self.leaves else b""
+        # per leaf, for `write_one`: Avro bytes of the dtype name and the leaf's shape
+        self._one_heads = [string_bytes(leaf.dtype.name) + shape_bytes(leaf.shape) for leaf in self.leaves]
 
     def prepare(self, value: Any) -> Any:
         """Cheap check of one value; returns what the batch buffer stores (value or its leaves)."""
@@ -165,9 +167,10 @@ class _Packer:
                 raise ValueError(f"{self.what} leaf has shape {np.shape(x)}, the space needs {leaf.shape}")
         return leaves
 
-    def check_dtypes(self, prepared: Any) -> None:
-        values = [prepared] if self.single else prepared
-        for x, leaf in zip(values, self.leaves):
+    def check_dtypes(self, prepared: Any, only: Leaf | None = None) -> None:
+        """TypeError unless every leaf value casts to its leaf's dtype (`only`: one leaf's value)."""
+        values = [prepared] if self.single or only is not None else prepared
+        for x, leaf in zip(values, self.leaves if only is None else [only]):
             dt = np.asarray(x).dtype
             if not np.can_cast(dt, leaf.dtype, "same_kind"):
                 raise TypeError(f"{self.what} of dtype {dt} can't be stored as the space's {leaf.dtype}")
@@ -211,11 +214,21 @@ class _Packer:
         w = array_to_wire(self._col(col, self.leaves[i].dtype))
         array_parts(parts, w["dtype"], w["shape"], w["data"])
 
-    def one(self, value: Any) -> list[dict]:
+    def write_one(self, parts: list, value: Any) -> None:
+        """Append the Avro array of the leaves of one value (no step axis) to `parts`; raises
+        as `prepare` and `check_dtypes` do."""
         prepared = self.prepare(value)
-        self.check_dtypes(prepared)
         values = [prepared] if self.single else prepared
-        return [array_to_wire(self._col(v, leaf.dtype)) for v, leaf in zip(values, self.leaves)]
+        parts.append(self._count)
+        for v, leaf, fast, head in zip(values, self.leaves, self._fast, self._one_heads):
+            if fast is not None and type(v) is np.ndarray and v.dtype == fast[0]:
+                data = v.tobytes()  # C order, whatever the strides; the shape was checked
+                parts += (head, long_bytes(len(data)), data)
+            else:
+                self.check_dtypes(v, leaf)
+                w = array_to_wire(self._col(v, leaf.dtype))
+                array_parts(parts, w["dtype"], w["shape"], w["data"])
+        parts.append(ARRAY_END)
 
     @staticmethod
     def _col(values: Any, dtype: np.dtype) -> np.ndarray:
@@ -395,7 +408,8 @@ class EpisodeRecorder:
         version = self._policy_version if policy_version is None else self._check_version(policy_version)
         if self.validate_spaces and not self.observation_space.contains(observation):
             raise ValueError(f"observation {observation!r:.200} is not in {self.observation_space}")
-        obs_wire = self._obs.one(observation)
+        obs_parts: list = []
+        self._obs.write_one(obs_parts, observation)
         info_json = dumps_info(info)
         eid = uuid.uuid4().hex if episode_id is None else str(episode_id)
         if not eid or len(eid) > 256:
@@ -417,12 +431,8 @@ class EpisodeRecorder:
                 raise ValueError(f"episode {eid} is already open")
             # the EpisodeStart record (see avro_write), its constant fields encoded once
             pid_env, spaces = self._start_avro
-            parts = [string_bytes(eid), pid_env[0], long_bytes(version), pid_env[1]]
-            if obs_wire:  # an Avro array: count, items, 0 (an empty one is the 0 alone)
-                parts.append(long_bytes(len(obs_wire)))
-            for w in obs_wire:
-                array_parts(parts, w["dtype"], w["shape"], w["data"])
-            parts += (ARRAY_END, string_bytes(info_json), spaces, long_bytes(int(_time() * 1000)))
+            parts = [string_bytes(eid), pid_env[0], long_bytes(version), pid_env[1], *obs_parts]
+            parts += (string_bytes(info_json), spaces, long_bytes(int(_time() * 1000)))
             self._send(eid, b"".join(parts), "EpisodeStart", 1)
             self._episodes_begun += 1
             self._episodes[eid] = _Episode(eid, version)
@@ -457,7 +467,11 @@ class EpisodeRecorder:
         if self.validate_spaces:
             self._validate(action, observation)
         # cheap shape checks (the common single-leaf spaces inline, nested spaces flattened)
-        if getattr(observation, "shape", None) != self._obs_shape:
+        try:
+            prepare = observation.shape != self._obs_shape
+        except AttributeError:  # no shape: a list, a Python scalar, a dict of leaves
+            prepare = True
+        if prepare:
             observation = self._obs.prepare(observation)
         if not (type(action) is int and self._act_scalar) and getattr(action, "shape", None) != self._act_shape:
             action = self._act.prepare(action)
@@ -466,19 +480,22 @@ class EpisodeRecorder:
         lock = self._lock
         lock.acquire()
         try:
-            ep = self._episodes.get(episode_id)
-            if ep is None:
-                raise ValueError(f"episode {episode_id!r} is not open (never begun, already ended or aborted)")
+            try:
+                ep = self._episodes[episode_id]
+            except KeyError:
+                raise ValueError(
+                    f"episode {episode_id!r} is not open (never begun, already ended or aborted)"
+                ) from None
             t = ep.t
             if not t and not ep.dropping:  # before counting the record: these checks may raise
                 self._first_step_checks(ep, observation, action, extra_model_outputs)
-            if ep.dropping or self._buffered >= self.max_buffered_steps:
-                if not self._admit(ep):
-                    if terminated or truncated:
-                        self._end(ep)
-                    return
-            else:
-                self._buffered += 1
+            buffered = self._buffered
+            if buffered < self.max_buffered_steps and not ep.dropping:
+                self._buffered = buffered + 1
+            elif not self._admit(ep):
+                if terminated or truncated:
+                    self._end(ep)
+                return
             steps = ep.steps
             if not steps:
                 ep.first_buffered = _monotonic()

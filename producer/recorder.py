@@ -54,6 +54,8 @@ _KINDS = ("EpisodeStart", "StepBatch", "RewardDelta", "EpisodeAbort")
 _REWARDS_HEAD = string_bytes("float64") + long_bytes(1)  # dtype, then a 1-dim shape: [n]
 _FLAGS = {(a, b): bool_byte(a) + bool_byte(b) for a in (False, True) for b in (False, True)}
 _UNION_0, _UNION_1 = long_bytes(0), long_bytes(1)  # infos: null, or an array of strings
+#: after sending a lingering batch this big, the poller offers the GIL to waiting threads
+_YIELD_BYTES = 64 * 1024
 
 _recorders: weakref.WeakSet[EpisodeRecorder] = weakref.WeakSet()
 _monotonic = time.monotonic
@@ -897,11 +899,29 @@ class EpisodeRecorder:
             now = time.monotonic()
             if now >= next_linger:
                 next_linger = now + self.max_batch_delay_s / 2
-                deadline = now - self.max_batch_delay_s
-                with self._lock:
-                    for ep in list(self._episodes.values()):
-                        if ep.steps and not ep.dropping and ep.first_buffered <= deadline:
-                            try:
-                                self._emit(ep, False, False)
-                            except ValueError as e:
-                                log.error("%s", e)
+                self._emit_lingering(now - self.max_batch_delay_s)
+
+    def _emit_lingering(self, deadline: float) -> None:
+        """Send every batch whose oldest step was buffered before `deadline` (poller thread).
+
+        The lock is taken per episode, not for the whole pass: a pass over many episodes of big
+        observations takes milliseconds, which a thread logging meanwhile would wait out. After
+        a big batch the GIL is offered too (a thread woken by the lock needs it to go on).
+        """
+
+        def due(ep: _Episode) -> bool:
+            return bool(ep.steps) and not ep.dropping and ep.first_buffered <= deadline
+
+        with self._lock:
+            episodes = [ep for ep in self._episodes.values() if due(ep)]
+        for ep in episodes:
+            with self._lock:
+                if not due(ep) or self._episodes.get(ep.id) is not ep:
+                    continue  # sent, ended or dropped meanwhile
+                big = len(ep.steps) * (self._step_bytes or 0) >= _YIELD_BYTES
+                try:
+                    self._emit(ep, False, False)
+                except ValueError as e:
+                    log.error("%s", e)
+            if big:
+                time.sleep(0)

@@ -6,6 +6,13 @@ Every `max_batch_steps` steps, at the end of an episode, or when the oldest buff
 `StepBatch` event and handed to librdkafka, which sends it asynchronously. The policy never waits
 on the network; only `on_overflow="block"` with a full buffer waits, for buffer space.
 
+Encoding a batch (issue 15): `producer/avro_write.py` writes the Avro bytes directly (the bytes
+fastavro writes for the same record; the constant parts are encoded once per recorder or
+episode). A column whose values are numpy arrays or scalars of exactly the leaf's dtype (checked
+per value) is stacked by one `bytes.join` of their buffers, straight into the message; a column
+of Python ints for an integer scalar leaf (Discrete) by `array`; any other column (lists, other
+dtypes, non-contiguous views, big-endian) by numpy, casting as before.
+
 Accounting is in *records*: one per `begin_episode`, `log_step`, `log_reward` and
 `abort_episode` call. At every moment `produced == delivered + failed + buffered`, and `dropped`
 counts records discarded by `on_overflow="drop"`.

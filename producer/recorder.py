@@ -78,6 +78,30 @@ _SCALAR_NAMES = {dt.type: name for dt, name in _WIRE_NAMES.items()}
 _INT_CODES = {np.dtype(c).name: c for c in "bBhHiIqQ" if array(c).itemsize == np.dtype(c).itemsize} if _LITTLE else {}
 
 
+_cast_ok: dict[tuple[np.dtype, np.dtype], bool] = {}
+_allowed_ok: dict[np.dtype, bool] = {}
+
+
+def _can_cast(src: np.dtype, dst: np.dtype) -> bool:
+    """np.can_cast(src, dst, "same_kind"), remembered (it costs ~0.5 µs; first steps ask it)."""
+    ok = _cast_ok.get((src, dst))
+    if ok is None:
+        ok = bool(np.can_cast(src, dst, "same_kind"))
+        if len(_cast_ok) < 1024:
+            _cast_ok[(src, dst)] = ok
+    return ok
+
+
+def _dtype_allowed(dt: np.dtype) -> bool:
+    """`dt.name in ALLOWED_DTYPES`, remembered (numpy computes `dtype.name` in Python, ~2 µs)."""
+    ok = _allowed_ok.get(dt)
+    if ok is None:
+        ok = dt.name in ALLOWED_DTYPES
+        if len(_allowed_ok) < 1024:
+            _allowed_ok[dt] = ok
+    return ok
+
+
 def _stack_column(col: Sequence, n: int) -> tuple[str, tuple, Any] | None:
     """(wire dtype name, per-step shape, stacked bytes) of `n` numpy arrays or scalars all of one
     dtype and shape, joined without numpy; None when they are anything else (numpy stacks them)."""
@@ -180,8 +204,8 @@ class _Packer:
         """TypeError unless every leaf value casts to its leaf's dtype (`only`: one leaf's value)."""
         values = [prepared] if self.single or only is not None else prepared
         for x, leaf in zip(values, self.leaves if only is None else [only]):
-            dt = np.asarray(x).dtype
-            if not np.can_cast(dt, leaf.dtype, "same_kind"):
+            dt = x.dtype if type(x) is np.ndarray else np.asarray(x).dtype
+            if not _can_cast(dt, leaf.dtype):
                 raise TypeError(f"{self.what} of dtype {dt} can't be stored as the space's {leaf.dtype}")
 
     def write(self, parts: list, buf: Sequence) -> None:
@@ -655,8 +679,9 @@ class EpisodeRecorder:
         for k, v in (extra or {}).items():
             if not isinstance(k, str):
                 raise TypeError(f"extra_model_outputs keys must be strings, got {k!r}")
-            if np.asarray(v).dtype.name not in ALLOWED_DTYPES:
-                raise TypeError(f"extra_model_outputs[{k!r}] has dtype {np.asarray(v).dtype}; use a numeric dtype")
+            dt = v.dtype if isinstance(v, (np.ndarray, np.generic)) else np.asarray(v).dtype
+            if not _dtype_allowed(dt):
+                raise TypeError(f"extra_model_outputs[{k!r}] has dtype {dt}; use a numeric dtype")
         ep.extra_keys = keys
 
     def _admit(self, ep: _Episode | None) -> bool:

@@ -3,7 +3,8 @@
 Wire format (docs/FORMAT.md):
   * Kafka key   = episode id, UTF-8. All events of an episode go to one partition, in order.
   * Kafka value = the Avro body written schemaless (fastavro) with the schema
-    `producer/schemas/<Kind>.v<version>.avsc`.
+    `producer/schemas/<Kind>.v<version>.avsc`. (`EpisodeRecorder` writes the same bytes for
+    `StepBatch` and `EpisodeStart` with `rlrec.producer.avro_write`; `encode` uses fastavro.)
   * Kafka header `rlrec-schema` = b"<Kind>/<version>", e.g. b"StepBatch/1". Readers resolve any
     known writer version to the newest reader schema (Avro schema resolution), so old and new
     producers can share a topic.

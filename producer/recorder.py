@@ -6,6 +6,13 @@ Every `max_batch_steps` steps, at the end of an episode, or when the oldest buff
 `StepBatch` event and handed to librdkafka, which sends it asynchronously. The policy never waits
 on the network; only `on_overflow="block"` with a full buffer waits, for buffer space.
 
+Encoding a batch (issue 15): `producer/avro_write.py` writes the Avro bytes directly (the bytes
+fastavro writes for the same record; the constant parts are encoded once per recorder or
+episode). A column whose values are numpy arrays or scalars of exactly the leaf's dtype (checked
+per value) is stacked by one `bytes.join` of their buffers, straight into the message; a column
+of Python ints for an integer scalar leaf (Discrete) by `array`; any other column (lists, other
+dtypes, non-contiguous views, big-endian) by numpy, casting as before.
+
 Accounting is in *records*: one per `begin_episode`, `log_step`, `log_reward` and
 `abort_episode` call. At every moment `produced == delivered + failed + buffered`, and `dropped`
 counts records discarded by `on_overflow="drop"`.
@@ -16,13 +23,16 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Mapping
+from array import array
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
+from operator import attrgetter, itemgetter
 from typing import Any
 
 import numpy as np
@@ -30,6 +40,7 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 from gymnasium import spaces as gs
 
 from rlrec.producer.arrays import ALLOWED_DTYPES, array_to_wire
+from rlrec.producer.avro_write import ARRAY_END, array_parts, bool_byte, long_bytes, shape_bytes, string_bytes
 from rlrec.producer.events import (
     DecodeError,
     check_env_id,
@@ -39,16 +50,81 @@ from rlrec.producer.events import (
     schema_header,
     schema_version,
 )
-from rlrec.producer.spaces import dumps_space, flatten_value, space_leaves
+from rlrec.producer.spaces import Leaf, dumps_space, flatten_value, space_leaves
 
 __all__ = ["EpisodeRecorder", "RecorderForkedError", "RecorderFullError", "RecorderStats"]
 
 log = logging.getLogger("rlrec.producer")
 
 _KINDS = ("EpisodeStart", "StepBatch", "RewardDelta", "EpisodeAbort")
+# constant Avro fragments of StepBatch (see avro_write)
+_REWARDS_HEAD = string_bytes("float64") + long_bytes(1)  # dtype, then a 1-dim shape: [n]
+_FLAGS = {(a, b): bool_byte(a) + bool_byte(b) for a in (False, True) for b in (False, True)}
+_UNION_0, _UNION_1 = long_bytes(0), long_bytes(1)  # infos: null, or an array of strings
+#: after sending a lingering batch this big, the poller offers the GIL to waiting threads
+_YIELD_BYTES = 64 * 1024
 
 _recorders: weakref.WeakSet[EpisodeRecorder] = weakref.WeakSet()
 _monotonic = time.monotonic
+_time = time.time
+_dtype_of = attrgetter("dtype")
+_shape_of = attrgetter("shape")
+_LITTLE = sys.byteorder == "little"
+#: dtypes whose native bytes are their wire bytes -> wire name (none on a big-endian host)
+_WIRE_NAMES = {np.dtype(name): name for name in ALLOWED_DTYPES} if _LITTLE else {}
+#: numpy scalar types of those dtypes -> wire name
+_SCALAR_NAMES = {dt.type: name for dt, name in _WIRE_NAMES.items()}
+#: `array` typecodes of the integer dtypes, for columns of Python ints (e.g. Discrete actions)
+_INT_CODES = {np.dtype(c).name: c for c in "bBhHiIqQ" if array(c).itemsize == np.dtype(c).itemsize} if _LITTLE else {}
+
+
+_cast_ok: dict[tuple[np.dtype, np.dtype], bool] = {}
+_allowed_ok: dict[np.dtype, bool] = {}
+
+
+def _can_cast(src: np.dtype, dst: np.dtype) -> bool:
+    """np.can_cast(src, dst, "same_kind"), remembered (it costs ~0.5 µs; first steps ask it)."""
+    ok = _cast_ok.get((src, dst))
+    if ok is None:
+        ok = bool(np.can_cast(src, dst, "same_kind"))
+        if len(_cast_ok) < 1024:
+            _cast_ok[(src, dst)] = ok
+    return ok
+
+
+def _dtype_allowed(dt: np.dtype) -> bool:
+    """`dt.name in ALLOWED_DTYPES`, remembered (numpy computes `dtype.name` in Python, ~2 µs)."""
+    ok = _allowed_ok.get(dt)
+    if ok is None:
+        ok = dt.name in ALLOWED_DTYPES
+        if len(_allowed_ok) < 1024:
+            _allowed_ok[dt] = ok
+    return ok
+
+
+def _stack_column(col: Sequence, n: int) -> tuple[str, tuple, Any] | None:
+    """(wire dtype name, per-step shape, stacked bytes) of `n` numpy arrays or scalars all of one
+    dtype and shape, joined without numpy; None when they are anything else (numpy stacks them)."""
+    first = col[0]
+    t = type(first)
+    name = _SCALAR_NAMES.get(t)
+    if name is not None:  # numpy scalars: one type is one dtype, one shape ()
+        if list(map(type, col)).count(t) != n:
+            return None
+        return name, (), b"".join(col)
+    if t is not np.ndarray:
+        return None
+    name = _WIRE_NAMES.get(first.dtype)
+    if name is None:
+        return None
+    try:
+        data = b"".join(col)  # needs C-contiguous buffers
+        dts, shapes = list(map(_dtype_of, col)), list(map(_shape_of, col))
+    except (TypeError, ValueError, BufferError, AttributeError):
+        return None
+    if dts.count(first.dtype) != n or shapes.count(first.shape) != n:
+        return None
+    return name, first.shape, data
 
 
 def _mark_forked() -> None:
@@ -91,6 +167,21 @@ class _Packer:
         self.leaves = space_leaves(space)
         self.single = not isinstance(space, (gs.Dict, gs.Tuple))
         self.shape = self.leaves[0].shape if self.single else None
+        # per leaf, for `write`: (dtype, bytes per step, Avro bytes of the dtype name and the
+        # shape's length, Avro bytes of the trailing dims and the shape's end; None when the
+        # leaf's dtype has no fast path: not allowed on the wire, or not little-endian)
+        self._fast = []
+        for leaf in self.leaves:
+            dt = leaf.dtype
+            head = string_bytes(dt.name) + long_bytes(1 + len(leaf.shape))
+            tail = b"".join(long_bytes(d) for d in leaf.shape) + ARRAY_END
+            fast = dt in _WIRE_NAMES
+            self._fast.append((dt, dt.itemsize * math.prod(leaf.shape), head, tail) if fast else None)
+        # scalar integer leaves (Discrete): a column of Python ints packs with `array`
+        self._int_code = _INT_CODES.get(self.leaves[0].dtype.name) if self.single and not self.shape else None
+        self._count = long_bytes(len(self.leaves)) if self.leaves else b""
+        # per leaf, for `write_one`: Avro bytes of the dtype name and the leaf's shape
+        self._one_heads = [string_bytes(leaf.dtype.name) + shape_bytes(leaf.shape) for leaf in self.leaves]
 
     def prepare(self, value: Any) -> Any:
         """Cheap check of one value; returns what the batch buffer stores (value or its leaves)."""
@@ -109,23 +200,68 @@ class _Packer:
                 raise ValueError(f"{self.what} leaf has shape {np.shape(x)}, the space needs {leaf.shape}")
         return leaves
 
-    def check_dtypes(self, prepared: Any) -> None:
-        values = [prepared] if self.single else prepared
-        for x, leaf in zip(values, self.leaves):
-            dt = np.asarray(x).dtype
-            if not np.can_cast(dt, leaf.dtype, "same_kind"):
+    def check_dtypes(self, prepared: Any, only: Leaf | None = None) -> None:
+        """TypeError unless every leaf value casts to its leaf's dtype (`only`: one leaf's value)."""
+        values = [prepared] if self.single or only is not None else prepared
+        for x, leaf in zip(values, self.leaves if only is None else [only]):
+            dt = x.dtype if type(x) is np.ndarray else np.asarray(x).dtype
+            if not _can_cast(dt, leaf.dtype):
                 raise TypeError(f"{self.what} of dtype {dt} can't be stored as the space's {leaf.dtype}")
 
-    def stack(self, buf: list) -> list[dict]:
+    def write(self, parts: list, buf: Sequence) -> None:
+        """Append the Avro array of stacked leaves of the `prepare`d values in `buf` to `parts`."""
+        n = len(buf)
+        parts.append(self._count)
         if self.single:
-            return [array_to_wire(self._col(buf, self.leaves[0].dtype))]
-        return [array_to_wire(self._col(col, leaf.dtype)) for col, leaf in zip(zip(*buf), self.leaves)]
+            self._write_leaf(parts, buf, n, 0)
+        else:
+            for i, col in enumerate(zip(*buf)):
+                self._write_leaf(parts, col, n, i)
+        parts.append(ARRAY_END)
 
-    def one(self, value: Any) -> list[dict]:
+    def _write_leaf(self, parts: list, col: Sequence, n: int, i: int) -> None:
+        fast = self._fast[i]
+        if fast is not None:
+            # values are checked to have the leaf's shape when logged: if every one is a numpy
+            # array (or scalar) of exactly the leaf's dtype, their buffers are the stacked
+            # column's bytes, and one join copies them into the message
+            dt, nbytes, head, tail = fast
+            first = col[0]
+            if type(first) is int and self._int_code:
+                try:
+                    data = array(self._int_code, col)  # TypeError/OverflowError: numpy decides
+                except (TypeError, OverflowError):
+                    pass
+                else:
+                    parts += (head, long_bytes(n), tail, long_bytes(n * nbytes), data)
+                    return
+            elif type(first) is np.ndarray or isinstance(first, np.generic):
+                try:
+                    data = b"".join(col)
+                    same = list(map(_dtype_of, col)).count(dt) == n
+                except (TypeError, ValueError, BufferError, AttributeError):
+                    same = False  # not contiguous, not a buffer, no dtype: stack it with numpy
+                if same and len(data) == n * nbytes:
+                    parts += (head, long_bytes(n), tail, long_bytes(len(data)), data)
+                    return
+        w = array_to_wire(self._col(col, self.leaves[i].dtype))
+        array_parts(parts, w["dtype"], w["shape"], w["data"])
+
+    def write_one(self, parts: list, value: Any) -> None:
+        """Append the Avro array of the leaves of one value (no step axis) to `parts`; raises
+        as `prepare` and `check_dtypes` do."""
         prepared = self.prepare(value)
-        self.check_dtypes(prepared)
         values = [prepared] if self.single else prepared
-        return [array_to_wire(self._col(v, leaf.dtype)) for v, leaf in zip(values, self.leaves)]
+        parts.append(self._count)
+        for v, leaf, fast, head in zip(values, self.leaves, self._fast, self._one_heads):
+            if fast is not None and type(v) is np.ndarray and v.dtype == fast[0]:
+                data = v.tobytes()  # C order, whatever the strides; the shape was checked
+                parts += (head, long_bytes(len(data)), data)
+            else:
+                self.check_dtypes(v, leaf)
+                w = array_to_wire(self._col(v, leaf.dtype))
+                array_parts(parts, w["dtype"], w["shape"], w["data"])
+        parts.append(ARRAY_END)
 
     @staticmethod
     def _col(values: Any, dtype: np.dtype) -> np.ndarray:
@@ -141,6 +277,7 @@ class _Episode:
         "extra_keys",
         "first_buffered",
         "id",
+        "id_avro",
         "reward_adds",
         "steps",
         "t",
@@ -150,6 +287,7 @@ class _Episode:
 
     def __init__(self, eid: str, version: int):
         self.id = eid
+        self.id_avro = string_bytes(eid)  # the Avro string, as every batch of the episode starts
         self.version = version
         self.t = 0  # steps logged so far
         self.t0 = 0  # t of the first buffered step
@@ -234,6 +372,11 @@ class EpisodeRecorder:
         self._act_scalar = self._act.single and self._act.shape == ()
         self._obs_space_json = dumps_space(observation_space)
         self._act_space_json = dumps_space(action_space)
+        # EpisodeStart's constant fields as Avro: (policy_id, env_id), then both spaces
+        self._start_avro = (
+            (string_bytes(policy_id), string_bytes(env_id)),
+            string_bytes(self._obs_space_json) + string_bytes(self._act_space_json),
+        )
 
         conf = {
             "bootstrap.servers": bootstrap_servers,
@@ -298,7 +441,8 @@ class EpisodeRecorder:
         version = self._policy_version if policy_version is None else self._check_version(policy_version)
         if self.validate_spaces and not self.observation_space.contains(observation):
             raise ValueError(f"observation {observation!r:.200} is not in {self.observation_space}")
-        obs_wire = self._obs.one(observation)
+        obs_parts: list = []
+        self._obs.write_one(obs_parts, observation)
         info_json = dumps_info(info)
         eid = uuid.uuid4().hex if episode_id is None else str(episode_id)
         if not eid or len(eid) > 256:
@@ -318,18 +462,11 @@ class EpisodeRecorder:
                 self._buffered -= 1
                 self._space_freed.notify_all()
                 raise ValueError(f"episode {eid} is already open")
-            rec = {
-                "episode_id": eid,
-                "policy_id": self.policy_id,
-                "policy_version": version,
-                "env_id": self.env_id,
-                "observation": obs_wire,
-                "info": info_json,
-                "observation_space": self._obs_space_json,
-                "action_space": self._act_space_json,
-                "timestamp_ms": int(time.time() * 1000),
-            }
-            self._send(eid, encode_record("EpisodeStart", rec), "EpisodeStart", 1)
+            # the EpisodeStart record (see avro_write), its constant fields encoded once
+            pid_env, spaces = self._start_avro
+            parts = [string_bytes(eid), pid_env[0], long_bytes(version), pid_env[1], *obs_parts]
+            parts += (string_bytes(info_json), spaces, long_bytes(int(_time() * 1000)))
+            self._send(eid, b"".join(parts), "EpisodeStart", 1)
             self._episodes_begun += 1
             self._episodes[eid] = _Episode(eid, version)
         return eid
@@ -363,7 +500,11 @@ class EpisodeRecorder:
         if self.validate_spaces:
             self._validate(action, observation)
         # cheap shape checks (the common single-leaf spaces inline, nested spaces flattened)
-        if getattr(observation, "shape", None) != self._obs_shape:
+        try:
+            prepare = observation.shape != self._obs_shape
+        except AttributeError:  # no shape: a list, a Python scalar, a dict of leaves
+            prepare = True
+        if prepare:
             observation = self._obs.prepare(observation)
         if not (type(action) is int and self._act_scalar) and getattr(action, "shape", None) != self._act_shape:
             action = self._act.prepare(action)
@@ -372,19 +513,22 @@ class EpisodeRecorder:
         lock = self._lock
         lock.acquire()
         try:
-            ep = self._episodes.get(episode_id)
-            if ep is None:
-                raise ValueError(f"episode {episode_id!r} is not open (never begun, already ended or aborted)")
+            try:
+                ep = self._episodes[episode_id]
+            except KeyError:
+                raise ValueError(
+                    f"episode {episode_id!r} is not open (never begun, already ended or aborted)"
+                ) from None
             t = ep.t
             if not t and not ep.dropping:  # before counting the record: these checks may raise
                 self._first_step_checks(ep, observation, action, extra_model_outputs)
-            if ep.dropping or self._buffered >= self.max_buffered_steps:
-                if not self._admit(ep):
-                    if terminated or truncated:
-                        self._end(ep)
-                    return
-            else:
-                self._buffered += 1
+            buffered = self._buffered
+            if buffered < self.max_buffered_steps and not ep.dropping:
+                self._buffered = buffered + 1
+            elif not self._admit(ep):
+                if terminated or truncated:
+                    self._end(ep)
+                return
             steps = ep.steps
             if not steps:
                 ep.first_buffered = _monotonic()
@@ -535,8 +679,9 @@ class EpisodeRecorder:
         for k, v in (extra or {}).items():
             if not isinstance(k, str):
                 raise TypeError(f"extra_model_outputs keys must be strings, got {k!r}")
-            if np.asarray(v).dtype.name not in ALLOWED_DTYPES:
-                raise TypeError(f"extra_model_outputs[{k!r}] has dtype {np.asarray(v).dtype}; use a numeric dtype")
+            dt = v.dtype if isinstance(v, (np.ndarray, np.generic)) else np.asarray(v).dtype
+            if not _dtype_allowed(dt):
+                raise TypeError(f"extra_model_outputs[{k!r}] has dtype {dt}; use a numeric dtype")
         ep.extra_keys = keys
 
     def _admit(self, ep: _Episode | None) -> bool:
@@ -606,21 +751,20 @@ class EpisodeRecorder:
         ep.steps, ep.reward_adds = [], {}
 
     def _encode_batch(self, ep: _Episode, terminated: bool, truncated: bool) -> bytes:
+        """The Avro body of a StepBatch of the episode's buffered steps (see `avro_write`)."""
         actions, rewards, observations, infos, extras = zip(*ep.steps)
         n = len(rewards)
-        rewards = np.asarray(rewards, dtype=np.float64)
+        rewards = array("d", rewards)  # floats: log_step converted them
         for t, add in ep.reward_adds.items():
             rewards[t - ep.t0] += add
         keys = ep.extra_keys
-        extra = {}
         if keys:
-            # fast path for plain dicts: as many keys as the first step's and none missing (KeyError)
-            # means the same keys; anything else takes the per-step check below
-            nk = len(keys)
+            # fast path: as many keys as the first step's and none missing (KeyError) means the
+            # same keys; anything else takes the per-step check below
             try:
-                same = all(type(e) is dict and len(e) == nk for e in extras)
-                columns = {k: [e[k] for e in extras] for k in keys} if same else None
-            except KeyError:
+                same = set(map(len, extras)) == {len(keys)}
+                columns = {k: list(map(itemgetter(k), extras)) for k in keys} if same else None
+            except (KeyError, TypeError):
                 same = False
             if not same:
                 for i, e in enumerate(extras):
@@ -630,22 +774,36 @@ class EpisodeRecorder:
                             f"from the episode's first step {sorted(keys)}"
                         )
                 columns = {k: [e[k] for e in extras] for k in keys}
-            extra = {k: array_to_wire(np.asarray(col)) for k, col in columns.items()}
+            extra = []
+            for k, col in columns.items():
+                stacked = _stack_column(col, n)
+                if stacked is None:
+                    w = array_to_wire(np.asarray(col))
+                    stacked = w["dtype"], w["shape"][1:], w["data"]
+                extra.append((k, stacked))
         elif any(e for e in extras):
             raise ValueError("extra_model_outputs given on a later step but not on the episode's first step")
-        rec = {
-            "episode_id": ep.id,
-            "t0": ep.t0,
-            "actions": self._act.stack(actions),
-            "rewards": {"dtype": "float64", "shape": [n], "data": rewards.tobytes()},
-            "observations": self._obs.stack(observations),
-            "terminated": terminated,
-            "truncated": truncated,
-            "infos": list(infos) if any(infos) else None,
-            "extra_model_outputs": extra,
-            "timestamp_ms": int(time.time() * 1000),
-        }
-        return encode_record("StepBatch", rec)
+        else:
+            extra = ()
+        parts = [ep.id_avro, long_bytes(ep.t0)]
+        self._act.write(parts, actions)
+        parts += (_REWARDS_HEAD, long_bytes(n), ARRAY_END, long_bytes(8 * n), rewards)
+        self._obs.write(parts, observations)
+        parts.append(_FLAGS[bool(terminated), bool(truncated)])
+        if any(infos):
+            parts += (_UNION_1, long_bytes(n))
+            parts += map(string_bytes, infos)
+            parts.append(ARRAY_END)
+        else:
+            parts.append(_UNION_0)
+        if extra:
+            parts.append(long_bytes(len(extra)))
+            for k, (name, shape, data) in extra:
+                parts.append(string_bytes(k))
+                array_parts(parts, name, (n, *shape), data)
+        parts.append(ARRAY_END)
+        parts.append(long_bytes(int(_time() * 1000)))
+        return b"".join(parts)
 
     def _abort(self, ep: _Episode, reason: str) -> None:
         if ep.dropping:
@@ -773,11 +931,29 @@ class EpisodeRecorder:
             now = time.monotonic()
             if now >= next_linger:
                 next_linger = now + self.max_batch_delay_s / 2
-                deadline = now - self.max_batch_delay_s
-                with self._lock:
-                    for ep in list(self._episodes.values()):
-                        if ep.steps and not ep.dropping and ep.first_buffered <= deadline:
-                            try:
-                                self._emit(ep, False, False)
-                            except ValueError as e:
-                                log.error("%s", e)
+                self._emit_lingering(now - self.max_batch_delay_s)
+
+    def _emit_lingering(self, deadline: float) -> None:
+        """Send every batch whose oldest step was buffered before `deadline` (poller thread).
+
+        The lock is taken per episode, not for the whole pass: a pass over many episodes of big
+        observations takes milliseconds, which a thread logging meanwhile would wait out. After
+        a big batch the GIL is offered too (a thread woken by the lock needs it to go on).
+        """
+
+        def due(ep: _Episode) -> bool:
+            return bool(ep.steps) and not ep.dropping and ep.first_buffered <= deadline
+
+        with self._lock:
+            episodes = [ep for ep in self._episodes.values() if due(ep)]
+        for ep in episodes:
+            with self._lock:
+                if not due(ep) or self._episodes.get(ep.id) is not ep:
+                    continue  # sent, ended or dropped meanwhile
+                big = len(ep.steps) * (self._step_bytes or 0) >= _YIELD_BYTES
+                try:
+                    self._emit(ep, False, False)
+                except ValueError as e:
+                    log.error("%s", e)
+            if big:
+                time.sleep(0)

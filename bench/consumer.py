@@ -591,9 +591,10 @@ def print_table(r: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--episodes", type=int, default=2000, help="CartPole-size episodes [2000]")
-    ap.add_argument("--atari-episodes", type=int, default=40, help="84x84x4 uint8 episodes [40]")
-    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds; the best of each side counts")
+    # sizes: each side runs for seconds, so the 0.25 s file age and process start-up are noise
+    ap.add_argument("--episodes", type=int, default=8000, help="CartPole-size episodes [8000]")
+    ap.add_argument("--atari-episodes", type=int, default=100, help="84x84x4 uint8 episodes [100]")
+    ap.add_argument("--rounds", type=int, default=5, help="alternating rounds; medians and spreads are reported")
     ap.add_argument("--max-file-age-s", type=float, default=0.25)
     ap.add_argument("--live-episodes", type=int, default=300)
     ap.add_argument("--live-rate", type=float, default=50.0, help="episodes/s published during the live run")

@@ -18,8 +18,10 @@ Why it is equal work: the baseline is a bare ``produce()`` of one *pre-encoded* 
 observation, action, reward, logp and flags - the bytes rlrec must carry for the step - keyed by
 the episode id, with no callback. Encoding the baseline's messages happens before its clock, so
 the baseline is the floor "one Kafka message per transition". rlrec's side calls
-``begin_episode``/``log_step`` with the same values. Pacing is the same loop on both sides
-(sleep only when ahead by > 1 ms).
+``begin_episode``/``log_step`` with the same values. Both loops walk a list of per-step inputs
+built before the clock -- the baseline's encoded messages, rlrec's observation arrays (views),
+actions and flags -- so neither pays the harness's indexing. Pacing is the same loop on both
+sides (sleep only when ahead by > 1 ms).
 
 Figures per workload and side: CPU µs per step (``time.process_time()``: all threads, so
 librdkafka's and the recorder's background threads count, from the first step until ``flush()``
@@ -199,18 +201,20 @@ def run_ours(bootstrap: str, topic: str, w: Workload) -> dict:
     rec.log_step(warm, 0, 1.0, w.obs[0, 1], terminated=True)
     rec.flush(10)
     tx0 = tx.settle(lambda: None)
-    order = list(w.order())
-    lat = np.empty(len(order), dtype=np.int64)
     obs, logp = w.obs, {"action_logp": w.logp}
+    # the per-step inputs, prepared before the clock like the baseline's messages: (slot, first
+    # observation or None, action, observation, done)
+    inputs = [(s, obs[s, 0] if st == 0 else None, st & 1, obs[s, st + 1], st == EPISODE_LEN - 1) for s, st in w.order()]
+    lat = np.empty(len(inputs), dtype=np.int64)
     eids: list = [None] * w.concurrent
     log_step, begin, pc = rec.log_step, rec.begin_episode, time.perf_counter_ns
     pace = _Pacer(w.rate)
     t, c = time.perf_counter(), time.process_time()
-    for i, (s, st) in enumerate(order):
-        if st == 0:
-            eids[s] = begin(obs[s, 0])
+    for i, (s, first, action, o, done) in enumerate(inputs):
+        if first is not None:
+            eids[s] = begin(first)
         a = pc()
-        log_step(eids[s], st & 1, 1.0, obs[s, st + 1], terminated=st == EPISODE_LEN - 1, extra_model_outputs=logp)
+        log_step(eids[s], action, 1.0, o, terminated=done, extra_model_outputs=logp)
         lat[i] = pc() - a
         pace(i + 1)
     left = rec.flush(120)

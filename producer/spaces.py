@@ -174,6 +174,10 @@ def _approx_nbytes(value: Any, depth: int = 0) -> int:
     """Rough memory of a serialised space (strings dominate: JSON or base64 bounds)."""
     if isinstance(value, (str, bytes)):
         return 64 + len(value)
+    if isinstance(value, np.ndarray):
+        return 128 + value.nbytes
+    if isinstance(value, Leaf):
+        return 128 + sum(_approx_nbytes(a, depth + 1) for a in (value.low, value.high) if a is not None)
     if depth < 64 and isinstance(value, dict):
         return 64 + sum(_approx_nbytes(k, depth + 1) + _approx_nbytes(v, depth + 1) for k, v in value.items())
     if depth < 64 and isinstance(value, (list, tuple)):

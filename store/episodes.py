@@ -74,6 +74,7 @@ from rlrec.store.finished import FinishedEpisode
 __all__ = [
     "EpisodeDecodeError",
     "UnsafeEpisodeError",
+    "build_checked_episode",
     "check_finished_episode",
     "episode_state",
     "pack_episode",
@@ -109,6 +110,9 @@ def _SingleAgentEpisode():
     return SingleAgentEpisode
 
 
+_space_leaves = per_space(lambda space: tuple(space_leaves(space)))
+
+
 def check_finished_episode(fe: FinishedEpisode) -> None:
     """Raise ValueError unless the arrays of `fe` are consistent with its spaces and length."""
     T = fe.length
@@ -119,7 +123,7 @@ def check_finished_episode(fe: FinishedEpisode) -> None:
         ("observations", fe.observation_space, fe.observations, T + 1),
         ("actions", fe.action_space, fe.actions, T),
     ):
-        leaves = space_leaves(space)
+        leaves = _space_leaves(space)
         if len(arrays) != len(leaves):
             raise ValueError(f"episode {fe.episode_id}: {len(arrays)} {what} leaves, the space has {len(leaves)}")
         for i, (a, leaf) in enumerate(zip(arrays, leaves)):
@@ -152,6 +156,11 @@ def to_single_agent_episode(fe: FinishedEpisode) -> SingleAgentEpisode:  # noqa:
     copied (the episode shares them with `fe`).
     """
     check_finished_episode(fe)
+    return build_checked_episode(fe)
+
+
+def build_checked_episode(fe: FinishedEpisode) -> SingleAgentEpisode:  # noqa: F821
+    """`to_single_agent_episode` for an episode `check_finished_episode` passed already."""
     SingleAgentEpisode = _SingleAgentEpisode()
     T = fe.length
     obs = _struct(fe.observation_space, fe.observations)

@@ -59,6 +59,7 @@ from rlrec.consumer.topics import client_settings, create_topics, dlq_topic_name
 from rlrec.consumer.writer import PartitionWriter, Rotation
 from rlrec.producer.events import DecodeError, decode, encode
 from rlrec.producer.registry import RegistryUnavailable
+from rlrec.store.episodes import import_episode_classes
 from rlrec.store.storage import Storage, require_conditional_writes
 
 __all__ = ["FAST_FAILOVER_KAFKA", "ConsumerConfig", "RecorderConsumer"]
@@ -163,9 +164,10 @@ class RecorderConsumer:
         )
         self.rotation = Rotation(config.max_episodes_per_file, config.max_file_bytes, config.max_file_age_s)
         self.writers: dict[int, PartitionWriter] = {}
-        # shard encoding (Parquet, zstd, hashing; mostly without the GIL) runs on this thread
-        # while the loop polls and assembles: the second core works (PartitionWriter)
-        self.encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlrec-encode")
+        # shard encoding (Parquet, zstd, hashing; mostly without the GIL) runs on one thread of
+        # its own while the loop polls and assembles, so the second core works (PartitionWriter);
+        # started by run(), shut down when it ends (None: writers encode on the loop's thread)
+        self.encoder: ThreadPoolExecutor | None = None
         self.metrics = ConsumerMetrics()
         self._stop = threading.Event()
         self._pause_reasons: dict[int, set[str]] = {}  # partition -> why it is paused (empty: reading)
@@ -240,6 +242,10 @@ class RecorderConsumer:
         self.dlq = DeadLetterQueue(
             producer, cfg.dlq, on_failure=lambda letter, err: self.metrics.dead_letter_failures.inc()
         )
+        # RLlib's episode classes are imported here, once, before two threads could race to
+        # import them (an import error in the encoding thread would look like bad data)
+        import_episode_classes()
+        self.encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlrec-encode")
         self.consumer.subscribe(
             [cfg.topic], on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost
         )
@@ -279,7 +285,9 @@ class RecorderConsumer:
             log.exception("consumer close failed")
         if self.dlq is not None:
             self.dlq.close()
-        self.encoder.shutdown(wait=True, cancel_futures=True)  # what is left belonged to dropped partitions
+        if self.encoder is not None:  # what is left belonged to dropped partitions
+            self.encoder.shutdown(wait=True, cancel_futures=True)
+            self.encoder = None
         self.metrics.stop()
 
     def health(self) -> tuple[bool, str]:

@@ -150,7 +150,7 @@ class PartitionWriter:
         self.assembler = PartitionAssembler(self.topic, self.partition, committed, self.assembly_config)
         self.state = WriterState.ACTIVE
         self.uncertain = []
-        self._encoding = None
+        self._discard_encoding()
         self.attempts, self.failing_since = 0, None
         log.info(
             "partition %d: claimed epoch %d (%d committed episodes that can be replayed from offset %s)",
@@ -165,7 +165,7 @@ class PartitionWriter:
         start over from the committed offset."""
         self.assembler = None
         self.uncertain = []
-        self._encoding = None  # its episodes belonged to the dropped state
+        self._discard_encoding()
         self.state = state
         self.next_attempt = time.time() + retry_in
 
@@ -177,7 +177,7 @@ class PartitionWriter:
         owner from the committed Kafka offset."""
         self.assembler = None
         self.uncertain = []
-        self._encoding = None
+        self._discard_encoding()
         self.state = WriterState.REVOKED
 
     # -- rotation and writing -----------------------------------------------------------------
@@ -228,19 +228,36 @@ class PartitionWriter:
                 return out
             if not self._commit(chunks, prepared, out) or not force:
                 return out
-        chunks = self._hand_out(now, force, first_unacked)
+        background = self.encoder is not None and not force
+        # in the background one shard at a time: in memory, one shard's episodes and its bytes
+        chunks = self._hand_out(now, force, first_unacked, only_first=background)
         if not chunks:
             return out
-        if self.encoder is not None and not force:
+        if background:
             committer = self.committer
-            self._encoding = (chunks, self.encoder.submit(lambda: [committer.prepare(c) for c in chunks]))
-            self._encoding_bytes = sum(fe.nbytes() for chunk in chunks for fe in chunk)
-            return out
+            try:
+                future = self.encoder.submit(lambda: [committer.prepare(c) for c in chunks])
+            except RuntimeError:  # the executor is shut down (or cannot start its thread): encode here
+                log.warning("partition %d: the encoding thread is not available; encoding on this one", self.partition)
+            else:
+                self._encoding = (chunks, future)
+                self._encoding_bytes = sum(fe.nbytes() for chunk in chunks for fe in chunk)
+                return out
         self._commit(chunks, [self.committer.prepare(c) for c in chunks], out)
         return out
 
-    def _hand_out(self, now: float, force: bool, first_unacked: int | None) -> list[list[FinishedEpisode]]:
-        """The chunks to write now (the uncertain append's first), handed out by the assembler."""
+    def _discard_encoding(self) -> None:
+        """Forget an encoding under way (its episodes belonged to state being dropped); it is
+        cancelled unless it has started (then it ends by itself, its result unused)."""
+        if self._encoding is not None:
+            self._encoding[1].cancel()
+            self._encoding = None
+
+    def _hand_out(
+        self, now: float, force: bool, first_unacked: int | None, only_first: bool = False
+    ) -> list[list[FinishedEpisode]]:
+        """The chunks to write now (the uncertain append's first; with `only_first` just the
+        first), their episodes handed out by the assembler."""
         a = self.assembler
         chunks: list[list[FinishedEpisode]] = []
         if self.uncertain:
@@ -256,7 +273,9 @@ class PartitionWriter:
             cur_bytes += fe.nbytes()
         if cur:
             chunks.append(cur)
-        a.hand_out(ready)
+        if only_first:
+            chunks = chunks[:1]
+        a.hand_out([fe for chunk in chunks if chunk is not self.uncertain for fe in chunk])
         return chunks
 
     def _commit(self, chunks: list[list[FinishedEpisode]], prepared: list[PreparedShards], out: Tick) -> bool:

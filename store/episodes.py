@@ -77,6 +77,7 @@ __all__ = [
     "build_checked_episode",
     "check_finished_episode",
     "episode_state",
+    "import_episode_classes",
     "pack_episode",
     "pack_episodes",
     "to_single_agent_episode",
@@ -101,6 +102,13 @@ class UnsafeEpisodeError(EpisodeDecodeError):
 
 # ---------------------------------------------------------------------------------------------
 # building
+
+
+def import_episode_classes() -> None:
+    """Import what building and packing episodes needs from RLlib (~2 s the first time), on the
+    calling thread: a service calls it before it starts encoding on another thread."""
+    _SingleAgentEpisode()
+    from ray.rllib.utils.serialization import gym_space_to_dict  # noqa: F401
 
 
 def _SingleAgentEpisode():

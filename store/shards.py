@@ -177,15 +177,11 @@ _PLAIN_COLUMNS = frozenset({"item"})
 
 def _write(table: pa.Table, compression: str, row_group_size: int | None) -> bytes:
     buf = pa.BufferOutputStream()  # Arrow's own memory: no Python call (nor the GIL) per page
-    usual = [name for name in table.column_names if name not in _PLAIN_COLUMNS]
-    pq.write_table(
-        table,
-        buf,
-        compression=compression,
-        row_group_size=row_group_size,
-        use_dictionary=usual,
-        write_statistics=usual,
-    )
+    options = {}
+    if _PLAIN_COLUMNS.intersection(table.column_names):  # the names are leaf paths: top-level columns only
+        usual = [name for name in table.column_names if name not in _PLAIN_COLUMNS]
+        options = {"use_dictionary": usual, "write_statistics": usual}
+    pq.write_table(table, buf, compression=compression, row_group_size=row_group_size, **options)
     return buf.getvalue().to_pybytes()
 
 

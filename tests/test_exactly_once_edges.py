@@ -193,10 +193,8 @@ def test_encoding_on_another_thread_keeps_episodes_in_flight_until_committed(tmp
         a.apply(3, start("b"))
         a.apply(4, steps("b", 0, 1, terminated=True))
         gate.set()
-        for _ in range(200):
-            if w.due(later):
-                break
-            time.sleep(0.01)
+        pool.submit(lambda: None).result(timeout=30)  # one thread, in order: the encoding is done
+        assert w.due(later)
         t = w.tick(later)  # commits "a" only: "b" was not handed out
         assert [fe.episode_id for f in t.flushed for fe in f.episodes] == ["a"]
         assert "a" in a.committed and "b" in a.finished
@@ -229,6 +227,23 @@ def test_encoding_on_another_thread_keeps_episodes_in_flight_until_committed(tmp
         t = w2.tick(later, force=True)
         assert [fe.episode_id for f in t.flushed for fe in f.episodes] == ["d", "e"]
         assert a2.safe_offset() == 4 and not a2.in_flight
+
+        # in the background one shard at a time: the rest waits, not handed out
+        from rlrec.consumer.writer import Rotation
+
+        w3 = PartitionWriter(Storage.from_uri(str(tmp_path / "out3")), "async", 2, encoder=pool, rotation=Rotation(1))
+        w3.claim()
+        a3 = w3.assembler
+        for i, eid in enumerate(("f", "g")):
+            a3.apply(2 * i, start(eid))
+            a3.apply(2 * i + 1, steps(eid, 0, 1, terminated=True))
+        w3.tick(later)
+        assert list(a3.in_flight) == ["f"] and list(a3.finished) == ["g"]
+        assert pool.submit(lambda: None).result(timeout=10) is None and w3.due(later)
+        assert [fe.episode_id for f in w3.tick(later).flushed for fe in f.episodes] == ["f"]
+        w3.tick(later)
+        assert pool.submit(lambda: None).result(timeout=10) is None and w3.due(later)
+        assert [fe.episode_id for f in w3.tick(later).flushed for fe in f.episodes] == ["g"]
     finally:
         gate.set()
         pool.shutdown(wait=True)

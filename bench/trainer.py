@@ -215,6 +215,57 @@ def run_static_side(args, out: str, side: str) -> dict:
     }
 
 
+def greedy_return(module, episodes: int, seed0: int = 1000) -> float:
+    """Mean return of `episodes` greedy CartPole-v1 episodes (fixed seeds: the same starts for
+    every side and round) played by the Learner's RLModule (argmax of its action logits)."""
+    import gymnasium as gym
+    import numpy as np
+    import torch
+
+    env = gym.make("CartPole-v1")
+    total = 0.0
+    with torch.no_grad():
+        for i in range(episodes):
+            obs, _ = env.reset(seed=seed0 + i)
+            done = False
+            while not done:
+                out = module.forward_inference({"obs": torch.as_tensor(np.asarray(obs, np.float32)[None])})
+                action = int(torch.argmax(out["action_dist_inputs"][0]))
+                obs, reward, terminated, truncated, _ = env.step(action)
+                total += float(reward)
+                done = terminated or truncated
+    env.close()
+    return total / episodes
+
+
+def run_t4_side(args, out: str, side: str) -> dict:
+    """T4 for one side in this fresh process: wall time from the start of the build until the
+    greedy return (after an iteration) reaches `--t4-return`; the evaluation's own time is not
+    counted (the same evaluation runs on both sides). A side that does not reach it within
+    `--t4-seconds` of training is reported with that cap and `reached: false`."""
+    from ray.rllib.core import DEFAULT_MODULE_ID
+
+    t0 = time.time()
+    algo = build_side(args, out, side)
+    clock = time.time() - t0
+    evals, reached, iters = [], False, 0
+    while clock < args.t4_seconds:
+        t = time.time()
+        algo.train()
+        iters += 1
+        if side == "ours":
+            od = algo.offline_data
+            od.pop_stats(od.iteration_marks(algo.learner_group))
+        clock += time.time() - t
+        ret = greedy_return(algo.learner_group._learner.module[DEFAULT_MODULE_ID], args.t4_episodes)
+        evals.append([round(clock, 2), ret])
+        if ret >= args.t4_return:
+            reached = True
+            break
+    stop_side(algo, side)
+    return {"side": side, "t4_s": round(clock, 2), "reached": reached, "iterations": iters, "evals": evals}
+
+
 def ray_get_timeline(od) -> dict:
     """{shard key: first times (added to the feed, first read, first trained)}."""
     import ray
@@ -369,6 +420,9 @@ CHILD_ARGS = (
     "stream_seconds",
     "stream_shards",
     "fresh_fraction",
+    "t4_return",
+    "t4_episodes",
+    "t4_seconds",
 )
 
 
@@ -427,6 +481,24 @@ def parent(args) -> dict:
         t1 = max(static["ours"]["rows_streamed_per_s"]["median"], static["ours"]["distinct_rows_per_s"]["median"])
         rows_per_shard = results["data"]["steps"] / max(1, results["data"]["shards"])
         interval = max(0.05, rows_per_shard / (0.5 * t1)) if t1 else args.interval
+        if args.t4:
+            # T4 over the same static shards: alternated rounds, each side in a fresh process
+            t4_sides = sides  # ours and every stock batch size (the better is reported)
+            t4_raw: dict[str, list[dict]] = {s: [] for s in t4_sides}
+            for r in range(args.rounds):
+                for side in t4_sides if r % 2 == 0 else tuple(reversed(t4_sides)):
+                    res = _child(args, ["--t4-side", side, "--data", static_out], os.path.join(tmp, "t4.json"), 600)
+                    t4_raw[side].append(res)
+                    log(f"T4 round {r + 1}/{args.rounds} {side}: {res['t4_s']:.1f}s, reached {res['reached']}")
+            results["t4"] = {
+                "return": args.t4_return,
+                "episodes": args.t4_episodes,
+                "cap_s": args.t4_seconds,
+                "stock_best": min(t4_sides[1:], key=lambda s: statistics.median(x["t4_s"] for x in t4_raw[s])),
+                **{s: _median_spread([x["t4_s"] for x in runs]) for s, runs in t4_raw.items()},
+                "misses": {s: sum(1 for x in runs if not x["reached"]) for s, runs in t4_raw.items()},
+                "raw": t4_raw,
+            }
         rounds = []
         for r in range(max(1, args.stream_rounds)):  # each round: fresh process, fresh output
             stream_out = os.path.join(tmp, f"stream{r}")
@@ -468,6 +540,8 @@ def child(args) -> dict:
     try:
         if args.streaming:
             return run_streaming(args, args.data)
+        if args.t4_side:
+            return run_t4_side(args, args.data, args.t4_side)
         return run_static_side(args, args.data, args.side)
     finally:
         ray.shutdown()
@@ -493,7 +567,12 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup-iterations", type=int, default=2)
     ap.add_argument("--num-cpus", type=int, default=None, help="ray.init(num_cpus) [all]")
     ap.add_argument("--fresh-fraction", type=float, default=None, help="FeedPolicy.fresh_fraction [library default]")
+    ap.add_argument("--t4", action="store_true", help="also measure T4 (time to a greedy return), ours vs stock")
+    ap.add_argument("--t4-return", type=float, default=450.0, help="T4's greedy return [450]")
+    ap.add_argument("--t4-episodes", type=int, default=5, help="greedy episodes per evaluation [5]")
+    ap.add_argument("--t4-seconds", type=float, default=120.0, help="T4 cap: build + training seconds [120]")
     ap.add_argument("--side", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--t4-side", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--streaming", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--data", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -501,7 +580,7 @@ def main(argv=None) -> int:
     import logging
 
     logging.basicConfig(level=logging.WARNING)
-    results = child(args) if (args.side or args.streaming) else parent(args)
+    results = child(args) if (args.side or args.streaming or args.t4_side) else parent(args)
     text = json.dumps(results, indent=2, default=float)
     if args.json:
         with open(args.json, "w") as f:

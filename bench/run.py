@@ -285,14 +285,16 @@ def trainer_rows(r: dict, quick: bool) -> list[Row]:
         row.rounds = _rounds(st["ours"][key]["rounds"], st[best][key]["rounds"])
         rows.append(row)
     best1 = st.get("stock_best_t1", best)
+    base1 = _num(st, best1, "distinct_rows_per_s", "median")
     row = _row(
         "trainer: (T1) distinct (episode, t) rows into learner batches/s, same static shards, vs stock "
         f"(input_read_batch_size={best1.removeprefix('stock')}, the better)",
         _num(st, "ours", "distinct_rows_per_s", "median"),
-        _num(st, best1, "distinct_rows_per_s", "median"),
-        f"ratio ≥ {TARGET_T1:g}",
-        lambda o, q: q >= TARGET_T1,
+        base1 if base1 > 0 else None,  # none new after the warm-up (a tiny quick run): no ratio
+        f"ratio ≥ {TARGET_T1:g}" if base1 > 0 else "reported",
+        lambda o, q: q >= TARGET_T1 if base1 > 0 else None,
         quick,
+        bound=1.0,
     )
     row.rounds = _rounds(st["ours"]["distinct_rows_per_s"]["rounds"], st[best1]["distinct_rows_per_s"]["rounds"])
     rows.append(row)

@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.broker]
 ROW_KEYS = {"figure", "ours", "baseline", "ratio", "target", "pass", "rounds"}
 # rows per benchmark: producer 4 workloads x (CPU, p99, wire bytes) + 3 paced achieved rates;
 # consumer 2 sizes x 2 durabilities x 2 baselines + RSS, + 1 from the memory benchmark;
-# trainer T2 x 2, T1 x 2, T3 x 2; manifest 3
+# trainer T2 x 2, T1 x 2, T3 x 2 (T4 only in full runs); manifest 3
 PREFIXES = {"producer": 15, "consumer": 10, "trainer": 6, "manifest": 3}
 BENCHES = ["producer", "consumer", "memory", "trainer", "manifest"]
 

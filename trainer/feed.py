@@ -188,7 +188,8 @@ class FeedState:
         self._window_time = 0.0
         self.stats = IterationStats()
         self._skips_seen: set[tuple[int, str]] = set()
-        self.timeline: dict[int, dict] = {}  # shard -> first times (added, delivered, trained)
+        # shard -> first times: added, delivered, processed (its first fresh chunk out of the PreLearner), trained
+        self.timeline: dict[int, dict] = {}
         self.totals = {"deliveries": 0, "fresh_deliveries": 0, "replay_deliveries": 0, "rows_delivered": 0}
 
     # ------------------------------------------------------------------ shards
@@ -388,8 +389,11 @@ class FeedState:
     # --------------------------------------------------------------- feedback
     def processed(self, tags: list[int], rows_out: int) -> None:
         """The PreLearner turned the chunks `tags` into `rows_out` rows."""
+        now = self.clock()
         for t in tags:
-            self.pending.pop(int(t), None)
+            p = self.pending.pop(int(t), None)
+            if p is not None and p.fresh:
+                self.timeline.setdefault(p.shard, {}).setdefault("processed", now)
         self.produced += int(rows_out)
 
     def skipped(self, tag: int, episodes: list[str], reason: str) -> None:

@@ -10,7 +10,7 @@ step axis. Nothing here imports Ray.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import gymnasium as gym
 import numpy as np
@@ -43,6 +43,7 @@ class FinishedEpisode:
     started_ms: int  # producer wall clock of the start event
     ended_ms: int  # producer wall clock of the terminal step / abort
     finished_at: float = 0.0  # consumer wall clock (time.time()) when it finished
+    _nbytes: int | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def length(self) -> int:
@@ -58,8 +59,14 @@ class FinishedEpisode:
         """Approximate memory held: array bytes plus a small per-episode/per-info overhead.
 
         Meant for memory accounting of buffered episodes, not exact: non-empty infos are
-        counted by `sys.getsizeof` of their top level plus their array values.
+        counted by `sys.getsizeof` of their top level plus their array values. Computed once: a
+        finished episode's arrays and infos keep their sizes (delayed rewards change values).
         """
+        if self._nbytes is None:
+            self._nbytes = self._count_nbytes()
+        return self._nbytes
+
+    def _count_nbytes(self) -> int:
         n = _OVERHEAD_BYTES + len(self.episode_id) + len(self.policy_id) + len(self.env_id)
         for a in self.observations:
             n += a.nbytes

@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 
 from rlrec.producer.events import dumps_info
 from rlrec.producer.spaces import dumps_space, per_space
-from rlrec.store.episodes import build_checked_episode, check_finished_episode, pack_episodes, unpack_episode
+from rlrec.store.episodes import check_finished_episode, pack_finished_episodes, unpack_episode
 from rlrec.store.finished import FinishedEpisode
 from rlrec.store.schema_gate import (
     EPISODE_COLUMNS,
@@ -192,7 +192,7 @@ def _write(table: pa.Table, compression: str, row_group_size: int | None) -> byt
 def _item_column(episodes: list[FinishedEpisode]) -> pa.Array:
     """The packed episodes (`pack_episode` bytes) as a binary column, built on msgpack's buffer
     without copying it (copied into chunks if over binary's 2 GiB of offsets)."""
-    data, ends = pack_episodes(build_checked_episode(fe) for fe in episodes)  # checked by `_check_episodes`
+    data, ends = pack_finished_episodes(episodes)  # checked by `_check_episodes`
     if ends[-1] > np.iinfo(np.int32).max:
         return pa.array([bytes(data[a:b]) for a, b in zip([0, *ends[:-1]], ends)], type=pa.binary())
     offsets = np.array([0, *ends], dtype=np.int32)

@@ -27,7 +27,9 @@ from rlrec.producer.spaces import flatten_value, space_from_json, space_leaves, 
 from rlrec.store.episodes import (
     EpisodeDecodeError,
     UnsafeEpisodeError,
+    finished_episode_state,
     pack_episode,
+    pack_finished_episodes,
     to_single_agent_episode,
     unpack_episode,
 )
@@ -332,6 +334,11 @@ def test_pack_gives_the_bytes_of_packing_get_state(case):
     fe, ref = CASES[case]()
     for ep in (to_single_agent_episode(fe), ref, to_single_agent_episode(fe)):
         assert pack_episode(ep) == msgpack.packb(ep.get_state(), default=mnp.encode)
+    # shards pack straight from the FinishedEpisode (no SingleAgentEpisode built): same bytes
+    ours = msgpack.packb(to_single_agent_episode(fe).get_state(), default=mnp.encode)
+    assert msgpack.packb(finished_episode_state(fe), default=mnp.encode) == ours
+    data, ends = pack_finished_episodes([fe, fe])
+    assert bytes(data) == ours + ours and ends == [len(ours), 2 * len(ours)]
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -157,6 +157,18 @@ def _struct(space: gym.Space, leaves: list[np.ndarray]) -> Any:
     return leaves[0]
 
 
+def _numpy_form(fe: FinishedEpisode) -> tuple[Any, list[dict], Any, Any, dict]:
+    """(observations, infos, actions, rewards, extra model outputs) as the numpy-form episode
+    holds them; for an episode without steps what to_numpy() leaves (empty lists, no extras)."""
+    obs = _struct(fe.observation_space, fe.observations)
+    infos = [dict(i) if i else {} for i in fe.infos]
+    if fe.length == 0:
+        return obs, infos, [], [], {}
+    actions = _struct(fe.action_space, fe.actions)
+    extra = {k: np.asarray(v) for k, v in fe.extra_model_outputs.items()}
+    return obs, infos, actions, np.asarray(fe.rewards, dtype=np.float64), extra
+
+
 def to_single_agent_episode(fe: FinishedEpisode) -> SingleAgentEpisode:  # noqa: F821
     """Build the numpy-form `SingleAgentEpisode` of a finished episode (see module docstring).
 
@@ -166,15 +178,7 @@ def to_single_agent_episode(fe: FinishedEpisode) -> SingleAgentEpisode:  # noqa:
     """
     check_finished_episode(fe)
     SingleAgentEpisode = _SingleAgentEpisode()
-    T = fe.length
-    obs = _struct(fe.observation_space, fe.observations)
-    infos = [dict(i) if i else {} for i in fe.infos]
-    if T > 0:
-        actions = _struct(fe.action_space, fe.actions)
-        rewards = np.asarray(fe.rewards, dtype=np.float64)
-        extra = {k: np.asarray(v) for k, v in fe.extra_model_outputs.items()}
-    else:  # what to_numpy() leaves for an episode without steps
-        actions, rewards, extra = [], [], {}
+    obs, infos, actions, rewards, extra = _numpy_form(fe)
     ep = SingleAgentEpisode(
         id_=fe.episode_id,
         observations=obs,
@@ -224,15 +228,7 @@ def finished_episode_state(fe: FinishedEpisode) -> dict:
     `SingleAgentEpisode`: the same values, buffers and flags its constructor (ray 2.60) makes of
     what `to_single_agent_episode` passes it. The tests check the packed bytes are equal for
     every case."""
-    T = fe.length
-    obs = _struct(fe.observation_space, fe.observations)
-    infos = [dict(i) if i else {} for i in fe.infos]
-    if T > 0:
-        actions = _struct(fe.action_space, fe.actions)
-        rewards = np.asarray(fe.rewards, dtype=np.float64)
-        extra = {k: np.asarray(v) for k, v in fe.extra_model_outputs.items()}
-    else:
-        actions, rewards, extra = [], [], {}
+    obs, infos, actions, rewards, extra = _numpy_form(fe)
 
     def buffer(data: Any, space: gym.Space | None) -> dict:  # InfiniteLookbackBuffer(data, lookback=0, space)
         return {"data": data, "lookback": 0, "finalized": not isinstance(data, list), "space": _space_dict(space)}

@@ -135,8 +135,7 @@ class PartitionWriter:
     @property
     def buffered_bytes(self) -> int:
         """Finished episodes held in memory and not committed: waiting to be written plus being
-        encoded, these twice (their encoded copy) -- what the service's max_buffered_bytes
-        budget counts."""
+        encoded (what the service's max_buffered_bytes budget counts)."""
         waiting = self.assembler.finished_bytes if self.assembler is not None else 0
         return waiting + (self._encoding_bytes if self._encoding is not None else 0)
 
@@ -242,9 +241,7 @@ class PartitionWriter:
                 log.warning("partition %d: the encoding thread is not available; encoding on this one", self.partition)
             else:
                 self._encoding = (chunks, future)
-                # the episodes and, while they are encoded, about as much again (their packed
-                # bytes, then the Parquet file): all of it counts against max_buffered_bytes
-                self._encoding_bytes = 2 * sum(fe.nbytes() for chunk in chunks for fe in chunk)
+                self._encoding_bytes = sum(fe.nbytes() for chunk in chunks for fe in chunk)
                 return out
         self._commit(chunks, [self.committer.prepare(c) for c in chunks], out)
         return out

@@ -187,7 +187,7 @@ def test_encoding_on_another_thread_keeps_episodes_in_flight_until_committed(tmp
         assert waiting > 0
         t = w.tick(later, force=False)
         assert not t.flushed and "a" in a.in_flight and not read_manifest(storage)
-        assert w.buffered_bytes == 2 * waiting and not w.due(later)  # counted with its encoded copy; not due yet
+        assert w.buffered_bytes == waiting and not w.due(later)  # still counted; not due until encoded
         assert [dl.reason for dl in a.apply(2, RewardDelta("a", 0, 0.5))] == ["late-reward"]
         assert a.safe_offset() == 0
         a.apply(3, start("b"))

@@ -10,9 +10,10 @@ side in a fresh child process (`ray.rllib`, which building episodes imports, is 
 any clock starts; Ray, where a side uses it, is started and warmed up before its clock):
 
   (a) floor: a bare confluent-kafka loop (`assign`, `consume(1000)`), `rlrec.producer.events.decode`,
-      `rlrec.consumer.assembly.PartitionAssembler`, and per finished episode
-      `to_single_agent_episode` + `pack_episode` (RLlib's msgpack `item` bytes). Writes and commits
-      nothing. Clock: first message -> last episode packed.
+      `rlrec.consumer.assembly.PartitionAssembler`, and per finished episode the `item` bytes
+      rlrec's shard writer packs (`pack_item`: RLlib's `msgpack.packb(get_state())`, built
+      straight from the finished episode as `rlrec.store.episodes.pack_finished_episodes` does).
+      Writes and commits nothing. Clock: first message -> last episode packed.
   (b) ours: the real `RecorderConsumer` (fresh group id, max_file_age_s 0.25) writing committed
       shards to a local dir, with rlrec's default durability (fsync of files and directories)
       and, as a separate labelled row, `Storage(fsync=False)`. Clock: first message -> the
@@ -23,10 +24,15 @@ any clock starts; Ray, where a side uses it, is started and warmed up before its
       writer options for the `item` column). Clock: first message -> `write_parquet` returns.
       Ray's writer cannot fsync: compare it with both (b) rows.
 
-All three pack with the same `rlrec.store.episodes.pack_episode` (the bytes of RLlib's
-`msgpack.packb(get_state())`, spaces serialised once per space object). rlrec's edge in (b) is
-its architecture, not cheaper work: shards are encoded on a second thread (Parquet, zstd and
-hashing release the GIL) while the loop polls and assembles; (c) writes after its loop.
+All three pack the same way (`finished_episode_state` + msgpack: the bytes of RLlib's
+`msgpack.packb(get_state())` without building a `SingleAgentEpisode`, spaces serialised once per
+space object). rlrec's edge in (b) is its architecture, not cheaper work: shards are encoded on
+a second thread (Parquet, zstd and hashing release the GIL) while the loop polls and assembles;
+(c) writes after its loop.
+
+Sizes: 40,000 CartPole-size episodes (about 5M steps, ~4 s for the floor) so that what every
+run pays once -- the last shard waiting out `max_file_age_s`, Ray's first tasks -- is a small
+share of the clock: a throughput figure, not a latency one (the live run measures latency).
 
 Why it is equal work: every side reads the same messages from the same broker and does the same
 decode, assembly and packing; (b) and (c) write the same episodes, as many files, with the same
@@ -43,6 +49,7 @@ Targets: steps/s (b)/(a) >= 0.7, (b)/(c) >= 1.5. `--quick` is a smoke test judgi
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import resource
@@ -358,11 +365,16 @@ def _pct(samples: list[float], q: float) -> float | None:
 
 
 def _import_episode_code() -> None:
-    """ray.rllib (imported by the first episode build) costs ~2 s: pay it before any clock."""
+    """ray.rllib (imported by the first episode build) costs ~2 s: pay it before any clock.
+    Then, on every side alike, freeze the start-up objects as `rlrec consume` does (gc.freeze:
+    the garbage collector's full passes no longer walk Ray's and RLlib's ~300k objects)."""
     from ray.rllib.env.single_agent_episode import SingleAgentEpisode  # noqa: F401
 
     import rlrec.consumer.service
     import rlrec.store.shards  # noqa: F401
+
+    gc.collect()
+    gc.freeze()
 
 
 def _read_floor(spec: dict, on_episode, clock: dict | None = None) -> tuple[float, float, int, int]:
@@ -413,15 +425,31 @@ def _read_floor(spec: dict, on_episode, clock: dict | None = None) -> tuple[floa
     return wall, cpu, episodes, steps
 
 
-def worker_floor(spec: dict) -> dict:
-    from rlrec.store.episodes import pack_episode, to_single_agent_episode
+def item_packer():
+    """`pack(fe)`: the `item` bytes of one finished episode, packed as rlrec's shard writer packs
+    them (`rlrec.store.episodes.pack_finished_episodes`, one episode at a time)."""
+    import msgpack
+    import msgpack_numpy
 
+    from rlrec.store.episodes import check_finished_episode, finished_episode_state
+
+    packb, default = msgpack.packb, msgpack_numpy.encode
+
+    def pack(fe) -> bytes:
+        check_finished_episode(fe)
+        return packb(finished_episode_state(fe), default=default)
+
+    return pack
+
+
+def worker_floor(spec: dict) -> dict:
     _import_episode_code()
+    pack_item = item_packer()
     rss0 = _rss_mb()
     nbytes = [0]
 
     def on_episode(fe):
-        nbytes[0] += len(pack_episode(to_single_agent_episode(fe)))
+        nbytes[0] += len(pack_item(fe))
 
     wall, cpu, episodes, steps = _read_floor(spec, on_episode)
     assert steps == spec["steps"], (steps, spec["steps"])
@@ -517,21 +545,20 @@ def worker_pipeline(spec: dict) -> dict:
     blocks and rlrec's codec. Ray is started and warmed up before the clock."""
     import ray
 
-    from rlrec.store.episodes import pack_episode, to_single_agent_episode
-
     _import_episode_code()
+    pack_item = item_packer()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     try:
         ctx = ray.data.DataContext.get_current()
         ctx.enable_progress_bars = False
         warm = os.path.join(spec["output"], "warm-up")  # worker start-up and first-use costs
         ray.data.from_items([{"item": b"x" * 100}] * 4, override_num_blocks=2).write_parquet(warm)
+        gc.collect()  # Ray's start-up objects too, like every side's imports
+        gc.freeze()
         rss0 = _rss_mb()
         packed: list[dict] = []
         clock: dict = {}
-        _, _, episodes, steps = _read_floor(
-            spec, lambda fe: packed.append({"item": pack_episode(to_single_agent_episode(fe))}), clock
-        )
+        _, _, episodes, steps = _read_floor(spec, lambda fe: packed.append({"item": pack_item(fe)}), clock)
         blocks = int(spec["blocks"] or 1)
         path = os.path.join(spec["output"], "data")
         # rlrec's writer options for the packed column too (no dictionary, no statistics)
@@ -591,8 +618,8 @@ def print_table(r: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    # sizes: each side runs for seconds, so the 0.25 s file age and process start-up are noise
-    ap.add_argument("--episodes", type=int, default=8000, help="CartPole-size episodes [8000]")
+    # sizes: each side runs for seconds, so the 0.25 s file age and process start-up are noise (docstring)
+    ap.add_argument("--episodes", type=int, default=40000, help="CartPole-size episodes [40000]")
     ap.add_argument("--atari-episodes", type=int, default=100, help="84x84x4 uint8 episodes [100]")
     ap.add_argument("--rounds", type=int, default=5, help="alternating rounds; medians and spreads are reported")
     ap.add_argument("--max-file-age-s", type=float, default=0.25)

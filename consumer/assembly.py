@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +40,7 @@ from rlrec.producer.events import (
     info_nbytes,
 )
 from rlrec.producer.spaces import Leaf, space_leaves
-from rlrec.store.finished import FinishedEpisode
+from rlrec.store.finished import EMPTY_INFO, FinishedEpisode
 
 __all__ = [
     "CONSUMER_REASONS",
@@ -691,9 +691,9 @@ def _build(ep: OpenEpisode, terminated: bool, truncated: bool, ended_ms: int, no
     rewards = np.concatenate([b.rewards for b in batches]).astype(np.float64, copy=True)
     for r in ep.rewards_later:
         rewards[r.t] += r.reward
-    infos: list[dict] = [s.info]
+    infos: list[Mapping] = [s.info]
     for b in batches:
-        infos.extend(b.infos if b.infos is not None else ({} for _ in range(b.n)))
+        infos += b.infos if b.infos is not None else [EMPTY_INFO] * b.n
     extra = {k: np.concatenate([b.extra_model_outputs[k] for b in batches]) for k in (ep.extra_keys or ())}
     return FinishedEpisode(
         episode_id=s.episode_id,

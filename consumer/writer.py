@@ -10,7 +10,8 @@ other state pauses it), re-claims it when a CLAIMING or FENCED writer is due, an
 offset only while it holds a claim. In ACTIVE and BACKING_OFF a `tick` buffers finished
 episodes, rotates them into shards (count, bytes, age), writes them with the store's commit
 protocol (`rlrec.store.commit.ShardCommitter`: 1 encode, 2 stage, 3 append to the manifest log,
-4 publish) and backs off after a storage failure. Step 5 -- committing the Kafka offset
+4 publish) -- on the service's encoding thread when it has one -- and backs off after a
+storage failure. Step 5 -- committing the Kafka offset
 `assembler.safe_offset()`, never past an unacknowledged dead letter -- is the service's
 (docs/GUARANTEES.md quotes the same steps).
 """
@@ -20,12 +21,13 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from enum import Enum
 
 from rlrec.consumer.assembly import AssemblyConfig, PartitionAssembler
-from rlrec.store.commit import AmbiguousCommitError, CommitResult, PreparedShards, ShardCommitter
+from rlrec.store.commit import AmbiguousCommitError, CommitResult, ShardCommitter
 from rlrec.store.finished import FinishedEpisode
 from rlrec.store.manifest import FencedError
 from rlrec.store.storage import Storage
@@ -78,6 +80,43 @@ class Tick:
     fenced: bool = False
 
 
+@dataclass
+class _Written:
+    """What `_write` did: per committed chunk its result and seconds, every `on_committed`
+    call in order, and the error that stopped it (the chunks after the last result are not
+    committed; those of an append with an unknown outcome are named by the error)."""
+
+    results: list[CommitResult] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
+    committed: list[tuple[list[FinishedEpisode], int]] = field(default_factory=list)
+    error: Exception | None = None
+
+
+def _write(
+    committer: ShardCommitter,
+    chunks: list[list[FinishedEpisode]],
+    on_committed: Callable[[list[FinishedEpisode], int], None] | None = None,
+) -> _Written:
+    """Steps 1-4 for each chunk in order, stopping at the first error, which is returned, not
+    raised. `on_committed` (the assembler's, on the caller's thread) is called as commits
+    happen; without it (on the encoding thread) the calls are recorded for the caller to apply."""
+    done = _Written()
+    for chunk in chunks:
+        t0 = time.time()
+        try:
+            res = committer.commit(chunk, on_committed=on_committed or _record(done))
+        except Exception as e:  # FencedError, storage, MemoryError: the caller decides
+            done.error = e
+            break
+        done.results.append(res)
+        done.seconds.append(time.time() - t0)
+    return done
+
+
+def _record(done: _Written) -> Callable[[list[FinishedEpisode], int], None]:
+    return lambda eps, last_offset: done.committed.append((eps, last_offset))
+
+
 class PartitionWriter:
     """Owns one partition: its assembler, its manifest log, its writer epoch and its state.
 
@@ -88,11 +127,14 @@ class PartitionWriter:
     settles it (`AmbiguousCommitError`).
 
     With an `encoder` (an executor; the service gives every writer the same one-thread pool),
-    step 1 -- encoding, which touches no storage -- runs there while the service reads on: a
-    tick hands the episodes out and starts encoding them, a later tick (as soon as `due` sees
-    it done, or at once with `force`) commits them (steps 2-4) on the caller's thread. Until
-    then they are in flight exactly as during a synchronous commit: no delayed reward applies
-    and the partition's safe offset stays at or before their first offset.
+    steps 1-4 run there while the service reads on: a tick hands the episodes out and starts
+    writing them, a later tick (as soon as `due` sees it done, or at once with `force`) applies
+    the outcome on the caller's thread -- the assembler learns which episodes are committed,
+    failures back off or fence exactly as a synchronous commit's would. Until then the episodes
+    are in flight: no delayed reward applies and the partition's safe offset stays at or before
+    their first offset, so the Kafka offset cannot pass them. While a write is under way the
+    caller's thread leaves the committer alone (`publish_pending` waits, `offsets_committed` is
+    applied afterwards) and dropping the writer waits for a write that has started.
     """
 
     def __init__(
@@ -120,13 +162,19 @@ class PartitionWriter:
         self.attempts = 0
         self.uncertain: list[FinishedEpisode] = []  # handed out; their last append's outcome is unknown
         self.encoder = encoder
-        #: chunks handed out and being encoded on `encoder`, with the future of their shards
+        #: chunks handed out and being written on `encoder`, with the future of a `_Written`
         self._encoding: tuple[list[list[FinishedEpisode]], Future] | None = None
         self._encoding_bytes = 0
+        self._forget_upto: int | None = None  # offsets_committed() deferred while a write is under way
 
     @property
     def epoch(self) -> int | None:
         return self.committer.epoch
+
+    @property
+    def encoding(self) -> bool:
+        """Whether a shard is being written on the `encoder` (its outcome applied by a later tick)."""
+        return self._encoding is not None
 
     @property
     def paused(self) -> bool:
@@ -209,9 +257,9 @@ class PartitionWriter:
         """Write what is ready (all finished episodes with `force`, except those waiting for
         their dead letters' acknowledgement: `PartitionAssembler.may_write`): episodes of
         uncertain appends first, then the rest in shards of at most `rotation`'s count and bytes.
-        With an `encoder`, a tick either starts encoding them or, once encoded, commits them;
-        `force` (revoke, shutdown) waits for an encoding under way, commits it and writes the
-        rest at once."""
+        With an `encoder`, a tick either starts writing them there or, once written, applies
+        the outcome; `force` (revoke, shutdown) waits for a write under way, applies it and
+        writes the rest at once on this thread."""
         out = Tick()
         if self.assembler is None or self.state not in (WriterState.ACTIVE, WriterState.BACKING_OFF):
             return out
@@ -220,13 +268,10 @@ class PartitionWriter:
             if not (force or future.done()):
                 return out
             self._encoding = None
-            try:
-                prepared = future.result()
-            except Exception as e:  # MemoryError and the like: the machine's fault, not the data's
-                self._back_off(e, [fe for chunk in chunks for fe in chunk])
-                out.failed = f"{type(e).__name__}: {e}"
-                return out
-            if not self._commit(chunks, prepared, out) or not force:
+            ok = self._apply_written(chunks, future.result(), out)
+            if self._forget_upto is not None:
+                self.offsets_committed(self._forget_upto)
+            if not ok or not force:
                 return out
         background = self.encoder is not None and not force
         # in the background one shard at a time: in memory, one shard's episodes and its bytes
@@ -234,24 +279,27 @@ class PartitionWriter:
         if not chunks:
             return out
         if background:
-            committer = self.committer
             try:
-                future = self.encoder.submit(lambda: [committer.prepare(c) for c in chunks])
-            except RuntimeError:  # the executor is shut down (or cannot start its thread): encode here
-                log.warning("partition %d: the encoding thread is not available; encoding on this one", self.partition)
+                future = self.encoder.submit(_write, self.committer, chunks)
+            except RuntimeError:  # the executor is shut down (or cannot start its thread): write here
+                log.warning("partition %d: the encoding thread is not available; writing on this one", self.partition)
             else:
                 self._encoding = (chunks, future)
                 self._encoding_bytes = sum(fe.nbytes() for chunk in chunks for fe in chunk)
                 return out
-        self._commit(chunks, [self.committer.prepare(c) for c in chunks], out)
+        self._apply_written(chunks, _write(self.committer, chunks, self.assembler.mark_committed), out)
         return out
 
     def _discard_encoding(self) -> None:
-        """Forget an encoding under way (its episodes belonged to state being dropped); it is
-        cancelled unless it has started (then it ends by itself, its result unused)."""
+        """Forget a write under way (its episodes belonged to state being dropped). One that has
+        not started is cancelled; one that has is waited for, so that nothing else uses the
+        committer meanwhile (what it committed is in the manifest: the next claim skips it)."""
         if self._encoding is not None:
-            self._encoding[1].cancel()
+            future = self._encoding[1]
             self._encoding = None
+            if not future.cancel():
+                future.result()  # `_write` returns its errors
+        self._forget_upto = None
 
     def _hand_out(
         self, now: float, force: bool, first_unacked: int | None, only_first: bool = False
@@ -278,29 +326,32 @@ class PartitionWriter:
         a.hand_out([fe for chunk in chunks if chunk is not self.uncertain for fe in chunk])
         return chunks
 
-    def _commit(self, chunks: list[list[FinishedEpisode]], prepared: list[PreparedShards], out: Tick) -> bool:
-        """Steps 2-4 for encoded chunks, in order; False if it stopped (fenced, storage failure)."""
+    def _apply_written(self, chunks: list[list[FinishedEpisode]], done: _Written, out: Tick) -> bool:
+        """The outcome of `_write` for these chunks, on the caller's thread: the assembler learns
+        what is committed (in the order the commits happened), then each committed chunk is
+        accounted, then an error fences the writer or backs it off with the chunks not written.
+        False if it stopped (fenced, storage failure)."""
         a = self.assembler
-        for i, (chunk, shards) in enumerate(zip(chunks, prepared)):
-            t0 = time.time()
-            try:
-                res = self.committer.commit(chunk, on_committed=a.mark_committed, prepared=shards)
-            except FencedError:
-                log.error("partition %d: fenced by a newer writer; dropping its state", self.partition)
-                self.unclaimed(FENCED_RETRY_S, WriterState.FENCED)
-                out.fenced = True
-                return False
-            except Exception as e:  # storage (data errors come back in res.unwritable)
-                self._back_off(e, [fe for c in chunks[i:] for fe in c])
-                out.failed = f"{type(e).__name__}: {e}"
-                return False
+        for eps, last_offset in done.committed:  # already applied when written on this thread
+            a.mark_committed(eps, last_offset)
+        for chunk, res, seconds in zip(chunks, done.results, done.seconds):
             if chunk is self.uncertain:
                 self.uncertain = []
             for fe, _detail in res.unwritable:
                 a.drop_unwritable(fe)
             out.unwritable += res.unwritable
             written = {eid for entry in res.entries for eid in entry.episode_ids}
-            out.flushed.append(Flushed(res, time.time() - t0, [fe for fe in chunk if fe.episode_id in written]))
+            out.flushed.append(Flushed(res, seconds, [fe for fe in chunk if fe.episode_id in written]))
+        err = done.error
+        if isinstance(err, FencedError):
+            log.error("partition %d: fenced by a newer writer; dropping its state", self.partition)
+            self.unclaimed(FENCED_RETRY_S, WriterState.FENCED)
+            out.fenced = True
+            return False
+        if err is not None:  # storage, or MemoryError and the like (data errors come back in unwritable)
+            self._back_off(err, [fe for c in chunks[len(done.results) :] for fe in c])
+            out.failed = f"{type(err).__name__}: {err}"
+            return False
         self.attempts, self.failing_since = 0, None
         self.state = WriterState.ACTIVE
         return True
@@ -331,12 +382,20 @@ class PartitionWriter:
     # -- upkeep -------------------------------------------------------------------------------
 
     def publish_pending(self) -> int:
-        """Publish shards committed by earlier flushes whose publish failed (cheap when none)."""
+        """Publish shards committed by earlier flushes whose publish failed (cheap when none);
+        nothing while a write is under way (it publishes them first itself)."""
+        if self._encoding is not None:
+            return 0
         return self.committer.publish_pending()
 
     def offsets_committed(self, offset: int) -> None:
         """The partition's Kafka offset is committed at `offset`: drop the committed episode ids
-        no owner can replay any more (the store decides which: `ShardCommitter.offsets_committed`)."""
+        no owner can replay any more (the store decides which: `ShardCommitter.offsets_committed`);
+        while a write is under way, once it is applied."""
+        if self._encoding is not None:
+            self._forget_upto = offset
+            return
+        self._forget_upto = None
         forgotten = self.committer.offsets_committed(offset)
         if self.assembler is not None:
             for eid in forgotten:

@@ -190,9 +190,7 @@ class ShardCommitter:
 
     def prepare(self, episodes: Iterable[FinishedEpisode]) -> PreparedShards:
         """Step 1 alone: encode `episodes` into shards, one per policy id (data errors go to
-        `unwritable`, see `_encode`). Touches no storage and no state of this committer, so it may
-        run on another thread while the caller goes on; the episodes must not change until the
-        shards are committed (the writer hands them out first: no delayed rewards)."""
+        `unwritable`, see `_encode`). Touches no storage and no state of this committer."""
         by_policy: dict[str, list[FinishedEpisode]] = defaultdict(list)
         for fe in episodes:
             by_policy[fe.policy_id].append(fe)
@@ -205,7 +203,6 @@ class ShardCommitter:
         self,
         episodes: Iterable[FinishedEpisode],
         on_committed: OnCommitted | None = None,
-        prepared: PreparedShards | None = None,
     ) -> CommitResult:
         """Commit `episodes` as shards, one per policy id (steps 1-4 above).
 
@@ -215,14 +212,12 @@ class ShardCommitter:
         others are committed. Claims the partition first if `claim()` was not called. Raises
         `FencedError` when a newer writer claimed the partition, and storage errors as they come
         (the episodes committed before the error stay committed and were reported to
-        `on_committed`). `prepared`: step 1 done already (`prepare(episodes)`, maybe on another
-        thread) for exactly these episodes.
+        `on_committed`). The consumer calls it on its encoding thread (`rlrec.consumer.writer`).
         """
         if self.epoch is None:  # a one-off committer (tools, tests): claim on first use
             self.claim()
         self.publish_pending()  # roll forward earlier commits first (unless backing off after a failure)
-        if prepared is None:
-            prepared = self.prepare(episodes)
+        prepared = self.prepare(episodes)
         result = CommitResult(unwritable=list(prepared.unwritable))
         pending = list(prepared.groups)
         while pending:

@@ -157,11 +157,16 @@ def _struct(space: gym.Space, leaves: list[np.ndarray]) -> Any:
     return leaves[0]
 
 
-def _numpy_form(fe: FinishedEpisode) -> tuple[Any, list[dict], Any, Any, dict]:
+def _numpy_form(fe: FinishedEpisode, shared_empty: bool = False) -> tuple[Any, list[dict], Any, Any, dict]:
     """(observations, infos, actions, rewards, extra model outputs) as the numpy-form episode
-    holds them; for an episode without steps what to_numpy() leaves (empty lists, no extras)."""
+    holds them; for an episode without steps what to_numpy() leaves (empty lists, no extras).
+    Infos are new dicts; with `shared_empty` (only to be packed, never changed) an episode
+    without any info gets one empty dict T+1 times."""
     obs = _struct(fe.observation_space, fe.observations)
-    infos = [dict(i) if i else {} for i in fe.infos]
+    if shared_empty and not any(fe.infos):
+        infos = [{}] * len(fe.infos)
+    else:
+        infos = [dict(i) if i else {} for i in fe.infos]
     if fe.length == 0:
         return obs, infos, [], [], {}
     actions = _struct(fe.action_space, fe.actions)
@@ -228,7 +233,7 @@ def finished_episode_state(fe: FinishedEpisode) -> dict:
     `SingleAgentEpisode`: the same values, buffers and flags its constructor (ray 2.60) makes of
     what `to_single_agent_episode` passes it. The tests check the packed bytes are equal for
     every case."""
-    obs, infos, actions, rewards, extra = _numpy_form(fe)
+    obs, infos, actions, rewards, extra = _numpy_form(fe, shared_empty=True)  # packed, never changed
 
     def buffer(data: Any, space: gym.Space | None) -> dict:  # InfiniteLookbackBuffer(data, lookback=0, space)
         return {"data": data, "lookback": 0, "finalized": not isinstance(data, list), "space": _space_dict(space)}

@@ -11,6 +11,7 @@ of the building process): RLlib sets them, we leave them None.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import inspect
 import io
 import pickle
@@ -456,3 +457,27 @@ def test_unpack_refuses_other_bad_payloads(tmp_path):
     with pytest.raises(EpisodeDecodeError):
         unpack_episode(msgpack.packb(st, default=mnp.encode))
     assert issubclass(UnsafeEpisodeError, EpisodeDecodeError) and issubclass(EpisodeDecodeError, ValueError)
+
+
+def test_steps_without_info_share_one_immutable_info():
+    """The assembler gives a step without an info the shared, immutable `EMPTY_INFO` (no Python
+    object per step in a buffered episode): it packs to RLlib's bytes for fresh empty dicts,
+    and the `SingleAgentEpisode` built from it still gets a dict of its own per step."""
+    from rlrec.consumer.assembly import PartitionAssembler
+    from rlrec.store.finished import EMPTY_INFO
+    from tests.test_assembly import start, steps
+
+    a = PartitionAssembler("t", 0)
+    a.apply(0, start("e"))
+    a.apply(1, steps("e", 0, 3))
+    a.apply(2, steps("e", 3, 2, terminated=True))
+    (fe,) = a.finished.values()
+    assert fe.infos[1:] == [EMPTY_INFO] * 5 and all(i is EMPTY_INFO for i in fe.infos[1:])
+    with pytest.raises(TypeError):
+        fe.infos[1]["x"] = 1  # immutable: sharing it cannot leak a change into other steps
+    fresh = dataclasses.replace(fe, infos=[dict(i) for i in fe.infos])
+    packed = msgpack.packb(finished_episode_state(fe), default=mnp.encode)
+    assert packed == msgpack.packb(to_single_agent_episode(fresh).get_state(), default=mnp.encode)
+    assert bytes(pack_finished_episodes([fe])[0]) == packed
+    infos = to_single_agent_episode(fe).get_infos()
+    assert len({id(i) for i in infos}) == len(infos) == 6 and all(type(i) is dict for i in infos)

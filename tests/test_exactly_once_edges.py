@@ -247,3 +247,110 @@ def test_encoding_on_another_thread_keeps_episodes_in_flight_until_committed(tmp
     finally:
         gate.set()
         pool.shutdown(wait=True)
+
+
+def test_background_write_leaves_the_committer_alone_and_its_outcome_to_the_loop(tmp_path, monkeypatch):
+    """Steps 1-4 run on the encoding thread and the loop's thread applies the outcome: while a
+    write is under way `publish_pending` and `offsets_committed` leave the committer alone (the
+    latter is applied once the write is); a storage failure there backs the writer off with the
+    episodes given back (a delayed reward applies to them again), a fence there fences it and
+    commits nothing; dropping the writer waits for a write that has started."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rlrec.consumer.writer import PartitionWriter
+    from rlrec.producer.events import RewardDelta
+    from rlrec.store.manifest import read_manifest
+    from rlrec.store.storage import StorageError
+    from tests.test_assembly import start, steps
+
+    storage = Storage.from_uri(str(tmp_path / "out"))
+    later = time.time() + 3600  # past the reward join window
+    gate = threading.Event()
+    pool = ThreadPoolExecutor(max_workers=1)
+
+    def drain() -> None:  # one thread, in order: what was submitted before is done
+        pool.submit(lambda: None).result(timeout=30)
+
+    def committed_ids() -> list[str]:
+        return sorted(i for e in read_manifest(storage) for i in e.episode_ids)
+
+    try:
+        w = PartitionWriter(storage, "bg", 0, encoder=pool)
+        w.claim()
+        a = w.assembler
+        a.apply(0, start("a"))
+        a.apply(1, steps("a", 0, 2, terminated=True))
+        pool.submit(gate.wait)  # the encoding thread is busy until the gate opens
+        w.tick(later)
+        assert w.encoding and "a" in a.in_flight
+        touched: list[str] = []
+        monkeypatch.setattr(w.committer, "publish_pending", lambda **k: touched.append("publish") or 0)
+        real_forget = w.committer.offsets_committed
+        monkeypatch.setattr(w.committer, "offsets_committed", lambda o: touched.append(f"forget {o}") or real_forget(o))
+        assert w.publish_pending() == 0
+        w.offsets_committed(2)
+        assert touched == []  # nothing while the write waits
+        gate.set()
+        drain()
+        t = w.tick(later)
+        assert [fe.episode_id for f in t.flushed for fe in f.episodes] == ["a"] and "a" in a.committed
+        assert touched[-1] == "forget 2" and not w.encoding  # applied with the outcome
+        monkeypatch.undo()
+
+        # a storage failure on the encoding thread: backing off, the episode given back
+        real_write = storage.write
+
+        def failing_write(path, data):
+            raise StorageError(f"write {path}: injected")
+
+        monkeypatch.setattr(storage, "write", failing_write)
+        a.apply(2, start("b"))
+        a.apply(3, steps("b", 0, 2, terminated=True))
+        w.tick(later)
+        drain()
+        t = w.tick(later)
+        assert t.failed and "injected" in t.failed and w.state is WriterState.BACKING_OFF
+        assert "b" in a.finished and "b" not in a.in_flight and committed_ids() == ["a"]
+        assert a.apply(4, RewardDelta("b", 1, 0.5)) == []  # given back: rewards apply again
+        monkeypatch.setattr(storage, "write", real_write)
+        w.next_attempt = 0.0
+        w.tick(later)
+        drain()
+        t = w.tick(later)
+        assert [fe.episode_id for f in t.flushed for fe in f.episodes] == ["b"] and w.state is WriterState.ACTIVE
+        ep, _ = read_all(storage)["b"]
+        assert np.asarray(ep.get_rewards()).tolist() == [1.0, 1.5]
+
+        # fenced on the encoding thread: a newer writer claimed the partition
+        newer = PartitionWriter(storage, "bg", 0)
+        newer.claim()
+        a.apply(5, start("c"))
+        a.apply(6, steps("c", 0, 1, terminated=True))
+        w.tick(later)
+        drain()
+        t = w.tick(later)
+        assert t.fenced and w.state is WriterState.FENCED and w.assembler is None
+        assert committed_ids() == ["a", "b"]
+
+        # a drop waits for a write that has started (nothing else may use the committer)
+        w2 = PartitionWriter(Storage.from_uri(str(tmp_path / "out2")), "bg", 1, encoder=pool)
+        w2.claim()
+        started = threading.Event()
+        real_commit = w2.committer.commit
+
+        def slow_commit(*args, **kwargs):
+            started.set()
+            time.sleep(0.3)
+            return real_commit(*args, **kwargs)
+
+        monkeypatch.setattr(w2.committer, "commit", slow_commit)
+        w2.assembler.apply(0, start("d"))
+        w2.assembler.apply(1, steps("d", 0, 1, terminated=True))
+        w2.tick(later)
+        assert started.wait(10)
+        w2.drop()  # returns once the write has ended: its entry is there already
+        assert [i for e in read_manifest(Storage.from_uri(str(tmp_path / "out2"))) for i in e.episode_ids] == ["d"]
+    finally:
+        gate.set()
+        pool.shutdown(wait=True)

@@ -172,6 +172,21 @@ def resolve_options(args: argparse.Namespace, environ: dict | None = None) -> di
     return out
 
 
+def _freeze_startup_objects() -> None:
+    """This process is the consumer's own: once its modules are imported (RLlib's episode
+    classes bring Ray and RLlib, about 300k objects that live as long as the process), move
+    them to the garbage collector's permanent generation (`gc.freeze`), so its full passes walk
+    only what the consumer allocates (at CartPole size they cost about a tenth of the loop's
+    time otherwise). A program that embeds `RecorderConsumer` may do the same after its imports."""
+    import gc
+
+    from rlrec.store.episodes import import_episode_classes
+
+    import_episode_classes()
+    gc.collect()
+    gc.freeze()
+
+
 def _run(args: argparse.Namespace) -> int:
     opts = resolve_options(args)
     for required in ("bootstrap_servers", "output"):
@@ -193,6 +208,7 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"rlrec consume: {e}", file=sys.stderr)
         return 2
+    _freeze_startup_objects()
     try:
         RecorderConsumer(config).run(max_seconds=max_seconds)
     except ConditionalWritesError as e:

@@ -193,12 +193,12 @@ class PartitionWriter:
         """Claim a new writer epoch, roll forward unpublished commits, load the committed episode
         ids that can still be replayed from Kafka offset `replay_from` (all if None). Raises on
         storage errors (the state stays CLAIMING)."""
+        self._discard_encoding()  # before the committer is used here (none is under way: unclaimed() waited)
         committed = self.committer.claim(replay_from)
         self.replay_from = replay_from
         self.assembler = PartitionAssembler(self.topic, self.partition, committed, self.assembly_config)
         self.state = WriterState.ACTIVE
         self.uncertain = []
-        self._discard_encoding()
         self.attempts, self.failing_since = 0, None
         log.info(
             "partition %d: claimed epoch %d (%d committed episodes that can be replayed from offset %s)",

@@ -11,7 +11,11 @@ __all__ = ["JsonFormatter", "setup_logging"]
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object per line: ts, level, logger, msg (+ exc)."""
+    """One JSON object per line: ts, level, logger, msg (+ worker, exc)."""
+
+    def __init__(self, worker: int | None = None) -> None:
+        super().__init__()
+        self.worker = worker
 
     def format(self, record: logging.LogRecord) -> str:
         out = {
@@ -20,17 +24,22 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "msg": record.getMessage(),
         }
+        if self.worker is not None:
+            out["worker"] = self.worker
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
         return json.dumps(out)
 
 
-def setup_logging(fmt: str = "text", level: str = "INFO") -> None:
+def setup_logging(fmt: str = "text", level: str = "INFO", worker: int | None = None) -> None:
+    """Log to stderr as text or JSON lines; `worker` (a child of `rlrec consume --processes N`)
+    tags every line with the child's index."""
     handler = logging.StreamHandler(sys.stderr)
     if fmt == "json":
-        handler.setFormatter(JsonFormatter())
+        handler.setFormatter(JsonFormatter(worker))
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        tag = "" if worker is None else f"[worker {worker}] "
+        handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s {tag}%(name)s: %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

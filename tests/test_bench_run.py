@@ -20,9 +20,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.broker]
 
 ROW_KEYS = {"figure", "ours", "baseline", "ratio", "target", "pass", "rounds"}
 # rows per benchmark: producer 4 workloads x (CPU, p99, wire bytes) + 3 paced achieved rates;
-# consumer 2 sizes x 2 durabilities x 2 baselines + RSS, + 1 from the memory benchmark;
+# consumer 2 sizes x 3 sides (1 process fsync / no fsync, 2 processes) x 2 baselines + RSS,
+# + 1 from the memory benchmark;
 # trainer T2 x 2, T1 x 2, T3 x 2 (T4 only in full runs); manifest 3
-PREFIXES = {"producer": 15, "consumer": 10, "trainer": 6, "manifest": 3}
+PREFIXES = {"producer": 15, "consumer": 14, "trainer": 6, "manifest": 3}
 BENCHES = ["producer", "consumer", "memory", "trainer", "manifest"]
 
 
@@ -91,6 +92,7 @@ def test_quick_run_writes_the_documented_json(tmp_path):
     # both durabilities, the pinned stock trainer
     assert any("paced 20k/s" in f for f in figures) and any("84×84×4 paced 2k/s" in f for f in figures)
     assert any("(c) same + ray.data write_parquet" in f and "no fsync" in f for f in figures)
+    assert any("(c) same + ray.data write_parquet" in f and "--processes 2" in f for f in figures)
     assert any(f.startswith("trainer: (T2)") and "input_read_batch_size=" in f for f in figures)
     c = doc["results"]["consumer"]["sizes"]["cartpole"]
     assert c["pipeline_blocks"][0] == c["shards"][0]  # (c) wrote as many blocks as rlrec wrote shards

@@ -87,12 +87,15 @@ def test_the_consumer_refuses_to_start_before_touching_kafka(unfenced_s3) -> Non
 
 
 @pytest.mark.slow
-def test_cli_says_why_and_exits_2(unfenced_s3) -> None:
+@pytest.mark.parametrize("processes", [1, 2])
+def test_cli_says_why_and_exits_2(unfenced_s3, processes) -> None:
     uri, env = unfenced_s3
     cmd = [sys.executable, "-m", "rlrec", "consume", "--bootstrap-servers", "127.0.0.1:1", "--output", uri]
+    cmd += ["--processes", str(processes)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, **env})
     assert r.returncode == 2, r.stderr[-2000:]
     assert "does not enforce create-once writes" in r.stderr and "--allow-unfenced-storage" in r.stderr
+    assert "worker 0 started" not in r.stderr  # refused before any child (or Kafka) is touched
 
 
 @pytest.mark.broker

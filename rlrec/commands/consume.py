@@ -92,6 +92,13 @@ OPTIONS: list[tuple[str, type, object, str]] = [
         "start): LOSES writer fencing and episode deduplication - only with one consumer per "
         "partition guaranteed by other means",
     ),
+    (
+        "processes",
+        int,
+        1,
+        "consumer processes of the group to run here (one core each; at most the partition count); "
+        "the memory budgets are split between them",
+    ),
     ("max-seconds", float, None, "stop after this many seconds (tests, demos)"),
     ("log-format", str, "text", "text or json (one JSON object per line)"),
     ("log-level", str, "INFO", "DEBUG, INFO, WARNING, ERROR"),
@@ -172,7 +179,7 @@ def resolve_options(args: argparse.Namespace, environ: dict | None = None) -> di
     return out
 
 
-def _freeze_startup_objects() -> None:
+def freeze_startup_objects() -> None:
     """This process is the consumer's own: once its modules are imported (RLlib's episode
     classes bring Ray and RLlib, about 300k objects that live as long as the process), move
     them to the garbage collector's permanent generation (`gc.freeze`), so its full passes walk
@@ -198,18 +205,27 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     from rlrec.logs import setup_logging
 
-    setup_logging(opts.pop("log_format"), opts.pop("log_level"))
+    logging_args = (opts.pop("log_format"), opts.pop("log_level"))
+    setup_logging(*logging_args)
     from rlrec.consumer.service import ConsumerConfig, RecorderConsumer
     from rlrec.store.storage import ConditionalWritesError
 
     max_seconds = opts.pop("max_seconds")
+    processes = opts.pop("processes")
+    if processes < 1:
+        print("rlrec consume: --processes must be at least 1", file=sys.stderr)
+        return 2
     try:
         config = ConsumerConfig(**opts)
     except ValueError as e:
         print(f"rlrec consume: {e}", file=sys.stderr)
         return 2
-    _freeze_startup_objects()
     try:
+        if processes > 1:
+            from rlrec.supervisor import ConsumerProcesses
+
+            return ConsumerProcesses(config, processes, max_seconds, logging_args).run()
+        freeze_startup_objects()
         RecorderConsumer(config).run(max_seconds=max_seconds)
     except ConditionalWritesError as e:
         print(f"rlrec consume: {e}", file=sys.stderr)

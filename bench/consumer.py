@@ -18,6 +18,12 @@ any clock starts; Ray, where a side uses it, is started and warmed up before its
       shards to a local dir, with rlrec's default durability (fsync of files and directories)
       and, as a separate labelled row, `Storage(fsync=False)`. Clock: first message -> the
       manifest holds every episode.
+  (b) with 2 processes: `rlrec consume --processes 2` as its supervisor runs it -- two
+      `RecorderConsumer` processes in one fresh group, fsync, the budgets split between them,
+      subscribing together once both have imported (the supervisor's start barrier: one
+      assignment, no rebalance). Clock: the first message either sees -> the commit that
+      completes the manifest; CPU: both processes'. One process per core is how rlrec runs on a
+      machine with 2 cores; (c) uses both cores too (Ray's write tasks run in 2 workers).
   (c) the same poll + decode + assemble + pack as (a), then
       `ray.data.from_items(items, override_num_blocks=<shards (b) wrote>).write_parquet(dir,
       compression=<rlrec's codec, zstd>, use_dictionary=False, write_statistics=False)` (rlrec's
@@ -43,7 +49,11 @@ The four sides alternate (reversed every other round) for --rounds rounds; media
 are reported and every round's raw values are in the JSON. A separate *live* run (a consumer
 keeping up with a steadily paced producer) gives the freshness p50/p99 (episode end -> commit).
 
-Targets: steps/s (b)/(a) >= 0.7, (b)/(c) >= 1.5. `--quick` is a smoke test judging nothing.
+Targets: steps/s (b)/(a) >= 0.7 for one process (rlrec's cost over the floor's work), (b)/(c)
+>= 1.5 for `--processes 2`; one process's (b)/(c) is reported: it is bounded by (a)/(c), since
+one process cannot beat the floor, whose decode, assembly and packing are its own code, and
+at CartPole size Ray's writer adds only ~40 % to the floor. `--quick` is a smoke test judging
+nothing.
 """
 
 from __future__ import annotations
@@ -253,7 +263,8 @@ def run_group(spec: dict, processes: int, timeout: float = 600) -> dict:
     steps = sum(e.steps for e in entries)
     assert len(ids) == len(set(ids)) == spec["episodes"], (len(ids), len(set(ids)), spec["episodes"])
     assert steps == spec["steps"], (steps, spec["steps"])
-    wall = max(x[1] for x in latest if x[1] is not None) - min(r["first_message_time"] for r in results)
+    first = min(r["first_message_time"] for r in results if r["first_message_time"] is not None)
+    wall = max(x[1] for x in latest if x[1] is not None) - first  # a child given no partition saw nothing
     cpu = sum(x[2] for x in latest)
     return {
         "wall_s": wall,
@@ -325,6 +336,7 @@ def measure(bootstrap: str, tmp: str, obs_kind: str, episodes: int, rounds: int,
                 if side == "ours":
                     shards = res["shards"]
                 shutil.rmtree(spec.get("output", "/nonexistent"), ignore_errors=True)
+                os.sync()  # no side's dirty pages are written back during the next side's clock
             log(
                 f"{obs_kind} round {r + 1}/{rounds}: "
                 + ", ".join(f"{k} {v[-1]['steps_per_s']:,.0f}" for k, v in raw.items())

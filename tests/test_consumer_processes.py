@@ -8,6 +8,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 
@@ -20,7 +21,14 @@ from rlrec.producer import EpisodeRecorder
 from rlrec.store.maintenance import verify
 from rlrec.store.manifest import read_manifest
 from rlrec.store.storage import Storage
-from rlrec.supervisor import ConsumerProcesses, split_config
+from rlrec.supervisor import (
+    MAX_QUICK_CRASHES,
+    RESTART_BACKOFF_S,
+    ConsumerProcesses,
+    check_split,
+    restart_delay,
+    split_config,
+)
 from tests.helpers import ACT_SPACE, OBS_SPACE, record_episodes, wait_for
 from tests.test_consumer_e2e import committed_episodes, drain_dlq, read_all
 
@@ -36,9 +44,9 @@ def test_split_config_shares_the_budgets_and_offsets_the_metrics_port():
         metrics_port=9108,
     )
     parts = [split_config(cfg, 3, i) for i in range(3)]
-    assert [p.max_open_bytes for p in parts] == [333] * 3  # never more than the command's budget in all
+    assert [p.max_open_bytes for p in parts] == [333] * 3  # together never more than the command's budget
     assert [p.max_buffered_bytes for p in parts] == [200] * 3
-    assert [p.max_open_episodes for p in parts] == [2] * 3  # at least one each, rounded up
+    assert [p.max_open_episodes for p in parts] == [1] * 3
     assert {p.max_episode_bytes for p in parts} == {77}  # one episode's budget is not split
     assert [p.metrics_port for p in parts] == [9108, 9109, 9110]
     assert not any(p.create_topics for p in parts)  # the supervisor creates them once
@@ -46,6 +54,19 @@ def test_split_config_shares_the_budgets_and_offsets_the_metrics_port():
     assert split_config(ConsumerConfig(bootstrap_servers="b", output="o"), 2, 1).metrics_port is None
     with pytest.raises(ValueError, match="processes must be >= 1"):
         ConsumerProcesses(cfg, 0)
+
+
+def test_a_share_below_one_episode_is_refused():
+    cfg = ConsumerConfig(bootstrap_servers="b", output="o", max_open_bytes=256, max_episode_bytes=64)
+    check_split(cfg, 4)  # 64 each: one episode fits
+    with pytest.raises(ValueError, match="leaves 51 each, less than one episode's --max-episode-bytes 64"):
+        ConsumerProcesses(cfg, 5)
+
+
+def test_restart_delay_doubles_up_to_its_cap():
+    assert [restart_delay(n) for n in (1, 2, 3, 4)] == [1.0, 2.0, 4.0, 8.0]
+    assert restart_delay(30) == RESTART_BACKOFF_S[1]
+    assert MAX_QUICK_CRASHES >= 2
 
 
 def test_cli_refuses_zero_processes():
@@ -69,14 +90,40 @@ def test_cli_refuses_zero_processes():
     assert r.returncode == 2 and "--processes must be at least 1" in r.stderr
 
 
-def _start(broker, topic: str, output: str, group: str) -> subprocess.Popen:
+class _Lines:
+    """Collects a process's stderr lines on a thread; `wait_for(text)` blocks until one has it."""
+
+    def __init__(self, stream):
+        self.lines: list[str] = []
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _read(self, stream) -> None:
+        for line in stream:
+            with self._cond:
+                self.lines.append(line)
+                self._cond.notify_all()
+
+    def wait_for(self, text: str, timeout: float) -> None:
+        with self._cond:
+            if not self._cond.wait_for(lambda: any(text in x for x in self.lines), timeout):
+                raise AssertionError(f"no line with {text!r} in {timeout}s: {''.join(self.lines)[-3000:]}")
+
+    def text(self) -> str:
+        self._thread.join(30)
+        return "".join(self.lines)
+
+
+def _start(broker, topic: str, output: str, group: str, *extra: str) -> tuple[subprocess.Popen, _Lines]:
     args = ["consume", "--bootstrap-servers", broker.bootstrap_servers, "--topic", topic, "--group-id", group]
     args += ["--output", output, "--no-create-topics", "--max-file-age-s", "0.3", "--commit-interval-s", "0.3"]
-    args += ["--processes", "2"]
+    args += ["--processes", "2", *extra]
     args += [x for k, v in FAST_GROUP_KAFKA.items() for x in ("--kafka-config", f"{k}={v}")]
-    return subprocess.Popen(
+    proc = subprocess.Popen(
         [sys.executable, "-m", "rlrec", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
     )
+    return proc, _Lines(proc.stderr)  # read as it comes: a full pipe would block the children
 
 
 def _children(proc: subprocess.Popen) -> list[psutil.Process]:
@@ -91,16 +138,18 @@ def _recorder(broker, topic: str) -> EpisodeRecorder:
     )
 
 
-def _stop(proc: subprocess.Popen) -> str:
+def _stop(proc: subprocess.Popen, lines: _Lines) -> str:
+    """SIGTERM the supervisor and wait (kill everything if it does not end); its stderr."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
     try:
-        return proc.communicate(timeout=90)[1]
+        proc.wait(90)
     except subprocess.TimeoutExpired:  # never leave it running
         for k in psutil.Process(proc.pid).children(recursive=True):
             k.kill()
         proc.kill()
-        return proc.communicate()[1]
+        proc.wait()
+    return lines.text()
 
 
 @pytest.mark.slow
@@ -111,14 +160,18 @@ def test_two_processes_share_the_partitions_survive_a_killed_child_and_stop_on_s
     rec = _recorder(broker, topic)
     truth = record_episodes(rec, 40, seed=1)
     assert rec.flush(10) == 0
-    proc = _start(broker, topic, output, f"g-{uuid.uuid4().hex[:6]}")
+    proc, lines = _start(broker, topic, output, f"g-{uuid.uuid4().hex[:6]}")
     try:
         wait_for(lambda: committed_episodes(storage) >= 40, 120, what="the first 40 episodes")
         first = _children(proc)
         assert len(first) == 2
-        # both children wrote: the partitions were shared from the first assignment on
-        writers = {e.writer.split(":")[-2] for e in read_manifest(storage)}  # host:pid:nonce
-        assert writers == {str(k.pid) for k in first}, (writers, [k.pid for k in first])
+        # both children wrote, and no partition changed hands: the group assigned once (the
+        # start gate), not once to the first child and again when the second joined
+        by_partition: dict[int, set[str]] = {}
+        for e in read_manifest(storage):
+            by_partition.setdefault(e.partition, set()).add(e.writer.split(":")[-2])  # host:pid:nonce
+        assert all(len(w) == 1 for w in by_partition.values()), by_partition
+        assert set().union(*by_partition.values()) == {str(k.pid) for k in first}, by_partition
 
         victim, survivor = first
         victim.kill()  # kill -9 of one child: its partitions move, it is started again
@@ -137,7 +190,7 @@ def test_two_processes_share_the_partitions_survive_a_killed_child_and_stop_on_s
         time.sleep(1.0)  # a late duplicate would show up here
         kids = _children(proc)
     finally:
-        err = _stop(proc)
+        err = _stop(proc, lines)
         rec.close()
     assert proc.returncode == 0, err[-3000:]
     assert "worker 0 started" in err and "died (signal 9)" in err
@@ -159,7 +212,7 @@ def test_children_stop_when_the_supervisor_is_killed(broker, topic, tmp_path):
     record_episodes(rec, 10, seed=4)
     assert rec.flush(10) == 0
     rec.close()
-    proc = _start(broker, topic, output, f"g-{uuid.uuid4().hex[:6]}")
+    proc, lines = _start(broker, topic, output, f"g-{uuid.uuid4().hex[:6]}")
     kids = []
     try:
         wait_for(lambda: committed_episodes(storage) >= 10, 120, what="the episodes committed")
@@ -173,6 +226,103 @@ def test_children_stop_when_the_supervisor_is_killed(broker, topic, tmp_path):
         for k in kids:
             if k.is_running():
                 k.kill()
-        _stop(proc)
+        if proc.poll() is None:
+            proc.kill()
+    err = lines.text()  # the children wrote to it until they ended
+    assert err.count("is gone; stopping") == 2, err[-3000:]
+    assert err.count("shutting down: flushing finished episodes") == 2  # each stopped gracefully
     assert committed_episodes(storage) == 10
     assert len(read_all(storage)) == 10
+
+
+@pytest.mark.slow
+@pytest.mark.broker
+def test_sigterm_while_the_children_start_stops_them_all(broker, topic, tmp_path):
+    proc, lines = _start(broker, topic, str(tmp_path / "out"), f"g-{uuid.uuid4().hex[:6]}")
+    kids = []
+    try:
+        lines.wait_for("worker 1 started", 60)
+        kids = _children(proc)
+        proc.send_signal(signal.SIGTERM)  # the children are still importing or at the start gate
+        assert proc.wait(90) == 0
+        _gone, alive = psutil.wait_procs(kids, timeout=30)
+        assert not alive
+    finally:
+        for k in kids:
+            if k.is_running():
+                k.kill()
+        if proc.poll() is None:
+            proc.kill()
+    err = lines.text()
+    assert "worker 0 exited" in err and "worker 1 exited" in err, err[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.broker
+def test_a_child_that_keeps_crashing_stops_the_supervisor_with_exit_1(broker, topic, tmp_path):
+    # a librdkafka setting that does not exist: every child fails as it creates its Kafka client
+    proc, lines = _start(
+        broker, topic, str(tmp_path / "out"), f"g-{uuid.uuid4().hex[:6]}", "--kafka-config", "no.such=1"
+    )
+    try:
+        proc.wait(300)
+    finally:
+        if proc.poll() is None:
+            for k in psutil.Process(proc.pid).children(recursive=True):
+                k.kill()
+            proc.kill()
+    err = lines.text()
+    assert proc.returncode == 1, err[-3000:]
+    assert "restart in 1 s" in err and "restart in 2 s" in err  # the backoff doubled
+    assert f"{MAX_QUICK_CRASHES} times in a row soon after starting; stopping all" in err
+
+
+class _FakeProcess:
+    def __init__(self):
+        self.exitcode = None
+
+
+def _gated_supervisor(n: int) -> tuple[ConsumerProcesses, list]:
+    """A supervisor with `n` started children at the start gate (fake processes, real pipes):
+    returns it and the children's ends of the gate."""
+    import multiprocessing
+
+    from rlrec.supervisor import _Child
+
+    sup = ConsumerProcesses(ConsumerConfig(bootstrap_servers="b", output="o"), n)
+    ends = []
+    for i in range(n):
+        ours, theirs = multiprocessing.Pipe()
+        sup._children[i] = _Child(i, _FakeProcess(), time.time(), 0, ours)
+        ends.append(theirs)
+    return sup, ends
+
+
+def test_the_start_gate_opens_when_every_child_is_ready():
+    sup, ends = _gated_supervisor(3)
+    ends[0].send("ready")
+    ends[2].send("ready")
+    sup._open_gate()
+    assert not any(e.poll(0.05) for e in ends), "a child subscribed before its siblings had imported"
+    ends[1].send("ready")
+    sup._open_gate()
+    assert all(e.poll(1) and e.recv() == "go" for e in ends)
+    assert all(c.gate is None for c in sup._children.values())
+
+
+def test_the_start_gate_opens_when_a_child_ends_before_it_is_ready():
+    sup, ends = _gated_supervisor(2)
+    ends[0].send("ready")
+    sup._open_gate()
+    assert not ends[0].poll(0.05)
+    sup._children[1].process.exitcode = -9  # killed while importing: nobody waits for it
+    ends[1].close()
+    sup._open_gate()
+    assert ends[0].poll(1) and ends[0].recv() == "go"
+
+
+def test_the_start_gate_opens_when_the_supervisor_stops():
+    sup, ends = _gated_supervisor(2)
+    sup._stopping = True  # the children then run with their stop flag set: they end at once
+    sup._open_gate()
+    assert all(e.poll(1) and e.recv() == "go" for e in ends)

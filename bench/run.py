@@ -616,19 +616,18 @@ def merge(previous: dict, doc: dict, quick: bool) -> dict:
 
 
 def _provenance(run_: dict) -> str:
-    """One sentence per source run of a merged JSON ('' for a JSON of one run)."""
+    """Which benchmarks came from which run, for a merged JSON ('' for a JSON of one run)."""
     by_run: dict[tuple, list[str]] = {}
     for name, src in (run_.get("sources") or {}).items():
-        by_run.setdefault((src["started"], src["commit"], src["duration_s"], src["load_avg_at_start"][0]), []).append(
-            name
-        )
+        key = (src["started"], src["commit"], src["duration_s"], src["load_avg_at_start"][0], src["dirty"])
+        by_run.setdefault(key, []).append(name)
     if len(by_run) < 2:
         return ""
-    parts = [
-        f"{', '.join(names)} from the run started {started} UTC ({dur:.0f} s, commit `{commit}`, load {load:.1f})"
-        for (started, commit, dur, load), names in sorted(by_run.items())
-    ]
-    return " Merged (`--merge`): " + "; ".join(parts) + "."
+    return "; ".join(
+        f"{', '.join(names)} from the run started {started} UTC ({dur:.0f} s, at commit `{commit}`"
+        f"{' (uncommitted changes)' if dirty else ''}, load {load:.1f} at start)"
+        for (started, commit, dur, load, dirty), names in sorted(by_run.items())
+    )
 
 
 def readme_block(doc: dict) -> str:
@@ -637,13 +636,20 @@ def readme_block(doc: dict) -> str:
     run_, m = doc["run"], doc["machine"]
     fails = [r.figure for r in rows if r.pass_ is False]
     v = m["versions"]
+    merged = _provenance(run_)
+    if merged:
+        where = f"Numbers from `bench/run.py` runs merged with `--merge`: {merged}; "
+    else:
+        where = (
+            f"Numbers from `bench/run.py{' --quick' if run_['quick'] else ''}` started {run_['started']} UTC, "
+            f"{run_['duration_s']:.0f} s, at commit `{m['commit']}`{' (uncommitted changes)' if m['dirty'] else ''}, "
+            f"load {m['load_avg_at_start'][0]:.1f} at start; "
+        )
     head = (
-        f"Numbers from `bench/run.py{' --quick' if run_['quick'] else ''}` started {run_['started']} UTC, "
-        f"{run_['duration_s']:.0f} s, at commit `{m['commit']}`{' (uncommitted changes)' if m['dirty'] else ''}, "
-        f"on {m['cpus']} CPUs (load {m['load_avg_at_start'][0]:.1f} at start; shared machine), Python {m['python']}, "
+        f"{where}on {m['cpus']} CPUs (a shared machine), Python {m['python']}, "
         f"ray {v.get('ray')}, torch {v.get('torch')}, pyarrow {v.get('pyarrow')}, librdkafka {v.get('librdkafka')}. "
         "`ours`/`baseline` are medians over alternated rounds; raw rounds and spreads are in the JSON "
-        f"(`{run_['json']}`). {len(fails)} of {len(rows)} rows fail their target.{_provenance(run_)}"
+        f"(`{run_['json']}`). {len(fails)} of {len(rows)} rows fail their target."
     )
     return f"{README_BEGIN}\n{head}\n\n{markdown(rows)}{README_END}"
 

@@ -115,3 +115,34 @@ def test_bad_arguments_fail_clearly():
         timeout=60,
     )
     assert proc.returncode != 0 and "unknown benchmark" in proc.stderr
+
+
+def test_merge_keeps_earlier_benchmarks_and_says_where_each_came_from():
+    """`--merge`: this run's results replace the benchmarks it ran, the rest stay, every row is
+    made again from the merged results, and the README block names each benchmark's run."""
+    sys.path.insert(0, ROOT)
+    from bench.run import merge, readme_block
+
+    meas = os.path.join(ROOT, "docs", "measurements")
+    with open(os.path.join(meas, "bench-full-2026-11-24-2105.json")) as f:
+        old = json.load(f)
+    with open(os.path.join(meas, "bench-consumer-2026-11-25.json")) as f:
+        new = json.load(f)
+    doc = merge(old, new, quick=False)
+    assert list(doc["results"]) == ["producer", "consumer", "memory", "trainer"]
+    assert doc["results"]["consumer"] == new["results"]["consumer"]
+    assert doc["results"]["producer"] == old["results"]["producer"]
+    by_figure = {r["figure"]: r for r in doc["rows"]}
+    for r in old["rows"]:  # rows of the benchmarks not run again are the same rows
+        if r["figure"].startswith(("producer:", "trainer:")):
+            assert by_figure[r["figure"]] == r
+    assert [r for r in doc["rows"] if r["figure"].startswith("consumer: steps/s")] == [
+        r for r in new["rows"] if r["figure"].startswith("consumer: steps/s")
+    ]
+    src = doc["run"]["sources"]
+    assert src["consumer"]["started"] == new["run"]["started"] and src["producer"]["started"] == old["run"]["started"]
+    block = readme_block(doc)
+    assert f"consumer from the run started {new['run']['started']} UTC" in block
+    assert f"producer, memory, trainer from the run started {old['run']['started']} UTC" in block
+    again = merge(doc, new, quick=False)  # merging onto a merged JSON keeps its sources
+    assert again["run"]["sources"] == doc["run"]["sources"]

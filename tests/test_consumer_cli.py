@@ -231,6 +231,14 @@ def test_setup_logging_json_and_text(capsys, restore_root_logger):
     assert "WARNING rlrec.consumer: lag 13" in err
     with pytest.raises(json.JSONDecodeError):
         json.loads(err)
+    # a child of `rlrec consume --processes N` tags its lines
+    setup_logging("json", "INFO", worker=1)
+    logging.getLogger("rlrec.consumer").warning("lag %s", 14)
+    (line,) = capsys.readouterr().err.splitlines()
+    assert json.loads(line)["worker"] == 1 and json.loads(line)["msg"] == "lag 14"
+    setup_logging("text", "INFO", worker=0)
+    logging.getLogger("rlrec.consumer").warning("lag %s", 15)
+    assert "WARNING [worker 0] rlrec.consumer: lag 15" in capsys.readouterr().err
 
 
 # -- with a broker ------------------------------------------------------------------------------

@@ -69,25 +69,20 @@ def test_restart_delay_doubles_up_to_its_cap():
     assert MAX_QUICK_CRASHES >= 2
 
 
-def test_cli_refuses_zero_processes():
+@pytest.mark.parametrize(
+    ("processes", "says"),
+    [("0", "--processes must be at least 1"), ("20", "split between 20 processes leaves")],
+)
+def test_cli_refuses_bad_process_counts(processes, says):
+    # 20 processes: 1 GiB of --max-open-bytes leaves each less than one 64 MiB episode
+    cmd = [sys.executable, "-m", "rlrec", "consume", "--bootstrap-servers", "b:1", "--output", "/tmp/x"]
     r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rlrec",
-            "consume",
-            "--bootstrap-servers",
-            "b:1",
-            "--output",
-            "/tmp/x",
-            "--processes",
-            "0",
-        ],
+        [*cmd, "--processes", processes],
         capture_output=True,
         text=True,
         timeout=60,
     )
-    assert r.returncode == 2 and "--processes must be at least 1" in r.stderr
+    assert r.returncode == 2 and says in r.stderr, r.stderr[-2000:]
 
 
 class _Lines:

@@ -217,6 +217,10 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     try:
         config = ConsumerConfig(**opts)
+        if processes > 1:
+            from rlrec.supervisor import check_split
+
+            check_split(config, processes)
     except ValueError as e:
         print(f"rlrec consume: {e}", file=sys.stderr)
         return 2

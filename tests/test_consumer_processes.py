@@ -133,6 +133,25 @@ def _recorder(broker, topic: str) -> EpisodeRecorder:
     )
 
 
+def _recorded(broker, topic: str, tmp_path, n: int, seed: int) -> tuple[str, Storage, EpisodeRecorder, dict]:
+    """An output dir, its storage, a recorder, and the truth of `n` episodes it has delivered."""
+    output = str(tmp_path / "out")
+    rec = _recorder(broker, topic)
+    truth = record_episodes(rec, n, seed=seed)
+    assert rec.flush(10) == 0
+    return output, Storage.from_uri(output), rec, truth
+
+
+def _kill_all(proc: subprocess.Popen, kids: list[psutil.Process]) -> None:
+    """Leave nothing running: kill -9 the children a test knew of and the supervisor."""
+    for k in kids:
+        if k.is_running():
+            k.kill()
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
 def _stop(proc: subprocess.Popen, lines: _Lines) -> str:
     """SIGTERM the supervisor and wait (kill everything if it does not end); its stderr."""
     if proc.poll() is None:
@@ -140,21 +159,14 @@ def _stop(proc: subprocess.Popen, lines: _Lines) -> str:
     try:
         proc.wait(90)
     except subprocess.TimeoutExpired:  # never leave it running
-        for k in psutil.Process(proc.pid).children(recursive=True):
-            k.kill()
-        proc.kill()
-        proc.wait()
+        _kill_all(proc, psutil.Process(proc.pid).children(recursive=True))
     return lines.text()
 
 
 @pytest.mark.slow
 @pytest.mark.broker
 def test_two_processes_share_the_partitions_survive_a_killed_child_and_stop_on_sigterm(broker, topic, tmp_path):
-    output = str(tmp_path / "out")
-    storage = Storage.from_uri(output)
-    rec = _recorder(broker, topic)
-    truth = record_episodes(rec, 40, seed=1)
-    assert rec.flush(10) == 0
+    output, storage, rec, truth = _recorded(broker, topic, tmp_path, 40, seed=1)
     proc, lines = _start(broker, topic, output, f"g-{uuid.uuid4().hex[:6]}")
     try:
         wait_for(lambda: committed_episodes(storage) >= 40, 120, what="the first 40 episodes")
@@ -201,11 +213,7 @@ def test_two_processes_share_the_partitions_survive_a_killed_child_and_stop_on_s
 @pytest.mark.slow
 @pytest.mark.broker
 def test_children_stop_when_the_supervisor_is_killed(broker, topic, tmp_path):
-    output = str(tmp_path / "out")
-    storage = Storage.from_uri(output)
-    rec = _recorder(broker, topic)
-    record_episodes(rec, 10, seed=4)
-    assert rec.flush(10) == 0
+    output, storage, rec, _truth = _recorded(broker, topic, tmp_path, 10, seed=4)
     rec.close()
     proc, lines = _start(broker, topic, output, f"g-{uuid.uuid4().hex[:6]}")
     kids = []
@@ -218,11 +226,7 @@ def test_children_stop_when_the_supervisor_is_killed(broker, topic, tmp_path):
         _gone, alive = psutil.wait_procs(kids, timeout=60)
         assert not alive, f"children outlived their supervisor: {[k.pid for k in alive]}"
     finally:
-        for k in kids:
-            if k.is_running():
-                k.kill()
-        if proc.poll() is None:
-            proc.kill()
+        _kill_all(proc, kids)
     err = lines.text()  # the children wrote to it until they ended
     assert err.count("is gone; stopping") == 2, err[-3000:]
     assert err.count("shutting down: flushing finished episodes") == 2  # each stopped gracefully
@@ -243,11 +247,7 @@ def test_sigterm_while_the_children_start_stops_them_all(broker, topic, tmp_path
         _gone, alive = psutil.wait_procs(kids, timeout=30)
         assert not alive
     finally:
-        for k in kids:
-            if k.is_running():
-                k.kill()
-        if proc.poll() is None:
-            proc.kill()
+        _kill_all(proc, kids)
     err = lines.text()
     assert "worker 0 exited" in err and "worker 1 exited" in err, err[-3000:]
 
@@ -263,9 +263,7 @@ def test_a_child_that_keeps_crashing_stops_the_supervisor_with_exit_1(broker, to
         proc.wait(300)
     finally:
         if proc.poll() is None:
-            for k in psutil.Process(proc.pid).children(recursive=True):
-                k.kill()
-            proc.kill()
+            _kill_all(proc, psutil.Process(proc.pid).children(recursive=True))
     err = lines.text()
     assert proc.returncode == 1, err[-3000:]
     assert "restart in 1 s" in err and "restart in 2 s" in err  # the backoff doubled

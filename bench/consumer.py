@@ -20,7 +20,7 @@ any clock starts; Ray, where a side uses it, is started and warmed up before its
       manifest holds every episode.
   (b) with 2 processes: `rlrec consume --processes 2` as its supervisor runs it -- two
       `RecorderConsumer` processes in one fresh group, fsync, the budgets split between them,
-      subscribing together once both have imported (the supervisor's start barrier: one
+      subscribing together once both have imported (the supervisor's start gate: one
       assignment, no rebalance). Clock: the first message either sees -> the commit that
       completes the manifest; CPU: both processes'. One process per core is how rlrec runs on a
       machine with 2 cores; (c) uses both cores too (Ray's write tasks run in 2 workers).
@@ -45,7 +45,7 @@ decode, assembly and packing; (b) and (c) write the same episodes, as many files
 codec. (b) additionally commits a manifest entry per shard and the Kafka offsets; that is the
 product's work, not removable.
 
-The four sides alternate (reversed every other round) for --rounds rounds; medians and spread
+The five sides alternate (reversed every other round) for --rounds rounds; medians and spread
 are reported and every round's raw values are in the JSON. A separate *live* run (a consumer
 keeping up with a steadily paced producer) gives the freshness p50/p99 (episode end -> commit).
 
@@ -211,7 +211,7 @@ def _wait_ready(proc: subprocess.Popen, timeout: float) -> None:
 def run_group(spec: dict, processes: int, timeout: float = 600) -> dict:
     """(b) with `processes` consumer processes in one group, as `rlrec consume --processes N`
     runs them (`rlrec.supervisor`): the children import, then subscribe together (one
-    assignment, no rebalance; the supervisor's start barrier), and report each commit. Clock:
+    assignment, no rebalance; the supervisor's start gate), and report each commit. Clock:
     the first message any child sees -> the commit that completes the manifest. CPU: every
     child's, from its first message to its last commit."""
     import signal

@@ -158,7 +158,6 @@ class ConsumerProcesses:
         check_split(config, processes)
         self.config = config
         self.processes = processes
-        self.max_seconds = max_seconds
         self.logging_args = logging_args
         self._ctx = multiprocessing.get_context("spawn")  # no fork of a process holding librdkafka threads
         self._children: dict[int, _Child] = {}
@@ -167,7 +166,6 @@ class ConsumerProcesses:
         self._stopping = False
         self._deadline = None if max_seconds is None else time.time() + max_seconds
         self.rc = 0
-        self.restarts = 0
 
     def stop(self, *_: Any) -> None:
         """Stop every child gracefully (SIGTERM) and start no more; run() returns once all have
@@ -301,5 +299,4 @@ class ConsumerProcesses:
                 self._restart_at.pop(i, None)
             elif now >= at and not self._stopping:
                 self._restart_at.pop(i, None)
-                self.restarts += 1
                 self._start(i, gated=False, crashes=crashes)

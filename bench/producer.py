@@ -323,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=4.0, help="offered seconds per paced workload [4]")
     ap.add_argument("--b2b-steps", type=int, default=200_000, help="back-to-back steps [200,000]")
-    ap.add_argument("--rounds", type=int, default=3, help="alternated rounds [3]")
+    ap.add_argument("--rounds", type=int, default=5, help="alternated rounds [5]")
     ap.add_argument("--bootstrap-servers", default=None)
     ap.add_argument("--json", dest="json_path", default=None)
     ap.add_argument("--quick", action="store_true", help="small run, one round, smoke test only")

@@ -30,7 +30,7 @@ RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 
 WORKDIR /opt/rlrec
 # Project metadata and sources only (see .dockerignore): a change in tests/ or docs/ keeps the cache.
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 # The five folders are installed as one package, rlrec (rlrec.producer, rlrec.store, ...).
 COPY producer ./producer
 COPY store ./store
@@ -40,8 +40,13 @@ COPY rlrec ./rlrec
 
 # trainer = consumer + torch (the consumer extra has ray[data,rllib], pyarrow, boto3, ...).
 # The policy side alone needs no extra; add `local` for the embedded broker/S3 or `all` for tests.
+# A C compiler only for this layer: it builds the recorder's column stacking (producer/_stack.c;
+# without it the recorder runs the same bytes in Python at more CPU per step), then goes.
 ARG EXTRAS=trainer
-RUN pip install ".[${EXTRAS}]" && rlrec --help >/dev/null
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && pip install ".[${EXTRAS}]" && rlrec --help >/dev/null \
+    && python -c "from rlrec.producer.recorder import ACCELERATED; assert ACCELERATED, 'no C stacking'" \
+    && apt-get purge -y --auto-remove gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 
 # Not root. HOME is where Ray keeps its session files (/tmp/ray) and pip/ray caches go.
 RUN useradd --create-home --uid 1000 rlrec \

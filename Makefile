@@ -1,6 +1,6 @@
 # rlrec: set-up and everyday targets.  Every target installs .venv first if needed;
-# a stamp named after pyproject.toml's hash makes later runs skip installation
-# entirely (no pip call) until pyproject.toml changes.
+# a stamp named after the hash of pyproject.toml, setup.py and producer/_stack.c makes later
+# runs skip installation entirely (no pip call) until one of them changes.
 
 PYTHON ?= python3
 VENV := .venv
@@ -8,7 +8,8 @@ VPY := $(VENV)/bin/python
 # torch first and pinned: a CPU wheel of this version lies on disk on our
 # machines; an unpinned torch would download GBs of CUDA packages.
 TORCH_VERSION ?= 2.13.0
-PYPROJECT_HASH := $(shell sha256sum pyproject.toml | cut -c1-12)
+# the C extension (setup.py, producer/_stack.c) is compiled at install: a change to it reinstalls
+PYPROJECT_HASH := $(shell cat pyproject.toml setup.py producer/_stack.c | sha256sum | cut -c1-12)
 STAMP := $(VENV)/.stamp-$(PYPROJECT_HASH)
 PYTEST_ARGS ?=
 

@@ -11,7 +11,11 @@ fastavro writes for the same record; the constant parts are encoded once per rec
 episode). A column whose values are numpy arrays or scalars of exactly the leaf's dtype (checked
 per value) is stacked by one `bytes.join` of their buffers, straight into the message; a column
 of Python ints for an integer scalar leaf (Discrete) by `array`; any other column (lists, other
-dtypes, non-contiguous views, big-endian) by numpy, casting as before.
+dtypes, non-contiguous views, big-endian) by numpy, casting as before. Where the C extension
+`rlrec.producer._stack` is built (`ACCELERATED`), single-leaf columns, rewards and extra model
+outputs are first stacked by it in one pass over the batch; it returns bytes only when every
+value is exact for its column (the very dtype and shape, or a Python int/float that fits), so
+the message is the same either way, and any other batch takes the Python path.
 
 Accounting is in *records*: one per `begin_episode`, `log_step`, `log_reward` and
 `abort_episode` call. At every moment `produced == delivered + failed + buffered`, and `dropped`
@@ -52,7 +56,16 @@ from rlrec.producer.events import (
 )
 from rlrec.producer.spaces import Leaf, dumps_space, flatten_value, space_leaves
 
+try:  # the column stacking in C (producer/_stack.c); optional: built where a C compiler was
+    from rlrec.producer import _stack as _c_stack
+except ImportError:  # pragma: no cover - depends on the install
+    _c_stack = None
+
 __all__ = ["EpisodeRecorder", "RecorderForkedError", "RecorderFullError", "RecorderStats"]
+
+#: True when batches are stacked by the C extension `rlrec.producer._stack` (same bytes as the
+#: Python path, which any value it does not take exactly falls back to)
+ACCELERATED = _c_stack is not None
 
 log = logging.getLogger("rlrec.producer")
 
@@ -69,6 +82,7 @@ _monotonic = time.monotonic
 _time = time.time
 _dtype_of = attrgetter("dtype")
 _shape_of = attrgetter("shape")
+_F64 = np.dtype(np.float64)
 _LITTLE = sys.byteorder == "little"
 #: dtypes whose native bytes are their wire bytes -> wire name (none on a big-endian host)
 _WIRE_NAMES = {np.dtype(name): name for name in ALLOWED_DTYPES} if _LITTLE else {}
@@ -182,6 +196,8 @@ class _Packer:
         self._count = long_bytes(len(self.leaves)) if self.leaves else b""
         # per leaf, for `write_one`: Avro bytes of the dtype name and the leaf's shape
         self._one_heads = [string_bytes(leaf.dtype.name) + shape_bytes(leaf.shape) for leaf in self.leaves]
+        # single-leaf spaces with a fast dtype, for `write_c`: (dtype, per-step shape)
+        self._c_args = (self.leaves[0].dtype, self.leaves[0].shape) if self.single and self._fast[0] else None
 
     def prepare(self, value: Any) -> Any:
         """Cheap check of one value; returns what the batch buffer stores (value or its leaves)."""
@@ -218,6 +234,19 @@ class _Packer:
             for i, col in enumerate(zip(*buf)):
                 self._write_leaf(parts, col, n, i)
         parts.append(ARRAY_END)
+
+    def write_c(self, parts: list, steps: list, index: int) -> bool:
+        """As `write` for field `index` of the buffered step tuples, stacked by the C extension;
+        False (nothing appended) unless it took every value exactly."""
+        if self._c_args is None:
+            return False
+        dt, shape = self._c_args
+        data = _c_stack.stack(steps, index, None, 0, dt, shape)
+        if data is None:
+            return False
+        head, tail = self._fast[0][2:]
+        parts += (self._count, head, long_bytes(len(steps)), tail, long_bytes(len(data)), data, ARRAY_END)
+        return True
 
     def _write_leaf(self, parts: list, col: Sequence, n: int, i: int) -> None:
         fast = self._fast[i]
@@ -752,6 +781,75 @@ class EpisodeRecorder:
 
     def _encode_batch(self, ep: _Episode, terminated: bool, truncated: bool) -> bytes:
         """The Avro body of a StepBatch of the episode's buffered steps (see `avro_write`)."""
+        parts = [ep.id_avro, long_bytes(ep.t0)]
+        columns = self._columns_c(parts, ep) if _c_stack is not None else None
+        if columns is None:
+            parts = [ep.id_avro, long_bytes(ep.t0)]
+            columns = self._columns_py(parts, ep)
+        extra, infos = columns
+        parts.append(_FLAGS[bool(terminated), bool(truncated)])
+        if infos:
+            parts += (_UNION_1, long_bytes(len(infos)))
+            parts += map(string_bytes, infos)
+            parts.append(ARRAY_END)
+        else:
+            parts.append(_UNION_0)
+        if extra:
+            n = len(ep.steps)
+            parts.append(long_bytes(len(extra)))
+            for k, (name, shape, data) in extra:
+                parts.append(string_bytes(k))
+                array_parts(parts, name, (n, *shape), data)
+        parts.append(ARRAY_END)
+        parts.append(long_bytes(int(_time() * 1000)))
+        return b"".join(parts)
+
+    def _columns_c(self, parts: list, ep: _Episode) -> tuple[list, list | None] | None:
+        """Append the batch's actions, rewards and observations to `parts`, stacked by the C
+        extension, and return (extra model outputs as [(key, (wire dtype, per-step shape,
+        bytes))], infos as a list or None); None when a column holds a value it does not take
+        exactly (`parts` is then to be discarded)."""
+        steps = ep.steps
+        n = len(steps)
+        rewards = _c_stack.stack(steps, 1, None, 0, _F64, ())
+        if rewards is None or not self._act.write_c(parts, steps, 0):
+            return None
+        if ep.reward_adds:
+            rewards = array("d", rewards)
+            for t, add in ep.reward_adds.items():
+                rewards[t - ep.t0] += add
+        parts += (_REWARDS_HEAD, long_bytes(n), ARRAY_END, long_bytes(8 * n), rewards)
+        if not self._obs.write_c(parts, steps, 2):
+            return None
+        keys = ep.extra_keys
+        extra = []
+        if keys:
+            first = steps[0][4]
+            if type(first) is not dict:
+                return None
+            for k in keys:  # the order the Python path writes them in
+                v = first.get(k)
+                if type(v) is np.ndarray:
+                    dt, shape = v.dtype, v.shape
+                elif isinstance(v, np.generic):
+                    dt, shape = v.dtype, ()
+                else:
+                    return None
+                name = _WIRE_NAMES.get(dt)
+                data = _c_stack.stack(steps, 4, k, len(keys), dt, shape) if name else None
+                if data is None:
+                    return None
+                extra.append((k, (name, shape, data)))
+        elif _c_stack.any_set(steps, 4) is not False:
+            return None  # extra outputs on a later step only: the Python path says so
+        has_infos = _c_stack.any_set(steps, 3)
+        if has_infos is None:
+            return None
+        return extra, [s[3] for s in steps] if has_infos else None
+
+    def _columns_py(self, parts: list, ep: _Episode) -> tuple[list, list | None]:
+        """As `_columns_c`, in Python (numpy stacks and casts what the fast paths don't take);
+        raises ValueError/TypeError for values that cannot be stacked."""
         actions, rewards, observations, infos, extras = zip(*ep.steps)
         n = len(rewards)
         rewards = array("d", rewards)  # floats: log_step converted them
@@ -784,26 +882,11 @@ class EpisodeRecorder:
         elif any(e for e in extras):
             raise ValueError("extra_model_outputs given on a later step but not on the episode's first step")
         else:
-            extra = ()
-        parts = [ep.id_avro, long_bytes(ep.t0)]
+            extra = []
         self._act.write(parts, actions)
         parts += (_REWARDS_HEAD, long_bytes(n), ARRAY_END, long_bytes(8 * n), rewards)
         self._obs.write(parts, observations)
-        parts.append(_FLAGS[bool(terminated), bool(truncated)])
-        if any(infos):
-            parts += (_UNION_1, long_bytes(n))
-            parts += map(string_bytes, infos)
-            parts.append(ARRAY_END)
-        else:
-            parts.append(_UNION_0)
-        if extra:
-            parts.append(long_bytes(len(extra)))
-            for k, (name, shape, data) in extra:
-                parts.append(string_bytes(k))
-                array_parts(parts, name, (n, *shape), data)
-        parts.append(ARRAY_END)
-        parts.append(long_bytes(int(_time() * 1000)))
-        return b"".join(parts)
+        return extra, list(infos) if any(infos) else None
 
     def _abort(self, ep: _Episode, reason: str) -> None:
         if ep.dropping:

@@ -28,8 +28,9 @@ librdkafka's and the recorder's background threads count, from the first step un
 returns), the latency of one call (``log_step`` / ``produce``) p50/p99 (µs), bytes on the wire
 per step (librdkafka's ``txbytes`` to the brokers, from its statistics), and achieved steps/s.
 Each round runs every workload on both sides, alternating which side goes first, each in a fresh
-producer (connected and warmed up outside the clock); medians and spread over rounds, raw rounds
-in the JSON.
+producer (connected and warmed up outside the clock); one discarded warm-up round of every
+workload on both sides first (the process's first runs pay page faults and cold caches that
+later ones don't); medians and spread over the measured rounds, raw rounds in the JSON.
 
 Targets: CPU ratio ≤ 1.0 back-to-back and at 20k/s, ≤ 2.0 at 2k/s; ``log_step`` p99 ≤ 50 µs
 back-to-back (reported for the others).
@@ -262,7 +263,9 @@ def summarize(name: str, rate, ours: list[dict], bare: list[dict], quick: bool) 
     }
 
 
-def run(seconds: float, b2b_steps: int, rounds: int, bootstrap: str | None, quick: bool, progress=None) -> dict:
+def run(
+    seconds: float, b2b_steps: int, rounds: int, bootstrap: str | None, quick: bool, progress=None, warmup: int = 1
+) -> dict:
     broker = None
     if bootstrap is None:
         from rlrec.local import LocalBroker
@@ -272,6 +275,10 @@ def run(seconds: float, b2b_steps: int, rounds: int, bootstrap: str | None, quic
     ws = workloads(seconds, b2b_steps)
     raw = {w.name: {"ours": [], "bare": []} for w in ws}
     try:
+        for w in ws:  # warm-up rounds: both sides, discarded
+            for _ in range(warmup):
+                for side, fn in (("bare", run_bare), ("ours", run_ours)):
+                    fn(bootstrap, f"bench-producer-warmup-{w.name}-{uuid.uuid4().hex[:8]}-{side}", w)
         for r in range(rounds):
             for w in ws:
                 topic = f"bench-producer-{w.name}-{uuid.uuid4().hex[:8]}"
@@ -291,6 +298,7 @@ def run(seconds: float, b2b_steps: int, rounds: int, bootstrap: str | None, quic
             broker.stop()
     return {
         "rounds": rounds,
+        "warmup_rounds": warmup,
         "seconds_per_paced_workload": seconds,
         "back_to_back_steps": b2b_steps,
         "concurrent_episodes": CONCURRENT,
@@ -323,13 +331,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=4.0, help="offered seconds per paced workload [4]")
     ap.add_argument("--b2b-steps", type=int, default=200_000, help="back-to-back steps [200,000]")
-    ap.add_argument("--rounds", type=int, default=5, help="alternated rounds [5]")
+    ap.add_argument("--rounds", type=int, default=7, help="alternated rounds [7]")
+    ap.add_argument("--warmup-rounds", type=int, default=1, help="discarded rounds first, both sides [1]")
     ap.add_argument("--bootstrap-servers", default=None)
     ap.add_argument("--json", dest="json_path", default=None)
     ap.add_argument("--quick", action="store_true", help="small run, one round, smoke test only")
     args = ap.parse_args(argv)
     if args.quick:
-        r = run(0.3, 10_000, 1, args.bootstrap_servers, True, progress=lambda s: print(s, file=sys.stderr))
+        r = run(0.3, 10_000, 1, args.bootstrap_servers, True, progress=lambda s: print(s, file=sys.stderr), warmup=0)
     else:
         r = run(
             args.seconds,
@@ -338,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
             args.bootstrap_servers,
             False,
             progress=lambda s: print(s, file=sys.stderr, flush=True),
+            warmup=args.warmup_rounds,
         )
     print_table(r)
     if args.json_path:

@@ -96,7 +96,7 @@ ARGS = {
 }
 #: seconds a child may take: (full, quick)
 TIMEOUTS = {
-    "producer": (1200, 240),  # 4 workloads x 2 sides x 5 rounds: ~4 min here, ~10 on a slow machine
+    "producer": (1200, 240),  # 4 workloads x 2 sides x (1 warm-up + 7) rounds: ~4.5 min here, ~12 on a slow one
     "consumer": (2400, 300),  # 5 sides x 5 rounds x 2 sizes: ~15 min on a slow 2-core machine
     "memory": (1200, 300),
     "trainer": (2400, 300),

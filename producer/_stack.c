@@ -21,11 +21,12 @@
 #include <numpy/arrayobject.h>
 #include <numpy/arrayscalars.h>
 
-/* One value into `dst` (itemsize `size` bytes); 1 on success, 0 when the value is not exact
-   for the column (the caller then gives up on the whole column). */
+/* One value into `dst` (`nbytes` bytes); 1 on success, 0 when the value is not exact for the
+   column (the caller then gives up on the whole column).  `inferred`: the column's dtype is the
+   one numpy would infer from the values (no space casts them), see below for Python ints. */
 static int
 put_value(PyObject *v, PyArray_Descr *dtype, npy_intp ndim, const npy_intp *dims, npy_intp nbytes,
-          char *dst)
+          int inferred, char *dst)
 {
     if (PyArray_CheckExact(v)) {
         PyArrayObject *a = (PyArrayObject *)v;
@@ -75,6 +76,11 @@ put_value(PyObject *v, PyArray_Descr *dtype, npy_intp ndim, const npy_intp *dims
         return 1;
     }
     if (PyLong_CheckExact(v)) {
+        /* a column whose dtype numpy infers (extra model outputs): a Python int among numpy
+           values makes it numpy's default integer, so only such a column takes one as is */
+        if (inferred && !PyArray_EquivTypenums(type_num, NPY_INTP)) {
+            return 0;
+        }
         int overflow = 0;
         if (PyTypeNum_ISSIGNED(type_num)) {
             long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
@@ -110,11 +116,12 @@ put_value(PyObject *v, PyArray_Descr *dtype, npy_intp ndim, const npy_intp *dims
 }
 
 PyDoc_STRVAR(stack_doc,
-"stack(steps, index, key, nkeys, dtype, shape) -> bytes | None\n\n"
+"stack(steps, index, key, nkeys, dtype, shape, inferred) -> bytes | None\n\n"
 "The column of field `index` of every tuple in the list `steps` (with `key` not None: the value\n"
 "under `key` of that field, which must be a dict of exactly `nkeys` items), stacked as `dtype`\n"
 "values of per-step `shape`; None unless every value is exact for that dtype and shape (see the\n"
-"module's docstring).");
+"module's docstring).  `inferred`: the dtype is what numpy infers from the values (no space\n"
+"casts them), so a Python int is taken only for numpy's default integer.");
 
 static PyObject *
 stack(PyObject *self, PyObject *args)
@@ -122,9 +129,15 @@ stack(PyObject *self, PyObject *args)
     PyObject *steps, *key, *shape;
     Py_ssize_t index, nkeys;
     PyArray_Descr *dtype;
-    if (!PyArg_ParseTuple(args, "O!nOnO!O!:stack", &PyList_Type, &steps, &index, &key, &nkeys,
-                          &PyArrayDescr_Type, &dtype, &PyTuple_Type, &shape)) {
+    int inferred;
+    if (!PyArg_ParseTuple(args, "O!nOnO!O!p:stack", &PyList_Type, &steps, &index, &key, &nkeys,
+                          &PyArrayDescr_Type, &dtype, &PyTuple_Type, &shape, &inferred)) {
         return NULL;
+    }
+    int t = dtype->type_num;
+    if (!(PyTypeNum_ISBOOL(t) || PyTypeNum_ISINTEGER(t) || PyTypeNum_ISFLOAT(t)) ||
+        !PyArray_ISNBO(dtype->byteorder)) {
+        Py_RETURN_NONE; /* wire dtypes only: bool, integers, floats, in native byte order */
     }
     if (key == Py_None) {
         key = NULL;
@@ -184,7 +197,7 @@ stack(PyObject *self, PyObject *args)
             }
         }
         Py_INCREF(v); /* and its value, which such code could take out of the dict */
-        int ok = put_value(v, dtype, ndim, dims, nbytes, dst);
+        int ok = put_value(v, dtype, ndim, dims, nbytes, inferred, dst);
         Py_DECREF(v);
         Py_DECREF(step);
         if (!ok) {
@@ -199,9 +212,9 @@ give_up:
 
 PyDoc_STRVAR(any_set_doc,
 "any_set(steps, index) -> bool\n\n"
-"True when field `index` of some tuple in the list `steps` is neither None nor an empty str,\n"
-"dict or tuple (the batch carries infos or extra model outputs); None when `steps` holds\n"
-"anything else than such tuples.");
+"True when field `index` of some tuple in the list `steps` is neither None nor an empty str\n"
+"or dict (the batch carries infos or extra model outputs); None when a field is anything else\n"
+"(a Mapping, a list: Python decides) or `steps` holds anything else than such tuples.");
 
 static PyObject *
 any_set(PyObject *self, PyObject *args)

@@ -241,7 +241,7 @@ class _Packer:
         if self._c_args is None:
             return False
         dt, shape = self._c_args
-        data = _c_stack.stack(steps, index, None, 0, dt, shape)
+        data = _c_stack.stack(steps, index, None, 0, dt, shape, False)
         if data is None:
             return False
         head, tail = self._fast[0][2:]
@@ -811,7 +811,7 @@ class EpisodeRecorder:
         exactly (`parts` is then to be discarded)."""
         steps = ep.steps
         n = len(steps)
-        rewards = _c_stack.stack(steps, 1, None, 0, _F64, ())
+        rewards = _c_stack.stack(steps, 1, None, 0, _F64, (), False)  # floats: log_step converted them
         if rewards is None or not self._act.write_c(parts, steps, 0):
             return None
         if ep.reward_adds:
@@ -836,7 +836,8 @@ class EpisodeRecorder:
                 else:
                     return None
                 name = _WIRE_NAMES.get(dt)
-                data = _c_stack.stack(steps, 4, k, len(keys), dt, shape) if name else None
+                # numpy infers these columns' dtypes: a Python int only joins an int64 one
+                data = _c_stack.stack(steps, 4, k, len(keys), dt, shape, True) if name else None
                 if data is None:
                     return None
                 extra.append((k, (name, shape, data)))

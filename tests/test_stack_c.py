@@ -63,13 +63,20 @@ def _value(space: gs.Space, data, key: str):
 def _extra(data, i: int, keys: list[str]):
     out = {}
     for k in keys:
-        form = data.draw(st.sampled_from(["f32", "f32", "arr", "f64", "py", "0d"]), label=f"extra {i} {k}")
+        form = data.draw(
+            st.sampled_from(["f32", "f32", "arr", "f64", "py", "0d", "i32", "i64", "u8", "pyint"]),
+            label=f"extra {i} {k}",
+        )
         out[k] = {
             "f32": np.float32(i / 3),
             "arr": np.arange(2, dtype=np.float32) + i,
             "f64": np.float64(i),
             "py": float(i),
             "0d": np.array(i, np.float32),
+            "i32": np.int32(i),
+            "i64": np.int64(i),
+            "u8": np.uint8(i),
+            "pyint": i,  # numpy infers int64 for a column with Python ints in it
         }[form]
     if data.draw(st.integers(0, 30), label=f"odd keys {i}") == 0:
         out["surprise"] = np.float32(1)  # a key the first step did not have: an error either way
@@ -154,7 +161,7 @@ def _col(values):
     ],
 )
 def test_stack_takes_exact_values(values, dtype, shape, want):
-    assert _stack.stack(_col(values), 0, None, 0, dtype, shape) == want
+    assert _stack.stack(_col(values), 0, None, 0, dtype, shape, False) == want
 
 
 class _Sub(np.ndarray):
@@ -189,33 +196,33 @@ class _Sub(np.ndarray):
     ],
 )
 def test_stack_gives_up_on_anything_else(values, dtype, shape):
-    assert _stack.stack(_col(values), 0, None, 0, dtype, shape) is None
+    assert _stack.stack(_col(values), 0, None, 0, dtype, shape, False) is None
 
 
 @needs_c
 def test_stack_gives_up_on_odd_steps_and_dicts():
     ok = (np.float32(1),)
-    assert _stack.stack([ok, [np.float32(1)]], 0, None, 0, F32, ()) is None  # a list, not a tuple
-    assert _stack.stack([ok, ()], 0, None, 0, F32, ()) is None  # too short
-    assert _stack.stack([ok], 1, None, 0, F32, ()) is None  # index out of range
-    assert _stack.stack([ok], -1, None, 0, F32, ()) is None
-    assert _stack.stack([ok], 0, None, 0, F32, (-1,)) is None  # a negative dim
-    assert _stack.stack([ok], 0, None, 0, F32, (2**62, 2**62)) is None  # overflowing size
+    assert _stack.stack([ok, [np.float32(1)]], 0, None, 0, F32, (), False) is None  # a list, not a tuple
+    assert _stack.stack([ok, ()], 0, None, 0, F32, (), False) is None  # too short
+    assert _stack.stack([ok], 1, None, 0, F32, (), False) is None  # index out of range
+    assert _stack.stack([ok], -1, None, 0, F32, (), False) is None
+    assert _stack.stack([ok], 0, None, 0, F32, (-1,), False) is None  # a negative dim
+    assert _stack.stack([ok], 0, None, 0, F32, (2**62, 2**62), False) is None  # overflowing size
 
     def step(extra):
         return (None, extra)
 
-    assert _stack.stack([step({"k": np.float32(1)})], 1, "k", 1, F32, ()) == np.float32([1]).tobytes()
-    assert _stack.stack([step({"k": np.float32(1), "x": 1})], 1, "k", 1, F32, ()) is None  # extra key
-    assert _stack.stack([step({"j": np.float32(1)})], 1, "k", 1, F32, ()) is None  # missing key
-    assert _stack.stack([step(None)], 1, "k", 1, F32, ()) is None
-    assert _stack.stack([step({1: np.float32(1)})], 1, 1, 1, F32, ()) is None  # a key that is not a str
+    assert _stack.stack([step({"k": np.float32(1)})], 1, "k", 1, F32, (), True) == np.float32([1]).tobytes()
+    assert _stack.stack([step({"k": np.float32(1), "x": 1})], 1, "k", 1, F32, (), True) is None  # extra key
+    assert _stack.stack([step({"j": np.float32(1)})], 1, "k", 1, F32, (), True) is None  # missing key
+    assert _stack.stack([step(None)], 1, "k", 1, F32, (), True) is None
+    assert _stack.stack([step({1: np.float32(1)})], 1, 1, 1, F32, (), True) is None  # a key that is not a str
 
     from types import MappingProxyType
 
-    assert _stack.stack([step(MappingProxyType({"k": np.float32(1)}))], 1, "k", 1, F32, ()) is None
+    assert _stack.stack([step(MappingProxyType({"k": np.float32(1)}))], 1, "k", 1, F32, (), True) is None
     with pytest.raises(TypeError):
-        _stack.stack((ok,), 0, None, 0, F32, ())  # a programming error, not data: steps is a list
+        _stack.stack((ok,), 0, None, 0, F32, (), False)  # a programming error, not data: steps is a list
 
 
 @needs_c
@@ -233,7 +240,7 @@ def test_a_key_whose_eq_mutates_the_batch_cannot_crash_it():
             return False
 
     steps.extend((None, {Evil(): 1.0}) for _ in range(50))
-    assert _stack.stack(steps, 1, "k", 1, F32, ()) is None
+    assert _stack.stack(steps, 1, "k", 1, F32, (), True) is None
     assert steps == []
 
 
@@ -276,3 +283,43 @@ def test_exact_batches_take_the_c_path(monkeypatch):
     np.testing.assert_array_equal(batch.extra_model_outputs["logp"], -np.arange(10, dtype=np.float32))
     assert batch.extra_model_outputs["dist"].shape == (10, 2)
     assert batch.infos[4] == {"t": 4} and batch.infos[5] == {} and batch.terminated
+
+
+@needs_c
+def test_python_ints_join_only_the_column_dtype_numpy_would_infer():
+    """Extra outputs have no space to cast to: numpy infers their dtype, and a Python int among
+    numpy integers makes it int64. C takes a Python int there only for an int64 column."""
+
+    def col(first):
+        return [(None, {"k": first}), (None, {"k": 2})]
+
+    for first in (np.int8(1), np.uint8(1), np.int32(1), np.uint64(1), np.array(1, np.int16)):
+        assert _stack.stack(col(first), 1, "k", 1, first.dtype, (), True) is None, first.dtype
+    assert _stack.stack(col(np.int64(1)), 1, "k", 1, np.dtype(np.int64), (), True) == np.int64([1, 2]).tobytes()
+    # a column of a space (actions, observations) casts: there any int in range is exact
+    assert _stack.stack(_col([np.int8(1), 2]), 0, None, 0, np.dtype(np.int8), (), False) == np.int8([1, 2]).tobytes()
+
+
+@needs_c
+@pytest.mark.parametrize("first", [np.int8(1), np.uint8(1), np.int32(1), np.uint64(1), np.int64(1), np.float32(1)])
+def test_extra_outputs_mixing_numpy_and_python_ints_write_the_same_bytes(first):
+    rec, _ = _recorder(SPACES["box-f32"], gs.Discrete(2), max_batch_steps=1000, max_batch_delay_s=1000)
+    try:
+        eid = rec.begin_episode(np.zeros(4, np.float32))
+        for v in (first, 2, first):
+            rec.log_step(eid, 0, 0.0, np.zeros(4, np.float32), extra_model_outputs={"k": v})
+        with_c, without = _encode_both(rec, rec._episodes[eid])
+        assert with_c == without
+    finally:
+        rec._episodes.clear()
+        rec._buffered = 0
+        rec.close(0)
+
+
+@needs_c
+def test_stack_takes_only_wire_dtypes_in_native_byte_order():
+    objs = [(np.array([object(), object()], dtype=object),)]
+    assert _stack.stack(objs, 0, None, 0, np.dtype(object), (2,), False) is None  # never copies pointers
+    big = np.dtype(">f4")
+    assert _stack.stack(_col([np.arange(2, dtype=big)]), 0, None, 0, big, (2,), False) is None
+    assert _stack.stack(_col([np.complex64(1)]), 0, None, 0, np.dtype(np.complex64), (), False) is None

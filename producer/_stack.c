@@ -7,7 +7,8 @@
    The contract is narrow on purpose: `stack` returns the column's bytes only when every value
    is *exactly* representable in the column's dtype without numpy's help - an ndarray or numpy
    scalar of that very dtype (and, for arrays, the expected shape, C-contiguous), a Python int in
-   range of an integer dtype, a Python float for float64.  For anything else it returns None and
+   range of an integer dtype (of a space's column; extra outputs, whose dtype numpy infers, take
+   one only as int64), a Python float for float64.  For anything else it returns None and
    the caller stacks the batch in Python as before (numpy decides casts and raises its errors).
    So wherever this module returns bytes they are the bytes the Python path would write, and
    it never raises for a value it does not like.  It reads objects only: no attribute lookups,

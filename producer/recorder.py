@@ -782,7 +782,8 @@ class EpisodeRecorder:
     def _encode_batch(self, ep: _Episode, terminated: bool, truncated: bool) -> bytes:
         """The Avro body of a StepBatch of the episode's buffered steps (see `avro_write`)."""
         parts = [ep.id_avro, long_bytes(ep.t0)]
-        columns = self._columns_c(parts, ep) if _c_stack is not None else None
+        fast = _c_stack is not None and self._act._c_args and self._obs._c_args  # single-leaf spaces
+        columns = self._columns_c(parts, ep) if fast else None
         if columns is None:
             parts = [ep.id_avro, long_bytes(ep.t0)]
             columns = self._columns_py(parts, ep)

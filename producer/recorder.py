@@ -300,6 +300,16 @@ class _Packer:
         return a
 
 
+def _write_rewards(parts: list, ep: _Episode, rewards: bytes | array, n: int) -> None:
+    """Append the batch's `n` float64 rewards (their bytes, or an array) with the delayed
+    rewards of its buffered steps added."""
+    if ep.reward_adds:
+        rewards = array("d", rewards)
+        for t, add in ep.reward_adds.items():
+            rewards[t - ep.t0] += add
+    parts += (_REWARDS_HEAD, long_bytes(n), ARRAY_END, long_bytes(8 * n), rewards)
+
+
 class _Episode:
     __slots__ = (
         "dropping",
@@ -815,11 +825,7 @@ class EpisodeRecorder:
         rewards = _c_stack.stack(steps, 1, None, 0, _F64, (), False)  # floats: log_step converted them
         if rewards is None or not self._act.write_c(parts, steps, 0):
             return None
-        if ep.reward_adds:
-            rewards = array("d", rewards)
-            for t, add in ep.reward_adds.items():
-                rewards[t - ep.t0] += add
-        parts += (_REWARDS_HEAD, long_bytes(n), ARRAY_END, long_bytes(8 * n), rewards)
+        _write_rewards(parts, ep, rewards, n)
         if not self._obs.write_c(parts, steps, 2):
             return None
         keys = ep.extra_keys
@@ -854,9 +860,6 @@ class EpisodeRecorder:
         raises ValueError/TypeError for values that cannot be stacked."""
         actions, rewards, observations, infos, extras = zip(*ep.steps)
         n = len(rewards)
-        rewards = array("d", rewards)  # floats: log_step converted them
-        for t, add in ep.reward_adds.items():
-            rewards[t - ep.t0] += add
         keys = ep.extra_keys
         if keys:
             # fast path: as many keys as the first step's and none missing (KeyError) means the
@@ -886,7 +889,7 @@ class EpisodeRecorder:
         else:
             extra = []
         self._act.write(parts, actions)
-        parts += (_REWARDS_HEAD, long_bytes(n), ARRAY_END, long_bytes(8 * n), rewards)
+        _write_rewards(parts, ep, array("d", rewards), n)  # floats: log_step converted them
         self._obs.write(parts, observations)
         return extra, list(infos) if any(infos) else None
 

@@ -60,12 +60,23 @@ try:  # the column stacking in C (producer/_stack.c); optional: built where a C 
     from rlrec.producer import _stack as _c_stack
 except ImportError:  # pragma: no cover - depends on the install
     _c_stack = None
+try:  # log_step's fast path in C (producer/_hotpath.c); optional likewise
+    from rlrec.producer import _hotpath
+except ImportError:  # pragma: no cover - depends on the install
+    _hotpath = None
 
 __all__ = ["EpisodeRecorder", "RecorderForkedError", "RecorderFullError", "RecorderStats"]
 
-#: True when batches are stacked by the C extension `rlrec.producer._stack` (same bytes as the
-#: Python path, which any value it does not take exactly falls back to)
-ACCELERATED = _c_stack is not None
+#: True when batches are stacked by the C extension `rlrec.producer._stack` and a step in the
+#: middle of a batch is logged by `rlrec.producer._hotpath` (same effect as the Python path,
+#: which anything they do not take exactly falls back to)
+ACCELERATED = _c_stack is not None and _hotpath is not None
+
+if _hotpath is not None:
+    # the fields log_step's fast path reads live in these C bases (as attributes to Python)
+    _RecorderBase, _EpisodeBase, _EPISODE_HOT = _hotpath.RecorderCore, _hotpath.EpisodeState, ()
+else:  # pragma: no cover - depends on the install
+    _RecorderBase, _EpisodeBase, _EPISODE_HOT = object, object, ("dropping", "steps", "t")
 
 log = logging.getLogger("rlrec.producer")
 
@@ -310,19 +321,8 @@ def _write_rewards(parts: list, ep: _Episode, rewards: bytes | array, n: int) ->
     parts += (_REWARDS_HEAD, long_bytes(n), ARRAY_END, long_bytes(8 * n), rewards)
 
 
-class _Episode:
-    __slots__ = (
-        "dropping",
-        "extra_keys",
-        "first_buffered",
-        "id",
-        "id_avro",
-        "reward_adds",
-        "steps",
-        "t",
-        "t0",
-        "version",
-    )
+class _Episode(_EpisodeBase):
+    __slots__ = ("extra_keys", "first_buffered", "id", "id_avro", "reward_adds", "t0", "version", *_EPISODE_HOT)
 
     def __init__(self, eid: str, version: int):
         self.id = eid
@@ -338,7 +338,7 @@ class _Episode:
         self.dropping = False
 
 
-class EpisodeRecorder:
+class EpisodeRecorder(_RecorderBase):
     """Publishes the episodes of one policy to a Kafka topic as rlrec events.
 
     Guarantees: every record is either delivered to the broker (idempotent producer, acks=all),
@@ -510,7 +510,7 @@ class EpisodeRecorder:
             self._episodes[eid] = _Episode(eid, version)
         return eid
 
-    def log_step(
+    def _log_step_py(
         self,
         episode_id: str,
         action: Any,
@@ -580,6 +580,13 @@ class EpisodeRecorder:
                 self._emit(ep, False, False)
         finally:
             lock.release()
+
+    if _hotpath is not None:
+        # a step in the middle of a batch is taken by the C base (producer/_hotpath.c), which
+        # hands every other call to _log_step_py as it came
+        log_step = _hotpath.RecorderCore.log_step
+    else:  # pragma: no cover - depends on the install
+        log_step = _log_step_py
 
     def log_reward(self, episode_id: str, t: int, reward: float) -> None:
         """Add a delayed `reward` to step `t` (0-based) of an episode, open or finished."""
@@ -871,9 +878,14 @@ class EpisodeRecorder:
                 same = False
             if not same:
                 for i, e in enumerate(extras):
-                    if e is None or e.keys() != keys:
+                    if not isinstance(e, Mapping):  # e.g. None, or a number: no keys at all
                         raise ValueError(
-                            f"step {ep.t0 + i}: extra_model_outputs keys {sorted(e or ())} differ "
+                            f"step {ep.t0 + i}: extra_model_outputs is {type(e).__name__}, not a mapping "
+                            f"with the episode's first step's keys {sorted(keys)}"
+                        )
+                    if e.keys() != keys:
+                        raise ValueError(
+                            f"step {ep.t0 + i}: extra_model_outputs keys {sorted(map(str, e))} differ "
                             f"from the episode's first step {sorted(keys)}"
                         )
                 columns = {k: [e[k] for e in extras] for k in keys}

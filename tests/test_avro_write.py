@@ -260,3 +260,24 @@ def test_big_endian_and_object_values_take_numpy_path():
     np.testing.assert_array_equal(batch.observations[0], [[0, 1, 2], [1, 2, 3]])
     np.testing.assert_array_equal(batch.actions[0], [2, 1])
     assert batch.truncated and not batch.terminated
+
+
+@pytest.mark.parametrize("later", [3, None, [1.0], {"other": 1.0}])
+def test_later_extra_outputs_that_are_not_the_first_steps_mapping_abort_the_episode_cleanly(later):
+    # a broken caller: the first step sets the keys, a later one passes something else. The
+    # batch cannot be encoded: a ValueError names the step, the episode is aborted, and the
+    # recorder goes on (it used to leak an AttributeError out of the emit, and out of close())
+    rec, fake = _recorder(gs.Box(-1, 1, (2,), np.float32), gs.Discrete(2), max_batch_delay_s=3600)
+    eid = rec.begin_episode(np.zeros(2, np.float32))
+    rec.log_step(eid, 0, 1.0, np.zeros(2, np.float32), extra_model_outputs={"logp": 0.5})
+    rec.log_step(eid, 0, 1.0, np.zeros(2, np.float32), extra_model_outputs=later)
+    with pytest.raises(ValueError, match="step 1: extra_model_outputs"):
+        rec.log_step(eid, 0, 1.0, np.zeros(2, np.float32), terminated=True, extra_model_outputs={"logp": 0.5})
+    assert rec.open_episodes == 0
+    other = rec.begin_episode(np.zeros(2, np.float32))
+    rec.log_step(other, 1, 1.0, np.zeros(2, np.float32), terminated=True)
+    assert rec.close(1) == 0
+    stats = rec.stats
+    assert (stats.failed, stats.buffered) == (3, 0), stats
+    kinds = [type(e).__name__ for e in _events(fake)]
+    assert kinds == ["EpisodeStart", "EpisodeAbort", "EpisodeStart", "StepBatch"], kinds

@@ -4,7 +4,10 @@ Hot path: `log_step` validates cheaply and appends the step to its episode's in-
 Every `max_batch_steps` steps, at the end of an episode, or when the oldest buffered step is
 `max_batch_delay_s` old (a background thread checks), the batch is stacked column-wise into one
 `StepBatch` event and handed to librdkafka, which sends it asynchronously. The policy never waits
-on the network; only `on_overflow="block"` with a full buffer waits, for buffer space.
+on the network; only `on_overflow="block"` with a full buffer waits, for buffer space. Where the
+C extension `rlrec.producer._hotpath` is built, a step in the middle of a batch whose values need
+no converting is appended by it (the C base `RecorderCore` holds the fields it reads); every
+other call runs `_log_step_py`, which is the whole of `log_step`'s behaviour.
 
 Encoding a batch (issue 15): `producer/avro_write.py` writes the Avro bytes directly (the bytes
 fastavro writes for the same record; the constant parts are encoded once per recorder or

@@ -20,7 +20,10 @@
    extra_model_outputs) that Python would append and counts the record.  Any other call -
    including every call that raises, odd argument forms and unknown keywords - goes to
    `_log_step_py` with the arguments as given, before anything is changed.  It runs no Python
-   code while it holds the lock: keys are exact str, values are only stored, never converted.
+   code while it holds the lock: the id it looks up is an exact str, and so is every key of
+   `_episodes` (`begin_episode` stores exact str); values are only stored, never converted.
+   As Python does, it keeps one lock for the whole call (`_lock` may be replaced meanwhile),
+   reads `_episodes` after acquiring it, and raises what the lookup raises.
 
    `RecorderCore` and `EpisodeState` hold the fields the fast path reads as C members; the
    Python classes (`EpisodeRecorder`, `_Episode`) derive from them and use them as attributes.
@@ -91,7 +94,7 @@ static PyTypeObject EpisodeStateType = {
 typedef struct {
     PyObject_HEAD
     Py_ssize_t buffered;     /* records produced, not yet delivered or failed */
-    Py_ssize_t max_buffered; /* max_buffered_steps */
+    Py_ssize_t max_buffered; /* max_buffered_steps (the Python property clamps it) */
     Py_ssize_t batch_limit;  /* a batch this long is sent */
     PyObject *unusable;      /* truthy: closed or forked */
     PyObject *validate;      /* validate_spaces */
@@ -182,8 +185,7 @@ static PyGetSetDef core_getset[] = {
 
 static PyMemberDef core_members[] = {
     {"_buffered", T_PYSSIZET, offsetof(RecorderCore, buffered), 0, NULL},
-    {"max_buffered_steps", T_PYSSIZET, offsetof(RecorderCore, max_buffered), 0,
-     "records that may await delivery before on_overflow applies"},
+    {"_max_buffered_steps", T_PYSSIZET, offsetof(RecorderCore, max_buffered), 0, NULL},
     {"_batch_limit", T_PYSSIZET, offsetof(RecorderCore, batch_limit), 0, NULL},
     {"_unusable", T_OBJECT_EX, offsetof(RecorderCore, unusable), 0, NULL},
     {"validate_spaces", T_OBJECT_EX, offsetof(RecorderCore, validate), 0,
@@ -347,7 +349,7 @@ core_log_step(RecorderCore *self, PyObject *const *args, size_t nargsf, PyObject
     if (!action_as_is(self, action)) {
         goto slow;
     }
-    if (self->episodes == NULL || !PyDict_CheckExact(self->episodes) || self->acquire == NULL) {
+    if (self->acquire == NULL) {
         goto slow;
     }
     /* allocated before the lock: a collection it may start runs no code of ours under the lock */
@@ -355,37 +357,61 @@ core_log_step(RecorderCore *self, PyObject *const *args, size_t nargsf, PyObject
     if (step == NULL) {
         return NULL;
     }
-    if (call_lock(self->acquire) < 0) {
+    /* one lock for the whole call, as Python's `lock = self._lock`: `_lock` may be replaced
+       (and the old one freed) while acquire() waits */
+    PyObject *acquire = Py_NewRef(self->acquire), *release = Py_NewRef(self->release);
+    if (call_lock(acquire) < 0) {
         Py_DECREF(step);
+        Py_DECREF(acquire);
+        Py_DECREF(release);
         return NULL;
     }
-    /* from here to the release no Python code runs: exact str key, no conversions */
-    PyObject *ep = PyDict_GetItemWithError(self->episodes, episode_id); /* borrowed */
-    int taken = 0;
-    if (ep != NULL && PyObject_TypeCheck(ep, &EpisodeStateType)) {
-        EpisodeState *es = (EpisodeState *)ep;
-        PyObject *steps = es->steps;
-        if (es->t > 0 && es->dropping == Py_False && self->buffered < self->max_buffered &&
-            steps != NULL && PyList_CheckExact(steps) && PyList_GET_SIZE(steps) > 0 &&
-            PyList_GET_SIZE(steps) + 1 < self->batch_limit) {
-            if (PyList_Append(steps, step) < 0) {
-                Py_DECREF(step);
-                PyObject *et, *ev, *tb;
-                PyErr_Fetch(&et, &ev, &tb);
-                call_lock(self->release);
-                PyErr_Restore(et, ev, tb);
-                return NULL;
+    /* read after acquire(), as Python does: anything may have run while it waited */
+    PyObject *episodes = self->episodes;
+    int taken = 0, failed = 0;
+    PyObject *held = NULL;
+    if (episodes != NULL && PyDict_CheckExact(episodes)) {
+        held = Py_NewRef(episodes); /* a key's __eq__ may replace self->episodes during the lookup */
+        PyObject *ep = PyDict_GetItemWithError(episodes, episode_id); /* borrowed */
+        if (ep != NULL && PyObject_TypeCheck(ep, &EpisodeStateType)) {
+            EpisodeState *es = (EpisodeState *)ep;
+            PyObject *steps = es->steps;
+            if (es->t > 0 && es->dropping == Py_False && self->buffered < self->max_buffered &&
+                steps != NULL && PyList_CheckExact(steps) && PyList_GET_SIZE(steps) > 0 &&
+                PyList_GET_SIZE(steps) + 1 < self->batch_limit) {
+                if (PyList_Append(steps, step) < 0) {
+                    failed = 1;
+                }
+                else {
+                    self->buffered += 1;
+                    es->t += 1;
+                    taken = 1;
+                }
             }
-            self->buffered += 1;
-            es->t += 1;
-            taken = 1;
+        }
+        else if (ep == NULL && PyErr_Occurred()) {
+            failed = 1; /* raised in the lookup (a key's __eq__): as Python's lookup would */
         }
     }
-    else if (ep == NULL && PyErr_Occurred()) {
-        PyErr_Clear(); /* Python looks it up again and reports */
-    }
+    PyObject *et, *ev, *tb;
+    PyErr_Fetch(&et, &ev, &tb);
+    int rel = call_lock(release);
+    /* after the release: a last reference may run __del__s */
     Py_DECREF(step);
-    if (call_lock(self->release) < 0) {
+    Py_DECREF(acquire);
+    Py_DECREF(release);
+    Py_XDECREF(held);
+    if (failed) {
+        if (rel < 0) {
+            Py_XDECREF(et);
+            Py_XDECREF(ev);
+            Py_XDECREF(tb);
+            return NULL;
+        }
+        PyErr_Restore(et, ev, tb);
+        return NULL;
+    }
+    if (rel < 0) {
         return NULL;
     }
     if (taken) {

@@ -91,6 +91,21 @@ _UNION_0, _UNION_1 = long_bytes(0), long_bytes(1)  # infos: null, or an array of
 #: after sending a lingering batch this big, the poller offers the GIL to waiting threads
 _YIELD_BYTES = 64 * 1024
 
+#: the recorder's fields log_step's C path uses (see EpisodeRecorder.__init_subclass__)
+_HOT_FIELDS = frozenset(
+    {
+        "_buffered",
+        "_max_buffered_steps",
+        "_batch_limit",
+        "_unusable",
+        "validate_spaces",
+        "_episodes",
+        "_obs_shape",
+        "_act_shape",
+        "_act_scalar",
+        "_lock",
+    }
+)
 _recorders: weakref.WeakSet[EpisodeRecorder] = weakref.WeakSet()
 _monotonic = time.monotonic
 _time = time.time
@@ -390,7 +405,7 @@ class EpisodeRecorder(_RecorderBase):
         self.observation_space = observation_space
         self.action_space = action_space
         self.env_id = env_id
-        self.max_buffered_steps = int(max_buffered_steps)
+        self.max_buffered_steps = max_buffered_steps
         self.on_overflow = on_overflow
         self.max_batch_steps = int(max_batch_steps)
         self.max_batch_delay_s = float(max_batch_delay_s)
@@ -450,7 +465,7 @@ class EpisodeRecorder(_RecorderBase):
         self._unusable = False  # closed or forked: checked first on the hot path
         # bytes per step, estimated from the spaces until the first batch measures it
         est = sum(leaf.dtype.itemsize * int(np.prod(leaf.shape)) for leaf in self._obs.leaves + self._act.leaves) + 16
-        self._batch_limit = max(1, min(self.max_batch_steps, self.max_batch_bytes // est))
+        self._batch_limit = max(1, min(self.max_batch_steps, self.max_batch_bytes // est, sys.maxsize))
         self._step_bytes = None  # estimated bytes per buffered step, set at first emit
 
         self._stop = threading.Event()
@@ -458,7 +473,27 @@ class EpisodeRecorder(_RecorderBase):
         self._poller.start()
         _recorders.add(self)
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # log_step's C path reads and writes these as C fields: a subclass's property or class
+        # attribute of the same name would hide them from Python but not from C
+        super().__init_subclass__(**kwargs)
+        shadowed = sorted(_HOT_FIELDS & vars(cls).keys())
+        if shadowed:
+            raise TypeError(f"{cls.__name__} may not redefine EpisodeRecorder's {', '.join(shadowed)}")
+
     # -- public API -----------------------------------------------------------------------------
+
+    @property
+    def max_buffered_steps(self) -> int:
+        """Records that may await delivery before `on_overflow` applies (>= 1)."""
+        return self._max_buffered_steps
+
+    @max_buffered_steps.setter
+    def max_buffered_steps(self, value: int) -> None:
+        value = int(value)
+        if value < 1:
+            raise ValueError(f"max_buffered_steps must be >= 1, got {value}")
+        self._max_buffered_steps = min(value, sys.maxsize)  # a C Py_ssize_t where ACCELERATED
 
     @property
     def policy_version(self) -> int:
@@ -487,6 +522,8 @@ class EpisodeRecorder(_RecorderBase):
         self._obs.write_one(obs_parts, observation)
         info_json = dumps_info(info)
         eid = uuid.uuid4().hex if episode_id is None else str(episode_id)
+        if type(eid) is not str:  # a str subclass's __str__ may return itself: keys are plain str
+            eid = str.__str__(eid)
         if not eid or len(eid) > 256:
             raise ValueError("episode_id must be 1..256 characters")
         with self._lock:
@@ -565,7 +602,7 @@ class EpisodeRecorder(_RecorderBase):
             if not t and not ep.dropping:  # before counting the record: these checks may raise
                 self._first_step_checks(ep, observation, action, extra_model_outputs)
             buffered = self._buffered
-            if buffered < self.max_buffered_steps and not ep.dropping:
+            if buffered < self._max_buffered_steps and not ep.dropping:
                 self._buffered = buffered + 1
             elif not self._admit(ep):
                 if terminated or truncated:
@@ -583,6 +620,8 @@ class EpisodeRecorder(_RecorderBase):
                 self._emit(ep, False, False)
         finally:
             lock.release()
+
+    _log_step_py.__qualname__ = "EpisodeRecorder.log_step"  # in the errors a bad call raises
 
     if _hotpath is not None:
         # a step in the middle of a batch is taken by the C base (producer/_hotpath.c), which
@@ -738,11 +777,11 @@ class EpisodeRecorder(_RecorderBase):
         if ep is not None and ep.dropping:
             self._count_drop()
             return False
-        if self._buffered >= self.max_buffered_steps:
+        if self._buffered >= self._max_buffered_steps:
             if self.on_overflow == "raise":
                 raise RecorderFullError(
                     f"{self._buffered} records await delivery (max_buffered_steps="
-                    f"{self.max_buffered_steps}); flush() or slow down"
+                    f"{self._max_buffered_steps}); flush() or slow down"
                 )
             if self.on_overflow == "drop":
                 self._count_drop()
@@ -750,7 +789,7 @@ class EpisodeRecorder(_RecorderBase):
                     self._abort_dropping(ep)
                 return False
             self._emit_all_buffered()
-            while self._buffered >= self.max_buffered_steps:
+            while self._buffered >= self._max_buffered_steps:
                 self._space_freed.wait(0.1)
         self._buffered += 1
         return True
@@ -784,7 +823,7 @@ class EpisodeRecorder(_RecorderBase):
         n = len(ep.steps)
         if self._step_bytes is None:  # size batches of big observations under max_batch_bytes
             self._step_bytes = max(1, len(value) // n)
-            self._batch_limit = max(1, min(self.max_batch_steps, self.max_batch_bytes // self._step_bytes))
+            self._batch_limit = max(1, min(self.max_batch_steps, self.max_batch_bytes // self._step_bytes, sys.maxsize))
         try:
             self._send(ep.id, value, "StepBatch", n)
         except ValueError as e:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import gc
 import sys
 import threading
+import time
 from collections import OrderedDict
 
 import numpy as np
@@ -425,3 +426,106 @@ def test_log_step_keeps_its_signature_and_doc():
         "extra_model_outputs",
     ]
     assert "Record one step" in EpisodeRecorder.log_step.__doc__
+
+
+class _GetItemRaises(dict):
+    def __getitem__(self, key):
+        raise KeyError("via __getitem__")
+
+
+_CHANGES = {  # what another thread does while log_step waits for the recorder's lock
+    "new lock": lambda rec: setattr(rec, "_lock", threading.Lock()),
+    "episodes deleted": lambda rec: delattr(rec, "_episodes"),
+    "episodes a dict subclass": lambda rec: setattr(rec, "_episodes", _GetItemRaises(rec._episodes)),
+}
+
+
+def _wait_then_change(rec: EpisodeRecorder, log_step, change) -> tuple:
+    eid = rec.begin_episode(np.zeros(4, np.float32), episode_id="e")
+    for _ in range(2):
+        log_step(eid, 1, 1.0, np.zeros(4, np.float32))
+    held = rec._lock
+    held.acquire()  # as the poller does while it sends a batch
+    out: list = []
+    worker = threading.Thread(target=lambda: out.append(_outcome(log_step, eid, 1, 1.0, np.zeros(4, np.float32))))
+    worker.start()
+    time.sleep(0.2)  # the worker waits in acquire()
+    change(rec)
+    held.release()
+    worker.join(5)
+    assert not worker.is_alive()
+    episodes = getattr(rec, "_episodes", None)
+    ep = dict.get(episodes, eid) if isinstance(episodes, dict) else None
+    return out, held.locked(), ep.t if ep is not None else None
+
+
+@needs_c
+@pytest.mark.parametrize("change", sorted(_CHANGES))
+def test_what_changes_while_log_step_waits_for_the_lock_is_seen_as_python_sees_it(change):
+    # the C path keeps the lock it acquired (released the same), reads `_episodes` only after
+    # acquiring it and looks ids up in an exact dict only (it crashed or released the new lock)
+    got = []
+    for path in ("log_step", "_log_step_py"):
+        rec, _ = _recorder(OBS, gs.Discrete(3), max_batch_delay_s=3600)
+        _stopped(rec)
+        lock = rec._lock
+        got.append(_wait_then_change(rec, getattr(rec, path), _CHANGES[change]))
+        rec._episodes, rec._lock = {}, lock  # as built, for close()
+        rec.close(0)
+    assert got[0] == got[1]
+    assert got[0][1] is False  # the lock that was acquired was released
+
+
+def test_episode_ids_are_kept_as_plain_str():
+    # a str subclass's __hash__/__eq__ would run inside every lookup of the id (in C, under the lock)
+    class Hostile(str):
+        def __str__(self):
+            return self
+
+        def __eq__(self, other):
+            raise AssertionError("ran")
+
+        __hash__ = str.__hash__
+
+    rec, _ = _recorder(OBS, gs.Discrete(3), max_batch_delay_s=3600)
+    _stopped(rec)
+    eid = rec.begin_episode(np.zeros(4, np.float32), episode_id=Hostile("h"))
+    assert type(eid) is str and eid == "h" and all(type(k) is str for k in rec._episodes)
+    for _ in range(3):
+        rec.log_step("h", 1, 1.0, np.zeros(4, np.float32))
+    assert rec._episodes["h"].t == 3
+    rec.close(0)
+
+
+def test_max_buffered_steps_takes_any_integer():
+    rec, _ = _recorder(OBS, gs.Discrete(3), max_buffered_steps=10**20, max_batch_steps=10**20)
+    assert rec.max_buffered_steps == sys.maxsize  # clamped: no buffer gets that big
+    rec.max_buffered_steps = np.int64(500)
+    assert rec.max_buffered_steps == 500
+    rec.max_buffered_steps = 1e6
+    assert rec.max_buffered_steps == 1_000_000
+    with pytest.raises(ValueError, match=">= 1"):
+        rec.max_buffered_steps = 0
+    rec.close(0)
+
+
+def test_a_subclass_may_not_hide_the_fields_the_c_path_uses():
+    with pytest.raises(TypeError, match="_buffered"):
+
+        class Counting(EpisodeRecorder):
+            @property
+            def _buffered(self):
+                return 0
+
+    class Wrapping(EpisodeRecorder):  # overriding methods is fine
+        def log_step(self, *args, **kwargs):
+            return super().log_step(*args, **kwargs)
+
+
+def test_a_bad_call_names_log_step():
+    rec, _ = _recorder(OBS, gs.Discrete(3))
+    with pytest.raises(TypeError, match=r"EpisodeRecorder\.log_step\(\) missing 1 required positional"):
+        rec.log_step("e", 1, 1.0)
+    with pytest.raises(TypeError, match=r"EpisodeRecorder\.log_step\(\) got an unexpected keyword"):
+        rec.log_step("e", 1, 1.0, np.zeros(4, np.float32), done=True)
+    rec.close(0)

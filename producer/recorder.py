@@ -33,6 +33,7 @@ import os
 import sys
 import threading
 import time
+import types
 import uuid
 import weakref
 from array import array
@@ -91,20 +92,12 @@ _UNION_0, _UNION_1 = long_bytes(0), long_bytes(1)  # infos: null, or an array of
 #: after sending a lingering batch this big, the poller offers the GIL to waiting threads
 _YIELD_BYTES = 64 * 1024
 
-#: the recorder's fields log_step's C path uses (see EpisodeRecorder.__init_subclass__)
+#: the recorder's fields log_step's C path uses: the C base's members and `_lock` (see
+#: EpisodeRecorder.__init_subclass__)
 _HOT_FIELDS = frozenset(
-    {
-        "_buffered",
-        "_max_buffered_steps",
-        "_batch_limit",
-        "_unusable",
-        "validate_spaces",
-        "_episodes",
-        "_obs_shape",
-        "_act_shape",
-        "_act_scalar",
-        "_lock",
-    }
+    name
+    for name, attr in vars(_RecorderBase).items()
+    if isinstance(attr, (types.MemberDescriptorType, types.GetSetDescriptorType)) and _hotpath is not None
 )
 _recorders: weakref.WeakSet[EpisodeRecorder] = weakref.WeakSet()
 _monotonic = time.monotonic
@@ -465,7 +458,7 @@ class EpisodeRecorder(_RecorderBase):
         self._unusable = False  # closed or forked: checked first on the hot path
         # bytes per step, estimated from the spaces until the first batch measures it
         est = sum(leaf.dtype.itemsize * int(np.prod(leaf.shape)) for leaf in self._obs.leaves + self._act.leaves) + 16
-        self._batch_limit = max(1, min(self.max_batch_steps, self.max_batch_bytes // est, sys.maxsize))
+        self._set_batch_limit(est)
         self._step_bytes = None  # estimated bytes per buffered step, set at first emit
 
         self._stop = threading.Event()
@@ -746,6 +739,10 @@ class EpisodeRecorder(_RecorderBase):
             raise ValueError(f"policy_version must be a non-negative integer, got {v!r}")
         return int(v)
 
+    def _set_batch_limit(self, step_bytes: int) -> None:
+        """Batches of at most `max_batch_steps` steps and about `max_batch_bytes` (a C Py_ssize_t)."""
+        self._batch_limit = max(1, min(self.max_batch_steps, self.max_batch_bytes // step_bytes, sys.maxsize))
+
     def _check_usable(self) -> None:
         if self._forked:
             raise RecorderForkedError(
@@ -823,7 +820,7 @@ class EpisodeRecorder(_RecorderBase):
         n = len(ep.steps)
         if self._step_bytes is None:  # size batches of big observations under max_batch_bytes
             self._step_bytes = max(1, len(value) // n)
-            self._batch_limit = max(1, min(self.max_batch_steps, self.max_batch_bytes // self._step_bytes, sys.maxsize))
+            self._set_batch_limit(self._step_bytes)
         try:
             self._send(ep.id, value, "StepBatch", n)
         except ValueError as e:

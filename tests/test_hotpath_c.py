@@ -251,7 +251,7 @@ def test_log_step_in_c_has_the_python_methods_effect(data):
             r.close(0)
 
 
-_USUAL = {"action": None, "reward": 1.0, "observation": np.zeros(4, np.float32)}
+_USUAL = {"reward": 1.0, "observation": np.zeros(4, np.float32)}
 _ODD_CALLS = [  # (action space, keyword, value): one odd argument in an otherwise usual call
     *[
         ("discrete", "action", v)

@@ -193,7 +193,9 @@ def legacy_claim(mod: types.ModuleType, st: Storage, partition: int) -> dict[str
 def our_claim(st: Storage, partition: int, replay_from: int) -> dict[str, int]:
     from rlrec.store.commit import ShardCommitter
 
-    return ShardCommitter(st, TOPIC, partition).claim(replay_from=replay_from)
+    committer = ShardCommitter(st, TOPIC, partition)
+    committer.claim(replay_from=replay_from)
+    return committer.log.committed_last_offsets()
 
 
 def tail_after_snapshot(st: Storage) -> int:

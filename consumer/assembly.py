@@ -24,7 +24,7 @@ import hashlib
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -46,6 +46,7 @@ __all__ = [
     "CONSUMER_REASONS",
     "VALIDATE_SPACES",
     "AssemblyConfig",
+    "CommittedEpisodes",
     "Counters",
     "DeadLetter",
     "OpenEpisode",
@@ -165,6 +166,27 @@ class Counters:
     decisions_superseded: int = 0  # decision aborts for episodes no longer open (a repeat, or too late)
 
 
+class CommittedEpisodes(Protocol):
+    """What the assembler asks about committed episodes; the partition's committer
+    (`rlrec.store.commit.ShardCommitter`) answers, and keeps the only copy."""
+
+    def committed_offset(self, episode_id: str) -> int | None:
+        """The last offset of the committed shard entry holding the episode (None: none known)."""
+
+    def committed_length(self, episode_id: str) -> int | None:
+        """The committed episode's steps, where known (None: not known)."""
+
+
+class NothingCommitted:
+    """`CommittedEpisodes` of a partition with no committed episode (pure-logic tests, tools)."""
+
+    def committed_offset(self, episode_id: str) -> int | None:
+        return None
+
+    def committed_length(self, episode_id: str) -> int | None:
+        return None
+
+
 @dataclass
 class OpenEpisode:
     start: EpisodeStart
@@ -219,19 +241,26 @@ class PartitionAssembler:
     Guarantees: an episode is handed out (`take_ready`) at most once and only when complete;
     every event it cannot use becomes a `DeadLetter` with a reason; `safe_offset` never passes
     the first event of an episode not handed out and confirmed committed (`mark_committed`).
+
+    Args:
+        topic: the partition's topic.
+        partition: the partition whose events it applies.
+        committed: asked which episodes are committed (the partition's committer); the
+            assembler keeps no copy.
+        config: assembly limits and policies.
     """
 
     def __init__(
-        self, topic: str, partition: int, committed: dict[str, int] | None = None, config: AssemblyConfig | None = None
+        self,
+        topic: str,
+        partition: int,
+        committed: CommittedEpisodes | None = None,
+        config: AssemblyConfig | None = None,
     ):
         self.topic = topic
         self.partition = partition
         self.config = config or AssemblyConfig()
-        #: episode id -> last offset of the committed shard entry that holds it
-        self.committed: dict[str, int] = dict(committed or {})
-        #: episode id -> its number of steps, for the episodes this assembler saw committed (a
-        #: re-send of steps within it is a duplicate; beyond it, or unknown, a dead letter)
-        self.committed_steps: dict[str, int] = {}
+        self.committed: CommittedEpisodes = committed or NothingCommitted()
         self.open: dict[str, OpenEpisode] = {}
         self.finished: dict[str, FinishedEpisode] = {}  # in finish order
         self.in_flight: dict[str, FinishedEpisode] = {}  # handed out, commit not yet confirmed
@@ -279,7 +308,7 @@ class PartitionAssembler:
             if decision is not None:
                 return self._on_decision(offset, event, *decision, now=now)
 
-        last = self.committed.get(eid)
+        last = self.committed.committed_offset(eid)
         if last is not None:
             if offset <= last:
                 self.counters.replay_skipped += 1
@@ -290,7 +319,7 @@ class PartitionAssembler:
             elif isinstance(event, EpisodeStart):
                 return [DeadLetter("duplicate-start", f"episode {eid} is already committed", offset)]
             elif isinstance(event, EpisodeAbort) or (
-                isinstance(event, StepBatch) and event.t0 + event.n <= self.committed_steps.get(eid, -1)
+                isinstance(event, StepBatch) and event.t0 + event.n <= (self.committed.committed_length(eid) or -1)
             ):
                 self.counters.duplicates += 1  # a re-sent abort (adds no step), or steps the shard holds
             else:  # a step after the committed end in the log: never silently a duplicate
@@ -628,12 +657,11 @@ class PartitionAssembler:
             self.finished_bytes -= fe.nbytes()
             self.in_flight[fe.episode_id] = self.finished.pop(fe.episode_id)
 
-    def mark_committed(self, episodes: Iterable[FinishedEpisode], entry_last_offset: int) -> None:
+    def mark_committed(self, episodes: Iterable[FinishedEpisode]) -> None:
+        """These handed-out episodes are committed (`committed` answers for them from now on)."""
         for fe in episodes:
             self.in_flight.pop(fe.episode_id, None)
             self.letters_upto.pop(fe.episode_id, None)
-            self.committed[fe.episode_id] = entry_last_offset
-            self.committed_steps[fe.episode_id] = fe.length
 
     def drop_unwritable(self, fe: FinishedEpisode) -> None:
         """A handed-out episode the shard format cannot encode (dead-lettered by the caller): it

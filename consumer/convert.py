@@ -902,8 +902,8 @@ def convert(
     del blocks
     storage = output if isinstance(output, Storage) else Storage.from_uri(output)
     committer = ShardCommitter(storage, opts.topic, 0, fmt="episodes", compression=opts.compression)
-    committed = committer.claim()
-    todo = [fe for fe in episodes if fe.episode_id not in committed]
+    committer.claim()
+    todo = [fe for fe in episodes if committer.committed_offset(fe.episode_id) is None]
     result.skipped_committed = len(episodes) - len(todo)
     done = 0
     for start in range(0, len(todo), opts.episodes_per_shard):

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlrec.producer.events import MAX_KEY_BYTES, SCHEMA_HEADER
+from rlrec.store.retry import RetrySchedule
 
 __all__ = ["DLQ_HEADERS", "MAX_KEY_BYTES", "DeadLetterQueue", "PendingLetter", "dead_letter_record"]
 
@@ -136,10 +137,9 @@ class PendingLetter:
     headers: Headers
     topic: str | None = None  # where it goes (None: the dead-letter topic)
     to_partition: int | None = None  # ... and to which partition (None: by key)
-    attempts: int = 0
-    retry_at: float = 0.0
+    attempts: int = 0  # sends so far
     in_flight: bool = False
-    first_failure: float | None = None
+    retry: RetrySchedule = field(default_factory=RetrySchedule)  # failed deliveries: when to send again
     last_error: str | None = None
     nbytes: int = field(init=False)
 
@@ -231,17 +231,16 @@ class DeadLetterQueue:
             self.delivered += 1
             return
         self.failed += 1
-        now = time.monotonic()
-        letter.first_failure = letter.first_failure or now
         letter.last_error = str(err)
-        letter.retry_at = now + min(30.0, 0.5 * 2 ** min(letter.attempts - 1, 6))
+        wait = letter.retry.failed(time.monotonic())
         log.error(
-            "dead letter for %d/%d (%s) not delivered (attempt %d): %s; retrying",
+            "dead letter for %d/%d (%s) not delivered (attempt %d): %s; retry in %.1fs",
             letter.partition,
             letter.offset,
             letter.reason,
             letter.attempts,
             err,
+            wait,
         )
         if self.on_failure is not None:
             self.on_failure(letter, str(err))
@@ -251,7 +250,7 @@ class DeadLetterQueue:
         self.producer.poll(0)
         now = time.monotonic() if now is None else now
         for letter in list(self.pending.values()):
-            if not letter.in_flight and letter.first_failure is not None and now >= letter.retry_at:
+            if not letter.in_flight and letter.retry.failures and letter.retry.due(now):
                 self._produce(letter)
 
     def flush(self, timeout: float) -> bool:
@@ -273,8 +272,8 @@ class DeadLetterQueue:
 
     def oldest_failure(self) -> PendingLetter | None:
         """The pending letter failing for the longest time (None: no delivery is failing)."""
-        failing = [p for p in self.pending.values() if p.first_failure is not None]
-        return min(failing, key=lambda p: p.first_failure) if failing else None
+        failing = [p for p in self.pending.values() if p.retry.since is not None]
+        return min(failing, key=lambda p: p.retry.since) if failing else None
 
     def close(self) -> None:
         if hasattr(self.producer, "close"):  # confluent-kafka >= 2.11: release the client now

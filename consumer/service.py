@@ -11,8 +11,8 @@ parallelism. The loop:
       2. flush partitions whose ready episodes hit a rolling limit (count, bytes, age) or when
          finished-but-unwritten bytes exceed the budget; a failing flush pauses its partition
          and is retried with backoff
-      3. commit offsets: for each partition, the lower of assembler.safe_offset() and the source
-         offset of its oldest dead letter the broker has not acknowledged
+      3. commit offsets: for each partition, the one its writer hands out
+         (`PartitionWriter.offset_to_commit`: step 5 of the commit protocol)
 
 Data errors and infrastructure errors are handled apart (docs/GUARANTEES.md, "Poison messages"):
 
@@ -60,6 +60,7 @@ from rlrec.consumer.writer import PartitionWriter, Rotation
 from rlrec.producer.events import DecodeError, decode, encode
 from rlrec.producer.registry import RegistryUnavailable
 from rlrec.store.episodes import import_episode_classes
+from rlrec.store.retry import RetryPolicy, RetrySchedule
 from rlrec.store.storage import Storage, require_conditional_writes
 
 __all__ = ["FAST_FAILOVER_KAFKA", "ConsumerConfig", "RecorderConsumer"]
@@ -92,6 +93,8 @@ LIVE_LAG_S = 10.0
 PARTITION_CHECK_S = 30.0
 #: a transport error from the broker makes every partition "not live" for this long
 BROKER_TROUBLE_S = 10.0
+#: a claim on assignment, tried in place before the partition is paused and claimed from the loop
+CLAIM_RETRY = RetryPolicy(attempts=3, base_delay=0.2, max_delay=1.0)
 
 
 @dataclass
@@ -175,8 +178,7 @@ class RecorderConsumer:
         self.metrics = ConsumerMetrics()
         self._stop = threading.Event()
         self._pause_reasons: dict[int, set[str]] = {}  # partition -> why it is paused (empty: reading)
-        self._registry_retry: dict[int, tuple[float, int, float]] = {}  # partition -> (resume at, attempts, since)
-        self._committed: dict[int, int] = {}
+        self._registry_retry: dict[int, RetrySchedule] = {}  # partition -> its reads waiting for the registry
         self._last_commit = 0.0
         self._last_lag = 0.0
         self._newest_ms: dict[int, int] = {}  # partition -> newest message timestamp of the last poll
@@ -306,13 +308,13 @@ class RecorderConsumer:
             if w.failing_since is not None and now - w.failing_since >= self.unhealthy_after_s:
                 problems.append(f"partition {p}: flush failing for {now - w.failing_since:.0f}s (storage)")
         mono = time.monotonic()
-        for p, (_at, _n, since) in self._registry_retry.items():
-            if mono - since >= self.unhealthy_after_s:
-                problems.append(f"partition {p}: schema registry unavailable for {mono - since:.0f}s")
+        for p, retry in self._registry_retry.items():
+            if mono - retry.since >= self.unhealthy_after_s:
+                problems.append(f"partition {p}: schema registry unavailable for {mono - retry.since:.0f}s")
         failing = self.dlq.oldest_failure() if self.dlq is not None else None
-        if failing is not None and mono - failing.first_failure >= self.unhealthy_after_s:
+        if failing is not None and mono - failing.retry.since >= self.unhealthy_after_s:
             problems.append(
-                f"dead letters not acknowledged for {mono - failing.first_failure:.0f}s "
+                f"dead letters not acknowledged for {mono - failing.retry.since:.0f}s "
                 f"({len(self.dlq.pending)} pending; {failing.last_error})"
             )
         return (not problems, "; ".join(problems) or "ok")
@@ -347,13 +349,13 @@ class RecorderConsumer:
             encoder=self.encoder,
         )
         self.writers[p] = w
-        for attempt in range(3):
+        for attempt in range(CLAIM_RETRY.attempts):
             try:
                 w.claim(replay_from)
                 return
             except Exception as e:  # storage unavailable: retried from the loop, partition paused
                 log.warning("partition %d: claim failed (%s), attempt %d", p, e, attempt + 1)
-                time.sleep(0.2 * 2**attempt)
+                time.sleep(CLAIM_RETRY.delay(attempt))
         log.error("partition %d: could not claim; paused until a claim succeeds", p)
         w.unclaimed(5.0)
         self._sync_pause(p, w)
@@ -382,7 +384,6 @@ class RecorderConsumer:
             w.unclaimed(1.0)
             self._sync_pause(p, w)
             return
-        self._committed.pop(p, None)
         self._sync_pause(p, w)
         log.info("partition %d: claimed again; replaying from offset %s", p, committed)
 
@@ -417,7 +418,6 @@ class RecorderConsumer:
         self._resume(p, *self._pause_reasons.get(p, ()))
         self._pause_reasons.pop(p, None)
         self._registry_retry.pop(p, None)
-        self._committed.pop(p, None)
 
     # -- messages -----------------------------------------------------------------------------
 
@@ -506,11 +506,8 @@ class RecorderConsumer:
 
     def _retry_registry(self, p: int, offset: int, err: Exception) -> None:
         """The registry could not say what a message is: pause the partition, read it again from
-        this message after a backoff (0.5 s doubling to 30 s). Never a dead letter."""
-        now = time.monotonic()
-        _at, attempts, since = self._registry_retry.get(p, (0.0, 0, now))
-        backoff = min(30.0, 0.5 * 2 ** min(attempts, 6))
-        self._registry_retry[p] = (now + backoff, attempts + 1, since)
+        this message after a backoff (`rlrec.store.retry.BACKGROUND`). Never a dead letter."""
+        backoff = self._registry_retry.setdefault(p, RetrySchedule()).failed(time.monotonic())
         self.metrics.registry_failures.inc()
         log.warning(
             "partition %d: schema registry unavailable (%s); retrying offset %d in %.1fs", p, err, offset, backoff
@@ -536,8 +533,8 @@ class RecorderConsumer:
         decisions (timeouts, capacity), writers' ticks, budgets, dead letters, offsets."""
         cfg = self.config
         mono = time.monotonic()
-        for p, (at, _n, _since) in list(self._registry_retry.items()):
-            if mono >= at and "registry" in self._pause_reasons.get(p, ()):
+        for p, retry in list(self._registry_retry.items()):
+            if retry.due(mono) and "registry" in self._pause_reasons.get(p, ()):
                 self._resume(p, "registry")  # read the message again (it stays in _registry_retry until it decodes)
         self._check_partition_count(now)
         broker_ok = mono - self._broker_trouble_at >= BROKER_TROUBLE_S
@@ -731,18 +728,11 @@ class RecorderConsumer:
                 log.warning("resume of partition %d failed: %s", p, e)
 
     def _commit(self, force: bool = False, only: list[int] | None = None) -> None:
-        """Commit each partition's safe offset, never past a dead letter not yet acknowledged."""
+        """Commit the offset each partition's writer hands out (step 5: `PartitionWriter.offset_to_commit`)."""
         offsets = []
         for p, w in self.writers.items():
-            if only is not None and p not in only:
-                continue
-            if w.assembler is None:
-                continue
-            off = w.assembler.safe_offset()
-            unacked = self._first_unacked(p)
-            if off is not None and unacked is not None:
-                off = min(off, unacked)
-            if off is not None and off > self._committed.get(p, -1):
+            off = w.offset_to_commit(self._first_unacked(p)) if only is None or p in only else None
+            if off is not None:
                 offsets.append(TopicPartition(self.config.topic, p, off))
         self._last_commit = time.time()
         if not offsets:
@@ -753,10 +743,9 @@ class RecorderConsumer:
             log.warning("offset commit failed: %s", e)
             return
         for tp in offsets:
-            self._committed[tp.partition] = tp.offset
             w = self.writers.get(tp.partition)
             if w is not None:
-                w.offsets_committed(tp.offset)  # forget committed ids no owner can replay
+                w.offsets_committed(tp.offset)
 
     def _report_lag(self) -> None:
         """Lag = high watermark - position, where the broker reports watermarks (Tansu's are

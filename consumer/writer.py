@@ -1,35 +1,38 @@
-"""`PartitionWriter`: one partition's state machine, from claimed ownership to committed shards.
+"""`PartitionWriter`: one partition's state machine, from claimed ownership to the offset it may commit.
 
     CLAIMING --claim ok--> ACTIVE --flush fails (storage)--> BACKING_OFF --retry ok--> ACTIVE
         ^  \\--claim fails (retried)                 \\--fenced--> FENCED --60 s, still assigned--> CLAIMING
         |                                                         any state --drop()--> REVOKED
         +-- re-claim
 
+The exactly-once argument reads in two places: the store's `ShardCommitter.commit` runs steps
+1-4 (encode, stage, append to the manifest log -- the commit point --, publish) and owns their
+state; this writer adds rotation, backoff and step 5:
+
+  5. the Kafka offset it hands the service (`offset_to_commit`): its assembler's safe offset,
+     never past the first event of an episode the committer does not hold committed, nor past a
+     dead letter the broker has not acknowledged; once the service committed it
+     (`offsets_committed`), the committer forgets the ids no owner can replay any more.
+
 The state drives what the service does with the partition: it reads it only while ACTIVE (every
 other state pauses it), re-claims it when a CLAIMING or FENCED writer is due, and commits its
-offset only while it holds a claim. In ACTIVE and BACKING_OFF a `tick` buffers finished
-episodes, rotates them into shards (count, bytes, age), writes them with the store's commit
-protocol (`rlrec.store.commit.ShardCommitter`: 1 encode, 2 stage, 3 append to the manifest log,
-4 publish) -- on the service's encoding thread when it has one -- and backs off after a
-storage failure. Step 5 -- committing the Kafka offset
-`assembler.safe_offset()`, never past an unacknowledged dead letter -- is the service's
-(docs/GUARANTEES.md quotes the same steps).
+offset only while it holds a claim.
 """
 
 from __future__ import annotations
 
 import logging
-import random
 import time
-from collections.abc import Callable
+from collections.abc import Iterable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from enum import Enum
 
 from rlrec.consumer.assembly import AssemblyConfig, PartitionAssembler
-from rlrec.store.commit import AmbiguousCommitError, CommitResult, ShardCommitter
+from rlrec.store.commit import CommitResult, ShardCommitter
 from rlrec.store.finished import FinishedEpisode
 from rlrec.store.manifest import FencedError
+from rlrec.store.retry import RetrySchedule
 from rlrec.store.storage import Storage
 
 __all__ = ["Flushed", "PartitionWriter", "Rotation", "Tick", "WriterState"]
@@ -82,29 +85,22 @@ class Tick:
 
 @dataclass
 class _Written:
-    """What `_write` did: per committed chunk its result and seconds, every `on_committed`
-    call in order, and the error that stopped it (the chunks after the last result are not
-    committed; those of an append with an unknown outcome are named by the error)."""
+    """What `_write` did: per committed chunk its result and seconds, and the error that stopped
+    it (the chunks after the last result are not committed, or not all of them)."""
 
     results: list[CommitResult] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)
-    committed: list[tuple[list[FinishedEpisode], int]] = field(default_factory=list)
     error: Exception | None = None
 
 
-def _write(
-    committer: ShardCommitter,
-    chunks: list[list[FinishedEpisode]],
-    on_committed: Callable[[list[FinishedEpisode], int], None] | None = None,
-) -> _Written:
+def _write(committer: ShardCommitter, chunks: list[list[FinishedEpisode]]) -> _Written:
     """Steps 1-4 for each chunk in order, stopping at the first error, which is returned, not
-    raised. `on_committed` (the assembler's, on the caller's thread) is called as commits
-    happen; without it (on the encoding thread) the calls are recorded for the caller to apply."""
+    raised (on the encoding thread or the caller's)."""
     done = _Written()
     for chunk in chunks:
         t0 = time.time()
         try:
-            res = committer.commit(chunk, on_committed=on_committed or _record(done))
+            res = committer.commit(chunk)
         except Exception as e:  # FencedError, storage, MemoryError: the caller decides
             done.error = e
             break
@@ -113,28 +109,37 @@ def _write(
     return done
 
 
-def _record(done: _Written) -> Callable[[list[FinishedEpisode], int], None]:
-    return lambda eps, last_offset: done.committed.append((eps, last_offset))
-
-
 class PartitionWriter:
-    """Owns one partition: its assembler, its manifest log, its writer epoch and its state.
+    """Owns one partition: its assembler, its committer (steps 1-4 and their state), its state
+    machine, and step 5: the Kafka offset it hands the service.
 
-    Guarantees: an episode is in at most one committed shard entry, and the assembler learns of
-    every committed episode before `tick` returns (so none is written twice by this owner); a
-    writer whose epoch was superseded never commits again (FENCED); episodes whose append had an
-    unknown outcome stay handed out -- unchanged, no delayed reward applied -- until a retry
-    settles it (`AmbiguousCommitError`).
+    Guarantees: an episode is in at most one committed shard entry (the committer's); the
+    assembler asks the committer what is committed, so no episode is written twice by this
+    owner; a writer whose epoch was superseded never commits again (FENCED); episodes whose
+    append had an unknown outcome stay handed out -- unchanged, no delayed reward applied --
+    and are committed again first, until a retry settles it (`ShardCommitter.uncertain`); the
+    offset it hands out never passes an episode that is not committed.
 
     With an `encoder` (an executor; the service gives every writer the same one-thread pool),
     steps 1-4 run there while the service reads on: a tick hands the episodes out and starts
     writing them, a later tick (as soon as `due` sees it done, or at once with `force`) applies
-    the outcome on the caller's thread -- the assembler learns which episodes are committed,
-    failures back off or fence exactly as a synchronous commit's would. Until then the episodes
-    are in flight: no delayed reward applies and the partition's safe offset stays at or before
-    their first offset, so the Kafka offset cannot pass them. While a write is under way the
-    caller's thread leaves the committer alone (`publish_pending` waits, `offsets_committed` is
-    applied afterwards) and dropping the writer waits for a write that has started.
+    the outcome on the caller's thread -- the assembler lets go of what the committer holds
+    committed, failures back off or fence exactly as a synchronous commit's would. Until then the
+    episodes are in flight: no delayed reward applies and the partition's safe offset stays at
+    or before their first offset, so the Kafka offset cannot pass them. While a write is under
+    way the caller's thread leaves the committer's writing alone (`publish_pending` waits,
+    `offsets_committed` is applied afterwards) and dropping the writer waits for a write that
+    has started.
+
+    Args:
+        storage: the output store.
+        topic: the transitions topic.
+        partition: the partition this writer owns.
+        fmt: shard format (``"episodes"`` or ``"tabular"``).
+        compression: Parquet codec.
+        assembly: assembly limits and policies.
+        rotation: when finished episodes become a shard.
+        encoder: where steps 1-4 run (None: on the caller's thread).
     """
 
     def __init__(
@@ -157,19 +162,36 @@ class PartitionWriter:
         self.assembler: PartitionAssembler | None = None
         self.state = WriterState.CLAIMING
         self.replay_from: int | None = None  # the committed Kafka offset the last claim replays from
-        self.failing_since: float | None = None
-        self.next_attempt = 0.0
-        self.attempts = 0
-        self.uncertain: list[FinishedEpisode] = []  # handed out; their last append's outcome is unknown
+        self.retry = RetrySchedule()  # failed flushes (wall clock); a claim's retry time too
         self.encoder = encoder
         #: chunks handed out and being written on `encoder`, with the future of a `_Written`
         self._encoding: tuple[list[list[FinishedEpisode]], Future] | None = None
         self._encoding_bytes = 0
         self._forget_upto: int | None = None  # offsets_committed() deferred while a write is under way
+        self._kafka_committed: int | None = None  # the offset the service last committed for this owner
 
     @property
     def epoch(self) -> int | None:
         return self.committer.epoch
+
+    @property
+    def uncertain(self) -> list[FinishedEpisode]:
+        """Handed-out episodes whose last append had an unknown outcome (the committer's)."""
+        return self.committer.uncertain
+
+    @property
+    def next_attempt(self) -> float:
+        """When a claim or a failed flush is tried again (wall clock)."""
+        return self.retry.next_at
+
+    @next_attempt.setter
+    def next_attempt(self, at: float) -> None:
+        self.retry.next_at = at
+
+    @property
+    def failing_since(self) -> float | None:
+        """Since when flushes fail (None: the last one worked)."""
+        return self.retry.since
 
     @property
     def encoding(self) -> bool:
@@ -190,32 +212,29 @@ class PartitionWriter:
     # -- ownership ----------------------------------------------------------------------------
 
     def claim(self, replay_from: int | None = None) -> None:
-        """Claim a new writer epoch, roll forward unpublished commits, load the committed episode
-        ids that can still be replayed from Kafka offset `replay_from` (all if None). Raises on
-        storage errors (the state stays CLAIMING)."""
+        """Claim a new writer epoch (the committer rolls forward unpublished commits and learns
+        the committed episode ids that can still be replayed from Kafka offset `replay_from`,
+        all if None) and start a new assembler that asks it. Raises on storage errors (the state
+        stays CLAIMING)."""
         self._discard_encoding()  # before the committer is used here (none is under way: unclaimed() waited)
-        committed = self.committer.claim(replay_from)
+        self.committer.claim(replay_from)
         self.replay_from = replay_from
-        self.assembler = PartitionAssembler(self.topic, self.partition, committed, self.assembly_config)
+        self._kafka_committed = None
+        self.assembler = PartitionAssembler(self.topic, self.partition, self.committer, self.assembly_config)
         self.state = WriterState.ACTIVE
-        self.uncertain = []
-        self.attempts, self.failing_since = 0, None
+        self.retry.succeeded()
         log.info(
-            "partition %d: claimed epoch %d (%d committed episodes that can be replayed from offset %s)",
+            "partition %d: claimed epoch %d (committed episodes replayable from offset %s are skipped)",
             self.partition,
             self.epoch,
-            len(committed),
             replay_from,
         )
 
     def unclaimed(self, retry_in: float, state: WriterState = WriterState.CLAIMING) -> None:
         """No claim held (it failed, or we were fenced): drop the state, claim again later and
         start over from the committed offset."""
-        self.assembler = None
-        self.uncertain = []
-        self._discard_encoding()
-        self.state = state
-        self.next_attempt = time.time() + retry_in
+        self._release(state)
+        self.retry.next_at = time.time() + retry_in
 
     def claim_due(self, now: float) -> bool:
         return self.state in (WriterState.CLAIMING, WriterState.FENCED) and now >= self.next_attempt
@@ -223,10 +242,13 @@ class PartitionWriter:
     def drop(self) -> None:
         """Forget all in-memory state (revoked). Uncommitted episodes are replayed by the next
         owner from the committed Kafka offset."""
+        self._release(WriterState.REVOKED)
+
+    def _release(self, state: WriterState) -> None:
         self.assembler = None
-        self.uncertain = []
+        self._kafka_committed = None
         self._discard_encoding()
-        self.state = WriterState.REVOKED
+        self.state = state
 
     # -- rotation and writing -----------------------------------------------------------------
 
@@ -287,7 +309,7 @@ class PartitionWriter:
                 self._encoding = (chunks, future)
                 self._encoding_bytes = sum(fe.nbytes() for chunk in chunks for fe in chunk)
                 return out
-        self._apply_written(chunks, _write(self.committer, chunks, self.assembler.mark_committed), out)
+        self._apply_written(chunks, _write(self.committer, chunks), out)
         return out
 
     def _discard_encoding(self) -> None:
@@ -307,9 +329,8 @@ class PartitionWriter:
         """The chunks to write now (the uncertain append's first; with `only_first` just the
         first), their episodes handed out by the assembler."""
         a = self.assembler
-        chunks: list[list[FinishedEpisode]] = []
-        if self.uncertain:
-            chunks.append(self.uncertain)
+        uncertain = self.uncertain
+        chunks: list[list[FinishedEpisode]] = [uncertain] if uncertain else []
         ready = a.ready(now, force=force, first_unacked=first_unacked)
         cur: list[FinishedEpisode] = []
         cur_bytes = 0
@@ -323,25 +344,22 @@ class PartitionWriter:
             chunks.append(cur)
         if only_first:
             chunks = chunks[:1]
-        a.hand_out([fe for chunk in chunks if chunk is not self.uncertain for fe in chunk])
+        a.hand_out([fe for chunk in chunks[1 if uncertain else 0 :] for fe in chunk])  # uncertain: still out
         return chunks
 
     def _apply_written(self, chunks: list[list[FinishedEpisode]], done: _Written, out: Tick) -> bool:
-        """The outcome of `_write` for these chunks, on the caller's thread: the assembler learns
-        what is committed (in the order the commits happened), then each committed chunk is
-        accounted, then an error fences the writer or backs it off with the chunks not written.
-        False if it stopped (fenced, storage failure)."""
+        """The outcome of `_write` for these chunks, on the caller's thread: the assembler lets go
+        of every episode the committer now holds committed, each committed chunk is accounted,
+        then an error fences the writer or backs it off with the chunks not written. False if it
+        stopped (fenced, storage failure)."""
         a = self.assembler
-        for eps, last_offset in done.committed:  # already applied when written on this thread
-            a.mark_committed(eps, last_offset)
-        for chunk, res, seconds in zip(chunks, done.results, done.seconds):
-            if chunk is self.uncertain:
-                self.uncertain = []
+        committed = self.committer.committed_offset
+        a.mark_committed(fe for chunk in chunks for fe in chunk if committed(fe.episode_id) is not None)
+        for res, seconds in zip(done.results, done.seconds):
             for fe, _detail in res.unwritable:
                 a.drop_unwritable(fe)
             out.unwritable += res.unwritable
-            written = {eid for entry in res.entries for eid in entry.episode_ids}
-            out.flushed.append(Flushed(res, seconds, [fe for fe in chunk if fe.episode_id in written]))
+            out.flushed.append(Flushed(res, seconds, res.written))
         err = done.error
         if isinstance(err, FencedError):
             log.error("partition %d: fenced by a newer writer; dropping its state", self.partition)
@@ -349,35 +367,57 @@ class PartitionWriter:
             out.fenced = True
             return False
         if err is not None:  # storage, or MemoryError and the like (data errors come back in unwritable)
-            self._back_off(err, [fe for c in chunks[len(done.results) :] for fe in c])
+            self._back_off(err, (fe for c in chunks[len(done.results) :] for fe in c))
             out.failed = f"{type(err).__name__}: {err}"
             return False
-        self.attempts, self.failing_since = 0, None
+        self.retry.succeeded()
         self.state = WriterState.ACTIVE
         return True
 
-    def _back_off(self, err: Exception, unwritten: list[FinishedEpisode]) -> None:
-        """A flush failed on storage: give the episodes back for the retry (delayed rewards apply
-        again) -- except those of an append with an unknown outcome, which stay handed out."""
+    def _back_off(self, err: Exception, unwritten: Iterable[FinishedEpisode]) -> None:
+        """A flush failed on storage: give the episodes that are not committed back for the retry
+        (delayed rewards apply again) -- except those of an append with an unknown outcome, which
+        stay handed out."""
         a = self.assembler
-        uncertain_ids = {fe.episode_id for fe in self.uncertain}
-        if isinstance(err, AmbiguousCommitError):
-            uncertain_ids |= {fe.episode_id for fe in err.episodes}
-        a.give_back([fe for fe in unwritten if fe.episode_id not in uncertain_ids])
-        self.uncertain = [fe for fe in unwritten if fe.episode_id in uncertain_ids and fe.episode_id in a.in_flight]
-        self.attempts += 1
-        backoff = min(30.0, 0.5 * 2 ** min(self.attempts, 6)) * (0.5 + random.random())
-        self.next_attempt = time.time() + backoff
-        self.failing_since = self.failing_since or time.time()
+        keep = {fe.episode_id for fe in self.uncertain}
+        a.give_back(fe for fe in unwritten if fe.episode_id not in keep)
+        wait = self.retry.failed(time.time())
         self.state = WriterState.BACKING_OFF
         log.error(
             "partition %d: flush failed (%s: %s); retry in %.1fs%s",
             self.partition,
             type(err).__name__,
             err,
-            backoff,
-            f" ({len(self.uncertain)} episode(s) of an uncertain append kept as they are)" if self.uncertain else "",
+            wait,
+            f" ({len(keep)} episode(s) of an uncertain append kept as they are)" if keep else "",
         )
+
+    # -- step 5: the Kafka offset -------------------------------------------------------------
+
+    def offset_to_commit(self, first_unacked: int | None) -> int | None:
+        """The Kafka offset the service may commit for this partition now, or None (no claim, or
+        nothing new since the last commit): the assembler's safe offset -- never past the first
+        event of an episode the committer does not hold committed --, and never past
+        `first_unacked`, the partition's first dead letter the broker has not acknowledged."""
+        if self.assembler is None:
+            return None
+        off = self.assembler.safe_offset()
+        if off is not None and first_unacked is not None:
+            off = min(off, first_unacked)
+        if off is None or (self._kafka_committed is not None and off <= self._kafka_committed):
+            return None
+        return off
+
+    def offsets_committed(self, offset: int) -> None:
+        """The service committed `offset` for this partition: the committer forgets the
+        committed episode ids no owner can replay any more (while a write is under way, once it
+        is applied)."""
+        self._kafka_committed = offset
+        if self._encoding is not None:
+            self._forget_upto = offset
+            return
+        self._forget_upto = None
+        self.committer.offsets_committed(offset)
 
     # -- upkeep -------------------------------------------------------------------------------
 
@@ -387,17 +427,3 @@ class PartitionWriter:
         if self._encoding is not None:
             return 0
         return self.committer.publish_pending()
-
-    def offsets_committed(self, offset: int) -> None:
-        """The partition's Kafka offset is committed at `offset`: drop the committed episode ids
-        no owner can replay any more (the store decides which: `ShardCommitter.offsets_committed`);
-        while a write is under way, once it is applied."""
-        if self._encoding is not None:
-            self._forget_upto = offset
-            return
-        self._forget_upto = None
-        forgotten = self.committer.offsets_committed(offset)
-        if self.assembler is not None:
-            for eid in forgotten:
-                self.assembler.committed.pop(eid, None)
-                self.assembler.committed_steps.pop(eid, None)

@@ -22,23 +22,24 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from rlrec.consumer.service import ConsumerConfig
+from rlrec.store.retry import RetryPolicy
 
 log = logging.getLogger(__name__)
 
 #: a child that exits with this code met an error no restart can fix (e.g. the store ignores
 #: create-once writes); the supervisor stops the others and exits with it
 EXIT_CONFIG_ERROR = 2
-#: the supervisor's exit code when a child keeps crashing (`MAX_QUICK_CRASHES`)
+#: the supervisor's exit code when a child keeps crashing (`RESTARTS.attempts`)
 EXIT_CRASHING = 1
 #: how long a child waits for its siblings' imports before it subscribes anyway
 START_GATE_S = 120.0
-#: restart delay after a crash: doubles per quick crash, from the first to the last
-RESTART_BACKOFF_S = (1.0, 60.0)
 #: a child that ran this long before it crashed counts as having worked (its next crash is a first)
 STABLE_AFTER_S = 60.0
-#: a child that crashes this many times in a row, each within STABLE_AFTER_S of its start, is
-#: broken (a bad setting, a port in use): the supervisor stops all and exits with EXIT_CRASHING
-MAX_QUICK_CRASHES = 3
+#: restarts after quick crashes: 1 s, then 2 s; the third crash in a row, each within
+#: STABLE_AFTER_S of its start, means the child is broken (a bad setting, a port in use): the
+#: supervisor stops all and exits with EXIT_CRASHING. No jitter: one supervisor restarts one
+#: child, there is no crowd of clients to spread out, and the log reads exactly.
+RESTARTS = RetryPolicy(attempts=3, base_delay=1.0, max_delay=60.0, jitter=0)
 #: how often a child checks that its supervisor still lives (an orphan stops gracefully)
 PARENT_CHECK_S = 1.0
 
@@ -71,11 +72,6 @@ def check_split(config: ConsumerConfig, processes: int) -> None:
             f"each, less than one episode's --max-episode-bytes {config.max_episode_bytes}: raise "
             "--max-open-bytes or lower --processes"
         )
-
-
-def restart_delay(crashes: int) -> float:
-    """Seconds before restarting a child after its `crashes`-th quick crash in a row (>= 1)."""
-    return min(RESTART_BACKOFF_S[1], RESTART_BACKOFF_S[0] * 2 ** (crashes - 1))
 
 
 @dataclass
@@ -140,7 +136,7 @@ class ConsumerProcesses:
     memory budgets; SIGTERM or SIGINT to the supervisor reaches every child as SIGTERM, whenever
     it arrives, and the supervisor returns once all have exited; a child that dies (a crash,
     kill -9, the OOM killer) is started again after a backoff while the group hands its
-    partitions to the others, until it crashes `MAX_QUICK_CRASHES` times in a row soon after
+    partitions to the others, until it crashes `RESTARTS.attempts` times in a row soon after
     starting; children stop gracefully if the supervisor is killed. `run()` returns 0 when every
     child ended by itself (`max_seconds`) or on a signal, `EXIT_CONFIG_ERROR` if a child met a
     configuration error, `EXIT_CRASHING` if a child kept crashing or crashed too late to restart.
@@ -281,7 +277,7 @@ class ConsumerProcesses:
                 continue
             what = f"signal {-code}" if code < 0 else f"exit code {code}"
             crashes = 1 if now - c.started >= STABLE_AFTER_S else c.crashes + 1
-            if crashes >= MAX_QUICK_CRASHES:
+            if RESTARTS.gives_up(crashes):
                 log.error("worker %d died (%s), %d times in a row soon after starting; stopping all", i, what, crashes)
                 self.rc = self.rc or EXIT_CRASHING
                 self.stop()
@@ -289,7 +285,7 @@ class ConsumerProcesses:
                 log.error("worker %d died (%s) after --max-seconds; not restarted", i, what)
                 self.rc = self.rc or EXIT_CRASHING
             else:
-                delay = restart_delay(crashes)
+                delay = RESTARTS.delay(crashes - 1)
                 log.error("worker %d died (%s); its partitions move to the others; restart in %.0f s", i, what, delay)
                 self._restart_at[i] = (now + delay, crashes)
 

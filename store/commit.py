@@ -1,23 +1,12 @@
 """The shard commit protocol: finished episodes -> a committed, published shard.
 
-A `ShardCommitter` owns one (topic, partition) of the manifest once it has claimed a writer
-epoch. For a commit, per policy id present (see docs/GUARANTEES.md):
-
-  1. encode the episodes into one Parquet shard, in memory;
-  2. write it to `{policy}/_staging/{name}` (hidden from Ray Data and RLlib);
-  3. append a shard entry to the partition's manifest log (create-once): the commit point.
-     A conflict means another writer appended first: if it claimed a newer epoch we are fenced
-     (`FencedError`), otherwise drop the episodes it committed and retry with the rest;
-  4. publish: move the staged file to `{policy}/{name}`. If that fails (or a conflict reveals an
-     entry of ours that landed although its append raised), the entry is *pending*: published
-     at the start of the next `commit()` or by `publish_pending()` (the consumer calls it every
-     loop tick), re-written from memory if the staged file is gone; the next owner's claim
-     rolls it forward if we crash first.
-
-The caller (the consumer) then commits its Kafka offsets and tells the committer
-(`offsets_committed`), which forgets committed ids that can no longer be replayed. Shard names derive from (topic,
-partition, offset range, writer epoch, attempt), never random ids, and an attempt never
-overwrites a file an earlier (maybe landed) attempt staged.
+One `ShardCommitter` per (topic, partition) and owner runs steps 1-4 of the protocol in one
+method, `ShardCommitter.commit` (docs/GUARANTEES.md quotes them from there), and owns all their
+state: the writer epoch, the attempt counter, the shards committed but not yet published, the
+appends whose outcome is unknown, and -- through the partition's manifest log -- the committed
+episode ids. Callers ask it (`committed_offset`, `committed_length`, `uncertain`); they keep no
+copy. It needs no Kafka: the consumer's `PartitionWriter` adds step 5 (the Kafka offset) on top,
+and `rlrec convert` commits through it directly.
 
 Readers use `read_committed_shard`: a committed shard is readable from the moment its entry
 exists, at its published path or, until it is published, at its staging path (and a publish
@@ -27,15 +16,15 @@ between the two reads is caught by reading the published path again).
 from __future__ import annotations
 
 import logging
-import random
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from rlrec.producer.events import load_schemas
 from rlrec.store.finished import FinishedEpisode
 from rlrec.store.manifest import SNAPSHOT_EVERY, ConflictError, FencedError, PartitionLog, ShardEntry, default_writer_id
+from rlrec.store.retry import RetrySchedule
 from rlrec.store.shards import EncodedShard, encode_shard
 from rlrec.store.storage import Storage
 
@@ -43,7 +32,6 @@ __all__ = [
     "EVENT_SCHEMA_VERSIONS",
     "AmbiguousCommitError",
     "CommitResult",
-    "PreparedShards",
     "ShardCommitter",
     "read_committed_shard",
 ]
@@ -53,14 +41,12 @@ log = logging.getLogger("rlrec.store")
 #: newest event schema version per kind, recorded in every shard entry
 EVENT_SCHEMA_VERSIONS = dict(sorted(load_schemas()))
 
-#: `on_committed(episodes, entry_last_offset)`: these episodes are in a committed entry
-OnCommitted = Callable[[list[FinishedEpisode], int], None]
-
 
 class AmbiguousCommitError(Exception):
-    """Storage failed while appending a shard entry: it may or may not have landed. `episodes`
-    must be committed again exactly as they are (a later append finds out: a conflict with the
-    landed entry marks them committed); they must not change meanwhile (no delayed rewards)."""
+    """Storage failed while appending a shard entry: it may or may not have landed. The
+    committer keeps the attempt (`ShardCommitter.uncertain`); its episodes must be committed
+    again exactly as they are, by a later `commit` (a conflict with the landed entry marks them
+    committed, or the same attempt lands); they must not change meanwhile (no delayed rewards)."""
 
     def __init__(self, episodes: list[FinishedEpisode], cause: BaseException) -> None:
         super().__init__(
@@ -72,7 +58,7 @@ class AmbiguousCommitError(Exception):
 
 @dataclass
 class CommitResult:
-    """What one `ShardCommitter.commit` call committed (by this writer)."""
+    """What one `ShardCommitter.commit` call committed."""
 
     shards: int = 0
     episodes: int = 0
@@ -80,28 +66,57 @@ class CommitResult:
     bytes: int = 0
     duplicates_dropped: int = 0  # episodes another writer had committed already
     entries: list[ShardEntry] = field(default_factory=list)
+    #: the episodes of `entries` (committed by this call)
+    written: list[FinishedEpisode] = field(default_factory=list)
     #: episodes the shard format cannot encode (data errors: written nowhere), with the reason
     unwritable: list[tuple[FinishedEpisode, str]] = field(default_factory=list)
 
 
 @dataclass
-class PreparedShards:
-    """Step 1's output (`ShardCommitter.prepare`): encoded shards with their episodes, and the
-    episodes the shard format cannot encode (with the reason)."""
+class _Attempt:
+    """A staged shard whose append raised: it may have landed. Retried under the same name with
+    the same bytes, so one copy is kept per set of episodes however often the append fails."""
 
-    groups: list[tuple[list[FinishedEpisode], EncodedShard]] = field(default_factory=list)
-    unwritable: list[tuple[FinishedEpisode, str]] = field(default_factory=list)
+    name: str
+    shard: EncodedShard
+    episodes: list[FinishedEpisode]
+    seq: int  # the manifest seq it may have landed at; settled once the log has read that seq
 
 
 class ShardCommitter:
-    """Commits lists of finished episodes as shards of one (topic, partition).
+    """Commits lists of finished episodes as shards of one (topic, partition); the one owner of
+    the commit protocol's state.
 
     Guarantees: an episode is in at most one committed shard entry (the manifest log's
     create-once appends, with committed ids re-checked on conflict); once another writer has
     claimed the partition, this one commits nothing more (`FencedError`); a staged file becomes
     visible to readers only after its entry exists; a shard this writer committed is published
-    by its next flush cycle (`commit` / `publish_pending`) once storage works, from memory if
-    its staged file is gone. Use one instance per partition and owner.
+    by its next `commit` or `publish_pending` once storage works, from memory if its staged file
+    is gone. Use one instance per partition and owner.
+
+    Thread use: one thread at a time calls `claim`, `commit`, `publish_pending` and
+    `offsets_committed`; `committed_offset` and `committed_length` may be asked from another
+    thread meanwhile (one dict lookup each, no lock taken, so a slow storage call never blocks
+    the asker).
+
+    Args:
+        storage: where shards and the manifest live (a `Storage` or a URI).
+        topic: the Kafka topic the episodes came from (names shards and the manifest log).
+        partition: the topic's partition this committer owns.
+        fmt: shard format, ``"episodes"`` (RLlib's episode column) or ``"tabular"``.
+        compression: the Parquet codec.
+        snapshot_every: fold the manifest log into a snapshot every this many entries.
+
+    Example::
+
+        >>> import tempfile
+        >>> from rlrec.trainer.synthetic import expert_cartpole_episodes  # doctest: +SKIP
+        >>> c = ShardCommitter(tempfile.mkdtemp())  # doctest: +SKIP
+        >>> c.claim()  # doctest: +SKIP
+        1
+        >>> res = c.commit(expert_cartpole_episodes(3))  # doctest: +SKIP
+        >>> res.shards, c.committed_offset(res.written[0].episode_id) is not None  # doctest: +SKIP
+        (1, True)
     """
 
     def __init__(
@@ -126,116 +141,159 @@ class ShardCommitter:
         self._attempt = 0
         #: committed by this writer, not yet published: seq -> (entry, shard bytes)
         self._pending: dict[int, tuple[ShardEntry, bytes]] = {}
-        #: staged attempts whose append raised (the entry may have landed): staging path ->
-        #: (episode ids, shard). A retry of the same episodes re-uses its name and bytes, so one
-        #: copy is kept per set of episodes however often the append fails.
-        self._ambiguous: dict[str, tuple[frozenset[str], str, EncodedShard]] = {}
-        self._publish_failures = 0
-        self._next_publish = 0.0
+        #: staged attempts whose append raised (the entry may have landed), by staging path
+        self._ambiguous: dict[str, _Attempt] = {}
+        #: steps of the committed episodes this owner saw committed (a re-send within them is a
+        #: duplicate); forgotten with their ids (`offsets_committed`)
+        self._lengths: dict[str, int] = {}
+        self._publish_retry = RetrySchedule()
 
-    def claim(self, replay_from: int | None = None) -> dict[str, int]:
-        """Claim a new writer epoch and roll forward unpublished commits.
+    # -- ownership ----------------------------------------------------------------------------
 
-        Returns the committed episode ids that can still be replayed, each with the last offset
-        of its entry: with `replay_from` (the partition's committed Kafka offset, where this
-        writer's consumer starts reading) those of entries with `last_offset >= replay_from`
-        plus the most recent ones (the newest snapshot's segment and after); without it,
-        every committed id (reads the log's whole history).
+    def claim(self, replay_from: int | None = None) -> int:
+        """Claim a new writer epoch and roll forward unpublished commits; returns the epoch.
+
+        The committed episode ids this owner then knows (`committed_offset`) are, with
+        `replay_from` (the partition's committed Kafka offset, where this owner's consumer starts
+        reading), those of entries with `last_offset >= replay_from` plus the most recent ones
+        (the newest snapshot's segment and after); without it, every committed id (reads the
+        log's whole history). What an earlier claim of this object held (appends of unknown
+        outcome, seen lengths) is dropped: the log says what landed.
         """
+        self._ambiguous.clear()
+        self._lengths.clear()
         self.epoch = self.log.claim(default_writer_id(), replay_from=replay_from)
         recovered = self.log.recover()
         if recovered:
             log.info("partition %d: published %d committed shard(s) left staged by a crash", self.partition, recovered)
-        return self.log.committed_last_offsets()
+        return self.epoch
 
-    def offsets_committed(self, offset: int) -> list[str]:
-        """The partition's Kafka offset was committed at `offset`: returns the committed episode
-        ids forgotten because no owner can replay them any more (see `PartitionLog.forget_before`);
-        the caller drops them from its own skip set."""
-        return self.log.forget_before(offset)
+    # -- what is committed (asked, never copied) ----------------------------------------------
+
+    def committed_offset(self, episode_id: str) -> int | None:
+        """The last Kafka offset of the committed entry holding `episode_id`, or None if this
+        owner knows no committed entry with it (not committed, or forgotten as no longer
+        replayable: `offsets_committed`)."""
+        return self.log.committed_offset(episode_id)
+
+    def committed_length(self, episode_id: str) -> int | None:
+        """The steps of a committed episode, if this owner saw it committed (None otherwise)."""
+        return self._lengths.get(episode_id)
+
+    def committed_episode_ids(self) -> set[str]:
+        """Every committed episode id this owner knows (a copy: for tools and reports)."""
+        return self.log.committed_episode_ids()
+
+    @property
+    def uncertain(self) -> list[FinishedEpisode]:
+        """Episodes of appends whose outcome is unknown (`AmbiguousCommitError`): commit them
+        again, unchanged, before anything else."""
+        return list({fe.episode_id: fe for a in self._ambiguous.values() for fe in a.episodes}.values())
 
     @property
     def pending(self) -> list[ShardEntry]:
         """Entries this writer committed that are not published yet."""
         return [e for e, _ in self._pending.values()]
 
+    def offsets_committed(self, offset: int) -> None:
+        """The partition's Kafka offset was committed at `offset`: forget the committed episode
+        ids no owner can replay any more (`PartitionLog.forget_before`)."""
+        for eid in self.log.forget_before(offset):
+            self._lengths.pop(eid, None)
+
+    # -- the protocol -------------------------------------------------------------------------
+
+    def commit(self, episodes: Iterable[FinishedEpisode]) -> CommitResult:
+        """Commit `episodes` as shards, one per policy id.
+
+        Episodes the shard format cannot encode (data errors) are written nowhere and returned
+        in `CommitResult.unwritable`; the others are committed, by this call or -- found on a
+        conflict -- by another writer already (`committed_offset` says so for both). Claims the
+        partition first if `claim()` was not called. Raises `FencedError` when a newer writer
+        claimed the partition, `AmbiguousCommitError` when an append's outcome is unknown, and
+        storage errors as they come; what was committed before the error stays committed.
+        """
+        if self.epoch is None:  # a one-off committer (tools, tests): claim on first use
+            self.claim()
+        self.publish_pending()  # roll forward earlier commits first (unless backing off after a failure)
+        result = CommitResult()
+        by_policy: dict[str, list[FinishedEpisode]] = defaultdict(list)
+        for fe in episodes:
+            by_policy[fe.policy_id].append(fe)
+        todo = [eps for group in by_policy.values() for eps in self._encode(group, result.unwritable)]
+        while todo:
+            # 1. encode the episodes into one Parquet shard, in memory (done above, and again
+            #    for the rest after a conflict); an append of unknown outcome is retried as it
+            #    was: the same name and bytes
+            eps, shard = todo.pop(0)
+            name, shard = self._name(eps, shard)
+            policy_id = eps[0].policy_id
+            path, staging = f"{policy_id}/{name}", f"{policy_id}/_staging/{name}"
+            # 2. stage it at `{policy}/_staging/{name}`: hidden from Ray Data and RLlib
+            self.storage.write(staging, shard.data)
+            # 3. append its entry to the partition's manifest log, create-once: the commit point
+            for fe in eps:  # asked only once an entry holds the episode
+                self._lengths[fe.episode_id] = fe.length
+            try:
+                entry = self.log.append_shard(self._entry(eps, shard, path, staging))
+            except ConflictError as c:
+                # another writer, or an earlier attempt of ours, committed some of them first
+                taken = self._learn_committed(c.entries, eps)
+                result.duplicates_dropped += len(taken)
+                rest = [fe for fe in eps if fe.episode_id not in taken]
+                if rest:
+                    todo[:0] = self._encode(rest, result.unwritable)
+                continue
+            except FencedError:  # certain: nothing of this writer's lands from now on
+                raise
+            except Exception as e:  # storage: the entry may have landed; the next append finds out
+                self._ambiguous[staging] = _Attempt(name, shard, eps, self.log.next_seq)
+                raise AmbiguousCommitError(eps, e) from e
+            self._ambiguous.clear()  # entry `seq` was free: no earlier attempt landed
+            result.shards += 1
+            result.episodes += entry.episodes
+            result.steps += entry.steps
+            result.bytes += entry.bytes
+            result.entries.append(entry)
+            result.written += eps
+            # 4. publish: move the staged file to `{policy}/{name}`; if that fails the entry is
+            #    pending, published by the next commit or publish_pending (or rolled forward by
+            #    the next owner's claim)
+            try:
+                self.log.publish(entry, shard.data)
+            except Exception as e:
+                self._pending[entry.seq] = (entry, shard.data)
+                log.error("partition %d: publish of %s failed (%s); retried next cycle", self.partition, path, e)
+        return result
+
     def publish_pending(self, *, force: bool = False) -> int:
         """Publish the shards this writer committed but could not publish yet (roll forward);
         returns how many were published. Costs nothing when none are pending; after a failure
-        it waits (exponential backoff, up to 30 s) unless `force`."""
-        if not self._pending or (not force and time.monotonic() < self._next_publish):
+        it waits (`rlrec.store.retry.BACKGROUND`) unless `force`."""
+        if not self._pending or (not force and not self._publish_retry.due(time.monotonic())):
             return 0
         done = 0
         for seq, (entry, data) in sorted(self._pending.items()):
             try:
                 self.log.publish(entry, data)
             except Exception as e:  # stays pending; retried by the next cycle
-                self._publish_failures += 1
-                delay = min(30.0, 0.5 * 2 ** min(self._publish_failures, 6)) * (0.5 + random.random())
-                self._next_publish = time.monotonic() + delay
+                wait = self._publish_retry.failed(time.monotonic())
                 log.warning(
                     "partition %d: publish of %s failed (%s: %s); retry in %.1fs",
                     self.partition,
                     entry.path,
                     type(e).__name__,
                     e,
-                    delay,
+                    wait,
                 )
                 return done
             del self._pending[seq]
             done += 1
             log.info("partition %d: rolled forward the publish of %s (seq %d)", self.partition, entry.path, seq)
-        self._publish_failures = 0
+        self._publish_retry.succeeded()
         return done
 
-    def prepare(self, episodes: Iterable[FinishedEpisode]) -> PreparedShards:
-        """Step 1 alone: encode `episodes` into shards, one per policy id (data errors go to
-        `unwritable`, see `_encode`). Touches no storage and no state of this committer."""
-        by_policy: dict[str, list[FinishedEpisode]] = defaultdict(list)
-        for fe in episodes:
-            by_policy[fe.policy_id].append(fe)
-        prepared = PreparedShards()
-        for eps in by_policy.values():
-            prepared.groups += self._encode(eps, prepared.unwritable)
-        return prepared
-
-    def commit(
-        self,
-        episodes: Iterable[FinishedEpisode],
-        on_committed: OnCommitted | None = None,
-    ) -> CommitResult:
-        """Commit `episodes` as shards, one per policy id (steps 1-4 above).
-
-        `on_committed(episodes, last_offset)` is called as soon as episodes are known committed,
-        by this writer or (found on a conflict) by another one. Episodes the shard format cannot
-        encode (data errors) are written nowhere and returned in `CommitResult.unwritable`; the
-        others are committed. Claims the partition first if `claim()` was not called. Raises
-        `FencedError` when a newer writer claimed the partition, and storage errors as they come
-        (the episodes committed before the error stay committed and were reported to
-        `on_committed`). The consumer calls it on its encoding thread (`rlrec.consumer.writer`).
-        """
-        if self.epoch is None:  # a one-off committer (tools, tests): claim on first use
-            self.claim()
-        self.publish_pending()  # roll forward earlier commits first (unless backing off after a failure)
-        prepared = self.prepare(episodes)
-        result = CommitResult(unwritable=list(prepared.unwritable))
-        pending = list(prepared.groups)
-        while pending:
-            eps, shard = pending.pop(0)
-            entry, remaining = self._commit_one(eps[0].policy_id, eps, shard, on_committed)
-            if entry is None:  # a conflict removed some episodes: the rest again
-                result.duplicates_dropped += len(eps) - len(remaining)
-                if remaining:
-                    pending[:0] = self._encode(remaining, result.unwritable)
-                continue
-            if on_committed is not None:
-                on_committed(eps, entry.last_offset)
-            result.shards += 1
-            result.episodes += entry.episodes
-            result.steps += entry.steps
-            result.bytes += entry.bytes
-            result.entries.append(entry)
-        return result
+    # -- the steps' parts ---------------------------------------------------------------------
 
     def _encode(
         self, eps: list[FinishedEpisode], unwritable: list[tuple[FinishedEpisode, str]]
@@ -271,30 +329,30 @@ class ShardCommitter:
                 pass
         return alone
 
-    def _commit_one(
-        self, policy_id: str, eps: list[FinishedEpisode], shard: EncodedShard, on_committed: OnCommitted | None
-    ) -> tuple[ShardEntry | None, list[FinishedEpisode]]:
+    def _name(self, eps: list[FinishedEpisode], shard: EncodedShard) -> tuple[str, EncodedShard]:
+        """The shard's file name, from (topic, partition, offset range, writer epoch, attempt):
+        never random, and never one an earlier (maybe landed) attempt staged -- except the
+        retry of that very attempt, which re-uses its name and bytes."""
+        ids = {fe.episode_id for fe in eps}
+        for a in self._ambiguous.values():
+            if {fe.episode_id for fe in a.episodes} == ids:
+                return a.name, a.shard
+        self._attempt += 1
         first = min(fe.first_offset for fe in eps)
         last = max(fe.last_offset for fe in eps)
-        ids = frozenset(fe.episode_id for fe in eps)
-        again = next(((n, sh) for i, n, sh in self._ambiguous.values() if i == ids), None)
-        if again is not None:  # the retry of an append with an unknown outcome: the same attempt
-            name, shard = again
-        else:
-            self._attempt += 1
-            name = f"{self.topic}+{self.partition:05d}+{first:020d}+{last:020d}+e{self.epoch}.{self._attempt}.parquet"
-        path = f"{policy_id}/{name}"
-        staging = f"{policy_id}/_staging/{name}"
-        self.storage.write(staging, shard.data)  # 2. stage
+        name = f"{self.topic}+{self.partition:05d}+{first:020d}+{last:020d}+e{self.epoch}.{self._attempt}.parquet"
+        return name, shard
+
+    def _entry(self, eps: list[FinishedEpisode], shard: EncodedShard, path: str, staging: str) -> ShardEntry:
         versions = sorted({fe.policy_version for fe in eps})
-        entry = ShardEntry(
+        return ShardEntry(
             path=path,
             staging_path=staging,
             topic=self.topic,
             partition=self.partition,
-            policy_id=policy_id,
-            first_offset=first,
-            last_offset=last,
+            policy_id=eps[0].policy_id,
+            first_offset=min(fe.first_offset for fe in eps),
+            last_offset=max(fe.last_offset for fe in eps),
             episode_ids=list(shard.episode_ids),
             episodes=shard.episodes,
             steps=shard.steps,
@@ -307,42 +365,28 @@ class ShardCommitter:
             min_policy_version=versions[0],
             max_policy_version=versions[-1],
         )
-        try:
-            entry = self.log.append_shard(entry)  # 3. the commit point (FencedError propagates)
-        except ConflictError as c:
-            self._roll_forward_landed(c.entries)
-            taken = {eid for e in c.entries if isinstance(e, ShardEntry) for eid in e.episode_ids}
-            if on_committed is not None:
-                for e in c.entries:
-                    if isinstance(e, ShardEntry):
-                        on_committed([fe for fe in eps if fe.episode_id in taken], e.last_offset)
-            log.warning(
-                "partition %d: manifest conflict; %d episode(s) were committed by another writer",
-                self.partition,
-                sum(fe.episode_id in taken for fe in eps),
-            )
-            return None, [fe for fe in eps if fe.episode_id not in taken]
-        except FencedError:  # certain: nothing of this writer's lands from now on
-            raise
-        except Exception as e:  # StorageError: the entry may have landed; the next append finds out
-            self._ambiguous[staging] = (ids, name, shard)
-            raise AmbiguousCommitError(eps, e) from e
-        self._ambiguous.clear()  # entry `seq` was free: no earlier attempt landed
-        try:
-            self.log.publish(entry, shard.data)  # 4. publish
-        except Exception as e:  # committed already: published by the next flush cycle
-            self._pending[entry.seq] = (entry, shard.data)
-            log.error("partition %d: publish of %s failed (%s); retried next cycle", self.partition, path, e)
-        return entry, eps
 
-    def _roll_forward_landed(self, entries: Iterable[object]) -> None:
-        """A conflict revealed entries: those of this writer's earlier attempts (an append that
-        raised although it landed) are committed and must be published now."""
+    def _learn_committed(self, entries: Iterable[object], eps: list[FinishedEpisode]) -> set[str]:
+        """A conflict revealed `entries`: those of this writer's earlier attempts (an append that
+        raised although it landed) are committed and published now; an attempt whose seq the log
+        has read without finding it did not land and is forgotten. Returns the ids of `eps` that
+        are committed."""
         for e in entries:
             if isinstance(e, ShardEntry) and e.staging_path in self._ambiguous and e.seq is not None:
-                self._pending[e.seq] = (e, self._ambiguous.pop(e.staging_path)[2].data)
+                self._pending[e.seq] = (e, self._ambiguous.pop(e.staging_path).shard.data)
+        for path, a in list(self._ambiguous.items()):
+            if a.seq < self.log.next_seq:
+                del self._ambiguous[path]
         if self._pending:
             self.publish_pending(force=True)
+        taken = {eid for e in entries if isinstance(e, ShardEntry) for eid in e.episode_ids}
+        taken = {fe.episode_id for fe in eps if fe.episode_id in taken}
+        log.warning(
+            "partition %d: manifest conflict; %d episode(s) were committed by another writer",
+            self.partition,
+            len(taken),
+        )
+        return taken
 
 
 def read_committed_shard(storage: Storage, path: str, staging_path: str | None) -> bytes:

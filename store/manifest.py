@@ -489,6 +489,13 @@ class PartitionLog:
         with self._lock:
             return set(self._ids)
 
+    def committed_offset(self, episode_id: str) -> int | None:
+        """The ``last_offset`` of the committed entry holding *episode_id* (None: none known).
+        Takes no lock: one dict lookup, atomic under the GIL, so a reader on another thread is
+        never held up by an append's storage calls."""
+        e = self._ids.get(episode_id)
+        return None if e is None else e.last_offset
+
     def committed_last_offsets(self) -> dict[str, int]:
         """``{episode id: last_offset of its entry}`` for :meth:`committed_episode_ids`."""
         with self._lock:

@@ -30,7 +30,7 @@ maintenance commands need, on paths *relative to the output root*:
 Transient errors (``OSError`` from pyarrow other than not-found / exists /
 permission errors, botocore connection errors, HTTP 5xx / throttling) are retried
 with exponential backoff and full jitter for a bounded number of attempts
-(:class:`RetryPolicy`), then :class:`StorageError` is raised.  pyarrow's and
+(:class:`rlrec.store.retry.RetryPolicy`, the one retry schedule), then :class:`StorageError` is raised.  pyarrow's and
 botocore's own retries would run *inside* each of our attempts, so the boto3
 client made here makes a single attempt per call (our loop sees, and can
 disambiguate, every failed conditional PUT) and S3 filesystems built by
@@ -55,7 +55,6 @@ import contextlib
 import errno
 import logging
 import os
-import random
 import shutil
 import threading
 import time
@@ -66,6 +65,8 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import pyarrow.fs as pafs
+
+from rlrec.store.retry import RetryPolicy
 
 __all__ = [
     "ConditionalWritesError",
@@ -98,25 +99,6 @@ class StorageError(Exception):
 class ConditionalWritesError(RuntimeError):
     """The storage does not enforce create-once writes (S3 ``If-None-Match: *``): writer
     fencing and episode deduplication would silently be off."""
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """Exponential backoff with full jitter: sleep ``uniform(0, min(max_delay, base_delay * 2**i))``
-    after failed attempt *i* (0-based); at most *attempts* attempts in all."""
-
-    attempts: int = 5
-    base_delay: float = 0.05
-    max_delay: float = 2.0
-
-    def __post_init__(self) -> None:
-        if self.attempts < 1:
-            raise ValueError("RetryPolicy.attempts must be >= 1")
-        if self.base_delay < 0 or self.max_delay < 0:
-            raise ValueError("RetryPolicy delays must be >= 0")
-
-    def delay(self, attempt: int) -> float:
-        return random.uniform(0.0, min(self.max_delay, self.base_delay * (2.0**attempt)))
 
 
 @dataclass(frozen=True)
@@ -284,6 +266,8 @@ class Storage:
             if not self.base:
                 raise ValueError(f"{self.kind} storage needs a base path (at least a bucket)")
         self.retry = retry or RetryPolicy()
+        if self.retry.attempts is None:
+            raise ValueError("Storage retries in place: its RetryPolicy needs a bounded number of attempts")
         self.fsync = fsync
         self._s3_client = s3_client
         self._s3_lock = threading.Lock()
@@ -376,29 +360,27 @@ class Storage:
     def _retry(self, what: str, fn: Callable[[int], T]) -> T:
         """Run fn(attempt) with retries on transient errors; StorageError at the end."""
         policy = self.retry
-        last: BaseException | None = None
-        for attempt in range(policy.attempts):
+        attempt = 0
+        while True:
             try:
                 return fn(attempt)
             except Exception as e:
                 if not _is_transient(e):
                     raise
-                last = e
-                if attempt + 1 < policy.attempts:
-                    d = policy.delay(attempt)
-                    log.debug(
-                        "%s: transient error (attempt %d/%d), retrying in %.3fs: %s",
-                        what,
-                        attempt + 1,
-                        policy.attempts,
-                        d,
-                        e,
-                    )
-                    time.sleep(d)
-        log.warning("%s: giving up after %d attempts: %s", what, policy.attempts, last)
-        raise StorageError(
-            f"{what}: failed after {policy.attempts} attempts: {last}", attempts=policy.attempts
-        ) from last
+                if policy.gives_up(attempt + 1):
+                    log.warning("%s: giving up after %d attempts: %s", what, attempt + 1, e)
+                    raise StorageError(f"{what}: failed after {attempt + 1} attempts: {e}", attempts=attempt + 1) from e
+                d = policy.delay(attempt)
+                log.debug(
+                    "%s: transient error (attempt %d/%d), retrying in %.3fs: %s",
+                    what,
+                    attempt + 1,
+                    policy.attempts,
+                    d,
+                    e,
+                )
+                time.sleep(d)
+                attempt += 1
 
     # ------------------------------------------------------------ local helpers
     def _fsync_dir(self, d: str) -> None:

@@ -8,6 +8,7 @@ from gymnasium import spaces as gs
 
 from rlrec.consumer.assembly import AssemblyConfig, PartitionAssembler
 from rlrec.producer.events import EpisodeAbort, EpisodeStart, RewardDelta, StepBatch, decode, encode
+from rlrec.store.finished import FinishedEpisode
 
 OBS = gs.Box(-10, 10, (4,), np.float32)
 ACT = gs.Discrete(2)
@@ -34,6 +35,30 @@ def steps(eid="e1", t0=0, n=3, terminated=False, truncated=False, extra=True, se
     )
 
 
+class Committed:
+    """The committer's answers, kept in memory: episode id -> last offset of its entry, and steps."""
+
+    def __init__(self, offsets: dict[str, int] | None = None) -> None:
+        self.offsets = dict(offsets or {})
+        self.lengths: dict[str, int] = {}
+
+    def committed_offset(self, episode_id: str) -> int | None:
+        return self.offsets.get(episode_id)
+
+    def committed_length(self, episode_id: str) -> int | None:
+        return self.lengths.get(episode_id)
+
+
+def commit(a: PartitionAssembler, episodes: list[FinishedEpisode], last_offset: int) -> None:
+    """What a writer does once its committer committed `episodes` in an entry ending at `last_offset`."""
+    if not isinstance(a.committed, Committed):
+        a.committed = Committed()
+    for fe in episodes:
+        a.committed.offsets[fe.episode_id] = last_offset
+        a.committed.lengths[fe.episode_id] = fe.length
+    a.mark_committed(episodes)
+
+
 def test_episode_assembles_in_order_and_hands_out_once():
     a = PartitionAssembler("t", 0)
     assert a.apply(10, start()) == []
@@ -51,7 +76,7 @@ def test_episode_assembles_in_order_and_hands_out_once():
     assert a.safe_offset() == 10  # not committed yet
     a.hand_out([fe])
     assert a.ready(force=True) == []
-    a.mark_committed([fe], 12)
+    commit(a, [fe], 12)
     assert a.safe_offset() == 13
 
 
@@ -62,7 +87,7 @@ def test_safe_offset_waits_for_the_oldest_open_episode():
     a.apply(7, steps("new", 0, 2, terminated=True))
     fe = a.ready(force=True)[0]
     a.hand_out([fe])
-    a.mark_committed([fe], 7)
+    commit(a, [fe], 7)
     assert a.safe_offset() == 5  # "old" is still open: a crash must replay it
     dls = a.apply(8, EpisodeAbort("old"))
     # "old" had no steps: it is dead-lettered as empty, so it no longer holds the offset back
@@ -120,14 +145,14 @@ def test_delayed_rewards_apply_until_hand_out_then_are_late():
     assert a.ready(now=fe.finished_at + 11) == [fe]
     a.hand_out([fe])
     assert [d.reason for d in a.apply(6, RewardDelta("e1", 0, 1.0))] == ["late-reward"]
-    a.mark_committed([fe], 5)
+    commit(a, [fe], 5)
     assert [d.reason for d in a.apply(7, RewardDelta("e1", 0, 1.0))] == ["late-reward"]
     assert fe.last_offset == 5
 
 
 def test_replay_skips_committed_episodes_silently():
     # restart: the manifest says e1 is committed in a shard whose last offset is 12
-    a = PartitionAssembler("t", 0, committed={"e1": 12})
+    a = PartitionAssembler("t", 0, committed=Committed({"e1": 12}))
     assert a.apply(10, start()) == []
     assert a.apply(11, steps(t0=0, n=3)) == []
     assert a.apply(12, steps(t0=3, n=1, terminated=True)) == []
@@ -208,7 +233,7 @@ def test_an_episode_waits_for_the_acknowledgement_of_its_own_dead_letters():
     assert ready(1) == ["b"]  # an earlier letter (any episode's) unacknowledged: a waits too
     assert ready(3) == ["a", "b"]  # a's letters acknowledged
     a.hand_out(a.ready(force=True))
-    a.mark_committed(list(a.in_flight.values()), 5)
+    commit(a, list(a.in_flight.values()), 5)
     assert a.letters_upto == {}  # forgotten once committed: memory does not grow
 
 

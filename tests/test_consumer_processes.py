@@ -22,11 +22,9 @@ from rlrec.store.maintenance import verify
 from rlrec.store.manifest import read_manifest
 from rlrec.store.storage import Storage
 from rlrec.supervisor import (
-    MAX_QUICK_CRASHES,
-    RESTART_BACKOFF_S,
+    RESTARTS,
     ConsumerProcesses,
     check_split,
-    restart_delay,
     split_config,
 )
 from tests.helpers import ACT_SPACE, OBS_SPACE, record_episodes, wait_for
@@ -63,10 +61,12 @@ def test_a_share_below_one_episode_is_refused():
         ConsumerProcesses(cfg, 5)
 
 
-def test_restart_delay_doubles_up_to_its_cap():
-    assert [restart_delay(n) for n in (1, 2, 3, 4)] == [1.0, 2.0, 4.0, 8.0]
-    assert restart_delay(30) == RESTART_BACKOFF_S[1]
-    assert MAX_QUICK_CRASHES >= 2
+def test_restarts_double_and_give_up_after_a_few_quick_crashes():
+    assert [RESTARTS.delay(n) for n in (0, 1, 2, 3)] == [1.0, 2.0, 4.0, 8.0]
+    assert RESTARTS.delay(30) == RESTARTS.max_delay
+    assert (
+        RESTARTS.attempts >= 2 and not RESTARTS.gives_up(RESTARTS.attempts - 1) and RESTARTS.gives_up(RESTARTS.attempts)
+    )
 
 
 @pytest.mark.parametrize(
@@ -267,7 +267,7 @@ def test_a_child_that_keeps_crashing_stops_the_supervisor_with_exit_1(broker, to
     err = lines.text()
     assert proc.returncode == 1, err[-3000:]
     assert "restart in 1 s" in err and "restart in 2 s" in err  # the backoff doubled
-    assert f"{MAX_QUICK_CRASHES} times in a row soon after starting; stopping all" in err
+    assert f"{RESTARTS.attempts} times in a row soon after starting; stopping all" in err
 
 
 class _FakeProcess:

@@ -153,7 +153,7 @@ def test_an_uncertain_append_keeps_its_episodes_closed_to_rewards(proxied):
     proxy.clear_rules()
     w.next_attempt = 0.0
     t = w.tick(time.time())
-    assert w.state is WriterState.ACTIVE and not w.uncertain and "a" in w.assembler.committed
+    assert w.state is WriterState.ACTIVE and not w.uncertain and w.committer.committed_offset("a") is not None
     ep, _ = read_all(direct)["a"]
     assert np.asarray(ep.get_rewards()).tolist() == [1.0, 1.0]
     assert w.assembler.safe_offset() == 3
@@ -197,7 +197,7 @@ def test_encoding_on_another_thread_keeps_episodes_in_flight_until_committed(tmp
         assert w.due(later)
         t = w.tick(later)  # commits "a" only: "b" was not handed out
         assert [fe.episode_id for f in t.flushed for fe in f.episodes] == ["a"]
-        assert "a" in a.committed and "b" in a.finished
+        assert a.committed.committed_offset("a") is not None and "b" in a.finished
         t = w.tick(later, force=True)  # nothing encoding: "b" written at once
         assert [fe.episode_id for f in t.flushed for fe in f.episodes] == ["b"]
         assert sorted(i for e in read_manifest(storage) for i in e.episode_ids) == ["a", "b"]
@@ -294,7 +294,9 @@ def test_background_write_leaves_the_committer_alone_and_its_outcome_to_the_loop
         gate.set()
         drain()
         t = w.tick(later)
-        assert [fe.episode_id for f in t.flushed for fe in f.episodes] == ["a"] and "a" in a.committed
+        assert [fe.episode_id for f in t.flushed for fe in f.episodes] == ["a"] and a.committed.committed_offset(
+            "a"
+        ) is not None
         assert touched[-1] == "forget 2" and not w.encoding  # applied with the outcome
         monkeypatch.undo()
 

@@ -525,8 +525,7 @@ def _episodes(n: int, seed: int):
 
 
 def test_own_landed_entry_is_published_within_one_flush_cycle(faulty_store: Storage, fault_proxy: FaultProxy) -> None:
-    """The staged-then-conflict sequence (fails on main: the shard stayed in _staging until the
-    next owner's claim). The append lands but every attempt is answered 503 (StorageError); the
+    """The staged-then-conflict sequence: the append lands but every attempt is answered 503 (StorageError); the
     consumer gives the episodes back and flushes again; the conflict shows the landed entry."""
     from rlrec.store.commit import AmbiguousCommitError, ShardCommitter, read_committed_shard
 
@@ -543,10 +542,10 @@ def test_own_landed_entry_is_published_within_one_flush_cycle(faulty_store: Stor
     [landed] = PartitionLog(st, TOPIC, 0).load()[1:]
     assert isinstance(landed, ShardEntry) and st.exists(landed.staging_path) and not st.exists(landed.path)
 
-    marked: list[tuple[str, int]] = []
-    res = c.commit(eps, on_committed=lambda fes, last: marked.extend((fe.episode_id, last) for fe in fes))
-    assert res.shards == 0 and res.duplicates_dropped == 2
-    assert sorted(marked) == sorted((fe.episode_id, landed.last_offset) for fe in eps)
+    assert [fe.episode_id for fe in c.uncertain] == [fe.episode_id for fe in eps]
+    res = c.commit(eps)
+    assert res.shards == 0 and res.duplicates_dropped == 2 and c.uncertain == []
+    assert [c.committed_offset(fe.episode_id) for fe in eps] == [landed.last_offset] * 2
     assert st.exists(landed.path) and not st.exists(landed.staging_path)  # published in this cycle
     assert c.pending == []
     assert hashlib.sha256(read_committed_shard(st, landed.path, landed.staging_path)).hexdigest() == landed.sha256
@@ -570,7 +569,7 @@ def test_retries_of_an_uncertain_append_keep_one_copy(faulty_store: Storage, fau
             c.commit(eps)
         fault_proxy.clear_rules()
         fault_proxy.fail_matching(FAST_RETRY.attempts, "/_manifest/", method="PUT")
-    assert len(c._ambiguous) == 1
+    assert len(c._ambiguous) == 1 and len(c.uncertain) == 2
     fault_proxy.clear_rules()
     res = c.commit(eps)
     assert res.shards == 0 and res.duplicates_dropped == 2 and c._ambiguous == {}
@@ -580,8 +579,8 @@ def test_retries_of_an_uncertain_append_keep_one_copy(faulty_store: Storage, fau
 
 
 def test_failed_publish_is_rolled_forward_by_the_next_cycle(faulty_store: Storage, fault_proxy: FaultProxy) -> None:
-    """Fails on main (a failed publish waited for the next owner's claim). Publishing copies the
-    staged object (S3 CopyObject: a PUT with x-amz-copy-source); the proxy fails those."""
+    """A failed publish is retried by the writer's next cycle, not left to the next owner's
+    claim. Publishing copies the staged object (S3 CopyObject: a PUT with x-amz-copy-source); the proxy fails those."""
     from rlrec.store.commit import ShardCommitter
 
     st = faulty_store

@@ -465,7 +465,7 @@ def _pct(samples: list[float], q: float) -> float | None:
 def _import_episode_code() -> None:
     """ray.rllib (imported by the first episode build) costs ~2 s: pay it before any clock.
     Then, on every side alike, freeze the start-up objects as `rlrec consume` does (gc.freeze:
-    the garbage collector's full passes no longer walk Ray's and RLlib's ~300k objects)."""
+    the garbage collector's full passes then skip Ray's and RLlib's ~300k objects)."""
     from ray.rllib.env.single_agent_episode import SingleAgentEpisode  # noqa: F401
 
     import rlrec.consumer.service

@@ -1,4 +1,4 @@
-"""Manifest benchmark: what one partition claim costs at a long history (issue 13).
+"""Manifest benchmark: what one partition claim costs at a long history.
 
     python bench/manifest.py [--entries 20000] [--rounds 5] [--quick] [--json PATH]
 
@@ -15,8 +15,8 @@ each in a fresh child process (so neither shares moto's interpreter lock with th
 each peak RSS is its own; imports and the storage client are made before the clock starts), as a
 consumer does on partition assignment:
 
-  baseline   the claim of `store/manifest.py` + `store/commit.py` at commit 51d84f6, the code
-             before issue 13, loaded from git: list the log, read every entry, append a claim,
+  baseline   the claim of `store/manifest.py` + `store/commit.py` at commit 51d84f6 (no
+             snapshots), loaded from git: list the log, read every entry, append a claim,
              list the policy and staging directories its entries name, map every committed id;
   ours       `ShardCommitter.claim(replay_from=C)`, C = the first offset of the last 30 shards
              (the partition's committed Kafka offset).

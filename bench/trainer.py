@@ -1,4 +1,4 @@
-"""Trainer benchmark: rlrec's `ManifestOfflineData` vs RLlib's stock `OfflineData`, pinned (issue 15).
+"""Trainer benchmark: rlrec's `ManifestOfflineData` vs RLlib's stock `OfflineData`, pinned.
 
     python bench/trainer.py [--rounds R] [--seconds S] [--stock-batch 2 8] [--switch-interval X] --json PATH
 

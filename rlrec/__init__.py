@@ -22,8 +22,6 @@ _EXPORTS = {
     "DecodeError": "rlrec.producer.events",
     "encode": "rlrec.producer.events",
     "decode": "rlrec.producer.events",
-    "LocalBroker": "rlrec.local",
-    "LocalS3": "rlrec.local",
     "load_policy": "rlrec.trainer.policy",
 }
 

@@ -44,7 +44,7 @@ def _layer(module: str) -> str | None:
     for layer in ("producer", "store", "consumer", "trainer"):
         if module == f"rlrec.{layer}" or module.startswith(f"rlrec.{layer}."):
             return layer
-    return "app"  # `rlrec` itself re-exports application objects (LocalBroker), so it counts as app
+    return "app"  # `rlrec` itself re-exports the trainer's load_policy, so it counts as app
 
 
 def _module_name(path: Path) -> str:
@@ -99,6 +99,15 @@ def test_lazy_helper_imports_nothing_of_ours():
     path = ROOT / "rlrec" / "_lazy.py"
     ours = [t for _, t in _imports(path, "rlrec._lazy") if t == "rlrec" or t.startswith("rlrec.")]
     assert ours == []
+
+
+def test_public_namespace_exports_no_test_harness():
+    """`rlrec` re-exports the policy-side API and load_policy; the embedded test stack
+    (LocalBroker, LocalS3) is imported from `rlrec.local`."""
+    import rlrec
+
+    assert not {"LocalBroker", "LocalS3"} & set(rlrec.__all__)
+    assert not hasattr(rlrec, "LocalBroker")
 
 
 def test_nothing_imports_the_old_top_level_names():

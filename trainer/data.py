@@ -92,6 +92,8 @@ class ManifestOfflineData(OfflineData):
     """
 
     def __init__(self, config: Any) -> None:
+        # Every attribute RLlib's OfflineData.__init__ sets (it is not called: it reads the data);
+        # tests/test_offline_data_parity.py fails when an RLlib upgrade adds one.
         self.config = config
         self.is_multi_agent = config.is_multi_agent
         if self.is_multi_agent:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
 
@@ -13,6 +12,7 @@ import numpy as np
 import pyarrow as pa
 import ray
 
+from rlrec.producer.bounded import ByteBoundedLRU
 from rlrec.store.commit import read_committed_shard
 from rlrec.store.schema_gate import ShardSchemaError, open_shard
 from rlrec.store.storage import Storage
@@ -29,37 +29,24 @@ class _TableCache:
     must stop being trained on)."""
 
     def __init__(self, max_bytes: int, ttl_s: float = 30.0) -> None:
-        self.max_bytes = max_bytes
         self.ttl_s = ttl_s
-        self.items: OrderedDict[str, tuple[pa.Table, float]] = OrderedDict()
-        self.nbytes = 0
+        self.lru: ByteBoundedLRU[str, tuple[pa.Table, float]] = ByteBoundedLRU(max_bytes)
 
     def get(self, key: str, still_there: Any = None) -> pa.Table | None:
-        item = self.items.get(key)
+        item = self.lru.get(key)
         if item is None:
             return None
         table, t = item
         if still_there is not None and time.monotonic() - t > self.ttl_s:
             if not still_there():
-                self.drop(key)
+                self.lru.pop(key)
                 return None
-            self.items[key] = (table, time.monotonic())
-        self.items.move_to_end(key)
+            self.lru.put(key, (table, time.monotonic()), table.nbytes)
         return table
 
-    def drop(self, key: str) -> None:
-        item = self.items.pop(key, None)
-        if item is not None:
-            self.nbytes -= item[0].nbytes
-
     def put(self, key: str, table: pa.Table) -> None:
-        if key in self.items or table.nbytes > self.max_bytes:
-            return
-        self.items[key] = (table, time.monotonic())
-        self.nbytes += table.nbytes
-        while self.nbytes > self.max_bytes and self.items:
-            _, (old, _t) = self.items.popitem(last=False)
-            self.nbytes -= old.nbytes
+        if key not in self.lru:
+            self.lru.put(key, (table, time.monotonic()), table.nbytes)
 
 
 class BadShard(Exception):

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from rlrec.producer.bounded import OldestHalfDict
 from rlrec.producer.events import (
     DecodeError,
     EpisodeAbort,
@@ -155,6 +156,9 @@ class AssemblyConfig:
 
 @dataclass
 class Counters:
+    """What assembly did with events, episodes and decisions; one object may be shared by every
+    assembler of a consumer (exported as `rlrec_assembly_total{what=...}`)."""
+
     events: int = 0
     duplicates: int = 0
     replay_skipped: int = 0
@@ -248,6 +252,7 @@ class PartitionAssembler:
         committed: asked which episodes are committed (the partition's committer); the
             assembler keeps no copy.
         config: assembly limits and policies.
+        counters: where it counts what it did (shared by a consumer's assemblers; a new one if None).
     """
 
     def __init__(
@@ -256,6 +261,7 @@ class PartitionAssembler:
         partition: int,
         committed: CommittedEpisodes | None = None,
         config: AssemblyConfig | None = None,
+        counters: Counters | None = None,
     ):
         self.topic = topic
         self.partition = partition
@@ -264,12 +270,12 @@ class PartitionAssembler:
         self.open: dict[str, OpenEpisode] = {}
         self.finished: dict[str, FinishedEpisode] = {}  # in finish order
         self.in_flight: dict[str, FinishedEpisode] = {}  # handed out, commit not yet confirmed
-        self.evicted: dict[str, str] = {}  # episode id -> reason, bounded
+        self.evicted: OldestHalfDict = OldestHalfDict(100_000)  # episode id -> reason
         #: episode id -> offset of the latest dead letter made from its events while it was open
         #: or finished (see `may_write`)
         self.letters_upto: dict[str, int] = {}
         self.next_offset: int | None = None
-        self.counters = Counters()
+        self.counters = counters if counters is not None else Counters()
         self.finished_bytes = 0
         self.open_nbytes = 0  # memory held by open episodes (OpenEpisode.nbytes summed)
         #: since when the partition has been read live (caught up, not paused); None: it is not.
@@ -619,9 +625,6 @@ class PartitionAssembler:
 
     def _remember_evicted(self, eid: str, reason: str) -> None:
         self.evicted[eid] = reason
-        if len(self.evicted) > 100_000:  # bounded: the oldest half goes
-            for k in list(self.evicted)[:50_000]:
-                del self.evicted[k]
 
     def _dead_letter_episode(self, ep: OpenEpisode, reason: str, detail: str) -> list[DeadLetter]:
         """Re-encode everything received for `ep` as dead letters, so nothing vanishes."""

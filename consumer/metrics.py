@@ -5,9 +5,14 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+
+from rlrec.consumer.assembly import Counters
 
 __all__ = ["ConsumerMetrics"]
 
@@ -17,11 +22,35 @@ class _QuietHandler(WSGIRequestHandler):
         pass
 
 
-class ConsumerMetrics:
-    """The consumer's counters, gauges and histograms, in a registry of their own."""
+class _AssemblyCollector(Collector):
+    """`rlrec_assembly_total{what=...}`: the assemblers' shared `Counters`, read at scrape time."""
 
-    def __init__(self) -> None:
+    def __init__(self, counters: Counters) -> None:
+        self.counters = counters
+
+    def collect(self):
+        family = CounterMetricFamily(
+            "rlrec_assembly",
+            "what episode assembly did: events applied, duplicates, replays skipped, ...",
+            labels=["what"],
+        )
+        for what, n in asdict(self.counters).items():
+            family.add_metric([what], n)
+        yield family
+
+
+class ConsumerMetrics:
+    """The consumer's counters, gauges and histograms, in a registry of their own.
+
+    Args:
+        assembly: the counters every assembler of the consumer counts into (exported as
+            `rlrec_assembly_total`).
+    """
+
+    def __init__(self, assembly: Counters | None = None) -> None:
         r = self.registry = CollectorRegistry()
+        self.assembly = assembly if assembly is not None else Counters()
+        r.register(_AssemblyCollector(self.assembly))
         self.episodes_committed = Counter("rlrec_episodes_committed", "episodes in committed shards", registry=r)
         self.steps_committed = Counter("rlrec_steps_committed", "steps in committed shards", registry=r)
         self.shards_committed = Counter("rlrec_shards_committed", "shards committed", registry=r)

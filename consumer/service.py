@@ -347,6 +347,7 @@ class RecorderConsumer:
             assembly=self.assembly,
             rotation=self.rotation,
             encoder=self.encoder,
+            counters=self.metrics.assembly,
         )
         self.writers[p] = w
         for attempt in range(CLAIM_RETRY.attempts):

@@ -28,7 +28,7 @@ from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from enum import Enum
 
-from rlrec.consumer.assembly import AssemblyConfig, PartitionAssembler
+from rlrec.consumer.assembly import AssemblyConfig, Counters, PartitionAssembler
 from rlrec.store.commit import CommitResult, ShardCommitter
 from rlrec.store.finished import FinishedEpisode
 from rlrec.store.manifest import FencedError
@@ -140,6 +140,7 @@ class PartitionWriter:
         assembly: assembly limits and policies.
         rotation: when finished episodes become a shard.
         encoder: where steps 1-4 run (None: on the caller's thread).
+        counters: what its assemblers count into (shared by a consumer's writers).
     """
 
     def __init__(
@@ -153,6 +154,7 @@ class PartitionWriter:
         assembly: AssemblyConfig | None = None,
         rotation: Rotation | None = None,
         encoder: Executor | None = None,
+        counters: Counters | None = None,
     ):
         self.topic = topic
         self.partition = partition
@@ -164,6 +166,7 @@ class PartitionWriter:
         self.replay_from: int | None = None  # the committed Kafka offset the last claim replays from
         self.retry = RetrySchedule()  # failed flushes (wall clock); a claim's retry time too
         self.encoder = encoder
+        self.counters = counters if counters is not None else Counters()
         #: chunks handed out and being written on `encoder`, with the future of a `_Written`
         self._encoding: tuple[list[list[FinishedEpisode]], Future] | None = None
         self._encoding_bytes = 0
@@ -194,6 +197,11 @@ class PartitionWriter:
         return self.retry.since
 
     @property
+    def kafka_committed(self) -> int | None:
+        """The Kafka offset the service last committed for this owner (None: none yet)."""
+        return self._kafka_committed
+
+    @property
     def encoding(self) -> bool:
         """Whether a shard is being written on the `encoder` (its outcome applied by a later tick)."""
         return self._encoding is not None
@@ -220,7 +228,9 @@ class PartitionWriter:
         self.committer.claim(replay_from)
         self.replay_from = replay_from
         self._kafka_committed = None
-        self.assembler = PartitionAssembler(self.topic, self.partition, self.committer, self.assembly_config)
+        self.assembler = PartitionAssembler(
+            self.topic, self.partition, self.committer, self.assembly_config, self.counters
+        )
         self.state = WriterState.ACTIVE
         self.retry.succeeded()
         log.info(

@@ -504,3 +504,19 @@ def test_after_a_partition_count_change_orphans_and_split_parts_say_so():
     decisions = a.decide_timeouts(now=106.0)
     assert [(d.reason, d.action) for d in decisions] == [("partition-change", "dead-letter")]
     assert [r for r, _ in _reasons(_decided(a, decisions, 3, now=106.0))] == ["partition-change"] * 3
+
+
+def test_assemblers_of_a_consumer_count_into_one_exported_counter():
+    from prometheus_client import generate_latest
+
+    from rlrec.consumer.metrics import ConsumerMetrics
+
+    metrics = ConsumerMetrics()
+    a = PartitionAssembler("t", 0, counters=metrics.assembly)
+    b = PartitionAssembler("t", 1, counters=metrics.assembly)
+    a.apply(0, start("a"))
+    b.apply(0, start("b"))
+    b.apply(1, start("b"))  # the same start again: a duplicate
+    text = generate_latest(metrics.registry).decode()
+    assert 'rlrec_assembly_total{what="events"} 3.0' in text
+    assert 'rlrec_assembly_total{what="duplicates"} 1.0' in text

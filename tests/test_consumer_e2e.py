@@ -192,7 +192,13 @@ def test_claim_replays_from_the_group_committed_offset(broker, topic, tmp_path):
     storage = Storage.from_uri(output)
     c, t = run_consumer(cfg, storage)
     try:
-        wait_for(lambda: committed_episodes(storage) >= 12 and len(c._committed) >= 1, 40, what="committed")
+        wait_for(
+            lambda: (
+                committed_episodes(storage) >= 12 and any(w.kafka_committed is not None for w in c.writers.values())
+            ),
+            40,
+            what="committed",
+        )
         time.sleep(1.0)  # one more offset commit
     finally:
         c.stop()

@@ -85,12 +85,12 @@ def option(
         metavar: the value's name in ``--help``.
 
     Example:
+        >>> import typing
         >>> from dataclasses import dataclass
-        >>> from typing import Literal
         >>> @dataclass
         ... class Opts:
         ...     output: str = option(help="where to write")
-        ...     format: Literal["episodes", "tabular"] = option("episodes", help="shard layout")
+        ...     format: typing.Literal["episodes", "tabular"] = option("episodes", help="shard layout")
         >>> opts = OptionSet("example", Opts)
         >>> opts.build(Opts, opts.resolve_values(environ={"RLREC_OUTPUT": "/tmp/x"}))
         Opts(output='/tmp/x', format='episodes')

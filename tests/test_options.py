@@ -204,3 +204,12 @@ def test_train_help_lists_every_option_with_its_default_and_choices():
         if opt.shown_default() is not None:
             assert f"default: {opt.shown_default()}" in text, opt.flag
     assert "{BC,MARWIL,CQL,IQL}" in text and "{episodes,buffer}" in text and "--no-publish" in text
+
+
+def test_the_docstring_examples_run():
+    import doctest
+
+    import rlrec.options
+
+    result = doctest.testmod(rlrec.options)
+    assert result.attempted >= 3 and result.failed == 0

@@ -3,8 +3,8 @@
 Every option can also come from a config file (`--config FILE`, TOML or JSON, keys as the long
 option names with dashes or underscores) or from `RLREC_<OPTION>` environment variables
 (e.g. `RLREC_BOOTSTRAP_SERVERS`, `RLREC_MAX_FILE_AGE_S`). Precedence: command line, then
-environment, then config file, then defaults. An unknown config-file key or RLREC_* variable
-is an error.
+environment, then config file, then defaults. A config-file key that is no option of this
+command, or an RLREC_* variable that is no option of any command, is an error.
 """
 
 from __future__ import annotations
@@ -50,8 +50,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def resolve_options(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """Merge command line > RLREC_* environment > config file > defaults into {field: value};
-    OptionError (one line) for an unknown key or variable, a bad value or a missing option."""
+    """Merge command line > RLREC_* environment > config file > defaults into {field: value}
+    (None for a required option given nowhere); OptionError (one line) for an unknown key or
+    variable or a bad value."""
     return OPTIONS.resolve(args, environ)
 
 

@@ -16,7 +16,8 @@ Examples:
 Every option can also come from a config file (`--config FILE`, TOML or JSON, keys as the long
 option names with dashes or underscores) or from `RLREC_<OPTION>` environment variables
 (e.g. `RLREC_INPUT`, `RLREC_ALGO`). Precedence: command line, then environment, then config
-file, then defaults. An unknown config-file key or RLREC_* variable is an error.
+file, then defaults. A config-file key that is no option of this command, or an RLREC_*
+variable that is no option of any command, is an error.
 """
 
 from __future__ import annotations

@@ -40,22 +40,21 @@ import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
 from rlrec.consumer.assembly import (
     DECISION_GRACE_S,
-    VALIDATE_SPACES,
     AssemblyConfig,
     DeadLetter,
     Decision,
     finished_events,
 )
+from rlrec.consumer.config import ConsumerConfig
 from rlrec.consumer.dead_letters import DeadLetterQueue, dead_letter_record
 from rlrec.consumer.metrics import ConsumerMetrics
-from rlrec.consumer.topics import client_settings, create_topics, dlq_topic_name
+from rlrec.consumer.topics import client_settings, create_topics
 from rlrec.consumer.writer import PartitionWriter, Rotation
 from rlrec.producer.events import DecodeError, decode, encode
 from rlrec.producer.registry import RegistryUnavailable
@@ -95,53 +94,6 @@ PARTITION_CHECK_S = 30.0
 BROKER_TROUBLE_S = 10.0
 #: a claim on assignment, tried in place before the partition is paused and claimed from the loop
 CLAIM_RETRY = RetryPolicy(attempts=3, base_delay=0.2, max_delay=1.0)
-
-
-@dataclass
-class ConsumerConfig:
-    """Options of `rlrec consume` (names match the CLI flags)."""
-
-    bootstrap_servers: str
-    output: str
-    topic: str = "rlrec.transitions"
-    group_id: str = "rlrec-consumer"
-    format: str = "episodes"
-    compression: str = "zstd"
-    max_episodes_per_file: int = 1000
-    max_file_bytes: int = 128 * 1024 * 1024
-    max_file_age_s: float = 60.0
-    reward_join_window_s: float = 0.0
-    episode_timeout_s: float = 600.0
-    on_timeout: str = "truncate"
-    max_open_episodes: int = 100_000
-    max_open_bytes: int = 1024 * 1024 * 1024
-    on_capacity: str = "dead-letter"  # or "truncate"
-    max_episode_bytes: int = 64 * 1024 * 1024
-    on_episode_too_large: str = "dead-letter"  # or "truncate"
-    validate_spaces: str = "strict"  # or "shape", "off"
-    max_buffered_bytes: int = 512 * 1024 * 1024
-    dlq_topic: str | None = None
-    partitions: int = 8
-    create_topics: bool = True
-    max_message_bytes: int = 8 * 1024 * 1024
-    dlq_max_message_bytes: int = 900_000
-    commit_interval_s: float = 5.0
-    schema_registry_url: str | None = None
-    metrics_port: int | None = None
-    metrics_host: str = "127.0.0.1"
-    allow_unfenced_storage: bool = False  # run on a store that ignores create-once writes (no fencing)
-    kafka_config: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.validate_spaces not in VALIDATE_SPACES:
-            raise ValueError(f"validate_spaces must be one of {', '.join(VALIDATE_SPACES)}")
-        for name in ("on_timeout", "on_capacity", "on_episode_too_large"):
-            if getattr(self, name) not in ("truncate", "dead-letter"):
-                raise ValueError(f"{name} must be truncate or dead-letter, got {getattr(self, name)!r}")
-
-    @property
-    def dlq(self) -> str:
-        return self.dlq_topic or dlq_topic_name(self.topic)
 
 
 class RecorderConsumer:

@@ -6,8 +6,12 @@ import json
 import logging
 import sys
 import time
+from dataclasses import dataclass
+from typing import Literal
 
-__all__ = ["JsonFormatter", "setup_logging"]
+from rlrec.options import option
+
+__all__ = ["JsonFormatter", "LogOptions", "setup_logging"]
 
 
 class JsonFormatter(logging.Formatter):
@@ -29,6 +33,14 @@ class JsonFormatter(logging.Formatter):
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
         return json.dumps(out)
+
+
+@dataclass
+class LogOptions:
+    """The logging options every long-running command has (``--log-format``, ``--log-level``)."""
+
+    log_format: Literal["text", "json"] = option("text", help="text, or json: one JSON object per line")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = option("INFO", help="log level", normalize=str.upper)
 
 
 def setup_logging(fmt: str = "text", level: str = "INFO", worker: int | None = None) -> None:

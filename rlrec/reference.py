@@ -1,9 +1,10 @@
 """Markdown configuration reference generated from the ``rlrec`` argparse parsers.
 
 :func:`render` walks every registered subcommand (nested ones such as ``topics create``
-too) and writes one table per command: option, default, help, plus, for ``rlrec consume``,
-the ``RLREC_*`` environment variable and config-file key of each option (from
-:data:`rlrec.commands.consume.OPTIONS`, the table those are derived from).  docs/CONFIG.md
+too) and writes one table per command: option, default, help, plus, for a command whose
+options are declared once (an :class:`rlrec.options.OptionSet` set as its parser's ``options``
+default: ``rlrec consume``, ``rlrec train``), the ``RLREC_*`` environment variable and
+config-file key of each option, from the same declaration.  docs/CONFIG.md
 is this output; ``tests/test_config_reference.py`` fails when the file is stale.
 
 The output depends only on the parsers, never on the environment: ``RLREC_*`` variables
@@ -16,7 +17,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import re
 from collections.abc import Iterator
 
 __all__ = ["REFRESH_COMMAND", "render"]
@@ -89,19 +89,28 @@ def _flag(action: argparse.Action) -> str:
     return f"{names} {metavar}"
 
 
-def _consume_sources() -> dict[str, tuple[str, str, str]]:
-    """consume's ``--flag`` -> (default, env var, config-file key) from its OPTIONS table."""
-    from rlrec.commands.consume import OPTIONS, _env, flag
-
+def _sources(sub: argparse.ArgumentParser) -> dict[str, tuple[str, str, str, str]] | None:
+    """``--flag`` -> (default, env var, config-file key, help) of a command whose options are
+    declared once (an :class:`rlrec.options.OptionSet` in its parser's defaults); None otherwise."""
+    options = sub.get_default("options")
+    if options is None:
+        return None
     out = {}
-    for name, typ, default, _help in OPTIONS:
-        if typ is flag:  # on/off: given alone on the command line, 1/true in the environment
-            out[f"--{name}"] = ("on" if default else "off", f"`RLREC_{_env(name)}=1`", f"`{name}`")
-            continue
-        shown = "" if default is None else f"`{default}`"
-        out[f"--{name}"] = (shown, f"`RLREC_{_env(name)}`", f"`{name}`")
-    out["--no-create-topics"] = ("off", "`RLREC_NO_CREATE_TOPICS=1`", "`no-create-topics`")
-    out["--kafka-config"] = ("", "", "`kafka-config` (a table)")
+    for opt in options.options.values():
+        shown = opt.shown_default()
+        default = "**required**" if opt.required else "" if shown is None else f"`{shown}`"
+        if opt.kind is bool:  # --flag/--no-flag on the command line, 1/0 in the environment
+            default, env, key = shown, f"`{opt.env}={0 if opt.default else 1}`", f"`{opt.key}`"
+        elif opt.kind is dict:
+            env, key = f"`{opt.env}` (JSON object)", f"`{opt.key}` (a table)"
+        else:
+            env, key = f"`{opt.env}`", f"`{opt.key}`"
+        help_ = opt.help
+        if opt.choices:
+            help_ += f" (one of {', '.join(map(str, opt.choices))})"
+        if opt.kind is dict:
+            help_ += " (repeatable)"
+        out[opt.flag] = (default, env, key, help_)
     return out
 
 
@@ -120,7 +129,7 @@ def _command_section(path: list[str], sub: argparse.ArgumentParser, help_: str) 
     if help_:
         lines += [_cell(help_).rstrip(".") + ".", ""]
     lines += _description(sub)
-    sources = _consume_sources() if path == ["consume"] else None
+    sources = _sources(sub)
     rows = []
     for action in sub._actions:
         if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)) or action.help is argparse.SUPPRESS:
@@ -130,11 +139,9 @@ def _command_section(path: list[str], sub: argparse.ArgumentParser, help_: str) 
             help_text += " (repeatable)"
         default = _default(action)
         if sources is not None:
-            opt = action.option_strings[-1] if action.option_strings else ""
-            src_default, env, key = sources.get(opt, (default, "", ""))
-            # the help text of consume's options ends in "[env RLREC_X]": the column says it
-            help_text = re.sub(r"\s*\[env RLREC_[A-Z_]+\]$", "", help_text)
-            rows.append(f"| {_flag(action)} | {src_default} | {env} | {key} | {help_text} |")
+            opt = action.option_strings[0] if action.option_strings else ""
+            default, env, key, help_text = sources.get(opt, (default, "", "", help_text))
+            rows.append(f"| {_flag(action)} | {default} | {env} | {key} | {_cell(help_text)} |")
         else:
             rows.append(f"| {_flag(action)} | {default} | {help_text} |")
     if rows:
@@ -176,9 +183,15 @@ def render(parser: argparse.ArgumentParser | None = None) -> str:
         "     tests/test_config_reference.py fails when this file is stale. -->",
         "",
         "Every `rlrec` subcommand with its options, defaults and help, generated from the parsers the",
-        "CLI itself uses. `rlrec consume` also reads each option from an `RLREC_<OPTION>` environment",
-        "variable or a `--config` file (JSON or TOML; keys are the long option names, with dashes or",
+        "CLI itself uses. `rlrec consume` and `rlrec train` declare their options once (dataclass fields)",
+        "and also read each option from an `RLREC_<OPTION>` environment variable or a `--config` file",
+        "(TOML by its `.toml` suffix, else JSON; keys are the long option names, with dashes or",
         "underscores); precedence: command line, then environment, then config file, then defaults.",
+        "A config-file key that is no option of the command, or an `RLREC_*` variable that is no option",
+        "of any of them, is an error naming the nearest valid one; another command's `RLREC_*` options",
+        "are ignored (an option both have, such as `RLREC_METRICS_PORT`, applies to both). Booleans are",
+        "`--flag`/`--no-flag`, `1`/`0` in the environment, and may be negated as a key",
+        "(`no-create-topics = true`, `RLREC_NO_CREATE_TOPICS=1`).",
         "S3 endpoint and credentials always come from the standard AWS environment (`AWS_ENDPOINT_URL`,",
         "`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`, `AWS_REGION`), never from options.",
         "",

@@ -11,6 +11,7 @@ accepts the file and interpolates it as these tests do.
 
 from __future__ import annotations
 
+import argparse
 import fnmatch
 import importlib
 import json
@@ -27,7 +28,8 @@ import tomllib
 import yaml
 
 from rlrec.cli import build_parser
-from rlrec.commands.consume import OPTIONS, _env, resolve_options
+from rlrec.commands.consume import OPTIONS, resolve_options
+from rlrec.options import known_env_vars
 from tests.compose_model import COMPOSE, ROOT, command_list, env_of, invocation, load_compose
 
 DOCKERFILE = ROOT / "Dockerfile"
@@ -40,8 +42,9 @@ ONE_SHOT = ("topics", "minio-init", "keys")
 
 def parse_service_command(name: str, service: dict, monkeypatch):
     """Parse a service's command with the real parser: `rlrec`'s, built with the service's environment
-    (some options take their defaults from RLREC_* variables when the parser is built), or that of
-    the module the service runs (its `parse(argv)`)."""
+    (some options take their defaults from RLREC_* variables when the parser is built; the options
+    of `consume` and `train` are resolved over the service's environment, typed), or that of the
+    module the service runs (its `parse(argv)`)."""
     for k in [k for k in os.environ if k.startswith("RLREC_")]:
         monkeypatch.delenv(k)
     for k, v in env_of(service).items():
@@ -49,7 +52,11 @@ def parse_service_command(name: str, service: dict, monkeypatch):
     module, argv = invocation(service)
     try:
         if module is None:
-            return build_parser().parse_args(argv)
+            args = build_parser().parse_args(argv)
+            options = getattr(args, "options", None)
+            if options is not None:
+                return argparse.Namespace(**(vars(args) | options.resolve(args, environ=env_of(service))))
+            return args
         return importlib.import_module(module).parse(argv)
     except SystemExit as e:
         prog = (module and f"python -m {module}") or "rlrec"
@@ -139,9 +146,7 @@ def test_every_rlrec_command_parses_with_the_real_cli(services, name, monkeypatc
 
 def test_policies_publish_to_the_consumers_topic_on_the_compose_kafka(services, monkeypatch):
     policy = parse_service_command("policy", services["policy"], monkeypatch)
-    consumer = resolve_options(
-        parse_service_command("consumer", services["consumer"], monkeypatch), environ=env_of(services["consumer"])
-    )
+    consumer = vars(parse_service_command("consumer", services["consumer"], monkeypatch))
     assert policy.bootstrap_servers == consumer["bootstrap_servers"] == "kafka:9092"
     assert policy.topic == consumer["topic"] == topic_partitions(services)[0]
     assert policy.steps_per_s > 0, "policies are throttled"
@@ -162,16 +167,14 @@ def test_topics_service_creates_the_consumers_topic_with_retention(services, mon
     assert args.bootstrap_servers == "kafka:9092"
     assert not args.no_dlq, "the consumer needs its dead-letter topic (it runs with --no-create-topics)"
     assert any(c.startswith("retention.ms=") for c in args.config)
-    consumer = resolve_options(
-        parse_service_command("consumer", services["consumer"], monkeypatch), environ=env_of(services["consumer"])
-    )
+    consumer = vars(parse_service_command("consumer", services["consumer"], monkeypatch))
     assert args.topic == [consumer["topic"]]
 
 
 def test_consumer_resolves_kafka_and_minio_from_its_environment(services, monkeypatch):
     service = services["consumer"]
     env = env_of(service)
-    opts = resolve_options(parse_service_command("consumer", service, monkeypatch), environ=env)
+    opts = vars(parse_service_command("consumer", service, monkeypatch))
     assert opts["bootstrap_servers"] == "kafka:9092"
     assert opts["output"].startswith("s3://")
     assert opts["create_topics"] is False
@@ -186,13 +189,14 @@ def test_consumer_resolves_kafka_and_minio_from_its_environment(services, monkey
 
 
 def test_rlrec_env_vars_are_ones_the_code_reads(services):
-    consume_env = {f"RLREC_{_env(flag)}" for flag, *_ in OPTIONS} | {"RLREC_NO_CREATE_TOPICS"}
+    consume_env = {opt.env for opt in OPTIONS.options.values()} | {"RLREC_NO_CREATE_TOPICS"}
+    build_parser()  # every command's options declared: known_env_vars() has them all
     sources = "\n".join(p.read_text() for p in (ROOT / "rlrec").rglob("*.py"))
     storage_doc = (ROOT / "store" / "storage.py").read_text() + (ROOT / "rlrec" / "local.py").read_text()
     for name, service in services.items():
         for var in env_of(service):
             if var.startswith("RLREC_"):
-                known = var in consume_env if name == "consumer" else (var in consume_env or f'"{var}"' in sources)
+                known = var in consume_env if name == "consumer" else (var in known_env_vars() or f'"{var}"' in sources)
                 assert known, f"{name}: {var} is read by no rlrec command"
             elif var.startswith("AWS_"):
                 assert var in storage_doc, f"{name}: {var} is not one of the AWS variables rlrec documents"
@@ -203,11 +207,10 @@ def test_consumer_env_values_take_effect(services):
     env = env_of(services["consumer"])
     args = build_parser().parse_args(["consume"])  # nothing on the command line: env wins
     opts = resolve_options(args, environ=env)
-    typ = {f"RLREC_{_env(flag)}": (flag.replace("-", "_"), t) for flag, t, *_ in OPTIONS}
+    by_env = {opt.env: opt for opt in OPTIONS.options.values()}
     for var, value in env.items():
-        if var in typ:
-            dest, t = typ[var]
-            assert opts[dest] == t(value), var
+        if var in by_env:
+            assert opts[by_env[var].name] == by_env[var].convert(value, var), var
 
 
 def test_a_key_pair_is_made_on_first_start_and_only_the_trainer_sees_the_private_key(services, monkeypatch):
@@ -292,9 +295,7 @@ def test_bucket_and_paths_agree_between_minio_init_consumer_trainer_and_policy(s
         for b in re.findall(r"mc mb [^&;|]*?local/(\S+)", script)
     }
     assert created, script
-    out = resolve_options(
-        parse_service_command("consumer", services["consumer"], monkeypatch), environ=env_of(services["consumer"])
-    )["output"]
+    out = vars(parse_service_command("consumer", services["consumer"], monkeypatch))["output"]
     train = parse_service_command("trainer", services["trainer"], monkeypatch)
     assert train.input == out, "the trainer follows the consumer's manifest"
     assert {bucket(out), bucket(train.checkpoint_dir)} <= created

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from rlrec.cli import build_parser
-from rlrec.commands.consume import OPTIONS, _env, flag, resolve_options
 from rlrec.reference import REFRESH_COMMAND, _subcommands, render
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,25 +43,34 @@ def test_every_command_and_option_is_in_the_reference():
             assert f"`{name}`" in section, f"rlrec {' '.join(path)}: {name} missing from the reference"
 
 
-def test_consume_env_vars_in_the_reference_are_the_ones_resolve_options_reads():
+@pytest.mark.parametrize("command", ["consume", "train"])
+def test_env_vars_and_keys_in_the_reference_are_the_ones_the_command_reads(command, tmp_path):
     text = render()
-    section = text[text.index("`rlrec consume`\n") : text.index("`rlrec train`\n")]
-    args = build_parser().parse_args(["consume"])
-    for name, typ, default, _ in OPTIONS:
-        var = f"RLREC_{_env(name)}"
-        row = section.split(f"`--{name}`", 1)[1].split("\n", 1)[0]
-        if typ is flag:  # on/off options: documented as VAR=1, default on/off
-            assert f"`{var}=1`" in row and f"| {'on' if default else 'off'} |" in row, name
+    start = text.index(f"`rlrec {command}`\n")
+    section = text[start : text.index("\n## ", start)]
+    args = build_parser().parse_args([command])
+    options = args.options
+    for opt in options.options.values():
+        row = section.split(f"`{opt.flag}`", 1)[1].split("\n", 1)[0]
+        if opt.kind is bool:  # --flag/--no-flag: documented as VAR=1 (VAR=0 when on), default on/off
+            assert f"`{opt.env}={0 if opt.default else 1}`" in row and f"| {'on' if opt.default else 'off'} |" in row, (
+                opt.name
+            )
             for value, expected in (("1", True), ("true", True), ("0", False)):
-                assert resolve_options(args, environ={var: value})[name.replace("-", "_")] is expected, var
+                assert options.resolve(args, environ={opt.env: value})[opt.name] is expected, opt.env
             continue
-        assert f"`{var}`" in section, var
-        value = "7" if typ in (int, float) else "from-env"
-        assert resolve_options(args, environ={var: value})[name.replace("-", "_")] == typ(value), var
-        if default is not None:
-            assert f"| `{default}` |" in row, name
-    assert resolve_options(args, environ={"RLREC_NO_CREATE_TOPICS": "1"})["create_topics"] is False
-    assert "`RLREC_NO_CREATE_TOPICS=1`" in section
+        assert f"`{opt.env}`" in row, opt.env
+        assert f"`{opt.key}`" in row, opt.key
+        if opt.kind is dict:
+            assert options.resolve(args, environ={opt.env: '{"k": "v"}'})[opt.name]["k"] == "v"
+            continue
+        value = (opt.choices or ("7",))[-1] if opt.kind is not str or opt.choices else "from-env"
+        assert options.resolve(args, environ={opt.env: value})[opt.name] == opt.convert(value, ""), opt.env
+        path = tmp_path / "c.json"
+        path.write_text(f'{{"{opt.key}": "{value}"}}')
+        assert options.resolve_values({}, {}, str(path))[opt.name] == opt.convert(value, ""), opt.key
+        if opt.shown_default() is not None:
+            assert f"| `{opt.shown_default()}` |" in row, opt.name
 
 
 def test_the_reference_does_not_depend_on_the_environment(monkeypatch):

@@ -20,6 +20,7 @@ import pytest
 from rlrec.cli import build_parser
 from rlrec.commands.consume import OPTIONS, resolve_options
 from rlrec.local import FAST_GROUP_KAFKA
+from rlrec.options import OptionError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -37,10 +38,11 @@ def dest(flag: str) -> str:
 
 def test_defaults_when_nothing_is_given():
     opts = resolve_options(parse(), environ={})
-    for flag, _typ, default, _help in OPTIONS:
-        assert opts[dest(flag)] == default, flag
+    for opt in OPTIONS.options.values():
+        assert opts[opt.name] == (None if opt.required else opt.default), opt.name
     assert opts["kafka_config"] == {}
     assert opts["create_topics"] is True
+    assert opts["processes"] == 1 and opts["log_level"] == "INFO"
 
 
 @pytest.mark.parametrize("kind", ["json", "toml"])
@@ -130,7 +132,7 @@ def test_kafka_config_pairs_merge_over_the_file(tmp_path):
 
 
 def test_kafka_config_without_equals_is_an_error():
-    with pytest.raises(SystemExit, match="KEY=VALUE"):
+    with pytest.raises(OptionError, match="KEY=VALUE"):
         resolve_options(parse("--kafka-config", "security.protocol"), environ={})
 
 
@@ -142,24 +144,73 @@ def test_no_create_topics_from_every_source(tmp_path):
     path = tmp_path / "consume.toml"
     path.write_text("no_create_topics = true\n")
     assert resolve_options(parse("--config", str(path)), environ={})["create_topics"] is False
+    path.write_text("create-topics = false\n")
+    assert resolve_options(parse("--config", str(path)), environ={})["create_topics"] is False
+    # the command line wins over the file both ways
+    assert resolve_options(parse("--config", str(path), "--create-topics"), environ={})["create_topics"] is True
 
 
-def test_help_lists_every_option():
-    env = {**os.environ, "COLUMNS": "200"}
-    out = subprocess.run(
-        [sys.executable, "-m", "rlrec", "consume", "--help"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=env,
-        timeout=60,
+def _run_cli(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RLREC_")} | {"COLUMNS": "200"} | (env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "rlrec", *argv], capture_output=True, text=True, cwd=ROOT, env=env, timeout=60
     )
+
+
+def test_help_lists_every_option_with_its_default_and_choices():
+    out = _run_cli("consume", "--help")
     assert out.returncode == 0, out.stderr
-    flags = set(re.findall(r"--[a-z0-9-]+", out.stdout))
-    for flag, *_ in OPTIONS:
-        assert f"--{flag}" in flags, flag
-        assert f"RLREC_{flag.upper().replace('-', '_')}" in out.stdout, flag
-    assert {"--config", "--no-create-topics", "--kafka-config"} <= flags
+    text = " ".join(out.stdout.split())
+    flags = set(re.findall(r"--[a-z0-9-]+", text))
+    for opt in OPTIONS.options.values():
+        assert opt.flag in flags, opt.flag
+        assert opt.env in text, opt.env
+        if opt.shown_default() is not None:
+            assert f"default: {opt.shown_default()}" in text, opt.flag
+    assert "{zstd,snappy,gzip,lz4,none}" in text and "{strict,shape,off}" in text
+    assert "--no-create-topics" in text and "--no-allow-unfenced-storage" in text
+
+
+@pytest.mark.parametrize(
+    ("contents", "says"),
+    [
+        ("max_file_age = 2\n", "unknown option 'max_file_age' in {path} (did you mean 'max_file_age_s'?)"),
+        ("max-file-age = 2\n", "unknown option 'max-file-age' in {path} (did you mean 'max-file-age-s'?)"),
+        ('partitions = "many"\n', "'partitions' in {path}: invalid int value: 'many'"),
+        (
+            'compression = "brotli"\n',
+            "'compression' in {path}: invalid choice: 'brotli' (choose from zstd, snappy, gzip, lz4, none)",
+        ),
+    ],
+)
+def test_a_bad_config_file_is_one_line_and_exit_2(tmp_path, contents, says):
+    path = tmp_path / "consume.toml"
+    path.write_text(contents)
+    r = _run_cli("consume", "--bootstrap-servers", "b:1", "--output", str(tmp_path / "o"), "--config", str(path))
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.splitlines() == [f"rlrec consume: error: {says.format(path=path)}"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "says"),
+    [
+        (["--partitions", "x"], {}, "--partitions: invalid int value: 'x'"),
+        (["--on-timeout", "drop"], {}, "--on-timeout: invalid choice: 'drop' (choose from truncate, dead-letter)"),
+        ([], {"RLREC_MAX_FILE_AGE_S": "soon"}, "RLREC_MAX_FILE_AGE_S: invalid float value: 'soon'"),
+        ([], {"RLREC_MAX_FILE_AGE": "2"}, "unknown option 'RLREC_MAX_FILE_AGE' in the environment (did you mean "),
+        (["--output", ""], {}, "--output is required (or RLREC_OUTPUT, or 'output' in the --config file)"),
+    ],
+)
+def test_a_bad_value_is_one_line_and_exit_2(tmp_path, argv, env, says):
+    r = _run_cli("consume", "--bootstrap-servers", "b:1", "--output", str(tmp_path / "o"), *argv, env=env)
+    assert r.returncode == 2, r.stderr
+    assert len(r.stderr.splitlines()) == 1 and r.stderr.startswith(f"rlrec consume: error: {says}"), r.stderr
+
+
+def test_another_commands_environment_variables_are_ignored():
+    # RLREC_ALGO is an option of `rlrec train`: one environment may serve both commands
+    opts = resolve_options(parse(), environ={"RLREC_ALGO": "CQL", "RLREC_TEST_BROKER": "x", "RLREC_OUTPUT": "/o"})
+    assert opts["output"] == "/o" and "algo" not in opts
 
 
 # -- JSON logs ----------------------------------------------------------------------------------

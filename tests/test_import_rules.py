@@ -3,8 +3,8 @@
 Layers, bottom to top: ``rlrec.producer`` -> ``rlrec.store`` -> ``rlrec.consumer`` | ``rlrec.trainer``
 -> the application (``rlrec.cli``, ``rlrec.commands``, ``rlrec.local``, ``rlrec.demo``,
 ``rlrec.report*``, ...). A module imports only from its own layer and the layers below it;
-``rlrec.consumer`` and ``rlrec.trainer`` never import each other. ``rlrec._lazy`` (imports
-nothing of ours) may be used by any layer. Checked on the source (every import statement,
+``rlrec.consumer`` and ``rlrec.trainer`` never import each other. ``rlrec._lazy`` and
+``rlrec.options`` (they import nothing of ours) may be used by any layer. Checked on the source (every import statement,
 function-level ones included), so an import that only runs on some code path is caught too.
 """
 
@@ -35,11 +35,13 @@ ALLOWED = {
     "app": {"producer", "store", "consumer", "trainer", "app"},
 }
 OLD_TOP_LEVEL = ("producer", "store", "consumer", "trainer")
+#: modules of no layer: they import nothing of ours, and every layer may import them
+LAYER_FREE = ("rlrec._lazy", "rlrec.options")
 
 
 def _layer(module: str) -> str | None:
-    """The layer of one of our modules (None: not ours, or the layer-free `rlrec._lazy`)."""
-    if module == "rlrec._lazy" or not (module == "rlrec" or module.startswith("rlrec.")):
+    """The layer of one of our modules (None: not ours, or one of `LAYER_FREE`)."""
+    if module in LAYER_FREE or not (module == "rlrec" or module.startswith("rlrec.")):
         return None
     for layer in ("producer", "store", "consumer", "trainer"):
         if module == f"rlrec.{layer}" or module.startswith(f"rlrec.{layer}."):
@@ -95,9 +97,10 @@ def test_layers_import_only_downwards():
     assert not violations, "\n".join(violations)
 
 
-def test_lazy_helper_imports_nothing_of_ours():
-    path = ROOT / "rlrec" / "_lazy.py"
-    ours = [t for _, t in _imports(path, "rlrec._lazy") if t == "rlrec" or t.startswith("rlrec.")]
+@pytest.mark.parametrize("module", LAYER_FREE)
+def test_layer_free_modules_import_nothing_of_ours(module):
+    path = ROOT / "rlrec" / f"{module.split('.')[-1]}.py"
+    ours = [t for _, t in _imports(path, module) if t == "rlrec" or t.startswith("rlrec.")]
     assert ours == []
 
 

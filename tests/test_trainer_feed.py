@@ -194,20 +194,6 @@ def test_manifest_follower_is_incremental_and_filters(tmp_path):
 # ------------------------------------------------------------------------------ service bits
 
 
-def test_parse_kv():
-    from rlrec.trainer.service import parse_kv
-
-    assert parse_kv(["lr=0.001", "x=abc", "m={'fcnet_hiddens': [64]}", "b=true", "s=[1, 2]"]) == {
-        "lr": 0.001,
-        "x": "abc",
-        "m": {"fcnet_hiddens": [64]},
-        "b": True,
-        "s": [1, 2],
-    }
-    with pytest.raises(ValueError):
-        parse_kv(["novalue"])
-
-
 def test_unsupported_algorithm_space_combinations():
     from rlrec.trainer.service import UnsupportedCombination, _check_spaces
 

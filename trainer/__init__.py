@@ -12,7 +12,7 @@ _EXPORTS = {
     "load_policy": "rlrec.trainer.policy",
     "Policy": "rlrec.trainer.policy",
     "PolicyLoadError": "rlrec.trainer.policy",
-    "TrainerConfig": "rlrec.trainer.service",
+    "TrainerConfig": "rlrec.trainer.config",
     "ContinuousTrainer": "rlrec.trainer.service",
     "ManifestOfflineData": "rlrec.trainer.data",
     "SafeOfflinePreLearner": "rlrec.trainer.data",

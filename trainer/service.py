@@ -10,22 +10,20 @@ The checkpoint directory layout is described in `rlrec.trainer.checkpoints`; the
 
 from __future__ import annotations
 
-import ast
 import importlib
-import json
 import logging
 import math
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from rlrec.store.storage import Storage
 from rlrec.trainer.checkpoints import STATE_VERSION, CheckpointStore
+from rlrec.trainer.config import TrainerConfig
 from rlrec.trainer.metrics import TrainerMetrics
 
-__all__ = ["ALGORITHMS", "ContinuousTrainer", "TrainerConfig", "UnsupportedCombination", "parse_kv"]
+__all__ = ["ALGORITHMS", "ContinuousTrainer", "TrainerConfig", "UnsupportedCombination"]
 
 log = logging.getLogger("rlrec.trainer")
 
@@ -42,102 +40,10 @@ class UnsupportedCombination(ValueError):
     """The algorithm cannot train on these spaces (RLlib 2.60)."""
 
 
-def parse_kv(items: list[str] | None) -> dict[str, Any]:
-    """``["lr=0.001", "model_config={'fcnet_hiddens': [64]}", "x=abc"]`` -> dict.
-
-    Values are parsed as JSON, then as Python literals, else kept as strings.
-    """
-    out: dict[str, Any] = {}
-    for item in items or ():
-        if "=" not in item:
-            raise ValueError(f"expected key=value, got {item!r}")
-        k, v = item.split("=", 1)
-        k = k.strip()
-        if not k:
-            raise ValueError(f"empty key in {item!r}")
-        try:
-            out[k] = json.loads(v)
-        except ValueError:
-            try:
-                out[k] = ast.literal_eval(v)
-            except (ValueError, SyntaxError):
-                out[k] = v
-    return out
-
-
 def _import(path: str) -> Any:
     """``"pkg.mod:Name"`` or ``"pkg.mod.Name"`` -> the object."""
     mod, name = path.split(":", 1) if ":" in path else path.rsplit(".", 1)
     return getattr(importlib.import_module(mod), name)
-
-
-@dataclass
-class TrainerConfig:
-    input: str
-    checkpoint_dir: str
-    algo: str = "BC"
-    env: str | None = None
-    resume: bool = False
-    num_learners: int = 0
-    num_gpus_per_learner: float = 0.0
-    eval_interval: int = 0  # 0: never (needs env)
-    eval_episodes: int = 5
-    max_iterations: int | None = None
-    checkpoint_interval: int = 10
-    keep_checkpoints: int = 3
-    algo_config: dict = field(default_factory=dict)
-    offline_config: dict = field(default_factory=dict)
-    map_batches_concurrency: int | None = None
-    policy_id: str | None = None
-    min_policy_version: int | None = None
-    max_policy_version: int | None = None
-    wait_for_data: bool = False
-    min_time_s_per_iteration: float = 1.0
-    fresh_fraction: float = 0.5
-    replay_shards: int | None = None
-    replay_max_age_s: float | None = None
-    replay_policy_versions: int | None = None
-    prelearner_mode: str = "episodes"
-    poll_interval_s: float = 0.5
-    cache_ttl_s: float = 30.0
-    publish: bool = True
-    publish_dir: str | None = None
-    metrics_port: int | None = None  # Prometheus /metrics; 0 picks a free port
-    metrics_host: str = "127.0.0.1"  # 0.0.0.0 in containers
-    progress: bool = True
-    num_cpus: int | None = None  # a Ray started here; refused with ray_address
-    ray_address: str | None = None  # join a running cluster (else RAY_ADDRESS; else start one here)
-    ray_runtime_env: dict | str | None = None  # extra job runtime_env, e.g. {"py_modules": [...]}
-    read_tasks: int = 1  # never-ending read tasks feeding the PreLearner(s)
-    seed: int | None = None
-    idle_log_interval_s: float = 30.0
-    promotion_gate: bool = False  # publish only candidates not worse than the deployed version
-    promotion_baseline: float | None = None  # return of what is deployed before the first publication
-    promotion_episodes: int = 10
-    signing_key: str | None = None  # Ed25519 private key (PEM): signs policy.json and checkpoint index.json
-
-    def __post_init__(self) -> None:
-        self.algo = self.algo.upper()
-        if self.algo not in ALGORITHMS:
-            raise ValueError(f"--algo must be one of {', '.join(ALGORITHMS)}, got {self.algo!r}")
-        if self.checkpoint_interval < 1:
-            raise ValueError("checkpoint_interval must be >= 1")
-        if self.eval_interval and not self.env:
-            raise ValueError("--eval-interval needs --env (evaluation runs episodes in the environment)")
-        if self.promotion_gate and not self.env:
-            raise ValueError("--promotion-gate needs --env (candidates are evaluated in the environment)")
-        if self.num_learners < 0:
-            raise ValueError("--num-learners must be >= 0")
-        if self.num_gpus_per_learner < 0:
-            raise ValueError("--num-gpus-per-learner must be >= 0")
-        if self.map_batches_concurrency is not None and self.map_batches_concurrency < 1:
-            raise ValueError("--map-batches-concurrency must be >= 1")
-        if self.read_tasks < 1:
-            raise ValueError("--read-tasks must be >= 1")
-        from rlrec.trainer.cluster import RayPlacement
-
-        #: how this trainer gets its Ray (raises ClusterConfigError, a ValueError, on contradictions)
-        self.placement = RayPlacement.resolve(self.ray_address, self.num_cpus, self.ray_runtime_env)
 
 
 # ---------------------------------------------------------------------------------- helpers
@@ -320,7 +226,6 @@ class ContinuousTrainer:
     # ------------------------------------------------------------------ config
     def build_config(self) -> Any:
         from rlrec.trainer.data import configure_continuous
-        from rlrec.trainer.feed import FeedPolicy
 
         cfg = self.cfg
         config_cls = _import(ALGORITHMS[cfg.algo][0])
@@ -367,18 +272,11 @@ class ContinuousTrainer:
                 evaluation_num_env_runners=0,
                 evaluation_config={"explore": False},
             )
-        fp = FeedPolicy(
-            fresh_fraction=cfg.fresh_fraction,
-            replay_shards=cfg.replay_shards,
-            replay_max_age_s=cfg.replay_max_age_s,
-            replay_policy_versions=cfg.replay_policy_versions,
-            seed=cfg.seed,
-        )
         configure_continuous(
             config,
             cfg.input,
             fmt=self.fmt or "episodes",
-            feed_policy=fp,
+            feed_policy=cfg.feed_policy(),
             policy_id=cfg.policy_id,
             min_policy_version=cfg.min_policy_version,
             max_policy_version=cfg.max_policy_version,

@@ -1,4 +1,4 @@
-"""What several commands share: KEY=VALUE options and the report of storage errors.
+"""What several commands share: the report of storage errors (KEY=VALUE options: :func:`rlrec.options.parse_key_values`).
 
 Standard library only at module level (see :mod:`rlrec.cli`).
 """
@@ -8,20 +8,9 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
-__all__ = ["parse_key_values", "reports_storage_errors"]
-
-
-def parse_key_values(items: Iterable[str], flag: str) -> dict[str, str]:
-    """``["a=1", "b=x=y"]`` -> ``{"a": "1", "b": "x=y"}``; ValueError names `flag` for an item without ``=``."""
-    out: dict[str, str] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"{flag} expects KEY=VALUE, got {item!r}")
-        out[key] = value
-    return out
+__all__ = ["reports_storage_errors"]
 
 
 def reports_storage_errors(command: str) -> Callable[[Callable[[argparse.Namespace], int]], Callable]:

@@ -1,108 +1,41 @@
 """`rlrec consume`: run the consumer service (Kafka transitions -> exactly-once episode shards).
 
-Every option can also come from a config file (`--config FILE`, JSON or TOML, keys as the long
+Every option can also come from a config file (`--config FILE`, TOML or JSON, keys as the long
 option names with dashes or underscores) or from `RLREC_<OPTION>` environment variables
 (e.g. `RLREC_BOOTSTRAP_SERVERS`, `RLREC_MAX_FILE_AGE_S`). Precedence: command line, then
-environment, then config file, then defaults.
+environment, then config file, then defaults. A config-file key that is no option of this
+command, or an RLREC_* variable that is no option of any command, is an error.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
-from rlrec.commands._common import parse_key_values
-
-
-def flag(text: str | bool) -> bool:
-    """An on/off option: given alone on the command line; `1`/`true`/`yes`/`on` or
-    `0`/`false`/`no`/`off` in the environment; a boolean (or those strings) in a config file."""
-    if isinstance(text, bool):
-        return text
-    value = str(text).strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off", ""):
-        return False
-    raise ValueError(f"not an on/off value: {text!r} (use 1/0, true/false)")
+from rlrec.consumer.config import ConsumerConfig
+from rlrec.logs import LogOptions
+from rlrec.options import OptionError, OptionSet, option
 
 
-# (flag, type, default, help) - the single source for the CLI, the env vars and the config file
-OPTIONS: list[tuple[str, type, object, str]] = [
-    ("bootstrap-servers", str, None, "Kafka bootstrap servers (required)"),
-    ("topic", str, "rlrec.transitions", "transitions topic"),
-    ("group-id", str, "rlrec-consumer", "consumer group id; run more processes with the same id to scale out"),
-    ("output", str, None, "output URI or path: /dir, file:///dir, s3://bucket/prefix, gs://... (required)"),
-    ("format", str, "episodes", "episodes (RLlib output_write_episodes=True) or tabular"),
-    ("compression", str, "zstd", "Parquet compression: zstd, snappy, gzip, lz4, none"),
-    ("max-episodes-per-file", int, 1000, "roll a shard after this many episodes (RLlib output_max_rows_per_file)"),
-    (
-        "max-file-bytes",
-        int,
-        128 * 1024 * 1024,
-        "roll a shard at about this many bytes of episodes (output_max_file_size)",
-    ),
-    (
-        "max-file-age-s",
-        float,
-        60.0,
-        "write finished episodes at the latest this long after they finish (idle partitions too)",
-    ),
-    ("reward-join-window-s", float, 0.0, "keep a finished episode this long for delayed rewards before writing it"),
-    ("episode-timeout-s", float, 600.0, "an open episode with no event for this long is finalized"),
-    ("on-timeout", str, "truncate", "truncate (write it as truncated) or dead-letter"),
-    ("max-open-episodes", int, 100_000, "cap on episodes being assembled; over it the longest-idle is evicted"),
-    ("on-capacity", str, "dead-letter", "what eviction does: dead-letter (reason capacity) or truncate"),
-    (
-        "max-open-bytes",
-        int,
-        1024 * 1024 * 1024,
-        "memory budget of all open episodes (observations, actions, infos, extra outputs); over it the "
-        "longest-idle is evicted as --on-capacity says",
-    ),
-    ("max-episode-bytes", int, 64 * 1024 * 1024, "memory budget of one open episode"),
-    (
-        "on-episode-too-large",
-        str,
-        "dead-letter",
-        "an episode over --max-episode-bytes: dead-letter (reason episode-too-large) or truncate",
-    ),
-    (
-        "validate-spaces",
-        str,
-        "strict",
-        "strict (dtypes, shapes, action ranges, finite obs/actions: out-of-space, non-finite-value), "
-        "shape (dtypes and shapes only) or off",
-    ),
-    ("max-buffered-bytes", int, 512 * 1024 * 1024, "budget of finished-but-unwritten episode bytes; over it, flush"),
-    ("dlq-topic", str, None, "dead-letter topic (default: {topic}.dlq)"),
-    ("partitions", int, 8, "partitions for topics this command creates"),
-    ("max-message-bytes", int, 8 * 1024 * 1024, "messages larger than this are dead-lettered (oversize)"),
-    ("commit-interval-s", float, 5.0, "how often offsets are committed when no flush did it"),
-    ("schema-registry-url", str, None, "read Confluent-framed values through this schema registry"),
-    ("metrics-port", int, None, "serve Prometheus /metrics and /healthz here (0: pick a free port)"),
-    ("metrics-host", str, "127.0.0.1", "interface for the metrics server (0.0.0.0 in containers)"),
-    (
-        "allow-unfenced-storage",
-        flag,
-        False,
-        "start even if the output store ignores create-once writes (S3 If-None-Match; probed at "
-        "start): LOSES writer fencing and episode deduplication - only with one consumer per "
-        "partition guaranteed by other means",
-    ),
-    (
-        "processes",
-        int,
+@dataclass
+class ConsumeProcesses:
+    """How `rlrec consume` runs the consumer (options of the command, not of `ConsumerConfig`)."""
+
+    processes: int = option(
         1,
-        "consumer processes of the group to run here (one core each; at most the partition count); "
+        help="consumer processes of the group to run here (one core each; at most the partition count); "
         "the memory budgets are split between them",
-    ),
-    ("max-seconds", float, None, "stop after this many seconds (tests, demos)"),
-    ("log-format", str, "text", "text or json (one JSON object per line)"),
-    ("log-level", str, "INFO", "DEBUG, INFO, WARNING, ERROR"),
-]
+    )
+    max_seconds: float | None = option(
+        None, help="stop after this many seconds (tests, demos; default: run until stopped)"
+    )
+
+
+#: the options of `rlrec consume`, declared on these dataclasses
+OPTIONS = OptionSet("consume", ConsumerConfig, ConsumeProcesses, LogOptions)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -112,71 +45,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--config", help="JSON or TOML file with option values")
-    for name, typ, _default, help_ in OPTIONS:
-        if typ is flag:
-            p.add_argument(
-                f"--{name}", action="store_const", const=True, default=None, help=f"{help_} [env RLREC_{_env(name)}]"
-            )
-        else:
-            p.add_argument(f"--{name}", type=typ, default=None, help=f"{help_} [env RLREC_{_env(name)}]")
-    p.add_argument(
-        "--no-create-topics", action="store_true", help="don't create the topic and its DLQ (ops provision them)"
-    )
-    p.add_argument(
-        "--kafka-config",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="librdkafka setting passed through (repeatable), e.g. security.protocol=SASL_SSL",
-    )
-    p.set_defaults(func=_run)
+    OPTIONS.add_arguments(p)
+    p.set_defaults(func=_run, options=OPTIONS)
 
 
-def _env(flag: str) -> str:
-    return flag.upper().replace("-", "_")
-
-
-def _load_file(path: str) -> dict:
-    with open(path, "rb") as f:
-        raw = f.read()
-    if path.endswith(".toml"):
-        import tomllib
-
-        data = tomllib.loads(raw.decode())
-    else:
-        data = json.loads(raw)
-    return {k.replace("_", "-"): v for k, v in data.items()}
-
-
-def resolve_options(args: argparse.Namespace, environ: dict | None = None) -> dict:
-    """Merge command line > RLREC_* environment > config file > defaults into {dest: value}."""
-    environ = os.environ if environ is None else environ
-    file_values = _load_file(args.config) if args.config else {}
-    out = {}
-    for name, typ, default, _ in OPTIONS:
-        dest = name.replace("-", "_")
-        value = getattr(args, dest)
-        try:
-            if value is None and f"RLREC_{_env(name)}" in environ:
-                value = typ(environ[f"RLREC_{_env(name)}"])
-            if value is None and name in file_values:
-                value = typ(file_values[name])
-        except ValueError as e:
-            raise SystemExit(f"rlrec consume: --{name}: {e}") from None
-        out[dest] = default if value is None else value
-    kafka = dict(file_values.get("kafka-config", {}))
-    try:
-        kafka.update(parse_key_values(args.kafka_config, "--kafka-config"))
-    except ValueError as e:
-        raise SystemExit(str(e)) from None
-    out["kafka_config"] = kafka
-    out["create_topics"] = not (
-        args.no_create_topics
-        or file_values.get("no-create-topics", False)
-        or environ.get("RLREC_NO_CREATE_TOPICS", "") in ("1", "true")
-    )
-    return out
+def resolve_options(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Merge command line > RLREC_* environment > config file > defaults into {field: value}
+    (None for a required option given nowhere); OptionError (one line) for an unknown key or
+    variable or a bad value."""
+    return OPTIONS.resolve(args, environ)
 
 
 def freeze_startup_objects() -> None:
@@ -195,34 +72,30 @@ def freeze_startup_objects() -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    opts = resolve_options(args)
-    for required in ("bootstrap_servers", "output"):
-        if not opts[required]:
-            print(f"rlrec consume: --{required.replace('_', '-')} is required", file=sys.stderr)
-            return 2
-    if opts["format"] not in ("episodes", "tabular"):
-        print("rlrec consume: --format must be episodes or tabular", file=sys.stderr)
+    try:
+        opts = resolve_options(args)
+        processes = opts.pop("processes")
+        if processes < 1:
+            raise OptionError("--processes must be at least 1")
+        config = OPTIONS.build(ConsumerConfig, opts)
+    except ValueError as e:  # OptionError too
+        print(f"rlrec consume: error: {e}", file=sys.stderr)
         return 2
     from rlrec.logs import setup_logging
 
-    logging_args = (opts.pop("log_format"), opts.pop("log_level"))
+    logging_args = (opts["log_format"], opts["log_level"])
     setup_logging(*logging_args)
-    from rlrec.consumer.service import ConsumerConfig, RecorderConsumer
+    from rlrec.consumer.service import RecorderConsumer
     from rlrec.store.storage import ConditionalWritesError
 
-    max_seconds = opts.pop("max_seconds")
-    processes = opts.pop("processes")
-    if processes < 1:
-        print("rlrec consume: --processes must be at least 1", file=sys.stderr)
-        return 2
+    max_seconds = opts["max_seconds"]
     try:
-        config = ConsumerConfig(**opts)
         if processes > 1:
             from rlrec.supervisor import check_split
 
             check_split(config, processes)
     except ValueError as e:
-        print(f"rlrec consume: {e}", file=sys.stderr)
+        print(f"rlrec consume: error: {e}", file=sys.stderr)
         return 2
     try:
         if processes > 1:
@@ -232,6 +105,6 @@ def _run(args: argparse.Namespace) -> int:
         freeze_startup_objects()
         RecorderConsumer(config).run(max_seconds=max_seconds)
     except ConditionalWritesError as e:
-        print(f"rlrec consume: {e}", file=sys.stderr)
+        print(f"rlrec consume: error: {e}", file=sys.stderr)
         return 2
     return 0

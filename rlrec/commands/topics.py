@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from rlrec.commands._common import parse_key_values
+from rlrec.options import parse_key_values
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -1,0 +1,148 @@
+"""The trainer's options: :class:`TrainerConfig`, the one declaration of ``rlrec train``'s settings.
+
+Each field declared with :func:`rlrec.options.option` is an option of ``rlrec train``: its
+``--flag``, its ``RLREC_*`` variable, its config-file key and its row in docs/CONFIG.md come from
+it. Standard library only (``rlrec --help`` imports it); ``rlrec.trainer.service`` re-exports it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from rlrec.options import check_choices, option
+from rlrec.trainer.feed import FeedPolicy
+
+__all__ = ["ALGORITHM_NAMES", "TrainerConfig"]
+
+Algorithm = Literal["BC", "MARWIL", "CQL", "IQL"]
+#: the algorithms `rlrec train` can run (their RLlib classes: ``rlrec.trainer.service.ALGORITHMS``)
+ALGORITHM_NAMES: tuple[str, ...] = Algorithm.__args__
+
+
+@dataclass
+class TrainerConfig:
+    """Options of `rlrec train` (names match the CLI flags); the fields without help are settings
+    for programs and tests only."""
+
+    input: str = option(help="the consumer's output URI or path (its manifest is followed)")
+    checkpoint_dir: str = option(help="URI or path for checkpoints, metrics.jsonl and policies")
+    algo: Algorithm = option("BC", help="the RLlib offline algorithm (any case)", normalize=str.upper)
+    env: str | None = option(
+        None, help="gymnasium env id for evaluation rollouts (spaces otherwise come from the shards)"
+    )
+    resume: bool = option(False, help="continue from the latest checkpoint in --checkpoint-dir")
+    num_learners: int = option(0, help="remote Learner actors (0: train in this process)")
+    num_gpus_per_learner: float = option(0.0, help="GPUs per Learner")
+    eval_interval: int = option(0, help="evaluate every K iterations (needs --env; 0: never)")
+    eval_episodes: int = option(5, help="episodes per evaluation")
+    max_iterations: int | None = option(
+        None, help="stop after this many iterations (total, across resumes; default: never)"
+    )
+    checkpoint_interval: int = option(10, help="checkpoint + publish every N iterations")
+    keep_checkpoints: int = option(3, help="checkpoints to keep")
+    algo_config: dict[str, Any] = option(
+        default_factory=dict,
+        help="AlgorithmConfig.training() option, e.g. lr=1e-3, train_batch_size_per_learner=512 "
+        "(values are JSON or Python literals; a table in a config file)",
+    )
+    offline_config: dict[str, Any] = option(
+        default_factory=dict,
+        help="AlgorithmConfig.offline_data() option, e.g. dataset_num_iters_per_learner=20 (a table in a config file)",
+    )
+    map_batches_concurrency: int | None = option(
+        None, help="PreLearner actors (map_batches concurrency; default: 1, which works on a 2-CPU machine)"
+    )
+    policy_id: str | None = option(None, help="train on this policy's shards only")
+    min_policy_version: int | None = option(None, help="skip shards recorded only by older policy versions")
+    max_policy_version: int | None = option(None, help="skip shards recorded only by newer policy versions")
+    wait_for_data: bool = option(
+        False, help="train only while fresh shards are waiting (off: keep training on the replay window)"
+    )
+    min_time_s_per_iteration: float = option(1.0, help="RLlib min_time_s_per_iteration")
+    fresh_fraction: float = option(0.5, help="share of reads going to fresh shards while a backlog exists (0 < f <= 1)")
+    replay_shards: int | None = option(None, help="replay window: the N most recent trained shards")
+    replay_max_age_s: float | None = option(None, help="replay window: shards committed within this many seconds")
+    replay_policy_versions: int | None = option(None, help="replay window: shards of the K newest policy versions")
+    prelearner_mode: Literal["episodes", "buffer"] = option(
+        "episodes",
+        help="episodes: every timestep of each read chunk, shuffled at the Learner; buffer: RLlib's "
+        "PreLearner episode-buffer sampling",
+    )
+    poll_interval_s: float = 0.5
+    cache_ttl_s: float = 30.0
+    publish: bool = option(True, help="publish each checkpointed policy (--no-publish: don't)")
+    publish_dir: str | None = option(None, help="where to publish policies (default: {checkpoint-dir}/policies)")
+    metrics_port: int | None = option(
+        None, help="serve the metrics on a Prometheus endpoint on this port (0: pick a free port; default: no server)"
+    )
+    metrics_host: str = option("127.0.0.1", help="interface for the metrics server (0.0.0.0 in containers)")
+    progress: bool = True
+    num_cpus: int | None = option(
+        None, help="CPUs of the Ray this command starts (default: all); not with --ray-address/RAY_ADDRESS"
+    )
+    ray_address: str | None = option(
+        None,
+        help="join a running Ray cluster (GCS address host:port, or auto) instead of starting Ray here; "
+        "default: $RAY_ADDRESS. rlrec must be installed on every node (same image) or shipped with "
+        "--ray-runtime-env py_modules; AWS_*/GOOGLE_*/AZURE_* settings are forwarded to the workers "
+        "as runtime_env env_vars (visible in the Ray dashboard: prefer instance roles for credentials)",
+    )
+    ray_runtime_env: dict | str | None = option(
+        None,
+        metavar="JSON",
+        help='extra runtime_env for the job, e.g. \'{"py_modules": ["dist/rlrec-0.1.0-py3-none-any.whl"]}\' '
+        "(a table in a config file)",
+    )
+    read_tasks: int = option(
+        1, help="never-ending read tasks sharing the shard feed (more help when reading shards is the limit)"
+    )
+    seed: int | None = option(None, help="random seed of the algorithm and the shard feed (default: unseeded)")
+    idle_log_interval_s: float = 30.0
+    promotion_gate: bool = option(
+        False,
+        help="publish a checkpoint's policy only if its evaluation (greedy, --promotion-episodes episodes "
+        "of --env) is not worse than the deployed version's; decisions go to metrics.jsonl",
+    )
+    promotion_baseline: float | None = option(
+        None, help="with --promotion-gate: the return of what is deployed before the first publication"
+    )
+    promotion_episodes: int = option(10, help="episodes per promotion evaluation")
+    signing_key: str | None = option(
+        None,
+        help="Ed25519 private key (PEM; `rlrec keys generate DIR` writes DIR/policy-signing.key): signs each "
+        "published policy.json (policy.json.sig) and each checkpoint's index.json; --resume then refuses a "
+        "checkpoint whose files do not match its signed index",
+    )
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+        if self.checkpoint_interval < 1:
+            raise ValueError("checkpoint_interval must be >= 1")
+        if self.eval_interval and not self.env:
+            raise ValueError("--eval-interval needs --env (evaluation runs episodes in the environment)")
+        if self.promotion_gate and not self.env:
+            raise ValueError("--promotion-gate needs --env (candidates are evaluated in the environment)")
+        if self.num_learners < 0:
+            raise ValueError("--num-learners must be >= 0")
+        if self.num_gpus_per_learner < 0:
+            raise ValueError("--num-gpus-per-learner must be >= 0")
+        if self.map_batches_concurrency is not None and self.map_batches_concurrency < 1:
+            raise ValueError("--map-batches-concurrency must be >= 1")
+        if self.read_tasks < 1:
+            raise ValueError("--read-tasks must be >= 1")
+        self.feed_policy()  # its own checks (--fresh-fraction, the replay window), before Ray starts
+        from rlrec.trainer.cluster import RayPlacement
+
+        #: how this trainer gets its Ray (raises ClusterConfigError, a ValueError, on contradictions)
+        self.placement = RayPlacement.resolve(self.ray_address, self.num_cpus, self.ray_runtime_env)
+
+    def feed_policy(self) -> FeedPolicy:
+        """The shard feed's sampling settings these options give."""
+        return FeedPolicy(
+            fresh_fraction=self.fresh_fraction,
+            replay_shards=self.replay_shards,
+            replay_max_age_s=self.replay_max_age_s,
+            replay_policy_versions=self.replay_policy_versions,
+            seed=self.seed,
+        )

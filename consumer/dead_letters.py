@@ -151,8 +151,8 @@ class DeadLetterQueue:
     """Dead letters on their way to the broker.
 
     Guarantees: every letter given to `send` stays here until the broker acknowledged it (a
-    delivery callback without error); a failed delivery is produced again after a backoff (0.5 s
-    doubling to 30 s), counted (`on_failure`) and logged -- never dropped; `min_unacked(p)` is the
+    delivery callback without error); a failed delivery is produced again after a backoff
+    (`rlrec.store.retry.BACKGROUND`: 0.5 s doubling to 30 s, jittered), counted (`on_failure`) and logged -- never dropped; `min_unacked(p)` is the
     lowest source offset of partition p whose letter is not acknowledged, so the consumer never
     commits past a dead letter the DLQ does not hold. Call `poll()` from the consumer's loop.
     """

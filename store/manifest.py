@@ -64,6 +64,7 @@ from rlrec.store.manifest_entries import (
     entry_path,
     parse_entry,
 )
+from rlrec.store.retry import RetryPolicy
 from rlrec.store.storage import Storage
 
 __all__ = [
@@ -135,6 +136,11 @@ class ConflictError(RuntimeError):
         super().__init__(message)
         self.entries = list(entries)
         self.duplicate_episode_ids = set(duplicate_episode_ids)
+
+
+#: how long an entry that exists but cannot be read yet is waited for (its conditional write is
+#: still in flight): about 2.5 s in all
+_UNREADABLE_WAIT = RetryPolicy(attempts=8, base_delay=0.01, max_delay=0.5, jitter=0.5)
 
 
 def default_writer_id() -> str:
@@ -548,13 +554,11 @@ class PartitionLog:
         """After create_once(seq) failed: read new entries; wait briefly if entry *seq*
         is not readable yet (S3 409 ConditionalRequestConflict: a concurrent
         conditional write still in flight)."""
-        delay = 0.01
-        for _ in range(8):
+        for attempt in range(_UNREADABLE_WAIT.attempts):
             new = self._probe()
             if new or self._next > seq:
                 return new
-            time.sleep(delay)
-            delay = min(delay * 2, 0.5)
+            time.sleep(_UNREADABLE_WAIT.delay(attempt))
         return []
 
     def _fenced(self, claim: ClaimEntry) -> FencedError:

@@ -36,16 +36,24 @@ from tests.chaos.truth import TruthEpisode
 __all__ = ["DeadLetters", "TopicScan", "Verdict", "check", "committed_offsets", "scan_dead_letters", "scan_topic"]
 
 
-def _read_all(bootstrap: str, topic: str, partitions: int, idle_s: float = 6.0, timeout: float = 300.0):
+def _read_all(
+    bootstrap: str, topic: str, partitions: int, idle_s: float = 6.0, timeout: float = 300.0, at_least: int = 0
+):
     """Every message of `topic` from the beginning: yields Kafka messages, partition by partition
-    in offset order. Stops when every partition reported its end (or nothing came for idle_s)."""
+    in offset order. Stops when every partition reported its end (or nothing came for idle_s),
+    but not before `at_least` messages came: Tansu's end of partition (its high watermark) can be
+    wrong, after a restart most of all, so a reader that knows how many messages exist waits for
+    them (until `timeout`)."""
     c = Consumer(consumer_test_config(bootstrap, f"chaos-scan-{uuid.uuid4().hex[:8]}", {"enable.partition.eof": True}))
     c.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in range(partitions)])
     at_end: set[int] = set()
     deadline = time.monotonic() + timeout
     last_msg = time.monotonic()
+    seen = 0
     try:
-        while time.monotonic() < deadline and len(at_end) < partitions and time.monotonic() - last_msg < idle_s:
+        while time.monotonic() < deadline and (
+            seen < at_least or (len(at_end) < partitions and time.monotonic() - last_msg < idle_s)
+        ):
             for m in c.consume(num_messages=5000, timeout=0.5):
                 if m.error() is not None:
                     if m.error().code() == KafkaError._PARTITION_EOF:
@@ -53,6 +61,7 @@ def _read_all(bootstrap: str, topic: str, partitions: int, idle_s: float = 6.0, 
                     continue
                 at_end.discard(m.partition())
                 last_msg = time.monotonic()
+                seen += 1
                 yield m
     finally:
         c.close()
@@ -73,9 +82,10 @@ class TopicScan:
     offsets_not_increasing: int = 0  # a broker fault: offsets repeated or going back in a partition
 
 
-def scan_topic(bootstrap: str, topic: str, partitions: int) -> TopicScan:
+def scan_topic(bootstrap: str, topic: str, partitions: int, at_least: int = 0) -> TopicScan:
+    """What the topic holds; `at_least`: the messages known to be on it (read until they came)."""
     s = TopicScan(end_offsets=dict.fromkeys(range(partitions), 0))
-    for m in _read_all(bootstrap, topic, partitions):
+    for m in _read_all(bootstrap, topic, partitions, at_least=at_least):
         p, off = m.partition(), m.offset()
         s.messages += 1
         s.offsets_not_increasing += off < s.end_offsets[p]

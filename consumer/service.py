@@ -60,7 +60,7 @@ from rlrec.producer.events import DecodeError, decode, encode
 from rlrec.producer.registry import RegistryUnavailable
 from rlrec.store.episodes import import_episode_classes
 from rlrec.store.retry import RetryPolicy, RetrySchedule
-from rlrec.store.storage import Storage, require_conditional_writes
+from rlrec.store.storage import Storage, StorageError, require_conditional_writes
 
 __all__ = ["FAST_FAILOVER_KAFKA", "ConsumerConfig", "RecorderConsumer"]
 
@@ -159,11 +159,12 @@ class RecorderConsumer:
 
     def run(self, max_seconds: float | None = None, install_signals: bool = True) -> None:
         cfg = self.config
-        # before anything else: no fencing or deduplication without create-once writes
-        require_conditional_writes(self.storage, allow_unfenced=cfg.allow_unfenced_storage)
         if install_signals and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self.stop)
             signal.signal(signal.SIGINT, self.stop)
+        # before anything else: no fencing or deduplication without create-once writes
+        if not self._probe_store(None if max_seconds is None else time.monotonic() + max_seconds):
+            return
         if cfg.create_topics:
             seen = create_topics(
                 cfg.bootstrap_servers,
@@ -249,6 +250,22 @@ class RecorderConsumer:
             self.encoder.shutdown(wait=True, cancel_futures=True)
             self.encoder = None
         self.metrics.stop()
+
+    def _probe_store(self, deadline: float | None) -> bool:
+        """Check that the output store enforces create-once writes (`ConditionalWritesError`, a
+        configuration error, if it does not). A store that cannot be reached is infrastructure:
+        probed again with the background backoff until it answers; False if stopped (or past
+        `deadline`) meanwhile."""
+        retry = RetrySchedule()
+        while True:
+            try:
+                require_conditional_writes(self.storage, allow_unfenced=self.config.allow_unfenced_storage)
+                return True
+            except StorageError as e:
+                wait = retry.failed(time.monotonic())
+                log.warning("output store unreachable at start (%s); probing again in %.1fs", e, wait)
+            if (deadline is not None and time.monotonic() + wait >= deadline) or self._stop.wait(wait):
+                return False
 
     def health(self) -> tuple[bool, str]:
         """(ok, reason): not ok once the loop stalls or a failure lasts `unhealthy_after_s`."""

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from rlrec.store.localfs import EscapesRoot
 from rlrec.store.manifest import (
     ClaimEntry,
     Entry,
@@ -116,6 +117,13 @@ def gc(
             if f.path in keep or f.mtime is None:
                 continue
             if now - f.mtime < older_than_s:
+                continue
+            try:
+                storage.check_inside(f.path)  # listing followed links: never delete through one
+            except EscapesRoot as e:
+                log.error("gc: not deleting %s: %s", storage.uri(f.path), e.strerror)
+                continue
+            except FileNotFoundError:
                 continue
             garbage.append(f.path)
     garbage.sort()

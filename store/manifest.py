@@ -52,6 +52,7 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from rlrec.store.localfs import EscapesRoot
 from rlrec.store.manifest_entries import (
     MANIFEST_DIR,
     TOPIC_RE,
@@ -748,6 +749,17 @@ class PartitionLog:
                     if self.publish(e):
                         published += 1
                         log.info("%s/%d: rolled forward shard seq %d -> %s", self.topic, self.partition, e.seq, e.path)
+                    continue
+                except EscapesRoot as err:  # a forged entry or a planted link: refused, left for verify
+                    log.error(
+                        "%s/%d: not publishing shard seq %d (%s -> %s): %s",
+                        self.topic,
+                        self.partition,
+                        e.seq,
+                        e.staging_path,
+                        e.path,
+                        err,
+                    )
                     continue
                 except FileNotFoundError:
                     pass

@@ -66,6 +66,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import pyarrow.fs as pafs
 
+from rlrec.store.localfs import LocalRoot
 from rlrec.store.retry import RetryPolicy
 
 __all__ = [
@@ -269,6 +270,8 @@ class Storage:
         if self.retry.attempts is None:
             raise ValueError("Storage retries in place: its RetryPolicy needs a bounded number of attempts")
         self.fsync = fsync
+        #: local files: every write, move, read and delete stays inside the root (no symlink steers it)
+        self._local = LocalRoot(self.base, fsync=fsync) if self.kind == "local" else None
         self._s3_client = s3_client
         self._s3_lock = threading.Lock()
         self._uri = self._uri_template(uri)
@@ -382,35 +385,6 @@ class Storage:
                 time.sleep(d)
                 attempt += 1
 
-    # ------------------------------------------------------------ local helpers
-    def _fsync_dir(self, d: str) -> None:
-        if not self.fsync:
-            return
-        try:
-            fd = os.open(d, os.O_RDONLY)
-        except OSError:
-            return
-        try:
-            os.fsync(fd)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-
-    def _local_tmp(self, full: str) -> str:
-        d, name = os.path.split(full)
-        return os.path.join(d, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
-
-    def _local_write_tmp(self, full: str, data: bytes) -> str:
-        os.makedirs(os.path.dirname(full), exist_ok=True)
-        tmp = self._local_tmp(full)
-        with open(tmp, "xb") as f:
-            f.write(data)
-            if self.fsync:
-                f.flush()
-                os.fsync(f.fileno())
-        return tmp
-
     # --------------------------------------------------------------- S3 helpers
     def _bucket_key(self, path: str) -> tuple[str, str]:
         full = self.full_path(path)
@@ -468,16 +442,10 @@ class Storage:
         """Write *data* to *path* (replacing it), atomically for readers."""
         data = bytes(data)
         full = self.full_path(path)
-        if self.kind == "local":
+        if self._local is not None:
 
             def op(_: int) -> None:
-                tmp = self._local_write_tmp(full, data)
-                try:
-                    os.replace(tmp, full)
-                except BaseException:
-                    _unlink_quiet(tmp)
-                    raise
-                self._fsync_dir(os.path.dirname(full))
+                self._local.write(_clean_rel(path), data)
 
         else:
 
@@ -497,37 +465,11 @@ class Storage:
         """
         data = bytes(data)
         full = self.full_path(path)
-        if self.kind == "local":
-            return self._retry(f"create_once {full}", lambda _: self._create_once_local(full, data))
+        if self._local is not None:
+            return self._retry(f"create_once {full}", lambda _: self._local.create_once(_clean_rel(path), data))
         if self.kind == "s3":
             return self._create_once_s3(path, data)
         return self._create_once_unsafe(path, data)
-
-    def _create_once_local(self, full: str, data: bytes) -> bool:
-        tmp = self._local_write_tmp(full, data)
-        try:
-            try:
-                os.link(tmp, full)
-            except FileExistsError:
-                return False
-            except OSError as e:
-                if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.EXDEV):
-                    raise
-                # No hard links here: O_EXCL create (atomic existence check; a
-                # concurrent reader may briefly see a partial file).
-                try:
-                    fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-                except FileExistsError:
-                    return False
-                with os.fdopen(fd, "wb") as f:
-                    f.write(data)
-                    if self.fsync:
-                        f.flush()
-                        os.fsync(f.fileno())
-        finally:
-            _unlink_quiet(tmp)
-        self._fsync_dir(os.path.dirname(full))
-        return True
 
     def _create_once_s3(self, path: str, data: bytes) -> bool:
         bucket, key = self._bucket_key(path)
@@ -573,11 +515,10 @@ class Storage:
     def read(self, path: str) -> bytes:
         """The whole content of *path*; ``FileNotFoundError`` if it does not exist."""
         full = self.full_path(path)
-        if self.kind == "local":
+        if self._local is not None:
 
             def op(_: int) -> bytes:
-                with open(full, "rb") as f:
-                    return f.read()
+                return self._local.read(_clean_rel(path))
 
         else:
 
@@ -644,6 +585,14 @@ class Storage:
         infos = self._retry(f"list {self.uri(prefix)}", op)
         return sorted((self._file_info(i) for i in infos), key=lambda f: f.path)
 
+    def check_inside(self, path: str) -> None:
+        """Before another library (pyarrow, Ray Data) opens *path*: on a local store, raise
+        :class:`~rlrec.store.localfs.EscapesRoot` if a symlink (or a special file) is on its
+        way, since that library would follow it out of the root; ``FileNotFoundError`` if it is
+        missing. Object stores have no links: nothing to check."""
+        if self._local is not None:
+            self._local.check(_clean_rel(path))
+
     # ------------------------------------------------------------------- move
     def move(self, src: str, dst: str) -> None:
         """Move *src* to *dst* (replacing *dst*); used to publish staged shards.
@@ -652,12 +601,10 @@ class Storage:
         copy appears atomically).  ``FileNotFoundError`` if *src* does not exist.
         """
         fsrc, fdst = self.full_path(src), self.full_path(dst)
-        if self.kind == "local":
+        if self._local is not None:
 
             def op(_: int) -> None:
-                os.makedirs(os.path.dirname(fdst), exist_ok=True)
-                os.replace(fsrc, fdst)
-                self._fsync_dir(os.path.dirname(fdst))
+                self._local.replace(_clean_rel(src), _clean_rel(dst))
 
         else:
 
@@ -684,11 +631,11 @@ class Storage:
     def delete(self, path: str, *, missing_ok: bool = True) -> bool:
         """Delete the file *path*; returns False if it did not exist (and *missing_ok*)."""
         full = self.full_path(path)
-        if self.kind == "local":
+        if self._local is not None:
 
             def op(_: int) -> bool:
                 try:
-                    os.unlink(full)
+                    self._local.unlink(_clean_rel(path))
                     return True
                 except FileNotFoundError:
                     if missing_ok:
@@ -786,6 +733,8 @@ class Storage:
         rel = _clean_rel(prefix)
         if not rel:
             raise ValueError("delete_tree needs a directory below the output root, not the root itself")
+        if self._local is not None:  # never through a symlink, never a link's target
+            return self._retry(f"delete_tree {self.uri(rel)}", lambda _: self._local.remove_tree(rel))
         if not self._is_dir(rel):
             return 0
         files = [f for f in self.list(rel, recursive=True) if not f.is_dir]
@@ -895,10 +844,3 @@ def _not_found_as_fnf() -> Iterator[None]:
         if not isinstance(e, FileNotFoundError) and ("NO_SUCH_KEY" in str(e) or "NoSuchKey" in str(e)):
             raise FileNotFoundError(errno.ENOENT, str(e)) from e
         raise
-
-
-def _unlink_quiet(p: str) -> None:
-    try:
-        os.unlink(p)
-    except OSError:
-        pass

@@ -166,6 +166,35 @@ def test_rebalance_between_two_consumers(broker, topic, tmp_path):
     assert set(got) == set(truth) | set(open_ids)
 
 
+def test_a_consumer_started_during_a_storage_outage_waits_for_the_store(broker, topic, local_s3, monkeypatch):
+    """The start-up probe of create-once writes meets an unreachable store: infrastructure, so
+    the consumer probes again with backoff (never a crash), and runs once the store answers."""
+    bucket = local_s3.create_bucket(f"out-{uuid.uuid4().hex[:8]}")
+    proxy = FaultProxy(local_s3.port)
+    for k, v in local_s3.env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
+    output = f"s3://{bucket}/exp"
+    storage = Storage.from_uri(output, retry=RetryPolicy(attempts=2, base_delay=0.05, max_delay=0.1))
+    rec = EpisodeRecorder(
+        broker.bootstrap_servers, topic=topic, policy_id="pol", observation_space=OBS_SPACE, action_space=ACT_SPACE
+    )
+    proxy.fail_for(4.0)
+    c, t = run_consumer(_cfg(broker, topic, output), storage)
+    try:
+        truth = record_episodes(rec, 10, seed=23)
+        rec.flush(10)
+        time.sleep(1.0)
+        assert t.is_alive()  # still waiting for the store, not dead
+        wait_for(lambda: _committed_or_zero(storage) >= 10, 60, what="episodes committed once the store answers")
+    finally:
+        c.stop()
+        t.join(30)
+        rec.close()
+        proxy.close()
+    assert set(read_all(storage)) == set(truth)
+
+
 def test_storage_outage_pauses_and_recovers(broker, topic, local_s3, monkeypatch):
     bucket = local_s3.create_bucket(f"out-{uuid.uuid4().hex[:8]}")
     proxy = FaultProxy(local_s3.port)

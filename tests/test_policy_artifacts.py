@@ -334,3 +334,31 @@ def test_load_policy_imports_no_ray(published, keys):
     assert r.returncode == 0, r.stderr[-3000:]
     version, signed, ray_loaded, _seconds = r.stdout.split()
     assert (version, signed, ray_loaded) == ("2", "True", "False")
+
+
+@pytest.mark.parametrize("hostile", ["huge", "fifo", "nested", "symlink"])
+def test_hostile_pointer_files_are_refused_before_they_are_read(published, keys, tmp_path_factory, hostile):
+    """What an attacker with write access to the policies folder can put as latest.json: a file
+    far over its size limit (sparse: no disk used), a FIFO (a read would block for ever), nesting
+    that exhausts the parser's stack, a symlink to a file elsewhere. Each is a PolicyLoadError
+    at once, and poll() keeps the version in use."""
+    p = load_policy(str(published), public_key=keys["public"])
+    latest = published / "latest.json"
+    latest.unlink()
+    if hostile == "huge":
+        with open(latest, "wb") as f:
+            f.truncate(768 * 1024 * 1024)
+    elif hostile == "fifo":
+        os.mkfifo(latest)
+    elif hostile == "nested":
+        latest.write_bytes(b"[" * 60_000)
+    else:
+        elsewhere = tmp_path_factory.mktemp("elsewhere") / "pointer.json"
+        _point_latest(published, "v000002")
+        os.replace(latest, elsewhere)
+        os.symlink(elsewhere, latest)
+    with pytest.raises(PolicyLoadError):
+        load_policy(str(published), public_key=keys["public"])
+    with pytest.raises(PolicyLoadError):
+        p.poll()
+    assert p.policy_version == 2

@@ -33,12 +33,14 @@ filesystems (lazily).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
 import logging
 import os
 import re
+import stat
 import threading
 import time
 import warnings
@@ -72,6 +74,16 @@ ARTIFACT_VERSION = 2
 VERSION_DIR_RE = re.compile(r"^v\d{6}$")
 _FILE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+
+#: what a loader reads of each file at most, checked before reading (a larger file is refused):
+#: the pointer, the spec and its signature are small JSON; the weights of a policy network
+MAX_BYTES = {
+    LATEST: 64 * 1024,
+    SPEC: 1024 * 1024,
+    "sig": 4 * 1024,
+    LINEAGE: 16 * 1024 * 1024,
+    "model": 1024 * 1024 * 1024,
+}
 
 
 class PolicyLoadError(RuntimeError):
@@ -109,17 +121,44 @@ class _Files:
             self.fs, self.root = pafs.FileSystem.from_uri(root)
             self.root = self.root.rstrip("/")
 
-    def read(self, rel: str) -> bytes:
+    def read(self, rel: str, max_bytes: int) -> bytes:
+        """The content of the regular file `rel`, refused (PolicyLoadError) before reading if it
+        is larger than `max_bytes`, a symlink or not a regular file (a FIFO would block)."""
         if self.local:
-            with open(os.path.join(self.root, *rel.split("/")), "rb") as f:
-                return f.read()
-        try:
-            with self.fs.open_input_stream(f"{self.root}/{rel}") as f:
-                return f.read()
-        except OSError as e:
-            if "not found" in str(e).lower() or "no such" in str(e).lower():
-                raise FileNotFoundError(rel) from None
-            raise
+            try:
+                fd = os.open(os.path.join(self.root, *rel.split("/")), os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+            except OSError as e:
+                if e.errno == errno.ELOOP:
+                    raise PolicyLoadError(f"{rel} is a symlink: refused") from None
+                raise
+            with os.fdopen(fd, "rb") as f:
+                st = os.fstat(f.fileno())
+                if not stat.S_ISREG(st.st_mode):
+                    raise PolicyLoadError(f"{rel} is not a regular file: refused")
+                if st.st_size > max_bytes:
+                    raise PolicyLoadError(f"{rel} holds {st.st_size} bytes, over its limit of {max_bytes}: refused")
+                data = f.read(max_bytes + 1)
+        else:
+            import pyarrow.fs as pafs
+
+            path = f"{self.root}/{rel}"
+            try:
+                info = self.fs.get_file_info(path)
+                if info.type == pafs.FileType.NotFound:
+                    raise FileNotFoundError(rel)
+                if info.type != pafs.FileType.File:
+                    raise PolicyLoadError(f"{rel} is not a file: refused")
+                if info.size is not None and info.size > max_bytes:
+                    raise PolicyLoadError(f"{rel} holds {info.size} bytes, over its limit of {max_bytes}: refused")
+                with self.fs.open_input_stream(path) as f:
+                    data = f.read(max_bytes + 1)
+            except OSError as e:
+                if isinstance(e, FileNotFoundError) or "not found" in str(e).lower() or "no such" in str(e).lower():
+                    raise FileNotFoundError(rel) from None
+                raise
+        if len(data) > max_bytes:  # grew while being read
+            raise PolicyLoadError(f"{rel} holds more than its limit of {max_bytes} bytes: refused")
+        return data
 
     def exists(self, rel: str) -> bool:
         if self.local:
@@ -129,11 +168,17 @@ class _Files:
         return self.fs.get_file_info(f"{self.root}/{rel}").type != pafs.FileType.NotFound
 
 
-def _parse_latest(data: bytes) -> dict:
+def _json(data: bytes, what: str) -> Any:
+    """Parse a small JSON file; every failure (bad JSON, nesting deep enough to exhaust the
+    stack) is a PolicyLoadError."""
     try:
-        latest = json.loads(data)
-    except ValueError as e:
-        raise PolicyLoadError(f"{LATEST} is not JSON: {e}") from None
+        return json.loads(data)
+    except (ValueError, RecursionError) as e:
+        raise PolicyLoadError(f"{what} is not usable JSON: {type(e).__name__}: {str(e)[:200]}") from None
+
+
+def _parse_latest(data: bytes) -> dict:
+    latest = _json(data, LATEST)
     if not isinstance(latest, dict):
         raise PolicyLoadError(f"{LATEST} must be a JSON object")
     path, version = latest.get("path"), latest.get("policy_version")
@@ -149,7 +194,7 @@ def _parse_latest(data: bytes) -> dict:
 
 def read_latest(root: str) -> dict:
     """The checked ``latest.json`` pointer of a publish root (FileNotFoundError if nothing is published)."""
-    return _parse_latest(_Files(root).read(LATEST))
+    return _parse_latest(_Files(root).read(LATEST, MAX_BYTES[LATEST]))
 
 
 # ------------------------------------------------------------------------------- trust
@@ -220,9 +265,9 @@ class _LoadedVersion:
         }
 
 
-def _read_required(files: _Files, rel: str, rel_dir: str) -> bytes:
+def _read_required(files: _Files, rel: str, rel_dir: str, max_bytes: int) -> bytes:
     try:
-        return files.read(rel)
+        return files.read(rel, max_bytes)
     except FileNotFoundError:
         raise PolicyLoadError(f"published policy {rel_dir} is incomplete: {rel} is missing") from None
 
@@ -232,7 +277,7 @@ def _verify_signature(files: _Files, rel_dir: str, spec_bytes: bytes, trust: _Tr
     if trust.public_key is None:
         return False
     try:
-        sig = files.read(f"{rel_dir}/{SPEC}{SIG_SUFFIX}")
+        sig = files.read(f"{rel_dir}/{SPEC}{SIG_SUFFIX}", MAX_BYTES["sig"])
     except FileNotFoundError:
         return False
     try:
@@ -322,14 +367,11 @@ def _load_version(files: _Files, rel_dir: str, trust: _Trust, expected_sha256: s
     """Verify and load one version directory (see the module docstring for the order of checks)."""
     if not VERSION_DIR_RE.match(rel_dir):
         raise PolicyLoadError(f"{rel_dir!r:.80} is not a version directory")
-    spec_bytes = _read_required(files, f"{rel_dir}/{SPEC}", rel_dir)
+    spec_bytes = _read_required(files, f"{rel_dir}/{SPEC}", rel_dir, MAX_BYTES[SPEC])
     if expected_sha256 is not None and hashlib.sha256(spec_bytes).hexdigest() != expected_sha256:
         raise PolicyLoadError(f"{rel_dir}/{SPEC} does not match the sha256 in {LATEST}")
     signed = _verify_signature(files, rel_dir, spec_bytes, trust)
-    try:
-        spec = json.loads(spec_bytes)
-    except ValueError as e:
-        raise PolicyLoadError(f"{rel_dir}/{SPEC} is not JSON: {e}") from None
+    spec = _json(spec_bytes, f"{rel_dir}/{SPEC}")
     if not isinstance(spec, dict):
         raise PolicyLoadError(f"{rel_dir}/{SPEC} must be a JSON object")
     _check_identity(spec, rel_dir)
@@ -337,7 +379,7 @@ def _load_version(files: _Files, rel_dir: str, trust: _Trust, expected_sha256: s
     _check_allowed(spec, fmt, rel_dir, signed, trust)
     hashes = _file_hashes(spec, rel_dir)
     model = spec.get("model", MODEL) if spec.get("artifact_version") is not None else MODEL
-    data = _read_required(files, f"{rel_dir}/{model}", rel_dir)
+    data = _read_required(files, f"{rel_dir}/{model}", rel_dir, MAX_BYTES["model"])
     if hashlib.sha256(data).hexdigest() != hashes[model]:
         raise PolicyLoadError(f"{rel_dir}/{model} does not match the sha256 in {SPEC}")
     dist_spec = spec.get("action_dist") if spec.get("artifact_version") is not None else _legacy_dist(spec)
@@ -399,7 +441,7 @@ class Policy:
 
     def _latest(self) -> dict:
         try:
-            data = self._files.read(LATEST)
+            data = self._files.read(LATEST, MAX_BYTES[LATEST])
         except FileNotFoundError:
             raise PolicyLoadError(f"no policy is published under {self.root} (no {LATEST})") from None
         return _parse_latest(data)
@@ -488,11 +530,11 @@ class Policy:
         """The version's lineage.json (checked against its sha256 in policy.json when pinned)."""
         m = self._model
         rel_dir = version_dir(m.version)
-        data = self._files.read(f"{rel_dir}/{LINEAGE}")
+        data = self._files.read(f"{rel_dir}/{LINEAGE}", MAX_BYTES[LINEAGE])
         want = m.files.get(LINEAGE)
         if want is not None and hashlib.sha256(data).hexdigest() != want:
             raise PolicyLoadError(f"{rel_dir}/{LINEAGE} does not match the sha256 in {SPEC}")
-        return json.loads(data)
+        return _json(data, f"{rel_dir}/{LINEAGE}")
 
     def __repr__(self) -> str:
         return (

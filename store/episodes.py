@@ -56,9 +56,9 @@ from __future__ import annotations
 
 import base64
 import binascii
-import functools
 import io
 import math
+import threading
 import zlib
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -69,6 +69,7 @@ import msgpack
 import msgpack_numpy
 import numpy as np
 
+from rlrec.producer.bounded import ByteBoundedLRU
 from rlrec.producer.spaces import per_space, space_leaves, unflatten_leaves
 from rlrec.store.finished import FinishedEpisode
 
@@ -90,7 +91,12 @@ __all__ = [
 _SAFE_KINDS = frozenset("biufcSU")
 _MAX_NDIM = 32
 _MAX_SPACE_DEPTH = 16
-_MAX_NPY_BYTES = 1 << 28  # a decompressed space bound (npy) may not exceed 256 MiB
+#: what the spaces of one packed episode (its own, each buffer's, each extra model output's) may
+#: decompress to in all: Box bounds and MultiDiscrete vectors are zlib-compressed npy, so a few
+#: KB could otherwise make a reader hold gigabytes
+MAX_SPACE_BYTES_PER_EPISODE = 64 * 1024 * 1024
+#: decoded spaces kept for reuse across episodes, bounded by their arrays' bytes
+SPACE_CACHE_BYTES = 64 * 1024 * 1024
 
 
 class EpisodeDecodeError(ValueError):
@@ -371,16 +377,30 @@ def _safe_ndarray_hook(obj: dict) -> Any:
     return obj
 
 
-def _npy(b64: Any, what: str) -> np.ndarray:
-    """RLlib's `_serialize_ndarray` form (base64(zlib(npy))), decoded without pickle."""
+class _Budget:
+    """Bytes a decode may still allocate; exceeding it is an `EpisodeDecodeError`."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = self.left = limit
+
+    def take(self, n: int, what: str) -> None:
+        if n > self.left:
+            raise EpisodeDecodeError(
+                f"{what}: the episode's spaces need more than their budget of {self.limit} bytes "
+                "(MAX_SPACE_BYTES_PER_EPISODE); refused"
+            )
+        self.left -= n
+
+
+def _npy(b64: Any, what: str, budget: _Budget) -> np.ndarray:
+    """RLlib's `_serialize_ndarray` form (base64(zlib(npy))), decoded without pickle, within `budget`."""
     if not isinstance(b64, (str, bytes)):
         raise EpisodeDecodeError(f"{what}: expected a base64 string")
     try:
         raw = base64.b64decode(b64, validate=True)
         d = zlib.decompressobj()
-        npy = d.decompress(raw, _MAX_NPY_BYTES)
-        if d.unconsumed_tail:
-            raise EpisodeDecodeError(f"{what}: decompresses to more than {_MAX_NPY_BYTES} bytes")
+        npy = d.decompress(raw, budget.left + 1)  # never more than the budget allows
+        budget.take(len(npy), what)
     except (binascii.Error, zlib.error, ValueError) as e:
         if isinstance(e, EpisodeDecodeError):
             raise
@@ -405,8 +425,9 @@ def _int(v: Any, what: str) -> int:
     return v
 
 
-def _space_from_rllib_dict(d: Any, depth: int = 0) -> gym.Space:
-    """`gym_space_from_dict` for the space kinds we write, without `np.load(allow_pickle=True)`."""
+def _space_from_rllib_dict(d: Any, budget: _Budget, depth: int = 0) -> gym.Space:
+    """`gym_space_from_dict` for the space kinds we write, without `np.load(allow_pickle=True)`,
+    allocating at most `budget`."""
     if depth > _MAX_SPACE_DEPTH:
         raise EpisodeDecodeError("space nesting is too deep")
     if not isinstance(d, dict) or not isinstance(d.get("space"), str):
@@ -414,7 +435,7 @@ def _space_from_rllib_dict(d: Any, depth: int = 0) -> gym.Space:
     kind = d["space"]
     try:
         if kind == "box":
-            low, high = _npy(d.get("low"), "Box.low"), _npy(d.get("high"), "Box.high")
+            low, high = _npy(d.get("low"), "Box.low", budget), _npy(d.get("high"), "Box.high", budget)
             shape = d.get("shape")
             if not isinstance(shape, (list, tuple)) or not all(type(x) is int and x >= 0 for x in shape):
                 raise EpisodeDecodeError(f"Box: bad shape {shape!r:.80}")
@@ -429,18 +450,20 @@ def _space_from_rllib_dict(d: Any, depth: int = 0) -> gym.Space:
                 n = _int(n, "MultiBinary.n")
             return gym.spaces.MultiBinary(n)
         if kind == "multi-discrete":
-            nvec = _npy(d.get("nvec"), "MultiDiscrete.nvec")
+            nvec = _npy(d.get("nvec"), "MultiDiscrete.nvec", budget)
             return gym.spaces.MultiDiscrete(nvec, dtype=_safe_dtype(d.get("dtype"), "MultiDiscrete"))
         if kind == "tuple":
             items = d.get("spaces")
             if not isinstance(items, list):
                 raise EpisodeDecodeError("Tuple: 'spaces' must be a list")
-            return gym.spaces.Tuple([_space_from_rllib_dict(s, depth + 1) for s in items])
+            return gym.spaces.Tuple([_space_from_rllib_dict(s, budget, depth + 1) for s in items])
         if kind == "dict":
             items = d.get("spaces")
             if not isinstance(items, dict) or not all(isinstance(k, str) for k in items):
                 raise EpisodeDecodeError("Dict: 'spaces' must be a map with string keys")
-            return gym.spaces.Dict(OrderedDict((k, _space_from_rllib_dict(s, depth + 1)) for k, s in items.items()))
+            return gym.spaces.Dict(
+                OrderedDict((k, _space_from_rllib_dict(s, budget, depth + 1)) for k, s in items.items())
+            )
     except EpisodeDecodeError:
         raise
     except (ValueError, TypeError, AssertionError, OverflowError) as e:
@@ -448,19 +471,26 @@ def _space_from_rllib_dict(d: Any, depth: int = 0) -> gym.Space:
     raise EpisodeDecodeError(f"space kind {kind!r} is not supported by the safe reader")
 
 
-@functools.lru_cache(maxsize=512)
-def _cached_space(key: bytes) -> gym.Space:
-    return _space_from_rllib_dict(msgpack.unpackb(key))
+_spaces = ByteBoundedLRU(SPACE_CACHE_BYTES)
+_spaces_lock = threading.Lock()
 
 
-def _space(d: Any) -> gym.Space | None:
+def _space(d: Any, budget: _Budget) -> gym.Space | None:
+    """The space `d` describes: from the cache (bounded by bytes), or decoded within `budget`."""
     if d is None:
         return None
     try:
         key = msgpack.packb(d)
     except (TypeError, ValueError) as e:
         raise EpisodeDecodeError(f"space description is not plain data: {e}") from None
-    return _cached_space(key)
+    with _spaces_lock:
+        space = _spaces.get(key)
+    if space is None:
+        before = budget.left
+        space = _space_from_rllib_dict(d, budget)
+        with _spaces_lock:
+            _spaces.put(key, space, len(key) + before - budget.left)
+    return space
 
 
 def _tuplify(space: gym.Space | None, data: Any) -> Any:
@@ -494,12 +524,12 @@ _STATE_KEYS = (
 )
 
 
-def _buffer_state(b: Any, what: str) -> tuple[dict, gym.Space | None]:
+def _buffer_state(b: Any, what: str, budget: _Budget) -> tuple[dict, gym.Space | None]:
     if not isinstance(b, dict) or not all(k in b for k in _BUFFER_KEYS):
         raise EpisodeDecodeError(f"{what}: not a lookback-buffer state")
     if type(b["lookback"]) is not int or b["lookback"] < 0 or not isinstance(b["finalized"], bool):
         raise EpisodeDecodeError(f"{what}: bad lookback/finalized")
-    space = _space(b["space"])
+    space = _space(b["space"], budget)
     b = dict(b, space=None)
     b["data"] = _tuplify(space, b["data"])
     return b, space
@@ -526,12 +556,13 @@ def unpack_episode(data: bytes):
         raise EpisodeDecodeError("episode id_ must be a string")
 
     state = dict(state)
-    obs_space = _space(state["_observation_space"])
-    act_space = _space(state["_action_space"])
+    budget = _Budget(MAX_SPACE_BYTES_PER_EPISODE)
+    obs_space = _space(state["_observation_space"], budget)
+    act_space = _space(state["_action_space"], budget)
     state["_observation_space"] = state["_action_space"] = None
     spaces: dict[str, gym.Space | None] = {}
     for k in ("observations", "actions", "rewards", "infos"):
-        state[k], spaces[k] = _buffer_state(state[k], k)
+        state[k], spaces[k] = _buffer_state(state[k], k, budget)
     extra_spaces = {}
     emo = state["extra_model_outputs"]
     if emo is not None:
@@ -539,7 +570,7 @@ def unpack_episode(data: bytes):
             raise EpisodeDecodeError("extra_model_outputs must be a map with string keys")
         emo = dict(emo)
         for k, b in emo.items():
-            emo[k], extra_spaces[k] = _buffer_state(b, f"extra_model_outputs[{k!r}]")
+            emo[k], extra_spaces[k] = _buffer_state(b, f"extra_model_outputs[{k!r}]", budget)
         state["extra_model_outputs"] = emo
     if not isinstance(state.get("custom_data", {}), dict):
         raise EpisodeDecodeError("custom_data must be a map")

@@ -372,10 +372,24 @@ class GatedShard:
             raise ShardSchemaError(f"not a readable Parquet file: {e}") from None
 
 
+#: what one shard's columns may decompress to, as its footer states (checked before any column is
+#: read): the consumer rolls shards at --max-file-bytes (128 MiB by default), so a larger claim is
+#: not a shard rlrec wrote. A footer that understates its pages fails their decompression instead.
+MAX_SHARD_DECODED_BYTES = 1024 * 1024 * 1024
+
+
 def open_shard(source: Any, *, fmt: str | None = None, filesystem: Any = None) -> GatedShard:
-    """Open a shard (path, or its bytes) and check its schema; `fmt` = what the manifest says."""
+    """Open a shard (path, or its bytes) and check its schema and its decoded size; `fmt` = what
+    the manifest says."""
     pf = _parquet(source, filesystem)
     found, version = check_shard_schema(pf.schema_arrow, fmt)
+    meta = pf.metadata
+    decoded = sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
+    if decoded > MAX_SHARD_DECODED_BYTES:
+        raise ShardSchemaError(
+            f"the shard decodes to {decoded} bytes, over the limit of {MAX_SHARD_DECODED_BYTES} "
+            "(MAX_SHARD_DECODED_BYTES): refused before reading"
+        )
     return GatedShard(pf, found, version)
 
 

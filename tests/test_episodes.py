@@ -481,3 +481,35 @@ def test_steps_without_info_share_one_immutable_info():
     assert bytes(pack_finished_episodes([fe])[0]) == packed
     infos = to_single_agent_episode(fe).get_infos()
     assert len({id(i) for i in infos}) == len(infos) == 6 and all(type(i) is dict for i in infos)
+
+
+def _box_bomb(n: int) -> dict:
+    """A Box space dict whose bounds are n float32 zeros each: ~50 KB compressed, 8n bytes decoded."""
+    buf = io.BytesIO()
+    np.save(buf, np.zeros(n, np.float32))
+    z = base64.b64encode(zlib.compress(buf.getvalue(), 9)).decode("ascii")
+    return {"space": "box", "low": z, "high": z, "shape": [n], "dtype": "<f4"}
+
+
+def test_a_space_bomb_is_refused_within_the_episode_budget():
+    """Every extra model output carries its own space: a few KB of compressed Box bounds per key
+    would make a reader hold gigabytes. The spaces of one episode decode within a budget."""
+    from rlrec.store import episodes
+
+    fe, _ = cartpole_case(True)
+    state = to_single_agent_episode(fe).get_state()
+    n = episodes.MAX_SPACE_BYTES_PER_EPISODE // 8 // 3  # one key's space: a third of the budget
+    emo = state["extra_model_outputs"]
+    for i in range(8):
+        emo[f"bomb{i}"] = dict(emo["action_logp"], space=_box_bomb(n + i))  # distinct: no cache hit
+    data = msgpack.packb(state, default=mnp.encode)
+    assert len(data) < 2 * 1024 * 1024
+    with pytest.raises(EpisodeDecodeError, match="budget"):
+        unpack_episode(data)
+    assert episodes._spaces.nbytes <= episodes.SPACE_CACHE_BYTES
+    # two of them fit: decoded, and kept for the next episode within the cache's bytes
+    for i in range(2, 8):
+        del emo[f"bomb{i}"]
+    ep = unpack_episode(msgpack.packb(state, default=mnp.encode))
+    assert ep.extra_model_outputs["bomb1"].space.shape == (n + 1,)
+    assert episodes._spaces.nbytes <= episodes.SPACE_CACHE_BYTES

@@ -81,6 +81,18 @@ def test_good_shards_pass_and_read(tmp_path):
     assert len(read_episodes(encode_shard(eps).data)) == 2
 
 
+def test_a_shard_whose_columns_decode_past_the_limit_is_refused_before_reading(monkeypatch):
+    from rlrec.store import schema_gate
+
+    data = encode_shard(expert_cartpole_episodes(2, max_steps=20)).data
+    decoded = pq.ParquetFile(io.BytesIO(data)).metadata.row_group(0).total_byte_size
+    monkeypatch.setattr(schema_gate, "MAX_SHARD_DECODED_BYTES", decoded - 1)
+    with pytest.raises(ShardSchemaError, match="refused before reading"):
+        open_shard(data, fmt="episodes")
+    monkeypatch.setattr(schema_gate, "MAX_SHARD_DECODED_BYTES", decoded)
+    assert open_shard(data, fmt="episodes").num_rows == 2
+
+
 def _table(fmt: str) -> pa.Table:
     data = encode_shard(expert_cartpole_episodes(1, max_steps=10), fmt=fmt).data
     return pq.read_table(io.BytesIO(data))

@@ -1238,7 +1238,13 @@ class EpisodeRecorder:
             return bool(ep.steps) and not ep.dropping and ep.first_buffered <= deadline
 
         with self._lock:
-            episodes = [ep for ep in self._episodes.values() if due(ep)]
+            if self._busy:  # this thread is inside the recorder already (cannot happen)
+                return
+            self._busy = True
+            try:
+                episodes = [ep for ep in self._episodes.values() if due(ep)]
+            finally:
+                self._busy = False
         for ep in episodes:
             big = False
             with self._lock:

@@ -443,6 +443,7 @@ class EpisodeRecorder:
         self._act = _Packer(action_space, "action")
         # log_step's inline copy of the common single-leaf observation (see _Packer.copy)
         self._obs_dtype, self._obs_shape = self._obs.dtype, self._obs.shape
+        self._act_lo, self._act_hi = self._act.int_lo, self._act.int_hi  # Python ints kept as they are
         self._obs_space_json = dumps_space(observation_space)
         self._act_space_json = dumps_space(action_space)
         # EpisodeStart's constant fields as Avro: (policy_id, env_id), then both spaces
@@ -639,44 +640,55 @@ class EpisodeRecorder:
         if self.validate_spaces:
             self._validate(action, observation)
         # copy what the caller may change later: arrays become their wire bytes
-        if type(observation) is np.ndarray and observation.dtype is self._obs_dtype:
-            if observation.shape != self._obs_shape:
-                raise ValueError(f"observation has shape {observation.shape}, the space needs {self._obs_shape}")
+        if (
+            type(observation) is np.ndarray
+            and observation.dtype is self._obs_dtype
+            and observation.shape == self._obs_shape
+        ):
             observation = observation.tobytes()
         else:
             observation = self._obs.copy(observation)
-        act = self._act
-        if not (type(action) is int and act.int_lo <= action <= act.int_hi):
-            action = act.copy(action)
+        if not (type(action) is int and self._act_lo <= action <= self._act_hi):
+            action = self._act.copy(action)
         if extra_model_outputs:
-            extra_model_outputs = _copy_extra(extra_model_outputs)
+            try:
+                extra_model_outputs = {**extra_model_outputs}
+            except TypeError:
+                pass  # not a mapping: encoding the batch refuses it (and aborts the episode)
+            else:
+                for v in extra_model_outputs.values():
+                    if type(v) not in _IMMUTABLE:  # an array, a list: copied
+                        extra_model_outputs = _copy_extra(extra_model_outputs)
+                        break
         step = (action, reward, observation, dumps_info(info) if info else "", extra_model_outputs)
-        done = terminated or truncated
         with self._lock:
             if self._busy:
                 raise self._reentry("log_step")
             self._busy = True
             try:
-                ep = self._episodes.get(episode_id)
-                if ep is None:
-                    raise self._not_open(episode_id)
-                if not ep.t and not ep.dropping:  # before counting the record: these checks may raise
+                try:
+                    ep = self._episodes[episode_id]
+                except KeyError:
+                    raise self._not_open(episode_id) from None
+                t = ep.t
+                if not t and not ep.dropping:  # before counting the record: these checks may raise
                     self._first_step_checks(ep, extra_model_outputs)
-                if self._buffered < self._max_buffered_steps and not ep.dropping:
+                buffered = self._buffered
+                if buffered < self._max_buffered_steps and not ep.dropping:
                     steps = ep.steps
                     if not steps:
                         ep.first_buffered = _monotonic()
                     # no call between these three: a signal handler's exception can't split them
                     steps += (step,)
-                    ep.t += 1
-                    self._buffered += 1
-                    if done:
+                    ep.t = t + 1
+                    self._buffered = buffered + 1
+                    if terminated or truncated:
                         self._emit(ep, bool(terminated), bool(truncated))
                         self._end(ep)
-                    elif len(steps) >= self._batch_limit:
+                    elif t + 1 - ep.t0 >= self._batch_limit:
                         self._emit(ep, False, False)
                     return
-                if not self._overflow(ep, done):
+                if not self._overflow(ep, terminated or truncated):
                     return  # dropped (on_overflow="drop")
             finally:
                 self._busy = False

@@ -8,8 +8,8 @@ VPY := $(VENV)/bin/python
 # torch first and pinned: a CPU wheel of this version lies on disk on our
 # machines; an unpinned torch would download GBs of CUDA packages.
 TORCH_VERSION ?= 2.13.0
-# the C extensions (setup.py, producer/*.c) are compiled at install: a change to them reinstalls
-PYPROJECT_HASH := $(shell cat pyproject.toml setup.py producer/_stack.c producer/_hotpath.c | sha256sum | cut -c1-12)
+# setup.py is part of the install: a change to it reinstalls
+PYPROJECT_HASH := $(shell cat pyproject.toml setup.py | sha256sum | cut -c1-12)
 STAMP := $(VENV)/.stamp-$(PYPROJECT_HASH)
 PYTEST_ARGS ?=
 

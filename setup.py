@@ -1,22 +1,9 @@
-"""rlrec's compiled parts, both the recorder's: its column stacking (producer/_stack.c) and
-log_step's fast path (producer/_hotpath.c).
+"""rlrec has no compiled parts: everything is configured in pyproject.toml.
 
-Everything else is configured in pyproject.toml. The extensions are optional: where no C
-compiler is at hand the install goes on without them and the recorder does that work in Python
-(same effect, more CPU per step); `rlrec.producer.recorder.ACCELERATED` says which is used.
+This file stays so that `pip install .` and the Dockerfile keep one entry point; the recorder's
+hot path is plain Python (see producer/recorder.py), so the install needs no C compiler.
 """
 
-import numpy
-from setuptools import Extension, setup
+from setuptools import setup
 
-setup(
-    ext_modules=[
-        Extension(
-            f"rlrec.producer.{name}",
-            [f"producer/{name}.c"],
-            include_dirs=[numpy.get_include()],
-            optional=True,
-        )
-        for name in ("_stack", "_hotpath")
-    ]
-)
+setup()

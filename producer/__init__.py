@@ -4,7 +4,14 @@ from rlrec.producer import EpisodeRecorder, RecordingWrapper      # or: from rlr
 """
 
 from rlrec.producer.events import DecodeError, EpisodeAbort, EpisodeStart, RewardDelta, StepBatch, decode, encode
-from rlrec.producer.recorder import EpisodeRecorder, RecorderForkedError, RecorderFullError, RecorderStats
+from rlrec.producer.recorder import (
+    EpisodeRecorder,
+    RecorderClosed,
+    RecorderForkedError,
+    RecorderFullError,
+    RecorderReentryError,
+    RecorderStats,
+)
 from rlrec.producer.wrapper import RecordingWrapper
 
 __all__ = [
@@ -12,8 +19,10 @@ __all__ = [
     "EpisodeAbort",
     "EpisodeRecorder",
     "EpisodeStart",
+    "RecorderClosed",
     "RecorderForkedError",
     "RecorderFullError",
+    "RecorderReentryError",
     "RecorderStats",
     "RecordingWrapper",
     "RewardDelta",

@@ -1,28 +1,32 @@
 """`EpisodeRecorder`: the policy-side client that publishes transitions to Kafka.
 
-Hot path: `log_step` validates cheaply and appends the step to its episode's in-memory batch.
-Every `max_batch_steps` steps, at the end of an episode, or when the oldest buffered step is
-`max_batch_delay_s` old (a background thread checks), the batch is stacked column-wise into one
-`StepBatch` event and handed to librdkafka, which sends it asynchronously. The policy never waits
-on the network; only `on_overflow="block"` with a full buffer waits, for buffer space. Where the
-C extension `rlrec.producer._hotpath` is built, a step in the middle of a batch whose values need
-no converting is appended by it (the C base `RecorderCore` holds the fields it reads); every
-other call runs `_log_step_py`, which is the whole of `log_step`'s behaviour.
+Hot path: `log_step` checks the step cheaply, copies it (an observation or action array
+becomes its wire bytes, `ndarray.tobytes()`; numbers and numpy scalars are immutable and kept)
+and appends it to its episode's buffer. Every `max_batch_steps` steps, at the end of an
+episode, or when the oldest buffered step is `max_batch_delay_s` old (a background thread
+checks), the buffer is joined column-wise into one `StepBatch` event and handed to librdkafka,
+which sends it asynchronously. The policy never waits on the network; only
+`on_overflow="block"` with a full buffer waits, for buffer space. It is all Python: nothing
+compiled holds or locks the recorder's state.
 
-Encoding a batch (issue 15): `producer/avro_write.py` writes the Avro bytes directly (the bytes
-fastavro writes for the same record; the constant parts are encoded once per recorder or
-episode). A column whose values are numpy arrays or scalars of exactly the leaf's dtype (checked
-per value) is stacked by one `bytes.join` of their buffers, straight into the message; a column
-of Python ints for an integer scalar leaf (Discrete) by `array`; any other column (lists, other
-dtypes, non-contiguous views, big-endian) by numpy, casting as before. Where the C extension
-`rlrec.producer._stack` is built (`ACCELERATED`), single-leaf columns, rewards and extra model
-outputs are first stacked by it in one pass over the batch; it returns bytes only when every
-value is exact for its column (the very dtype and shape, or a Python int/float that fits), so
-the message is the same either way, and any other batch takes the Python path.
+Encoding a batch: `producer/avro_write.py` writes the Avro bytes directly (the bytes fastavro
+writes for the same record; the constant parts are encoded once per recorder or episode). The
+observation and action columns are one `bytes.join` of the copies made at `log_step` (a column
+of Python ints for an integer scalar leaf, e.g. Discrete, is packed by `array`); extra model
+outputs are stacked as numpy stacks them.
+
+Locking. One re-entrant lock guards the recorder's state, always taken by a `with` statement:
+in CPython 3.11 `Lock.__enter__` runs no signal handler once it holds the lock, and none runs
+between it and the protected block, so an exception raised by a signal handler cannot leave
+the lock held (tests/test_recorder_safety.py delivers thousands of signals to prove it). No
+method waits while holding the lock; a waiting call re-takes it and looks its episode and the
+recorder's state up again. A public method that finds its own thread already inside the
+recorder (a finalizer run by a garbage collection, a signal handler, a delivery callback)
+raises `RecorderReentryError` instead of deadlocking or working on half-updated state.
 
 Accounting is in *records*: one per `begin_episode`, `log_step`, `log_reward` and
 `abort_episode` call. At every moment `produced == delivered + failed + buffered`, and `dropped`
-counts records discarded by `on_overflow="drop"`.
+counts records discarded by `on_overflow="drop"`. After `close()` returns, `buffered == 0`.
 """
 
 from __future__ import annotations
@@ -33,7 +37,6 @@ import os
 import sys
 import threading
 import time
-import types
 import uuid
 import weakref
 from array import array
@@ -60,27 +63,14 @@ from rlrec.producer.events import (
 )
 from rlrec.producer.spaces import Leaf, dumps_space, flatten_value, space_leaves
 
-try:  # the column stacking in C (producer/_stack.c); optional: built where a C compiler was
-    from rlrec.producer import _stack as _c_stack
-except ImportError:  # pragma: no cover - depends on the install
-    _c_stack = None
-try:  # log_step's fast path in C (producer/_hotpath.c); optional likewise
-    from rlrec.producer import _hotpath
-except ImportError:  # pragma: no cover - depends on the install
-    _hotpath = None
-
-__all__ = ["EpisodeRecorder", "RecorderForkedError", "RecorderFullError", "RecorderStats"]
-
-#: True when batches are stacked by the C extension `rlrec.producer._stack` and a step in the
-#: middle of a batch is logged by `rlrec.producer._hotpath` (same effect as the Python path,
-#: which anything they do not take exactly falls back to)
-ACCELERATED = _c_stack is not None and _hotpath is not None
-
-if _hotpath is not None:
-    # the fields log_step's fast path reads live in these C bases (as attributes to Python)
-    _RecorderBase, _EpisodeBase, _EPISODE_HOT = _hotpath.RecorderCore, _hotpath.EpisodeState, ()
-else:  # pragma: no cover - depends on the install
-    _RecorderBase, _EpisodeBase, _EPISODE_HOT = object, object, ("dropping", "steps", "t")
+__all__ = [
+    "EpisodeRecorder",
+    "RecorderClosed",
+    "RecorderForkedError",
+    "RecorderFullError",
+    "RecorderReentryError",
+    "RecorderStats",
+]
 
 log = logging.getLogger("rlrec.producer")
 
@@ -91,20 +81,14 @@ _FLAGS = {(a, b): bool_byte(a) + bool_byte(b) for a in (False, True) for b in (F
 _UNION_0, _UNION_1 = long_bytes(0), long_bytes(1)  # infos: null, or an array of strings
 #: after sending a lingering batch this big, the poller offers the GIL to waiting threads
 _YIELD_BYTES = 64 * 1024
+#: how long a call that found the buffer full (on_overflow="block") sleeps before looking again
+_WAIT_S = 0.005
 
-#: the recorder's fields log_step's C path uses: the C base's members and `_lock` (see
-#: EpisodeRecorder.__init_subclass__)
-_HOT_FIELDS = frozenset(
-    name
-    for name, attr in vars(_RecorderBase).items()
-    if isinstance(attr, (types.MemberDescriptorType, types.GetSetDescriptorType)) and _hotpath is not None
-)
 _recorders: weakref.WeakSet[EpisodeRecorder] = weakref.WeakSet()
 _monotonic = time.monotonic
 _time = time.time
 _dtype_of = attrgetter("dtype")
 _shape_of = attrgetter("shape")
-_F64 = np.dtype(np.float64)
 _LITTLE = sys.byteorder == "little"
 #: dtypes whose native bytes are their wire bytes -> wire name (none on a big-endian host)
 _WIRE_NAMES = {np.dtype(name): name for name in ALLOWED_DTYPES} if _LITTLE else {}
@@ -112,6 +96,8 @@ _WIRE_NAMES = {np.dtype(name): name for name in ALLOWED_DTYPES} if _LITTLE else 
 _SCALAR_NAMES = {dt.type: name for dt, name in _WIRE_NAMES.items()}
 #: `array` typecodes of the integer dtypes, for columns of Python ints (e.g. Discrete actions)
 _INT_CODES = {np.dtype(c).name: c for c in "bBhHiIqQ" if array(c).itemsize == np.dtype(c).itemsize} if _LITTLE else {}
+#: extra model output values that need no copy: nobody can change them after log_step
+_IMMUTABLE = frozenset({int, float, bool, *(np.dtype(name).type for name in ALLOWED_DTYPES)})
 
 
 _cast_ok: dict[tuple[np.dtype, np.dtype], bool] = {}
@@ -119,7 +105,7 @@ _allowed_ok: dict[np.dtype, bool] = {}
 
 
 def _can_cast(src: np.dtype, dst: np.dtype) -> bool:
-    """np.can_cast(src, dst, "same_kind"), remembered (it costs ~0.5 µs; first steps ask it)."""
+    """np.can_cast(src, dst, "same_kind"), remembered (it costs ~0.5 µs)."""
     ok = _cast_ok.get((src, dst))
     if ok is None:
         ok = bool(np.can_cast(src, dst, "same_kind"))
@@ -136,6 +122,18 @@ def _dtype_allowed(dt: np.dtype) -> bool:
         if len(_allowed_ok) < 1024:
             _allowed_ok[dt] = ok
     return ok
+
+
+def _copy_extra(extra: Any) -> Any:
+    """What log_step keeps of `extra_model_outputs`: a new dict whose mutable values (arrays,
+    lists) are copied; anything that is not a mapping as it is (the batch's encoding refuses it)."""
+    if type(extra) is not dict and not isinstance(extra, Mapping):
+        return extra
+    out = dict(extra)
+    for k, v in out.items():
+        if type(v) not in _IMMUTABLE:
+            out[k] = np.array(v)
+    return out
 
 
 def _stack_column(col: Sequence, n: int) -> tuple[str, tuple, Any] | None:
@@ -179,6 +177,16 @@ class RecorderForkedError(RuntimeError):
     """A recorder created before `os.fork()` was used in the child process."""
 
 
+class RecorderClosed(RuntimeError):
+    """The recorder's `close()` was called: it takes no new episodes, steps or rewards."""
+
+
+class RecorderReentryError(RuntimeError):
+    """A recorder method was called on a thread that is already inside the recorder: from a
+    finalizer (`__del__`, a `weakref.finalize` or `gc.callbacks` hook) that a garbage collection
+    ran in the middle of a recorder call, from a signal handler, or from `on_delivery_error`."""
+
+
 @dataclass(frozen=True)
 class RecorderStats:
     """A snapshot of a recorder's counters (in records; see module docstring)."""
@@ -195,168 +203,185 @@ class RecorderStats:
 
 
 class _Packer:
-    """Per-space validation of step values and column-wise stacking into wire arrays."""
+    """Per-space copying of step values into their wire bytes, and column-wise joining."""
 
     def __init__(self, space: gs.Space, what: str):
         self.space = space
         self.what = what
         self.leaves = space_leaves(space)
         self.single = not isinstance(space, (gs.Dict, gs.Tuple))
-        self.shape = self.leaves[0].shape if self.single else None
-        # per leaf, for `write`: (dtype, bytes per step, Avro bytes of the dtype name and the
-        # shape's length, Avro bytes of the trailing dims and the shape's end; None when the
-        # leaf's dtype has no fast path: not allowed on the wire, or not little-endian)
-        self._fast = []
-        for leaf in self.leaves:
-            dt = leaf.dtype
-            head = string_bytes(dt.name) + long_bytes(1 + len(leaf.shape))
-            tail = b"".join(long_bytes(d) for d in leaf.shape) + ARRAY_END
-            fast = dt in _WIRE_NAMES
-            self._fast.append((dt, dt.itemsize * math.prod(leaf.shape), head, tail) if fast else None)
-        # scalar integer leaves (Discrete): a column of Python ints packs with `array`
-        self._int_code = _INT_CODES.get(self.leaves[0].dtype.name) if self.single and not self.shape else None
+        leaf = self.leaves[0]
+        # single-leaf spaces: a value of exactly this dtype and shape is copied by tobytes()
+        # (None on a big-endian host, or for a dtype that is not allowed on the wire)
+        self.dtype = leaf.dtype if self.single and leaf.dtype in _WIRE_NAMES else None
+        self.shape = leaf.shape if self.single else None
+        scalar = self.dtype is not None and not leaf.shape
+        # numpy scalars of the leaf's dtype are immutable: kept as they are
+        self.scalar_type = leaf.dtype.type if scalar else None
+        # scalar integer leaves (Discrete): Python ints in range are kept, and packed by `array`
+        self.int_code = _INT_CODES.get(leaf.dtype.name) if scalar else None
+        if self.int_code:
+            info = np.iinfo(leaf.dtype)
+            self.int_lo, self.int_hi = int(info.min), int(info.max)
+        else:
+            self.int_lo, self.int_hi = 1, 0  # no int is in this range
         self._count = long_bytes(len(self.leaves)) if self.leaves else b""
+        # per leaf, for `write`: Avro bytes of the dtype name and the shape's length, and of the
+        # trailing dims and the shape's end
+        self._heads = [
+            (
+                string_bytes(lf.dtype.name) + long_bytes(1 + len(lf.shape)),
+                b"".join(map(long_bytes, lf.shape)) + ARRAY_END,
+            )
+            for lf in self.leaves
+        ]
         # per leaf, for `write_one`: Avro bytes of the dtype name and the leaf's shape
-        self._one_heads = [string_bytes(leaf.dtype.name) + shape_bytes(leaf.shape) for leaf in self.leaves]
-        # single-leaf spaces with a fast dtype, for `write_c`: (dtype, per-step shape)
-        self._c_args = (self.leaves[0].dtype, self.leaves[0].shape) if self.single and self._fast[0] else None
+        self._one_heads = [string_bytes(lf.dtype.name) + shape_bytes(lf.shape) for lf in self.leaves]
 
-    def prepare(self, value: Any) -> Any:
-        """Cheap check of one value; returns what the batch buffer stores (value or its leaves)."""
+    def copy(self, value: Any) -> Any:
+        """What the recorder keeps of one value: its wire bytes (a tuple of them per leaf for
+        Dict/Tuple spaces), or the value itself when it is immutable (a Python int in range for
+        an integer scalar leaf, a numpy scalar of the leaf's dtype). Raises ValueError for a
+        wrong shape, TypeError for a dtype that does not cast to the leaf's ("same_kind")."""
         if self.single:
-            shape = getattr(value, "shape", None)
-            if shape is None:
-                if not self.shape and isinstance(value, (int, float)):
-                    return value  # a Python scalar for a scalar space (Discrete): nothing to check
-                shape = np.shape(value)
-            if shape != self.shape:
-                raise ValueError(f"{self.what} has shape {tuple(shape)}, the space needs {self.shape}")
-            return value
+            t = type(value)
+            if t is int and self.int_lo <= value <= self.int_hi:
+                return value
+            if t is self.scalar_type:
+                return value
+            if t is np.ndarray and value.dtype is self.dtype and value.shape == self.shape:
+                return value.tobytes()
+            return self._leaf_bytes(value, self.leaves[0], "")
         leaves = flatten_value(self.space, value)
-        for x, leaf in zip(leaves, self.leaves):
-            if np.shape(x) != leaf.shape:
-                raise ValueError(f"{self.what} leaf has shape {np.shape(x)}, the space needs {leaf.shape}")
-        return leaves
+        return tuple(self._leaf_bytes(x, leaf, " leaf") for x, leaf in zip(leaves, self.leaves))
 
-    def check_dtypes(self, prepared: Any, only: Leaf | None = None) -> None:
-        """TypeError unless every leaf value casts to its leaf's dtype (`only`: one leaf's value)."""
-        values = [prepared] if self.single or only is not None else prepared
-        for x, leaf in zip(values, self.leaves if only is None else [only]):
-            dt = x.dtype if type(x) is np.ndarray else np.asarray(x).dtype
-            if not _can_cast(dt, leaf.dtype):
-                raise TypeError(f"{self.what} of dtype {dt} can't be stored as the space's {leaf.dtype}")
+    def _leaf_bytes(self, x: Any, leaf: Leaf, which: str) -> bytes:
+        a = np.asarray(x)
+        if a.shape != leaf.shape:
+            raise ValueError(f"{self.what}{which} has shape {a.shape}, the space needs {leaf.shape}")
+        if a.dtype != leaf.dtype:
+            if not _can_cast(a.dtype, leaf.dtype):
+                raise TypeError(f"{self.what} of dtype {a.dtype} can't be stored as the space's {leaf.dtype}")
+            a = a.astype(leaf.dtype, casting="same_kind")
+        return array_to_wire(a)["data"]  # little-endian, C order
 
-    def write(self, parts: list, buf: Sequence) -> None:
-        """Append the Avro array of stacked leaves of the `prepare`d values in `buf` to `parts`."""
-        n = len(buf)
+    def write(self, parts: list, col: Sequence) -> None:
+        """Append the Avro array of the stacked leaves of `copy`'s values in `col` to `parts`."""
+        n = len(col)
         parts.append(self._count)
         if self.single:
-            self._write_leaf(parts, buf, n, 0)
+            self._write_leaf(parts, 0, col, n)
         else:
-            for i, col in enumerate(zip(*buf)):
-                self._write_leaf(parts, col, n, i)
+            for i, leaf_col in enumerate(zip(*col)):
+                self._write_leaf(parts, i, leaf_col, n)
         parts.append(ARRAY_END)
 
-    def write_c(self, parts: list, steps: list, index: int) -> bool:
-        """As `write` for field `index` of the buffered step tuples, stacked by the C extension;
-        False (nothing appended) unless it took every value exactly."""
-        if self._c_args is None:
-            return False
-        dt, shape = self._c_args
-        data = _c_stack.stack(steps, index, None, 0, dt, shape, False)
-        if data is None:
-            return False
-        head, tail = self._fast[0][2:]
-        parts += (self._count, head, long_bytes(len(steps)), tail, long_bytes(len(data)), data, ARRAY_END)
-        return True
-
-    def _write_leaf(self, parts: list, col: Sequence, n: int, i: int) -> None:
-        fast = self._fast[i]
-        if fast is not None:
-            # values are checked to have the leaf's shape when logged: if every one is a numpy
-            # array (or scalar) of exactly the leaf's dtype, their buffers are the stacked
-            # column's bytes, and one join copies them into the message
-            dt, nbytes, head, tail = fast
-            first = col[0]
-            if type(first) is int and self._int_code:
-                try:
-                    data = array(self._int_code, col)  # TypeError/OverflowError: numpy decides
-                except (TypeError, OverflowError):
-                    pass
-                else:
-                    parts += (head, long_bytes(n), tail, long_bytes(n * nbytes), data)
-                    return
-            elif type(first) is np.ndarray or isinstance(first, np.generic):
-                try:
-                    data = b"".join(col)
-                    same = list(map(_dtype_of, col)).count(dt) == n
-                except (TypeError, ValueError, BufferError, AttributeError):
-                    same = False  # not contiguous, not a buffer, no dtype: stack it with numpy
-                if same and len(data) == n * nbytes:
-                    parts += (head, long_bytes(n), tail, long_bytes(len(data)), data)
-                    return
-        w = array_to_wire(self._col(col, self.leaves[i].dtype))
-        array_parts(parts, w["dtype"], w["shape"], w["data"])
+    def _write_leaf(self, parts: list, i: int, col: Sequence, n: int) -> None:
+        head, tail = self._heads[i]
+        code = self.int_code
+        try:
+            # Python ints (range-checked by `copy`) and numpy scalars pack with `array`; bytes
+            # and numpy scalars join
+            data = array(code, col).tobytes() if type(col[0]) is int and code else b"".join(col)
+        except TypeError:  # ints mixed with bytes: each int becomes its bytes
+            data = b"".join([array(code, (x,)).tobytes() if type(x) is int else x for x in col])
+        parts += (head, long_bytes(n), tail, long_bytes(len(data)), data)
 
     def write_one(self, parts: list, value: Any) -> None:
         """Append the Avro array of the leaves of one value (no step axis) to `parts`; raises
-        as `prepare` and `check_dtypes` do."""
-        prepared = self.prepare(value)
-        values = [prepared] if self.single else prepared
+        as `copy` does."""
+        kept = self.copy(value)
+        values = [kept] if self.single else kept
         parts.append(self._count)
-        for v, leaf, fast, head in zip(values, self.leaves, self._fast, self._one_heads):
-            if fast is not None and type(v) is np.ndarray and v.dtype == fast[0]:
-                data = v.tobytes()  # C order, whatever the strides; the shape was checked
-                parts += (head, long_bytes(len(data)), data)
-            else:
-                self.check_dtypes(v, leaf)
-                w = array_to_wire(self._col(v, leaf.dtype))
-                array_parts(parts, w["dtype"], w["shape"], w["data"])
+        for v, head in zip(values, self._one_heads):
+            data = v if type(v) is bytes else array(self.int_code, (v,)).tobytes() if type(v) is int else v.tobytes()
+            parts += (head, long_bytes(len(data)), data)
         parts.append(ARRAY_END)
 
-    @staticmethod
-    def _col(values: Any, dtype: np.dtype) -> np.ndarray:
-        a = np.asarray(values)
-        if a.dtype != dtype:
-            a = a.astype(dtype, casting="same_kind")
-        return a
 
-
-def _write_rewards(parts: list, ep: _Episode, rewards: bytes | array, n: int) -> None:
-    """Append the batch's `n` float64 rewards (their bytes, or an array) with the delayed
-    rewards of its buffered steps added."""
-    if ep.reward_adds:
-        rewards = array("d", rewards)
-        for t, add in ep.reward_adds.items():
-            rewards[t - ep.t0] += add
+def _write_rewards(parts: list, ep: _Episode, rewards: array, n: int) -> None:
+    """Append the batch's `n` float64 rewards with the delayed rewards of its buffered steps added."""
+    for t, add in ep.reward_adds.items():
+        rewards[t - ep.t0] += add
     parts += (_REWARDS_HEAD, long_bytes(n), ARRAY_END, long_bytes(8 * n), rewards)
 
 
-class _Episode(_EpisodeBase):
-    __slots__ = ("extra_keys", "first_buffered", "id", "id_avro", "reward_adds", "t0", "version", *_EPISODE_HOT)
+class _Episode:
+    __slots__ = ("dropping", "extra_keys", "first_buffered", "id", "id_avro", "reward_adds", "steps", "t", "t0")
 
-    def __init__(self, eid: str, version: int):
+    def __init__(self, eid: str):
         self.id = eid
         self.id_avro = string_bytes(eid)  # the Avro string, as every batch of the episode starts
-        self.version = version
         self.t = 0  # steps logged so far
         self.t0 = 0  # t of the first buffered step
-        # buffered steps t0..t-1 as (action, reward, observation, info_json, extra_model_outputs)
+        # buffered steps t0..t-1 as (action, reward, observation, info_json, extra_model_outputs),
+        # each a copy the caller cannot change (see _Packer.copy, _copy_extra)
         self.steps: list[tuple] = []
         self.reward_adds: dict[int, float] = {}  # delayed rewards for buffered steps, by t
         self.extra_keys: frozenset = frozenset()
         self.first_buffered = 0.0
-        self.dropping = False
+        self.dropping = False  # on_overflow="drop" dropped it: its further records are dropped too
 
 
-class EpisodeRecorder(_RecorderBase):
+class EpisodeRecorder:
     """Publishes the episodes of one policy to a Kafka topic as rlrec events.
 
     Guarantees: every record is either delivered to the broker (idempotent producer, acks=all),
     reported as failed (counted, and passed to `on_delivery_error`), or - only with
-    `on_overflow="drop"` - counted as dropped; nothing disappears silently. Events of an episode
-    share its key (the episode id) and so arrive in order on one partition. Thread-safe: several
-    threads may log different episodes. After `os.fork()` the child must create its own recorder.
+    `on_overflow="drop"` - counted as dropped; nothing disappears silently: after `close()`
+    returns, `stats.buffered == 0`. Events of an episode share its key (the episode id) and so
+    arrive in order on one partition.
+
+    Copies: `begin_episode` and `log_step` copy what they are given before returning (arrays
+    become bytes, `extra_model_outputs` a new dict of copied values), so the caller may reuse or
+    change its observation, action and output arrays right after the call.
+
+    Threads: every public method is thread-safe; several threads may log, abort and close at
+    once (steps of one episode are recorded in the order their calls took the lock, so an
+    episode is best stepped by one thread at a time). `close()` refuses new episodes, steps and
+    rewards (`RecorderClosed`) from the moment it is called; a call that was waiting for buffer
+    space raises `RecorderClosed`, or ValueError when another thread ended or aborted its
+    episode meanwhile - it never reports success for a step it did not record. A method called
+    from a finalizer or signal handler while its thread is inside the recorder raises
+    `RecorderReentryError` (`stats` and `open_episodes` work there). An exception raised by a
+    signal handler (KeyboardInterrupt, SystemExit) leaves no lock held. After `os.fork()` the
+    child must create its own recorder (`RecorderForkedError`).
+
+    Args:
+        bootstrap_servers: Kafka bootstrap servers ("host:port,...").
+        topic: the topic every event goes to.
+        policy_id: names the policy (the consumer files episodes under it).
+        policy_version: version of the policy that acts; only grows (also per episode).
+        observation_space: gymnasium space of the observations (required).
+        action_space: gymnasium space of the actions (required).
+        env_id: names the environment.
+        kafka_config: librdkafka settings added to (or overriding) the recorder's.
+        max_buffered_steps: records that may await delivery before `on_overflow` applies.
+        on_overflow: "block" (wait for room), "drop" (count and drop the episode's rest) or
+            "raise" (`RecorderFullError`).
+        max_batch_steps: at most this many steps per StepBatch event.
+        max_batch_delay_s: a buffered step is sent at most this late.
+        max_batch_bytes: about this many bytes per StepBatch event.
+        validate_spaces: check every value with `space.contains` (slow).
+        on_delivery_error: called as (error, episode_id, records) for records that failed.
+        schema_registry_url: frame events for a Confluent Schema Registry instead of headers.
+
+    Example:
+        >>> import numpy as np
+        >>> from gymnasium import spaces
+        >>> from rlrec import EpisodeRecorder, LocalBroker
+        >>> with LocalBroker() as broker, EpisodeRecorder(
+        ...     broker.bootstrap_servers,
+        ...     observation_space=spaces.Box(-1, 1, (4,), np.float32),
+        ...     action_space=spaces.Discrete(2),
+        ... ) as rec:
+        ...     obs = np.zeros(4, np.float32)
+        ...     eid = rec.begin_episode(obs)
+        ...     obs[:] = 0.5  # fine: begin_episode copied it
+        ...     rec.log_step(eid, 1, 1.0, obs, terminated=True)
+        ...     rec.close()
+        ...     rec.stats.buffered
+        0
     """
 
     def __init__(
@@ -416,10 +441,9 @@ class EpisodeRecorder(_RecorderBase):
             self._wire = {k: (b"", schema_header(k)) for k in _KINDS}
         self._obs = _Packer(observation_space, "observation")
         self._act = _Packer(action_space, "action")
-        # single-leaf spaces: the shape a value must have (None for Dict/Tuple: always flattened)
-        self._obs_shape = self._obs.shape if self._obs.single else object()
-        self._act_shape = self._act.shape if self._act.single else object()
-        self._act_scalar = self._act.single and self._act.shape == ()
+        # log_step's inline copy of the common single-leaf observation (see _Packer.copy)
+        self._obs_dtype, self._obs_shape = self._obs.dtype, self._obs.shape
+        self._act_lo, self._act_hi = self._act.int_lo, self._act.int_hi  # Python ints kept as they are
         self._obs_space_json = dumps_space(observation_space)
         self._act_space_json = dumps_space(action_space)
         # EpisodeStart's constant fields as Avro: (policy_id, env_id), then both spaces
@@ -444,8 +468,11 @@ class EpisodeRecorder(_RecorderBase):
         self._fatal: KafkaError | None = None  # set by error_cb; the poller replaces the producer
         self.producer_restarts = 0
 
-        self._lock = threading.Lock()
-        self._space_freed = threading.Condition(self._lock)
+        # the recorder's state; only ever taken by `with` (see the module docstring)
+        self._lock = threading.RLock()
+        self._busy = False  # a method of this thread is working on the state (re-entry guard)
+        self._close_lock = threading.RLock()  # one close() at a time; later ones wait for it
+        self._in_close = False
         self._episodes: dict[str, _Episode] = {}
         self._finished: dict[str, int] = {}  # recent finished episode -> length, for log_reward checks
         self._delivered = self._failed = self._dropped = 0  # produced = delivered + failed + buffered
@@ -453,26 +480,19 @@ class EpisodeRecorder(_RecorderBase):
         self._episodes_begun = 0
         self._msgs = [0, 0, 0]  # produced, delivered, failed
         self._last_drop_log = 0.0
-        self._closed = False
+        self._closing = False  # close() was called: nothing new is taken
+        self._closed = False  # close() finished
         self._forked = False
-        self._unusable = False  # closed or forked: checked first on the hot path
+        self._unusable = False  # closing or forked: checked first on the hot path
         # bytes per step, estimated from the spaces until the first batch measures it
         est = sum(leaf.dtype.itemsize * int(np.prod(leaf.shape)) for leaf in self._obs.leaves + self._act.leaves) + 16
         self._set_batch_limit(est)
-        self._step_bytes = None  # estimated bytes per buffered step, set at first emit
+        self._step_bytes = None  # measured bytes per buffered step, set at first emit
 
         self._stop = threading.Event()
         self._poller = threading.Thread(target=self._poll_loop, name="rlrec-recorder", daemon=True)
         self._poller.start()
         _recorders.add(self)
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        # log_step's C path reads and writes these as C fields: a subclass's property or class
-        # attribute of the same name would hide them from Python but not from C
-        super().__init_subclass__(**kwargs)
-        shadowed = sorted(_HOT_FIELDS & vars(cls).keys())
-        if shadowed:
-            raise TypeError(f"{cls.__name__} may not redefine EpisodeRecorder's {', '.join(shadowed)}")
 
     # -- public API -----------------------------------------------------------------------------
 
@@ -486,10 +506,11 @@ class EpisodeRecorder(_RecorderBase):
         value = int(value)
         if value < 1:
             raise ValueError(f"max_buffered_steps must be >= 1, got {value}")
-        self._max_buffered_steps = min(value, sys.maxsize)  # a C Py_ssize_t where ACCELERATED
+        self._max_buffered_steps = value
 
     @property
     def policy_version(self) -> int:
+        """The version new episodes are recorded with (only grows)."""
         return self._policy_version
 
     @policy_version.setter
@@ -506,7 +527,24 @@ class EpisodeRecorder(_RecorderBase):
         episode_id: str | None = None,
         policy_version: int | None = None,
     ) -> str:
-        """Start an episode from its first observation; returns its id."""
+        """Start an episode from its first observation; returns its id.
+
+        The observation is encoded before the call returns: the caller may change it afterwards.
+
+        Args:
+            observation: the reset observation, in `observation_space`.
+            info: the reset info (JSON-able, numpy arrays allowed).
+            episode_id: the episode's id (1..256 characters); a new uuid4 hex when None.
+            policy_version: the version acting in this episode; the recorder's when None.
+
+        Returns:
+            The episode id, for `log_step`, `log_reward` and `abort_episode`.
+
+        Raises:
+            RecorderClosed: `close()` was called.
+            ValueError: the episode is already open, or a value is invalid.
+            RecorderFullError: `on_overflow="raise"` and the buffer is full.
+        """
         self._check_usable()
         version = self._policy_version if policy_version is None else self._check_version(policy_version)
         if self.validate_spaces and not self.observation_space.contains(observation):
@@ -519,31 +557,37 @@ class EpisodeRecorder(_RecorderBase):
             eid = str.__str__(eid)
         if not eid or len(eid) > 256:
             raise ValueError("episode_id must be 1..256 characters")
-        with self._lock:
-            if eid in self._episodes:
-                raise ValueError(f"episode {eid} is already open")
-            # admit first: if that raises (RecorderFullError) or the producer refuses the message,
-            # no half-registered episode is left open
-            if not self._admit(None):
-                ep = _Episode(eid, version)
-                ep.dropping = True  # nothing of it is sent
-                self._episodes_begun += 1
-                self._episodes[eid] = ep
-                return eid
-            if eid in self._episodes:  # opened by another thread while this one waited for room
-                self._buffered -= 1
-                self._space_freed.notify_all()
-                raise ValueError(f"episode {eid} is already open")
-            # the EpisodeStart record (see avro_write), its constant fields encoded once
-            pid_env, spaces = self._start_avro
-            parts = [string_bytes(eid), pid_env[0], long_bytes(version), pid_env[1], *obs_parts]
-            parts += (string_bytes(info_json), spaces, long_bytes(int(_time() * 1000)))
-            self._send(eid, b"".join(parts), "EpisodeStart", 1)
-            self._episodes_begun += 1
-            self._episodes[eid] = _Episode(eid, version)
-        return eid
+        # the EpisodeStart record (see avro_write), its constant fields encoded once
+        pid_env, spaces = self._start_avro
+        parts = [string_bytes(eid), pid_env[0], long_bytes(version), pid_env[1], *obs_parts]
+        parts += (string_bytes(info_json), spaces, long_bytes(int(_time() * 1000)))
+        value = b"".join(parts)
+        while True:
+            with self._lock:
+                if self._busy:
+                    raise self._reentry("begin_episode")
+                self._busy = True
+                try:
+                    if self._closing:
+                        raise RecorderClosed("the recorder is closed")
+                    if eid in self._episodes:
+                        raise ValueError(f"episode {eid} is already open")
+                    if self._buffered < self._max_buffered_steps:
+                        self._send(eid, value, "EpisodeStart", 1, 1)  # before registering: it may raise
+                        self._episodes_begun += 1
+                        self._episodes[eid] = _Episode(eid)
+                        return eid
+                    if not self._overflow(None, False):
+                        ep = _Episode(eid)
+                        ep.dropping = True  # nothing of it is sent
+                        self._episodes_begun += 1
+                        self._episodes[eid] = ep
+                        return eid
+                finally:
+                    self._busy = False
+            time.sleep(_WAIT_S)  # on_overflow="block": wait for room without the lock, then look again
 
-    def _log_step_py(
+    def log_step(
         self,
         episode_id: str,
         action: Any,
@@ -556,8 +600,32 @@ class EpisodeRecorder(_RecorderBase):
     ) -> None:
         """Record one step: `action` taken, `reward` received, `observation` after it.
 
-        Values are stacked when the batch is sent (within `max_batch_delay_s`): don't mutate an
-        array after passing it in.
+        The recorder copies `action`, `observation` and `extra_model_outputs` before returning:
+        the caller may reuse or change its arrays right after the call.
+
+        Args:
+            episode_id: an open episode's id (from `begin_episode`).
+            action: the action taken, in `action_space`.
+            reward: the reward received (a finite number).
+            observation: the observation after the step, in `observation_space`.
+            terminated: the episode ended in a terminal state (the episode is closed).
+            truncated: the episode was cut short (the episode is closed).
+            info: the step's info (JSON-able, numpy arrays allowed).
+            extra_model_outputs: per-step model outputs (`action_logp`, ...), the same keys on
+                every step of an episode.
+
+        Raises:
+            RecorderClosed: `close()` was called (also while this call waited for room).
+            ValueError: the episode is not open (never begun, ended, or aborted - also by
+                another thread while this call waited for room), or a value is invalid.
+            TypeError: a value's dtype does not cast to its space's.
+            RecorderFullError: `on_overflow="raise"` and the buffer is full.
+            RecorderReentryError: called from a finalizer or signal handler while this thread
+                was inside the recorder.
+
+        Example:
+            >>> eid = rec.begin_episode(obs)  # doctest: +SKIP
+            >>> rec.log_step(eid, 0, 1.0, obs, extra_model_outputs={"action_logp": -0.7})  # doctest: +SKIP
         """
         # hot path: every attribute lookup and call here costs a visible share of a step
         if self._unusable:
@@ -571,60 +639,73 @@ class EpisodeRecorder(_RecorderBase):
             raise ValueError(f"reward must be finite, got {reward} (episode {episode_id})")
         if self.validate_spaces:
             self._validate(action, observation)
-        # cheap shape checks (the common single-leaf spaces inline, nested spaces flattened)
-        try:
-            prepare = observation.shape != self._obs_shape
-        except AttributeError:  # no shape: a list, a Python scalar, a dict of leaves
-            prepare = True
-        if prepare:
-            observation = self._obs.prepare(observation)
-        if not (type(action) is int and self._act_scalar) and getattr(action, "shape", None) != self._act_shape:
-            action = self._act.prepare(action)
-        info_json = dumps_info(info) if info else ""
-        # acquire/release: `with` on a Lock costs about twice as much (its __exit__ takes *args)
-        lock = self._lock
-        lock.acquire()
-        try:
+        # copy what the caller may change later: arrays become their wire bytes
+        if (
+            type(observation) is np.ndarray
+            and observation.dtype is self._obs_dtype
+            and observation.shape == self._obs_shape
+        ):
+            observation = observation.tobytes()
+        else:
+            observation = self._obs.copy(observation)
+        if not (type(action) is int and self._act_lo <= action <= self._act_hi):
+            action = self._act.copy(action)
+        if extra_model_outputs:
             try:
-                ep = self._episodes[episode_id]
-            except KeyError:
-                raise ValueError(
-                    f"episode {episode_id!r} is not open (never begun, already ended or aborted)"
-                ) from None
-            t = ep.t
-            if not t and not ep.dropping:  # before counting the record: these checks may raise
-                self._first_step_checks(ep, observation, action, extra_model_outputs)
-            buffered = self._buffered
-            if buffered < self._max_buffered_steps and not ep.dropping:
-                self._buffered = buffered + 1
-            elif not self._admit(ep):
-                if terminated or truncated:
-                    self._end(ep)
-                return
-            steps = ep.steps
-            if not steps:
-                ep.first_buffered = _monotonic()
-            steps.append((action, reward, observation, info_json, extra_model_outputs))
-            ep.t = t + 1
-            if terminated or truncated:
-                self._emit(ep, bool(terminated), bool(truncated))
-                self._end(ep)
-            elif len(steps) >= self._batch_limit:
-                self._emit(ep, False, False)
-        finally:
-            lock.release()
-
-    _log_step_py.__qualname__ = "EpisodeRecorder.log_step"  # in the errors a bad call raises
-
-    if _hotpath is not None:
-        # a step in the middle of a batch is taken by the C base (producer/_hotpath.c), which
-        # hands every other call to _log_step_py as it came
-        log_step = _hotpath.RecorderCore.log_step
-    else:  # pragma: no cover - depends on the install
-        log_step = _log_step_py
+                extra_model_outputs = {**extra_model_outputs}
+            except TypeError:
+                pass  # not a mapping: encoding the batch refuses it (and aborts the episode)
+            else:
+                for v in extra_model_outputs.values():
+                    if type(v) not in _IMMUTABLE:  # an array, a list: copied
+                        extra_model_outputs = _copy_extra(extra_model_outputs)
+                        break
+        step = (action, reward, observation, dumps_info(info) if info else "", extra_model_outputs)
+        with self._lock:
+            if self._busy:
+                raise self._reentry("log_step")
+            self._busy = True
+            try:
+                try:
+                    ep = self._episodes[episode_id]
+                except KeyError:
+                    raise self._not_open(episode_id) from None
+                t = ep.t
+                if not t and not ep.dropping:  # before counting the record: these checks may raise
+                    self._first_step_checks(ep, extra_model_outputs)
+                buffered = self._buffered
+                if buffered < self._max_buffered_steps and not ep.dropping:
+                    steps = ep.steps
+                    if not steps:
+                        ep.first_buffered = _monotonic()
+                    # no call between these three: a signal handler's exception can't split them
+                    steps += (step,)
+                    ep.t = t + 1
+                    self._buffered = buffered + 1
+                    if terminated or truncated:
+                        self._emit(ep, bool(terminated), bool(truncated))
+                        self._end(ep)
+                    elif t + 1 - ep.t0 >= self._batch_limit:
+                        self._emit(ep, False, False)
+                    return
+                if not self._overflow(ep, terminated or truncated):
+                    return  # dropped (on_overflow="drop")
+            finally:
+                self._busy = False
+        self._log_step_waiting(ep, step, terminated, truncated)
 
     def log_reward(self, episode_id: str, t: int, reward: float) -> None:
-        """Add a delayed `reward` to step `t` (0-based) of an episode, open or finished."""
+        """Add a delayed `reward` to step `t` (0-based) of an episode, open or finished.
+
+        Args:
+            episode_id: the episode's id.
+            t: the step the reward belongs to (0-based).
+            reward: a finite number, added to that step's reward.
+
+        Raises:
+            RecorderClosed: `close()` was called.
+            ValueError: the episode is known to have no step `t`, or the reward is not finite.
+        """
         self._check_usable()
         r = float(reward)
         if not math.isfinite(r):
@@ -632,84 +713,107 @@ class EpisodeRecorder(_RecorderBase):
         t = int(t)
         if t < 0:
             raise ValueError(f"t must be >= 0, got {t}")
-        with self._lock:
-            ep = self._episodes.get(episode_id)
-            length = ep.t if ep is not None else self._finished.get(episode_id)
-            if length is not None and t >= length:
-                raise ValueError(f"episode {episode_id} has {length} steps; no step t={t}")
-            if ep is not None and t >= ep.t0 and not ep.dropping:
-                ep.reward_adds[t] = ep.reward_adds.get(t, 0.0) + r  # still buffered: no message needed
-                return
-            if not self._admit(None):
-                return
-            rec = {"episode_id": episode_id, "t": t, "reward": r, "timestamp_ms": int(time.time() * 1000)}
-            self._send(episode_id, encode_record("RewardDelta", rec), "RewardDelta", 1)
+        while True:
+            with self._lock:
+                if self._busy:
+                    raise self._reentry("log_reward")
+                self._busy = True
+                try:
+                    if self._closing:
+                        raise RecorderClosed("the recorder is closed")
+                    ep = self._episodes.get(episode_id)
+                    length = ep.t if ep is not None else self._finished.get(episode_id)
+                    if length is not None and t >= length:
+                        raise ValueError(f"episode {episode_id} has {length} steps; no step t={t}")
+                    if ep is not None and t >= ep.t0 and not ep.dropping:
+                        ep.reward_adds[t] = ep.reward_adds.get(t, 0.0) + r  # still buffered: no message needed
+                        return
+                    if self._buffered < self._max_buffered_steps:
+                        rec = {"episode_id": episode_id, "t": t, "reward": r, "timestamp_ms": int(_time() * 1000)}
+                        self._send(episode_id, encode_record("RewardDelta", rec), "RewardDelta", 1, 1)
+                        return
+                    if not self._overflow(None, False):
+                        return
+                finally:
+                    self._busy = False
+            time.sleep(_WAIT_S)
 
     def abort_episode(self, episode_id: str, reason: str = "") -> None:
-        """End an open episode without a terminal step; the consumer finalizes it as truncated."""
+        """End an open episode without a terminal step; the consumer finalizes it as truncated.
+
+        Args:
+            episode_id: an open episode's id.
+            reason: recorded with the EpisodeAbort event.
+
+        Raises:
+            RecorderClosed: `close()` was called (it aborted every open episode).
+            ValueError: the episode is not open.
+        """
         self._check_usable()
         with self._lock:
-            ep = self._episodes.get(episode_id)
-            if ep is None:
-                raise ValueError(f"episode {episode_id!r} is not open")
-            self._abort(ep, reason)
+            if self._busy:
+                raise self._reentry("abort_episode")
+            self._busy = True
+            try:
+                ep = self._episodes.get(episode_id)
+                if ep is None:
+                    raise self._not_open(episode_id)
+                self._abort(ep, reason)
+            finally:
+                self._busy = False
 
     def flush(self, timeout: float | None = None) -> int:
-        """Send every buffered step and wait for delivery; returns messages still undelivered."""
+        """Send every buffered step and wait for delivery; returns messages still undelivered.
+
+        Args:
+            timeout: seconds to wait at most; None waits until everything is delivered or failed.
+        """
         if self._forked:  # librdkafka's handle is unusable after fork(): flush(-1) would never return
             self._check_usable()
         if self._closed:  # close() flushed; what it could not deliver was purged and counted failed
             return 0
         with self._lock:
-            for ep in list(self._episodes.values()):
-                if ep.steps and not ep.dropping:
-                    self._emit(ep, False, False)
+            if self._busy:
+                raise self._reentry("flush")
+            self._busy = True
+            try:
+                self._emit_all_buffered()
+            finally:
+                self._busy = False
         return self._producer.flush(-1 if timeout is None else timeout)
 
     def close(self, timeout: float | None = None) -> int:
-        """Abort still-open episodes (reason "recorder-closed"), flush, stop. Idempotent.
+        """Refuse new records, abort still-open episodes (reason "recorder-closed"), flush, stop.
 
-        Returns the number of messages still undelivered when `timeout` expired; those are purged
-        from librdkafka's queues and counted as failed (their records reach `on_delivery_error`).
+        From the moment it is called, new episodes, steps and rewards raise `RecorderClosed`.
+        When it returns, every record ever accepted is delivered, failed or dropped (`stats`
+        says which; `buffered == 0`). Idempotent: a second call waits for the first to finish.
+
+        Args:
+            timeout: seconds to wait for delivery at most; None waits until every message is
+                delivered or failed.
+
+        Returns:
+            The number of messages still undelivered when `timeout` expired; those are purged
+            from librdkafka's queues and counted as failed (their records reach
+            `on_delivery_error`).
         """
-        if self._closed or self._forked:
+        if self._forked:
             return 0
-        with self._lock:
-            for ep in list(self._episodes.values()):
-                try:
-                    self._abort(ep, "recorder-closed")
-                except ValueError as e:  # its last batch was refused: counted failed, episode aborted
-                    log.error("%s", e)
-        left = self.flush(timeout)
-        self._closed = self._unusable = True
-        self._stop.set()
-        self._poller.join(timeout=5)
-        if left:
-            # Nobody polls a closed recorder: without this, undelivered messages would stay
-            # "buffered" forever, and librdkafka's references to their delivery callbacks would
-            # keep this recorder and its Producer (threads, connections) alive for good.
-            log.warning("recorder closed with %d messages undelivered: purged, counted as failed", left)
+        with self._close_lock:
+            if self._in_close:
+                raise self._reentry("close")
+            if self._closed:
+                return 0
+            self._in_close = True
             try:
-                self._producer.purge()
-            except (KafkaException, RuntimeError) as e:
-                log.error("could not purge undelivered messages: %s", e)
-        self._producer.poll(0)  # serve the remaining delivery callbacks (purged ones fail)
-        self._release_producer()
-        return left
-
-    def _release_producer(self) -> None:
-        """Shut librdkafka's instance down now (threads, connections), not when the garbage
-        collector gets to it: a closed recorder kept around must not keep reconnecting."""
-        close = getattr(self._producer, "close", None)  # confluent-kafka >= 2.11
-        if close is None or len(self._producer):
-            return
-        try:
-            close()
-        except (KafkaException, RuntimeError) as e:
-            log.debug("producer close: %s", e)
+                return self._close(timeout)
+            finally:
+                self._in_close = False
 
     @property
     def stats(self) -> RecorderStats:
+        """A consistent snapshot of the counters (works from finalizers too)."""
         with self._lock:
             return RecorderStats(
                 self._delivered + self._failed + self._buffered,
@@ -723,6 +827,7 @@ class EpisodeRecorder(_RecorderBase):
 
     @property
     def open_episodes(self) -> int:
+        """Episodes begun and not yet ended or aborted."""
         return len(self._episodes)
 
     def __enter__(self) -> EpisodeRecorder:
@@ -740,16 +845,29 @@ class EpisodeRecorder(_RecorderBase):
         return int(v)
 
     def _set_batch_limit(self, step_bytes: int) -> None:
-        """Batches of at most `max_batch_steps` steps and about `max_batch_bytes` (a C Py_ssize_t)."""
-        self._batch_limit = max(1, min(self.max_batch_steps, self.max_batch_bytes // step_bytes, sys.maxsize))
+        """Batches of at most `max_batch_steps` steps and about `max_batch_bytes`."""
+        self._batch_limit = max(1, min(self.max_batch_steps, self.max_batch_bytes // step_bytes))
 
     def _check_usable(self) -> None:
         if self._forked:
             raise RecorderForkedError(
                 "this EpisodeRecorder was created before os.fork(); create a new recorder in the child process"
             )
-        if self._closed:
-            raise RuntimeError("the recorder is closed")
+        if self._closing:
+            raise RecorderClosed("the recorder is closed")
+
+    @staticmethod
+    def _reentry(method: str) -> RecorderReentryError:
+        return RecorderReentryError(
+            f"EpisodeRecorder.{method} was called while this thread is inside the recorder (from a "
+            "finalizer, a signal handler or on_delivery_error); call it from ordinary code instead, "
+            "e.g. by setting a flag there"
+        )
+
+    def _not_open(self, episode_id: Any) -> Exception:
+        if self._closing:
+            return RecorderClosed("the recorder is closed (close() aborted its open episodes)")
+        return ValueError(f"episode {episode_id!r} is not open (never begun, already ended or aborted)")
 
     def _validate(self, action: Any, observation: Any) -> None:
         if not self.action_space.contains(action):
@@ -757,9 +875,7 @@ class EpisodeRecorder(_RecorderBase):
         if not self.observation_space.contains(observation):
             raise ValueError(f"observation {observation!r:.200} is not in {self.observation_space}")
 
-    def _first_step_checks(self, ep: _Episode, obs: Any, act: Any, extra: Mapping | None) -> None:
-        self._obs.check_dtypes(obs)
-        self._act.check_dtypes(act)
+    def _first_step_checks(self, ep: _Episode, extra: Any) -> None:
         keys = frozenset(extra or ())
         for k, v in (extra or {}).items():
             if not isinstance(k, str):
@@ -769,31 +885,70 @@ class EpisodeRecorder(_RecorderBase):
                 raise TypeError(f"extra_model_outputs[{k!r}] has dtype {dt}; use a numeric dtype")
         ep.extra_keys = keys
 
-    def _admit(self, ep: _Episode | None) -> bool:
-        """Reserve room for one record, applying the overflow policy. False: the record is dropped."""
+    def _log_step_waiting(self, ep: _Episode, step: tuple, terminated: bool, truncated: bool) -> None:
+        """log_step found the buffer full with on_overflow="block": wait for room without the
+        lock, then look the episode and the recorder up again (not called with the lock held)."""
+        while True:
+            time.sleep(_WAIT_S)
+            with self._lock:
+                if self._busy:
+                    raise self._reentry("log_step")
+                self._busy = True
+                try:
+                    if self._closing:
+                        raise RecorderClosed("the recorder was closed while log_step waited for buffer space")
+                    if self._episodes.get(ep.id) is not ep:
+                        raise ValueError(
+                            f"episode {ep.id!r} was ended or aborted while log_step waited for buffer space; "
+                            "the step was not recorded"
+                        )
+                    if self._buffered < self._max_buffered_steps and not ep.dropping:
+                        if not ep.t:
+                            self._first_step_checks(ep, step[4])
+                        steps = ep.steps
+                        if not steps:
+                            ep.first_buffered = _monotonic()
+                        steps += (step,)
+                        ep.t += 1
+                        self._buffered += 1
+                        if terminated or truncated:
+                            self._emit(ep, bool(terminated), bool(truncated))
+                            self._end(ep)
+                        elif len(steps) >= self._batch_limit:
+                            self._emit(ep, False, False)
+                        return
+                    if not self._overflow(ep, terminated or truncated):
+                        return
+                finally:
+                    self._busy = False
+
+    def _overflow(self, ep: _Episode | None, done: bool) -> bool:
+        """No room for one more record (or `ep` is being dropped): apply the overflow policy.
+        True: on_overflow="block", the caller waits (without the lock) and tries again.
+        False: the record is dropped. Raises RecorderFullError for on_overflow="raise"."""
         if ep is not None and ep.dropping:
             self._count_drop()
+            if done:
+                self._end(ep)
             return False
-        if self._buffered >= self._max_buffered_steps:
-            if self.on_overflow == "raise":
-                raise RecorderFullError(
-                    f"{self._buffered} records await delivery (max_buffered_steps="
-                    f"{self._max_buffered_steps}); flush() or slow down"
-                )
-            if self.on_overflow == "drop":
-                self._count_drop()
-                if ep is not None:  # the rest of the episode goes too; what was sent ends as truncated
-                    self._abort_dropping(ep)
-                return False
-            self._emit_all_buffered()
-            while self._buffered >= self._max_buffered_steps:
-                self._space_freed.wait(0.1)
-        self._buffered += 1
+        if self.on_overflow == "raise":
+            raise RecorderFullError(
+                f"{self._buffered} records await delivery (max_buffered_steps="
+                f"{self._max_buffered_steps}); flush() or slow down"
+            )
+        if self.on_overflow == "drop":
+            self._count_drop()
+            if ep is not None:  # the rest of the episode goes too; what was sent ends as truncated
+                self._abort_dropping(ep)
+                if done:
+                    self._end(ep)
+            return False
+        self._emit_all_buffered()  # sooner sent, sooner delivered
         return True
 
     def _count_drop(self) -> None:
         self._dropped += 1
-        now = time.monotonic()
+        now = _monotonic()
         if now - self._last_drop_log > 10:
             self._last_drop_log = now
             log.warning("recorder buffer full: %d records dropped so far (on_overflow='drop')", self._dropped)
@@ -801,58 +956,60 @@ class EpisodeRecorder(_RecorderBase):
     def _emit_all_buffered(self) -> None:
         for other in list(self._episodes.values()):
             if other.steps and not other.dropping:
-                self._emit(other, False, False)
+                try:
+                    self._emit(other, False, False)
+                except ValueError as e:  # its batch could not be encoded or sent: it is aborted
+                    log.error("%s", e)
 
     def _emit(self, ep: _Episode, terminated: bool, truncated: bool) -> None:
+        n = len(ep.steps)
+        t0, t1 = ep.t0, ep.t
         try:
             value = self._encode_batch(ep, terminated, truncated)
         except (ValueError, TypeError) as e:
-            # a step that passed the cheap checks can't be stacked (ragged values, dtype change):
-            # its batch is lost - count it as failed, close the episode, tell the caller
-            n = len(ep.steps)
+            # an extra model output that passed the cheap checks can't be stacked (ragged,
+            # another mapping): the batch is lost - count it as failed, close the episode, tell the caller
+            ep.steps, ep.reward_adds = [], {}
             self._buffered -= n
             self._failed += n
-            ep.steps, ep.reward_adds = [], {}
             self._abort(ep, "encode-error")
             raise ValueError(
-                f"episode {ep.id}: steps {ep.t0}..{ep.t - 1} could not be encoded and the episode was aborted: {e}"
+                f"episode {ep.id}: steps {t0}..{t1 - 1} could not be encoded and the episode was aborted: {e}"
             ) from e
-        n = len(ep.steps)
+        # taken off the episode before it is handed over: whatever interrupts the hand-over
+        # never sends these steps twice (close() counts steps lost that way as failed)
+        ep.steps, ep.reward_adds = [], {}
+        ep.t0 = t1
         if self._step_bytes is None:  # size batches of big observations under max_batch_bytes
             self._step_bytes = max(1, len(value) // n)
             self._set_batch_limit(self._step_bytes)
         try:
-            self._send(ep.id, value, "StepBatch", n)
+            self._send(ep.id, value, "StepBatch", n, 0)
         except ValueError as e:
-            # refused by librdkafka (e.g. larger than message.max.bytes): `_send` took the n records
-            # off `buffered`; they are failed, and the episode is aborted as for an encode error
-            self._failed += n
-            ep.steps, ep.reward_adds = [], {}
+            # refused by librdkafka (e.g. larger than message.max.bytes): counted failed by
+            # `_send`; the episode is aborted as for an encode error
             self._abort(ep, "produce-error")
             raise ValueError(
-                f"episode {ep.id}: steps {ep.t0}..{ep.t - 1} could not be sent and the episode was aborted: {e}"
+                f"episode {ep.id}: steps {t0}..{t1 - 1} could not be sent and the episode was aborted: {e}"
             ) from e
-        ep.t0 = ep.t
-        ep.steps, ep.reward_adds = [], {}
 
     def _encode_batch(self, ep: _Episode, terminated: bool, truncated: bool) -> bytes:
         """The Avro body of a StepBatch of the episode's buffered steps (see `avro_write`)."""
         parts = [ep.id_avro, long_bytes(ep.t0)]
-        fast = _c_stack is not None and self._act._c_args and self._obs._c_args  # single-leaf spaces
-        columns = self._columns_c(parts, ep) if fast else None
-        if columns is None:
-            parts = [ep.id_avro, long_bytes(ep.t0)]
-            columns = self._columns_py(parts, ep)
-        extra, infos = columns
+        actions, rewards, observations, infos, extras = zip(*ep.steps)
+        n = len(rewards)
+        extra = self._extra_columns(ep, extras, n)
+        self._act.write(parts, actions)
+        _write_rewards(parts, ep, array("d", rewards), n)  # floats: log_step converted them
+        self._obs.write(parts, observations)
         parts.append(_FLAGS[bool(terminated), bool(truncated)])
-        if infos:
-            parts += (_UNION_1, long_bytes(len(infos)))
+        if any(infos):
+            parts += (_UNION_1, long_bytes(n))
             parts += map(string_bytes, infos)
             parts.append(ARRAY_END)
         else:
             parts.append(_UNION_0)
         if extra:
-            n = len(ep.steps)
             parts.append(long_bytes(len(extra)))
             for k, (name, shape, data) in extra:
                 parts.append(string_bytes(k))
@@ -861,109 +1018,64 @@ class EpisodeRecorder(_RecorderBase):
         parts.append(long_bytes(int(_time() * 1000)))
         return b"".join(parts)
 
-    def _columns_c(self, parts: list, ep: _Episode) -> tuple[list, list | None] | None:
-        """Append the batch's actions, rewards and observations to `parts`, stacked by the C
-        extension, and return (extra model outputs as [(key, (wire dtype, per-step shape,
-        bytes))], infos as a list or None); None when a column holds a value it does not take
-        exactly (`parts` is then to be discarded)."""
-        steps = ep.steps
-        n = len(steps)
-        rewards = _c_stack.stack(steps, 1, None, 0, _F64, (), False)  # floats: log_step converted them
-        if rewards is None or not self._act.write_c(parts, steps, 0):
-            return None
-        _write_rewards(parts, ep, rewards, n)
-        if not self._obs.write_c(parts, steps, 2):
-            return None
+    @staticmethod
+    def _extra_columns(ep: _Episode, extras: Sequence, n: int) -> list:
+        """[(key, (wire dtype, per-step shape, bytes))] of the batch's extra model outputs,
+        stacked as numpy stacks them; ValueError/TypeError for values that cannot be."""
         keys = ep.extra_keys
-        extra = []
-        if keys:
-            first = steps[0][4]
-            if type(first) is not dict:
-                return None
-            for k in keys:  # the order the Python path writes them in
-                v = first.get(k)
-                if type(v) is np.ndarray:
-                    dt, shape = v.dtype, v.shape
-                elif isinstance(v, np.generic):
-                    dt, shape = v.dtype, ()
-                else:
-                    return None
-                name = _WIRE_NAMES.get(dt)
-                # numpy infers these columns' dtypes: a Python int only joins an int64 one
-                data = _c_stack.stack(steps, 4, k, len(keys), dt, shape, True) if name else None
-                if data is None:
-                    return None
-                extra.append((k, (name, shape, data)))
-        elif _c_stack.any_set(steps, 4) is not False:
-            return None  # extra outputs on a later step only: the Python path says so
-        has_infos = _c_stack.any_set(steps, 3)
-        if has_infos is None:
-            return None
-        return extra, [s[3] for s in steps] if has_infos else None
-
-    def _columns_py(self, parts: list, ep: _Episode) -> tuple[list, list | None]:
-        """As `_columns_c`, in Python (numpy stacks and casts what the fast paths don't take);
-        raises ValueError/TypeError for values that cannot be stacked."""
-        actions, rewards, observations, infos, extras = zip(*ep.steps)
-        n = len(rewards)
-        keys = ep.extra_keys
-        if keys:
-            # fast path: as many keys as the first step's and none missing (KeyError) means the
-            # same keys; anything else takes the per-step check below
-            try:
-                same = set(map(len, extras)) == {len(keys)}
-                columns = {k: list(map(itemgetter(k), extras)) for k in keys} if same else None
-            except (KeyError, TypeError):
-                same = False
-            if not same:
-                for i, e in enumerate(extras):
-                    if not isinstance(e, Mapping):  # e.g. None, or a number: no keys at all
-                        raise ValueError(
-                            f"step {ep.t0 + i}: extra_model_outputs is {type(e).__name__}, not a mapping "
-                            f"with the episode's first step's keys {sorted(keys)}"
-                        )
-                    if e.keys() != keys:
-                        raise ValueError(
-                            f"step {ep.t0 + i}: extra_model_outputs keys {sorted(map(str, e))} differ "
-                            f"from the episode's first step {sorted(keys)}"
-                        )
-                columns = {k: [e[k] for e in extras] for k in keys}
-            extra = []
-            for k, col in columns.items():
-                stacked = _stack_column(col, n)
-                if stacked is None:
-                    w = array_to_wire(np.asarray(col))
-                    stacked = w["dtype"], w["shape"][1:], w["data"]
-                extra.append((k, stacked))
-        elif any(e for e in extras):
-            raise ValueError("extra_model_outputs given on a later step but not on the episode's first step")
-        else:
-            extra = []
-        self._act.write(parts, actions)
-        _write_rewards(parts, ep, array("d", rewards), n)  # floats: log_step converted them
-        self._obs.write(parts, observations)
-        return extra, list(infos) if any(infos) else None
+        if not keys:
+            if any(e for e in extras):
+                raise ValueError("extra_model_outputs given on a later step but not on the episode's first step")
+            return []
+        # fast path: as many keys as the first step's and none missing (KeyError) means the
+        # same keys; anything else takes the per-step check below
+        try:
+            same = set(map(len, extras)) == {len(keys)}
+            columns = {k: list(map(itemgetter(k), extras)) for k in keys} if same else None
+        except (KeyError, TypeError):
+            same = False
+        if not same:
+            for i, e in enumerate(extras):
+                if not isinstance(e, Mapping):  # e.g. None, or a number: no keys at all
+                    raise ValueError(
+                        f"step {ep.t0 + i}: extra_model_outputs is {type(e).__name__}, not a mapping "
+                        f"with the episode's first step's keys {sorted(keys)}"
+                    )
+                if e.keys() != keys:
+                    raise ValueError(
+                        f"step {ep.t0 + i}: extra_model_outputs keys {sorted(map(str, e))} differ "
+                        f"from the episode's first step {sorted(keys)}"
+                    )
+            columns = {k: [e[k] for e in extras] for k in keys}
+        out = []
+        for k, col in columns.items():
+            stacked = _stack_column(col, n)
+            if stacked is None:
+                w = array_to_wire(np.asarray(col))
+                stacked = w["dtype"], w["shape"][1:], w["data"]
+            out.append((k, stacked))
+        return out
 
     def _abort(self, ep: _Episode, reason: str) -> None:
         if ep.dropping:
             self._episodes.pop(ep.id, None)
             return
         if ep.steps:
-            self._emit(ep, False, False)
-        self._buffered += 1  # aborts always get room: they are what makes partial data usable
-        rec = {"episode_id": ep.id, "reason": reason, "timestamp_ms": int(time.time() * 1000)}
-        self._send(ep.id, encode_record("EpisodeAbort", rec), "EpisodeAbort", 1)
+            self._emit(ep, False, False)  # raises after aborting the episode itself when it fails
+        rec = {"episode_id": ep.id, "reason": reason, "timestamp_ms": int(_time() * 1000)}
+        # aborts always get room: they are what makes partial data usable
+        self._send(ep.id, encode_record("EpisodeAbort", rec), "EpisodeAbort", 1, 1)
         self._end(ep)
 
     def _abort_dropping(self, ep: _Episode) -> None:
         """An episode hit the full buffer in drop mode: discard its unsent steps, close what was sent."""
+        n = len(ep.steps)
         ep.dropping = True
-        self._dropped += len(ep.steps)
-        self._buffered -= len(ep.steps)
         ep.steps, ep.reward_adds = [], {}
-        self._buffered += 1
-        rec = {"episode_id": ep.id, "reason": "dropped", "timestamp_ms": int(time.time() * 1000)}
-        self._send(ep.id, encode_record("EpisodeAbort", rec), "EpisodeAbort", 1)
+        self._dropped += n
+        self._buffered -= n
+        rec = {"episode_id": ep.id, "reason": "dropped", "timestamp_ms": int(_time() * 1000)}
+        self._send(ep.id, encode_record("EpisodeAbort", rec), "EpisodeAbort", 1, 1)
 
     def _end(self, ep: _Episode) -> None:
         self._episodes.pop(ep.id, None)
@@ -972,36 +1084,37 @@ class EpisodeRecorder(_RecorderBase):
             for k in list(self._finished)[:5_000]:
                 del self._finished[k]
 
-    def _send(self, key: str, value: bytes, kind: str, records: int) -> None:
+    def _send(self, key: str, value: bytes, kind: str, records: int, new: int) -> None:
+        """Hand one message of `records` records to librdkafka; `new` of them are counted as
+        buffered here (a StepBatch's steps were counted when logged). A full librdkafka queue is
+        waited out with the lock held, serving delivery reports meanwhile (they free it); a
+        refused message is counted failed and raises ValueError."""
         prefix, headers = self._wire[kind]
         if prefix:
             value = prefix + value
         cb = partial(self._on_delivery, key, records)
+        kb = key.encode()
+        self._buffered += new
+        self._msgs[0] += 1
         while True:
             try:
-                self._producer.produce(self.topic, value, key.encode(), headers=headers, on_delivery=cb)
-                break
-            except BufferError:  # librdkafka's own queue is full: wait for it (rare; our cap is lower)
-                self._lock.release()
-                try:
-                    self._producer.poll(0.05)
-                finally:
-                    self._lock.acquire()
+                self._producer.produce(self.topic, value, kb, headers=headers, on_delivery=cb)
+                return
+            except BufferError:  # librdkafka's own queue is full (its settings are lower than ours)
+                self._producer.poll(0.05)  # delivery reports free it; they run here, re-entering the lock
             except KafkaException as e:
                 self._buffered -= records
+                self._failed += records
+                self._msgs[2] += 1
                 err = e.args[0] if e.args and isinstance(e.args[0], KafkaError) else None
                 if err is not None and err.fatal():  # the poller is replacing the producer
                     self._fatal = err
-                    self._failed += records
-                    self._msgs[0] += 1
-                    self._msgs[2] += 1
                     log.error("episode %s: %d records failed, the producer hit a fatal error: %s", key, records, err)
                     return
                 raise ValueError(f"message of {len(value)} bytes refused by the producer: {e}") from None
-        self._msgs[0] += 1
 
     def _on_delivery(self, key: str, records: int, err: KafkaError | None, msg: Any) -> None:
-        # runs on the poller thread (or a flush() caller), never with the lock held by this thread
+        # runs on the poller thread, a flush() caller, or inside `_send` (lock already held)
         with self._lock:
             self._buffered -= records
             if err is None:
@@ -1010,7 +1123,6 @@ class EpisodeRecorder(_RecorderBase):
             else:
                 self._failed += records
                 self._msgs[2] += 1
-            self._space_freed.notify_all()
         if err is not None:
             log.error("delivery failed for episode %s (%d records): %s", key, records, err)
             if self.on_delivery_error is not None:
@@ -1034,6 +1146,60 @@ class EpisodeRecorder(_RecorderBase):
             except Exception:
                 log.exception("error_cb raised")
 
+    def _close(self, timeout: float | None) -> int:
+        """close()'s work (not called with the lock held)."""
+        with self._lock:
+            if self._busy:
+                raise self._reentry("close")
+            self._busy = True
+            try:
+                # from here on nothing new is taken (calls waiting for room look again and see it)
+                self._closing = self._unusable = True
+                for ep in list(self._episodes.values()):
+                    try:
+                        self._abort(ep, "recorder-closed")
+                    except ValueError as e:  # its last batch was refused: counted failed, episode aborted
+                        log.error("%s", e)
+            finally:
+                self._busy = False
+        left = self._producer.flush(-1 if timeout is None else timeout)
+        self._closed = True
+        self._stop.set()
+        self._poller.join(timeout=5)
+        if left:
+            # Nobody polls a closed recorder: without this, undelivered messages would stay
+            # "buffered" forever, and librdkafka's references to their delivery callbacks would
+            # keep this recorder and its Producer (threads, connections) alive for good.
+            log.warning("recorder closed with %d messages undelivered: purged, counted as failed", left)
+            try:
+                self._producer.purge()
+            except (KafkaException, RuntimeError) as e:
+                log.error("could not purge undelivered messages: %s", e)
+        deadline = _monotonic() + 5
+        self._producer.poll(0)  # serve the remaining delivery callbacks (purged ones fail)
+        while len(self._producer) and _monotonic() < deadline:
+            self._producer.poll(0.01)
+        with self._lock:
+            if self._buffered and not len(self._producer):
+                # every message handed over got its report: records still counted were never
+                # handed over (an exception from a signal handler interrupted their call)
+                log.error("%d records were interrupted before they were sent: counted as failed", self._buffered)
+                self._failed += self._buffered
+                self._buffered = 0
+        self._release_producer()
+        return left
+
+    def _release_producer(self) -> None:
+        """Shut librdkafka's instance down now (threads, connections), not when the garbage
+        collector gets to it: a closed recorder kept around must not keep reconnecting."""
+        close = getattr(self._producer, "close", None)  # confluent-kafka >= 2.11
+        if close is None or len(self._producer):
+            return
+        try:
+            close()
+        except (KafkaException, RuntimeError) as e:
+            log.debug("producer close: %s", e)
+
     def _replace_producer(self) -> None:
         """Swap in a new Producer after a fatal error, so recording goes on. Messages the old one
         still held fail through their delivery callbacks (counted as failed, passed to
@@ -1046,8 +1212,8 @@ class EpisodeRecorder(_RecorderBase):
             old.purge()
         except (KafkaException, RuntimeError) as e:
             log.debug("purge after a fatal error: %s", e)
-        deadline = time.monotonic() + 10
-        while len(old) and time.monotonic() < deadline:
+        deadline = _monotonic() + 10
+        while len(old) and _monotonic() < deadline:
             try:
                 old.poll(0.05)  # serves the failed messages' delivery callbacks
             except KafkaException as e:
@@ -1056,7 +1222,7 @@ class EpisodeRecorder(_RecorderBase):
             log.error("%d messages of the failed producer got no delivery report", len(old))
 
     def _poll_loop(self) -> None:
-        next_linger = time.monotonic()
+        next_linger = _monotonic()
         while not self._stop.is_set():
             try:
                 self._producer.poll(0.05)
@@ -1067,7 +1233,7 @@ class EpisodeRecorder(_RecorderBase):
                     self._fatal = err
             if self._fatal is not None:
                 self._replace_producer()
-            now = time.monotonic()
+            now = _monotonic()
             if now >= next_linger:
                 next_linger = now + self.max_batch_delay_s / 2
                 self._emit_lingering(now - self.max_batch_delay_s)
@@ -1084,15 +1250,27 @@ class EpisodeRecorder(_RecorderBase):
             return bool(ep.steps) and not ep.dropping and ep.first_buffered <= deadline
 
         with self._lock:
-            episodes = [ep for ep in self._episodes.values() if due(ep)]
+            if self._busy:  # this thread is inside the recorder already (cannot happen)
+                return
+            self._busy = True
+            try:
+                episodes = [ep for ep in self._episodes.values() if due(ep)]
+            finally:
+                self._busy = False
         for ep in episodes:
+            big = False
             with self._lock:
-                if not due(ep) or self._episodes.get(ep.id) is not ep:
-                    continue  # sent, ended or dropped meanwhile
-                big = len(ep.steps) * (self._step_bytes or 0) >= _YIELD_BYTES
+                if self._busy:  # this thread is inside the recorder already (cannot happen)
+                    return
+                self._busy = True
                 try:
-                    self._emit(ep, False, False)
-                except ValueError as e:
-                    log.error("%s", e)
+                    if due(ep) and self._episodes.get(ep.id) is ep:  # not sent, ended or dropped meanwhile
+                        big = len(ep.steps) * (self._step_bytes or 0) >= _YIELD_BYTES
+                        try:
+                            self._emit(ep, False, False)
+                        except ValueError as e:
+                            log.error("%s", e)
+                finally:
+                    self._busy = False
             if big:
                 time.sleep(0)

@@ -18,6 +18,7 @@ _EXPORTS = {
     "RecordingWrapper": "rlrec.producer.wrapper",
     "RecorderStats": "rlrec.producer.recorder",
     "RecorderFullError": "rlrec.producer.recorder",
+    "RecorderClosed": "rlrec.producer.recorder",
     "RecorderForkedError": "rlrec.producer.recorder",
     "DecodeError": "rlrec.producer.events",
     "encode": "rlrec.producer.events",

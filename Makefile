@@ -1,5 +1,5 @@
 # rlrec: set-up and everyday targets.  Every target installs .venv first if needed;
-# a stamp named after the hash of pyproject.toml, setup.py and the C sources makes later
+# a stamp named after the hash of pyproject.toml and setup.py makes later
 # runs skip installation entirely (no pip call) until one of them changes.
 
 PYTHON ?= python3

@@ -26,7 +26,6 @@ import math
 import re
 import sys
 import threading
-from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +36,7 @@ import numpy as np
 from gymnasium import spaces as gs
 
 from rlrec.producer.arrays import ALLOWED_DTYPES, ArrayError, array_from_wire, array_to_wire
+from rlrec.producer.bounded import ByteBoundedLRU
 from rlrec.producer.spaces import Leaf, SpaceError, loads_space, space_leaves
 
 __all__ = [
@@ -440,10 +440,8 @@ class _SpaceCache:
     parsed every time and never cached. Thread-safe."""
 
     def __init__(self, max_bytes: int = 64 * 1024 * 1024, max_entry_chars: int = 256 * 1024) -> None:
-        self.max_bytes = max_bytes
         self.max_entry_chars = max_entry_chars
-        self.nbytes = 0
-        self._entries: OrderedDict[str, tuple[gs.Space, tuple[Leaf, ...]]] = OrderedDict()
+        self._entries: ByteBoundedLRU[str, tuple[gs.Space, tuple[Leaf, ...]]] = ByteBoundedLRU(max_bytes)
         self._lock = threading.Lock()
 
     @staticmethod
@@ -453,9 +451,8 @@ class _SpaceCache:
     def get(self, text: str, what: str) -> tuple[gs.Space, tuple[Leaf, ...]]:
         with self._lock:
             hit = self._entries.get(text)
-            if hit is not None:
-                self._entries.move_to_end(text)
-                return hit
+        if hit is not None:
+            return hit
         try:
             space = loads_space(text)
             parsed = (space, tuple(space_leaves(space)))
@@ -466,11 +463,7 @@ class _SpaceCache:
         if len(text) <= self.max_entry_chars:
             with self._lock:
                 if text not in self._entries:
-                    self._entries[text] = parsed
-                    self.nbytes += self._cost(text)
-                    while self.nbytes > self.max_bytes and self._entries:
-                        old, _ = self._entries.popitem(last=False)
-                        self.nbytes -= self._cost(old)
+                    self._entries.put(text, parsed, self._cost(text))
         return parsed
 
 

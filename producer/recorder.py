@@ -52,6 +52,7 @@ from gymnasium import spaces as gs
 
 from rlrec.producer.arrays import ALLOWED_DTYPES, array_to_wire
 from rlrec.producer.avro_write import ARRAY_END, array_parts, bool_byte, long_bytes, shape_bytes, string_bytes
+from rlrec.producer.bounded import OldestHalfDict
 from rlrec.producer.events import (
     DecodeError,
     check_env_id,
@@ -474,7 +475,7 @@ class EpisodeRecorder:
         self._close_lock = threading.RLock()  # one close() at a time; later ones wait for it
         self._in_close = False
         self._episodes: dict[str, _Episode] = {}
-        self._finished: dict[str, int] = {}  # recent finished episode -> length, for log_reward checks
+        self._finished = OldestHalfDict(10_000)  # recent finished episode -> length, for log_reward checks
         self._delivered = self._failed = self._dropped = 0  # produced = delivered + failed + buffered
         self._buffered = 0
         self._episodes_begun = 0
@@ -1080,9 +1081,6 @@ class EpisodeRecorder:
     def _end(self, ep: _Episode) -> None:
         self._episodes.pop(ep.id, None)
         self._finished[ep.id] = ep.t
-        if len(self._finished) > 10_000:
-            for k in list(self._finished)[:5_000]:
-                del self._finished[k]
 
     def _send(self, key: str, value: bytes, kind: str, records: int, new: int) -> None:
         """Hand one message of `records` records to librdkafka; `new` of them are counted as

@@ -28,21 +28,6 @@ from tests.test_consumer_e2e import committed_episodes, drain_dlq, read_all, run
 pytestmark = pytest.mark.broker
 
 
-def _cfg(broker, topic, output, **kw) -> ConsumerConfig:
-    base = {
-        "bootstrap_servers": broker.bootstrap_servers,
-        "output": output,
-        "topic": topic,
-        "group_id": f"g-{uuid.uuid4().hex[:6]}",
-        "max_file_age_s": 0.3,
-        "commit_interval_s": 0.3,
-        "kafka_config": FAST_GROUP_KAFKA,
-        "create_topics": False,
-    }
-    base.update(kw)
-    return ConsumerConfig(**base)
-
-
 def _consume_cmd(cfg: ConsumerConfig) -> list[str]:
     cmd = [
         sys.executable,
@@ -76,9 +61,9 @@ def _consume_cmd(cfg: ConsumerConfig) -> list[str]:
 
 
 @pytest.mark.slow
-def test_kill9_at_random_moments_loses_and_duplicates_nothing(broker, topic, tmp_path):
+def test_kill9_at_random_moments_loses_and_duplicates_nothing(broker, topic, tmp_path, recorder_config):
     output = str(tmp_path / "out")
-    cfg = _cfg(broker, topic, output)
+    cfg = recorder_config(output)
     storage = Storage.from_uri(output)
     rec = EpisodeRecorder(
         broker.bootstrap_servers, topic=topic, policy_id="pol", observation_space=OBS_SPACE, action_space=ACT_SPACE
@@ -133,9 +118,9 @@ def test_kill9_at_random_moments_loses_and_duplicates_nothing(broker, topic, tmp
         assert np.allclose(np.asarray(ep.get_rewards()), truth[eid].rewards, rtol=0, atol=1e-12), eid
 
 
-def test_rebalance_between_two_consumers(broker, topic, tmp_path):
+def test_rebalance_between_two_consumers(broker, topic, tmp_path, recorder_config):
     output = str(tmp_path / "out")
-    cfg = _cfg(broker, topic, output)
+    cfg = recorder_config(output)
     storage = Storage.from_uri(output)
     rec = EpisodeRecorder(
         broker.bootstrap_servers, topic=topic, policy_id="pol", observation_space=OBS_SPACE, action_space=ACT_SPACE
@@ -166,7 +151,7 @@ def test_rebalance_between_two_consumers(broker, topic, tmp_path):
     assert set(got) == set(truth) | set(open_ids)
 
 
-def test_storage_outage_pauses_and_recovers(broker, topic, local_s3, monkeypatch):
+def test_storage_outage_pauses_and_recovers(broker, topic, local_s3, monkeypatch, recorder_config):
     bucket = local_s3.create_bucket(f"out-{uuid.uuid4().hex[:8]}")
     proxy = FaultProxy(local_s3.port)
     for k, v in local_s3.env().items():
@@ -174,7 +159,7 @@ def test_storage_outage_pauses_and_recovers(broker, topic, local_s3, monkeypatch
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
     output = f"s3://{bucket}/exp"
     storage = Storage.from_uri(output, retry=RetryPolicy(attempts=2, base_delay=0.05, max_delay=0.1))
-    cfg = _cfg(broker, topic, output)
+    cfg = recorder_config(output)
     rec = EpisodeRecorder(
         broker.bootstrap_servers, topic=topic, policy_id="pol", observation_space=OBS_SPACE, action_space=ACT_SPACE
     )
@@ -204,9 +189,9 @@ def _committed_or_zero(storage: Storage) -> int:
         return 0
 
 
-def test_open_episode_cap_evicts_to_dead_letters(broker, topic, tmp_path):
+def test_open_episode_cap_evicts_to_dead_letters(broker, topic, tmp_path, recorder_config):
     output = str(tmp_path / "out")
-    cfg = _cfg(broker, topic, output, max_open_episodes=5)
+    cfg = recorder_config(output, max_open_episodes=5)
     storage = Storage.from_uri(output)
     rec = EpisodeRecorder(
         broker.bootstrap_servers, topic=topic, policy_id="pol", observation_space=OBS_SPACE, action_space=ACT_SPACE

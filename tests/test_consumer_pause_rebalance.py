@@ -18,7 +18,6 @@ from rlrec.producer import EpisodeRecorder
 from rlrec.store.storage import Storage
 from tests.helpers import ACT_SPACE, OBS_SPACE, record_episodes, wait_for
 from tests.test_consumer_e2e import committed_episodes, read_all, run_consumer
-from tests.test_consumer_faults import _cfg
 
 pytestmark = pytest.mark.broker
 
@@ -37,9 +36,9 @@ class _PausingConsumer(RecorderConsumer):
         super()._maintain(now)
 
 
-def test_partition_paused_at_revoke_is_read_after_reassignment(broker, topic, tmp_path):
+def test_partition_paused_at_revoke_is_read_after_reassignment(broker, topic, tmp_path, recorder_config):
     output = str(tmp_path / "out")
-    cfg = _cfg(broker, topic, output)
+    cfg = recorder_config(output)
     storage = Storage.from_uri(output)
     rec = EpisodeRecorder(
         broker.bootstrap_servers, topic=topic, policy_id="pol", observation_space=OBS_SPACE, action_space=ACT_SPACE

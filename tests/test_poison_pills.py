@@ -18,9 +18,7 @@ import numpy as np
 import pytest
 
 from rlrec.consumer.assembly import CONSUMER_REASONS
-from rlrec.consumer.service import ConsumerConfig
 from rlrec.consumer.topics import create_topics, dlq_topic_name
-from rlrec.local import FAST_GROUP_KAFKA
 from rlrec.producer import EpisodeRecorder
 from rlrec.producer.events import DECODE_REASONS, SCHEMA_HEADER, schema_header
 from rlrec.store.storage import Storage
@@ -217,20 +215,16 @@ def _poison_cases() -> list[tuple[str, str, list]]:
     return cases
 
 
-def test_poison_pills_cost_one_dead_letter_each_and_nothing_else(broker, one_partition_topic, tmp_path):
+def test_poison_pills_cost_one_dead_letter_each_and_nothing_else(
+    broker, one_partition_topic, tmp_path, recorder_config
+):
     topic = one_partition_topic
     marker = f"/tmp/rlrec-pwned-{uuid.uuid4().hex}"
     output = str(tmp_path / "out")
     storage = Storage.from_uri(output)
-    cfg = ConsumerConfig(
-        bootstrap_servers=broker.bootstrap_servers,
-        output=output,
+    cfg = recorder_config(
+        output,
         topic=topic,
-        group_id=f"g-{uuid.uuid4().hex[:6]}",
-        max_file_age_s=0.3,
-        commit_interval_s=0.3,
-        kafka_config=FAST_GROUP_KAFKA,
-        create_topics=False,
         max_message_bytes=MAX_MESSAGE_BYTES,
         dlq_max_message_bytes=100_000,
         max_episode_bytes=MAX_EPISODE_BYTES,
@@ -357,7 +351,9 @@ def test_poison_pills_cost_one_dead_letter_each_and_nothing_else(broker, one_par
         assert len(got_eps[eid][0]) == 3, eid
 
 
-def test_unwritable_episode_is_dead_lettered_and_its_shard_mates_land(broker, one_partition_topic, tmp_path):
+def test_unwritable_episode_is_dead_lettered_and_its_shard_mates_land(
+    broker, one_partition_topic, tmp_path, recorder_config
+):
     """An extra model output named `obs` cannot be a tabular column (RLlib reserves the name):
     the landed consumer retried that flush forever and the partition stalled. Now the episode is
     dead-lettered `unwritable` (its events re-encoded) and the others of the same flush land."""
@@ -388,17 +384,7 @@ def test_unwritable_episode_is_dead_lettered_and_its_shard_mates_land(broker, on
     for m in msgs:
         hostile.send(*m)
     hostile.flush()
-    cfg = ConsumerConfig(
-        bootstrap_servers=broker.bootstrap_servers,
-        output=output,
-        topic=topic,
-        group_id=f"g-{uuid.uuid4().hex[:6]}",
-        format="tabular",
-        max_file_age_s=0.5,
-        commit_interval_s=0.3,
-        kafka_config=FAST_GROUP_KAFKA,
-        create_topics=False,
-    )
+    cfg = recorder_config(output, topic=topic, format="tabular", max_file_age_s=0.5)
     c, t = run_consumer(cfg, storage)
     try:
         wait_for(lambda: committed_episodes(storage) >= 3, 60, what="the good episodes committed")

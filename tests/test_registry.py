@@ -174,11 +174,9 @@ def test_registry_failures_are_not_the_messages_fault(registry):
 
 
 @pytest.mark.broker
-def test_consumer_pauses_while_the_registry_fails_and_loses_nothing(broker, topic, registry, tmp_path):
+def test_consumer_pauses_while_the_registry_fails_and_loses_nothing(broker, topic, registry, tmp_path, recorder_config):
     """Registry 5xx: the landed consumer raised RegistryUnavailable out of run(). Now the partition
     is paused and the message read again with backoff; no good data is dead-lettered."""
-    from rlrec.consumer.service import ConsumerConfig
-    from rlrec.local import FAST_GROUP_KAFKA
     from rlrec.store.storage import Storage
     from tests.helpers import wait_for
     from tests.test_consumer_e2e import committed_episodes, read_all, run_consumer
@@ -196,17 +194,7 @@ def test_consumer_pauses_while_the_registry_fails_and_loses_nothing(broker, topi
     registry.fail_gets_until = time.monotonic() + 4.0
     output = str(tmp_path / "out")
     storage = Storage.from_uri(output)
-    cfg = ConsumerConfig(
-        bootstrap_servers=broker.bootstrap_servers,
-        output=output,
-        topic=topic,
-        group_id=f"g-{uuid.uuid4().hex[:6]}",
-        max_file_age_s=0.3,
-        commit_interval_s=0.3,
-        schema_registry_url=registry.url,
-        kafka_config=FAST_GROUP_KAFKA,
-        create_topics=False,
-    )
+    cfg = recorder_config(output, schema_registry_url=registry.url)
     c, t = run_consumer(cfg, storage)
     try:
         wait_for(lambda: c.metrics.registry_failures._value.get() >= 1, 30, what="a registry failure")

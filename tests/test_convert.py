@@ -367,6 +367,7 @@ def test_schema_mapping_dones_and_incomplete(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("ray")  # starts Ray
 def test_trainer_and_stock_bc_train_on_converted_shards(tmp_path):
     """Our trainer (manifest-following) and stock, unmodified BC ({output}/{policy_id}) both train on a
     conversion; the report maps the trainer's real `new_shards` onto the converted shards."""

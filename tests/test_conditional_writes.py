@@ -1,7 +1,7 @@
 """The start-up probe of conditional writes: a store that ignores S3 `If-None-Match` would
 silently turn off writer fencing and deduplication, so the consumer refuses it (unless
 `--allow-unfenced-storage`).  The local S3 server enforces the header; a proxy that strips it
-(tests/faults.py) plays a store that does not.  Each test fails on main (no probe there).
+(tests/faults.py) plays a store that does not.
 """
 
 from __future__ import annotations

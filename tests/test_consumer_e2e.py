@@ -152,8 +152,7 @@ def test_restart_replays_without_duplicates(broker, topic, tmp_path, recorder_co
 
 def test_claim_replays_from_the_group_committed_offset(broker, topic, tmp_path, recorder_config):
     """The consumer passes each partition's committed offset to its claim (`replay_from`), so the
-    claim loads only the committed episode ids that can still be replayed (issue 13; fails on
-    main, which had no replay_from)."""
+    claim loads only the committed episode ids that can still be replayed."""
     from confluent_kafka import TopicPartition
 
     output = str(tmp_path / "out")

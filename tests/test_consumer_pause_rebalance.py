@@ -1,10 +1,10 @@
-"""Regression (found by the chaos run): a partition paused when it is revoked must be read again
-when the group assigns it back to the same consumer.
+"""A partition paused when it is revoked must be read again when the group assigns it back to
+the same consumer.
 
 librdkafka keeps a partition's pause flag across revoke and re-assignment to the same consumer.
-The consumer pauses a partition whose flush failed; if a rebalance then revoked it and gave it
-back, the consumer had forgotten the pause but librdkafka had not: the partition was never read
-again, and every episode on it stayed uncommitted until the process restarted.
+The consumer pauses a partition whose flush failed; if a rebalance revokes it and gives it
+back, the consumer must resume it (it forgot the pause, librdkafka did not), or the partition is
+never read again and every episode on it stays uncommitted until the process restarts.
 """
 
 from __future__ import annotations

@@ -107,9 +107,8 @@ def test_failed_deliveries_are_kept_retried_and_hold_the_offset(broker):
 @pytest.mark.broker
 @pytest.mark.slow
 def test_consumer_offset_waits_for_an_unacknowledged_dead_letter(broker, tmp_path, recorder_config):
-    """With a dead-letter topic the broker refuses, the landed consumer committed past the poison
-    message (`flush() == 0`): it was in no shard and not in the DLQ. Now the offset stays at it
-    while good episodes keep landing; /healthz says why; a restart with a working DLQ delivers it;
+    """With a dead-letter topic the broker refuses, the committed offset stays at the poison
+    message (which is in no shard and not in the DLQ) while good episodes keep landing; /healthz says why; a restart with a working DLQ delivers it;
     nothing is lost or duplicated."""
     topic = f"dlqfail-{uuid.uuid4().hex[:8]}"
     create_topics(broker.bootstrap_servers, {topic: 1, dlq_topic_name(topic): 1})

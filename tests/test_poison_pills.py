@@ -3,8 +3,8 @@
 Every case is followed by a good episode on the same (only) partition. One consumer process
 reads it all: it must stay up, commit every good episode exactly once, dead-letter each poison
 message with its reason (whole episodes where the episode is spoiled), write nothing outside its
-output root, and hold memory within its byte budgets. Each case says which behaviour of the
-landed consumer (before this suite) it catches. The hostile messages of tests/test_hostile.py run
+output root, and hold memory within its byte budgets. Each case names the failure it guards
+against. The hostile messages of tests/test_hostile.py run
 here too, one by one between good episodes.
 """
 
@@ -67,7 +67,7 @@ def _single(eid: str, reason: str, bad: dict) -> list:
 
 
 def _poison_cases() -> list[tuple[str, str, list]]:
-    """(name, what the landed consumer did, messages). Episodes named `land-*` must land."""
+    """(name, the failure it guards against, messages). Episodes named `land-*` must land."""
     big_key = b"k" * 1_100_000
     big_headers = [("x-junk", b"j" * 600_000), ("x-junk2", b"j" * 500_000)]
     many_ints = json.dumps({"x": list(range(200_000))})  # ~1.4 MB of JSON, ~7 MB of Python objects
@@ -355,8 +355,8 @@ def test_unwritable_episode_is_dead_lettered_and_its_shard_mates_land(
     broker, one_partition_topic, tmp_path, recorder_config
 ):
     """An extra model output named `obs` cannot be a tabular column (RLlib reserves the name):
-    the landed consumer retried that flush forever and the partition stalled. Now the episode is
-    dead-lettered `unwritable` (its events re-encoded) and the others of the same flush land."""
+    the flush is not retried forever (the partition would stall): the episode is dead-lettered
+    `unwritable` (its events re-encoded) and the others of the same flush land."""
     topic = one_partition_topic
     output = str(tmp_path / "out")
     storage = Storage.from_uri(output)

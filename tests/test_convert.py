@@ -264,7 +264,7 @@ class _Boom:
         return (os.system, (f"touch {os.environ['RLREC_TEST_MARKER']}",))
 
 
-def test_hostile_and_invalid_input(tmp_path, monkeypatch):
+def test_pickled_sample_batch_columns_are_refused_without_running_them(tmp_path, monkeypatch):
     marker = tmp_path / "pwned"
     monkeypatch.setenv("RLREC_TEST_MARKER", str(marker))
     import lz4.frame
@@ -289,33 +289,45 @@ def test_hostile_and_invalid_input(tmp_path, monkeypatch):
     with pytest.raises(UnsafeInputError):
         convert(str(d), str(tmp_path / "o"), ConvertOptions(input_format="sample-batch"))
     assert not marker.exists()
+    assert not (tmp_path / "o" / "_manifest").exists()
 
-    def bad(rows: dict, match: str, **kw):
-        p = tmp_path / f"case-{abs(hash(match))}"
-        p.mkdir(exist_ok=True)
-        (p / "x.json").write_text(json.dumps(rows) + "\n")
-        with pytest.raises(ConvertError, match=match):
-            convert(str(p), str(tmp_path / "o"), ConvertOptions(input_format="sample-batch", **kw))
 
-    base = {
-        "obs": [[0.0], [1.0]],
-        "new_obs": [[1.0], [2.0]],
-        "actions": [0, 1],
-        "rewards": [1.0, 1.0],
-        "terminateds": [False, True],
-        "eps_id": [5, 5],
-        "t": [0, 1],
-    }
-    bad({k: v for k, v in base.items() if k != "new_obs"}, r"missing column\(s\) \['new_obs'\]")
-    bad(dict(base, obs=[[0.0], [1.0, 2.0]]), "not a rectangular numeric array")
-    bad(dict(base, terminateds=[True, True]), "rows after its terminal row")
-    bad(dict(base, t=[0, 0], rewards=[1.0, 2.0]), "two different rows for t=0")
-    bad(dict(base, t=[0, 2]), "steps are missing after t=0")
-    bad(dict(base, rewards=[1.0]), "has 1 rows, expected 2")
-    bad(dict(base, obs=[["a"], ["b"]]), "expected numbers")
-    bad(base, "cannot name a directory", policy_id="../up")
-    bad(dict(base, terminateds=[False, False]), "has no terminal row", incomplete="error")
-    bad(base, "unknown schema key", schema={"observations": "obs"})
+_VALID_BATCH = {
+    "obs": [[0.0], [1.0]],
+    "new_obs": [[1.0], [2.0]],
+    "actions": [0, 1],
+    "rewards": [1.0, 1.0],
+    "terminateds": [False, True],
+    "eps_id": [5, 5],
+    "t": [0, 1],
+}
+
+
+@pytest.mark.parametrize(
+    ("change", "options", "says"),
+    [
+        ({"new_obs": None}, {}, r"missing column\(s\) \['new_obs'\]"),
+        ({"obs": [[0.0], [1.0, 2.0]]}, {}, "not a rectangular numeric array"),
+        ({"terminateds": [True, True]}, {}, "rows after its terminal row"),
+        ({"t": [0, 0], "rewards": [1.0, 2.0]}, {}, "two different rows for t=0"),
+        ({"t": [0, 2]}, {}, "steps are missing after t=0"),
+        ({"rewards": [1.0]}, {}, "has 1 rows, expected 2"),
+        ({"obs": [["a"], ["b"]]}, {}, "expected numbers"),
+        ({}, {"policy_id": "../up"}, "cannot name a directory"),
+        ({"terminateds": [False, False]}, {"incomplete": "error"}, "has no terminal row"),
+        ({}, {"schema": {"observations": "obs"}}, "unknown schema key"),
+    ],
+)
+def test_an_invalid_sample_batch_is_refused_with_the_reason(tmp_path, change, options, says):
+    rows = {k: v for k, v in {**_VALID_BATCH, **change}.items() if v is not None}
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "x.json").write_text(json.dumps(rows) + "\n")
+    with pytest.raises(ConvertError, match=says):
+        convert(str(tmp_path / "in"), str(tmp_path / "o"), ConvertOptions(input_format="sample-batch", **options))
+    assert not (tmp_path / "o" / "_manifest").exists()  # nothing is committed by a failed run
+
+
+def test_unreadable_input_is_refused(tmp_path):
     (tmp_path / "notjson").mkdir()
     (tmp_path / "notjson" / "x.json").write_text("{not json\n")
     with pytest.raises(ConvertError, match="not JSON"):
@@ -326,11 +338,12 @@ def test_hostile_and_invalid_input(tmp_path, monkeypatch):
         convert(str(tmp_path / "junk"), str(tmp_path / "o"), ConvertOptions())
     with pytest.raises(ConvertError, match="does not exist"):
         convert(str(tmp_path / "nope"), str(tmp_path / "o"), ConvertOptions())
-    assert not (tmp_path / "o" / "_manifest").exists()  # nothing was committed by any failed run
+    assert not (tmp_path / "o" / "_manifest").exists()  # nothing is committed by a failed run
 
 
-def test_schema_mapping_dones_and_incomplete(tmp_path):
-    # a: terminated; b: no terminal row; c: row 1's obs is not row 0's new_obs (a row is missing)
+def _mapped_rows(tmp_path) -> tuple[str, dict]:
+    """Input under other column names, and the schema naming them.  Episode a: terminated; b: no
+    terminal row; c: row 1's obs is not row 0's new_obs (a row is missing)."""
     rows = {
         "observation": [[0.0], [1.0], [5.0], [6.0], [10.0], [20.0]],
         "next_observation": [[1.0], [2.0], [6.0], [7.0], [11.0], [21.0]],
@@ -348,13 +361,20 @@ def test_schema_mapping_dones_and_incomplete(tmp_path):
         "rewards": "reward",
         "eps_id": "episode",
     }
-    res = convert(
-        str(tmp_path / "in"), str(tmp_path / "o1"), ConvertOptions(input_format="sample-batch", schema=schema)
-    )
+    return str(tmp_path / "in"), schema
+
+
+def test_schema_mapping_drops_incomplete_and_discontinuous_episodes(tmp_path):
+    src, schema = _mapped_rows(tmp_path)
+    res = convert(src, str(tmp_path / "o1"), ConvertOptions(input_format="sample-batch", schema=schema))
     assert (res.written_episodes, res.incomplete_dropped, res.discontinuous) == (2, 1, 1)
     assert any("new_obs of the row before" in n for n in res.notes)
+
+
+def test_schema_mapping_with_incomplete_truncate_keeps_an_episode_without_terminal_row(tmp_path):
+    src, schema = _mapped_rows(tmp_path)
     res = convert(
-        str(tmp_path / "in"),
+        src,
         str(tmp_path / "o2"),
         ConvertOptions(input_format="sample-batch", schema=schema, incomplete="truncate"),
     )

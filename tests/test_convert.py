@@ -501,19 +501,33 @@ def test_tabular_dict_and_tuple_spaces_round_trip(tmp_path, multidim):
         assert ep.custom_data["policy_id"] == "default_policy"
 
 
-def test_episode_rules_offsets_policy_version_copies_and_multi_agent(tmp_path):
-    """Rules of `rows_to_episodes` the round trips do not pin down (see the module docstring)."""
+# Rules of `rows_to_episodes` the round trips do not pin down (see the module docstring).
+
+
+def _rule_episodes(tmp_path, name: str, *batches: dict, **kw):
     from rlrec.consumer.convert import ConvertResult, read_rows, rows_to_episodes
 
-    def episodes(name: str, *batches: dict, **kw):
-        d = tmp_path / name
-        d.mkdir()
-        (d / "x.jsonl").write_text("".join(json.dumps(b) + "\n" for b in batches))
-        opts = ConvertOptions(input_format="sample-batch", **kw)
-        res = ConvertResult()
-        out = rows_to_episodes(read_rows(str(d), opts)[0], opts, res)
-        return {fe.episode_id: fe for fe in out}, res
+    d = tmp_path / name
+    d.mkdir()
+    (d / "x.jsonl").write_text("".join(json.dumps(b) + "\n" for b in batches))
+    opts = ConvertOptions(input_format="sample-batch", **kw)
+    res = ConvertResult()
+    out = rows_to_episodes(read_rows(str(d), opts)[0], opts, res)
+    return {fe.episode_id: fe for fe in out}, res
 
+
+#: no t column: one complete episode
+_ONE = {
+    "eps_id": [4, 4],
+    "obs": [[0.0], [1.0]],
+    "new_obs": [[1.0], [2.0]],
+    "actions": [0, 1],
+    "rewards": [1.0, 0.5],
+    "terminateds": [False, True],
+}
+
+
+def test_offsets_are_input_positions_and_the_policy_comes_from_the_first_row_by_t(tmp_path):
     # "a" at input rows 1, 3, 4 (written out of order of t), "b" at rows 0, 2: offsets are input positions;
     # policy id = module_id, policy version = policy_version (not weights_seq_no) of the episode's first row by t
     rows = {
@@ -529,7 +543,7 @@ def test_episode_rules_offsets_policy_version_copies_and_multi_agent(tmp_path):
         "policy_version": [7, 9, 8, 5, 6],
         "weights_seq_no": [1, 1, 1, 1, 1],
     }
-    got, res = episodes("offsets", rows)
+    got, res = _rule_episodes(tmp_path, "offsets", rows)
     a, b = got["a"], got["b"]
     assert (a.first_offset, a.last_offset, b.first_offset, b.last_offset) == (1, 4, 0, 2)
     assert (a.policy_id, a.policy_version, b.policy_id, b.policy_version) == ("pa", 5, "pb", 7)
@@ -537,34 +551,29 @@ def test_episode_rules_offsets_policy_version_copies_and_multi_agent(tmp_path):
     np.testing.assert_array_equal(a.rewards, [4.0, 5.0, 2.0])
     assert (a.terminated, a.truncated, b.terminated, b.truncated) == (True, False, False, True)
     assert a.infos == [{}] * 4 and res.discontinuous == 0
-    got, _ = episodes("override", rows, policy_id="p", policy_version=3)
+    got, _ = _rule_episodes(tmp_path, "override", rows, policy_id="p", policy_version=3)
     assert {(fe.policy_id, fe.policy_version) for fe in got.values()} == {("p", 3)}
-    got, _ = episodes("wsn", {k: v for k, v in rows.items() if k != "policy_version"})
+    got, _ = _rule_episodes(tmp_path, "wsn", {k: v for k, v in rows.items() if k != "policy_version"})
     assert {fe.policy_version for fe in got.values()} == {1}
 
-    # no t column: the same complete episode written three times keeps one copy; differing copies are refused
-    one = {
-        "eps_id": [4, 4],
-        "obs": [[0.0], [1.0]],
-        "new_obs": [[1.0], [2.0]],
-        "actions": [0, 1],
-        "rewards": [1.0, 0.5],
-        "terminateds": [False, True],
-    }
-    got, res = episodes("copies", one, one, one)
+
+def test_identical_copies_of_an_episode_keep_one_and_differing_copies_are_refused(tmp_path):
+    got, res = _rule_episodes(tmp_path, "copies", _ONE, _ONE, _ONE)
     assert res.duplicate_rows == 4 and len(got["4"].rewards) == 2
     assert (got["4"].first_offset, got["4"].last_offset) == (0, 1)
     with pytest.raises(ConvertError, match="rows after its terminal row"):
-        episodes("differ", one, dict(one, rewards=[1.0, 0.0]))
+        _rule_episodes(tmp_path, "differ", _ONE, dict(_ONE, rewards=[1.0, 0.0]))
 
-    # integer arrays -> Box over the dtype's range, bool arrays -> MultiBinary
-    ints = dict(one, obs=[[0, 1], [1, 2]], new_obs=[[1, 2], [2, 3]], actions=[[True, False], [False, True]])
-    _, res = episodes("spaces", ints)
+
+def test_integer_arrays_infer_a_box_over_the_dtype_and_bool_arrays_multibinary(tmp_path):
+    ints = dict(_ONE, obs=[[0, 1], [1, 2]], new_obs=[[1, 2], [2, 3]], actions=[[True, False], [False, True]])
+    _, res = _rule_episodes(tmp_path, "spaces", ints)
     info = np.iinfo(res.observation_space.dtype)
     assert res.observation_space.dtype.kind == "i" and res.observation_space.shape == (2,)
     assert (res.observation_space.low.min(), res.observation_space.high.max()) == (info.min, info.max)
     assert res.action_space == gym.spaces.MultiBinary([2])
 
-    # one episode, two agents: refused
+
+def test_an_episode_of_two_agents_is_refused(tmp_path):
     with pytest.raises(ConvertError, match="multi-agent recordings are not supported"):
-        episodes("multi", dict(one, agent_id=["agent0", "agent1"]))
+        _rule_episodes(tmp_path, "multi", dict(_ONE, agent_id=["agent0", "agent1"]))

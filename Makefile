@@ -31,8 +31,8 @@ $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 
 # The whole suite: the tests not marked `system` in parallel, then the whole-system runs
-# (`-m system`: benchmark smoke run, emulated compose, multi-process consumers, Ray clusters,
-# demo, chaos) in one process.  Each part prints its wall time; the first failure stops.
+# (`-m system`: benchmark smoke run, emulated compose, consumer processes killed or scaled out,
+# the 100k-episode memory run, Ray cluster and `rlrec train` CLI runs, demo, chaos) in one process.  Each part prints its wall time; the first failure stops.
 test: venv
 	@$(MAKE) --no-print-directory test-main
 	@$(MAKE) --no-print-directory test-system

@@ -250,6 +250,7 @@ def test_stock_rllib_bc_trains_on_consumer_shards(broker, topic, tmp_path, recor
         ray.shutdown()
 
 
+@pytest.mark.system  # two consumer processes
 def test_a_second_consumer_process_joins_mid_run_exactly_once(broker, topic, tmp_path, recorder_config):
     """Scale-out: a second `rlrec consume` process joins the group while episodes are open and
     traffic flows. The group rebalances (partitions move to the new process with their open

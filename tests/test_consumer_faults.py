@@ -60,6 +60,7 @@ def _consume_cmd(cfg: ConsumerConfig) -> list[str]:
     return cmd
 
 
+@pytest.mark.system
 @pytest.mark.slow
 def test_kill9_at_random_moments_loses_and_duplicates_nothing(broker, topic, tmp_path, recorder_config):
     output = str(tmp_path / "out")

@@ -205,6 +205,7 @@ def _committed_ids(storage: Storage) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.system  # a consumer process through 100k open episodes: minutes on 2 cores
 def test_100k_open_episodes_against_a_20k_cap(broker, topic, tmp_path, recorder_config):
     output = str(tmp_path / "out")
     cfg = recorder_config(output, max_open_episodes=CAP)

@@ -382,11 +382,13 @@ def cli_run(tmp_path_factory):
     }
 
 
+@pytest.mark.system
 def test_cli_bc_on_scripted_expert_reaches_400(cli_run):
     assert cli_run["rc"] == 0, cli_run["output"][-3000:]
     assert cli_run["best"] >= 400
 
 
+@pytest.mark.system
 def test_cli_sigterm_checkpoints_and_publishes(cli_run):
     ck = cli_run["ck"]
     lines = read_metrics(ck)
@@ -401,6 +403,7 @@ def test_cli_sigterm_checkpoints_and_publishes(cli_run):
     assert set(lineage["shards"]) == set(state["trained_shards"])
 
 
+@pytest.mark.system
 def test_load_policy_acts_without_ray(cli_run, tmp_path):
     import shutil
 

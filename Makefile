@@ -12,8 +12,12 @@ TORCH_VERSION ?= 2.13.0
 PYPROJECT_HASH := $(shell cat pyproject.toml setup.py | sha256sum | cut -c1-12)
 STAMP := $(VENV)/.stamp-$(PYPROJECT_HASH)
 PYTEST_ARGS ?=
+# the tests not marked `system` run in this many pytest-xdist processes; Ray tests share one
+# xdist_group (tests/conftest.py), so --dist loadgroup keeps them on one worker, one Ray at a time
+TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadgroup
 
-.PHONY: venv test test-fast lint format demo bench
+.PHONY: venv test test-main test-system test-fast lint format demo bench
 
 venv: $(STAMP)
 
@@ -26,11 +30,24 @@ $(STAMP): | $(VENV)/bin/python
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 
+# The whole suite: the tests not marked `system` in parallel, then the whole-system runs
+# (`-m system`: benchmark smoke run, emulated compose, consumer processes killed or scaled out,
+# the 100k-episode memory run, Ray cluster and `rlrec train` CLI runs, demo, chaos) in one process.  Each part prints its wall time; the first failure stops.
 test: venv
-	$(VPY) -m pytest -q $(PYTEST_ARGS)
+	@$(MAKE) --no-print-directory test-main
+	@$(MAKE) --no-print-directory test-system
 
+test-main: venv
+	@t0=$$(date +%s); $(VPY) -m pytest -q -m "not system" $(XDIST) $(PYTEST_ARGS); rc=$$?; \
+	echo "== tests not marked system ($(XDIST)): $$(( $$(date +%s) - t0 )) s, pytest exit $$rc"; exit $$rc
+
+test-system: venv
+	@t0=$$(date +%s); $(VPY) -m pytest -q -m system $(PYTEST_ARGS); rc=$$?; \
+	echo "== tests marked system (one process): $$(( $$(date +%s) - t0 )) s, pytest exit $$rc"; exit $$rc
+
+# the quick loop: no slow (and so no system) tests, in parallel
 test-fast: venv
-	$(VPY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(VPY) -m pytest -q -m "not slow and not system" $(XDIST) $(PYTEST_ARGS)
 
 # ruff, configured in pyproject.toml (CI runs `lint` before the tests; `format` rewrites files)
 lint: venv

@@ -8,6 +8,13 @@ Broker selection (env ``RLREC_TEST_BROKER``):
   override with ``RLREC_TEST_KAFKA_IMAGE``) in Docker.  Skips when no Docker
   engine answers.  ``s3_broker`` (restart tests) skips in this mode.
 
+Parallel runs (pytest-xdist, ``make test``): every worker process starts its own session
+fixtures (broker, S3) on free ports, and its own ``tmp_path`` root; topic and group names are
+unique per test.  Tests that start Ray (the fixtures in ``RAY_FIXTURES``, or
+``@pytest.mark.xdist_group("ray")``) share one xdist group, so under ``--dist loadgroup`` one
+worker runs them one after the other: never two Rays at once on a small machine.  Whole-system
+runs are marked ``system`` and run after the rest, in one process.
+
 Tests that use a broker should be marked ``@pytest.mark.broker``.  The broker
 objects have ``.bootstrap_servers`` and ``.kind`` (``"tansu"`` or ``"kafka"``):
 Tansu's ListOffsets "latest" (watermarks, lag) is wrong, so tests relying on it
@@ -28,6 +35,7 @@ from hypothesis import settings
 
 from rlrec.consumer.topics import create_topics, dlq_topic_name
 from rlrec.local import (
+    FAST_GROUP_KAFKA,
     LocalBroker,
     LocalS3,
     consumer_test_config,
@@ -151,6 +159,17 @@ def s3_broker() -> Iterator[LocalBroker]:
         yield b
 
 
+#: fixtures that start a Ray session: the tests using them join the "ray" xdist group
+RAY_FIXTURES = frozenset({"ray_cluster", "ray_session", "cli_run", "two_nodes"})
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if RAY_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.xdist_group("ray"))
+
+
 def _unique_name(request: pytest.FixtureRequest, prefix: str) -> str:
     base = re.sub(r"[^A-Za-z0-9._-]+", "-", request.node.name).strip("-")[:80]
     return f"{prefix}-{base}-{uuid.uuid4().hex[:8]}"
@@ -186,6 +205,34 @@ def consumer_config(broker: Any, request: pytest.FixtureRequest) -> Callable[...
             group_id or _unique_name(request, "g"),
             overrides,
         )
+
+    return make
+
+
+@pytest.fixture
+def recorder_config(broker: Any, request: pytest.FixtureRequest) -> Callable[..., Any]:
+    """Factory: ``recorder_config(output, **options)`` -> the ``ConsumerConfig`` (options of
+    `rlrec consume`) of a consumer on ``broker``, of the ``topic`` fixture's topic unless
+    ``topic=`` is given.
+
+    Defaults: a unique group id, fast group settings (``FAST_GROUP_KAFKA``), topics already
+    created, shards rotated and offsets committed every 0.3 s.  *options* override any field.
+    """
+    from rlrec.consumer.service import ConsumerConfig
+
+    def make(output: Any, **options: Any) -> ConsumerConfig:
+        if "topic" not in options:
+            options["topic"] = request.getfixturevalue("topic")
+        base: dict[str, Any] = {
+            "bootstrap_servers": broker.bootstrap_servers,
+            "output": str(output),
+            "group_id": _unique_name(request, "g"),
+            "max_file_age_s": 0.3,
+            "commit_interval_s": 0.3,
+            "kafka_config": dict(FAST_GROUP_KAFKA),
+            "create_topics": False,
+        }
+        return ConsumerConfig(**{**base, **options})
 
     return make
 

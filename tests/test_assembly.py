@@ -369,7 +369,7 @@ def _with(b: StepBatch, **kw) -> StepBatch:
 
 
 def test_out_of_space_action_dead_letters_the_whole_episode_with_source_offsets():
-    """The landed consumer stored action 7 for Discrete(2); RLlib's logp then failed in the trainer."""
+    """Action 7 for Discrete(2) is never stored: RLlib's logp would fail on it in the trainer."""
     a = PartitionAssembler("t", 0)
     a.apply(10, start())
     a.apply(11, steps(n=2))
@@ -413,8 +413,8 @@ def test_validate_spaces_modes(mode):
 @pytest.mark.parametrize(
     ("first", "bad"),
     [
-        (np.zeros((2, 2), np.float32), np.zeros((1, 3), np.float32)),  # the landed consumer crashed (concatenate)
-        (np.zeros(2, np.float32), np.zeros(1, np.int64)),  # ... and silently promoted this to float64
+        (np.zeros((2, 2), np.float32), np.zeros((1, 3), np.float32)),  # would crash np.concatenate
+        (np.zeros(2, np.float32), np.zeros(1, np.int64)),  # ... or silently promote to float64
     ],
 )
 def test_extra_output_trailing_shape_or_dtype_change_is_one_dead_letter(first, bad):
@@ -449,7 +449,8 @@ def test_episode_too_large_dead_letters_or_truncates():
 
 
 def test_info_memory_counts_toward_the_episode_budget():
-    """A 6 MB info message held ~138 MiB while the landed consumer counted ~1.2 KB."""
+    """An info's memory counts, not its wire size: a 6 MB info message can hold ~138 MiB of Python
+    objects."""
     big = {"x": list(range(100_000))}  # ~0.7 MB of JSON, several MB of Python objects
     a = PartitionAssembler("t", 0, config=AssemblyConfig(max_episode_bytes=2 * 1024 * 1024))
     a.apply(0, start())

@@ -266,7 +266,7 @@ def test_big_endian_and_object_values_take_numpy_path():
 def test_later_extra_outputs_that_are_not_the_first_steps_mapping_abort_the_episode_cleanly(later):
     # a broken caller: the first step sets the keys, a later one passes something else. The
     # batch cannot be encoded: a ValueError names the step, the episode is aborted, and the
-    # recorder goes on (it used to leak an AttributeError out of the emit, and out of close())
+    # recorder goes on (no AttributeError out of the emit, nor out of close())
     rec, fake = _recorder(gs.Box(-1, 1, (2,), np.float32), gs.Discrete(2), max_batch_delay_s=3600)
     eid = rec.begin_episode(np.zeros(2, np.float32))
     rec.log_step(eid, 0, 1.0, np.zeros(2, np.float32), extra_model_outputs={"logp": 0.5})

@@ -16,6 +16,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+
 pytestmark = [pytest.mark.slow, pytest.mark.broker]
 
 ROW_KEYS = {"figure", "ours", "baseline", "ratio", "target", "pass", "rounds"}
@@ -27,6 +28,7 @@ PREFIXES = {"producer": 15, "consumer": 14, "trainer": 6, "manifest": 3}
 BENCHES = ["producer", "consumer", "memory", "trainer", "manifest"]
 
 
+@pytest.mark.system
 @pytest.mark.timeout(600)  # five quick benchmarks, each in its own processes
 def test_quick_run_writes_the_documented_json(tmp_path):
     out, md, png, readme = tmp_path / "bench.json", tmp_path / "bench.md", tmp_path / "bench.png", tmp_path / "R.md"

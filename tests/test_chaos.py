@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.broker, pytest.mark.slow]
+pytestmark = [pytest.mark.system, pytest.mark.broker, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[1]
 

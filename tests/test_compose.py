@@ -96,7 +96,7 @@ def topic_partitions(services) -> tuple[str, int]:
 # ------------------------------------------------------------------------------ services
 
 
-def test_the_services_of_the_issue_exist(services):
+def test_the_compose_file_has_broker_storage_and_rlrec_services(services):
     assert set(services) >= {"kafka", "minio", "minio-init", "topics", "policy", "consumer", "trainer"}
     assert services["kafka"]["image"].startswith("apache/kafka:")
     assert "minio/minio:" in services["minio"]["image"]

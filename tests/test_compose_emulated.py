@@ -26,7 +26,7 @@ import pytest
 from rlrec.local import LocalBroker, LocalS3, free_port
 from tests.compose_model import ROOT, command_list, env_of, load_compose
 
-pytestmark = [pytest.mark.slow, pytest.mark.broker, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.system, pytest.mark.slow, pytest.mark.broker, pytest.mark.timeout(600)]
 
 LOOP_TIMEOUT_S = 420
 

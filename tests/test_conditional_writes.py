@@ -1,7 +1,7 @@
 """The start-up probe of conditional writes: a store that ignores S3 `If-None-Match` would
 silently turn off writer fencing and deduplication, so the consumer refuses it (unless
 `--allow-unfenced-storage`).  The local S3 server enforces the header; a proxy that strips it
-(tests/faults.py) plays a store that does not.  Each test fails on main (no probe there).
+(tests/faults.py) plays a store that does not.
 """
 
 from __future__ import annotations
@@ -99,19 +99,10 @@ def test_cli_says_why_and_exits_2(unfenced_s3, processes) -> None:
 
 
 @pytest.mark.broker
-def test_allow_unfenced_storage_starts_anyway(unfenced_s3, broker, topic, caplog) -> None:
+def test_allow_unfenced_storage_starts_anyway(unfenced_s3, broker, topic, caplog, recorder_config) -> None:
     uri, _ = unfenced_s3
-    from rlrec.local import FAST_GROUP_KAFKA
 
-    cfg = ConsumerConfig(
-        bootstrap_servers=broker.bootstrap_servers,
-        output=uri,
-        topic=topic,
-        group_id=f"g-{uuid.uuid4().hex[:6]}",
-        create_topics=False,
-        kafka_config=FAST_GROUP_KAFKA,
-        allow_unfenced_storage=True,
-    )
+    cfg = recorder_config(uri, allow_unfenced_storage=True)
     with caplog.at_level(logging.ERROR, logger="rlrec.storage"):
         RecorderConsumer(cfg, storage=Storage.from_uri(uri, retry=FAST_RETRY)).run(max_seconds=1.0)
     assert "--allow-unfenced-storage is set" in caplog.text

@@ -70,7 +70,7 @@ def _recorders(bootstrap, topic):
 
 
 @pytest.mark.parametrize("where", ["local", "s3"])
-def test_recorded_episodes_land_exactly_once(where, broker, topic, tmp_path, local_s3, monkeypatch):
+def test_recorded_episodes_land_exactly_once(where, broker, topic, tmp_path, local_s3, monkeypatch, recorder_config):
     if where == "s3":
         bucket = local_s3.create_bucket(f"e2e-{uuid.uuid4().hex[:8]}")
         for k, v in local_s3.env().items():
@@ -82,16 +82,7 @@ def test_recorded_episodes_land_exactly_once(where, broker, topic, tmp_path, loc
     truth = record_episodes(ra, 30, seed=1, abort_every=7, delayed_every=5)
     truth.update(record_episodes(rb, 20, seed=2))
     assert ra.flush(10) == 0 and rb.flush(10) == 0
-    cfg = ConsumerConfig(
-        bootstrap_servers=broker.bootstrap_servers,
-        output=output,
-        topic=topic,
-        group_id=f"g-{uuid.uuid4().hex[:6]}",
-        max_file_age_s=0.5,
-        commit_interval_s=0.5,
-        kafka_config=FAST_GROUP_KAFKA,
-        create_topics=False,
-    )
+    cfg = recorder_config(output, max_file_age_s=0.5, commit_interval_s=0.5)
     storage = Storage.from_uri(output)
     c, t = run_consumer(cfg, storage)
     try:
@@ -126,7 +117,7 @@ def test_recorded_episodes_land_exactly_once(where, broker, topic, tmp_path, loc
     assert sum(max(tp.offset, 0) for tp in committed) == messages
 
 
-def test_restart_replays_without_duplicates(broker, topic, tmp_path):
+def test_restart_replays_without_duplicates(broker, topic, tmp_path, recorder_config):
     """Stop after a partial commit, restart with the same group: no episode twice, none lost."""
     output = str(tmp_path / "out")
     ra, rb = _recorders(broker.bootstrap_servers, topic)
@@ -137,16 +128,7 @@ def test_restart_replays_without_duplicates(broker, topic, tmp_path):
         ra.log_step(eid, 0, 1.0, OBS_SPACE.sample())
     truth = record_episodes(ra, 25, seed=4)
     ra.flush(10)
-    cfg = ConsumerConfig(
-        bootstrap_servers=broker.bootstrap_servers,
-        output=output,
-        topic=topic,
-        group_id=f"g-{uuid.uuid4().hex[:6]}",
-        max_file_age_s=0.3,
-        commit_interval_s=0.3,
-        kafka_config=FAST_GROUP_KAFKA,
-        create_topics=False,
-    )
+    cfg = recorder_config(output)
     storage = Storage.from_uri(output)
     c, t = run_consumer(cfg, storage)
     wait_for(lambda: committed_episodes(storage) >= 25, 40, what="first run committed")
@@ -168,10 +150,9 @@ def test_restart_replays_without_duplicates(broker, topic, tmp_path):
     assert c2.metrics.episodes_committed._value.get() == 3  # only the 3 replayed ones were new
 
 
-def test_claim_replays_from_the_group_committed_offset(broker, topic, tmp_path):
+def test_claim_replays_from_the_group_committed_offset(broker, topic, tmp_path, recorder_config):
     """The consumer passes each partition's committed offset to its claim (`replay_from`), so the
-    claim loads only the committed episode ids that can still be replayed (issue 13; fails on
-    main, which had no replay_from)."""
+    claim loads only the committed episode ids that can still be replayed."""
     from confluent_kafka import TopicPartition
 
     output = str(tmp_path / "out")
@@ -179,16 +160,7 @@ def test_claim_replays_from_the_group_committed_offset(broker, topic, tmp_path):
     rb.close()
     record_episodes(ra, 12, seed=5)
     ra.flush(10)
-    cfg = ConsumerConfig(
-        bootstrap_servers=broker.bootstrap_servers,
-        output=output,
-        topic=topic,
-        group_id=f"g-{uuid.uuid4().hex[:6]}",
-        max_file_age_s=0.3,
-        commit_interval_s=0.3,
-        kafka_config=FAST_GROUP_KAFKA,
-        create_topics=False,
-    )
+    cfg = recorder_config(output)
     storage = Storage.from_uri(output)
     c, t = run_consumer(cfg, storage)
     try:
@@ -221,7 +193,8 @@ def test_claim_replays_from_the_group_committed_offset(broker, topic, tmp_path):
 
 
 @pytest.mark.slow
-def test_stock_rllib_bc_trains_on_consumer_shards(broker, topic, tmp_path):
+@pytest.mark.xdist_group("ray")  # starts Ray
+def test_stock_rllib_bc_trains_on_consumer_shards(broker, topic, tmp_path, recorder_config):
     """Stock, unmodified BC reads {output}/{policy_id} (committed shards only) and trains 2 iterations."""
     import gymnasium as gym
     import ray
@@ -249,15 +222,7 @@ def test_stock_rllib_bc_trains_on_consumer_shards(broker, topic, tmp_path):
             done = te or tr
     rec.close()
     storage = Storage.from_uri(str(output))
-    cfg = ConsumerConfig(
-        bootstrap_servers=broker.bootstrap_servers,
-        output=str(output),
-        topic=topic,
-        group_id=f"g-{uuid.uuid4().hex[:6]}",
-        max_file_age_s=0.3,
-        kafka_config=FAST_GROUP_KAFKA,
-        create_topics=False,
-    )
+    cfg = recorder_config(str(output))
     c, t = run_consumer(cfg, storage)
     try:
         wait_for(lambda: committed_episodes(storage) >= 20, 40, what="episodes committed")
@@ -291,7 +256,8 @@ def test_stock_rllib_bc_trains_on_consumer_shards(broker, topic, tmp_path):
         ray.shutdown()
 
 
-def test_a_second_consumer_process_joins_mid_run_exactly_once(broker, topic, tmp_path):
+@pytest.mark.system  # two consumer processes
+def test_a_second_consumer_process_joins_mid_run_exactly_once(broker, topic, tmp_path, recorder_config):
     """Scale-out: a second `rlrec consume` process joins the group while episodes are open and
     traffic flows. The group rebalances (partitions move to the new process with their open
     episodes), and every episode is committed exactly once, by one of the two processes."""
@@ -308,16 +274,7 @@ def test_a_second_consumer_process_joins_mid_run_exactly_once(broker, topic, tmp
         ra.log_step(eid, 0, 1.0, OBS_SPACE.sample())
     assert ra.flush(10) == 0
     group = f"g-{uuid.uuid4().hex[:6]}"
-    cfg = ConsumerConfig(
-        bootstrap_servers=broker.bootstrap_servers,
-        output=output,
-        topic=topic,
-        group_id=group,
-        max_file_age_s=0.3,
-        commit_interval_s=0.3,
-        kafka_config=FAST_GROUP_KAFKA,
-        create_topics=False,
-    )
+    cfg = recorder_config(output, group_id=group)
     storage = Storage.from_uri(output)
     a, ta = run_consumer(cfg, storage)
     proc = None

@@ -28,21 +28,6 @@ from tests.test_consumer_e2e import committed_episodes, drain_dlq, read_all, run
 pytestmark = pytest.mark.broker
 
 
-def _cfg(broker, topic, output, **kw) -> ConsumerConfig:
-    base = {
-        "bootstrap_servers": broker.bootstrap_servers,
-        "output": output,
-        "topic": topic,
-        "group_id": f"g-{uuid.uuid4().hex[:6]}",
-        "max_file_age_s": 0.3,
-        "commit_interval_s": 0.3,
-        "kafka_config": FAST_GROUP_KAFKA,
-        "create_topics": False,
-    }
-    base.update(kw)
-    return ConsumerConfig(**base)
-
-
 def _consume_cmd(cfg: ConsumerConfig) -> list[str]:
     cmd = [
         sys.executable,
@@ -75,10 +60,11 @@ def _consume_cmd(cfg: ConsumerConfig) -> list[str]:
     return cmd
 
 
+@pytest.mark.system
 @pytest.mark.slow
-def test_kill9_at_random_moments_loses_and_duplicates_nothing(broker, topic, tmp_path):
+def test_kill9_at_random_moments_loses_and_duplicates_nothing(broker, topic, tmp_path, recorder_config):
     output = str(tmp_path / "out")
-    cfg = _cfg(broker, topic, output)
+    cfg = recorder_config(output)
     storage = Storage.from_uri(output)
     rec = EpisodeRecorder(
         broker.bootstrap_servers, topic=topic, policy_id="pol", observation_space=OBS_SPACE, action_space=ACT_SPACE
@@ -133,9 +119,9 @@ def test_kill9_at_random_moments_loses_and_duplicates_nothing(broker, topic, tmp
         assert np.allclose(np.asarray(ep.get_rewards()), truth[eid].rewards, rtol=0, atol=1e-12), eid
 
 
-def test_rebalance_between_two_consumers(broker, topic, tmp_path):
+def test_rebalance_between_two_consumers(broker, topic, tmp_path, recorder_config):
     output = str(tmp_path / "out")
-    cfg = _cfg(broker, topic, output)
+    cfg = recorder_config(output)
     storage = Storage.from_uri(output)
     rec = EpisodeRecorder(
         broker.bootstrap_servers, topic=topic, policy_id="pol", observation_space=OBS_SPACE, action_space=ACT_SPACE
@@ -166,7 +152,9 @@ def test_rebalance_between_two_consumers(broker, topic, tmp_path):
     assert set(got) == set(truth) | set(open_ids)
 
 
-def test_a_consumer_started_during_a_storage_outage_waits_for_the_store(broker, topic, local_s3, monkeypatch):
+def test_a_consumer_started_during_a_storage_outage_waits_for_the_store(
+    broker, topic, local_s3, monkeypatch, recorder_config
+):
     """The start-up probe of create-once writes meets an unreachable store: infrastructure, so
     the consumer probes again with backoff (never a crash), and runs once the store answers."""
     bucket = local_s3.create_bucket(f"out-{uuid.uuid4().hex[:8]}")
@@ -180,7 +168,7 @@ def test_a_consumer_started_during_a_storage_outage_waits_for_the_store(broker, 
         broker.bootstrap_servers, topic=topic, policy_id="pol", observation_space=OBS_SPACE, action_space=ACT_SPACE
     )
     proxy.fail_for(4.0)
-    c, t = run_consumer(_cfg(broker, topic, output), storage)
+    c, t = run_consumer(recorder_config(output), storage)
     try:
         truth = record_episodes(rec, 10, seed=23)
         rec.flush(10)
@@ -195,7 +183,7 @@ def test_a_consumer_started_during_a_storage_outage_waits_for_the_store(broker, 
     assert set(read_all(storage)) == set(truth)
 
 
-def test_storage_outage_pauses_and_recovers(broker, topic, local_s3, monkeypatch):
+def test_storage_outage_pauses_and_recovers(broker, topic, local_s3, monkeypatch, recorder_config):
     bucket = local_s3.create_bucket(f"out-{uuid.uuid4().hex[:8]}")
     proxy = FaultProxy(local_s3.port)
     for k, v in local_s3.env().items():
@@ -203,7 +191,7 @@ def test_storage_outage_pauses_and_recovers(broker, topic, local_s3, monkeypatch
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
     output = f"s3://{bucket}/exp"
     storage = Storage.from_uri(output, retry=RetryPolicy(attempts=2, base_delay=0.05, max_delay=0.1))
-    cfg = _cfg(broker, topic, output)
+    cfg = recorder_config(output)
     rec = EpisodeRecorder(
         broker.bootstrap_servers, topic=topic, policy_id="pol", observation_space=OBS_SPACE, action_space=ACT_SPACE
     )
@@ -233,9 +221,9 @@ def _committed_or_zero(storage: Storage) -> int:
         return 0
 
 
-def test_open_episode_cap_evicts_to_dead_letters(broker, topic, tmp_path):
+def test_open_episode_cap_evicts_to_dead_letters(broker, topic, tmp_path, recorder_config):
     output = str(tmp_path / "out")
-    cfg = _cfg(broker, topic, output, max_open_episodes=5)
+    cfg = recorder_config(output, max_open_episodes=5)
     storage = Storage.from_uri(output)
     rec = EpisodeRecorder(
         broker.bootstrap_servers, topic=topic, policy_id="pol", observation_space=OBS_SPACE, action_space=ACT_SPACE

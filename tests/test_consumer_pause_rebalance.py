@@ -1,10 +1,10 @@
-"""Regression (found by the chaos run): a partition paused when it is revoked must be read again
-when the group assigns it back to the same consumer.
+"""A partition paused when it is revoked must be read again when the group assigns it back to
+the same consumer.
 
 librdkafka keeps a partition's pause flag across revoke and re-assignment to the same consumer.
-The consumer pauses a partition whose flush failed; if a rebalance then revoked it and gave it
-back, the consumer had forgotten the pause but librdkafka had not: the partition was never read
-again, and every episode on it stayed uncommitted until the process restarted.
+The consumer pauses a partition whose flush failed; if a rebalance revokes it and gives it
+back, the consumer must resume it (it forgot the pause, librdkafka did not), or the partition is
+never read again and every episode on it stays uncommitted until the process restarts.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from rlrec.producer import EpisodeRecorder
 from rlrec.store.storage import Storage
 from tests.helpers import ACT_SPACE, OBS_SPACE, record_episodes, wait_for
 from tests.test_consumer_e2e import committed_episodes, read_all, run_consumer
-from tests.test_consumer_faults import _cfg
 
 pytestmark = pytest.mark.broker
 
@@ -37,9 +36,9 @@ class _PausingConsumer(RecorderConsumer):
         super()._maintain(now)
 
 
-def test_partition_paused_at_revoke_is_read_after_reassignment(broker, topic, tmp_path):
+def test_partition_paused_at_revoke_is_read_after_reassignment(broker, topic, tmp_path, recorder_config):
     output = str(tmp_path / "out")
-    cfg = _cfg(broker, topic, output)
+    cfg = recorder_config(output)
     storage = Storage.from_uri(output)
     rec = EpisodeRecorder(
         broker.bootstrap_servers, topic=topic, policy_id="pol", observation_space=OBS_SPACE, action_space=ACT_SPACE

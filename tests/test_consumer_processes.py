@@ -163,6 +163,7 @@ def _stop(proc: subprocess.Popen, lines: _Lines) -> str:
     return lines.text()
 
 
+@pytest.mark.system
 @pytest.mark.slow
 @pytest.mark.broker
 def test_two_processes_share_the_partitions_survive_a_killed_child_and_stop_on_sigterm(broker, topic, tmp_path):
@@ -210,6 +211,7 @@ def test_two_processes_share_the_partitions_survive_a_killed_child_and_stop_on_s
     assert drain_dlq(broker.bootstrap_servers, topic) == []
 
 
+@pytest.mark.system
 @pytest.mark.slow
 @pytest.mark.broker
 def test_children_stop_when_the_supervisor_is_killed(broker, topic, tmp_path):
@@ -234,6 +236,7 @@ def test_children_stop_when_the_supervisor_is_killed(broker, topic, tmp_path):
     assert len(read_all(storage)) == 10
 
 
+@pytest.mark.system
 @pytest.mark.slow
 @pytest.mark.broker
 def test_sigterm_while_the_children_start_stops_them_all(broker, topic, tmp_path):
@@ -252,6 +255,7 @@ def test_sigterm_while_the_children_start_stops_them_all(broker, topic, tmp_path
     assert "worker 0 exited" in err and "worker 1 exited" in err, err[-3000:]
 
 
+@pytest.mark.system
 @pytest.mark.slow
 @pytest.mark.broker
 def test_a_child_that_keeps_crashing_stops_the_supervisor_with_exit_1(broker, topic, tmp_path):

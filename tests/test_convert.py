@@ -264,7 +264,7 @@ class _Boom:
         return (os.system, (f"touch {os.environ['RLREC_TEST_MARKER']}",))
 
 
-def test_hostile_and_invalid_input(tmp_path, monkeypatch):
+def test_pickled_sample_batch_columns_are_refused_without_running_them(tmp_path, monkeypatch):
     marker = tmp_path / "pwned"
     monkeypatch.setenv("RLREC_TEST_MARKER", str(marker))
     import lz4.frame
@@ -289,33 +289,45 @@ def test_hostile_and_invalid_input(tmp_path, monkeypatch):
     with pytest.raises(UnsafeInputError):
         convert(str(d), str(tmp_path / "o"), ConvertOptions(input_format="sample-batch"))
     assert not marker.exists()
+    assert not (tmp_path / "o" / "_manifest").exists()
 
-    def bad(rows: dict, match: str, **kw):
-        p = tmp_path / f"case-{abs(hash(match))}"
-        p.mkdir(exist_ok=True)
-        (p / "x.json").write_text(json.dumps(rows) + "\n")
-        with pytest.raises(ConvertError, match=match):
-            convert(str(p), str(tmp_path / "o"), ConvertOptions(input_format="sample-batch", **kw))
 
-    base = {
-        "obs": [[0.0], [1.0]],
-        "new_obs": [[1.0], [2.0]],
-        "actions": [0, 1],
-        "rewards": [1.0, 1.0],
-        "terminateds": [False, True],
-        "eps_id": [5, 5],
-        "t": [0, 1],
-    }
-    bad({k: v for k, v in base.items() if k != "new_obs"}, r"missing column\(s\) \['new_obs'\]")
-    bad(dict(base, obs=[[0.0], [1.0, 2.0]]), "not a rectangular numeric array")
-    bad(dict(base, terminateds=[True, True]), "rows after its terminal row")
-    bad(dict(base, t=[0, 0], rewards=[1.0, 2.0]), "two different rows for t=0")
-    bad(dict(base, t=[0, 2]), "steps are missing after t=0")
-    bad(dict(base, rewards=[1.0]), "has 1 rows, expected 2")
-    bad(dict(base, obs=[["a"], ["b"]]), "expected numbers")
-    bad(base, "cannot name a directory", policy_id="../up")
-    bad(dict(base, terminateds=[False, False]), "has no terminal row", incomplete="error")
-    bad(base, "unknown schema key", schema={"observations": "obs"})
+_VALID_BATCH = {
+    "obs": [[0.0], [1.0]],
+    "new_obs": [[1.0], [2.0]],
+    "actions": [0, 1],
+    "rewards": [1.0, 1.0],
+    "terminateds": [False, True],
+    "eps_id": [5, 5],
+    "t": [0, 1],
+}
+
+
+@pytest.mark.parametrize(
+    ("change", "options", "says"),
+    [
+        ({"new_obs": None}, {}, r"missing column\(s\) \['new_obs'\]"),
+        ({"obs": [[0.0], [1.0, 2.0]]}, {}, "not a rectangular numeric array"),
+        ({"terminateds": [True, True]}, {}, "rows after its terminal row"),
+        ({"t": [0, 0], "rewards": [1.0, 2.0]}, {}, "two different rows for t=0"),
+        ({"t": [0, 2]}, {}, "steps are missing after t=0"),
+        ({"rewards": [1.0]}, {}, "has 1 rows, expected 2"),
+        ({"obs": [["a"], ["b"]]}, {}, "expected numbers"),
+        ({}, {"policy_id": "../up"}, "cannot name a directory"),
+        ({"terminateds": [False, False]}, {"incomplete": "error"}, "has no terminal row"),
+        ({}, {"schema": {"observations": "obs"}}, "unknown schema key"),
+    ],
+)
+def test_an_invalid_sample_batch_is_refused_with_the_reason(tmp_path, change, options, says):
+    rows = {k: v for k, v in {**_VALID_BATCH, **change}.items() if v is not None}
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "x.json").write_text(json.dumps(rows) + "\n")
+    with pytest.raises(ConvertError, match=says):
+        convert(str(tmp_path / "in"), str(tmp_path / "o"), ConvertOptions(input_format="sample-batch", **options))
+    assert not (tmp_path / "o" / "_manifest").exists()  # nothing is committed by a failed run
+
+
+def test_unreadable_input_is_refused(tmp_path):
     (tmp_path / "notjson").mkdir()
     (tmp_path / "notjson" / "x.json").write_text("{not json\n")
     with pytest.raises(ConvertError, match="not JSON"):
@@ -326,11 +338,12 @@ def test_hostile_and_invalid_input(tmp_path, monkeypatch):
         convert(str(tmp_path / "junk"), str(tmp_path / "o"), ConvertOptions())
     with pytest.raises(ConvertError, match="does not exist"):
         convert(str(tmp_path / "nope"), str(tmp_path / "o"), ConvertOptions())
-    assert not (tmp_path / "o" / "_manifest").exists()  # nothing was committed by any failed run
+    assert not (tmp_path / "o" / "_manifest").exists()  # nothing is committed by a failed run
 
 
-def test_schema_mapping_dones_and_incomplete(tmp_path):
-    # a: terminated; b: no terminal row; c: row 1's obs is not row 0's new_obs (a row is missing)
+def _mapped_rows(tmp_path) -> tuple[str, dict]:
+    """Input under other column names, and the schema naming them.  Episode a: terminated; b: no
+    terminal row; c: row 1's obs is not row 0's new_obs (a row is missing)."""
     rows = {
         "observation": [[0.0], [1.0], [5.0], [6.0], [10.0], [20.0]],
         "next_observation": [[1.0], [2.0], [6.0], [7.0], [11.0], [21.0]],
@@ -348,13 +361,20 @@ def test_schema_mapping_dones_and_incomplete(tmp_path):
         "rewards": "reward",
         "eps_id": "episode",
     }
-    res = convert(
-        str(tmp_path / "in"), str(tmp_path / "o1"), ConvertOptions(input_format="sample-batch", schema=schema)
-    )
+    return str(tmp_path / "in"), schema
+
+
+def test_schema_mapping_drops_incomplete_and_discontinuous_episodes(tmp_path):
+    src, schema = _mapped_rows(tmp_path)
+    res = convert(src, str(tmp_path / "o1"), ConvertOptions(input_format="sample-batch", schema=schema))
     assert (res.written_episodes, res.incomplete_dropped, res.discontinuous) == (2, 1, 1)
     assert any("new_obs of the row before" in n for n in res.notes)
+
+
+def test_schema_mapping_with_incomplete_truncate_keeps_an_episode_without_terminal_row(tmp_path):
+    src, schema = _mapped_rows(tmp_path)
     res = convert(
-        str(tmp_path / "in"),
+        src,
         str(tmp_path / "o2"),
         ConvertOptions(input_format="sample-batch", schema=schema, incomplete="truncate"),
     )
@@ -366,7 +386,11 @@ def test_schema_mapping_dones_and_incomplete(tmp_path):
     assert res.action_space == gym.spaces.Discrete(2)
 
 
+# convert -> trainer -> report -> stock BC; which shards two short iterations reach depends on how
+# Ray Data's read tasks are scheduled, so it runs with the machine to itself (system part)
+@pytest.mark.system
 @pytest.mark.slow
+@pytest.mark.xdist_group("ray")  # starts Ray
 def test_trainer_and_stock_bc_train_on_converted_shards(tmp_path):
     """Our trainer (manifest-following) and stock, unmodified BC ({output}/{policy_id}) both train on a
     conversion; the report maps the trainer's real `new_shards` onto the converted shards."""
@@ -480,19 +504,33 @@ def test_tabular_dict_and_tuple_spaces_round_trip(tmp_path, multidim):
         assert ep.custom_data["policy_id"] == "default_policy"
 
 
-def test_episode_rules_offsets_policy_version_copies_and_multi_agent(tmp_path):
-    """Rules of `rows_to_episodes` the round trips do not pin down (see the module docstring)."""
+# Rules of `rows_to_episodes` the round trips do not pin down (see the module docstring).
+
+
+def _rule_episodes(tmp_path, name: str, *batches: dict, **kw):
     from rlrec.consumer.convert import ConvertResult, read_rows, rows_to_episodes
 
-    def episodes(name: str, *batches: dict, **kw):
-        d = tmp_path / name
-        d.mkdir()
-        (d / "x.jsonl").write_text("".join(json.dumps(b) + "\n" for b in batches))
-        opts = ConvertOptions(input_format="sample-batch", **kw)
-        res = ConvertResult()
-        out = rows_to_episodes(read_rows(str(d), opts)[0], opts, res)
-        return {fe.episode_id: fe for fe in out}, res
+    d = tmp_path / name
+    d.mkdir()
+    (d / "x.jsonl").write_text("".join(json.dumps(b) + "\n" for b in batches))
+    opts = ConvertOptions(input_format="sample-batch", **kw)
+    res = ConvertResult()
+    out = rows_to_episodes(read_rows(str(d), opts)[0], opts, res)
+    return {fe.episode_id: fe for fe in out}, res
 
+
+#: no t column: one complete episode
+_ONE = {
+    "eps_id": [4, 4],
+    "obs": [[0.0], [1.0]],
+    "new_obs": [[1.0], [2.0]],
+    "actions": [0, 1],
+    "rewards": [1.0, 0.5],
+    "terminateds": [False, True],
+}
+
+
+def test_offsets_are_input_positions_and_the_policy_comes_from_the_first_row_by_t(tmp_path):
     # "a" at input rows 1, 3, 4 (written out of order of t), "b" at rows 0, 2: offsets are input positions;
     # policy id = module_id, policy version = policy_version (not weights_seq_no) of the episode's first row by t
     rows = {
@@ -508,7 +546,7 @@ def test_episode_rules_offsets_policy_version_copies_and_multi_agent(tmp_path):
         "policy_version": [7, 9, 8, 5, 6],
         "weights_seq_no": [1, 1, 1, 1, 1],
     }
-    got, res = episodes("offsets", rows)
+    got, res = _rule_episodes(tmp_path, "offsets", rows)
     a, b = got["a"], got["b"]
     assert (a.first_offset, a.last_offset, b.first_offset, b.last_offset) == (1, 4, 0, 2)
     assert (a.policy_id, a.policy_version, b.policy_id, b.policy_version) == ("pa", 5, "pb", 7)
@@ -516,34 +554,29 @@ def test_episode_rules_offsets_policy_version_copies_and_multi_agent(tmp_path):
     np.testing.assert_array_equal(a.rewards, [4.0, 5.0, 2.0])
     assert (a.terminated, a.truncated, b.terminated, b.truncated) == (True, False, False, True)
     assert a.infos == [{}] * 4 and res.discontinuous == 0
-    got, _ = episodes("override", rows, policy_id="p", policy_version=3)
+    got, _ = _rule_episodes(tmp_path, "override", rows, policy_id="p", policy_version=3)
     assert {(fe.policy_id, fe.policy_version) for fe in got.values()} == {("p", 3)}
-    got, _ = episodes("wsn", {k: v for k, v in rows.items() if k != "policy_version"})
+    got, _ = _rule_episodes(tmp_path, "wsn", {k: v for k, v in rows.items() if k != "policy_version"})
     assert {fe.policy_version for fe in got.values()} == {1}
 
-    # no t column: the same complete episode written three times keeps one copy; differing copies are refused
-    one = {
-        "eps_id": [4, 4],
-        "obs": [[0.0], [1.0]],
-        "new_obs": [[1.0], [2.0]],
-        "actions": [0, 1],
-        "rewards": [1.0, 0.5],
-        "terminateds": [False, True],
-    }
-    got, res = episodes("copies", one, one, one)
+
+def test_identical_copies_of_an_episode_keep_one_and_differing_copies_are_refused(tmp_path):
+    got, res = _rule_episodes(tmp_path, "copies", _ONE, _ONE, _ONE)
     assert res.duplicate_rows == 4 and len(got["4"].rewards) == 2
     assert (got["4"].first_offset, got["4"].last_offset) == (0, 1)
     with pytest.raises(ConvertError, match="rows after its terminal row"):
-        episodes("differ", one, dict(one, rewards=[1.0, 0.0]))
+        _rule_episodes(tmp_path, "differ", _ONE, dict(_ONE, rewards=[1.0, 0.0]))
 
-    # integer arrays -> Box over the dtype's range, bool arrays -> MultiBinary
-    ints = dict(one, obs=[[0, 1], [1, 2]], new_obs=[[1, 2], [2, 3]], actions=[[True, False], [False, True]])
-    _, res = episodes("spaces", ints)
+
+def test_integer_arrays_infer_a_box_over_the_dtype_and_bool_arrays_multibinary(tmp_path):
+    ints = dict(_ONE, obs=[[0, 1], [1, 2]], new_obs=[[1, 2], [2, 3]], actions=[[True, False], [False, True]])
+    _, res = _rule_episodes(tmp_path, "spaces", ints)
     info = np.iinfo(res.observation_space.dtype)
     assert res.observation_space.dtype.kind == "i" and res.observation_space.shape == (2,)
     assert (res.observation_space.low.min(), res.observation_space.high.max()) == (info.min, info.max)
     assert res.action_space == gym.spaces.MultiBinary([2])
 
-    # one episode, two agents: refused
+
+def test_an_episode_of_two_agents_is_refused(tmp_path):
     with pytest.raises(ConvertError, match="multi-agent recordings are not supported"):
-        episodes("multi", dict(one, agent_id=["agent0", "agent1"]))
+        _rule_episodes(tmp_path, "multi", dict(_ONE, agent_id=["agent0", "agent1"]))

@@ -11,9 +11,7 @@ import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 
 from rlrec.consumer.dead_letters import DLQ_HEADERS, DeadLetterQueue, dead_letter_record
-from rlrec.consumer.service import ConsumerConfig
 from rlrec.consumer.topics import create_topics, dlq_topic_name
-from rlrec.local import FAST_GROUP_KAFKA
 from rlrec.producer import EpisodeRecorder
 from rlrec.producer.events import RewardDelta, encode, schema_header
 from rlrec.store.storage import Storage
@@ -108,10 +106,9 @@ def test_failed_deliveries_are_kept_retried_and_hold_the_offset(broker):
 
 @pytest.mark.broker
 @pytest.mark.slow
-def test_consumer_offset_waits_for_an_unacknowledged_dead_letter(broker, tmp_path):
-    """With a dead-letter topic the broker refuses, the landed consumer committed past the poison
-    message (`flush() == 0`): it was in no shard and not in the DLQ. Now the offset stays at it
-    while good episodes keep landing; /healthz says why; a restart with a working DLQ delivers it;
+def test_consumer_offset_waits_for_an_unacknowledged_dead_letter(broker, tmp_path, recorder_config):
+    """With a dead-letter topic the broker refuses, the committed offset stays at the poison
+    message (which is in no shard and not in the DLQ) while good episodes keep landing; /healthz says why; a restart with a working DLQ delivers it;
     nothing is lost or duplicated."""
     topic = f"dlqfail-{uuid.uuid4().hex[:8]}"
     create_topics(broker.bootstrap_servers, {topic: 1, dlq_topic_name(topic): 1})
@@ -147,17 +144,7 @@ def test_consumer_offset_waits_for_an_unacknowledged_dead_letter(broker, tmp_pat
     assert rec.flush(10) == 0
 
     def cfg(dlq_topic):
-        return ConsumerConfig(
-            bootstrap_servers=broker.bootstrap_servers,
-            output=output,
-            topic=topic,
-            group_id=group,
-            dlq_topic=dlq_topic,
-            max_file_age_s=0.3,
-            commit_interval_s=0.3,
-            kafka_config=FAST_GROUP_KAFKA,
-            create_topics=False,
-        )
+        return recorder_config(output, topic=topic, group_id=group, dlq_topic=dlq_topic)
 
     def committed() -> int:
         c = Consumer({"bootstrap.servers": broker.bootstrap_servers, "group.id": group})

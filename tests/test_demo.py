@@ -21,7 +21,7 @@ from rlrec.store.manifest import read_manifest
 from rlrec.store.shards import read_episodes
 from rlrec.store.storage import Storage
 
-pytestmark = [pytest.mark.slow, pytest.mark.broker]
+pytestmark = [pytest.mark.system, pytest.mark.slow, pytest.mark.broker]
 
 LAYOUT_KEYS = {
     "time",

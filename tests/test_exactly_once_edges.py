@@ -1,11 +1,11 @@
 """Exactly-once at the edges (real broker, local S3 behind a fault proxy):
 
 * an append that lands although storage said it failed, followed by a delayed reward: the
-  landed consumer gave the episode back, applied the reward in memory, then found its own
-  entry on the retry and moved the offset past the reward -- in no shard and not in the DLQ;
+  reward must not be applied in memory to an episode whose append may have landed, then passed
+  by the offset when the retry finds the entry -- it would be in no shard and not in the DLQ;
 * a storage outage twice as long as `episode_timeout_s` while an episode keeps stepping: the
-  landed consumer expired it on the wall clock while its partition was paused and wrote it
-  truncated; its later steps then vanished as "duplicates".
+  episode must not expire on the wall clock while its partition is paused (it would be written
+  truncated and its later steps dropped as "duplicates").
 """
 
 from __future__ import annotations
@@ -132,9 +132,8 @@ def test_a_storage_outage_longer_than_the_episode_timeout_truncates_nothing(brok
 
 def test_an_uncertain_append_keeps_its_episodes_closed_to_rewards(proxied):
     """The writer alone (no broker): a reward read while an append's outcome is unknown is a
-    late reward, and the retry commits the episode as it was. The landed writer gave the episodes
-    back: the reward was applied in memory, then the retry found the landed entry (without it)
-    and marked the episode committed -- the reward was in no shard and not in the DLQ."""
+    late reward, and the retry commits the episode as it was: a reward applied in memory would
+    be in no shard (the retry finds the landed entry without it) and not in the DLQ."""
     from rlrec.consumer.writer import PartitionWriter
     from rlrec.producer.events import RewardDelta
     from tests.test_assembly import start, steps

@@ -62,7 +62,6 @@ from rlrec.store.episodes import (
 from rlrec.store.storage import Storage
 from tests.helpers import ACT_SPACE, OBS_SPACE, assert_episode_matches, record_episodes, wait_for
 from tests.test_consumer_e2e import committed_episodes, drain_dlq, read_all, run_consumer
-from tests.test_consumer_faults import _cfg
 
 KINDS = ("EpisodeStart", "StepBatch", "RewardDelta", "EpisodeAbort")
 EVENTS = (EpisodeStart, StepBatch, RewardDelta, EpisodeAbort)
@@ -410,14 +409,12 @@ def _hostile_messages(marker: str) -> list[tuple[str, bytes, bytes | None, list 
 
 
 @pytest.mark.broker
-def test_hostile_topic_dead_letters_everything_and_good_episodes_land(broker, topic, tmp_path):
+def test_hostile_topic_dead_letters_everything_and_good_episodes_land(broker, topic, tmp_path, recorder_config):
     marker = f"/tmp/rlrec-pwned-{uuid.uuid4().hex}"
     output = str(tmp_path / "out")
     # the join window keeps finished episodes unwritten for 2 s, so "step after the end" meets a
     # finished (not yet committed) episode whatever the timing
-    cfg = _cfg(
-        broker, topic, output, max_message_bytes=200_000, dlq_max_message_bytes=100_000, reward_join_window_s=2.0
-    )
+    cfg = recorder_config(output, max_message_bytes=200_000, dlq_max_message_bytes=100_000, reward_join_window_s=2.0)
     storage = Storage.from_uri(output)
     rec = EpisodeRecorder(
         broker.bootstrap_servers, topic=topic, policy_id="pol", observation_space=OBS_SPACE, action_space=ACT_SPACE

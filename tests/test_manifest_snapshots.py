@@ -37,7 +37,7 @@ from rlrec.trainer.manifest_follower import ManifestFollower
 from tests.faults import FaultProxy
 from tests.test_storage_manifest import FAST_RETRY, TOPIC, _bucket, make_entry
 
-#: the claim budget of issue 13: storage calls, LIST pages included, beyond the entries since the last snapshot
+#: the claim budget: storage calls, LIST pages included, beyond the entries since the last snapshot
 CLAIM_BUDGET = 10
 
 
@@ -156,7 +156,7 @@ def tail_length(store: Storage, partition: int) -> int:
 
 @pytest.mark.slow
 def test_claim_costs_at_most_ten_calls_plus_the_tail_at_20k_entries(tmp_path: Path) -> None:
-    """Fails on main: its claim lists the log and reads all 20,000 entries."""
+    """The claim neither lists the log nor reads all 20,000 entries."""
     store = Storage.from_uri(str(tmp_path / "out"), fsync=False)
     n = 20_000
     t0 = time.monotonic()
@@ -190,8 +190,8 @@ def test_claim_costs_at_most_ten_calls_plus_the_tail_at_20k_entries(tmp_path: Pa
 
 @pytest.mark.slow
 def test_claim_on_s3_sends_no_listing_and_a_bounded_number_of_requests(local_s3, monkeypatch) -> None:
-    """Counted at the HTTP proxy: the claim does not list the log, whatever its length
-    (rather than one LIST page per 1,000 entries plus one GET per entry)."""
+    """Counted at the HTTP proxy: the claim does not list the log, whatever its length (no LIST
+    page per 1,000 entries, no GET per entry)."""
     proxy = FaultProxy(local_s3.port)
     try:
         for k, v in local_s3.env().items():
@@ -224,7 +224,7 @@ def claimed_ids(c: ShardCommitter, replay_from: int | None = None) -> set[str]:
 
 def test_replay_from_keeps_only_replayable_ids_and_forget_before_prunes(store: Storage) -> None:
     build_history(store, 1, 45, every=10)
-    # without replay_from: every committed id (the old call keeps working)
+    # without replay_from: every committed id
     assert claimed_ids(ShardCommitter(store, TOPIC, 1, snapshot_every=10)) == {f"ep-{i}-0" for i in range(45)}
     c = ShardCommitter(store, TOPIC, 1, snapshot_every=10)
     got = claimed_ids(c, replay_from=10 * 5)  # committed offset inside shard 5

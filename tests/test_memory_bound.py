@@ -34,7 +34,7 @@ from rlrec.store.storage import Storage
 from tests.faults import FaultProxy
 from tests.helpers import wait_for
 from tests.test_consumer_e2e import read_all
-from tests.test_consumer_faults import _cfg, _consume_cmd
+from tests.test_consumer_faults import _consume_cmd
 from tests.test_hostile import start_rec, steps_rec
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
@@ -205,9 +205,10 @@ def _committed_ids(storage: Storage) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 
 
-def test_100k_open_episodes_against_a_20k_cap(broker, topic, tmp_path):
+@pytest.mark.system  # a consumer process through 100k open episodes: minutes on 2 cores
+def test_100k_open_episodes_against_a_20k_cap(broker, topic, tmp_path, recorder_config):
     output = str(tmp_path / "out")
-    cfg = _cfg(broker, topic, output, max_open_episodes=CAP)
+    cfg = recorder_config(output, max_open_episodes=CAP)
     cmd = [*_consume_cmd(cfg), "--max-open-episodes", str(CAP), "--max-episodes-per-file", "5000"]
     ev = RawEvents()
     c = ConsumerProcess(cmd, tmp_path / "consumer.log")
@@ -267,7 +268,9 @@ def test_100k_open_episodes_against_a_20k_cap(broker, topic, tmp_path):
     assert all(k == {"EpisodeStart": 1, "StepBatch": 2} for k in by_key.values())
 
 
-def test_buffered_bytes_budget_holds_while_storage_fails(broker, topic, local_s3, monkeypatch, tmp_path):
+def test_buffered_bytes_budget_holds_while_storage_fails(
+    broker, topic, local_s3, monkeypatch, tmp_path, recorder_config
+):
     budget = 1_000_000
     episodes, steps = 4000, 20
     bucket = local_s3.create_bucket(f"mem-{uuid.uuid4().hex[:8]}")
@@ -275,7 +278,7 @@ def test_buffered_bytes_budget_holds_while_storage_fails(broker, topic, local_s3
     for k, v in local_s3.env().items():  # the test reads S3 directly; the consumer through the proxy
         monkeypatch.setenv(k, v)
     output = f"s3://{bucket}/exp"
-    cfg = _cfg(broker, topic, output)
+    cfg = recorder_config(output)
     cmd = [*_consume_cmd(cfg), "--max-buffered-bytes", str(budget), "--max-episodes-per-file", "1000"]
     ev = RawEvents(steps)
     c = ConsumerProcess(cmd, tmp_path / "consumer.log", env={"AWS_ENDPOINT_URL": f"http://127.0.0.1:{proxy.port}"})

@@ -15,9 +15,7 @@ import pytest
 from confluent_kafka.admin import AdminClient, NewPartitions
 
 import rlrec.consumer.service as service
-from rlrec.consumer.service import ConsumerConfig
 from rlrec.consumer.topics import create_topics, dlq_topic_name
-from rlrec.local import FAST_GROUP_KAFKA
 from rlrec.producer import EpisodeRecorder
 from rlrec.store.storage import Storage
 from tests.helpers import ACT_SPACE, OBS_SPACE, record_episodes, wait_for
@@ -26,7 +24,7 @@ from tests.test_consumer_e2e import drain_dlq, read_all, run_consumer
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
 
 
-def test_split_episodes_are_dead_lettered_after_partitions_are_added(broker, tmp_path, monkeypatch):
+def test_split_episodes_are_dead_lettered_after_partitions_are_added(broker, tmp_path, monkeypatch, recorder_config):
     if broker.kind == "tansu":
         pytest.skip(
             "Tansu 0.6 has no CreatePartitions (KIP-195: UNSUPPORTED_FEATURE); run with RLREC_TEST_BROKER=testcontainers"
@@ -36,17 +34,7 @@ def test_split_episodes_are_dead_lettered_after_partitions_are_added(broker, tmp
     create_topics(broker.bootstrap_servers, {topic: 2, dlq_topic_name(topic): 2})
     output = str(tmp_path / "out")
     storage = Storage.from_uri(output)
-    cfg = ConsumerConfig(
-        bootstrap_servers=broker.bootstrap_servers,
-        output=output,
-        topic=topic,
-        group_id=f"g-{uuid.uuid4().hex[:6]}",
-        max_file_age_s=0.3,
-        commit_interval_s=0.3,
-        episode_timeout_s=3.0,
-        kafka_config=FAST_GROUP_KAFKA,
-        create_topics=False,
-    )
+    cfg = recorder_config(output, topic=topic, episode_timeout_s=3.0)
     rec = EpisodeRecorder(
         broker.bootstrap_servers,
         topic=topic,

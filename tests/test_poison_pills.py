@@ -3,8 +3,8 @@
 Every case is followed by a good episode on the same (only) partition. One consumer process
 reads it all: it must stay up, commit every good episode exactly once, dead-letter each poison
 message with its reason (whole episodes where the episode is spoiled), write nothing outside its
-output root, and hold memory within its byte budgets. Each case says which behaviour of the
-landed consumer (before this suite) it catches. The hostile messages of tests/test_hostile.py run
+output root, and hold memory within its byte budgets. Each case names the failure it guards
+against. The hostile messages of tests/test_hostile.py run
 here too, one by one between good episodes.
 """
 
@@ -18,9 +18,7 @@ import numpy as np
 import pytest
 
 from rlrec.consumer.assembly import CONSUMER_REASONS
-from rlrec.consumer.service import ConsumerConfig
 from rlrec.consumer.topics import create_topics, dlq_topic_name
-from rlrec.local import FAST_GROUP_KAFKA
 from rlrec.producer import EpisodeRecorder
 from rlrec.producer.events import DECODE_REASONS, SCHEMA_HEADER, schema_header
 from rlrec.store.storage import Storage
@@ -69,7 +67,7 @@ def _single(eid: str, reason: str, bad: dict) -> list:
 
 
 def _poison_cases() -> list[tuple[str, str, list]]:
-    """(name, what the landed consumer did, messages). Episodes named `land-*` must land."""
+    """(name, the failure it guards against, messages). Episodes named `land-*` must land."""
     big_key = b"k" * 1_100_000
     big_headers = [("x-junk", b"j" * 600_000), ("x-junk2", b"j" * 500_000)]
     many_ints = json.dumps({"x": list(range(200_000))})  # ~1.4 MB of JSON, ~7 MB of Python objects
@@ -217,20 +215,16 @@ def _poison_cases() -> list[tuple[str, str, list]]:
     return cases
 
 
-def test_poison_pills_cost_one_dead_letter_each_and_nothing_else(broker, one_partition_topic, tmp_path):
+def test_poison_pills_cost_one_dead_letter_each_and_nothing_else(
+    broker, one_partition_topic, tmp_path, recorder_config
+):
     topic = one_partition_topic
     marker = f"/tmp/rlrec-pwned-{uuid.uuid4().hex}"
     output = str(tmp_path / "out")
     storage = Storage.from_uri(output)
-    cfg = ConsumerConfig(
-        bootstrap_servers=broker.bootstrap_servers,
-        output=output,
+    cfg = recorder_config(
+        output,
         topic=topic,
-        group_id=f"g-{uuid.uuid4().hex[:6]}",
-        max_file_age_s=0.3,
-        commit_interval_s=0.3,
-        kafka_config=FAST_GROUP_KAFKA,
-        create_topics=False,
         max_message_bytes=MAX_MESSAGE_BYTES,
         dlq_max_message_bytes=100_000,
         max_episode_bytes=MAX_EPISODE_BYTES,
@@ -357,10 +351,12 @@ def test_poison_pills_cost_one_dead_letter_each_and_nothing_else(broker, one_par
         assert len(got_eps[eid][0]) == 3, eid
 
 
-def test_unwritable_episode_is_dead_lettered_and_its_shard_mates_land(broker, one_partition_topic, tmp_path):
+def test_unwritable_episode_is_dead_lettered_and_its_shard_mates_land(
+    broker, one_partition_topic, tmp_path, recorder_config
+):
     """An extra model output named `obs` cannot be a tabular column (RLlib reserves the name):
-    the landed consumer retried that flush forever and the partition stalled. Now the episode is
-    dead-lettered `unwritable` (its events re-encoded) and the others of the same flush land."""
+    the flush is not retried forever (the partition would stall): the episode is dead-lettered
+    `unwritable` (its events re-encoded) and the others of the same flush land."""
     topic = one_partition_topic
     output = str(tmp_path / "out")
     storage = Storage.from_uri(output)
@@ -388,17 +384,7 @@ def test_unwritable_episode_is_dead_lettered_and_its_shard_mates_land(broker, on
     for m in msgs:
         hostile.send(*m)
     hostile.flush()
-    cfg = ConsumerConfig(
-        bootstrap_servers=broker.bootstrap_servers,
-        output=output,
-        topic=topic,
-        group_id=f"g-{uuid.uuid4().hex[:6]}",
-        format="tabular",
-        max_file_age_s=0.5,
-        commit_interval_s=0.3,
-        kafka_config=FAST_GROUP_KAFKA,
-        create_topics=False,
-    )
+    cfg = recorder_config(output, topic=topic, format="tabular", max_file_age_s=0.5)
     c, t = run_consumer(cfg, storage)
     try:
         wait_for(lambda: committed_episodes(storage) >= 3, 60, what="the good episodes committed")

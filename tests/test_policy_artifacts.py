@@ -4,12 +4,11 @@
   {Discrete, Box}; CQL and IQL x Box): the rebuilt network's action distribution inputs are within
   1e-6 of the RLModule's on the same observations, its deterministic action is RLlib's
   ``to_deterministic().sample()`` and the log-probability of given actions is RLlib's
-  ``dist.logp``. (On the old code there is no code-free artifact: `build_artifact` does not exist.)
+  ``dist.logp``.
 * The artifact holds no code (no TorchScript/pickle): loading never calls ``torch.jit.load``.
 * Trust: unsigned versions load only with the opt-ins; tampered files, a tampered policy.json, a
   foreign key, a `latest.json` pointing outside the root and re-published older versions are
-  refused with `PolicyLoadError`; `poll()` never moves to a lower version. (On the old code every
-  one of these loaded: no signatures, `latest.json`'s path and sha256 unchecked, no rollback guard.)
+  refused with `PolicyLoadError`; `poll()` never moves to a lower version.
 """
 
 from __future__ import annotations
@@ -266,7 +265,7 @@ def test_poll_moves_to_a_newer_signed_version(published, keys):
 
 def test_torchscript_fallback_needs_a_signature_or_the_code_opt_in(tmp_path, keys, monkeypatch):
     """A module the spec cannot describe is published as TorchScript; it runs only when signed,
-    or with allow_unsigned_code=True. Versions published before this change are TorchScript too."""
+    or with allow_unsigned_code=True. Versions published without a spec (`model.pt` only) are TorchScript too."""
     from rlrec.trainer import export
 
     monkeypatch.setattr(export, "describe_module", lambda *a: (_ for _ in ()).throw(export.UndescribableModule("x")))

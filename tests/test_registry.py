@@ -148,8 +148,9 @@ def test_recorder_with_registry_end_to_end(broker, topic, registry):
 
 
 def test_foreign_schemas_are_unknown_and_remembered(registry):
-    """A schema id whose schema is not Avro JSON made the landed decode() raise JSONDecodeError,
-    and unknown ids were looked up again for every message (a blocking HTTP call each)."""
+    """A schema id whose schema is not Avro JSON is unknown (decode() raises no JSONDecodeError),
+    and an unknown id is remembered, not looked up again for every message (a blocking HTTP call
+    each)."""
     registry.foreign[70] = {"schemaType": "PROTOBUF", "schema": 'syntax = "proto3"; message M {}'}
     registry.foreign[71] = {"schema": "not json at all"}
     registry.foreign[72] = {"schema": json.dumps({"type": "record", "name": "Other", "fields": []})}
@@ -174,11 +175,9 @@ def test_registry_failures_are_not_the_messages_fault(registry):
 
 
 @pytest.mark.broker
-def test_consumer_pauses_while_the_registry_fails_and_loses_nothing(broker, topic, registry, tmp_path):
-    """Registry 5xx: the landed consumer raised RegistryUnavailable out of run(). Now the partition
-    is paused and the message read again with backoff; no good data is dead-lettered."""
-    from rlrec.consumer.service import ConsumerConfig
-    from rlrec.local import FAST_GROUP_KAFKA
+def test_consumer_pauses_while_the_registry_fails_and_loses_nothing(broker, topic, registry, tmp_path, recorder_config):
+    """Registry 5xx: no RegistryUnavailable out of run(); the partition is paused and the message
+    read again with backoff; no good data is dead-lettered."""
     from rlrec.store.storage import Storage
     from tests.helpers import wait_for
     from tests.test_consumer_e2e import committed_episodes, read_all, run_consumer
@@ -196,17 +195,7 @@ def test_consumer_pauses_while_the_registry_fails_and_loses_nothing(broker, topi
     registry.fail_gets_until = time.monotonic() + 4.0
     output = str(tmp_path / "out")
     storage = Storage.from_uri(output)
-    cfg = ConsumerConfig(
-        bootstrap_servers=broker.bootstrap_servers,
-        output=output,
-        topic=topic,
-        group_id=f"g-{uuid.uuid4().hex[:6]}",
-        max_file_age_s=0.3,
-        commit_interval_s=0.3,
-        schema_registry_url=registry.url,
-        kafka_config=FAST_GROUP_KAFKA,
-        create_topics=False,
-    )
+    cfg = recorder_config(output, schema_registry_url=registry.url)
     c, t = run_consumer(cfg, storage)
     try:
         wait_for(lambda: c.metrics.registry_failures._value.get() >= 1, 30, what="a registry failure")

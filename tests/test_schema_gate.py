@@ -5,12 +5,9 @@ Hostile files carry Ray's ``ray.data.arrow_pickled_object`` extension type, whos
 ``touch MARKER`` when read in a process that imported ``ray.data`` (``test_pickled_payloads_are_live``
 proves it: the control executes). Each test then checks that the marker does NOT exist after
 `rlrec inspect --verify`, `rlrec report`, `rlrec convert` and the shard readers met such a file
-(the trainer: tests/test_trainer_hostile.py).
-
-On the old code (before the gate) these fail: `inspect --verify` and `read_episodes` converted the
-`item` column with ``as_py()``, `report` the metadata columns with ``to_pylist()``, `convert`
-``eps_id`` with ``to_pylist()`` -- each ran the payload (marker created); the gate-specific
-assertions (`ShardSchemaError`, refusal messages, the FORMAT.md table) did not exist.
+(the trainer: tests/test_trainer_hostile.py).  Converting such a column (``as_py()`` of `item`,
+``to_pylist()`` of the metadata columns or of ``eps_id``) runs the payload, so the gate must
+refuse the file before any of them is read.
 """
 
 from __future__ import annotations
@@ -228,7 +225,7 @@ def test_docs_format_md_schema_table_is_current():
 @pytest.mark.parametrize("column", ["eps_id", "obs", "infos"])
 def test_convert_without_allow_pickle_never_unpickles(tmp_path, column):
     """A legacy RLlib tabular recording with a pickled-object column (any name): refused before a
-    value is read (the old code's `to_pylist` of eps_id/infos ran the payload)."""
+    value is read (``to_pylist()`` of such a column runs the payload)."""
     from rlrec.consumer.convert import ConvertOptions, UnsafeInputError, convert
 
     marker = tmp_path / "pwned"

@@ -480,8 +480,8 @@ def test_crash_before_entry_is_garbage_after_grace(store: Storage) -> None:
     assert store.exists(orphan.staging_path)  # dry run deletes nothing
     assert gc(store, older_than_s=3600, now=future) == [orphan.staging_path]
     assert not store.exists(orphan.staging_path)
-    # a file an entry names is never deleted, whatever its age (fails on main, which deleted the
-    # staged copy of a published shard): the writer's roll-forward removes such a copy
+    # a file an entry names is never deleted, whatever its age (not even the staged copy of a
+    # published shard): the writer's roll-forward removes such a copy
     assert gc(store, older_than_s=3600, now=future + 10 * 365 * 86400) == []
     assert store.exists(kept.path) and store.exists(kept.staging_path) and store.exists(unpublished.staging_path)
     assert store.exists("notes/readme.txt")
@@ -525,7 +525,8 @@ def _episodes(n: int, seed: int):
 
 
 def test_own_landed_entry_is_published_within_one_flush_cycle(faulty_store: Storage, fault_proxy: FaultProxy) -> None:
-    """The staged-then-conflict sequence: the append lands but every attempt is answered 503 (StorageError); the
+    """The staged-then-conflict sequence: the shard is published by this owner, not left in
+    _staging until the next owner's claim. The append lands but every attempt is answered 503 (StorageError); the
     consumer gives the episodes back and flushes again; the conflict shows the landed entry."""
     from rlrec.store.commit import AmbiguousCommitError, ShardCommitter, read_committed_shard
 
@@ -579,8 +580,8 @@ def test_retries_of_an_uncertain_append_keep_one_copy(faulty_store: Storage, fau
 
 
 def test_failed_publish_is_rolled_forward_by_the_next_cycle(faulty_store: Storage, fault_proxy: FaultProxy) -> None:
-    """A failed publish is retried by the writer's next cycle, not left to the next owner's
-    claim. Publishing copies the staged object (S3 CopyObject: a PUT with x-amz-copy-source); the proxy fails those."""
+    """A failed publish is retried by this owner, not left for the next owner's claim. Publishing
+    copies the staged object (S3 CopyObject: a PUT with x-amz-copy-source); the proxy fails those."""
     from rlrec.store.commit import ShardCommitter
 
     st = faulty_store
@@ -608,7 +609,7 @@ def test_failed_publish_is_rolled_forward_by_the_next_cycle(faulty_store: Storag
 
 def test_reader_rereads_the_published_path_after_a_staging_miss(store: Storage) -> None:
     """A publish between the reader's two reads (path: missing; then staging_path: moved away)
-    must not report a committed shard missing (fails on main: FileNotFoundError)."""
+    must not report a committed shard missing (no FileNotFoundError)."""
     from rlrec.store.commit import read_committed_shard
 
     log = PartitionLog(store, TOPIC, 0)

@@ -93,8 +93,7 @@ def test_prune_keeps_the_newest_and_never_the_current_one(storage):
 
 def test_signed_index_guards_resume(storage, tmp_path):
     """With a signing key every checkpoint gets index.json + index.json.sig, and restoring refuses
-    files that do not match the signed index before RLlib (pickle) would read them. (The old code
-    wrote no index and restored whatever the checkpoint dir held.)"""
+    files that do not match the signed index before RLlib (pickle) would read them."""
     from rlrec.trainer.checkpoints import CheckpointVerificationError
     from rlrec.trainer.signing import generate_keys, load_private_key
 

@@ -135,6 +135,7 @@ def _train(address: str, inp: str, ck: str, *extra: str, env: dict | None = None
     )
 
 
+@pytest.mark.system
 @pytest.mark.slow
 def test_a_local_path_input_on_two_nodes_is_refused_at_start(two_nodes, tmp_path):
     t0 = time.time()
@@ -163,19 +164,19 @@ def _stop(proc: subprocess.Popen) -> str:
 MANUAL = pytest.mark.skipif(not os.environ.get("RLREC_TEST_MANUAL"), reason="manual run: RLREC_TEST_MANUAL=1")
 
 
+@pytest.mark.system
 @pytest.mark.slow
 @pytest.mark.broker
 @pytest.mark.parametrize("prelearners", [1, pytest.param(2, marks=MANUAL)])
 def test_two_learners_on_two_nodes_train_on_shards_a_live_consumer_commits(
-    prelearners, two_nodes, broker, topic, local_s3, tmp_path, monkeypatch
+    prelearners, two_nodes, broker, topic, local_s3, tmp_path, monkeypatch, recorder_config
 ):
     """`rlrec train --ray-address ... --num-learners 2` with the input on S3: every Learner
     streams fresh rows, a shard committed mid-run is trained on within two iterations, each
     shard is counted new exactly once, SIGTERM checkpoints and --resume continues. With
     `prelearners=2`, two read tasks and two PreLearner actors (--read-tasks 2
     --map-batches-concurrency 2) feed the two Learners."""
-    from rlrec.consumer.service import ConsumerConfig, RecorderConsumer
-    from rlrec.local import FAST_GROUP_KAFKA
+    from rlrec.consumer.service import RecorderConsumer
     from rlrec.producer import EpisodeRecorder
     from rlrec.store.manifest import read_manifest
     from rlrec.store.storage import Storage
@@ -190,18 +191,7 @@ def test_two_learners_on_two_nodes_train_on_shards_a_live_consumer_commits(
     def keys() -> list[str]:
         return [e.path for e in read_manifest(storage)]
 
-    consumer = RecorderConsumer(
-        ConsumerConfig(
-            bootstrap_servers=broker.bootstrap_servers,
-            output=out,
-            topic=topic,
-            group_id=f"g-{uuid.uuid4().hex[:6]}",
-            max_file_age_s=0.3,
-            commit_interval_s=0.3,
-            kafka_config=FAST_GROUP_KAFKA,
-            create_topics=False,
-        )
-    )
+    consumer = RecorderConsumer(recorder_config(out))
     ct = threading.Thread(target=consumer.run, kwargs={"install_signals": False}, daemon=True)
     ct.start()
     rec = EpisodeRecorder(

@@ -2,12 +2,11 @@
 
 * The FIRST committed shard carries a pickled-object `item` column (re-hashed manifest entry):
   the trainer refuses it at the schema gate (marker file: nothing executes), takes the spaces from
-  the next shard, keeps training and counts it (`shards_skipped`). On the old code `rlrec train`
-  died on it (rc 1) or ran the payload.
+  the next shard, keeps training and counts it (`shards_skipped`): `rlrec train` neither dies on
+  it nor runs the payload.
 * A shard holding episodes the RLModule cannot use (action 7 for Discrete(2), which made RLlib's
   ``TorchCategorical.logp`` fail with "index out of bounds"; a NaN observation): those episodes are
-  skipped and counted (`episodes_skipped`), the others trained on. On the old code the Learner
-  raised.
+  skipped and counted (`episodes_skipped`), the others trained on; the Learner does not raise.
 * Published policies are signed when the trainer has a key; `--resume` with the key refuses a
   checkpoint whose files no longer match its signed index.json.
 """

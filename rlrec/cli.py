@@ -56,6 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog="rlrec",
         description="Event-sourced recorder of RL experience: Kafka transitions -> RLlib episode shards -> trainer.",
     )
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="show the traceback of an error (also accepted after the command)",
+    )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     seen: set[str] = set()
     for name in [*COMMAND_MODULES, *_discovered()]:
@@ -73,7 +78,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def command_name(args: argparse.Namespace) -> str:
+    """The command as typed after ``rlrec`` (``inspect``, ``topics create``), for error lines."""
+    words = [args.command or ""]
+    words += [str(v) for k, v in sorted(vars(args).items()) if k.endswith("_command") and isinstance(v, str)]
+    return " ".join(w for w in words if w)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``rlrec ARGV``; returns the exit code.
+
+    Every error ends with one line ``rlrec COMMAND: error: ...`` on stderr and the exit code of
+    :mod:`rlrec.errors` (2: usage or configuration, 1: a runtime failure); ``--debug`` (before
+    or after the command) prints the traceback first.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
     parser = build_parser()
     args = parser.parse_args(argv)
     func = getattr(args, "func", None)
@@ -84,6 +105,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         rc = func(args)
     except KeyboardInterrupt:
         return 130
+    except Exception as e:
+        from rlrec.errors import error_line, exit_code_for
+
+        if debug:
+            import traceback
+
+            traceback.print_exc()
+        print(error_line(command_name(args), e), file=sys.stderr)
+        return exit_code_for(e)
     return int(rc or 0)
 
 

@@ -20,6 +20,15 @@ Algorithm = Literal["BC", "MARWIL", "CQL", "IQL"]
 ALGORITHM_NAMES: tuple[str, ...] = Algorithm.__args__
 
 
+#: common names for RLlib settings that difflib would not find
+_ALGO_CONFIG_ALIASES = {
+    "learning_rate": "lr",
+    "batch_size": "train_batch_size_per_learner",
+    "train_batch_size": "train_batch_size_per_learner",
+    "discount": "gamma",
+}
+
+
 @dataclass
 class TrainerConfig:
     """Options of `rlrec train` (names match the CLI flags); the fields without help are settings
@@ -136,6 +145,51 @@ class TrainerConfig:
 
         #: how this trainer gets its Ray (raises ClusterConfigError, a ValueError, on contradictions)
         self.placement = RayPlacement.resolve(self.ray_address, self.num_cpus, self.ray_runtime_env)
+
+    def check_inputs(self) -> None:
+        """Check what can be checked before Ray starts: the ``--env`` id (gymnasium's own
+        "did you mean") and the ``--algo-config`` keys (against the algorithm's config class).
+
+        Raises:
+            rlrec.errors.UsageError: one line naming the option and the nearest valid name.
+
+        Example:
+            >>> TrainerConfig(input="/d", checkpoint_dir="/c", env="CartPol-v1").check_inputs()
+            Traceback (most recent call last):
+            ...
+            rlrec.errors.UsageError: --env 'CartPol-v1': Environment `CartPol` doesn't exist. Did you mean: `CartPole`?
+        """
+        from rlrec.errors import UsageError
+
+        if self.env:
+            import importlib
+
+            import gymnasium as gym
+
+            try:
+                if ":" in self.env:  # "module:EnvName-v0": gymnasium.make imports the module first
+                    importlib.import_module(self.env.split(":", 1)[0])
+                gym.spec(self.env)
+            except (gym.error.Error, ImportError) as e:
+                raise UsageError(f"--env {self.env!r}: {e}") from None
+        if self.algo_config:
+            import difflib
+
+            from rlrec.trainer.service import ALGORITHMS, _import
+
+            config = _import(ALGORITHMS[self.algo][0])()
+            known = {k for k in vars(config) if not k.startswith("_")}
+            for key in self.algo_config:
+                if key in known:
+                    continue
+                near = _ALGO_CONFIG_ALIASES.get(key) or next(
+                    iter(difflib.get_close_matches(key, sorted(known), 1)), None
+                )
+                hint = f" (did you mean {near!r}?)" if near else ""
+                raise UsageError(
+                    f"--algo-config: {key!r} is no setting of RLlib's {type(config).__name__}{hint}; "
+                    "see AlgorithmConfig.training()"
+                )
 
     def feed_policy(self) -> FeedPolicy:
         """The shard feed's sampling settings these options give."""

@@ -81,6 +81,9 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as e:  # OptionError too
         print(f"rlrec consume: error: {e}", file=sys.stderr)
         return 2
+    from rlrec.commands._common import open_output
+
+    open_output(config.output, "--output")  # UsageError (exit 2) before Kafka is contacted
     from rlrec.logs import setup_logging
 
     logging_args = (opts["log_format"], opts["log_level"])

@@ -60,6 +60,12 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"rlrec train: error: {e}", file=sys.stderr)
         return 2
+    from rlrec.commands._common import open_output
+
+    # UsageErrors (exit 2, one line) before Ray starts
+    open_output(cfg.input, "--input")
+    open_output(cfg.checkpoint_dir, "--checkpoint-dir")
+    cfg.check_inputs()
     try:
         trainer = ContinuousTrainer(cfg, install_signals=True)
     except ValueError as e:  # e.g. an unreadable --signing-key

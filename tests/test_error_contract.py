@@ -226,3 +226,39 @@ def test_librdkafka_lines_are_deduplicated(caplog):
         logger.warning("another line")
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 2, messages
+
+
+# -- consume says what it committed -------------------------------------------------------------
+
+
+def test_consumer_summary_counts_what_was_committed(tmp_path):
+    from rlrec.consumer.service import ConsumerConfig, RecorderConsumer
+
+    c = RecorderConsumer(ConsumerConfig(bootstrap_servers=UNREACHABLE, output=str(tmp_path)))
+    m = c.metrics
+    m.episodes_committed.inc(1200)
+    m.steps_committed.inc(43100)
+    m.shards_committed.inc(3)
+    m.bytes_committed.inc(3 * 2**20)
+    m.dead_letters.labels(reason="oversize").inc(2)
+    assert c.summary() == "committed 1,200 episodes (43,100 steps) in 3 shards (3.0 MiB); 2 dead letters"
+
+
+@pytest.mark.broker
+@pytest.mark.slow
+def test_consume_logs_its_summary_on_shutdown(broker, topic, tmp_path):
+    rc, _, err, _ = _rlrec(
+        "consume",
+        "--bootstrap-servers",
+        broker.bootstrap_servers,
+        "--topic",
+        topic,
+        "--no-create-topics",
+        "--output",
+        str(tmp_path),
+        "--max-seconds",
+        "3",
+    )
+    assert rc == 0, err
+    assert "Traceback" not in err
+    assert "committed 0 episodes (0 steps) in 0 shards (0.0 MiB); 0 dead letters" in err.splitlines()[-1], err

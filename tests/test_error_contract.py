@@ -262,3 +262,38 @@ def test_consume_logs_its_summary_on_shutdown(broker, topic, tmp_path):
     assert rc == 0, err
     assert "Traceback" not in err
     assert "committed 0 episodes (0 steps) in 0 shards (0.0 MiB); 0 dead letters" in err.splitlines()[-1], err
+
+
+# -- what a newcomer reads -------------------------------------------------------------------------
+
+
+def test_ray_notices_stay_out_of_the_trainer_log(capsys):
+    from rlrec.logs import quiet_ray_logging, setup_logging
+
+    setup_logging("text", "INFO")
+    quiet_ray_logging()
+    logging.getLogger("ray.rllib.algorithms.marwil").warning("DeprecationWarning: `build` has been deprecated")
+    logging.getLogger("ray.data").info("Starting execution of Dataset")
+    logging.getLogger("ray.rllib").warning("a learner is slow")
+    logging.getLogger("rlrec.trainer").info("iteration 1")
+    err = capsys.readouterr().err
+    assert "DeprecationWarning" not in err and "Starting execution" not in err
+    assert "a learner is slow" in err and "iteration 1" in err
+    logging.getLogger().handlers[:] = []
+
+
+def test_dashboard_names_the_scripted_expert():
+    from rlrec.demo.dashboard import version_name
+
+    assert version_name(None) == version_name(0) == "v0 (scripted expert)"
+    assert version_name(2) == "v2"
+
+
+def test_demo_prints_commands_the_shell_can_run(monkeypatch, tmp_path):
+    from rlrec.demo.run import shell_command
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # rlrec not on PATH: the script's path
+    cmd = shell_command()
+    assert cmd.endswith("rlrec") and os.sep in cmd and os.access(cmd.split()[0], os.X_OK)
+    monkeypatch.setenv("PATH", os.path.dirname(sys.executable))
+    assert shell_command() == "rlrec"

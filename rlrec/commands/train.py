@@ -50,9 +50,10 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as e:  # OptionError
         print(f"rlrec train: error: {e}", file=sys.stderr)
         return 2
-    from rlrec.logs import setup_logging
+    from rlrec.logs import quiet_ray_logging, setup_logging
 
     setup_logging(opts["log_format"], opts["log_level"])
+    quiet_ray_logging()
     from rlrec.trainer.service import ContinuousTrainer, UnsupportedCombination
 
     try:

@@ -27,6 +27,7 @@ target was not reached in time), 130 (Ctrl-C) / 143 (SIGTERM) after a clean stop
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -565,7 +566,27 @@ class Demo:
         )
         if report:
             print(f"  report:      {report}")
-        print(f"inspect:  rlrec inspect {self.shards_uri} --verify\nreport:   rlrec report {root}")
+        cli = shell_command()
+        print(f"inspect:  {cli} inspect {self.shards_uri} --verify\nreport:   {cli} report {root}")
+
+
+def shell_command() -> str:
+    """How the user's shell runs this rlrec: ``rlrec`` when the shell finds this installation's
+    script on PATH, else that script's path (``.venv/bin/rlrec``, relative to the current
+    directory when below it), else ``python -m rlrec`` with this interpreter.
+
+    Example:
+        >>> shell_command() in ("rlrec", ".venv/bin/rlrec") or shell_command().endswith("rlrec")
+        True
+    """
+    mine = os.path.join(os.path.dirname(sys.executable), "rlrec")
+    found = shutil.which("rlrec")
+    if found and os.path.realpath(found) == os.path.realpath(mine):
+        return "rlrec"
+    if not os.path.exists(mine):
+        return f"{sys.executable} -m rlrec"
+    rel = os.path.relpath(mine)
+    return mine if rel.startswith("..") else rel
 
 
 def run_demo(cfg: DemoConfig) -> int:

@@ -68,6 +68,14 @@ def _committed_output(root: Path, episodes: int = 3) -> Path:
     return root
 
 
+def test_inspect_verify_missing_bucket_fails(local_s3, monkeypatch, capsys):
+    for k, v in local_s3.env().items():
+        monkeypatch.setenv(k, v)
+    assert main(["inspect", "s3://rlrec-missing-bucket/x", "--verify"]) == 1
+    line = _one_error_line(capsys.readouterr().err, "inspect")
+    assert "no rlrec manifest at s3://rlrec-missing-bucket/x: it does not exist" in line
+
+
 def test_inspect_one_level_too_high_names_the_child(tmp_path, capsys):
     _committed_output(tmp_path / "shards")
     assert main(["inspect", str(tmp_path), "--verify"]) == 1
@@ -297,3 +305,14 @@ def test_demo_prints_commands_the_shell_can_run(monkeypatch, tmp_path):
     assert cmd.endswith("rlrec") and os.sep in cmd and os.access(cmd.split()[0], os.X_OK)
     monkeypatch.setenv("PATH", os.path.dirname(sys.executable))
     assert shell_command() == "rlrec"
+
+
+def test_report_behaviour_return_is_the_oldest_versions_mean():
+    from rlrec.report import _behaviour_return
+    from rlrec.report_data import ReportData
+
+    data = ReportData.__new__(ReportData)
+    data.episodes = {"episode_return": [10.0, 30.0, 100.0, None], "policy_version": [0, 0, 2, 0]}
+    assert _behaviour_return(data) == (0, 20.0)
+    data.episodes = {}
+    assert _behaviour_return(data) is None

@@ -99,6 +99,17 @@ BROKER_TROUBLE_S = 10.0
 CLAIM_RETRY = RetryPolicy(attempts=3, base_delay=0.2, max_delay=1.0)
 
 
+def startup_timeout(max_seconds: float | None) -> float:
+    """How long the start waits for the broker: :data:`STARTUP_TIMEOUT_S`, or less when the run
+    itself is shorter (`max_seconds`), at least 1 s.
+
+    Example:
+        >>> startup_timeout(None), startup_timeout(3), startup_timeout(0.1)
+        (30.0, 3, 1.0)
+    """
+    return STARTUP_TIMEOUT_S if max_seconds is None else max(1.0, min(STARTUP_TIMEOUT_S, max_seconds))
+
+
 class RecorderConsumer:
     """Consumes rlrec events and commits every finished episode to exactly one shard.
 
@@ -208,7 +219,7 @@ class RecorderConsumer:
         """Topics (created, or checked with --no-create-topics) and the metrics server."""
         cfg = self.config
         # a broker that cannot be reached ends the command within its time (one line, exit 1)
-        startup_s = STARTUP_TIMEOUT_S if max_seconds is None else max(1.0, min(STARTUP_TIMEOUT_S, max_seconds))
+        startup_s = startup_timeout(max_seconds)
         if cfg.create_topics:
             seen = create_topics(
                 cfg.bootstrap_servers,

@@ -100,27 +100,33 @@ def client_settings(kafka_config: Mapping[str, Any] | None) -> dict[str, Any]:
     return {k: v for k, v in (kafka_config or {}).items() if k.startswith(SECURITY_PREFIXES)}
 
 
-def check_client_config(settings: Mapping[str, Any], option: str = "--kafka-config") -> None:
+def check_client_config(settings: Mapping[str, Any], option: str = "--kafka-config", *, kind: str = "admin") -> None:
     """UsageError (exit 2) when librdkafka refuses one of `settings` (an unknown property, a
     bad value), before any connection is made.
 
     Args:
         settings: librdkafka client settings.
         option: the option they came from, for the message.
+        kind: the client they are for: ``admin`` or ``consumer`` (consumer properties are
+            checked by a consumer; an admin client would only warn about them).
 
     Example:
-        >>> check_client_config({"sesion.timeout.ms": "6000"})
+        >>> check_client_config({"sesion.timeout.ms": "6000"}, kind="consumer")
         Traceback (most recent call last):
         ...
         rlrec.errors.UsageError: --kafka-config: No such configuration property: "sesion.timeout.ms" ...
     """
-    from confluent_kafka import KafkaException
+    from confluent_kafka import Consumer, KafkaException
     from confluent_kafka.admin import AdminClient
 
-    # the client is never used: librdkafka checks every property when the client is made and
-    # only connects once a request needs it
+    # the client is never used: librdkafka checks every property when the client is made; the
+    # address is never contacted before it is closed
+    conf = {**settings, "bootstrap.servers": "127.0.0.1:9", "logger": kafka_logger()}
     try:
-        AdminClient({**settings, "bootstrap.servers": "127.0.0.1:9", "logger": kafka_logger()})
+        if kind == "consumer":
+            Consumer({"group.id": "rlrec-config-check", **conf}).close()
+        else:
+            AdminClient(conf)
     except (KafkaException, ValueError, TypeError) as e:
         raise UsageError(
             f"{option}: {describe_kafka_error(e)} (see librdkafka's CONFIGURATION.md for the property names)"
@@ -149,7 +155,8 @@ def check_reachable(
     option: str = "--bootstrap-servers",
 ) -> Any:
     """The cluster's metadata; RuntimeFailure (exit 1) with one line if no broker at
-    `bootstrap_servers` answers within `timeout` seconds.
+    `bootstrap_servers` answers within `timeout` seconds, UsageError (exit 2) if librdkafka
+    refuses a setting of `client_config`.
 
     Args:
         bootstrap_servers: ``host:port[,host:port]``.
@@ -166,7 +173,10 @@ def check_reachable(
     from confluent_kafka import KafkaException
     from confluent_kafka.admin import AdminClient
 
-    admin = AdminClient({**(client_config or {}), "bootstrap.servers": bootstrap_servers, "logger": kafka_logger()})
+    try:
+        admin = AdminClient({**(client_config or {}), "bootstrap.servers": bootstrap_servers, "logger": kafka_logger()})
+    except (KafkaException, ValueError, TypeError) as e:
+        raise UsageError(f"--kafka-config: {describe_kafka_error(e)} (see librdkafka's CONFIGURATION.md)") from e
     try:
         return admin.list_topics(timeout=timeout)
     except KafkaException as e:

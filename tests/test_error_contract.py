@@ -172,7 +172,6 @@ def test_consume_bad_output_uri(capsys):
     assert "--output: cannot open" in _one_error_line(capsys.readouterr().err, "consume")
 
 
-@pytest.mark.slow
 def test_consume_misspelt_kafka_config_key(tmp_path):
     rc, _, err, _ = _rlrec(
         "consume",

@@ -121,7 +121,10 @@ def check_client_config(settings: Mapping[str, Any], option: str = "--kafka-conf
 
     # the client is never used: librdkafka checks every property when the client is made; the
     # address is never contacted before it is closed
-    conf = {**settings, "bootstrap.servers": "127.0.0.1:9", "logger": kafka_logger()}
+    silent = logging.getLogger(f"{KAFKA_LOGGER}.config-check")  # its connection attempts mean nothing
+    silent.propagate = False
+    silent.setLevel(logging.CRITICAL + 1)
+    conf = {**settings, "bootstrap.servers": "127.0.0.1:9", "logger": silent}
     try:
         if kind == "consumer":
             Consumer({"group.id": "rlrec-config-check", **conf}).close()

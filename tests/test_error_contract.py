@@ -297,7 +297,7 @@ def test_dashboard_names_the_scripted_expert():
 
 
 def test_demo_prints_commands_the_shell_can_run(monkeypatch, tmp_path):
-    from rlrec.demo.run import shell_command
+    from rlrec.commands._common import shell_command
 
     monkeypatch.setenv("PATH", str(tmp_path))  # rlrec not on PATH: the script's path
     cmd = shell_command()

@@ -10,7 +10,7 @@ import functools
 import sys
 from collections.abc import Callable
 
-__all__ = ["URI_FORMS", "open_output", "reports_storage_errors"]
+__all__ = ["URI_FORMS", "open_output", "reports_storage_errors", "shell_command"]
 
 
 def reports_storage_errors(command: str) -> Callable[[Callable[[argparse.Namespace], int]], Callable]:
@@ -60,3 +60,25 @@ def open_output(uri: str, option: str = "URI"):
         return Storage.from_uri(uri)
     except Exception as e:  # pyarrow: ArrowInvalid for an unknown scheme, ValueError, ...
         raise UsageError(f"{option}: cannot open {uri!r}: {e} (give {URI_FORMS})") from e
+
+
+def shell_command() -> str:
+    """How the user's shell runs this rlrec: ``rlrec`` when the shell finds this installation's
+    script on PATH, else that script's path (``.venv/bin/rlrec``, relative to the current
+    directory when below it), else ``python -m rlrec`` with this interpreter.
+
+    Example:
+        >>> shell_command() in ("rlrec", ".venv/bin/rlrec") or shell_command().endswith("rlrec")
+        True
+    """
+    import os
+    import shutil
+
+    mine = os.path.join(os.path.dirname(sys.executable), "rlrec")
+    found = shutil.which("rlrec")
+    if found and os.path.realpath(found) == os.path.realpath(mine):
+        return "rlrec"
+    if not os.path.exists(mine):
+        return f"{sys.executable} -m rlrec"
+    rel = os.path.relpath(mine)
+    return mine if rel.startswith("..") else rel

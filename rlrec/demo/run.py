@@ -27,13 +27,13 @@ target was not reached in time), 130 (Ctrl-C) / 143 (SIGTERM) after a clean stop
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 
+from rlrec.commands._common import shell_command
 from rlrec.demo.dashboard import Collector, Dashboard, Snapshot, write_line
 from rlrec.demo.datadir import DataDir, DataDirError, committed_by_version
 from rlrec.demo.processes import Child, stop_all
@@ -568,25 +568,6 @@ class Demo:
             print(f"  report:      {report}")
         cli = shell_command()
         print(f"inspect:  {cli} inspect {self.shards_uri} --verify\nreport:   {cli} report {root}")
-
-
-def shell_command() -> str:
-    """How the user's shell runs this rlrec: ``rlrec`` when the shell finds this installation's
-    script on PATH, else that script's path (``.venv/bin/rlrec``, relative to the current
-    directory when below it), else ``python -m rlrec`` with this interpreter.
-
-    Example:
-        >>> shell_command() in ("rlrec", ".venv/bin/rlrec") or shell_command().endswith("rlrec")
-        True
-    """
-    mine = os.path.join(os.path.dirname(sys.executable), "rlrec")
-    found = shutil.which("rlrec")
-    if found and os.path.realpath(found) == os.path.realpath(mine):
-        return "rlrec"
-    if not os.path.exists(mine):
-        return f"{sys.executable} -m rlrec"
-    rel = os.path.relpath(mine)
-    return mine if rel.startswith("..") else rel
 
 
 def run_demo(cfg: DemoConfig) -> int:

@@ -315,3 +315,21 @@ def test_report_behaviour_return_is_the_oldest_versions_mean():
     assert _behaviour_return(data) == (0, 20.0)
     data.episodes = {}
     assert _behaviour_return(data) is None
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        "rlrec.errors",
+        "rlrec.commands._common",
+        "rlrec.commands.inspect",
+        "rlrec.consumer.topics",
+        "rlrec.demo.dashboard",
+    ],
+)
+def test_docstring_examples(module):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted > 0

@@ -253,13 +253,15 @@ def test_consumer_summary_counts_what_was_committed(tmp_path):
 
 @pytest.mark.broker
 @pytest.mark.slow
-def test_consume_logs_its_summary_on_shutdown(broker, topic, tmp_path):
+@pytest.mark.parametrize("exists", [True, False])
+def test_consume_logs_its_summary_on_shutdown(broker, topic, tmp_path, exists):
+    name = topic if exists else f"{topic}-missing"
     rc, _, err, _ = _rlrec(
         "consume",
         "--bootstrap-servers",
         broker.bootstrap_servers,
         "--topic",
-        topic,
+        name,
         "--no-create-topics",
         "--output",
         str(tmp_path),
@@ -269,6 +271,7 @@ def test_consume_logs_its_summary_on_shutdown(broker, topic, tmp_path):
     assert rc == 0, err
     assert "Traceback" not in err
     assert "committed 0 episodes (0 steps) in 0 shards (0.0 MiB); 0 dead letters" in err.splitlines()[-1], err
+    assert (f"topic {name} does not exist (--no-create-topics)" in err) is not exists, err
 
 
 # -- what a newcomer reads -------------------------------------------------------------------------

@@ -153,6 +153,20 @@ def test_train_unknown_algo_config_key_before_ray(tmp_path, capsys):
     assert not ray.is_initialized()
 
 
+@pytest.mark.parametrize("algo", ["BC", "MARWIL", "CQL", "IQL"])
+def test_train_accepts_every_training_setting(tmp_path, algo):
+    from rlrec.trainer.config import TrainerConfig
+
+    cfg = TrainerConfig(
+        input=str(tmp_path),
+        checkpoint_dir=str(tmp_path / "ck"),
+        algo=algo,
+        env="CartPole-v1",
+        algo_config={"lr": 1e-3, "train_batch_size_per_learner": 512, "gamma": 0.99},
+    )
+    cfg.check_inputs()  # nothing raised
+
+
 def test_train_bad_input_uri(tmp_path, capsys):
     assert main(["train", "--input", "foo://bar", "--checkpoint-dir", str(tmp_path)]) == 2
     assert "--input: cannot open 'foo://bar'" in _one_error_line(capsys.readouterr().err, "train")

@@ -13,7 +13,7 @@ from typing import Any, Literal
 from rlrec.options import check_choices, option
 from rlrec.trainer.feed import FeedPolicy
 
-__all__ = ["ALGORITHM_NAMES", "TrainerConfig"]
+__all__ = ["ALGORITHM_NAMES", "TrainerConfig", "training_settings"]
 
 Algorithm = Literal["BC", "MARWIL", "CQL", "IQL"]
 #: the algorithms `rlrec train` can run (their RLlib classes: ``rlrec.trainer.service.ALGORITHMS``)
@@ -27,6 +27,31 @@ _ALGO_CONFIG_ALIASES = {
     "train_batch_size": "train_batch_size_per_learner",
     "discount": "gamma",
 }
+
+
+def training_settings(config_cls: type) -> set[str]:
+    """The keyword arguments ``config_cls().training(...)`` accepts: the named parameters of
+    ``training`` in the class and every base class (a subclass passes the rest up).
+
+    Args:
+        config_cls: an RLlib ``AlgorithmConfig`` subclass.
+
+    Example:
+        >>> from ray.rllib.algorithms.bc import BCConfig
+        >>> {"lr", "train_batch_size_per_learner", "beta"} <= training_settings(BCConfig)
+        True
+    """
+    import inspect
+
+    names: set[str] = set()
+    for cls in config_cls.__mro__:
+        fn = cls.__dict__.get("training")
+        if fn is None:
+            continue
+        for name, p in inspect.signature(fn).parameters.items():
+            if name != "self" and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD):
+                names.add(name)
+    return names
 
 
 @dataclass
@@ -177,8 +202,8 @@ class TrainerConfig:
 
             from rlrec.trainer.service import ALGORITHMS, _import
 
-            config = _import(ALGORITHMS[self.algo][0])()
-            known = {k for k in vars(config) if not k.startswith("_")}
+            config_cls = _import(ALGORITHMS[self.algo][0])
+            known = training_settings(config_cls)
             for key in self.algo_config:
                 if key in known:
                     continue
@@ -187,7 +212,7 @@ class TrainerConfig:
                 )
                 hint = f" (did you mean {near!r}?)" if near else ""
                 raise UsageError(
-                    f"--algo-config: {key!r} is no setting of RLlib's {type(config).__name__}{hint}; "
+                    f"--algo-config: {key!r} is no setting of RLlib's {config_cls.__name__}{hint}; "
                     "see AlgorithmConfig.training()"
                 )
 

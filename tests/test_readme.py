@@ -9,7 +9,8 @@ line(s) just before it, or not at all with a visible reason::
 
 Substitution values in angle brackets are made by the harness: ``<broker>`` the embedded
 broker's address (the ``broker`` fixture), ``<shards>`` a consumer output with committed
-CartPole episodes, ``<tmp>`` an empty folder. Any other value is used as written. Python blocks
+CartPole episodes, ``<policies>`` a policies folder with one signed CartPole BC policy and
+``<public_key>`` its public key, ``<tmp>`` an empty folder. Any other value is used as written. Python blocks
 run with this interpreter, bash blocks with ``bash -e`` and this interpreter's folder first on
 PATH (where ``rlrec`` is), each in a fresh folder.
 """
@@ -129,6 +130,39 @@ def _marks(b: Block) -> list:
     return marks
 
 
+def _policies(root: Path) -> tuple[str, str]:
+    """(policies folder, public key): one signed BC policy for CartPole, as `rlrec train` publishes."""
+    import gymnasium as gym
+    from ray.rllib.core import DEFAULT_MODULE_ID
+
+    from rlrec.store.storage import Storage
+    from rlrec.trainer.export import build_artifact, publish_policy
+    from rlrec.trainer.service import ALGORITHMS, _import
+    from rlrec.trainer.signing import generate_keys, load_private_key
+
+    env = gym.make("CartPole-v1")
+    obs_space, act_space = env.observation_space, env.action_space
+    config = _import(ALGORITHMS["BC"][0])().environment(observation_space=obs_space, action_space=act_space)
+    module = config.get_multi_rl_module_spec(spaces={DEFAULT_MODULE_ID: (obs_space, act_space)}).build()
+    priv, pub = generate_keys(root / "keys")
+    publish_policy(
+        Storage.from_uri(str(root / "policies")),
+        algo=None,
+        version=1,
+        algo_name="BC",
+        observation_space=obs_space,
+        action_space=act_space,
+        iteration=1,
+        timesteps_trained=0,
+        shards=[],
+        new_shards=[],
+        parent_version=None,
+        signing_key=load_private_key(priv),
+        artifact=build_artifact(module[DEFAULT_MODULE_ID].eval(), obs_space, act_space),
+    )
+    return str(root / "policies"), str(pub)
+
+
 def _shards(root: Path) -> str:
     from rlrec.store.commit import ShardCommitter
     from rlrec.trainer.synthetic import expert_cartpole_episodes
@@ -146,6 +180,9 @@ def test_readme_block(block: Block, request: pytest.FixtureRequest, tmp_path: Pa
             made[token] = request.getfixturevalue("broker").bootstrap_servers
         elif token == "<shards>":
             made[token] = _shards(tmp_path / "data")
+        elif token in ("<policies>", "<public_key>"):
+            if "<policies>" not in made:
+                made["<policies>"], made["<public_key>"] = _policies(tmp_path / "trained")
         elif token == "<tmp>":
             (tmp_path / "tmp").mkdir()
             made[token] = str(tmp_path / "tmp")

@@ -24,6 +24,7 @@ import argparse
 import importlib
 import pkgutil
 import sys
+import typing
 from collections.abc import Sequence
 
 #: Command modules listed first in the help, in this order.
@@ -51,8 +52,16 @@ def _load(name: str):
         return None
 
 
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors follow the error contract: one line
+    ``PROG: error: MESSAGE (see PROG --help)``, exit code 2."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="rlrec",
         description="Event-sourced recorder of RL experience: Kafka transitions -> RLlib episode shards -> trainer.",
     )

@@ -100,6 +100,23 @@ def test_inspect_verify_says_what_it_verified_in_80_columns(tmp_path, capsys, mo
     assert doc["verified"]["episodes"] == 4 and doc["problems"] == []
 
 
+@pytest.mark.parametrize(
+    ("argv", "command"),
+    [
+        (["topics", "create", "--bootstrap-servers", "x"], "topics create"),
+        (["consume", "--processes"], "consume"),
+        (["nosuch"], ""),
+    ],
+)
+def test_argparse_errors_are_one_line(capsys, argv, command):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    prog = f"rlrec {command}".strip()
+    assert err.count("\n") == 1 and err.startswith(f"{prog}: error: ") and err.rstrip().endswith("--help)"), err
+
+
 def test_debug_shows_the_traceback(capsys):
     assert main(["--debug", "inspect", "foo://bar"]) == 2
     err = capsys.readouterr().err

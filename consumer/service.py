@@ -54,8 +54,9 @@ from rlrec.consumer.assembly import (
 from rlrec.consumer.config import ConsumerConfig
 from rlrec.consumer.dead_letters import DeadLetterQueue, dead_letter_record
 from rlrec.consumer.metrics import ConsumerMetrics
-from rlrec.consumer.topics import client_settings, create_topics
+from rlrec.consumer.topics import check_reachable, client_settings, create_topics, describe_kafka_error, kafka_logger
 from rlrec.consumer.writer import PartitionWriter, Rotation
+from rlrec.errors import UsageError
 from rlrec.producer.events import DecodeError, decode, encode
 from rlrec.producer.registry import RegistryUnavailable
 from rlrec.store.episodes import import_episode_classes
@@ -83,6 +84,8 @@ POLL_BATCH = 1000
 #: how long one consume() call waits for messages; while a shard is being encoded the loop polls
 #: more often, so the shard is committed (and the next one started) soon after it is encoded
 POLL_TIMEOUT_S = 0.2
+#: the longest the start waits for the broker (shorter with run(max_seconds=...))
+STARTUP_TIMEOUT_S = 30.0
 POLL_TIMEOUT_ENCODING_S = 0.05
 #: a partition is read live when its newest message read is at most this old (or none came):
 #: only then does idle time count toward episode timeouts (a backlog or an outage never ends an
@@ -94,6 +97,17 @@ PARTITION_CHECK_S = 30.0
 BROKER_TROUBLE_S = 10.0
 #: a claim on assignment, tried in place before the partition is paused and claimed from the loop
 CLAIM_RETRY = RetryPolicy(attempts=3, base_delay=0.2, max_delay=1.0)
+
+
+def startup_timeout(max_seconds: float | None) -> float:
+    """How long the start waits for the broker: :data:`STARTUP_TIMEOUT_S`, or less when the run
+    itself is shorter (`max_seconds`), at least 1 s.
+
+    Example:
+        >>> startup_timeout(None), startup_timeout(3), startup_timeout(0.1)
+        (30.0, 3, 1.0)
+    """
+    return STARTUP_TIMEOUT_S if max_seconds is None else max(1.0, min(STARTUP_TIMEOUT_S, max_seconds))
 
 
 class RecorderConsumer:
@@ -165,39 +179,15 @@ class RecorderConsumer:
         # before anything else: no fencing or deduplication without create-once writes
         if not self._probe_store(None if max_seconds is None else time.monotonic() + max_seconds):
             return
-        if cfg.create_topics:
-            seen = create_topics(
-                cfg.bootstrap_servers,
-                {cfg.topic: cfg.partitions, cfg.dlq: cfg.partitions},
-                client_config=client_settings(cfg.kafka_config),
-            )
-            log.info("topics ready: %s", ", ".join(f"{t} ({n} partitions)" for t, n in seen.items()))
-        if cfg.metrics_port is not None:
-            port = self.metrics.serve(cfg.metrics_port, healthy=self.health, host=cfg.metrics_host)
-            self.metrics_port = port
-            log.info("metrics on http://127.0.0.1:%d/metrics (and /healthz)", port)
-        conf = {
-            "bootstrap.servers": cfg.bootstrap_servers,
-            "group.id": cfg.group_id,
-            "enable.auto.commit": False,
-            "auto.offset.reset": "earliest",
-            "partition.assignment.strategy": "range",
-            "fetch.message.max.bytes": cfg.max_message_bytes,
-            "queued.max.messages.kbytes": 65536,  # the prefetch queue: part of the memory bound
-            **FAST_FAILOVER_KAFKA,
-            **cfg.kafka_config,
-        }
-        self.consumer = Consumer(conf)
-        producer = Producer(
-            {
-                "bootstrap.servers": cfg.bootstrap_servers,
-                "enable.idempotence": True,
-                "acks": "all",
-                "linger.ms": 5,
-                "queue.buffering.max.kbytes": 65536,  # librdkafka's copy of pending dead letters: bounded
-                **client_settings(cfg.kafka_config),
-            }
-        )
+        # the clients first: librdkafka checks every --kafka-config property when a client is
+        # made (a misspelt one is a usage error), and connects only once a request needs it
+        self.consumer, producer = self._make_clients()
+        try:
+            self._start(max_seconds)
+        except BaseException:
+            self.consumer.close()
+            self.consumer = None
+            raise
         self.dlq = DeadLetterQueue(
             producer, cfg.dlq, on_failure=lambda letter, err: self.metrics.dead_letter_failures.inc()
         )
@@ -226,6 +216,70 @@ class RecorderConsumer:
         finally:
             self._shutdown()
 
+    def _start(self, max_seconds: float | None) -> None:
+        """Topics (created, or checked with --no-create-topics) and the metrics server."""
+        cfg = self.config
+        # a broker that cannot be reached ends the command within its time (one line, exit 1)
+        startup_s = startup_timeout(max_seconds)
+        if cfg.create_topics:
+            seen = create_topics(
+                cfg.bootstrap_servers,
+                {cfg.topic: cfg.partitions, cfg.dlq: cfg.partitions},
+                timeout=startup_s,
+                client_config=client_settings(cfg.kafka_config),
+            )
+            log.info("topics ready: %s", ", ".join(f"{t} ({n} partitions)" for t, n in seen.items()))
+        else:
+            md = check_reachable(cfg.bootstrap_servers, startup_s, client_settings(cfg.kafka_config))
+            if cfg.topic not in md.topics:
+                log.warning(
+                    "topic %s does not exist (--no-create-topics): nothing to consume until it is created "
+                    "(rlrec topics create --topic %s --partitions N)",
+                    cfg.topic,
+                    cfg.topic,
+                )
+        if cfg.metrics_port is not None:
+            port = self.metrics.serve(cfg.metrics_port, healthy=self.health, host=cfg.metrics_host)
+            self.metrics_port = port
+            log.info("metrics on http://127.0.0.1:%d/metrics (and /healthz)", port)
+
+    def _make_clients(self) -> tuple[Consumer, Producer]:
+        """The group consumer and the dead-letter producer; UsageError (exit 2) naming the
+        property when librdkafka refuses a setting."""
+        cfg = self.config
+        conf = {
+            "bootstrap.servers": cfg.bootstrap_servers,
+            "group.id": cfg.group_id,
+            "enable.auto.commit": False,
+            "auto.offset.reset": "earliest",
+            "partition.assignment.strategy": "range",
+            "fetch.message.max.bytes": cfg.max_message_bytes,
+            "queued.max.messages.kbytes": 65536,  # the prefetch queue: part of the memory bound
+            **FAST_FAILOVER_KAFKA,
+            **cfg.kafka_config,
+            "logger": kafka_logger(),
+        }
+        try:
+            consumer = Consumer(conf)
+        except (KafkaException, ValueError, TypeError) as e:
+            raise UsageError(f"--kafka-config: {describe_kafka_error(e)} (see librdkafka's CONFIGURATION.md)") from e
+        try:
+            producer = Producer(
+                {
+                    "bootstrap.servers": cfg.bootstrap_servers,
+                    "enable.idempotence": True,
+                    "acks": "all",
+                    "linger.ms": 5,
+                    "queue.buffering.max.kbytes": 65536,  # librdkafka's copy of pending dead letters: bounded
+                    **client_settings(cfg.kafka_config),
+                    "logger": kafka_logger(),
+                }
+            )
+        except (KafkaException, ValueError, TypeError) as e:
+            consumer.close()
+            raise UsageError(f"--kafka-config: {describe_kafka_error(e)} (see librdkafka's CONFIGURATION.md)") from e
+        return consumer, producer
+
     def _shutdown(self) -> None:
         log.info("shutting down: flushing finished episodes, delivering dead letters, committing offsets")
         try:
@@ -250,6 +304,21 @@ class RecorderConsumer:
             self.encoder.shutdown(wait=True, cancel_futures=True)
             self.encoder = None
         self.metrics.stop()
+        log.info("%s", self.summary())
+
+    def summary(self) -> str:
+        """What this consumer committed since it started, in one line, e.g. ``committed 120
+        episodes (4,310 steps) in 3 shards (1.2 MiB); 2 dead letters``."""
+
+        def total(counter: Any) -> int:
+            return int(sum(s.value for m in counter.collect() for s in m.samples if s.name.endswith("_total")))
+
+        m = self.metrics
+        size = total(m.bytes_committed)
+        return (
+            f"committed {total(m.episodes_committed):,} episodes ({total(m.steps_committed):,} steps) in "
+            f"{total(m.shards_committed):,} shards ({size / 2**20:.1f} MiB); {total(m.dead_letters):,} dead letters"
+        )
 
     def _probe_store(self, deadline: float | None) -> bool:
         """Check that the output store enforces create-once writes (`ConditionalWritesError`, a

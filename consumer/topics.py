@@ -7,11 +7,82 @@ confluent_kafka is imported lazily, so importing this module is cheap.
 
 from __future__ import annotations
 
+import concurrent.futures
+import logging
+import re
+import threading
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-__all__ = ["SECURITY_PREFIXES", "client_settings", "create_topics", "dlq_topic_name"]
+from rlrec.errors import RuntimeFailure, UsageError
+
+__all__ = [
+    "KAFKA_LOGGER",
+    "SECURITY_PREFIXES",
+    "check_client_config",
+    "check_reachable",
+    "client_settings",
+    "create_topics",
+    "describe_kafka_error",
+    "dlq_topic_name",
+    "kafka_logger",
+]
+
+#: the logger librdkafka's own log lines go to (``logger=`` of every client we make)
+KAFKA_LOGGER = "rlrec.librdkafka"
+
+
+#: librdkafka's own count of repeats, part of an otherwise identical line
+_SUPPRESSED = re.compile(r", \d+ identical error\(s\) suppressed")
+
+
+class _RepeatFilter(logging.Filter):
+    """Passes a line once per `window_s` seconds: lines that differ only in numbers (client
+    ids, counts, milliseconds) are the same line; the next one that passes says how many were
+    dropped."""
+
+    def __init__(self, window_s: float = 60.0, max_lines: int = 1000) -> None:
+        super().__init__()
+        self.window_s = window_s
+        self.max_lines = max_lines
+        self._lock = threading.Lock()
+        self._seen: dict[str, tuple[float, int]] = {}  # line -> (when passed, dropped since)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = re.sub(r"\d+", "#", _SUPPRESSED.sub("", record.getMessage()))
+        now = time.monotonic()
+        with self._lock:
+            seen = self._seen.get(key)
+            if seen is not None and now - seen[0] < self.window_s:
+                self._seen[key] = (seen[0], seen[1] + 1)
+                return False
+            if len(self._seen) >= self.max_lines:
+                self._seen.clear()
+            self._seen[key] = (now, 0)
+        if seen is not None and seen[1]:
+            record.msg = f"{record.getMessage()} ({seen[1]} like it in the last {self.window_s:.0f} s not shown)"
+            record.args = ()
+        return True
+
+
+def kafka_logger() -> logging.Logger:
+    """The logger for librdkafka's own log lines (pass it as ``logger=`` to a confluent_kafka
+    client): WARNING and above only, a repeated line at most once a minute.
+
+    Without it librdkafka writes every connection retry to stderr itself (hundreds of lines
+    for a broker that cannot be reached).
+
+    Example:
+        >>> from confluent_kafka import Producer
+        >>> p = Producer({"bootstrap.servers": "127.0.0.1:9092", "logger": kafka_logger()})
+    """
+    logger = logging.getLogger(KAFKA_LOGGER)
+    if not any(isinstance(f, _RepeatFilter) for f in logger.filters):
+        logger.addFilter(_RepeatFilter())
+        logger.setLevel(logging.WARNING)
+    return logger
+
 
 #: librdkafka settings that every client of a cluster needs (authentication, encryption)
 SECURITY_PREFIXES = ("security.", "sasl.", "ssl.")
@@ -29,6 +100,95 @@ def client_settings(kafka_config: Mapping[str, Any] | None) -> dict[str, Any]:
     return {k: v for k, v in (kafka_config or {}).items() if k.startswith(SECURITY_PREFIXES)}
 
 
+def check_client_config(settings: Mapping[str, Any], option: str = "--kafka-config", *, kind: str = "admin") -> None:
+    """UsageError (exit 2) when librdkafka refuses one of `settings` (an unknown property, a
+    bad value), before any connection is made.
+
+    Args:
+        settings: librdkafka client settings.
+        option: the option they came from, for the message.
+        kind: the client they are for: ``admin`` or ``consumer`` (consumer properties are
+            checked by a consumer; an admin client would only warn about them).
+
+    Example:
+        >>> check_client_config({"sesion.timeout.ms": "6000"}, kind="consumer")
+        Traceback (most recent call last):
+        ...
+        rlrec.errors.UsageError: --kafka-config: No such configuration property: "sesion.timeout.ms" ...
+    """
+    from confluent_kafka import Consumer, KafkaException
+    from confluent_kafka.admin import AdminClient
+
+    # the client is never used: librdkafka checks every property when the client is made; the
+    # address is never contacted before it is closed
+    silent = logging.getLogger(f"{KAFKA_LOGGER}.config-check")  # its connection attempts mean nothing
+    silent.propagate = False
+    silent.setLevel(logging.CRITICAL + 1)
+    conf = {**settings, "bootstrap.servers": "127.0.0.1:9", "logger": silent}
+    try:
+        if kind == "consumer":
+            Consumer({"group.id": "rlrec-config-check", **conf}).close()
+        else:
+            AdminClient(conf)
+    except (KafkaException, ValueError, TypeError) as e:
+        raise UsageError(
+            f"{option}: {describe_kafka_error(e)} (see librdkafka's CONFIGURATION.md for the property names)"
+        ) from e
+
+
+def describe_kafka_error(e: BaseException) -> str:
+    """The text of a confluent_kafka exception (its KafkaError's message), else ``str(e)``.
+
+    Args:
+        e: a KafkaException (or any exception).
+
+    Example:
+        >>> describe_kafka_error(ValueError("bad"))
+        'bad'
+    """
+    err = e.args[0] if e.args else None
+    text = err.str() if hasattr(err, "str") else str(e)
+    return text or type(e).__name__
+
+
+def check_reachable(
+    bootstrap_servers: str,
+    timeout: float = 30.0,
+    client_config: Mapping[str, Any] | None = None,
+    option: str = "--bootstrap-servers",
+) -> Any:
+    """The cluster's metadata; RuntimeFailure (exit 1) with one line if no broker at
+    `bootstrap_servers` answers within `timeout` seconds, UsageError (exit 2) if librdkafka
+    refuses a setting of `client_config`.
+
+    Args:
+        bootstrap_servers: ``host:port[,host:port]``.
+        timeout: seconds to wait for an answer.
+        client_config: librdkafka settings of the admin client (SASL/SSL).
+        option: the option that named the servers, for the message.
+
+    Example:
+        >>> check_reachable("127.0.0.1:1", timeout=1)
+        Traceback (most recent call last):
+        ...
+        rlrec.errors.RuntimeFailure: cannot reach Kafka at 127.0.0.1:1 within 1 s ...
+    """
+    from confluent_kafka import KafkaException
+    from confluent_kafka.admin import AdminClient
+
+    try:
+        admin = AdminClient({**(client_config or {}), "bootstrap.servers": bootstrap_servers, "logger": kafka_logger()})
+    except (KafkaException, ValueError, TypeError) as e:
+        raise UsageError(f"--kafka-config: {describe_kafka_error(e)} (see librdkafka's CONFIGURATION.md)") from e
+    try:
+        return admin.list_topics(timeout=timeout)
+    except KafkaException as e:
+        raise RuntimeFailure(
+            f"cannot reach Kafka at {bootstrap_servers} within {timeout:g} s ({describe_kafka_error(e)}): "
+            f"check {option} and that the broker is running"
+        ) from e
+
+
 def create_topics(
     bootstrap_servers: str,
     topics: Mapping[str, int] | Iterable[tuple[str, int]],
@@ -43,7 +203,8 @@ def create_topics(
     *config* holds topic configs, *client_config* librdkafka settings of the admin client
     (e.g. SASL/SSL: see `client_settings`). "Already exists" counts as success (the existing
     partition count is kept and returned). Returns ``{name: partitions seen in metadata}``.
-    Raises ``confluent_kafka.KafkaException`` on other errors and ``TimeoutError`` if metadata
+    Raises :class:`rlrec.errors.RuntimeFailure` if no broker answers within *timeout*,
+    ``confluent_kafka.KafkaException`` on other errors and ``TimeoutError`` if metadata
     does not show every topic with all partitions in time.
     """
     from confluent_kafka import KafkaError, KafkaException
@@ -53,7 +214,8 @@ def create_topics(
     if not wanted:
         return {}
     deadline = time.monotonic() + timeout
-    admin = AdminClient({**(client_config or {}), "bootstrap.servers": bootstrap_servers})
+    check_reachable(bootstrap_servers, timeout, client_config)
+    admin = AdminClient({**(client_config or {}), "bootstrap.servers": bootstrap_servers, "logger": kafka_logger()})
     new = [
         NewTopic(name, num_partitions=int(n), replication_factor=int(replication_factor), config=dict(config or {}))
         for name, n in wanted.items()
@@ -63,6 +225,10 @@ def create_topics(
     for name, fut in futures.items():
         try:
             fut.result(timeout=max(0.1, deadline - time.monotonic()))
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(
+                f"Kafka at {bootstrap_servers} did not create topic {name} within {timeout:g} s"
+            ) from None
         except KafkaException as e:
             err = e.args[0] if e.args else None
             if isinstance(err, KafkaError) and err.code() == KafkaError.TOPIC_ALREADY_EXISTS:

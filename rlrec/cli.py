@@ -24,6 +24,7 @@ import argparse
 import importlib
 import pkgutil
 import sys
+import typing
 from collections.abc import Sequence
 
 #: Command modules listed first in the help, in this order.
@@ -51,10 +52,23 @@ def _load(name: str):
         return None
 
 
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors follow the error contract: one line
+    ``PROG: error: MESSAGE (see PROG --help)``, exit code 2."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="rlrec",
         description="Event-sourced recorder of RL experience: Kafka transitions -> RLlib episode shards -> trainer.",
+    )
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="show the traceback of an error (also accepted after the command)",
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     seen: set[str] = set()
@@ -73,7 +87,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def command_name(args: argparse.Namespace) -> str:
+    """The command as typed after ``rlrec`` (``inspect``, ``topics create``), for error lines."""
+    words = [args.command or ""]
+    words += [str(v) for k, v in sorted(vars(args).items()) if k.endswith("_command") and isinstance(v, str)]
+    return " ".join(w for w in words if w)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``rlrec ARGV``; returns the exit code.
+
+    Every error ends with one line ``rlrec COMMAND: error: ...`` on stderr and the exit code of
+    :mod:`rlrec.errors` (2: usage or configuration, 1: a runtime failure); ``--debug`` (before
+    or after the command) prints the traceback first.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
     parser = build_parser()
     args = parser.parse_args(argv)
     func = getattr(args, "func", None)
@@ -84,6 +114,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         rc = func(args)
     except KeyboardInterrupt:
         return 130
+    except Exception as e:
+        from rlrec.errors import error_line, exit_code_for
+
+        if debug:
+            import traceback
+
+            traceback.print_exc()
+        print(error_line(command_name(args), e), file=sys.stderr)
+        return exit_code_for(e)
     return int(rc or 0)
 
 

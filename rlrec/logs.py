@@ -11,7 +11,7 @@ from typing import Literal
 
 from rlrec.options import option
 
-__all__ = ["JsonFormatter", "LogOptions", "setup_logging"]
+__all__ = ["JsonFormatter", "LogOptions", "quiet_ray_logging", "setup_logging"]
 
 
 class JsonFormatter(logging.Formatter):
@@ -55,3 +55,38 @@ def setup_logging(fmt: str = "text", level: str = "INFO", worker: int | None = N
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+
+
+#: messages of Ray's and RLlib's loggers that are notices about their own APIs or defaults, not
+#: about this run: RLlib's deprecation notices name its internal calls (nothing a user of rlrec
+#: can change), "new API stack" says what rlrec chose, the token notice describes Ray's default
+_RAY_NOTICES = ("DeprecationWarning", "Token authentication is enabled", "on the new API stack")
+
+
+class _RayNoise(logging.Filter):
+    """Drops Ray's INFO lines and its notices (:data:`_RAY_NOTICES`) from a handler; keeps
+    Ray's warnings and errors about this run and every line of ours."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.name.startswith("ray"):
+            return True
+        if record.levelno < logging.WARNING:
+            return False
+        return record.levelno >= logging.ERROR or not any(n in record.getMessage() for n in _RAY_NOTICES)
+
+
+def quiet_ray_logging() -> None:
+    """Keep Ray's and RLlib's notices out of the log set up by :func:`setup_logging` (the
+    trainer's log then carries rlrec's lines and Ray's real warnings and errors).
+
+    Example:
+        >>> setup_logging("text", "INFO")
+        >>> quiet_ray_logging()
+        >>> logging.getLogger("ray.rllib").warning("DeprecationWarning: `build` has been deprecated")  # dropped
+    """
+    import ray  # noqa: F401  (importing Ray sets up its own handlers, which get the filter too)
+
+    for name in ("", "ray", "ray.rllib", "ray.data", "ray.tune", "ray.train"):
+        for handler in logging.getLogger(name).handlers:
+            if not any(isinstance(f, _RayNoise) for f in handler.filters):
+                handler.addFilter(_RayNoise())

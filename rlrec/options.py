@@ -65,6 +65,9 @@ _CACHE: dict[type, list[Option]] = {}
 class OptionError(ValueError):
     """An option given wrongly: an unknown name, a bad value, a missing required option."""
 
+    #: a usage error: `rlrec` exits with 2 (rlrec.errors)
+    exit_code = 2
+
 
 def option(
     default: Any = dataclasses.MISSING,

@@ -114,16 +114,21 @@ def plot_eval(data: ReportData) -> str | None:
         ax.axvline(
             t, color="tab:gray", linestyle="--", linewidth=0.8, label="policy version change" if i == 0 else None
         )
-        ax.annotate(
-            f"v{v}",
-            (t, 1),
-            xycoords=("data", "axes fraction"),
-            fontsize=7,
-            rotation=90,
+        ax.text(
+            t,
+            0.98,
+            f" v{v}",
+            transform=ax.get_xaxis_transform(),
+            fontsize=8,
             va="top",
-            ha="right",
-            color="tab:gray",
+            ha="left",
+            color="dimgray",
+            bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8, "pad": 1},
         )
+    base = _behaviour_return(data)
+    if base is not None:
+        v, mean = base
+        ax.axhline(mean, color="tab:orange", linestyle=":", linewidth=1.2, label=f"behaviour policy v{v}: {mean:.0f}")
     promo = [
         (t - t0, p)
         for m in data.trainer
@@ -140,10 +145,29 @@ def plot_eval(data: ReportData) -> str | None:
             ax.scatter(*zip(*no), marker="x", color="tab:red", zorder=3, label="candidate rejected")
     ax.ticklabel_format(axis="x", useOffset=False, style="plain")
     ax.set_xlabel("seconds since start")
-    ax.set_ylabel("mean episode return")
+    shown = [p[1] for p in pts] + [float(p["candidate_return"]) for _, p in promo]
+    shown += [base[1]] if base is not None else []
+    if min(shown) >= 0:  # returns start at a meaningful zero: small changes are not exaggerated
+        ax.set_ylim(bottom=0, top=max(shown) * 1.08 or 1)
+        ax.set_ylabel("mean episode return")
+    else:
+        ax.set_ylabel("mean episode return\n(axis not from 0: negative returns)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
     return _png(fig)
+
+
+def _behaviour_return(data: ReportData) -> tuple[int, float] | None:
+    """(version, mean recorded return) of the oldest policy version in the committed episodes:
+    the behaviour policy the trainer learns from (the scripted expert, v0, in the demo)."""
+    by_version: dict[int, list[float]] = defaultdict(list)
+    for r, v in zip(data.episodes.get("episode_return", []), data.episodes.get("policy_version", [])):
+        if isinstance(v, int) and (x := _num(r)) is not None:
+            by_version[v].append(x)
+    if not by_version:
+        return None
+    v = min(by_version)
+    return v, sum(by_version[v]) / len(by_version[v])
 
 
 def plot_returns(data: ReportData) -> str | None:
@@ -161,7 +185,12 @@ def plot_returns(data: ReportData) -> str | None:
         keys = keys[-40:]
     plt = _plt()
     fig, ax = plt.subplots(figsize=(max(6, 0.45 * len(keys) + 3), 3.6))
-    ax.boxplot([by_version[k] for k in keys], showmeans=True)
+    # the mean as a white diamond: the green triangle marks promoted candidates in the evaluation plot
+    ax.boxplot(
+        [by_version[k] for k in keys],
+        showmeans=True,
+        meanprops={"marker": "D", "markerfacecolor": "white", "markeredgecolor": "black", "markersize": 5},
+    )
     ax.set_xticks(range(1, len(keys) + 1), [f"v{k}" for k in keys], rotation=90 if len(keys) > 12 else 0, fontsize=8)
     for i, k in enumerate(keys, 1):
         ax.annotate(
@@ -173,8 +202,12 @@ def plot_returns(data: ReportData) -> str | None:
             va="bottom",
             color="tab:gray",
         )
-    ax.set_xlabel("policy version")
-    ax.set_ylabel("episode return")
+    ax.set_xlabel("policy version (box: quartiles, line: median, ◆: mean)")
+    if min(min(by_version[k]) for k in keys) >= 0:  # from a meaningful zero
+        ax.set_ylim(bottom=0, top=max(max(by_version[k]) for k in keys) * 1.08 or 1)
+        ax.set_ylabel("episode return")
+    else:
+        ax.set_ylabel("episode return\n(axis not from 0: negative returns)")
     ax.grid(alpha=0.3, axis="y")
     return _png(fig)
 

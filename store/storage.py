@@ -101,6 +101,9 @@ class ConditionalWritesError(RuntimeError):
     """The storage does not enforce create-once writes (S3 ``If-None-Match: *``): writer
     fencing and episode deduplication would silently be off."""
 
+    #: a configuration error: `rlrec` exits with 2 (rlrec.errors)
+    exit_code = 2
+
 
 @dataclass(frozen=True)
 class FileInfo:

@@ -228,6 +228,7 @@ def restore_root_logger():
 def test_log_format_json_writes_json_lines(monkeypatch, tmp_path, capsys, restore_root_logger):
     """`rlrec consume --log-format json` goes through setup_logging: every log line is a JSON object."""
     import rlrec.consumer.service
+    import rlrec.consumer.topics
     from rlrec.cli import main
 
     seen = {}
@@ -245,6 +246,7 @@ def test_log_format_json_writes_json_lines(monkeypatch, tmp_path, capsys, restor
                 log.exception("flush failed")
 
     monkeypatch.setattr(rlrec.consumer.service, "RecorderConsumer", FakeConsumer)
+    monkeypatch.setattr(rlrec.consumer.topics, "check_reachable", lambda *a, **k: None)  # no broker here
     rc = main(
         [
             "consume",

@@ -3,8 +3,8 @@
 Layers, bottom to top: ``rlrec.producer`` -> ``rlrec.store`` -> ``rlrec.consumer`` | ``rlrec.trainer``
 -> the application (``rlrec.cli``, ``rlrec.commands``, ``rlrec.local``, ``rlrec.demo``,
 ``rlrec.report*``, ...). A module imports only from its own layer and the layers below it;
-``rlrec.consumer`` and ``rlrec.trainer`` never import each other. ``rlrec._lazy`` and
-``rlrec.options`` (they import nothing of ours) may be used by any layer. Checked on the source (every import statement,
+``rlrec.consumer`` and ``rlrec.trainer`` never import each other. ``rlrec._lazy``,
+``rlrec.options`` and ``rlrec.errors`` (they import nothing of ours) may be used by any layer. Checked on the source (every import statement,
 function-level ones included), so an import that only runs on some code path is caught too.
 """
 
@@ -36,7 +36,7 @@ ALLOWED = {
 }
 OLD_TOP_LEVEL = ("producer", "store", "consumer", "trainer")
 #: modules of no layer: they import nothing of ours, and every layer may import them
-LAYER_FREE = ("rlrec._lazy", "rlrec.options")
+LAYER_FREE = ("rlrec._lazy", "rlrec.errors", "rlrec.options")
 
 
 def _layer(module: str) -> str | None:

@@ -13,11 +13,45 @@ from typing import Any, Literal
 from rlrec.options import check_choices, option
 from rlrec.trainer.feed import FeedPolicy
 
-__all__ = ["ALGORITHM_NAMES", "TrainerConfig"]
+__all__ = ["ALGORITHM_NAMES", "TrainerConfig", "training_settings"]
 
 Algorithm = Literal["BC", "MARWIL", "CQL", "IQL"]
 #: the algorithms `rlrec train` can run (their RLlib classes: ``rlrec.trainer.service.ALGORITHMS``)
 ALGORITHM_NAMES: tuple[str, ...] = Algorithm.__args__
+
+
+#: common names for RLlib settings that difflib would not find
+_ALGO_CONFIG_ALIASES = {
+    "learning_rate": "lr",
+    "batch_size": "train_batch_size_per_learner",
+    "train_batch_size": "train_batch_size_per_learner",
+    "discount": "gamma",
+}
+
+
+def training_settings(config_cls: type) -> set[str]:
+    """The keyword arguments ``config_cls().training(...)`` accepts: the named parameters of
+    ``training`` in the class and every base class (a subclass passes the rest up).
+
+    Args:
+        config_cls: an RLlib ``AlgorithmConfig`` subclass.
+
+    Example:
+        >>> from ray.rllib.algorithms.bc import BCConfig
+        >>> {"lr", "train_batch_size_per_learner", "beta"} <= training_settings(BCConfig)
+        True
+    """
+    import inspect
+
+    names: set[str] = set()
+    for cls in config_cls.__mro__:
+        fn = cls.__dict__.get("training")
+        if fn is None:
+            continue
+        for name, p in inspect.signature(fn).parameters.items():
+            if name != "self" and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD):
+                names.add(name)
+    return names
 
 
 @dataclass
@@ -136,6 +170,51 @@ class TrainerConfig:
 
         #: how this trainer gets its Ray (raises ClusterConfigError, a ValueError, on contradictions)
         self.placement = RayPlacement.resolve(self.ray_address, self.num_cpus, self.ray_runtime_env)
+
+    def check_inputs(self) -> None:
+        """Check what can be checked before Ray starts: the ``--env`` id (gymnasium's own
+        "did you mean") and the ``--algo-config`` keys (against the algorithm's config class).
+
+        Raises:
+            rlrec.errors.UsageError: one line naming the option and the nearest valid name.
+
+        Example:
+            >>> TrainerConfig(input="/d", checkpoint_dir="/c", env="CartPol-v1").check_inputs()
+            Traceback (most recent call last):
+            ...
+            rlrec.errors.UsageError: --env 'CartPol-v1': Environment `CartPol` doesn't exist. Did you mean: `CartPole`?
+        """
+        from rlrec.errors import UsageError
+
+        if self.env:
+            import importlib
+
+            import gymnasium as gym
+
+            try:
+                if ":" in self.env:  # "module:EnvName-v0": gymnasium.make imports the module first
+                    importlib.import_module(self.env.split(":", 1)[0])
+                gym.spec(self.env)
+            except (gym.error.Error, ImportError) as e:
+                raise UsageError(f"--env {self.env!r}: {e}") from None
+        if self.algo_config:
+            import difflib
+
+            from rlrec.trainer.service import ALGORITHMS, _import
+
+            config_cls = _import(ALGORITHMS[self.algo][0])
+            known = training_settings(config_cls)
+            for key in self.algo_config:
+                if key in known:
+                    continue
+                near = _ALGO_CONFIG_ALIASES.get(key) or next(
+                    iter(difflib.get_close_matches(key, sorted(known), 1)), None
+                )
+                hint = f" (did you mean {near!r}?)" if near else ""
+                raise UsageError(
+                    f"--algo-config: {key!r} is no setting of RLlib's {config_cls.__name__}{hint}; "
+                    "see AlgorithmConfig.training()"
+                )
 
     def feed_policy(self) -> FeedPolicy:
         """The shard feed's sampling settings these options give."""

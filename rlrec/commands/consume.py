@@ -81,6 +81,17 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as e:  # OptionError too
         print(f"rlrec consume: error: {e}", file=sys.stderr)
         return 2
+    from rlrec.commands._common import open_output
+
+    open_output(config.output, "--output")  # UsageError (exit 2) before Kafka is contacted
+    from rlrec.consumer.service import startup_timeout
+    from rlrec.consumer.topics import check_client_config, check_reachable, client_settings
+
+    check_client_config(config.kafka_config, kind="consumer")
+    # an unreachable broker: one line, exit 1, before RLlib is imported and children are started
+    check_reachable(
+        config.bootstrap_servers, startup_timeout(opts["max_seconds"]), client_settings(config.kafka_config)
+    )
     from rlrec.logs import setup_logging
 
     logging_args = (opts["log_format"], opts["log_level"])

@@ -98,8 +98,11 @@ def run(args: argparse.Namespace) -> int:
     import sys
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    from rlrec.commands._common import open_output
     from rlrec.consumer.convert import ConvertError, ConvertOptions, convert
 
+    open_output(args.input, "INPUT")  # UsageError (exit 2): not a URI
+    open_output(args.output, "--output")
     try:
         obs_space = _space(args.observation_space, "observation-space")
         act_space = _space(args.action_space, "action-space")
@@ -201,5 +204,7 @@ def run(args: argparse.Namespace) -> int:
         f"{res.bytes} bytes; {res.skipped_committed} already committed under topic {args.topic!r}"
     )
     out.print(f"spaces: observation {res.observation_space}, action {res.action_space}")
-    out.print(f"check with: rlrec inspect {args.output} --verify")
+    from rlrec.commands._common import shell_command
+
+    out.print(f"check with: {shell_command()} inspect {args.output} --verify")
     return 0

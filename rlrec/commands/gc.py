@@ -45,10 +45,10 @@ def run(args: argparse.Namespace) -> int:
     import sys
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    from rlrec.commands._common import open_output
     from rlrec.store.maintenance import gc
-    from rlrec.store.storage import Storage
 
-    storage = Storage.from_uri(args.uri)
+    storage = open_output(args.uri)
     paths = gc(storage, args.older_than, dry_run=args.dry_run)
     for p in paths:
         print(storage.uri(p))

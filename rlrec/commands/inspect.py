@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from rlrec.commands._common import reports_storage_errors
+from rlrec.commands._common import open_output, reports_storage_errors
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -13,11 +13,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="show committed shards and totals (from the manifest); --verify checks files",
         description="Read the manifest under URI and show its committed shards and totals. "
         "With --verify, check every shard (exists, size, sha256, duplicate episode ids, the schema "
-        "gate's allow-list of columns and Arrow types, decode) and exit 1 if anything is wrong.",
+        "gate's allow-list of columns and Arrow types, decode) and exit 1 if anything is wrong. "
+        "A URI without an rlrec manifest is an error (exit 1) that names a child folder holding one.",
     )
     p.add_argument("uri", metavar="URI", help="output root: /path, file:///path, s3://bucket/prefix, ...")
     p.add_argument("--json", action="store_true", help="print only a JSON document on stdout")
-    p.add_argument("--verify", action="store_true", help="verify shards; exit 1 on any problem")
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="verify shards; exit 1 on any problem (or when URI holds no rlrec manifest)",
+    )
     p.set_defaults(func=run)
 
 
@@ -48,12 +53,57 @@ def _decode_check(notes: list[str]):
     return check
 
 
+def require_manifest(storage, uri: str) -> None:
+    """RuntimeFailure (exit 1) unless `storage` holds an rlrec manifest; names a child folder
+    that holds one (one level down) when there is one.
+
+    Args:
+        storage: the output's Storage.
+        uri: the URI as the user typed it, for the message.
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> root = pathlib.Path(tempfile.mkdtemp())
+        >>> (root / "shards" / "_manifest").mkdir(parents=True)
+        >>> from rlrec.store.storage import Storage
+        >>> require_manifest(Storage.from_uri(str(root)), "out")
+        Traceback (most recent call last):
+        ...
+        rlrec.errors.RuntimeFailure: no rlrec manifest at out (did you mean out/shards?)
+    """
+    from rlrec.errors import RuntimeFailure
+    from rlrec.store.manifest import MANIFEST_DIR
+
+    if storage.exists(MANIFEST_DIR):
+        return
+    children = [f.name for f in storage.list("") if f.is_dir and not f.name.startswith((".", "_"))]
+    found = [c for c in children if storage.exists(f"{c}/{MANIFEST_DIR}")]
+    base = uri.rstrip("/")
+    if found:
+        hint = " or ".join(f"{base}/{c}" for c in found[:3])
+        raise RuntimeFailure(f"no rlrec manifest at {uri} (did you mean {hint}?)")
+    what = "it does not exist" if not storage.exists("") else "it holds no _manifest folder"
+    raise RuntimeFailure(f"no rlrec manifest at {uri}: {what} (give the --output of rlrec consume)")
+
+
 def _human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n} B"
+
+
+def _verified(tot: dict) -> str:
+    """What verification covered, e.g. ``62 shards, 1,234 episodes, 45,678 steps, 3.1 MiB``."""
+
+    def n(count: int, word: str) -> str:
+        return f"{count:,} {word}" + ("" if count == 1 else "s")
+
+    return (
+        f"{n(tot['shards'], 'shard')}, {n(tot['episodes'], 'episode')}, {n(tot['steps'], 'step')}, "
+        f"{_human_bytes(tot['bytes'])} ({tot['bytes']:,} bytes)"
+    )
 
 
 @reports_storage_errors("inspect")
@@ -66,9 +116,9 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
     from rlrec.store.maintenance import episode_summary, inspect, verify
     from rlrec.store.manifest import read_manifest
-    from rlrec.store.storage import Storage
 
-    storage = Storage.from_uri(args.uri)
+    storage = open_output(args.uri)
+    require_manifest(storage, args.uri)
     doc = inspect(storage)
     notes: list[str] = []
     try:
@@ -86,44 +136,47 @@ def run(args: argparse.Namespace) -> int:
     for n in notes:
         print(f"rlrec inspect: {n}", file=sys.stderr)
     if args.json:
+        if problems is not None:
+            doc["verified"] = {k: doc["totals"][k] for k in ("shards", "episodes", "steps", "bytes")}
         json.dump(doc, sys.stdout, indent=2, sort_keys=False)
         sys.stdout.write("\n")
         return 1 if problems else 0
 
+    from rich import box
     from rich.console import Console
     from rich.table import Table
 
     console = Console()
     root = storage.uri("")
-    table = Table(title=f"committed shards in {root}")
+    topics = sorted({s["topic"] for s in doc["shards"]})
+    one_topic = len(topics) == 1
+    title = f"committed shards in {root}" + (f", topic {topics[0]}" if one_topic else "")
+    table = Table(title=title, caption="file paths: --json", box=box.SIMPLE_HEAD, padding=(0, 1))
     for col, kw in [
-        ("policy", {}),
-        ("topic/part", {}),
+        ("policy", {"overflow": "ellipsis", "no_wrap": True, "max_width": 24}),
+        ("part" if one_topic else "topic/part", {"justify": "right", "no_wrap": True}),
         ("offsets", {"justify": "right", "no_wrap": True}),
-        ("episodes", {"justify": "right"}),
-        ("steps", {"justify": "right"}),
+        ("episodes", {"justify": "right", "no_wrap": True}),
+        ("steps", {"justify": "right", "no_wrap": True}),
         ("bytes", {"justify": "right", "no_wrap": True}),
         ("committed (UTC)", {"no_wrap": True}),
-        ("file", {"overflow": "fold"}),
     ]:
         table.add_column(col, **kw)
     for s in doc["shards"]:
-        t = datetime.fromtimestamp(s["commit_time"], tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
-        name = s["path"].split("?", 1)[0].rsplit("/", 1)[-1]
+        t = datetime.fromtimestamp(s["commit_time"], tz=timezone.utc).strftime("%m-%d %H:%M:%S")
         table.add_row(
             s["policy_id"],
-            f"{s['topic']}/{s['partition']}",
+            str(s["partition"]) if one_topic else f"{s['topic']}/{s['partition']}",
             f"{s['first_offset']}-{s['last_offset']}",
             str(s["episodes"]),
             str(s["steps"]),
             _human_bytes(s["bytes"]),
             t,
-            name,
         )
     console.print(table)
 
     tot = doc["totals"]
-    totals = Table(title="totals")
+    totals = Table(title="totals", box=box.SIMPLE_HEAD)
     for col in ("policy", "shards", "episodes", "steps", "bytes"):
         totals.add_column(col, justify="left" if col == "policy" else "right")
     for pid, t in tot["policies"].items():
@@ -134,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
     console.print(totals)
 
     if summary:
-        st = Table(title="episodes (from shard columns)")
+        st = Table(title="episodes (from shard columns)", box=box.SIMPLE_HEAD)
         for col in ("column", "count", "mean", "min", "max"):
             st.add_column(col, justify="left" if col == "column" else "right")
         for c, v in summary.items():
@@ -147,5 +200,5 @@ def run(args: argparse.Namespace) -> int:
             for p in problems:
                 console.print(f"  - {p}", markup=False, highlight=False)
             return 1
-        console.print("[green]verify: no problems[/green]")
+        console.print(f"[green]verify: no problems[/green] in {_verified(tot)}", highlight=False)
     return 0

@@ -45,8 +45,12 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         print("rlrec report: error: matplotlib is not installed (pip install 'rlrec[consumer]')", file=sys.stderr)
         return 2
+    from rlrec.commands._common import open_output
     from rlrec.report import write_report
 
+    for option, value in (("URI", uri), ("--input", args.input), ("--checkpoint-dir", args.checkpoint_dir)):
+        if value is not None:
+            open_output(value, option)  # UsageError (exit 2): not a URI
     try:
         path = write_report(
             uri,

@@ -50,31 +50,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ls.set_defaults(func=run_list)
 
 
-def _client_config(args: argparse.Namespace, command: str) -> dict[str, str] | None:
-    try:
-        return parse_key_values(args.kafka_config, "--kafka-config")
-    except ValueError as e:
-        print(f"rlrec topics {command}: {e}", file=sys.stderr)
-        return None
+def _client_config(args: argparse.Namespace) -> dict[str, str]:
+    """The --kafka-config settings, checked by librdkafka before any connection (UsageError)."""
+    from rlrec.consumer.topics import check_client_config
+
+    client = parse_key_values(args.kafka_config, "--kafka-config")
+    check_client_config(client)
+    return client
 
 
 def run_create(args: argparse.Namespace) -> int:
     from rlrec.consumer.topics import create_topics, dlq_topic_name
 
-    client = _client_config(args, "create")
-    try:
-        config = parse_key_values(args.config, "--config")
-    except ValueError as e:
-        print(f"rlrec topics create: {e}", file=sys.stderr)
-        return 2
-    if client is None:
-        return 2
+    config = parse_key_values(args.config, "--config")
+    client = _client_config(args)
     topics: dict[str, int] = {}
     for t in args.topic:
         topics[t] = args.partitions
         if not args.no_dlq:
             topics[dlq_topic_name(t)] = args.dlq_partitions or args.partitions
     from confluent_kafka import KafkaException
+
+    from rlrec.consumer.topics import describe_kafka_error
 
     try:
         seen = create_topics(
@@ -86,7 +83,7 @@ def run_create(args: argparse.Namespace) -> int:
             client_config=client,
         )
     except (KafkaException, TimeoutError) as e:
-        print(f"rlrec topics create: error: {e}", file=sys.stderr)
+        print(f"rlrec topics create: error: {describe_kafka_error(e)}", file=sys.stderr)
         return 1
     for name, n in seen.items():
         print(f"{name}\t{n}")
@@ -94,18 +91,10 @@ def run_create(args: argparse.Namespace) -> int:
 
 
 def run_list(args: argparse.Namespace) -> int:
-    from confluent_kafka.admin import AdminClient
+    from rlrec.consumer.topics import check_reachable
 
-    client = _client_config(args, "list")
-    if client is None:
-        return 2
-    from confluent_kafka import KafkaException
-
-    try:
-        md = AdminClient({**client, "bootstrap.servers": args.bootstrap_servers}).list_topics(timeout=args.timeout)
-    except KafkaException as e:
-        print(f"rlrec topics list: error: {e}", file=sys.stderr)
-        return 1
+    client = _client_config(args)
+    md = check_reachable(args.bootstrap_servers, args.timeout, client)  # RuntimeFailure: one line, exit 1
     for name in sorted(md.topics):
         if not name.startswith("__"):
             print(f"{name}\t{len(md.topics[name].partitions)}")

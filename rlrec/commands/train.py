@@ -50,9 +50,10 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as e:  # OptionError
         print(f"rlrec train: error: {e}", file=sys.stderr)
         return 2
-    from rlrec.logs import setup_logging
+    from rlrec.logs import quiet_ray_logging, setup_logging
 
     setup_logging(opts["log_format"], opts["log_level"])
+    quiet_ray_logging()
     from rlrec.trainer.service import ContinuousTrainer, UnsupportedCombination
 
     try:
@@ -60,6 +61,12 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"rlrec train: error: {e}", file=sys.stderr)
         return 2
+    from rlrec.commands._common import open_output
+
+    # UsageErrors (exit 2, one line) before Ray starts
+    open_output(cfg.input, "--input")
+    open_output(cfg.checkpoint_dir, "--checkpoint-dir")
+    cfg.check_inputs()
     try:
         trainer = ContinuousTrainer(cfg, install_signals=True)
     except ValueError as e:  # e.g. an unreadable --signing-key

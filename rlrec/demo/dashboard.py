@@ -181,6 +181,20 @@ def _f(x: Any, fmt: str = "{:.1f}", none: str = "-") -> str:
     return none if x is None else fmt.format(x)
 
 
+def version_name(v: int | None) -> str:
+    """A policy version as the dashboard names it: ``v0 (scripted expert)`` for version 0 (or
+    none published yet), ``v3`` otherwise.
+
+    Args:
+        v: the policy version.
+
+    Example:
+        >>> version_name(0), version_name(3)
+        ('v0 (scripted expert)', 'v3')
+    """
+    return f"v{v}" if v else "v0 (scripted expert)"
+
+
 def compact_line(s: Snapshot) -> str:
     dl = sum(s.dead_letters.values())
     return (
@@ -188,7 +202,7 @@ def compact_line(s: Snapshot) -> str:
         f"episodes {s.episodes_committed}  shards {s.shards_committed}  dead letters {dl}  "
         f"iter {_f(s.trainer_iteration, '{}')}  trained {_f(s.timesteps_trained, '{}')}  "
         f"newest shard {_f(s.newest_shard_age_s, '{:.1f}s')}  eval {_f(s.eval_return_mean)}  "
-        f"published v{_f(s.published_version, '{}', '0')}  acting {s.policy_versions_in_use}"
+        f"published {version_name(s.published_version)}  acting {s.policy_versions_in_use}"
     )
 
 
@@ -249,7 +263,7 @@ class Dashboard:
             ("  evaluation return", _f(s.eval_return_mean)),
             (
                 "  published policy version",
-                f"v{s.published_version or 0}  (return {_f(s.deployed_return)}; "
+                f"{version_name(s.published_version)}  (return {_f(s.deployed_return)}; "
                 f"{s.promotions} promoted, {s.rejections} held back)",
             ),
         ]

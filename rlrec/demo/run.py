@@ -33,6 +33,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 
+from rlrec.commands._common import shell_command
 from rlrec.demo.dashboard import Collector, Dashboard, Snapshot, write_line
 from rlrec.demo.datadir import DataDir, DataDirError, committed_by_version
 from rlrec.demo.processes import Child, stop_all
@@ -565,7 +566,8 @@ class Demo:
         )
         if report:
             print(f"  report:      {report}")
-        print(f"inspect:  rlrec inspect {self.shards_uri} --verify\nreport:   rlrec report {root}")
+        cli = shell_command()
+        print(f"inspect:  {cli} inspect {self.shards_uri} --verify\nreport:   {cli} report {root}")
 
 
 def run_demo(cfg: DemoConfig) -> int:

@@ -1,0 +1,202 @@
+"""The README is executable: every ```bash and ```python block in README.md runs here.
+
+A block runs as written, or with the substitutions it declares in an HTML comment on the
+line(s) just before it, or not at all with a visible reason::
+
+    <!-- readme-test: substitute kafka:9092=<broker> -->
+    <!-- readme-test: substitute demo-data/shards=<shards> -->
+    <!-- readme-test: not run here: needs docker compose -->
+
+Substitution values in angle brackets are made by the harness: ``<broker>`` the embedded
+broker's address (the ``broker`` fixture), ``<shards>`` a consumer output with committed
+CartPole episodes, ``<policies>`` a policies folder with one signed CartPole BC policy and
+``<public_key>`` its public key, ``<tmp>`` an empty folder. Any other value is used as written. Python blocks
+run with this interpreter, bash blocks with ``bash -e`` and this interpreter's folder first on
+PATH (where ``rlrec`` is), each in a fresh folder.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DIRECTIVE = re.compile(r"^<!--\s*readme-test:\s*(.*?)\s*-->\s*$")
+FENCE = re.compile(r"^```(\w*)\s*$")
+RUN_LANGS = ("bash", "python")
+#: seconds one block may take
+BLOCK_TIMEOUT_S = 300
+
+
+@dataclass
+class Block:
+    """One fenced block of README.md and what its directives say."""
+
+    lang: str
+    code: str
+    line: int  # of the opening fence, 1-based
+    substitutions: dict[str, str] = field(default_factory=dict)
+    not_run: str | None = None  # the reason, when it does not run here
+
+    @property
+    def id(self) -> str:
+        return f"{self.lang}-line{self.line}"
+
+    def tokens(self) -> set[str]:
+        return {v for v in self.substitutions.values() if re.fullmatch(r"<\w+>", v)}
+
+
+def parse_blocks(text: str) -> list[Block]:
+    """The fenced blocks of `text` with the ``readme-test`` directives just above each.
+
+    Args:
+        text: Markdown.
+
+    Raises:
+        ValueError: a directive that is neither ``substitute OLD=NEW`` nor ``not run here: REASON``.
+
+    Example:
+        >>> b = parse_blocks("<!-- readme-test: substitute a=<tmp> -->\\n```bash\\necho a\\n```\\n")
+        >>> (b[0].lang, b[0].code, b[0].substitutions)
+        ('bash', 'echo a\\n', {'a': '<tmp>'})
+    """
+    blocks: list[Block] = []
+    pending: list[str] = []
+    lines = text.splitlines()
+    i = 0
+    while i < len(lines):
+        m = DIRECTIVE.match(lines[i])
+        if m:
+            pending.append(m.group(1))
+            i += 1
+            continue
+        fence = FENCE.match(lines[i])
+        if fence:
+            start = i
+            i += 1
+            body = []
+            while i < len(lines) and not lines[i].startswith("```"):
+                body.append(lines[i])
+                i += 1
+            block = Block(fence.group(1), "\n".join(body) + "\n", start + 1)
+            for d in pending:
+                if d.startswith("substitute "):
+                    old, sep, new = d[len("substitute ") :].partition("=")
+                    if not sep or not old:
+                        raise ValueError(f"README.md:{start + 1}: expected substitute OLD=NEW, got {d!r}")
+                    block.substitutions[old] = new
+                elif d.startswith("not run here:") and d[len("not run here:") :].strip():
+                    block.not_run = d[len("not run here:") :].strip()
+                else:
+                    raise ValueError(f"README.md:{start + 1}: unknown readme-test directive {d!r}")
+            blocks.append(block)
+            pending = []
+        elif lines[i].strip():
+            pending = []  # a directive applies to the block right after it (blank lines allowed)
+        i += 1
+    return blocks
+
+
+BLOCKS = [b for b in parse_blocks(README.read_text()) if b.lang in RUN_LANGS]
+
+
+def test_every_block_runs_or_says_why_not():
+    """Each shell and Python block is run below, or carries a not-run reason; substitutions
+    name text that is in the block."""
+    assert BLOCKS, "no ```bash or ```python blocks found in README.md"
+    for b in BLOCKS:
+        for old in b.substitutions:
+            assert old in b.code, f"README.md:{b.line}: substitute {old!r}: not in the block"
+    not_run = [f"README.md:{b.line} ({b.lang}): {b.not_run}" for b in BLOCKS if b.not_run]
+    print("not run here:\n  " + "\n  ".join(not_run))
+    assert any(b.not_run is None and b.lang == "python" for b in BLOCKS)
+
+
+def _marks(b: Block) -> list:
+    marks = [pytest.mark.slow]
+    if "<broker>" in b.tokens():
+        marks.append(pytest.mark.broker)
+    if "ray" in b.code:
+        marks.append(pytest.mark.system)
+    if b.not_run:
+        marks.append(pytest.mark.skip(reason=f"README.md:{b.line}: not run here: {b.not_run}"))
+    return marks
+
+
+def _policies(root: Path) -> tuple[str, str]:
+    """(policies folder, public key): one signed BC policy for CartPole, as `rlrec train` publishes."""
+    import gymnasium as gym
+    from ray.rllib.core import DEFAULT_MODULE_ID
+
+    from rlrec.store.storage import Storage
+    from rlrec.trainer.export import build_artifact, publish_policy
+    from rlrec.trainer.service import ALGORITHMS, _import
+    from rlrec.trainer.signing import generate_keys, load_private_key
+
+    env = gym.make("CartPole-v1")
+    obs_space, act_space = env.observation_space, env.action_space
+    config = _import(ALGORITHMS["BC"][0])().environment(observation_space=obs_space, action_space=act_space)
+    module = config.get_multi_rl_module_spec(spaces={DEFAULT_MODULE_ID: (obs_space, act_space)}).build()
+    priv, pub = generate_keys(root / "keys")
+    publish_policy(
+        Storage.from_uri(str(root / "policies")),
+        algo=None,
+        version=1,
+        algo_name="BC",
+        observation_space=obs_space,
+        action_space=act_space,
+        iteration=1,
+        timesteps_trained=0,
+        shards=[],
+        new_shards=[],
+        parent_version=None,
+        signing_key=load_private_key(priv),
+        artifact=build_artifact(module[DEFAULT_MODULE_ID].eval(), obs_space, act_space),
+    )
+    return str(root / "policies"), str(pub)
+
+
+def _shards(root: Path) -> str:
+    from rlrec.store.commit import ShardCommitter
+    from rlrec.trainer.synthetic import expert_cartpole_episodes
+
+    out = root / "shards"
+    ShardCommitter(str(out)).commit(expert_cartpole_episodes(20, seed=1, max_steps=200, policy_id="cartpole-expert"))
+    return str(out)
+
+
+@pytest.mark.parametrize("block", [pytest.param(b, id=b.id, marks=_marks(b)) for b in BLOCKS])
+def test_readme_block(block: Block, request: pytest.FixtureRequest, tmp_path: Path):
+    made: dict[str, str] = {}
+    for token in block.tokens():
+        if token == "<broker>":
+            made[token] = request.getfixturevalue("broker").bootstrap_servers
+        elif token == "<shards>":
+            made[token] = _shards(tmp_path / "data")
+        elif token in ("<policies>", "<public_key>"):
+            if "<policies>" not in made:
+                made["<policies>"], made["<public_key>"] = _policies(tmp_path / "trained")
+        elif token == "<tmp>":
+            (tmp_path / "tmp").mkdir()
+            made[token] = str(tmp_path / "tmp")
+        else:
+            pytest.fail(f"README.md:{block.line}: unknown substitution value {token}")
+    code = block.code
+    for old, new in block.substitutions.items():
+        code = code.replace(old, made.get(new, new))
+    work = tmp_path / "work"
+    work.mkdir()
+    bindir = os.path.dirname(sys.executable)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RLREC_") or k.startswith("RLREC_TEST_")}
+    env.update(PATH=f"{bindir}{os.pathsep}{env.get('PATH', '')}", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+    cmd = [sys.executable, "-"] if block.lang == "python" else ["bash", "-e", "-s"]
+    p = subprocess.run(cmd, input=code, cwd=work, env=env, capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
+    assert p.returncode == 0, f"README.md:{block.line} failed (exit {p.returncode}):\n{code}\n{p.stdout}\n{p.stderr}"
+    assert "Traceback" not in p.stderr, f"README.md:{block.line} printed a traceback:\n{p.stderr}"

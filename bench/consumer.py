@@ -670,7 +670,7 @@ def worker_pipeline(spec: dict) -> dict:
 
     _import_episode_code()
     pack_item = item_packer()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     try:
         ctx = ray.data.DataContext.get_current()
         ctx.enable_progress_bars = False

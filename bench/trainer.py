@@ -556,7 +556,9 @@ def child(args) -> dict:
 
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)  # the harness sets it, for every side alike
-    ray.init(num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.init(
+        address="local", num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=False
+    )
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
     ctx.print_on_execution_start = False

@@ -232,7 +232,7 @@ def test_stock_rllib_bc_trains_on_consumer_shards(broker, topic, tmp_path, recor
     # a staged, uncommitted leftover must not be read by stock RLlib
     (output / "expert" / "_staging").mkdir(exist_ok=True)
     (output / "expert" / "_staging" / "junk.parquet").write_bytes(b"not parquet")
-    ray.init(num_cpus=4, include_dashboard=False, ignore_reinit_error=True)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, ignore_reinit_error=True)
     try:
         config = (
             BCConfig()

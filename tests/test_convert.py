@@ -405,7 +405,7 @@ def test_trainer_and_stock_bc_train_on_converted_shards(tmp_path):
     out, ck = tmp_path / "out", tmp_path / "ck"
     res = convert(str(tmp_path / "in"), str(out), ConvertOptions(policy_id="expert", episodes_per_shard=6))
     assert (res.written_episodes, res.shards) == (12, 2)
-    ray.init(num_cpus=4, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
     try:
         tr = ContinuousTrainer(
             TrainerConfig(

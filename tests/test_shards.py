@@ -380,7 +380,7 @@ def ray_session():
     if ray.is_initialized():  # someone else's session: use it, leave it running
         yield ray
         return
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         yield ray
     finally:

@@ -68,7 +68,7 @@ def test_storage_settings_travel_in_the_runtime_env_only_when_joining_a_cluster(
         "X": "1",
     }
     local = RayPlacement.resolve(None, 2, environ={}).init_kwargs(env)  # workers inherit the env
-    assert local["num_cpus"] == 2 and "runtime_env" not in local and "address" not in local
+    assert local["num_cpus"] == 2 and "runtime_env" not in local and local["address"] == "local"
     with pytest.raises(ClusterConfigError, match="not JSON"):
         RayPlacement.resolve(None, None, "{py_modules", environ={})
 

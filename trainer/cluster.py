@@ -128,8 +128,8 @@ class RayPlacement:
         kw: dict[str, Any] = {"log_to_driver": False, "configure_logging": False}
         if self.address is not None:
             kw["address"] = self.address
-        else:
-            kw.update(num_cpus=self.num_cpus, include_dashboard=False)
+        else:  # a Ray of its own, never a cluster someone started on this machine with `ray start`
+            kw.update(address="local", num_cpus=self.num_cpus, include_dashboard=False)
         renv = self.job_runtime_env(environ)
         if renv:
             kw["runtime_env"] = renv

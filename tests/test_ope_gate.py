@@ -183,3 +183,40 @@ def test_evaluate_command_json_contract(logged, tmp_path, capsys):
         assert main([*args, *bad]) == 2, bad
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("rlrec evaluate: error: "), err
+
+
+@pytest.mark.slow
+def test_rlrec_train_promotion_gate_ope_closed_loop_without_a_simulator(tmp_path):
+    """BC on the logged episodes, no --env: the greedy BC candidate picks the best action, truly
+    better than the soft behaviour, and the ope gate publishes it; the decision is in metrics.jsonl
+    and in the published policy.json."""
+    import os
+    import subprocess
+    import sys
+
+    out = str(tmp_path / "data")
+    spec, model = linear_policy_artifact(1.0 * E)
+    committer = ShardCommitter(out)
+    for k in range(2):
+        committer.commit(logged_episodes(CONTEXT_BANDIT_ID, spec, model, 300, seed=k, policy_version=0)[0])
+    ck = tmp_path / "ck"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RLREC_")}
+    env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    args = ["--input", out, "--checkpoint-dir", str(ck), "--algo", "BC", "--promotion-gate", "ope"]
+    args += ["--holdout-fraction", "0.3", "--checkpoint-interval", "2", "--max-iterations", "2", "--num-cpus", "2"]
+    args += ["--fqe-steps", "300", "--algo-config", "gamma=0.9"]
+    r = subprocess.run(
+        [sys.executable, "-m", "rlrec", "train", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [json.loads(x) for x in (ck / "metrics.jsonl").read_text().splitlines()]
+    decision = next(x["promotion"] for x in lines if "promotion" in x)
+    assert decision["gate"] == "ope" and decision["deployed_is_behavior"] and decision["promoted"], decision
+    assert decision["candidate_return"] == pytest.approx(_truth("good"), abs=0.25)
+    published = json.loads((ck / "policies" / "v000001" / "policy.json").read_text())
+    assert published["promotion"] == decision and published["gamma"] == 0.9

@@ -115,7 +115,7 @@ class SafeOfflinePreLearner(OfflinePreLearner):
             except EpisodeDecodeError as e:
                 self._skip(f"#{i}", f"cannot be decoded safely: {e}")
                 continue
-            if self._held_out(ep) or not self._usable(ep):
+            if not self._usable(ep) or self._held_out(ep):  # unusable ones are counted, held out or not
                 continue
             for k in [k for k in ep.extra_model_outputs if k not in self._rlrec_keep]:
                 del ep.extra_model_outputs[k]
@@ -173,7 +173,7 @@ class SafeOfflinePreLearner(OfflinePreLearner):
             episodes = [
                 ep
                 for ep in self._map_to_episodes(batch, to_numpy=False)["episodes"]
-                if not self._held_out(ep) and self._usable(ep)
+                if self._usable(ep) and not self._held_out(ep)
             ]
         if not episodes:
             return {}

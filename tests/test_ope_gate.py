@@ -220,3 +220,27 @@ def test_rlrec_train_promotion_gate_ope_closed_loop_without_a_simulator(tmp_path
     assert decision["candidate_return"] == pytest.approx(_truth("good"), abs=0.25)
     published = json.loads((ck / "policies" / "v000001" / "policy.json").read_text())
     assert published["promotion"] == decision and published["gamma"] == 0.9
+
+
+def test_report_plots_ope_estimates_beside_the_truth():
+    from rlrec.report import plot_eval
+    from rlrec.report_data import ReportData
+
+    data = ReportData()
+    est = {"value": 1.2, "ci_low": 1.0, "ci_high": 1.4, "estimable": True, "reason": ""}
+    data.trainer = [
+        {"iteration": 2, "time": 100.0, "policy_version": 1},
+        {
+            "iteration": 4,
+            "time": 110.0,
+            "policy_version": 1,
+            "promotion": {"gate": "ope", "promoted": True, "candidate_return": 1.2, "candidate_estimate": est},
+        },
+        {
+            "iteration": 6,
+            "time": 120.0,
+            "policy_version": 2,
+            "promotion": {"gate": "ope", "promoted": False, "candidate_return": None, "true_return": 0.4},
+        },
+    ]
+    assert plot_eval(data) is not None  # no eval_return_mean: the OPE decisions alone make the plot

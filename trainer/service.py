@@ -738,10 +738,8 @@ class ContinuousTrainer:
             rec["checkpoint"] = True
             if self.last_promotion is not None:  # the gate's decision (and its evaluation)
                 rec["promotion"] = self.last_promotion
-                if self.cfg.promotion_gate == "env":
+                if self.cfg.promotion_gate == "env":  # (an ope estimate is a discounted return: not mixed in)
                     rec.setdefault("eval_return_mean", self.last_promotion["candidate_return"])
-                elif self.last_promotion.get("true_return") is not None:
-                    rec.setdefault("eval_return_mean", self.last_promotion["true_return"])
         self.metrics.write(rec)
         self.last_record = rec
         return rec

@@ -167,3 +167,22 @@ def test_holdout_split_is_deterministic_and_nested():
     assert holdout_score(i) == int.from_bytes(hashlib.sha256(i.encode()).digest()[:8], "big") / 2**64
     with pytest.raises(ValueError, match="holdout-fraction"):
         check_fraction(1.0)
+
+
+def test_a_greedy_behaviour_is_flagged():
+    # logged with Policy.act(explore=False): the action is always the argmax and action_logp is
+    # log pi(argmax) < 0, which looks like a propensity but is not one
+    rng = np.random.default_rng(2)
+    eps = []
+    for i in range(40):
+        logits = rng.normal(size=(3, 2))
+        p = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
+        a = p.argmax(1)
+        eps.append(Episode(np.zeros((4, 1)), a, np.ones(3), np.log(p[np.arange(3), a]), id=str(i), behavior_probs=p))
+    data = LoggedData(eps)
+    assert data.greedy_share == 1.0
+    tgt = TargetArrays(np.zeros(data.steps), q=np.zeros(data.steps), v=np.zeros(data.steps))
+    ev = evaluate(data, tgt, gamma=0.9, thresholds=Thresholds(max_support=1.0))
+    for name in ("wdr", "wis", "wpdis"):
+        assert not ev.estimates[name].estimable and "greedy behaviour" in ev.estimates[name].reason
+    assert ev.estimates["fqe"].estimable and ev.diagnostics["behavior_greedy_share"] == 1.0

@@ -144,6 +144,14 @@ class LoggedData:
         #: episodes whose every step has a propensity (the ones the estimates use)
         self.covered = np.array([ok[s : s + n].all() for s, n in zip(self.starts, self.lengths)])
         self.coverage = float(ok.mean())
+        #: share of covered steps whose logged action is the behaviour's most likely one (None:
+        #: the behaviour's action probabilities are not recorded); 1.0 over many steps means a
+        #: greedy behaviour, whose recorded action_logp is no propensity
+        self.greedy_share: float | None = None
+        step_cov = self.covered[self.episode]
+        if self.behavior_probs is not None and step_cov.any() and self.actions.ndim == 1:
+            top = np.argmax(self.behavior_probs[step_cov], axis=1)
+            self.greedy_share = float(np.mean(top == self.actions[step_cov].astype(np.int64)))
 
     @property
     def steps(self) -> int:
@@ -394,6 +402,9 @@ class Thresholds:
         max_weight: largest normalized episode weight (wis, wpdis).
         max_is_horizon: longest mean episode length for pure importance sampling (wis, wpdis):
             products of that many ratios are not trusted whatever the ESS says.
+        greedy_check_steps: with the behaviour's action probabilities recorded, at least this
+            many steps all taking the behaviour's most likely action mark a greedy behaviour:
+            wis, wpdis and wdr are then refused (its action_logp is no propensity).
     """
 
     min_episodes: int = 10
@@ -403,6 +414,7 @@ class Thresholds:
     min_ess: float = 10.0
     max_weight: float = 0.25
     max_is_horizon: float = 100.0
+    greedy_check_steps: int = 50
 
 
 @dataclass
@@ -555,6 +567,11 @@ class _Prepared:
             return "a deterministic candidate on a continuous action space has no density: importance weights are undefined (use fqe)"
         if d.coverage < th.min_coverage:
             return f"coverage: {d.coverage:.3f} of the steps have a behaviour propensity (< {th.min_coverage})"
+        if d.greedy_share == 1.0 and int(d.lengths[d.covered].sum()) >= th.greedy_check_steps:
+            return (
+                "the behaviour took its most likely action at every step: a greedy behaviour's action_logp "
+                "(Policy.act(explore=False)) is not a propensity; log with explore=True"
+            )
         if name == "wdr":
             return ""
         horizon = float(d.lengths[d.covered].mean())
@@ -591,6 +608,7 @@ def _diagnostics(data: LoggedData, p: _Prepared) -> dict[str, float | None]:
         "support": None if p.support is None else round(p.support, 6),
         "horizon": round(float(data.lengths.mean()), 3),
         "episodes_with_propensities": int(data.covered.sum()),
+        "behavior_greedy_share": None if data.greedy_share is None else round(data.greedy_share, 6),
     }
 
 

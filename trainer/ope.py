@@ -68,6 +68,8 @@ __all__ = [
 
 #: the estimators `evaluate` knows; the first is the default
 ESTIMATORS = ("wdr", "fqe", "wpdis", "wis")
+#: the bootstrap resamples at most this many units (episodes, or random blocks of them)
+MAX_BOOTSTRAP_UNITS = 2000
 _IS_FAMILY = ("wis", "wpdis")
 
 
@@ -514,6 +516,8 @@ class _Prepared:
         self.ess = float(sw**2 / (W**2).sum()) if sw > 0 else 0.0
         self.max_weight = float(W.max() / sw) if sw > 0 else 1.0
         self.support = self._support(data, tgt, step_cov, logp_b)
+        self._blocks: tuple[np.ndarray, np.ndarray] | None = None
+        self._cache: dict[str, dict[str, np.ndarray]] = {}
         self.n_episodes = E
 
     def _support(self, data: LoggedData, tgt: TargetArrays, step_cov: np.ndarray, logp_b: np.ndarray) -> float | None:
@@ -530,23 +534,61 @@ class _Prepared:
         mass = float(np.mean(rho * (pb >= eps)))
         return float(min(1.0, max(0.0, 1.0 - mass)))
 
+    @property
+    def n_units(self) -> int:
+        """Rows of the bootstrap count matrix: episodes, or blocks of them (see `_units`)."""
+        n = len(self.idx)
+        return n if n <= MAX_BOOTSTRAP_UNITS else MAX_BOOTSTRAP_UNITS
+
+    def _units(self, a: np.ndarray) -> np.ndarray:
+        """Per-episode sums -> per-unit sums. Up to `MAX_BOOTSTRAP_UNITS` episodes a unit is an
+        episode; beyond, episodes are dealt into that many blocks at random (a fixed
+        permutation, the same for every target of the same data): every statistic here is a
+        ratio of sums over episodes, and resampling i.i.d. blocks of i.i.d. episodes bootstraps
+        it as well while the cost stays bounded."""
+        n = len(self.idx)
+        if n <= MAX_BOOTSTRAP_UNITS:
+            return a
+        if self._blocks is None:
+            perm = np.random.default_rng(12345).permutation(n)
+            order = np.argsort(perm % MAX_BOOTSTRAP_UNITS, kind="stable")
+            starts = np.searchsorted((perm % MAX_BOOTSTRAP_UNITS)[order], np.arange(MAX_BOOTSTRAP_UNITS))
+            self._blocks = (order, starts)
+        order, starts = self._blocks
+        return np.add.reduceat(a[order], starts, axis=0)
+
+    def _sums(self, name: str) -> dict[str, np.ndarray]:
+        if name not in self._cache:
+            W = self.w[:, -1]
+            parts: dict[str, np.ndarray] = {"n": np.ones(len(self.idx))}
+            if name == "wis":
+                parts.update(wg=W * self.G, w=W)
+            elif name == "wpdis":
+                parts.update(wr=self.w * self.r, w=self.w)
+            elif name == "fqe":
+                parts.update(v0=self.v[:, 0])
+            elif name == "wdr":
+                parts.update(w=self.w, wp=self.w_prev, wrq=self.w * (self.r - self.q), wpv=self.w_prev * self.v)
+            else:
+                raise ValueError(f"unknown estimator {name!r} (choose from {', '.join(ESTIMATORS)})")
+            self._cache[name] = {k: self._units(v) for k, v in parts.items()}
+        return self._cache[name]
+
     def values(self, name: str, C: np.ndarray) -> np.ndarray:
-        """``(B,)`` estimates for count matrix `C` ``(B, n)`` (rows of ones: the point estimate)."""
+        """``(B,)`` estimates for count matrix `C` ``(B, n_units)`` (rows of ones: the point estimate)."""
+        S = self._sums(name)
         with np.errstate(invalid="ignore", divide="ignore"):
             if name == "wis":
-                W = self.w[:, -1]
-                return (C @ (W * self.G)) / (C @ W)
+                return (C @ S["wg"]) / (C @ S["w"])
             if name == "wpdis":
-                num, den = C @ (self.w * self.r), C @ self.w
+                num, den = C @ S["wr"], C @ S["w"]
                 return np.nansum(np.where(den > 0, num / den, 0.0) * self.g, axis=1)
             if name == "fqe":
-                return (C @ self.v[:, 0]) / C.sum(1)
-            if name == "wdr":
-                den, pden = C @ self.w, C @ self.w_prev
-                a = np.where(den > 0, (C @ (self.w * (self.r - self.q))) / den, 0.0)
-                b = np.where(pden > 0, (C @ (self.w_prev * self.v)) / pden, 0.0)
-                return ((a + b) * self.g).sum(1)
-        raise ValueError(f"unknown estimator {name!r} (choose from {', '.join(ESTIMATORS)})")
+                return (C @ S["v0"]) / (C @ S["n"])
+            den, pden = C @ S["w"], C @ S["wp"]
+            a = np.where(den > 0, (C @ S["wrq"]) / den, 0.0)
+            b = np.where(pden > 0, (C @ S["wpv"]) / pden, 0.0)
+            return ((a + b) * self.g).sum(1)
 
     def why_not(self, name: str, th: Thresholds, tgt_density: bool) -> str:
         """The first failed diagnostic for estimator `name` ("" if none)."""
@@ -585,11 +627,10 @@ class _Prepared:
 
 
 def _counts(n: int, n_boot: int, seed: int) -> np.ndarray:
+    """``(n_boot, n)`` bootstrap counts: how often each episode is drawn in each resample of n
+    draws with replacement (a multinomial; the same resamples for every target with one seed)."""
     rng = np.random.default_rng(seed)
-    idx = rng.integers(0, n, size=(n_boot, n))
-    C = np.zeros((n_boot, n))
-    np.add.at(C, (np.repeat(np.arange(n_boot), n), idx.ravel()), 1.0)
-    return C
+    return rng.multinomial(n, np.full(n, 1.0 / n), size=n_boot).astype(np.float64)
 
 
 def _interval(samples: np.ndarray, ci: float) -> tuple[float | None, float | None]:
@@ -658,7 +699,7 @@ def evaluate(
     th = thresholds or Thresholds()
     tgt = target_arrays(target, data)
     p = _Prepared(data, tgt, gamma, names, fqe, th.min_propensity)
-    n = len(p.idx)
+    n = p.n_units
     C = _counts(n, n_boot, seed) if n else np.zeros((0, 0))
     ones = np.ones((1, n))
     out: dict[str, Estimate] = {}
@@ -774,7 +815,7 @@ def compare(
             reasons.append(f"{who}: {why}")
     if reasons:
         return Comparison(name, None, None, None, False, "; ".join(reasons), evals[0], evals[1], ci)
-    n = len(preps[0][0].idx)
+    n = preps[0][0].n_units
     C = _counts(n, n_boot, seed)
     ones = np.ones((1, n))
     diff = float(preps[0][0].values(name, ones)[0] - preps[1][0].values(name, ones)[0])
@@ -802,8 +843,8 @@ def _compare_to_behavior(
     tgt = target_arrays(candidate, data)
     p = _Prepared(data, tgt, gamma, (name,), fqe, th.min_propensity)
     ev = _evaluation_from(p, tgt, data, name, th, ci, n_boot, seed)
-    n = len(p.idx)
-    G = p.G
+    n = p.n_units
+    G, cnt = p._units(p.G), p._units(np.ones(len(p.idx)))
     C = _counts(n, n_boot, seed) if n else np.zeros((0, 0))
     base = Evaluation(
         gamma,
@@ -811,7 +852,7 @@ def _compare_to_behavior(
         data.steps,
         float(data.discounted_returns(gamma).mean()),
         ev.behavior_versions,
-        {name: Estimate(float(G.mean()) if n else None, *_interval((C @ G) / C.sum(1), ci), n > 0, "")},
+        {name: Estimate(float(G.sum() / cnt.sum()) if n else None, *_interval((C @ G) / (C @ cnt), ci), n > 0, "")},
         {},
         name,
         ci,
@@ -822,8 +863,8 @@ def _compare_to_behavior(
             name, None, None, None, False, f"candidate: {why}", ev, base, ci, {"deployed_is_behavior": True}
         )
     ones = np.ones((1, n))
-    diff = float(p.values(name, ones)[0] - G.mean())
-    lo, hi = _interval(p.values(name, C) - (C @ G) / C.sum(1), ci)
+    diff = float(p.values(name, ones)[0] - G.sum() / cnt.sum())
+    lo, hi = _interval(p.values(name, C) - (C @ G) / (C @ cnt), ci)
     return Comparison(name, diff, lo, hi, lo is not None, "", ev, base, ci, {"deployed_is_behavior": True})
 
 
@@ -834,7 +875,7 @@ def _evaluation_from(
     if why:
         est = Estimate(None, None, None, False, why)
     else:
-        n = len(p.idx)
+        n = p.n_units
         value = float(p.values(name, np.ones((1, n)))[0])
         lo, hi = _interval(p.values(name, _counts(n, n_boot, seed)), ci)
         est = Estimate(value, lo, hi, math.isfinite(value), "" if math.isfinite(value) else "not a finite number")

@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.datasets or (2 if args.quick else 10),
                 200 if args.quick else 500,
                 500 if args.quick else 4000,
-                300 if args.quick else 1000,
+                300 if args.quick else None,
                 log,
             )
         )
@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.datasets or (1 if args.quick else 4),
                 20 if args.quick else 60,
                 20 if args.quick else 100,
-                300 if args.quick else 3000,
+                300 if args.quick else None,
                 log,
             )
         )

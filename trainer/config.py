@@ -53,7 +53,7 @@ class OPESettings:
     ope_max_is_horizon: float = option(
         100.0, help="longest mean episode length pure importance sampling (wis, wpdis) is trusted on"
     )
-    fqe_steps: int | None = option(None, help="FQE gradient steps (default: 20 / (1 - gamma), 1000 to 5000)")
+    fqe_steps: int | None = option(None, help="FQE gradient steps (default: 30 / (1 - gamma), 1000 to 5000)")
 
     def __post_init__(self) -> None:
         from rlrec.trainer.holdout import check_fraction

@@ -263,7 +263,8 @@ class FQEConfig:
 
     Args:
         hidden: hidden layer sizes of the Q-network (ReLU).
-        steps: gradient steps (None: ``min(5000, max(1000, 20 / (1 - gamma)))``).
+        steps: gradient steps (None: ``min(5000, max(1000, 30 / (1 - gamma)))``; with `tau`
+            0.1 values propagate over ~3 / (1 - gamma) backups).
         batch_size: transitions per step.
         lr: Adam learning rate.
         tau: Polyak rate of the target network.
@@ -277,7 +278,7 @@ class FQEConfig:
     steps: int | None = None
     batch_size: int = 256
     lr: float = 1e-3
-    tau: float = 0.02
+    tau: float = 0.1
     samples: int = 8
     seed: int = 0
     threads: int = 1
@@ -297,7 +298,7 @@ def fit_fqe(
     import torch
 
     cfg = cfg or FQEConfig()
-    steps = cfg.steps or int(min(5000, max(1000, 20.0 / max(1e-6, 1.0 - gamma))))
+    steps = cfg.steps or int(min(5000, max(1000, 30.0 / max(1e-6, 1.0 - gamma))))
     discrete = tgt.probs is not None
     threads = torch.get_num_threads()
     torch.set_num_threads(max(1, int(cfg.threads)))
@@ -319,6 +320,11 @@ def _fit_fqe(
     # rewards scaled so that Q stays O(1)
     r_scale = max(float(np.abs(data.rewards).max()), 1e-8)
     q_scale = r_scale / max(1.0 - gamma, 1e-2)
+    # values lie within [min(0, r_min), max(0, r_max)] * horizon: bootstrap targets and the
+    # returned values are clipped there (an extrapolating fit cannot run away)
+    horizon = 1.0 / (1.0 - gamma) if gamma < 1.0 else float(data.lengths.max())
+    v_lo = min(0.0, float(data.rewards.min())) * horizon / q_scale
+    v_hi = max(0.0, float(data.rewards.max())) * horizon / q_scale
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
         x = torch.as_tensor((data.obs - obs_mean) / obs_std, dtype=torch.float32)
@@ -365,7 +371,7 @@ def _fit_fqe(
                     v_next = (tnet(xn[idx]) * pn[idx]).sum(-1)
                 else:
                     v_next = q_box(tnet, xn[idx], an[idx]).mean(-1)
-                y = r[idx] + gamma * notdone[idx] * v_next
+                y = torch.clamp(r[idx] + gamma * notdone[idx] * v_next, v_lo, v_hi)
             if discrete:
                 q = net(x[idx]).gather(1, a[idx, None]).squeeze(1)
             else:
@@ -385,6 +391,7 @@ def _fit_fqe(
             else:
                 q_sa = net(torch.cat([x, a], dim=-1)).squeeze(-1)
                 v = q_box(net, x, a0).mean(-1)
+    q_sa, v = torch.clamp(q_sa, v_lo, v_hi), torch.clamp(v, v_lo, v_hi)
     return q_sa.numpy().astype(np.float64) * q_scale, v.numpy().astype(np.float64) * q_scale
 
 

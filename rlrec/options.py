@@ -76,6 +76,7 @@ def option(
     default_factory: Callable[[], Any] | Any = dataclasses.MISSING,
     normalize: Callable[[str], str] | None = None,
     metavar: str | None = None,
+    const: Any = None,
 ) -> Any:
     """Declare a dataclass field as a command option (a ``dataclasses.field`` carrying its help).
 
@@ -86,6 +87,8 @@ def option(
         default_factory: instead of `default`, for mutable defaults (dict fields).
         normalize: applied to a text value before it is checked, e.g. ``str.upper``.
         metavar: the value's name in ``--help``.
+        const: the value of the flag given without a value (``--promotion-gate`` alone); also
+            what ``true``/``1`` in the environment or a config file mean (``false``/``0``: the default).
 
     Example:
         >>> import typing
@@ -98,7 +101,7 @@ def option(
         >>> opts.build(Opts, opts.resolve_values(environ={"RLREC_OUTPUT": "/tmp/x"}))
         Opts(output='/tmp/x', format='episodes')
     """
-    meta = {_META: {"help": help, "normalize": normalize, "metavar": metavar}}
+    meta = {_META: {"help": help, "normalize": normalize, "metavar": metavar, "const": const}}
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -179,6 +182,7 @@ class Option:
     literal_values: bool = False  # dict values parsed as JSON/Python literals (dict[str, Any])
     normalize: Callable[[str], str] | None = None
     metavar: str | None = None
+    const: Any = None  # the value of the bare flag
 
     @property
     def flag(self) -> str:
@@ -213,6 +217,11 @@ class Option:
             raise OptionError(f"{where}: {e}") from None
 
     def _convert(self, value: Any) -> Any:
+        if self.const is not None and self.kind is not bool:
+            if value is True or (isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on")):
+                return self.const
+            if value is False or (isinstance(value, str) and value.strip().lower() in ("0", "false", "no")):
+                return self.default
         if value is None or (self.optional and value == ""):
             if self.optional:
                 return None
@@ -304,6 +313,7 @@ def _options_of(cls: type) -> list[Option]:
                 literal,
                 meta["normalize"],
                 meta["metavar"],
+                meta.get("const"),
             )
         )
     _CACHE[cls] = out
@@ -386,7 +396,8 @@ class OptionSet:
                 parser.add_argument(opt.flag, action="append", default=None, metavar="KEY=VALUE", help=help_)
             else:
                 metavar = opt.metavar or ("{" + ",".join(map(str, opt.choices)) + "}" if opt.choices else None)
-                parser.add_argument(opt.flag, default=None, metavar=metavar or opt.name.upper(), help=help_)
+                kw: dict[str, Any] = {"nargs": "?", "const": opt.const} if opt.const is not None else {}
+                parser.add_argument(opt.flag, default=None, metavar=metavar or opt.name.upper(), help=help_, **kw)
 
     def _help(self, opt: Option) -> str:
         notes = []

@@ -5,7 +5,8 @@ Sections, each replaced by a note when its data is absent:
 * summary table: episodes, shards, steps, bytes, policy versions, dead letters, trainer
   iterations/timesteps, best evaluation return, time span;
 * evaluation return over time, policy-version changes marked (and promotion-gate decisions
-  when the trainer metrics carry them);
+  when the trainer metrics carry them; for ``--promotion-gate ope`` each candidate's off-policy
+  estimate with its interval, beside its true discounted return when the trainer had ``--env``);
 * episode return distribution per policy version (box plots, from the shards' columns);
 * freshness: episode end -> shard commit, shard commit -> first trained on, episode end ->
   first trained on (histograms);
@@ -96,13 +97,22 @@ def plot_eval(data: ReportData) -> str | None:
             if (t := _num(m.get("time"))) is not None and (ev := _num(m.get("eval_return_mean"))) is not None
         ]
         source = "demo dashboard"
-    if not pts:
+    ope = [
+        (t, p)
+        for m in data.trainer
+        if isinstance(p := m.get("promotion"), dict)
+        and p.get("gate") == "ope"
+        and (t := _num(m.get("time"))) is not None
+    ]
+    if not pts and not ope:
         data.note("eval", "no evaluation results yet (no eval_return_mean in the trainer or demo metrics)")
         return None
     t0 = _t0(data)
     plt = _plt()
     fig, ax = plt.subplots(figsize=(9, 3.6))
-    ax.plot([p[0] - t0 for p in pts], [p[1] for p in pts], marker=".", label=f"eval return ({source})")
+    if pts:
+        ax.plot([p[0] - t0 for p in pts], [p[1] for p in pts], marker=".", label=f"eval return ({source})")
+    _plot_ope(ax, ope, t0)
     changes, prev = [], None
     for m in data.trainer if source == "trainer" else data.demo_metrics:
         v, t = m.get("policy_version"), _num(m.get("time"))
@@ -168,6 +178,26 @@ def _behaviour_return(data: ReportData) -> tuple[int, float] | None:
         return None
     v = min(by_version)
     return v, sum(by_version[v]) / len(by_version[v])
+
+
+def _plot_ope(ax: Any, ope: list[tuple[float, dict]], t0: float) -> None:
+    """The ope gate's estimates of each candidate (with their intervals) and, when the trainer
+    also had --env, the candidate's true discounted return beside them."""
+    est = [
+        (t - t0, v, e.get("ci_low"), e.get("ci_high"))
+        for t, p in ope
+        if isinstance(e := p.get("candidate_estimate"), dict) and (v := _num(e.get("value"))) is not None
+    ]
+    if est:
+        xs, ys = [x for x, *_ in est], [y for _, y, _, _ in est]
+        lo = [y - (_num(a) if _num(a) is not None else y) for _, y, a, _ in est]
+        hi = [(_num(b) if _num(b) is not None else y) - y for _, y, _, b in est]
+        ax.errorbar(
+            xs, ys, yerr=[lo, hi], fmt="o", color="tab:purple", ms=4, capsize=3, label="OPE estimate (discounted)"
+        )
+    true = [(t - t0, v) for t, p in ope if (v := _num(p.get("true_return"))) is not None]
+    if true:
+        ax.scatter(*zip(*true), marker="s", color="tab:orange", zorder=3, label="true discounted return (--env)")
 
 
 def plot_returns(data: ReportData) -> str | None:

@@ -7,13 +7,13 @@ it. Standard library only (``rlrec --help`` imports it); ``rlrec.trainer.service
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from rlrec.options import check_choices, option
 from rlrec.trainer.feed import FeedPolicy
 
-__all__ = ["ALGORITHM_NAMES", "TrainerConfig", "training_settings"]
+__all__ = ["ALGORITHM_NAMES", "OPESettings", "TrainerConfig", "training_settings"]
 
 Algorithm = Literal["BC", "MARWIL", "CQL", "IQL"]
 #: the algorithms `rlrec train` can run (their RLlib classes: ``rlrec.trainer.service.ALGORITHMS``)
@@ -52,6 +52,64 @@ def training_settings(config_cls: type) -> set[str]:
             if name != "self" and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD):
                 names.add(name)
     return names
+
+
+Estimator = Literal["wdr", "fqe", "wpdis", "wis"]
+PromotionGate = Literal["off", "env", "ope"]
+
+
+def _gate_value(text: str) -> str:
+    return str(text).strip().lower()
+
+
+@dataclass
+class OPESettings:
+    """Off-policy evaluation settings shared by `rlrec train` (the held-out split, the ``ope``
+    promotion gate) and `rlrec evaluate`: the same names, variables and file keys for both."""
+
+    holdout_fraction: float = option(
+        0.1,
+        help="share of episodes held out for evaluation, chosen by a hash of the episode id (sha256, "
+        "first 8 bytes / 2**64 < F); train never trains on them, evaluate reads only them; 0: none",
+    )
+    ope_ci: float = option(0.9, help="level of the bootstrap confidence intervals of off-policy estimates")
+    ope_bootstrap: int = option(500, help="bootstrap resamples (over episodes) of off-policy estimates")
+    ope_min_episodes: int = option(10, help="an off-policy estimate needs at least this many held-out episodes")
+    ope_min_coverage: float = option(
+        0.9, help="least share of held-out steps with a behaviour propensity (action_logp) for wis, wpdis, wdr"
+    )
+    ope_max_support: float = option(
+        0.1,
+        help="most candidate probability on actions the behaviour takes with probability < 0.01 (all estimators)",
+    )
+    ope_min_ess: float = option(10.0, help="least effective sample size of the episode weights (wis, wpdis)")
+    ope_max_weight: float = option(0.25, help="largest share of the weight one episode may carry (wis, wpdis)")
+    ope_max_is_horizon: float = option(
+        100.0, help="longest mean episode length pure importance sampling (wis, wpdis) is trusted on"
+    )
+    fqe_steps: int | None = option(None, help="FQE gradient steps (default: 30 / (1 - gamma), 1000 to 5000)")
+
+    def __post_init__(self) -> None:
+        from rlrec.trainer.holdout import check_fraction
+
+        check_fraction(self.holdout_fraction)
+        if not 0.0 < self.ope_ci < 1.0:
+            raise ValueError(f"--ope-ci must be in (0, 1), got {self.ope_ci}")
+        if self.ope_bootstrap < 10:
+            raise ValueError("--ope-bootstrap must be >= 10")
+
+    def thresholds(self) -> Any:
+        """The `rlrec.trainer.ope.Thresholds` these settings give."""
+        from rlrec.trainer.ope import Thresholds
+
+        return Thresholds(
+            min_episodes=self.ope_min_episodes,
+            min_coverage=self.ope_min_coverage,
+            max_support=self.ope_max_support,
+            min_ess=self.ope_min_ess,
+            max_weight=self.ope_max_weight,
+            max_is_horizon=self.ope_max_is_horizon,
+        )
 
 
 @dataclass
@@ -133,15 +191,28 @@ class TrainerConfig:
     )
     seed: int | None = option(None, help="random seed of the algorithm and the shard feed (default: unseeded)")
     idle_log_interval_s: float = 30.0
-    promotion_gate: bool = option(
-        False,
-        help="publish a checkpoint's policy only if its evaluation (greedy, --promotion-episodes episodes "
-        "of --env) is not worse than the deployed version's; decisions go to metrics.jsonl",
+    promotion_gate: PromotionGate = option(
+        "off",
+        const="env",
+        normalize=_gate_value,
+        help="publish a checkpoint's policy only if it is not worse than the deployed version (the flag alone: "
+        "env): env plays it "
+        "greedily for --promotion-episodes episodes of --env; ope estimates it off-policy on the held-out "
+        "episodes (no simulator): the lower bound of the paired difference candidate - deployed must be "
+        ">= -(--promotion-margin); decisions go to metrics.jsonl and the published policy.json",
     )
     promotion_baseline: float | None = option(
-        None, help="with --promotion-gate: the return of what is deployed before the first publication"
+        None, help="with --promotion-gate env: the return of what is deployed before the first publication"
     )
     promotion_episodes: int = option(10, help="episodes per promotion evaluation")
+    promotion_estimator: Estimator = option("wdr", help="with --promotion-gate ope: the off-policy estimator")
+    promotion_margin: float = option(
+        0.0, help="with --promotion-gate ope: the candidate may be this much worse (discounted return) at the bound"
+    )
+    promotion_explore: bool = option(
+        False, help="with --promotion-gate ope: evaluate the exploring policy (default: its greedy actions)"
+    )
+    ope: OPESettings = field(default_factory=OPESettings)
     signing_key: str | None = option(
         None,
         help="Ed25519 private key (PEM; `rlrec keys generate DIR` writes DIR/policy-signing.key): signs each "
@@ -150,13 +221,20 @@ class TrainerConfig:
     )
 
     def __post_init__(self) -> None:
+        if isinstance(self.promotion_gate, bool) or self.promotion_gate is None:
+            self.promotion_gate = "env" if self.promotion_gate else "off"
         check_choices(self)
         if self.checkpoint_interval < 1:
             raise ValueError("checkpoint_interval must be >= 1")
         if self.eval_interval and not self.env:
             raise ValueError("--eval-interval needs --env (evaluation runs episodes in the environment)")
-        if self.promotion_gate and not self.env:
-            raise ValueError("--promotion-gate needs --env (candidates are evaluated in the environment)")
+        if self.promotion_gate == "env" and not self.env:
+            raise ValueError(
+                "--promotion-gate env needs --env (candidates are evaluated in the environment; "
+                "--promotion-gate ope needs no simulator)"
+            )
+        if self.promotion_gate == "ope" and not self.ope.holdout_fraction:
+            raise ValueError("--promotion-gate ope needs held-out episodes: --holdout-fraction > 0")
         if self.num_learners < 0:
             raise ValueError("--num-learners must be >= 0")
         if self.num_gpus_per_learner < 0:
@@ -215,6 +293,11 @@ class TrainerConfig:
                     f"--algo-config: {key!r} is no setting of RLlib's {config_cls.__name__}{hint}; "
                     "see AlgorithmConfig.training()"
                 )
+
+    @property
+    def gate(self) -> bool:
+        """Whether a promotion gate is on."""
+        return self.promotion_gate != "off"
 
     def feed_policy(self) -> FeedPolicy:
         """The shard feed's sampling settings these options give."""

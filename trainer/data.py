@@ -353,6 +353,7 @@ def configure_continuous(
     learner_buffer_rows: int | None = None,
     fresh_share: float = 0.5,
     read_tasks: int = 1,
+    holdout_fraction: float = 0.0,
 ) -> Any:
     """Make an RLlib offline `config` (BC, MARWIL, CQL, IQL, ...) train continuously on the
     shards committed under `input_uri`. Returns the config (changed in place).
@@ -366,6 +367,8 @@ def configure_continuous(
     train_batch_size_per_learner) and `fresh_share` configure the Learner side (`StreamIterator`).
     `read_tasks` never-ending read tasks share the feed (more than one helps when reading and
     decoding shards, not the PreLearner, limits fresh-data throughput).
+    `holdout_fraction` F: episodes with `rlrec.trainer.holdout.is_held_out(id, F)` are dropped
+    by the PreLearner and never trained on (they are `rlrec evaluate`'s data).
     """
     if fmt not in ("episodes", "tabular"):
         raise ValueError(f"fmt must be 'episodes' or 'tabular', got {fmt!r}")
@@ -434,6 +437,7 @@ def configure_continuous(
         "learner_buffer_rows": learner_buffer_rows,
         "fresh_share": float(fresh_share),
         "read_tasks": int(read_tasks),
+        "holdout_fraction": float(holdout_fraction),
     }
     config.learners(learner_config_dict={LEARNER_CONFIG_KEY: spec})
     return config

@@ -253,13 +253,15 @@ def publish_policy(
     parent_version: int | None,
     signing_key: Any = None,
     artifact: PolicyArtifact | None = None,
+    metadata: dict | None = None,
 ) -> dict:
     """Write ``v{version:06d}/`` (weights, lineage.json, policy.json[, policy.json.sig]) then ``latest.json``.
 
     ``policy.json`` pins the sha256 of every other file of the version, its ``policy_version``
     and its directory name; with `signing_key` (an Ed25519 private key) ``policy.json.sig`` is
     the signature over its exact bytes. `artifact`: reuse an artifact built already (the
-    promotion gate evaluated it)."""
+    promotion gate evaluated it). `metadata`: more keys for ``policy.json`` (signed with it; e.g.
+    the promotion gate's decision and the algorithm's ``gamma``); keys the spec sets win."""
     if not isinstance(observation_space, gym.spaces.Box):
         raise ValueError(f"publishing needs a Box observation space, got {observation_space}")
     if artifact is None:
@@ -283,6 +285,7 @@ def publish_policy(
     ).encode()
     files = {**artifact.files, LINEAGE: lineage}
     spec = {
+        **(metadata or {}),
         "artifact_version": ARTIFACT_VERSION,
         "policy_version": version,
         "directory": d,

@@ -188,6 +188,7 @@ class FeedState:
         self._window_time = 0.0
         self.stats = IterationStats()
         self._skips_seen: set[tuple[int, str]] = set()
+        self._fresh_rows_out: dict[int, int] = {}  # fresh shard -> rows its chunks produced so far
         # shard -> first times: added, delivered, processed (its first fresh chunk out of the PreLearner), trained
         self.timeline: dict[int, dict] = {}
         self.totals = {"deliveries": 0, "fresh_deliveries": 0, "replay_deliveries": 0, "rows_delivered": 0}
@@ -388,13 +389,37 @@ class FeedState:
 
     # --------------------------------------------------------------- feedback
     def processed(self, tags: list[int], rows_out: int) -> None:
-        """The PreLearner turned the chunks `tags` into `rows_out` rows."""
+        """The PreLearner turned the chunks `tags` into `rows_out` rows.
+
+        A fresh shard all of whose chunks came out empty (every episode held out for
+        evaluation, or unusable) has nothing to train on: it counts as trained on now, once,
+        instead of being delivered again and again."""
         now = self.clock()
         for t in tags:
             p = self.pending.pop(int(t), None)
             if p is not None and p.fresh:
                 self.timeline.setdefault(p.shard, {}).setdefault("processed", now)
+                self._fresh_rows_out[p.shard] = self._fresh_rows_out.get(p.shard, 0) + int(rows_out)
+                idx = p.shard
+                if (
+                    idx not in self.trained
+                    and self._fresh_rows_out[idx] == 0
+                    and not any(c[0] == idx for c in self._chunks)
+                    and not any(q.shard == idx and q.fresh for q in self.pending.values())
+                ):
+                    self._mark_trained(idx, now)
         self.produced += int(rows_out)
+
+    def _mark_trained(self, idx: int, t: float) -> None:
+        s = self.shards.get(idx)
+        if s is None or idx in self.trained:
+            return
+        self.trained.add(idx)
+        self._window_dirty = True
+        self.inflight_fresh.pop(idx, None)
+        self._fresh_rows_out.pop(idx, None)
+        self.stats.newly_trained.setdefault(s.key, t)
+        self.timeline.setdefault(idx, {})["trained"] = t
 
     def skipped(self, tag: int, episodes: list[str], reason: str) -> None:
         """The PreLearner skipped these unusable `episodes` (ids; ``#i``: the i-th row of the chunk,
@@ -445,12 +470,7 @@ class FeedState:
             if s is None:
                 continue
             st.seen.add(s.key)
-            if idx not in self.trained:
-                self.trained.add(idx)
-                self._window_dirty = True
-                self.inflight_fresh.pop(idx, None)
-                st.newly_trained.setdefault(s.key, t)
-                self.timeline.setdefault(idx, {})["trained"] = t
+            self._mark_trained(idx, t)
         st.wait_s += wait_s
         st.compute_s += compute_s
         st.updates += updates

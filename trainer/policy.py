@@ -264,6 +264,78 @@ class _LoadedVersion:
             "action_logp": np.float32(logp[0]),
         }
 
+    # -- what off-policy evaluation needs (rlrec.trainer.ope.PolicyTarget)
+    def action_probs(self, obs_batch: Any) -> np.ndarray:
+        """Categorical policies: every action's probability per observation, ``(B, n)`` float64.
+
+        Args:
+            obs_batch: ``(B, *observation_shape)`` observations.
+
+        Raises:
+            ValueError: the policy's actions are not categorical.
+
+        Example:
+            >>> version.action_probs(obs_batch).sum(-1)  # doctest: +SKIP
+            array([1., 1.])
+        """
+        import torch
+
+        m = self
+        if m.dist.kind != "categorical":
+            raise ValueError(f"action_probs needs a categorical policy, this one is {m.dist.kind}")
+        return torch.softmax(m.forward(obs_batch).double(), dim=-1).numpy()
+
+    def logp_env(self, obs_batch: Any, actions: Any) -> np.ndarray:
+        """Log-probability of `actions` given in env units (as episodes record them) under the
+        exploring policy, ``(B,)`` float64 (`logp` takes distribution units; for a squashed
+        Gaussian this maps the bounds back to [-1, 1] first).
+
+        Args:
+            obs_batch: ``(B, *observation_shape)`` observations.
+            actions: ``(B,)`` or ``(B, *action_shape)`` actions as the environment took them.
+
+        Example:
+            >>> version.logp_env(obs_batch, episode_actions)  # doctest: +SKIP
+        """
+        import torch
+
+        m = self
+        a = torch.as_tensor(m.dist.from_env(np.asarray(actions)))
+        return m.dist.logp(m.forward(obs_batch), a).double().numpy()
+
+    def sample_env_actions(self, obs_batch: Any, n: int, seed: int = 0) -> np.ndarray:
+        """`n` exploring actions per observation in env units, ``(B, n, *action_shape)``.
+
+        Args:
+            obs_batch: ``(B, *observation_shape)`` observations.
+            n: samples per observation.
+            seed: the sampling seed.
+
+        Example:
+            >>> version.sample_env_actions(obs_batch, 8).shape  # doctest: +SKIP
+            (2, 8, 1)
+        """
+        import torch
+
+        m = self
+        inputs = m.forward(obs_batch)
+        gen = torch.Generator().manual_seed(int(seed))
+        draws = [m.dist.to_env_batch(m.dist.sample(inputs, gen).numpy()) for _ in range(int(n))]
+        return np.stack(draws, axis=1)
+
+    def greedy_env_actions(self, obs_batch: Any) -> np.ndarray:
+        """The action ``act(obs, explore=False)`` takes for each observation, in env units.
+
+        Args:
+            obs_batch: ``(B, *observation_shape)`` observations.
+
+        Example:
+            >>> version.greedy_env_actions(obs_batch)  # doctest: +SKIP
+            array([1, 0])
+        """
+        m = self
+        return m.dist.to_env_batch(m.dist.greedy(m.forward(obs_batch)).numpy())
+
 
 def _read_required(files: _Files, rel: str, rel_dir: str, max_bytes: int) -> bytes:
     try:
@@ -475,6 +547,57 @@ class Policy:
 
         m = self._model
         return m.dist.logp(m.forward(obs_batch), torch.as_tensor(np.asarray(actions))).numpy()
+
+    # -- what off-policy evaluation needs (rlrec.trainer.ope.PolicyTarget; see _LoadedVersion)
+    def action_probs(self, obs_batch: Any) -> np.ndarray:
+        """Categorical policies: every action's probability per observation, ``(B, n)`` float64.
+
+        Args:
+            obs_batch: ``(B, *observation_shape)`` observations.
+
+        Example:
+            >>> policy.action_probs(obs_batch).sum(-1)  # doctest: +SKIP
+            array([1., 1.])
+        """
+        return self._model.action_probs(obs_batch)
+
+    def logp_env(self, obs_batch: Any, actions: Any) -> np.ndarray:
+        """Log-probability of env-unit `actions` (as episodes record them) under the exploring policy.
+
+        Args:
+            obs_batch: ``(B, *observation_shape)`` observations.
+            actions: ``(B,)`` or ``(B, *action_shape)`` actions as the environment took them.
+
+        Example:
+            >>> policy.logp_env(obs_batch, episode_actions)  # doctest: +SKIP
+        """
+        return self._model.logp_env(obs_batch, actions)
+
+    def sample_env_actions(self, obs_batch: Any, n: int, seed: int = 0) -> np.ndarray:
+        """`n` exploring actions per observation in env units, ``(B, n, *action_shape)``.
+
+        Args:
+            obs_batch: ``(B, *observation_shape)`` observations.
+            n: samples per observation.
+            seed: the sampling seed.
+
+        Example:
+            >>> policy.sample_env_actions(obs_batch, 8).shape  # doctest: +SKIP
+            (2, 8, 1)
+        """
+        return self._model.sample_env_actions(obs_batch, n, seed)
+
+    def greedy_env_actions(self, obs_batch: Any) -> np.ndarray:
+        """The action ``act(obs, explore=False)`` takes for each observation, in env units.
+
+        Args:
+            obs_batch: ``(B, *observation_shape)`` observations.
+
+        Example:
+            >>> policy.greedy_env_actions(obs_batch)  # doctest: +SKIP
+            array([1, 0])
+        """
+        return self._model.greedy_env_actions(obs_batch)
 
     # -- acting
     def act(self, obs: Any, explore: bool | None = None) -> tuple[Any, dict]:

@@ -267,6 +267,31 @@ class PolicyDistribution:
             logp = logp - jacobian.sum(-1)
         return logp
 
+    def from_env(self, actions: np.ndarray) -> np.ndarray:
+        """Env actions (a batch, as recorded) -> distribution units (inverse of `to_env` where it
+        is invertible: the squashed Gaussian's scaling; a clipped Gaussian action stays clipped)."""
+        a = np.asarray(actions)
+        if self.kind == "categorical":
+            return a.astype(np.int64).reshape(-1)
+        a = a.astype(np.float32).reshape((len(a), -1))
+        if self.kind == "squashed_gaussian" and self.low is not None:
+            low, high = self.low.reshape(1, -1), self.high.reshape(1, -1)
+            a = 2.0 * (a - low) / (high - low) - 1.0
+        return a
+
+    def to_env_batch(self, actions: Any) -> np.ndarray:
+        """A batch of distribution-unit actions -> env actions, ``(B,)`` ints or ``(B, *shape)``."""
+        a = np.asarray(actions)
+        if self.kind == "categorical":
+            return a.astype(np.int64)
+        a = a.astype(np.float32).reshape((len(a), -1))
+        if self.low is None:
+            return a
+        low, high = self.low.reshape(1, -1), self.high.reshape(1, -1)
+        if self.kind == "squashed_gaussian":
+            a = low + (a + 1.0) * 0.5 * (high - low)
+        return np.clip(a, low, high).reshape((len(a), *self.shape)).astype(np.float32)
+
     def to_env(self, action: np.ndarray) -> Any:
         """A distribution-unit action (one row) -> the action the environment takes."""
         if self.kind == "categorical":

@@ -40,7 +40,9 @@ class SafeOfflinePreLearner(OfflinePreLearner):
     the action space, NaN/inf values, wrong shapes -- RLlib would raise and stop the pipeline or
     the Learner), keeps only the extra model
     outputs listed in ``learner_config_dict["rlrec"]["keep_extra_model_outputs"]`` (keys that
-    differ between shards would break batching) and tags every timestep (``rlrec_tag``).
+    differ between shards would break batching), drops the episodes held out for evaluation
+    (``learner_config_dict["rlrec"]["holdout_fraction"]``, `rlrec.trainer.holdout.is_held_out`)
+    and tags every timestep (``rlrec_tag``).
     Tabular rows are mapped by RLlib's `_map_to_episodes` (with ``input_compress_columns=[]``
     nothing is unpickled); the tag column rides along as an extra model output.
 
@@ -52,6 +54,9 @@ class SafeOfflinePreLearner(OfflinePreLearner):
         spec = (config.learner_config_dict or {}).get(LEARNER_CONFIG_KEY, {})
         self._rlrec_keep = set(spec.get("keep_extra_model_outputs") or ())
         self._rlrec_mode = spec.get("prelearner_mode", "episodes")
+        #: episodes held out for evaluation (rlrec.trainer.holdout) are never trained on
+        self._rlrec_holdout = float(spec.get("holdout_fraction") or 0.0)
+        self.rlrec_held_out = 0
         self.rlrec_skipped = 0
         #: (episode id, or "#<row in the chunk>" if undecodable; why) of each episode the last call
         #: skipped (read by the envelope wrapper, reported to the feed, which counts each once)
@@ -78,6 +83,17 @@ class SafeOfflinePreLearner(OfflinePreLearner):
                 obs, act = obs or self.observation_space, act or self.action_space
         return obs, act
 
+    def _held_out(self, ep: Any) -> bool:
+        """Whether `ep` belongs to the held-out evaluation data (then it is not trained on)."""
+        if not self._rlrec_holdout:
+            return False
+        from rlrec.trainer.holdout import is_held_out
+
+        if is_held_out(str(getattr(ep, "id_", "")), self._rlrec_holdout):
+            self.rlrec_held_out += 1
+            return True
+        return False
+
     def _usable(self, ep: Any) -> bool:
         from rlrec.trainer.episode_check import unusable_reason
 
@@ -99,7 +115,7 @@ class SafeOfflinePreLearner(OfflinePreLearner):
             except EpisodeDecodeError as e:
                 self._skip(f"#{i}", f"cannot be decoded safely: {e}")
                 continue
-            if not self._usable(ep):
+            if not self._usable(ep) or self._held_out(ep):  # unusable ones are counted, held out or not
                 continue
             for k in [k for k in ep.extra_model_outputs if k not in self._rlrec_keep]:
                 del ep.extra_model_outputs[k]
@@ -154,7 +170,11 @@ class SafeOfflinePreLearner(OfflinePreLearner):
             schema = SCHEMA | (self.config.input_read_schema or {})
             known = set(schema) | set(schema.values()) | self._rlrec_keep | {TAG}
             batch = {k: v for k, v in batch.items() if k in known}
-            episodes = [ep for ep in self._map_to_episodes(batch, to_numpy=False)["episodes"] if self._usable(ep)]
+            episodes = [
+                ep
+                for ep in self._map_to_episodes(batch, to_numpy=False)["episodes"]
+                if self._usable(ep) and not self._held_out(ep)
+            ]
         if not episodes:
             return {}
         out = self._learner_connector(rl_module=self._module, batch={}, episodes=episodes, shared_data={}, metrics=None)

@@ -53,10 +53,19 @@ def export_candidate(algo: Any, observation_space: Any, action_space: Any) -> An
     return build_artifact(_module_from_algo(algo), observation_space, action_space)
 
 
-def evaluate_exported(model: bytes, spec: dict, env_id: str, episodes: int, seed: int = 0) -> float:
+def evaluate_exported(
+    model: bytes,
+    spec: dict,
+    env_id: str,
+    episodes: int,
+    seed: int = 0,
+    gamma: float = 1.0,
+    explore: bool = False,
+) -> float:
     """Mean return of `episodes` greedy episodes of the exported `model` (its weights file's bytes)
     described by `spec` (``format``, ``action_dist``, ``action_space``, ``observation_shape`` and,
-    for safetensors, ``network``: the fields of policy.json)."""
+    for safetensors, ``network``: the fields of policy.json). `gamma` < 1: the mean discounted
+    return (what off-policy estimates estimate); `explore`: sample actions instead."""
     import gymnasium as gym
     import torch
 
@@ -69,11 +78,12 @@ def evaluate_exported(model: bytes, spec: dict, env_id: str, episodes: int, seed
     try:
         for k in range(max(1, int(episodes))):
             obs, _ = env.reset(seed=seed + k)
-            total, done = 0.0, False
+            total, done, discount = 0.0, False, 1.0
             while not done:
-                action, _ = policy.act(obs, False, generator)
+                action, _ = policy.act(obs, explore, generator)
                 obs, reward, terminated, truncated, _ = env.step(action)
-                total += float(reward)
+                total += discount * float(reward)
+                discount *= gamma
                 done = terminated or truncated
             returns.append(total)
     finally:

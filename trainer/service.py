@@ -120,6 +120,8 @@ class ContinuousTrainer:
         self.last_record: dict | None = None
         self.deployed_return: float | None = cfg.promotion_baseline  # promotion gate state
         self.last_promotion: dict | None = None
+        self._held_out: Any = None  # HeldOutReader of the ope gate
+        self._deployed_cache: Any = None
         self.shards_skipped = 0  # shards refused (schema gate, checksum, unreadable), cumulative
         self.episodes_skipped = 0  # episodes the PreLearner could not use, cumulative
         self._skip_logged: set[str] = set()
@@ -284,6 +286,7 @@ class ContinuousTrainer:
             prelearner_mode=cfg.prelearner_mode,
             cache_ttl_s=cfg.cache_ttl_s,
             read_tasks=cfg.read_tasks,
+            holdout_fraction=cfg.ope.holdout_fraction,
         )
         return config
 
@@ -294,7 +297,7 @@ class ContinuousTrainer:
         With the promotion gate, the final (stop) checkpoint publishes nothing: every decision
         is taken at a periodic checkpoint and recorded in that iteration's metrics line."""
         t0 = time.time()
-        if self.cfg.publish and not (final and self.cfg.promotion_gate):
+        if self.cfg.publish and not (final and self.cfg.gate):
             self.publish()
         state = {
             "version": STATE_VERSION,
@@ -318,10 +321,12 @@ class ContinuousTrainer:
 
         version = self.policy_version + 1
         artifact = None
-        if self.cfg.promotion_gate:
+        metadata = {"gamma": self._gamma()}
+        if self.cfg.gate:
             artifact = self._promote(version)
             if artifact is None:
                 return
+            metadata["promotion"] = self.last_promotion
         try:
             publish_policy(
                 self.publish_storage,
@@ -337,6 +342,7 @@ class ContinuousTrainer:
                 parent_version=self.policy_version or None,
                 signing_key=self.signing_key,
                 artifact=artifact,
+                metadata=metadata,
             )
         except Exception as e:
             log.error("publishing policy v%d failed: %s", version, e)
@@ -348,9 +354,176 @@ class ContinuousTrainer:
         if self.last_promotion is not None and self.last_promotion["candidate_version"] == version:
             self.deployed_return = self.last_promotion["candidate_return"]
 
+    def _gamma(self) -> float | None:
+        try:
+            return float(self.algo.config.gamma)
+        except (AttributeError, TypeError, ValueError):
+            return None
+
+    def _candidate_spec(self, artifact: Any, version: int) -> dict:
+        from rlrec.producer.spaces import space_to_json
+
+        return {
+            **artifact.spec,
+            "policy_version": version,
+            "action_space": space_to_json(self.act_space),
+            "observation_shape": list(self.obs_space.shape),
+        }
+
+    def _deployed_policy(self) -> Any:
+        """The deployed (latest published) version, loaded as services load it (cached per version)."""
+        import warnings
+
+        from rlrec.trainer.policy import UnsignedPolicyWarning, load_policy
+
+        cached = self._deployed_cache
+        if cached is not None and cached.policy_version == self.policy_version:
+            return cached
+        public_key = None
+        if self.signing_key is not None:
+            from cryptography.hazmat.primitives import serialization
+
+            public_key = self.signing_key.public_key().public_bytes(
+                serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+            )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UnsignedPolicyWarning)
+            self._deployed_cache = load_policy(
+                self.publish_storage.uri(""),
+                version=self.policy_version,
+                public_key=public_key,
+                allow_unsigned=public_key is None,
+            )
+        return self._deployed_cache
+
     def _promote(self, version: int) -> Any:
-        """The promotion gate: evaluate the candidate artifact; the artifact if it is not worse than
-        the deployed one (it is then published as evaluated), else None."""
+        """The promotion gate (``--promotion-gate env`` or ``ope``): the candidate artifact if it
+        passes (it is then published as evaluated), else None."""
+        if self.cfg.promotion_gate == "ope":
+            return self._promote_ope(version)
+        return self._promote_env(version)
+
+    def _promote_ope(self, version: int) -> Any:
+        """Off-policy gate: the paired difference candidate - deployed (or - the logged behaviour
+        before the first publication) on the held-out episodes; promoted if its lower bound is at
+        least -margin and both estimates' diagnostics pass."""
+        from rlrec.trainer.ope import FQEConfig, LoggedData, PolicyTarget, compare
+        from rlrec.trainer.ope_data import HeldOutReader
+        from rlrec.trainer.policy import version_from_artifact
+        from rlrec.trainer.promotion import evaluate_exported, export_candidate
+
+        cfg = self.cfg
+        t0 = time.time()
+        gamma = self._gamma() or 0.99
+        decision: dict[str, Any] = {
+            "gate": "ope",
+            "candidate_version": version,
+            "deployed_version": self.policy_version or None,
+            "estimator": cfg.promotion_estimator,
+            "margin": cfg.promotion_margin,
+            "gamma": gamma,
+            "explore": cfg.promotion_explore,
+            "candidate_return": None,
+            "deployed_return": None,
+            "promoted": False,
+        }
+        self.last_promotion = decision
+        try:
+            artifact = export_candidate(self.algo, self.obs_space, self.act_space)
+            spec = self._candidate_spec(artifact, version)
+            model = artifact.files[artifact.spec["model"]]
+            candidate = version_from_artifact(spec, model)
+            if self._held_out is None:
+                self._held_out = HeldOutReader(
+                    self.input,
+                    cfg.ope.holdout_fraction,
+                    policy_id=cfg.policy_id,
+                    observation_space=self.obs_space,
+                    action_space=self.act_space,
+                )
+            episodes = self._held_out.refresh()
+            decision["data"] = {"holdout_fraction": cfg.ope.holdout_fraction, **self._held_out.stats.to_dict()}
+            if not episodes:
+                decision["reason"] = "no held-out episodes yet"
+                log.info("promotion gate (ope): candidate v%d not promoted: no held-out episodes yet", version)
+                return None
+            data = LoggedData(episodes)
+            deployed = self._deployed_policy() if self.policy_version else None
+            cmp = compare(
+                data,
+                PolicyTarget(candidate, cfg.promotion_explore, seed=cfg.seed or 0),
+                None if deployed is None else PolicyTarget(deployed, cfg.promotion_explore, seed=cfg.seed or 0),
+                gamma=gamma,
+                estimator=cfg.promotion_estimator,
+                ci=cfg.ope.ope_ci,
+                n_boot=cfg.ope.ope_bootstrap,
+                seed=cfg.seed or 0,
+                thresholds=cfg.ope.thresholds(),
+                fqe=FQEConfig(steps=cfg.ope.fqe_steps, seed=cfg.seed or 0),
+            )
+            c_est = cmp.candidate.estimates[cmp.estimator]
+            d_est = cmp.deployed.estimates[cmp.estimator]
+            decision.update(
+                {
+                    "candidate_return": c_est.value,
+                    "deployed_return": d_est.value,
+                    "deployed_is_behavior": deployed is None,
+                    "difference": cmp.difference,
+                    "ci_low": cmp.ci_low,
+                    "ci_high": cmp.ci_high,
+                    "ci_level": cmp.ci,
+                    "estimable": cmp.estimable,
+                    "reason": cmp.reason,
+                    "candidate_estimate": c_est.to_dict(),
+                    "deployed_estimate": d_est.to_dict(),
+                    "diagnostics": {"candidate": cmp.candidate.diagnostics, "deployed": cmp.deployed.diagnostics},
+                }
+            )
+            decision["data"].update(
+                {
+                    "episodes": data.n_episodes,
+                    "steps": data.steps,
+                    "behavior_versions": cmp.candidate.behavior_versions,
+                    "behavior_mean_return": cmp.candidate.behavior_mean_return,
+                }
+            )
+            decision["promoted"] = bool(cmp.estimable and cmp.ci_low >= -cfg.promotion_margin)
+            if cmp.estimable and not decision["promoted"]:
+                decision["reason"] = (
+                    f"lower bound {cmp.ci_low:.4g} of the difference < -margin {-cfg.promotion_margin:g}"
+                )
+            if cfg.env:  # the simulator's truth beside the estimate (not used for the decision)
+                decision["true_return"] = evaluate_exported(
+                    model,
+                    spec,
+                    cfg.env,
+                    cfg.promotion_episodes,
+                    seed=cfg.seed or 0,
+                    gamma=gamma,
+                    explore=cfg.promotion_explore,
+                )
+        except Exception as e:
+            decision["reason"] = f"evaluation failed: {type(e).__name__}: {e}"
+            log.error("evaluating candidate v%d off-policy failed (%s): not promoted", version, e)
+            return None
+        finally:
+            decision["seconds"] = round(time.time() - t0, 3)
+        log.info(
+            "promotion gate (ope, %s): candidate v%d vs %s: difference %s [%s, %s]: %s%s",
+            cfg.promotion_estimator,
+            version,
+            f"v{self.policy_version}" if self.policy_version else "the logged behaviour",
+            decision.get("difference"),
+            decision.get("ci_low"),
+            decision.get("ci_high"),
+            "promoted" if decision["promoted"] else "kept the deployed version",
+            f" ({decision['reason']})" if decision.get("reason") else "",
+        )
+        return artifact if decision["promoted"] else None
+
+    def _promote_env(self, version: int) -> Any:
+        """The simulator gate: evaluate the candidate artifact in --env; the artifact if it is not
+        worse than the deployed one, else None."""
         from rlrec.producer.spaces import space_to_json
         from rlrec.trainer.promotion import decide, evaluate_exported, export_candidate
 
@@ -565,7 +738,8 @@ class ContinuousTrainer:
             rec["checkpoint"] = True
             if self.last_promotion is not None:  # the gate's decision (and its evaluation)
                 rec["promotion"] = self.last_promotion
-                rec.setdefault("eval_return_mean", self.last_promotion["candidate_return"])
+                if self.cfg.promotion_gate == "env":  # (an ope estimate is a discounted return: not mixed in)
+                    rec.setdefault("eval_return_mean", self.last_promotion["candidate_return"])
         self.metrics.write(rec)
         self.last_record = rec
         return rec

@@ -27,10 +27,10 @@ import sys
 
 from rlrec.logs import LogOptions
 from rlrec.options import OptionSet
-from rlrec.trainer.config import TrainerConfig
+from rlrec.trainer.config import OPESettings, TrainerConfig
 
 #: the options of `rlrec train`, declared on these dataclasses
-OPTIONS = OptionSet("train", TrainerConfig, LogOptions)
+OPTIONS = OptionSet("train", TrainerConfig, OPESettings, LogOptions)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -57,7 +57,7 @@ def _run(args: argparse.Namespace) -> int:
     from rlrec.trainer.service import ContinuousTrainer, UnsupportedCombination
 
     try:
-        cfg = OPTIONS.build(TrainerConfig, opts)
+        cfg = OPTIONS.build(TrainerConfig, opts, ope=OPTIONS.build(OPESettings, opts))
     except ValueError as e:
         print(f"rlrec train: error: {e}", file=sys.stderr)
         return 2

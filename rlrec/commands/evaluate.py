@@ -1,0 +1,194 @@
+"""`rlrec evaluate`: off-policy evaluation of a published policy version on held-out episodes.
+
+Reads the committed shards under --input (through the schema gate; nothing is unpickled), keeps
+the episodes held out for evaluation (`--holdout-fraction F`: the first 8 bytes of
+sha256(episode id) / 2**64 < F, the same episodes `rlrec train --holdout-fraction F` never trains
+on), optionally only those recorded by behaviour version V, and estimates the mean discounted
+return per episode of the published version (at --gamma; default: the gamma in its policy.json,
+else 0.99) from the behaviour's recorded propensities (`action_logp`). Estimators: wdr (weighted
+doubly robust on FQE, the default), fqe, wpdis, wis; an estimate whose diagnostics fail
+(coverage of propensities, effective sample size, largest weight, support, horizon) is reported
+as not estimable, with the reason. See docs/TRAINER.md.
+
+Examples:
+  rlrec evaluate --input s3://bucket/exp --policies s3://bucket/run1/policies --json
+  rlrec evaluate --input /data/exp --policies /ckpt/policies --version 3 --behavior-version 2 \\
+      --estimators wdr,wis --explore
+
+Every option can also come from a config file (`--config FILE`) or from `RLREC_<OPTION>`
+environment variables, as for `rlrec train`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+
+from rlrec.options import OptionSet, option
+from rlrec.trainer.config import OPESettings
+
+__all__ = ["OPTIONS", "EvaluateOptions"]
+
+
+@dataclass
+class EvaluateOptions:
+    """Options of `rlrec evaluate` (besides the shared `OPESettings`)."""
+
+    input: str = option(help="the consumer's output URI or path (its committed shards are read)")
+    policies: str = option(help="the publish root of the policies (e.g. {checkpoint-dir}/policies)")
+    version: str = option("latest", metavar="N|latest", help="the published version to evaluate")
+    behavior_version: int | None = option(
+        None, help="evaluate only on episodes recorded by this behaviour policy version"
+    )
+    estimators: str = option("wdr,fqe,wpdis,wis", help="comma-separated estimators; the first is the default")
+    explore: bool = option(
+        False,
+        help="evaluate the policy's exploring (sampling) action selection; default: its greedy actions (--greedy)",
+    )
+    json: bool = option(False, help="print only the JSON result on stdout")
+    gamma: float | None = option(None, help="discount (default: the version's gamma in policy.json, else 0.99)")
+    policy_id: str | None = option(None, help="read only this policy id's shards")
+    seed: int = option(0, help="seed of the bootstrap, the FQE fit and sampled actions")
+    public_key: str | None = option(
+        None, help="the trainer's Ed25519 public key (PEM) to verify the version (default: $RLREC_POLICY_PUBLIC_KEY)"
+    )
+    allow_unsigned: bool = option(False, help="load an unsigned version")
+
+
+#: the options of `rlrec evaluate`, declared on these dataclasses
+OPTIONS = OptionSet("evaluate", EvaluateOptions, OPESettings)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "evaluate",
+        help="off-policy evaluation of a published policy on held-out episodes (no simulator)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    OPTIONS.add_arguments(p)
+    p.add_argument(
+        "--greedy", dest="explore", action="store_const", const=False, help="evaluate the greedy actions (default)"
+    )
+    p.set_defaults(func=_run, options=OPTIONS)
+
+
+def _fail(message: str) -> int:
+    print(f"rlrec evaluate: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        opts = OPTIONS.resolve(args)
+        ev = OPTIONS.build(EvaluateOptions, opts)
+        ope = OPTIONS.build(OPESettings, opts)
+    except ValueError as e:
+        return _fail(str(e))
+    names = tuple(n.strip().lower() for n in ev.estimators.split(",") if n.strip())
+    from rlrec.trainer.ope import ESTIMATORS
+
+    bad = [n for n in names if n not in ESTIMATORS]
+    if bad or not names:
+        return _fail(f"--estimators: unknown {', '.join(bad) or '(none)'} (choose from {', '.join(ESTIMATORS)})")
+    if ev.version != "latest" and not ev.version.isdigit():
+        return _fail(f"--version must be a number or latest, got {ev.version!r}")
+    if not ope.holdout_fraction:
+        return _fail("--holdout-fraction 0 holds out no episodes: nothing to evaluate on")
+    if ev.gamma is not None and not 0.0 < ev.gamma <= 1.0:
+        return _fail(f"--gamma must be in (0, 1], got {ev.gamma}")
+    try:
+        result = evaluate_published(ev, ope, names)
+    except _UserError as e:
+        return _fail(str(e))
+    if ev.json:
+        json.dump(result, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    _print(result)
+    return 0
+
+
+class _UserError(Exception):
+    pass
+
+
+def evaluate_published(ev: EvaluateOptions, ope: OPESettings, names: tuple[str, ...]) -> dict:
+    """The result document of `rlrec evaluate` (the ``--json`` contract)."""
+    from rlrec.store.storage import StorageError
+    from rlrec.trainer.ope import FQEConfig, LoggedData, PolicyTarget, evaluate
+    from rlrec.trainer.ope_data import HeldOutReader
+    from rlrec.trainer.policy import PolicyLoadError, load_policy
+
+    try:
+        policy = load_policy(
+            ev.policies,
+            version=None if ev.version == "latest" else int(ev.version),
+            public_key=ev.public_key,
+            allow_unsigned=ev.allow_unsigned,
+        )
+    except (PolicyLoadError, ValueError, OSError) as e:
+        raise _UserError(f"cannot load the policy: {e}") from None
+    if policy.spec.get("format") != "safetensors":
+        raise _UserError("only code-free (safetensors) policy versions can be evaluated")
+    try:
+        reader = HeldOutReader(ev.input, ope.holdout_fraction, policy_id=ev.policy_id)
+        episodes = reader.refresh()
+    except (StorageError, OSError) as e:
+        raise _UserError(f"cannot read {ev.input}: {type(e).__name__}: {e}") from None
+    if ev.behavior_version is not None:
+        episodes = [e for e in episodes if e.policy_version == ev.behavior_version]
+    if not episodes:
+        raise _UserError(
+            f"no held-out episodes under {ev.input} (--holdout-fraction {ope.holdout_fraction}"
+            + (f", --behavior-version {ev.behavior_version}" if ev.behavior_version is not None else "")
+            + ")"
+        )
+    gamma = ev.gamma if ev.gamma is not None else float(policy.spec.get("gamma") or 0.99)
+    data = LoggedData(episodes)
+    obs_dim = int(policy.spec["network"]["input_dim"])
+    if data.obs.shape[1] != obs_dim:
+        raise _UserError(f"the episodes' observations have {data.obs.shape[1]} values, the policy takes {obs_dim}")
+    result = evaluate(
+        data,
+        PolicyTarget(policy, ev.explore, seed=ev.seed),
+        gamma=gamma,
+        estimators=names,
+        ci=ope.ope_ci,
+        n_boot=ope.ope_bootstrap,
+        seed=ev.seed,
+        thresholds=ope.thresholds(),
+        fqe=FQEConfig(steps=ope.fqe_steps, seed=ev.seed),
+    ).to_dict()
+    return {
+        "version": policy.policy_version,
+        "gamma": gamma,
+        "episodes": result["episodes"],
+        "steps": result["steps"],
+        "behavior": result["behavior"],
+        "estimates": result["estimates"],
+        "diagnostics": result["diagnostics"],
+        "default_estimator": names[0],
+        "action_selection": "explore" if ev.explore else "greedy",
+        "ci_level": ope.ope_ci,
+        "holdout_fraction": ope.holdout_fraction,
+        "data": reader.stats.to_dict(),
+    }
+
+
+def _print(r: dict) -> None:
+    print(
+        f"policy v{r['version']} ({r['action_selection']}), gamma {r['gamma']}, on {r['episodes']} held-out "
+        f"episodes ({r['steps']} steps) of behaviour version(s) {', '.join(map(str, r['behavior']['versions'])) or '?'}"
+    )
+    print(f"behaviour's mean discounted return: {r['behavior']['mean_return']:.4f}")
+    for name, e in r["estimates"].items():
+        mark = " (default)" if name == r["default_estimator"] else ""
+        if e["estimable"]:
+            print(f"  {name:6s}{mark}: {e['value']:.4f}  [{e['ci_low']:.4f}, {e['ci_high']:.4f}] ({r['ci_level']:.0%})")
+        else:
+            print(f"  {name:6s}{mark}: not estimable: {e['reason']}")
+    d = r["diagnostics"]
+    print("diagnostics: " + ", ".join(f"{k} {v}" for k, v in d.items()))

@@ -1,0 +1,187 @@
+"""Held-out episodes for off-policy evaluation, read from committed shards without unpickling.
+
+`HeldOutReader` follows the manifest under an output root (committed shards only), reads each
+new shard once (sha256 checked against the manifest, the schema gate `rlrec.store.schema_gate`
+before any column, episodes decoded by `rlrec.store.episodes.unpack_episode`, which refuses
+pickled payloads), keeps the episodes `rlrec.trainer.holdout.is_held_out` selects and turns them
+into `rlrec.trainer.ope.Episode` (behaviour propensity: the ``action_logp`` extra model output;
+behaviour version: the episode's ``policy_version``; for Discrete actions with recorded
+``action_dist_inputs`` of width n, the behaviour's action probabilities, softmax of them, which
+make the support diagnostic exact). Episodes the trainer could not use either
+(`rlrec.trainer.episode_check.unusable_reason`) are counted and left out. Tabular shards are not
+read (counted in ``shards_skipped``). No Ray cluster (RLlib's episode class is imported).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from rlrec.store.storage import Storage
+from rlrec.trainer.holdout import is_held_out
+from rlrec.trainer.ope import Episode
+
+__all__ = ["HeldOutReader", "HeldOutStats", "episode_from_rllib"]
+
+log = logging.getLogger("rlrec.trainer.ope")
+
+#: the extra model output holding the behaviour's log-propensity (RLlib's Columns.ACTION_LOGP)
+ACTION_LOGP = "action_logp"
+#: the behaviour's action distribution inputs (categorical: logits), when recorded
+INPUTS = "action_dist_inputs"
+
+
+def episode_from_rllib(ep: Any) -> Episode:
+    """A decoded `SingleAgentEpisode` (numpy or list form) -> `rlrec.trainer.ope.Episode`.
+
+    Args:
+        ep: the episode.
+
+    Example:
+        >>> from rlrec.store.episodes import to_single_agent_episode  # doctest: +SKIP
+        >>> episode_from_rllib(to_single_agent_episode(finished)).behavior_logp  # doctest: +SKIP
+    """
+    T = len(ep)
+    obs = np.asarray(ep.get_observations(), dtype=np.float32).reshape(T + 1, -1)
+    actions = np.asarray(ep.get_actions())
+    rewards = np.asarray(ep.get_rewards(), dtype=np.float64).reshape(T)
+    logp = None
+    if ACTION_LOGP in ep.extra_model_outputs:
+        raw = np.asarray(ep.get_extra_model_outputs(ACTION_LOGP), dtype=np.float64).reshape(-1)
+        if raw.shape == (T,):
+            logp = raw
+    probs = None
+    space = getattr(ep, "action_space", None)
+    if INPUTS in ep.extra_model_outputs and space is not None and type(space).__name__ == "Discrete":
+        logits = np.asarray(ep.get_extra_model_outputs(INPUTS), dtype=np.float64)
+        if logits.shape == (T, int(space.n)) and np.isfinite(logits).all():
+            z = np.exp(logits - logits.max(axis=1, keepdims=True))
+            probs = z / z.sum(axis=1, keepdims=True)
+    version = (ep.custom_data or {}).get("policy_version")
+    return Episode(
+        obs=obs,
+        actions=actions,
+        rewards=rewards,
+        behavior_logp=logp,
+        terminated=bool(ep.is_terminated),
+        id=str(ep.id_),
+        policy_version=version,
+        behavior_probs=probs,
+    )
+
+
+@dataclass
+class HeldOutStats:
+    """What a `HeldOutReader` read: shards, episodes seen / held out / unusable, skipped shards."""
+
+    shards: int = 0
+    episodes_seen: int = 0
+    episodes_held_out: int = 0
+    episodes_unusable: int = 0
+    shards_skipped: list[tuple[str, str]] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {
+            "shards": self.shards,
+            "episodes_seen": self.episodes_seen,
+            "episodes_held_out": self.episodes_held_out,
+            "episodes_unusable": self.episodes_unusable,
+            "shards_skipped": len(self.shards_skipped),
+        }
+
+
+class HeldOutReader:
+    """The held-out episodes of the committed shards under `input_uri`; `refresh()` reads new shards.
+
+    Args:
+        input_uri: the consumer's output root (or a `Storage`).
+        fraction: the holdout fraction F (`rlrec.trainer.holdout`).
+        policy_id: only shards of this policy id.
+        observation_space: checked against each episode when given (else the shard's spaces).
+        action_space: likewise.
+
+    Example:
+        >>> reader = HeldOutReader("/data/exp", 0.1)  # doctest: +SKIP
+        >>> episodes = reader.refresh()  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        input_uri: Any,
+        fraction: float,
+        *,
+        policy_id: str | None = None,
+        observation_space: Any = None,
+        action_space: Any = None,
+    ) -> None:
+        self.storage = input_uri if isinstance(input_uri, Storage) else Storage.from_uri(str(input_uri))
+        self.fraction = float(fraction)
+        self.policy_id = policy_id
+        self.observation_space = observation_space
+        self.action_space = action_space
+        self._by_shard: dict[str, list[Episode]] = {}
+        self._bad: set[str] = set()
+        self.stats = HeldOutStats()
+
+    def refresh(self) -> list[Episode]:
+        """Read the shards committed since the last call; every held-out episode known, in commit order."""
+        from rlrec.store.manifest import read_manifest
+
+        entries = [e for e in read_manifest(self.storage) if self.policy_id is None or e.policy_id == self.policy_id]
+        live = set()
+        for e in entries:
+            key = e.path
+            live.add(key)
+            if key in self._by_shard or key in self._bad:
+                continue
+            try:
+                self._by_shard[key] = self._read(e)
+                self.stats.shards += 1
+            except FileNotFoundError:
+                continue  # deleted (retention): nothing to evaluate on
+            except ValueError as err:  # schema gate, checksum, decode
+                self._bad.add(key)
+                self.stats.shards_skipped.append((key, str(err)))
+                log.error("shard %s cannot be used for evaluation (%s); skipping it", key, err)
+        for key in [k for k in self._by_shard if k not in live]:
+            del self._by_shard[key]
+        return [ep for k in self._by_shard for ep in self._by_shard[k]]
+
+    def _read(self, entry: Any) -> list[Episode]:
+        from rlrec.store.commit import read_committed_shard
+        from rlrec.store.episodes import EpisodeDecodeError, unpack_episode
+        from rlrec.store.schema_gate import open_shard
+        from rlrec.trainer.episode_check import unusable_reason
+
+        if entry.episode_ids and not any(is_held_out(str(i), self.fraction) for i in entry.episode_ids):
+            return []  # the manifest names its episodes: none is held out, nothing to read
+        if entry.format != "episodes":
+            raise ValueError(f"{entry.format} shards are not read by the evaluator (episode shards only)")
+        data = read_committed_shard(self.storage, entry.path, entry.staging_path)
+        if entry.sha256 and hashlib.sha256(data).hexdigest() != entry.sha256:
+            raise ValueError("sha256 does not match the manifest")
+        table = open_shard(data, fmt="episodes").read(["item"])
+        out = []
+        for chunk in table.column("item").chunks:
+            for v in chunk:
+                self.stats.episodes_seen += 1
+                try:
+                    ep = unpack_episode(v.as_py())
+                except EpisodeDecodeError as err:
+                    self.stats.episodes_unusable += 1
+                    log.debug("undecodable episode in %s: %s", entry.path, err)
+                    continue
+                if not is_held_out(str(ep.id_), self.fraction):
+                    continue
+                obs_space = self.observation_space or ep.observation_space
+                act_space = self.action_space or ep.action_space
+                if unusable_reason(ep, obs_space, act_space) is not None:
+                    self.stats.episodes_unusable += 1
+                    continue
+                self.stats.episodes_held_out += 1
+                out.append(episode_from_rllib(ep))
+        return out

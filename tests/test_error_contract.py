@@ -308,9 +308,16 @@ def test_consume_logs_its_summary_on_shutdown(broker, topic, tmp_path, exists):
 # -- what a newcomer reads -------------------------------------------------------------------------
 
 
-def test_ray_notices_stay_out_of_the_trainer_log(capsys):
+def test_ray_notices_stay_out_of_the_trainer_log(capsys, monkeypatch):
     from rlrec.logs import quiet_ray_logging, setup_logging
 
+    # whatever an earlier test in this process left of Ray's own logging set-up
+    for name in ("ray", "ray.rllib", "ray.data", "ray.rllib.algorithms.marwil"):
+        logger = logging.getLogger(name)
+        monkeypatch.setattr(logger, "propagate", True)
+        monkeypatch.setattr(logger, "handlers", [])
+        monkeypatch.setattr(logger, "level", logging.NOTSET)
+        monkeypatch.setattr(logger, "disabled", False)
     setup_logging("text", "INFO")
     quiet_ray_logging()
     logging.getLogger("ray.rllib.algorithms.marwil").warning("DeprecationWarning: `build` has been deprecated")

@@ -152,18 +152,24 @@ def test_rebalance_between_two_consumers(broker, topic, tmp_path, recorder_confi
     assert set(got) == set(truth) | set(open_ids)
 
 
-def test_a_consumer_started_during_a_storage_outage_waits_for_the_store(
-    broker, topic, local_s3, monkeypatch, recorder_config
-):
-    """The start-up probe of create-once writes meets an unreachable store: infrastructure, so
-    the consumer probes again with backoff (never a crash), and runs once the store answers."""
+def _s3_behind_a_fault_proxy(local_s3, monkeypatch) -> tuple[FaultProxy, str, Storage]:
+    """A fresh bucket of the local S3 reached through a FaultProxy (the process's AWS settings
+    point at the proxy): the proxy, the output URI, and a Storage of it that retries briefly."""
     bucket = local_s3.create_bucket(f"out-{uuid.uuid4().hex[:8]}")
     proxy = FaultProxy(local_s3.port)
     for k, v in local_s3.env().items():
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
     output = f"s3://{bucket}/exp"
-    storage = Storage.from_uri(output, retry=RetryPolicy(attempts=2, base_delay=0.05, max_delay=0.1))
+    return proxy, output, Storage.from_uri(output, retry=RetryPolicy(attempts=2, base_delay=0.05, max_delay=0.1))
+
+
+def test_a_consumer_started_during_a_storage_outage_waits_for_the_store(
+    broker, topic, local_s3, monkeypatch, recorder_config
+):
+    """The start-up probe of create-once writes meets an unreachable store: infrastructure, so
+    the consumer probes again with backoff (never a crash), and runs once the store answers."""
+    proxy, output, storage = _s3_behind_a_fault_proxy(local_s3, monkeypatch)
     rec = EpisodeRecorder(
         broker.bootstrap_servers, topic=topic, policy_id="pol", observation_space=OBS_SPACE, action_space=ACT_SPACE
     )
@@ -184,13 +190,7 @@ def test_a_consumer_started_during_a_storage_outage_waits_for_the_store(
 
 
 def test_storage_outage_pauses_and_recovers(broker, topic, local_s3, monkeypatch, recorder_config):
-    bucket = local_s3.create_bucket(f"out-{uuid.uuid4().hex[:8]}")
-    proxy = FaultProxy(local_s3.port)
-    for k, v in local_s3.env().items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
-    output = f"s3://{bucket}/exp"
-    storage = Storage.from_uri(output, retry=RetryPolicy(attempts=2, base_delay=0.05, max_delay=0.1))
+    proxy, output, storage = _s3_behind_a_fault_proxy(local_s3, monkeypatch)
     cfg = recorder_config(output)
     rec = EpisodeRecorder(
         broker.bootstrap_servers, topic=topic, policy_id="pol", observation_space=OBS_SPACE, action_space=ACT_SPACE

@@ -259,19 +259,48 @@ def test_sigterm_while_the_children_start_stops_them_all(broker, topic, tmp_path
 @pytest.mark.slow
 @pytest.mark.broker
 def test_a_child_that_keeps_crashing_stops_the_supervisor_with_exit_1(broker, topic, tmp_path):
-    # a librdkafka setting that does not exist: every child fails as it creates its Kafka client
+    # child i serves metrics on --metrics-port + i: with both ports taken every child fails at
+    # start (what the supervisor cannot check for its children before they run)
+    taken = _two_taken_ports()
     proc, lines = _start(
-        broker, topic, str(tmp_path / "out"), f"g-{uuid.uuid4().hex[:6]}", "--kafka-config", "no.such=1"
+        broker,
+        topic,
+        str(tmp_path / "out"),
+        f"g-{uuid.uuid4().hex[:6]}",
+        "--metrics-port",
+        str(taken[0].getsockname()[1]),
     )
     try:
         proc.wait(300)
     finally:
         if proc.poll() is None:
             _kill_all(proc, psutil.Process(proc.pid).children(recursive=True))
+        for sock in taken:
+            sock.close()
     err = lines.text()
     assert proc.returncode == 1, err[-3000:]
     assert "restart in 1 s" in err and "restart in 2 s" in err  # the backoff doubled
     assert f"{RESTARTS.attempts} times in a row soon after starting; stopping all" in err
+
+
+def _two_taken_ports() -> list:
+    """Listening sockets on two consecutive free ports of 127.0.0.1 (closed by the caller)."""
+    import socket
+
+    for _ in range(50):
+        first = socket.socket()
+        first.bind(("127.0.0.1", 0))
+        second = socket.socket()
+        try:
+            second.bind(("127.0.0.1", first.getsockname()[1] + 1))
+        except OSError:
+            first.close()
+            second.close()
+            continue
+        first.listen()
+        second.listen()
+        return [first, second]
+    raise RuntimeError("no two consecutive free ports")
 
 
 class _FakeProcess:

@@ -81,9 +81,26 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as e:  # OptionError too
         print(f"rlrec consume: error: {e}", file=sys.stderr)
         return 2
+    if processes > 1:
+        from rlrec.supervisor import check_split
+
+        try:
+            check_split(config, processes)
+        except ValueError as e:
+            print(f"rlrec consume: error: {e}", file=sys.stderr)
+            return 2
     from rlrec.commands._common import open_output
 
-    open_output(config.output, "--output")  # UsageError (exit 2) before Kafka is contacted
+    output = open_output(config.output, "--output")  # UsageError (exit 2) before Kafka is contacted
+    from rlrec.store.storage import ConditionalWritesError, StorageError, require_conditional_writes
+
+    try:  # a store that ignores create-once writes is a configuration error: said before Kafka is
+        require_conditional_writes(output, allow_unfenced=config.allow_unfenced_storage)
+    except ConditionalWritesError as e:
+        print(f"rlrec consume: error: {e}", file=sys.stderr)
+        return 2
+    except StorageError:
+        pass  # unreachable now: infrastructure, the consumer probes it again until it answers
     from rlrec.consumer.service import startup_timeout
     from rlrec.consumer.topics import check_client_config, check_reachable, client_settings
 
@@ -97,17 +114,8 @@ def _run(args: argparse.Namespace) -> int:
     logging_args = (opts["log_format"], opts["log_level"])
     setup_logging(*logging_args)
     from rlrec.consumer.service import RecorderConsumer
-    from rlrec.store.storage import ConditionalWritesError
 
     max_seconds = opts["max_seconds"]
-    try:
-        if processes > 1:
-            from rlrec.supervisor import check_split
-
-            check_split(config, processes)
-    except ValueError as e:
-        print(f"rlrec consume: error: {e}", file=sys.stderr)
-        return 2
     try:
         if processes > 1:
             from rlrec.supervisor import ConsumerProcesses

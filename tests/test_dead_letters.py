@@ -91,11 +91,13 @@ def test_failed_deliveries_are_kept_retried_and_hold_the_offset(broker):
     assert failures and "topic" in failures[0].lower()
     assert (dlq.min_unacked(0), dlq.min_unacked(1), dlq.min_unacked(2)) == (7, 3, None)
     assert len(dlq.pending) == 3 and dlq.oldest_failure() is not None
-    attempts = max(p.attempts for p in dlq.pending.values())
-    time.sleep(0.6)
+    attempts = sum(p.attempts for p in dlq.pending.values())
+    due = min(p.retry.next_at for p in dlq.pending.values())  # the backoff's schedule
+    assert due > time.monotonic() - 1.0
+    time.sleep(max(0.0, due - time.monotonic()) + 0.1)
     dlq.poll()  # due again: produced again
     dlq.flush(2)
-    assert max(p.attempts for p in dlq.pending.values()) > attempts
+    assert sum(p.attempts for p in dlq.pending.values()) > attempts
     dlq.close()
 
     ok = DeadLetterQueue(Producer({"bootstrap.servers": broker.bootstrap_servers}), f"dlq-{uuid.uuid4().hex[:8]}")

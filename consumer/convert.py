@@ -68,6 +68,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 
+from rlrec.consumer.convert_options import SCHEMA_KEYS, ConvertOptions
 from rlrec.producer.events import POLICY_ID_RE
 from rlrec.producer.spaces import dumps_space, loads_space, space_leaves
 from rlrec.store.commit import ShardCommitter
@@ -88,22 +89,6 @@ __all__ = [
 ]
 
 INPUT_FORMATS = ("tabular", "sample-batch")
-#: keys a user mapping (``schema``) may rename; the values are the default column names.
-SCHEMA_KEYS = (
-    "eps_id",
-    "agent_id",
-    "module_id",
-    "obs",
-    "actions",
-    "rewards",
-    "new_obs",
-    "terminateds",
-    "truncateds",
-    "t",
-    "infos",
-    "dones",
-    "policy_version",
-)
 _VERSION_COLUMNS = ("policy_version", "weights_seq_no")
 #: bookkeeping columns of RLlib that are neither data nor extra model outputs
 _IGNORED = frozenset(
@@ -119,24 +104,6 @@ class ConvertError(ValueError):
 
 class UnsafeInputError(ConvertError):
     """Decoding the input would unpickle (execute code from the data); pass allow_pickle."""
-
-
-@dataclass
-class ConvertOptions:
-    """How to read and label the input (see the module docstring)."""
-
-    input_format: str = "tabular"
-    schema: dict[str, str] = field(default_factory=dict)
-    observation_space: gym.Space | None = None
-    action_space: gym.Space | None = None
-    env_id: str = ""
-    policy_id: str | None = None
-    policy_version: int | None = None
-    allow_pickle: bool = False
-    incomplete: str = "drop"
-    topic: str = "converted"
-    episodes_per_shard: int = 1000
-    compression: str = "zstd"
 
 
 @dataclass
@@ -891,11 +858,6 @@ def convert(
     input_uri: str, output: str | Storage, opts: ConvertOptions, progress: Progress | None = None
 ) -> ConvertResult:
     """Convert the recordings at `input_uri` into committed episode shards under `output`."""
-    if opts.episodes_per_shard < 1:
-        raise ConvertError("episodes_per_shard must be >= 1")
-    unknown = set(opts.schema) - set(SCHEMA_KEYS)
-    if unknown:
-        raise ConvertError(f"unknown schema key(s) {sorted(unknown)}; known: {', '.join(SCHEMA_KEYS)}")
     result = ConvertResult()
     blocks, result.files = read_rows(input_uri, opts, progress)
     episodes = rows_to_episodes(blocks, opts, result)

@@ -11,6 +11,10 @@ them into
 * keys of a ``--config`` file (TOML by its ``.toml`` suffix, JSON otherwise), with dashes or
   underscores (``max-file-age-s`` or ``max_file_age_s``; dict fields a table);
 
+(a ``list[str]`` field is a repeatable ``--name VALUE``, comma-separated in the environment, an
+array in a file; a field declared ``positional=True`` is a positional argument, given on the
+command line only)
+
 and resolves them with the precedence command line > environment > config file > defaults.
 A boolean may also be given negated: ``no-create-topics = true`` in a file,
 ``RLREC_NO_CREATE_TOPICS=1`` in the environment.
@@ -75,8 +79,11 @@ def option(
     help: str,
     default_factory: Callable[[], Any] | Any = dataclasses.MISSING,
     normalize: Callable[[str], str] | None = None,
+    parse: Callable[[str], Any] | None = None,
     metavar: str | None = None,
     const: Any = None,
+    name: str | None = None,
+    positional: bool = False,
 ) -> Any:
     """Declare a dataclass field as a command option (a ``dataclasses.field`` carrying its help).
 
@@ -86,9 +93,15 @@ def option(
             environment variable are added to it).
         default_factory: instead of `default`, for mutable defaults (dict fields).
         normalize: applied to a text value before it is checked, e.g. ``str.upper``.
+        parse: turns a text value into the option's type (``"15m"`` -> ``900.0``); its
+            ValueError is the option's error.
         metavar: the value's name in ``--help``.
         const: the value of the flag given without a value (``--promotion-gate`` alone); also
             what ``true``/``1`` in the environment or a config file mean (``false``/``0``: the default).
+        name: the option's name where it differs from the field's (``from`` for a field
+            ``input_format``): ``--from``, ``RLREC_FROM``, key ``from``.
+        positional: a positional argument of the command line (``rlrec gc URI``), given there
+            only: no environment variable, no config-file key.
 
     Example:
         >>> import typing
@@ -101,7 +114,17 @@ def option(
         >>> opts.build(Opts, opts.resolve_values(environ={"RLREC_OUTPUT": "/tmp/x"}))
         Opts(output='/tmp/x', format='episodes')
     """
-    meta = {_META: {"help": help, "normalize": normalize, "metavar": metavar, "const": const}}
+    meta = {
+        _META: {
+            "help": help,
+            "normalize": normalize,
+            "parse": parse,
+            "metavar": metavar,
+            "const": const,
+            "name": name,
+            "positional": positional,
+        }
+    }
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -173,7 +196,7 @@ class Option:
     """One option, derived from a dataclass field."""
 
     name: str  # the field: max_file_age_s
-    kind: type  # str, int, float, bool or dict
+    kind: type  # str, int, float, bool, dict or list (of str)
     default: Any  # dataclasses.MISSING: required
     help: str
     choices: tuple | None = None
@@ -183,18 +206,21 @@ class Option:
     normalize: Callable[[str], str] | None = None
     metavar: str | None = None
     const: Any = None  # the value of the bare flag
+    parse: Callable[[str], Any] | None = None
+    public: str | None = None  # the option's name where it is not the field's
+    positional: bool = False
 
     @property
     def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
+        return "--" + self.key
 
     @property
     def key(self) -> str:
-        return self.name.replace("_", "-")
+        return (self.public or self.name).replace("_", "-")
 
     @property
     def env(self) -> str:
-        return "RLREC_" + self.name.upper()
+        return "RLREC_" + self.key.replace("-", "_").upper()
 
     @property
     def required(self) -> bool:
@@ -202,7 +228,7 @@ class Option:
 
     def shown_default(self) -> str | None:
         """The default as --help and the reference show it (None: nothing to show)."""
-        if self.required or self.default is None or self.default == {}:
+        if self.required or self.default is None or self.default in ({}, []):
             return None
         if self.kind is bool:
             return "on" if self.default else "off"
@@ -232,6 +258,15 @@ class Option:
             if not isinstance(value, dict):
                 raise ValueError(f"expected a table (JSON object), got {value!r}")
             return dict(value)
+        if self.kind is list:  # an array, a JSON array, or comma-separated text
+            if isinstance(value, str):
+                text = value.strip()
+                value = json.loads(text) if text.startswith("[") else [v.strip() for v in text.split(",") if v.strip()]
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise ValueError(f"expected a list of strings, got {value!r}")
+            return list(value)
+        if self.parse is not None and isinstance(value, str):
+            value = self.parse(value)
         if self.kind is bool:
             return parse_flag(value)
         if isinstance(value, bool):
@@ -284,8 +319,10 @@ def _kind(tp: Any) -> tuple[type, tuple | None, bool, bool, bool]:
     if origin is dict or tp is dict:
         value_type = typing.get_args(tp)[1] if typing.get_args(tp) else Any
         return dict, None, optional, False, value_type is not str
+    if origin is list and typing.get_args(tp) == (str,):
+        return list, None, optional, False, False
     if tp not in (str, int, float, bool):
-        raise TypeError(f"option type {tp!r} is not supported (str, int, float, bool, dict, Literal)")
+        raise TypeError(f"option type {tp!r} is not supported (str, int, float, bool, dict, list[str], Literal)")
     return tp, None, optional, accepts_table, False
 
 
@@ -313,7 +350,10 @@ def _options_of(cls: type) -> list[Option]:
                 literal,
                 meta["normalize"],
                 meta["metavar"],
-                meta.get("const"),
+                meta["const"],
+                meta["parse"],
+                meta["name"],
+                meta["positional"],
             )
         )
     _CACHE[cls] = out
@@ -375,6 +415,8 @@ class OptionSet:
                 if opt.name in self.options:
                     raise TypeError(f"option {opt.name!r} of {command} is declared twice")
                 self.options[opt.name] = opt
+        #: the options the environment and a config file may set, by name (underscores)
+        self._settable = {o.key.replace("-", "_"): o for o in self.options.values() if not o.positional}
         _ALL.append(self)
 
     # -- the command line ---------------------------------------------------------------------
@@ -390,14 +432,23 @@ class OptionSet:
         )
         for opt in self.options.values():
             help_ = self._help(opt)
-            if opt.kind is bool:
-                parser.add_argument(opt.flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
-            elif opt.kind is dict:
-                parser.add_argument(opt.flag, action="append", default=None, metavar="KEY=VALUE", help=help_)
+            if opt.positional:
+                nargs = None if opt.required else "?"
+                parser.add_argument(
+                    opt.name, nargs=nargs, default=None, metavar=opt.metavar or opt.name.upper(), help=help_
+                )
+            elif opt.kind is bool:
+                parser.add_argument(
+                    opt.flag, dest=opt.name, action=argparse.BooleanOptionalAction, default=None, help=help_
+                )
+            elif opt.kind in (dict, list):
+                metavar = opt.metavar or ("KEY=VALUE" if opt.kind is dict else opt.key.upper().replace("-", "_"))
+                parser.add_argument(opt.flag, dest=opt.name, action="append", default=None, metavar=metavar, help=help_)
             else:
                 metavar = opt.metavar or ("{" + ",".join(map(str, opt.choices)) + "}" if opt.choices else None)
                 kw: dict[str, Any] = {"nargs": "?", "const": opt.const} if opt.const is not None else {}
-                parser.add_argument(opt.flag, default=None, metavar=metavar or opt.name.upper(), help=help_, **kw)
+                metavar = metavar or opt.key.upper().replace("-", "_")
+                parser.add_argument(opt.flag, dest=opt.name, default=None, metavar=metavar, help=help_, **kw)
 
     def _help(self, opt: Option) -> str:
         notes = []
@@ -406,9 +457,13 @@ class OptionSet:
             notes.append("required")
         elif shown is not None:
             notes.append(f"default: {shown}")
-        if opt.kind is dict:
+        if opt.kind in (dict, list):
             notes.append("repeatable")
-        notes.append(f"env {opt.env}" + ("=1" if opt.kind is bool else " as a JSON object" if opt.kind is dict else ""))
+        if not opt.positional:
+            as_ = {bool: "=1", dict: " as a JSON object", list: ", comma-separated"}.get(opt.kind, "")
+            notes.append(f"env {opt.env}{as_}")
+        if not notes:
+            return opt.help.replace("%", "%%")
         return f"{opt.help} ({'; '.join(notes)})".replace("%", "%%")
 
     # -- resolution ---------------------------------------------------------------------------
@@ -432,6 +487,8 @@ class OptionSet:
             if value is not None:
                 if opt.kind is dict:
                     value = parse_key_values(value, opt.flag, literal=opt.literal_values)
+                elif opt.positional:
+                    value = opt.convert(value, opt.key.upper())
                 else:
                     value = opt.convert(value, opt.flag)
                 cli[name] = value
@@ -462,10 +519,10 @@ class OptionSet:
 
     def _match(self, key: str) -> tuple[Option, bool] | None:
         """The option a file key or variable suffix names (normalized), and whether it is negated."""
-        if key in self.options:
-            return self.options[key], False
-        if key.startswith("no_") and key[3:] in self.options and self.options[key[3:]].kind is bool:
-            return self.options[key[3:]], True
+        if key in self._settable:
+            return self._settable[key], False
+        if key.startswith("no_") and key[3:] in self._settable and self._settable[key[3:]].kind is bool:
+            return self._settable[key[3:]], True
         return None
 
     def _from_file(self, path: str) -> dict[str, Any]:
@@ -474,7 +531,7 @@ class OptionSet:
             key = str(raw_key).replace("-", "_")
             found = self._match(key)
             if found is None:
-                names = [o.key if "-" in str(raw_key) else o.name for o in self.options.values()]
+                names = [o.key if "-" in str(raw_key) else o.key.replace("-", "_") for o in self._settable.values()]
                 raise OptionError(f"unknown option {raw_key!r} in {path}{_did_you_mean(str(raw_key), names)}")
             opt, negated = found
             value = opt.convert(value, f"{raw_key!r} in {path}")
@@ -502,7 +559,10 @@ class OptionSet:
         option without a value, ValueError for what `cls` itself refuses."""
         options = _options_of(cls)
         for opt in options:
-            if opt.required and values.get(opt.name) in (None, ""):
+            value = values.get(opt.name)
+            if opt.required and opt.positional and value is None:  # given empty: the command says what it expects
+                raise OptionError(f"{opt.metavar or opt.name.upper()} is required")
+            if opt.required and not opt.positional and value in (None, "", []):
                 raise OptionError(f"{opt.flag} is required (or {opt.env}, or {opt.key!r} in the --config file)")
         names = {o.name for o in options}
         return cls(**{k: v for k, v in values.items() if k in names}, **extra)
@@ -513,7 +573,7 @@ def known_env_vars() -> set[str]:
     plus :data:`OTHER_ENV`."""
     out = set(OTHER_ENV)
     for s in _ALL:
-        for opt in s.options.values():
+        for opt in s._settable.values():
             out.add(opt.env)
             if opt.kind is bool:
                 out.add("RLREC_NO_" + opt.name.upper())

@@ -3,7 +3,7 @@
 :func:`render` walks every registered subcommand (nested ones such as ``topics create``
 too) and writes one table per command: option, default, help, plus, for a command whose
 options are declared once (an :class:`rlrec.options.OptionSet` set as its parser's ``options``
-default: ``rlrec consume``, ``rlrec train``), the ``RLREC_*`` environment variable and
+default: every command), the ``RLREC_*`` environment variable and
 config-file key of each option, from the same declaration.  docs/CONFIG.md
 is this output; ``tests/test_config_reference.py`` fails when the file is stale.
 
@@ -22,7 +22,7 @@ from collections.abc import Iterator
 __all__ = ["REFRESH_COMMAND", "render"]
 
 #: The command that rewrites docs/CONFIG.md (quoted in the file and in the staleness test).
-REFRESH_COMMAND = "rlrec config-reference --output docs/CONFIG.md"
+REFRESH_COMMAND = "rlrec config-reference --file docs/CONFIG.md"
 
 
 @contextlib.contextmanager
@@ -99,18 +99,23 @@ def _sources(sub: argparse.ArgumentParser) -> dict[str, tuple[str, str, str, str
     for opt in options.options.values():
         shown = opt.shown_default()
         default = "**required**" if opt.required else "" if shown is None else f"`{shown}`"
-        if opt.kind is bool:  # --flag/--no-flag on the command line, 1/0 in the environment
-            default, env, key = shown, f"`{opt.env}={0 if opt.default else 1}`", f"`{opt.key}`"
+        if opt.positional:  # the command line only
+            env = key = ""
+        elif opt.kind is bool:  # --flag/--no-flag on the command line, 1/0 in the environment
+            default = shown or ""
+            env, key = f"`{opt.env}={0 if opt.default else 1}`", f"`{opt.key}`"
         elif opt.kind is dict:
             env, key = f"`{opt.env}` (JSON object)", f"`{opt.key}` (a table)"
+        elif opt.kind is list:
+            env, key = f"`{opt.env}` (comma-separated)", f"`{opt.key}` (an array)"
         else:
             env, key = f"`{opt.env}`", f"`{opt.key}`"
         help_ = opt.help
         if opt.choices:
             help_ += f" (one of {', '.join(map(str, opt.choices))})"
-        if opt.kind is dict:
+        if opt.kind in (dict, list):
             help_ += " (repeatable)"
-        out[opt.flag] = (default, env, key, help_)
+        out[opt.name if opt.positional else opt.flag] = (default, env, key, help_)
     return out
 
 
@@ -139,7 +144,7 @@ def _command_section(path: list[str], sub: argparse.ArgumentParser, help_: str) 
             help_text += " (repeatable)"
         default = _default(action)
         if sources is not None:
-            opt = action.option_strings[0] if action.option_strings else ""
+            opt = action.option_strings[0] if action.option_strings else action.dest
             default, env, key, help_text = sources.get(opt, (default, "", "", help_text))
             rows.append(f"| {_flag(action)} | {default} | {env} | {key} | {_cell(help_text)} |")
         else:
@@ -183,10 +188,10 @@ def render(parser: argparse.ArgumentParser | None = None) -> str:
         "     tests/test_config_reference.py fails when this file is stale. -->",
         "",
         "Every `rlrec` subcommand with its options, defaults and help, generated from the parsers the",
-        "CLI itself uses. `rlrec consume` and `rlrec train` declare their options once (dataclass fields)",
-        "and also read each option from an `RLREC_<OPTION>` environment variable or a `--config` file",
-        "(TOML by its `.toml` suffix, else JSON; keys are the long option names, with dashes or",
-        "underscores); precedence: command line, then environment, then config file, then defaults.",
+        "CLI itself uses. Every command declares its options once (dataclass fields) and reads each",
+        "option (positional arguments aside) also from an `RLREC_<OPTION>` environment variable or a",
+        "`--config` file (TOML by its `.toml` suffix, else JSON; keys are the long option names, with",
+        "dashes or underscores); precedence: command line, then environment, then config file, then defaults.",
         "A config-file key that is no option of the command, or an `RLREC_*` variable that is no option",
         "of any of them, is an error naming the nearest valid one; another command's `RLREC_*` options",
         "are ignored (an option both have, such as `RLREC_METRICS_PORT`, applies to both). Booleans are",

@@ -41,10 +41,8 @@ ONE_SHOT = ("topics", "minio-init", "keys")
 
 
 def parse_service_command(name: str, service: dict, monkeypatch):
-    """Parse a service's command with the real parser: `rlrec`'s, built with the service's environment
-    (some options take their defaults from RLREC_* variables when the parser is built; the options
-    of `consume` and `train` are resolved over the service's environment, typed), or that of the
-    module the service runs (its `parse(argv)`)."""
+    """Parse a service's command with the real parser: `rlrec`'s (its options resolved over the
+    service's environment, typed), or that of the module the service runs (its `parse(argv)`)."""
     for k in [k for k in os.environ if k.startswith("RLREC_")]:
         monkeypatch.delenv(k)
     for k, v in env_of(service).items():
@@ -165,8 +163,8 @@ def test_the_promotion_baseline_is_the_scripted_experts_return(services, monkeyp
 def test_topics_service_creates_the_consumers_topic_with_retention(services, monkeypatch):
     args = parse_service_command("topics", services["topics"], monkeypatch)
     assert args.bootstrap_servers == "kafka:9092"
-    assert not args.no_dlq, "the consumer needs its dead-letter topic (it runs with --no-create-topics)"
-    assert any(c.startswith("retention.ms=") for c in args.config)
+    assert args.dlq, "the consumer needs its dead-letter topic (it runs with --no-create-topics)"
+    assert "retention.ms" in args.topic_config
     consumer = vars(parse_service_command("consumer", services["consumer"], monkeypatch))
     assert args.topic == [consumer["topic"]]
 

@@ -83,11 +83,11 @@ def test_the_reference_does_not_depend_on_the_environment(monkeypatch):
 def test_check_mode_says_how_to_refresh(tmp_path):
     stale = tmp_path / "CONFIG.md"
     stale.write_text("# old\n")
-    cmd = [sys.executable, "-m", "rlrec", "config-reference", "--check", "--output", str(stale)]
+    cmd = [sys.executable, "-m", "rlrec", "config-reference", "--check", "--file", str(stale)]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert r.returncode == 1 and REFRESH_COMMAND in r.stderr, r.stderr
     r = subprocess.run(
-        [sys.executable, "-m", "rlrec", "config-reference", "--output", str(stale)],
+        [sys.executable, "-m", "rlrec", "config-reference", "--file", str(stale)],
         capture_output=True,
         text=True,
         cwd=ROOT,

@@ -315,7 +315,6 @@ _VALID_BATCH = {
         ({"obs": [["a"], ["b"]]}, {}, "expected numbers"),
         ({}, {"policy_id": "../up"}, "cannot name a directory"),
         ({"terminateds": [False, False]}, {"incomplete": "error"}, "has no terminal row"),
-        ({}, {"schema": {"observations": "obs"}}, "unknown schema key"),
     ],
 )
 def test_an_invalid_sample_batch_is_refused_with_the_reason(tmp_path, change, options, says):
@@ -580,3 +579,17 @@ def test_integer_arrays_infer_a_box_over_the_dtype_and_bool_arrays_multibinary(t
 def test_an_episode_of_two_agents_is_refused(tmp_path):
     with pytest.raises(ConvertError, match="multi-agent recordings are not supported"):
         _rule_episodes(tmp_path, "multi", dict(_ONE, agent_id=["agent0", "agent1"]))
+
+
+@pytest.mark.parametrize(
+    ("options", "says"),
+    [
+        ({"schema": {"observations": "obs"}}, "unknown key 'observations'"),
+        ({"schema": {"obs": " "}}, "give the input's column"),
+        ({"episodes_per_shard": 0}, "at least 1"),
+        ({"incomplete": "keep"}, "--incomplete must be one of drop, truncate, error"),
+    ],
+)
+def test_convert_options_refuse_what_no_conversion_can_use(options, says):
+    with pytest.raises(ValueError, match=says):
+        ConvertOptions(**options)

@@ -53,7 +53,7 @@ def _demo(data_dir, *extra: str) -> subprocess.Popen:
             str(data_dir),
             "--no-live",
             "--no-report",
-            "--policies",
+            "--policy-processes",
             "2",
             *extra,
         ],

@@ -103,7 +103,7 @@ def test_inspect_verify_says_what_it_verified_in_80_columns(tmp_path, capsys, mo
 @pytest.mark.parametrize(
     ("argv", "command"),
     [
-        (["topics", "create", "--bootstrap-servers", "x"], "topics create"),
+        (["topics", "create", "--bootstrap-servers", "x", "--partitions"], "topics create"),
         (["consume", "--processes"], "consume"),
         (["nosuch"], ""),
     ],

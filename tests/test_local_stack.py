@@ -113,7 +113,8 @@ def test_cli_help_is_light_and_tolerates_missing_command_modules(monkeypatch):
 
     monkeypatch.setattr(cli, "COMMAND_MODULES", ["rlrec.commands.no_such_command", *cli.COMMAND_MODULES])
     parser = cli.build_parser()
-    assert parser.parse_args(["broker", "--port", "1"]).port == 1
+    args = parser.parse_args(["broker", "--port", "1"])
+    assert args.options.resolve(args, environ={})["port"] == 1
 
 
 # ---------------------------------------------------------------------- broker

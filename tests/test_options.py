@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -213,3 +214,107 @@ def test_the_docstring_examples_run():
 
     result = doctest.testmod(rlrec.options)
     assert result.attempted >= 3 and result.failed == 0
+
+
+# -- every command ---------------------------------------------------------------------------
+
+
+def _leaf_commands(parser, path=()):
+    from rlrec.reference import _subcommands
+
+    subs = _subcommands(parser)
+    if not subs:
+        yield " ".join(path), parser
+    for name, sub in subs:
+        yield from _leaf_commands(sub, (*path, name))
+
+
+def test_every_command_declares_its_options_once():
+    commands = dict(_leaf_commands(build_parser()))
+    assert {"consume", "train", "evaluate", "gc", "inspect", "convert", "topics create", "keys generate"} <= set(
+        commands
+    )
+    undeclared = sorted(
+        name for name, parser in commands.items() if not isinstance(parser.get_default("options"), OptionSet)
+    )
+    assert undeclared == []
+
+
+def test_a_variable_several_commands_read_means_the_same_to_each():
+    """One environment serves every command: an RLREC_* variable that two commands read must have
+    one type (a list option also takes one comma-separated text) and one set of values (or a
+    subset: `demo --algo` takes BC and MARWIL of `train --algo`'s four)."""
+    build_parser()
+    from rlrec import options
+
+    by_var: dict[str, list] = {}
+    for s in options._ALL:
+        for opt in s._settable.values():
+            by_var.setdefault(opt.env, []).append((s.command, opt))
+    for var, users in by_var.items():
+        kinds = {o.kind for _, o in users} - ({list} if str in {o.kind for _, o in users} else set())
+        assert len(kinds) == 1, f"{var}: {[(c, o.kind.__name__) for c, o in users]}"
+        choices = sorted((set(o.choices) for _, o in users if o.choices is not None), key=len)
+        assert all(a <= b for a, b in itertools.pairwise(choices)), f"{var}: {[(c, o.choices) for c, o in users]}"
+        if choices:
+            assert all(o.choices is not None for _, o in users), f"{var}: only some commands check its values"
+
+
+def _resolve(argv: list[str], environ: dict[str, str]) -> dict:
+    args = build_parser().parse_args(argv)
+    return args.options.resolve(args, environ=environ)
+
+
+def test_positional_arguments_come_from_the_command_line_only(tmp_path):
+    assert _resolve(["gc", "/data", "--older-than", "15m"], {})["uri"] == "/data"
+    with pytest.raises(OptionError, match="unknown option 'RLREC_URI' in the environment"):
+        _resolve(["gc", "/data", "--older-than", "1h"], {"RLREC_URI": "/elsewhere"})
+    path = tmp_path / "gc.toml"
+    path.write_text('uri = "/elsewhere"\n')
+    with pytest.raises(OptionError, match="unknown option 'uri' in"):
+        _resolve(["gc", "/data", "--config", str(path)], {})
+
+
+def test_a_parsed_option_takes_text_from_every_source(tmp_path):
+    path = tmp_path / "gc.toml"
+    path.write_text('older-than = "2d"\n')
+    assert _resolve(["gc", "/d", "--config", str(path)], {})["older_than"] == 172800.0
+    assert _resolve(["gc", "/d", "--config", str(path)], {"RLREC_OLDER_THAN": "1.5h"})["older_than"] == 5400.0
+    assert _resolve(["gc", "/d", "--older-than", "90"], {"RLREC_OLDER_THAN": "1h"})["older_than"] == 90.0
+    with pytest.raises(OptionError, match=r"--older-than: not a duration: 'soon' \(use e.g. 90s, 15m, 1h, 2d\)"):
+        _resolve(["gc", "/d", "--older-than", "soon"], {})
+
+
+def test_a_list_option_repeats_on_the_command_line_and_is_comma_separated_in_the_environment(tmp_path):
+    base = ["topics", "create", "--partitions", "2"]
+    assert _resolve([*base, "--topic", "a", "--topic", "b"], {})["topic"] == ["a", "b"]
+    assert _resolve(base, {"RLREC_TOPIC": "a, b"})["topic"] == ["a", "b"]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"topic": ["x"], "topic-config": {"retention.ms": "1"}, "no-dlq": True}))
+    got = _resolve([*base, "--config", str(path)], {})
+    assert (got["topic"], got["topic_config"], got["dlq"]) == (["x"], {"retention.ms": "1"}, False)
+    with pytest.raises(OptionError, match="expected a list of strings"):
+        path.write_text(json.dumps({"topic": [1]}))
+        _resolve([*base, "--config", str(path)], {})
+
+
+def test_an_option_may_be_named_apart_from_its_field():
+    """`rlrec convert --from` fills `ConvertOptions.input_format`; RLREC_FROM and key `from` too."""
+    assert _resolve(["convert", "in", "--from", "sample-batch"], {})["input_format"] == "sample-batch"
+    assert _resolve(["convert", "in"], {"RLREC_FROM": "sample-batch"})["input_format"] == "sample-batch"
+    with pytest.raises(OptionError, match="invalid choice: 'csv'"):
+        _resolve(["convert", "in", "--from", "csv"], {})
+
+
+def test_each_command_refuses_a_config_file_typo_in_one_line(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("dry-runn = true\n")
+    out = subprocess.run(
+        [sys.executable, "-m", "rlrec", "gc", str(tmp_path), "--older-than", "1h", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={k: v for k, v in os.environ.items() if not k.startswith("RLREC_")},
+    )
+    assert out.returncode == 2
+    assert out.stderr == f"rlrec gc: error: unknown option 'dry-runn' in {path} (did you mean 'dry-run'?)\n"

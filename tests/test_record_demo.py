@@ -81,5 +81,6 @@ def test_record_demo_registered_and_light():
 
     parser = build_parser()
     args = parser.parse_args(["record-demo"])
-    assert args.episodes == 20 and args.topic == "rlrec.demo"
+    opts = args.options.resolve(args, environ={})
+    assert opts["episodes"] == 20 and opts["topic"] == "rlrec.demo"
     assert main(["record-demo", "--episodes", "0"]) == 2

@@ -3,6 +3,24 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
+from typing import Literal
+
+from rlrec.options import OptionSet, option
+
+
+@dataclass
+class BrokerOptions:
+    """Options of `rlrec broker`."""
+
+    port: int | None = option(None, help="listen port (default: a free one)")
+    storage: Literal["memory", "s3"] = option("memory", help="memory, or s3 (a local moto S3 in this process)")
+    log_path: str | None = option(None, help="broker log file (default: a temp file)")
+    startup_timeout: float = option(20.0, help="seconds to wait for the broker")
+
+
+#: the options of `rlrec broker`
+OPTIONS = OptionSet("broker", BrokerOptions)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -15,16 +33,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "broker keeps its data in a local S3 server (moto) run by this process, so "
         "it survives broker restarts but not the end of this command.",
     )
-    p.add_argument("--port", type=int, default=None, help="listen port (default: a free one)")
-    p.add_argument(
-        "--storage",
-        choices=["memory", "s3"],
-        default="memory",
-        help="memory (default) or s3 (a local moto S3 in this process)",
-    )
-    p.add_argument("--log-path", default=None, help="broker log file (default: a temp file)")
-    p.add_argument("--startup-timeout", type=float, default=20.0, help="seconds to wait for the broker (default 20)")
-    p.set_defaults(func=run)
+    OPTIONS.add_arguments(p)
+    p.set_defaults(func=run, options=OPTIONS)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -33,6 +43,8 @@ def run(args: argparse.Namespace) -> int:
     import threading
 
     from rlrec.local import BrokerStartError, LocalBroker
+
+    opts = OPTIONS.build(BrokerOptions, OPTIONS.resolve(args))  # OptionError: one line, exit 2
 
     stop = threading.Event()
     received: list[int] = []
@@ -43,10 +55,10 @@ def run(args: argparse.Namespace) -> int:
 
     previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     broker = LocalBroker(
-        args.storage,
-        port=args.port,
-        log_path=args.log_path,
-        startup_timeout=args.startup_timeout,
+        opts.storage,
+        port=opts.port,
+        log_path=opts.log_path,
+        startup_timeout=opts.startup_timeout,
     )
     try:
         try:

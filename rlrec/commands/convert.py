@@ -3,15 +3,35 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
 from rlrec.commands._common import reports_storage_errors
+from rlrec.consumer.convert_options import ConvertOptions
+from rlrec.options import OptionSet, option
 
 
-def _kv(text: str) -> tuple[str, str]:
-    key, sep, col = text.partition("=")
-    if not sep or not key or not col:
-        raise argparse.ArgumentTypeError(f"expected KEY=COLUMN, got {text!r}")
-    return key.strip(), col.strip()
+@dataclass
+class ConvertCommand:
+    """Options of `rlrec convert` besides those of `ConvertOptions`."""
+
+    input: str = option(
+        positional=True, metavar="INPUT", help="input file or directory (local path or URI, e.g. s3://...)"
+    )
+    output: str = option(metavar="URI", help="output root: /path, s3://bucket/prefix, ...")
+    observation_space: str | None = option(
+        None,
+        metavar="JSON",
+        help="observation space as JSON (docs/FORMAT.md); default: from the files' rlrec metadata or inferred from the data",
+    )
+    action_space: str | None = option(None, metavar="JSON", help="action space as JSON; default: inferred")
+    env: str | None = option(
+        None, metavar="ID", help="gymnasium env id: its spaces (unless given) and the env_id column"
+    )
+    json: bool = option(False, help="print a JSON summary on stdout")
+
+
+#: the options of `rlrec convert`, declared on these dataclasses
+OPTIONS = OptionSet("convert", ConvertCommand, ConvertOptions)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -24,60 +44,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "the consumer does. Re-running into the same output skips episodes already committed under "
         "--topic (idempotent). See docs/TOOLS.md.",
     )
-    p.add_argument(
-        "--from", dest="input_format", required=True, choices=("tabular", "sample-batch"), help="input format"
-    )
-    p.add_argument("input", metavar="INPUT", help="input file or directory (local path or URI, e.g. s3://...)")
-    p.add_argument("--output", required=True, metavar="URI", help="output root: /path, s3://bucket/prefix, ...")
-    p.add_argument(
-        "--schema",
-        action="append",
-        type=_kv,
-        default=[],
-        metavar="KEY=COLUMN",
-        help="map a column of the input to one of our keys, like RLlib's input_read_schema "
-        "(repeatable), e.g. --schema obs=observation; keys: eps_id agent_id module_id obs actions "
-        "rewards new_obs terminateds truncateds t infos dones policy_version",
-    )
-    p.add_argument(
-        "--observation-space",
-        metavar="JSON",
-        help="observation space as JSON (docs/FORMAT.md); "
-        "default: from the files' rlrec metadata or inferred from the data",
-    )
-    p.add_argument("--action-space", metavar="JSON", help="action space as JSON; default: inferred")
-    p.add_argument("--env", metavar="ID", help="gymnasium env id: its spaces (unless given) and the env_id column")
-    p.add_argument(
-        "--policy-id",
-        help="policy id of every episode (default: module_id column, the MultiAgentBatch key, else default_policy)",
-    )
-    p.add_argument(
-        "--policy-version",
-        type=int,
-        help="policy version of every episode (default: policy_version / weights_seq_no column, else 0)",
-    )
-    p.add_argument(
-        "--incomplete",
-        choices=("drop", "truncate", "error"),
-        default="drop",
-        help="episodes without a terminal row: drop them (default), mark them truncated, or fail",
-    )
-    p.add_argument(
-        "--allow-pickle",
-        action="store_true",
-        help="decode RLlib's compressed columns (base64(LZ4(cloudpickle)) strings). This UNPICKLES, "
-        "i.e. executes code from the data: only for recordings you trust",
-    )
-    p.add_argument(
-        "--topic",
-        default="converted",
-        help="manifest topic name of the converted shards "
-        "(default: converted); episode ids already committed under it are skipped",
-    )
-    p.add_argument("--episodes-per-shard", type=int, default=1000, help="episodes per shard (default 1000)")
-    p.add_argument("--compression", default="zstd", help="Parquet codec (default zstd)")
-    p.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
-    p.set_defaults(func=run)
+    OPTIONS.add_arguments(p)
+    p.set_defaults(func=run, options=OPTIONS)
 
 
 def _space(text: str | None, what: str):
@@ -98,42 +66,32 @@ def run(args: argparse.Namespace) -> int:
     import sys
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    values = OPTIONS.resolve(args)  # OptionError: one line, exit 2
+    cmd = OPTIONS.build(ConvertCommand, values)
     from rlrec.commands._common import open_output
-    from rlrec.consumer.convert import ConvertError, ConvertOptions, convert
+    from rlrec.consumer.convert import ConvertError, convert
 
-    open_output(args.input, "INPUT")  # UsageError (exit 2): not a URI
-    open_output(args.output, "--output")
+    open_output(cmd.input, "INPUT")  # UsageError (exit 2): not a URI
+    open_output(cmd.output, "--output")
     try:
-        obs_space = _space(args.observation_space, "observation-space")
-        act_space = _space(args.action_space, "action-space")
+        obs_space = _space(cmd.observation_space, "observation-space")
+        act_space = _space(cmd.action_space, "action-space")
     except ValueError as e:
         print(f"rlrec convert: error: {e}", file=sys.stderr)
         return 2
-    env_id = args.env or ""
-    if args.env and (obs_space is None or act_space is None):
+    if cmd.env and (obs_space is None or act_space is None):
         import gymnasium as gym
 
         try:
-            env = gym.make(args.env)
+            env = gym.make(cmd.env)
         except Exception as e:
-            print(f"rlrec convert: error: --env {args.env}: {e}", file=sys.stderr)
+            print(f"rlrec convert: error: --env {cmd.env}: {e}", file=sys.stderr)
             return 2
         obs_space = obs_space or env.observation_space
         act_space = act_space or env.action_space
         env.close()
-    opts = ConvertOptions(
-        input_format=args.input_format,
-        schema=dict(args.schema),
-        observation_space=obs_space,
-        action_space=act_space,
-        env_id=env_id,
-        policy_id=args.policy_id,
-        policy_version=args.policy_version,
-        allow_pickle=args.allow_pickle,
-        incomplete=args.incomplete,
-        topic=args.topic,
-        episodes_per_shard=args.episodes_per_shard,
-        compression=args.compression,
+    opts = OPTIONS.build(
+        ConvertOptions, values, observation_space=obs_space, action_space=act_space, env_id=cmd.env or ""
     )
 
     from rich.console import Console
@@ -147,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
         TimeElapsedColumn(),
         console=console,
         transient=True,
-        disable=args.json or not console.is_terminal,
+        disable=cmd.json or not console.is_terminal,
     )
     tasks: dict[str, int] = {}
 
@@ -160,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         with bar:
-            res = convert(args.input, args.output, opts, progress)
+            res = convert(cmd.input, cmd.output, opts, progress)
     except ConvertError as e:
         print(f"rlrec convert: error: {e}", file=sys.stderr)
         return 2
@@ -185,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
         "policies": sorted({e.policy_id for e in res.entries}),
         "notes": res.notes,
     }
-    if args.json:
+    if cmd.json:
         json.dump(doc, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
@@ -201,10 +159,10 @@ def run(args: argparse.Namespace) -> int:
     )
     out.print(
         f"wrote {res.written_episodes} episodes ({res.steps} steps) in {res.shards} shard(s), "
-        f"{res.bytes} bytes; {res.skipped_committed} already committed under topic {args.topic!r}"
+        f"{res.bytes} bytes; {res.skipped_committed} already committed under topic {opts.topic!r}"
     )
     out.print(f"spaces: observation {res.observation_space}, action {res.action_space}")
     from rlrec.commands._common import shell_command
 
-    out.print(f"check with: {shell_command()} inspect {args.output} --verify")
+    out.print(f"check with: {shell_command()} inspect {cmd.output} --verify")
     return 0

@@ -3,8 +3,23 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
 from rlrec.commands._common import open_output, reports_storage_errors
+from rlrec.options import OptionSet, option
+
+
+@dataclass
+class InspectOptions:
+    """Options of `rlrec inspect`."""
+
+    uri: str = option(positional=True, metavar="URI", help="output root: /path, file:///path, s3://bucket/prefix, ...")
+    json: bool = option(False, help="print only a JSON document on stdout")
+    verify: bool = option(False, help="verify shards; exit 1 on any problem (or when URI holds no rlrec manifest)")
+
+
+#: the options of `rlrec inspect`
+OPTIONS = OptionSet("inspect", InspectOptions)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -16,14 +31,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "gate's allow-list of columns and Arrow types, decode) and exit 1 if anything is wrong. "
         "A URI without an rlrec manifest is an error (exit 1) that names a child folder holding one.",
     )
-    p.add_argument("uri", metavar="URI", help="output root: /path, file:///path, s3://bucket/prefix, ...")
-    p.add_argument("--json", action="store_true", help="print only a JSON document on stdout")
-    p.add_argument(
-        "--verify",
-        action="store_true",
-        help="verify shards; exit 1 on any problem (or when URI holds no rlrec manifest)",
-    )
-    p.set_defaults(func=run)
+    OPTIONS.add_arguments(p)
+    p.set_defaults(func=run, options=OPTIONS)
 
 
 def _decode_check(notes: list[str]):
@@ -109,6 +118,8 @@ def _verified(tot: dict) -> str:
 @reports_storage_errors("inspect")
 def run(args: argparse.Namespace) -> int:
     import json
+
+    opts = OPTIONS.build(InspectOptions, OPTIONS.resolve(args))  # OptionError: one line, exit 2
     import logging
     import sys
     from datetime import datetime, timezone
@@ -117,8 +128,8 @@ def run(args: argparse.Namespace) -> int:
     from rlrec.store.maintenance import episode_summary, inspect, verify
     from rlrec.store.manifest import read_manifest
 
-    storage = open_output(args.uri)
-    require_manifest(storage, args.uri)
+    storage = open_output(opts.uri)
+    require_manifest(storage, opts.uri)
     doc = inspect(storage)
     notes: list[str] = []
     try:
@@ -129,13 +140,13 @@ def run(args: argparse.Namespace) -> int:
     if summary is not None:
         doc["episode_summary"] = summary
     problems: list[str] | None = None
-    if args.verify:
+    if opts.verify:
         problems = verify(storage, decode_check=_decode_check(notes))
         doc["problems"] = problems
 
     for n in notes:
         print(f"rlrec inspect: {n}", file=sys.stderr)
-    if args.json:
+    if opts.json:
         if problems is not None:
             doc["verified"] = {k: doc["totals"][k] for k in ("shards", "episodes", "steps", "bytes")}
         json.dump(doc, sys.stdout, indent=2, sort_keys=False)

@@ -9,6 +9,28 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
+
+from rlrec.options import OptionSet, option
+
+
+@dataclass
+class KeysGenerate:
+    """Options of `rlrec keys generate`."""
+
+    dir: str = option(positional=True, metavar="DIR", help="directory for the key pair (created if needed)")
+    force: bool = option(False, help="replace an existing key pair")
+    if_missing: bool = option(False, help="do nothing (exit 0) if the key pair exists")
+    export_public: str | None = option(
+        None,
+        metavar="PUBDIR",
+        help="also copy the public key to PUBDIR/policy-signing.pub (a place policy services may read "
+        "without seeing the private key)",
+    )
+
+
+#: the options of `rlrec keys generate`
+OPTIONS = OptionSet("keys generate", KeysGenerate)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -26,16 +48,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "DIR/policy-signing.pub (PEM SubjectPublicKeyInfo). Refuses to overwrite an existing key unless "
         "--force; with --if-missing an existing pair is kept and the command succeeds.",
     )
-    g.add_argument("dir", metavar="DIR", help="directory for the key pair (created if needed)")
-    g.add_argument("--force", action="store_true", help="replace an existing key pair")
-    g.add_argument("--if-missing", action="store_true", help="do nothing (exit 0) if the key pair exists")
-    g.add_argument(
-        "--export-public",
-        metavar="PUBDIR",
-        help="also copy the public key to PUBDIR/policy-signing.pub (a place policy services may read "
-        "without seeing the private key)",
-    )
-    g.set_defaults(func=_generate)
+    OPTIONS.add_arguments(g)
+    g.set_defaults(func=_generate, options=OPTIONS)
     p.set_defaults(func=lambda _args: (p.print_help(), 2)[1])
 
 
@@ -44,21 +58,22 @@ def _generate(args: argparse.Namespace) -> int:
 
     from rlrec.trainer.signing import PRIVATE_KEY_FILE, PUBLIC_KEY_FILE, generate_keys, load_private_key
 
-    priv, pub = os.path.join(args.dir, PRIVATE_KEY_FILE), os.path.join(args.dir, PUBLIC_KEY_FILE)
-    if args.if_missing and os.path.exists(priv) and os.path.exists(pub):
+    opts = OPTIONS.build(KeysGenerate, OPTIONS.resolve(args))  # OptionError: one line, exit 2
+    priv, pub = os.path.join(opts.dir, PRIVATE_KEY_FILE), os.path.join(opts.dir, PUBLIC_KEY_FILE)
+    if opts.if_missing and os.path.exists(priv) and os.path.exists(pub):
         load_private_key(priv)  # a broken key must not pass silently
         print(f"rlrec keys: keeping {priv} and {pub}", file=sys.stderr)
     else:
         try:
-            priv, pub = (str(p) for p in generate_keys(args.dir, overwrite=args.force))
+            priv, pub = (str(p) for p in generate_keys(opts.dir, overwrite=opts.force))
         except FileExistsError as e:
             print(f"rlrec keys: {e} (use --force to replace it, --if-missing to keep it)", file=sys.stderr)
             return 1
         print(f"private key (keep secret; rlrec train --signing-key): {priv}")
         print(f"public key (policy services; RLREC_POLICY_PUBLIC_KEY): {pub}")
-    if args.export_public:
+    if opts.export_public:
         import shutil
 
-        os.makedirs(args.export_public, exist_ok=True)
-        shutil.copyfile(pub, os.path.join(args.export_public, PUBLIC_KEY_FILE))
+        os.makedirs(opts.export_public, exist_ok=True)
+        shutil.copyfile(pub, os.path.join(opts.export_public, PUBLIC_KEY_FILE))
     return 0

@@ -9,9 +9,28 @@ and the counts are compared with what was recorded. Exit code 0 when they match,
 from __future__ import annotations
 
 import argparse
-import os
+from dataclasses import dataclass
+
+from rlrec.options import OptionSet, option
 
 DEFAULT_TOPIC = "rlrec.demo"
+
+
+@dataclass
+class RecordDemoOptions:
+    """Options of `rlrec record-demo`."""
+
+    episodes: int = option(20, help="episodes to record")
+    topic: str = option(DEFAULT_TOPIC, help="topic (created if missing)")
+    bootstrap_servers: str | None = option(None, help="host:port of a broker (default: an embedded local broker)")
+    seed: int = option(0, help="seed of the env resets and of the exploration")
+    epsilon: float = option(0.05, help="probability of a uniformly random action")
+    timeout: float = option(30.0, help="seconds to wait for delivery and read-back")
+    progress: bool = option(True, help="show a progress bar on a terminal (--no-progress: plain lines only)")
+
+
+#: the options of `rlrec record-demo`
+OPTIONS = OptionSet("record-demo", RecordDemoOptions)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -25,22 +44,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--bootstrap-servers an embedded local broker (Tansu, memory://) is started and stopped. "
         "Exit code 0 when what was read back matches what was recorded, 1 otherwise.",
     )
-    p.add_argument("--episodes", type=int, default=20, help="episodes to record (default 20)")
-    p.add_argument("--topic", default=DEFAULT_TOPIC, help=f"topic (default {DEFAULT_TOPIC}; created if missing)")
-    p.add_argument(
-        "--bootstrap-servers",
-        default=os.environ.get("RLREC_BOOTSTRAP_SERVERS"),
-        help="host:port of a broker (default: $RLREC_BOOTSTRAP_SERVERS, else an embedded local broker)",
-    )
-    p.add_argument("--seed", type=int, default=0, help="seed of the env resets and of the exploration (default 0)")
-    p.add_argument(
-        "--epsilon", type=float, default=0.05, help="probability of a uniformly random action (default 0.05)"
-    )
-    p.add_argument(
-        "--timeout", type=float, default=30.0, help="seconds to wait for delivery and read-back (default 30)"
-    )
-    p.add_argument("--no-progress", action="store_true", help="plain lines only, no progress bar")
-    p.set_defaults(func=run)
+    OPTIONS.add_arguments(p)
+    p.set_defaults(func=run, options=OPTIONS)
 
 
 class _Progress:
@@ -89,7 +94,7 @@ def scripted_action(obs, rng, epsilon: float) -> tuple[int, float]:
     return action, (math.log(p) if p > 0 else -math.inf)
 
 
-def _record(args, bootstrap: str, progress: _Progress) -> dict:
+def _record(opts: RecordDemoOptions, bootstrap: str, progress: _Progress) -> dict:
     """Play and record the episodes; returns what was recorded."""
     import gymnasium as gym
     import numpy as np
@@ -99,7 +104,7 @@ def _record(args, bootstrap: str, progress: _Progress) -> dict:
     env = gym.make("CartPole-v1")
     recorder = EpisodeRecorder(
         bootstrap,
-        args.topic,
+        opts.topic,
         policy_id="scripted-cartpole",
         policy_version=1,
         observation_space=env.observation_space,
@@ -107,13 +112,13 @@ def _record(args, bootstrap: str, progress: _Progress) -> dict:
         env_id="CartPole-v1",
     )
     wrapped = RecordingWrapper(env, recorder)
-    rng = np.random.default_rng(args.seed)
-    eps = min(max(args.epsilon, 0.0), 1.0)
+    rng = np.random.default_rng(opts.seed)
+    eps = min(max(opts.epsilon, 0.0), 1.0)
     recorded: dict = {"episodes": {}, "steps": 0}
-    progress.task("recording", args.episodes)
+    progress.task("recording", opts.episodes)
     try:
-        for k in range(args.episodes):
-            obs, _ = wrapped.reset(seed=args.seed + k)
+        for k in range(opts.episodes):
+            obs, _ = wrapped.reset(seed=opts.seed + k)
             eid = wrapped.episode_id
             ret, n, done = 0.0, 0, False
             while not done:
@@ -127,15 +132,15 @@ def _record(args, bootstrap: str, progress: _Progress) -> dict:
             recorded["steps"] += n
             progress.advance("recording")
         wrapped.close()
-        left = recorder.flush(args.timeout)
+        left = recorder.flush(opts.timeout)
     finally:
-        left_close = recorder.close(timeout=args.timeout)
+        left_close = recorder.close(timeout=opts.timeout)
     st = recorder.stats
     recorded.update(undelivered=left + left_close, stats=st)
     return recorded
 
 
-def _read_back(args, bootstrap: str, recorded: dict, progress: _Progress) -> dict:
+def _read_back(opts: RecordDemoOptions, bootstrap: str, recorded: dict, progress: _Progress) -> dict:
     """Read the topic with a consumer group until every delivered message of ours is back."""
     import time
     import uuid
@@ -166,8 +171,8 @@ def _read_back(args, bootstrap: str, recorded: dict, progress: _Progress) -> dic
     )
     progress.task("reading back", expected)
     try:
-        consumer.subscribe([args.topic])
-        deadline = time.monotonic() + args.timeout
+        consumer.subscribe([opts.topic])
+        deadline = time.monotonic() + opts.timeout
         while got["messages"] < expected and time.monotonic() < deadline:
             msg = consumer.poll(0.2)
             if msg is None:
@@ -213,12 +218,14 @@ def _read_back(args, bootstrap: str, recorded: dict, progress: _Progress) -> dic
 def run(args: argparse.Namespace) -> int:
     import sys
 
-    if args.episodes < 1:
+    opts = OPTIONS.build(RecordDemoOptions, OPTIONS.resolve(args))  # OptionError: one line, exit 2
+
+    if opts.episodes < 1:
         print("rlrec record-demo: --episodes must be >= 1", file=sys.stderr)
         return 2
 
     broker = None
-    bootstrap = args.bootstrap_servers
+    bootstrap = opts.bootstrap_servers
     try:
         from rlrec.consumer.topics import create_topics
         from rlrec.local import BrokerStartError, LocalBroker
@@ -232,12 +239,12 @@ def run(args: argparse.Namespace) -> int:
                 return 1
             bootstrap = broker.bootstrap_servers
             print(f"embedded broker: {bootstrap} (memory://)")
-        create_topics(bootstrap, {args.topic: 4}, timeout=args.timeout)
-        print(f"topic: {args.topic}")
+        create_topics(bootstrap, {opts.topic: 4}, timeout=opts.timeout)
+        print(f"topic: {opts.topic}")
 
-        show_bar = not args.no_progress and sys.stderr.isatty()
+        show_bar = opts.progress and sys.stderr.isatty()
         with _Progress(show_bar) as progress:
-            recorded = _record(args, bootstrap, progress)
+            recorded = _record(opts, bootstrap, progress)
             st = recorded["stats"]
             n_rec = len(recorded["episodes"])
             mean_rec = sum(e["return"] for e in recorded["episodes"].values()) / n_rec
@@ -245,7 +252,7 @@ def run(args: argparse.Namespace) -> int:
                 f"recorded: episodes={n_rec} steps={recorded['steps']} mean_return={mean_rec:.2f} "
                 f"messages={st.messages_produced} delivered={st.messages_delivered} failed={st.messages_failed}"
             )
-            got = _read_back(args, bootstrap, recorded, progress)
+            got = _read_back(opts, bootstrap, recorded, progress)
 
         returns = got["returns"]
         mean_got = sum(returns.values()) / len(returns) if returns else float("nan")

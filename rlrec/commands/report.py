@@ -3,6 +3,32 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
+
+from rlrec.options import OptionSet, option
+
+
+@dataclass
+class ReportOptions:
+    """Options of `rlrec report`."""
+
+    uri: str | None = option(
+        None,
+        positional=True,
+        metavar="URI",
+        help="demo data dir (default ./demo-data when --input is not given), or a shards root",
+    )
+    out: str | None = option(
+        None, metavar="PATH", help="output HTML file (default: URI/report.html for a demo dir, else ./report.html)"
+    )
+    input: str | None = option(None, metavar="URI", help="shards root (local or s3://...), overrides the demo's")
+    checkpoint_dir: str | None = option(None, metavar="URI", help="trainer checkpoint dir (holds metrics.jsonl)")
+    bootstrap_servers: str | None = option(None, help="Kafka bootstrap servers: count dead letters from the DLQ topic")
+    dlq_topic: str | None = option(None, help="dead-letter topic (default: the demo's, from demo.json)")
+
+
+#: the options of `rlrec report`
+OPTIONS = OptionSet("report", ReportOptions)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -13,29 +39,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "./demo-data: demo.json, shards/, trainer/, metrics.jsonl) or, with --input/--checkpoint-dir, about "
         "any deployment. Sections whose data is missing show a note instead. See docs/TOOLS.md.",
     )
-    p.add_argument(
-        "uri",
-        metavar="URI",
-        nargs="?",
-        default=None,
-        help="demo data dir (default ./demo-data when --input is not given), or a shards root",
-    )
-    p.add_argument(
-        "--out", metavar="PATH", help="output HTML file (default: URI/report.html for a demo dir, else ./report.html)"
-    )
-    p.add_argument("--input", metavar="URI", help="shards root (local or s3://...), overrides the demo's")
-    p.add_argument("--checkpoint-dir", metavar="URI", help="trainer checkpoint dir (holds metrics.jsonl)")
-    p.add_argument("--bootstrap-servers", help="Kafka bootstrap servers: count dead letters from the DLQ topic")
-    p.add_argument("--dlq-topic", help="dead-letter topic (default: the demo's, from demo.json)")
-    p.set_defaults(func=run)
+    OPTIONS.add_arguments(p)
+    p.set_defaults(func=run, options=OPTIONS)
 
 
 def run(args: argparse.Namespace) -> int:
     import os
     import sys
 
-    uri = args.uri
-    if uri is None and args.input is None:
+    opts = OPTIONS.build(ReportOptions, OPTIONS.resolve(args))  # OptionError: one line, exit 2
+    uri = opts.uri
+    if uri is None and opts.input is None:
         uri = "demo-data"
     if uri is not None and "://" not in uri and not os.path.exists(uri):
         print(f"rlrec report: error: {uri} does not exist (give a demo data dir, or --input URI)", file=sys.stderr)
@@ -48,17 +62,17 @@ def run(args: argparse.Namespace) -> int:
     from rlrec.commands._common import open_output
     from rlrec.report import write_report
 
-    for option, value in (("URI", uri), ("--input", args.input), ("--checkpoint-dir", args.checkpoint_dir)):
+    for name, value in (("URI", uri), ("--input", opts.input), ("--checkpoint-dir", opts.checkpoint_dir)):
         if value is not None:
-            open_output(value, option)  # UsageError (exit 2): not a URI
+            open_output(value, name)  # UsageError (exit 2): not a URI
     try:
         path = write_report(
             uri,
-            args.out,
-            input_uri=args.input,
-            checkpoint_dir=args.checkpoint_dir,
-            bootstrap_servers=args.bootstrap_servers,
-            dlq_topic=args.dlq_topic,
+            opts.out,
+            input_uri=opts.input,
+            checkpoint_dir=opts.checkpoint_dir,
+            bootstrap_servers=opts.bootstrap_servers,
+            dlq_topic=opts.dlq_topic,
         )
     except OSError as e:
         print(f"rlrec report: error: {e}", file=sys.stderr)

@@ -32,12 +32,14 @@ import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Literal
 
 from rlrec.commands._common import shell_command
 from rlrec.demo.dashboard import Collector, Dashboard, Snapshot, write_line
 from rlrec.demo.datadir import DataDir, DataDirError, committed_by_version
 from rlrec.demo.processes import Child, stop_all
 from rlrec.local import ray_on_loopback
+from rlrec.options import check_choices, option
 
 __all__ = ["DemoConfig", "run_demo"]
 
@@ -47,30 +49,65 @@ S3_BUCKET = "rlrec-demo"
 
 @dataclass
 class DemoConfig:
-    data_dir: str = "demo-data"
-    duration: float = 600.0
-    until_return: float = 400.0  # 0: no target
-    settle_s: float = 15.0  # keep running this long once the target is in use
-    policies: int = 3
-    steps_per_s: float = 800.0  # per policy process
-    epsilon: float = 0.3  # the scripted expert's random-action probability
-    policy_epsilon: float = 0.05  # ... once acting with a published policy
-    s3: bool = False
-    algo: str = "BC"
-    promotion_gate: bool = True
-    checkpoint_interval: int = 3  # trainer iterations between candidates (= publications)
+    """How `rlrec demo` runs; the fields declared with `option` are the command's options.
+
+    Example:
+        >>> DemoConfig(algo="marwil").algo
+        'MARWIL'
+    """
+
+    data_dir: str = option(
+        "demo-data",
+        help="where shards, checkpoints, metrics, logs and the report go; a previous demo run there is replaced",
+    )
+    duration: float = option(600.0, help="stop after this many seconds")
+    until_return: float = option(
+        400.0, help="stop once a published policy evaluated at >= R is in use by a policy process (0: no target)"
+    )
+    settle_s: float = option(
+        15.0, help="once the target is in use, keep running this long so the deployed returns show"
+    )
+    policies: int = option(3, name="policy-processes", help="simulated deployed policies (one process each)")
+    steps_per_s: float = option(800.0, help="throttle of each policy process, env steps per second")
+    epsilon: float = option(0.3, help="random-action probability of the scripted expert")
+    policy_epsilon: float = option(0.05, help="random-action probability when acting with a published policy")
+    s3: bool = option(
+        False,
+        help="put the shards on an embedded S3 server (moto) instead of the data dir (copied into the data dir at the end)",
+    )
+    algo: Literal["BC", "MARWIL"] = option("BC", normalize=str.upper, help="the trainer's algorithm")
+    promotion_gate: bool = option(
+        True,
+        name="gate",
+        help="publish a version only if its evaluation is not worse than the deployed one "
+        "(--no-gate: publish every checkpoint's policy)",
+    )
+    checkpoint_interval: int = option(3, help="trainer iterations between candidate policies")
+    trainer_cpus: int = option(2, help="CPUs for the trainer's Ray")
+    seed: int = option(0, help="seed of the policies, the trainer and the evaluation")
+    live: bool | None = option(
+        None,
+        help="the live dashboard (default: when stdout is a terminal); --no-live prints a compact line "
+        "every few seconds",
+    )
+    report: bool = option(True, help="write report.html at the end")
     promotion_episodes: int = 10
     train_batch_size: int = 512
     lr: float = 1e-3
     max_file_age_s: float = 2.0  # consumer: a finished episode is committed within this
     partitions: int = 4
-    trainer_cpus: int = 2
-    seed: int = 0
-    live: bool | None = None  # None: rich Live when stdout is a terminal
     refresh_s: float = 1.0
     line_every_s: float = 5.0
-    report: bool = True
     extra_trainer_args: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+        if self.policies < 1 or self.checkpoint_interval < 1 or self.trainer_cpus < 1:
+            raise ValueError("--policy-processes, --checkpoint-interval and --trainer-cpus must be at least 1")
+        if self.duration <= 0:
+            raise ValueError(f"--duration must be positive, got {self.duration:g}")
+        if not (0.0 <= self.epsilon <= 1.0 and 0.0 <= self.policy_epsilon <= 1.0):
+            raise ValueError("--epsilon and --policy-epsilon must be in [0, 1]")
 
 
 def expert_return(epsilon: float, episodes: int = 20, seed: int = 10_000) -> float:

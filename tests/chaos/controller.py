@@ -51,7 +51,15 @@ from tests.faults import FaultProxy
 
 REPO = Path(__file__).resolve().parents[2]
 BUCKET = "chaos-shards"
-CONSUMER_KAFKA = {"session.timeout.ms": 3000, "heartbeat.interval.ms": 750, "topic.metadata.refresh.interval.ms": 3000}
+#: librdkafka settings of the consumers. Tansu on moto answers group requests more slowly as its
+#: objects accumulate: with 3 s sessions a 1000-episode run fell into a storm of session timeouts
+#: (each one a rebalance and a replay, which slowed the broker further) and did not drain in
+#: 400 s; 10 s sessions keep members through it. Kills are noticed after one session either way.
+CONSUMER_KAFKA = {
+    "session.timeout.ms": 10000,
+    "heartbeat.interval.ms": 2000,
+    "topic.metadata.refresh.interval.ms": 3000,
+}
 MAX_CONSUMERS = 3
 #: consumers run with this episode timeout; the first storage fault window outlasts it twice
 EPISODE_TIMEOUT_S = 15.0

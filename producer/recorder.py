@@ -65,6 +65,7 @@ from rlrec.producer.events import (
 from rlrec.producer.spaces import Leaf, dumps_space, flatten_value, space_leaves
 
 __all__ = [
+    "CLOSE_TIMEOUT_S",
     "EpisodeRecorder",
     "RecorderClosed",
     "RecorderForkedError",
@@ -87,6 +88,9 @@ _WAIT_S = 0.005
 
 _recorders: weakref.WeakSet[EpisodeRecorder] = weakref.WeakSet()
 _monotonic = time.monotonic
+#: what `EpisodeRecorder.close()` waits for delivery at most when given no timeout, in seconds: a
+#: service shutting down with its broker unreachable is not held up longer than this
+CLOSE_TIMEOUT_S = 30.0
 _time = time.time
 _dtype_of = attrgetter("dtype")
 _shape_of = attrgetter("shape")
@@ -791,11 +795,13 @@ class EpisodeRecorder:
         says which; `buffered == 0`). Idempotent: a second call waits for the first to finish.
 
         Args:
-            timeout: seconds to wait for delivery at most; None waits until every message is
-                delivered or failed.
+            timeout: seconds to wait for delivery at most; None: `CLOSE_TIMEOUT_S` (30 s), so a
+                service never hangs in shutdown on an unreachable broker; ``math.inf`` waits
+                until every message is delivered or failed (librdkafka's `message.timeout.ms`).
 
         Returns:
-            The number of messages still undelivered when `timeout` expired; those are purged
+            The number of messages still undelivered when `timeout` expired (also in `stats`:
+            ``failed``, and a WARNING names the count); those are purged
             from librdkafka's queues and counted as failed (their records reach
             `on_delivery_error`).
         """
@@ -1160,7 +1166,9 @@ class EpisodeRecorder:
                         log.error("%s", e)
             finally:
                 self._busy = False
-        left = self._producer.flush(-1 if timeout is None else timeout)
+        if timeout is None:
+            timeout = CLOSE_TIMEOUT_S
+        left = self._producer.flush(-1 if math.isinf(timeout) else timeout)
         self._closed = True
         self._stop.set()
         self._poller.join(timeout=5)

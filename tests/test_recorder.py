@@ -982,3 +982,24 @@ def test_import_does_not_pull_ray_or_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "", f"imported: {out.stdout.strip()}"
+
+
+def test_close_without_a_timeout_returns_by_the_default_and_counts_what_it_dropped(monkeypatch):
+    """A service shutting down with no broker is not held up: close() waits `CLOSE_TIMEOUT_S`
+    (30 s; shortened here) and says how many messages were not delivered."""
+    import threading
+
+    import rlrec.producer.recorder as recorder_module
+
+    assert recorder_module.CLOSE_TIMEOUT_S <= 30
+    monkeypatch.setattr(recorder_module, "CLOSE_TIMEOUT_S", 0.3)
+    rec = EpisodeRecorder(NOWHERE, "t", observation_space=OBS, action_space=ACT, kafka_config=QUIET)
+    eid = rec.begin_episode(np.zeros(3, np.float32))
+    rec.log_step(eid, 0, 1.0, np.zeros(3, np.float32), terminated=True)
+    returned: list[int] = []
+    closer = threading.Thread(target=lambda: returned.append(rec.close()), daemon=True)
+    closer.start()
+    closer.join(timeout=20)  # librdkafka alone would keep retrying for message.timeout.ms (300 s)
+    assert not closer.is_alive(), "close() without a timeout did not return"
+    assert returned == [2]  # EpisodeStart and the step batch
+    assert (rec.stats.failed, rec.stats.buffered, rec.stats.delivered) == (2, 0, 0)

@@ -96,6 +96,16 @@ class TopicScan:
     split: set[str] = field(default_factory=set)  # episodes on several partitions (must stay empty)
     undecodable: int = 0
     decisions: int = 0  # EpisodeAborts consumers wrote for their own decisions (timeouts, evictions)
+    per_partition: dict[int, int] = field(default_factory=dict)  # messages read per partition
+
+    def summary(self) -> dict:
+        """What result.json keeps of the scan (to tell a short read of a partition from data)."""
+        return {
+            "messages": self.messages,
+            "decisions": self.decisions,
+            "end_offsets": self.end_offsets,
+            "per_partition": self.per_partition,
+        }
 
 
 def scan_topic(bootstrap: str, topic: str, partitions: int, at_least: int = 0) -> TopicScan:
@@ -104,6 +114,7 @@ def scan_topic(bootstrap: str, topic: str, partitions: int, at_least: int = 0) -
     for m in _read_all(bootstrap, topic, partitions, at_least=at_least):
         p, off = m.partition(), m.offset()
         s.messages += 1
+        s.per_partition[p] = s.per_partition.get(p, 0) + 1
         s.end_offsets[p] = max(s.end_offsets[p], off + 1)
         try:
             ev = decode(m.value(), m.headers())

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from rlrec.consumer.topics import create_topics, dlq_topic_name
 from rlrec.local import LocalBroker, free_port
@@ -147,6 +148,7 @@ class Chaos:
         self.work = Path(cfg.workdir or tempfile.mkdtemp(prefix="rlrec-chaos-"))
         self.work.mkdir(parents=True, exist_ok=True)
         self.topic = f"chaos-{cfg.seed}-{os.getpid()}"
+        self.scan_summary: dict | None = None  # the topic scan, as result.json keeps it
         self.group = f"chaos-group-{cfg.seed}-{os.getpid()}"
         self.output = f"s3://{BUCKET}/run"
         self.tally = Tally()
@@ -489,6 +491,7 @@ class Chaos:
             )
             delivered = sum(s["messages"] for s in stats)
             scan = scan_topic(self.broker.bootstrap_servers, self.topic, cfg.partitions, at_least=delivered)
+            self.scan_summary = {**scan.summary(), "producers_delivered": delivered}
             if scan.messages - scan.decisions != sum(s["messages"] for s in stats):
                 problems.append(
                     f"the topic holds {scan.messages} messages ({scan.decisions} consumers' decisions), "
@@ -568,12 +571,13 @@ class Chaos:
             t.add_row(k, str(val))
         self.console.print(t)
         for p in problems[:40]:
-            self.console.print(f"[red]problem:[/red] {p}", markup=True, highlight=False)
+            self.console.print(Text.assemble(("problem: ", "red"), p))
         result = {
             "config": asdict(self.cfg),
             "tally": asdict(tl),
             "verdict": {**asdict(v), "problems": problems[:200]},
             "verify_rc": verify_rc,
+            "scan": self.scan_summary,
             "seconds": round(elapsed, 1),
             "ok": ok,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

@@ -108,10 +108,11 @@ class TopicScan:
         }
 
 
-def scan_topic(bootstrap: str, topic: str, partitions: int, at_least: int = 0) -> TopicScan:
-    """What the topic holds; `at_least`: the messages known to be on it (read until they came)."""
+def scan_topic(bootstrap: str, topic: str, partitions: int, at_least: int = 0, timeout: float = 300.0) -> TopicScan:
+    """What the topic holds; `at_least`: the messages known to be on it (read until they came,
+    for `timeout` seconds at most)."""
     s = TopicScan(end_offsets=dict.fromkeys(range(partitions), 0))
-    for m in _read_all(bootstrap, topic, partitions, at_least=at_least):
+    for m in _read_all(bootstrap, topic, partitions, at_least=at_least, timeout=timeout):
         p, off = m.partition(), m.offset()
         s.messages += 1
         s.per_partition[p] = s.per_partition.get(p, 0) + 1

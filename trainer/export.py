@@ -29,6 +29,7 @@ import numpy as np
 
 from rlrec.producer.spaces import space_to_json
 from rlrec.store.storage import Storage
+from rlrec.trainer.binding import check_name, pointer_bytes
 from rlrec.trainer.policy import (
     ARTIFACT_VERSION,
     LATEST,
@@ -38,9 +39,16 @@ from rlrec.trainer.policy import (
     TORCHSCRIPT_MODEL,
     version_dir,
 )
-from rlrec.trainer.signing import SIG_SUFFIX, public_key_fingerprint, sign
+from rlrec.trainer.signing import SIG_SUFFIX, SignatureError, public_key_fingerprint, sign, verify
 
-__all__ = ["PolicyArtifact", "UndescribableModule", "build_artifact", "describe_module", "publish_policy"]
+__all__ = [
+    "PolicyArtifact",
+    "UndescribableModule",
+    "build_artifact",
+    "describe_module",
+    "publish_policy",
+    "refresh_latest",
+]
 
 log = logging.getLogger("rlrec.trainer")
 
@@ -254,16 +262,33 @@ def publish_policy(
     signing_key: Any = None,
     artifact: PolicyArtifact | None = None,
     metadata: dict | None = None,
+    run_id: str | None = None,
+    channel: str | None = None,
 ) -> dict:
-    """Write ``v{version:06d}/`` (weights, lineage.json, policy.json[, policy.json.sig]) then ``latest.json``.
+    """Write ``v{version:06d}/`` (weights, lineage.json, policy.json[, policy.json.sig]) then
+    ``latest.json`` (and ``latest.json.sig``).
 
-    ``policy.json`` pins the sha256 of every other file of the version, its ``policy_version``
-    and its directory name; with `signing_key` (an Ed25519 private key) ``policy.json.sig`` is
-    the signature over its exact bytes. `artifact`: reuse an artifact built already (the
-    promotion gate evaluated it). `metadata`: more keys for ``policy.json`` (signed with it; e.g.
-    the promotion gate's decision and the algorithm's ``gamma``); keys the spec sets win."""
+    ``policy.json`` pins the sha256 of every other file of the version, its ``policy_version``,
+    its directory name, and the `run_id` and `channel` it is published for; with `signing_key`
+    (an Ed25519 private key) ``policy.json.sig`` is the signature over its exact bytes, and
+    ``latest.json`` (version, path, sha256 of policy.json, run id, channel, time) is signed the
+    same way. `artifact`: reuse an artifact built already (the promotion gate evaluated it).
+    `metadata`: more keys for ``policy.json`` (signed with it; e.g. the promotion gate's
+    decision and the algorithm's ``gamma``); keys the spec sets win. `run_id` / `channel`:
+    None leaves them out (as before versions were bound; `rlrec train` always sets them).
+
+    Example:
+        >>> publish_policy(storage, algo=algo, version=3, algo_name="BC",  # doctest: +SKIP
+        ...     observation_space=obs_space, action_space=act_space, iteration=30,
+        ...     timesteps_trained=15360, shards=keys, new_shards=new, parent_version=2,
+        ...     signing_key=key, run_id="5f0c...", channel="cartpole")["directory"]
+        'v000003'
+    """
     if not isinstance(observation_space, gym.spaces.Box):
         raise ValueError(f"publishing needs a Box observation space, got {observation_space}")
+    for what, value in (("run_id", run_id), ("channel", channel)):
+        if value is not None:
+            check_name(value, what)
     if artifact is None:
         artifact = build_artifact(_module_from_algo(algo), observation_space, action_space)
     if artifact.fallback_reason:
@@ -302,17 +327,68 @@ def publish_policy(
         "signing_key": public_key_fingerprint(signing_key.public_key()) if signing_key is not None else None,
         "time": time.time(),
     }
+    if run_id is not None:
+        spec["run_id"] = run_id
+    if channel is not None:
+        spec["channel"] = channel
     spec_bytes = json.dumps(spec, indent=1, sort_keys=True).encode()
     for name, data in files.items():
         storage.write(f"{d}/{name}", data)
     storage.write(f"{d}/{SPEC}", spec_bytes)
     if signing_key is not None:
         storage.write(f"{d}/{SPEC}{SIG_SUFFIX}", sign(signing_key, spec_bytes))
-    latest = {
-        "policy_version": version,
-        "path": d,
-        "sha256": hashlib.sha256(spec_bytes).hexdigest(),
-        "time": spec["time"],
-    }
-    storage.write(LATEST, json.dumps(latest, sort_keys=True).encode())
+    _write_latest(
+        storage,
+        pointer_bytes(
+            version, d, hashlib.sha256(spec_bytes).hexdigest(), run_id=run_id, channel=channel, now=spec["time"]
+        ),
+        signing_key,
+    )
     return spec
+
+
+def _write_latest(storage: Storage, pointer: bytes, signing_key: Any) -> None:
+    """Write ``latest.json`` and, with a key, ``latest.json.sig`` (a stale one is removed without)."""
+    storage.write(LATEST, pointer)
+    if signing_key is not None:
+        storage.write(f"{LATEST}{SIG_SUFFIX}", sign(signing_key, pointer))
+    else:
+        storage.delete(f"{LATEST}{SIG_SUFFIX}")
+
+
+def refresh_latest(storage: Storage, *, version: int, run_id: str, channel: str, signing_key: Any) -> bool:
+    """Re-sign ``latest.json`` for the published `version` with the current time, so services
+    with ``max_pointer_age_s`` see the trainer alive while no new version is published.
+
+    Only a version this key signed for this run and channel is re-pointed; anything else is
+    logged and left as it is.
+
+    Args:
+        storage: the publish root.
+        version: the version in use (the trainer's last publication).
+        run_id: this run's id.
+        channel: this run's channel.
+        signing_key: the Ed25519 private key that signed the version.
+
+    Returns:
+        True if the pointer was rewritten.
+
+    Example:
+        >>> refresh_latest(storage, version=3, run_id=run_id, channel="cartpole",  # doctest: +SKIP
+        ...     signing_key=key)
+        True
+    """
+    d = version_dir(version)
+    try:
+        spec_bytes = storage.read(f"{d}/{SPEC}")
+        verify(signing_key.public_key(), spec_bytes, storage.read(f"{d}/{SPEC}{SIG_SUFFIX}"))
+        spec = json.loads(spec_bytes)
+    except (FileNotFoundError, SignatureError, ValueError) as e:
+        log.error("not refreshing %s: %s/%s cannot be verified (%s)", LATEST, d, SPEC, e)
+        return False
+    if (spec.get("policy_version"), spec.get("run_id"), spec.get("channel")) != (version, run_id, channel):
+        log.error("not refreshing %s: %s/%s is not this run's v%d on channel %s", LATEST, d, SPEC, version, channel)
+        return False
+    pointer = pointer_bytes(version, d, hashlib.sha256(spec_bytes).hexdigest(), run_id=run_id, channel=channel)
+    _write_latest(storage, pointer, signing_key)
+    return True

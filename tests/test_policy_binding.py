@@ -483,3 +483,93 @@ def test_a_deeply_nested_policy_json_is_refused(tmp_path, monkeypatch):
         PolicyLoadError, match=rf"v000001/policy\.json is nested 100000 deep, over the limit of {MAX_JSON_DEPTH}"
     ):
         load_policy(str(root), allow_unsigned=True)
+
+
+# ------------------------------------------------------------------------------ the trainer
+
+
+class _FakeLearnerGroup:
+    def restore_from_path(self, path: str) -> None:
+        pass
+
+
+class _FakeAlgo:
+    """What `ContinuousTrainer.checkpoint` touches of an RLlib Algorithm (no Ray)."""
+
+    def __init__(self) -> None:
+        from types import SimpleNamespace
+
+        self.config = SimpleNamespace(gamma=0.99)
+        self.learner_group = _FakeLearnerGroup()
+
+    def save_to_path(self, path: str) -> None:
+        os.makedirs(os.path.join(path, "learner_group"), exist_ok=True)
+        with open(os.path.join(path, "learner_group", "weights"), "wb") as f:
+            f.write(b"w")
+
+
+def _trainer(tmp_path, keys_dir, monkeypatch, *, resume: bool, gate_rejects: bool = False, **kw):
+    from rlrec.trainer import export
+    from rlrec.trainer.config import TrainerConfig
+    from rlrec.trainer.service import ContinuousTrainer
+
+    monkeypatch.setattr(export, "_module_from_algo", lambda algo: None)
+    monkeypatch.setattr(export, "build_artifact", lambda module, obs, act: artifact(2, 0))
+    cfg = TrainerConfig(
+        input=str(tmp_path / "in"),
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        signing_key=str(keys_dir / "policy-signing.key"),
+        resume=resume,
+        **kw,
+    )
+    t = ContinuousTrainer(cfg)
+    t.algo, t.obs_space, t.act_space = _FakeAlgo(), OBS, ACT
+    if gate_rejects:
+        monkeypatch.setattr(t, "publish", lambda: None)
+    return t
+
+
+def test_the_trainer_keeps_its_run_id_across_resume_and_refreshes_the_pointer(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    keys_dir = tmp_path / "keys"
+    generate_keys(keys_dir)
+    pub = str(keys_dir / "policy-signing.pub")
+    first = _trainer(tmp_path, keys_dir, monkeypatch, resume=False, policy_id="cartpole")
+    first.iteration = 3
+    first.checkpoint()
+    run_id = first.run_id
+    assert run_id and len(run_id) == 32
+    p = load_policy(str(tmp_path / "ckpt"), public_key=pub, run_id=run_id, channel="cartpole")
+    assert (p.policy_version, p.run_id, p.channel) == (1, run_id, "cartpole")  # channel: the policy id
+
+    second = _trainer(tmp_path, keys_dir, monkeypatch, resume=True, policy_id="cartpole")
+    second.metrics = SimpleNamespace(truncate_after=lambda _i: None)
+    assert second._restore()
+    assert second.run_id == run_id and second.policy_version == 1
+    second.iteration = 6
+    second.checkpoint()
+    assert p.poll() is True and (p.policy_version, p.run_id) == (2, run_id)
+
+    # nothing new published (the promotion gate kept v2): the pointer is re-signed with a new time
+    third = _trainer(tmp_path, keys_dir, monkeypatch, resume=True, gate_rejects=True, policy_id="cartpole")
+    third.metrics = SimpleNamespace(truncate_after=lambda _i: None)
+    third._restore()
+    before = json.loads((tmp_path / "ckpt" / "policies" / "latest.json").read_bytes())["time"]
+    time.sleep(0.01)
+    third.iteration = 9
+    third.checkpoint()
+    after = json.loads((tmp_path / "ckpt" / "policies" / "latest.json").read_bytes())
+    assert after["policy_version"] == 2 and after["time"] > before
+    assert load_policy(str(tmp_path / "ckpt"), public_key=pub, run_id=run_id, max_pointer_age_s=60).policy_version == 2
+
+
+def test_the_channel_option(tmp_path):
+    from rlrec.trainer.config import TrainerConfig
+
+    base = {"input": str(tmp_path), "checkpoint_dir": str(tmp_path)}
+    assert TrainerConfig(**base).publish_channel == "default"
+    assert TrainerConfig(**base, policy_id="cartpole").publish_channel == "cartpole"
+    assert TrainerConfig(**base, policy_id="cartpole", channel="prod").publish_channel == "prod"
+    with pytest.raises(ValueError, match=r"--channel '../prod' must match"):
+        TrainerConfig(**base, channel="../prod")

@@ -573,3 +573,44 @@ def test_the_channel_option(tmp_path):
     assert TrainerConfig(**base, policy_id="cartpole", channel="prod").publish_channel == "prod"
     with pytest.raises(ValueError, match=r"--channel '../prod' must match"):
         TrainerConfig(**base, channel="../prod")
+
+
+# --------------------------------------------------------------------------------- rollback
+
+
+def test_a_rollback_is_a_new_publication(prod, keys, tmp_path):
+    from rlrec.trainer.export import highest_version, republish_policy
+
+    storage = Storage.from_uri(str(prod))
+    state = tmp_path / "state.json"
+    p = load_policy(str(prod), public_key=keys["public"], channel="prod", state_file=state)
+    assert p.policy_version == 3
+    spec = republish_policy(storage, version=1, signing_key=keys["private"])
+    assert (spec["policy_version"], spec["republished_from"], spec["run_id"], spec["channel"]) == (4, 1, RUN_A, "prod")
+    assert p.poll() is True and p.policy_version == 4
+    obs = np.random.default_rng(0).normal(0, 1, (64, 4)).astype(np.float32)
+    v1 = load_policy(str(prod), version=1, public_key=keys["public"])
+    np.testing.assert_array_equal(p.action_dist_inputs(obs), v1.action_dist_inputs(obs))  # v1's weights
+    assert json.loads(state.read_bytes())["policy_version"] == 4
+    assert highest_version(storage, keys["private"]) == 4
+    with pytest.raises(ValueError, match=r"the new version must be above v4, got v2"):
+        republish_policy(storage, version=1, new_version=2, signing_key=keys["private"])
+    # the trainer's pointer refresh leaves the rollback alone
+    assert not refresh_latest(storage, version=3, run_id=RUN_A, channel="prod", signing_key=keys["private"])
+    assert json.loads((prod / "latest.json").read_bytes())["policy_version"] == 4
+    # junk or unsigned directories do not count as published versions
+    (prod / "v000090").mkdir()
+    assert highest_version(storage, keys["private"]) == 4
+
+
+def test_a_trainer_publishes_above_the_versions_present(tmp_path, monkeypatch):
+    keys_dir = tmp_path / "keys"
+    generate_keys(keys_dir)
+    key = load_private_key(keys_dir / "policy-signing.key")
+    publish(tmp_path / "ckpt" / "policies", 5, key, run_id=RUN_B, channel="default")
+    t = _trainer(tmp_path, keys_dir, monkeypatch, resume=False)
+    t.iteration = 3
+    t.checkpoint()
+    assert t.policy_version == 6
+    p = load_policy(str(tmp_path / "ckpt"), public_key=str(keys_dir / "policy-signing.pub"), channel="default")
+    assert (p.policy_version, p.run_id) == (6, t.run_id) and t.run_id != RUN_B

@@ -37,6 +37,7 @@ from rlrec.trainer.policy import (
     SAFETENSORS_MODEL,
     SPEC,
     TORCHSCRIPT_MODEL,
+    VERSION_DIR_RE,
     version_dir,
 )
 from rlrec.trainer.signing import SIG_SUFFIX, SignatureError, public_key_fingerprint, sign, verify
@@ -46,8 +47,10 @@ __all__ = [
     "UndescribableModule",
     "build_artifact",
     "describe_module",
+    "highest_version",
     "publish_policy",
     "refresh_latest",
+    "republish_policy",
 ]
 
 log = logging.getLogger("rlrec.trainer")
@@ -360,7 +363,8 @@ def refresh_latest(storage: Storage, *, version: int, run_id: str, channel: str,
     """Re-sign ``latest.json`` for the published `version` with the current time, so services
     with ``max_pointer_age_s`` see the trainer alive while no new version is published.
 
-    Only a version this key signed for this run and channel is re-pointed; anything else is
+    Only a version this key signed for this run and channel, and only while ``latest.json``
+    names it (a rollback republished above it is left alone), is re-pointed; anything else is
     logged and left as it is.
 
     Args:
@@ -380,9 +384,14 @@ def refresh_latest(storage: Storage, *, version: int, run_id: str, channel: str,
     """
     d = version_dir(version)
     try:
-        spec_bytes = storage.read(f"{d}/{SPEC}")
-        verify(signing_key.public_key(), spec_bytes, storage.read(f"{d}/{SPEC}{SIG_SUFFIX}"))
-        spec = json.loads(spec_bytes)
+        current = json.loads(storage.read(LATEST))
+    except (FileNotFoundError, ValueError):
+        current = None
+    if not isinstance(current, dict) or current.get("path") != d:
+        log.info("not refreshing %s: it does not name this run's v%d", LATEST, version)
+        return False
+    try:
+        spec_bytes, spec = _verified_spec(storage, d, signing_key)
     except (FileNotFoundError, SignatureError, ValueError) as e:
         log.error("not refreshing %s: %s/%s cannot be verified (%s)", LATEST, d, SPEC, e)
         return False
@@ -392,3 +401,105 @@ def refresh_latest(storage: Storage, *, version: int, run_id: str, channel: str,
     pointer = pointer_bytes(version, d, hashlib.sha256(spec_bytes).hexdigest(), run_id=run_id, channel=channel)
     _write_latest(storage, pointer, signing_key)
     return True
+
+
+def _verified_spec(storage: Storage, d: str, signing_key: Any) -> tuple[bytes, dict]:
+    """(bytes, parsed) of ``d/policy.json`` after checking its signature with `signing_key`'s
+    public key. Raises FileNotFoundError, SignatureError or ValueError."""
+    spec_bytes = storage.read(f"{d}/{SPEC}")
+    verify(signing_key.public_key(), spec_bytes, storage.read(f"{d}/{SPEC}{SIG_SUFFIX}"))
+    spec = json.loads(spec_bytes)
+    if not isinstance(spec, dict) or spec.get("policy_version") != int(d[1:]):
+        raise ValueError(f"{d}/{SPEC} is not the policy.json of {d}")
+    return spec_bytes, spec
+
+
+def highest_version(storage: Storage, signing_key: Any = None) -> int:
+    """The highest version published under a publish root (0: none); with `signing_key`, only
+    versions whose policy.json that key signed count (junk directories do not).
+
+    Args:
+        storage: the publish root.
+        signing_key: the Ed25519 private key of the publisher, or None.
+
+    Example:
+        >>> highest_version(Storage.from_uri("/tmp/rlrec-empty-policies"))
+        0
+    """
+    names = sorted(i.name for i in storage.list("") if i.is_dir and VERSION_DIR_RE.match(i.name))
+    for name in reversed(names):
+        if signing_key is None:
+            return int(name[1:])
+        try:
+            _verified_spec(storage, name, signing_key)
+        except (FileNotFoundError, SignatureError, ValueError):
+            continue
+        return int(name[1:])
+    return 0
+
+
+def republish_policy(
+    storage: Storage,
+    *,
+    version: int,
+    signing_key: Any,
+    new_version: int | None = None,
+    run_id: str | None = None,
+    channel: str | None = None,
+) -> dict:
+    """Roll back: publish `version`'s weights again as a new, higher version and point
+    ``latest.json`` at it (services never go back to a lower version).
+
+    The old version's ``policy.json`` must verify with `signing_key` and its files must match
+    their sha256; the new one keeps its weights, spec and lineage, and records
+    ``republished_from``. Stop the trainer first: its next publication goes above the highest
+    version present.
+
+    Args:
+        storage: the publish root.
+        version: the version whose weights to serve again.
+        signing_key: the Ed25519 private key (the trainer's).
+        new_version: the new version number (default: the highest signed version present + 1).
+        run_id: the run id to sign it for (default: the old version's).
+        channel: the channel to sign it for (default: the old version's).
+
+    Returns:
+        The new version's policy.json.
+
+    Raises:
+        ValueError: the old version cannot be verified, or `new_version` is not above every
+            published version.
+
+    Example:
+        >>> from rlrec.trainer.signing import load_private_key  # doctest: +SKIP
+        >>> republish_policy(Storage.from_uri("s3://bucket/run1/policies"), version=3,  # doctest: +SKIP
+        ...     signing_key=load_private_key("/keys/policy-signing.key"))["policy_version"]
+        8
+    """
+    d = version_dir(version)
+    try:
+        _spec_bytes, spec = _verified_spec(storage, d, signing_key)
+        files = {name: storage.read(f"{d}/{name}") for name in spec["files"]}
+    except (FileNotFoundError, SignatureError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{d} cannot be republished: {type(e).__name__}: {e}") from None
+    for name, data in files.items():
+        if hashlib.sha256(data).hexdigest() != spec["files"][name]:
+            raise ValueError(f"{d}/{name} does not match the sha256 in its policy.json")
+    top = highest_version(storage, signing_key)
+    new = top + 1 if new_version is None else int(new_version)
+    if new <= top:
+        raise ValueError(f"the new version must be above v{top}, got v{new}")
+    nd = version_dir(new)
+    run_id, channel = run_id or spec.get("run_id"), channel or spec.get("channel")
+    new_spec = {**spec, "policy_version": new, "directory": nd, "parent_version": top or None}
+    new_spec.update({"republished_from": version, "time": time.time(), "run_id": run_id, "channel": channel})
+    new_spec = {k: v for k, v in new_spec.items() if not (k in ("run_id", "channel") and v is None)}
+    spec_bytes = json.dumps(new_spec, indent=1, sort_keys=True).encode()
+    for name, data in files.items():
+        storage.write(f"{nd}/{name}", data)
+    storage.write(f"{nd}/{SPEC}", spec_bytes)
+    storage.write(f"{nd}/{SPEC}{SIG_SUFFIX}", sign(signing_key, spec_bytes))
+    sha = hashlib.sha256(spec_bytes).hexdigest()
+    _write_latest(storage, pointer_bytes(new, nd, sha, run_id=run_id, channel=channel), signing_key)
+    log.info("republished %s as %s (run %s, channel %s)", d, nd, run_id, channel)
+    return new_spec

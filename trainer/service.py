@@ -326,7 +326,7 @@ class ContinuousTrainer:
     def publish(self) -> None:
         from rlrec.trainer.export import publish_policy
 
-        version = self.policy_version + 1
+        version = self._next_version()
         artifact = None
         metadata = {"gamma": self._gamma()}
         if self.run_id is None:
@@ -371,6 +371,21 @@ class ContinuousTrainer:
         self.since_publish = set()
         if self.last_promotion is not None and self.last_promotion["candidate_version"] == version:
             self.deployed_return = self.last_promotion["candidate_return"]
+
+    def _next_version(self) -> int:
+        """One above this run's last version and above every version (signed by this trainer's
+        key, when it has one) already under the publish root: a fresh run or a rollback
+        republished there is never overwritten."""
+        from rlrec.trainer.export import highest_version
+
+        try:
+            present = highest_version(self.publish_storage, self.signing_key)
+        except Exception as e:
+            log.warning("cannot list the published versions (%s); numbering from v%d", e, self.policy_version)
+            present = 0
+        if present > self.policy_version:
+            log.info("v%d is published already under %s: publishing above it", present, self.publish_storage.uri())
+        return max(self.policy_version, present) + 1
 
     def _refresh_pointer(self) -> None:
         """Re-sign the pointer to this run's latest version (a fresh time for services that

@@ -3,9 +3,11 @@
 Layout written by the trainer (`rlrec.trainer.export.publish_policy`) under the publish root
 (default ``{checkpoint_dir}/policies``)::
 
-    latest.json              {"policy_version": N, "path": "v00000N", "sha256": <sha256 of its policy.json>}
+    latest.json              {"policy_version": N, "path": "v00000N", "sha256": <sha256 of its policy.json>,
+                              "run_id": R, "channel": C, "time": T}
+    latest.json.sig          Ed25519 signature over the exact bytes of latest.json
     v00000N/policy.json      the spec: artifact_version 2, policy_version N, directory "v00000N",
-                             format ("safetensors" or "torchscript"), network (layer sizes,
+                             run_id, channel, format ("safetensors" or "torchscript"), network (layer sizes,
                              activations, log-std clipping), action_dist, spaces, and "files":
                              the sha256 of every other file of the version
     v00000N/policy.json.sig  Ed25519 signature over the exact bytes of policy.json (when the
@@ -26,8 +28,15 @@ code and can read and write files). ``latest.json``'s ``path`` must match ``^v\\
 sha256 must match; `Policy.poll` never moves to a lower version. The weights are rebuilt in plain
 torch from the spec (`rlrec.trainer.policy_net`): no ``torch.jit.load``, no pickle.
 
-Only this module, `rlrec.trainer.policy_net`, `rlrec.trainer.signing`, numpy, json, torch,
-safetensors and cryptography are imported; URIs other than local paths use pyarrow's
+Bindings (`rlrec.trainer.binding`; docs/DEPLOY.md, "Threat model"): ``latest.json.sig``, when
+present, must verify; what the caller pins (``run_id``, ``channel``, ``observation_space``,
+``action_space``, ``state_file``, ``max_pointer_age_s``) is checked on the pointer and on the
+verified ``policy.json`` before the weights are read; a pointer below a version signed for the
+same run and channel that is present under the root is a replay and refused.
+
+Only this module, `rlrec.trainer.policy_net`, `rlrec.trainer.signing`, `rlrec.trainer.binding`,
+numpy, json, torch, safetensors and cryptography are imported (`rlrec.producer.spaces` and
+gymnasium when a space object is pinned); URIs other than local paths use pyarrow's
 filesystems (lazily).
 """
 

@@ -33,7 +33,7 @@ torch = pytest.importorskip("torch")
 from rlrec.store.storage import Storage  # noqa: E402
 from rlrec.trainer.binding import pointer_bytes  # noqa: E402
 from rlrec.trainer.export import PolicyArtifact, publish_policy, refresh_latest  # noqa: E402
-from rlrec.trainer.policy import MAX_JSON_DEPTH, PolicyLoadError, load_policy  # noqa: E402
+from rlrec.trainer.policy import MAX_JSON_DEPTH, MAX_NEWER_VERSIONS, PolicyLoadError, load_policy  # noqa: E402
 from rlrec.trainer.signing import generate_keys, load_private_key, sign, verify  # noqa: E402
 
 CARTPOLE = gym.make("CartPole-v1")
@@ -454,6 +454,12 @@ def test_a_hostile_higher_version_does_not_block_the_replay_check(prod, keys):
     (prod / "v000008" / "policy.json.sig").write_bytes(b"x" * 64)
     with deadline():
         assert load_policy(str(prod), public_key=keys["public"]).policy_version == 3
+    for v in range(10, 10 + MAX_NEWER_VERSIONS):  # more than are checked: refused, not read one by one
+        (prod / f"v{v:06d}").mkdir()
+    with pytest.raises(
+        PolicyLoadError, match=rf"102 version directories above v000003, over the limit of {MAX_NEWER_VERSIONS}"
+    ):
+        load_policy(str(prod), public_key=keys["public"])
 
 
 def test_a_hostile_safetensors_header_is_refused_before_parsing(tmp_path, keys):

@@ -100,7 +100,7 @@ MAX_BYTES = {
 #: the deepest nesting of [ and { a JSON file may have (checked before parsing)
 MAX_JSON_DEPTH = 64
 #: the most version directories above the pointed one that are checked for a replayed pointer
-MAX_NEWER_VERSIONS = 1000
+MAX_NEWER_VERSIONS = 100
 #: the most entries of a publish root that are listed
 MAX_ROOT_ENTRIES = 100_000
 

@@ -620,3 +620,21 @@ def test_a_trainer_publishes_above_the_versions_present(tmp_path, monkeypatch):
     assert t.policy_version == 6
     p = load_policy(str(tmp_path / "ckpt"), public_key=str(keys_dir / "policy-signing.pub"), channel="default")
     assert (p.policy_version, p.run_id) == (6, t.run_id) and t.run_id != RUN_B
+
+
+def test_hostile_files_do_not_block_the_trainer(prod, keys):
+    """The trainer reads its publish root too (the highest version, the pointer it refreshes)."""
+    from rlrec.trainer.export import highest_version
+
+    storage = Storage.from_uri(str(prod))
+    (prod / "v000009").mkdir()
+    os.mkfifo(prod / "v000009" / "policy.json")
+    (prod / "v000008").mkdir()
+    (prod / "v000008" / "policy.json").write_bytes(b"[" * 100_000)
+    (prod / "v000008" / "policy.json.sig").write_bytes(b"x" * 64)
+    with deadline():
+        assert highest_version(storage, keys["private"]) == 3
+    (prod / "latest.json").unlink()
+    os.mkfifo(prod / "latest.json")
+    with deadline():
+        assert not refresh_latest(storage, version=3, run_id=RUN_A, channel="prod", signing_key=keys["private"])

@@ -34,10 +34,14 @@ from rlrec.trainer.policy import (
     ARTIFACT_VERSION,
     LATEST,
     LINEAGE,
+    MAX_BYTES,
     SAFETENSORS_MODEL,
     SPEC,
     TORCHSCRIPT_MODEL,
     VERSION_DIR_RE,
+    PolicyLoadError,
+    _Files,
+    _json,
     version_dir,
 )
 from rlrec.trainer.signing import SIG_SUFFIX, SignatureError, public_key_fingerprint, sign, verify
@@ -384,15 +388,15 @@ def refresh_latest(storage: Storage, *, version: int, run_id: str, channel: str,
     """
     d = version_dir(version)
     try:
-        current = json.loads(storage.read(LATEST))
-    except (FileNotFoundError, ValueError):
+        current = _json(_read_small(storage, LATEST, MAX_BYTES[LATEST]), LATEST)
+    except (OSError, PolicyLoadError):
         current = None
     if not isinstance(current, dict) or current.get("path") != d:
         log.info("not refreshing %s: it does not name this run's v%d", LATEST, version)
         return False
     try:
         spec_bytes, spec = _verified_spec(storage, d, signing_key)
-    except (FileNotFoundError, SignatureError, ValueError) as e:
+    except (OSError, SignatureError, ValueError, PolicyLoadError) as e:
         log.error("not refreshing %s: %s/%s cannot be verified (%s)", LATEST, d, SPEC, e)
         return False
     if (spec.get("policy_version"), spec.get("run_id"), spec.get("channel")) != (version, run_id, channel):
@@ -403,12 +407,25 @@ def refresh_latest(storage: Storage, *, version: int, run_id: str, channel: str,
     return True
 
 
+def _read_small(storage: Storage, rel: str, max_bytes: int) -> bytes:
+    """A file of the publish root (which others may write), refused (PolicyLoadError) before it
+    is read if it is larger than `max_bytes` or, on a local disk, not a regular file (a FIFO
+    would block the trainer)."""
+    if storage.kind == "local":
+        return _Files(storage.uri("")).read(rel, max_bytes)
+    info = storage.filesystem.get_file_info(storage.full_path(rel))
+    if info.size is not None and info.size > max_bytes:
+        raise PolicyLoadError(f"{rel} holds {info.size} bytes, over its limit of {max_bytes}: refused")
+    return storage.read(rel)
+
+
 def _verified_spec(storage: Storage, d: str, signing_key: Any) -> tuple[bytes, dict]:
     """(bytes, parsed) of ``d/policy.json`` after checking its signature with `signing_key`'s
-    public key. Raises FileNotFoundError, SignatureError or ValueError."""
-    spec_bytes = storage.read(f"{d}/{SPEC}")
-    verify(signing_key.public_key(), spec_bytes, storage.read(f"{d}/{SPEC}{SIG_SUFFIX}"))
-    spec = json.loads(spec_bytes)
+    public key. Raises FileNotFoundError, SignatureError or ValueError (PolicyLoadError: a
+    hostile file)."""
+    spec_bytes = _read_small(storage, f"{d}/{SPEC}", MAX_BYTES[SPEC])
+    verify(signing_key.public_key(), spec_bytes, _read_small(storage, f"{d}/{SPEC}{SIG_SUFFIX}", MAX_BYTES["sig"]))
+    spec = _json(spec_bytes, f"{d}/{SPEC}")
     if not isinstance(spec, dict) or spec.get("policy_version") != int(d[1:]):
         raise ValueError(f"{d}/{SPEC} is not the policy.json of {d}")
     return spec_bytes, spec
@@ -432,7 +449,7 @@ def highest_version(storage: Storage, signing_key: Any = None) -> int:
             return int(name[1:])
         try:
             _verified_spec(storage, name, signing_key)
-        except (FileNotFoundError, SignatureError, ValueError):
+        except (OSError, SignatureError, ValueError, PolicyLoadError):
             continue
         return int(name[1:])
     return 0
@@ -479,8 +496,8 @@ def republish_policy(
     d = version_dir(version)
     try:
         _spec_bytes, spec = _verified_spec(storage, d, signing_key)
-        files = {name: storage.read(f"{d}/{name}") for name in spec["files"]}
-    except (FileNotFoundError, SignatureError, ValueError, KeyError, TypeError) as e:
+        files = {name: _read_small(storage, f"{d}/{name}", MAX_BYTES["model"]) for name in spec["files"]}
+    except (OSError, SignatureError, ValueError, KeyError, TypeError, PolicyLoadError) as e:
         raise ValueError(f"{d} cannot be republished: {type(e).__name__}: {e}") from None
     for name, data in files.items():
         if hashlib.sha256(data).hexdigest() != spec["files"][name]:

@@ -275,7 +275,7 @@ def test_a_replayed_old_pointer_is_refused(tmp_path, keys):
     assert p.policy_version == 3
 
     restore_pointer(root, v1_pointer)  # signed, genuine, old
-    with pytest.raises(PolicyLoadError, match=r"latest\.json names v000001, but v000003, signed for the same run"):
+    with pytest.raises(PolicyLoadError, match=r"latest\.json names v000001, but v000003, signed for the same channel"):
         load_policy(str(root), public_key=keys["public"])
     with pytest.raises(PolicyLoadError, match=r"names v1, older than v3 in use: rollback refused"):
         p.poll()
@@ -284,16 +284,21 @@ def test_a_replayed_old_pointer_is_refused(tmp_path, keys):
         load_policy(str(root), public_key=keys["public"])
     assert p.policy_version == 3
 
-    # a higher version of another run (or an unsigned one) does not make a pointer a replay
+    # a higher version of another channel, or an unsigned one, does not make a pointer a replay
     shutil.rmtree(root / "v000002")
     shutil.rmtree(root / "v000003")
-    publish(tmp_path / "b", 9, keys["private"], run_id=RUN_B)
+    publish(tmp_path / "b", 9, keys["private"], channel="prod")
     shutil.copytree(tmp_path / "b" / "v000009", root / "v000009")
     (root / "v000009" / "policy.json.sig").unlink()
-    publish(tmp_path / "c", 8, keys["private"], run_id=RUN_C)
+    publish(tmp_path / "c", 8, keys["private"], run_id=RUN_C, channel="staging")
     shutil.copytree(tmp_path / "c" / "v000008", root / "v000008")
     restore_pointer(root, v1_pointer)
     assert load_policy(str(root), public_key=keys["public"]).policy_version == 1
+    # a newer run that took the channel over: its version counts (an old run's pointer is a replay)
+    publish(tmp_path / "d", 7, keys["private"], run_id=RUN_B, channel="prod")
+    shutil.copytree(tmp_path / "d" / "v000007", root / "v000007")
+    with pytest.raises(PolicyLoadError, match=r"names v000001, but v000007, signed for the same channel"):
+        load_policy(str(root), public_key=keys["public"])
 
 
 def test_the_state_file_refuses_older_versions_across_restarts(tmp_path, keys):
@@ -394,7 +399,7 @@ def test_versions_published_before_bindings_load_unpinned_only(tmp_path, keys):
         load_policy(str(root), version=1, public_key=keys["public"], run_id=RUN_A)
     # a replayed old pointer is refused for them too
     unsigned_pointer(root, "v000001")
-    with pytest.raises(PolicyLoadError, match=r"names v000001, but v000002, signed for the same run and channel"):
+    with pytest.raises(PolicyLoadError, match=r"names v000001, but v000002, signed for the same channel"):
         load_policy(str(root), public_key=keys["public"])
 
 

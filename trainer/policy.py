@@ -32,7 +32,8 @@ Bindings (`rlrec.trainer.binding`; docs/DEPLOY.md, "Threat model"): ``latest.jso
 present, must verify; what the caller pins (``run_id``, ``channel``, ``observation_space``,
 ``action_space``, ``state_file``, ``max_pointer_age_s``) is checked on the pointer and on the
 verified ``policy.json`` before the weights are read; a pointer below a version signed for the
-same run and channel that is present under the root is a replay and refused.
+same channel (by any run: a newer run may take a channel over) that is present under the root
+is a replay and refused.
 
 Only this module, `rlrec.trainer.policy_net`, `rlrec.trainer.signing`, `rlrec.trainer.binding`,
 numpy, json, torch, safetensors and cryptography are imported (`rlrec.producer.spaces` and
@@ -715,10 +716,11 @@ def _signed_spec(files: _Files, rel_dir: str, trust: _Trust) -> dict | None:
 
 def _check_not_replayed(files: _Files, trust: _Trust, pointer: _Pointer, spec: dict) -> None:
     """Refuse a pointer naming a version below the highest version present under the root that
-    is signed by the configured key for the same run and channel (a replayed old pointer)."""
+    is signed by the configured key for the same channel (a replayed old pointer). Versions of
+    other channels do not count: copying them in cannot stop a service from (re)starting."""
     if trust.public_key is None:
         return
-    ident = (spec.get("run_id"), spec.get("channel"))
+    channel = spec.get("channel")
     try:
         names = files.version_dirs()
     except OSError as e:
@@ -730,9 +732,9 @@ def _check_not_replayed(files: _Files, trust: _Trust, pointer: _Pointer, spec: d
         )
     for d in reversed(newer):
         other = _signed_spec(files, d, trust)
-        if other is not None and (other.get("run_id"), other.get("channel")) == ident:
+        if other is not None and other.get("channel") == channel:
             raise PolicyLoadError(
-                f"{LATEST} names {pointer.path}, but {d}, signed for the same run and channel, exists: "
+                f"{LATEST} names {pointer.path}, but {d}, signed for the same channel, exists: "
                 "a replayed old pointer is refused (a rollback is a new, higher version)"
             )
 

@@ -150,6 +150,12 @@ def test_policies_publish_to_the_consumers_topic_on_the_compose_kafka(services, 
     assert policy.steps_per_s > 0, "policies are throttled"
 
 
+def test_the_policies_pin_the_channel_the_trainer_publishes_for(services, monkeypatch):
+    policy = parse_service_command("policy", services["policy"], monkeypatch)
+    train = parse_service_command("trainer", services["trainer"], monkeypatch)
+    assert policy.channel == train.channel == "cartpole"
+
+
 def test_the_promotion_baseline_is_the_scripted_experts_return(services, monkeypatch):
     """The gate's baseline in compose is what `rlrec demo` measures for the expert the policies start as."""
     from rlrec.demo.run import expert_return

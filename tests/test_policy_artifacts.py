@@ -164,6 +164,8 @@ def _rewrite_spec(root, version_dir: str, **changes) -> None:
 
 
 def _point_latest(root, version_dir: str) -> None:
+    """An unsigned pointer, as someone without the signing key writes it."""
+    (root / "latest.json.sig").unlink(missing_ok=True)
     data = (root / version_dir / "policy.json").read_bytes()
     (root / "latest.json").write_text(
         json.dumps(
@@ -224,6 +226,7 @@ def test_version_signed_by_another_key_is_refused(published, keys, tmp_path_fact
 
 @pytest.mark.parametrize("path", ["../outside", "/etc", "v1", "v0000001", "v000002/../../x", "policies"])
 def test_latest_pointing_outside_the_root_is_refused(published, keys, path):
+    (published / "latest.json.sig").unlink()  # written by someone without the key
     (published / "latest.json").write_text(json.dumps({"policy_version": 2, "path": path}))
     with pytest.raises(PolicyLoadError, match=r"is not a version directory"):
         load_policy(str(published), public_key=keys["public"])
@@ -232,6 +235,7 @@ def test_latest_pointing_outside_the_root_is_refused(published, keys, path):
 def test_latest_sha256_is_checked(published, keys):
     latest = json.loads((published / "latest.json").read_text())
     latest["sha256"] = "0" * 64
+    (published / "latest.json.sig").unlink()
     (published / "latest.json").write_text(json.dumps(latest))
     with pytest.raises(PolicyLoadError, match=r"does not match the sha256 in latest\.json"):
         load_policy(str(published), public_key=keys["public"])

@@ -420,8 +420,10 @@ def test_load_policy_acts_without_ray(cli_run, tmp_path):
         sys.meta_path.insert(0, NoRay())
         import gymnasium as gym, hashlib
         from rlrec import load_policy
+        from rlrec.trainer.binding import pointer_bytes
         from rlrec.trainer.signing import load_private_key, sign
         p = load_policy({str(pol)!r}, public_key={cli_run["public_key"]!r})
+        assert p.run_id and p.channel == "default"
         env = gym.make("CartPole-v1")
         rets = []
         for ep in range(3):
@@ -444,8 +446,10 @@ def test_load_policy_acts_without_ray(cli_run, tmp_path):
         open({str(pol / "v000002" / "policy.json")!r}, "wb").write(data)
         key = load_private_key({cli_run["private_key"]!r})
         open({str(pol / "v000002" / "policy.json.sig")!r}, "wb").write(sign(key, data))
-        json.dump({{"policy_version": 2, "path": "v000002", "sha256": hashlib.sha256(data).hexdigest()}},
-                  open({str(pol / "latest.json")!r}, "w"))
+        pointer = pointer_bytes(2, "v000002", hashlib.sha256(data).hexdigest(),
+                                run_id=spec["run_id"], channel=spec["channel"])
+        open({str(pol / "latest.json")!r}, "wb").write(pointer)
+        open({str(pol / "latest.json.sig")!r}, "wb").write(sign(key, pointer))
         assert p.poll() is True and p.policy_version == 2
         print(json.dumps({{"returns": rets, "v1": v1, "ray": "ray" in sys.modules}}))
     """)

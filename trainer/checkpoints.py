@@ -6,7 +6,7 @@ Checkpoint directory layout (a local path or any URI `rlrec.store.storage.Storag
     checkpoints/latest.json               {"iteration", "path", "policy_version"}: the commit point
     checkpoints/ckpt-00000012/algo/       RLlib checkpoint (Algorithm.save_to_path): weights,
                                           optimizer state, ...
-    checkpoints/ckpt-00000012/trainer.json  cursor (shards trained on), counters, policy version
+    checkpoints/ckpt-00000012/trainer.json  cursor (shards trained on), counters, policy version, run id
     checkpoints/ckpt-00000012/index.json    {"iteration", "path", "files": {relative path: sha256}}:
                                           every file of the checkpoint, written after them
     checkpoints/ckpt-00000012/index.json.sig  Ed25519 signature of index.json (with a signing key)

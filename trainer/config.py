@@ -165,6 +165,12 @@ class TrainerConfig:
     cache_ttl_s: float = 30.0
     publish: bool = option(True, help="publish each checkpointed policy (--no-publish: don't)")
     publish_dir: str | None = option(None, help="where to publish policies (default: {checkpoint-dir}/policies)")
+    channel: str | None = option(
+        None,
+        help="what the published policies are for, signed into each version and the latest pointer; services "
+        "pin it (load_policy(channel=...)) and refuse versions of other channels (default: --policy-id, "
+        "else 'default')",
+    )
     metrics_port: int | None = option(
         None, help="serve the metrics on a Prometheus endpoint on this port (0: pick a free port; default: no server)"
     )
@@ -243,6 +249,10 @@ class TrainerConfig:
             raise ValueError("--map-batches-concurrency must be >= 1")
         if self.read_tasks < 1:
             raise ValueError("--read-tasks must be >= 1")
+        if self.channel is not None:
+            from rlrec.trainer.binding import check_name
+
+            check_name(self.channel, "--channel")
         self.feed_policy()  # its own checks (--fresh-fraction, the replay window), before Ray starts
         from rlrec.trainer.cluster import RayPlacement
 
@@ -293,6 +303,13 @@ class TrainerConfig:
                     f"--algo-config: {key!r} is no setting of RLlib's {config_cls.__name__}{hint}; "
                     "see AlgorithmConfig.training()"
                 )
+
+    @property
+    def publish_channel(self) -> str:
+        """The channel policies are published for: ``--channel``, else ``--policy-id``, else ``default``."""
+        from rlrec.trainer.binding import DEFAULT_CHANNEL
+
+        return self.channel or self.policy_id or DEFAULT_CHANNEL
 
     @property
     def gate(self) -> bool:

@@ -29,18 +29,33 @@ import numpy as np
 
 from rlrec.producer.spaces import space_to_json
 from rlrec.store.storage import Storage
+from rlrec.trainer.binding import check_name, pointer_bytes
 from rlrec.trainer.policy import (
     ARTIFACT_VERSION,
     LATEST,
     LINEAGE,
+    MAX_BYTES,
     SAFETENSORS_MODEL,
     SPEC,
     TORCHSCRIPT_MODEL,
+    VERSION_DIR_RE,
+    PolicyLoadError,
+    _Files,
+    _json,
     version_dir,
 )
-from rlrec.trainer.signing import SIG_SUFFIX, public_key_fingerprint, sign
+from rlrec.trainer.signing import SIG_SUFFIX, SignatureError, public_key_fingerprint, sign, verify
 
-__all__ = ["PolicyArtifact", "UndescribableModule", "build_artifact", "describe_module", "publish_policy"]
+__all__ = [
+    "PolicyArtifact",
+    "UndescribableModule",
+    "build_artifact",
+    "describe_module",
+    "highest_version",
+    "publish_policy",
+    "refresh_latest",
+    "republish_policy",
+]
 
 log = logging.getLogger("rlrec.trainer")
 
@@ -254,16 +269,33 @@ def publish_policy(
     signing_key: Any = None,
     artifact: PolicyArtifact | None = None,
     metadata: dict | None = None,
+    run_id: str | None = None,
+    channel: str | None = None,
 ) -> dict:
-    """Write ``v{version:06d}/`` (weights, lineage.json, policy.json[, policy.json.sig]) then ``latest.json``.
+    """Write ``v{version:06d}/`` (weights, lineage.json, policy.json[, policy.json.sig]) then
+    ``latest.json`` (and ``latest.json.sig``).
 
-    ``policy.json`` pins the sha256 of every other file of the version, its ``policy_version``
-    and its directory name; with `signing_key` (an Ed25519 private key) ``policy.json.sig`` is
-    the signature over its exact bytes. `artifact`: reuse an artifact built already (the
-    promotion gate evaluated it). `metadata`: more keys for ``policy.json`` (signed with it; e.g.
-    the promotion gate's decision and the algorithm's ``gamma``); keys the spec sets win."""
+    ``policy.json`` pins the sha256 of every other file of the version, its ``policy_version``,
+    its directory name, and the `run_id` and `channel` it is published for; with `signing_key`
+    (an Ed25519 private key) ``policy.json.sig`` is the signature over its exact bytes, and
+    ``latest.json`` (version, path, sha256 of policy.json, run id, channel, time) is signed the
+    same way. `artifact`: reuse an artifact built already (the promotion gate evaluated it).
+    `metadata`: more keys for ``policy.json`` (signed with it; e.g. the promotion gate's
+    decision and the algorithm's ``gamma``); keys the spec sets win. `run_id` / `channel`:
+    None leaves them out (as before versions were bound; `rlrec train` always sets them).
+
+    Example:
+        >>> publish_policy(storage, algo=algo, version=3, algo_name="BC",  # doctest: +SKIP
+        ...     observation_space=obs_space, action_space=act_space, iteration=30,
+        ...     timesteps_trained=15360, shards=keys, new_shards=new, parent_version=2,
+        ...     signing_key=key, run_id="5f0c...", channel="cartpole")["directory"]
+        'v000003'
+    """
     if not isinstance(observation_space, gym.spaces.Box):
         raise ValueError(f"publishing needs a Box observation space, got {observation_space}")
+    for what, value in (("run_id", run_id), ("channel", channel)):
+        if value is not None:
+            check_name(value, what)
     if artifact is None:
         artifact = build_artifact(_module_from_algo(algo), observation_space, action_space)
     if artifact.fallback_reason:
@@ -302,17 +334,189 @@ def publish_policy(
         "signing_key": public_key_fingerprint(signing_key.public_key()) if signing_key is not None else None,
         "time": time.time(),
     }
+    if run_id is not None:
+        spec["run_id"] = run_id
+    if channel is not None:
+        spec["channel"] = channel
     spec_bytes = json.dumps(spec, indent=1, sort_keys=True).encode()
     for name, data in files.items():
         storage.write(f"{d}/{name}", data)
     storage.write(f"{d}/{SPEC}", spec_bytes)
     if signing_key is not None:
         storage.write(f"{d}/{SPEC}{SIG_SUFFIX}", sign(signing_key, spec_bytes))
-    latest = {
-        "policy_version": version,
-        "path": d,
-        "sha256": hashlib.sha256(spec_bytes).hexdigest(),
-        "time": spec["time"],
-    }
-    storage.write(LATEST, json.dumps(latest, sort_keys=True).encode())
+    _write_latest(
+        storage,
+        pointer_bytes(
+            version, d, hashlib.sha256(spec_bytes).hexdigest(), run_id=run_id, channel=channel, now=spec["time"]
+        ),
+        signing_key,
+    )
     return spec
+
+
+def _write_latest(storage: Storage, pointer: bytes, signing_key: Any) -> None:
+    """Write ``latest.json`` and, with a key, ``latest.json.sig`` (a stale one is removed without)."""
+    storage.write(LATEST, pointer)
+    if signing_key is not None:
+        storage.write(f"{LATEST}{SIG_SUFFIX}", sign(signing_key, pointer))
+    else:
+        storage.delete(f"{LATEST}{SIG_SUFFIX}")
+
+
+def refresh_latest(storage: Storage, *, version: int, run_id: str, channel: str, signing_key: Any) -> bool:
+    """Re-sign ``latest.json`` for the published `version` with the current time, so services
+    with ``max_pointer_age_s`` see the trainer alive while no new version is published.
+
+    Only a version this key signed for this run and channel, and only while ``latest.json``
+    names it (a rollback republished above it is left alone), is re-pointed; anything else is
+    logged and left as it is.
+
+    Args:
+        storage: the publish root.
+        version: the version in use (the trainer's last publication).
+        run_id: this run's id.
+        channel: this run's channel.
+        signing_key: the Ed25519 private key that signed the version.
+
+    Returns:
+        True if the pointer was rewritten.
+
+    Example:
+        >>> refresh_latest(storage, version=3, run_id=run_id, channel="cartpole",  # doctest: +SKIP
+        ...     signing_key=key)
+        True
+    """
+    d = version_dir(version)
+    try:
+        current = _json(_read_small(storage, LATEST, MAX_BYTES[LATEST]), LATEST)
+    except (OSError, PolicyLoadError):
+        current = None
+    if not isinstance(current, dict) or current.get("path") != d:
+        log.info("not refreshing %s: it does not name this run's v%d", LATEST, version)
+        return False
+    try:
+        spec_bytes, spec = _verified_spec(storage, d, signing_key)
+    except (OSError, SignatureError, ValueError, PolicyLoadError) as e:
+        log.error("not refreshing %s: %s/%s cannot be verified (%s)", LATEST, d, SPEC, e)
+        return False
+    if (spec.get("policy_version"), spec.get("run_id"), spec.get("channel")) != (version, run_id, channel):
+        log.error("not refreshing %s: %s/%s is not this run's v%d on channel %s", LATEST, d, SPEC, version, channel)
+        return False
+    pointer = pointer_bytes(version, d, hashlib.sha256(spec_bytes).hexdigest(), run_id=run_id, channel=channel)
+    _write_latest(storage, pointer, signing_key)
+    return True
+
+
+def _read_small(storage: Storage, rel: str, max_bytes: int) -> bytes:
+    """A file of the publish root (which others may write), refused (PolicyLoadError) before it
+    is read if it is larger than `max_bytes` or, on a local disk, not a regular file (a FIFO
+    would block the trainer)."""
+    if storage.kind == "local":
+        return _Files(storage.uri("")).read(rel, max_bytes)
+    info = storage.filesystem.get_file_info(storage.full_path(rel))
+    if info.size is not None and info.size > max_bytes:
+        raise PolicyLoadError(f"{rel} holds {info.size} bytes, over its limit of {max_bytes}: refused")
+    return storage.read(rel)
+
+
+def _verified_spec(storage: Storage, d: str, signing_key: Any) -> tuple[bytes, dict]:
+    """(bytes, parsed) of ``d/policy.json`` after checking its signature with `signing_key`'s
+    public key. Raises FileNotFoundError, SignatureError or ValueError (PolicyLoadError: a
+    hostile file)."""
+    spec_bytes = _read_small(storage, f"{d}/{SPEC}", MAX_BYTES[SPEC])
+    verify(signing_key.public_key(), spec_bytes, _read_small(storage, f"{d}/{SPEC}{SIG_SUFFIX}", MAX_BYTES["sig"]))
+    spec = _json(spec_bytes, f"{d}/{SPEC}")
+    if not isinstance(spec, dict) or spec.get("policy_version") != int(d[1:]):
+        raise ValueError(f"{d}/{SPEC} is not the policy.json of {d}")
+    return spec_bytes, spec
+
+
+def highest_version(storage: Storage, signing_key: Any = None) -> int:
+    """The highest version published under a publish root (0: none); with `signing_key`, only
+    versions whose policy.json that key signed count (junk directories do not).
+
+    Args:
+        storage: the publish root.
+        signing_key: the Ed25519 private key of the publisher, or None.
+
+    Example:
+        >>> highest_version(Storage.from_uri("/tmp/rlrec-empty-policies"))
+        0
+    """
+    names = sorted(i.name for i in storage.list("") if i.is_dir and VERSION_DIR_RE.match(i.name))
+    for name in reversed(names):
+        if signing_key is None:
+            return int(name[1:])
+        try:
+            _verified_spec(storage, name, signing_key)
+        except (OSError, SignatureError, ValueError, PolicyLoadError):
+            continue
+        return int(name[1:])
+    return 0
+
+
+def republish_policy(
+    storage: Storage,
+    *,
+    version: int,
+    signing_key: Any,
+    new_version: int | None = None,
+    run_id: str | None = None,
+    channel: str | None = None,
+) -> dict:
+    """Roll back: publish `version`'s weights again as a new, higher version and point
+    ``latest.json`` at it (services never go back to a lower version).
+
+    The old version's ``policy.json`` must verify with `signing_key` and its files must match
+    their sha256; the new one keeps its weights, spec and lineage, and records
+    ``republished_from``. Stop the trainer first: its next publication goes above the highest
+    version present.
+
+    Args:
+        storage: the publish root.
+        version: the version whose weights to serve again.
+        signing_key: the Ed25519 private key (the trainer's).
+        new_version: the new version number (default: the highest signed version present + 1).
+        run_id: the run id to sign it for (default: the old version's).
+        channel: the channel to sign it for (default: the old version's).
+
+    Returns:
+        The new version's policy.json.
+
+    Raises:
+        ValueError: the old version cannot be verified, or `new_version` is not above every
+            published version.
+
+    Example:
+        >>> from rlrec.trainer.signing import load_private_key  # doctest: +SKIP
+        >>> republish_policy(Storage.from_uri("s3://bucket/run1/policies"), version=3,  # doctest: +SKIP
+        ...     signing_key=load_private_key("/keys/policy-signing.key"))["policy_version"]
+        8
+    """
+    d = version_dir(version)
+    try:
+        _spec_bytes, spec = _verified_spec(storage, d, signing_key)
+        files = {name: _read_small(storage, f"{d}/{name}", MAX_BYTES["model"]) for name in spec["files"]}
+    except (OSError, SignatureError, ValueError, KeyError, TypeError, PolicyLoadError) as e:
+        raise ValueError(f"{d} cannot be republished: {type(e).__name__}: {e}") from None
+    for name, data in files.items():
+        if hashlib.sha256(data).hexdigest() != spec["files"][name]:
+            raise ValueError(f"{d}/{name} does not match the sha256 in its policy.json")
+    top = highest_version(storage, signing_key)
+    new = top + 1 if new_version is None else int(new_version)
+    if new <= top:
+        raise ValueError(f"the new version must be above v{top}, got v{new}")
+    nd = version_dir(new)
+    run_id, channel = run_id or spec.get("run_id"), channel or spec.get("channel")
+    new_spec = {**spec, "policy_version": new, "directory": nd, "parent_version": top or None}
+    new_spec.update({"republished_from": version, "time": time.time(), "run_id": run_id, "channel": channel})
+    new_spec = {k: v for k, v in new_spec.items() if not (k in ("run_id", "channel") and v is None)}
+    spec_bytes = json.dumps(new_spec, indent=1, sort_keys=True).encode()
+    for name, data in files.items():
+        storage.write(f"{nd}/{name}", data)
+    storage.write(f"{nd}/{SPEC}", spec_bytes)
+    storage.write(f"{nd}/{SPEC}{SIG_SUFFIX}", sign(signing_key, spec_bytes))
+    sha = hashlib.sha256(spec_bytes).hexdigest()
+    _write_latest(storage, pointer_bytes(new, nd, sha, run_id=run_id, channel=channel), signing_key)
+    log.info("republished %s as %s (run %s, channel %s)", d, nd, run_id, channel)
+    return new_spec

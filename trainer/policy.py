@@ -3,9 +3,11 @@
 Layout written by the trainer (`rlrec.trainer.export.publish_policy`) under the publish root
 (default ``{checkpoint_dir}/policies``)::
 
-    latest.json              {"policy_version": N, "path": "v00000N", "sha256": <sha256 of its policy.json>}
+    latest.json              {"policy_version": N, "path": "v00000N", "sha256": <sha256 of its policy.json>,
+                              "run_id": R, "channel": C, "time": T}
+    latest.json.sig          Ed25519 signature over the exact bytes of latest.json
     v00000N/policy.json      the spec: artifact_version 2, policy_version N, directory "v00000N",
-                             format ("safetensors" or "torchscript"), network (layer sizes,
+                             run_id, channel, format ("safetensors" or "torchscript"), network (layer sizes,
                              activations, log-std clipping), action_dist, spaces, and "files":
                              the sha256 of every other file of the version
     v00000N/policy.json.sig  Ed25519 signature over the exact bytes of policy.json (when the
@@ -26,8 +28,16 @@ code and can read and write files). ``latest.json``'s ``path`` must match ``^v\\
 sha256 must match; `Policy.poll` never moves to a lower version. The weights are rebuilt in plain
 torch from the spec (`rlrec.trainer.policy_net`): no ``torch.jit.load``, no pickle.
 
-Only this module, `rlrec.trainer.policy_net`, `rlrec.trainer.signing`, numpy, json, torch,
-safetensors and cryptography are imported; URIs other than local paths use pyarrow's
+Bindings (`rlrec.trainer.binding`; docs/DEPLOY.md, "Threat model"): ``latest.json.sig``, when
+present, must verify; what the caller pins (``run_id``, ``channel``, ``observation_space``,
+``action_space``, ``state_file``, ``max_pointer_age_s``) is checked on the pointer and on the
+verified ``policy.json`` before the weights are read; a pointer below a version signed for the
+same channel (by any run: a newer run may take a channel over) that is present under the root
+is a replay and refused.
+
+Only this module, `rlrec.trainer.policy_net`, `rlrec.trainer.signing`, `rlrec.trainer.binding`,
+numpy, json, torch, safetensors and cryptography are imported (`rlrec.producer.spaces` and
+gymnasium when a space object is pinned); URIs other than local paths use pyarrow's
 filesystems (lazily).
 """
 
@@ -49,6 +59,7 @@ from typing import Any
 
 import numpy as np
 
+from rlrec.trainer.binding import RUN_ID_RE, Pins, canonical_space, write_state_file
 from rlrec.trainer.policy_net import NetworkSpecError, PolicyDistribution, build_network
 from rlrec.trainer.signing import PUBLIC_KEY_ENV, SIG_SUFFIX, SignatureError, load_public_key, verify
 
@@ -65,6 +76,7 @@ __all__ = [
 log = logging.getLogger("rlrec.policy")
 
 LATEST = "latest.json"
+LATEST_SIG = LATEST + SIG_SUFFIX
 SPEC = "policy.json"
 SAFETENSORS_MODEL = "model.safetensors"
 TORCHSCRIPT_MODEL = "model.pt"
@@ -83,7 +95,15 @@ MAX_BYTES = {
     "sig": 4 * 1024,
     LINEAGE: 16 * 1024 * 1024,
     "model": 1024 * 1024 * 1024,
+    "safetensors_header": 1024 * 1024,
+    "state": 64 * 1024,
 }
+#: the deepest nesting of [ and { a JSON file may have (checked before parsing)
+MAX_JSON_DEPTH = 64
+#: the most version directories above the pointed one that are checked for a replayed pointer
+MAX_NEWER_VERSIONS = 100
+#: the most entries of a publish root that are listed
+MAX_ROOT_ENTRIES = 100_000
 
 
 class PolicyLoadError(RuntimeError):
@@ -160,6 +180,25 @@ class _Files:
             raise PolicyLoadError(f"{rel} holds more than its limit of {max_bytes} bytes: refused")
         return data
 
+    def version_dirs(self) -> list[str]:
+        """The names of the root's entries that look like version directories (``v\\d{6}``);
+        more than `MAX_ROOT_ENTRIES` entries is a PolicyLoadError."""
+        if self.local:
+            names = []
+            with os.scandir(self.root) as it:
+                for n, entry in enumerate(it):
+                    if n >= MAX_ROOT_ENTRIES:
+                        raise PolicyLoadError(f"{self.root} holds more than {MAX_ROOT_ENTRIES} entries: refused")
+                    names.append(entry.name)
+        else:
+            import pyarrow.fs as pafs
+
+            infos = self.fs.get_file_info(pafs.FileSelector(self.root, recursive=False))
+            if len(infos) > MAX_ROOT_ENTRIES:
+                raise PolicyLoadError(f"{self.root} holds more than {MAX_ROOT_ENTRIES} entries: refused")
+            names = [i.base_name for i in infos]
+        return sorted(n for n in names if VERSION_DIR_RE.match(n))
+
     def exists(self, rel: str) -> bool:
         if self.local:
             return os.path.exists(os.path.join(self.root, *rel.split("/")))
@@ -168,9 +207,30 @@ class _Files:
         return self.fs.get_file_info(f"{self.root}/{rel}").type != pafs.FileType.NotFound
 
 
+_JSON_STRING_RE = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_JSON_BRACKET_RE = re.compile(rb"[\[\]{}]")
+
+
+def _json_depth(data: bytes) -> int:
+    """The deepest nesting of arrays and objects in JSON text (brackets inside strings ignored)."""
+    depth = deepest = 0
+    for b in _JSON_BRACKET_RE.findall(_JSON_STRING_RE.sub(b'""', data)):
+        if b in (b"[", b"{"):
+            depth += 1
+            deepest = max(deepest, depth)
+        else:
+            depth -= 1
+    return deepest
+
+
 def _json(data: bytes, what: str) -> Any:
-    """Parse a small JSON file; every failure (bad JSON, nesting deep enough to exhaust the
-    stack) is a PolicyLoadError."""
+    """Parse a small JSON file; every failure (bad JSON, nesting deeper than `MAX_JSON_DEPTH`,
+    checked before parsing) is a PolicyLoadError."""
+    if isinstance(data, str):
+        data = data.encode()
+    depth = _json_depth(data)
+    if depth > MAX_JSON_DEPTH:
+        raise PolicyLoadError(f"{what} is nested {depth} deep, over the limit of {MAX_JSON_DEPTH}: refused")
     try:
         return json.loads(data)
     except (ValueError, RecursionError) as e:
@@ -189,12 +249,43 @@ def _parse_latest(data: bytes) -> dict:
     sha = latest.get("sha256")
     if sha is not None and (not isinstance(sha, str) or not _SHA256_RE.match(sha)):
         raise PolicyLoadError(f"{LATEST}: sha256 {sha!r:.80} is not a sha256")
+    for key in ("run_id", "channel"):
+        value = latest.get(key)
+        if value is not None and (not isinstance(value, str) or not RUN_ID_RE.match(value)):
+            raise PolicyLoadError(f"{LATEST}: {key} {value!r:.80} does not match {RUN_ID_RE.pattern}")
+    t = latest.get("time")
+    if t is not None and (type(t) not in (int, float) or not np.isfinite(t)):
+        raise PolicyLoadError(f"{LATEST}: time {t!r:.40} is not a number")
     return latest
 
 
 def read_latest(root: str) -> dict:
     """The checked ``latest.json`` pointer of a publish root (FileNotFoundError if nothing is published)."""
     return _parse_latest(_Files(root).read(LATEST, MAX_BYTES[LATEST]))
+
+
+@dataclass(frozen=True)
+class _Pointer:
+    """A parsed ``latest.json`` and whether ``latest.json.sig`` verified with the configured key."""
+
+    doc: dict
+    signed: bool
+
+    @property
+    def version(self) -> int:
+        return int(self.doc["policy_version"])
+
+    @property
+    def path(self) -> str:
+        return str(self.doc["path"])
+
+    @property
+    def run_id(self) -> str | None:
+        return self.doc.get("run_id")
+
+    @property
+    def channel(self) -> str | None:
+        return self.doc.get("channel")
 
 
 # ------------------------------------------------------------------------------- trust
@@ -415,11 +506,27 @@ def _check_allowed(spec: dict, fmt: str, rel_dir: str, signed: bool, trust: _Tru
         raise PolicyLoadError(f"{rel_dir}/{SPEC}: unknown artifact format {fmt!r:.40}")
 
 
+def _check_safetensors_header(data: bytes, what: str) -> None:
+    """The safetensors header (8-byte little-endian length, then JSON) is within its size and
+    nesting limits and inside the file, before the safetensors parser sees it."""
+    limit = MAX_BYTES["safetensors_header"]
+    if len(data) < 8:
+        raise PolicyLoadError(f"{what}: not a safetensors file (shorter than its header length)")
+    n = int.from_bytes(data[:8], "little")
+    if n > limit or 8 + n > len(data):
+        raise PolicyLoadError(
+            f"{what}: its safetensors header claims {n} bytes (limit {limit}, file {len(data)}): refused"
+        )
+    if not isinstance(_json(bytes(data[8 : 8 + n]), f"{what} (safetensors header)"), dict):
+        raise PolicyLoadError(f"{what}: its safetensors header is not a JSON object")
+
+
 def _build(spec: dict, fmt: str, data: bytes, rel_dir: str) -> Any:
     if fmt == "safetensors":
         from safetensors import SafetensorError
         from safetensors.torch import load
 
+        _check_safetensors_header(data, f"{rel_dir}/{spec.get('model')}")
         try:
             tensors = load(data)
         except (SafetensorError, ValueError, RuntimeError) as e:
@@ -435,8 +542,11 @@ def _build(spec: dict, fmt: str, data: bytes, rel_dir: str) -> Any:
     return module
 
 
-def _load_version(files: _Files, rel_dir: str, trust: _Trust, expected_sha256: str | None = None) -> _LoadedVersion:
-    """Verify and load one version directory (see the module docstring for the order of checks)."""
+def _load_version(
+    files: _Files, rel_dir: str, trust: _Trust, expected_sha256: str | None = None, check: Any = None
+) -> _LoadedVersion:
+    """Verify and load one version directory (see the module docstring for the order of checks);
+    `check(spec, rel_dir, signed)` runs on the verified policy.json before the weights are read."""
     if not VERSION_DIR_RE.match(rel_dir):
         raise PolicyLoadError(f"{rel_dir!r:.80} is not a version directory")
     spec_bytes = _read_required(files, f"{rel_dir}/{SPEC}", rel_dir, MAX_BYTES[SPEC])
@@ -449,6 +559,8 @@ def _load_version(files: _Files, rel_dir: str, trust: _Trust, expected_sha256: s
     _check_identity(spec, rel_dir)
     fmt = spec.get("format", "torchscript") if spec.get("artifact_version") is not None else "torchscript"
     _check_allowed(spec, fmt, rel_dir, signed, trust)
+    if check is not None:
+        check(spec, rel_dir, signed)
     hashes = _file_hashes(spec, rel_dir)
     model = spec.get("model", MODEL) if spec.get("artifact_version") is not None else MODEL
     data = _read_required(files, f"{rel_dir}/{model}", rel_dir, MAX_BYTES["model"])
@@ -473,15 +585,230 @@ def version_from_artifact(spec: dict, model: bytes) -> _LoadedVersion:
     return _LoadedVersion(spec, _build(spec, fmt, model, "candidate"), dist, False, {})
 
 
+# ------------------------------------------------------------------------------- bindings
+
+
+def _read_pointer(files: _Files, trust: _Trust, root: str) -> _Pointer:
+    """Read, verify and parse ``latest.json``. With a public key and a ``latest.json.sig``, the
+    signature must verify (both files are re-read a few times first: a publication writes one
+    after the other)."""
+    for attempt in range(3):
+        try:
+            data = files.read(LATEST, MAX_BYTES[LATEST])
+        except FileNotFoundError:
+            raise PolicyLoadError(f"no policy is published under {root} (no {LATEST})") from None
+        if trust.public_key is None:
+            return _Pointer(_parse_latest(data), False)
+        try:
+            sig = files.read(LATEST_SIG, MAX_BYTES["sig"])
+        except FileNotFoundError:
+            return _Pointer(_parse_latest(data), False)
+        try:
+            verify(trust.public_key, data, sig)
+        except SignatureError:
+            time.sleep(0.05 * (attempt + 1))
+            continue
+        return _Pointer(_parse_latest(data), True)
+    raise PolicyLoadError(
+        f"{LATEST}: its signature ({LATEST_SIG}) does not verify with the configured public key "
+        "(the pointer was changed after signing, or another key signed it)"
+    )
+
+
+def _check_pointer_pins(pointer: _Pointer, pins: Pins) -> None:
+    """A pinned run id or channel needs a signed pointer for exactly that run and channel."""
+    if not pins.binds_identity:
+        return
+    if not pointer.signed:
+        raise PolicyLoadError(
+            f"{LATEST} is not signed by the configured key ({LATEST_SIG}): a pinned run id or channel "
+            "needs a signed pointer (rlrec train --signing-key signs it)"
+        )
+    for what, pinned, got in (("run id", pins.run_id, pointer.run_id), ("channel", pins.channel, pointer.channel)):
+        if pinned is not None and got != pinned:
+            raise PolicyLoadError(f"{LATEST} is signed for {what} {got!r:.80}, not the pinned {pinned!r}: refused")
+
+
+def _stale_reason(pointer: _Pointer, pins: Pins, trust: _Trust, now: float) -> str | None:
+    """Why the pointer is too old to be followed (None: it is not, or no age is configured)."""
+    limit = pins.max_pointer_age_s
+    if limit is None:
+        return None
+    if trust.public_key is not None and not pointer.signed:
+        return f"{LATEST} is not signed, so its time cannot be trusted (max_pointer_age_s={limit:g})"
+    t = pointer.doc.get("time")
+    if t is None:
+        return f"{LATEST} carries no time (max_pointer_age_s={limit:g})"
+    if now - t > limit:
+        return f"{LATEST} (v{pointer.version}) is {now - t:.0f} s old, over max_pointer_age_s={limit:g}"
+    return None
+
+
+def _check_identity_pins(spec: dict, rel_dir: str, signed: bool, pins: Pins) -> None:
+    if not pins.binds_identity:
+        return
+    if not signed:
+        raise PolicyLoadError(
+            f"{rel_dir} is not signed by the configured key: a pinned run id or channel needs a signed version"
+        )
+    for what, key, pinned in (("run id", "run_id", pins.run_id), ("channel", "channel", pins.channel)):
+        got = spec.get(key)
+        if pinned is None or got == pinned:
+            continue
+        if got is None:
+            raise PolicyLoadError(f"{rel_dir} carries no {what} (published before versions were bound): refused")
+        raise PolicyLoadError(f"{rel_dir} is signed for {what} {got!r:.80}, not the pinned {pinned!r}: refused")
+
+
+def _check_pointer_matches(spec: dict, rel_dir: str, signed: bool, pointer: _Pointer, trust: _Trust) -> None:
+    """The pointer and the version it names are for the same run and channel; a version that
+    was published with a signed pointer (it carries a run id) is not followed through an
+    unsigned one."""
+    ident = (spec.get("run_id"), spec.get("channel"))
+    if pointer.signed:
+        if (pointer.run_id, pointer.channel) != ident:
+            raise PolicyLoadError(
+                f"{LATEST} is signed for run {pointer.run_id!r:.40} channel {pointer.channel!r:.40}, but {rel_dir} "
+                f"for run {ident[0]!r:.40} channel {ident[1]!r:.40}: refused"
+            )
+    elif trust.public_key is not None and signed and ident[0] is not None:
+        raise PolicyLoadError(
+            f"{LATEST} is not signed, but {rel_dir} was published with a signed pointer (it carries a run id): "
+            f"a stripped or replaced {LATEST_SIG} is refused"
+        )
+
+
+def _check_spaces(spec: dict, rel_dir: str, pins: Pins) -> None:
+    for what, key, pinned in (
+        ("observation", "observation_space", pins.observation_space),
+        ("action", "action_space", pins.action_space),
+    ):
+        if pinned is None:
+            continue
+        got = spec.get(key)
+        if not isinstance(got, dict):
+            raise PolicyLoadError(
+                f"{rel_dir}/{SPEC} states no {what} space: it cannot be checked against the service's"
+            )
+        try:
+            canon = canonical_space(got)
+        except (TypeError, ValueError) as e:
+            raise PolicyLoadError(f"{rel_dir}/{SPEC}: {key} is not a space: {e}") from None
+        if canon != pinned:
+            raise PolicyLoadError(
+                f"{rel_dir} is for {what} space {canon:.200}, not the service's {pinned:.200}: refused"
+            )
+
+
+def _signed_spec(files: _Files, rel_dir: str, trust: _Trust) -> dict | None:
+    """The policy.json of `rel_dir` if it carries a valid signature of the configured key, else None."""
+    try:
+        data = files.read(f"{rel_dir}/{SPEC}", MAX_BYTES[SPEC])
+        sig = files.read(f"{rel_dir}/{SPEC}{SIG_SUFFIX}", MAX_BYTES["sig"])
+        verify(trust.public_key, data, sig)
+        spec = _json(data, f"{rel_dir}/{SPEC}")
+    except (OSError, PolicyLoadError, SignatureError):
+        return None
+    if not isinstance(spec, dict) or spec.get("policy_version") != int(rel_dir[1:]):
+        return None
+    return spec
+
+
+def _check_not_replayed(files: _Files, trust: _Trust, pointer: _Pointer, spec: dict) -> None:
+    """Refuse a pointer naming a version below the highest version present under the root that
+    is signed by the configured key for the same channel (a replayed old pointer). Versions of
+    other channels do not count: copying them in cannot stop a service from (re)starting."""
+    if trust.public_key is None:
+        return
+    channel = spec.get("channel")
+    try:
+        names = files.version_dirs()
+    except OSError as e:
+        raise PolicyLoadError(f"cannot list the versions under {files.root}: {e}") from None
+    newer = [d for d in names if int(d[1:]) > pointer.version]
+    if len(newer) > MAX_NEWER_VERSIONS:
+        raise PolicyLoadError(
+            f"{len(newer)} version directories above {pointer.path}, over the limit of {MAX_NEWER_VERSIONS}: refused"
+        )
+    for d in reversed(newer):
+        other = _signed_spec(files, d, trust)
+        if other is not None and other.get("channel") == channel:
+            raise PolicyLoadError(
+                f"{LATEST} names {pointer.path}, but {d}, signed for the same channel, exists: "
+                "a replayed old pointer is refused (a rollback is a new, higher version)"
+            )
+
+
+def _read_state(path: str) -> int | None:
+    """The newest version recorded in the service's state file (None: no file yet)."""
+    directory, name = os.path.split(path)
+    try:
+        data = _Files(directory or ".").read(name, MAX_BYTES["state"])
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise PolicyLoadError(f"state file {path}: {e}") from None
+    doc = _json(data, f"state file {path}")
+    version = doc.get("policy_version") if isinstance(doc, dict) else None
+    if type(version) is not int or version < 0:
+        raise PolicyLoadError(f"state file {path} holds no policy_version: refused (delete it to start over)")
+    return version
+
+
+def _check_state(rel_dir: str, pins: Pins) -> None:
+    if pins.state_file is None:
+        return
+    newest = _read_state(pins.state_file)
+    if newest is not None and int(rel_dir[1:]) < newest:
+        raise PolicyLoadError(
+            f"{rel_dir} is older than v{newest:06d}, which this service has loaded before "
+            f"(state file {pins.state_file}): refused"
+        )
+
+
+def _remember(model: _LoadedVersion, pins: Pins) -> None:
+    """Record a loaded version in the state file (never lowering it)."""
+    if pins.state_file is None:
+        return
+    newest = _read_state(pins.state_file)
+    if newest is not None and newest >= model.version:
+        return
+    try:
+        write_state_file(pins.state_file, model.version, model.spec.get("run_id"), model.spec.get("channel"))
+    except OSError as e:
+        raise PolicyLoadError(f"cannot write the state file {pins.state_file}: {e}") from None
+
+
+def _spec_check(files: _Files, trust: _Trust, pins: Pins, pointer: _Pointer | None) -> Any:
+    """The checks of a version's verified policy.json, run before its weights are read."""
+
+    def check(spec: dict, rel_dir: str, signed: bool) -> None:
+        _check_identity_pins(spec, rel_dir, signed, pins)
+        if pointer is not None:
+            _check_pointer_matches(spec, rel_dir, signed, pointer, trust)
+        _check_spaces(spec, rel_dir, pins)
+        _check_state(rel_dir, pins)
+        if pointer is not None:
+            _check_not_replayed(files, trust, pointer, spec)
+
+    return check
+
+
 # ------------------------------------------------------------------------------- acting
 
 
 class Policy:
     """A verified published policy, ready to act; `poll()` switches to a newer published version.
 
-    Guarantees: every loaded version passed the trust rules of the module docstring; the
-    version in use never decreases (`poll` refuses a ``latest.json`` naming a lower version
-    with `PolicyLoadError`); `act` uses one version from start to end even while `poll` swaps."""
+    Guarantees: every loaded version passed the trust rules of the module docstring and the
+    pins it was built with (run id, channel, spaces, state file, pointer age); the version in
+    use never decreases (`poll` refuses a ``latest.json`` naming a lower version with
+    `PolicyLoadError`); a refused or stale pointer leaves the current version in use; `act`
+    uses one version from start to end even while `poll` swaps.
+
+    Readable by the caller: `stale_pointer` (the last poll found the pointer too old),
+    `stale_pointers` (how many polls did), `refusals` (how many polls raised) and
+    `last_refusal` (the last refusal's message)."""
 
     def __init__(
         self,
@@ -493,6 +820,12 @@ class Policy:
         public_key: Any = None,
         allow_unsigned: bool = False,
         allow_unsigned_code: bool = False,
+        run_id: str | None = None,
+        channel: str | None = None,
+        observation_space: Any = None,
+        action_space: Any = None,
+        state_file: Any = None,
+        max_pointer_age_s: float | None = None,
     ) -> None:
         import torch
 
@@ -500,27 +833,60 @@ class Policy:
         self.explore = explore
         self._files = _Files(root)
         self._trust = _trust(public_key, allow_unsigned, allow_unsigned_code)
+        try:
+            self._pins = Pins.of(
+                run_id=run_id,
+                channel=channel,
+                observation_space=observation_space,
+                action_space=action_space,
+                state_file=state_file,
+                max_pointer_age_s=max_pointer_age_s,
+            )
+        except (TypeError, ValueError) as e:
+            raise PolicyLoadError(f"bad pin: {e}") from None
         self._generator = torch.Generator()
         self._generator.manual_seed(int(seed) if seed is not None else int(np.random.SeedSequence().entropy % 2**63))
         self._lock = threading.Lock()
         self._poller: threading.Thread | None = None
         self._stop = threading.Event()
+        self.stale_pointer = False
+        self.stale_pointers = 0
+        self.refusals = 0
+        self.last_refusal: str | None = None
         if version is None:
-            latest = self._latest()
-            self._model = _load_version(self._files, latest["path"], self._trust, latest.get("sha256"))
+            pointer = self._pointer()
+            reason = _stale_reason(pointer, self._pins, self._trust, time.time())
+            if reason is not None:
+                raise PolicyLoadError(f"{reason}: a stale pointer is not followed")
+            self._model = self._load_pointed(pointer)
         else:
-            self._model = _load_version(self._files, version_dir(int(version)), self._trust)
+            rel_dir = version_dir(int(version))
+            check = _spec_check(self._files, self._trust, self._pins, None)
+            self._model = _load_version(self._files, rel_dir, self._trust, check=check)
+        _remember(self._model, self._pins)
 
-    def _latest(self) -> dict:
-        try:
-            data = self._files.read(LATEST, MAX_BYTES[LATEST])
-        except FileNotFoundError:
-            raise PolicyLoadError(f"no policy is published under {self.root} (no {LATEST})") from None
-        return _parse_latest(data)
+    def _pointer(self) -> _Pointer:
+        pointer = _read_pointer(self._files, self._trust, self.root)
+        _check_pointer_pins(pointer, self._pins)
+        return pointer
+
+    def _load_pointed(self, pointer: _Pointer) -> _LoadedVersion:
+        check = _spec_check(self._files, self._trust, self._pins, pointer)
+        return _load_version(self._files, pointer.path, self._trust, pointer.doc.get("sha256"), check)
 
     @property
     def policy_version(self) -> int:
         return self._model.version
+
+    @property
+    def run_id(self) -> str | None:
+        """The run that published the version in use (None: published before run ids)."""
+        return self._model.spec.get("run_id")
+
+    @property
+    def channel(self) -> str | None:
+        """The channel the version in use was published for (None: published before channels)."""
+        return self._model.spec.get("channel")
 
     @property
     def signed(self) -> bool:
@@ -607,28 +973,58 @@ class Policy:
         return m.act(obs, self.explore if explore is None else explore, self._generator)
 
     def poll(self) -> bool:
-        """Load the published `latest` version if it is newer than the current one; True if switched.
+        """Switch to the version ``latest.json`` names if it is newer and passes every check.
 
-        Raises `PolicyLoadError` when ``latest.json`` names an older version (no rollback) or the
-        newer version fails verification; the current version stays in use either way."""
-        latest = self._latest()
+        Returns:
+            True if switched; False if the pointer names the version in use, or is stale
+            (older than ``max_pointer_age_s``: logged, counted in `stale_pointers`,
+            `stale_pointer` set, never followed).
+
+        Raises:
+            PolicyLoadError: the pointer or the version it names is refused (a lower version,
+            another run or channel than pinned, other spaces, a replayed pointer, a failed
+            verification); it is logged, counted in `refusals`, and the current version stays
+            in use.
+
+        Example:
+            >>> if policy.poll():  # doctest: +SKIP
+            ...     recorder.policy_version = policy.policy_version
+        """
+        try:
+            return self._poll()
+        except PolicyLoadError as e:
+            self.refusals += 1
+            if str(e) != self.last_refusal:
+                log.warning("policy poll refused, v%d stays in use: %s", self._model.version, e)
+            self.last_refusal = str(e)
+            raise
+
+    def _poll(self) -> bool:
+        pointer = self._pointer()
         current = self._model.version
-        if latest["policy_version"] < current:
-            raise PolicyLoadError(
-                f"{LATEST} names v{latest['policy_version']}, older than v{current} in use: rollback refused"
-            )
-        if latest["policy_version"] == current:
+        if pointer.version < current:
+            raise PolicyLoadError(f"{LATEST} names v{pointer.version}, older than v{current} in use: rollback refused")
+        reason = _stale_reason(pointer, self._pins, self._trust, time.time())
+        if reason is not None:
+            self.stale_pointers += 1
+            if not self.stale_pointer:
+                log.warning("stale policy pointer, v%d stays in use: %s", current, reason)
+            self.stale_pointer = True
             return False
-        model = _load_version(self._files, latest["path"], self._trust, latest.get("sha256"))
+        self.stale_pointer = False
+        if pointer.version == current:
+            return False
+        model = self._load_pointed(pointer)
         with self._lock:
             if model.version <= self._model.version:
                 return False
+            _remember(model, self._pins)
             self._model = model
         return True
 
     def start_polling(self, interval_s: float = 5.0, on_update: Any = None) -> None:
-        """Poll in a daemon thread; `on_update(policy)` after each switch. Failures are logged
-        (once per distinct message) and the current version stays in use."""
+        """Poll in a daemon thread; `on_update(policy)` after each switch. Refusals are logged by
+        `poll` (once per distinct message), other failures here; the current version stays in use."""
 
         def loop() -> None:
             last_error = None
@@ -637,6 +1033,8 @@ class Policy:
                     if self.poll() and on_update is not None:
                         on_update(self)
                     last_error = None
+                except PolicyLoadError:
+                    pass
                 except Exception as e:  # keep acting with the current version
                     if str(e) != last_error:
                         log.warning("policy poll: %s", e)
@@ -676,14 +1074,50 @@ def load_policy(
     public_key: Any = None,
     allow_unsigned: bool = False,
     allow_unsigned_code: bool = False,
+    run_id: str | None = None,
+    channel: str | None = None,
+    observation_space: Any = None,
+    action_space: Any = None,
+    state_file: Any = None,
+    max_pointer_age_s: float | None = None,
 ) -> Policy:
-    """Load the latest (or a given) published policy under `uri` (a publish root, e.g.
-    ``{checkpoint_dir}/policies``; a checkpoint dir with a ``policies/`` folder works too).
+    """Load the latest (or a given) published policy, checked against what the service pins.
 
-    `public_key`: the trainer's Ed25519 public key (a PEM file path, or the PEM text/bytes);
-    default: the file named by ``RLREC_POLICY_PUBLIC_KEY``. Without a verified signature a
-    version loads only with `allow_unsigned` (safetensors) or `allow_unsigned_code` (TorchScript).
-    `wait_s` > 0: wait that long for a first publication. Raises `PolicyLoadError`."""
+    Args:
+        uri: a publish root (e.g. ``{checkpoint_dir}/policies``; a checkpoint dir with a
+            ``policies/`` folder works too), a local path or a pyarrow filesystem URI.
+        version: load this version instead of the one ``latest.json`` names.
+        explore: `Policy.act` samples instead of taking the greedy action.
+        seed: the sampling seed.
+        wait_s: > 0: retry refusals for that long (a first publication, a publication in progress).
+        public_key: the trainer's Ed25519 public key (a PEM file path, or the PEM text/bytes);
+            default: the file named by ``RLREC_POLICY_PUBLIC_KEY``.
+        allow_unsigned: load safetensors versions without a verified signature (warned).
+        allow_unsigned_code: load TorchScript versions without a verified signature (warned).
+        run_id: only versions and pointers signed for this run (`Policy.run_id` of a version
+            you trust; kept across ``rlrec train --resume``).
+        channel: only versions and pointers signed for this channel (``rlrec train --channel``).
+        observation_space: the service's observation space (a gymnasium space or its JSON
+            form): a version for another one is refused.
+        action_space: the service's action space, likewise.
+        state_file: a local JSON file this service owns: a version below the newest it has
+            loaded before (across restarts) is refused; rewritten atomically after each load.
+        max_pointer_age_s: a ``latest.json`` older than this is stale: not followed (here a
+            `PolicyLoadError`; `Policy.poll` reports it and keeps the current version).
+
+    Raises:
+        PolicyLoadError: nothing loadable is published, or it fails a check (module docstring;
+            docs/TRAINER.md "Published policies").
+
+    Example:
+        >>> import gymnasium as gym  # doctest: +SKIP
+        >>> env = gym.make("CartPole-v1")  # doctest: +SKIP
+        >>> policy = load_policy(  # doctest: +SKIP
+        ...     "s3://bucket/run1/policies", public_key="/etc/rlrec/policy-signing.pub",
+        ...     channel="cartpole", observation_space=env.observation_space,
+        ...     action_space=env.action_space, state_file="/var/lib/svc/policy-state.json")
+        >>> action, extra = policy.act(obs)  # doctest: +SKIP
+    """
     root = os.fspath(uri).rstrip("/")
     files = _Files(root)
     if not files.exists(LATEST) and files.exists(f"policies/{LATEST}"):
@@ -699,6 +1133,12 @@ def load_policy(
                 public_key=public_key,
                 allow_unsigned=allow_unsigned,
                 allow_unsigned_code=allow_unsigned_code,
+                run_id=run_id,
+                channel=channel,
+                observation_space=observation_space,
+                action_space=action_space,
+                state_file=state_file,
+                max_pointer_age_s=max_pointer_age_s,
             )
         except PolicyLoadError:
             if time.monotonic() >= deadline:

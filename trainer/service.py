@@ -108,6 +108,7 @@ class ContinuousTrainer:
         self.algo: Any = None
         self.iteration = 0
         self.policy_version = 0
+        self.run_id: str | None = None  # chosen at the first publication, kept across --resume
         self.timesteps_trained = 0
         self.trained: set[str] = set()  # the cursor: shard keys trained on
         self.since_publish: set[str] = set()
@@ -297,12 +298,18 @@ class ContinuousTrainer:
         With the promotion gate, the final (stop) checkpoint publishes nothing: every decision
         is taken at a periodic checkpoint and recorded in that iteration's metrics line."""
         t0 = time.time()
-        if self.cfg.publish and not (final and self.cfg.gate):
-            self.publish()
+        if self.cfg.publish:
+            published = self.policy_version
+            if not (final and self.cfg.gate):
+                self.publish()
+            if self.policy_version == published:
+                self._refresh_pointer()
         state = {
             "version": STATE_VERSION,
             "iteration": self.iteration,
             "policy_version": self.policy_version,
+            "run_id": self.run_id,
+            "channel": self.cfg.publish_channel,
             "timesteps_trained": self.timesteps_trained,
             "algo": self.cfg.algo,
             "input": self.input.uri(),
@@ -319,9 +326,18 @@ class ContinuousTrainer:
     def publish(self) -> None:
         from rlrec.trainer.export import publish_policy
 
-        version = self.policy_version + 1
+        version = self._next_version()
         artifact = None
         metadata = {"gamma": self._gamma()}
+        if self.run_id is None:
+            from rlrec.trainer.binding import new_run_id
+
+            self.run_id = new_run_id()
+            log.info(
+                "run id %s (channel %s): signed into every policy version it publishes",
+                self.run_id,
+                self.cfg.publish_channel,
+            )
         if self.cfg.gate:
             artifact = self._promote(version)
             if artifact is None:
@@ -343,6 +359,8 @@ class ContinuousTrainer:
                 signing_key=self.signing_key,
                 artifact=artifact,
                 metadata=metadata,
+                run_id=self.run_id,
+                channel=self.cfg.publish_channel,
             )
         except Exception as e:
             log.error("publishing policy v%d failed: %s", version, e)
@@ -353,6 +371,39 @@ class ContinuousTrainer:
         self.since_publish = set()
         if self.last_promotion is not None and self.last_promotion["candidate_version"] == version:
             self.deployed_return = self.last_promotion["candidate_return"]
+
+    def _next_version(self) -> int:
+        """One above this run's last version and above every version (signed by this trainer's
+        key, when it has one) already under the publish root: a fresh run or a rollback
+        republished there is never overwritten."""
+        from rlrec.trainer.export import highest_version
+
+        try:
+            present = highest_version(self.publish_storage, self.signing_key)
+        except Exception as e:
+            log.warning("cannot list the published versions (%s); numbering from v%d", e, self.policy_version)
+            present = 0
+        if present > self.policy_version:
+            log.info("v%d is published already under %s: publishing above it", present, self.publish_storage.uri())
+        return max(self.policy_version, present) + 1
+
+    def _refresh_pointer(self) -> None:
+        """Re-sign the pointer to this run's latest version (a fresh time for services that
+        check its age); only with a signing key, after this run has published."""
+        if self.signing_key is None or self.run_id is None or not self.policy_version:
+            return
+        from rlrec.trainer.export import refresh_latest
+
+        try:
+            refresh_latest(
+                self.publish_storage,
+                version=self.policy_version,
+                run_id=self.run_id,
+                channel=self.cfg.publish_channel,
+                signing_key=self.signing_key,
+            )
+        except Exception as e:
+            log.error("refreshing the policy pointer failed: %s", e)
 
     def _gamma(self) -> float | None:
         try:
@@ -568,6 +619,13 @@ class ContinuousTrainer:
         self.iteration = int(state["iteration"])
         self.algo._iteration = self.iteration
         self.policy_version = int(state["policy_version"])
+        self.run_id = state.get("run_id")
+        if state.get("channel") not in (None, self.cfg.publish_channel):
+            log.warning(
+                "the checkpoint's versions were published for channel %s; publishing for %s from now on",
+                state.get("channel"),
+                self.cfg.publish_channel,
+            )
         self.timesteps_trained = int(state["timesteps_trained"])
         self.trained = set(state["trained_shards"])
         self.since_publish = set(state.get("since_publish", ()))

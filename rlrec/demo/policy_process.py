@@ -3,7 +3,8 @@
 Plays CartPole-v1 behind a `RecordingWrapper`, publishing every step through `EpisodeRecorder`.
 It starts as the scripted expert with epsilon-noise (policy version 0) and, between episodes,
 polls the trainer's published policies (`rlrec.load_policy`: torch only, never Ray); it switches
-to every newer version, and the episodes it records from then on carry that `policy_version`.
+to every newer version published for its channel (``--channel``) and CartPole's spaces, and the
+episodes it records from then on carry that `policy_version`.
 Steps are throttled to `--steps-per-s`. Every second a JSON status line goes to stdout. SIGTERM
 or SIGINT: the current episode is played to its end, the recorder is flushed and closed, exit 0.
 """
@@ -43,6 +44,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         default=os.environ.get("RLREC_POLICY_PUBLIC_KEY"),
         help="the trainer's policy-signing public key (PEM) [$RLREC_POLICY_PUBLIC_KEY]; published "
         "versions must carry its signature",
+    )
+    p.add_argument(
+        "--channel",
+        default=POLICY_ID,
+        help="load only versions signed for this channel (the trainer's --channel)",
     )
     return p.parse_args(argv)
 
@@ -120,7 +126,14 @@ def run(args: argparse.Namespace) -> int:
         last_poll = time.monotonic()
         try:
             if policy is None:
-                policy = load_policy(args.policies, seed=args.seed, public_key=args.public_key)
+                policy = load_policy(
+                    args.policies,
+                    seed=args.seed,
+                    public_key=args.public_key,
+                    channel=args.channel,
+                    observation_space=env.observation_space,
+                    action_space=env.action_space,
+                )
                 switched = True
             else:
                 switched = policy.poll()

@@ -37,6 +37,7 @@ from typing import Literal
 from rlrec.commands._common import shell_command
 from rlrec.demo.dashboard import Collector, Dashboard, Snapshot, write_line
 from rlrec.demo.datadir import DataDir, DataDirError, committed_by_version
+from rlrec.demo.policy_process import POLICY_ID as POLICY_CHANNEL  # what the trainer publishes for
 from rlrec.demo.processes import Child, stop_all
 from rlrec.local import ray_on_loopback
 from rlrec.options import check_choices, option
@@ -280,6 +281,8 @@ class Demo:
             f"train_batch_size_per_learner={cfg.train_batch_size}",
             "--signing-key",
             signing_key,
+            "--channel",
+            POLICY_CHANNEL,
         ]
         if cfg.promotion_gate:
             targs += ["--promotion-gate", "--promotion-episodes", str(cfg.promotion_episodes)]
@@ -306,6 +309,8 @@ class Demo:
                         os.path.join(self.trainer_dir, "policies"),
                         "--public-key",
                         public_key,
+                        "--channel",
+                        POLICY_CHANNEL,
                         "--index",
                         str(i),
                         "--epsilon",

@@ -66,7 +66,7 @@ RUN mkdir -p producer store consumer trainer rlrec/commands rlrec/demo \
     && pip install ".[policy]" && pip uninstall --yes rlrec && rm -rf build *.egg-info
 COPY --from=src /src ./
 RUN pip install --no-deps . && rlrec --help >/dev/null \
-    && python -c "import rlrec.trainer.policy, rlrec.producer" \
+    && python -c "import rlrec.producer, rlrec.trainer.policy, rlrec.demo.policy_process, rlrec.commands.record_demo" \
     && ! python -c "import ray" 2>/dev/null
 USER rlrec
 WORKDIR /home/rlrec

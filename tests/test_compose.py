@@ -12,7 +12,9 @@ accepts the file and interpolates it as these tests do.
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
+import importlib.util
 import json
 import os
 import re
@@ -469,6 +471,15 @@ def test_dependencies_are_installed_before_the_sources_are_copied(target):
     assert src.base == "scratch" and [w for w, _ in src.instructions] == ["COPY"] * 5
 
 
+def _rlrec_imports(module: str) -> set[str]:
+    """The rlrec modules `module` imports anywhere in its source (function-level imports too)."""
+    spec = importlib.util.find_spec(module)
+    tree = ast.parse(Path(spec.origin).read_text())
+    names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    return {n for n in names if n.startswith("rlrec.")}
+
+
 def test_the_policy_image_is_the_policy_extra_without_ray(services):
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     needs = _names(_extra_requirements("policy"))
@@ -480,7 +491,11 @@ def test_the_policy_image_is_the_policy_extra_without_ray(services):
     assert '".[policy]"' in installs[0]
     assert not any(re.search(r"\bray\b", r.split("&& !")[0]) for r in installs), installs
     assert '! python -c "import ray"' in st.runs()[-1], "the build fails if Ray crept in"
-    assert "import rlrec.trainer.policy" in st.runs()[-1]
+    # the image imports what the policy service runs: the recorder, load_policy, the module and
+    # what that module imports when it starts
+    check = re.search(r'python -c "import ([\w., ]+)"', st.runs()[-1]).group(1).split(", ")
+    module, _ = invocation(services["policy"])
+    assert {"rlrec.producer", "rlrec.trainer.policy", module, *_rlrec_imports(module)} <= set(check), check
     assert services["policy"]["build"]["target"] == "policy"
 
 

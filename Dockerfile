@@ -65,7 +65,8 @@ FROM base AS policy
 RUN mkdir -p producer store consumer trainer rlrec/commands rlrec/demo \
     && pip install ".[policy]" && pip uninstall --yes rlrec && rm -rf build *.egg-info
 COPY --from=src /src ./
-RUN pip install --no-deps . && rlrec --help >/dev/null \
+# the checks run from / : in /opt/rlrec, `import rlrec` would find the source folder rlrec/
+RUN pip install --no-deps . && cd / && rlrec --help >/dev/null \
     && python -c "import rlrec.producer, rlrec.trainer.policy, rlrec.demo.policy_process, rlrec.commands.record_demo" \
     && ! python -c "import ray" 2>/dev/null
 USER rlrec

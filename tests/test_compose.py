@@ -491,6 +491,7 @@ def test_the_policy_image_is_the_policy_extra_without_ray(services):
     assert '".[policy]"' in installs[0]
     assert not any(re.search(r"\bray\b", r.split("&& !")[0]) for r in installs), installs
     assert '! python -c "import ray"' in st.runs()[-1], "the build fails if Ray crept in"
+    assert " && cd / && " in st.runs()[-1], "in the WORKDIR, the source folder rlrec/ would shadow the package"
     # the image imports what the policy service runs: the recorder, load_policy, the module and
     # what that module imports when it starts
     check = re.search(r'python -c "import ([\w., ]+)"', st.runs()[-1]).group(1).split(", ")

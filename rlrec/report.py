@@ -307,6 +307,16 @@ def plot_shards(data: ReportData) -> str | None:
     return _png(fig)
 
 
+def _literal_label(s: str) -> str:
+    r"""A data string as a matplotlib label shown as it is: ``$`` never starts mathtext.
+
+    Example:
+        >>> _literal_label("costs $5, not $6")
+        'costs \\$5, not \\$6'
+    """
+    return s.replace("$", r"\$")
+
+
 def plot_dead_letters(data: ReportData) -> str | None:
     if data.dead_letters_source is None:
         return None
@@ -316,7 +326,7 @@ def plot_dead_letters(data: ReportData) -> str | None:
         return None
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 0.4 * len(items) + 1.2))
-    ax.barh([k for k, _ in items][::-1], [v for _, v in items][::-1], color="tab:red", alpha=0.8)
+    ax.barh([_literal_label(k) for k, _ in items][::-1], [v for _, v in items][::-1], color="tab:red", alpha=0.8)
     ax.set_xlabel(f"messages (source: {data.dead_letters_source})")
     ax.grid(alpha=0.3, axis="x")
     from matplotlib.ticker import MaxNLocator

@@ -74,3 +74,11 @@ def invocation(service: dict) -> tuple[str | None, list[str]]:
     words = shlex.split(re.sub(r'"\$\((?:[^()]|\([^()]*\))*\)"', "12345", script))
     assert words[:3] == ["exec", "python", "-m"], script
     return words[3], words[4:]
+
+
+def created_buckets(init: dict) -> set[str]:
+    """The buckets the minio-init service's script makes (`mc mb ... local/BUCKET`), its variables resolved."""
+    (script,) = command_list(init)  # compose has turned $$ into $: what the shell gets
+    env = env_of(init)
+    names = re.findall(r"mc mb [^&;|]*?local/([^\s;&|\"]+)", script)
+    return {re.sub(r"\$\{?(\w+)\}?", lambda m: env[m.group(1)], name) for name in names}

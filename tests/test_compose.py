@@ -12,8 +12,9 @@ accepts the file and interpolates it as these tests do.
 from __future__ import annotations
 
 import argparse
-import fnmatch
+import ast
 import importlib
+import importlib.util
 import json
 import os
 import re
@@ -30,10 +31,10 @@ import yaml
 from rlrec.cli import build_parser
 from rlrec.commands.consume import OPTIONS, resolve_options
 from rlrec.options import known_env_vars
-from tests.compose_model import COMPOSE, ROOT, command_list, env_of, invocation, load_compose
+from tests import dockerfile_model
+from tests.compose_model import COMPOSE, ROOT, command_list, created_buckets, env_of, invocation, load_compose
+from tests.dockerfile_model import DOCKERFILE
 
-DOCKERFILE = ROOT / "Dockerfile"
-DOCKERIGNORE = ROOT / ".dockerignore"
 DEPLOY_DOC = ROOT / "docs" / "DEPLOY.md"
 
 RLREC_SERVICES = ("topics", "policy", "consumer", "trainer")  # services running the rlrec image
@@ -291,14 +292,8 @@ def test_scalable_services_have_no_fixed_names_or_host_ports(services):
 
 
 def test_bucket_and_paths_agree_between_minio_init_consumer_trainer_and_policy(services, monkeypatch):
-    init = services["minio-init"]
-    script = " ".join(command_list(init))  # compose has turned $$ into $: what the shell gets
-    init_env = env_of(init)
-    created = {
-        re.sub(r"\$\{?(\w+)\}?", lambda m: init_env[m.group(1)], b.strip('"'))
-        for b in re.findall(r"mc mb [^&;|]*?local/(\S+)", script)
-    }
-    assert created, script
+    created = created_buckets(services["minio-init"])
+    assert created == {"rlrec"}, created
     out = vars(parse_service_command("consumer", services["consumer"], monkeypatch))["output"]
     train = parse_service_command("trainer", services["trainer"], monkeypatch)
     assert train.input == out, "the trainer follows the consumer's manifest"
@@ -308,95 +303,130 @@ def test_bucket_and_paths_agree_between_minio_init_consumer_trainer_and_policy(s
     published = train.publish_dir or f"{train.checkpoint_dir.rstrip('/')}/policies"
     assert policy.policies == published
     assert bucket(policy.policies) in created
-    # every rlrec service talks to MinIO with the same credentials MinIO was started with
+    # the services that write talk to MinIO with the credentials MinIO was started with
     minio_env = env_of(services["minio"])
-    for name in ("consumer", "trainer", "policy"):
+    for name in ("topics", "consumer", "trainer"):
         env = env_of(services[name])
         assert env["AWS_ACCESS_KEY_ID"] == minio_env["MINIO_ROOT_USER"], name
         assert env["AWS_SECRET_ACCESS_KEY"] == minio_env["MINIO_ROOT_PASSWORD"], name
 
 
+def _statements(init: dict) -> list[dict]:
+    doc = json.loads(env_of(init)["READ_POLICIES"])
+    assert doc["Version"] == "2012-10-17"
+    return doc["Statement"]
+
+
+def test_policy_replicas_get_read_only_credentials_to_the_published_policies_only(services, monkeypatch):
+    """minio-init makes a user whose one policy grants s3:GetObject below the publish prefix and
+    s3:ListBucket restricted to it; the policy service uses that user, never MinIO's root."""
+    init, policy = services["minio-init"], services["policy"]
+    init_env, policy_env, root = env_of(init), env_of(policy), env_of(services["minio"])
+    # the policy service: the reader's credentials, no root credential in any variable
+    assert policy_env["AWS_ACCESS_KEY_ID"] == init_env["MINIO_POLICY_USER"] != root["MINIO_ROOT_USER"]
+    assert policy_env["AWS_SECRET_ACCESS_KEY"] == init_env["MINIO_POLICY_PASSWORD"] != root["MINIO_ROOT_PASSWORD"]
+    assert not {root["MINIO_ROOT_USER"], root["MINIO_ROOT_PASSWORD"]} & set(policy_env.values())
+    assert len(init_env["MINIO_POLICY_PASSWORD"]) >= 8, "MinIO refuses secret keys shorter than 8 characters"
+    # the policy: exactly read access to the prefix the policy service polls
+    published = parse_service_command("policy", policy, monkeypatch).policies
+    bucket_name, prefix = published[len("s3://") :].split("/", 1)
+    assert _statements(init) == [
+        {"Effect": "Allow", "Action": ["s3:GetObject"], "Resource": [f"arn:aws:s3:::{bucket_name}/{prefix}/*"]},
+        {
+            "Effect": "Allow",
+            "Action": ["s3:ListBucket"],
+            "Resource": [f"arn:aws:s3:::{bucket_name}"],
+            "Condition": {"StringLike": {"s3:prefix": [prefix, f"{prefix}/*"]}},
+        },
+    ]
+    # the script creates that policy from READ_POLICIES and attaches it to that user, as root
+    (script,) = command_list(init)
+    steps = [step.strip() for step in script.split(";")]
+    assert steps[0] == "set -e"
+    assert steps[1] == 'mc alias set local http://minio:9000 "$MINIO_ROOT_USER" "$MINIO_ROOT_PASSWORD"'
+    assert "printf '%s' \"$READ_POLICIES\" > /tmp/read-policies.json" in steps
+    assert "mc admin policy create local read-policies /tmp/read-policies.json" in steps
+    assert 'mc admin user add local "$MINIO_POLICY_USER" "$MINIO_POLICY_PASSWORD"' in steps
+    attach = steps[-1]
+    assert attach.startswith('mc admin policy attach local read-policies --user "$MINIO_POLICY_USER" || ')
+    assert [s.split()[:3] for s in steps if s.startswith("mc admin")] == [
+        ["mc", "admin", "policy"],
+        ["mc", "admin", "user"],
+        ["mc", "admin", "policy"],
+    ], "no other grant"
+    # the policy service starts only once its user exists
+    assert policy["depends_on"]["minio-init"]["condition"] == "service_completed_successfully"
+
+
 def test_credentials_can_come_from_the_environment():
-    s = load_compose({"MINIO_ROOT_USER": "alice", "MINIO_ROOT_PASSWORD": "s3cret-from-env"})["services"]
+    s = load_compose(
+        {
+            "MINIO_ROOT_USER": "alice",
+            "MINIO_ROOT_PASSWORD": "s3cret-from-env",
+            "MINIO_POLICY_USER": "bob",
+            "MINIO_POLICY_PASSWORD": "reader-s3cret",
+        }
+    )["services"]
     assert env_of(s["minio"])["MINIO_ROOT_PASSWORD"] == "s3cret-from-env"
     assert env_of(s["consumer"])["AWS_SECRET_ACCESS_KEY"] == "s3cret-from-env"
     assert env_of(s["trainer"])["AWS_ACCESS_KEY_ID"] == "alice"
+    assert env_of(s["minio-init"])["MINIO_POLICY_USER"] == env_of(s["policy"])["AWS_ACCESS_KEY_ID"] == "bob"
+    assert env_of(s["policy"])["AWS_SECRET_ACCESS_KEY"] == "reader-s3cret"
 
 
 # ------------------------------------------------------------------------------- image
 
 
-def dockerfile_instructions() -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) with line continuations joined and comments dropped."""
-    out, buf = [], ""
-    for line in DOCKERFILE.read_text().splitlines():
-        stripped = line.strip()
-        if not buf and (not stripped or stripped.startswith("#")):
+def _extra_requirements(extra: str, seen: frozenset[str] = frozenset()) -> list[str]:
+    """Every requirement an extra of pyproject.toml brings, its `rlrec[...]` self-references expanded."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    out = list(project["dependencies"]) if not seen else []
+    for req in project["optional-dependencies"][extra]:
+        m = re.fullmatch(r"rlrec\[([\w,]+)\]", req)
+        if m is None:
+            out.append(req)
             continue
-        if stripped.startswith("#"):
-            continue
-        buf += " " + stripped
-        if buf.endswith("\\"):
-            buf = buf[:-1]
-            continue
-        word, _, rest = buf.strip().partition(" ")
-        out.append((word.upper(), rest.strip()))
-        buf = ""
+        for sub in m.group(1).split(","):
+            if sub not in seen:
+                out += _extra_requirements(sub, seen | {extra, sub})
     return out
 
 
-def dockerignore_patterns() -> list[str]:
-    return [ln.strip() for ln in DOCKERIGNORE.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+def _names(requirements: list[str]) -> set[str]:
+    return {re.split(r"[\[<>=!~; ]", r, maxsplit=1)[0].lower() for r in requirements}
 
 
-def ignored(rel: str, patterns: list[str]) -> bool:
-    parts = rel.split("/")
-    prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
-    result = False
-    for pat in patterns:
-        neg = pat.startswith("!")
-        pat = pat.lstrip("!").rstrip("/")
-        hit = any(
-            fnmatch.fnmatch(p, pat) or (pat.startswith("**/") and fnmatch.fnmatch(p.split("/")[-1], pat[3:]))
-            for p in prefixes
-        )
-        if hit:
-            result = not neg
-    return result
-
-
-def test_every_rlrec_service_builds_the_image_from_this_dockerfile(services):
-    for name in RLREC_SERVICES:
+def test_every_rlrec_service_builds_its_target_of_this_dockerfile(services):
+    """policy: the slim `policy` target; every other rlrec service: the one full image."""
+    names = [st.name for st in dockerfile_model.stages()]
+    assert names[-1] == "full", "a plain `docker build .` builds the full image"
+    for name in (*RLREC_SERVICES, "keys"):
         service = services[name]
         build = service.get("build")
-        assert build is not None, f"{name} has no build section: `docker compose up` would try to pull rlrec:latest"
-        context = build if isinstance(build, str) else build.get("context", ".")
-        dockerfile = "Dockerfile" if isinstance(build, str) else build.get("dockerfile", "Dockerfile")
-        assert (ROOT / context / dockerfile).resolve() == DOCKERFILE
-        assert service["image"] == services["consumer"]["image"], "one image for all rlrec services"
-    entry = dict(dockerfile_instructions())["ENTRYPOINT"]
-    assert json.loads(entry) == ["rlrec"]
+        assert build is not None, f"{name} has no build section: `docker compose up` would try to pull its image"
+        assert (ROOT / build.get("context", ".") / build.get("dockerfile", "Dockerfile")).resolve() == DOCKERFILE
+        want = "policy" if name == "policy" else "full"
+        assert build.get("target") == want, name
+        assert service["image"] == ("rlrec-policy:latest" if name == "policy" else "rlrec:latest"), name
+    for st in ("policy", "full"):
+        words = dict(dockerfile_model.stage(st).instructions)
+        assert json.loads(words["ENTRYPOINT"]) == ["rlrec"] and words["USER"] == "rlrec", st
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert "rlrec" in pyproject["project"]["scripts"]
 
 
 def test_dockerfile_installs_cpu_torch_pinned_before_the_extras():
-    ins = dockerfile_instructions()
-    args = {}
-    for word, rest in ins:
-        if word == "ARG" and "=" in rest:
-            k, v = rest.split("=", 1)
-            args[k] = v
-    assert ins[0][0] in ("ARG", "FROM")
-    assert next(rest for word, rest in ins if word == "FROM") == "python:${PYTHON_VERSION}-slim"
+    args = dockerfile_model.build_args()
+    base = dockerfile_model.stage("base")
+    assert base.base == "python:${PYTHON_VERSION}-slim"
     assert args["PYTHON_VERSION"] == "3.11"
     assert args["TORCH_VERSION"] == "2.13.0"
     assert args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
-    runs = [rest for word, rest in ins if word == "RUN"]
-    torch_run = next(i for i, r in enumerate(runs) if "torch==" in r)
-    assert '--index-url "${TORCH_INDEX_URL}"' in runs[torch_run] and '"torch==${TORCH_VERSION}"' in runs[torch_run]
-    extras_run = next(i for i, r in enumerate(runs) if '".[${EXTRAS}]"' in r)
-    assert torch_run < extras_run, "torch must be installed first, or the extras pull a CUDA build from PyPI"
+    (torch_run,) = [r for r in base.runs() if "torch==" in r]
+    assert '--index-url "${TORCH_INDEX_URL}"' in torch_run and '"torch==${TORCH_VERSION}"' in torch_run
+    # the policy and full stages build on base: torch is there before any extra is installed
+    assert dockerfile_model.stage("policy").base == dockerfile_model.stage("full").base == "base"
+    assert any('".[${EXTRAS}]"' in r for r in dockerfile_model.stage("full").runs())
     # the same torch as the Makefile's .venv
     make_torch = re.search(r"^TORCH_VERSION \?= (\S+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
     assert make_torch == args["TORCH_VERSION"]
@@ -405,9 +435,7 @@ def test_dockerfile_installs_cpu_torch_pinned_before_the_extras():
     assert args["EXTRAS"] in extras
     needed = " ".join(extras[args["EXTRAS"]])
     assert "torch" in needed and "rlrec[consumer]" in needed
-    assert any(d.startswith("ray[") for d in extras["consumer"]) and any(
-        d.startswith("boto3") for d in extras["consumer"]
-    )
+    assert {"ray", "boto3"} <= _names(_extra_requirements(args["EXTRAS"]))
     # the GPU variant is documented where people look for it
     assert (
         "GPU" in DOCKERFILE.read_text()
@@ -415,31 +443,78 @@ def test_dockerfile_installs_cpu_torch_pinned_before_the_extras():
     )
 
 
+def _package_folder(package: str, package_dir: dict[str, str]) -> str:
+    """The repository folder of an installed package under setuptools' package-dir mapping."""
+    parts = package.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in package_dir:
+            return "/".join([package_dir[".".join(parts[:n])], *parts[n:]])
+    return "/".join(parts)
+
+
+@pytest.mark.parametrize("target", ["policy", "full"])
+def test_dependencies_are_installed_before_the_sources_are_copied(target):
+    """A code change rebuilds only `COPY --from=src` and `pip install --no-deps .`: the layers
+    that install torch, Ray and the rest stay cached."""
+    base = dockerfile_model.stage("base")
+    assert [c[:-1] for c in base.copies()] == [["pyproject.toml", "setup.py", "README.md"]]
+    assert base.copies()[0][-1] == "./" and dict(base.instructions)["WORKDIR"] == "/opt/rlrec"
+    st = dockerfile_model.stage(target)
+    order = [w for w, _ in st.instructions if w in ("RUN", "COPY")]
+    assert order == ["RUN", "COPY", "RUN"], order
+    deps, install = st.runs()
+    assert re.search(r'pip install "\.\[[^]]+\]"', deps) and "pip uninstall --yes rlrec" in deps
+    assert st.copies() == [["--from=src", "/src", "./"]]
+    assert install.startswith("pip install --no-deps . ")
+    # the placeholder folders are every package folder of pyproject.toml: the metadata builds
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    package_dir = pyproject["tool"]["setuptools"]["package-dir"]
+    folders = {_package_folder(pkg, package_dir) for pkg in pyproject["tool"]["setuptools"]["packages"]}
+    made = set(re.search(r"mkdir -p ([\w/ ]+?) &&", deps).group(1).split())
+    assert {f for f in folders if not any(m == f or m.startswith(f + "/") for m in made)} == set(), (folders, made)
+    # the src stage holds the sources and nothing else
+    src = dockerfile_model.stage("src")
+    assert src.base == "scratch" and [w for w, _ in src.instructions] == ["COPY"] * 5
+
+
+def _rlrec_imports(module: str) -> set[str]:
+    """The rlrec modules `module` imports anywhere in its source (function-level imports too)."""
+    spec = importlib.util.find_spec(module)
+    tree = ast.parse(Path(spec.origin).read_text())
+    names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    return {n for n in names if n.startswith("rlrec.")}
+
+
+def test_the_policy_image_is_the_policy_extra_without_ray(services):
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    needs = _names(_extra_requirements("policy"))
+    assert {"torch", "safetensors", "cryptography", "pyarrow"} <= needs, needs  # load_policy, s3:// too
+    assert {"confluent-kafka", "fastavro", "numpy", "gymnasium"} <= needs  # the recorder and the demo policy
+    assert not {n for n in needs if n == "ray" or n.startswith("ray[")}, extras["policy"]
+    st = dockerfile_model.stage("policy")
+    installs = [r for r in st.runs() if "pip install" in r]
+    assert '".[policy]"' in installs[0]
+    assert not any(re.search(r"\bray\b", r.split("&& !")[0]) for r in installs), installs
+    assert '! python -c "import ray"' in st.runs()[-1], "the build fails if Ray crept in"
+    assert " && cd / && " in st.runs()[-1], "in the WORKDIR, the source folder rlrec/ would shadow the package"
+    # the image imports what the policy service runs: the recorder, load_policy, the module and
+    # what that module imports when it starts
+    check = re.search(r'python -c "import ([\w., ]+)"', st.runs()[-1]).group(1).split(", ")
+    module, _ = invocation(services["policy"])
+    assert {"rlrec.producer", "rlrec.trainer.policy", module, *_rlrec_imports(module)} <= set(check), check
+    assert services["policy"]["build"]["target"] == "policy"
+
+
 def test_the_build_context_holds_what_the_dockerfile_copies_and_the_package_builds_from_it(tmp_path):
     """Copy what `docker build` would send (after .dockerignore) for each COPY, then build the wheel
     from that copy alone: proves the image's `pip install .` finds its sources and package data."""
-    patterns = dockerignore_patterns()
     ctx = tmp_path / "image"
-    ctx.mkdir()
-    copies = [rest for word, rest in dockerfile_instructions() if word == "COPY"]
-    assert copies
-    for rest in copies:
-        parts = rest.split()
-        assert not any(p.startswith("--from") for p in parts)
-        for src in parts[:-1]:
-            path = ROOT / src
-            assert path.exists(), f"COPY {src}: not in the repository"
-            assert not ignored(src, patterns), f"COPY {src}: excluded by .dockerignore"
-            files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
-            for f in files:
-                rel = f.relative_to(ROOT).as_posix()
-                if ignored(rel, patterns):
-                    continue
-                dest = ctx / rel
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(f, dest)
+    dockerfile_model.copy_from_context(dockerfile_model.project_files(), ctx)
+    dockerfile_model.copy_from_context(dockerfile_model.source_folders(), ctx)
+    patterns = dockerfile_model.dockerignore_patterns()
     for must_ignore in (".venv", ".git", "demo-data", "tests", "rlrec/__pycache__/x.pyc"):
-        assert ignored(must_ignore, patterns), must_ignore
+        assert dockerfile_model.ignored(must_ignore, patterns), must_ignore
     # every source folder the Dockerfile copies is mapped into the one package rlrec
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     package_dir = pyproject["tool"]["setuptools"]["package-dir"]
@@ -482,6 +557,38 @@ def test_the_build_context_holds_what_the_dockerfile_copies_and_the_package_buil
     assert {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")} == {"rlrec"}
     entry = next(n for n in names if n.endswith("entry_points.txt"))
     assert "rlrec = rlrec.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()
+
+
+def test_the_dependency_step_builds_from_the_metadata_alone(tmp_path):
+    """The placeholder package folders of the deps step are enough for setuptools to build the
+    project's metadata (what `pip install ".[extra]"` needs before the sources are copied)."""
+    ctx = tmp_path / "deps"
+    dockerfile_model.copy_from_context(dockerfile_model.project_files(), ctx)
+    deps = dockerfile_model.stage("policy").runs()[0]
+    mkdir = re.search(r"(mkdir -p [\w/ ]+?) &&", deps).group(1)
+    subprocess.run(["sh", "-c", mkdir], cwd=ctx, check=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path / "d"),
+            ".",
+        ],
+        cwd=ctx,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    wheel = next((tmp_path / "d").glob("rlrec-*.whl"))
+    meta = zipfile.ZipFile(wheel).read("rlrec-0.1.0.dist-info/METADATA").decode()
+    assert "Provides-Extra: policy" in meta and 'Requires-Dist: safetensors>=0.4; extra == "policy"' in meta
 
 
 # ------------------------------------------------------------------- docker compose config

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -24,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from rlrec.local import LocalBroker, LocalS3, free_port
-from tests.compose_model import ROOT, command_list, env_of, load_compose
+from tests.compose_model import ROOT, command_list, created_buckets, env_of, load_compose
 
 pytestmark = [pytest.mark.system, pytest.mark.slow, pytest.mark.broker, pytest.mark.timeout(600)]
 
@@ -97,10 +96,7 @@ def test_compose_services_close_the_loop_on_local_kafka_and_s3(tmp_path):
         keygen = rlrec("keys", "keys.log")  # one-shot: the policy-signing key pair
         assert keygen.proc.wait(60) == 0, keygen.text()
         # minio-init: the bucket its `mc mb` creates
-        init = services["minio-init"]
-        script = " ".join(command_list(init))
-        name = re.search(r"mc mb [^&;|]*?local/(\S+)", script).group(1).strip('"')
-        bucket = re.sub(r"\$\{?(\w+)\}?", lambda m: env_of(init)[m.group(1)], name)
+        (bucket,) = created_buckets(services["minio-init"])
         s3.create_bucket(bucket)
 
         metrics_port = free_port()

@@ -366,6 +366,7 @@ def test_report_behaviour_return_is_the_oldest_versions_mean():
         "rlrec.commands.inspect",
         "rlrec.consumer.topics",
         "rlrec.demo.dashboard",
+        "rlrec.report",
     ],
 )
 def test_docstring_examples(module):

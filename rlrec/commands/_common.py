@@ -10,7 +10,7 @@ import functools
 import sys
 from collections.abc import Callable
 
-__all__ = ["URI_FORMS", "open_output", "reports_storage_errors", "shell_command"]
+__all__ = ["URI_FORMS", "open_output", "plain_console", "reports_storage_errors", "shell_command"]
 
 
 def reports_storage_errors(command: str) -> Callable[[Callable[[argparse.Namespace], int]], Callable]:
@@ -82,3 +82,20 @@ def shell_command() -> str:
         return f"{sys.executable} -m rlrec"
     rel = os.path.relpath(mine)
     return mine if rel.startswith("..") else rel
+
+
+def plain_console(**kwargs):
+    """A rich Console that prints every string literally: no markup (``[bold]``, ``[link=...]``,
+    ``[/]``), no ``:emoji:`` codes, no highlighting. Data (policy ids, paths, notes) goes through
+    it unchanged; the command's own styles are given as ``rich.text.Text`` objects.
+
+    Example:
+        >>> import io
+        >>> c = plain_console(file=io.StringIO(), width=80)
+        >>> c.print("[bold red]x[/] [/] [link=http://x]y[/link] :warning:")
+        >>> c.file.getvalue()
+        '[bold red]x[/] [/] [link=http://x]y[/link] :warning:\\n'
+    """
+    from rich.console import Console
+
+    return Console(markup=False, emoji=False, highlight=False, **kwargs)

@@ -94,12 +94,13 @@ def run(args: argparse.Namespace) -> int:
         ConvertOptions, values, observation_space=obs_space, action_space=act_space, env_id=cmd.env or ""
     )
 
-    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    console = Console(stderr=True)
+    from rlrec.commands._common import plain_console
+
+    console = plain_console(stderr=True)  # notes, paths and spaces are data, never markup
     bar = Progress(
-        TextColumn("{task.description}"),
+        TextColumn("{task.description}", markup=False),
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
@@ -148,10 +149,10 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         return 0
     for n in res.notes[:10]:
-        console.print(f"note: {n}", markup=False, highlight=False)
+        console.print(f"note: {n}")
     if len(res.notes) > 10:
         console.print(f"note: ... and {len(res.notes) - 10} more")
-    out = Console()
+    out = plain_console()
     out.print(
         f"read {res.files} file(s), {res.rows} rows -> {res.episodes} episodes "
         f"({res.duplicate_rows} duplicate rows dropped; incomplete episodes: {res.incomplete_dropped} dropped, "

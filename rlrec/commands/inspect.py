@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from rlrec.commands._common import open_output, reports_storage_errors
+from rlrec.commands._common import open_output, plain_console, reports_storage_errors
 from rlrec.options import OptionSet, option
 
 
@@ -154,10 +154,10 @@ def run(args: argparse.Namespace) -> int:
         return 1 if problems else 0
 
     from rich import box
-    from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
-    console = Console()
+    console = plain_console()  # manifest strings are data, never markup
     root = storage.uri("")
     topics = sorted({s["topic"] for s in doc["shards"]})
     one_topic = len(topics) == 1
@@ -193,7 +193,11 @@ def run(args: argparse.Namespace) -> int:
     for pid, t in tot["policies"].items():
         totals.add_row(pid, str(t["shards"]), str(t["episodes"]), str(t["steps"]), _human_bytes(t["bytes"]))
     totals.add_row(
-        "[bold]all[/bold]", str(tot["shards"]), str(tot["episodes"]), str(tot["steps"]), _human_bytes(tot["bytes"])
+        Text("all", style="bold"),
+        str(tot["shards"]),
+        str(tot["episodes"]),
+        str(tot["steps"]),
+        _human_bytes(tot["bytes"]),
     )
     console.print(totals)
 
@@ -207,9 +211,9 @@ def run(args: argparse.Namespace) -> int:
 
     if problems is not None:
         if problems:
-            console.print(f"[bold red]{len(problems)} problem(s):[/bold red]")
+            console.print(Text(f"{len(problems)} problem(s):", style="bold red"))
             for p in problems:
-                console.print(f"  - {p}", markup=False, highlight=False)
+                console.print(f"  - {p}")
             return 1
-        console.print(f"[green]verify: no problems[/green] in {_verified(tot)}", highlight=False)
+        console.print(Text.assemble(("verify: no problems", "green"), f" in {_verified(tot)}"))
     return 0

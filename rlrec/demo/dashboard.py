@@ -216,10 +216,12 @@ class Dashboard:
         self._last_line = 0.0
         self.note = ""
         if live:
-            from rich.console import Console
             from rich.live import Live
 
-            self.live = Live(console=Console(), refresh_per_second=2, transient=False)
+            from rlrec.commands._common import plain_console
+
+            # messages and metric labels are data: printed literally, never as markup
+            self.live = Live(console=plain_console(), refresh_per_second=2, transient=False)
 
     def __enter__(self) -> Dashboard:
         if self.live is not None:
@@ -245,19 +247,22 @@ class Dashboard:
             print(compact_line(s), flush=True)
 
     def _table(self, s: Snapshot):
+        """The dashboard table: labels styled here, every value a literal Text."""
         from rich.table import Table
+        from rich.text import Text
 
-        t = Table(title=f"{self.title}  [dim]{s.elapsed_s:.0f} s[/dim]", show_header=False, min_width=64)
+        title = Text.assemble(self.title, (f"  {s.elapsed_s:.0f} s", "dim"))
+        t = Table(title=title, show_header=False, min_width=64)
         t.add_column("what", style="cyan")
         t.add_column("value", justify="right")
         dl = ", ".join(f"{k} {v}" for k, v in sorted(s.dead_letters.items())) or "0"
         rows = [
-            ("[b]policies[/b] steps published", f"{s.steps_published:,}  ({s.steps_per_s:,.0f}/s)"),
+            (("policies", " steps published"), f"{s.steps_published:,}  ({s.steps_per_s:,.0f}/s)"),
             ("  acting with policy versions", ", ".join(f"v{v}" for v in s.policy_versions_in_use) or "-"),
-            ("[b]consumer[/b] episodes committed", f"{s.episodes_committed:,}"),
+            (("consumer", " episodes committed"), f"{s.episodes_committed:,}"),
             ("  shards committed", f"{s.shards_committed:,}"),
             ("  dead letters", dl),
-            ("[b]trainer[/b] iteration", _f(s.trainer_iteration, "{}")),
+            (("trainer", " iteration"), _f(s.trainer_iteration, "{}")),
             ("  timesteps trained", _f(s.timesteps_trained, "{:,}")),
             ("  newest shard age", _f(s.newest_shard_age_s, "{:.1f} s")),
             ("  evaluation return", _f(s.eval_return_mean)),
@@ -267,15 +272,17 @@ class Dashboard:
                 f"{s.promotions} promoted, {s.rejections} held back)",
             ),
         ]
-        for a, b in rows:
-            t.add_row(a, b)
+        for label, value in rows:
+            if isinstance(label, tuple):
+                label = Text.assemble((label[0], "bold"), label[1])
+            t.add_row(Text(label) if isinstance(label, str) else label, Text(value))
         for p in s.policies:
             t.add_row(
-                f"  policy-{p['index']}",
-                f"v{p['policy_version']}  {p['episodes']} episodes  return {_f(p['return_mean'])}",
+                Text(f"  policy-{p['index']}"),
+                Text(f"v{p['policy_version']}  {p['episodes']} episodes  return {_f(p['return_mean'])}"),
             )
         if self.note:
-            t.caption = self.note
+            t.caption = Text(self.note)
         return t
 
 

@@ -244,3 +244,48 @@ def test_report_plots_ope_estimates_beside_the_truth():
         },
     ]
     assert plot_eval(data) is not None  # no eval_return_mean: the OPE decisions alone make the plot
+
+
+def test_greedy_behaviour_logs_propensity_one_and_is_not_estimable_by_importance_weights(tmp_path, capsys):
+    """Policy.act(explore=False) logs action_logp 0.0 (a deterministic choice); `rlrec evaluate` on
+    such data reports the importance-weighted estimators "not estimable", with a reason."""
+    import torch
+
+    from rlrec.cli import main
+    from rlrec.store.storage import Storage
+    from rlrec.trainer.export import publish_policy
+    from rlrec.trainer.policy import version_from_artifact
+
+    spec, model = linear_policy_artifact(1.0 * E)
+    version = version_from_artifact(spec, model)
+    obs = np.array([0.3, -0.2, 0.9, 0.0], np.float32)
+    _, greedy = version.act(obs, False, torch.Generator().manual_seed(0))
+    _, sampled = version.act(obs, True, torch.Generator().manual_seed(0))
+    assert greedy["action_logp"] == 0.0 and sampled["action_logp"] < 0.0
+    out = str(tmp_path / "data")
+    ShardCommitter(out).commit(
+        logged_episodes(CONTEXT_BANDIT_ID, spec, model, 300, seed=0, policy_version=0, explore=False)[0]
+    )
+    pub = tmp_path / "policies"
+    publish_policy(
+        Storage.from_uri(str(pub)),
+        algo=None,
+        version=1,
+        algo_name="BC",
+        observation_space=gym.spaces.Box(-1.0, 1.0, (4,), np.float32),
+        action_space=gym.spaces.Discrete(3),
+        iteration=1,
+        timesteps_trained=0,
+        shards=[],
+        new_shards=[],
+        parent_version=None,
+        artifact=_artifact("partial")[0],
+        metadata={"gamma": GAMMA},
+    )
+    args = ["evaluate", "--input", out, "--policies", str(pub), "--allow-unsigned", "--holdout-fraction", "0.5"]
+    assert main([*args, "--json", "--estimators", "wis,wpdis,wdr", "--ope-bootstrap", "50", "--fqe-steps", "50"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["diagnostics"]["coverage"] == 1.0 and doc["diagnostics"]["behavior_deterministic_share"] == 1.0
+    for name in ("wis", "wpdis", "wdr"):
+        e = doc["estimates"][name]
+        assert not e["estimable"] and e["value"] is None and e["reason"], (name, e)

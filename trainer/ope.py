@@ -37,8 +37,10 @@ length). An estimate whose diagnostics fail is returned with ``estimable=False``
 and no value.
 
 Assumptions: the recorded ``action_logp`` is the log-probability with which the behaviour
-*sampled* the action it took (a greedy behaviour's propensity is 1; RLlib's and
-`rlrec.trainer.policy.Policy.act(explore=False)`'s ``action_logp`` is then not a propensity),
+*sampled* the action it took (a greedy behaviour's propensity is 1, ``action_logp`` 0, which
+`rlrec.trainer.policy.Policy.act(explore=False)` logs; a step with propensity 1 overrides the
+recorded ``action_dist_inputs``; data where every step has propensity 1, or where the
+behaviour took its most likely action at every step, is refused by wis, wpdis and wdr),
 states are Markov, and every action the candidate takes has a positive behaviour probability.
 """
 
@@ -68,6 +70,8 @@ __all__ = [
 
 #: the estimators `evaluate` knows; the first is the default
 ESTIMATORS = ("wdr", "fqe", "wpdis", "wis")
+#: a behaviour log-propensity at least ``-CERTAIN_LOGP`` is a propensity of 1 (a deterministic choice)
+CERTAIN_LOGP = 1e-6
 #: the bootstrap resamples at most this many units (episodes, or random blocks of them)
 MAX_BOOTSTRAP_UNITS = 2000
 _IS_FAMILY = ("wis", "wpdis")
@@ -143,6 +147,12 @@ class LoggedData:
         if all(e.behavior_probs is not None for e in episodes):
             self.behavior_probs = np.concatenate([np.asarray(e.behavior_probs, dtype=np.float64) for e in episodes])
         ok = np.isfinite(self.behavior_logp)
+        # propensity 1: a deterministic choice, whatever distribution inputs were recorded with it
+        certain = ok & (np.nan_to_num(self.behavior_logp, nan=-np.inf) >= -CERTAIN_LOGP)
+        if self.behavior_probs is not None and certain.any() and self.actions.ndim == 1:
+            rows = np.flatnonzero(certain)
+            self.behavior_probs[rows] = 0.0
+            self.behavior_probs[rows, self.actions[rows].astype(np.int64)] = 1.0
         #: episodes whose every step has a propensity (the ones the estimates use)
         self.covered = np.array([ok[s : s + n].all() for s, n in zip(self.starts, self.lengths)])
         self.coverage = float(ok.mean())
@@ -151,6 +161,9 @@ class LoggedData:
         #: greedy behaviour, whose recorded action_logp is no propensity
         self.greedy_share: float | None = None
         step_cov = self.covered[self.episode]
+        #: share of covered steps the behaviour took with propensity 1 (None: no covered step);
+        #: 1.0 means a deterministic behaviour, whose data no importance weight can correct
+        self.deterministic_share: float | None = float(certain[step_cov].mean()) if step_cov.any() else None
         if self.behavior_probs is not None and step_cov.any() and self.actions.ndim == 1:
             top = np.argmax(self.behavior_probs[step_cov], axis=1)
             self.greedy_share = float(np.mean(top == self.actions[step_cov].astype(np.int64)))
@@ -411,9 +424,10 @@ class Thresholds:
         max_weight: largest normalized episode weight (wis, wpdis).
         max_is_horizon: longest mean episode length for pure importance sampling (wis, wpdis):
             products of that many ratios are not trusted whatever the ESS says.
-        greedy_check_steps: with the behaviour's action probabilities recorded, at least this
-            many steps all taking the behaviour's most likely action mark a greedy behaviour:
-            wis, wpdis and wdr are then refused (its action_logp is no propensity).
+        greedy_check_steps: at least this many covered steps all with propensity 1 (action_logp
+            0) mark a deterministic behaviour; with the behaviour's action probabilities
+            recorded, that many steps all taking its most likely action mark a greedy one (its
+            action_logp is no propensity): wis, wpdis and wdr are then refused.
     """
 
     min_episodes: int = 10
@@ -616,6 +630,12 @@ class _Prepared:
             return "a deterministic candidate on a continuous action space has no density: importance weights are undefined (use fqe)"
         if d.coverage < th.min_coverage:
             return f"coverage: {d.coverage:.3f} of the steps have a behaviour propensity (< {th.min_coverage})"
+        if d.deterministic_share == 1.0 and int(d.lengths[d.covered].sum()) >= th.greedy_check_steps:
+            return (
+                "the behaviour's propensity is 1 at every step: a deterministic behaviour "
+                "(Policy.act(explore=False) logs action_logp 0.0) never shows what other actions do, and no "
+                "importance weight can correct for that; log with an exploring behaviour"
+            )
         if d.greedy_share == 1.0 and int(d.lengths[d.covered].sum()) >= th.greedy_check_steps:
             return (
                 "the behaviour took its most likely action at every step: a greedy behaviour's action_logp "
@@ -657,6 +677,9 @@ def _diagnostics(data: LoggedData, p: _Prepared) -> dict[str, float | None]:
         "horizon": round(float(data.lengths.mean()), 3),
         "episodes_with_propensities": int(data.covered.sum()),
         "behavior_greedy_share": None if data.greedy_share is None else round(data.greedy_share, 6),
+        "behavior_deterministic_share": None
+        if data.deterministic_share is None
+        else round(data.deterministic_share, 6),
     }
 
 

@@ -865,7 +865,7 @@ def test_action_logp_that_is_no_log_propensity_is_refused_before_buffering(recor
     z = np.zeros(3, np.float32)
     eid = rec.begin_episode(z)
     before = rec.stats
-    with pytest.raises(ValueError, match="action_logp.*log-propensity"):
+    with pytest.raises(ValueError, match=r"action_logp.*log-propensity"):
         rec.log_step(eid, 0, 1.0, z, extra_model_outputs={"action_logp": bad})
     assert rec.stats == before
     rec.log_step(eid, 0, 1.0, z, extra_model_outputs={"action_logp": -0.5})  # the episode goes on

@@ -321,6 +321,17 @@ def fit_fqe(
         torch.set_num_threads(threads)
 
 
+def _linear(d_in: int, d_out: int, gen: Any) -> Any:
+    """``torch.nn.Linear(d_in, d_out)`` with its default initialization drawn from `gen`."""
+    import torch
+
+    layer = torch.nn.Linear(d_in, d_out, device="meta").to_empty(device="cpu")
+    torch.nn.init.kaiming_uniform_(layer.weight, a=math.sqrt(5), generator=gen)
+    bound = 1.0 / math.sqrt(d_in) if d_in > 0 else 0.0
+    torch.nn.init.uniform_(layer.bias, -bound, bound, generator=gen)
+    return layer
+
+
 def _fit_fqe(
     data: LoggedData, tgt: TargetArrays, gamma: float, cfg: FQEConfig, steps: int, discrete: bool
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -338,72 +349,72 @@ def _fit_fqe(
     horizon = 1.0 / (1.0 - gamma) if gamma < 1.0 else float(data.lengths.max())
     v_lo = min(0.0, float(data.rewards.min())) * horizon / q_scale
     v_hi = max(0.0, float(data.rewards.max())) * horizon / q_scale
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(cfg.seed)
-        x = torch.as_tensor((data.obs - obs_mean) / obs_std, dtype=torch.float32)
-        xn = torch.as_tensor((data.next_obs - obs_mean) / obs_std, dtype=torch.float32)
-        r = torch.as_tensor(data.rewards / q_scale, dtype=torch.float32)
-        notdone = torch.as_tensor(~data.terminals, dtype=torch.float32)
-        n_in = x.shape[1]
-        if discrete:
-            n_out = tgt.probs.shape[1]
-            a = torch.as_tensor(data.actions.astype(np.int64).reshape(-1))
-            pn = torch.as_tensor(tgt.next_probs, dtype=torch.float32)
-            p0 = torch.as_tensor(tgt.probs, dtype=torch.float32)
-        else:
-            a = torch.as_tensor(data.actions.reshape(len(data.rewards), -1), dtype=torch.float32)
-            a_mean, a_std = a.mean(0), a.std(0) + 1e-6
-            a = (a - a_mean) / a_std
-            an = (
-                torch.as_tensor(tgt.next_actions, dtype=torch.float32).reshape(len(a), -1, a.shape[1]) - a_mean
-            ) / a_std
-            a0 = (torch.as_tensor(tgt.actions, dtype=torch.float32).reshape(len(a), -1, a.shape[1]) - a_mean) / a_std
-            n_in += a.shape[1]
-            n_out = 1
-        layers: list[Any] = []
-        d = n_in
-        for h in cfg.hidden:
-            layers += [torch.nn.Linear(d, h), torch.nn.ReLU()]
-            d = h
-        layers.append(torch.nn.Linear(d, n_out))
-        net = torch.nn.Sequential(*layers)
-        tnet = copy.deepcopy(net)
-        opt = torch.optim.Adam(net.parameters(), lr=cfg.lr)
-        N = len(r)
-        gen = torch.Generator().manual_seed(cfg.seed)
+    # torch's global RNG is left alone (the fit may run beside training, in another thread):
+    # the layers are drawn from a generator of their own, as nn.Linear would draw them after
+    # torch.manual_seed(cfg.seed)
+    init_gen = torch.Generator().manual_seed(cfg.seed)
+    x = torch.as_tensor((data.obs - obs_mean) / obs_std, dtype=torch.float32)
+    xn = torch.as_tensor((data.next_obs - obs_mean) / obs_std, dtype=torch.float32)
+    r = torch.as_tensor(data.rewards / q_scale, dtype=torch.float32)
+    notdone = torch.as_tensor(~data.terminals, dtype=torch.float32)
+    n_in = x.shape[1]
+    if discrete:
+        n_out = tgt.probs.shape[1]
+        a = torch.as_tensor(data.actions.astype(np.int64).reshape(-1))
+        pn = torch.as_tensor(tgt.next_probs, dtype=torch.float32)
+        p0 = torch.as_tensor(tgt.probs, dtype=torch.float32)
+    else:
+        a = torch.as_tensor(data.actions.reshape(len(data.rewards), -1), dtype=torch.float32)
+        a_mean, a_std = a.mean(0), a.std(0) + 1e-6
+        a = (a - a_mean) / a_std
+        an = (torch.as_tensor(tgt.next_actions, dtype=torch.float32).reshape(len(a), -1, a.shape[1]) - a_mean) / a_std
+        a0 = (torch.as_tensor(tgt.actions, dtype=torch.float32).reshape(len(a), -1, a.shape[1]) - a_mean) / a_std
+        n_in += a.shape[1]
+        n_out = 1
+    layers: list[Any] = []
+    d = n_in
+    for h in cfg.hidden:
+        layers += [_linear(d, h, init_gen), torch.nn.ReLU()]
+        d = h
+    layers.append(_linear(d, n_out, init_gen))
+    net = torch.nn.Sequential(*layers)
+    tnet = copy.deepcopy(net)
+    opt = torch.optim.Adam(net.parameters(), lr=cfg.lr)
+    N = len(r)
+    gen = torch.Generator().manual_seed(cfg.seed)
 
-        def q_box(model: Any, obs: Any, acts: Any) -> Any:  # acts (B, K, k) -> (B, K)
-            B, K = acts.shape[0], acts.shape[1]
-            inp = torch.cat([obs[:, None, :].expand(B, K, obs.shape[1]), acts], dim=-1)
-            return model(inp).squeeze(-1)
+    def q_box(model: Any, obs: Any, acts: Any) -> Any:  # acts (B, K, k) -> (B, K)
+        B, K = acts.shape[0], acts.shape[1]
+        inp = torch.cat([obs[:, None, :].expand(B, K, obs.shape[1]), acts], dim=-1)
+        return model(inp).squeeze(-1)
 
-        for _ in range(steps):
-            idx = torch.randint(0, N, (min(cfg.batch_size, N),), generator=gen)
-            with torch.no_grad():
-                if discrete:
-                    v_next = (tnet(xn[idx]) * pn[idx]).sum(-1)
-                else:
-                    v_next = q_box(tnet, xn[idx], an[idx]).mean(-1)
-                y = torch.clamp(r[idx] + gamma * notdone[idx] * v_next, v_lo, v_hi)
-            if discrete:
-                q = net(x[idx]).gather(1, a[idx, None]).squeeze(1)
-            else:
-                q = net(torch.cat([x[idx], a[idx]], dim=-1)).squeeze(-1)
-            loss = torch.nn.functional.smooth_l1_loss(q, y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            with torch.no_grad():
-                for pt, p in zip(tnet.parameters(), net.parameters()):
-                    pt.mul_(1.0 - cfg.tau).add_(p, alpha=cfg.tau)
+    for _ in range(steps):
+        idx = torch.randint(0, N, (min(cfg.batch_size, N),), generator=gen)
         with torch.no_grad():
             if discrete:
-                qall = net(x)
-                q_sa = qall.gather(1, a[:, None]).squeeze(1)
-                v = (qall * p0).sum(-1)
+                v_next = (tnet(xn[idx]) * pn[idx]).sum(-1)
             else:
-                q_sa = net(torch.cat([x, a], dim=-1)).squeeze(-1)
-                v = q_box(net, x, a0).mean(-1)
+                v_next = q_box(tnet, xn[idx], an[idx]).mean(-1)
+            y = torch.clamp(r[idx] + gamma * notdone[idx] * v_next, v_lo, v_hi)
+        if discrete:
+            q = net(x[idx]).gather(1, a[idx, None]).squeeze(1)
+        else:
+            q = net(torch.cat([x[idx], a[idx]], dim=-1)).squeeze(-1)
+        loss = torch.nn.functional.smooth_l1_loss(q, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        with torch.no_grad():
+            for pt, p in zip(tnet.parameters(), net.parameters()):
+                pt.mul_(1.0 - cfg.tau).add_(p, alpha=cfg.tau)
+    with torch.no_grad():
+        if discrete:
+            qall = net(x)
+            q_sa = qall.gather(1, a[:, None]).squeeze(1)
+            v = (qall * p0).sum(-1)
+        else:
+            q_sa = net(torch.cat([x, a], dim=-1)).squeeze(-1)
+            v = q_box(net, x, a0).mean(-1)
     q_sa, v = torch.clamp(q_sa, v_lo, v_hi), torch.clamp(v, v_lo, v_hi)
     return q_sa.numpy().astype(np.float64) * q_scale, v.numpy().astype(np.float64) * q_scale
 

@@ -650,7 +650,8 @@ class _Prepared:
         if d.greedy_share == 1.0 and int(d.lengths[d.covered].sum()) >= th.greedy_check_steps:
             return (
                 "the behaviour took its most likely action at every step: a greedy behaviour's action_logp "
-                "(Policy.act(explore=False)) is not a propensity; log with explore=True"
+                "(e.g. RLlib's log-probability of its greedy action) is not a propensity; log with an "
+                "exploring behaviour"
             )
         if name == "wdr":
             return ""

@@ -294,8 +294,8 @@ class Demo:
                 targs += ["--promotion-baseline", f"{baseline:.3f}"]
         else:
             targs += ["--eval-interval", str(cfg.checkpoint_interval)]
-        if cfg.ope_report:  # fewer FQE steps than the default: a demo's CPUs are shared
-            targs += ["--ope-report", "--fqe-steps", str(DEMO_FQE_STEPS)]
+        if cfg.ope_report:  # fewer FQE steps than the default (shared CPUs), a short wait at the stop
+            targs += ["--ope-report", "--fqe-steps", str(DEMO_FQE_STEPS), "--evaluation-wait-s", "10"]
         self.trainer = Child(
             "trainer", _py() + targs + list(cfg.extra_trainer_args), os.path.join(logs, "trainer.log"), env
         ).start()

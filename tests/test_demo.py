@@ -121,7 +121,7 @@ def test_demo_closes_the_loop(tmp_path):
     assert rets == sorted(rets) and rets[0] >= desc["baseline_return"]
     # the off-policy estimates that finished in time sit beside the true discounted return (--env)
     for r in [r["ope_report"] for r in tmetrics if "ope_report" in r]:
-        assert r["estimator"] == "wdr" and r["true_return"] is not None, r
+        assert r["estimator"] == "wdr" and r.get("true_return") is not None, r
         assert r["candidate_return"] is not None or r["reason"], r
     latest = json.load(open(tmp_path / "trainer" / "policies" / "latest.json"))
     assert latest["policy_version"] == len(promoted) >= 1

@@ -137,8 +137,7 @@ def evaluate_candidate(
         d["data"] = {"holdout_fraction": cfg.ope.holdout_fraction, **held_out.stats.to_dict()}
         if not episodes:
             d["reason"] = "no held-out episodes yet"
-            return d
-        if job.gating:
+        elif job.gating:
             _decide(d, job, cfg, candidate, episodes, deployed)
         else:
             _report(d, job, cfg, candidate, episodes)

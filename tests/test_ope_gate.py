@@ -380,3 +380,37 @@ def test_a_stop_waits_a_bounded_time_for_the_evaluation_then_drops_it(tmp_path, 
     trainer.metrics.close()
     (line,) = [json.loads(x) for x in (tmp_path / "ck" / "metrics.jsonl").read_text().splitlines()]
     assert line["late"] and line["iteration"] == 5 and line["promotion"]["candidate_version"] == 1
+
+
+def test_ope_report_estimates_each_candidate_beside_the_truth_without_gating(logged, tmp_path, monkeypatch):
+    from rlrec.trainer import promotion
+    from rlrec.trainer.service import ContinuousTrainer
+
+    out, _ = logged
+    cfg = TrainerConfig(
+        input=out,
+        checkpoint_dir=str(tmp_path / "ck"),
+        env=CONTEXT_BANDIT_ID,
+        ope_report=True,
+        promotion_episodes=500,
+        seed=0,
+        ope=OPESettings(holdout_fraction=0.3, fqe_steps=600, ope_bootstrap=200),
+    )
+    trainer = ContinuousTrainer(cfg)
+    env = gym.make(CONTEXT_BANDIT_ID)
+    trainer.obs_space, trainer.act_space = env.observation_space, env.action_space
+    trainer.algo = SimpleNamespace(config=SimpleNamespace(gamma=GAMMA))
+    monkeypatch.setattr(promotion, "export_candidate", lambda *a: _artifact("good")[0])
+    trainer.publish()
+    assert trainer.policy_version == 1  # no gate: published at once, the estimate runs beside
+    d = trainer.collect_evaluation(None)
+    assert "gate" not in d and "promoted" not in d and d["candidate_version"] == 1 and d["estimator"] == "wdr"
+    truth = _truth("good")
+    assert d["estimable"] and d["candidate_return"] == pytest.approx(truth, abs=0.25)
+    assert d["candidate_estimate"]["ci_low"] <= d["candidate_return"] <= d["candidate_estimate"]["ci_high"]
+    assert d["true_return"] == pytest.approx(truth, abs=0.15) and d["data"]["episodes"] > 250
+    assert trainer.policy_version == 1 and trainer.last_promotion is None
+    trainer.publish(final=True)  # the stop's checkpoint: no estimate started (publishing needs a real algo here)
+    assert trainer._job is None
+    with pytest.raises(ValueError, match="--ope-report needs held-out episodes"):
+        TrainerConfig(input=out, checkpoint_dir="c", ope_report=True, ope=OPESettings(holdout_fraction=0.0))

@@ -324,7 +324,16 @@ class ContinuousTrainer:
         ``--promotion-gate env`` evaluates it here and publishes it if it passes; ``ope``
         starts its off-policy evaluation in the background (`rlrec.trainer.ope_jobs`) and
         publishes it when the decision comes (`collect_evaluation`). With ``--ope-report`` (and
-        no ope gate) the candidate's off-policy estimate is started in the background too."""
+        no ope gate) the candidate's off-policy estimate is started in the background too.
+
+        Args:
+            final: the stop's checkpoint (no ``--ope-report`` estimate is started).
+
+        Example:
+            >>> trainer.publish()  # doctest: +SKIP
+            >>> trainer.policy_version  # doctest: +SKIP
+            1
+        """
         from rlrec.trainer.promotion import export_candidate
 
         version = self.policy_version + 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import asdict
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -13,8 +14,12 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from rlrec.consumer.assembly import Counters
+from rlrec.store.finished import ACTION_LOGP
 
-__all__ = ["ConsumerMetrics"]
+__all__ = ["MAX_PROPENSITY_SERIES", "ConsumerMetrics"]
+
+#: most policy_id/policy_version label pairs of ``rlrec_steps_without_propensity_total``
+MAX_PROPENSITY_SERIES = 64
 
 
 class _QuietHandler(WSGIRequestHandler):
@@ -101,6 +106,14 @@ class ConsumerMetrics:
             buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600),
             registry=r,
         )
+        self.steps_without_propensity = Counter(
+            "rlrec_steps_without_propensity",
+            "committed steps without a behaviour propensity (no action_logp extra model output), per policy "
+            f"version (the {MAX_PROPENSITY_SERIES} most recently seen policy_id/policy_version pairs)",
+            ["policy_id", "policy_version"],
+            registry=r,
+        )
+        self._propensity_series: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._server: WSGIServer | None = None
         self.freshness_samples: list[float] = []  # kept for benchmarks (bounded)
 
@@ -112,10 +125,41 @@ class ConsumerMetrics:
         self.commit_latency.observe(seconds)
         now = time.time()
         for fe in episodes:
+            if ACTION_LOGP not in fe.extra_model_outputs:  # per episode: it has the key at every step or none
+                self.count_without_propensity(fe.policy_id, fe.policy_version, fe.length)
             f = max(0.0, now - fe.ended_ms / 1000.0)
             self.freshness.observe(f)
             if len(self.freshness_samples) < 1_000_000:
                 self.freshness_samples.append(f)
+
+    def count_without_propensity(self, policy_id: str, policy_version: int, steps: int) -> None:
+        """Add `steps` committed without a propensity to ``rlrec_steps_without_propensity_total``.
+
+        At most `MAX_PROPENSITY_SERIES` label pairs are exported: a new pair beyond them removes
+        the least recently counted one (which starts from 0 if it is counted again).
+
+        Args:
+            policy_id: the episodes' policy.
+            policy_version: their policy version.
+            steps: the steps without ``action_logp``.
+
+        Example:
+            >>> m = ConsumerMetrics()
+            >>> m.count_without_propensity("p", 3, 20)
+            >>> m.registry.get_sample_value(
+            ...     "rlrec_steps_without_propensity_total", {"policy_id": "p", "policy_version": "3"})
+            20.0
+        """
+        key = (str(policy_id), str(policy_version))
+        series = self._propensity_series
+        if key in series:
+            series.move_to_end(key)
+        else:
+            series[key] = None
+            if len(series) > MAX_PROPENSITY_SERIES:
+                old, _ = series.popitem(last=False)
+                self.steps_without_propensity.remove(*old)
+        self.steps_without_propensity.labels(*key).inc(steps)
 
     def serve(
         self, port: int, healthy: Callable[[], tuple[bool, str]] = lambda: (True, "ok"), host: str = "127.0.0.1"

@@ -129,6 +129,48 @@ def _dtype_allowed(dt: np.dtype) -> bool:
     return ok
 
 
+#: the largest `action_logp` the recorder accepts: log-propensities are <= 0, up to rounding
+LOGP_TOLERANCE = 1e-6
+_NEG_INF = -math.inf
+#: `action_logp` types checked with two comparisons on log_step's hot path
+_FLOAT_TYPES = frozenset({float, np.float64, np.float32, np.float16})
+
+
+def _check_logp(value: Any, episode_id: str) -> None:
+    """Refuse an `action_logp` that is no log-propensity (a finite number <= `LOGP_TOLERANCE`).
+
+    Args:
+        value: a float, a numpy scalar, or a shape ``()`` or ``(1,)`` array.
+        episode_id: named in the error.
+
+    Raises:
+        ValueError: `value` is not one finite number <= `LOGP_TOLERANCE`.
+
+    Example:
+        >>> _check_logp(np.float32(-0.7), "e1")
+        >>> _check_logp(0.3, "e1")
+        Traceback (most recent call last):
+        ...
+        ValueError: extra_model_outputs['action_logp'] must be the behaviour policy's log-propensity of the action it took (a finite number <= 0), got 0.3 (episode e1)
+    """
+    why = ""
+    try:
+        arr = np.asarray(value)
+        if arr.shape not in ((), (1,)) or arr.dtype.kind not in "fiu":
+            why = f" (shape {arr.shape}, dtype {arr.dtype})"
+            ok = False
+        else:
+            x = float(arr.reshape(()))
+            ok = math.isfinite(x) and x <= LOGP_TOLERANCE
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(
+            "extra_model_outputs['action_logp'] must be the behaviour policy's log-propensity of the action "
+            f"it took (a finite number <= 0), got {value!r}{why} (episode {episode_id})"
+        )
+
+
 def _copy_extra(extra: Any) -> Any:
     """What log_step keeps of `extra_model_outputs`: a new dict whose mutable values (arrays,
     lists) are copied; anything that is not a mapping as it is (the batch's encoding refuses it)."""
@@ -616,13 +658,23 @@ class EpisodeRecorder:
             terminated: the episode ended in a terminal state (the episode is closed).
             truncated: the episode was cut short (the episode is closed).
             info: the step's info (JSON-able, numpy arrays allowed).
-            extra_model_outputs: per-step model outputs (`action_logp`, ...), the same keys on
-                every step of an episode.
+            extra_model_outputs: per-step model outputs, the same keys on every step of an
+                episode. ``action_logp`` is the behaviour policy's log-propensity of the action
+                it took: ``log pi_b(action | previous observation)`` under the distribution the
+                action was *sampled* from (a finite number <= 0, up to `LOGP_TOLERANCE`; a
+                float, a numpy scalar or a shape ``()`` or ``(1,)`` array). Off-policy
+                evaluation (`rlrec evaluate`, ``--promotion-gate ope``) needs it at every step;
+                a deterministic (greedy) behaviour's propensity is 1 (``action_logp`` 0.0) and
+                its data cannot serve importance-weighted estimates. For continuous actions,
+                ``action_dist_inputs`` are the distribution inputs (e.g. mean and log-std) the
+                propensity came from.
 
         Raises:
             RecorderClosed: `close()` was called (also while this call waited for room).
             ValueError: the episode is not open (never begun, ended, or aborted - also by
-                another thread while this call waited for room), or a value is invalid.
+                another thread while this call waited for room), or a value is invalid (a
+                reward that is not finite, an ``action_logp`` that is no log-propensity; these
+                are refused before anything is buffered).
             TypeError: a value's dtype does not cast to its space's.
             RecorderFullError: `on_overflow="raise"` and the buffer is full.
             RecorderReentryError: called from a finalizer or signal handler while this thread
@@ -665,6 +717,9 @@ class EpisodeRecorder:
                     if type(v) not in _IMMUTABLE:  # an array, a list: copied
                         extra_model_outputs = _copy_extra(extra_model_outputs)
                         break
+                lp = extra_model_outputs.get("action_logp", 0.0)
+                if type(lp) not in _FLOAT_TYPES or not (_NEG_INF < lp <= LOGP_TOLERANCE):
+                    _check_logp(lp, episode_id)  # anything else: checked the slow way (or refused)
         step = (action, reward, observation, dumps_info(info) if info else "", extra_model_outputs)
         with self._lock:
             if self._busy:

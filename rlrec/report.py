@@ -5,8 +5,9 @@ Sections, each replaced by a note when its data is absent:
 * summary table: episodes, shards, steps, bytes, policy versions, dead letters, trainer
   iterations/timesteps, best evaluation return, time span;
 * evaluation return over time, policy-version changes marked (and promotion-gate decisions
-  when the trainer metrics carry them; for ``--promotion-gate ope`` each candidate's off-policy
-  estimate with its interval, beside its true discounted return when the trainer had ``--env``);
+  when the trainer metrics carry them; for ``--promotion-gate ope`` or ``--ope-report`` each
+  candidate's off-policy estimate with its interval, beside its true discounted return when the
+  trainer had ``--env``, in the plot and in a table below it);
 * episode return distribution per policy version (box plots, from the shards' columns);
 * freshness: episode end -> shard commit, shard commit -> first trained on, episode end ->
   first trained on (histograms);
@@ -97,13 +98,7 @@ def plot_eval(data: ReportData) -> str | None:
             if (t := _num(m.get("time"))) is not None and (ev := _num(m.get("eval_return_mean"))) is not None
         ]
         source = "demo dashboard"
-    ope = [
-        (t, p)
-        for m in data.trainer
-        if isinstance(p := m.get("promotion"), dict)
-        and p.get("gate") == "ope"
-        and (t := _num(m.get("time"))) is not None
-    ]
+    ope = ope_records(data)
     if not pts and not ope:
         data.note("eval", "no evaluation results yet (no eval_return_mean in the trainer or demo metrics)")
         return None
@@ -180,9 +175,98 @@ def _behaviour_return(data: ReportData) -> tuple[int, float] | None:
     return v, sum(by_version[v]) / len(by_version[v])
 
 
+def ope_records(data: ReportData) -> list[tuple[float, dict]]:
+    """``(time, record)`` of every off-policy evaluation in the trainer metrics: the ope gate's
+    decisions (``promotion`` with ``gate: "ope"``) and ``--ope-report`` estimates (``ope_report``).
+
+    Args:
+        data: the collected report data.
+
+    Example:
+        >>> d = ReportData()
+        >>> d.trainer = [{"time": 5.0, "ope_report": {"candidate_version": 2}}, {"time": 6.0, "promotion": {}}]
+        >>> ope_records(d)
+        [(5.0, {'candidate_version': 2})]
+    """
+    out = []
+    for m in data.trainer:
+        if (t := _num(m.get("time"))) is None:
+            continue
+        if isinstance(p := m.get("promotion"), dict) and p.get("gate") == "ope":
+            out.append((t, p))
+        if isinstance(r := m.get("ope_report"), dict):
+            out.append((t, r))
+    return out
+
+
+def ope_rows(data: ReportData) -> list[dict]:
+    """One row per off-policy evaluation of a candidate: its version, the estimator, the estimate
+    and its interval (discounted return), the true discounted return in the simulator (when the
+    trainer had ``--env``), the gate's verdict (None: an ``--ope-report`` estimate, no decision)
+    and the reason when it is not estimable.
+
+    Args:
+        data: the collected report data.
+
+    Example:
+        >>> d = ReportData()
+        >>> est = {"value": 40.0, "ci_low": 35.0, "ci_high": 44.0, "estimable": True, "reason": ""}
+        >>> d.trainer = [{"time": 1.0, "ope_report": {"candidate_version": 2, "estimator": "wdr",
+        ...               "candidate_estimate": est, "true_return": 42.5}}]
+        >>> row = ope_rows(d)[0]
+        >>> row["version"], row["estimate"], row["true_return"], row["promoted"]
+        (2, 40.0, 42.5, None)
+    """
+    rows = []
+    for t, p in ope_records(data):
+        est = p.get("candidate_estimate") if isinstance(p.get("candidate_estimate"), dict) else {}
+        rows.append(
+            {
+                "time": t,
+                "version": p.get("candidate_version"),
+                "estimator": p.get("estimator"),
+                "estimate": _num(est.get("value")),
+                "ci_low": _num(est.get("ci_low")),
+                "ci_high": _num(est.get("ci_high")),
+                "true_return": _num(p.get("true_return")),
+                "promoted": p.get("promoted") if p.get("gate") == "ope" else None,
+                "reason": str(p.get("reason") or est.get("reason") or ""),
+            }
+        )
+    return rows
+
+
+def ope_table_html(data: ReportData) -> str | None:
+    """The `ope_rows` as an HTML table (None: no off-policy evaluation in the metrics)."""
+    rows = ope_rows(data)
+    if not rows:
+        return None
+    e = html.escape
+
+    def num(x: float | None) -> str:
+        return "–" if x is None else f"{x:.2f}"
+
+    verdict = {True: "promoted", False: "rejected", None: "(report only)"}
+    out = [
+        '<table id="ope-table"><tr><th>candidate</th><th>estimator</th><th>OPE estimate</th>'
+        "<th>interval</th><th>true discounted return</th><th>gate</th><th>note</th></tr>"
+    ]
+    for r in rows:
+        interval = "–" if r["ci_low"] is None else f"[{num(r['ci_low'])}, {num(r['ci_high'])}]"
+        out.append(
+            f"<tr><td>v{e(str(r['version']))}</td><td>{e(str(r['estimator'] or '–'))}</td>"
+            f'<td class="v">{num(r["estimate"])}</td><td class="v">{interval}</td>'
+            f'<td class="v">{num(r["true_return"])}</td><td>{verdict.get(r["promoted"], "?")}</td>'
+            f"<td>{e(r['reason'])}</td></tr>"
+        )
+    out.append("</table>")
+    return "\n".join(out)
+
+
 def _plot_ope(ax: Any, ope: list[tuple[float, dict]], t0: float) -> None:
-    """The ope gate's estimates of each candidate (with their intervals) and, when the trainer
-    also had --env, the candidate's true discounted return beside them."""
+    """The off-policy estimates of each candidate (the ope gate's or --ope-report's, with their
+    intervals) and, when the trainer also had --env, the candidate's true discounted return
+    beside them."""
     est = [
         (t - t0, v, e.get("ci_low"), e.get("ci_high"))
         for t, p in ope
@@ -447,6 +531,8 @@ def render_html(data: ReportData) -> str:
         img = plots[sid]
         if img is not None:
             parts.append(f'<img id="plot-{sid}" alt="{e(title)}" src="data:image/png;base64,{img}">')
+        if sid == "eval" and (table := ope_table_html(data)) is not None:
+            parts.append(table)
         seen: set[str] = set()
         for key in [sid, *extra_notes.get(sid, [])]:
             for n in data.notes.get(key, []):

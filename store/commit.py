@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from rlrec.producer.events import load_schemas
-from rlrec.store.finished import FinishedEpisode
+from rlrec.store.finished import FinishedEpisode, steps_without_logp
 from rlrec.store.manifest import SNAPSHOT_EVERY, ConflictError, FencedError, PartitionLog, ShardEntry, default_writer_id
 from rlrec.store.retry import RetrySchedule
 from rlrec.store.shards import EncodedShard, encode_shard
@@ -364,6 +364,7 @@ class ShardCommitter:
             commit_time=time.time(),
             min_policy_version=versions[0],
             max_policy_version=versions[-1],
+            steps_without_logp=steps_without_logp(eps),
         )
 
     def _learn_committed(self, entries: Iterable[object], eps: list[FinishedEpisode]) -> set[str]:

@@ -10,14 +10,17 @@ step axis. Nothing here imports Ray.
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
 import gymnasium as gym
 import numpy as np
 
-__all__ = ["EMPTY_INFO", "FinishedEpisode"]
+__all__ = ["ACTION_LOGP", "EMPTY_INFO", "FinishedEpisode", "steps_without_logp"]
+
+#: the extra model output holding the behaviour's log-propensity of each action
+ACTION_LOGP = "action_logp"
 
 #: the info of a step that has none: one immutable object shared by every such step, so a
 #: buffered episode holds no per-step Python object for it (millions of empty dicts made the
@@ -90,3 +93,24 @@ class FinishedEpisode:
                     if isinstance(v, np.ndarray):
                         n += v.nbytes
         return n
+
+
+def steps_without_logp(episodes: Iterable[FinishedEpisode]) -> dict[str, int]:
+    """Per policy version (a string, in order of first appearance), the steps of `episodes`
+    that carry no behaviour propensity (no `ACTION_LOGP` extra model output; an episode has it
+    at every step or at none). Every version of `episodes` is a key, 0 where none is missing.
+
+    Args:
+        episodes: finished episodes.
+
+    Example:
+        >>> from types import SimpleNamespace as E
+        >>> steps_without_logp([E(policy_version=3, length=5, extra_model_outputs={}),
+        ...                     E(policy_version=4, length=2, extra_model_outputs={"action_logp": None})])
+        {'3': 5, '4': 0}
+    """
+    out: dict[str, int] = {}
+    for fe in episodes:
+        key = str(fe.policy_version)
+        out[key] = out.get(key, 0) + (0 if ACTION_LOGP in fe.extra_model_outputs else fe.length)
+    return out

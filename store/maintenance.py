@@ -34,7 +34,7 @@ from rlrec.store.manifest import (
 )
 from rlrec.store.storage import FileInfo, Storage
 
-__all__ = ["STAGING_DIR", "DecodeCheck", "episode_summary", "gc", "inspect", "verify"]
+__all__ = ["STAGING_DIR", "DecodeCheck", "episode_summary", "gc", "inspect", "propensity_counts", "verify"]
 
 log = logging.getLogger("rlrec.maintenance")
 
@@ -156,7 +156,46 @@ def inspect(storage: Storage) -> dict[str, Any]:
         }
         for e in entries
     ]
-    return {"shards": shards, "totals": manifest_totals(entries)}
+    return {"shards": shards, "totals": manifest_totals(entries), "steps_without_logp": propensity_counts(entries)}
+
+
+def propensity_counts(entries: Iterable[ShardEntry]) -> dict[str, Any]:
+    """Steps without a behaviour propensity (``action_logp``) per policy and policy version,
+    from the shard entries' ``steps_without_logp`` counts; shards whose entry has none (written
+    before the count existed) are summed under ``unknown``.
+
+    Args:
+        entries: committed shard entries.
+
+    Returns:
+        ``{"by_policy": {policy_id: {policy_version: steps}}, "unknown": {"shards": n, "steps": n}}``
+        (versions in numeric order where they are numbers).
+
+    Example:
+        >>> from types import SimpleNamespace as E
+        >>> propensity_counts([E(policy_id="p", steps=9, steps_without_logp={"2": 4}),
+        ...                    E(policy_id="p", steps=5, steps_without_logp=None)])
+        {'by_policy': {'p': {'2': 4}}, 'unknown': {'shards': 1, 'steps': 5}}
+    """
+    by: dict[str, dict[str, int]] = {}
+    unknown = {"shards": 0, "steps": 0}
+    for e in entries:
+        counts = e.steps_without_logp
+        if counts is None:
+            unknown["shards"] += 1
+            unknown["steps"] += e.steps
+            continue
+        per = by.setdefault(e.policy_id, {})
+        for v, n in counts.items():
+            per[v] = per.get(v, 0) + n
+
+    def order(v: str) -> tuple:
+        return (0, int(v), "") if v.lstrip("-").isdigit() else (1, 0, v)
+
+    return {
+        "by_policy": {pid: {v: per[v] for v in sorted(per, key=order)} for pid, per in sorted(by.items())},
+        "unknown": unknown,
+    }
 
 
 def verify(storage: Storage, decode_check: DecodeCheck | None = None) -> list[str]:

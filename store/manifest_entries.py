@@ -112,7 +112,10 @@ class ShardEntry:
     the shard's episodes.  ``episode_ids`` (a list is accepted, a tuple is kept)
     must have ``episodes`` unique ids.  ``event_schema_versions`` is a list of
     versions or a mapping ``{event type: version}``.  ``commit_time`` defaults
-    to the time the entry object was made (Unix seconds).
+    to the time the entry object was made (Unix seconds).  ``steps_without_logp``
+    (optional) maps each policy version of the shard (as a string) to the steps of its
+    episodes that carry no ``action_logp`` extra model output (no behaviour
+    propensity); None (the field absent): unknown, as in entries written before it.
     """
 
     path: str
@@ -133,6 +136,7 @@ class ShardEntry:
     commit_time: float = field(default_factory=time.time)
     min_policy_version: int | str | None = None
     max_policy_version: int | str | None = None
+    steps_without_logp: dict[str, int] | None = None
     writer: str | None = None
     epoch: int = -1
     seq: int | None = None
@@ -163,9 +167,11 @@ class ShardEntry:
             "max_policy_version",
         }
     )
-    _OPTIONAL = frozenset({"writer"})
+    _OPTIONAL = frozenset({"writer", "steps_without_logp"})
 
     def __post_init__(self) -> None:
+        if self.steps_without_logp is not None:
+            object.__setattr__(self, "steps_without_logp", {str(k): v for k, v in self.steps_without_logp.items()})
         # Accept lists (e.g. from callers); store tuples so the entry stays immutable.
         if not isinstance(self.episode_ids, tuple):
             object.__setattr__(self, "episode_ids", tuple(self.episode_ids))
@@ -183,6 +189,10 @@ class ShardEntry:
         d["event_schema_versions"] = dict(v) if isinstance(v, Mapping) else list(v)
         if d["writer"] is None:
             del d["writer"]
+        if d["steps_without_logp"] is None:
+            del d["steps_without_logp"]
+        else:
+            d["steps_without_logp"] = dict(self.steps_without_logp)
         return d
 
     def to_json(self) -> str:
@@ -357,6 +367,10 @@ def _validate_shard(d: Mapping[str, Any]) -> None:
         _check_type(d, k, (int, str), nullable=True)
     if "writer" in d:
         _check_type(d, "writer", (str,), nullable=True)
+    if "steps_without_logp" in d:
+        counts = _check_type(d, "steps_without_logp", (dict,), nullable=True) or {}
+        if not all(isinstance(k, str) and type(v) is int and v >= 0 for k, v in counts.items()):
+            raise ManifestError("field 'steps_without_logp' must map policy versions (strings) to step counts >= 0")
 
 
 def _validate_snapshot(

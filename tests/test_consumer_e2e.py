@@ -122,6 +122,7 @@ def test_restart_replays_without_duplicates(broker, topic, tmp_path, recorder_co
     output = str(tmp_path / "out")
     ra, rb = _recorders(broker.bootstrap_servers, topic)
     rb.close()  # one policy is enough here
+    version = ra.policy_version
     # open (unfinished) episodes hold the committed offset back: they must be replayed
     open_ids = [ra.begin_episode(OBS_SPACE.sample()) for _ in range(3)]
     for eid in open_ids:
@@ -148,6 +149,13 @@ def test_restart_replays_without_duplicates(broker, topic, tmp_path, recorder_co
     got = read_all(storage)
     assert set(got) == set(truth) | set(open_ids)
     assert c2.metrics.episodes_committed._value.get() == 3  # only the 3 replayed ones were new
+    # the open episodes were logged without action_logp (2 steps each): counted per policy version,
+    # by the consumer that committed them and in their shard entries
+    labels = {"policy_id": "pol-a", "policy_version": str(version)}
+    assert c.metrics.registry.get_sample_value("rlrec_steps_without_propensity_total", labels) is None
+    assert c2.metrics.registry.get_sample_value("rlrec_steps_without_propensity_total", labels) == 6
+    counts = [e.steps_without_logp for e in read_manifest(storage)]
+    assert sum(n for d in counts for n in d.values()) == 6 and all(set(d) == {str(version)} for d in counts)
 
 
 def test_claim_replays_from_the_group_committed_offset(broker, topic, tmp_path, recorder_config):

@@ -119,6 +119,10 @@ def test_demo_closes_the_loop(tmp_path):
     assert promoted and promoted[0]["deployed_return"] == pytest.approx(desc["baseline_return"], abs=1e-3)
     rets = [d["candidate_return"] for d in promoted]
     assert rets == sorted(rets) and rets[0] >= desc["baseline_return"]
+    # the off-policy estimates that finished in time sit beside the true discounted return (--env)
+    for r in [r["ope_report"] for r in tmetrics if "ope_report" in r]:
+        assert r["estimator"] == "wdr" and r.get("true_return") is not None, r
+        assert r["candidate_return"] is not None or r["reason"], r
     latest = json.load(open(tmp_path / "trainer" / "policies" / "latest.json"))
     assert latest["policy_version"] == len(promoted) >= 1
     # used: episodes recorded by a policy process acting with a published version are committed

@@ -186,3 +186,43 @@ def test_a_greedy_behaviour_is_flagged():
     for name in ("wdr", "wis", "wpdis"):
         assert not ev.estimates[name].estimable and "greedy behaviour" in ev.estimates[name].reason
     assert ev.estimates["fqe"].estimable and ev.diagnostics["behavior_greedy_share"] == 1.0
+
+
+def test_a_deterministic_behaviour_is_not_estimable_by_importance_weights():
+    # propensity 1 at every step (action_logp 0.0, what Policy.act(explore=False) logs), with the
+    # distribution inputs recorded beside it: they do not make the behaviour stochastic
+    rng = np.random.default_rng(4)
+    eps = []
+    for i in range(40):
+        p = np.full((3, 2), 0.5)
+        a = rng.integers(0, 2, 3)
+        eps.append(Episode(np.zeros((4, 1)), a, np.ones(3), np.zeros(3), id=str(i), behavior_probs=p))
+    data = LoggedData(eps)
+    assert data.deterministic_share == 1.0
+    np.testing.assert_array_equal(data.behavior_probs[np.arange(data.steps), data.actions], 1.0)
+    same = TargetArrays(np.zeros(data.steps), q=np.zeros(data.steps), v=np.zeros(data.steps))
+    ev = evaluate(data, same, gamma=0.9, thresholds=Thresholds(max_support=1.0))
+    for name in ("wdr", "wis", "wpdis"):
+        e = ev.estimates[name]
+        assert not e.estimable and e.value is None and "deterministic behaviour" in e.reason, name
+    assert ev.diagnostics["behavior_deterministic_share"] == 1.0
+    # a stochastic candidate on the same data: the exact support diagnostic sees the missing actions
+    half = np.full((data.steps, 2), 0.5)
+    ev = evaluate(
+        data,
+        TargetArrays(np.log(np.full(data.steps, 0.5)), probs=half, next_probs=half),
+        gamma=0.9,
+        estimators=("wis",),
+    )
+    assert ev.diagnostics["support"] == pytest.approx(0.5) and "support" in ev.estimates["wis"].reason
+    # Box actions (no action probabilities): the propensities alone decide
+    box = [Episode(np.zeros((3, 1)), rng.normal(size=(2, 1)), np.ones(2), np.zeros(2), id=str(i)) for i in range(40)]
+    ev = evaluate(
+        LoggedData(box),
+        TargetArrays(np.log(np.full(80, 0.3))),
+        gamma=0.9,
+        estimators=("wis", "wpdis"),
+        thresholds=Thresholds(max_support=1.0),
+    )
+    for e in ev.estimates.values():
+        assert not e.estimable and "deterministic behaviour" in e.reason

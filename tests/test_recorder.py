@@ -842,6 +842,47 @@ def test_validation_errors(recorders):
         recorders(NOWHERE, policy_id="")
 
 
+@pytest.mark.parametrize(
+    "bad",
+    [
+        0.5,
+        float("nan"),
+        float("inf"),
+        -float("inf"),
+        np.float32(0.01),
+        np.float64("nan"),
+        np.array([-0.1, -0.2]),
+        np.array([[0.2]]),
+        np.array(0.3),
+        "x",
+        None,
+        np.array([True]),
+        [-0.1, -0.2],
+    ],
+)
+def test_action_logp_that_is_no_log_propensity_is_refused_before_buffering(recorders, bad):
+    rec = recorders(NOWHERE, max_batch_delay_s=60.0)
+    z = np.zeros(3, np.float32)
+    eid = rec.begin_episode(z)
+    before = rec.stats
+    with pytest.raises(ValueError, match=r"action_logp.*log-propensity"):
+        rec.log_step(eid, 0, 1.0, z, extra_model_outputs={"action_logp": bad})
+    assert rec.stats == before
+    rec.log_step(eid, 0, 1.0, z, extra_model_outputs={"action_logp": -0.5})  # the episode goes on
+    assert rec.stats.buffered == before.buffered + 1
+
+
+@pytest.mark.parametrize(
+    "good", [0.0, -0.7, 5e-7, -1e9, np.float32(-0.1), np.float64(0.0), np.array(-0.2), np.array([-0.3], np.float32), -2]
+)
+def test_action_logp_accepts_log_propensities(recorders, good):
+    rec = recorders(NOWHERE, max_batch_delay_s=60.0)
+    z = np.zeros(3, np.float32)
+    eid = rec.begin_episode(z)
+    rec.log_step(eid, 0, 1.0, z, extra_model_outputs={"action_logp": good, "action_dist_inputs": np.zeros(2)})
+    assert rec.stats.buffered == 2
+
+
 @pytest.mark.parametrize("policy_id", ["../x", "/x", ".", "a//b", "x\0y", "p" * 201, "_manifest", ".h"])
 def test_policy_ids_the_consumer_would_dead_letter_are_refused_at_once(recorders, policy_id):
     with pytest.raises(ValueError, match="policy_id"):

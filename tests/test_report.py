@@ -199,3 +199,87 @@ def test_dead_letters_from_the_dlq_topic(tmp_path, broker, topic):
     assert data.dead_letters == {"bad-schema": 3, "oversized": 1, "unknown": 1}
     html = out.read_text()
     assert "dead-letters" in _images(html) and _summary(html)["dead letters"] == "5"
+
+
+def _ope_lines(t: float) -> list[dict]:
+    est = {"value": 41.0, "ci_low": 37.5, "ci_high": 44.0, "estimable": True, "reason": ""}
+    none = {"value": None, "ci_low": None, "ci_high": None, "estimable": False, "reason": "support: 0.4"}
+    return [
+        {
+            "iteration": 4,
+            "time": t,
+            "policy_version": 3,
+            "ope_report": {"candidate_version": 4, "estimator": "wdr", "candidate_estimate": est, "true_return": 43.25},
+        },
+        {
+            "iteration": 5,
+            "time": t + 1,
+            "policy_version": 3,
+            "ope_report": {
+                "candidate_version": 5,
+                "estimator": "wdr",
+                "candidate_estimate": none,
+                "reason": "support: 0.4",
+                "true_return": 12.0,
+            },
+        },
+        {
+            "iteration": 6,
+            "time": t + 2,
+            "policy_version": 3,
+            "promotion": {
+                "gate": "ope",
+                "candidate_version": 6,
+                "estimator": "wdr",
+                "candidate_estimate": est,
+                "promoted": False,
+            },
+        },
+    ]
+
+
+def test_report_shows_ope_estimates_beside_the_true_discounted_return(tmp_path):
+    from rlrec.report import ope_rows
+
+    d, entries = _demo_dir(tmp_path)
+    with open(d / "trainer" / "metrics.jsonl", "a") as f:
+        f.writelines(json.dumps(x) + "\n" for x in _ope_lines(entries[-1].commit_time + 5))
+    rows = ope_rows(collect(d))
+    assert [(r["version"], r["estimate"], r["true_return"], r["promoted"]) for r in rows] == [
+        (4, 41.0, 43.25, None),
+        (5, None, 12.0, None),
+        (6, 41.0, None, False),
+    ]
+    assert rows[1]["reason"] == "support: 0.4"
+    assert main(["report", str(d)]) == 0
+    html = (d / "report.html").read_text()
+    assert "eval" in _images(html)
+    table = html[html.index('<table id="ope-table">') :]
+    table = table[: table.index("</table>")]
+    assert table.count("<tr>") == 4  # a header and one row per evaluation
+    assert "<td>v4</td>" in table and "[37.50, 44.00]" in table and "43.25" in table and "(report only)" in table
+    assert "rejected" in table and "support: 0.4" in table
+
+
+def test_dashboard_shows_the_newest_ope_estimate_beside_the_truth(tmp_path):
+    from rlrec.demo.dashboard import Collector, compact_line
+
+    path = tmp_path / "metrics.jsonl"
+    lines = _ope_lines(time.time())
+    path.write_text(json.dumps({"iteration": 3, "time": time.time(), "policy_version": 3}) + "\n")
+    c = Collector([], None, str(path))
+    s = c.snapshot()
+    assert s.ope is None and " ope " not in compact_line(s)
+    with open(path, "a") as f:
+        f.write(json.dumps(lines[0]) + "\n")
+    s = c.snapshot()
+    assert s.ope["version"] == 4 and s.ope["value"] == 41.0 and s.ope["true_return"] == 43.25
+    assert compact_line(s).endswith("ope v4 wdr 41.0 [37.5, 44.0]  true 43.2")
+    assert s.to_record()["ope"]["version"] == 4  # in demo-data/metrics.jsonl too
+    with open(path, "a") as f:
+        f.writelines(json.dumps(x) + "\n" for x in lines[1:])
+    s = c.snapshot()
+    assert s.ope["version"] == 6 and s.ope["true_return"] is None  # the newest: the gate's decision
+    with open(path, "a") as f:
+        f.write(json.dumps(lines[1]) + "\n")
+    assert "v5 wdr not estimable (support: 0.4)  true 12.0" in compact_line(c.snapshot())

@@ -218,6 +218,18 @@ class TrainerConfig:
     promotion_explore: bool = option(
         False, help="with --promotion-gate ope: evaluate the exploring policy (default: its greedy actions)"
     )
+    ope_report: bool = option(
+        False,
+        help="estimate each checkpoint's candidate off-policy (--promotion-estimator, on the held-out "
+        "episodes, in the background) and log it in metrics.jsonl as ope_report, beside its true "
+        "discounted return when --env is given; decides nothing (the ope gate's decisions carry "
+        "their estimates already)",
+    )
+    evaluation_wait_s: float = option(
+        60.0,
+        help="at a stop, wait this long for a running off-policy evaluation (--promotion-gate ope, "
+        "--ope-report) and apply it; after that it is dropped and its candidate is not published",
+    )
     ope: OPESettings = field(default_factory=OPESettings)
     signing_key: str | None = option(
         None,
@@ -241,6 +253,12 @@ class TrainerConfig:
             )
         if self.promotion_gate == "ope" and not self.ope.holdout_fraction:
             raise ValueError("--promotion-gate ope needs held-out episodes: --holdout-fraction > 0")
+        if self.ope_report and not self.ope.holdout_fraction:
+            raise ValueError("--ope-report needs held-out episodes: --holdout-fraction > 0")
+        if self.ope_report and not self.publish:
+            raise ValueError("--ope-report estimates the candidates of published checkpoints: not with --no-publish")
+        if self.evaluation_wait_s < 0:
+            raise ValueError("--evaluation-wait-s must be >= 0")
         if self.num_learners < 0:
             raise ValueError("--num-learners must be >= 0")
         if self.num_gpus_per_learner < 0:

@@ -37,8 +37,10 @@ length). An estimate whose diagnostics fail is returned with ``estimable=False``
 and no value.
 
 Assumptions: the recorded ``action_logp`` is the log-probability with which the behaviour
-*sampled* the action it took (a greedy behaviour's propensity is 1; RLlib's and
-`rlrec.trainer.policy.Policy.act(explore=False)`'s ``action_logp`` is then not a propensity),
+*sampled* the action it took (a greedy behaviour's propensity is 1, ``action_logp`` 0, which
+`rlrec.trainer.policy.Policy.act(explore=False)` logs; a step with propensity 1 overrides the
+recorded ``action_dist_inputs``; data where every step has propensity 1, or where the
+behaviour took its most likely action at every step, is refused by wis, wpdis and wdr),
 states are Markov, and every action the candidate takes has a positive behaviour probability.
 """
 
@@ -68,6 +70,8 @@ __all__ = [
 
 #: the estimators `evaluate` knows; the first is the default
 ESTIMATORS = ("wdr", "fqe", "wpdis", "wis")
+#: a behaviour log-propensity at least ``-CERTAIN_LOGP`` is a propensity of 1 (a deterministic choice)
+CERTAIN_LOGP = 1e-6
 #: the bootstrap resamples at most this many units (episodes, or random blocks of them)
 MAX_BOOTSTRAP_UNITS = 2000
 _IS_FAMILY = ("wis", "wpdis")
@@ -143,6 +147,12 @@ class LoggedData:
         if all(e.behavior_probs is not None for e in episodes):
             self.behavior_probs = np.concatenate([np.asarray(e.behavior_probs, dtype=np.float64) for e in episodes])
         ok = np.isfinite(self.behavior_logp)
+        # propensity 1: a deterministic choice, whatever distribution inputs were recorded with it
+        certain = ok & (np.nan_to_num(self.behavior_logp, nan=-np.inf) >= -CERTAIN_LOGP)
+        if self.behavior_probs is not None and certain.any() and self.actions.ndim == 1:
+            rows = np.flatnonzero(certain)
+            self.behavior_probs[rows] = 0.0
+            self.behavior_probs[rows, self.actions[rows].astype(np.int64)] = 1.0
         #: episodes whose every step has a propensity (the ones the estimates use)
         self.covered = np.array([ok[s : s + n].all() for s, n in zip(self.starts, self.lengths)])
         self.coverage = float(ok.mean())
@@ -151,6 +161,9 @@ class LoggedData:
         #: greedy behaviour, whose recorded action_logp is no propensity
         self.greedy_share: float | None = None
         step_cov = self.covered[self.episode]
+        #: share of covered steps the behaviour took with propensity 1 (None: no covered step);
+        #: 1.0 means a deterministic behaviour, whose data no importance weight can correct
+        self.deterministic_share: float | None = float(certain[step_cov].mean()) if step_cov.any() else None
         if self.behavior_probs is not None and step_cov.any() and self.actions.ndim == 1:
             top = np.argmax(self.behavior_probs[step_cov], axis=1)
             self.greedy_share = float(np.mean(top == self.actions[step_cov].astype(np.int64)))
@@ -308,6 +321,17 @@ def fit_fqe(
         torch.set_num_threads(threads)
 
 
+def _linear(d_in: int, d_out: int, gen: Any) -> Any:
+    """``torch.nn.Linear(d_in, d_out)`` with its default initialization drawn from `gen`."""
+    import torch
+
+    layer = torch.nn.Linear(d_in, d_out, device="meta").to_empty(device="cpu")
+    torch.nn.init.kaiming_uniform_(layer.weight, a=math.sqrt(5), generator=gen)
+    bound = 1.0 / math.sqrt(d_in) if d_in > 0 else 0.0
+    torch.nn.init.uniform_(layer.bias, -bound, bound, generator=gen)
+    return layer
+
+
 def _fit_fqe(
     data: LoggedData, tgt: TargetArrays, gamma: float, cfg: FQEConfig, steps: int, discrete: bool
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -325,72 +349,72 @@ def _fit_fqe(
     horizon = 1.0 / (1.0 - gamma) if gamma < 1.0 else float(data.lengths.max())
     v_lo = min(0.0, float(data.rewards.min())) * horizon / q_scale
     v_hi = max(0.0, float(data.rewards.max())) * horizon / q_scale
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(cfg.seed)
-        x = torch.as_tensor((data.obs - obs_mean) / obs_std, dtype=torch.float32)
-        xn = torch.as_tensor((data.next_obs - obs_mean) / obs_std, dtype=torch.float32)
-        r = torch.as_tensor(data.rewards / q_scale, dtype=torch.float32)
-        notdone = torch.as_tensor(~data.terminals, dtype=torch.float32)
-        n_in = x.shape[1]
-        if discrete:
-            n_out = tgt.probs.shape[1]
-            a = torch.as_tensor(data.actions.astype(np.int64).reshape(-1))
-            pn = torch.as_tensor(tgt.next_probs, dtype=torch.float32)
-            p0 = torch.as_tensor(tgt.probs, dtype=torch.float32)
-        else:
-            a = torch.as_tensor(data.actions.reshape(len(data.rewards), -1), dtype=torch.float32)
-            a_mean, a_std = a.mean(0), a.std(0) + 1e-6
-            a = (a - a_mean) / a_std
-            an = (
-                torch.as_tensor(tgt.next_actions, dtype=torch.float32).reshape(len(a), -1, a.shape[1]) - a_mean
-            ) / a_std
-            a0 = (torch.as_tensor(tgt.actions, dtype=torch.float32).reshape(len(a), -1, a.shape[1]) - a_mean) / a_std
-            n_in += a.shape[1]
-            n_out = 1
-        layers: list[Any] = []
-        d = n_in
-        for h in cfg.hidden:
-            layers += [torch.nn.Linear(d, h), torch.nn.ReLU()]
-            d = h
-        layers.append(torch.nn.Linear(d, n_out))
-        net = torch.nn.Sequential(*layers)
-        tnet = copy.deepcopy(net)
-        opt = torch.optim.Adam(net.parameters(), lr=cfg.lr)
-        N = len(r)
-        gen = torch.Generator().manual_seed(cfg.seed)
+    # torch's global RNG is left alone (the fit may run beside training, in another thread):
+    # the layers are drawn from a generator of their own, as nn.Linear would draw them after
+    # torch.manual_seed(cfg.seed)
+    init_gen = torch.Generator().manual_seed(cfg.seed)
+    x = torch.as_tensor((data.obs - obs_mean) / obs_std, dtype=torch.float32)
+    xn = torch.as_tensor((data.next_obs - obs_mean) / obs_std, dtype=torch.float32)
+    r = torch.as_tensor(data.rewards / q_scale, dtype=torch.float32)
+    notdone = torch.as_tensor(~data.terminals, dtype=torch.float32)
+    n_in = x.shape[1]
+    if discrete:
+        n_out = tgt.probs.shape[1]
+        a = torch.as_tensor(data.actions.astype(np.int64).reshape(-1))
+        pn = torch.as_tensor(tgt.next_probs, dtype=torch.float32)
+        p0 = torch.as_tensor(tgt.probs, dtype=torch.float32)
+    else:
+        a = torch.as_tensor(data.actions.reshape(len(data.rewards), -1), dtype=torch.float32)
+        a_mean, a_std = a.mean(0), a.std(0) + 1e-6
+        a = (a - a_mean) / a_std
+        an = (torch.as_tensor(tgt.next_actions, dtype=torch.float32).reshape(len(a), -1, a.shape[1]) - a_mean) / a_std
+        a0 = (torch.as_tensor(tgt.actions, dtype=torch.float32).reshape(len(a), -1, a.shape[1]) - a_mean) / a_std
+        n_in += a.shape[1]
+        n_out = 1
+    layers: list[Any] = []
+    d = n_in
+    for h in cfg.hidden:
+        layers += [_linear(d, h, init_gen), torch.nn.ReLU()]
+        d = h
+    layers.append(_linear(d, n_out, init_gen))
+    net = torch.nn.Sequential(*layers)
+    tnet = copy.deepcopy(net)
+    opt = torch.optim.Adam(net.parameters(), lr=cfg.lr)
+    N = len(r)
+    gen = torch.Generator().manual_seed(cfg.seed)
 
-        def q_box(model: Any, obs: Any, acts: Any) -> Any:  # acts (B, K, k) -> (B, K)
-            B, K = acts.shape[0], acts.shape[1]
-            inp = torch.cat([obs[:, None, :].expand(B, K, obs.shape[1]), acts], dim=-1)
-            return model(inp).squeeze(-1)
+    def q_box(model: Any, obs: Any, acts: Any) -> Any:  # acts (B, K, k) -> (B, K)
+        B, K = acts.shape[0], acts.shape[1]
+        inp = torch.cat([obs[:, None, :].expand(B, K, obs.shape[1]), acts], dim=-1)
+        return model(inp).squeeze(-1)
 
-        for _ in range(steps):
-            idx = torch.randint(0, N, (min(cfg.batch_size, N),), generator=gen)
-            with torch.no_grad():
-                if discrete:
-                    v_next = (tnet(xn[idx]) * pn[idx]).sum(-1)
-                else:
-                    v_next = q_box(tnet, xn[idx], an[idx]).mean(-1)
-                y = torch.clamp(r[idx] + gamma * notdone[idx] * v_next, v_lo, v_hi)
-            if discrete:
-                q = net(x[idx]).gather(1, a[idx, None]).squeeze(1)
-            else:
-                q = net(torch.cat([x[idx], a[idx]], dim=-1)).squeeze(-1)
-            loss = torch.nn.functional.smooth_l1_loss(q, y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            with torch.no_grad():
-                for pt, p in zip(tnet.parameters(), net.parameters()):
-                    pt.mul_(1.0 - cfg.tau).add_(p, alpha=cfg.tau)
+    for _ in range(steps):
+        idx = torch.randint(0, N, (min(cfg.batch_size, N),), generator=gen)
         with torch.no_grad():
             if discrete:
-                qall = net(x)
-                q_sa = qall.gather(1, a[:, None]).squeeze(1)
-                v = (qall * p0).sum(-1)
+                v_next = (tnet(xn[idx]) * pn[idx]).sum(-1)
             else:
-                q_sa = net(torch.cat([x, a], dim=-1)).squeeze(-1)
-                v = q_box(net, x, a0).mean(-1)
+                v_next = q_box(tnet, xn[idx], an[idx]).mean(-1)
+            y = torch.clamp(r[idx] + gamma * notdone[idx] * v_next, v_lo, v_hi)
+        if discrete:
+            q = net(x[idx]).gather(1, a[idx, None]).squeeze(1)
+        else:
+            q = net(torch.cat([x[idx], a[idx]], dim=-1)).squeeze(-1)
+        loss = torch.nn.functional.smooth_l1_loss(q, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        with torch.no_grad():
+            for pt, p in zip(tnet.parameters(), net.parameters()):
+                pt.mul_(1.0 - cfg.tau).add_(p, alpha=cfg.tau)
+    with torch.no_grad():
+        if discrete:
+            qall = net(x)
+            q_sa = qall.gather(1, a[:, None]).squeeze(1)
+            v = (qall * p0).sum(-1)
+        else:
+            q_sa = net(torch.cat([x, a], dim=-1)).squeeze(-1)
+            v = q_box(net, x, a0).mean(-1)
     q_sa, v = torch.clamp(q_sa, v_lo, v_hi), torch.clamp(v, v_lo, v_hi)
     return q_sa.numpy().astype(np.float64) * q_scale, v.numpy().astype(np.float64) * q_scale
 
@@ -411,9 +435,10 @@ class Thresholds:
         max_weight: largest normalized episode weight (wis, wpdis).
         max_is_horizon: longest mean episode length for pure importance sampling (wis, wpdis):
             products of that many ratios are not trusted whatever the ESS says.
-        greedy_check_steps: with the behaviour's action probabilities recorded, at least this
-            many steps all taking the behaviour's most likely action mark a greedy behaviour:
-            wis, wpdis and wdr are then refused (its action_logp is no propensity).
+        greedy_check_steps: at least this many covered steps all with propensity 1 (action_logp
+            0) mark a deterministic behaviour; with the behaviour's action probabilities
+            recorded, that many steps all taking its most likely action mark a greedy one (its
+            action_logp is no propensity): wis, wpdis and wdr are then refused.
     """
 
     min_episodes: int = 10
@@ -616,10 +641,17 @@ class _Prepared:
             return "a deterministic candidate on a continuous action space has no density: importance weights are undefined (use fqe)"
         if d.coverage < th.min_coverage:
             return f"coverage: {d.coverage:.3f} of the steps have a behaviour propensity (< {th.min_coverage})"
+        if d.deterministic_share == 1.0 and int(d.lengths[d.covered].sum()) >= th.greedy_check_steps:
+            return (
+                "the behaviour's propensity is 1 at every step: a deterministic behaviour "
+                "(Policy.act(explore=False) logs action_logp 0.0) never shows what other actions do, and no "
+                "importance weight can correct for that; log with an exploring behaviour"
+            )
         if d.greedy_share == 1.0 and int(d.lengths[d.covered].sum()) >= th.greedy_check_steps:
             return (
                 "the behaviour took its most likely action at every step: a greedy behaviour's action_logp "
-                "(Policy.act(explore=False)) is not a propensity; log with explore=True"
+                "(e.g. RLlib's log-probability of its greedy action) is not a propensity; log with an "
+                "exploring behaviour"
             )
         if name == "wdr":
             return ""
@@ -657,6 +689,9 @@ def _diagnostics(data: LoggedData, p: _Prepared) -> dict[str, float | None]:
         "horizon": round(float(data.lengths.mean()), 3),
         "episodes_with_propensities": int(data.covered.sum()),
         "behavior_greedy_share": None if data.greedy_share is None else round(data.greedy_share, 6),
+        "behavior_deterministic_share": None
+        if data.deterministic_share is None
+        else round(data.deterministic_share, 6),
     }
 
 

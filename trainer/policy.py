@@ -348,11 +348,15 @@ class _LoadedVersion:
 
     def act(self, obs: Any, explore: bool, generator: Any) -> tuple[Any, dict]:
         inputs = self.forward(obs)
-        a = self.dist.sample(inputs, generator) if explore else self.dist.greedy(inputs)
-        logp = self.dist.logp(inputs, a)
+        if explore:
+            a = self.dist.sample(inputs, generator)
+            logp = np.float32(self.dist.logp(inputs, a)[0])
+        else:  # a deterministic choice: the action's propensity is 1
+            a = self.dist.greedy(inputs)
+            logp = np.float32(0.0)
         return self.dist.to_env(a[0].numpy()), {
             "action_dist_inputs": inputs[0].numpy().astype(np.float32),
-            "action_logp": np.float32(logp[0]),
+            "action_logp": logp,
         }
 
     # -- what off-policy evaluation needs (rlrec.trainer.ope.PolicyTarget)
@@ -967,7 +971,26 @@ class Policy:
 
     # -- acting
     def act(self, obs: Any, explore: bool | None = None) -> tuple[Any, dict]:
-        """One observation -> (action, extra_model_outputs: action_dist_inputs, action_logp)."""
+        """One observation -> (action, extra_model_outputs) to pass to `EpisodeRecorder.log_step`.
+
+        Args:
+            obs: one observation.
+            explore: sample from the policy's distribution (True) or take its most likely action
+                (False); default: the `explore` given at construction.
+
+        Returns:
+            The action in env units and ``{"action_dist_inputs": ..., "action_logp": ...}``:
+            the distribution's inputs, and the log-propensity of the action taken. Exploring,
+            that is the action's log-probability under the distribution it was sampled from;
+            with ``explore=False`` the choice is deterministic, its propensity is 1 and
+            ``action_logp`` is 0.0. Data logged that way cannot be used by importance-weighted
+            off-policy estimators (`rlrec.trainer.ope` reports them "not estimable"): log with
+            ``explore=True`` to evaluate other policies on it later.
+
+        Example:
+            >>> action, extra = policy.act(obs, explore=True)  # doctest: +SKIP
+            >>> rec.log_step(eid, action, reward, next_obs, extra_model_outputs=extra)  # doctest: +SKIP
+        """
         with self._lock:
             m = self._model
         return m.act(obs, self.explore if explore is None else explore, self._generator)

@@ -123,6 +123,7 @@ class ContinuousTrainer:
         self.last_promotion: dict | None = None
         self._held_out: Any = None  # HeldOutReader of the ope gate
         self._deployed_cache: Any = None
+        self._job: Any = None  # the running off-policy evaluation (rlrec.trainer.ope_jobs.CandidateJob)
         self.shards_skipped = 0  # shards refused (schema gate, checksum, unreadable), cumulative
         self.episodes_skipped = 0  # episodes the PreLearner could not use, cumulative
         self._skip_logged: set[str] = set()
@@ -295,13 +296,14 @@ class ContinuousTrainer:
     def checkpoint(self, final: bool = False) -> str:
         """Save the algorithm + trainer state; publish the policy; move `latest` (commit point).
 
-        With the promotion gate, the final (stop) checkpoint publishes nothing: every decision
-        is taken at a periodic checkpoint and recorded in that iteration's metrics line."""
+        With the promotion gate, the final (stop) checkpoint publishes nothing: every candidate
+        is exported at a periodic checkpoint; the env gate's decision is recorded in that
+        iteration's metrics line, the ope gate's in the line of the iteration it arrives at."""
         t0 = time.time()
         if self.cfg.publish:
             published = self.policy_version
             if not (final and self.cfg.gate):
-                self.publish()
+                self.publish(final=final)
             if self.policy_version == published:
                 self._refresh_pointer()
         state = {
@@ -323,12 +325,25 @@ class ContinuousTrainer:
         log.info("checkpoint %s (policy v%d) in %.2fs", name, self.policy_version, time.time() - t0)
         return name
 
-    def publish(self) -> None:
-        from rlrec.trainer.export import publish_policy
+    def publish(self, final: bool = False) -> None:
+        """Publish the current policy as the next version, or hand it to its gate.
+
+        ``--promotion-gate env`` evaluates it here and publishes it if it passes; ``ope``
+        starts its off-policy evaluation in the background (`rlrec.trainer.ope_jobs`) and
+        publishes it when the decision comes (`collect_evaluation`). With ``--ope-report`` (and
+        no ope gate) the candidate's off-policy estimate is started in the background too.
+
+        Args:
+            final: the stop's checkpoint (no ``--ope-report`` estimate is started).
+
+        Example:
+            >>> trainer.publish()  # doctest: +SKIP
+            >>> trainer.policy_version  # doctest: +SKIP
+            1
+        """
+        from rlrec.trainer.promotion import export_candidate
 
         version = self._next_version()
-        artifact = None
-        metadata = {"gamma": self._gamma()}
         if self.run_id is None:
             from rlrec.trainer.binding import new_run_id
 
@@ -338,11 +353,39 @@ class ContinuousTrainer:
                 self.run_id,
                 self.cfg.publish_channel,
             )
-        if self.cfg.gate:
-            artifact = self._promote(version)
-            if artifact is None:
+        if self.cfg.promotion_gate == "ope":
+            self._start_evaluation(version, gating=True)
+            return
+        artifact = None
+        report = self.cfg.ope_report and not final
+        if self.cfg.promotion_gate == "env" or report:
+            try:
+                artifact = export_candidate(self.algo, self.obs_space, self.act_space)
+            except Exception as e:
+                log.error("exporting candidate v%d failed (%s): not published", version, e)
+                return
+        if report:
+            self._start_evaluation(version, gating=False, artifact=artifact)
+        metadata = {"gamma": self._gamma()}
+        if self.cfg.promotion_gate == "env":
+            if not self._promote_env(version, artifact):
                 return
             metadata["promotion"] = self.last_promotion
+        self._publish(version, artifact, metadata, self._lineage())
+
+    def _lineage(self) -> dict:
+        """What a version published now records of its training."""
+        return {
+            "iteration": self.iteration,
+            "timesteps_trained": self.timesteps_trained,
+            "shards": sorted(self.trained),
+            "new_shards": sorted(self.since_publish),
+        }
+
+    def _publish(self, version: int, artifact: Any, metadata: dict, lineage: dict) -> bool:
+        """Publish `artifact` (None: export the Learner's weights now) as `version`; True if it was."""
+        from rlrec.trainer.export import publish_policy
+
         try:
             publish_policy(
                 self.publish_storage,
@@ -351,10 +394,10 @@ class ContinuousTrainer:
                 algo_name=self.cfg.algo,
                 observation_space=self.obs_space,
                 action_space=self.act_space,
-                iteration=self.iteration,
-                timesteps_trained=self.timesteps_trained,
-                shards=sorted(self.trained),
-                new_shards=sorted(self.since_publish),
+                iteration=lineage["iteration"],
+                timesteps_trained=lineage["timesteps_trained"],
+                shards=lineage["shards"],
+                new_shards=lineage["new_shards"],
                 parent_version=self.policy_version or None,
                 signing_key=self.signing_key,
                 artifact=artifact,
@@ -366,11 +409,12 @@ class ContinuousTrainer:
             log.error("publishing policy v%d failed: %s", version, e)
             if self.last_promotion is not None and self.last_promotion["candidate_version"] == version:
                 self.last_promotion["promoted"] = False  # not deployed after all
-            return
+            return False
         self.policy_version = version
-        self.since_publish = set()
+        self.since_publish -= set(lineage["new_shards"])
         if self.last_promotion is not None and self.last_promotion["candidate_version"] == version:
             self.deployed_return = self.last_promotion["candidate_return"]
+        return True
 
     def _next_version(self) -> int:
         """One above this run's last version and above every version (signed by this trainer's
@@ -421,14 +465,14 @@ class ContinuousTrainer:
             "observation_shape": list(self.obs_space.shape),
         }
 
-    def _deployed_policy(self) -> Any:
-        """The deployed (latest published) version, loaded as services load it (cached per version)."""
+    def _deployed_policy(self, version: int) -> Any:
+        """Published `version`, loaded as services load it (the last one loaded is cached)."""
         import warnings
 
         from rlrec.trainer.policy import UnsignedPolicyWarning, load_policy
 
         cached = self._deployed_cache
-        if cached is not None and cached.policy_version == self.policy_version:
+        if cached is not None and cached.policy_version == version:
             return cached
         public_key = None
         if self.signing_key is not None:
@@ -441,157 +485,164 @@ class ContinuousTrainer:
             warnings.simplefilter("ignore", UnsignedPolicyWarning)
             self._deployed_cache = load_policy(
                 self.publish_storage.uri(""),
-                version=self.policy_version,
+                version=version,
                 public_key=public_key,
                 allow_unsigned=public_key is None,
             )
         return self._deployed_cache
 
-    def _promote(self, version: int) -> Any:
-        """The promotion gate (``--promotion-gate env`` or ``ope``): the candidate artifact if it
-        passes (it is then published as evaluated), else None."""
-        if self.cfg.promotion_gate == "ope":
-            return self._promote_ope(version)
-        return self._promote_env(version)
+    # ------------------------------------------------------------------ off-policy evaluation
+    def _start_evaluation(self, version: int, *, gating: bool, artifact: Any = None) -> None:
+        """Export the candidate (unless given) and evaluate it off-policy in the background;
+        one evaluation at a time (a checkpoint meanwhile starts none)."""
+        from functools import partial
 
-    def _promote_ope(self, version: int) -> Any:
-        """Off-policy gate: the paired difference candidate - deployed (or - the logged behaviour
-        before the first publication) on the held-out episodes; promoted if its lower bound is at
-        least -margin and both estimates' diagnostics pass."""
-        from rlrec.trainer.ope import FQEConfig, LoggedData, PolicyTarget, compare
-        from rlrec.trainer.ope_data import HeldOutReader
-        from rlrec.trainer.policy import version_from_artifact
-        from rlrec.trainer.promotion import evaluate_exported, export_candidate
+        from rlrec.trainer import ope_jobs
+        from rlrec.trainer.promotion import export_candidate
 
-        cfg = self.cfg
-        t0 = time.time()
-        gamma = self._gamma() or 0.99
-        decision: dict[str, Any] = {
-            "gate": "ope",
-            "candidate_version": version,
-            "deployed_version": self.policy_version or None,
-            "estimator": cfg.promotion_estimator,
-            "margin": cfg.promotion_margin,
-            "gamma": gamma,
-            "explore": cfg.promotion_explore,
-            "candidate_return": None,
-            "deployed_return": None,
-            "promoted": False,
-        }
-        self.last_promotion = decision
+        running = self._job
+        if running is not None:
+            log.info(
+                "candidate v%d (iteration %d) is not evaluated off-policy: the evaluation of v%d "
+                "(iteration %d) is still running",
+                version,
+                self.iteration,
+                running.version,
+                running.iteration,
+            )
+            return
         try:
-            artifact = export_candidate(self.algo, self.obs_space, self.act_space)
-            spec = self._candidate_spec(artifact, version)
-            model = artifact.files[artifact.spec["model"]]
-            candidate = version_from_artifact(spec, model)
-            if self._held_out is None:
-                self._held_out = HeldOutReader(
-                    self.input,
-                    cfg.ope.holdout_fraction,
-                    policy_id=cfg.policy_id,
-                    observation_space=self.obs_space,
-                    action_space=self.act_space,
-                )
-            episodes = self._held_out.refresh()
-            decision["data"] = {"holdout_fraction": cfg.ope.holdout_fraction, **self._held_out.stats.to_dict()}
-            if not episodes:
-                decision["reason"] = "no held-out episodes yet"
-                log.info("promotion gate (ope): candidate v%d not promoted: no held-out episodes yet", version)
-                return None
-            data = LoggedData(episodes)
-            deployed = self._deployed_policy() if self.policy_version else None
-            cmp = compare(
-                data,
-                PolicyTarget(candidate, cfg.promotion_explore, seed=cfg.seed or 0),
-                None if deployed is None else PolicyTarget(deployed, cfg.promotion_explore, seed=cfg.seed or 0),
-                gamma=gamma,
-                estimator=cfg.promotion_estimator,
-                ci=cfg.ope.ope_ci,
-                n_boot=cfg.ope.ope_bootstrap,
-                seed=cfg.seed or 0,
-                thresholds=cfg.ope.thresholds(),
-                fqe=FQEConfig(steps=cfg.ope.fqe_steps, seed=cfg.seed or 0),
-            )
-            c_est = cmp.candidate.estimates[cmp.estimator]
-            d_est = cmp.deployed.estimates[cmp.estimator]
-            decision.update(
-                {
-                    "candidate_return": c_est.value,
-                    "deployed_return": d_est.value,
-                    "deployed_is_behavior": deployed is None,
-                    "difference": cmp.difference,
-                    "ci_low": cmp.ci_low,
-                    "ci_high": cmp.ci_high,
-                    "ci_level": cmp.ci,
-                    "estimable": cmp.estimable,
-                    "reason": cmp.reason,
-                    "candidate_estimate": c_est.to_dict(),
-                    "deployed_estimate": d_est.to_dict(),
-                    "diagnostics": {"candidate": cmp.candidate.diagnostics, "deployed": cmp.deployed.diagnostics},
-                }
-            )
-            decision["data"].update(
-                {
-                    "episodes": data.n_episodes,
-                    "steps": data.steps,
-                    "behavior_versions": cmp.candidate.behavior_versions,
-                    "behavior_mean_return": cmp.candidate.behavior_mean_return,
-                }
-            )
-            decision["promoted"] = bool(cmp.estimable and cmp.ci_low >= -cfg.promotion_margin)
-            if cmp.estimable and not decision["promoted"]:
-                decision["reason"] = (
-                    f"lower bound {cmp.ci_low:.4g} of the difference < -margin {-cfg.promotion_margin:g}"
-                )
-            if cfg.env:  # the simulator's truth beside the estimate (not used for the decision)
-                decision["true_return"] = evaluate_exported(
-                    model,
-                    spec,
-                    cfg.env,
-                    cfg.promotion_episodes,
-                    seed=cfg.seed or 0,
-                    gamma=gamma,
-                    explore=cfg.promotion_explore,
-                )
+            if artifact is None:
+                artifact = export_candidate(self.algo, self.obs_space, self.act_space)
         except Exception as e:
-            decision["reason"] = f"evaluation failed: {type(e).__name__}: {e}"
-            log.error("evaluating candidate v%d off-policy failed (%s): not promoted", version, e)
-            return None
-        finally:
-            decision["seconds"] = round(time.time() - t0, 3)
-        log.info(
-            "promotion gate (ope, %s): candidate v%d vs %s: difference %s [%s, %s]: %s%s",
-            cfg.promotion_estimator,
-            version,
-            f"v{self.policy_version}" if self.policy_version else "the logged behaviour",
-            decision.get("difference"),
-            decision.get("ci_low"),
-            decision.get("ci_high"),
-            "promoted" if decision["promoted"] else "kept the deployed version",
-            f" ({decision['reason']})" if decision.get("reason") else "",
+            log.error("exporting candidate v%d failed (%s): not evaluated", version, e)
+            return
+        job = ope_jobs.CandidateJob(
+            version=version,
+            artifact=artifact,
+            spec=self._candidate_spec(artifact, version),
+            gamma=self._gamma() or 0.99,
+            gating=gating,
+            deployed_version=self.policy_version or None,
+            **self._lineage(),
         )
-        return artifact if decision["promoted"] else None
+        if self._held_out is None:
+            from rlrec.trainer.ope_data import HeldOutReader
 
-    def _promote_env(self, version: int) -> Any:
-        """The simulator gate: evaluate the candidate artifact in --env; the artifact if it is not
-        worse than the deployed one, else None."""
-        from rlrec.producer.spaces import space_to_json
-        from rlrec.trainer.promotion import decide, evaluate_exported, export_candidate
+            self._held_out = HeldOutReader(
+                self.input,
+                self.cfg.ope.holdout_fraction,
+                policy_id=self.cfg.policy_id,
+                observation_space=self.obs_space,
+                action_space=self.act_space,
+            )
+        work = partial(
+            ope_jobs.evaluate_candidate, cfg=self.cfg, held_out=self._held_out, deployed=self._deployed_policy
+        )
+        self._job = ope_jobs.start(job, work)
+
+    def collect_evaluation(self, timeout: float | None = 0.0) -> dict | None:
+        """Apply the background evaluation if it finished (waiting up to `timeout` seconds; None:
+        until it does): the ope gate publishes a promoted candidate. Returns the decision (the
+        ope gate: also `last_promotion`) or report, None if none finished.
+
+        Args:
+            timeout: seconds to wait; 0: only look.
+
+        Example:
+            >>> trainer.publish(); trainer.collect_evaluation(None)["promoted"]  # doctest: +SKIP
+            True
+        """
+        import concurrent.futures
+
+        job = self._job
+        if job is None:
+            return None
+        try:
+            d = job.future.result(timeout=timeout)
+        except concurrent.futures.TimeoutError:
+            return None
+        except Exception as e:  # evaluate_candidate reports its failures; anything else lands here
+            d = {"candidate_version": job.version, "reason": f"evaluation failed: {type(e).__name__}: {e}"}
+            if job.gating:
+                d.update({"gate": "ope", "promoted": False})
+        self._job = None
+        if job.gating:
+            self.last_promotion = d
+            if d.get("promoted"):
+                lineage = {k: getattr(job, k) for k in ("iteration", "timesteps_trained", "shards", "new_shards")}
+                self._publish(job.version, job.artifact, {"gamma": job.gamma, "promotion": d}, lineage)
+            self._log_decision(job, d)
+        else:
+            log.info(
+                "off-policy estimate (%s) of candidate v%d (iteration %d): %s%s%s",
+                d.get("estimator"),
+                job.version,
+                job.iteration,
+                d.get("candidate_return"),
+                f", true discounted return {d['true_return']:.4g}" if d.get("true_return") is not None else "",
+                f" ({d['reason']})" if d.get("reason") else "",
+            )
+        return d
+
+    def _log_decision(self, job: Any, d: dict) -> None:
+        log.info(
+            "promotion gate (ope, %s): candidate v%d (iteration %d) vs %s: difference %s [%s, %s]: %s%s (%.2fs)",
+            d.get("estimator"),
+            job.version,
+            job.iteration,
+            f"v{job.deployed_version}" if job.deployed_version else "the logged behaviour",
+            d.get("difference"),
+            d.get("ci_low"),
+            d.get("ci_high"),
+            "promoted" if d.get("promoted") else "kept the deployed version",
+            f" ({d['reason']})" if d.get("reason") else "",
+            d.get("seconds") or 0.0,
+        )
+
+    def _finish_evaluation_at_stop(self) -> None:
+        """At a stop: wait up to --evaluation-wait-s for a running evaluation and apply it (a late
+        metrics line records it); else drop it, with a log line, its candidate unpublished."""
+        job = self._job
+        if job is None:
+            return
+        log.info(
+            "waiting up to %gs for the off-policy evaluation of candidate v%d", self.cfg.evaluation_wait_s, job.version
+        )
+        d = self.collect_evaluation(timeout=self.cfg.evaluation_wait_s)
+        if d is None:
+            self._job = None
+            log.warning(
+                "stopping: dropped the off-policy evaluation of candidate v%d (iteration %d) after %gs; "
+                "it is not published",
+                job.version,
+                job.iteration,
+                self.cfg.evaluation_wait_s,
+            )
+            return
+        if self.metrics is not None and self.last_record is not None:
+            late = {
+                k: self.last_record.get(k) for k in ("iteration", "timesteps_trained", "shards_total", "shards_new")
+            }
+            late.update(
+                {"policy_version": self.policy_version, "time": round(time.time(), 3), "shards_new": 0, "late": True}
+            )
+            late["promotion" if job.gating else "ope_report"] = d
+            self.metrics.write(late)
+
+    def _promote_env(self, version: int, artifact: Any) -> bool:
+        """The simulator gate: evaluate the candidate `artifact` in --env; True if it is not worse
+        than the deployed version (the decision is `last_promotion`)."""
+        from rlrec.trainer.promotion import decide, evaluate_exported
 
         t0 = time.time()
         try:
-            artifact = export_candidate(self.algo, self.obs_space, self.act_space)
-            spec = {
-                **artifact.spec,
-                "policy_version": version,
-                "action_space": space_to_json(self.act_space),
-                "observation_shape": list(self.obs_space.shape),
-            }
+            spec = self._candidate_spec(artifact, version)
             model = artifact.files[artifact.spec["model"]]
             ret = evaluate_exported(model, spec, self.cfg.env, self.cfg.promotion_episodes, seed=self.cfg.seed or 0)
         except Exception as e:
             log.error("evaluating candidate v%d failed (%s): not promoted", version, e)
-            return None
+            return False
         d = decide(version, ret, self.policy_version or None, self.deployed_return)
         self.last_promotion = d.to_dict()
         log.info(
@@ -603,7 +654,7 @@ class ContinuousTrainer:
             "promoted" if d.promoted else "kept the deployed version",
             time.time() - t0,
         )
-        return artifact if d.promoted else None
+        return d.promoted
 
     def _restore(self) -> bool:
         latest = self.checkpoints.latest()
@@ -626,6 +677,12 @@ class ContinuousTrainer:
                 state.get("channel"),
                 self.cfg.publish_channel,
             )
+        published = self._next_version() - 1  # the highest version present, bounded reads
+        if published > self.policy_version:  # published (by a late gate decision) after the checkpoint
+            log.info(
+                "policy v%d was published after checkpoint %s: the next version is v%d", published, path, published + 1
+            )
+            self.policy_version = published
         self.timesteps_trained = int(state["timesteps_trained"])
         self.trained = set(state["trained_shards"])
         self.since_publish = set(state.get("since_publish", ()))
@@ -789,12 +846,17 @@ class ContinuousTrainer:
                 self._skip_logged.add(f"episodes:{k}")
                 log.error("shard %s: skipping %d episode(s) the trainer cannot use (first: %s)", k, n, why)
         rec = self._record(result, st, dt)
+        job = self._job
+        done = self.collect_evaluation()  # before the checkpoint: it saves the version published
+        if done is not None:
+            rec["promotion" if job.gating else "ope_report"] = done
+            rec["policy_version"] = self.policy_version
         if self.iteration % self.cfg.checkpoint_interval == 0:
             self.last_promotion = None
             self.checkpoint()
             rec["policy_version"] = self.policy_version
             rec["checkpoint"] = True
-            if self.last_promotion is not None:  # the gate's decision (and its evaluation)
+            if self.last_promotion is not None:  # the env gate's decision (and its evaluation)
                 rec["promotion"] = self.last_promotion
                 if self.cfg.promotion_gate == "env":  # (an ope estimate is a discounted return: not mixed in)
                     rec.setdefault("eval_return_mean", self.last_promotion["candidate_return"])
@@ -822,6 +884,7 @@ class ContinuousTrainer:
                     continue
                 self.train_once()
             if self.algo is not None and self.iteration > 0:
+                self._finish_evaluation_at_stop()
                 latest = self.checkpoints.latest()
                 if latest is None or latest.get("iteration") != self.iteration:
                     self.checkpoint(final=True)

@@ -115,6 +115,29 @@ def _verified(tot: dict) -> str:
     )
 
 
+def _print_propensities(console, counts: dict) -> None:
+    """The table of steps without a behaviour propensity per policy version (off-policy
+    evaluation needs ``action_logp`` at every step), and the shards whose entry does not say."""
+    from rich import box
+    from rich.table import Table
+
+    rows = [(pid, v, n) for pid, per in counts["by_policy"].items() for v, n in per.items()]
+    if rows:
+        t = Table(title="steps without a propensity (action_logp)", box=box.SIMPLE_HEAD)
+        for col in ("policy", "version", "steps"):
+            t.add_column(col, justify="left" if col == "policy" else "right")
+        for pid, v, n in rows:
+            t.add_row(pid, v, f"[yellow]{n:,}[/yellow]" if n else "0")
+        console.print(t)
+    unknown = counts["unknown"]
+    if unknown["shards"]:
+        console.print(
+            f"steps without a propensity: unknown for {unknown['shards']:,} shard(s) ({unknown['steps']:,} steps) "
+            "committed before the count was kept",
+            highlight=False,
+        )
+
+
 @reports_storage_errors("inspect")
 def run(args: argparse.Namespace) -> int:
     import json
@@ -200,6 +223,8 @@ def run(args: argparse.Namespace) -> int:
         _human_bytes(tot["bytes"]),
     )
     console.print(totals)
+
+    _print_propensities(console, doc["steps_without_logp"])
 
     if summary:
         st = Table(title="episodes (from shard columns)", box=box.SIMPLE_HEAD)

@@ -2,7 +2,8 @@
 
 `Collector.snapshot()` gathers one `Snapshot` per refresh: steps published (the policy processes'
 status lines), episodes/shards committed and dead letters (the consumer's Prometheus endpoint),
-trainer iteration, timesteps, newest-shard age, evaluation return, promotions (the trainer's
+trainer iteration, timesteps, newest-shard age, evaluation return, the newest off-policy
+estimate of a candidate beside its true discounted return, promotions (the trainer's
 metrics.jsonl). `Dashboard` shows snapshots: a rich Live table on a terminal, else one compact
 line every few seconds. Each snapshot is also one line of demo-data/metrics.jsonl.
 """
@@ -40,6 +41,8 @@ class Snapshot:
     deployed_return: float | None = None  # evaluation return of the published version
     promotions: int = 0
     rejections: int = 0
+    #: the newest off-policy evaluation of a candidate (`latest_ope`), None before the first
+    ope: dict | None = None
     policies: list = field(default_factory=list)  # per process: index, policy_version, steps, return_mean
 
     def to_record(self) -> dict:
@@ -71,6 +74,61 @@ def scrape_consumer(port: int, timeout: float = 1.0) -> dict | None:
     return out
 
 
+def latest_ope(rec: dict) -> dict | None:
+    """The off-policy evaluation a trainer metrics line carries (an ope gate decision or an
+    ``--ope-report`` estimate), as the dashboard shows it; None if it carries none.
+
+    Args:
+        rec: one line of the trainer's metrics.jsonl.
+
+    Example:
+        >>> est = {"value": 41.0, "ci_low": 37.5, "ci_high": 44.0, "estimable": True, "reason": ""}
+        >>> latest_ope({"ope_report": {"candidate_version": 3, "estimator": "wdr", "candidate_estimate": est,
+        ...                            "true_return": 43.2}})
+        {'version': 3, 'estimator': 'wdr', 'value': 41.0, 'ci_low': 37.5, 'ci_high': 44.0, 'true_return': 43.2, 'reason': ''}
+    """
+    p = rec.get("promotion")
+    if not (isinstance(p, dict) and p.get("gate") == "ope"):
+        p = rec.get("ope_report")
+    if not isinstance(p, dict):
+        return None
+    est = p.get("candidate_estimate") if isinstance(p.get("candidate_estimate"), dict) else {}
+    return {
+        "version": p.get("candidate_version"),
+        "estimator": p.get("estimator"),
+        "value": est.get("value"),
+        "ci_low": est.get("ci_low"),
+        "ci_high": est.get("ci_high"),
+        "true_return": p.get("true_return"),
+        "reason": str(p.get("reason") or est.get("reason") or ""),
+    }
+
+
+def ope_text(ope: dict | None) -> str:
+    """`latest_ope` as one line: ``v3 wdr 41.0 [37.5, 44.0]  true 43.2`` (discounted returns).
+
+    Args:
+        ope: what `latest_ope` returned.
+
+    Example:
+        >>> ope_text({"version": 3, "estimator": "wdr", "value": 41.0, "ci_low": 37.5, "ci_high": 44.0,
+        ...           "true_return": 43.2, "reason": ""})
+        'v3 wdr 41.0 [37.5, 44.0]  true 43.2'
+        >>> ope_text({"version": 4, "estimator": "wis", "value": None, "true_return": 40.0, "reason": "support"})
+        'v4 wis not estimable (support)  true 40.0'
+    """
+    if not ope:
+        return "-"
+    if ope.get("value") is None:
+        est = f"not estimable ({ope.get('reason') or '?'})"
+    else:
+        est = f"{ope['value']:.1f}"
+        if ope.get("ci_low") is not None and ope.get("ci_high") is not None:
+            est += f" [{ope['ci_low']:.1f}, {ope['ci_high']:.1f}]"
+    true = f"  true {ope['true_return']:.1f}" if ope.get("true_return") is not None else ""
+    return f"v{ope.get('version')} {ope.get('estimator')} {est}{true}"
+
+
 class TrainerTail:
     """Follows the trainer's metrics.jsonl (complete lines only)."""
 
@@ -83,6 +141,7 @@ class TrainerTail:
         self.published_version: int | None = None
         self.deployed_return: float | None = None
         self.promotions = self.rejections = 0
+        self.ope: dict | None = None
 
     def poll(self) -> list[dict]:
         try:
@@ -109,6 +168,9 @@ class TrainerTail:
                 self.eval_return = float(rec["eval_return_mean"])
             if rec.get("policy_version"):
                 self.published_version = int(rec["policy_version"])
+            ope = latest_ope(rec)
+            if ope is not None:
+                self.ope = ope
             promo = rec.get("promotion")
             if promo:
                 if promo.get("promoted"):
@@ -164,6 +226,7 @@ class Collector:
             deployed_return=self.trainer.deployed_return,
             promotions=self.trainer.promotions,
             rejections=self.trainer.rejections,
+            ope=self.trainer.ope,
             policies=[
                 {
                     "index": s.get("index"),
@@ -203,6 +266,7 @@ def compact_line(s: Snapshot) -> str:
         f"iter {_f(s.trainer_iteration, '{}')}  trained {_f(s.timesteps_trained, '{}')}  "
         f"newest shard {_f(s.newest_shard_age_s, '{:.1f}s')}  eval {_f(s.eval_return_mean)}  "
         f"published {version_name(s.published_version)}  acting {s.policy_versions_in_use}"
+        + (f"  ope {ope_text(s.ope)}" if s.ope is not None else "")
     )
 
 
@@ -272,6 +336,8 @@ class Dashboard:
                 f"{s.promotions} promoted, {s.rejections} held back)",
             ),
         ]
+        if s.ope is not None:  # discounted returns: not comparable with the evaluation return above
+            rows.append(("  off-policy estimate (discounted)", ope_text(s.ope)))
         for label, value in rows:
             if isinstance(label, tuple):
                 label = Text.assemble((label[0], "bold"), label[1])

@@ -45,6 +45,8 @@ from rlrec.options import check_choices, option
 __all__ = ["DemoConfig", "run_demo"]
 
 TOPIC = "rlrec.transitions"
+#: FQE gradient steps of the demo trainer's --ope-report estimates
+DEMO_FQE_STEPS = 1000
 S3_BUCKET = "rlrec-demo"
 
 
@@ -82,6 +84,11 @@ class DemoConfig:
         name="gate",
         help="publish a version only if its evaluation is not worse than the deployed one "
         "(--no-gate: publish every checkpoint's policy)",
+    )
+    ope_report: bool = option(
+        True,
+        help="the trainer also estimates each candidate off-policy on held-out episodes (no gating): the "
+        "dashboard and the report show the estimate beside the candidate's true discounted return",
     )
     checkpoint_interval: int = option(3, help="trainer iterations between candidate policies")
     trainer_cpus: int = option(2, help="CPUs for the trainer's Ray")
@@ -290,6 +297,8 @@ class Demo:
                 targs += ["--promotion-baseline", f"{baseline:.3f}"]
         else:
             targs += ["--eval-interval", str(cfg.checkpoint_interval)]
+        if cfg.ope_report:  # fewer FQE steps than the default (shared CPUs), a short wait at the stop
+            targs += ["--ope-report", "--fqe-steps", str(DEMO_FQE_STEPS), "--evaluation-wait-s", "10"]
         self.trainer = Child(
             "trainer", _py() + targs + list(cfg.extra_trainer_args), os.path.join(logs, "trainer.log"), env
         ).start()

@@ -1,0 +1,246 @@
+"""Off-policy evaluation of a trainer's candidate, off the training thread.
+
+At a checkpoint the trainer exports the candidate (`CandidateJob`: the artifact and what its
+publication would record) and hands it to `start`, which runs `evaluate_candidate` in a daemon
+thread; training goes on. The trainer collects the finished result at a later iteration
+(``job.future.done()``) and applies it: publishes the candidate if the ``ope`` gate promoted it,
+or only logs it (``--ope-report``). One job at a time.
+
+What runs in the thread: reading the new held-out shards (`rlrec.trainer.ope_data.HeldOutReader`),
+loading the deployed version, the estimators (FQE's fit sets torch's intra-op threads to
+`FQEConfig.threads` process-wide while it runs; it leaves torch's global random generator
+alone) and, with ``--env``, the candidate's true discounted return in the simulator.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["CandidateJob", "evaluate_candidate", "start"]
+
+log = logging.getLogger("rlrec.trainer")
+
+
+@dataclass
+class CandidateJob:
+    """A candidate to evaluate off-policy, and what its publication records.
+
+    Args:
+        version: the version it is published as if promoted.
+        artifact: its exported `rlrec.trainer.export.PolicyArtifact`.
+        spec: its policy.json fields the loader needs (``format``, ``action_dist``, spaces, ...).
+        gamma: the discount of the estimates.
+        gating: True: the ``ope`` promotion gate decides on it; False: an estimate for the
+            record only (``--ope-report``).
+        deployed_version: the published version it is compared with (None: the logged behaviour).
+        iteration: the training iteration it was exported at.
+        timesteps_trained: timesteps trained at that iteration.
+        shards: every shard trained on by then.
+        new_shards: shards trained on since the deployed version was published.
+    """
+
+    version: int
+    artifact: Any
+    spec: dict
+    gamma: float
+    gating: bool
+    deployed_version: int | None
+    iteration: int
+    timesteps_trained: int = 0
+    shards: list[str] = field(default_factory=list)
+    new_shards: list[str] = field(default_factory=list)
+    future: Future | None = None
+    started: float = field(default_factory=time.time)
+
+
+def start(job: CandidateJob, work: Callable[[CandidateJob], dict]) -> CandidateJob:
+    """Run ``work(job)`` in a daemon thread; its result (or exception) lands in ``job.future``.
+
+    A daemon thread, not an executor: a stopping trainer that gives up waiting for it can exit
+    while it runs.
+
+    Args:
+        job: the candidate.
+        work: the evaluation, e.g. a `functools.partial` of `evaluate_candidate`.
+
+    Example:
+        >>> job = start(CandidateJob(1, None, {}, 0.9, False, None, 3), lambda j: {"v": j.version})
+        >>> job.future.result(timeout=5)
+        {'v': 1}
+    """
+    fut: Future = Future()
+    fut.set_running_or_notify_cancel()
+
+    def run() -> None:
+        try:
+            fut.set_result(work(job))
+        except BaseException as e:  # delivered to whoever collects the result
+            fut.set_exception(e)
+
+    job.future = fut
+    threading.Thread(target=run, name=f"rlrec-ope-v{job.version}", daemon=True).start()
+    return job
+
+
+def evaluate_candidate(
+    job: CandidateJob,
+    *,
+    cfg: Any,
+    held_out: Any,
+    deployed: Callable[[int], Any],
+) -> dict:
+    """Evaluate `job`'s candidate on the held-out episodes: the ``ope`` gate's decision
+    (``job.gating``: the paired difference candidate - deployed, promoted if its lower bound is
+    at least ``-cfg.promotion_margin``) or the candidate's estimate alone (``--ope-report``).
+
+    Args:
+        job: the candidate.
+        cfg: the `rlrec.trainer.config.TrainerConfig`.
+        held_out: a `rlrec.trainer.ope_data.HeldOutReader` (refreshed here).
+        deployed: ``deployed(version)`` -> the loaded published version.
+
+    Returns:
+        The decision or report (JSON-able), never raising: a failure is ``"reason"``, not
+        promoted.
+
+    Example:
+        >>> d = evaluate_candidate(job, cfg=cfg, held_out=reader, deployed=load)  # doctest: +SKIP
+        >>> d["promoted"], d["difference"], d["ci_low"]  # doctest: +SKIP
+    """
+    from rlrec.trainer.policy import version_from_artifact
+
+    t0 = time.time()
+    d: dict[str, Any] = {"gate": "ope"} if job.gating else {}
+    d.update(
+        {
+            "candidate_version": job.version,
+            "candidate_iteration": job.iteration,
+            "deployed_version": job.deployed_version,
+            "estimator": cfg.promotion_estimator,
+            "gamma": job.gamma,
+            "explore": cfg.promotion_explore,
+            "candidate_return": None,
+        }
+    )
+    if job.gating:
+        d.update({"margin": cfg.promotion_margin, "deployed_return": None, "promoted": False})
+    try:
+        model = job.artifact.files[job.artifact.spec["model"]]
+        candidate = version_from_artifact(job.spec, model)
+        episodes = held_out.refresh()
+        d["data"] = {"holdout_fraction": cfg.ope.holdout_fraction, **held_out.stats.to_dict()}
+        if not episodes:
+            d["reason"] = "no held-out episodes yet"
+        elif job.gating:
+            _decide(d, job, cfg, candidate, episodes, deployed)
+        else:
+            _report(d, job, cfg, candidate, episodes)
+        if cfg.env:  # the simulator's truth beside the estimate (never used for a decision)
+            from rlrec.trainer.promotion import evaluate_exported
+
+            d["true_return"] = evaluate_exported(
+                model,
+                job.spec,
+                cfg.env,
+                cfg.promotion_episodes,
+                seed=cfg.seed or 0,
+                gamma=job.gamma,
+                explore=cfg.promotion_explore,
+            )
+    except Exception as e:
+        d["reason"] = f"evaluation failed: {type(e).__name__}: {e}"
+        if job.gating:
+            d["promoted"] = False
+        log.error("evaluating candidate v%d off-policy failed (%s)", job.version, e)
+    finally:
+        d["seconds"] = round(time.time() - t0, 3)
+    return d
+
+
+def _settings(cfg: Any) -> dict:
+    from rlrec.trainer.ope import FQEConfig
+
+    return {
+        "ci": cfg.ope.ope_ci,
+        "n_boot": cfg.ope.ope_bootstrap,
+        "seed": cfg.seed or 0,
+        "thresholds": cfg.ope.thresholds(),
+        "fqe": FQEConfig(steps=cfg.ope.fqe_steps, seed=cfg.seed or 0),
+    }
+
+
+def _decide(d: dict, job: CandidateJob, cfg: Any, candidate: Any, episodes: list, deployed: Callable) -> None:
+    from rlrec.trainer.ope import LoggedData, PolicyTarget, compare
+
+    data = LoggedData(episodes)
+    dep = deployed(job.deployed_version) if job.deployed_version else None
+    seed = cfg.seed or 0
+    cmp = compare(
+        data,
+        PolicyTarget(candidate, cfg.promotion_explore, seed=seed),
+        None if dep is None else PolicyTarget(dep, cfg.promotion_explore, seed=seed),
+        gamma=job.gamma,
+        estimator=cfg.promotion_estimator,
+        **_settings(cfg),
+    )
+    c_est = cmp.candidate.estimates[cmp.estimator]
+    d_est = cmp.deployed.estimates[cmp.estimator]
+    d.update(
+        {
+            "candidate_return": c_est.value,
+            "deployed_return": d_est.value,
+            "deployed_is_behavior": dep is None,
+            "difference": cmp.difference,
+            "ci_low": cmp.ci_low,
+            "ci_high": cmp.ci_high,
+            "ci_level": cmp.ci,
+            "estimable": cmp.estimable,
+            "reason": cmp.reason,
+            "candidate_estimate": c_est.to_dict(),
+            "deployed_estimate": d_est.to_dict(),
+            "diagnostics": {"candidate": cmp.candidate.diagnostics, "deployed": cmp.deployed.diagnostics},
+        }
+    )
+    d["data"].update(_data_summary(data, cmp.candidate))
+    d["promoted"] = bool(cmp.estimable and cmp.ci_low >= -cfg.promotion_margin)
+    if cmp.estimable and not d["promoted"]:
+        d["reason"] = f"lower bound {cmp.ci_low:.4g} of the difference < -margin {-cfg.promotion_margin:g}"
+
+
+def _report(d: dict, job: CandidateJob, cfg: Any, candidate: Any, episodes: list) -> None:
+    from rlrec.trainer.ope import LoggedData, PolicyTarget, evaluate
+
+    data = LoggedData(episodes)
+    ev = evaluate(
+        data,
+        PolicyTarget(candidate, cfg.promotion_explore, seed=cfg.seed or 0),
+        gamma=job.gamma,
+        estimators=(cfg.promotion_estimator,),
+        **_settings(cfg),
+    )
+    est = ev.estimates[cfg.promotion_estimator]
+    d.update(
+        {
+            "candidate_return": est.value,
+            "estimable": est.estimable,
+            "reason": est.reason,
+            "candidate_estimate": est.to_dict(),
+            "diagnostics": ev.diagnostics,
+        }
+    )
+    d["data"].update(_data_summary(data, ev))
+
+
+def _data_summary(data: Any, ev: Any) -> dict:
+    return {
+        "episodes": data.n_episodes,
+        "steps": data.steps,
+        "behavior_versions": ev.behavior_versions,
+        "behavior_mean_return": ev.behavior_mean_return,
+    }

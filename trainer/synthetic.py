@@ -13,6 +13,7 @@ No Ray here (only gymnasium, numpy and the store).
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import uuid
 
@@ -54,13 +55,14 @@ def _episode(
     policy_id,
     policy_version,
     extra=None,
+    episode_id=None,
 ) -> FinishedEpisode:
     T = len(rewards)
     first = next(_offsets)
     for _ in range(T):
         next(_offsets)
     return FinishedEpisode(
-        episode_id=uuid.uuid4().hex,
+        episode_id=episode_id or uuid.uuid4().hex,
         policy_id=policy_id,
         policy_version=policy_version,
         env_id=env_id,
@@ -255,6 +257,11 @@ def linear_policy_artifact(weights: np.ndarray, bias: np.ndarray | None = None) 
     return spec, save(tensors, metadata={"format": "rlrec-policy"})
 
 
+def _episode_id(*parts: object) -> str:
+    """A uuid-like hex id derived from `parts` (reproducible data, reproducible splits)."""
+    return hashlib.sha256("/".join(map(str, parts)).encode()).hexdigest()[:32]
+
+
 def logged_episodes(
     env_id: str,
     spec: dict,
@@ -269,7 +276,8 @@ def logged_episodes(
 ) -> tuple[list[FinishedEpisode], np.ndarray]:
     """`n` episodes of `env_id` played by a published-format policy, logging what a service
     logs (``action_logp``, ``action_dist_inputs`` from `Policy.act`). With `explore` the logged
-    ``action_logp`` is the propensity of the sampled action.
+    ``action_logp`` is the propensity of the sampled action. Episode ids are derived from (env,
+    policy id and version, seed, index), so the same data is held out the same way every run.
 
     Returns the episodes and their discounted returns at `gamma`.
 
@@ -314,6 +322,7 @@ def logged_episodes(
                 policy_id=policy_id,
                 policy_version=policy_version,
                 extra=extra,
+                episode_id=_episode_id(env_id, policy_id, policy_version, seed, i),
             )
         )
     env.close()

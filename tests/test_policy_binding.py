@@ -536,7 +536,7 @@ def _trainer(tmp_path, keys_dir, monkeypatch, *, resume: bool, gate_rejects: boo
     t = ContinuousTrainer(cfg)
     t.algo, t.obs_space, t.act_space = _FakeAlgo(), OBS, ACT
     if gate_rejects:
-        monkeypatch.setattr(t, "publish", lambda: None)
+        monkeypatch.setattr(t, "publish", lambda final=False: None)
     return t
 
 

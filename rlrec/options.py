@@ -556,7 +556,7 @@ class OptionSet:
 
     def build(self, cls: type, values: Mapping[str, Any], **extra: Any) -> Any:
         """``cls(**the values of its option fields, **extra)``; OptionError for a required
-        option without a value, ValueError for what `cls` itself refuses."""
+        option without a value and for what `cls` itself refuses (its ValueError)."""
         options = _options_of(cls)
         for opt in options:
             value = values.get(opt.name)
@@ -565,7 +565,12 @@ class OptionSet:
             if opt.required and not opt.positional and value in (None, "", []):
                 raise OptionError(f"{opt.flag} is required (or {opt.env}, or {opt.key!r} in the --config file)")
         names = {o.name for o in options}
-        return cls(**{k: v for k, v in values.items() if k in names}, **extra)
+        try:
+            return cls(**{k: v for k, v in values.items() if k in names}, **extra)
+        except OptionError:
+            raise
+        except ValueError as e:  # what the dataclass itself refuses is a usage error too (exit 2)
+            raise OptionError(str(e)) from e
 
 
 def known_env_vars() -> set[str]:

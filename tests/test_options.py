@@ -318,3 +318,13 @@ def test_each_command_refuses_a_config_file_typo_in_one_line(tmp_path):
     )
     assert out.returncode == 2
     assert out.stderr == f"rlrec gc: error: unknown option 'dry-runn' in {path} (did you mean 'dry-run'?)\n"
+
+
+def test_what_a_command_s_dataclass_refuses_is_a_usage_error(tmp_path, capsys):
+    from rlrec.cli import main
+
+    (tmp_path / "in").mkdir()
+    argv = ["convert", str(tmp_path / "in"), "--output", str(tmp_path / "out"), "--schema", "foo=bar"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rlrec convert: error: --schema: unknown key 'foo'") and err.count("\n") == 1

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import argparse
 
+from rlrec.demo.run import DemoConfig
+from rlrec.options import OptionSet
+
+#: the options of `rlrec demo`, declared on `DemoConfig`
+OPTIONS = OptionSet("demo", DemoConfig)
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from rlrec.demo.run import DemoConfig
-    from rlrec.options import OptionSet
-
-    options = OptionSet("demo", DemoConfig)
     p = subparsers.add_parser(
         "demo",
         help="run the closed loop locally: policies -> Kafka -> consumer -> shards -> trainer -> policies",
@@ -26,17 +28,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "Ctrl-C (clean stop: everything recorded is committed). Exit code 0 when finished (and the target "
         "reached, if set), 1 when a component failed or the target was not reached in time, 130 after Ctrl-C.",
     )
-    options.add_arguments(p)
-    p.set_defaults(func=_run, options=options)
+    OPTIONS.add_arguments(p)
+    p.set_defaults(func=_run, options=OPTIONS)
 
 
 def _run(args: argparse.Namespace) -> int:
     import sys
 
-    from rlrec.demo.run import DemoConfig, run_demo
+    from rlrec.demo.run import run_demo
 
     try:
-        cfg = args.options.build(DemoConfig, args.options.resolve(args))
+        cfg = OPTIONS.build(DemoConfig, OPTIONS.resolve(args))
     except ValueError as e:  # OptionError too
         print(f"rlrec demo: error: {e}", file=sys.stderr)
         return 2

@@ -171,15 +171,20 @@ def _check_logp(value: Any, episode_id: str) -> None:
         )
 
 
-def _copy_extra(extra: Any) -> Any:
+def _copy_outputs(extra: Any, episode_id: str) -> Any:
     """What log_step keeps of `extra_model_outputs`: a new dict whose mutable values (arrays,
-    lists) are copied; anything that is not a mapping as it is (the batch's encoding refuses it)."""
-    if type(extra) is not dict and not isinstance(extra, Mapping):
+    lists) are copied, its ``action_logp`` checked (`_check_logp`); anything that is not a
+    mapping as it is (encoding the batch refuses it and aborts the episode)."""
+    try:
+        out = {**extra}
+    except TypeError:
         return extra
-    out = dict(extra)
     for k, v in out.items():
-        if type(v) not in _IMMUTABLE:
+        if type(v) not in _IMMUTABLE:  # an array, a list: copied
             out[k] = np.array(v)
+    lp = out.get("action_logp", 0.0)
+    if type(lp) not in _FLOAT_TYPES or not (_NEG_INF < float(lp) <= LOGP_TOLERANCE):
+        _check_logp(lp, episode_id)  # anything else: checked the slow way (or refused)
     return out
 
 
@@ -362,7 +367,7 @@ class _Episode:
         self.t = 0  # steps logged so far
         self.t0 = 0  # t of the first buffered step
         # buffered steps t0..t-1 as (action, reward, observation, info_json, extra_model_outputs),
-        # each a copy the caller cannot change (see _Packer.copy, _copy_extra)
+        # each a copy the caller cannot change (see _Packer.copy, _copy_outputs)
         self.steps: list[tuple] = []
         self.reward_adds: dict[int, float] = {}  # delayed rewards for buffered steps, by t
         self.extra_keys: frozenset = frozenset()
@@ -708,18 +713,18 @@ class EpisodeRecorder:
         if not (type(action) is int and self._act_lo <= action <= self._act_hi):
             action = self._act.copy(action)
         if extra_model_outputs:
-            try:
-                extra_model_outputs = {**extra_model_outputs}
-            except TypeError:
-                pass  # not a mapping: encoding the batch refuses it (and aborts the episode)
+            if (
+                type(extra_model_outputs) is dict
+                and len(extra_model_outputs) == 1
+                and type(lp := extra_model_outputs.get("action_logp")) in _FLOAT_TYPES
+            ):
+                # the common case, only the propensity: a float is immutable, the dict is new
+                # (numpy scalars compare slowly: float() first)
+                if not (_NEG_INF < float(lp) <= LOGP_TOLERANCE):
+                    _check_logp(lp, episode_id)
+                extra_model_outputs = {"action_logp": lp}
             else:
-                for v in extra_model_outputs.values():
-                    if type(v) not in _IMMUTABLE:  # an array, a list: copied
-                        extra_model_outputs = _copy_extra(extra_model_outputs)
-                        break
-                lp = extra_model_outputs.get("action_logp", 0.0)
-                if type(lp) not in _FLOAT_TYPES or not (_NEG_INF < lp <= LOGP_TOLERANCE):
-                    _check_logp(lp, episode_id)  # anything else: checked the slow way (or refused)
+                extra_model_outputs = _copy_outputs(extra_model_outputs, episode_id)
         step = (action, reward, observation, dumps_info(info) if info else "", extra_model_outputs)
         with self._lock:
             if self._busy:

@@ -24,7 +24,9 @@ class TrainerMetrics:
     leaves only the lines of iterations up to a given one (none for None). With a *port*, the
     numeric fields named in :attr:`GAUGES` are served as Prometheus gauges ``rlrec_trainer_<name>``
     on *host* (0 picks a free port, then in :attr:`port`), set right after the line is written.
-    With *progress*, one summary line per record goes to the log.
+    The counter ``rlrec_trainer_storage_errors_total`` counts the input store's failed reads
+    (:meth:`count_storage_errors`, from `rlrec.trainer.storage_health.StorageHealth`) as they
+    happen, between lines too. With *progress*, one summary line per record goes to the log.
     """
 
     GAUGES = (
@@ -51,15 +53,24 @@ class TrainerMetrics:
         self._f: Any = None
         self.gauges: dict[str, Any] = {}
         self._server: Any = None
+        self._storage_errors: Any = None
         self.port: int | None = None  # where /metrics is served, once started
         if port is not None:
-            from prometheus_client import CollectorRegistry, Gauge, start_http_server
+            from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
             reg = CollectorRegistry()
             self.gauges = {k: Gauge(f"rlrec_trainer_{k}", k.replace("_", " "), registry=reg) for k in self.GAUGES}
+            self._storage_errors = Counter(
+                "rlrec_trainer_storage_errors", "reads of the input store that failed (retried)", registry=reg
+            )
             self._server = start_http_server(port, addr=host, registry=reg)
             self.port = self._server[0].server_port
             log.info("metrics on http://%s:%d/metrics", host, self.port)
+
+    def count_storage_errors(self, n: int) -> None:
+        """Add `n` failed reads of the input store to ``rlrec_trainer_storage_errors_total``."""
+        if self._storage_errors is not None and n > 0:
+            self._storage_errors.inc(n)
 
     def truncate_after(self, iteration: int | None) -> None:
         """Drop lines of iterations after `iteration` (training lost by a crash); None: keep none."""

@@ -25,7 +25,7 @@ from rlrec.trainer.config import TrainerConfig
 from rlrec.trainer.metrics import TrainerMetrics
 from rlrec.trainer.storage_health import StorageHealth
 
-__all__ = ["ALGORITHMS", "ContinuousTrainer", "TrainerConfig", "UnsupportedCombination"]
+__all__ = ["ALGORITHMS", "ContinuousTrainer", "TrainerConfig", "TrainerLost", "UnsupportedCombination"]
 
 log = logging.getLogger("rlrec.trainer")
 
@@ -39,6 +39,10 @@ ALGORITHMS = {
     "CQL": ("ray.rllib.algorithms.cql:CQLConfig", ("Box",)),
     "IQL": ("ray.rllib.algorithms.iql:IQLConfig", ("Box",)),
 }
+
+
+class TrainerLost(RuntimeError):
+    """A part of the running trainer (a Ray actor, a Learner) died and cannot be replaced in place."""
 
 
 class UnsupportedCombination(ValueError):
@@ -133,6 +137,7 @@ class ContinuousTrainer:
         self.episodes_skipped = 0  # episodes the PreLearner could not use, cumulative
         self._skip_logged: set[str] = set()
         self._outage = RetrySchedule()  # waits between the driver's own failed reads of the input
+        self._watchdog: Any = None  # rlrec.trainer.watchdog.StallWatchdog while running
         self._pending: list[Any] = []  # prepared publications (export.Publication) not yet written
 
     @staticmethod
@@ -976,34 +981,66 @@ class ContinuousTrainer:
         return rec
 
     def run(self) -> int:
-        """Train until max_iterations, stop() or a signal. Returns a process exit code."""
+        """Train until max_iterations, stop() or a signal. Returns a process exit code.
+
+        A Ray actor of the data path or a Learner that dies for good ends the run with
+        `TrainerLost` (one error line); a pipeline that stops delivering fresh data ends it
+        through the stall watchdog (`rlrec.trainer.watchdog`)."""
+        import ray.exceptions
+
         try:
-            if not self.setup():
-                return 0
-            od = self.algo.offline_data
-            last_idle_log = 0.0
-            while not self._stop.is_set():
-                if self.cfg.max_iterations is not None and self.iteration >= self.cfg.max_iterations:
-                    self.stop_reason = self.stop_reason or "max iterations"
-                    break
-                ready = od.has_fresh() if self.cfg.wait_for_data else od.has_data()
-                if not ready:
-                    if time.monotonic() - last_idle_log > self.cfg.idle_log_interval_s:
-                        log.info("no %s data; waiting for new shards", "fresh" if self.cfg.wait_for_data else "usable")
-                        last_idle_log = time.monotonic()
-                    self._stop.wait(self.cfg.poll_interval_s)
-                    continue
-                self.train_once()
-            if self.algo is not None and self.iteration > 0:
-                self._finish_evaluation_at_stop()
-                latest = self.checkpoints.latest()
-                if latest is None or latest.get("iteration") != self.iteration or self._pending:
-                    self.checkpoint(final=True)
-            return 0
+            try:
+                return self._run()
+            except ray.exceptions.RayActorError as e:
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise TrainerLost(
+                    f"a Ray actor of the trainer died and was not restarted ({first}); "
+                    "restart with --resume to continue from the last checkpoint"
+                ) from None
         finally:
             self.close()
 
+    def _run(self) -> int:
+        if not self.setup():
+            return 0
+        od = self.algo.offline_data
+        if self.cfg.stall_timeout_s:
+            from rlrec.trainer.watchdog import StallWatchdog
+
+            self._watchdog = StallWatchdog(self.cfg.stall_timeout_s, excuse=lambda: od.health.failing)
+            self._watchdog.start()
+        last_idle_log = 0.0
+        while not self._stop.is_set():
+            if self.cfg.max_iterations is not None and self.iteration >= self.cfg.max_iterations:
+                self.stop_reason = self.stop_reason or "max iterations"
+                break
+            ready = od.has_fresh() if self.cfg.wait_for_data else od.has_data()
+            if not ready:
+                self._progress("waiting for new shards")
+                if time.monotonic() - last_idle_log > self.cfg.idle_log_interval_s:
+                    log.info("no %s data; waiting for new shards", "fresh" if self.cfg.wait_for_data else "usable")
+                    last_idle_log = time.monotonic()
+                self._stop.wait(self.cfg.poll_interval_s)
+                continue
+            rec = self.train_once()
+            if rec.get("shards_new") or rec.get("fresh_backlog") == 0:
+                self._progress("training fresh shards")
+        if self._watchdog is not None:
+            self._watchdog.stop()
+        if self.algo is not None and self.iteration > 0:
+            self._finish_evaluation_at_stop()
+            latest = self.checkpoints.latest()
+            if latest is None or latest.get("iteration") != self.iteration or self._pending:
+                self.checkpoint(final=True)
+        return 0
+
+    def _progress(self, what: str) -> None:
+        if self._watchdog is not None:
+            self._watchdog.progress(what)
+
     def close(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.stop()
         if self.metrics is not None:
             self.metrics.close()
         if self.algo is not None:

@@ -267,22 +267,32 @@ class Run:
 
     # -- the faults ---------------------------------------------------------------------------
 
+    def trained_since(self, t: float) -> set[str]:
+        """Shards committed after `t` (wall clock) that a metrics line counts as trained."""
+        late = {e.path for e in self.committed() if e.commit_time > t}
+        return late & set().union(*(set(r.get("new_shards", ())) for r in self.metrics()))
+
     def outage(self) -> None:
+        """Shard reads fail for the first half (the driver still sees new shards in the manifest,
+        the read task cannot read them), every request for the second half."""
         start_wall, start = time.time(), time.monotonic()
-        self.proxy.fail_for(self.outage_s)
-        self.say(f"S3 outage: every request of the trainer answered 503 for {self.outage_s:.0f}s")
-        seen = self.wait(lambda: STORE_WARNING in self.trainer_output(), 30, "the driver's storage WARNING")
-        if seen:
-            self.say(f"driver WARNING after {time.monotonic() - start:.1f}s: storage {BUCKET} does not answer")
-        end = start_wall + self.outage_s
-        self.wait(lambda: time.time() > end + 0.5, self.outage_s + 5, "the outage's end", interval=0.2)
-        got = self.wait(
-            lambda: any(r.get("shards_new") for r in self.lines_since(end)),
-            90,
-            "fresh shards trained after the outage",
+        half = self.outage_s / 2
+        self.proxy.fail_matching(10**9, ".parquet")
+        self.say(
+            f"S3 outage: the trainer's shard reads answered 503 for {half:.0f}s, then every request for {half:.0f}s"
         )
+        seen = self.wait(lambda: f"{STORE_WARNING} (shard read" in self.trainer_output(), 30, "the driver's WARNING")
+        if seen:
+            self.say(f"driver WARNING after {time.monotonic() - start:.1f}s: storage does not answer (shard read: ...)")
+        time.sleep(max(0.0, start + half - time.monotonic()))
+        self.proxy.fail_for(half)
+        time.sleep(half)
+        self.proxy.clear_rules()
+        end = time.time()
+        self.say("S3 outage over")
+        got = self.wait(lambda: self.trained_since(start_wall), 90, "shards committed during the outage trained")
         if got:
-            self.say(f"fresh shards trained again {time.time() - end:.1f}s after the outage, no restart")
+            self.say(f"shards committed during the outage trained {time.time() - end:.1f}s after it, no restart")
         if not any(r.get("storage_errors") for r in self.lines_since(start_wall)):
             self.problems.append("no metrics line counted storage_errors during the outage")
 
@@ -290,13 +300,13 @@ class Run:
         w = self.wait(self.ray_worker, 30, "a Ray worker of the data path")
         if w is None:
             return
-        title = " ".join(w.cmdline())[:60]
+        title = " ".join(w.cmdline())[:60].strip()
         t = time.time()
         w.kill()
         self.say(f"kill -9 Ray worker {w.pid} ({title})")
-        ok = self.wait(lambda: any(r.get("shards_new") for r in self.lines_since(t + 1)), 120, "training after it")
+        ok = self.wait(lambda: self.trained_since(t), 120, "shards committed after the worker kill trained")
         if ok:
-            self.say(f"fresh shards trained {time.time() - t:.1f}s after the worker kill, no restart")
+            self.say(f"shards committed after the worker kill trained {time.time() - t:.1f}s after it, no restart")
         elif self.trainer.poll() is not None:
             tail = self.trainer_output().strip().splitlines()[-1:] or [""]
             self.say(f"trainer exited with {self.trainer.returncode} after the worker kill: {tail[0][:160]}")
@@ -305,7 +315,7 @@ class Run:
             self.start_trainer()
 
     def kill_at_random(self, k: int) -> None:
-        delay = self.rng.uniform(2.0, 30.0)
+        delay = self.rng.uniform(1.0, 20.0)
         self.say(f"kill -9 #{k} of the trainer in {delay:.1f}s")
         time.sleep(delay)
         if self.trainer.poll() is not None:

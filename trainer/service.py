@@ -336,15 +336,19 @@ class ContinuousTrainer:
         is exported at a periodic checkpoint; the env gate's decision is recorded in that
         iteration's metrics line, the ope gate's in the line of the iteration it arrives at."""
         t0 = time.time()
+        self._prepare_checkpoint(final)
+        name = self._commit()
+        log.info("checkpoint %s (policy v%d) in %.2fs", name, self.policy_version, time.time() - t0)
+        return name
+
+    def _prepare_checkpoint(self, final: bool = False) -> None:
+        """The publication step of a checkpoint: prepare the next version (or re-sign the pointer)."""
         if self.cfg.publish:
             published = self.policy_version
             if not (final and self.cfg.gate):
                 self.publish(final=final)
             if self.policy_version == published and not self._pending:
                 self._refresh_pointer()
-        name = self._commit()
-        log.info("checkpoint %s (policy v%d) in %.2fs", name, self.policy_version, time.time() - t0)
-        return name
 
     def _commit(self) -> str:
         """Save the checkpoint (state and the pending publications' files), then write the
@@ -964,9 +968,11 @@ class ContinuousTrainer:
         if done is not None:
             rec["promotion" if job.gating else "ope_report"] = done
             rec["policy_version"] = self.policy_version
+        # the iteration's line is written before its checkpoint commits: a crash in between loses
+        # the checkpoint, and the resume drops the line with the iterations after the one it restores
         if self.iteration % self.cfg.checkpoint_interval == 0:
             self.last_promotion = None
-            self.checkpoint()
+            self._prepare_checkpoint()
             rec["policy_version"] = self.policy_version
             rec["checkpoint"] = True
             if self.last_promotion is not None:  # the env gate's decision (and its evaluation)
@@ -974,10 +980,13 @@ class ContinuousTrainer:
                 if self.cfg.promotion_gate == "env":  # (an ope estimate is a discounted return: not mixed in)
                     rec.setdefault("eval_return_mean", self.last_promotion["candidate_return"])
         elif self._pending:  # the ope gate promoted a candidate: a checkpoint commits its publication
-            self._commit()
             rec["checkpoint"] = True
         self.metrics.write(rec)
         self.last_record = rec
+        if rec.get("checkpoint"):
+            t = time.time()
+            name = self._commit()
+            log.info("checkpoint %s (policy v%d) in %.2fs", name, self.policy_version, time.time() - t)
         return rec
 
     def run(self) -> int:

@@ -265,6 +265,40 @@ def test_a_crash_between_a_checkpoint_and_its_publication_publishes_it_at_resume
     assert sorted(new) == sorted(keys), new
 
 
+def test_a_killed_learner_actor_ends_the_run_at_once_with_one_clear_error(ray_cluster, tmp_path):
+    """A remote Learner killed mid-run: RLlib does not restart it; the trainer stops within
+    seconds with `TrainerLost` (one line: `rlrec train: error: a Ray actor of the trainer died
+    ...; restart with --resume ...`), its last checkpoint intact."""
+    import ray
+
+    from rlrec.errors import error_line
+    from rlrec.trainer.service import ContinuousTrainer, TrainerLost
+
+    out, ck = str(tmp_path / "out"), str(tmp_path / "ck")
+    ShardCommitter(out).commit(expert_cartpole_episodes(3, seed=0, max_steps=200))
+    trainer = ContinuousTrainer(cfg(out, ck, num_learners=1, checkpoint_interval=2))
+    t, box = run_in_thread(trainer)
+    wait_for(
+        lambda: trainer.iteration >= 2 and os.path.exists(os.path.join(ck, "checkpoints", "latest.json")),
+        90,
+        "a checkpoint",
+    )
+    learners = list(trainer.algo.learner_group._worker_manager.actors().values())
+    t0 = time.monotonic()
+    ray.kill(learners[0], no_restart=True)
+    t.join(60)
+    assert not t.is_alive() and time.monotonic() - t0 < 30
+    err = box.get("error")
+    assert isinstance(err, TrainerLost), box
+    line = error_line("train", err)
+    assert (
+        "\n" not in line
+        and line.startswith("rlrec train: error: a Ray actor of the trainer died")
+        and "--resume" in line
+    )
+    assert json.load(open(os.path.join(ck, "checkpoints", "latest.json")))["iteration"] >= 2
+
+
 def test_resume_restores_weights_and_optimizer_state(ray_cluster, tmp_path):
     import torch
     from ray.rllib.core import DEFAULT_MODULE_ID

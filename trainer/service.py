@@ -44,6 +44,9 @@ ALGORITHMS = {
 class TrainerLost(RuntimeError):
     """A part of the running trainer (a Ray actor, a Learner) died and cannot be replaced in place."""
 
+    #: a runtime failure: `rlrec train` prints the message as its one error line, exit code 1
+    exit_code = 1
+
 
 class UnsupportedCombination(ValueError):
     """The algorithm cannot train on these spaces (RLlib 2.60)."""

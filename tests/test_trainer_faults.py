@@ -168,3 +168,27 @@ def test_a_committed_checkpoint_is_never_rewritten_and_its_extra_files_are_verif
     storage.write(f"{first}/publish/x", b"tampered")
     with pytest.raises(CheckpointVerificationError, match="publish/x does not match"):
         store.read_file(first, "publish/x")
+
+
+def test_metrics_lines_wait_out_an_outage_of_their_store_and_errors_are_counted_for_prometheus(s3_behind_proxy):
+    import json
+    import urllib.request
+
+    from rlrec.trainer.metrics import METRICS_FILE, TrainerMetrics
+
+    direct, through, proxy = s3_behind_proxy
+    m = TrainerMetrics(through, 0, False)
+    try:
+        line = {"iteration": 1, "policy_version": 0, "timesteps_trained": 1, "shards_total": 1, "shards_new": 1}
+        m.write(line)
+        proxy.fail_for(60)
+        m.write({**line, "iteration": 2})  # the store does not answer: no exception, the line waits
+        proxy.fail_for(0)
+        m.write({**line, "iteration": 3})
+        assert [json.loads(x)["iteration"] for x in direct.read(METRICS_FILE).decode().splitlines()] == [1, 2, 3]
+        m.count_storage_errors(3)
+        with urllib.request.urlopen(f"http://127.0.0.1:{m.port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        assert "rlrec_trainer_storage_errors_total 3.0" in text
+    finally:
+        m.close()

@@ -6,7 +6,7 @@ import json
 import logging
 from typing import Any
 
-from rlrec.store.storage import Storage
+from rlrec.store.storage import Storage, StorageError
 
 __all__ = ["METRICS_FILE", "TrainerMetrics"]
 
@@ -20,7 +20,8 @@ class TrainerMetrics:
 
     Guarantees: each :meth:`write` adds exactly one JSON line (no NaN/Infinity) and the line is
     readable when it returns -- appended and flushed on a local filesystem; on object stores, which
-    cannot append, the whole (small) file is rewritten with one atomic PUT. :meth:`truncate_after`
+    cannot append, the whole (small) file is rewritten with one atomic PUT (while the store does
+    not answer, the lines wait in memory for the next successful rewrite). :meth:`truncate_after`
     leaves only the lines of iterations up to a given one (none for None). With a *port*, the
     numeric fields named in :attr:`GAUGES` are served as Prometheus gauges ``rlrec_trainer_<name>``
     on *host* (0 picks a free port, then in :attr:`port`), set right after the line is written.
@@ -100,7 +101,10 @@ class TrainerMetrics:
             self._f.flush()
         else:  # object stores cannot append: rewrite the (small) file
             self._lines.append(line)
-            self.storage.write(METRICS_FILE, "".join(x + "\n" for x in self._lines).encode())
+            try:
+                self.storage.write(METRICS_FILE, "".join(x + "\n" for x in self._lines).encode())
+            except StorageError as e:  # the store does not answer: the next line rewrites the file with this one
+                log.warning("%s not written (%s); it is written with the next line", self.storage.uri(METRICS_FILE), e)
         for k, g in self.gauges.items():
             v = rec.get(k)
             if isinstance(v, (int, float)) and not isinstance(v, bool):

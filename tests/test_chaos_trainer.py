@@ -25,7 +25,9 @@ def test_trainer_chaos_run_trains_every_shard_once_with_outage_worker_kill_and_t
     )
     lines = proc.stdout.strip().splitlines()
     tail = "\n".join(lines[-40:]) + "\n" + proc.stderr[-3000:]
-    assert lines and re.fullmatch(r"shards=(\d+) trained_once=\1 missing=0 twice=0 versions_monotonic=yes", lines[-1]), tail
+    assert lines and re.fullmatch(
+        r"shards=(\d+) trained_once=\1 missing=0 twice=0 versions_monotonic=yes", lines[-1]
+    ), tail
     assert int(lines[-1].split()[0].split("=")[1]) > 0, tail
     assert proc.returncode == 0, tail
     out = proc.stdout

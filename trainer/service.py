@@ -722,6 +722,7 @@ class ContinuousTrainer:
         than the deployed version (the decision is `last_promotion`)."""
         from rlrec.trainer.promotion import decide, evaluate_exported
 
+        self._progress("evaluating a candidate in the simulator")  # its episodes are not a stall
         t0 = time.time()
         try:
             spec = self._candidate_spec(artifact, version)

@@ -363,7 +363,6 @@ def test_report_behaviour_return_is_the_oldest_versions_mean():
     [
         "rlrec.errors",
         "rlrec.commands._common",
-        "rlrec.commands.inspect",
         "rlrec.consumer.topics",
         "rlrec.demo.dashboard",
         "rlrec.report",

@@ -21,14 +21,14 @@ checked against the manifest: nothing is unpickled.
 Cursor text: ``r1~TAG~TOPIC:PARTITION=N,PARTITION=N+TOPIC:...``; ``TAG`` (12 hex digits) is a
 hash of the first entry of each log the cursor names, so a cursor of another store is refused.
 
-`Snapshot.steps` is one row per step (docs/FORMAT.md, "Steps"): ``episode_id`` (string),
-``t`` (int64, 0-based), ``observation``, ``action``, ``reward`` (float64), ``terminated`` and
-``truncated`` (bool, true only on an episode's last step), ``action_logp`` (float64, null where
-the policy logged no propensity), ``policy_version`` (int64), ``next_observation`` and
-``policy_id`` (string). Observations and actions have plain Arrow types: a Box of shape ``()``
-its dtype, of shape ``(d1, ..., dk)`` nested ``fixed_size_list<dtype>[d1]...[dk]``; Discrete an
-integer; MultiDiscrete and MultiBinary fixed-size lists; Dict and Tuple a struct (Tuple fields
-named ``"0"``, ``"1"``, ...).
+`Snapshot.steps` is one row per step (docs/FORMAT.md, "Steps table"): ``episode_id``
+(string), ``t`` (int64, 0-based), ``observation``, ``action``, ``reward`` (float64),
+``terminated`` and ``truncated`` (bool, true only on an episode's last step), ``action_logp``
+(float64, null where the policy logged no propensity), ``policy_version`` (int64),
+``next_observation`` and ``policy_id`` (string). Observations and actions have plain Arrow
+types: a Box of shape ``()`` its dtype, of shape ``(d1, ..., dk)`` nested
+``fixed_size_list<dtype>`` lists (outermost ``d1``); Discrete an integer; MultiDiscrete and
+MultiBinary fixed-size lists; Dict and Tuple a struct (Tuple fields named ``"0"``, ``"1"``, ...).
 
 Example::
 
@@ -276,7 +276,7 @@ class Snapshot:
             yield self.shard_steps(entry)
 
     def steps(self) -> pa.Table:
-        """One row per step of every episode (columns: module docstring, docs/FORMAT.md "Steps").
+        """One row per step of every episode (columns: module docstring, docs/FORMAT.md "Steps table").
 
         Raises `ShardSchemaError` (a ValueError) naming a shard the schema gate refuses, and
         ValueError when shards hold different observation or action types."""

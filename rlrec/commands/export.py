@@ -64,7 +64,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Pin the store at URI to a point of its manifest (--as-of; default the newest), "
         "read its committed shards through the schema gate and write one row per step "
         "(episode_id, t, observation, action, reward, terminated, truncated, action_logp, "
-        "policy_version, next_observation, policy_id; docs/FORMAT.md, 'Steps') to DIR as "
+        "policy_version, next_observation, policy_id; docs/FORMAT.md, 'Steps table') to DIR as "
         "steps-NNNNN.parquet, one file per shard. Prints the point's cursor on stdout: export "
         "again with --as-of CURSOR for the same data. See docs/TOOLS.md.",
     )

@@ -59,7 +59,7 @@ import numpy as np
 import pyarrow as pa
 
 from rlrec.store.commit import read_committed_shard
-from rlrec.store.manifest import Entry, PartitionLog, ShardEntry, list_partition_logs
+from rlrec.store.manifest import MANIFEST_DIR, Entry, PartitionLog, ShardEntry, list_partition_logs
 from rlrec.store.schema_gate import TABULAR_FIXED_COLUMNS, ShardSchemaError, open_shard
 from rlrec.store.storage import Storage
 
@@ -594,6 +594,7 @@ def open_snapshot(storage: Storage | str, as_of: float | int | str | Cursor | No
             it, per partition log up to the first later one) or a cursor (`Snapshot.cursor`).
 
     Raises:
+        FileNotFoundError: the store holds no manifest (nothing was ever committed there).
         CursorError: a malformed cursor, a cursor of another store, a position past a log's
             end, a time in the future or before the store's first commit (one-line messages).
         ManifestError: the manifest cannot be read (a gap, a malformed entry).
@@ -601,12 +602,18 @@ def open_snapshot(storage: Storage | str, as_of: float | int | str | Cursor | No
     Example::
 
         >>> import tempfile
-        >>> open_snapshot(tempfile.mkdtemp(), as_of="r1~0123456789ab~rl:0=3")
+        >>> from rlrec.store.commit import ShardCommitter
+        >>> from rlrec.trainer.synthetic import expert_cartpole_episodes
+        >>> root = tempfile.mkdtemp()
+        >>> _ = ShardCommitter(root, "rl", 0).commit(expert_cartpole_episodes(1))
+        >>> open_snapshot(root, as_of="r1~0123456789ab~rl:1=3")
         Traceback (most recent call last):
         ...
-        rlrec.store.snapshot.CursorError: the cursor names partition log rl/0, which ... does not have (a cursor of another store?)
+        rlrec.store.snapshot.CursorError: the cursor names partition log rl/1, which ... does not have (a cursor of another store?)
     """
     st = Storage.from_uri(storage) if isinstance(storage, str) else storage
+    if not st.exists(MANIFEST_DIR):
+        raise FileNotFoundError(f"no rlrec manifest at {st.uri('')} (give the --output of rlrec consume)")
     logs = _read_logs(st)
     firsts = {k: _first_entry_key(entries[0] if entries else None) for k, entries in logs.items()}
     ends = {k: (entries[-1].seq + 1 if entries else 0) for k, entries in logs.items()}

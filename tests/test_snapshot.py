@@ -143,6 +143,8 @@ def test_bad_points_are_clear_one_line_errors(store, tmp_path):
         assert "\n" not in str(err.value) and str(err.value), what
     with pytest.raises(CursorError, match="another store"):
         rlrec.open(other, as_of=cursor)
+    with pytest.raises(FileNotFoundError, match="no rlrec manifest"):
+        rlrec.open(str(tmp_path))
     with pytest.raises(CursorError, match="ends at"):
         rlrec.open(root, as_of=past_end)
 

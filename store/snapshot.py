@@ -251,20 +251,21 @@ class Snapshot:
             raise ShardSchemaError(f"{where}: {e.reason}") from None
 
     def episodes(self) -> Iterator[Any]:
-        """Every episode of the snapshot as an RLlib `SingleAgentEpisode`, shard by shard:
-        decoded safely from episode shards (`rlrec.store.episodes.unpack_episode`), rebuilt from
-        the rows of tabular shards (infos of the reset step are not stored there: empty).
-        Imports RLlib (~2 s the first time)."""
+        """Every episode of the snapshot as an RLlib `SingleAgentEpisode`, shard by shard
+        (`shard_episodes`). Imports RLlib (~2 s the first time)."""
+        for entry in self.entries:
+            yield from self.shard_episodes(entry)
+
+    def shard_episodes(self, entry: ShardEntry) -> list[Any]:
+        """The episodes of one of the snapshot's shards as `SingleAgentEpisode`s: decoded safely
+        from an episode shard (`rlrec.store.episodes.unpack_episode`), rebuilt from the rows of a
+        tabular shard (`tabular_episodes`; the reset step's info is not stored there: empty)."""
         from rlrec.store.episodes import unpack_episode
 
-        for entry in self.entries:
-            shard = self._gated(entry)
-            if shard.fmt == "tabular":
-                yield from tabular_episodes(shard, entry)
-                continue
-            for chunk in shard.read(["item"]).column("item").chunks:
-                for v in chunk:
-                    yield unpack_episode(v.as_py())
+        shard = self._gated(entry)
+        if shard.fmt == "tabular":
+            return tabular_episodes(shard, entry)
+        return [unpack_episode(v.as_py()) for chunk in shard.read(["item"]).column("item").chunks for v in chunk]
 
     def shard_steps(self, entry: ShardEntry) -> pa.Table:
         """The steps of one of the snapshot's shards (the columns of `steps`)."""

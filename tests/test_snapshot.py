@@ -260,3 +260,41 @@ def test_cli_export_and_paths(store, tmp_path, capsys):
 def test_docstring_examples(module):
     result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0
+
+
+def test_nested_spaces_give_the_same_plain_steps_from_every_shard_format(tmp_path):
+    """Dict/Tuple observations with 2-D leaves: episode shards, tabular shards (nested lists or
+    tensor columns) give one and the same steps table and the same episodes."""
+    from types import SimpleNamespace
+
+    from rlrec.store.schema_gate import open_shard
+    from rlrec.store.shards import encode_shard
+    from rlrec.store.snapshot import gated_steps
+    from tests.test_shards import dict_episodes
+
+    eps = dict_episodes(3, T=4)
+    root = str(tmp_path / "out")
+    ShardCommitter(root, "rl", 0).commit(eps)
+    ShardCommitter(root, "rl", 1, fmt="tabular").commit(eps)
+    by_partition = {e.partition: e for e in rlrec.open(root).entries}
+    snap = rlrec.open(root)
+    from_episodes, from_tabular = (snap.shard_steps(by_partition[p]) for p in (0, 1))
+    assert from_episodes.equals(from_tabular)
+    tensor = open_shard(encode_shard(eps, fmt="tabular", multidim="tensor").data)
+    assert gated_steps(tensor, SimpleNamespace(policy_id="pol", path="x")).equals(from_tabular)
+    obs = from_episodes.schema.field("observation").type
+    assert obs.field("img").type == pa.list_(pa.list_(pa.uint8(), 3), 2)
+    assert obs.field("pair").type.field("0").type == pa.int64()
+    row = from_episodes.slice(5, 1).to_pylist()[0]
+    fe = eps[1]  # rows 0-3: episode d-0, row 5: d-1 at t=1
+    assert (row["episode_id"], row["t"]) == ("d-1", 1)
+    assert row["observation"]["img"] == fe.observations[1][1].tolist()
+    assert row["next_observation"]["pos"] == pytest.approx(fe.observations[0][2].tolist())
+    assert row["action_logp"] is None  # no propensity logged
+    rebuilt = {(p, ep.id_): ep for p in (0, 1) for ep in snap.shard_episodes(by_partition[p])}
+    for fe in eps:
+        a, b = rebuilt[(1, fe.episode_id)], rebuilt[(0, fe.episode_id)]
+        assert (a.is_terminated, a.is_truncated) == (fe.terminated, fe.truncated)
+        for k in ("pos", "img"):
+            assert (a.get_observations()[k] == b.get_observations()[k]).all()
+        assert (a.get_actions() == b.get_actions()).all()

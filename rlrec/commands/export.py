@@ -6,39 +6,8 @@ import argparse
 import typing
 from dataclasses import dataclass
 
-from rlrec.commands._common import reports_storage_errors
+from rlrec.commands._common import AS_OF_HELP, parse_as_of, reports_storage_errors
 from rlrec.options import OptionSet, option
-
-#: the help of every --as-of option
-AS_OF_HELP = (
-    "the point of the manifest to read: a UNIX time (1764216000.5), an ISO 8601 time "
-    "(2026-11-27T04:00:00Z) or a cursor printed by an earlier export; default: the newest"
-)
-
-
-def parse_as_of(text: str | None) -> float | str | None:
-    """``--as-of`` text -> a UNIX time (from a number or an ISO 8601 time) or a cursor string.
-
-    Example:
-        >>> parse_as_of("1764216000.5"), parse_as_of("2026-11-27T04:00:00Z"), parse_as_of("r1~0123456789ab~rl:0=3")
-        (1764216000.5, 1795752000.0, 'r1~0123456789ab~rl:0=3')
-    """
-    from datetime import datetime, timezone
-
-    if text is None or not text.strip():
-        return None
-    text = text.strip()
-    try:
-        return float(text)
-    except ValueError:
-        pass
-    try:
-        t = datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except ValueError:
-        return text  # a cursor (open_snapshot says if it is not one)
-    if t.tzinfo is None:
-        t = t.replace(tzinfo=timezone.utc)
-    return t.timestamp()
 
 
 @dataclass
@@ -89,8 +58,7 @@ def run(args: argparse.Namespace) -> int:
 
     opts = OPTIONS.build(ExportOptions, OPTIONS.resolve(args))  # OptionError: one line, exit 2
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
-    from rlrec.commands._common import open_output
-    from rlrec.commands.inspect import require_manifest
+    from rlrec.commands._common import open_output, require_manifest
     from rlrec.errors import RuntimeFailure, UsageError
     from rlrec.store.schema_gate import ShardSchemaError
     from rlrec.store.snapshot import empty_steps, open_snapshot

@@ -5,7 +5,14 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from rlrec.commands._common import open_output, plain_console, reports_storage_errors, require_manifest
+from rlrec.commands._common import (
+    AS_OF_HELP,
+    open_output,
+    parse_as_of,
+    plain_console,
+    reports_storage_errors,
+    require_manifest,
+)
 from rlrec.options import OptionSet, option
 
 
@@ -21,9 +28,7 @@ class InspectOptions:
         help="print only the committed shards' paths (URIs), one a line, from the manifest: the input "
         "for plain directory readers",
     )
-    as_of: str | None = option(
-        None, metavar="POINT", help="with --paths: the point of the manifest (as rlrec export --as-of)"
-    )
+    as_of: str | None = option(None, metavar="POINT", help="with --paths: " + AS_OF_HELP)
 
 
 #: the options of `rlrec inspect`
@@ -136,7 +141,6 @@ def run(args: argparse.Namespace) -> int:
 
         raise UsageError("--as-of needs --paths")
     if opts.paths:
-        from rlrec.commands.export import parse_as_of
         from rlrec.store.snapshot import open_snapshot
 
         snap = open_snapshot(storage, as_of=parse_as_of(opts.as_of))

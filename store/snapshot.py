@@ -399,7 +399,9 @@ def tabular_episodes(shard: Any, entry: ShardEntry) -> list[Any]:
     term, trunc = column_to_numpy(_column(table, "terminateds")), column_to_numpy(_column(table, "truncateds"))
     versions = column_to_numpy(_column(table, "policy_version")) if "policy_version" in table.column_names else None
     infos = table.column("infos").to_pylist() if "infos" in table.column_names else None
-    extras = {k: column_to_numpy(_column(table, k)) for k in table.column_names if k not in _TABULAR_NOT_EXTRA}
+    extra_names = [k for k in table.column_names if k not in _TABULAR_NOT_EXTRA]
+    extras = {k: column_to_numpy(_column(table, k)) for k in extra_names}
+    missing = {k: table.column(k).is_null().to_numpy(zero_copy_only=False) for k in extra_names}  # null: not logged
     starts = [i for i in range(len(ids)) if i == 0 or ids[i] != ids[i - 1]]
     if len(set(ids)) != len(starts):
         raise ValueError(f"{entry.path}: an episode's rows are not contiguous")
@@ -421,9 +423,7 @@ def tabular_episodes(shard: Any, entry: ShardEntry) -> list[Any]:
                 EMPTY_INFO,
                 *(loads_info(i) if i else EMPTY_INFO for i in (infos[a:b] if infos else [None] * (b - a))),
             ],
-            extra_model_outputs={k: v[a:b] for k, v in extras.items() if not np.all(np.isnan(v[a:b]))}
-            if extras
-            else {},
+            extra_model_outputs={k: v[a:b] for k, v in extras.items() if not missing[k][a:b].all()},
             terminated=bool(term[b - 1]),
             truncated=bool(trunc[b - 1]),
             first_offset=0,

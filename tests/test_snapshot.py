@@ -337,3 +337,19 @@ def test_snapshots_taken_while_a_writer_commits_are_consistent(tmp_path):
         assert rlrec.open(root, as_of=cursor).files() == files
         seen = Cursor.parse(cursor).positions.get(("rl", 0), 0)
         assert files == [f for f, e in zip(final.files(), final.entries) if e.seq < seen]  # a prefix of the log
+
+
+@pytest.mark.parametrize("fmt", ["episodes", "tabular"])
+def test_steps_without_a_propensity_are_null(tmp_path, fmt):
+    root = str(tmp_path / "out")
+    logged = expert_cartpole_episodes(1, seed=1, max_steps=15)
+    unlogged = expert_cartpole_episodes(1, seed=2, max_steps=15, with_logp=False)
+    (entry,) = ShardCommitter(root, fmt=fmt).commit(logged + unlogged).entries
+    snap = rlrec.open(root)
+    steps = snap.steps()
+    by_episode = {e: steps.filter(pa.compute.equal(steps.column("episode_id"), e)) for e in entry.episode_ids}
+    assert by_episode[logged[0].episode_id].column("action_logp").null_count == 0
+    assert by_episode[unlogged[0].episode_id].column("action_logp").null_count == unlogged[0].length
+    eps = {ep.id_: ep for ep in snap.shard_episodes(entry)}
+    assert "action_logp" in eps[logged[0].episode_id].extra_model_outputs
+    assert "action_logp" not in eps[unlogged[0].episode_id].extra_model_outputs

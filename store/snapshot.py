@@ -46,6 +46,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import math
@@ -263,13 +264,16 @@ class Snapshot:
         from rlrec.store.episodes import unpack_episode
 
         shard = self._gated(entry)
-        if shard.fmt == "tabular":
-            return tabular_episodes(shard, entry)
-        return [unpack_episode(v.as_py()) for chunk in shard.read(["item"]).column("item").chunks for v in chunk]
+        with _naming(self.storage.uri(entry.path)):
+            if shard.fmt == "tabular":
+                return tabular_episodes(shard, entry)
+            return [unpack_episode(v.as_py()) for chunk in shard.read(["item"]).column("item").chunks for v in chunk]
 
     def shard_steps(self, entry: ShardEntry) -> pa.Table:
         """The steps of one of the snapshot's shards (the columns of `steps`)."""
-        return gated_steps(self._gated(entry), entry)
+        shard = self._gated(entry)
+        with _naming(self.storage.uri(entry.path)):
+            return gated_steps(shard, entry)
 
     def iter_steps(self) -> Iterator[pa.Table]:
         """The steps of the snapshot, one table per shard (the columns of `steps`)."""
@@ -327,6 +331,18 @@ class Snapshot:
         from rlrec.store.snapshot_torch import StepsDataset
 
         return StepsDataset(self, columns=columns)
+
+
+@contextlib.contextmanager
+def _naming(where: str) -> Iterator[None]:
+    """Re-raise an episode that cannot be decoded (`EpisodeDecodeError`, `UnsafeEpisodeError`)
+    with the shard's URI in front of the reason."""
+    from rlrec.store.episodes import EpisodeDecodeError
+
+    try:
+        yield
+    except EpisodeDecodeError as e:
+        raise type(e)(f"{where}: {e}") from None
 
 
 # ------------------------------------------------------------------------------- steps

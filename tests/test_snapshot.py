@@ -203,7 +203,7 @@ def test_ray_dataset_reads_a_snapshot(store, ray_cluster):
 
 
 @pytest.mark.parametrize(("fmt", "column"), [("episodes", "item"), ("tabular", "obs")])
-def test_hostile_shard_is_refused(tmp_path, fmt, column):
+def test_hostile_shard_is_refused(tmp_path, capsys, fmt, column):
     root, marker = str(tmp_path / "out"), tmp_path / "pwned"
     storage = Storage.from_uri(root)
     eps = expert_cartpole_episodes(2, seed=7, max_steps=20)
@@ -216,6 +216,11 @@ def test_hostile_shard_is_refused(tmp_path, fmt, column):
     for read in readers:
         with pytest.raises(ShardSchemaError, match=entry.path.split("/")[-1].replace("+", r"\+")):
             read()
+    from rlrec.cli import main
+
+    assert main(["export", root, "--to", "parquet", str(tmp_path / "steps")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("rlrec export: error: ") and "refused" in err and err.count("\n") == 1, err
     assert not marker.exists(), "a pickled value was executed"
 
 
@@ -353,3 +358,36 @@ def test_steps_without_a_propensity_are_null(tmp_path, fmt):
     eps = {ep.id_: ep for ep in snap.shard_episodes(entry)}
     assert "action_logp" in eps[logged[0].episode_id].extra_model_outputs
     assert "action_logp" not in eps[unlogged[0].episode_id].extra_model_outputs
+
+
+def test_an_episode_whose_decoding_would_unpickle_is_refused_with_its_shard(tmp_path, capsys):
+    """An episode shard whose schema passes the gate but whose `item` holds a msgpack-numpy object
+    array (RLlib's decoder would unpickle it): refused by `unpack_episode`, named by its shard."""
+    import io
+
+    import msgpack
+    import msgpack_numpy as mnp
+    import numpy as np
+
+    from rlrec.cli import main
+    from rlrec.store.episodes import UnsafeEpisodeError, to_single_agent_episode
+    from rlrec.store.shards import encode_shard
+    from tests.hostile_shards import Boom, to_parquet
+
+    root, marker = str(tmp_path / "out"), tmp_path / "pwned"
+    storage = Storage.from_uri(root)
+    eps = expert_cartpole_episodes(1, seed=3, max_steps=10)
+    (entry,) = ShardCommitter(storage).commit(eps).entries
+    state = to_single_agent_episode(eps[0]).get_state()
+    state["custom_data"]["evil"] = np.array([Boom(str(marker))], dtype=object)
+    table = pq.read_table(io.BytesIO(encode_shard(eps).data))
+    evil = pa.array([msgpack.packb(state, default=mnp.encode)], pa.binary())
+    replace_committed(storage, entry, to_parquet(table.set_column(0, "item", evil)))
+    snap = rlrec.open(root)
+    for read in (snap.steps, lambda: list(snap.episodes())):
+        with pytest.raises(UnsafeEpisodeError, match=entry.path.split("/")[-1].replace("+", r"\+")):
+            read()
+    assert main(["export", root, "--to", "parquet", str(tmp_path / "steps")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("rlrec export: error: ") and err.count("\n") == 1, err
+    assert not marker.exists(), "a pickled value was executed"

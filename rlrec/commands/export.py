@@ -60,7 +60,6 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
     from rlrec.commands._common import open_output, require_manifest
     from rlrec.errors import RuntimeFailure, UsageError
-    from rlrec.store.schema_gate import ShardSchemaError
     from rlrec.store.snapshot import empty_steps, open_snapshot
 
     storage = open_output(opts.uri)
@@ -79,8 +78,8 @@ def run(args: argparse.Namespace) -> int:
         if not files:
             out.write("steps-00000.parquet", _writer(empty_steps(), meta))
             files = 1
-    except ShardSchemaError as e:
-        raise RuntimeFailure(f"refused: {e} ({files} file(s) written to {opts.dir} before it)") from None
+    except ValueError as e:  # a shard the gate refuses, an undecodable episode, shards of different spaces
+        raise RuntimeFailure(f"{e} ({files} file(s) written to {opts.dir} before it)") from None
     print(snap.cursor)
     print(
         f"rlrec export: wrote {steps:,} steps of {snap.num_episodes:,} episodes from {len(snap.entries)} shard(s) "

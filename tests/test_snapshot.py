@@ -194,6 +194,23 @@ def test_torch_dataset_resumes_without_repeating_or_skipping(store):
     assert sum(len(b["reward"]) for b in loader) == snap.num_steps
 
 
+def test_torch_workers_split_the_shards(store, monkeypatch):
+    """With DataLoader workers each reads every n-th shard: together every step once."""
+    from types import SimpleNamespace
+
+    import rlrec.store.snapshot_torch as snapshot_torch
+
+    root, points = store
+    snap = rlrec.open(root, as_of=points[4][0])
+    parts = []
+    for worker in range(3):
+        monkeypatch.setattr(snapshot_torch, "get_worker_info", lambda w=worker: SimpleNamespace(num_workers=3, id=w))
+        parts.append([(r["episode_id"], int(r["t"])) for r in snap.to_torch(columns=("episode_id", "t"))])
+    rows = [row for part in parts for row in part]
+    assert len(rows) == len(set(rows)) == snap.num_steps
+    assert all(parts)
+
+
 def test_ray_dataset_reads_a_snapshot(store, ray_cluster):
     root, points = store
     snap = rlrec.open(root, as_of=points[2][0])

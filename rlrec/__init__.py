@@ -24,7 +24,9 @@ _EXPORTS = {
     "encode": "rlrec.producer.events",
     "decode": "rlrec.producer.events",
     "load_policy": "rlrec.trainer.policy",
+    "open": "rlrec.store.snapshot",
 }
 
-__all__ = sorted(_EXPORTS)
+# `rlrec.open` (as-of reads of a store) is left out of `*`: it would shadow the builtin `open`
+__all__ = sorted(set(_EXPORTS) - {"open"})
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -10,7 +10,15 @@ import functools
 import sys
 from collections.abc import Callable
 
-__all__ = ["URI_FORMS", "open_output", "plain_console", "reports_storage_errors", "shell_command"]
+__all__ = [
+    "AS_OF_HELP",
+    "URI_FORMS",
+    "open_output",
+    "parse_as_of",
+    "plain_console",
+    "reports_storage_errors",
+    "shell_command",
+]
 
 
 def reports_storage_errors(command: str) -> Callable[[Callable[[argparse.Namespace], int]], Callable]:
@@ -132,3 +140,35 @@ def require_manifest(storage, uri: str) -> None:
         raise RuntimeFailure(f"no rlrec manifest at {uri} (did you mean {hint}?)")
     what = "it does not exist" if not storage.exists("") else "it holds no _manifest folder"
     raise RuntimeFailure(f"no rlrec manifest at {uri}: {what} (give the --output of rlrec consume)")
+
+
+#: the help of every --as-of option
+AS_OF_HELP = (
+    "the point of the manifest to read: a UNIX time (1764216000.5), an ISO 8601 time "
+    "(2026-11-27T04:00:00Z) or a cursor (printed by rlrec export and inspect --paths); default: the newest"
+)
+
+
+def parse_as_of(text: str | None) -> float | str | None:
+    """``--as-of`` text -> a UNIX time (from a number or an ISO 8601 time) or a cursor string.
+
+    Example:
+        >>> parse_as_of("1764216000.5"), parse_as_of("2026-11-27T04:00:00Z"), parse_as_of("r1~0123456789ab~rl:0=3")
+        (1764216000.5, 1795752000.0, 'r1~0123456789ab~rl:0=3')
+    """
+    from datetime import datetime, timezone
+
+    if text is None or not text.strip():
+        return None
+    text = text.strip()
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        t = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        return text  # a cursor (open_snapshot says if it is not one)
+    if t.tzinfo is None:
+        t = t.replace(tzinfo=timezone.utc)
+    return t.timestamp()

@@ -5,7 +5,14 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from rlrec.commands._common import open_output, plain_console, reports_storage_errors, require_manifest
+from rlrec.commands._common import (
+    AS_OF_HELP,
+    open_output,
+    parse_as_of,
+    plain_console,
+    reports_storage_errors,
+    require_manifest,
+)
 from rlrec.options import OptionSet, option
 
 
@@ -16,6 +23,12 @@ class InspectOptions:
     uri: str = option(positional=True, metavar="URI", help="output root: /path, file:///path, s3://bucket/prefix, ...")
     json: bool = option(False, help="print only a JSON document on stdout")
     verify: bool = option(False, help="verify shards; exit 1 on any problem (or when URI holds no rlrec manifest)")
+    paths: bool = option(
+        False,
+        help="print only the committed shards' paths (URIs), one a line, from the manifest: the input "
+        "for plain directory readers",
+    )
+    as_of: str | None = option(None, metavar="POINT", help="with --paths: " + AS_OF_HELP)
 
 
 #: the options of `rlrec inspect`
@@ -29,7 +42,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Read the manifest under URI and show its committed shards and totals. "
         "With --verify, check every shard (exists, size, sha256, duplicate episode ids, the schema "
         "gate's allow-list of columns and Arrow types, decode) and exit 1 if anything is wrong. "
-        "A URI without an rlrec manifest is an error (exit 1) that names a child folder holding one.",
+        "A URI without an rlrec manifest is an error (exit 1) that names a child folder holding one. "
+        "With --paths, print only the committed shards' paths, one a line (--as-of: at a point of "
+        "the manifest): give that list, not the policy directory, to a plain directory reader "
+        "(docs/GUARANTEES.md, 'As-of reads').",
     )
     OPTIONS.add_arguments(p)
     p.set_defaults(func=run, options=OPTIONS)
@@ -120,6 +136,18 @@ def run(args: argparse.Namespace) -> int:
 
     storage = open_output(opts.uri)
     require_manifest(storage, opts.uri)
+    if opts.as_of is not None and not opts.paths:
+        from rlrec.errors import UsageError
+
+        raise UsageError("--as-of needs --paths")
+    if opts.paths:
+        from rlrec.store.snapshot import open_snapshot
+
+        snap = open_snapshot(storage, as_of=parse_as_of(opts.as_of))
+        for path in snap.files():
+            print(path)
+        print(f"rlrec inspect: {len(snap.entries)} shard(s) at {snap.cursor}", file=sys.stderr)
+        return 0
     doc = inspect(storage)
     notes: list[str] = []
     try:

@@ -1,0 +1,665 @@
+"""Snapshots: the committed data of a store pinned to a point of its manifest (as-of reads).
+
+A point of the manifest is a *cursor*: for every partition log, how many of its entries are
+seen (entries ``0 .. n-1``; a log the cursor does not name is at 0). A log is append-only and an
+entry is never changed, so a cursor fixes a set of committed shard entries for good, and every
+reader opened at the same cursor, now or in a year, gets the same files and the same episodes.
+`open_snapshot` pins one:
+
+* ``as_of=None``: the newest point (every entry committed when it is called);
+* ``as_of=<UNIX time>``: per partition log, the entries before the first one written after
+  that time (a shard entry's ``commit_time``, a claim's or log snapshot's ``time``);
+* ``as_of=<cursor>``: a point a snapshot gave earlier (`Snapshot.cursor`).
+
+Guarantees (docs/GUARANTEES.md, "As-of reads"): a snapshot's file list is fixed when it is
+opened; every episode of a committed shard entry at or before its point is read exactly once
+(the manifest holds each episode in at most one shard entry); `Snapshot.changes` between two
+cursors of one store holds exactly the entries of the later one that the earlier one lacks.
+Shards are read through the schema gate (`rlrec.store.schema_gate`) after their sha256 is
+checked against the manifest: nothing is unpickled.
+
+Cursor text: ``r1~TAG~TOPIC:PARTITION=N,PARTITION=N+TOPIC:...``; ``TAG`` (12 hex digits) is a
+hash of the first entry of each log the cursor names, so a cursor of another store is refused.
+
+`Snapshot.steps` is one row per step (docs/FORMAT.md, "Steps table"): ``episode_id``
+(string), ``t`` (int64, 0-based), ``observation``, ``action``, ``reward`` (float64),
+``terminated`` and ``truncated`` (bool, true only on an episode's last step), ``action_logp``
+(float64, null where the policy logged no propensity), ``policy_version`` (int64),
+``next_observation`` and ``policy_id`` (string). Observations and actions have plain Arrow
+types: a Box of shape ``()`` its dtype, of shape ``(d1, ..., dk)`` nested
+``fixed_size_list<dtype>`` lists (outermost ``d1``); Discrete an integer; MultiDiscrete and
+MultiBinary fixed-size lists; Dict and Tuple a struct (Tuple fields named ``"0"``, ``"1"``, ...).
+
+Example::
+
+    >>> import tempfile
+    >>> from rlrec.store.commit import ShardCommitter
+    >>> from rlrec.trainer.synthetic import expert_cartpole_episodes
+    >>> root = tempfile.mkdtemp()
+    >>> _ = ShardCommitter(root).commit(expert_cartpole_episodes(2))
+    >>> snap = open_snapshot(root)
+    >>> len(snap.files()), snap.steps().num_rows == snap.num_steps
+    (1, True)
+    >>> open_snapshot(root, as_of=snap.cursor).files() == snap.files()
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import math
+import re
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from rlrec.store.commit import read_committed_shard
+from rlrec.store.manifest import MANIFEST_DIR, Entry, PartitionLog, ShardEntry, list_partition_logs
+from rlrec.store.schema_gate import TABULAR_FIXED_COLUMNS, ShardSchemaError, open_shard
+from rlrec.store.storage import Storage
+
+__all__ = [
+    "STEP_COLUMNS",
+    "Cursor",
+    "CursorError",
+    "Snapshot",
+    "column_to_numpy",
+    "empty_steps",
+    "gated_steps",
+    "open_snapshot",
+    "tabular_episodes",
+]
+
+log = logging.getLogger("rlrec.snapshot")
+
+#: the columns of `Snapshot.steps`, in order (observation/action types follow the spaces)
+STEP_COLUMNS = (
+    "episode_id",
+    "t",
+    "observation",
+    "action",
+    "reward",
+    "terminated",
+    "truncated",
+    "action_logp",
+    "policy_version",
+    "next_observation",
+    "policy_id",
+)
+_CURSOR_VERSION = "r1"
+_CURSOR_RE = re.compile(r"^r1~([0-9a-f]{12})~(.*)$")
+_GROUP_RE = re.compile(r"^([a-zA-Z0-9._-]+):(\d+=\d+(?:,\d+=\d+)*)$")
+
+
+class CursorError(ValueError):
+    """A point of the manifest that this store does not have: a malformed cursor, a cursor of
+    another store, a position past a log's end, a time in the future or before any commit.
+    Its message is one line."""
+
+    #: a usage error for the command line (rlrec.errors)
+    exit_code = 2
+
+
+# --------------------------------------------------------------------------------- cursor
+
+
+@dataclass(frozen=True)
+class Cursor:
+    """A point of a store's manifest: ``{(topic, partition): entries seen}`` and the store's tag.
+
+    Args:
+        positions: entries seen per partition log (a log not named: none of it).
+        tag: 12 hex digits naming the store (a hash of each named log's first entry).
+
+    Example:
+        >>> c = Cursor({("rl", 0): 12, ("rl", 1): 3}, "0123456789ab")
+        >>> str(c)
+        'r1~0123456789ab~rl:0=12,1=3'
+        >>> Cursor.parse(str(c)) == c
+        True
+    """
+
+    positions: Mapping[tuple[str, int], int]
+    tag: str
+
+    def __str__(self) -> str:
+        groups: dict[str, list[str]] = {}
+        for (topic, part), n in sorted(self.positions.items()):
+            groups.setdefault(topic, []).append(f"{part}={n}")
+        body = "+".join(f"{t}:{','.join(ps)}" for t, ps in groups.items())
+        return f"{_CURSOR_VERSION}~{self.tag}~{body}"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Cursor) and (dict(self.positions), self.tag) == (dict(other.positions), other.tag)
+
+    def __hash__(self) -> int:
+        return hash(str(self))
+
+    @classmethod
+    def parse(cls, text: str) -> Cursor:
+        """A cursor from its text (`str(cursor)`); `CursorError` if it is not one."""
+        if not isinstance(text, str):
+            raise CursorError(f"a cursor is a string like 'r1~TAG~rl:0=12', got {type(text).__name__}")
+        m = _CURSOR_RE.match(text.strip())
+        if not m:
+            raise CursorError(f"not an rlrec cursor: {_short(text)!r} (expected 'r1~TAG~TOPIC:PARTITION=N,...')")
+        positions: dict[tuple[str, int], int] = {}
+        body = m.group(2)
+        for group in body.split("+") if body else []:
+            g = _GROUP_RE.match(group)
+            if not g:
+                raise CursorError(f"not an rlrec cursor: {_short(text)!r} (bad part {_short(group)!r})")
+            for item in g.group(2).split(","):
+                part, n = (int(x) for x in item.split("="))
+                if (g.group(1), part) in positions:
+                    raise CursorError(f"not an rlrec cursor: {_short(text)!r} ({g.group(1)}/{part} named twice)")
+                positions[(g.group(1), part)] = n
+        return cls(positions, m.group(1))
+
+
+def _short(text: Any, n: int = 60) -> str:
+    s = str(text)
+    return s if len(s) <= n else s[: n - 3] + "..."
+
+
+def _first_entry_key(entry: Entry | None) -> str:
+    """What identifies a log's first entry (a claim: its writer's unique id)."""
+    if entry is None:
+        return "-"
+    return f"{type(entry).__name__}:{entry.seq}:{getattr(entry, 'writer', '')}:{getattr(entry, 'time', '')}"
+
+
+def _tag(firsts: Mapping[tuple[str, int], str]) -> str:
+    h = hashlib.sha256()
+    for (topic, part), key in sorted(firsts.items()):
+        h.update(f"{topic}/{part}={key}\n".encode())
+    return h.hexdigest()[:12]
+
+
+# ------------------------------------------------------------------------------- snapshot
+
+
+class Snapshot:
+    """Committed shard entries of a store pinned to a cursor (see module docstring).
+
+    Build with `open_snapshot` (or `rlrec.open`). Attributes: ``storage``, ``cursor`` (the
+    point's text, for `open_snapshot(as_of=...)` and `changes`), ``entries`` (the shard entries,
+    ordered by topic, partition and seq). Readers: `files`, `episodes`, `steps`,
+    `iter_steps`, `to_pyarrow_dataset`, `to_pandas`, `to_polars`, `to_duckdb`,
+    `to_ray_dataset`, `to_torch`; `changes` for incremental readers.
+    """
+
+    def __init__(self, storage: Storage, point: Cursor, entries: list[ShardEntry], firsts: dict) -> None:
+        self.storage = storage
+        self._point = point
+        self._firsts = firsts  # (topic, partition) -> key of its first entry (store identity)
+        self.entries: list[ShardEntry] = sorted(entries, key=lambda e: (e.topic, e.partition, e.seq))
+
+    def __repr__(self) -> str:
+        return f"Snapshot({self.storage.uri('')}, {self.cursor}, shards={len(self.entries)}, steps={self.num_steps})"
+
+    @property
+    def cursor(self) -> str:
+        """This snapshot's point of the manifest, as text."""
+        return str(self._point)
+
+    @property
+    def num_episodes(self) -> int:
+        return sum(e.episodes for e in self.entries)
+
+    @property
+    def num_steps(self) -> int:
+        return sum(e.steps for e in self.entries)
+
+    def files(self) -> list[str]:
+        """The URIs (local: absolute paths) of the snapshot's shards at their published paths,
+        one per committed shard entry. A shard committed moments ago may still be staged; the
+        readers of this class read it from staging then, a plain directory reader waits for it."""
+        return [self.storage.uri(e.path) for e in self.entries]
+
+    def changes(self, since: str | Cursor) -> Snapshot:
+        """The shard entries of this snapshot that the point `since` (a cursor of an earlier
+        snapshot of this store) does not hold, as a snapshot with this one's cursor.
+
+        Raises `CursorError` if `since` is not a point of this store at or before this one."""
+        since_c = _as_cursor(since)
+        _check_store(since_c, self._firsts, self.storage)
+        for key, n in since_c.positions.items():
+            if n > self._point.positions.get(key, 0):
+                raise CursorError(
+                    f"since is after this snapshot: {key[0]}/{key[1]} at {n} > {self._point.positions.get(key, 0)} "
+                    "(open the newer snapshot first)"
+                )
+        new = [e for e in self.entries if e.seq >= since_c.positions.get((e.topic, e.partition), 0)]  # type: ignore[operator]
+        return Snapshot(self.storage, self._point, new, self._firsts)
+
+    # ---------------------------------------------------------------- reading shards
+    def _gated(self, entry: ShardEntry):
+        """A committed shard's `GatedShard` once its bytes match the manifest's sha256."""
+        where = self.storage.uri(entry.path)
+        data = read_committed_shard(self.storage, entry.path, entry.staging_path)
+        if entry.sha256 and hashlib.sha256(data).hexdigest() != entry.sha256:
+            raise ShardSchemaError(f"{where}: sha256 differs from the manifest's: refused")
+        try:
+            return open_shard(data, fmt=entry.format)
+        except ShardSchemaError as e:
+            raise ShardSchemaError(f"{where}: {e.reason}") from None
+
+    def episodes(self) -> Iterator[Any]:
+        """Every episode of the snapshot as an RLlib `SingleAgentEpisode`, shard by shard
+        (`shard_episodes`). Imports RLlib (~2 s the first time)."""
+        for entry in self.entries:
+            yield from self.shard_episodes(entry)
+
+    def shard_episodes(self, entry: ShardEntry) -> list[Any]:
+        """The episodes of one of the snapshot's shards as `SingleAgentEpisode`s: decoded safely
+        from an episode shard (`rlrec.store.episodes.unpack_episode`), rebuilt from the rows of a
+        tabular shard (`tabular_episodes`; the reset step's info is not stored there: empty)."""
+        from rlrec.store.episodes import unpack_episode
+
+        shard = self._gated(entry)
+        with _naming(self.storage.uri(entry.path)):
+            if shard.fmt == "tabular":
+                return tabular_episodes(shard, entry)
+            return [unpack_episode(v.as_py()) for chunk in shard.read(["item"]).column("item").chunks for v in chunk]
+
+    def shard_steps(self, entry: ShardEntry) -> pa.Table:
+        """The steps of one of the snapshot's shards (the columns of `steps`)."""
+        shard = self._gated(entry)
+        with _naming(self.storage.uri(entry.path)):
+            return gated_steps(shard, entry)
+
+    def iter_steps(self) -> Iterator[pa.Table]:
+        """The steps of the snapshot, one table per shard (the columns of `steps`)."""
+        for entry in self.entries:
+            yield self.shard_steps(entry)
+
+    def steps(self) -> pa.Table:
+        """One row per step of every episode (columns: module docstring, docs/FORMAT.md "Steps table").
+
+        Raises `ShardSchemaError` (a ValueError) naming a shard the schema gate refuses, and
+        ValueError when shards hold different observation or action types."""
+        tables = list(self.iter_steps())
+        if not tables:
+            return empty_steps()
+        try:
+            return pa.concat_tables(tables)
+        except pa.ArrowInvalid as e:
+            raise ValueError(
+                f"the snapshot's shards hold steps of different types (several environments?): {e}"
+            ) from None
+
+    def to_pyarrow_dataset(self):
+        """The steps as a `pyarrow.dataset.Dataset` (in memory)."""
+        import pyarrow.dataset as ds
+
+        return ds.dataset(self.steps())
+
+    def to_pandas(self):
+        """The steps as a pandas DataFrame (observations and actions: numpy arrays per cell)."""
+        return self.steps().to_pandas()
+
+    def to_polars(self):
+        """The steps as a polars DataFrame (fixed-size lists become polars ``Array`` columns)."""
+        import polars as pl
+
+        return pl.from_arrow(self.steps())
+
+    def to_duckdb(self, connection: Any = None):
+        """The steps as a DuckDB relation on `connection` (default: a new in-memory database).
+        Needs the ``duckdb`` package (``pip install 'rlrec[analysis]'``)."""
+        import duckdb
+
+        con = connection if connection is not None else duckdb.connect()
+        return con.from_arrow(self.steps())
+
+    def to_ray_dataset(self):
+        """The steps as a Ray Dataset (one block per shard); starts Ray if it is not running."""
+        import ray.data
+
+        tables = list(self.iter_steps())
+        return ray.data.from_arrow(tables if tables else [empty_steps()])
+
+    def to_torch(self, *, columns: tuple[str, ...] | None = None):
+        """A resumable torch `IterableDataset` of the steps (`rlrec.store.snapshot_torch.StepsDataset`)."""
+        from rlrec.store.snapshot_torch import StepsDataset
+
+        return StepsDataset(self, columns=columns)
+
+
+@contextlib.contextmanager
+def _naming(where: str) -> Iterator[None]:
+    """Re-raise an episode that cannot be decoded (`EpisodeDecodeError`, `UnsafeEpisodeError`)
+    with the shard's URI in front of the reason."""
+    from rlrec.store.episodes import EpisodeDecodeError
+
+    try:
+        yield
+    except EpisodeDecodeError as e:
+        raise type(e)(f"{where}: {e}") from None
+
+
+# ------------------------------------------------------------------------------- steps
+
+
+def _plain(arr: pa.Array) -> pa.Array:
+    """`arr` with fixed-shape tensors turned into nested fixed-size lists (plain Arrow types)."""
+    t = arr.type
+    if isinstance(t, pa.FixedShapeTensorType):
+        values = arr.storage.flatten()
+        for d in reversed(t.shape):
+            values = pa.FixedSizeListArray.from_arrays(values, d)
+        return values
+    if pa.types.is_struct(t):
+        return pa.StructArray.from_arrays(
+            [_plain(arr.field(i)) for i in range(t.num_fields)], names=[t.field(i).name for i in range(t.num_fields)]
+        )
+    return arr
+
+
+def _column(table: pa.Table, name: str) -> pa.Array:
+    return _plain(table.column(name).combine_chunks())
+
+
+def column_to_numpy(col: pa.Array) -> Any:
+    """A step column as numpy: nested fixed-size lists -> one array of shape ``(n, *shape)``;
+    strings -> a list of str; structs -> a dict of those (float nulls become NaN)."""
+    t = col.type
+    if pa.types.is_struct(t):
+        return {t.field(i).name: column_to_numpy(col.field(i)) for i in range(t.num_fields)}
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        return col.to_pylist()
+    shape = []
+    values = col
+    while pa.types.is_fixed_size_list(values.type):
+        shape.append(values.type.list_size)
+        values = values.flatten()
+    return values.to_numpy(zero_copy_only=False).reshape(len(col), *shape)
+
+
+def _arrow_leaves(col: pa.Array) -> list[np.ndarray]:
+    """The leaf arrays of a step column (a struct's fields depth first: the spaces' leaf order)."""
+    t = col.type
+    if pa.types.is_struct(t):
+        return [leaf for i in range(t.num_fields) for leaf in _arrow_leaves(col.field(i))]
+    return [column_to_numpy(col)]
+
+
+#: columns of a tabular shard that are not extra model outputs
+_TABULAR_NOT_EXTRA = frozenset({*TABULAR_FIXED_COLUMNS, "obs", "actions", "new_obs"})
+
+
+def tabular_episodes(shard: Any, entry: ShardEntry) -> list[Any]:
+    """The episodes of a gated tabular shard as `SingleAgentEpisode`s (rows grouped by
+    ``eps_id``, each episode's rows contiguous and ordered by ``t``; ValueError otherwise)."""
+    from rlrec.producer.events import loads_info
+    from rlrec.producer.spaces import loads_space
+    from rlrec.store.episodes import to_single_agent_episode
+    from rlrec.store.finished import EMPTY_INFO, FinishedEpisode
+
+    meta = shard.metadata()
+    if "rlrec.observation_space" not in meta or "rlrec.action_space" not in meta:
+        raise ValueError(f"{entry.path}: a tabular shard without its spaces in the schema metadata")
+    obs_space, act_space = loads_space(meta["rlrec.observation_space"]), loads_space(meta["rlrec.action_space"])
+    table = shard.read()
+    ids = table.column("eps_id").to_pylist()
+    ts = column_to_numpy(_column(table, "t"))
+    cols = {name: _arrow_leaves(_column(table, name)) for name in ("obs", "actions", "new_obs")}
+    rewards = column_to_numpy(_column(table, "rewards")).astype(np.float64)
+    term, trunc = column_to_numpy(_column(table, "terminateds")), column_to_numpy(_column(table, "truncateds"))
+    versions = column_to_numpy(_column(table, "policy_version")) if "policy_version" in table.column_names else None
+    infos = table.column("infos").to_pylist() if "infos" in table.column_names else None
+    extra_names = [k for k in table.column_names if k not in _TABULAR_NOT_EXTRA]
+    extras = {k: column_to_numpy(_column(table, k)) for k in extra_names}
+    missing = {k: table.column(k).is_null().to_numpy(zero_copy_only=False) for k in extra_names}  # null: not logged
+    starts = [i for i in range(len(ids)) if i == 0 or ids[i] != ids[i - 1]]
+    if len(set(ids)) != len(starts):
+        raise ValueError(f"{entry.path}: an episode's rows are not contiguous")
+    out = []
+    for a, b in zip(starts, [*starts[1:], len(ids)]):
+        if not np.array_equal(ts[a:b], np.arange(b - a)):
+            raise ValueError(f"{entry.path}: episode {ids[a]}: t is not 0, 1, 2, ...")
+        fe = FinishedEpisode(
+            episode_id=ids[a],
+            policy_id=entry.policy_id,
+            policy_version=int(versions[a]) if versions is not None else 0,
+            env_id="",
+            observation_space=obs_space,
+            action_space=act_space,
+            observations=[np.concatenate([o[a:b], n[b - 1 : b]]) for o, n in zip(cols["obs"], cols["new_obs"])],
+            actions=[x[a:b] for x in cols["actions"]],
+            rewards=rewards[a:b],
+            infos=[
+                EMPTY_INFO,
+                *(loads_info(i) if i else EMPTY_INFO for i in (infos[a:b] if infos else [None] * (b - a))),
+            ],
+            extra_model_outputs={k: v[a:b] for k, v in extras.items() if not missing[k][a:b].all()},
+            terminated=bool(term[b - 1]),
+            truncated=bool(trunc[b - 1]),
+            first_offset=0,
+            last_offset=0,
+            started_ms=0,
+            ended_ms=0,
+        )
+        out.append(to_single_agent_episode(fe))
+    return out
+
+
+def _logp(values: pa.Array | None, n: int) -> pa.Array:
+    if values is None:
+        return pa.nulls(n, pa.float64())
+    if pa.types.is_fixed_size_list(values.type) or pa.types.is_list(values.type):
+        values = values.flatten()  # a (T, 1) output
+    return values.cast(pa.float64())
+
+
+def _leaves(space: Any, data: Any) -> list[np.ndarray]:
+    """The leaf arrays of batched `data` (a value of `space` with a leading time axis)."""
+    import gymnasium as gym
+
+    if isinstance(space, gym.spaces.Dict):
+        return [leaf for k, s in space.spaces.items() for leaf in _leaves(s, data[k])]
+    if isinstance(space, gym.spaces.Tuple):
+        return [leaf for i, s in enumerate(space.spaces) for leaf in _leaves(s, data[i])]
+    return [np.asarray(data)]
+
+
+def _episode_columns(episodes: list[Any]) -> dict[str, pa.Array]:
+    from rlrec.store.shards import _column as space_column
+
+    ep0 = episodes[0]
+    obs = [_leaves(ep.observation_space, ep.get_observations()) for ep in episodes]
+    acts = [_leaves(ep.action_space, ep.get_actions()) for ep in episodes]
+    lengths = np.array([len(ep) for ep in episodes], dtype=np.int64)
+    last = np.zeros(int(lengths.sum()), dtype=bool)
+    last[np.cumsum(lengths) - 1] = True
+    logps = []
+    for ep, n in zip(episodes, lengths):
+        if "action_logp" in ep.extra_model_outputs:
+            logps.append(pa.array(np.asarray(ep.get_extra_model_outputs("action_logp"), dtype=np.float64).reshape(n)))
+        else:
+            logps.append(pa.nulls(int(n), pa.float64()))
+    return {
+        "episode_id": pa.array(np.repeat(np.array([ep.id_ for ep in episodes], dtype=object), lengths), pa.string()),
+        "t": pa.array(np.concatenate([np.arange(n, dtype=np.int64) for n in lengths])),
+        "observation": space_column(ep0.observation_space, [[x[:-1] for x in o] for o in obs], "nested"),
+        "action": space_column(ep0.action_space, acts, "nested"),
+        "reward": pa.array(np.concatenate([np.asarray(ep.get_rewards(), dtype=np.float64) for ep in episodes])),
+        "terminated": pa.array(np.repeat(np.array([bool(ep.is_terminated) for ep in episodes]), lengths) & last),
+        "truncated": pa.array(np.repeat(np.array([bool(ep.is_truncated) for ep in episodes]), lengths) & last),
+        "action_logp": pa.concat_arrays(logps),
+        "next_observation": space_column(ep0.observation_space, [[x[1:] for x in o] for o in obs], "nested"),
+    }
+
+
+def gated_steps(shard: Any, entry: ShardEntry) -> pa.Table:
+    """The steps (columns `STEP_COLUMNS`) of one gated shard (`rlrec.store.schema_gate.GatedShard`)
+    whose manifest entry is `entry`."""
+    if shard.fmt == "episodes":
+        from rlrec.store.episodes import unpack_episode
+
+        table = shard.read(["item", "policy_version"])
+        episodes = [unpack_episode(v.as_py()) for chunk in table.column("item").chunks for v in chunk]
+        if not episodes:
+            return empty_steps()
+        cols = _episode_columns(episodes)
+        versions = np.asarray(table.column("policy_version").to_numpy(), dtype=np.int64)
+        cols["policy_version"] = pa.array(np.repeat(versions, [len(ep) for ep in episodes]))
+    else:
+        table = shard.read()
+        n = table.num_rows
+        cols = {
+            "episode_id": _column(table, "eps_id"),
+            "t": _column(table, "t") if "t" in table.column_names else None,
+            "observation": _column(table, "obs"),
+            "action": _column(table, "actions"),
+            "reward": _column(table, "rewards").cast(pa.float64()),
+            "terminated": _column(table, "terminateds"),
+            "truncated": _column(table, "truncateds"),
+            "action_logp": _logp(_column(table, "action_logp") if "action_logp" in table.column_names else None, n),
+            "policy_version": _column(table, "policy_version")
+            if "policy_version" in table.column_names
+            else pa.nulls(n, pa.int64()),
+            "next_observation": _column(table, "new_obs"),
+        }
+        if cols["t"] is None:
+            raise ShardSchemaError(f"{entry.path}: a tabular shard without a t column")
+    n = len(cols["episode_id"])
+    cols["policy_id"] = pa.array([entry.policy_id] * n, pa.string())
+    return pa.table({k: cols[k] for k in STEP_COLUMNS})
+
+
+def empty_steps() -> pa.Table:
+    """The steps of no shard (observation and action of type null)."""
+    return pa.table(
+        {
+            "episode_id": pa.array([], pa.string()),
+            "t": pa.array([], pa.int64()),
+            "observation": pa.array([], pa.null()),
+            "action": pa.array([], pa.null()),
+            "reward": pa.array([], pa.float64()),
+            "terminated": pa.array([], pa.bool_()),
+            "truncated": pa.array([], pa.bool_()),
+            "action_logp": pa.array([], pa.float64()),
+            "policy_version": pa.array([], pa.int64()),
+            "next_observation": pa.array([], pa.null()),
+            "policy_id": pa.array([], pa.string()),
+        }
+    )
+
+
+# --------------------------------------------------------------------------------- opening
+
+
+def _as_cursor(value: str | Cursor) -> Cursor:
+    return value if isinstance(value, Cursor) else Cursor.parse(value)
+
+
+def _check_store(c: Cursor, firsts: Mapping[tuple[str, int], str], storage: Storage) -> None:
+    missing = sorted(k for k in c.positions if k not in firsts)
+    if missing:
+        t, p = missing[0]
+        raise CursorError(
+            f"the cursor names partition log {t}/{p}, which {storage.uri('')} does not have (a cursor of another store?)"
+        )
+    if _tag({k: firsts[k] for k in c.positions}) != c.tag:
+        raise CursorError(f"the cursor is from another store (its logs do not begin like those of {storage.uri('')})")
+
+
+def _read_logs(storage: Storage) -> dict[tuple[str, int], list[Entry]]:
+    return {k: PartitionLog(storage, *k).load(strict=True) for k in list_partition_logs(storage)}
+
+
+def _point_at_time(logs: Mapping[tuple[str, int], list[Entry]], ts: float, storage: Storage) -> dict:
+    if isinstance(ts, bool) or not math.isfinite(ts):
+        raise CursorError(f"as_of must be a UNIX time or a cursor, got {ts!r}")
+    now = time.time()
+    if ts > now:
+        raise CursorError(f"as_of {ts:.3f} is in the future (now {now:.3f}): later commits could still land before it")
+    times = [e.commit_time for entries in logs.values() for e in entries if isinstance(e, ShardEntry)]
+    if not times or ts < min(times):
+        first = f"the first commit is at {min(times):.3f}" if times else "it has no commits"
+        raise CursorError(f"as_of {ts:.3f} is before any commit of {storage.uri('')} ({first})")
+    positions = {}
+    for key, entries in logs.items():
+        n = len(entries)
+        for i, e in enumerate(entries):
+            if _entry_time(e) > ts:
+                n = i
+                break
+        positions[key] = entries[n - 1].seq + 1 if n else 0
+    return positions
+
+
+def _entry_time(e: Entry) -> float:
+    """When an entry was written (a shard entry: its ``commit_time``), by its writer's clock."""
+    return e.commit_time if isinstance(e, ShardEntry) else e.time
+
+
+def open_snapshot(storage: Storage | str, as_of: float | int | str | Cursor | None = None) -> Snapshot:
+    """The committed data of a store pinned to a point of its manifest (module docstring).
+
+    Args:
+        storage: the store (a `Storage` or its URI: a path, ``s3://bucket/prefix``, ...).
+        as_of: None (the newest point), a UNIX time (float; the entries committed at or before
+            it, per partition log up to the first later one) or a cursor (`Snapshot.cursor`).
+
+    Raises:
+        FileNotFoundError: the store holds no manifest (nothing was ever committed there).
+        CursorError: a malformed cursor, a cursor of another store, a position past a log's
+            end, a time in the future or before the store's first commit (one-line messages).
+        ManifestError: the manifest cannot be read (a gap, a malformed entry).
+
+    Example::
+
+        >>> import tempfile
+        >>> from rlrec.store.commit import ShardCommitter
+        >>> from rlrec.trainer.synthetic import expert_cartpole_episodes
+        >>> root = tempfile.mkdtemp()
+        >>> _ = ShardCommitter(root, "rl", 0).commit(expert_cartpole_episodes(1))
+        >>> open_snapshot(root, as_of="r1~0123456789ab~rl:1=3")
+        Traceback (most recent call last):
+        ...
+        rlrec.store.snapshot.CursorError: the cursor names partition log rl/1, which ... does not have (a cursor of another store?)
+    """
+    st = Storage.from_uri(storage) if isinstance(storage, str) else storage
+    if not st.exists(MANIFEST_DIR):
+        raise FileNotFoundError(f"no rlrec manifest at {st.uri('')} (give the --output of rlrec consume)")
+    logs = _read_logs(st)
+    firsts = {k: _first_entry_key(entries[0] if entries else None) for k, entries in logs.items()}
+    ends = {k: (entries[-1].seq + 1 if entries else 0) for k, entries in logs.items()}
+    if as_of is None:
+        positions = ends
+    elif isinstance(as_of, (str, Cursor)):
+        c = _as_cursor(as_of)
+        _check_store(c, firsts, st)
+        for key, n in c.positions.items():
+            if n > ends[key]:
+                raise CursorError(
+                    f"unknown point: the cursor is at entry {n} of {key[0]}/{key[1]}, whose log ends at {ends[key]}"
+                )
+        positions = dict(c.positions)
+    elif isinstance(as_of, (int, float)) and not isinstance(as_of, bool):
+        positions = _point_at_time(logs, float(as_of), st)
+    else:
+        raise CursorError(f"as_of must be None, a UNIX time or a cursor string, got {type(as_of).__name__}")
+    positions = {k: n for k, n in positions.items() if n > 0}
+    point = Cursor(positions, _tag({k: firsts[k] for k in positions}))
+    entries = [
+        e
+        for key, es in logs.items()
+        for e in es
+        if isinstance(e, ShardEntry) and e.seq < positions.get(key, 0)  # type: ignore[operator]
+    ]
+    log.debug("snapshot %s: %d shard(s)", point, len(entries))
+    return Snapshot(st, point, entries, firsts)
+
+
+#: ``rlrec.open``: the name under which the package exports `open_snapshot`
+open = open_snapshot

@@ -102,7 +102,7 @@ TIMEOUTS = {
     "producer": (1200, 240),  # 4 workloads x 2 sides x (1 warm-up + 7) rounds: ~4.5 min here, ~12 on a slow one
     "consumer": (2400, 300),  # 5 sides x 5 rounds x 2 sizes: ~15 min on a slow 2-core machine
     "memory": (1200, 300),
-    "trainer": (2400, 300),
+    "trainer": (3600, 300),  # 5 sides x 3 rounds, static and T4, + 3 T3 rounds: ~25-40 min on 2 shared cores
     "manifest": (2400, 300),
 }
 

@@ -157,10 +157,12 @@ def drop_native_notices(notices: tuple[str, ...] = NATIVE_NOTICES) -> bool:
     Args:
         notices: substrings of the lines to drop.
 
-    Example:
-        >>> drop_native_notices()  # doctest: +SKIP
-        True
-        >>> os.write(2, b"... has constructor arguments in the object store and max_restarts > 0 ...\\n")  # doctest: +SKIP
+    Example (a service's main, before ``ray.init``; tests/test_error_contract.py runs it)::
+
+        setup_logging("text", "INFO")
+        quiet_ray_logging()
+        drop_native_notices()
+        ray.init(address="local", log_to_driver=False, configure_logging=False)
     """
     import subprocess
 

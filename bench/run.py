@@ -2,6 +2,7 @@
 
     python bench/run.py [--quick] [--json PATH] [--markdown PATH] [--png PATH] [--readme README.md]
                         [--only producer,consumer,memory,trainer,manifest] [--keep-logs DIR]
+                        [--child-args NAME=ARGS ...] [--merge PREVIOUS.json]
 
 Runs each `bench/<name>.py` in its own child process with `--json` (so each keeps its own broker,
 Ray instance and peak RSS) and turns their results into rows. Every benchmark measures its
@@ -52,6 +53,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -485,12 +487,13 @@ def scaleout_rows(r: dict, quick: bool) -> list[Row]:
 ARGS["scaleout"], TIMEOUTS["scaleout"], ROWS["scaleout"] = ([], ["--quick"]), (1200, 300), scaleout_rows
 
 
-def run_child(name: str, quick: bool, workdir: str) -> dict:
-    """Run bench/<name>.py with --json in a child process; returns its JSON result."""
+def run_child(name: str, quick: bool, workdir: str, extra: list[str] | None = None) -> dict:
+    """Run bench/<name>.py with --json (and `extra` arguments) in a child process; returns its
+    JSON result."""
     out = os.path.join(workdir, f"{name}.json")
     log_path = os.path.join(workdir, f"{name}.log")
     script = {"scaleout": "consumer_scaleout"}.get(name, name)
-    cmd = [sys.executable, os.path.join(HERE, f"{script}.py"), *ARGS[name][quick], "--json", out]
+    cmd = [sys.executable, os.path.join(HERE, f"{script}.py"), *ARGS[name][quick], *(extra or []), "--json", out]
     timeout = TIMEOUTS[name][quick]
     with open(log_path, "w") as log:
         try:
@@ -564,10 +567,14 @@ def print_table(rows: list[Row], title: str) -> None:
 
 
 def run(
-    quick: bool, only: tuple[str, ...] = BENCHES, workdir: str | None = None, results: dict | None = None
+    quick: bool,
+    only: tuple[str, ...] = BENCHES,
+    workdir: str | None = None,
+    results: dict | None = None,
+    extra: dict[str, list[str]] | None = None,
 ) -> list[Row]:
     """Run the chosen benchmarks (in order) and return their rows; each child's own JSON goes
-    into `results[name]` when given."""
+    into `results[name]` when given; `extra[name]` is appended to a child's arguments."""
     from rich.console import Console
 
     console = Console(stderr=True)
@@ -577,7 +584,7 @@ def run(
         for i, name in enumerate(only, 1):
             t0 = time.time()
             with console.status(f"[{i}/{len(only)}] bench/{name}.py{' --quick' if quick else ''} ..."):
-                result = run_child(name, quick, workdir)
+                result = run_child(name, quick, workdir, (extra or {}).get(name))
             console.log(f"bench/{name}.py done in {time.time() - t0:.0f}s")
             if results is not None:
                 results[name] = result
@@ -758,6 +765,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep-logs", metavar="DIR", help="keep each child's log and JSON in DIR")
     ap.add_argument("--merge", metavar="PATH", help="keep this earlier run's results for the benchmarks not run now")
     ap.add_argument(
+        "--child-args",
+        metavar="NAME=ARGS",
+        action="append",
+        default=[],
+        help="more arguments for one benchmark, e.g. trainer='--rounds 2' (repeatable; the JSON keeps them)",
+    )
+    ap.add_argument(
         "--from-json", metavar="PATH", help="run nothing: redraw --png / regenerate --readme, --markdown from PATH"
     )
     args = ap.parse_args(argv)
@@ -785,6 +799,12 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [s for s in only if s not in ROWS]
     if unknown or not only:
         ap.error(f"--only: unknown benchmark(s) {unknown}; choose from {', '.join(ROWS)}")
+    extra: dict[str, list[str]] = {}
+    for item in args.child_args:
+        name, sep, rest = item.partition("=")
+        if not sep or name not in ROWS:
+            ap.error(f"--child-args {item!r}: expected NAME=ARGS with NAME one of {', '.join(ROWS)}")
+        extra.setdefault(name, []).extend(shlex.split(rest))
     if args.keep_logs:
         os.makedirs(args.keep_logs, exist_ok=True)
     t0 = time.time()
@@ -792,7 +812,7 @@ def main(argv: list[str] | None = None) -> int:
     info = machine()
     results: dict = {}
     try:
-        rows = run(args.quick, only, args.keep_logs, results)
+        rows = run(args.quick, only, args.keep_logs, results, extra)
     except BenchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -812,6 +832,7 @@ def main(argv: list[str] | None = None) -> int:
             "duration_s": duration,
             "quick": args.quick,
             "only": list(only),
+            "child_args": extra,
             "json": os.path.relpath(args.json_path, ROOT) if args.json_path else None,
         },
         "machine": info,

@@ -326,6 +326,7 @@ def test_ray_notices_stay_out_of_the_trainer_log(capsys, monkeypatch):
     logging.getLogger("ray.rllib").addHandler(logging.StreamHandler())
     logging.getLogger("ray.data").addHandler(logging.StreamHandler())
     setup_logging("text", "INFO")
+    logging.captureWarnings(False)  # an earlier in-process `rlrec train` turned it on under pytest's own capture
     try:
         quiet_ray_logging()
         for name in ("ray", "ray.rllib", "ray.data"):  # Ray's records reach our handler only

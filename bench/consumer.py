@@ -45,11 +45,18 @@ decode, assembly and packing; (b) and (c) write the same episodes, as many files
 codec. (b) additionally commits a manifest entry per shard and the Kafka offsets; that is the
 product's work, not removable.
 
+CPU per step counts all of a side's work: every thread of its process (rlrec's encoding thread
+included) and, for (c), the CPU its Ray worker processes spent during its clock (where
+`write_parquet`'s tasks encode and write; counted per PID with psutil). Ray's daemons (raylet,
+GCS) are reported apart (`ray_daemons_cpu_s`), not counted; the driver's own share is
+`driver_cpu_us_per_step`. CPU per step moves less between machines of our kind than steps/s
+(the broker shares the two cores), so it is judged too: one process's (b) <= 1.1x (c).
+
 The five sides alternate (reversed every other round) for --rounds rounds; medians and spread
 are reported and every round's raw values are in the JSON. A separate *live* run (a consumer
 keeping up with a steadily paced producer) gives the freshness p50/p99 (episode end -> commit).
 
-Targets: steps/s (b)/(a) >= 0.7 for one process (rlrec's cost over the floor's work), (b)/(c)
+Targets: CPU µs/step (b)/(c) <= 1.1 for one process; steps/s (b)/(a) >= 0.7 for one process (rlrec's cost over the floor's work), (b)/(c)
 >= 1.5 for `--processes 2`; one process's (b)/(c) is reported: it is bounded by (a)/(c), since
 one process cannot beat the floor, whose decode, assembly and packing are its own code, and
 at CartPole size Ray's writer adds only ~40 % to the floor. `--quick` is a smoke test judging
@@ -83,6 +90,8 @@ ray_on_loopback()  # single-machine Ray: listen on 127.0.0.1 only
 
 TARGET_VS_FLOOR = 0.7
 TARGET_VS_PIPELINE = 1.5
+#: one process's CPU per step may be at most this multiple of (c)'s (its Ray workers included)
+TARGET_CPU_VS_PIPELINE = 1.1
 CODEC = "zstd"  # rlrec's default shard codec; (c) writes with the same
 PARTITIONS = 4
 MIN_LEN, MAX_LEN = 50, 200
@@ -359,6 +368,7 @@ def measure(bootstrap: str, tmp: str, obs_kind: str, episodes: int, rounds: int,
         "cpu_us_per_step": {k: _med(v, "cpu_us_per_step") for k, v in raw.items()},
         "peak_rss_mb": {k: _med(v, "peak_rss_mb") for k, v in raw.items() if "peak_rss_mb" in v[0]},
         "ratio_b_a": med["ours"] / med["floor"],
+        "cpu_ratio_b_c": _med(raw["ours"], "cpu_us_per_step") / _med(raw["pipeline"], "cpu_us_per_step"),
         "ratio_b_c": med["ours"] / med["pipeline"],
         "ratio_b_nofsync_a": med["ours_nofsync"] / med["floor"],
         "ratio_b_nofsync_c": med["ours_nofsync"] / med["pipeline"],
@@ -440,7 +450,8 @@ def run(
             f"{k}_{t}": None if quick else v[f"ratio_{t}"] >= tgt
             for k, v in sizes.items()
             for t, tgt in (("b_a", TARGET_VS_FLOOR), ("b_group_c", TARGET_VS_PIPELINE))
-        },
+        }
+        | {f"{k}_cpu_b_c": None if quick else v["cpu_ratio_b_c"] <= TARGET_CPU_VS_PIPELINE for k, v in sizes.items()},
     }
 
 
@@ -681,6 +692,7 @@ def worker_pipeline(spec: dict) -> dict:
         rss0 = _rss_mb()
         packed: list[dict] = []
         clock: dict = {}
+        ray_cpu0 = _ray_cpu_s()
         _, _, episodes, steps = _read_floor(spec, lambda fe: packed.append({"item": pack_item(fe)}), clock)
         blocks = int(spec["blocks"] or 1)
         path = os.path.join(spec["output"], "data")
@@ -689,21 +701,58 @@ def worker_pipeline(spec: dict) -> dict:
             path, compression=spec["codec"], use_dictionary=False, write_statistics=False
         )
         wall, cpu = time.perf_counter() - clock["t0"], time.process_time() - clock["cpu0"]
+        ray_cpu = _ray_cpu_delta(ray_cpu0)
         rows = ray.data.read_parquet(path).count()
         assert rows == episodes == spec["episodes"], (rows, episodes)
     finally:
         ray.shutdown()
     return {
         "wall_s": wall,
-        "cpu_s": cpu,  # this process only: Ray's write tasks run in worker processes
+        # the writing runs in Ray's worker processes: their CPU counts, as rlrec's encoding
+        # thread's does; Ray's own daemons (raylet, GCS) are reported, not counted
+        "cpu_s": cpu + ray_cpu["workers"],
+        "driver_cpu_s": cpu,
+        "ray_workers_cpu_s": ray_cpu["workers"],
+        "ray_daemons_cpu_s": ray_cpu["daemons"],
+        # worker processes started during the clock: their start-up is in ray_workers_cpu_s
+        "ray_workers_started": ray_cpu["workers_started"],
         "steps_per_s": steps / wall,
-        "cpu_us_per_step": cpu / steps * 1e6,
+        "cpu_us_per_step": (cpu + ray_cpu["workers"]) / steps * 1e6,
+        "driver_cpu_us_per_step": cpu / steps * 1e6,
         "episodes": episodes,
         "steps": steps,
         "blocks": blocks,
         "files": len(os.listdir(path)),
         "rss_after_imports_mb": rss0,
     }
+
+
+def _ray_cpu_s() -> dict[int, tuple[str, float]]:
+    """{pid: (kind, CPU seconds so far)} of this process's descendants: Ray's worker processes
+    (kind "workers": ``ray::...``, where tasks run) and its daemons ("daemons": the rest)."""
+    import psutil
+
+    out = {}
+    for p in psutil.Process().children(recursive=True):
+        try:
+            with p.oneshot():
+                t = p.cpu_times()
+                name = p.name() + " " + " ".join(p.cmdline())
+        except psutil.Error:  # ended meanwhile
+            continue
+        out[p.pid] = ("workers" if name.startswith("ray::") or " ray::" in name else "daemons", t.user + t.system)
+    return out
+
+
+def _ray_cpu_delta(before: dict[int, tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds per kind since `before`, and how many worker processes started since (one
+    counts from zero, start-up included; one that ended meanwhile is not seen, which can only
+    undercount Ray's side)."""
+    out = {"workers": 0.0, "daemons": 0.0, "workers_started": 0}
+    for pid, (kind, cpu) in _ray_cpu_s().items():
+        out[kind] += cpu - before.get(pid, (kind, 0.0))[1]
+        out["workers_started"] += kind == "workers" and pid not in before
+    return out
 
 
 WORKERS = {"floor": worker_floor, "ours": worker_consumer, "ours_nofsync": worker_consumer, "pipeline": worker_pipeline}
@@ -728,12 +777,16 @@ def print_table(r: dict) -> None:
         print(f"\n{kind}: {m['episodes']:,} episodes, {m['steps']:,} steps; median of {m['rounds']} round(s)")
         for k, label in names.items():
             lo, hi = m["spread"][k]
-            print(f"  {label:<46}{m['steps_per_s'][k]:>12,.0f} steps/s  [{lo:,.0f} .. {hi:,.0f}]")
+            print(
+                f"  {label:<46}{m['steps_per_s'][k]:>12,.0f} steps/s  [{lo:,.0f} .. {hi:,.0f}]"
+                f"  {m['cpu_us_per_step'][k]:.2f} CPU µs/step"
+            )
         print(
             f"  b/a {m['ratio_b_a']:.2f} (target >= {TARGET_VS_FLOOR}), b/c {m['ratio_b_c']:.2f} "
             f"(target >= {TARGET_VS_PIPELINE}); no fsync: b/a {m['ratio_b_nofsync_a']:.2f}, "
             f"b/c {m['ratio_b_nofsync_c']:.2f}; {GROUP_PROCESSES} processes: b/a {m['ratio_b_group_a']:.2f}, "
-            f"b/c {m['ratio_b_group_c']:.2f}; shards {m['shards']}"
+            f"b/c {m['ratio_b_group_c']:.2f}; CPU b/c {m['cpu_ratio_b_c']:.2f} (target <= {TARGET_CPU_VS_PIPELINE}); "
+            f"shards {m['shards']}"
         )
     print(
         f"freshness (live, {r['freshness_live_episodes']} episodes at {r['freshness_live_rate_eps_per_s']:g}/s): "

@@ -236,12 +236,13 @@ def consumer_rows(r: dict, quick: bool) -> list[Row]:
     judged for rlrec as it runs on this machine, one process per core (`rlrec consume
     --processes 2`), and reported for one process, which (c)'s own floor bounds: b/c <= a/c
     whenever b <= a (bench/consumer.py)."""
-    from bench.consumer import GROUP_PROCESSES, GROUP_SIDE, TARGET_VS_FLOOR, TARGET_VS_PIPELINE
+    from bench.consumer import GROUP_PROCESSES, GROUP_SIDE, TARGET_CPU_VS_PIPELINE, TARGET_VS_FLOOR, TARGET_VS_PIPELINE
 
     rows = []
     for kind, m in r["sizes"].items():
         label = {"cartpole": "CartPole-size", "atari": "84×84×4"}.get(kind, kind)
         steps = lambda side, m=m: [x["steps_per_s"] for x in m["raw"][side]]  # noqa: E731
+        cpu = lambda side, m=m: [x["cpu_us_per_step"] for x in m["raw"][side]]  # noqa: E731
         sides = (
             ("ours", "1 process, fsync (default)", True, False),
             ("ours_nofsync", "1 process, no fsync", True, False),
@@ -268,6 +269,21 @@ def consumer_rows(r: dict, quick: bool) -> list[Row]:
                     quick,
                 )
                 row.rounds = _rounds(steps(side), steps(base))
+                rows.append(row)
+            # CPU per step (all of a side's threads and processes; (c)'s Ray workers included):
+            # steadier across machines than steps/s; judged for one process vs (c)
+            for base, what in (("floor", "(a)"), ("pipeline", "(c)")):
+                judged = side == "ours" and base == "pipeline"
+                tgt = TARGET_CPU_VS_PIPELINE
+                row = _row(
+                    f"consumer: CPU µs/step, {label}, (b) rlrec {dur}, vs {what}",
+                    float(m["cpu_us_per_step"][side]),
+                    float(m["cpu_us_per_step"][base]),
+                    f"ratio ≤ {tgt:g}" if judged else "reported",
+                    (lambda o, q, t=tgt: q <= t) if judged else (lambda o, q: None),
+                    quick,
+                )
+                row.rounds = _rounds(cpu(side), cpu(base))
                 rows.append(row)
     cp = r["sizes"]["cartpole"]
     row = _row(

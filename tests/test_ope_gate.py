@@ -85,7 +85,8 @@ def test_ope_gate_promotes_better_and_refuses_worse(logged, tmp_path, monkeypatc
     trainer = ContinuousTrainer(cfg)
     env = gym.make(CONTEXT_BANDIT_ID)
     trainer.obs_space, trainer.act_space = env.observation_space, env.action_space
-    trainer.algo = SimpleNamespace(config=SimpleNamespace(gamma=GAMMA))
+    # save_to_path: a stand-in algorithm's empty checkpoint (a promoted version is published at the commit)
+    trainer.algo = SimpleNamespace(config=SimpleNamespace(gamma=GAMMA), save_to_path=lambda path: None)
     candidate = {}
     monkeypatch.setattr(promotion, "export_candidate", lambda *a: candidate["artifact"])
 
@@ -97,6 +98,7 @@ def test_ope_gate_promotes_better_and_refuses_worse(logged, tmp_path, monkeypatc
         assert trainer.policy_version == before and trainer.last_promotion is None
         d = trainer.collect_evaluation(None)
         assert d is trainer.last_promotion and d["candidate_version"] == before + 1
+        trainer._commit()  # what train_once does in the iteration the decision arrives
         return d
 
     first = gate("partial")  # against the logged behaviour (nothing deployed yet)
@@ -305,7 +307,8 @@ def _stub_trainer(tmp_path, monkeypatch, **kw):
     trainer = ContinuousTrainer(cfg)
     env = gym.make(CONTEXT_BANDIT_ID)
     trainer.obs_space, trainer.act_space = env.observation_space, env.action_space
-    trainer.algo = SimpleNamespace(config=SimpleNamespace(gamma=GAMMA))
+    # save_to_path: a stand-in algorithm's empty checkpoint (a promoted version is published at the commit)
+    trainer.algo = SimpleNamespace(config=SimpleNamespace(gamma=GAMMA), save_to_path=lambda path: None)
     monkeypatch.setattr(promotion, "export_candidate", lambda *a: _artifact("good")[0])
     return trainer
 
@@ -340,6 +343,8 @@ def test_ope_gate_evaluates_off_the_training_thread_and_applies_the_decision_lat
     d = trainer.collect_evaluation(10)
     assert d["promoted"] and trainer.policy_version == 1 and trainer.last_promotion is d
     assert trainer.since_publish == {"s3"}  # trained on after the candidate was exported
+    assert not (tmp_path / "ck" / "policies" / "v000001").exists()  # written once a checkpoint commits it
+    trainer._commit()  # what train_once does in the iteration the decision arrives
     lineage = json.loads((tmp_path / "ck" / "policies" / "v000001" / "lineage.json").read_text())
     assert lineage["iteration"] == 3 and lineage["new_shards"] == ["s2"]
     spec = json.loads((tmp_path / "ck" / "policies" / "v000001" / "policy.json").read_text())

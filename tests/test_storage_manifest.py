@@ -823,6 +823,23 @@ def test_cli_inspect_json_and_verify(store: Storage, local_s3) -> None:
     assert len(doc["problems"]) == 1 and "missing" in doc["problems"][0]
 
 
+def test_cli_gc_refuses_a_root_without_a_manifest(tmp_path: Path, capsys) -> None:
+    """A mistaken URI (no _manifest/ there) is an error, and gc deletes nothing under it: a
+    policy-like folder with an old `_staging/` file stays."""
+    from rlrec.cli import main
+
+    store = Storage.from_uri(str(tmp_path / "not-an-output"))
+    store.write("pol/_staging/x.parquet", b"data")
+    old = time.time() - 7200
+    os.utime(store.full_path("pol/_staging/x.parquet"), (old, old))
+    assert main(["gc", store.uri(""), "--older-than", "1h"]) == 1
+    err = capsys.readouterr().err
+    assert "rlrec gc: error: no rlrec manifest at" in err and "holds no _manifest folder" in err
+    assert store.exists("pol/_staging/x.parquet")
+    assert main(["gc", str(tmp_path / "missing"), "--older-than", "1h"]) == 1
+    assert "it does not exist" in capsys.readouterr().err
+
+
 def test_cli_gc_dry_run_and_human_inspect(tmp_path: Path, capsys) -> None:
     from rlrec.cli import main
     from rlrec.commands.gc import parse_duration

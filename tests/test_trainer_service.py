@@ -222,6 +222,83 @@ def test_resume_after_a_crash_loses_and_double_counts_no_fresh_shard(ray_cluster
     assert lines[3]["timesteps_trained"] > lines[2]["timesteps_trained"]
 
 
+def test_a_crash_between_a_checkpoint_and_its_publication_publishes_it_at_resume(ray_cluster, tmp_path):
+    """The checkpoint commits the version it publishes: killed after the commit and before the
+    version is written, the resume writes it (from the checkpoint), and across all versions'
+    lineage.json every shard is new exactly once, versions growing one by one."""
+    from rlrec.trainer.service import ContinuousTrainer
+
+    out, ck = str(tmp_path / "out"), str(tmp_path / "ck")
+    c = ShardCommitter(out)
+    for i in range(2):
+        c.commit(expert_cartpole_episodes(2, seed=i, max_steps=200))
+    a = ContinuousTrainer(cfg(out, ck, checkpoint_interval=2))
+
+    def crash() -> None:
+        raise SimulatedCrash()
+
+    a._write_publications = crash  # the checkpoint is committed; nothing is written to policies/ yet
+    t, box = run_in_thread(a)
+    t.join(120)
+    assert isinstance(box.get("error"), SimulatedCrash), box
+    latest = json.load(open(os.path.join(ck, "checkpoints", "latest.json")))
+    assert (latest["iteration"], latest["policy_version"]) == (2, 1)
+    assert not os.path.exists(os.path.join(ck, "policies", "v000001"))
+    state = json.load(open(os.path.join(ck, latest["path"], "trainer.json")))
+    assert [p["version"] for p in state["publications"]] == [1] and state["since_publish"] == []
+    c.commit(expert_cartpole_episodes(2, seed=5, max_steps=200))
+    keys = {e.path for e in read_manifest(Storage.from_uri(out))}
+
+    b = ContinuousTrainer(cfg(out, ck, resume=True, checkpoint_interval=2))
+    t, box = run_in_thread(b)
+    wait_for(lambda: os.path.exists(os.path.join(ck, "policies", "v000001", "policy.json")), 90, "v1 written")
+    wait_for(lambda: set().union(*new_shards_per_line(read_metrics(ck))) >= keys, 90, "every shard trained")
+    b.stop("test")
+    t.join(60)
+    assert "error" not in box, box
+    pol = os.path.join(ck, "policies")
+    lineages = [json.load(open(os.path.join(pol, d, "lineage.json"))) for d in sorted(os.listdir(pol)) if d[0] == "v"]
+    assert lineages[0]["new_shards"] == state["trained_shards"]  # v1: what the checkpoint had trained
+    assert [x["policy_version"] for x in lineages] == list(range(1, len(lineages) + 1))
+    assert [x["parent_version"] for x in lineages] == [None, *range(1, len(lineages))]
+    new = [k for x in lineages for k in x["new_shards"]]
+    assert sorted(new) == sorted(keys), new
+
+
+def test_a_killed_learner_actor_ends_the_run_at_once_with_one_clear_error(ray_cluster, tmp_path):
+    """A remote Learner killed mid-run: RLlib does not restart it; the trainer stops within
+    seconds with `TrainerLost` (one line: `rlrec train: error: a Ray actor of the trainer died
+    ...; restart with --resume ...`), its last checkpoint intact."""
+    import ray
+
+    from rlrec.errors import error_line
+    from rlrec.trainer.service import ContinuousTrainer, TrainerLost
+
+    out, ck = str(tmp_path / "out"), str(tmp_path / "ck")
+    ShardCommitter(out).commit(expert_cartpole_episodes(3, seed=0, max_steps=200))
+    trainer = ContinuousTrainer(cfg(out, ck, num_learners=1, checkpoint_interval=2))
+    t, box = run_in_thread(trainer)
+    wait_for(
+        lambda: trainer.iteration >= 2 and os.path.exists(os.path.join(ck, "checkpoints", "latest.json")),
+        90,
+        "a checkpoint",
+    )
+    learners = list(trainer.algo.learner_group._worker_manager.actors().values())
+    t0 = time.monotonic()
+    ray.kill(learners[0], no_restart=True)
+    t.join(60)
+    assert not t.is_alive() and time.monotonic() - t0 < 30
+    err = box.get("error")
+    assert isinstance(err, TrainerLost), box
+    line = error_line("train", err)
+    assert (
+        "\n" not in line
+        and line.startswith("rlrec train: error: a Ray actor of the trainer died")
+        and "--resume" in line
+    )
+    assert json.load(open(os.path.join(ck, "checkpoints", "latest.json")))["iteration"] >= 2
+
+
 def test_resume_restores_weights_and_optimizer_state(ray_cluster, tmp_path):
     import torch
     from ray.rllib.core import DEFAULT_MODULE_ID

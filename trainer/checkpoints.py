@@ -10,6 +10,10 @@ Checkpoint directory layout (a local path or any URI `rlrec.store.storage.Storag
     checkpoints/ckpt-00000012/index.json    {"iteration", "path", "files": {relative path: sha256}}:
                                           every file of the checkpoint, written after them
     checkpoints/ckpt-00000012/index.json.sig  Ed25519 signature of index.json (with a signing key)
+    checkpoints/ckpt-00000012/publish/v000004/...  the files of a policy version this checkpoint
+                                          commits to publishing (see rlrec.trainer.service)
+    checkpoints/ckpt-00000012.1/          the same iteration saved again (latest.json named
+                                          ckpt-00000012 meanwhile: a committed checkpoint is never rewritten)
     policies/                             published policies (see rlrec.trainer.policy)
 
 What goes into ``trainer.json`` is the trainer's business (`rlrec.trainer.service`); this module
@@ -79,9 +83,11 @@ class CheckpointStore:
     """The checkpoints in a trainer's checkpoint dir (a `Storage`), in the layout above.
 
     Guarantees: :meth:`latest` names only complete checkpoints -- :meth:`save` writes the
-    algorithm and ``trainer.json`` first and ``latest.json`` (the commit point) last; saving the
-    same iteration again replaces its algorithm files instead of mixing old and new ones;
-    :meth:`prune` never deletes the checkpoint it is told to keep, and a failed prune only logs.
+    algorithm, the extra files and ``trainer.json`` first and ``latest.json`` (the commit point)
+    last, and never into the directory ``latest.json`` names (saving that iteration again goes to
+    ``ckpt-N.1``, ``.2``, ...); saving into a directory a crashed save left half-written replaces
+    its files instead of mixing old and new ones; :meth:`prune` never deletes the checkpoint it
+    is told to keep, and a failed prune only logs.
     """
 
     def __init__(self, storage: Storage, signing_key: Any = None) -> None:
@@ -95,13 +101,28 @@ class CheckpointStore:
         except FileNotFoundError:
             return None
 
-    def save(self, iteration: int, algo: Any, state: dict, *, policy_version: int) -> str:
-        """Save the algorithm (``Algorithm.save_to_path``) and *state*, then commit; the checkpoint's path."""
+    def _new_path(self, iteration: int) -> str:
         path = checkpoint_path(iteration)
+        latest = self.latest()
+        committed = latest.get("path") if isinstance(latest, dict) else None
+        if not isinstance(committed, str) or not (committed == path or committed.startswith(path + ".")):
+            return path
+        tail = committed[len(path) + 1 :]
+        return f"{path}.{int(tail) + 1 if tail.isdigit() else 1}"
+
+    def save(
+        self, iteration: int, algo: Any, state: dict, *, policy_version: int, extra: dict[str, bytes] | None = None
+    ) -> str:
+        """Save the algorithm (``Algorithm.save_to_path``), the `extra` files (relative path ->
+        bytes, in the signed index too) and *state*, then commit; the checkpoint's path."""
+        path = self._new_path(iteration)
         with tempfile.TemporaryDirectory(prefix="rlrec-ckpt-") as tmp:
             algo.save_to_path(tmp)
             files = _local_hashes(tmp, ALGO_DIR)
             self.storage.upload_dir(tmp, f"{path}/{ALGO_DIR}")
+        for rel, data in (extra or {}).items():
+            self.storage.write(f"{path}/{rel}", data)
+            files[rel] = hashlib.sha256(data).hexdigest()
         state_bytes = json.dumps(state).encode()
         self.storage.write(f"{path}/{STATE_FILE}", state_bytes)
         files[STATE_FILE] = hashlib.sha256(state_bytes).hexdigest()
@@ -163,6 +184,15 @@ class CheckpointStore:
         if files is not None and files.get(STATE_FILE) != hashlib.sha256(data).hexdigest():
             raise CheckpointVerificationError(f"checkpoint {path}: {STATE_FILE} does not match its signed index")
         return json.loads(data)
+
+    def read_file(self, path: str, rel: str) -> bytes:
+        """The file `rel` of the checkpoint at *path* (one of `save`'s `extra` files), checked
+        against the signed index when a signing key is configured."""
+        data = self.storage.read(f"{path}/{rel}")
+        files = self.verified_index(path)
+        if files is not None and files.get(rel) != hashlib.sha256(data).hexdigest():
+            raise CheckpointVerificationError(f"checkpoint {path}: {rel} does not match its signed index")
+        return data
 
     def restore_learner_group(self, algo: Any, path: str) -> None:
         """Restore *algo*'s LearnerGroup (weights + optimizer state) from the checkpoint at *path*.

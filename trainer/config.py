@@ -163,6 +163,11 @@ class TrainerConfig:
     )
     poll_interval_s: float = 0.5
     cache_ttl_s: float = 30.0
+    stall_timeout_s: float = option(
+        300.0,
+        help="exit (code 70, one error line) when fresh shards wait and none is trained for this many seconds "
+        "while the input store answers (a lost worker, feed or Learner that did not come back); 0: never",
+    )
     publish: bool = option(True, help="publish each checkpointed policy (--no-publish: don't)")
     publish_dir: str | None = option(None, help="where to publish policies (default: {checkpoint-dir}/policies)")
     channel: str | None = option(
@@ -244,6 +249,8 @@ class TrainerConfig:
         check_choices(self)
         if self.checkpoint_interval < 1:
             raise ValueError("checkpoint_interval must be >= 1")
+        if self.stall_timeout_s < 0:
+            raise ValueError("--stall-timeout-s must be >= 0")
         if self.eval_interval and not self.env:
             raise ValueError("--eval-interval needs --env (evaluation runs episodes in the environment)")
         if self.promotion_gate == "env" and not self.env:

@@ -53,6 +53,7 @@ from rlrec.trainer.feed_actor import LEARNER_CONFIG_KEY, ShardFeed
 from rlrec.trainer.manifest_follower import ManifestFollower, spaces_from_shard
 from rlrec.trainer.prelearner import SafeOfflinePreLearner, envelope_prelearner_class
 from rlrec.trainer.read_task import ShardStreamDatasource
+from rlrec.trainer.storage_health import StorageHealth
 from rlrec.trainer.stream_iterator import StreamIterator
 
 __all__ = [
@@ -138,6 +139,7 @@ class ManifestOfflineData(OfflineData):
         self._lock = threading.Lock()
         self._local_iterators: list[StreamIterator] = []
         self.last_poll_error: str | None = None
+        self.health = StorageHealth(self.storage.uri())  # the input store's failed reads, reported here
 
     # ------------------------------------------------------------------ manifest
     def start(self, trained_keys: Iterable[str] = ()) -> None:
@@ -156,18 +158,32 @@ class ManifestOfflineData(OfflineData):
             try:
                 infos = self.follower.poll(force_discover=force_discover)
                 self.last_poll_error = None
-            except Exception as e:  # storage hiccup: keep training on what we have
+            except Exception as e:  # the store does not answer: keep training on what we have
                 self.last_poll_error = f"{type(e).__name__}: {e}"
-                log.warning("manifest poll failed: %s", self.last_poll_error)
+                self.health.failed("manifest poll", self.last_poll_error)
                 return 0
             if infos:
                 ray.get(self.feed.add_shards.remote(infos, [s.key for s in infos if s.key in self._trained_keys]))
             return len(infos)
 
+    def check_health(self) -> None:
+        """Take the read tasks' failed reads from the feed into `health`; the store answers
+        again once a manifest poll worked and no read failed since the last check."""
+        try:
+            errors, last = ray.get(self.feed.storage_errors.remote(), timeout=10)
+        except Exception as e:  # the feed is gone (shutdown) or busy: nothing to learn now
+            log.debug("feed storage errors: %s", e)
+            return
+        before = self.health.total
+        self.health.reader_errors(errors, last)
+        if self.last_poll_error is None and self.health.total == before:
+            self.health.answered()
+
     def _poll_loop(self) -> None:
         while not self._stop.wait(self.poll_interval_s):
             try:
                 self.refresh()
+                self.check_health()
             except Exception as e:  # e.g. the feed actor is gone at shutdown
                 if self._stop.is_set():
                     return

@@ -48,16 +48,43 @@ from rlrec.trainer.signing import SIG_SUFFIX, SignatureError, public_key_fingerp
 
 __all__ = [
     "PolicyArtifact",
+    "Publication",
     "UndescribableModule",
     "build_artifact",
     "describe_module",
     "highest_version",
+    "prepare_publication",
     "publish_policy",
     "refresh_latest",
     "republish_policy",
+    "write_publication",
 ]
 
 log = logging.getLogger("rlrec.trainer")
+
+
+@dataclass
+class Publication:
+    """Every file of one version directory, ready to write (`prepare_publication`): weights,
+    ``lineage.json``, ``policy.json`` and, when signed, ``policy.json.sig``."""
+
+    version: int
+    directory: str
+    files: dict[str, bytes]
+    run_id: str | None = None
+    channel: str | None = None
+    time: float = 0.0
+
+    def describe(self) -> dict:
+        """JSON-able fields (the files travel separately)."""
+        return {
+            "version": self.version,
+            "directory": self.directory,
+            "files": sorted(self.files),
+            "run_id": self.run_id,
+            "channel": self.channel,
+            "time": self.time,
+        }
 
 
 class UndescribableModule(ValueError):
@@ -253,8 +280,7 @@ def build_artifact(module: Any, observation_space: gym.Space, action_space: gym.
     )
 
 
-def publish_policy(
-    storage: Storage,
+def prepare_publication(
     *,
     algo: Any,
     version: int,
@@ -271,25 +297,25 @@ def publish_policy(
     metadata: dict | None = None,
     run_id: str | None = None,
     channel: str | None = None,
-) -> dict:
-    """Write ``v{version:06d}/`` (weights, lineage.json, policy.json[, policy.json.sig]) then
-    ``latest.json`` (and ``latest.json.sig``).
+) -> Publication:
+    """Build every file of ``v{version:06d}/`` (weights, lineage.json, policy.json[,
+    policy.json.sig]) without writing anything; `write_publication` writes them.
 
     ``policy.json`` pins the sha256 of every other file of the version, its ``policy_version``,
     its directory name, and the `run_id` and `channel` it is published for; with `signing_key`
-    (an Ed25519 private key) ``policy.json.sig`` is the signature over its exact bytes, and
-    ``latest.json`` (version, path, sha256 of policy.json, run id, channel, time) is signed the
-    same way. `artifact`: reuse an artifact built already (the promotion gate evaluated it).
+    (an Ed25519 private key) ``policy.json.sig`` is the signature over its exact bytes (and
+    `write_publication` signs ``latest.json`` the same way). `artifact`: reuse an artifact built already (the promotion gate evaluated it).
     `metadata`: more keys for ``policy.json`` (signed with it; e.g. the promotion gate's
     decision and the algorithm's ``gamma``); keys the spec sets win. `run_id` / `channel`:
     None leaves them out (as before versions were bound; `rlrec train` always sets them).
 
     Example:
-        >>> publish_policy(storage, algo=algo, version=3, algo_name="BC",  # doctest: +SKIP
+        >>> pub = prepare_publication(algo=algo, version=3, algo_name="BC",  # doctest: +SKIP
         ...     observation_space=obs_space, action_space=act_space, iteration=30,
         ...     timesteps_trained=15360, shards=keys, new_shards=new, parent_version=2,
-        ...     signing_key=key, run_id="5f0c...", channel="cartpole")["directory"]
-        'v000003'
+        ...     signing_key=key, run_id="5f0c...", channel="cartpole")
+        >>> pub.directory, sorted(pub.files)  # doctest: +SKIP
+        ('v000003', ['lineage.json', 'model.safetensors', 'policy.json', 'policy.json.sig'])
     """
     if not isinstance(observation_space, gym.spaces.Box):
         raise ValueError(f"publishing needs a Box observation space, got {observation_space}")
@@ -339,19 +365,63 @@ def publish_policy(
     if channel is not None:
         spec["channel"] = channel
     spec_bytes = json.dumps(spec, indent=1, sort_keys=True).encode()
-    for name, data in files.items():
-        storage.write(f"{d}/{name}", data)
-    storage.write(f"{d}/{SPEC}", spec_bytes)
+    files[SPEC] = spec_bytes
     if signing_key is not None:
-        storage.write(f"{d}/{SPEC}{SIG_SUFFIX}", sign(signing_key, spec_bytes))
-    _write_latest(
-        storage,
-        pointer_bytes(
-            version, d, hashlib.sha256(spec_bytes).hexdigest(), run_id=run_id, channel=channel, now=spec["time"]
-        ),
-        signing_key,
-    )
-    return spec
+        files[f"{SPEC}{SIG_SUFFIX}"] = sign(signing_key, spec_bytes)
+    return Publication(version=version, directory=d, files=files, run_id=run_id, channel=channel, time=spec["time"])
+
+
+def write_publication(storage: Storage, pub: Publication, signing_key: Any = None, *, pointer: bool = True) -> None:
+    """Write `pub` under the publish root: its files, then ``policy.json`` (which pins their
+    sha256, so a version without it is not loadable), its signature, then -- with `pointer` --
+    ``latest.json`` (version, path, sha256 of policy.json, run id, channel, time; signed in
+    ``latest.json.sig`` with a key). Idempotent: writing the same publication again
+    writes the same bytes (a trainer resuming from the checkpoint that carries it does).
+
+    Args:
+        storage: the publish root.
+        pub: from `prepare_publication`.
+        signing_key: the Ed25519 private key that signed it (signs the pointer too).
+        pointer: move ``latest.json`` to this version.
+
+    Example:
+        >>> write_publication(storage, pub, key)  # doctest: +SKIP
+    """
+    last = (SPEC, f"{SPEC}{SIG_SUFFIX}")
+    for name, data in pub.files.items():
+        if name not in last:
+            storage.write(f"{pub.directory}/{name}", data)
+    for name in last:
+        if name in pub.files:
+            storage.write(f"{pub.directory}/{name}", pub.files[name])
+    if pointer:
+        _write_latest(
+            storage,
+            pointer_bytes(
+                pub.version,
+                pub.directory,
+                hashlib.sha256(pub.files[SPEC]).hexdigest(),
+                run_id=pub.run_id,
+                channel=pub.channel,
+                now=pub.time,
+            ),
+            signing_key,
+        )
+
+
+def publish_policy(storage: Storage, *, signing_key: Any = None, **kw: Any) -> dict:
+    """`prepare_publication` (same keyword arguments) then `write_publication`; the policy.json written.
+
+    Example:
+        >>> publish_policy(storage, algo=algo, version=3, algo_name="BC",  # doctest: +SKIP
+        ...     observation_space=obs_space, action_space=act_space, iteration=30,
+        ...     timesteps_trained=15360, shards=keys, new_shards=new, parent_version=2,
+        ...     signing_key=key, run_id="5f0c...", channel="cartpole")["directory"]
+        'v000003'
+    """
+    pub = prepare_publication(signing_key=signing_key, **kw)
+    write_publication(storage, pub, signing_key)
+    return json.loads(pub.files[SPEC])
 
 
 def _write_latest(storage: Storage, pointer: bytes, signing_key: Any) -> None:

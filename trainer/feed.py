@@ -192,6 +192,8 @@ class FeedState:
         # shard -> first times: added, delivered, processed (its first fresh chunk out of the PreLearner), trained
         self.timeline: dict[int, dict] = {}
         self.totals = {"deliveries": 0, "fresh_deliveries": 0, "replay_deliveries": 0, "rows_delivered": 0}
+        self.storage_errors = 0  # reads that failed on an unreachable store (the chunk was given back), cumulative
+        self.last_storage_error: str | None = None
 
     # ------------------------------------------------------------------ shards
     def add_shards(self, infos: list[ShardInfo], trained_keys: set[str] | frozenset = frozenset()) -> int:
@@ -440,9 +442,13 @@ class FeedState:
         if new:
             self.stats.skipped.append((s.key, new, reason))
 
-    def failed(self, tag: int, requeue: bool = False) -> None:
-        """A delivered chunk could not be read. `requeue`: a transient error, deliver a fresh
-        chunk again (missing and bad shards are marked separately)."""
+    def failed(self, tag: int, requeue: bool = False, reason: str = "") -> None:
+        """A delivered chunk could not be read. `requeue`: the store did not answer (a transient
+        error, counted in `storage_errors`): deliver a fresh chunk again; the shard stays
+        committed and fresh (missing and bad shards are marked separately)."""
+        if requeue:
+            self.storage_errors += 1
+            self.last_storage_error = reason or None
         p = self.pending.pop(int(tag), None)
         if requeue and p is not None and p.fresh and p.shard not in self.deleted:
             self._chunks.appendleft((p.shard, p.start, p.stop))
@@ -488,5 +494,7 @@ class FeedState:
             "inflight_fresh": len(self.inflight_fresh),
             "window": len(self.window()),
             "in_flight_rows": self.in_flight_rows(),
+            "storage_errors": self.storage_errors,
+            "last_storage_error": self.last_storage_error,
             **self.totals,
         }

@@ -70,7 +70,7 @@ class ShardFeed:
 
     async def failed(self, tag: int, kind: str, reason: str = "") -> None:
         idx = shard_of_tag(tag)
-        self.state.failed(tag, requeue=(kind == "retry"))
+        self.state.failed(tag, requeue=(kind == "retry"), reason=reason)
         if kind == "missing":
             self.state.mark_missing(idx)
         elif kind == "bad":
@@ -121,6 +121,10 @@ class ShardFeed:
 
     async def summary(self) -> dict:
         return {**self.state.summary(), "read_tasks": self.readers}
+
+    async def storage_errors(self) -> tuple[int, str | None]:
+        """Reads that failed on an unreachable store so far, and the last error."""
+        return self.state.storage_errors, self.state.last_storage_error
 
     async def close(self) -> None:
         self.closed = True

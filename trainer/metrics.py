@@ -6,7 +6,7 @@ import json
 import logging
 from typing import Any
 
-from rlrec.store.storage import Storage
+from rlrec.store.storage import Storage, StorageError
 
 __all__ = ["METRICS_FILE", "TrainerMetrics"]
 
@@ -20,11 +20,14 @@ class TrainerMetrics:
 
     Guarantees: each :meth:`write` adds exactly one JSON line (no NaN/Infinity) and the line is
     readable when it returns -- appended and flushed on a local filesystem; on object stores, which
-    cannot append, the whole (small) file is rewritten with one atomic PUT. :meth:`truncate_after`
+    cannot append, the whole (small) file is rewritten with one atomic PUT (while the store does
+    not answer, the lines wait in memory for the next successful rewrite). :meth:`truncate_after`
     leaves only the lines of iterations up to a given one (none for None). With a *port*, the
     numeric fields named in :attr:`GAUGES` are served as Prometheus gauges ``rlrec_trainer_<name>``
     on *host* (0 picks a free port, then in :attr:`port`), set right after the line is written.
-    With *progress*, one summary line per record goes to the log.
+    The counter ``rlrec_trainer_storage_errors_total`` counts the input store's failed reads
+    (:meth:`count_storage_errors`, from `rlrec.trainer.storage_health.StorageHealth`) as they
+    happen, between lines too. With *progress*, one summary line per record goes to the log.
     """
 
     GAUGES = (
@@ -51,15 +54,24 @@ class TrainerMetrics:
         self._f: Any = None
         self.gauges: dict[str, Any] = {}
         self._server: Any = None
+        self._storage_errors: Any = None
         self.port: int | None = None  # where /metrics is served, once started
         if port is not None:
-            from prometheus_client import CollectorRegistry, Gauge, start_http_server
+            from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
             reg = CollectorRegistry()
             self.gauges = {k: Gauge(f"rlrec_trainer_{k}", k.replace("_", " "), registry=reg) for k in self.GAUGES}
+            self._storage_errors = Counter(
+                "rlrec_trainer_storage_errors", "reads of the input store that failed (retried)", registry=reg
+            )
             self._server = start_http_server(port, addr=host, registry=reg)
             self.port = self._server[0].server_port
             log.info("metrics on http://%s:%d/metrics", host, self.port)
+
+    def count_storage_errors(self, n: int) -> None:
+        """Add `n` failed reads of the input store to ``rlrec_trainer_storage_errors_total``."""
+        if self._storage_errors is not None and n > 0:
+            self._storage_errors.inc(n)
 
     def truncate_after(self, iteration: int | None) -> None:
         """Drop lines of iterations after `iteration` (training lost by a crash); None: keep none."""
@@ -89,7 +101,10 @@ class TrainerMetrics:
             self._f.flush()
         else:  # object stores cannot append: rewrite the (small) file
             self._lines.append(line)
-            self.storage.write(METRICS_FILE, "".join(x + "\n" for x in self._lines).encode())
+            try:
+                self.storage.write(METRICS_FILE, "".join(x + "\n" for x in self._lines).encode())
+            except StorageError as e:  # the store does not answer: the next line rewrites the file with this one
+                log.warning("%s not written (%s); it is written with the next line", self.storage.uri(METRICS_FILE), e)
         for k, g in self.gauges.items():
             v = rec.get(k)
             if isinstance(v, (int, float)) and not isinstance(v, bool):

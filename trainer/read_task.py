@@ -14,8 +14,9 @@ import ray
 
 from rlrec.producer.bounded import ByteBoundedLRU
 from rlrec.store.commit import read_committed_shard
+from rlrec.store.retry import RetrySchedule
 from rlrec.store.schema_gate import ShardSchemaError, open_shard
-from rlrec.store.storage import Storage
+from rlrec.store.storage import Storage, StorageError
 from rlrec.trainer.envelopes import ENVELOPE, table_to_ipc
 from rlrec.trainer.feed import TAG, ShardInfo
 from rlrec.trainer.feed_actor import get_feed
@@ -38,7 +39,11 @@ class _TableCache:
             return None
         table, t = item
         if still_there is not None and time.monotonic() - t > self.ttl_s:
-            if not still_there():
+            try:
+                there = still_there()
+            except Exception:  # the store does not answer: the table was read and verified, keep serving it
+                return table
+            if not there:
                 self.lru.pop(key)
                 return None
             self.lru.put(key, (table, time.monotonic()), table.nbytes)
@@ -57,11 +62,13 @@ def _load_table(storage: Storage, s: ShardInfo, columns: list[str] | None, verif
     data = read_committed_shard(storage, s.path, s.staging_path)
     if verify and s.sha256 and hashlib.sha256(data).hexdigest() != s.sha256:
         raise BadShard(f"sha256 mismatch (the manifest says {s.sha256[:12]}...)")
-    try:
+    try:  # the bytes are here: from now on a failure is the data's, not the store's
         shard = open_shard(data, fmt=s.fmt)  # the schema gate: nothing is read before it passes
         table = shard.read(columns or None)
     except ShardSchemaError as e:
         raise BadShard(f"refused by the schema gate: {e.reason}") from None
+    except Exception as e:  # e.g. a corrupt page (pyarrow raises OSError for some)
+        raise BadShard(f"unreadable: {type(e).__name__}: {e}") from None
     if table.num_rows != s.rows:
         raise BadShard(f"{table.num_rows} rows, the manifest says {s.rows}")
     return table
@@ -94,6 +101,12 @@ def _read_stream(spec: dict) -> Iterable[pa.Table]:
 
 
 def _serve(feed: Any, storage: Storage, cache: _TableCache, columns: list[str] | None, verify: bool):
+    """Serve the feed's work until it closes. A shard the store says is gone is reported
+    ``missing``, one whose bytes cannot be used (checksum, schema gate, decoding) ``bad``; a
+    `StorageError` or other OSError means the store did not answer (after `Storage`'s retries in
+    place): the chunk goes back to the feed (counted there as a storage error, which the driver
+    reports) and the next read waits for the one retry schedule (`rlrec.store.retry.BACKGROUND`)."""
+    outage = RetrySchedule()
     while True:
         try:
             w = ray.get(feed.next_work.remote(1.0))
@@ -116,11 +129,16 @@ def _serve(feed: Any, storage: Storage, cache: _TableCache, columns: list[str] |
             except BadShard as e:
                 feed.failed.remote(w.tag, "bad", str(e))
                 continue
-            except Exception as e:  # storage outage etc.: give the chunk back, retry later
-                log.warning("reading %s failed: %s", s.path, e)
-                feed.failed.remote(w.tag, "retry", str(e))
-                time.sleep(0.5)
+            except (StorageError, OSError) as e:  # unreachable store: give the chunk back, retry on the schedule
+                wait = outage.failed(time.monotonic())
+                log.warning("reading %s failed (%s); next read in %.1fs", storage.uri(s.path), e, wait)
+                feed.failed.remote(w.tag, "retry", f"{type(e).__name__}: {e}")
+                time.sleep(wait)
                 continue
+            except Exception as e:  # the bytes came, but decoding them failed: unusable, not unreachable
+                feed.failed.remote(w.tag, "bad", f"unreadable: {type(e).__name__}: {e}")
+                continue
+            outage.succeeded()
             cache.put(s.key, table)
         n = w.stop - w.start
         chunk = table.slice(w.start, n)

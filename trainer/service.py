@@ -18,14 +18,19 @@ import threading
 import time
 from typing import Any
 
-from rlrec.store.storage import Storage
+from rlrec.store.retry import RetrySchedule
+from rlrec.store.storage import Storage, StorageError
 from rlrec.trainer.checkpoints import STATE_VERSION, CheckpointStore
 from rlrec.trainer.config import TrainerConfig
 from rlrec.trainer.metrics import TrainerMetrics
+from rlrec.trainer.storage_health import StorageHealth
 
-__all__ = ["ALGORITHMS", "ContinuousTrainer", "TrainerConfig", "UnsupportedCombination"]
+__all__ = ["ALGORITHMS", "ContinuousTrainer", "TrainerConfig", "TrainerLost", "UnsupportedCombination"]
 
 log = logging.getLogger("rlrec.trainer")
+
+#: where a checkpoint keeps the files of the policy versions it commits to publishing
+PUBLISH_DIR = "publish"
 
 #: algorithm name -> (config class path, allowed action space types)
 ALGORITHMS = {
@@ -34,6 +39,13 @@ ALGORITHMS = {
     "CQL": ("ray.rllib.algorithms.cql:CQLConfig", ("Box",)),
     "IQL": ("ray.rllib.algorithms.iql:IQLConfig", ("Box",)),
 }
+
+
+class TrainerLost(RuntimeError):
+    """A part of the running trainer (a Ray actor, a Learner) died and cannot be replaced in place."""
+
+    #: a runtime failure: `rlrec train` prints the message as its one error line, exit code 1
+    exit_code = 1
 
 
 class UnsupportedCombination(ValueError):
@@ -127,6 +139,9 @@ class ContinuousTrainer:
         self.shards_skipped = 0  # shards refused (schema gate, checksum, unreadable), cumulative
         self.episodes_skipped = 0  # episodes the PreLearner could not use, cumulative
         self._skip_logged: set[str] = set()
+        self._outage = RetrySchedule()  # waits between the driver's own failed reads of the input
+        self._watchdog: Any = None  # rlrec.trainer.watchdog.StallWatchdog while running
+        self._pending: list[Any] = []  # prepared publications (export.Publication) not yet written
 
     @staticmethod
     def _load_signing_key(path: str | None) -> Any:
@@ -171,8 +186,16 @@ class ContinuousTrainer:
             fmt=fmt,
         )
         last_log = 0.0
+        health = StorageHealth(self.input.uri())
         while not self._stop.is_set():
-            infos = [i for i in follower.poll(force_discover=True) if i.key not in (skip or ())]
+            try:
+                infos = [i for i in follower.poll(force_discover=True) if i.key not in (skip or ())]
+            except StorageError as e:  # the store does not answer: wait for it, on the retry schedule
+                health.failed("manifest poll", str(e))
+                self._stop.wait(self._outage.failed(time.monotonic()))
+                continue
+            self._outage.succeeded()
+            health.answered()
             if infos:
                 self.fmt = follower.fmt
                 return [follower.entries[i.key] for i in infos]
@@ -197,6 +220,13 @@ class ContinuousTrainer:
                 break
             except FileNotFoundError:
                 log.warning("shard %s is missing; trying the next one for the spaces", e.path)
+            except StorageError as e2:  # unreachable, not unusable: try again after a wait
+                wait = self._outage.failed(time.monotonic())
+                log.warning(
+                    "storage %s: reading shard %s failed (%s); retrying in %.1fs", self.input.uri(), e.path, e2, wait
+                )
+                self._stop.wait(wait)
+                return False
             except ValueError as e2:  # refused by the schema gate, undecodable, no spaces
                 self._skip_shard(e.path, str(e2))
         if self.cfg.env:
@@ -294,18 +324,38 @@ class ContinuousTrainer:
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint(self, final: bool = False) -> str:
-        """Save the algorithm + trainer state; publish the policy; move `latest` (commit point).
+        """Save the algorithm + trainer state, move `latest` (the commit point), then publish.
+
+        A policy version is committed by the checkpoint that carries it: `publish` only prepares
+        it (its files, its lineage, the version number, the shards it counts as new); the
+        checkpoint saves those files and the state *after* the publication, and only then are
+        they written to the publish root (`_write_publications`). A crash before the commit
+        publishes nothing and the resume trains those shards as new again; a crash after it
+        leaves the publication to the resume, which writes it from the checkpoint
+        (`_restore`). So the versions' ``new_shards`` list every shard once, versions only
+        grow, and a half-written version directory (no policy.json) is completed, never loaded.
 
         With the promotion gate, the final (stop) checkpoint publishes nothing: every candidate
         is exported at a periodic checkpoint; the env gate's decision is recorded in that
         iteration's metrics line, the ope gate's in the line of the iteration it arrives at."""
         t0 = time.time()
+        self._prepare_checkpoint(final)
+        name = self._commit()
+        log.info("checkpoint %s (policy v%d) in %.2fs", name, self.policy_version, time.time() - t0)
+        return name
+
+    def _prepare_checkpoint(self, final: bool = False) -> None:
+        """The publication step of a checkpoint: prepare the next version (or re-sign the pointer)."""
         if self.cfg.publish:
             published = self.policy_version
             if not (final and self.cfg.gate):
                 self.publish(final=final)
-            if self.policy_version == published:
+            if self.policy_version == published and not self._pending:
                 self._refresh_pointer()
+
+    def _commit(self) -> str:
+        """Save the checkpoint (state and the pending publications' files), then write the
+        publications and prune; the checkpoint's path."""
         state = {
             "version": STATE_VERSION,
             "iteration": self.iteration,
@@ -318,12 +368,48 @@ class ContinuousTrainer:
             "trained_shards": sorted(self.trained),
             "since_publish": sorted(self.since_publish),
             "deployed_return": self.deployed_return,
+            "publications": [p.describe() for p in self._pending],
             "time": time.time(),
         }
-        name = self.checkpoints.save(self.iteration, self.algo, state, policy_version=self.policy_version)
+        extra = {f"{PUBLISH_DIR}/{p.directory}/{n}": data for p in self._pending for n, data in p.files.items()}
+        name = self._save_committed(state, extra)
+        self._write_publications()
         self.checkpoints.prune(self.cfg.keep_checkpoints, current=name)
-        log.info("checkpoint %s (policy v%d) in %.2fs", name, self.policy_version, time.time() - t0)
         return name
+
+    def _save_committed(self, state: dict, extra: dict[str, bytes]) -> str:
+        """`CheckpointStore.save`, retried on the one schedule while the checkpoint store does
+        not answer (the Learners' state is kept meanwhile; a stop ends the wait with an error)."""
+        outage = RetrySchedule()
+        while True:
+            try:
+                return self.checkpoints.save(
+                    self.iteration, self.algo, state, policy_version=self.policy_version, extra=extra
+                )
+            except StorageError as e:
+                wait = outage.failed(time.monotonic())
+                if self._stop.is_set() and outage.failures > 3:
+                    raise
+                log.warning(
+                    "saving checkpoint %d to %s failed (%s); retrying in %.1fs", self.iteration, self.out.uri(), e, wait
+                )
+                time.sleep(wait)
+
+    def _write_publications(self) -> None:
+        """Write the committed publications not written yet (oldest first); one that fails stays
+        pending (in memory and in every later checkpoint) and is written again later."""
+        from rlrec.trainer.export import highest_version, write_publication
+
+        while self._pending:
+            pub = self._pending[0]
+            try:
+                pointer = highest_version(self.publish_storage, self.signing_key) <= pub.version
+                write_publication(self.publish_storage, pub, self.signing_key, pointer=pointer)
+            except Exception as e:
+                log.error("publishing policy v%d failed (%s); it is written again later", pub.version, e)
+                return
+            self._pending.pop(0)
+            log.info("published policy v%d", pub.version)
 
     def publish(self, final: bool = False) -> None:
         """Publish the current policy as the next version, or hand it to its gate.
@@ -383,12 +469,12 @@ class ContinuousTrainer:
         }
 
     def _publish(self, version: int, artifact: Any, metadata: dict, lineage: dict) -> bool:
-        """Publish `artifact` (None: export the Learner's weights now) as `version`; True if it was."""
-        from rlrec.trainer.export import publish_policy
+        """Prepare `artifact` (None: export the Learner's weights now) as `version`, to be
+        committed by the next checkpoint and written after it (`checkpoint`); True if it was."""
+        from rlrec.trainer.export import prepare_publication
 
         try:
-            publish_policy(
-                self.publish_storage,
+            pub = prepare_publication(
                 algo=self.algo,
                 version=version,
                 algo_name=self.cfg.algo,
@@ -410,6 +496,7 @@ class ContinuousTrainer:
             if self.last_promotion is not None and self.last_promotion["candidate_version"] == version:
                 self.last_promotion["promoted"] = False  # not deployed after all
             return False
+        self._pending.append(pub)
         self.policy_version = version
         self.since_publish -= set(lineage["new_shards"])
         if self.last_promotion is not None and self.last_promotion["candidate_version"] == version:
@@ -635,6 +722,7 @@ class ContinuousTrainer:
         than the deployed version (the decision is `last_promotion`)."""
         from rlrec.trainer.promotion import decide, evaluate_exported
 
+        self._progress("evaluating a candidate in the simulator")  # its episodes are not a stall
         t0 = time.time()
         try:
             spec = self._candidate_spec(artifact, version)
@@ -655,6 +743,34 @@ class ContinuousTrainer:
             time.time() - t0,
         )
         return d.promoted
+
+    def _load_publications(self, path: str, described: list) -> None:
+        """The publications checkpoint `path` committed; written now (again, if the crash came
+        after they were: the same bytes)."""
+        from rlrec.trainer.export import Publication
+        from rlrec.trainer.policy import VERSION_DIR_RE
+
+        for d in described:
+            if not (
+                isinstance(d, dict) and isinstance(d.get("directory"), str) and VERSION_DIR_RE.match(d["directory"])
+            ):
+                raise ValueError(f"checkpoint {path}: a malformed publication record {str(d)[:80]!r}")
+            files = {n: self.checkpoints.read_file(path, f"{PUBLISH_DIR}/{d['directory']}/{n}") for n in d["files"]}
+            self._pending.append(
+                Publication(
+                    version=int(d["version"]),
+                    directory=d["directory"],
+                    files=files,
+                    run_id=d.get("run_id"),
+                    channel=d.get("channel"),
+                    time=float(d.get("time") or 0.0),
+                )
+            )
+        if self._pending:
+            log.info(
+                "checkpoint %s commits policy v%s: writing it", path, ", v".join(str(p.version) for p in self._pending)
+            )
+            self._write_publications()
 
     def _restore(self) -> bool:
         latest = self.checkpoints.latest()
@@ -683,6 +799,7 @@ class ContinuousTrainer:
                 "policy v%d was published after checkpoint %s: the next version is v%d", published, path, published + 1
             )
             self.policy_version = published
+        self._load_publications(path, state.get("publications") or [])
         self.timesteps_trained = int(state["timesteps_trained"])
         self.trained = set(state["trained_shards"])
         self.since_publish = set(state.get("since_publish", ()))
@@ -722,6 +839,7 @@ class ContinuousTrainer:
         if self.cfg.num_learners:
             self._log_learner_nodes()
         self.metrics = TrainerMetrics(self.out, self.cfg.metrics_port, self.cfg.progress, self.cfg.metrics_host)
+        self.algo.offline_data.health.on_errors = self.metrics.count_storage_errors
         if self.cfg.resume:
             self._restore()
         else:
@@ -814,6 +932,7 @@ class ContinuousTrainer:
                 "learner_wait_share": round(min(1.0, st.wait_s / dt), 4) if dt > 0 else None,
                 "commit_to_train_s_max": round(lat[-1], 3) if lat else None,
                 "shards_missing": self.missing_total,
+                "storage_errors": od.health.pop_iteration(),
                 "shards_skipped": self.shards_skipped,
                 "episodes_skipped": self.episodes_skipped,
                 "new_shards": sorted(st.newly_trained),
@@ -824,6 +943,8 @@ class ContinuousTrainer:
     def train_once(self) -> dict:
         algo = self.algo
         od = algo.offline_data
+        if self._pending:  # committed by the last checkpoint, its writing failed: again
+            self._write_publications()
         t0 = time.time()
         result = algo.train()
         marks = od.iteration_marks(algo.learner_group)
@@ -851,48 +972,88 @@ class ContinuousTrainer:
         if done is not None:
             rec["promotion" if job.gating else "ope_report"] = done
             rec["policy_version"] = self.policy_version
+        # the iteration's line is written before its checkpoint commits: a crash in between loses
+        # the checkpoint, and the resume drops the line with the iterations after the one it restores
         if self.iteration % self.cfg.checkpoint_interval == 0:
             self.last_promotion = None
-            self.checkpoint()
+            self._prepare_checkpoint()
             rec["policy_version"] = self.policy_version
             rec["checkpoint"] = True
             if self.last_promotion is not None:  # the env gate's decision (and its evaluation)
                 rec["promotion"] = self.last_promotion
                 if self.cfg.promotion_gate == "env":  # (an ope estimate is a discounted return: not mixed in)
                     rec.setdefault("eval_return_mean", self.last_promotion["candidate_return"])
+        elif self._pending:  # the ope gate promoted a candidate: a checkpoint commits its publication
+            rec["checkpoint"] = True
         self.metrics.write(rec)
         self.last_record = rec
+        if rec.get("checkpoint"):
+            t = time.time()
+            name = self._commit()
+            log.info("checkpoint %s (policy v%d) in %.2fs", name, self.policy_version, time.time() - t)
         return rec
 
     def run(self) -> int:
-        """Train until max_iterations, stop() or a signal. Returns a process exit code."""
+        """Train until max_iterations, stop() or a signal. Returns a process exit code.
+
+        A Ray actor of the data path or a Learner that dies for good ends the run with
+        `TrainerLost` (one error line); a pipeline that stops delivering fresh data ends it
+        through the stall watchdog (`rlrec.trainer.watchdog`)."""
+        import ray.exceptions
+
         try:
-            if not self.setup():
-                return 0
-            od = self.algo.offline_data
-            last_idle_log = 0.0
-            while not self._stop.is_set():
-                if self.cfg.max_iterations is not None and self.iteration >= self.cfg.max_iterations:
-                    self.stop_reason = self.stop_reason or "max iterations"
-                    break
-                ready = od.has_fresh() if self.cfg.wait_for_data else od.has_data()
-                if not ready:
-                    if time.monotonic() - last_idle_log > self.cfg.idle_log_interval_s:
-                        log.info("no %s data; waiting for new shards", "fresh" if self.cfg.wait_for_data else "usable")
-                        last_idle_log = time.monotonic()
-                    self._stop.wait(self.cfg.poll_interval_s)
-                    continue
-                self.train_once()
-            if self.algo is not None and self.iteration > 0:
-                self._finish_evaluation_at_stop()
-                latest = self.checkpoints.latest()
-                if latest is None or latest.get("iteration") != self.iteration:
-                    self.checkpoint(final=True)
-            return 0
+            try:
+                return self._run()
+            except ray.exceptions.RayActorError as e:
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise TrainerLost(
+                    f"a Ray actor of the trainer died and was not restarted ({first}); "
+                    "restart with --resume to continue from the last checkpoint"
+                ) from None
         finally:
             self.close()
 
+    def _run(self) -> int:
+        if not self.setup():
+            return 0
+        od = self.algo.offline_data
+        if self.cfg.stall_timeout_s:
+            from rlrec.trainer.watchdog import StallWatchdog
+
+            self._watchdog = StallWatchdog(self.cfg.stall_timeout_s, excuse=lambda: od.health.failing)
+            self._watchdog.start()
+        last_idle_log = 0.0
+        while not self._stop.is_set():
+            if self.cfg.max_iterations is not None and self.iteration >= self.cfg.max_iterations:
+                self.stop_reason = self.stop_reason or "max iterations"
+                break
+            ready = od.has_fresh() if self.cfg.wait_for_data else od.has_data()
+            if not ready:
+                self._progress("waiting for new shards")
+                if time.monotonic() - last_idle_log > self.cfg.idle_log_interval_s:
+                    log.info("no %s data; waiting for new shards", "fresh" if self.cfg.wait_for_data else "usable")
+                    last_idle_log = time.monotonic()
+                self._stop.wait(self.cfg.poll_interval_s)
+                continue
+            rec = self.train_once()
+            if rec.get("shards_new") or rec.get("fresh_backlog") == 0:
+                self._progress("training fresh shards")
+        if self._watchdog is not None:
+            self._watchdog.stop()
+        if self.algo is not None and self.iteration > 0:
+            self._finish_evaluation_at_stop()
+            latest = self.checkpoints.latest()
+            if latest is None or latest.get("iteration") != self.iteration or self._pending:
+                self.checkpoint(final=True)
+        return 0
+
+    def _progress(self, what: str) -> None:
+        if self._watchdog is not None:
+            self._watchdog.progress(what)
+
     def close(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.stop()
         if self.metrics is not None:
             self.metrics.close()
         if self.algo is not None:

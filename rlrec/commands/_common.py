@@ -99,3 +99,36 @@ def plain_console(**kwargs):
     from rich.console import Console
 
     return Console(markup=False, emoji=False, highlight=False, **kwargs)
+
+
+def require_manifest(storage, uri: str) -> None:
+    """RuntimeFailure (exit 1) unless `storage` holds an rlrec manifest; names a child folder
+    that holds one (one level down) when there is one.
+
+    Args:
+        storage: the output's Storage.
+        uri: the URI as the user typed it, for the message.
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> root = pathlib.Path(tempfile.mkdtemp())
+        >>> (root / "shards" / "_manifest").mkdir(parents=True)
+        >>> from rlrec.store.storage import Storage
+        >>> require_manifest(Storage.from_uri(str(root)), "out")
+        Traceback (most recent call last):
+        ...
+        rlrec.errors.RuntimeFailure: no rlrec manifest at out (did you mean out/shards?)
+    """
+    from rlrec.errors import RuntimeFailure
+    from rlrec.store.manifest import MANIFEST_DIR
+
+    if storage.exists(MANIFEST_DIR):
+        return
+    children = [f.name for f in storage.list("") if f.is_dir and not f.name.startswith((".", "_"))]
+    found = [c for c in children if storage.exists(f"{c}/{MANIFEST_DIR}")]
+    base = uri.rstrip("/")
+    if found:
+        hint = " or ".join(f"{base}/{c}" for c in found[:3])
+        raise RuntimeFailure(f"no rlrec manifest at {uri} (did you mean {hint}?)")
+    what = "it does not exist" if not storage.exists("") else "it holds no _manifest folder"
+    raise RuntimeFailure(f"no rlrec manifest at {uri}: {what} (give the --output of rlrec consume)")

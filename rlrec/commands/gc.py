@@ -6,7 +6,7 @@ import argparse
 import re
 from dataclasses import dataclass
 
-from rlrec.commands._common import reports_storage_errors
+from rlrec.commands._common import reports_storage_errors, require_manifest
 from rlrec.options import OptionSet, option
 
 _UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
@@ -47,8 +47,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "gc",
         help="delete unreferenced shard files (crashed/fenced writers' leftovers)",
         description="Delete files in policy directories and their _staging/ that no manifest "
-        "entry names and that are older than --older-than. A file an entry names (published or "
-        "staged) is never deleted, whatever its age; neither is anything under _manifest/. Prints "
+        "entry names and that are older than --older-than (exit 1 when URI holds no rlrec "
+        "manifest). A file an entry names (published or staged) is never deleted, whatever its age; neither is anything under _manifest/. Prints "
         "the deleted (or, with --dry-run, deletable) files.",
     )
     OPTIONS.add_arguments(p)
@@ -66,6 +66,8 @@ def run(args: argparse.Namespace) -> int:
     from rlrec.store.maintenance import gc
 
     storage = open_output(opts.uri)
+    # a root without a manifest is a mistaken URI: gc must not judge its files unreferenced
+    require_manifest(storage, opts.uri)
     paths = gc(storage, opts.older_than, dry_run=opts.dry_run)
     for p in paths:
         print(storage.uri(p))

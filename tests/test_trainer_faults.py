@@ -1,0 +1,194 @@
+"""The trainer under faults, without Ray: a shard read during an S3 outage (real moto behind a fault
+proxy) gives its chunk back and is counted, never skipped; a gone shard and an unusable one are
+told apart from it; the driver's storage WARNING; the stall watchdog; a committed checkpoint is
+never rewritten. The whole trainer under these faults: tests/test_chaos_trainer.py."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import uuid
+
+import pytest
+
+from rlrec.store.commit import ShardCommitter
+from rlrec.store.manifest import read_manifest
+from rlrec.store.retry import RetryPolicy
+from rlrec.store.storage import Storage
+from rlrec.trainer.feed import FeedPolicy, FeedState, ShardInfo, shard_of_tag
+from rlrec.trainer.storage_health import StorageHealth
+from rlrec.trainer.synthetic import expert_cartpole_episodes
+from rlrec.trainer.watchdog import EXIT_STALLED, StallWatchdog
+from tests.faults import FaultProxy
+
+
+class _Call:
+    """``feed.method.remote(...)`` of a stand-in for the ShardFeed actor: runs `fn` at once."""
+
+    def __init__(self, fn) -> None:
+        self.remote = fn
+
+
+class FeedStandIn:
+    """The ShardFeed actor's methods the read task calls, on a real `FeedState`, in-process."""
+
+    def __init__(self, state: FeedState, on_failed=lambda kind: None) -> None:
+        self.state = state
+
+        def next_work(_timeout: float):  # the stream ends once every fresh shard was handed out
+            return state.next_work() if state.has_fresh() else "closed"
+
+        def failed(tag: int, kind: str, reason: str = "") -> None:
+            state.failed(tag, requeue=(kind == "retry"), reason=reason)
+            if kind == "missing":
+                state.mark_missing(shard_of_tag(tag))
+            elif kind == "bad":
+                state.mark_bad(shard_of_tag(tag), reason)
+            on_failed(kind)
+
+        self.next_work = _Call(next_work)
+        self.failed = _Call(failed)
+
+
+@pytest.fixture
+def s3_behind_proxy(local_s3, monkeypatch):
+    """(direct Storage, Storage through a FaultProxy, the proxy) on one fresh bucket."""
+    bucket = local_s3.create_bucket(f"tf-{uuid.uuid4().hex[:8]}")
+    for k, v in local_s3.env().items():
+        monkeypatch.setenv(k, v)
+    direct = Storage.from_uri(f"s3://{bucket}/out")
+    proxy = FaultProxy(local_s3.port)
+    proxy.server.handle_error = lambda *a: None
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
+    # few retries in place: the test is about what happens after they are spent
+    through = Storage.from_uri(f"s3://{bucket}/out", retry=RetryPolicy(attempts=2, base_delay=0.01, max_delay=0.02))
+    monkeypatch.setenv("AWS_ENDPOINT_URL", local_s3.env()["AWS_ENDPOINT_URL"])
+    try:
+        yield direct, through, proxy
+    finally:
+        proxy.close()
+
+
+def test_a_shard_read_during_an_outage_is_retried_never_skipped_and_gone_or_unusable_shards_are_told_apart(
+    s3_behind_proxy, monkeypatch
+):
+    from rlrec.trainer import read_task
+
+    direct, through, proxy = s3_behind_proxy
+    c = ShardCommitter(direct)
+    for i in range(3):
+        c.commit(expert_cartpole_episodes(2, seed=i, max_steps=50))
+    entries = read_manifest(direct)
+    infos = [ShardInfo.from_entry(i, e) for i, e in enumerate(entries)]
+    direct.delete(entries[1].path)  # gone: deleted outside the trainer
+    infos[2] = ShardInfo(**{**infos[2].__dict__, "sha256": hashlib.sha256(b"other bytes").hexdigest()})  # unusable
+    state = FeedState(FeedPolicy(chunk_rows=100, max_ahead_rows=10**6, fresh_fraction=1.0))
+    state.add_shards(infos)
+
+    kinds: list[str] = []
+
+    def on_failed(kind: str) -> None:
+        kinds.append(kind)
+        if kind == "retry":
+            proxy.clear_rules()  # the store answers again
+
+    monkeypatch.setattr(read_task.ray, "get", lambda x: x)
+    proxy.fail_matching(10**6, ".parquet")  # every shard read fails: an outage of the data files
+    blocks = list(
+        read_task._serve(FeedStandIn(state, on_failed), through, read_task._TableCache(1 << 24), ["item"], verify=True)
+    )
+    # unreachable: counted, the chunk given back and read again once the store answered
+    assert kinds[0] == "retry" and state.storage_errors >= 1
+    assert "503" in state.last_storage_error or "SERVICE_UNAVAILABLE" in state.last_storage_error
+    tags = [int(b.column(read_task.TAG)[0].as_py()) for b in blocks]
+    assert [shard_of_tag(t) for t in tags] == [0]
+    assert 0 not in state.deleted
+    # gone and unusable: reported as such, and only those
+    st = state.pop_stats()
+    assert st.missing == [infos[1].key]
+    assert [k for k, _ in st.bad] == [infos[2].key] and "sha256 mismatch" in st.bad[0][1]
+    assert state.deleted == {1, 2}
+
+
+def test_the_driver_warns_naming_the_store_counts_and_says_when_it_answers_again(caplog):
+    now = [100.0]
+    counted: list[int] = []
+    h = StorageHealth("s3://bucket/run", warn_every_s=10, on_errors=counted.append, clock=lambda: now[0])
+    caplog.set_level(logging.INFO, logger="rlrec.trainer")
+    h.failed("manifest poll", "StorageError: HTTP status 503")
+    now[0] = 105
+    h.reader_errors(2, "StorageError: connection refused")  # the feed's cumulative count
+    h.reader_errors(2, "StorageError: connection refused")  # nothing new
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "s3://bucket/run does not answer" in warnings[0] and "HTTP status 503" in warnings[0]
+    now[0] = 111  # still failing after warn_every_s: warned again, with the last error
+    h.reader_errors(3, "StorageError: connection refused")
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2 and "connection refused" in warnings[1] and "4 failed read(s) in 11s" in warnings[1]
+    assert counted == [1, 2, 1] and h.total == 4 and h.pop_iteration() == 4 and h.pop_iteration() == 0
+    assert h.failing
+    h.answered()
+    assert not h.failing and any("answers again (after 11.0s)" in r.getMessage() for r in caplog.records)
+
+
+def test_the_stall_watchdog_ends_the_process_with_one_line_unless_excused(capsys):
+    now = [0.0]
+    outage = [False]
+    exits: list[int] = []
+    w = StallWatchdog(60, excuse=lambda: outage[0], clock=lambda: now[0], exit=exits.append)
+    now[0] = 50
+    assert not w.check()
+    w.progress("training fresh shards")
+    now[0] = 100
+    outage[0] = True  # the store does not answer: waiting is explained (and reported elsewhere)
+    assert not w.check()
+    outage[0] = False
+    now[0] = 159
+    assert not w.check() and exits == []
+    now[0] = 161
+    assert w.check() and exits == [EXIT_STALLED]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("rlrec train: error: no progress in 60s (training fresh shards)")
+
+
+def test_a_committed_checkpoint_is_never_rewritten_and_its_extra_files_are_verified(tmp_path):
+    from rlrec.trainer.checkpoints import CheckpointStore, CheckpointVerificationError
+    from rlrec.trainer.signing import generate_keys, load_private_key
+    from tests.test_trainer_checkpoints import FakeAlgo
+
+    storage = Storage.from_uri(str(tmp_path / "ck"))
+    store = CheckpointStore(storage, signing_key=load_private_key(generate_keys(tmp_path / "keys")[0]))
+    first = store.save(5, FakeAlgo({"learner_group/w": b"1"}), {"n": 1}, policy_version=1, extra={"publish/x": b"p1"})
+    again = store.save(5, FakeAlgo({"learner_group/w": b"2"}), {"n": 2}, policy_version=2, extra={"publish/x": b"p2"})
+    assert (first, again) == ("checkpoints/ckpt-00000005", "checkpoints/ckpt-00000005.1")
+    assert storage.read(f"{first}/algo/learner_group/w") == b"1"  # untouched while latest named it
+    assert store.latest()["path"] == again and store.read_state(again) == {"n": 2}
+    assert store.save(5, FakeAlgo({}), {}, policy_version=2) == "checkpoints/ckpt-00000005.2"
+    assert store.read_file(first, "publish/x") == b"p1"
+    storage.write(f"{first}/publish/x", b"tampered")
+    with pytest.raises(CheckpointVerificationError, match="publish/x does not match"):
+        store.read_file(first, "publish/x")
+
+
+def test_metrics_lines_wait_out_an_outage_of_their_store_and_errors_are_counted_for_prometheus(s3_behind_proxy):
+    import json
+    import urllib.request
+
+    from rlrec.trainer.metrics import METRICS_FILE, TrainerMetrics
+
+    direct, through, proxy = s3_behind_proxy
+    m = TrainerMetrics(through, 0, False)
+    try:
+        line = {"iteration": 1, "policy_version": 0, "timesteps_trained": 1, "shards_total": 1, "shards_new": 1}
+        m.write(line)
+        proxy.fail_for(60)
+        m.write({**line, "iteration": 2})  # the store does not answer: no exception, the line waits
+        proxy.fail_for(0)
+        m.write({**line, "iteration": 3})
+        assert [json.loads(x)["iteration"] for x in direct.read(METRICS_FILE).decode().splitlines()] == [1, 2, 3]
+        m.count_storage_errors(3)
+        with urllib.request.urlopen(f"http://127.0.0.1:{m.port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        assert "rlrec_trainer_storage_errors_total 3.0" in text
+    finally:
+        m.close()

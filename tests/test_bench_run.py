@@ -21,10 +21,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.broker]
 
 ROW_KEYS = {"figure", "ours", "baseline", "ratio", "target", "pass", "rounds"}
 # rows per benchmark: producer 4 workloads x (CPU, p99, wire bytes) + 3 paced achieved rates;
-# consumer 2 sizes x 3 sides (1 process fsync / no fsync, 2 processes) x 2 baselines + RSS,
+# consumer 2 sizes x 3 sides (1 process fsync / no fsync, 2 processes) x 2 baselines x (steps/s,
+# CPU µs/step) + RSS,
 # + 1 from the memory benchmark;
 # trainer (T2 x 2, T1 x 2) x 2 stock configurations + T3 x 2 (T4 only in full runs); manifest 3
-PREFIXES = {"producer": 15, "consumer": 14, "trainer": 10, "manifest": 3}
+PREFIXES = {"producer": 15, "consumer": 26, "trainer": 10, "manifest": 3}
 BENCHES = ["producer", "consumer", "memory", "trainer", "manifest"]
 
 

@@ -143,6 +143,10 @@ for line in sys.stdin.buffer:
 """
 
 
+#: the relay processes started by :func:`drop_native_notices`
+_relays: list = []
+
+
 def drop_native_notices(notices: tuple[str, ...] = NATIVE_NOTICES) -> bool:
     """Keep Ray's C++ notices (:data:`NATIVE_NOTICES`) out of this process's stderr.
 
@@ -179,4 +183,5 @@ def drop_native_notices(notices: tuple[str, ...] = NATIVE_NOTICES) -> bool:
         return False
     os.dup2(relay.stdin.fileno(), 2)
     relay.stdin.close()  # fd 2 is now the pipe's only write end here
+    _relays.append(relay)  # kept: it runs as long as this process (a dropped Popen warns)
     return True

@@ -1,30 +1,53 @@
-"""Trainer benchmark: rlrec's `ManifestOfflineData` vs RLlib's stock `OfflineData`, pinned.
+"""Trainer benchmark: rlrec's `ManifestOfflineData` vs RLlib's stock `OfflineData` in two configurations.
 
-    python bench/trainer.py [--rounds R] [--seconds S] [--stock-batch 2 8] [--switch-interval X] --json PATH
+    python bench/trainer.py [--rounds R] [--seconds S] [--stock-batch 2 8] [--switch-interval X] [--t4] --json PATH
 
 Same data: scripted-expert CartPole shards committed once (`--shards` x `--episodes-per-shard`),
-read by both sides. Same work: BC, same `train_batch_size_per_learner`, learner count,
-`dataset_num_iters_per_learner` and `min_time_s_per_iteration`. The stock side is pinned to
-`BCConfig().offline_data(input_read_episodes=True, input_read_batch_size=B,
-materialize_data=False, materialize_mapped_data=False, map_batches_kwargs={"concurrency": 1},
-dataset_num_iters_per_learner=<same>)` for each B in `--stock-batch` (the better B is reported).
+read by every side. Same work: BC, same `train_batch_size_per_learner`, learner count,
+`dataset_num_iters_per_learner` and `min_time_s_per_iteration`. The stock sides read the shard
+files with `BCConfig().offline_data(input_read_episodes=True, input_read_batch_size=B,
+map_batches_kwargs={"concurrency": 1}, dataset_num_iters_per_learner=<same>)` for each B in
+`--stock-batch` (the better B is reported per figure), in two configurations (`STOCK_MODES`):
+
+  materialized  `materialize_data=False, materialize_mapped_data=True`: RLlib's advice for data
+                that fits in memory when the Learner connector pipeline is stateless and needs no
+                RLModule, which is BC's (rllib-working-with-offline-data.rst and
+                `AlgorithmConfig.offline_data`: materialize the *mapped* data, and then not the
+                raw data too, "to avoid materialization of two datasets"); it is also
+                `BCConfig`'s default. The first `sample()` runs every episode through the
+                PreLearner once and keeps the resulting batches in the object store; later
+                epochs iterate them again. This is the static baseline: T1, T2 and T4 are
+                judged against it.
+  streaming     `materialize_data=False, materialize_mapped_data=False`: the configuration for
+                data that does not fit in memory or keeps arriving (each epoch re-reads and
+                re-maps every file). Reported separately for T1, T2 and T4 (not judged).
+
+`map_batches_kwargs={"concurrency": 1}` for both: RLlib's default PreLearner concurrency
+(`max(2, num_learners)`) takes both CPUs of this 2-CPU machine and leaves none to the read
+task: stock BC hangs with it here.
 Same process conditions: every side and round runs in a fresh process (its own `ray.init`),
-sides alternate (order reversed every other round), warm-up iterations are excluded on both
-sides, and interpreter settings (`sys.setswitchinterval`) are set by this harness for every
+sides alternate (order reversed every other round), warm-up iterations are excluded on every
+side, and interpreter settings (`sys.setswitchinterval`) are set by this harness for every
 side alike (`--switch-interval`) or for none; product code does not change them.
 
 Figures:
   T1  distinct (episode, t) rows that entered at least one learner batch, per second, over the
-      same static shards, for both sides with one hook (`LearnerRowIds`: RLlib's
+      same static shards, for every side with one hook (`LearnerRowIds`: RLlib's
       `TorchLearner._update` patched in the child process records a 64-bit hash of every
       minibatch row's observation; CartPole states are continuous, so distinct rows have
       distinct observations). Rows first seen during the warm-up are not counted again; the
-      better stock batch size is reported. `distinct_rows_seen` says how much of the data a
+      better batch size of each stock configuration is reported. `distinct_rows_seen` says how much of the data a
       side saw (near all of it would cap the figure). Start-up (build -> end of the warm-up
-      iterations) is reported for both. Target >= 1.0x.
+      iterations) is reported for every side. Target >= 1.0x the materialized side (whose
+      distinct rows are bounded by the batches it materialized once).
   T2  learner updates/s (training_step calls x num_iters) and RLlib's
-      `num_env_steps_trained_lifetime` delta per second, same batch size. Target >= 0.9x.
-  T3  freshness: rlrec while shards are committed at 50 % of its pipeline's rate (rows streamed/s
+      `num_env_steps_trained_lifetime` delta per second, same batch size. Target >= 0.9x the
+      materialized side.
+  T3  freshness, rlrec only, judged against a bound (no stock side is measured; the only stock
+      configuration that can see new shards at all is the streaming one: given a directory, it
+      lists it again at each epoch and re-reads every old file with the new ones; a
+      materialized dataset is frozen at its first `sample()` and never sees a shard committed
+      after it): rlrec while shards are committed at 50 % of its pipeline's rate (rows streamed/s
       in the static runs, which is at least its T1: the stricter load) (`--stream-shards` shards,
       default 100), `--stream-rounds` rounds (default 3, each in a fresh process, medians and raw
       rounds reported): commit -> first trained p50/p99; a shard not trained by the end is a
@@ -39,8 +62,9 @@ Figures:
   T4  (`--t4`; full runs of bench/run.py only) wall time from the start of the build to a greedy
       CartPole return >= `--t4-return` (450; mean of `--t4-episodes` episodes on fixed seeds,
       evaluated after every iteration with the Learner's RLModule, evaluation time not counted),
-      over the same static shards, ours vs every stock batch size (the better is reported),
-      alternated rounds in fresh processes, capped at `--t4-seconds`. Target <= 1.0x.
+      over the same static shards, ours vs every stock side (the better batch size of each
+      configuration is reported), alternated rounds in fresh processes, capped at
+      `--t4-seconds`. Target <= 1.0x the materialized side.
 """
 
 from __future__ import annotations
@@ -150,8 +174,29 @@ class LearnerRowIds:
         return len(np.unique(np.concatenate(self.keys))) if self.keys else 0
 
 
+#: the stock `OfflineData` configurations, by name (see the module docstring for why these)
+STOCK_MODES = {
+    "materialized": {"materialize_data": False, "materialize_mapped_data": True},
+    "streaming": {"materialize_data": False, "materialize_mapped_data": False},
+}
+
+
+def stock_sides(batch_sizes: list[int]) -> list[str]:
+    """Side names of the stock configurations, e.g. ["materialized2", "streaming2", ...]."""
+    return [f"{mode}{b}" for mode in STOCK_MODES for b in batch_sizes]
+
+
+def parse_stock_side(side: str) -> tuple[str, int]:
+    """("materialized", 8) for "materialized8"."""
+    for mode in STOCK_MODES:
+        if side.startswith(mode) and side[len(mode) :].isdigit():
+            return mode, int(side[len(mode) :])
+    raise ValueError(f"unknown side {side!r}")
+
+
 def build_side(args, out: str, side: str):
-    """Build the BC algorithm for one side: "ours" (ManifestOfflineData) or "stockB" (pinned stock)."""
+    """Build the BC algorithm for one side: "ours" (ManifestOfflineData) or a stock side
+    ("materializedB", "streamingB": `STOCK_MODES`, input_read_batch_size B)."""
     from rlrec.trainer.data import configure_continuous
 
     config = base_config(args)
@@ -159,15 +204,14 @@ def build_side(args, out: str, side: str):
         config.offline_data(dataset_num_iters_per_learner=args.num_iters)
         configure_continuous(config, out)
     else:
-        B = int(side.removeprefix("stock"))
+        mode, B = parse_stock_side(side)
         files = sorted(glob.glob(os.path.join(out, "expert", "*.parquet")))
         config.offline_data(
             input_=files,
             input_read_episodes=True,
             input_read_batch_size=B,
             input_read_method_kwargs={"columns": ["item"]},
-            materialize_data=False,
-            materialize_mapped_data=False,
+            **STOCK_MODES[mode],
             map_batches_kwargs={"concurrency": args.prelearner_concurrency},
             dataset_num_iters_per_learner=args.num_iters,
         )
@@ -411,9 +455,6 @@ def run_streaming(args, out: str) -> dict:
     }
 
 
-SIDES = ("ours", "stock2", "stock8")
-
-
 def _child(args, extra: list[str], out_json: str, timeout: float) -> dict:
     keep = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k in CHILD_ARGS and v is not None]
     cmd = [sys.executable, os.path.abspath(__file__), *keep, *extra, "--json", out_json]
@@ -470,7 +511,7 @@ def parent(args) -> dict:
             "bytes": sum(e.bytes for e in entries),
             "generate_s": round(time.time() - t0, 2),
         }
-        sides = ("ours", *[f"stock{b}" for b in args.stock_batch])
+        sides = ("ours", *stock_sides(args.stock_batch))
         raw: dict[str, list[dict]] = {s: [] for s in sides}
         for r in range(args.rounds):
             order = list(sides) if r % 2 == 0 else list(reversed(sides))
@@ -489,14 +530,15 @@ def parent(args) -> dict:
             for side, runs in raw.items()
         }
         static["ours"]["rows_streamed_per_s"] = _median_spread([x["rows_streamed_per_s"] for x in raw["ours"]])
-        best = max(
-            (s for s in sides if s != "ours"), key=lambda s: static[s]["updates_per_s"]["median"]
-        )  # the better stock batch size (T2)
-        static["stock_best"] = best
-        # T1: the better stock batch size for T1
-        static["stock_best_t1"] = max(
-            (s for s in sides if s != "ours"), key=lambda s: static[s]["distinct_rows_per_s"]["median"]
-        )
+        # per stock configuration, its better batch size for T2 and for T1
+        static["baselines"] = {
+            mode: {
+                "best": max(of_mode, key=lambda s: static[s]["updates_per_s"]["median"]),
+                "best_t1": max(of_mode, key=lambda s: static[s]["distinct_rows_per_s"]["median"]),
+            }
+            for mode in STOCK_MODES
+            for of_mode in [[s for s in sides[1:] if parse_stock_side(s)[0] == mode]]
+        }
         static["raw"] = raw
         results["static"] = static
         # T3 at 50 % of ours' rows streamed/s (the pipeline's rate; at least its T1, so this load
@@ -506,7 +548,7 @@ def parent(args) -> dict:
         interval = max(0.05, rows_per_shard / (0.5 * t1)) if t1 else args.interval
         if args.t4:
             # T4 over the same static shards: alternated rounds, each side in a fresh process
-            t4_sides = sides  # ours and every stock batch size (the better is reported)
+            t4_sides = sides  # ours and every stock side (the better batch size of each configuration)
             t4_raw: dict[str, list[dict]] = {s: [] for s in t4_sides}
             for r in range(args.rounds):
                 for side in t4_sides if r % 2 == 0 else tuple(reversed(t4_sides)):
@@ -517,7 +559,13 @@ def parent(args) -> dict:
                 "return": args.t4_return,
                 "episodes": args.t4_episodes,
                 "cap_s": args.t4_seconds,
-                "stock_best": min(t4_sides[1:], key=lambda s: statistics.median(x["t4_s"] for x in t4_raw[s])),
+                "baselines": {
+                    mode: min(
+                        (s for s in t4_sides[1:] if parse_stock_side(s)[0] == mode),
+                        key=lambda s: statistics.median(x["t4_s"] for x in t4_raw[s]),
+                    )
+                    for mode in STOCK_MODES
+                },
                 **{s: _median_spread([x["t4_s"] for x in runs]) for s, runs in t4_raw.items()},
                 "misses": {s: sum(1 for x in runs if not x["reached"]) for s, runs in t4_raw.items()},
                 "raw": t4_raw,

@@ -21,10 +21,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.broker]
 
 ROW_KEYS = {"figure", "ours", "baseline", "ratio", "target", "pass", "rounds"}
 # rows per benchmark: producer 4 workloads x (CPU, p99, wire bytes) + 3 paced achieved rates;
-# consumer 2 sizes x 3 sides (1 process fsync / no fsync, 2 processes) x 2 baselines + RSS,
+# consumer 2 sizes x 3 sides (1 process fsync / no fsync, 2 processes) x 2 baselines x (steps/s,
+# CPU µs/step) + RSS,
 # + 1 from the memory benchmark;
-# trainer T2 x 2, T1 x 2, T3 x 2 (T4 only in full runs); manifest 3
-PREFIXES = {"producer": 15, "consumer": 14, "trainer": 6, "manifest": 3}
+# trainer (T2 x 2, T1 x 2) x 2 stock configurations + T3 x 2 (T4 only in full runs); manifest 3
+PREFIXES = {"producer": 15, "consumer": 26, "trainer": 10, "manifest": 3}
 BENCHES = ["producer", "consumer", "memory", "trainer", "manifest"]
 
 
@@ -96,6 +97,12 @@ def test_quick_run_writes_the_documented_json(tmp_path):
     assert any("(c) same + ray.data write_parquet" in f and "no fsync" in f for f in figures)
     assert any("(c) same + ray.data write_parquet" in f and "--processes 2" in f for f in figures)
     assert any(f.startswith("trainer: (T2)") and "input_read_batch_size=" in f for f in figures)
+    # T1 and T2 against both stock configurations, each row naming its own; judged (in full
+    # runs) against the materialized one only
+    for fig in ("trainer: (T2) learner updates/s", "trainer: (T1) distinct"):
+        for mode, target in (("stock materialized (", "ratio ≥"), ("stock streaming (", "reported")):
+            (row,) = [r for r in rows if r["figure"].startswith(fig) and mode in r["figure"]]
+            assert row["target"].startswith(target) or row["baseline"] is None, row
     c = doc["results"]["consumer"]["sizes"]["cartpole"]
     assert c["pipeline_blocks"][0] == c["shards"][0]  # (c) wrote as many blocks as rlrec wrote shards
     table = md.read_text().splitlines()
@@ -136,8 +143,17 @@ def test_merge_keeps_earlier_benchmarks_and_says_where_each_came_from():
     assert doc["results"]["producer"] == old["results"]["producer"]
     by_figure = {r["figure"]: r for r in doc["rows"]}
     for r in old["rows"]:  # rows of the benchmarks not run again are the same rows
-        if r["figure"].startswith(("producer:", "trainer:")):
+        if r["figure"].startswith("producer:"):
             assert by_figure[r["figure"]] == r
+    # the old trainer run measured the streaming stock configuration only: its rows keep their
+    # numbers and now name that baseline, reported (the judged baseline is the materialized one)
+    old_trainer = [r for r in old["rows"] if r["figure"].startswith("trainer:")]
+    new_trainer = [r for r in doc["rows"] if r["figure"].startswith("trainer:")]
+    assert [(r["ours"], r["baseline"]) for r in new_trainer] == [(r["ours"], r["baseline"]) for r in old_trainer]
+    for r in new_trainer:
+        if r["baseline"] is not None:
+            assert "vs stock streaming (materialize_data=materialize_mapped_data=False" in r["figure"], r
+            assert r["target"] == "reported" and r["pass"] is None, r
     assert [r for r in doc["rows"] if r["figure"].startswith("consumer: steps/s")] == [
         r for r in new["rows"] if r["figure"].startswith("consumer: steps/s")
     ]

@@ -467,6 +467,27 @@ def test_cli_bc_on_scripted_expert_reaches_400(cli_run):
     assert cli_run["best"] >= 400
 
 
+#: what Ray, RLlib and Ray Data write to a driver's stderr that reads as a failure but is not one
+#: (rlrec.logs: quiet_ray_logging, drop_native_notices)
+RAY_NOISE = (
+    "core_worker.cc",
+    "Token authentication is enabled",
+    "on the new API stack",
+    "DeprecationWarning",
+    "is deprecated",
+    "Install gputil",
+    "Progress bars disabled",
+    "execution finished in",
+)
+
+
+@pytest.mark.system
+def test_cli_log_carries_our_lines_not_rays_notices(cli_run):
+    out = cli_run["output"]
+    assert [n for n in RAY_NOISE if n in out] == [], out[-3000:]
+    assert " INFO rlrec.trainer: iter 1 " in out, out[-3000:]
+
+
 @pytest.mark.system
 def test_cli_sigterm_checkpoints_and_publishes(cli_run):
     ck = cli_run["ck"]

@@ -50,10 +50,9 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as e:  # OptionError
         print(f"rlrec train: error: {e}", file=sys.stderr)
         return 2
-    from rlrec.logs import quiet_ray_logging, setup_logging
+    from rlrec.logs import drop_native_notices, quiet_ray_logging, setup_logging
 
     setup_logging(opts["log_format"], opts["log_level"])
-    quiet_ray_logging()
     from rlrec.trainer.service import ContinuousTrainer, UnsupportedCombination
 
     try:
@@ -61,12 +60,14 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"rlrec train: error: {e}", file=sys.stderr)
         return 2
+    quiet_ray_logging()  # imports RLlib (as the checks below do): after the option errors
     from rlrec.commands._common import open_output
 
     # UsageErrors (exit 2, one line) before Ray starts
     open_output(cfg.input, "--input")
     open_output(cfg.checkpoint_dir, "--checkpoint-dir")
     cfg.check_inputs()
+    drop_native_notices()  # Ray's C++ notices, before Ray starts
     try:
         trainer = ContinuousTrainer(cfg, install_signals=True)
     except ValueError as e:  # e.g. an unreadable --signing-key

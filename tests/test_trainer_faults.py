@@ -192,3 +192,35 @@ def test_metrics_lines_wait_out_an_outage_of_their_store_and_errors_are_counted_
         assert "rlrec_trainer_storage_errors_total 3.0" in text
     finally:
         m.close()
+
+
+def test_resume_refuses_a_checkpoint_dir_with_checkpoints_but_no_latest_json_and_touches_nothing(tmp_path, capsys):
+    from rlrec.cli import main
+    from rlrec.trainer.checkpoints import CKPT_LATEST, CheckpointStore, ResumeRefused
+    from rlrec.trainer.metrics import METRICS_FILE
+    from tests.test_trainer_checkpoints import FakeAlgo
+
+    ck = tmp_path / "ck"
+    storage = Storage.from_uri(str(ck))
+    store = CheckpointStore(storage)
+    assert store.resume_point() is None  # nothing there: a new run
+    storage.write("checkpoints/ckpt-00000001/algo/x", b"half")  # a first save that crashed: no index
+    assert store.resume_point() is None
+    path = store.save(3, FakeAlgo({"learner_group/w": b"1"}), {"n": 1}, policy_version=0)
+    assert store.resume_point()["path"] == path
+    storage.delete(CKPT_LATEST)  # a store that did not answer with it, or a damaged dir
+    with pytest.raises(ResumeRefused, match="ckpt-00000003 exists"):
+        store.resume_point()
+    storage.delete_tree("checkpoints")
+    with pytest.raises(ResumeRefused, match="published policy v2"):
+        store.resume_point(published=2)
+
+    storage.write(f"{path}/index.json", b"{}")
+    metrics = b'{"iteration": 1}\n{"iteration": 2}\n'
+    storage.write(METRICS_FILE, metrics)
+    rc = main(["train", "--input", str(tmp_path / "in"), "--checkpoint-dir", str(ck), "--resume"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err
+    lines = [ln for ln in err.splitlines() if ln.startswith("rlrec train: error: ")]
+    assert len(lines) == 1 and "latest.json is missing but checkpoint checkpoints/ckpt-00000003" in lines[0], err
+    assert storage.read(METRICS_FILE) == metrics

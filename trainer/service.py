@@ -772,8 +772,14 @@ class ContinuousTrainer:
             )
             self._write_publications()
 
-    def _restore(self) -> bool:
-        latest = self.checkpoints.latest()
+    def _resume_point(self) -> dict | None:
+        """What ``--resume`` continues from (`CheckpointStore.resume_point`); checked before Ray
+        starts, and a refusal (`ResumeRefused`, exit 2) touches nothing."""
+        from rlrec.trainer.export import highest_version
+
+        return self.checkpoints.resume_point(highest_version(self.publish_storage, self.signing_key))
+
+    def _restore(self, latest: dict | None) -> bool:
         if latest is None:
             log.info("--resume: no checkpoint under %s; starting fresh", self.out.uri())
             self.metrics.truncate_after(None)
@@ -819,6 +825,7 @@ class ContinuousTrainer:
     def setup(self) -> bool:
         import ray
 
+        resume_from = self._resume_point() if self.cfg.resume else None
         if self.cfg.placement.address is not None:  # joining a cluster: check it before waiting for data
             self._connect()
         entries = self._first_shards()
@@ -841,7 +848,7 @@ class ContinuousTrainer:
         self.metrics = TrainerMetrics(self.out, self.cfg.metrics_port, self.cfg.progress, self.cfg.metrics_host)
         self.algo.offline_data.health.on_errors = self.metrics.count_storage_errors
         if self.cfg.resume:
-            self._restore()
+            self._restore(resume_from)
         else:
             if self.checkpoints.latest() is not None:
                 log.warning(

@@ -224,3 +224,19 @@ def test_resume_refuses_a_checkpoint_dir_with_checkpoints_but_no_latest_json_and
     lines = [ln for ln in err.splitlines() if ln.startswith("rlrec train: error: ")]
     assert len(lines) == 1 and "latest.json is missing but checkpoint checkpoints/ckpt-00000003" in lines[0], err
     assert storage.read(METRICS_FILE) == metrics
+
+
+def test_prune_orders_saves_numerically_and_counts_only_complete_checkpoints(tmp_path):
+    from rlrec.trainer.checkpoints import CheckpointStore
+    from tests.test_trainer_checkpoints import FakeAlgo
+
+    storage = Storage.from_uri(str(tmp_path / "ck"))
+    store = CheckpointStore(storage)
+    paths = [store.save(5, FakeAlgo({"learner_group/w": bytes([i])}), {}, policy_version=1) for i in range(12)]
+    assert paths[10:] == ["checkpoints/ckpt-00000005.10", "checkpoints/ckpt-00000005.11"]
+    storage.write("checkpoints/ckpt-00000004/algo/w", b"a crashed save")  # half-written, older
+    storage.write("checkpoints/ckpt-00000009/algo/w", b"a crashed save")  # half-written, newer
+    store.prune(3, current=paths[-1])
+    left = [i.path for i in storage.list("checkpoints") if i.is_dir]
+    assert sorted(left) == sorted([*paths[9:], "checkpoints/ckpt-00000009"])
+    assert store.complete_checkpoints() == paths[9:]

@@ -119,8 +119,12 @@ class CheckpointStore:
     def complete_checkpoints(self) -> list[str]:
         """Paths of the checkpoints whose ``index.json`` was written (every file of theirs is
         there), oldest first in (iteration, save) order; a half-written one is not listed."""
+        return [d for d in self._checkpoint_dirs() if self.storage.exists(f"{d}/{INDEX_FILE}")]
+
+    def _checkpoint_dirs(self) -> list[str]:
+        """Every ``ckpt-*`` directory, complete or not, in (iteration, save) order."""
         dirs = [i.path for i in self.storage.list(CKPT_DIR) if i.is_dir and _checkpoint_order(i.path) is not None]
-        return sorted((d for d in dirs if self.storage.exists(f"{d}/{INDEX_FILE}")), key=_checkpoint_order)
+        return sorted(dirs, key=_checkpoint_order)
 
     def resume_point(self, published: int = 0) -> dict | None:
         """The ``latest.json`` pointer ``--resume`` continues from; None for a checkpoint dir
@@ -188,12 +192,18 @@ class CheckpointStore:
         return path
 
     def prune(self, keep: int, current: str) -> None:
-        """Delete all but the newest *keep* (at least 1) checkpoints, never *current*."""
+        """Delete all but the newest *keep* (at least 1) complete checkpoints, in (iteration,
+        save) order, never *current*; half-written ones older than *current* go too (a crashed
+        save), without counting toward *keep*."""
         try:
-            dirs = sorted(i.path for i in self.storage.list(CKPT_DIR) if i.is_dir and i.name.startswith("ckpt-"))
-        except Exception:
+            dirs = self._checkpoint_dirs()
+            complete = [d for d in dirs if self.storage.exists(f"{d}/{INDEX_FILE}")]
+        except Exception as e:
+            log.warning("could not list checkpoints to prune: %s", e)
             return
-        for d in dirs[: -max(1, keep)]:
+        mark = _checkpoint_order(current)
+        half = [d for d in dirs if d not in complete and mark is not None and _checkpoint_order(d) < mark]
+        for d in complete[: -max(1, keep)] + half:
             if d == current:
                 continue
             try:

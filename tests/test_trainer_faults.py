@@ -39,11 +39,7 @@ class FeedStandIn:
             return state.next_work() if state.has_fresh() else "closed"
 
         def failed(tag: int, kind: str, reason: str = "") -> None:
-            state.failed(tag, requeue=(kind == "retry"), reason=reason)
-            if kind == "missing":
-                state.mark_missing(shard_of_tag(tag))
-            elif kind == "bad":
-                state.mark_bad(shard_of_tag(tag), reason)
+            state.report(tag, kind, reason)
             on_failed(kind)
 
         self.next_work = _Call(next_work)
@@ -240,3 +236,145 @@ def test_prune_orders_saves_numerically_and_counts_only_complete_checkpoints(tmp
     left = [i.path for i in storage.list("checkpoints") if i.is_dir]
     assert sorted(left) == sorted([*paths[9:], "checkpoints/ckpt-00000009"])
     assert store.complete_checkpoints() == paths[9:]
+
+
+FAST = RetryPolicy(attempts=None, base_delay=0.01, max_delay=0.02, jitter=0)
+
+
+def _local_shards(tmp_path, n: int):
+    """(Storage, FeedState with `n` committed shards, their ShardInfos) on a local store."""
+    storage = Storage.from_uri(str(tmp_path / "in"))
+    c = ShardCommitter(storage)
+    for i in range(n):
+        c.commit(expert_cartpole_episodes(2, seed=i, max_steps=50))
+    infos = [ShardInfo.from_entry(i, e) for i, e in enumerate(read_manifest(storage))]
+    state = FeedState(FeedPolicy(chunk_rows=10**6, max_ahead_rows=10**6, fresh_fraction=1.0))
+    state.add_shards(infos)
+    return storage, state, infos
+
+
+def _served(read_task, state, storage, on_failed=lambda kind: None) -> list[int]:
+    """Shard indices of the blocks one read task yields until every fresh shard was handed out."""
+    blocks = read_task._serve(
+        FeedStandIn(state, on_failed), storage, read_task._TableCache(1 << 24), ["item"], verify=True, policy=FAST
+    )
+    return [shard_of_tag(int(b.column(read_task.TAG)[0].as_py())) for b in blocks]
+
+
+def test_one_failed_read_does_not_condemn_a_shard_two_a_retry_wait_apart_do(tmp_path, monkeypatch):
+    from rlrec.trainer import read_task
+
+    monkeypatch.setattr(read_task.ray, "get", lambda x: x)
+    storage, state, infos = _local_shards(tmp_path, 3)
+    real_read = read_task.read_committed_shard
+    reads: dict[str, int] = {}
+
+    def flaky_read(st, path, staging):
+        reads[path] = reads.get(path, 0) + 1
+        data = real_read(st, path, staging)
+        if path == infos[0].path and reads[path] == 1:
+            return data[:-7] + b"flipped"  # damaged once in transit: the sha256 does not match
+        if path == infos[1].path and reads[path] == 1:
+            raise FileNotFoundError(path)  # a 404 once (a replica not there yet)
+        if path == infos[2].path:
+            return data[:-7] + b"flipped"  # damaged for good
+        return data
+
+    monkeypatch.setattr(read_task, "read_committed_shard", flaky_read)
+    assert sorted(_served(read_task, state, storage)) == [0, 1]
+    st = state.pop_stats()
+    assert st.missing == [] and [k for k, _ in st.bad] == [infos[2].key] and "sha256" in st.bad[0][1]
+    assert reads == {infos[0].path: 2, infos[1].path: 2, infos[2].path: 2}
+
+    storage2, state2, infos2 = _local_shards(tmp_path / "gone", 1)
+    monkeypatch.setattr(read_task, "read_committed_shard", real_read)
+    storage2.delete(infos2[0].path)  # gone at both reads
+    assert _served(read_task, state2, storage2) == []
+    assert state2.pop_stats().missing == [infos2[0].key]
+
+
+def test_a_reader_out_of_memory_gives_the_chunk_back_and_is_not_a_bad_shard_nor_a_storage_error(tmp_path, monkeypatch):
+    import pyarrow as pa
+
+    from rlrec.trainer import read_task
+
+    monkeypatch.setattr(read_task.ray, "get", lambda x: x)
+    storage, state, _ = _local_shards(tmp_path, 1)
+    real_open = read_task.open_shard
+    calls = [0]
+
+    def open_once_oom(data, fmt):
+        calls[0] += 1
+        if calls[0] == 1:
+            raise pa.ArrowMemoryError("malloc of size 1073741824 failed")
+        return real_open(data, fmt=fmt)
+
+    monkeypatch.setattr(read_task, "open_shard", open_once_oom)
+    kinds: list[str] = []
+    assert _served(read_task, state, storage, kinds.append) == [0]
+    assert kinds == ["busy"] and state.storage_errors == 0 and state.pop_stats().bad == []
+
+
+def test_a_store_that_refuses_is_retried_never_skipped_logged_as_an_error_and_not_an_outage(
+    s3_behind_proxy, monkeypatch, caplog
+):
+    from rlrec.trainer import read_task
+
+    direct, through, proxy = s3_behind_proxy
+    ShardCommitter(direct).commit(expert_cartpole_episodes(2, seed=0, max_steps=50))
+    infos = [ShardInfo.from_entry(i, e) for i, e in enumerate(read_manifest(direct))]
+    state = FeedState(FeedPolicy(chunk_rows=10**6, max_ahead_rows=10**6, fresh_fraction=1.0))
+    state.add_shards(infos)
+    monkeypatch.setattr(read_task.ray, "get", lambda x: x)
+    caplog.set_level(logging.INFO, logger="rlrec.trainer")
+    kinds: list[str] = []
+
+    def on_failed(kind: str) -> None:
+        kinds.append(kind)
+        if len(kinds) == 3:
+            proxy.clear_rules()  # someone fixed the bucket policy
+
+    proxy.deny_matching(10**6, ".parquet")
+    assert _served(read_task, state, through, on_failed) == [0]
+    assert kinds == ["refused"] * 3 and state.refusals == 3 and state.storage_errors == 0
+    assert "AccessDenied" in state.last_refusal or "ACCESS_DENIED" in state.last_refusal
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 3 and all(m.startswith("store refuses (") for m in errors)
+
+    # on the driver: an ERROR of its own, counted, and no outage (the stall watchdog is not excused)
+    counted: list[int] = []
+    h = StorageHealth("s3://bucket/run", on_errors=counted.append, clock=lambda: 0.0)
+    h.reader_refusals(state.refusals, state.last_refusal)
+    h.reader_refusals(state.refusals, state.last_refusal)  # nothing new
+    assert not h.failing and h.refusals == 3 and counted == [3] and h.pop_iteration() == 3
+    drv = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR][3:]
+    assert len(drv) == 1 and "storage s3://bucket/run refuses (shard read" in drv[0]
+
+
+def test_manifest_poll_failures_are_told_apart_outage_refusal_or_a_bug(caplog):
+    import threading
+    from types import SimpleNamespace
+
+    from rlrec.store.storage import StorageError
+    from rlrec.trainer.data import ManifestOfflineData
+
+    errors = [
+        StorageError("HTTP status 503"),
+        OSError("AWS Error ACCESS_DENIED during ListObjectsV2"),
+        ValueError("bug"),
+    ]
+
+    def poll(force_discover=False):
+        raise errors.pop(0)
+
+    od = SimpleNamespace(_lock=threading.Lock(), follower=SimpleNamespace(poll=poll), health=StorageHealth("s3://b/in"))
+    caplog.set_level(logging.INFO, logger="rlrec.trainer")
+    assert ManifestOfflineData.refresh(od) == 0
+    assert od.health.failing and od.health.refusals == 0
+    od.health.answered()
+    assert ManifestOfflineData.refresh(od) == 0
+    assert not od.health.failing and od.health.refusals == 1
+    assert ManifestOfflineData.refresh(od) == 0
+    assert not od.health.failing and od.health.total == 2
+    msgs = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert any("refuses (manifest poll" in m for m in msgs) and msgs[-1] == "manifest poll failed: ValueError: bug"

@@ -47,7 +47,7 @@ from ray.rllib.policy.sample_batch import MultiAgentBatch, SampleBatch
 from ray.rllib.utils import force_list, unflatten_dict
 
 from rlrec.store.manifest import ShardEntry
-from rlrec.store.storage import Storage
+from rlrec.store.storage import Storage, StorageError, is_refusal
 from rlrec.trainer.feed import TAG, FeedPolicy, IterationStats
 from rlrec.trainer.feed_actor import LEARNER_CONFIG_KEY, ShardFeed
 from rlrec.trainer.manifest_follower import ManifestFollower, spaces_from_shard
@@ -158,9 +158,15 @@ class ManifestOfflineData(OfflineData):
             try:
                 infos = self.follower.poll(force_discover=force_discover)
                 self.last_poll_error = None
-            except Exception as e:  # the store does not answer: keep training on what we have
+            except Exception as e:  # keep training on what we have; the next poll tries again
                 self.last_poll_error = f"{type(e).__name__}: {e}"
-                self.health.failed("manifest poll", self.last_poll_error)
+                if is_refusal(e):
+                    self.health.refused("manifest poll", self.last_poll_error)
+                elif isinstance(e, (StorageError, OSError)):  # the store does not answer
+                    self.health.failed("manifest poll", self.last_poll_error)
+                else:
+                    log.error("manifest poll failed: %s", self.last_poll_error)
+                    log.debug("manifest poll", exc_info=True)
                 return 0
             if infos:
                 ray.get(self.feed.add_shards.remote(infos, [s.key for s in infos if s.key in self._trained_keys]))
@@ -170,12 +176,13 @@ class ManifestOfflineData(OfflineData):
         """Take the read tasks' failed reads from the feed into `health`; the store answers
         again once a manifest poll worked and no read failed since the last check."""
         try:
-            errors, last = ray.get(self.feed.storage_errors.remote(), timeout=10)
+            errors, last, refusals, last_refusal = ray.get(self.feed.storage_errors.remote(), timeout=10)
         except Exception as e:  # the feed is gone (shutdown) or busy: nothing to learn now
             log.debug("feed storage errors: %s", e)
             return
         before = self.health.total
         self.health.reader_errors(errors, last)
+        self.health.reader_refusals(refusals, last_refusal)
         if self.last_poll_error is None and self.health.total == before:
             self.health.answered()
 

@@ -194,6 +194,8 @@ class FeedState:
         self.totals = {"deliveries": 0, "fresh_deliveries": 0, "replay_deliveries": 0, "rows_delivered": 0}
         self.storage_errors = 0  # reads that failed on an unreachable store (the chunk was given back), cumulative
         self.last_storage_error: str | None = None
+        self.refusals = 0  # reads the store refused (permission, credentials; the chunk was given back), cumulative
+        self.last_refusal: str | None = None
 
     # ------------------------------------------------------------------ shards
     def add_shards(self, infos: list[ShardInfo], trained_keys: set[str] | frozenset = frozenset()) -> int:
@@ -442,11 +444,27 @@ class FeedState:
         if new:
             self.stats.skipped.append((s.key, new, reason))
 
-    def failed(self, tag: int, requeue: bool = False, reason: str = "") -> None:
+    def report(self, tag: int, kind: str, reason: str = "") -> None:
+        """What became of a delivered chunk a read task could not read; `kind` is the read
+        task's verdict: ``retry`` (the store did not answer), ``refused`` (the store refused:
+        permission, credentials), ``busy`` (the read task ran out of memory) -- the chunk is
+        delivered again -- or ``missing`` / ``bad`` (the shard is gone / unusable: never read
+        again)."""
+        if kind == "refused":
+            self.refusals += 1
+            self.last_refusal = reason or None
+        self.failed(tag, requeue=kind in ("retry", "refused", "busy"), reason=reason, counted=kind == "retry")
+        if kind == "missing":
+            self.mark_missing(shard_of_tag(tag))
+        elif kind == "bad":
+            self.mark_bad(shard_of_tag(tag), reason)
+
+    def failed(self, tag: int, requeue: bool = False, reason: str = "", counted: bool = True) -> None:
         """A delivered chunk could not be read. `requeue`: the store did not answer (a transient
         error, counted in `storage_errors`): deliver a fresh chunk again; the shard stays
-        committed and fresh (missing and bad shards are marked separately)."""
-        if requeue:
+        committed and fresh (missing and bad shards are marked separately); `counted`: a requeue
+        counted in `storage_errors`."""
+        if requeue and counted:
             self.storage_errors += 1
             self.last_storage_error = reason or None
         p = self.pending.pop(int(tag), None)
@@ -496,5 +514,6 @@ class FeedState:
             "in_flight_rows": self.in_flight_rows(),
             "storage_errors": self.storage_errors,
             "last_storage_error": self.last_storage_error,
+            "refusals": self.refusals,
             **self.totals,
         }

@@ -132,19 +132,48 @@ def test_the_stall_watchdog_ends_the_process_with_one_line_unless_excused(capsys
     outage = [False]
     exits: list[int] = []
     w = StallWatchdog(60, excuse=lambda: outage[0], clock=lambda: now[0], exit=exits.append)
-    now[0] = 50
+    now[0] = 500  # the first iteration (Ray Data's and the Learners' start) is not timed
     assert not w.check()
-    w.progress("training fresh shards")
-    now[0] = 100
+    w.iteration(fresh_chunks=0, backlog=4)  # it arms the watchdog
+    now[0] = 550
+    w.iteration(fresh_chunks=2, backlog=4)  # a big shard, a few chunks at a time: progress
+    now[0] = 600
     outage[0] = True  # the store does not answer: waiting is explained (and reported elsewhere)
     assert not w.check()
     outage[0] = False
-    now[0] = 159
+    now[0] = 640
+    w.iteration(fresh_chunks=0, backlog=3)  # nothing fresh trained in this one
+    now[0] = 659
     assert not w.check() and exits == []
-    now[0] = 161
+    now[0] = 661
     assert w.check() and exits == [EXIT_STALLED]
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("rlrec train: error: no progress in 60s (training fresh shards)")
+    assert len(err) == 1 and err[0].startswith(
+        "rlrec train: error: no fresh data trained for 61s (--stall-timeout-s 60s) while 3 fresh shard(s) waited"
+    )
+
+
+def test_a_big_shard_trained_over_many_iterations_is_progress_for_the_watchdog():
+    from rlrec.trainer.feed import IterationStats
+
+    state = FeedState(FeedPolicy(chunk_rows=10, max_ahead_rows=10**6, fresh_fraction=1.0))
+    big = ShardInfo(
+        0, "big", "big.parquet", "s/big.parquet", "tabular", rows=100, steps=100, commit_time=1.0, policy_id="p"
+    )
+    waiting = ShardInfo(
+        1, "next", "n.parquet", "s/n.parquet", "tabular", rows=10, steps=10, commit_time=2.0, policy_id="p"
+    )
+    state.add_shards([big, waiting])
+    per_iteration: list[IterationStats] = []
+    for _ in range(3):  # each iteration trains one more fresh chunk of the big shard, then replays
+        w = state.next_work()
+        assert w.fresh and w.shard.key == "big"
+        state.processed([w.tag], 10)
+        state.ack({w.tag: 10})
+        state.ack({w.tag: 10})  # the Learner samples those rows again: not fresh data again
+        per_iteration.append(state.pop_stats())
+    assert [st.fresh_chunks for st in per_iteration] == [1, 1, 1]
+    assert [len(st.newly_trained) for st in per_iteration] == [1, 0, 0]  # what the watchdog went by
 
 
 def test_a_committed_checkpoint_is_never_rewritten_and_its_extra_files_are_verified(tmp_path):

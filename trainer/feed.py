@@ -35,6 +35,7 @@ __all__ = ["TAG", "TAG_SHIFT", "FeedPolicy", "FeedState", "ShardInfo", "Work", "
 TAG = "rlrec_tag"
 TAG_SHIFT = 24
 _DELIVERY_MASK = (1 << TAG_SHIFT) - 1
+_FRESH_TAGS_KEPT = 1 << 16  # fresh chunks remembered until trained (far more than are ever in flight)
 
 
 def shard_of_tag(tag: int) -> int:
@@ -156,6 +157,7 @@ class IterationStats:
     skipped: list = field(default_factory=list)  # (key, new episodes, a reason): unusable episodes, each once
     rows_trained: int = 0
     rows_streamed: int = 0  # of rows_trained, taken from the stream
+    fresh_chunks: int = 0  # chunks delivered fresh (new data) whose rows were first trained on
     wait_s: float = 0.0
     compute_s: float = 0.0
     updates: int = 0
@@ -189,6 +191,7 @@ class FeedState:
         self.stats = IterationStats()
         self._skips_seen: set[tuple[int, str]] = set()
         self._fresh_rows_out: dict[int, int] = {}  # fresh shard -> rows its chunks produced so far
+        self._fresh_tags: dict[int, None] = {}  # fresh chunks out of the PreLearner, not trained on yet
         # shard -> first times: added, delivered, processed (its first fresh chunk out of the PreLearner), trained
         self.timeline: dict[int, dict] = {}
         self.totals = {"deliveries": 0, "fresh_deliveries": 0, "replay_deliveries": 0, "rows_delivered": 0}
@@ -402,6 +405,9 @@ class FeedState:
         for t in tags:
             p = self.pending.pop(int(t), None)
             if p is not None and p.fresh:
+                self._fresh_tags[int(t)] = None
+                if len(self._fresh_tags) > _FRESH_TAGS_KEPT:
+                    del self._fresh_tags[next(iter(self._fresh_tags))]
                 self.timeline.setdefault(p.shard, {}).setdefault("processed", now)
                 self._fresh_rows_out[p.shard] = self._fresh_rows_out.get(p.shard, 0) + int(rows_out)
                 idx = p.shard
@@ -490,6 +496,8 @@ class FeedState:
         for tag, n in counts.items():
             idx = shard_of_tag(tag)
             st.rows_trained += int(n)
+            if self._fresh_tags.pop(tag, False) is None:  # its first rows trained (a replay of the buffer is not)
+                st.fresh_chunks += 1
             s = self.shards.get(idx)
             if s is None:
                 continue

@@ -407,3 +407,53 @@ def test_manifest_poll_failures_are_told_apart_outage_refusal_or_a_bug(caplog):
     assert not od.health.failing and od.health.total == 2
     msgs = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert any("refuses (manifest poll" in m for m in msgs) and msgs[-1] == "manifest poll failed: ValueError: bug"
+
+
+def test_manifest_polls_during_an_outage_follow_the_retry_schedule():
+    from types import SimpleNamespace
+
+    from rlrec.store.retry import RetrySchedule
+    from rlrec.trainer.data import ManifestOfflineData
+
+    polls: list[float] = []
+    answers = [False] * 4 + [True] * 10
+    od = SimpleNamespace(
+        poll_schedule=RetrySchedule(RetryPolicy(attempts=None, base_delay=1.0, max_delay=4.0, jitter=0)),
+        last_poll_error=None,
+        check_health=lambda: None,
+    )
+
+    def refresh():
+        polls.append(now)
+        od.last_poll_error = None if answers.pop(0) else "StorageError: HTTP status 503"
+
+    od.refresh = refresh
+    for tick in range(0, 24):  # the poll thread's turns, every 0.5 s
+        now = tick * 0.5
+        ManifestOfflineData._poll_once(od, now)
+    assert polls[:5] == [0.0, 1.0, 3.0, 7.0, 11.0]  # waits 1, 2, 4, 4: then the store answers
+    assert polls[5:] == [11.5]
+
+
+def test_a_checkpoint_waiting_for_its_store_excuses_the_watchdog_and_a_stop_ends_the_wait(monkeypatch):
+    import threading
+    from types import SimpleNamespace
+
+    from rlrec.store.storage import StorageError
+    from rlrec.trainer import service
+
+    down_seen: list[bool] = []
+    trainer = SimpleNamespace(iteration=7, policy_version=1, algo=None, _stop=threading.Event())
+    trainer.out = Storage.from_uri("/tmp/rlrec-unused")
+    trainer._checkpoint_store_down = False
+
+    def save(*_a, **_k):
+        down_seen.append(trainer._checkpoint_store_down)
+        trainer._stop.set()  # SIGTERM while the store does not answer
+        raise StorageError("HTTP status 503")
+
+    trainer.checkpoints = SimpleNamespace(save=save)
+    monkeypatch.setattr(service.time, "sleep", lambda s: pytest.fail(f"slept {s}s instead of waiting on the stop"))
+    with pytest.raises(StorageError):
+        service.ContinuousTrainer._save_committed(trainer, {}, {})
+    assert down_seen == [False, True, True, True] and trainer._checkpoint_store_down is False

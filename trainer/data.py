@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import types
 import uuid
 from collections.abc import Iterable
@@ -47,6 +48,7 @@ from ray.rllib.policy.sample_batch import MultiAgentBatch, SampleBatch
 from ray.rllib.utils import force_list, unflatten_dict
 
 from rlrec.store.manifest import ShardEntry
+from rlrec.store.retry import RetrySchedule
 from rlrec.store.storage import Storage, StorageError, is_refusal
 from rlrec.trainer.feed import TAG, FeedPolicy, IterationStats
 from rlrec.trainer.feed_actor import LEARNER_CONFIG_KEY, ShardFeed
@@ -139,6 +141,7 @@ class ManifestOfflineData(OfflineData):
         self._lock = threading.Lock()
         self._local_iterators: list[StreamIterator] = []
         self.last_poll_error: str | None = None
+        self.poll_schedule = RetrySchedule()  # manifest polls while they fail: the one retry schedule
         self.health = StorageHealth(self.storage.uri())  # the input store's failed reads, reported here
 
     # ------------------------------------------------------------------ manifest
@@ -189,12 +192,22 @@ class ManifestOfflineData(OfflineData):
     def _poll_loop(self) -> None:
         while not self._stop.wait(self.poll_interval_s):
             try:
-                self.refresh()
-                self.check_health()
+                self._poll_once(time.monotonic())
             except Exception as e:  # e.g. the feed actor is gone at shutdown
                 if self._stop.is_set():
                     return
                 log.warning("manifest poll failed: %s", e)
+
+    def _poll_once(self, now: float) -> None:
+        """One turn of the poll thread: read the manifest unless a failed poll scheduled the next
+        one later (the one retry schedule, `poll_schedule`), then take the read tasks' errors."""
+        if self.poll_schedule.due(now):
+            self.refresh()
+            if self.last_poll_error is None:
+                self.poll_schedule.succeeded()
+            else:
+                self.poll_schedule.failed(now)
+        self.check_health()
 
     @property
     def shards_total(self) -> int:

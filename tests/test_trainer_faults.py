@@ -373,9 +373,11 @@ def test_a_store_that_refuses_is_retried_never_skipped_logged_as_an_error_and_no
     # on the driver: an ERROR of its own, counted, and no outage (the stall watchdog is not excused)
     counted: list[int] = []
     h = StorageHealth("s3://bucket/run", on_errors=counted.append, clock=lambda: 0.0)
+    h.failed("manifest poll", "StorageError: HTTP status 503")  # an outage first, then the store refuses
+    assert h.failing
     h.reader_refusals(state.refusals, state.last_refusal)
     h.reader_refusals(state.refusals, state.last_refusal)  # nothing new
-    assert not h.failing and h.refusals == 3 and counted == [3] and h.pop_iteration() == 3
+    assert not h.failing and h.refusals == 3 and counted == [1, 3] and h.pop_iteration() == 4
     drv = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR][3:]
     assert len(drv) == 1 and "storage s3://bucket/run refuses (shard read" in drv[0]
 

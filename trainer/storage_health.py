@@ -101,12 +101,14 @@ class StorageHealth:
     def refused(self, what: str, error: str, n: int = 1) -> None:
         """The store refused `n` reads (`what`: e.g. ``"manifest poll"``) with `error`:
         permission or credentials. Counted and logged as an ERROR (every `warn_every_s`) that
-        says so, but not an outage: `failing` stays as it is (the stall watchdog is not excused;
-        waiting does not end a refusal, someone must change the store's configuration)."""
+        says so, but not an outage: `failing` is False after it (the stall watchdog is not excused;
+        waiting does not end a refusal, someone must change the store's configuration). A
+        refusal is an answer: an outage reported before it is over."""
         if n <= 0:
             return
         now = self.clock()
         with self._lock:
+            self.failing_since = None
             self.total += n
             self._iteration += n
             self.refusals += n

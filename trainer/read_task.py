@@ -179,6 +179,9 @@ def _serve(
                     feed.failed.remote(w.tag, "retry", f"{type(e).__name__}: {e}")
                 time.sleep(wait)
                 continue
+            except Exception as e:  # the verified table cannot be used (e.g. its columns): unusable
+                feed.failed.remote(w.tag, "bad", f"unreadable: {type(e).__name__}: {e}")
+                continue
             outage.succeeded()
             cache.put(s.key, table)
         n = w.stop - w.start

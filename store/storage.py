@@ -75,6 +75,7 @@ __all__ = [
     "RetryPolicy",
     "Storage",
     "StorageError",
+    "is_refusal",
     "require_conditional_writes",
 ]
 
@@ -196,6 +197,43 @@ def _is_transient(exc: BaseException) -> bool:
         msg = str(exc)
         return not any(m in msg for m in _PERMANENT_MARKERS)
     return False
+
+
+_REFUSAL_MARKERS = (
+    "ACCESS_DENIED",
+    "AccessDenied",
+    "INVALID_ACCESS_KEY_ID",
+    "InvalidAccessKeyId",
+    "SIGNATURE_DOES_NOT_MATCH",
+    "SignatureDoesNotMatch",
+    "NO_SUCH_BUCKET",
+    "NoSuchBucket",
+    "HTTP status 401",
+    "HTTP status 403",
+)
+
+
+def is_refusal(exc: BaseException) -> bool:
+    """Whether `exc` is the store refusing the caller (permission, credentials, no such bucket):
+    retrying the same call answers the same until someone changes the store's configuration.
+
+    Args:
+        exc: an exception a `Storage` call raised.
+
+    Example:
+        >>> is_refusal(PermissionError("denied")), is_refusal(OSError("AWS Error ACCESS_DENIED during GetObject"))
+        (True, True)
+        >>> is_refusal(StorageError("read s3://b/k: failed after 5 attempts: HTTP status 503"))
+        False
+    """
+    if isinstance(exc, PermissionError):
+        return True
+    if isinstance(exc, StorageError) or not isinstance(exc, OSError) or isinstance(exc, FileNotFoundError):
+        return False
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return True
+    msg = str(exc)
+    return any(m in msg for m in _REFUSAL_MARKERS)
 
 
 def _is_precondition_failure(exc: BaseException) -> bool:

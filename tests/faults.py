@@ -15,6 +15,7 @@ class FaultProxy:
     """HTTP proxy on 127.0.0.1 forwarding to moto.
 
     ``fail_next(n)``: the next *n* requests get a 503 without reaching moto.
+    ``deny_matching(n, ...)``: the next *n* matching requests get a 403 AccessDenied.
     ``swallow_next(n)``: the next *n* requests reach moto, but the client gets a
     503 (an ambiguous failure: the write happened).
     ``fail_matching(n, ...)`` / ``swallow_matching(n, ...)``: the same for the next *n*
@@ -80,6 +81,7 @@ class FaultProxy:
                     fail = fail or time.time() < proxy._fail_until
                     stall = proxy._stall_s
                     swallow = not fail and proxy._swallow > 0
+                    deny = False
                     proxy._swallow -= swallow
                     for rule in proxy._rules:
                         action, left, method, part, header = rule
@@ -90,6 +92,7 @@ class FaultProxy:
                             and (header is None or header.lower() in (k.lower() for k in self.headers))
                         ):
                             rule[1] -= 1
+                            deny = deny or action == "deny"
                             fail = fail or action == "fail"
                             swallow = not fail and (swallow or action == "swallow")
                             break
@@ -100,6 +103,10 @@ class FaultProxy:
                 )
                 if stall:
                     time.sleep(stall)
+                if deny:
+                    denied = b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>'
+                    self._reply(403, [("Content-Type", "application/xml")], denied)
+                    return
                 if fail:
                     self._reply(503, [("Content-Type", "application/xml")], err)
                     return
@@ -151,6 +158,11 @@ class FaultProxy:
         *path_contains* get a 503 without reaching moto."""
         with self._lock:
             self._rules.append(["fail", n, method, path_contains, header])
+
+    def deny_matching(self, n: int, path_contains: str, *, method: str | None = None) -> None:
+        """The next *n* matching requests get a 403 AccessDenied without reaching moto."""
+        with self._lock:
+            self._rules.append(["deny", n, method, path_contains, None])
 
     def swallow_matching(
         self, n: int, path_contains: str, *, method: str | None = None, header: str | None = None

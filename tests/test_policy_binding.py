@@ -556,7 +556,7 @@ def test_the_trainer_keeps_its_run_id_across_resume_and_refreshes_the_pointer(tm
 
     second = _trainer(tmp_path, keys_dir, monkeypatch, resume=True, policy_id="cartpole")
     second.metrics = SimpleNamespace(truncate_after=lambda _i: None)
-    assert second._restore()
+    assert second._restore(second._resume_point())
     assert second.run_id == run_id and second.policy_version == 1
     second.iteration = 6
     second.checkpoint()
@@ -565,7 +565,7 @@ def test_the_trainer_keeps_its_run_id_across_resume_and_refreshes_the_pointer(tm
     # nothing new published (the promotion gate kept v2): the pointer is re-signed with a new time
     third = _trainer(tmp_path, keys_dir, monkeypatch, resume=True, gate_rejects=True, policy_id="cartpole")
     third.metrics = SimpleNamespace(truncate_after=lambda _i: None)
-    third._restore()
+    third._restore(third._resume_point())
     before = json.loads((tmp_path / "ckpt" / "policies" / "latest.json").read_bytes())["time"]
     time.sleep(0.01)
     third.iteration = 9

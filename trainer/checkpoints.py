@@ -32,9 +32,11 @@ import hashlib
 import json
 import logging
 import os
+import re
 import tempfile
 from typing import Any
 
+from rlrec.errors import UsageError
 from rlrec.store.storage import Storage
 
 __all__ = [
@@ -45,6 +47,7 @@ __all__ = [
     "STATE_VERSION",
     "CheckpointStore",
     "CheckpointVerificationError",
+    "ResumeRefused",
     "checkpoint_path",
 ]
 
@@ -57,10 +60,22 @@ STATE_VERSION = 1
 ALGO_DIR = "algo"
 INDEX_FILE = "index.json"
 SIG_SUFFIX = ".sig"
+_CKPT_NAME_RE = re.compile(r"^ckpt-(\d+)(?:\.(\d+))?$")
 
 
 class CheckpointVerificationError(RuntimeError):
     """A checkpoint's files do not match its signed index (or it has no valid signed index)."""
+
+
+class ResumeRefused(UsageError):
+    """``--resume`` found checkpoints (or published versions) but no ``latest.json``: starting a
+    new run over them would train every shard as new again (exit code 2)."""
+
+
+def _checkpoint_order(path: str) -> tuple[int, int] | None:
+    """(iteration, save) of ``.../ckpt-00000012.3`` -> (12, 3); None for any other name."""
+    m = _CKPT_NAME_RE.match(path.rstrip("/").rsplit("/", 1)[-1])
+    return (int(m.group(1)), int(m.group(2) or 0)) if m else None
 
 
 def _local_hashes(root: str, prefix: str) -> dict[str, str]:
@@ -101,6 +116,45 @@ class CheckpointStore:
         except FileNotFoundError:
             return None
 
+    def complete_checkpoints(self) -> list[str]:
+        """Paths of the checkpoints whose ``index.json`` was written (every file of theirs is
+        there), oldest first in (iteration, save) order; a half-written one is not listed."""
+        return [d for d in self._checkpoint_dirs() if self.storage.exists(f"{d}/{INDEX_FILE}")]
+
+    def _checkpoint_dirs(self) -> list[str]:
+        """Every ``ckpt-*`` directory, complete or not, in (iteration, save) order."""
+        dirs = [i.path for i in self.storage.list(CKPT_DIR) if i.is_dir and _checkpoint_order(i.path) is not None]
+        return sorted(dirs, key=_checkpoint_order)
+
+    def resume_point(self, published: int = 0) -> dict | None:
+        """The ``latest.json`` pointer ``--resume`` continues from; None for a checkpoint dir
+        with nothing to resume (a new run starts).
+
+        Args:
+            published: the highest policy version under the run's publish root (0: none).
+
+        Raises:
+            ResumeRefused: no ``latest.json``, yet complete checkpoints or published versions
+                exist (a store that did not answer with it, a mistyped or damaged dir).
+
+        Example::
+
+            >>> CheckpointStore(Storage.from_uri("/tmp/rlrec-empty-ckpt")).resume_point() is None
+            True
+        """
+        latest = self.latest()
+        if latest is not None:
+            return latest
+        found = self.complete_checkpoints()
+        if not found and published <= 0:
+            return None
+        what = f"checkpoint {found[-1]}" if found else f"published policy v{published}"
+        raise ResumeRefused(
+            f"--resume: {self.storage.uri(CKPT_LATEST)} is missing but {what} exists: not starting a new "
+            "run over it (every shard would be trained as new); check --checkpoint-dir and the store, "
+            "then retry, or start a new run without --resume"
+        )
+
     def _new_path(self, iteration: int) -> str:
         path = checkpoint_path(iteration)
         latest = self.latest()
@@ -138,12 +192,18 @@ class CheckpointStore:
         return path
 
     def prune(self, keep: int, current: str) -> None:
-        """Delete all but the newest *keep* (at least 1) checkpoints, never *current*."""
+        """Delete all but the newest *keep* (at least 1) complete checkpoints, in (iteration,
+        save) order, never *current*; half-written ones older than *current* go too (a crashed
+        save), without counting toward *keep*."""
         try:
-            dirs = sorted(i.path for i in self.storage.list(CKPT_DIR) if i.is_dir and i.name.startswith("ckpt-"))
-        except Exception:
+            dirs = self._checkpoint_dirs()
+            complete = [d for d in dirs if self.storage.exists(f"{d}/{INDEX_FILE}")]
+        except Exception as e:
+            log.warning("could not list checkpoints to prune: %s", e)
             return
-        for d in dirs[: -max(1, keep)]:
+        mark = _checkpoint_order(current)
+        half = [d for d in dirs if d not in complete and mark is not None and _checkpoint_order(d) < mark]
+        for d in complete[: -max(1, keep)] + half:
             if d == current:
                 continue
             try:

@@ -165,8 +165,9 @@ class TrainerConfig:
     cache_ttl_s: float = 30.0
     stall_timeout_s: float = option(
         300.0,
-        help="exit (code 70, one error line) when fresh shards wait and none is trained for this many seconds "
-        "while the input store answers (a lost worker, feed or Learner that did not come back); 0: never",
+        help="exit (code 70, one error line) when fresh shards wait and no fresh data is trained for this many "
+        "seconds after the first iteration while the input store answers (a worker, the feed or a Learner "
+        "lost and not back); 0: never",
     )
     publish: bool = option(True, help="publish each checkpointed policy (--no-publish: don't)")
     publish_dir: str | None = option(None, help="where to publish policies (default: {checkpoint-dir}/policies)")

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import types
 import uuid
 from collections.abc import Iterable
@@ -47,7 +48,8 @@ from ray.rllib.policy.sample_batch import MultiAgentBatch, SampleBatch
 from ray.rllib.utils import force_list, unflatten_dict
 
 from rlrec.store.manifest import ShardEntry
-from rlrec.store.storage import Storage
+from rlrec.store.retry import RetrySchedule
+from rlrec.store.storage import Storage, StorageError, is_refusal
 from rlrec.trainer.feed import TAG, FeedPolicy, IterationStats
 from rlrec.trainer.feed_actor import LEARNER_CONFIG_KEY, ShardFeed
 from rlrec.trainer.manifest_follower import ManifestFollower, spaces_from_shard
@@ -139,6 +141,7 @@ class ManifestOfflineData(OfflineData):
         self._lock = threading.Lock()
         self._local_iterators: list[StreamIterator] = []
         self.last_poll_error: str | None = None
+        self.poll_schedule = RetrySchedule()  # manifest polls while they fail: the one retry schedule
         self.health = StorageHealth(self.storage.uri())  # the input store's failed reads, reported here
 
     # ------------------------------------------------------------------ manifest
@@ -158,9 +161,15 @@ class ManifestOfflineData(OfflineData):
             try:
                 infos = self.follower.poll(force_discover=force_discover)
                 self.last_poll_error = None
-            except Exception as e:  # the store does not answer: keep training on what we have
+            except Exception as e:  # keep training on what we have; the next poll tries again
                 self.last_poll_error = f"{type(e).__name__}: {e}"
-                self.health.failed("manifest poll", self.last_poll_error)
+                if is_refusal(e):
+                    self.health.refused("manifest poll", self.last_poll_error)
+                elif isinstance(e, (StorageError, OSError)):  # the store does not answer
+                    self.health.failed("manifest poll", self.last_poll_error)
+                else:
+                    log.error("manifest poll failed: %s", self.last_poll_error)
+                    log.debug("manifest poll", exc_info=True)
                 return 0
             if infos:
                 ray.get(self.feed.add_shards.remote(infos, [s.key for s in infos if s.key in self._trained_keys]))
@@ -170,24 +179,35 @@ class ManifestOfflineData(OfflineData):
         """Take the read tasks' failed reads from the feed into `health`; the store answers
         again once a manifest poll worked and no read failed since the last check."""
         try:
-            errors, last = ray.get(self.feed.storage_errors.remote(), timeout=10)
+            errors, last, refusals, last_refusal = ray.get(self.feed.storage_errors.remote(), timeout=10)
         except Exception as e:  # the feed is gone (shutdown) or busy: nothing to learn now
             log.debug("feed storage errors: %s", e)
             return
         before = self.health.total
         self.health.reader_errors(errors, last)
+        self.health.reader_refusals(refusals, last_refusal)
         if self.last_poll_error is None and self.health.total == before:
             self.health.answered()
 
     def _poll_loop(self) -> None:
         while not self._stop.wait(self.poll_interval_s):
             try:
-                self.refresh()
-                self.check_health()
+                self._poll_once(time.monotonic())
             except Exception as e:  # e.g. the feed actor is gone at shutdown
                 if self._stop.is_set():
                     return
                 log.warning("manifest poll failed: %s", e)
+
+    def _poll_once(self, now: float) -> None:
+        """One turn of the poll thread: read the manifest unless a failed poll scheduled the next
+        one later (the one retry schedule, `poll_schedule`), then take the read tasks' errors."""
+        if self.poll_schedule.due(now):
+            self.refresh()
+            if self.last_poll_error is None:
+                self.poll_schedule.succeeded()
+            else:
+                self.poll_schedule.failed(now)
+        self.check_health()
 
     @property
     def shards_total(self) -> int:

@@ -35,6 +35,7 @@ __all__ = ["TAG", "TAG_SHIFT", "FeedPolicy", "FeedState", "ShardInfo", "Work", "
 TAG = "rlrec_tag"
 TAG_SHIFT = 24
 _DELIVERY_MASK = (1 << TAG_SHIFT) - 1
+_FRESH_TAGS_KEPT = 1 << 16  # fresh chunks remembered until trained (far more than are ever in flight)
 
 
 def shard_of_tag(tag: int) -> int:
@@ -156,6 +157,7 @@ class IterationStats:
     skipped: list = field(default_factory=list)  # (key, new episodes, a reason): unusable episodes, each once
     rows_trained: int = 0
     rows_streamed: int = 0  # of rows_trained, taken from the stream
+    fresh_chunks: int = 0  # chunks delivered fresh (new data) whose rows were first trained on
     wait_s: float = 0.0
     compute_s: float = 0.0
     updates: int = 0
@@ -189,11 +191,14 @@ class FeedState:
         self.stats = IterationStats()
         self._skips_seen: set[tuple[int, str]] = set()
         self._fresh_rows_out: dict[int, int] = {}  # fresh shard -> rows its chunks produced so far
+        self._fresh_tags: dict[int, None] = {}  # fresh chunks out of the PreLearner, not trained on yet
         # shard -> first times: added, delivered, processed (its first fresh chunk out of the PreLearner), trained
         self.timeline: dict[int, dict] = {}
         self.totals = {"deliveries": 0, "fresh_deliveries": 0, "replay_deliveries": 0, "rows_delivered": 0}
         self.storage_errors = 0  # reads that failed on an unreachable store (the chunk was given back), cumulative
         self.last_storage_error: str | None = None
+        self.refusals = 0  # reads the store refused (permission, credentials; the chunk was given back), cumulative
+        self.last_refusal: str | None = None
 
     # ------------------------------------------------------------------ shards
     def add_shards(self, infos: list[ShardInfo], trained_keys: set[str] | frozenset = frozenset()) -> int:
@@ -400,6 +405,9 @@ class FeedState:
         for t in tags:
             p = self.pending.pop(int(t), None)
             if p is not None and p.fresh:
+                self._fresh_tags[int(t)] = None
+                if len(self._fresh_tags) > _FRESH_TAGS_KEPT:
+                    del self._fresh_tags[next(iter(self._fresh_tags))]
                 self.timeline.setdefault(p.shard, {}).setdefault("processed", now)
                 self._fresh_rows_out[p.shard] = self._fresh_rows_out.get(p.shard, 0) + int(rows_out)
                 idx = p.shard
@@ -442,11 +450,27 @@ class FeedState:
         if new:
             self.stats.skipped.append((s.key, new, reason))
 
-    def failed(self, tag: int, requeue: bool = False, reason: str = "") -> None:
+    def report(self, tag: int, kind: str, reason: str = "") -> None:
+        """What became of a delivered chunk a read task could not read; `kind` is the read
+        task's verdict: ``retry`` (the store did not answer), ``refused`` (the store refused:
+        permission, credentials), ``busy`` (the read task ran out of memory) -- the chunk is
+        delivered again -- or ``missing`` / ``bad`` (the shard is gone / unusable: never read
+        again)."""
+        if kind == "refused":
+            self.refusals += 1
+            self.last_refusal = reason or None
+        self.failed(tag, requeue=kind in ("retry", "refused", "busy"), reason=reason, counted=kind == "retry")
+        if kind == "missing":
+            self.mark_missing(shard_of_tag(tag))
+        elif kind == "bad":
+            self.mark_bad(shard_of_tag(tag), reason)
+
+    def failed(self, tag: int, requeue: bool = False, reason: str = "", counted: bool = True) -> None:
         """A delivered chunk could not be read. `requeue`: the store did not answer (a transient
         error, counted in `storage_errors`): deliver a fresh chunk again; the shard stays
-        committed and fresh (missing and bad shards are marked separately)."""
-        if requeue:
+        committed and fresh (missing and bad shards are marked separately); `counted`: a requeue
+        counted in `storage_errors`."""
+        if requeue and counted:
             self.storage_errors += 1
             self.last_storage_error = reason or None
         p = self.pending.pop(int(tag), None)
@@ -472,6 +496,8 @@ class FeedState:
         for tag, n in counts.items():
             idx = shard_of_tag(tag)
             st.rows_trained += int(n)
+            if self._fresh_tags.pop(tag, False) is None:  # its first rows trained (a replay of the buffer is not)
+                st.fresh_chunks += 1
             s = self.shards.get(idx)
             if s is None:
                 continue
@@ -496,5 +522,6 @@ class FeedState:
             "in_flight_rows": self.in_flight_rows(),
             "storage_errors": self.storage_errors,
             "last_storage_error": self.last_storage_error,
+            "refusals": self.refusals,
             **self.totals,
         }

@@ -14,7 +14,6 @@ from rlrec.trainer.feed import (
     IterationStats,
     ShardInfo,
     Work,
-    shard_of_tag,
 )
 
 #: key in `config.learner_config_dict` holding the feed's spec (actor name, namespace, ...).
@@ -69,12 +68,7 @@ class ShardFeed:
         self.state.skipped(tag, episodes, reason)
 
     async def failed(self, tag: int, kind: str, reason: str = "") -> None:
-        idx = shard_of_tag(tag)
-        self.state.failed(tag, requeue=(kind == "retry"), reason=reason)
-        if kind == "missing":
-            self.state.mark_missing(idx)
-        elif kind == "bad":
-            self.state.mark_bad(idx, reason)
+        self.state.report(tag, kind, reason)
         self._notify()
 
     async def ack(
@@ -122,9 +116,11 @@ class ShardFeed:
     async def summary(self) -> dict:
         return {**self.state.summary(), "read_tasks": self.readers}
 
-    async def storage_errors(self) -> tuple[int, str | None]:
-        """Reads that failed on an unreachable store so far, and the last error."""
-        return self.state.storage_errors, self.state.last_storage_error
+    async def storage_errors(self) -> tuple[int, str | None, int, str | None]:
+        """Reads that failed on an unreachable store so far and the last error; reads the
+        store refused so far and the last refusal."""
+        st = self.state
+        return st.storage_errors, st.last_storage_error, st.refusals, st.last_refusal
 
     async def close(self) -> None:
         self.closed = True

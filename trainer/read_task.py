@@ -14,9 +14,9 @@ import ray
 
 from rlrec.producer.bounded import ByteBoundedLRU
 from rlrec.store.commit import read_committed_shard
-from rlrec.store.retry import RetrySchedule
+from rlrec.store.retry import BACKGROUND, RetryPolicy, RetrySchedule
 from rlrec.store.schema_gate import ShardSchemaError, open_shard
-from rlrec.store.storage import Storage, StorageError
+from rlrec.store.storage import Storage, StorageError, is_refusal
 from rlrec.trainer.envelopes import ENVELOPE, table_to_ipc
 from rlrec.trainer.feed import TAG, ShardInfo
 from rlrec.trainer.feed_actor import get_feed
@@ -49,6 +49,10 @@ class _TableCache:
             self.lru.put(key, (table, time.monotonic()), table.nbytes)
         return table
 
+    def clear(self) -> None:
+        """Drop every table (the reader ran out of memory)."""
+        self.lru.clear()
+
     def put(self, key: str, table: pa.Table) -> None:
         if key not in self.lru:
             self.lru.put(key, (table, time.monotonic()), table.nbytes)
@@ -67,11 +71,28 @@ def _load_table(storage: Storage, s: ShardInfo, columns: list[str] | None, verif
         table = shard.read(columns or None)
     except ShardSchemaError as e:
         raise BadShard(f"refused by the schema gate: {e.reason}") from None
+    except MemoryError:  # pa.ArrowMemoryError too: the reader's memory, not the data's fault
+        raise
     except Exception as e:  # e.g. a corrupt page (pyarrow raises OSError for some)
         raise BadShard(f"unreadable: {type(e).__name__}: {e}") from None
     if table.num_rows != s.rows:
         raise BadShard(f"{table.num_rows} rows, the manifest says {s.rows}")
     return table
+
+
+def _judged_table(
+    storage: Storage, s: ShardInfo, columns: list[str] | None, verify: bool, policy: RetryPolicy
+) -> pa.Table:
+    """The shard's table, or a verdict that stands: `FileNotFoundError` (gone) or `BadShard`
+    only when a second read, one retry wait (`policy`) after the first, fails that way too (a
+    torn read, a replica not yet there, a flipped bit in transit do not condemn a shard)."""
+    try:
+        return _load_table(storage, s, columns, verify)
+    except (FileNotFoundError, BadShard) as e:
+        wait = policy.delay(0)
+        log.info("shard %s: %s; reading it again in %.1fs before judging it", s.key, e or "not found", wait)
+        time.sleep(wait)
+    return _load_table(storage, s, columns, verify)
 
 
 def _tabular_columns(table: pa.Table, requested: list[str] | None) -> list[str]:
@@ -100,13 +121,25 @@ def _read_stream(spec: dict) -> Iterable[pa.Table]:
             pass
 
 
-def _serve(feed: Any, storage: Storage, cache: _TableCache, columns: list[str] | None, verify: bool):
-    """Serve the feed's work until it closes. A shard the store says is gone is reported
-    ``missing``, one whose bytes cannot be used (checksum, schema gate, decoding) ``bad``; a
-    `StorageError` or other OSError means the store did not answer (after `Storage`'s retries in
-    place): the chunk goes back to the feed (counted there as a storage error, which the driver
-    reports) and the next read waits for the one retry schedule (`rlrec.store.retry.BACKGROUND`)."""
-    outage = RetrySchedule()
+def _serve(
+    feed: Any,
+    storage: Storage,
+    cache: _TableCache,
+    columns: list[str] | None,
+    verify: bool,
+    policy: RetryPolicy = BACKGROUND,
+):
+    """Serve the feed's work until it closes.
+
+    A shard is reported ``missing`` (gone) or ``bad`` (checksum, schema gate, decoding) only
+    when two reads a retry wait apart agree (`_judged_table`). Otherwise the chunk goes back to
+    the feed and the next read waits for the one retry schedule (`policy`): a `StorageError`
+    or other OSError means the store did not answer (``retry``, counted as a storage error,
+    which the driver reports); a refusal (permission, credentials: `is_refusal`) is ``refused``,
+    logged as an ERROR here and on the driver, and retried all the same -- a shard is never
+    skipped because the store would not give it; a MemoryError is the reader's (``busy``: the
+    table cache is dropped)."""
+    outage = RetrySchedule(policy)
     while True:
         try:
             w = ray.get(feed.next_work.remote(1.0))
@@ -120,7 +153,7 @@ def _serve(feed: Any, storage: Storage, cache: _TableCache, columns: list[str] |
         table = cache.get(s.key, lambda s=s: storage.exists(s.path) or storage.exists(s.staging_path))
         if table is None:
             try:
-                table = _load_table(storage, s, columns if s.fmt == "episodes" else None, verify)
+                table = _judged_table(storage, s, columns if s.fmt == "episodes" else None, verify, policy)
                 if s.fmt == "tabular":
                     table = table.select(_tabular_columns(table, columns))
             except FileNotFoundError:
@@ -129,13 +162,24 @@ def _serve(feed: Any, storage: Storage, cache: _TableCache, columns: list[str] |
             except BadShard as e:
                 feed.failed.remote(w.tag, "bad", str(e))
                 continue
-            except (StorageError, OSError) as e:  # unreachable store: give the chunk back, retry on the schedule
+            except MemoryError as e:
+                cache.clear()
                 wait = outage.failed(time.monotonic())
-                log.warning("reading %s failed (%s); next read in %.1fs", storage.uri(s.path), e, wait)
-                feed.failed.remote(w.tag, "retry", f"{type(e).__name__}: {e}")
+                log.warning("reading %s: out of memory (%s); chunk given back, next read in %.1fs", s.key, e, wait)
+                feed.failed.remote(w.tag, "busy", f"{type(e).__name__}: {e}")
                 time.sleep(wait)
                 continue
-            except Exception as e:  # the bytes came, but decoding them failed: unusable, not unreachable
+            except (StorageError, OSError) as e:  # give the chunk back, retry on the schedule
+                wait = outage.failed(time.monotonic())
+                if is_refusal(e):
+                    log.error("store refuses (%s) reading %s; next read in %.1fs", e, storage.uri(s.path), wait)
+                    feed.failed.remote(w.tag, "refused", f"{type(e).__name__}: {e}")
+                else:
+                    log.warning("reading %s failed (%s); next read in %.1fs", storage.uri(s.path), e, wait)
+                    feed.failed.remote(w.tag, "retry", f"{type(e).__name__}: {e}")
+                time.sleep(wait)
+                continue
+            except Exception as e:  # the verified table cannot be used (e.g. its columns): unusable
                 feed.failed.remote(w.tag, "bad", f"unreadable: {type(e).__name__}: {e}")
                 continue
             outage.succeeded()

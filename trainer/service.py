@@ -116,6 +116,7 @@ class ContinuousTrainer:
         self.checkpoints = CheckpointStore(self.out, signing_key=self.signing_key)
         self.publish_storage = Storage.from_uri(cfg.publish_dir or self.out.uri("policies"))
         self._stop = threading.Event()
+        self._checkpoint_store_down = False  # a checkpoint save waits for its store (excuses the watchdog)
         self.stop_reason: str | None = None
         self.algo: Any = None
         self.iteration = 0
@@ -381,19 +382,27 @@ class ContinuousTrainer:
         """`CheckpointStore.save`, retried on the one schedule while the checkpoint store does
         not answer (the Learners' state is kept meanwhile; a stop ends the wait with an error)."""
         outage = RetrySchedule()
-        while True:
-            try:
-                return self.checkpoints.save(
-                    self.iteration, self.algo, state, policy_version=self.policy_version, extra=extra
-                )
-            except StorageError as e:
-                wait = outage.failed(time.monotonic())
-                if self._stop.is_set() and outage.failures > 3:
-                    raise
-                log.warning(
-                    "saving checkpoint %d to %s failed (%s); retrying in %.1fs", self.iteration, self.out.uri(), e, wait
-                )
-                time.sleep(wait)
+        try:
+            while True:
+                try:
+                    return self.checkpoints.save(
+                        self.iteration, self.algo, state, policy_version=self.policy_version, extra=extra
+                    )
+                except StorageError as e:
+                    wait = outage.failed(time.monotonic())
+                    self._checkpoint_store_down = True  # the stall watchdog waits too
+                    if self._stop.is_set() and outage.failures > 3:
+                        raise
+                    log.warning(
+                        "saving checkpoint %d to %s failed (%s); retrying in %.1fs",
+                        self.iteration,
+                        self.out.uri(),
+                        e,
+                        wait,
+                    )
+                    self._stop.wait(wait)
+        finally:
+            self._checkpoint_store_down = False
 
     def _write_publications(self) -> None:
         """Write the committed publications not written yet (oldest first); one that fails stays
@@ -722,7 +731,7 @@ class ContinuousTrainer:
         than the deployed version (the decision is `last_promotion`)."""
         from rlrec.trainer.promotion import decide, evaluate_exported
 
-        self._progress("evaluating a candidate in the simulator")  # its episodes are not a stall
+        self._progress()  # evaluating a candidate in the simulator: its episodes are not a stall
         t0 = time.time()
         try:
             spec = self._candidate_spec(artifact, version)
@@ -772,8 +781,14 @@ class ContinuousTrainer:
             )
             self._write_publications()
 
-    def _restore(self) -> bool:
-        latest = self.checkpoints.latest()
+    def _resume_point(self) -> dict | None:
+        """What ``--resume`` continues from (`CheckpointStore.resume_point`); checked before Ray
+        starts, and a refusal (`ResumeRefused`, exit 2) touches nothing."""
+        from rlrec.trainer.export import highest_version
+
+        return self.checkpoints.resume_point(highest_version(self.publish_storage, self.signing_key))
+
+    def _restore(self, latest: dict | None) -> bool:
         if latest is None:
             log.info("--resume: no checkpoint under %s; starting fresh", self.out.uri())
             self.metrics.truncate_after(None)
@@ -819,6 +834,7 @@ class ContinuousTrainer:
     def setup(self) -> bool:
         import ray
 
+        resume_from = self._resume_point() if self.cfg.resume else None
         if self.cfg.placement.address is not None:  # joining a cluster: check it before waiting for data
             self._connect()
         entries = self._first_shards()
@@ -841,7 +857,7 @@ class ContinuousTrainer:
         self.metrics = TrainerMetrics(self.out, self.cfg.metrics_port, self.cfg.progress, self.cfg.metrics_host)
         self.algo.offline_data.health.on_errors = self.metrics.count_storage_errors
         if self.cfg.resume:
-            self._restore()
+            self._restore(resume_from)
         else:
             if self.checkpoints.latest() is not None:
                 log.warning(
@@ -925,6 +941,7 @@ class ContinuousTrainer:
                 "iteration_s": round(dt, 3),
                 "rows_trained": st.rows_trained,
                 "rows_streamed": st.rows_streamed,
+                "fresh_chunks_trained": st.fresh_chunks,
                 # rows each Learner took from the stream this iteration (fresh data reaching every Learner)
                 "rows_streamed_per_learner": sorted(st.rows_streamed_by_learner.values(), reverse=True),
                 "shards_trained_iter": len(st.seen),
@@ -1020,7 +1037,9 @@ class ContinuousTrainer:
         if self.cfg.stall_timeout_s:
             from rlrec.trainer.watchdog import StallWatchdog
 
-            self._watchdog = StallWatchdog(self.cfg.stall_timeout_s, excuse=lambda: od.health.failing)
+            self._watchdog = StallWatchdog(
+                self.cfg.stall_timeout_s, excuse=lambda: od.health.failing or self._checkpoint_store_down
+            )
             self._watchdog.start()
         last_idle_log = 0.0
         while not self._stop.is_set():
@@ -1029,15 +1048,19 @@ class ContinuousTrainer:
                 break
             ready = od.has_fresh() if self.cfg.wait_for_data else od.has_data()
             if not ready:
-                self._progress("waiting for new shards")
+                self._progress()
                 if time.monotonic() - last_idle_log > self.cfg.idle_log_interval_s:
                     log.info("no %s data; waiting for new shards", "fresh" if self.cfg.wait_for_data else "usable")
                     last_idle_log = time.monotonic()
                 self._stop.wait(self.cfg.poll_interval_s)
                 continue
             rec = self.train_once()
-            if rec.get("shards_new") or rec.get("fresh_backlog") == 0:
-                self._progress("training fresh shards")
+            if self._watchdog is not None:
+                self._watchdog.iteration(
+                    fresh_chunks=int(rec.get("fresh_chunks_trained") or 0),
+                    backlog=rec.get("fresh_backlog"),
+                    shards_new=int(rec.get("shards_new") or 0),
+                )
         if self._watchdog is not None:
             self._watchdog.stop()
         if self.algo is not None and self.iteration > 0:
@@ -1047,9 +1070,9 @@ class ContinuousTrainer:
                 self.checkpoint(final=True)
         return 0
 
-    def _progress(self, what: str) -> None:
+    def _progress(self) -> None:
         if self._watchdog is not None:
-            self._watchdog.progress(what)
+            self._watchdog.progress()
 
     def close(self) -> None:
         if self._watchdog is not None:

@@ -3,7 +3,9 @@
 The reads that fail are the driver's own (manifest polls) and the read tasks' (shard reads,
 counted by the feed actor and handed back to the feed). Both end here, on the driver, so an
 outage is logged where the operator looks, counted (``storage_errors`` in each metrics line,
-``rlrec_trainer_storage_errors_total``) and its end is logged too. No Ray here.
+``rlrec_trainer_storage_errors_total``) and its end is logged too. A store that refuses
+(permission, credentials) is counted the same way but logged as an ERROR of its own and is not
+an outage: waiting does not end it. No Ray here.
 """
 
 from __future__ import annotations
@@ -58,6 +60,10 @@ class StorageHealth:
         self.last_error: str | None = None
         self._iteration = 0
         self._reader_seen = 0
+        self.refusals = 0  # reads the store refused (permission, credentials) since the start
+        self.last_refusal: str | None = None
+        self._reader_refused = 0
+        self._last_refusal_log = float("-inf")
         self._last_warn = float("-inf")
         self._lock = threading.Lock()
 
@@ -91,6 +97,42 @@ class StorageHealth:
             )
         if self.on_errors is not None:
             self.on_errors(n)
+
+    def refused(self, what: str, error: str, n: int = 1) -> None:
+        """The store refused `n` reads (`what`: e.g. ``"manifest poll"``) with `error`:
+        permission or credentials. Counted and logged as an ERROR (every `warn_every_s`) that
+        says so, but not an outage: `failing` is False after it (the stall watchdog is not excused;
+        waiting does not end a refusal, someone must change the store's configuration). A
+        refusal is an answer: an outage reported before it is over."""
+        if n <= 0:
+            return
+        now = self.clock()
+        with self._lock:
+            self.failing_since = None
+            self.total += n
+            self._iteration += n
+            self.refusals += n
+            self.last_refusal = error
+            log_it = now - self._last_refusal_log >= self.warn_every_s
+            if log_it:
+                self._last_refusal_log = now
+        if log_it:
+            log.error(
+                "storage %s refuses (%s: %s); %d refused read(s) so far, retrying: check the trainer's "
+                "credentials and the store's permissions",
+                self.store,
+                what,
+                error,
+                self.refusals,
+            )
+        if self.on_errors is not None:
+            self.on_errors(n)
+
+    def reader_refusals(self, cumulative: int, last_refusal: str | None) -> None:
+        """The read tasks' refused reads so far (the feed's cumulative count) and the last refusal."""
+        with self._lock:
+            new, self._reader_refused = cumulative - self._reader_refused, max(cumulative, self._reader_refused)
+        self.refused("shard read", last_refusal or "", new)
 
     def failed(self, what: str, error: str) -> None:
         """One read of the driver's (`what`: e.g. ``"manifest poll"``) failed with `error`."""

@@ -73,11 +73,11 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as e:  # e.g. an unreadable --signing-key
         print(f"rlrec train: error: {e}", file=sys.stderr)
         return 2
-    from rlrec.trainer.checkpoints import CheckpointVerificationError
+    from rlrec.trainer.checkpoints import CheckpointVerificationError, ResumeRefused
     from rlrec.trainer.cluster import ClusterConfigError
 
     try:
         return trainer.run()
-    except (UnsupportedCombination, CheckpointVerificationError, ClusterConfigError) as e:
+    except (UnsupportedCombination, CheckpointVerificationError, ClusterConfigError, ResumeRefused) as e:
         print(f"rlrec train: error: {e}", file=sys.stderr)
         return 2

@@ -66,6 +66,7 @@ import contextlib
 import errno
 import logging
 import os
+import re
 import shutil
 import threading
 import time
@@ -75,6 +76,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
+import pyarrow as pa
 import pyarrow.fs as pafs
 
 from rlrec.store import azure, gcs
@@ -191,8 +193,9 @@ _PERMANENT_MARKERS = (
     "BlobNotFound",
     "InvalidResourceName",
 )
-# pyarrow messages that say our credentials were refused (GCS, Azure)
+# pyarrow messages that say our credentials were refused or missing (GCS, Azure)
 _ACCESS_MARKERS = (
+    "OAuth2 access token",
     "PERMISSION_DENIED",
     "UNAUTHENTICATED",
     "AuthenticationFailed",
@@ -257,7 +260,7 @@ def _is_access_error(exc: BaseException) -> bool:
         return gcs.is_access_error(exc)
     if mod.startswith("azure"):
         return azure.is_access_error(exc)
-    return isinstance(exc, OSError) and any(m in str(exc) for m in _ACCESS_MARKERS)
+    return isinstance(exc, (OSError, pa.ArrowException)) and any(m in str(exc) for m in _ACCESS_MARKERS)
 
 
 def _is_precondition_failure(exc: BaseException) -> bool:
@@ -942,8 +945,13 @@ def _local_files(root: str) -> list[str]:
 
 
 def _one_line(exc: BaseException) -> str:
-    """The first line of *exc*'s message (cloud client errors carry whole HTTP responses)."""
-    lines = [part.strip() for part in str(exc).splitlines() if part.strip()]
+    """The gist of *exc*'s message on one line: cloud client errors carry whole HTTP responses,
+    google-cloud-cpp's wrap the cause in retry metadata."""
+    text = str(exc)
+    m = re.search(r"The underlying error message was: (.*?)(?: error_info=|\)\)|$)", text, re.S)
+    if m:
+        text = m.group(1)
+    lines = [part.strip() for part in text.splitlines() if part.strip()]
     return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:300]
 
 

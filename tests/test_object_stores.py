@@ -20,7 +20,6 @@ from rlrec.store.storage import (
     Storage,
     StorageAccessError,
     StorageError,
-    probe_conditional_writes,
     require_conditional_writes,
 )
 from tests.faults import FaultProxy
@@ -67,12 +66,7 @@ def test_create_once_has_exactly_one_winner_among_racing_writers(object_store, m
     for key in ("_manifest/t/00000/claim-1", "_manifest/t/00000/claim-2"):
         wins: dict[int, bool] = {}
         barrier = threading.Barrier(len(stores))
-
-        def race(st: Storage, i: int, key: str = key) -> None:
-            barrier.wait()
-            wins[i] = st.create_once(key, f"writer {i}".encode())
-
-        threads = [threading.Thread(target=race, args=(st, i)) for i, st in enumerate(stores)]
+        threads = [threading.Thread(target=_race, args=(st, i, key, barrier, wins)) for i, st in enumerate(stores)]
         for t in threads:
             t.start()
         for t in threads:
@@ -80,6 +74,11 @@ def test_create_once_has_exactly_one_winner_among_racing_writers(object_store, m
         winners = [i for i, won in wins.items() if won]
         assert len(wins) == len(stores) and len(winners) == 1, wins
         assert stores[0].read(key) == f"writer {winners[0]}".encode()
+
+
+def _race(st: Storage, i: int, key: str, barrier: threading.Barrier, wins: dict[int, bool]) -> None:
+    barrier.wait()
+    wins[i] = st.create_once(key, f"writer {i}".encode())
 
 
 def test_transient_errors_are_retried_and_an_ambiguous_create_once_is_resolved(object_store, monkeypatch):
@@ -108,7 +107,7 @@ def test_refused_credentials_fail_fast_with_one_line(local_azurite, monkeypatch,
     st = Storage.from_uri(f"az://{container}/out", retry=RetryPolicy(attempts=5, base_delay=1.0))
     t0 = time.monotonic()
     for op in (lambda: st.create_once("_manifest/x", b"1"), lambda: st.read("x"), lambda: st.write("x", b"1")):
-        with pytest.raises(StorageAccessError, match="access denied.*AZURE_STORAGE_CONNECTION_STRING"):
+        with pytest.raises(StorageAccessError, match=r"access denied.*AZURE_STORAGE_CONNECTION_STRING"):
             op()
     assert time.monotonic() - t0 < 1.0  # not retried
     assert main(["inspect", f"az://{container}/out"]) == 2

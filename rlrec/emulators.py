@@ -202,6 +202,22 @@ class LocalAzurite(_Child):
             f"BlobEndpoint=http://{_HOST}:{port or self.port}/{DEV_ACCOUNT};"
         )
 
+    def sas_connection_string(self, port: int | None = None) -> str:
+        """A connection string signing in with an account SAS token (valid for a day) instead of
+        the key: requests are not signed header by header, so a proxy may change headers."""
+        from datetime import datetime, timedelta, timezone
+
+        from azure.storage.blob import AccountSasPermissions, ResourceTypes, generate_account_sas
+
+        sas = generate_account_sas(
+            DEV_ACCOUNT,
+            DEV_KEY,
+            ResourceTypes(service=True, container=True, object=True),
+            AccountSasPermissions(read=True, write=True, delete=True, list=True, add=True, create=True),
+            expiry=datetime.now(timezone.utc) + timedelta(days=1),
+        )
+        return f"BlobEndpoint=http://{_HOST}:{port or self.port}/{DEV_ACCOUNT};SharedAccessSignature={sas}"
+
     def env(self, port: int | None = None) -> dict[str, str]:
         """Azure's standard variable pointing at this server (the development account), or at
         *port* of 127.0.0.1 (a proxy in front of it)."""

@@ -84,7 +84,7 @@ class AzureSettings:
                 }
                 cs = ";".join(f"{k}={v}" for k, v in (("AccountName", _DEV_ACCOUNT), ("AccountKey", _DEV_KEY)))
                 cs += f";BlobEndpoint=http://127.0.0.1:10000/{_DEV_ACCOUNT};"
-            name = fields.get("accountname") or account
+            name = fields.get("accountname") or _account_of_endpoint(fields.get("blobendpoint", "")) or account
             if not name:
                 raise ValueError("AZURE_STORAGE_CONNECTION_STRING names no AccountName")
             if account and account != name:
@@ -109,6 +109,17 @@ class AzureSettings:
         key = os.environ.get("AZURE_STORAGE_ACCOUNT_KEY") or os.environ.get("AZURE_STORAGE_KEY") or None
         sas = os.environ.get("AZURE_STORAGE_SAS_TOKEN") or None
         return cls(name, f"https://{name}.blob.core.windows.net", key, None if key else sas)
+
+
+def _account_of_endpoint(endpoint: str) -> str | None:
+    """The account a Blob endpoint names: ``https://ACCOUNT.blob...`` or an emulator's
+    ``http://HOST:PORT/ACCOUNT``."""
+    parts = urlsplit(endpoint)
+    path = parts.path.strip("/")
+    if path:
+        return path.split("/", 1)[0]
+    host = parts.hostname or ""
+    return host.split(".", 1)[0] if ".blob." in host else None
 
 
 def _connection_fields(cs: str) -> dict[str, str]:
@@ -161,7 +172,7 @@ def azure_filesystem(settings: AzureSettings) -> pafs.AzureFileSystem:
     if settings.account_key:
         kw["account_key"] = settings.account_key
     elif settings.sas_token:
-        kw["sas_token"] = settings.sas_token.lstrip("?")
+        kw["sas_token"] = "?" + settings.sas_token.lstrip("?")  # pyarrow appends it as is
     return pafs.AzureFileSystem(settings.account_name, **kw)
 
 

@@ -192,6 +192,13 @@ _PERMANENT_MARKERS = (
     "ContainerNotFound",
     "BlobNotFound",
     "InvalidResourceName",
+    # Azure: "Azure Error: [Code] STATUS Reason"
+    "] 400 ",
+    "] 401 ",
+    "] 403 ",
+    "] 404 ",
+    "] 409 ",
+    "] 412 ",
 )
 # pyarrow messages that say our credentials were refused or missing (GCS, Azure)
 _ACCESS_MARKERS = (

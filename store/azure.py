@@ -229,6 +229,20 @@ class AzureClient:
         return True
 
 
+    def delete(self, container: str, key: str) -> bool:
+        """Delete the blob *key*; False if it does not exist. (pyarrow's delete, on an account
+        without a hierarchical namespace, also writes a marker blob for the emptied directory
+        and first probes the account's namespace kind, which Azurite answers only after the
+        Azure SDK's retries: seconds per filesystem.)"""
+        from azure.core.exceptions import ResourceNotFoundError
+
+        try:
+            self.service().get_blob_client(container, key).delete_blob(timeout=int(self.timeout_s))
+        except ResourceNotFoundError:
+            return False
+        return True
+
+
 def is_exists_error(exc: BaseException) -> bool:
     """HTTP 409 (``BlobAlreadyExists``) or 412 (condition not met): the blob exists."""
     return (type(exc).__module__ or "").startswith("azure") and getattr(exc, "status_code", None) in (409, 412)

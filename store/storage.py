@@ -776,6 +776,16 @@ class Storage:
                         return False
                     raise
 
+        elif self._azure is not None:
+            bucket, key = self._bucket_key(path)
+
+            def op(_: int) -> bool:
+                if self._azure.delete(bucket, key):
+                    return True
+                if missing_ok:
+                    return False
+                raise FileNotFoundError(errno.ENOENT, "no such blob", self.uri(path))
+
         else:
 
             def op(_: int) -> bool:
@@ -872,6 +882,10 @@ class Storage:
         if not self._is_dir(rel):
             return 0
         files = [f for f in self.list(rel, recursive=True) if not f.is_dir]
+        if self._azure is not None:  # blob by blob: see AzureClient.delete
+            for f in files:
+                self.delete(f.path)
+            return len(files)
         full = self.full_path(rel)
 
         def op(_: int) -> None:

@@ -20,6 +20,7 @@ The client makes one attempt per call: :class:`rlrec.store.retry.RetryPolicy` al
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 from dataclasses import dataclass
@@ -219,15 +220,18 @@ class AzureClient:
     def create_once(self, container: str, key: str, data: bytes) -> bool:
         """Upload *data* to *key* unless it exists (one Put Blob with ``If-None-Match: *``);
         False if it exists. Other errors are raised (classify them with :func:`is_transient_error`)."""
+        from azure.core.exceptions import ResourceNotFoundError
+
         blob = self.service().get_blob_client(container, key)
         try:
             blob.upload_blob(data, overwrite=False, timeout=int(self.timeout_s))
+        except ResourceNotFoundError:
+            raise FileNotFoundError(errno.ENOENT, f"Azure container {container!r} does not exist") from None
         except Exception as e:
             if is_exists_error(e):
                 return False
             raise
         return True
-
 
     def delete(self, container: str, key: str) -> bool:
         """Delete the blob *key*; False if it does not exist. (pyarrow's delete, on an account

@@ -20,6 +20,7 @@ The client makes one attempt per call: :class:`rlrec.store.retry.RetryPolicy` al
 from __future__ import annotations
 
 import datetime
+import errno
 import os
 import threading
 from dataclasses import dataclass
@@ -136,6 +137,8 @@ class GcsClient:
             )
         except gexc.PreconditionFailed:
             return False
+        except gexc.NotFound as e:
+            raise FileNotFoundError(errno.ENOENT, f"GCS bucket {bucket!r} does not exist ({e.code})") from None
         return True
 
     def list_dir(self, bucket: str, prefix: str) -> list[Listed]:

@@ -127,8 +127,8 @@ class StorageAccessError(PermissionError):
 
 
 class ConditionalWritesError(RuntimeError):
-    """The storage does not enforce create-once writes (S3 ``If-None-Match: *``): writer
-    fencing and episode deduplication would silently be off."""
+    """The storage does not enforce create-once writes (S3 and Azure ``If-None-Match: *``, GCS
+    ``ifGenerationMatch=0``): writer fencing and episode deduplication would silently be off."""
 
     #: a configuration error: `rlrec` exits with 2 (rlrec.errors)
     exit_code = 2

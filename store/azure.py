@@ -200,7 +200,14 @@ class AzureClient:
     def service(self) -> Any:
         with self._lock:
             if self._service is None:
-                from azure.storage.blob import BlobServiceClient
+                try:
+                    from azure.storage.blob import BlobServiceClient
+                except ImportError:
+                    from rlrec.errors import UsageError
+
+                    raise UsageError(
+                        "az:// and abfs:// stores need azure-storage-blob: pip install 'rlrec[azure]'"
+                    ) from None
 
                 s = self.settings
                 kw = {"retry_total": 0, "connection_timeout": 10, "read_timeout": self.timeout_s}

@@ -109,7 +109,12 @@ class GcsClient:
     def client(self) -> Any:
         with self._lock:
             if self._client is None:
-                from google.cloud import storage
+                try:
+                    from google.cloud import storage
+                except ImportError:
+                    from rlrec.errors import UsageError
+
+                    raise UsageError("gs:// stores need google-cloud-storage: pip install 'rlrec[gcs]'") from None
 
                 if _emulator() is not None:
                     from google.auth.credentials import AnonymousCredentials

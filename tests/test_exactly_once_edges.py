@@ -116,9 +116,10 @@ def test_a_reward_after_an_ambiguous_append_is_a_late_reward_never_lost(broker, 
 
 def test_a_storage_outage_longer_than_the_episode_timeout_truncates_nothing(broker, proxied, object_store):
     through, direct, proxy, _ = proxied
-    # twice the episode timeout; pyarrow's Azure client retries each request itself for ~6 s
-    # (not configurable in pyarrow 26): there the outage must outlast our 3 attempts of that
-    outage = 20.0 if object_store.kind == "azure" else 4.0
+    # at least twice the episode timeout, and longer than the consumer's 3 attempts of a request:
+    # pyarrow's GCS client retries each request itself for 1 s (its shortest limit), its Azure
+    # client for ~6 s (not configurable in pyarrow 26)
+    outage = {"s3": 4.0, "gcs": 8.0, "azure": 20.0}[object_store.kind]
     _topic, c, t, rec = _setup(broker, through, episode_timeout_s=2.0)
     try:
         long_eid = rec.begin_episode(_obs(0))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tempfile
 import time
 import weakref
 from pathlib import Path
@@ -48,6 +49,7 @@ class _Child:
         self._proc: subprocess.Popen | None = None
         self._port: int | None = None
         self._finalizer: Any = None
+        self._log: Any = None
 
     def _command(self, port: int) -> list[str]:
         raise NotImplementedError
@@ -56,11 +58,13 @@ class _Child:
         if self._proc is not None:
             return self
         port = free_port()
+        # its output goes to a file (a pipe nobody reads could fill up and block it)
+        self._log = tempfile.TemporaryFile()
         proc = subprocess.Popen(
             self._command(port),
             stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
             start_new_session=True,
             preexec_fn=_make_pdeathsig(),
         )
@@ -68,7 +72,8 @@ class _Child:
         deadline = time.monotonic() + timeout
         while not _port_open(_HOST, port):
             if proc.poll() is not None:
-                err = proc.stderr.read().decode(errors="replace")[-2000:] if proc.stderr else ""
+                self._log.seek(0)
+                err = self._log.read().decode(errors="replace")[-2000:]
                 raise RuntimeError(f"{self.name} exited during start-up (code {proc.returncode}): {err}")
             if time.monotonic() > deadline:
                 _reap(proc)
@@ -81,8 +86,9 @@ class _Child:
         proc, self._proc = self._proc, None
         if proc is not None:
             _reap(proc)
-            if proc.stderr:
-                proc.stderr.close()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
 
     @property
     def running(self) -> bool:

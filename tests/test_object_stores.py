@@ -110,9 +110,12 @@ def test_refused_credentials_fail_fast_with_one_line(local_azurite, monkeypatch,
         with pytest.raises(StorageAccessError, match=r"access denied.*AZURE_STORAGE_CONNECTION_STRING"):
             op()
     assert time.monotonic() - t0 < 1.0  # not retried
-    assert main(["inspect", f"az://{container}/out"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "access denied" in err and "Traceback" not in err, err
+    uri = f"az://{container}/out"
+    for cmd in (["inspect", uri], ["consume", "--output", uri, "--bootstrap-servers", "127.0.0.1:1"]):
+        capsys.readouterr()
+        assert main(cmd) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and "access denied" in err and "Traceback" not in err, err
 
 
 def test_missing_google_credentials_fail_fast_with_one_line(monkeypatch, tmp_path, capsys):

@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 
 import pyarrow.fs as pafs
 
-__all__ = ["GcsClient", "gcs_filesystem", "is_access_error", "is_exists_error", "is_transient_error"]
+__all__ = ["GcsClient", "Listed", "gcs_filesystem", "is_access_error", "is_exists_error", "is_transient_error"]
 
 #: seconds pyarrow's GCS client retries a request itself (0 would make no attempt at all)
 REQUEST_RETRY_LIMIT_S = 1

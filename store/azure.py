@@ -2,10 +2,12 @@
 
 URIs: ``az://CONTAINER/prefix`` (fsspec's spelling; pyarrow 26 does not parse it),
 ``abfs://CONTAINER/prefix`` and ``abfs[s]://CONTAINER@ACCOUNT.dfs.core.windows.net/prefix``.
-Data goes through pyarrow's ``AzureFileSystem``; create-once through the ``azure-storage-blob``
-client (the ``azure`` extra): an upload with ``If-None-Match: *`` (HTTP 409 ``BlobAlreadyExists``
-or 412 when the blob exists). Without a hierarchical namespace (Azurite, most accounts) Azure
-has no rename: pyarrow's ``move`` is not implemented there, so a publish is copy + delete.
+Reads and listings go through pyarrow's ``AzureFileSystem``; writes, create-once and deletes
+through the ``azure-storage-blob`` client (the ``azure`` extra): create-once is an upload with
+``If-None-Match: *`` (HTTP 409 ``BlobAlreadyExists`` or 412 when the blob exists), a write one
+upload (pyarrow's output stream shows readers an empty blob until it closes). Without a
+hierarchical namespace (Azurite, most accounts) Azure has no rename: pyarrow's ``move`` is not
+implemented there, so a publish is an upload of the staged bytes, then a delete.
 
 Settings come from Azure's standard environment, for pyarrow and the client alike:
 
@@ -239,6 +241,19 @@ class AzureClient:
                 return False
             raise
         return True
+
+    def put(self, container: str, key: str, data: bytes) -> None:
+        """Write *data* to *key*, replacing it, atomically for readers: one Put Blob (or, over
+        64 MiB, staged blocks and one Put Block List). (pyarrow's output stream creates an empty
+        blob when it opens and fills it at close: readers could see 0 bytes meanwhile.)"""
+        from azure.core.exceptions import ResourceNotFoundError
+
+        try:
+            self.service().get_blob_client(container, key).upload_blob(
+                data, overwrite=True, timeout=int(self.timeout_s)
+            )
+        except ResourceNotFoundError:
+            raise FileNotFoundError(errno.ENOENT, f"Azure container {container!r} does not exist") from None
 
     def delete(self, container: str, key: str) -> bool:
         """Delete the blob *key*; False if it does not exist. (pyarrow's delete, on an account

@@ -549,6 +549,12 @@ class Storage:
             def op(_: int) -> None:
                 self._local.write(_clean_rel(path), data)
 
+        elif self._azure is not None:  # one upload: see AzureClient.put
+            bucket, key = self._bucket_key(path)
+
+            def op(_: int) -> None:
+                self._azure.put(bucket, key, data)
+
         else:
 
             def op(_: int) -> None:
@@ -726,9 +732,9 @@ class Storage:
 
         Local: ``os.replace`` (atomic).  S3, GCS: server-side copy then delete (the
         copy appears atomically).  Azure: pyarrow has no move without a hierarchical
-        namespace, so :meth:`copy` then :meth:`delete` here (a crash between them leaves
-        both; the manifest, not the publish, is the commit point).
-        ``FileNotFoundError`` if *src* does not exist.
+        namespace, so :meth:`copy` (an upload of the bytes, atomic for readers) then
+        :meth:`delete` here (a crash between them leaves both; the manifest, not the
+        publish, is the commit point).  ``FileNotFoundError`` if *src* does not exist.
         """
         fsrc, fdst = self.full_path(src), self.full_path(dst)
         if self._azure is not None:
@@ -749,9 +755,10 @@ class Storage:
         self._retry(f"move {self.uri(src)} -> {self.uri(dst)}", op)
 
     def copy(self, src: str, dst: str) -> None:
-        """Copy *src* to *dst* (server-side on object stores)."""
+        """Copy *src* to *dst* (server-side on S3 and GCS; local and Azure: read, then
+        :meth:`write`, atomic for readers)."""
         fsrc, fdst = self.full_path(src), self.full_path(dst)
-        if self.kind == "local":
+        if self.kind == "local" or self._azure is not None:
             self.write(dst, self.read(src))
             return
 

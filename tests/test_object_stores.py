@@ -76,6 +76,44 @@ def test_create_once_has_exactly_one_winner_among_racing_writers(object_store, m
         assert stores[0].read(key) == f"writer {winners[0]}".encode()
 
 
+def test_writes_and_publishes_are_atomic_for_readers(object_store, monkeypatch):
+    """A reader never sees a partial object: not while a file is replaced (Azure: pyarrow's
+    output stream would show an empty blob until it closes), not while a shard is published.
+    The objects are small, as those rlrec replaces in place are (pointers, hints): pyarrow reads
+    a large object in several requests, and a replacement between them is read as a torn mix."""
+    st = Storage.from_uri(object_store.output(monkeypatch), retry=FAST_RETRY)
+    old, new, shard = b"a" * 100_000, b"b" * 100_000, b"c" * 120_000
+    st.write("pol/x", old)
+    st.write("pol/_staging/y", shard)
+    seen: set = set()
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            for path in ("pol/x", "pol/y"):
+                try:
+                    data = st.read(path)
+                    seen.add((path, len(data), data[:1], data[-1:]))
+                except FileNotFoundError:
+                    seen.add((path, "missing"))
+
+    reader = threading.Thread(target=watch)
+    reader.start()
+    try:
+        for _ in range(3):
+            st.write("pol/x", new)
+            st.write("pol/x", old)
+        st.move("pol/_staging/y", "pol/y")
+        time.sleep(0.2)
+    finally:
+        stop.set()
+        reader.join(30)
+    whole = {("pol/x", len(old), b"a", b"a"), ("pol/x", len(new), b"b", b"b")}
+    whole |= {("pol/y", "missing"), ("pol/y", len(shard), b"c", b"c")}
+    assert seen <= whole, seen - whole
+    assert st.read("pol/y") == shard and ("pol/x", len(old), b"a", b"a") in seen
+
+
 def _race(st: Storage, i: int, key: str, barrier: threading.Barrier, wins: dict[int, bool]) -> None:
     barrier.wait()
     wins[i] = st.create_once(key, f"writer {i}".encode())

@@ -17,9 +17,23 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= 2
 XDIST := -n $(TEST_WORKERS) --dist loadgroup
 
-.PHONY: venv test test-main test-system test-fast lint format demo bench
+# Azurite (Azure Blob emulator) from npm, for the tests of az:// stores; 3.35.0 is the last
+# release that runs on Node 20. Without npm the target says so and those tests skip.
+AZURITE_VERSION ?= 3.35.0
+AZURITE_STAMP := .emulators/.stamp-azurite-$(AZURITE_VERSION)
+
+.PHONY: venv emulators test test-main test-system test-fast lint format demo bench
 
 venv: $(STAMP)
+
+emulators: $(AZURITE_STAMP)
+
+$(AZURITE_STAMP):
+	@if command -v npm >/dev/null 2>&1; then \
+		npm install --prefix .emulators --no-audit --no-fund --loglevel=error azurite@$(AZURITE_VERSION) && touch $@; \
+	else \
+		echo "== npm not found: the tests of az:// stores will skip (install Node.js 20 and npm, then make emulators)"; \
+	fi
 
 $(STAMP): | $(VENV)/bin/python
 	$(VPY) -m pip install torch==$(TORCH_VERSION)
@@ -33,20 +47,20 @@ $(VENV)/bin/python:
 # The whole suite: the tests not marked `system` in parallel, then the whole-system runs
 # (`-m system`: benchmark smoke run, emulated compose, consumer processes killed or scaled out,
 # the 100k-episode memory run, Ray cluster and `rlrec train` CLI runs, demo, chaos) in one process.  Each part prints its wall time; the first failure stops.
-test: venv
+test: venv emulators
 	@$(MAKE) --no-print-directory test-main
 	@$(MAKE) --no-print-directory test-system
 
-test-main: venv
+test-main: venv emulators
 	@t0=$$(date +%s); $(VPY) -m pytest -q -m "not system" $(XDIST) $(PYTEST_ARGS); rc=$$?; \
 	echo "== tests not marked system ($(XDIST)): $$(( $$(date +%s) - t0 )) s, pytest exit $$rc"; exit $$rc
 
-test-system: venv
+test-system: venv emulators
 	@t0=$$(date +%s); $(VPY) -m pytest -q -m system $(PYTEST_ARGS); rc=$$?; \
 	echo "== tests marked system (one process): $$(( $$(date +%s) - t0 )) s, pytest exit $$rc"; exit $$rc
 
 # the quick loop: no slow (and so no system) tests, in parallel
-test-fast: venv
+test-fast: venv emulators
 	$(VPY) -m pytest -q -m "not slow and not system" $(XDIST) $(PYTEST_ARGS)
 
 # ruff, configured in pyproject.toml (CI runs `lint` before the tests; `format` rewrites files)

@@ -23,7 +23,9 @@ class ConsumerConfig:
     """Options of `rlrec consume` (names match the CLI flags)."""
 
     bootstrap_servers: str = option(help="Kafka bootstrap servers, host:port[,host:port]")
-    output: str = option(help="output URI or path: /dir, file:///dir, s3://bucket/prefix, gs://...")
+    output: str = option(
+        help="output URI or path: /dir, file:///dir, s3://bucket/prefix, gs://bucket/prefix, az://container/prefix"
+    )
     topic: str = option("rlrec.transitions", help="transitions topic")
     group_id: str = option("rlrec-consumer", help="consumer group id; run more processes with the same id to scale out")
     format: Literal["episodes", "tabular"] = option(

@@ -16,14 +16,19 @@ maintenance commands need, on paths *relative to the output root*:
   ``s3://`` (AWS, MinIO,    boto3 ``put_object(..., IfNoneMatch="*")``; HTTP 412
   moto, ...)                ``PreconditionFailed`` / 409
                             ``ConditionalRequestConflict`` -> ``False``
-  anything else (``gs://``, exists-check + write: NOT atomic.  A zombie writer
-  ``abfs://``, hdfs, ...)   can then overwrite a manifest entry; a warning is
+  ``gs://`` (GCS,           google-cloud-storage multipart upload with
+  fake-gcs-server)          ``ifGenerationMatch=0``; HTTP 412 -> ``False``
+                            (:mod:`rlrec.store.gcs`)
+  ``az://``, ``abfs://``    azure-storage-blob Put Blob with ``If-None-Match: *``;
+  (Azure Blob, Azurite)     HTTP 409 / 412 -> ``False`` (:mod:`rlrec.store.azure`)
+  anything else (hdfs, ...) exists-check + write: NOT atomic.  A zombie writer
+                            can then overwrite a manifest entry; a warning is
                             logged once.  See docs/GUARANTEES.md.
   ========================  ==================================================
 
 * ``read``, ``exists``, ``list``, ``move`` (publish), ``delete``, ``uri``.
 * :func:`require_conditional_writes` -- refuse to write to a store whose create-once is not
-  enforced (checked on ``s3://`` by a probe: two create-once writes of one key).
+  enforced (checked on object stores by a probe: two create-once writes of one key).
 * ``upload_dir`` / ``download_dir`` / ``delete_tree``: a whole directory tree (e.g. a
   checkpoint) between a local directory and the storage, and its deletion.
 
@@ -45,8 +50,14 @@ S3 configuration comes from the standard AWS environment, for pyarrow
 conditional puts is configured from that filesystem's endpoint, credentials and
 region (falling back to the environment for what it leaves unset).
 
-Only pyarrow is imported at module level; boto3 is imported when the first
-conditional put on S3 happens.
+GCS and Azure configuration comes from their standard environments too
+(``STORAGE_EMULATOR_HOST``, application default credentials; ``AZURE_STORAGE_CONNECTION_STRING``,
+account name + key, ``DefaultAzureCredential``): see :mod:`rlrec.store.gcs` and
+:mod:`rlrec.store.azure`.  Credentials that are missing, wrong or lack a permission end in
+:class:`StorageAccessError` at once (never retried).
+
+Only pyarrow is imported at module level; boto3, google-cloud-storage and azure-storage-blob
+are imported when the first conditional put on their store happens.
 """
 
 from __future__ import annotations
@@ -55,6 +66,7 @@ import contextlib
 import errno
 import logging
 import os
+import re
 import shutil
 import threading
 import time
@@ -64,8 +76,10 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
+import pyarrow as pa
 import pyarrow.fs as pafs
 
+from rlrec.store import azure, gcs
 from rlrec.store.localfs import LocalRoot
 from rlrec.store.retry import RetryPolicy
 
@@ -74,6 +88,7 @@ __all__ = [
     "FileInfo",
     "RetryPolicy",
     "Storage",
+    "StorageAccessError",
     "StorageError",
     "is_refusal",
     "require_conditional_writes",
@@ -84,7 +99,14 @@ log = logging.getLogger("rlrec.storage")
 T = TypeVar("T")
 
 #: Schemes whose conditional create (create_once) is atomic.
-CONDITIONAL_WRITE_KINDS = frozenset({"local", "s3"})
+CONDITIONAL_WRITE_KINDS = frozenset({"local", "s3", "gcs", "abfs"})
+
+#: what to check when a store refuses our credentials, per kind
+_CREDENTIAL_HINTS = {
+    "gcs": "check GOOGLE_APPLICATION_CREDENTIALS / application default credentials and the bucket's IAM roles",
+    "abfs": "check AZURE_STORAGE_CONNECTION_STRING, the account key or the DefaultAzureCredential sign-in "
+    "and the container's role assignments",
+}
 
 
 class StorageError(Exception):
@@ -98,9 +120,16 @@ class StorageError(Exception):
         self.attempts = attempts
 
 
+class StorageAccessError(PermissionError):
+    """The store refused our credentials (missing, wrong, or without the permission): not
+    retried, and a configuration error (`rlrec` exits with 2, one line)."""
+
+    exit_code = 2
+
+
 class ConditionalWritesError(RuntimeError):
-    """The storage does not enforce create-once writes (S3 ``If-None-Match: *``): writer
-    fencing and episode deduplication would silently be off."""
+    """The storage does not enforce create-once writes (S3 and Azure ``If-None-Match: *``, GCS
+    ``ifGenerationMatch=0``): writer fencing and episode deduplication would silently be off."""
 
     #: a configuration error: `rlrec` exits with 2 (rlrec.errors)
     exit_code = 2
@@ -153,6 +182,33 @@ _PERMANENT_MARKERS = (
     "HTTP status 404",
     "HTTP status 405",
     "BadScheme",
+    # pyarrow's GCS (google-cloud-cpp) and Azure errors
+    "Permanent error",
+    "PERMISSION_DENIED",
+    "UNAUTHENTICATED",
+    "INVALID_ARGUMENT",
+    "AuthenticationFailed",
+    "AuthorizationFailure",
+    "AuthorizationPermissionMismatch",
+    "ContainerNotFound",
+    "BlobNotFound",
+    "InvalidResourceName",
+    # Azure: "Azure Error: [Code] STATUS Reason"
+    "] 400 ",
+    "] 401 ",
+    "] 403 ",
+    "] 404 ",
+    "] 409 ",
+    "] 412 ",
+)
+# pyarrow messages that say our credentials were refused or missing (GCS, Azure)
+_ACCESS_MARKERS = (
+    "OAuth2 access token",
+    "PERMISSION_DENIED",
+    "UNAUTHENTICATED",
+    "AuthenticationFailed",
+    "AuthorizationFailure",
+    "AuthorizationPermissionMismatch",
 )
 _TRANSIENT_S3_CODES = {
     "InternalError",
@@ -177,6 +233,10 @@ def _is_transient(exc: BaseException) -> bool:
         (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError, PermissionError),
     ):
         return False
+    for cloud in (gcs, azure):
+        verdict = cloud.is_transient_error(exc)
+        if verdict is not None:
+            return verdict
     mod = type(exc).__module__ or ""
     if mod.startswith("botocore") or mod.startswith("urllib3"):
         try:
@@ -236,6 +296,18 @@ def is_refusal(exc: BaseException) -> bool:
     return any(m in msg for m in _REFUSAL_MARKERS)
 
 
+def _is_access_error(exc: BaseException) -> bool:
+    """The GCS or Azure client, or pyarrow's filesystem for them, refused our credentials."""
+    if isinstance(exc, StorageAccessError):
+        return False  # already said
+    mod = type(exc).__module__ or ""
+    if mod.startswith("google"):
+        return gcs.is_access_error(exc)
+    if mod.startswith("azure"):
+        return azure.is_access_error(exc)
+    return isinstance(exc, (OSError, pa.ArrowException)) and any(m in str(exc) for m in _ACCESS_MARKERS)
+
+
 def _is_precondition_failure(exc: BaseException) -> bool:
     """boto3: HTTP 412 PreconditionFailed or 409 ConditionalRequestConflict."""
     resp = getattr(exc, "response", None)
@@ -290,6 +362,7 @@ class Storage:
         fsync: bool = True,
         s3_client: Any = None,
         uri: str | None = None,
+        azure_settings: azure.AzureSettings | None = None,
     ) -> None:
         if not isinstance(filesystem, pafs.FileSystem):
             raise TypeError("filesystem must be a pyarrow.fs.FileSystem")
@@ -315,6 +388,11 @@ class Storage:
         self._local = LocalRoot(self.base, fsync=fsync) if self.kind == "local" else None
         self._s3_client = s3_client
         self._s3_lock = threading.Lock()
+        #: the client library of the store for what pyarrow cannot do (create-once; GCS listings)
+        self._gcs = gcs.GcsClient() if self.kind == "gcs" else None
+        self._azure = (
+            azure.AzureClient(azure_settings or _azure_settings_of(filesystem)) if self.kind == "abfs" else None
+        )
         self._uri = self._uri_template(uri)
         self._warned_unsafe = False
 
@@ -331,7 +409,9 @@ class Storage:
         """A Storage for a local path or any URI ``pyarrow.fs.FileSystem.from_uri`` accepts.
 
         For ``s3://`` the endpoint and credentials come from the standard AWS
-        environment (``AWS_ENDPOINT_URL`` etc.) unless given as URI parameters.
+        environment (``AWS_ENDPOINT_URL`` etc.) unless given as URI parameters; for
+        ``gs://`` from Google's (:func:`rlrec.store.gcs.gcs_filesystem`), for ``az://`` /
+        ``abfs://`` from Azure's (:class:`rlrec.store.azure.AzureSettings`).
         The S3 filesystem is rebuilt with the same settings plus: an explicit
         region (URI > ``AWS_REGION`` > ``AWS_DEFAULT_REGION`` > ``us-east-1``),
         ``allow_delayed_open=True`` (small objects go up in one PUT instead of a
@@ -345,6 +425,15 @@ class Storage:
         scheme, _ = _split_uri(uri)
         if scheme == "" or (len(scheme) == 1 and os.name == "nt"):
             return cls(pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(uri)), retry=retry, **kw)
+        if scheme in ("gs", "gcs"):
+            parts = urlsplit(uri)
+            path = f"{parts.netloc}/{parts.path.strip('/')}".rstrip("/")
+            return cls(gcs.gcs_filesystem(), path, retry=retry, uri=uri, **kw)
+        if scheme in azure.AZURE_SCHEMES:
+            account, path = azure.split_azure_uri(uri)
+            settings = azure.AzureSettings.from_env(account)
+            fs = azure.azure_filesystem(settings)
+            return cls(fs, path, retry=retry, uri=uri, azure_settings=settings, **kw)
         fs, path = pafs.FileSystem.from_uri(uri)
         if fs.type_name == "s3":
             fs = _rebuild_s3(fs, s3_request_attempts)
@@ -358,6 +447,13 @@ class Storage:
         netloc = parts.netloc.rsplit("@", 1)[-1]  # never echo credentials
         if parts.scheme.lower() == "s3" or self.kind == "s3":
             prefix = f"s3://{self.base}"
+        elif self.kind == "gcs":
+            prefix = f"gs://{self.base}"
+        elif self.kind == "abfs":  # abfs://CONTAINER@ACCOUNT.HOST/...: the account stays
+            container, path = self.base.split("/", 1) if "/" in self.base else (self.base, "")
+            account = parts.netloc.partition("@")[2]
+            prefix = f"{parts.scheme.lower()}://{container}{'@' + account if account else ''}/{path}".rstrip("/")
+            return prefix, ""
         else:
             prefix = urlunsplit((parts.scheme, netloc, parts.path.rstrip("/"), "", ""))
         return prefix, parts.query
@@ -397,7 +493,7 @@ class Storage:
 
     @property
     def conditional_writes(self) -> bool:
-        """True if :meth:`create_once` is atomic on this storage (local, S3)."""
+        """True if :meth:`create_once` is atomic on this storage (local, S3, GCS, Azure)."""
         return self.kind in CONDITIONAL_WRITE_KINDS
 
     # ------------------------------------------------------------------ retry
@@ -409,6 +505,9 @@ class Storage:
             try:
                 return fn(attempt)
             except Exception as e:
+                if _is_access_error(e):
+                    hint = _CREDENTIAL_HINTS.get(self.kind, "check the store's credentials and permissions")
+                    raise StorageAccessError(f"{what}: access denied ({_one_line(e)}): {hint}") from e
                 if not _is_transient(e):
                     raise
                 if policy.gives_up(attempt + 1):
@@ -488,6 +587,12 @@ class Storage:
             def op(_: int) -> None:
                 self._local.write(_clean_rel(path), data)
 
+        elif self._azure is not None:  # one upload: see AzureClient.put
+            bucket, key = self._bucket_key(path)
+
+            def op(_: int) -> None:
+                self._azure.put(bucket, key, data)
+
         else:
 
             def op(_: int) -> None:
@@ -508,23 +613,38 @@ class Storage:
         full = self.full_path(path)
         if self._local is not None:
             return self._retry(f"create_once {full}", lambda _: self._local.create_once(_clean_rel(path), data))
+        bucket, key = self._bucket_key(path)
         if self.kind == "s3":
-            return self._create_once_s3(path, data)
+            client = self.s3_client()
+
+            def put(data: bytes) -> bool:
+                try:
+                    client.put_object(Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
+                    return True
+                except Exception as e:
+                    if _is_precondition_failure(e):
+                        return False
+                    raise
+
+            return self._create_once_conditional(path, data, put)
+        if self._gcs is not None:
+            return self._create_once_conditional(path, data, lambda d: self._gcs.create_once(bucket, key, d))
+        if self._azure is not None:
+            return self._create_once_conditional(path, data, lambda d: self._azure.create_once(bucket, key, d))
         return self._create_once_unsafe(path, data)
 
-    def _create_once_s3(self, path: str, data: bytes) -> bool:
-        bucket, key = self._bucket_key(path)
-        client = self.s3_client()
+    def _create_once_conditional(self, path: str, data: bytes, put: Callable[[bytes], bool]) -> bool:
+        """Retry *put* (True: created, False: the object exists, else raises); after an
+        ambiguous failure, an existing object with our bytes is ours."""
         ambiguous = False
 
         def op(attempt: int) -> bool:
             nonlocal ambiguous
             try:
-                client.put_object(Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
-                return True
+                if put(data):
+                    return True
+                return bool(ambiguous and self._same_content(path, data))
             except Exception as e:
-                if _is_precondition_failure(e):
-                    return bool(ambiguous and self._same_content(path, data))
                 if _is_transient(e):
                     ambiguous = True
                 raise
@@ -610,6 +730,8 @@ class Storage:
         interrupted local writes.
         """
         full = self.full_path(prefix)
+        if self._gcs is not None and not recursive:
+            return self._list_gcs(full, prefix)
         sel = pafs.FileSelector(full, recursive=recursive, allow_not_found=True)
 
         def op(_: int) -> list[pafs.FileInfo]:
@@ -626,6 +748,14 @@ class Storage:
         infos = self._retry(f"list {self.uri(prefix)}", op)
         return sorted((self._file_info(i) for i in infos), key=lambda f: f.path)
 
+    def _list_gcs(self, full: str, prefix: str) -> list[FileInfo]:
+        """One level of a GCS directory through the client: pyarrow lists no directory that
+        has no marker object."""
+        bucket, _, key = full.partition("/")
+        entries = self._retry(f"list {self.uri(prefix)}", lambda _: self._gcs.list_dir(bucket, key))
+        out = [FileInfo(self._rel(f"{bucket}/{e.name}"), e.size, e.mtime, e.is_dir) for e in entries]
+        return sorted(out, key=lambda f: f.path)
+
     def check_inside(self, path: str) -> None:
         """Before another library (pyarrow, Ray Data) opens *path*: on a local store, raise
         :class:`~rlrec.store.localfs.EscapesRoot` if a symlink (or a special file) is on its
@@ -638,10 +768,17 @@ class Storage:
     def move(self, src: str, dst: str) -> None:
         """Move *src* to *dst* (replacing *dst*); used to publish staged shards.
 
-        Local: ``os.replace`` (atomic).  S3: server-side copy then delete (the
-        copy appears atomically).  ``FileNotFoundError`` if *src* does not exist.
+        Local: ``os.replace`` (atomic).  S3, GCS: server-side copy then delete (the
+        copy appears atomically).  Azure: pyarrow has no move without a hierarchical
+        namespace, so :meth:`copy` (an upload of the bytes, atomic for readers) then
+        :meth:`delete` here (a crash between them leaves both; the manifest, not the
+        publish, is the commit point).  ``FileNotFoundError`` if *src* does not exist.
         """
         fsrc, fdst = self.full_path(src), self.full_path(dst)
+        if self._azure is not None:
+            self.copy(src, dst)
+            self.delete(src)
+            return
         if self._local is not None:
 
             def op(_: int) -> None:
@@ -656,9 +793,10 @@ class Storage:
         self._retry(f"move {self.uri(src)} -> {self.uri(dst)}", op)
 
     def copy(self, src: str, dst: str) -> None:
-        """Copy *src* to *dst* (server-side on object stores)."""
+        """Copy *src* to *dst* (server-side on S3 and GCS; local and Azure: read, then
+        :meth:`write`, atomic for readers)."""
         fsrc, fdst = self.full_path(src), self.full_path(dst)
-        if self.kind == "local":
+        if self.kind == "local" or self._azure is not None:
             self.write(dst, self.read(src))
             return
 
@@ -682,6 +820,16 @@ class Storage:
                     if missing_ok:
                         return False
                     raise
+
+        elif self._azure is not None:
+            bucket, key = self._bucket_key(path)
+
+            def op(_: int) -> bool:
+                if self._azure.delete(bucket, key):
+                    return True
+                if missing_ok:
+                    return False
+                raise FileNotFoundError(errno.ENOENT, "no such blob", self.uri(path))
 
         else:
 
@@ -779,6 +927,10 @@ class Storage:
         if not self._is_dir(rel):
             return 0
         files = [f for f in self.list(rel, recursive=True) if not f.is_dir]
+        if self._azure is not None:  # blob by blob: see AzureClient.delete
+            for f in files:
+                self.delete(f.path)
+            return len(files)
         full = self.full_path(rel)
 
         def op(_: int) -> None:
@@ -796,14 +948,17 @@ PROBE_PREFIX = "_manifest/.probe-conditional-writes-"
 def probe_conditional_writes(storage: Storage) -> bool:
     """True if the storage enforces create-once writes.
 
-    Local filesystems do (``os.link`` / ``O_EXCL``); ``s3://`` is probed: one dot-prefixed key
-    under ``_manifest/`` is created twice with ``create_once`` (the second must be refused:
-    HTTP 412) and deleted afterwards.  Other stores (``gs://``, ``abfs://``, ...) have no
-    conditional create in pyarrow: False.  Storage errors propagate.
+    Local filesystems do (``os.link`` / ``O_EXCL``); object stores (``s3://``, ``gs://``,
+    ``az://``) are probed: one dot-prefixed key under ``_manifest/`` is created twice with
+    ``create_once`` -- the very request that writes manifest entries (S3 ``If-None-Match: *``,
+    a GCS multipart upload with ``ifGenerationMatch=0``, an Azure Put Blob with
+    ``If-None-Match: *``) -- the second must be refused, and the key is deleted afterwards.
+    Other stores (hdfs, ...) have no conditional create in pyarrow: False.  Storage errors
+    propagate.
     """
     if storage.kind == "local":
         return True
-    if storage.kind != "s3":
+    if storage.kind not in CONDITIONAL_WRITE_KINDS:
         return False
     key = f"{PROBE_PREFIX}{uuid.uuid4().hex}"
     try:
@@ -827,16 +982,17 @@ def require_conditional_writes(storage: Storage, *, allow_unfenced: bool = False
     """
     if probe_conditional_writes(storage):
         return True
+    ignored = {"s3": "If-None-Match", "gcs": "ifGenerationMatch=0", "abfs": "If-None-Match"}.get(storage.kind)
     why = (
-        "a second create-once write of one key succeeded: the store ignores If-None-Match"
-        if storage.kind == "s3"
+        f"a second create-once write of one key succeeded: the store ignores {ignored}"
+        if ignored
         else f"pyarrow offers no conditional create for {storage.kind} storage"
     )
     msg = (
         f"storage {storage.uri('')} does not enforce create-once writes ({why}). Without them a "
         "zombie consumer is not fenced and an episode can be committed twice (docs/GUARANTEES.md, "
-        "section 6). Use a store that enforces them (AWS S3, or an S3-compatible store with "
-        "conditional writes), or pass --allow-unfenced-storage to run without fencing and "
+        "section 6). Use a store that enforces them (AWS S3 or an S3-compatible store with "
+        "conditional writes, Google Cloud Storage, Azure Blob Storage), or pass --allow-unfenced-storage to run without fencing and "
         "deduplication (only if one consumer per partition is guaranteed by other means)."
     )
     if not allow_unfenced:
@@ -852,6 +1008,27 @@ def _local_files(root: str) -> list[str]:
         for n in names:
             out.append(os.path.relpath(os.path.join(d, n), root).replace(os.sep, "/"))
     return sorted(out)
+
+
+def _one_line(exc: BaseException) -> str:
+    """The gist of *exc*'s message on one line: cloud client errors carry whole HTTP responses,
+    google-cloud-cpp's wrap the cause in retry metadata."""
+    text = str(exc)
+    m = re.search(r"The underlying error message was: (.*?)(?: error_info=|\)\)|$)", text, re.S)
+    if m:
+        text = m.group(1)
+    lines = [part.strip() for part in text.splitlines() if part.strip()]
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:300]
+
+
+def _azure_settings_of(fs: pafs.FileSystem) -> azure.AzureSettings:
+    """The account settings of an AzureFileSystem (for its create-once client)."""
+    kw = dict(fs.__reduce__()[1][0])
+    name = kw["account_name"]
+    scheme = kw.get("blob_storage_scheme") or "https"
+    authority = kw.get("blob_storage_authority") or ".blob.core.windows.net"
+    endpoint = f"{scheme}://{name}{authority}" if authority.startswith(".") else f"{scheme}://{authority}/{name}"
+    return azure.AzureSettings(name, endpoint, kw.get("account_key") or None, kw.get("sas_token") or None)
 
 
 def _rebuild_s3(fs: pafs.FileSystem, request_attempts: int) -> pafs.FileSystem:
@@ -876,12 +1053,16 @@ def _rebuild_s3(fs: pafs.FileSystem, request_attempts: int) -> pafs.FileSystem:
         return fs
 
 
+_MISSING_SOURCE_MARKERS = ("NO_SUCH_KEY", "NoSuchKey", "does not exist", "BlobNotFound")
+
+
 @contextlib.contextmanager
 def _not_found_as_fnf() -> Iterator[None]:
-    """pyarrow reports a missing S3 copy source as a plain OSError (NO_SUCH_KEY)."""
+    """pyarrow reports a missing copy or move source as a plain OSError (S3: NO_SUCH_KEY, GCS:
+    "does not exist", Azure: BlobNotFound)."""
     try:
         yield
     except OSError as e:
-        if not isinstance(e, FileNotFoundError) and ("NO_SUCH_KEY" in str(e) or "NoSuchKey" in str(e)):
+        if not isinstance(e, FileNotFoundError) and any(m in str(e) for m in _MISSING_SOURCE_MARKERS):
             raise FileNotFoundError(errno.ENOENT, str(e)) from e
         raise

@@ -43,6 +43,7 @@ from rlrec.local import (
     ray_on_loopback,
     wait_for_broker,
 )
+from tests.stores import SERVER_FIXTURES, ObjectStore
 
 BROKER_MODE = os.environ.get("RLREC_TEST_BROKER", "tansu").strip().lower() or "tansu"
 KAFKA_IMAGE = os.environ.get("RLREC_TEST_KAFKA_IMAGE", "apache/kafka:3.9.1")
@@ -125,6 +126,52 @@ def local_s3() -> Iterator[LocalS3]:
     create uniquely named ones (``f"t-{uuid.uuid4().hex[:8]}"``)."""
     with LocalS3() as s3:
         yield s3
+
+
+def _emulator_or_skip(make: Callable[[], Any]) -> Any:
+    """Start an emulator; skip when it is not installed here (fail under RLREC_REQUIRE_EMULATORS=1,
+    which CI sets: `make emulators` installs them)."""
+    from rlrec.emulators import EmulatorMissing
+
+    try:
+        return make().start()
+    except EmulatorMissing as e:
+        if os.environ.get("RLREC_REQUIRE_EMULATORS") == "1":
+            raise
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def local_gcs() -> Iterator[Any]:
+    """A started fake-gcs-server (rlrec.emulators.LocalGcs), in memory, for the session: create
+    uniquely named buckets."""
+    from rlrec.emulators import LocalGcs
+
+    server = _emulator_or_skip(LocalGcs)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def local_azurite() -> Iterator[Any]:
+    """A started Azurite Blob service (rlrec.emulators.LocalAzurite), in memory, for the session:
+    create uniquely named containers."""
+    from rlrec.emulators import LocalAzurite
+
+    server = _emulator_or_skip(LocalAzurite)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(params=sorted(SERVER_FIXTURES))
+def object_store(request: pytest.FixtureRequest) -> ObjectStore:
+    """Each object store in turn (S3 on moto, GCS on fake-gcs-server, Azure on Azurite):
+    an ObjectStore (tests/stores.py) whose ``output(monkeypatch)`` gives a fresh URI."""
+    return ObjectStore(request.param, request.getfixturevalue(SERVER_FIXTURES[request.param]))
 
 
 @pytest.fixture(scope="session")

@@ -19,6 +19,7 @@ from rlrec.store.manifest import read_manifest
 from rlrec.store.shards import read_episodes
 from rlrec.store.storage import Storage
 from tests.helpers import ACT_SPACE, OBS_SPACE, assert_episode_matches, record_episodes, wait_for
+from tests.stores import SERVER_FIXTURES, ObjectStore
 
 pytestmark = pytest.mark.broker
 
@@ -69,15 +70,12 @@ def _recorders(bootstrap, topic):
     return (EpisodeRecorder(bootstrap, policy_id="pol-a", **kw), EpisodeRecorder(bootstrap, policy_id="pol-b", **kw))
 
 
-@pytest.mark.parametrize("where", ["local", "s3"])
-def test_recorded_episodes_land_exactly_once(where, broker, topic, tmp_path, local_s3, monkeypatch, recorder_config):
-    if where == "s3":
-        bucket = local_s3.create_bucket(f"e2e-{uuid.uuid4().hex[:8]}")
-        for k, v in local_s3.env().items():
-            monkeypatch.setenv(k, v)
-        output = f"s3://{bucket}/exp"
-    else:
+@pytest.mark.parametrize("where", ["local", *sorted(SERVER_FIXTURES)])
+def test_recorded_episodes_land_exactly_once(where, broker, topic, tmp_path, monkeypatch, recorder_config, request):
+    if where == "local":
         output = str(tmp_path / "out")
+    else:  # s3, gcs, azure: a real server on 127.0.0.1
+        output = ObjectStore(where, request.getfixturevalue(SERVER_FIXTURES[where])).output(monkeypatch, "exp")
     ra, rb = _recorders(broker.bootstrap_servers, topic)
     truth = record_episodes(ra, 30, seed=1, abort_every=7, delayed_every=5)
     truth.update(record_episodes(rb, 20, seed=2))

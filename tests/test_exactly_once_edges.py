@@ -30,17 +30,31 @@ pytestmark = [pytest.mark.broker, pytest.mark.slow]
 
 
 @pytest.fixture
-def proxied(local_s3, monkeypatch):
-    """(consumer storage through a fault proxy, direct storage for the test, proxy)."""
-    bucket = local_s3.create_bucket(f"edge-{uuid.uuid4().hex[:8]}")
-    proxy = FaultProxy(local_s3.port)
-    for k, v in local_s3.env().items():
+def proxied(object_store, monkeypatch):
+    """(consumer storage through a fault proxy, direct storage for the test, proxy, a function
+    that makes the next manifest append ambiguous) on each object store."""
+    proxy = FaultProxy(object_store.port)
+    uri = object_store.output(monkeypatch)
+    direct = Storage.from_uri(uri)
+    for k, v in object_store.env(proxy.port).items():
         monkeypatch.setenv(k, v)
-    direct = Storage.from_uri(f"s3://{bucket}/out")
-    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
-    through = Storage.from_uri(f"s3://{bucket}/out", retry=RetryPolicy(attempts=3, base_delay=0.01, max_delay=0.05))
-    yield through, direct, proxy
+    through = Storage.from_uri(uri, retry=RetryPolicy(attempts=3, base_delay=0.01, max_delay=0.05))
+    yield through, direct, proxy, lambda: _make_the_next_append_ambiguous(proxy, object_store.kind)
     proxy.close()
+
+
+def _make_the_next_append_ambiguous(proxy: FaultProxy, kind: str) -> None:
+    """The next append of a manifest entry lands, but the client is told it failed; every later
+    request for the manifest fails (until ``proxy.clear_rules()``). S3 and Azure name the entry in
+    the path of its PUT; GCS creates it with a multipart POST that names it in the body (the only
+    multipart upload rlrec sends) and names manifest objects encoded in paths and queries."""
+    if kind == "gcs":
+        proxy.swallow_matching(1, "uploadType=multipart", method="POST")
+        proxy.fail_matching(1_000, "uploadType=multipart")
+        proxy.fail_matching(1_000, "%2F_manifest%2F")
+    else:
+        proxy.swallow_matching(1, "/_manifest/", method="PUT")
+        proxy.fail_matching(1_000, "/_manifest/")
 
 
 def _setup(broker, storage, **kw):
@@ -70,13 +84,12 @@ def _obs(i: float) -> np.ndarray:
 
 
 def test_a_reward_after_an_ambiguous_append_is_a_late_reward_never_lost(broker, proxied):
-    through, direct, proxy = proxied
+    through, direct, proxy, make_ambiguous = proxied
     topic, c, t, rec = _setup(broker, through)
     try:
         # the next append of a manifest entry lands, but the consumer is told it failed (and its
         # retries fail): the outcome is unknown to it
-        proxy.swallow_matching(1, "/_manifest/", method="PUT")
-        proxy.fail_matching(1_000, "/_manifest/")
+        make_ambiguous()
         eid = rec.begin_episode(_obs(0))
         rec.log_step(eid, 1, 1.0, _obs(1))
         rec.log_step(eid, 0, 1.0, _obs(2), terminated=True)
@@ -101,16 +114,20 @@ def test_a_reward_after_an_ambiguous_append_is_a_late_reward_never_lost(broker, 
     assert reasons == [b"late-reward"]
 
 
-def test_a_storage_outage_longer_than_the_episode_timeout_truncates_nothing(broker, proxied):
-    through, direct, proxy = proxied
+def test_a_storage_outage_longer_than_the_episode_timeout_truncates_nothing(broker, proxied, object_store):
+    through, direct, proxy, _ = proxied
+    # at least twice the episode timeout, and longer than the consumer's 3 attempts of a request:
+    # pyarrow's GCS client retries each request itself for 1 s (its shortest limit), its Azure
+    # client for ~6 s (not configurable in pyarrow 26)
+    outage = {"s3": 4.0, "gcs": 8.0, "azure": 20.0}[object_store.kind]
     _topic, c, t, rec = _setup(broker, through, episode_timeout_s=2.0)
     try:
         long_eid = rec.begin_episode(_obs(0))
         short = rec.begin_episode(_obs(0))
         rec.log_step(short, 0, 1.0, _obs(1), terminated=True)  # its flush meets the outage
-        proxy.fail_for(4.0)  # twice the episode timeout
+        proxy.fail_for(outage)
         steps = 0
-        t_end = time.time() + 8.0
+        t_end = time.time() + outage + 4.0
         while time.time() < t_end:
             rec.log_step(long_eid, 1, 1.0, _obs(steps))
             steps += 1
@@ -138,13 +155,12 @@ def test_an_uncertain_append_keeps_its_episodes_closed_to_rewards(proxied):
     from rlrec.producer.events import RewardDelta
     from tests.test_assembly import start, steps
 
-    through, direct, proxy = proxied
+    through, direct, proxy, make_ambiguous = proxied
     w = PartitionWriter(through, "edges", 0)
     w.claim()
     w.assembler.apply(0, start("a"))
     w.assembler.apply(1, steps("a", 0, 2, terminated=True))
-    proxy.swallow_matching(1, "/_manifest/", method="PUT")
-    proxy.fail_matching(1_000, "/_manifest/")
+    make_ambiguous()
     t = w.tick(time.time(), force=True)
     assert t.failed and w.state is WriterState.BACKING_OFF and [fe.episode_id for fe in w.uncertain] == ["a"]
     letters = w.assembler.apply(2, RewardDelta("a", 0, 0.5))

@@ -150,21 +150,16 @@ def test_report_cli_errors(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
-def test_report_and_convert_on_s3(tmp_path, local_s3, monkeypatch, capsys):
-    """Shards on S3: `rlrec convert --output s3://...` then `rlrec report --input s3://...`."""
-    import uuid
-
+def test_report_and_convert_on_object_stores(tmp_path, object_store, monkeypatch, capsys):
+    """Shards on S3, GCS, Azure: `rlrec convert --output URI` then `rlrec report --input URI`."""
     import pyarrow.parquet as pq
 
     from rlrec.store.shards import tabular_table
 
-    bucket = local_s3.create_bucket(f"rep-{uuid.uuid4().hex[:8]}")
-    for k, v in local_s3.env().items():
-        monkeypatch.setenv(k, v)
+    uri = object_store.output(monkeypatch, "shards")
     eps = expert_cartpole_episodes(5, seed=4, max_steps=30, policy_id="legacy", policy_version=2)
     (tmp_path / "in").mkdir()
     pq.write_table(tabular_table(eps), tmp_path / "in" / "x.parquet")
-    uri = f"s3://{bucket}/shards"
     assert main(["convert", "--from", "tabular", str(tmp_path / "in"), "--output", uri, "--policy-id", "legacy"]) == 0
     assert main(["inspect", uri, "--verify"]) == 0
     out = tmp_path / "report.html"

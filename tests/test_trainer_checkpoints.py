@@ -1,4 +1,4 @@
-"""`CheckpointStore` on local storage and on S3 (moto): the layout, the commit point, re-saves, pruning
+"""`CheckpointStore` on local storage and on S3, GCS and Azure (moto, fake-gcs-server, Azurite): the layout, the commit point, re-saves, pruning
 and restore. The algorithm is a stand-in with RLlib's two methods the store calls; the real RLlib
 round trip runs in tests/test_trainer_service.py (resume)."""
 
@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import uuid
 
 import pytest
 
 from rlrec.store.storage import Storage
 from rlrec.trainer.checkpoints import CKPT_LATEST, CheckpointStore, checkpoint_path
+from tests.stores import SERVER_FIXTURES, ObjectStore
 
 
 class FakeLearnerGroup:
@@ -41,14 +41,12 @@ class FakeAlgo:
                 f.write(data)
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=["local", *sorted(SERVER_FIXTURES)])
 def storage(request, tmp_path) -> Storage:
     if request.param == "local":
         return Storage.from_uri(str(tmp_path / "ckpt"))
-    s3 = request.getfixturevalue("local_s3")
-    for k, v in s3.env().items():
-        request.getfixturevalue("monkeypatch").setenv(k, v)
-    return Storage.from_uri(f"s3://{s3.create_bucket(f't-{uuid.uuid4().hex[:10]}')}/ckpt")
+    store = ObjectStore(request.param, request.getfixturevalue(SERVER_FIXTURES[request.param]))
+    return Storage.from_uri(store.output(request.getfixturevalue("monkeypatch"), "ckpt"))
 
 
 def _files(storage: Storage, prefix: str) -> set[str]:

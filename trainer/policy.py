@@ -37,8 +37,9 @@ is a replay and refused.
 
 Only this module, `rlrec.trainer.policy_net`, `rlrec.trainer.signing`, `rlrec.trainer.binding`,
 numpy, json, torch, safetensors and cryptography are imported (`rlrec.producer.spaces` and
-gymnasium when a space object is pinned); URIs other than local paths use pyarrow's
-filesystems (lazily).
+gymnasium when a space object is pinned); URIs other than local paths go through
+`rlrec.store.storage.Storage` (pyarrow's filesystems and, for gs:// and az://, the cloud's
+client library; lazily).
 """
 
 from __future__ import annotations
@@ -136,10 +137,10 @@ class _Files:
             self.root = os.path.abspath(os.path.expanduser(root))
             self.fs = None
         else:
-            import pyarrow.fs as pafs  # only for object stores
+            from rlrec.store.storage import Storage  # pyarrow (and a cloud's client), only for object stores
 
-            self.fs, self.root = pafs.FileSystem.from_uri(root)
-            self.root = self.root.rstrip("/")
+            self.storage = Storage.from_uri(root)
+            self.fs, self.root = self.storage.filesystem, self.storage.base
 
     def read(self, rel: str, max_bytes: int) -> bytes:
         """The content of the regular file `rel`, refused (PolicyLoadError) before reading if it
@@ -191,12 +192,10 @@ class _Files:
                         raise PolicyLoadError(f"{self.root} holds more than {MAX_ROOT_ENTRIES} entries: refused")
                     names.append(entry.name)
         else:
-            import pyarrow.fs as pafs
-
-            infos = self.fs.get_file_info(pafs.FileSelector(self.root, recursive=False))
+            infos = self.storage.list("")
             if len(infos) > MAX_ROOT_ENTRIES:
                 raise PolicyLoadError(f"{self.root} holds more than {MAX_ROOT_ENTRIES} entries: refused")
-            names = [i.base_name for i in infos]
+            names = [i.name for i in infos]
         return sorted(n for n in names if VERSION_DIR_RE.match(n))
 
     def exists(self, rel: str) -> bool:

@@ -43,7 +43,7 @@ def reports_storage_errors(command: str) -> Callable[[Callable[[argparse.Namespa
 
 
 #: how a URI can be written, for error messages
-URI_FORMS = "a path, file:///path, s3://bucket/prefix or gs://bucket/prefix"
+URI_FORMS = "a path, file:///path, s3://bucket/prefix, gs://bucket/prefix or az://container/prefix"
 
 
 def open_output(uri: str, option: str = "URI"):
@@ -57,7 +57,7 @@ def open_output(uri: str, option: str = "URI"):
         >>> open_output("foo://bar")
         Traceback (most recent call last):
         ...
-        rlrec.errors.UsageError: URI: cannot open 'foo://bar': ... (give a path, file:///path, s3://bucket/prefix or gs://bucket/prefix)
+        rlrec.errors.UsageError: URI: cannot open 'foo://bar': ... (give a path, file:///path, s3://bucket/prefix, gs://bucket/prefix or az://container/prefix)
     """
     from rlrec.errors import UsageError
     from rlrec.store.storage import Storage

@@ -36,6 +36,39 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out)
 
 
+class StderrHandler(logging.StreamHandler):
+    """A stream handler that writes to whatever ``sys.stderr`` is when a record is emitted: a
+    program that runs rlrec's commands in-process (a test capturing output, a notebook) may swap
+    ``sys.stderr``, and a handler holding the old stream would write to a closed file.
+
+    Example:
+        >>> import io, logging
+        >>> h = StderrHandler()
+        >>> sys.stderr, saved = io.StringIO(), sys.stderr
+        >>> h.emit(logging.makeLogRecord({"msg": "hello"}))
+        >>> sys.stderr.getvalue(), setattr(sys, "stderr", saved)
+        ('hello\\n', None)
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:  # StreamHandler.__init__ and setStream assign it: ignored
+        pass
+
+
+def cli_logging(level: int = logging.WARNING) -> None:
+    """A short-lived command's logging: records at `level` and above to stderr as
+    ``LEVEL name: message`` (a no-op when logging is already configured, as `logging.basicConfig`).
+    """
+    logging.basicConfig(level=level, handlers=[StderrHandler()], format="%(levelname)s %(name)s: %(message)s")
+
+
 @dataclass
 class LogOptions:
     """The logging options every long-running command has (``--log-format``, ``--log-level``)."""
@@ -47,7 +80,7 @@ class LogOptions:
 def setup_logging(fmt: str = "text", level: str = "INFO", worker: int | None = None) -> None:
     """Log to stderr as text or JSON lines; `worker` (a child of `rlrec consume --processes N`)
     tags every line with the child's index."""
-    handler = logging.StreamHandler(sys.stderr)
+    handler = StderrHandler()
     if fmt == "json":
         handler.setFormatter(JsonFormatter(worker))
     else:

@@ -23,6 +23,7 @@ should check ``broker.kind``.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import uuid
@@ -58,6 +59,18 @@ ray_on_loopback()
 settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(autouse=True)
+def _restore_root_logging() -> Iterator[None]:
+    """A command run in-process (`rlrec.cli.main`) configures the root logger (handler, level)
+    for its process; put it back after each test so one test's logging set-up does not print
+    into the next one's captured output."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 @dataclass
@@ -129,14 +142,14 @@ def local_s3() -> Iterator[LocalS3]:
 
 
 def _emulator_or_skip(make: Callable[[], Any]) -> Any:
-    """Start an emulator; skip when it is not installed here (fail under RLREC_REQUIRE_EMULATORS=1,
+    """Start an emulator; skip when it is not installed here (fail under RLREC_TEST_REQUIRE_EMULATORS=1,
     which CI sets: `make emulators` installs them)."""
     from rlrec.emulators import EmulatorMissing
 
     try:
         return make().start()
     except EmulatorMissing as e:
-        if os.environ.get("RLREC_REQUIRE_EMULATORS") == "1":
+        if os.environ.get("RLREC_TEST_REQUIRE_EMULATORS") == "1":
             raise
         pytest.skip(str(e))
 

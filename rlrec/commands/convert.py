@@ -62,10 +62,11 @@ def _space(text: str | None, what: str):
 @reports_storage_errors("convert")
 def run(args: argparse.Namespace) -> int:
     import json
-    import logging
     import sys
 
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    from rlrec.logs import cli_logging
+
+    cli_logging()
     values = OPTIONS.resolve(args)  # OptionError: one line, exit 2
     cmd = OPTIONS.build(ConvertCommand, values)
     from rlrec.commands._common import open_output

@@ -53,11 +53,12 @@ def _writer(table, schema_meta: dict[bytes, bytes]) -> bytes:
 
 @reports_storage_errors("export")
 def run(args: argparse.Namespace) -> int:
-    import logging
     import sys
 
     opts = OPTIONS.build(ExportOptions, OPTIONS.resolve(args))  # OptionError: one line, exit 2
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    from rlrec.logs import cli_logging
+
+    cli_logging()
     from rlrec.commands._common import open_output, require_manifest
     from rlrec.errors import RuntimeFailure, UsageError
     from rlrec.store.snapshot import empty_steps, open_snapshot

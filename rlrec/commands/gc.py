@@ -57,11 +57,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 @reports_storage_errors("gc")
 def run(args: argparse.Namespace) -> int:
-    import logging
     import sys
 
     opts = OPTIONS.build(GCOptions, OPTIONS.resolve(args))  # OptionError: one line, exit 2
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    from rlrec.logs import cli_logging
+
+    cli_logging()
     from rlrec.commands._common import open_output
     from rlrec.store.maintenance import gc
 

@@ -126,11 +126,12 @@ def run(args: argparse.Namespace) -> int:
     import json
 
     opts = OPTIONS.build(InspectOptions, OPTIONS.resolve(args))  # OptionError: one line, exit 2
-    import logging
     import sys
     from datetime import datetime, timezone
 
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    from rlrec.logs import cli_logging
+
+    cli_logging()
     from rlrec.store.maintenance import episode_summary, inspect, verify
     from rlrec.store.manifest import read_manifest
 

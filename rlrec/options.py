@@ -59,7 +59,7 @@ __all__ = [
 _META = "rlrec.option"
 #: ``RLREC_*`` variables that are not command options but are read by rlrec (or by its compose
 #: file): never reported as unknown. Variables starting with ``RLREC_TEST_`` belong to the tests.
-OTHER_ENV = frozenset({"RLREC_POLICY_PUBLIC_KEY", "RLREC_POLICIES"})
+OTHER_ENV = frozenset({"RLREC_POLICY_PUBLIC_KEY", "RLREC_POLICIES", "RLREC_AZURITE"})
 _IGNORED_ENV_PREFIXES = ("RLREC_TEST_",)
 #: every OptionSet made in this process: the union of their variables is what the environment may hold
 _ALL: list[OptionSet] = []

@@ -328,3 +328,23 @@ def test_what_a_command_s_dataclass_refuses_is_a_usage_error(tmp_path, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("rlrec convert: error: --schema: unknown key 'foo'") and err.count("\n") == 1
+
+
+def test_every_rlrec_variable_the_package_reads_is_known_to_the_options():
+    """A variable rlrec reads itself (`os.environ.get("RLREC_...")`) that is no option must be in
+    OTHER_ENV (or start RLREC_TEST_): otherwise setting it makes every command refuse to run."""
+    import pathlib
+    import re
+
+    from rlrec.options import OTHER_ENV, known_env_vars
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    read = {
+        m
+        for d in ("producer", "store", "consumer", "trainer", "rlrec")
+        for f in (root / d).rglob("*.py")
+        for m in re.findall(r"environ(?:\.get\(|\[)\"(RLREC_[A-Z0-9_]+)\"", f.read_text())
+    }
+    assert read, "the scan found nothing: the pattern is wrong"
+    unknown = {v for v in read if v not in OTHER_ENV and v not in known_env_vars() and not v.startswith("RLREC_TEST_")}
+    assert not unknown, unknown

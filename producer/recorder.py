@@ -134,6 +134,9 @@ LOGP_TOLERANCE = 1e-6
 _NEG_INF = -math.inf
 #: `action_logp` types checked with two comparisons on log_step's hot path
 _FLOAT_TYPES = frozenset({float, np.float64, np.float32, np.float16})
+_LOGP_ONLY = frozenset({"action_logp"})
+#: values per buffered step in `_Episode.steps`
+_STEP_FIELDS = 5
 
 
 def _check_logp(value: Any, episode_id: str) -> None:
@@ -366,9 +369,11 @@ class _Episode:
         self.id_avro = string_bytes(eid)  # the Avro string, as every batch of the episode starts
         self.t = 0  # steps logged so far
         self.t0 = 0  # t of the first buffered step
-        # buffered steps t0..t-1 as (action, reward, observation, info_json, extra_model_outputs),
-        # each a copy the caller cannot change (see _Packer.copy, _copy_outputs)
-        self.steps: list[tuple] = []
+        # buffered steps t0..t-1, flat: _STEP_FIELDS values per step (action, reward,
+        # observation, info_json, extra_model_outputs), each a copy the caller cannot change (see
+        # _Packer.copy, _copy_outputs); outputs that are only ``action_logp`` are kept as its
+        # scalar (a float or numpy float), not as a dict
+        self.steps: list = []
         self.reward_adds: dict[int, float] = {}  # delayed rewards for buffered steps, by t
         self.extra_keys: frozenset = frozenset()
         self.first_buffered = 0.0
@@ -718,11 +723,11 @@ class EpisodeRecorder:
                 and len(extra_model_outputs) == 1
                 and type(lp := extra_model_outputs.get("action_logp")) in _FLOAT_TYPES
             ):
-                # the common case, only the propensity: a float is immutable, the dict is new
-                # (numpy scalars compare slowly: float() first)
-                if not (_NEG_INF < float(lp) <= LOGP_TOLERANCE):
+                # the common case, only the propensity: kept as the scalar itself (immutable;
+                # see `_Episode.steps`); numpy scalars compare slowly: float() first
+                if not (_NEG_INF < (lp if type(lp) is float else float(lp)) <= LOGP_TOLERANCE):
                     _check_logp(lp, episode_id)
-                extra_model_outputs = {"action_logp": lp}
+                extra_model_outputs = lp
             else:
                 extra_model_outputs = _copy_outputs(extra_model_outputs, episode_id)
         step = (action, reward, observation, dumps_info(info) if info else "", extra_model_outputs)
@@ -744,7 +749,7 @@ class EpisodeRecorder:
                     if not steps:
                         ep.first_buffered = _monotonic()
                     # no call between these three: a signal handler's exception can't split them
-                    steps += (step,)
+                    steps += step
                     ep.t = t + 1
                     self._buffered = buffered + 1
                     if terminated or truncated:
@@ -943,6 +948,8 @@ class EpisodeRecorder:
             raise ValueError(f"observation {observation!r:.200} is not in {self.observation_space}")
 
     def _first_step_checks(self, ep: _Episode, extra: Any) -> None:
+        if type(extra) in _FLOAT_TYPES:  # only the propensity, kept as its scalar
+            extra = {"action_logp": extra}
         keys = frozenset(extra or ())
         for k, v in (extra or {}).items():
             if not isinstance(k, str):
@@ -975,13 +982,13 @@ class EpisodeRecorder:
                         steps = ep.steps
                         if not steps:
                             ep.first_buffered = _monotonic()
-                        steps += (step,)
+                        steps += step
                         ep.t += 1
                         self._buffered += 1
                         if terminated or truncated:
                             self._emit(ep, bool(terminated), bool(truncated))
                             self._end(ep)
-                        elif len(steps) >= self._batch_limit:
+                        elif len(steps) >= self._batch_limit * _STEP_FIELDS:
                             self._emit(ep, False, False)
                         return
                     if not self._overflow(ep, terminated or truncated):
@@ -1029,7 +1036,7 @@ class EpisodeRecorder:
                     log.error("%s", e)
 
     def _emit(self, ep: _Episode, terminated: bool, truncated: bool) -> None:
-        n = len(ep.steps)
+        n = len(ep.steps) // _STEP_FIELDS
         t0, t1 = ep.t0, ep.t
         try:
             value = self._encode_batch(ep, terminated, truncated)
@@ -1063,7 +1070,8 @@ class EpisodeRecorder:
     def _encode_batch(self, ep: _Episode, terminated: bool, truncated: bool) -> bytes:
         """The Avro body of a StepBatch of the episode's buffered steps (see `avro_write`)."""
         parts = [ep.id_avro, long_bytes(ep.t0)]
-        actions, rewards, observations, infos, extras = zip(*ep.steps)
+        steps = ep.steps
+        actions, rewards, observations, infos, extras = (steps[i::_STEP_FIELDS] for i in range(_STEP_FIELDS))
         n = len(rewards)
         extra = self._extra_columns(ep, extras, n)
         self._act.write(parts, actions)
@@ -1091,9 +1099,18 @@ class EpisodeRecorder:
         stacked as numpy stacks them; ValueError/TypeError for values that cannot be."""
         keys = ep.extra_keys
         if not keys:
-            if any(e for e in extras):
+            if any(type(e) in _FLOAT_TYPES or e for e in extras):
                 raise ValueError("extra_model_outputs given on a later step but not on the episode's first step")
             return []
+        if keys == _LOGP_ONLY:
+            types = set(map(type, extras))
+            t = types.pop() if len(types) == 1 else None
+            if t is float and _LITTLE:  # every step: only its propensity, a float
+                return [("action_logp", ("float64", (), array("d", extras).tobytes()))]
+            if t in _SCALAR_NAMES:  # ... or a numpy scalar, all of one type
+                return [("action_logp", (_SCALAR_NAMES[t], (), b"".join(extras)))]
+        if any(type(e) in _FLOAT_TYPES for e in extras):  # some steps kept their propensity alone
+            extras = [{"action_logp": e} if type(e) in _FLOAT_TYPES else e for e in extras]
         # fast path: as many keys as the first step's and none missing (KeyError) means the
         # same keys; anything else takes the per-step check below
         try:
@@ -1136,7 +1153,7 @@ class EpisodeRecorder:
 
     def _abort_dropping(self, ep: _Episode) -> None:
         """An episode hit the full buffer in drop mode: discard its unsent steps, close what was sent."""
-        n = len(ep.steps)
+        n = len(ep.steps) // _STEP_FIELDS
         ep.dropping = True
         ep.steps, ep.reward_adds = [], {}
         self._dropped += n
@@ -1331,7 +1348,7 @@ class EpisodeRecorder:
                 self._busy = True
                 try:
                     if due(ep) and self._episodes.get(ep.id) is ep:  # not sent, ended or dropped meanwhile
-                        big = len(ep.steps) * (self._step_bytes or 0) >= _YIELD_BYTES
+                        big = len(ep.steps) // _STEP_FIELDS * (self._step_bytes or 0) >= _YIELD_BYTES
                         try:
                             self._emit(ep, False, False)
                         except ValueError as e:

@@ -281,3 +281,59 @@ def test_later_extra_outputs_that_are_not_the_first_steps_mapping_abort_the_epis
     assert (stats.failed, stats.buffered) == (3, 0), stats
     kinds = [type(e).__name__ for e in _events(fake)]
     assert kinds == ["EpisodeStart", "EpisodeAbort", "EpisodeStart", "StepBatch"], kinds
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        [-0.5, -0.25, 0.0],  # Python floats
+        [np.float32(-0.5), np.float32(-0.25), np.float32(0)],  # one numpy type
+        [np.float16(-0.5), np.float16(-1), np.float16(0)],
+        [np.float32(-0.5), -0.25, np.float64(-1)],  # mixed: numpy's promotion
+        [np.float32(-0.5), np.array(-0.25, np.float32), -1.0],  # a shape () array among scalars
+        [{"action_logp": -0.5, "vf": 1.0}, -0.25, {"action_logp": -1.0, "vf": 2.0}],  # keys differ
+    ],
+)
+def test_propensity_only_steps_stack_as_numpy_does(values):
+    # log_step keeps an action_logp that comes alone as its scalar; the batch must still carry
+    # what numpy stacks of the per-step values, or refuse keys that differ between steps
+    rec, fake = _recorder(OBS_CASES["box-f32"], gs.Discrete(2), max_batch_delay_s=3600)
+    try:
+        eid = rec.begin_episode(np.zeros(3, np.float32))
+        outputs = [v if isinstance(v, dict) else {"action_logp": v} for v in values]
+        differ = any(o.keys() != outputs[0].keys() for o in outputs)
+        for i, o in enumerate(outputs):
+            last = i == len(outputs) - 1
+            if last and differ:
+                with pytest.raises(ValueError, match="step 1: extra_model_outputs keys"):
+                    rec.log_step(eid, 0, 0.0, np.zeros(3, np.float32), terminated=True, extra_model_outputs=o)
+            else:
+                rec.log_step(eid, 0, 0.0, np.zeros(3, np.float32), terminated=last, extra_model_outputs=o)
+        rec.flush(1)
+        events = _events(fake)
+    finally:
+        rec.close(0)
+    if differ:
+        assert [type(e).__name__ for e in events] == ["EpisodeStart", "EpisodeAbort"]
+        return
+    want = np.asarray([o["action_logp"] for o in outputs])
+    got = events[1].extra_model_outputs["action_logp"]
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(got, want)
+
+
+def test_propensity_on_a_later_step_only_aborts_the_episode():
+    # the first step set no outputs; a later propensity of 0.0 (falsy) is still an output given late
+    rec, fake = _recorder(OBS_CASES["box-f32"], gs.Discrete(2), max_batch_delay_s=3600)
+    try:
+        eid = rec.begin_episode(np.zeros(3, np.float32))
+        rec.log_step(eid, 0, 0.0, np.zeros(3, np.float32))
+        with pytest.raises(ValueError, match="given on a later step"):
+            rec.log_step(
+                eid, 0, 0.0, np.zeros(3, np.float32), terminated=True, extra_model_outputs={"action_logp": 0.0}
+            )
+        rec.flush(1)
+        kinds = [type(e).__name__ for e in _events(fake)]
+    finally:
+        rec.close(0)
+    assert kinds == ["EpisodeStart", "EpisodeAbort"]

@@ -66,9 +66,14 @@ class LocalRoot:
         parts = [p for p in rel.split("/") if p]
         if not parts:
             raise IsADirectoryError(errno.EISDIR, "the root itself", self.root)
-        if create:
+        flags = os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0)
+        try:
+            fd = os.open(self.root, flags)
+        except FileNotFoundError:  # made on the first write (not tried on every one: a syscall each)
+            if not create:
+                raise
             os.makedirs(self.root, exist_ok=True)
-        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+            fd = os.open(self.root, flags)
         try:
             for name in parts[:-1]:
                 parent, fd = fd, self._enter(fd, name, rel, create)

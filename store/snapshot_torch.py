@@ -85,8 +85,9 @@ class StepsDataset(IterableDataset):
         for i, entry in enumerate(self.snapshot.entries):
             if i % workers != me:
                 continue
-            if skip >= entry.steps:
-                skip -= entry.steps
+            n = self.snapshot.shard_counts(entry)[1]
+            if skip >= n:
+                skip -= n
                 continue
             table = self.snapshot.shard_steps(entry).select(list(self.columns)).slice(skip)
             skip = 0

@@ -87,6 +87,11 @@ def test_ope_gate_promotes_better_and_refuses_worse(logged, tmp_path, monkeypatc
     trainer.obs_space, trainer.act_space = env.observation_space, env.action_space
     # save_to_path: a stand-in algorithm's empty checkpoint (a promoted version is published at the commit)
     trainer.algo = SimpleNamespace(config=SimpleNamespace(gamma=GAMMA), save_to_path=lambda path: None)
+    # shard "sN" stands for entry N of log rl/0, whose first entry is known (the lineage's cursor)
+    trainer.algo.offline_data = SimpleNamespace(
+        entry=lambda k: SimpleNamespace(topic="rl", partition=0, seq=int(k[1:]))
+    )
+    trainer._log_firsts[("rl", 0)] = "ClaimEntry:0:stub:0"
     candidate = {}
     monkeypatch.setattr(promotion, "export_candidate", lambda *a: candidate["artifact"])
 
@@ -309,6 +314,11 @@ def _stub_trainer(tmp_path, monkeypatch, **kw):
     trainer.obs_space, trainer.act_space = env.observation_space, env.action_space
     # save_to_path: a stand-in algorithm's empty checkpoint (a promoted version is published at the commit)
     trainer.algo = SimpleNamespace(config=SimpleNamespace(gamma=GAMMA), save_to_path=lambda path: None)
+    # shard "sN" stands for entry N of log rl/0, whose first entry is known (the lineage's cursor)
+    trainer.algo.offline_data = SimpleNamespace(
+        entry=lambda k: SimpleNamespace(topic="rl", partition=0, seq=int(k[1:]))
+    )
+    trainer._log_firsts[("rl", 0)] = "ClaimEntry:0:stub:0"
     monkeypatch.setattr(promotion, "export_candidate", lambda *a: _artifact("good")[0])
     return trainer
 
@@ -347,6 +357,7 @@ def test_ope_gate_evaluates_off_the_training_thread_and_applies_the_decision_lat
     trainer._commit()  # what train_once does in the iteration the decision arrives
     lineage = json.loads((tmp_path / "ck" / "policies" / "v000001" / "lineage.json").read_text())
     assert lineage["iteration"] == 3 and lineage["new_shards"] == ["s2"]
+    assert lineage["cursor"].endswith("~rl:0=3")  # the point holding s1 and s2, not s3 (trained later)
     spec = json.loads((tmp_path / "ck" / "policies" / "v000001" / "policy.json").read_text())
     assert spec["promotion"] == d and spec["gamma"] == GAMMA
     assert trainer.collect_evaluation(0) is None  # applied once

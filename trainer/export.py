@@ -297,6 +297,7 @@ def prepare_publication(
     metadata: dict | None = None,
     run_id: str | None = None,
     channel: str | None = None,
+    data: dict | None = None,
 ) -> Publication:
     """Build every file of ``v{version:06d}/`` (weights, lineage.json, policy.json[,
     policy.json.sig]) without writing anything; `write_publication` writes them.
@@ -308,6 +309,9 @@ def prepare_publication(
     `metadata`: more keys for ``policy.json`` (signed with it; e.g. the promotion gate's
     decision and the algorithm's ``gamma``); keys the spec sets win. `run_id` / `channel`:
     None leaves them out (as before versions were bound; `rlrec train` always sets them).
+    `data`: where the data it was trained on is (`rlrec.trainer.lineage`: ``input``, the store's
+    URI; ``cursor``, the manifest point holding `shards`; ``holdout_fraction``), written into
+    ``lineage.json``; `rlrec train` always sets it.
 
     Example:
         >>> pub = prepare_publication(algo=algo, version=3, algo_name="BC",  # doctest: +SKIP
@@ -339,6 +343,7 @@ def prepare_publication(
             "iteration": iteration,
             "shards": sorted(shards),
             "new_shards": sorted(new_shards),
+            **(data or {}),
         }
     ).encode()
     files = {**artifact.files, LINEAGE: lineage}

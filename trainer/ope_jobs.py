@@ -43,6 +43,7 @@ class CandidateJob:
         timesteps_trained: timesteps trained at that iteration.
         shards: every shard trained on by then.
         new_shards: shards trained on since the deployed version was published.
+        data: where those shards are (`rlrec.trainer.lineage`: input, cursor, holdout fraction).
     """
 
     version: int
@@ -55,6 +56,7 @@ class CandidateJob:
     timesteps_trained: int = 0
     shards: list[str] = field(default_factory=list)
     new_shards: list[str] = field(default_factory=list)
+    data: dict = field(default_factory=dict)
     future: Future | None = None
     started: float = field(default_factory=time.time)
 

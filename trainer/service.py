@@ -143,6 +143,7 @@ class ContinuousTrainer:
         self._outage = RetrySchedule()  # waits between the driver's own failed reads of the input
         self._watchdog: Any = None  # rlrec.trainer.watchdog.StallWatchdog while running
         self._pending: list[Any] = []  # prepared publications (export.Publication) not yet written
+        self._log_firsts: dict = {}  # (topic, partition) -> its first manifest entry's key (lineage cursors)
 
     @staticmethod
     def _load_signing_key(path: str | None) -> Any:
@@ -462,19 +463,44 @@ class ContinuousTrainer:
         if report:
             self._start_evaluation(version, gating=False, artifact=artifact)
         metadata = {"gamma": self._gamma()}
+        try:
+            lineage = self._lineage()
+        except Exception as e:
+            log.error("publishing policy v%d failed: its lineage: %s (a later checkpoint publishes)", version, e)
+            return
         if self.cfg.promotion_gate == "env":
             if not self._promote_env(version, artifact):
                 return
             metadata["promotion"] = self.last_promotion
-        self._publish(version, artifact, metadata, self._lineage())
+        self._publish(version, artifact, metadata, lineage)
 
     def _lineage(self) -> dict:
-        """What a version published now records of its training."""
+        """What a version published now records of its training (docs/TRAINER.md, "Lineage"):
+        the shards trained on (at least one row of each in a gradient step), those new since
+        the last version, and ``data``: the input store, the manifest cursor holding those
+        shards (`rlrec.store.snapshot.cursor_covering`) and the holdout fraction whose
+        held-out episodes of those shards were not trained on. Raises when the cursor cannot
+        be found (a shard the manifest does not hold, an unreachable store): no version is
+        published without it."""
+        from rlrec.store.snapshot import cursor_covering
+
+        entries = {k: self.algo.offline_data.entry(k) for k in self.trained}
+        unknown = sorted(k for k, e in entries.items() if e is None)
+        if unknown:
+            raise ValueError(
+                f"{len(unknown)} trained shard(s) are not in the manifest of {self.input.uri()}: {unknown[:3]}"
+            )
+        cursor = cursor_covering(self.input, entries.values(), self._log_firsts)
         return {
             "iteration": self.iteration,
             "timesteps_trained": self.timesteps_trained,
             "shards": sorted(self.trained),
             "new_shards": sorted(self.since_publish),
+            "data": {
+                "input": self.input.uri(),
+                "cursor": str(cursor),
+                "holdout_fraction": float(self.cfg.ope.holdout_fraction),
+            },
         }
 
     def _publish(self, version: int, artifact: Any, metadata: dict, lineage: dict) -> bool:
@@ -493,6 +519,7 @@ class ContinuousTrainer:
                 timesteps_trained=lineage["timesteps_trained"],
                 shards=lineage["shards"],
                 new_shards=lineage["new_shards"],
+                data=lineage["data"],
                 parent_version=self.policy_version or None,
                 signing_key=self.signing_key,
                 artifact=artifact,
@@ -610,6 +637,7 @@ class ContinuousTrainer:
         try:
             if artifact is None:
                 artifact = export_candidate(self.algo, self.obs_space, self.act_space)
+            lineage = self._lineage()
         except Exception as e:
             log.error("exporting candidate v%d failed (%s): not evaluated", version, e)
             return
@@ -620,7 +648,7 @@ class ContinuousTrainer:
             gamma=self._gamma() or 0.99,
             gating=gating,
             deployed_version=self.policy_version or None,
-            **self._lineage(),
+            **lineage,
         )
         if self._held_out is None:
             from rlrec.trainer.ope_data import HeldOutReader
@@ -666,7 +694,9 @@ class ContinuousTrainer:
         if job.gating:
             self.last_promotion = d
             if d.get("promoted"):
-                lineage = {k: getattr(job, k) for k in ("iteration", "timesteps_trained", "shards", "new_shards")}
+                lineage = {
+                    k: getattr(job, k) for k in ("iteration", "timesteps_trained", "shards", "new_shards", "data")
+                }
                 self._publish(job.version, job.artifact, {"gamma": job.gamma, "promotion": d}, lineage)
             self._log_decision(job, d)
         else:

@@ -1,0 +1,344 @@
+"""Lineage: which data trained which policy version, reopened exactly (docs/TRAINER.md, "Lineage").
+
+The fast tests check the pieces on real local stores (`cursor_covering`, `Snapshot.subset`,
+`rlrec.open`'s argument errors). The slow ones train with the real trainer (Ray, BC) on two
+partition logs, publish signed versions, commit more data afterwards, and reopen each version's
+trained and held-out data from its signed lineage: compared by episode id with the episodes of
+the shards the trainer's checkpoint says it trained on, split by the held-out rule.
+"""
+
+from __future__ import annotations
+
+import doctest
+import hashlib
+import importlib
+import json
+import os
+import shutil
+import threading
+import time
+
+import pytest
+
+import rlrec
+from rlrec.store.commit import ShardCommitter
+from rlrec.store.manifest import read_manifest
+from rlrec.store.snapshot import Cursor, CursorError, cursor_covering, open_snapshot
+from rlrec.store.storage import Storage
+from rlrec.trainer.holdout import is_held_out
+from rlrec.trainer.lineage import LineageError
+from rlrec.trainer.synthetic import expert_cartpole_episodes
+from tests.helpers import read_metrics
+
+HOLDOUT = 0.3
+
+
+def _ids(snap) -> list[str]:
+    return sorted(set(snap.steps().column("episode_id").to_pylist()))
+
+
+def _shard_ids(root: str, paths) -> set[str]:
+    """Episode ids of the shards at `paths`, read directly from their files (not via a snapshot)."""
+    from rlrec.store.shards import read_episodes
+
+    st = Storage.from_uri(root)
+    return {ep.id_ for p in paths for ep in read_episodes(st.read(p))}
+
+
+# ------------------------------------------------------------------------------ the pieces
+
+
+def test_cursor_covering_reopens_exactly_the_given_entries_across_logs(tmp_path):
+    root = str(tmp_path / "s")
+    c0, c1 = ShardCommitter(root, "rl", 0), ShardCommitter(root, "rl", 1)
+    for i in range(3):
+        c0.commit(expert_cartpole_episodes(2, seed=i, max_steps=20))
+        c1.commit(expert_cartpole_episodes(2, seed=10 + i, max_steps=20))
+    snap = open_snapshot(root)
+    # the cursor of every entry is the snapshot's own (same tag: same first-entry identities)
+    assert cursor_covering(root, snap.entries) == Cursor.parse(snap.cursor)
+    chosen = [e for e in snap.entries if (e.partition, e.seq) in {(0, 1), (1, 2)}]
+    point = cursor_covering(root, chosen)
+    assert dict(point.positions) == {("rl", 0): chosen[0].seq + 1, ("rl", 1): chosen[1].seq + 1}
+    c0.commit(expert_cartpole_episodes(2, seed=99, max_steps=20))  # later data does not leak in
+    again = open_snapshot(root, as_of=str(point)).subset([e.path for e in chosen])
+    assert [e.path for e in again.entries] == sorted(e.path for e in chosen)
+    assert _ids(again) == sorted(_shard_ids(root, [e.path for e in chosen]))
+    # the whole point holds the earlier entries of partition 0 too; the subset does not
+    assert len(open_snapshot(root, as_of=str(point)).entries) > len(chosen)
+
+
+def test_cursor_covering_names_the_same_store_after_manifest_snapshots(tmp_path):
+    """Logs whose early entries are summarised by snapshot entries give the same tag."""
+    root = str(tmp_path / "s")
+    c = ShardCommitter(root, "rl", 0, snapshot_every=3)
+    for i in range(8):
+        c.commit(expert_cartpole_episodes(1, seed=i, max_steps=10))
+    snap = open_snapshot(root)
+    point = cursor_covering(root, snap.entries)  # ends at the last shard entry, before the last snapshot entry
+    assert point.tag == Cursor.parse(snap.cursor).tag
+    assert open_snapshot(root, as_of=str(point)).entries == snap.entries
+    assert open_snapshot(root, as_of=str(cursor_covering(root, snap.entries[:2]))).entries == snap.entries[:2]
+
+
+def test_subset_filters_every_reader_and_refuses_unknown_shards(tmp_path):
+    root = str(tmp_path / "s")
+    c = ShardCommitter(root)
+    for i in range(3):
+        c.commit(expert_cartpole_episodes(5, seed=i, max_steps=30))
+    snap = open_snapshot(root)
+    every = _ids(snap)
+    keep = {eid for eid in every if is_held_out(eid, 0.5)}
+    assert 0 < len(keep) < len(every)
+    sub = snap.subset([e.path for e in snap.entries[1:]], keep_episode=lambda eid: eid in keep)
+    want = sorted(keep & _shard_ids(root, [e.path for e in snap.entries[1:]]))
+    assert _ids(sub) == want
+    assert sorted({ep.id_ for ep in sub.episodes()}) == want
+    assert sub.num_episodes == len(want) and sub.num_steps == sub.steps().num_rows
+    assert len(list(iter(sub.to_torch(columns=("episode_id",))))) == sub.num_steps
+    assert _ids(sub.changes(since=sub.cursor)) == []
+    assert sub.cursor == snap.cursor and sub.files() == snap.files()[1:]  # whole shards
+    with pytest.raises(CursorError, match="not in the snapshot"):
+        snap.subset(["rl/00000/not-a-shard.parquet"])
+
+
+def test_open_refuses_contradicting_arguments_with_one_line(tmp_path):
+    root = str(tmp_path / "s")
+    ShardCommitter(root).commit(expert_cartpole_episodes(1))
+    cur = rlrec.open(root).cursor
+    cases = [
+        ({"as_of": cur, "policy_version": 1, "policies": root}, "not both"),
+        ({"policy_version": 1}, "needs policies="),
+        ({"policies": root}, "policies needs policy_version"),
+        ({"held_out": True}, "held_out needs policy_version"),
+        ({"policy_version": 0, "policies": root}, "1..999999"),
+    ]
+    for kw, msg in cases:
+        with pytest.raises(LineageError, match=msg) as e:
+            rlrec.open(root, **kw)
+        assert "\n" not in str(e.value)
+
+
+def test_unknown_version_is_a_clear_error(tmp_path):
+    root = str(tmp_path / "s")
+    ShardCommitter(root).commit(expert_cartpole_episodes(1))
+    (tmp_path / "pol").mkdir()
+    with pytest.raises(LineageError, match="policy version 7 is not published under"):
+        rlrec.open(root, policy_version=7, policies=str(tmp_path / "pol"))
+
+
+def test_docstring_examples():
+    for module in ("rlrec.reading", "rlrec.store.snapshot"):
+        result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
+        assert result.failed == 0 and result.attempted > 0, module
+
+
+# ------------------------------------------------------------------------------ with the trainer
+
+
+def _cfg(out, ck, **kw):
+    from rlrec.trainer.config import OPESettings, TrainerConfig
+
+    base = {
+        "input": out,
+        "checkpoint_dir": ck,
+        "algo": "BC",
+        "poll_interval_s": 0.2,
+        "progress": False,
+        "cache_ttl_s": 1.0,
+        "algo_config": {"train_batch_size_per_learner": 128, "lr": 1e-3},
+        "offline_config": {"dataset_num_iters_per_learner": 3},
+        "ope": OPESettings(holdout_fraction=HOLDOUT),
+    }
+    base.update(kw)
+    return TrainerConfig(**base)
+
+
+def _wait(pred, timeout: float, what: str):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if pred():
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def _trained_keys(ck: str) -> set[str]:
+    return set().union(*(set(r.get("new_shards", ())) for r in read_metrics(ck)))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Two signed versions of a real trainer: v1 trained on batch A (two partition logs), v2 on
+    A and B; batch C is committed after training. Returns paths, keys and each version's
+    trained shard set (from the trainer's checkpoint state at its publication)."""
+    import ray
+
+    from rlrec.trainer.service import ContinuousTrainer
+    from rlrec.trainer.signing import generate_keys
+
+    tmp = tmp_path_factory.mktemp("lineage")
+    out, ck = str(tmp / "out"), str(tmp / "ck")
+    priv, pub = generate_keys(tmp / "keys")
+    c0, c1 = ShardCommitter(out, "rl", 0), ShardCommitter(out, "rl", 1)
+    st = Storage.from_uri(out)
+
+    def commit(seed: int) -> None:
+        c0.commit(expert_cartpole_episodes(10, seed=seed, max_steps=60))
+        c1.commit(expert_cartpole_episodes(10, seed=seed + 1, max_steps=60))
+
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        commit(0)
+        batch_a = {e.path for e in read_manifest(st)}
+        a = ContinuousTrainer(_cfg(out, ck, signing_key=str(priv), checkpoint_interval=1000))
+        box: dict = {}
+        t = threading.Thread(target=lambda: box.setdefault("rc", a.run()), daemon=True)
+        t.start()
+        _wait(lambda: _trained_keys(ck) >= batch_a, 120, "batch A trained")
+        a.stop("test")
+        t.join(90)
+        v1_state = {"trained": set(a.trained), "version": a.policy_version}
+        commit(100)
+        batch_ab = {e.path for e in read_manifest(st)}
+        b = ContinuousTrainer(_cfg(out, ck, signing_key=str(priv), checkpoint_interval=1000, resume=True))
+        t = threading.Thread(target=lambda: box.setdefault("rc2", b.run()), daemon=True)
+        t.start()
+        _wait(lambda: _trained_keys(ck) >= batch_ab, 120, "batch B trained")
+        b.stop("test")
+        t.join(90)
+        v2_state = {"trained": set(b.trained), "version": b.policy_version}
+    finally:
+        ray.shutdown()
+    commit(200)  # after training: in the store, in no version's data
+    return {
+        "out": out,
+        "policies": os.path.join(ck, "policies"),
+        "private": str(priv),
+        "public": str(pub),
+        "versions": {v1_state["version"]: v1_state["trained"], v2_state["version"]: v2_state["trained"]},
+        "batch_a": batch_a,
+        "batch_ab": batch_ab,
+    }
+
+
+@pytest.mark.slow
+def test_each_version_reopens_exactly_the_episodes_it_trained_on_and_held_out(trained):
+    out, pol, pub = trained["out"], trained["policies"], trained["public"]
+    assert sorted(trained["versions"]) == [1, 2]
+    assert trained["versions"][1] == trained["batch_a"] and trained["versions"][2] == trained["batch_ab"]
+    everything = _shard_ids(out, [e.path for e in read_manifest(Storage.from_uri(out))])
+    for version, shards in trained["versions"].items():
+        lineage = json.load(open(os.path.join(pol, f"v{version:06d}", "lineage.json")))
+        assert set(lineage["shards"]) == shards and lineage["holdout_fraction"] == HOLDOUT
+        assert lineage["input"] == Storage.from_uri(out).uri() and lineage["cursor"].startswith("r1~")
+        ids = _shard_ids(out, shards)
+        want_trained = sorted(i for i in ids if not is_held_out(i, HOLDOUT))
+        want_held = sorted(i for i in ids if is_held_out(i, HOLDOUT))
+        assert want_trained and want_held  # the split is not empty on either side
+        got = rlrec.open(out, policy_version=version, policies=pol, public_key=pub)
+        held = rlrec.open(out, policy_version=version, policies=pol, public_key=pub, held_out=True)
+        assert _ids(got) == want_trained and _ids(held) == want_held
+        assert sorted({ep.id_ for ep in got.episodes()}) == want_trained
+        assert got.cursor == lineage["cursor"] and len(everything) > len(ids)  # later data left out
+        # the cursor alone reopens the same point: every shard up to it is one the version trained on
+        assert {e.path for e in open_snapshot(out, as_of=lineage["cursor"]).entries} == shards
+
+
+@pytest.mark.slow
+def test_tampered_or_unsigned_lineage_is_refused(trained, tmp_path):
+    pol = tmp_path / "pol"
+    shutil.copytree(trained["policies"], pol)
+    out, pub = trained["out"], trained["public"]
+    lineage_file = pol / "v000001" / "lineage.json"
+    doc = json.loads(lineage_file.read_text())
+    doc["cursor"] = json.loads((pol / "v000002" / "lineage.json").read_text())["cursor"]  # claim more data
+    lineage_file.write_text(json.dumps(doc))
+    with pytest.raises(LineageError, match="lineage.json does not match the sha256 in policy.json") as e:
+        rlrec.open(out, policy_version=1, policies=str(pol), public_key=pub)
+    assert "\n" not in str(e.value)
+    # re-pinning the edited lineage in policy.json breaks its signature
+    spec_file = pol / "v000001" / "policy.json"
+    spec = json.loads(spec_file.read_text())
+    spec["files"]["lineage.json"] = hashlib.sha256(lineage_file.read_bytes()).hexdigest()
+    spec_file.write_text(json.dumps(spec))
+    with pytest.raises(LineageError, match="signature does not verify"):
+        rlrec.open(out, policy_version=1, policies=str(pol), public_key=pub)
+    # without a key nothing is verified: refused unless allow_unsigned
+    os.environ.pop("RLREC_POLICY_PUBLIC_KEY", None)
+    with pytest.raises(LineageError, match="is not signed"):
+        rlrec.open(out, policy_version=2, policies=str(pol))
+    with pytest.warns(UserWarning, match="unsigned"):
+        snap = rlrec.open(out, policy_version=2, policies=str(pol), allow_unsigned=True)
+    assert snap.cursor == json.loads((pol / "v000002" / "lineage.json").read_text())["cursor"]
+
+
+@pytest.mark.slow
+def test_a_lineage_without_a_cursor_is_refused_clearly(trained, tmp_path):
+    """A version published before lineage recorded cursors (its lineage lists shards only),
+    signed like any other: readable, but its data cannot be reopened exactly."""
+    from rlrec.trainer.signing import load_private_key, sign
+
+    pol = tmp_path / "pol"
+    shutil.copytree(trained["policies"], pol)
+    d = pol / "v000001"
+    doc = json.loads((d / "lineage.json").read_text())
+    old = {k: doc[k] for k in ("policy_version", "parent_version", "iteration", "shards", "new_shards")}
+    (d / "lineage.json").write_text(json.dumps(old))
+    spec = json.loads((d / "policy.json").read_text())
+    spec["files"]["lineage.json"] = hashlib.sha256((d / "lineage.json").read_bytes()).hexdigest()
+    spec_bytes = json.dumps(spec, indent=1, sort_keys=True).encode()
+    (d / "policy.json").write_bytes(spec_bytes)
+    (d / "policy.json.sig").write_bytes(sign(load_private_key(trained["private"]), spec_bytes))
+    with pytest.raises(LineageError, match="records no manifest cursor") as e:
+        rlrec.open(trained["out"], policy_version=1, policies=str(pol), public_key=trained["public"])
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+def test_cli_export_inspect_and_report_show_and_reopen_a_versions_data(trained, tmp_path, capsys):
+    import pyarrow.parquet as pq
+
+    from rlrec.cli import main
+
+    out, pol, pub = trained["out"], trained["policies"], trained["public"]
+    dest = tmp_path / "v1"
+    assert (
+        main(
+            ["export", out, str(dest), "--to", "parquet", "--policy-version", "1"]
+            + ["--policies", pol]
+            + ["--public-key", pub]
+        )
+        == 0
+    )
+    table = pq.read_table(dest)
+    want = sorted(i for i in _shard_ids(out, trained["versions"][1]) if not is_held_out(i, HOLDOUT))
+    assert sorted(set(table.column("episode_id").to_pylist())) == want
+    cursor = json.load(open(os.path.join(pol, "v000001", "lineage.json")))["cursor"]
+    assert capsys.readouterr().out.strip() == cursor
+    # errors: one line, exit 2
+    for argv, msg in [
+        (["--policy-version", "9", "--policies", pol, "--public-key", pub], "policy version 9 is not published"),
+        (["--policy-version", "1"], "--policy-version needs --policies"),
+        (["--policy-version", "1", "--policies", pol, "--as-of", cursor], "not both"),
+        (["--held-out"], "--held-out needs --policy-version"),
+    ]:
+        assert main(["export", out, str(tmp_path / "x"), "--to", "parquet", *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("rlrec export: error: ") and msg in err and "\n" not in err, err
+    # inspect: the lineage table and JSON
+    assert main(["inspect", out, "--json", "--policies", pol, "--public-key", pub]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [(r["policy_version"], r["signed"]) for r in doc["lineage"]] == [(1, True), (2, True)]
+    assert doc["lineage"][0]["cursor"] == cursor
+    assert main(["inspect", out, "--policies", pol, "--public-key", pub]) == 0
+    assert cursor in capsys.readouterr().out.replace("\n", "")
+    assert main(["inspect", out, "--paths", "--policy-version", "1", "--policies", pol, "--public-key", pub]) == 0
+    paths = capsys.readouterr().out.split()
+    assert sorted(paths) == sorted(Storage.from_uri(out).uri(p) for p in trained["versions"][1])
+    # report: the lineage section names each version's cursor
+    os.environ.pop("RLREC_POLICY_PUBLIC_KEY", None)
+    report = tmp_path / "r.html"
+    assert main(["report", "--input", out, "--policies", pol, "--out", str(report)]) == 0
+    html = report.read_text()
+    assert 'id="lineage-table"' in html and cursor in html

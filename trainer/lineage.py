@@ -1,0 +1,199 @@
+"""Which data trained which policy version, reopened exactly (docs/TRAINER.md, "Lineage").
+
+Every version `rlrec train` publishes carries a ``lineage.json`` whose sha256 its signed
+``policy.json`` pins. Besides the shard lists (``shards``: every shard trained on, i.e. with
+at least one row in a gradient step, by the time the version was exported; ``new_shards``:
+those since the previous version) it records where that data is:
+
+* ``input``: the store the trainer read (its URI);
+* ``cursor``: the smallest point of that store's manifest holding every shard of ``shards``
+  (`rlrec.store.snapshot.cursor_covering`; a trainer follows the manifest and trains shards
+  as they land, so this is the point up to which it had trained when it exported the version);
+* ``holdout_fraction``: F of the held-out split (`rlrec.trainer.holdout`): the episodes of
+  those shards with ``is_held_out(id, F)`` were held out, never trained on.
+
+So the data a version was trained on is: the snapshot at ``cursor``, restricted to the
+entries named in ``shards``, less the held-out episodes; the data it held out: the same
+shards' held-out episodes. `open_lineage` builds exactly these (`Snapshot.subset`). Its
+weights saw rows of every listed shard; a shard's remaining rows may still have been in the
+replay window when it was exported (the lineage is per shard, not per row), and episodes the
+trainer refused as unusable (counted in ``episodes_skipped``) are in the reopened data.
+
+The lineage is read with the checks `load_policy` applies (`rlrec.trainer.policy.read_lineage`):
+policy.json's signature verified with the trainer's public key, lineage.json matching the
+sha256 it pins. A lineage written before cursors were recorded lists shards only: reopening it
+is a `LineageError`.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+from rlrec.store.snapshot import Snapshot, open_snapshot
+from rlrec.store.storage import Storage
+from rlrec.trainer.holdout import is_held_out
+
+__all__ = ["Lineage", "LineageError", "list_lineages", "open_lineage", "read_version_lineage"]
+
+
+class LineageError(ValueError):
+    """A version's data cannot be reopened: unknown version, an unsigned or tampered lineage, a
+    lineage without a cursor, contradicting arguments. Its message is one line."""
+
+    #: a usage error for the command line (rlrec.errors)
+    exit_code = 2
+
+
+@dataclass(frozen=True)
+class Lineage:
+    """One published version's verified lineage.
+
+    Attributes:
+        policy_version: the version.
+        cursor: the manifest point holding `shards` (None: written before cursors were recorded).
+        shards: the manifest paths of the shards it was trained on.
+        holdout_fraction: F of the held-out split (0: nothing held out).
+        input: the URI of the store the trainer read (None: not recorded).
+        signed: policy.json's signature verified with the configured public key.
+        doc: the whole lineage.json.
+    """
+
+    policy_version: int
+    cursor: str | None
+    shards: tuple[str, ...]
+    holdout_fraction: float
+    input: str | None
+    signed: bool
+    doc: dict
+
+    @classmethod
+    def from_doc(cls, version: int, doc: dict, signed: bool) -> Lineage:
+        """A `Lineage` from a verified lineage.json (`LineageError` if its fields are malformed)."""
+        where = f"the lineage of policy version {version}"
+        cursor, shards, f = doc.get("cursor"), doc.get("shards", []), doc.get("holdout_fraction", 0.0)
+        if cursor is not None and not isinstance(cursor, str):
+            raise LineageError(f"{where}: cursor is not a string")
+        if not isinstance(shards, list) or not all(isinstance(k, str) for k in shards):
+            raise LineageError(f"{where}: shards is not a list of paths")
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or not 0.0 <= f < 1.0:
+            raise LineageError(f"{where}: holdout_fraction {f!r:.40} is not in [0, 1)")
+        inp = doc.get("input")
+        return cls(version, cursor, tuple(shards), float(f), inp if isinstance(inp, str) else None, signed, doc)
+
+
+def read_version_lineage(
+    policies: str, version: int, *, public_key: Any = None, allow_unsigned: bool = False
+) -> Lineage:
+    """The verified lineage of published `version` (`rlrec.trainer.policy.read_lineage`).
+
+    Args:
+        policies: the publish root (``{checkpoint_dir}/policies`` by default).
+        version: the policy version.
+        public_key: the trainer's Ed25519 public key (PEM bytes or a path; default
+            ``$RLREC_POLICY_PUBLIC_KEY``).
+        allow_unsigned: accept a version whose policy.json carries no verified signature.
+
+    Raises:
+        LineageError: unknown version, unsigned, tampered (one-line message).
+
+    Example:
+        >>> read_version_lineage("/ckpt/policies", 3).cursor  # doctest: +SKIP
+        'r1~4be0c6a2f1d9~rl:0=14'
+    """
+    from rlrec.trainer.policy import PolicyLoadError, read_lineage
+
+    if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= 999_999:
+        raise LineageError(f"policy_version must be an integer in 1..999999, got {version!r:.40}")
+    try:
+        doc, signed = read_lineage(policies, version, public_key=public_key, allow_unsigned=allow_unsigned)
+    except FileNotFoundError as e:
+        raise LineageError(str(e).strip("'\"")) from None
+    except PolicyLoadError as e:
+        raise LineageError(f"policy version {version}: {e}") from None
+    return Lineage.from_doc(version, doc, signed)
+
+
+def open_lineage(
+    storage: Storage | str,
+    policies: str,
+    version: int,
+    *,
+    held_out: bool = False,
+    public_key: Any = None,
+    allow_unsigned: bool = False,
+) -> Snapshot:
+    """The data published `version` was trained on (or, with `held_out`, the data it held out),
+    as a snapshot of `storage` pinned to the version's lineage cursor (module docstring).
+
+    Args:
+        storage: the store the trainer read (a `Storage` or its URI).
+        policies: the publish root.
+        version: the policy version.
+        held_out: the held-out episodes of the version's shards instead of the trained ones.
+        public_key: the trainer's public key (default ``$RLREC_POLICY_PUBLIC_KEY``).
+        allow_unsigned: accept an unsigned version.
+
+    Raises:
+        LineageError: unknown version, unsigned or tampered lineage, a lineage without a cursor.
+        CursorError: the cursor is not a point of `storage` (another store, a shard missing).
+
+    Example:
+        >>> snap = open_lineage("/data/shards", "/ckpt/policies", 3)  # doctest: +SKIP
+        >>> held = open_lineage("/data/shards", "/ckpt/policies", 3, held_out=True)  # doctest: +SKIP
+        >>> set(snap.steps()["episode_id"].to_pylist()) & set(held.steps()["episode_id"].to_pylist())  # doctest: +SKIP
+        set()
+    """
+    lin = read_version_lineage(policies, version, public_key=public_key, allow_unsigned=allow_unsigned)
+    if lin.cursor is None:
+        raise LineageError(
+            f"the lineage of policy version {version} records no manifest cursor (published before rlrec "
+            "recorded one): its data cannot be reopened exactly; lineage.json lists its shards"
+        )
+    f = lin.holdout_fraction
+
+    def keep(episode_id: str) -> bool:
+        return is_held_out(episode_id, f) == held_out
+
+    return open_snapshot(storage, as_of=lin.cursor).subset(lin.shards, keep_episode=keep)
+
+
+def list_lineages(policies: str, *, public_key: Any = None) -> list[dict]:
+    """One row per version directory under `policies`, for display (`rlrec report`, `inspect
+    --policies`): ``policy_version``, ``cursor`` (None: not recorded), ``shards`` (count),
+    ``holdout_fraction``, ``signed``, ``error`` (why its lineage is not usable, else None).
+    Unsigned versions are listed (``signed`` False); nothing here raises for one bad version.
+
+    Args:
+        policies: the publish root.
+        public_key: the trainer's public key (default ``$RLREC_POLICY_PUBLIC_KEY``).
+
+    Example:
+        >>> [r["policy_version"] for r in list_lineages("/ckpt/policies")]  # doctest: +SKIP
+        [1, 2, 3]
+    """
+    from rlrec.trainer.policy import PolicyLoadError, _Files
+
+    try:
+        names = _Files(policies).version_dirs()
+    except (OSError, PolicyLoadError):
+        return []
+    rows = []
+    for name in names:
+        version = int(name[1:])
+        row: dict[str, Any] = {"policy_version": version, "cursor": None, "shards": None, "holdout_fraction": None}
+        row.update(signed=None, error=None)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # listed as unsigned instead
+                lin = read_version_lineage(policies, version, public_key=public_key, allow_unsigned=True)
+        except LineageError as e:
+            row["error"] = str(e)
+        else:
+            row.update(
+                cursor=lin.cursor, shards=len(lin.shards), holdout_fraction=lin.holdout_fraction, signed=lin.signed
+            )
+        rows.append(row)
+    return rows

@@ -254,7 +254,7 @@ def test_tampered_or_unsigned_lineage_is_refused(trained, tmp_path):
     doc = json.loads(lineage_file.read_text())
     doc["cursor"] = json.loads((pol / "v000002" / "lineage.json").read_text())["cursor"]  # claim more data
     lineage_file.write_text(json.dumps(doc))
-    with pytest.raises(LineageError, match="lineage.json does not match the sha256 in policy.json") as e:
+    with pytest.raises(LineageError, match=r"lineage\.json does not match the sha256 in policy\.json") as e:
         rlrec.open(out, policy_version=1, policies=str(pol), public_key=pub)
     assert "\n" not in str(e.value)
     # re-pinning the edited lineage in policy.json breaks its signature
@@ -303,14 +303,8 @@ def test_cli_export_inspect_and_report_show_and_reopen_a_versions_data(trained, 
 
     out, pol, pub = trained["out"], trained["policies"], trained["public"]
     dest = tmp_path / "v1"
-    assert (
-        main(
-            ["export", out, str(dest), "--to", "parquet", "--policy-version", "1"]
-            + ["--policies", pol]
-            + ["--public-key", pub]
-        )
-        == 0
-    )
+    lineage_flags = ["--policy-version", "1", "--policies", pol, "--public-key", pub]
+    assert main(["export", out, str(dest), "--to", "parquet", *lineage_flags]) == 0
     table = pq.read_table(dest)
     want = sorted(i for i in _shard_ids(out, trained["versions"][1]) if not is_held_out(i, HOLDOUT))
     assert sorted(set(table.column("episode_id").to_pylist())) == want

@@ -776,6 +776,3 @@ def cursor_covering(
             cache[key] = _first_entry_key(first)
     return Cursor(positions, _tag({k: cache[k] for k in positions}))
 
-
-#: ``rlrec.open``: the name under which the package exports `open_snapshot`
-open = open_snapshot

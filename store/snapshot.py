@@ -775,4 +775,3 @@ def cursor_covering(
                 first = entries0[0] if entries0 else None
             cache[key] = _first_entry_key(first)
     return Cursor(positions, _tag({k: cache[k] for k in positions}))
-

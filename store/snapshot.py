@@ -214,7 +214,8 @@ class Snapshot:
         self._counts: dict[str, tuple[int, int]] = {}  # shard path -> (episodes, steps) kept
 
     def __repr__(self) -> str:
-        return f"Snapshot({self.storage.uri('')}, {self.cursor}, shards={len(self.entries)}, steps={self.num_steps})"
+        steps = "episodes filtered" if self.keep_episode is not None else f"steps={self.num_steps}"  # no read
+        return f"Snapshot({self.storage.uri('')}, {self.cursor}, shards={len(self.entries)}, {steps})"
 
     def subset(self, paths: Iterable[str] | None = None, keep_episode: Callable[[str], bool] | None = None) -> Snapshot:
         """The part of this snapshot in the shards named by `paths` (manifest paths; None: all)

@@ -26,7 +26,7 @@ from rlrec.store.manifest import read_manifest
 from rlrec.store.snapshot import Cursor, CursorError, cursor_covering, open_snapshot
 from rlrec.store.storage import Storage
 from rlrec.trainer.holdout import is_held_out
-from rlrec.trainer.lineage import LineageError
+from rlrec.trainer.lineage import LineageError, list_lineages, read_version_lineage
 from rlrec.trainer.synthetic import expert_cartpole_episodes
 from tests.helpers import read_metrics
 
@@ -293,6 +293,14 @@ def test_a_lineage_without_a_cursor_is_refused_clearly(trained, tmp_path):
     with pytest.raises(LineageError, match="records no manifest cursor") as e:
         rlrec.open(trained["out"], policy_version=1, policies=str(pol), public_key=trained["public"])
     assert "\n" not in str(e.value)
+    # still readable: its shards, and listed as having no cursor
+    old_lineage = read_version_lineage(str(pol), 1, public_key=trained["public"])
+    assert old_lineage.cursor is None and set(old_lineage.shards) == trained["versions"][1]
+    rows = list_lineages(str(pol), public_key=trained["public"])
+    assert [(r["policy_version"], r["cursor"] is None, r["signed"], r["error"]) for r in rows] == [
+        (1, True, True, None),
+        (2, False, True, None),
+    ]
 
 
 @pytest.mark.slow

@@ -614,7 +614,7 @@ def read_lineage(uri: str, version: int, *, public_key: Any = None, allow_unsign
                 if trust.public_key is None
                 else "the version carries no signature of the configured key"
             )
-            raise PolicyLoadError(f"{rel_dir} is not signed: {hint}, or pass allow_unsigned=True")
+            raise PolicyLoadError(f"{rel_dir} is not signed: {hint}, or pass allow_unsigned=True (--allow-unsigned)")
         warnings.warn(f"reading the lineage of unsigned policy {rel_dir}", UnsignedPolicyWarning, stacklevel=2)
     return _pinned_lineage(files, rel_dir, _file_hashes(spec, rel_dir)), signed
 

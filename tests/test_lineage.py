@@ -127,6 +127,35 @@ def test_unknown_version_is_a_clear_error(tmp_path):
         rlrec.open(root, policy_version=7, policies=str(tmp_path / "pol"))
 
 
+def _checkpoint(ck: str, **state) -> str:
+    """A committed checkpoint under `ck` whose trainer.json holds `state` (no Ray, no RLlib)."""
+    from rlrec.trainer.checkpoints import CheckpointStore
+    from tests.test_trainer_checkpoints import FakeAlgo
+
+    base = {"version": 1, "iteration": 3, "policy_version": 1, "algo": "BC", "trained_shards": []}
+    return CheckpointStore(Storage.from_uri(ck)).save(
+        3, FakeAlgo({"learner_group/w": b"1"}), {**base, **state}, policy_version=1
+    )
+
+
+def test_resume_with_another_holdout_fraction_is_refused(tmp_path):
+    """The shards trained so far were split with the checkpoint's fraction: a resume with
+    another one would record a wrong fraction for them in every later lineage."""
+    from rlrec.trainer.checkpoints import ResumeRefused
+    from rlrec.trainer.config import OPESettings
+    from rlrec.trainer.service import ContinuousTrainer
+
+    ck = str(tmp_path / "ck")
+    path = _checkpoint(ck, holdout_fraction=0.1)
+    for f in (0.2, 0.0):
+        t = ContinuousTrainer(_cfg(str(tmp_path / "in"), ck, resume=True, ope=OPESettings(holdout_fraction=f)))
+        with pytest.raises(ResumeRefused, match=r"trained with --holdout-fraction 0\.1, not") as e:
+            t._resume_point()
+        assert "\n" not in str(e.value)
+    same = ContinuousTrainer(_cfg(str(tmp_path / "in"), ck, resume=True, ope=OPESettings(holdout_fraction=0.1)))
+    assert same._resume_point()["path"] == path
+
+
 def test_docstring_examples():
     for module in ("rlrec.reading", "rlrec.store.snapshot"):
         result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)

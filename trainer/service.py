@@ -369,6 +369,7 @@ class ContinuousTrainer:
             "input": self.input.uri(),
             "trained_shards": sorted(self.trained),
             "since_publish": sorted(self.since_publish),
+            "holdout_fraction": float(self.cfg.ope.holdout_fraction),
             "deployed_return": self.deployed_return,
             "publications": [p.describe() for p in self._pending],
             "time": time.time(),
@@ -816,7 +817,27 @@ class ContinuousTrainer:
         starts, and a refusal (`ResumeRefused`, exit 2) touches nothing."""
         from rlrec.trainer.export import highest_version
 
-        return self.checkpoints.resume_point(highest_version(self.publish_storage, self.signing_key))
+        latest = self.checkpoints.resume_point(highest_version(self.publish_storage, self.signing_key))
+        if latest is not None:
+            self._check_resume_holdout(self.checkpoints.read_state(latest["path"]), latest["path"])
+        return latest
+
+    def _check_resume_holdout(self, state: dict, path: str) -> None:
+        """Refuse (`ResumeRefused`) to resume with another ``--holdout-fraction`` than the
+        checkpoint's: the shards trained so far were split with its fraction, and every later
+        version's lineage records one fraction for all of its shards (docs/TRAINER.md, L1)."""
+        from rlrec.trainer.checkpoints import ResumeRefused
+
+        then = state.get("holdout_fraction")
+        if then is None:  # a checkpoint that did not record it: nothing to compare
+            return
+        now = float(self.cfg.ope.holdout_fraction)
+        if float(then) != now:
+            raise ResumeRefused(
+                f"--resume: checkpoint {path} trained with --holdout-fraction {float(then):g}, not {now:g}: "
+                "the shards trained so far were split with it (their lineage would be wrong); resume with "
+                f"--holdout-fraction {float(then):g}, or start a new run in another --checkpoint-dir"
+            )
 
     def _restore(self, latest: dict | None) -> bool:
         if latest is None:

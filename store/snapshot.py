@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import math
 import re
@@ -187,12 +188,24 @@ def _tag(firsts: Mapping[tuple[str, int], str]) -> str:
 # ------------------------------------------------------------------------------- snapshot
 
 
+@dataclass(frozen=True)
+class _BothKept:
+    """Keeps an episode that both filters keep (picklable, for DataLoader workers)."""
+
+    outer: Callable[[str], bool]
+    inner: Callable[[str], bool]
+
+    def __call__(self, episode_id: str) -> bool:
+        return self.outer(episode_id) and self.inner(episode_id)
+
+
 class Snapshot:
     """Committed shard entries of a store pinned to a cursor (see module docstring).
 
     Build with `open_snapshot` (or `rlrec.open`). Attributes: ``storage``, ``cursor`` (the
     point's text, for `open_snapshot(as_of=...)` and `changes`), ``entries`` (the shard entries,
-    ordered by topic, partition and seq). Readers: `files`, `episodes`, `steps`,
+    ordered by topic, partition and seq), ``selection`` (None; a `subset`'s digest: the cursor
+    and the selection together name its data). Readers: `files`, `episodes`, `steps`,
     `iter_steps`, `to_pyarrow_dataset`, `to_pandas`, `to_polars`, `to_duckdb`,
     `to_ray_dataset`, `to_torch`; `changes` for incremental readers.
     """
@@ -204,6 +217,7 @@ class Snapshot:
         entries: list[ShardEntry],
         firsts: dict,
         keep_episode: Callable[[str], bool] | None = None,
+        selection: str | None = None,
     ) -> None:
         self.storage = storage
         self._point = point
@@ -211,15 +225,34 @@ class Snapshot:
         self.entries: list[ShardEntry] = sorted(entries, key=lambda e: (e.topic, e.partition, e.seq))
         #: None: every episode of the entries; else the episode ids it keeps (`subset`)
         self.keep_episode = keep_episode
+        #: None: every entry at the cursor; else the digest naming the part `subset` kept
+        self.selection = selection
         self._counts: dict[str, tuple[int, int]] = {}  # shard path -> (episodes, steps) kept
 
     def __repr__(self) -> str:
-        steps = "episodes filtered" if self.keep_episode is not None else f"steps={self.num_steps}"  # no read
-        return f"Snapshot({self.storage.uri('')}, {self.cursor}, shards={len(self.entries)}, {steps})"
+        if self.selection is None:
+            return (
+                f"Snapshot({self.storage.uri('')}, {self.cursor}, shards={len(self.entries)}, steps={self.num_steps})"
+            )
+        return (  # a subset's counts read its shards: not in a repr
+            f"Snapshot({self.storage.uri('')}, {self.cursor}, selection={self.selection}, shards={len(self.entries)})"
+        )
 
-    def subset(self, paths: Iterable[str] | None = None, keep_episode: Callable[[str], bool] | None = None) -> Snapshot:
+    def subset(
+        self,
+        paths: Iterable[str] | None = None,
+        keep_episode: Callable[[str], bool] | None = None,
+        *,
+        label: str | None = None,
+    ) -> Snapshot:
         """The part of this snapshot in the shards named by `paths` (manifest paths; None: all)
-        and, of those, the episodes whose id `keep_episode` keeps (None: all): same cursor.
+        and, of those, the episodes whose id `keep_episode` keeps (None: all).
+
+        The subset has the same `cursor` (the manifest point) and a `selection`: a digest of
+        the kept paths and of the episode filter (its `label`, default its ``repr``), so that
+        the cursor and the selection together name the data (a `to_torch` state of the subset
+        loads into the same subset only). A filter whose ``repr`` differs between processes (a
+        lambda) gives a selection of this process only: give it a `label` to reuse one.
 
         Every reader of the subset (`episodes`, `steps`, `to_*`, `changes`) applies both;
         `files` lists whole shards, so a plain reader of those files applies the episode
@@ -228,6 +261,7 @@ class Snapshot:
         Args:
             paths: the shards to keep, by their manifest path (`ShardEntry.path`).
             keep_episode: a function of the episode id; True keeps the episode.
+            label: what names `keep_episode` in the selection (default ``repr(keep_episode)``).
 
         Example:
             >>> import tempfile
@@ -237,10 +271,12 @@ class Snapshot:
             >>> _ = ShardCommitter(root).commit(expert_cartpole_episodes(4))
             >>> snap = open_snapshot(root)
             >>> first = snap.steps().column("episode_id")[0].as_py()
-            >>> sub = snap.subset(keep_episode=lambda eid: eid != first)
-            >>> sub.num_episodes, sub.cursor == snap.cursor
-            (3, True)
+            >>> sub = snap.subset(keep_episode=lambda eid: eid != first, label=f"not {first}")
+            >>> sub.num_episodes, sub.cursor == snap.cursor, snap.selection is None, len(sub.selection)
+            (3, True, True, 16)
         """
+        if paths is None and keep_episode is None:
+            return Snapshot(self.storage, self._point, self.entries, self._firsts, self.keep_episode, self.selection)
         entries = self.entries
         if paths is not None:
             wanted = set(paths)
@@ -252,11 +288,16 @@ class Snapshot:
                 )
         keep = keep_episode
         if self.keep_episode is not None and keep_episode is not None:
-            outer = self.keep_episode
-            keep = lambda eid: outer(eid) and keep_episode(eid)  # noqa: E731
+            keep = _BothKept(self.keep_episode, keep_episode)
         elif keep is None:
             keep = self.keep_episode
-        return Snapshot(self.storage, self._point, entries, self._firsts, keep)
+        named = {
+            "within": self.selection,
+            "paths": sorted(e.path for e in entries) if paths is not None else None,
+            "episodes": (label if label is not None else repr(keep_episode)) if keep_episode is not None else None,
+        }
+        digest = hashlib.sha256(json.dumps(named, sort_keys=True).encode()).hexdigest()[:16]
+        return Snapshot(self.storage, self._point, entries, self._firsts, keep, digest)
 
     @property
     def cursor(self) -> str:
@@ -302,7 +343,7 @@ class Snapshot:
                     "(open the newer snapshot first)"
                 )
         new = [e for e in self.entries if e.seq >= since_c.positions.get((e.topic, e.partition), 0)]  # type: ignore[operator]
-        return Snapshot(self.storage, self._point, new, self._firsts, self.keep_episode)
+        return Snapshot(self.storage, self._point, new, self._firsts, self.keep_episode, self.selection)
 
     # ---------------------------------------------------------------- reading shards
     def _gated(self, entry: ShardEntry):

@@ -156,8 +156,53 @@ def test_resume_with_another_holdout_fraction_is_refused(tmp_path):
     assert same._resume_point()["path"] == path
 
 
+def test_a_subsets_torch_state_loads_only_into_the_same_selection(tmp_path):
+    """The cursor names the whole point; a subset (a version's data) is named by the cursor and
+    its selection, so a training loop's state never resumes on other data."""
+    import pickle
+
+    from rlrec.trainer.lineage import HoldoutSplit
+
+    root = str(tmp_path / "s")
+    c = ShardCommitter(root)
+    for i in range(3):
+        c.commit(expert_cartpole_episodes(5, seed=i, max_steps=30))
+    full = open_snapshot(root)
+    paths = [e.path for e in full.entries[1:]]
+    sub = full.subset(paths, keep_episode=HoldoutSplit(0.5, held_out=False))
+    assert sub.cursor == full.cursor and full.selection is None and sub.selection
+    ds = sub.to_torch(columns=("episode_id", "t"))
+    it = iter(ds)
+    first = [next(it) for _ in range(5)]
+    state = ds.state_dict()
+    assert state["selection"] == sub.selection
+    whole = rlrec.open(root, as_of=state["cursor"]).to_torch(columns=("episode_id", "t"))
+    with pytest.raises(ValueError, match="selection"):
+        whole.load_state_dict(state)
+    with pytest.raises(ValueError, match="selection"):
+        sub.to_torch().load_state_dict(whole.state_dict())
+    other = open_snapshot(root, as_of=state["cursor"]).subset(paths, keep_episode=HoldoutSplit(0.5, held_out=True))
+    with pytest.raises(ValueError, match="selection"):
+        other.to_torch().load_state_dict(state)
+    # the same selection, rebuilt (another process: a pickled filter) continues after the steps handed out
+    again = open_snapshot(root, as_of=state["cursor"]).subset(
+        paths, keep_episode=pickle.loads(pickle.dumps(sub.keep_episode))
+    )
+    assert again.selection == sub.selection
+    ds2 = again.to_torch(columns=("episode_id", "t"))
+    ds2.load_state_dict(state)
+    rest = list(iter(ds2))
+    every = list(iter(again.to_torch(columns=("episode_id", "t"))))
+    key = [(r["episode_id"], int(r["t"])) for r in first + rest]
+    assert key == [(r["episode_id"], int(r["t"])) for r in every]
+    # a subset of a subset: both filters, picklable
+    inner = sub.subset(keep_episode=HoldoutSplit(0.2, held_out=False))
+    assert inner.selection not in (None, sub.selection)
+    assert pickle.loads(pickle.dumps(inner.keep_episode))("x") == inner.keep_episode("x")
+
+
 def test_docstring_examples():
-    for module in ("rlrec.reading", "rlrec.store.snapshot"):
+    for module in ("rlrec.reading", "rlrec.store.snapshot", "rlrec.trainer.lineage"):
         result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
         assert result.failed == 0 and result.attempted > 0, module
 
@@ -346,7 +391,11 @@ def test_cli_export_inspect_and_report_show_and_reopen_a_versions_data(trained, 
     want = sorted(i for i in _shard_ids(out, trained["versions"][1]) if not is_held_out(i, HOLDOUT))
     assert sorted(set(table.column("episode_id").to_pylist())) == want
     cursor = json.load(open(os.path.join(pol, "v000001", "lineage.json")))["cursor"]
-    assert capsys.readouterr().out.strip() == cursor
+    # not the bare cursor (it names the whole point): the options that export this data again
+    assert capsys.readouterr().out.strip() == f"--policy-version 1 --policies {pol}"
+    meta = pq.read_schema(next(dest.iterdir())).metadata
+    assert b"rlrec.cursor" not in meta and meta[b"rlrec.lineage_cursor"] == cursor.encode()
+    assert meta[b"rlrec.lineage"] == f"--policy-version 1 --policies {pol}".encode()
     # errors: one line, exit 2
     for argv, msg in [
         (["--policy-version", "9", "--policies", pol, "--public-key", pub], "policy version 9 is not published"),

@@ -36,7 +36,7 @@ from rlrec.store.snapshot import Snapshot, open_snapshot
 from rlrec.store.storage import Storage
 from rlrec.trainer.holdout import is_held_out
 
-__all__ = ["Lineage", "LineageError", "list_lineages", "open_lineage", "read_version_lineage"]
+__all__ = ["HoldoutSplit", "Lineage", "LineageError", "list_lineages", "open_lineage", "read_version_lineage"]
 
 
 class LineageError(ValueError):
@@ -45,6 +45,24 @@ class LineageError(ValueError):
 
     #: a usage error for the command line (rlrec.errors)
     exit_code = 2
+
+
+@dataclass(frozen=True)
+class HoldoutSplit:
+    """One side of the held-out split as an episode filter (`Snapshot.subset`): keeps the
+    episodes with ``is_held_out(id, fraction) == held_out``. Picklable (DataLoader workers), and
+    its ``repr`` names it in the subset's `Snapshot.selection` the same way in every process.
+
+    Example:
+        >>> HoldoutSplit(0.0, held_out=False)("episode-1"), HoldoutSplit(0.0, held_out=True)("episode-1")
+        (True, False)
+    """
+
+    fraction: float
+    held_out: bool
+
+    def __call__(self, episode_id: str) -> bool:
+        return is_held_out(episode_id, self.fraction) == self.held_out
 
 
 @dataclass(frozen=True)
@@ -126,7 +144,9 @@ def open_lineage(
     allow_unsigned: bool = False,
 ) -> Snapshot:
     """The data published `version` was trained on (or, with `held_out`, the data it held out),
-    as a snapshot of `storage` pinned to the version's lineage cursor (module docstring).
+    as a snapshot of `storage` pinned to the version's lineage cursor (module docstring). Its
+    `Snapshot.selection` (the shards and the side of the split) names it with the cursor: the
+    cursor alone names the whole point, which holds more.
 
     Args:
         storage: the store the trainer read (a `Storage` or its URI).
@@ -152,11 +172,7 @@ def open_lineage(
             f"the lineage of policy version {version} records no manifest cursor (published before rlrec "
             "recorded one): its data cannot be reopened exactly; lineage.json lists its shards"
         )
-    f = lin.holdout_fraction
-
-    def keep(episode_id: str) -> bool:
-        return is_held_out(episode_id, f) == held_out
-
+    keep = HoldoutSplit(lin.holdout_fraction, bool(held_out))
     return open_snapshot(storage, as_of=lin.cursor).subset(lin.shards, keep_episode=keep)
 
 

@@ -54,7 +54,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "steps-NNNNN.parquet, one file per shard. Prints the point's cursor on stdout: export "
         "again with --as-of CURSOR for the same data. With --policy-version N --policies URI: the "
         "data version N was trained on (--held-out: the episodes it held out), from its signed "
-        "lineage. See docs/TOOLS.md.",
+        "lineage; prints the options that export that data again (its cursor alone names the "
+        "whole point, which holds more). See docs/TOOLS.md.",
     )
     OPTIONS.add_arguments(p)
     p.set_defaults(func=run, options=OPTIONS)
@@ -112,9 +113,18 @@ def run(args: argparse.Namespace) -> int:
     if out.exists("") and out.list(""):
         raise UsageError(f"DIR {opts.dir} is not empty: give a new or empty folder")
     snap = _snapshot(storage, opts)
-    meta = {b"rlrec.cursor": snap.cursor.encode()}
-    if opts.policy_version is not None:
-        meta[b"rlrec.lineage"] = f"policy_version={opts.policy_version} held_out={opts.held_out}".encode()
+    if opts.policy_version is None:
+        again = snap.cursor
+        meta = {b"rlrec.cursor": snap.cursor.encode()}
+    else:  # a part of the point: the cursor alone would name all of it
+        again = f"--policy-version {opts.policy_version} --policies {opts.policies}" + (
+            " --held-out" if opts.held_out else ""
+        )
+        meta = {
+            b"rlrec.lineage": again.encode(),
+            b"rlrec.lineage_cursor": snap.cursor.encode(),
+            b"rlrec.selection": str(snap.selection).encode(),
+        }
     files = steps = 0
     try:
         for table in snap.iter_steps():
@@ -126,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
             files = 1
     except ValueError as e:  # a shard the gate refuses, an undecodable episode, shards of different spaces
         raise RuntimeFailure(f"{e} ({files} file(s) written to {opts.dir} before it)") from None
-    print(snap.cursor)
+    print(again)
     print(
         f"rlrec export: wrote {steps:,} steps of {snap.num_episodes:,} episodes from {len(snap.entries)} shard(s) "
         f"to {out.uri('')} ({files} file(s))",

@@ -199,7 +199,11 @@ def run(args: argparse.Namespace) -> int:
             )
         for path in snap.files():
             print(path)
-        held = " (whole shards: they hold its held-out episodes too)" if opts.policy_version is not None else ""
+        held = (
+            f" (selection {snap.selection}; whole shards: they hold its held-out episodes too)"
+            if opts.policy_version is not None
+            else ""
+        )
         print(f"rlrec inspect: {len(snap.entries)} shard(s) at {snap.cursor}{held}", file=sys.stderr)
         return 0
     doc = inspect(storage)

@@ -201,6 +201,30 @@ def test_a_subsets_torch_state_loads_only_into_the_same_selection(tmp_path):
     assert pickle.loads(pickle.dumps(inner.keep_episode))("x") == inner.keep_episode("x")
 
 
+def test_a_holdout_fraction_the_prelearner_would_not_apply_is_refused(tmp_path):
+    """Only a SafeOfflinePreLearner drops the held-out episodes: with stock RLlib's class a
+    lineage would record F for episodes that were trained on. Refused before Ray starts."""
+    from ray.rllib.algorithms.bc import BCConfig
+
+    from rlrec.errors import UsageError
+    from rlrec.trainer.config import OPESettings
+    from rlrec.trainer.data import configure_continuous
+
+    stock = "ray.rllib.offline.offline_prelearner.OfflinePreLearner"
+    safe = "rlrec.trainer.prelearner.SafeOfflinePreLearner"
+    ins, ck = str(tmp_path / "in"), str(tmp_path / "ck")
+    with pytest.raises(UsageError, match="needs a prelearner_class that subclasses") as e:
+        _cfg(ins, ck, offline_config={"prelearner_class": stock}).check_inputs()
+    assert "\n" not in str(e.value) and "OfflinePreLearner would train on them" in str(e.value)
+    _cfg(ins, ck, offline_config={"prelearner_class": stock}, ope=OPESettings(holdout_fraction=0.0)).check_inputs()
+    _cfg(ins, ck, offline_config={"prelearner_class": safe}).check_inputs()
+    from ray.rllib.offline.offline_prelearner import OfflinePreLearner
+
+    config = BCConfig().offline_data(prelearner_class=OfflinePreLearner)
+    with pytest.raises(ValueError, match="needs a prelearner_class"):
+        configure_continuous(config, ins, fmt="tabular", holdout_fraction=HOLDOUT)
+
+
 def test_docstring_examples():
     for module in ("rlrec.reading", "rlrec.store.snapshot", "rlrec.trainer.lineage"):
         result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)

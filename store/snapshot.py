@@ -72,6 +72,7 @@ __all__ = [
     "CursorError",
     "Snapshot",
     "column_to_numpy",
+    "cursor_at",
     "cursor_covering",
     "empty_steps",
     "gated_steps",
@@ -802,12 +803,40 @@ def cursor_covering(
         >>> [e.path for e in open_snapshot(root, as_of=point).entries] == [snap.entries[0].path]
         True
     """
-    st = Storage.from_uri(storage) if isinstance(storage, str) else storage
-    cache = firsts if firsts is not None else {}
     positions: dict[tuple[str, int], int] = {}
     for e in entries:
         key = (e.topic, e.partition)
         positions[key] = max(positions.get(key, 0), int(e.seq) + 1)  # type: ignore[arg-type]
+    return cursor_at(storage, positions, firsts)
+
+
+def cursor_at(
+    storage: Storage | str, positions: Mapping[tuple[str, int], int], firsts: dict[tuple[str, int], str] | None = None
+) -> Cursor:
+    """The point of the manifest at `positions` (per partition log ``(topic, partition)``: the
+    number of its entries the point holds), tagged with the logs' first entries as
+    `open_snapshot` tags its cursors. `cursor_covering` computes the positions from entries; a
+    reader that kept them (the trainer, in its checkpoint) needs no entry but each log's first.
+
+    Args:
+        storage: the store (a `Storage` or its URI).
+        positions: (topic, partition) -> entries held (> 0).
+        firsts: a cache of the logs' first-entry keys, filled here.
+
+    Raises:
+        CursorError: a log of `positions` has no entries in `storage`.
+
+    Example:
+        >>> import tempfile
+        >>> from rlrec.store.commit import ShardCommitter
+        >>> from rlrec.trainer.synthetic import expert_cartpole_episodes
+        >>> root = tempfile.mkdtemp()
+        >>> _ = ShardCommitter(root).commit(expert_cartpole_episodes(1))
+        >>> str(cursor_at(root, {("rl", 0): 1})) == open_snapshot(root).cursor
+        True
+    """
+    st = Storage.from_uri(storage) if isinstance(storage, str) else storage
+    cache = firsts if firsts is not None else {}
     for key in positions:
         if key not in cache:
             plog = PartitionLog(st, *key)
@@ -815,5 +844,7 @@ def cursor_covering(
             if first is None:  # folded into a snapshot entry: the whole log says what it was
                 entries0 = plog.load(strict=True)
                 first = entries0[0] if entries0 else None
+            if first is None:
+                raise CursorError(f"{key[0]}/{key[1]} has no manifest entries under {st.uri('')}")
             cache[key] = _first_entry_key(first)
     return Cursor(positions, _tag({k: cache[k] for k in positions}))

@@ -225,6 +225,43 @@ def test_a_holdout_fraction_the_prelearner_would_not_apply_is_refused(tmp_path):
         configure_continuous(config, ins, fmt="tabular", holdout_fraction=HOLDOUT)
 
 
+def test_the_lineage_cursor_needs_no_follower_entry_and_a_lost_shard_stops_the_trainer(tmp_path):
+    """The trainer keeps the manifest positions of what it trained in its checkpoint: a resume
+    that selects other shards (another --policy-id, version bounds) still publishes a lineage
+    of the shards trained before; an old checkpoint gets them from the manifest; a trained shard
+    in no partition log stops the trainer (exit code 1) instead of never publishing again."""
+    from rlrec.errors import exit_code_for
+    from rlrec.trainer.service import ContinuousTrainer, LineageLost
+
+    root = str(tmp_path / "s")
+    c0, c1 = ShardCommitter(root, "rl", 0), ShardCommitter(root, "rl", 1)
+    for i in range(3):
+        c0.commit(expert_cartpole_episodes(1, seed=i, max_steps=10))
+        c1.commit(expert_cartpole_episodes(1, seed=10 + i, max_steps=10))
+    entries = open_snapshot(root).entries
+    trained = [e for e in entries if e.seq < 2]
+    want = str(cursor_covering(root, trained))
+
+    def resumed(state: dict) -> ContinuousTrainer:
+        t = ContinuousTrainer(_cfg(root, str(tmp_path / "ck"), policy_id="another-policy"))
+        t.trained = {e.path for e in trained}
+        t._restore_positions(state)  # t.algo is None: the follower knows no entry
+        return t
+
+    saved = resumed({})  # positions from the manifest (a checkpoint without them)
+    kept = [[t, p, n] for (t, p), n in sorted(saved.trained_positions.items())]
+    assert kept == [["rl", 0, 2], ["rl", 1, 2]]
+    for state in ({"trained_positions": kept}, {}):
+        lineage = resumed(state)._lineage()
+        assert lineage["data"]["cursor"] == want and lineage["shards"] == sorted(e.path for e in trained)
+    lost = resumed({})
+    lost.trained.add("rl/00000/gone.parquet")
+    lost._note_trained({"rl/00000/gone.parquet"})
+    with pytest.raises(LineageLost, match="in no partition log") as e:
+        lost.publish()
+    assert exit_code_for(e.value) == 1 and "\n" not in str(e.value)
+
+
 def test_docstring_examples():
     for module in ("rlrec.reading", "rlrec.store.snapshot", "rlrec.trainer.lineage"):
         result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)

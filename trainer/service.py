@@ -48,6 +48,11 @@ class TrainerLost(RuntimeError):
     exit_code = 1
 
 
+class LineageLost(TrainerLost):
+    """A trained shard is in no partition log of the input: no version's lineage can name the
+    data it was trained on, so the trainer stops rather than publish without it (exit code 1)."""
+
+
 class UnsupportedCombination(ValueError):
     """The algorithm cannot train on these spaces (RLlib 2.60)."""
 
@@ -144,6 +149,10 @@ class ContinuousTrainer:
         self._watchdog: Any = None  # rlrec.trainer.watchdog.StallWatchdog while running
         self._pending: list[Any] = []  # prepared publications (export.Publication) not yet written
         self._log_firsts: dict = {}  # (topic, partition) -> its first manifest entry's key (lineage cursors)
+        #: per partition log (topic, partition): one past the highest manifest seq of a trained shard
+        self.trained_positions: dict[tuple[str, int], int] = {}
+        self._lineage_lost: str | None = None  # why the trained data has no cursor (LineageLost at publish)
+        self._unplaced: set[str] = set()  # trained shards whose manifest entry is not found yet
 
     @staticmethod
     def _load_signing_key(path: str | None) -> Any:
@@ -369,6 +378,8 @@ class ContinuousTrainer:
             "input": self.input.uri(),
             "trained_shards": sorted(self.trained),
             "since_publish": sorted(self.since_publish),
+            "trained_positions": [[t, p, n] for (t, p), n in sorted(self.trained_positions.items())],
+            "trained_unplaced": sorted(self._unplaced),
             "holdout_fraction": float(self.cfg.ope.holdout_fraction),
             "deployed_return": self.deployed_return,
             "publications": [p.describe() for p in self._pending],
@@ -466,6 +477,8 @@ class ContinuousTrainer:
         metadata = {"gamma": self._gamma()}
         try:
             lineage = self._lineage()
+        except LineageLost:
+            raise
         except Exception as e:
             log.error("publishing policy v%d failed: its lineage: %s (a later checkpoint publishes)", version, e)
             return
@@ -479,19 +492,23 @@ class ContinuousTrainer:
         """What a version published now records of its training (docs/TRAINER.md, "Lineage"):
         the shards trained on (at least one row of each in a gradient step), those new since
         the last version, and ``data``: the input store, the manifest cursor holding those
-        shards (`rlrec.store.snapshot.cursor_covering`) and the holdout fraction whose
-        held-out episodes of those shards were not trained on. Raises when the cursor cannot
-        be found (a shard the manifest does not hold, an unreachable store): no version is
-        published without it."""
-        from rlrec.store.snapshot import cursor_covering
+        shards (`trained_positions`, kept in the checkpoint; `rlrec.store.snapshot.cursor_at`)
+        and the holdout fraction whose held-out episodes of those shards were not trained on.
 
-        entries = {k: self.algo.offline_data.entry(k) for k in self.trained}
-        unknown = sorted(k for k, e in entries.items() if e is None)
-        if unknown:
-            raise ValueError(
-                f"{len(unknown)} trained shard(s) are not in the manifest of {self.input.uri()}: {unknown[:3]}"
+        Raises:
+            LineageLost: a trained shard is in no partition log of the input (the trainer stops).
+            StorageError: the store does not answer (a later checkpoint publishes)."""
+        from rlrec.store.snapshot import cursor_at
+
+        if self._lineage_lost is not None:
+            raise LineageLost(
+                f"no lineage can be recorded: {self._lineage_lost}; not publishing without one. Check --input "
+                "(the store this run trained on); start a new run (another --checkpoint-dir) if its manifest "
+                "lost those entries"
             )
-        cursor = cursor_covering(self.input, entries.values(), self._log_firsts)
+        if not self._place_trained():
+            raise StorageError(f"the manifest entries of {len(self._unplaced)} trained shard(s) are not read yet")
+        cursor = cursor_at(self.input, self.trained_positions, self._log_firsts)
         return {
             "iteration": self.iteration,
             "timesteps_trained": self.timesteps_trained,
@@ -503,6 +520,49 @@ class ContinuousTrainer:
                 "holdout_fraction": float(self.cfg.ope.holdout_fraction),
             },
         }
+
+    def _note_trained(self, keys: Any) -> None:
+        """Advance `trained_positions` over the shards `keys` (just trained), by their manifest
+        entries (`_place_trained`)."""
+        self._unplaced |= set(keys)
+        self._place_trained()
+
+    def _place_trained(self) -> bool:
+        """Find the manifest entries of the trained shards not placed yet: from the follower,
+        else from the input's manifest (read once per call that needs it: a shard the follower
+        no longer selects, a checkpoint without positions). A shard in no partition log marks
+        the lineage lost (`LineageLost` at the next publish); a store that does not answer
+        leaves them for the next call. True when every trained shard is placed."""
+        if not self._unplaced:
+            return True
+        od = self.algo.offline_data if self.algo is not None else None
+        found = {k: od.entry(k) if od is not None else None for k in self._unplaced}
+        unknown = [k for k, e in found.items() if e is None]
+        if unknown:
+            from rlrec.store.manifest import read_manifest
+
+            try:
+                by_path = {e.path: e for e in read_manifest(self.input)}
+            except StorageError as e:
+                log.warning(
+                    "reading the manifest of %s for the lineage failed (%s); retried later", self.input.uri(), e
+                )
+                by_path = None
+            if by_path is not None:
+                found.update({k: by_path.get(k) for k in unknown})
+                lost = sorted(k for k in unknown if found[k] is None)
+                if lost and self._lineage_lost is None:
+                    self._lineage_lost = (
+                        f"{len(lost)} trained shard(s) are in no partition log of {self.input.uri()}, e.g. {lost[0]}"
+                    )
+                    log.error("%s: no version can be published with a lineage", self._lineage_lost)
+                self._unplaced -= set(lost)
+        for k, e in found.items():
+            if e is not None:
+                key = (e.topic, e.partition)
+                self.trained_positions[key] = max(self.trained_positions.get(key, 0), int(e.seq) + 1)
+                self._unplaced.discard(k)
+        return not self._unplaced
 
     def _publish(self, version: int, artifact: Any, metadata: dict, lineage: dict) -> bool:
         """Prepare `artifact` (None: export the Learner's weights now) as `version`, to be
@@ -639,6 +699,8 @@ class ContinuousTrainer:
             if artifact is None:
                 artifact = export_candidate(self.algo, self.obs_space, self.act_space)
             lineage = self._lineage()
+        except LineageLost:
+            raise
         except Exception as e:
             log.error("exporting candidate v%d failed (%s): not evaluated", version, e)
             return
@@ -869,6 +931,7 @@ class ContinuousTrainer:
         self.timesteps_trained = int(state["timesteps_trained"])
         self.trained = set(state["trained_shards"])
         self.since_publish = set(state.get("since_publish", ()))
+        self._restore_positions(state)
         if state.get("deployed_return") is not None:
             self.deployed_return = float(state["deployed_return"])
         self.metrics.truncate_after(self.iteration)
@@ -880,6 +943,19 @@ class ContinuousTrainer:
             len(self.trained),
         )
         return True
+
+    def _restore_positions(self, state: dict) -> None:
+        """`trained_positions` from a checkpoint's state; a checkpoint without them (or with
+        malformed ones) gets them from the input's manifest (`_place_trained`)."""
+        self.trained_positions = {}
+        try:
+            self.trained_positions = {(str(t), int(p)): int(n) for t, p, n in state["trained_positions"]}
+            unplaced = {str(k) for k in state.get("trained_unplaced") or ()}
+        except (KeyError, TypeError, ValueError):
+            if self.trained:
+                log.info("the checkpoint keeps no manifest positions: finding its %d trained shards", len(self.trained))
+            unplaced = set(self.trained)
+        self._note_trained(unplaced & self.trained)
 
     # ------------------------------------------------------------------ main loop
     def setup(self) -> bool:
@@ -1024,6 +1100,8 @@ class ContinuousTrainer:
         st.newly_trained = {k: v for k, v in st.newly_trained.items() if k in new}
         self.trained |= new
         self.since_publish |= new
+        if new:
+            self._note_trained(new)
         for k in st.missing:
             self.missing_total += 1
             log.warning("shard %s was deleted outside the trainer; skipping it", k)

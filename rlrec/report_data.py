@@ -174,11 +174,14 @@ def _load_trainer(data: ReportData, uri: str) -> None:
 
 
 def _load_lineages(data: ReportData, uri: str) -> None:
-    from rlrec.trainer.lineage import list_lineages
+    from rlrec.trainer.lineage import LineageError, list_lineages
 
     data.policies_uri = uri
     try:
         data.lineages = list_lineages(uri)
+    except LineageError as e:  # no publish root (yet), or one that cannot be listed
+        data.note("lineage", str(e))
+        return
     except Exception as e:
         data.note("lineage", f"cannot read the published versions under {uri}: {type(e).__name__}: {e}")
         return

@@ -832,7 +832,7 @@ def cursor_at(
         >>> from rlrec.trainer.synthetic import expert_cartpole_episodes
         >>> root = tempfile.mkdtemp()
         >>> _ = ShardCommitter(root).commit(expert_cartpole_episodes(1))
-        >>> str(cursor_at(root, {("rl", 0): 1})) == open_snapshot(root).cursor
+        >>> str(cursor_at(root, {("rl", 0): 2})) == open_snapshot(root).cursor  # a claim, then the shard
         True
     """
     st = Storage.from_uri(storage) if isinstance(storage, str) else storage

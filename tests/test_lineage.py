@@ -262,6 +262,27 @@ def test_the_lineage_cursor_needs_no_follower_entry_and_a_lost_shard_stops_the_t
     assert exit_code_for(e.value) == 1 and "\n" not in str(e.value)
 
 
+def test_a_missing_publish_root_is_an_error_and_an_unreadable_version_one_row(tmp_path, capsys):
+    from rlrec.cli import main
+    from rlrec.trainer.lineage import Lineage
+
+    root = str(tmp_path / "s")
+    ShardCommitter(root).commit(expert_cartpole_episodes(1))
+    with pytest.raises(LineageError, match="no publish root at"):
+        list_lineages(str(tmp_path / "polcies"))  # mistyped
+    assert main(["inspect", root, "--policies", str(tmp_path / "polcies")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("rlrec inspect: error: no publish root at") and "\n" not in err, err
+    pol = tmp_path / "pol"
+    (pol / "v000001" / "policy.json").mkdir(parents=True)  # unreadable as a file: an OSError
+    (pol / "v000002").mkdir()
+    rows = list_lineages(str(pol))
+    assert [r["policy_version"] for r in rows] == [1, 2]
+    assert "IsADirectoryError" in rows[0]["error"] and "is not published" in rows[1]["error"]
+    with pytest.raises(LineageError, match="not an rlrec cursor"):
+        Lineage.from_doc(1, {"cursor": "[red]x[/red]", "shards": []}, True)
+
+
 def test_docstring_examples():
     for module in ("rlrec.reading", "rlrec.store.snapshot", "rlrec.trainer.lineage"):
         result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)

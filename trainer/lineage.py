@@ -92,8 +92,13 @@ class Lineage:
         """A `Lineage` from a verified lineage.json (`LineageError` if its fields are malformed)."""
         where = f"the lineage of policy version {version}"
         cursor, shards, f = doc.get("cursor"), doc.get("shards", []), doc.get("holdout_fraction", 0.0)
-        if cursor is not None and not isinstance(cursor, str):
-            raise LineageError(f"{where}: cursor is not a string")
+        if cursor is not None:
+            from rlrec.store.snapshot import Cursor, CursorError
+
+            try:
+                Cursor.parse(cursor if isinstance(cursor, str) else repr(cursor)[:80])
+            except CursorError as e:
+                raise LineageError(f"{where}: {e}") from None
         if not isinstance(shards, list) or not all(isinstance(k, str) for k in shards):
             raise LineageError(f"{where}: shards is not a list of paths")
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or not 0.0 <= f < 1.0:
@@ -179,12 +184,16 @@ def open_lineage(
 def list_lineages(policies: str, *, public_key: Any = None) -> list[dict]:
     """One row per version directory under `policies`, for display (`rlrec report`, `inspect
     --policies`): ``policy_version``, ``cursor`` (None: not recorded), ``shards`` (count),
-    ``holdout_fraction``, ``signed``, ``error`` (why its lineage is not usable, else None).
-    Unsigned versions are listed (``signed`` False); nothing here raises for one bad version.
+    ``holdout_fraction`` (None: not recorded), ``signed``, ``error`` (why its lineage is not
+    usable, else None). Unsigned versions are listed (``signed`` False); one bad or unreadable
+    version is a row with its ``error``, never an exception.
 
     Args:
         policies: the publish root.
         public_key: the trainer's public key (default ``$RLREC_POLICY_PUBLIC_KEY``).
+
+    Raises:
+        LineageError: the publish root does not exist (a local path) or cannot be listed.
 
     Example:
         >>> [r["policy_version"] for r in list_lineages("/ckpt/policies")]  # doctest: +SKIP
@@ -194,8 +203,10 @@ def list_lineages(policies: str, *, public_key: Any = None) -> list[dict]:
 
     try:
         names = _Files(policies).version_dirs()
-    except (OSError, PolicyLoadError):
-        return []
+    except FileNotFoundError:
+        raise LineageError(f"no publish root at {policies} (give the trainer's {{checkpoint-dir}}/policies)") from None
+    except (OSError, PolicyLoadError) as e:
+        raise LineageError(f"cannot list the publish root {policies}: {type(e).__name__}: {e}") from None
     rows = []
     for name in names:
         version = int(name[1:])
@@ -207,9 +218,15 @@ def list_lineages(policies: str, *, public_key: Any = None) -> list[dict]:
                 lin = read_version_lineage(policies, version, public_key=public_key, allow_unsigned=True)
         except LineageError as e:
             row["error"] = str(e)
+        except Exception as e:  # an unreadable version is one row, the listing goes on
+            row["error"] = f"policy version {version}: {type(e).__name__}: {e}".splitlines()[0]
         else:
+            recorded = "holdout_fraction" in lin.doc
             row.update(
-                cursor=lin.cursor, shards=len(lin.shards), holdout_fraction=lin.holdout_fraction, signed=lin.signed
+                cursor=lin.cursor,
+                shards=len(lin.shards),
+                holdout_fraction=lin.holdout_fraction if recorded else None,
+                signed=lin.signed,
             )
         rows.append(row)
     return rows

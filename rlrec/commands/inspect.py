@@ -155,6 +155,8 @@ def _print_lineages(console, rows: list[dict], policies: str) -> None:
         signed = "?" if r["signed"] is None else ("yes" if r["signed"] else "no")
         cursor = r["cursor"] or (Text(r["error"], style="red") if r["error"] else "not recorded")
         held = "–" if r["holdout_fraction"] is None else f"{r['holdout_fraction']:g}"
+        if isinstance(cursor, str):  # stored text, never Rich markup
+            cursor = Text(cursor)
         t.add_row(str(r["policy_version"]), signed, str(r["shards"] if r["shards"] is not None else "–"), held, cursor)
     console.print(t)
 

@@ -17,6 +17,8 @@ def open(
     held_out: bool = False,
     public_key: Any = None,
     allow_unsigned: bool = False,
+    run_id: str | None = None,
+    channel: str | None = None,
 ):
     """A `rlrec.store.snapshot.Snapshot` of the store at `uri`.
 
@@ -29,11 +31,14 @@ def open(
         uri: the store (a path or URI, or a `Storage`).
         as_of: the point of the manifest (not with `policy_version`).
         policy_version: a published policy version.
-        policies: the publish root of the versions (``{checkpoint_dir}/policies`` by default).
+        policies: the publish root of the versions (required with `policy_version`; `rlrec train` publishes
+            to ``{checkpoint_dir}/policies`` unless given another).
         held_out: with `policy_version`: the held-out episodes instead of the trained ones.
         public_key: with `policy_version`: the trainer's Ed25519 public key (default
             ``$RLREC_POLICY_PUBLIC_KEY``) that must have signed the version.
         allow_unsigned: with `policy_version`: accept an unsigned version.
+        run_id: with `policy_version`: only a version signed for this run (as `load_policy` pins it).
+        channel: with `policy_version`: only a version signed for this channel.
 
     Raises:
         CursorError: a bad point (`open_snapshot`).
@@ -58,7 +63,12 @@ def open(
     if policy_version is None:
         from rlrec.trainer.lineage import LineageError
 
-        for name, value in (("policies", policies), ("held_out", held_out or None)):
+        for name, value in (
+            ("policies", policies),
+            ("held_out", held_out or None),
+            ("run_id", run_id),
+            ("channel", channel),
+        ):
             if value is not None:
                 raise LineageError(f"{name} needs policy_version")
         from rlrec.store.snapshot import open_snapshot
@@ -71,5 +81,12 @@ def open(
     if policies is None:
         raise LineageError("policy_version needs policies= (the publish root, e.g. {checkpoint_dir}/policies)")
     return open_lineage(
-        uri, policies, policy_version, held_out=held_out, public_key=public_key, allow_unsigned=allow_unsigned
+        uri,
+        policies,
+        policy_version,
+        held_out=held_out,
+        public_key=public_key,
+        allow_unsigned=allow_unsigned,
+        run_id=run_id,
+        channel=channel,
     )

@@ -17,6 +17,7 @@ import os
 import shutil
 import threading
 import time
+import warnings
 
 import pytest
 
@@ -281,6 +282,72 @@ def test_a_missing_publish_root_is_an_error_and_an_unreadable_version_one_row(tm
     assert "IsADirectoryError" in rows[0]["error"] and "is not published" in rows[1]["error"]
     with pytest.raises(LineageError, match="not an rlrec cursor"):
         Lineage.from_doc(1, {"cursor": "[red]x[/red]", "shards": []}, True)
+
+
+def _publish_version(pol: str, version: int, store: str, priv: str, *, run_id: str, channel: str = "default") -> None:
+    """Publish a signed CartPole BC policy `version` under `pol` whose lineage names every shard
+    of `store` at its newest cursor (as `rlrec train` publishes one; no Ray)."""
+    import gymnasium as gym
+    from ray.rllib.core import DEFAULT_MODULE_ID
+
+    from rlrec.trainer.export import build_artifact, publish_policy
+    from rlrec.trainer.service import ALGORITHMS, _import
+    from rlrec.trainer.signing import load_private_key
+
+    env = gym.make("CartPole-v1")
+    obs, act = env.observation_space, env.action_space
+    config = _import(ALGORITHMS["BC"][0])().environment(observation_space=obs, action_space=act)
+    module = config.get_multi_rl_module_spec(spaces={DEFAULT_MODULE_ID: (obs, act)}).build()
+    entries = open_snapshot(store).entries
+    shards = [e.path for e in entries]
+    data = {"input": Storage.from_uri(store).uri(), "cursor": str(cursor_covering(store, entries))}
+    publish_policy(
+        Storage.from_uri(pol),
+        algo=None,
+        version=version,
+        algo_name="BC",
+        observation_space=obs,
+        action_space=act,
+        iteration=1,
+        timesteps_trained=0,
+        shards=shards,
+        new_shards=shards,
+        data={**data, "holdout_fraction": HOLDOUT},
+        parent_version=None,
+        signing_key=load_private_key(priv),
+        artifact=build_artifact(module[DEFAULT_MODULE_ID].eval(), obs, act),
+        run_id=run_id,
+        channel=channel,
+    )
+
+
+def test_a_pinned_run_or_channel_refuses_a_version_of_another_and_another_input_name_warns(tmp_path):
+    from rlrec.trainer.lineage import LineageInputWarning
+    from rlrec.trainer.signing import generate_keys
+
+    root = str(tmp_path / "s")
+    ShardCommitter(root).commit(expert_cartpole_episodes(4, max_steps=20))
+    priv, pub = generate_keys(tmp_path / "keys")
+    pol = str(tmp_path / "pol")
+    _publish_version(pol, 1, root, str(priv), run_id="run-a", channel="cartpole")
+    kw = {"policy_version": 1, "policies": pol, "public_key": str(pub)}
+    for pin, msg in (
+        ({"run_id": "run-b"}, "run id 'run-a', not the pinned 'run-b'"),
+        ({"channel": "other"}, "channel"),
+    ):
+        with pytest.raises(LineageError, match=msg) as e:
+            rlrec.open(root, **kw, **pin)
+        assert "\n" not in str(e.value)
+    with pytest.raises(LineageError, match="run_id needs policy_version"):
+        rlrec.open(root, run_id="run-a")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the store by the name it was trained on: no warning
+        snap = rlrec.open(root, **kw, run_id="run-a", channel="cartpole")
+    assert snap.num_episodes > 0
+    alias = tmp_path / "alias"
+    alias.symlink_to(root)
+    with pytest.warns(LineageInputWarning, match="the same store by another name"):
+        assert rlrec.open(str(alias), **kw).num_episodes == snap.num_episodes
 
 
 def test_docstring_examples():

@@ -36,7 +36,19 @@ from rlrec.store.snapshot import Snapshot, open_snapshot
 from rlrec.store.storage import Storage
 from rlrec.trainer.holdout import is_held_out
 
-__all__ = ["HoldoutSplit", "Lineage", "LineageError", "list_lineages", "open_lineage", "read_version_lineage"]
+__all__ = [
+    "HoldoutSplit",
+    "Lineage",
+    "LineageError",
+    "LineageInputWarning",
+    "list_lineages",
+    "open_lineage",
+    "read_version_lineage",
+]
+
+
+class LineageInputWarning(UserWarning):
+    """A version's data is read through another URI than the one its trainer read."""
 
 
 class LineageError(ValueError):
@@ -108,7 +120,13 @@ class Lineage:
 
 
 def read_version_lineage(
-    policies: str, version: int, *, public_key: Any = None, allow_unsigned: bool = False
+    policies: str,
+    version: int,
+    *,
+    public_key: Any = None,
+    allow_unsigned: bool = False,
+    run_id: str | None = None,
+    channel: str | None = None,
 ) -> Lineage:
     """The verified lineage of published `version` (`rlrec.trainer.policy.read_lineage`).
 
@@ -118,9 +136,12 @@ def read_version_lineage(
         public_key: the trainer's Ed25519 public key (PEM bytes or a path; default
             ``$RLREC_POLICY_PUBLIC_KEY``).
         allow_unsigned: accept a version whose policy.json carries no verified signature.
+        run_id: only a version signed for this run (``rlrec train`` logs its run id).
+        channel: only a version signed for this channel.
 
     Raises:
-        LineageError: unknown version, unsigned, tampered (one-line message).
+        LineageError: unknown version, unsigned, tampered, another run or channel than
+            pinned (one-line message).
 
     Example:
         >>> read_version_lineage("/ckpt/policies", 3).cursor  # doctest: +SKIP
@@ -131,7 +152,9 @@ def read_version_lineage(
     if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= 999_999:
         raise LineageError(f"policy_version must be an integer in 1..999999, got {version!r:.40}")
     try:
-        doc, signed = read_lineage(policies, version, public_key=public_key, allow_unsigned=allow_unsigned)
+        doc, signed = read_lineage(
+            policies, version, public_key=public_key, allow_unsigned=allow_unsigned, run_id=run_id, channel=channel
+        )
     except FileNotFoundError as e:
         raise LineageError(str(e).strip("'\"")) from None
     except PolicyLoadError as e:
@@ -147,6 +170,8 @@ def open_lineage(
     held_out: bool = False,
     public_key: Any = None,
     allow_unsigned: bool = False,
+    run_id: str | None = None,
+    channel: str | None = None,
 ) -> Snapshot:
     """The data published `version` was trained on (or, with `held_out`, the data it held out),
     as a snapshot of `storage` pinned to the version's lineage cursor (module docstring). Its
@@ -160,10 +185,17 @@ def open_lineage(
         held_out: the held-out episodes of the version's shards instead of the trained ones.
         public_key: the trainer's public key (default ``$RLREC_POLICY_PUBLIC_KEY``).
         allow_unsigned: accept an unsigned version.
+        run_id: only a version signed for this run.
+        channel: only a version signed for this channel.
 
     Raises:
-        LineageError: unknown version, unsigned or tampered lineage, a lineage without a cursor.
+        LineageError: unknown version, unsigned or tampered lineage, another run or channel
+            than pinned, a lineage without a cursor.
         CursorError: the cursor is not a point of `storage` (another store, a shard missing).
+
+    Warns:
+        LineageInputWarning: `storage` is named by another URI than the lineage's ``input``
+            (the cursor's tag still proves it is the same store: a mirror, another scheme).
 
     Example:
         >>> snap = open_lineage("/data/shards", "/ckpt/policies", 3)  # doctest: +SKIP
@@ -171,14 +203,25 @@ def open_lineage(
         >>> set(snap.steps()["episode_id"].to_pylist()) & set(held.steps()["episode_id"].to_pylist())  # doctest: +SKIP
         set()
     """
-    lin = read_version_lineage(policies, version, public_key=public_key, allow_unsigned=allow_unsigned)
+    lin = read_version_lineage(
+        policies, version, public_key=public_key, allow_unsigned=allow_unsigned, run_id=run_id, channel=channel
+    )
     if lin.cursor is None:
         raise LineageError(
             f"the lineage of policy version {version} records no manifest cursor (published before rlrec "
             "recorded one): its data cannot be reopened exactly; lineage.json lists its shards"
         )
     keep = HoldoutSplit(lin.holdout_fraction, bool(held_out))
-    return open_snapshot(storage, as_of=lin.cursor).subset(lin.shards, keep_episode=keep)
+    snap = open_snapshot(storage, as_of=lin.cursor)  # CursorError: the cursor's tag names another store
+    here = snap.storage.uri("")
+    if lin.input is not None and lin.input.rstrip("/") != here.rstrip("/"):
+        warnings.warn(
+            f"policy version {version} was trained on {lin.input}, this reads {here} (the cursor's tag matches: "
+            "the same store by another name)",
+            LineageInputWarning,
+            stacklevel=2,
+        )
+    return snap.subset(lin.shards, keep_episode=keep)
 
 
 def list_lineages(policies: str, *, public_key: Any = None) -> list[dict]:

@@ -577,20 +577,32 @@ def _pinned_lineage(files: _Files, rel_dir: str, hashes: dict[str, str]) -> dict
     return doc
 
 
-def read_lineage(uri: str, version: int, *, public_key: Any = None, allow_unsigned: bool = False) -> tuple[dict, bool]:
+def read_lineage(
+    uri: str,
+    version: int,
+    *,
+    public_key: Any = None,
+    allow_unsigned: bool = False,
+    run_id: str | None = None,
+    channel: str | None = None,
+) -> tuple[dict, bool]:
     """The lineage.json of published `version` under the publish root `uri`, verified as
     `load_policy` verifies a version (the same checks, without reading the weights), and
     whether its policy.json's signature verified.
 
     With a public key (``public_key=`` or ``RLREC_POLICY_PUBLIC_KEY``) policy.json's signature
     must verify; lineage.json must match the sha256 that policy.json pins. An unsigned version
-    is refused unless ``allow_unsigned=True`` (warned).
+    is refused unless ``allow_unsigned=True`` (warned). A pinned `run_id` / `channel` needs a
+    signed version for exactly that run / channel (as `load_policy` pins them): a signed
+    version directory copied in from another run or channel is refused.
 
     Args:
         uri: the publish root (a path or URI).
         version: the policy version (1 .. 999999).
         public_key: the trainer's Ed25519 public key (PEM bytes, a path, or a key object).
-        allow_unsigned: accept a version without a verified signature.
+        allow_unsigned: accept a version without a verified signature (not with a pin).
+        run_id: only a version signed for this run (its ``run_id``).
+        channel: only a version signed for this channel.
 
     Raises:
         FileNotFoundError: the version is not published under `uri`.
@@ -601,12 +613,17 @@ def read_lineage(uri: str, version: int, *, public_key: Any = None, allow_unsign
         >>> doc["cursor"]  # doctest: +SKIP
         'r1~4be0c6a2f1d9~rl:0=14'
     """
+    try:
+        pins = Pins.of(run_id=run_id, channel=channel)
+    except ValueError as e:
+        raise PolicyLoadError(str(e)) from None
     trust = _trust(public_key, allow_unsigned, False)
     files = _Files(uri)
     rel_dir = version_dir(version)
     if not files.exists(f"{rel_dir}/{SPEC}"):
         raise FileNotFoundError(f"policy version {version} is not published under {uri} (no {rel_dir}/{SPEC})")
     spec, signed = _verified_spec(files, rel_dir, trust)
+    _check_identity_pins(spec, rel_dir, signed, pins)
     if not signed:
         if not trust.allow_unsigned:
             hint = (

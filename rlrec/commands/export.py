@@ -37,6 +37,12 @@ class ExportOptions:
         "(default: $RLREC_POLICY_PUBLIC_KEY)",
     )
     allow_unsigned: bool = option(False, help="with --policy-version: accept an unsigned version")
+    run_id: str | None = option(
+        None, metavar="ID", help="with --policy-version: only a version signed for this run (rlrec train logs its id)"
+    )
+    channel: str | None = option(
+        None, metavar="NAME", help="with --policy-version: only a version signed for this channel"
+    )
 
 
 #: the options of `rlrec export`
@@ -77,7 +83,13 @@ def _snapshot(storage, opts: ExportOptions):
     from rlrec.reading import open as open_store
 
     if opts.policy_version is None:
-        for flag, given in (("--policies", opts.policies), ("--held-out", opts.held_out)):
+        given_flags = (
+            ("--policies", opts.policies),
+            ("--held-out", opts.held_out),
+            ("--run-id", opts.run_id),
+            ("--channel", opts.channel),
+        )
+        for flag, given in given_flags:
             if given:
                 raise UsageError(f"{flag} needs --policy-version")
         return open_store(storage, as_of=parse_as_of(opts.as_of))
@@ -92,6 +104,8 @@ def _snapshot(storage, opts: ExportOptions):
         held_out=opts.held_out,
         public_key=opts.public_key,
         allow_unsigned=opts.allow_unsigned,
+        run_id=opts.run_id,
+        channel=opts.channel,
     )
 
 
@@ -120,6 +134,9 @@ def run(args: argparse.Namespace) -> int:
         again = f"--policy-version {opts.policy_version} --policies {opts.policies}" + (
             " --held-out" if opts.held_out else ""
         )
+        for flag, value in (("--run-id", opts.run_id), ("--channel", opts.channel)):
+            if value is not None:
+                again += f" {flag} {value}"
         meta = {
             b"rlrec.lineage": again.encode(),
             b"rlrec.lineage_cursor": snap.cursor.encode(),

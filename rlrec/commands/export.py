@@ -83,13 +83,8 @@ def _snapshot(storage, opts: ExportOptions):
     from rlrec.reading import open as open_store
 
     if opts.policy_version is None:
-        given_flags = (
-            ("--policies", opts.policies),
-            ("--held-out", opts.held_out),
-            ("--run-id", opts.run_id),
-            ("--channel", opts.channel),
-        )
-        for flag, given in given_flags:
+        # (--run-id / --channel may come from the environment a trainer runs in: ignored here)
+        for flag, given in (("--policies", opts.policies), ("--held-out", opts.held_out)):
             if given:
                 raise UsageError(f"{flag} needs --policy-version")
         return open_store(storage, as_of=parse_as_of(opts.as_of))

@@ -447,24 +447,32 @@ def check_publications(root: Path, problems: list[str]) -> list[dict]:
 def check_lineage_cursors(storage: Storage, versions: list[dict], problems: list[str]) -> None:
     """Every version's lineage records a cursor (docs/TRAINER.md, "Lineage", L1) at which the
     store holds exactly its shards: the smallest point holding them (each log's last entry
-    below it is one of them) and every one of them below it."""
+    below it is one of them) and every one of them below it; its ranges name exactly the shards
+    of its and the earlier versions' new_shards, as many as it counts."""
     from rlrec.store.snapshot import Cursor, CursorError, open_snapshot
+    from rlrec.trainer.lineage import Lineage, LineageError
 
+    trained: set[str] = set()  # every version's new_shards list each shard once: their union is what it trained
     for v in versions:
-        name, cursor, shards = f"v{v['policy_version']:06d}", v.get("cursor"), set(v["shards"])
+        trained |= set(v.get("new_shards") or ())
+        name, cursor = f"v{v['policy_version']:06d}", v.get("cursor")
         if not cursor:
             problems.append(f"{name}/lineage.json records no cursor")
             continue
         try:
             snap = open_snapshot(storage, as_of=cursor)
+            lin = Lineage.from_doc(v["policy_version"], v, True)
+            shards = set(lin.shard_paths(snap.entries))
             got = {e.path for e in snap.subset(shards).entries}
-        except CursorError as e:
+            if lin.num_shards != len(shards):
+                problems.append(f"{name}: its lineage counts {lin.num_shards} shards, its ranges name {len(shards)}")
+        except (CursorError, LineageError) as e:
             problems.append(f"{name}: its lineage cursor does not reopen its shards: {e}")
             continue
         last = {(e.topic, e.partition): e for e in snap.entries}  # sorted: the last of each log wins
         ends = Cursor.parse(cursor).positions
         tight = all((e := last.get(k)) is not None and e.seq == n - 1 and e.path in shards for k, n in ends.items())
-        if got != shards or not tight:
+        if got != shards or shards != trained or not tight:
             problems.append(f"{name}: its lineage cursor {cursor} is not the point of exactly its shards")
 
 

@@ -232,6 +232,7 @@ def test_the_lineage_cursor_needs_no_follower_entry_and_a_lost_shard_stops_the_t
     of the shards trained before; an old checkpoint gets them from the manifest; a trained shard
     in no partition log stops the trainer (exit code 1) instead of never publishing again."""
     from rlrec.errors import exit_code_for
+    from rlrec.trainer.lineage import ranges_doc
     from rlrec.trainer.service import ContinuousTrainer, LineageLost
 
     root = str(tmp_path / "s")
@@ -250,11 +251,12 @@ def test_the_lineage_cursor_needs_no_follower_entry_and_a_lost_shard_stops_the_t
         return t
 
     saved = resumed({})  # positions from the manifest (a checkpoint without them)
-    kept = [[t, p, n] for (t, p), n in sorted(saved.trained_positions.items())]
-    assert kept == [["rl", 0, 2], ["rl", 1, 2]]
-    for state in ({"trained_positions": kept}, {}):
+    kept = ranges_doc(saved.trained_ranges)
+    assert kept == [["rl", 0, [[1, 2]]], ["rl", 1, [[1, 2]]]]  # seq 0 of each log: its writer's claim
+    for state in ({"trained_ranges": kept}, {}):
         lineage = resumed(state)._lineage()
-        assert lineage["data"]["cursor"] == want and lineage["shards"] == sorted(e.path for e in trained)
+        assert lineage["data"]["cursor"] == want and lineage["data"]["trained"] == kept
+        assert lineage["data"]["shards_trained"] == len(trained)
     lost = resumed({})
     lost.trained.add("rl/00000/gone.parquet")
     lost._note_trained({"rl/00000/gone.parquet"})
@@ -298,9 +300,19 @@ def _publish_version(pol: str, version: int, store: str, priv: str, *, run_id: s
     obs, act = env.observation_space, env.action_space
     config = _import(ALGORITHMS["BC"][0])().environment(observation_space=obs, action_space=act)
     module = config.get_multi_rl_module_spec(spaces={DEFAULT_MODULE_ID: (obs, act)}).build()
+    from rlrec.trainer.lineage import add_seq, ranges_doc
+
     entries = open_snapshot(store).entries
     shards = [e.path for e in entries]
-    data = {"input": Storage.from_uri(store).uri(), "cursor": str(cursor_covering(store, entries))}
+    ranges: dict = {}
+    for e in entries:
+        add_seq(ranges.setdefault((e.topic, e.partition), []), e.seq)
+    data = {
+        "input": Storage.from_uri(store).uri(),
+        "cursor": str(cursor_covering(store, entries)),
+        "trained": ranges_doc(ranges),
+        "shards_trained": len(shards),
+    }
     publish_policy(
         Storage.from_uri(pol),
         algo=None,
@@ -310,7 +322,7 @@ def _publish_version(pol: str, version: int, store: str, priv: str, *, run_id: s
         action_space=act,
         iteration=1,
         timesteps_trained=0,
-        shards=shards,
+        shards=None,
         new_shards=shards,
         data={**data, "holdout_fraction": HOLDOUT},
         parent_version=None,
@@ -343,11 +355,37 @@ def test_a_pinned_run_or_channel_refuses_a_version_of_another_and_another_input_
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the store by the name it was trained on: no warning
         snap = rlrec.open(root, **kw, run_id="run-a", channel="cartpole")
-    assert snap.num_episodes > 0
+    every = _shard_ids(root, [e.path for e in open_snapshot(root).entries])
+    assert _ids(snap) == sorted(i for i in every if not is_held_out(i, HOLDOUT))  # the trained ranges reopened
     alias = tmp_path / "alias"
     alias.symlink_to(root)
     with pytest.warns(LineageInputWarning, match="the same store by another name"):
         assert rlrec.open(str(alias), **kw).num_episodes == snap.num_episodes
+
+
+def test_a_lineage_names_its_shards_in_ranges_that_do_not_grow_with_each_shard(tmp_path):
+    """lineage.json records the trained shards as manifest seq ranges per partition log: their
+    number grows with the manifest's snapshot entries and gaps, not with every shard."""
+    from rlrec.trainer.lineage import Lineage
+    from rlrec.trainer.service import ContinuousTrainer
+
+    root = str(tmp_path / "s")
+    c = ShardCommitter(root, "rl", 0, snapshot_every=50)
+    for i in range(120):
+        c.commit(expert_cartpole_episodes(1, seed=i, max_steps=5))
+    entries = open_snapshot(root).entries
+    skipped = entries[30].path  # e.g. refused by the schema gate: below the cursor, not trained
+    t = ContinuousTrainer(_cfg(root, str(tmp_path / "ck")))
+    t.trained = {e.path for e in entries if e.path != skipped}
+    t._note_trained(t.trained)  # t.algo is None: entries from the manifest
+    lineage = t._lineage()
+    ranges = lineage["data"]["trained"][0][2]
+    assert lineage["shards"] is None and len(ranges) <= 5, ranges  # the gap, and the manifest's snapshot entries
+    doc = {**lineage["data"], "new_shards": []}
+    lin = Lineage.from_doc(1, doc, True)
+    snap = open_snapshot(root, as_of=lin.cursor)
+    assert sorted(lin.shard_paths(snap.entries)) == sorted(t.trained) and lin.num_shards == len(t.trained)
+    assert len(json.dumps(lineage["data"]["trained"])) < 200
 
 
 def test_docstring_examples():
@@ -453,7 +491,10 @@ def test_each_version_reopens_exactly_the_episodes_it_trained_on_and_held_out(tr
     everything = _shard_ids(out, [e.path for e in read_manifest(Storage.from_uri(out))])
     for version, shards in trained["versions"].items():
         lineage = json.load(open(os.path.join(pol, f"v{version:06d}", "lineage.json")))
-        assert set(lineage["shards"]) == shards and lineage["holdout_fraction"] == HOLDOUT
+        lin = read_version_lineage(pol, version, public_key=pub)
+        assert set(lin.shard_paths(open_snapshot(out, as_of=lin.cursor).entries)) == shards
+        assert "shards" not in lineage and lineage["shards_trained"] == len(shards) == lin.num_shards
+        assert lineage["holdout_fraction"] == HOLDOUT
         assert lineage["input"] == Storage.from_uri(out).uri() and lineage["cursor"].startswith("r1~")
         ids = _shard_ids(out, shards)
         want_trained = sorted(i for i in ids if not is_held_out(i, HOLDOUT))
@@ -506,7 +547,8 @@ def test_a_lineage_without_a_cursor_is_refused_clearly(trained, tmp_path):
     shutil.copytree(trained["policies"], pol)
     d = pol / "v000001"
     doc = json.loads((d / "lineage.json").read_text())
-    old = {k: doc[k] for k in ("policy_version", "parent_version", "iteration", "shards", "new_shards")}
+    old = {k: doc[k] for k in ("policy_version", "parent_version", "iteration", "new_shards")}
+    old["shards"] = sorted(trained["versions"][1])  # a lineage of then: its shards listed
     (d / "lineage.json").write_text(json.dumps(old))
     spec = json.loads((d / "policy.json").read_text())
     spec["files"]["lineage.json"] = hashlib.sha256((d / "lineage.json").read_bytes()).hexdigest()

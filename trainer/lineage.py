@@ -1,19 +1,21 @@
 """Which data trained which policy version, reopened exactly (docs/TRAINER.md, "Lineage").
 
 Every version `rlrec train` publishes carries a ``lineage.json`` whose sha256 its signed
-``policy.json`` pins. Besides the shard lists (``shards``: every shard trained on, i.e. with
-at least one row in a gradient step, by the time the version was exported; ``new_shards``:
-those since the previous version) it records where that data is:
+``policy.json`` pins. Besides ``new_shards`` (the shards first trained on since the previous
+version) it records what was trained and where that data is:
 
+* ``trained``: every shard trained on (with at least one row in a gradient step) by the time
+  the version was exported, as manifest seq ranges per partition log (`add_seq`, `ranges_doc`;
+  a lineage written before ranges lists their paths as ``shards``), and ``shards_trained``;
 * ``input``: the store the trainer read (its URI);
-* ``cursor``: the smallest point of that store's manifest holding every shard of ``shards``
-  (`rlrec.store.snapshot.cursor_covering`; a trainer follows the manifest and trains shards
+* ``cursor``: the smallest point of that store's manifest holding every trained shard
+  (`rlrec.store.snapshot.cursor_at`; a trainer follows the manifest and trains shards
   as they land, so this is the point up to which it had trained when it exported the version);
 * ``holdout_fraction``: F of the held-out split (`rlrec.trainer.holdout`): the episodes of
   those shards with ``is_held_out(id, F)`` were held out, never trained on.
 
 So the data a version was trained on is: the snapshot at ``cursor``, restricted to the
-entries named in ``shards``, less the held-out episodes; the data it held out: the same
+entries ``trained`` names, less the held-out episodes; the data it held out: the same
 shards' held-out episodes. `open_lineage` builds exactly these (`Snapshot.subset`). Its
 weights saw rows of every listed shard; a shard's remaining rows may still have been in the
 replay window when it was exported (the lineage is per shard, not per row), and episodes the
@@ -27,6 +29,7 @@ is a `LineageError`.
 
 from __future__ import annotations
 
+import bisect
 import math
 import warnings
 from dataclasses import dataclass
@@ -77,14 +80,61 @@ class HoldoutSplit:
         return is_held_out(episode_id, self.fraction) == self.held_out
 
 
+def add_seq(ranges: list[list[int]], seq: int) -> None:
+    """Add manifest seq `seq` to `ranges` (sorted, disjoint half-open ``[start, end)`` ranges),
+    merging the ranges it touches: a log's trained shards in a few ranges, not one per shard.
+
+    Example:
+        >>> r = []
+        >>> for s in (1, 2, 4, 3, 9): add_seq(r, s)
+        >>> r
+        [[1, 5], [9, 10]]
+    """
+    i = bisect.bisect_left(ranges, [seq + 1])  # the first range starting after seq
+    if i and ranges[i - 1][1] > seq:  # inside the range before
+        return
+    if i and ranges[i - 1][1] == seq:  # extends the range before
+        ranges[i - 1][1] = seq + 1
+        if i < len(ranges) and ranges[i][0] == seq + 1:  # and joins it to the next
+            ranges[i - 1][1] = ranges.pop(i)[1]
+        return
+    if i < len(ranges) and ranges[i][0] == seq + 1:  # extends the next range down
+        ranges[i][0] = seq
+        return
+    ranges.insert(i, [seq, seq + 1])
+
+
+def ranges_doc(ranges: dict[tuple[str, int], list[list[int]]]) -> list:
+    """`ranges` (per (topic, partition)) as JSON: ``[[topic, partition, [[start, end], ...]], ...]``."""
+    return [[t, p, [list(r) for r in rs]] for (t, p), rs in sorted(ranges.items())]
+
+
+def _ranges_from_doc(doc: Any, where: str) -> dict[tuple[str, int], tuple[tuple[int, int], ...]]:
+    out: dict[tuple[str, int], tuple[tuple[int, int], ...]] = {}
+    try:
+        for topic, part, rs in doc:
+            if not isinstance(topic, str) or isinstance(part, bool) or not isinstance(part, int):
+                raise TypeError
+            pairs = tuple((int(a), int(b)) for a, b in rs)
+            if any(isinstance(x, bool) or not 0 <= a < b for a, b in pairs for x in (a, b)):
+                raise ValueError
+            out[(topic, part)] = pairs
+    except (TypeError, ValueError):
+        raise LineageError(f"{where}: trained is not a list of [topic, partition, [[start, end], ...]]") from None
+    return out
+
+
 @dataclass(frozen=True)
 class Lineage:
     """One published version's verified lineage.
 
     Attributes:
         policy_version: the version.
-        cursor: the manifest point holding `shards` (None: written before cursors were recorded).
-        shards: the manifest paths of the shards it was trained on.
+        cursor: the manifest point holding its shards (None: written before cursors were recorded).
+        trained: per partition log ``(topic, partition)``, the manifest seq ranges ``(start,
+            end)`` of the shards it was trained on (None: a lineage that lists `shards`).
+        shards: the manifest paths of the shards it was trained on, as a lineage that lists
+            them records them (None: it records `trained` ranges).
         holdout_fraction: F of the held-out split (0: nothing held out).
         input: the URI of the store the trainer read (None: not recorded).
         signed: policy.json's signature verified with the configured public key.
@@ -93,17 +143,38 @@ class Lineage:
 
     policy_version: int
     cursor: str | None
-    shards: tuple[str, ...]
+    trained: dict[tuple[str, int], tuple[tuple[int, int], ...]] | None
+    shards: tuple[str, ...] | None
     holdout_fraction: float
     input: str | None
     signed: bool
     doc: dict
 
+    @property
+    def num_shards(self) -> int | None:
+        """How many shards it was trained on (None: not recorded)."""
+        if self.shards is not None:
+            return len(self.shards)
+        n = self.doc.get("shards_trained")
+        return n if isinstance(n, int) and not isinstance(n, bool) else None
+
+    def shard_paths(self, entries: Any) -> list[str]:
+        """The paths of the shards it was trained on among `entries` (the shard entries of the
+        snapshot at its cursor)."""
+        if self.shards is not None:
+            return list(self.shards)
+        ranges = self.trained or {}
+        return [
+            e.path
+            for e in entries
+            if any(a <= e.seq < b for a, b in ranges.get((e.topic, e.partition), ()))  # type: ignore[operator]
+        ]
+
     @classmethod
     def from_doc(cls, version: int, doc: dict, signed: bool) -> Lineage:
         """A `Lineage` from a verified lineage.json (`LineageError` if its fields are malformed)."""
         where = f"the lineage of policy version {version}"
-        cursor, shards, f = doc.get("cursor"), doc.get("shards", []), doc.get("holdout_fraction", 0.0)
+        cursor, f = doc.get("cursor"), doc.get("holdout_fraction", 0.0)
         if cursor is not None:
             from rlrec.store.snapshot import Cursor, CursorError
 
@@ -111,12 +182,18 @@ class Lineage:
                 Cursor.parse(cursor if isinstance(cursor, str) else repr(cursor)[:80])
             except CursorError as e:
                 raise LineageError(f"{where}: {e}") from None
-        if not isinstance(shards, list) or not all(isinstance(k, str) for k in shards):
-            raise LineageError(f"{where}: shards is not a list of paths")
+        trained, shards = None, None
+        if "trained" in doc:
+            trained = _ranges_from_doc(doc["trained"], where)
+        else:
+            shards = doc.get("shards", [])
+            if not isinstance(shards, list) or not all(isinstance(k, str) for k in shards):
+                raise LineageError(f"{where}: shards is not a list of paths")
+            shards = tuple(shards)
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or not 0.0 <= f < 1.0:
             raise LineageError(f"{where}: holdout_fraction {f!r:.40} is not in [0, 1)")
         inp = doc.get("input")
-        return cls(version, cursor, tuple(shards), float(f), inp if isinstance(inp, str) else None, signed, doc)
+        return cls(version, cursor, trained, shards, float(f), inp if isinstance(inp, str) else None, signed, doc)
 
 
 def read_version_lineage(
@@ -221,7 +298,7 @@ def open_lineage(
             LineageInputWarning,
             stacklevel=2,
         )
-    return snap.subset(lin.shards, keep_episode=keep)
+    return snap.subset(lin.shard_paths(snap.entries), keep_episode=keep)
 
 
 def list_lineages(policies: str, *, public_key: Any = None) -> list[dict]:
@@ -267,7 +344,7 @@ def list_lineages(policies: str, *, public_key: Any = None) -> list[dict]:
             recorded = "holdout_fraction" in lin.doc
             row.update(
                 cursor=lin.cursor,
-                shards=len(lin.shards),
+                shards=lin.num_shards,
                 holdout_fraction=lin.holdout_fraction if recorded else None,
                 signed=lin.signed,
             )

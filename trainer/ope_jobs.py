@@ -41,9 +41,9 @@ class CandidateJob:
         deployed_version: the published version it is compared with (None: the logged behaviour).
         iteration: the training iteration it was exported at.
         timesteps_trained: timesteps trained at that iteration.
-        shards: every shard trained on by then.
+        shards: every shard trained on by then (None: named by ``data["trained"]``).
         new_shards: shards trained on since the deployed version was published.
-        data: where those shards are (`rlrec.trainer.lineage`: input, cursor, holdout fraction).
+        data: where those shards are (`rlrec.trainer.lineage`: input, cursor, trained ranges, holdout fraction).
     """
 
     version: int
@@ -54,7 +54,7 @@ class CandidateJob:
     deployed_version: int | None
     iteration: int
     timesteps_trained: int = 0
-    shards: list[str] = field(default_factory=list)
+    shards: list[str] | None = None
     new_shards: list[str] = field(default_factory=list)
     data: dict = field(default_factory=dict)
     future: Future | None = None

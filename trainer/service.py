@@ -22,6 +22,7 @@ from rlrec.store.retry import RetrySchedule
 from rlrec.store.storage import Storage, StorageError
 from rlrec.trainer.checkpoints import STATE_VERSION, CheckpointStore
 from rlrec.trainer.config import TrainerConfig
+from rlrec.trainer.lineage import add_seq, ranges_doc
 from rlrec.trainer.metrics import TrainerMetrics
 from rlrec.trainer.storage_health import StorageHealth
 
@@ -149,8 +150,8 @@ class ContinuousTrainer:
         self._watchdog: Any = None  # rlrec.trainer.watchdog.StallWatchdog while running
         self._pending: list[Any] = []  # prepared publications (export.Publication) not yet written
         self._log_firsts: dict = {}  # (topic, partition) -> its first manifest entry's key (lineage cursors)
-        #: per partition log (topic, partition): one past the highest manifest seq of a trained shard
-        self.trained_positions: dict[tuple[str, int], int] = {}
+        #: per partition log (topic, partition): the manifest seq ranges [start, end) of the trained shards
+        self.trained_ranges: dict[tuple[str, int], list[list[int]]] = {}
         self._lineage_lost: str | None = None  # why the trained data has no cursor (LineageLost at publish)
         self._unplaced: set[str] = set()  # trained shards whose manifest entry is not found yet
 
@@ -378,7 +379,7 @@ class ContinuousTrainer:
             "input": self.input.uri(),
             "trained_shards": sorted(self.trained),
             "since_publish": sorted(self.since_publish),
-            "trained_positions": [[t, p, n] for (t, p), n in sorted(self.trained_positions.items())],
+            "trained_ranges": ranges_doc(self.trained_ranges),
             "trained_unplaced": sorted(self._unplaced),
             "holdout_fraction": float(self.cfg.ope.holdout_fraction),
             "deployed_return": self.deployed_return,
@@ -490,10 +491,11 @@ class ContinuousTrainer:
 
     def _lineage(self) -> dict:
         """What a version published now records of its training (docs/TRAINER.md, "Lineage"):
-        the shards trained on (at least one row of each in a gradient step), those new since
-        the last version, and ``data``: the input store, the manifest cursor holding those
-        shards (`trained_positions`, kept in the checkpoint; `rlrec.store.snapshot.cursor_at`)
-        and the holdout fraction whose held-out episodes of those shards were not trained on.
+        the shards new since the last version, and ``data``: the input store, the shards trained
+        on (at least one row of each in a gradient step) as manifest seq ranges per partition
+        log (``trained``; `trained_ranges`, kept in the checkpoint) and their number, the
+        manifest cursor holding them (`rlrec.store.snapshot.cursor_at`) and the holdout
+        fraction whose held-out episodes of those shards were not trained on.
 
         Raises:
             LineageLost: a trained shard is in no partition log of the input (the trainer stops).
@@ -508,21 +510,24 @@ class ContinuousTrainer:
             )
         if not self._place_trained():
             raise StorageError(f"the manifest entries of {len(self._unplaced)} trained shard(s) are not read yet")
-        cursor = cursor_at(self.input, self.trained_positions, self._log_firsts)
+        ends = {k: rs[-1][1] for k, rs in self.trained_ranges.items() if rs}
+        cursor = cursor_at(self.input, ends, self._log_firsts)
         return {
             "iteration": self.iteration,
             "timesteps_trained": self.timesteps_trained,
-            "shards": sorted(self.trained),
+            "shards": None,  # named by data["trained"]: a list of every shard would grow without bound
             "new_shards": sorted(self.since_publish),
             "data": {
                 "input": self.input.uri(),
                 "cursor": str(cursor),
+                "trained": ranges_doc(self.trained_ranges),
+                "shards_trained": len(self.trained),
                 "holdout_fraction": float(self.cfg.ope.holdout_fraction),
             },
         }
 
     def _note_trained(self, keys: Any) -> None:
-        """Advance `trained_positions` over the shards `keys` (just trained), by their manifest
+        """Add the shards `keys` (just trained) to `trained_ranges`, by their manifest
         entries (`_place_trained`)."""
         self._unplaced |= set(keys)
         self._place_trained()
@@ -560,7 +565,7 @@ class ContinuousTrainer:
         for k, e in found.items():
             if e is not None:
                 key = (e.topic, e.partition)
-                self.trained_positions[key] = max(self.trained_positions.get(key, 0), int(e.seq) + 1)
+                add_seq(self.trained_ranges.setdefault(key, []), int(e.seq))
                 self._unplaced.discard(k)
         return not self._unplaced
 
@@ -945,11 +950,13 @@ class ContinuousTrainer:
         return True
 
     def _restore_positions(self, state: dict) -> None:
-        """`trained_positions` from a checkpoint's state; a checkpoint without them (or with
+        """`trained_ranges` from a checkpoint's state; a checkpoint without them (or with
         malformed ones) gets them from the input's manifest (`_place_trained`)."""
-        self.trained_positions = {}
+        self.trained_ranges = {}
         try:
-            self.trained_positions = {(str(t), int(p)): int(n) for t, p, n in state["trained_positions"]}
+            self.trained_ranges = {
+                (str(t), int(p)): [[int(a), int(b)] for a, b in rs] for t, p, rs in state["trained_ranges"]
+            }
             unplaced = {str(k) for k in state.get("trained_unplaced") or ()}
         except (KeyError, TypeError, ValueError):
             if self.trained:

@@ -126,6 +126,12 @@ def test_ope_gate_promotes_better_and_refuses_worse(logged, tmp_path, monkeypatc
     spec = json.loads((tmp_path / "ck" / "policies" / "v000002" / "policy.json").read_text())
     assert spec["promotion"]["promoted"] and spec["promotion"]["estimator"] == "wdr" and spec["gamma"] == GAMMA
     assert spec["promotion"]["ci_low"] == better["ci_low"]
+    # the decision names its own data: the held-out episodes of the shards at its cursor
+    import rlrec
+    from rlrec.trainer.lineage import HoldoutSplit
+
+    held = rlrec.open(out, as_of=better["data"]["cursor"]).subset(keep_episode=HoldoutSplit(0.3, held_out=True))
+    assert held.num_episodes == better["data"]["episodes"] > 250
 
 
 def test_promotion_gate_option_values():
@@ -343,8 +349,10 @@ def test_ope_gate_evaluates_off_the_training_thread_and_applies_the_decision_lat
     monkeypatch.setattr(ope_jobs, "evaluate_candidate", slow)
     trainer = _stub_trainer(tmp_path, monkeypatch)
     trainer.iteration, trainer.trained, trainer.since_publish = 3, {"s1", "s2"}, {"s2"}
+    trainer._note_trained({"s1", "s2"})  # what train_once does with the shards it trained
     trainer.publish()
     trainer.iteration, trainer.trained, trainer.since_publish = 6, {"s1", "s2", "s3"}, {"s2", "s3"}
+    trainer._note_trained({"s3"})
     with caplog.at_level(logging.INFO, logger="rlrec.trainer"):
         trainer.publish()  # the first evaluation still runs: this candidate is not evaluated
     assert "still running" in caplog.text and calls == [1]

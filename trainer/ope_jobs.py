@@ -136,7 +136,14 @@ def evaluate_candidate(
         model = job.artifact.files[job.artifact.spec["model"]]
         candidate = version_from_artifact(job.spec, model)
         episodes = held_out.refresh()
-        d["data"] = {"holdout_fraction": cfg.ope.holdout_fraction, **held_out.stats.to_dict()}
+        # the evaluation's own data: the held-out episodes of the shards at this cursor (not the
+        # candidate's lineage, which names the shards it was trained on)
+        d["data"] = {
+            "holdout_fraction": cfg.ope.holdout_fraction,
+            "cursor": held_out.cursor,
+            "policy_id": cfg.policy_id,
+            **held_out.stats.to_dict(),
+        }
         if not episodes:
             d["reason"] = "no held-out episodes yet"
         elif job.gating:

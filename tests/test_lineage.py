@@ -286,7 +286,9 @@ def test_a_missing_publish_root_is_an_error_and_an_unreadable_version_one_row(tm
         Lineage.from_doc(1, {"cursor": "[red]x[/red]", "shards": []}, True)
 
 
-def _publish_version(pol: str, version: int, store: str, priv: str, *, run_id: str, channel: str = "default") -> None:
+def _publish_version(
+    pol: str, version: int, store: str, priv: str, *, run_id: str, channel: str = "default", fraction: float = HOLDOUT
+) -> None:
     """Publish a signed CartPole BC policy `version` under `pol` whose lineage names every shard
     of `store` at its newest cursor (as `rlrec train` publishes one; no Ray)."""
     import gymnasium as gym
@@ -324,7 +326,7 @@ def _publish_version(pol: str, version: int, store: str, priv: str, *, run_id: s
         timesteps_trained=0,
         shards=None,
         new_shards=shards,
-        data={**data, "holdout_fraction": HOLDOUT},
+        data={**data, "holdout_fraction": fraction},
         parent_version=None,
         signing_key=load_private_key(priv),
         artifact=build_artifact(module[DEFAULT_MODULE_ID].eval(), obs, act),
@@ -386,6 +388,23 @@ def test_a_lineage_names_its_shards_in_ranges_that_do_not_grow_with_each_shard(t
     snap = open_snapshot(root, as_of=lin.cursor)
     assert sorted(lin.shard_paths(snap.entries)) == sorted(t.trained) and lin.num_shards == len(t.trained)
     assert len(json.dumps(lineage["data"]["trained"])) < 200
+
+
+def test_held_out_of_a_version_that_held_nothing_out_is_an_error_and_a_null_id_splits_as_none(tmp_path):
+    from rlrec.trainer.lineage import HoldoutSplit
+    from rlrec.trainer.signing import generate_keys
+
+    root = str(tmp_path / "s")
+    ShardCommitter(root).commit(expert_cartpole_episodes(3, max_steps=20))
+    priv, pub = generate_keys(tmp_path / "keys")
+    pol = str(tmp_path / "pol")
+    _publish_version(pol, 1, root, str(priv), run_id="run-a", fraction=0.0)
+    kw = {"policy_version": 1, "policies": pol, "public_key": str(pub)}
+    assert rlrec.open(root, **kw).num_episodes == 3
+    with pytest.raises(LineageError, match="held nothing out"):
+        rlrec.open(root, **kw, held_out=True)
+    for f in (0.3, 0.7):  # a tabular shard's null eps_id: the trainer splits it by the text "None"
+        assert HoldoutSplit(f, held_out=True)(None) == is_held_out("None", f)
 
 
 def test_docstring_examples():

@@ -76,8 +76,9 @@ class HoldoutSplit:
     fraction: float
     held_out: bool
 
-    def __call__(self, episode_id: str) -> bool:
-        return is_held_out(episode_id, self.fraction) == self.held_out
+    def __call__(self, episode_id: str | None) -> bool:
+        # a null id (a tabular shard's eps_id) is split as the trainer splits it: by its text "None"
+        return is_held_out(str(episode_id), self.fraction) == self.held_out
 
 
 def add_seq(ranges: list[list[int]], seq: int) -> None:
@@ -267,7 +268,7 @@ def open_lineage(
 
     Raises:
         LineageError: unknown version, unsigned or tampered lineage, another run or channel
-            than pinned, a lineage without a cursor.
+            than pinned, a lineage without a cursor, `held_out` of a version that held nothing out.
         CursorError: the cursor is not a point of `storage` (another store, a shard missing).
 
     Warns:
@@ -288,6 +289,8 @@ def open_lineage(
             f"the lineage of policy version {version} records no manifest cursor (published before rlrec "
             "recorded one): its data cannot be reopened exactly; lineage.json lists its shards"
         )
+    if held_out and not lin.holdout_fraction:
+        raise LineageError(f"policy version {version} held nothing out (its holdout_fraction is 0)")
     keep = HoldoutSplit(lin.holdout_fraction, bool(held_out))
     snap = open_snapshot(storage, as_of=lin.cursor)  # CursorError: the cursor's tag names another store
     here = snap.storage.uri("")

@@ -287,10 +287,18 @@ def test_a_missing_publish_root_is_an_error_and_an_unreadable_version_one_row(tm
 
 
 def _publish_version(
-    pol: str, version: int, store: str, priv: str, *, run_id: str, channel: str = "default", fraction: float = HOLDOUT
+    pol: str,
+    version: int,
+    store: str,
+    priv: str,
+    *,
+    run_id: str,
+    channel: str = "default",
+    fraction: float = HOLDOUT,
+    skip: str | None = None,
 ) -> None:
     """Publish a signed CartPole BC policy `version` under `pol` whose lineage names every shard
-    of `store` at its newest cursor (as `rlrec train` publishes one; no Ray)."""
+    of `store` but `skip` at its newest cursor (as `rlrec train` publishes one; no Ray)."""
     import gymnasium as gym
     from ray.rllib.core import DEFAULT_MODULE_ID
 
@@ -304,7 +312,7 @@ def _publish_version(
     module = config.get_multi_rl_module_spec(spaces={DEFAULT_MODULE_ID: (obs, act)}).build()
     from rlrec.trainer.lineage import add_seq, ranges_doc
 
-    entries = open_snapshot(store).entries
+    entries = [e for e in open_snapshot(store).entries if e.path != skip]  # `skip`: below the cursor, not trained
     shards = [e.path for e in entries]
     ranges: dict = {}
     for e in entries:
@@ -340,10 +348,13 @@ def test_a_pinned_run_or_channel_refuses_a_version_of_another_and_another_input_
     from rlrec.trainer.signing import generate_keys
 
     root = str(tmp_path / "s")
-    ShardCommitter(root).commit(expert_cartpole_episodes(4, max_steps=20))
+    c = ShardCommitter(root)
+    for i in range(3):
+        c.commit(expert_cartpole_episodes(4, seed=i, max_steps=20))
+    skipped = open_snapshot(root).entries[1].path  # below the cursor, not trained (e.g. refused by the gate)
     priv, pub = generate_keys(tmp_path / "keys")
     pol = str(tmp_path / "pol")
-    _publish_version(pol, 1, root, str(priv), run_id="run-a", channel="cartpole")
+    _publish_version(pol, 1, root, str(priv), run_id="run-a", channel="cartpole", skip=skipped)
     kw = {"policy_version": 1, "policies": pol, "public_key": str(pub)}
     for pin, msg in (
         ({"run_id": "run-b"}, "run id 'run-a', not the pinned 'run-b'"),
@@ -357,8 +368,9 @@ def test_a_pinned_run_or_channel_refuses_a_version_of_another_and_another_input_
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the store by the name it was trained on: no warning
         snap = rlrec.open(root, **kw, run_id="run-a", channel="cartpole")
-    every = _shard_ids(root, [e.path for e in open_snapshot(root).entries])
+    every = _shard_ids(root, [e.path for e in open_snapshot(root).entries if e.path != skipped])
     assert _ids(snap) == sorted(i for i in every if not is_held_out(i, HOLDOUT))  # the trained ranges reopened
+    assert not set(_ids(snap)) & _shard_ids(root, [skipped]) and skipped not in {e.path for e in snap.entries}
     alias = tmp_path / "alias"
     alias.symlink_to(root)
     with pytest.warns(LineageInputWarning, match="the same store by another name"):
@@ -529,7 +541,7 @@ def test_each_version_reopens_exactly_the_episodes_it_trained_on_and_held_out(tr
 
 
 @pytest.mark.slow
-def test_tampered_or_unsigned_lineage_is_refused(trained, tmp_path):
+def test_tampered_or_unsigned_lineage_is_refused(trained, tmp_path, monkeypatch):
     pol = tmp_path / "pol"
     shutil.copytree(trained["policies"], pol)
     out, pub = trained["out"], trained["public"]
@@ -548,7 +560,7 @@ def test_tampered_or_unsigned_lineage_is_refused(trained, tmp_path):
     with pytest.raises(LineageError, match="signature does not verify"):
         rlrec.open(out, policy_version=1, policies=str(pol), public_key=pub)
     # without a key nothing is verified: refused unless allow_unsigned
-    os.environ.pop("RLREC_POLICY_PUBLIC_KEY", None)
+    monkeypatch.delenv("RLREC_POLICY_PUBLIC_KEY", raising=False)
     with pytest.raises(LineageError, match="is not signed"):
         rlrec.open(out, policy_version=2, policies=str(pol))
     with pytest.warns(UserWarning, match="unsigned"):
@@ -588,7 +600,7 @@ def test_a_lineage_without_a_cursor_is_refused_clearly(trained, tmp_path):
 
 
 @pytest.mark.slow
-def test_cli_export_inspect_and_report_show_and_reopen_a_versions_data(trained, tmp_path, capsys):
+def test_cli_export_inspect_and_report_show_and_reopen_a_versions_data(trained, tmp_path, capsys, monkeypatch):
     import pyarrow.parquet as pq
 
     from rlrec.cli import main
@@ -627,7 +639,7 @@ def test_cli_export_inspect_and_report_show_and_reopen_a_versions_data(trained, 
     paths = capsys.readouterr().out.split()
     assert sorted(paths) == sorted(Storage.from_uri(out).uri(p) for p in trained["versions"][1])
     # report: the lineage section names each version's cursor
-    os.environ.pop("RLREC_POLICY_PUBLIC_KEY", None)
+    monkeypatch.delenv("RLREC_POLICY_PUBLIC_KEY", raising=False)
     report = tmp_path / "r.html"
     assert main(["report", "--input", out, "--policies", pol, "--out", str(report)]) == 0
     html = report.read_text()

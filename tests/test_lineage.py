@@ -419,6 +419,36 @@ def test_held_out_of_a_version_that_held_nothing_out_is_an_error_and_a_null_id_s
         assert HoldoutSplit(f, held_out=True)(None) == is_held_out("None", f)
 
 
+def test_export_of_a_version_reads_each_shard_once_and_prints_how_to_export_it_again(tmp_path, capsys, monkeypatch):
+    import pyarrow.parquet as pq
+
+    from rlrec.cli import main
+    from rlrec.store.snapshot import Snapshot
+    from rlrec.trainer.signing import generate_keys
+
+    root = str(tmp_path / "s")
+    c = ShardCommitter(root)
+    for i in range(3):
+        c.commit(expert_cartpole_episodes(4, seed=i, max_steps=20))
+    priv, pub = generate_keys(tmp_path / "keys")
+    pol = str(tmp_path / "pol")
+    _publish_version(pol, 1, root, str(priv), run_id="run-a")
+    reads = []
+    real = Snapshot.shard_steps
+    monkeypatch.setattr(Snapshot, "shard_steps", lambda self, e: reads.append(e.path) or real(self, e))
+    dest = tmp_path / "v1"
+    argv = ["export", root, str(dest), "--to", "parquet", "--policy-version", "1", "--policies", pol]
+    assert main([*argv, "--public-key", str(pub), "--held-out"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() == f"--policy-version 1 --policies {pol} --held-out"
+    assert sorted(reads) == sorted(e.path for e in open_snapshot(root).entries)  # once each
+    held = sorted(set(pq.read_table(dest).column("episode_id").to_pylist()))
+    assert held and held == sorted(i for i in _shard_ids(root, reads) if is_held_out(i, HOLDOUT))
+    assert f"steps of {len(held)} episodes" in err
+    meta = pq.read_schema(next(dest.iterdir())).metadata
+    assert meta[b"rlrec.lineage"] == out.strip().encode() and b"rlrec.cursor" not in meta
+
+
 def test_docstring_examples():
     for module in ("rlrec.reading", "rlrec.store.snapshot", "rlrec.trainer.lineage"):
         result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)

@@ -137,20 +137,23 @@ def run(args: argparse.Namespace) -> int:
             b"rlrec.lineage_cursor": snap.cursor.encode(),
             b"rlrec.selection": str(snap.selection).encode(),
         }
-    files = steps = 0
+    files = steps = episodes = 0
     try:
         for table in snap.iter_steps():
             out.write(f"steps-{files:05d}.parquet", _writer(table, meta))
             files += 1
             steps += table.num_rows
+            episodes += len(set(table.column("episode_id").to_pylist()))  # an episode is in one shard
         if not files:
             out.write("steps-00000.parquet", _writer(empty_steps(), meta))
             files = 1
     except ValueError as e:  # a shard the gate refuses, an undecodable episode, shards of different spaces
         raise RuntimeFailure(f"{e} ({files} file(s) written to {opts.dir} before it)") from None
     print(again)
+    if snap.keep_episode is None:  # the manifest counts them (a filtered snapshot would read every shard again)
+        episodes = snap.num_episodes
     print(
-        f"rlrec export: wrote {steps:,} steps of {snap.num_episodes:,} episodes from {len(snap.entries)} shard(s) "
+        f"rlrec export: wrote {steps:,} steps of {episodes:,} episodes from {len(snap.entries)} shard(s) "
         f"to {out.uri('')} ({files} file(s))",
         file=sys.stderr,
     )

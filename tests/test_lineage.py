@@ -247,7 +247,7 @@ def test_the_lineage_cursor_needs_no_follower_entry_and_a_lost_shard_stops_the_t
     def resumed(state: dict) -> ContinuousTrainer:
         t = ContinuousTrainer(_cfg(root, str(tmp_path / "ck"), policy_id="another-policy"))
         t.trained = {e.path for e in trained}
-        t._restore_positions(state)  # t.algo is None: the follower knows no entry
+        t._restore_ranges(state)  # t.algo is None: the follower knows no entry
         return t
 
     saved = resumed({})  # positions from the manifest (a checkpoint without them)
@@ -263,6 +263,9 @@ def test_the_lineage_cursor_needs_no_follower_entry_and_a_lost_shard_stops_the_t
     with pytest.raises(LineageLost, match="in no partition log") as e:
         lost.publish()
     assert exit_code_for(e.value) == 1 and "\n" not in str(e.value)
+    gone = resumed({"trained_ranges": [*kept, ["rl", 7, [[1, 2]]]]})  # a log no longer in the input
+    with pytest.raises(LineageLost, match="rl/7 has no manifest entries"):
+        gone.publish()
 
 
 def test_a_missing_publish_root_is_an_error_and_an_unreadable_version_one_row(tmp_path, capsys):

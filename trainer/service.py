@@ -500,7 +500,7 @@ class ContinuousTrainer:
         Raises:
             LineageLost: a trained shard is in no partition log of the input (the trainer stops).
             StorageError: the store does not answer (a later checkpoint publishes)."""
-        from rlrec.store.snapshot import cursor_at
+        from rlrec.store.snapshot import CursorError, cursor_at
 
         if self._lineage_lost is not None:
             raise LineageLost(
@@ -511,7 +511,11 @@ class ContinuousTrainer:
         if not self._place_trained():
             raise StorageError(f"the manifest entries of {len(self._unplaced)} trained shard(s) are not read yet")
         ends = {k: rs[-1][1] for k, rs in self.trained_ranges.items() if rs}
-        cursor = cursor_at(self.input, ends, self._log_firsts)
+        try:
+            cursor = cursor_at(self.input, ends, self._log_firsts)
+        except CursorError as e:  # a partition log of trained shards is gone from the input
+            self._lineage_lost = str(e)
+            return self._lineage()
         return {
             "iteration": self.iteration,
             "timesteps_trained": self.timesteps_trained,
@@ -535,7 +539,7 @@ class ContinuousTrainer:
     def _place_trained(self) -> bool:
         """Find the manifest entries of the trained shards not placed yet: from the follower,
         else from the input's manifest (read once per call that needs it: a shard the follower
-        no longer selects, a checkpoint without positions). A shard in no partition log marks
+        no longer selects, a checkpoint without ranges). A shard in no partition log marks
         the lineage lost (`LineageLost` at the next publish); a store that does not answer
         leaves them for the next call. True when every trained shard is placed."""
         if not self._unplaced:
@@ -936,7 +940,7 @@ class ContinuousTrainer:
         self.timesteps_trained = int(state["timesteps_trained"])
         self.trained = set(state["trained_shards"])
         self.since_publish = set(state.get("since_publish", ()))
-        self._restore_positions(state)
+        self._restore_ranges(state)
         if state.get("deployed_return") is not None:
             self.deployed_return = float(state["deployed_return"])
         self.metrics.truncate_after(self.iteration)
@@ -949,7 +953,7 @@ class ContinuousTrainer:
         )
         return True
 
-    def _restore_positions(self, state: dict) -> None:
+    def _restore_ranges(self, state: dict) -> None:
         """`trained_ranges` from a checkpoint's state; a checkpoint without them (or with
         malformed ones) gets them from the input's manifest (`_place_trained`)."""
         self.trained_ranges = {}
@@ -960,7 +964,7 @@ class ContinuousTrainer:
             unplaced = {str(k) for k in state.get("trained_unplaced") or ()}
         except (KeyError, TypeError, ValueError):
             if self.trained:
-                log.info("the checkpoint keeps no manifest positions: finding its %d trained shards", len(self.trained))
+                log.info("the checkpoint keeps no manifest ranges: finding its %d trained shards", len(self.trained))
             unplaced = set(self.trained)
         self._note_trained(unplaced & self.trained)
 

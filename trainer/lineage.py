@@ -327,7 +327,10 @@ def list_lineages(policies: str, *, public_key: Any = None) -> list[dict]:
     try:
         names = _Files(policies).version_dirs()
     except FileNotFoundError:
-        raise LineageError(f"no publish root at {policies} (give the trainer's {{checkpoint-dir}}/policies)") from None
+        raise LineageError(
+            f"no publish root at {policies}: nothing is published there (rlrec train publishes to "
+            "--publish-dir, default {checkpoint-dir}/policies)"
+        ) from None
     except (OSError, PolicyLoadError) as e:
         raise LineageError(f"cannot list the publish root {policies}: {type(e).__name__}: {e}") from None
     rows = []

@@ -84,9 +84,11 @@ class StepsDataset(IterableDataset):
                 f"{name(self.snapshot.selection)} (e.g. a policy version's data, not the whole point)"
             )
         pos = state.get("position")
-        if not isinstance(pos, int) or isinstance(pos, bool) or not 0 <= pos <= self.snapshot.num_steps:
+        if not isinstance(pos, int) or isinstance(pos, bool) or pos < 0:
+            raise ValueError(f"bad position {pos!r}")
+        if self.snapshot.keep_episode is None and pos > self.snapshot.num_steps:  # the manifest counts them
             raise ValueError(f"bad position {pos!r} (0..{self.snapshot.num_steps})")
-        self._position = pos
+        self._position = pos  # (a filtered snapshot's steps are counted by reading: checked while iterating)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = get_worker_info()
@@ -95,14 +97,23 @@ class StepsDataset(IterableDataset):
         for i, entry in enumerate(self.snapshot.entries):
             if i % workers != me:
                 continue
-            n = self.snapshot.shard_counts(entry)[1]
+            table = None
+            if self.snapshot.keep_episode is None:
+                n = entry.steps  # skipped without reading
+            else:  # counted by reading: the table read once serves both
+                table = self.snapshot.shard_steps(entry)
+                n = table.num_rows
             if skip >= n:
                 skip -= n
                 continue
-            table = self.snapshot.shard_steps(entry).select(list(self.columns)).slice(skip)
+            if table is None:
+                table = self.snapshot.shard_steps(entry)
+            table = table.select(list(self.columns)).slice(skip)
             skip = 0
             cols = {name: column_to_numpy(table.column(name).combine_chunks()) for name in self.columns}
             for r in range(table.num_rows):
                 if workers == 1:
                     self._position += 1
                 yield _row(cols, r)
+        if skip:
+            raise ValueError(f"bad position {self._position} (the snapshot holds {self._position - skip} steps)")

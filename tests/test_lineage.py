@@ -192,7 +192,15 @@ def test_a_subsets_torch_state_loads_only_into_the_same_selection(tmp_path):
     assert again.selection == sub.selection
     ds2 = again.to_torch(columns=("episode_id", "t"))
     ds2.load_state_dict(state)
+    reads = []
+    real = again.shard_steps
+    again.shard_steps = lambda e: reads.append(e.path) or real(e)
     rest = list(iter(ds2))
+    assert sorted(reads) == sorted(paths)  # each shard read once: counted and handed out from one read
+    past = again.to_torch()
+    past.load_state_dict({**state, "position": 10**6})  # past its end: found while reading
+    with pytest.raises(ValueError, match="bad position"):
+        list(iter(past))
     every = list(iter(again.to_torch(columns=("episode_id", "t"))))
     key = [(r["episode_id"], int(r["t"])) for r in first + rest]
     assert key == [(r["episode_id"], int(r["t"])) for r in every]

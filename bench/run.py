@@ -1,7 +1,7 @@
 """The benchmark suite: producer, consumer, memory, trainer and manifest benchmarks, one JSON, one table.
 
     python bench/run.py [--quick] [--json PATH] [--markdown PATH] [--png PATH] [--readme README.md]
-                        [--only producer,consumer,memory,trainer,manifest] [--keep-logs DIR]
+                        [--only producer,consumer,memory,trainer,manifest,store] [--keep-logs DIR]
                         [--child-args NAME=ARGS ...] [--merge PREVIOUS.json]
 
 Runs each `bench/<name>.py` in its own child process with `--json` (so each keeps its own broker,
@@ -21,6 +21,9 @@ baseline in the same run, same data, same work, same process conditions, in alte
             input_read_batch_size 2 and 8: T2 updates/s and env steps trained/s, T1 distinct
             rows/s and start-up, T4 time to a greedy return (full runs); T3 freshness (rlrec only)
   manifest  a partition claim at 20k log entries vs the claim before snapshots (commit 51d84f6)
+  store     reading every step of a 1M-step store of ~34 KiB shards (and a demo run's shards)
+            through `rlrec.open` with pyarrow, polars and DuckDB vs pyarrow reading the same
+            files' raw columns; files and median file size (after compaction: bench/store.py)
 
 JSON (`--json PATH`)::
 
@@ -65,7 +68,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
-BENCHES = ("producer", "consumer", "memory", "trainer", "manifest")
+BENCHES = ("producer", "consumer", "memory", "trainer", "manifest", "store")
 
 #: child arguments per benchmark: (full, quick)
 ARGS = {
@@ -98,6 +101,7 @@ ARGS = {
         ],
     ),
     "manifest": ([], ["--quick"]),
+    "store": ([], ["--quick"]),
 }
 #: seconds a child may take: (full, quick)
 TIMEOUTS = {
@@ -106,6 +110,7 @@ TIMEOUTS = {
     "memory": (1200, 300),
     "trainer": (3600, 300),  # 5 sides x 3 rounds, static and T4, + 3 T3 rounds: ~25-40 min on 2 shared cores
     "manifest": (2400, 300),
+    "store": (1800, 300),  # build ~30 s, then 4 sides x 6 rounds of ~2-5 s per store
 }
 
 
@@ -481,12 +486,98 @@ def manifest_rows(r: dict, quick: bool) -> list[Row]:
     return rows
 
 
+STORE_LABELS = {"synthetic": "synthetic store", "demo": "the demo's shards"}
+STORE_READERS = {
+    "pyarrow": "pyarrow dataset",
+    "polars": "polars DataFrame",
+    "duckdb": "DuckDB relation (count, sum)",
+}
+
+
+def store_rows(r: dict, quick: bool) -> list[Row]:
+    """bench/store.py: per store, files and median file size, and the seconds to read every
+    step through `rlrec.open` with each reader vs pyarrow reading the same files' raw columns
+    (reported). After compaction (when bench/store.py's `compact_store` is wired): the same
+    figures after it vs before, reads judged against the issue's target."""
+    from bench.store import TARGET_SPEEDUP
+
+    rows = []
+    for name, s in r["stores"].items():
+        b = s["before"]
+        where = f"{STORE_LABELS.get(name, name)} ({b['steps']:,} steps)"
+        rows.append(_row(f"store: files, {where}", float(b["files"]), None, "reported", lambda o, q: None, quick, 1.0))
+        rows.append(
+            _row(
+                f"store: median file KiB, {where}",
+                b["median_bytes"] / 1024,
+                None,
+                "reported",
+                lambda o, q: None,
+                quick,
+                1.0,
+            )
+        )
+        reads = b["reads"]
+        base = [x["seconds"] for x in reads["rounds"]["plain"]]
+        for reader, label in STORE_READERS.items():
+            row = _row(
+                f"store: s to read all steps, {where}, {label} via rlrec.open, vs pyarrow reading the same files' raw columns",
+                _num(reads, reader, "seconds"),
+                _num(reads, "plain", "seconds"),
+                "reported",
+                lambda o, q: None,
+                quick,
+            )
+            row.rounds = _rounds([x["seconds"] for x in reads["rounds"][reader]], base)
+            rows.append(row)
+        # ---- AFTER COMPACTION rows: made when bench/store.py's compact_store is wired ----
+        a = s.get("after")
+        if a is None:
+            continue
+        rows.append(
+            _row(
+                f"store: files after compaction vs before, {where}",
+                float(a["files"]),
+                float(b["files"]),
+                "reported",
+                lambda o, q: None,
+                quick,
+            )
+        )
+        rows.append(
+            _row(
+                f"store: median file KiB after compaction vs before, {where}",
+                a["median_bytes"] / 1024,
+                b["median_bytes"] / 1024,
+                "reported",
+                lambda o, q: None,
+                quick,
+            )
+        )
+        judged = name == "synthetic"
+        for reader, label in STORE_READERS.items():
+            row = _row(
+                f"store: s to read all steps after compaction vs before, {where}, {label} via rlrec.open",
+                _num(a["reads"], reader, "seconds"),
+                _num(reads, reader, "seconds"),
+                f"ratio ≤ {1 / TARGET_SPEEDUP:g} (≥ {TARGET_SPEEDUP:g}× faster)" if judged else "reported",
+                (lambda o, q: q <= 1 / TARGET_SPEEDUP) if judged else (lambda o, q: None),
+                quick,
+            )
+            row.rounds = _rounds(
+                [x["seconds"] for x in a["reads"]["rounds"][reader]], [x["seconds"] for x in reads["rounds"][reader]]
+            )
+            rows.append(row)
+    return rows
+
+
 ROWS = {
     "producer": producer_rows,
     "consumer": consumer_rows,
     "memory": memory_rows,
     "trainer": trainer_rows,
     "manifest": manifest_rows,
+    "store": store_rows,
 }
 
 

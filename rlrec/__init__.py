@@ -24,7 +24,7 @@ _EXPORTS = {
     "encode": "rlrec.producer.events",
     "decode": "rlrec.producer.events",
     "load_policy": "rlrec.trainer.policy",
-    "open": "rlrec.store.snapshot",
+    "open": "rlrec.reading",
 }
 
 # `rlrec.open` (as-of reads of a store) is left out of `*`: it would shadow the builtin `open`

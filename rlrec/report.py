@@ -494,6 +494,31 @@ img { max-width: 100%; } .src { color: #777; font-size: 0.85em; }
 """
 
 
+def lineage_html(data: ReportData) -> list[str]:
+    """The "Lineage" section: per published version, the manifest cursor of the data it was
+    trained on (``rlrec export URI DIR --policy-version N --policies ...`` reopens it)."""
+    e = html.escape
+    parts = ['<h2 id="lineage">Lineage: the data each policy version was trained on</h2>']
+    if data.lineages:
+        parts.append('<table id="lineage-table">')
+        parts.append(
+            "<tr><th>version</th><th>signature verified</th><th>shards</th><th>held out</th><th>cursor</th></tr>"
+        )
+        for r in data.lineages:
+            signed = "?" if r["signed"] is None else ("yes" if r["signed"] else "no")
+            cursor = r["cursor"] or r["error"] or "not recorded"
+            held = "–" if r["holdout_fraction"] is None else f"{r['holdout_fraction']:g}"
+            shards = "–" if r["shards"] is None else str(r["shards"])
+            parts.append(
+                f'<tr><td class="v">{r["policy_version"]}</td><td>{signed}</td><td class="v">{shards}</td>'
+                f'<td class="v">{held}</td><td><code>{e(str(cursor))}</code></td></tr>'
+            )
+        parts.append("</table>")
+    for n in data.notes.get("lineage", []):
+        parts.append(f'<p class="note">{e(n)}</p>')
+    return parts
+
+
 def render_html(data: ReportData) -> str:
     """The report as one HTML document (no external resources)."""
     e = html.escape
@@ -520,6 +545,7 @@ def render_html(data: ReportData) -> str:
     parts.append("</table>")
     for n in data.notes.get("summary", []):
         parts.append(f'<p class="note">{e(n)}</p>')
+    parts += lineage_html(data)
     extra_notes = {
         "shards": ["shards", "episodes"],
         "returns": ["episodes"],
@@ -553,6 +579,7 @@ def write_report(
     checkpoint_dir: str | None = None,
     bootstrap_servers: str | None = None,
     dlq_topic: str | None = None,
+    policies: str | None = None,
 ) -> Path:
     """Write the HTML report and return its path.
 
@@ -566,6 +593,7 @@ def write_report(
         checkpoint_dir=checkpoint_dir,
         bootstrap_servers=bootstrap_servers,
         dlq_topic=dlq_topic,
+        policies=policies,
     )
     if out is None:
         out = os.path.join(data.demo_dir, "report.html") if data.demo_dir else "report.html"

@@ -11,6 +11,9 @@ Sources (each optional; a missing one leaves its fields empty and adds a note):
   first trained on in that iteration, optional ``promotion``);
 * the demo's ``metrics.jsonl`` (its last ``dead_letters``) and ``demo.json`` (see
   /work/briefs/layout.md: where the shards and the trainer dir are);
+* the trainer's publish root (``{checkpoint_dir}/policies`` unless given): each published
+  version's lineage (`rlrec.trainer.lineage.list_lineages`: the manifest cursor of the data it
+  was trained on, verified with ``$RLREC_POLICY_PUBLIC_KEY`` when set);
 * the dead-letter topic, when bootstrap servers are given: counts by the ``rlrec-dlq-reason``
   header the consumer puts on every dead letter.
 """
@@ -49,6 +52,8 @@ class ReportData:
     dead_letters: dict[str, int] = field(default_factory=dict)
     dead_letters_source: str | None = None
     first_trained: dict[str, float] = field(default_factory=dict)  # shard path -> first trained time
+    policies_uri: str | None = None
+    lineages: list[dict] = field(default_factory=list)  # per published version (list_lineages rows)
     notes: dict[str, list[str]] = field(default_factory=dict)  # section -> notes
 
     def note(self, section: str, text: str) -> None:
@@ -168,6 +173,22 @@ def _load_trainer(data: ReportData, uri: str) -> None:
                 data.first_trained.setdefault(key, float(t))
 
 
+def _load_lineages(data: ReportData, uri: str) -> None:
+    from rlrec.trainer.lineage import LineageError, list_lineages
+
+    data.policies_uri = uri
+    try:
+        data.lineages = list_lineages(uri)
+    except LineageError as e:  # no publish root (yet), or one that cannot be listed
+        data.note("lineage", str(e))
+        return
+    except Exception as e:
+        data.note("lineage", f"cannot read the published versions under {uri}: {type(e).__name__}: {e}")
+        return
+    if not data.lineages:
+        data.note("lineage", f"no policy version is published under {uri}")
+
+
 def read_dead_letter_topic(
     bootstrap_servers: str, topic: str, *, idle_s: float = 2.0, timeout_s: float = 20.0
 ) -> dict[str, int]:
@@ -215,9 +236,11 @@ def collect(
     checkpoint_dir: str | None = None,
     bootstrap_servers: str | None = None,
     dlq_topic: str | None = None,
+    policies: str | None = None,
 ) -> ReportData:
     """Gather the report's data. `data_dir`: a demo data dir (layout: demo.json, shards/,
-    trainer/, metrics.jsonl) or a shards root; `input_uri`/`checkpoint_dir` override."""
+    trainer/, metrics.jsonl) or a shards root; `input_uri`/`checkpoint_dir`/`policies` (the
+    publish root; default ``{checkpoint_dir}/policies``) override."""
     data = ReportData()
     demo_dir = None
     if data_dir is not None:
@@ -271,6 +294,11 @@ def collect(
         _load_trainer(data, checkpoint_dir)
     else:
         data.note("trainer", "no trainer checkpoint dir given (--checkpoint-dir)")
+    policies = policies or (f"{checkpoint_dir.rstrip('/')}/policies" if checkpoint_dir else None)
+    if policies:
+        _load_lineages(data, policies)
+    else:
+        data.note("lineage", "no publish root (--policies or --checkpoint-dir)")
 
     if bootstrap_servers and dlq_topic:
         try:

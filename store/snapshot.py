@@ -48,16 +48,18 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import math
 import re
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from rlrec.store.commit import read_committed_shard
 from rlrec.store.manifest import MANIFEST_DIR, Entry, PartitionLog, ShardEntry, list_partition_logs
@@ -70,6 +72,8 @@ __all__ = [
     "CursorError",
     "Snapshot",
     "column_to_numpy",
+    "cursor_at",
+    "cursor_covering",
     "empty_steps",
     "gated_steps",
     "open_snapshot",
@@ -185,24 +189,116 @@ def _tag(firsts: Mapping[tuple[str, int], str]) -> str:
 # ------------------------------------------------------------------------------- snapshot
 
 
+@dataclass(frozen=True)
+class _BothKept:
+    """Keeps an episode that both filters keep (picklable, for DataLoader workers)."""
+
+    outer: Callable[[str], bool]
+    inner: Callable[[str], bool]
+
+    def __call__(self, episode_id: str) -> bool:
+        return self.outer(episode_id) and self.inner(episode_id)
+
+
 class Snapshot:
     """Committed shard entries of a store pinned to a cursor (see module docstring).
 
     Build with `open_snapshot` (or `rlrec.open`). Attributes: ``storage``, ``cursor`` (the
     point's text, for `open_snapshot(as_of=...)` and `changes`), ``entries`` (the shard entries,
-    ordered by topic, partition and seq). Readers: `files`, `episodes`, `steps`,
+    ordered by topic, partition and seq), ``selection`` (None; a `subset`'s digest: the cursor
+    and the selection together name its data). Readers: `files`, `episodes`, `steps`,
     `iter_steps`, `to_pyarrow_dataset`, `to_pandas`, `to_polars`, `to_duckdb`,
     `to_ray_dataset`, `to_torch`; `changes` for incremental readers.
     """
 
-    def __init__(self, storage: Storage, point: Cursor, entries: list[ShardEntry], firsts: dict) -> None:
+    def __init__(
+        self,
+        storage: Storage,
+        point: Cursor,
+        entries: list[ShardEntry],
+        firsts: dict,
+        keep_episode: Callable[[str], bool] | None = None,
+        selection: str | None = None,
+    ) -> None:
         self.storage = storage
         self._point = point
         self._firsts = firsts  # (topic, partition) -> key of its first entry (store identity)
         self.entries: list[ShardEntry] = sorted(entries, key=lambda e: (e.topic, e.partition, e.seq))
+        #: None: every episode of the entries; else the episode ids it keeps (`subset`)
+        self.keep_episode = keep_episode
+        #: None: every entry at the cursor; else the digest naming the part `subset` kept
+        self.selection = selection
+        self._counts: dict[str, tuple[int, int]] = {}  # shard path -> (episodes, steps) kept
 
     def __repr__(self) -> str:
-        return f"Snapshot({self.storage.uri('')}, {self.cursor}, shards={len(self.entries)}, steps={self.num_steps})"
+        if self.selection is None:
+            return (
+                f"Snapshot({self.storage.uri('')}, {self.cursor}, shards={len(self.entries)}, steps={self.num_steps})"
+            )
+        return (  # a subset's counts read its shards: not in a repr
+            f"Snapshot({self.storage.uri('')}, {self.cursor}, selection={self.selection}, shards={len(self.entries)})"
+        )
+
+    def subset(
+        self,
+        paths: Iterable[str] | None = None,
+        keep_episode: Callable[[str], bool] | None = None,
+        *,
+        label: str | None = None,
+    ) -> Snapshot:
+        """The part of this snapshot in the shards named by `paths` (manifest paths; None: all)
+        and, of those, the episodes whose id `keep_episode` keeps (None: all).
+
+        The subset has the same `cursor` (the manifest point) and a `selection`: a digest of
+        the kept paths and of the episode filter (its `label`, default its ``repr``), so that
+        the cursor and the selection together name the data (a `to_torch` state of the subset
+        loads into the same subset only). A filter whose ``repr`` differs between processes (a
+        lambda) gives a selection of this process only: give it a `label` to reuse one.
+
+        Every reader of the subset (`episodes`, `steps`, `to_*`, `changes`) applies both;
+        `files` lists whole shards, so a plain reader of those files applies the episode
+        filter itself. A path that is not a shard of this snapshot is a `CursorError`.
+
+        Args:
+            paths: the shards to keep, by their manifest path (`ShardEntry.path`).
+            keep_episode: a function of the episode id; True keeps the episode.
+            label: what names `keep_episode` in the selection (default ``repr(keep_episode)``).
+
+        Example:
+            >>> import tempfile
+            >>> from rlrec.store.commit import ShardCommitter
+            >>> from rlrec.trainer.synthetic import expert_cartpole_episodes
+            >>> root = tempfile.mkdtemp()
+            >>> _ = ShardCommitter(root).commit(expert_cartpole_episodes(4))
+            >>> snap = open_snapshot(root)
+            >>> first = snap.steps().column("episode_id")[0].as_py()
+            >>> sub = snap.subset(keep_episode=lambda eid: eid != first, label=f"not {first}")
+            >>> sub.num_episodes, sub.cursor == snap.cursor, snap.selection is None, len(sub.selection)
+            (3, True, True, 16)
+        """
+        if paths is None and keep_episode is None:
+            return Snapshot(self.storage, self._point, self.entries, self._firsts, self.keep_episode, self.selection)
+        entries = self.entries
+        if paths is not None:
+            wanted = set(paths)
+            entries = [e for e in entries if e.path in wanted]
+            missing = wanted - {e.path for e in entries}
+            if missing:
+                raise CursorError(
+                    f"{len(missing)} shard(s) are not in the snapshot at {self.cursor}, e.g. {_short(min(missing))!r}"
+                )
+        keep = keep_episode
+        if self.keep_episode is not None and keep_episode is not None:
+            keep = _BothKept(self.keep_episode, keep_episode)
+        elif keep is None:
+            keep = self.keep_episode
+        named = {
+            "within": self.selection,
+            "paths": sorted(e.path for e in entries) if paths is not None else None,
+            "episodes": (label if label is not None else repr(keep_episode)) if keep_episode is not None else None,
+        }
+        digest = hashlib.sha256(json.dumps(named, sort_keys=True).encode()).hexdigest()[:16]
+        return Snapshot(self.storage, self._point, entries, self._firsts, keep, digest)
 
     @property
     def cursor(self) -> str:
@@ -211,11 +307,22 @@ class Snapshot:
 
     @property
     def num_episodes(self) -> int:
-        return sum(e.episodes for e in self.entries)
+        """Episodes of the snapshot (with an episode filter: counted by reading the shards once)."""
+        return sum(self.shard_counts(e)[0] for e in self.entries)
 
     @property
     def num_steps(self) -> int:
-        return sum(e.steps for e in self.entries)
+        """Steps of the snapshot (with an episode filter: counted by reading the shards once)."""
+        return sum(self.shard_counts(e)[1] for e in self.entries)
+
+    def shard_counts(self, entry: ShardEntry) -> tuple[int, int]:
+        """(episodes, steps) of one of the snapshot's shards that the snapshot holds."""
+        if self.keep_episode is None:
+            return entry.episodes, entry.steps
+        if entry.path not in self._counts:
+            ids = self.shard_steps(entry).column("episode_id")
+            self._counts[entry.path] = (len(set(ids.to_pylist())), len(ids))
+        return self._counts[entry.path]
 
     def files(self) -> list[str]:
         """The URIs (local: absolute paths) of the snapshot's shards at their published paths,
@@ -237,7 +344,7 @@ class Snapshot:
                     "(open the newer snapshot first)"
                 )
         new = [e for e in self.entries if e.seq >= since_c.positions.get((e.topic, e.partition), 0)]  # type: ignore[operator]
-        return Snapshot(self.storage, self._point, new, self._firsts)
+        return Snapshot(self.storage, self._point, new, self._firsts, self.keep_episode, self.selection)
 
     # ---------------------------------------------------------------- reading shards
     def _gated(self, entry: ShardEntry):
@@ -266,14 +373,24 @@ class Snapshot:
         shard = self._gated(entry)
         with _naming(self.storage.uri(entry.path)):
             if shard.fmt == "tabular":
-                return tabular_episodes(shard, entry)
-            return [unpack_episode(v.as_py()) for chunk in shard.read(["item"]).column("item").chunks for v in chunk]
+                episodes = tabular_episodes(shard, entry)
+            else:
+                items = shard.read(["item"]).column("item")
+                episodes = [unpack_episode(v.as_py()) for chunk in items.chunks for v in chunk]
+        if self.keep_episode is not None:
+            episodes = [ep for ep in episodes if self.keep_episode(str(ep.id_))]
+        return episodes
 
     def shard_steps(self, entry: ShardEntry) -> pa.Table:
         """The steps of one of the snapshot's shards (the columns of `steps`)."""
         shard = self._gated(entry)
         with _naming(self.storage.uri(entry.path)):
-            return gated_steps(shard, entry)
+            table = gated_steps(shard, entry)
+        if self.keep_episode is None or not table.num_rows:
+            return table
+        ids = table.column("episode_id")
+        kept = [i for i in set(ids.to_pylist()) if self.keep_episode(i)]
+        return table.filter(pc.is_in(ids, value_set=pa.array(kept, pa.string())))
 
     def iter_steps(self) -> Iterator[pa.Table]:
         """The steps of the snapshot, one table per shard (the columns of `steps`)."""
@@ -661,5 +778,73 @@ def open_snapshot(storage: Storage | str, as_of: float | int | str | Cursor | No
     return Snapshot(st, point, entries, firsts)
 
 
-#: ``rlrec.open``: the name under which the package exports `open_snapshot`
-open = open_snapshot
+def cursor_covering(
+    storage: Storage | str, entries: Iterable[ShardEntry], firsts: dict[tuple[str, int], str] | None = None
+) -> Cursor:
+    """The smallest point of the manifest that holds every one of `entries` (shard entries of
+    the store): per partition log, the entries up to the last of them. `open_snapshot` at it,
+    then `Snapshot.subset` with their paths, gives exactly those entries back.
+
+    Args:
+        storage: the store (a `Storage` or its URI).
+        entries: shard entries of its manifest (e.g. the ones a trainer has trained on).
+        firsts: a cache of the logs' first-entry keys, filled here (the first entry of a log
+            never changes): reuse it across calls to read each log's first entry once.
+
+    Example:
+        >>> import tempfile
+        >>> from rlrec.store.commit import ShardCommitter
+        >>> from rlrec.trainer.synthetic import expert_cartpole_episodes
+        >>> root = tempfile.mkdtemp()
+        >>> c = ShardCommitter(root)
+        >>> _ = c.commit(expert_cartpole_episodes(1)); _ = c.commit(expert_cartpole_episodes(1, seed=1))
+        >>> snap = open_snapshot(root)
+        >>> point = cursor_covering(root, snap.entries[:1])
+        >>> [e.path for e in open_snapshot(root, as_of=point).entries] == [snap.entries[0].path]
+        True
+    """
+    positions: dict[tuple[str, int], int] = {}
+    for e in entries:
+        key = (e.topic, e.partition)
+        positions[key] = max(positions.get(key, 0), int(e.seq) + 1)  # type: ignore[arg-type]
+    return cursor_at(storage, positions, firsts)
+
+
+def cursor_at(
+    storage: Storage | str, positions: Mapping[tuple[str, int], int], firsts: dict[tuple[str, int], str] | None = None
+) -> Cursor:
+    """The point of the manifest at `positions` (per partition log ``(topic, partition)``: the
+    number of its entries the point holds), tagged with the logs' first entries as
+    `open_snapshot` tags its cursors. `cursor_covering` computes the positions from entries; a
+    reader that kept them (the trainer, in its checkpoint) needs no entry but each log's first.
+
+    Args:
+        storage: the store (a `Storage` or its URI).
+        positions: (topic, partition) -> entries held (> 0).
+        firsts: a cache of the logs' first-entry keys, filled here.
+
+    Raises:
+        CursorError: a log of `positions` has no entries in `storage`.
+
+    Example:
+        >>> import tempfile
+        >>> from rlrec.store.commit import ShardCommitter
+        >>> from rlrec.trainer.synthetic import expert_cartpole_episodes
+        >>> root = tempfile.mkdtemp()
+        >>> _ = ShardCommitter(root).commit(expert_cartpole_episodes(1))
+        >>> str(cursor_at(root, {("rl", 0): 2})) == open_snapshot(root).cursor  # a claim, then the shard
+        True
+    """
+    st = Storage.from_uri(storage) if isinstance(storage, str) else storage
+    cache = firsts if firsts is not None else {}
+    for key in positions:
+        if key not in cache:
+            plog = PartitionLog(st, *key)
+            first = plog.read_entry(0)
+            if first is None:  # folded into a snapshot entry: the whole log says what it was
+                entries0 = plog.load(strict=True)
+                first = entries0[0] if entries0 else None
+            if first is None:
+                raise CursorError(f"{key[0]}/{key[1]} has no manifest entries under {st.uri('')}")
+            cache[key] = _first_entry_key(first)
+    return Cursor(positions, _tag({k: cache[k] for k in positions}))

@@ -31,7 +31,7 @@ class StepsDataset(IterableDataset):
     """The steps of a snapshot, one dict per step (`STEP_COLUMNS`; numbers as tensors, ids as
     str, Dict/Tuple observations as dicts), in the snapshot's order: shard by shard, rows in
     order. Resumable: `state_dict` says how many steps were handed out, `load_state_dict` (on a
-    dataset of a snapshot opened at the same cursor) continues after them, with no step repeated
+    dataset of a snapshot opened at the same cursor, with the same `Snapshot.selection`) continues after them, with no step repeated
     or skipped.
 
     The state is the iteration of this process (``DataLoader(num_workers=0)``); with workers,
@@ -63,20 +63,32 @@ class StepsDataset(IterableDataset):
         return self.snapshot.num_steps
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"cursor": the snapshot's cursor, "position": steps handed out}``."""
-        return {"cursor": self.snapshot.cursor, "position": self._position}
+        """``{"cursor": the snapshot's cursor, "selection": its selection (None: the whole
+        point; `Snapshot.subset`), "position": steps handed out}``."""
+        return {"cursor": self.snapshot.cursor, "selection": self.snapshot.selection, "position": self._position}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue after the steps `state` (from `state_dict`) counts; ValueError if it is of
-        another snapshot or past its end."""
+        another snapshot (another cursor, or another selection of it) or past its end."""
         if state.get("cursor") != self.snapshot.cursor:
             raise ValueError(
                 f"the state is of the snapshot at {state.get('cursor')!r}, this dataset reads {self.snapshot.cursor!r}"
             )
+        if state.get("selection") != self.snapshot.selection:
+
+            def name(sel: Any) -> str:
+                return "the whole point" if sel is None else f"selection {sel!r:.40}"
+
+            raise ValueError(
+                f"the state is of {name(state.get('selection'))} at that cursor, this dataset reads "
+                f"{name(self.snapshot.selection)} (e.g. a policy version's data, not the whole point)"
+            )
         pos = state.get("position")
-        if not isinstance(pos, int) or isinstance(pos, bool) or not 0 <= pos <= self.snapshot.num_steps:
+        if not isinstance(pos, int) or isinstance(pos, bool) or pos < 0:
+            raise ValueError(f"bad position {pos!r}")
+        if self.snapshot.keep_episode is None and pos > self.snapshot.num_steps:  # the manifest counts them
             raise ValueError(f"bad position {pos!r} (0..{self.snapshot.num_steps})")
-        self._position = pos
+        self._position = pos  # (a filtered snapshot's steps are counted by reading: checked while iterating)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = get_worker_info()
@@ -85,13 +97,23 @@ class StepsDataset(IterableDataset):
         for i, entry in enumerate(self.snapshot.entries):
             if i % workers != me:
                 continue
-            if skip >= entry.steps:
-                skip -= entry.steps
+            table = None
+            if self.snapshot.keep_episode is None:
+                n = entry.steps  # skipped without reading
+            else:  # counted by reading: the table read once serves both
+                table = self.snapshot.shard_steps(entry)
+                n = table.num_rows
+            if skip >= n:
+                skip -= n
                 continue
-            table = self.snapshot.shard_steps(entry).select(list(self.columns)).slice(skip)
+            if table is None:
+                table = self.snapshot.shard_steps(entry)
+            table = table.select(list(self.columns)).slice(skip)
             skip = 0
             cols = {name: column_to_numpy(table.column(name).combine_chunks()) for name in self.columns}
             for r in range(table.num_rows):
                 if workers == 1:
                     self._position += 1
                 yield _row(cols, r)
+        if skip:
+            raise ValueError(f"bad position {self._position} (the snapshot holds {self._position - skip} steps)")

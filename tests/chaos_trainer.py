@@ -17,8 +17,9 @@ processes with it) at random moments, each followed by ``rlrec train --resume``;
 stops, the consumer drains, the trainer trains the rest and gets SIGTERM.
 
 Check: every version directory under the publish root has a policy.json pinning its files; the
-``new_shards`` of their lineage.json list every committed shard exactly once; versions are
-strictly increasing in publication order (each one's parent is the one before). The last stdout
+``new_shards`` of their lineage.json list every committed shard exactly once; each lineage's
+cursor reopens exactly its shards; versions are strictly increasing in publication order (each
+one's parent is the one before). The last stdout
 line is ``shards=N trained_once=N missing=0 twice=0 versions_monotonic=yes``; the exit code is 0
 only if the run found nothing wrong.
 """
@@ -403,6 +404,7 @@ class Run:
         if unknown:
             self.problems.append(f"{len(unknown)} shard(s) in lineages were never committed: {sorted(unknown)[:3]}")
         monotonic = versions_monotonic(versions)
+        check_lineage_cursors(self.storage, versions, self.problems)
         trained_once = sum(1 for k in keys if counts.get(k) == 1)
         self.say(
             f"{len(versions)} versions published over {self.starts} trainer processes; "
@@ -440,6 +442,38 @@ def check_publications(root: Path, problems: list[str]) -> list[dict]:
         lineage = json.loads(lineage_bytes)
         out.append({**lineage, "time": spec["time"]})
     return sorted(out, key=lambda v: v["policy_version"])
+
+
+def check_lineage_cursors(storage: Storage, versions: list[dict], problems: list[str]) -> None:
+    """Every version's lineage records a cursor (docs/TRAINER.md, "Lineage", L1) at which the
+    store holds exactly its shards: the smallest point holding them (each log's last entry
+    below it is one of them) and every one of them below it; its ranges name exactly the shards
+    of its and the earlier versions' new_shards, as many as it counts."""
+    from rlrec.store.snapshot import Cursor, CursorError, open_snapshot
+    from rlrec.trainer.lineage import Lineage, LineageError
+
+    trained: set[str] = set()  # every version's new_shards list each shard once: their union is what it trained
+    for v in versions:
+        trained |= set(v.get("new_shards") or ())
+        name, cursor = f"v{v['policy_version']:06d}", v.get("cursor")
+        if not cursor:
+            problems.append(f"{name}/lineage.json records no cursor")
+            continue
+        try:
+            snap = open_snapshot(storage, as_of=cursor)
+            lin = Lineage.from_doc(v["policy_version"], v, True)
+            shards = set(lin.shard_paths(snap.entries))
+            got = {e.path for e in snap.subset(shards).entries}
+            if lin.num_shards != len(shards):
+                problems.append(f"{name}: its lineage counts {lin.num_shards} shards, its ranges name {len(shards)}")
+        except (CursorError, LineageError) as e:
+            problems.append(f"{name}: its lineage cursor does not reopen its shards: {e}")
+            continue
+        last = {(e.topic, e.partition): e for e in snap.entries}  # sorted: the last of each log wins
+        ends = Cursor.parse(cursor).positions
+        tight = all((e := last.get(k)) is not None and e.seq == n - 1 and e.path in shards for k, n in ends.items())
+        if got != shards or shards != trained or not tight:
+            problems.append(f"{name}: its lineage cursor {cursor} is not the point of exactly its shards")
 
 
 def versions_monotonic(versions: list[dict]) -> bool:

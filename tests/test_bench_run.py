@@ -24,13 +24,14 @@ ROW_KEYS = {"figure", "ours", "baseline", "ratio", "target", "pass", "rounds"}
 # consumer 2 sizes x 3 sides (1 process fsync / no fsync, 2 processes) x 2 baselines x (steps/s,
 # CPU µs/step) + RSS,
 # + 1 from the memory benchmark;
-# trainer (T2 x 2, T1 x 2) x 2 stock configurations + T3 x 2 (T4 only in full runs); manifest 3
-PREFIXES = {"producer": 15, "consumer": 26, "trainer": 10, "manifest": 3}
-BENCHES = ["producer", "consumer", "memory", "trainer", "manifest"]
+# trainer (T2 x 2, T1 x 2) x 2 stock configurations + T3 x 2 (T4 only in full runs); manifest 3;
+# store: files, median size, 3 readers (the synthetic store only: no demo store in quick runs)
+PREFIXES = {"producer": 15, "consumer": 26, "trainer": 10, "manifest": 3, "store": 5}
+BENCHES = ["producer", "consumer", "memory", "trainer", "manifest", "store"]
 
 
 @pytest.mark.system
-@pytest.mark.timeout(600)  # five quick benchmarks, each in its own processes
+@pytest.mark.timeout(600)  # six quick benchmarks, each in its own processes
 def test_quick_run_writes_the_documented_json(tmp_path):
     out, md, png, readme = tmp_path / "bench.json", tmp_path / "bench.md", tmp_path / "bench.png", tmp_path / "R.md"
     sys.path.insert(0, ROOT)

@@ -87,6 +87,11 @@ def test_ope_gate_promotes_better_and_refuses_worse(logged, tmp_path, monkeypatc
     trainer.obs_space, trainer.act_space = env.observation_space, env.action_space
     # save_to_path: a stand-in algorithm's empty checkpoint (a promoted version is published at the commit)
     trainer.algo = SimpleNamespace(config=SimpleNamespace(gamma=GAMMA), save_to_path=lambda path: None)
+    # shard "sN" stands for entry N of log rl/0, whose first entry is known (the lineage's cursor)
+    trainer.algo.offline_data = SimpleNamespace(
+        entry=lambda k: SimpleNamespace(topic="rl", partition=0, seq=int(k[1:]))
+    )
+    trainer._log_firsts[("rl", 0)] = "ClaimEntry:0:stub:0"
     candidate = {}
     monkeypatch.setattr(promotion, "export_candidate", lambda *a: candidate["artifact"])
 
@@ -121,6 +126,12 @@ def test_ope_gate_promotes_better_and_refuses_worse(logged, tmp_path, monkeypatc
     spec = json.loads((tmp_path / "ck" / "policies" / "v000002" / "policy.json").read_text())
     assert spec["promotion"]["promoted"] and spec["promotion"]["estimator"] == "wdr" and spec["gamma"] == GAMMA
     assert spec["promotion"]["ci_low"] == better["ci_low"]
+    # the decision names its own data: the held-out episodes of the shards at its cursor
+    import rlrec
+    from rlrec.trainer.lineage import HoldoutSplit
+
+    held = rlrec.open(out, as_of=better["data"]["cursor"]).subset(keep_episode=HoldoutSplit(0.3, held_out=True))
+    assert held.num_episodes == better["data"]["episodes"] > 250
 
 
 def test_promotion_gate_option_values():
@@ -309,6 +320,11 @@ def _stub_trainer(tmp_path, monkeypatch, **kw):
     trainer.obs_space, trainer.act_space = env.observation_space, env.action_space
     # save_to_path: a stand-in algorithm's empty checkpoint (a promoted version is published at the commit)
     trainer.algo = SimpleNamespace(config=SimpleNamespace(gamma=GAMMA), save_to_path=lambda path: None)
+    # shard "sN" stands for entry N of log rl/0, whose first entry is known (the lineage's cursor)
+    trainer.algo.offline_data = SimpleNamespace(
+        entry=lambda k: SimpleNamespace(topic="rl", partition=0, seq=int(k[1:]))
+    )
+    trainer._log_firsts[("rl", 0)] = "ClaimEntry:0:stub:0"
     monkeypatch.setattr(promotion, "export_candidate", lambda *a: _artifact("good")[0])
     return trainer
 
@@ -333,8 +349,10 @@ def test_ope_gate_evaluates_off_the_training_thread_and_applies_the_decision_lat
     monkeypatch.setattr(ope_jobs, "evaluate_candidate", slow)
     trainer = _stub_trainer(tmp_path, monkeypatch)
     trainer.iteration, trainer.trained, trainer.since_publish = 3, {"s1", "s2"}, {"s2"}
+    trainer._note_trained({"s1", "s2"})  # what train_once does with the shards it trained
     trainer.publish()
     trainer.iteration, trainer.trained, trainer.since_publish = 6, {"s1", "s2", "s3"}, {"s2", "s3"}
+    trainer._note_trained({"s3"})
     with caplog.at_level(logging.INFO, logger="rlrec.trainer"):
         trainer.publish()  # the first evaluation still runs: this candidate is not evaluated
     assert "still running" in caplog.text and calls == [1]
@@ -347,6 +365,7 @@ def test_ope_gate_evaluates_off_the_training_thread_and_applies_the_decision_lat
     trainer._commit()  # what train_once does in the iteration the decision arrives
     lineage = json.loads((tmp_path / "ck" / "policies" / "v000001" / "lineage.json").read_text())
     assert lineage["iteration"] == 3 and lineage["new_shards"] == ["s2"]
+    assert lineage["cursor"].endswith("~rl:0=3")  # the point holding s1 and s2, not s3 (trained later)
     spec = json.loads((tmp_path / "ck" / "policies" / "v000001" / "policy.json").read_text())
     assert spec["promotion"] == d and spec["gamma"] == GAMMA
     assert trainer.collect_evaluation(0) is None  # applied once

@@ -130,8 +130,9 @@ def _marks(b: Block) -> list:
     return marks
 
 
-def _policies(root: Path) -> tuple[str, str]:
-    """(policies folder, public key): one signed BC policy for CartPole, as `rlrec train` publishes."""
+def _policies(root: Path, trained_on: str | None = None) -> tuple[str, str]:
+    """(policies folder, public key): one signed BC policy for CartPole, as `rlrec train` publishes;
+    its lineage names every shard of the store `trained_on` (and the cursor holding them), if given."""
     import gymnasium as gym
     from ray.rllib.core import DEFAULT_MODULE_ID
 
@@ -145,6 +146,14 @@ def _policies(root: Path) -> tuple[str, str]:
     config = _import(ALGORITHMS["BC"][0])().environment(observation_space=obs_space, action_space=act_space)
     module = config.get_multi_rl_module_spec(spaces={DEFAULT_MODULE_ID: (obs_space, act_space)}).build()
     priv, pub = generate_keys(root / "keys")
+    shards, data = [], None
+    if trained_on is not None:
+        from rlrec.store.snapshot import cursor_covering, open_snapshot
+
+        entries = open_snapshot(trained_on).entries
+        shards = [e.path for e in entries]
+        cursor = str(cursor_covering(trained_on, entries))
+        data = {"input": Storage.from_uri(trained_on).uri(), "cursor": cursor, "holdout_fraction": 0.1}
     publish_policy(
         Storage.from_uri(str(root / "policies")),
         algo=None,
@@ -154,8 +163,9 @@ def _policies(root: Path) -> tuple[str, str]:
         action_space=act_space,
         iteration=1,
         timesteps_trained=0,
-        shards=[],
-        new_shards=[],
+        shards=shards,
+        new_shards=shards,
+        data=data,
         parent_version=None,
         signing_key=load_private_key(priv),
         artifact=build_artifact(module[DEFAULT_MODULE_ID].eval(), obs_space, act_space),
@@ -179,10 +189,15 @@ def test_readme_block(block: Block, request: pytest.FixtureRequest, tmp_path: Pa
         if token == "<broker>":
             made[token] = request.getfixturevalue("broker").bootstrap_servers
         elif token == "<shards>":
-            made[token] = _shards(tmp_path / "data")
+            if token not in made:
+                made[token] = _shards(tmp_path / "data")
         elif token in ("<policies>", "<public_key>"):
             if "<policies>" not in made:
-                made["<policies>"], made["<public_key>"] = _policies(tmp_path / "trained")
+                trained_on = None  # a block that reads shards too: the policy was trained on them
+                if "<shards>" in block.tokens():
+                    made.setdefault("<shards>", _shards(tmp_path / "data"))
+                    trained_on = made["<shards>"]
+                made["<policies>"], made["<public_key>"] = _policies(tmp_path / "trained", trained_on)
         elif token == "<tmp>":
             (tmp_path / "tmp").mkdir()
             made[token] = str(tmp_path / "tmp")

@@ -499,8 +499,12 @@ def test_cli_sigterm_checkpoints_and_publishes(cli_run):
     assert set(state["trained_shards"]) == set().union(*(set(r["new_shards"]) for r in lines))
     pub = json.load(open(os.path.join(ck, "policies", "latest.json")))
     assert pub["policy_version"] == 1 == state["policy_version"]
-    lineage = json.load(open(os.path.join(ck, "policies", pub["path"], "lineage.json")))
-    assert set(lineage["shards"]) == set(state["trained_shards"])
+    from rlrec.store.snapshot import open_snapshot
+    from rlrec.trainer.lineage import Lineage
+
+    lineage = Lineage.from_doc(1, json.load(open(os.path.join(ck, "policies", pub["path"], "lineage.json"))), True)
+    entries = open_snapshot(lineage.input, as_of=lineage.cursor).entries
+    assert set(lineage.shard_paths(entries)) == set(state["trained_shards"]) and lineage.num_shards == len(entries)
 
 
 @pytest.mark.system

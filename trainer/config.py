@@ -287,7 +287,9 @@ class TrainerConfig:
 
     def check_inputs(self) -> None:
         """Check what can be checked before Ray starts: the ``--env`` id (gymnasium's own
-        "did you mean") and the ``--algo-config`` keys (against the algorithm's config class).
+        "did you mean"), the ``--algo-config`` keys (against the algorithm's config class) and
+        that a ``--offline-config prelearner_class`` applies ``--holdout-fraction``
+        (`rlrec.trainer.data.check_holdout_prelearner`).
 
         Raises:
             rlrec.errors.UsageError: one line naming the option and the nearest valid name.
@@ -300,6 +302,15 @@ class TrainerConfig:
         """
         from rlrec.errors import UsageError
 
+        pre = self.offline_config.get("prelearner_class")
+        if pre is not None and self.ope.holdout_fraction:
+            from rlrec.trainer.data import check_holdout_prelearner
+            from rlrec.trainer.service import _import
+
+            try:
+                check_holdout_prelearner(_import(pre) if isinstance(pre, str) else pre, self.ope.holdout_fraction)
+            except (ImportError, AttributeError, ValueError) as e:
+                raise UsageError(f"--offline-config prelearner_class: {e}") from None
         if self.env:
             import importlib
 

@@ -67,6 +67,7 @@ __all__ = [
     "ShardFeed",
     "ShardStreamDatasource",
     "StreamIterator",
+    "check_holdout_prelearner",
     "configure_continuous",
     "envelope_prelearner_class",
     "spaces_from_shard",
@@ -371,6 +372,32 @@ class ManifestOfflineData(OfflineData):
 # configuration
 
 
+def check_holdout_prelearner(prelearner_class: Any, holdout_fraction: float) -> None:
+    """ValueError unless a holdout fraction F > 0 is applied by `prelearner_class` (None: the
+    default, `SafeOfflinePreLearner`): only a subclass of it drops the held-out episodes, so
+    another class would train on them while every lineage records F (docs/TRAINER.md, L1) and
+    the ope gate evaluates on data the candidate was trained on.
+
+    Example:
+        >>> check_holdout_prelearner(None, 0.1)
+        >>> check_holdout_prelearner(object, 0.0)
+        >>> check_holdout_prelearner(object, 0.1)
+        Traceback (most recent call last):
+        ...
+        ValueError: --holdout-fraction 0.1 needs a prelearner_class that subclasses rlrec.trainer.prelearner.SafeOfflinePreLearner (only it drops the held-out episodes; object would train on them): give --holdout-fraction 0 or subclass it
+    """
+    if not holdout_fraction or prelearner_class is None:
+        return
+    if isinstance(prelearner_class, type) and issubclass(prelearner_class, SafeOfflinePreLearner):
+        return
+    name = getattr(prelearner_class, "__name__", repr(prelearner_class)[:60])
+    raise ValueError(
+        f"--holdout-fraction {holdout_fraction:g} needs a prelearner_class that subclasses "
+        f"rlrec.trainer.prelearner.SafeOfflinePreLearner (only it drops the held-out episodes; {name} would "
+        "train on them): give --holdout-fraction 0 or subclass it"
+    )
+
+
 def configure_continuous(
     config: Any,
     input_uri: str,
@@ -421,6 +448,7 @@ def configure_continuous(
             "episode shards: RLlib's OfflinePreLearner decodes them with msgpack_numpy, which "
             "unpickles data from the bucket"
         )
+    check_holdout_prelearner(pre, holdout_fraction)
     if isinstance(feed_policy, dict):
         feed_policy = FeedPolicy(**feed_policy)
     feed_policy = feed_policy or FeedPolicy()

@@ -289,7 +289,7 @@ def prepare_publication(
     action_space: gym.Space,
     iteration: int,
     timesteps_trained: int,
-    shards: list[str],
+    shards: list[str] | None,
     new_shards: list[str],
     parent_version: int | None,
     signing_key: Any = None,
@@ -297,6 +297,7 @@ def prepare_publication(
     metadata: dict | None = None,
     run_id: str | None = None,
     channel: str | None = None,
+    data: dict | None = None,
 ) -> Publication:
     """Build every file of ``v{version:06d}/`` (weights, lineage.json, policy.json[,
     policy.json.sig]) without writing anything; `write_publication` writes them.
@@ -308,6 +309,11 @@ def prepare_publication(
     `metadata`: more keys for ``policy.json`` (signed with it; e.g. the promotion gate's
     decision and the algorithm's ``gamma``); keys the spec sets win. `run_id` / `channel`:
     None leaves them out (as before versions were bound; `rlrec train` always sets them).
+    `data`: where the data it was trained on is (`rlrec.trainer.lineage`: ``input``, the store's
+    URI; ``cursor``, the manifest point holding the shards; ``trained``, their manifest seq ranges
+    per partition log, and ``shards_trained``, their number; ``holdout_fraction``), written into
+    ``lineage.json``; `rlrec train` always sets it, with `shards` None (not listed: the list
+    would grow with every shard of the run).
 
     Example:
         >>> pub = prepare_publication(algo=algo, version=3, algo_name="BC",  # doctest: +SKIP
@@ -337,8 +343,9 @@ def prepare_publication(
             "policy_version": version,
             "parent_version": parent_version,
             "iteration": iteration,
-            "shards": sorted(shards),
+            **({} if shards is None else {"shards": sorted(shards)}),
             "new_shards": sorted(new_shards),
+            **(data or {}),
         }
     ).encode()
     files = {**artifact.files, LINEAGE: lineage}
@@ -356,7 +363,7 @@ def prepare_publication(
         "iteration": iteration,
         "timesteps_trained": timesteps_trained,
         "parent_version": parent_version,
-        "shards_trained": len(shards),
+        "shards_trained": len(shards) if shards is not None else int((data or {}).get("shards_trained") or 0),
         "signing_key": public_key_fingerprint(signing_key.public_key()) if signing_key is not None else None,
         "time": time.time(),
     }

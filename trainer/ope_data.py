@@ -126,12 +126,19 @@ class HeldOutReader:
         self._by_shard: dict[str, list[Episode]] = {}
         self._bad: set[str] = set()
         self.stats = HeldOutStats()
+        #: the manifest point the last `refresh` read (None: not yet): its episodes are the
+        #: held-out episodes of the shards at this cursor (of `policy_id`), which
+        #: ``rlrec.open(uri, as_of=cursor)`` reopens
+        self.cursor: str | None = None
 
     def refresh(self) -> list[Episode]:
-        """Read the shards committed since the last call; every held-out episode known, in commit order."""
-        from rlrec.store.manifest import read_manifest
+        """Read the shards committed since the last call; every held-out episode known, in commit
+        order, of the shards at the manifest point it read (`cursor`)."""
+        from rlrec.store.snapshot import open_snapshot
 
-        entries = [e for e in read_manifest(self.storage) if self.policy_id is None or e.policy_id == self.policy_id]
+        snap = open_snapshot(self.storage)
+        ordered = sorted(snap.entries, key=lambda e: (e.commit_time, e.topic, e.partition, e.seq))
+        entries = [e for e in ordered if self.policy_id is None or e.policy_id == self.policy_id]
         live = set()
         for e in entries:
             key = e.path
@@ -149,6 +156,7 @@ class HeldOutReader:
                 log.error("shard %s cannot be used for evaluation (%s); skipping it", key, err)
         for key in [k for k in self._by_shard if k not in live]:
             del self._by_shard[key]
+        self.cursor = snap.cursor
         return [ep for k in self._by_shard for ep in self._by_shard[k]]
 
     def _read(self, entry: Any) -> list[Episode]:

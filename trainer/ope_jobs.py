@@ -41,8 +41,9 @@ class CandidateJob:
         deployed_version: the published version it is compared with (None: the logged behaviour).
         iteration: the training iteration it was exported at.
         timesteps_trained: timesteps trained at that iteration.
-        shards: every shard trained on by then.
+        shards: every shard trained on by then (None: named by ``data["trained"]``).
         new_shards: shards trained on since the deployed version was published.
+        data: where those shards are (`rlrec.trainer.lineage`: input, cursor, trained ranges, holdout fraction).
     """
 
     version: int
@@ -53,8 +54,9 @@ class CandidateJob:
     deployed_version: int | None
     iteration: int
     timesteps_trained: int = 0
-    shards: list[str] = field(default_factory=list)
+    shards: list[str] | None = None
     new_shards: list[str] = field(default_factory=list)
+    data: dict = field(default_factory=dict)
     future: Future | None = None
     started: float = field(default_factory=time.time)
 
@@ -134,7 +136,14 @@ def evaluate_candidate(
         model = job.artifact.files[job.artifact.spec["model"]]
         candidate = version_from_artifact(job.spec, model)
         episodes = held_out.refresh()
-        d["data"] = {"holdout_fraction": cfg.ope.holdout_fraction, **held_out.stats.to_dict()}
+        # the evaluation's own data: the held-out episodes of the shards at this cursor (not the
+        # candidate's lineage, which names the shards it was trained on)
+        d["data"] = {
+            "holdout_fraction": cfg.ope.holdout_fraction,
+            "cursor": held_out.cursor,
+            "policy_id": cfg.policy_id,
+            **held_out.stats.to_dict(),
+        }
         if not episodes:
             d["reason"] = "no held-out episodes yet"
         elif job.gating:

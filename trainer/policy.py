@@ -71,6 +71,7 @@ __all__ = [
     "UnsignedPolicyWarning",
     "load_policy",
     "read_latest",
+    "read_lineage",
     "version_dir",
 ]
 
@@ -545,11 +546,10 @@ def _build(spec: dict, fmt: str, data: bytes, rel_dir: str) -> Any:
     return module
 
 
-def _load_version(
-    files: _Files, rel_dir: str, trust: _Trust, expected_sha256: str | None = None, check: Any = None
-) -> _LoadedVersion:
-    """Verify and load one version directory (see the module docstring for the order of checks);
-    `check(spec, rel_dir, signed)` runs on the verified policy.json before the weights are read."""
+def _verified_spec(files: _Files, rel_dir: str, trust: _Trust, expected_sha256: str | None = None) -> tuple[dict, bool]:
+    """The policy.json of one version directory and whether its signature verified with the
+    configured key: read, checked against `expected_sha256` (the pointer's), signature verified
+    before it is parsed, its number and directory checked (the first checks of every load)."""
     if not VERSION_DIR_RE.match(rel_dir):
         raise PolicyLoadError(f"{rel_dir!r:.80} is not a version directory")
     spec_bytes = _read_required(files, f"{rel_dir}/{SPEC}", rel_dir, MAX_BYTES[SPEC])
@@ -560,6 +560,88 @@ def _load_version(
     if not isinstance(spec, dict):
         raise PolicyLoadError(f"{rel_dir}/{SPEC} must be a JSON object")
     _check_identity(spec, rel_dir)
+    return spec, signed
+
+
+def _pinned_lineage(files: _Files, rel_dir: str, hashes: dict[str, str]) -> dict:
+    """The version's lineage.json, refused unless its sha256 is the one its policy.json pins."""
+    want = hashes.get(LINEAGE)
+    if want is None:
+        raise PolicyLoadError(f"{rel_dir}/{SPEC} does not pin a {LINEAGE}: its lineage cannot be trusted")
+    data = _read_required(files, f"{rel_dir}/{LINEAGE}", rel_dir, MAX_BYTES[LINEAGE])
+    if hashlib.sha256(data).hexdigest() != want:
+        raise PolicyLoadError(f"{rel_dir}/{LINEAGE} does not match the sha256 in {SPEC}: refused")
+    doc = _json(data, f"{rel_dir}/{LINEAGE}")
+    if not isinstance(doc, dict):
+        raise PolicyLoadError(f"{rel_dir}/{LINEAGE} must be a JSON object")
+    return doc
+
+
+def read_lineage(
+    uri: str,
+    version: int,
+    *,
+    public_key: Any = None,
+    allow_unsigned: bool = False,
+    run_id: str | None = None,
+    channel: str | None = None,
+) -> tuple[dict, bool]:
+    """The lineage.json of published `version` under the publish root `uri`, verified as
+    `load_policy` verifies a version (the same checks, without reading the weights), and
+    whether its policy.json's signature verified.
+
+    With a public key (``public_key=`` or ``RLREC_POLICY_PUBLIC_KEY``) policy.json's signature
+    must verify; lineage.json must match the sha256 that policy.json pins. An unsigned version
+    is refused unless ``allow_unsigned=True`` (warned). A pinned `run_id` / `channel` needs a
+    signed version for exactly that run / channel (as `load_policy` pins them): a signed
+    version directory copied in from another run or channel is refused.
+
+    Args:
+        uri: the publish root (a path or URI).
+        version: the policy version (1 .. 999999).
+        public_key: the trainer's Ed25519 public key (PEM bytes, a path, or a key object).
+        allow_unsigned: accept a version without a verified signature (not with a pin).
+        run_id: only a version signed for this run (its ``run_id``).
+        channel: only a version signed for this channel.
+
+    Raises:
+        FileNotFoundError: the version is not published under `uri`.
+        PolicyLoadError: tampered, unsigned, or not a version of this layout.
+
+    Example:
+        >>> doc, signed = read_lineage("/ckpt/policies", 3, public_key="trainer.pub")  # doctest: +SKIP
+        >>> doc["cursor"]  # doctest: +SKIP
+        'r1~4be0c6a2f1d9~rl:0=14'
+    """
+    try:
+        pins = Pins.of(run_id=run_id, channel=channel)
+    except ValueError as e:
+        raise PolicyLoadError(str(e)) from None
+    trust = _trust(public_key, allow_unsigned, False)
+    files = _Files(uri)
+    rel_dir = version_dir(version)
+    if not files.exists(f"{rel_dir}/{SPEC}"):
+        raise FileNotFoundError(f"policy version {version} is not published under {uri} (no {rel_dir}/{SPEC})")
+    spec, signed = _verified_spec(files, rel_dir, trust)
+    _check_identity_pins(spec, rel_dir, signed, pins)
+    if not signed:
+        if not trust.allow_unsigned:
+            hint = (
+                "configure the trainer's public key (public_key= or RLREC_POLICY_PUBLIC_KEY)"
+                if trust.public_key is None
+                else "the version carries no signature of the configured key"
+            )
+            raise PolicyLoadError(f"{rel_dir} is not signed: {hint}, or pass allow_unsigned=True (--allow-unsigned)")
+        warnings.warn(f"reading the lineage of unsigned policy {rel_dir}", UnsignedPolicyWarning, stacklevel=2)
+    return _pinned_lineage(files, rel_dir, _file_hashes(spec, rel_dir)), signed
+
+
+def _load_version(
+    files: _Files, rel_dir: str, trust: _Trust, expected_sha256: str | None = None, check: Any = None
+) -> _LoadedVersion:
+    """Verify and load one version directory (see the module docstring for the order of checks);
+    `check(spec, rel_dir, signed)` runs on the verified policy.json before the weights are read."""
+    spec, signed = _verified_spec(files, rel_dir, trust, expected_sha256)
     fmt = spec.get("format", "torchscript") if spec.get("artifact_version") is not None else "torchscript"
     _check_allowed(spec, fmt, rel_dir, signed, trust)
     if check is not None:

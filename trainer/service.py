@@ -22,6 +22,7 @@ from rlrec.store.retry import RetrySchedule
 from rlrec.store.storage import Storage, StorageError
 from rlrec.trainer.checkpoints import STATE_VERSION, CheckpointStore
 from rlrec.trainer.config import TrainerConfig
+from rlrec.trainer.lineage import add_seq, ranges_doc
 from rlrec.trainer.metrics import TrainerMetrics
 from rlrec.trainer.storage_health import StorageHealth
 
@@ -46,6 +47,11 @@ class TrainerLost(RuntimeError):
 
     #: a runtime failure: `rlrec train` prints the message as its one error line, exit code 1
     exit_code = 1
+
+
+class LineageLost(TrainerLost):
+    """A trained shard is in no partition log of the input: no version's lineage can name the
+    data it was trained on, so the trainer stops rather than publish without it (exit code 1)."""
 
 
 class UnsupportedCombination(ValueError):
@@ -143,6 +149,11 @@ class ContinuousTrainer:
         self._outage = RetrySchedule()  # waits between the driver's own failed reads of the input
         self._watchdog: Any = None  # rlrec.trainer.watchdog.StallWatchdog while running
         self._pending: list[Any] = []  # prepared publications (export.Publication) not yet written
+        self._log_firsts: dict = {}  # (topic, partition) -> its first manifest entry's key (lineage cursors)
+        #: per partition log (topic, partition): the manifest seq ranges [start, end) of the trained shards
+        self.trained_ranges: dict[tuple[str, int], list[list[int]]] = {}
+        self._lineage_lost: str | None = None  # why the trained data has no cursor (LineageLost at publish)
+        self._unplaced: set[str] = set()  # trained shards whose manifest entry is not found yet
 
     @staticmethod
     def _load_signing_key(path: str | None) -> Any:
@@ -368,6 +379,9 @@ class ContinuousTrainer:
             "input": self.input.uri(),
             "trained_shards": sorted(self.trained),
             "since_publish": sorted(self.since_publish),
+            "trained_ranges": ranges_doc(self.trained_ranges),
+            "trained_unplaced": sorted(self._unplaced),
+            "holdout_fraction": float(self.cfg.ope.holdout_fraction),
             "deployed_return": self.deployed_return,
             "publications": [p.describe() for p in self._pending],
             "time": time.time(),
@@ -462,20 +476,102 @@ class ContinuousTrainer:
         if report:
             self._start_evaluation(version, gating=False, artifact=artifact)
         metadata = {"gamma": self._gamma()}
+        try:
+            lineage = self._lineage()
+        except LineageLost:
+            raise
+        except Exception as e:
+            log.error("publishing policy v%d failed: its lineage: %s (a later checkpoint publishes)", version, e)
+            return
         if self.cfg.promotion_gate == "env":
             if not self._promote_env(version, artifact):
                 return
             metadata["promotion"] = self.last_promotion
-        self._publish(version, artifact, metadata, self._lineage())
+        self._publish(version, artifact, metadata, lineage)
 
     def _lineage(self) -> dict:
-        """What a version published now records of its training."""
+        """What a version published now records of its training (docs/TRAINER.md, "Lineage"):
+        the shards new since the last version, and ``data``: the input store, the shards trained
+        on (at least one row of each in a gradient step) as manifest seq ranges per partition
+        log (``trained``; `trained_ranges`, kept in the checkpoint) and their number, the
+        manifest cursor holding them (`rlrec.store.snapshot.cursor_at`) and the holdout
+        fraction whose held-out episodes of those shards were not trained on.
+
+        Raises:
+            LineageLost: a trained shard is in no partition log of the input (the trainer stops).
+            StorageError: the store does not answer (a later checkpoint publishes)."""
+        from rlrec.store.snapshot import CursorError, cursor_at
+
+        if self._lineage_lost is not None:
+            raise LineageLost(
+                f"no lineage can be recorded: {self._lineage_lost}; not publishing without one. Check --input "
+                "(the store this run trained on); start a new run (another --checkpoint-dir) if its manifest "
+                "lost those entries"
+            )
+        if not self._place_trained():
+            raise StorageError(f"the manifest entries of {len(self._unplaced)} trained shard(s) are not read yet")
+        ends = {k: rs[-1][1] for k, rs in self.trained_ranges.items() if rs}
+        try:
+            cursor = cursor_at(self.input, ends, self._log_firsts)
+        except CursorError as e:  # a partition log of trained shards is gone from the input
+            self._lineage_lost = str(e)
+            return self._lineage()
         return {
             "iteration": self.iteration,
             "timesteps_trained": self.timesteps_trained,
-            "shards": sorted(self.trained),
+            "shards": None,  # named by data["trained"]: a list of every shard would grow without bound
             "new_shards": sorted(self.since_publish),
+            "data": {
+                "input": self.input.uri(),
+                "cursor": str(cursor),
+                "trained": ranges_doc(self.trained_ranges),
+                "shards_trained": len(self.trained),
+                "holdout_fraction": float(self.cfg.ope.holdout_fraction),
+            },
         }
+
+    def _note_trained(self, keys: Any) -> None:
+        """Add the shards `keys` (just trained) to `trained_ranges`, by their manifest
+        entries (`_place_trained`)."""
+        self._unplaced |= set(keys)
+        self._place_trained()
+
+    def _place_trained(self) -> bool:
+        """Find the manifest entries of the trained shards not placed yet: from the follower,
+        else from the input's manifest (read once per call that needs it: a shard the follower
+        no longer selects, a checkpoint without ranges). A shard in no partition log marks
+        the lineage lost (`LineageLost` at the next publish); a store that does not answer
+        leaves them for the next call. True when every trained shard is placed."""
+        if not self._unplaced:
+            return True
+        od = self.algo.offline_data if self.algo is not None else None
+        found = {k: od.entry(k) if od is not None else None for k in self._unplaced}
+        unknown = [k for k, e in found.items() if e is None]
+        if unknown:
+            from rlrec.store.manifest import read_manifest
+
+            try:
+                by_path = {e.path: e for e in read_manifest(self.input)}
+            except StorageError as e:
+                log.warning(
+                    "reading the manifest of %s for the lineage failed (%s); retried later", self.input.uri(), e
+                )
+                by_path = None
+            if by_path is not None:
+                found.update({k: by_path.get(k) for k in unknown})
+                lost = sorted(k for k in unknown if found[k] is None)
+                if lost and self._lineage_lost is None:
+                    self._lineage_lost = (
+                        f"{len(lost)} trained shard(s) are in no partition log of {self.input.uri()}, e.g. {lost[0]}"
+                    )
+                    log.error("%s: no version can be published with a lineage", self._lineage_lost)
+                self._unplaced -= set(lost)
+        for k, e in found.items():
+            if e is not None:
+                key = (e.topic, e.partition)
+                add_seq(self.trained_ranges.setdefault(key, []), int(e.seq))
+                self._unplaced.discard(k)
+        return not self._unplaced
 
     def _publish(self, version: int, artifact: Any, metadata: dict, lineage: dict) -> bool:
         """Prepare `artifact` (None: export the Learner's weights now) as `version`, to be
@@ -493,6 +589,7 @@ class ContinuousTrainer:
                 timesteps_trained=lineage["timesteps_trained"],
                 shards=lineage["shards"],
                 new_shards=lineage["new_shards"],
+                data=lineage["data"],
                 parent_version=self.policy_version or None,
                 signing_key=self.signing_key,
                 artifact=artifact,
@@ -610,6 +707,9 @@ class ContinuousTrainer:
         try:
             if artifact is None:
                 artifact = export_candidate(self.algo, self.obs_space, self.act_space)
+            lineage = self._lineage()
+        except LineageLost:
+            raise
         except Exception as e:
             log.error("exporting candidate v%d failed (%s): not evaluated", version, e)
             return
@@ -620,7 +720,7 @@ class ContinuousTrainer:
             gamma=self._gamma() or 0.99,
             gating=gating,
             deployed_version=self.policy_version or None,
-            **self._lineage(),
+            **lineage,
         )
         if self._held_out is None:
             from rlrec.trainer.ope_data import HeldOutReader
@@ -666,7 +766,9 @@ class ContinuousTrainer:
         if job.gating:
             self.last_promotion = d
             if d.get("promoted"):
-                lineage = {k: getattr(job, k) for k in ("iteration", "timesteps_trained", "shards", "new_shards")}
+                lineage = {
+                    k: getattr(job, k) for k in ("iteration", "timesteps_trained", "shards", "new_shards", "data")
+                }
                 self._publish(job.version, job.artifact, {"gamma": job.gamma, "promotion": d}, lineage)
             self._log_decision(job, d)
         else:
@@ -786,7 +888,27 @@ class ContinuousTrainer:
         starts, and a refusal (`ResumeRefused`, exit 2) touches nothing."""
         from rlrec.trainer.export import highest_version
 
-        return self.checkpoints.resume_point(highest_version(self.publish_storage, self.signing_key))
+        latest = self.checkpoints.resume_point(highest_version(self.publish_storage, self.signing_key))
+        if latest is not None:
+            self._check_resume_holdout(self.checkpoints.read_state(latest["path"]), latest["path"])
+        return latest
+
+    def _check_resume_holdout(self, state: dict, path: str) -> None:
+        """Refuse (`ResumeRefused`) to resume with another ``--holdout-fraction`` than the
+        checkpoint's: the shards trained so far were split with its fraction, and every later
+        version's lineage records one fraction for all of its shards (docs/TRAINER.md, L1)."""
+        from rlrec.trainer.checkpoints import ResumeRefused
+
+        then = state.get("holdout_fraction")
+        if then is None:  # a checkpoint that did not record it: nothing to compare
+            return
+        now = float(self.cfg.ope.holdout_fraction)
+        if float(then) != now:
+            raise ResumeRefused(
+                f"--resume: checkpoint {path} trained with --holdout-fraction {float(then):g}, not {now:g}: "
+                "the shards trained so far were split with it (their lineage would be wrong); resume with "
+                f"--holdout-fraction {float(then):g}, or start a new run in another --checkpoint-dir"
+            )
 
     def _restore(self, latest: dict | None) -> bool:
         if latest is None:
@@ -818,6 +940,7 @@ class ContinuousTrainer:
         self.timesteps_trained = int(state["timesteps_trained"])
         self.trained = set(state["trained_shards"])
         self.since_publish = set(state.get("since_publish", ()))
+        self._restore_ranges(state)
         if state.get("deployed_return") is not None:
             self.deployed_return = float(state["deployed_return"])
         self.metrics.truncate_after(self.iteration)
@@ -829,6 +952,21 @@ class ContinuousTrainer:
             len(self.trained),
         )
         return True
+
+    def _restore_ranges(self, state: dict) -> None:
+        """`trained_ranges` from a checkpoint's state; a checkpoint without them (or with
+        malformed ones) gets them from the input's manifest (`_place_trained`)."""
+        self.trained_ranges = {}
+        try:
+            self.trained_ranges = {
+                (str(t), int(p)): [[int(a), int(b)] for a, b in rs] for t, p, rs in state["trained_ranges"]
+            }
+            unplaced = {str(k) for k in state.get("trained_unplaced") or ()}
+        except (KeyError, TypeError, ValueError):
+            if self.trained:
+                log.info("the checkpoint keeps no manifest ranges: finding its %d trained shards", len(self.trained))
+            unplaced = set(self.trained)
+        self._note_trained(unplaced & self.trained)
 
     # ------------------------------------------------------------------ main loop
     def setup(self) -> bool:
@@ -973,6 +1111,8 @@ class ContinuousTrainer:
         st.newly_trained = {k: v for k, v in st.newly_trained.items() if k in new}
         self.trained |= new
         self.since_publish |= new
+        if new:
+            self._note_trained(new)
         for k in st.missing:
             self.missing_total += 1
             log.warning("shard %s was deleted outside the trainer; skipping it", k)

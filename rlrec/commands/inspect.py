@@ -29,6 +29,24 @@ class InspectOptions:
         "for plain directory readers",
     )
     as_of: str | None = option(None, metavar="POINT", help="with --paths: " + AS_OF_HELP)
+    policies: str | None = option(
+        None,
+        metavar="URI",
+        help="a publish root (e.g. {checkpoint-dir}/policies): show each published version's lineage "
+        "cursor (the manifest point of the data it was trained on)",
+    )
+    policy_version: int | None = option(
+        None,
+        metavar="N",
+        help="with --paths and --policies: the shards published version N was trained on (at its lineage cursor)",
+    )
+    public_key: str | None = option(
+        None,
+        metavar="PATH",
+        help="with --policies: the trainer's Ed25519 public key (PEM) that signed the versions "
+        "(default: $RLREC_POLICY_PUBLIC_KEY)",
+    )
+    allow_unsigned: bool = option(False, help="with --policy-version: accept an unsigned version")
 
 
 #: the options of `rlrec inspect`
@@ -121,6 +139,28 @@ def _print_propensities(console, counts: dict) -> None:
         )
 
 
+def _print_lineages(console, rows: list[dict], policies: str) -> None:
+    """The table of published versions and the manifest cursor of the data each was trained on."""
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
+    if not rows:
+        console.print(f"no policy version is published under {policies}", highlight=False)
+        return
+    t = Table(title=f"lineage of the versions under {policies}", box=box.SIMPLE_HEAD)
+    for col in ("version", "verified", "shards", "held out", "cursor (rlrec export --policy-version N)"):
+        t.add_column(col, justify="right" if col in ("version", "shards", "held out") else "left")
+    for r in rows:
+        signed = "?" if r["signed"] is None else ("yes" if r["signed"] else "no")
+        cursor = r["cursor"] or (Text(r["error"], style="red") if r["error"] else "not recorded")
+        held = "–" if r["holdout_fraction"] is None else f"{r['holdout_fraction']:g}"
+        if isinstance(cursor, str):  # stored text, never Rich markup
+            cursor = Text(cursor)
+        t.add_row(str(r["policy_version"]), signed, str(r["shards"] if r["shards"] is not None else "–"), held, cursor)
+    console.print(t)
+
+
 @reports_storage_errors("inspect")
 def run(args: argparse.Namespace) -> int:
     import json
@@ -137,19 +177,45 @@ def run(args: argparse.Namespace) -> int:
 
     storage = open_output(opts.uri)
     require_manifest(storage, opts.uri)
-    if opts.as_of is not None and not opts.paths:
-        from rlrec.errors import UsageError
+    from rlrec.errors import UsageError
 
-        raise UsageError("--as-of needs --paths")
+    for flag, given in (("--as-of", opts.as_of is not None), ("--policy-version", opts.policy_version is not None)):
+        if given and not opts.paths:
+            raise UsageError(f"{flag} needs --paths")
     if opts.paths:
-        from rlrec.store.snapshot import open_snapshot
+        from rlrec.reading import open as open_store
 
-        snap = open_snapshot(storage, as_of=parse_as_of(opts.as_of))
+        if opts.policy_version is None:
+            snap = open_store(storage, as_of=parse_as_of(opts.as_of))
+        elif opts.as_of is not None:
+            raise UsageError("give --as-of or --policy-version, not both")
+        elif not opts.policies:
+            raise UsageError("--policy-version needs --policies URI (the publish root)")
+        else:
+            snap = open_store(
+                storage,
+                policy_version=opts.policy_version,
+                policies=opts.policies,
+                public_key=opts.public_key,
+                allow_unsigned=opts.allow_unsigned,
+            )
         for path in snap.files():
             print(path)
-        print(f"rlrec inspect: {len(snap.entries)} shard(s) at {snap.cursor}", file=sys.stderr)
+        held = (
+            f" (selection {snap.selection}; whole shards: they hold its held-out episodes too)"
+            if opts.policy_version is not None
+            else ""
+        )
+        print(f"rlrec inspect: {len(snap.entries)} shard(s) at {snap.cursor}{held}", file=sys.stderr)
         return 0
     doc = inspect(storage)
+    lineages = None
+    if opts.policies:
+        from rlrec.trainer.lineage import list_lineages
+
+        open_output(opts.policies, "--policies")  # UsageError (exit 2): not a URI
+        lineages = list_lineages(opts.policies, public_key=opts.public_key)
+        doc["lineage"] = lineages
     notes: list[str] = []
     try:
         summary = episode_summary(storage, read_manifest(storage)) if doc["shards"] else None
@@ -221,6 +287,8 @@ def run(args: argparse.Namespace) -> int:
     console.print(totals)
 
     _print_propensities(console, doc["steps_without_logp"])
+    if lineages is not None:
+        _print_lineages(console, lineages, opts.policies)
 
     if summary:
         st = Table(title="episodes (from shard columns)", box=box.SIMPLE_HEAD)

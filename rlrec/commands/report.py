@@ -25,6 +25,12 @@ class ReportOptions:
     checkpoint_dir: str | None = option(None, metavar="URI", help="trainer checkpoint dir (holds metrics.jsonl)")
     bootstrap_servers: str | None = option(None, help="Kafka bootstrap servers: count dead letters from the DLQ topic")
     dlq_topic: str | None = option(None, help="dead-letter topic (default: the demo's, from demo.json)")
+    policies: str | None = option(
+        None,
+        metavar="URI",
+        help="publish root of the policy versions, whose lineage cursors the report shows "
+        "(default: {checkpoint-dir}/policies)",
+    )
 
 
 #: the options of `rlrec report`
@@ -62,7 +68,12 @@ def run(args: argparse.Namespace) -> int:
     from rlrec.commands._common import open_output
     from rlrec.report import write_report
 
-    for name, value in (("URI", uri), ("--input", opts.input), ("--checkpoint-dir", opts.checkpoint_dir)):
+    for name, value in (
+        ("URI", uri),
+        ("--input", opts.input),
+        ("--checkpoint-dir", opts.checkpoint_dir),
+        ("--policies", opts.policies),
+    ):
         if value is not None:
             open_output(value, name)  # UsageError (exit 2): not a URI
     try:
@@ -73,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
             checkpoint_dir=opts.checkpoint_dir,
             bootstrap_servers=opts.bootstrap_servers,
             dlq_topic=opts.dlq_topic,
+            policies=opts.policies,
         )
     except OSError as e:
         print(f"rlrec report: error: {e}", file=sys.stderr)

@@ -26,6 +26,7 @@ pytestmark = [pytest.mark.system, pytest.mark.slow]
 
 @pytest.mark.parametrize("kind", ["gcs", "azure"])
 def test_train_publish_load_inspect_gc_and_report_on_the_cloud(kind, tmp_path, monkeypatch, request, capsys):
+    import rlrec
     from rlrec import load_policy
     from rlrec.trainer.signing import generate_keys
 
@@ -52,7 +53,9 @@ def test_train_publish_load_inspect_gc_and_report_on_the_cloud(kind, tmp_path, m
     action, extra = policy.act(np.zeros(4, np.float32))
     assert action in (0, 1) and np.isfinite(extra["action_logp"])
     lineage = json.loads(checkpoints.read(f"policies/{policy.spec['directory']}/lineage.json"))
-    assert set(lineage["shards"]) == keys
+    assert lineage["shards_trained"] == len(keys) and lineage["input"] == Storage.from_uri(out).uri()
+    trained = rlrec.open(out, policy_version=1, policies=f"{ck}/policies", public_key=pub)  # reopened on the cloud
+    assert {e.path for e in trained.entries} == keys
 
     assert main(["inspect", out, "--verify"]) == 0
     shards = Storage.from_uri(out)

@@ -111,3 +111,16 @@ def test_delete_tree_removes_links_not_their_targets(out, victim):
     with pytest.raises(EscapesRoot):
         st.delete_tree("linked")
     assert (victim / "authorized_keys").exists()
+
+
+def test_a_missing_root_is_made_by_the_first_write_and_never_by_a_read(tmp_path):
+    from rlrec.store.localfs import LocalRoot
+
+    root = tmp_path / "a" / "b"
+    store = LocalRoot(str(root))
+    with pytest.raises(FileNotFoundError):
+        store.read("x/y.bin")
+    assert not root.exists()  # a read does not make it
+    assert store.create_once("x/y.bin", b"1") and store.read("x/y.bin") == b"1"
+    store.write("z", b"2")  # the root exists now: opened, not made again
+    assert sorted(os.listdir(root)) == ["x", "z"]

@@ -13,8 +13,12 @@ reader opened at the same cursor, now or in a year, gets the same files and the 
 
 Guarantees (docs/GUARANTEES.md, "As-of reads"): a snapshot's file list is fixed when it is
 opened; every episode of a committed shard entry at or before its point is read exactly once
-(the manifest holds each episode in at most one shard entry); `Snapshot.changes` between two
-cursors of one store holds exactly the entries of the later one that the earlier one lacks.
+(the snapshot holds the *live* shards at its point, `rlrec.store.manifest.live_shards`: a
+compacted shard is read from its replacement once the replace entry is at or before the point,
+from its own file before); `Snapshot.changes` between two cursors of one store holds exactly
+the episodes of the later one that the earlier one lacks (a replacement that merged shards from
+both sides of the earlier cursor is read as the shards it replaced, whose files compaction
+keeps).
 Shards are read through the schema gate (`rlrec.store.schema_gate`) after their sha256 is
 checked against the manifest: nothing is unpickled.
 
@@ -60,7 +64,15 @@ import numpy as np
 import pyarrow as pa
 
 from rlrec.store.commit import read_committed_shard
-from rlrec.store.manifest import MANIFEST_DIR, Entry, PartitionLog, ShardEntry, list_partition_logs
+from rlrec.store.manifest import (
+    MANIFEST_DIR,
+    Entry,
+    PartitionLog,
+    ReplaceEntry,
+    ShardEntry,
+    list_partition_logs,
+    live_shards,
+)
 from rlrec.store.schema_gate import TABULAR_FIXED_COLUMNS, ShardSchemaError, open_shard
 from rlrec.store.storage import Storage
 
@@ -195,10 +207,18 @@ class Snapshot:
     `to_ray_dataset`, `to_torch`; `changes` for incremental readers.
     """
 
-    def __init__(self, storage: Storage, point: Cursor, entries: list[ShardEntry], firsts: dict) -> None:
+    def __init__(
+        self,
+        storage: Storage,
+        point: Cursor,
+        entries: list[ShardEntry],
+        firsts: dict,
+        logs: Mapping[tuple[str, int], list[Entry]] | None = None,
+    ) -> None:
         self.storage = storage
         self._point = point
         self._firsts = firsts  # (topic, partition) -> key of its first entry (store identity)
+        self._logs = logs  # the logs read when it was opened (for `changes` across replacements)
         self.entries: list[ShardEntry] = sorted(entries, key=lambda e: (e.topic, e.partition, e.seq))
 
     def __repr__(self) -> str:
@@ -236,8 +256,32 @@ class Snapshot:
                     f"since is after this snapshot: {key[0]}/{key[1]} at {n} > {self._point.positions.get(key, 0)} "
                     "(open the newer snapshot first)"
                 )
-        new = [e for e in self.entries if e.seq >= since_c.positions.get((e.topic, e.partition), 0)]  # type: ignore[operator]
-        return Snapshot(self.storage, self._point, new, self._firsts)
+        new: list[ShardEntry] = []
+        for e in self.entries:
+            start = since_c.positions.get((e.topic, e.partition), 0)
+            if e.seq >= start:  # type: ignore[operator]
+                new += self._new_part(e, start)
+        return Snapshot(self.storage, self._point, new, self._firsts, self._logs)
+
+    def _new_part(self, shard: ShardEntry, start: int) -> list[ShardEntry]:
+        """The shards holding the episodes of live `shard` that were not committed before entry
+        `start` of its log: itself, or -- a replacement of shards from both sides of `start`
+        -- the replaced shards (recursively) committed at or after `start`."""
+        if self._logs is None:
+            return [shard]
+        entries = self._logs.get((shard.topic, shard.partition), [])
+        by_seq = {e.seq: e for e in entries}
+
+        def part(seq: int) -> list[ShardEntry]:
+            e = by_seq[seq]
+            if isinstance(e, ShardEntry):
+                return [e] if seq >= start else []
+            assert isinstance(e, ReplaceEntry)
+            if min(e.replaces) >= start:
+                return [e.shard]
+            return [s for r in e.replaces for s in part(r)]
+
+        return part(shard.seq)  # type: ignore[arg-type]
 
     # ---------------------------------------------------------------- reading shards
     def _gated(self, entry: ShardEntry):
@@ -651,14 +695,9 @@ def open_snapshot(storage: Storage | str, as_of: float | int | str | Cursor | No
         raise CursorError(f"as_of must be None, a UNIX time or a cursor string, got {type(as_of).__name__}")
     positions = {k: n for k, n in positions.items() if n > 0}
     point = Cursor(positions, _tag({k: firsts[k] for k in positions}))
-    entries = [
-        e
-        for key, es in logs.items()
-        for e in es
-        if isinstance(e, ShardEntry) and e.seq < positions.get(key, 0)  # type: ignore[operator]
-    ]
+    entries = [e for key, es in logs.items() for e in live_shards(es, below=positions.get(key, 0)).values()]
     log.debug("snapshot %s: %d shard(s)", point, len(entries))
-    return Snapshot(st, point, entries, firsts)
+    return Snapshot(st, point, entries, firsts, logs)
 
 
 #: ``rlrec.open``: the name under which the package exports `open_snapshot`

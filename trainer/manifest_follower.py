@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 from rlrec.store.commit import read_committed_shard
-from rlrec.store.manifest import MANIFEST_DIR, ManifestError, PartitionLog, ShardEntry
+from rlrec.store.manifest import MANIFEST_DIR, ManifestError, PartitionLog, ShardEntry, UnsupportedManifestError
 from rlrec.store.storage import Storage
 from rlrec.trainer.feed import ShardInfo
 
@@ -25,6 +25,12 @@ class ManifestFollower:
     entries plus the entries after the newest: `PartitionLog.load`), known logs are refreshed by
     probing their next sequence numbers only (`PartitionLog.refresh`), so a poll costs one small
     read per partition.
+
+    New data is shard entries only: a replace entry (compaction) holds episodes already
+    committed by the shard entries it replaces, so it is never delivered -- an episode is
+    delivered once, in the shard that committed it. A log holding an entry this rlrec cannot
+    read (a newer manifest format, `UnsupportedManifestError`) stops `poll` with that error
+    instead of being skipped.
     """
 
     def __init__(
@@ -104,6 +110,8 @@ class ManifestFollower:
         for key, plog in list(self.logs.items()):
             try:
                 plog.refresh()
+            except UnsupportedManifestError as e:
+                raise UnsupportedManifestError(f"manifest log {key[0]}/{key[1]:05d}: {e}") from None
             except (ManifestError, OSError) as e:
                 self._warn_once(f"refresh:{key}:{e}", "cannot read manifest log %s/%05d: %s", key[0], key[1], e)
                 continue

@@ -1,0 +1,288 @@
+"""Compaction: merge a partition's small committed shards into large ones, no data change.
+
+A writer that owns a partition (it holds the newest claim of its manifest log) compacts it in
+four steps, each safe to interrupt at any point (kill -9 included):
+
+1. plan: read the whole log, take its *live* shards (`rlrec.store.manifest.live_shards`) and pick
+   runs of small ones (`plan_runs`: same policy, format and event schema versions, each older than
+   ``min_age_s``, a run's total at most ``target_bytes``, at least two shards);
+2. stage: read the run's shards (sha256 checked against the manifest, schemas through the schema
+   gate), concatenate their rows -- whole episodes, never split -- into one Parquet file of the
+   same shard format, and write it create-once at ``{policy}/_staging/{name}`` (a fresh name per
+   attempt). Interrupted here: an orphan staging file, which ``rlrec gc`` collects;
+3. commit: append a replace entry (`PartitionLog.append_replace`: the same create-once append
+   and fencing as a shard entry) naming the run's seqs and the new shard. This is the commit
+   point; the log refuses a replacement that does not hold exactly the replaced episodes;
+4. publish: move the staged file to ``{policy}/{name}`` (rolled forward by the owner's next
+   claim or `PartitionLog.recover` if interrupted). The replaced files stay: retention removes
+   them later, so a cursor taken before the replacement still reads them.
+
+A re-run plans from the log again: shards already replaced are not live any more, so a re-run
+after a completed run does nothing, and after an interrupted one redoes only what did not commit.
+
+Example::
+
+    >>> import tempfile
+    >>> from rlrec.store.commit import ShardCommitter
+    >>> from rlrec.store.snapshot import open_snapshot
+    >>> from rlrec.trainer.synthetic import expert_cartpole_episodes
+    >>> root = tempfile.mkdtemp()
+    >>> c = ShardCommitter(root, "rl", 0)
+    >>> for _ in range(3):
+    ...     _ = c.commit(expert_cartpole_episodes(2))
+    >>> res = compact_partition(c.log, min_age_s=0)
+    >>> res.replaced, res.written, len(open_snapshot(root).files()), open_snapshot(root).num_episodes
+    (3, 1, 1, 6)
+    >>> compact_partition(c.log, min_age_s=0).replaced  # nothing left to do
+    0
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from rlrec.store.commit import read_committed_shard
+from rlrec.store.manifest import ConflictError, PartitionLog, ReplaceEntry, ShardEntry, live_shards
+from rlrec.store.schema_gate import ShardSchemaError, open_shard
+
+__all__ = [
+    "DEFAULT_MIN_AGE_S",
+    "DEFAULT_TARGET_BYTES",
+    "CompactionResult",
+    "compact_partition",
+    "merge_shards",
+    "plan_runs",
+]
+
+log = logging.getLogger("rlrec.compaction")
+
+#: the size a merged shard grows to at most (the consumer's default --max-file-bytes)
+DEFAULT_TARGET_BYTES = 128 * 1024 * 1024
+#: shards younger than this are left alone (the trainer has likely not read them yet)
+DEFAULT_MIN_AGE_S = 600.0
+#: rows per row group of a merged shard (episodes: one per row; tabular: one step per row)
+_ROW_GROUP = {"episodes": 128, "tabular": 65536}
+#: columns written without dictionary and statistics (as the consumer's shard writer does)
+_PLAIN_COLUMNS = frozenset({"item"})
+
+
+@dataclass
+class CompactionResult:
+    """What one `compact_partition` call did."""
+
+    topic: str
+    partition: int
+    replaced: int = 0  # shards replaced
+    written: int = 0  # merged shards committed
+    bytes_before: int = 0
+    bytes_after: int = 0
+    skipped: list[str] = field(default_factory=list)  # runs left alone, with the reason
+    entries: list[ReplaceEntry] = field(default_factory=list)
+
+
+def _group_key(e: ShardEntry) -> str:
+    v = e.event_schema_versions
+    return json.dumps([e.policy_id, e.format, e.format_version, v if isinstance(v, dict) else list(v)], sort_keys=True)
+
+
+def plan_runs(
+    live: dict[int, ShardEntry],
+    *,
+    target_bytes: int = DEFAULT_TARGET_BYTES,
+    min_age_s: float = DEFAULT_MIN_AGE_S,
+    policy_id: str | None = None,
+    now: float | None = None,
+) -> list[list[ShardEntry]]:
+    """Runs of live shards worth merging, each in seq order.
+
+    Args:
+        live: ``{seq: shard}`` of one partition log (`live_shards`).
+        target_bytes: a run's total size at most (a shard this size or larger is left alone).
+        min_age_s: only shards committed at least this long ago.
+        policy_id: only this policy's shards (None: all).
+        now: the time to measure ages from (default: now).
+
+    Example:
+        >>> plan_runs({})
+        []
+    """
+    now = time.time() if now is None else now
+    groups: dict[str, list[ShardEntry]] = {}
+    for seq in sorted(live):
+        e = live[seq]
+        if policy_id is not None and e.policy_id != policy_id:
+            continue
+        if e.bytes >= target_bytes or now - e.commit_time < min_age_s:
+            continue
+        groups.setdefault(_group_key(e), []).append(e)
+    runs: list[list[ShardEntry]] = []
+    for members in groups.values():
+        cur: list[ShardEntry] = []
+        total = 0
+        for e in members:
+            if cur and total + e.bytes > target_bytes:
+                runs.append(cur)
+                cur, total = [], 0
+            cur.append(e)
+            total += e.bytes
+        runs.append(cur)
+    return [r for r in runs if len(r) >= 2]
+
+
+def merge_shards(parts: list[bytes], fmt: str, compression: str = "zstd") -> bytes:
+    """One Parquet shard holding the rows of `parts` (shard files of format `fmt`), in order.
+
+    Every part passes the schema gate first; their Arrow schemas must be equal (ValueError
+    otherwise: shards of different spaces do not share a file). The ``rlrec.*`` schema metadata
+    is kept; a space key only where every part has the same value (as the shard writer does for
+    episodes of different spaces)."""
+    tables = []
+    for data in parts:
+        shard = open_shard(data, fmt=fmt)
+        tables.append(shard.read())
+    first = tables[0].schema
+    for t in tables[1:]:
+        if not t.schema.equals(first, check_metadata=False):
+            raise ValueError("the shards' columns differ (different spaces or extra model outputs)")
+    metas = [t.schema.metadata or {} for t in tables]
+    keep = {k: v for k, v in metas[0].items() if k.startswith(b"rlrec.") and all(m.get(k) == v for m in metas)}
+    table = pa.concat_tables([t.replace_schema_metadata(None) for t in tables]).replace_schema_metadata(keep)
+    options = {}
+    if _PLAIN_COLUMNS.intersection(table.column_names):
+        usual = [name for name in table.column_names if name not in _PLAIN_COLUMNS]
+        options = {"use_dictionary": usual, "write_statistics": usual}
+    buf = pa.BufferOutputStream()
+    pq.write_table(table, buf, compression=compression, row_group_size=_ROW_GROUP.get(fmt, 65536), **options)
+    return buf.getvalue().to_pybytes()
+
+
+def _versions(values: list) -> tuple:
+    ints = [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+    return (min(ints), max(ints)) if ints and len(ints) == len(values) else (None, None)
+
+
+def _merged_entry(run: list[ShardEntry], data: bytes, path: str, staging: str) -> ShardEntry:
+    lo, _ = _versions([e.min_policy_version for e in run])
+    _, hi = _versions([e.max_policy_version for e in run])
+    logp: dict[str, int] | None = {}
+    for e in run:
+        if e.steps_without_logp is None or logp is None:
+            logp = None
+            continue
+        for k, n in e.steps_without_logp.items():
+            logp[k] = logp.get(k, 0) + n
+    return ShardEntry(
+        path=path,
+        staging_path=staging,
+        topic=run[0].topic,
+        partition=run[0].partition,
+        policy_id=run[0].policy_id,
+        first_offset=min(e.first_offset for e in run),
+        last_offset=max(e.last_offset for e in run),
+        episode_ids=[i for e in run for i in e.episode_ids],
+        episodes=sum(e.episodes for e in run),
+        steps=sum(e.steps for e in run),
+        bytes=len(data),
+        sha256=hashlib.sha256(data).hexdigest(),
+        format=run[0].format,
+        format_version=run[0].format_version,
+        event_schema_versions=run[0].event_schema_versions,
+        commit_time=time.time(),
+        min_policy_version=lo,
+        max_policy_version=hi,
+        steps_without_logp=logp,
+    )
+
+
+def _read_part(plog: PartitionLog, e: ShardEntry) -> bytes:
+    data = read_committed_shard(plog.storage, e.path, e.staging_path)
+    if hashlib.sha256(data).hexdigest() != e.sha256:
+        raise ShardSchemaError(f"{plog.storage.uri(e.path)}: sha256 differs from the manifest's: refused")
+    return data
+
+
+def compact_partition(
+    plog: PartitionLog,
+    *,
+    target_bytes: int = DEFAULT_TARGET_BYTES,
+    min_age_s: float = DEFAULT_MIN_AGE_S,
+    policy_id: str | None = None,
+    compression: str = "zstd",
+    max_runs: int | None = None,
+) -> CompactionResult:
+    """Compact one partition whose log `plog` this process has claimed (module docstring).
+
+    Args:
+        plog: the partition's log, claimed by this writer (`PartitionLog.claim`).
+        target_bytes: a merged shard's size at most, counted as the sum of its parts.
+        min_age_s: only shards committed at least this many seconds ago.
+        policy_id: only this policy's shards (None: all).
+        compression: the merged shards' Parquet codec.
+        max_runs: merge at most this many runs now (None: all); the rest waits for the next call.
+
+    Returns:
+        A `CompactionResult`. A run whose shards cannot be merged (a schema the gate refuses,
+        differing columns, a replaced shard meanwhile) is left alone and named in ``skipped``.
+
+    Raises:
+        FencedError: a newer writer claimed the partition (nothing more is appended).
+        StorageError / OSError: storage failed; a re-run picks up where this one stopped.
+    """
+    if plog.epoch is None:
+        raise RuntimeError(f"{plog.topic}/{plog.partition}: claim() the partition before compacting it")
+    st = plog.storage
+    res = CompactionResult(plog.topic, plog.partition)
+    view = PartitionLog(st, plog.topic, plog.partition, snapshot_every=0)
+    entries = view.load()
+    seen = view.next_seq
+    runs = plan_runs(live_shards(entries), target_bytes=target_bytes, min_age_s=min_age_s, policy_id=policy_id)
+    for run in runs[:max_runs] if max_runs is not None else runs:
+        seqs = [e.seq for e in run]
+        try:
+            data = merge_shards([_read_part(plog, e) for e in run], run[0].format, compression)
+        except (ShardSchemaError, ValueError, FileNotFoundError) as err:
+            res.skipped.append(f"seq {seqs}: {err}")
+            log.warning("%s/%d: not compacting seq %s: %s", plog.topic, plog.partition, seqs, err)
+            continue
+        name = (
+            f"{plog.topic}+{plog.partition:05d}+{min(e.first_offset for e in run):020d}+"
+            f"{max(e.last_offset for e in run):020d}+e{plog.epoch}.c{uuid.uuid4().hex[:12]}.parquet"
+        )
+        policy = run[0].policy_id
+        path, staging = f"{policy}/{name}", f"{policy}/_staging/{name}"
+        if not st.create_once(staging, data):  # a fresh name: taken only by a planted file
+            res.skipped.append(f"seq {seqs}: {staging} exists")
+            continue
+        entry = ReplaceEntry(replaces=tuple(seqs), shard=_merged_entry(run, data, path, staging))  # type: ignore[arg-type]
+        try:
+            committed = plog.append_replace(entry, run, seen=seen)
+        except ConflictError as err:
+            res.skipped.append(f"seq {seqs}: {err}")
+            log.warning("%s/%d: not compacting seq %s: %s", plog.topic, plog.partition, seqs, err)
+            continue
+        plog.publish(committed.shard, data)
+        res.replaced += len(run)
+        res.written += 1
+        res.bytes_before += sum(e.bytes for e in run)
+        res.bytes_after += len(data)
+        res.entries.append(committed)
+        log.info(
+            "%s/%d: replaced %d shard(s) (seq %s, %d bytes) with %s (%d bytes) at seq %d",
+            plog.topic,
+            plog.partition,
+            len(run),
+            seqs,
+            sum(e.bytes for e in run),
+            path,
+            len(data),
+            committed.seq,
+        )
+    return res

@@ -55,7 +55,7 @@ from rlrec.consumer.config import ConsumerConfig
 from rlrec.consumer.dead_letters import DeadLetterQueue, dead_letter_record
 from rlrec.consumer.metrics import ConsumerMetrics
 from rlrec.consumer.topics import check_reachable, client_settings, create_topics, describe_kafka_error, kafka_logger
-from rlrec.consumer.writer import PartitionWriter, Rotation
+from rlrec.consumer.writer import Compaction, PartitionWriter, Rotation
 from rlrec.errors import UsageError
 from rlrec.producer.events import DecodeError, decode, encode
 from rlrec.producer.registry import RegistryUnavailable
@@ -386,6 +386,9 @@ class RecorderConsumer:
             rotation=self.rotation,
             encoder=self.encoder,
             counters=self.metrics.assembly,
+            compaction=Compaction(self.config.compact_after_s, self.config.max_file_bytes)
+            if self.config.compact_after_s > 0
+            else None,
         )
         self.writers[p] = w
         for attempt in range(CLAIM_RETRY.attempts):
@@ -588,6 +591,7 @@ class RecorderConsumer:
             live = recent and broker_ok and not self._pause_reasons.get(p)
             a.live_since = (a.live_since or now) if live else None
             w.publish_pending()  # roll forward committed shards whose publish failed
+            w.upkeep(now)  # the owner lease; compaction when due (--compact-after)
             a.split_suspected = now < self._split_suspected_until
             for d in a.decide_timeouts(now):
                 self._decide(p, d, a.open[d.episode_id].first_offset)

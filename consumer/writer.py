@@ -32,10 +32,11 @@ from rlrec.consumer.assembly import AssemblyConfig, Counters, PartitionAssembler
 from rlrec.store.commit import CommitResult, ShardCommitter
 from rlrec.store.finished import FinishedEpisode
 from rlrec.store.manifest import FencedError
+from rlrec.store.ownership import DEFAULT_LEASE_S, renew_lease
 from rlrec.store.retry import RetrySchedule
 from rlrec.store.storage import Storage
 
-__all__ = ["Flushed", "PartitionWriter", "Rotation", "Tick", "WriterState"]
+__all__ = ["Compaction", "Flushed", "PartitionWriter", "Rotation", "Tick", "WriterState"]
 
 log = logging.getLogger("rlrec.consumer")
 
@@ -62,6 +63,16 @@ class Rotation:
     max_episodes: int = 1000
     max_bytes: int = 128 * 1024 * 1024
     max_age_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class Compaction:
+    """When an owner compacts its partition (`rlrec.store.compaction`): shards at least
+    ``after_s`` old merge into shards of up to ``target_bytes``; checked every ``after_s``
+    seconds (at least every 5 s), one merged shard per check."""
+
+    after_s: float
+    target_bytes: int = 128 * 1024 * 1024
 
 
 @dataclass
@@ -141,6 +152,8 @@ class PartitionWriter:
         rotation: when finished episodes become a shard.
         encoder: where steps 1-4 run (None: on the caller's thread).
         counters: what its assemblers count into (shared by a consumer's writers).
+        compaction: when it compacts its partition (None: never; `upkeep`).
+        lease_s: the owner lease it keeps while claimed (`rlrec.store.ownership`; `upkeep`).
     """
 
     def __init__(
@@ -155,7 +168,10 @@ class PartitionWriter:
         rotation: Rotation | None = None,
         encoder: Executor | None = None,
         counters: Counters | None = None,
+        compaction: Compaction | None = None,
+        lease_s: float = DEFAULT_LEASE_S,
     ):
+        self.storage = storage
         self.topic = topic
         self.partition = partition
         self.committer = ShardCommitter(storage, topic, partition, fmt=fmt, compression=compression)
@@ -172,6 +188,11 @@ class PartitionWriter:
         self._encoding_bytes = 0
         self._forget_upto: int | None = None  # offsets_committed() deferred while a write is under way
         self._kafka_committed: int | None = None  # the offset the service last committed for this owner
+        self.compaction = compaction
+        self.lease_s = lease_s
+        self._lease_due = 0.0  # when the owner lease is renewed next (wall clock)
+        self._compact_due = 0.0  # when compaction is checked next (wall clock)
+        self._compacting: Future | None = None  # a compaction running on `encoder`
 
     @property
     def epoch(self) -> int | None:
@@ -258,6 +279,8 @@ class PartitionWriter:
         self.assembler = None
         self._kafka_committed = None
         self._discard_encoding()
+        self._finish_compaction(wait=True)
+        self._lease_due = 0.0
         self.state = state
 
     # -- rotation and writing -----------------------------------------------------------------
@@ -430,6 +453,80 @@ class PartitionWriter:
         self.committer.offsets_committed(offset)
 
     # -- upkeep -------------------------------------------------------------------------------
+
+    def upkeep(self, now: float) -> None:
+        """While claimed: renew the owner lease (every third of `lease_s`) and, with
+        `compaction`, compact the partition when due -- on the `encoder` after the shard being
+        written, so commits and compaction of this log never run at once. Storage errors are
+        logged and retried at the next due time; they never stop the writer."""
+        if self.state not in (WriterState.ACTIVE, WriterState.BACKING_OFF) or self.epoch is None:
+            return
+        if now >= self._lease_due:
+            self._lease_due = now + self.lease_s / 3
+            try:
+                renew_lease(
+                    self.storage,
+                    self.topic,
+                    self.partition,
+                    writer=self.committer.log.writer_id or "",
+                    epoch=self.epoch,
+                    ttl_s=self.lease_s,
+                    now=now,
+                )
+            except Exception as e:  # a lease is a courtesy: the next renewal tries again
+                log.warning("partition %d: cannot renew the owner lease (%s)", self.partition, e)
+        self._finish_compaction(wait=False)
+        c = self.compaction
+        if c is None or c.after_s <= 0 or self._compacting is not None or now < self._compact_due:
+            return
+        self._compact_due = now + max(5.0, c.after_s)
+        if self.encoder is None:
+            self._compacted(self._compact)
+            return
+        try:
+            self._compacting = self.encoder.submit(self._compact)
+        except RuntimeError:  # the executor is shut down: compact at the next due time
+            pass
+
+    def _compact(self):
+        from rlrec.store.compaction import compact_partition
+
+        c = self.compaction
+        return compact_partition(
+            self.committer.log,
+            target_bytes=c.target_bytes,
+            min_age_s=c.after_s,
+            compression=self.committer.compression,
+            max_runs=1,
+        )
+
+    def _finish_compaction(self, *, wait: bool) -> None:
+        f = self._compacting
+        if f is None or not (wait or f.done()):
+            return
+        self._compacting = None
+        if wait and f.cancel():
+            return
+        self._compacted(f.result)
+
+    def _compacted(self, result) -> None:
+        try:
+            res = result()
+        except FencedError:
+            log.warning("partition %d: compaction stopped: a newer writer claimed the partition", self.partition)
+            return
+        except Exception as e:  # storage: the next due time re-plans from the log
+            log.warning("partition %d: compaction failed (%s: %s); retried later", self.partition, type(e).__name__, e)
+            return
+        if res.written:
+            log.info(
+                "partition %d: compacted %d shard(s) (%d bytes) into %d (%d bytes)",
+                self.partition,
+                res.replaced,
+                res.bytes_before,
+                res.written,
+                res.bytes_after,
+            )
 
     def publish_pending(self) -> int:
         """Publish shards committed by earlier flushes whose publish failed (cheap when none);

@@ -50,14 +50,25 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rlrec.store.commit import read_committed_shard
-from rlrec.store.manifest import ConflictError, PartitionLog, ReplaceEntry, ShardEntry, live_shards
+from rlrec.store.manifest import (
+    ConflictError,
+    PartitionLog,
+    ReplaceEntry,
+    ShardEntry,
+    default_writer_id,
+    list_partition_logs,
+    live_shards,
+)
+from rlrec.store.ownership import DEFAULT_LEASE_S, lease_path, read_lease, renew_lease
 from rlrec.store.schema_gate import ShardSchemaError, open_shard
+from rlrec.store.storage import Storage
 
 __all__ = [
     "DEFAULT_MIN_AGE_S",
     "DEFAULT_TARGET_BYTES",
     "CompactionResult",
     "compact_partition",
+    "compact_unowned",
     "merge_shards",
     "plan_runs",
 ]
@@ -286,3 +297,66 @@ def compact_partition(
             committed.seq,
         )
     return res
+
+
+def compact_unowned(
+    storage: Storage,
+    *,
+    target_bytes: int = DEFAULT_TARGET_BYTES,
+    min_age_s: float = DEFAULT_MIN_AGE_S,
+    policy_id: str | None = None,
+    compression: str = "zstd",
+    lease_s: float = DEFAULT_LEASE_S,
+) -> tuple[list[CompactionResult], list[str]]:
+    """Compact every partition of a store that no live writer owns (``rlrec compact``).
+
+    Per partition log: a live owner lease (`rlrec.store.ownership`) means a consumer runs it --
+    left alone and reported, never claimed (that would fence the consumer). Otherwise, when the
+    plan finds runs to merge, this process announces itself with a lease, claims the partition
+    (fencing any dead owner), checks that no other writer took the lease meanwhile (else it
+    appends nothing and reports the partition), rolls forward unpublished shards and compacts
+    (`compact_partition`), then drops its lease.
+
+    Args:
+        storage: the store.
+        target_bytes, min_age_s, policy_id, compression: as for `compact_partition`.
+        lease_s: how long this process's own lease lasts (it holds it while compacting).
+
+    Returns:
+        (the results of the partitions compacted or found with nothing to do, one line per
+        partition left alone because a live writer owns it).
+    """
+    results: list[CompactionResult] = []
+    refused: list[str] = []
+    for topic, part in list_partition_logs(storage):
+        where = f"{topic}/{part:05d}"
+        lease = read_lease(storage, topic, part)
+        if lease is not None and lease.live():
+            refused.append(f"{where} is owned by a live consumer ({lease.describe()})")
+            continue
+        view = PartitionLog(storage, topic, part, snapshot_every=0)
+        runs = plan_runs(live_shards(view.load()), target_bytes=target_bytes, min_age_s=min_age_s, policy_id=policy_id)
+        if not runs:
+            results.append(CompactionResult(topic, part))
+            continue
+        writer = default_writer_id()
+        me = f"rlrec-compact:{writer}"
+        renew_lease(storage, topic, part, writer=me, epoch=view.max_epoch + 1, ttl_s=lease_s)
+        plog = PartitionLog(storage, topic, part)
+        plog.claim(writer)
+        now = read_lease(storage, topic, part)
+        if now is not None and now.writer != me and now.live():
+            refused.append(f"{where} was claimed by a consumer while compaction started ({now.describe()})")
+            continue
+        try:
+            plog.recover()
+            results.append(
+                compact_partition(
+                    plog, target_bytes=target_bytes, min_age_s=min_age_s, policy_id=policy_id, compression=compression
+                )
+            )
+        finally:
+            mine = read_lease(storage, topic, part)
+            if mine is not None and mine.writer == me:
+                storage.delete(lease_path(topic, part))
+    return results, refused

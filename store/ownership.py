@@ -1,0 +1,107 @@
+"""Owner leases: which writer runs a partition now, for tools that must not fence a live one.
+
+Fencing needs no clock (`rlrec.store.manifest`): a newer claim always wins. But a tool that
+claims a partition to write to it (``rlrec compact``) would fence a *live* consumer, which then
+stops writing it until it claims again. So an owner says it is alive: while it holds a claim
+it rewrites ``_manifest/{topic}/{partition:05d}/.owner.json`` (a dot file: no entry, never
+read as one) every ``ttl_s / 3`` seconds with ``{"writer", "epoch", "renewed", "ttl_s"}``. A
+lease renewed less than ``ttl_s`` ago (by the reader's clock: the TTL must exceed the clock
+skew between hosts) is *live*, and such tools leave the partition alone.
+
+A lease is only a courtesy between writers: correctness (an episode committed once, a fenced
+writer commits nothing) never depends on it. Its bytes are data: anything malformed is no lease.
+
+Example::
+
+    >>> import tempfile
+    >>> from rlrec.store.storage import Storage
+    >>> st = Storage.from_uri(tempfile.mkdtemp())
+    >>> renew_lease(st, "rl", 0, writer="host:1:abc", epoch=3, ttl_s=60.0, now=1000.0)
+    >>> lease = read_lease(st, "rl", 0)
+    >>> lease.epoch, lease.live(now=1030.0), lease.live(now=1061.0)
+    (3, True, False)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+from rlrec.store.manifest_entries import MANIFEST_DIR
+from rlrec.store.storage import Storage
+
+__all__ = ["DEFAULT_LEASE_S", "LEASE_FILE", "Lease", "lease_path", "read_lease", "renew_lease"]
+
+log = logging.getLogger("rlrec.ownership")
+
+#: name of the lease in a partition's log directory (dot-prefixed: not an entry)
+LEASE_FILE = ".owner.json"
+#: how long a lease lasts unless renewed (an owner renews it every third of that)
+DEFAULT_LEASE_S = 60.0
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A partition owner's statement that it is alive (module docstring)."""
+
+    writer: str
+    epoch: int
+    renewed: float
+    ttl_s: float
+
+    def live(self, now: float | None = None) -> bool:
+        """Whether the lease was renewed less than ``ttl_s`` ago (a renewal "in the future" by
+        this clock counts as live: clock skew errs on the side of leaving the partition alone)."""
+        now = time.time() if now is None else now
+        return now - self.renewed < self.ttl_s
+
+    def describe(self, now: float | None = None) -> str:
+        now = time.time() if now is None else now
+        return f"writer {self.writer}, epoch {self.epoch}, renewed {max(0.0, now - self.renewed):.0f}s ago"
+
+
+def lease_path(topic: str, partition: int) -> str:
+    """``_manifest/{topic}/{partition:05d}/.owner.json``."""
+    return f"{MANIFEST_DIR}/{topic}/{int(partition):05d}/{LEASE_FILE}"
+
+
+def renew_lease(
+    storage: Storage,
+    topic: str,
+    partition: int,
+    *,
+    writer: str,
+    epoch: int,
+    ttl_s: float = DEFAULT_LEASE_S,
+    now: float | None = None,
+) -> None:
+    """Write (replace) the partition's lease for `writer` at `epoch`. Raises storage errors."""
+    doc = {"writer": writer, "epoch": epoch, "renewed": time.time() if now is None else now, "ttl_s": ttl_s}
+    storage.write(lease_path(topic, partition), json.dumps(doc, sort_keys=True).encode())
+
+
+def read_lease(storage: Storage, topic: str, partition: int) -> Lease | None:
+    """The partition's lease, or None (none, or malformed: logged). Raises storage errors."""
+    path = lease_path(topic, partition)
+    try:
+        raw = storage.read(path)
+    except FileNotFoundError:
+        return None
+    try:
+        d = json.loads(raw)
+        writer, epoch, renewed, ttl = d["writer"], d["epoch"], d["renewed"], d["ttl_s"]
+        ok = (
+            isinstance(writer, str)
+            and type(epoch) is int
+            and all(type(x) in (int, float) and math.isfinite(x) for x in (renewed, ttl))
+            and ttl > 0
+        )
+        if ok:
+            return Lease(writer, epoch, float(renewed), float(ttl))
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        pass
+    log.warning("ignoring a malformed owner lease %s", storage.uri(path))
+    return None

@@ -44,6 +44,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import pyarrow as pa
@@ -52,6 +53,8 @@ import pyarrow.parquet as pq
 from rlrec.store.commit import read_committed_shard
 from rlrec.store.manifest import (
     ConflictError,
+    Entry,
+    FencedError,
     PartitionLog,
     ReplaceEntry,
     ShardEntry,
@@ -69,6 +72,7 @@ __all__ = [
     "CompactionResult",
     "compact_partition",
     "compact_unowned",
+    "committed_sizes",
     "merge_shards",
     "plan_runs",
 ]
@@ -81,6 +85,8 @@ DEFAULT_TARGET_BYTES = 128 * 1024 * 1024
 DEFAULT_MIN_AGE_S = 600.0
 #: rows per row group of a merged shard (episodes: one per row; tabular: one step per row)
 _ROW_GROUP = {"episodes": 128, "tabular": 65536}
+#: the writer prefix of the owner lease ``rlrec compact`` holds while compacting
+_COMPACTOR = "rlrec-compact:"
 #: columns written without dictionary and statistics (as the consumer's shard writer does)
 _PLAIN_COLUMNS = frozenset({"item"})
 
@@ -111,8 +117,14 @@ def plan_runs(
     min_age_s: float = DEFAULT_MIN_AGE_S,
     policy_id: str | None = None,
     now: float | None = None,
+    sizes: Mapping[int, int] | None = None,
 ) -> list[list[ShardEntry]]:
-    """Runs of live shards worth merging, each in seq order.
+    """Runs of live shards worth merging (at least two shards each), each in seq order.
+
+    A shard's size here is its *committed size* (`committed_sizes`): for a merged shard the sum
+    of the shards it replaced as first committed, not its own bytes. Merged files often come out
+    smaller than their parts; counting them that way would merge them again on every run, so a
+    re-run after a complete one finds nothing to do.
 
     Args:
         live: ``{seq: shard}`` of one partition log (`live_shards`).
@@ -120,18 +132,20 @@ def plan_runs(
         min_age_s: only shards committed at least this long ago.
         policy_id: only this policy's shards (None: all).
         now: the time to measure ages from (default: now).
+        sizes: ``{seq: committed size}`` (default: each shard's bytes).
 
     Example:
         >>> plan_runs({})
         []
     """
     now = time.time() if now is None else now
+    size = {seq: (sizes or {}).get(seq, e.bytes) for seq, e in live.items()}
     groups: dict[str, list[ShardEntry]] = {}
     for seq in sorted(live):
         e = live[seq]
         if policy_id is not None and e.policy_id != policy_id:
             continue
-        if e.bytes >= target_bytes or now - e.commit_time < min_age_s:
+        if size[seq] >= target_bytes or now - e.commit_time < min_age_s:
             continue
         groups.setdefault(_group_key(e), []).append(e)
     runs: list[list[ShardEntry]] = []
@@ -139,13 +153,25 @@ def plan_runs(
         cur: list[ShardEntry] = []
         total = 0
         for e in members:
-            if cur and total + e.bytes > target_bytes:
+            if cur and total + size[e.seq] > target_bytes:  # type: ignore[index]
                 runs.append(cur)
                 cur, total = [], 0
             cur.append(e)
-            total += e.bytes
+            total += size[e.seq]  # type: ignore[index]
         runs.append(cur)
     return [r for r in runs if len(r) >= 2]
+
+
+def committed_sizes(entries: list[Entry]) -> dict[int, int]:
+    """``{seq: committed size}`` of a log's shard-carrying entries: a shard entry's bytes; a
+    replace entry's, the sum of the committed sizes it replaced."""
+    out: dict[int, int] = {}
+    for e in entries:
+        if isinstance(e, ShardEntry):
+            out[e.seq] = e.bytes  # type: ignore[index]
+        elif isinstance(e, ReplaceEntry):
+            out[e.seq] = sum(out.get(r, 0) for r in e.replaces)  # type: ignore[index]
+    return out
 
 
 def merge_shards(parts: list[bytes], fmt: str, compression: str = "zstd") -> bytes:
@@ -233,7 +259,8 @@ def compact_partition(
 
     Args:
         plog: the partition's log, claimed by this writer (`PartitionLog.claim`).
-        target_bytes: a merged shard's size at most, counted as the sum of its parts.
+        target_bytes: a merged shard's size at most, counted as the sum of its parts as first
+            committed (`plan_runs`).
         min_age_s: only shards committed at least this many seconds ago.
         policy_id: only this policy's shards (None: all).
         compression: the merged shards' Parquet codec.
@@ -254,7 +281,13 @@ def compact_partition(
     view = PartitionLog(st, plog.topic, plog.partition, snapshot_every=0)
     entries = view.load()
     seen = view.next_seq
-    runs = plan_runs(live_shards(entries), target_bytes=target_bytes, min_age_s=min_age_s, policy_id=policy_id)
+    runs = plan_runs(
+        live_shards(entries),
+        target_bytes=target_bytes,
+        min_age_s=min_age_s,
+        policy_id=policy_id,
+        sizes=committed_sizes(entries),
+    )
     for run in runs[:max_runs] if max_runs is not None else runs:
         seqs = [e.seq for e in run]
         try:
@@ -311,7 +344,9 @@ def compact_unowned(
     """Compact every partition of a store that no live writer owns (``rlrec compact``).
 
     Per partition log: a live owner lease (`rlrec.store.ownership`) means a consumer runs it --
-    left alone and reported, never claimed (that would fence the consumer). Otherwise, when the
+    left alone and reported, never claimed (that would fence the consumer). The lease of another
+    compactor (one killed, or running) does not count: two compactors fence each other, which
+    costs nothing but the run that loses. Otherwise, when the
     plan finds runs to merge, this process announces itself with a lease, claims the partition
     (fencing any dead owner), checks that no other writer took the lease meanwhile (else it
     appends nothing and reports the partition), rolls forward unpublished shards and compacts
@@ -331,7 +366,7 @@ def compact_unowned(
     for topic, part in list_partition_logs(storage):
         where = f"{topic}/{part:05d}"
         lease = read_lease(storage, topic, part)
-        if lease is not None and lease.live():
+        if lease is not None and lease.live() and not lease.writer.startswith(_COMPACTOR):
             refused.append(f"{where} is owned by a live consumer ({lease.describe()})")
             continue
         view = PartitionLog(storage, topic, part, snapshot_every=0)
@@ -340,12 +375,12 @@ def compact_unowned(
             results.append(CompactionResult(topic, part))
             continue
         writer = default_writer_id()
-        me = f"rlrec-compact:{writer}"
+        me = f"{_COMPACTOR}{writer}"
         renew_lease(storage, topic, part, writer=me, epoch=view.max_epoch + 1, ttl_s=lease_s)
         plog = PartitionLog(storage, topic, part)
         plog.claim(writer)
         now = read_lease(storage, topic, part)
-        if now is not None and now.writer != me and now.live():
+        if now is not None and now.writer != me and now.live() and not now.writer.startswith(_COMPACTOR):
             refused.append(f"{where} was claimed by a consumer while compaction started ({now.describe()})")
             continue
         try:
@@ -355,6 +390,8 @@ def compact_unowned(
                     plog, target_bytes=target_bytes, min_age_s=min_age_s, policy_id=policy_id, compression=compression
                 )
             )
+        except FencedError as e:
+            refused.append(f"{where} was claimed by another writer while compacting ({e.newer_writer})")
         finally:
             mine = read_lease(storage, topic, part)
             if mine is not None and mine.writer == me:

@@ -1,0 +1,402 @@
+"""Compaction (store/compaction.py): small committed shards merged into large ones, committed as
+replace entries of the manifest; as-of readers, the follower, gc and `rlrec compact` around it.
+Real local storage; the compactor is killed with SIGKILL in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections import Counter
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from rlrec.store.commit import ShardCommitter
+from rlrec.store.compaction import compact_partition, compact_unowned, plan_runs
+from rlrec.store.maintenance import gc, verify
+from rlrec.store.manifest import (
+    ConflictError,
+    ManifestError,
+    PartitionLog,
+    ReplaceEntry,
+    UnsupportedManifestError,
+    live_shards,
+    parse_entry,
+    read_manifest,
+)
+from rlrec.store.ownership import read_lease
+from rlrec.store.snapshot import open_snapshot
+from rlrec.store.storage import Storage
+from rlrec.trainer.synthetic import expert_cartpole_episodes
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _commit_small(root: str, shards: int, *, topic: str = "rl", partition: int = 0, fmt: str = "episodes", per=2):
+    """`shards` commits of `per` short episodes each; returns (committer, committed ids)."""
+    c = ShardCommitter(root, topic, partition, fmt=fmt, snapshot_every=7)
+    ids: list[str] = []
+    for i in range(shards):
+        res = c.commit(expert_cartpole_episodes(per, seed=i, max_steps=30))
+        ids += [fe.episode_id for fe in res.written]
+    return c, ids
+
+
+def _step_ids(snap) -> Counter:
+    """(episode id, t) -> how often the snapshot's files hold it."""
+    t = snap.steps()
+    return Counter(zip(t.column("episode_id").to_pylist(), t.column("t").to_pylist()))
+
+
+def _assert_exactly_once(snap, ids: list[str]) -> None:
+    """Every episode of `ids` and no other, each step once, read from the snapshot's files."""
+    seen = _step_ids(snap)
+    assert max(seen.values()) == 1, [k for k, n in seen.items() if n > 1][:3]
+    assert {eid for eid, _ in seen} == set(ids)
+    assert sorted(i for e in snap.entries for i in e.episode_ids) == sorted(ids)
+
+
+# -- the merged shard ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["episodes", "tabular"])
+def test_merged_shard_holds_the_same_episodes_for_rlrec_readers(tmp_path, fmt):
+    root = str(tmp_path / "out")
+    c, ids = _commit_small(root, 6, fmt=fmt)
+    before = open_snapshot(root)
+    steps_before = before.steps().sort_by([("episode_id", "ascending"), ("t", "ascending")])
+
+    res = compact_partition(c.log, min_age_s=0)
+    assert (res.replaced, res.written) == (6, 1) and not res.skipped
+
+    after = open_snapshot(root)
+    assert len(after.files()) == 1 and after.num_episodes == len(ids)
+    _assert_exactly_once(after, ids)
+    assert after.steps().sort_by([("episode_id", "ascending"), ("t", "ascending")]).equals(steps_before)
+    assert sorted(ep.id_ for ep in after.episodes()) == sorted(ids)
+    # the merged file is a shard of the same format: same columns, schema metadata kept
+    merged = pq.ParquetFile(after.files()[0])
+    old = pq.ParquetFile(before.files()[0])
+    assert merged.schema_arrow.equals(old.schema_arrow, check_metadata=False)
+    assert merged.schema_arrow.metadata[b"rlrec.format"] == fmt.encode()
+    assert b"rlrec.observation_space" in merged.schema_arrow.metadata
+    # the replaced files stay (retention removes them), and verify is content
+    assert all(os.path.exists(p) for p in before.files())
+    assert verify(c.storage) == []
+    assert [e.path for e in read_manifest(c.storage)] == [res.entries[0].shard.path]
+
+
+def test_stock_rllib_decodes_the_merged_episode_shard(tmp_path):
+    """What RLlib's OfflinePreLearner does with input_read_episodes=True: msgpack + msgpack_numpy
+    decode of the `item` column and SingleAgentEpisode.from_state."""
+    import msgpack
+    import msgpack_numpy
+    from ray.rllib.env.single_agent_episode import SingleAgentEpisode
+
+    root = str(tmp_path / "out")
+    c, ids = _commit_small(root, 4)
+    compact_partition(c.log, min_age_s=0)
+    (path,) = open_snapshot(root).files()
+    items = pq.read_table(path, columns=["item"]).column("item").to_pylist()
+    eps = [SingleAgentEpisode.from_state(msgpack.unpackb(b, object_hook=msgpack_numpy.decode)) for b in items]
+    assert sorted(ep.id_ for ep in eps) == sorted(ids)
+    assert all(ep.is_done and len(ep) > 0 for ep in eps)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("ray")
+def test_stock_bc_trains_on_the_merged_shard(tmp_path):
+    import ray
+
+    from tests.test_shards import _bc_config, _train_two_iterations
+
+    root = str(tmp_path / "out")
+    c, _ = _commit_small(root, 6, per=4)
+    compact_partition(c.log, min_age_s=0)
+    (path,) = open_snapshot(root).files()
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        _train_two_iterations(_bc_config(path, input_read_episodes=True))
+    finally:
+        if started:
+            ray.shutdown()
+
+
+# -- planning, idempotence, the rule of replacement --------------------------------------------
+
+
+def test_rerun_is_idempotent_and_respects_target_and_age(tmp_path):
+    root = str(tmp_path / "out")
+    c, ids = _commit_small(root, 9)
+    live = live_shards(PartitionLog(c.storage, "rl", 0).load())
+    sizes = [e.bytes for e in live.values()]
+    assert plan_runs(live, min_age_s=3600) == []  # all too young
+    target = sum(sizes[:3])  # about three shards per run
+    runs = plan_runs(live, min_age_s=0, target_bytes=target)
+    assert len(runs) >= 2 and all(sum(e.bytes for e in r) <= target for r in runs)
+
+    first = compact_partition(c.log, min_age_s=0, target_bytes=target)
+    assert first.written == len(runs)
+    n_entries = PartitionLog(c.storage, "rl", 0).load()
+    again = compact_partition(c.log, min_age_s=0, target_bytes=target)
+    assert (again.replaced, again.written) == (0, 0)
+    assert PartitionLog(c.storage, "rl", 0).load() == n_entries  # nothing appended
+    _assert_exactly_once(open_snapshot(root), ids)
+    # commits go on after compaction, through the same log
+    more = c.commit(expert_cartpole_episodes(2, seed=99, max_steps=30))
+    _assert_exactly_once(open_snapshot(root), ids + [fe.episode_id for fe in more.written])
+
+
+def test_a_replacement_must_hold_exactly_the_replaced_episodes(tmp_path):
+    root = str(tmp_path / "out")
+    c, _ = _commit_small(root, 3)
+    live = live_shards(PartitionLog(c.storage, "rl", 0).load())
+    a, b, _third = list(live.values())
+    import dataclasses
+
+    short = dataclasses.replace(a, episode_ids=a.episode_ids[:1], episodes=1)
+    with pytest.raises(ConflictError, match="exactly the episodes"):
+        c.log.append_replace(ReplaceEntry(replaces=(a.seq, b.seq), shard=short), [a, b])
+    # a forged replace entry on storage (an id that is not in the replaced shards) is refused by
+    # every reader of the log's episodes, and verify names it
+    seq = c.log.next_seq
+    forged = ReplaceEntry(
+        replaces=(a.seq,), shard=dataclasses.replace(a, episode_ids=(*a.episode_ids[:-1], "intruder"))
+    ).with_commit(seq=seq, epoch=c.log.epoch, writer=c.log.writer_id)
+    assert c.storage.create_once(f"_manifest/rl/00000/{seq:012d}.json", forged.to_json().encode())
+    with pytest.raises(ManifestError, match="not exactly those"):
+        live_shards(PartitionLog(c.storage, "rl", 0).load())
+    assert any("not exactly those" in p for p in verify(c.storage))
+
+
+# -- kill -9 -------------------------------------------------------------------------------------
+
+_COMPACTOR = textwrap.dedent(
+    """
+    import os, signal, sys
+    from rlrec.store import manifest
+    from rlrec.store.compaction import compact_unowned
+    from rlrec.store.storage import Storage
+
+    root, crash_at, target = sys.argv[1], sys.argv[2], int(sys.argv[3])
+
+    def crash(real):
+        def wrapper(*a, **kw):
+            os.kill(os.getpid(), signal.SIGKILL)  # a real kill -9 at this exact point
+        return wrapper
+
+    if crash_at == "before-append":  # the merged file is staged, its replace entry not appended
+        manifest.PartitionLog.append_replace = crash(manifest.PartitionLog.append_replace)
+    elif crash_at == "before-publish":  # appended (committed), still staged
+        real = manifest.PartitionLog.publish
+        def publish(self, entry, data=None):
+            if "+e" in entry.path and ".c" in entry.path.rsplit("+", 1)[-1]:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(self, entry, data)
+        manifest.PartitionLog.publish = publish
+    print("start", flush=True)
+    compact_unowned(Storage.from_uri(root), min_age_s=0, target_bytes=target)
+    print("done", flush=True)
+    """
+)
+
+
+def _run_compactor(root: str, crash_at: str, target: int, kill_after: float | None = None) -> int:
+    env = {**os.environ, "PYTHONPATH": str(ROOT.parent) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    p = subprocess.Popen(
+        [sys.executable, "-c", _COMPACTOR, root, crash_at, str(target)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
+    try:
+        assert p.stdout.readline().strip() == "start"
+        if kill_after is not None:
+            time.sleep(kill_after)
+            p.send_signal(signal.SIGKILL)
+        return p.wait(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+@pytest.mark.slow
+def test_kill_9_of_the_compactor_at_any_point_then_rerun(tmp_path):
+    """Every as-of reader -- at cursors taken before, during and after compaction and after each
+    kill -- reads each episode exactly once; a re-run finishes the job; gc collects only the
+    orphans the kills left."""
+    root = str(tmp_path / "out")
+    c, ids = _commit_small(root, 24)
+    st = c.storage
+    target = 3 * max(e.bytes for e in read_manifest(st))
+    cursors = [open_snapshot(root).cursor]
+    rng = random.Random(31)
+    codes = []
+    for crash_at in ["before-append", "before-publish"]:
+        codes.append(_run_compactor(root, crash_at, target))
+        cursors.append(open_snapshot(root).cursor)
+    for _ in range(6):
+        codes.append(_run_compactor(root, "none", target, kill_after=rng.uniform(0.0, 0.4)))
+        cursors.append(open_snapshot(root).cursor)
+    assert codes[:2] == [-signal.SIGKILL] * 2  # the planted crash points were reached
+    for cur in cursors:
+        _assert_exactly_once(open_snapshot(root, as_of=cur), ids)
+    assert _run_compactor(root, "none", target) == 0
+    final = open_snapshot(root)
+    _assert_exactly_once(final, ids)
+    assert len(final.files()) <= len(ids) // 2 // 2  # merged: fewer than half the shards left
+    assert verify(st) == [], verify(st)
+    # the kills left orphan staging files (at least the "before-append" one): gc collects them,
+    # keeps every file an entry names -- the replaced ones too -- and every cursor still reads
+    orphans = gc(st, 0, dry_run=True)
+    assert orphans and all("/_staging/" in p for p in orphans)
+    gc(st, 0)
+    for cur in [*cursors, final.cursor]:
+        _assert_exactly_once(open_snapshot(root, as_of=cur), ids)
+
+
+def test_changes_across_a_replacement_read_each_new_episode_once(tmp_path):
+    root = str(tmp_path / "out")
+    c, ids = _commit_small(root, 4)
+    early = open_snapshot(root)
+    more = [
+        fe.episode_id
+        for i in range(4)
+        for fe in c.commit(expert_cartpole_episodes(2, seed=50 + i, max_steps=30)).written
+    ]
+    compact_partition(c.log, min_age_s=0)  # merges shards from both sides of `early`
+    now = open_snapshot(root)
+    assert len(now.files()) == 1
+    _assert_exactly_once(now.changes(early.cursor), more)
+    _assert_exactly_once(open_snapshot(root, as_of=early.cursor), ids)
+    assert now.changes(now.cursor).entries == []
+
+
+# -- readers that must not misread a replace entry ----------------------------------------------
+
+
+def test_an_older_reader_refuses_a_log_with_a_replace_entry(tmp_path, monkeypatch):
+    from rlrec.store import manifest_entries
+    from rlrec.trainer.manifest_follower import ManifestFollower
+
+    root = str(tmp_path / "out")
+    c, _ = _commit_small(root, 3)
+    compact_partition(c.log, min_age_s=0)
+    raw = [json.loads(p.read_bytes()) for p in sorted((tmp_path / "out/_manifest/rl/00000").glob("*.json"))]
+    replace = next(d for d in raw if d["type"] == "replace")
+    assert replace["manifest_version"] == 2
+    monkeypatch.setattr(manifest_entries, "MANIFEST_FORMAT_VERSION", 1)  # a reader of format 1
+    with pytest.raises(UnsupportedManifestError, match="format version 2.*upgrade rlrec"):
+        parse_entry(replace)
+    with pytest.raises(UnsupportedManifestError, match="upgrade rlrec"):
+        open_snapshot(root)
+    with pytest.raises(UnsupportedManifestError, match=r"rl/00000.*upgrade rlrec"):
+        ManifestFollower(c.storage).poll(force_discover=True)
+
+
+def test_the_follower_stops_on_an_unknown_entry_type_instead_of_skipping_the_log(tmp_path):
+    from rlrec.trainer.manifest_follower import ManifestFollower
+
+    root = str(tmp_path / "out")
+    c, _ = _commit_small(root, 2)
+    follower = ManifestFollower(c.storage)
+    assert len(follower.poll(force_discover=True)) == 2
+    seq = c.log.next_seq
+    c.storage.create_once(f"_manifest/rl/00000/{seq:012d}.json", json.dumps({"type": "retain", "seq": seq}).encode())
+    with pytest.raises(UnsupportedManifestError, match="unknown manifest entry type 'retain'"):
+        follower.poll()
+
+
+def test_the_follower_never_delivers_replaced_episodes_again(tmp_path):
+    from rlrec.trainer.manifest_follower import ManifestFollower
+
+    root = str(tmp_path / "out")
+    c, ids = _commit_small(root, 5)
+    follower = ManifestFollower(c.storage)
+    first = follower.poll(force_discover=True)
+    delivered = [i for s in first for i in follower.entries[s.key].episode_ids]
+    compact_partition(c.log, min_age_s=0)
+    assert follower.poll(force_discover=True) == []  # a replace entry is no new data
+    more = c.commit(expert_cartpole_episodes(2, seed=77, max_steps=30))
+    new = follower.poll(force_discover=True)
+    delivered += [i for s in new for i in follower.entries[s.key].episode_ids]
+    want = ids + [fe.episode_id for fe in more.written]
+    assert sorted(delivered) == sorted(want)
+    # a follower started after compaction delivers every episode once too
+    fresh = ManifestFollower(c.storage)
+    got = [i for s in fresh.poll(force_discover=True) for i in fresh.entries[s.key].episode_ids]
+    assert sorted(got) == sorted(want)
+
+
+# -- ownership: rlrec compact never fences a live consumer --------------------------------------
+
+
+def test_rlrec_compact_refuses_a_partition_a_live_consumer_owns(tmp_path, capsys):
+    from rlrec.cli import main
+    from rlrec.consumer.writer import PartitionWriter
+
+    root = str(tmp_path / "out")
+    st = Storage.from_uri(root)
+    _c0, ids0 = _commit_small(root, 4, partition=0)
+    _c1, ids1 = _commit_small(root, 4, partition=1)
+    owner = PartitionWriter(st, "rl", 0)  # a consumer's writer of partition 0, alive
+    owner.claim()
+    owner.upkeep(time.time())  # writes its owner lease
+    assert read_lease(st, "rl", 0).live()
+    log0 = PartitionLog(st, "rl", 0).load()
+
+    code = main(["compact", root, "--min-age", "0"])
+    out, err = capsys.readouterr()
+    assert code == 1
+    errors = [ln for ln in err.splitlines() if ln.startswith("rlrec compact: error: ")]
+    assert len(errors) == 1 and "Traceback" not in err
+    assert "rl/00000 is owned by a live consumer" in errors[0] and "--compact-after" in errors[0]
+    assert "rl/00001: replaced 4 shard(s)" in out
+    assert PartitionLog(st, "rl", 0).load() == log0  # not even a claim: the owner is not fenced
+    owner.committer.commit(expert_cartpole_episodes(1, seed=5, max_steps=30))  # still the owner
+    snap = open_snapshot(root)
+    assert len([f for f in snap.files() if "+00001+" in f]) == 1
+    assert len(snap.entries) == 4 + 1 + 1
+
+
+def test_rlrec_compact_takes_over_a_partition_whose_owner_is_gone(tmp_path, capsys):
+    from rlrec.cli import main
+    from rlrec.store.ownership import renew_lease
+
+    root = str(tmp_path / "out")
+    c, ids = _commit_small(root, 3)
+    renew_lease(c.storage, "rl", 0, writer="dead-consumer", epoch=c.epoch, ttl_s=60.0, now=time.time() - 120)
+    assert main(["compact", root, "--min-age", "0s", "--target-bytes", "64MiB"]) == 0
+    assert "rl/00000: replaced 3 shard(s)" in capsys.readouterr().out
+    assert read_lease(c.storage, "rl", 0) is None  # its own lease dropped when done
+    _assert_exactly_once(open_snapshot(root), ids)
+    with pytest.raises(Exception, match="fenced"):  # the dead owner, had it come back, is fenced
+        c.commit(expert_cartpole_episodes(1, seed=8, max_steps=30))
+
+
+@pytest.mark.parametrize(
+    ("argv", "text"),
+    [
+        (["--target-bytes", "lots"], "not a size"),
+        (["--min-age", "soon"], "not a duration"),
+    ],
+)
+def test_rlrec_compact_bad_options_are_one_line(tmp_path, capsys, argv, text):
+    from rlrec.cli import main
+
+    root = str(tmp_path / "out")
+    _commit_small(root, 1)
+    assert main(["compact", root, *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rlrec compact: error: ") and text in err and len(err.strip().splitlines()) == 1

@@ -70,9 +70,9 @@ __all__ = [
     "DEFAULT_MIN_AGE_S",
     "DEFAULT_TARGET_BYTES",
     "CompactionResult",
+    "committed_sizes",
     "compact_partition",
     "compact_unowned",
-    "committed_sizes",
     "merge_shards",
     "plan_runs",
 ]

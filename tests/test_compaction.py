@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from rlrec.store.commit import ShardCommitter
-from rlrec.store.compaction import compact_partition, compact_unowned, plan_runs
+from rlrec.store.compaction import compact_partition, plan_runs
 from rlrec.store.maintenance import gc, verify
 from rlrec.store.manifest import (
     ConflictError,
@@ -297,7 +297,7 @@ def test_an_older_reader_refuses_a_log_with_a_replace_entry(tmp_path, monkeypatc
     replace = next(d for d in raw if d["type"] == "replace")
     assert replace["manifest_version"] == 2
     monkeypatch.setattr(manifest_entries, "MANIFEST_FORMAT_VERSION", 1)  # a reader of format 1
-    with pytest.raises(UnsupportedManifestError, match="format version 2.*upgrade rlrec"):
+    with pytest.raises(UnsupportedManifestError, match=r"format version 2.*upgrade rlrec"):
         parse_entry(replace)
     with pytest.raises(UnsupportedManifestError, match="upgrade rlrec"):
         open_snapshot(root)
@@ -364,10 +364,11 @@ def test_rlrec_compact_refuses_a_partition_a_live_consumer_owns(tmp_path, capsys
     assert "rl/00000 is owned by a live consumer" in errors[0] and "--compact-after" in errors[0]
     assert "rl/00001: replaced 4 shard(s)" in out
     assert PartitionLog(st, "rl", 0).load() == log0  # not even a claim: the owner is not fenced
-    owner.committer.commit(expert_cartpole_episodes(1, seed=5, max_steps=30))  # still the owner
+    late = owner.committer.commit(expert_cartpole_episodes(1, seed=5, max_steps=30))  # still the owner
     snap = open_snapshot(root)
     assert len([f for f in snap.files() if "+00001+" in f]) == 1
     assert len(snap.entries) == 4 + 1 + 1
+    _assert_exactly_once(snap, ids0 + ids1 + [fe.episode_id for fe in late.written])
 
 
 def test_rlrec_compact_takes_over_a_partition_whose_owner_is_gone(tmp_path, capsys):

@@ -22,6 +22,7 @@ from rlrec.store.commit import ShardCommitter
 from rlrec.store.compaction import compact_partition, plan_runs
 from rlrec.store.maintenance import gc, verify
 from rlrec.store.manifest import (
+    ClaimEntry,
     ConflictError,
     ManifestError,
     PartitionLog,
@@ -401,3 +402,71 @@ def test_rlrec_compact_bad_options_are_one_line(tmp_path, capsys, argv, text):
     assert main(["compact", root, *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("rlrec compact: error: ") and text in err and len(err.strip().splitlines()) == 1
+
+
+# -- a consumer compacting its own partitions while it commits ----------------------------------
+
+
+@pytest.mark.broker
+def test_a_consumer_compacts_its_own_partitions_while_it_commits(broker, topic, tmp_path, recorder_config, capsys):
+    """rlrec consume --compact-after: replace entries appear while waves of episodes keep being
+    committed; every point read during the run holds each episode once; `rlrec compact` meanwhile
+    refuses every partition (the consumer's leases are live) and appends nothing."""
+    from rlrec.cli import main
+    from rlrec.producer import EpisodeRecorder
+    from tests.helpers import ACT_SPACE, OBS_SPACE, record_episodes, wait_for
+    from tests.test_consumer_e2e import committed_episodes, run_consumer
+
+    output = str(tmp_path / "out")
+    storage = Storage.from_uri(output)
+    rec = EpisodeRecorder(
+        broker.bootstrap_servers,
+        policy_id="pol-a",
+        topic=topic,
+        observation_space=OBS_SPACE,
+        action_space=ACT_SPACE,
+        env_id="synthetic",
+    )
+    cfg = recorder_config(output, max_file_age_s=0.2, commit_interval_s=0.3, compact_after_s=1.0)
+    c, t = run_consumer(cfg, storage)
+    truth: set[str] = set()
+    points: list[tuple[str, set[str]]] = []
+
+    def replaces() -> int:
+        logs = [
+            PartitionLog(storage, topic, p).load() for p in range(4) if storage.exists(f"_manifest/{topic}/{p:05d}")
+        ]
+        return sum(isinstance(e, ReplaceEntry) for entries in logs for e in entries)
+
+    try:
+        for wave in range(40):
+            truth |= set(record_episodes(rec, 6, seed=100 + wave, max_len=10))
+            assert rec.flush(10) == 0
+            n = len(truth)
+            wait_for(lambda n=n: committed_episodes(storage) >= n, 40, what=f"wave {wave} committed")
+            points.append((open_snapshot(output).cursor, set(truth)))
+            if wave >= 4 and replaces() >= 2:
+                break
+            time.sleep(0.4)
+        assert replaces() >= 2, "the consumer did not compact"
+        before = {p: PartitionLog(storage, topic, p).load() for p in range(4)}
+        assert main(["compact", output, "--min-age", "0"]) == 1
+        err = capsys.readouterr().err
+        assert "is owned by a live consumer" in err and "Traceback" not in err
+        after = {p: PartitionLog(storage, topic, p).load()[: len(before[p])] for p in range(4)}
+        assert after == before  # the consumer may have appended since; nothing of rlrec compact's
+        for p in range(4):  # entries after it: the consumer's own (no claim of another writer)
+            new = PartitionLog(storage, topic, p).load()[len(before[p]) :]
+            assert not [e for e in new if isinstance(e, ClaimEntry)]
+        truth |= set(record_episodes(rec, 6, seed=999, max_len=10))
+        rec.flush(10)
+        wait_for(lambda: committed_episodes(storage) >= len(truth), 40, what="last wave committed")
+        points.append((open_snapshot(output).cursor, set(truth)))
+    finally:
+        c.stop()
+        t.join(30)
+        rec.close()
+    assert not t.is_alive()
+    for cursor, ids in points:
+        _assert_exactly_once(open_snapshot(output, as_of=cursor), sorted(ids))
+    assert verify(storage) == []

@@ -193,6 +193,7 @@ class PartitionWriter:
         self._lease_due = 0.0  # when the owner lease is renewed next (wall clock)
         self._compact_due = 0.0  # when compaction is checked next (wall clock)
         self._compacting: Future | None = None  # a compaction running on `encoder`
+        self._compaction_view = None  # a reader of this partition's log, refreshed by each compaction
 
     @property
     def epoch(self) -> int | None:
@@ -280,6 +281,7 @@ class PartitionWriter:
         self._kafka_committed = None
         self._discard_encoding()
         self._finish_compaction(wait=True)
+        self._compaction_view = None
         self._lease_due = 0.0
         self.state = state
 
@@ -490,14 +492,18 @@ class PartitionWriter:
 
     def _compact(self):
         from rlrec.store.compaction import compact_partition
+        from rlrec.store.manifest import PartitionLog
 
         c = self.compaction
+        if self._compaction_view is None:
+            self._compaction_view = PartitionLog(self.storage, self.topic, self.partition, snapshot_every=0)
         return compact_partition(
             self.committer.log,
             target_bytes=c.target_bytes,
             min_age_s=c.after_s,
             compression=self.committer.compression,
             max_runs=1,
+            view=self._compaction_view,
         )
 
     def _finish_compaction(self, *, wait: bool) -> None:

@@ -254,6 +254,7 @@ def compact_partition(
     policy_id: str | None = None,
     compression: str = "zstd",
     max_runs: int | None = None,
+    view: PartitionLog | None = None,
 ) -> CompactionResult:
     """Compact one partition whose log `plog` this process has claimed (module docstring).
 
@@ -265,6 +266,8 @@ def compact_partition(
         policy_id: only this policy's shards (None: all).
         compression: the merged shards' Parquet codec.
         max_runs: merge at most this many runs now (None: all); the rest waits for the next call.
+        view: a reader's `PartitionLog` of the same partition kept between calls (refreshed: only
+            new entries are read); None reads the whole log.
 
     Returns:
         A `CompactionResult`. A run whose shards cannot be merged (a schema the gate refuses,
@@ -278,8 +281,10 @@ def compact_partition(
         raise RuntimeError(f"{plog.topic}/{plog.partition}: claim() the partition before compacting it")
     st = plog.storage
     res = CompactionResult(plog.topic, plog.partition)
-    view = PartitionLog(st, plog.topic, plog.partition, snapshot_every=0)
-    entries = view.load()
+    if view is None:
+        view = PartitionLog(st, plog.topic, plog.partition, snapshot_every=0)
+    view.refresh()
+    entries = view.entries
     seen = view.next_seq
     runs = plan_runs(
         live_shards(entries),
@@ -387,7 +392,12 @@ def compact_unowned(
             plog.recover()
             results.append(
                 compact_partition(
-                    plog, target_bytes=target_bytes, min_age_s=min_age_s, policy_id=policy_id, compression=compression
+                    plog,
+                    target_bytes=target_bytes,
+                    min_age_s=min_age_s,
+                    policy_id=policy_id,
+                    compression=compression,
+                    view=view,
                 )
             )
         except FencedError as e:

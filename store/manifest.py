@@ -7,7 +7,7 @@ Layout (relative to the output root)::
 
 Each entry is a small immutable JSON document created with a create-once write
 (:meth:`rlrec.store.storage.Storage.create_once`); ``seq`` runs 0, 1, 2, ... with no
-gaps.  Three entry types (:mod:`rlrec.store.manifest_entries`):
+gaps.  Four entry types (:mod:`rlrec.store.manifest_entries`):
 
 * ``claim`` (:class:`ClaimEntry`) -- a consumer that gets the partition appends
   a claim with writer epoch ``E = max(epochs in the log) + 1``.
@@ -250,7 +250,7 @@ class PartitionLog:
             raise ManifestError(f"{where}: entry says seq={e.seq}")
         shards = [e] if isinstance(e, ShardEntry) else [e.shard] if isinstance(e, ReplaceEntry) else []
         if isinstance(e, SnapshotEntry):
-            shards = [*e.shards(), *e.unpublished]
+            shards = [*e.shards(), *(x.shard for x in e.entries if isinstance(x, ReplaceEntry)), *e.unpublished]
         for s in shards:
             if s.topic != self.topic or s.partition != self.partition:
                 raise ManifestError(f"{where}: entry is for {s.topic}/{s.partition}")

@@ -3,8 +3,9 @@
 Fencing needs no clock (`rlrec.store.manifest`): a newer claim always wins. But a tool that
 claims a partition to write to it (``rlrec compact``) would fence a *live* consumer, which then
 stops writing it until it claims again. So an owner says it is alive: while it holds a claim
-it rewrites ``_manifest/{topic}/{partition:05d}/.owner.json`` (a dot file: no entry, never
-read as one) every ``ttl_s / 3`` seconds with ``{"writer", "epoch", "renewed", "ttl_s"}``. A
+it rewrites ``_owners/{topic}/{partition:05d}.json`` (beside the manifest, not in it: gc and
+manifest readers never look there) every ``ttl_s / 3`` seconds with ``{"writer", "epoch",
+"renewed", "ttl_s"}``. A
 lease renewed less than ``ttl_s`` ago (by the reader's clock: the TTL must exceed the clock
 skew between hosts) is *live*, and such tools leave the partition alone.
 
@@ -30,15 +31,14 @@ import math
 import time
 from dataclasses import dataclass
 
-from rlrec.store.manifest_entries import MANIFEST_DIR
 from rlrec.store.storage import Storage
 
-__all__ = ["DEFAULT_LEASE_S", "LEASE_FILE", "Lease", "lease_path", "read_lease", "renew_lease"]
+__all__ = ["DEFAULT_LEASE_S", "OWNERS_DIR", "Lease", "lease_path", "read_lease", "renew_lease"]
 
 log = logging.getLogger("rlrec.ownership")
 
-#: name of the lease in a partition's log directory (dot-prefixed: not an entry)
-LEASE_FILE = ".owner.json"
+#: the folder of the owner leases, under the output root
+OWNERS_DIR = "_owners"
 #: how long a lease lasts unless renewed (an owner renews it every third of that)
 DEFAULT_LEASE_S = 60.0
 
@@ -64,8 +64,8 @@ class Lease:
 
 
 def lease_path(topic: str, partition: int) -> str:
-    """``_manifest/{topic}/{partition:05d}/.owner.json``."""
-    return f"{MANIFEST_DIR}/{topic}/{int(partition):05d}/{LEASE_FILE}"
+    """``_owners/{topic}/{partition:05d}.json``."""
+    return f"{OWNERS_DIR}/{topic}/{int(partition):05d}.json"
 
 
 def renew_lease(

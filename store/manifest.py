@@ -97,6 +97,7 @@ __all__ = [
     "live_shards",
     "manifest_totals",
     "parse_entry",
+    "read_first_commits",
     "read_manifest",
     "read_partition_logs",
     "shard_files",
@@ -661,7 +662,8 @@ class PartitionLog:
         live shards of the entries ``entry.replaces`` as the caller read them) with this writer's
         epoch.
 
-        Checked here, under the log's lock, whatever the caller planned from: the new shard holds
+        Checked here, under the log's lock, whatever the caller planned from: *replaced* are the
+        shards the log holds at those seqs, the new shard holds
         exactly the episode ids of *replaced*, and no replace entry appended since the caller's
         read (entries from *seen*, the log's next seq when the caller read it, default
         ``min(entry.replaces)``) replaced any of them -- only this
@@ -685,6 +687,10 @@ class PartitionLog:
         with self._lock:
             if self._epoch is None:
                 raise RuntimeError(f"{self.topic}/{self.partition}: claim() the partition before appending")
+            for r, stored in zip(replaced, _read_many(self._read_entry, [r.seq for r in replaced])):
+                shard = stored.shard if isinstance(stored, ReplaceEntry) else stored
+                if shard != r:  # a log's entries are for ever: never append one its readers would refuse
+                    raise ConflictError(f"{self.topic}/{self.partition}: seq {r.seq} is not the shard to replace")
             checked = min(entry.replaces) if seen is None else max(min(entry.replaces), seen)
             for _ in range(max_attempts):
                 self._probe()
@@ -953,6 +959,16 @@ def read_manifest(storage: Storage) -> list[ShardEntry]:
     """The live shards (:func:`live_shards`: compacted ones replaced by their replacement) of all
     topics/partitions, sorted by commit_time: each committed episode in exactly one of them."""
     shards = [e for entries in read_partition_logs(storage).values() for e in live_shards(entries).values()]
+    shards.sort(key=lambda e: (e.commit_time, e.topic, e.partition, e.seq))
+    return shards
+
+
+def read_first_commits(storage: Storage) -> list[ShardEntry]:
+    """Every shard entry of all topics/partitions -- each episode in the shard that first committed
+    it, with that commit's time, whether compaction replaced it since or not (replacements are not
+    listed) -- sorted by commit_time. For history (freshness, what the trainer took as new); the
+    files of replaced shards exist until retention removes them."""
+    shards = [e for entries in read_partition_logs(storage).values() for e in entries if isinstance(e, ShardEntry)]
     shards.sort(key=lambda e: (e.commit_time, e.topic, e.partition, e.seq))
     return shards
 

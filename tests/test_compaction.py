@@ -167,6 +167,10 @@ def test_a_replacement_must_hold_exactly_the_replaced_episodes(tmp_path):
     short = dataclasses.replace(a, episode_ids=a.episode_ids[:1], episodes=1)
     with pytest.raises(ConflictError, match="exactly the episodes"):
         c.log.append_replace(ReplaceEntry(replaces=(a.seq, b.seq), shard=short), [a, b])
+    # the caller's idea of a replaced shard must be what the log holds at that seq
+    other = dataclasses.replace(a, sha256="0" * 64)
+    with pytest.raises(ConflictError, match="not the shard to replace"):
+        c.log.append_replace(ReplaceEntry(replaces=(a.seq,), shard=dataclasses.replace(a, path="p/x.parquet")), [other])
     # a forged replace entry on storage (an id that is not in the replaced shards) is refused by
     # every reader of the log's episodes, and verify names it
     seq = c.log.next_seq

@@ -17,6 +17,10 @@ state; this writer adds rotation, backoff and step 5:
 The state drives what the service does with the partition: it reads it only while ACTIVE (every
 other state pauses it), re-claims it when a CLAIMING or FENCED writer is due, and commits its
 offset only while it holds a claim.
+
+While it holds a claim, `upkeep` renews its owner lease (`rlrec.store.ownership`: tools such as
+``rlrec compact`` leave the partition alone) and, with a `Compaction` schedule, compacts the
+partition's log (`rlrec.store.compaction`) on the encoder between shard writes.
 """
 
 from __future__ import annotations

@@ -180,24 +180,38 @@ def merge_shards(parts: list[bytes], fmt: str, compression: str = "zstd") -> byt
     Every part passes the schema gate first; their Arrow schemas must be equal (ValueError
     otherwise: shards of different spaces do not share a file). The ``rlrec.*`` schema metadata
     is kept; a space key only where every part has the same value (as the shard writer does for
-    episodes of different spaces)."""
-    tables = []
-    for data in parts:
-        shard = open_shard(data, fmt=fmt)
-        tables.append(shard.read())
-    first = tables[0].schema
-    for t in tables[1:]:
-        if not t.schema.equals(first, check_metadata=False):
+    episodes of different spaces). Rows are copied a row group at a time and written in row
+    groups of the shard writer's size (128 episodes, or 65,536 steps), so memory holds the parts'
+    bytes, the result's and one row group decoded."""
+    shards = [open_shard(data, fmt=fmt) for data in parts]
+    first = shards[0].schema
+    for sh in shards[1:]:
+        if not sh.schema.equals(first, check_metadata=False):
             raise ValueError("the shards' columns differ (different spaces or extra model outputs)")
-    metas = [t.schema.metadata or {} for t in tables]
+    metas = [sh.schema.metadata or {} for sh in shards]
     keep = {k: v for k, v in metas[0].items() if k.startswith(b"rlrec.") and all(m.get(k) == v for m in metas)}
-    table = pa.concat_tables([t.replace_schema_metadata(None) for t in tables]).replace_schema_metadata(keep)
+    schema = first.with_metadata(keep)
     options = {}
-    if _PLAIN_COLUMNS.intersection(table.column_names):
-        usual = [name for name in table.column_names if name not in _PLAIN_COLUMNS]
+    if _PLAIN_COLUMNS.intersection(schema.names):
+        usual = [name for name in schema.names if name not in _PLAIN_COLUMNS]
         options = {"use_dictionary": usual, "write_statistics": usual}
+    rows = _ROW_GROUP.get(fmt, 65536)
     buf = pa.BufferOutputStream()
-    pq.write_table(table, buf, compression=compression, row_group_size=_ROW_GROUP.get(fmt, 65536), **options)
+    with pq.ParquetWriter(buf, schema, compression=compression, **options) as writer:
+        pending: list[pa.Table] = []
+        n = 0
+        for sh in shards:
+            for group in sh.row_groups():
+                pending.append(group.replace_schema_metadata(keep))
+                n += group.num_rows
+                if n >= rows:  # whole row groups now, the rest with the next part's rows
+                    table = pa.concat_tables(pending)
+                    full = n - n % rows
+                    writer.write_table(table.slice(0, full), row_group_size=rows)
+                    rest = table.slice(full)
+                    pending, n = ([rest] if rest.num_rows else []), rest.num_rows
+        if pending:
+            writer.write_table(pa.concat_tables(pending), row_group_size=rows)
     return buf.getvalue().to_pybytes()
 
 

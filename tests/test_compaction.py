@@ -94,6 +94,19 @@ def test_merged_shard_holds_the_same_episodes_for_rlrec_readers(tmp_path, fmt):
     assert [e.path for e in read_manifest(c.storage)] == [res.entries[0].shard.path]
 
 
+def test_merged_shard_is_written_in_full_row_groups(tmp_path, monkeypatch):
+    from rlrec.store import compaction
+
+    monkeypatch.setattr(compaction, "_ROW_GROUP", {"episodes": 4, "tabular": 4})
+    root = str(tmp_path / "out")
+    c, ids = _commit_small(root, 5, per=3)
+    compact_partition(c.log, min_age_s=0)
+    (path,) = open_snapshot(root).files()
+    md = pq.ParquetFile(path).metadata
+    assert [md.row_group(i).num_rows for i in range(md.num_row_groups)] == [4, 4, 4, 3]
+    assert pq.read_table(path, columns=["episode_id"]).column(0).to_pylist() == ids  # in commit order
+
+
 def test_stock_rllib_decodes_the_merged_episode_shard(tmp_path):
     """What RLlib's OfflinePreLearner does with input_read_episodes=True: msgpack + msgpack_numpy
     decode of the `item` column and SingleAgentEpisode.from_state."""

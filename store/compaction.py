@@ -13,8 +13,8 @@ four steps, each safe to interrupt at any point (kill -9 included):
 3. commit: append a replace entry (`PartitionLog.append_replace`: the same create-once append
    and fencing as a shard entry) naming the run's seqs and the new shard. This is the commit
    point; the log refuses a replacement that does not hold exactly the replaced episodes;
-4. publish: move the staged file to ``{policy}/{name}`` (rolled forward by the owner's next
-   claim or `PartitionLog.recover` if interrupted). The replaced files stay: retention removes
+4. publish: move the staged file to ``{policy}/{name}`` (if interrupted or failed: rolled
+   forward by the owner's next claim or compaction run, `PartitionLog.recover`). The replaced files stay: retention removes
    them later, so a cursor taken before the replacement still reads them.
 
 A re-run plans from the log again: shards already replaced are not live any more, so a re-run
@@ -295,6 +295,7 @@ def compact_partition(
         raise RuntimeError(f"{plog.topic}/{plog.partition}: claim() the partition before compacting it")
     st = plog.storage
     res = CompactionResult(plog.topic, plog.partition)
+    plog.recover()  # publish committed shards still staged (a merged one whose publish failed)
     if view is None:
         view = PartitionLog(st, plog.topic, plog.partition, snapshot_every=0)
     view.refresh()
@@ -331,7 +332,12 @@ def compact_partition(
             res.skipped.append(f"seq {seqs}: {err}")
             log.warning("%s/%d: not compacting seq %s: %s", plog.topic, plog.partition, seqs, err)
             continue
-        plog.publish(committed.shard, data)
+        try:
+            plog.publish(committed.shard, data)
+        except Exception as err:  # committed all the same: readers read it from staging meanwhile
+            log.warning(
+                "%s/%d: publish of %s failed (%s); retried by the next run", plog.topic, plog.partition, path, err
+            )
         res.replaced += len(run)
         res.written += 1
         res.bytes_before += sum(e.bytes for e in run)
@@ -368,8 +374,8 @@ def compact_unowned(
     costs nothing but the run that loses. Otherwise, when the
     plan finds runs to merge, this process announces itself with a lease, claims the partition
     (fencing any dead owner), checks that no other writer took the lease meanwhile (else it
-    appends nothing and reports the partition), rolls forward unpublished shards and compacts
-    (`compact_partition`), then drops its lease.
+    appends nothing and reports the partition) and compacts (`compact_partition`, which first
+    rolls forward unpublished shards), then drops its lease.
 
     Args:
         storage: the store.
@@ -403,7 +409,6 @@ def compact_unowned(
             refused.append(f"{where} was claimed by a consumer while compaction started ({now.describe()})")
             continue
         try:
-            plog.recover()
             results.append(
                 compact_partition(
                     plog,

@@ -371,8 +371,8 @@ def compact_unowned(
     Per partition log: a live owner lease (`rlrec.store.ownership`) means a consumer runs it --
     left alone and reported, never claimed (that would fence the consumer). The lease of another
     compactor (one killed, or running) does not count: two compactors fence each other, which
-    costs nothing but the run that loses. Otherwise, when the
-    plan finds runs to merge, this process announces itself with a lease, claims the partition
+    costs nothing but the run that loses. Otherwise, when the plan finds runs to merge, this
+    process announces itself with a lease, claims the partition
     (fencing any dead owner), checks that no other writer took the lease meanwhile (else it
     appends nothing and reports the partition) and compacts (`compact_partition`, which first
     rolls forward unpublished shards), then drops its lease.
@@ -395,7 +395,14 @@ def compact_unowned(
             refused.append(f"{where} is owned by a live consumer ({lease.describe()})")
             continue
         view = PartitionLog(storage, topic, part, snapshot_every=0)
-        runs = plan_runs(live_shards(view.load()), target_bytes=target_bytes, min_age_s=min_age_s, policy_id=policy_id)
+        entries = view.load()
+        runs = plan_runs(
+            live_shards(entries),
+            target_bytes=target_bytes,
+            min_age_s=min_age_s,
+            policy_id=policy_id,
+            sizes=committed_sizes(entries),
+        )
         if not runs:
             results.append(CompactionResult(topic, part))
             continue

@@ -253,6 +253,17 @@ def _merged_entry(run: list[ShardEntry], data: bytes, path: str, staging: str) -
     )
 
 
+def _plan(entries: list[Entry], target_bytes: int, min_age_s: float, policy_id: str | None) -> list[list[ShardEntry]]:
+    """The runs to merge in a log whose entries are `entries` (all of them, in seq order)."""
+    return plan_runs(
+        live_shards(entries),
+        target_bytes=target_bytes,
+        min_age_s=min_age_s,
+        policy_id=policy_id,
+        sizes=committed_sizes(entries),
+    )
+
+
 def _read_part(plog: PartitionLog, e: ShardEntry) -> bytes:
     data = read_committed_shard(plog.storage, e.path, e.staging_path)
     if hashlib.sha256(data).hexdigest() != e.sha256:
@@ -301,13 +312,7 @@ def compact_partition(
     view.refresh()
     entries = view.entries
     seen = view.next_seq
-    runs = plan_runs(
-        live_shards(entries),
-        target_bytes=target_bytes,
-        min_age_s=min_age_s,
-        policy_id=policy_id,
-        sizes=committed_sizes(entries),
-    )
+    runs = _plan(entries, target_bytes, min_age_s, policy_id)
     for run in runs[:max_runs] if max_runs is not None else runs:
         seqs = [e.seq for e in run]
         try:
@@ -396,13 +401,7 @@ def compact_unowned(
             continue
         view = PartitionLog(storage, topic, part, snapshot_every=0)
         entries = view.load()
-        runs = plan_runs(
-            live_shards(entries),
-            target_bytes=target_bytes,
-            min_age_s=min_age_s,
-            policy_id=policy_id,
-            sizes=committed_sizes(entries),
-        )
+        runs = _plan(entries, target_bytes, min_age_s, policy_id)
         if not runs:
             results.append(CompactionResult(topic, part))
             continue

@@ -427,10 +427,12 @@ def test_rlrec_compact_bad_options_are_one_line(tmp_path, capsys, argv, text):
 @pytest.mark.broker
 def test_a_consumer_compacts_its_own_partitions_while_it_commits(broker, topic, tmp_path, recorder_config, capsys):
     """rlrec consume --compact-after: replace entries appear while waves of episodes keep being
-    committed; every point read during the run holds each episode once; `rlrec compact` meanwhile
-    refuses every partition (the consumer's leases are live) and appends nothing."""
+    committed; every point read during the run holds each episode once; the trainer's follower,
+    polling all along, takes each episode as new exactly once; `rlrec compact` meanwhile refuses
+    every partition (the consumer's leases are live) and appends nothing."""
     from rlrec.cli import main
     from rlrec.producer import EpisodeRecorder
+    from rlrec.trainer.manifest_follower import ManifestFollower
     from tests.helpers import ACT_SPACE, OBS_SPACE, record_episodes, wait_for
     from tests.test_consumer_e2e import committed_episodes, run_consumer
 
@@ -448,6 +450,11 @@ def test_a_consumer_compacts_its_own_partitions_while_it_commits(broker, topic, 
     c, t = run_consumer(cfg, storage)
     truth: set[str] = set()
     points: list[tuple[str, set[str]]] = []
+    follower = ManifestFollower(storage)
+    taken: list[str] = []  # episode ids the follower delivered as new
+
+    def follow() -> None:
+        taken.extend(i for s in follower.poll(force_discover=True) for i in follower.entries[s.key].episode_ids)
 
     def replaces() -> int:
         logs = [
@@ -462,6 +469,7 @@ def test_a_consumer_compacts_its_own_partitions_while_it_commits(broker, topic, 
             n = len(truth)
             wait_for(lambda n=n: committed_episodes(storage) >= n, 40, what=f"wave {wave} committed")
             points.append((open_snapshot(output).cursor, set(truth)))
+            follow()
             if wave >= 4 and replaces() >= 2:
                 break
             time.sleep(0.4)
@@ -484,6 +492,8 @@ def test_a_consumer_compacts_its_own_partitions_while_it_commits(broker, topic, 
         t.join(30)
         rec.close()
     assert not t.is_alive()
+    follow()
+    assert sorted(taken) == sorted(truth)  # each episode taken as new once, replace entries or not
     for cursor, ids in points:
         _assert_exactly_once(open_snapshot(output, as_of=cursor), sorted(ids))
     assert verify(storage) == []

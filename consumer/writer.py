@@ -73,7 +73,8 @@ class Rotation:
 class Compaction:
     """When an owner compacts its partition (`rlrec.store.compaction`): shards at least
     ``after_s`` old merge into shards of up to ``target_bytes``; checked every ``after_s``
-    seconds (at least every 5 s), one merged shard per check."""
+    seconds (at least every 5 s), one merged shard per check (a second later while a backlog
+    remains)."""
 
     after_s: float
     target_bytes: int = 128 * 1024 * 1024
@@ -528,6 +529,8 @@ class PartitionWriter:
         except Exception as e:  # storage: the next due time re-plans from the log
             log.warning("partition %d: compaction failed (%s: %s); retried later", self.partition, type(e).__name__, e)
             return
+        if res.remaining:  # a backlog (compaction just turned on): the next run soon, not in after_s
+            self._compact_due = min(self._compact_due, time.time() + 1.0)
         if res.written:
             log.info(
                 "partition %d: compacted %d shard(s) (%d bytes) into %d (%d bytes)",

@@ -102,6 +102,7 @@ class CompactionResult:
     bytes_before: int = 0
     bytes_after: int = 0
     skipped: list[str] = field(default_factory=list)  # runs left alone, with the reason
+    remaining: int = 0  # runs planned but left for the next call (max_runs)
     entries: list[ReplaceEntry] = field(default_factory=list)
 
 
@@ -313,7 +314,9 @@ def compact_partition(
     entries = view.entries
     seen = view.next_seq
     runs = _plan(entries, target_bytes, min_age_s, policy_id)
-    for run in runs[:max_runs] if max_runs is not None else runs:
+    if max_runs is not None:
+        runs, res.remaining = runs[:max_runs], max(0, len(runs) - max_runs)
+    for run in runs:
         seqs = [e.seq for e in run]
         try:
             data = merge_shards([_read_part(plog, e) for e in run], run[0].format, compression)

@@ -239,13 +239,17 @@ class Snapshot:
 
     def files(self) -> list[str]:
         """The URIs (local: absolute paths) of the snapshot's shards at their published paths,
-        one per committed shard entry. A shard committed moments ago may still be staged; the
-        readers of this class read it from staging then, a plain directory reader waits for it."""
+        one per live shard (a compacted shard: its replacement), each episode in exactly one: the
+        list to give a plain directory reader instead of a policy directory, which holds replaced
+        files too. A shard committed moments ago may still be staged; the readers of this class
+        read it from staging then, a plain directory reader waits for it."""
         return [self.storage.uri(e.path) for e in self.entries]
 
     def changes(self, since: str | Cursor) -> Snapshot:
-        """The shard entries of this snapshot that the point `since` (a cursor of an earlier
-        snapshot of this store) does not hold, as a snapshot with this one's cursor.
+        """The episodes of this snapshot that the point `since` (a cursor of an earlier snapshot
+        of this store) does not hold, as a snapshot with this one's cursor: its live shards
+        committed after `since`, and of a replacement that merged shards from both sides of
+        `since` the replaced shards committed after it (their files stay until retention).
 
         Raises `CursorError` if `since` is not a point of this store at or before this one."""
         since_c = _as_cursor(since)

@@ -228,7 +228,7 @@ _COMPACTOR = textwrap.dedent(
 )
 
 
-def _run_compactor(root: str, crash_at: str, target: int, kill_after: float | None = None) -> int:
+def _run_compactor(root: str, crash_at: str, target: int, kill_after: float | None = None, during=None) -> int:
     env = {**os.environ, "PYTHONPATH": str(ROOT.parent) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     p = subprocess.Popen(
         [sys.executable, "-c", _COMPACTOR, root, crash_at, str(target)],
@@ -241,6 +241,8 @@ def _run_compactor(root: str, crash_at: str, target: int, kill_after: float | No
         assert p.stdout.readline().strip() == "start"
         if kill_after is not None:
             time.sleep(kill_after)
+            if during is not None:
+                during()  # while the compactor runs (unless it is done already)
             p.send_signal(signal.SIGKILL)
         return p.wait(timeout=120)
     finally:
@@ -265,8 +267,9 @@ def test_kill_9_of_the_compactor_at_any_point_then_rerun(tmp_path):
         codes.append(_run_compactor(root, crash_at, target))
         cursors.append(open_snapshot(root).cursor)
     for _ in range(6):
-        codes.append(_run_compactor(root, "none", target, kill_after=rng.uniform(0.0, 0.4)))
-        cursors.append(open_snapshot(root).cursor)
+        take = lambda: cursors.append(open_snapshot(root).cursor)  # noqa: E731
+        codes.append(_run_compactor(root, "none", target, kill_after=rng.uniform(0.0, 0.4), during=take))
+        take()
     assert codes[:2] == [-signal.SIGKILL] * 2  # the planted crash points were reached
     for cur in cursors:
         _assert_exactly_once(open_snapshot(root, as_of=cur), ids)

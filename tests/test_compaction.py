@@ -500,3 +500,14 @@ def test_a_consumer_compacts_its_own_partitions_while_it_commits(broker, topic, 
     for cursor, ids in points:
         _assert_exactly_once(open_snapshot(output, as_of=cursor), sorted(ids))
     assert verify(storage) == []
+
+
+@pytest.mark.parametrize(
+    "module", ["rlrec.store.compaction", "rlrec.store.ownership", "rlrec.store.manifest", "rlrec.commands.compact"]
+)
+def test_docstring_examples(module):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted > 0

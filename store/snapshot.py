@@ -261,31 +261,19 @@ class Snapshot:
                     "(open the newer snapshot first)"
                 )
         new: list[ShardEntry] = []
+        by_seq: dict[tuple[str, int], dict[int, Entry]] = {}
         for e in self.entries:
-            start = since_c.positions.get((e.topic, e.partition), 0)
-            if e.seq >= start:  # type: ignore[operator]
-                new += self._new_part(e, start)
+            key = (e.topic, e.partition)
+            start = since_c.positions.get(key, 0)
+            if e.seq < start:  # type: ignore[operator]
+                continue  # committed below `since` (and so were the shards it replaced)
+            if self._logs is None:
+                new.append(e)
+                continue
+            if key not in by_seq:
+                by_seq[key] = {x.seq: x for x in self._logs.get(key, [])}  # type: ignore[misc]
+            new += _new_part(by_seq[key], e.seq, start)  # type: ignore[arg-type]
         return Snapshot(self.storage, self._point, new, self._firsts, self._logs)
-
-    def _new_part(self, shard: ShardEntry, start: int) -> list[ShardEntry]:
-        """The shards holding the episodes of live `shard` that were not committed before entry
-        `start` of its log: itself, or -- a replacement of shards from both sides of `start`
-        -- the replaced shards (recursively) committed at or after `start`."""
-        if self._logs is None:
-            return [shard]
-        entries = self._logs.get((shard.topic, shard.partition), [])
-        by_seq = {e.seq: e for e in entries}
-
-        def part(seq: int) -> list[ShardEntry]:
-            e = by_seq[seq]
-            if isinstance(e, ShardEntry):
-                return [e] if seq >= start else []
-            assert isinstance(e, ReplaceEntry)
-            if min(e.replaces) >= start:
-                return [e.shard]
-            return [s for r in e.replaces for s in part(r)]
-
-        return part(shard.seq)  # type: ignore[arg-type]
 
     # ---------------------------------------------------------------- reading shards
     def _gated(self, entry: ShardEntry):
@@ -379,6 +367,21 @@ class Snapshot:
         from rlrec.store.snapshot_torch import StepsDataset
 
         return StepsDataset(self, columns=columns)
+
+
+def _new_part(by_seq: Mapping[int, Entry], seq: int, start: int) -> list[ShardEntry]:
+    """The shards holding the episodes of the live shard committed by entry `seq` that were
+    committed at or after entry `start` of its log: that shard if all of them were, else (a
+    replacement of shards from both sides of `start`, maybe a replacement of replacements) the
+    replaced shards committed at or after `start`, recursively."""
+    e = by_seq[seq]
+    if isinstance(e, ShardEntry):
+        return [e] if seq >= start else []
+    assert isinstance(e, ReplaceEntry)
+    parts = [s for r in e.replaces for s in _new_part(by_seq, r, start)]
+    if sum(p.episodes for p in parts) == e.shard.episodes:  # every episode in it is new
+        return [e.shard]
+    return parts
 
 
 @contextlib.contextmanager

@@ -302,6 +302,20 @@ def test_changes_across_a_replacement_read_each_new_episode_once(tmp_path):
     _assert_exactly_once(now.changes(early.cursor), more)
     _assert_exactly_once(open_snapshot(root, as_of=early.cursor), ids)
     assert now.changes(now.cursor).entries == []
+    # a replacement of that replacement and newer shards: still each new episode once, and the
+    # newest shards alone since `now`
+    newer = [
+        fe.episode_id
+        for i in range(3)
+        for fe in c.commit(expert_cartpole_episodes(2, seed=70 + i, max_steps=30)).written
+    ]
+    assert compact_partition(c.log, min_age_s=0).written == 1
+    latest = open_snapshot(root)
+    assert len(latest.files()) == 1
+    _assert_exactly_once(latest.changes(early.cursor), more + newer)
+    _assert_exactly_once(latest.changes(now.cursor), newer)
+    _assert_exactly_once(latest.changes(open_snapshot(root, as_of=early.cursor).cursor), more + newer)
+    assert len(latest.changes(latest.cursor).entries) == 0
 
 
 # -- readers that must not misread a replace entry ----------------------------------------------

@@ -383,9 +383,9 @@ class PartitionLog:
             for i in e.episode_ids:
                 self._ids[i] = e
             self._unknown[e.seq] = (e, False)
-        elif isinstance(e, ReplaceEntry):  # the same ids, now held by the new shard
-            for i in e.shard.episode_ids:
-                self._ids[i] = e.shard
+        elif isinstance(e, ReplaceEntry):
+            # the skip set keeps each episode's first commit: its last_offset is how far a replay
+            # can reach the episode (the merged shard's is the max over its parts)
             self._unknown[e.seq] = (e.shard, False)
         else:
             self._on_snapshot(e)

@@ -558,3 +558,22 @@ def test_log_snapshots_fold_replace_entries(tmp_path):
     assert new_owner.commit([again]).duplicates_dropped == 1
     _assert_exactly_once(open_snapshot(root), ids + [fe.episode_id for fe in more.written])
     assert verify(c.storage) == []
+
+
+def test_a_replacement_keeps_each_episodes_replay_horizon(tmp_path):
+    """committed_offset (the consumer's replay skip) is the last offset of the shard that first
+    committed the episode, before and after compaction, for the compacting writer and for a new
+    owner: a merged shard's last offset (the max over its parts) would skip a late event of an
+    earlier episode (a dead letter whose source offset is still to be replayed)."""
+    root = str(tmp_path / "out")
+    c, ids = _commit_small(root, 4)
+    truth = {i: e.last_offset for e in c.log.shard_entries() for i in e.episode_ids}
+    assert len(set(truth.values())) > 1
+    assert compact_partition(c.log, min_age_s=0).written == 1
+    assert {i: c.log.committed_offset(i) for i in ids} == truth
+    for replay_from in (None, 0, min(truth.values()) + 1):
+        fresh = PartitionLog(Storage.from_uri(root), "rl", 0)
+        fresh.claim("next-owner", replay_from=replay_from)
+        known = {i: o for i in ids if (o := fresh.committed_offset(i)) is not None}
+        assert known == {i: truth[i] for i in known}  # each at its own shard's last offset
+        assert {i for i, o in truth.items() if replay_from is None or o >= replay_from} <= set(known)

@@ -141,6 +141,7 @@ class RecorderConsumer:
         # its own while the loop polls and assembles, so the second core works (PartitionWriter);
         # started by run(), shut down when it ends (None: writers encode on the loop's thread)
         self.encoder: ThreadPoolExecutor | None = None
+        self.leases: ThreadPoolExecutor | None = None  # owner lease renewals, off the polling thread
         self.metrics = ConsumerMetrics()
         self._stop = threading.Event()
         self._pause_reasons: dict[int, set[str]] = {}  # partition -> why it is paused (empty: reading)
@@ -195,6 +196,7 @@ class RecorderConsumer:
         # import them (an import error in the encoding thread would look like bad data)
         import_episode_classes()
         self.encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlrec-encode")
+        self.leases = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlrec-lease")
         self.consumer.subscribe(
             [cfg.topic], on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost
         )
@@ -303,6 +305,9 @@ class RecorderConsumer:
         if self.encoder is not None:  # what is left belonged to dropped partitions
             self.encoder.shutdown(wait=True, cancel_futures=True)
             self.encoder = None
+        if self.leases is not None:
+            self.leases.shutdown(wait=False, cancel_futures=True)
+            self.leases = None
         self.metrics.stop()
         log.info("%s", self.summary())
 
@@ -385,6 +390,7 @@ class RecorderConsumer:
             assembly=self.assembly,
             rotation=self.rotation,
             encoder=self.encoder,
+            lease_executor=self.leases,
             counters=self.metrics.assembly,
             compaction=Compaction(self.config.compact_after_s, self.config.max_file_bytes)
             if self.config.compact_after_s > 0

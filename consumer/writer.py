@@ -19,13 +19,15 @@ other state pauses it), re-claims it when a CLAIMING or FENCED writer is due, an
 offset only while it holds a claim.
 
 While it holds a claim, `upkeep` renews its owner lease (`rlrec.store.ownership`: tools such as
-``rlrec compact`` leave the partition alone) and, with a `Compaction` schedule, compacts the
+``rlrec compact`` leave the partition alone; on `lease_executor`, one storage attempt, never on
+the caller's thread when one is given) and, with a `Compaction` schedule, compacts the
 partition's log (`rlrec.store.compaction`) on the encoder between shard writes.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections.abc import Iterable
 from concurrent.futures import Executor, Future
@@ -36,7 +38,7 @@ from rlrec.consumer.assembly import AssemblyConfig, Counters, PartitionAssembler
 from rlrec.store.commit import CommitResult, ShardCommitter
 from rlrec.store.finished import FinishedEpisode
 from rlrec.store.manifest import FencedError
-from rlrec.store.ownership import DEFAULT_LEASE_S, renew_lease
+from rlrec.store.ownership import DEFAULT_LEASE_S, one_attempt, renew_lease
 from rlrec.store.retry import RetrySchedule
 from rlrec.store.storage import Storage
 
@@ -159,6 +161,8 @@ class PartitionWriter:
         counters: what its assemblers count into (shared by a consumer's writers).
         compaction: when it compacts its partition (None: never; `upkeep`).
         lease_s: the owner lease it keeps while claimed (`rlrec.store.ownership`; `upkeep`).
+        lease_executor: where lease renewals run (None: on the caller's thread). The consumer
+            gives one thread shared by its writers, so a slow store never stalls its polling.
     """
 
     def __init__(
@@ -175,6 +179,7 @@ class PartitionWriter:
         counters: Counters | None = None,
         compaction: Compaction | None = None,
         lease_s: float = DEFAULT_LEASE_S,
+        lease_executor: Executor | None = None,
     ):
         self.storage = storage
         self.topic = topic
@@ -196,6 +201,9 @@ class PartitionWriter:
         self.compaction = compaction
         self.lease_s = lease_s
         self._lease_due = 0.0  # when the owner lease is renewed next (wall clock)
+        self.lease_executor = lease_executor
+        self._renewing: Future | None = None  # a renewal running on `lease_executor`
+        self._lease_storage = one_attempt(storage)
         self._compact_due = 0.0  # when compaction is checked next (wall clock)
         self._compacting: Future | None = None  # a compaction running on `encoder`
         self._compaction_view = None  # a reader of this partition's log, refreshed by each compaction
@@ -468,20 +476,17 @@ class PartitionWriter:
         logged and retried at the next due time; they never stop the writer."""
         if self.state not in (WriterState.ACTIVE, WriterState.BACKING_OFF) or self.epoch is None:
             return
-        if now >= self._lease_due:
-            self._lease_due = now + self.lease_s / 3
-            try:
-                renew_lease(
-                    self.storage,
-                    self.topic,
-                    self.partition,
-                    writer=self.committer.log.writer_id or "",
-                    epoch=self.epoch,
-                    ttl_s=self.lease_s,
-                    now=now,
-                )
-            except Exception as e:  # a lease is a courtesy: the next renewal tries again
-                log.warning("partition %d: cannot renew the owner lease (%s)", self.partition, e)
+        if now >= self._lease_due and (self._renewing is None or self._renewing.done()):
+            # staggered: the writers claimed together do not all renew at once
+            self._lease_due = now + self.lease_s / 3 * random.uniform(0.8, 1.0)
+            writer, epoch = self.committer.log.writer_id or "", self.epoch
+            if self.lease_executor is None:
+                self._renew(writer, epoch)
+            else:
+                try:
+                    self._renewing = self.lease_executor.submit(self._renew, writer, epoch)
+                except RuntimeError:  # the executor is shut down: nothing more to renew
+                    pass
         self._finish_compaction(wait=False)
         c = self.compaction
         if c is None or c.after_s <= 0 or self._compacting is not None or now < self._compact_due:
@@ -494,6 +499,12 @@ class PartitionWriter:
             self._compacting = self.encoder.submit(self._compact)
         except RuntimeError:  # the executor is shut down: compact at the next due time
             pass
+
+    def _renew(self, writer: str, epoch: int) -> None:
+        try:
+            renew_lease(self._lease_storage, self.topic, self.partition, writer=writer, epoch=epoch, ttl_s=self.lease_s)
+        except Exception as e:  # a lease is a courtesy: the next renewal tries again
+            log.warning("partition %d: cannot renew the owner lease (%s)", self.partition, e)
 
     def _compact(self):
         from rlrec.store.compaction import compact_partition

@@ -42,6 +42,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import Mapping
@@ -62,7 +63,7 @@ from rlrec.store.manifest import (
     list_partition_logs,
     live_shards,
 )
-from rlrec.store.ownership import DEFAULT_LEASE_S, lease_path, read_lease, renew_lease
+from rlrec.store.ownership import DEFAULT_LEASE_S, judge_leases, lease_path, read_lease, renew_lease
 from rlrec.store.schema_gate import ShardSchemaError, open_shard
 from rlrec.store.storage import Storage
 
@@ -365,6 +366,10 @@ def compact_partition(
     return res
 
 
+def _entry_time(e: Entry) -> float:
+    return e.commit_time if isinstance(e, ShardEntry) else e.time  # type: ignore[union-attr]
+
+
 def compact_unowned(
     storage: Storage,
     *,
@@ -373,46 +378,68 @@ def compact_unowned(
     policy_id: str | None = None,
     compression: str = "zstd",
     lease_s: float = DEFAULT_LEASE_S,
+    force: bool = False,
+    watch_s: float | None = None,
 ) -> tuple[list[CompactionResult], list[str]]:
     """Compact every partition of a store that no live writer owns (``rlrec compact``).
 
-    Per partition log: a live owner lease (`rlrec.store.ownership`) means a consumer runs it --
-    left alone and reported, never claimed (that would fence the consumer). The lease of another
-    compactor (one killed, or running) does not count: two compactors fence each other, which
-    costs nothing but the run that loses. Otherwise, when the plan finds runs to merge, this
-    process announces itself with a lease, claims the partition
-    (fencing any dead owner), checks that no other writer took the lease meanwhile (else it
-    appends nothing and reports the partition) and compacts (`compact_partition`, which first
-    rolls forward unpublished shards), then drops its lease.
+    Per partition log, left alone and reported (never claimed: that would fence a writer):
+
+    * a live owner lease (`rlrec.store.ownership.judge_leases`: live by the clock, or renewed
+      while watched for `watch_s`) -- a consumer runs it. The lease of another compactor (one
+      killed, or running) does not count: two compactors fence each other, which costs
+      nothing but the run that loses;
+    * no live lease but a newest entry younger than `lease_s` written by a consumer (unless
+      `force`) -- a consumer of an older rlrec, which keeps no lease, may run it.
+
+    Otherwise, when the plan finds runs to merge or a committed shard waits in staging, this
+    process announces itself with a lease, claims the partition (fencing any dead owner),
+    checks that no other writer took the lease meanwhile (else it appends nothing and reports
+    the partition) and compacts (`compact_partition`, which first rolls forward unpublished
+    shards), then drops its lease.
 
     Args:
         storage: the store.
         target_bytes, min_age_s, policy_id, compression: as for `compact_partition`.
-        lease_s: how long this process's own lease lasts (it holds it while compacting).
+        lease_s: how long this process's own lease lasts (it holds it while compacting), and
+            how recent a consumer's entry must be to refuse a partition without a lease.
+        force: compact partitions without a live lease even when a consumer wrote to them
+            within `lease_s` (every consumer stopped, or none is older than leases).
+        watch_s: how long leases that look expired by the clock are watched for a renewal
+            (None: their ``ttl_s``; `judge_leases`).
 
     Returns:
         (the results of the partitions compacted or found with nothing to do, one line per
-        partition left alone because a live writer owns it).
+        partition left alone because a live writer owns or may own it).
     """
     results: list[CompactionResult] = []
     refused: list[str] = []
-    for topic, part in list_partition_logs(storage):
+    keys = list_partition_logs(storage)
+    owners = judge_leases(storage, keys, watch_s=watch_s, ignore=lambda x: x.writer.startswith(_COMPACTOR))
+    for topic, part in keys:
         where = f"{topic}/{part:05d}"
-        lease = read_lease(storage, topic, part)
-        if lease is not None and lease.live() and not lease.writer.startswith(_COMPACTOR):
+        lease = owners[(topic, part)]
+        if lease is not None:
             refused.append(f"{where} is owned by a live consumer ({lease.describe()})")
             continue
         view = PartitionLog(storage, topic, part, snapshot_every=0)
         entries = view.load()
+        last = entries[-1] if entries else None
+        age = time.time() - _entry_time(last) if last is not None else math.inf
+        if not force and age < lease_s and not (getattr(last, "writer", None) or "").startswith(_COMPACTOR):
+            refused.append(
+                f"{where} has no owner lease but a consumer wrote to it {max(0.0, age):.0f}s ago "
+                "(a consumer of an rlrec without leases? stop it, or pass --force)"
+            )
+            continue
         runs = _plan(entries, target_bytes, min_age_s, policy_id)
-        if not runs:
+        if not runs and not view.staged():
             results.append(CompactionResult(topic, part))
             continue
-        writer = default_writer_id()
-        me = f"{_COMPACTOR}{writer}"
+        me = f"{_COMPACTOR}{default_writer_id()}"
         renew_lease(storage, topic, part, writer=me, epoch=view.max_epoch + 1, ttl_s=lease_s)
         plog = PartitionLog(storage, topic, part)
-        plog.claim(writer)
+        plog.claim(me)
         now = read_lease(storage, topic, part)
         if now is not None and now.writer != me and now.live() and not now.writer.startswith(_COMPACTOR):
             refused.append(f"{where} was claimed by a consumer while compaction started ({now.describe()})")

@@ -805,6 +805,23 @@ class PartitionLog:
             self._unknown.pop(entry.seq, None)  # type: ignore[arg-type]
         return moved
 
+    def _staging(self) -> tuple[list[tuple[ShardEntry, bool]], set[str]]:
+        """(committed shards not known to be published, the files of their staging folders)."""
+        with self._lock:
+            self.refresh()
+            cands = [self._unknown[s] for s in sorted(self._unknown)]
+        present: set[str] = set()
+        for d in sorted({_parent(e.staging_path) for e, _ in cands}):
+            present.update(i.path for i in self.storage.list(d) if not i.is_dir)
+        return cands, present
+
+    def staged(self) -> list[ShardEntry]:
+        """The committed shards not known to be published whose staging file exists: what
+        `recover` would publish (a reader may ask; only the owner publishes). One listing per
+        staging folder involved."""
+        cands, present = self._staging()
+        return [e for e, _ in cands if e.staging_path in present]
+
     def recover(self) -> int:
         """Roll forward: publish every committed shard not known to be published whose staging
         file exists (the entries read since the newest snapshot and those a snapshot lists as
@@ -814,12 +831,7 @@ class PartitionLog:
         A shard a snapshot listed as unpublished that has neither file is logged as an
         error (data loss, e.g. a manual delete); ``verify`` checks every shard.
         """
-        with self._lock:
-            self.refresh()
-            cands = [self._unknown[s] for s in sorted(self._unknown)]
-        present: set[str] = set()
-        for d in sorted({_parent(e.staging_path) for e, _ in cands}):
-            present.update(i.path for i in self.storage.list(d) if not i.is_dir)
+        cands, present = self._staging()
         published = 0
         for e, listed in cands:
             if e.staging_path in present:

@@ -5,9 +5,14 @@ claims a partition to write to it (``rlrec compact``) would fence a *live* consu
 stops writing it until it claims again. So an owner says it is alive: while it holds a claim
 it rewrites ``_owners/{topic}/{partition:05d}.json`` (beside the manifest, not in it: gc and
 manifest readers never look there) every ``ttl_s / 3`` seconds with ``{"writer", "epoch",
-"renewed", "ttl_s"}``. A
-lease renewed less than ``ttl_s`` ago (by the reader's clock: the TTL must exceed the clock
-skew between hosts) is *live*, and such tools leave the partition alone.
+"renewed", "ttl_s"}``, off its polling thread, one storage attempt per renewal.
+
+Liveness (`judge_leases`) is judged two ways, and a lease is *live* if either says so:
+by the clock (renewed less than ``ttl_s`` ago by the reader's clock; a renewal "in the future"
+counts as live) and without one (read twice ``ttl_s`` apart: a lease that changed meanwhile was
+renewed). So neither clock skew between hosts nor a few failed renewals make a live owner look
+gone: that takes an owner silent for ``ttl_s`` by its own clock *and* for ``ttl_s`` more while
+watched.
 
 A lease is only a courtesy between writers: correctness (an episode committed once, a fenced
 writer commits nothing) never depends on it. Its bytes are data: anything malformed is no lease.
@@ -25,15 +30,27 @@ Example::
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from rlrec.store.retry import RetryPolicy
 from rlrec.store.storage import Storage
 
-__all__ = ["DEFAULT_LEASE_S", "OWNERS_DIR", "Lease", "lease_path", "read_lease", "renew_lease"]
+__all__ = [
+    "DEFAULT_LEASE_S",
+    "OWNERS_DIR",
+    "Lease",
+    "judge_leases",
+    "lease_path",
+    "one_attempt",
+    "read_lease",
+    "renew_lease",
+]
 
 log = logging.getLogger("rlrec.ownership")
 
@@ -105,3 +122,56 @@ def read_lease(storage: Storage, topic: str, partition: int) -> Lease | None:
         pass
     log.warning("ignoring a malformed owner lease %s", storage.uri(path))
     return None
+
+
+def one_attempt(storage: Storage) -> Storage:
+    """A view of `storage` that tries each call once (a renewal that fails waits for the next
+    one instead of retrying in place)."""
+    single = copy.copy(storage)
+    single.retry = RetryPolicy(attempts=1)
+    return single
+
+
+def judge_leases(
+    storage: Storage,
+    keys: Iterable[tuple[str, int]],
+    *,
+    watch_s: float | None = None,
+    ignore: Callable[[Lease], bool] = lambda lease: False,
+    sleep: Callable[[float], None] = time.sleep,
+) -> dict[tuple[str, int], Lease | None]:
+    """Which of the partitions `keys` a live owner holds (module docstring): ``{key: its live
+    lease, or None when no live owner}``.
+
+    A lease live by the clock is live at once. The others are read again after one wait of
+    `watch_s` (default: the longest ``ttl_s`` among them; no wait when there are none): a lease
+    that changed meanwhile is live. Leases for which `ignore` is true count as no owner.
+    Raises storage errors.
+
+    Example:
+        >>> import tempfile
+        >>> from rlrec.store.storage import Storage
+        >>> st = Storage.from_uri(tempfile.mkdtemp())
+        >>> renew_lease(st, "rl", 0, writer="w", epoch=1, ttl_s=60.0)
+        >>> renew_lease(st, "rl", 1, writer="w", epoch=1, ttl_s=60.0, now=0.0)
+        >>> {k: v is not None for k, v in judge_leases(st, [("rl", 0), ("rl", 1)], watch_s=0.01).items()}
+        {('rl', 0): True, ('rl', 1): False}
+    """
+    out: dict[tuple[str, int], Lease | None] = {}
+    watched: dict[tuple[str, int], Lease] = {}
+    for key in keys:
+        lease = read_lease(storage, *key)
+        if lease is None or ignore(lease):
+            out[key] = None
+        elif lease.live():
+            out[key] = lease
+        else:
+            watched[key] = lease
+            out[key] = None
+    if watched:
+        sleep(max(x.ttl_s for x in watched.values()) if watch_s is None else watch_s)
+        for key, before in watched.items():
+            now = read_lease(storage, *key)
+            if now is not None and now != before and not ignore(now):
+                out[key] = now
+    return out

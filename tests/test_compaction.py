@@ -222,7 +222,7 @@ _COMPACTOR = textwrap.dedent(
             return real(self, entry, data)
         manifest.PartitionLog.publish = publish
     print("start", flush=True)
-    compact_unowned(Storage.from_uri(root), min_age_s=0, target_bytes=target)
+    compact_unowned(Storage.from_uri(root), min_age_s=0, target_bytes=target, force=True)
     print("done", flush=True)
     """
 )
@@ -277,6 +277,7 @@ def test_kill_9_of_the_compactor_at_any_point_then_rerun(tmp_path):
     final = open_snapshot(root)
     _assert_exactly_once(final, ids)
     assert len(final.files()) <= len(ids) // 2 // 2  # merged: fewer than half the shards left
+    assert all(os.path.exists(f) for f in final.files())  # every listed file published
     assert verify(st) == [], verify(st)
     # the kills left orphan staging files (at least the "before-append" one): gc collects them,
     # keeps every file an entry names -- the replaced ones too -- and every cursor still reads
@@ -391,7 +392,7 @@ def test_rlrec_compact_refuses_a_partition_a_live_consumer_owns(tmp_path, capsys
     assert read_lease(st, "rl", 0).live()
     log0 = PartitionLog(st, "rl", 0).load()
 
-    code = main(["compact", root, "--min-age", "0"])
+    code = main(["compact", root, "--min-age", "0", "--force"])  # --force: partition 1 was written just now
     out, err = capsys.readouterr()
     assert code == 1
     errors = [ln for ln in err.splitlines() if ln.startswith("rlrec compact: error: ")]
@@ -412,8 +413,8 @@ def test_rlrec_compact_takes_over_a_partition_whose_owner_is_gone(tmp_path, caps
 
     root = str(tmp_path / "out")
     c, ids = _commit_small(root, 3)
-    renew_lease(c.storage, "rl", 0, writer="dead-consumer", epoch=c.epoch, ttl_s=60.0, now=time.time() - 120)
-    assert main(["compact", root, "--min-age", "0s", "--target-bytes", "64MiB"]) == 0
+    renew_lease(c.storage, "rl", 0, writer="dead-consumer", epoch=c.epoch, ttl_s=1.0, now=time.time() - 120)
+    assert main(["compact", root, "--min-age", "0s", "--target-bytes", "64MiB", "--force"]) == 0
     assert "rl/00000: replaced 3 shard(s)" in capsys.readouterr().out
     assert read_lease(c.storage, "rl", 0) is None  # its own lease dropped when done
     _assert_exactly_once(open_snapshot(root), ids)
@@ -577,3 +578,105 @@ def test_a_replacement_keeps_each_episodes_replay_horizon(tmp_path):
         known = {i: o for i in ids if (o := fresh.committed_offset(i)) is not None}
         assert known == {i: truth[i] for i in known}  # each at its own shard's last offset
         assert {i for i, o in truth.items() if replay_from is None or o >= replay_from} <= set(known)
+
+
+# -- owner leases: renewed off the polling thread, liveness without trusting clocks ---------------
+
+
+def test_lease_renewals_run_off_the_polling_thread_one_attempt_each(tmp_path, monkeypatch):
+    """In a storage brown-out a renewal hangs and fails: the consumer's loop (upkeep) never
+    waits for it, no second renewal piles up behind it, and it is tried once (not retried)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rlrec.consumer.writer import PartitionWriter
+    from rlrec.store.localfs import LocalRoot
+
+    st = Storage.from_uri(str(tmp_path / "out"))
+    gate = threading.Event()
+    calls: list[str] = []
+    real = LocalRoot.write
+
+    def brown_out(self, path, data):
+        if not path.startswith("_owners/"):
+            return real(self, path, data)
+        calls.append(threading.current_thread().name)
+        if threading.current_thread() is not threading.main_thread():
+            gate.wait(30)
+        raise OSError("storage brown-out")  # transient: Storage retries it in place by default
+
+    monkeypatch.setattr(LocalRoot, "write", brown_out)
+    with ThreadPoolExecutor(1, thread_name_prefix="lease") as leases:
+        w = PartitionWriter(st, "rl", 0, lease_executor=leases)
+        w.claim()
+        now = time.time()
+        w.upkeep(now)  # returns while the renewal hangs
+        w.upkeep(now + 3600)  # due again: none queued behind the hanging one
+        hung = list(calls)
+        gate.set()
+    assert calls == hung and len(calls) == 1 and calls[0].startswith("lease"), calls
+    monkeypatch.setattr(LocalRoot, "write", real)
+    with ThreadPoolExecutor(1) as leases:  # storage back: the next due renewal writes the lease
+        w.lease_executor = leases
+        w.upkeep(now + 7200)
+    assert read_lease(st, "rl", 0).epoch == w.epoch
+
+
+def test_rlrec_compact_leaves_a_lease_alone_that_is_renewed_while_watched(tmp_path):
+    """A live owner whose clock is two minutes behind (its lease looks expired by this clock)
+    renews while watched: rlrec compact refuses the partition and appends nothing."""
+    import threading
+
+    from rlrec.store.compaction import compact_unowned
+    from rlrec.store.ownership import renew_lease
+
+    root = str(tmp_path / "out")
+    c, _ = _commit_small(root, 3)
+    stop = threading.Event()
+
+    def owner_behind():
+        while not stop.is_set():
+            renew_lease(c.storage, "rl", 0, writer="skewed", epoch=c.epoch, ttl_s=0.6, now=time.time() - 120)
+            stop.wait(0.2)
+
+    t = threading.Thread(target=owner_behind)
+    t.start()
+    try:
+        while read_lease(c.storage, "rl", 0) is None:
+            time.sleep(0.01)
+        before = PartitionLog(c.storage, "rl", 0).load()
+        results, refused = compact_unowned(c.storage, min_age_s=0, force=True)
+    finally:
+        stop.set()
+        t.join()
+    assert results == [] and len(refused) == 1 and "rl/00000 is owned by a live consumer" in refused[0]
+    assert PartitionLog(c.storage, "rl", 0).load() == before
+
+
+def test_rlrec_compact_refuses_a_partition_without_lease_written_to_recently(tmp_path):
+    """No owner lease but a consumer entry within the lease time: maybe an older rlrec's
+    consumer (no leases) -- refused unless forced."""
+    from rlrec.store.compaction import compact_unowned
+
+    root = str(tmp_path / "out")
+    c, ids = _commit_small(root, 3)
+    before = PartitionLog(c.storage, "rl", 0).load()
+    results, refused = compact_unowned(c.storage, min_age_s=0)
+    assert results == [] and len(refused) == 1 and "no owner lease" in refused[0] and "--force" in refused[0]
+    assert PartitionLog(c.storage, "rl", 0).load() == before
+    results, refused = compact_unowned(c.storage, min_age_s=0, force=True)
+    assert refused == [] and results[0].replaced == 3
+    _assert_exactly_once(open_snapshot(root), ids)
+
+
+def test_a_merged_shard_left_staged_by_a_kill_is_published_by_the_next_run(tmp_path):
+    """Killed after the replace entry, before the publish: the next run has nothing to plan but
+    still publishes the staged file, so every path files() lists exists."""
+    root = str(tmp_path / "out")
+    _c, ids = _commit_small(root, 3)
+    assert _run_compactor(root, "before-publish", 1 << 30) == -signal.SIGKILL
+    assert any(not os.path.exists(f) for f in open_snapshot(root).files())  # committed, still staged
+    assert _run_compactor(root, "none", 1 << 30) == 0
+    final = open_snapshot(root)
+    assert len(final.files()) == 1 and all(os.path.exists(f) for f in final.files())
+    _assert_exactly_once(final, ids)

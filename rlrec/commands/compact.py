@@ -45,6 +45,11 @@ class CompactOptions:
         metavar="DURATION",
         help="merge only shards committed at least this long ago, e.g. 600, 10m, 1h",
     )
+    force: bool = option(
+        False,
+        help="also compact partitions without a live owner lease that a consumer wrote to within the lease "
+        "time (60 s): only when no consumer of an rlrec without owner leases can be running them",
+    )
 
 
 #: the options of `rlrec compact`
@@ -58,8 +63,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Merge runs of small committed shards of each partition under URI into shards of up to "
         "--target-bytes, episodes never split, committed in the manifest as 'these files replace those' "
         "(create-once, crash-safe; a re-run is idempotent). A partition a live consumer owns (its owner "
-        "lease is fresh) is left alone -- that consumer compacts it itself with rlrec consume "
-        "--compact-after -- and named in one error line (exit 1). The replaced files stay until retention: "
+        "lease is fresh by the clock, or is renewed while watched for up to a lease time) is left alone -- that consumer compacts it itself with rlrec consume "
+        "--compact-after -- and named in one error line (exit 1), and so is one without a lease that a consumer "
+        "wrote to within the lease time (an older rlrec keeps no lease) unless --force. The replaced files stay until retention: "
         "a plain directory reader sees both; give it rlrec inspect --paths instead (docs/GUARANTEES.md).",
     )
     OPTIONS.add_arguments(p)
@@ -81,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     storage = open_output(opts.uri)
     require_manifest(storage, opts.uri)
     results, refused = compact_unowned(
-        storage, target_bytes=opts.target_bytes, min_age_s=opts.min_age, policy_id=opts.policy
+        storage, target_bytes=opts.target_bytes, min_age_s=opts.min_age, policy_id=opts.policy, force=opts.force
     )
     for r in results:
         skipped = f"; {len(r.skipped)} run(s) left alone" if r.skipped else ""

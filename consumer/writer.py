@@ -207,6 +207,7 @@ class PartitionWriter:
         self._compact_due = 0.0  # when compaction is checked next (wall clock)
         self._compacting: Future | None = None  # a compaction running on `encoder`
         self._compaction_view = None  # a reader of this partition's log, refreshed by each compaction
+        self._compaction_avoid: set[int] = set()  # seqs of shards found unmergeable (with the view)
 
     @property
     def epoch(self) -> int | None:
@@ -295,6 +296,7 @@ class PartitionWriter:
         self._discard_encoding()
         self._finish_compaction(wait=True)
         self._compaction_view = None
+        self._compaction_avoid = set()
         self._lease_due = 0.0
         self.state = state
 
@@ -520,6 +522,7 @@ class PartitionWriter:
             compression=self.committer.compression,
             max_runs=1,
             view=self._compaction_view,
+            avoid=self._compaction_avoid,
         )
 
     def _finish_compaction(self, *, wait: bool) -> None:

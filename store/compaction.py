@@ -45,12 +45,13 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rlrec.store import schema_gate
 from rlrec.store.commit import read_committed_shard
 from rlrec.store.manifest import (
     ConflictError,
@@ -84,6 +85,9 @@ log = logging.getLogger("rlrec.compaction")
 DEFAULT_TARGET_BYTES = 128 * 1024 * 1024
 #: shards younger than this are left alone (the trainer has likely not read them yet)
 DEFAULT_MIN_AGE_S = 600.0
+#: a merged shard's decoded size (its footer's, what the schema gate limits) at most, as a fraction
+#: of the gate's limit (`schema_gate.MAX_SHARD_DECODED_BYTES`): re-encoding rows can change it
+_DECODE_SHARE = 0.5
 #: rows per row group of a merged shard (episodes: one per row; tabular: one step per row)
 _ROW_GROUP = {"episodes": 128, "tabular": 65536}
 #: the writer prefix of the owner lease ``rlrec compact`` holds while compacting
@@ -120,8 +124,13 @@ def plan_runs(
     policy_id: str | None = None,
     now: float | None = None,
     sizes: Mapping[int, int] | None = None,
+    avoid: Collection[int] = (),
 ) -> list[list[ShardEntry]]:
     """Runs of live shards worth merging (at least two shards each), each in seq order.
+
+    A run's decoded size is also bounded (`decode_budget`: what the schema gate lets readers
+    decode, with a margin), counting a shard as its recorded ``decoded_bytes`` or, unknown, its
+    file's bytes; `compact_partition` checks the real sizes in the files' footers.
 
     A shard's size here is its *committed size* (`committed_sizes`): for a merged shard the sum
     of the shards it replaced as first committed, not its own bytes. Merged files often come out
@@ -135,6 +144,7 @@ def plan_runs(
         policy_id: only this policy's shards (None: all).
         now: the time to measure ages from (default: now).
         sizes: ``{seq: committed size}`` (default: each shard's bytes).
+        avoid: seqs left out (shards found unmergeable before: `CompactionState`).
 
     Example:
         >>> plan_runs({})
@@ -142,26 +152,36 @@ def plan_runs(
     """
     now = time.time() if now is None else now
     size = {seq: (sizes or {}).get(seq, e.bytes) for seq, e in live.items()}
+    budget = decode_budget()
+    # decoded size: as recorded (merged shards), else the file's bytes (a lower bound)
+    dec = {seq: e.decoded_bytes if e.decoded_bytes is not None else e.bytes for seq, e in live.items()}
     groups: dict[str, list[ShardEntry]] = {}
     for seq in sorted(live):
         e = live[seq]
-        if policy_id is not None and e.policy_id != policy_id:
+        if (policy_id is not None and e.policy_id != policy_id) or seq in avoid:
             continue
-        if size[seq] >= target_bytes or now - e.commit_time < min_age_s:
+        if size[seq] >= target_bytes or dec[seq] >= budget or now - e.commit_time < min_age_s:
             continue
         groups.setdefault(_group_key(e), []).append(e)
     runs: list[list[ShardEntry]] = []
     for members in groups.values():
         cur: list[ShardEntry] = []
-        total = 0
+        total = decoded = 0
         for e in members:
-            if cur and total + size[e.seq] > target_bytes:  # type: ignore[index]
+            if cur and (total + size[e.seq] > target_bytes or decoded + dec[e.seq] > budget):  # type: ignore[index]
                 runs.append(cur)
-                cur, total = [], 0
+                cur, total, decoded = [], 0, 0
             cur.append(e)
             total += size[e.seq]  # type: ignore[index]
+            decoded += dec[e.seq]  # type: ignore[index]
         runs.append(cur)
     return [r for r in runs if len(r) >= 2]
+
+
+def decode_budget() -> int:
+    """A merged shard's decoded size at most: half the schema gate's limit
+    (`schema_gate.MAX_SHARD_DECODED_BYTES`), so that every reader can open it."""
+    return int(schema_gate.MAX_SHARD_DECODED_BYTES * _DECODE_SHARE)
 
 
 def committed_sizes(entries: list[Entry]) -> dict[int, int]:
@@ -222,7 +242,7 @@ def _versions(values: list) -> tuple:
     return (min(ints), max(ints)) if ints and len(ints) == len(values) else (None, None)
 
 
-def _merged_entry(run: list[ShardEntry], data: bytes, path: str, staging: str) -> ShardEntry:
+def _merged_entry(run: list[ShardEntry], data: bytes, path: str, staging: str, decoded: int) -> ShardEntry:
     lo, _ = _versions([e.min_policy_version for e in run])
     _, hi = _versions([e.max_policy_version for e in run])
     logp: dict[str, int] | None = {}
@@ -252,10 +272,13 @@ def _merged_entry(run: list[ShardEntry], data: bytes, path: str, staging: str) -
         min_policy_version=lo,
         max_policy_version=hi,
         steps_without_logp=logp,
+        decoded_bytes=decoded,
     )
 
 
-def _plan(entries: list[Entry], target_bytes: int, min_age_s: float, policy_id: str | None) -> list[list[ShardEntry]]:
+def _plan(
+    entries: list[Entry], target_bytes: int, min_age_s: float, policy_id: str | None, avoid: Collection[int] = ()
+) -> list[list[ShardEntry]]:
     """The runs to merge in a log whose entries are `entries` (all of them, in seq order)."""
     return plan_runs(
         live_shards(entries),
@@ -263,6 +286,7 @@ def _plan(entries: list[Entry], target_bytes: int, min_age_s: float, policy_id: 
         min_age_s=min_age_s,
         policy_id=policy_id,
         sizes=committed_sizes(entries),
+        avoid=avoid,
     )
 
 
@@ -271,6 +295,67 @@ def _read_part(plog: PartitionLog, e: ShardEntry) -> bytes:
     if hashlib.sha256(data).hexdigest() != e.sha256:
         raise ShardSchemaError(f"{plog.storage.uri(e.path)}: sha256 differs from the manifest's: refused")
     return data
+
+
+def _merge_run(
+    plog: PartitionLog, run: list[ShardEntry], compression: str, avoid: set[int]
+) -> tuple[list[ShardEntry], bytes, int] | str:
+    """Merge what can be merged of a planned run: (the shards merged, the merged file, its
+    decoded size), or why nothing (the reason; the seqs that stop it are added to `avoid`, so
+    the next plan moves on).
+
+    Of the run, the shards with the first one's columns, in seq order, as long as their decoded
+    sizes (the footers') fit `decode_budget`. The merged file passes the schema gate and holds
+    the parts' rows and exactly their episode ids, or it is not staged."""
+    parts = []
+    for e in run:
+        try:
+            data = _read_part(plog, e)
+            parts.append((e, data, open_shard(data, fmt=e.format)))
+        except (ShardSchemaError, FileNotFoundError) as err:
+            avoid.add(e.seq)  # type: ignore[arg-type]
+            return f"seq {e.seq}: {err}"
+    first = parts[0][2].schema
+    same = [p for p in parts if p[2].schema.equals(first, check_metadata=False)]
+    if len(same) < 2:  # no other shard with its columns (different spaces, extra model outputs)
+        avoid.add(run[0].seq)  # type: ignore[arg-type]
+        return f"seq {run[0].seq}: no other shard of the run has its columns"
+    budget, fit, total = decode_budget(), [], 0
+    for p in same:
+        if total + p[2].decoded_bytes <= budget:
+            fit.append(p)
+            total += p[2].decoded_bytes
+    if len(fit) < 2:  # the largest stops every pair: leave it alone from now on
+        big = max(same, key=lambda p: p[2].decoded_bytes)[0]
+        avoid.add(big.seq)  # type: ignore[arg-type]
+        return (
+            f"seq {big.seq}: decodes to too much to merge with its neighbours (a merged shard {budget} bytes at most)"
+        )
+    shards = [p[0] for p in fit]
+    seqs = [e.seq for e in shards]
+    try:
+        data = merge_shards([p[1] for p in fit], shards[0].format, compression)
+        out = open_shard(data, fmt=shards[0].format)  # the schema gate, as every reader will open it
+        _check_merged(out, fit)
+    except (ShardSchemaError, ValueError) as err:
+        avoid.update(seqs)  # type: ignore[arg-type]
+        return f"seq {seqs}: merged file refused: {err}"
+    return shards, data, out.decoded_bytes
+
+
+def _check_merged(out, parts) -> None:
+    """The merged file holds the parts' rows and exactly the episode ids their entries name
+    (ValueError otherwise): the replace entry's ids are checked against the file, not only
+    against the entries it was built from."""
+    rows = sum(p[2].num_rows for p in parts)
+    if out.num_rows != rows:
+        raise ValueError(f"{out.num_rows} rows, the parts hold {rows}")
+    ids = [i for p in parts for i in p[0].episode_ids]
+    col = "episode_id" if "episode_id" in out.names else "eps_id"
+    found = out.read([col]).column(col).to_pylist()
+    same = sorted(found) == sorted(ids) if out.fmt == "episodes" else set(found) == set(ids)
+    if not same:
+        raise ValueError("its episode ids differ from the replaced shards' entries")
 
 
 def compact_partition(
@@ -282,6 +367,7 @@ def compact_partition(
     compression: str = "zstd",
     max_runs: int | None = None,
     view: PartitionLog | None = None,
+    avoid: set[int] | None = None,
 ) -> CompactionResult:
     """Compact one partition whose log `plog` this process has claimed (module docstring).
 
@@ -295,6 +381,8 @@ def compact_partition(
         max_runs: merge at most this many runs now (None: all); the rest waits for the next call.
         view: a reader's `PartitionLog` of the same partition kept between calls (refreshed: only
             new entries are read); None reads the whole log.
+        avoid: seqs of shards found unmergeable (kept between calls with `view`: a run that
+            cannot merge is not re-read on every call); this call adds to it.
 
     Returns:
         A `CompactionResult`. A run whose shards cannot be merged (a schema the gate refuses,
@@ -314,17 +402,18 @@ def compact_partition(
     view.refresh()
     entries = view.entries
     seen = view.next_seq
-    runs = _plan(entries, target_bytes, min_age_s, policy_id)
+    avoid = set() if avoid is None else avoid
+    runs = _plan(entries, target_bytes, min_age_s, policy_id, avoid)
     if max_runs is not None:
         runs, res.remaining = runs[:max_runs], max(0, len(runs) - max_runs)
-    for run in runs:
-        seqs = [e.seq for e in run]
-        try:
-            data = merge_shards([_read_part(plog, e) for e in run], run[0].format, compression)
-        except (ShardSchemaError, ValueError, FileNotFoundError) as err:
-            res.skipped.append(f"seq {seqs}: {err}")
-            log.warning("%s/%d: not compacting seq %s: %s", plog.topic, plog.partition, seqs, err)
+    for planned in runs:
+        merged = _merge_run(plog, planned, compression, avoid)
+        if isinstance(merged, str):
+            res.skipped.append(merged)
+            log.warning("%s/%d: not compacting: %s", plog.topic, plog.partition, merged)
             continue
+        run, data, decoded = merged
+        seqs = [e.seq for e in run]
         name = (
             f"{plog.topic}+{plog.partition:05d}+{min(e.first_offset for e in run):020d}+"
             f"{max(e.last_offset for e in run):020d}+e{plog.epoch}.c{uuid.uuid4().hex[:12]}.parquet"
@@ -334,7 +423,7 @@ def compact_partition(
         if not st.create_once(staging, data):  # a fresh name: taken only by a planted file
             res.skipped.append(f"seq {seqs}: {staging} exists")
             continue
-        entry = ReplaceEntry(replaces=tuple(seqs), shard=_merged_entry(run, data, path, staging))  # type: ignore[arg-type]
+        entry = ReplaceEntry(replaces=tuple(seqs), shard=_merged_entry(run, data, path, staging, decoded))  # type: ignore[arg-type]
         try:
             committed = plog.append_replace(entry, run, seen=seen)
         except ConflictError as err:

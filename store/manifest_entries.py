@@ -138,6 +138,9 @@ class ShardEntry:
     (optional) maps each policy version of the shard (as a string) to the steps of its
     episodes that carry no ``action_logp`` extra model output (no behaviour
     propensity); None (the field absent): unknown, as in entries written before it.
+    ``decoded_bytes`` (optional): what the file's columns decode to, as its Parquet footer
+    states (the schema gate's measure); None (absent): unknown. Compaction records it for the
+    shards it writes and plans by it (`rlrec.store.compaction`).
     """
 
     path: str
@@ -159,6 +162,7 @@ class ShardEntry:
     min_policy_version: int | str | None = None
     max_policy_version: int | str | None = None
     steps_without_logp: dict[str, int] | None = None
+    decoded_bytes: int | None = None
     writer: str | None = None
     epoch: int = -1
     seq: int | None = None
@@ -189,7 +193,7 @@ class ShardEntry:
             "max_policy_version",
         }
     )
-    _OPTIONAL = frozenset({"writer", "steps_without_logp"})
+    _OPTIONAL = frozenset({"writer", "steps_without_logp", "decoded_bytes"})
 
     def __post_init__(self) -> None:
         if self.steps_without_logp is not None:
@@ -211,6 +215,8 @@ class ShardEntry:
         d["event_schema_versions"] = dict(v) if isinstance(v, Mapping) else list(v)
         if d["writer"] is None:
             del d["writer"]
+        if d["decoded_bytes"] is None:
+            del d["decoded_bytes"]
         if d["steps_without_logp"] is None:
             del d["steps_without_logp"]
         else:
@@ -446,6 +452,8 @@ def _validate_shard(d: Mapping[str, Any]) -> None:
         counts = _check_type(d, "steps_without_logp", (dict,), nullable=True) or {}
         if not all(isinstance(k, str) and type(v) is int and v >= 0 for k, v in counts.items()):
             raise ManifestError("field 'steps_without_logp' must map policy versions (strings) to step counts >= 0")
+    if "decoded_bytes" in d and (_check_type(d, "decoded_bytes", (int,), nullable=True) or 0) < 0:
+        raise ManifestError(f"field 'decoded_bytes' must be >= 0, got {d['decoded_bytes']}")
 
 
 def _validate_replace(d: Mapping[str, Any]) -> ShardEntry:

@@ -353,6 +353,8 @@ class GatedShard:
         self.version = version
         self.schema = pf.schema_arrow
         self.num_rows = pf.metadata.num_rows
+        #: what its columns decode to, as its footer states (`MAX_SHARD_DECODED_BYTES` limits it)
+        self.decoded_bytes = _decoded_bytes(pf.metadata)
 
     @property
     def names(self) -> list[str]:
@@ -386,13 +388,17 @@ class GatedShard:
 MAX_SHARD_DECODED_BYTES = 1024 * 1024 * 1024
 
 
+def _decoded_bytes(meta: pq.FileMetaData) -> int:
+    return sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
+
+
 def open_shard(source: Any, *, fmt: str | None = None, filesystem: Any = None) -> GatedShard:
     """Open a shard (path, or its bytes) and check its schema and its decoded size; `fmt` = what
     the manifest says."""
     pf = _parquet(source, filesystem)
     found, version = check_shard_schema(pf.schema_arrow, fmt)
     meta = pf.metadata
-    decoded = sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
+    decoded = _decoded_bytes(meta)
     if decoded > MAX_SHARD_DECODED_BYTES:
         raise ShardSchemaError(
             f"the shard decodes to {decoded} bytes, over the limit of {MAX_SHARD_DECODED_BYTES} "

@@ -680,3 +680,66 @@ def test_a_merged_shard_left_staged_by_a_kill_is_published_by_the_next_run(tmp_p
     final = open_snapshot(root)
     assert len(final.files()) == 1 and all(os.path.exists(f) for f in final.files())
     _assert_exactly_once(final, ids)
+
+
+# -- what a merged shard may be -----------------------------------------------------------------
+
+
+def _decoded(root: str, e) -> int:
+    """What a shard's columns decode to, as its footer states (the schema gate's measure)."""
+    meta = pq.ParquetFile(os.path.join(root, e.path)).metadata
+    return sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
+
+
+def test_a_merged_shard_stays_within_the_schema_gates_decode_limit(tmp_path, monkeypatch):
+    """Files compress: a run small on disk can decode to more than the gate lets a reader open.
+    Merged shards stay within half the limit (planned by their footers' sizes, the result gated
+    before it is staged), so every reader still reads every episode."""
+    from rlrec.store import schema_gate
+
+    root = str(tmp_path / "out")
+    c, ids = _commit_small(root, 6)
+    shards = list(live_shards(PartitionLog(c.storage, "rl", 0).load()).values())
+    limit = 5 * max(_decoded(root, e) for e in shards)  # two shards per merged one at most
+    monkeypatch.setattr(schema_gate, "MAX_SHARD_DECODED_BYTES", limit)
+    compact_partition(c.log, min_age_s=0, target_bytes=1 << 30)
+    compact_partition(c.log, min_age_s=0, target_bytes=1 << 30)
+    snap = open_snapshot(root)
+    assert len(snap.entries) < len(shards)  # merged all the same
+    for e in snap.entries:
+        assert _decoded(root, e) <= limit // 2 and (e.decoded_bytes in (None, _decoded(root, e)))
+    _assert_exactly_once(snap, ids)
+
+
+def test_a_run_that_cannot_merge_is_not_planned_again(tmp_path):
+    """A shard that cannot be merged (here: its file differs from its entry's sha256) stops its
+    run once; then it is left out of the plan and the others merge, instead of the same run
+    being re-read and skipped on every check."""
+    root = str(tmp_path / "out")
+    c, _ = _commit_small(root, 4)
+    live = live_shards(PartitionLog(c.storage, "rl", 0).load())
+    bad = live[sorted(live)[0]]
+    Path(root, bad.path).write_bytes(Path(root, live[sorted(live)[1]].path).read_bytes())
+    avoid: set[int] = set()
+    results = [compact_partition(c.log, min_age_s=0, max_runs=1, avoid=avoid) for _ in range(3)]
+    assert [(len(r.skipped), r.written, r.replaced) for r in results] == [(1, 0, 0), (0, 1, 3), (0, 0, 0)]
+    assert avoid == {bad.seq}
+    after = live_shards(PartitionLog(c.storage, "rl", 0).load())
+    assert len(after) == 2 and bad.seq in after
+
+
+def test_a_merged_file_that_lost_rows_is_never_committed(tmp_path, monkeypatch):
+    """The replace entry's episode ids are checked against the merged file itself: a merge that
+    dropped a part is refused before it is staged, and nothing is appended."""
+    from rlrec.store import compaction
+
+    root = str(tmp_path / "out")
+    c, ids = _commit_small(root, 3)
+    real = compaction.merge_shards
+    monkeypatch.setattr(compaction, "merge_shards", lambda parts, fmt, comp="zstd": real(parts[:-1], fmt, comp))
+    before = PartitionLog(c.storage, "rl", 0).load()
+    res = compact_partition(c.log, min_age_s=0)
+    assert res.written == 0 and res.skipped and "rows" in res.skipped[0]
+    assert PartitionLog(c.storage, "rl", 0).load() == before
+    assert not list(Path(root).glob("*/_staging/*"))  # nothing staged
+    _assert_exactly_once(open_snapshot(root), ids)

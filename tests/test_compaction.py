@@ -354,6 +354,26 @@ def test_the_follower_stops_on_an_unknown_entry_type_instead_of_skipping_the_log
         follower.poll()
 
 
+def test_an_unreadable_log_loses_no_other_partitions_new_shards(tmp_path):
+    """A poll stopped by one log's newer entry delivers nothing; once that log reads again, the
+    other partitions' shards committed meanwhile are delivered (not skipped for good)."""
+    from rlrec.trainer.manifest_follower import ManifestFollower
+
+    root = str(tmp_path / "out")
+    c0, _ = _commit_small(root, 1, partition=0)
+    c1, _ = _commit_small(root, 1, partition=1)
+    follower = ManifestFollower(c0.storage)
+    assert len(follower.poll(force_discover=True)) == 2
+    new0 = c0.commit(expert_cartpole_episodes(2, seed=40, max_steps=30))
+    bad = f"_manifest/rl/00001/{c1.log.next_seq:012d}.json"
+    c1.storage.create_once(bad, json.dumps({"type": "retain", "seq": c1.log.next_seq}).encode())
+    with pytest.raises(UnsupportedManifestError):
+        follower.poll()
+    c1.storage.delete(bad)  # the log reads again (here: the entry removed)
+    got = [i for s in follower.poll() for i in follower.entries[s.key].episode_ids]
+    assert sorted(got) == sorted(fe.episode_id for fe in new0.written)
+
+
 def test_the_follower_never_delivers_replaced_episodes_again(tmp_path):
     from rlrec.trainer.manifest_follower import ManifestFollower
 

@@ -407,6 +407,22 @@ def _validate_claim(d: Mapping[str, Any]) -> None:
     _check_type(d, "time", (int, float))
 
 
+def _check_shard_paths(d: Mapping[str, Any]) -> None:
+    """A shard's files are ``{policy_id}/{name}`` and ``{policy_id}/_staging/{name}``, the
+    policy id one safe path component: an entry can name no other file (a log entry, another
+    policy's shard) for `PartitionLog.recover` or gc to move or keep."""
+    from rlrec.producer.events import POLICY_ID_RE
+
+    policy, path = d["policy_id"], d["path"]
+    name = path.rsplit("/", 1)[-1]
+    if not POLICY_ID_RE.match(policy):
+        raise ManifestError(f"field 'policy_id': not a valid policy id: {policy[:40]!r}")
+    if name.startswith(("_", ".")) or path != f"{policy}/{name}" or d["staging_path"] != f"{policy}/_staging/{name}":
+        raise ManifestError(
+            "fields 'path' and 'staging_path' must be '{policy_id}/{name}' and '{policy_id}/_staging/{name}'"
+        )
+
+
 def _validate_shard(d: Mapping[str, Any]) -> None:
     _check_keys(d, set(ShardEntry._REQUIRED), set(ShardEntry._OPTIONAL), "shard")
     _validate_common(d)
@@ -423,6 +439,7 @@ def _validate_shard(d: Mapping[str, Any]) -> None:
         raise ManifestError(f"first_offset {d['first_offset']} > last_offset {d['last_offset']}")
     if not _check_type(d, "policy_id", (str,)):
         raise ManifestError("field 'policy_id' must not be empty")
+    _check_shard_paths(d)
     ids = _check_type(d, "episode_ids", (list, tuple))
     if not all(isinstance(i, str) and i for i in ids):
         raise ManifestError("field 'episode_ids' must be a list of non-empty strings")

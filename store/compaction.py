@@ -92,6 +92,8 @@ _DECODE_SHARE = 0.5
 _ROW_GROUP = {"episodes": 128, "tabular": 65536}
 #: the writer prefix of the owner lease ``rlrec compact`` holds while compacting
 _COMPACTOR = "rlrec-compact:"
+#: decoded bytes of rows held back for a full row group at most (written as a smaller one then)
+_PENDING_BYTES = 64 * 1024 * 1024
 #: columns written without dictionary and statistics (as the consumer's shard writer does)
 _PLAIN_COLUMNS = frozenset({"item"})
 
@@ -203,8 +205,9 @@ def merge_shards(parts: list[bytes], fmt: str, compression: str = "zstd") -> byt
     otherwise: shards of different spaces do not share a file). The ``rlrec.*`` schema metadata
     is kept; a space key only where every part has the same value (as the shard writer does for
     episodes of different spaces). Rows are copied a row group at a time and written in row
-    groups of the shard writer's size (128 episodes, or 65,536 steps), so memory holds the parts'
-    bytes, the result's and one row group decoded."""
+    groups of the shard writer's size (128 episodes, or 65,536 steps; smaller when the rows held
+    back for one reach 64 MiB decoded), so memory holds the parts' bytes, the result's and at
+    most about one row group decoded."""
     shards = [open_shard(data, fmt=fmt) for data in parts]
     first = shards[0].schema
     for sh in shards[1:]:
@@ -221,17 +224,18 @@ def merge_shards(parts: list[bytes], fmt: str, compression: str = "zstd") -> byt
     buf = pa.BufferOutputStream()
     with pq.ParquetWriter(buf, schema, compression=compression, **options) as writer:
         pending: list[pa.Table] = []
-        n = 0
+        n = held = 0
         for sh in shards:
             for group in sh.row_groups():
                 pending.append(group.replace_schema_metadata(keep))
                 n += group.num_rows
-                if n >= rows:  # whole row groups now, the rest with the next part's rows
+                held += group.nbytes
+                if n >= rows or held >= _PENDING_BYTES:  # whole row groups now, the rest with the next rows
                     table = pa.concat_tables(pending)
-                    full = n - n % rows
+                    full = n - n % rows if held < _PENDING_BYTES else n
                     writer.write_table(table.slice(0, full), row_group_size=rows)
                     rest = table.slice(full)
-                    pending, n = ([rest] if rest.num_rows else []), rest.num_rows
+                    pending, n, held = ([rest] if rest.num_rows else []), rest.num_rows, rest.nbytes
         if pending:
             writer.write_table(pa.concat_tables(pending), row_group_size=rows)
     return buf.getvalue().to_pybytes()
@@ -430,6 +434,9 @@ def compact_partition(
             res.skipped.append(f"seq {seqs}: {err}")
             log.warning("%s/%d: not compacting seq %s: %s", plog.topic, plog.partition, seqs, err)
             continue
+        # append_replace checked the entries up to its own; only this writer appended there, and
+        # the runs are disjoint: the next run's check starts after it (no range read again)
+        seen = max(seen, committed.seq + 1)  # type: ignore[operator]
         try:
             plog.publish(committed.shard, data)
         except Exception as err:  # committed all the same: readers read it from staging meanwhile
@@ -528,7 +535,9 @@ def compact_unowned(
         me = f"{_COMPACTOR}{default_writer_id()}"
         renew_lease(storage, topic, part, writer=me, epoch=view.max_epoch + 1, ttl_s=lease_s)
         plog = PartitionLog(storage, topic, part)
-        plog.claim(me)
+        # a compactor replays nothing: its claim needs no committed ids (no walk of the history)
+        last = max((e.last_offset for e in live_shards(entries).values()), default=-1)
+        plog.claim(me, replay_from=last + 1)
         now = read_lease(storage, topic, part)
         if now is not None and now.writer != me and now.live() and not now.writer.startswith(_COMPACTOR):
             refused.append(f"{where} was claimed by a consumer while compaction started ({now.describe()})")

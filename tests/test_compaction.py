@@ -763,3 +763,56 @@ def test_a_merged_file_that_lost_rows_is_never_committed(tmp_path, monkeypatch):
     assert PartitionLog(c.storage, "rl", 0).load() == before
     assert not list(Path(root).glob("*/_staging/*"))  # nothing staged
     _assert_exactly_once(open_snapshot(root), ids)
+
+
+def test_each_replacement_checks_only_the_entries_since_the_previous_one(tmp_path, monkeypatch):
+    """append_replace re-reads the log from where the caller last read it: after each
+    replacement that point moves on, so many merges in one call read each new entry once."""
+    root = str(tmp_path / "out")
+    c, ids = _commit_small(root, 12)
+    target = 2 * max(e.bytes for e in read_manifest(c.storage))
+    view = PartitionLog(c.storage, "rl", 0)
+    view.load()
+    read = []
+    real = PartitionLog._read_range
+
+    def counting(self, lo, hi, *a, **kw):
+        read.append(max(0, hi - lo))
+        return real(self, lo, hi, *a, **kw)
+
+    monkeypatch.setattr(PartitionLog, "_read_range", counting)
+    res = compact_partition(c.log, min_age_s=0, target_bytes=target, view=view)
+    assert res.written >= 5 and sum(read) <= 2 * res.written, read
+    _assert_exactly_once(open_snapshot(root), ids)
+
+
+def test_rlrec_compact_appends_nothing_after_a_consumer_claims_in_the_race(tmp_path):
+    """A consumer that claims the partition right after rlrec compact's claim (its lease then
+    live) fences the compactor: the partition is reported and nothing follows the consumer's
+    claim."""
+    from rlrec.consumer.writer import PartitionWriter
+    from rlrec.store.compaction import compact_unowned
+
+    root = str(tmp_path / "out")
+    c, ids = _commit_small(root, 3)
+    st = c.storage
+    consumer = PartitionWriter(st, "rl", 0)
+    real = PartitionLog.claim
+
+    def claim_then_consumer(self, writer_id=None, **kw):
+        epoch = real(self, writer_id, **kw)
+        if writer_id and writer_id.startswith("rlrec-compact:"):
+            consumer.claim()
+            consumer.upkeep(time.time())  # its lease
+        return epoch
+
+    PartitionLog.claim = claim_then_consumer
+    try:
+        results, refused = compact_unowned(st, min_age_s=0, force=True)
+    finally:
+        PartitionLog.claim = real
+    assert results == [] and len(refused) == 1 and "claimed by a consumer while compaction started" in refused[0]
+    entries = PartitionLog(st, "rl", 0).load()
+    assert isinstance(entries[-1], ClaimEntry) and entries[-1].epoch == consumer.epoch
+    late = consumer.committer.commit(expert_cartpole_episodes(1, seed=9, max_steps=30))  # it goes on writing
+    _assert_exactly_once(open_snapshot(root), ids + [fe.episode_id for fe in late.written])

@@ -85,7 +85,8 @@ class ConsumerConfig:
         name="compact_after",
         metavar="SECONDS",
         help="merge each owned partition's committed shards once they are this many seconds old into shards "
-        "of up to --max-file-bytes (0: never). A plain directory reader then sees old and merged files "
+        "of up to --max-file-bytes on disk (their files' bytes as first committed, not the episodes' bytes in "
+        "memory that roll a shard; and at most half the schema gate's decode limit) (0: never). A plain directory reader then sees old and merged files "
         "until retention: read the manifest's list (rlrec inspect --paths; docs/GUARANTEES.md)",
     )
     schema_registry_url: str | None = option(None, help="read Confluent-framed values through this schema registry")

@@ -816,3 +816,64 @@ def test_rlrec_compact_appends_nothing_after_a_consumer_claims_in_the_race(tmp_p
     assert isinstance(entries[-1], ClaimEntry) and entries[-1].epoch == consumer.epoch
     late = consumer.committer.commit(expert_cartpole_episodes(1, seed=9, max_steps=30))  # it goes on writing
     _assert_exactly_once(open_snapshot(root), ids + [fe.episode_id for fe in late.written])
+
+
+_CONSUMER_COMPACTING = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    from rlrec.consumer.writer import Compaction, PartitionWriter
+    from rlrec.store import manifest
+    from rlrec.store.storage import Storage
+    from rlrec.trainer.synthetic import expert_cartpole_episodes
+
+    root = sys.argv[1]
+    real = manifest.PartitionLog.publish
+    def publish(self, entry, data=None):
+        if ".c" in entry.path.rsplit("+", 1)[-1]:  # the merged shard: committed, still staged
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(self, entry, data)
+    manifest.PartitionLog.publish = publish
+    w = PartitionWriter(Storage.from_uri(root), "rl", 0, compaction=Compaction(after_s=0.001))
+    w.claim()
+    for i in range(4):
+        w.committer.commit(expert_cartpole_episodes(2, seed=i, max_steps=30))
+    time.sleep(0.01)
+    w.upkeep(time.time())  # compacts on this thread (no encoder): killed in its publish
+    print("not killed", flush=True)
+    """
+)
+
+
+def test_a_consumer_killed_in_its_own_compaction_restarts_cleanly(tmp_path):
+    """kill -9 of a consumer's writer between its replace entry and the publish: the next owner's
+    claim publishes the merged shard, every episode is read once, each keeps its replay horizon,
+    and the new owner's compaction goes on from there."""
+    from rlrec.consumer.writer import Compaction, PartitionWriter
+
+    root = str(tmp_path / "out")
+    env = {**os.environ, "PYTHONPATH": str(ROOT.parent) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    p = subprocess.run(
+        [sys.executable, "-c", _CONSUMER_COMPACTING, root], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert p.returncode == -signal.SIGKILL, p.stdout + p.stderr[-2000:]
+    st = Storage.from_uri(root)
+    entries = PartitionLog(st, "rl", 0).load()
+    assert isinstance(entries[-1], ReplaceEntry)  # committed before the kill
+    firsts = {
+        i: e.last_offset
+        for e in entries
+        if not isinstance(e, (ReplaceEntry, ClaimEntry)) and hasattr(e, "episode_ids")
+        for i in e.episode_ids
+    }
+    w = PartitionWriter(st, "rl", 0, compaction=Compaction(after_s=0.001))
+    w.claim(replay_from=0)
+    snap = open_snapshot(root)
+    assert all(os.path.exists(f) for f in snap.files())  # rolled forward by the claim
+    _assert_exactly_once(snap, list(firsts))
+    assert {i: w.committer.log.committed_offset(i) for i in firsts} == firsts
+    late = w.committer.commit(expert_cartpole_episodes(2, seed=30, max_steps=30))
+    time.sleep(0.01)
+    w.upkeep(time.time())  # compacts the merged shard with the new one
+    final = open_snapshot(root)
+    assert len(final.files()) == 1 and all(os.path.exists(f) for f in final.files())
+    _assert_exactly_once(final, [*firsts, *(fe.episode_id for fe in late.written)])

@@ -30,6 +30,7 @@ from rlrec.store.manifest import (
     UnsupportedManifestError,
     live_shards,
     parse_entry,
+    read_first_commits,
     read_manifest,
 )
 from rlrec.store.ownership import read_lease
@@ -859,12 +860,7 @@ def test_a_consumer_killed_in_its_own_compaction_restarts_cleanly(tmp_path):
     st = Storage.from_uri(root)
     entries = PartitionLog(st, "rl", 0).load()
     assert isinstance(entries[-1], ReplaceEntry)  # committed before the kill
-    firsts = {
-        i: e.last_offset
-        for e in entries
-        if not isinstance(e, (ReplaceEntry, ClaimEntry)) and hasattr(e, "episode_ids")
-        for i in e.episode_ids
-    }
+    firsts = {i: e.last_offset for e in read_first_commits(st) for i in e.episode_ids}  # as first committed
     w = PartitionWriter(st, "rl", 0, compaction=Compaction(after_s=0.001))
     w.claim(replay_from=0)
     snap = open_snapshot(root)

@@ -5,11 +5,15 @@ four steps, each safe to interrupt at any point (kill -9 included):
 
 1. plan: read the whole log, take its *live* shards (`rlrec.store.manifest.live_shards`) and pick
    runs of small ones (`plan_runs`: same policy, format and event schema versions, each older than
-   ``min_age_s``, a run's total at most ``target_bytes``, at least two shards);
+   ``min_age_s``, a run's total at most ``target_bytes`` on disk and `decode_budget` decoded,
+   at least two shards);
 2. stage: read the run's shards (sha256 checked against the manifest, schemas through the schema
-   gate), concatenate their rows -- whole episodes, never split -- into one Parquet file of the
-   same shard format, and write it create-once at ``{policy}/_staging/{name}`` (a fresh name per
-   attempt). Interrupted here: an orphan staging file, which ``rlrec gc`` collects;
+   gate; the parts whose decoded sizes fit `decode_budget`), concatenate their rows -- whole
+   episodes, never split -- into one Parquet file of the same shard format, check it (the schema
+   gate; the parts' rows and exactly their entries' episode ids, read from the file), and write
+   it create-once at ``{policy}/_staging/{name}`` (a fresh name per attempt). A shard that stops
+   its run is left out of the next plans of the same caller (``avoid``). Interrupted here: an
+   orphan staging file, which ``rlrec gc`` collects;
 3. commit: append a replace entry (`PartitionLog.append_replace`: the same create-once append
    and fencing as a shard entry) naming the run's seqs and the new shard. This is the commit
    point; the log refuses a replacement that does not hold exactly the replaced episodes;
@@ -45,7 +49,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
 import pyarrow as pa
@@ -146,7 +150,7 @@ def plan_runs(
         policy_id: only this policy's shards (None: all).
         now: the time to measure ages from (default: now).
         sizes: ``{seq: committed size}`` (default: each shard's bytes).
-        avoid: seqs left out (shards found unmergeable before: `CompactionState`).
+        avoid: seqs left out (shards found unmergeable before: `compact_partition`'s ``avoid``).
 
     Example:
         >>> plan_runs({})
@@ -372,6 +376,7 @@ def compact_partition(
     max_runs: int | None = None,
     view: PartitionLog | None = None,
     avoid: set[int] | None = None,
+    claim: Callable[[], None] | None = None,
 ) -> CompactionResult:
     """Compact one partition whose log `plog` this process has claimed (module docstring).
 
@@ -387,6 +392,9 @@ def compact_partition(
             new entries are read); None reads the whole log.
         avoid: seqs of shards found unmergeable (kept between calls with `view`: a run that
             cannot merge is not re-read on every call); this call adds to it.
+        claim: for a `plog` not claimed yet: claims it, called once, when the first merged
+            shard is ready to commit (a call that merges nothing appends nothing, not even a
+            claim); it may raise to stop the call. Then nothing staged is rolled forward first.
 
     Returns:
         A `CompactionResult`. A run whose shards cannot be merged (a schema the gate refuses,
@@ -396,11 +404,12 @@ def compact_partition(
         FencedError: a newer writer claimed the partition (nothing more is appended).
         StorageError / OSError: storage failed; a re-run picks up where this one stopped.
     """
-    if plog.epoch is None:
+    if plog.epoch is None and claim is None:
         raise RuntimeError(f"{plog.topic}/{plog.partition}: claim() the partition before compacting it")
     st = plog.storage
     res = CompactionResult(plog.topic, plog.partition)
-    plog.recover()  # publish committed shards still staged (a merged one whose publish failed)
+    if plog.epoch is not None:
+        plog.recover()  # publish committed shards still staged (a merged one whose publish failed)
     if view is None:
         view = PartitionLog(st, plog.topic, plog.partition, snapshot_every=0)
     view.refresh()
@@ -418,6 +427,8 @@ def compact_partition(
             continue
         run, data, decoded = merged
         seqs = [e.seq for e in run]
+        if plog.epoch is None:  # the first merged shard to commit: only now take the partition
+            claim()  # type: ignore[misc]
         name = (
             f"{plog.topic}+{plog.partition:05d}+{min(e.first_offset for e in run):020d}+"
             f"{max(e.last_offset for e in run):020d}+e{plog.epoch}.c{uuid.uuid4().hex[:12]}.parquet"
@@ -462,6 +473,10 @@ def compact_partition(
     return res
 
 
+class _TakenByConsumer(Exception):
+    """A consumer's lease appeared while ``rlrec compact`` claimed the partition."""
+
+
 def _entry_time(e: Entry) -> float:
     return e.commit_time if isinstance(e, ShardEntry) else e.time  # type: ignore[union-attr]
 
@@ -488,11 +503,12 @@ def compact_unowned(
     * no live lease but a newest entry younger than `lease_s` written by a consumer (unless
       `force`) -- a consumer of an older rlrec, which keeps no lease, may run it.
 
-    Otherwise, when the plan finds runs to merge or a committed shard waits in staging, this
-    process announces itself with a lease, claims the partition (fencing any dead owner),
-    checks that no other writer took the lease meanwhile (else it appends nothing and reports
-    the partition) and compacts (`compact_partition`, which first rolls forward unpublished
-    shards), then drops its lease.
+    Otherwise, when the plan finds runs to merge or a committed shard waits in staging, it
+    compacts (`compact_partition`). Once it has something to commit (a merged shard ready, or a
+    staged shard to roll forward first) -- not before, so a run where nothing merges appends
+    nothing -- it announces itself with a lease, claims the partition (fencing any dead owner)
+    and checks that no other writer took the lease meanwhile (else it appends nothing more and
+    reports the partition). It drops its lease when done.
 
     Args:
         storage: the store.
@@ -533,16 +549,20 @@ def compact_unowned(
             results.append(CompactionResult(topic, part))
             continue
         me = f"{_COMPACTOR}{default_writer_id()}"
-        renew_lease(storage, topic, part, writer=me, epoch=view.max_epoch + 1, ttl_s=lease_s)
         plog = PartitionLog(storage, topic, part)
         # a compactor replays nothing: its claim needs no committed ids (no walk of the history)
-        last = max((e.last_offset for e in live_shards(entries).values()), default=-1)
-        plog.claim(me, replay_from=last + 1)
-        now = read_lease(storage, topic, part)
-        if now is not None and now.writer != me and now.live() and not now.writer.startswith(_COMPACTOR):
-            refused.append(f"{where} was claimed by a consumer while compaction started ({now.describe()})")
-            continue
+        replay_from = max((e.last_offset for e in live_shards(entries).values()), default=-1) + 1
+
+        def take(topic=topic, part=part, plog=plog, me=me, replay_from=replay_from, epoch=view.max_epoch + 1) -> None:
+            renew_lease(storage, topic, part, writer=me, epoch=epoch, ttl_s=lease_s)
+            plog.claim(me, replay_from=replay_from)
+            now = read_lease(storage, topic, part)
+            if now is not None and now.writer != me and now.live() and not now.writer.startswith(_COMPACTOR):
+                raise _TakenByConsumer(now.describe())
+
         try:
+            if view.staged():  # a committed shard to publish first: that needs the claim now
+                take()
             results.append(
                 compact_partition(
                     plog,
@@ -551,8 +571,11 @@ def compact_unowned(
                     policy_id=policy_id,
                     compression=compression,
                     view=view,
+                    claim=take,
                 )
             )
+        except _TakenByConsumer as e:
+            refused.append(f"{where} was claimed by a consumer while compaction started ({e})")
         except FencedError as e:
             refused.append(f"{where} was claimed by another writer while compacting ({e.newer_writer})")
         finally:

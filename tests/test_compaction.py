@@ -873,3 +873,20 @@ def test_a_consumer_killed_in_its_own_compaction_restarts_cleanly(tmp_path):
     final = open_snapshot(root)
     assert len(final.files()) == 1 and all(os.path.exists(f) for f in final.files())
     _assert_exactly_once(final, [*firsts, *(fe.episode_id for fe in late.written)])
+
+
+def test_rlrec_compact_appends_no_claim_when_nothing_merges(tmp_path):
+    """A partition whose only run cannot merge (a shard refused) is reported as skipped, and its
+    log is left as it was: no claim either, so cron runs do not grow it (and fence no one)."""
+    from rlrec.store.compaction import compact_unowned
+
+    root = str(tmp_path / "out")
+    c, _ = _commit_small(root, 2)
+    live = live_shards(PartitionLog(c.storage, "rl", 0).load())
+    a, b = (live[s] for s in sorted(live))
+    Path(root, a.path).write_bytes(Path(root, b.path).read_bytes())  # differs from its sha256
+    before = PartitionLog(c.storage, "rl", 0).load()
+    results, refused = compact_unowned(c.storage, min_age_s=0, force=True)
+    assert refused == [] and results[0].written == 0 and len(results[0].skipped) == 1
+    assert PartitionLog(c.storage, "rl", 0).load() == before
+    assert read_lease(c.storage, "rl", 0) is None

@@ -890,3 +890,58 @@ def test_rlrec_compact_appends_no_claim_when_nothing_merges(tmp_path):
     assert refused == [] and results[0].written == 0 and len(results[0].skipped) == 1
     assert PartitionLog(c.storage, "rl", 0).load() == before
     assert read_lease(c.storage, "rl", 0) is None
+
+
+@pytest.mark.slow
+def test_a_killed_compactor_beside_a_live_consumer(tmp_path):
+    """rlrec compact killed -9 at random points while a consumer's writer commits to its own
+    partition (lease renewed) and the other partition has no owner: at every cursor taken
+    meanwhile each episode is read once; the live owner is never fenced (no claim but its own)
+    and commits throughout; a re-run finishes the unowned partition."""
+    import threading
+
+    from rlrec.consumer.writer import PartitionWriter
+
+    root = str(tmp_path / "out")
+    _c1, ids1 = _commit_small(root, 12, partition=1)
+    st = Storage.from_uri(root)
+    target = 3 * max(e.bytes for e in read_manifest(st))
+    owner = PartitionWriter(st, "rl", 0)
+    owner.claim()
+    owner.upkeep(time.time())
+    ids0: list[str] = []
+    stop = threading.Event()
+
+    def consume():
+        i = 0
+        while not stop.is_set():
+            owner.upkeep(time.time())
+            res = owner.committer.commit(expert_cartpole_episodes(1, seed=100 + i, max_steps=20))
+            ids0.extend(fe.episode_id for fe in res.written)
+            i += 1
+            stop.wait(0.05)
+
+    t = threading.Thread(target=consume)
+    t.start()
+    rng = random.Random(17)
+    cursors = []
+    take = lambda: cursors.append(open_snapshot(root).cursor)  # noqa: E731
+    try:
+        for _ in range(4):
+            _run_compactor(root, "none", target, kill_after=rng.uniform(0.0, 0.4), during=take)
+            take()
+        assert _run_compactor(root, "none", target) == 0
+    finally:
+        stop.set()
+        t.join()
+    for cur in cursors:
+        snap = open_snapshot(root, as_of=cur)
+        seen = _step_ids(snap)
+        assert max(seen.values()) == 1
+        assert {eid for eid, _ in seen} == {i for e in snap.entries for i in e.episode_ids}
+    final = open_snapshot(root)
+    _assert_exactly_once(final, ids0 + ids1)
+    assert all(os.path.exists(f) for f in final.files())
+    claims0 = [e for e in PartitionLog(st, "rl", 0).load() if isinstance(e, ClaimEntry)]
+    assert [c.epoch for c in claims0] == [owner.epoch]  # never fenced
+    assert len([f for f in final.files() if "+00001+" in f]) <= 12 // 2

@@ -80,6 +80,15 @@ class ConsumerConfig:
     #: dead letters are cut to fit this (the broker's default message.max.bytes is about 1 MB)
     dlq_max_message_bytes: int = 900_000
     commit_interval_s: float = option(5.0, help="how often offsets are committed when no flush did it")
+    compact_after_s: float = option(
+        0.0,
+        name="compact_after",
+        metavar="SECONDS",
+        help="merge each owned partition's committed shards once they are this many seconds old into shards "
+        "of up to --max-file-bytes on disk (their files' bytes as first committed, not the episodes' bytes in "
+        "memory that roll a shard; and at most half the schema gate's decode limit) (0: never). A plain directory reader then sees old and merged files "
+        "until retention: read the manifest's list (rlrec inspect --paths; docs/GUARANTEES.md)",
+    )
     schema_registry_url: str | None = option(None, help="read Confluent-framed values through this schema registry")
     metrics_port: int | None = option(
         None, help="serve Prometheus /metrics and /healthz here (0: pick a free port; default: no server)"
@@ -98,6 +107,8 @@ class ConsumerConfig:
 
     def __post_init__(self) -> None:
         check_choices(self)
+        if self.compact_after_s < 0:
+            raise ValueError(f"--compact-after must be >= 0 seconds, got {self.compact_after_s:g}")
 
     @property
     def dlq(self) -> str:

@@ -55,7 +55,7 @@ from rlrec.consumer.config import ConsumerConfig
 from rlrec.consumer.dead_letters import DeadLetterQueue, dead_letter_record
 from rlrec.consumer.metrics import ConsumerMetrics
 from rlrec.consumer.topics import check_reachable, client_settings, create_topics, describe_kafka_error, kafka_logger
-from rlrec.consumer.writer import PartitionWriter, Rotation
+from rlrec.consumer.writer import Compaction, PartitionWriter, Rotation
 from rlrec.errors import UsageError
 from rlrec.producer.events import DecodeError, decode, encode
 from rlrec.producer.registry import RegistryUnavailable
@@ -141,6 +141,7 @@ class RecorderConsumer:
         # its own while the loop polls and assembles, so the second core works (PartitionWriter);
         # started by run(), shut down when it ends (None: writers encode on the loop's thread)
         self.encoder: ThreadPoolExecutor | None = None
+        self.leases: ThreadPoolExecutor | None = None  # owner lease renewals, off the polling thread
         self.metrics = ConsumerMetrics()
         self._stop = threading.Event()
         self._pause_reasons: dict[int, set[str]] = {}  # partition -> why it is paused (empty: reading)
@@ -195,6 +196,7 @@ class RecorderConsumer:
         # import them (an import error in the encoding thread would look like bad data)
         import_episode_classes()
         self.encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlrec-encode")
+        self.leases = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlrec-lease")
         self.consumer.subscribe(
             [cfg.topic], on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost
         )
@@ -303,6 +305,9 @@ class RecorderConsumer:
         if self.encoder is not None:  # what is left belonged to dropped partitions
             self.encoder.shutdown(wait=True, cancel_futures=True)
             self.encoder = None
+        if self.leases is not None:
+            self.leases.shutdown(wait=False, cancel_futures=True)
+            self.leases = None
         self.metrics.stop()
         log.info("%s", self.summary())
 
@@ -385,7 +390,11 @@ class RecorderConsumer:
             assembly=self.assembly,
             rotation=self.rotation,
             encoder=self.encoder,
+            lease_executor=self.leases,
             counters=self.metrics.assembly,
+            compaction=Compaction(self.config.compact_after_s, self.config.max_file_bytes)
+            if self.config.compact_after_s > 0
+            else None,
         )
         self.writers[p] = w
         for attempt in range(CLAIM_RETRY.attempts):
@@ -588,6 +597,7 @@ class RecorderConsumer:
             live = recent and broker_ok and not self._pause_reasons.get(p)
             a.live_since = (a.live_since or now) if live else None
             w.publish_pending()  # roll forward committed shards whose publish failed
+            w.upkeep(now)  # the owner lease; compaction when due (--compact-after)
             a.split_suspected = now < self._split_suspected_until
             for d in a.decide_timeouts(now):
                 self._decide(p, d, a.open[d.episode_id].first_offset)

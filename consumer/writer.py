@@ -17,11 +17,17 @@ state; this writer adds rotation, backoff and step 5:
 The state drives what the service does with the partition: it reads it only while ACTIVE (every
 other state pauses it), re-claims it when a CLAIMING or FENCED writer is due, and commits its
 offset only while it holds a claim.
+
+While it holds a claim, `upkeep` renews its owner lease (`rlrec.store.ownership`: tools such as
+``rlrec compact`` leave the partition alone; on `lease_executor`, one storage attempt, never on
+the caller's thread when one is given) and, with a `Compaction` schedule, compacts the
+partition's log (`rlrec.store.compaction`) on the encoder between shard writes.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections.abc import Iterable
 from concurrent.futures import Executor, Future
@@ -32,10 +38,11 @@ from rlrec.consumer.assembly import AssemblyConfig, Counters, PartitionAssembler
 from rlrec.store.commit import CommitResult, ShardCommitter
 from rlrec.store.finished import FinishedEpisode
 from rlrec.store.manifest import FencedError
+from rlrec.store.ownership import DEFAULT_LEASE_S, one_attempt, renew_lease
 from rlrec.store.retry import RetrySchedule
 from rlrec.store.storage import Storage
 
-__all__ = ["Flushed", "PartitionWriter", "Rotation", "Tick", "WriterState"]
+__all__ = ["Compaction", "Flushed", "PartitionWriter", "Rotation", "Tick", "WriterState"]
 
 log = logging.getLogger("rlrec.consumer")
 
@@ -62,6 +69,17 @@ class Rotation:
     max_episodes: int = 1000
     max_bytes: int = 128 * 1024 * 1024
     max_age_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class Compaction:
+    """When an owner compacts its partition (`rlrec.store.compaction`): shards at least
+    ``after_s`` old merge into shards of up to ``target_bytes``; checked every ``after_s``
+    seconds (at least every 5 s), one merged shard per check (a second later while a backlog
+    remains)."""
+
+    after_s: float
+    target_bytes: int = 128 * 1024 * 1024
 
 
 @dataclass
@@ -141,6 +159,10 @@ class PartitionWriter:
         rotation: when finished episodes become a shard.
         encoder: where steps 1-4 run (None: on the caller's thread).
         counters: what its assemblers count into (shared by a consumer's writers).
+        compaction: when it compacts its partition (None: never; `upkeep`).
+        lease_s: the owner lease it keeps while claimed (`rlrec.store.ownership`; `upkeep`).
+        lease_executor: where lease renewals run (None: on the caller's thread). The consumer
+            gives one thread shared by its writers, so a slow store never stalls its polling.
     """
 
     def __init__(
@@ -155,7 +177,11 @@ class PartitionWriter:
         rotation: Rotation | None = None,
         encoder: Executor | None = None,
         counters: Counters | None = None,
+        compaction: Compaction | None = None,
+        lease_s: float = DEFAULT_LEASE_S,
+        lease_executor: Executor | None = None,
     ):
+        self.storage = storage
         self.topic = topic
         self.partition = partition
         self.committer = ShardCommitter(storage, topic, partition, fmt=fmt, compression=compression)
@@ -172,6 +198,16 @@ class PartitionWriter:
         self._encoding_bytes = 0
         self._forget_upto: int | None = None  # offsets_committed() deferred while a write is under way
         self._kafka_committed: int | None = None  # the offset the service last committed for this owner
+        self.compaction = compaction
+        self.lease_s = lease_s
+        self._lease_due = 0.0  # when the owner lease is renewed next (wall clock)
+        self.lease_executor = lease_executor
+        self._renewing: Future | None = None  # a renewal running on `lease_executor`
+        self._lease_storage = one_attempt(storage)
+        self._compact_due = 0.0  # when compaction is checked next (wall clock)
+        self._compacting: Future | None = None  # a compaction running on `encoder`
+        self._compaction_view = None  # a reader of this partition's log, refreshed by each compaction
+        self._compaction_avoid: set[int] = set()  # seqs of shards found unmergeable (with the view)
 
     @property
     def epoch(self) -> int | None:
@@ -258,6 +294,10 @@ class PartitionWriter:
         self.assembler = None
         self._kafka_committed = None
         self._discard_encoding()
+        self._finish_compaction(wait=True)
+        self._compaction_view = None
+        self._compaction_avoid = set()
+        self._lease_due = 0.0
         self.state = state
 
     # -- rotation and writing -----------------------------------------------------------------
@@ -430,6 +470,90 @@ class PartitionWriter:
         self.committer.offsets_committed(offset)
 
     # -- upkeep -------------------------------------------------------------------------------
+
+    def upkeep(self, now: float) -> None:
+        """While claimed: renew the owner lease (every third of `lease_s`) and, with
+        `compaction`, compact the partition when due -- on the `encoder` after the shard being
+        written, so commits and compaction of this log never run at once. Storage errors are
+        logged and retried at the next due time; they never stop the writer."""
+        if self.state not in (WriterState.ACTIVE, WriterState.BACKING_OFF) or self.epoch is None:
+            return
+        if now >= self._lease_due and (self._renewing is None or self._renewing.done()):
+            # staggered: the writers claimed together do not all renew at once
+            self._lease_due = now + self.lease_s / 3 * random.uniform(0.8, 1.0)
+            writer, epoch = self.committer.log.writer_id or "", self.epoch
+            if self.lease_executor is None:
+                self._renew(writer, epoch)
+            else:
+                try:
+                    self._renewing = self.lease_executor.submit(self._renew, writer, epoch)
+                except RuntimeError:  # the executor is shut down: nothing more to renew
+                    pass
+        self._finish_compaction(wait=False)
+        c = self.compaction
+        if c is None or c.after_s <= 0 or self._compacting is not None or now < self._compact_due:
+            return
+        self._compact_due = now + max(5.0, c.after_s)
+        if self.encoder is None:
+            self._compacted(self._compact)
+            return
+        try:
+            self._compacting = self.encoder.submit(self._compact)
+        except RuntimeError:  # the executor is shut down: compact at the next due time
+            pass
+
+    def _renew(self, writer: str, epoch: int) -> None:
+        try:
+            renew_lease(self._lease_storage, self.topic, self.partition, writer=writer, epoch=epoch, ttl_s=self.lease_s)
+        except Exception as e:  # a lease is a courtesy: the next renewal tries again
+            log.warning("partition %d: cannot renew the owner lease (%s)", self.partition, e)
+
+    def _compact(self):
+        from rlrec.store.compaction import compact_partition
+        from rlrec.store.manifest import PartitionLog
+
+        c = self.compaction
+        if self._compaction_view is None:
+            self._compaction_view = PartitionLog(self.storage, self.topic, self.partition, snapshot_every=0)
+        return compact_partition(
+            self.committer.log,
+            target_bytes=c.target_bytes,
+            min_age_s=c.after_s,
+            compression=self.committer.compression,
+            max_runs=1,
+            view=self._compaction_view,
+            avoid=self._compaction_avoid,
+        )
+
+    def _finish_compaction(self, *, wait: bool) -> None:
+        f = self._compacting
+        if f is None or not (wait or f.done()):
+            return
+        self._compacting = None
+        if wait and f.cancel():
+            return
+        self._compacted(f.result)
+
+    def _compacted(self, result) -> None:
+        try:
+            res = result()
+        except FencedError:
+            log.warning("partition %d: compaction stopped: a newer writer claimed the partition", self.partition)
+            return
+        except Exception as e:  # storage: the next due time re-plans from the log
+            log.warning("partition %d: compaction failed (%s: %s); retried later", self.partition, type(e).__name__, e)
+            return
+        if res.remaining:  # a backlog (compaction just turned on): the next run soon, not in after_s
+            self._compact_due = min(self._compact_due, time.time() + 1.0)
+        if res.written:
+            log.info(
+                "partition %d: compacted %d shard(s) (%d bytes) into %d (%d bytes)",
+                self.partition,
+                res.replaced,
+                res.bytes_before,
+                res.written,
+                res.bytes_after,
+            )
 
     def publish_pending(self) -> int:
         """Publish shards committed by earlier flushes whose publish failed (cheap when none);

@@ -3,7 +3,7 @@
 Sources (each optional; a missing one leaves its fields empty and adds a note):
 
 * the shards root (local or ``s3://``): committed shards from the manifest
-  (`rlrec.store.manifest.read_manifest`), and per episode the metadata columns of episode shards
+  (`rlrec.store.manifest.read_first_commits`), and per episode the metadata columns of episode shards
   (policy id/version, length, return, started_ms/ended_ms), read column by column, never the
   packed episodes;
 * the trainer's checkpoint dir: ``metrics.jsonl`` (one line per iteration: ``time``,
@@ -99,11 +99,12 @@ def _episode_columns(storage: Any, entry: Any) -> dict[str, list] | None:
 
 
 def _load_shards(data: ReportData, uri: str) -> None:
-    from rlrec.store.manifest import read_manifest
+    from rlrec.store.manifest import read_first_commits
 
     try:
         storage = _storage(uri)
-        data.shards = read_manifest(storage)
+        # as first committed: commit times and the paths the trainer logged (compaction aside)
+        data.shards = read_first_commits(storage)
     except Exception as e:
         data.note("shards", f"cannot read the manifest under {uri}: {type(e).__name__}: {e}")
         return

@@ -25,12 +25,15 @@ from rlrec.store.localfs import EscapesRoot
 from rlrec.store.manifest import (
     ClaimEntry,
     Entry,
+    ManifestError,
     PartitionLog,
     ShardEntry,
     SnapshotEntry,
+    live_shards,
     manifest_totals,
     read_manifest,
     read_partition_logs,
+    shard_files,
 )
 from rlrec.store.storage import FileInfo, Storage
 
@@ -102,7 +105,8 @@ def gc(
     if older_than_s < 0:
         raise ValueError("older_than_s must be >= 0")
     files, with_staging = _candidate_files(storage)  # 1. list files
-    entries = read_manifest(storage)  # 2. then read the manifest
+    # 2. then read the manifest: every shard an entry names, replaced ones too (retention's)
+    entries = [e for log_entries in read_partition_logs(storage).values() for e in shard_files(log_entries)]
     now = time.time() if now is None else now
     policy_dirs = {e.policy_id for e in entries} | with_staging
     keep = {p for e in entries for p in (e.path, e.staging_path)}  # named by an entry: never garbage
@@ -201,7 +205,7 @@ def propensity_counts(entries: Iterable[ShardEntry]) -> dict[str, Any]:
 def verify(storage: Storage, decode_check: DecodeCheck | None = None) -> list[str]:
     """Problems found (empty list: all good).
 
-    Checks every committed shard: the published file exists (a shard that is
+    Checks every committed shard (replaced ones and replacements too): the published file exists (a shard that is
     only staged, awaiting roll-forward, is checked in its staging file), its
     size and sha256 match the entry, no episode id is committed twice, each
     partition log has no gaps and no shard entry follows a newer epoch's claim
@@ -211,7 +215,8 @@ def verify(storage: Storage, decode_check: DecodeCheck | None = None) -> list[st
     """
     problems: list[str] = []
     logs = read_partition_logs(storage)
-    entries: list[ShardEntry] = []
+    entries: list[ShardEntry] = []  # every shard file committed, replaced ones too
+    live: dict[int, ShardEntry] = {}  # id() -> the live shards (each episode in exactly one)
     for (topic, partition), log_entries in sorted(logs.items()):
         seqs = [e.seq for e in log_entries]
         if seqs != list(range(len(seqs))):
@@ -231,15 +236,19 @@ def verify(storage: Storage, decode_check: DecodeCheck | None = None) -> list[st
             else:
                 if e.epoch < max_claim:
                     problems.append(
-                        f"{topic}/{partition:05d} seq {e.seq}: shard of epoch {e.epoch} "
+                        f"{topic}/{partition:05d} seq {e.seq}: {e.type} of epoch {e.epoch} "
                         f"committed after claim of epoch {max_claim} (unfenced zombie)"
                     )
-                entries.append(e)
+                entries.append(e if isinstance(e, ShardEntry) else e.shard)
+        try:
+            live.update((id(s), s) for s in live_shards(log_entries).values())
+        except ManifestError as err:  # a replace entry that breaks the rule of replacement
+            problems.append(f"manifest log {topic}/{partition:05d}: {err}")
 
     seen_ids: dict[str, str] = {}
     for e in sorted(entries, key=lambda e: (e.commit_time, e.topic, e.partition, e.seq)):
         where = f"{e.topic}/{e.partition:05d} seq {e.seq} ({e.path})"
-        for eid in e.episode_ids:
+        for eid in e.episode_ids if id(e) in live else ():  # a replaced shard's ids live on in its replacement
             first = seen_ids.setdefault(eid, where)
             if first != where:
                 problems.append(f"duplicate episode id {eid!r}: in {first} and {where}")

@@ -7,7 +7,7 @@ Layout (relative to the output root)::
 
 Each entry is a small immutable JSON document created with a create-once write
 (:meth:`rlrec.store.storage.Storage.create_once`); ``seq`` runs 0, 1, 2, ... with no
-gaps.  Three entry types (:mod:`rlrec.store.manifest_entries`):
+gaps.  Four entry types (:mod:`rlrec.store.manifest_entries`):
 
 * ``claim`` (:class:`ClaimEntry`) -- a consumer that gets the partition appends
   a claim with writer epoch ``E = max(epochs in the log) + 1``.
@@ -16,6 +16,10 @@ gaps.  Three entry types (:mod:`rlrec.store.manifest_entries`):
 * ``snapshot`` (:class:`SnapshotEntry`) -- appended by a writer every
   :data:`SNAPSHOT_EVERY` entries: folds the log below it (the newest claim, the entries
   since the previous snapshot, the shards not known to be published).
+* ``replace`` (:class:`ReplaceEntry`) -- appended by a writer that compacts
+  (:mod:`rlrec.store.compaction`): one new shard replaces committed ones, no data change.
+  The *live* shards of a log at a point are its shard entries and replace entries' shards
+  not replaced at that point (:func:`live_shards`).
 
 Rule: a writer appends entry ``k`` only after it has read every entry ``< k`` -- directly,
 or through the newest snapshot below ``k``, which summarizes everything below it.
@@ -55,13 +59,16 @@ from typing import Any
 from rlrec.store.localfs import EscapesRoot
 from rlrec.store.manifest_entries import (
     MANIFEST_DIR,
+    MANIFEST_FORMAT_VERSION,
     TOPIC_RE,
     ClaimEntry,
     Entry,
     LogEntry,
     ManifestError,
+    ReplaceEntry,
     ShardEntry,
     SnapshotEntry,
+    UnsupportedManifestError,
     entry_path,
     parse_entry,
 )
@@ -71,6 +78,7 @@ from rlrec.store.storage import Storage
 __all__ = [
     "HEAD_HINT",
     "MANIFEST_DIR",
+    "MANIFEST_FORMAT_VERSION",
     "SNAPSHOT_EVERY",
     "ClaimEntry",
     "ConflictError",
@@ -79,15 +87,20 @@ __all__ = [
     "LogEntry",
     "ManifestError",
     "PartitionLog",
+    "ReplaceEntry",
     "ShardEntry",
     "SnapshotEntry",
+    "UnsupportedManifestError",
     "default_writer_id",
     "entry_path",
     "list_partition_logs",
+    "live_shards",
     "manifest_totals",
     "parse_entry",
+    "read_first_commits",
     "read_manifest",
     "read_partition_logs",
+    "shard_files",
 ]
 
 log = logging.getLogger("rlrec.manifest")
@@ -233,12 +246,12 @@ class PartitionLog:
         try:
             e = parse_entry(data)
         except ManifestError as err:
-            raise ManifestError(f"{where}: {err}") from None
+            raise type(err)(f"{where}: {err}") from None
         if e.seq != seq:
             raise ManifestError(f"{where}: entry says seq={e.seq}")
-        shards = [e] if isinstance(e, ShardEntry) else []
+        shards = [e] if isinstance(e, ShardEntry) else [e.shard] if isinstance(e, ReplaceEntry) else []
         if isinstance(e, SnapshotEntry):
-            shards = [*e.shards(), *e.unpublished]
+            shards = [*e.shards(), *(x.shard for x in e.entries if isinstance(x, ReplaceEntry)), *e.unpublished]
         for s in shards:
             if s.topic != self.topic or s.partition != self.partition:
                 raise ManifestError(f"{where}: entry is for {s.topic}/{s.partition}")
@@ -370,6 +383,10 @@ class PartitionLog:
             for i in e.episode_ids:
                 self._ids[i] = e
             self._unknown[e.seq] = (e, False)
+        elif isinstance(e, ReplaceEntry):
+            # the skip set keeps each episode's first commit: its last_offset is how far a replay
+            # can reach the episode (the merged shard's is the max over its parts)
+            self._unknown[e.seq] = (e.shard, False)
         else:
             self._on_snapshot(e)
 
@@ -627,8 +644,8 @@ class PartitionLog:
                     raise self._fenced(newer)
                 if not new:
                     raise ConflictError(f"{self.topic}/{self.partition}: entry {seq} exists but cannot be read")
-                if all(isinstance(n, SnapshotEntry) for n in new):
-                    continue  # the log was folded meanwhile: append after the snapshot
+                if all(isinstance(n, (SnapshotEntry, ReplaceEntry)) for n in new):
+                    continue  # folded or compacted meanwhile (no new episode): append after it
                 dup_ids = {i for n in new if isinstance(n, ShardEntry) for i in n.episode_ids}
                 raise ConflictError(
                     f"{self.topic}/{self.partition}: {len(new)} unseen entr{'y' if len(new) == 1 else 'ies'} "
@@ -636,6 +653,67 @@ class PartitionLog:
                     entries=new,
                     duplicate_episode_ids=dup_ids.intersection(entry.episode_ids),
                 )
+            raise ConflictError(f"{self.topic}/{self.partition}: could not append after {max_attempts} attempts")
+
+    def append_replace(
+        self, entry: ReplaceEntry, replaced: Sequence[ShardEntry], *, seen: int | None = None, max_attempts: int = 100
+    ) -> ReplaceEntry:
+        """Commit a compaction: append *entry* (its shard replaces the shards *replaced*, the
+        live shards of the entries ``entry.replaces`` as the caller read them) with this writer's
+        epoch.
+
+        Checked here, under the log's lock, whatever the caller planned from: *replaced* are the
+        shards the log holds at those seqs, the new shard holds
+        exactly the episode ids of *replaced*, and no replace entry appended since the caller's
+        read (entries from *seen*, the log's next seq when the caller read it, default
+        ``min(entry.replaces)``) replaced any of them -- only this
+        writer's epoch can append, so that is the only way they stop being live. Raises
+        :class:`FencedError` (a newer claim), :class:`ConflictError` (the rule is broken or one
+        of them was replaced meanwhile: nothing appended) and storage errors (the entry may or
+        may not exist then: the next refresh finds out; the caller re-plans).
+        """
+        if not isinstance(entry, ReplaceEntry):
+            raise TypeError("append_replace wants a ReplaceEntry")
+        s = entry.shard
+        if s.topic != self.topic or s.partition != self.partition:
+            raise ValueError(f"entry is for {s.topic}/{s.partition}, log is {self.topic}/{self.partition}")
+        if sorted(r.seq for r in replaced) != list(entry.replaces):  # type: ignore[type-var]
+            raise ValueError("replaced must be the live shards of entry.replaces")
+        old_ids = [i for r in replaced for i in r.episode_ids]
+        if len(set(old_ids)) != len(old_ids) or set(old_ids) != set(s.episode_ids):
+            raise ConflictError(
+                f"{self.topic}/{self.partition}: a replacement must hold exactly the episodes it replaces"
+            )
+        with self._lock:
+            if self._epoch is None:
+                raise RuntimeError(f"{self.topic}/{self.partition}: claim() the partition before appending")
+            for r, stored in zip(replaced, _read_many(self._read_entry, [r.seq for r in replaced])):
+                shard = stored.shard if isinstance(stored, ReplaceEntry) else stored
+                if shard != r:  # a log's entries are for ever: never append one its readers would refuse
+                    raise ConflictError(f"{self.topic}/{self.partition}: seq {r.seq} is not the shard to replace")
+            checked = min(entry.replaces) if seen is None else max(min(entry.replaces), seen)
+            for _ in range(max_attempts):
+                self._probe()
+                newer = self._newer_claim()
+                if newer is not None:
+                    raise self._fenced(newer)
+                for n in self._read_range(checked, self._next):
+                    gone = set(entry.replaces).intersection(_replaced_by(n))
+                    if gone:
+                        raise ConflictError(
+                            f"{self.topic}/{self.partition}: seq {sorted(gone)} replaced meanwhile by seq {n.seq}"
+                        )
+                checked = seq = self._next
+                e = entry.with_commit(seq=seq, epoch=self._epoch, writer=self._writer)
+                if self.storage.create_once(self._path(seq), e.to_json().encode()):
+                    self._add(e)
+                    self._maybe_snapshot()
+                    return e
+                new = self._refresh_after_conflict(seq)
+                if new and new[0] == e:  # our own earlier attempt (ambiguous failure)
+                    self._maybe_snapshot()
+                    return e
+                checked = seq
             raise ConflictError(f"{self.topic}/{self.partition}: could not append after {max_attempts} attempts")
 
     # ------------------------------------------------------------ snapshots
@@ -727,6 +805,23 @@ class PartitionLog:
             self._unknown.pop(entry.seq, None)  # type: ignore[arg-type]
         return moved
 
+    def _staging(self) -> tuple[list[tuple[ShardEntry, bool]], set[str]]:
+        """(committed shards not known to be published, the files of their staging folders)."""
+        with self._lock:
+            self.refresh()
+            cands = [self._unknown[s] for s in sorted(self._unknown)]
+        present: set[str] = set()
+        for d in sorted({_parent(e.staging_path) for e, _ in cands}):
+            present.update(i.path for i in self.storage.list(d) if not i.is_dir)
+        return cands, present
+
+    def staged(self) -> list[ShardEntry]:
+        """The committed shards not known to be published whose staging file exists: what
+        `recover` would publish (a reader may ask; only the owner publishes). One listing per
+        staging folder involved."""
+        cands, present = self._staging()
+        return [e for e, _ in cands if e.staging_path in present]
+
     def recover(self) -> int:
         """Roll forward: publish every committed shard not known to be published whose staging
         file exists (the entries read since the newest snapshot and those a snapshot lists as
@@ -736,12 +831,7 @@ class PartitionLog:
         A shard a snapshot listed as unpublished that has neither file is logged as an
         error (data loss, e.g. a manual delete); ``verify`` checks every shard.
         """
-        with self._lock:
-            self.refresh()
-            cands = [self._unknown[s] for s in sorted(self._unknown)]
-        present: set[str] = set()
-        for d in sorted({_parent(e.staging_path) for e, _ in cands}):
-            present.update(i.path for i in self.storage.list(d) if not i.is_dir)
+        cands, present = self._staging()
         published = 0
         for e, listed in cands:
             if e.staging_path in present:
@@ -795,6 +885,59 @@ def _read_many(fn: Any, items: Sequence[Any]) -> list[Any]:
         return list(ex.map(fn, items))
 
 
+def _replaced_by(e: Entry) -> tuple[int, ...]:
+    """The seqs an entry replaces (a snapshot: those its folded replace entries replace)."""
+    if isinstance(e, ReplaceEntry):
+        return e.replaces
+    if isinstance(e, SnapshotEntry):
+        return tuple(r for x in e.entries if isinstance(x, ReplaceEntry) for r in x.replaces)
+    return ()
+
+
+def live_shards(entries: Iterable[Entry], *, below: int | None = None) -> dict[int, ShardEntry]:
+    """The live shards of one partition log: ``{seq of the entry that committed it: shard}``.
+
+    Args:
+        entries: the log's entries in seq order (`PartitionLog.load`).
+        below: only entries with ``seq < below`` count (a point of the log; None: all).
+
+    A shard entry adds its shard; a replace entry removes the shards of ``replaces`` and adds
+    its own. The rule of replacement is enforced here (every reader of the log's episodes goes
+    through this function): each replaced seq must be live, and the new shard's episode ids
+    exactly the union of theirs, else ManifestError -- so an episode is in exactly one live
+    shard at every point of a log where it is committed.
+
+    Example:
+        >>> live_shards([])
+        {}
+    """
+    live: dict[int, ShardEntry] = {}
+    for e in entries:
+        if below is not None and e.seq >= below:  # type: ignore[operator]
+            break
+        if isinstance(e, ShardEntry):
+            live[e.seq] = e  # type: ignore[index]
+        elif isinstance(e, ReplaceEntry):
+            missing = [r for r in e.replaces if r not in live]
+            if missing:
+                raise ManifestError(f"replace entry {e.seq} replaces seq {missing}, which are not live shards")
+            old = [i for r in e.replaces for i in live[r].episode_ids]
+            if len(set(old)) != len(old) or set(old) != set(e.shard.episode_ids):
+                raise ManifestError(
+                    f"replace entry {e.seq}: its shard's episode ids are not exactly those of seq {list(e.replaces)}"
+                )
+            for r in e.replaces:
+                del live[r]
+            live[e.seq] = e.shard  # type: ignore[index]
+    return live
+
+
+def shard_files(entries: Iterable[Entry]) -> list[ShardEntry]:
+    """Every shard any entry of a log ever committed: live, replaced, and the shards of replace
+    entries (what gc keeps; retention decides when replaced ones go)."""
+    return [e if isinstance(e, ShardEntry) else e.shard for e in entries if isinstance(e, (ShardEntry, ReplaceEntry))]
+
+
 # -------------------------------------------------------------- whole manifest
 
 
@@ -825,7 +968,18 @@ def read_partition_logs(storage: Storage) -> dict[tuple[str, int], list[Entry]]:
 
 
 def read_manifest(storage: Storage) -> list[ShardEntry]:
-    """All committed shard entries of all topics/partitions, sorted by commit_time."""
+    """The live shards (:func:`live_shards`: compacted ones replaced by their replacement) of all
+    topics/partitions, sorted by commit_time: each committed episode in exactly one of them."""
+    shards = [e for entries in read_partition_logs(storage).values() for e in live_shards(entries).values()]
+    shards.sort(key=lambda e: (e.commit_time, e.topic, e.partition, e.seq))
+    return shards
+
+
+def read_first_commits(storage: Storage) -> list[ShardEntry]:
+    """Every shard entry of all topics/partitions -- each episode in the shard that first committed
+    it, with that commit's time, whether compaction replaced it since or not (replacements are not
+    listed) -- sorted by commit_time. For history (freshness, what the trainer took as new); the
+    files of replaced shards exist until retention removes them."""
     shards = [e for entries in read_partition_logs(storage).values() for e in entries if isinstance(e, ShardEntry)]
     shards.sort(key=lambda e: (e.commit_time, e.topic, e.partition, e.seq))
     return shards

@@ -1,6 +1,6 @@
 """Manifest entries: the immutable JSON documents of a partition's manifest log.
 
-Three entry types, each a frozen dataclass with ``to_json`` and strict parsing
+Four entry types, each a frozen dataclass with ``to_json`` and strict parsing
 (:func:`parse_entry` rejects unknown entry types, unknown or missing fields and
 wrongly typed values with :class:`ManifestError`; never pickle):
 
@@ -10,6 +10,13 @@ wrongly typed values with :class:`ManifestError`; never pickle):
   highest epoch, the entries since the previous snapshot, the committed shards not known
   to be published), so that a writer or reader starts from the newest snapshot instead of
   entry 0.  See docs/GUARANTEES.md, section 3.
+* ``replace`` (:class:`ReplaceEntry`) -- compaction: one new shard file holds exactly the
+  episodes of the shards it replaces, no data change.
+
+Manifest format version (:data:`MANIFEST_FORMAT_VERSION`): an entry that needs a reader of
+version 2 or later (a replace entry, a snapshot folding one) says so in its
+``manifest_version`` field; an entry without it is version 1.  A reader refuses an entry of
+a newer version, or of a type it does not know, with :class:`UnsupportedManifestError`.
 """
 
 from __future__ import annotations
@@ -24,12 +31,15 @@ from typing import Any
 
 __all__ = [
     "MANIFEST_DIR",
+    "MANIFEST_FORMAT_VERSION",
     "ClaimEntry",
     "Entry",
     "LogEntry",
     "ManifestError",
+    "ReplaceEntry",
     "ShardEntry",
     "SnapshotEntry",
+    "UnsupportedManifestError",
     "entry_path",
     "parse_entry",
 ]
@@ -40,8 +50,20 @@ TOPIC_RE = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
 _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
+#: the newest manifest format this code reads and writes (1: claim, shard, snapshot; 2: + replace)
+MANIFEST_FORMAT_VERSION = 2
+
+
 class ManifestError(ValueError):
     """A manifest entry (or the log) is malformed: unknown type, bad fields, gaps."""
+
+
+class UnsupportedManifestError(ManifestError):
+    """The manifest holds an entry this rlrec cannot read (a newer manifest format version or an
+    unknown entry type): upgrade rlrec.  Not a passing condition: a reader must stop, never skip."""
+
+    #: a usage error for the command line (rlrec.errors): the installed rlrec is too old
+    exit_code = 2
 
 
 # -------------------------------------------------------------------- entries
@@ -116,6 +138,9 @@ class ShardEntry:
     (optional) maps each policy version of the shard (as a string) to the steps of its
     episodes that carry no ``action_logp`` extra model output (no behaviour
     propensity); None (the field absent): unknown, as in entries written before it.
+    ``decoded_bytes`` (optional): what the file's columns decode to, as its Parquet footer
+    states (the schema gate's measure); None (absent): unknown. Compaction records it for the
+    shards it writes and plans by it (`rlrec.store.compaction`).
     """
 
     path: str
@@ -137,6 +162,7 @@ class ShardEntry:
     min_policy_version: int | str | None = None
     max_policy_version: int | str | None = None
     steps_without_logp: dict[str, int] | None = None
+    decoded_bytes: int | None = None
     writer: str | None = None
     epoch: int = -1
     seq: int | None = None
@@ -167,7 +193,7 @@ class ShardEntry:
             "max_policy_version",
         }
     )
-    _OPTIONAL = frozenset({"writer", "steps_without_logp"})
+    _OPTIONAL = frozenset({"writer", "steps_without_logp", "decoded_bytes"})
 
     def __post_init__(self) -> None:
         if self.steps_without_logp is not None:
@@ -189,6 +215,8 @@ class ShardEntry:
         d["event_schema_versions"] = dict(v) if isinstance(v, Mapping) else list(v)
         if d["writer"] is None:
             del d["writer"]
+        if d["decoded_bytes"] is None:
+            del d["decoded_bytes"]
         if d["steps_without_logp"] is None:
             del d["steps_without_logp"]
         else:
@@ -209,6 +237,56 @@ class ShardEntry:
 
     def with_commit(self, *, seq: int, epoch: int, writer: str | None) -> ShardEntry:
         return dataclasses.replace(self, seq=seq, epoch=epoch, writer=writer)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplaceEntry:
+    """Compaction: ``shard`` (one new file) replaces the shards of the entries ``replaces``
+    (seqs of shard or replace entries of the same log), with no data change.
+
+    ``{"type": "replace", "manifest_version": 2, "seq", "epoch", "writer", "time", "replaces":
+    [seq, ...], "shard": {a shard entry with this entry's seq, epoch and writer}}``.  Rule (the
+    log's per-episode id check, :func:`rlrec.store.manifest.live_shards`): every replaced entry
+    is live (not replaced before), and the new shard's episode ids are exactly the union of the
+    replaced shards' ids -- the one case where a committed id is named again.  Build it without
+    ``seq``/``epoch``/``writer``; :meth:`PartitionLog.append_replace` fills them in.
+    """
+
+    replaces: tuple[int, ...]
+    shard: ShardEntry
+    time: float = field(default_factory=time.time)
+    writer: str | None = None
+    epoch: int = -1
+    seq: int | None = None
+
+    type = "replace"
+    _REQUIRED = frozenset({"type", "manifest_version", "seq", "epoch", "writer", "time", "replaces", "shard"})
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.replaces, tuple):
+            object.__setattr__(self, "replaces", tuple(self.replaces))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "type": "replace",
+            "manifest_version": 2,
+            "seq": self.seq,
+            "epoch": self.epoch,
+            "writer": self.writer,
+            "time": self.time,
+            "replaces": list(self.replaces),
+            "shard": self.shard.to_dict(),
+        }
+
+    def to_json(self) -> str:
+        d = self.to_dict()
+        _validate_replace(d)
+        return _dumps(d)
+
+    def with_commit(self, *, seq: int, epoch: int, writer: str | None) -> ReplaceEntry:
+        return dataclasses.replace(
+            self, seq=seq, epoch=epoch, writer=writer, shard=self.shard.with_commit(seq=seq, epoch=epoch, writer=writer)
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -236,7 +314,7 @@ class SnapshotEntry:
     writer: str
     prev: int | None
     folded_from: int
-    entries: tuple[ClaimEntry | ShardEntry, ...]
+    entries: tuple[ClaimEntry | ShardEntry | ReplaceEntry, ...]
     last_claim: ClaimEntry
     max_last_offset: int
     below_max_last_offset: int
@@ -268,7 +346,7 @@ class SnapshotEntry:
                 object.__setattr__(self, k, tuple(getattr(self, k)))
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d = {
             "type": "snapshot",
             "seq": self.seq,
             "epoch": self.epoch,
@@ -282,6 +360,9 @@ class SnapshotEntry:
             "below_max_last_offset": self.below_max_last_offset,
             "unpublished": [e.to_dict() for e in self.unpublished],
         }
+        if any(isinstance(e, ReplaceEntry) for e in self.entries):
+            d["manifest_version"] = 2  # older readers must refuse it, not misread the segment
+        return d
 
     def to_json(self) -> str:
         d = self.to_dict()
@@ -300,9 +381,9 @@ class SnapshotEntry:
         return [e for e in self.entries if isinstance(e, ShardEntry)]
 
 
-#: what a snapshot folds: claims and shard entries
-LogEntry = ClaimEntry | ShardEntry
-Entry = ClaimEntry | ShardEntry | SnapshotEntry
+#: what a snapshot folds: claims, shard and replace entries
+LogEntry = ClaimEntry | ShardEntry | ReplaceEntry
+Entry = ClaimEntry | ShardEntry | SnapshotEntry | ReplaceEntry
 
 
 def _dumps(d: Mapping[str, Any]) -> str:
@@ -326,6 +407,22 @@ def _validate_claim(d: Mapping[str, Any]) -> None:
     _check_type(d, "time", (int, float))
 
 
+def _check_shard_paths(d: Mapping[str, Any]) -> None:
+    """A shard's files are ``{policy_id}/{name}`` and ``{policy_id}/_staging/{name}``, the
+    policy id one safe path component: an entry can name no other file (a log entry, another
+    policy's shard) for `PartitionLog.recover` or gc to move or keep."""
+    from rlrec.producer.events import POLICY_ID_RE
+
+    policy, path = d["policy_id"], d["path"]
+    name = path.rsplit("/", 1)[-1]
+    if not POLICY_ID_RE.match(policy):
+        raise ManifestError(f"field 'policy_id': not a valid policy id: {policy[:40]!r}")
+    if name.startswith(("_", ".")) or path != f"{policy}/{name}" or d["staging_path"] != f"{policy}/_staging/{name}":
+        raise ManifestError(
+            "fields 'path' and 'staging_path' must be '{policy_id}/{name}' and '{policy_id}/_staging/{name}'"
+        )
+
+
 def _validate_shard(d: Mapping[str, Any]) -> None:
     _check_keys(d, set(ShardEntry._REQUIRED), set(ShardEntry._OPTIONAL), "shard")
     _validate_common(d)
@@ -342,6 +439,7 @@ def _validate_shard(d: Mapping[str, Any]) -> None:
         raise ManifestError(f"first_offset {d['first_offset']} > last_offset {d['last_offset']}")
     if not _check_type(d, "policy_id", (str,)):
         raise ManifestError("field 'policy_id' must not be empty")
+    _check_shard_paths(d)
     ids = _check_type(d, "episode_ids", (list, tuple))
     if not all(isinstance(i, str) and i for i in ids):
         raise ManifestError("field 'episode_ids' must be a list of non-empty strings")
@@ -371,13 +469,37 @@ def _validate_shard(d: Mapping[str, Any]) -> None:
         counts = _check_type(d, "steps_without_logp", (dict,), nullable=True) or {}
         if not all(isinstance(k, str) and type(v) is int and v >= 0 for k, v in counts.items()):
             raise ManifestError("field 'steps_without_logp' must map policy versions (strings) to step counts >= 0")
+    if "decoded_bytes" in d and (_check_type(d, "decoded_bytes", (int,), nullable=True) or 0) < 0:
+        raise ManifestError(f"field 'decoded_bytes' must be >= 0, got {d['decoded_bytes']}")
+
+
+def _validate_replace(d: Mapping[str, Any]) -> ShardEntry:
+    """Check a replace document; returns its parsed shard."""
+    _check_keys(d, set(ReplaceEntry._REQUIRED), set(), "replace")
+    _validate_common(d)
+    seq = d["seq"]
+    if not _check_type(d, "writer", (str,)):
+        raise ManifestError("field 'writer' must not be empty")
+    _check_type(d, "time", (int, float))
+    replaces = _check_type(d, "replaces", (list, tuple))
+    if not replaces or not all(type(r) is int and 0 <= r < seq for r in replaces):
+        raise ManifestError(f"replace {seq}: 'replaces' must be a non-empty list of seqs below it")
+    if list(replaces) != sorted(set(replaces)):
+        raise ManifestError(f"replace {seq}: 'replaces' must be distinct and ascending")
+    shard = d["shard"]
+    if not isinstance(shard, Mapping) or shard.get("type") != "shard":
+        raise ManifestError(f"replace {seq}: 'shard' must be a shard entry")
+    parsed = parse_entry(shard)
+    if (parsed.seq, parsed.epoch, parsed.writer) != (seq, d["epoch"], d["writer"]):
+        raise ManifestError(f"replace {seq}: its shard must carry the entry's seq, epoch and writer")
+    return parsed  # type: ignore[return-value]
 
 
 def _validate_snapshot(
     d: Mapping[str, Any],
-) -> tuple[list[ClaimEntry | ShardEntry], ClaimEntry, list[ShardEntry]]:
+) -> tuple[list[ClaimEntry | ShardEntry | ReplaceEntry], ClaimEntry, list[ShardEntry]]:
     """Check a snapshot document; returns its parsed (entries, last_claim, unpublished)."""
-    _check_keys(d, set(SnapshotEntry._REQUIRED), set(), "snapshot")
+    _check_keys(d, set(SnapshotEntry._REQUIRED), {"manifest_version"}, "snapshot")
     _validate_common(d)
     seq = d["seq"]
     if not _check_type(d, "writer", (str,)):
@@ -411,11 +533,12 @@ def _validate_snapshot(
     return parsed, last_claim, unpublished  # type: ignore[return-value]
 
 
-def _parse_folded(x: Any, what: str) -> ClaimEntry | ShardEntry:
+def _parse_folded(x: Any, what: str) -> ClaimEntry | ShardEntry | ReplaceEntry:
     if not isinstance(x, Mapping):
         raise ManifestError(f"{what}: expected an object")
-    if x.get("type") not in ("claim", "shard"):
-        raise ManifestError(f"{what}: a snapshot folds claim and shard entries only, got {x.get('type')!r}")
+    if x.get("type") not in ("claim", "shard", "replace"):
+        _check_version(x)
+        raise ManifestError(f"{what}: a snapshot folds claim, shard and replace entries only, got {x.get('type')!r}")
     return parse_entry(x)  # type: ignore[return-value]
 
 
@@ -430,6 +553,7 @@ def parse_entry(data: str | bytes | Mapping[str, Any]) -> Entry:
             raise ManifestError(f"manifest entry is not valid JSON: {e}") from None
     if not isinstance(d, dict):
         raise ManifestError(f"manifest entry must be a JSON object, got {type(d).__name__}")
+    _check_version(d)
     kind = d.get("type")
     if kind == "claim":
         _validate_claim(d)
@@ -454,7 +578,36 @@ def parse_entry(data: str | bytes | Mapping[str, Any]) -> Entry:
             below_max_last_offset=d["below_max_last_offset"],
             unpublished=tuple(unpublished),
         )
-    raise ManifestError(f"unknown manifest entry type {kind!r}")
+    if kind == "replace":
+        shard = _validate_replace(d)
+        return ReplaceEntry(
+            seq=d["seq"],
+            epoch=d["epoch"],
+            writer=d["writer"],
+            time=float(d["time"]),
+            replaces=tuple(d["replaces"]),
+            shard=shard,
+        )
+    raise UnsupportedManifestError(
+        f"unknown manifest entry type {_short(kind)!r}: written by a newer rlrec? (this one reads manifest "
+        f"format version {MANIFEST_FORMAT_VERSION}); upgrade rlrec"
+    )
+
+
+def _check_version(d: Mapping[str, Any]) -> None:
+    v = d.get("manifest_version", 1)
+    if type(v) is not int or v < 1:
+        raise ManifestError(f"field 'manifest_version' must be an int >= 1, got {_short(v)!r}")
+    if v > MANIFEST_FORMAT_VERSION:
+        raise UnsupportedManifestError(
+            f"manifest entry of format version {v}: this rlrec reads manifest format version "
+            f"{MANIFEST_FORMAT_VERSION} and older; upgrade rlrec to read this store"
+        )
+
+
+def _short(x: Any, n: int = 40) -> str:
+    s = str(x)
+    return s if len(s) <= n else s[: n - 3] + "..."
 
 
 def entry_path(topic: str, partition: int, seq: int) -> str:

@@ -35,7 +35,7 @@ tests/test_schema_gate.py keeps it current).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -353,6 +353,8 @@ class GatedShard:
         self.version = version
         self.schema = pf.schema_arrow
         self.num_rows = pf.metadata.num_rows
+        #: what its columns decode to, as its footer states (`MAX_SHARD_DECODED_BYTES` limits it)
+        self.decoded_bytes = _decoded_bytes(pf.metadata)
 
     @property
     def names(self) -> list[str]:
@@ -371,11 +373,23 @@ class GatedShard:
         except (pa.ArrowInvalid, OSError) as e:
             raise ShardSchemaError(f"not a readable Parquet file: {e}") from None
 
+    def row_groups(self) -> Iterator[pa.Table]:
+        """Every column, one row group at a time, in order (for copying a shard in bounded memory)."""
+        for i in range(self._pf.num_row_groups):
+            try:
+                yield self._pf.read_row_group(i)
+            except (pa.ArrowInvalid, OSError) as e:
+                raise ShardSchemaError(f"not a readable Parquet file: {e}") from None
+
 
 #: what one shard's columns may decompress to, as its footer states (checked before any column is
 #: read): the consumer rolls shards at --max-file-bytes (128 MiB by default), so a larger claim is
 #: not a shard rlrec wrote. A footer that understates its pages fails their decompression instead.
 MAX_SHARD_DECODED_BYTES = 1024 * 1024 * 1024
+
+
+def _decoded_bytes(meta: pq.FileMetaData) -> int:
+    return sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
 
 
 def open_shard(source: Any, *, fmt: str | None = None, filesystem: Any = None) -> GatedShard:
@@ -384,7 +398,7 @@ def open_shard(source: Any, *, fmt: str | None = None, filesystem: Any = None) -
     pf = _parquet(source, filesystem)
     found, version = check_shard_schema(pf.schema_arrow, fmt)
     meta = pf.metadata
-    decoded = sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
+    decoded = _decoded_bytes(meta)
     if decoded > MAX_SHARD_DECODED_BYTES:
         raise ShardSchemaError(
             f"the shard decodes to {decoded} bytes, over the limit of {MAX_SHARD_DECODED_BYTES} "

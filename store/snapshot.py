@@ -13,8 +13,12 @@ reader opened at the same cursor, now or in a year, gets the same files and the 
 
 Guarantees (docs/GUARANTEES.md, "As-of reads"): a snapshot's file list is fixed when it is
 opened; every episode of a committed shard entry at or before its point is read exactly once
-(the manifest holds each episode in at most one shard entry); `Snapshot.changes` between two
-cursors of one store holds exactly the entries of the later one that the earlier one lacks.
+(the snapshot holds the *live* shards at its point, `rlrec.store.manifest.live_shards`: a
+compacted shard is read from its replacement once the replace entry is at or before the point,
+from its own file before); `Snapshot.changes` between two cursors of one store holds exactly
+the episodes of the later one that the earlier one lacks (a replacement that merged shards from
+both sides of the earlier cursor is read as the shards it replaced, whose files compaction
+keeps).
 Shards are read through the schema gate (`rlrec.store.schema_gate`) after their sha256 is
 checked against the manifest: nothing is unpickled.
 
@@ -62,7 +66,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from rlrec.store.commit import read_committed_shard
-from rlrec.store.manifest import MANIFEST_DIR, Entry, PartitionLog, ShardEntry, list_partition_logs
+from rlrec.store.manifest import (
+    MANIFEST_DIR,
+    Entry,
+    PartitionLog,
+    ReplaceEntry,
+    ShardEntry,
+    list_partition_logs,
+    live_shards,
+)
 from rlrec.store.schema_gate import TABULAR_FIXED_COLUMNS, ShardSchemaError, open_shard
 from rlrec.store.storage import Storage
 
@@ -219,10 +231,12 @@ class Snapshot:
         firsts: dict,
         keep_episode: Callable[[str], bool] | None = None,
         selection: str | None = None,
+        logs: Mapping[tuple[str, int], list[Entry]] | None = None,
     ) -> None:
         self.storage = storage
         self._point = point
         self._firsts = firsts  # (topic, partition) -> key of its first entry (store identity)
+        self._logs = logs  # the logs read when it was opened (for `changes` across replacements)
         self.entries: list[ShardEntry] = sorted(entries, key=lambda e: (e.topic, e.partition, e.seq))
         #: None: every episode of the entries; else the episode ids it keeps (`subset`)
         self.keep_episode = keep_episode
@@ -277,7 +291,9 @@ class Snapshot:
             (3, True, True, 16)
         """
         if paths is None and keep_episode is None:
-            return Snapshot(self.storage, self._point, self.entries, self._firsts, self.keep_episode, self.selection)
+            return Snapshot(
+                self.storage, self._point, self.entries, self._firsts, self.keep_episode, self.selection, self._logs
+            )
         entries = self.entries
         if paths is not None:
             wanted = set(paths)
@@ -298,7 +314,7 @@ class Snapshot:
             "episodes": (label if label is not None else repr(keep_episode)) if keep_episode is not None else None,
         }
         digest = hashlib.sha256(json.dumps(named, sort_keys=True).encode()).hexdigest()[:16]
-        return Snapshot(self.storage, self._point, entries, self._firsts, keep, digest)
+        return Snapshot(self.storage, self._point, entries, self._firsts, keep, digest, self._logs)
 
     @property
     def cursor(self) -> str:
@@ -326,13 +342,17 @@ class Snapshot:
 
     def files(self) -> list[str]:
         """The URIs (local: absolute paths) of the snapshot's shards at their published paths,
-        one per committed shard entry. A shard committed moments ago may still be staged; the
-        readers of this class read it from staging then, a plain directory reader waits for it."""
+        one per live shard (a compacted shard: its replacement), each episode in exactly one: the
+        list to give a plain directory reader instead of a policy directory, which holds replaced
+        files too. A shard committed moments ago may still be staged; the readers of this class
+        read it from staging then, a plain directory reader waits for it."""
         return [self.storage.uri(e.path) for e in self.entries]
 
     def changes(self, since: str | Cursor) -> Snapshot:
-        """The shard entries of this snapshot that the point `since` (a cursor of an earlier
-        snapshot of this store) does not hold, as a snapshot with this one's cursor.
+        """The episodes of this snapshot that the point `since` (a cursor of an earlier snapshot
+        of this store) does not hold, as a snapshot with this one's cursor: its live shards
+        committed after `since`, and of a replacement that merged shards from both sides of
+        `since` the replaced shards committed after it (their files stay until retention).
 
         Raises `CursorError` if `since` is not a point of this store at or before this one."""
         since_c = _as_cursor(since)
@@ -343,8 +363,20 @@ class Snapshot:
                     f"since is after this snapshot: {key[0]}/{key[1]} at {n} > {self._point.positions.get(key, 0)} "
                     "(open the newer snapshot first)"
                 )
-        new = [e for e in self.entries if e.seq >= since_c.positions.get((e.topic, e.partition), 0)]  # type: ignore[operator]
-        return Snapshot(self.storage, self._point, new, self._firsts, self.keep_episode, self.selection)
+        new: list[ShardEntry] = []
+        by_seq: dict[tuple[str, int], dict[int, Entry]] = {}
+        for e in self.entries:
+            key = (e.topic, e.partition)
+            start = since_c.positions.get(key, 0)
+            if e.seq < start:  # type: ignore[operator]
+                continue  # committed below `since` (and so were the shards it replaced)
+            if self._logs is None:
+                new.append(e)
+                continue
+            if key not in by_seq:
+                by_seq[key] = {x.seq: x for x in self._logs.get(key, [])}  # type: ignore[misc]
+            new += _new_part(by_seq[key], e.seq, start)  # type: ignore[arg-type]
+        return Snapshot(self.storage, self._point, new, self._firsts, self.keep_episode, self.selection, self._logs)
 
     # ---------------------------------------------------------------- reading shards
     def _gated(self, entry: ShardEntry):
@@ -448,6 +480,21 @@ class Snapshot:
         from rlrec.store.snapshot_torch import StepsDataset
 
         return StepsDataset(self, columns=columns)
+
+
+def _new_part(by_seq: Mapping[int, Entry], seq: int, start: int) -> list[ShardEntry]:
+    """The shards holding the episodes of the live shard committed by entry `seq` that were
+    committed at or after entry `start` of its log: that shard if all of them were, else (a
+    replacement of shards from both sides of `start`, maybe a replacement of replacements) the
+    replaced shards committed at or after `start`, recursively."""
+    e = by_seq[seq]
+    if isinstance(e, ShardEntry):
+        return [e] if seq >= start else []
+    assert isinstance(e, ReplaceEntry)
+    parts = [s for r in e.replaces for s in _new_part(by_seq, r, start)]
+    if sum(p.episodes for p in parts) == e.shard.episodes:  # every episode in it is new
+        return [e.shard]
+    return parts
 
 
 @contextlib.contextmanager
@@ -768,14 +815,9 @@ def open_snapshot(storage: Storage | str, as_of: float | int | str | Cursor | No
         raise CursorError(f"as_of must be None, a UNIX time or a cursor string, got {type(as_of).__name__}")
     positions = {k: n for k, n in positions.items() if n > 0}
     point = Cursor(positions, _tag({k: firsts[k] for k in positions}))
-    entries = [
-        e
-        for key, es in logs.items()
-        for e in es
-        if isinstance(e, ShardEntry) and e.seq < positions.get(key, 0)  # type: ignore[operator]
-    ]
+    entries = [e for key, es in logs.items() for e in live_shards(es, below=positions.get(key, 0)).values()]
     log.debug("snapshot %s: %d shard(s)", point, len(entries))
-    return Snapshot(st, point, entries, firsts)
+    return Snapshot(st, point, entries, firsts, logs=logs)
 
 
 def cursor_covering(

@@ -321,6 +321,11 @@ def test_entry_json_roundtrip_and_validation() -> None:
         "count mismatch": {**good, "episodes": 5},
         "duplicate ids": {**good, "episode_ids": ["a", "a"]},
         "path escape": {**good, "path": "../x.parquet"},
+        "staging onto a log entry": {**good, "staging_path": "_manifest/rl/00000/000000000003.json"},
+        "path onto a log entry": {**good, "path": "_manifest/rl/00000/000000000003.json"},
+        "path of another policy": {**good, "path": "other/" + good["path"].rsplit("/", 1)[-1]},
+        "staging of another name": {**good, "staging_path": good["staging_path"] + ".x"},
+        "policy id a path": {**good, "policy_id": "_manifest/rl"},
         "offsets": {**good, "first_offset": 10, "last_offset": 9},
         "epoch 0": {**good, "epoch": 0},
     }

@@ -47,7 +47,7 @@ from ray.rllib.offline.offline_data import OfflineData
 from ray.rllib.policy.sample_batch import MultiAgentBatch, SampleBatch
 from ray.rllib.utils import force_list, unflatten_dict
 
-from rlrec.store.manifest import ShardEntry
+from rlrec.store.manifest import ShardEntry, UnsupportedManifestError
 from rlrec.store.retry import RetrySchedule
 from rlrec.store.storage import Storage, StorageError, is_refusal
 from rlrec.trainer.feed import TAG, FeedPolicy, IterationStats
@@ -163,8 +163,11 @@ class ManifestOfflineData(OfflineData):
                 infos = self.follower.poll(force_discover=force_discover)
                 self.last_poll_error = None
             except Exception as e:  # keep training on what we have; the next poll tries again
-                self.last_poll_error = f"{type(e).__name__}: {e}"
-                if is_refusal(e):
+                before, self.last_poll_error = self.last_poll_error, f"{type(e).__name__}: {e}"
+                if isinstance(e, UnsupportedManifestError):  # no new data until rlrec is upgraded
+                    if self.last_poll_error != before:
+                        log.error("%s (no new shards are taken from %s meanwhile)", e, self.storage.uri())
+                elif is_refusal(e):
                     self.health.refused("manifest poll", self.last_poll_error)
                 elif isinstance(e, (StorageError, OSError)):  # the store does not answer
                     self.health.failed("manifest poll", self.last_poll_error)

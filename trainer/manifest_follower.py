@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 from rlrec.store.commit import read_committed_shard
-from rlrec.store.manifest import MANIFEST_DIR, ManifestError, PartitionLog, ShardEntry
+from rlrec.store.manifest import MANIFEST_DIR, ManifestError, PartitionLog, ShardEntry, UnsupportedManifestError
 from rlrec.store.storage import Storage
 from rlrec.trainer.feed import ShardInfo
 
@@ -25,6 +25,13 @@ class ManifestFollower:
     entries plus the entries after the newest: `PartitionLog.load`), known logs are refreshed by
     probing their next sequence numbers only (`PartitionLog.refresh`), so a poll costs one small
     read per partition.
+
+    New data is shard entries only: a replace entry (compaction) holds episodes already
+    committed by the shard entries it replaces, so it is never delivered -- an episode is
+    delivered once, in the shard that committed it. A log holding an entry this rlrec cannot
+    read (a newer manifest format, `UnsupportedManifestError`) stops `poll` with that error
+    instead of being skipped, and that poll delivers nothing from any log: the next one that
+    succeeds delivers every log's new shards.
     """
 
     def __init__(
@@ -100,22 +107,37 @@ class ManifestFollower:
         if force_discover or now - self._last_discover >= self.discover_interval_s:
             self._discover()
             self._last_discover = now
-        out: list[ShardInfo] = []
+        # what this poll found, kept only if every log could be read: a log this rlrec cannot
+        # read stops the whole poll, and the next one finds the other logs' new shards again
+        found: list[tuple[tuple[str, int], int, list[ShardEntry], int]] = []
+        unsupported: UnsupportedManifestError | None = None
         for key, plog in list(self.logs.items()):
             try:
                 plog.refresh()
+            except UnsupportedManifestError as e:
+                unsupported = unsupported or UnsupportedManifestError(f"manifest log {key[0]}/{key[1]:05d}: {e}")
+                continue
             except (ManifestError, OSError) as e:
                 self._warn_once(f"refresh:{key}:{e}", "cannot read manifest log %s/%05d: %s", key[0], key[1], e)
                 continue
+            new, skipped = [], 0
             for e in plog.entries_since(self._done.get(key, 0)):
                 if isinstance(e, ShardEntry) and e.path not in self.entries:
                     if self._selected(e):
-                        self.entries[e.path] = e
-                        out.append(ShardInfo.from_entry(self._next_idx, e))
-                        self._next_idx += 1
+                        new.append(e)
                     else:
-                        self.skipped += 1
-            self._done[key] = plog.next_seq
+                        skipped += 1
+            found.append((key, plog.next_seq, new, skipped))
+        if unsupported is not None:
+            raise unsupported
+        out: list[ShardInfo] = []
+        for key, done, new, skipped in found:
+            for e in new:
+                self.entries[e.path] = e
+                out.append(ShardInfo.from_entry(self._next_idx, e))
+                self._next_idx += 1
+            self.skipped += skipped
+            self._done[key] = done
         out.sort(key=lambda s: (s.commit_time, s.idx))
         return out
 

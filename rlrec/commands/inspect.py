@@ -25,8 +25,8 @@ class InspectOptions:
     verify: bool = option(False, help="verify shards; exit 1 on any problem (or when URI holds no rlrec manifest)")
     paths: bool = option(
         False,
-        help="print only the committed shards' paths (URIs), one a line, from the manifest: the input "
-        "for plain directory readers",
+        help="print only the committed shards' paths (URIs), one a line, from the manifest, each episode in "
+        "exactly one (a compacted shard by its replacement): the input for plain directory readers",
     )
     as_of: str | None = option(None, metavar="POINT", help="with --paths: " + AS_OF_HELP)
     policies: str | None = option(

@@ -73,6 +73,7 @@ from rlrec.store.manifest import (
     ReplaceEntry,
     ShardEntry,
     list_partition_logs,
+    live_holders,
     live_shards,
 )
 from rlrec.store.schema_gate import TABULAR_FIXED_COLUMNS, ShardSchemaError, open_shard
@@ -88,6 +89,7 @@ __all__ = [
     "cursor_covering",
     "empty_steps",
     "gated_steps",
+    "open_entries",
     "open_snapshot",
     "tabular_episodes",
 ]
@@ -210,6 +212,16 @@ class _BothKept:
 
     def __call__(self, episode_id: str) -> bool:
         return self.outer(episode_id) and self.inner(episode_id)
+
+
+@dataclass(frozen=True)
+class _NotIn:
+    """Keeps an episode whose id is not in `ids` (picklable, for DataLoader workers)."""
+
+    ids: frozenset
+
+    def __call__(self, episode_id: str) -> bool:
+        return episode_id not in self.ids
 
 
 class Snapshot:
@@ -818,6 +830,81 @@ def open_snapshot(storage: Storage | str, as_of: float | int | str | Cursor | No
     entries = [e for key, es in logs.items() for e in live_shards(es, below=positions.get(key, 0)).values()]
     log.debug("snapshot %s: %d shard(s)", point, len(entries))
     return Snapshot(st, point, entries, firsts, logs=logs)
+
+
+def open_entries(
+    storage: Storage | str, seqs: Mapping[tuple[str, int], Iterable[int]], *, within: str | Cursor | None = None
+) -> Snapshot:
+    """The episodes first committed by the shard entries `seqs` names, read from the shards
+    that hold them now: an entry's own shard while it is live, else the live merged shard a
+    compaction replaced it by, with the episodes of the other shards merged into it left out.
+
+    Each episode of those entries is read exactly once, and the same ones after any later
+    compaction (which never drops an episode), so the result names the same data for as long as
+    its shards are kept -- unlike a point of the manifest taken before a compaction, whose
+    replaced files retention may remove. Its `Snapshot.cursor` is the smallest point at which
+    the holding shards are live (the point covering the entries themselves until a compaction
+    touches them); its `Snapshot.selection` names the entries, so it does not change when the
+    holding shards do.
+
+    Args:
+        storage: the store (a `Storage` or its URI).
+        seqs: per partition log ``(topic, partition)``, the seqs of shard entries of its log.
+        within: a cursor the entries must be below (checked to be a point of this store).
+
+    Raises:
+        CursorError: `within` is not a point of this store or an entry is not below it, a seq
+            that is not a shard entry of its log, or a merged shard holding other
+            episodes that cannot be told apart (they carry no episode ids: tabular shards).
+
+    Example:
+        >>> import tempfile
+        >>> from rlrec.store.commit import ShardCommitter
+        >>> from rlrec.trainer.synthetic import expert_cartpole_episodes
+        >>> root = tempfile.mkdtemp()
+        >>> c = ShardCommitter(root)
+        >>> _ = c.commit(expert_cartpole_episodes(1)); _ = c.commit(expert_cartpole_episodes(2, seed=1))
+        >>> open_entries(root, {("rl", 0): [2]}).num_episodes  # seq 0 is the writer's claim
+        2
+    """
+    newest = open_snapshot(storage)
+    logs = newest._logs or {}
+    wanted = {key: sorted({int(s) for s in ss}) for key, ss in seqs.items()}
+    if within is not None:
+        c = _as_cursor(within)
+        _check_store(c, newest._firsts, newest.storage)
+        for (t, p), ss in wanted.items():
+            if ss and ss[-1] >= c.positions.get((t, p), 0):
+                raise CursorError(f"{t}/{p} entry {ss[-1]} is not below the cursor {c}")
+    holding: list[ShardEntry] = []
+    others: set[str] = set()
+    for key, want in sorted(wanted.items()):
+        if not want:
+            continue
+        entries = logs.get(key, [])
+        by_seq = {e.seq: e for e in entries}
+        bad = [s for s in want if not isinstance(by_seq.get(s), ShardEntry)]
+        if bad:
+            raise CursorError(f"{key[0]}/{key[1]} has no shard entry at seq {bad[0]} in {newest.storage.uri('')}")
+        live = live_shards(entries)
+        chosen = set(want)
+        for seq, held in live_holders(entries).items():
+            if not chosen.intersection(held):
+                continue
+            holding.append(live[seq])
+            for other in sorted(set(held) - chosen):
+                ids = by_seq[other].episode_ids
+                if by_seq[other].episodes and not ids:
+                    raise CursorError(
+                        f"{live[seq].path} merges the entries asked for with entry {other} of {key[0]}/{key[1]}, "
+                        "whose episodes carry no ids: they cannot be told apart"
+                    )
+                others.update(ids)
+    point = cursor_covering(newest.storage, holding, dict(newest._firsts)) if holding else Cursor({}, _tag({}))
+    keep = _NotIn(frozenset(others)) if others else None
+    named = {"entries": [[t, p, ss] for (t, p), ss in sorted(wanted.items()) if ss]}
+    digest = hashlib.sha256(json.dumps(named, sort_keys=True).encode()).hexdigest()[:16]
+    return Snapshot(newest.storage, point, holding, newest._firsts, keep, digest, logs)
 
 
 def cursor_covering(

@@ -165,7 +165,7 @@ class ManifestOfflineData(OfflineData):
                 infos = self.follower.poll(force_discover=force_discover)
                 self.last_poll_error = None
             except Exception as e:  # keep training on what we have; the next poll tries again
-                before, self.last_poll_error = self.last_poll_error, f"{type(e).__name__}: {e}"
+                self.last_poll_error = f"{type(e).__name__}: {e}"
                 if isinstance(e, UnsupportedManifestError):  # no new data until rlrec is upgraded
                     self.unsupported = str(e)
                 elif is_refusal(e):

@@ -50,6 +50,7 @@ Example::
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import hashlib
 import json
@@ -833,9 +834,12 @@ def open_snapshot(storage: Storage | str, as_of: float | int | str | Cursor | No
 
 
 def open_entries(
-    storage: Storage | str, seqs: Mapping[tuple[str, int], Iterable[int]], *, within: str | Cursor | None = None
+    storage: Storage | str,
+    ranges: Mapping[tuple[str, int], Iterable[tuple[int, int]]],
+    *,
+    within: str | Cursor | None = None,
 ) -> Snapshot:
-    """The episodes first committed by the shard entries `seqs` names, read from the shards
+    """The episodes first committed by the shard entries in `ranges`, read from the shards
     that hold them now: an entry's own shard while it is live, else the live merged shard a
     compaction replaced it by, with the episodes of the other shards merged into it left out.
 
@@ -844,18 +848,20 @@ def open_entries(
     its shards are kept -- unlike a point of the manifest taken before a compaction, whose
     replaced files retention may remove. Its `Snapshot.cursor` is the smallest point at which
     the holding shards are live (the point covering the entries themselves until a compaction
-    touches them); its `Snapshot.selection` names the entries, so it does not change when the
-    holding shards do.
+    touches them); its `Snapshot.selection` names the ranges, so it does not change when the
+    holding shards do. Entries of a range that are not shard entries (a claim, a log snapshot, a
+    replacement) hold no episodes of their own and are passed over.
 
     Args:
         storage: the store (a `Storage` or its URI).
-        seqs: per partition log ``(topic, partition)``, the seqs of shard entries of its log.
+        ranges: per partition log ``(topic, partition)``, half-open ``(start, end)`` ranges of
+            manifest seqs of its log.
         within: a cursor the entries must be below (checked to be a point of this store).
 
     Raises:
-        CursorError: `within` is not a point of this store or an entry is not below it, a seq
-            that is not a shard entry of its log, or a merged shard holding other
-            episodes that cannot be told apart (they carry no episode ids: tabular shards).
+        CursorError: `within` is not a point of this store or a range reaches past it or past
+            its log's end, or a merged shard holds other episodes that cannot be told apart
+            from the ones asked for (they carry no episode ids: tabular shards).
 
     Example:
         >>> import tempfile
@@ -864,35 +870,44 @@ def open_entries(
         >>> root = tempfile.mkdtemp()
         >>> c = ShardCommitter(root)
         >>> _ = c.commit(expert_cartpole_episodes(1)); _ = c.commit(expert_cartpole_episodes(2, seed=1))
-        >>> open_entries(root, {("rl", 0): [2]}).num_episodes  # seq 0 is the writer's claim
+        >>> open_entries(root, {("rl", 0): [(2, 3)]}).num_episodes  # seq 0 is the writer's claim
         2
     """
     newest = open_snapshot(storage)
     logs = newest._logs or {}
-    wanted = {key: sorted({int(s) for s in ss}) for key, ss in seqs.items()}
-    if within is not None:
-        c = _as_cursor(within)
+    wanted = {key: sorted((int(a), int(b)) for a, b in rs if int(a) < int(b)) for key, rs in ranges.items()}
+    wanted = {key: rs for key, rs in wanted.items() if rs}
+    c = _as_cursor(within) if within is not None else None
+    if c is not None:
         _check_store(c, newest._firsts, newest.storage)
-        for (t, p), ss in wanted.items():
-            if ss and ss[-1] >= c.positions.get((t, p), 0):
-                raise CursorError(f"{t}/{p} entry {ss[-1]} is not below the cursor {c}")
+    for (t, p), rs in wanted.items():
+        end = max(b for _, b in rs)
+        if end > (limit := c.positions.get((t, p), 0) if c is not None else len(logs.get((t, p), []))):
+            where = f"the cursor {c}" if c is not None else f"the end of its log ({limit} entries)"
+            raise CursorError(f"{t}/{p} entries up to {end - 1} are asked for, past {where}")
     holding: list[ShardEntry] = []
+    trained_ids: set[str] = set()
     others: set[str] = set()
-    for key, want in sorted(wanted.items()):
-        if not want:
-            continue
+    for key, rs in sorted(wanted.items()):
         entries = logs.get(key, [])
         by_seq = {e.seq: e for e in entries}
-        bad = [s for s in want if not isinstance(by_seq.get(s), ShardEntry)]
-        if bad:
-            raise CursorError(f"{key[0]}/{key[1]} has no shard entry at seq {bad[0]} in {newest.storage.uri('')}")
+        starts = [a for a, _ in rs]
+
+        def asked(seq: int, rs=rs, starts=starts) -> bool:
+            i = bisect.bisect_right(starts, seq) - 1
+            return i >= 0 and seq < rs[i][1]
+
         live = live_shards(entries)
-        chosen = set(want)
         for seq, held in live_holders(entries).items():
-            if not chosen.intersection(held):
+            mine = [h for h in held if asked(h)]
+            if not mine:
                 continue
             holding.append(live[seq])
-            for other in sorted(set(held) - chosen):
+            for h in mine:
+                trained_ids.update(by_seq[h].episode_ids)
+            for other in held:
+                if asked(other):
+                    continue
                 ids = by_seq[other].episode_ids
                 if by_seq[other].episodes and not ids:
                     raise CursorError(
@@ -900,9 +915,10 @@ def open_entries(
                         "whose episodes carry no ids: they cannot be told apart"
                     )
                 others.update(ids)
+    others -= trained_ids  # an id in both (reused across logs) is kept: read, not lost
     point = cursor_covering(newest.storage, holding, dict(newest._firsts)) if holding else Cursor({}, _tag({}))
     keep = _NotIn(frozenset(others)) if others else None
-    named = {"entries": [[t, p, ss] for (t, p), ss in sorted(wanted.items()) if ss]}
+    named = {"entries": [[t, p, [list(r) for r in rs]] for (t, p), rs in sorted(wanted.items())]}
     digest = hashlib.sha256(json.dumps(named, sort_keys=True).encode()).hexdigest()[:16]
     return Snapshot(newest.storage, point, holding, newest._firsts, keep, digest, logs)
 

@@ -94,12 +94,12 @@ def test_entries_reopen_the_same_episodes_after_compaction_merged_them_with_othe
     for i in range(6):
         c.commit(expert_cartpole_episodes(2, seed=i, max_steps=20))
     shard_seqs = [e.seq for e in open_snapshot(root).entries]
-    asked = {("rl", 0): shard_seqs[1:4]}
+    asked = {("rl", 0): [(shard_seqs[1], shard_seqs[3] + 1)]}
     before = open_entries(root, asked)
     want = _shard_ids(root, [e.path for e in before.entries])
     assert len(before.entries) == 3 and _ids(before) == sorted(want) and len(want) == 6
     steps_before = before.num_steps
-    with pytest.raises(CursorError, match="is not below the cursor"):
+    with pytest.raises(CursorError, match="past the cursor"):
         open_entries(
             root, asked, within=open_snapshot(root, as_of=str(cursor_covering(root, before.entries[:1]))).cursor
         )
@@ -126,8 +126,9 @@ def test_entries_reopen_the_same_episodes_after_compaction_merged_them_with_othe
     again = open_entries(root, asked)
     assert _ids(again) == sorted(want) and again.num_steps == steps_before
     assert {ep.id_ for ep in again.episodes()} == want and again.steps().num_rows == steps_before
-    with pytest.raises(CursorError, match="no shard entry at seq 0"):  # the claim
-        open_entries(root, {("rl", 0): [0]})
+    assert open_entries(root, {("rl", 0): [(0, 1)]}).num_episodes == 0  # the claim: no episodes
+    with pytest.raises(CursorError, match="past the end of its log"):  # a forged range: no list of 10**12 seqs
+        open_entries(root, {("rl", 0): [(0, 10**12)]})
 
 
 def test_subset_filters_every_reader_and_refuses_unknown_shards(tmp_path):

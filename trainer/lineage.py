@@ -316,8 +316,7 @@ def _trained_data(storage: Storage | str, lin: Lineage) -> Snapshot:
     if lin.trained is None:  # a lineage that lists paths: the shards live at its cursor
         snap = open_snapshot(st, as_of=lin.cursor)
         return snap.subset(lin.shard_paths(snap.entries))
-    seqs = {key: [s for a, b in rs for s in range(a, b)] for key, rs in lin.trained.items()}
-    return open_entries(st, seqs, within=lin.cursor)
+    return open_entries(st, lin.trained, within=lin.cursor)
 
 
 def files_needed(storage: Storage | str, lineage: Lineage) -> set[str]:

@@ -24,8 +24,8 @@ def open(
 
     Either ``as_of`` (None: the newest point; a UNIX time; a cursor: `rlrec.store.snapshot.open_snapshot`)
     or ``policy_version=N, policies=URI``: the data published version N was trained on, reopened
-    from the cursor its signed lineage records (`rlrec.trainer.lineage.open_lineage`), with
-    ``held_out=True`` the episodes it held out instead.
+    from the shard entries its signed lineage records, in the shards that hold them now
+    (`rlrec.trainer.lineage.open_lineage`), with ``held_out=True`` the episodes it held out instead.
 
     Args:
         uri: the store (a path or URI, or a `Storage`).

@@ -588,6 +588,8 @@ def parse_entry(data: str | bytes | Mapping[str, Any]) -> Entry:
             replaces=tuple(d["replaces"]),
             shard=shard,
         )
+    if not isinstance(kind, str) or not kind:
+        raise ManifestError(f"manifest entry type must be a non-empty string, got {_short(kind)!r}")
     raise UnsupportedManifestError(
         f"unknown manifest entry type {_short(kind)!r}: written by a newer rlrec? (this one reads manifest "
         f"format version {MANIFEST_FORMAT_VERSION}); upgrade rlrec"

@@ -90,6 +90,7 @@ __all__ = [
     "cursor_covering",
     "empty_steps",
     "gated_steps",
+    "merge_ranges",
     "open_entries",
     "open_snapshot",
     "tabular_episodes",
@@ -215,23 +216,14 @@ class _BothKept:
         return self.outer(episode_id) and self.inner(episode_id)
 
 
-@dataclass(frozen=True)
-class _NotIn:
-    """Keeps an episode whose id is not in `ids` (picklable, for DataLoader workers)."""
-
-    ids: frozenset
-
-    def __call__(self, episode_id: str) -> bool:
-        return episode_id not in self.ids
-
-
 class Snapshot:
     """Committed shard entries of a store pinned to a cursor (see module docstring).
 
     Build with `open_snapshot` (or `rlrec.open`). Attributes: ``storage``, ``cursor`` (the
     point's text, for `open_snapshot(as_of=...)` and `changes`), ``entries`` (the shard entries,
-    ordered by topic, partition and seq), ``selection`` (None; a `subset`'s digest: the cursor
-    and the selection together name its data). Readers: `files`, `episodes`, `steps`,
+    ordered by topic, partition and seq), ``selection`` (None: the whole point; the digest of a
+    part of it, from `subset` or `open_entries`: the cursor and the selection together name its
+    data). Readers: `files`, `episodes`, `steps`,
     `iter_steps`, `to_pyarrow_dataset`, `to_pandas`, `to_polars`, `to_duckdb`,
     `to_ray_dataset`, `to_torch`; `changes` for incremental readers.
     """
@@ -245,6 +237,9 @@ class Snapshot:
         keep_episode: Callable[[str], bool] | None = None,
         selection: str | None = None,
         logs: Mapping[tuple[str, int], list[Entry]] | None = None,
+        *,
+        drop: Mapping[str, frozenset] | None = None,
+        ranges: Mapping[tuple[str, int], list[tuple[int, int]]] | None = None,
     ) -> None:
         self.storage = storage
         self._point = point
@@ -256,6 +251,21 @@ class Snapshot:
         #: None: every entry at the cursor; else the digest naming the part `subset` kept
         self.selection = selection
         self._counts: dict[str, tuple[int, int]] = {}  # shard path -> (episodes, steps) kept
+        # shard path -> ids of episodes of that shard it leaves out (`open_entries`: a merged
+        # shard's episodes of entries not asked for)
+        self._drop: dict[str, frozenset] = {e.path: drop[e.path] for e in self.entries if drop and drop.get(e.path)}
+        self._ranges = ranges  # `open_entries`: the seq ranges whose episodes it holds (for `changes`)
+
+    @property
+    def filtered(self) -> bool:
+        """Whether it leaves out episodes of its shards (a `subset` by episode, `open_entries`):
+        then its counts come from reading the shards."""
+        return self.keep_episode is not None or bool(self._drop)
+
+    def _keeps(self, entry: ShardEntry, ids: Iterable[str]) -> list[str]:
+        """Which of `ids` (episode ids of `entry`'s shard) it holds."""
+        drop, keep = self._drop.get(entry.path, frozenset()), self.keep_episode
+        return [i for i in ids if i not in drop and (keep is None or keep(i))]
 
     def __repr__(self) -> str:
         if self.selection is None:
@@ -305,7 +315,15 @@ class Snapshot:
         """
         if paths is None and keep_episode is None:
             return Snapshot(
-                self.storage, self._point, self.entries, self._firsts, self.keep_episode, self.selection, self._logs
+                self.storage,
+                self._point,
+                self.entries,
+                self._firsts,
+                self.keep_episode,
+                self.selection,
+                self._logs,
+                drop=self._drop,
+                ranges=self._ranges,
             )
         entries = self.entries
         if paths is not None:
@@ -327,7 +345,10 @@ class Snapshot:
             "episodes": (label if label is not None else repr(keep_episode)) if keep_episode is not None else None,
         }
         digest = hashlib.sha256(json.dumps(named, sort_keys=True).encode()).hexdigest()[:16]
-        return Snapshot(self.storage, self._point, entries, self._firsts, keep, digest, self._logs)
+        ranges = self._ranges if paths is None else None  # a subset by path is no longer those ranges
+        return Snapshot(
+            self.storage, self._point, entries, self._firsts, keep, digest, self._logs, drop=self._drop, ranges=ranges
+        )
 
     @property
     def cursor(self) -> str:
@@ -346,7 +367,7 @@ class Snapshot:
 
     def shard_counts(self, entry: ShardEntry) -> tuple[int, int]:
         """(episodes, steps) of one of the snapshot's shards that the snapshot holds."""
-        if self.keep_episode is None:
+        if not self.filtered:
             return entry.episodes, entry.steps
         if entry.path not in self._counts:
             ids = self.shard_steps(entry).column("episode_id")
@@ -367,6 +388,9 @@ class Snapshot:
         committed after `since`, and of a replacement that merged shards from both sides of
         `since` the replaced shards committed after it (their files stay until retention).
 
+        Of a snapshot from `open_entries` (a version's data): the episodes of its entries
+        committed at or after `since`, read as `open_entries` reads them, with its own selection.
+
         Raises `CursorError` if `since` is not a point of this store at or before this one."""
         since_c = _as_cursor(since)
         _check_store(since_c, self._firsts, self.storage)
@@ -376,6 +400,24 @@ class Snapshot:
                     f"since is after this snapshot: {key[0]}/{key[1]} at {n} > {self._point.positions.get(key, 0)} "
                     "(open the newer snapshot first)"
                 )
+        if self._ranges is not None:
+            clipped = {
+                key: [(max(a, since_c.positions.get(key, 0)), b) for a, b in rs] for key, rs in self._ranges.items()
+            }
+            part = open_entries(self.storage, clipped)
+            named = {"within": self.selection, "since": str(since_c)}
+            digest = hashlib.sha256(json.dumps(named, sort_keys=True).encode()).hexdigest()[:16]
+            return Snapshot(
+                self.storage,
+                self._point,
+                part.entries,
+                self._firsts,
+                self.keep_episode,
+                digest,
+                part._logs,
+                drop=part._drop,
+                ranges=part._ranges,
+            )
         new: list[ShardEntry] = []
         by_seq: dict[tuple[str, int], dict[int, Entry]] = {}
         for e in self.entries:
@@ -389,7 +431,9 @@ class Snapshot:
             if key not in by_seq:
                 by_seq[key] = {x.seq: x for x in self._logs.get(key, [])}  # type: ignore[misc]
             new += _new_part(by_seq[key], e.seq, start)  # type: ignore[arg-type]
-        return Snapshot(self.storage, self._point, new, self._firsts, self.keep_episode, self.selection, self._logs)
+        return Snapshot(
+            self.storage, self._point, new, self._firsts, self.keep_episode, self.selection, self._logs, drop=self._drop
+        )
 
     # ---------------------------------------------------------------- reading shards
     def _gated(self, entry: ShardEntry):
@@ -422,8 +466,9 @@ class Snapshot:
             else:
                 items = shard.read(["item"]).column("item")
                 episodes = [unpack_episode(v.as_py()) for chunk in items.chunks for v in chunk]
-        if self.keep_episode is not None:
-            episodes = [ep for ep in episodes if self.keep_episode(str(ep.id_))]
+        if self.filtered:
+            kept = set(self._keeps(entry, [str(ep.id_) for ep in episodes]))
+            episodes = [ep for ep in episodes if str(ep.id_) in kept]
         return episodes
 
     def shard_steps(self, entry: ShardEntry) -> pa.Table:
@@ -431,10 +476,10 @@ class Snapshot:
         shard = self._gated(entry)
         with _naming(self.storage.uri(entry.path)):
             table = gated_steps(shard, entry)
-        if self.keep_episode is None or not table.num_rows:
+        if not self.filtered or not table.num_rows:
             return table
         ids = table.column("episode_id")
-        kept = [i for i in set(ids.to_pylist()) if self.keep_episode(i)]
+        kept = self._keeps(entry, set(ids.to_pylist()))
         return table.filter(pc.is_in(ids, value_set=pa.array(kept, pa.string())))
 
     def iter_steps(self) -> Iterator[pa.Table]:
@@ -849,8 +894,9 @@ def open_entries(
     replaced files retention may remove. Its `Snapshot.cursor` is the smallest point at which
     the holding shards are live (the point covering the entries themselves until a compaction
     touches them); its `Snapshot.selection` names the ranges, so it does not change when the
-    holding shards do. Entries of a range that are not shard entries (a claim, a log snapshot, a
-    replacement) hold no episodes of their own and are passed over.
+    holding shards do. Episodes are told apart per shard (by the ids the manifest records for
+    each entry), so an id reused in another log or entry is read exactly as often as the
+    entries asked for hold it.
 
     Args:
         storage: the store (a `Storage` or its URI).
@@ -859,9 +905,10 @@ def open_entries(
         within: a cursor the entries must be below (checked to be a point of this store).
 
     Raises:
-        CursorError: `within` is not a point of this store or a range reaches past it or past
-            its log's end, or a merged shard holds other episodes that cannot be told apart
-            from the ones asked for (they carry no episode ids: tabular shards).
+        CursorError: `within` is not a point of this store (another store's, past a log's
+            end), a range reaches past it or past its log's end, or an entry of a range is not
+            a shard entry (a claim, a log snapshot, a replacement: a range of a version's
+            lineage holds shard entries only).
 
     Example:
         >>> import tempfile
@@ -875,19 +922,25 @@ def open_entries(
     """
     newest = open_snapshot(storage)
     logs = newest._logs or {}
-    wanted = {key: sorted((int(a), int(b)) for a, b in rs if int(a) < int(b)) for key, rs in ranges.items()}
+    wanted = {key: merge_ranges(rs) for key, rs in ranges.items()}
     wanted = {key: rs for key, rs in wanted.items() if rs}
     c = _as_cursor(within) if within is not None else None
+    ends = {key: (es[-1].seq + 1 if es else 0) for key, es in logs.items()}
     if c is not None:
         _check_store(c, newest._firsts, newest.storage)
+        for (t, p), n in c.positions.items():
+            if n > ends.get((t, p), 0):
+                raise CursorError(
+                    f"unknown point: the cursor is at entry {n} of {t}/{p}, whose log ends at {ends.get((t, p), 0)}"
+                )
     for (t, p), rs in wanted.items():
-        end = max(b for _, b in rs)
-        if end > (limit := c.positions.get((t, p), 0) if c is not None else len(logs.get((t, p), []))):
+        end = rs[-1][1]
+        limit = c.positions.get((t, p), 0) if c is not None else ends.get((t, p), 0)
+        if end > limit:
             where = f"the cursor {c}" if c is not None else f"the end of its log ({limit} entries)"
             raise CursorError(f"{t}/{p} entries up to {end - 1} are asked for, past {where}")
     holding: list[ShardEntry] = []
-    trained_ids: set[str] = set()
-    others: set[str] = set()
+    drop: dict[str, frozenset] = {}
     for key, rs in sorted(wanted.items()):
         entries = logs.get(key, [])
         by_seq = {e.seq: e for e in entries}
@@ -897,30 +950,41 @@ def open_entries(
             i = bisect.bisect_right(starts, seq) - 1
             return i >= 0 and seq < rs[i][1]
 
+        shard_seqs = sorted(q for q, e in by_seq.items() if isinstance(e, ShardEntry))
+        for a, b in rs:  # bounded by the log's length (checked above)
+            if bisect.bisect_left(shard_seqs, b) - bisect.bisect_left(shard_seqs, a) != b - a:
+                odd = next(q for q in range(a, b) if not isinstance(by_seq.get(q), ShardEntry))
+                raise CursorError(f"{key[0]}/{key[1]} entry {odd} is no shard entry: it commits no episodes")
         live = live_shards(entries)
         for seq, held in live_holders(entries).items():
-            mine = [h for h in held if asked(h)]
-            if not mine:
+            if not any(asked(h) for h in held):
                 continue
             holding.append(live[seq])
-            for h in mine:
-                trained_ids.update(by_seq[h].episode_ids)
-            for other in held:
-                if asked(other):
-                    continue
-                ids = by_seq[other].episode_ids
-                if by_seq[other].episodes and not ids:
-                    raise CursorError(
-                        f"{live[seq].path} merges the entries asked for with entry {other} of {key[0]}/{key[1]}, "
-                        "whose episodes carry no ids: they cannot be told apart"
-                    )
-                others.update(ids)
-    others -= trained_ids  # an id in both (reused across logs) is kept: read, not lost
+            others = frozenset(i for h in held if not asked(h) for i in by_seq[h].episode_ids)
+            if others:  # a merged shard's episodes of entries not asked for
+                drop[live[seq].path] = others
     point = cursor_covering(newest.storage, holding, dict(newest._firsts)) if holding else Cursor({}, _tag({}))
-    keep = _NotIn(frozenset(others)) if others else None
     named = {"entries": [[t, p, [list(r) for r in rs]] for (t, p), rs in sorted(wanted.items())]}
     digest = hashlib.sha256(json.dumps(named, sort_keys=True).encode()).hexdigest()[:16]
-    return Snapshot(newest.storage, point, holding, newest._firsts, keep, digest, logs)
+    return Snapshot(newest.storage, point, holding, newest._firsts, None, digest, logs, drop=drop, ranges=wanted)
+
+
+def merge_ranges(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Half-open ``(start, end)`` ranges as sorted, disjoint, non-empty ranges covering the same seqs.
+
+    Example:
+        >>> merge_ranges([(5, 9), (1, 3), (2, 4), (4, 4), (9, 10)])
+        [(1, 4), (5, 10)]
+    """
+    out: list[tuple[int, int]] = []
+    for a, b in sorted((int(a), int(b)) for a, b in ranges):
+        if a >= b:
+            continue
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
 
 
 def cursor_covering(

@@ -86,7 +86,7 @@ class StepsDataset(IterableDataset):
         pos = state.get("position")
         if not isinstance(pos, int) or isinstance(pos, bool) or pos < 0:
             raise ValueError(f"bad position {pos!r}")
-        if self.snapshot.keep_episode is None and pos > self.snapshot.num_steps:  # the manifest counts them
+        if not self.snapshot.filtered and pos > self.snapshot.num_steps:  # the manifest counts them
             raise ValueError(f"bad position {pos!r} (0..{self.snapshot.num_steps})")
         self._position = pos  # (a filtered snapshot's steps are counted by reading: checked while iterating)
 
@@ -98,7 +98,7 @@ class StepsDataset(IterableDataset):
             if i % workers != me:
                 continue
             table = None
-            if self.snapshot.keep_episode is None:
+            if not self.snapshot.filtered:
                 n = entry.steps  # skipped without reading
             else:  # counted by reading: the table read once serves both
                 table = self.snapshot.shard_steps(entry)

@@ -126,9 +126,69 @@ def test_entries_reopen_the_same_episodes_after_compaction_merged_them_with_othe
     again = open_entries(root, asked)
     assert _ids(again) == sorted(want) and again.num_steps == steps_before
     assert {ep.id_ for ep in again.episodes()} == want and again.steps().num_rows == steps_before
-    assert open_entries(root, {("rl", 0): [(0, 1)]}).num_episodes == 0  # the claim: no episodes
+    with pytest.raises(CursorError, match="entry 0 is no shard entry"):  # the claim
+        open_entries(root, {("rl", 0): [(0, 1)]})
     with pytest.raises(CursorError, match="past the end of its log"):  # a forged range: no list of 10**12 seqs
         open_entries(root, {("rl", 0): [(0, 10**12)]})
+
+
+def test_entries_tell_a_reused_episode_id_apart_per_shard(tmp_path):
+    """An id reused in another log: the entry asked for is read once, the other never, also when
+    compaction merged the other one with an entry asked for."""
+    import dataclasses
+
+    from rlrec.store.compaction import compact_partition
+    from rlrec.store.snapshot import open_entries
+
+    root = str(tmp_path / "s")
+    c0, c1 = ShardCommitter(root, "rl", 0), ShardCommitter(root, "rl", 1)
+    a = expert_cartpole_episodes(2, seed=1, max_steps=20)
+    c0.commit(a)
+    twin = dataclasses.replace(expert_cartpole_episodes(1, seed=2, max_steps=30)[0], episode_id=a[0].episode_id)
+    c1.commit([twin, *expert_cartpole_episodes(1, seed=3, max_steps=20)])  # not asked for
+    later = expert_cartpole_episodes(2, seed=4, max_steps=20)
+    c1.commit(later)
+    s0 = [e.seq for e in open_snapshot(root).entries if e.partition == 0]
+    s1 = [e.seq for e in open_snapshot(root).entries if e.partition == 1]
+    asked = {("rl", 0): [(s0[0], s0[0] + 1)], ("rl", 1): [(s1[1], s1[1] + 1)]}
+    before = open_entries(root, asked)
+    assert compact_partition(c1.log, min_age_s=0).written == 1
+    after = open_entries(root, asked)
+    for snap in (before, after):
+        steps = snap.steps()
+        ids = steps.column("episode_id").to_pylist()
+        assert ids.count(a[0].episode_id) == a[0].length  # the twin (30 steps) is not read
+        assert steps.num_rows == sum(e.length for e in a + later)
+        assert len(set(ids)) == 4 and snap.num_episodes == 4
+        assert sorted(str(ep.id_) for ep in snap.episodes()) == sorted(set(ids))
+    assert before.steps().num_rows == after.steps().num_rows
+
+
+def test_entries_refuse_points_past_a_logs_end_and_merge_overlapping_ranges(tmp_path):
+    from rlrec.store.compaction import compact_partition
+    from rlrec.store.snapshot import open_entries
+
+    root = str(tmp_path / "s")
+    c = ShardCommitter(root, "rl", 0)
+    for i in range(6):
+        c.commit(expert_cartpole_episodes(2, seed=i, max_steps=20))
+    snap = open_snapshot(root)
+    seqs = [e.seq for e in snap.entries]
+    tag = Cursor.parse(snap.cursor).tag
+    with pytest.raises(CursorError, match="unknown point"):  # a store restored from an older backup
+        open_entries(root, {("rl", 0): [(seqs[0], seqs[1])]}, within=str(Cursor({("rl", 0): 100}, tag)))
+    whole = open_entries(root, {("rl", 0): [(seqs[0], seqs[-1] + 1)]})
+    overlapping = open_entries(root, {("rl", 0): [(seqs[1], seqs[-1] + 1), (seqs[0], seqs[2]), (seqs[2], seqs[3])]})
+    assert overlapping.selection == whole.selection and _ids(overlapping) == _ids(whole)
+    # changes of a version's data: the episodes of its entries from `since` on, after a compaction too
+    since = str(cursor_covering(root, snap.entries[:3]))
+    want = sorted(_shard_ids(root, [e.path for e in snap.entries[3:]]))
+    assert _ids(whole.changes(since)) == want
+    assert compact_partition(c.log, min_age_s=0).written == 1
+    merged = open_entries(root, {("rl", 0): [(seqs[0], seqs[-1] + 1)]})
+    new = merged.changes(since)
+    assert _ids(new) == want and new.num_steps == sum(e.steps for e in snap.entries[3:])
+    assert new.selection not in (None, merged.selection)
 
 
 def test_subset_filters_every_reader_and_refuses_unknown_shards(tmp_path):
@@ -323,6 +383,13 @@ def test_the_lineage_cursor_needs_no_follower_entry_and_a_lost_shard_stops_the_t
     gone = resumed({"trained_ranges": [*kept, ["rl", 7, [[1, 2]]]]})  # a log no longer in the input
     with pytest.raises(LineageLost, match="rl/7 has no manifest entries"):
         gone.publish()
+    # compaction replaced the trained shards since: a checkpoint without ranges still finds them
+    from rlrec.store.compaction import compact_partition
+
+    assert compact_partition(c0.log, min_age_s=0).written == 1
+    assert not {e.path for e in trained} <= {e.path for e in open_snapshot(root).entries}
+    after = resumed({})
+    assert ranges_doc(after.trained_ranges) == kept and after._lineage()["data"]["trained"] == kept
 
 
 def test_a_missing_publish_root_is_an_error_and_an_unreadable_version_one_row(tmp_path, capsys):

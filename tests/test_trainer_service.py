@@ -317,11 +317,18 @@ def test_an_entry_of_a_newer_rlrec_stops_the_run_after_a_checkpoint_instead_of_g
     t.join(60)
     assert not t.is_alive()
     err = box.get("error")
-    assert isinstance(err, StoreTooNew) and err.exit_code == 1, box
+    assert isinstance(err, StoreTooNew) and err.exit_code == 2, box
     line = error_line("train", err)
     assert "\n" not in line and "rl/00000" in line and "upgrade rlrec" in line and "--resume" in line
+    assert "checkpointed" in line
     latest = json.load(open(os.path.join(ck, "checkpoints", "latest.json")))
     assert latest["iteration"] == trainer.iteration >= 2  # the final checkpoint holds the last iteration
+    # started on that store (resumed): the same error at once, before training anything
+    again = ContinuousTrainer(cfg(out, ck, resume=True))
+    with pytest.raises(StoreTooNew, match=r"rl/00000.*did not start") as e:
+        again.run()
+    assert e.value.exit_code == 2
+    assert json.load(open(os.path.join(ck, "checkpoints", "latest.json")))["iteration"] == latest["iteration"]
 
 
 def test_resume_restores_weights_and_optimizer_state(ray_cluster, tmp_path):

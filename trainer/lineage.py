@@ -37,7 +37,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from rlrec.store.snapshot import Snapshot, open_entries, open_snapshot
+from rlrec.store.snapshot import Snapshot, merge_ranges, open_entries, open_snapshot
 from rlrec.store.storage import Storage
 from rlrec.trainer.holdout import is_held_out
 
@@ -114,17 +114,25 @@ def ranges_doc(ranges: dict[tuple[str, int], list[list[int]]]) -> list:
 
 
 def _ranges_from_doc(doc: Any, where: str) -> dict[tuple[str, int], tuple[tuple[int, int], ...]]:
+    """The ``trained`` ranges of a lineage.json: integers only, each log once, merged into sorted
+    disjoint ranges (`merge_ranges`)."""
     out: dict[tuple[str, int], tuple[tuple[int, int], ...]] = {}
+
+    def whole(x: Any) -> bool:
+        return type(x) is int and x >= 0
+
     try:
         for topic, part, rs in doc:
-            if not isinstance(topic, str) or isinstance(part, bool) or not isinstance(part, int):
+            if not isinstance(topic, str) or not whole(part) or (topic, part) in out:
                 raise TypeError
-            pairs = tuple((int(a), int(b)) for a, b in rs)
-            if any(isinstance(x, bool) or not 0 <= a < b for a, b in pairs for x in (a, b)):
+            pairs = [(a, b) for a, b in rs]
+            if not all(whole(a) and whole(b) and a < b for a, b in pairs):
                 raise ValueError
-            out[(topic, part)] = pairs
+            out[(topic, part)] = tuple(merge_ranges(pairs))
     except (TypeError, ValueError):
-        raise LineageError(f"{where}: trained is not a list of [topic, partition, [[start, end], ...]]") from None
+        raise LineageError(
+            f"{where}: trained is not a list of [topic, partition, [[start, end], ...]] (integers, each log once)"
+        ) from None
     return out
 
 
@@ -258,7 +266,8 @@ def open_lineage(
     as a snapshot of `storage` (module docstring): the episodes of the shard entries it trained
     on, read from the shards that hold them now. Its `Snapshot.selection` (the entries and the
     side of the split) names the data; its cursor is the smallest point where those shards are
-    live (the version's lineage cursor until a compaction merges them).
+    live (the version's lineage cursor until a compaction merges them), and its ``lineage``
+    attribute is the verified `Lineage` it was opened from.
 
     Args:
         storage: the store the trainer read (a `Storage` or its URI).
@@ -305,7 +314,9 @@ def open_lineage(
             LineageInputWarning,
             stacklevel=2,
         )
-    return snap.subset(keep_episode=keep)
+    data = snap.subset(keep_episode=keep)
+    data.lineage = lin  # type: ignore[attr-defined]
+    return data
 
 
 def _trained_data(storage: Storage | str, lin: Lineage) -> Snapshot:

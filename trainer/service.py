@@ -18,6 +18,7 @@ import threading
 import time
 from typing import Any
 
+from rlrec.store.manifest import UnsupportedManifestError
 from rlrec.store.retry import RetrySchedule
 from rlrec.store.storage import Storage, StorageError
 from rlrec.trainer.checkpoints import STATE_VERSION, CheckpointStore
@@ -26,7 +27,7 @@ from rlrec.trainer.lineage import add_seq, ranges_doc
 from rlrec.trainer.metrics import TrainerMetrics
 from rlrec.trainer.storage_health import StorageHealth
 
-__all__ = ["ALGORITHMS", "ContinuousTrainer", "TrainerConfig", "TrainerLost", "UnsupportedCombination"]
+__all__ = ["ALGORITHMS", "ContinuousTrainer", "StoreTooNew", "TrainerConfig", "TrainerLost", "UnsupportedCombination"]
 
 log = logging.getLogger("rlrec.trainer")
 
@@ -54,10 +55,14 @@ class LineageLost(TrainerLost):
     data it was trained on, so the trainer stops rather than publish without it (exit code 1)."""
 
 
-class StoreTooNew(TrainerLost):
+class StoreTooNew(RuntimeError):
     """The input's manifest holds an entry this rlrec cannot read (a newer rlrec wrote it): the
     trainer would take no new shards from that log until it is upgraded, so it checkpoints and
-    stops rather than go on training on stale data (exit code 1)."""
+    stops rather than go on training on stale data, at start or mid-run (exit code 2: a restart
+    without an upgrade fails the same way)."""
+
+    #: `rlrec train` prints the message as its one error line
+    exit_code = 2
 
 
 class UnsupportedCombination(ValueError):
@@ -208,6 +213,8 @@ class ContinuousTrainer:
         while not self._stop.is_set():
             try:
                 infos = [i for i in follower.poll(force_discover=True) if i.key not in (skip or ())]
+            except UnsupportedManifestError as e:
+                raise StoreTooNew(f"{e}; the trainer did not start (restart it once rlrec is upgraded)") from None
             except StorageError as e:  # the store does not answer: wait for it, on the retry schedule
                 health.failed("manifest poll", str(e))
                 self._stop.wait(self._outage.failed(time.monotonic()))
@@ -554,10 +561,10 @@ class ContinuousTrainer:
         found = {k: od.entry(k) if od is not None else None for k in self._unplaced}
         unknown = [k for k, e in found.items() if e is None]
         if unknown:
-            from rlrec.store.manifest import read_manifest
+            from rlrec.store.manifest import read_first_commits
 
-            try:
-                by_path = {e.path: e for e in read_manifest(self.input)}
+            try:  # every shard entry, compacted since or not: the trainer trains shard entries
+                by_path = {e.path: e for e in read_first_commits(self.input)}
             except StorageError as e:
                 log.warning(
                     "reading the manifest of %s for the lineage failed (%s); retried later", self.input.uri(), e
@@ -1218,9 +1225,10 @@ class ContinuousTrainer:
             if latest is None or latest.get("iteration") != self.iteration or self._pending:
                 self.checkpoint(final=True)
         if od.unsupported:
+            saved = "checkpointed, " if self.iteration > 0 else ""
             raise StoreTooNew(
-                f"{od.unsupported}; the trainer stopped (checkpointed) rather than train on without that log's "
-                "new shards (restart it with --resume once rlrec is upgraded)"
+                f"{od.unsupported}; the trainer stopped ({saved}rather than train on without that log's new "
+                "shards): restart it with --resume once rlrec is upgraded"
             )
         return 0
 

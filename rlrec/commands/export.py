@@ -134,7 +134,8 @@ def run(args: argparse.Namespace) -> int:
                 again += f" {flag} {value}"
         meta = {
             b"rlrec.lineage": again.encode(),
-            b"rlrec.lineage_cursor": snap.cursor.encode(),
+            b"rlrec.lineage_cursor": str(snap.lineage.cursor).encode(),
+            b"rlrec.read_cursor": snap.cursor.encode(),
             b"rlrec.selection": str(snap.selection).encode(),
         }
     files = steps = episodes = 0

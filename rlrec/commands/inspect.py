@@ -202,7 +202,8 @@ def run(args: argparse.Namespace) -> int:
         for path in snap.files():
             print(path)
         held = (
-            f" (selection {snap.selection}; whole shards: they hold its held-out episodes too)"
+            f" (selection {snap.selection}; whole shards: they hold its held-out episodes too, and a "
+            "merged shard the episodes merged into it from shards the version did not train on)"
             if opts.policy_version is not None
             else ""
         )

@@ -19,6 +19,9 @@ from its own file before); `Snapshot.changes` between two cursors of one store h
 the episodes of the later one that the earlier one lacks (a replacement that merged shards from
 both sides of the earlier cursor is read as the shards it replaced, whose files compaction
 keeps).
+Retention (`rlrec.store.retention`) removes files: a point at or after a removal record's positions
+does not hold the shards it removed; an older point is expired (`ExpiredPointError`) once the
+record's grace is over and reads as before until then; the newest point never is expired.
 Shards are read through the schema gate (`rlrec.store.schema_gate`) after their sha256 is
 checked against the manifest: nothing is unpickled.
 
@@ -75,6 +78,7 @@ from rlrec.store.manifest import (
     list_partition_logs,
     live_shards,
 )
+from rlrec.store.retention import RemovalRecord, RemovedFile, read_removals, resolve_removals
 from rlrec.store.schema_gate import TABULAR_FIXED_COLUMNS, ShardSchemaError, open_shard
 from rlrec.store.storage import Storage
 
@@ -82,6 +86,7 @@ __all__ = [
     "STEP_COLUMNS",
     "Cursor",
     "CursorError",
+    "ExpiredPointError",
     "Snapshot",
     "column_to_numpy",
     "cursor_at",
@@ -120,6 +125,61 @@ class CursorError(ValueError):
 
     #: a usage error for the command line (rlrec.errors)
     exit_code = 2
+
+
+class ExpiredPointError(CursorError):
+    """A point of the manifest whose data retention removed (`rlrec.store.retention`): some of
+    its shards' files are deleted. The newest point, and every point taken after the removal,
+    read what is left. Its message is one line: which point, removed when."""
+
+
+Removed = Mapping[tuple[str, int, int], tuple[RemovalRecord, RemovedFile]]
+
+
+def _iso(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+
+
+def _expired(what: str, recs: Iterable[RemovalRecord], count: int) -> ExpiredPointError:
+    rec = min(recs, key=lambda r: r.n)
+    return ExpiredPointError(
+        f"{what} is expired: retention removed {count} of its shard(s) at {_iso(rec.time)} (removal record "
+        f"{rec.n}, files deleted after {_iso(rec.deletable_at)}); open the newest point or a later one"
+    )
+
+
+def _apply_removals(
+    storage: Storage,
+    entries: list[ShardEntry],
+    positions: Mapping[tuple[str, int], int],
+    removed: Removed,
+    *,
+    newest: bool,
+    what: str,
+) -> list[ShardEntry]:
+    """`entries` (the live shards at `positions`) less the shards retention removed before the
+    point existed (the point is at or after the record's positions in the shard's log; the
+    newest point always is); ExpiredPointError if others are removed and their record is older
+    than its grace or their files are gone (another host's clock may run ahead), while younger
+    they are read as usual."""
+    kept: list[ShardEntry] = []
+    gone: list[RemovalRecord] = []
+    now = time.time()
+    for e in entries:
+        hit = removed.get((e.topic, e.partition, e.seq))  # type: ignore[arg-type]
+        if hit is None:
+            kept.append(e)
+            continue
+        rec, key = hit[0], (e.topic, e.partition)
+        if newest or positions.get(key, 0) >= rec.positions.get(key, 0):
+            continue  # removed before this point existed: not part of it
+        if now < rec.deletable_at and (storage.exists(e.path) or storage.exists(e.staging_path)):
+            kept.append(e)  # within the grace (by this host's clock) and the file is still there
+        else:
+            gone.append(rec)
+    if gone:
+        raise _expired(what, gone, len(gone))
+    return kept
 
 
 # --------------------------------------------------------------------------------- cursor
@@ -232,8 +292,10 @@ class Snapshot:
         keep_episode: Callable[[str], bool] | None = None,
         selection: str | None = None,
         logs: Mapping[tuple[str, int], list[Entry]] | None = None,
+        removed: Removed | None = None,
     ) -> None:
         self.storage = storage
+        self._removed = removed or {}  # what retention removed (`changes` must not read it)
         self._point = point
         self._firsts = firsts  # (topic, partition) -> key of its first entry (store identity)
         self._logs = logs  # the logs read when it was opened (for `changes` across replacements)
@@ -292,7 +354,14 @@ class Snapshot:
         """
         if paths is None and keep_episode is None:
             return Snapshot(
-                self.storage, self._point, self.entries, self._firsts, self.keep_episode, self.selection, self._logs
+                self.storage,
+                self._point,
+                self.entries,
+                self._firsts,
+                self.keep_episode,
+                self.selection,
+                self._logs,
+                self._removed,
             )
         entries = self.entries
         if paths is not None:
@@ -314,7 +383,7 @@ class Snapshot:
             "episodes": (label if label is not None else repr(keep_episode)) if keep_episode is not None else None,
         }
         digest = hashlib.sha256(json.dumps(named, sort_keys=True).encode()).hexdigest()[:16]
-        return Snapshot(self.storage, self._point, entries, self._firsts, keep, digest, self._logs)
+        return Snapshot(self.storage, self._point, entries, self._firsts, keep, digest, self._logs, self._removed)
 
     @property
     def cursor(self) -> str:
@@ -376,7 +445,18 @@ class Snapshot:
             if key not in by_seq:
                 by_seq[key] = {x.seq: x for x in self._logs.get(key, [])}  # type: ignore[misc]
             new += _new_part(by_seq[key], e.seq, start)  # type: ignore[arg-type]
-        return Snapshot(self.storage, self._point, new, self._firsts, self.keep_episode, self.selection, self._logs)
+        now = time.time()
+        gone = [
+            hit[0]
+            for x in new
+            if (hit := self._removed.get((x.topic, x.partition, x.seq))) is not None  # type: ignore[arg-type]
+            and (now >= hit[0].deletable_at or not (self.storage.exists(x.path) or self.storage.exists(x.staging_path)))
+        ]
+        if gone:  # replaced shards `since` needs, whose files retention deleted
+            raise _expired(f"the point since={_short(str(since_c))}", gone, len(gone))
+        return Snapshot(
+            self.storage, self._point, new, self._firsts, self.keep_episode, self.selection, self._logs, self._removed
+        )
 
     # ---------------------------------------------------------------- reading shards
     def _gated(self, entry: ShardEntry):
@@ -778,6 +858,8 @@ def open_snapshot(storage: Storage | str, as_of: float | int | str | Cursor | No
         FileNotFoundError: the store holds no manifest (nothing was ever committed there).
         CursorError: a malformed cursor, a cursor of another store, a position past a log's
             end, a time in the future or before the store's first commit (one-line messages).
+        ExpiredPointError: a point before a removal by retention whose files are deleted (a
+            `CursorError`; the newest point never is one).
         ManifestError: the manifest cannot be read (a gap, a malformed entry).
 
     Example::
@@ -795,7 +877,9 @@ def open_snapshot(storage: Storage | str, as_of: float | int | str | Cursor | No
     st = Storage.from_uri(storage) if isinstance(storage, str) else storage
     if not st.exists(MANIFEST_DIR):
         raise FileNotFoundError(f"no rlrec manifest at {st.uri('')} (give the --output of rlrec consume)")
+    records = read_removals(st)  # before the logs: every record's positions are in them
     logs = _read_logs(st)
+    removed = resolve_removals(records, logs)
     firsts = {k: _first_entry_key(entries[0] if entries else None) for k, entries in logs.items()}
     ends = {k: (entries[-1].seq + 1 if entries else 0) for k, entries in logs.items()}
     if as_of is None:
@@ -816,8 +900,11 @@ def open_snapshot(storage: Storage | str, as_of: float | int | str | Cursor | No
     positions = {k: n for k, n in positions.items() if n > 0}
     point = Cursor(positions, _tag({k: firsts[k] for k in positions}))
     entries = [e for key, es in logs.items() for e in live_shards(es, below=positions.get(key, 0)).values()]
+    entries = _apply_removals(
+        st, entries, positions, removed, newest=as_of is None, what=f"the point {_short(point, 120)}"
+    )
     log.debug("snapshot %s: %d shard(s)", point, len(entries))
-    return Snapshot(st, point, entries, firsts, logs=logs)
+    return Snapshot(st, point, entries, firsts, logs=logs, removed=removed)
 
 
 def cursor_covering(

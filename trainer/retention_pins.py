@@ -81,6 +81,7 @@ def pinned_files(
 
     versions = pinned_versions(policies, keep_versions)
     from rlrec.trainer.lineage import files_needed
+
     files: set[str] = set()
     for v in versions:
         with warnings.catch_warnings():

@@ -94,6 +94,7 @@ __all__ = [
     "default_writer_id",
     "entry_path",
     "list_partition_logs",
+    "live_holders",
     "live_shards",
     "manifest_totals",
     "parse_entry",
@@ -933,6 +934,33 @@ def live_shards(entries: Iterable[Entry], *, below: int | None = None) -> dict[i
                 del live[r]
             live[e.seq] = e.shard  # type: ignore[index]
     return live
+
+
+def live_holders(entries: Iterable[Entry], *, below: int | None = None) -> dict[int, tuple[int, ...]]:
+    """Which shard entries' episodes each live shard of one partition log holds: ``{seq of
+    the live shard (as in `live_shards`): seqs of the shard entries that first committed its
+    episodes}`` -- the shard entry itself, or every shard entry a replacement (of
+    replacements) merged into it.
+
+    Args:
+        entries: the log's entries in seq order (`PartitionLog.load`), checked by `live_shards`.
+        below: only entries with ``seq < below`` count (None: all).
+
+    Example:
+        >>> live_holders([])
+        {}
+    """
+    entries = list(entries)
+    live_shards(entries, below=below)  # the rule of replacement, checked once
+    held: dict[int, tuple[int, ...]] = {}
+    for e in entries:
+        if below is not None and e.seq >= below:  # type: ignore[operator]
+            break
+        if isinstance(e, ShardEntry):
+            held[e.seq] = (e.seq,)  # type: ignore[index]
+        elif isinstance(e, ReplaceEntry):
+            held[e.seq] = tuple(sorted(s for r in e.replaces for s in held.pop(r)))  # type: ignore[index]
+    return held
 
 
 def shard_files(entries: Iterable[Entry]) -> list[ShardEntry]:

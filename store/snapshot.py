@@ -53,6 +53,7 @@ Example::
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import hashlib
 import json
@@ -76,6 +77,7 @@ from rlrec.store.manifest import (
     ReplaceEntry,
     ShardEntry,
     list_partition_logs,
+    live_holders,
     live_shards,
 )
 from rlrec.store.retention import RemovalRecord, RemovedFile, read_removals, resolve_removals
@@ -93,6 +95,7 @@ __all__ = [
     "cursor_covering",
     "empty_steps",
     "gated_steps",
+    "open_entries",
     "open_snapshot",
     "tabular_episodes",
 ]
@@ -270,6 +273,16 @@ class _BothKept:
 
     def __call__(self, episode_id: str) -> bool:
         return self.outer(episode_id) and self.inner(episode_id)
+
+
+@dataclass(frozen=True)
+class _NotIn:
+    """Keeps an episode whose id is not in `ids` (picklable, for DataLoader workers)."""
+
+    ids: frozenset
+
+    def __call__(self, episode_id: str) -> bool:
+        return episode_id not in self.ids
 
 
 class Snapshot:
@@ -905,6 +918,96 @@ def open_snapshot(storage: Storage | str, as_of: float | int | str | Cursor | No
     )
     log.debug("snapshot %s: %d shard(s)", point, len(entries))
     return Snapshot(st, point, entries, firsts, logs=logs, removed=removed)
+
+
+def open_entries(
+    storage: Storage | str,
+    ranges: Mapping[tuple[str, int], Iterable[tuple[int, int]]],
+    *,
+    within: str | Cursor | None = None,
+) -> Snapshot:
+    """The episodes first committed by the shard entries in `ranges`, read from the shards
+    that hold them now: an entry's own shard while it is live, else the live merged shard a
+    compaction replaced it by, with the episodes of the other shards merged into it left out.
+
+    Each episode of those entries is read exactly once, and the same ones after any later
+    compaction (which never drops an episode), so the result names the same data for as long as
+    its shards are kept -- unlike a point of the manifest taken before a compaction, whose
+    replaced files retention may remove. Its `Snapshot.cursor` is the smallest point at which
+    the holding shards are live (the point covering the entries themselves until a compaction
+    touches them); its `Snapshot.selection` names the ranges, so it does not change when the
+    holding shards do. Entries of a range that are not shard entries (a claim, a log snapshot, a
+    replacement) hold no episodes of their own and are passed over.
+
+    Args:
+        storage: the store (a `Storage` or its URI).
+        ranges: per partition log ``(topic, partition)``, half-open ``(start, end)`` ranges of
+            manifest seqs of its log.
+        within: a cursor the entries must be below (checked to be a point of this store).
+
+    Raises:
+        CursorError: `within` is not a point of this store or a range reaches past it or past
+            its log's end, or a merged shard holds other episodes that cannot be told apart
+            from the ones asked for (they carry no episode ids: tabular shards).
+
+    Example:
+        >>> import tempfile
+        >>> from rlrec.store.commit import ShardCommitter
+        >>> from rlrec.trainer.synthetic import expert_cartpole_episodes
+        >>> root = tempfile.mkdtemp()
+        >>> c = ShardCommitter(root)
+        >>> _ = c.commit(expert_cartpole_episodes(1)); _ = c.commit(expert_cartpole_episodes(2, seed=1))
+        >>> open_entries(root, {("rl", 0): [(2, 3)]}).num_episodes  # seq 0 is the writer's claim
+        2
+    """
+    newest = open_snapshot(storage)
+    logs = newest._logs or {}
+    wanted = {key: sorted((int(a), int(b)) for a, b in rs if int(a) < int(b)) for key, rs in ranges.items()}
+    wanted = {key: rs for key, rs in wanted.items() if rs}
+    c = _as_cursor(within) if within is not None else None
+    if c is not None:
+        _check_store(c, newest._firsts, newest.storage)
+    for (t, p), rs in wanted.items():
+        end = max(b for _, b in rs)
+        if end > (limit := c.positions.get((t, p), 0) if c is not None else len(logs.get((t, p), []))):
+            where = f"the cursor {c}" if c is not None else f"the end of its log ({limit} entries)"
+            raise CursorError(f"{t}/{p} entries up to {end - 1} are asked for, past {where}")
+    holding: list[ShardEntry] = []
+    trained_ids: set[str] = set()
+    others: set[str] = set()
+    for key, rs in sorted(wanted.items()):
+        entries = logs.get(key, [])
+        by_seq = {e.seq: e for e in entries}
+        starts = [a for a, _ in rs]
+
+        def asked(seq: int, rs=rs, starts=starts) -> bool:
+            i = bisect.bisect_right(starts, seq) - 1
+            return i >= 0 and seq < rs[i][1]
+
+        live = live_shards(entries)
+        for seq, held in live_holders(entries).items():
+            mine = [h for h in held if asked(h)]
+            if not mine:
+                continue
+            holding.append(live[seq])
+            for h in mine:
+                trained_ids.update(by_seq[h].episode_ids)
+            for other in held:
+                if asked(other):
+                    continue
+                ids = by_seq[other].episode_ids
+                if by_seq[other].episodes and not ids:
+                    raise CursorError(
+                        f"{live[seq].path} merges the entries asked for with entry {other} of {key[0]}/{key[1]}, "
+                        "whose episodes carry no ids: they cannot be told apart"
+                    )
+                others.update(ids)
+    others -= trained_ids  # an id in both (reused across logs) is kept: read, not lost
+    point = cursor_covering(newest.storage, holding, dict(newest._firsts)) if holding else Cursor({}, _tag({}))
+    keep = _NotIn(frozenset(others)) if others else None
+    named = {"entries": [[t, p, [list(r) for r in rs]] for (t, p), rs in sorted(wanted.items())]}
+    digest = hashlib.sha256(json.dumps(named, sort_keys=True).encode()).hexdigest()[:16]
+    return Snapshot(newest.storage, point, holding, newest._firsts, keep, digest, logs)
 
 
 def cursor_covering(

@@ -82,6 +82,55 @@ def test_cursor_covering_names_the_same_store_after_manifest_snapshots(tmp_path)
     assert open_snapshot(root, as_of=str(cursor_covering(root, snap.entries[:2]))).entries == snap.entries[:2]
 
 
+def test_entries_reopen_the_same_episodes_after_compaction_merged_them_with_others(tmp_path):
+    """`open_entries` reads shard entries' episodes from whatever holds them now: the same ids
+    and steps before and after a compaction that merged them with entries not asked for (and
+    after a second compaction merging the merged shard again), under the same selection."""
+    from rlrec.store.compaction import compact_partition
+    from rlrec.store.snapshot import open_entries
+
+    root = str(tmp_path / "s")
+    c = ShardCommitter(root, "rl", 0)
+    for i in range(6):
+        c.commit(expert_cartpole_episodes(2, seed=i, max_steps=20))
+    shard_seqs = [e.seq for e in open_snapshot(root).entries]
+    asked = {("rl", 0): [(shard_seqs[1], shard_seqs[3] + 1)]}
+    before = open_entries(root, asked)
+    want = _shard_ids(root, [e.path for e in before.entries])
+    assert len(before.entries) == 3 and _ids(before) == sorted(want) and len(want) == 6
+    steps_before = before.num_steps
+    with pytest.raises(CursorError, match="past the cursor"):
+        open_entries(
+            root, asked, within=open_snapshot(root, as_of=str(cursor_covering(root, before.entries[:1]))).cursor
+        )
+
+    assert compact_partition(c.log, min_age_s=0).written == 1  # all six into one shard
+    after = open_entries(root, asked)
+    assert len(after.entries) == 1 and after.entries[0].seq not in shard_seqs  # the merged shard
+    assert _ids(after) == sorted(want) and after.num_steps == steps_before
+    assert after.selection == before.selection and after.cursor != before.cursor
+    # a trainer that trained seqs 1-3 and a shard committed after the replacement: its lineage
+    # cursor holds the replace entry, so its data is read from the merged shard
+    from rlrec.trainer.lineage import Lineage, _trained_data, files_needed
+
+    c.commit(expert_cartpole_episodes(2, seed=50, max_steps=20))
+    newest = open_snapshot(root)
+    late = max(newest.entries, key=lambda e: e.seq)
+    doc = {"cursor": newest.cursor, "trained": [["rl", 0, [[shard_seqs[1], shard_seqs[4]], [late.seq, late.seq + 1]]]]}
+    lin = Lineage.from_doc(7, doc, signed=True)
+    assert files_needed(root, lin) == {after.entries[0].path, late.path}
+    assert _ids(_trained_data(root, lin)) == sorted(want | _shard_ids(root, [late.path]))
+    for i in range(6, 9):
+        c.commit(expert_cartpole_episodes(2, seed=i, max_steps=20))
+    assert compact_partition(c.log, min_age_s=0).written == 1  # the merged shard merged again
+    again = open_entries(root, asked)
+    assert _ids(again) == sorted(want) and again.num_steps == steps_before
+    assert {ep.id_ for ep in again.episodes()} == want and again.steps().num_rows == steps_before
+    assert open_entries(root, {("rl", 0): [(0, 1)]}).num_episodes == 0  # the claim: no episodes
+    with pytest.raises(CursorError, match="past the end of its log"):  # a forged range: no list of 10**12 seqs
+        open_entries(root, {("rl", 0): [(0, 10**12)]})
+
+
 def test_subset_filters_every_reader_and_refuses_unknown_shards(tmp_path):
     root = str(tmp_path / "s")
     c = ShardCommitter(root)
@@ -579,6 +628,39 @@ def test_each_version_reopens_exactly_the_episodes_it_trained_on_and_held_out(tr
         assert got.cursor == lineage["cursor"] and len(everything) > len(ids)  # later data left out
         # the cursor alone reopens the same point: every shard up to it is one the version trained on
         assert {e.path for e in open_snapshot(out, as_of=lineage["cursor"]).entries} == shards
+
+
+@pytest.mark.slow
+def test_each_version_reopens_the_same_data_after_its_shards_are_compacted(trained, tmp_path):
+    """Compaction merges trained shards with shards committed after training: each version's
+    data is still exactly what it trained on and held out, read from the merged shards, and
+    `files_needed` (what retention must keep) names the merged shards, not the replaced ones."""
+    from rlrec.cli import main
+    from rlrec.trainer.lineage import files_needed
+
+    out, pol, pub = trained["out"], trained["policies"], trained["public"]
+    copy = str(tmp_path / "out")
+    shutil.copytree(out, copy)
+    want = {
+        v: (
+            _ids(rlrec.open(out, policy_version=v, policies=pol, public_key=pub)),
+            _ids(rlrec.open(out, policy_version=v, policies=pol, public_key=pub, held_out=True)),
+        )
+        for v in trained["versions"]
+    }
+    assert main(["compact", copy, "--min-age", "0", "--force"]) == 0
+    live = {e.path for e in read_manifest(Storage.from_uri(copy))}
+    assert not live & trained["batch_ab"]  # every trained shard was replaced
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the copy is the same store under another name
+        for v, (trained_ids, held_ids) in want.items():
+            got = rlrec.open(copy, policy_version=v, policies=pol, public_key=pub)
+            held = rlrec.open(copy, policy_version=v, policies=pol, public_key=pub, held_out=True)
+            assert _ids(got) == trained_ids and _ids(held) == held_ids
+            assert got.num_steps == rlrec.open(out, policy_version=v, policies=pol, public_key=pub).num_steps
+            lin = read_version_lineage(pol, v, public_key=pub)
+            assert files_needed(copy, lin) == {e.path for e in got.entries} and files_needed(copy, lin) <= live
+            assert files_needed(out, lin) == trained["versions"][v]  # before compaction: its own shards
 
 
 @pytest.mark.slow

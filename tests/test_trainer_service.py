@@ -299,6 +299,31 @@ def test_a_killed_learner_actor_ends_the_run_at_once_with_one_clear_error(ray_cl
     assert json.load(open(os.path.join(ck, "checkpoints", "latest.json")))["iteration"] >= 2
 
 
+def test_an_entry_of_a_newer_rlrec_stops_the_run_after_a_checkpoint_instead_of_going_stale(ray_cluster, tmp_path):
+    """A manifest entry this rlrec cannot read (a newer rlrec wrote it) means no new shards from
+    its log until an upgrade: the trainer checkpoints and stops with `StoreTooNew` (one line
+    naming the log and "upgrade rlrec", exit code 1) instead of training on stale data."""
+    from rlrec.errors import error_line
+    from rlrec.trainer.service import ContinuousTrainer, StoreTooNew
+
+    out, ck = str(tmp_path / "out"), str(tmp_path / "ck")
+    c = ShardCommitter(out)
+    c.commit(expert_cartpole_episodes(3, seed=0, max_steps=200))
+    trainer = ContinuousTrainer(cfg(out, ck, checkpoint_interval=1000, poll_interval_s=0.2))
+    t, box = run_in_thread(trainer)
+    wait_for(lambda: trainer.iteration >= 2, 90, "training")
+    seq = c.log.next_seq
+    c.storage.create_once(f"_manifest/rl/00000/{seq:012d}.json", json.dumps({"type": "retain", "seq": seq}).encode())
+    t.join(60)
+    assert not t.is_alive()
+    err = box.get("error")
+    assert isinstance(err, StoreTooNew) and err.exit_code == 1, box
+    line = error_line("train", err)
+    assert "\n" not in line and "rl/00000" in line and "upgrade rlrec" in line and "--resume" in line
+    latest = json.load(open(os.path.join(ck, "checkpoints", "latest.json")))
+    assert latest["iteration"] == trainer.iteration >= 2  # the final checkpoint holds the last iteration
+
+
 def test_resume_restores_weights_and_optimizer_state(ray_cluster, tmp_path):
     import torch
     from ray.rllib.core import DEFAULT_MODULE_ID

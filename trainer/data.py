@@ -142,6 +142,8 @@ class ManifestOfflineData(OfflineData):
         self._lock = threading.Lock()
         self._local_iterators: list[StreamIterator] = []
         self.last_poll_error: str | None = None
+        #: a manifest entry this rlrec cannot read (a newer rlrec wrote it): the trainer stops
+        self.unsupported: str | None = None
         self.poll_schedule = RetrySchedule()  # manifest polls while they fail: the one retry schedule
         self.health = StorageHealth(self.storage.uri())  # the input store's failed reads, reported here
 
@@ -163,10 +165,9 @@ class ManifestOfflineData(OfflineData):
                 infos = self.follower.poll(force_discover=force_discover)
                 self.last_poll_error = None
             except Exception as e:  # keep training on what we have; the next poll tries again
-                before, self.last_poll_error = self.last_poll_error, f"{type(e).__name__}: {e}"
+                self.last_poll_error = f"{type(e).__name__}: {e}"
                 if isinstance(e, UnsupportedManifestError):  # no new data until rlrec is upgraded
-                    if self.last_poll_error != before:
-                        log.error("%s (no new shards are taken from %s meanwhile)", e, self.storage.uri())
+                    self.unsupported = str(e)
                 elif is_refusal(e):
                     self.health.refused("manifest poll", self.last_poll_error)
                 elif isinstance(e, (StorageError, OSError)):  # the store does not answer

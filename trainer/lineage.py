@@ -14,9 +14,11 @@ version) it records what was trained and where that data is:
 * ``holdout_fraction``: F of the held-out split (`rlrec.trainer.holdout`): the episodes of
   those shards with ``is_held_out(id, F)`` were held out, never trained on.
 
-So the data a version was trained on is: the snapshot at ``cursor``, restricted to the
-entries ``trained`` names, less the held-out episodes; the data it held out: the same
-shards' held-out episodes. `open_lineage` builds exactly these (`Snapshot.subset`). Its
+So the data a version was trained on is: the episodes first committed by the entries
+``trained`` names, less the held-out episodes; the data it held out: the same shards'
+held-out episodes. `open_lineage` builds exactly these, read from the shards that hold them now
+(`rlrec.store.snapshot.open_entries`: a compaction that merged them changes the files, not the
+episodes), and `files_needed` names those shards (what retention must keep). Its
 weights saw rows of every listed shard; a shard's remaining rows may still have been in the
 replay window when it was exported (the lineage is per shard, not per row), and episodes the
 trainer refused as unusable (counted in ``episodes_skipped``) are in the reopened data.
@@ -35,7 +37,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from rlrec.store.snapshot import Snapshot, open_snapshot
+from rlrec.store.snapshot import Snapshot, open_entries, open_snapshot
 from rlrec.store.storage import Storage
 from rlrec.trainer.holdout import is_held_out
 
@@ -44,6 +46,7 @@ __all__ = [
     "Lineage",
     "LineageError",
     "LineageInputWarning",
+    "files_needed",
     "list_lineages",
     "open_lineage",
     "read_version_lineage",
@@ -252,9 +255,10 @@ def open_lineage(
     channel: str | None = None,
 ) -> Snapshot:
     """The data published `version` was trained on (or, with `held_out`, the data it held out),
-    as a snapshot of `storage` pinned to the version's lineage cursor (module docstring). Its
-    `Snapshot.selection` (the shards and the side of the split) names it with the cursor: the
-    cursor alone names the whole point, which holds more.
+    as a snapshot of `storage` (module docstring): the episodes of the shard entries it trained
+    on, read from the shards that hold them now. Its `Snapshot.selection` (the entries and the
+    side of the split) names the data; its cursor is the smallest point where those shards are
+    live (the version's lineage cursor until a compaction merges them).
 
     Args:
         storage: the store the trainer read (a `Storage` or its URI).
@@ -292,7 +296,7 @@ def open_lineage(
     if held_out and not lin.holdout_fraction:
         raise LineageError(f"policy version {version} held nothing out (its holdout_fraction is 0)")
     keep = HoldoutSplit(lin.holdout_fraction, bool(held_out))
-    snap = open_snapshot(storage, as_of=lin.cursor)  # CursorError: the cursor's tag names another store
+    snap = _trained_data(storage, lin)
     here = snap.storage.uri("")
     if lin.input is not None and lin.input.rstrip("/") != here.rstrip("/"):
         warnings.warn(
@@ -301,7 +305,39 @@ def open_lineage(
             LineageInputWarning,
             stacklevel=2,
         )
-    return snap.subset(lin.shard_paths(snap.entries), keep_episode=keep)
+    return snap.subset(keep_episode=keep)
+
+
+def _trained_data(storage: Storage | str, lin: Lineage) -> Snapshot:
+    """The episodes of the shards `lin` was trained on, in the shards that hold them now
+    (`open_entries`), after checking that its cursor is a point of `storage`."""
+    assert lin.cursor is not None
+    st = Storage.from_uri(storage) if isinstance(storage, str) else storage
+    if lin.trained is None:  # a lineage that lists paths: the shards live at its cursor
+        snap = open_snapshot(st, as_of=lin.cursor)
+        return snap.subset(lin.shard_paths(snap.entries))
+    return open_entries(st, lin.trained, within=lin.cursor)
+
+
+def files_needed(storage: Storage | str, lineage: Lineage) -> set[str]:
+    """The manifest paths of the shards that reopening `lineage`'s data reads (trained and held
+    out): what retention must keep while the version may be deployed or rolled back to.
+
+    Args:
+        storage: the store the version's trainer read.
+        lineage: its verified lineage (`read_version_lineage`).
+
+    Raises:
+        LineageError: a lineage without a cursor.
+        CursorError: its cursor is not a point of `storage`.
+
+    Example:
+        >>> files_needed("/data/shards", read_version_lineage("/ckpt/policies", 3))  # doctest: +SKIP
+        {'expert/rl-00000-000000000000-000000000041.parquet'}
+    """
+    if lineage.cursor is None:
+        raise LineageError(f"the lineage of policy version {lineage.policy_version} records no manifest cursor")
+    return {e.path for e in _trained_data(storage, lineage).entries}
 
 
 def list_lineages(policies: str, *, public_key: Any = None) -> list[dict]:

@@ -54,6 +54,12 @@ class LineageLost(TrainerLost):
     data it was trained on, so the trainer stops rather than publish without it (exit code 1)."""
 
 
+class StoreTooNew(TrainerLost):
+    """The input's manifest holds an entry this rlrec cannot read (a newer rlrec wrote it): the
+    trainer would take no new shards from that log until it is upgraded, so it checkpoints and
+    stops rather than go on training on stale data (exit code 1)."""
+
+
 class UnsupportedCombination(ValueError):
     """The algorithm cannot train on these spaces (RLlib 2.60)."""
 
@@ -1183,6 +1189,9 @@ class ContinuousTrainer:
             self._watchdog.start()
         last_idle_log = 0.0
         while not self._stop.is_set():
+            if od.unsupported:
+                self.stop_reason = "store too new"
+                break
             if self.cfg.max_iterations is not None and self.iteration >= self.cfg.max_iterations:
                 self.stop_reason = self.stop_reason or "max iterations"
                 break
@@ -1208,6 +1217,11 @@ class ContinuousTrainer:
             latest = self.checkpoints.latest()
             if latest is None or latest.get("iteration") != self.iteration or self._pending:
                 self.checkpoint(final=True)
+        if od.unsupported:
+            raise StoreTooNew(
+                f"{od.unsupported}; the trainer stopped (checkpointed) rather than train on without that log's "
+                "new shards (restart it with --resume once rlrec is upgraded)"
+            )
         return 0
 
     def _progress(self) -> None:

@@ -949,6 +949,7 @@ def open_entries(
         CursorError: `within` is not a point of this store or a range reaches past it or past
             its log's end, or a merged shard holds other episodes that cannot be told apart
             from the ones asked for (they carry no episode ids: tabular shards).
+        ExpiredPointError: retention removed a shard holding them (`rlrec.store.retention`).
 
     Example:
         >>> import tempfile
@@ -1003,11 +1004,14 @@ def open_entries(
                     )
                 others.update(ids)
     others -= trained_ids  # an id in both (reused across logs) is kept: read, not lost
+    gone = [hit[0] for e in holding if (hit := newest._removed.get((e.topic, e.partition, e.seq))) is not None]  # type: ignore[arg-type]
+    if gone:  # retention expired the shards holding them
+        raise _expired("the data of these entries", gone, len(gone))
     point = cursor_covering(newest.storage, holding, dict(newest._firsts)) if holding else Cursor({}, _tag({}))
     keep = _NotIn(frozenset(others)) if others else None
     named = {"entries": [[t, p, [list(r) for r in rs]] for (t, p), rs in sorted(wanted.items())]}
     digest = hashlib.sha256(json.dumps(named, sort_keys=True).encode()).hexdigest()[:16]
-    return Snapshot(newest.storage, point, holding, newest._firsts, keep, digest, logs)
+    return Snapshot(newest.storage, point, holding, newest._firsts, keep, digest, logs, newest._removed)
 
 
 def cursor_covering(

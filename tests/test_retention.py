@@ -144,11 +144,11 @@ def test_expired_shards_are_removed_newest_and_later_points_read_the_rest_older_
     c = ShardCommitter(root, "rl", 0)
     _commit(c, 2)
     at_old = open_snapshot(root).cursor
-    time.sleep(1.2)
+    time.sleep(2.0)
     new = _commit(c, 2, seed0=10)
     at_both = open_snapshot(root).cursor
 
-    res = retain(c.storage, older_than_s=0.8, grace_s=0)
+    res = retain(c.storage, older_than_s=1.5, grace_s=0)
     assert [f.reason for f in res.recorded] == ["expired", "expired"]
     assert len(res.deleted) == 2  # two published files (their staging files are gone already)
     _assert_exactly(open_snapshot(root), new)
@@ -175,8 +175,9 @@ def test_a_merged_shard_expires_by_its_parts_first_commits_not_by_its_merge(tmp_
     _commit(c2, 2)
     time.sleep(1.2)
     _commit(c2, 1, seed0=10)
+    recent = time.time()
     assert compact_partition(c2.log, min_age_s=0).written == 1
-    res2 = retain(c2.storage, older_than_s=0.8, grace_s=3600, dry_run=True)
+    res2 = retain(c2.storage, older_than_s=0.8, grace_s=3600, dry_run=True, now=recent + 0.1)
     assert sorted(f.reason for f in res2.recorded) == ["replaced"] * 3
 
 
@@ -498,3 +499,48 @@ def test_cli_removes_replaced_files_without_policies(tmp_path):
     assert sum(x.startswith("delete ") for x in lines) == 3
     assert "record 3 shard(s) as removed (0 expired, 3 replaced) and delete 3 file(s)" in p.stderr
     assert read_removals(Storage.from_uri(root))[0].files[0].reason == "replaced"
+
+
+# -- lineage pins ----------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_lineage_pins_keep_the_deployed_version_and_its_rollback_candidates(tmp_path):
+    """v1 trained on A1, v2 on A2, v3 (deployed) on A2 and A3: with --keep-versions 1 only A1,
+    pinned by v1 alone, expires; with 2 nothing does. v3's data still reopens, v1's is expired."""
+    import rlrec
+    from rlrec.trainer.retention_pins import pinned_files
+    from rlrec.trainer.signing import generate_keys
+    from tests.test_lineage import _publish_version
+
+    root = str(tmp_path / "s")
+    pol = str(tmp_path / "pol")
+    priv, _ = generate_keys(tmp_path / "keys")
+    c = ShardCommitter(root, "rl", 0)
+    a1 = _commit(c, 1)
+    _publish_version(pol, 1, root, str(priv), run_id="run-a")
+    a1_path = open_snapshot(root).entries[0].path
+    _commit(c, 1, seed0=1)
+    _publish_version(pol, 2, root, str(priv), run_id="run-a", skip=a1_path)
+    _commit(c, 1, seed0=2)
+    _publish_version(pol, 3, root, str(priv), run_id="run-a", skip=a1_path)
+    pins2, versions2 = pinned_files(Storage.from_uri(root), pol, 2)
+    assert list(versions2) == [1, 2, 3] and versions2.deployed == 3 and a1_path in pins2
+    pins1, versions1 = pinned_files(Storage.from_uri(root), pol, 1)
+    assert list(versions1) == [2, 3] and a1_path not in pins1 and len(pins1) == 2
+    time.sleep(1.2)
+    st = Storage.from_uri(root)
+    p = _cli("retain", root, "--older-than", "1s", "--policies", pol, "--keep-versions", "1", "--grace", "0")
+    assert p.returncode == 0, p.stderr
+    assert "keeping the data of policy versions 2, 3 (deployed: 3): 2 shard(s)" in p.stderr
+    assert [x.split()[1:3] for x in p.stdout.splitlines() if x.startswith("record")] == [["expired", st.uri(a1_path)]]
+    fresh = _commit(c, 1, seed0=3)
+    t = time.time()
+    assert retain(st, older_than_s=0.5, pinned=pins2, dry_run=True, now=t + 0.1).recorded == []  # fresh: too young
+    assert not os.path.exists(os.path.join(root, a1_path))
+    v3 = rlrec.open(root, policy_version=3, policies=pol, allow_unsigned=True)
+    assert v3.num_steps > 0 and a1_path not in {e.path for e in v3.entries}
+    with pytest.raises(ExpiredPointError):
+        rlrec.open(root, policy_version=1, policies=pol, allow_unsigned=True)
+    assert set(fresh) <= {i for e in open_snapshot(root).entries for i in e.episode_ids}
+    assert not set(a1) & {i for e in open_snapshot(root).entries for i in e.episode_ids}

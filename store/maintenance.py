@@ -99,6 +99,9 @@ def gc(
     a writer whose staged file was deleted anyway publishes the shard from
     memory (``ShardCommitter``).
 
+    Deletes through `rlrec.store.deletion.delete_files`, the one deletion path retention uses
+    too (shard-file paths only, never through a symlink).
+
     Returns the deleted (with *dry_run*: deletable) paths relative to the root.
     """
     if older_than_s < 0:

@@ -478,12 +478,15 @@ def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
         (["--policies", "/nope", "--no-lineage-pins"], "contradict"),
         (["--keep-versions", "-1"], "--keep-versions must be 0 or more"),
         (["--policies", "{tmp}/nothing-published", "--older-than", "1d"], "nothing is published under"),
+        (["--no-lineage-pins", "RLREC_OLDER_THAN=1s"], "RLREC_OLDER_THAN is not read here"),  # gc's grace
     ],
 )
 def test_cli_mistakes_are_one_line_with_exit_2(tmp_path, args, msg):
     root = str(tmp_path / "out")
     _commit(ShardCommitter(root, "rl", 0), 1)
-    p = _cli("retain", root, *(a.replace("{tmp}", str(tmp_path)) for a in args))
+    env = dict(a.split("=", 1) for a in args if a.startswith("RLREC_"))
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args if not a.startswith("RLREC_")]
+    p = _cli("retain", root, *args, env=env)
     assert p.returncode == 2, p.stderr
     assert p.stderr.count("\n") == 1 and p.stderr.startswith("rlrec retain: error:") and msg in p.stderr, p.stderr
     assert not os.path.exists(os.path.join(root, "_manifest", "_removed"))

@@ -20,7 +20,8 @@ class RetainOptions:
         parse=parse_duration,
         metavar="DURATION",
         help="expire live shards all of whose episodes were first committed longer ago than this, e.g. 30d "
-        "(default: expire nothing, remove only files compaction replaced); needs --policies or --no-lineage-pins",
+        "(default: expire nothing, remove only files compaction replaced); needs --policies or --no-lineage-pins; "
+        "never taken from RLREC_OLDER_THAN (rlrec gc's grace period)",
     )
     grace: float = option(
         3600.0,
@@ -86,9 +87,15 @@ def check(opts: RetainOptions) -> None:
 
 @reports_storage_errors("retain")
 def run(args: argparse.Namespace) -> int:
+    import os
     import sys
 
     opts = OPTIONS.build(RetainOptions, OPTIONS.resolve(args))  # OptionError: one line, exit 2
+    if getattr(args, "older_than", None) is None and os.environ.get("RLREC_OLDER_THAN"):
+        from rlrec.errors import UsageError
+
+        # RLREC_OLDER_THAN is also rlrec gc's grace period: it must never expire data by itself
+        raise UsageError("give --older-than on the command line or in --config; RLREC_OLDER_THAN is not read here")
     check(opts)
     from rlrec.logs import cli_logging
 

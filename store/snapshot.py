@@ -151,6 +151,12 @@ def _expired(what: str, recs: Iterable[RemovalRecord], count: int) -> ExpiredPoi
     )
 
 
+def _deleted(storage: Storage, rec: RemovalRecord, e: ShardEntry, now: float) -> bool:
+    """Whether removed shard `e` cannot be read any more: its record is past its grace, or its
+    files are gone already (the deleting host's clock may run ahead of this one's)."""
+    return now >= rec.deletable_at or not (storage.exists(e.path) or storage.exists(e.staging_path))
+
+
 def _apply_removals(
     storage: Storage,
     entries: list[ShardEntry],
@@ -176,10 +182,10 @@ def _apply_removals(
         rec, key = hit[0], (e.topic, e.partition)
         if newest or positions.get(key, 0) >= rec.positions.get(key, 0):
             continue  # removed before this point existed: not part of it
-        if now < rec.deletable_at and (storage.exists(e.path) or storage.exists(e.staging_path)):
-            kept.append(e)  # within the grace (by this host's clock) and the file is still there
-        else:
+        if _deleted(storage, rec, e, now):
             gone.append(rec)
+        else:
+            kept.append(e)  # within the grace: read as before
     if gone:
         raise _expired(what, gone, len(gone))
     return kept
@@ -463,7 +469,7 @@ class Snapshot:
             hit[0]
             for x in new
             if (hit := self._removed.get((x.topic, x.partition, x.seq))) is not None  # type: ignore[arg-type]
-            and (now >= hit[0].deletable_at or not (self.storage.exists(x.path) or self.storage.exists(x.staging_path)))
+            and _deleted(self.storage, hit[0], x, now)
         ]
         if gone:  # replaced shards `since` needs, whose files retention deleted
             raise _expired(f"the point since={_short(str(since_c))}", gone, len(gone))

@@ -269,6 +269,23 @@ def test_gc_and_retention_share_one_deletion_path_that_refuses_links_and_manifes
     assert got == ["expert/a.parquet"]
     assert (outside / "x.parquet").read_bytes() == b"keep" and (root / "_manifest/rl/00000/000000000000.json").exists()
     assert (root / "expert" / "link.parquet").is_symlink()
+    import rlrec.store.deletion as deletion
+    import rlrec.store.maintenance as maintenance
+    import rlrec.store.retention as retention
+
+    assert maintenance.delete_files is retention.delete_files is deletion.delete_files
+
+
+def test_an_expired_shard_still_staged_is_deleted_from_staging(tmp_path):
+    root = str(tmp_path / "out")
+    c = ShardCommitter(root, "rl", 0)
+    _commit(c, 1)
+    e = open_snapshot(root).entries[0]
+    os.rename(os.path.join(root, e.path), os.path.join(root, e.staging_path))  # committed, not published
+    time.sleep(0.3)
+    res = retain(c.storage, older_than_s=0.1, grace_s=0)
+    assert res.deleted == [e.staging_path] and not os.path.exists(os.path.join(root, e.staging_path))
+    assert open_snapshot(root).entries == []
 
 
 # -- hostile records ------------------------------------------------------------------------------

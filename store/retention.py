@@ -420,6 +420,18 @@ def _next_number(storage: Storage) -> int:
     return max(nums, default=-1) + 1
 
 
+def _chunk(files: list[RemovedFile]) -> tuple[list[RemovedFile], list[RemovedFile]]:
+    """(the files of the next record, the rest): at most `MAX_FILES_PER_RECORD`, and at most
+    half of `MAX_RECORD_BYTES` of file descriptions (long policy ids and topics fit too)."""
+    size, i = 0, 0
+    while i < min(len(files), MAX_FILES_PER_RECORD):
+        size += len(json.dumps(files[i].to_dict())) + 1
+        if i and size > MAX_RECORD_BYTES // 2:
+            break
+        i += 1
+    return files[:i], files[i:]
+
+
 def append_removals(
     storage: Storage,
     positions: Mapping[tuple[str, int], int],
@@ -430,7 +442,7 @@ def append_removals(
     max_attempts: int = 100,
 ) -> list[RemovalRecord]:
     """Append `files` to the removal log as records of at most `MAX_FILES_PER_RECORD` files
-    each (create-once at the next free number; a lost race reads the winner's record, drops
+    and half of `MAX_RECORD_BYTES` each (create-once at the next free number; a lost race reads the winner's record, drops
     the files it names and tries the next number). Returns the records written."""
     now = time.time() if now is None else now
     written: list[RemovalRecord] = []
@@ -438,7 +450,7 @@ def append_removals(
     n = _next_number(storage)
     attempts = 0
     while pending:
-        chunk, rest = pending[:MAX_FILES_PER_RECORD], pending[MAX_FILES_PER_RECORD:]
+        chunk, rest = _chunk(pending)
         rec = RemovalRecord(n, now, grace_s, dict(positions), tuple(chunk))
         if storage.create_once(record_path(n), rec.to_json().encode()):
             written.append(rec)

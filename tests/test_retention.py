@@ -417,6 +417,20 @@ def test_a_big_removal_is_split_across_records(tmp_path, monkeypatch):
     assert MAX_FILES_PER_RECORD == 1000
 
 
+def test_records_of_long_paths_stay_readable():
+    from rlrec.store.retention import MAX_RECORD_BYTES, RemovalRecord, RemovedFile, _chunk
+
+    name = "t" * 249 + "+00000+" + "0" * 20 + "+" + "0" * 20 + "+e1.c0123456789ab.parquet"
+    files = [
+        RemovedFile("t" * 249, 0, i, f"{'p' * 200}/{name}", f"{'p' * 200}/_staging/{name}", "expired")
+        for i in range(1000)
+    ]
+    chunk, rest = _chunk(files)
+    assert 0 < len(chunk) < 1000 and chunk + rest == files
+    data = RemovalRecord(0, 1.0, 0.0, {("t" * 249, 0): 1000}, tuple(chunk)).to_json().encode()
+    assert len(data) <= MAX_RECORD_BYTES and len(parse_record(data, 0).files) == len(chunk)
+
+
 # -- kill -9 ---------------------------------------------------------------------------------------
 
 _RETAIN = textwrap.dedent(

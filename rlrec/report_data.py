@@ -155,7 +155,9 @@ def _safe_columns(storage: Any, entry: Any) -> dict[str, list] | str | None:
 
 def _load_trainer(data: ReportData, uri: str) -> None:
     try:
-        text = _storage(uri).read("metrics.jsonl").decode("utf-8", errors="replace")
+        from rlrec.trainer.metrics import read_metrics_text
+
+        text = read_metrics_text(_storage(uri))
     except FileNotFoundError:
         data.note("trainer", f"no trainer metrics ({uri}/metrics.jsonl does not exist yet)")
         return

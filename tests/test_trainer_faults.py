@@ -219,6 +219,53 @@ def test_metrics_lines_wait_out_an_outage_of_their_store_and_errors_are_counted_
         m.close()
 
 
+def test_metrics_on_an_object_store_roll_into_segments_and_read_back_once(s3_behind_proxy, monkeypatch):
+    """An object store's metrics.jsonl is rewritten whole per line: it rolls into
+    metrics/{first iteration}.jsonl at ROLL_LINES lines, so each PUT stays small however long the
+    trainer runs. Every line reads back once (also after a roll cut between its two writes),
+    and truncation on resume works across segments."""
+    import json
+
+    from rlrec.trainer.metrics import METRICS_FILE, TrainerMetrics, read_metrics_text
+
+    direct = s3_behind_proxy[0]
+    monkeypatch.setattr(TrainerMetrics, "ROLL_LINES", 4)
+    puts = []
+    real_write = type(direct).write
+
+    def write(self, path, data):
+        puts.append((path, len(data)))
+        return real_write(self, path, data)
+
+    monkeypatch.setattr(type(direct), "write", write)
+    base = {"policy_version": 0, "timesteps_trained": 1, "shards_total": 1, "shards_new": 1}
+
+    def iterations() -> list[int]:
+        return [json.loads(x)["iteration"] for x in read_metrics_text(direct).splitlines()]
+
+    m = TrainerMetrics(direct, None, False)
+    for i in range(1, 11):
+        m.write({**base, "iteration": i})
+    assert iterations() == list(range(1, 11))
+    assert sorted(i.path.rsplit("/", 1)[-1] for i in direct.list("metrics")) == [
+        "000000000001.jsonl",
+        "000000000005.jsonl",
+    ]
+    assert len(direct.read(METRICS_FILE).decode().splitlines()) == 2  # 9, 10
+    assert max(n for p, n in puts if p == METRICS_FILE) < 4 * 200  # never more than ROLL_LINES lines
+    # a roll cut after its segment was written: the file still holds the same lines
+    direct.write(METRICS_FILE, direct.read("metrics/000000000005.jsonl") + direct.read(METRICS_FILE))
+    assert iterations() == list(range(1, 11))
+    # resume from iteration 6: the lines after it go, across segments and the file
+    again = TrainerMetrics(direct, None, False)
+    again.truncate_after(6)
+    assert iterations() == list(range(1, 7))
+    again.write({**base, "iteration": 7})
+    assert iterations() == list(range(1, 8))
+    again.truncate_after(None)
+    assert iterations() == []
+
+
 def test_resume_refuses_a_checkpoint_dir_with_checkpoints_but_no_latest_json_and_touches_nothing(tmp_path, capsys):
     from rlrec.cli import main
     from rlrec.trainer.checkpoints import CKPT_LATEST, CheckpointStore, ResumeRefused

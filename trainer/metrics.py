@@ -8,11 +8,69 @@ from typing import Any
 
 from rlrec.store.storage import Storage, StorageError
 
-__all__ = ["METRICS_FILE", "TrainerMetrics"]
+__all__ = ["METRICS_FILE", "METRICS_SEGMENTS", "TrainerMetrics", "read_metrics_text"]
 
 log = logging.getLogger("rlrec.trainer")
 
 METRICS_FILE = "metrics.jsonl"
+#: where an object store's full segments of metrics.jsonl go: ``metrics/{first iteration:012d}.jsonl``
+METRICS_SEGMENTS = "metrics"
+
+
+def _iteration(line: str) -> int | None:
+    try:
+        it = json.loads(line).get("iteration")
+    except (ValueError, AttributeError):
+        return None
+    return it if isinstance(it, int) and not isinstance(it, bool) else None
+
+
+def _segments(storage: Storage) -> list[str]:
+    """The paths of the rolled segments, oldest first."""
+    try:
+        infos = storage.list(METRICS_SEGMENTS)
+    except FileNotFoundError:
+        return []
+    names = sorted(i.path.rsplit("/", 1)[-1] for i in infos)
+    return [f"{METRICS_SEGMENTS}/{n}" for n in names if n.endswith(".jsonl") and n[:-6].isdigit()]
+
+
+def _read_lines(storage: Storage, path: str) -> list[str]:
+    try:
+        return [x for x in storage.read(path).decode("utf-8", errors="replace").splitlines() if x.strip()]
+    except FileNotFoundError:
+        return []
+
+
+def read_metrics_text(storage: Storage) -> str:
+    """Every metrics line of a trainer's checkpoint dir, oldest first: the rolled segments (an
+    object store's, `TrainerMetrics.ROLL_LINES` lines each) then ``metrics.jsonl``, each line once.
+
+    Args:
+        storage: the checkpoint dir.
+
+    Raises:
+        FileNotFoundError: no metrics were written there yet.
+
+    Example:
+        >>> import tempfile
+        >>> st = Storage.from_uri(tempfile.mkdtemp())
+        >>> m = TrainerMetrics(st, None, False)
+        >>> m.write({"iteration": 1}); m.close()
+        >>> read_metrics_text(st)
+        '{"iteration": 1}\\n'
+    """
+    lines: list[str] = []
+    for path in _segments(storage):
+        lines += _read_lines(storage, path)
+    last = max((it for it in map(_iteration, lines) if it is not None), default=None)
+    if not storage.exists(METRICS_FILE) and not lines:
+        raise FileNotFoundError(storage.uri(METRICS_FILE))
+    for line in _read_lines(storage, METRICS_FILE):
+        it = _iteration(line)
+        if last is None or it is None or it > last:  # a roll interrupted before the file was reset
+            lines.append(line)
+    return "".join(x + "\n" for x in lines)
 
 
 class TrainerMetrics:
@@ -20,8 +78,11 @@ class TrainerMetrics:
 
     Guarantees: each :meth:`write` adds exactly one JSON line (no NaN/Infinity) and the line is
     readable when it returns -- appended and flushed on a local filesystem; on object stores, which
-    cannot append, the whole (small) file is rewritten with one atomic PUT (while the store does
-    not answer, the lines wait in memory for the next successful rewrite). :meth:`truncate_after`
+    cannot append, ``metrics.jsonl`` is rewritten with one atomic PUT (while the store does not
+    answer, the lines wait in memory for the next successful rewrite) and holds at most
+    :attr:`ROLL_LINES` lines: a full file is rolled to ``metrics/{first iteration:012d}.jsonl``,
+    so a PUT per iteration stays small however long the trainer runs (`read_metrics_text` reads
+    them all back, each line once). :meth:`truncate_after`
     leaves only the lines of iterations up to a given one (none for None). With a *port*, the
     numeric fields named in :attr:`GAUGES` are served as Prometheus gauges ``rlrec_trainer_<name>``
     on *host* (0 picks a free port, then in :attr:`port`), set right after the line is written.
@@ -29,6 +90,9 @@ class TrainerMetrics:
     (:meth:`count_storage_errors`, from `rlrec.trainer.storage_health.StorageHealth`) as they
     happen, between lines too. With *progress*, one summary line per record goes to the log.
     """
+
+    #: lines an object store's metrics.jsonl holds before it is rolled into a segment
+    ROLL_LINES = 1000
 
     GAUGES = (
         "iteration",
@@ -75,20 +139,28 @@ class TrainerMetrics:
 
     def truncate_after(self, iteration: int | None) -> None:
         """Drop lines of iterations after `iteration` (training lost by a crash); None: keep none."""
-        try:
-            data = self.storage.read(METRICS_FILE).decode()
-        except FileNotFoundError:
-            data = ""
-        keep = []
-        for line in data.splitlines():
-            try:
-                it = json.loads(line).get("iteration")
-            except ValueError:
+
+        def kept(lines: list[str]) -> list[str]:
+            out = []
+            for line in lines:
+                it = _iteration(line)
+                if iteration is not None and it is not None and it <= iteration:
+                    out.append(line)
+            return out
+
+        last = None
+        for path in _segments(self.storage):
+            lines = _read_lines(self.storage, path)
+            keep = kept(lines)
+            if not keep:
+                self.storage.delete(path)
                 continue
-            if iteration is not None and isinstance(it, int) and it <= iteration:
-                keep.append(line)
-        self._lines = keep
-        self.storage.write(METRICS_FILE, "".join(x + "\n" for x in keep).encode())
+            if keep != lines:
+                self.storage.write(path, "".join(x + "\n" for x in keep).encode())
+            last = max(it for it in map(_iteration, keep) if it is not None)
+        current = [x for x in kept(_read_lines(self.storage, METRICS_FILE)) if last is None or _iteration(x) > last]
+        self._lines = current
+        self.storage.write(METRICS_FILE, "".join(x + "\n" for x in current).encode())
 
     def write(self, rec: dict) -> None:
         """Add *rec* (needs ``iteration``, ``policy_version``, ``timesteps_trained``, ``shards_total``,
@@ -101,8 +173,11 @@ class TrainerMetrics:
             self._f.flush()
         else:  # object stores cannot append: rewrite the (small) file
             self._lines.append(line)
+            data = "".join(x + "\n" for x in self._lines).encode()
             try:
-                self.storage.write(METRICS_FILE, "".join(x + "\n" for x in self._lines).encode())
+                self.storage.write(METRICS_FILE, data)
+                if len(self._lines) >= self.ROLL_LINES:
+                    self._roll(data)
             except StorageError as e:  # the store does not answer: the next line rewrites the file with this one
                 log.warning("%s not written (%s); it is written with the next line", self.storage.uri(METRICS_FILE), e)
         for k, g in self.gauges.items():
@@ -125,6 +200,14 @@ class TrainerMetrics:
                 100 * (rec.get("learner_wait_share") or 0),
                 f"  eval {ev:.1f}" if ev is not None else "",
             )
+
+    def _roll(self, data: bytes) -> None:
+        """Move the full metrics.jsonl (`data`, just written) to its segment. Killed between the
+        two writes, the segment and the file hold the same lines: readers take them once."""
+        first = _iteration(self._lines[0])
+        self.storage.write(f"{METRICS_SEGMENTS}/{(first if first is not None else 0):012d}.jsonl", data)
+        self._lines = []
+        self.storage.write(METRICS_FILE, b"")
 
     def close(self) -> None:
         """Close metrics.jsonl and stop the Prometheus server (idempotent)."""

@@ -442,7 +442,9 @@ class Snapshot:
         committed after `since`, and of a replacement that merged shards from both sides of
         `since` the replaced shards committed after it (their files stay until retention).
 
-        Raises `CursorError` if `since` is not a point of this store at or before this one."""
+        Raises `CursorError` if `since` is not a point of this store at or before this one, and
+        `ExpiredPointError` if retention removed data committed after `since` that it lacks (an
+        incremental reader that far behind must start again from a newer point)."""
         since_c = _as_cursor(since)
         _check_store(since_c, self._firsts, self.storage)
         for key, n in since_c.positions.items():
@@ -471,7 +473,15 @@ class Snapshot:
             if (hit := self._removed.get((x.topic, x.partition, x.seq))) is not None  # type: ignore[arg-type]
             and _deleted(self.storage, hit[0], x, now)
         ]
-        if gone:  # replaced shards `since` needs, whose files retention deleted
+        held = {(e.topic, e.partition, e.seq) for e in self.entries}
+        gone += [  # expired shards committed after `since` that this point no longer holds: never read
+            rec
+            for (t, p, seq), (rec, f) in self._removed.items()
+            if f.reason == "expired"
+            and since_c.positions.get((t, p), 0) <= seq < self._point.positions.get((t, p), 0)
+            and (t, p, seq) not in held
+        ]
+        if gone:  # shards `since` did not hold, whose files retention removed
             raise _expired(f"the point since={_short(str(since_c))}", gone, len(gone))
         return Snapshot(
             self.storage, self._point, new, self._firsts, self.keep_episode, self.selection, self._logs, self._removed

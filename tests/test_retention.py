@@ -31,7 +31,7 @@ from rlrec.store.retention import (
     record_path,
     retain,
 )
-from rlrec.store.snapshot import CursorError, ExpiredPointError, open_snapshot
+from rlrec.store.snapshot import CursorError, ExpiredPointError, cursor_at, open_snapshot
 from rlrec.store.storage import Storage
 from rlrec.trainer.synthetic import expert_cartpole_episodes
 
@@ -157,6 +157,9 @@ def test_expired_shards_are_removed_newest_and_later_points_read_the_rest_older_
         open_snapshot(root, as_of=at_old)
     newer = _commit(c, 1, seed0=20)
     _assert_exactly(open_snapshot(root), new + newer)
+    _assert_exactly(open_snapshot(root).changes(since=at_both), newer)
+    with pytest.raises(ExpiredPointError, match="since="):  # a reader at the start never read the old data
+        open_snapshot(root).changes(since=cursor_at(root, {("rl", 0): 1}))  # the claim only
     assert verify(c.storage) == []
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 from rlrec.store.storage import Storage
@@ -25,9 +26,16 @@ log = logging.getLogger("rlrec.retention")
 DEFAULT_KEEP_VERSIONS = 3
 
 
-class PinnedVersions(list):
-    """The pinned version numbers, ascending, with ``deployed`` (the one ``latest.json`` names)."""
+@dataclass(frozen=True)
+class PinnedVersions:
+    """The pinned versions: ``versions`` ascending, ``deployed`` the one ``latest.json`` names.
 
+    Example:
+        >>> PinnedVersions((2, 3), 3).versions
+        (2, 3)
+    """
+
+    versions: tuple[int, ...]
     deployed: int
 
 
@@ -40,7 +48,7 @@ def pinned_versions(policies: str, keep_versions: int = DEFAULT_KEEP_VERSIONS) -
 
     Example:
         >>> pinned_versions("/ckpt/policies", 2)  # doctest: +SKIP
-        [5, 6, 7]
+        PinnedVersions(versions=(5, 6, 7), deployed=7)
     """
     from rlrec.trainer.lineage import LineageError
     from rlrec.trainer.policy import PolicyLoadError, _Files, read_latest
@@ -58,9 +66,7 @@ def pinned_versions(policies: str, keep_versions: int = DEFAULT_KEEP_VERSIONS) -
     except (OSError, PolicyLoadError, ValueError) as e:
         raise LineageError(f"cannot read the publish root {policies}: {e}") from None
     before = [v for v in versions if v < deployed][-keep_versions:] if keep_versions else []
-    out = PinnedVersions(sorted({*before, deployed, *(v for v in versions if v > deployed)}))
-    out.deployed = deployed
-    return out
+    return PinnedVersions(tuple(sorted({*before, deployed, *(v for v in versions if v > deployed)})), deployed)
 
 
 def pinned_files(
@@ -83,7 +89,7 @@ def pinned_files(
     from rlrec.trainer.lineage import files_needed
 
     files: set[str] = set()
-    for v in versions:
+    for v in versions.versions:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # an unsigned version still pins its data
             lin = read_version_lineage(policies, v, public_key=public_key, allow_unsigned=True)

@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
 
         pinned, versions = pinned_files(storage, opts.policies, opts.keep_versions)  # LineageError: exit 2
         print(
-            f"rlrec retain: keeping the data of policy versions {', '.join(map(str, versions))} "
+            f"rlrec retain: keeping the data of policy versions {', '.join(map(str, versions.versions))} "
             f"(deployed: {versions.deployed}): {len(pinned)} shard(s)",
             file=sys.stderr,
         )

@@ -462,6 +462,7 @@ _RETAIN = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_kill_9_of_rlrec_retain_at_random_points_then_a_rerun_converges(tmp_path):
     root = str(tmp_path / "out")
     c, ids, before, after = _compacted_store(root, 5)

@@ -207,6 +207,7 @@ class PartitionWriter:
         self._compact_due = 0.0  # when compaction is checked next (wall clock)
         self._compacting: Future | None = None  # a compaction running on `encoder`
         self._compaction_view = None  # a reader of this partition's log, refreshed by each compaction
+        self._compaction_removals = None  # a reader of the removal log, made with the view
         self._compaction_avoid: set[int] = set()  # seqs of shards found unmergeable (with the view)
 
     @property
@@ -511,10 +512,12 @@ class PartitionWriter:
     def _compact(self):
         from rlrec.store.compaction import compact_partition
         from rlrec.store.manifest import PartitionLog
+        from rlrec.store.retention import RemovalLogView
 
         c = self.compaction
         if self._compaction_view is None:
             self._compaction_view = PartitionLog(self.storage, self.topic, self.partition, snapshot_every=0)
+            self._compaction_removals = RemovalLogView(self.storage)
         return compact_partition(
             self.committer.log,
             target_bytes=c.target_bytes,
@@ -523,6 +526,7 @@ class PartitionWriter:
             max_runs=1,
             view=self._compaction_view,
             avoid=self._compaction_avoid,
+            removals=self._compaction_removals,
         )
 
     def _finish_compaction(self, *, wait: bool) -> None:

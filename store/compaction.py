@@ -69,6 +69,7 @@ from rlrec.store.manifest import (
     live_shards,
 )
 from rlrec.store.ownership import DEFAULT_LEASE_S, judge_leases, lease_path, read_lease, renew_lease
+from rlrec.store.retention import RemovalLogView
 from rlrec.store.schema_gate import ShardSchemaError, open_shard
 from rlrec.store.storage import Storage
 
@@ -377,6 +378,7 @@ def compact_partition(
     view: PartitionLog | None = None,
     avoid: set[int] | None = None,
     claim: Callable[[], None] | None = None,
+    removals: RemovalLogView | None = None,
 ) -> CompactionResult:
     """Compact one partition whose log `plog` this process has claimed (module docstring).
 
@@ -395,6 +397,8 @@ def compact_partition(
         claim: for a `plog` not claimed yet: claims it, called once, when the first merged
             shard is ready to commit (a call that merges nothing appends nothing, not even a
             claim); it may raise to stop the call. Then nothing staged is rolled forward first.
+        removals: a reader of the removal log kept between calls (`RemovalLogView`; None: the
+            whole log is read): shards retention removes are never merged.
 
     Returns:
         A `CompactionResult`. A run whose shards cannot be merged (a schema the gate refuses,
@@ -416,6 +420,9 @@ def compact_partition(
     entries = view.entries
     seen = view.next_seq
     avoid = set() if avoid is None else avoid
+    removals = RemovalLogView(st) if removals is None else removals
+    removals.refresh()  # retention's removed shards: never merged (their files go after a grace)
+    avoid.update(removals.seqs(plog.topic, plog.partition))
     runs = _plan(entries, target_bytes, min_age_s, policy_id, avoid)
     if max_runs is not None:
         runs, res.remaining = runs[:max_runs], max(0, len(runs) - max_runs)
@@ -527,6 +534,8 @@ def compact_unowned(
     results: list[CompactionResult] = []
     refused: list[str] = []
     keys = list_partition_logs(storage)
+    removals = RemovalLogView(storage)
+    removals.refresh()
     owners = judge_leases(storage, keys, watch_s=watch_s, ignore=lambda x: x.writer.startswith(_COMPACTOR))
     for topic, part in keys:
         where = f"{topic}/{part:05d}"
@@ -544,7 +553,7 @@ def compact_unowned(
                 "(a consumer of an rlrec without leases? stop it, or pass --force)"
             )
             continue
-        runs = _plan(entries, target_bytes, min_age_s, policy_id)
+        runs = _plan(entries, target_bytes, min_age_s, policy_id, removals.seqs(topic, part))
         if not runs and not view.staged():
             results.append(CompactionResult(topic, part))
             continue
@@ -572,6 +581,7 @@ def compact_unowned(
                     compression=compression,
                     view=view,
                     claim=take,
+                    removals=removals,
                 )
             )
         except _TakenByConsumer as e:

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from rlrec.store.localfs import EscapesRoot
+from rlrec.store.deletion import STAGING_DIR, delete_files
 from rlrec.store.manifest import (
     ClaimEntry,
     Entry,
@@ -41,7 +41,6 @@ __all__ = ["STAGING_DIR", "DecodeCheck", "episode_summary", "gc", "inspect", "pr
 
 log = logging.getLogger("rlrec.maintenance")
 
-STAGING_DIR = "_staging"
 
 #: ``decode_check(data, entry) -> (episodes, steps)``: decode a shard's bytes; may
 #: return None for "cannot check this one" (e.g. a format it does not know).
@@ -100,6 +99,9 @@ def gc(
     a writer whose staged file was deleted anyway publishes the shard from
     memory (``ShardCommitter``).
 
+    Deletes through `rlrec.store.deletion.delete_files`, the one deletion path retention uses
+    too (shard-file paths only, never through a symlink).
+
     Returns the deleted (with *dry_run*: deletable) paths relative to the root.
     """
     if older_than_s < 0:
@@ -122,20 +124,9 @@ def gc(
                 continue
             if now - f.mtime < older_than_s:
                 continue
-            try:
-                storage.check_inside(f.path)  # listing followed links: never delete through one
-            except EscapesRoot as e:
-                log.error("gc: not deleting %s: %s", storage.uri(f.path), e.strerror)
-                continue
-            except FileNotFoundError:
-                continue
             garbage.append(f.path)
-    garbage.sort()
-    if not dry_run:
-        for p in garbage:
-            storage.delete(p)
-            log.info("gc: deleted %s", storage.uri(p))
-    return garbage
+    # the one deletion path (shared with retention): listing followed links, never delete through one
+    return delete_files(storage, garbage, dry_run=dry_run, who="gc")
 
 
 def inspect(storage: Storage) -> dict[str, Any]:
@@ -213,8 +204,12 @@ def verify(storage: Storage, decode_check: DecodeCheck | None = None) -> list[st
     With *decode_check* (``(data, entry) -> (episodes, steps) | None``) the
     decoded counts are compared with the entry too (None: not checked).
     """
+    from rlrec.store.retention import read_removals, resolve_removals
+
     problems: list[str] = []
+    records = read_removals(storage)
     logs = read_partition_logs(storage)
+    removed = resolve_removals(records, logs)  # their files may be gone: retention deleted them
     entries: list[ShardEntry] = []  # every shard file committed, replaced ones too
     live: dict[int, ShardEntry] = {}  # id() -> the live shards (each episode in exactly one)
     for (topic, partition), log_entries in sorted(logs.items()):
@@ -257,6 +252,8 @@ def verify(storage: Storage, decode_check: DecodeCheck | None = None) -> list[st
         info = storage.info(path)
         if info is None:
             info = storage.info(e.staging_path)
+            if info is None and (e.topic, e.partition, e.seq) in removed:
+                continue
             if info is None:
                 problems.append(f"{where}: published file missing (and staging file missing)")
                 continue

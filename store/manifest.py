@@ -115,6 +115,9 @@ HEAD_HINT = ".head.json"
 
 _SEQ_RE = re.compile(r"^(\d{12})\.json$")
 _PART_RE = re.compile(r"^\d{5}$")
+#: the removal log's directory in the manifest (`rlrec.store.retention`): records, no partitions
+REMOVED_LOG = "_removed"
+_RECORD_RE = re.compile(r"^\d{8}\.json$")
 _READ_WORKERS = 8
 _BACKWARD_BATCH = 16  # entries read at a time when searching a listed log backwards
 
@@ -981,7 +984,7 @@ def list_partition_logs(storage: Storage) -> list[tuple[str, int]]:
         for p in storage.list(t.path):
             if p.is_dir and _PART_RE.match(p.name):
                 out.append((t.name, int(p.name)))
-            elif not p.name.startswith("."):
+            elif not p.name.startswith(".") and not (t.name == REMOVED_LOG and _RECORD_RE.match(p.name)):
                 log.warning("ignoring unexpected file in the manifest: %s", p.path)
     return sorted(out)
 
@@ -997,8 +1000,19 @@ def read_partition_logs(storage: Storage) -> dict[tuple[str, int], list[Entry]]:
 
 def read_manifest(storage: Storage) -> list[ShardEntry]:
     """The live shards (:func:`live_shards`: compacted ones replaced by their replacement) of all
-    topics/partitions, sorted by commit_time: each committed episode in exactly one of them."""
-    shards = [e for entries in read_partition_logs(storage).values() for e in live_shards(entries).values()]
+    topics/partitions at the newest point, less those retention removed
+    (`rlrec.store.retention`), sorted by commit_time: each committed episode in exactly one of them."""
+    from rlrec.store.retention import read_removals, resolve_removals
+
+    records = read_removals(storage)  # before the logs: every record's positions are in them
+    logs = read_partition_logs(storage)
+    removed = resolve_removals(records, logs)
+    shards = [
+        e
+        for (topic, part), entries in logs.items()
+        for e in live_shards(entries).values()
+        if (topic, part, e.seq) not in removed
+    ]
     shards.sort(key=lambda e: (e.commit_time, e.topic, e.partition, e.seq))
     return shards
 

@@ -40,6 +40,7 @@ __all__ = [
     "ShardEntry",
     "SnapshotEntry",
     "UnsupportedManifestError",
+    "check_shard_paths",
     "entry_path",
     "parse_entry",
 ]
@@ -407,7 +408,7 @@ def _validate_claim(d: Mapping[str, Any]) -> None:
     _check_type(d, "time", (int, float))
 
 
-def _check_shard_paths(d: Mapping[str, Any]) -> None:
+def check_shard_paths(d: Mapping[str, Any]) -> None:
     """A shard's files are ``{policy_id}/{name}`` and ``{policy_id}/_staging/{name}``, the
     policy id one safe path component: an entry can name no other file (a log entry, another
     policy's shard) for `PartitionLog.recover` or gc to move or keep."""
@@ -439,7 +440,7 @@ def _validate_shard(d: Mapping[str, Any]) -> None:
         raise ManifestError(f"first_offset {d['first_offset']} > last_offset {d['last_offset']}")
     if not _check_type(d, "policy_id", (str,)):
         raise ManifestError("field 'policy_id' must not be empty")
-    _check_shard_paths(d)
+    check_shard_paths(d)
     ids = _check_type(d, "episode_ids", (list, tuple))
     if not all(isinstance(i, str) and i for i in ids):
         raise ManifestError("field 'episode_ids' must be a list of non-empty strings")

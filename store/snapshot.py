@@ -19,6 +19,9 @@ from its own file before); `Snapshot.changes` between two cursors of one store h
 the episodes of the later one that the earlier one lacks (a replacement that merged shards from
 both sides of the earlier cursor is read as the shards it replaced, whose files compaction
 keeps).
+Retention (`rlrec.store.retention`) removes files: a point at or after a removal record's positions
+does not hold the shards it removed; an older point is expired (`ExpiredPointError`) once the
+record's grace is over and reads as before until then; the newest point never is expired.
 Shards are read through the schema gate (`rlrec.store.schema_gate`) after their sha256 is
 checked against the manifest: nothing is unpickled.
 
@@ -77,6 +80,7 @@ from rlrec.store.manifest import (
     live_holders,
     live_shards,
 )
+from rlrec.store.retention import RemovalRecord, RemovedFile, read_removals, resolve_removals
 from rlrec.store.schema_gate import TABULAR_FIXED_COLUMNS, ShardSchemaError, open_shard
 from rlrec.store.storage import Storage
 
@@ -84,6 +88,7 @@ __all__ = [
     "STEP_COLUMNS",
     "Cursor",
     "CursorError",
+    "ExpiredPointError",
     "Snapshot",
     "column_to_numpy",
     "cursor_at",
@@ -124,6 +129,67 @@ class CursorError(ValueError):
 
     #: a usage error for the command line (rlrec.errors)
     exit_code = 2
+
+
+class ExpiredPointError(CursorError):
+    """A point of the manifest whose data retention removed (`rlrec.store.retention`): some of
+    its shards' files are deleted. The newest point, and every point taken after the removal,
+    read what is left. Its message is one line: which point, removed when."""
+
+
+Removed = Mapping[tuple[str, int, int], tuple[RemovalRecord, RemovedFile]]
+
+
+def _iso(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+
+
+def _expired(what: str, recs: Iterable[RemovalRecord], count: int) -> ExpiredPointError:
+    rec = min(recs, key=lambda r: r.n)
+    return ExpiredPointError(
+        f"{what} is expired: retention removed {count} of its shard(s) at {_iso(rec.time)} (removal record "
+        f"{rec.n}, files deleted after {_iso(rec.deletable_at)}); open the newest point or a later one"
+    )
+
+
+def _deleted(storage: Storage, rec: RemovalRecord, e: ShardEntry, now: float) -> bool:
+    """Whether removed shard `e` cannot be read any more: its record is past its grace, or its
+    files are gone already (the deleting host's clock may run ahead of this one's)."""
+    return now >= rec.deletable_at or not (storage.exists(e.path) or storage.exists(e.staging_path))
+
+
+def _apply_removals(
+    storage: Storage,
+    entries: list[ShardEntry],
+    positions: Mapping[tuple[str, int], int],
+    removed: Removed,
+    *,
+    newest: bool,
+    what: str,
+) -> list[ShardEntry]:
+    """`entries` (the live shards at `positions`) less the shards retention removed before the
+    point existed (the point is at or after the record's positions in the shard's log; the
+    newest point always is); ExpiredPointError if others are removed and their record is older
+    than its grace or their files are gone (another host's clock may run ahead), while younger
+    they are read as usual."""
+    kept: list[ShardEntry] = []
+    gone: list[RemovalRecord] = []
+    now = time.time()
+    for e in entries:
+        hit = removed.get((e.topic, e.partition, e.seq))  # type: ignore[arg-type]
+        if hit is None:
+            kept.append(e)
+            continue
+        rec, key = hit[0], (e.topic, e.partition)
+        if newest or positions.get(key, 0) >= rec.positions.get(key, 0):
+            continue  # removed before this point existed: not part of it
+        if _deleted(storage, rec, e, now):
+            gone.append(rec)
+        else:
+            kept.append(e)  # within the grace: read as before
+    if gone:
+        raise _expired(what, gone, len(gone))
+    return kept
 
 
 # --------------------------------------------------------------------------------- cursor
@@ -240,8 +306,10 @@ class Snapshot:
         *,
         drop: Mapping[str, frozenset] | None = None,
         ranges: Mapping[tuple[str, int], list[tuple[int, int]]] | None = None,
+        removed: Removed | None = None,
     ) -> None:
         self.storage = storage
+        self._removed = removed or {}  # what retention removed (`changes` must not read it)
         self._point = point
         self._firsts = firsts  # (topic, partition) -> key of its first entry (store identity)
         self._logs = logs  # the logs read when it was opened (for `changes` across replacements)
@@ -324,6 +392,7 @@ class Snapshot:
                 self._logs,
                 drop=self._drop,
                 ranges=self._ranges,
+                removed=self._removed,
             )
         entries = self.entries
         if paths is not None:
@@ -347,7 +416,16 @@ class Snapshot:
         digest = hashlib.sha256(json.dumps(named, sort_keys=True).encode()).hexdigest()[:16]
         ranges = self._ranges if paths is None else None  # a subset by path is no longer those ranges
         return Snapshot(
-            self.storage, self._point, entries, self._firsts, keep, digest, self._logs, drop=self._drop, ranges=ranges
+            self.storage,
+            self._point,
+            entries,
+            self._firsts,
+            keep,
+            digest,
+            self._logs,
+            drop=self._drop,
+            ranges=ranges,
+            removed=self._removed,
         )
 
     @property
@@ -391,7 +469,9 @@ class Snapshot:
         Of a snapshot from `open_entries` (a version's data): the episodes of its entries
         committed at or after `since`, read as `open_entries` reads them, with its own selection.
 
-        Raises `CursorError` if `since` is not a point of this store at or before this one."""
+        Raises `CursorError` if `since` is not a point of this store at or before this one, and
+        `ExpiredPointError` if retention removed data committed after `since` that it lacks (an
+        incremental reader that far behind must start again from a newer point)."""
         since_c = _as_cursor(since)
         _check_store(since_c, self._firsts, self.storage)
         for key, n in since_c.positions.items():
@@ -417,6 +497,7 @@ class Snapshot:
                 part._logs,
                 drop=part._drop,
                 ranges=part._ranges,
+                removed=part._removed,
             )
         new: list[ShardEntry] = []
         by_seq: dict[tuple[str, int], dict[int, Entry]] = {}
@@ -431,8 +512,33 @@ class Snapshot:
             if key not in by_seq:
                 by_seq[key] = {x.seq: x for x in self._logs.get(key, [])}  # type: ignore[misc]
             new += _new_part(by_seq[key], e.seq, start)  # type: ignore[arg-type]
+        now = time.time()
+        gone = [
+            hit[0]
+            for x in new
+            if (hit := self._removed.get((x.topic, x.partition, x.seq))) is not None  # type: ignore[arg-type]
+            and _deleted(self.storage, hit[0], x, now)
+        ]
+        held = {(e.topic, e.partition, e.seq) for e in self.entries}
+        gone += [  # expired shards committed after `since` that this point no longer holds: never read
+            rec
+            for (t, p, seq), (rec, f) in self._removed.items()
+            if f.reason == "expired"
+            and since_c.positions.get((t, p), 0) <= seq < self._point.positions.get((t, p), 0)
+            and (t, p, seq) not in held
+        ]
+        if gone:  # shards `since` did not hold, whose files retention removed
+            raise _expired(f"the point since={_short(str(since_c))}", gone, len(gone))
         return Snapshot(
-            self.storage, self._point, new, self._firsts, self.keep_episode, self.selection, self._logs, drop=self._drop
+            self.storage,
+            self._point,
+            new,
+            self._firsts,
+            self.keep_episode,
+            self.selection,
+            self._logs,
+            drop=self._drop,
+            removed=self._removed,
         )
 
     # ---------------------------------------------------------------- reading shards
@@ -836,6 +942,8 @@ def open_snapshot(storage: Storage | str, as_of: float | int | str | Cursor | No
         FileNotFoundError: the store holds no manifest (nothing was ever committed there).
         CursorError: a malformed cursor, a cursor of another store, a position past a log's
             end, a time in the future or before the store's first commit (one-line messages).
+        ExpiredPointError: a point before a removal by retention whose files are deleted (a
+            `CursorError`; the newest point never is one).
         ManifestError: the manifest cannot be read (a gap, a malformed entry).
 
     Example::
@@ -853,7 +961,9 @@ def open_snapshot(storage: Storage | str, as_of: float | int | str | Cursor | No
     st = Storage.from_uri(storage) if isinstance(storage, str) else storage
     if not st.exists(MANIFEST_DIR):
         raise FileNotFoundError(f"no rlrec manifest at {st.uri('')} (give the --output of rlrec consume)")
+    records = read_removals(st)  # before the logs: every record's positions are in them
     logs = _read_logs(st)
+    removed = resolve_removals(records, logs)
     firsts = {k: _first_entry_key(entries[0] if entries else None) for k, entries in logs.items()}
     ends = {k: (entries[-1].seq + 1 if entries else 0) for k, entries in logs.items()}
     if as_of is None:
@@ -874,8 +984,11 @@ def open_snapshot(storage: Storage | str, as_of: float | int | str | Cursor | No
     positions = {k: n for k, n in positions.items() if n > 0}
     point = Cursor(positions, _tag({k: firsts[k] for k in positions}))
     entries = [e for key, es in logs.items() for e in live_shards(es, below=positions.get(key, 0)).values()]
+    entries = _apply_removals(
+        st, entries, positions, removed, newest=as_of is None, what=f"the point {_short(point, 120)}"
+    )
     log.debug("snapshot %s: %d shard(s)", point, len(entries))
-    return Snapshot(st, point, entries, firsts, logs=logs)
+    return Snapshot(st, point, entries, firsts, logs=logs, removed=removed)
 
 
 def open_entries(
@@ -909,6 +1022,7 @@ def open_entries(
             end), a range reaches past it or past its log's end, or an entry of a range is not
             a shard entry (a claim, a log snapshot, a replacement: a range of a version's
             lineage holds shard entries only).
+        ExpiredPointError: retention removed a shard holding them (`rlrec.store.retention`).
 
     Example:
         >>> import tempfile
@@ -963,10 +1077,24 @@ def open_entries(
             others = frozenset(i for h in held if not asked(h) for i in by_seq[h].episode_ids)
             if others:  # a merged shard's episodes of entries not asked for
                 drop[live[seq].path] = others
+    gone = [hit[0] for e in holding if (hit := newest._removed.get((e.topic, e.partition, e.seq))) is not None]  # type: ignore[arg-type]
+    if gone:  # retention expired the shards holding them
+        raise _expired("the data of these entries", gone, len(gone))
     point = cursor_covering(newest.storage, holding, dict(newest._firsts)) if holding else Cursor({}, _tag({}))
     named = {"entries": [[t, p, [list(r) for r in rs]] for (t, p), rs in sorted(wanted.items())]}
     digest = hashlib.sha256(json.dumps(named, sort_keys=True).encode()).hexdigest()[:16]
-    return Snapshot(newest.storage, point, holding, newest._firsts, None, digest, logs, drop=drop, ranges=wanted)
+    return Snapshot(
+        newest.storage,
+        point,
+        holding,
+        newest._firsts,
+        None,
+        digest,
+        logs,
+        drop=drop,
+        ranges=wanted,
+        removed=newest._removed,
+    )
 
 
 def merge_ranges(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:

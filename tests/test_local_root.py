@@ -41,8 +41,17 @@ def _storage(out: Path) -> Storage:
 def test_roll_forward_of_a_forged_entry_does_not_write_through_a_planted_link(out, victim, caplog):
     st = _storage(out)
     entry, _ = make_entry(["e1"])
-    st.write(entry.staging_path, b"attacker's key")
-    forged = dataclasses.replace(entry, path="evil2/authorized_keys", sha256="0" * 64)
+    # a valid shard path ({policy}/{name}, staged in {policy}/_staging/) whose policy directory
+    # is a link planted to a directory outside the root, where the attacker staged the file
+    forged = dataclasses.replace(
+        entry,
+        policy_id="evil2",
+        path="evil2/authorized_keys",
+        staging_path="evil2/_staging/authorized_keys",
+        sha256="0" * 64,
+    )
+    (victim / "_staging").mkdir()
+    (victim / "_staging" / "authorized_keys").write_bytes(b"attacker's key")
     os.symlink(victim, out / "evil2")
     writer = PartitionLog(st, TOPIC, 0)
     writer.claim("attacker")
@@ -50,7 +59,7 @@ def test_roll_forward_of_a_forged_entry_does_not_write_through_a_planted_link(ou
     with caplog.at_level(logging.ERROR, logger="rlrec"):
         ShardCommitter(st, TOPIC, 0).claim()  # an ordinary new owner rolls committed shards forward
     assert (victim / "authorized_keys").read_bytes() == b"ssh-ed25519 operator"
-    assert st.exists(entry.staging_path)  # left where it was, for verify to report
+    assert (victim / "_staging" / "authorized_keys").exists()  # left where it was
     assert "not publishing shard seq" in caplog.text and "symlink" in caplog.text
 
 

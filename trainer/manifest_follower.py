@@ -8,6 +8,7 @@ from typing import Any
 
 from rlrec.store.commit import read_committed_shard
 from rlrec.store.manifest import MANIFEST_DIR, ManifestError, PartitionLog, ShardEntry, UnsupportedManifestError
+from rlrec.store.retention import RemovalLogView
 from rlrec.store.storage import Storage
 from rlrec.trainer.feed import ShardInfo
 
@@ -32,6 +33,10 @@ class ManifestFollower:
     read (a newer manifest format, `UnsupportedManifestError`) stops `poll` with that error
     instead of being skipped, and that poll delivers nothing from any log: the next one that
     succeeds delivers every log's new shards.
+
+    A shard that retention removed (`rlrec.store.retention`: a replaced file, or an expired one)
+    is not delivered: its file is gone or going (the first such shard is logged; `removed_skipped`
+    counts them). Each poll reads the removal records appended since the last (one read).
     """
 
     def __init__(
@@ -57,6 +62,8 @@ class ManifestFollower:
         self._warned: set[str] = set()
         self.entries: dict[str, ShardEntry] = {}  # key -> entry (selected shards)
         self.skipped = 0
+        self.removed_skipped = 0
+        self._removals = RemovalLogView(storage)
 
     def _discover(self) -> None:
         for t in self.storage.list(MANIFEST_DIR):
@@ -111,6 +118,10 @@ class ManifestFollower:
         # read stops the whole poll, and the next one finds the other logs' new shards again
         found: list[tuple[tuple[str, int], int, list[ShardEntry], int]] = []
         unsupported: UnsupportedManifestError | None = None
+        try:
+            self._removals.refresh()
+        except (ManifestError, OSError) as e:  # the records read so far still count
+            self._warn_once(f"removals:{e}", "cannot read the removal log: %s", e)
         for key, plog in list(self.logs.items()):
             try:
                 plog.refresh()
@@ -121,9 +132,21 @@ class ManifestFollower:
                 self._warn_once(f"refresh:{key}:{e}", "cannot read manifest log %s/%05d: %s", key[0], key[1], e)
                 continue
             new, skipped = [], 0
+            removed = self._removals.seqs(*key)
             for e in plog.entries_since(self._done.get(key, 0)):
                 if isinstance(e, ShardEntry) and e.path not in self.entries:
-                    if self._selected(e):
+                    if e.seq in removed:
+                        self.removed_skipped += 1
+                        self._warn_once(
+                            "removed",
+                            "not delivering shards retention removed (first: %s, seq %s of %s/%05d): a trainer "
+                            "further behind than retention's grace loses their episodes",
+                            e.path,
+                            e.seq,
+                            key[0],
+                            key[1],
+                        )
+                    elif self._selected(e):
                         new.append(e)
                     else:
                         skipped += 1

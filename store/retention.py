@@ -1,0 +1,537 @@
+"""Retention: removing replaced and expired shard files, recorded in a store-wide removal log.
+
+Only a partition's owner appends to its manifest log, so retention never does. It keeps its own
+log beside the partition logs, which any process may append to::
+
+    _manifest/_removed/{n:08d}.json   removal records n = 0, 1, 2, ... (create-once, never changed)
+
+A record (`RemovalRecord`) says when retention decided (``time``), how long the files stay
+after that (``grace_s``), the point of the manifest it decided at (``positions``: per partition
+log, the entries it had read) and the shard files it removes (`RemovedFile`: the manifest paths,
+the (topic, partition, seq) of the entry that committed each, and why: ``replaced`` -- not a
+live shard at that point, compaction merged it -- or ``expired`` -- a live shard whose every
+episode was first committed longer ago than the retention age). A record names at most
+`MAX_FILES_PER_RECORD` files (a big removal is several records).
+
+`retain` runs the three steps of ``rlrec retain`` (docs/GUARANTEES.md, "Retention"):
+
+1. read the removal log, then every partition log (`plan_removals` decides from those);
+2. append the new removals as records (`append_removals`; a process that loses the create-once
+   race for record ``n`` reads it, drops the files it already names and tries ``n + 1``);
+3. delete the files of every record older than its grace (`delete_due`, through
+   `rlrec.store.deletion.delete_files`, the deletion path gc uses): the published and the
+   staging path of each, missing files skipped, so a re-run after a kill finishes the job.
+
+A record is data, hence hostile: parsed strictly (`parse_record`), its paths must be those a
+shard entry may name (``{policy_id}/{name}``, ``{policy_id}/_staging/{name}``), and a file is
+acted on -- deleted, or left out of a reader's point -- only where the manifest entry it names
+(topic, partition, seq) holds exactly that shard file (`resolve_removals`).
+
+Readers (`rlrec.store.snapshot.open_snapshot`) read the removal log before the partition logs.
+
+Example:
+    >>> import tempfile
+    >>> from rlrec.store.commit import ShardCommitter
+    >>> from rlrec.store.compaction import compact_partition
+    >>> from rlrec.trainer.synthetic import expert_cartpole_episodes
+    >>> root = tempfile.mkdtemp()
+    >>> c = ShardCommitter(root, "rl", 0)
+    >>> for i in range(2):
+    ...     _ = c.commit(expert_cartpole_episodes(2, seed=i))
+    >>> _ = compact_partition(c.log, min_age_s=0)
+    >>> res = retain(c.storage, grace_s=0)   # record the 2 replaced files, then delete them
+    >>> [f.reason for f in res.recorded], len(res.deleted)
+    (['replaced', 'replaced'], 2)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+import time
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlrec.store.deletion import delete_files
+from rlrec.store.manifest import (
+    MANIFEST_DIR,
+    REMOVED_LOG,
+    Entry,
+    ManifestError,
+    PartitionLog,
+    ReplaceEntry,
+    ShardEntry,
+    list_partition_logs,
+    live_shards,
+    shard_files,
+)
+from rlrec.store.manifest_entries import TOPIC_RE, check_shard_paths
+from rlrec.store.storage import Storage
+
+__all__ = [
+    "DEFAULT_GRACE_S",
+    "MAX_FILES_PER_RECORD",
+    "REMOVED_DIR",
+    "RemovalLogView",
+    "RemovalRecord",
+    "RemovedFile",
+    "RetainResult",
+    "append_removals",
+    "delete_due",
+    "parse_record",
+    "plan_removals",
+    "read_removals",
+    "record_path",
+    "removed_keys",
+    "resolve_removals",
+    "retain",
+]
+
+log = logging.getLogger("rlrec.retention")
+
+#: the removal log's directory (beside the partition logs; its files are no partition directory)
+REMOVED_DIR = f"{MANIFEST_DIR}/{REMOVED_LOG}"
+#: files named by one record at most (a bigger removal is split across records)
+MAX_FILES_PER_RECORD = 1000
+#: a record's size at most when read (a larger one is refused: ManifestError)
+MAX_RECORD_BYTES = 1024 * 1024
+#: how long removed files stay by default after their record (readers of older points read them)
+DEFAULT_GRACE_S = 3600.0
+REASONS = ("replaced", "expired")
+_RECORD_RE = re.compile(r"^(\d{8})\.json$")
+_KEY_RE = re.compile(r"^([A-Za-z0-9._-]{1,249})/(\d{1,5})$")
+
+
+def record_path(n: int) -> str:
+    """The path of removal record `n` (relative to the output root)."""
+    return f"{REMOVED_DIR}/{n:08d}.json"
+
+
+@dataclass(frozen=True)
+class RemovedFile:
+    """One shard removed by retention: its files and the manifest entry that committed it.
+
+    Attributes:
+        topic, partition, seq: the entry (a shard entry, or a replace entry for a merged shard).
+        path, staging_path: the shard's published and staging paths (both are deleted).
+        reason: ``replaced`` or ``expired``.
+    """
+
+    topic: str
+    partition: int
+    seq: int
+    path: str
+    staging_path: str
+    reason: str
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        """(topic, partition, seq) of the entry that committed the shard."""
+        return (self.topic, self.partition, self.seq)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "topic": self.topic,
+            "partition": self.partition,
+            "seq": self.seq,
+            "path": self.path,
+            "staging_path": self.staging_path,
+            "reason": self.reason,
+        }
+
+    @classmethod
+    def of(cls, shard: ShardEntry, reason: str) -> RemovedFile:
+        return cls(shard.topic, shard.partition, int(shard.seq), shard.path, shard.staging_path, reason)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class RemovalRecord:
+    """One record of the removal log (module docstring; docs/FORMAT.md, "Removal log").
+
+    Attributes:
+        n: its number (its file is `record_path(n)`).
+        time: when retention decided (UNIX seconds, the deciding host's clock).
+        grace_s: the files stay at least this long after `time`.
+        positions: the point retention decided at: entries read per (topic, partition).
+        files: the shards removed.
+    """
+
+    n: int
+    time: float
+    grace_s: float
+    positions: Mapping[tuple[str, int], int]
+    files: tuple[RemovedFile, ...] = field(default_factory=tuple)
+
+    @property
+    def deletable_at(self) -> float:
+        """When its files may be deleted (and points before it stop reading them)."""
+        return self.time + self.grace_s
+
+    def to_json(self) -> str:
+        doc = {
+            "type": "removal",
+            "version": 1,
+            "n": self.n,
+            "time": self.time,
+            "grace_s": self.grace_s,
+            "positions": {f"{t}/{p}": k for (t, p), k in sorted(self.positions.items())},
+            "files": [f.to_dict() for f in self.files],
+        }
+        return json.dumps(doc, sort_keys=True, separators=(",", ":"))
+
+
+# ------------------------------------------------------------------------------ parsing
+
+
+def _int(v: Any, what: str, lo: int = 0, hi: int | None = None) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+        raise ManifestError(f"{what}: expected an integer >= {lo}, got {str(v)[:40]!r}")
+    return v
+
+
+def _num(v: Any, what: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        raise ManifestError(f"{what}: expected a finite number >= 0, got {str(v)[:40]!r}")
+    return float(v)
+
+
+def _keys(d: Any, keys: set[str], what: str) -> None:
+    if not isinstance(d, dict):
+        raise ManifestError(f"{what}: expected an object")
+    if set(d) != keys:
+        raise ManifestError(f"{what}: fields {sorted(d)[:10]} are not {sorted(keys)}")
+
+
+def _parse_file(d: Any, i: int) -> RemovedFile:
+    what = f"files[{i}]"
+    _keys(d, {"topic", "partition", "seq", "path", "staging_path", "reason"}, what)
+    topic = d["topic"]
+    if not isinstance(topic, str) or not TOPIC_RE.match(topic) or topic in (".", ".."):
+        raise ManifestError(f"{what}: not a topic name: {str(topic)[:40]!r}")
+    if d["reason"] not in REASONS:
+        raise ManifestError(f"{what}: reason must be one of {list(REASONS)}")
+    path, staging = d["path"], d["staging_path"]
+    if not isinstance(path, str) or not isinstance(staging, str):
+        raise ManifestError(f"{what}: path and staging_path must be strings")
+    try:  # the paths a shard entry may name, nothing else (never _manifest/, never outside the root)
+        check_shard_paths({"policy_id": path.split("/", 1)[0], "path": path, "staging_path": staging})
+    except ManifestError as e:
+        raise ManifestError(f"{what}: {e}") from None
+    return RemovedFile(
+        topic,
+        _int(d["partition"], f"{what}.partition", 0, 99999),
+        _int(d["seq"], f"{what}.seq"),
+        path,
+        staging,
+        d["reason"],
+    )
+
+
+def parse_record(data: bytes, n: int) -> RemovalRecord:
+    """Removal record `n` from its stored bytes, strictly (ManifestError on anything else: a
+    wrong type, a missing or unknown field, a path no shard entry may name, another ``n``)."""
+    if len(data) > MAX_RECORD_BYTES:
+        raise ManifestError(f"removal record {n}: {len(data)} bytes, more than {MAX_RECORD_BYTES}")
+    try:
+        d = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ManifestError(f"removal record {n}: not JSON ({e})") from None
+    _keys(d, {"type", "version", "n", "time", "grace_s", "positions", "files"}, f"removal record {n}")
+    if d["type"] != "removal" or d["version"] != 1:
+        raise ManifestError(f"removal record {n}: not a version 1 removal record (upgrade rlrec?)")
+    if _int(d["n"], "n") != n:
+        raise ManifestError(f"removal record {n}: says n={d['n']}")
+    positions: dict[tuple[str, int], int] = {}
+    if not isinstance(d["positions"], dict):
+        raise ManifestError(f"removal record {n}: positions must be an object")
+    for k, v in d["positions"].items():
+        m = _KEY_RE.match(k)
+        if not m or m.group(1) in (".", ".."):
+            raise ManifestError(f"removal record {n}: positions: not TOPIC/PARTITION: {k[:40]!r}")
+        positions[(m.group(1), int(m.group(2)))] = _int(v, f"removal record {n}: positions[{k[:40]!r}]")
+    files = d["files"]
+    if not isinstance(files, list) or len(files) > MAX_FILES_PER_RECORD:
+        raise ManifestError(f"removal record {n}: files must be a list of at most {MAX_FILES_PER_RECORD}")
+    try:
+        parsed = tuple(_parse_file(f, i) for i, f in enumerate(files))
+    except ManifestError as e:
+        raise ManifestError(f"removal record {n}: {e}") from None
+    for f in parsed:
+        if (f.topic, f.partition) not in positions or f.seq >= positions[(f.topic, f.partition)]:
+            raise ManifestError(f"removal record {n}: {f.path} is not below the record's positions")
+    return RemovalRecord(n, _num(d["time"], "time"), _num(d["grace_s"], "grace_s"), positions, parsed)
+
+
+def read_removals(storage: Storage, start: int = 0) -> list[RemovalRecord]:
+    """The removal log's records numbered `start` and above, in order: one listing, one read
+    per record (ManifestError: a malformed record)."""
+    nums = sorted(
+        int(m.group(1))
+        for i in storage.list(REMOVED_DIR)
+        if not i.is_dir and (m := _RECORD_RE.match(i.name)) and int(m.group(1)) >= start
+    )
+    out = []
+    for n in nums:
+        try:
+            data = storage.read(record_path(n))
+        except FileNotFoundError:
+            continue
+        out.append(parse_record(data, n))
+    return out
+
+
+class RemovalLogView:
+    """A reader of the removal log kept between calls: `refresh` reads only the records appended
+    since (one read per new record and one for the next number, no listing).
+
+    Example:
+        >>> import tempfile
+        >>> from rlrec.store.storage import Storage
+        >>> view = RemovalLogView(Storage.from_uri(tempfile.mkdtemp()))
+        >>> view.refresh(), view.seqs("rl", 0)
+        ([], set())
+    """
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+        self.records: list[RemovalRecord] = []
+        self._seqs: dict[tuple[str, int], set[int]] = {}
+
+    def refresh(self) -> list[RemovalRecord]:
+        """The records appended since the last call (ManifestError: a malformed one)."""
+        new = []
+        while True:
+            n = len(self.records)
+            try:
+                data = self.storage.read(record_path(n))
+            except FileNotFoundError:
+                return new
+            rec = parse_record(data, n)
+            self.records.append(rec)
+            new.append(rec)
+            for f in rec.files:
+                self._seqs.setdefault((f.topic, f.partition), set()).add(f.seq)
+
+    def seqs(self, topic: str, partition: int) -> set[int]:
+        """The seqs of the entries of log (topic, partition) whose shards the records read so far
+        remove (as the records name them: for leaving shards alone, not for deleting)."""
+        return set(self._seqs.get((topic, partition), ()))
+
+
+def _shard_at(entries_by_seq: Mapping[int, Entry], seq: int) -> ShardEntry | None:
+    e = entries_by_seq.get(seq)
+    if isinstance(e, ShardEntry):
+        return e
+    if isinstance(e, ReplaceEntry):
+        return e.shard
+    return None
+
+
+def resolve_removals(
+    records: Iterable[RemovalRecord], logs: Mapping[tuple[str, int], Sequence[Entry]]
+) -> dict[tuple[str, int, int], tuple[RemovalRecord, RemovedFile]]:
+    """``{(topic, partition, seq): (the first record naming it, its file)}`` for the removed files
+    whose manifest entry (in `logs`, every entry of each log) commits exactly that file; a file
+    of a record that names no such entry is logged and left out (never deleted, never hidden)."""
+    by_seq: dict[tuple[str, int], dict[int, Entry]] = {}
+    out: dict[tuple[str, int, int], tuple[RemovalRecord, RemovedFile]] = {}
+    for rec in records:
+        for f in rec.files:
+            if f.key in out:
+                continue
+            k = (f.topic, f.partition)
+            if k not in by_seq:
+                by_seq[k] = {e.seq: e for e in logs.get(k, ())}  # type: ignore[misc]
+            s = _shard_at(by_seq[k], f.seq)
+            if s is None or (s.path, s.staging_path) != (f.path, f.staging_path):
+                log.warning(
+                    "removal record %d names %s as %s/%d seq %d, which commits no such file: ignored",
+                    rec.n,
+                    f.path,
+                    f.topic,
+                    f.partition,
+                    f.seq,
+                )
+                continue
+            out[f.key] = (rec, f)
+    return out
+
+
+def removed_keys(storage: Storage, logs: Mapping[tuple[str, int], Sequence[Entry]]) -> set[tuple[str, int, int]]:
+    """(topic, partition, seq) of every shard retention removed or is removing (`logs`: every
+    entry of each partition log, read after the removal log)."""
+    return set(resolve_removals(read_removals(storage), logs))
+
+
+# ------------------------------------------------------------------------------ planning
+
+
+def plan_removals(
+    logs: Mapping[tuple[str, int], Sequence[Entry]],
+    already: Collection[tuple[str, int, int]],
+    *,
+    older_than_s: float | None,
+    now: float,
+    pinned: Collection[str] = (),
+) -> list[RemovedFile]:
+    """What to remove now, from `logs` (every entry of each partition log, at the newest point):
+
+    * every shard file not live at that point (compaction replaced it): ``replaced``;
+    * with `older_than_s`, every live shard all of whose episodes were first committed more than
+      `older_than_s` before `now` (a merged shard: by the shard entries that first committed its
+      episodes): ``expired``.
+
+    Shards in `already` (removed by an earlier record) and shards whose manifest path is in
+    `pinned` (a lineage needs them) are left out.
+
+    Example:
+        >>> plan_removals({}, set(), older_than_s=None, now=0.0)
+        []
+    """
+    out: list[RemovedFile] = []
+    pins = set(pinned)
+    for (topic, part), entries in sorted(logs.items()):
+        live = live_shards(entries)
+        first: dict[str, float] = {}
+        for e in entries:
+            if isinstance(e, ShardEntry):
+                for i in e.episode_ids:
+                    first.setdefault(i, e.commit_time)
+        for s in shard_files(entries):
+            if (topic, part, s.seq) in already or s.path in pins:
+                continue
+            if s.seq not in live:
+                out.append(RemovedFile.of(s, "replaced"))
+            elif older_than_s is not None:
+                newest = max((first.get(i, s.commit_time) for i in s.episode_ids), default=s.commit_time)
+                if now - newest > older_than_s:
+                    out.append(RemovedFile.of(s, "expired"))
+    return out
+
+
+# ------------------------------------------------------------------------------ writing
+
+
+def _next_number(storage: Storage) -> int:
+    nums = [int(m.group(1)) for i in storage.list(REMOVED_DIR) if (m := _RECORD_RE.match(i.name))]
+    return max(nums, default=-1) + 1
+
+
+def _chunk(files: list[RemovedFile]) -> tuple[list[RemovedFile], list[RemovedFile]]:
+    """(the files of the next record, the rest): at most `MAX_FILES_PER_RECORD`, and at most
+    half of `MAX_RECORD_BYTES` of file descriptions (long policy ids and topics fit too)."""
+    size, i = 0, 0
+    while i < min(len(files), MAX_FILES_PER_RECORD):
+        size += len(json.dumps(files[i].to_dict())) + 1
+        if i and size > MAX_RECORD_BYTES // 2:
+            break
+        i += 1
+    return files[:i], files[i:]
+
+
+def append_removals(
+    storage: Storage,
+    positions: Mapping[tuple[str, int], int],
+    files: Sequence[RemovedFile],
+    *,
+    grace_s: float,
+    now: float | None = None,
+    max_attempts: int = 100,
+) -> list[RemovalRecord]:
+    """Append `files` to the removal log as records of at most `MAX_FILES_PER_RECORD` files
+    and half of `MAX_RECORD_BYTES` each (create-once at the next free number; a lost race reads the winner's record, drops
+    the files it names and tries the next number). Returns the records written."""
+    now = time.time() if now is None else now
+    written: list[RemovalRecord] = []
+    pending = list(files)
+    n = _next_number(storage)
+    attempts = 0
+    while pending:
+        chunk, rest = _chunk(pending)
+        rec = RemovalRecord(n, now, grace_s, dict(positions), tuple(chunk))
+        if storage.create_once(record_path(n), rec.to_json().encode()):
+            written.append(rec)
+            log.info("retain: removal record %d names %d file(s)", n, len(chunk))
+            pending, n = rest, n + 1
+            continue
+        attempts += 1
+        if attempts >= max_attempts:
+            raise ManifestError(f"could not append a removal record after {max_attempts} attempts")
+        theirs = {f.key for r in read_removals(storage, start=n) for f in r.files}
+        pending = [f for f in pending if f.key not in theirs]
+        n += 1
+    return written
+
+
+def delete_due(
+    storage: Storage,
+    resolved: Mapping[tuple[str, int, int], tuple[RemovalRecord, RemovedFile]],
+    *,
+    grace_s: float,
+    now: float | None = None,
+    dry_run: bool = False,
+    keep: Collection[str] = (),
+) -> list[str]:
+    """Delete the published and staging files of the removed shards (`resolve_removals`) whose
+    record is older than the larger of its own grace and `grace_s`, except shards whose manifest
+    path is in `keep` (pinned now). Idempotent: missing files are skipped. Returns the paths
+    deleted (with `dry_run`: those that would be)."""
+    now = time.time() if now is None else now
+    keep = set(keep)
+    paths = [
+        p
+        for rec, f in resolved.values()
+        if now >= rec.time + max(rec.grace_s, grace_s) and f.path not in keep
+        for p in (f.path, f.staging_path)
+    ]
+    return delete_files(storage, paths, dry_run=dry_run, who="retain")
+
+
+@dataclass
+class RetainResult:
+    """What `retain` did: the files it recorded (or with ``dry_run`` would record), the
+    records written, and the paths deleted (would delete)."""
+
+    recorded: list[RemovedFile] = field(default_factory=list)
+    records: list[RemovalRecord] = field(default_factory=list)
+    deleted: list[str] = field(default_factory=list)
+
+
+def read_logs(storage: Storage) -> dict[tuple[str, int], list[Entry]]:
+    """Every entry of every partition log (strict: a gap or a malformed entry is ManifestError)."""
+    return {k: PartitionLog(storage, *k).load(strict=True) for k in list_partition_logs(storage)}
+
+
+def retain(
+    storage: Storage,
+    *,
+    older_than_s: float | None = None,
+    grace_s: float = DEFAULT_GRACE_S,
+    pinned: Collection[str] = (),
+    dry_run: bool = False,
+    now: float | None = None,
+) -> RetainResult:
+    """Record what to remove (`plan_removals`) and delete what is due (`delete_due`); module
+    docstring. `older_than_s` None expires nothing (only replaced files are removed); `pinned`:
+    manifest paths never removed (a lineage's shards). With `dry_run` nothing is written or
+    deleted: the result says what would be."""
+    now = time.time() if now is None else now
+    records = read_removals(storage)  # before the logs: every record's positions are in them
+    logs = read_logs(storage)
+    resolved = resolve_removals(records, logs)
+    res = RetainResult()
+    res.recorded = plan_removals(logs, set(resolved), older_than_s=older_than_s, now=now, pinned=pinned)
+    positions = {k: (es[-1].seq + 1 if es else 0) for k, es in logs.items()}
+    if res.recorded and not dry_run:
+        res.records = append_removals(storage, positions, res.recorded, grace_s=grace_s, now=now)
+        resolved = resolve_removals([*records, *res.records], logs)
+    elif dry_run and grace_s <= 0:  # what a real run would delete at once
+        resolved = dict(resolved)
+        rec = RemovalRecord(-1, now, grace_s, positions, tuple(res.recorded))
+        for f in res.recorded:
+            resolved.setdefault(f.key, (rec, f))
+    res.deleted = delete_due(storage, resolved, grace_s=grace_s, now=now, dry_run=dry_run, keep=pinned)
+    return res

@@ -97,6 +97,7 @@ __all__ = [
     "live_holders",
     "live_shards",
     "manifest_totals",
+    "merged_shards",
     "parse_entry",
     "read_first_commits",
     "read_manifest",
@@ -961,6 +962,28 @@ def live_holders(entries: Iterable[Entry], *, below: int | None = None) -> dict[
         elif isinstance(e, ReplaceEntry):
             held[e.seq] = tuple(sorted(s for r in e.replaces for s in held.pop(r)))  # type: ignore[index]
     return held
+
+
+def merged_shards(entries: Iterable[Entry]) -> dict[str, tuple[int, ...]]:
+    """Every merged shard the replace entries of one partition log committed (live or replaced
+    since): ``{its path: seqs of the shard entries whose episodes it holds}``.
+
+    Args:
+        entries: the log's entries in seq order (`PartitionLog.load`).
+
+    Example:
+        >>> merged_shards([])
+        {}
+    """
+    held: dict[int, tuple[int, ...]] = {}
+    out: dict[str, tuple[int, ...]] = {}
+    for e in entries:
+        if isinstance(e, ShardEntry):
+            held[e.seq] = (e.seq,)  # type: ignore[index]
+        elif isinstance(e, ReplaceEntry):
+            held[e.seq] = tuple(sorted(s for r in e.replaces for s in held.get(r, ())))  # type: ignore[index]
+            out[e.shard.path] = held[e.seq]  # type: ignore[index]
+    return out
 
 
 def shard_files(entries: Iterable[Entry]) -> list[ShardEntry]:

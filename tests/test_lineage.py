@@ -390,6 +390,16 @@ def test_the_lineage_cursor_needs_no_follower_entry_and_a_lost_shard_stops_the_t
     assert not {e.path for e in trained} <= {e.path for e in open_snapshot(root).entries}
     after = resumed({})
     assert ranges_doc(after.trained_ranges) == kept and after._lineage()["data"]["trained"] == kept
+    # a merged shard trained in place of removed shard entries (a follower started after
+    # retention): its lineage names the entries it stands for, which reopen its episodes
+    merged = next(e for e in open_snapshot(root).entries if e.partition == 0 and e.seq > 3)
+    m = ContinuousTrainer(_cfg(root, str(tmp_path / "ck"), policy_id="another-policy"))
+    m.trained = {merged.path}
+    m._restore_ranges({})
+    assert ranges_doc(m.trained_ranges) == [["rl", 0, [[1, 4]]]]  # the three shard entries of rl/0
+    from rlrec.store.snapshot import open_entries
+
+    assert _ids(open_entries(root, m.trained_ranges)) == sorted(merged.episode_ids)
 
 
 def test_a_missing_publish_root_is_an_error_and_an_unreadable_version_one_row(tmp_path, capsys):

@@ -214,21 +214,69 @@ def test_dry_run_changes_nothing(tmp_path):
 # -- readers and writers around retention ---------------------------------------------------------
 
 
-def test_the_follower_skips_removed_shards_and_says_so_once(tmp_path, caplog):
+def test_a_follower_started_after_retention_takes_the_merged_shard_once_in_place_of_the_removed(tmp_path, caplog):
+    """A trainer started on a compacted store whose replaced files retention removed still gets
+    every episode as new once: in the merged shard, standing for the entries it holds; expired
+    shards are skipped (said once); a follower that delivered the originals before gets nothing
+    again."""
     from rlrec.trainer.manifest_follower import ManifestFollower
 
     root = str(tmp_path / "out")
-    c, _, _, _ = _compacted_store(root, 4)
+    c = ShardCommitter(root, "rl", 0, snapshot_every=5)
+    ids = _commit(c, 4)
+    early = ManifestFollower(Storage.from_uri(root))
+    assert len(early.poll(force_discover=True)) == 4  # this follower delivered the originals
+    assert compact_partition(c.log, min_age_s=0).written == 1
     fresh = _commit(c, 1, seed0=50)
     retain(c.storage, grace_s=0)
+    assert not any(os.path.exists(os.path.join(root, e.path)) for e in _replaced(root)[:4])
     f = ManifestFollower(Storage.from_uri(root))
     with caplog.at_level(logging.WARNING, logger="rlrec.trainer"):
         got = f.poll(force_discover=True)
         assert f.poll(force_discover=True) == []
+    delivered = [i for s in got for i in f.entries[s.path].episode_ids]
+    assert sorted(delivered) == sorted(ids + fresh) and len(got) == 2
+    merged = next(s.path for s in got if s.path in f.covers)
+    key, seqs, paths = f.covers[merged]
+    assert key == ("rl", 0) and len(seqs) == 4 and set(paths) == {e.path for e in _replaced(root)[:4]}
+    assert f.removed_skipped == 0 and all(os.path.exists(os.path.join(root, s.path)) for s in got)
+    assert early.poll(force_discover=True) and early.poll() == []  # only the fresh shard, once
+    assert not early.covers
+
+
+def test_a_follower_skips_expired_shards_and_says_so_once(tmp_path, caplog):
+    from rlrec.trainer.manifest_follower import ManifestFollower
+
+    root = str(tmp_path / "out")
+    c = ShardCommitter(root, "rl", 0)
+    _commit(c, 3)
+    time.sleep(0.05)
+    fresh = _commit(c, 1, seed0=50)
+    newest = max(e.commit_time for e in _replaced(root))
+    retain(c.storage, grace_s=0, older_than_s=time.time() - newest + 0.01)
+    f = ManifestFollower(Storage.from_uri(root))
+    with caplog.at_level(logging.WARNING, logger="rlrec.trainer"):
+        got = f.poll(force_discover=True)
     assert sorted(i for s in got for i in f.entries[s.path].episode_ids) == sorted(fresh)
-    assert f.removed_skipped == 4
+    assert f.removed_skipped == 3
     assert len([r for r in caplog.records if "retention removed" in r.getMessage()]) == 1
-    assert all(os.path.exists(os.path.join(root, s.path)) for s in got)
+
+
+def test_a_merged_shard_delivered_in_place_of_trained_shards_is_history():
+    """A resumed trainer whose trained shards were merged and removed: the merged shard is
+    history (none of its episodes trained as new twice), also when only part of it was trained."""
+    from types import SimpleNamespace
+
+    from rlrec.trainer.data import ManifestOfflineData
+
+    covers = {"p/m.parquet": (("rl", 0), (1, 2), ("p/a.parquet", "p/b.parquet"))}
+    od = SimpleNamespace(follower=SimpleNamespace(covers=covers), _trained_keys={"p/a.parquet"})
+    assert ManifestOfflineData._trained_before(od, "p/m.parquet")
+    od._trained_keys = {"p/a.parquet", "p/b.parquet"}
+    assert ManifestOfflineData._trained_before(od, "p/m.parquet")
+    od._trained_keys = {"p/other.parquet"}
+    assert not ManifestOfflineData._trained_before(od, "p/m.parquet")
+    assert not ManifestOfflineData._trained_before(od, "p/x.parquet")
 
 
 def test_compaction_never_merges_removed_shards_and_survives_a_part_deleted_under_it(tmp_path):

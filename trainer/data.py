@@ -177,8 +177,28 @@ class ManifestOfflineData(OfflineData):
                     log.debug("manifest poll", exc_info=True)
                 return 0
             if infos:
-                ray.get(self.feed.add_shards.remote(infos, [s.key for s in infos if s.key in self._trained_keys]))
+                ray.get(self.feed.add_shards.remote(infos, [s.key for s in infos if self._trained_before(s.key)]))
             return len(infos)
+
+    def _trained_before(self, key: str) -> bool:
+        """Whether shard `key` is history: trained before this start, itself or (a merged shard
+        delivered for removed shard entries, `ManifestFollower.covers`) any entry it stands for
+        -- then all of it is history, so no episode is trained as new twice."""
+        if key in self._trained_keys:
+            return True
+        cover = self.follower.covers.get(key)
+        if cover is None:
+            return False
+        trained = [p for p in cover[2] if p in self._trained_keys]
+        if trained and len(trained) < len(cover[2]):
+            log.warning(
+                "%s merges %d shard(s) trained before with %d not trained yet whose files retention removed: "
+                "it is taken as trained before (those episodes are not trained as new)",
+                key,
+                len(trained),
+                len(cover[2]) - len(trained),
+            )
+        return bool(trained)
 
     def check_health(self) -> None:
         """Take the read tasks' failed reads from the feed into `health`; the store answers
@@ -220,6 +240,15 @@ class ManifestOfflineData(OfflineData):
 
     def entry(self, key: str) -> ShardEntry | None:
         return self.follower.entries.get(key)
+
+    def seqs(self, key: str) -> tuple[tuple[str, int], tuple[int, ...]] | None:
+        """The partition log and manifest seqs of the shard entries shard `key` stands for
+        (itself, or the entries a merged shard delivered in their place holds); None: unknown."""
+        cover = self.follower.covers.get(key)
+        if cover is not None:
+            return cover[0], cover[1]
+        e = self.follower.entries.get(key)
+        return None if e is None else ((e.topic, e.partition), (int(e.seq),))  # type: ignore[arg-type]
 
     def pop_stats(self, marks: list | None = None) -> IterationStats:
         """Stats since the last call (call after `algo.train()` with `iteration_marks(...)`)."""

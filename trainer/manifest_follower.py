@@ -7,7 +7,15 @@ import time
 from typing import Any
 
 from rlrec.store.commit import read_committed_shard
-from rlrec.store.manifest import MANIFEST_DIR, ManifestError, PartitionLog, ShardEntry, UnsupportedManifestError
+from rlrec.store.manifest import (
+    MANIFEST_DIR,
+    ManifestError,
+    PartitionLog,
+    ShardEntry,
+    UnsupportedManifestError,
+    live_holders,
+    live_shards,
+)
 from rlrec.store.retention import RemovalLogView
 from rlrec.store.storage import Storage
 from rlrec.trainer.feed import ShardInfo
@@ -35,8 +43,13 @@ class ManifestFollower:
     succeeds delivers every log's new shards.
 
     A shard that retention removed (`rlrec.store.retention`: a replaced file, or an expired one)
-    is not delivered: its file is gone or going (the first such shard is logged; `removed_skipped`
-    counts them). Each poll reads the removal records appended since the last (one read).
+    is not delivered: its file is gone or going. Its episodes are delivered in the merged shard
+    that holds them now when none of that shard's episodes were delivered yet (a trainer
+    started on a compacted store, or one that was down longer than retention's grace while the
+    shards were merged): once, as that shard, whose `covers` entry names the shard entries it
+    stands for. Otherwise (expired data; a merged shard part of which was delivered before)
+    they are not delivered: the first such shard is logged, `removed_skipped` counts them. Each
+    poll reads the removal records appended since the last (one read).
     """
 
     def __init__(
@@ -63,6 +76,9 @@ class ManifestFollower:
         self.entries: dict[str, ShardEntry] = {}  # key -> entry (selected shards)
         self.skipped = 0
         self.removed_skipped = 0
+        #: a delivered merged shard's key -> the shard entries it stands for: ((topic, partition), seqs, paths)
+        self.covers: dict[str, tuple[tuple[str, int], tuple[int, ...], tuple[str, ...]]] = {}
+        self._delivered: dict[tuple[str, int], set[int]] = {}  # per log: seqs of shard entries delivered
         self._removals = RemovalLogView(storage)
 
     def _discover(self) -> None:
@@ -131,25 +147,19 @@ class ManifestFollower:
             except (ManifestError, OSError) as e:
                 self._warn_once(f"refresh:{key}:{e}", "cannot read manifest log %s/%05d: %s", key[0], key[1], e)
                 continue
-            new, skipped = [], 0
+            new, skipped, gone = [], 0, []
             removed = self._removals.seqs(*key)
             for e in plog.entries_since(self._done.get(key, 0)):
                 if isinstance(e, ShardEntry) and e.path not in self.entries:
                     if e.seq in removed:
-                        self.removed_skipped += 1
-                        self._warn_once(
-                            "removed",
-                            "not delivering shards retention removed (first: %s, seq %s of %s/%05d): a trainer "
-                            "further behind than retention's grace loses their episodes",
-                            e.path,
-                            e.seq,
-                            key[0],
-                            key[1],
-                        )
+                        gone.append(e)
                     elif self._selected(e):
                         new.append(e)
                     else:
                         skipped += 1
+            if gone:
+                merged, new = self._holders(key, plog, gone, new, removed)
+                new += merged
             found.append((key, plog.next_seq, new, skipped))
         if unsupported is not None:
             raise unsupported
@@ -157,12 +167,52 @@ class ManifestFollower:
         for key, done, new, skipped in found:
             for e in new:
                 self.entries[e.path] = e
+                cover = self.covers.get(e.path)
+                self._delivered.setdefault(key, set()).update(cover[1] if cover else (e.seq,))
                 out.append(ShardInfo.from_entry(self._next_idx, e))
                 self._next_idx += 1
             self.skipped += skipped
             self._done[key] = done
         out.sort(key=lambda s: (s.commit_time, s.idx))
         return out
+
+    def _holders(
+        self, key: tuple[str, int], plog: PartitionLog, gone: list[ShardEntry], new: list[ShardEntry], removed: set
+    ) -> tuple[list[ShardEntry], list[ShardEntry]]:
+        """The merged shards to deliver for the removed shard entries `gone` of one log, and
+        `new` without the entries one of them stands for (their episodes are in it)."""
+        entries = plog.entries_since(0)
+        by_seq = {e.seq: e for e in entries}
+        live = live_shards(entries)
+        holds = live_holders(entries)  # live seq -> the shard entries' seqs it holds
+        holder_of = {s: h for h, held in holds.items() for s in held}
+        delivered = self._delivered.get(key, set())
+        merged: list[ShardEntry] = []
+        covered: set[int] = set()
+        for e in gone:
+            if e.seq in covered:
+                continue
+            h = holder_of.get(e.seq)  # type: ignore[arg-type]
+            m = live[h] if h is not None and h not in removed else None
+            if m is not None and m.path not in self.entries and not delivered.intersection(holds[h]):
+                if self._selected(m):
+                    merged.append(m)
+                    covered.update(holds[h])
+                    self.covers[m.path] = (key, holds[h], tuple(by_seq[s].path for s in holds[h]))
+                continue
+            self.removed_skipped += 1
+            why = "expired" if m is None else "part of the merged shard holding them was delivered before"
+            self._warn_once(
+                "removed",
+                "not delivering shards retention removed (first: %s, seq %s of %s/%05d, %s): their episodes are "
+                "not trained as new",
+                e.path,
+                e.seq,
+                key[0],
+                key[1],
+                why,
+            )
+        return merged, [e for e in new if e.seq not in covered]
 
 
 def spaces_from_shard(storage: Storage, entry: ShardEntry):

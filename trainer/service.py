@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Any
 
-from rlrec.store.manifest import UnsupportedManifestError
+from rlrec.store.manifest import ShardEntry, UnsupportedManifestError
 from rlrec.store.retry import RetrySchedule
 from rlrec.store.storage import Storage, StorageError
 from rlrec.trainer.checkpoints import STATE_VERSION, CheckpointStore
@@ -119,6 +119,21 @@ def _finite(x: Any) -> float | None:
 
 
 # ---------------------------------------------------------------------------------- trainer
+
+
+def shard_places(storage: Storage) -> dict[str, tuple[tuple[str, int], tuple[int, ...]]]:
+    """Every shard of a store by path: its partition log and the seqs of the shard entries it
+    stands for in a lineage -- a shard entry itself (compacted since or not), a merged shard
+    the entries it holds (`rlrec.store.manifest.merged_shards`)."""
+    from rlrec.store.manifest import merged_shards, read_partition_logs
+
+    places: dict[str, tuple[tuple[str, int], tuple[int, ...]]] = {}
+    for key, entries in read_partition_logs(storage).items():
+        for e in entries:
+            if isinstance(e, ShardEntry):
+                places[e.path] = (key, (int(e.seq),))  # type: ignore[arg-type]
+        places.update({p: (key, seqs) for p, seqs in merged_shards(entries).items()})
+    return places
 
 
 class ContinuousTrainer:
@@ -558,13 +573,11 @@ class ContinuousTrainer:
         if not self._unplaced:
             return True
         od = self.algo.offline_data if self.algo is not None else None
-        found = {k: od.entry(k) if od is not None else None for k in self._unplaced}
+        found = {k: od.seqs(k) if od is not None else None for k in self._unplaced}
         unknown = [k for k, e in found.items() if e is None]
         if unknown:
-            from rlrec.store.manifest import read_first_commits
-
-            try:  # every shard entry, compacted since or not: the trainer trains shard entries
-                by_path = {e.path: e for e in read_first_commits(self.input)}
+            try:
+                by_path = shard_places(self.input)
             except StorageError as e:
                 log.warning(
                     "reading the manifest of %s for the lineage failed (%s); retried later", self.input.uri(), e
@@ -579,10 +592,11 @@ class ContinuousTrainer:
                     )
                     log.error("%s: no version can be published with a lineage", self._lineage_lost)
                 self._unplaced -= set(lost)
-        for k, e in found.items():
-            if e is not None:
-                key = (e.topic, e.partition)
-                add_seq(self.trained_ranges.setdefault(key, []), int(e.seq))
+        for k, place in found.items():
+            if place is not None:
+                key, seqs = place
+                for q in seqs:
+                    add_seq(self.trained_ranges.setdefault(key, []), q)
                 self._unplaced.discard(k)
         return not self._unplaced
 

@@ -72,3 +72,25 @@ def test_minibatches_are_acknowledged_when_the_learner_gets_them(ahead):
     finally:
         gen.close()
         it.close()
+
+
+def test_rows_an_iteration_leaves_pulled_are_the_next_ones_first_and_every_chunk_is_acknowledged():
+    """A Learner stops iterating after its minibatches for the iteration (a new generator each
+    time): rows already pulled from the stream but not trained yet are kept for the next
+    iteration, so every chunk's rows reach a gradient step and are acknowledged (a one-episode
+    shard is one small chunk: losing it loses the shard's 'trained' for good)."""
+    it = StreamIterator(_Envelopes(chunks=12, rows=5), {"fresh_share": 0.25})
+    acked: set[int] = set()
+    ack = it._ack
+    it._ack = lambda counts, wait, consumed: (acked.update(counts), ack(counts, wait, consumed))
+    try:
+        for _ in range(40):  # iterations of 2 minibatches of 8 rows, 2 of them fresh once warm
+            gen = it.iter_batches(batch_size=8)
+            got = [b for _, b in zip(range(2), gen)]
+            gen.close()
+            if len(got) < 2:  # the stream ended and nothing is left
+                break
+        assert it.stats["rows_streamed"] == 12 * 5  # every streamed row trained once as fresh
+        assert acked == set(range(1, 13))
+    finally:
+        it.close()

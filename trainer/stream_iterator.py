@@ -86,11 +86,15 @@ class StreamIterator:
         self._stop = None
         self._done = False
         self._buffer = None
+        # rows pulled from the stream but not trained yet: kept here, not in a generator, so
+        # the rows a Learner's iteration leaves when it stops iterating are the next one's first
+        self._pending: list[dict[str, np.ndarray]] = []
+        self._n_pending = 0
         self.stats = {"rows_streamed": 0, "rows_replayed": 0}
 
     def __getstate__(self) -> dict:
         d = dict(self.__dict__)
-        d.update(_feed=None, _thread=None, _queue=None, _stop=None, _buffer=None, _done=False)
+        d.update(_feed=None, _thread=None, _queue=None, _stop=None, _buffer=None, _done=False, _pending=[], _n_pending=0)
         d.pop("_unsent", None)
         return d
 
@@ -203,8 +207,7 @@ class StreamIterator:
             self._buffer = _RowBuffer(cap, local_shuffle_seed)
         buf = self._buffer
         max_fresh = max(1, round(self._spec["fresh_share"] * B))
-        pending: list[dict[str, np.ndarray]] = []
-        n_pending = 0
+        pending, n_pending = self._pending, self._n_pending
         wait = 0.0
         while True:
             # everything that arrived (non-blocking); block only while nothing can be trained
@@ -238,6 +241,7 @@ class StreamIterator:
             fresh = {k: v[:take] for k, v in merged.items()}
             rest = {k: v[take:] for k, v in merged.items()}
             pending, n_pending = ([rest], n_pending - take) if n_pending > take else ([], 0)
+            self._pending, self._n_pending = pending, n_pending
             if take:
                 buf.add(fresh)
             if take < B:

@@ -94,7 +94,9 @@ class StreamIterator:
 
     def __getstate__(self) -> dict:
         d = dict(self.__dict__)
-        d.update(_feed=None, _thread=None, _queue=None, _stop=None, _buffer=None, _done=False, _pending=[], _n_pending=0)
+        d.update(
+            _feed=None, _thread=None, _queue=None, _stop=None, _buffer=None, _done=False, _pending=[], _n_pending=0
+        )
         d.pop("_unsent", None)
         return d
 

@@ -1,7 +1,8 @@
 """Strings from data (manifest entries, paths, notes, metrics) are printed literally by every
 command: never read as Rich markup (``[/]``, ``[link=...]``, ``[bold red]``) or ``:emoji:``
-codes, and escaped in HTML. Manifest entries are forged directly: the recorder's policy-id check
-(`rlrec.producer.events.POLICY_ID_RE`) is not what protects the readers."""
+codes, and escaped in HTML. Manifest entries are forged as files, not through `PartitionLog`:
+the recorder's policy-id check (`rlrec.producer.events.POLICY_ID_RE`) is not what protects the
+readers -- the manifest reader refuses such an id itself, in one line that shows it as data."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from rlrec.cli import main
+from rlrec.producer.events import POLICY_ID_RE
 from rlrec.store.manifest import PartitionLog
 from rlrec.store.storage import Storage
 from tests.test_storage_manifest import TOPIC, make_entry
@@ -25,15 +27,26 @@ BENIGN = ("p1", "p2", "p3")
 
 
 def _forge(root: Path, policy_ids: tuple[str, ...]) -> Storage:
-    """A committed manifest with one published shard per policy id (shard files under `pol/`)."""
+    """A committed manifest with one published shard per policy id (shard files under
+    `{policy_id}/`), its entries written as files directly: `PartitionLog` refuses to append an
+    entry whose policy id is not one (`check_shard_paths`), a forger need not use it."""
+    from rlrec.store.manifest_entries import entry_path
+
     store = Storage.from_uri(str(root))
     log = PartitionLog(store, TOPIC, 0)
     log.claim("forger")
+    seq, epoch = log.next_seq, log.epoch
     for i, pid in enumerate(policy_ids):
         entry, data = make_entry([f"e{i}"], first=10 * i, last=10 * i + 9)
-        entry = dataclasses.replace(entry, policy_id=pid)
-        store.write(entry.staging_path, data)
-        assert log.publish(log.append_shard(entry)) is True
+        name = entry.path.rsplit("/", 1)[-1]
+        safe = pid if POLICY_ID_RE.match(pid) else f"forged{i}"  # a hostile id names no folder
+        entry = dataclasses.replace(
+            entry, policy_id="p", path=f"{safe}/{name}", staging_path=f"{safe}/_staging/{name}", seq=seq, epoch=epoch
+        )
+        doc = {**entry.to_dict(), "policy_id": pid}
+        store.write(entry.path, data)
+        store.write(entry_path(TOPIC, 0, seq), json.dumps(doc).encode())
+        seq += 1
     return store
 
 
@@ -61,32 +74,30 @@ def test_inspect_prints_hostile_policy_ids_literally(tmp_path, capsys, wide, ver
     _forge(tmp_path / "benign", BENIGN)
     assert main(["inspect", str(tmp_path / "benign"), *flag]) == 0
     benign = capsys.readouterr()
-    _forge(tmp_path / "hostile", HOSTILE)
-    assert main(["inspect", str(tmp_path / "hostile"), *flag]) == 0
-    hostile = capsys.readouterr()
-    assert hostile.err == benign.err == ""
-    assert _totals_rows(benign.out) == [*BENIGN, "all"]
-    assert _totals_rows(hostile.out) == [*sorted(HOSTILE), "all"]
-    shard_rows = [ln.strip() for ln in hostile.out.splitlines() if ln.strip().startswith("[")]
-    assert [r.split("  ")[0] for r in shard_rows[:3]] == ["[/]", "[link=http://x]click[/l…", "[bold red]:warning:"]
+    assert benign.err == "" and _totals_rows(benign.out) == [*BENIGN, "all"]
     if verify:
-        assert hostile.out.splitlines()[-1].startswith("verify: no problems in 3 shards, 3 episodes, 15 steps, ")
+        assert benign.out.splitlines()[-1].startswith("verify: no problems in 3 shards, 3 episodes, 15 steps, ")
+    # a policy id no producer may send is refused by the manifest reader: one line, the id as data
+    _forge(tmp_path / "hostile", HOSTILE)
+    assert main(["inspect", str(tmp_path / "hostile"), *flag]) == 2
+    hostile = capsys.readouterr()
+    assert hostile.out == "" and hostile.err.count("\n") == 1
+    assert hostile.err.startswith("rlrec inspect: error: ManifestError: ")
+    assert "not a valid policy id: '[/]'" in hostile.err
 
 
-def test_inspect_json_keeps_hostile_policy_ids(tmp_path, capsys):
+def test_inspect_json_refuses_hostile_policy_ids_in_one_line(tmp_path, capsys):
     _forge(tmp_path / "out", HOSTILE)
-    assert main(["inspect", str(tmp_path / "out"), "--verify", "--json"]) == 0
-    doc = json.loads(capsys.readouterr().out)
-    assert [s["policy_id"] for s in doc["shards"]] == list(HOSTILE)
-    assert list(doc["totals"]["policies"]) == sorted(HOSTILE)
-    assert doc["problems"] == []
+    assert main(["inspect", str(tmp_path / "out"), "--verify", "--json"]) == 2
+    got = capsys.readouterr()
+    assert got.out == "" and got.err.count("\n") == 1 and "'[/]'" in got.err
 
 
 def test_inspect_verify_problems_and_a_hostile_root_are_literal(tmp_path, capsys, wide):
     """A root folder named like markup appears in the title as typed; a problem exits 1 as usual."""
     root = tmp_path / "[bold red]out[link=http://x]"
-    store = _forge(root, HOSTILE)
-    entry = next(e for e in PartitionLog(store, TOPIC, 0).load() if getattr(e, "policy_id", None) == "[/]")
+    store = _forge(root, BENIGN)
+    entry = next(e for e in PartitionLog(store, TOPIC, 0).load() if getattr(e, "policy_id", None) == "p1")
     store.delete(entry.path)
     assert main(["inspect", str(root), "--verify"]) == 1
     out = capsys.readouterr().out
@@ -156,7 +167,7 @@ def test_the_report_escapes_hostile_strings(tmp_path):
     from rlrec.report import write_report
 
     d = tmp_path / "demo-data"
-    policies = ("<script>alert(1)</script>", "a&b", *HOSTILE)
+    policies = ("a.b", "p-1", "p_2")  # hostile policy ids never pass the manifest reader
     _forge(d / "shards", policies)
     (d / "demo.json").write_text(json.dumps({"started": 0, "shards_uri": str(d / "shards"), "policies": 1}))
     (d / "metrics.jsonl").write_text(

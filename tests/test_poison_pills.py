@@ -342,7 +342,11 @@ def test_poison_pills_cost_one_dead_letter_each_and_nothing_else(
 
     assert not os.path.exists(marker), "a pickle payload was executed"
     assert not os.path.exists("/tmp/rlrec-pwn") and sorted(os.listdir(tmp_path)) == ["out"]
-    assert {p.split("/")[0] for p in (i.path for i in storage.list(""))} <= {"pol", "_manifest"}
+    assert {p.split("/")[0] for p in (i.path for i in storage.list(""))} <= {
+        "pol",
+        "_manifest",
+        "_owners",
+    }  # _owners: the consumer's owner leases
     got_eps = read_all(storage)  # asserts that no episode is in two shards
     assert set(got_eps) == set(truth) | landing
     for eid, ep in truth.items():

@@ -19,14 +19,16 @@ from its own file before); `Snapshot.changes` between two cursors of one store h
 the episodes of the later one that the earlier one lacks (a replacement that merged shards from
 both sides of the earlier cursor is read as the shards it replaced, whose files compaction
 keeps).
-Retention (`rlrec.store.retention`) removes files: a point at or after a removal record's positions
-does not hold the shards it removed; an older point is expired (`ExpiredPointError`) once the
-record's grace is over and reads as before until then; the newest point never is expired.
+Retention (`rlrec.store.retention`) removes files: a point taken after a removal record was
+written (its cursor counts the records in effect: ``~rm=N``) does not hold the shards it
+removed; an older point is expired (`ExpiredPointError`) once the record's grace is over and
+reads as before until then; the newest point never is expired.
 Shards are read through the schema gate (`rlrec.store.schema_gate`) after their sha256 is
 checked against the manifest: nothing is unpickled.
 
-Cursor text: ``r1~TAG~TOPIC:PARTITION=N,PARTITION=N+TOPIC:...``; ``TAG`` (12 hex digits) is a
-hash of the first entry of each log the cursor names, so a cursor of another store is refused.
+Cursor text: ``r1~TAG~TOPIC:PARTITION=N,PARTITION=N+TOPIC:...[~rm=R]``; ``TAG`` (12 hex
+digits) is a hash of the first entry of each log the cursor names, so a cursor of another store
+is refused; ``R`` (omitted when 0): the removal records written before the point was taken.
 
 `Snapshot.steps` is one row per step (docs/FORMAT.md, "Steps table"): ``episode_id``
 (string), ``t`` (int64, 0-based), ``observation``, ``action``, ``reward`` (float64),
@@ -161,15 +163,14 @@ def _deleted(storage: Storage, rec: RemovalRecord, e: ShardEntry, now: float) ->
 def _apply_removals(
     storage: Storage,
     entries: list[ShardEntry],
-    positions: Mapping[tuple[str, int], int],
+    removals: int,
     removed: Removed,
     *,
-    newest: bool,
     what: str,
 ) -> list[ShardEntry]:
-    """`entries` (the live shards at `positions`) less the shards retention removed before the
-    point existed (the point is at or after the record's positions in the shard's log; the
-    newest point always is); ExpiredPointError if others are removed and their record is older
+    """`entries` (the live shards of a point) less the shards retention removed before the
+    point existed (their record is numbered below the point's `Cursor.removals`; the newest
+    point has every record); ExpiredPointError if others are removed and their record is older
     than its grace or their files are gone (another host's clock may run ahead), while younger
     they are read as usual."""
     kept: list[ShardEntry] = []
@@ -180,8 +181,8 @@ def _apply_removals(
         if hit is None:
             kept.append(e)
             continue
-        rec, key = hit[0], (e.topic, e.partition)
-        if newest or positions.get(key, 0) >= rec.positions.get(key, 0):
+        rec = hit[0]
+        if rec.n < removals:
             continue  # removed before this point existed: not part of it
         if _deleted(storage, rec, e, now):
             gone.append(rec)
@@ -202,6 +203,9 @@ class Cursor:
     Args:
         positions: entries seen per partition log (a log not named: none of it).
         tag: 12 hex digits naming the store (a hash of each named log's first entry).
+        removals: the removal records in effect at the point (`rlrec.store.retention`): those
+            numbered below it were written before the point was taken, so the shards they
+            remove are not part of it; the others' are (read within their grace, then expired).
 
     Example:
         >>> c = Cursor({("rl", 0): 12, ("rl", 1): 3}, "0123456789ab")
@@ -209,20 +213,28 @@ class Cursor:
         'r1~0123456789ab~rl:0=12,1=3'
         >>> Cursor.parse(str(c)) == c
         True
+        >>> str(Cursor({("rl", 0): 12}, "0123456789ab", removals=2))
+        'r1~0123456789ab~rl:0=12~rm=2'
     """
 
     positions: Mapping[tuple[str, int], int]
     tag: str
+    removals: int = 0
 
     def __str__(self) -> str:
         groups: dict[str, list[str]] = {}
         for (topic, part), n in sorted(self.positions.items()):
             groups.setdefault(topic, []).append(f"{part}={n}")
         body = "+".join(f"{t}:{','.join(ps)}" for t, ps in groups.items())
-        return f"{_CURSOR_VERSION}~{self.tag}~{body}"
+        rm = f"~rm={self.removals}" if self.removals else ""
+        return f"{_CURSOR_VERSION}~{self.tag}~{body}{rm}"
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Cursor) and (dict(self.positions), self.tag) == (dict(other.positions), other.tag)
+        return isinstance(other, Cursor) and (dict(self.positions), self.tag, self.removals) == (
+            dict(other.positions),
+            other.tag,
+            other.removals,
+        )
 
     def __hash__(self) -> int:
         return hash(str(self))
@@ -236,7 +248,12 @@ class Cursor:
         if not m:
             raise CursorError(f"not an rlrec cursor: {_short(text)!r} (expected 'r1~TAG~TOPIC:PARTITION=N,...')")
         positions: dict[tuple[str, int], int] = {}
-        body = m.group(2)
+        body, removals = m.group(2), 0
+        if "~" in body:
+            body, _, rm = body.partition("~")
+            if not re.fullmatch(r"rm=\d{1,9}", rm):
+                raise CursorError(f"not an rlrec cursor: {_short(text)!r} (bad part {_short(rm)!r})")
+            removals = int(rm[3:])
         for group in body.split("+") if body else []:
             g = _GROUP_RE.match(group)
             if not g:
@@ -246,7 +263,7 @@ class Cursor:
                 if (g.group(1), part) in positions:
                     raise CursorError(f"not an rlrec cursor: {_short(text)!r} ({g.group(1)}/{part} named twice)")
                 positions[(g.group(1), part)] = n
-        return cls(positions, m.group(1))
+        return cls(positions, m.group(1), removals)
 
 
 def _short(text: Any, n: int = 60) -> str:
@@ -966,10 +983,16 @@ def open_snapshot(storage: Storage | str, as_of: float | int | str | Cursor | No
     removed = resolve_removals(records, logs)
     firsts = {k: _first_entry_key(entries[0] if entries else None) for k, entries in logs.items()}
     ends = {k: (entries[-1].seq + 1 if entries else 0) for k, entries in logs.items()}
+    removals = max((r.n for r in records), default=-1) + 1  # the newest point has every record
     if as_of is None:
         positions = ends
     elif isinstance(as_of, (str, Cursor)):
         c = _as_cursor(as_of)
+        if c.removals > removals:
+            raise CursorError(
+                f"unknown point: the cursor has {c.removals} removal record(s), the store {removals} (another store?)"
+            )
+        removals = c.removals
         _check_store(c, firsts, st)
         for key, n in c.positions.items():
             if n > ends[key]:
@@ -979,14 +1002,13 @@ def open_snapshot(storage: Storage | str, as_of: float | int | str | Cursor | No
         positions = dict(c.positions)
     elif isinstance(as_of, (int, float)) and not isinstance(as_of, bool):
         positions = _point_at_time(logs, float(as_of), st)
+        removals = max((r.n for r in records if r.time <= float(as_of)), default=-1) + 1
     else:
         raise CursorError(f"as_of must be None, a UNIX time or a cursor string, got {type(as_of).__name__}")
     positions = {k: n for k, n in positions.items() if n > 0}
-    point = Cursor(positions, _tag({k: firsts[k] for k in positions}))
+    point = Cursor(positions, _tag({k: firsts[k] for k in positions}), removals)
     entries = [e for key, es in logs.items() for e in live_shards(es, below=positions.get(key, 0)).values()]
-    entries = _apply_removals(
-        st, entries, positions, removed, newest=as_of is None, what=f"the point {_short(point, 120)}"
-    )
+    entries = _apply_removals(st, entries, removals, removed, what=f"the point {_short(point, 120)}")
     log.debug("snapshot %s: %d shard(s)", point, len(entries))
     return Snapshot(st, point, entries, firsts, logs=logs, removed=removed)
 

@@ -147,14 +147,21 @@ def test_expired_shards_are_removed_newest_and_later_points_read_the_rest_older_
     time.sleep(2.0)
     new = _commit(c, 2, seed0=10)
     at_both = open_snapshot(root).cursor
-
+    before_retain = time.time()
+    time.sleep(0.01)
     res = retain(c.storage, older_than_s=1.5, grace_s=0)
     assert [f.reason for f in res.recorded] == ["expired", "expired"]
     assert len(res.deleted) == 2  # two published files (their staging files are gone already)
     _assert_exactly(open_snapshot(root), new)
-    _assert_exactly(open_snapshot(root, as_of=at_both), new)  # at the record's positions: not part of it
-    with pytest.raises(ExpiredPointError, match="is expired: retention removed 2"):
-        open_snapshot(root, as_of=at_old)
+    after = open_snapshot(root).cursor  # taken after the removal: the expired shards are not part of it
+    assert after.endswith("~rm=1") and after != at_both
+    _assert_exactly(open_snapshot(root, as_of=after), new)
+    for before in (at_old, at_both):  # at_both has the record's positions (a quiet partition): still before it
+        with pytest.raises(ExpiredPointError, match="is expired: retention removed 2"):
+            open_snapshot(root, as_of=before)
+    with pytest.raises(ExpiredPointError):  # a time before the removal, on the same quiet log
+        open_snapshot(root, as_of=before_retain)
+    _assert_exactly(open_snapshot(root, as_of=time.time()), new)  # a time after it
     newer = _commit(c, 1, seed0=20)
     _assert_exactly(open_snapshot(root), new + newer)
     _assert_exactly(open_snapshot(root).changes(since=at_both), newer)

@@ -277,13 +277,20 @@ def test_a_merged_shard_delivered_in_place_of_trained_shards_is_history():
     from rlrec.trainer.data import ManifestOfflineData
 
     covers = {"p/m.parquet": (("rl", 0), (1, 2), ("p/a.parquet", "p/b.parquet"))}
-    od = SimpleNamespace(follower=SimpleNamespace(covers=covers), _trained_keys={"p/a.parquet"})
+    od = SimpleNamespace(follower=SimpleNamespace(covers=covers), _trained_keys={"p/a.parquet"}, _trained_ranges={})
     assert ManifestOfflineData._trained_before(od, "p/m.parquet")
     od._trained_keys = {"p/a.parquet", "p/b.parquet"}
     assert ManifestOfflineData._trained_before(od, "p/m.parquet")
     od._trained_keys = {"p/other.parquet"}
+    od._trained_ranges = {}
     assert not ManifestOfflineData._trained_before(od, "p/m.parquet")
     assert not ManifestOfflineData._trained_before(od, "p/x.parquet")
+    # an earlier merged shard holding entry 1 was trained (its path is not among the entries'):
+    # the checkpoint's ranges say so
+    od._trained_keys, od._trained_ranges = {"p/m1.parquet"}, {("rl", 0): [(1, 2)]}
+    assert ManifestOfflineData._trained_before(od, "p/m.parquet")
+    od._trained_ranges = {("rl", 1): [(1, 3)]}  # another log's seqs
+    assert not ManifestOfflineData._trained_before(od, "p/m.parquet")
 
 
 def test_compaction_never_merges_removed_shards_and_survives_a_part_deleted_under_it(tmp_path):

@@ -36,7 +36,7 @@ import threading
 import time
 import types
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -137,6 +137,7 @@ class ManifestOfflineData(OfflineData):
         self.poll_interval_s = float(spec.get("poll_interval_s", 0.5))
         self._started = False
         self._trained_keys: set[str] = set()
+        self._trained_ranges: dict[tuple[str, int], list[tuple[int, int]]] = {}
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -148,11 +149,16 @@ class ManifestOfflineData(OfflineData):
         self.health = StorageHealth(self.storage.uri())  # the input store's failed reads, reported here
 
     # ------------------------------------------------------------------ manifest
-    def start(self, trained_keys: Iterable[str] = ()) -> None:
-        """Load the manifest (shards in `trained_keys` are history, the rest fresh) and start polling."""
+    def start(
+        self, trained_keys: Iterable[str] = (), trained_ranges: Mapping[tuple[str, int], list] | None = None
+    ) -> None:
+        """Load the manifest (shards in `trained_keys`, or standing for shard entries in
+        `trained_ranges` -- per log, ``[start, end)`` seq ranges -- are history, the rest fresh)
+        and start polling."""
         if self._started:
             return
         self._trained_keys = set(trained_keys)
+        self._trained_ranges = {k: [tuple(r) for r in rs] for k, rs in (trained_ranges or {}).items()}
         self._started = True
         self.refresh(force_discover=True)
         self._thread = threading.Thread(target=self._poll_loop, name="rlrec-manifest", daemon=True)
@@ -182,14 +188,18 @@ class ManifestOfflineData(OfflineData):
 
     def _trained_before(self, key: str) -> bool:
         """Whether shard `key` is history: trained before this start, itself or (a merged shard
-        delivered for removed shard entries, `ManifestFollower.covers`) any entry it stands for
-        -- then all of it is history, so no episode is trained as new twice."""
+        delivered for removed shard entries, `ManifestFollower.covers`) any entry it stands for,
+        by path or by seq (an earlier merged shard holding it was trained) -- then all of it is
+        history, so no episode is trained as new twice."""
         if key in self._trained_keys:
             return True
         cover = self.follower.covers.get(key)
         if cover is None:
             return False
-        trained = [p for p in cover[2] if p in self._trained_keys]
+        ranges = self._trained_ranges.get(cover[0], ())
+        trained = [
+            p for q, p in zip(cover[1], cover[2]) if p in self._trained_keys or any(a <= q < b for a, b in ranges)
+        ]
         if trained and len(trained) < len(cover[2]):
             log.warning(
                 "%s merges %d shard(s) trained before with %d not trained yet whose files retention removed: "

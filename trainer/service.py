@@ -1030,7 +1030,7 @@ class ContinuousTrainer:
                     self.out.uri(),
                 )
             self.metrics.truncate_after(None)
-        self.algo.offline_data.start(self.trained)
+        self.algo.offline_data.start(self.trained, self.trained_ranges)
         return True
 
     def _connect(self) -> None:

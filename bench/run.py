@@ -545,13 +545,14 @@ def store_rows(r: dict, quick: bool) -> list[Row]:
                 )
             )
             reads = b["reads"]
-            base = [x["seconds"] for x in reads["rounds"]["files_pyarrow"]]
+            raw = "files_pyarrow" if "files_pyarrow" in reads else "plain"  # "plain" in docs/measurements JSON
+            base = [x["seconds"] for x in reads["rounds"][raw]]
             for reader, label in STORE_READERS.items():
                 row = _row(
                     f"store: s to read all steps, {where}, {label} via rlrec.open, vs pyarrow reading the same files' "
                     "raw columns",
                     _num(reads, reader, "seconds"),
-                    _num(reads, "files_pyarrow", "seconds"),
+                    _num(reads, raw, "seconds"),
                     "reported",
                     reported,
                     quick,

@@ -95,8 +95,8 @@ def test_every_episode_read_once_at_every_point_and_trained_new_once_while_a_com
     """Producer waves -> consumer A (topic A, 1 partition; then stopped) and consumer B (topic B,
     4 partitions, compacting its own with --compact-after) -> one local store, followed all along by
     `rlrec train`. Once A's owner lease has expired, `rlrec compact` merges A's small shards
-    (refusing B's partitions: live leases) and is killed -9 twice at random moments after it took
-    the partition, then re-run to the end.
+    (refusing B's partitions: live leases); it is killed -9 at a random moment after it took the
+    partition, run again and killed again (if still running), then run to the end.
 
     Checked: (1) `rlrec.open(store, as_of=cursor)` at every point taken -- before compaction (while
     A's lease expires), while the compactor runs, after each kill, after the last run and at the
@@ -115,7 +115,7 @@ def test_every_episode_read_once_at_every_point_and_trained_new_once_while_a_com
     follower's exactly-once check covers what compaction could break there.
 
     Waiting out consumer A's lease (60 s by the clock, then 60 s while `rlrec compact` watches it)
-    is most of this test's three to four minutes: a stopped consumer's lease stays until it
+    is most of this test's three minutes or so: a stopped consumer's lease stays until it
     expires."""
     out, ck = str(tmp_path / "out"), str(tmp_path / "ck")
     storage = Storage.from_uri(out)

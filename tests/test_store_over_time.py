@@ -239,7 +239,7 @@ def test_every_episode_read_once_at_every_point_and_trained_new_once_while_a_com
         def trainer_caught_up() -> bool:
             lines = read_metrics(ck)
             new = set().union(*(set(r["new_shards"]) for r in lines))
-            return new >= a_firsts and lines[-1]["time"] > done_at + 10
+            return bool(lines) and new >= a_firsts and lines[-1]["time"] > done_at + 10
 
         wait_for(trainer_caught_up, 120, "A's shard entries trained, and ten seconds more", trainer)
         trainer.send_signal(signal.SIGTERM)

@@ -1,38 +1,54 @@
-"""Store read benchmark: reading every step of a store of many small shards (issue 31).
+"""Store benchmark: files, reads and compaction of a store of many small shards (issue 31).
 
     python bench/store.py [--steps 1000000] [--steps-per-shard 1800] [--partitions 4] [--rounds 5]
+                          [--target-bytes 134217728] [--compact-rounds 3]
                           [--store DIR] [--demo-store URI] [--quick] [--json PATH]
 
 Stores measured:
 
   synthetic  --steps CartPole steps (expert episodes of 200 steps, epsilon 0.1) written with the
-             project's own shard writer (`ShardCommitter.commit`, episode shards, zstd, fsync),
-             --steps-per-shard each, round-robin over --partitions partition logs: many small
-             shards like the demo's (its median shard is 34 KiB). Built in a temporary folder, or
-             in --store DIR (kept, and reused by a later run with the same parameters).
+             project's own shard writer (`ShardCommitter.commit`, zstd, fsync), --steps-per-shard
+             each, round-robin over --partitions partition logs: many small shards like the
+             demo's (its median shard is 34 KiB). One store per --formats entry: "synthetic"
+             (episode shards: one row per episode, the consumer's default) and
+             "synthetic_tabular" (tabular shards: one row per step, so the files' raw columns are
+             the steps). Built in a temporary folder, or in --store DIR/<format> (kept, and
+             reused by a later run with the same parameters).
   demo       the shards of a `rlrec demo` run (--demo-store URI; default ./demo-data/shards when
              it exists; left out in --quick unless given).
 
-Per store: the number of files and their median size (from the manifest), and, in alternated
-rounds (the order rotates every round, one warm-up round first, not counted), the seconds to read
-every step:
+Equal work, before and after compaction: each local store is copied (`shutil.copytree`) into a
+folder beside it, on the same filesystem, --compact-rounds times; each copy is compacted with
+`rlrec compact`'s code (`compact_unowned(min_age_s=0, target_bytes=--target-bytes, force=True)`;
+the copies' owner leases are removed first: no consumer runs them), timed (compaction throughput:
+steps of the replaced shards per second; median and spread over the copies). The reads then
+compare the original store ("before") with the last compacted copy ("after"): the same episodes,
+the same bytes of data, the same filesystem and page cache conditions (one warm-up round first,
+not counted, reads every file of both).
 
-  pyarrow    ``rlrec.open(store).to_pyarrow_dataset().to_table()``
-  polars     ``rlrec.open(store).to_polars()``
-  duckdb     ``rlrec.open(store).to_duckdb()`` aggregated over every row (count, sum of reward)
-  plain      the baseline: ``pyarrow.dataset.dataset(files).to_table()`` over the same files
-             (``snapshot.files()``, listed before the clock starts): the shards' own columns as
-             stored, no manifest read, no sha256 check, no step decoding -- what a plain
-             directory reader pays for the same bytes.
+Per store: files and their median size (from the manifest) before and after, and in alternated
+rounds the seconds to read every step. Each round takes every reader in turn (the order rotates
+every round) and reads before then after, or after then before (the order flips every round:
+ABAB...); medians and spread (min..max) per reader and side, the raw rounds kept. Two reader
+paths, each with pyarrow, polars and DuckDB:
 
-Every rlrec reader's time includes opening the snapshot (reading the manifest), checking each
-shard's sha256 and turning its episodes into one row per step. Reported: median and spread
-(min..max) per reader, and the per-round values (``reads.rounds``).
+  steps (rlrec.open)   ``rlrec.open(store)`` ``.to_pyarrow_dataset().to_table()``, ``.to_polars()``,
+                       ``.to_duckdb()`` aggregated over every row (count, sum of reward): opening the
+                       snapshot (reading the manifest), checking each shard's sha256 and decoding
+                       every episode into one row per step. The per-episode decoding dominates and
+                       does not depend on how episodes are spread over files: merging files speeds
+                       this path up only by the per-file costs it saves.
+  files (raw columns)  the snapshot's file list (``snapshot.files()``, listed before the clock
+                       starts) read as stored, each tool in its best configuration:
+                       ``pyarrow.dataset.dataset(files).to_table()`` (multithreaded),
+                       ``polars.read_parquet(files)``, DuckDB ``read_parquet(files)`` (count and
+                       the summed length of the packed episodes): no manifest, no sha256, no step
+                       decoding -- what a plain reader given ``rlrec inspect --paths`` pays, and
+                       where per-file overheads are most of the cost.
 
-After compaction (issue 31; compaction lands separately): `compact_store` is the one place to
-wire rlrec's compactor. When it returns stats, every store is measured again after it, and
-bench/run.py adds the "after compaction" rows (files, median size, read seconds vs before;
-target: reads at least 5x faster on the small-shard store).
+Target of the issue: reading at least 5x faster after compaction on the small-shard (synthetic)
+stores; bench/run.py judges the files path (pyarrow, polars, DuckDB) against it on the synthetic
+stores and reports the rlrec.open path (and every figure of the demo's store).
 """
 
 from __future__ import annotations
@@ -50,25 +66,27 @@ from typing import Any
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, ROOT)
 
-#: the rlrec readers, in their first round's order (the baseline "plain" is timed beside them)
+#: the tools, each read through two paths: one row per step via rlrec.open, and the files' raw columns
 READERS = ("pyarrow", "polars", "duckdb")
-SIDES = ("plain", *READERS)
+#: side names: "pyarrow" etc. via rlrec.open, "files_pyarrow" etc. over snapshot.files()
+SIDES = (*READERS, *(f"files_{r}" for r in READERS))
 #: the target of the "after compaction" rows: reads at least this many times faster
 TARGET_SPEEDUP = 5.0
 EPISODE_STEPS = 200
+DEFAULT_TARGET_BYTES = 128 * 1024 * 1024
 
 
 # ------------------------------------------------------------------------------ the stores
 
 
-def build_synthetic(root: str, steps: int, steps_per_shard: int, partitions: int) -> dict:
-    """Write `steps` CartPole steps as shards of `steps_per_shard` steps (whole episodes of
+def build_synthetic(root: str, steps: int, steps_per_shard: int, partitions: int, fmt: str = "episodes") -> dict:
+    """Write `steps` CartPole steps as `fmt` shards of `steps_per_shard` steps (whole episodes of
     `EPISODE_STEPS`), round-robin over `partitions` logs, with `ShardCommitter`; returns what
     was built. A folder that already holds the same build (its ``bench-store.json``) is reused."""
     from rlrec.store.commit import ShardCommitter
     from rlrec.trainer.synthetic import expert_cartpole_episodes
 
-    params = {"steps": steps, "steps_per_shard": steps_per_shard, "partitions": partitions}
+    params = {"steps": steps, "steps_per_shard": steps_per_shard, "partitions": partitions, "format": fmt}
     marker = os.path.join(root, "bench-store.json")
     if os.path.exists(marker):
         with open(marker) as f:
@@ -78,7 +96,7 @@ def build_synthetic(root: str, steps: int, steps_per_shard: int, partitions: int
         raise SystemExit(f"--store {root} holds another build ({done.get('params')}); give an empty folder")
     if os.path.exists(root) and os.listdir(root):
         raise SystemExit(f"--store {root} is not empty and holds no bench-store.json; give an empty folder")
-    committers = [ShardCommitter(root, "rl", p) for p in range(partitions)]
+    committers = [ShardCommitter(root, "rl", p, fmt=fmt) for p in range(partitions)]
     per_shard = max(1, steps_per_shard // EPISODE_STEPS)
     t0 = time.perf_counter()
     written = shards = 0
@@ -93,20 +111,64 @@ def build_synthetic(root: str, steps: int, steps_per_shard: int, partitions: int
     return {**done, "reused": False}
 
 
-def compact_store(root: str) -> dict | None:
-    """AFTER COMPACTION: compact the store at `root` in place with rlrec's compactor and return
-    its stats (at least ``{"seconds": float}``); None while compaction is not wired here.
+def compact_copies(uri: str, copies: int, target_bytes: int, workdir: str) -> tuple[str, dict]:
+    """Copy the local store `uri` `copies` times into `workdir` (beside it: the same filesystem)
+    and compact each copy with `rlrec compact`'s code; returns the last compacted copy and the
+    compaction figures (seconds and steps/s per copy, their median and spread)."""
+    from rlrec.store.compaction import compact_unowned
+    from rlrec.store.storage import Storage
 
-    The lead wires issue 31's compactor here (e.g. ``rlrec.store.compaction.compact(root,
-    target_bytes=...)``); `measure` then reads every store again after it."""
-    return None
+    rounds = []
+    copy = ""
+    for i in range(copies):
+        if copy:
+            shutil.rmtree(copy)
+        copy = os.path.join(workdir, f"copy{i}")
+        shutil.copytree(uri, copy)
+        shutil.rmtree(os.path.join(copy, "_owners"), ignore_errors=True)  # no consumer runs the copy
+        before = {e.path: e.steps for e in _live_entries(copy)}
+        t0 = time.perf_counter()
+        results, refused = compact_unowned(
+            Storage.from_uri(copy), min_age_s=0, target_bytes=target_bytes, force=True, watch_s=0
+        )
+        seconds = time.perf_counter() - t0
+        if refused:
+            raise RuntimeError(f"compaction of the copy refused partitions: {refused}")
+        after = {e.path for e in _live_entries(copy)}
+        steps = sum(n for path, n in before.items() if path not in after)  # steps of the replaced shards
+        rounds.append(
+            {
+                "seconds": seconds,
+                "steps": steps,
+                "steps_per_s": steps / seconds if seconds > 0 else None,
+                "replaced": sum(r.replaced for r in results),
+                "written": sum(r.written for r in results),
+                "skipped": [s for r in results for s in r.skipped],
+            }
+        )
+    per_s = [r["steps_per_s"] for r in rounds if r["steps_per_s"]]
+    secs = [r["seconds"] for r in rounds]
+    return copy, {
+        "target_bytes": target_bytes,
+        "seconds": statistics.median(secs),
+        "seconds_spread": [min(secs), max(secs)],
+        "steps_per_s": statistics.median(per_s) if per_s else None,
+        "steps_per_s_spread": [min(per_s), max(per_s)] if per_s else None,
+        "rounds": rounds,
+    }
 
 
 # ------------------------------------------------------------------------------ measuring
 
 
+def _live_entries(uri: str) -> list:
+    import rlrec
+
+    return list(rlrec.open(uri).entries)
+
+
 def files_and_sizes(uri: str) -> dict:
-    """Files (committed shard entries, from the manifest) and their sizes."""
+    """Files (the live shards of the newest point, from the manifest) and their sizes."""
     import rlrec
 
     snap = rlrec.open(uri)
@@ -117,18 +179,36 @@ def files_and_sizes(uri: str) -> dict:
         "total_bytes": sum(sizes),
         "steps": snap.num_steps,
         "episodes": snap.num_episodes,
+        "formats": sorted({e.format for e in snap.entries}),
     }
 
 
+def _raw_duckdb_sql(files: list[str]) -> str:
+    """count(*) and a sum that reads a column's values (the packed episodes of episode shards)."""
+    import pyarrow.parquet as pq
+
+    names = pq.read_schema(files[0]).names if files else []
+    value = "sum(octet_length(item))" if "item" in names else "sum(rewards)" if "rewards" in names else "0"
+    return f"SELECT count(*), {value} FROM read_parquet(?)"
+
+
 def read_once(side: str, uri: str, files: list[str]) -> tuple[float, int]:
-    """Seconds to read every step of `uri` with `side`, and the rows it read."""
+    """Seconds to read every step of `uri` with `side`, and the rows it read (rows of the files'
+    own layout for the ``files_*`` sides: episodes of episode shards, steps of tabular ones)."""
+    import duckdb
+    import polars as pl
     import pyarrow.dataset as ds
 
     import rlrec
 
+    sql = _raw_duckdb_sql(files) if side == "files_duckdb" else ""
     t0 = time.perf_counter()
-    if side == "plain":
+    if side == "files_pyarrow":
         rows = ds.dataset(files, format="parquet").to_table().num_rows
+    elif side == "files_polars":
+        rows = pl.read_parquet(files).height
+    elif side == "files_duckdb":
+        rows = int(duckdb.connect().execute(sql, [files]).fetchone()[0])
     elif side == "pyarrow":
         rows = rlrec.open(uri).to_pyarrow_dataset().to_table().num_rows
     elif side == "polars":
@@ -140,41 +220,54 @@ def read_once(side: str, uri: str, files: list[str]) -> tuple[float, int]:
     return time.perf_counter() - t0, rows
 
 
-def measure_reads(uri: str, rounds: int) -> dict:
-    """Alternated rounds of every side (one warm-up round first): medians, spreads, raw rounds."""
+def _stats(values: list[dict]) -> dict:
+    secs = [v["seconds"] for v in values]
+    return {"seconds": statistics.median(secs), "spread": [min(secs), max(secs)], "rows": values[0]["rows"]}
+
+
+def measure_reads(stores: dict[str, str], rounds: int) -> dict:
+    """Alternated rounds (one warm-up round first) of every side on every store of `stores`
+    (``{"before": uri, "after": uri}``, or before only): per round the sides in a rotating order,
+    each reading the stores back to back in an order that flips every round. Returns per store
+    ``{side: {seconds, spread, rows}, "rounds": {side: [{seconds, rows}, ...]}}``."""
     import rlrec
 
-    files = rlrec.open(uri).files()
-    rounds_: dict[str, list[dict]] = {s: [] for s in SIDES}
+    names = list(stores)
+    files = {n: rlrec.open(uri).files() for n, uri in stores.items()}
+    raw: dict[str, dict[str, list[dict]]] = {n: {s: [] for s in SIDES} for n in names}
     for r in range(rounds + 1):
         order = SIDES[r % len(SIDES) :] + SIDES[: r % len(SIDES)]
         for side in order:
-            seconds, rows = read_once(side, uri, files)
-            if r > 0:
-                rounds_[side].append({"seconds": seconds, "rows": rows})
-    out: dict[str, Any] = {"rounds": rounds_}
-    for side, values in rounds_.items():
-        secs = [v["seconds"] for v in values]
-        out[side] = {"seconds": statistics.median(secs), "spread": [min(secs), max(secs)], "rows": values[0]["rows"]}
+            for n in names if r % 2 == 0 else reversed(names):
+                seconds, rows = read_once(side, stores[n], files[n])
+                if r > 0:
+                    raw[n][side].append({"seconds": seconds, "rows": rows})
+    out: dict[str, Any] = {}
+    for n in names:
+        out[n] = {"rounds": raw[n], **{side: _stats(values) for side, values in raw[n].items()}}
+        if n != names[0]:  # the same episodes and steps on both sides
+            for side in SIDES:
+                assert out[n][side]["rows"] == out[names[0]][side]["rows"], (side, n)
     return out
 
 
-def measure(uri: str, rounds: int) -> dict:
-    """Files and reads of one store, before and (when `compact_store` is wired) after compaction."""
-    before = {**files_and_sizes(uri), "reads": measure_reads(uri, rounds)}
-    result: dict[str, Any] = {"before": before, "after": None}
-    if "://" in uri:
-        return result  # compaction is measured on local copies only
-    work = tempfile.mkdtemp(prefix="rlrec-bench-compact-")
+def measure(uri: str, rounds: int, copies: int, target_bytes: int) -> dict:
+    """Files and reads of one store before and after compaction (a local store: compacted copies
+    beside it; a remote one is measured before only)."""
+    before = files_and_sizes(uri)
+    if "://" in uri or copies < 1:
+        return {"before": {**before, "reads": measure_reads({"before": uri}, rounds)["before"]}, "after": None}
+    parent = os.path.dirname(os.path.abspath(uri))
+    work = tempfile.mkdtemp(prefix=".rlrec-bench-compact-", dir=parent)  # beside it: same filesystem
     try:
-        copy = os.path.join(work, "store")
-        shutil.copytree(uri, copy)
-        stats = compact_store(copy)
-        if stats is not None:
-            result["after"] = {**files_and_sizes(copy), "reads": measure_reads(copy, rounds), "compaction": stats}
+        copy, compaction = compact_copies(uri, copies, target_bytes, work)
+        reads = measure_reads({"before": uri, "after": copy}, rounds)
+        return {
+            "before": {**before, "reads": reads["before"]},
+            "after": {**files_and_sizes(copy), "reads": reads["after"], "compaction": compaction},
+        }
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,29 +276,53 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps-per-shard", type=int, default=1_800, help="steps per shard (~34 KiB at 1,800)")
     ap.add_argument("--partitions", type=int, default=4, help="partition logs of the synthetic store")
     ap.add_argument("--rounds", type=int, default=5, help="measured rounds per reader (after one warm-up round)")
-    ap.add_argument("--store", default=None, help="build (or reuse) the synthetic store here (default: a temp dir)")
+    ap.add_argument(
+        "--target-bytes", type=int, default=DEFAULT_TARGET_BYTES, help="a merged shard's size at most (rlrec compact)"
+    )
+    ap.add_argument("--compact-rounds", type=int, default=3, help="copies compacted (timed); 0: no compaction")
+    ap.add_argument(
+        "--formats",
+        default="episodes,tabular",
+        help="shard formats of the synthetic stores, comma-separated (episodes: one row per episode, "
+        "tabular: one row per step) [episodes,tabular]",
+    )
+    ap.add_argument(
+        "--store",
+        default=None,
+        help="build (or reuse) the synthetic stores here, one folder per format (default: a temp dir)",
+    )
     ap.add_argument("--demo-store", default=None, help="a demo run's shards (default ./demo-data/shards if present)")
-    ap.add_argument("--quick", action="store_true", help="20k steps, 2 rounds, no demo store unless given")
+    ap.add_argument(
+        "--quick", action="store_true", help="20k steps, 2 rounds, 1 compacted copy, no demo store unless given"
+    )
     ap.add_argument("--json", default=None, help="write the result here")
     args = ap.parse_args(argv)
     if args.quick:
         args.steps, args.rounds = min(args.steps, 20_000), min(args.rounds, 2)
+        args.compact_rounds = min(args.compact_rounds, 1)
     demo = args.demo_store
     if demo is None and not args.quick and os.path.isdir(os.path.join("demo-data", "shards", "_manifest")):
         demo = os.path.join("demo-data", "shards")
 
+    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    if not formats or set(formats) - {"episodes", "tabular"}:
+        ap.error(f"--formats: episodes and/or tabular, not {args.formats!r}")
     tmp = None if args.store else tempfile.mkdtemp(prefix="rlrec-bench-store-")
-    root = args.store or os.path.join(tmp, "store")
+    measuring = (args.rounds, args.compact_rounds, args.target_bytes)
+    stores: dict[str, Any] = {}
     try:
-        built = build_synthetic(root, args.steps, args.steps_per_shard, args.partitions)
-        print(
-            f"synthetic store: {built['shards']} shards, {built['steps']:,} steps"
-            + (" (reused)" if built["reused"] else f", built in {built['build_s']:.1f}s"),
-            file=sys.stderr,
-        )
-        stores = {"synthetic": {"uri": root, "built": built, **measure(root, args.rounds)}}
+        for fmt in formats:
+            root = os.path.join(args.store or tmp, fmt)
+            built = build_synthetic(root, args.steps, args.steps_per_shard, args.partitions, fmt)
+            print(
+                f"synthetic {fmt} store: {built['shards']} shards, {built['steps']:,} steps"
+                + (" (reused)" if built["reused"] else f", built in {built['build_s']:.1f}s"),
+                file=sys.stderr,
+            )
+            name = "synthetic" if fmt == "episodes" else f"synthetic_{fmt}"
+            stores[name] = {"uri": root, "format": fmt, "built": built, **measure(root, *measuring)}
         if demo:
-            stores["demo"] = {"uri": demo, **measure(demo, args.rounds)}
+            stores["demo"] = {"uri": demo, **measure(demo, *measuring)}
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -216,9 +333,17 @@ def main(argv: list[str] | None = None) -> int:
         "stores": stores,
     }
     for name, s in stores.items():
-        b = s["before"]
-        line = ", ".join(f"{side} {b['reads'][side]['seconds']:.2f}s" for side in SIDES)
-        print(f"{name}: {b['files']} files, median {b['median_bytes'] / 1024:.1f} KiB; read all steps: {line}")
+        for when in ("before", "after"):
+            b = s[when]
+            if b is None:
+                continue
+            line = ", ".join(f"{side} {b['reads'][side]['seconds']:.2f}s" for side in SIDES)
+            c = b.get("compaction")
+            comp = f"; compacted at {c['steps_per_s']:,.0f} steps/s" if c and c["steps_per_s"] else ""
+            print(
+                f"{name} {when} compaction: {b['files']} files, median {b['median_bytes'] / 1024:.1f} KiB{comp}; "
+                f"read all: {line}"
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)

@@ -59,6 +59,14 @@ Figures:
       backlog it left, which was most of the reported p99.) Phases per shard: manifest -> feed,
       feed -> read (delivered to the read task), read -> its first chunk out of the PreLearner,
       -> first gradient step.
+      T3 is measured twice per round, alternated (the order flips every round), each in a fresh
+      process: as above, and with the committing writer compacting its own partition between
+      its commits the way `rlrec consume --compact-after S` does (`--compact-after-t3 S`,
+      default 0.5 -- more often than a consumer's 5 s minimum, so that compaction overlaps the
+      short run: every S seconds one merged shard of shards at least S old,
+      `compact_partition(max_runs=1)`), reported as p99 with compaction vs without (target:
+      unchanged within noise). The trainer follows shard entries only: replacements add no
+      new shard to train.
   T4  (`--t4`; full runs of bench/run.py only) wall time from the start of the build to a greedy
       CartPole return >= `--t4-return` (450; mean of `--t4-episodes` episodes on fixed seeds,
       evaluated after every iteration with the Learner's RLModule, evaluation time not counted),
@@ -365,15 +373,30 @@ def run_streaming(args, out: str) -> dict:
     ]
     done = threading.Event()
     rows = [0]
+    compactions: list[dict] = []
+
+    def compact_when_due(due: float) -> float:
+        """What a consumer's writer with --compact-after does between its shard writes
+        (`PartitionWriter.upkeep`): one merged shard of shards at least `compact_after` old."""
+        from rlrec.store.compaction import compact_partition
+
+        if not args.compact_after or time.time() < due:
+            return due
+        t0 = time.time()
+        res = compact_partition(committer.log, min_age_s=args.compact_after, max_runs=1)
+        compactions.append({"seconds": time.time() - t0, "replaced": res.replaced, "written": res.written})
+        return time.time() + args.compact_after
 
     def produce():
         t0 = time.time()
+        due = t0 + (args.compact_after or 0.0)
         for i, eps in enumerate(pending):
             if stop.wait(max(0.0, t0 + (i + 1) * args.interval - time.time())):
                 break
             for e in committer.commit(eps).entries:
                 commits[e.path] = e.commit_time
                 rows[0] += e.steps
+            due = compact_when_due(due)
         done.set()
 
     # warm-up (pipeline start: the PreLearner actor, the module, the first batches) on the
@@ -435,6 +458,10 @@ def run_streaming(args, out: str) -> dict:
     total = len(read_manifest(Storage.from_uri(out)))
     return {
         "interval_s": args.interval,
+        "compact_after_s": args.compact_after,
+        "compactions": len(compactions),
+        "shards_replaced": sum(c["replaced"] for c in compactions),
+        "compaction_s": sum(c["seconds"] for c in compactions),
         "iterations": len(iters),
         "shards_committed_during_run": len(commits),
         "shards_not_yet_trained_at_end": len(untrained),
@@ -570,31 +597,45 @@ def parent(args) -> dict:
                 "misses": {s: sum(1 for x in runs if not x["reached"]) for s, runs in t4_raw.items()},
                 "raw": t4_raw,
             }
-        rounds = []
-        for r in range(max(1, args.stream_rounds)):  # each round: fresh process, fresh output
-            stream_out = os.path.join(tmp, f"stream{r}")
-            make_shards(stream_out, 3, args.episodes_per_shard, seed0=5000)
-            res = _child(
-                args,
-                ["--streaming", "--data", stream_out, f"--interval={interval}"],
-                os.path.join(tmp, "stream.json"),
-                900,
-            )
-            rounds.append(res)
-            log(
-                f"streaming round {r + 1}/{args.stream_rounds}: {res['shards_committed_during_run']} shards every "
-                f"{interval:.2f}s, p50 {res['commit_to_first_gradient_s_p50']:.2f}s, "
-                f"p99 {res['commit_to_first_gradient_s_p99']:.2f}s, misses {res['misses']}"
-            )
-        # the round with the median p99 (its latencies are plotted), the figures as medians over rounds
-        rep = sorted(rounds, key=lambda x: x["commit_to_first_gradient_s_p99"])[(len(rounds) - 1) // 2]
-        streaming = dict(rep)
-        for k in ("commit_to_first_gradient_s_p50", "commit_to_first_gradient_s_p99", "iteration_s_median"):
-            streaming[k] = statistics.median(x[k] for x in rounds)
-            streaming[k + "_rounds"] = [x[k] for x in rounds]
-        streaming["misses"] = sum(x["misses"] for x in rounds)
-        streaming["rounds"] = rounds
-        results["streaming"] = streaming
+        # T3 without and with the writer compacting its partition (--compact-after), the two
+        # sides alternated (the order flips every round), each round a fresh process and output
+        sides_t3 = {"streaming": 0.0}
+        if args.compact_after_t3 > 0:
+            sides_t3["streaming_compacting"] = args.compact_after_t3
+        rounds_t3: dict[str, list[dict]] = {k: [] for k in sides_t3}
+        for r in range(max(1, args.stream_rounds)):
+            for name in sides_t3 if r % 2 == 0 else tuple(reversed(sides_t3)):
+                stream_out = os.path.join(tmp, f"stream{r}-{name}")
+                make_shards(stream_out, 3, args.episodes_per_shard, seed0=5000)
+                res = _child(
+                    args,
+                    [
+                        "--streaming",
+                        "--data",
+                        stream_out,
+                        f"--interval={interval}",
+                        f"--compact-after={sides_t3[name]}",
+                    ],
+                    os.path.join(tmp, "stream.json"),
+                    900,
+                )
+                rounds_t3[name].append(res)
+                log(
+                    f"{name} round {r + 1}/{args.stream_rounds}: {res['shards_committed_during_run']} shards every "
+                    f"{interval:.2f}s, {res['compactions']} compactions, p50 "
+                    f"{res['commit_to_first_gradient_s_p50']:.2f}s, p99 {res['commit_to_first_gradient_s_p99']:.2f}s, "
+                    f"misses {res['misses']}"
+                )
+        for name, rounds in rounds_t3.items():
+            # the round with the median p99 (its latencies are plotted), the figures as medians over rounds
+            rep = sorted(rounds, key=lambda x: x["commit_to_first_gradient_s_p99"])[(len(rounds) - 1) // 2]
+            streaming = dict(rep)
+            for k in ("commit_to_first_gradient_s_p50", "commit_to_first_gradient_s_p99", "iteration_s_median"):
+                streaming[k] = statistics.median(x[k] for x in rounds)
+                streaming[k + "_rounds"] = [x[k] for x in rounds]
+            streaming["misses"] = sum(x["misses"] for x in rounds)
+            streaming["rounds"] = rounds
+            results[name] = streaming
     return results
 
 
@@ -638,6 +679,14 @@ def main(argv=None) -> int:
     ap.add_argument("--stream-seconds", type=float, default=300.0, help="T3 safety cap [300]")
     ap.add_argument("--stream-rounds", type=int, default=3, help="T3 rounds, each in a fresh process [3]")
     ap.add_argument("--interval", type=float, default=2.0, help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--compact-after-t3",
+        type=float,
+        default=0.5,
+        help="T3 is also measured while the writer compacts its partition every this many seconds "
+        "(0: not measured) [0.5]",
+    )
+    ap.add_argument("--compact-after", type=float, default=0.0, help=argparse.SUPPRESS)
     ap.add_argument("--warmup-iterations", type=int, default=2)
     ap.add_argument("--num-cpus", type=int, default=None, help="ray.init(num_cpus) [all]")
     ap.add_argument("--fresh-fraction", type=float, default=None, help="FeedPolicy.fresh_fraction [library default]")

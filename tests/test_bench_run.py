@@ -24,9 +24,10 @@ ROW_KEYS = {"figure", "ours", "baseline", "ratio", "target", "pass", "rounds"}
 # consumer 2 sizes x 3 sides (1 process fsync / no fsync, 2 processes) x 2 baselines x (steps/s,
 # CPU µs/step) + RSS,
 # + 1 from the memory benchmark;
-# trainer (T2 x 2, T1 x 2) x 2 stock configurations + T3 x 2 (T4 only in full runs); manifest 3;
-# store: files, median size, 3 readers (the synthetic store only: no demo store in quick runs)
-PREFIXES = {"producer": 15, "consumer": 26, "trainer": 10, "manifest": 3, "store": 5}
+# trainer (T2 x 2, T1 x 2) x 2 stock configurations + T3 x 2 + T3 p99 while compacting (T4 only in
+# full runs); manifest 3; store: per synthetic store (episode and tabular shards; no demo store in
+# quick runs) files and median size after compaction vs before, 3 readers x 2 paths, compaction steps/s
+PREFIXES = {"producer": 15, "consumer": 26, "trainer": 11, "manifest": 3, "store": 18}
 BENCHES = ["producer", "consumer", "memory", "trainer", "manifest", "store"]
 
 

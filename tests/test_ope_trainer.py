@@ -38,3 +38,38 @@ def test_prelearner_drops_held_out_episodes():
     assert stub.rlrec_held_out == 200 - len(kept) > 20
     off = SimpleNamespace(_rlrec_holdout=0.0, rlrec_held_out=0)
     assert not any(SafeOfflinePreLearner._held_out(off, SimpleNamespace(id_=i)) for i in ids)
+
+
+def test_a_chunk_with_nothing_left_to_train_on_reports_no_rows_even_when_the_buffer_gives_some():
+    """In "buffer" mode a PreLearner call returns rows sampled from earlier chunks' episodes even
+    when this chunk's one episode was held out: the feed must hear 0 rows for this chunk (so its
+    shard counts as trained on now), not the sampled rows (which carry other shards' tags: the
+    shard would wait for an acknowledgement that never comes, and never count as trained)."""
+    import numpy as np
+    import pyarrow as pa
+
+    from rlrec.trainer.envelopes import ENVELOPE, table_to_ipc
+    from rlrec.trainer.feed import TAG
+    from rlrec.trainer.prelearner import envelope_prelearner_class
+
+    class Buffered:
+        def __call__(self, batch):
+            self.rlrec_last_skips = []
+            self.rlrec_last_usable = 0 if batch["held"][0] else 1  # this chunk's episodes left
+            return {"obs": np.zeros((8, 2), np.float32), TAG: np.full(8, 99, np.int64)}  # from the buffer
+
+    calls = []
+    feed = SimpleNamespace(
+        processed=SimpleNamespace(remote=lambda tags, rows: calls.append((tags, rows))),
+        skipped=SimpleNamespace(remote=lambda *a: None),
+    )
+    wrapped = object.__new__(envelope_prelearner_class(Buffered))
+    wrapped._rlrec_feed = feed
+
+    def envelope(tag: int, held: bool) -> dict:
+        chunk = pa.table({"held": [held], TAG: [tag]})
+        return {ENVELOPE: np.array([table_to_ipc(chunk)], dtype=object), TAG: np.array([tag])}
+
+    wrapped(envelope(7, True))
+    wrapped(envelope(8, False))
+    assert calls == [([7], 0), ([8], 8)]

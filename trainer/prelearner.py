@@ -61,6 +61,8 @@ class SafeOfflinePreLearner(OfflinePreLearner):
         #: (episode id, or "#<row in the chunk>" if undecodable; why) of each episode the last call
         #: skipped (read by the envelope wrapper, reported to the feed, which counts each once)
         self.rlrec_last_skips: list[tuple[str, str]] = []
+        #: episodes of the last call's chunk left to train on (None: not known)
+        self.rlrec_last_usable: int | None = None
 
     def _skip(self, episode: str, reason: str) -> None:
         self.rlrec_skipped += 1
@@ -153,8 +155,10 @@ class SafeOfflinePreLearner(OfflinePreLearner):
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         self.rlrec_last_skips = []
+        self.rlrec_last_usable = None  # episodes of this batch left to train on (set below)
         if self.config.input_read_episodes:
             episodes = self._decode(batch)
+            self.rlrec_last_usable = len(episodes)
             if self._rlrec_mode == "buffer":
                 if episodes or self.episode_buffer.get_num_timesteps() > 0:
                     episodes = self._postprocess_and_sample(episodes)
@@ -175,6 +179,7 @@ class SafeOfflinePreLearner(OfflinePreLearner):
                 for ep in self._map_to_episodes(batch, to_numpy=False)["episodes"]
                 if self._usable(ep) and not self._held_out(ep)
             ]
+            self.rlrec_last_usable = len(episodes)
         if not episodes:
             return {}
         out = self._learner_connector(rl_module=self._module, batch={}, episodes=episodes, shared_data={}, metrics=None)
@@ -208,7 +213,12 @@ def envelope_prelearner_class(cls: type) -> type:
                 skips = getattr(self, "rlrec_last_skips", None)
                 if skips:  # before `processed`: the feed still knows which chunk the tag was
                     self._rlrec_feed.skipped.remote(int(tag), [e for e, _ in skips], skips[0][1])
-                self._rlrec_feed.processed.remote([int(tag)], rows[-1])
+                # a chunk with no episode left to train on (all held out or unusable) reports no
+                # rows, whatever rows the call returned: in "buffer" mode they are sampled from
+                # earlier chunks' episodes (other shards' tags), and the shard of this one must
+                # count as trained on now (`FeedState.processed`), not wait for rows never coming
+                usable = getattr(self, "rlrec_last_usable", None)
+                self._rlrec_feed.processed.remote([int(tag)], 0 if usable == 0 else rows[-1])
         # an Arrow table, not a numpy object array: Ray Data sizes Arrow blocks exactly, so each
         # one-row envelope leaves the actor at once (object arrays were held back, unsized)
         return pa.table({ENVELOPE: pa.array(outs, type=pa.binary()), "rlrec_rows": pa.array(rows, type=pa.int64())})

@@ -442,10 +442,10 @@ def pinned_live_shards(
         if not entries or not ranges:
             continue
         ranges = sorted((int(a), int(b)) for a, b in ranges)
-        live = live_shards(entries)
-        for seq, held in live_holders(entries).items():
+        files = {s.seq: s for s in shard_files(entries)}
+        for seq, held in live_holders(entries).items():  # live seq -> the shard entries it holds
             if any(_in_ranges(h, ranges) for h in (seq, *held)):
-                out[(topic, part, seq)] = live[seq]
+                out[(topic, part, seq)] = files[seq]
     return out
 
 

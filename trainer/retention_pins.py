@@ -85,7 +85,7 @@ class LineagePins:
         versions: the pinned versions.
 
     Example:
-        >>> LineagePins({("rl", 0): ((2, 4),), }, frozenset(), PinnedVersions((1,), 1)).count
+        >>> LineagePins({("rl", 0): ((2, 4),)}, frozenset(), PinnedVersions((1,), 1)).count
         2
     """
 

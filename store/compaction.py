@@ -16,7 +16,9 @@ four steps, each safe to interrupt at any point (kill -9 included):
    orphan staging file, which ``rlrec gc`` collects;
 3. commit: append a replace entry (`PartitionLog.append_replace`: the same create-once append
    and fencing as a shard entry) naming the run's seqs and the new shard. This is the commit
-   point; the log refuses a replacement that does not hold exactly the replaced episodes;
+   point; the log refuses a replacement that does not hold exactly the replaced episodes. Just
+   before it, the removal log is read again: a run a part of which retention removed while it
+   merged is dropped (its staged file is an orphan for gc);
 4. publish: move the staged file to ``{policy}/{name}`` (if interrupted or failed: rolled
    forward by the owner's next claim or compaction run, `PartitionLog.recover`). The replaced files stay: retention removes
    them later, so a cursor taken before the replacement still reads them.
@@ -367,6 +369,17 @@ def _check_merged(out, parts) -> None:
         raise ValueError("its episode ids differ from the replaced shards' entries")
 
 
+def _removed_meanwhile(
+    removals: RemovalLogView, plog: PartitionLog, entries: list[Entry], seqs: list[int]
+) -> list[int]:
+    """The seqs of `seqs` that the removal log names now (read again just before the commit):
+    a merge of a part retention removed while it ran must not commit (its replace entry would
+    serve the part's episodes again at the newest point)."""
+    removals.refresh()
+    removed = removals.seqs(plog.topic, plog.partition, entries)
+    return [s for s in seqs if s in removed]
+
+
 def compact_partition(
     plog: PartitionLog,
     *,
@@ -398,7 +411,9 @@ def compact_partition(
             shard is ready to commit (a call that merges nothing appends nothing, not even a
             claim); it may raise to stop the call. Then nothing staged is rolled forward first.
         removals: a reader of the removal log kept between calls (`RemovalLogView`; None: the
-            whole log is read): shards retention removes are never merged.
+            whole log is read): shards retention removes are never merged. It is read again
+            right before each replace entry is appended: a run a part of which retention
+            removed meanwhile is not committed (skipped; its staged file is left for gc).
 
     Returns:
         A `CompactionResult`. A run whose shards cannot be merged (a schema the gate refuses,
@@ -422,7 +437,7 @@ def compact_partition(
     avoid = set() if avoid is None else avoid
     removals = RemovalLogView(st) if removals is None else removals
     removals.refresh()  # retention's removed shards: never merged (their files go after a grace)
-    avoid.update(removals.seqs(plog.topic, plog.partition))
+    avoid.update(removals.seqs(plog.topic, plog.partition, entries))
     runs = _plan(entries, target_bytes, min_age_s, policy_id, avoid)
     if max_runs is not None:
         runs, res.remaining = runs[:max_runs], max(0, len(runs) - max_runs)
@@ -446,6 +461,12 @@ def compact_partition(
             res.skipped.append(f"seq {seqs}: {staging} exists")
             continue
         entry = ReplaceEntry(replaces=tuple(seqs), shard=_merged_entry(run, data, path, staging, decoded))  # type: ignore[arg-type]
+        gone = _removed_meanwhile(removals, plog, entries, seqs)  # type: ignore[arg-type]
+        if gone:  # retention removed a part while it merged: committing would serve it again
+            avoid.update(gone)
+            res.skipped.append(f"seq {seqs}: retention removed seq {gone} meanwhile (staged file left for gc)")
+            log.warning("%s/%d: not compacting: %s", plog.topic, plog.partition, res.skipped[-1])
+            continue
         try:
             committed = plog.append_replace(entry, run, seen=seen)
         except ConflictError as err:
@@ -553,7 +574,7 @@ def compact_unowned(
                 "(a consumer of an rlrec without leases? stop it, or pass --force)"
             )
             continue
-        runs = _plan(entries, target_bytes, min_age_s, policy_id, removals.seqs(topic, part))
+        runs = _plan(entries, target_bytes, min_age_s, policy_id, removals.seqs(topic, part, entries))
         if not runs and not view.staged():
             results.append(CompactionResult(topic, part))
             continue

@@ -46,6 +46,7 @@ Example:
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import math
@@ -65,6 +66,7 @@ from rlrec.store.manifest import (
     ReplaceEntry,
     ShardEntry,
     list_partition_logs,
+    live_holders,
     live_shards,
     shard_files,
 )
@@ -75,6 +77,7 @@ __all__ = [
     "DEFAULT_GRACE_S",
     "MAX_FILES_PER_RECORD",
     "REMOVED_DIR",
+    "PinnedEntries",
     "RemovalLogView",
     "RemovalRecord",
     "RemovedFile",
@@ -82,6 +85,7 @@ __all__ = [
     "append_removals",
     "delete_due",
     "parse_record",
+    "pinned_live_shards",
     "plan_removals",
     "read_removals",
     "record_path",
@@ -285,49 +289,98 @@ def read_removals(storage: Storage, start: int = 0) -> list[RemovalRecord]:
 
 class RemovalLogView:
     """A reader of the removal log kept between calls: `refresh` reads only the records appended
-    since (one read per new record and one for the next number, no listing).
+    since (one read per new record and one probe for the next number; where that probe misses, one
+    listing, so records past a gap -- a pruned or lost record -- are read as `read_removals`
+    reads them).
+
+    What it says is resolved the way readers resolve records (`resolve_removals`): `seqs` counts a
+    record's file only where the entry it names commits exactly that file (path and staging path).
 
     Example:
         >>> import tempfile
         >>> from rlrec.store.storage import Storage
         >>> view = RemovalLogView(Storage.from_uri(tempfile.mkdtemp()))
-        >>> view.refresh(), view.seqs("rl", 0)
+        >>> view.refresh(), view.seqs("rl", 0, [])
         ([], set())
     """
 
     def __init__(self, storage: Storage) -> None:
         self.storage = storage
         self.records: list[RemovalRecord] = []
-        self._seqs: dict[tuple[str, int], set[int]] = {}
+        self._next = 0  # the next record number to probe
+        # per log: seqs resolved against its entries, and those named but not resolved yet
+        self._resolved: dict[tuple[str, int], set[int]] = {}
+        self._pending: dict[tuple[str, int], dict[int, list[tuple[RemovalRecord, RemovedFile]]]] = {}
 
     def refresh(self) -> list[RemovalRecord]:
-        """The records appended since the last call (ManifestError: a malformed one)."""
-        new = []
+        """The records appended since the last call, in order (ManifestError: a malformed one)."""
+        new: list[RemovalRecord] = []
+        listed = False
         while True:
-            n = len(self.records)
             try:
-                data = self.storage.read(record_path(n))
+                self._add(parse_record(self.storage.read(record_path(self._next)), self._next), new)
+                continue
             except FileNotFoundError:
+                if listed:
+                    return new
+            listed = True  # one listing per call: the records past a gap, as read_removals reads them
+            later = read_removals(self.storage, start=self._next + 1)
+            if not later:
                 return new
-            rec = parse_record(data, n)
-            self.records.append(rec)
-            new.append(rec)
-            for f in rec.files:
-                self._seqs.setdefault((f.topic, f.partition), set()).add(f.seq)
+            for rec in later:
+                self._add(rec, new)
 
-    def seqs(self, topic: str, partition: int) -> set[int]:
-        """The seqs of the entries of log (topic, partition) whose shards the records read so far
-        remove (as the records name them: for leaving shards alone, not for deleting)."""
-        return set(self._seqs.get((topic, partition), ()))
+    def _add(self, rec: RemovalRecord, new: list[RemovalRecord]) -> None:
+        self.records.append(rec)
+        new.append(rec)
+        self._next = rec.n + 1
+        for f in rec.files:
+            self._pending.setdefault((f.topic, f.partition), {}).setdefault(f.seq, []).append((rec, f))
+
+    def seqs(self, topic: str, partition: int, entries: Sequence[Entry]) -> set[int]:
+        """The seqs of the entries of log (topic, partition) whose shard files the records read so
+        far remove: where the entry at the seq a record names commits exactly the file it names.
+
+        Args:
+            topic, partition: the log.
+            entries: its entries in memory, in seq order (a reader's `PartitionLog.entries`); a
+                record naming a seq past them is resolved by a later call.
+        """
+        key = (topic, partition)
+        done = self._resolved.setdefault(key, set())
+        pending = self._pending.get(key)
+        if pending:
+            for seq in [s for s in pending if s not in done]:
+                i = bisect.bisect_left(entries, seq, key=lambda e: e.seq)  # type: ignore[arg-type,return-value]
+                if i == len(entries) or entries[i].seq != seq:
+                    continue  # not read yet (or held by a writer's log only since its snapshot)
+                s = _shard_of(entries[i])
+                for rec, f in pending.pop(seq):
+                    if s is not None and (s.path, s.staging_path) == (f.path, f.staging_path):
+                        done.add(seq)
+                    else:
+                        _warn_unmatched(rec, f)
+        return set(done)
 
 
-def _shard_at(entries_by_seq: Mapping[int, Entry], seq: int) -> ShardEntry | None:
-    e = entries_by_seq.get(seq)
+def _shard_of(e: Entry | None) -> ShardEntry | None:
+    """The shard file entry `e` commits (a shard entry's, a replace entry's merged shard), if any."""
     if isinstance(e, ShardEntry):
         return e
     if isinstance(e, ReplaceEntry):
         return e.shard
     return None
+
+
+def _warn_unmatched(rec: RemovalRecord, f: RemovedFile) -> None:
+    log.warning(
+        "removal record %d names %s as %s/%d seq %d, which commits no such file: ignored",
+        rec.n,
+        f.path,
+        f.topic,
+        f.partition,
+        f.seq,
+    )
 
 
 def resolve_removals(
@@ -345,16 +398,9 @@ def resolve_removals(
             k = (f.topic, f.partition)
             if k not in by_seq:
                 by_seq[k] = {e.seq: e for e in logs.get(k, ())}  # type: ignore[misc]
-            s = _shard_at(by_seq[k], f.seq)
+            s = _shard_of(by_seq[k].get(f.seq))
             if s is None or (s.path, s.staging_path) != (f.path, f.staging_path):
-                log.warning(
-                    "removal record %d names %s as %s/%d seq %d, which commits no such file: ignored",
-                    rec.n,
-                    f.path,
-                    f.topic,
-                    f.partition,
-                    f.seq,
-                )
+                _warn_unmatched(rec, f)
                 continue
             out[f.key] = (rec, f)
     return out
@@ -369,6 +415,40 @@ def removed_keys(storage: Storage, logs: Mapping[tuple[str, int], Sequence[Entry
 # ------------------------------------------------------------------------------ planning
 
 
+#: shard entries pinned by identity: per partition log, sorted disjoint half-open seq ranges
+PinnedEntries = Mapping[tuple[str, int], Sequence[tuple[int, int]]]
+
+
+def _in_ranges(seq: int, ranges: Sequence[tuple[int, int]]) -> bool:
+    i = bisect.bisect_right(ranges, (seq, math.inf)) - 1
+    return i >= 0 and ranges[i][0] <= seq < ranges[i][1]
+
+
+def pinned_live_shards(
+    logs: Mapping[tuple[str, int], Sequence[Entry]], pinned_entries: PinnedEntries
+) -> dict[tuple[str, int, int], ShardEntry]:
+    """The live shards (at the newest point of `logs`) that hold episodes of pinned shard
+    entries: ``{(topic, partition, seq of the live shard): shard}`` -- an entry's own shard while
+    it is live, else the merged shard that holds it now (`rlrec.store.manifest.live_holders`),
+    whichever compaction merged in since the pins were taken.
+
+    Example:
+        >>> pinned_live_shards({}, {("rl", 0): [(2, 5)]})
+        {}
+    """
+    out: dict[tuple[str, int, int], ShardEntry] = {}
+    for (topic, part), ranges in pinned_entries.items():
+        entries = logs.get((topic, part))
+        if not entries or not ranges:
+            continue
+        ranges = sorted((int(a), int(b)) for a, b in ranges)
+        files = {s.seq: s for s in shard_files(entries)}
+        for seq, held in live_holders(entries).items():  # live seq -> the shard entries it holds
+            if any(_in_ranges(h, ranges) for h in (seq, *held)):
+                out[(topic, part, seq)] = files[seq]
+    return out
+
+
 def plan_removals(
     logs: Mapping[tuple[str, int], Sequence[Entry]],
     already: Collection[tuple[str, int, int]],
@@ -376,6 +456,7 @@ def plan_removals(
     older_than_s: float | None,
     now: float,
     pinned: Collection[str] = (),
+    pinned_entries: PinnedEntries | None = None,
 ) -> list[RemovedFile]:
     """What to remove now, from `logs` (every entry of each partition log, at the newest point):
 
@@ -384,8 +465,10 @@ def plan_removals(
       `older_than_s` before `now` (a merged shard: by the shard entries that first committed its
       episodes): ``expired``.
 
-    Shards in `already` (removed by an earlier record) and shards whose manifest path is in
-    `pinned` (a lineage needs them) are left out.
+    Left out: shards in `already` (removed by an earlier record), shards whose manifest path is
+    in `pinned`, and live shards holding episodes of the shard entries `pinned_entries` names
+    (`pinned_live_shards`, from these same `logs`: a pin by identity follows the episodes into
+    whatever shard compaction merged them into).
 
     Example:
         >>> plan_removals({}, set(), older_than_s=None, now=0.0)
@@ -393,6 +476,7 @@ def plan_removals(
     """
     out: list[RemovedFile] = []
     pins = set(pinned)
+    held = pinned_live_shards(logs, pinned_entries or {})
     for (topic, part), entries in sorted(logs.items()):
         live = live_shards(entries)
         first: dict[str, float] = {}
@@ -401,7 +485,8 @@ def plan_removals(
                 for i in e.episode_ids:
                     first.setdefault(i, e.commit_time)
         for s in shard_files(entries):
-            if (topic, part, s.seq) in already or s.path in pins:
+            key = (topic, part, s.seq)
+            if key in already or s.path in pins or key in held:
                 continue
             if s.seq not in live:
                 out.append(RemovedFile.of(s, "replaced"))
@@ -511,19 +596,25 @@ def retain(
     older_than_s: float | None = None,
     grace_s: float = DEFAULT_GRACE_S,
     pinned: Collection[str] = (),
+    pinned_entries: PinnedEntries | None = None,
     dry_run: bool = False,
     now: float | None = None,
 ) -> RetainResult:
     """Record what to remove (`plan_removals`) and delete what is due (`delete_due`); module
     docstring. `older_than_s` None expires nothing (only replaced files are removed); `pinned`:
-    manifest paths never removed (a lineage's shards). With `dry_run` nothing is written or
-    deleted: the result says what would be."""
+    manifest paths never removed; `pinned_entries`: shard entries (per log, seq ranges: a
+    lineage's ``trained``) whose episodes are never removed, resolved to the shards holding them
+    in the logs this call reads (so a compaction since the pins were taken cannot unpin them).
+    With `dry_run` nothing is written or deleted: the result says what would be."""
     now = time.time() if now is None else now
     records = read_removals(storage)  # before the logs: every record's positions are in them
     logs = read_logs(storage)
     resolved = resolve_removals(records, logs)
     res = RetainResult()
-    res.recorded = plan_removals(logs, set(resolved), older_than_s=older_than_s, now=now, pinned=pinned)
+    keep = set(pinned) | {s.path for s in pinned_live_shards(logs, pinned_entries or {}).values()}
+    res.recorded = plan_removals(
+        logs, set(resolved), older_than_s=older_than_s, now=now, pinned=pinned, pinned_entries=pinned_entries
+    )
     positions = {k: (es[-1].seq + 1 if es else 0) for k, es in logs.items()}
     if res.recorded and not dry_run:
         res.records = append_removals(storage, positions, res.recorded, grace_s=grace_s, now=now)
@@ -533,5 +624,5 @@ def retain(
         rec = RemovalRecord(-1, now, grace_s, positions, tuple(res.recorded))
         for f in res.recorded:
             resolved.setdefault(f.key, (rec, f))
-    res.deleted = delete_due(storage, resolved, grace_s=grace_s, now=now, dry_run=dry_run, keep=pinned)
+    res.deleted = delete_due(storage, resolved, grace_s=grace_s, now=now, dry_run=dry_run, keep=keep)
     return res

@@ -574,6 +574,8 @@ def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
         (["--older-than", "0"], "--older-than must be more than 0"),
         (["--policies", "/nope", "--no-lineage-pins"], "contradict"),
         (["--keep-versions", "-1"], "--keep-versions must be 0 or more"),
+        (["--keep-versions", "2", "--no-lineage-pins"], "--keep-versions needs --policies"),
+        (["--keep-versions", "2"], "--keep-versions needs --policies"),
         (["--policies", "{tmp}/nothing-published", "--older-than", "1d"], "nothing is published under"),
         (["--no-lineage-pins", "RLREC_OLDER_THAN=1s"], "RLREC_OLDER_THAN is not read here"),  # gc's grace
     ],
@@ -644,3 +646,167 @@ def test_lineage_pins_keep_the_deployed_version_and_its_rollback_candidates(tmp_
         rlrec.open(root, policy_version=1, policies=pol, allow_unsigned=True)
     assert set(fresh) <= {i for e in open_snapshot(root).entries for i in e.episode_ids}
     assert not set(a1) & {i for e in open_snapshot(root).entries for i in e.episode_ids}
+
+
+def test_retain_options_default_to_the_library_defaults():
+    """rlrec/commands/ imports only the standard library at module level, so the command repeats
+    the library's defaults: they must agree."""
+    from rlrec.commands.retain import RetainOptions
+    from rlrec.store.retention import DEFAULT_GRACE_S
+
+    assert RetainOptions(uri="x").grace == DEFAULT_GRACE_S
+    assert RetainOptions(uri="x").keep_versions is None  # DEFAULT_KEEP_VERSIONS with --policies
+
+
+# -- races: pins, compaction, records ------------------------------------------------------------
+
+
+def _sleep_past(t: float) -> None:
+    while time.time() <= t:
+        time.sleep(0.01)
+
+
+def test_a_pin_by_entry_follows_its_episodes_into_a_merged_shard(tmp_path):
+    """Pins taken while a pinned shard P is live; compaction then merges P with old shards into
+    M before retain reads the logs: M holds the pinned entry, so it is neither expired nor
+    deleted (a pin by path would name P, which is no longer live, and M would expire)."""
+    root = str(tmp_path / "out")
+    c = ShardCommitter(root, "rl", 0)
+    ids = _commit(c, 3)
+    p = open_snapshot(root).entries[2]
+    by_path, by_entry = {p.path}, {("rl", 0): [(p.seq, p.seq + 1)]}
+    _sleep_past(max(e.commit_time for e in _replaced(root)) + 0.3)
+    assert compact_partition(c.log, min_age_s=0).written == 1  # after the pins were taken
+    merged = open_snapshot(root).entries[0]
+    stale = retain(c.storage, older_than_s=0.2, grace_s=0, pinned=by_path, dry_run=True).recorded
+    assert ("expired", merged.path) in {(f.reason, f.path) for f in stale}  # what a path pin lets happen
+    res = retain(c.storage, older_than_s=0.2, grace_s=0, pinned_entries=by_entry)
+    assert sorted(f.reason for f in res.recorded) == ["replaced"] * 3
+    assert os.path.exists(os.path.join(root, merged.path))
+    _assert_exactly(open_snapshot(root), ids)
+    # unpinned, it expires
+    assert [f.path for f in retain(c.storage, older_than_s=0.2, grace_s=0).recorded] == [merged.path]
+
+
+@pytest.mark.slow
+def test_lineage_pins_taken_before_a_compaction_still_keep_the_version_s_data(tmp_path, monkeypatch):
+    """`rlrec retain --policies` computes the pins, then a compaction merges the deployed
+    version's only shard with an old unpinned one before retain reads the logs: the merged shard
+    holds the pinned entry, so it is kept and the version's data still reopens."""
+    import rlrec
+    import rlrec.trainer.retention_pins as retention_pins
+    from rlrec.cli import main
+    from rlrec.trainer.signing import generate_keys
+    from tests.test_lineage import _publish_version
+
+    root = str(tmp_path / "s")
+    pol = str(tmp_path / "pol")
+    priv, _ = generate_keys(tmp_path / "keys")
+    c = ShardCommitter(root, "rl", 0)
+    old = _commit(c, 1)
+    old_path = open_snapshot(root).entries[0].path
+    pinned = _commit(c, 1, seed0=1)
+    _publish_version(pol, 1, root, str(priv), run_id="run-a", skip=old_path)  # trained on the 2nd shard only
+    _sleep_past(max(e.commit_time for e in _replaced(root)) + 0.3)
+    real = retention_pins.lineage_pins
+
+    def pins_then_compact(*a, **kw):  # a compaction between the pins and retain's reading of the logs
+        got = real(*a, **kw)
+        assert compact_partition(c.log, min_age_s=0).written == 1
+        return got
+
+    monkeypatch.setattr(retention_pins, "lineage_pins", pins_then_compact)
+    assert main(["retain", root, "--older-than", "0.2s", "--policies", pol, "--grace", "0"]) == 0
+    live = open_snapshot(root).entries
+    assert len(live) == 1 and os.path.exists(os.path.join(root, live[0].path))  # the merged shard stays
+    assert set(live[0].episode_ids) == set(old + pinned)
+    v1 = rlrec.open(root, policy_version=1, policies=pol, allow_unsigned=True)
+    assert {i for e in v1.entries for i in e.episode_ids} >= set(pinned) and v1.num_steps > 0
+
+
+def test_a_merge_of_a_part_retention_expires_meanwhile_is_not_committed(tmp_path, monkeypatch):
+    """retain records part A of a running merge of A+B as expired between the merge and the
+    replace entry: the merge is dropped (its staged file left for gc), so the newest point never
+    serves A's expired episodes again through the merged shard."""
+    import rlrec.store.compaction as compaction
+
+    root = str(tmp_path / "out")
+    c = ShardCommitter(root, "rl", 0)
+    _commit(c, 1)
+    _sleep_past(_replaced(root)[0].commit_time + 0.05)
+    fresh = _commit(c, 1, seed0=1)
+    a, b = _replaced(root)
+    real = compaction._merge_run
+
+    def merge_then_retain(*args, **kw):  # retain runs while the merge is staged, before the append
+        got = real(*args, **kw)
+        res = retain(c.storage, older_than_s=(b.commit_time - a.commit_time) / 2, grace_s=3600, now=b.commit_time)
+        assert [(f.reason, f.seq) for f in res.recorded] == [("expired", a.seq)]
+        return got
+
+    monkeypatch.setattr(compaction, "_merge_run", merge_then_retain)
+    res = compact_partition(c.log, min_age_s=0)
+    assert res.written == 0 and "retention removed" in res.skipped[0], res
+    assert not [e for e in PartitionLog(c.storage, "rl", 0).load() if type(e).__name__ == "ReplaceEntry"]
+    assert os.listdir(os.path.join(root, a.policy_id, "_staging"))  # the orphan, for gc
+    _assert_exactly(open_snapshot(root), fresh)
+    monkeypatch.setattr(compaction, "_merge_run", real)
+    assert compact_partition(c.log, min_age_s=0).written == 0  # A stays out of later plans
+
+
+def test_the_removal_log_view_reads_records_past_a_gap_as_read_removals_does(tmp_path, monkeypatch):
+    """A pruned record 0 (or one in the middle) does not hide the later records from the view
+    (the follower's and compaction's reader): one listing at most per refresh finds them."""
+    import rlrec.store.retention as retention
+    from rlrec.trainer.manifest_follower import ManifestFollower
+
+    monkeypatch.setattr(retention, "MAX_FILES_PER_RECORD", 1)
+    root = str(tmp_path / "out")
+    c = ShardCommitter(root, "rl", 0)
+    _commit(c, 4)
+    time.sleep(0.3)
+    st = c.storage
+    assert len(retain(st, older_than_s=0.1, grace_s=3600).records) == 4
+    os.remove(os.path.join(root, record_path(0)))
+    os.remove(os.path.join(root, record_path(2)))
+    entries = PartitionLog(st, "rl", 0).load()
+    listings = []
+    real_list = Storage.list
+    monkeypatch.setattr(Storage, "list", lambda self, p, *a, **k: listings.append(p) or real_list(self, p, *a, **k))
+    view = RemovalLogView(st)
+    assert [r.n for r in view.refresh()] == [r.n for r in read_removals(st)] == [1, 3]
+    assert listings == [retention.REMOVED_DIR] * 2  # one listing per refresh (the view's), plus read_removals'
+    named = {f.seq for r in read_removals(st) for f in r.files}
+    assert view.seqs("rl", 0, entries) == named and len(named) == 2
+    listings.clear()
+    assert view.refresh() == [] and len(listings) == 1
+    f = ManifestFollower(st)
+    got = f.poll(force_discover=True)
+    assert f.removed_skipped == 2 and len(got) == 2  # the two shards records 0 and 2 named are not removed
+
+
+def test_a_record_naming_a_seq_whose_entry_commits_another_file_removes_nothing_for_the_view(tmp_path):
+    """The view resolves a record against the log as readers do (`resolve_removals`): a forged or
+    stale record -- the right seq, another file -- makes neither the follower skip the shard nor
+    compaction leave it out."""
+    from rlrec.trainer.manifest_follower import ManifestFollower
+
+    root = str(tmp_path / "out")
+    c = ShardCommitter(root, "rl", 0)
+    ids = _commit(c, 3)
+    live = open_snapshot(root).entries
+    st = c.storage
+    forged = _file(live[0].path, seq=int(live[1].seq))  # seq of shard 1, file of shard 0
+    made_up = _file("expert/made-up.parquet", seq=int(live[2].seq))  # a file no entry commits
+    st.create_once(record_path(0), _record(0, [forged, made_up], {"rl/0": 10}))
+    view = RemovalLogView(st)
+    view.refresh()
+    assert view.seqs("rl", 0, PartitionLog(st, "rl", 0).load()) == set()
+    f = ManifestFollower(st)
+    got = f.poll(force_discover=True)
+    assert f.removed_skipped == 0 and sorted(i for s in got for i in f.entries[s.path].episode_ids) == sorted(ids)
+    assert compact_partition(c.log, min_age_s=0).replaced == 3
+    # a record naming the entry's own files does count
+    st.create_once(record_path(1), _record(1, [_file(live[1].path, live[1].staging_path, seq=int(live[1].seq))]))
+    view.refresh()
+    assert view.seqs("rl", 0, PartitionLog(st, "rl", 0).load()) == {live[1].seq}

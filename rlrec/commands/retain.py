@@ -36,8 +36,10 @@ class RetainOptions:
         help="the publish root the services load from (e.g. {checkpoint-dir}/policies): the data of its "
         "deployed version, of --keep-versions versions before it and of every newer one is kept",
     )
-    keep_versions: int = option(
-        3, metavar="N", help="with --policies: how many versions published before the deployed one stay reopenable"
+    keep_versions: int | None = option(
+        None,
+        metavar="N",
+        help="with --policies: how many versions published before the deployed one stay reopenable (default 3)",
     )
     lineage_pins: bool = option(
         True,
@@ -74,8 +76,10 @@ def check(opts: RetainOptions) -> None:
         raise UsageError("--older-than must be more than 0 (e.g. 30d)")
     if opts.grace < 0:
         raise UsageError("--grace must be 0 or more")
-    if opts.keep_versions < 0:
+    if opts.keep_versions is not None and opts.keep_versions < 0:
         raise UsageError("--keep-versions must be 0 or more")
+    if opts.keep_versions is not None and not opts.policies:
+        raise UsageError("--keep-versions needs --policies URI (the publish root whose versions it keeps)")
     if opts.policies and not opts.lineage_pins:
         raise UsageError("--policies and --no-lineage-pins contradict each other: give one")
     if opts.older_than is not None and opts.lineage_pins and not opts.policies:
@@ -105,17 +109,26 @@ def run(args: argparse.Namespace) -> int:
 
     storage = open_output(opts.uri)
     require_manifest(storage, opts.uri)
-    pinned: set[str] = set()
+    pins = None
     if opts.policies:
-        from rlrec.trainer.retention_pins import pinned_files
+        from rlrec.trainer.retention_pins import DEFAULT_KEEP_VERSIONS, lineage_pins
 
-        pinned, versions = pinned_files(storage, opts.policies, opts.keep_versions)  # LineageError: exit 2
+        keep = DEFAULT_KEEP_VERSIONS if opts.keep_versions is None else opts.keep_versions
+        pins = lineage_pins(storage, opts.policies, keep)  # LineageError: exit 2
         print(
-            f"rlrec retain: keeping the data of policy versions {', '.join(map(str, versions.versions))} "
-            f"(deployed: {versions.deployed}): {len(pinned)} shard(s)",
+            f"rlrec retain: keeping the data of policy versions {', '.join(map(str, pins.versions.versions))} "
+            f"(deployed: {pins.versions.deployed}): {pins.count} shard(s)",
             file=sys.stderr,
         )
-    res = retain(storage, older_than_s=opts.older_than, grace_s=opts.grace, pinned=pinned, dry_run=opts.dry_run)
+    # pinned by shard entry: resolved to the shards holding them in the logs retain reads itself
+    res = retain(
+        storage,
+        older_than_s=opts.older_than,
+        grace_s=opts.grace,
+        pinned=pins.paths if pins else (),
+        pinned_entries=pins.entries if pins else None,
+        dry_run=opts.dry_run,
+    )
     would = "would " if opts.dry_run else ""
     for f in res.recorded:
         print(f"{would}record {f.reason} {storage.uri(f.path)}")

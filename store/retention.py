@@ -289,9 +289,10 @@ def read_removals(storage: Storage, start: int = 0) -> list[RemovalRecord]:
 
 class RemovalLogView:
     """A reader of the removal log kept between calls: `refresh` reads only the records appended
-    since (one read per new record and one probe for the next number; where that probe misses, one
-    listing, so records past a gap -- a pruned or lost record -- are read as `read_removals`
-    reads them).
+    since (one read per new record and one probe for the next number). Records past a gap (a
+    pruned or lost record) are found by listing the log, as `read_removals` reads them: on the
+    first call, and then at most every `list_interval_s` when the probe misses (a poll of an idle
+    store costs one probe, not a listing).
 
     What it says is resolved the way readers resolve records (`resolve_removals`): `seqs` counts a
     record's file only where the entry it names commits exactly that file (path and staging path).
@@ -304,8 +305,10 @@ class RemovalLogView:
         ([], set())
     """
 
-    def __init__(self, storage: Storage) -> None:
+    def __init__(self, storage: Storage, list_interval_s: float = 60.0) -> None:
         self.storage = storage
+        self.list_interval_s = list_interval_s
+        self._listed_at: float | None = None  # monotonic time of the last listing
         self.records: list[RemovalRecord] = []
         self._next = 0  # the next record number to probe
         # per log: seqs resolved against its entries, and those named but not resolved yet
@@ -321,9 +324,11 @@ class RemovalLogView:
                 self._add(parse_record(self.storage.read(record_path(self._next)), self._next), new)
                 continue
             except FileNotFoundError:
-                if listed:
+                now = time.monotonic()
+                if listed or (self._listed_at is not None and now - self._listed_at < self.list_interval_s):
                     return new
             listed = True  # one listing per call: the records past a gap, as read_removals reads them
+            self._listed_at = now
             later = read_removals(self.storage, start=self._next + 1)
             if not later:
                 return new

@@ -779,6 +779,8 @@ def test_the_removal_log_view_reads_records_past_a_gap_as_read_removals_does(tmp
     named = {f.seq for r in read_removals(st) for f in r.files}
     assert view.seqs("rl", 0, entries) == named and len(named) == 2
     listings.clear()
+    assert view.refresh() == [] and listings == []  # an idle poll: one probe, no listing
+    view.list_interval_s = 0.0  # ... until the listing interval has passed
     assert view.refresh() == [] and len(listings) == 1
     f = ManifestFollower(st)
     got = f.poll(force_discover=True)

@@ -88,9 +88,7 @@ def test_ope_gate_promotes_better_and_refuses_worse(logged, tmp_path, monkeypatc
     # save_to_path: a stand-in algorithm's empty checkpoint (a promoted version is published at the commit)
     trainer.algo = SimpleNamespace(config=SimpleNamespace(gamma=GAMMA), save_to_path=lambda path: None)
     # shard "sN" stands for entry N of log rl/0, whose first entry is known (the lineage's cursor)
-    trainer.algo.offline_data = SimpleNamespace(
-        entry=lambda k: SimpleNamespace(topic="rl", partition=0, seq=int(k[1:]))
-    )
+    trainer.algo.offline_data = SimpleNamespace(seqs=lambda k: (("rl", 0), (int(k[1:]),)))
     trainer._log_firsts[("rl", 0)] = "ClaimEntry:0:stub:0"
     candidate = {}
     monkeypatch.setattr(promotion, "export_candidate", lambda *a: candidate["artifact"])
@@ -321,9 +319,7 @@ def _stub_trainer(tmp_path, monkeypatch, **kw):
     # save_to_path: a stand-in algorithm's empty checkpoint (a promoted version is published at the commit)
     trainer.algo = SimpleNamespace(config=SimpleNamespace(gamma=GAMMA), save_to_path=lambda path: None)
     # shard "sN" stands for entry N of log rl/0, whose first entry is known (the lineage's cursor)
-    trainer.algo.offline_data = SimpleNamespace(
-        entry=lambda k: SimpleNamespace(topic="rl", partition=0, seq=int(k[1:]))
-    )
+    trainer.algo.offline_data = SimpleNamespace(seqs=lambda k: (("rl", 0), (int(k[1:]),)))
     trainer._log_firsts[("rl", 0)] = "ClaimEntry:0:stub:0"
     monkeypatch.setattr(promotion, "export_candidate", lambda *a: _artifact("good")[0])
     return trainer

@@ -52,7 +52,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -937,14 +937,34 @@ def live_shards(entries: Iterable[Entry], *, below: int | None = None) -> dict[i
     return live
 
 
-def live_holders(entries: Iterable[Entry], *, below: int | None = None) -> dict[int, tuple[int, ...]]:
-    """Which shard entries' episodes each live shard of one partition log holds: ``{seq of
-    the live shard (as in `live_shards`): seqs of the shard entries that first committed its
-    episodes}`` -- the shard entry itself, or every shard entry a replacement (of
-    replacements) merged into it.
+def _holdings(entries: Iterable[Entry], below: int | None = None) -> Iterator[tuple[Entry, tuple[int, ...]]]:
+    """Each shard and replace entry of one log (in seq order, below `below`) with the seqs of
+    the shard entries whose episodes its shard holds: itself, or what a replacement (of
+    replacements) merged."""
+    held: dict[int, tuple[int, ...]] = {}
+    for e in entries:
+        if below is not None and e.seq >= below:  # type: ignore[operator]
+            break
+        if isinstance(e, ShardEntry):
+            h: tuple[int, ...] = (e.seq,)  # type: ignore[assignment]
+        elif isinstance(e, ReplaceEntry):
+            h = tuple(sorted(s for r in e.replaces for s in held.pop(r, ())))
+        else:
+            continue
+        held[e.seq] = h  # type: ignore[index]
+        yield e, h
+
+
+def live_holders(
+    entries: Iterable[Entry], *, below: int | None = None
+) -> dict[int, tuple[ShardEntry, tuple[int, ...]]]:
+    """The live shards of one partition log (as `live_shards`, which checks the rule of
+    replacement) with the shard entries whose episodes each holds: ``{seq of the live shard:
+    (shard, seqs of the shard entries that first committed its episodes)}`` -- the shard entry
+    itself, or every shard entry a replacement (of replacements) merged into it.
 
     Args:
-        entries: the log's entries in seq order (`PartitionLog.load`), checked by `live_shards`.
+        entries: the log's entries in seq order (`PartitionLog.load`).
         below: only entries with ``seq < below`` count (None: all).
 
     Example:
@@ -952,16 +972,9 @@ def live_holders(entries: Iterable[Entry], *, below: int | None = None) -> dict[
         {}
     """
     entries = list(entries)
-    live_shards(entries, below=below)  # the rule of replacement, checked once
-    held: dict[int, tuple[int, ...]] = {}
-    for e in entries:
-        if below is not None and e.seq >= below:  # type: ignore[operator]
-            break
-        if isinstance(e, ShardEntry):
-            held[e.seq] = (e.seq,)  # type: ignore[index]
-        elif isinstance(e, ReplaceEntry):
-            held[e.seq] = tuple(sorted(s for r in e.replaces for s in held.pop(r)))  # type: ignore[index]
-    return held
+    live = live_shards(entries, below=below)
+    held = {e.seq: h for e, h in _holdings(entries, below)}
+    return {seq: (shard, held[seq]) for seq, shard in live.items()}
 
 
 def merged_shards(entries: Iterable[Entry]) -> dict[str, tuple[int, ...]]:
@@ -975,15 +988,7 @@ def merged_shards(entries: Iterable[Entry]) -> dict[str, tuple[int, ...]]:
         >>> merged_shards([])
         {}
     """
-    held: dict[int, tuple[int, ...]] = {}
-    out: dict[str, tuple[int, ...]] = {}
-    for e in entries:
-        if isinstance(e, ShardEntry):
-            held[e.seq] = (e.seq,)  # type: ignore[index]
-        elif isinstance(e, ReplaceEntry):
-            held[e.seq] = tuple(sorted(s for r in e.replaces for s in held.get(r, ())))  # type: ignore[index]
-            out[e.shard.path] = held[e.seq]  # type: ignore[index]
-    return out
+    return {e.shard.path: h for e, h in _holdings(entries) if isinstance(e, ReplaceEntry)}
 
 
 def shard_files(entries: Iterable[Entry]) -> list[ShardEntry]:

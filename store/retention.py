@@ -447,10 +447,9 @@ def pinned_live_shards(
         if not entries or not ranges:
             continue
         ranges = sorted((int(a), int(b)) for a, b in ranges)
-        files = {s.seq: s for s in shard_files(entries)}
-        for seq, held in live_holders(entries).items():  # live seq -> the shard entries it holds
+        for seq, (shard, held) in live_holders(entries).items():  # live seq -> its shard, the entries it holds
             if any(_in_ranges(h, ranges) for h in (seq, *held)):
-                out[(topic, part, seq)] = files[seq]
+                out[(topic, part, seq)] = shard
     return out
 
 

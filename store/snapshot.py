@@ -1091,14 +1091,13 @@ def open_entries(
             if bisect.bisect_left(shard_seqs, b) - bisect.bisect_left(shard_seqs, a) != b - a:
                 odd = next(q for q in range(a, b) if not isinstance(by_seq.get(q), ShardEntry))
                 raise CursorError(f"{key[0]}/{key[1]} entry {odd} is no shard entry: it commits no episodes")
-        live = live_shards(entries)
-        for seq, held in live_holders(entries).items():
+        for shard, held in live_holders(entries).values():
             if not any(asked(h) for h in held):
                 continue
-            holding.append(live[seq])
+            holding.append(shard)
             others = frozenset(i for h in held if not asked(h) for i in by_seq[h].episode_ids)
             if others:  # a merged shard's episodes of entries not asked for
-                drop[live[seq].path] = others
+                drop[shard.path] = others
     gone = [hit[0] for e in holding if (hit := newest._removed.get((e.topic, e.partition, e.seq))) is not None]  # type: ignore[arg-type]
     if gone:  # retention expired the shards holding them
         raise _expired("the data of these entries", gone, len(gone))

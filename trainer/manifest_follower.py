@@ -14,7 +14,6 @@ from rlrec.store.manifest import (
     ShardEntry,
     UnsupportedManifestError,
     live_holders,
-    live_shards,
 )
 from rlrec.store.retention import RemovalLogView
 from rlrec.store.storage import Storage
@@ -183,8 +182,8 @@ class ManifestFollower:
         `new` without the entries one of them stands for (their episodes are in it)."""
         entries = plog.entries_since(0)
         by_seq = {e.seq: e for e in entries}
-        live = live_shards(entries)
-        holds = live_holders(entries)  # live seq -> the shard entries' seqs it holds
+        live = live_holders(entries)  # live seq -> (its shard, the shard entries' seqs it holds)
+        holds = {seq: held for seq, (_, held) in live.items()}
         holder_of = {s: h for h, held in holds.items() for s in held}
         delivered = self._delivered.get(key, set())
         merged: list[ShardEntry] = []
@@ -193,7 +192,7 @@ class ManifestFollower:
             if e.seq in covered:
                 continue
             h = holder_of.get(e.seq)  # type: ignore[arg-type]
-            m = live[h] if h is not None and h not in removed else None
+            m = live[h][0] if h is not None and h not in removed else None
             if m is not None and m.path not in self.entries and not delivered.intersection(holds[h]):
                 if self._selected(m):
                     merged.append(m)

@@ -1014,7 +1014,7 @@ def open_snapshot(storage: Storage | str, as_of: float | int | str | Cursor | No
 
 
 def open_entries(
-    storage: Storage | str,
+    storage: Storage | str | Snapshot,
     ranges: Mapping[tuple[str, int], Iterable[tuple[int, int]]],
     *,
     within: str | Cursor | None = None,
@@ -1034,7 +1034,8 @@ def open_entries(
     entries asked for hold it.
 
     Args:
-        storage: the store (a `Storage` or its URI).
+        storage: the store (a `Storage` or its URI), or a snapshot of its newest point
+            (`open_snapshot(storage)`) to read the manifest once for many calls.
         ranges: per partition log ``(topic, partition)``, half-open ``(start, end)`` ranges of
             manifest seqs of its log.
         within: a cursor the entries must be below (checked to be a point of this store).
@@ -1056,7 +1057,7 @@ def open_entries(
         >>> open_entries(root, {("rl", 0): [(2, 3)]}).num_episodes  # seq 0 is the writer's claim
         2
     """
-    newest = open_snapshot(storage)
+    newest = storage if isinstance(storage, Snapshot) else open_snapshot(storage)
     logs = newest._logs or {}
     wanted = {key: merge_ranges(rs) for key, rs in ranges.items()}
     wanted = {key: rs for key, rs in wanted.items() if rs}

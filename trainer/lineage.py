@@ -319,23 +319,26 @@ def open_lineage(
     return data
 
 
-def _trained_data(storage: Storage | str, lin: Lineage) -> Snapshot:
+def _trained_data(storage: Storage | str | Snapshot, lin: Lineage) -> Snapshot:
     """The episodes of the shards `lin` was trained on, in the shards that hold them now
-    (`open_entries`), after checking that its cursor is a point of `storage`."""
+    (`open_entries`; `storage` may be the store's newest snapshot, reused), after checking that
+    its cursor is a point of the store."""
     assert lin.cursor is not None
-    st = Storage.from_uri(storage) if isinstance(storage, str) else storage
     if lin.trained is None:  # a lineage that lists paths: the shards live at its cursor
+        st = storage.storage if isinstance(storage, Snapshot) else storage
         snap = open_snapshot(st, as_of=lin.cursor)
         return snap.subset(lin.shard_paths(snap.entries))
+    st = Storage.from_uri(storage) if isinstance(storage, str) else storage
     return open_entries(st, lin.trained, within=lin.cursor)
 
 
-def files_needed(storage: Storage | str, lineage: Lineage) -> set[str]:
+def files_needed(storage: Storage | str | Snapshot, lineage: Lineage) -> set[str]:
     """The manifest paths of the shards that reopening `lineage`'s data reads (trained and held
     out): what retention must keep while the version may be deployed or rolled back to.
 
     Args:
-        storage: the store the version's trainer read.
+        storage: the store the version's trainer read, or a snapshot of its newest point
+            (`open_snapshot(storage)`): the manifest read once for many versions.
         lineage: its verified lineage (`read_version_lineage`).
 
     Raises:

@@ -113,10 +113,11 @@ def lineage_pins(
     Raises:
         LineageError: see above (one-line message).
     """
-    from rlrec.store.snapshot import ExpiredPointError, merge_ranges
+    from rlrec.store.snapshot import ExpiredPointError, merge_ranges, open_snapshot
     from rlrec.trainer.lineage import LineageError, files_needed, read_version_lineage
 
     versions = pinned_versions(policies, keep_versions)
+    newest = open_snapshot(storage)  # the manifest read once, for every version's check
     paths: set[str] = set()
     ranges: dict[tuple[str, int], list[tuple[int, int]]] = {}
     for v in versions.versions:
@@ -127,7 +128,7 @@ def lineage_pins(
             paths.update(lin.shards or ())
             continue
         try:
-            needed = files_needed(storage, lin)  # also checks the cursor is a point of this store
+            needed = files_needed(newest, lin)  # also checks the cursor is a point of this store
         except ExpiredPointError as e:
             log.warning("policy version %d: its data is already partly removed (%s)", v, e)
             needed = set(lin.shard_paths(_every_shard(storage)))

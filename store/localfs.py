@@ -161,8 +161,9 @@ class LocalRoot:
             self._sync_fd(d)
             return True
 
-    def read(self, rel: str) -> bytes:
-        """The content of the regular file `rel` (FileNotFoundError if missing)."""
+    def read(self, rel: str, size: int = -1) -> bytes:
+        """The content of the regular file `rel`, at most `size` bytes when not negative
+        (FileNotFoundError if missing)."""
         with self._dir(rel, create=False) as (d, name):
             try:
                 fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | _FILE_NOFOLLOW, dir_fd=d)
@@ -173,7 +174,7 @@ class LocalRoot:
             with os.fdopen(fd, "rb") as f:
                 if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
                     raise EscapesRoot(errno.EPERM, "not a regular file", rel)
-                return f.read()
+                return f.read(size)
 
     def replace(self, src: str, dst: str) -> None:
         """Move `src` onto `dst` (atomic; replaces `dst`)."""

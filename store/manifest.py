@@ -113,6 +113,12 @@ SNAPSHOT_EVERY = 100
 MAX_SEGMENT = 1000
 #: name of the hint file in each partition's log directory (dot-prefixed: not an entry)
 HEAD_HINT = ".head.json"
+#: the most bytes of one log entry read (a snapshot folds 100 entries: ~150 MB for entries of the
+#: largest shards, 128 MiB of small episodes each); a larger object is refused as malformed
+#: before it is read whole (docs/GUARANTEES.md §5)
+MAX_ENTRY_BYTES = 512 * 1024 * 1024
+#: the most bytes of the head hint read (it holds one number)
+MAX_HINT_BYTES = 64 * 1024
 
 _SEQ_RE = re.compile(r"^(\d{12})\.json$")
 _PART_RE = re.compile(r"^\d{5}$")
@@ -244,10 +250,12 @@ class PartitionLog:
 
     def _read_entry(self, seq: int) -> Entry | None:
         try:
-            data = self.storage.read(self._path(seq))
+            data = self.storage.read(self._path(seq), limit=MAX_ENTRY_BYTES)
         except FileNotFoundError:
             return None
         where = self.storage.uri(self._path(seq))
+        if len(data) > MAX_ENTRY_BYTES:
+            raise ManifestError(f"{where}: more than {MAX_ENTRY_BYTES} bytes (MAX_ENTRY_BYTES)")
         try:
             e = parse_entry(data)
         except ManifestError as err:
@@ -278,7 +286,8 @@ class PartitionLog:
 
     def _read_hint(self) -> int | None:
         try:
-            doc = json.loads(self.storage.read(self.hint_path))
+            raw = self.storage.read(self.hint_path, limit=MAX_HINT_BYTES)
+            doc = json.loads(raw) if len(raw) <= MAX_HINT_BYTES else None
             seq = doc["snapshot"]
             if isinstance(seq, int) and not isinstance(seq, bool) and seq >= 0:
                 return seq

@@ -58,6 +58,8 @@ log = logging.getLogger("rlrec.ownership")
 OWNERS_DIR = "_owners"
 #: how long a lease lasts unless renewed (an owner renews it every third of that)
 DEFAULT_LEASE_S = 60.0
+#: the most bytes of a lease read (it holds four small fields); a larger one is malformed
+MAX_LEASE_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -104,10 +106,12 @@ def read_lease(storage: Storage, topic: str, partition: int) -> Lease | None:
     """The partition's lease, or None (none, or malformed: logged). Raises storage errors."""
     path = lease_path(topic, partition)
     try:
-        raw = storage.read(path)
+        raw = storage.read(path, limit=MAX_LEASE_BYTES)
     except FileNotFoundError:
         return None
     try:
+        if len(raw) > MAX_LEASE_BYTES:
+            raise ValueError("too large")
         d = json.loads(raw)
         writer, epoch, renewed, ttl = d["writer"], d["epoch"], d["renewed"], d["ttl_s"]
         ok = (

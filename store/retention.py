@@ -280,7 +280,7 @@ def read_removals(storage: Storage, start: int = 0) -> list[RemovalRecord]:
     out = []
     for n in nums:
         try:
-            data = storage.read(record_path(n))
+            data = storage.read(record_path(n), limit=MAX_RECORD_BYTES)
         except FileNotFoundError:
             continue
         out.append(parse_record(data, n))
@@ -321,7 +321,8 @@ class RemovalLogView:
         listed = False
         while True:
             try:
-                self._add(parse_record(self.storage.read(record_path(self._next)), self._next), new)
+                data = self.storage.read(record_path(self._next), limit=MAX_RECORD_BYTES)
+                self._add(parse_record(data, self._next), new)
                 continue
             except FileNotFoundError:
                 now = time.monotonic()

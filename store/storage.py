@@ -673,19 +673,35 @@ class Storage:
         return True
 
     # ------------------------------------------------------------------- read
-    def read(self, path: str) -> bytes:
-        """The whole content of *path*; ``FileNotFoundError`` if it does not exist."""
+    def read(self, path: str, *, limit: int | None = None) -> bytes:
+        """The content of *path*; ``FileNotFoundError`` if it does not exist.
+
+        Args:
+            path: the file, relative to the root.
+            limit: read at most ``limit + 1`` bytes, so that a caller with a size budget sees a
+                file over it (``len(data) > limit``) without the file deciding what this
+                process allocates; None reads the whole file.
+
+        Example::
+
+            >>> import tempfile
+            >>> s = Storage.from_uri(tempfile.mkdtemp())
+            >>> s.write("a.json", b"0123456789")
+            >>> len(s.read("a.json", limit=4))
+            5
+        """
         full = self.full_path(path)
+        size = -1 if limit is None else int(limit) + 1
         if self._local is not None:
 
             def op(_: int) -> bytes:
-                return self._local.read(_clean_rel(path))
+                return self._local.read(_clean_rel(path), size)
 
         else:
 
             def op(_: int) -> bytes:
                 with self.filesystem.open_input_stream(full) as f:
-                    return f.read()
+                    return f.read() if size < 0 else f.read(size)
 
         return self._retry(f"read {self.uri(path)}", op)
 

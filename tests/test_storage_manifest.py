@@ -871,3 +871,53 @@ def test_cli_gc_dry_run_and_human_inspect(tmp_path: Path, capsys) -> None:
     assert main(["inspect", store.uri(""), "--verify"]) == 0
     out = capsys.readouterr().out
     assert "totals" in out and "no problems" in out and "episode_return" in out
+
+
+def test_manifest_objects_over_their_budget_are_refused_without_being_read_whole(store, monkeypatch):
+    """A log entry, a removal record, the head hint and an owner lease padded past their byte
+    budgets (valid JSON otherwise): each reader asks storage for at most budget + 1 bytes and
+    refuses the object as malformed, whatever its size on storage."""
+    import rlrec.store.manifest as manifest
+    from rlrec.store import ownership, retention
+
+    store.write("big.bin", b"x" * 10_000)
+    assert len(store.read("big.bin", limit=100)) == 101 and len(store.read("big.bin")) == 10_000
+    assert store.read("big.bin", limit=20_000) == b"x" * 10_000
+
+    budget = 1_000
+    for module, name in ((manifest, "MAX_ENTRY_BYTES"), (manifest, "MAX_HINT_BYTES"),
+                         (retention, "MAX_RECORD_BYTES"), (ownership, "MAX_LEASE_BYTES")):  # fmt: skip
+        monkeypatch.setattr(module, name, budget)
+    got: list[int] = []
+    real_read = Storage.read
+
+    def counting_read(self, path, *, limit=None):  # the bytes each reader takes from storage
+        data = real_read(self, path, limit=limit)
+        got.append(len(data))
+        return data
+
+    monkeypatch.setattr(Storage, "read", counting_read)
+    pad = " " * 50_000
+    claim = ClaimEntry(seq=0, epoch=1, writer="w", time=1.0)
+    store.write(entry_path(TOPIC, 0, 0), (claim.to_json() + pad).encode())
+    with pytest.raises(ManifestError, match="MAX_ENTRY_BYTES"):
+        PartitionLog(store, TOPIC, 0).read_entry(0)
+    store.write(entry_path(TOPIC, 1, 0), claim.to_json().encode())  # the same entry within budget reads
+    assert PartitionLog(store, TOPIC, 1).read_entry(0) == claim
+
+    log = PartitionLog(store, TOPIC, 2)
+    store.write(log.hint_path, (json.dumps({"snapshot": 0}) + pad).encode())
+    assert log._read_hint() is None  # ignored as malformed: the log is listed instead
+
+    record = {"type": "removal", "version": 1, "n": 0, "time": 1.0, "grace_s": 0, "positions": {}, "files": []}
+    store.write(retention.record_path(0), (json.dumps(record) + pad).encode())
+    with pytest.raises(ManifestError, match="more than 1000"):
+        retention.read_removals(store)
+    with pytest.raises(ManifestError, match="more than 1000"):
+        retention.RemovalLogView(store).refresh()
+
+    ownership.renew_lease(store, TOPIC, 3, writer="w", epoch=1)
+    assert ownership.read_lease(store, TOPIC, 3) is not None
+    store.write(ownership.lease_path(TOPIC, 3), store.read(ownership.lease_path(TOPIC, 3)) + pad.encode())
+    assert ownership.read_lease(store, TOPIC, 3) is None  # malformed: no lease
+    assert max(got) <= 20_000 and sorted(got)[-2] <= budget + 1, got  # only the test's own reads above that

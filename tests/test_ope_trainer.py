@@ -73,3 +73,41 @@ def test_a_chunk_with_nothing_left_to_train_on_reports_no_rows_even_when_the_buf
     wrapped(envelope(7, True))
     wrapped(envelope(8, False))
     assert calls == [([7], 0), ([8], 8)]
+
+
+def test_an_all_held_out_shard_is_trained_once_when_its_results_come_late():
+    """A PreLearner slower than the feed's patience (a minute, or redeliver_after_s): each chunk
+    stops counting as in flight and the shard is delivered again before the result comes. The
+    late empty results still count the shard as trained on, once, as soon as they cover its
+    rows -- whatever delivery is still out -- and it is not delivered as fresh again."""
+    clock = Clock()
+    st = FeedState(FeedPolicy(chunk_rows=5, max_ahead_rows=10**9, fresh_fraction=1.0), clock=clock)
+    st.add_shards([shard(1, rows=10)])
+    first = [st.next_work() for _ in range(2)]  # rows 0-5 and 5-10
+    clock.t += 120  # past both timeouts: given up on, and fresh again
+    again = [st.next_work() for _ in range(2)]
+    assert [(w.fresh, w.shard.idx, w.start) for w in again] == [(True, 1, 0), (True, 1, 5)]
+    assert not any(w.tag in st.pending for w in first)
+    st.processed([first[0].tag], 0)  # late: rows 0-5 only
+    assert 1 not in st.trained
+    st.processed([again[1].tag], 0)  # rows 5-10, from the redelivery; the other results still out
+    assert 1 in st.trained and list(st.pop_stats().newly_trained) == ["p/s1.parquet"]
+    st.processed([first[1].tag, again[0].tag], 0)  # the rest: counted once
+    assert st.pop_stats().newly_trained == {}
+    clock.t += 120
+    assert not any(w is not None and w.fresh for w in [st.next_work() for _ in range(3)])
+
+
+def test_a_shard_whose_late_results_produced_rows_waits_for_a_learner():
+    """Late results with rows are not 'nothing to train on': such a shard is trained when a
+    Learner acknowledges its rows, not when its chunks come out of the PreLearner."""
+    clock = Clock()
+    st = FeedState(FeedPolicy(chunk_rows=5, max_ahead_rows=10**9, fresh_fraction=1.0), clock=clock)
+    st.add_shards([shard(1, rows=5)])
+    w = st.next_work()
+    clock.t += 120
+    st.next_work()
+    st.processed([w.tag], 4)
+    assert 1 not in st.trained
+    st.ack({w.tag: 4})
+    assert 1 in st.trained

@@ -180,6 +180,9 @@ class FeedState:
         self._chunks: deque[tuple[int, int, int]] = deque()  # chunks of the fresh shard being delivered
         self.inflight_fresh: dict[int, float] = {}  # fully delivered fresh shard -> last delivery time
         self.pending: dict[int, _Pending] = {}  # tag -> delivered chunk not yet through the PreLearner
+        # fresh chunks given up on in `pending` (no longer counted in flight) whose PreLearner result
+        # may still come: it counts when it does (oldest forgotten past _FRESH_TAGS_KEPT)
+        self._late: dict[int, _Pending] = {}
         self.produced = 0  # rows out of the PreLearner
         self.acked = 0  # rows trained on
         self.credit = 1.0
@@ -191,6 +194,7 @@ class FeedState:
         self.stats = IterationStats()
         self._skips_seen: set[tuple[int, str]] = set()
         self._fresh_rows_out: dict[int, int] = {}  # fresh shard -> rows its chunks produced so far
+        self._fresh_ranges: dict[int, set[tuple[int, int]]] = {}  # fresh shard -> its row ranges processed
         self._fresh_tags: dict[int, None] = {}  # fresh chunks out of the PreLearner, not trained on yet
         # shard -> first times: added, delivered, processed (its first fresh chunk out of the PreLearner), trained
         self.timeline: dict[int, dict] = {}
@@ -314,7 +318,11 @@ class FeedState:
     def _expire(self, now: float) -> None:
         p = self.policy
         for tag in [t for t, x in self.pending.items() if now - x.t > max(60.0, p.redeliver_after_s)]:
-            del self.pending[tag]
+            late = self.pending.pop(tag)
+            if late.fresh:
+                self._late[tag] = late
+                if len(self._late) > _FRESH_TAGS_KEPT:
+                    del self._late[next(iter(self._late))]
         for idx in [i for i, t in self.inflight_fresh.items() if now - t > p.redeliver_after_s]:
             del self.inflight_fresh[idx]
             self._window_dirty = True
@@ -400,25 +408,35 @@ class FeedState:
 
         A fresh shard all of whose chunks came out empty (every episode held out for
         evaluation, or unusable) has nothing to train on: it counts as trained on now, once,
-        instead of being delivered again and again."""
+        instead of being delivered again and again -- also when a chunk's result comes after
+        the chunk stopped counting as in flight (a PreLearner slower than a minute)."""
         now = self.clock()
         for t in tags:
-            p = self.pending.pop(int(t), None)
+            p = self.pending.pop(int(t), None) or self._late.pop(int(t), None)
             if p is not None and p.fresh:
                 self._fresh_tags[int(t)] = None
                 if len(self._fresh_tags) > _FRESH_TAGS_KEPT:
                     del self._fresh_tags[next(iter(self._fresh_tags))]
                 self.timeline.setdefault(p.shard, {}).setdefault("processed", now)
                 self._fresh_rows_out[p.shard] = self._fresh_rows_out.get(p.shard, 0) + int(rows_out)
+                self._fresh_ranges.setdefault(p.shard, set()).add((p.start, p.stop))
                 idx = p.shard
-                if (
-                    idx not in self.trained
-                    and self._fresh_rows_out[idx] == 0
-                    and not any(c[0] == idx for c in self._chunks)
-                    and not any(q.shard == idx and q.fresh for q in self.pending.values())
-                ):
+                if idx not in self.trained and self._fresh_rows_out[idx] == 0 and self._covers_shard(idx):
                     self._mark_trained(idx, now)
         self.produced += int(rows_out)
+
+    def _covers_shard(self, idx: int) -> bool:
+        """Whether the fresh chunks processed so far cover every row of shard `idx` (a
+        redelivered chunk counts once, whichever delivery's result comes first)."""
+        s = self.shards.get(idx)
+        if s is None:
+            return False
+        end = 0
+        for start, stop in sorted(self._fresh_ranges.get(idx, ())):
+            if start > end:
+                return False
+            end = max(end, stop)
+        return end >= s.rows
 
     def _mark_trained(self, idx: int, t: float) -> None:
         s = self.shards.get(idx)
@@ -428,6 +446,7 @@ class FeedState:
         self._window_dirty = True
         self.inflight_fresh.pop(idx, None)
         self._fresh_rows_out.pop(idx, None)
+        self._fresh_ranges.pop(idx, None)
         self.stats.newly_trained.setdefault(s.key, t)
         self.timeline.setdefault(idx, {})["trained"] = t
 

@@ -25,8 +25,8 @@ baseline in the same run, same data, same work, same process conditions, in alte
   store     1M-step stores of ~34 KiB shards (episode and tabular shards, and a demo run's
             shards) before vs after compaction (a compacted copy of the same store): files and
             median file size, seconds to read it all with pyarrow, polars and DuckDB over the
-            files' raw columns and one row per step via `rlrec.open`, ABAB rounds; compaction
-            steps/s
+            files' raw columns (local disk, and from moto's S3 server) and one row per step via
+            `rlrec.open`, ABAB rounds; compaction steps/s
 
 JSON (`--json PATH`)::
 
@@ -113,7 +113,7 @@ TIMEOUTS = {
     "memory": (1200, 300),
     "trainer": (3600, 300),  # 5 sides x 3 rounds, static and T4, + 3 T3 rounds: ~25-40 min on 2 shared cores
     "manifest": (2400, 300),
-    # per store (2 synthetic + demo): build ~30 s, 3 compacted copies, 6 readers x before/after x 6 rounds
+    # per store (2 synthetic + demo): build ~30 s, 3 compacted copies, 9 readers x before/after x 6 rounds
     "store": (1800, 300),
 }
 
@@ -524,9 +524,10 @@ STORE_READERS = {
 
 def store_rows(r: dict, quick: bool) -> list[Row]:
     """bench/store.py: per store, files and median file size after compaction vs before, the
-    seconds to read it all after vs before with pyarrow, polars and DuckDB through two paths (the
-    files' raw columns: judged against the issue's target on the synthetic store; one row per step
-    via rlrec.open: reported), and compaction's steps/s (reported). A store measured without
+    seconds to read it all after vs before with pyarrow, polars and DuckDB through three paths (the
+    files' raw columns on local disk and from S3: judged against the issue's target on the
+    synthetic store; one row per step via rlrec.open: reported), and compaction's steps/s
+    (reported). A store measured without
     compaction (a remote URI): files, median size and the rlrec.open reads vs raw pyarrow."""
     from bench.store import TARGET_SPEEDUP
 
@@ -586,11 +587,14 @@ def store_rows(r: dict, quick: bool) -> list[Row]:
         decoded = ", each episode decoded" if "episodes" in b.get("formats", ["episodes"]) else ""
         for path, label_of in (
             ("files_", "{} reading snapshot.files()' raw columns"),
+            ("s3_", "{} reading the same files' raw columns from S3 (moto, 127.0.0.1)"),
             ("", "{} via rlrec.open (one row per step" + decoded + ")"),
         ):
             for reader, tool in STORE_READERS.items():
                 side = path + reader
-                is_judged = judged and path == "files_"
+                if side not in b["reads"]:  # measured without --object-store
+                    continue
+                is_judged = judged and path in ("files_", "s3_")
                 row = _row(
                     f"store: s to read all, after compaction vs before, {where}, {label_of.format(tool)}",
                     _num(a["reads"], side, "seconds"),

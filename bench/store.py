@@ -2,7 +2,8 @@
 
     python bench/store.py [--steps 1000000] [--steps-per-shard 1800] [--partitions 4] [--rounds 5]
                           [--target-bytes 134217728] [--compact-rounds 3]
-                          [--store DIR] [--demo-store URI] [--quick] [--json PATH]
+                          [--store DIR] [--demo-store URI] [--object-store s3|none] [--quick]
+                          [--json PATH]
 
 Stores measured:
 
@@ -45,10 +46,23 @@ paths, each with pyarrow, polars and DuckDB:
                        the summed length of the packed episodes): no manifest, no sha256, no step
                        decoding -- what a plain reader given ``rlrec inspect --paths`` pays, and
                        where per-file overheads are most of the cost.
+  S3 (raw columns)     with --object-store s3 (the default): the same files uploaded to moto's S3
+                       server (127.0.0.1, a child process) and read there the same way: pyarrow
+                       through ``pyarrow.fs.S3FileSystem``, polars through its own object_store
+                       client (``storage_options``), DuckDB querying the pyarrow dataset of the
+                       files (its replacement scan of an Arrow object: DuckDB's httpfs extension
+                       downloads at run time, which this machine cannot, and reading through an
+                       fsspec filesystem was seen parsing torn reads here, "don't know what
+                       type"). Where stores live in production: each
+                       file costs requests (size, footer, column chunks), and moto's ~1 ms answers
+                       are a floor of a real bucket's 10-30 ms first byte.
 
 Target of the issue: reading at least 5x faster after compaction on the small-shard (synthetic)
-stores; bench/run.py judges the files path (pyarrow, polars, DuckDB) against it on the synthetic
-stores and reports the rlrec.open path (and every figure of the demo's store).
+stores; bench/run.py judges the files paths (local disk and S3; pyarrow, polars, DuckDB) against it
+on the synthetic stores and reports the rlrec.open path (and every figure of the demo's store).
+On local disk a read costs about (files x per-file cost) + (bytes x decode cost); compaction
+removes only the first term, so the speed-up is 1 + files x per-file / (bytes x decode): large for
+pyarrow's ~0.7 ms per file, about 2-3x for polars' and DuckDB's ~0.1 ms on a page-cached disk.
 """
 
 from __future__ import annotations
@@ -58,6 +72,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -70,6 +85,9 @@ sys.path.insert(0, ROOT)
 READERS = ("pyarrow", "polars", "duckdb")
 #: side names: "pyarrow" etc. via rlrec.open, "files_pyarrow" etc. over snapshot.files()
 SIDES = (*READERS, *(f"files_{r}" for r in READERS))
+#: the same files' raw columns read from an S3 server (--object-store s3)
+S3_SIDES = tuple(f"s3_{r}" for r in READERS)
+S3_BUCKET = "rlrec-bench"
 #: the target of the "after compaction" rows: reads at least this many times faster
 TARGET_SPEEDUP = 5.0
 EPISODE_STEPS = 200
@@ -183,6 +201,79 @@ def files_and_sizes(uri: str) -> dict:
     }
 
 
+class BenchS3:
+    """moto's S3 server (``rlrec.local.LocalS3``) in a child process on 127.0.0.1 -- its own
+    interpreter, so the server's Python does not take the readers' GIL -- with the stores' files
+    uploaded to it, and each tool's documented way to read ``s3://`` files.
+
+    moto answers a request in about a millisecond on this machine; a real S3 bucket's first byte
+    takes ~10-30 ms, so per-file costs here are a floor of the cloud's."""
+
+    _CHILD = (
+        "import sys\n"
+        "from rlrec.local import LocalS3\n"
+        "s3 = LocalS3().start()\n"
+        "s3.create_bucket(sys.argv[1])\n"
+        "print(s3.port, flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+
+    def __init__(self) -> None:
+        import pyarrow.fs as pafs
+
+        self._child = subprocess.Popen(
+            [sys.executable, "-c", self._CHILD, S3_BUCKET], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        line = self._child.stdout.readline() if self._child.stdout else ""
+        if not line.strip().isdigit():
+            self.close()
+            raise RuntimeError("the S3 server (moto) did not start")
+        self.endpoint = f"127.0.0.1:{int(line)}"
+        self._uploads = 0
+        self.fs = pafs.S3FileSystem(
+            endpoint_override=self.endpoint, scheme="http", access_key="testing", secret_key="testing",
+            region="us-east-1",
+        )  # fmt: skip
+
+    def upload(self, root: str, name: str, files: list[str]) -> list[str]:
+        """Copy `files` (local paths under `root`) to ``s3://rlrec-bench/<n>-<name>/`` (n counts the
+        uploads: stores never share keys); their URIs."""
+        import pyarrow.fs as pafs
+
+        self._uploads += 1
+        uris = []
+        for f in files:
+            key = f"{S3_BUCKET}/{self._uploads}-{name}/{os.path.relpath(f, root)}"
+            pafs.copy_files(f, key, destination_filesystem=self.fs)
+            uris.append(f"s3://{key}")
+        return uris
+
+    def polars_options(self) -> dict[str, str]:
+        """polars' ``storage_options`` (its own object_store client) for this server."""
+        return {
+            "aws_endpoint_url": f"http://{self.endpoint}",
+            "aws_access_key_id": "testing",
+            "aws_secret_access_key": "testing",
+            "aws_region": "us-east-1",
+            "aws_allow_http": "true",
+        }
+
+    def dataset(self, uris: list[str]) -> Any:
+        """The ``s3://`` files `uris` as one pyarrow dataset on this server."""
+        import pyarrow.dataset as ds
+
+        return ds.dataset([u.removeprefix("s3://") for u in uris], format="parquet", filesystem=self.fs)
+
+    def close(self) -> None:
+        if self._child.stdin:
+            self._child.stdin.close()
+        try:
+            self._child.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._child.kill()
+            self._child.wait()
+
+
 def _raw_duckdb_sql(files: list[str]) -> str:
     """count(*) and a sum that reads a column's values (the packed episodes of episode shards)."""
     import pyarrow.parquet as pq
@@ -192,18 +283,30 @@ def _raw_duckdb_sql(files: list[str]) -> str:
     return f"SELECT count(*), {value} FROM read_parquet(?)"
 
 
-def read_once(side: str, uri: str, files: list[str]) -> tuple[float, int]:
+def read_once(
+    side: str, uri: str, files: list[str], s3: BenchS3 | None = None, s3_files: list[str] | None = None
+) -> tuple[float, int]:
     """Seconds to read every step of `uri` with `side`, and the rows it read (rows of the files'
-    own layout for the ``files_*`` sides: episodes of episode shards, steps of tabular ones)."""
+    own layout for the ``files_*`` and ``s3_*`` sides: episodes of episode shards, steps of
+    tabular ones). The ``s3_*`` sides read `s3_files` (the same files, uploaded to `s3`)."""
     import duckdb
     import polars as pl
     import pyarrow.dataset as ds
 
     import rlrec
 
-    sql = _raw_duckdb_sql(files) if side == "files_duckdb" else ""
+    sql = _raw_duckdb_sql(files) if side in ("files_duckdb", "s3_duckdb") else ""
+    if side.startswith("s3_") and (s3 is None or s3_files is None):
+        raise ValueError(f"{side} needs the S3 server and the uploaded files")
     t0 = time.perf_counter()
-    if side == "files_pyarrow":
+    if side == "s3_pyarrow":
+        rows = s3.dataset(s3_files).to_table().num_rows
+    elif side == "s3_polars":
+        rows = pl.read_parquet(s3_files, storage_options=s3.polars_options()).height
+    elif side == "s3_duckdb":  # DuckDB scans the Arrow dataset (its replacement scan of a Python variable)
+        files_on_s3 = s3.dataset(s3_files)  # noqa: F841 -- named in the SQL
+        rows = int(duckdb.connect().execute(sql.replace("read_parquet(?)", "files_on_s3")).fetchone()[0])
+    elif side == "files_pyarrow":
         rows = ds.dataset(files, format="parquet").to_table().num_rows
     elif side == "files_polars":
         rows = pl.read_parquet(files).height
@@ -225,35 +328,38 @@ def _stats(values: list[dict]) -> dict:
     return {"seconds": statistics.median(secs), "spread": [min(secs), max(secs)], "rows": values[0]["rows"]}
 
 
-def measure_reads(stores: dict[str, str], rounds: int) -> dict:
+def measure_reads(stores: dict[str, str], rounds: int, s3: BenchS3 | None = None) -> dict:
     """Alternated rounds (one warm-up round first) of every side on every store of `stores`
     (``{"before": uri, "after": uri}``, or before only): per round the sides in a rotating order,
-    each reading the stores back to back in an order that flips every round. Returns per store
-    ``{side: {seconds, spread, rows}, "rounds": {side: [{seconds, rows}, ...]}}``."""
+    each reading the stores back to back in an order that flips every round. With `s3`, each
+    store's files are uploaded to it first and the ``s3_*`` sides read them there. Returns per
+    store ``{side: {seconds, spread, rows}, "rounds": {side: [{seconds, rows}, ...]}}``."""
     import rlrec
 
     names = list(stores)
     files = {n: rlrec.open(uri).files() for n, uri in stores.items()}
-    raw: dict[str, dict[str, list[dict]]] = {n: {s: [] for s in SIDES} for n in names}
+    sides = SIDES + (S3_SIDES if s3 else ())
+    s3_files = {n: s3.upload(stores[n], n, files[n]) for n in names} if s3 else {}
+    raw: dict[str, dict[str, list[dict]]] = {n: {s: [] for s in sides} for n in names}
     for r in range(rounds + 1):
-        order = SIDES[r % len(SIDES) :] + SIDES[: r % len(SIDES)]
+        order = sides[r % len(sides) :] + sides[: r % len(sides)]
         for side in order:
             for n in names if r % 2 == 0 else reversed(names):
-                seconds, rows = read_once(side, stores[n], files[n])
+                seconds, rows = read_once(side, stores[n], files[n], s3, s3_files.get(n))
                 if r > 0:
                     raw[n][side].append({"seconds": seconds, "rows": rows})
     out: dict[str, Any] = {}
     for n in names:
         out[n] = {"rounds": raw[n], **{side: _stats(values) for side, values in raw[n].items()}}
         if n != names[0]:  # the same episodes and steps on both sides
-            for side in SIDES:
+            for side in sides:
                 assert out[n][side]["rows"] == out[names[0]][side]["rows"], (side, n)
     return out
 
 
-def measure(uri: str, rounds: int, copies: int, target_bytes: int) -> dict:
+def measure(uri: str, rounds: int, copies: int, target_bytes: int, s3: BenchS3 | None = None) -> dict:
     """Files and reads of one store before and after compaction (a local store: compacted copies
-    beside it; a remote one is measured before only)."""
+    beside it, and with `s3` its files also read from there; a remote one is measured before only)."""
     before = files_and_sizes(uri)
     if "://" in uri or copies < 1:
         return {"before": {**before, "reads": measure_reads({"before": uri}, rounds)["before"]}, "after": None}
@@ -261,7 +367,7 @@ def measure(uri: str, rounds: int, copies: int, target_bytes: int) -> dict:
     work = tempfile.mkdtemp(prefix=".rlrec-bench-compact-", dir=parent)  # beside it: same filesystem
     try:
         copy, compaction = compact_copies(uri, copies, target_bytes, work)
-        reads = measure_reads({"before": uri, "after": copy}, rounds)
+        reads = measure_reads({"before": uri, "after": copy}, rounds, s3)
         return {
             "before": {**before, "reads": reads["before"]},
             "after": {**files_and_sizes(copy), "reads": reads["after"], "compaction": compaction},
@@ -295,6 +401,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--quick", action="store_true", help="20k steps, 2 rounds, 1 compacted copy, no demo store unless given"
     )
+    ap.add_argument(
+        "--object-store",
+        choices=("s3", "none"),
+        default="s3",
+        help="also read the files before and after compaction from this object store: s3 = moto's server "
+        "on 127.0.0.1 in a child process [s3]",
+    )
     ap.add_argument("--json", default=None, help="write the result here")
     args = ap.parse_args(argv)
     if args.quick:
@@ -310,6 +423,8 @@ def main(argv: list[str] | None = None) -> int:
     tmp = None if args.store else tempfile.mkdtemp(prefix="rlrec-bench-store-")
     measuring = (args.rounds, args.compact_rounds, args.target_bytes)
     stores: dict[str, Any] = {}
+    s3 = BenchS3() if args.object_store == "s3" and args.compact_rounds > 0 else None
+    measuring = (*measuring, s3)
     try:
         for fmt in formats:
             root = os.path.join(args.store or tmp, fmt)
@@ -324,6 +439,8 @@ def main(argv: list[str] | None = None) -> int:
         if demo:
             stores["demo"] = {"uri": demo, **measure(demo, *measuring)}
     finally:
+        if s3:
+            s3.close()
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
     doc = {
@@ -337,7 +454,9 @@ def main(argv: list[str] | None = None) -> int:
             b = s[when]
             if b is None:
                 continue
-            line = ", ".join(f"{side} {b['reads'][side]['seconds']:.2f}s" for side in SIDES)
+            line = ", ".join(
+                f"{side} {b['reads'][side]['seconds']:.2f}s" for side in (*SIDES, *S3_SIDES) if side in b["reads"]
+            )
             c = b.get("compaction")
             comp = f"; compacted at {c['steps_per_s']:,.0f} steps/s" if c and c["steps_per_s"] else ""
             print(

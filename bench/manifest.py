@@ -63,9 +63,9 @@ class CountingStorage(Storage):
     def _count(self) -> None:
         self.calls += 1
 
-    def read(self, path: str) -> bytes:
+    def read(self, path: str, *, limit: int | None = None) -> bytes:
         self._count()
-        return super().read(path)
+        return super().read(path, limit=limit)
 
     def create_once(self, path: str, data: bytes) -> bool:
         self._count()

@@ -53,9 +53,9 @@ class CountingStorage(Storage):
     def like(cls, st: Storage) -> CountingStorage:
         return cls(st.filesystem, st.base, retry=st.retry, fsync=st.fsync, s3_client=st._s3_client)
 
-    def read(self, path: str) -> bytes:
+    def read(self, path: str, *, limit: int | None = None) -> bytes:
         self.calls["read"] += 1
-        return super().read(path)
+        return super().read(path, limit=limit)
 
     def create_once(self, path: str, data: bytes) -> bool:
         self.calls["create_once"] += 1

@@ -626,11 +626,11 @@ def test_reader_rereads_the_published_path_after_a_staging_miss(store: Storage) 
 
         moved = False
 
-        def read(self, path: str) -> bytes:
+        def read(self, path: str, *, limit: int | None = None) -> bytes:
             if path == e.staging_path and not self.moved:
                 self.moved = True
                 log.publish(e)
-            return super().read(path)
+            return super().read(path, limit=limit)
 
     racing = PublishedBetweenReads(store.filesystem, store.base, retry=FAST_RETRY)
     data = read_committed_shard(racing, e.path, e.staging_path)

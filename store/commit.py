@@ -390,21 +390,23 @@ class ShardCommitter:
         return taken
 
 
-def read_committed_shard(storage: Storage, path: str, staging_path: str | None) -> bytes:
+def read_committed_shard(storage: Storage, path: str, staging_path: str | None, size: int = 0) -> bytes:
     """The bytes of a committed shard (its entry's `path` and `staging_path`): the published file
     or, until it is published, the staged one. A publish between the two reads (the staged file
     moved to `path` after `path` was found missing) is caught by reading `path` again, so a
     committed shard is never reported missing because it moved: FileNotFoundError means neither
-    file exists."""
+    file exists. `size` (the entry's ``bytes``; 0: unknown) bounds the read at ``size + 1``
+    bytes: a file larger than its entry says then fails its checksum instead of being read whole."""
+    limit = size if size > 0 else None
     try:
-        return storage.read(path)
+        return storage.read(path, limit=limit)
     except FileNotFoundError:
         if not staging_path:
             raise
     try:
         # committed but not yet published (the writer publishes right after committing, or at
         # its next flush cycle, or its next owner rolls the publish forward)
-        return storage.read(staging_path)
+        return storage.read(staging_path, limit=limit)
     except FileNotFoundError:
         pass
-    return storage.read(path)  # published meanwhile (publishing moves staging -> path)
+    return storage.read(path, limit=limit)  # published meanwhile (publishing moves staging -> path)

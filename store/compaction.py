@@ -302,7 +302,7 @@ def _plan(
 
 
 def _read_part(plog: PartitionLog, e: ShardEntry) -> bytes:
-    data = read_committed_shard(plog.storage, e.path, e.staging_path)
+    data = read_committed_shard(plog.storage, e.path, e.staging_path, e.bytes)
     if hashlib.sha256(data).hexdigest() != e.sha256:
         raise ShardSchemaError(f"{plog.storage.uri(e.path)}: sha256 differs from the manifest's: refused")
     return data

@@ -21,6 +21,7 @@ import os
 import stat
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 __all__ = ["EscapesRoot", "LocalRoot"]
 
@@ -172,9 +173,10 @@ class LocalRoot:
                     raise EscapesRoot(errno.ELOOP, "the file is a symlink", rel) from None
                 raise
             with os.fdopen(fd, "rb") as f:
-                if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                st = os.fstat(f.fileno())
+                if not stat.S_ISREG(st.st_mode):
                     raise EscapesRoot(errno.EPERM, "not a regular file", rel)
-                return f.read(size)
+                return f.read() if size < 0 else read_at_most(f, size, first=st.st_size + 1)
 
     def replace(self, src: str, dst: str) -> None:
         """Move `src` onto `dst` (atomic; replaces `dst`)."""
@@ -219,6 +221,34 @@ class LocalRoot:
                 return n
         except FileNotFoundError:
             return 0
+
+
+#: the most bytes asked of a file object at once by `read_at_most`
+READ_PIECE = 1024 * 1024
+
+
+def read_at_most(f: Any, size: int, first: int = READ_PIECE) -> bytes:
+    """Up to `size` bytes of the binary file object `f` (to its end if shorter), read in pieces
+    of at most `READ_PIECE` bytes, the first of at most `first` (e.g. the file's size + 1, when
+    known): memory follows what the file holds, not `size` (a buffered reader, or Arrow's input
+    streams, allocate what one read asks for).
+
+    Example:
+        >>> import io
+        >>> read_at_most(io.BytesIO(b"0123456789"), 4), read_at_most(io.BytesIO(b"01"), 4)
+        (b'0123', b'01')
+    """
+    pieces: list[bytes] = []
+    left, ask = size, max(1, min(first, READ_PIECE))
+    while left > 0:
+        want = min(left, ask)
+        piece = f.read(want)
+        ask = READ_PIECE
+        pieces.append(piece)
+        left -= len(piece)
+        if len(piece) < want:  # a buffered binary stream returns less only at its end
+            break
+    return b"".join(pieces)
 
 
 def _refuse_links(e: OSError, dir_fd: int, name: str, rel: str) -> None:

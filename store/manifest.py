@@ -569,7 +569,7 @@ class PartitionLog:
             for _ in range(max_attempts):
                 seq = self._next
                 entry = ClaimEntry(seq=seq, epoch=self.max_epoch + 1, writer=writer)
-                if self.storage.create_once(self._path(seq), entry.to_json().encode()):
+                if self.storage.create_once(self._path(seq), _entry_bytes(entry)):
                     self._add(entry)
                     self._epoch, self._writer = entry.epoch, writer
                     log.info(
@@ -645,7 +645,7 @@ class PartitionLog:
             for _ in range(max_attempts):
                 seq = self._next
                 e = entry.with_commit(seq=seq, epoch=self._epoch, writer=self._writer)
-                if self.storage.create_once(self._path(seq), e.to_json().encode()):
+                if self.storage.create_once(self._path(seq), _entry_bytes(e)):
                     self._add(e)
                     self._maybe_snapshot()
                     return e
@@ -719,7 +719,7 @@ class PartitionLog:
                         )
                 checked = seq = self._next
                 e = entry.with_commit(seq=seq, epoch=self._epoch, writer=self._writer)
-                if self.storage.create_once(self._path(seq), e.to_json().encode()):
+                if self.storage.create_once(self._path(seq), _entry_bytes(e)):
                     self._add(e)
                     self._maybe_snapshot()
                     return e
@@ -745,24 +745,18 @@ class PartitionLog:
         segment = [e for e in self._entries if folded_from <= e.seq < seq]
         if len(segment) != seq - folded_from or any(isinstance(e, SnapshotEntry) for e in segment):
             return None  # not all in memory (a gap tolerated by a reader): leave it to a writer
-        below = -1 if self._base is None else self._base.max_last_offset
-        for e in self._entries:
-            if isinstance(e, ShardEntry) and since <= e.seq < folded_from:
-                below = max(below, e.last_offset)
-        snap = SnapshotEntry(
-            seq=seq,
-            epoch=self._epoch,
-            writer=self._writer,
-            prev=None if self._base is None else self._base.seq,
-            folded_from=folded_from,
-            entries=segment,  # type: ignore[arg-type]
-            last_claim=self._last_claim,
-            max_last_offset=max([below, *(e.last_offset for e in segment if isinstance(e, ShardEntry))]),
-            below_max_last_offset=below,
-            unpublished=[e for s, (e, _) in sorted(self._unknown.items()) if s < seq],
-        )
+        while True:  # fold the newest entries that fit in MAX_ENTRY_BYTES: older ones stay unfolded
+            snap = self._snapshot_of(seq, since, folded_from, segment)
+            data = snap.to_json().encode()
+            if len(data) <= MAX_ENTRY_BYTES:
+                break
+            if len(segment) <= 1:
+                log.warning("%s/%d: no snapshot at seq %d: over MAX_ENTRY_BYTES", self.topic, self.partition, seq)
+                return None
+            segment = segment[len(segment) // 2 :]
+            folded_from = segment[0].seq
         try:
-            created = self.storage.create_once(self._path(seq), snap.to_json().encode())
+            created = self.storage.create_once(self._path(seq), data)
         except Exception as err:  # maybe landed: the next probe finds out
             log.warning("%s/%d: snapshot at seq %d failed (%s); retried later", self.topic, self.partition, seq, err)
             return None
@@ -778,6 +772,26 @@ class PartitionLog:
             "%s/%d: snapshot at seq %d folds entries %d..%d", self.topic, self.partition, seq, folded_from, seq - 1
         )
         return snap
+
+    def _snapshot_of(self, seq: int, since: int, folded_from: int, segment: list[Entry]) -> SnapshotEntry:
+        """The snapshot at `seq` folding `segment` (entries ``folded_from .. seq-1``; those from
+        `since` up to `folded_from` stay unfolded)."""
+        below = -1 if self._base is None else self._base.max_last_offset
+        for e in self._entries:
+            if isinstance(e, ShardEntry) and since <= e.seq < folded_from:
+                below = max(below, e.last_offset)
+        return SnapshotEntry(
+            seq=seq,
+            epoch=self._epoch,  # type: ignore[arg-type]
+            writer=self._writer,  # type: ignore[arg-type]
+            prev=None if self._base is None else self._base.seq,
+            folded_from=folded_from,
+            entries=segment,  # type: ignore[arg-type]
+            last_claim=self._last_claim,  # type: ignore[arg-type]
+            max_last_offset=max([below, *(e.last_offset for e in segment if isinstance(e, ShardEntry))]),
+            below_max_last_offset=below,
+            unpublished=[e for s, (e, _) in sorted(self._unknown.items()) if s < seq],
+        )
 
     def _write_hint(self, seq: int) -> None:
         try:
@@ -890,6 +904,19 @@ def _sha256(data: bytes) -> str:
     import hashlib
 
     return hashlib.sha256(data).hexdigest()
+
+
+def _entry_bytes(entry: Entry) -> bytes:
+    """`entry` as stored; ManifestError if its readers would refuse it (over `MAX_ENTRY_BYTES`):
+    a log's entries are for ever, so a writer never appends one its readers refuse."""
+    data = entry.to_json().encode()
+    if len(data) > MAX_ENTRY_BYTES:
+        raise ManifestError(
+            f"a {type(entry).__name__} of {len(data)} bytes is over MAX_ENTRY_BYTES ({MAX_ENTRY_BYTES}): "
+            "roll smaller shards (rlrec consume --max-file-bytes / --max-episodes-per-file; rlrec compact "
+            "--target-bytes)"
+        )
+    return data
 
 
 def _read_many(fn: Any, items: Sequence[Any]) -> list[Any]:

@@ -238,7 +238,7 @@ def parse_record(data: bytes, n: int) -> RemovalRecord:
     """Removal record `n` from its stored bytes, strictly (ManifestError on anything else: a
     wrong type, a missing or unknown field, a path no shard entry may name, another ``n``)."""
     if len(data) > MAX_RECORD_BYTES:
-        raise ManifestError(f"removal record {n}: {len(data)} bytes, more than {MAX_RECORD_BYTES}")
+        raise ManifestError(f"removal record {n}: more than {MAX_RECORD_BYTES} bytes (MAX_RECORD_BYTES)")
     try:
         d = json.loads(data)
     except (ValueError, UnicodeDecodeError) as e:

@@ -562,7 +562,7 @@ class Snapshot:
     def _gated(self, entry: ShardEntry):
         """A committed shard's `GatedShard` once its bytes match the manifest's sha256."""
         where = self.storage.uri(entry.path)
-        data = read_committed_shard(self.storage, entry.path, entry.staging_path)
+        data = read_committed_shard(self.storage, entry.path, entry.staging_path, entry.bytes)
         if entry.sha256 and hashlib.sha256(data).hexdigest() != entry.sha256:
             raise ShardSchemaError(f"{where}: sha256 differs from the manifest's: refused")
         try:

@@ -80,7 +80,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from rlrec.store import azure, gcs
-from rlrec.store.localfs import LocalRoot
+from rlrec.store.localfs import LocalRoot, read_at_most
 from rlrec.store.retry import RetryPolicy
 
 __all__ = [
@@ -678,7 +678,8 @@ class Storage:
 
         Args:
             path: the file, relative to the root.
-            limit: read at most ``limit + 1`` bytes, so that a caller with a size budget sees a
+            limit: read at most ``limit + 1`` bytes (in pieces of at most 1 MiB: what is
+                allocated follows what is there), so that a caller with a size budget sees a
                 file over it (``len(data) > limit``) without the file deciding what this
                 process allocates; None reads the whole file.
 
@@ -690,6 +691,8 @@ class Storage:
             >>> len(s.read("a.json", limit=4))
             5
         """
+        if limit is not None and int(limit) < 0:
+            raise ValueError(f"limit must be at least 0, not {limit}")
         full = self.full_path(path)
         size = -1 if limit is None else int(limit) + 1
         if self._local is not None:
@@ -701,7 +704,7 @@ class Storage:
 
             def op(_: int) -> bytes:
                 with self.filesystem.open_input_stream(full) as f:
-                    return f.read() if size < 0 else f.read(size)
+                    return f.read() if size < 0 else read_at_most(f, size)
 
         return self._retry(f"read {self.uri(path)}", op)
 

@@ -391,3 +391,29 @@ def test_snapshot_entries_are_validated() -> None:
         with pytest.raises(ManifestError):
             parse_entry(json.dumps(doc))
             pytest.fail(what)
+
+
+def test_a_writer_never_appends_an_entry_its_readers_refuse(tmp_path: Path, monkeypatch) -> None:
+    """Entries over MAX_ENTRY_BYTES: a shard entry is refused before it is written (the log goes
+    on), and a snapshot folds only the newest entries that fit, so that every reader of the log
+    -- a new claim, read_manifest, the follower -- still reads all of it."""
+    import rlrec.store.manifest as manifest
+
+    store = Storage.from_uri(str(tmp_path / "out"), fsync=False)
+    log = PartitionLog(store, TOPIC, 0, snapshot_every=10)
+    log.claim("w0")
+    one = len(append(log, 0, ids=3).to_json())
+    monkeypatch.setattr(manifest, "MAX_ENTRY_BYTES", one * 6)  # a snapshot of 10 such entries would not fit
+    with pytest.raises(ManifestError, match="over MAX_ENTRY_BYTES"):
+        append(log, 1, ids=1000)
+    assert log.read_entry(2) is None  # nothing written at its seq
+    shards = [append(log, i, ids=3) for i in range(2, 25)]
+    snaps = [e for e in PartitionLog(store, TOPIC, 0).load() if isinstance(e, SnapshotEntry)]
+    assert snaps and all(len(s.to_json()) <= one * 6 for s in snaps)
+    assert all(s.folded_from > (0 if s.prev is None else s.prev + 1) for s in snaps)  # older ones unfolded
+    listed = {e.path for e in read_manifest(store)}
+    assert {e.path for e in shards} < listed and len(listed) == 24
+    again = PartitionLog(store, TOPIC, 0)
+    again.claim("w1")
+    assert max(again.committed_last_offsets().values()) == shards[-1].last_offset
+    assert len(again.committed_last_offsets()) == 24 * 3

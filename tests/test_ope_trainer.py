@@ -94,6 +94,7 @@ def test_an_all_held_out_shard_is_trained_once_when_its_results_come_late():
     assert 1 in st.trained and list(st.pop_stats().newly_trained) == ["p/s1.parquet"]
     st.processed([first[1].tag, again[0].tag], 0)  # the rest: counted once
     assert st.pop_stats().newly_trained == {}
+    assert not st._fresh_ranges and not st._fresh_rows_out and not st._late  # nothing kept for it
     clock.t += 120
     assert not any(w is not None and w.fresh for w in [st.next_work() for _ in range(3)])
 
@@ -111,3 +112,28 @@ def test_a_shard_whose_late_results_produced_rows_waits_for_a_learner():
     assert 1 not in st.trained
     st.ack({w.tag: 4})
     assert 1 in st.trained
+
+
+def test_late_results_of_a_shard_that_is_gone_are_forgotten():
+    """A shard given up on in flight, then found missing: its late chunk is forgotten with it
+    and its result, when it comes, counts for nothing."""
+    clock = Clock()
+    st = FeedState(FeedPolicy(chunk_rows=5, max_ahead_rows=10**9, fresh_fraction=1.0), clock=clock)
+    st.add_shards([shard(1, rows=10)])
+    first = st.next_work()
+    clock.t += 120
+    st.next_work()  # expires the first delivery into the late chunks
+    assert first.tag in st._late
+    st.mark_missing(1)
+    assert not st._late and 1 not in st._fresh_ranges
+    st.processed([first.tag], 0)
+    assert 1 not in st.trained and not st._fresh_ranges and not st._fresh_rows_out
+    clock.t += 4000  # and late chunks are forgotten after an hour in any case
+    st.add_shards([shard(2, rows=5)])
+    w = st.next_work()
+    clock.t += 120
+    st.next_work()
+    assert w.tag in st._late
+    clock.t += 3600
+    st.next_work()
+    assert w.tag not in st._late

@@ -493,7 +493,10 @@ def _read_small(storage: Storage, rel: str, max_bytes: int) -> bytes:
     info = storage.filesystem.get_file_info(storage.full_path(rel))
     if info.size is not None and info.size > max_bytes:
         raise PolicyLoadError(f"{rel} holds {info.size} bytes, over its limit of {max_bytes}: refused")
-    return storage.read(rel)
+    data = storage.read(rel, limit=max_bytes)  # bounded: it may have grown since
+    if len(data) > max_bytes:
+        raise PolicyLoadError(f"{rel} holds more than {max_bytes} bytes, over its limit: refused")
+    return data
 
 
 def _verified_spec(storage: Storage, d: str, signing_key: Any) -> tuple[bytes, dict]:

@@ -35,6 +35,7 @@ __all__ = ["TAG", "TAG_SHIFT", "FeedPolicy", "FeedState", "ShardInfo", "Work", "
 TAG = "rlrec_tag"
 TAG_SHIFT = 24
 _DELIVERY_MASK = (1 << TAG_SHIFT) - 1
+_LATE_KEPT_S = 3600.0  # a chunk's PreLearner result counts this long after its delivery at most
 _FRESH_TAGS_KEPT = 1 << 16  # fresh chunks remembered until trained (far more than are ever in flight)
 
 
@@ -232,8 +233,17 @@ class FeedState:
         self.fresh_queued.discard(idx)
         self.inflight_fresh.pop(idx, None)
         self._chunks = deque(c for c in self._chunks if c[0] != idx)
+        self._forget_counts(idx)
         self._window_dirty = True
         return True
+
+    def _forget_counts(self, idx: int) -> None:
+        """What the processed and late chunks of shard `idx` counted towards "nothing to train
+        on": not needed once it is trained or gone."""
+        self._fresh_rows_out.pop(idx, None)
+        self._fresh_ranges.pop(idx, None)
+        for tag in [t for t, p in self._late.items() if p.shard == idx]:
+            del self._late[tag]
 
     def mark_missing(self, idx: int) -> None:
         """The shard's file is gone (deleted outside the trainer): never read it again."""
@@ -317,12 +327,15 @@ class FeedState:
 
     def _expire(self, now: float) -> None:
         p = self.policy
-        for tag in [t for t, x in self.pending.items() if now - x.t > max(60.0, p.redeliver_after_s)]:
+        patience = max(60.0, p.redeliver_after_s)
+        for tag in [t for t, x in self.pending.items() if now - x.t > patience]:
             late = self.pending.pop(tag)
             if late.fresh:
                 self._late[tag] = late
                 if len(self._late) > _FRESH_TAGS_KEPT:
                     del self._late[next(iter(self._late))]
+        while self._late and now - next(iter(self._late.values())).t > _LATE_KEPT_S:  # oldest first
+            del self._late[next(iter(self._late))]
         for idx in [i for i, t in self.inflight_fresh.items() if now - t > p.redeliver_after_s]:
             del self.inflight_fresh[idx]
             self._window_dirty = True
@@ -418,10 +431,12 @@ class FeedState:
                 if len(self._fresh_tags) > _FRESH_TAGS_KEPT:
                     del self._fresh_tags[next(iter(self._fresh_tags))]
                 self.timeline.setdefault(p.shard, {}).setdefault("processed", now)
-                self._fresh_rows_out[p.shard] = self._fresh_rows_out.get(p.shard, 0) + int(rows_out)
-                self._fresh_ranges.setdefault(p.shard, set()).add((p.start, p.stop))
                 idx = p.shard
-                if idx not in self.trained and self._fresh_rows_out[idx] == 0 and self._covers_shard(idx):
+                if idx in self.trained or idx in self.deleted:
+                    continue
+                self._fresh_rows_out[idx] = self._fresh_rows_out.get(idx, 0) + int(rows_out)
+                self._fresh_ranges.setdefault(idx, set()).add((p.start, p.stop))
+                if self._fresh_rows_out[idx] == 0 and self._covers_shard(idx):
                     self._mark_trained(idx, now)
         self.produced += int(rows_out)
 
@@ -445,8 +460,7 @@ class FeedState:
         self.trained.add(idx)
         self._window_dirty = True
         self.inflight_fresh.pop(idx, None)
-        self._fresh_rows_out.pop(idx, None)
-        self._fresh_ranges.pop(idx, None)
+        self._forget_counts(idx)
         self.stats.newly_trained.setdefault(s.key, t)
         self.timeline.setdefault(idx, {})["trained"] = t
 

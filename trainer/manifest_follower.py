@@ -222,7 +222,7 @@ def spaces_from_shard(storage: Storage, entry: ShardEntry):
     from rlrec.store.episodes import unpack_episode
     from rlrec.store.schema_gate import open_shard
 
-    shard = open_shard(read_committed_shard(storage, entry.path, entry.staging_path), fmt=entry.format)
+    shard = open_shard(read_committed_shard(storage, entry.path, entry.staging_path, entry.bytes), fmt=entry.format)
     meta = shard.metadata()
     if "rlrec.observation_space" in meta and "rlrec.action_space" in meta:
         return loads_space(meta["rlrec.observation_space"]), loads_space(meta["rlrec.action_space"])

@@ -169,7 +169,7 @@ class HeldOutReader:
             return []  # the manifest names its episodes: none is held out, nothing to read
         if entry.format != "episodes":
             raise ValueError(f"{entry.format} shards are not read by the evaluator (episode shards only)")
-        data = read_committed_shard(self.storage, entry.path, entry.staging_path)
+        data = read_committed_shard(self.storage, entry.path, entry.staging_path, entry.bytes)
         if entry.sha256 and hashlib.sha256(data).hexdigest() != entry.sha256:
             raise ValueError("sha256 does not match the manifest")
         table = open_shard(data, fmt="episodes").read(["item"])

@@ -63,7 +63,7 @@ class BadShard(Exception):
 
 
 def _load_table(storage: Storage, s: ShardInfo, columns: list[str] | None, verify: bool) -> pa.Table:
-    data = read_committed_shard(storage, s.path, s.staging_path)
+    data = read_committed_shard(storage, s.path, s.staging_path, s.nbytes)
     if verify and s.sha256 and hashlib.sha256(data).hexdigest() != s.sha256:
         raise BadShard(f"sha256 mismatch (the manifest says {s.sha256[:12]}...)")
     try:  # the bytes are here: from now on a failure is the data's, not the store's

@@ -71,7 +71,7 @@ def committed_by_version(shards_uri: str) -> dict:
     entries = read_manifest(storage)
     by_version: dict[int, list[float]] = {}
     for e in entries:
-        data = read_committed_shard(storage, e.path, e.staging_path)
+        data = read_committed_shard(storage, e.path, e.staging_path, e.bytes)
         try:
             t = open_shard(data, fmt=e.format).read(["policy_version", "episode_return"])
         except ShardSchemaError:

@@ -23,7 +23,15 @@ from dataclasses import dataclass, field
 
 from rlrec.producer.events import load_schemas
 from rlrec.store.finished import FinishedEpisode, steps_without_logp
-from rlrec.store.manifest import SNAPSHOT_EVERY, ConflictError, FencedError, PartitionLog, ShardEntry, default_writer_id
+from rlrec.store.manifest import (
+    SNAPSHOT_EVERY,
+    ConflictError,
+    EntryTooLargeError,
+    FencedError,
+    PartitionLog,
+    ShardEntry,
+    default_writer_id,
+)
 from rlrec.store.retry import RetrySchedule
 from rlrec.store.shards import EncodedShard, encode_shard
 from rlrec.store.storage import Storage
@@ -246,6 +254,15 @@ class ShardCommitter:
                 continue
             except FencedError:  # certain: nothing of this writer's lands from now on
                 raise
+            except EntryTooLargeError:  # nothing written: its readers would refuse it; split the shard
+                if len(eps) < 2:
+                    raise
+                half = len(eps) // 2
+                log.warning(
+                    "partition %d: a shard entry of %d episodes is too large; split in two", self.partition, len(eps)
+                )
+                todo[:0] = self._encode(eps[:half], result.unwritable) + self._encode(eps[half:], result.unwritable)
+                continue
             except Exception as e:  # storage: the entry may have landed; the next append finds out
                 self._ambiguous[staging] = _Attempt(name, shard, eps, self.log.next_seq)
                 raise AmbiguousCommitError(eps, e) from e

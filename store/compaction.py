@@ -62,6 +62,7 @@ from rlrec.store.commit import read_committed_shard
 from rlrec.store.manifest import (
     ConflictError,
     Entry,
+    EntryTooLargeError,
     FencedError,
     PartitionLog,
     ReplaceEntry,
@@ -469,7 +470,7 @@ def compact_partition(
             continue
         try:
             committed = plog.append_replace(entry, run, seen=seen)
-        except ConflictError as err:
+        except (ConflictError, EntryTooLargeError) as err:  # too large: nothing written (its staged file: gc)
             res.skipped.append(f"seq {seqs}: {err}")
             log.warning("%s/%d: not compacting seq %s: %s", plog.topic, plog.partition, seqs, err)
             continue

@@ -223,32 +223,35 @@ class LocalRoot:
             return 0
 
 
-#: the most bytes asked of a file object at once by `read_at_most`
+#: the first read of `read_at_most` when the file's size is not known; later reads double it
 READ_PIECE = 1024 * 1024
 
 
 def read_at_most(f: Any, size: int, first: int = READ_PIECE) -> bytes:
-    """Up to `size` bytes of the binary file object `f` (to its end if shorter), read in pieces
-    of at most `READ_PIECE` bytes, the first of at most `first` (e.g. the file's size + 1, when
-    known): memory follows what the file holds, not `size` (a buffered reader, or Arrow's input
-    streams, allocate what one read asks for).
+    """Up to `size` bytes of the binary file object `f` (to its end if shorter). The first read
+    asks for at most `first` bytes (give the file's size + 1 when known: then one read does it),
+    each later one for twice as many: memory follows what the file holds, not `size` (a
+    buffered reader, or Arrow's input streams, allocate what one read asks for). A short read
+    is followed by a 1-byte probe, so that only an empty read ends it.
 
     Example:
         >>> import io
         >>> read_at_most(io.BytesIO(b"0123456789"), 4), read_at_most(io.BytesIO(b"01"), 4)
         (b'0123', b'01')
+        >>> read_at_most(io.BytesIO(b"0123456789"), 20, first=3)
+        b'0123456789'
     """
     pieces: list[bytes] = []
-    left, ask = size, max(1, min(first, READ_PIECE))
+    left, ask = size, max(1, first)
     while left > 0:
         want = min(left, ask)
         piece = f.read(want)
-        ask = READ_PIECE
+        if not piece:
+            break
         pieces.append(piece)
         left -= len(piece)
-        if len(piece) < want:  # a buffered binary stream returns less only at its end
-            break
-    return b"".join(pieces)
+        ask = 1 if len(piece) < want else READ_PIECE if ask == 1 else ask * 2  # short: probably its end
+    return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
 
 def _refuse_links(e: OSError, dir_fd: int, name: str, rel: str) -> None:

@@ -83,6 +83,7 @@ __all__ = [
     "ClaimEntry",
     "ConflictError",
     "Entry",
+    "EntryTooLargeError",
     "FencedError",
     "LogEntry",
     "ManifestError",
@@ -142,6 +143,11 @@ class FencedError(RuntimeError):
         self.epoch = epoch
         self.newer_epoch = newer_epoch
         self.newer_writer = newer_writer
+
+
+class EntryTooLargeError(ManifestError):
+    """The entry was not appended: its readers would refuse it (over `MAX_ENTRY_BYTES`). Nothing
+    was written; split what it holds (fewer episodes per shard) and append again."""
 
 
 class ConflictError(RuntimeError):
@@ -232,6 +238,7 @@ class PartitionLog:
         self._ids: dict[str, ShardEntry] = {}  # committed episode id -> its entry (the skip set)
         # committed shard entries not known to be published: seq -> (entry, a snapshot listed it)
         self._unknown: dict[int, tuple[ShardEntry, bool]] = {}
+        self._no_snapshot_before = 0  # a snapshot over MAX_ENTRY_BYTES was given up: not before this seq
 
     def __repr__(self) -> str:
         return f"PartitionLog({self.topic}/{self.partition}, next_seq={self._next}, epoch={self._epoch})"
@@ -745,16 +752,30 @@ class PartitionLog:
         segment = [e for e in self._entries if folded_from <= e.seq < seq]
         if len(segment) != seq - folded_from or any(isinstance(e, SnapshotEntry) for e in segment):
             return None  # not all in memory (a gap tolerated by a reader): leave it to a writer
-        while True:  # fold the newest entries that fit in MAX_ENTRY_BYTES: older ones stay unfolded
-            snap = self._snapshot_of(seq, since, folded_from, segment)
-            data = snap.to_json().encode()
-            if len(data) <= MAX_ENTRY_BYTES:
-                break
-            if len(segment) <= 1:
-                log.warning("%s/%d: no snapshot at seq %d: over MAX_ENTRY_BYTES", self.topic, self.partition, seq)
+        if seq < self._no_snapshot_before:
+            return None
+        snap = self._snapshot_of(seq, since, folded_from, segment)
+        data = snap.to_json().encode()
+        if len(data) > MAX_ENTRY_BYTES:  # fold only the newest entries that fit: older ones stay unfolded
+            room = MAX_ENTRY_BYTES - (len(data) - sum(len(e.to_json()) + 2 for e in segment))
+            kept = 0
+            for e in reversed(segment):
+                room -= len(e.to_json()) + 2
+                if room < 0:
+                    break
+                kept += 1
+            if kept:
+                segment = segment[len(segment) - kept :]
+                folded_from = segment[0].seq
+                snap = self._snapshot_of(seq, since, folded_from, segment)
+                data = snap.to_json().encode()
+            if not kept or len(data) > MAX_ENTRY_BYTES:
+                self._no_snapshot_before = seq + self.snapshot_every  # not at every append
+                log.warning(
+                    "%s/%d: no snapshot at seq %d: over MAX_ENTRY_BYTES (%d); tried again in %d entries",
+                    self.topic, self.partition, seq, MAX_ENTRY_BYTES, self.snapshot_every,
+                )  # fmt: skip
                 return None
-            segment = segment[len(segment) // 2 :]
-            folded_from = segment[0].seq
         try:
             created = self.storage.create_once(self._path(seq), data)
         except Exception as err:  # maybe landed: the next probe finds out
@@ -911,7 +932,7 @@ def _entry_bytes(entry: Entry) -> bytes:
     a log's entries are for ever, so a writer never appends one its readers refuse."""
     data = entry.to_json().encode()
     if len(data) > MAX_ENTRY_BYTES:
-        raise ManifestError(
+        raise EntryTooLargeError(
             f"a {type(entry).__name__} of {len(data)} bytes is over MAX_ENTRY_BYTES ({MAX_ENTRY_BYTES}): "
             "roll smaller shards (rlrec consume --max-file-bytes / --max-episodes-per-file; rlrec compact "
             "--target-bytes)"

@@ -300,7 +300,8 @@ class SnapshotEntry:
     * ``entries``: every claim and shard entry ``folded_from .. seq-1``, unchanged (the
       *segment*); ``prev`` is the seq of the previous snapshot (None: none).  Entries
       between ``prev`` (or 0) and ``folded_from`` are *unfolded*: readers read them
-      one by one (only a log written before snapshots existed has them);
+      one by one (a log written before snapshots existed, a segment past ``MAX_SEGMENT``,
+      or entries a snapshot under ``MAX_ENTRY_BYTES`` could not hold);
     * ``last_claim``: the claim with the highest epoch below ``seq`` (fencing);
     * ``max_last_offset`` / ``below_max_last_offset``: the largest ``last_offset`` of
       the shard entries below ``seq`` / below ``folded_from`` (-1: none), so that a claim

@@ -678,10 +678,11 @@ class Storage:
 
         Args:
             path: the file, relative to the root.
-            limit: read at most ``limit + 1`` bytes (in pieces of at most 1 MiB: what is
-                allocated follows what is there), so that a caller with a size budget sees a
-                file over it (``len(data) > limit``) without the file deciding what this
-                process allocates; None reads the whole file.
+            limit: read at most ``limit + 1`` bytes (in one read of the object's size when it
+                is known, else in growing pieces: what is allocated follows what is there), so
+                that a caller with a size budget sees a file over it (``len(data) > limit``)
+                without the file deciding what this process allocates; None reads the whole
+                file.
 
         Example::
 
@@ -704,7 +705,13 @@ class Storage:
 
             def op(_: int) -> bytes:
                 with self.filesystem.open_input_stream(full) as f:
-                    return f.read() if size < 0 else read_at_most(f, size)
+                    if size < 0:
+                        return f.read()
+                    try:
+                        known = f.size()  # S3 and Azure know it from opening the object
+                    except Exception:  # a stream of unknown length: pieces
+                        return read_at_most(f, size)
+                    return read_at_most(f, size, first=known + 1)
 
         return self._retry(f"read {self.uri(path)}", op)
 

@@ -417,3 +417,20 @@ def test_a_writer_never_appends_an_entry_its_readers_refuse(tmp_path: Path, monk
     again.claim("w1")
     assert max(again.committed_last_offsets().values()) == shards[-1].last_offset
     assert len(again.committed_last_offsets()) == 24 * 3
+
+
+def test_a_committer_splits_a_shard_whose_entry_would_be_too_large(tmp_path: Path, monkeypatch) -> None:
+    """The consumer's commit of a shard whose entry would be over MAX_ENTRY_BYTES: nothing is
+    appended for it, the episodes go in smaller shards, every one committed once."""
+    import rlrec.store.manifest as manifest
+    from rlrec.trainer.synthetic import expert_cartpole_episodes
+
+    store = Storage.from_uri(str(tmp_path / "out"), fsync=False)
+    c = ShardCommitter(store, TOPIC, 0)
+    one = c.commit(expert_cartpole_episodes(2, seed=0, max_steps=5)).entries[0]
+    monkeypatch.setattr(manifest, "MAX_ENTRY_BYTES", len(one.to_json()) + 400)  # room for ~2 more ids
+    res = c.commit(expert_cartpole_episodes(16, seed=1, max_steps=5))
+    assert res.episodes == 16 and res.shards > 1 and not res.unwritable
+    entries = read_manifest(store)
+    assert sum(e.episodes for e in entries) == 18 and len({i for e in entries for i in e.episode_ids}) == 18
+    assert all(len(e.to_json()) <= manifest.MAX_ENTRY_BYTES for e in PartitionLog(store, TOPIC, 0).load())

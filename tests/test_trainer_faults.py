@@ -345,9 +345,9 @@ def test_one_failed_read_does_not_condemn_a_shard_two_a_retry_wait_apart_do(tmp_
     real_read = read_task.read_committed_shard
     reads: dict[str, int] = {}
 
-    def flaky_read(st, path, staging):
+    def flaky_read(st, path, staging, size=0):
         reads[path] = reads.get(path, 0) + 1
-        data = real_read(st, path, staging)
+        data = real_read(st, path, staging, size)
         if path == infos[0].path and reads[path] == 1:
             return data[:-7] + b"flipped"  # damaged once in transit: the sha256 does not match
         if path == infos[1].path and reads[path] == 1:

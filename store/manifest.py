@@ -114,9 +114,9 @@ SNAPSHOT_EVERY = 100
 MAX_SEGMENT = 1000
 #: name of the hint file in each partition's log directory (dot-prefixed: not an entry)
 HEAD_HINT = ".head.json"
-#: the most bytes of one log entry read (a snapshot folds 100 entries: ~150 MB for entries of the
-#: largest shards, 128 MiB of small episodes each); a larger object is refused as malformed
-#: before it is read whole (docs/GUARANTEES.md §5)
+#: the most bytes of one log entry, read or written (a snapshot of 100 entries of the largest
+#: shards, 128 MiB of small episodes each, is ~150 MB; writers fold fewer or split shards to stay
+#: under it); a larger object is refused as malformed before it is read whole (GUARANTEES.md §5)
 MAX_ENTRY_BYTES = 512 * 1024 * 1024
 #: the most bytes of the head hint read (it holds one number)
 MAX_HINT_BYTES = 64 * 1024
@@ -928,8 +928,9 @@ def _sha256(data: bytes) -> str:
 
 
 def _entry_bytes(entry: Entry) -> bytes:
-    """`entry` as stored; ManifestError if its readers would refuse it (over `MAX_ENTRY_BYTES`):
-    a log's entries are for ever, so a writer never appends one its readers refuse."""
+    """`entry` as stored; EntryTooLargeError if its readers would refuse it (over
+    `MAX_ENTRY_BYTES`): a log's entries are for ever, so a writer never appends one its readers
+    refuse."""
     data = entry.to_json().encode()
     if len(data) > MAX_ENTRY_BYTES:
         raise EntryTooLargeError(

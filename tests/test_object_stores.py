@@ -48,6 +48,12 @@ def test_every_operation_rlrec_uses(object_store, monkeypatch, tmp_path):
     assert st.create_once("_manifest/t/00000/1", b"entry") is True
     assert st.create_once("_manifest/t/00000/1", b"other") is False
     assert st.read("_manifest/t/00000/1") == b"entry"
+    # bounded reads (manifest objects, shards): at most limit + 1 bytes, the whole object within it
+    assert st.read("_manifest/t/00000/1", limit=2) == b"ent" and st.read("_manifest/t/00000/1", limit=5) == b"entry"
+    st.write("big.bin", bytes(range(256)) * 12_000)  # ~3 MiB: more than one piece when the size is unknown
+    assert st.read("big.bin", limit=10**9) == bytes(range(256)) * 12_000
+    assert st.read("big.bin", limit=1_000_000) == (bytes(range(256)) * 12_000)[:1_000_001]
+    assert st.delete("big.bin") is True
     src = tmp_path / "ckpt"
     (src / "learner").mkdir(parents=True)
     (src / "a.json").write_bytes(b"{}")

@@ -274,13 +274,14 @@ class BenchS3:
             self._child.wait()
 
 
-def _raw_duckdb_sql(files: list[str]) -> str:
-    """count(*) and a sum that reads a column's values (the packed episodes of episode shards)."""
+def _raw_duckdb_sql(files: list[str], source: str = "read_parquet(?)") -> str:
+    """count(*) and a sum that reads a column's values (the packed episodes of episode shards),
+    over `source` (the files as a parameter, or a Python variable DuckDB scans)."""
     import pyarrow.parquet as pq
 
     names = pq.read_schema(files[0]).names if files else []
     value = "sum(octet_length(item))" if "item" in names else "sum(rewards)" if "rewards" in names else "0"
-    return f"SELECT count(*), {value} FROM read_parquet(?)"
+    return f"SELECT count(*), {value} FROM {source}"
 
 
 def read_once(
@@ -295,7 +296,13 @@ def read_once(
 
     import rlrec
 
-    sql = _raw_duckdb_sql(files) if side in ("files_duckdb", "s3_duckdb") else ""
+    sql = (
+        _raw_duckdb_sql(files)
+        if side == "files_duckdb"
+        else _raw_duckdb_sql(files, "files_on_s3")
+        if side == "s3_duckdb"
+        else ""
+    )
     if side.startswith("s3_") and (s3 is None or s3_files is None):
         raise ValueError(f"{side} needs the S3 server and the uploaded files")
     t0 = time.perf_counter()
@@ -305,7 +312,7 @@ def read_once(
         rows = pl.read_parquet(s3_files, storage_options=s3.polars_options()).height
     elif side == "s3_duckdb":  # DuckDB scans the Arrow dataset (its replacement scan of a Python variable)
         files_on_s3 = s3.dataset(s3_files)  # noqa: F841 -- named in the SQL
-        rows = int(duckdb.connect().execute(sql.replace("read_parquet(?)", "files_on_s3")).fetchone()[0])
+        rows = int(duckdb.connect().execute(sql).fetchone()[0])
     elif side == "files_pyarrow":
         rows = ds.dataset(files, format="parquet").to_table().num_rows
     elif side == "files_polars":

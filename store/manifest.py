@@ -757,10 +757,11 @@ class PartitionLog:
         snap = self._snapshot_of(seq, since, folded_from, segment)
         data = snap.to_json().encode()
         if len(data) > MAX_ENTRY_BYTES:  # fold only the newest entries that fit: older ones stay unfolded
-            room = MAX_ENTRY_BYTES - (len(data) - sum(len(e.to_json()) + 2 for e in segment))
+            sizes = [len(e.to_json()) + 2 for e in segment]  # each as the snapshot holds it, with ", "
+            room = MAX_ENTRY_BYTES - (len(data) - sum(sizes))
             kept = 0
-            for e in reversed(segment):
-                room -= len(e.to_json()) + 2
+            for size in reversed(sizes):
+                room -= size
                 if room < 0:
                     break
                 kept += 1

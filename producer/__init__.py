@@ -1,6 +1,7 @@
 """rlrec's policy-side client and the event contract. Imports neither Ray nor torch.
 
 from rlrec.producer import EpisodeRecorder, RecordingWrapper      # or: from rlrec import ...
+from rlrec.producer import RecordingVectorWrapper                 # a gymnasium vector env
 """
 
 from rlrec.producer.events import DecodeError, EpisodeAbort, EpisodeStart, RewardDelta, StepBatch, decode, encode
@@ -12,6 +13,7 @@ from rlrec.producer.recorder import (
     RecorderReentryError,
     RecorderStats,
 )
+from rlrec.producer.vector import RecordingVectorWrapper
 from rlrec.producer.wrapper import RecordingWrapper
 
 __all__ = [
@@ -24,6 +26,7 @@ __all__ = [
     "RecorderFullError",
     "RecorderReentryError",
     "RecorderStats",
+    "RecordingVectorWrapper",
     "RecordingWrapper",
     "RewardDelta",
     "StepBatch",

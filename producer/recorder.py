@@ -52,6 +52,7 @@ from gymnasium import spaces as gs
 
 from rlrec.producer.arrays import ALLOWED_DTYPES, array_to_wire
 from rlrec.producer.avro_write import ARRAY_END, array_parts, bool_byte, long_bytes, shape_bytes, string_bytes
+from rlrec.producer.batched import flags, row_values, rows_of, select, selected_rows
 from rlrec.producer.bounded import OldestHalfDict
 from rlrec.producer.events import (
     DecodeError,
@@ -93,6 +94,7 @@ _monotonic = time.monotonic
 CLOSE_TIMEOUT_S = 30.0
 _time = time.time
 _dtype_of = attrgetter("dtype")
+_dropping_of = attrgetter("dropping")
 _shape_of = attrgetter("shape")
 _LITTLE = sys.byteorder == "little"
 #: dtypes whose native bytes are their wire bytes -> wire name (none on a big-endian host)
@@ -191,6 +193,33 @@ def _copy_outputs(extra: Any, episode_id: str) -> Any:
     return out
 
 
+def _kept_outputs(extra: Any, episode_id: str) -> Any:
+    """What log_step keeps of `extra_model_outputs` (see `_Episode.steps`): a falsy value as it
+    is, only a float ``action_logp`` as that scalar (checked), anything else `_copy_outputs`."""
+    if not extra:
+        return extra
+    if type(extra) is dict and len(extra) == 1 and type(lp := extra.get("action_logp")) in _FLOAT_TYPES:
+        if not (_NEG_INF < (lp if type(lp) is float else float(lp)) <= LOGP_TOLERANCE):
+            _check_logp(lp, episode_id)
+        return lp
+    return _copy_outputs(extra, episode_id)
+
+
+def _extra_keys(extra: Any) -> frozenset:
+    """The keys of an episode's first step's kept outputs; TypeError for a non-string key or a
+    value of a dtype the wire does not carry."""
+    if type(extra) in _FLOAT_TYPES:  # only the propensity, kept as its scalar
+        extra = {"action_logp": extra}
+    keys = frozenset(extra or ())
+    for k, v in (extra or {}).items():
+        if not isinstance(k, str):
+            raise TypeError(f"extra_model_outputs keys must be strings, got {k!r}")
+        dt = v.dtype if isinstance(v, (np.ndarray, np.generic)) else np.asarray(v).dtype
+        if not _dtype_allowed(dt):
+            raise TypeError(f"extra_model_outputs[{k!r}] has dtype {dt}; use a numeric dtype")
+    return keys
+
+
 def _stack_column(col: Sequence, n: int) -> tuple[str, tuple, Any] | None:
     """(wire dtype name, per-step shape, stacked bytes) of `n` numpy arrays or scalars all of one
     dtype and shape, joined without numpy; None when they are anything else (numpy stacks them)."""
@@ -214,6 +243,13 @@ def _stack_column(col: Sequence, n: int) -> tuple[str, tuple, Any] | None:
     if dts.count(first.dtype) != n or shapes.count(first.shape) != n:
         return None
     return name, first.shape, data
+
+
+def _batch_len(batch: Any) -> int:
+    """Rows of a batched value: its length, or its first leaf's for a dict/tuple of batches."""
+    while isinstance(batch, (Mapping, tuple)) and len(batch):
+        batch = next(iter(batch.values())) if isinstance(batch, Mapping) else batch[0]
+    return len(batch)
 
 
 def _mark_forked() -> None:
@@ -345,7 +381,10 @@ class _Packer:
     def write_one(self, parts: list, value: Any) -> None:
         """Append the Avro array of the leaves of one value (no step axis) to `parts`; raises
         as `copy` does."""
-        kept = self.copy(value)
+        self.write_kept(parts, self.copy(value))
+
+    def write_kept(self, parts: list, kept: Any) -> None:
+        """`write_one` of what `copy` kept of a value."""
         values = [kept] if self.single else kept
         parts.append(self._count)
         for v, head in zip(values, self._one_heads):
@@ -614,11 +653,7 @@ class EpisodeRecorder:
             eid = str.__str__(eid)
         if not eid or len(eid) > 256:
             raise ValueError("episode_id must be 1..256 characters")
-        # the EpisodeStart record (see avro_write), its constant fields encoded once
-        pid_env, spaces = self._start_avro
-        parts = [string_bytes(eid), pid_env[0], long_bytes(version), pid_env[1], *obs_parts]
-        parts += (string_bytes(info_json), spaces, long_bytes(int(_time() * 1000)))
-        value = b"".join(parts)
+        value = self._start_value(eid, version, obs_parts, info_json, int(_time() * 1000))
         while True:
             with self._lock:
                 if self._busy:
@@ -764,6 +799,280 @@ class EpisodeRecorder:
                 self._busy = False
         self._log_step_waiting(ep, step, terminated, truncated)
 
+    def begin_episodes(
+        self,
+        observations: Any,
+        infos: Sequence[Mapping | None] | None = None,
+        episode_ids: Sequence[str | None] | None = None,
+        policy_versions: Sequence[int | None] | None = None,
+    ) -> list[str]:
+        """Start one episode per row of a batch (e.g. a vector env's reset); returns their ids.
+
+        The same as `begin_episode` called for each row in row order (the same messages, keys
+        and `stats`), checked as a whole first: when any row is refused (an invalid value, an
+        id already open or given twice) nothing is recorded. When the buffer has no room for
+        every row, `on_overflow` applies to the whole batch ("raise": nothing recorded; "drop":
+        every episode of the batch is dropped; "block": waits for room for all of them, or for
+        an empty buffer). One lock acquisition per call.
+
+        Args:
+            observations: the reset observations batched on axis 0 (gymnasium's batching: an
+                array, or a dict/tuple of batched arrays for Dict/Tuple spaces).
+            infos: one reset info (or None) per row; None: no infos.
+            episode_ids: one id (or None for a new uuid4 hex) per row; None: all new.
+            policy_versions: one version (or None for the recorder's) per row; None: the
+                recorder's for all (a canary may choose versions per episode).
+
+        Returns:
+            The episode ids, in row order.
+
+        Raises:
+            As `begin_episode`.
+
+        Example:
+            >>> ids = rec.begin_episodes(np.zeros((3, 4), np.float32))  # doctest: +SKIP
+            >>> len(ids)  # doctest: +SKIP
+            3
+        """
+        self._check_usable()
+        n = _batch_len(observations)
+        infos = [None] * n if infos is None else select(infos, None)
+        ids = [None] * n if episode_ids is None else select(episode_ids, None)
+        versions = [None] * n if policy_versions is None else select(policy_versions, None)
+        for what, col in (("infos", infos), ("episode_ids", ids), ("policy_versions", versions)):
+            if len(col) != n:
+                raise ValueError(f"{what} has {len(col)} rows, observations has {n}")
+        if self.validate_spaces:
+            for obs in rows_of(self.observation_space, observations, n, "observations"):
+                if not self.observation_space.contains(obs):
+                    raise ValueError(f"observation {obs!r:.200} is not in {self.observation_space}")
+        kept = row_values(self._obs, self.observation_space, observations, n, None, "observations")
+        ts = int(_time() * 1000)
+        out: list[str] = []
+        values: list[bytes] = []
+        start_value, write_kept = self._start_value, self._obs.write_kept
+        default_version = self._policy_version
+        for obs, info, eid, version in zip(kept, infos, ids, versions):
+            version = default_version if version is None else self._check_version(version)
+            eid = uuid.uuid4().hex if eid is None else str(eid)
+            if type(eid) is not str:
+                eid = str.__str__(eid)
+            if not eid or len(eid) > 256:
+                raise ValueError("episode_id must be 1..256 characters")
+            obs_parts: list = []
+            write_kept(obs_parts, obs)
+            values.append(start_value(eid, version, obs_parts, dumps_info(info), ts))
+            out.append(eid)
+        if len(set(out)) != n:
+            raise ValueError("episode_ids names an episode twice")
+        while True:
+            with self._lock:
+                if self._busy:
+                    raise self._reentry("begin_episodes")
+                self._busy = True
+                try:
+                    if self._closing:
+                        raise RecorderClosed("the recorder is closed")
+                    episodes = self._episodes
+                    for eid in out:
+                        if eid in episodes:
+                            raise ValueError(f"episode {eid} is already open")
+                    buffered = self._buffered
+                    if buffered + n <= self._max_buffered_steps or not buffered:
+                        for eid, value in zip(out, values):
+                            self._send(eid, value, "EpisodeStart", 1, 1)  # before registering: it may raise
+                            self._episodes_begun += 1
+                            episodes[eid] = _Episode(eid)
+                        return out
+                    if not self._overflow(None, False):
+                        for eid in out:
+                            ep = _Episode(eid)
+                            ep.dropping = True  # nothing of it is sent
+                            self._episodes_begun += 1
+                            episodes[eid] = ep
+                        self._dropped += n - 1  # _overflow counted one
+                        return out
+                finally:
+                    self._busy = False
+            time.sleep(_WAIT_S)  # on_overflow="block": wait for room without the lock, then look again
+
+    def log_steps(
+        self,
+        episode_ids: Sequence[str | None],
+        actions: Any,
+        rewards: Any,
+        observations: Any,
+        terminated: Any,
+        truncated: Any,
+        infos: Sequence[Mapping | None] | None = None,
+        extra_model_outputs: Mapping[str, Any] | None = None,
+        rows: Any = None,
+    ) -> None:
+        """Record one step of each of several episodes (e.g. one vector env step).
+
+        The same as `log_step` called for each selected row in row order (the same copies,
+        messages, keys and `stats`), checked as a whole first: when any row is refused (an
+        episode not open or named twice, an invalid value) nothing is recorded. When the buffer
+        has no room for every row, `on_overflow` applies to the whole batch ("raise": nothing
+        recorded; "drop": every row is dropped, and its episode's rest; "block": waits for room
+        for all of them, or for an empty buffer). One lock acquisition per call.
+
+        Args:
+            episode_ids: one open episode id per row (rows left out by `rows` may hold None).
+            actions: the actions taken, batched on axis 0 (as gymnasium batches them).
+            rewards: one reward per row (an array or a sequence of finite numbers).
+            observations: the observations after the step, batched on axis 0.
+            terminated: one flag per row (an array or a sequence).
+            truncated: one flag per row.
+            infos: one info (or None) per row; None: no infos.
+            extra_model_outputs: key -> values batched on axis 0 (row i with ``actions[i]``),
+                as `log_step` takes them per row (``action_logp`` checked for every row).
+            rows: a boolean mask of the rows to record (e.g. the real transitions of a
+                NEXT_STEP vector step, leaving its reset rows out); None: every row.
+
+        Raises:
+            As `log_step`. An episode whose batch could not be encoded or sent is aborted and
+            the first such ValueError is raised after every row was recorded.
+
+        Example:
+            >>> rec.log_steps(ids, np.array([0, 1]), np.ones(2), obs, np.zeros(2, bool), np.zeros(2, bool))  # doctest: +SKIP
+        """
+        if self._unusable:
+            self._check_usable()
+        n = len(episode_ids)
+        idx = selected_rows(rows, n)
+        ids = select(episode_ids, idx)
+        m = len(ids)
+        if not m:
+            return
+        if type(rewards) is np.ndarray and rewards.shape == (n,) and rewards.dtype.kind == "f":
+            rew = select(rewards.astype(np.float64, copy=False).tolist(), idx)
+        else:
+            if len(rewards) != n:
+                raise ValueError(f"rewards has {len(rewards)} rows, episode_ids has {n}")
+            rew = []
+            for r in select(rewards, idx):
+                try:
+                    rew.append(r if type(r) is float else float(r))
+                except (TypeError, ValueError):
+                    raise TypeError(f"reward must be a number, got {type(r).__name__}") from None
+        if (s := sum(rew)) - s != 0.0:  # some reward is NaN or +-inf (or the sum overflowed)
+            for r, eid in zip(rew, ids):
+                if r - r != 0.0:
+                    raise ValueError(f"reward must be finite, got {r} (episode {eid})")
+        if self.validate_spaces:
+            act_rows = select(rows_of(self.action_space, actions, n, "actions"), idx)
+            obs_rows = select(rows_of(self.observation_space, observations, n, "observations"), idx)
+            for a, o in zip(act_rows, obs_rows):
+                self._validate(a, o)
+        obs = row_values(self._obs, self.observation_space, observations, n, idx, "observations")
+        act = row_values(self._act, self.action_space, actions, n, idx, "actions")
+        term = flags(terminated, n, idx, "terminated")
+        trunc = flags(truncated, n, idx, "truncated")
+        if infos is None:
+            info_json = [""] * m
+        else:
+            if len(infos) != n:
+                raise ValueError(f"infos has {len(infos)} rows, episode_ids has {n}")
+            info_json = [dumps_info(x) if x else "" for x in select(infos, idx)]
+        extras = [None] * m if not extra_model_outputs else self._batch_outputs(extra_model_outputs, n, idx, ids)
+        self._log_rows(ids, act, rew, obs, info_json, extras, term, trunc)
+
+    @staticmethod
+    def _batch_outputs(extra: Mapping, n: int, idx: list[int] | None, ids: list) -> list:
+        """What log_step keeps of each selected row's outputs ``{k: extra[k][i]}``."""
+        if not isinstance(extra, Mapping):
+            raise TypeError(f"extra_model_outputs must map keys to batched values, got {type(extra).__name__}")
+        lp = extra.get("action_logp") if len(extra) == 1 else None
+        if type(lp) is np.ndarray and lp.shape == (n,) and lp.dtype.type in _FLOAT_TYPES:
+            # the common case, only the propensity: one scalar per row (see _Episode.steps)
+            col = select(lp.tolist() if lp.dtype == np.float64 else list(lp), idx)
+            fl = np.asarray(col, np.float64)
+            if not (np.isfinite(fl).all() and (fl <= LOGP_TOLERANCE).all()):
+                for v, eid in zip(col, ids):
+                    _check_logp(v, eid)
+            return col
+        cols = {}
+        for k, v in extra.items():
+            if len(v) != n:
+                raise ValueError(f"extra_model_outputs[{k!r}] has {len(v)} rows, episode_ids has {n}")
+            cols[k] = select(v, idx)
+        keys = list(cols)
+        return [_kept_outputs(dict(zip(keys, row)), eid) for row, eid in zip(zip(*cols.values()), ids)]
+
+    def _log_rows(
+        self, ids: list, act: list, rew: list, obs: list, infos: list, extras: list, term: list, trunc: list
+    ) -> None:
+        """log_steps' work under the lock: every row checked, then every row recorded."""
+        m = len(ids)
+        while True:
+            with self._lock:
+                if self._busy:
+                    raise self._reentry("log_steps")
+                self._busy = True
+                try:
+                    episodes = self._episodes
+                    try:
+                        eps = [episodes[e] for e in ids]
+                    except (KeyError, TypeError):
+                        for e in ids:
+                            if episodes.get(e) is None:
+                                raise self._not_open(e) from None
+                        raise
+                    if len(set(ids)) != m:
+                        raise ValueError("episode_ids names an episode twice; log its steps in separate calls")
+                    keys = {j: _extra_keys(extras[j]) for j, ep in enumerate(eps) if not ep.t and not ep.dropping}
+                    live = m - sum(map(_dropping_of, eps))
+                    buffered = self._buffered
+                    if buffered + live <= self._max_buffered_steps or not buffered or not live:
+                        self._record_rows(eps, keys, act, rew, obs, infos, extras, term, trunc)
+                        return
+                    if not self._overflow(None, False):  # raises for "raise"; False for "drop"
+                        self._dropped -= 1  # counted per row below
+                        for j, ep in enumerate(eps):
+                            done = term[j] or trunc[j]
+                            if ep.dropping:
+                                self._overflow(ep, done)
+                            else:
+                                self._count_drop()
+                                self._abort_dropping(ep)
+                                if done:
+                                    self._end(ep)
+                        return
+                finally:
+                    self._busy = False
+            time.sleep(_WAIT_S)  # on_overflow="block": wait for room without the lock, then look again
+
+    def _record_rows(
+        self, eps: list, keys: dict, act: list, rew: list, obs: list, infos: list, extras: list, term: list, trunc: list
+    ) -> None:
+        error = None
+        for j, ep in enumerate(eps):
+            if ep.dropping:
+                self._overflow(ep, term[j] or trunc[j])
+                continue
+            t = ep.t
+            if not t:
+                ep.extra_keys = keys[j]
+            steps = ep.steps
+            if not steps:
+                ep.first_buffered = _monotonic()
+            steps += (act[j], rew[j], obs[j], infos[j], extras[j])
+            ep.t = t + 1
+            self._buffered += 1
+            done = term[j] or trunc[j]
+            if done or t + 1 - ep.t0 >= self._batch_limit:
+                try:
+                    if done:
+                        self._emit(ep, term[j], trunc[j])
+                        self._end(ep)
+                    else:
+                        self._emit(ep, False, False)
+                except ValueError as e:  # the episode was aborted; the other rows are recorded
+                    error = error or e
+        if error is not None:
+            raise error
+
     def log_reward(self, episode_id: str, t: int, reward: float) -> None:
         """Add a delayed `reward` to step `t` (0-based) of an episode, open or finished.
 
@@ -902,6 +1211,12 @@ class EpisodeRecorder:
         """Episodes begun and not yet ended or aborted."""
         return len(self._episodes)
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(
+            "an EpisodeRecorder cannot be pickled (it holds a Kafka producer and its threads): create it "
+            "in the process that records, e.g. inside the env function of each vector env worker"
+        )
+
     def __enter__(self) -> EpisodeRecorder:
         return self
 
@@ -947,17 +1262,15 @@ class EpisodeRecorder:
         if not self.observation_space.contains(observation):
             raise ValueError(f"observation {observation!r:.200} is not in {self.observation_space}")
 
+    def _start_value(self, eid: str, version: int, obs_parts: list, info_json: str, timestamp_ms: int) -> bytes:
+        """The EpisodeStart record (see avro_write), its constant fields encoded once."""
+        pid_env, spaces = self._start_avro
+        parts = [string_bytes(eid), pid_env[0], long_bytes(version), pid_env[1], *obs_parts]
+        parts += (string_bytes(info_json), spaces, long_bytes(timestamp_ms))
+        return b"".join(parts)
+
     def _first_step_checks(self, ep: _Episode, extra: Any) -> None:
-        if type(extra) in _FLOAT_TYPES:  # only the propensity, kept as its scalar
-            extra = {"action_logp": extra}
-        keys = frozenset(extra or ())
-        for k, v in (extra or {}).items():
-            if not isinstance(k, str):
-                raise TypeError(f"extra_model_outputs keys must be strings, got {k!r}")
-            dt = v.dtype if isinstance(v, (np.ndarray, np.generic)) else np.asarray(v).dtype
-            if not _dtype_allowed(dt):
-                raise TypeError(f"extra_model_outputs[{k!r}] has dtype {dt}; use a numeric dtype")
-        ep.extra_keys = keys
+        ep.extra_keys = _extra_keys(extra)
 
     def _log_step_waiting(self, ep: _Episode, step: tuple, terminated: bool, truncated: bool) -> None:
         """log_step found the buffer full with on_overflow="block": wait for room without the

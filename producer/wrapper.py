@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import uuid
 from collections.abc import Mapping
 from typing import Any
 
@@ -16,15 +18,23 @@ class RecordingWrapper(gym.Wrapper):
     """Wraps an env so that each `reset()` begins an episode and each `step()` logs a step.
 
     Extra model outputs for the *next* step are attached with `set_model_outputs(...)` (e.g.
-    `env.set_model_outputs({"action_logp": logp})` right before `env.step(action)`). A `reset()`
+    `env.set_model_outputs({"action_logp": logp})` right before `env.step(action)`); a `reset()`
+    forgets them. An episode gets its id (`episode_id`) at `reset()` and is begun (its
+    EpisodeStart sent) at its first step: an episode that never steps - reset, then reset again
+    or closed, as a vector env's autoreset leaves one at shutdown - records nothing. A `reset()`
     while an episode is still open aborts it (it is recorded as truncated). `close()` aborts the
     open episode and closes the env; the recorder stays open (it belongs to the caller).
+
+    Under `gymnasium.vector.AsyncVectorEnv` each worker process needs its own recorder (create
+    it in the env function): a recorder created before the worker was forked raises
+    `RecorderForkedError` there.
     """
 
     def __init__(self, env: gym.Env, recorder: EpisodeRecorder):
         super().__init__(env)
         self.recorder = recorder
         self.episode_id: str | None = None
+        self._start: tuple[Any, Any] | None = None  # (observation, info) of an episode not begun yet
         self._pending_outputs: Mapping[str, Any] | None = None
 
     def set_model_outputs(self, outputs: Mapping[str, Any] | None) -> None:
@@ -33,9 +43,11 @@ class RecordingWrapper(gym.Wrapper):
 
     def reset(self, **kwargs: Any):
         obs, info = self.env.reset(**kwargs)
-        if self.episode_id is not None:
+        self._pending_outputs = None
+        if self.episode_id is not None and self._start is None:
             self.recorder.abort_episode(self.episode_id, reason="reset")
-        self.episode_id = self.recorder.begin_episode(obs, info=info)
+        self.episode_id = uuid.uuid4().hex
+        self._start = (copy.deepcopy(obs), copy.deepcopy(info))  # the env may reuse its arrays
         return obs, info
 
     def step(self, action: Any):
@@ -43,6 +55,10 @@ class RecordingWrapper(gym.Wrapper):
             raise RuntimeError("call reset() before step()")
         obs, reward, terminated, truncated, info = self.env.step(action)
         outputs, self._pending_outputs = self._pending_outputs, None
+        if self._start is not None:
+            start_obs, start_info = self._start
+            self.recorder.begin_episode(start_obs, info=start_info, episode_id=self.episode_id)
+            self._start = None
         self.recorder.log_step(
             self.episode_id,
             action,
@@ -58,7 +74,7 @@ class RecordingWrapper(gym.Wrapper):
         return obs, reward, terminated, truncated, info
 
     def close(self) -> None:
-        if self.episode_id is not None:
+        if self.episode_id is not None and self._start is None:
             self.recorder.abort_episode(self.episode_id, reason="env-closed")
-            self.episode_id = None
+        self.episode_id, self._start = None, None
         super().close()

@@ -116,3 +116,92 @@ def assert_each_shard_new_exactly_once(lines, keys):
         assert rec["shards_new"] == len(rec["new_shards"])
     assert set(seen) == set(keys), (set(keys) - set(seen), set(seen) - set(keys))
     assert sum(r["shards_new"] for r in lines) == len(keys)
+
+
+class KeepingProducer:
+    """Stands in for confluent_kafka.Producer in a recorder: keeps every (key, value, headers)
+    in produce order and delivers them when polled or flushed."""
+
+    def __init__(self):
+        import threading
+
+        self.messages: list[tuple] = []
+        self._pending: list = []
+        self._lock = threading.Lock()
+
+    def produce(self, topic, value, key=None, headers=None, on_delivery=None):
+        with self._lock:
+            self.messages.append((key, value, headers))
+            self._pending.append(on_delivery)
+
+    def poll(self, timeout=0):
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for cb in pending:
+            cb(None, None)
+        if not pending and timeout:
+            time.sleep(min(timeout, 0.01))
+        return len(pending)
+
+    def flush(self, timeout=-1):
+        self.poll(0)
+        return 0
+
+    def purge(self):
+        pass
+
+    def __len__(self):
+        return len(self._pending)
+
+
+def keeping_recorder(observation_space, action_space, **kw):
+    """An `EpisodeRecorder` whose messages a `KeepingProducer` keeps (no broker); returns both."""
+    from rlrec.producer import EpisodeRecorder
+
+    kw.setdefault("max_batch_delay_s", 3600)
+    rec = EpisodeRecorder(
+        "127.0.0.1:1",
+        "t",
+        observation_space=observation_space,
+        action_space=action_space,
+        kafka_config={"log_level": 0},
+        **kw,
+    )
+    real, fake = rec._producer, KeepingProducer()
+    rec._producer = fake
+    real.purge()
+    return rec, fake
+
+
+def assemble(messages) -> tuple[dict, list]:
+    """Run kept messages through the consumer's assembly (one partition, in order): the finished
+    episodes by id (`FinishedEpisode`, in finish order) and the dead letters."""
+    from rlrec.consumer.assembly import PartitionAssembler
+    from rlrec.producer.events import decode
+
+    a = PartitionAssembler("t", 0)
+    letters: list = []
+    for offset, (_key, value, headers) in enumerate(messages):
+        letters += a.apply(offset, decode(value, headers))
+    return dict(a.finished), letters
+
+
+def episode_fields(fe) -> dict:
+    """What a finished episode holds, without where and when it was recorded (ids, offsets,
+    clocks): two recordings of one trajectory compare equal on it."""
+    from rlrec.producer.events import dumps_info
+
+    return {
+        "policy_id": fe.policy_id,
+        "policy_version": fe.policy_version,
+        "env_id": fe.env_id,
+        "observation_space": fe.observation_space,
+        "action_space": fe.action_space,
+        "observations": [(o.dtype.str, o.shape, o.tobytes()) for o in fe.observations],
+        "actions": [(a.dtype.str, a.shape, a.tobytes()) for a in fe.actions],
+        "rewards": fe.rewards.tobytes(),
+        "infos": [dumps_info(i) for i in fe.infos],
+        "extra_model_outputs": {k: (v.dtype.str, v.shape, v.tobytes()) for k, v in fe.extra_model_outputs.items()},
+        "terminated": fe.terminated,
+        "truncated": fe.truncated,
+    }

@@ -1,0 +1,93 @@
+"""Splitting batched step values (axis 0 = one row per episode) into the per-row copies the
+recorder keeps: what `EpisodeRecorder.begin_episodes` and `log_steps` do before taking the lock.
+
+Every function here returns, for the selected rows, exactly what `begin_episode`/`log_step`
+would keep of row ``batch[i]`` given alone, so a batched call buffers the same steps and sends
+the same bytes as the single calls. The common case (a single-leaf space and an array of exactly
+its dtype and per-row shape) is copied with one `tobytes()` of the whole batch and sliced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from gymnasium import spaces as gs
+
+__all__ = ["flags", "row_values", "rows_of", "select", "selected_rows"]
+
+
+def selected_rows(rows: Any, n: int) -> list[int] | None:
+    """The indices of the True entries of mask `rows` (None: every row of `n`)."""
+    if rows is None:
+        return None
+    mask = np.asarray(rows)
+    if mask.shape != (n,) or mask.dtype != np.bool_:
+        raise ValueError(f"rows must be a boolean mask of shape ({n},), got dtype {mask.dtype} shape {mask.shape}")
+    return np.flatnonzero(mask).tolist()
+
+
+def select(values: Sequence, idx: list[int] | None) -> list:
+    """`values` at `idx` as a list (all of them when `idx` is None)."""
+    if idx is None:
+        return values if type(values) is list else list(values)
+    return [values[i] for i in idx]
+
+
+def _check_len(batch: Any, n: int, what: str) -> None:
+    try:
+        got = len(batch)
+    except TypeError:
+        raise TypeError(f"{what} must be batched on axis 0 (one row per episode), got {type(batch).__name__}") from None
+    if got != n:
+        raise ValueError(f"{what} has {got} rows, episode_ids has {n}")
+
+
+def rows_of(space: gs.Space, batch: Any, n: int, what: str) -> list:
+    """The `n` rows of a batched value of `space` (gymnasium's batching: a dict of batched
+    values for Dict, a tuple of them for Tuple, an array or sequence otherwise), each a value
+    of `space` as `begin_episode`/`log_step` take it."""
+    if isinstance(space, gs.Dict) and isinstance(batch, Mapping):
+        keys = list(space.spaces)
+        missing = [k for k in keys if k not in batch]
+        if missing:
+            raise ValueError(f"{what} lacks the Dict space's keys {missing}")
+        cols = [rows_of(space.spaces[k], batch[k], n, f"{what}[{k!r}]") for k in keys]
+        return [dict(zip(keys, row)) for row in zip(*cols)]
+    if isinstance(space, gs.Tuple) and isinstance(batch, tuple) and len(batch) == len(space.spaces):
+        cols = [rows_of(s, b, n, f"{what}[{j}]") for j, (s, b) in enumerate(zip(space.spaces, batch))]
+        return [tuple(row) for row in zip(*cols)]
+    _check_len(batch, n, what)
+    return list(batch)
+
+
+def row_values(packer: Any, space: gs.Space, batch: Any, n: int, idx: list[int] | None, what: str) -> list:
+    """What the recorder keeps (`_Packer.copy`) of each selected row of `batch`."""
+    if (
+        packer.dtype is not None
+        and type(batch) is np.ndarray
+        and batch.dtype is packer.dtype
+        and batch.shape[1:] == packer.shape
+        and len(batch) == n
+    ):
+        if packer.int_code and not packer.shape:  # Python ints, in range: kept as they are
+            return select(batch.tolist(), idx)
+        data = batch.tobytes()  # one copy of the whole batch (C order), sliced per row
+        k = len(data) // n if n else 0
+        if idx is None:
+            return [data[j : j + k] for j in range(0, n * k, k)] if k else [b""] * n
+        return [data[i * k : i * k + k] for i in idx]
+    rows = rows_of(space, batch, n, what)
+    copy = packer.copy
+    return [copy(r) for r in select(rows, idx)]
+
+
+def flags(values: Any, n: int, idx: list[int] | None, what: str) -> list[bool]:
+    """The selected rows of a batch of flags, as Python bools."""
+    if type(values) is np.ndarray:
+        if values.shape != (n,):
+            raise ValueError(f"{what} has shape {values.shape}, expected ({n},)")
+        return select(values.astype(bool, copy=False).tolist(), idx)
+    _check_len(values, n, what)
+    return [bool(x) for x in select(values, idx)]

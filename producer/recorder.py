@@ -73,6 +73,7 @@ __all__ = [
     "RecorderFullError",
     "RecorderReentryError",
     "RecorderStats",
+    "new_episode_ids",
 ]
 
 log = logging.getLogger("rlrec.producer")
@@ -137,8 +138,10 @@ _NEG_INF = -math.inf
 #: `action_logp` types checked with two comparisons on log_step's hot path
 _FLOAT_TYPES = frozenset({float, np.float64, np.float32, np.float16})
 _LOGP_ONLY = frozenset({"action_logp"})
-#: values per buffered step in `_Episode.steps`
+#: values per buffered step in `_Episode.steps` (`_encode_batch` slices them by this number)
 _STEP_FIELDS = 5
+_NONE_TYPE = {type(None)}
+_NO_KEYS: frozenset = frozenset()
 
 
 def _check_logp(value: Any, episode_id: str) -> None:
@@ -208,6 +211,8 @@ def _kept_outputs(extra: Any, episode_id: str) -> Any:
 def _extra_keys(extra: Any) -> frozenset:
     """The keys of an episode's first step's kept outputs; TypeError for a non-string key or a
     value of a dtype the wire does not carry."""
+    if extra is None:
+        return _NO_KEYS
     if type(extra) in _FLOAT_TYPES:  # only the propensity, kept as its scalar
         extra = {"action_logp": extra}
     keys = frozenset(extra or ())
@@ -243,6 +248,28 @@ def _stack_column(col: Sequence, n: int) -> tuple[str, tuple, Any] | None:
     if dts.count(first.dtype) != n or shapes.count(first.shape) != n:
         return None
     return name, first.shape, data
+
+
+def new_episode_ids(n: int) -> list[str]:
+    """`n` new episode ids: random uuid4 hex strings, as `begin_episode` makes one (one call to
+    the system's random source for all of them)."""
+    h = os.urandom(16 * n).hex()
+    return [
+        f"{h[j : j + 12]}4{h[j + 13 : j + 16]}{'89ab'[int(h[j + 16], 16) & 3]}{h[j + 17 : j + 32]}"
+        for j in range(0, 32 * n, 32)
+    ]
+
+
+def _checked_id(eid: Any) -> Any:
+    """An episode id as `begin_episode` takes it (None passes, for a new one)."""
+    if eid is None:
+        return None
+    eid = str(eid)
+    if type(eid) is not str:  # a str subclass's __str__ may return itself: keys are plain str
+        eid = str.__str__(eid)
+    if not eid or len(eid) > 256:
+        raise ValueError("episode_id must be 1..256 characters")
+    return eid
 
 
 def _batch_len(batch: Any) -> int:
@@ -847,22 +874,39 @@ class EpisodeRecorder:
                 if not self.observation_space.contains(obs):
                     raise ValueError(f"observation {obs!r:.200} is not in {self.observation_space}")
         kept = row_values(self._obs, self.observation_space, observations, n, None, "observations")
-        ts = int(_time() * 1000)
-        out: list[str] = []
-        values: list[bytes] = []
-        start_value, write_kept = self._start_value, self._obs.write_kept
-        default_version = self._policy_version
-        for obs, info, eid, version in zip(kept, infos, ids, versions):
-            version = default_version if version is None else self._check_version(version)
-            eid = uuid.uuid4().hex if eid is None else str(eid)
-            if type(eid) is not str:
-                eid = str.__str__(eid)
-            if not eid or len(eid) > 256:
-                raise ValueError("episode_id must be 1..256 characters")
-            obs_parts: list = []
-            write_kept(obs_parts, obs)
-            values.append(start_value(eid, version, obs_parts, dumps_info(info), ts))
-            out.append(eid)
+        out = new_episode_ids(n) if episode_ids is None else [_checked_id(e) for e in ids]
+        if episode_ids is not None and None in ids:
+            fresh = iter(new_episode_ids(ids.count(None)))
+            out = [next(fresh) if e is None else x for e, x in zip(ids, out)]
+        # the EpisodeStart records (see `_start_value`), what the rows share encoded once
+        pid_env, spaces = self._start_avro
+        ts = long_bytes(int(_time() * 1000))
+        default = long_bytes(self._policy_version)
+        vbytes = [default if v is None else long_bytes(self._check_version(v)) for v in versions]
+        obs = self._obs
+        if obs.single and set(map(type, kept)) == {bytes}:  # one leaf, each row its wire bytes
+            head = obs._count + obs._one_heads[0] + long_bytes(len(kept[0]))
+            middle = [(head, data, ARRAY_END) for data in kept]
+        else:
+            middle = []
+            for k in kept:
+                obs_parts: list = []
+                obs.write_kept(obs_parts, k)
+                middle.append(obs_parts)
+        no_info = string_bytes("") + spaces + ts
+        values = [
+            b"".join(
+                (
+                    string_bytes(eid),
+                    pid_env[0],
+                    ver,
+                    pid_env[1],
+                    *mid,
+                    no_info if not info else string_bytes(dumps_info(info)) + spaces + ts,
+                )
+            )
+            for eid, ver, mid, info in zip(out, vbytes, middle, infos)
+        ]
         if len(set(out)) != n:
             raise ValueError("episode_ids names an episode twice")
         while True:
@@ -1384,7 +1428,7 @@ class EpisodeRecorder:
         """The Avro body of a StepBatch of the episode's buffered steps (see `avro_write`)."""
         parts = [ep.id_avro, long_bytes(ep.t0)]
         steps = ep.steps
-        actions, rewards, observations, infos, extras = (steps[i::_STEP_FIELDS] for i in range(_STEP_FIELDS))
+        actions, rewards, observations, infos, extras = steps[0::5], steps[1::5], steps[2::5], steps[3::5], steps[4::5]
         n = len(rewards)
         extra = self._extra_columns(ep, extras, n)
         self._act.write(parts, actions)
@@ -1412,6 +1456,8 @@ class EpisodeRecorder:
         stacked as numpy stacks them; ValueError/TypeError for values that cannot be."""
         keys = ep.extra_keys
         if not keys:
+            if set(map(type, extras)) == _NONE_TYPE:  # no step has outputs
+                return []
             if any(type(e) in _FLOAT_TYPES or e for e in extras):
                 raise ValueError("extra_model_outputs given on a later step but not on the episode's first step")
             return []

@@ -26,14 +26,13 @@ it. For exact infos, wrap each sub-env in a `RecordingWrapper` instead (see docs
 from __future__ import annotations
 
 import copy
-import uuid
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 from gymnasium.vector import AutoresetMode, VectorEnv, VectorWrapper
 
-from rlrec.producer.recorder import EpisodeRecorder, RecorderClosed
+from rlrec.producer.recorder import EpisodeRecorder, RecorderClosed, new_episode_ids
 
 __all__ = ["RecordingVectorWrapper"]
 
@@ -257,10 +256,10 @@ class RecordingVectorWrapper(VectorWrapper):
         if not len(rows):
             return
         src = _copy_batch(obs)  # the vector env may reuse its buffer
-        for i in rows:
+        for i, eid in zip(rows, new_episode_ids(len(rows))):
             if not self._begun[i] and self.episode_ids[i] is not None:
                 self._unbegun -= 1
-            self.episode_ids[i] = uuid.uuid4().hex
+            self.episode_ids[i] = eid
             self._begun[i] = False
             self._starts[i] = (src, i, infos[i] if infos is not None else None)
             self._unbegun += 1

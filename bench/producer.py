@@ -385,6 +385,189 @@ def print_table(r: dict) -> None:
         )
 
 
+# ---------------------------------------------------------------- vector envs (batched calls)
+
+#: batched recorder CPU per sub-env step may be at most this fraction of N single calls'
+VECTOR_TARGET = 0.5
+VECTOR_ENVS = 64
+
+
+class VectorTrace:
+    """A native `CartPoleVectorEnv` (N sub-envs, NEXT_STEP) stepped before the clock: per vector
+    step its actions, observations, rewards, flags and the rows that were resets (no transition).
+    ``long``: a balancing controller reaches the 500-step time limit; else random actions
+    (CartPole's ~22-step episodes, where half the recorder's cost is per episode)."""
+
+    def __init__(self, long: bool, vector_steps: int, n: int = VECTOR_ENVS):
+        import gymnasium as gym
+
+        self.name, self.n = ("vector_long" if long else "vector_short"), n
+        env = gym.make_vec("CartPole-v1", num_envs=n, vectorization_mode="vector_entry_point")
+        rng = np.random.default_rng(0)
+        obs, _ = env.reset(seed=0)
+        self.first = obs
+        self.steps: list[tuple] = []
+        resetting = np.zeros(n, bool)
+        cpu = 0.0
+        for _ in range(vector_steps):
+            a = (obs[:, 2] + 0.5 * obs[:, 3] > 0).astype(np.int64) if long else rng.integers(0, 2, n)
+            c = time.process_time()
+            obs, r, term, trunc, _ = env.step(a)
+            cpu += time.process_time() - c
+            self.steps.append((a, r, obs, term, trunc, resetting.copy()))
+            resetting = term | trunc
+        env.close()
+        self.transitions = sum(int((~s[5]).sum()) for s in self.steps)
+        self.episodes = n + sum(int(s[5].sum()) for s in self.steps)
+        #: the env's own CPU per sub-env step
+        self.env_us_per_step = cpu / (vector_steps * n) * 1e6
+        # the single calls' per-row inputs, split before the clock (their best case)
+        self.rows = [
+            [(int(a[i]), float(r[i]), obs[i], bool(te[i]), bool(tr[i]), bool(rs[i])) for i in range(n)]
+            for a, r, obs, te, tr, rs in self.steps
+        ]
+
+
+def _vector_recorder(bootstrap: str, topic: str):
+    import gymnasium as gym
+
+    from rlrec.producer import EpisodeRecorder
+
+    rec = EpisodeRecorder(
+        bootstrap,
+        topic=topic,
+        policy_id="bench",
+        observation_space=gym.spaces.Box(-np.inf, np.inf, (4,), np.float32),
+        action_space=gym.spaces.Discrete(2),
+        env_id="bench",
+        max_buffered_steps=1_000_000,
+    )
+    warm = rec.begin_episode(np.zeros(4, np.float32))
+    rec.log_step(warm, 0, 1.0, np.zeros(4, np.float32), terminated=True)
+    rec.flush(10)
+    return rec
+
+
+def run_vector_batched(bootstrap: str, topic: str, v: VectorTrace) -> float:
+    """CPU µs per sub-env transition of `begin_episodes` + `log_steps` (one each per vector step)."""
+    rec = _vector_recorder(bootstrap, topic)
+    begin, log = rec.begin_episodes, rec.log_steps
+    c = time.process_time()
+    ids = begin(v.first)
+    for a, r, obs, term, trunc, resetting in v.steps:
+        if resetting.any():  # NEXT_STEP: these rows are resets, they begin the next episodes
+            log(ids, a, r, obs, term, trunc, rows=~resetting)
+            idx = np.flatnonzero(resetting)
+            for i, eid in zip(idx.tolist(), begin(obs[idx])):
+                ids[i] = eid
+        else:
+            log(ids, a, r, obs, term, trunc)
+    left = rec.flush(120)
+    cpu = time.process_time() - c
+    stats = rec.stats
+    rec.close()
+    assert left == 0 and stats.failed == 0, stats
+    return cpu / v.transitions * 1e6
+
+
+def run_vector_single(bootstrap: str, topic: str, v: VectorTrace) -> float:
+    """CPU µs per sub-env transition of one `begin_episode`/`log_step` per row."""
+    rec = _vector_recorder(bootstrap, topic)
+    begin, log = rec.begin_episode, rec.log_step
+    c = time.process_time()
+    ids = [begin(o) for o in v.first]
+    for rows in v.rows:
+        for i, (a, r, obs, term, trunc, resetting) in enumerate(rows):
+            if resetting:
+                ids[i] = begin(obs)
+            else:
+                log(ids[i], a, r, obs, term, trunc)
+    left = rec.flush(120)
+    cpu = time.process_time() - c
+    stats = rec.stats
+    rec.close()
+    assert left == 0 and stats.failed == 0, stats
+    return cpu / v.transitions * 1e6
+
+
+def run_vector(bootstrap: str, rounds: int, warmup: int, vector_steps: int, progress=None) -> dict:
+    """Batched vs single calls on both traces: `warmup` discarded rounds, then `rounds`
+    alternated ones (which side goes first alternates), each side in a fresh recorder."""
+    out = {}
+    for long in (False, True):
+        v = VectorTrace(long, vector_steps)
+        raw: dict = {"batched": [], "single": []}
+        for r in range(warmup + rounds):
+            sides = [("batched", run_vector_batched), ("single", run_vector_single)]
+            if r % 2:
+                sides.reverse()
+            got = {s: fn(bootstrap, f"bench-vector-{v.name}-{uuid.uuid4().hex[:8]}-{s}", v) for s, fn in sides}
+            if r >= warmup:
+                for s, x in got.items():
+                    raw[s].append(x)
+            if progress:
+                progress(
+                    f"{'warm-up' if r < warmup else f'round {r - warmup + 1}/{rounds}'} {v.name}: "
+                    f"batched {got['batched']:.2f} µs, single {got['single']:.2f} µs per sub-env step"
+                )
+        b, s = statistics.median(raw["batched"]), statistics.median(raw["single"])
+        out[v.name] = {
+            "num_envs": v.n,
+            "transitions": v.transitions,
+            "episodes": v.episodes,
+            "mean_episode_len": v.transitions / v.episodes,
+            "batched_us_per_step": b,
+            "single_us_per_step": s,
+            "cpu_ratio": b / s,
+            "cpu_ratio_per_round": [x / y for x, y in zip(raw["batched"], raw["single"])],
+            "spread": {"batched": _spread(raw["batched"]), "single": _spread(raw["single"])},
+            "env_us_per_step": v.env_us_per_step,
+            "batched_vs_env": b / v.env_us_per_step,
+            "single_vs_env": s / v.env_us_per_step,
+            "target_cpu_ratio": VECTOR_TARGET,
+            "pass": b / s <= VECTOR_TARGET,
+            "raw": raw,
+        }
+    return out
+
+
+def print_vector_table(vec: dict) -> None:
+    print(
+        f"{'vector (N=64)':<14}{'batched':>9}{'single':>9}{'ratio':>7}{'target':>8}{'spread':>14}"
+        f"{'env µs':>8}{'b/env':>7}{'s/env':>7}{'ep len':>8}"
+    )
+    for name, w in vec.items():
+        lo, hi = min(w["cpu_ratio_per_round"]), max(w["cpu_ratio_per_round"])
+        print(
+            f"{name:<14}{w['batched_us_per_step']:>9.2f}{w['single_us_per_step']:>9.2f}{w['cpu_ratio']:>7.2f}"
+            f"{w['target_cpu_ratio']:>8}{f'{lo:.2f}-{hi:.2f}':>14}{w['env_us_per_step']:>8.2f}"
+            f"{w['batched_vs_env']:>7.1f}{w['single_vs_env']:>7.1f}{w['mean_episode_len']:>8.1f}"
+        )
+
+
+def _vector_section(args: argparse.Namespace) -> dict:
+    broker = None
+    bootstrap = args.bootstrap_servers
+    if bootstrap is None:
+        from rlrec.local import LocalBroker
+
+        broker = LocalBroker().start()
+        bootstrap = broker.bootstrap_servers
+    try:
+        if args.quick:
+            return run_vector(bootstrap, 1, 0, 100, progress=lambda s: print(s, file=sys.stderr))
+        return run_vector(
+            bootstrap,
+            max(5, args.rounds),
+            args.warmup_rounds,
+            args.vector_steps,
+            progress=lambda s: print(s, file=sys.stderr, flush=True),
+        )
+    finally:
+        if broker is not None:
+            broker.stop()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=4.0, help="offered seconds per paced workload [4]")
@@ -394,7 +577,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bootstrap-servers", default=None)
     ap.add_argument("--json", dest="json_path", default=None)
     ap.add_argument("--quick", action="store_true", help="small run, one round, smoke test only")
+    ap.add_argument(
+        "--vector", choices=("also", "only", "no"), default="also", help="batched vector rows: also, only, no [also]"
+    )
+    ap.add_argument("--vector-steps", type=int, default=1500, help="vector steps (x64 sub-env steps) per trace [1500]")
     args = ap.parse_args(argv)
+    if args.vector != "no":
+        vec = _vector_section(args)
+        if args.vector == "only":
+            print_vector_table(vec)
+            if args.json_path:
+                with open(args.json_path, "w") as f:
+                    json.dump({"vector": vec}, f, indent=2)
+            return 0
     if args.quick:
         r = run(0.3, 10_000, 1, args.bootstrap_servers, True, progress=lambda s: print(s, file=sys.stderr), warmup=0)
     else:
@@ -408,7 +603,11 @@ def main(argv: list[str] | None = None) -> int:
             warmup=args.warmup_rounds,
         )
     r["reference"] = ref = reference_costs(1 if args.quick else 7)
+    if args.vector != "no":
+        r["vector"] = vec
     print_table(r)
+    if args.vector != "no":
+        print_vector_table(vec)
     ours = r["workloads"]["back_to_back"]["ours"]["cpu_us_per_step"]
     print(
         f"back-to-back CPU per step {ours:.2f} µs = {ours / ref['empty_method_us']:.1f}x an empty method with "

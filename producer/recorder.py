@@ -96,6 +96,7 @@ CLOSE_TIMEOUT_S = 30.0
 _time = time.time
 _dtype_of = attrgetter("dtype")
 _dropping_of = attrgetter("dropping")
+_t_of = attrgetter("t")
 _shape_of = attrgetter("shape")
 _LITTLE = sys.byteorder == "little"
 #: dtypes whose native bytes are their wire bytes -> wire name (none on a big-endian host)
@@ -1065,11 +1066,14 @@ class EpisodeRecorder:
                         raise
                     if len(set(ids)) != m:
                         raise ValueError("episode_ids names an episode twice; log its steps in separate calls")
-                    keys = {j: _extra_keys(extras[j]) for j, ep in enumerate(eps) if not ep.t and not ep.dropping}
+                    ts = list(map(_t_of, eps))
+                    keys = {}
+                    if 0 in ts:  # first steps: their outputs' keys are checked (and kept) first
+                        keys = {j: _extra_keys(extras[j]) for j, t in enumerate(ts) if not t and not eps[j].dropping}
                     live = m - sum(map(_dropping_of, eps))
                     buffered = self._buffered
                     if buffered + live <= self._max_buffered_steps or not buffered or not live:
-                        self._record_rows(eps, keys, act, rew, obs, infos, extras, term, trunc)
+                        self._record_rows(eps, keys, live, act, rew, obs, infos, extras, term, trunc)
                         return
                     if not self._overflow(None, False):  # raises for "raise"; False for "drop"
                         self._dropped -= 1  # counted per row below
@@ -1088,32 +1092,46 @@ class EpisodeRecorder:
             time.sleep(_WAIT_S)  # on_overflow="block": wait for room without the lock, then look again
 
     def _record_rows(
-        self, eps: list, keys: dict, act: list, rew: list, obs: list, infos: list, extras: list, term: list, trunc: list
+        self,
+        eps: list,
+        keys: dict,
+        live: int,
+        act: list,
+        rew: list,
+        obs: list,
+        infos: list,
+        extras: list,
+        term: list,
+        trunc: list,
     ) -> None:
+        """Append each row's step to its episode, in row order, emitting as `log_step` does."""
+        for j, k in keys.items():
+            eps[j].extra_keys = k
+        # counted first: an exception from a signal handler that stops the loop leaves rows
+        # counted but never sent, which close() counts as failed (never a negative count)
+        self._buffered += live
+        now = _monotonic()
+        limit = self._batch_limit
         error = None
-        for j, ep in enumerate(eps):
+        for ep, a, r, o, info, x, te, tr in zip(eps, act, rew, obs, infos, extras, term, trunc):
             if ep.dropping:
-                self._overflow(ep, term[j] or trunc[j])
+                self._overflow(ep, te or tr)
                 continue
-            t = ep.t
-            if not t:
-                ep.extra_keys = keys[j]
             steps = ep.steps
             if not steps:
-                ep.first_buffered = _monotonic()
-            steps += (act[j], rew[j], obs[j], infos[j], extras[j])
-            ep.t = t + 1
-            self._buffered += 1
-            done = term[j] or trunc[j]
-            if done or t + 1 - ep.t0 >= self._batch_limit:
+                ep.first_buffered = now
+            steps += (a, r, o, info, x)
+            t = ep.t = ep.t + 1
+            if te or tr or t - ep.t0 >= limit:
                 try:
-                    if done:
-                        self._emit(ep, term[j], trunc[j])
+                    if te or tr:
+                        self._emit(ep, te, tr)
                         self._end(ep)
                     else:
                         self._emit(ep, False, False)
                 except ValueError as e:  # the episode was aborted; the other rows are recorded
                     error = error or e
+                limit = self._batch_limit  # the first batch ever sent sets it
         if error is not None:
             raise error
 

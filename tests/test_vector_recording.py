@@ -285,3 +285,36 @@ def test_a_recorder_from_the_parent_raises_in_an_async_worker():
             pickle.dumps(rec)
     finally:
         rec.close(0)
+
+
+@pytest.mark.slow
+def test_rllib_env_runner_episodes_equal_ours():
+    """RLlib's SingleAgentEnvRunner (NEXT_STEP, DictInfoToList, seeded) steps its vector env
+    through our wrapper: each episode it returns equals the one we recorded, field by field."""
+    from ray.rllib.algorithms.ppo import PPOConfig
+    from ray.rllib.env.single_agent_env_runner import SingleAgentEnvRunner
+
+    config = PPOConfig().environment("CartPole-v1").env_runners(num_envs_per_env_runner=3).debugging(seed=3)
+    runner = SingleAgentEnvRunner(config=config)
+    inner = runner.env.env  # DictInfoToList(SyncVectorEnv)
+    assert inner.metadata["autoreset_mode"] is AutoresetMode.NEXT_STEP
+    rec, fake = keeping_recorder(inner.single_observation_space, inner.single_action_space)
+    runner.env.env = RecordingVectorWrapper(inner, rec)
+    try:
+        theirs = runner.sample(num_episodes=8, random_actions=True)
+    finally:
+        runner.stop()
+    rec.flush(0)
+    finished, letters = assemble(list(fake.messages))
+    rec.close(0)
+    assert letters == []
+    ours = {fe.observations[0].tobytes(): fe for fe in finished.values()}
+    assert len(theirs) == 8 and len(ours) >= 8
+    for ep in theirs:
+        fe = ours[np.asarray(ep.get_observations(), np.float32).tobytes()]  # KeyError: not recorded
+        assert fe.length == len(ep) and ep.t_started == 0
+        np.testing.assert_array_equal(fe.actions[0], np.asarray(ep.get_actions()))
+        np.testing.assert_array_equal(fe.rewards, np.asarray(ep.get_rewards(), np.float64))
+        assert [dict(i) for i in fe.infos] == [dict(i) for i in ep.get_infos()]
+        assert (fe.terminated, fe.truncated) == (bool(ep.is_terminated), bool(ep.is_truncated))
+        assert fe.observation_space == ep.observation_space and fe.action_space == ep.action_space

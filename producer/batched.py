@@ -9,6 +9,7 @@ its dtype and per-row shape) is copied with one `tobytes()` of the whole batch a
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -62,6 +63,12 @@ def rows_of(space: gs.Space, batch: Any, n: int, what: str) -> list:
     return list(batch)
 
 
+@functools.lru_cache(maxsize=64)
+def _row_slices(n: int, k: int) -> tuple[slice, ...]:
+    """The slices of `n` rows of `k` bytes each (remembered: a vector env has one batch size)."""
+    return tuple(slice(j, j + k) for j in range(0, n * k, k))
+
+
 def row_values(packer: Any, space: gs.Space, batch: Any, n: int, idx: list[int] | None, what: str) -> list:
     """What the recorder keeps (`_Packer.copy`) of each selected row of `batch`."""
     if (
@@ -76,7 +83,7 @@ def row_values(packer: Any, space: gs.Space, batch: Any, n: int, idx: list[int] 
         data = batch.tobytes()  # one copy of the whole batch (C order), sliced per row
         k = len(data) // n if n else 0
         if idx is None:
-            return [data[j : j + k] for j in range(0, n * k, k)] if k else [b""] * n
+            return list(map(data.__getitem__, _row_slices(n, k))) if k else [b""] * n
         return [data[i * k : i * k + k] for i in idx]
     rows = rows_of(space, batch, n, what)
     copy = packer.copy

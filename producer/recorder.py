@@ -1058,7 +1058,7 @@ class EpisodeRecorder:
                 try:
                     episodes = self._episodes
                     try:
-                        eps = [episodes[e] for e in ids]
+                        eps = [episodes[ids[0]]] if m == 1 else list(itemgetter(*ids)(episodes))
                     except (KeyError, TypeError):
                         for e in ids:
                             if episodes.get(e) is None:
@@ -1066,11 +1066,15 @@ class EpisodeRecorder:
                         raise
                     if len(set(ids)) != m:
                         raise ValueError("episode_ids names an episode twice; log its steps in separate calls")
-                    ts = list(map(_t_of, eps))
                     keys = {}
-                    if 0 in ts:  # first steps: their outputs' keys are checked (and kept) first
-                        keys = {j: _extra_keys(extras[j]) for j, t in enumerate(ts) if not t and not eps[j].dropping}
-                    live = m - sum(map(_dropping_of, eps))
+                    if extras[0] is not None or extras.count(None) != m:  # some outputs given
+                        ts = list(map(_t_of, eps))
+                        if 0 in ts:  # first steps: their outputs' keys are checked (and kept) first
+                            keys = {
+                                j: _extra_keys(extras[j]) for j, t in enumerate(ts) if not t and not eps[j].dropping
+                            }
+                    # only episodes of a recorder that dropped records may be dropping
+                    live = m - sum(map(_dropping_of, eps)) if self._dropped else m
                     buffered = self._buffered
                     if buffered + live <= self._max_buffered_steps or not buffered or not live:
                         self._record_rows(eps, keys, live, act, rew, obs, infos, extras, term, trunc)
@@ -1113,14 +1117,14 @@ class EpisodeRecorder:
         now = _monotonic()
         limit = self._batch_limit
         error = None
-        for ep, a, r, o, info, x, te, tr in zip(eps, act, rew, obs, infos, extras, term, trunc):
+        for ep, step, te, tr in zip(eps, zip(act, rew, obs, infos, extras), term, trunc):
             if ep.dropping:
                 self._overflow(ep, te or tr)
                 continue
             steps = ep.steps
             if not steps:
                 ep.first_buffered = now
-            steps += (a, r, o, info, x)
+            steps += step
             t = ep.t = ep.t + 1
             if te or tr or t - ep.t0 >= limit:
                 try:

@@ -230,6 +230,30 @@ def test_a_full_reset_aborts_open_episodes_and_close_too():
     assert letters == [] and len(finished) == 6 and all(fe.truncated and fe.length == 1 for fe in finished.values())
 
 
+def test_a_masked_reset_aborts_only_the_masked_sub_envs_episodes():
+    envs = SyncVectorEnv([make(30)] * 3, autoreset_mode=AutoresetMode.DISABLED)
+    rec, fake = keeping_recorder(OBS_SPACE, ACT_SPACE)
+    w = RecordingVectorWrapper(envs, rec)
+    w.reset(seed=0)
+    w.step(np.zeros(3, np.int64))
+    first = list(w.episode_ids)
+    options = {"reset_mask": np.array([True, False, False])}
+    w.reset(options=options)
+    assert "reset_mask" not in options  # SyncVectorEnv popped it: the wrapper read it before
+    assert w.episode_ids[0] != first[0] and w.episode_ids[1:] == first[1:]
+    w.step(np.zeros(3, np.int64))
+    w.close()
+    rec.flush(0)
+    from rlrec.producer.events import EpisodeAbort, decode
+
+    aborts = [decode(v, h) for _, v, h in fake.messages if isinstance(decode(v, h), EpisodeAbort)]
+    assert [(a.episode_id == first[0], a.reason) for a in aborts] == [(True, "reset")] + [(False, "close")] * 3
+    finished, letters = assemble(list(fake.messages))
+    rec.close(0)
+    assert letters == []
+    assert sorted(fe.length for fe in finished.values()) == [1, 1, 2, 2]
+
+
 # ------------------------------------------------------- single-env fixes (RecordingWrapper)
 
 

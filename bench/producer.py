@@ -421,11 +421,6 @@ class VectorTrace:
         self.episodes = n + sum(int(s[5].sum()) for s in self.steps)
         #: the env's own CPU per sub-env step
         self.env_us_per_step = cpu / (vector_steps * n) * 1e6
-        # the single calls' per-row inputs, split before the clock (their best case)
-        self.rows = [
-            [(int(a[i]), float(r[i]), obs[i], bool(te[i]), bool(tr[i]), bool(rs[i])) for i in range(n)]
-            for a, r, obs, te, tr, rs in self.steps
-        ]
 
 
 def _vector_recorder(bootstrap: str, topic: str):
@@ -471,17 +466,20 @@ def run_vector_batched(bootstrap: str, topic: str, v: VectorTrace) -> float:
 
 
 def run_vector_single(bootstrap: str, topic: str, v: VectorTrace) -> float:
-    """CPU µs per sub-env transition of one `begin_episode`/`log_step` per row."""
+    """CPU µs per sub-env transition of one `begin_episode`/`log_step` per row, from the same
+    batched arrays, split the cheapest way (one `tolist()` per column and vector step: Python
+    scalars take `log_step`'s fast path; observation rows are views, which it copies)."""
     rec = _vector_recorder(bootstrap, topic)
     begin, log = rec.begin_episode, rec.log_step
     c = time.process_time()
     ids = [begin(o) for o in v.first]
-    for rows in v.rows:
-        for i, (a, r, obs, term, trunc, resetting) in enumerate(rows):
-            if resetting:
-                ids[i] = begin(obs)
+    for a, r, obs, term, trunc, resetting in v.steps:
+        rows = zip(a.tolist(), r.tolist(), obs, term.tolist(), trunc.tolist(), resetting.tolist())
+        for i, (ai, ri, oi, te, tr, rs) in enumerate(rows):
+            if rs:
+                ids[i] = begin(oi)
             else:
-                log(ids[i], a, r, obs, term, trunc)
+                log(ids[i], ai, ri, oi, te, tr)
     left = rec.flush(120)
     cpu = time.process_time() - c
     stats = rec.stats

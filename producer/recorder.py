@@ -24,8 +24,12 @@ recorder's state up again. A public method that finds its own thread already ins
 recorder (a finalizer run by a garbage collection, a signal handler, a delivery callback)
 raises `RecorderReentryError` instead of deadlocking or working on half-updated state.
 
+Batched calls (`begin_episodes`, `log_steps`: one row per episode, e.g. a vector env's step)
+check the whole batch first, take the lock once, and then do exactly what one `begin_episode` /
+`log_step` per row in row order does (`producer/batched.py` splits the rows outside the lock).
+
 Accounting is in *records*: one per `begin_episode`, `log_step`, `log_reward` and
-`abort_episode` call. At every moment `produced == delivered + failed + buffered`, and `dropped`
+`abort_episode` call (one per row of a batched call). At every moment `produced == delivered + failed + buffered`, and `dropped`
 counts records discarded by `on_overflow="drop"`. After `close()` returns, `buffered == 0`.
 """
 

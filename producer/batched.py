@@ -1,100 +1,350 @@
-"""Splitting batched step values (axis 0 = one row per episode) into the per-row copies the
-recorder keeps: what `EpisodeRecorder.begin_episodes` and `log_steps` do before taking the lock.
+"""`EpisodeRecorder`'s batched calls: `begin_episodes` and `log_steps` record one row per
+episode (e.g. a vector env's step) with one lock acquisition, exactly as one `begin_episode` /
+`log_step` per row in row order would (the same copies, messages, keys and `stats`).
 
-Every function here returns, for the selected rows, exactly what `begin_episode`/`log_step`
-would keep of row ``batch[i]`` given alone, so a batched call buffers the same steps and sends
-the same bytes as the single calls. The common case (a single-leaf space and an array of exactly
-its dtype and per-row shape) is copied with one `tobytes()` of the whole batch and sliced.
+A call is checked as a whole before anything is recorded: rows are split and copied outside the
+lock (`producer/rows.py`), then under the lock every episode is looked up and every first step's
+outputs checked, overflow is decided for the whole batch, and only then are the rows appended
+(and their batches emitted) in row order by the recorder's own machinery.
 """
 
 from __future__ import annotations
 
-import functools
+import time
 from collections.abc import Mapping, Sequence
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
-from gymnasium import spaces as gs
 
-__all__ = ["flags", "row_values", "rows_of", "select", "selected_rows"]
+from rlrec.producer import recorder as _r  # the recorder's state and helpers (imported first)
+from rlrec.producer.avro_write import ARRAY_END, long_bytes, string_bytes
+from rlrec.producer.events import dumps_info
+from rlrec.producer.rows import (
+    batch_len,
+    checked_id,
+    flags,
+    new_episode_ids,
+    row_values,
+    rows_of,
+    select,
+    selected_rows,
+)
 
-
-def selected_rows(rows: Any, n: int) -> list[int] | None:
-    """The indices of the True entries of mask `rows` (None: every row of `n`)."""
-    if rows is None:
-        return None
-    mask = np.asarray(rows)
-    if mask.shape != (n,) or mask.dtype != np.bool_:
-        raise ValueError(f"rows must be a boolean mask of shape ({n},), got dtype {mask.dtype} shape {mask.shape}")
-    return np.flatnonzero(mask).tolist()
-
-
-def select(values: Sequence, idx: list[int] | None) -> list:
-    """`values` at `idx` as a list (all of them when `idx` is None)."""
-    if idx is None:
-        return values if type(values) is list else list(values)
-    return [values[i] for i in idx]
+__all__ = ["BatchedCalls"]
 
 
-def _check_len(batch: Any, n: int, what: str) -> None:
-    try:
-        got = len(batch)
-    except TypeError:
-        raise TypeError(f"{what} must be batched on axis 0 (one row per episode), got {type(batch).__name__}") from None
-    if got != n:
-        raise ValueError(f"{what} has {got} rows, episode_ids has {n}")
+class BatchedCalls:
+    """The batched calls of `EpisodeRecorder` (its base class; see the module docstring)."""
 
+    def begin_episodes(
+        self,
+        observations: Any,
+        infos: Sequence[Mapping | None] | None = None,
+        episode_ids: Sequence[str | None] | None = None,
+        policy_versions: Sequence[int | None] | None = None,
+    ) -> list[str]:
+        """Start one episode per row of a batch (e.g. a vector env's reset); returns their ids.
 
-def rows_of(space: gs.Space, batch: Any, n: int, what: str) -> list:
-    """The `n` rows of a batched value of `space` (gymnasium's batching: a dict of batched
-    values for Dict, a tuple of them for Tuple, an array or sequence otherwise), each a value
-    of `space` as `begin_episode`/`log_step` take it."""
-    if isinstance(space, gs.Dict) and isinstance(batch, Mapping):
-        keys = list(space.spaces)
-        missing = [k for k in keys if k not in batch]
-        if missing:
-            raise ValueError(f"{what} lacks the Dict space's keys {missing}")
-        cols = [rows_of(space.spaces[k], batch[k], n, f"{what}[{k!r}]") for k in keys]
-        return [dict(zip(keys, row)) for row in zip(*cols)]
-    if isinstance(space, gs.Tuple) and isinstance(batch, tuple) and len(batch) == len(space.spaces):
-        cols = [rows_of(s, b, n, f"{what}[{j}]") for j, (s, b) in enumerate(zip(space.spaces, batch))]
-        return [tuple(row) for row in zip(*cols)]
-    _check_len(batch, n, what)
-    return list(batch)
+        The same as `begin_episode` called for each row in row order (the same messages, keys
+        and `stats`), checked as a whole first: when any row is refused (an invalid value, an
+        id already open or given twice) nothing is recorded. When the buffer has no room for
+        every row, `on_overflow` applies to the whole batch ("raise": nothing recorded; "drop":
+        every episode of the batch is dropped; "block": waits for room for all of them, or for
+        an empty buffer). One lock acquisition per call.
 
+        Args:
+            observations: the reset observations batched on axis 0 (gymnasium's batching: an
+                array, or a dict/tuple of batched arrays for Dict/Tuple spaces).
+            infos: one reset info (or None) per row; None: no infos.
+            episode_ids: one id (or None for a new uuid4 hex) per row; None: all new.
+            policy_versions: one version (or None for the recorder's) per row; None: the
+                recorder's for all (a canary may choose versions per episode).
 
-@functools.lru_cache(maxsize=64)
-def _row_slices(n: int, k: int) -> tuple[slice, ...]:
-    """The slices of `n` rows of `k` bytes each (remembered: a vector env has one batch size)."""
-    return tuple(slice(j, j + k) for j in range(0, n * k, k))
+        Returns:
+            The episode ids, in row order.
 
+        Raises:
+            As `begin_episode`.
 
-def row_values(packer: Any, space: gs.Space, batch: Any, n: int, idx: list[int] | None, what: str) -> list:
-    """What the recorder keeps (`_Packer.copy`) of each selected row of `batch`."""
-    if (
-        packer.dtype is not None
-        and type(batch) is np.ndarray
-        and batch.dtype is packer.dtype
-        and batch.shape[1:] == packer.shape
-        and len(batch) == n
-    ):
-        if packer.int_code and not packer.shape:  # Python ints, in range: kept as they are
-            return select(batch.tolist(), idx)
-        data = batch.tobytes()  # one copy of the whole batch (C order), sliced per row
-        k = len(data) // n if n else 0
-        if idx is None:
-            return list(map(data.__getitem__, _row_slices(n, k))) if k else [b""] * n
-        return [data[i * k : i * k + k] for i in idx]
-    rows = rows_of(space, batch, n, what)
-    copy = packer.copy
-    return [copy(r) for r in select(rows, idx)]
+        Example:
+            >>> ids = rec.begin_episodes(np.zeros((3, 4), np.float32))  # doctest: +SKIP
+            >>> len(ids)  # doctest: +SKIP
+            3
+        """
+        self._check_usable()
+        n = batch_len(observations)
+        infos = [None] * n if infos is None else select(infos, None)
+        ids = [None] * n if episode_ids is None else select(episode_ids, None)
+        versions = [None] * n if policy_versions is None else select(policy_versions, None)
+        for what, col in (("infos", infos), ("episode_ids", ids), ("policy_versions", versions)):
+            if len(col) != n:
+                raise ValueError(f"{what} has {len(col)} rows, observations has {n}")
+        if self.validate_spaces:
+            for obs in rows_of(self.observation_space, observations, n, "observations"):
+                if not self.observation_space.contains(obs):
+                    raise ValueError(f"observation {obs!r:.200} is not in {self.observation_space}")
+        kept = row_values(self._obs, self.observation_space, observations, n, None, "observations")
+        out = new_episode_ids(n) if episode_ids is None else [checked_id(e) for e in ids]
+        if episode_ids is not None and None in ids:
+            fresh = iter(new_episode_ids(ids.count(None)))
+            out = [next(fresh) if e is None else x for e, x in zip(ids, out)]
+        # the EpisodeStart records (see `_start_value`), what the rows share encoded once
+        pid_env, spaces = self._start_avro
+        ts = long_bytes(int(_r._time() * 1000))
+        default = long_bytes(self._policy_version)
+        vbytes = [default if v is None else long_bytes(self._check_version(v)) for v in versions]
+        obs = self._obs
+        if obs.single and set(map(type, kept)) == {bytes}:  # one leaf, each row its wire bytes
+            head = obs._count + obs._one_heads[0] + long_bytes(len(kept[0]))
+            middle = [(head, data, ARRAY_END) for data in kept]
+        else:
+            middle = []
+            for k in kept:
+                obs_parts: list = []
+                obs.write_kept(obs_parts, k)
+                middle.append(obs_parts)
+        no_info = string_bytes("") + spaces + ts
+        values = [
+            b"".join(
+                (
+                    string_bytes(eid),
+                    pid_env[0],
+                    ver,
+                    pid_env[1],
+                    *mid,
+                    no_info if not info else string_bytes(dumps_info(info)) + spaces + ts,
+                )
+            )
+            for eid, ver, mid, info in zip(out, vbytes, middle, infos)
+        ]
+        if len(set(out)) != n:
+            raise ValueError("episode_ids names an episode twice")
+        while True:
+            with self._lock:
+                if self._busy:
+                    raise self._reentry("begin_episodes")
+                self._busy = True
+                try:
+                    if self._closing:
+                        raise _r.RecorderClosed("the recorder is closed")
+                    episodes = self._episodes
+                    for eid in out:
+                        if eid in episodes:
+                            raise ValueError(f"episode {eid} is already open")
+                    buffered = self._buffered
+                    if buffered + n <= self._max_buffered_steps or not buffered:
+                        for eid, value in zip(out, values):
+                            self._send(eid, value, "EpisodeStart", 1, 1)  # before registering: it may raise
+                            self._episodes_begun += 1
+                            episodes[eid] = _r._Episode(eid)
+                        return out
+                    if not self._overflow(None, False):
+                        for eid in out:
+                            ep = _r._Episode(eid)
+                            ep.dropping = True  # nothing of it is sent
+                            self._episodes_begun += 1
+                            episodes[eid] = ep
+                        self._dropped += n - 1  # _overflow counted one
+                        return out
+                finally:
+                    self._busy = False
+            time.sleep(_r._WAIT_S)  # on_overflow="block": wait for room without the lock, then look again
 
+    def log_steps(
+        self,
+        episode_ids: Sequence[str | None],
+        actions: Any,
+        rewards: Any,
+        observations: Any,
+        terminated: Any,
+        truncated: Any,
+        infos: Sequence[Mapping | None] | None = None,
+        extra_model_outputs: Mapping[str, Any] | None = None,
+        rows: Any = None,
+    ) -> None:
+        """Record one step of each of several episodes (e.g. one vector env step).
 
-def flags(values: Any, n: int, idx: list[int] | None, what: str) -> list[bool]:
-    """The selected rows of a batch of flags, as Python bools."""
-    if type(values) is np.ndarray:
-        if values.shape != (n,):
-            raise ValueError(f"{what} has shape {values.shape}, expected ({n},)")
-        return select(values.astype(bool, copy=False).tolist(), idx)
-    _check_len(values, n, what)
-    return [bool(x) for x in select(values, idx)]
+        The same as `log_step` called for each selected row in row order (the same copies,
+        messages, keys and `stats`), checked as a whole first: when any row is refused (an
+        episode not open or named twice, an invalid value) nothing is recorded. When the buffer
+        has no room for every row, `on_overflow` applies to the whole batch ("raise": nothing
+        recorded; "drop": every row is dropped, and its episode's rest; "block": waits for room
+        for all of them, or for an empty buffer). One lock acquisition per call.
+
+        Args:
+            episode_ids: one open episode id per row (rows left out by `rows` may hold None).
+            actions: the actions taken, batched on axis 0 (as gymnasium batches them).
+            rewards: one reward per row (an array or a sequence of finite numbers).
+            observations: the observations after the step, batched on axis 0.
+            terminated: one flag per row (an array or a sequence).
+            truncated: one flag per row.
+            infos: one info (or None) per row; None: no infos.
+            extra_model_outputs: key -> values batched on axis 0 (row i with ``actions[i]``),
+                as `log_step` takes them per row (``action_logp`` checked for every row).
+            rows: a boolean mask of the rows to record (e.g. the real transitions of a
+                NEXT_STEP vector step, leaving its reset rows out); None: every row.
+
+        Raises:
+            As `log_step`. An episode whose batch could not be encoded or sent is aborted and
+            the first such ValueError is raised after every row was recorded.
+
+        Example:
+            >>> rec.log_steps(ids, np.array([0, 1]), np.ones(2), obs, np.zeros(2, bool), np.zeros(2, bool))  # doctest: +SKIP
+        """
+        if self._unusable:
+            self._check_usable()
+        n = len(episode_ids)
+        idx = selected_rows(rows, n)
+        ids = select(episode_ids, idx)
+        m = len(ids)
+        if not m:
+            return
+        if type(rewards) is np.ndarray and rewards.shape == (n,) and rewards.dtype.kind == "f":
+            rew = select(rewards.astype(np.float64, copy=False).tolist(), idx)
+        else:
+            if len(rewards) != n:
+                raise ValueError(f"rewards has {len(rewards)} rows, episode_ids has {n}")
+            rew = []
+            for r in select(rewards, idx):
+                try:
+                    rew.append(r if type(r) is float else float(r))
+                except (TypeError, ValueError):
+                    raise TypeError(f"reward must be a number, got {type(r).__name__}") from None
+        if (s := sum(rew)) - s != 0.0:  # some reward is NaN or +-inf (or the sum overflowed)
+            for r, eid in zip(rew, ids):
+                if r - r != 0.0:
+                    raise ValueError(f"reward must be finite, got {r} (episode {eid})")
+        if self.validate_spaces:
+            act_rows = select(rows_of(self.action_space, actions, n, "actions"), idx)
+            obs_rows = select(rows_of(self.observation_space, observations, n, "observations"), idx)
+            for a, o in zip(act_rows, obs_rows):
+                self._validate(a, o)
+        obs = row_values(self._obs, self.observation_space, observations, n, idx, "observations")
+        act = row_values(self._act, self.action_space, actions, n, idx, "actions")
+        term = flags(terminated, n, idx, "terminated")
+        trunc = flags(truncated, n, idx, "truncated")
+        if infos is None:
+            info_json = [""] * m
+        else:
+            if len(infos) != n:
+                raise ValueError(f"infos has {len(infos)} rows, episode_ids has {n}")
+            info_json = [dumps_info(x) if x else "" for x in select(infos, idx)]
+        extras = [None] * m if not extra_model_outputs else self._batch_outputs(extra_model_outputs, n, idx, ids)
+        self._log_rows(ids, act, rew, obs, info_json, extras, term, trunc)
+
+    @staticmethod
+    def _batch_outputs(extra: Mapping, n: int, idx: list[int] | None, ids: list) -> list:
+        """What log_step keeps of each selected row's outputs ``{k: extra[k][i]}``."""
+        if not isinstance(extra, Mapping):
+            raise TypeError(f"extra_model_outputs must map keys to batched values, got {type(extra).__name__}")
+        lp = extra.get("action_logp") if len(extra) == 1 else None
+        if type(lp) is np.ndarray and lp.shape == (n,) and lp.dtype.type in _r._FLOAT_TYPES:
+            # the common case, only the propensity: one scalar per row (see _r._Episode.steps)
+            col = select(lp.tolist() if lp.dtype == np.float64 else list(lp), idx)
+            fl = np.asarray(col, np.float64)
+            if not (np.isfinite(fl).all() and (fl <= _r.LOGP_TOLERANCE).all()):
+                for v, eid in zip(col, ids):
+                    _r._check_logp(v, eid)
+            return col
+        cols = {}
+        for k, v in extra.items():
+            if len(v) != n:
+                raise ValueError(f"extra_model_outputs[{k!r}] has {len(v)} rows, episode_ids has {n}")
+            cols[k] = select(v, idx)
+        keys = list(cols)
+        return [_r._kept_outputs(dict(zip(keys, row)), eid) for row, eid in zip(zip(*cols.values()), ids)]
+
+    def _log_rows(
+        self, ids: list, act: list, rew: list, obs: list, infos: list, extras: list, term: list, trunc: list
+    ) -> None:
+        """log_steps' work under the lock: every row checked, then every row recorded."""
+        m = len(ids)
+        while True:
+            with self._lock:
+                if self._busy:
+                    raise self._reentry("log_steps")
+                self._busy = True
+                try:
+                    episodes = self._episodes
+                    try:
+                        eps = [episodes[ids[0]]] if m == 1 else list(itemgetter(*ids)(episodes))
+                    except (KeyError, TypeError):
+                        for e in ids:
+                            if episodes.get(e) is None:
+                                raise self._not_open(e) from None
+                        raise
+                    if len(set(ids)) != m:
+                        raise ValueError("episode_ids names an episode twice; log its steps in separate calls")
+                    keys = {}
+                    if extras[0] is not None or extras.count(None) != m:  # some outputs given
+                        ts = list(map(_r._t_of, eps))
+                        if 0 in ts:  # first steps: their outputs' keys are checked (and kept) first
+                            keys = {
+                                j: _r._extra_keys(extras[j]) for j, t in enumerate(ts) if not t and not eps[j].dropping
+                            }
+                    # only episodes of a recorder that dropped records may be dropping
+                    live = m - sum(map(_r._dropping_of, eps)) if self._dropped else m
+                    buffered = self._buffered
+                    if buffered + live <= self._max_buffered_steps or not buffered or not live:
+                        self._record_rows(eps, keys, live, act, rew, obs, infos, extras, term, trunc)
+                        return
+                    if not self._overflow(None, False):  # raises for "raise"; False for "drop"
+                        self._dropped -= 1  # counted per row below
+                        for j, ep in enumerate(eps):
+                            done = term[j] or trunc[j]
+                            if ep.dropping:
+                                self._overflow(ep, done)
+                            else:
+                                self._count_drop()
+                                self._abort_dropping(ep)
+                                if done:
+                                    self._end(ep)
+                        return
+                finally:
+                    self._busy = False
+            time.sleep(_r._WAIT_S)  # on_overflow="block": wait for room without the lock, then look again
+
+    def _record_rows(
+        self,
+        eps: list,
+        keys: dict,
+        live: int,
+        act: list,
+        rew: list,
+        obs: list,
+        infos: list,
+        extras: list,
+        term: list,
+        trunc: list,
+    ) -> None:
+        """Append each row's step to its episode, in row order, emitting as `log_step` does."""
+        for j, k in keys.items():
+            eps[j].extra_keys = k
+        # counted first: an exception from a signal handler that stops the loop leaves rows
+        # counted but never sent, which close() counts as failed (never a negative count)
+        self._buffered += live
+        now = _r._monotonic()
+        limit = self._batch_limit
+        error = None
+        for ep, step, te, tr in zip(eps, zip(act, rew, obs, infos, extras), term, trunc):
+            if ep.dropping:
+                self._overflow(ep, te or tr)
+                continue
+            steps = ep.steps
+            if not steps:
+                ep.first_buffered = now
+            steps += step
+            t = ep.t = ep.t + 1
+            if te or tr or t - ep.t0 >= limit:
+                try:
+                    if te or tr:
+                        self._emit(ep, te, tr)
+                        self._end(ep)
+                    else:
+                        self._emit(ep, False, False)
+                except ValueError as e:  # the episode was aborted; the other rows are recorded
+                    error = error or e
+                limit = self._batch_limit  # the first batch ever sent sets it
+        if error is not None:
+            raise error

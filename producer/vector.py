@@ -32,7 +32,8 @@ from typing import Any
 import numpy as np
 from gymnasium.vector import AutoresetMode, VectorEnv, VectorWrapper
 
-from rlrec.producer.recorder import EpisodeRecorder, RecorderClosed, new_episode_ids
+from rlrec.producer.recorder import EpisodeRecorder, RecorderClosed
+from rlrec.producer.rows import new_episode_ids
 
 __all__ = ["RecordingVectorWrapper"]
 

@@ -1,0 +1,130 @@
+"""Splitting batched step values (axis 0 = one row per episode) into the per-row copies the
+recorder keeps: what `EpisodeRecorder.begin_episodes` and `log_steps` do before taking the lock.
+
+Every function here returns, for the selected rows, exactly what `begin_episode`/`log_step`
+would keep of row ``batch[i]`` given alone, so a batched call buffers the same steps and sends
+the same bytes as the single calls. The common case (a single-leaf space and an array of exactly
+its dtype and per-row shape) is copied with one `tobytes()` of the whole batch and sliced.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from gymnasium import spaces as gs
+
+__all__ = ["batch_len", "checked_id", "flags", "new_episode_ids", "row_values", "rows_of", "select", "selected_rows"]
+
+
+def selected_rows(rows: Any, n: int) -> list[int] | None:
+    """The indices of the True entries of mask `rows` (None: every row of `n`)."""
+    if rows is None:
+        return None
+    mask = np.asarray(rows)
+    if mask.shape != (n,) or mask.dtype != np.bool_:
+        raise ValueError(f"rows must be a boolean mask of shape ({n},), got dtype {mask.dtype} shape {mask.shape}")
+    return np.flatnonzero(mask).tolist()
+
+
+def select(values: Sequence, idx: list[int] | None) -> list:
+    """`values` at `idx` as a list (all of them when `idx` is None)."""
+    if idx is None:
+        return values if type(values) is list else list(values)
+    return [values[i] for i in idx]
+
+
+def _check_len(batch: Any, n: int, what: str) -> None:
+    try:
+        got = len(batch)
+    except TypeError:
+        raise TypeError(f"{what} must be batched on axis 0 (one row per episode), got {type(batch).__name__}") from None
+    if got != n:
+        raise ValueError(f"{what} has {got} rows, episode_ids has {n}")
+
+
+def rows_of(space: gs.Space, batch: Any, n: int, what: str) -> list:
+    """The `n` rows of a batched value of `space` (gymnasium's batching: a dict of batched
+    values for Dict, a tuple of them for Tuple, an array or sequence otherwise), each a value
+    of `space` as `begin_episode`/`log_step` take it."""
+    if isinstance(space, gs.Dict) and isinstance(batch, Mapping):
+        keys = list(space.spaces)
+        missing = [k for k in keys if k not in batch]
+        if missing:
+            raise ValueError(f"{what} lacks the Dict space's keys {missing}")
+        cols = [rows_of(space.spaces[k], batch[k], n, f"{what}[{k!r}]") for k in keys]
+        return [dict(zip(keys, row)) for row in zip(*cols)]
+    if isinstance(space, gs.Tuple) and isinstance(batch, tuple) and len(batch) == len(space.spaces):
+        cols = [rows_of(s, b, n, f"{what}[{j}]") for j, (s, b) in enumerate(zip(space.spaces, batch))]
+        return [tuple(row) for row in zip(*cols)]
+    _check_len(batch, n, what)
+    return list(batch)
+
+
+@functools.lru_cache(maxsize=64)
+def _row_slices(n: int, k: int) -> tuple[slice, ...]:
+    """The slices of `n` rows of `k` bytes each (remembered: a vector env has one batch size)."""
+    return tuple(slice(j, j + k) for j in range(0, n * k, k))
+
+
+def row_values(packer: Any, space: gs.Space, batch: Any, n: int, idx: list[int] | None, what: str) -> list:
+    """What the recorder keeps (`_Packer.copy`) of each selected row of `batch`."""
+    if (
+        packer.dtype is not None
+        and type(batch) is np.ndarray
+        and batch.dtype is packer.dtype
+        and batch.shape[1:] == packer.shape
+        and len(batch) == n
+    ):
+        if packer.int_code and not packer.shape:  # Python ints, in range: kept as they are
+            return select(batch.tolist(), idx)
+        data = batch.tobytes()  # one copy of the whole batch (C order), sliced per row
+        k = len(data) // n if n else 0
+        if idx is None:
+            return list(map(data.__getitem__, _row_slices(n, k))) if k else [b""] * n
+        return [data[i * k : i * k + k] for i in idx]
+    rows = rows_of(space, batch, n, what)
+    copy = packer.copy
+    return [copy(r) for r in select(rows, idx)]
+
+
+def flags(values: Any, n: int, idx: list[int] | None, what: str) -> list[bool]:
+    """The selected rows of a batch of flags, as Python bools."""
+    if type(values) is np.ndarray:
+        if values.shape != (n,):
+            raise ValueError(f"{what} has shape {values.shape}, expected ({n},)")
+        return select(values.astype(bool, copy=False).tolist(), idx)
+    _check_len(values, n, what)
+    return [bool(x) for x in select(values, idx)]
+
+
+def new_episode_ids(n: int) -> list[str]:
+    """`n` new episode ids: random uuid4 hex strings, as `begin_episode` makes one (one call to
+    the system's random source for all of them)."""
+    h = os.urandom(16 * n).hex()
+    return [
+        f"{h[j : j + 12]}4{h[j + 13 : j + 16]}{'89ab'[int(h[j + 16], 16) & 3]}{h[j + 17 : j + 32]}"
+        for j in range(0, 32 * n, 32)
+    ]
+
+
+def checked_id(eid: Any) -> Any:
+    """An episode id as `begin_episode` takes it (None passes, for a new one)."""
+    if eid is None:
+        return None
+    eid = str(eid)
+    if type(eid) is not str:  # a str subclass's __str__ may return itself: keys are plain str
+        eid = str.__str__(eid)
+    if not eid or len(eid) > 256:
+        raise ValueError("episode_id must be 1..256 characters")
+    return eid
+
+
+def batch_len(batch: Any) -> int:
+    """Rows of a batched value: its length, or its first leaf's for a dict/tuple of batches."""
+    while isinstance(batch, (Mapping, tuple)) and len(batch):
+        batch = next(iter(batch.values())) if isinstance(batch, Mapping) else batch[0]
+    return len(batch)

@@ -1,6 +1,7 @@
 """Producer benchmark: CPU per logged step, EpisodeRecorder vs bare `Producer.produce()`, per workload.
 
     python bench/producer.py [--rounds R] [--seconds S] [--bootstrap-servers B] [--json PATH] [--quick]
+                             [--vector also|only|no] [--vector-steps V]
 
 Workloads (both sides step the *same* pre-generated observations, in the same order, at the same
 pace, against the same broker with the same producer settings (idempotent, acks=all, lz4,
@@ -31,6 +32,18 @@ Each round runs every workload on both sides, alternating which side goes first,
 producer (connected and warmed up outside the clock); one discarded warm-up round of every
 workload on both sides first (the process's first runs pay page faults and cold caches that
 later ones don't); medians and spread over the measured rounds, raw rounds in the JSON.
+
+Vector rows (``--vector also|only|no``): a native ``CartPoleVectorEnv`` (N=64, NEXT_STEP) is stepped
+before the clock, with random actions (``vector_short``: CartPole's ~22-step episodes, where
+about half the recorder's cost is per episode) and with a balancing controller
+(``vector_long``: the 500-step time limit). Each round records the same trace twice, alternating
+which side goes first, each in a fresh recorder against the same broker: ``batched`` (one
+``log_steps`` per vector step, its NEXT_STEP reset rows masked out with ``rows=``, and one
+``begin_episodes`` for the rows that reset) and ``single`` (one ``begin_episode``/``log_step``
+per row, from the same arrays split the cheapest way: one ``tolist()`` per column). Both send
+the same messages. Figures: CPU µs per sub-env transition (``time.process_time()`` until
+``flush()`` returns), median of >= 5 rounds after one warm-up, the per-round ratio's spread, and
+both sides relative to the env's own CPU per sub-env step. Target: batched ≤ 0.5x single.
 
 Targets: CPU ratio ≤ 1.2 back-to-back and at 20k/s, ≤ 2.0 at 2k/s; ``log_step`` p99 ≤ 50 µs
 back-to-back (reported for the others). The recorder is pure Python (no compiled code on either

@@ -79,21 +79,35 @@ def _stats(rec: EpisodeRecorder) -> tuple:
 
 
 def _obs_batch(space, rng, n):
+    if isinstance(space, gs.Tuple):
+        return (rng.integers(0, 3, n), rng.uniform(-1, 1, (n, 2, 2)))
     if isinstance(space, gs.Dict):
         return {"pos": rng.uniform(-1, 1, (n, 2)).astype(np.float32), "k": rng.integers(0, 4, n)}
     return rng.standard_normal((n, 3)).astype(np.float32)
 
 
 def _obs_row(batch, i):
+    if isinstance(batch, tuple):
+        return tuple(b[i] for b in batch)
     if isinstance(batch, dict):
         return {k: v[i] for k, v in batch.items()}
     return batch[i]
 
 
-def _drive(space, outputs: str, seed: int = 0, n: int = 6, steps: int = 40, batch_steps: int = 4):
+BOX_ACT = gs.Box(-1, 1, (2,), np.float32)
+TUPLE_OBS = gs.Tuple((gs.Discrete(3), gs.Box(-1, 1, (2, 2), np.float64)))
+
+
+def _actions(space, rng, n):
+    if isinstance(space, gs.Box):
+        return rng.uniform(-1, 1, (n, 2)).astype(np.float32)
+    return rng.integers(0, 3, n)
+
+
+def _drive(space, outputs: str, seed: int = 0, n: int = 6, steps: int = 40, batch_steps: int = 4, act_space=ACT):
     """The same random vector trajectory recorded batched and per row; returns both sides."""
-    batched, fb = _recorder(observation_space=space, max_batch_steps=batch_steps)
-    single, fs = _recorder(observation_space=space, max_batch_steps=batch_steps)
+    batched, fb = _recorder(observation_space=space, action_space=act_space, max_batch_steps=batch_steps)
+    single, fs = _recorder(observation_space=space, action_space=act_space, max_batch_steps=batch_steps)
     rng = np.random.default_rng(seed)
     counter = iter(range(10**6))
     ids = [f"ep-{next(counter)}" for _ in range(n)]
@@ -103,7 +117,7 @@ def _drive(space, outputs: str, seed: int = 0, n: int = 6, steps: int = 40, batc
     for i in range(n):
         single.begin_episode(_obs_row(obs, i), infos[i], episode_id=ids[i], policy_version=[None, 3][i % 2])
     for _ in range(steps):
-        actions = rng.integers(0, 3, n)
+        actions = _actions(act_space, rng, n)
         rewards = rng.standard_normal(n)
         obs = _obs_batch(space, rng, n)
         term = rng.random(n) < 0.08
@@ -146,10 +160,14 @@ def _drive(space, outputs: str, seed: int = 0, n: int = 6, steps: int = 40, batc
     return batched, fb, single, fs
 
 
-@pytest.mark.parametrize("space", [OBS, DICT_OBS], ids=["box", "dict"])
+@pytest.mark.parametrize(
+    ("space", "act_space"),
+    [(OBS, ACT), (DICT_OBS, ACT), (TUPLE_OBS, BOX_ACT)],
+    ids=["box-discrete", "dict-discrete", "tuple-box"],
+)
 @pytest.mark.parametrize("outputs", ["logp", "logp64", "several", "none"])
-def test_batched_calls_send_the_bytes_of_single_calls(space, outputs):
-    batched, fb, single, fs = _drive(space, outputs)
+def test_batched_calls_send_the_bytes_of_single_calls(space, act_space, outputs):
+    batched, fb, single, fs = _drive(space, outputs, act_space=act_space)
     try:
         assert len(fb.messages) > 60
         assert fb.messages == fs.messages  # keys, values and headers, byte for byte, in order
@@ -370,3 +388,17 @@ def test_batched_messages_through_a_real_broker(broker, topic):
     for k, v, _ in want_messages:
         want.setdefault(k, []).append(v)
     assert by_key == want
+
+
+def test_validate_spaces_checks_every_row_before_recording():
+    rec, fake = _recorder(validate_spaces=True)
+    try:
+        ids = rec.begin_episodes(np.zeros((3, 3), np.float32), episode_ids=["a", "b", "c"])
+        rec.flush(0)
+        before = (list(fake.messages), _stats(rec))
+        with pytest.raises(ValueError, match="not in Discrete"):  # 5 is an int64 but not in Discrete(3)
+            rec.log_steps(ids, np.array([0, 1, 5]), np.zeros(3), np.zeros((3, 3), np.float32), [False] * 3, [False] * 3)
+        assert (list(fake.messages), _stats(rec)) == before
+        assert [rec._episodes[e].t for e in ids] == [0, 0, 0]
+    finally:
+        rec.close(0)

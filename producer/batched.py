@@ -91,7 +91,7 @@ class BatchedCalls:
             out = [next(fresh) if e is None else x for e, x in zip(ids, out)]
         # the EpisodeStart records (see `_start_value`), what the rows share encoded once
         pid_env, spaces = self._start_avro
-        ts = long_bytes(int(_r._time() * 1000))
+        ts = _r._now_ms_bytes()
         default = long_bytes(self._policy_version)
         vbytes = [default if v is None else long_bytes(self._check_version(v)) for v in versions]
         obs = self._obs

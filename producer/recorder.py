@@ -116,6 +116,20 @@ _cast_ok: dict[tuple[np.dtype, np.dtype], bool] = {}
 _allowed_ok: dict[np.dtype, bool] = {}
 
 
+_stamp: tuple[int, bytes] = (0, long_bytes(0))
+
+
+def _now_ms_bytes() -> bytes:
+    """The Avro long of the wall clock in milliseconds (`timestamp_ms`), encoded once per
+    millisecond (one tuple, swapped whole: safe from any thread)."""
+    global _stamp
+    ms = int(_time() * 1000)
+    stamp = _stamp
+    if stamp[0] != ms:
+        stamp = _stamp = (ms, long_bytes(ms))
+    return stamp[1]
+
+
 def _can_cast(src: np.dtype, dst: np.dtype) -> bool:
     """np.can_cast(src, dst, "same_kind"), remembered (it costs ~0.5 µs)."""
     ok = _cast_ok.get((src, dst))
@@ -655,7 +669,7 @@ class EpisodeRecorder(BatchedCalls):
             eid = str.__str__(eid)
         if not eid or len(eid) > 256:
             raise ValueError("episode_id must be 1..256 characters")
-        value = self._start_value(eid, version, obs_parts, info_json, int(_time() * 1000))
+        value = self._start_value(eid, version, obs_parts, info_json, _now_ms_bytes())
         while True:
             with self._lock:
                 if self._busy:
@@ -990,11 +1004,11 @@ class EpisodeRecorder(BatchedCalls):
         if not self.observation_space.contains(observation):
             raise ValueError(f"observation {observation!r:.200} is not in {self.observation_space}")
 
-    def _start_value(self, eid: str, version: int, obs_parts: list, info_json: str, timestamp_ms: int) -> bytes:
+    def _start_value(self, eid: str, version: int, obs_parts: list, info_json: str, timestamp: bytes) -> bytes:
         """The EpisodeStart record (see avro_write), its constant fields encoded once."""
         pid_env, spaces = self._start_avro
         parts = [string_bytes(eid), pid_env[0], long_bytes(version), pid_env[1], *obs_parts]
-        parts += (string_bytes(info_json), spaces, long_bytes(timestamp_ms))
+        parts += (string_bytes(info_json), spaces, timestamp)
         return b"".join(parts)
 
     def _first_step_checks(self, ep: _Episode, extra: Any) -> None:
@@ -1131,7 +1145,7 @@ class EpisodeRecorder(BatchedCalls):
                 parts.append(string_bytes(k))
                 array_parts(parts, name, (n, *shape), data)
         parts.append(ARRAY_END)
-        parts.append(long_bytes(int(_time() * 1000)))
+        parts.append(_now_ms_bytes())
         return b"".join(parts)
 
     @staticmethod

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Mapping, Sequence
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -34,6 +35,8 @@ def select(values: Sequence, idx: list[int] | None) -> list:
     """`values` at `idx` as a list (all of them when `idx` is None)."""
     if idx is None:
         return values if type(values) is list else list(values)
+    if len(idx) > 1:
+        return list(itemgetter(*idx)(values))
     return [values[i] for i in idx]
 
 
@@ -83,9 +86,9 @@ def row_values(packer: Any, space: gs.Space, batch: Any, n: int, idx: list[int] 
             return select(batch.tolist(), idx)
         data = batch.tobytes()  # one copy of the whole batch (C order), sliced per row
         k = len(data) // n if n else 0
-        if idx is None:
-            return list(map(data.__getitem__, _row_slices(n, k))) if k else [b""] * n
-        return [data[i * k : i * k + k] for i in idx]
+        if not k:
+            return [b""] * (n if idx is None else len(idx))
+        return list(map(data.__getitem__, select(_row_slices(n, k), idx)))
     rows = rows_of(space, batch, n, what)
     copy = packer.copy
     return [copy(r) for r in select(rows, idx)]

@@ -11,11 +11,14 @@ outputs checked, overflow is decided for the whole batch, and only then are the 
 from __future__ import annotations
 
 import time
+from array import array
 from collections.abc import Mapping, Sequence
+from functools import partial
 from operator import itemgetter
 from typing import Any
 
 import numpy as np
+from confluent_kafka import KafkaException
 
 from rlrec.producer import recorder as _r  # the recorder's state and helpers (imported first)
 from rlrec.producer.avro_write import ARRAY_END, long_bytes, string_bytes
@@ -105,10 +108,12 @@ class BatchedCalls:
                 obs.write_kept(obs_parts, k)
                 middle.append(obs_parts)
         no_info = string_bytes("") + spaces + ts
+        keys = [eid.encode() for eid in out]  # the Kafka keys; with their lengths, the Avro ids
+        avros = [long_bytes(len(kb)) + kb for kb in keys]
         values = [
             b"".join(
                 (
-                    string_bytes(eid),
+                    avro,
                     pid_env[0],
                     ver,
                     pid_env[1],
@@ -116,7 +121,7 @@ class BatchedCalls:
                     no_info if not info else string_bytes(dumps_info(info)) + spaces + ts,
                 )
             )
-            for eid, ver, mid, info in zip(out, vbytes, middle, infos)
+            for avro, ver, mid, info in zip(avros, vbytes, middle, infos)
         ]
         if len(set(out)) != n:
             raise ValueError("episode_ids names an episode twice")
@@ -134,10 +139,7 @@ class BatchedCalls:
                             raise ValueError(f"episode {eid} is already open")
                     buffered = self._buffered
                     if buffered + n <= self._max_buffered_steps or not buffered:
-                        for eid, value in zip(out, values):
-                            self._send(eid, value, "EpisodeStart", 1, 1)  # before registering: it may raise
-                            self._episodes_begun += 1
-                            episodes[eid] = _r._Episode(eid)
+                        self._send_starts(out, keys, avros, values)
                         return out
                     if not self._overflow(None, False):
                         for eid in out:
@@ -150,6 +152,43 @@ class BatchedCalls:
                 finally:
                     self._busy = False
             time.sleep(_r._WAIT_S)  # on_overflow="block": wait for room without the lock, then look again
+
+    def _send_starts(self, ids: list, keys: list, avros: list, values: list) -> None:
+        """Send the EpisodeStart messages and register the episodes, in row order: what `_send`
+        and `begin_episode` do per row, counted once for the batch. A row librdkafka does not
+        take at once (its queue full, an error) goes, with the rows after it, the single way."""
+        n = len(ids)
+        prefix, headers = self._wire["EpisodeStart"]
+        produce, topic, delivered = self._producer.produce, self.topic, self._on_delivery
+        # counted first, as `_send` counts each message before handing it over
+        self._buffered += n
+        self._msgs[0] += n
+        Episode = _r._Episode
+        eps = []
+        j = 0
+        try:
+            for eid, kb, value, avro in zip(ids, keys, values, avros):
+                produce(
+                    topic,
+                    prefix + value if prefix else value,
+                    kb,
+                    headers=headers,
+                    on_delivery=partial(delivered, eid, 1),
+                )
+                eps.append(Episode(eid, avro))
+                j += 1
+        except (BufferError, KafkaException):
+            self._buffered -= n - j
+            self._msgs[0] -= n - j
+            self._episodes_begun += j
+            self._episodes.update(zip(ids, eps))
+            for eid, value, avro in zip(ids[j:], values[j:], avros[j:]):
+                self._send(eid, value, "EpisodeStart", 1, 1)  # before registering: it may raise
+                self._episodes_begun += 1
+                self._episodes[eid] = Episode(eid, avro)
+            return
+        self._episodes_begun += n
+        self._episodes.update(zip(ids, eps))
 
     def log_steps(
         self,
@@ -326,6 +365,22 @@ class BatchedCalls:
         self._buffered += live
         now = _r._monotonic()
         limit = self._batch_limit
+        if self._step_bytes is not None:  # the batch limit is settled: batches are sent after the loop
+            due = []
+            for ep, step, te, tr in zip(eps, zip(act, rew, obs, infos, extras), term, trunc):
+                if ep.dropping:
+                    self._overflow(ep, te or tr)
+                    continue
+                steps = ep.steps
+                if not steps:
+                    ep.first_buffered = now
+                steps += step
+                t = ep.t = ep.t + 1
+                if te or tr or t - ep.t0 >= limit:
+                    due.append((ep, te, tr))
+            if due:
+                self._emit_rows(due)
+            return
         error = None
         for ep, step, te, tr in zip(eps, zip(act, rew, obs, infos, extras), term, trunc):
             if ep.dropping:
@@ -346,5 +401,132 @@ class BatchedCalls:
                 except ValueError as e:  # the episode was aborted; the other rows are recorded
                     error = error or e
                 limit = self._batch_limit  # the first batch ever sent sets it
+        if error is not None:
+            raise error
+
+    def _emit_rows(self, due: list) -> None:
+        """`_emit` (and `_end` for a done row) of each (episode, terminated, truncated) in row
+        order, as `log_step` does them one by one: the common batch (single-leaf spaces, no
+        infos, outputs or delayed rewards) is encoded here with what the rows share looked up
+        once, anything else by `_encode_batch`; a batch that cannot be encoded or handed over
+        takes `_emit`'s own way (the episode aborted, the first such ValueError raised at the
+        end, after every row)."""
+        act, obs = self._act, self._obs
+        fast = act.single and obs.single
+        if fast:
+            a_count, (a_head, a_tail), a_code = act._count, act._heads[0], act.int_code
+            o_count, (o_head, o_tail), o_code = obs._count, obs._heads[0], obs.int_code
+        ts = _r._now_ms_bytes()
+        prefix, headers = self._wire["StepBatch"]
+        produce, topic, delivered = self._producer.produce, self.topic, self._on_delivery
+        episodes, finished = self._episodes, self._finished
+        flag_bytes, msgs = _r._FLAGS, self._msgs
+        fields = _r._STEP_FIELDS
+        ended: list = []  # (id, length) of the episodes ended, remembered in `finished` at once
+        error = None
+        for ep, te, tr in due:
+            steps = ep.steps
+            n = len(steps) // fields
+            t1 = ep.t
+            value = None
+            if fast and not ep.reward_adds and not ep.extra_keys:
+                extras, infos = steps[4::fields], steps[3::fields]
+                if extras.count(None) == n and not any(infos):
+                    actions, observations = steps[0::fields], steps[2::fields]
+                    try:
+                        adata = (
+                            array(a_code, actions).tobytes()
+                            if a_code and type(actions[0]) is int
+                            else b"".join(actions)
+                        )
+                        odata = (
+                            array(o_code, observations).tobytes()
+                            if o_code and type(observations[0]) is int
+                            else b"".join(observations)
+                        )
+                    except TypeError:  # ints mixed with bytes: `_encode_batch` writes them
+                        pass
+                    else:
+                        nb = long_bytes(n)
+                        value = b"".join(
+                            (
+                                ep.id_avro,
+                                long_bytes(ep.t0),
+                                a_count,
+                                a_head,
+                                nb,
+                                a_tail,
+                                long_bytes(len(adata)),
+                                adata,
+                                ARRAY_END,
+                                _r._REWARDS_HEAD,
+                                nb,
+                                ARRAY_END,
+                                long_bytes(8 * n),
+                                array("d", steps[1::fields]),
+                                o_count,
+                                o_head,
+                                nb,
+                                o_tail,
+                                long_bytes(len(odata)),
+                                odata,
+                                ARRAY_END,
+                                flag_bytes[te, tr],
+                                _r._UNION_0,
+                                ARRAY_END,
+                                ts,
+                            )
+                        )
+            if value is None:
+                try:
+                    value = self._encode_batch(ep, te, tr)
+                except (ValueError, TypeError):
+                    value = None
+            if value is None:  # `_emit` encodes it again, fails the same way and aborts the episode
+                if ended:  # in order: an abort remembers its episode as finished too
+                    finished.set_many(ended)
+                    ended = []
+                try:
+                    self._emit(ep, te, tr)
+                except ValueError as e:
+                    error = error or e
+                continue
+            # as `_emit`: taken off the episode before it is handed over
+            ep.steps, ep.reward_adds = [], {}
+            ep.t0 = t1
+            eid = ep.id
+            msgs[0] += 1
+            try:
+                produce(
+                    topic,
+                    prefix + value if prefix else value,
+                    eid.encode(),
+                    headers=headers,
+                    on_delivery=partial(delivered, eid, n),
+                )
+            except (BufferError, KafkaException):  # `_send` waits out a full queue, or counts and raises
+                msgs[0] -= 1
+                if ended:
+                    finished.set_many(ended)
+                    ended = []
+                try:
+                    self._send(eid, value, "StepBatch", n, 0)
+                except ValueError as e:  # as `_emit`: counted failed by `_send`, the episode aborted
+                    try:
+                        self._abort(ep, "produce-error")
+                    except ValueError as abort_error:
+                        error = error or abort_error
+                        continue
+                    if error is None:
+                        error = ValueError(
+                            f"episode {eid}: steps {t1 - n}..{t1 - 1} could not be sent and the episode was aborted: {e}"
+                        )
+                        error.__cause__ = e
+                    continue
+            if te or tr:
+                episodes.pop(eid, None)
+                ended.append((eid, t1))
+        if ended:
+            finished.set_many(ended)
         if error is not None:
             raise error

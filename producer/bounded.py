@@ -110,6 +110,18 @@ class OldestHalfDict(dict[K, V]):
             for k in list(islice(iter(self), max(1, self.max_items // 2))):
                 super().__delitem__(k)
 
+    def set_many(self, pairs: list[tuple[K, V]]) -> None:
+        """``self[k] = v`` for each pair in order, with one size check when there are at most
+        ``max_items // 2`` pairs (the same keys are kept: one forgetting at most, of older keys)."""
+        if len(pairs) > self.max_items // 2:
+            for k, v in pairs:
+                self[k] = v
+            return
+        dict.update(self, pairs)
+        if len(self) > self.max_items:
+            for k in list(islice(iter(self), max(1, self.max_items // 2))):
+                super().__delitem__(k)
+
     def setdefault(self, key: K, default: V = None) -> V:  # type: ignore[assignment]
         if key not in self:
             self[key] = default  # the newest key is never among those forgotten

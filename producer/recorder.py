@@ -419,9 +419,10 @@ def _write_rewards(parts: list, ep: _Episode, rewards: array, n: int) -> None:
 class _Episode:
     __slots__ = ("dropping", "extra_keys", "first_buffered", "id", "id_avro", "reward_adds", "steps", "t", "t0")
 
-    def __init__(self, eid: str):
+    def __init__(self, eid: str, id_avro: bytes | None = None):
         self.id = eid
-        self.id_avro = string_bytes(eid)  # the Avro string, as every batch of the episode starts
+        # the Avro string, as every batch of the episode starts (given: a batched begin made it)
+        self.id_avro = string_bytes(eid) if id_avro is None else id_avro
         self.t = 0  # steps logged so far
         self.t0 = 0  # t of the first buffered step
         # buffered steps t0..t-1, flat: _STEP_FIELDS values per step (action, reward,

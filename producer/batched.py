@@ -75,14 +75,17 @@ class BatchedCalls:
             >>> len(ids)  # doctest: +SKIP
             3
         """
-        self._check_usable()
-        n = batch_len(observations)
+        if self._unusable:
+            self._check_usable()
+        n = len(observations) if type(observations) is np.ndarray else batch_len(observations)
+        given = infos is not None or episode_ids is not None or policy_versions is not None
         infos = [None] * n if infos is None else select(infos, None)
         ids = [None] * n if episode_ids is None else select(episode_ids, None)
         versions = [None] * n if policy_versions is None else select(policy_versions, None)
-        for what, col in (("infos", infos), ("episode_ids", ids), ("policy_versions", versions)):
-            if len(col) != n:
-                raise ValueError(f"{what} has {len(col)} rows, observations has {n}")
+        if given:
+            for what, col in (("infos", infos), ("episode_ids", ids), ("policy_versions", versions)):
+                if len(col) != n:
+                    raise ValueError(f"{what} has {len(col)} rows, observations has {n}")
         if self.validate_spaces:
             for obs in rows_of(self.observation_space, observations, n, "observations"):
                 if not self.observation_space.contains(obs):
@@ -96,34 +99,40 @@ class BatchedCalls:
         pid_env, spaces = self._start_avro
         ts = _r._now_ms_bytes()
         default = long_bytes(self._policy_version)
-        vbytes = [default if v is None else long_bytes(self._check_version(v)) for v in versions]
         obs = self._obs
-        if obs.single and set(map(type, kept)) == {bytes}:  # one leaf, each row its wire bytes
-            head = obs._count + obs._one_heads[0] + long_bytes(len(kept[0]))
-            middle = [(head, data, ARRAY_END) for data in kept]
-        else:
-            middle = []
-            for k in kept:
-                obs_parts: list = []
-                obs.write_kept(obs_parts, k)
-                middle.append(obs_parts)
-        no_info = string_bytes("") + spaces + ts
         keys = [eid.encode() for eid in out]  # the Kafka keys; with their lengths, the Avro ids
         avros = [long_bytes(len(kb)) + kb for kb in keys]
-        values = [
-            b"".join(
-                (
-                    avro,
-                    pid_env[0],
-                    ver,
-                    pid_env[1],
-                    *mid,
-                    no_info if not info else string_bytes(dumps_info(info)) + spaces + ts,
+        no_info = string_bytes("") + spaces + ts
+        one_leaf = obs.single and n and set(map(type, kept)) == {bytes}  # one leaf, each row its wire bytes
+        if one_leaf and versions.count(None) == n and infos.count(None) == n:  # all but id and data shared
+            head = pid_env[0] + default + pid_env[1] + obs._count + obs._one_heads[0] + long_bytes(len(kept[0]))
+            tail = ARRAY_END + no_info
+            values = [b"".join((avro, head, data, tail)) for avro, data in zip(avros, kept)]
+        else:
+            vbytes = [default if v is None else long_bytes(self._check_version(v)) for v in versions]
+            if one_leaf:
+                head = obs._count + obs._one_heads[0] + long_bytes(len(kept[0]))
+                middle = [(head, data, ARRAY_END) for data in kept]
+            else:
+                middle = []
+                for k in kept:
+                    obs_parts: list = []
+                    obs.write_kept(obs_parts, k)
+                    middle.append(obs_parts)
+            values = [
+                b"".join(
+                    (
+                        avro,
+                        pid_env[0],
+                        ver,
+                        pid_env[1],
+                        *mid,
+                        no_info if not info else string_bytes(dumps_info(info)) + spaces + ts,
+                    )
                 )
-            )
-            for avro, ver, mid, info in zip(avros, vbytes, middle, infos)
-        ]
-        if len(set(out)) != n:
+                for avro, ver, mid, info in zip(avros, vbytes, middle, infos)
+            ]
+        if episode_ids is not None and len(set(out)) != n:  # new ids are random uuid4s, as begin_episode's
             raise ValueError("episode_ids names an episode twice")
         while True:
             with self._lock:
@@ -273,7 +282,7 @@ class BatchedCalls:
         self._log_rows(ids, act, rew, obs, info_json, extras, term, trunc)
 
     @staticmethod
-    def _batch_outputs(extra: Mapping, n: int, idx: list[int] | None, ids: list) -> list:
+    def _batch_outputs(extra: Mapping, n: int, idx: Any, ids: list) -> list:
         """What log_step keeps of each selected row's outputs ``{k: extra[k][i]}``."""
         if not isinstance(extra, Mapping):
             raise TypeError(f"extra_model_outputs must map keys to batched values, got {type(extra).__name__}")

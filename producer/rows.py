@@ -21,22 +21,28 @@ from gymnasium import spaces as gs
 __all__ = ["batch_len", "checked_id", "flags", "new_episode_ids", "row_values", "rows_of", "select", "selected_rows"]
 
 
-def selected_rows(rows: Any, n: int) -> list[int] | None:
-    """The indices of the True entries of mask `rows` (None: every row of `n`)."""
+_BOOL = np.dtype(bool)
+
+
+def selected_rows(rows: Any, n: int) -> Any:
+    """The rows that the boolean mask `rows` selects, as `select` takes them: None for every row
+    of `n` (`rows` None), a list of at most one index, or an `itemgetter` of the indices (made
+    once per call, shared by every column)."""
     if rows is None:
         return None
-    mask = np.asarray(rows)
-    if mask.shape != (n,) or mask.dtype != np.bool_:
+    mask = rows if type(rows) is np.ndarray else np.asarray(rows)
+    if (mask.dtype is not _BOOL and mask.dtype != np.bool_) or mask.shape != (n,):
         raise ValueError(f"rows must be a boolean mask of shape ({n},), got dtype {mask.dtype} shape {mask.shape}")
-    return np.flatnonzero(mask).tolist()
+    idx = mask.nonzero()[0].tolist()
+    return itemgetter(*idx) if len(idx) > 1 else idx
 
 
-def select(values: Sequence, idx: list[int] | None) -> list:
-    """`values` at `idx` as a list (all of them when `idx` is None)."""
+def select(values: Sequence, idx: Any) -> list:
+    """`values` at the rows `idx` of `selected_rows` as a list (all of them when `idx` is None)."""
     if idx is None:
         return values if type(values) is list else list(values)
-    if len(idx) > 1:
-        return list(itemgetter(*idx)(values))
+    if type(idx) is itemgetter:
+        return list(idx(values))
     return [values[i] for i in idx]
 
 
@@ -73,7 +79,7 @@ def _row_slices(n: int, k: int) -> tuple[slice, ...]:
     return tuple(slice(j, j + k) for j in range(0, n * k, k))
 
 
-def row_values(packer: Any, space: gs.Space, batch: Any, n: int, idx: list[int] | None, what: str) -> list:
+def row_values(packer: Any, space: gs.Space, batch: Any, n: int, idx: Any, what: str) -> list:
     """What the recorder keeps (`_Packer.copy`) of each selected row of `batch`."""
     if (
         packer.dtype is not None
@@ -87,14 +93,14 @@ def row_values(packer: Any, space: gs.Space, batch: Any, n: int, idx: list[int] 
         data = batch.tobytes()  # one copy of the whole batch (C order), sliced per row
         k = len(data) // n if n else 0
         if not k:
-            return [b""] * (n if idx is None else len(idx))
+            return [b""] * len(select(range(n), idx))
         return list(map(data.__getitem__, select(_row_slices(n, k), idx)))
     rows = rows_of(space, batch, n, what)
     copy = packer.copy
     return [copy(r) for r in select(rows, idx)]
 
 
-def flags(values: Any, n: int, idx: list[int] | None, what: str) -> list[bool]:
+def flags(values: Any, n: int, idx: Any, what: str) -> list[bool]:
     """The selected rows of a batch of flags, as Python bools."""
     if type(values) is np.ndarray:
         if values.shape != (n,):
@@ -104,14 +110,20 @@ def flags(values: Any, n: int, idx: list[int] | None, what: str) -> list[bool]:
     return [bool(x) for x in select(values, idx)]
 
 
+#: uuid4's fixed bits, set by translating bytes 6 (version 4) and 8 (variant 10) of each id
+_VERSION_4 = bytes((x & 0x0F) | 0x40 for x in range(256))
+_VARIANT = bytes((x & 0x3F) | 0x80 for x in range(256))
+
+
 def new_episode_ids(n: int) -> list[str]:
     """`n` new episode ids: random uuid4 hex strings, as `begin_episode` makes one (one call to
-    the system's random source for all of them)."""
-    h = os.urandom(16 * n).hex()
-    return [
-        f"{h[j : j + 12]}4{h[j + 13 : j + 16]}{'89ab'[int(h[j + 16], 16) & 3]}{h[j + 17 : j + 32]}"
-        for j in range(0, 32 * n, 32)
-    ]
+    the system's random source for all of them, the version and variant bits set by two
+    translations)."""
+    b = bytearray(os.urandom(16 * n))
+    b[6::16] = b[6::16].translate(_VERSION_4)
+    b[8::16] = b[8::16].translate(_VARIANT)
+    h = b.hex()
+    return [h[j : j + 32] for j in range(0, 32 * n, 32)]
 
 
 def checked_id(eid: Any) -> Any:

@@ -36,9 +36,15 @@ from rlrec.producer.rows import (
 
 __all__ = ["BatchedCalls"]
 
+_ID_LEN, _ID_HEAD = {32}, long_bytes(32)  # the Avro length of 32-byte episode ids (uuid4 hex)
+
 
 class BatchedCalls:
     """The batched calls of `EpisodeRecorder` (its base class; see the module docstring)."""
+
+    #: begin_episodes' shared EpisodeStart parts: (timestamp bytes, policy version, observation
+    #: bytes per row, what precedes a row's observation bytes, what follows them)
+    _start_frame: tuple = (None, None, None, b"", b"")
 
     def begin_episodes(
         self,
@@ -98,17 +104,26 @@ class BatchedCalls:
         # the EpisodeStart records (see `_start_value`), what the rows share encoded once
         pid_env, spaces = self._start_avro
         ts = _r._now_ms_bytes()
-        default = long_bytes(self._policy_version)
         obs = self._obs
         keys = [eid.encode() for eid in out]  # the Kafka keys; with their lengths, the Avro ids
-        avros = [long_bytes(len(kb)) + kb for kb in keys]
-        no_info = string_bytes("") + spaces + ts
+        if set(map(len, keys)) == _ID_LEN:  # e.g. new ids (uuid4 hex)
+            avros = [_ID_HEAD + kb for kb in keys]
+        else:
+            avros = [long_bytes(len(kb)) + kb for kb in keys]
         one_leaf = obs.single and n and set(map(type, kept)) == {bytes}  # one leaf, each row its wire bytes
-        if one_leaf and versions.count(None) == n and infos.count(None) == n:  # all but id and data shared
-            head = pid_env[0] + default + pid_env[1] + obs._count + obs._one_heads[0] + long_bytes(len(kept[0]))
-            tail = ARRAY_END + no_info
+        if one_leaf and (not given or (versions.count(None) == n and infos.count(None) == n)):
+            # all but the id and the observation's bytes shared by the rows (and by the calls of
+            # one millisecond and policy version: remembered)
+            frame = self._start_frame
+            version, size = self._policy_version, len(kept[0])
+            if frame[0] is not ts or frame[1] != version or frame[2] != size:
+                head = pid_env[0] + long_bytes(version) + pid_env[1] + obs._count + obs._one_heads[0] + long_bytes(size)
+                frame = self._start_frame = (ts, version, size, head, ARRAY_END + string_bytes("") + spaces + ts)
+            head, tail = frame[3], frame[4]
             values = [b"".join((avro, head, data, tail)) for avro, data in zip(avros, kept)]
         else:
+            no_info = string_bytes("") + spaces + ts
+            default = long_bytes(self._policy_version)
             vbytes = [default if v is None else long_bytes(self._check_version(v)) for v in versions]
             if one_leaf:
                 head = obs._count + obs._one_heads[0] + long_bytes(len(kept[0]))

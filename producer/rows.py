@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Mapping, Sequence
-from operator import itemgetter
+from itertools import compress
 from typing import Any
 
 import numpy as np
@@ -24,26 +24,22 @@ __all__ = ["batch_len", "checked_id", "flags", "new_episode_ids", "row_values", 
 _BOOL = np.dtype(bool)
 
 
-def selected_rows(rows: Any, n: int) -> Any:
-    """The rows that the boolean mask `rows` selects, as `select` takes them: None for every row
-    of `n` (`rows` None), a list of at most one index, or an `itemgetter` of the indices (made
-    once per call, shared by every column)."""
+def selected_rows(rows: Any, n: int) -> list[bool] | None:
+    """The boolean mask `rows` as `select` takes it: a list of `n` bools (None: every row)."""
     if rows is None:
         return None
     mask = rows if type(rows) is np.ndarray else np.asarray(rows)
     if (mask.dtype is not _BOOL and mask.dtype != np.bool_) or mask.shape != (n,):
         raise ValueError(f"rows must be a boolean mask of shape ({n},), got dtype {mask.dtype} shape {mask.shape}")
-    idx = mask.nonzero()[0].tolist()
-    return itemgetter(*idx) if len(idx) > 1 else idx
+    return mask.tolist()
 
 
-def select(values: Sequence, idx: Any) -> list:
-    """`values` at the rows `idx` of `selected_rows` as a list (all of them when `idx` is None)."""
-    if idx is None:
+def select(values: Sequence, rows: list[bool] | None) -> list:
+    """`values` at the rows that the mask `rows` of `selected_rows` selects, as a list (all of
+    them when `rows` is None)."""
+    if rows is None:
         return values if type(values) is list else list(values)
-    if type(idx) is itemgetter:
-        return list(idx(values))
-    return [values[i] for i in idx]
+    return list(compress(values, rows))
 
 
 def _check_len(batch: Any, n: int, what: str) -> None:
@@ -93,7 +89,7 @@ def row_values(packer: Any, space: gs.Space, batch: Any, n: int, idx: Any, what:
         data = batch.tobytes()  # one copy of the whole batch (C order), sliced per row
         k = len(data) // n if n else 0
         if not k:
-            return [b""] * len(select(range(n), idx))
+            return [b""] * (n if idx is None else idx.count(True))
         return list(map(data.__getitem__, select(_row_slices(n, k), idx)))
     rows = rows_of(space, batch, n, what)
     copy = packer.copy

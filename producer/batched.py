@@ -21,7 +21,7 @@ import numpy as np
 from confluent_kafka import KafkaException
 
 from rlrec.producer import recorder as _r  # the recorder's state and helpers (imported first)
-from rlrec.producer.avro_write import ARRAY_END, long_bytes, string_bytes
+from rlrec.producer.avro_write import _SMALL, ARRAY_END, long_bytes, string_bytes
 from rlrec.producer.events import dumps_info
 from rlrec.producer.rows import (
     batch_len,
@@ -445,7 +445,7 @@ class BatchedCalls:
         produce, topic, delivered = self._producer.produce, self.topic, self._on_delivery
         episodes, finished = self._episodes, self._finished
         flag_bytes, msgs = _r._FLAGS, self._msgs
-        fields = _r._STEP_FIELDS
+        fields, small = _r._STEP_FIELDS, _SMALL
         ended: list = []  # (id, length) of the episodes ended, remembered in `finished` at once
         error = None
         for ep, te, tr in due:
@@ -471,28 +471,30 @@ class BatchedCalls:
                     except TypeError:  # ints mixed with bytes: `_encode_batch` writes them
                         pass
                     else:
-                        nb = long_bytes(n)
+                        t0, na, no = ep.t0, len(adata), len(odata)
+                        # the longs of the batch (small ones looked up: `long_bytes` costs a call)
+                        nb = small[n] if n < 4096 else long_bytes(n)
                         value = b"".join(
                             (
                                 ep.id_avro,
-                                long_bytes(ep.t0),
+                                small[t0] if t0 < 4096 else long_bytes(t0),
                                 a_count,
                                 a_head,
                                 nb,
                                 a_tail,
-                                long_bytes(len(adata)),
+                                small[na] if na < 4096 else long_bytes(na),
                                 adata,
                                 ARRAY_END,
                                 _r._REWARDS_HEAD,
                                 nb,
                                 ARRAY_END,
-                                long_bytes(8 * n),
+                                small[8 * n] if n < 512 else long_bytes(8 * n),
                                 array("d", steps[1::fields]),
                                 o_count,
                                 o_head,
                                 nb,
                                 o_tail,
-                                long_bytes(len(odata)),
+                                small[no] if no < 4096 else long_bytes(no),
                                 odata,
                                 ARRAY_END,
                                 flag_bytes[te, tr],

@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 import pytest
+from confluent_kafka import KafkaError, KafkaException
 from gymnasium import spaces as gs
 
 from rlrec.producer import EpisodeRecorder, RecorderFullError
@@ -402,3 +403,81 @@ def test_validate_spaces_checks_every_row_before_recording():
         assert [rec._episodes[e].t for e in ids] == [0, 0, 0]
     finally:
         rec.close(0)
+
+
+_STEP_HEADERS = recorder_module.schema_header("StepBatch")
+
+
+class _RefusingProducer(_KeepingProducer):
+    """Refuses messages as librdkafka may: every 5th call finds its queue full (BufferError: the
+    recorder polls and tries again), and one StepBatch is refused for good (KafkaException)."""
+
+    def __init__(self, refuse_call: int):
+        super().__init__()
+        self.calls = 0
+        self.refuse_call = refuse_call
+        self.refused = None  # the message refused (every time it is offered)
+
+    def produce(self, topic, value, key=None, headers=None, on_delivery=None):
+        self.calls += 1
+        if self.calls % 5 == 0:
+            raise BufferError("Local: Queue full")
+        if self.refused is None and self.calls >= self.refuse_call and headers == _STEP_HEADERS:
+            self.refused = value
+        if value == self.refused:
+            raise KafkaException(KafkaError(KafkaError.MSG_SIZE_TOO_LARGE))
+        super().produce(topic, value, key, headers, on_delivery)
+
+
+def test_refused_produce_calls_equal_single_calls():
+    """A full librdkafka queue (retried) and a refused batch (episode aborted, ValueError after
+    the other rows) leave the same messages and stats as one call per row."""
+    sides = []
+    for _ in range(2):
+        rec, _ = _recorder(max_batch_steps=3)
+        rec._producer = fake = _RefusingProducer(refuse_call=60)
+        sides.append((rec, fake))
+    (batched, fb), (single, fs) = sides
+    rng = np.random.default_rng(1)
+    n, counter = 8, iter(range(10**6))
+    ids = [f"ep-{next(counter)}" for _ in range(n)]
+    obs = rng.standard_normal((n, 3)).astype(np.float32)
+    batched.begin_episodes(obs, episode_ids=ids)
+    for i in range(n):
+        single.begin_episode(obs[i], episode_id=ids[i])
+    errors = [0, 0]
+    try:
+        for _ in range(30):
+            actions, rewards = rng.integers(0, 3, n), rng.standard_normal(n)
+            obs = rng.standard_normal((n, 3)).astype(np.float32)
+            term, trunc = rng.random(n) < 0.15, np.zeros(n, bool)
+            rows = rng.random(n) < 0.9
+            try:
+                batched.log_steps(ids, actions, rewards, obs, term, trunc, rows=rows)
+            except ValueError:
+                errors[0] += 1
+            for i in np.flatnonzero(rows):
+                try:
+                    single.log_step(ids[i], actions[i], rewards[i], obs[i], term[i], trunc[i])
+                except ValueError:
+                    errors[1] += 1
+            ended = np.flatnonzero(rows & term)
+            ended = [i for i in ended if ids[i] not in batched._episodes] + [
+                i for i in np.flatnonzero(rows) if ids[i] not in batched._episodes and i not in ended
+            ]
+            if ended:
+                new = [f"ep-{next(counter)}" for _ in ended]
+                fresh = rng.standard_normal((len(ended), 3)).astype(np.float32)
+                batched.begin_episodes(fresh, episode_ids=new)
+                for j, i in enumerate(ended):
+                    single.begin_episode(fresh[j], episode_id=new[j])
+                    ids[i] = new[j]
+        batched.flush(0)
+        single.flush(0)
+        assert fb.refused is not None and fb.refused == fs.refused and errors == [1, 1]
+        assert fb.messages == fs.messages
+        assert _stats(batched) == _stats(single)
+        assert batched.stats.failed == single.stats.failed > 0
+    finally:
+        batched.close(0)
+        single.close(0)

@@ -111,14 +111,15 @@ class _Written:
     error: Exception | None = None
 
 
-def _write(committer: ShardCommitter, chunks: list[list[FinishedEpisode]]) -> _Written:
-    """Steps 1-4 for each chunk in order, stopping at the first error, which is returned, not
-    raised (on the encoding thread or the caller's)."""
+def _write(committer: ShardCommitter, chunks: list[list[FinishedEpisode]], resumes: list[int | None]) -> _Written:
+    """Steps 1-4 for each chunk in order (each entry recording the chunk's resume position),
+    stopping at the first error, which is returned, not raised (on the encoding thread or the
+    caller's)."""
     done = _Written()
-    for chunk in chunks:
+    for chunk, resume in zip(chunks, resumes):
         t0 = time.time()
         try:
-            res = committer.commit(chunk)
+            res = committer.commit(chunk, resume_offset=resume)
         except Exception as e:  # FencedError, storage, MemoryError: the caller decides
             done.error = e
             break
@@ -189,14 +190,13 @@ class PartitionWriter:
         self.rotation = rotation or Rotation()
         self.assembler: PartitionAssembler | None = None
         self.state = WriterState.CLAIMING
-        self.replay_from: int | None = None  # the committed Kafka offset the last claim replays from
+        self.replay_from: int | None = None  # the Kafka offset the last claim replays from
         self.retry = RetrySchedule()  # failed flushes (wall clock); a claim's retry time too
         self.encoder = encoder
         self.counters = counters if counters is not None else Counters()
         #: chunks handed out and being written on `encoder`, with the future of a `_Written`
         self._encoding: tuple[list[list[FinishedEpisode]], Future] | None = None
         self._encoding_bytes = 0
-        self._forget_upto: int | None = None  # offsets_committed() deferred while a write is under way
         self._kafka_committed: int | None = None  # the offset the service last committed for this owner
         self.compaction = compaction
         self.lease_s = lease_s
@@ -256,13 +256,24 @@ class PartitionWriter:
 
     # -- ownership ----------------------------------------------------------------------------
 
-    def claim(self, replay_from: int | None = None) -> None:
+    def claim(
+        self,
+        replay_from: int | None = None,
+        *,
+        from_store: bool = False,
+        group: str | None = None,
+        deployment: str | None = None,
+    ) -> None:
         """Claim a new writer epoch (the committer rolls forward unpublished commits and learns
         the committed episode ids that can still be replayed from Kafka offset `replay_from`,
-        all if None) and start a new assembler that asks it. Raises on storage errors (the state
-        stays CLAIMING)."""
+        all if None; with `from_store`, from the store's resume position where it has one:
+        `replay_from` then says where reading resumes, None if the store has no position) and
+        start a new assembler that asks it. `group` and `deployment` name the writer in its
+        claim. Raises on storage errors (the state stays CLAIMING)."""
         self._discard_encoding()  # before the committer is used here (none is under way: unclaimed() waited)
-        self.committer.claim(replay_from)
+        self.committer.claim(replay_from, from_position=from_store, group=group, deployment=deployment)
+        if from_store:
+            replay_from = self.committer.resume_offset
         self.replay_from = replay_from
         self._kafka_committed = None
         self.assembler = PartitionAssembler(
@@ -279,7 +290,7 @@ class PartitionWriter:
 
     def unclaimed(self, retry_in: float, state: WriterState = WriterState.CLAIMING) -> None:
         """No claim held (it failed, or we were fenced): drop the state, claim again later and
-        start over from the committed offset."""
+        start over from the store's position."""
         self._release(state)
         self.retry.next_at = time.time() + retry_in
 
@@ -288,7 +299,7 @@ class PartitionWriter:
 
     def drop(self) -> None:
         """Forget all in-memory state (revoked). Uncommitted episodes are replayed by the next
-        owner from the committed Kafka offset."""
+        owner from the store's position."""
         self._release(WriterState.REVOKED)
 
     def _release(self, state: WriterState) -> None:
@@ -342,8 +353,6 @@ class PartitionWriter:
                 return out
             self._encoding = None
             ok = self._apply_written(chunks, future.result(), out)
-            if self._forget_upto is not None:
-                self.offsets_committed(self._forget_upto)
             if not ok or not force:
                 return out
         background = self.encoder is not None and not force
@@ -351,16 +360,29 @@ class PartitionWriter:
         chunks = self._hand_out(now, force, first_unacked, only_first=background)
         if not chunks:
             return out
+        resumes = self._resume_offsets(chunks, first_unacked)
         if background:
             try:
-                future = self.encoder.submit(_write, self.committer, chunks)
+                future = self.encoder.submit(_write, self.committer, chunks, resumes)
             except RuntimeError:  # the executor is shut down (or cannot start its thread): write here
                 log.warning("partition %d: the encoding thread is not available; writing on this one", self.partition)
             else:
                 self._encoding = (chunks, future)
                 self._encoding_bytes = sum(fe.nbytes() for chunk in chunks for fe in chunk)
                 return out
-        self._apply_written(chunks, _write(self.committer, chunks), out)
+        self._apply_written(chunks, _write(self.committer, chunks, resumes), out)
+        return out
+
+    def _resume_offsets(self, chunks: list[list[FinishedEpisode]], first_unacked: int | None) -> list[int | None]:
+        """Per chunk, the offset the service could commit once it and the chunks before it are
+        committed (step 5's rule, decided now): what each shard entry records as where the
+        partition resumes (`ShardEntry.resume_offset`)."""
+        out: list[int | None] = []
+        committing: set[str] = set()
+        for chunk in chunks:
+            committing.update(fe.episode_id for fe in chunk)
+            off = self.assembler.safe_offset(committing)  # later chunks are still in flight: held
+            out.append(None if off is None else off if first_unacked is None else min(off, first_unacked))
         return out
 
     def _discard_encoding(self) -> None:
@@ -372,7 +394,6 @@ class PartitionWriter:
             self._encoding = None
             if not future.cancel():
                 future.result()  # `_write` returns its errors
-        self._forget_upto = None
 
     def _hand_out(
         self, now: float, force: bool, first_unacked: int | None, only_first: bool = False
@@ -406,6 +427,9 @@ class PartitionWriter:
         a = self.assembler
         committed = self.committer.committed_offset
         a.mark_committed(fe for chunk in chunks for fe in chunk if committed(fe.episode_id) is not None)
+        if done.results and self.committer.resume_offset is not None:
+            # no owner resumes before the store's position: the ids no replay can meet go
+            self.committer.offsets_committed(self.committer.resume_offset)
         for res, seconds in zip(done.results, done.seconds):
             for fe, _detail in res.unwritable:
                 a.drop_unwritable(fe)
@@ -460,15 +484,11 @@ class PartitionWriter:
         return off
 
     def offsets_committed(self, offset: int) -> None:
-        """The service committed `offset` for this partition: the committer forgets the
-        committed episode ids no owner can replay any more (while a write is under way, once it
-        is applied)."""
+        """The service committed `offset` for this partition to the consumer group. Only for
+        lag tools and the next `offset_to_commit`: where the partition resumes is the store's
+        position (`ShardEntry.resume_offset`), and the committer forgets committed ids below it
+        as each write is applied."""
         self._kafka_committed = offset
-        if self._encoding is not None:
-            self._forget_upto = offset
-            return
-        self._forget_upto = None
-        self.committer.offsets_committed(offset)
 
     # -- upkeep -------------------------------------------------------------------------------
 

@@ -1,0 +1,209 @@
+"""The store's resume position (manifest format 3): what shard entries record, how the log folds
+and reads it, how strictly it is parsed, and the consumer's defaults derived from the output."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import numpy as np
+import pytest
+
+from rlrec.consumer.assembly import PartitionAssembler
+from rlrec.consumer.resume import default_group_id, foreign_writers, start_of
+from rlrec.consumer.writer import PartitionWriter
+from rlrec.producer.events import EpisodeStart
+from rlrec.store import manifest_entries
+from rlrec.store.commit import ShardCommitter
+from rlrec.store.compaction import compact_partition
+from rlrec.store.manifest import (
+    ClaimEntry,
+    ManifestError,
+    PartitionLog,
+    ReplaceEntry,
+    ShardEntry,
+    SnapshotEntry,
+    UnsupportedManifestError,
+    parse_entry,
+    read_partition_logs,
+)
+from rlrec.store.storage import Storage
+from tests.test_assembly import ACT, OBS, start, steps
+
+LATER = time.time() + 3600  # past any reward join window
+
+
+def start_of_policy(eid: str, policy: str) -> EpisodeStart:
+    return EpisodeStart(eid, policy, 1, [np.zeros(4, np.float32)], OBS, ACT, "CartPole-v1", {"seed": 1}, 1000)
+
+
+def finished(events: list[tuple[int, object]]):
+    """The finished episodes of `events` (offset, event), assembled as the consumer does."""
+    a = PartitionAssembler("rl", 0)
+    for off, ev in events:
+        assert a.apply(off, ev) == []
+    return list(a.finished.values())
+
+
+def shard_doc(resume: int | None = 7, **extra) -> dict:
+    e = ShardEntry(
+        path="pol/a.parquet",
+        staging_path="pol/_staging/a.parquet",
+        topic="rl",
+        partition=0,
+        policy_id="pol",
+        first_offset=0,
+        last_offset=3,
+        episode_ids=["e1"],
+        episodes=1,
+        steps=3,
+        bytes=10,
+        sha256="0" * 64,
+        format="episodes",
+        format_version=1,
+        resume_offset=resume,
+    ).with_commit(seq=1, epoch=1, writer="w")
+    return {**json.loads(e.to_json()), **extra}
+
+
+def test_a_shard_entry_with_a_position_is_format_3_and_parsed_strictly(monkeypatch):
+    doc = shard_doc(7)
+    assert doc["manifest_version"] == 3 and doc["resume_offset"] == 7
+    assert parse_entry(doc).resume_offset == 7
+    plain = shard_doc(None)
+    assert "manifest_version" not in plain and parse_entry(plain).resume_offset is None  # format 1, as before
+    for bad in ({"resume_offset": -1}, {"resume_offset": "7"}, {"resume_offset": True}, {"manifest_version": 2}):
+        with pytest.raises(ManifestError):
+            parse_entry({**doc, **bad})
+    with pytest.raises(ManifestError, match="manifest_version"):  # a position an older reader would miss
+        parse_entry({k: v for k, v in doc.items() if k != "manifest_version"})
+    monkeypatch.setattr(manifest_entries, "MANIFEST_FORMAT_VERSION", 2)  # a reader of format 2 refuses, clearly
+    with pytest.raises(UnsupportedManifestError, match="upgrade rlrec"):
+        parse_entry(doc)
+    assert parse_entry(plain).resume_offset is None
+
+
+def test_a_claim_names_group_and_deployment_in_format_3():
+    c = ClaimEntry(seq=0, epoch=1, writer="h:1:u", group="g", deployment="blue")
+    d = json.loads(c.to_json())
+    assert d["manifest_version"] == 3 and parse_entry(d) == c
+    plain = json.loads(ClaimEntry(seq=0, epoch=1, writer="h:1:u").to_json())
+    assert "manifest_version" not in plain and "group" not in plain
+    for bad in ({"group": ""}, {"group": 3}, {"deployment": "a\nb"}, {"manifest_version": 1}):
+        with pytest.raises(ManifestError):
+            parse_entry({**d, **bad})
+
+
+def test_a_merged_shard_never_carries_a_position():
+    shard = parse_entry(shard_doc(None))
+    r = ReplaceEntry(replaces=(1,), shard=shard).with_commit(seq=2, epoch=1, writer="w")
+    doc = json.loads(r.to_json())
+    doc["shard"] = {**doc["shard"], "resume_offset": 5, "manifest_version": 3}
+    with pytest.raises(ManifestError, match="never moves the resume position"):
+        parse_entry(doc)
+
+
+def test_each_entry_records_the_offset_the_consumer_would_commit(tmp_path):
+    """Held at an open episode's start; past everything once nothing is open."""
+    storage = Storage.from_uri(str(tmp_path))
+    w = PartitionWriter(storage, "rl", 0)
+    w.claim(from_store=True)
+    assert w.replay_from is None
+    a = w.assembler
+    a.apply(0, start("a"))
+    a.apply(1, start("b"))  # stays open across the first shard
+    a.apply(2, steps("a", 0, 2, terminated=True))
+    w.tick(LATER, force=True)
+    a.apply(3, steps("b", 0, 2, terminated=True))
+    a.apply(4, start("c"))
+    a.apply(5, steps("c", 0, 2, terminated=True))
+    w.tick(LATER, force=True)
+    entries = [e for e in PartitionLog(storage, "rl", 0).load() if isinstance(e, ShardEntry)]
+    assert [(e.episode_ids, e.resume_offset) for e in entries] == [(("a",), 1), (("b", "c"), 6)]
+    # the next owner resumes there, and so does a re-claim
+    w2 = PartitionWriter(storage, "rl", 0)
+    w2.claim(from_store=True)
+    assert w2.replay_from == 6 == w2.committer.resume_offset
+
+
+def test_an_unacknowledged_dead_letter_holds_the_position(tmp_path):
+    storage = Storage.from_uri(str(tmp_path))
+    w = PartitionWriter(storage, "rl", 0)
+    w.claim(from_store=True)
+    a = w.assembler
+    a.apply(0, start("a"))
+    a.apply(1, steps("a", 0, 2, terminated=True))
+    a.next_offset = 3  # offset 2 was dead-lettered, not acknowledged yet
+    w.tick(LATER, force=True, first_unacked=2)
+    (e,) = [e for e in PartitionLog(storage, "rl", 0).load() if isinstance(e, ShardEntry)]
+    assert e.resume_offset == 2
+
+
+def test_a_shard_is_held_at_the_episodes_of_its_call_not_yet_committed(tmp_path):
+    """One call, two policies: the first shard's entry must not pass the second's episodes."""
+    storage = Storage.from_uri(str(tmp_path))
+    eps = finished(
+        [
+            (0, start_of_policy("x", "p1")),
+            (1, start_of_policy("y", "p2")),
+            (2, steps("x", 0, 2, terminated=True)),
+            (3, steps("y", 0, 2, terminated=True)),
+        ]
+    )
+    c = ShardCommitter(storage, "rl", 0)
+    c.claim()
+    res = c.commit(eps, resume_offset=4)
+    assert [(e.policy_id, e.resume_offset) for e in res.entries] == [("p1", 1), ("p2", 4)]
+
+
+def test_snapshots_fold_the_position_and_compaction_never_moves_it(tmp_path):
+    storage = Storage.from_uri(str(tmp_path))
+    c = ShardCommitter(storage, "rl", 0, snapshot_every=3)
+    c.claim()
+    offset = 0
+    for i in range(7):
+        eps = finished([(offset, start(f"e{i}")), (offset + 1, steps(f"e{i}", 0, 2, terminated=True))])
+        offset += 2
+        c.commit(eps, resume_offset=offset)
+    snaps = [e for e in PartitionLog(storage, "rl", 0).load() if isinstance(e, SnapshotEntry)]
+    assert snaps and all(s.resume_offset is not None for s in snaps)
+    assert json.loads(storage.read(f"_manifest/rl/00000/{snaps[-1].seq:012d}.json"))["manifest_version"] == 3
+    fresh = PartitionLog(storage, "rl", 0)
+    fresh.claim("next", from_position=True)  # the newest snapshot and the tail: no full read
+    assert fresh.resume_offset == 14
+    res = compact_partition(fresh, target_bytes=1 << 30, min_age_s=0)  # by the newest owner
+    assert res.written
+    replaced = [e for e in PartitionLog(storage, "rl", 0).load() if isinstance(e, ReplaceEntry)]
+    assert replaced and all(r.shard.resume_offset is None for r in replaced)
+    after = PartitionLog(storage, "rl", 0)
+    after.claim("after", from_position=True)
+    assert after.resume_offset == 14
+    assert read_partition_logs(storage)  # every reader still reads the log
+
+
+def test_where_a_partition_starts():
+    assert start_of(120, True, "latest").offset == 120
+    assert start_of(None, True, "latest").offset == -2  # shards without positions: from the beginning
+    assert start_of(None, False, "earliest").offset == -2
+    assert start_of(None, False, "latest").offset == -1
+
+
+def test_the_default_group_is_derived_from_the_normalized_output(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    d = tmp_path / "d"
+    groups = {default_group_id(Storage.from_uri(u)) for u in (str(d), "./d", f"file://{d}", f"{d}/")}
+    assert len(groups) == 1
+    assert default_group_id(Storage.from_uri(str(tmp_path / "other"))) not in groups
+    assert os.path.basename(groups.pop()).startswith("rlrec-")
+
+
+def test_a_foreign_group_is_named():
+    claims = [
+        ClaimEntry(seq=0, epoch=1, writer="a:1:x", group="mine", deployment="h1"),
+        ClaimEntry(seq=5, epoch=2, writer="b:2:y", group="theirs", deployment="h2"),
+        ClaimEntry(seq=9, epoch=3, writer="old:3:z"),  # an older rlrec names no group
+    ]
+    line = foreign_writers(claims, "mine")
+    assert "group 'theirs' (deployment 'h2', writer b:2:y, epoch 2 at seq 5)" in line and "--group-id" in line
+    assert foreign_writers(claims[:1] + claims[2:], "mine") is None

@@ -471,16 +471,16 @@ class PartitionWriter:
 
     def offset_to_commit(self, first_unacked: int | None) -> int | None:
         """The Kafka offset the service may commit for this partition now, or None (no claim, or
-        nothing new since the last commit): the assembler's safe offset -- never past the first
-        event of an episode the committer does not hold committed --, and never past
-        `first_unacked`, the partition's first dead letter the broker has not acknowledged."""
+        nothing read yet): the assembler's safe offset -- never past the first event of an
+        episode the committer does not hold committed --, and never past `first_unacked`, the
+        partition's first dead letter the broker has not acknowledged. Handed out again while it
+        does not move, so that the group's offset, which lag tools read, comes back where
+        another output's consumer of the same group moved it."""
         if self.assembler is None:
             return None
         off = self.assembler.safe_offset()
         if off is not None and first_unacked is not None:
             off = min(off, first_unacked)
-        if off is None or (self._kafka_committed is not None and off <= self._kafka_committed):
-            return None
         return off
 
     def offsets_committed(self, offset: int) -> None:

@@ -184,6 +184,8 @@ class ResumeFromStore:
             earliest = self._low_watermark(p)
             if earliest is not None and earliest > start.position:
                 offset = self._gap(p, start.position, earliest)
+        if offset >= 0:  # read from here: until a message comes, the offset to commit (for lag tools)
+            w.assembler.next_offset = offset
         log.info("partition %d: reading from offset %s (%s)", p, offset, start.why)
         return offset
 

@@ -143,6 +143,7 @@ class RecorderConsumer(ResumeFromStore):
         self.group_id = config.group_id or default_group_id(self.storage)
         self.deployment = config.deployment or default_deployment()
         self._refused: GapError | None = None  # a gap refused: run() raises it once shut down
+        self._incremental = False  # a cooperative assignment strategy (--kafka-config): incremental_assign
         self.writers: dict[int, PartitionWriter] = {}
         # shard encoding (Parquet, zstd, hashing; mostly without the GIL) runs on one thread of
         # its own while the loop polls and assembles, so the second core works (PartitionWriter);
@@ -272,6 +273,7 @@ class RecorderConsumer(ResumeFromStore):
             "logger": kafka_logger(),
         }
         log.info("consumer group %s, deployment %s, output %s", self.group_id, self.deployment, self.storage.uri())
+        self._incremental = "cooperative" in str(conf["partition.assignment.strategy"])
         try:
             consumer = Consumer(conf)
         except (KafkaException, ValueError, TypeError) as e:
@@ -382,7 +384,7 @@ class RecorderConsumer(ResumeFromStore):
             start = self._start_offset(tp.partition)
             if start is not None:
                 tp.offset = start
-        consumer.assign(partitions)
+        (consumer.incremental_assign if self._incremental else consumer.assign)(partitions)
         for tp in partitions:
             self._sync_pause(tp.partition, self.writers[tp.partition])
         self.metrics.assigned.set(len(self.writers))

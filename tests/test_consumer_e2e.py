@@ -201,6 +201,13 @@ def test_claim_replays_from_the_store_position_not_the_group_offset(broker, topi
     finally:
         c2.stop()
         t2.join(30)
+    # nothing new was read, yet the group's offsets (which lag tools read) came back to the store's
+    probe = Consumer({"bootstrap.servers": broker.bootstrap_servers, "group.id": cfg.group_id, **FAST_GROUP_KAFKA})
+    after = {
+        tp.partition: tp.offset for tp in probe.committed([TopicPartition(topic, p) for p in range(4)], timeout=10)
+    }
+    probe.close()
+    assert all(after[p] == off for p, off in positions.items()), (positions, after)
 
 
 @pytest.mark.slow

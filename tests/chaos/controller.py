@@ -10,7 +10,7 @@ shard (read from its /metrics), followed by a replacement; `joins` membership ch
 consumer, or a graceful leave and a new one when 3 run); `storage_faults` windows in which the
 proxy stalls every request and then answers 503 (plus a few ambiguous 503s whose request did
 reach the store); `foreign_outputs` consumers of another output with the same group id, each
-joining between two kills and leaving 10-15 s later (the store, not the group's offsets, decides
+joining between two kills and leaving 3-6 s after it wrote a shard there (the store, not the group's offsets, decides
 where the main output resumes); one broker restart. The moments are drawn from the seed; what is eligible for a
 kill at that moment depends on timing, so two runs with one seed are alike, not identical.
 Then: wait for the producers, read the topic, wait until the manifest holds every expected
@@ -371,7 +371,13 @@ class Chaos:
         self.tally.rebalances += 1
         self.tally.foreign_outputs += 1
         self._fault(f"consumer {c.name} of another output joins the group")
-        time.sleep(self.rng.uniform(10, 15))
+        deadline = time.monotonic() + 60  # until it holds partitions and wrote a shard there
+        while time.monotonic() < deadline and c.alive:
+            m = c.metrics()
+            if m.get("rlrec_assigned_partitions", 0) > 0 and m.get("rlrec_shards_committed_total", 0) > 0:
+                break
+            time.sleep(0.5)
+        time.sleep(self.rng.uniform(3, 6))
         m = c.metrics()
         c.proc.send_signal(signal.SIGTERM)
         try:
@@ -380,7 +386,8 @@ class Chaos:
             c.proc.kill()
         self.tally.rebalances += 1
         self.say(
-            f"consumer {c.name} of another output leaves (SIGTERM) after committing "
+            f"consumer {c.name} of another output leaves (SIGTERM) holding "
+            f"{m.get('rlrec_assigned_partitions', 0):.0f} partitions, after committing "
             f"{m.get('rlrec_episodes_committed_total', 0):.0f} episodes there"
         )
 

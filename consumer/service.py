@@ -742,6 +742,7 @@ class RecorderConsumer(ResumeFromStore):
         for fe, detail in t.unwritable:  # data: these episodes, not the others of the shard
             log.error("partition %d: episode %s cannot be written (%s); dead-lettered", p, fe.episode_id, detail)
             self._dead_letter_finished(p, fe, "unwritable", detail)
+            w.dead_lettered([fe.episode_id])  # the DLQ holds the position there until acknowledged
         for f in t.flushed:
             self.metrics.on_commit(f.result, f.seconds, f.episodes)
         self._sync_pause(p, w)

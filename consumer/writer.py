@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from enum import Enum
@@ -111,21 +111,46 @@ class _Written:
     error: Exception | None = None
 
 
-def _write(committer: ShardCommitter, chunks: list[list[FinishedEpisode]], resumes: list[int | None]) -> _Written:
-    """Steps 1-4 for each chunk in order (each entry recording the chunk's resume position),
-    stopping at the first error, which is returned, not raised (on the encoding thread or the
-    caller's)."""
+def _write(committer: ShardCommitter, chunks: list[list[FinishedEpisode]], floor: int | None) -> _Written:
+    """Steps 1-4 for each chunk in order, each entry recording where the partition resumes
+    (`_positions`), stopping at the first error, which is returned, not raised (on the encoding
+    thread or the caller's)."""
     done = _Written()
-    for chunk, resume in zip(chunks, resumes):
+    position = _positions(committer, chunks, floor)
+    for chunk in chunks:
         t0 = time.time()
         try:
-            res = committer.commit(chunk, resume_offset=resume)
+            res = committer.commit(chunk, resume_offset=position)
         except Exception as e:  # FencedError, storage, MemoryError: the caller decides
             done.error = e
             break
         done.results.append(res)
         done.seconds.append(time.time() - t0)
     return done
+
+
+def _positions(
+    committer: ShardCommitter, chunks: list[list[FinishedEpisode]], floor: int | None
+) -> Callable[[list[FinishedEpisode]], int | None]:
+    """The resume position of each shard entry of a write (`ShardEntry.resume_offset`; the one
+    place it is decided): `floor` -- what holds the partition outside this write
+    (`PartitionWriter.position`) -- held back to the first offset of every episode of the write
+    that is not committed once the entry lands: a later shard's, and one the format cannot
+    encode (its dead letter is sent after the write; `PartitionWriter.dead_lettered`)."""
+    episodes = [fe for chunk in chunks for fe in chunk]
+
+    def position(entry: list[FinishedEpisode]) -> int | None:
+        if floor is None:
+            return None
+        landing = {fe.episode_id for fe in entry}
+        held = [
+            fe.first_offset
+            for fe in episodes
+            if fe.episode_id not in landing and committer.committed_offset(fe.episode_id) is None
+        ]
+        return min([floor, *held])
+
+    return position
 
 
 class PartitionWriter:
@@ -198,6 +223,8 @@ class PartitionWriter:
         self._encoding: tuple[list[list[FinishedEpisode]], Future] | None = None
         self._encoding_bytes = 0
         self._kafka_committed: int | None = None  # the offset the service last committed for this owner
+        #: episodes found unwritable whose dead letters the caller has not sent yet: {id: first offset}
+        self._undelivered: dict[str, int] = {}
         self.compaction = compaction
         self.lease_s = lease_s
         self._lease_due = 0.0  # when the owner lease is renewed next (wall clock)
@@ -276,6 +303,7 @@ class PartitionWriter:
             replay_from = self.committer.resume_offset
         self.replay_from = replay_from
         self._kafka_committed = None
+        self._undelivered = {}
         self.assembler = PartitionAssembler(
             self.topic, self.partition, self.committer, self.assembly_config, self.counters
         )
@@ -305,6 +333,7 @@ class PartitionWriter:
     def _release(self, state: WriterState) -> None:
         self.assembler = None
         self._kafka_committed = None
+        self._undelivered = {}
         self._discard_encoding()
         self._finish_compaction(wait=True)
         self._compaction_view = None
@@ -360,29 +389,17 @@ class PartitionWriter:
         chunks = self._hand_out(now, force, first_unacked, only_first=background)
         if not chunks:
             return out
-        resumes = self._resume_offsets(chunks, first_unacked)
+        floor = self.position(first_unacked, writing=(fe.episode_id for chunk in chunks for fe in chunk))
         if background:
             try:
-                future = self.encoder.submit(_write, self.committer, chunks, resumes)
+                future = self.encoder.submit(_write, self.committer, chunks, floor)
             except RuntimeError:  # the executor is shut down (or cannot start its thread): write here
                 log.warning("partition %d: the encoding thread is not available; writing on this one", self.partition)
             else:
                 self._encoding = (chunks, future)
                 self._encoding_bytes = sum(fe.nbytes() for chunk in chunks for fe in chunk)
                 return out
-        self._apply_written(chunks, _write(self.committer, chunks, resumes), out)
-        return out
-
-    def _resume_offsets(self, chunks: list[list[FinishedEpisode]], first_unacked: int | None) -> list[int | None]:
-        """Per chunk, the offset the service could commit once it and the chunks before it are
-        committed (step 5's rule, decided now): what each shard entry records as where the
-        partition resumes (`ShardEntry.resume_offset`)."""
-        out: list[int | None] = []
-        committing: set[str] = set()
-        for chunk in chunks:
-            committing.update(fe.episode_id for fe in chunk)
-            off = self.assembler.safe_offset(committing)  # later chunks are still in flight: held
-            out.append(None if off is None else off if first_unacked is None else min(off, first_unacked))
+        self._apply_written(chunks, _write(self.committer, chunks, floor), out)
         return out
 
     def _discard_encoding(self) -> None:
@@ -433,6 +450,7 @@ class PartitionWriter:
         for res, seconds in zip(done.results, done.seconds):
             for fe, _detail in res.unwritable:
                 a.drop_unwritable(fe)
+                self._undelivered[fe.episode_id] = fe.first_offset  # held until the caller dead-letters it
             out.unwritable += res.unwritable
             out.flushed.append(Flushed(res, seconds, res.written))
         err = done.error
@@ -469,19 +487,35 @@ class PartitionWriter:
 
     # -- step 5: the Kafka offset -------------------------------------------------------------
 
-    def offset_to_commit(self, first_unacked: int | None) -> int | None:
-        """The Kafka offset the service may commit for this partition now, or None (no claim, or
-        nothing read yet): the assembler's safe offset -- never past the first event of an
-        episode the committer does not hold committed --, and never past `first_unacked`, the
-        partition's first dead letter the broker has not acknowledged. Handed out again while it
-        does not move, so that the group's offset, which lag tools read, comes back where
-        another output's consumer of the same group moved it."""
+    def position(self, first_unacked: int | None, writing: Iterable[str] = ()) -> int | None:
+        """Where the partition resumes once the episodes `writing` (handed out) are committed,
+        or None (no claim, or nothing read yet): the assembler's safe offset -- never past the
+        first event of an episode the committer does not hold committed --, never past an
+        episode found unwritable whose dead letter the caller has not sent (`dead_lettered`),
+        and never past `first_unacked`, the partition's first dead letter the broker has not
+        acknowledged. What each shard entry records (`_positions`) and what the service
+        commits to the consumer group (`offset_to_commit`)."""
         if self.assembler is None:
             return None
-        off = self.assembler.safe_offset()
-        if off is not None and first_unacked is not None:
-            off = min(off, first_unacked)
-        return off
+        off = self.assembler.safe_offset(writing)
+        if off is None:
+            return None
+        held = [*self._undelivered.values(), *([] if first_unacked is None else [first_unacked])]
+        return min([off, *held])
+
+    def dead_lettered(self, episode_ids: Iterable[str]) -> None:
+        """The caller sent these unwritable episodes' dead letters (`Tick.unwritable`), at their
+        first offsets: from now on the dead-letter queue holds the position there until the
+        broker acknowledges them (`first_unacked`)."""
+        for eid in episode_ids:
+            self._undelivered.pop(eid, None)
+
+    def offset_to_commit(self, first_unacked: int | None) -> int | None:
+        """The Kafka offset the service may commit for this partition now (`position`), or None
+        (no claim, or nothing read yet). Handed out again while it does not move, so that the
+        group's offset, which lag tools read, comes back where another output's consumer of the
+        same group moved it."""
+        return self.position(first_unacked)
 
     def offsets_committed(self, offset: int) -> None:
         """The service committed `offset` for this partition to the consumer group. Only for

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from rlrec.producer.events import load_schemas
@@ -231,14 +231,17 @@ class ShardCommitter:
 
     # -- the protocol -------------------------------------------------------------------------
 
-    def commit(self, episodes: Iterable[FinishedEpisode], resume_offset: int | None = None) -> CommitResult:
+    def commit(
+        self,
+        episodes: Iterable[FinishedEpisode],
+        resume_offset: Callable[[list[FinishedEpisode]], int | None] | None = None,
+    ) -> CommitResult:
         """Commit `episodes` as shards, one per policy id.
 
-        `resume_offset`: the Kafka offset its caller could commit once all of `episodes` are
-        committed (None: the caller reads no Kafka). Each shard entry records it as its
-        `resume_offset`, held back to the first offset of every episode of this call not
-        committed when the entry lands (a later shard of the call, an episode the format cannot
-        encode: its dead letter is sent after the call).
+        `resume_offset`: asked, with a shard's episodes, just before its entry is appended, for
+        the entry's `resume_offset` (where the partition resumes once the entry exists; the
+        caller decides it: `rlrec.consumer.writer`); None: entries carry none (the caller reads
+        no Kafka).
 
         Episodes the shard format cannot encode (data errors) are written nowhere and returned
         in `CommitResult.unwritable`; the others are committed, by this call or -- found on a
@@ -256,8 +259,6 @@ class ShardCommitter:
             by_policy[fe.policy_id].append(fe)
         todo = [eps for group in by_policy.values() for eps in self._encode(group, result.unwritable)]
         while todo:
-            held = [fe.first_offset for fe, _ in result.unwritable] + [fe.first_offset for e, _ in todo[1:] for fe in e]
-            resume = None if resume_offset is None else min([resume_offset, *held])
             # 1. encode the episodes into one Parquet shard, in memory (done above, and again
             #    for the rest after a conflict); an append of unknown outcome is retried as it
             #    was: the same name and bytes
@@ -270,6 +271,7 @@ class ShardCommitter:
             # 3. append its entry to the partition's manifest log, create-once: the commit point
             for fe in eps:  # asked only once an entry holds the episode
                 self._lengths[fe.episode_id] = fe.length
+            resume = None if resume_offset is None else resume_offset(eps)
             try:
                 entry = self.log.append_shard(self._entry(eps, shard, path, staging, resume))
             except ConflictError as c:

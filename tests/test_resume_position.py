@@ -3,16 +3,18 @@ and reads it, how strictly it is parsed, and the consumer's defaults derived fro
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 
 from rlrec.consumer.assembly import PartitionAssembler
 from rlrec.consumer.resume import default_group_id, foreign_writers, start_of
-from rlrec.consumer.writer import PartitionWriter
+from rlrec.consumer.writer import PartitionWriter, Rotation
 from rlrec.producer.events import EpisodeStart
 from rlrec.store import manifest_entries
 from rlrec.store.commit import ShardCommitter
@@ -140,21 +142,21 @@ def test_an_unacknowledged_dead_letter_holds_the_position(tmp_path):
     assert e.resume_offset == 2
 
 
-def test_a_shard_is_held_at_the_episodes_of_its_call_not_yet_committed(tmp_path):
-    """One call, two policies: the first shard's entry must not pass the second's episodes."""
+def test_a_shard_is_held_at_the_episodes_of_its_write_not_yet_committed(tmp_path):
+    """One write, two policies: the first shard's entry must not pass the second's episodes."""
     storage = Storage.from_uri(str(tmp_path))
-    eps = finished(
-        [
-            (0, start_of_policy("x", "p1")),
-            (1, start_of_policy("y", "p2")),
-            (2, steps("x", 0, 2, terminated=True)),
-            (3, steps("y", 0, 2, terminated=True)),
-        ]
-    )
-    c = ShardCommitter(storage, "rl", 0)
-    c.claim()
-    res = c.commit(eps, resume_offset=4)
-    assert [(e.policy_id, e.resume_offset) for e in res.entries] == [("p1", 1), ("p2", 4)]
+    w = PartitionWriter(storage, "rl", 0)
+    w.claim(from_store=True)
+    for off, ev in [
+        (0, start_of_policy("x", "p1")),
+        (1, start_of_policy("y", "p2")),
+        (2, steps("x", 0, 2, terminated=True)),
+        (3, steps("y", 0, 2, terminated=True)),
+    ]:
+        w.assembler.apply(off, ev)
+    w.tick(LATER, force=True)
+    entries = [e for e in PartitionLog(storage, "rl", 0).load() if isinstance(e, ShardEntry)]
+    assert [(e.policy_id, e.resume_offset) for e in entries] == [("p1", 1), ("p2", 4)]
 
 
 def test_snapshots_fold_the_position_and_compaction_never_moves_it(tmp_path):
@@ -165,7 +167,7 @@ def test_snapshots_fold_the_position_and_compaction_never_moves_it(tmp_path):
     for i in range(7):
         eps = finished([(offset, start(f"e{i}")), (offset + 1, steps(f"e{i}", 0, 2, terminated=True))])
         offset += 2
-        c.commit(eps, resume_offset=offset)
+        c.commit(eps, resume_offset=lambda _eps, at=offset: at)
     snaps = [e for e in PartitionLog(storage, "rl", 0).load() if isinstance(e, SnapshotEntry)]
     assert snaps and all(s.resume_offset is not None for s in snaps)
     assert json.loads(storage.read(f"_manifest/rl/00000/{snaps[-1].seq:012d}.json"))["manifest_version"] == 3
@@ -207,3 +209,57 @@ def test_a_foreign_group_is_named():
     line = foreign_writers(claims, "mine")
     assert "group 'theirs' (deployment 'h2', writer b:2:y, epoch 2 at seq 5)" in line and "--group-id" in line
     assert foreign_writers(claims[:1] + claims[2:], "mine") is None
+
+
+def unwritable_steps(eid: str):
+    """Steps the tabular format cannot encode: an extra model output named `obs` (RLlib
+    reserves the column)."""
+    s = steps(eid, 0, 2, terminated=True)
+    return dataclasses.replace(s, extra_model_outputs={**s.extra_model_outputs, "obs": np.zeros(2, np.float32)})
+
+
+def positions(storage: Storage) -> list[tuple[tuple[str, ...], int | None]]:
+    return [
+        (e.episode_ids, e.resume_offset) for e in PartitionLog(storage, "rl", 0).load() if isinstance(e, ShardEntry)
+    ]
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_an_unwritable_episode_holds_the_position_until_its_dead_letter_is_sent(tmp_path, background):
+    """One episode per shard, `a` (offsets 0-1) cannot be encoded, `b` (2-3) can: no entry may
+    resume past `a` before a's dead letter exists (a kill -9 then would lose `a`: in neither a
+    shard nor the DLQ). With an encoding thread, the forced tick (revoke, shutdown) applies the
+    write that found `a` unwritable, then writes `b` before the caller sends a's dead letter."""
+    storage = Storage.from_uri(str(tmp_path))
+    encoder = ThreadPoolExecutor(1) if background else None
+    try:
+        w = PartitionWriter(storage, "rl", 0, fmt="tabular", rotation=Rotation(max_episodes=1), encoder=encoder)
+        w.claim(from_store=True)
+        a = w.assembler
+        a.apply(0, start("a"))
+        a.apply(1, unwritable_steps("a"))
+        if background:  # `a` alone goes to the encoding thread; `b` comes while it is written
+            assert w.tick(LATER).unwritable == []
+            w._encoding[1].result()
+        a.apply(2, start("b"))
+        a.apply(3, steps("b", 0, 2, terminated=True))
+        t = w.tick(LATER, force=True)
+        assert [fe.episode_id for fe, _ in t.unwritable] == ["a"]
+        assert positions(storage) == [(("b",), 0)]  # held at a's first offset: its dead letter is not sent yet
+        assert w.offset_to_commit(None) == 0
+        # the caller sent a's dead letter (at its first offset): the DLQ holds the position until acknowledged
+        w.dead_lettered(["a"])
+        assert w.offset_to_commit(0) == 0
+        a.apply(4, start("c"))
+        a.apply(5, steps("c", 0, 2, terminated=True))
+        w.tick(LATER, force=True, first_unacked=0)
+        assert positions(storage)[-1] == (("c",), 0)
+        a.apply(6, start("d"))
+        a.apply(7, steps("d", 0, 2, terminated=True))
+        w.tick(LATER, force=True)  # acknowledged: nothing holds it
+        assert positions(storage)[-1] == (("d",), 8)
+        assert w.offset_to_commit(None) == 8
+    finally:
+        if encoder is not None:
+            encoder.shutdown()
+

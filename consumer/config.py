@@ -12,6 +12,7 @@ from typing import Literal
 
 from rlrec.consumer.topics import dlq_topic_name
 from rlrec.options import check_choices, option
+from rlrec.store.manifest_entries import is_writer_name
 
 __all__ = ["ConsumerConfig"]
 
@@ -126,6 +127,9 @@ class ConsumerConfig:
         check_choices(self)
         if self.compact_after_s < 0:
             raise ValueError(f"--compact-after must be >= 0 seconds, got {self.compact_after_s:g}")
+        for flag, name in (("--group-id", self.group_id), ("--deployment", self.deployment)):
+            if name is not None and not is_writer_name(name):  # a claim could not record it
+                raise ValueError(f"{flag} must be 1-255 printable characters (no tab or newline), got {name[:40]!r}")
 
     @property
     def dlq(self) -> str:

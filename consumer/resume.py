@@ -45,6 +45,9 @@ __all__ = [
 
 log = logging.getLogger("rlrec.consumer")
 
+#: how long a partition whose start cannot be told waits for its next claim
+START_RETRY_S = 10.0
+
 
 class GapError(RuntimeFailure):
     """The store resumes a partition at an offset the topic no longer holds (exit code 1)."""
@@ -83,7 +86,8 @@ def default_group_id(storage: Storage) -> str:
 
 def default_deployment() -> str:
     """The deployment name a writer records in its claims without ``--deployment``: the host."""
-    return socket.gethostname() or "unknown-host"
+    name = "".join(c for c in socket.gethostname() if c.isprintable())[:255]
+    return name or "unknown-host"
 
 
 def start_of(position: int | None, has_shards: bool, start_from: str) -> Start:
@@ -168,12 +172,30 @@ class ResumeFromStore:
     _refused: GapError | None
 
     def _start_offset(self, p: int) -> int | None:
-        """Where partition p is read from after its claim (None: not claimed): the store's
-        position, else `--start-from` (`rlrec.consumer.resume.start_of`); a position the topic
-        no longer holds is refused (or, with --accept-gap, skipped)."""
+        """Where partition p is read from after its claim (None: not claimed, or it cannot be
+        said: then the writer is unclaimed and its partition paused until a later claim): the
+        store's position, else `--start-from` (`rlrec.consumer.resume.start_of`); a position
+        the topic no longer holds is refused (or, with --accept-gap, skipped). Never raises:
+        it runs in the rebalance callback."""
         w = self.writers.get(p)
         if w is None or w.assembler is None:
             return None
+        try:
+            offset = self._where_to_start(p, w)
+            TopicPartition(self.config.topic, p, offset)  # what the Kafka client cannot hold is refused here
+        except Exception as e:  # a broker or storage failure, or a position no Kafka offset can be
+            log.error(
+                "partition %d: cannot tell where to read it (%s: %s); claiming again in %.0f s",
+                p,
+                type(e).__name__,
+                str(e)[:200],
+                START_RETRY_S,
+            )
+            w.unclaimed(START_RETRY_S)
+            return None
+        return offset
+
+    def _where_to_start(self, p: int, w: Any) -> int:
         lg = w.committer.log
         start = start_of(w.replay_from, lg.max_last_offset >= 0, self.config.start_from)
         warning = foreign_writers(lg.recent_claims(), self.group_id)

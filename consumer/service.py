@@ -435,7 +435,10 @@ class RecorderConsumer(ResumeFromStore):
             w.unclaimed(10.0, w.state)
             return
         start = self._start_offset(p)
-        if self._seek(p, start if start is not None else -2):
+        if start is None:  # unclaimed again (logged): the next claim tries again
+            self._sync_pause(p, w)
+            return
+        if self._seek(p, start):
             log.info("partition %d: claimed again; replaying from offset %s", p, start)
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:

@@ -46,6 +46,7 @@ __all__ = [
     "UnsupportedManifestError",
     "check_shard_paths",
     "entry_path",
+    "is_writer_name",
     "parse_entry",
 ]
 
@@ -60,6 +61,9 @@ _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
 MANIFEST_FORMAT_VERSION = 3
 #: the format version of entries that carry a resume position or a writer's names
 RESUME_FORMAT_VERSION = 3
+#: the largest Kafka offset (int64): an entry's offsets above it are refused, so a forged one
+#: never reaches the Kafka client (which cannot hold it)
+MAX_KAFKA_OFFSET = 2**63 - 1
 
 
 class ManifestError(ValueError):
@@ -469,10 +473,28 @@ def _validate_claim(d: Mapping[str, Any]) -> None:
     _check_type(d, "time", (int, float))
     names = [k for k in ("group", "deployment") if k in d]
     for k in names:
-        v = _check_type(d, k, (str,))
-        if not v or len(v) > 255 or not v.isprintable():
+        if not is_writer_name(_check_type(d, k, (str,))):
             raise ManifestError(f"field {k!r} must be 1-255 printable characters")
     _check_declared(d, RESUME_FORMAT_VERSION if names else 1, "claim")
+
+
+def _check_offset(d: Mapping[str, Any], key: str, lo: int = 0) -> int:
+    """A Kafka offset field: an int from `lo` to `MAX_KAFKA_OFFSET`."""
+    v = _check_type(d, key, (int,))
+    if not lo <= v <= MAX_KAFKA_OFFSET:
+        raise ManifestError(f"field {key!r} must be a Kafka offset ({lo} to 2**63-1), got {str(v)[:40]}")
+    return v
+
+
+def is_writer_name(v: str) -> bool:
+    """Whether `v` can name a writer's group or deployment in a claim: 1-255 printable
+    characters (no tab, no newline).
+
+    Example:
+        >>> is_writer_name("rlrec-consumer"), is_writer_name("a\tb"), is_writer_name("x" * 256)
+        (True, False, False)
+    """
+    return 0 < len(v) <= 255 and v.isprintable()
 
 
 def _check_declared(d: Mapping[str, Any], needed: int, what: str) -> None:
@@ -512,6 +534,8 @@ def _validate_shard(d: Mapping[str, Any]) -> None:
     for k in ("partition", "first_offset", "last_offset", "episodes", "steps", "bytes", "format_version"):
         if _check_type(d, k, (int,)) < 0:
             raise ManifestError(f"field {k!r} must be >= 0, got {d[k]}")
+    for k in ("first_offset", "last_offset"):
+        _check_offset(d, k)
     if d["first_offset"] > d["last_offset"]:
         raise ManifestError(f"first_offset {d['first_offset']} > last_offset {d['last_offset']}")
     if not _check_type(d, "policy_id", (str,)):
@@ -548,8 +572,8 @@ def _validate_shard(d: Mapping[str, Any]) -> None:
             raise ManifestError("field 'steps_without_logp' must map policy versions (strings) to step counts >= 0")
     if "decoded_bytes" in d and (_check_type(d, "decoded_bytes", (int,), nullable=True) or 0) < 0:
         raise ManifestError(f"field 'decoded_bytes' must be >= 0, got {d['decoded_bytes']}")
-    if "resume_offset" in d and _check_type(d, "resume_offset", (int,)) < 0:
-        raise ManifestError(f"field 'resume_offset' must be >= 0, got {d['resume_offset']}")
+    if "resume_offset" in d:
+        _check_offset(d, "resume_offset")
     _check_declared(d, RESUME_FORMAT_VERSION if "resume_offset" in d else 1, "shard")
 
 
@@ -602,8 +626,8 @@ def _validate_snapshot(
         raise ManifestError(f"snapshot {seq}: last_claim must be a claim below it")
     if d["epoch"] > last_claim.epoch or any(e.epoch > last_claim.epoch for e in parsed):
         raise ManifestError(f"snapshot {seq}: an epoch above last_claim's {last_claim.epoch}")
-    top = _check_type(d, "max_last_offset", (int,))
-    below = _check_type(d, "below_max_last_offset", (int,))
+    top = _check_offset(d, "max_last_offset", lo=-1)
+    below = _check_offset(d, "below_max_last_offset", lo=-1)
     if below < -1 or top != max([below, *(e.last_offset for e in parsed if isinstance(e, ShardEntry))]):
         raise ManifestError(f"snapshot {seq}: max_last_offset {top} does not match its entries")
     unpublished = [_parse_folded(x, f"snapshot {seq} unpublished") for x in _check_type(d, "unpublished", (list,))]
@@ -614,7 +638,7 @@ def _validate_snapshot(
         raise ManifestError(f"snapshot {seq}: unpublished entries must be below it")
     folded = [e.resume_offset for e in parsed if isinstance(e, ShardEntry) and e.resume_offset is not None]
     if "resume_offset" in d:
-        if _check_type(d, "resume_offset", (int,)) < max([0, *folded]):
+        if _check_offset(d, "resume_offset") < max([0, *folded]):
             raise ManifestError(f"snapshot {seq}: resume_offset below a folded entry's")
     elif folded:
         raise ManifestError(f"snapshot {seq}: folds entries with a resume_offset but has none")

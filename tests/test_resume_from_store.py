@@ -5,6 +5,7 @@ one line; a writer of another group is named at claim time."""
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import time
@@ -194,3 +195,37 @@ def test_two_groups_writing_one_store_keep_exactly_once(broker, topic, tmp_path,
     assert {c.group for c in claims} == {"group-x", "group-y"}
     assert x.metrics.fenced._value.get() + y.metrics.fenced._value.get() > 0
     assert verify(storage) == []
+
+
+def test_a_forged_position_no_kafka_offset_can_be_never_crashes_the_consumer(
+    broker, topic, tmp_path, recorder_config, caplog
+):
+    """A shard entry whose resume_offset is past int64 (2**80): refused when the log is read (the
+    claim fails, is retried, the partition waits), in one clear line -- never an OverflowError
+    out of the rebalance callback that ends the consumer, restarted for ever."""
+    ra = recorder(broker, topic)
+    out = str(tmp_path / "out")
+    storage = Storage.from_uri(out)
+    try:
+        wave1 = record_episodes(ra, 8, seed=71)
+        ra.flush(10)
+        consume_until(recorder_config(out), out, set(wave1))
+    finally:
+        ra.close()
+    newest = max(read_manifest(storage), key=lambda e: e.seq)
+    path = f"_manifest/{topic}/{newest.partition:05d}/{newest.seq:012d}.json"
+    doc = json.loads(storage.read(path))
+    doc["resume_offset"] = 2**80
+    storage.write(path, json.dumps(doc).encode())
+    caplog.set_level(logging.INFO, logger="rlrec")
+    c, t = run_consumer(recorder_config(out), Storage.from_uri(out))
+    try:
+        wait_for(lambda: sum(1 for w in c.writers.values() if w.assembler) == 3, 40, what="the other claims")
+        time.sleep(2.0)
+        assert t.is_alive()  # the consumer goes on with the partitions it can read
+        assert c.writers[newest.partition].assembler is None  # the forged one waits, unclaimed
+    finally:
+        c.stop()
+        t.join(30)
+    lines = [r.getMessage() for r in caplog.records if f"partition {newest.partition}:" in r.getMessage()]
+    assert any("resume_offset" in m and "2**63-1" in m for m in lines), lines

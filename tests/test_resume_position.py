@@ -263,3 +263,11 @@ def test_an_unwritable_episode_holds_the_position_until_its_dead_letter_is_sent(
         if encoder is not None:
             encoder.shutdown()
 
+
+def test_offsets_past_int64_are_refused_when_parsed():
+    """A Kafka offset is an int64: a forged larger one never reaches the Kafka client."""
+    assert parse_entry(shard_doc(2**63 - 1)).resume_offset == 2**63 - 1
+    for bad in ({"resume_offset": 2**63}, {"resume_offset": 2**80}, {"last_offset": 2**63}):
+        with pytest.raises(ManifestError, match="2\\*\\*63-1"):
+            parse_entry({**shard_doc(7), **bad})
+

@@ -19,6 +19,7 @@ from rlrec.producer.events import EpisodeStart
 from rlrec.store import manifest_entries
 from rlrec.store.commit import ShardCommitter
 from rlrec.store.compaction import compact_partition
+from rlrec.store.maintenance import verify
 from rlrec.store.manifest import (
     ClaimEntry,
     ManifestError,
@@ -271,3 +272,23 @@ def test_offsets_past_int64_are_refused_when_parsed():
         with pytest.raises(ManifestError, match="2\\*\\*63-1"):
             parse_entry({**shard_doc(7), **bad})
 
+
+def test_verify_finds_a_snapshot_whose_position_is_not_the_logs(tmp_path):
+    """A snapshot moving the position ahead would make every consumer skip offsets, silently."""
+    storage = Storage.from_uri(str(tmp_path))
+    c = ShardCommitter(storage, "rl", 0, snapshot_every=3)
+    c.claim()
+    for i in range(4):
+        eps = finished([(2 * i, start(f"e{i}")), (2 * i + 1, steps(f"e{i}", 0, 2, terminated=True))])
+        c.commit(eps, resume_offset=lambda _eps, at=2 * i + 2: at)
+    assert verify(storage) == []
+    snap = next(e for e in PartitionLog(storage, "rl", 0).load() if isinstance(e, SnapshotEntry))
+    path = f"_manifest/rl/00000/{snap.seq:012d}.json"
+    doc = json.loads(storage.read(path))
+    doc["resume_offset"] += 1000  # above every folded entry's: the parser cannot tell
+    storage.write(path, json.dumps(doc).encode())
+    problems = verify(storage)
+    assert any(
+        f"snapshot seq {snap.seq}: resume_offset {snap.resume_offset + 1000} != {snap.resume_offset}" in p
+        for p in problems
+    ), problems

@@ -680,11 +680,13 @@ class PartitionAssembler:
                 self.finished[fe.episode_id] = fe
                 self.finished_bytes += fe.nbytes()
 
-    def safe_offset(self) -> int | None:
-        """The offset the consumer group may commit for this partition (None: nothing seen)."""
+    def safe_offset(self, committing: Iterable[str] = ()) -> int | None:
+        """The offset the consumer group may commit for this partition (None: nothing seen);
+        with `committing`, once those handed-out episodes are committed too."""
+        skip = set(committing)
         firsts = [ep.first_offset for ep in self.open.values()]
         firsts += [fe.first_offset for fe in self.finished.values()]
-        firsts += [fe.first_offset for fe in self.in_flight.values()]
+        firsts += [fe.first_offset for eid, fe in self.in_flight.items() if eid not in skip]
         if firsts:
             return min(firsts)
         return self.next_offset

@@ -12,6 +12,7 @@ from typing import Literal
 
 from rlrec.consumer.topics import dlq_topic_name
 from rlrec.options import check_choices, option
+from rlrec.store.manifest_entries import is_writer_name
 
 __all__ = ["ConsumerConfig"]
 
@@ -27,7 +28,24 @@ class ConsumerConfig:
         help="output URI or path: /dir, file:///dir, s3://bucket/prefix, gs://bucket/prefix, az://container/prefix"
     )
     topic: str = option("rlrec.transitions", help="transitions topic")
-    group_id: str = option("rlrec-consumer", help="consumer group id; run more processes with the same id to scale out")
+    group_id: str | None = option(
+        None,
+        help="consumer group id; run more processes with the same id to scale out (default: rlrec- and a hash "
+        "of the output's URI, so each output has its own group); one group per output",
+    )
+    start_from: Literal["earliest", "latest"] = option(
+        "earliest",
+        help="where a partition the output store has never written is read from (the store's own position "
+        "decides for every other partition)",
+    )
+    accept_gap: bool = option(
+        False,
+        help="read on from the topic's earliest offset when the store resumes a partition at an offset the "
+        "topic no longer holds (episodes are missing from the store); without it the consumer refuses to start",
+    )
+    deployment: str | None = option(
+        None, help="name of this deployment, recorded in the claims it writes (default: the host name)"
+    )
     format: Literal["episodes", "tabular"] = option(
         "episodes", help="episodes (RLlib output_write_episodes=True) or tabular"
     )
@@ -109,6 +127,9 @@ class ConsumerConfig:
         check_choices(self)
         if self.compact_after_s < 0:
             raise ValueError(f"--compact-after must be >= 0 seconds, got {self.compact_after_s:g}")
+        for flag, name in (("--group-id", self.group_id), ("--deployment", self.deployment)):
+            if name is not None and not is_writer_name(name):  # a claim could not record it
+                raise ValueError(f"{flag} must be 1-255 printable characters (no tab or newline), got {name[:40]!r}")
 
     @property
     def dlq(self) -> str:

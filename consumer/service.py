@@ -26,7 +26,9 @@ Data errors and infrastructure errors are handled apart (docs/GUARANTEES.md, "Po
   /healthz once it lasts.
 
 Rebalances: on revoke, ready episodes are flushed and offsets committed before the partition
-goes; on assign, the partition's manifest log is claimed (new writer epoch: any zombie is fenced).
+goes; on assign, the partition's manifest log is claimed (new writer epoch: any zombie is fenced)
+and the partition is read from the store's position (`rlrec.consumer.resume`), never from the
+group's committed offset.
 SIGTERM/SIGINT: flush every finished episode, wait for dead-letter acknowledgements, commit,
 leave the group.
 """
@@ -54,6 +56,7 @@ from rlrec.consumer.assembly import (
 from rlrec.consumer.config import ConsumerConfig
 from rlrec.consumer.dead_letters import DeadLetterQueue, dead_letter_record
 from rlrec.consumer.metrics import ConsumerMetrics
+from rlrec.consumer.resume import GapError, ResumeFromStore, default_deployment, default_group_id
 from rlrec.consumer.topics import check_reachable, client_settings, create_topics, describe_kafka_error, kafka_logger
 from rlrec.consumer.writer import Compaction, PartitionWriter, Rotation
 from rlrec.errors import UsageError
@@ -110,7 +113,7 @@ def startup_timeout(max_seconds: float | None) -> float:
     return STARTUP_TIMEOUT_S if max_seconds is None else max(1.0, min(STARTUP_TIMEOUT_S, max_seconds))
 
 
-class RecorderConsumer:
+class RecorderConsumer(ResumeFromStore):
     """Consumes rlrec events and commits every finished episode to exactly one shard.
 
     Guarantees (docs/GUARANTEES.md): the committed Kafka offset of a partition never passes the
@@ -136,6 +139,11 @@ class RecorderConsumer:
             on_episode_too_large=config.on_episode_too_large,
         )
         self.rotation = Rotation(config.max_episodes_per_file, config.max_file_bytes, config.max_file_age_s)
+        #: the consumer group, by default one per output (`rlrec.consumer.resume.default_group_id`)
+        self.group_id = config.group_id or default_group_id(self.storage)
+        self.deployment = config.deployment or default_deployment()
+        self._refused: GapError | None = None  # a gap refused: run() raises it once shut down
+        self._incremental = False  # a cooperative assignment strategy (--kafka-config): incremental_assign
         self.writers: dict[int, PartitionWriter] = {}
         # shard encoding (Parquet, zstd, hashing; mostly without the GIL) runs on one thread of
         # its own while the loop polls and assembles, so the second core works (PartitionWriter);
@@ -217,6 +225,8 @@ class RecorderConsumer:
                 self.last_loop_at = time.time()
         finally:
             self._shutdown()
+        if self._refused is not None:
+            raise self._refused
 
     def _start(self, max_seconds: float | None) -> None:
         """Topics (created, or checked with --no-create-topics) and the metrics server."""
@@ -251,16 +261,19 @@ class RecorderConsumer:
         cfg = self.config
         conf = {
             "bootstrap.servers": cfg.bootstrap_servers,
-            "group.id": cfg.group_id,
+            "group.id": self.group_id,
             "enable.auto.commit": False,
-            "auto.offset.reset": "earliest",
             "partition.assignment.strategy": "range",
             "fetch.message.max.bytes": cfg.max_message_bytes,
             "queued.max.messages.kbytes": 65536,  # the prefetch queue: part of the memory bound
             **FAST_FAILOVER_KAFKA,
             **cfg.kafka_config,
+            # a position the topic does not hold is an error (`_out_of_range`), never a silent jump
+            "auto.offset.reset": "error",
             "logger": kafka_logger(),
         }
+        log.info("consumer group %s, deployment %s, output %s", self.group_id, self.deployment, self.storage.uri())
+        self._incremental = "cooperative" in str(conf["partition.assignment.strategy"])
         try:
             consumer = Consumer(conf)
         except (KafkaException, ValueError, TypeError) as e:
@@ -365,22 +378,18 @@ class RecorderConsumer:
     # -- rebalance callbacks ------------------------------------------------------------------
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        replay_from = self._committed_offsets([tp.partition for tp in partitions])
+        """Claim each partition and read it from where the store says (explicit offsets)."""
         for tp in partitions:
-            self._claim(tp.partition, replay_from.get(tp.partition))
+            self._claim(tp.partition)
+            start = self._start_offset(tp.partition)
+            if start is not None:
+                tp.offset = start
+        (consumer.incremental_assign if self._incremental else consumer.assign)(partitions)
+        for tp in partitions:
+            self._sync_pause(tp.partition, self.writers[tp.partition])
         self.metrics.assigned.set(len(self.writers))
 
-    def _committed_offsets(self, partitions: list[int]) -> dict[int, int]:
-        """The group's committed offsets (0 where none: replay from the start); {} if the broker
-        does not answer (the claim then loads every committed episode id)."""
-        try:
-            tps = self.consumer.committed([TopicPartition(self.config.topic, p) for p in partitions], timeout=10)
-        except KafkaException as e:
-            log.warning("committed offsets not available (%s); claims load every committed episode id", e)
-            return {}
-        return {tp.partition: max(tp.offset, 0) for tp in tps if tp.error is None}
-
-    def _claim(self, p: int, replay_from: int | None = None) -> None:
+    def _claim(self, p: int) -> None:
         w = PartitionWriter(
             self.storage,
             self.config.topic,
@@ -399,14 +408,17 @@ class RecorderConsumer:
         self.writers[p] = w
         for attempt in range(CLAIM_RETRY.attempts):
             try:
-                w.claim(replay_from)
+                self._claim_writer(w)
                 return
             except Exception as e:  # storage unavailable: retried from the loop, partition paused
                 log.warning("partition %d: claim failed (%s), attempt %d", p, e, attempt + 1)
                 time.sleep(CLAIM_RETRY.delay(attempt))
         log.error("partition %d: could not claim; paused until a claim succeeds", p)
         w.unclaimed(5.0)
-        self._sync_pause(p, w)
+
+    def _claim_writer(self, w: PartitionWriter) -> None:
+        """Claim w's partition from the store's position, naming this group and deployment."""
+        w.claim(from_store=True, group=self.group_id, deployment=self.deployment)
 
     def _sync_pause(self, p: int, w: PartitionWriter) -> None:
         """The writer's state decides whether its partition is read."""
@@ -416,24 +428,18 @@ class RecorderConsumer:
             self._resume(p, "writer")
 
     def _reclaim(self, p: int, w: PartitionWriter) -> None:
-        tp = TopicPartition(self.config.topic, p)
         try:
-            committed = self.consumer.committed([tp], timeout=10)[0].offset
-            w.claim(max(committed, 0))
+            self._claim_writer(w)
         except Exception as e:
             log.warning("partition %d: claim failed again (%s)", p, e)
             w.unclaimed(10.0, w.state)
             return
-        tp.offset = committed if committed >= 0 else -2  # OFFSET_BEGINNING
-        try:
-            self.consumer.seek(tp)
-        except KafkaException as e:  # reading on from elsewhere would skip or repeat events
-            log.warning("partition %d: seek to the committed offset failed (%s); claiming again", p, e)
-            w.unclaimed(1.0)
+        start = self._start_offset(p)
+        if start is None:  # unclaimed again (logged): the next claim tries again
             self._sync_pause(p, w)
             return
-        self._sync_pause(p, w)
-        log.info("partition %d: claimed again; replaying from offset %s", p, committed)
+        if self._seek(p, start):
+            log.info("partition %d: claimed again; replaying from offset %s", p, start)
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         now = time.time()
@@ -474,7 +480,9 @@ class RecorderConsumer:
         (an infrastructure failure); skip its other messages of this batch."""
         err = m.error()
         if err is not None:
-            if err.code() != KafkaError._PARTITION_EOF:
+            if err.code() == KafkaError._AUTO_OFFSET_RESET:
+                self._out_of_range(m.partition())
+            elif err.code() != KafkaError._PARTITION_EOF:
                 log.warning("consumer error: %s", err)
                 if err.code() in (KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN):
                     self._broker_trouble_at = time.monotonic()  # not live: no timeouts meanwhile
@@ -561,14 +569,7 @@ class RecorderConsumer:
             "partition %d: schema registry unavailable (%s); retrying offset %d in %.1fs", p, err, offset, backoff
         )
         self._pause(p, "registry")
-        try:
-            self.consumer.seek(TopicPartition(self.config.topic, p, offset))
-        except KafkaException as e:  # reading on would skip this message: start over instead
-            log.warning("partition %d: seek to %d failed (%s); replaying from the committed offset", p, offset, e)
-            w = self.writers.get(p)
-            if w is not None:
-                w.unclaimed(1.0)  # its reclaim seeks to the committed offset
-                self._sync_pause(p, w)
+        self._seek(p, offset)
 
     def _registry_ok(self, p: int) -> None:
         if self._registry_retry.pop(p, None) is not None:
@@ -744,6 +745,7 @@ class RecorderConsumer:
         for fe, detail in t.unwritable:  # data: these episodes, not the others of the shard
             log.error("partition %d: episode %s cannot be written (%s); dead-lettered", p, fe.episode_id, detail)
             self._dead_letter_finished(p, fe, "unwritable", detail)
+            w.dead_lettered([fe.episode_id])  # the DLQ holds the position there until acknowledged
         for f in t.flushed:
             self.metrics.on_commit(f.result, f.seconds, f.episodes)
         self._sync_pause(p, w)

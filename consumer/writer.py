@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from enum import Enum
@@ -111,20 +111,46 @@ class _Written:
     error: Exception | None = None
 
 
-def _write(committer: ShardCommitter, chunks: list[list[FinishedEpisode]]) -> _Written:
-    """Steps 1-4 for each chunk in order, stopping at the first error, which is returned, not
-    raised (on the encoding thread or the caller's)."""
+def _write(committer: ShardCommitter, chunks: list[list[FinishedEpisode]], floor: int | None) -> _Written:
+    """Steps 1-4 for each chunk in order, each entry recording where the partition resumes
+    (`_positions`), stopping at the first error, which is returned, not raised (on the encoding
+    thread or the caller's)."""
     done = _Written()
+    position = _positions(committer, chunks, floor)
     for chunk in chunks:
         t0 = time.time()
         try:
-            res = committer.commit(chunk)
+            res = committer.commit(chunk, resume_offset=position)
         except Exception as e:  # FencedError, storage, MemoryError: the caller decides
             done.error = e
             break
         done.results.append(res)
         done.seconds.append(time.time() - t0)
     return done
+
+
+def _positions(
+    committer: ShardCommitter, chunks: list[list[FinishedEpisode]], floor: int | None
+) -> Callable[[list[FinishedEpisode]], int | None]:
+    """The resume position of each shard entry of a write (`ShardEntry.resume_offset`; the one
+    place it is decided): `floor` -- what holds the partition outside this write
+    (`PartitionWriter.position`) -- held back to the first offset of every episode of the write
+    that is not committed once the entry lands: a later shard's, and one the format cannot
+    encode (its dead letter is sent after the write; `PartitionWriter.dead_lettered`)."""
+    episodes = [fe for chunk in chunks for fe in chunk]
+
+    def position(entry: list[FinishedEpisode]) -> int | None:
+        if floor is None:
+            return None
+        landing = {fe.episode_id for fe in entry}
+        held = [
+            fe.first_offset
+            for fe in episodes
+            if fe.episode_id not in landing and committer.committed_offset(fe.episode_id) is None
+        ]
+        return min([floor, *held])
+
+    return position
 
 
 class PartitionWriter:
@@ -189,15 +215,16 @@ class PartitionWriter:
         self.rotation = rotation or Rotation()
         self.assembler: PartitionAssembler | None = None
         self.state = WriterState.CLAIMING
-        self.replay_from: int | None = None  # the committed Kafka offset the last claim replays from
+        self.replay_from: int | None = None  # the Kafka offset the last claim replays from
         self.retry = RetrySchedule()  # failed flushes (wall clock); a claim's retry time too
         self.encoder = encoder
         self.counters = counters if counters is not None else Counters()
         #: chunks handed out and being written on `encoder`, with the future of a `_Written`
         self._encoding: tuple[list[list[FinishedEpisode]], Future] | None = None
         self._encoding_bytes = 0
-        self._forget_upto: int | None = None  # offsets_committed() deferred while a write is under way
         self._kafka_committed: int | None = None  # the offset the service last committed for this owner
+        #: episodes found unwritable whose dead letters the caller has not sent yet: {id: first offset}
+        self._undelivered: dict[str, int] = {}
         self.compaction = compaction
         self.lease_s = lease_s
         self._lease_due = 0.0  # when the owner lease is renewed next (wall clock)
@@ -256,15 +283,27 @@ class PartitionWriter:
 
     # -- ownership ----------------------------------------------------------------------------
 
-    def claim(self, replay_from: int | None = None) -> None:
+    def claim(
+        self,
+        replay_from: int | None = None,
+        *,
+        from_store: bool = False,
+        group: str | None = None,
+        deployment: str | None = None,
+    ) -> None:
         """Claim a new writer epoch (the committer rolls forward unpublished commits and learns
         the committed episode ids that can still be replayed from Kafka offset `replay_from`,
-        all if None) and start a new assembler that asks it. Raises on storage errors (the state
-        stays CLAIMING)."""
+        all if None; with `from_store`, from the store's resume position where it has one:
+        `replay_from` then says where reading resumes, None if the store has no position) and
+        start a new assembler that asks it. `group` and `deployment` name the writer in its
+        claim. Raises on storage errors (the state stays CLAIMING)."""
         self._discard_encoding()  # before the committer is used here (none is under way: unclaimed() waited)
-        self.committer.claim(replay_from)
+        self.committer.claim(replay_from, from_position=from_store, group=group, deployment=deployment)
+        if from_store:
+            replay_from = self.committer.resume_offset
         self.replay_from = replay_from
         self._kafka_committed = None
+        self._undelivered = {}
         self.assembler = PartitionAssembler(
             self.topic, self.partition, self.committer, self.assembly_config, self.counters
         )
@@ -279,7 +318,7 @@ class PartitionWriter:
 
     def unclaimed(self, retry_in: float, state: WriterState = WriterState.CLAIMING) -> None:
         """No claim held (it failed, or we were fenced): drop the state, claim again later and
-        start over from the committed offset."""
+        start over from the store's position."""
         self._release(state)
         self.retry.next_at = time.time() + retry_in
 
@@ -288,12 +327,13 @@ class PartitionWriter:
 
     def drop(self) -> None:
         """Forget all in-memory state (revoked). Uncommitted episodes are replayed by the next
-        owner from the committed Kafka offset."""
+        owner from the store's position."""
         self._release(WriterState.REVOKED)
 
     def _release(self, state: WriterState) -> None:
         self.assembler = None
         self._kafka_committed = None
+        self._undelivered = {}
         self._discard_encoding()
         self._finish_compaction(wait=True)
         self._compaction_view = None
@@ -342,8 +382,6 @@ class PartitionWriter:
                 return out
             self._encoding = None
             ok = self._apply_written(chunks, future.result(), out)
-            if self._forget_upto is not None:
-                self.offsets_committed(self._forget_upto)
             if not ok or not force:
                 return out
         background = self.encoder is not None and not force
@@ -351,16 +389,17 @@ class PartitionWriter:
         chunks = self._hand_out(now, force, first_unacked, only_first=background)
         if not chunks:
             return out
+        floor = self.position(first_unacked, writing=(fe.episode_id for chunk in chunks for fe in chunk))
         if background:
             try:
-                future = self.encoder.submit(_write, self.committer, chunks)
+                future = self.encoder.submit(_write, self.committer, chunks, floor)
             except RuntimeError:  # the executor is shut down (or cannot start its thread): write here
                 log.warning("partition %d: the encoding thread is not available; writing on this one", self.partition)
             else:
                 self._encoding = (chunks, future)
                 self._encoding_bytes = sum(fe.nbytes() for chunk in chunks for fe in chunk)
                 return out
-        self._apply_written(chunks, _write(self.committer, chunks), out)
+        self._apply_written(chunks, _write(self.committer, chunks, floor), out)
         return out
 
     def _discard_encoding(self) -> None:
@@ -372,7 +411,6 @@ class PartitionWriter:
             self._encoding = None
             if not future.cancel():
                 future.result()  # `_write` returns its errors
-        self._forget_upto = None
 
     def _hand_out(
         self, now: float, force: bool, first_unacked: int | None, only_first: bool = False
@@ -406,9 +444,13 @@ class PartitionWriter:
         a = self.assembler
         committed = self.committer.committed_offset
         a.mark_committed(fe for chunk in chunks for fe in chunk if committed(fe.episode_id) is not None)
+        if done.results and self.committer.resume_offset is not None:
+            # no owner resumes before the store's position: the ids no replay can meet go
+            self.committer.offsets_committed(self.committer.resume_offset)
         for res, seconds in zip(done.results, done.seconds):
             for fe, _detail in res.unwritable:
                 a.drop_unwritable(fe)
+                self._undelivered[fe.episode_id] = fe.first_offset  # held until the caller dead-letters it
             out.unwritable += res.unwritable
             out.flushed.append(Flushed(res, seconds, res.written))
         err = done.error
@@ -445,30 +487,42 @@ class PartitionWriter:
 
     # -- step 5: the Kafka offset -------------------------------------------------------------
 
-    def offset_to_commit(self, first_unacked: int | None) -> int | None:
-        """The Kafka offset the service may commit for this partition now, or None (no claim, or
-        nothing new since the last commit): the assembler's safe offset -- never past the first
-        event of an episode the committer does not hold committed --, and never past
-        `first_unacked`, the partition's first dead letter the broker has not acknowledged."""
+    def position(self, first_unacked: int | None, writing: Iterable[str] = ()) -> int | None:
+        """Where the partition resumes once the episodes `writing` (handed out) are committed,
+        or None (no claim, or nothing read yet): the assembler's safe offset -- never past the
+        first event of an episode the committer does not hold committed --, never past an
+        episode found unwritable whose dead letter the caller has not sent (`dead_lettered`),
+        and never past `first_unacked`, the partition's first dead letter the broker has not
+        acknowledged. What each shard entry records (`_positions`) and what the service
+        commits to the consumer group (`offset_to_commit`)."""
         if self.assembler is None:
             return None
-        off = self.assembler.safe_offset()
-        if off is not None and first_unacked is not None:
-            off = min(off, first_unacked)
-        if off is None or (self._kafka_committed is not None and off <= self._kafka_committed):
+        off = self.assembler.safe_offset(writing)
+        if off is None:
             return None
-        return off
+        held = [*self._undelivered.values(), *([] if first_unacked is None else [first_unacked])]
+        return min([off, *held])
+
+    def dead_lettered(self, episode_ids: Iterable[str]) -> None:
+        """The caller sent these unwritable episodes' dead letters (`Tick.unwritable`), at their
+        first offsets: from now on the dead-letter queue holds the position there until the
+        broker acknowledges them (`first_unacked`)."""
+        for eid in episode_ids:
+            self._undelivered.pop(eid, None)
+
+    def offset_to_commit(self, first_unacked: int | None) -> int | None:
+        """The Kafka offset the service may commit for this partition now (`position`), or None
+        (no claim, or nothing read yet). Handed out again while it does not move, so that the
+        group's offset, which lag tools read, comes back where another output's consumer of the
+        same group moved it."""
+        return self.position(first_unacked)
 
     def offsets_committed(self, offset: int) -> None:
-        """The service committed `offset` for this partition: the committer forgets the
-        committed episode ids no owner can replay any more (while a write is under way, once it
-        is applied)."""
+        """The service committed `offset` for this partition to the consumer group. Only for
+        lag tools and the next `offset_to_commit`: where the partition resumes is the store's
+        position (`ShardEntry.resume_offset`), and the committer forgets committed ids below it
+        as each write is applied."""
         self._kafka_committed = offset
-        if self._encoding is not None:
-            self._forget_upto = offset
-            return
-        self._forget_upto = None
-        self.committer.offsets_committed(offset)
 
     # -- upkeep -------------------------------------------------------------------------------
 

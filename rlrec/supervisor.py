@@ -104,6 +104,7 @@ def _child_main(
     assigns once instead of rebalancing for each late joiner), then an ordinary consumer run."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the supervisor, which says SIGTERM
     from rlrec.commands.consume import freeze_startup_objects
+    from rlrec.consumer.resume import GapError
     from rlrec.consumer.service import RecorderConsumer
     from rlrec.logs import setup_logging
     from rlrec.store.storage import ConditionalWritesError
@@ -126,6 +127,8 @@ def _child_main(
     except ConditionalWritesError as e:
         log.error("%s", e)
         raise SystemExit(EXIT_CONFIG_ERROR) from None
+    except GapError:  # logged by the consumer, in one line; restarted children refuse the same way
+        raise SystemExit(1) from None
 
 
 class ConsumerProcesses:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from rlrec.producer.events import load_schemas
@@ -158,19 +158,34 @@ class ShardCommitter:
 
     # -- ownership ----------------------------------------------------------------------------
 
-    def claim(self, replay_from: int | None = None) -> int:
+    def claim(
+        self,
+        replay_from: int | None = None,
+        *,
+        from_position: bool = False,
+        group: str | None = None,
+        deployment: str | None = None,
+    ) -> int:
         """Claim a new writer epoch and roll forward unpublished commits; returns the epoch.
 
         The committed episode ids this owner then knows (`committed_offset`) are, with
-        `replay_from` (the partition's committed Kafka offset, where this owner's consumer starts
-        reading), those of entries with `last_offset >= replay_from` plus the most recent ones
-        (the newest snapshot's segment and after); without it, every committed id (reads the
-        log's whole history). What an earlier claim of this object held (appends of unknown
-        outcome, seen lengths) is dropped: the log says what landed.
+        `replay_from` (the Kafka offset where this owner's consumer starts reading), those of
+        entries with `last_offset >= replay_from` plus the most recent ones (the newest
+        snapshot's segment and after); without it, every committed id (reads the log's whole
+        history). With `from_position` the log's own resume position (`resume_offset`) is
+        that offset where it has one. `group` and `deployment` name the writer in its claim.
+        What an earlier claim of this object held (appends of unknown outcome, seen lengths)
+        is dropped: the log says what landed.
         """
         self._ambiguous.clear()
         self._lengths.clear()
-        self.epoch = self.log.claim(default_writer_id(), replay_from=replay_from)
+        self.epoch = self.log.claim(
+            default_writer_id(),
+            replay_from=replay_from,
+            from_position=from_position,
+            group=group,
+            deployment=deployment,
+        )
         recovered = self.log.recover()
         if recovered:
             log.info("partition %d: published %d committed shard(s) left staged by a crash", self.partition, recovered)
@@ -187,6 +202,11 @@ class ShardCommitter:
     def committed_length(self, episode_id: str) -> int | None:
         """The steps of a committed episode, if this owner saw it committed (None otherwise)."""
         return self._lengths.get(episode_id)
+
+    @property
+    def resume_offset(self) -> int | None:
+        """Where the partition resumes, as the log says (`PartitionLog.resume_offset`)."""
+        return self.log.resume_offset
 
     def committed_episode_ids(self) -> set[str]:
         """Every committed episode id this owner knows (a copy: for tools and reports)."""
@@ -211,8 +231,17 @@ class ShardCommitter:
 
     # -- the protocol -------------------------------------------------------------------------
 
-    def commit(self, episodes: Iterable[FinishedEpisode]) -> CommitResult:
+    def commit(
+        self,
+        episodes: Iterable[FinishedEpisode],
+        resume_offset: Callable[[list[FinishedEpisode]], int | None] | None = None,
+    ) -> CommitResult:
         """Commit `episodes` as shards, one per policy id.
+
+        `resume_offset`: asked, with a shard's episodes, just before its entry is appended, for
+        the entry's `resume_offset` (where the partition resumes once the entry exists; the
+        caller decides it: `rlrec.consumer.writer`); None: entries carry none (the caller reads
+        no Kafka).
 
         Episodes the shard format cannot encode (data errors) are written nowhere and returned
         in `CommitResult.unwritable`; the others are committed, by this call or -- found on a
@@ -242,8 +271,9 @@ class ShardCommitter:
             # 3. append its entry to the partition's manifest log, create-once: the commit point
             for fe in eps:  # asked only once an entry holds the episode
                 self._lengths[fe.episode_id] = fe.length
+            resume = None if resume_offset is None else resume_offset(eps)
             try:
-                entry = self.log.append_shard(self._entry(eps, shard, path, staging))
+                entry = self.log.append_shard(self._entry(eps, shard, path, staging, resume))
             except ConflictError as c:
                 # another writer, or an earlier attempt of ours, committed some of them first
                 taken = self._learn_committed(c.entries, eps)
@@ -360,7 +390,9 @@ class ShardCommitter:
         name = f"{self.topic}+{self.partition:05d}+{first:020d}+{last:020d}+e{self.epoch}.{self._attempt}.parquet"
         return name, shard
 
-    def _entry(self, eps: list[FinishedEpisode], shard: EncodedShard, path: str, staging: str) -> ShardEntry:
+    def _entry(
+        self, eps: list[FinishedEpisode], shard: EncodedShard, path: str, staging: str, resume: int | None = None
+    ) -> ShardEntry:
         versions = sorted({fe.policy_version for fe in eps})
         return ShardEntry(
             path=path,
@@ -382,6 +414,7 @@ class ShardCommitter:
             min_policy_version=versions[0],
             max_policy_version=versions[-1],
             steps_without_logp=steps_without_logp(eps),
+            resume_offset=resume,
         )
 
     def _learn_committed(self, entries: Iterable[object], eps: list[FinishedEpisode]) -> set[str]:

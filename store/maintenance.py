@@ -288,13 +288,14 @@ def verify(storage: Storage, decode_check: DecodeCheck | None = None) -> list[st
 
 
 def _snapshot_problems(storage: Storage, topic: str, partition: int, entries: list[Entry]) -> list[str]:
-    """Each snapshot must agree with the entries below it: its newest claim, its offsets,
-    and every entry it folds byte for byte equal to the entry on storage."""
+    """Each snapshot must agree with the entries below it: its newest claim, its offsets, its
+    resume position, and every entry it folds byte for byte equal to the entry on storage."""
     plog = PartitionLog(storage, topic, partition)
     problems: list[str] = []
     top_claim: ClaimEntry | None = None
     max_lo = -1
     max_lo_before: dict[int, int] = {}  # seq -> max last_offset of the shard entries below it
+    position: int | None = None  # the largest resume_offset of the entries so far
     for e in entries:
         if e.seq is None:
             continue
@@ -304,6 +305,8 @@ def _snapshot_problems(storage: Storage, topic: str, partition: int, entries: li
                 top_claim = e
         elif isinstance(e, ShardEntry):
             max_lo = max(max_lo, e.last_offset)
+            if e.resume_offset is not None and (position is None or e.resume_offset > position):
+                position = e.resume_offset
             continue
         if not isinstance(e, SnapshotEntry):
             continue
@@ -314,6 +317,10 @@ def _snapshot_problems(storage: Storage, topic: str, partition: int, entries: li
             problems.append(f"{where}: max_last_offset {e.max_last_offset} != {max_lo_before[e.seq]} of its entries")
         if e.below_max_last_offset != max_lo_before.get(e.folded_from, -1):
             problems.append(f"{where}: below_max_last_offset {e.below_max_last_offset} does not match the log")
+        if e.resume_offset != position:  # a forged one would move where consumers resume
+            problems.append(
+                f"{where}: resume_offset {e.resume_offset} != {position}, the largest of the entries below it"
+            )
         seqs = list(range(e.folded_from, e.seq))
         for seq, folded, original in zip(seqs, e.entries, _read_many(plog.read_entry, seqs)):
             if original != folded:

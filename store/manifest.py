@@ -233,6 +233,7 @@ class PartitionLog:
         self._keep_all = keep_all
         self._last_claim: ClaimEntry | None = None  # the claim with the highest epoch seen
         self._max_last_offset = -1
+        self._resume: int | None = None  # the largest resume_offset of the shard entries read
         self._base: SnapshotEntry | None = None  # the newest snapshot seen
         self._window_from = 0  # ids of entries at/after this seq are kept whatever their offsets
         self._ids: dict[str, ShardEntry] = {}  # committed episode id -> its entry (the skip set)
@@ -401,6 +402,7 @@ class PartitionLog:
             self._note_claim(e)
         elif isinstance(e, ShardEntry):
             self._max_last_offset = max(self._max_last_offset, e.last_offset)
+            self._note_resume(e.resume_offset)
             for i in e.episode_ids:
                 self._ids[i] = e
             self._unknown[e.seq] = (e, False)
@@ -415,9 +417,14 @@ class PartitionLog:
         if self._last_claim is None or c.epoch > self._last_claim.epoch:
             self._last_claim = c
 
+    def _note_resume(self, offset: int | None) -> None:
+        if offset is not None and (self._resume is None or offset > self._resume):
+            self._resume = offset
+
     def _on_snapshot(self, s: SnapshotEntry) -> None:
         self._note_claim(s.last_claim)
         self._max_last_offset = max(self._max_last_offset, s.max_last_offset)
+        self._note_resume(s.resume_offset)
         for u in s.unpublished:
             self._unknown[u.seq] = (u, True)
         for e in s.shards():
@@ -456,9 +463,11 @@ class PartitionLog:
             self._loaded = True
             return list(self._entries)
 
-    def _load_head(self, replay_from: int | None) -> None:
+    def _load_head(self, replay_from: int | None, from_position: bool = False) -> int | None:
         """A writer's load: the newest snapshot, the entries after it, and the committed ids
-        that can still be replayed from Kafka offset ``replay_from`` (all if None)."""
+        that can still be replayed from Kafka offset ``replay_from`` (all if None) -- or, with
+        ``from_position``, from the log's :attr:`resume_offset` where it has one. Returns the
+        offset the ids were chosen for."""
         self._reset(keep_all=False)
         base, after, hinted = self._find_base(full=False, strict=True)
         if base is not None:
@@ -468,9 +477,12 @@ class PartitionLog:
             self._add(e)
         self._loaded = True
         self._probe()
+        if from_position and self._resume is not None:
+            replay_from = self._resume
         self._walk_replayable(replay_from)
         if self._base is not None and (not hinted or self._base is not base):
             self._write_hint(self._base.seq)  # the hint was missing or stale: point it at the newest
+        return replay_from
 
     def _probe(self) -> list[Entry]:
         new: list[Entry] = []
@@ -525,6 +537,30 @@ class PartitionLog:
         """The newest snapshot read (None: the log has none yet)."""
         return self._base
 
+    @property
+    def resume_offset(self) -> int | None:
+        """Where the partition resumes: the largest ``resume_offset`` of the shard entries read
+        (directly or folded by a snapshot; a replace entry never moves it). None: no entry
+        carries one (a new log, or one written without Kafka or by an rlrec before format 3)."""
+        return self._resume
+
+    @property
+    def max_last_offset(self) -> int:
+        """The largest ``last_offset`` of the shard entries read (-1: none)."""
+        return self._max_last_offset
+
+    def recent_claims(self) -> list[ClaimEntry]:
+        """The claims this log holds in memory: those since the newest snapshot's segment and
+        the snapshot's ``last_claim`` (a writer's view), or every claim (a reader's), by seq."""
+        with self._lock:
+            found: dict[int, ClaimEntry] = {}
+            for e in self._entries:
+                folded = [*e.entries, e.last_claim] if isinstance(e, SnapshotEntry) else [e]
+                for c in folded:
+                    if isinstance(c, ClaimEntry):
+                        found[c.seq] = c  # type: ignore[index]
+            return [found[s] for s in sorted(found)]
+
     def shard_entries(self) -> list[ShardEntry]:
         with self._lock:
             return [e for e in self._entries if isinstance(e, ShardEntry)]
@@ -556,26 +592,39 @@ class PartitionLog:
             return self._prune()
 
     # ------------------------------------------------------------- writing
-    def claim(self, writer_id: str | None = None, *, replay_from: int | None = None, max_attempts: int = 100) -> int:
+    def claim(
+        self,
+        writer_id: str | None = None,
+        *,
+        replay_from: int | None = None,
+        from_position: bool = False,
+        group: str | None = None,
+        deployment: str | None = None,
+        max_attempts: int = 100,
+    ) -> int:
         """Become the writer of this partition: append a claim with epoch max+1.
 
         Every earlier writer is fenced from here on.  Returns the new epoch.  ``replay_from``:
-        the Kafka offset this writer replays from (the partition's committed offset); the
-        log then keeps only the committed ids that can still be replayed (entries with
-        ``last_offset >= replay_from``, plus the newest snapshot's segment and after).
-        None keeps every committed id (reads the whole chain).
+        the Kafka offset this writer replays from; the log then keeps only the committed ids
+        that can still be replayed (entries with ``last_offset >= replay_from``, plus the
+        newest snapshot's segment and after). None keeps every committed id (reads the whole
+        chain). ``from_position``: replay from the log's own :attr:`resume_offset` where it has
+        one (``replay_from`` otherwise). ``group`` and ``deployment`` are recorded in the claim
+        (the writer's consumer group and deployment name).
         """
         writer = writer_id or default_writer_id()
         with self._lock:
             if not self._loaded:
-                self._load_head(replay_from)
+                replay_from = self._load_head(replay_from, from_position)
             else:
                 self._probe()
+                if from_position and self._resume is not None:
+                    replay_from = self._resume
             if replay_from is not None:
                 self.forget_before(replay_from)
             for _ in range(max_attempts):
                 seq = self._next
-                entry = ClaimEntry(seq=seq, epoch=self.max_epoch + 1, writer=writer)
+                entry = ClaimEntry(seq=seq, epoch=self.max_epoch + 1, writer=writer, group=group, deployment=deployment)
                 if self.storage.create_once(self._path(seq), _entry_bytes(entry)):
                     self._add(entry)
                     self._epoch, self._writer = entry.epoch, writer
@@ -813,6 +862,7 @@ class PartitionLog:
             max_last_offset=max([below, *(e.last_offset for e in segment if isinstance(e, ShardEntry))]),
             below_max_last_offset=below,
             unpublished=[e for s, (e, _) in sorted(self._unknown.items()) if s < seq],
+            resume_offset=self._resume,  # every entry below seq is read (R1)
         )
 
     def _write_hint(self, seq: int) -> None:

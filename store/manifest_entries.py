@@ -15,8 +15,11 @@ wrongly typed values with :class:`ManifestError`; never pickle):
 
 Manifest format version (:data:`MANIFEST_FORMAT_VERSION`): an entry that needs a reader of
 version 2 or later (a replace entry, a snapshot folding one) says so in its
-``manifest_version`` field; an entry without it is version 1.  A reader refuses an entry of
-a newer version, or of a type it does not know, with :class:`UnsupportedManifestError`.
+``manifest_version`` field; an entry without it is version 1.  Version 3 adds the resume
+position (a shard entry's ``resume_offset``, folded by snapshots) and the writer's names in
+claims (``group``, ``deployment``): an entry carrying any of them says ``"manifest_version": 3``.
+A reader refuses an entry of a newer version, or of a type it does not know, with
+:class:`UnsupportedManifestError`.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from typing import Any
 __all__ = [
     "MANIFEST_DIR",
     "MANIFEST_FORMAT_VERSION",
+    "RESUME_FORMAT_VERSION",
     "ClaimEntry",
     "Entry",
     "LogEntry",
@@ -42,6 +46,7 @@ __all__ = [
     "UnsupportedManifestError",
     "check_shard_paths",
     "entry_path",
+    "is_writer_name",
     "parse_entry",
 ]
 
@@ -51,8 +56,14 @@ TOPIC_RE = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
 _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
-#: the newest manifest format this code reads and writes (1: claim, shard, snapshot; 2: + replace)
-MANIFEST_FORMAT_VERSION = 2
+#: the newest manifest format this code reads and writes (1: claim, shard, snapshot; 2: + replace;
+#: 3: + a shard's resume position, a claim's group and deployment)
+MANIFEST_FORMAT_VERSION = 3
+#: the format version of entries that carry a resume position or a writer's names
+RESUME_FORMAT_VERSION = 3
+#: the largest Kafka offset (int64): an entry's offsets above it are refused, so a forged one
+#: never reaches the Kafka client (which cannot hold it)
+MAX_KAFKA_OFFSET = 2**63 - 1
 
 
 class ManifestError(ValueError):
@@ -98,18 +109,43 @@ def _check_keys(d: Mapping[str, Any], required: set[str], optional: set[str], wh
 
 @dataclass(frozen=True, kw_only=True)
 class ClaimEntry:
-    """``{"type": "claim", "seq", "epoch", "writer", "time"}``."""
+    """``{"type": "claim", "seq", "epoch", "writer", "time"[, "group", "deployment"]}``.
+
+    ``group`` and ``deployment`` (format 3, optional): the Kafka consumer group and the
+    deployment name (``rlrec consume --deployment``, default the host) of the claiming writer,
+    so that a claim can name another group writing the same partition log.
+    """
 
     epoch: int
     writer: str
     time: float = field(default_factory=time.time)
+    group: str | None = None
+    deployment: str | None = None
     seq: int | None = None
 
     type = "claim"
     _REQUIRED = frozenset({"type", "seq", "epoch", "writer", "time"})
+    _OPTIONAL = frozenset({"group", "deployment", "manifest_version"})
+
+    @property
+    def manifest_version(self) -> int:
+        """The manifest format a reader needs for this entry."""
+        return RESUME_FORMAT_VERSION if self.group is not None or self.deployment is not None else 1
 
     def to_dict(self) -> dict[str, Any]:
-        return {"type": "claim", "seq": self.seq, "epoch": self.epoch, "writer": self.writer, "time": self.time}
+        d: dict[str, Any] = {
+            "type": "claim",
+            "seq": self.seq,
+            "epoch": self.epoch,
+            "writer": self.writer,
+            "time": self.time,
+        }
+        for k in ("group", "deployment"):
+            if getattr(self, k) is not None:
+                d[k] = getattr(self, k)
+        if self.manifest_version > 1:
+            d["manifest_version"] = self.manifest_version
+        return d
 
     def to_json(self) -> str:
         d = self.to_dict()
@@ -142,6 +178,12 @@ class ShardEntry:
     ``decoded_bytes`` (optional): what the file's columns decode to, as its Parquet footer
     states (the schema gate's measure); None (absent): unknown. Compaction records it for the
     shards it writes and plans by it (`rlrec.store.compaction`).
+    ``resume_offset`` (optional, format 3): the Kafka offset its writer would commit for the
+    partition once this entry exists -- never past the first event of an episode not committed
+    by this or an earlier entry, nor past a dead letter the broker had not acknowledged. The
+    largest one in a log is where the partition resumes (docs/GUARANTEES.md §8, "Replay");
+    None (absent): the entry says nothing (a writer without Kafka, an older rlrec, a merged
+    shard of a replace entry).
     """
 
     path: str
@@ -164,6 +206,7 @@ class ShardEntry:
     max_policy_version: int | str | None = None
     steps_without_logp: dict[str, int] | None = None
     decoded_bytes: int | None = None
+    resume_offset: int | None = None
     writer: str | None = None
     epoch: int = -1
     seq: int | None = None
@@ -194,7 +237,12 @@ class ShardEntry:
             "max_policy_version",
         }
     )
-    _OPTIONAL = frozenset({"writer", "steps_without_logp", "decoded_bytes"})
+    _OPTIONAL = frozenset({"writer", "steps_without_logp", "decoded_bytes", "resume_offset", "manifest_version"})
+
+    @property
+    def manifest_version(self) -> int:
+        """The manifest format a reader needs for this entry."""
+        return RESUME_FORMAT_VERSION if self.resume_offset is not None else 1
 
     def __post_init__(self) -> None:
         if self.steps_without_logp is not None:
@@ -218,6 +266,10 @@ class ShardEntry:
             del d["writer"]
         if d["decoded_bytes"] is None:
             del d["decoded_bytes"]
+        if d["resume_offset"] is None:
+            del d["resume_offset"]
+        else:
+            d["manifest_version"] = self.manifest_version
         if d["steps_without_logp"] is None:
             del d["steps_without_logp"]
         else:
@@ -306,7 +358,9 @@ class SnapshotEntry:
     * ``max_last_offset`` / ``below_max_last_offset``: the largest ``last_offset`` of
       the shard entries below ``seq`` / below ``folded_from`` (-1: none), so that a claim
       replaying from Kafka offset ``C`` knows where to stop looking for committed ids;
-    * ``unpublished``: committed shard entries below ``seq`` not known to be published.
+    * ``unpublished``: committed shard entries below ``seq`` not known to be published;
+    * ``resume_offset`` (format 3, optional): the largest ``resume_offset`` of the shard
+      entries below ``seq`` (None: none carries one), where the partition resumes.
 
     The folded entries stay on storage, unchanged: a snapshot adds a shortcut, it
     never replaces the record (``verify`` compares the two).
@@ -321,6 +375,7 @@ class SnapshotEntry:
     max_last_offset: int
     below_max_last_offset: int
     unpublished: tuple[ShardEntry, ...] = ()
+    resume_offset: int | None = None
     time: float = field(default_factory=time.time)
     seq: int | None = None
 
@@ -362,9 +417,18 @@ class SnapshotEntry:
             "below_max_last_offset": self.below_max_last_offset,
             "unpublished": [e.to_dict() for e in self.unpublished],
         }
-        if any(isinstance(e, ReplaceEntry) for e in self.entries):
-            d["manifest_version"] = 2  # older readers must refuse it, not misread the segment
+        if self.resume_offset is not None:
+            d["resume_offset"] = self.resume_offset
+        if self.manifest_version > 1:  # older readers must refuse it, not misread the segment
+            d["manifest_version"] = self.manifest_version
         return d
+
+    @property
+    def manifest_version(self) -> int:
+        """The manifest format a reader needs for this entry: the newest of what it holds."""
+        held = [*self.entries, self.last_claim, *self.unpublished]
+        own = RESUME_FORMAT_VERSION if self.resume_offset is not None else 1
+        return max([own, *(2 if isinstance(e, ReplaceEntry) else e.manifest_version for e in held)])
 
     def to_json(self) -> str:
         d = self.to_dict()
@@ -402,11 +466,44 @@ def _validate_common(d: Mapping[str, Any]) -> None:
 
 
 def _validate_claim(d: Mapping[str, Any]) -> None:
-    _check_keys(d, set(ClaimEntry._REQUIRED), set(), "claim")
+    _check_keys(d, set(ClaimEntry._REQUIRED), set(ClaimEntry._OPTIONAL), "claim")
     _validate_common(d)
     if not _check_type(d, "writer", (str,)):
         raise ManifestError("field 'writer' must not be empty")
     _check_type(d, "time", (int, float))
+    names = [k for k in ("group", "deployment") if k in d]
+    for k in names:
+        if not is_writer_name(_check_type(d, k, (str,))):
+            raise ManifestError(f"field {k!r} must be 1-255 printable characters")
+    _check_declared(d, RESUME_FORMAT_VERSION if names else 1, "claim")
+
+
+def _check_offset(d: Mapping[str, Any], key: str, lo: int = 0) -> int:
+    """A Kafka offset field: an int from `lo` to `MAX_KAFKA_OFFSET`."""
+    v = _check_type(d, key, (int,))
+    if not lo <= v <= MAX_KAFKA_OFFSET:
+        raise ManifestError(f"field {key!r} must be a Kafka offset ({lo} to 2**63-1), got {str(v)[:40]}")
+    return v
+
+
+def is_writer_name(v: str) -> bool:
+    """Whether `v` can name a writer's group or deployment in a claim: 1-255 printable
+    characters (no tab, no newline).
+
+    Example:
+        >>> is_writer_name("rlrec-consumer"), is_writer_name("a\tb"), is_writer_name("x" * 256)
+        (True, False, False)
+    """
+    return 0 < len(v) <= 255 and v.isprintable()
+
+
+def _check_declared(d: Mapping[str, Any], needed: int, what: str) -> None:
+    """An entry declares (``manifest_version``) at least the format its fields need, so that an
+    older reader refuses it as too new instead of misreading it; never more than that."""
+    if d.get("manifest_version", 1) != needed:
+        raise ManifestError(
+            f"{what} entry: its fields need manifest_version {needed}, it says {d.get('manifest_version', 1)}"
+        )
 
 
 def check_shard_paths(d: Mapping[str, Any]) -> None:
@@ -437,6 +534,8 @@ def _validate_shard(d: Mapping[str, Any]) -> None:
     for k in ("partition", "first_offset", "last_offset", "episodes", "steps", "bytes", "format_version"):
         if _check_type(d, k, (int,)) < 0:
             raise ManifestError(f"field {k!r} must be >= 0, got {d[k]}")
+    for k in ("first_offset", "last_offset"):
+        _check_offset(d, k)
     if d["first_offset"] > d["last_offset"]:
         raise ManifestError(f"first_offset {d['first_offset']} > last_offset {d['last_offset']}")
     if not _check_type(d, "policy_id", (str,)):
@@ -473,6 +572,9 @@ def _validate_shard(d: Mapping[str, Any]) -> None:
             raise ManifestError("field 'steps_without_logp' must map policy versions (strings) to step counts >= 0")
     if "decoded_bytes" in d and (_check_type(d, "decoded_bytes", (int,), nullable=True) or 0) < 0:
         raise ManifestError(f"field 'decoded_bytes' must be >= 0, got {d['decoded_bytes']}")
+    if "resume_offset" in d:
+        _check_offset(d, "resume_offset")
+    _check_declared(d, RESUME_FORMAT_VERSION if "resume_offset" in d else 1, "shard")
 
 
 def _validate_replace(d: Mapping[str, Any]) -> ShardEntry:
@@ -494,6 +596,8 @@ def _validate_replace(d: Mapping[str, Any]) -> ShardEntry:
     parsed = parse_entry(shard)
     if (parsed.seq, parsed.epoch, parsed.writer) != (seq, d["epoch"], d["writer"]):
         raise ManifestError(f"replace {seq}: its shard must carry the entry's seq, epoch and writer")
+    if parsed.resume_offset is not None:
+        raise ManifestError(f"replace {seq}: a merged shard never moves the resume position (no resume_offset)")
     return parsed  # type: ignore[return-value]
 
 
@@ -501,7 +605,7 @@ def _validate_snapshot(
     d: Mapping[str, Any],
 ) -> tuple[list[ClaimEntry | ShardEntry | ReplaceEntry], ClaimEntry, list[ShardEntry]]:
     """Check a snapshot document; returns its parsed (entries, last_claim, unpublished)."""
-    _check_keys(d, set(SnapshotEntry._REQUIRED), {"manifest_version"}, "snapshot")
+    _check_keys(d, set(SnapshotEntry._REQUIRED), {"manifest_version", "resume_offset"}, "snapshot")
     _validate_common(d)
     seq = d["seq"]
     if not _check_type(d, "writer", (str,)):
@@ -522,8 +626,8 @@ def _validate_snapshot(
         raise ManifestError(f"snapshot {seq}: last_claim must be a claim below it")
     if d["epoch"] > last_claim.epoch or any(e.epoch > last_claim.epoch for e in parsed):
         raise ManifestError(f"snapshot {seq}: an epoch above last_claim's {last_claim.epoch}")
-    top = _check_type(d, "max_last_offset", (int,))
-    below = _check_type(d, "below_max_last_offset", (int,))
+    top = _check_offset(d, "max_last_offset", lo=-1)
+    below = _check_offset(d, "below_max_last_offset", lo=-1)
     if below < -1 or top != max([below, *(e.last_offset for e in parsed if isinstance(e, ShardEntry))]):
         raise ManifestError(f"snapshot {seq}: max_last_offset {top} does not match its entries")
     unpublished = [_parse_folded(x, f"snapshot {seq} unpublished") for x in _check_type(d, "unpublished", (list,))]
@@ -532,6 +636,18 @@ def _validate_snapshot(
         raise ManifestError(f"snapshot {seq}: unpublished must be distinct shard entries")
     if any(s >= seq for s in useqs):
         raise ManifestError(f"snapshot {seq}: unpublished entries must be below it")
+    folded = [e.resume_offset for e in parsed if isinstance(e, ShardEntry) and e.resume_offset is not None]
+    if "resume_offset" in d:
+        if _check_offset(d, "resume_offset") < max([0, *folded]):
+            raise ManifestError(f"snapshot {seq}: resume_offset below a folded entry's")
+    elif folded:
+        raise ManifestError(f"snapshot {seq}: folds entries with a resume_offset but has none")
+    held = [*parsed, last_claim, *unpublished]
+    needed = max(
+        [RESUME_FORMAT_VERSION if "resume_offset" in d else 1]
+        + [2 if isinstance(e, ReplaceEntry) else e.manifest_version for e in held]  # type: ignore[union-attr]
+    )
+    _check_declared(d, needed, "snapshot")
     return parsed, last_claim, unpublished  # type: ignore[return-value]
 
 
@@ -559,10 +675,17 @@ def parse_entry(data: str | bytes | Mapping[str, Any]) -> Entry:
     kind = d.get("type")
     if kind == "claim":
         _validate_claim(d)
-        return ClaimEntry(seq=d["seq"], epoch=d["epoch"], writer=d["writer"], time=float(d["time"]))
+        return ClaimEntry(
+            seq=d["seq"],
+            epoch=d["epoch"],
+            writer=d["writer"],
+            time=float(d["time"]),
+            group=d.get("group"),
+            deployment=d.get("deployment"),
+        )
     if kind == "shard":
         _validate_shard(d)
-        kw = {k: d[k] for k in d if k != "type"}
+        kw = {k: d[k] for k in d if k not in ("type", "manifest_version")}
         kw["commit_time"] = float(kw["commit_time"])
         return ShardEntry(**kw)
     if kind == "snapshot":
@@ -579,6 +702,7 @@ def parse_entry(data: str | bytes | Mapping[str, Any]) -> Entry:
             max_last_offset=d["max_last_offset"],
             below_max_last_offset=d["below_max_last_offset"],
             unpublished=tuple(unpublished),
+            resume_offset=d.get("resume_offset"),
         )
     if kind == "replace":
         shard = _validate_replace(d)

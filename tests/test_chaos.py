@@ -1,6 +1,7 @@
 """The bounded chaos run (tests/chaos): 300 episodes, 3 kill -9s, an extra consumer, a storage
 outage twice as long as the consumers' episode timeout, a consumer whose dead-letter topic the
-broker refuses, delayed rewards and a broker restart; nothing may be lost or duplicated, and no
+broker refuses, a consumer of another output with the same group id, delayed rewards and a
+broker restart; nothing may be lost or duplicated, and no
 dead letter may be left unacknowledged.
 
 Runs `python -m tests.chaos` as a subprocess, exactly as documented; the full version and its
@@ -48,3 +49,4 @@ def test_bounded_chaos_run_loses_and_duplicates_nothing(tmp_path):
     assert proc.returncode == 0, tail
     assert "broker restarted" in proc.stdout and proc.stdout.count("kill -9 consumer") == 3, tail
     assert "joins with a dead-letter topic the broker refuses" in proc.stdout, tail
+    assert "of another output joins the group" in proc.stdout, tail  # the store decides where partitions resume

@@ -75,7 +75,7 @@ def test_config_file_overrides_defaults(kind, tmp_path):
     assert opts["partitions"] == 3
     assert opts["format"] == "tabular"
     assert opts["kafka_config"] == {"client.id": "from-file", "acks": "all"}
-    assert opts["group_id"] == "rlrec-consumer"  # not in the file: the default
+    assert opts["group_id"] is None  # not in the file: the default (derived from the output)
     assert opts["create_topics"] is True
 
 
@@ -199,6 +199,9 @@ def test_a_bad_config_file_is_one_line_and_exit_2(tmp_path, contents, says):
         ([], {"RLREC_MAX_FILE_AGE_S": "soon"}, "RLREC_MAX_FILE_AGE_S: invalid float value: 'soon'"),
         ([], {"RLREC_MAX_FILE_AGE": "2"}, "unknown option 'RLREC_MAX_FILE_AGE' in the environment (did you mean "),
         (["--output", ""], {}, "--output is required (or RLREC_OUTPUT, or 'output' in the --config file)"),
+        (["--group-id", "g" * 256], {}, "--group-id must be 1-255 printable characters (no tab or newline)"),
+        (["--deployment", "blue\tgreen"], {}, "--deployment must be 1-255 printable characters"),
+        ([], {"RLREC_GROUP_ID": "a\nb"}, "--group-id must be 1-255 printable characters"),
     ],
 )
 def test_a_bad_value_is_one_line_and_exit_2(tmp_path, argv, env, says):

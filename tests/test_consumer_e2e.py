@@ -156,11 +156,11 @@ def test_restart_replays_without_duplicates(broker, topic, tmp_path, recorder_co
     assert sum(n for d in counts for n in d.values()) == 6 and all(set(d) == {str(version)} for d in counts)
 
 
-def test_claim_replays_from_the_group_committed_offset(broker, topic, tmp_path, recorder_config):
-    """The consumer passes each partition's committed offset to its claim (`replay_from`), so the
-    claim loads only the committed episode ids that can still be replayed."""
-    from confluent_kafka import TopicPartition
-
+def test_claim_replays_from_the_store_position_not_the_group_offset(broker, topic, tmp_path, recorder_config):
+    """The consumer resumes each partition from the store's position (the largest resume_offset of
+    its shard entries) and claims with it (`replay_from`), so the claim loads only the committed
+    episode ids that can still be replayed; the group's committed offsets, even far ahead, are
+    not trusted."""
     output = str(tmp_path / "out")
     ra, rb = _recorders(broker.bootstrap_servers, topic)
     rb.close()
@@ -182,20 +182,32 @@ def test_claim_replays_from_the_group_committed_offset(broker, topic, tmp_path, 
         c.stop()
         t.join(30)
         ra.close()
+    positions: dict[int, int] = {}
+    for e in read_manifest(storage):
+        positions[e.partition] = max(positions.get(e.partition, 0), e.resume_offset)
     probe = Consumer({"bootstrap.servers": broker.bootstrap_servers, "group.id": cfg.group_id, **FAST_GROUP_KAFKA})
     committed = {
-        tp.partition: max(tp.offset, 0)
-        for tp in probe.committed([TopicPartition(topic, p) for p in range(4)], timeout=10)
+        tp.partition: tp.offset for tp in probe.committed([TopicPartition(topic, p) for p in range(4)], timeout=10)
     }
+    # the store's positions are the offsets the group committed (all events are in shards)
+    assert positions and all(committed[p] == off for p, off in positions.items()), (positions, committed)
+    # the group runs ahead of the store (another output consumed with the same group id)
+    probe.commit(offsets=[TopicPartition(topic, p, 10_000) for p in range(4)], asynchronous=False)
     probe.close()
-    assert any(off > 0 for off in committed.values()), committed
     c2, t2 = run_consumer(cfg, storage)
     try:
         wait_for(lambda: len(c2.writers) == 4 and all(w.assembler for w in c2.writers.values()), 40, what="claims")
-        assert {p: w.replay_from for p, w in c2.writers.items()} == committed
+        assert {p: w.replay_from for p, w in c2.writers.items()} == {p: positions.get(p) for p in range(4)}
     finally:
         c2.stop()
         t2.join(30)
+    # nothing new was read, yet the group's offsets (which lag tools read) came back to the store's
+    probe = Consumer({"bootstrap.servers": broker.bootstrap_servers, "group.id": cfg.group_id, **FAST_GROUP_KAFKA})
+    after = {
+        tp.partition: tp.offset for tp in probe.committed([TopicPartition(topic, p) for p in range(4)], timeout=10)
+    }
+    probe.close()
+    assert all(after[p] == off for p, off in positions.items()), (positions, after)
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ from rlrec.consumer.dead_letters import DLQ_HEADERS, DeadLetterQueue, dead_lette
 from rlrec.consumer.topics import create_topics, dlq_topic_name
 from rlrec.producer import EpisodeRecorder
 from rlrec.producer.events import RewardDelta, encode, schema_header
+from rlrec.store.manifest import read_manifest
 from rlrec.store.storage import Storage
 from tests.helpers import ACT_SPACE, OBS_SPACE, record_episodes, wait_for
 from tests.test_assembly import start, steps
@@ -155,6 +156,9 @@ def test_consumer_offset_waits_for_an_unacknowledged_dead_letter(broker, tmp_pat
         finally:
             c.close()
 
+    def store_position() -> int | None:  # where the store resumes partition 0 (GUARANTEES §8, "Replay")
+        return max((e.resume_offset for e in read_manifest(storage) if e.partition == 0), default=None)
+
     c, t = run_consumer(cfg(REFUSED_TOPIC), storage)
     c.unhealthy_after_s = 1.0
     try:
@@ -169,10 +173,12 @@ def test_consumer_offset_waits_for_an_unacknowledged_dead_letter(broker, tmp_pat
         c.stop()
         t.join(30)
     assert committed() == where["offset"]  # also after a clean shutdown
+    assert store_position() == where["offset"]  # the store's position, which decides, is held there too
 
     c, t = run_consumer(cfg(None), storage)  # a working DLQ: the replay delivers the dead letter
     try:
         wait_for(lambda: committed() > where["offset"], 60, what="the offset to pass the delivered dead letter")
+        wait_for(lambda: store_position() > where["offset"], 30, what="the store's position to pass it")
     finally:
         c.stop()
         t.join(30)

@@ -23,6 +23,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--dlq-faults", type=int, default=1, help="consumers that join with a refused dead-letter topic, then leave"
     )
+    p.add_argument(
+        "--foreign-outputs",
+        type=int,
+        default=1,
+        help="consumers of another output with the same group id that join between two kills, then leave",
+    )
     p.add_argument("--no-broker-restart", dest="broker_restart", action="store_false", help="don't restart the broker")
     p.add_argument("--workdir", default=None, help="where logs, ground truth and result.json go (default: a temp dir)")
     a = p.parse_args(argv)
@@ -38,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         joins=a.joins,
         storage_faults=a.storage_faults,
         dlq_faults=a.dlq_faults,
+        foreign_outputs=a.foreign_outputs,
         broker_restart=a.broker_restart,
         workdir=a.workdir,
     )

@@ -201,6 +201,9 @@ class Verdict:
     rewards_dead_lettered: int = 0
     rewards_both: int = 0  # applied after a consumer that dead-lettered it died (see the report)
     resent_dead_lettered: int = 0  # re-sends after a commit by an earlier owner (step-after-end, duplicate-start)
+    #: offsets between the store's position and each partition's end, summed: what a restart reads
+    #: again (dead letters and decisions after the last shard)
+    replay_tail: int = 0
     dead_letters: dict = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
 
@@ -301,11 +304,23 @@ def check(
         else:
             v.resent_dead_lettered += 1
     v.problems += _offset_problems(entries, scan, offsets)
+    positions = store_positions(entries)
+    v.replay_tail = sum(max(0, end - positions.get(p, 0)) for p, end in scan.end_offsets.items())
     return v
 
 
+def store_positions(entries: list[ShardEntry]) -> dict[int, int]:
+    """Where the store resumes each partition: the largest resume_offset of its shard entries."""
+    out: dict[int, int] = {}
+    for e in entries:
+        if e.resume_offset is not None:
+            out[e.partition] = max(out.get(e.partition, 0), e.resume_offset)
+    return out
+
+
 def _offset_problems(entries: list[ShardEntry], scan: TopicScan, offsets: dict[int, int]) -> list[str]:
-    """Manifest entries vs. where their episodes' events are; committed offsets vs. partition ends."""
+    """Manifest entries vs. where their episodes' events are; the store's position (which decides
+    where a partition resumes) and the group's committed offsets (for lag tools) vs. partition ends."""
     out = [f"episode {eid} has events on several partitions" for eid in sorted(scan.split)[:5]]
     if scan.undecodable:
         out.append(f"{scan.undecodable} undecodable messages on the transitions topic")
@@ -322,7 +337,14 @@ def _offset_problems(entries: list[ShardEntry], scan: TopicScan, offsets: dict[i
             out.append(f"{e.path}: first_offset {e.first_offset} != first start {min(starts)}")
         if e.last_offset >= scan.end_offsets.get(e.partition, 0):
             out.append(f"{e.path}: last_offset {e.last_offset} beyond the partition's end")
+    positions = store_positions(entries)
     for p, end in sorted(scan.end_offsets.items()):
+        if positions.get(p, 0) > end:
+            out.append(f"partition {p}: the store resumes at {positions[p]}, past the end of the partition {end}")
+        if any(e.partition == p for e in entries) and p not in positions:
+            out.append(f"partition {p}: shards but no resume position in the store")
+        # the consumers commit their offsets again every interval: another output's consumer of
+        # the same group moved them only for a while
         if offsets.get(p, 0) != end:
-            out.append(f"partition {p}: committed offset {offsets.get(p, 0)} != end of partition {end}")
+            out.append(f"partition {p}: the group's committed offset {offsets.get(p, 0)} != end of partition {end}")
     return out

@@ -9,7 +9,9 @@ Timeline (seeded): `kills` kill -9s, each of a consumer that holds partitions an
 shard (read from its /metrics), followed by a replacement; `joins` membership changes (an extra
 consumer, or a graceful leave and a new one when 3 run); `storage_faults` windows in which the
 proxy stalls every request and then answers 503 (plus a few ambiguous 503s whose request did
-reach the store); one broker restart. The moments are drawn from the seed; what is eligible for a
+reach the store); `foreign_outputs` consumers of another output with the same group id, each
+joining between two kills and leaving 3-6 s after it wrote a shard there (the store, not the group's offsets, decides
+where the main output resumes); one broker restart. The moments are drawn from the seed; what is eligible for a
 kill at that moment depends on timing, so two runs with one seed are alike, not identical.
 Then: wait for the producers, read the topic, wait until the manifest holds every expected
 episode and the group's offsets reached the end of every partition, stop the consumers
@@ -79,6 +81,7 @@ class ChaosConfig:
     joins: int | None = None
     storage_faults: int | None = None
     dlq_faults: int = 1  # consumers that join with a dead-letter topic the broker refuses, then leave
+    foreign_outputs: int = 1  # consumers of another output with the same group id that join, then leave
     broker_restart: bool = True
     workdir: str | None = None
 
@@ -88,7 +91,8 @@ class ChaosConfig:
         if self.storage_faults is None:
             self.storage_faults = max(1, self.kills // 6)
         if self.duration is None:
-            events = self.kills + self.joins + self.storage_faults + self.dlq_faults + int(self.broker_restart)
+            events = self.kills + self.joins + self.storage_faults + self.dlq_faults + self.foreign_outputs
+            events += int(self.broker_restart)
             self.duration = max(40.0, 8.0 * events, 0.05 * self.episodes)
 
 
@@ -97,6 +101,7 @@ class ConsumerProc:
     name: str
     proc: subprocess.Popen
     metrics_port: int
+    foreign: bool = False  # writes another output (same group id): never killed, not counted at the end
 
     def metrics(self) -> dict[str, float]:
         """The consumer's Prometheus metrics ({} if it does not answer)."""
@@ -127,6 +132,7 @@ class Tally:
     rebalances: int = 0  # consumer group membership changes after the initial consumers
     storage_faults: int = 0
     dlq_faults: int = 0
+    foreign_outputs: int = 0
     broker_restarts: int = 0
     dead_letters_unacked: int = -1  # pending dead letters of the consumers when the run ends
     faults: list[str] = field(default_factory=list)  # every fault, as logged
@@ -245,7 +251,7 @@ class Chaos:
             self.producers.append(subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=log))
         self.say(f"{cfg.producers} producers: {cfg.episodes} episodes over {cfg.duration:.0f}s")
 
-    def start_consumer(self, dlq_topic: str | None = None) -> ConsumerProc:
+    def start_consumer(self, dlq_topic: str | None = None, output: str | None = None) -> ConsumerProc:
         self._n += 1
         name, port = f"c{self._n}", free_port()
         cmd = [
@@ -260,7 +266,7 @@ class Chaos:
             "--group-id",
             self.group,
             "--output",
-            self.output,
+            output or self.output,
             "--no-create-topics",
             "--max-file-age-s",
             "1",
@@ -280,13 +286,16 @@ class Chaos:
         for k, v in CONSUMER_KAFKA.items():
             cmd += ["--kafka-config", f"{k}={v}"]
         log = open(self.work / f"consumer-{name}.log", "ab")
-        c = ConsumerProc(name, subprocess.Popen(cmd, cwd=REPO, env=self.consumer_env, stdout=log, stderr=log), port)
+        proc = subprocess.Popen(cmd, cwd=REPO, env=self.consumer_env, stdout=log, stderr=log)
+        c = ConsumerProc(name, proc, port, foreign=output is not None)
         self.consumers.append(c)
-        self.say(f"start consumer {name} (pid {c.proc.pid}){f' with DLQ {dlq_topic!r}' if dlq_topic else ''}")
+        what = f" with DLQ {dlq_topic!r}" if dlq_topic else f" of another output {output}" if output else ""
+        self.say(f"start consumer {name} (pid {c.proc.pid}){what}")
         return c
 
     def alive(self) -> list[ConsumerProc]:
-        return [c for c in self.consumers if c.alive]
+        """The running consumers of the output under test."""
+        return [c for c in self.consumers if c.alive and not c.foreign]
 
     # -- faults -------------------------------------------------------------------------------
 
@@ -351,6 +360,35 @@ class Chaos:
         self.say(
             f"consumer {c.name} leaves (SIGTERM) with {m.get('rlrec_dead_letters_pending', 0):.0f} dead letters "
             f"unacknowledged, {m.get('rlrec_dead_letter_failures_total', 0):.0f} failed deliveries"
+        )
+
+    def foreign_output(self) -> None:
+        """A consumer of another output joins with the same group id, takes partitions, commits
+        the group's offsets past what it writes to its own store, and leaves: the main output's
+        consumers resume those partitions from their store's position, not from the group's
+        offsets, so nothing is missing from the output under test."""
+        c = self.start_consumer(output=str(self.work / "other-output"))
+        self.tally.rebalances += 1
+        self.tally.foreign_outputs += 1
+        self._fault(f"consumer {c.name} of another output joins the group")
+        deadline = time.monotonic() + 60  # until it holds partitions and wrote a shard there
+        while time.monotonic() < deadline and c.alive:
+            m = c.metrics()
+            if m.get("rlrec_assigned_partitions", 0) > 0 and m.get("rlrec_shards_committed_total", 0) > 0:
+                break
+            time.sleep(0.5)
+        time.sleep(self.rng.uniform(3, 6))
+        m = c.metrics()
+        c.proc.send_signal(signal.SIGTERM)
+        try:
+            c.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            c.proc.kill()
+        self.tally.rebalances += 1
+        self.say(
+            f"consumer {c.name} of another output leaves (SIGTERM) holding "
+            f"{m.get('rlrec_assigned_partitions', 0):.0f} partitions, after committing "
+            f"{m.get('rlrec_episodes_committed_total', 0):.0f} episodes there"
         )
 
     def storage_fault(self) -> None:
@@ -426,6 +464,10 @@ class Chaos:
         plan += [(self.rng.uniform(lo, hi), "join") for _ in range(cfg.joins)]
         plan += [(self.rng.uniform(lo, hi), "storage") for _ in range(cfg.storage_faults)]
         plan += [(self.rng.uniform(lo, hi), "dlq") for _ in range(cfg.dlq_faults)]
+        kills = sorted(t for t, what in plan if what == "kill")
+        for i in range(cfg.foreign_outputs):  # between two kills where there are two
+            at = (kills[0] + kills[1]) / 2 if len(kills) >= 2 and i == 0 else self.rng.uniform(lo, hi)
+            plan.append((at, "foreign"))
         if cfg.broker_restart:
             plan.append((self.rng.uniform(0.3 * cfg.duration, 0.6 * cfg.duration), "broker"))
         return sorted(plan)
@@ -469,6 +511,7 @@ class Chaos:
                     "join": self.join,
                     "storage": self.storage_fault,
                     "dlq": self.dlq_fault,
+                    "foreign": self.foreign_output,
                     "broker": self.restart_broker,
                 }[what]()
                 self.say(f"committed so far: {len(self.committed_ids())} episodes")
@@ -561,6 +604,8 @@ class Chaos:
             ("partition claims after the first", v.claims),
             ("storage fault windows (the first longer than 2 episode timeouts)", tl.storage_faults),
             ("consumers with a refused dead-letter topic", tl.dlq_faults),
+            ("consumers of another output with the same group id", tl.foreign_outputs),
+            ("offsets a restart reads again (store position to partition end)", v.replay_tail),
             ("broker restarts", tl.broker_restarts),
             (
                 "delayed rewards applied / dead-lettered late / both",

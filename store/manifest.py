@@ -44,6 +44,7 @@ every entry.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import json
 import logging
 import os
@@ -76,6 +77,7 @@ from rlrec.store.retry import RetryPolicy
 from rlrec.store.storage import Storage
 
 __all__ = [
+    "APPEND_WINDOW_S",
     "HEAD_HINT",
     "MANIFEST_DIR",
     "MANIFEST_FORMAT_VERSION",
@@ -110,6 +112,13 @@ log = logging.getLogger("rlrec.manifest")
 
 #: a writer appends a snapshot once this many entries follow the newest one
 SNAPSHOT_EVERY = 100
+#: S, the longest an append takes from the moment its entry is stamped with its time (a shard
+#: entry's ``commit_time``, a replace entry's ``time``: right before each create-once attempt) to
+#: the moment the entry is readable: one `Storage.create_once` with its retries (5 attempts, each
+#: at most 10 s to connect and 30 s to answer on S3, GCS and Azure, with at most 2 s between
+#: them), rounded up. An ``as_of`` time is refused unless it is at least this far in the past
+#: (`rlrec.store.snapshot`): no entry stamped at or before it can land after it is read.
+APPEND_WINDOW_S = 300.0
 #: at most this many entries are folded into one snapshot (older ones stay "unfolded")
 MAX_SEGMENT = 1000
 #: name of the hint file in each partition's log directory (dot-prefixed: not an entry)
@@ -652,6 +661,7 @@ class PartitionLog:
             for _ in range(max_attempts):
                 seq = self._next
                 e = entry.with_commit(seq=seq, epoch=self._epoch, writer=self._writer)
+                e = dataclasses.replace(e, commit_time=time.time())  # stamped as it lands (APPEND_WINDOW_S)
                 if self.storage.create_once(self._path(seq), _entry_bytes(e)):
                     self._add(e)
                     self._maybe_snapshot()
@@ -726,6 +736,8 @@ class PartitionLog:
                         )
                 checked = seq = self._next
                 e = entry.with_commit(seq=seq, epoch=self._epoch, writer=self._writer)
+                now = time.time()  # stamped as it lands (APPEND_WINDOW_S)
+                e = dataclasses.replace(e, time=now, shard=dataclasses.replace(e.shard, commit_time=now))
                 if self.storage.create_once(self._path(seq), _entry_bytes(e)):
                     self._add(e)
                     self._maybe_snapshot()

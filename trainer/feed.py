@@ -60,9 +60,14 @@ class ShardInfo:
     max_policy_version: int | str | None = None
     sha256: str | None = None
     nbytes: int = 0
+    #: (lowest, highest) policy version kept, None on a side: no bound; None: every row. Set
+    #: when a version filter (--min/--max-policy-version) keeps only some of the shard's
+    #: episodes (a shard of several versions, merged ones most of all): the read task drops
+    #: the other rows, episode by episode (`rlrec.trainer.read_task`)
+    versions: tuple[int | None, int | None] | None = None
 
     @classmethod
-    def from_entry(cls, idx: int, e: Any) -> ShardInfo:
+    def from_entry(cls, idx: int, e: Any, versions: tuple[int | None, int | None] | None = None) -> ShardInfo:
         return cls(
             idx=idx,
             key=e.path,
@@ -77,6 +82,7 @@ class ShardInfo:
             max_policy_version=e.max_policy_version,
             sha256=e.sha256,
             nbytes=e.bytes,
+            versions=versions,
         )
 
 
@@ -543,6 +549,11 @@ class FeedState:
     def pop_stats(self) -> IterationStats:
         st, self.stats = self.stats, IterationStats()
         return st
+
+    def untrained_keys(self) -> list[str]:
+        """The keys of the shards handed to the feed that are neither trained on nor gone: what
+        the trainer still has to read (its reader lease holds their files)."""
+        return [s.key for i, s in self.shards.items() if i not in self.trained and i not in self.deleted]
 
     def summary(self) -> dict:
         return {

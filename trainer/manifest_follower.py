@@ -124,6 +124,18 @@ class ManifestFollower:
             return False
         return True
 
+    def _row_filter(self, e: ShardEntry) -> tuple[int | None, int | None] | None:
+        """The version bounds the read task applies to `e`'s rows, episode by episode: None when
+        no filter is set or every episode of the shard is within it (by the entry's range)."""
+        lo, hi = self.min_policy_version, self.max_policy_version
+        if lo is None and hi is None:
+            return None
+        emin, emax = e.min_policy_version, e.max_policy_version
+        known = all(isinstance(v, int) and not isinstance(v, bool) for v in (emin, emax))
+        if known and (lo is None or emin >= lo) and (hi is None or emax <= hi):  # type: ignore[operator]
+            return None
+        return (lo, hi)
+
     def poll(self, force_discover: bool = False) -> list[ShardInfo]:
         now = time.monotonic()
         if force_discover or now - self._last_discover >= self.discover_interval_s:
@@ -168,7 +180,7 @@ class ManifestFollower:
                 self.entries[e.path] = e
                 cover = self.covers.get(e.path)
                 self._delivered.setdefault(key, set()).update(cover[1] if cover else (e.seq,))
-                out.append(ShardInfo.from_entry(self._next_idx, e))
+                out.append(ShardInfo.from_entry(self._next_idx, e, versions=self._row_filter(e)))
                 self._next_idx += 1
             self.skipped += skipped
             self._done[key] = done

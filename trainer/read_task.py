@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import ray
 
 from rlrec.producer.bounded import ByteBoundedLRU
@@ -104,6 +105,25 @@ def _tabular_columns(table: pa.Table, requested: list[str] | None) -> list[str]:
     return [c for c in table.column_names if c not in drop and not pa.types.is_null(table.schema.field(c).type)]
 
 
+#: the column holding each row's policy version (an episode's, in both shard formats)
+VERSION = "policy_version"
+
+
+def _versions_kept(chunk: pa.Table, versions: tuple[int | None, int | None], keep_column: bool) -> pa.Table:
+    """The rows of `chunk` whose policy version is within `versions` (lowest, highest; None: no
+    bound): the version filter applied episode by episode (an episode's rows share its version;
+    a row without one is dropped), the version column then dropped unless asked for."""
+    lo, hi = versions
+    v = chunk.column(VERSION) if VERSION in chunk.column_names else pa.nulls(chunk.num_rows, pa.int64())
+    mask = pc.is_valid(v)
+    if lo is not None:
+        mask = pc.and_(mask, pc.greater_equal(v, lo))
+    if hi is not None:
+        mask = pc.and_(mask, pc.less_equal(v, hi))
+    out = chunk.filter(pc.fill_null(mask, False))
+    return out if keep_column or VERSION not in out.column_names else out.drop_columns([VERSION])
+
+
 def _read_stream(spec: dict) -> Iterable[pa.Table]:
     """The body of each never-ending read task: feed -> chunk -> envelope block."""
     feed = get_feed(spec)
@@ -153,9 +173,15 @@ def _serve(
         table = cache.get(s.key, lambda s=s: storage.exists(s.path) or storage.exists(s.staging_path))
         if table is None:
             try:
-                table = _judged_table(storage, s, columns if s.fmt == "episodes" else None, verify, policy)
+                wanted = columns if s.fmt == "episodes" else None
+                if wanted and s.versions is not None and VERSION not in wanted:
+                    wanted = [*wanted, VERSION]  # what the version filter reads, dropped per chunk
+                table = _judged_table(storage, s, wanted, verify, policy)
                 if s.fmt == "tabular":
-                    table = table.select(_tabular_columns(table, columns))
+                    kept = _tabular_columns(table, columns)
+                    if s.versions is not None and VERSION in table.column_names and VERSION not in kept:
+                        kept = [*kept, VERSION]
+                    table = table.select(kept)
             except FileNotFoundError:
                 feed.failed.remote(w.tag, "missing")
                 continue
@@ -184,8 +210,13 @@ def _serve(
                 continue
             outage.succeeded()
             cache.put(s.key, table)
-        n = w.stop - w.start
-        chunk = table.slice(w.start, n)
+        chunk = table.slice(w.start, w.stop - w.start)
+        if s.versions is not None:
+            chunk = _versions_kept(chunk, s.versions, VERSION in (columns or ()))
+            if not chunk.num_rows:  # every episode of it outside the filter: nothing to train on
+                feed.processed.remote([w.tag], 0)
+                continue
+        n = chunk.num_rows
         chunk = chunk.append_column(TAG, pa.array(np.full(n, w.tag, dtype=np.int64)))
         yield pa.table(
             {ENVELOPE: pa.array([table_to_ipc(chunk)], type=pa.binary()), TAG: pa.array([w.tag], type=pa.int64())}

@@ -233,6 +233,7 @@ class ManifestOfflineData(OfflineData):
         while not self._stop.wait(self.poll_interval_s):
             try:
                 self._poll_once(time.monotonic())
+                self._renew_lease(time.monotonic())
             except Exception as e:  # e.g. the feed actor is gone at shutdown
                 if self._stop.is_set():
                     return
@@ -248,14 +249,20 @@ class ManifestOfflineData(OfflineData):
             else:
                 self.poll_schedule.failed(now)
         self.check_health()
-        if self.lease.due(now):
-            try:
-                keys = ray.get(self.feed.untrained_keys.remote(), timeout=10)
-            except Exception as e:  # the feed is busy or gone: the next turn renews
-                log.debug("feed untrained keys: %s", e)
-                return
-            with self._lock:
-                self.lease.renew(now, [self.follower.entries.get(k) for k in keys])
+
+    def _renew_lease(self, now: float) -> None:
+        """Renew the trainer's reader lease when due: the entries of the shards handed to the
+        feed and not trained on yet (`TrainerLease`)."""
+        if not self.lease.due(now):
+            return
+        try:
+            keys = ray.get(self.feed.untrained_keys.remote(), timeout=10)
+        except Exception as e:  # the feed is busy or gone: the next turn renews
+            log.debug("feed untrained keys: %s", e)
+            return
+        with self._lock:
+            entries = [self.follower.entries.get(k) for k in keys]
+        self.lease.renew(now, entries)
 
     @property
     def shards_total(self) -> int:

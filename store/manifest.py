@@ -837,10 +837,11 @@ class PartitionLog:
     def publish(self, entry: ShardEntry, data: bytes | None = None) -> bool:
         """Move a committed shard from staging to its published path (idempotent).
 
-        Returns True if this call published it, False if it was already published.  If
-        neither file exists and *data* (the shard's bytes, checked against the entry's
-        sha256) is given, the published file is written from it; otherwise
-        FileNotFoundError.
+        Returns True if this call published it, False if it was already published (or
+        retention removed it).  If neither file exists and *data* (the shard's bytes, checked
+        against the entry's sha256) is given, the published file is written from it -- unless
+        a removal record names it (retention deleted it: never re-created, also when the
+        record lands while it is written); otherwise FileNotFoundError.
         """
         st = self.storage
         try:
@@ -849,16 +850,23 @@ class PartitionLog:
         except FileNotFoundError:
             if st.exists(entry.path):  # published meanwhile (e.g. by a recovering owner)
                 moved = False
-            elif data is not None and _sha256(data) == entry.sha256:
+            elif data is not None and _sha256(data) == entry.sha256 and not self._removed(entry):
                 st.write(entry.path, data)
-                moved = True
-                log.warning(
-                    "%s/%d: staged file of seq %d was gone; published %s from memory",
-                    self.topic,
-                    self.partition,
-                    entry.seq,
-                    entry.path,
-                )
+                if self._removed(entry):  # recorded meanwhile: retention's delete may have run already
+                    st.delete(entry.path)
+                    moved = False
+                else:
+                    moved = True
+                    log.warning(
+                        "%s/%d: staged file of seq %d was gone; published %s from memory",
+                        self.topic,
+                        self.partition,
+                        entry.seq,
+                        entry.path,
+                    )
+            elif data is not None and _sha256(data) == entry.sha256:  # removed by retention: not re-created
+                log.info("%s/%d: shard seq %d was removed by retention: not republished", *self._where(entry))
+                moved = False
             else:
                 raise FileNotFoundError(
                     f"committed shard {entry.path} (seq {entry.seq}) has neither a published nor a staged file"
@@ -884,6 +892,21 @@ class PartitionLog:
         cands, present = self._staging()
         return [e for e, _ in cands if e.staging_path in present]
 
+    def _where(self, e: ShardEntry) -> tuple[str, int, int | None]:
+        return self.topic, self.partition, e.seq
+
+    def _removed(self, e: ShardEntry) -> bool:
+        """Whether retention removed shard `e` (a removal record names exactly its files): then
+        its files are gone by design, not lost. Read only when a listed shard has no file."""
+        from rlrec.store.retention import read_removals  # retention builds on this module
+
+        return any(
+            (f.topic, f.partition, f.seq, f.path, f.staging_path)
+            == (self.topic, self.partition, e.seq, e.path, e.staging_path)
+            for r in read_removals(self.storage)
+            for f in r.files
+        )
+
     def recover(self) -> int:
         """Roll forward: publish every committed shard not known to be published whose staging
         file exists (the entries read since the newest snapshot and those a snapshot lists as
@@ -891,7 +914,8 @@ class PartitionLog:
         involved, whatever the history's length.
 
         A shard a snapshot listed as unpublished that has neither file is logged as an
-        error (data loss, e.g. a manual delete); ``verify`` checks every shard.
+        error (data loss, e.g. a manual delete) unless a removal record names it (retention
+        deleted it); ``verify`` checks every shard.
         """
         cands, present = self._staging()
         published = 0
@@ -915,7 +939,7 @@ class PartitionLog:
                     continue
                 except FileNotFoundError:
                     pass
-            elif not listed or self.storage.exists(e.path):
+            elif not listed or self.storage.exists(e.path) or self._removed(e):
                 with self._lock:
                     self._unknown.pop(e.seq, None)  # type: ignore[arg-type]
                 continue

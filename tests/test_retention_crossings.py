@@ -401,3 +401,46 @@ def test_a_trainer_behind_keeps_the_shards_it_was_handed_until_it_read_them(tmp_
     assert live_holds(st) == {}
     lease.drop()
     assert [i.name for i in st.list("_readers")] == ["stalled.json"]
+
+
+# -- smaller crossings ------------------------------------------------------------------------------
+
+
+def test_a_claim_after_compaction_and_retention_reports_no_lost_shard(tmp_path, caplog):
+    """Log snapshots list shards committed but not yet published; once compaction replaced them
+    and retention deleted their files, the next owner's claim says nothing is lost."""
+    import logging
+
+    root = str(tmp_path / "out")
+    c = ShardCommitter(root, "rl", 0, snapshot_every=5)
+    ids = _commit(c, 4)  # the claim and 4 shards: a snapshot after the 4th lists it as not published yet
+    assert compact_partition(c.log, min_age_s=0).replaced == 4
+    assert len(retain(c.storage, grace_s=0).deleted) == 4
+    with caplog.at_level(logging.INFO, logger="rlrec.manifest"):
+        ShardCommitter(root, "rl", 0, snapshot_every=5).claim()
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    _exactly(open_snapshot(root), ids)
+
+
+def test_a_fenced_owner_that_wakes_never_re_creates_a_file_retention_removed(tmp_path, monkeypatch):
+    """Owner A committed a shard but could not publish it (kept in memory); B claims the
+    partition, publishes it, compacts it away and retention deletes it; A wakes and rolls its
+    publish forward: the removed file is not re-created."""
+    import os
+
+    root = str(tmp_path / "out")
+    a = ShardCommitter(root, "rl", 0)
+    a.claim()
+    real_move = a.storage.move
+    monkeypatch.setattr(a.storage, "move", lambda *x, **k: (_ for _ in ()).throw(OSError("store down")))
+    _commit(a, 1)
+    (entry,) = a.pending  # committed, not published: held in memory
+    monkeypatch.setattr(a.storage, "move", real_move)
+    b = ShardCommitter(root, "rl", 0)
+    b.claim()  # fences A, publishes the staged shard
+    _commit(b, 1, seed0=1)
+    assert compact_partition(b.log, min_age_s=0).replaced == 2
+    assert entry.path in retain(b.storage, grace_s=0).deleted
+    a.publish_pending(force=True)
+    assert not os.path.exists(os.path.join(root, entry.path))
+    assert not a.pending

@@ -22,6 +22,7 @@ from rlrec.store.retention import read_removals, retain
 from rlrec.store.snapshot import CursorError, ExpiredPointError, open_snapshot
 from rlrec.store.storage import Storage
 from rlrec.trainer.synthetic import expert_cartpole_episodes
+from tests.test_trainer_faults import s3_behind_proxy  # noqa: F401  (a fixture)
 
 #: S in these tests: an as_of time this far in the past is a fixed point
 WINDOW_S = 0.05
@@ -444,3 +445,26 @@ def test_a_fenced_owner_that_wakes_never_re_creates_a_file_retention_removed(tmp
     a.publish_pending(force=True)
     assert not os.path.exists(os.path.join(root, entry.path))
     assert not a.pending
+
+
+def test_metrics_lines_are_bounded_during_a_long_outage_of_their_store(s3_behind_proxy, monkeypatch):  # noqa: F811
+    """While the checkpoint store does not answer, at most MAX_UNWRITTEN_LINES metrics lines
+    wait in memory: the oldest unwritten ones are dropped (counted; never a line already
+    written), and the newest are written once it answers."""
+    import json
+
+    from rlrec.trainer.metrics import METRICS_FILE, TrainerMetrics
+
+    direct, through, proxy = s3_behind_proxy
+    monkeypatch.setattr(TrainerMetrics, "MAX_UNWRITTEN_LINES", 5)
+    base = {"policy_version": 0, "timesteps_trained": 1, "shards_total": 1, "shards_new": 1}
+    m = TrainerMetrics(through, None, False)
+    m.write({**base, "iteration": 1})
+    proxy.fail_for(600)
+    for i in range(2, 22):  # 20 lines the store does not take
+        m.write({**base, "iteration": i})
+        assert len(m._lines) <= 1 + 5
+    proxy.fail_for(0)
+    m.write({**base, "iteration": 22})
+    got = [json.loads(x)["iteration"] for x in direct.read(METRICS_FILE).decode().splitlines()]
+    assert got == [1, *range(18, 23)] and m.lines_dropped == 16  # the newest 5 unwritten ones kept

@@ -656,8 +656,11 @@ def retain(
     again right before the records are appended and right before the deletes (a version
     published while this call runs keeps its data; what it returns adds to `pinned` and
     `pinned_entries`). With `dry_run` nothing is written or deleted: the result says what would
-    be. `now` (tests): the time of every step, records included; by default each record is
-    stamped right before it is created and the deletes are judged when they start."""
+    be. The files of entries a live trainer holds (its reader lease, `rlrec.store.reader_leases`:
+    handed to it, not read yet) are neither recorded nor deleted; the leases are read right
+    before the records are appended and right before the deletes. `now` (tests): the time of
+    every step, records included; by default each record is stamped right before it is created
+    and the deletes are judged when they start."""
     given = now
     now = time.time() if now is None else now
     records = read_removals(storage)  # before the logs: every record's positions are in them

@@ -8,7 +8,10 @@ reader opened at the same cursor, now or in a year, gets the same files and the 
 
 * ``as_of=None``: the newest point (every entry committed when it is called);
 * ``as_of=<UNIX time>``: per partition log, the entries before the first one written after
-  that time (a shard entry's ``commit_time``, a claim's or log snapshot's ``time``);
+  that time (a shard entry's ``commit_time``, a claim's, replace entry's or log snapshot's
+  ``time``, stamped as the entry lands), and the removal records before the first one stamped
+  after it; refused unless the time is at least ``APPEND_WINDOW_S`` (S) in the past, so it is
+  a fixed point;
 * ``as_of=<cursor>``: a point a snapshot gave earlier (`Snapshot.cursor`).
 
 Guarantees (docs/GUARANTEES.md, "As-of reads"): a snapshot's file list is fixed when it is
@@ -19,10 +22,12 @@ from its own file before); `Snapshot.changes` between two cursors of one store h
 the episodes of the later one that the earlier one lacks (a replacement that merged shards from
 both sides of the earlier cursor is read as the shards it replaced, whose files compaction
 keeps).
-Retention (`rlrec.store.retention`) removes files: a point taken after a removal record was
-written (its cursor counts the records in effect: ``~rm=N``) does not hold the shards it
-removed; an older point is expired (`ExpiredPointError`) once the record's grace is over and
-reads as before until then; the newest point never is expired.
+Retention (`rlrec.store.retention`) removes files: a removal record counts at a point iff it
+is numbered below the point's ``~rm=N`` (it existed when the point was taken) and its planning
+positions are at or below the point's in every log (`counted_records`); a counted record's
+shards are not part of the point. Any other point holding a removed shard reads it as before
+while the record's grace lasts and is expired (`ExpiredPointError`) after; the newest point
+never is expired.
 Shards are read through the schema gate (`rlrec.store.schema_gate`) after their sha256 is
 checked against the manifest: nothing is unpickled.
 
@@ -227,9 +232,10 @@ class Cursor:
     Args:
         positions: entries seen per partition log (a log not named: none of it).
         tag: 12 hex digits naming the store (a hash of each named log's first entry).
-        removals: the removal records in effect at the point (`rlrec.store.retention`): those
-            numbered below it were written before the point was taken, so the shards they
-            remove are not part of it; the others' are (read within their grace, then expired).
+        removals: the removal records that existed when the point was taken (numbered below
+            it); of those, the ones planned at or below its positions in every log are in
+            effect (`counted_records`): their shards are not part of it. The others' shards
+            are (read within their grace, then expired).
 
     Example:
         >>> c = Cursor({("rl", 0): 12, ("rl", 1): 3}, "0123456789ab")
@@ -992,13 +998,15 @@ def open_snapshot(storage: Storage | str, as_of: float | int | str | Cursor | No
 
     Args:
         storage: the store (a `Storage` or its URI: a path, ``s3://bucket/prefix``, ...).
-        as_of: None (the newest point), a UNIX time (float; the entries committed at or before
-            it, per partition log up to the first later one) or a cursor (`Snapshot.cursor`).
+        as_of: None (the newest point), a UNIX time at least `APPEND_WINDOW_S` ago (float; the
+            entries committed at or before it, per partition log up to the first later one) or
+            a cursor (`Snapshot.cursor`).
 
     Raises:
         FileNotFoundError: the store holds no manifest (nothing was ever committed there).
         CursorError: a malformed cursor, a cursor of another store, a position past a log's
-            end, a time in the future or before the store's first commit (one-line messages).
+            end, a time less than `APPEND_WINDOW_S` ago or before the store's first commit
+            (one-line messages).
         ExpiredPointError: a point before a removal by retention whose files are deleted (a
             `CursorError`; the newest point never is one).
         ManifestError: the manifest cannot be read (a gap, a malformed entry).

@@ -468,3 +468,31 @@ def test_metrics_lines_are_bounded_during_a_long_outage_of_their_store(s3_behind
     m.write({**base, "iteration": 22})
     got = [json.loads(x)["iteration"] for x in direct.read(METRICS_FILE).decode().splitlines()]
     assert got == [1, *range(18, 23)] and m.lines_dropped == 16  # the newest 5 unwritten ones kept
+
+
+def test_a_merged_shard_part_of_which_was_delivered_is_read_for_the_rest_of_its_episodes(tmp_path, monkeypatch):
+    """The follower delivered shard A; B landed after its poll; compaction merged A and B and
+    retention removed B (A's file is kept: the trainer holds it). The next poll delivers the
+    merged shard for B's episodes only: every episode read once."""
+    from rlrec.trainer.data import TrainerLease
+    from rlrec.trainer.feed import FeedPolicy, FeedState
+    from rlrec.trainer.manifest_follower import ManifestFollower
+
+    root = str(tmp_path / "out")
+    st = Storage.from_uri(root)
+    c = ShardCommitter(root, "rl", 0)
+    a = _commit(c, 1)
+    follower = ManifestFollower(st)
+    state = FeedState(FeedPolicy())
+    first = follower.poll(force_discover=True)
+    state.add_shards(first)
+    assert TrainerLease(st, "rlrec-feed-t").renew(
+        time.monotonic(), [follower.entries[k] for k in state.untrained_keys()]
+    )
+    b = _commit(c, 1, seed0=1)
+    assert compact_partition(c.log, min_age_s=0).replaced == 2
+    res = retain(c.storage, grace_s=0)
+    assert [f.seq for f in res.recorded] == [2]  # B only: A is held
+    second = follower.poll()
+    assert len(second) == 1 and second[0].episodes == frozenset(b) and follower.removed_skipped == 0
+    assert sorted(_served_episodes(root, first + second, monkeypatch)) == sorted(a + b)

@@ -65,9 +65,18 @@ class ShardInfo:
     #: episodes (a shard of several versions, merged ones most of all): the read task drops
     #: the other rows, episode by episode (`rlrec.trainer.read_task`)
     versions: tuple[int | None, int | None] | None = None
+    #: the ids of the shard's episodes to read (None: all): a merged shard delivered for the
+    #: shard entries it holds that were not delivered before (`ManifestFollower`)
+    episodes: frozenset[str] | None = None
 
     @classmethod
-    def from_entry(cls, idx: int, e: Any, versions: tuple[int | None, int | None] | None = None) -> ShardInfo:
+    def from_entry(
+        cls,
+        idx: int,
+        e: Any,
+        versions: tuple[int | None, int | None] | None = None,
+        episodes: frozenset[str] | None = None,
+    ) -> ShardInfo:
         return cls(
             idx=idx,
             key=e.path,
@@ -83,6 +92,7 @@ class ShardInfo:
             sha256=e.sha256,
             nbytes=e.bytes,
             versions=versions,
+            episodes=episodes,
         )
 
 

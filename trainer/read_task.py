@@ -109,19 +109,37 @@ def _tabular_columns(table: pa.Table, requested: list[str] | None) -> list[str]:
 VERSION = "policy_version"
 
 
-def _versions_kept(chunk: pa.Table, versions: tuple[int | None, int | None], keep_column: bool) -> pa.Table:
-    """The rows of `chunk` whose policy version is within `versions` (lowest, highest; None: no
-    bound): the version filter applied episode by episode (an episode's rows share its version;
-    a row without one is dropped), the version column then dropped unless asked for."""
-    lo, hi = versions
-    v = chunk.column(VERSION) if VERSION in chunk.column_names else pa.nulls(chunk.num_rows, pa.int64())
-    mask = pc.is_valid(v)
-    if lo is not None:
-        mask = pc.and_(mask, pc.greater_equal(v, lo))
-    if hi is not None:
-        mask = pc.and_(mask, pc.less_equal(v, hi))
+def _id_column(s: ShardInfo) -> str:
+    return "episode_id" if s.fmt == "episodes" else "eps_id"
+
+
+def _filter_columns(s: ShardInfo) -> list[str]:
+    """The columns the row filters of `s` read (`_rows_kept`)."""
+    return [*([VERSION] if s.versions is not None else []), *([_id_column(s)] if s.episodes is not None else [])]
+
+
+def _rows_kept(chunk: pa.Table, s: ShardInfo, columns: list[str] | None) -> pa.Table:
+    """The rows of `chunk` (of shard `s`) that its filters keep, episode by episode (an episode's
+    rows share its id and version): a policy version within `s.versions` (lowest, highest; None:
+    no bound; a row without a version is dropped) and an episode id in `s.episodes`; the columns
+    read only for the filters are dropped (unless asked for in `columns`)."""
+    mask = pa.array([True] * chunk.num_rows, pa.bool_())
+    if s.versions is not None:
+        lo, hi = s.versions
+        v = chunk.column(VERSION) if VERSION in chunk.column_names else pa.nulls(chunk.num_rows, pa.int64())
+        mask = pc.and_(mask, pc.is_valid(v))
+        if lo is not None:
+            mask = pc.and_(mask, pc.greater_equal(v, lo))
+        if hi is not None:
+            mask = pc.and_(mask, pc.less_equal(v, hi))
+    if s.episodes is not None:
+        ids = chunk.column(_id_column(s)).cast(pa.string())
+        mask = pc.and_(mask, pc.is_in(ids, value_set=pa.array(sorted(s.episodes), pa.string())))
     out = chunk.filter(pc.fill_null(mask, False))
-    return out if keep_column or VERSION not in out.column_names else out.drop_columns([VERSION])
+    drop = [c for c in _filter_columns(s) if c in out.column_names and c not in (columns or ())]
+    if s.fmt == "tabular":  # a tabular chunk keeps the columns _tabular_columns keeps
+        drop = [c for c in drop if c == VERSION]
+    return out.drop_columns(drop) if drop else out
 
 
 def _read_stream(spec: dict) -> Iterable[pa.Table]:
@@ -173,14 +191,14 @@ def _serve(
         table = cache.get(s.key, lambda s=s: storage.exists(s.path) or storage.exists(s.staging_path))
         if table is None:
             try:
+                extra = _filter_columns(s)  # what the row filters read, dropped per chunk
                 wanted = columns if s.fmt == "episodes" else None
-                if wanted and s.versions is not None and VERSION not in wanted:
-                    wanted = [*wanted, VERSION]  # what the version filter reads, dropped per chunk
+                if wanted:
+                    wanted = [*wanted, *(c for c in extra if c not in wanted)]
                 table = _judged_table(storage, s, wanted, verify, policy)
                 if s.fmt == "tabular":
                     kept = _tabular_columns(table, columns)
-                    if s.versions is not None and VERSION in table.column_names and VERSION not in kept:
-                        kept = [*kept, VERSION]
+                    kept += [c for c in extra if c in table.column_names and c not in kept]
                     table = table.select(kept)
             except FileNotFoundError:
                 feed.failed.remote(w.tag, "missing")
@@ -211,9 +229,9 @@ def _serve(
             outage.succeeded()
             cache.put(s.key, table)
         chunk = table.slice(w.start, w.stop - w.start)
-        if s.versions is not None:
-            chunk = _versions_kept(chunk, s.versions, VERSION in (columns or ()))
-            if not chunk.num_rows:  # every episode of it outside the filter: nothing to train on
+        if s.versions is not None or s.episodes is not None:
+            chunk = _rows_kept(chunk, s, columns)
+            if not chunk.num_rows:  # every episode of it outside the filters: nothing to train on
                 feed.processed.remote([w.tag], 0)
                 continue
         n = chunk.num_rows

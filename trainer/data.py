@@ -189,6 +189,7 @@ class ManifestOfflineData(OfflineData):
                 return 0
             if infos:
                 ray.get(self.feed.add_shards.remote(infos, [s.key for s in infos if self._trained_before(s.key)]))
+                self.lease.soon()  # the lease holds them from the next turn of the poll thread
             return len(infos)
 
     def _trained_before(self, key: str) -> bool:
@@ -573,8 +574,9 @@ def configure_continuous(
 
 class TrainerLease:
     """A trainer's reader lease (`rlrec.store.reader_leases`): the manifest entries of the shards
-    it was handed and has not trained on, renewed every third of its ``ttl_s`` (one storage
-    attempt each; a failed renewal waits for the next turn), dropped when the trainer stops.
+    it was handed and has not trained on, renewed every third of its ``ttl_s`` and as soon as new
+    shards are handed to the feed (one storage attempt each; a failed renewal waits for the next
+    turn), dropped when the trainer stops.
 
     Example:
         >>> import tempfile
@@ -589,15 +591,21 @@ class TrainerLease:
         self.reader = reader
         self.ttl_s = ttl_s
         self._next: float | None = None  # monotonic time of the next renewal (None: at once)
+        self._written = False  # renewed at least once (there may be a lease to drop)
 
     def due(self, now: float) -> bool:
         """Whether the lease should be renewed at monotonic time `now`."""
         return self._next is None or now >= self._next
 
+    def soon(self) -> None:
+        """Renew at the next chance (shards were handed to the feed)."""
+        self._next = None
+
     def renew(self, now: float, entries: Iterable[Any]) -> bool:
         """Write the lease holding `entries` (shard entries; None items are skipped); True if
         it was written."""
         self._next = now + self.ttl_s / 3
+        self._written = True
         holds = holds_of((e.topic, e.partition, e.seq) for e in entries if e is not None and e.seq is not None)
         try:
             renew_reader_lease(self.storage, self.reader, holds, ttl_s=self.ttl_s)
@@ -608,7 +616,7 @@ class TrainerLease:
 
     def drop(self) -> None:
         """Remove the lease (the trainer stops reading)."""
-        if self._next is None:
+        if not self._written:
             return
         try:
             drop_reader_lease(self.storage, self.reader)

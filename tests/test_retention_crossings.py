@@ -496,3 +496,30 @@ def test_a_merged_shard_part_of_which_was_delivered_is_read_for_the_rest_of_its_
     second = follower.poll()
     assert len(second) == 1 and second[0].episodes == frozenset(b) and follower.removed_skipped == 0
     assert sorted(_served_episodes(root, first + second, monkeypatch)) == sorted(a + b)
+
+
+@pytest.mark.slow
+def test_a_running_trainer_holds_its_untrained_shards_in_a_reader_lease(ray_cluster, tmp_path):
+    """The real trainer (Ray): while it runs, its lease names the shards it was handed and has
+    not trained on (none once all are trained); it is gone after the trainer stopped."""
+    from rlrec.store.reader_leases import READERS_DIR, live_holds
+    from rlrec.trainer.service import ContinuousTrainer
+    from tests.test_trainer_service import cfg, run_in_thread, wait_for
+
+    out, ck = str(tmp_path / "out"), str(tmp_path / "ck")
+    c = ShardCommitter(out)
+    for i in range(3):
+        c.commit(expert_cartpole_episodes(3, seed=i, max_steps=200))
+    st = Storage.from_uri(out)
+    trainer = ContinuousTrainer(cfg(out, ck, checkpoint_interval=100, min_time_s_per_iteration=1.0))
+    t, box = run_in_thread(trainer)
+    try:
+        wait_for(lambda: st.list(READERS_DIR), 120, "the trainer's reader lease")
+        holds = live_holds(st)
+        assert set(holds) <= {("rl", 0)} and all(1 <= a < b <= 4 for a, b in holds.get(("rl", 0), []))
+        wait_for(lambda: live_holds(st) == {}, 120, "a lease holding nothing once every shard is trained")
+    finally:
+        trainer.stop("test")
+        t.join(120)
+    assert not t.is_alive() and "error" not in box, box
+    assert st.list(READERS_DIR) == []

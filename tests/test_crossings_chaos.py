@@ -130,7 +130,7 @@ class _LaggingTrainer:
         self.bad: list = []
 
     def _renew(self) -> None:
-        keys = self.state.untrained_keys()
+        keys = self.state.unread_keys()
         assert self.lease.renew(time.monotonic(), [self.follower.entries.get(k) for k in keys])
 
     def poll(self) -> None:

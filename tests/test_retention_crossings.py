@@ -386,7 +386,7 @@ def test_a_trainer_behind_keeps_the_shards_it_was_handed_until_it_read_them(tmp_
     state = FeedState(FeedPolicy())
     state.add_shards(infos)
     lease = TrainerLease(st, "rlrec-feed-test")
-    assert lease.renew(time.monotonic(), [follower.entries[k] for k in state.untrained_keys()])
+    assert lease.renew(time.monotonic(), [follower.entries[k] for k in state.unread_keys()])
     assert live_holds(st) == {("rl", 0): [(1, 4)]}
     assert compact_partition(c.log, min_age_s=0).replaced == 3
     time.sleep(0.3)
@@ -395,7 +395,7 @@ def test_a_trainer_behind_keeps_the_shards_it_was_handed_until_it_read_them(tmp_
     assert sorted(_served_episodes(root, infos, monkeypatch)) == sorted(ids)  # read from the files it was handed
     for s in infos:
         state.ack({(s.idx << 24) | 1: 1})  # trained on
-    assert state.untrained_keys() == []
+    assert state.unread_keys() == []
     assert lease.renew(time.monotonic(), [])
     assert len(retain(c.storage, grace_s=0).deleted) == 3  # now they go
     renew_reader_lease(st, "stalled", {("rl", 0): [(1, 4)]}, ttl_s=120.0, now=time.time() - 121)
@@ -486,9 +486,7 @@ def test_a_merged_shard_part_of_which_was_delivered_is_read_for_the_rest_of_its_
     state = FeedState(FeedPolicy())
     first = follower.poll(force_discover=True)
     state.add_shards(first)
-    assert TrainerLease(st, "rlrec-feed-t").renew(
-        time.monotonic(), [follower.entries[k] for k in state.untrained_keys()]
-    )
+    assert TrainerLease(st, "rlrec-feed-t").renew(time.monotonic(), [follower.entries[k] for k in state.unread_keys()])
     b = _commit(c, 1, seed0=1)
     assert compact_partition(c.log, min_age_s=0).replaced == 2
     res = retain(c.storage, grace_s=0)
@@ -523,3 +521,25 @@ def test_a_running_trainer_holds_its_untrained_shards_in_a_reader_lease(ray_clus
         t.join(120)
     assert not t.is_alive() and "error" not in box, box
     assert st.list(READERS_DIR) == []
+
+
+def test_a_shard_trained_on_in_part_stays_in_the_lease_until_it_is_read_to_the_end(tmp_path):
+    """A shard is trained on from its first chunk's gradient step, but the trainer still reads
+    its other chunks: the lease holds it until the last one is processed (found by the crossings
+    phase: retention took a shard after its first chunk, and the rest was lost)."""
+    from rlrec.trainer.feed import FeedPolicy, FeedState
+    from rlrec.trainer.manifest_follower import ManifestFollower
+
+    root = str(tmp_path / "out")
+    _commit(ShardCommitter(root, "rl", 0), 1, per=4)
+    state = FeedState(FeedPolicy(chunk_rows=1, max_ahead_rows=10**6, fresh_fraction=1.0))
+    state.add_shards(ManifestFollower(Storage.from_uri(root)).poll(force_discover=True))
+    (key,) = state.unread_keys()
+    w = state.next_work()
+    state.processed([w.tag], 1)
+    state.ack({w.tag: 1})
+    assert state.trained and state.unread_keys() == [key]  # trained on, three chunks to read
+    while state.has_fresh():
+        w = state.next_work()
+        state.processed([w.tag], 1)
+    assert state.unread_keys() == []

@@ -257,7 +257,7 @@ class ManifestOfflineData(OfflineData):
         if not self.lease.due(now):
             return
         try:
-            keys = ray.get(self.feed.untrained_keys.remote(), timeout=10)
+            keys = ray.get(self.feed.unread_keys.remote(), timeout=10)
         except Exception as e:  # the feed is busy or gone: the next turn renews
             log.debug("feed untrained keys: %s", e)
             return

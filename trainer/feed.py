@@ -560,10 +560,15 @@ class FeedState:
         st, self.stats = self.stats, IterationStats()
         return st
 
-    def untrained_keys(self) -> list[str]:
-        """The keys of the shards handed to the feed that are neither trained on nor gone: what
-        the trainer still has to read (its reader lease holds their files)."""
-        return [s.key for i, s in self.shards.items() if i not in self.trained and i not in self.deleted]
+    def unread_keys(self) -> list[str]:
+        """The keys of the shards handed to the feed that are not gone and not read to the end:
+        not trained on yet, or trained on (a first chunk) while chunks of them still wait to be
+        delivered or are delivered and not processed -- what the trainer still reads as new (its
+        reader lease holds their files)."""
+        reading = {c[0] for c in self._chunks} | {p.shard for p in self.pending.values() if p.fresh}
+        return [
+            s.key for i, s in self.shards.items() if i not in self.deleted and (i not in self.trained or i in reading)
+        ]
 
     def summary(self) -> dict:
         return {

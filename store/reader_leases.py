@@ -6,7 +6,7 @@ Compaction may merge those shards meanwhile and retention remove their files. So
 what it still holds: while it runs it rewrites ``_readers/{reader}.json`` (beside the manifest,
 not in it) every ``ttl_s / 3`` seconds with ``{"reader", "renewed", "ttl_s", "holds"}``, ``holds``
 being per partition log the manifest seqs of the entries whose files it was handed and has not
-trained on (``[[topic, partition, [[start, end], ...]], ...]``). `rlrec retain` neither records
+read to the end (``[[topic, partition, [[start, end], ...]], ...]``). `rlrec retain` neither records
 nor deletes those entries' files while the lease is live (`live_holds`: renewed less than ``ttl_s``
 ago by the reader's clock), reading the leases when it plans, right before it appends its records
 and right before it deletes (`rlrec.store.retention.retain`). A reader stopped or stalled longer

@@ -149,7 +149,7 @@ class ManifestOfflineData(OfflineData):
         self.unsupported: str | None = None
         self.poll_schedule = RetrySchedule()  # manifest polls while they fail: the one retry schedule
         self.health = StorageHealth(self.storage.uri())  # the input store's failed reads, reported here
-        #: the reader lease holding the files handed to the feed and not trained on yet (retention
+        #: the reader lease holding the files handed to the feed and not read to the end yet (retention
         #: keeps them: `rlrec.store.reader_leases`), renewed by the poll thread
         self.lease = TrainerLease(self.storage, spec["feed"])
 
@@ -253,7 +253,7 @@ class ManifestOfflineData(OfflineData):
 
     def _renew_lease(self, now: float) -> None:
         """Renew the trainer's reader lease when due: the entries of the shards handed to the
-        feed and not trained on yet (`TrainerLease`)."""
+        feed and not read to the end yet (`TrainerLease`)."""
         if not self.lease.due(now):
             return
         try:
@@ -574,7 +574,7 @@ def configure_continuous(
 
 class TrainerLease:
     """A trainer's reader lease (`rlrec.store.reader_leases`): the manifest entries of the shards
-    it was handed and has not trained on, renewed every third of its ``ttl_s`` and as soon as new
+    it was handed and has not read to the end, renewed every third of its ``ttl_s`` and as soon as new
     shards are handed to the feed (one storage attempt each; a failed renewal waits for the next
     turn), dropped when the trainer stops.
 

@@ -44,6 +44,7 @@ every entry.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import json
 import logging
 import os
@@ -76,6 +77,7 @@ from rlrec.store.retry import RetryPolicy
 from rlrec.store.storage import Storage
 
 __all__ = [
+    "APPEND_WINDOW_S",
     "HEAD_HINT",
     "MANIFEST_DIR",
     "MANIFEST_FORMAT_VERSION",
@@ -110,6 +112,13 @@ log = logging.getLogger("rlrec.manifest")
 
 #: a writer appends a snapshot once this many entries follow the newest one
 SNAPSHOT_EVERY = 100
+#: S, the longest an append takes from the moment its entry is stamped with its time (a shard
+#: entry's ``commit_time``, a replace entry's ``time``: right before each create-once attempt) to
+#: the moment the entry is readable: one `Storage.create_once` with its retries (5 attempts, each
+#: at most 10 s to connect and 30 s to answer on S3, GCS and Azure, with at most 2 s between
+#: them), rounded up. An ``as_of`` time is refused unless it is at least this far in the past
+#: (`rlrec.store.snapshot`): no entry stamped at or before it can land after it is read.
+APPEND_WINDOW_S = 300.0
 #: at most this many entries are folded into one snapshot (older ones stay "unfolded")
 MAX_SEGMENT = 1000
 #: name of the hint file in each partition's log directory (dot-prefixed: not an entry)
@@ -701,6 +710,7 @@ class PartitionLog:
             for _ in range(max_attempts):
                 seq = self._next
                 e = entry.with_commit(seq=seq, epoch=self._epoch, writer=self._writer)
+                e = dataclasses.replace(e, commit_time=time.time())  # stamped as it lands (APPEND_WINDOW_S)
                 if self.storage.create_once(self._path(seq), _entry_bytes(e)):
                     self._add(e)
                     self._maybe_snapshot()
@@ -775,6 +785,8 @@ class PartitionLog:
                         )
                 checked = seq = self._next
                 e = entry.with_commit(seq=seq, epoch=self._epoch, writer=self._writer)
+                now = time.time()  # stamped as it lands (APPEND_WINDOW_S)
+                e = dataclasses.replace(e, time=now, shard=dataclasses.replace(e.shard, commit_time=now))
                 if self.storage.create_once(self._path(seq), _entry_bytes(e)):
                     self._add(e)
                     self._maybe_snapshot()
@@ -875,10 +887,11 @@ class PartitionLog:
     def publish(self, entry: ShardEntry, data: bytes | None = None) -> bool:
         """Move a committed shard from staging to its published path (idempotent).
 
-        Returns True if this call published it, False if it was already published.  If
-        neither file exists and *data* (the shard's bytes, checked against the entry's
-        sha256) is given, the published file is written from it; otherwise
-        FileNotFoundError.
+        Returns True if this call published it, False if it was already published (or
+        retention removed it).  If neither file exists and *data* (the shard's bytes, checked
+        against the entry's sha256) is given, the published file is written from it -- unless
+        a removal record names it (retention deleted it: never re-created, also when the
+        record lands while it is written); otherwise FileNotFoundError.
         """
         st = self.storage
         try:
@@ -887,16 +900,23 @@ class PartitionLog:
         except FileNotFoundError:
             if st.exists(entry.path):  # published meanwhile (e.g. by a recovering owner)
                 moved = False
-            elif data is not None and _sha256(data) == entry.sha256:
+            elif data is not None and _sha256(data) == entry.sha256 and not self._removed(entry):
                 st.write(entry.path, data)
-                moved = True
-                log.warning(
-                    "%s/%d: staged file of seq %d was gone; published %s from memory",
-                    self.topic,
-                    self.partition,
-                    entry.seq,
-                    entry.path,
-                )
+                if self._removed(entry):  # recorded meanwhile: retention's delete may have run already
+                    st.delete(entry.path)
+                    moved = False
+                else:
+                    moved = True
+                    log.warning(
+                        "%s/%d: staged file of seq %d was gone; published %s from memory",
+                        self.topic,
+                        self.partition,
+                        entry.seq,
+                        entry.path,
+                    )
+            elif data is not None and _sha256(data) == entry.sha256:  # removed by retention: not re-created
+                log.info("%s/%d: shard seq %d was removed by retention: not republished", *self._where(entry))
+                moved = False
             else:
                 raise FileNotFoundError(
                     f"committed shard {entry.path} (seq {entry.seq}) has neither a published nor a staged file"
@@ -922,6 +942,21 @@ class PartitionLog:
         cands, present = self._staging()
         return [e for e, _ in cands if e.staging_path in present]
 
+    def _where(self, e: ShardEntry) -> tuple[str, int, int | None]:
+        return self.topic, self.partition, e.seq
+
+    def _removed(self, e: ShardEntry) -> bool:
+        """Whether retention removed shard `e` (a removal record names exactly its files): then
+        its files are gone by design, not lost. Read only when a listed shard has no file."""
+        from rlrec.store.retention import read_removals  # retention builds on this module
+
+        return any(
+            (f.topic, f.partition, f.seq, f.path, f.staging_path)
+            == (self.topic, self.partition, e.seq, e.path, e.staging_path)
+            for r in read_removals(self.storage)
+            for f in r.files
+        )
+
     def recover(self) -> int:
         """Roll forward: publish every committed shard not known to be published whose staging
         file exists (the entries read since the newest snapshot and those a snapshot lists as
@@ -929,7 +964,8 @@ class PartitionLog:
         involved, whatever the history's length.
 
         A shard a snapshot listed as unpublished that has neither file is logged as an
-        error (data loss, e.g. a manual delete); ``verify`` checks every shard.
+        error (data loss, e.g. a manual delete) unless a removal record names it (retention
+        deleted it); ``verify`` checks every shard.
         """
         cands, present = self._staging()
         published = 0
@@ -953,7 +989,7 @@ class PartitionLog:
                     continue
                 except FileNotFoundError:
                     pass
-            elif not listed or self.storage.exists(e.path):
+            elif not listed or self.storage.exists(e.path) or self._removed(e):
                 with self._lock:
                     self._unknown.pop(e.seq, None)  # type: ignore[arg-type]
                 continue

@@ -5,9 +5,10 @@ log beside the partition logs, which any process may append to::
 
     _manifest/_removed/{n:08d}.json   removal records n = 0, 1, 2, ... (create-once, never changed)
 
-A record (`RemovalRecord`) says when retention decided (``time``), how long the files stay
+A record (`RemovalRecord`) says when it was created (``time``), how long the files stay
 after that (``grace_s``), the point of the manifest it decided at (``positions``: per partition
-log, the entries it had read) and the shard files it removes (`RemovedFile`: the manifest paths,
+log, the entries it had read; a point counts the record only at or above those positions,
+`rlrec.store.snapshot.counted_records`) and the shard files it removes (`RemovedFile`: the manifest paths,
 the (topic, partition, seq) of the entry that committed each, and why: ``replaced`` -- not a
 live shard at that point, compaction merged it -- or ``expired`` -- a live shard whose every
 episode was first committed longer ago than the retention age). A record names at most
@@ -52,7 +53,7 @@ import logging
 import math
 import re
 import time
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,12 +72,14 @@ from rlrec.store.manifest import (
     shard_files,
 )
 from rlrec.store.manifest_entries import TOPIC_RE, check_shard_paths
+from rlrec.store.reader_leases import live_holds
 from rlrec.store.storage import Storage
 
 __all__ = [
     "DEFAULT_GRACE_S",
     "MAX_FILES_PER_RECORD",
     "REMOVED_DIR",
+    "PinSource",
     "PinnedEntries",
     "RemovalLogView",
     "RemovalRecord",
@@ -157,7 +160,8 @@ class RemovalRecord:
 
     Attributes:
         n: its number (its file is `record_path(n)`).
-        time: when retention decided (UNIX seconds, the deciding host's clock).
+        time: when the record was created (UNIX seconds, stamped right before its create-once
+            by the retaining host's clock; the start of its grace).
         grace_s: the files stay at least this long after `time`.
         positions: the point retention decided at: entries read per (topic, partition).
         files: the shards removed.
@@ -533,15 +537,17 @@ def append_removals(
 ) -> list[RemovalRecord]:
     """Append `files` to the removal log as records of at most `MAX_FILES_PER_RECORD` files
     and half of `MAX_RECORD_BYTES` each (create-once at the next free number; a lost race reads the winner's record, drops
-    the files it names and tries the next number). Returns the records written."""
-    now = time.time() if now is None else now
+    the files it names and tries the next number). Returns the records written. `now`: every
+    record's time (default: each record is stamped right before its create-once, so an
+    ``as_of`` time counts it only once it may exist: `rlrec.store.snapshot`)."""
     written: list[RemovalRecord] = []
     pending = list(files)
     n = _next_number(storage)
     attempts = 0
     while pending:
         chunk, rest = _chunk(pending)
-        rec = RemovalRecord(n, now, grace_s, dict(positions), tuple(chunk))
+        stamp = time.time() if now is None else now  # right before its create-once (as_of times count it then)
+        rec = RemovalRecord(n, stamp, grace_s, dict(positions), tuple(chunk))
         if storage.create_once(record_path(n), rec.to_json().encode()):
             written.append(rec)
             log.info("retain: removal record %d names %d file(s)", n, len(chunk))
@@ -595,6 +601,41 @@ def read_logs(storage: Storage) -> dict[tuple[str, int], list[Entry]]:
     return {k: PartitionLog(storage, *k).load(strict=True) for k in list_partition_logs(storage)}
 
 
+#: what `retain` asks for the pins, right before it appends its records and again right before
+#: it deletes: (manifest paths kept as such, shard entries kept by identity)
+PinSource = Callable[[], tuple[Collection[str], "PinnedEntries | None"]]
+
+
+def _unpinned(
+    files: Sequence[RemovedFile],
+    logs: Mapping[tuple[str, int], Sequence[Entry]],
+    pinned: Collection[str],
+    pinned_entries: PinnedEntries | None,
+) -> list[RemovedFile]:
+    """`files` less those the pins keep (a path pinned, or a live shard holding a pinned entry's
+    episodes in `logs`)."""
+    paths = set(pinned)
+    held = pinned_live_shards(logs, pinned_entries or {})
+    return [f for f in files if f.path not in paths and f.key not in held]
+
+
+def _kept(
+    logs: Mapping[tuple[str, int], Sequence[Entry]], pinned: Collection[str], pinned_entries: PinnedEntries | None
+) -> set[str]:
+    return set(pinned) | {s.path for s in pinned_live_shards(logs, pinned_entries or {}).values()}
+
+
+def _held(files: Iterable[RemovedFile], holds: PinnedEntries) -> set[tuple[str, int, int]]:
+    """The keys of `files` whose own entry a live reader holds (`rlrec.store.reader_leases`:
+    handed to a trainer, not read yet): their files are read by their path, so they stay."""
+    out = set()
+    for f in files:
+        rs = holds.get((f.topic, f.partition))
+        if rs and _in_ranges(f.seq, sorted(rs)):
+            out.add(f.key)
+    return out
+
+
 def retain(
     storage: Storage,
     *,
@@ -602,6 +643,7 @@ def retain(
     grace_s: float = DEFAULT_GRACE_S,
     pinned: Collection[str] = (),
     pinned_entries: PinnedEntries | None = None,
+    pins: PinSource | None = None,
     dry_run: bool = False,
     now: float | None = None,
 ) -> RetainResult:
@@ -610,24 +652,43 @@ def retain(
     manifest paths never removed; `pinned_entries`: shard entries (per log, seq ranges: a
     lineage's ``trained``) whose episodes are never removed, resolved to the shards holding them
     in the logs this call reads (so a compaction since the pins were taken cannot unpin them).
-    With `dry_run` nothing is written or deleted: the result says what would be."""
+    `pins`: where the pins come from now (`rlrec.trainer.retention_pins.lineage_pins`), asked
+    again right before the records are appended and right before the deletes (a version
+    published while this call runs keeps its data; what it returns adds to `pinned` and
+    `pinned_entries`). With `dry_run` nothing is written or deleted: the result says what would
+    be. The files of entries a live trainer holds (its reader lease, `rlrec.store.reader_leases`:
+    handed to it, not read yet) are neither recorded nor deleted; the leases are read right
+    before the records are appended and right before the deletes. `now` (tests): the time of
+    every step, records included; by default each record is stamped right before it is created
+    and the deletes are judged when they start."""
+    given = now
     now = time.time() if now is None else now
     records = read_removals(storage)  # before the logs: every record's positions are in them
     logs = read_logs(storage)
     resolved = resolve_removals(records, logs)
     res = RetainResult()
-    keep = set(pinned) | {s.path for s in pinned_live_shards(logs, pinned_entries or {}).values()}
     res.recorded = plan_removals(
         logs, set(resolved), older_than_s=older_than_s, now=now, pinned=pinned, pinned_entries=pinned_entries
     )
     positions = {k: (es[-1].seq + 1 if es else 0) for k, es in logs.items()}
+    if res.recorded and pins is not None:  # a version published since the plan keeps its data
+        res.recorded = _unpinned(res.recorded, logs, *pins())
+    if res.recorded:  # what live trainers were handed and have not read yet (asked right before recording)
+        held = _held(res.recorded, live_holds(storage))
+        res.recorded = [f for f in res.recorded if f.key not in held]
     if res.recorded and not dry_run:
-        res.records = append_removals(storage, positions, res.recorded, grace_s=grace_s, now=now)
+        res.records = append_removals(storage, positions, res.recorded, grace_s=grace_s, now=given)
         resolved = resolve_removals([*records, *res.records], logs)
     elif dry_run and grace_s <= 0:  # what a real run would delete at once
         resolved = dict(resolved)
         rec = RemovalRecord(-1, now, grace_s, positions, tuple(res.recorded))
         for f in res.recorded:
             resolved.setdefault(f.key, (rec, f))
-    res.deleted = delete_due(storage, resolved, grace_s=grace_s, now=now, dry_run=dry_run, keep=keep)
+    keep = _kept(logs, pinned, pinned_entries)
+    if pins is not None:  # asked again right before deleting: a version published meanwhile keeps its files
+        keep |= _kept(logs, *pins())
+    held = _held((f for _, f in resolved.values()), live_holds(storage))  # and what live trainers still read
+    keep |= {f.path for _, f in resolved.values() if f.key in held}
+    at = time.time() if given is None else given
+    res.deleted = delete_due(storage, resolved, grace_s=grace_s, now=at, dry_run=dry_run, keep=keep)
     return res

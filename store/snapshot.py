@@ -8,7 +8,10 @@ reader opened at the same cursor, now or in a year, gets the same files and the 
 
 * ``as_of=None``: the newest point (every entry committed when it is called);
 * ``as_of=<UNIX time>``: per partition log, the entries before the first one written after
-  that time (a shard entry's ``commit_time``, a claim's or log snapshot's ``time``);
+  that time (a shard entry's ``commit_time``, a claim's, replace entry's or log snapshot's
+  ``time``, stamped as the entry lands), and the removal records before the first one stamped
+  after it; refused unless the time is at least ``APPEND_WINDOW_S`` (S) in the past, so it is
+  a fixed point;
 * ``as_of=<cursor>``: a point a snapshot gave earlier (`Snapshot.cursor`).
 
 Guarantees (docs/GUARANTEES.md, "As-of reads"): a snapshot's file list is fixed when it is
@@ -19,10 +22,12 @@ from its own file before); `Snapshot.changes` between two cursors of one store h
 the episodes of the later one that the earlier one lacks (a replacement that merged shards from
 both sides of the earlier cursor is read as the shards it replaced, whose files compaction
 keeps).
-Retention (`rlrec.store.retention`) removes files: a point taken after a removal record was
-written (its cursor counts the records in effect: ``~rm=N``) does not hold the shards it
-removed; an older point is expired (`ExpiredPointError`) once the record's grace is over and
-reads as before until then; the newest point never is expired.
+Retention (`rlrec.store.retention`) removes files: a removal record counts at a point iff it
+is numbered below the point's ``~rm=N`` (it existed when the point was taken) and its planning
+positions are at or below the point's in every log (`counted_records`); a counted record's
+shards are not part of the point. Any other point holding a removed shard reads it as before
+while the record's grace lasts and is expired (`ExpiredPointError`) after; the newest point
+never is expired.
 Shards are read through the schema gate (`rlrec.store.schema_gate`) after their sha256 is
 checked against the manifest: nothing is unpickled.
 
@@ -73,6 +78,7 @@ import pyarrow.compute as pc
 
 from rlrec.store.commit import read_committed_shard
 from rlrec.store.manifest import (
+    APPEND_WINDOW_S,
     MANIFEST_DIR,
     Entry,
     PartitionLog,
@@ -93,6 +99,7 @@ __all__ = [
     "ExpiredPointError",
     "Snapshot",
     "column_to_numpy",
+    "counted_records",
     "cursor_at",
     "cursor_covering",
     "empty_steps",
@@ -160,32 +167,54 @@ def _deleted(storage: Storage, rec: RemovalRecord, e: ShardEntry, now: float) ->
     return now >= rec.deletable_at or not (storage.exists(e.path) or storage.exists(e.staging_path))
 
 
+def counted_records(
+    records: Iterable[RemovalRecord], positions: Mapping[tuple[str, int], int], removals: int
+) -> list[RemovalRecord]:
+    """The removal records in effect at a point: numbered below its `Cursor.removals` (they
+    existed when the point was taken) *and* planned at or below its positions in every log
+    (`RemovalRecord.positions` <= the point's, a log the point does not name being at 0) -- so
+    retention only drops a shard from a point whose logs had already reached what retention
+    decided from (a replacement it saw is below the point, so the replaced shard is not live
+    there; an expired shard was live and old at the record's positions)."""
+    return [r for r in records if r.n < removals and all(n <= positions.get(k, 0) for k, n in r.positions.items())]
+
+
+def _dropped(counted: Iterable[RemovalRecord], removed: Removed) -> set[tuple[str, int, int]]:
+    """The (topic, partition, seq) of the removed shards (`resolve_removals`) that one of the
+    `counted` records names: not part of the point."""
+    out: set[tuple[str, int, int]] = set()
+    for rec in counted:
+        for f in rec.files:
+            hit = removed.get(f.key)
+            if hit is not None and (hit[1].path, hit[1].staging_path) == (f.path, f.staging_path):
+                out.add(f.key)
+    return out
+
+
 def _apply_removals(
     storage: Storage,
     entries: list[ShardEntry],
-    removals: int,
+    dropped: set[tuple[str, int, int]],
     removed: Removed,
     *,
     what: str,
 ) -> list[ShardEntry]:
-    """`entries` (the live shards of a point) less the shards retention removed before the
-    point existed (their record is numbered below the point's `Cursor.removals`; the newest
-    point has every record); ExpiredPointError if others are removed and their record is older
-    than its grace or their files are gone (another host's clock may run ahead), while younger
-    they are read as usual."""
+    """`entries` (the live shards of a point) less the shards removed by a record in effect at
+    the point (`dropped`: `counted_records`); ExpiredPointError if others are removed and their
+    record is older than its grace or their files are gone (another host's clock may run
+    ahead), while younger they are read as usual."""
     kept: list[ShardEntry] = []
     gone: list[RemovalRecord] = []
     now = time.time()
     for e in entries:
-        hit = removed.get((e.topic, e.partition, e.seq))  # type: ignore[arg-type]
+        key = (e.topic, e.partition, e.seq)
+        if key in dropped:
+            continue  # a record in effect at this point removed it: not part of it
+        hit = removed.get(key)  # type: ignore[arg-type]
         if hit is None:
             kept.append(e)
-            continue
-        rec = hit[0]
-        if rec.n < removals:
-            continue  # removed before this point existed: not part of it
-        if _deleted(storage, rec, e, now):
-            gone.append(rec)
+        elif _deleted(storage, hit[0], e, now):
+            gone.append(hit[0])
         else:
             kept.append(e)  # within the grace: read as before
     if gone:
@@ -203,9 +232,10 @@ class Cursor:
     Args:
         positions: entries seen per partition log (a log not named: none of it).
         tag: 12 hex digits naming the store (a hash of each named log's first entry).
-        removals: the removal records in effect at the point (`rlrec.store.retention`): those
-            numbered below it were written before the point was taken, so the shards they
-            remove are not part of it; the others' are (read within their grace, then expired).
+        removals: the removal records that existed when the point was taken (numbered below
+            it); of those, the ones planned at or below its positions in every log are in
+            effect (`counted_records`): their shards are not part of it. The others' shards
+            are (read within their grace, then expired).
 
     Example:
         >>> c = Cursor({("rl", 0): 12, ("rl", 1): 3}, "0123456789ab")
@@ -922,11 +952,19 @@ def _read_logs(storage: Storage) -> dict[tuple[str, int], list[Entry]]:
 
 
 def _point_at_time(logs: Mapping[tuple[str, int], list[Entry]], ts: float, storage: Storage) -> dict:
+    """The positions of time `ts`: per partition log, the entries before the first one written
+    after it. Refused (CursorError) unless `ts` is at least `APPEND_WINDOW_S` in the past: an
+    entry stamped at or before it may still be landing, so the point would not be fixed yet."""
     if isinstance(ts, bool) or not math.isfinite(ts):
         raise CursorError(f"as_of must be a UNIX time or a cursor, got {ts!r}")
     now = time.time()
     if ts > now:
         raise CursorError(f"as_of {ts:.3f} is in the future (now {now:.3f}): later commits could still land before it")
+    if ts > now - APPEND_WINDOW_S:
+        raise CursorError(
+            f"as_of {ts:.3f} is less than {APPEND_WINDOW_S:.0f}s ago (now {now:.3f}): an append stamped before it may "
+            "still land; give an earlier time, or a cursor (rlrec.open(uri).cursor) for the newest point"
+        )
     times = [e.commit_time for entries in logs.values() for e in entries if isinstance(e, ShardEntry)]
     if not times or ts < min(times):
         first = f"the first commit is at {min(times):.3f}" if times else "it has no commits"
@@ -942,6 +980,14 @@ def _point_at_time(logs: Mapping[tuple[str, int], list[Entry]], ts: float, stora
     return positions
 
 
+def _removals_at_time(records: Iterable[RemovalRecord], ts: float) -> int:
+    """A time point's `Cursor.removals`: the records numbered before the first one stamped after
+    `ts` (a record is stamped right before its create-once, and numbered in the order created)."""
+    records = sorted(records, key=lambda r: r.n)
+    later = [r.n for r in records if r.time > ts]
+    return min(later) if later else (records[-1].n + 1 if records else 0)
+
+
 def _entry_time(e: Entry) -> float:
     """When an entry was written (a shard entry: its ``commit_time``), by its writer's clock."""
     return e.commit_time if isinstance(e, ShardEntry) else e.time
@@ -952,13 +998,15 @@ def open_snapshot(storage: Storage | str, as_of: float | int | str | Cursor | No
 
     Args:
         storage: the store (a `Storage` or its URI: a path, ``s3://bucket/prefix``, ...).
-        as_of: None (the newest point), a UNIX time (float; the entries committed at or before
-            it, per partition log up to the first later one) or a cursor (`Snapshot.cursor`).
+        as_of: None (the newest point), a UNIX time at least `APPEND_WINDOW_S` ago (float; the
+            entries committed at or before it, per partition log up to the first later one) or
+            a cursor (`Snapshot.cursor`).
 
     Raises:
         FileNotFoundError: the store holds no manifest (nothing was ever committed there).
         CursorError: a malformed cursor, a cursor of another store, a position past a log's
-            end, a time in the future or before the store's first commit (one-line messages).
+            end, a time less than `APPEND_WINDOW_S` ago or before the store's first commit
+            (one-line messages).
         ExpiredPointError: a point before a removal by retention whose files are deleted (a
             `CursorError`; the newest point never is one).
         ManifestError: the manifest cannot be read (a gap, a malformed entry).
@@ -1002,13 +1050,14 @@ def open_snapshot(storage: Storage | str, as_of: float | int | str | Cursor | No
         positions = dict(c.positions)
     elif isinstance(as_of, (int, float)) and not isinstance(as_of, bool):
         positions = _point_at_time(logs, float(as_of), st)
-        removals = max((r.n for r in records if r.time <= float(as_of)), default=-1) + 1
+        removals = _removals_at_time(records, float(as_of))
     else:
         raise CursorError(f"as_of must be None, a UNIX time or a cursor string, got {type(as_of).__name__}")
     positions = {k: n for k, n in positions.items() if n > 0}
     point = Cursor(positions, _tag({k: firsts[k] for k in positions}), removals)
     entries = [e for key, es in logs.items() for e in live_shards(es, below=positions.get(key, 0)).values()]
-    entries = _apply_removals(st, entries, removals, removed, what=f"the point {_short(point, 120)}")
+    dropped = _dropped(counted_records(records, positions, removals), removed)
+    entries = _apply_removals(st, entries, dropped, removed, what=f"the point {_short(point, 120)}")
     log.debug("snapshot %s: %d shard(s)", point, len(entries))
     return Snapshot(st, point, entries, firsts, logs=logs, removed=removed)
 
@@ -1045,7 +1094,9 @@ def open_entries(
             end), a range reaches past it or past its log's end, or an entry of a range is not
             a shard entry (a claim, a log snapshot, a replacement: a range of a version's
             lineage holds shard entries only).
-        ExpiredPointError: retention removed a shard holding them (`rlrec.store.retention`).
+        ExpiredPointError: retention deleted a shard holding them (`rlrec.store.retention`);
+            a shard retention recorded as removed is read while its files are there (within
+            the record's grace, or kept past it by a lineage pin).
 
     Example:
         >>> import tempfile
@@ -1099,8 +1150,13 @@ def open_entries(
             others = frozenset(i for h in held if not asked(h) for i in by_seq[h].episode_ids)
             if others:  # a merged shard's episodes of entries not asked for
                 drop[shard.path] = others
-    gone = [hit[0] for e in holding if (hit := newest._removed.get((e.topic, e.partition, e.seq))) is not None]  # type: ignore[arg-type]
-    if gone:  # retention expired the shards holding them
+    gone = [
+        hit[0]
+        for e in holding
+        if (hit := newest._removed.get((e.topic, e.partition, e.seq))) is not None  # type: ignore[arg-type]
+        and not (newest.storage.exists(e.path) or newest.storage.exists(e.staging_path))
+    ]
+    if gone:  # retention deleted the shards holding them (within its grace, or pinned, they are read)
         raise _expired("the data of these entries", gone, len(gone))
     point = cursor_covering(newest.storage, holding, dict(newest._firsts)) if holding else Cursor({}, _tag({}))
     named = {"entries": [[t, p, [list(r) for r in rs]] for (t, p), rs in sorted(wanted.items())]}

@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import rlrec
+from rlrec.store import snapshot
 from rlrec.store.commit import ShardCommitter
 from rlrec.store.schema_gate import ShardSchemaError
 from rlrec.store.snapshot import STEP_COLUMNS, Cursor, CursorError, open_snapshot
@@ -61,7 +62,9 @@ def _assert_exactly(steps: pa.Table, expected: dict[str, int]) -> None:
         assert {t for e, t in rows if e == eid} == set(range(n))
 
 
-def test_as_of_points_see_each_episode_exactly_once(store):
+def test_as_of_points_see_each_episode_exactly_once(store, monkeypatch):
+    monkeypatch.setattr(snapshot, "APPEND_WINDOW_S", 0.05)  # S: as_of times this far back are fixed
+    time.sleep(0.1)
     root, points = store
     for cursor, t, expected in points:
         by_cursor = rlrec.open(root, as_of=cursor)

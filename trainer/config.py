@@ -146,8 +146,12 @@ class TrainerConfig:
         None, help="PreLearner actors (map_batches concurrency; default: 1, which works on a 2-CPU machine)"
     )
     policy_id: str | None = option(None, help="train on this policy's shards only")
-    min_policy_version: int | None = option(None, help="skip shards recorded only by older policy versions")
-    max_policy_version: int | None = option(None, help="skip shards recorded only by newer policy versions")
+    min_policy_version: int | None = option(
+        None, help="train on episodes recorded by this policy version or newer only (per episode)"
+    )
+    max_policy_version: int | None = option(
+        None, help="train on episodes recorded by this policy version or older only (per episode)"
+    )
     wait_for_data: bool = option(
         False, help="train only while fresh shards are waiting (off: keep training on the replay window)"
     )

@@ -48,6 +48,8 @@ from ray.rllib.policy.sample_batch import MultiAgentBatch, SampleBatch
 from ray.rllib.utils import force_list, unflatten_dict
 
 from rlrec.store.manifest import ShardEntry, UnsupportedManifestError
+from rlrec.store.ownership import one_attempt
+from rlrec.store.reader_leases import DEFAULT_READER_LEASE_S, drop_reader_lease, holds_of, renew_reader_lease
 from rlrec.store.retry import RetrySchedule
 from rlrec.store.storage import Storage, StorageError, is_refusal
 from rlrec.trainer.feed import TAG, FeedPolicy, IterationStats
@@ -147,6 +149,9 @@ class ManifestOfflineData(OfflineData):
         self.unsupported: str | None = None
         self.poll_schedule = RetrySchedule()  # manifest polls while they fail: the one retry schedule
         self.health = StorageHealth(self.storage.uri())  # the input store's failed reads, reported here
+        #: the reader lease holding the files handed to the feed and not read to the end yet (retention
+        #: keeps them: `rlrec.store.reader_leases`), renewed by the poll thread
+        self.lease = TrainerLease(self.storage, spec["feed"])
 
     # ------------------------------------------------------------------ manifest
     def start(
@@ -184,6 +189,7 @@ class ManifestOfflineData(OfflineData):
                 return 0
             if infos:
                 ray.get(self.feed.add_shards.remote(infos, [s.key for s in infos if self._trained_before(s.key)]))
+                self.lease.soon()  # the lease holds them from the next turn of the poll thread
             return len(infos)
 
     def _trained_before(self, key: str) -> bool:
@@ -228,6 +234,7 @@ class ManifestOfflineData(OfflineData):
         while not self._stop.wait(self.poll_interval_s):
             try:
                 self._poll_once(time.monotonic())
+                self._renew_lease(time.monotonic())
             except Exception as e:  # e.g. the feed actor is gone at shutdown
                 if self._stop.is_set():
                     return
@@ -243,6 +250,20 @@ class ManifestOfflineData(OfflineData):
             else:
                 self.poll_schedule.failed(now)
         self.check_health()
+
+    def _renew_lease(self, now: float) -> None:
+        """Renew the trainer's reader lease when due: the entries of the shards handed to the
+        feed and not read to the end yet (`TrainerLease`)."""
+        if not self.lease.due(now):
+            return
+        try:
+            keys = ray.get(self.feed.unread_keys.remote(), timeout=10)
+        except Exception as e:  # the feed is busy or gone: the next turn renews
+            log.debug("feed untrained keys: %s", e)
+            return
+        with self._lock:
+            entries = [self.follower.entries.get(k) for k in keys]
+        self.lease.renew(now, entries)
 
     @property
     def shards_total(self) -> int:
@@ -298,6 +319,7 @@ class ManifestOfflineData(OfflineData):
             ray.get(self.feed.close.remote(), timeout=5)
         except Exception:
             pass
+        self.lease.drop()
         for it in self._local_iterators:
             it.close()
         if self._thread is not None:
@@ -548,3 +570,55 @@ def configure_continuous(
     }
     config.learners(learner_config_dict={LEARNER_CONFIG_KEY: spec})
     return config
+
+
+class TrainerLease:
+    """A trainer's reader lease (`rlrec.store.reader_leases`): the manifest entries of the shards
+    it was handed and has not read to the end, renewed every third of its ``ttl_s`` and as soon as new
+    shards are handed to the feed (one storage attempt each; a failed renewal waits for the next
+    turn), dropped when the trainer stops.
+
+    Example:
+        >>> import tempfile
+        >>> from rlrec.store.reader_leases import live_holds
+        >>> lease = TrainerLease(Storage.from_uri(tempfile.mkdtemp()), "rlrec-feed-1")
+        >>> lease.due(0.0)
+        True
+    """
+
+    def __init__(self, storage: Storage, reader: str, ttl_s: float = DEFAULT_READER_LEASE_S) -> None:
+        self.storage = one_attempt(storage)
+        self.reader = reader
+        self.ttl_s = ttl_s
+        self._next: float | None = None  # monotonic time of the next renewal (None: at once)
+        self._written = False  # renewed at least once (there may be a lease to drop)
+
+    def due(self, now: float) -> bool:
+        """Whether the lease should be renewed at monotonic time `now`."""
+        return self._next is None or now >= self._next
+
+    def soon(self) -> None:
+        """Renew at the next chance (shards were handed to the feed)."""
+        self._next = None
+
+    def renew(self, now: float, entries: Iterable[Any]) -> bool:
+        """Write the lease holding `entries` (shard entries; None items are skipped); True if
+        it was written."""
+        self._next = now + self.ttl_s / 3
+        self._written = True
+        holds = holds_of((e.topic, e.partition, e.seq) for e in entries if e is not None and e.seq is not None)
+        try:
+            renew_reader_lease(self.storage, self.reader, holds, ttl_s=self.ttl_s)
+            return True
+        except Exception as e:  # retention may take the files if this goes on for a whole ttl_s
+            log.warning("renewing the trainer's reader lease failed (%s); next try in %.0fs", e, self.ttl_s / 3)
+            return False
+
+    def drop(self) -> None:
+        """Remove the lease (the trainer stops reading)."""
+        if not self._written:
+            return
+        try:
+            drop_reader_lease(self.storage, self.reader)
+        except Exception as e:  # it expires by itself
+            log.debug("dropping the reader lease: %s", e)

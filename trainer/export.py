@@ -401,6 +401,7 @@ def write_publication(storage: Storage, pub: Publication, signing_key: Any = Non
     for name in last:
         if name in pub.files:
             storage.write(f"{pub.directory}/{name}", pub.files[name])
+    _check_data_kept(pub)  # the version directory pins its data from here on
     if pointer:
         _write_latest(
             storage,
@@ -413,6 +414,35 @@ def write_publication(storage: Storage, pub: Publication, signing_key: Any = Non
                 now=pub.time,
             ),
             signing_key,
+        )
+
+
+def _check_data_kept(pub: Publication) -> None:
+    """The pin rule at publication (docs/GUARANTEES.md, "Lineage pins"): once the version's
+    directory is written, its lineage's data is checked against the removal log of the store it
+    names (`rlrec.trainer.lineage.removed_data`). Data recorded as removed whose files stay long
+    enough is re-pinned by the version (a warning); data deleted, or whose grace is about to end,
+    refuses the publication (`LineageError`: ``latest.json`` is not moved to it)."""
+    from rlrec.trainer.lineage import LineageError, _ranges_from_doc, removed_data
+
+    doc = json.loads(pub.files.get(LINEAGE, b"{}"))
+    if not isinstance(doc.get("input"), str) or "trained" not in doc:
+        return
+    trained = _ranges_from_doc(doc["trained"], f"the lineage of policy version {pub.version}")
+    repinned, lost = removed_data(doc["input"], dict(trained))
+    if lost:
+        raise LineageError(
+            f"policy version {pub.version}: {len(lost)} shard(s) of the data it was trained on were removed by "
+            f"retention before it was published (e.g. {lost[0]}): not deployed (raise rlrec retain's --grace above "
+            "how long a trainer takes to publish what it read)"
+        )
+    if repinned:
+        log.warning(
+            "policy version %d: %d shard(s) of its data are recorded as removed by retention (e.g. %s); the version "
+            "pins them, so rlrec retain --policies keeps their files",
+            pub.version,
+            len(repinned),
+            repinned[0],
         )
 
 

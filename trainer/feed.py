@@ -60,9 +60,23 @@ class ShardInfo:
     max_policy_version: int | str | None = None
     sha256: str | None = None
     nbytes: int = 0
+    #: (lowest, highest) policy version kept, None on a side: no bound; None: every row. Set
+    #: when a version filter (--min/--max-policy-version) keeps only some of the shard's
+    #: episodes (a shard of several versions, merged ones most of all): the read task drops
+    #: the other rows, episode by episode (`rlrec.trainer.read_task`)
+    versions: tuple[int | None, int | None] | None = None
+    #: the ids of the shard's episodes to read (None: all): a merged shard delivered for the
+    #: shard entries it holds that were not delivered before (`ManifestFollower`)
+    episodes: frozenset[str] | None = None
 
     @classmethod
-    def from_entry(cls, idx: int, e: Any) -> ShardInfo:
+    def from_entry(
+        cls,
+        idx: int,
+        e: Any,
+        versions: tuple[int | None, int | None] | None = None,
+        episodes: frozenset[str] | None = None,
+    ) -> ShardInfo:
         return cls(
             idx=idx,
             key=e.path,
@@ -77,6 +91,8 @@ class ShardInfo:
             max_policy_version=e.max_policy_version,
             sha256=e.sha256,
             nbytes=e.bytes,
+            versions=versions,
+            episodes=episodes,
         )
 
 
@@ -543,6 +559,16 @@ class FeedState:
     def pop_stats(self) -> IterationStats:
         st, self.stats = self.stats, IterationStats()
         return st
+
+    def unread_keys(self) -> list[str]:
+        """The keys of the shards handed to the feed that are not gone and not read to the end:
+        not trained on yet, or trained on (a first chunk) while chunks of them still wait to be
+        delivered or are delivered and not processed -- what the trainer still reads as new (its
+        reader lease holds their files)."""
+        reading = {c[0] for c in self._chunks} | {p.shard for p in self.pending.values() if p.fresh}
+        return [
+            s.key for i, s in self.shards.items() if i not in self.deleted and (i not in self.trained or i in reading)
+        ]
 
     def summary(self) -> dict:
         return {

@@ -113,6 +113,9 @@ class ShardFeed:
     async def reader(self, delta: int) -> None:
         self.readers += int(delta)
 
+    async def unread_keys(self) -> list[str]:
+        return self.state.unread_keys()
+
     async def summary(self) -> dict:
         return {**self.state.summary(), "read_tasks": self.readers}
 

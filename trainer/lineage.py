@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +43,7 @@ from rlrec.store.storage import Storage
 from rlrec.trainer.holdout import is_held_out
 
 __all__ = [
+    "REPIN_MARGIN_S",
     "HoldoutSplit",
     "Lineage",
     "LineageError",
@@ -50,7 +52,12 @@ __all__ = [
     "list_lineages",
     "open_lineage",
     "read_version_lineage",
+    "removed_data",
 ]
+
+#: a version may pin data a removal record names only while the record's grace has at least
+#: this long to run (the publishing and the retaining hosts' clocks may differ this much)
+REPIN_MARGIN_S = 60.0
 
 
 class LineageInputWarning(UserWarning):
@@ -406,3 +413,42 @@ def list_lineages(policies: str, *, public_key: Any = None) -> list[dict]:
             )
         rows.append(row)
     return rows
+
+
+def removed_data(
+    storage: Storage | str, trained: dict[tuple[str, int], Any], *, now: float | None = None
+) -> tuple[list[str], list[str]]:
+    """Whether retention recorded as removed the data of the shard entries `trained` (a
+    version's lineage ``trained``: per log, seq ranges), checked by a publisher once its version
+    directory is written (so that from then on ``rlrec retain --policies`` pins it): ``(re-pinned,
+    lost)`` -- the manifest paths of the live shards holding those entries' episodes that a
+    removal record names, split into those whose files are there and whose record's grace runs
+    at least `REPIN_MARGIN_S` more (retain asks for the pins again right before it deletes, so
+    the new version keeps them) and the others (deleted, or about to be: lost to the version).
+
+    Reads the removal log, and only when a record names one of the `trained` logs, those logs.
+
+    Example:
+        >>> import tempfile
+        >>> removed_data(tempfile.mkdtemp(), {("rl", 0): [(2, 3)]})
+        ([], [])
+    """
+    from rlrec.store.manifest import PartitionLog
+    from rlrec.store.retention import pinned_live_shards, read_removals, resolve_removals
+
+    st = Storage.from_uri(storage) if isinstance(storage, str) else storage
+    now = time.time() if now is None else now
+    records = read_removals(st)
+    named = {(f.topic, f.partition) for r in records for f in r.files} & set(trained)
+    if not named:
+        return [], []
+    logs = {k: PartitionLog(st, *k).load(strict=True) for k in sorted(named)}
+    resolved = resolve_removals(records, logs)
+    repinned, lost = [], []
+    for key, shard in sorted(pinned_live_shards(logs, {k: trained[k] for k in named}).items()):
+        hit = resolved.get(key)
+        if hit is None:
+            continue
+        there = st.exists(shard.path) or st.exists(shard.staging_path)
+        (repinned if there and now < hit[0].deletable_at - REPIN_MARGIN_S else lost).append(shard.path)
+    return repinned, lost

@@ -43,12 +43,12 @@ class ManifestFollower:
 
     A shard that retention removed (`rlrec.store.retention`: a replaced file, or an expired one)
     is not delivered: its file is gone or going. Its episodes are delivered in the merged shard
-    that holds them now when none of that shard's episodes were delivered yet (a trainer
-    started on a compacted store, or one that was down longer than retention's grace while the
-    shards were merged): once, as that shard, whose `covers` entry names the shard entries it
-    stands for. Otherwise (expired data; a merged shard part of which was delivered before)
-    they are not delivered: the first such shard is logged, `removed_skipped` counts them. Each
-    poll reads the removal records appended since the last (one read).
+    that holds them now (a trainer started on a compacted store, or one that had not polled
+    since the shards were merged and removed): once, as that shard, whose `covers` entry names
+    the shard entries it stands for -- those not delivered before; when others of it were, the
+    shard is read for the episodes of those entries only (`ShardInfo.episodes`). Expired data
+    is not delivered: the first such shard is logged, `removed_skipped` counts them. Each poll
+    reads the removal records appended since the last (one read).
     """
 
     def __init__(
@@ -79,6 +79,8 @@ class ManifestFollower:
         self.covers: dict[str, tuple[tuple[str, int], tuple[int, ...], tuple[str, ...]]] = {}
         self._delivered: dict[tuple[str, int], set[int]] = {}  # per log: seqs of shard entries delivered
         self._removals = RemovalLogView(storage)
+        #: a merged shard delivered for part of the entries it holds -> the ids of their episodes
+        self._only: dict[str, frozenset[str]] = {}
 
     def _discover(self) -> None:
         for t in self.storage.list(MANIFEST_DIR):
@@ -124,6 +126,18 @@ class ManifestFollower:
             return False
         return True
 
+    def _row_filter(self, e: ShardEntry) -> tuple[int | None, int | None] | None:
+        """The version bounds the read task applies to `e`'s rows, episode by episode: None when
+        no filter is set or every episode of the shard is within it (by the entry's range)."""
+        lo, hi = self.min_policy_version, self.max_policy_version
+        if lo is None and hi is None:
+            return None
+        emin, emax = e.min_policy_version, e.max_policy_version
+        known = all(isinstance(v, int) and not isinstance(v, bool) for v in (emin, emax))
+        if known and (lo is None or emin >= lo) and (hi is None or emax <= hi):  # type: ignore[operator]
+            return None
+        return (lo, hi)
+
     def poll(self, force_discover: bool = False) -> list[ShardInfo]:
         now = time.monotonic()
         if force_discover or now - self._last_discover >= self.discover_interval_s:
@@ -168,7 +182,11 @@ class ManifestFollower:
                 self.entries[e.path] = e
                 cover = self.covers.get(e.path)
                 self._delivered.setdefault(key, set()).update(cover[1] if cover else (e.seq,))
-                out.append(ShardInfo.from_entry(self._next_idx, e))
+                out.append(
+                    ShardInfo.from_entry(
+                        self._next_idx, e, versions=self._row_filter(e), episodes=self._only.get(e.path)
+                    )
+                )
                 self._next_idx += 1
             self.skipped += skipped
             self._done[key] = done
@@ -193,14 +211,19 @@ class ManifestFollower:
                 continue
             h = holder_of.get(e.seq)  # type: ignore[arg-type]
             m = live[h][0] if h is not None and h not in removed else None
-            if m is not None and m.path not in self.entries and not delivered.intersection(holds[h]):
+            if m is not None and m.path not in self.entries:
                 if self._selected(m):
+                    # the entries it holds that were not delivered: the merged shard stands for
+                    # them, read for their episodes only when others of it were delivered before
+                    rest = tuple(s for s in holds[h] if s not in delivered)
+                    if len(rest) < len(holds[h]):
+                        self._only[m.path] = frozenset(i for s in rest for i in by_seq[s].episode_ids)
                     merged.append(m)
-                    covered.update(holds[h])
-                    self.covers[m.path] = (key, holds[h], tuple(by_seq[s].path for s in holds[h]))
+                    covered.update(rest)
+                    self.covers[m.path] = (key, rest, tuple(by_seq[s].path for s in rest))
                 continue
             self.removed_skipped += 1
-            why = "expired" if m is None else "part of the merged shard holding them was delivered before"
+            why = "expired" if m is None else "the merged shard holding them was delivered before"
             self._warn_once(
                 "removed",
                 "not delivering shards retention removed (first: %s, seq %s of %s/%05d, %s): their episodes are "

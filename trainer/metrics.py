@@ -79,7 +79,9 @@ class TrainerMetrics:
     Guarantees: each :meth:`write` adds exactly one JSON line (no NaN/Infinity) and the line is
     readable when it returns -- appended and flushed on a local filesystem; on object stores, which
     cannot append, ``metrics.jsonl`` is rewritten with one atomic PUT (while the store does not
-    answer, the lines wait in memory for the next successful rewrite) and holds at most
+    answer, the lines wait in memory for the next successful rewrite -- the newest
+    :attr:`MAX_UNWRITTEN_LINES` of them: a longer outage drops the oldest, counted in
+    :attr:`lines_dropped`) and holds at most
     :attr:`ROLL_LINES` lines: a full file is rolled to ``metrics/{first iteration:012d}.jsonl``,
     so a PUT per iteration stays small however long the trainer runs (`read_metrics_text` reads
     them all back, each line once). :meth:`truncate_after`
@@ -93,6 +95,9 @@ class TrainerMetrics:
 
     #: lines an object store's metrics.jsonl holds before it is rolled into a segment
     ROLL_LINES = 1000
+    #: lines kept in memory while the store does not answer at most: a longer outage drops the
+    #: oldest unwritten ones (counted in `lines_dropped`, ``rlrec_trainer_metrics_lines_dropped_total``)
+    MAX_UNWRITTEN_LINES = 1000
 
     GAUGES = (
         "iteration",
@@ -115,6 +120,10 @@ class TrainerMetrics:
         self.progress = progress
         self.local = storage.kind == "local"
         self._lines: list[str] = []
+        self._written = 0  # of `_lines`, those the store holds (the rest wait for the next rewrite)
+        #: lines never written: dropped, oldest first, during an outage longer than MAX_UNWRITTEN_LINES lines
+        self.lines_dropped = 0
+        self._dropped_counter: Any = None
         self._f: Any = None
         self.gauges: dict[str, Any] = {}
         self._server: Any = None
@@ -127,6 +136,11 @@ class TrainerMetrics:
             self.gauges = {k: Gauge(f"rlrec_trainer_{k}", k.replace("_", " "), registry=reg) for k in self.GAUGES}
             self._storage_errors = Counter(
                 "rlrec_trainer_storage_errors", "reads of the input store that failed (retried)", registry=reg
+            )
+            self._dropped_counter = Counter(
+                "rlrec_trainer_metrics_lines_dropped",
+                "metrics.jsonl lines dropped unwritten during a long outage of the checkpoint store",
+                registry=reg,
             )
             self._server = start_http_server(port, addr=host, registry=reg)
             self.port = self._server[0].server_port
@@ -161,6 +175,7 @@ class TrainerMetrics:
         current = [x for x in kept(_read_lines(self.storage, METRICS_FILE)) if last is None or _iteration(x) > last]
         self._lines = current
         self.storage.write(METRICS_FILE, "".join(x + "\n" for x in current).encode())
+        self._written = len(current)
 
     def write(self, rec: dict) -> None:
         """Add *rec* (needs ``iteration``, ``policy_version``, ``timesteps_trained``, ``shards_total``,
@@ -173,9 +188,11 @@ class TrainerMetrics:
             self._f.flush()
         else:  # object stores cannot append: rewrite the (small) file
             self._lines.append(line)
+            self._bound_unwritten()
             data = "".join(x + "\n" for x in self._lines).encode()
             try:
                 self.storage.write(METRICS_FILE, data)
+                self._written = len(self._lines)
                 if len(self._lines) >= self.ROLL_LINES:
                     self._roll(data)
             except StorageError as e:  # the store does not answer: the next line rewrites the file with this one
@@ -201,12 +218,31 @@ class TrainerMetrics:
                 f"  eval {ev:.1f}" if ev is not None else "",
             )
 
+    def _bound_unwritten(self) -> None:
+        """Keep at most `MAX_UNWRITTEN_LINES` unwritten lines: drop the oldest of them (never a
+        line the store holds), count them and say so."""
+        extra = len(self._lines) - self._written - self.MAX_UNWRITTEN_LINES
+        if extra <= 0:
+            return
+        del self._lines[self._written : self._written + extra]
+        self.lines_dropped += extra
+        if self._dropped_counter is not None:
+            self._dropped_counter.inc(extra)
+        if self.lines_dropped == extra or self.lines_dropped % self.MAX_UNWRITTEN_LINES < extra:
+            log.warning(
+                "%s does not answer: %d metrics line(s) dropped unwritten so far (the newest %d are kept)",
+                self.storage.uri(METRICS_FILE),
+                self.lines_dropped,
+                self.MAX_UNWRITTEN_LINES,
+            )
+
     def _roll(self, data: bytes) -> None:
         """Move the full metrics.jsonl (`data`, just written) to its segment. Killed between the
         two writes, the segment and the file hold the same lines: readers take them once."""
         first = _iteration(self._lines[0])
         self.storage.write(f"{METRICS_SEGMENTS}/{(first if first is not None else 0):012d}.jsonl", data)
         self._lines = []
+        self._written = 0
         self.storage.write(METRICS_FILE, b"")
 
     def close(self) -> None:

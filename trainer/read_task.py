@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import ray
 
 from rlrec.producer.bounded import ByteBoundedLRU
@@ -104,6 +105,43 @@ def _tabular_columns(table: pa.Table, requested: list[str] | None) -> list[str]:
     return [c for c in table.column_names if c not in drop and not pa.types.is_null(table.schema.field(c).type)]
 
 
+#: the column holding each row's policy version (an episode's, in both shard formats)
+VERSION = "policy_version"
+
+
+def _id_column(s: ShardInfo) -> str:
+    return "episode_id" if s.fmt == "episodes" else "eps_id"
+
+
+def _filter_columns(s: ShardInfo) -> list[str]:
+    """The columns the row filters of `s` read (`_rows_kept`)."""
+    return [*([VERSION] if s.versions is not None else []), *([_id_column(s)] if s.episodes is not None else [])]
+
+
+def _rows_kept(chunk: pa.Table, s: ShardInfo, columns: list[str] | None) -> pa.Table:
+    """The rows of `chunk` (of shard `s`) that its filters keep, episode by episode (an episode's
+    rows share its id and version): a policy version within `s.versions` (lowest, highest; None:
+    no bound; a row without a version is dropped) and an episode id in `s.episodes`; the columns
+    read only for the filters are dropped (unless asked for in `columns`)."""
+    mask = pa.array([True] * chunk.num_rows, pa.bool_())
+    if s.versions is not None:
+        lo, hi = s.versions
+        v = chunk.column(VERSION) if VERSION in chunk.column_names else pa.nulls(chunk.num_rows, pa.int64())
+        mask = pc.and_(mask, pc.is_valid(v))
+        if lo is not None:
+            mask = pc.and_(mask, pc.greater_equal(v, lo))
+        if hi is not None:
+            mask = pc.and_(mask, pc.less_equal(v, hi))
+    if s.episodes is not None:
+        ids = chunk.column(_id_column(s)).cast(pa.string())
+        mask = pc.and_(mask, pc.is_in(ids, value_set=pa.array(sorted(s.episodes), pa.string())))
+    out = chunk.filter(pc.fill_null(mask, False))
+    drop = [c for c in _filter_columns(s) if c in out.column_names and c not in (columns or ())]
+    if s.fmt == "tabular":  # a tabular chunk keeps the columns _tabular_columns keeps
+        drop = [c for c in drop if c == VERSION]
+    return out.drop_columns(drop) if drop else out
+
+
 def _read_stream(spec: dict) -> Iterable[pa.Table]:
     """The body of each never-ending read task: feed -> chunk -> envelope block."""
     feed = get_feed(spec)
@@ -153,9 +191,15 @@ def _serve(
         table = cache.get(s.key, lambda s=s: storage.exists(s.path) or storage.exists(s.staging_path))
         if table is None:
             try:
-                table = _judged_table(storage, s, columns if s.fmt == "episodes" else None, verify, policy)
+                extra = _filter_columns(s)  # what the row filters read, dropped per chunk
+                wanted = columns if s.fmt == "episodes" else None
+                if wanted:
+                    wanted = [*wanted, *(c for c in extra if c not in wanted)]
+                table = _judged_table(storage, s, wanted, verify, policy)
                 if s.fmt == "tabular":
-                    table = table.select(_tabular_columns(table, columns))
+                    kept = _tabular_columns(table, columns)
+                    kept += [c for c in extra if c in table.column_names and c not in kept]
+                    table = table.select(kept)
             except FileNotFoundError:
                 feed.failed.remote(w.tag, "missing")
                 continue
@@ -184,8 +228,13 @@ def _serve(
                 continue
             outage.succeeded()
             cache.put(s.key, table)
-        n = w.stop - w.start
-        chunk = table.slice(w.start, n)
+        chunk = table.slice(w.start, w.stop - w.start)
+        if s.versions is not None or s.episodes is not None:
+            chunk = _rows_kept(chunk, s, columns)
+            if not chunk.num_rows:  # every episode of it outside the filters: nothing to train on
+                feed.processed.remote([w.tag], 0)
+                continue
+        n = chunk.num_rows
         chunk = chunk.append_column(TAG, pa.array(np.full(n, w.tag, dtype=np.int64)))
         yield pa.table(
             {ENVELOPE: pa.array([table_to_ipc(chunk)], type=pa.binary()), TAG: pa.array([w.tag], type=pa.int64())}

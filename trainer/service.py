@@ -23,7 +23,7 @@ from rlrec.store.retry import RetrySchedule
 from rlrec.store.storage import Storage, StorageError
 from rlrec.trainer.checkpoints import STATE_VERSION, CheckpointStore
 from rlrec.trainer.config import TrainerConfig
-from rlrec.trainer.lineage import add_seq, ranges_doc
+from rlrec.trainer.lineage import LineageError, add_seq, ranges_doc
 from rlrec.trainer.metrics import TrainerMetrics
 from rlrec.trainer.storage_health import StorageHealth
 
@@ -456,6 +456,10 @@ class ContinuousTrainer:
             try:
                 pointer = highest_version(self.publish_storage, self.signing_key) <= pub.version
                 write_publication(self.publish_storage, pub, self.signing_key, pointer=pointer)
+            except LineageError as e:  # its data is gone: never deployed, not retried
+                log.error("%s", e)
+                self._pending.pop(0)
+                continue
             except Exception as e:
                 log.error("publishing policy v%d failed (%s); it is written again later", pub.version, e)
                 return

@@ -120,6 +120,11 @@ def run(args: argparse.Namespace) -> int:
             f"(deployed: {pins.versions.deployed}): {pins.count} shard(s)",
             file=sys.stderr,
         )
+
+    def pins_now():  # asked again right before the records and the deletes: a version published meanwhile pins
+        now = lineage_pins(storage, opts.policies, keep)
+        return now.paths, now.entries
+
     # pinned by shard entry: resolved to the shards holding them in the logs retain reads itself
     res = retain(
         storage,
@@ -127,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
         grace_s=opts.grace,
         pinned=pins.paths if pins else (),
         pinned_entries=pins.entries if pins else None,
+        pins=pins_now if pins else None,
         dry_run=opts.dry_run,
     )
     would = "would " if opts.dry_run else ""

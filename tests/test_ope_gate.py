@@ -67,13 +67,11 @@ def logged(tmp_path_factory, one_torch_thread):
     return out, float(np.concatenate(returns).mean())
 
 
-def test_ope_gate_promotes_better_and_refuses_worse(logged, tmp_path, monkeypatch):
+def _gate_runner(out: str, tmp_path, monkeypatch):
+    """A trainer whose ope gate runs as in `ContinuousTrainer.checkpoint` on the shards under
+    `out`, and ``gate(name)``: the decision on candidate `name` (published when promoted)."""
     from rlrec.trainer import promotion
     from rlrec.trainer.service import ContinuousTrainer
-
-    out, behaviour_value = logged
-    truth = {name: _truth(name) for name in POLICIES}
-    assert truth["good"] > truth["partial"] > behaviour_value + 0.3 and truth["bad"] < behaviour_value
 
     cfg = TrainerConfig(
         input=out,
@@ -103,6 +101,16 @@ def test_ope_gate_promotes_better_and_refuses_worse(logged, tmp_path, monkeypatc
         assert d is trainer.last_promotion and d["candidate_version"] == before + 1
         trainer._commit()  # what train_once does in the iteration the decision arrives
         return d
+
+    return trainer, gate
+
+
+def test_ope_gate_promotes_better_and_refuses_worse(logged, tmp_path, monkeypatch):
+    out, behaviour_value = logged
+    truth = {name: _truth(name) for name in POLICIES}
+    assert truth["good"] > truth["partial"] > behaviour_value + 0.3 and truth["bad"] < behaviour_value
+
+    trainer, gate = _gate_runner(out, tmp_path, monkeypatch)
 
     first = gate("partial")  # against the logged behaviour (nothing deployed yet)
     assert first["promoted"] and first["deployed_is_behavior"] and trainer.policy_version == 1
@@ -187,7 +195,8 @@ def test_evaluate_command_json_contract(logged, tmp_path, capsys):
     assert set(doc["diagnostics"]) >= {"coverage", "ess", "max_weight", "support"}
     assert list(doc["estimates"]) == ["wis", "wpdis"]
     for e in doc["estimates"].values():
-        assert set(e) == {"value", "ci_low", "ci_high", "estimable", "reason"} and e["estimable"]
+        assert set(e) == {"value", "ci_low", "ci_high", "estimable", "reason", "gate"} and e["estimable"]
+        assert e["gate"]["ok"] and e["gate"]["reason"] == ""  # 3 steps: the weights hold at every step
         assert e["value"] == pytest.approx(_truth("partial"), abs=0.25)
         assert e["ci_low"] <= e["value"] <= e["ci_high"]
     # latest, default estimators (wdr first), only behaviour version 7: none
@@ -434,3 +443,43 @@ def test_ope_report_estimates_each_candidate_beside_the_truth_without_gating(log
     assert trainer._job is None
     with pytest.raises(ValueError, match="--ope-report needs held-out episodes"):
         TrainerConfig(input=out, checkpoint_dir="c", ope_report=True, ope=OPESettings(holdout_fraction=0.0))
+
+
+def test_evaluate_reproduces_a_gate_decision_exactly_from_its_cursor(logged, tmp_path, monkeypatch, capsys):
+    """`rlrec evaluate --as-of CURSOR --compare-to N` asks the gate's question on the data of a
+    decision: the same numbers, to the last bit, although more episodes landed since."""
+    import shutil
+
+    from rlrec.cli import main
+
+    out = str(tmp_path / "store")
+    shutil.copytree(logged[0], out)
+    trainer, gate = _gate_runner(out, tmp_path, monkeypatch)
+    assert gate("partial")["promoted"]  # v1, against the behaviour
+    d = gate("good")
+    assert d["promoted"] and trainer.policy_version == 2 and d["gate_verdict"]["ok"]
+    # more data lands after the decision
+    spec, model = linear_policy_artifact(1.0 * E)
+    ShardCommitter(out).commit(logged_episodes(CONTEXT_BANDIT_ID, spec, model, 400, seed=9, policy_version=0)[0])
+    args = [
+        "evaluate", "--input", out, "--policies", str(tmp_path / "ck" / "policies"), "--allow-unsigned",
+        "--holdout-fraction", "0.3", "--fqe-steps", "600", "--ope-bootstrap", "200", "--seed", "0",
+        "--version", "2", "--compare-to", "1", "--estimators", "wdr", "--json",
+    ]  # fmt: skip
+    assert main([*args, "--as-of", d["data"]["cursor"]]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    c = doc["comparison"]
+    assert doc["data"]["cursor"] == d["data"]["cursor"] and doc["episodes"] == d["data"]["episodes"]
+    for key in ("difference", "ci_low", "ci_high", "estimable"):
+        assert c[key] == d[key], key
+    assert c["gate"] == d["gate_verdict"]
+    assert c["candidate_estimate"] == d["candidate_estimate"] and c["deployed_estimate"] == d["deployed_estimate"]
+    assert doc["estimates"]["wdr"] == d["candidate_estimate"]
+    # the newest point holds the new episodes: other numbers
+    assert main(args) == 0
+    now = json.loads(capsys.readouterr().out)
+    assert now["episodes"] > doc["episodes"] and now["comparison"]["difference"] != c["difference"]
+    # a cursor that is no cursor is a user's mistake
+    assert main([*args, "--as-of", "nonsense"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("rlrec evaluate: error: --as-of")

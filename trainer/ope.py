@@ -53,6 +53,7 @@ from typing import Any
 import numpy as np
 
 __all__ = [
+    "DEFAULT_ESTIMATORS",
     "ESTIMATORS",
     "Comparison",
     "Episode",
@@ -69,7 +70,9 @@ __all__ = [
 ]
 
 #: the estimators `evaluate` knows; the first is the default
-ESTIMATORS = ("wdr", "fqe", "wpdis", "wis")
+ESTIMATORS = ("wdr", "fqe", "wpdis", "wis", "mb")
+#: what `evaluate` runs when not told (``mb`` fits an ensemble and rolls out: asked for by name)
+DEFAULT_ESTIMATORS = ("wdr", "fqe", "wpdis", "wis")
 #: a behaviour log-propensity at least ``-CERTAIN_LOGP`` is a propensity of 1 (a deterministic choice)
 CERTAIN_LOGP = 1e-6
 #: the bootstrap resamples at most this many units (episodes, or random blocks of them)
@@ -110,6 +113,12 @@ class Episode:
 class LoggedData:
     """Episodes flattened into step arrays (what the estimators work on).
 
+    The episodes are kept sorted by id (a stable sort: episodes with the same id keep their
+    order), so every estimate -- the FQE fit's minibatches and the bootstrap's resamples index
+    steps and episodes by position -- depends on the data, not on the order it was read in (the
+    commit order across partitions depends on timing): the same episodes give the same numbers
+    in ``rlrec evaluate``, the gate and a rerun. Per-step arrays (`TargetArrays`) follow this order.
+
     Args:
         episodes: the held-out episodes (each with at least one step).
 
@@ -120,7 +129,7 @@ class LoggedData:
     """
 
     def __init__(self, episodes: list[Episode]) -> None:
-        episodes = [e for e in episodes if len(e.rewards) > 0]
+        episodes = sorted((e for e in episodes if len(e.rewards) > 0), key=lambda e: str(e.id))
         if not episodes:
             raise ValueError("no episodes with steps to evaluate on")
         self.episodes = episodes
@@ -439,6 +448,10 @@ class Thresholds:
             0) mark a deterministic behaviour; with the behaviour's action probabilities
             recorded, that many steps all taking its most likely action mark a greedy one (its
             action_logp is no propensity): wis, wpdis and wdr are then refused.
+        min_step_ess: the gate verdict (not estimability): least effective sample size of the
+            weights at a step; t* is the first step below it (`rlrec.trainer.ope_diagnostics`).
+        max_tail_share: the gate verdict: most discounted share of the value beyond t* (what
+            rests on the model, or on too few episodes) an estimate may decide a publication with.
     """
 
     min_episodes: int = 10
@@ -449,20 +462,27 @@ class Thresholds:
     max_weight: float = 0.25
     max_is_horizon: float = 100.0
     greedy_check_steps: int = 50
+    min_step_ess: float = 10.0
+    max_tail_share: float = 0.25
 
 
 @dataclass
 class Estimate:
-    """One estimator's result: `value` and interval, or ``estimable=False`` and a `reason`."""
+    """One estimator's result: `value` and interval, or ``estimable=False`` and a `reason`; `gate`:
+    whether it may decide a publication (``{"ok", "reason", ...}``, `rlrec.trainer.ope_diagnostics`)."""
 
     value: float | None
     ci_low: float | None
     ci_high: float | None
     estimable: bool
     reason: str = ""
+    gate: dict | None = None
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if d["gate"] is None:
+            d["gate"] = {"ok": False, "reason": self.reason or "not estimable"}
+        return d
 
 
 @dataclass
@@ -622,6 +642,12 @@ class _Prepared:
             b = np.where(pden > 0, (C @ S["wpv"]) / pden, 0.0)
             return ((a + b) * self.g).sum(1)
 
+    def verdict(self, name: str, value: float, th: Thresholds) -> dict:
+        """The gate verdict of estimator `name`'s estimate `value` (`rlrec.trainer.ope_diagnostics`)."""
+        from rlrec.trainer.ope_diagnostics import gate_verdict
+
+        return gate_verdict(name, value, self.w, self.r, self.g, th.min_step_ess, th.max_tail_share).to_dict()
+
     def why_not(self, name: str, th: Thresholds, tgt_density: bool) -> str:
         """The first failed diagnostic for estimator `name` ("" if none)."""
         d = self.data
@@ -635,7 +661,7 @@ class _Prepared:
                 f"support: the candidate puts {self.support:.3f} of its probability on actions the behaviour "
                 f"takes with probability < {th.min_propensity} (> {th.max_support})"
             )
-        if name == "fqe":
+        if name in ("fqe", "mb"):
             return ""
         if not tgt_density:
             return "a deterministic candidate on a continuous action space has no density: importance weights are undefined (use fqe)"
@@ -680,8 +706,13 @@ def _interval(samples: np.ndarray, ci: float) -> tuple[float | None, float | Non
     return float(np.quantile(s, a)), float(np.quantile(s, 1.0 - a))
 
 
-def _diagnostics(data: LoggedData, p: _Prepared) -> dict[str, float | None]:
+def _diagnostics(data: LoggedData, p: _Prepared, th: Thresholds) -> dict[str, float | None]:
+    from rlrec.trainer.ope_diagnostics import first_below, step_ess
+
+    ess_t = step_ess(p.w) if p.w.size else np.zeros(0)
     return {
+        "t_star": first_below(ess_t, th.min_step_ess),
+        "step_ess_final": round(float(ess_t[-1]), 3) if len(ess_t) else None,
         "coverage": round(data.coverage, 6),
         "ess": round(p.ess, 3),
         "max_weight": round(p.max_weight, 6),
@@ -708,12 +739,13 @@ def evaluate(
     target: Any,
     *,
     gamma: float,
-    estimators: tuple[str, ...] = ESTIMATORS,
+    estimators: tuple[str, ...] = DEFAULT_ESTIMATORS,
     ci: float = 0.9,
     n_boot: int = 500,
     seed: int = 0,
     thresholds: Thresholds | None = None,
     fqe: FQEConfig | None = None,
+    model: Any = None,
 ) -> Evaluation:
     """Estimate the candidate's mean discounted return on `data` with each of `estimators`.
 
@@ -727,6 +759,7 @@ def evaluate(
         seed: bootstrap seed.
         thresholds: diagnostic limits (default `Thresholds()`).
         fqe: FQE settings.
+        model: ``mb`` settings (`rlrec.trainer.ope_model.ModelConfig`; default: its defaults with `seed`).
 
     Example:
         >>> eps = [Episode(np.zeros((2, 1)), np.array([i % 2]), np.array([float(i % 2)]), np.log([0.5]))
@@ -745,17 +778,23 @@ def evaluate(
     C = _counts(n, n_boot, seed) if n else np.zeros((0, 0))
     ones = np.ones((1, n))
     out: dict[str, Estimate] = {}
+    extra: dict[str, Any] = {}
     for name in names:
         why = p.why_not(name, th, tgt.has_density)
         if why:
             out[name] = Estimate(None, None, None, False, why)
+            continue
+        if name == "mb":
+            from rlrec.trainer.ope_model import estimate_mb
+
+            out[name], extra["mb"] = estimate_mb(data, target, gamma=gamma, ci=ci, n_boot=n_boot, seed=seed, cfg=model)
             continue
         value = float(p.values(name, ones)[0])
         if not math.isfinite(value):
             out[name] = Estimate(None, None, None, False, "the estimate is not a finite number (all weights zero)")
             continue
         lo, hi = _interval(p.values(name, C), ci)
-        out[name] = Estimate(value, lo, hi, True, "")
+        out[name] = Estimate(value, lo, hi, True, "", p.verdict(name, value, th))
     G = data.discounted_returns(gamma)
     versions = sorted({e.policy_version for e in data.episodes if e.policy_version is not None}, key=str)
     return Evaluation(
@@ -765,7 +804,7 @@ def evaluate(
         behavior_mean_return=float(G.mean()),
         behavior_versions=versions,
         estimates=out,
-        diagnostics=_diagnostics(data, p),
+        diagnostics={**_diagnostics(data, p, th), **extra},
         default=names[0],
         ci=ci,
     )
@@ -786,9 +825,24 @@ class Comparison:
     ci: float = 0.9
     extra: dict = field(default_factory=dict)
 
+    @property
+    def gate(self) -> dict:
+        """Whether this difference may decide a publication: ``{"ok", "reason"}``, ok only when it
+        is estimable and both estimates' gate verdicts are ok (the behaviour's own mean return
+        needs no model)."""
+        if not self.estimable:
+            return {"ok": False, "reason": self.reason or "not estimable"}
+        reasons = []
+        for who, ev in (("candidate", self.candidate), ("deployed", self.deployed)):
+            g = ev.estimates[self.estimator].gate
+            if g is not None and not g["ok"]:
+                reasons.append(f"{who}: {g['reason']}")
+        return {"ok": not reasons, "reason": "; ".join(reasons)}
+
     def to_dict(self) -> dict:
         return {
             "estimator": self.estimator,
+            "gate": self.gate,
             "difference": self.difference,
             "ci_low": self.ci_low,
             "ci_high": self.ci_high,
@@ -813,6 +867,7 @@ def compare(
     seed: int = 0,
     thresholds: Thresholds | None = None,
     fqe: FQEConfig | None = None,
+    model: Any = None,
 ) -> Comparison:
     """The paired difference of `candidate` and `deployed` under one estimator, on the same data
     and the same bootstrap resamples of its episodes.
@@ -829,6 +884,7 @@ def compare(
         seed: bootstrap seed.
         thresholds: diagnostic limits (both targets must pass them).
         fqe: FQE settings.
+        model: ``mb`` settings (`rlrec.trainer.ope_model.ModelConfig`).
 
     Example:
         >>> eps = [Episode(np.zeros((2, 1)), np.array([i % 2]), np.array([float(i % 2)]), np.log([0.5]))
@@ -842,6 +898,8 @@ def compare(
     """
     (name,) = _check_names((estimator,))
     th = thresholds or Thresholds()
+    if name == "mb":
+        return _compare_mb(data, candidate, deployed, gamma, ci, n_boot, seed, th, model)
     if deployed is None:
         return _compare_to_behavior(data, candidate, gamma, name, ci, n_boot, seed, th, fqe)
     preps, evals = [], []
@@ -869,6 +927,54 @@ def compare(
     return Comparison(name, diff, lo, hi, True, "", evals[0], evals[1], ci)
 
 
+def _compare_mb(
+    data: LoggedData,
+    candidate: Any,
+    deployed: Any,
+    gamma: float,
+    ci: float,
+    n_boot: int,
+    seed: int,
+    th: Thresholds,
+    model: Any,
+) -> Comparison:
+    from rlrec.trainer.ope_model import compare_mb
+
+    why, evals = [], []
+    for who, t in (("candidate", candidate), ("deployed", deployed)):
+        if t is None:  # the behaviour
+            evals.append(Evaluation(gamma, data.n_episodes, data.steps, 0.0, [], {}, {}, "mb", ci))
+            continue
+        tgt = target_arrays(t, data)
+        p = _Prepared(data, tgt, gamma, (), None, th.min_propensity)
+        reason = p.why_not("mb", th, tgt.has_density)
+        if reason:
+            why.append(f"{who}: {reason}")
+        G = data.discounted_returns(gamma)
+        versions = sorted({e.policy_version for e in data.episodes if e.policy_version is not None}, key=str)
+        evals.append(
+            Evaluation(
+                gamma, data.n_episodes, data.steps, float(G.mean()), versions, {}, _diagnostics(data, p, th), "mb", ci
+            )
+        )
+    evals[1].behavior_mean_return, evals[1].behavior_versions = (
+        evals[0].behavior_mean_return,
+        evals[0].behavior_versions,
+    )
+    return compare_mb(
+        data,
+        candidate,
+        deployed,
+        gamma=gamma,
+        ci=ci,
+        n_boot=n_boot,
+        seed=seed,
+        why=why,
+        base=(evals[0], evals[1]),
+        cfg=model,
+    )
+
+
 def _compare_to_behavior(
     data: LoggedData,
     candidate: Any,
@@ -894,7 +1000,15 @@ def _compare_to_behavior(
         data.steps,
         float(data.discounted_returns(gamma).mean()),
         ev.behavior_versions,
-        {name: Estimate(float(G.sum() / cnt.sum()) if n else None, *_interval((C @ G) / (C @ cnt), ci), n > 0, "")},
+        {
+            name: Estimate(
+                float(G.sum() / cnt.sum()) if n else None,
+                *_interval((C @ G) / (C @ cnt), ci),
+                n > 0,
+                "",
+                {"ok": n > 0, "reason": "" if n else "no episodes", "behavior_on_policy": True},
+            )
+        },
         {},
         name,
         ci,
@@ -920,9 +1034,20 @@ def _evaluation_from(
         n = p.n_units
         value = float(p.values(name, np.ones((1, n)))[0])
         lo, hi = _interval(p.values(name, _counts(n, n_boot, seed)), ci)
-        est = Estimate(value, lo, hi, math.isfinite(value), "" if math.isfinite(value) else "not a finite number")
+        ok = math.isfinite(value)
+        est = Estimate(
+            value, lo, hi, ok, "" if ok else "not a finite number", p.verdict(name, value, th) if ok else None
+        )
     G = data.discounted_returns(p.gamma)
     versions = sorted({e.policy_version for e in data.episodes if e.policy_version is not None}, key=str)
     return Evaluation(
-        p.gamma, data.n_episodes, data.steps, float(G.mean()), versions, {name: est}, _diagnostics(data, p), name, ci
+        p.gamma,
+        data.n_episodes,
+        data.steps,
+        float(G.mean()),
+        versions,
+        {name: est},
+        _diagnostics(data, p, th),
+        name,
+        ci,
     )

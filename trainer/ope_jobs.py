@@ -181,6 +181,7 @@ def _settings(cfg: Any) -> dict:
         "seed": cfg.seed or 0,
         "thresholds": cfg.ope.thresholds(),
         "fqe": FQEConfig(steps=cfg.ope.fqe_steps, seed=cfg.seed or 0),
+        "model": cfg.ope.model(cfg.seed or 0),
     }
 
 
@@ -211,14 +212,18 @@ def _decide(d: dict, job: CandidateJob, cfg: Any, candidate: Any, episodes: list
             "ci_level": cmp.ci,
             "estimable": cmp.estimable,
             "reason": cmp.reason,
+            "gate_verdict": cmp.gate,
             "candidate_estimate": c_est.to_dict(),
             "deployed_estimate": d_est.to_dict(),
             "diagnostics": {"candidate": cmp.candidate.diagnostics, "deployed": cmp.deployed.diagnostics},
         }
     )
     d["data"].update(_data_summary(data, cmp.candidate))
-    d["promoted"] = bool(cmp.estimable and cmp.ci_low >= -cfg.promotion_margin)
-    if cmp.estimable and not d["promoted"]:
+    verdict = cmp.gate
+    d["promoted"] = bool(cmp.estimable and verdict["ok"] and cmp.ci_low >= -cfg.promotion_margin)
+    if cmp.estimable and not verdict["ok"]:
+        d["reason"] = f"not usable for gating: {verdict['reason']}"
+    elif cmp.estimable and not d["promoted"]:
         d["reason"] = f"lower bound {cmp.ci_low:.4g} of the difference < -margin {-cfg.promotion_margin:g}"
 
 

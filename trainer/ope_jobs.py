@@ -22,7 +22,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["CandidateJob", "evaluate_candidate", "start"]
+__all__ = ["CandidateJob", "evaluate_candidate", "gate_decision", "start"]
 
 log = logging.getLogger("rlrec.trainer")
 
@@ -219,12 +219,30 @@ def _decide(d: dict, job: CandidateJob, cfg: Any, candidate: Any, episodes: list
         }
     )
     d["data"].update(_data_summary(data, cmp.candidate))
-    verdict = cmp.gate
-    d["promoted"] = bool(cmp.estimable and verdict["ok"] and cmp.ci_low >= -cfg.promotion_margin)
-    if cmp.estimable and not verdict["ok"]:
-        d["reason"] = f"not usable for gating: {verdict['reason']}"
-    elif cmp.estimable and not d["promoted"]:
-        d["reason"] = f"lower bound {cmp.ci_low:.4g} of the difference < -margin {-cfg.promotion_margin:g}"
+    d["promoted"], reason = gate_decision(cmp, cfg.promotion_margin)
+    d["reason"] = reason or d["reason"]
+
+
+def gate_decision(cmp: Any, margin: float) -> tuple[bool, str]:
+    """The ope gate's rule on a `rlrec.trainer.ope.Comparison`: publish only when the difference
+    is estimable, its gate verdict is ok and its lower bound is at least ``-margin``.
+
+    Returns:
+        ``(promoted, reason)``: the reason of a refusal ("" when promoted, or the comparison's
+        own reason when it is not estimable).
+
+    Example:
+        >>> from types import SimpleNamespace as NS
+        >>> gate_decision(NS(estimable=True, gate={"ok": True, "reason": ""}, ci_low=0.2, reason=""), 0.0)
+        (True, '')
+    """
+    if not cmp.estimable:
+        return False, cmp.reason
+    if not cmp.gate["ok"]:
+        return False, f"not usable for gating: {cmp.gate['reason']}"
+    if cmp.ci_low < -margin:
+        return False, f"lower bound {cmp.ci_low:.4g} of the difference < -margin {-margin:g}"
+    return True, ""
 
 
 def _report(d: dict, job: CandidateJob, cfg: Any, candidate: Any, episodes: list) -> None:

@@ -9,15 +9,16 @@ What it does, on the held-out episodes:
    reward and the logit of termination (squared error, squared error, cross-entropy; Adam).
 2. **Roll out** the candidate from the held-out episodes' initial states (the first
    `ModelConfig.starts` episodes by id) in every member's world, for at most the longest logged
-   episode's length (and no longer than where ``gamma^t`` < 1e-3): discounted rewards until the
-   member predicts termination (probability > 0.5).
+   episode's length (and no longer than where ``gamma^t`` < 1e-3): discounted rewards, each
+   weighted by the probability that the member has not predicted termination before it.
 3. **Pessimism where the model is not the data.** At every step, a state *leaves the data* when
    its nearest logged state (normalized observations, a fixed subsample of at most
-   `ModelConfig.reference_states`) is farther than the 99th percentile of the logged states' own
+   `ModelConfig.reference_states` distinct ones) is farther than the 99th percentile of the logged states' own
    nearest-neighbour distances times `ModelConfig.max_distance`, and the members *disagree* when
    the largest deviation of one member's predicted next state from their mean exceeds
    `ModelConfig.max_disagreement` (in units of the data's state changes). Either ends the rollout
-   there as a termination would, with the worst the rewards allow after it
+   there (for the rest of the probability that it is still running) as a termination would, with
+   the worst the rewards allow after it
    (``min(0, r_min)`` per remaining step); below those limits each reward is lowered by
    ``penalty * disagreement * max|r|`` (a MOPO-style penalty). The deployed version (the gate's
    baseline) is rolled out **without** pessimism, so the difference candidate - deployed leans
@@ -198,6 +199,7 @@ class _Coverage:
         import torch
 
         rng = np.random.default_rng(cfg.seed)
+        obs = np.unique(obs, axis=0)  # repeated states would make the data's radius 0
         ref = (
             obs if len(obs) <= cfg.reference_states else obs[rng.choice(len(obs), cfg.reference_states, replace=False)]
         )
@@ -270,6 +272,7 @@ def rollout(
     rng = np.random.default_rng(cfg.seed + 7)
     state = np.repeat(s0[None], M, axis=0)  # (M, n0, d)
     alive = np.ones((M, n0), dtype=bool)
+    survive = np.ones((M, n0))  # the probability that the rollout has not terminated yet
     values = np.zeros((M, n0))
     offdata = np.zeros((M, n0))
     for t in range(H):
@@ -284,22 +287,25 @@ def rollout(
         # member m's world for the rollouts of member m
         world_next = nxt[mi, np.arange(len(mi))]
         world_r = rew[mi, np.arange(len(mi))]
-        world_term = term[mi, np.arange(len(mi))] > 0.5
+        world_term = term[mi, np.arange(len(mi))]
         if pessimistic:
             spread = np.abs((nxt - nxt.mean(0, keepdims=True)) / ens.d_std).max(axis=(0, 2)) if M > 1 else 0 * world_r
             stop = left | (spread > cfg.max_disagreement)
             world_r = world_r - lam * spread
             # leaving: the worst the rewards allow from here on; the share of the horizon it cuts off
-            values[mi[stop], si[stop]] += r_low * tail[t]
-            offdata[mi[stop], si[stop]] = tail[t] / total
-            alive[mi[stop], si[stop]] = False
+            ms, ss = mi[stop], si[stop]
+            values[ms, ss] += r_low * tail[t] * survive[ms, ss]
+            offdata[ms, ss] = tail[t] / total * survive[ms, ss]
+            alive[ms, ss] = False
             keep = ~stop
         else:
             keep = np.ones(len(mi), dtype=bool)
-        values[mi[keep], si[keep]] += g[t] * world_r[keep]
-        state[mi[keep], si[keep]] = world_next[keep]
-        ended = keep & world_term
-        alive[mi[ended], si[ended]] = False
+        mk, sk = mi[keep], si[keep]
+        values[mk, sk] += g[t] * world_r[keep] * survive[mk, sk]
+        state[mk, sk] = world_next[keep]
+        # termination in expectation: the member's probability of it, not a threshold
+        survive[mk, sk] *= 1.0 - world_term[keep]
+        alive[mk, sk] &= survive[mk, sk] > 1e-4
     return Rollouts(values, offdata, H, ens.fit_seconds, time.time() - t0)
 
 
@@ -345,13 +351,21 @@ def _diag(ro: Rollouts, cfg: ModelConfig, ens: _Ensemble, cov: _Coverage) -> dic
 
 
 def _model(data: Any, cfg: ModelConfig) -> tuple[_Ensemble, _Coverage]:
+    """The ensemble and coverage check fitted on `data` with `cfg` (fitted once per data and
+    fit settings: the candidate and the deployed version of a comparison share them)."""
     import torch
+
+    key = (cfg.members, cfg.hidden, cfg.steps, cfg.batch_size, cfg.lr, cfg.reference_states, cfg.max_distance, cfg.seed)
+    cache = data.__dict__.setdefault("_mb_models", {})
+    if key in cache:
+        return cache[key]
 
     threads = torch.get_num_threads()
     torch.set_num_threads(max(1, int(cfg.threads)))
     try:
         ens = fit_ensemble(data, cfg)
-        return ens, _Coverage(data.obs, ens, cfg)
+        cache[key] = (ens, _Coverage(data.obs, ens, cfg))
+        return cache[key]
     finally:
         torch.set_num_threads(threads)
 

@@ -1,0 +1,137 @@
+"""The pessimistic model-based estimator ``mb`` (rlrec.trainer.ope_model) and the gate's decisions
+against simulator truth on a long horizon (CartPole). No Ray."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from rlrec.trainer.ope import Episode, LoggedData, compare, evaluate
+from rlrec.trainer.ope_model import ModelConfig
+
+TINY = ModelConfig(members=3, hidden=(32, 32), steps=400, seed=0)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class _Walker:
+    """A candidate on the line walk: action 1 (right) with probability `p_right(s)`."""
+
+    discrete, explore = True, False
+
+    def __init__(self, rule) -> None:
+        self.rule = rule
+        self.policy = self
+
+    def action_probs(self, obs: np.ndarray) -> np.ndarray:
+        right = np.asarray([self.rule(float(s[0])) for s in obs], dtype=np.float64)
+        return np.stack([1.0 - right, right], axis=1)
+
+    def arrays(self, data: LoggedData):
+        from rlrec.trainer.ope import TargetArrays
+
+        probs, nxt = self.action_probs(data.obs), self.action_probs(data.next_obs)
+        with np.errstate(divide="ignore"):
+            logp = np.log(probs[np.arange(data.steps), data.actions])
+        return TargetArrays(logp, probs=probs, next_probs=nxt)
+
+
+def _walk(n: int, seed: int, horizon: int = 40) -> list[Episode]:
+    """s' = s + 0.1 (right) or - 0.1 (left), reward 1 per step, the episode ends when |s| >= 1 or
+    after `horizon` steps; the behaviour pulls back to 0 (right w.p. 0.8 when s < 0, else 0.2),
+    so its states stay near 0."""
+    rng = np.random.default_rng(seed)
+    eps = []
+    for i in range(n):
+        s, obs, acts, logp = 0.0, [[0.0]], [], []
+        term = False
+        for _ in range(horizon):
+            p_right = 0.8 if s < 0 else 0.2
+            a = int(rng.random() < p_right)
+            logp.append(np.log(p_right if a else 1 - p_right))
+            s = round(s + (0.1 if a else -0.1), 6)
+            acts.append(a)
+            obs.append([s])
+            if abs(s) >= 1.0:
+                term = True
+                break
+        T = len(acts)
+        eps.append(Episode(np.array(obs, np.float32), np.array(acts), np.ones(T), np.array(logp), term, f"w{i:04d}"))
+    return eps
+
+
+def test_mb_stays_close_where_the_data_are_and_refuses_a_candidate_that_leaves_them():
+    data = LoggedData(_walk(150, seed=1))
+    gamma = 0.95
+    stay = _Walker(lambda s: 1.0 if s < 0 else 0.0)  # greedy version of the behaviour: never leaves
+    away = _Walker(lambda s: 1.0)  # always right: at |s| >= 1 after 10 steps, far beyond the data
+    ev = evaluate(data, stay, gamma=gamma, estimators=("mb",), model=TINY, n_boot=100)
+    est = ev.estimates["mb"]
+    truth = (1 - gamma**40) / (1 - gamma)  # never terminates within the 40 steps
+    assert est.estimable and est.gate["ok"] and est.gate["offdata_share"] < 0.05
+    assert est.value == pytest.approx(truth, rel=0.15) and est.ci_low <= est.value <= est.ci_high
+    assert ev.diagnostics["mb"]["refits"] == 3 and ev.diagnostics["mb"]["fit_seconds"] > 0
+    ev = evaluate(data, away, gamma=gamma, estimators=("mb",), model=TINY, n_boot=100)
+    est = ev.estimates["mb"]
+    # pessimism: the rollouts end where the states leave the data (no credit beyond), and the
+    # state-coverage diagnostic keeps it from gating
+    assert est.estimable and not est.gate["ok"] and "state coverage" in est.gate["reason"]
+    assert est.value < (1 - gamma**10) / (1 - gamma) + 0.5
+    # the paired comparison: against the behaviour's own returns of the same episodes
+    c = compare(data, away, None, gamma=gamma, estimator="mb", model=TINY, n_boot=100)
+    assert c.estimable and not c.gate["ok"] and c.to_dict()["deployed_is_behavior"]
+    # arrays alone cannot be rolled out
+    ev = evaluate(data, stay.arrays(data), gamma=gamma, estimators=("mb",), model=TINY)
+    assert not ev.estimates["mb"].estimable and "PolicyTarget" in ev.estimates["mb"].reason
+
+
+@pytest.mark.slow
+def test_gate_decisions_against_cartpole_truth_publish_no_worse_candidate():
+    """The trainer's gate rule (`gate_decision`, margin 0, 90 % paired bootstrap, default
+    thresholds) on CartPole (horizon up to 500, gamma 0.99), logged by v1 served epsilon-greedy
+    (0.3) with exact propensities: no candidate truly worse than v1 is published by wdr or mb
+    (before the gate verdict wdr published worse ones: the issue's 5 to 7 of 24)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from ope_decisions import DEPLOYED, GAMMA, LADDER, controller, log_dataset, truth
+
+    from rlrec.trainer.ope import PolicyTarget
+    from rlrec.trainer.ope_jobs import gate_decision
+
+    data = LoggedData(log_dataset(150, 0.3, seed=3))
+    dep_spec, dep_model, deployed = controller(DEPLOYED)
+    true_v1 = truth(dep_spec, dep_model, 100)
+    model = ModelConfig(members=3, steps=800, seed=0)
+    published, worse = {}, []
+    for name in ("expert", "angle", "always-left", "ang-velocity+2position"):
+        w, b, _ = LADDER[name]
+        spec, mdl, policy = controller(w, b)
+        if truth(spec, mdl, 100) < 0.95 * true_v1:
+            worse.append(name)
+        for est in ("wdr", "mb"):
+            cmp = compare(
+                data,
+                PolicyTarget(policy, False),
+                PolicyTarget(deployed, False),
+                gamma=GAMMA,
+                estimator=est,
+                n_boot=200,
+                model=model,
+            )
+            promoted, reason = gate_decision(cmp, 0.0)
+            published[(name, est)] = promoted
+            assert promoted or reason, (name, est)
+            if est == "wdr":  # a greedy candidate's weights collapse long before the horizon
+                assert not cmp.gate["ok"] and "effective sample size" in cmp.gate["reason"]
+    assert set(worse) == {"angle", "always-left", "ang-velocity+2position"}
+    assert not [k for k, v in published.items() if v and k[0] in worse]

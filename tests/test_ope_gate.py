@@ -199,6 +199,13 @@ def test_evaluate_command_json_contract(logged, tmp_path, capsys):
         assert e["gate"]["ok"] and e["gate"]["reason"] == ""  # 3 steps: the weights hold at every step
         assert e["value"] == pytest.approx(_truth("partial"), abs=0.25)
         assert e["ci_low"] <= e["value"] <= e["ci_high"]
+    # mb: the ensemble's refits and the state-coverage verdict are reported
+    mb = [*args, "--json", "--version", "1", "--estimators", "mb", "--mb-members", "2", "--mb-steps", "200"]
+    assert main([*mb, "--ope-bootstrap", "50"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    e = doc["estimates"]["mb"]
+    assert e["estimable"] and e["ci_low"] <= e["value"] <= e["ci_high"] and "offdata_share" in e["gate"]
+    assert doc["diagnostics"]["mb"]["refits"] == 2 and doc["diagnostics"]["mb"]["starts"] == min(256, doc["episodes"])
     # latest, default estimators (wdr first), only behaviour version 7: none
     assert main([*args, "--behavior-version", "7"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -251,7 +251,11 @@ class TrainerConfig:
         None, help="with --promotion-gate env: the return of what is deployed before the first publication"
     )
     promotion_episodes: int = option(10, help="episodes per promotion evaluation")
-    promotion_estimator: Estimator = option("wdr", help="with --promotion-gate ope: the off-policy estimator")
+    promotion_estimator: Estimator = option(
+        "wdr",
+        help="with --promotion-gate ope: the off-policy estimator (mb: pessimistic model-based; fqe never "
+        "passes the gate verdict)",
+    )
     promotion_margin: float = option(
         0.0, help="with --promotion-gate ope: the candidate may be this much worse (discounted return) at the bound"
     )

@@ -6,9 +6,16 @@ sha256(episode id) / 2**64 < F, the same episodes `rlrec train --holdout-fractio
 on), optionally only those recorded by behaviour version V, and estimates the mean discounted
 return per episode of the published version (at --gamma; default: the gamma in its policy.json,
 else 0.99) from the behaviour's recorded propensities (`action_logp`). Estimators: wdr (weighted
-doubly robust on FQE, the default), fqe, wpdis, wis; an estimate whose diagnostics fail
-(coverage of propensities, effective sample size, largest weight, support, horizon) is reported
-as not estimable, with the reason. See docs/TRAINER.md.
+doubly robust on FQE, the default), fqe, wpdis, wis, and mb (pessimistic model-based: an
+ensemble of dynamics models, the candidate rolled out from held-out initial states, ended where
+it leaves the data; asked for by name); an estimate whose diagnostics fail (coverage of
+propensities, effective sample size, largest weight, support, horizon) is reported as not
+estimable, with the reason. Every estimate carries a gate verdict ("gate": ok, or why it may not
+decide a publication: what rests on the model alone past the step t* where the weights'
+effective sample size falls below --ope-min-step-ess; fqe never; mb when its rollouts leave the
+logged states). Intervals: wis/wpdis are bootstrap confidence intervals; fqe/wdr resample around
+one fit and mb over refits, neither includes the model's bias: they are not valid bounds.
+See docs/TRAINER.md.
 
 Examples:
   rlrec evaluate --input s3://bucket/exp --policies s3://bucket/run1/policies --json

@@ -464,7 +464,7 @@ def test_evaluate_reproduces_a_gate_decision_exactly_from_its_cursor(logged, tmp
     trainer, gate = _gate_runner(out, tmp_path, monkeypatch)
     assert gate("partial")["promoted"]  # v1, against the behaviour
     d = gate("good")
-    assert d["promoted"] and trainer.policy_version == 2 and d["gate_verdict"]["ok"]
+    assert d["promoted"] and trainer.policy_version == 2 and d["gate_verdict"]["ok"] and d["seed"] == 0
     # more data lands after the decision
     spec, model = linear_policy_artifact(1.0 * E)
     ShardCommitter(out).commit(logged_episodes(CONTEXT_BANDIT_ID, spec, model, 400, seed=9, policy_version=0)[0])

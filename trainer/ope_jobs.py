@@ -127,6 +127,7 @@ def evaluate_candidate(
             "estimator": cfg.promotion_estimator,
             "gamma": job.gamma,
             "explore": cfg.promotion_explore,
+            "seed": cfg.seed or 0,  # with data.cursor: `rlrec evaluate --as-of` reproduces the numbers
             "candidate_return": None,
         }
     )

@@ -67,7 +67,7 @@ def logged(tmp_path_factory, one_torch_thread):
     return out, float(np.concatenate(returns).mean())
 
 
-def _gate_runner(out: str, tmp_path, monkeypatch):
+def _gate_runner(out: str, tmp_path, monkeypatch, estimator: str = "wdr", **ope):
     """A trainer whose ope gate runs as in `ContinuousTrainer.checkpoint` on the shards under
     `out`, and ``gate(name)``: the decision on candidate `name` (published when promoted)."""
     from rlrec.trainer import promotion
@@ -77,8 +77,9 @@ def _gate_runner(out: str, tmp_path, monkeypatch):
         input=out,
         checkpoint_dir=str(tmp_path / "ck"),
         promotion_gate="ope",
+        promotion_estimator=estimator,
         seed=0,
-        ope=OPESettings(holdout_fraction=0.3, fqe_steps=600, ope_bootstrap=200),
+        ope=OPESettings(holdout_fraction=0.3, fqe_steps=600, ope_bootstrap=200, **ope),
     )
     trainer = ContinuousTrainer(cfg)
     env = gym.make(CONTEXT_BANDIT_ID)
@@ -490,3 +491,17 @@ def test_evaluate_reproduces_a_gate_decision_exactly_from_its_cursor(logged, tmp
     assert main([*args, "--as-of", "nonsense"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("rlrec evaluate: error: --as-of")
+
+
+def test_the_gate_decides_with_mb_and_states_its_refits(logged, tmp_path, monkeypatch):
+    """--promotion-estimator mb through the trainer's gate: the decision names the ensemble's
+    refits and their wall time, and a truly worse candidate is not published."""
+    _trainer, gate = _gate_runner(logged[0], tmp_path, monkeypatch, "mb", mb_members=2, mb_steps=300)
+    first = gate("partial")
+    assert first["estimator"] == "mb" and first["deployed_is_behavior"]
+    mb = first["diagnostics"]["candidate"]["mb"]
+    assert mb["refits"] == 2 and mb["fit_seconds"] > 0 and mb["rollout_seconds"] > 0
+    assert "offdata_share" in first["candidate_estimate"]["gate"] and first["gate_verdict"] is not None
+    assert first["promoted"] or first["reason"]
+    bad = gate("bad")
+    assert not bad["promoted"] and bad["reason"]

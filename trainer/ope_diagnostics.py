@@ -23,7 +23,7 @@ Example:
     >>> import numpy as np
     >>> w = np.ones((20, 3))
     >>> w[1:, 2] = 0.0  # from step 2 on one episode carries all the weight
-    >>> [round(x, 1) for x in step_ess(w)]
+    >>> [round(float(x), 1) for x in step_ess(w)]
     [20.0, 20.0, 1.0]
     >>> first_below(step_ess(w), 10.0)
     2
@@ -116,8 +116,9 @@ def gate_verdict(
 
     Example:
         >>> w = np.ones((20, 3)); w[1:, 1:] = 0.0
-        >>> gate_verdict("wdr", 10.0, w, np.ones((20, 3)), np.ones(3), 10.0, 0.25).reason[:30]
-        'the weights' effective sample '
+        >>> v = gate_verdict("wdr", 10.0, w, np.ones((20, 3)), np.ones(3), 10.0, 0.25)
+        >>> v.ok, v.t_star
+        (False, 1)
     """
     if name == "fqe":
         return GateVerdict(

@@ -123,7 +123,7 @@ def fit_ensemble(data: Any, cfg: ModelConfig) -> _Ensemble:
     """Fit `cfg.members` dynamics/reward/termination models on `data` (a `rlrec.trainer.ope.LoggedData`)."""
     import torch
 
-    from rlrec.trainer.ope import _linear
+    from rlrec.trainer.ope_fqe import _linear
 
     t0 = time.time()
     discrete = data.actions.ndim == 1 and np.issubdtype(data.actions.dtype, np.integer)
@@ -416,8 +416,7 @@ def compare_mb(
     ci: float,
     n_boot: int,
     seed: int,
-    why: list[str],
-    base: tuple[Any, Any],
+    th: Any,
     cfg: ModelConfig | None,
 ) -> Any:
     """`rlrec.trainer.ope.compare` for ``mb``: the candidate's pessimistic rollouts against the
@@ -425,20 +424,39 @@ def compare_mb(
     of the same episodes), on the same resamples of members and initial states.
 
     Args:
-        why: the diagnostics' refusals so far (``"candidate: ..."``), from `compare`.
-        base: the candidate's and the deployed version's `Evaluation` without the mb estimate
-            (their diagnostics); the estimate is added here.
+        data: the held-out `rlrec.trainer.ope.LoggedData`.
+        candidate: a `rlrec.trainer.ope.PolicyTarget`.
+        deployed: likewise, or None: the logged behaviour.
+        gamma: the discount.
+        ci: the interval level.
+        n_boot: resamples.
+        seed: their seed.
+        th: the `rlrec.trainer.ope.Thresholds` (episodes, support).
+        cfg: the model's settings.
     """
-    from rlrec.trainer.ope import Comparison, Estimate, _interval
+    from rlrec.trainer.ope import Comparison, Estimate, Evaluation, _diagnostics, _interval, _Prepared, target_arrays
 
     cfg = cfg or ModelConfig(seed=seed)
-    ev_c, ev_d = base
     name = "mb"
+    why: list[str] = []
+    G = data.discounted_returns(gamma)
+    versions = sorted({e.policy_version for e in data.episodes if e.policy_version is not None}, key=str)
+    evals = []
     for who, t in (("candidate", candidate), ("deployed", deployed)):
-        if t is not None and _needs_policy(t):
-            why.append(f"{who}: {_needs_policy(t)}")
+        diag: dict = {}
+        if t is not None:
+            if _needs_policy(t):
+                why.append(f"{who}: {_needs_policy(t)}")
+            tgt = target_arrays(t, data)
+            p = _Prepared(data, tgt, gamma, (), None, th.min_propensity)
+            reason = p.why_not(name, th, tgt.has_density)
+            if reason:
+                why.append(f"{who}: {reason}")
+            diag = _diagnostics(data, p, th)
+        evals.append(Evaluation(gamma, data.n_episodes, data.steps, float(G.mean()), versions, {}, diag, name, ci))
+    ev_c, ev_d = evals
     if why:
-        for ev in (ev_c, ev_d):
+        for ev in evals:
             ev.estimates[name] = Estimate(None, None, None, False, "; ".join(why))
         return Comparison(name, None, None, None, False, "; ".join(why), ev_c, ev_d, ci)
     model = _model(data, cfg)
@@ -450,8 +468,7 @@ def compare_mb(
     ev_c.diagnostics["mb"] = _diag(ro_c, cfg, *model)
     extra: dict = {}
     if deployed is None:  # the behaviour: the discounted returns of the same episodes
-        G = data.discounted_returns(gamma)[:n0]
-        d_values = np.repeat(G[None], len(model[0].nets), axis=0)
+        d_values = np.repeat(G[None, :n0], len(model[0].nets), axis=0)
         d_gate = {"ok": True, "reason": "", "behavior_on_policy": True}
         extra["deployed_is_behavior"] = True
     else:

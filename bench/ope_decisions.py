@@ -17,7 +17,8 @@ and deployed v1 (paired bootstrap, 90 %, the trainer's thresholds) and the train
 * ``always publish``: every candidate;
 * ``<est> (old rule)``: estimable and lower bound >= 0, ignoring the gate verdict (the rule before
   the verdict existed);
-* ``<est>``: the gate as it is (verdict included); ``mb`` is the pessimistic model-based estimator.
+* ``<est>``: the gate as it is (verdict included); ``mb`` is the pessimistic model-based estimator;
+* ``auto``: the gate's default ``--promotion-estimator auto``: wdr where its verdict holds, else mb.
 
 Reported per rule: false promotions (a candidate truly worse than v1 by > 5 % published; target
 0), datasets where a clearly better candidate was published (else every clearly better one was
@@ -156,6 +157,7 @@ def decide_dataset(data, targets: dict, deployed, fqe_steps: int, model_cfg, n_b
             value = cmp.candidate.estimates[est].value
             row[est] = {
                 "promoted": promoted,
+                "gate_ok": bool(cmp.gate["ok"]),
                 "old_rule": bool(cmp.estimable and cmp.ci_low >= 0.0),
                 "value": value,
                 "difference": cmp.difference,
@@ -182,7 +184,7 @@ def summarize(results: list[dict], true: dict, true_v1: float) -> dict:
     names = list(true)
     worse = {k for k in names if true[k] < 0.95 * true_v1}
     better = {k for k in names if true[k] > 1.10 * true_v1}
-    rules = ["always publish"] + [f"{e} (old rule)" for e in ("wdr", "fqe")] + list(ESTIMATORS)
+    rules = ["always publish"] + [f"{e} (old rule)" for e in ("wdr", "fqe")] + list(ESTIMATORS) + ["auto"]
     table = {}
     for rule in rules:
         fp, better_pub, refusals, rho, decisions = 0, 0, [], [], 0
@@ -191,6 +193,9 @@ def summarize(results: list[dict], true: dict, true_v1: float) -> dict:
             for k in names:
                 if rule == "always publish":
                     ok = True
+                elif rule == "auto":  # the gate's default: wdr where its verdict holds, else mb
+                    w = ds["decisions"][k]["wdr"]
+                    ok = (w if w["gate_ok"] else ds["decisions"][k]["mb"])["promoted"]
                 elif rule.endswith("(old rule)"):
                     ok = ds["decisions"][k][rule.split()[0]]["old_rule"]
                 else:
@@ -203,7 +208,7 @@ def summarize(results: list[dict], true: dict, true_v1: float) -> dict:
                 better_pub += 1
             elif rule in ESTIMATORS:
                 refusals.append(sorted({ds["decisions"][k][rule]["reason"][:100] for k in better}))
-            if rule == "always publish":
+            if rule in ("always publish", "auto"):
                 continue
             est = rule.split()[0]
             vals = np.array(

@@ -462,10 +462,12 @@ def test_evaluate_reproduces_a_gate_decision_exactly_from_its_cursor(logged, tmp
 
     out = str(tmp_path / "store")
     shutil.copytree(logged[0], out)
-    trainer, gate = _gate_runner(out, tmp_path, monkeypatch)
+    trainer, gate = _gate_runner(out, tmp_path, monkeypatch, "auto")  # the default
     assert gate("partial")["promoted"]  # v1, against the behaviour
     d = gate("good")
     assert d["promoted"] and trainer.policy_version == 2 and d["gate_verdict"]["ok"] and d["seed"] == 0
+    # auto: wdr's verdict holds on 3 steps, so no fallback to mb
+    assert d["estimator"] == "wdr" and d["estimator_setting"] == "auto" and "fallback_from" not in d
     # more data lands after the decision
     spec, model = linear_policy_artifact(1.0 * E)
     ShardCommitter(out).commit(logged_episodes(CONTEXT_BANDIT_ID, spec, model, 400, seed=9, policy_version=0)[0])

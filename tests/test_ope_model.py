@@ -135,3 +135,32 @@ def test_gate_decisions_against_cartpole_truth_publish_no_worse_candidate():
                 assert not cmp.gate["ok"] and "effective sample size" in cmp.gate["reason"]
     assert set(worse) == {"angle", "always-left", "ang-velocity+2position"}
     assert not [k for k, v in published.items() if v and k[0] in worse]
+
+
+def test_the_default_gate_estimator_falls_back_to_mb_where_wdr_rests_on_the_model():
+    """--promotion-estimator auto (the default): on CartPole's long horizon wdr's verdict refuses
+    (its weights collapse after a few steps), so the gate decides with mb and records why."""
+    import sys
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from ope_decisions import DEPLOYED, GAMMA, LADDER, controller, log_dataset
+
+    from rlrec.trainer import ope_jobs
+    from rlrec.trainer.config import OPESettings, TrainerConfig
+
+    cfg = TrainerConfig(
+        input="unused",
+        checkpoint_dir="unused",
+        seed=0,
+        ope=OPESettings(fqe_steps=200, ope_bootstrap=100, mb_members=2, mb_steps=300),
+    )
+    assert cfg.promotion_estimator == "auto"
+    episodes = log_dataset(40, 0.3, seed=7)
+    job = SimpleNamespace(deployed_version=1, gamma=GAMMA)
+    d = {"data": {}, "reason": ""}
+    ope_jobs._decide(d, job, cfg, controller(*LADDER["angle"][:2])[2], episodes, lambda v: controller(DEPLOYED)[2])
+    assert d["estimator"] == "mb" and d["estimator_setting"] == "auto"
+    assert d["fallback_from"]["estimator"] == "wdr" and "effective sample size" in d["fallback_from"]["reason"]
+    assert "mb" in d["diagnostics"]["candidate"] and not d["promoted"] and d["reason"]

@@ -54,7 +54,7 @@ def training_settings(config_cls: type) -> set[str]:
     return names
 
 
-Estimator = Literal["wdr", "fqe", "wpdis", "wis", "mb"]
+Estimator = Literal["auto", "wdr", "fqe", "wpdis", "wis", "mb"]
 PromotionGate = Literal["off", "env", "ope"]
 
 
@@ -252,9 +252,9 @@ class TrainerConfig:
     )
     promotion_episodes: int = option(10, help="episodes per promotion evaluation")
     promotion_estimator: Estimator = option(
-        "wdr",
-        help="with --promotion-gate ope: the off-policy estimator (mb: pessimistic model-based; fqe never "
-        "passes the gate verdict)",
+        "auto",
+        help="with --promotion-gate ope: the off-policy estimator; auto: wdr where its gate verdict holds "
+        "(short horizons), else mb (pessimistic model-based); fqe never passes the gate verdict",
     )
     promotion_margin: float = option(
         0.0, help="with --promotion-gate ope: the candidate may be this much worse (discounted return) at the bound"

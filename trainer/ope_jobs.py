@@ -192,14 +192,27 @@ def _decide(d: dict, job: CandidateJob, cfg: Any, candidate: Any, episodes: list
     data = LoggedData(episodes)
     dep = deployed(job.deployed_version) if job.deployed_version else None
     seed = cfg.seed or 0
-    cmp = compare(
-        data,
-        PolicyTarget(candidate, cfg.promotion_explore, seed=seed),
-        None if dep is None else PolicyTarget(dep, cfg.promotion_explore, seed=seed),
-        gamma=job.gamma,
-        estimator=cfg.promotion_estimator,
-        **_settings(cfg),
-    )
+    # auto: wdr where its gate verdict holds (short horizons), else the pessimistic model (mb)
+    names = ("wdr", "mb") if cfg.promotion_estimator == "auto" else (cfg.promotion_estimator,)
+    for name in names:
+        cmp = compare(
+            data,
+            PolicyTarget(candidate, cfg.promotion_explore, seed=seed),
+            None if dep is None else PolicyTarget(dep, cfg.promotion_explore, seed=seed),
+            gamma=job.gamma,
+            estimator=name,
+            **_settings(cfg),
+        )
+        if cmp.gate["ok"] or name == names[-1]:
+            break
+        d["fallback_from"] = {
+            "estimator": name,
+            "difference": cmp.difference,
+            "ci_low": cmp.ci_low,
+            "reason": cmp.gate["reason"],
+        }
+    if cfg.promotion_estimator == "auto":
+        d["estimator"], d["estimator_setting"] = cmp.estimator, "auto"
     c_est = cmp.candidate.estimates[cmp.estimator]
     d_est = cmp.deployed.estimates[cmp.estimator]
     d.update(
@@ -250,14 +263,16 @@ def _report(d: dict, job: CandidateJob, cfg: Any, candidate: Any, episodes: list
     from rlrec.trainer.ope import LoggedData, PolicyTarget, evaluate
 
     data = LoggedData(episodes)
+    name = "wdr" if cfg.promotion_estimator == "auto" else cfg.promotion_estimator  # a report decides nothing
+    d["estimator"] = name
     ev = evaluate(
         data,
         PolicyTarget(candidate, cfg.promotion_explore, seed=cfg.seed or 0),
         gamma=job.gamma,
-        estimators=(cfg.promotion_estimator,),
+        estimators=(name,),
         **_settings(cfg),
     )
-    est = ev.estimates[cfg.promotion_estimator]
+    est = ev.estimates[name]
     d.update(
         {
             "candidate_return": est.value,

@@ -124,7 +124,7 @@ def evaluate_candidate(
             "candidate_version": job.version,
             "candidate_iteration": job.iteration,
             "deployed_version": job.deployed_version,
-            "estimator": cfg.promotion_estimator,
+            "estimator": cfg.promotion_estimator if job.gating else _report_estimator(cfg),
             "gamma": job.gamma,
             "explore": cfg.promotion_explore,
             "seed": cfg.seed or 0,  # with data.cursor: `rlrec evaluate --as-of` reproduces the numbers
@@ -263,8 +263,7 @@ def _report(d: dict, job: CandidateJob, cfg: Any, candidate: Any, episodes: list
     from rlrec.trainer.ope import LoggedData, PolicyTarget, evaluate
 
     data = LoggedData(episodes)
-    name = "wdr" if cfg.promotion_estimator == "auto" else cfg.promotion_estimator  # a report decides nothing
-    d["estimator"] = name
+    name = _report_estimator(cfg)
     ev = evaluate(
         data,
         PolicyTarget(candidate, cfg.promotion_explore, seed=cfg.seed or 0),
@@ -283,6 +282,11 @@ def _report(d: dict, job: CandidateJob, cfg: Any, candidate: Any, episodes: list
         }
     )
     d["data"].update(_data_summary(data, ev))
+
+
+def _report_estimator(cfg: Any) -> str:
+    """The estimator of an ``--ope-report`` (it decides nothing: ``auto`` reports wdr)."""
+    return "wdr" if cfg.promotion_estimator == "auto" else cfg.promotion_estimator
 
 
 def _data_summary(data: Any, ev: Any) -> dict:

@@ -110,8 +110,9 @@ def _inputs(ens: _Ensemble, obs: Any, act: Any) -> Any:
     import torch
 
     x = (torch.as_tensor(obs, dtype=torch.float32) - torch.as_tensor(ens.obs_mean)) / torch.as_tensor(ens.obs_std)
-    if ens.n_actions is not None:
-        a = torch.nn.functional.one_hot(torch.as_tensor(act, dtype=torch.int64).reshape(-1), ens.n_actions).float()
+    if ens.n_actions is not None:  # an action never logged is encoded as the last logged one (see `rollout`)
+        idx = torch.as_tensor(act, dtype=torch.int64).reshape(-1).clamp(0, ens.n_actions - 1)
+        a = torch.nn.functional.one_hot(idx, ens.n_actions).float()
     else:
         a = (torch.as_tensor(act, dtype=torch.float32).reshape(len(x), -1) - torch.as_tensor(ens.act_mean)) / (
             torch.as_tensor(ens.act_std)
@@ -290,7 +291,9 @@ def rollout(
         world_term = term[mi, np.arange(len(mi))]
         if pessimistic:
             spread = np.abs((nxt - nxt.mean(0, keepdims=True)) / ens.d_std).max(axis=(0, 2)) if M > 1 else 0 * world_r
-            stop = left | (spread > cfg.max_disagreement)
+            # an action the data never show leaves the data too
+            unknown = np.asarray(act).reshape(-1) >= ens.n_actions if ens.n_actions is not None else False
+            stop = left | (spread > cfg.max_disagreement) | unknown
             world_r = world_r - lam * spread
             # leaving: the worst the rewards allow from here on; the share of the horizon it cuts off
             ms, ss = mi[stop], si[stop]

@@ -489,6 +489,11 @@ def test_evaluate_reproduces_a_gate_decision_exactly_from_its_cursor(logged, tmp
     assert main(args) == 0
     now = json.loads(capsys.readouterr().out)
     assert now["episodes"] > doc["episodes"] and now["comparison"]["difference"] != c["difference"]
+    # the human-readable form says the same
+    assert main([a for a in args if a != "--json"] + ["--as-of", d["data"]["cursor"]]) == 0
+    text = capsys.readouterr().out
+    assert f"v2 - 1 (wdr): {c['difference']:.4f}" in text and "gate verdict: ok" in text
+    assert f"cursor: {d['data']['cursor']}" in text
     # a cursor that is no cursor is a user's mistake
     assert main([*args, "--as-of", "nonsense"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

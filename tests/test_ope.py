@@ -311,3 +311,23 @@ def test_gate_verdict_refuses_what_rests_on_the_model_alone():
     ev = evaluate(short, _SoftmaxTarget(np.array([[-2.0, 2.0], [0.0, 0.0]])), gamma=0.9, fqe=FQEConfig(steps=100))
     assert ev.estimates["wdr"].gate == {"ok": True, "reason": "", "t_star": None, "value_share_beyond_t_star": 0.0}
     assert ev.estimates["wis"].gate["ok"] and not ev.estimates["fqe"].gate["ok"]
+
+
+def test_a_short_horizon_difference_rests_on_the_data_and_its_data_only_bound_gates():
+    """Weights that never collapse (3 steps): the paired verdict is ok, nothing remains beyond
+    the data (remainder 0) and the data-only bound is the per-decision weighted difference; the
+    gate refuses when that bound is below -margin even where wdr's own interval is not."""
+    from types import SimpleNamespace
+
+    from rlrec.trainer.ope_jobs import gate_decision
+
+    short = LoggedData(_random_walk_episodes(400, seed=4, horizon=3))
+    better = _SoftmaxTarget(np.array([[-2.0, 2.0], [0.0, 0.0]]))
+    c = compare(short, better, None, gamma=0.9, estimator="wdr", fqe=FQEConfig(steps=100))
+    p = c.to_dict()["paired"]
+    assert p["ok"] and p["t_star"] is None and p["remainder"] == 0.0 and p["model_share"] == 0.0
+    assert p["lower_bound"] == p["head_low"] and c.gate["ok"]
+    # the rule reads the data-only bound: the same comparison with a bound below -margin refuses
+    fake = SimpleNamespace(estimable=True, gate={"ok": True}, ci_low=0.5, extra={"paired": {**p, "lower_bound": -1.0}})
+    promoted, reason = gate_decision(fake, 0.0)
+    assert not promoted and reason.startswith("the data-only lower bound of the difference -1")

@@ -164,3 +164,90 @@ def test_the_default_gate_estimator_falls_back_to_mb_where_wdr_rests_on_the_mode
     assert d["estimator"] == "mb" and d["estimator_setting"] == "auto"
     assert d["fallback_from"]["estimator"] == "wdr" and "effective sample size" in d["fallback_from"]["reason"]
     assert "mb" in d["diagnostics"]["candidate"] and not d["promoted"] and d["reason"]
+
+
+class _NearV1:
+    """v1 (the benchmark's deployed controller) except that it pushes right whenever the cart's
+    position is beyond `x`: it agrees with v1 for the first ~100 steps of most episodes and is
+    worse (true 53 against v1's 64 at x 0.05) through what happens after them."""
+
+    def __init__(self, w, x: float) -> None:
+        self.spec = {"action_dist": {"type": "categorical"}}
+        self.w, self.x = np.asarray(w, dtype=np.float64), x
+
+    def action_probs(self, obs):
+        obs = np.asarray(obs, dtype=np.float64)
+        a = np.where(obs[:, 0] > self.x, 1, (obs @ self.w > 0).astype(int))
+        p = np.zeros((len(obs), 2))
+        p[np.arange(len(obs)), a] = 1.0
+        return p
+
+
+def _mc(policy, gamma: float, n: int) -> float:
+    import gymnasium as gym
+
+    env = gym.make("CartPole-v1")
+    out = []
+    for i in range(n):
+        o, _ = env.reset(seed=777 + i)
+        g, t, done = 0.0, 0, False
+        while not done:
+            a = int(policy.action_probs(o[None])[0].argmax())
+            o, r, te, tr, _ = env.step(a)
+            g += gamma**t * r
+            t, done = t + 1, te or tr
+        out.append(g)
+    return float(np.mean(out))
+
+
+@pytest.mark.slow
+def test_the_gate_judges_the_paired_difference_not_each_level_near_v1():
+    """The attacker review's near-v1 false promotion: a candidate equal to v1 for ~100 steps and
+    worse after them. Each level's wdr verdict passes (t* 100, ~21 % of each value beyond it),
+    and the paired wdr difference was +9.2 [6.3, 12.0] (published; true difference -11): all of
+    it came from the FQE model after t*. The gate now judges the difference: the data show ~0
+    before t*, the rest is bounded only by the reward range (gamma^t* (r_max - r_min) / (1 -
+    gamma)), so it refuses and the default estimator falls back to mb."""
+    import sys
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from ope_decisions import DEPLOYED, GAMMA, controller, log_dataset
+
+    from rlrec.trainer import ope_jobs
+    from rlrec.trainer.config import OPESettings, TrainerConfig
+    from rlrec.trainer.ope import FQEConfig, PolicyTarget
+    from rlrec.trainer.ope_jobs import gate_decision
+
+    near, deployed = _NearV1(DEPLOYED, 0.05), controller(DEPLOYED)[2]
+    assert _mc(near, GAMMA, 40) < 0.95 * _mc(deployed, GAMMA, 40)  # truly worse by > 5 %
+    episodes = log_dataset(200, 0.05, seed=4)
+    c = compare(
+        LoggedData(episodes),
+        PolicyTarget(near, False),
+        PolicyTarget(deployed, False),
+        gamma=GAMMA,
+        estimator="wdr",
+        n_boot=200,
+        fqe=FQEConfig(steps=1000, seed=0),
+    )
+    promoted, reason = gate_decision(c, 0.0)
+    assert not promoted and reason.startswith("not usable for gating") and "rests on the model" in reason
+    assert c.candidate.estimates["wdr"].gate["ok"]  # the level's verdict alone passes
+    paired = c.to_dict()["paired"]
+    assert not paired["ok"] and paired["t_star"] is not None and paired["model_share"] > 0.25
+    assert paired["reward_range"] == [0.0, 1.0] and paired["remainder"] > abs(paired["head_difference"])
+    assert not c.gate["ok"] and "paired difference" in c.gate["reason"]
+    # auto (the default) decides with mb instead, and records why wdr could not
+    cfg = TrainerConfig(
+        input="unused",
+        checkpoint_dir="unused",
+        seed=0,
+        ope=OPESettings(fqe_steps=1000, ope_bootstrap=200, mb_members=3, mb_steps=800),
+    )
+    d = {"data": {}, "reason": ""}
+    job = SimpleNamespace(deployed_version=1, gamma=GAMMA)
+    ope_jobs._decide(d, job, cfg, near, episodes, lambda v: deployed)
+    assert d["estimator"] == "mb" and "paired difference" in d["fallback_from"]["reason"]
+    assert not d["promoted"], d

@@ -687,6 +687,9 @@ class Comparison:
             g = ev.estimates[self.estimator].gate
             if g is not None and not g["ok"]:
                 reasons.append(f"{who}: {g['reason']}")
+        paired = self.extra.get("paired")
+        if paired is not None and not paired["ok"]:
+            reasons.append(paired["reason"])
         return {"ok": not reasons, "reason": "; ".join(reasons)}
 
     def to_dict(self) -> dict:
@@ -776,7 +779,31 @@ def compare(
         return Comparison(
             name, None, None, None, False, "the difference is not a finite number", evals[0], evals[1], ci
         )
-    return Comparison(name, diff, lo, hi, True, "", evals[0], evals[1], ci)
+    extra = _paired(preps[0][0], preps[1][0], name, C, ci, th)
+    return Comparison(name, diff, lo, hi, True, "", evals[0], evals[1], ci, extra)
+
+
+def _paired(p: _Prepared, p_dep: _Prepared | None, name: str, C: np.ndarray, ci: float, th: Thresholds) -> dict:
+    """``{"paired": ...}``: the gate's verdict on the difference of an importance-weighted
+    estimator (`rlrec.trainer.ope_diagnostics.paired_bound`); nothing for ``fqe`` (never gates)."""
+    from rlrec.trainer.ope_diagnostics import paired_bound, reward_range
+
+    if name not in ("wdr", "wpdis", "wis"):
+        return {}
+    bound = paired_bound(
+        p.w,
+        None if p_dep is None else p_dep.w,
+        p.r,
+        p.g,
+        p.gamma,
+        p._units,
+        C,
+        ci,
+        th.min_step_ess,
+        th.max_tail_share,
+        reward_range(p.data.rewards),
+    )
+    return {"paired": bound}
 
 
 def _compare_to_behavior(
@@ -825,7 +852,8 @@ def _compare_to_behavior(
     ones = np.ones((1, n))
     diff = float(p.values(name, ones)[0] - G.sum() / cnt.sum())
     lo, hi = _interval(p.values(name, C) - (C @ G) / (C @ cnt), ci)
-    return Comparison(name, diff, lo, hi, lo is not None, "", ev, base, ci, {"deployed_is_behavior": True})
+    extra = {"deployed_is_behavior": True, **_paired(p, None, name, C, ci, th)}
+    return Comparison(name, diff, lo, hi, lo is not None, "", ev, base, ci, extra)
 
 
 def _evaluation_from(

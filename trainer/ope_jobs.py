@@ -239,7 +239,11 @@ def _decide(d: dict, job: CandidateJob, cfg: Any, candidate: Any, episodes: list
 
 def gate_decision(cmp: Any, margin: float) -> tuple[bool, str]:
     """The ope gate's rule on a `rlrec.trainer.ope.Comparison`: publish only when the difference
-    is estimable, its gate verdict is ok and its lower bound is at least ``-margin``.
+    is estimable, its gate verdict is ok (both levels' and, for the importance-weighted
+    estimators, the paired difference's: ``cmp.extra["paired"]``), its lower bound is at least
+    ``-margin`` and so is the data-only lower bound of the difference (``paired["lower_bound"]``:
+    the weighted rewards up to the step the weights collapse at, minus the worst case the reward
+    range allows after it).
 
     Returns:
         ``(promoted, reason)``: the reason of a refusal ("" when promoted, or the comparison's
@@ -256,6 +260,13 @@ def gate_decision(cmp: Any, margin: float) -> tuple[bool, str]:
         return False, f"not usable for gating: {cmp.gate['reason']}"
     if cmp.ci_low < -margin:
         return False, f"lower bound {cmp.ci_low:.4g} of the difference < -margin {-margin:g}"
+    paired = (getattr(cmp, "extra", None) or {}).get("paired")
+    if paired is not None and paired["lower_bound"] < -margin:
+        return False, (
+            f"the data-only lower bound of the difference {paired['lower_bound']:.4g} (the weighted rewards' "
+            f"{paired['head_low']:.4g} before step {paired['t_star']}, minus the worst case {paired['remainder']:.4g} "
+            f"after it) < -margin {-margin:g}"
+        )
     return True, ""
 
 

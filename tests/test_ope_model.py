@@ -251,3 +251,28 @@ def test_the_gate_judges_the_paired_difference_not_each_level_near_v1():
     ope_jobs._decide(d, job, cfg, near, episodes, lambda v: deployed)
     assert d["estimator"] == "mb" and "paired difference" in d["fallback_from"]["reason"]
     assert not d["promoted"], d
+
+
+def test_the_deployed_baseline_is_an_upper_bound_where_it_leaves_the_data():
+    """The review's P1 #2: the deployed version's rollouts had no pessimism and no coverage check,
+    so a deployed version that leaves the data could be under-estimated by the model (an early
+    predicted end) and a worse candidate that stays in the data published. Where the baseline
+    leaves the data it now gets the best the rewards allow (1 per remaining step here, no
+    termination), and its off-data share is reported."""
+    from rlrec.trainer.ope_model import _model, rollout
+
+    data = LoggedData(_walk(150, seed=1))
+    gamma = 0.95
+    stay = _Walker(lambda s: 1.0 if s < 0 else 0.0)
+    away = _Walker(lambda s: 1.0)  # leaves the data after a few steps
+    c = compare(data, stay, away, gamma=gamma, estimator="mb", model=TINY, n_boot=100)
+    dep = c.deployed.estimates["mb"]
+    assert dep.gate["optimistic"] and dep.gate["offdata_share"] > 0.2
+    assert c.deployed.diagnostics["mb"]["offdata_share"] == dep.gate["offdata_share"]
+    ens, cov = _model(data, TINY)
+    plain = rollout(data, away, ens, cov, gamma, TINY, pessimistic=False)
+    horizon_max = (1 - gamma**plain.horizon) / (1 - gamma)
+    truth = (1 - gamma**10) / (1 - gamma)  # it ends at s = 1 after 10 steps
+    # an upper bound of the truth, near the best the rewards allow over the horizon (plus the
+    # disagreement penalty, added for the baseline); the model alone may extrapolate beyond it
+    assert truth < 0.9 * horizon_max < dep.value <= 1.05 * horizon_max

@@ -21,8 +21,10 @@ What it does, on the held-out episodes:
    the worst the rewards allow after it
    (``min(0, r_min)`` per remaining step); below those limits each reward is lowered by
    ``penalty * disagreement * max|r|`` (a MOPO-style penalty). The deployed version (the gate's
-   baseline) is rolled out **without** pessimism, so the difference candidate - deployed leans
-   towards refusing.
+   baseline) is rolled out **optimistically** by the same rules: where it leaves the data it gets
+   the best the rewards allow (``max(0, r_max)`` per remaining step up to the horizon, no
+   termination) and the penalty is added, so the difference candidate - deployed leans towards
+   refusing on both sides (its ``offdata_share`` is reported in its verdict).
 4. **State coverage**, the gating diagnostic: ``offdata_share``, the discounted share of the
    candidate's rollouts' horizon that lies after they left the data (0: the candidate stays where
    the data are), averaged over members and starts; above `ModelConfig.max_offdata_share` the
@@ -255,9 +257,16 @@ def _act(target: Any, obs: np.ndarray, explore: bool, rng: np.random.Generator) 
 
 
 def rollout(
-    data: Any, target: Any, ens: _Ensemble, cov: _Coverage, gamma: float, cfg: ModelConfig, pessimistic: bool
+    data: Any, target: Any, ens: _Ensemble, cov: _Coverage, gamma: float, cfg: ModelConfig, pessimistic: bool | str
 ) -> Rollouts:
-    """Roll `target` out in every member's world from the first `cfg.starts` held-out initial states."""
+    """Roll `target` out in every member's world from the first `cfg.starts` held-out initial states.
+
+    `pessimistic`: True (the candidate): where a state leaves the data (or the members disagree,
+    or an action was never logged) the rollout ends with the worst the rewards allow per
+    remaining step and each reward is lowered by the disagreement penalty; ``"optimistic"`` (the
+    deployed version, the gate's baseline): the same stops, with the *best* the rewards allow
+    (``max(0, r_max)`` per remaining step up to the horizon, no termination) and the penalty
+    added, an upper bound of its value where the model is not the data; False: neither."""
     t0 = time.time()
     M = len(ens.nets)
     n0 = min(cfg.starts, data.n_episodes)
@@ -265,8 +274,10 @@ def rollout(
     H = int(data.lengths.max())
     if gamma < 1.0:
         H = min(H, math.ceil(math.log(1e-3) / math.log(gamma)))
-    r_low = min(0.0, float(data.rewards.min()))
-    lam = cfg.penalty * ens.r_scale
+    optimistic = pessimistic == "optimistic"
+    # leaving the data: the worst (candidate) or the best (deployed) the rewards allow from there
+    r_stop = max(0.0, float(data.rewards.max())) if optimistic else min(0.0, float(data.rewards.min()))
+    lam = cfg.penalty * ens.r_scale * (-1.0 if optimistic else 1.0)
     g = gamma ** np.arange(H + 1, dtype=np.float64)
     tail = np.cumsum(g[::-1])[::-1]  # tail[t] = sum_{k>=t} g^k (up to H)
     total = tail[0]
@@ -297,7 +308,7 @@ def rollout(
             world_r = world_r - lam * spread
             # leaving: the worst the rewards allow from here on; the share of the horizon it cuts off
             ms, ss = mi[stop], si[stop]
-            values[ms, ss] += r_low * tail[t] * survive[ms, ss]
+            values[ms, ss] += r_stop * tail[t] * survive[ms, ss]
             offdata[ms, ss] = tail[t] / total * survive[ms, ss]
             alive[ms, ss] = False
             keep = ~stop
@@ -373,7 +384,7 @@ def _model(data: Any, cfg: ModelConfig) -> tuple[_Ensemble, _Coverage]:
         torch.set_num_threads(threads)
 
 
-def _roll(data: Any, target: Any, model: tuple, gamma: float, cfg: ModelConfig, pessimistic: bool) -> Rollouts:
+def _roll(data: Any, target: Any, model: tuple, gamma: float, cfg: ModelConfig, pessimistic: bool | str) -> Rollouts:
     import torch
 
     threads = torch.get_num_threads()
@@ -423,7 +434,7 @@ def compare_mb(
     cfg: ModelConfig | None,
 ) -> Any:
     """`rlrec.trainer.ope.compare` for ``mb``: the candidate's pessimistic rollouts against the
-    deployed version's unpenalized ones in the same fitted models (or the behaviour's own returns
+    deployed version's optimistic ones (the best the rewards allow where it leaves the data) in the same fitted models (or the behaviour's own returns
     of the same episodes), on the same resamples of members and initial states.
 
     Args:
@@ -475,9 +486,10 @@ def compare_mb(
         d_gate = {"ok": True, "reason": "", "behavior_on_policy": True}
         extra["deployed_is_behavior"] = True
     else:
-        ro_d = _roll(data, deployed, model, gamma, cfg, pessimistic=False)
+        # the baseline is optimistic where it leaves the data: an upper bound of its value there
+        ro_d = _roll(data, deployed, model, gamma, cfg, pessimistic="optimistic")
         d_values = ro_d.values
-        d_gate = {"ok": True, "reason": "", "pessimistic": False}
+        d_gate = {"ok": True, "reason": "", "optimistic": True, "offdata_share": round(ro_d.offdata_share, 6)}
         ev_d.diagnostics["mb"] = _diag(ro_d, cfg, *model)
     d_samples = resampled(d_values, member, counts)
     ev_d.estimates[name] = Estimate(float(d_values.mean()), *_interval(d_samples, ci), True, "", d_gate)

@@ -18,7 +18,13 @@ and deployed v1 (paired bootstrap, 90 %, the trainer's thresholds) and the train
 * ``<est> (old rule)``: estimable and lower bound >= 0, ignoring the gate verdict (the rule before
   the verdict existed);
 * ``<est>``: the gate as it is (verdict included); ``mb`` is the pessimistic model-based estimator;
-* ``auto``: the gate's default ``--promotion-estimator auto``: wdr where its verdict holds, else mb.
+* ``auto``: the gate's default ``--promotion-estimator auto``: wdr where its verdict holds, else mb,
+  decided by the gate's own functions (`rlrec.trainer.ope_jobs.choose_comparison` and
+  ``gate_decision``) on the same comparisons.
+
+Besides the linear ladder, `NEAR_V1` candidates equal v1 for the first ~100 steps and are worse
+by 5 to 20 % after them (truth: `mc_truth`, seeds 777...). The baseline is always the deployed v1
+(never the logged behaviour of a first publication).
 
 Reported per rule: false promotions (a candidate truly worse than v1 by > 5 % published; target
 0), datasets where a clearly better candidate was published (else every clearly better one was
@@ -56,7 +62,46 @@ LADDER = {
     "position": ([1, 0, 0, 0], None, "worse"),
     "always-left": ([0, 0, 0, 0], [1.0, 0.0], "worse, leaves the states"),
 }
+#: near-v1 candidates: v1 except that it pushes right whenever the cart's position is beyond x
+#: (name -> x); they agree with v1 for the first ~100 steps of most episodes and are worse by
+#: 5 to 20 % through what happens after them (the attacker review's case)
+NEAR_V1 = {"near-v1 x>0.05": 0.05, "near-v1 x>0.08": 0.08, "near-v1 x>0.1": 0.1}
 ESTIMATORS = ("wdr", "fqe", "wpdis", "wis", "mb")
+
+
+class NearV1:
+    """v1 (`DEPLOYED`) except that it pushes right whenever the cart's position is beyond `x`
+    (a greedy policy with ``action_probs``, not an exported artifact)."""
+
+    discrete = True
+
+    def __init__(self, x: float, w=DEPLOYED) -> None:
+        self.spec = {"action_dist": {"type": "categorical"}}
+        self.w, self.x = np.asarray(w, dtype=np.float64), x
+
+    def action_probs(self, obs):
+        obs = np.asarray(obs, dtype=np.float64)
+        a = np.where(obs[:, 0] > self.x, 1, (obs @ self.w > 0).astype(int))
+        p = np.zeros((len(obs), 2))
+        p[np.arange(len(obs)), a] = 1.0
+        return p
+
+
+def mc_truth(policy, episodes: int, seed: int = 777) -> float:
+    """The greedy `policy`'s mean discounted return over `episodes` simulator episodes."""
+    env = gym.make(ENV)
+    out = []
+    for i in range(episodes):
+        o, _ = env.reset(seed=seed + i)
+        g, t, done = 0.0, 0, False
+        while not done:
+            a = int(policy.action_probs(o[None])[0].argmax())
+            o, r, te, tr, _ = env.step(a)
+            g += GAMMA**t * r
+            t, done = t + 1, te or tr
+        out.append(g)
+    env.close()
+    return float(np.mean(out))
 
 
 def _spearman(x: np.ndarray, y: np.ndarray) -> float:
@@ -124,7 +169,7 @@ def truth(spec, model, episodes: int) -> float:
 def decide_dataset(data, targets: dict, deployed, fqe_steps: int, model_cfg, n_boot: int, seed: int, log) -> dict:
     """Every rule's decision and point estimate for every candidate on one dataset."""
     from rlrec.trainer.ope import FQEConfig, PolicyTarget, compare, fit_fqe
-    from rlrec.trainer.ope_jobs import gate_decision
+    from rlrec.trainer.ope_jobs import choose_comparison, gate_decision
 
     fqe = FQEConfig(steps=fqe_steps, seed=seed)
 
@@ -139,6 +184,7 @@ def decide_dataset(data, targets: dict, deployed, fqe_steps: int, model_cfg, n_b
     for name, policy in targets.items():
         cand_arrays = arrays(policy)
         row: dict = {}
+        cmps: dict = {}
         for est in ESTIMATORS:
             if est == "mb":
                 cmp = compare(
@@ -153,6 +199,7 @@ def decide_dataset(data, targets: dict, deployed, fqe_steps: int, model_cfg, n_b
                 )
             else:
                 cmp = compare(data, cand_arrays, dep_arrays, gamma=GAMMA, estimator=est, n_boot=n_boot, seed=seed)
+            cmps[est] = cmp
             promoted, reason = gate_decision(cmp, 0.0)
             value = cmp.candidate.estimates[est].value
             row[est] = {
@@ -165,7 +212,21 @@ def decide_dataset(data, targets: dict, deployed, fqe_steps: int, model_cfg, n_b
                 "ci_high": cmp.ci_high,
                 "reason": reason,
                 "diagnostics": cmp.candidate.diagnostics.get("mb") if est == "mb" else None,
+                "paired": cmp.extra.get("paired"),
             }
+        # the gate's default (--promotion-estimator auto), through the gate's own functions
+        cmp, fallback = choose_comparison("auto", cmps.__getitem__)
+        promoted, reason = gate_decision(cmp, 0.0)
+        row["auto"] = {
+            "promoted": promoted,
+            "estimator": cmp.estimator,
+            "fallback_from": fallback,
+            "value": cmp.candidate.estimates[cmp.estimator].value,
+            "difference": cmp.difference,
+            "ci_low": cmp.ci_low,
+            "ci_high": cmp.ci_high,
+            "reason": reason,
+        }
         out[name] = row
         log(
             f"    {name}: "
@@ -184,18 +245,16 @@ def summarize(results: list[dict], true: dict, true_v1: float) -> dict:
     names = list(true)
     worse = {k for k in names if true[k] < 0.95 * true_v1}
     better = {k for k in names if true[k] > 1.10 * true_v1}
+    near = worse & set(NEAR_V1)
     rules = ["always publish"] + [f"{e} (old rule)" for e in ("wdr", "fqe")] + list(ESTIMATORS) + ["auto"]
     table = {}
     for rule in rules:
-        fp, better_pub, refusals, rho, decisions = 0, 0, [], [], 0
+        fp, fp_near, better_pub, refusals, rho, decisions = 0, 0, 0, [], [], 0
         for ds in results:
             pub = set()
             for k in names:
                 if rule == "always publish":
                     ok = True
-                elif rule == "auto":  # the gate's default: wdr where its verdict holds, else mb
-                    w = ds["decisions"][k]["wdr"]
-                    ok = (w if w["gate_ok"] else ds["decisions"][k]["mb"])["promoted"]
                 elif rule.endswith("(old rule)"):
                     ok = ds["decisions"][k][rule.split()[0]]["old_rule"]
                 else:
@@ -204,11 +263,12 @@ def summarize(results: list[dict], true: dict, true_v1: float) -> dict:
                 if ok:
                     pub.add(k)
             fp += len(pub & worse)
+            fp_near += len(pub & worse & near)
             if pub & better:
                 better_pub += 1
-            elif rule in ESTIMATORS:
+            elif rule in (*ESTIMATORS, "auto"):
                 refusals.append(sorted({ds["decisions"][k][rule]["reason"][:100] for k in better}))
-            if rule in ("always publish", "auto"):
+            if rule == "always publish":
                 continue
             est = rule.split()[0]
             vals = np.array(
@@ -223,6 +283,8 @@ def summarize(results: list[dict], true: dict, true_v1: float) -> dict:
             "false_promotions": fp,
             "decisions": decisions,
             "worse_candidates_offered": len(worse) * len(results),
+            "false_promotions_near_v1": fp_near,
+            "near_v1_worse_offered": len(near) * len(results),
             "datasets_with_a_clearly_better_published": better_pub,
             "datasets": len(results),
             "spearman_median": None if not rho else float(np.median(rho)),
@@ -241,13 +303,15 @@ def markdown(doc: dict) -> str:
         lines += [
             f"#### logging epsilon {eps} ({doc['datasets']} datasets x {doc['episodes']} held-out episodes)",
             "",
-            "| rule | false promotions (worse by > 5 % published) | datasets with a clearly better one published | Spearman vs truth (median) |",
-            "|---|---|---|---|",
+            "| rule | false promotions (worse by > 5 % published) | of them near-v1 (-5..-20 %) | "
+            "datasets with a clearly better one published | Spearman vs truth (median) |",
+            "|---|---|---|---|---|",
         ]
         for rule, s in table.items():
             rho = "–" if s["spearman_median"] is None else f"{s['spearman_median']:.2f}"
             lines.append(
                 f"| {rule} | {s['false_promotions']} of {s['worse_candidates_offered']} | "
+                f"{s['false_promotions_near_v1']} of {s['near_v1_worse_offered']} | "
                 f"{s['datasets_with_a_clearly_better_published']} of {s['datasets']} | {rho} |"
             )
         lines.append("")
@@ -288,6 +352,9 @@ def main(argv: list[str] | None = None) -> int:
         spec, model, policy = controller(w, b)
         targets[k] = policy
         true[k] = truth(spec, model, truth_eps)
+    for k, x in NEAR_V1.items():
+        targets[k] = NearV1(x)
+        true[k] = mc_truth(targets[k], truth_eps)
     true_v1 = truth(dep_spec, dep_model, truth_eps)
     log(f"truth: v1 {true_v1:.1f}, { ({k: round(v, 1) for k, v in true.items()}) } ({time.time() - t0:.0f}s)")
     doc: dict = {"true": true, "true_v1": true_v1, "datasets": datasets, "episodes": episodes, "by_epsilon": {}}

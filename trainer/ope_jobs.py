@@ -22,7 +22,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["CandidateJob", "evaluate_candidate", "gate_decision", "start"]
+__all__ = ["CandidateJob", "choose_comparison", "evaluate_candidate", "gate_decision", "start"]
 
 log = logging.getLogger("rlrec.trainer")
 
@@ -192,25 +192,19 @@ def _decide(d: dict, job: CandidateJob, cfg: Any, candidate: Any, episodes: list
     data = LoggedData(episodes)
     dep = deployed(job.deployed_version) if job.deployed_version else None
     seed = cfg.seed or 0
-    # auto: wdr where its gate verdict holds (short horizons), else the pessimistic model (mb)
-    names = ("wdr", "mb") if cfg.promotion_estimator == "auto" else (cfg.promotion_estimator,)
-    for name in names:
-        cmp = compare(
+    cmp, fallback = choose_comparison(
+        cfg.promotion_estimator,
+        lambda name: compare(
             data,
             PolicyTarget(candidate, cfg.promotion_explore, seed=seed),
             None if dep is None else PolicyTarget(dep, cfg.promotion_explore, seed=seed),
             gamma=job.gamma,
             estimator=name,
             **_settings(cfg),
-        )
-        if cmp.gate["ok"] or name == names[-1]:
-            break
-        d["fallback_from"] = {
-            "estimator": name,
-            "difference": cmp.difference,
-            "ci_low": cmp.ci_low,
-            "reason": cmp.gate["reason"],
-        }
+        ),
+    )
+    if fallback is not None:
+        d["fallback_from"] = fallback
     if cfg.promotion_estimator == "auto":
         d["estimator"], d["estimator_setting"] = cmp.estimator, "auto"
     c_est = cmp.candidate.estimates[cmp.estimator]
@@ -235,6 +229,38 @@ def _decide(d: dict, job: CandidateJob, cfg: Any, candidate: Any, episodes: list
     d["data"].update(_data_summary(data, cmp.candidate))
     d["promoted"], reason = gate_decision(cmp, cfg.promotion_margin)
     d["reason"] = reason or d["reason"]
+
+
+def choose_comparison(setting: str, compare_with: Callable[[str], Any]) -> tuple[Any, dict | None]:
+    """The comparison the ope gate decides with under ``--promotion-estimator setting``:
+    ``auto`` asks wdr first and keeps it where its gate verdict (the levels' and the paired
+    difference's) holds, else asks the pessimistic model (mb); any other setting is that
+    estimator alone.
+
+    Args:
+        setting: ``auto`` or an estimator's name.
+        compare_with: ``compare_with(name)`` -> that estimator's `rlrec.trainer.ope.Comparison`.
+
+    Returns:
+        ``(comparison, fallback_from)``: what auto fell back from (estimator, difference, lower
+        bound, reason), or None.
+
+    Example:
+        >>> from types import SimpleNamespace as NS
+        >>> cmps = {"wdr": NS(gate={"ok": False, "reason": "r"}, difference=1.0, ci_low=0.5),
+        ...         "mb": NS(gate={"ok": True, "reason": ""}, difference=-1.0, ci_low=-2.0)}
+        >>> cmp, fb = choose_comparison("auto", cmps.__getitem__)
+        >>> cmp is cmps["mb"], fb["estimator"], fb["reason"]
+        (True, 'wdr', 'r')
+    """
+    names = ("wdr", "mb") if setting == "auto" else (setting,)
+    fallback = None
+    for name in names:
+        cmp = compare_with(name)
+        if cmp.gate["ok"] or name == names[-1]:
+            break
+        fallback = {"estimator": name, "difference": cmp.difference, "ci_low": cmp.ci_low, "reason": cmp.gate["reason"]}
+    return cmp, fallback
 
 
 def gate_decision(cmp: Any, margin: float) -> tuple[bool, str]:

@@ -170,7 +170,7 @@ def rllib_formulas(data, version, rng) -> dict[str, float]:
 
 
 def run_task(task, datasets: int, episodes: int, truth_episodes: int, fqe_steps: int | None, log) -> dict:
-    from rlrec.trainer.ope import ESTIMATORS, FQEConfig, LoggedData, PolicyTarget, evaluate
+    from rlrec.trainer.ope import DEFAULT_ESTIMATORS, FQEConfig, LoggedData, PolicyTarget, evaluate
 
     names = list(task["targets"])
     t0 = time.time()
@@ -178,7 +178,7 @@ def run_task(task, datasets: int, episodes: int, truth_episodes: int, fqe_steps:
     log(f"{task['name']}: truth { ({k: round(v[0], 3) for k, v in truths.items()}) } ({time.time() - t0:.0f}s)")
     true = np.array([truths[k][0] for k in names])
     true_u = np.array([truths[k][1] for k in names])
-    rows: dict[str, list] = {e: [] for e in (*ESTIMATORS, "rllib_is", "rllib_pdis")}
+    rows: dict[str, list] = {e: [] for e in (*DEFAULT_ESTIMATORS, "rllib_is", "rllib_pdis")}
     timing = {"is_per_100k_steps_s": [], "fqe_fit_s": []}
     steps = []
     for d in range(datasets):

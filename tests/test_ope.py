@@ -146,8 +146,8 @@ def test_paired_comparison_orders_candidates():
     eps = [Episode(np.zeros((2, 1)), a[i : i + 1], np.array([float(a[i])]), np.log([0.5]), id=str(i)) for i in range(n)]
     data = LoggedData(eps)
 
-    def target(p1: float) -> TargetArrays:
-        return TargetArrays(np.log(np.where(a == 1, p1, 1 - p1)), q=np.zeros(n), v=np.zeros(n))
+    def target(p1: float) -> TargetArrays:  # per-step arrays follow the data's order (sorted by id)
+        return TargetArrays(np.log(np.where(data.actions == 1, p1, 1 - p1)), q=np.zeros(n), v=np.zeros(n))
 
     better = compare(data, target(0.8), target(0.5), gamma=0.9, estimator="wdr")
     assert better.estimable and better.ci_low > 0 and better.difference == pytest.approx(0.3, abs=0.06)
@@ -226,3 +226,108 @@ def test_a_deterministic_behaviour_is_not_estimable_by_importance_weights():
     )
     for e in ev.estimates.values():
         assert not e.estimable and "deterministic behaviour" in e.reason
+
+
+class _SoftmaxTarget:
+    """A discrete candidate pi(a|s) = softmax(s @ W), as `PolicyTarget` gives it: arrays on any data."""
+
+    def __init__(self, W: np.ndarray, greedy: bool = False) -> None:
+        self.W, self.greedy = W, greedy
+
+    def _probs(self, obs: np.ndarray) -> np.ndarray:
+        z = obs @ self.W
+        p = np.exp(z - z.max(1, keepdims=True))
+        p /= p.sum(1, keepdims=True)
+        if self.greedy:
+            p = np.eye(p.shape[1])[p.argmax(1)]
+        return p
+
+    def arrays(self, data: LoggedData) -> TargetArrays:
+        probs, nxt = self._probs(data.obs), self._probs(data.next_obs)
+        with np.errstate(divide="ignore"):
+            logp = np.log(probs[np.arange(data.steps), data.actions])
+        return TargetArrays(logp, probs=probs, next_probs=nxt)
+
+
+def _random_walk_episodes(n: int, seed: int, horizon: int = 6) -> list[Episode]:
+    """Episodes of a 2-action walk on a 2-d state, uniform behaviour, reward = 1 when the action
+    matches the sign of the state's first coordinate."""
+    rng = np.random.default_rng(seed)
+    eps = []
+    for _i in range(n):
+        T = int(rng.integers(1, horizon + 1))
+        obs = rng.normal(size=(T + 1, 2)).astype(np.float32)
+        a = rng.integers(0, 2, T)
+        r = (a == (obs[:-1, 0] > 0)).astype(float)
+        eps.append(Episode(obs, a, r, np.log(np.full(T, 0.5)), id=f"ep-{rng.integers(1 << 40):x}"))
+    return eps
+
+
+def test_estimates_do_not_depend_on_the_order_of_the_episodes():
+    # the same episodes read in another order (commit order across partitions depends on timing)
+    # give the same numbers, FQE fit and bootstrap intervals included
+    eps = _random_walk_episodes(120, seed=11)
+    target = _SoftmaxTarget(np.array([[-2.0, 2.0], [0.0, 0.0]]))
+    kw = {"gamma": 0.9, "n_boot": 100, "seed": 3, "fqe": FQEConfig(steps=150, seed=2), "thresholds": LOOSE}
+    first = evaluate(LoggedData(eps), target, **kw).to_dict()
+    shuffled = [eps[i] for i in np.random.default_rng(0).permutation(len(eps))]
+    assert [e.id for e in shuffled] != [e.id for e in eps]
+    second = evaluate(LoggedData(shuffled), target, **kw).to_dict()
+    assert second == first
+    assert {k for k, e in first["estimates"].items() if e["estimable"]} == {"wdr", "fqe", "wpdis", "wis"}
+    cmp1 = compare(LoggedData(eps), target, None, estimator="wdr", **kw).to_dict()
+    cmp2 = compare(LoggedData(list(reversed(eps))), target, None, estimator="wdr", **kw).to_dict()
+    assert cmp1 == cmp2 and cmp1["difference"] is not None
+
+
+def test_gate_verdict_refuses_what_rests_on_the_model_alone():
+    # 60-step episodes, uniform behaviour, a greedy candidate: its cumulative weight is 0 after
+    # the first logged action it would not take, so beyond a few steps WDR is the Q-model's guess
+    # (here a model that claims 1 per remaining step: estimable, and useless for a decision)
+    rng = np.random.default_rng(5)
+    eps = []
+    for i in range(200):
+        obs = rng.normal(size=(61, 2)).astype(np.float32)
+        a = rng.integers(0, 2, 60)
+        eps.append(Episode(obs, a, np.ones(60), np.log(np.full(60, 0.5)), id=f"e{i:04d}"))
+    data = LoggedData(eps)
+    greedy = _SoftmaxTarget(np.array([[-1.0, 1.0], [0.0, 0.0]]), greedy=True).arrays(data)
+    remaining = np.concatenate([np.arange(n, 0, -1) for n in data.lengths]).astype(float)
+    greedy.q, greedy.v = remaining.copy(), remaining.copy()
+    ev = evaluate(data, greedy, gamma=0.99, estimators=("wdr", "fqe"))
+    wdr = ev.estimates["wdr"]
+    assert wdr.estimable and wdr.value is not None  # estimable as before: it has a value
+    assert not wdr.gate["ok"] and "effective sample size" in wdr.gate["reason"]
+    assert wdr.gate["t_star"] == ev.diagnostics["t_star"] and 2 <= wdr.gate["t_star"] <= 6
+    assert wdr.gate["value_share_beyond_t_star"] > 0.5
+    fqe = ev.estimates["fqe"]
+    assert fqe.estimable and not fqe.gate["ok"] and "model alone" in fqe.gate["reason"]
+    # the gate's comparison carries the verdict; the behaviour needs no model
+    c = compare(data, greedy, None, gamma=0.99, estimator="wdr")
+    assert c.estimable and not c.gate["ok"] and c.gate["reason"].startswith("candidate: ")
+    assert c.to_dict()["gate"] == c.gate
+    # a short horizon keeps enough weight at every step: the verdict is ok
+    short = LoggedData(_random_walk_episodes(400, seed=4, horizon=3))
+    ev = evaluate(short, _SoftmaxTarget(np.array([[-2.0, 2.0], [0.0, 0.0]])), gamma=0.9, fqe=FQEConfig(steps=100))
+    assert ev.estimates["wdr"].gate == {"ok": True, "reason": "", "t_star": None, "value_share_beyond_t_star": 0.0}
+    assert ev.estimates["wis"].gate["ok"] and not ev.estimates["fqe"].gate["ok"]
+
+
+def test_a_short_horizon_difference_rests_on_the_data_and_its_data_only_bound_gates():
+    """Weights that never collapse (3 steps): the paired verdict is ok, nothing remains beyond
+    the data (remainder 0) and the data-only bound is the per-decision weighted difference; the
+    gate refuses when that bound is below -margin even where wdr's own interval is not."""
+    from types import SimpleNamespace
+
+    from rlrec.trainer.ope_jobs import gate_decision
+
+    short = LoggedData(_random_walk_episodes(400, seed=4, horizon=3))
+    better = _SoftmaxTarget(np.array([[-2.0, 2.0], [0.0, 0.0]]))
+    c = compare(short, better, None, gamma=0.9, estimator="wdr", fqe=FQEConfig(steps=100))
+    p = c.to_dict()["paired"]
+    assert p["ok"] and p["t_star"] is None and p["remainder"] == 0.0 and p["model_share"] == 0.0
+    assert p["lower_bound"] == p["head_low"] and c.gate["ok"]
+    # the rule reads the data-only bound: the same comparison with a bound below -margin refuses
+    fake = SimpleNamespace(estimable=True, gate={"ok": True}, ci_low=0.5, extra={"paired": {**p, "lower_bound": -1.0}})
+    promoted, reason = gate_decision(fake, 0.0)
+    assert not promoted and reason.startswith("the data-only lower bound of the difference -1")

@@ -67,20 +67,19 @@ def logged(tmp_path_factory, one_torch_thread):
     return out, float(np.concatenate(returns).mean())
 
 
-def test_ope_gate_promotes_better_and_refuses_worse(logged, tmp_path, monkeypatch):
+def _gate_runner(out: str, tmp_path, monkeypatch, estimator: str = "wdr", **ope):
+    """A trainer whose ope gate runs as in `ContinuousTrainer.checkpoint` on the shards under
+    `out`, and ``gate(name)``: the decision on candidate `name` (published when promoted)."""
     from rlrec.trainer import promotion
     from rlrec.trainer.service import ContinuousTrainer
-
-    out, behaviour_value = logged
-    truth = {name: _truth(name) for name in POLICIES}
-    assert truth["good"] > truth["partial"] > behaviour_value + 0.3 and truth["bad"] < behaviour_value
 
     cfg = TrainerConfig(
         input=out,
         checkpoint_dir=str(tmp_path / "ck"),
         promotion_gate="ope",
+        promotion_estimator=estimator,
         seed=0,
-        ope=OPESettings(holdout_fraction=0.3, fqe_steps=600, ope_bootstrap=200),
+        ope=OPESettings(holdout_fraction=0.3, fqe_steps=600, ope_bootstrap=200, **ope),
     )
     trainer = ContinuousTrainer(cfg)
     env = gym.make(CONTEXT_BANDIT_ID)
@@ -103,6 +102,16 @@ def test_ope_gate_promotes_better_and_refuses_worse(logged, tmp_path, monkeypatc
         assert d is trainer.last_promotion and d["candidate_version"] == before + 1
         trainer._commit()  # what train_once does in the iteration the decision arrives
         return d
+
+    return trainer, gate
+
+
+def test_ope_gate_promotes_better_and_refuses_worse(logged, tmp_path, monkeypatch):
+    out, behaviour_value = logged
+    truth = {name: _truth(name) for name in POLICIES}
+    assert truth["good"] > truth["partial"] > behaviour_value + 0.3 and truth["bad"] < behaviour_value
+
+    trainer, gate = _gate_runner(out, tmp_path, monkeypatch)
 
     first = gate("partial")  # against the logged behaviour (nothing deployed yet)
     assert first["promoted"] and first["deployed_is_behavior"] and trainer.policy_version == 1
@@ -187,9 +196,17 @@ def test_evaluate_command_json_contract(logged, tmp_path, capsys):
     assert set(doc["diagnostics"]) >= {"coverage", "ess", "max_weight", "support"}
     assert list(doc["estimates"]) == ["wis", "wpdis"]
     for e in doc["estimates"].values():
-        assert set(e) == {"value", "ci_low", "ci_high", "estimable", "reason"} and e["estimable"]
+        assert set(e) == {"value", "ci_low", "ci_high", "estimable", "reason", "gate"} and e["estimable"]
+        assert e["gate"]["ok"] and e["gate"]["reason"] == ""  # 3 steps: the weights hold at every step
         assert e["value"] == pytest.approx(_truth("partial"), abs=0.25)
         assert e["ci_low"] <= e["value"] <= e["ci_high"]
+    # mb: the ensemble's refits and the state-coverage verdict are reported
+    mb = [*args, "--json", "--version", "1", "--estimators", "mb", "--mb-members", "2", "--mb-steps", "200"]
+    assert main([*mb, "--ope-bootstrap", "50"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    e = doc["estimates"]["mb"]
+    assert e["estimable"] and e["ci_low"] <= e["value"] <= e["ci_high"] and "offdata_share" in e["gate"]
+    assert doc["diagnostics"]["mb"]["refits"] == 2 and doc["diagnostics"]["mb"]["starts"] == min(256, doc["episodes"])
     # latest, default estimators (wdr first), only behaviour version 7: none
     assert main([*args, "--behavior-version", "7"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -434,3 +451,64 @@ def test_ope_report_estimates_each_candidate_beside_the_truth_without_gating(log
     assert trainer._job is None
     with pytest.raises(ValueError, match="--ope-report needs held-out episodes"):
         TrainerConfig(input=out, checkpoint_dir="c", ope_report=True, ope=OPESettings(holdout_fraction=0.0))
+
+
+def test_evaluate_reproduces_a_gate_decision_exactly_from_its_cursor(logged, tmp_path, monkeypatch, capsys):
+    """`rlrec evaluate --as-of CURSOR --compare-to N` asks the gate's question on the data of a
+    decision: the same numbers, to the last bit, although more episodes landed since."""
+    import shutil
+
+    from rlrec.cli import main
+
+    out = str(tmp_path / "store")
+    shutil.copytree(logged[0], out)
+    trainer, gate = _gate_runner(out, tmp_path, monkeypatch, "auto")  # the default
+    assert gate("partial")["promoted"]  # v1, against the behaviour
+    d = gate("good")
+    assert d["promoted"] and trainer.policy_version == 2 and d["gate_verdict"]["ok"] and d["seed"] == 0
+    # auto: wdr's verdict holds on 3 steps, so no fallback to mb
+    assert d["estimator"] == "wdr" and d["estimator_setting"] == "auto" and "fallback_from" not in d
+    # more data lands after the decision
+    spec, model = linear_policy_artifact(1.0 * E)
+    ShardCommitter(out).commit(logged_episodes(CONTEXT_BANDIT_ID, spec, model, 400, seed=9, policy_version=0)[0])
+    args = [
+        "evaluate", "--input", out, "--policies", str(tmp_path / "ck" / "policies"), "--allow-unsigned",
+        "--holdout-fraction", "0.3", "--fqe-steps", "600", "--ope-bootstrap", "200", "--seed", "0",
+        "--version", "2", "--compare-to", "1", "--estimators", "wdr", "--json",
+    ]  # fmt: skip
+    assert main([*args, "--as-of", d["data"]["cursor"]]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    c = doc["comparison"]
+    assert doc["data"]["cursor"] == d["data"]["cursor"] and doc["episodes"] == d["data"]["episodes"]
+    for key in ("difference", "ci_low", "ci_high", "estimable"):
+        assert c[key] == d[key], key
+    assert c["gate"] == d["gate_verdict"]
+    assert c["candidate_estimate"] == d["candidate_estimate"] and c["deployed_estimate"] == d["deployed_estimate"]
+    assert doc["estimates"]["wdr"] == d["candidate_estimate"]
+    # the newest point holds the new episodes: other numbers
+    assert main(args) == 0
+    now = json.loads(capsys.readouterr().out)
+    assert now["episodes"] > doc["episodes"] and now["comparison"]["difference"] != c["difference"]
+    # the human-readable form says the same
+    assert main([a for a in args if a != "--json"] + ["--as-of", d["data"]["cursor"]]) == 0
+    text = capsys.readouterr().out
+    assert f"v2 - 1 (wdr): {c['difference']:.4f}" in text and "gate verdict: ok" in text
+    assert f"cursor: {d['data']['cursor']}" in text
+    # a cursor that is no cursor is a user's mistake
+    assert main([*args, "--as-of", "nonsense"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("rlrec evaluate: error: --as-of")
+
+
+def test_the_gate_decides_with_mb_and_states_its_refits(logged, tmp_path, monkeypatch):
+    """--promotion-estimator mb through the trainer's gate: the decision names the ensemble's
+    refits and their wall time, and a truly worse candidate is not published."""
+    _trainer, gate = _gate_runner(logged[0], tmp_path, monkeypatch, "mb", mb_members=2, mb_steps=300)
+    first = gate("partial")
+    assert first["estimator"] == "mb" and first["deployed_is_behavior"]
+    mb = first["diagnostics"]["candidate"]["mb"]
+    assert mb["refits"] == 2 and mb["fit_seconds"] > 0 and mb["rollout_seconds"] > 0
+    assert "offdata_share" in first["candidate_estimate"]["gate"] and first["gate_verdict"] is not None
+    assert first["promoted"] or first["reason"]
+    bad = gate("bad")
+    assert not bad["promoted"] and bad["reason"]

@@ -54,7 +54,7 @@ def training_settings(config_cls: type) -> set[str]:
     return names
 
 
-Estimator = Literal["wdr", "fqe", "wpdis", "wis"]
+Estimator = Literal["auto", "wdr", "fqe", "wpdis", "wis", "mb"]
 PromotionGate = Literal["off", "env", "ope"]
 
 
@@ -88,6 +88,34 @@ class OPESettings:
         100.0, help="longest mean episode length pure importance sampling (wis, wpdis) is trusted on"
     )
     fqe_steps: int | None = option(None, help="FQE gradient steps (default: 30 / (1 - gamma), 1000 to 5000)")
+    ope_min_step_ess: float = option(
+        10.0,
+        help="gate verdict: t* is the first step where the importance weights' effective sample size "
+        "falls below this (wdr, wpdis, wis)",
+    )
+    ope_max_tail_share: float = option(
+        0.25,
+        help="gate verdict: an estimate with more than this discounted share of its value beyond t* "
+        "(resting on the model, or on too few episodes) may not decide a publication",
+    )
+
+    mb_members: int = option(
+        5, help="mb: ensemble members (refits on bootstrap resamples of the episodes, each with its own seed)"
+    )
+    mb_steps: int = option(1500, help="mb: gradient steps per ensemble member")
+    mb_max_offdata_share: float = option(
+        0.2,
+        help="mb gate verdict: most discounted share of the candidate's rolled-out horizon after its "
+        "states left the logged data",
+    )
+
+    def model(self, seed: int) -> Any:
+        """The `rlrec.trainer.ope_model.ModelConfig` of ``mb`` these settings give."""
+        from rlrec.trainer.ope_model import ModelConfig
+
+        return ModelConfig(
+            members=self.mb_members, steps=self.mb_steps, max_offdata_share=self.mb_max_offdata_share, seed=seed
+        )
 
     def __post_init__(self) -> None:
         from rlrec.trainer.holdout import check_fraction
@@ -97,6 +125,10 @@ class OPESettings:
             raise ValueError(f"--ope-ci must be in (0, 1), got {self.ope_ci}")
         if self.ope_bootstrap < 10:
             raise ValueError("--ope-bootstrap must be >= 10")
+        if not 0.0 <= self.ope_max_tail_share <= 1.0:
+            raise ValueError(f"--ope-max-tail-share must be in [0, 1], got {self.ope_max_tail_share}")
+        if self.mb_members < 1 or self.mb_steps < 1:
+            raise ValueError("--mb-members and --mb-steps must be >= 1")
 
     def thresholds(self) -> Any:
         """The `rlrec.trainer.ope.Thresholds` these settings give."""
@@ -109,6 +141,8 @@ class OPESettings:
             min_ess=self.ope_min_ess,
             max_weight=self.ope_max_weight,
             max_is_horizon=self.ope_max_is_horizon,
+            min_step_ess=self.ope_min_step_ess,
+            max_tail_share=self.ope_max_tail_share,
         )
 
 
@@ -221,7 +255,11 @@ class TrainerConfig:
         None, help="with --promotion-gate env: the return of what is deployed before the first publication"
     )
     promotion_episodes: int = option(10, help="episodes per promotion evaluation")
-    promotion_estimator: Estimator = option("wdr", help="with --promotion-gate ope: the off-policy estimator")
+    promotion_estimator: Estimator = option(
+        "auto",
+        help="with --promotion-gate ope: the off-policy estimator; auto: wdr where its gate verdict holds "
+        "(short horizons), else mb (pessimistic model-based); fqe never passes the gate verdict",
+    )
     promotion_margin: float = option(
         0.0, help="with --promotion-gate ope: the candidate may be this much worse (discounted return) at the bound"
     )

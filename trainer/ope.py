@@ -52,7 +52,10 @@ from typing import Any
 
 import numpy as np
 
+from rlrec.trainer.ope_fqe import FQEConfig, fit_fqe
+
 __all__ = [
+    "DEFAULT_ESTIMATORS",
     "ESTIMATORS",
     "Comparison",
     "Episode",
@@ -69,7 +72,9 @@ __all__ = [
 ]
 
 #: the estimators `evaluate` knows; the first is the default
-ESTIMATORS = ("wdr", "fqe", "wpdis", "wis")
+ESTIMATORS = ("wdr", "fqe", "wpdis", "wis", "mb")
+#: what `evaluate` runs when not told (``mb`` fits an ensemble and rolls out: asked for by name)
+DEFAULT_ESTIMATORS = ("wdr", "fqe", "wpdis", "wis")
 #: a behaviour log-propensity at least ``-CERTAIN_LOGP`` is a propensity of 1 (a deterministic choice)
 CERTAIN_LOGP = 1e-6
 #: the bootstrap resamples at most this many units (episodes, or random blocks of them)
@@ -110,6 +115,12 @@ class Episode:
 class LoggedData:
     """Episodes flattened into step arrays (what the estimators work on).
 
+    The episodes are kept sorted by id (a stable sort: episodes with the same id keep their
+    order), so every estimate -- the FQE fit's minibatches and the bootstrap's resamples index
+    steps and episodes by position -- depends on the data, not on the order it was read in (the
+    commit order across partitions depends on timing): the same episodes give the same numbers
+    in ``rlrec evaluate``, the gate and a rerun. Per-step arrays (`TargetArrays`) follow this order.
+
     Args:
         episodes: the held-out episodes (each with at least one step).
 
@@ -120,7 +131,7 @@ class LoggedData:
     """
 
     def __init__(self, episodes: list[Episode]) -> None:
-        episodes = [e for e in episodes if len(e.rewards) > 0]
+        episodes = sorted((e for e in episodes if len(e.rewards) > 0), key=lambda e: str(e.id))
         if not episodes:
             raise ValueError("no episodes with steps to evaluate on")
         self.episodes = episodes
@@ -267,158 +278,6 @@ def target_arrays(target: Any, data: LoggedData) -> TargetArrays:
     return target if isinstance(target, TargetArrays) else target.arrays(data)
 
 
-# ----------------------------------------------------------------------------------- FQE
-
-
-@dataclass
-class FQEConfig:
-    """Fitted-Q evaluation settings.
-
-    Args:
-        hidden: hidden layer sizes of the Q-network (ReLU).
-        steps: gradient steps (None: ``min(5000, max(1000, 30 / (1 - gamma)))``; with `tau`
-            0.1 values propagate over ~3 / (1 - gamma) backups).
-        batch_size: transitions per step.
-        lr: Adam learning rate.
-        tau: Polyak rate of the target network.
-        samples: candidate actions per state for Box actions (exploring candidate).
-        seed: torch seed of the fit.
-        threads: torch CPU threads during the fit (small networks: more threads only contend;
-            measured on 2 shared cores: 150 ms per step with 2 threads, 9 ms with 1).
-    """
-
-    hidden: tuple[int, ...] = (64, 64)
-    steps: int | None = None
-    batch_size: int = 256
-    lr: float = 1e-3
-    tau: float = 0.1
-    samples: int = 8
-    seed: int = 0
-    threads: int = 1
-
-
-def fit_fqe(
-    data: LoggedData, tgt: TargetArrays, gamma: float, cfg: FQEConfig | None = None
-) -> tuple[np.ndarray, np.ndarray]:
-    """Fit FQE on every transition of `data`; return ``(Q(s_t, a_t), V(s_t))``, each ``(N,)``.
-
-    Args:
-        data: the logged transitions.
-        tgt: the candidate's arrays (`probs`/`next_probs` for Discrete, `actions`/`next_actions` for Box).
-        gamma: the discount.
-        cfg: settings (default `FQEConfig()`).
-    """
-    import torch
-
-    cfg = cfg or FQEConfig()
-    steps = cfg.steps or int(min(5000, max(1000, 30.0 / max(1e-6, 1.0 - gamma))))
-    discrete = tgt.probs is not None
-    threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, int(cfg.threads)))
-    try:
-        return _fit_fqe(data, tgt, gamma, cfg, steps, discrete)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _linear(d_in: int, d_out: int, gen: Any) -> Any:
-    """``torch.nn.Linear(d_in, d_out)`` with its default initialization drawn from `gen`."""
-    import torch
-
-    layer = torch.nn.Linear(d_in, d_out, device="meta").to_empty(device="cpu")
-    torch.nn.init.kaiming_uniform_(layer.weight, a=math.sqrt(5), generator=gen)
-    bound = 1.0 / math.sqrt(d_in) if d_in > 0 else 0.0
-    torch.nn.init.uniform_(layer.bias, -bound, bound, generator=gen)
-    return layer
-
-
-def _fit_fqe(
-    data: LoggedData, tgt: TargetArrays, gamma: float, cfg: FQEConfig, steps: int, discrete: bool
-) -> tuple[np.ndarray, np.ndarray]:
-    import copy
-
-    import torch
-
-    obs_mean = data.obs.mean(0)
-    obs_std = data.obs.std(0) + 1e-6
-    # rewards scaled so that Q stays O(1)
-    r_scale = max(float(np.abs(data.rewards).max()), 1e-8)
-    q_scale = r_scale / max(1.0 - gamma, 1e-2)
-    # values lie within [min(0, r_min), max(0, r_max)] * horizon: bootstrap targets and the
-    # returned values are clipped there (an extrapolating fit cannot run away)
-    horizon = 1.0 / (1.0 - gamma) if gamma < 1.0 else float(data.lengths.max())
-    v_lo = min(0.0, float(data.rewards.min())) * horizon / q_scale
-    v_hi = max(0.0, float(data.rewards.max())) * horizon / q_scale
-    # torch's global RNG is left alone (the fit may run beside training, in another thread):
-    # the layers are drawn from a generator of their own, as nn.Linear would draw them after
-    # torch.manual_seed(cfg.seed)
-    init_gen = torch.Generator().manual_seed(cfg.seed)
-    x = torch.as_tensor((data.obs - obs_mean) / obs_std, dtype=torch.float32)
-    xn = torch.as_tensor((data.next_obs - obs_mean) / obs_std, dtype=torch.float32)
-    r = torch.as_tensor(data.rewards / q_scale, dtype=torch.float32)
-    notdone = torch.as_tensor(~data.terminals, dtype=torch.float32)
-    n_in = x.shape[1]
-    if discrete:
-        n_out = tgt.probs.shape[1]
-        a = torch.as_tensor(data.actions.astype(np.int64).reshape(-1))
-        pn = torch.as_tensor(tgt.next_probs, dtype=torch.float32)
-        p0 = torch.as_tensor(tgt.probs, dtype=torch.float32)
-    else:
-        a = torch.as_tensor(data.actions.reshape(len(data.rewards), -1), dtype=torch.float32)
-        a_mean, a_std = a.mean(0), a.std(0) + 1e-6
-        a = (a - a_mean) / a_std
-        an = (torch.as_tensor(tgt.next_actions, dtype=torch.float32).reshape(len(a), -1, a.shape[1]) - a_mean) / a_std
-        a0 = (torch.as_tensor(tgt.actions, dtype=torch.float32).reshape(len(a), -1, a.shape[1]) - a_mean) / a_std
-        n_in += a.shape[1]
-        n_out = 1
-    layers: list[Any] = []
-    d = n_in
-    for h in cfg.hidden:
-        layers += [_linear(d, h, init_gen), torch.nn.ReLU()]
-        d = h
-    layers.append(_linear(d, n_out, init_gen))
-    net = torch.nn.Sequential(*layers)
-    tnet = copy.deepcopy(net)
-    opt = torch.optim.Adam(net.parameters(), lr=cfg.lr)
-    N = len(r)
-    gen = torch.Generator().manual_seed(cfg.seed)
-
-    def q_box(model: Any, obs: Any, acts: Any) -> Any:  # acts (B, K, k) -> (B, K)
-        B, K = acts.shape[0], acts.shape[1]
-        inp = torch.cat([obs[:, None, :].expand(B, K, obs.shape[1]), acts], dim=-1)
-        return model(inp).squeeze(-1)
-
-    for _ in range(steps):
-        idx = torch.randint(0, N, (min(cfg.batch_size, N),), generator=gen)
-        with torch.no_grad():
-            if discrete:
-                v_next = (tnet(xn[idx]) * pn[idx]).sum(-1)
-            else:
-                v_next = q_box(tnet, xn[idx], an[idx]).mean(-1)
-            y = torch.clamp(r[idx] + gamma * notdone[idx] * v_next, v_lo, v_hi)
-        if discrete:
-            q = net(x[idx]).gather(1, a[idx, None]).squeeze(1)
-        else:
-            q = net(torch.cat([x[idx], a[idx]], dim=-1)).squeeze(-1)
-        loss = torch.nn.functional.smooth_l1_loss(q, y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        with torch.no_grad():
-            for pt, p in zip(tnet.parameters(), net.parameters()):
-                pt.mul_(1.0 - cfg.tau).add_(p, alpha=cfg.tau)
-    with torch.no_grad():
-        if discrete:
-            qall = net(x)
-            q_sa = qall.gather(1, a[:, None]).squeeze(1)
-            v = (qall * p0).sum(-1)
-        else:
-            q_sa = net(torch.cat([x, a], dim=-1)).squeeze(-1)
-            v = q_box(net, x, a0).mean(-1)
-    q_sa, v = torch.clamp(q_sa, v_lo, v_hi), torch.clamp(v, v_lo, v_hi)
-    return q_sa.numpy().astype(np.float64) * q_scale, v.numpy().astype(np.float64) * q_scale
-
-
 # ----------------------------------------------------------------------------------- estimates
 
 
@@ -439,6 +298,10 @@ class Thresholds:
             0) mark a deterministic behaviour; with the behaviour's action probabilities
             recorded, that many steps all taking its most likely action mark a greedy one (its
             action_logp is no propensity): wis, wpdis and wdr are then refused.
+        min_step_ess: the gate verdict (not estimability): least effective sample size of the
+            weights at a step; t* is the first step below it (`rlrec.trainer.ope_diagnostics`).
+        max_tail_share: the gate verdict: most discounted share of the value beyond t* (what
+            rests on the model, or on too few episodes) an estimate may decide a publication with.
     """
 
     min_episodes: int = 10
@@ -449,20 +312,27 @@ class Thresholds:
     max_weight: float = 0.25
     max_is_horizon: float = 100.0
     greedy_check_steps: int = 50
+    min_step_ess: float = 10.0
+    max_tail_share: float = 0.25
 
 
 @dataclass
 class Estimate:
-    """One estimator's result: `value` and interval, or ``estimable=False`` and a `reason`."""
+    """One estimator's result: `value` and interval, or ``estimable=False`` and a `reason`; `gate`:
+    whether it may decide a publication (``{"ok", "reason", ...}``, `rlrec.trainer.ope_diagnostics`)."""
 
     value: float | None
     ci_low: float | None
     ci_high: float | None
     estimable: bool
     reason: str = ""
+    gate: dict | None = None
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if d["gate"] is None:
+            d["gate"] = {"ok": False, "reason": self.reason or "not estimable"}
+        return d
 
 
 @dataclass
@@ -622,6 +492,12 @@ class _Prepared:
             b = np.where(pden > 0, (C @ S["wpv"]) / pden, 0.0)
             return ((a + b) * self.g).sum(1)
 
+    def verdict(self, name: str, value: float, th: Thresholds) -> dict:
+        """The gate verdict of estimator `name`'s estimate `value` (`rlrec.trainer.ope_diagnostics`)."""
+        from rlrec.trainer.ope_diagnostics import gate_verdict
+
+        return gate_verdict(name, value, self.w, self.r, self.g, th.min_step_ess, th.max_tail_share).to_dict()
+
     def why_not(self, name: str, th: Thresholds, tgt_density: bool) -> str:
         """The first failed diagnostic for estimator `name` ("" if none)."""
         d = self.data
@@ -635,7 +511,7 @@ class _Prepared:
                 f"support: the candidate puts {self.support:.3f} of its probability on actions the behaviour "
                 f"takes with probability < {th.min_propensity} (> {th.max_support})"
             )
-        if name == "fqe":
+        if name in ("fqe", "mb"):
             return ""
         if not tgt_density:
             return "a deterministic candidate on a continuous action space has no density: importance weights are undefined (use fqe)"
@@ -680,8 +556,13 @@ def _interval(samples: np.ndarray, ci: float) -> tuple[float | None, float | Non
     return float(np.quantile(s, a)), float(np.quantile(s, 1.0 - a))
 
 
-def _diagnostics(data: LoggedData, p: _Prepared) -> dict[str, float | None]:
+def _diagnostics(data: LoggedData, p: _Prepared, th: Thresholds) -> dict[str, float | None]:
+    from rlrec.trainer.ope_diagnostics import first_below, step_ess
+
+    ess_t = step_ess(p.w) if p.w.size else np.zeros(0)
     return {
+        "t_star": first_below(ess_t, th.min_step_ess),
+        "step_ess_final": round(float(ess_t[-1]), 3) if len(ess_t) else None,
         "coverage": round(data.coverage, 6),
         "ess": round(p.ess, 3),
         "max_weight": round(p.max_weight, 6),
@@ -708,12 +589,13 @@ def evaluate(
     target: Any,
     *,
     gamma: float,
-    estimators: tuple[str, ...] = ESTIMATORS,
+    estimators: tuple[str, ...] = DEFAULT_ESTIMATORS,
     ci: float = 0.9,
     n_boot: int = 500,
     seed: int = 0,
     thresholds: Thresholds | None = None,
     fqe: FQEConfig | None = None,
+    model: Any = None,
 ) -> Evaluation:
     """Estimate the candidate's mean discounted return on `data` with each of `estimators`.
 
@@ -727,6 +609,7 @@ def evaluate(
         seed: bootstrap seed.
         thresholds: diagnostic limits (default `Thresholds()`).
         fqe: FQE settings.
+        model: ``mb`` settings (`rlrec.trainer.ope_model.ModelConfig`; default: its defaults with `seed`).
 
     Example:
         >>> eps = [Episode(np.zeros((2, 1)), np.array([i % 2]), np.array([float(i % 2)]), np.log([0.5]))
@@ -745,17 +628,23 @@ def evaluate(
     C = _counts(n, n_boot, seed) if n else np.zeros((0, 0))
     ones = np.ones((1, n))
     out: dict[str, Estimate] = {}
+    extra: dict[str, Any] = {}
     for name in names:
         why = p.why_not(name, th, tgt.has_density)
         if why:
             out[name] = Estimate(None, None, None, False, why)
+            continue
+        if name == "mb":
+            from rlrec.trainer.ope_model import estimate_mb
+
+            out[name], extra["mb"] = estimate_mb(data, target, gamma=gamma, ci=ci, n_boot=n_boot, seed=seed, cfg=model)
             continue
         value = float(p.values(name, ones)[0])
         if not math.isfinite(value):
             out[name] = Estimate(None, None, None, False, "the estimate is not a finite number (all weights zero)")
             continue
         lo, hi = _interval(p.values(name, C), ci)
-        out[name] = Estimate(value, lo, hi, True, "")
+        out[name] = Estimate(value, lo, hi, True, "", p.verdict(name, value, th))
     G = data.discounted_returns(gamma)
     versions = sorted({e.policy_version for e in data.episodes if e.policy_version is not None}, key=str)
     return Evaluation(
@@ -765,7 +654,7 @@ def evaluate(
         behavior_mean_return=float(G.mean()),
         behavior_versions=versions,
         estimates=out,
-        diagnostics=_diagnostics(data, p),
+        diagnostics={**_diagnostics(data, p, th), **extra},
         default=names[0],
         ci=ci,
     )
@@ -786,9 +675,27 @@ class Comparison:
     ci: float = 0.9
     extra: dict = field(default_factory=dict)
 
+    @property
+    def gate(self) -> dict:
+        """Whether this difference may decide a publication: ``{"ok", "reason"}``, ok only when it
+        is estimable and both estimates' gate verdicts are ok (the behaviour's own mean return
+        needs no model)."""
+        if not self.estimable:
+            return {"ok": False, "reason": self.reason or "not estimable"}
+        reasons = []
+        for who, ev in (("candidate", self.candidate), ("deployed", self.deployed)):
+            g = ev.estimates[self.estimator].gate
+            if g is not None and not g["ok"]:
+                reasons.append(f"{who}: {g['reason']}")
+        paired = self.extra.get("paired")
+        if paired is not None and not paired["ok"]:
+            reasons.append(paired["reason"])
+        return {"ok": not reasons, "reason": "; ".join(reasons)}
+
     def to_dict(self) -> dict:
         return {
             "estimator": self.estimator,
+            "gate": self.gate,
             "difference": self.difference,
             "ci_low": self.ci_low,
             "ci_high": self.ci_high,
@@ -813,6 +720,7 @@ def compare(
     seed: int = 0,
     thresholds: Thresholds | None = None,
     fqe: FQEConfig | None = None,
+    model: Any = None,
 ) -> Comparison:
     """The paired difference of `candidate` and `deployed` under one estimator, on the same data
     and the same bootstrap resamples of its episodes.
@@ -829,6 +737,7 @@ def compare(
         seed: bootstrap seed.
         thresholds: diagnostic limits (both targets must pass them).
         fqe: FQE settings.
+        model: ``mb`` settings (`rlrec.trainer.ope_model.ModelConfig`).
 
     Example:
         >>> eps = [Episode(np.zeros((2, 1)), np.array([i % 2]), np.array([float(i % 2)]), np.log([0.5]))
@@ -842,6 +751,10 @@ def compare(
     """
     (name,) = _check_names((estimator,))
     th = thresholds or Thresholds()
+    if name == "mb":
+        from rlrec.trainer.ope_model import compare_mb
+
+        return compare_mb(data, candidate, deployed, gamma=gamma, ci=ci, n_boot=n_boot, seed=seed, th=th, cfg=model)
     if deployed is None:
         return _compare_to_behavior(data, candidate, gamma, name, ci, n_boot, seed, th, fqe)
     preps, evals = [], []
@@ -866,7 +779,31 @@ def compare(
         return Comparison(
             name, None, None, None, False, "the difference is not a finite number", evals[0], evals[1], ci
         )
-    return Comparison(name, diff, lo, hi, True, "", evals[0], evals[1], ci)
+    extra = _paired(preps[0][0], preps[1][0], name, C, ci, th)
+    return Comparison(name, diff, lo, hi, True, "", evals[0], evals[1], ci, extra)
+
+
+def _paired(p: _Prepared, p_dep: _Prepared | None, name: str, C: np.ndarray, ci: float, th: Thresholds) -> dict:
+    """``{"paired": ...}``: the gate's verdict on the difference of an importance-weighted
+    estimator (`rlrec.trainer.ope_diagnostics.paired_bound`); nothing for ``fqe`` (never gates)."""
+    from rlrec.trainer.ope_diagnostics import paired_bound, reward_range
+
+    if name not in ("wdr", "wpdis", "wis"):
+        return {}
+    bound = paired_bound(
+        p.w,
+        None if p_dep is None else p_dep.w,
+        p.r,
+        p.g,
+        p.gamma,
+        p._units,
+        C,
+        ci,
+        th.min_step_ess,
+        th.max_tail_share,
+        reward_range(p.data.rewards),
+    )
+    return {"paired": bound}
 
 
 def _compare_to_behavior(
@@ -894,7 +831,15 @@ def _compare_to_behavior(
         data.steps,
         float(data.discounted_returns(gamma).mean()),
         ev.behavior_versions,
-        {name: Estimate(float(G.sum() / cnt.sum()) if n else None, *_interval((C @ G) / (C @ cnt), ci), n > 0, "")},
+        {
+            name: Estimate(
+                float(G.sum() / cnt.sum()) if n else None,
+                *_interval((C @ G) / (C @ cnt), ci),
+                n > 0,
+                "",
+                {"ok": n > 0, "reason": "" if n else "no episodes", "behavior_on_policy": True},
+            )
+        },
         {},
         name,
         ci,
@@ -907,7 +852,8 @@ def _compare_to_behavior(
     ones = np.ones((1, n))
     diff = float(p.values(name, ones)[0] - G.sum() / cnt.sum())
     lo, hi = _interval(p.values(name, C) - (C @ G) / (C @ cnt), ci)
-    return Comparison(name, diff, lo, hi, lo is not None, "", ev, base, ci, {"deployed_is_behavior": True})
+    extra = {"deployed_is_behavior": True, **_paired(p, None, name, C, ci, th)}
+    return Comparison(name, diff, lo, hi, lo is not None, "", ev, base, ci, extra)
 
 
 def _evaluation_from(
@@ -920,9 +866,20 @@ def _evaluation_from(
         n = p.n_units
         value = float(p.values(name, np.ones((1, n)))[0])
         lo, hi = _interval(p.values(name, _counts(n, n_boot, seed)), ci)
-        est = Estimate(value, lo, hi, math.isfinite(value), "" if math.isfinite(value) else "not a finite number")
+        ok = math.isfinite(value)
+        est = Estimate(
+            value, lo, hi, ok, "" if ok else "not a finite number", p.verdict(name, value, th) if ok else None
+        )
     G = data.discounted_returns(p.gamma)
     versions = sorted({e.policy_version for e in data.episodes if e.policy_version is not None}, key=str)
     return Evaluation(
-        p.gamma, data.n_episodes, data.steps, float(G.mean()), versions, {name: est}, _diagnostics(data, p), name, ci
+        p.gamma,
+        data.n_episodes,
+        data.steps,
+        float(G.mean()),
+        versions,
+        {name: est},
+        _diagnostics(data, p, th),
+        name,
+        ci,
     )

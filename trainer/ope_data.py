@@ -131,12 +131,18 @@ class HeldOutReader:
         #: ``rlrec.open(uri, as_of=cursor)`` reopens
         self.cursor: str | None = None
 
-    def refresh(self) -> list[Episode]:
+    def refresh(self, as_of: str | None = None) -> list[Episode]:
         """Read the shards committed since the last call; every held-out episode known, in commit
-        order, of the shards at the manifest point it read (`cursor`)."""
+        order, of the shards at the manifest point it read (`cursor`). The estimators sort them
+        by id (`rlrec.trainer.ope.LoggedData`): the order does not change an estimate.
+
+        Args:
+            as_of: read the store at this point (a cursor a decision recorded, or a UNIX time;
+                `rlrec.store.snapshot.open_snapshot`); None: the newest.
+        """
         from rlrec.store.snapshot import open_snapshot
 
-        snap = open_snapshot(self.storage)
+        snap = open_snapshot(self.storage, as_of=as_of)
         ordered = sorted(snap.entries, key=lambda e: (e.commit_time, e.topic, e.partition, e.seq))
         entries = [e for e in ordered if self.policy_id is None or e.policy_id == self.policy_id]
         live = set()

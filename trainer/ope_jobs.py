@@ -22,7 +22,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["CandidateJob", "evaluate_candidate", "start"]
+__all__ = ["CandidateJob", "choose_comparison", "evaluate_candidate", "gate_decision", "start"]
 
 log = logging.getLogger("rlrec.trainer")
 
@@ -124,9 +124,10 @@ def evaluate_candidate(
             "candidate_version": job.version,
             "candidate_iteration": job.iteration,
             "deployed_version": job.deployed_version,
-            "estimator": cfg.promotion_estimator,
+            "estimator": cfg.promotion_estimator if job.gating else _report_estimator(cfg),
             "gamma": job.gamma,
             "explore": cfg.promotion_explore,
+            "seed": cfg.seed or 0,  # with data.cursor: `rlrec evaluate --as-of` reproduces the numbers
             "candidate_return": None,
         }
     )
@@ -181,6 +182,7 @@ def _settings(cfg: Any) -> dict:
         "seed": cfg.seed or 0,
         "thresholds": cfg.ope.thresholds(),
         "fqe": FQEConfig(steps=cfg.ope.fqe_steps, seed=cfg.seed or 0),
+        "model": cfg.ope.model(cfg.seed or 0),
     }
 
 
@@ -190,14 +192,21 @@ def _decide(d: dict, job: CandidateJob, cfg: Any, candidate: Any, episodes: list
     data = LoggedData(episodes)
     dep = deployed(job.deployed_version) if job.deployed_version else None
     seed = cfg.seed or 0
-    cmp = compare(
-        data,
-        PolicyTarget(candidate, cfg.promotion_explore, seed=seed),
-        None if dep is None else PolicyTarget(dep, cfg.promotion_explore, seed=seed),
-        gamma=job.gamma,
-        estimator=cfg.promotion_estimator,
-        **_settings(cfg),
+    cmp, fallback = choose_comparison(
+        cfg.promotion_estimator,
+        lambda name: compare(
+            data,
+            PolicyTarget(candidate, cfg.promotion_explore, seed=seed),
+            None if dep is None else PolicyTarget(dep, cfg.promotion_explore, seed=seed),
+            gamma=job.gamma,
+            estimator=name,
+            **_settings(cfg),
+        ),
     )
+    if fallback is not None:
+        d["fallback_from"] = fallback
+    if cfg.promotion_estimator == "auto":
+        d["estimator"], d["estimator_setting"] = cmp.estimator, "auto"
     c_est = cmp.candidate.estimates[cmp.estimator]
     d_est = cmp.deployed.estimates[cmp.estimator]
     d.update(
@@ -211,29 +220,95 @@ def _decide(d: dict, job: CandidateJob, cfg: Any, candidate: Any, episodes: list
             "ci_level": cmp.ci,
             "estimable": cmp.estimable,
             "reason": cmp.reason,
+            "gate_verdict": cmp.gate,
             "candidate_estimate": c_est.to_dict(),
             "deployed_estimate": d_est.to_dict(),
             "diagnostics": {"candidate": cmp.candidate.diagnostics, "deployed": cmp.deployed.diagnostics},
         }
     )
     d["data"].update(_data_summary(data, cmp.candidate))
-    d["promoted"] = bool(cmp.estimable and cmp.ci_low >= -cfg.promotion_margin)
-    if cmp.estimable and not d["promoted"]:
-        d["reason"] = f"lower bound {cmp.ci_low:.4g} of the difference < -margin {-cfg.promotion_margin:g}"
+    d["promoted"], reason = gate_decision(cmp, cfg.promotion_margin)
+    d["reason"] = reason or d["reason"]
+
+
+def choose_comparison(setting: str, compare_with: Callable[[str], Any]) -> tuple[Any, dict | None]:
+    """The comparison the ope gate decides with under ``--promotion-estimator setting``:
+    ``auto`` asks wdr first and keeps it where its gate verdict (the levels' and the paired
+    difference's) holds, else asks the pessimistic model (mb); any other setting is that
+    estimator alone.
+
+    Args:
+        setting: ``auto`` or an estimator's name.
+        compare_with: ``compare_with(name)`` -> that estimator's `rlrec.trainer.ope.Comparison`.
+
+    Returns:
+        ``(comparison, fallback_from)``: what auto fell back from (estimator, difference, lower
+        bound, reason), or None.
+
+    Example:
+        >>> from types import SimpleNamespace as NS
+        >>> cmps = {"wdr": NS(gate={"ok": False, "reason": "r"}, difference=1.0, ci_low=0.5),
+        ...         "mb": NS(gate={"ok": True, "reason": ""}, difference=-1.0, ci_low=-2.0)}
+        >>> cmp, fb = choose_comparison("auto", cmps.__getitem__)
+        >>> cmp is cmps["mb"], fb["estimator"], fb["reason"]
+        (True, 'wdr', 'r')
+    """
+    names = ("wdr", "mb") if setting == "auto" else (setting,)
+    fallback = None
+    for name in names:
+        cmp = compare_with(name)
+        if cmp.gate["ok"] or name == names[-1]:
+            break
+        fallback = {"estimator": name, "difference": cmp.difference, "ci_low": cmp.ci_low, "reason": cmp.gate["reason"]}
+    return cmp, fallback
+
+
+def gate_decision(cmp: Any, margin: float) -> tuple[bool, str]:
+    """The ope gate's rule on a `rlrec.trainer.ope.Comparison`: publish only when the difference
+    is estimable, its gate verdict is ok (both levels' and, for the importance-weighted
+    estimators, the paired difference's: ``cmp.extra["paired"]``), its lower bound is at least
+    ``-margin`` and so is the data-only lower bound of the difference (``paired["lower_bound"]``:
+    the weighted rewards up to the step the weights collapse at, minus the worst case the reward
+    range allows after it).
+
+    Returns:
+        ``(promoted, reason)``: the reason of a refusal ("" when promoted, or the comparison's
+        own reason when it is not estimable).
+
+    Example:
+        >>> from types import SimpleNamespace as NS
+        >>> gate_decision(NS(estimable=True, gate={"ok": True, "reason": ""}, ci_low=0.2, reason=""), 0.0)
+        (True, '')
+    """
+    if not cmp.estimable:
+        return False, cmp.reason
+    if not cmp.gate["ok"]:
+        return False, f"not usable for gating: {cmp.gate['reason']}"
+    if cmp.ci_low < -margin:
+        return False, f"lower bound {cmp.ci_low:.4g} of the difference < -margin {-margin:g}"
+    paired = (getattr(cmp, "extra", None) or {}).get("paired")
+    if paired is not None and paired["lower_bound"] < -margin:
+        return False, (
+            f"the data-only lower bound of the difference {paired['lower_bound']:.4g} (the weighted rewards' "
+            f"{paired['head_low']:.4g} before step {paired['t_star']}, minus the worst case {paired['remainder']:.4g} "
+            f"after it) < -margin {-margin:g}"
+        )
+    return True, ""
 
 
 def _report(d: dict, job: CandidateJob, cfg: Any, candidate: Any, episodes: list) -> None:
     from rlrec.trainer.ope import LoggedData, PolicyTarget, evaluate
 
     data = LoggedData(episodes)
+    name = _report_estimator(cfg)
     ev = evaluate(
         data,
         PolicyTarget(candidate, cfg.promotion_explore, seed=cfg.seed or 0),
         gamma=job.gamma,
-        estimators=(cfg.promotion_estimator,),
+        estimators=(name,),
         **_settings(cfg),
     )
-    est = ev.estimates[cfg.promotion_estimator]
+    est = ev.estimates[name]
     d.update(
         {
             "candidate_return": est.value,
@@ -244,6 +319,11 @@ def _report(d: dict, job: CandidateJob, cfg: Any, candidate: Any, episodes: list
         }
     )
     d["data"].update(_data_summary(data, ev))
+
+
+def _report_estimator(cfg: Any) -> str:
+    """The estimator of an ``--ope-report`` (it decides nothing: ``auto`` reports wdr)."""
+    return "wdr" if cfg.promotion_estimator == "auto" else cfg.promotion_estimator
 
 
 def _data_summary(data: Any, ev: Any) -> dict:

@@ -6,14 +6,29 @@ sha256(episode id) / 2**64 < F, the same episodes `rlrec train --holdout-fractio
 on), optionally only those recorded by behaviour version V, and estimates the mean discounted
 return per episode of the published version (at --gamma; default: the gamma in its policy.json,
 else 0.99) from the behaviour's recorded propensities (`action_logp`). Estimators: wdr (weighted
-doubly robust on FQE, the default), fqe, wpdis, wis; an estimate whose diagnostics fail
-(coverage of propensities, effective sample size, largest weight, support, horizon) is reported
-as not estimable, with the reason. See docs/TRAINER.md.
+doubly robust on FQE, the default), fqe, wpdis, wis, and mb (pessimistic model-based: an
+ensemble of dynamics models, the candidate rolled out from held-out initial states, ended where
+it leaves the data; asked for by name); an estimate whose diagnostics fail (coverage of
+propensities, effective sample size, largest weight, support, horizon) is reported as not
+estimable, with the reason. Every estimate carries a gate verdict ("gate": ok, or why it may not
+decide a publication: what rests on the model alone past the step t* where the weights'
+effective sample size falls below --ope-min-step-ess; fqe never; mb when its rollouts leave the
+logged states). Intervals: wis/wpdis are bootstrap confidence intervals; fqe/wdr resample around
+one fit and mb over refits, neither includes the model's bias: they are not valid bounds.
+See docs/TRAINER.md.
 
 Examples:
   rlrec evaluate --input s3://bucket/exp --policies s3://bucket/run1/policies --json
   rlrec evaluate --input /data/exp --policies /ckpt/policies --version 3 --behavior-version 2 \\
       --estimators wdr,wis --explore
+  rlrec evaluate --input /data/exp --policies /ckpt/policies --version 5 --compare-to 4 \\
+      --as-of CURSOR --seed 0 --json   # a gate decision again: its data.cursor, its seed
+
+`--compare-to N` (or `behavior`) adds the gate's question: the paired difference version -
+version N (or - the logged behaviour's own return) under the first estimator, bootstrapped on the
+same resamples, with the gate verdict; `--as-of CURSOR` reads the store at that manifest point.
+With a decision's cursor, its estimator first, the trainer's --seed, --holdout-fraction,
+--policy-id and OPE settings, the numbers are the decision's exactly.
 
 Every option can also come from a config file (`--config FILE`) or from `RLREC_<OPTION>`
 environment variables, as for `rlrec train`.
@@ -42,7 +57,18 @@ class EvaluateOptions:
     behavior_version: int | None = option(
         None, help="evaluate only on episodes recorded by this behaviour policy version"
     )
-    estimators: str = option("wdr,fqe,wpdis,wis", help="comma-separated estimators; the first is the default")
+    estimators: str = option(
+        "wdr,fqe,wpdis,wis", help="comma-separated estimators (wdr, fqe, wpdis, wis, mb); the first is the default"
+    )
+    as_of: str | None = option(
+        None, metavar="CURSOR", help="read the store at this manifest point (a decision's data.cursor, or a UNIX time)"
+    )
+    compare_to: str | None = option(
+        None,
+        metavar="N|behavior",
+        help="also the paired difference against published version N (or the logged behaviour) under the "
+        "first estimator, as the ope promotion gate computes it",
+    )
     explore: bool = option(
         False,
         help="evaluate the policy's exploring (sampling) action selection; default: its greedy actions (--greedy)",
@@ -97,6 +123,8 @@ def _run(args: argparse.Namespace) -> int:
         return _fail(f"--version must be a number or latest, got {ev.version!r}")
     if not ope.holdout_fraction:
         return _fail("--holdout-fraction 0 holds out no episodes: nothing to evaluate on")
+    if ev.compare_to is not None and ev.compare_to != "behavior" and not ev.compare_to.isdigit():
+        return _fail(f"--compare-to must be a version number or behavior, got {ev.compare_to!r}")
     if ev.gamma is not None and not 0.0 < ev.gamma <= 1.0:
         return _fail(f"--gamma must be in (0, 1], got {ev.gamma}")
     try:
@@ -117,8 +145,9 @@ class _UserError(Exception):
 
 def evaluate_published(ev: EvaluateOptions, ope: OPESettings, names: tuple[str, ...]) -> dict:
     """The result document of `rlrec evaluate` (the ``--json`` contract)."""
+    from rlrec.store.snapshot import CursorError
     from rlrec.store.storage import StorageError
-    from rlrec.trainer.ope import FQEConfig, LoggedData, PolicyTarget, evaluate
+    from rlrec.trainer.ope import FQEConfig, LoggedData, PolicyTarget, compare, evaluate
     from rlrec.trainer.ope_data import HeldOutReader
     from rlrec.trainer.policy import PolicyLoadError, load_policy
 
@@ -135,7 +164,9 @@ def evaluate_published(ev: EvaluateOptions, ope: OPESettings, names: tuple[str, 
         raise _UserError("only code-free (safetensors) policy versions can be evaluated")
     try:
         reader = HeldOutReader(ev.input, ope.holdout_fraction, policy_id=ev.policy_id)
-        episodes = reader.refresh()
+        episodes = reader.refresh(as_of=ev.as_of)
+    except CursorError as e:
+        raise _UserError(f"--as-of: {e}") from None
     except (StorageError, OSError) as e:
         raise _UserError(f"cannot read {ev.input}: {type(e).__name__}: {e}") from None
     if ev.behavior_version is not None:
@@ -151,18 +182,48 @@ def evaluate_published(ev: EvaluateOptions, ope: OPESettings, names: tuple[str, 
     obs_dim = int(policy.spec["network"]["input_dim"])
     if data.obs.shape[1] != obs_dim:
         raise _UserError(f"the episodes' observations have {data.obs.shape[1]} values, the policy takes {obs_dim}")
-    result = evaluate(
-        data,
-        PolicyTarget(policy, ev.explore, seed=ev.seed),
-        gamma=gamma,
-        estimators=names,
-        ci=ope.ope_ci,
-        n_boot=ope.ope_bootstrap,
-        seed=ev.seed,
-        thresholds=ope.thresholds(),
-        fqe=FQEConfig(steps=ope.fqe_steps, seed=ev.seed),
-    ).to_dict()
-    return {
+    settings = {
+        "ci": ope.ope_ci,
+        "n_boot": ope.ope_bootstrap,
+        "seed": ev.seed,
+        "thresholds": ope.thresholds(),
+        "fqe": FQEConfig(steps=ope.fqe_steps, seed=ev.seed),
+        "model": ope.model(ev.seed),
+    }
+    target = PolicyTarget(policy, ev.explore, seed=ev.seed)
+    result = evaluate(data, target, gamma=gamma, estimators=names, **settings).to_dict()
+    comparison = None
+    if ev.compare_to is not None:
+        base = None
+        if ev.compare_to != "behavior":
+            try:
+                base = load_policy(
+                    ev.policies, version=int(ev.compare_to), public_key=ev.public_key, allow_unsigned=ev.allow_unsigned
+                )
+            except (PolicyLoadError, ValueError, OSError) as e:
+                raise _UserError(f"cannot load --compare-to {ev.compare_to}: {e}") from None
+        cmp = compare(
+            data,
+            target,
+            None if base is None else PolicyTarget(base, ev.explore, seed=ev.seed),
+            gamma=gamma,
+            estimator=names[0],
+            **settings,
+        )
+        comparison = {
+            "compare_to": ev.compare_to,
+            "estimator": cmp.estimator,
+            "difference": cmp.difference,
+            "ci_low": cmp.ci_low,
+            "ci_high": cmp.ci_high,
+            "ci_level": cmp.ci,
+            "estimable": cmp.estimable,
+            "reason": cmp.reason,
+            "gate": cmp.gate,
+            "candidate_estimate": cmp.candidate.estimates[cmp.estimator].to_dict(),
+            "deployed_estimate": cmp.deployed.estimates[cmp.estimator].to_dict(),
+        }
+    out = {
         "version": policy.policy_version,
         "gamma": gamma,
         "episodes": result["episodes"],
@@ -174,8 +235,11 @@ def evaluate_published(ev: EvaluateOptions, ope: OPESettings, names: tuple[str, 
         "action_selection": "explore" if ev.explore else "greedy",
         "ci_level": ope.ope_ci,
         "holdout_fraction": ope.holdout_fraction,
-        "data": reader.stats.to_dict(),
+        "data": {**reader.stats.to_dict(), "cursor": reader.cursor},
     }
+    if comparison is not None:
+        out["comparison"] = comparison
+    return out
 
 
 def _print(r: dict) -> None:
@@ -192,3 +256,17 @@ def _print(r: dict) -> None:
             print(f"  {name:6s}{mark}: not estimable: {e['reason']}")
     d = r["diagnostics"]
     print("diagnostics: " + ", ".join(f"{k} {v}" for k, v in d.items()))
+    for name, e in r["estimates"].items():
+        if e["estimable"] and not e["gate"]["ok"]:
+            print(f"  {name} may not gate a publication: {e['gate']['reason']}")
+    c = r.get("comparison")
+    if c:
+        if c["estimable"]:
+            print(
+                f"v{r['version']} - {c['compare_to']} ({c['estimator']}): {c['difference']:.4f} "
+                f"[{c['ci_low']:.4f}, {c['ci_high']:.4f}]; gate verdict: "
+                + ("ok" if c["gate"]["ok"] else f"not ok: {c['gate']['reason']}")
+            )
+        else:
+            print(f"v{r['version']} - {c['compare_to']} ({c['estimator']}): not estimable: {c['reason']}")
+    print(f"cursor: {r['data']['cursor']}")

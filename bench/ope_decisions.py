@@ -1,0 +1,401 @@
+"""Decision benchmark of the ``ope`` promotion gate (issue "An honest offline gate"): does the gate
+publish worse policies, against simulator truth, on a long horizon?
+
+Task: ``CartPole-v1`` at gamma 0.99. The deployed version v1 is a mediocre greedy linear
+controller (angular velocity minus position); the behaviour that logged the data is v1 served
+epsilon-greedy (epsilon 0.3 and 0.05) with its exact propensities and action probabilities. The
+candidates are a ladder of greedy linear controllers: clearly better (> +10 % of v1's true value),
+about equal (v1 itself, rescaled), worse, clearly worse, and ones that leave the behaviour's
+states (angle only, always left). True values: Monte-Carlo discounted returns
+(`--truth-episodes` episodes, fixed seeds).
+
+For every dataset (`--datasets` per epsilon, `--episodes` held-out episodes each) and candidate
+the gate's question is asked as the trainer asks it: `rlrec.trainer.ope.compare` of candidate
+and deployed v1 (paired bootstrap, 90 %, the trainer's thresholds) and the trainer's rule
+`rlrec.trainer.ope_jobs.gate_decision` (margin 0). Rows per rule:
+
+* ``always publish``: every candidate;
+* ``<est> (old rule)``: estimable and lower bound >= 0, ignoring the gate verdict (the rule before
+  the verdict existed);
+* ``<est>``: the gate as it is (verdict included); ``mb`` is the pessimistic model-based estimator;
+* ``auto``: the gate's default ``--promotion-estimator auto``: wdr where its verdict holds, else mb,
+  decided by the gate's own functions (`rlrec.trainer.ope_jobs.choose_comparison` and
+  ``gate_decision``) on the same comparisons.
+
+Besides the linear ladder, `NEAR_V1` candidates equal v1 for the first ~100 steps and are worse
+by 5 to 20 % after them (truth: `mc_truth`, seeds 777...). The baseline is always the deployed v1
+(never the logged behaviour of a first publication).
+
+Reported per rule: false promotions (a candidate truly worse than v1 by > 5 % published; target
+0), datasets where a clearly better candidate was published (else every clearly better one was
+refused with the stated reason), and the median Spearman rank correlation of the candidates' point
+estimates with the truth (an estimate without a value counts as a miss: -1 for that dataset).
+d3rlpy's DiscreteFQE is not run here (see docs/measurements/ope-decisions-*.md).
+
+FQE runs `--fqe-steps` (default 1000, below the trainer's 3000 at gamma 0.99, for time) and is
+fitted once per target and dataset (the comparison reuses it: the same numbers as refitting).
+
+Usage: ``python bench/ope_decisions.py [--quick] [--json out.json] [--md out.md]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import gymnasium as gym
+import numpy as np
+
+GAMMA = 0.99
+ENV = "CartPole-v1"
+#: the deployed version (true discounted value ~64)
+DEPLOYED = [-1.0, 0.0, 0.0, 1.0]
+#: the candidates: name -> (weights w: action 1 iff w . obs > 0, bias, kind)
+LADDER = {
+    "expert": ([0, 0, 1, 0.5], None, "better"),
+    "ang-velocity": ([0, 0, 0, 1], None, "better"),
+    "v1-rescaled": ([-2, 0, 0, 2], None, "equal"),
+    "ang-velocity+2position": ([2, 0, 0, 1], None, "worse"),
+    "angle": ([0, 0, 1, 0], None, "worse, leaves the states"),
+    "position": ([1, 0, 0, 0], None, "worse"),
+    "always-left": ([0, 0, 0, 0], [1.0, 0.0], "worse, leaves the states"),
+}
+#: near-v1 candidates: v1 except that it pushes right whenever the cart's position is beyond x
+#: (name -> x); they agree with v1 for the first ~100 steps of most episodes and are worse by
+#: 5 to 20 % through what happens after them (the attacker review's case)
+NEAR_V1 = {"near-v1 x>0.05": 0.05, "near-v1 x>0.08": 0.08, "near-v1 x>0.1": 0.1}
+ESTIMATORS = ("wdr", "fqe", "wpdis", "wis", "mb")
+
+
+class NearV1:
+    """v1 (`DEPLOYED`) except that it pushes right whenever the cart's position is beyond `x`
+    (a greedy policy with ``action_probs``, not an exported artifact)."""
+
+    discrete = True
+
+    def __init__(self, x: float, w=DEPLOYED) -> None:
+        self.spec = {"action_dist": {"type": "categorical"}}
+        self.w, self.x = np.asarray(w, dtype=np.float64), x
+
+    def action_probs(self, obs):
+        obs = np.asarray(obs, dtype=np.float64)
+        a = np.where(obs[:, 0] > self.x, 1, (obs @ self.w > 0).astype(int))
+        p = np.zeros((len(obs), 2))
+        p[np.arange(len(obs)), a] = 1.0
+        return p
+
+
+def mc_truth(policy, episodes: int, seed: int = 777) -> float:
+    """The greedy `policy`'s mean discounted return over `episodes` simulator episodes."""
+    env = gym.make(ENV)
+    out = []
+    for i in range(episodes):
+        o, _ = env.reset(seed=seed + i)
+        g, t, done = 0.0, 0, False
+        while not done:
+            a = int(policy.action_probs(o[None])[0].argmax())
+            o, r, te, tr, _ = env.step(a)
+            g += GAMMA**t * r
+            t, done = t + 1, te or tr
+        out.append(g)
+    env.close()
+    return float(np.mean(out))
+
+
+def _spearman(x: np.ndarray, y: np.ndarray) -> float:
+    rx, ry = np.argsort(np.argsort(x)), np.argsort(np.argsort(y))
+    return float(np.corrcoef(rx, ry)[0, 1])
+
+
+def controller(w, bias=None):
+    """``(spec, model, policy)`` of the greedy linear controller: action 1 iff ``w . obs > 0``."""
+    from rlrec.trainer.policy import version_from_artifact
+    from rlrec.trainer.synthetic import linear_policy_artifact
+
+    w = np.asarray(w, np.float32)
+    W = np.stack([-w, w]) * 50.0
+    b = None if bias is None else np.asarray(bias, np.float32)
+    spec, model = linear_policy_artifact(W, b)
+    return spec, model, version_from_artifact(spec, model)
+
+
+def log_dataset(n: int, eps: float, seed: int):
+    """`n` episodes of v1 served epsilon-greedy, with exact propensities."""
+    from rlrec.trainer.ope import Episode
+
+    w = np.asarray(DEPLOYED)
+    env = gym.make(ENV)
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        obs, _ = env.reset(seed=seed * 1_000_003 + i)
+        observations, actions, rewards, logps, probs = [obs], [], [], [], []
+        done = term = False
+        while not done:
+            p = np.full(2, eps / 2)
+            p[int(w @ obs > 0)] += 1 - eps
+            a = int(rng.choice(2, p=p))
+            obs, r, term, trunc, _ = env.step(a)
+            observations.append(obs)
+            actions.append(a)
+            rewards.append(r)
+            logps.append(np.log(p[a]))
+            probs.append(p)
+            done = term or trunc
+        out.append(
+            Episode(
+                np.asarray(observations, np.float32),
+                np.asarray(actions),
+                np.asarray(rewards, np.float64),
+                np.asarray(logps),
+                bool(term),
+                f"{seed}-{i:05d}",
+                1,
+                np.asarray(probs),
+            )
+        )
+    env.close()
+    return out
+
+
+def truth(spec, model, episodes: int) -> float:
+    from rlrec.trainer.promotion import evaluate_exported
+
+    return evaluate_exported(model, spec, ENV, episodes, seed=777, gamma=GAMMA)
+
+
+def decide_dataset(data, targets: dict, deployed, fqe_steps: int, model_cfg, n_boot: int, seed: int, log) -> dict:
+    """Every rule's decision and point estimate for every candidate on one dataset."""
+    from rlrec.trainer.ope import FQEConfig, PolicyTarget, compare, fit_fqe
+    from rlrec.trainer.ope_jobs import choose_comparison, gate_decision
+
+    fqe = FQEConfig(steps=fqe_steps, seed=seed)
+
+    def arrays(policy):
+        t = PolicyTarget(policy, explore=False, seed=seed).arrays(data)
+        t.q, t.v = fit_fqe(data, t, GAMMA, fqe)
+        return t
+
+    t0 = time.time()
+    dep_arrays = arrays(deployed)
+    out: dict = {}
+    for name, policy in targets.items():
+        cand_arrays = arrays(policy)
+        row: dict = {}
+        cmps: dict = {}
+        for est in ESTIMATORS:
+            if est == "mb":
+                cmp = compare(
+                    data,
+                    PolicyTarget(policy, False, seed=seed),
+                    PolicyTarget(deployed, False, seed=seed),
+                    gamma=GAMMA,
+                    estimator="mb",
+                    n_boot=n_boot,
+                    seed=seed,
+                    model=model_cfg,
+                )
+            else:
+                cmp = compare(data, cand_arrays, dep_arrays, gamma=GAMMA, estimator=est, n_boot=n_boot, seed=seed)
+            cmps[est] = cmp
+            promoted, reason = gate_decision(cmp, 0.0)
+            value = cmp.candidate.estimates[est].value
+            row[est] = {
+                "promoted": promoted,
+                "gate_ok": bool(cmp.gate["ok"]),
+                "old_rule": bool(cmp.estimable and cmp.ci_low >= 0.0),
+                "value": value,
+                "difference": cmp.difference,
+                "ci_low": cmp.ci_low,
+                "ci_high": cmp.ci_high,
+                "reason": reason,
+                "diagnostics": cmp.candidate.diagnostics.get("mb") if est == "mb" else None,
+                "paired": cmp.extra.get("paired"),
+            }
+        # the gate's default (--promotion-estimator auto), through the gate's own functions
+        cmp, fallback = choose_comparison("auto", cmps.__getitem__)
+        promoted, reason = gate_decision(cmp, 0.0)
+        row["auto"] = {
+            "promoted": promoted,
+            "estimator": cmp.estimator,
+            "fallback_from": fallback,
+            "value": cmp.candidate.estimates[cmp.estimator].value,
+            "difference": cmp.difference,
+            "ci_low": cmp.ci_low,
+            "ci_high": cmp.ci_high,
+            "reason": reason,
+        }
+        out[name] = row
+        log(
+            f"    {name}: "
+            + ", ".join(
+                f"{e} {'PUB' if r['promoted'] else '-'}"
+                f"({'-' if r['difference'] is None else round(r['difference'], 1)}"
+                f"{'' if r['ci_low'] is None else ' lo ' + str(round(r['ci_low'], 1))})"
+                for e, r in row.items()
+            )
+            + f" [{time.time() - t0:.0f}s]"
+        )
+    return out
+
+
+def summarize(results: list[dict], true: dict, true_v1: float) -> dict:
+    names = list(true)
+    worse = {k for k in names if true[k] < 0.95 * true_v1}
+    better = {k for k in names if true[k] > 1.10 * true_v1}
+    near = worse & set(NEAR_V1)
+    rules = ["always publish"] + [f"{e} (old rule)" for e in ("wdr", "fqe")] + list(ESTIMATORS) + ["auto"]
+    table = {}
+    for rule in rules:
+        fp, fp_near, better_pub, refusals, rho, decisions = 0, 0, 0, [], [], 0
+        for ds in results:
+            pub = set()
+            for k in names:
+                if rule == "always publish":
+                    ok = True
+                elif rule.endswith("(old rule)"):
+                    ok = ds["decisions"][k][rule.split()[0]]["old_rule"]
+                else:
+                    ok = ds["decisions"][k][rule]["promoted"]
+                decisions += 1
+                if ok:
+                    pub.add(k)
+            fp += len(pub & worse)
+            fp_near += len(pub & worse & near)
+            if pub & better:
+                better_pub += 1
+            elif rule in (*ESTIMATORS, "auto"):
+                refusals.append(sorted({ds["decisions"][k][rule]["reason"][:100] for k in better}))
+            if rule == "always publish":
+                continue
+            est = rule.split()[0]
+            vals = np.array(
+                [
+                    np.nan if ds["decisions"][k][est]["value"] is None else ds["decisions"][k][est]["value"]
+                    for k in names
+                ]
+            )
+            t = np.array([true[k] for k in names])
+            rho.append(_spearman(vals, t) if np.isfinite(vals).all() else -1.0)
+        table[rule] = {
+            "false_promotions": fp,
+            "decisions": decisions,
+            "worse_candidates_offered": len(worse) * len(results),
+            "false_promotions_near_v1": fp_near,
+            "near_v1_worse_offered": len(near) * len(results),
+            "datasets_with_a_clearly_better_published": better_pub,
+            "datasets": len(results),
+            "spearman_median": None if not rho else float(np.median(rho)),
+            "refusal_reasons": refusals[:2],
+        }
+    return table
+
+
+def markdown(doc: dict) -> str:
+    lines = [
+        f"CartPole-v1, gamma {GAMMA}; deployed v1 true {doc['true_v1']:.1f}; candidates (true): "
+        + ", ".join(f"{k} {v:.1f}" for k, v in doc["true"].items()),
+        "",
+    ]
+    for eps, table in doc["by_epsilon"].items():
+        lines += [
+            f"#### logging epsilon {eps} ({doc['datasets']} datasets x {doc['episodes']} held-out episodes)",
+            "",
+            "| rule | false promotions (worse by > 5 % published) | of them near-v1 (-5..-20 %) | "
+            "datasets with a clearly better one published | Spearman vs truth (median) |",
+            "|---|---|---|---|---|",
+        ]
+        for rule, s in table.items():
+            rho = "–" if s["spearman_median"] is None else f"{s['spearman_median']:.2f}"
+            lines.append(
+                f"| {rule} | {s['false_promotions']} of {s['worse_candidates_offered']} | "
+                f"{s['false_promotions_near_v1']} of {s['near_v1_worse_offered']} | "
+                f"{s['datasets_with_a_clearly_better_published']} of {s['datasets']} | {rho} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small datasets (a smoke run)")
+    ap.add_argument("--datasets", type=int, default=None, help="datasets per epsilon (default 4)")
+    ap.add_argument("--episodes", type=int, default=None, help="held-out episodes per dataset (default 200)")
+    ap.add_argument("--epsilons", default="0.3,0.05")
+    ap.add_argument("--truth-episodes", type=int, default=None)
+    ap.add_argument("--fqe-steps", type=int, default=1000)
+    ap.add_argument("--mb-members", type=int, default=5)
+    ap.add_argument("--mb-steps", type=int, default=1500)
+    ap.add_argument("--n-boot", type=int, default=500)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--md", default=None)
+    args = ap.parse_args(argv)
+    import torch
+
+    from rlrec.trainer.ope import LoggedData
+    from rlrec.trainer.ope_model import ModelConfig
+
+    torch.set_num_threads(1)
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    datasets = args.datasets or (1 if args.quick else 4)
+    episodes = args.episodes or (60 if args.quick else 200)
+    truth_eps = args.truth_episodes or (50 if args.quick else 300)
+    t0 = time.time()
+    dep_spec, dep_model, deployed = controller(DEPLOYED)
+    targets, true = {}, {}
+    for k, (w, b, _) in LADDER.items():
+        spec, model, policy = controller(w, b)
+        targets[k] = policy
+        true[k] = truth(spec, model, truth_eps)
+    for k, x in NEAR_V1.items():
+        targets[k] = NearV1(x)
+        true[k] = mc_truth(targets[k], truth_eps)
+    true_v1 = truth(dep_spec, dep_model, truth_eps)
+    log(f"truth: v1 {true_v1:.1f}, { ({k: round(v, 1) for k, v in true.items()}) } ({time.time() - t0:.0f}s)")
+    doc: dict = {"true": true, "true_v1": true_v1, "datasets": datasets, "episodes": episodes, "by_epsilon": {}}
+    doc["settings"] = {
+        "fqe_steps": args.fqe_steps,
+        "mb_members": args.mb_members,
+        "mb_steps": args.mb_steps,
+        "n_boot": args.n_boot,
+        "truth_episodes": truth_eps,
+    }
+    doc["raw"] = {}
+    for eps in (float(x) for x in args.epsilons.split(",")):
+        results = []
+        for d in range(datasets):
+            data = LoggedData(log_dataset(episodes, eps, seed=1000 * d + int(eps * 100)))
+            log(f"  epsilon {eps} dataset {d + 1}/{datasets}: {data.n_episodes} episodes, {data.steps} steps")
+            t1 = time.time()
+            decisions = decide_dataset(
+                data,
+                targets,
+                deployed,
+                args.fqe_steps,
+                ModelConfig(members=args.mb_members, steps=args.mb_steps, seed=d),
+                args.n_boot,
+                d,
+                log,
+            )
+            results.append({"decisions": decisions, "steps": data.steps, "seconds": time.time() - t1})
+        doc["by_epsilon"][str(eps)] = summarize(results, true, true_v1)
+        doc["raw"][str(eps)] = results
+    doc["seconds"] = time.time() - t0
+    text = markdown(doc)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(doc, fh, indent=1, default=float)
+    if args.md:
+        with open(args.md, "w") as fh:
+            fh.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

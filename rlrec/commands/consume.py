@@ -117,6 +117,7 @@ def _run(args: argparse.Namespace) -> int:
     from rlrec.consumer.service import RecorderConsumer
 
     max_seconds = opts["max_seconds"]
+    signals = None
     try:
         if processes > 1:
             from rlrec.supervisor import ConsumerProcesses
@@ -128,7 +129,10 @@ def _run(args: argparse.Namespace) -> int:
         consumer = RecorderConsumer(config)
         signals = StopSignals(consumer.stop).install()
         consumer.run(max_seconds=max_seconds, install_signals=False)
+        return signals.exit_code(0)
     except ConditionalWritesError as e:
         print(f"rlrec consume: error: {e}", file=sys.stderr)
         return 2
-    return signals.exit_code(0)
+    finally:
+        if signals is not None:
+            signals.restore()

@@ -38,7 +38,7 @@ from rlrec.consumer.assembly import AssemblyConfig, Counters, PartitionAssembler
 from rlrec.store.commit import CommitResult, ShardCommitter
 from rlrec.store.finished import FinishedEpisode
 from rlrec.store.manifest import FencedError
-from rlrec.store.ownership import DEFAULT_LEASE_S, one_attempt, renew_lease
+from rlrec.store.ownership import DEFAULT_LEASE_S, one_attempt, release_lease, renew_lease
 from rlrec.store.retry import RetrySchedule
 from rlrec.store.storage import Storage
 
@@ -502,6 +502,34 @@ class PartitionWriter:
             self._compacting = self.encoder.submit(self._compact)
         except RuntimeError:  # the executor is shut down: compact at the next due time
             pass
+
+    def release_lease(self) -> None:
+        """A clean stop, after the last commit: mark the owner lease released, so tools such as
+        ``rlrec compact`` take the partition at once. A renewal in flight is waited for first
+        (it would overwrite the release); a storage error is logged (the lease then expires)."""
+        if self.state not in (WriterState.ACTIVE, WriterState.BACKING_OFF) or self.epoch is None:
+            return
+        if self._renewing is not None:
+            try:
+                self._renewing.result(timeout=10)
+            except Exception:
+                pass
+        try:
+            release_lease(
+                self._lease_storage,
+                self.topic,
+                self.partition,
+                writer=self.committer.log.writer_id or "",
+                epoch=self.epoch,
+                ttl_s=self.lease_s,
+            )
+        except Exception as e:
+            log.warning(
+                "partition %d: cannot release the owner lease (%s); it expires in %.0f s",
+                self.partition,
+                e,
+                self.lease_s,
+            )
 
     def _renew(self, writer: str, epoch: int) -> None:
         try:

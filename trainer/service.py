@@ -1290,6 +1290,8 @@ class ContinuousTrainer:
             self._watchdog.stop()
         if self.metrics is not None:
             self.metrics.close()
+        if self.algo is not None or self._started_ray:
+            log.info("stopping the algorithm and Ray (a few seconds)")
         if self.algo is not None:
             try:
                 self.algo.offline_data.stop()

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from rlrec.consumer.assembly import AssemblyConfig, Counters, PartitionAssembler
+from rlrec.consumer.summary import human_bytes
 from rlrec.store.commit import CommitResult, ShardCommitter
 from rlrec.store.finished import FinishedEpisode
 from rlrec.store.manifest import FencedError
@@ -579,12 +580,12 @@ class PartitionWriter:
             self._compact_due = min(self._compact_due, time.time() + 1.0)
         if res.written:
             log.info(
-                "partition %d: compacted %d shard(s) (%d bytes) into %d (%d bytes)",
+                "partition %d: compacted %d shard(s) (%s) into %d (%s)",
                 self.partition,
                 res.replaced,
-                res.bytes_before,
+                human_bytes(res.bytes_before),
                 res.written,
-                res.bytes_after,
+                human_bytes(res.bytes_after),
             )
 
     def publish_pending(self) -> int:

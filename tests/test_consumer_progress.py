@@ -76,3 +76,19 @@ def test_no_commit_yet_says_when_the_first_shard_is_due():
     p = ProgressLog(ConsumerMetrics(), interval_s=30, max_file_age_s=60)
     line = p.summary(now=p.started + 30)
     assert line.startswith("nothing committed yet in 30 s") and "--max-file-age-s (60 s)" in line
+
+
+def test_compact_says_what_it_waits_for_and_speaks_human_units(tmp_path, capsys):
+    import re
+
+    from rlrec.store.commit import ShardCommitter
+    from rlrec.trainer.synthetic import expert_cartpole_episodes
+
+    root = str(tmp_path / "out")
+    c = ShardCommitter(root, "rl", 0)
+    for k in range(3):
+        c.commit(expert_cartpole_episodes(2, seed=k, max_steps=30))
+    assert main(["compact", root, "--min-age", "0", "--force"]) == 0
+    out, err = capsys.readouterr()
+    assert err.startswith("rlrec compact: 1 partition log(s) under ") and "checking their owner leases" in err, err
+    assert re.fullmatch(r"rl/00000: replaced 3 shard\(s\) \(\d+\.\d KiB\) with 1 \(\d+\.\d KiB\)\n", out), out

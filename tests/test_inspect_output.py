@@ -5,6 +5,8 @@ and `report` counting the shards `inspect` counts."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from rlrec.cli import build_parser, main
@@ -38,6 +40,10 @@ def test_inspect_at_80_columns_keeps_numbers_whole_in_one_format(big, capsys, mo
     out = capsys.readouterr().out
     assert max(len(line) for line in out.splitlines()) <= 80
     assert f"{base}-{base + 11_999}" in out, out  # the first shard's offsets (positions, as Kafka prints them), whole
+    rows = [
+        line for line in out.splitlines() if str(base)[:5] in line
+    ]  # the shard rows (a narrow policy column may go)
+    assert len(rows) == 2 and all(re.search(r"\d\d-\d\d \d\d:\d\d:\d\d\s*$", r) for r in rows), rows
     assert "[yellow]" not in out and "[/" not in out, out  # no markup printed literally
     assert "file paths: --paths" in out
     # one number format: thousands separators in every table (the totals' steps, over 1,000)

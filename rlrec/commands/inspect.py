@@ -293,7 +293,7 @@ def run(args: argparse.Namespace) -> int:
     ]
     for i, col in enumerate(headers):
         if i == 0:  # policy ids may shorten (an ellipsis); numbers never do: their columns keep their width
-            table.add_column(col, overflow="ellipsis", no_wrap=True, max_width=24, min_width=6)
+            table.add_column(col, overflow="ellipsis", max_width=24, min_width=6)
         else:
             widest = max([len(col), *(len(r[i]) for r in rows)])
             table.add_column(col, justify="left" if i == 6 else "right", no_wrap=True, min_width=widest)

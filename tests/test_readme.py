@@ -30,7 +30,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 #: README.md and the docs pages that parts of it moved to: their blocks run here too
-PAGES = (README, ROOT / "docs" / "BENCHMARKS.md")
+PAGES = (README, ROOT / "docs" / "BENCHMARKS.md", ROOT / "docs" / "READING.md")
 DIRECTIVE = re.compile(r"^<!--\s*readme-test:\s*(.*?)\s*-->\s*$")
 FENCE = re.compile(r"^```(\w*)\s*$")
 RUN_LANGS = ("bash", "python")

@@ -272,8 +272,8 @@ class ContinuousTrainer:
 
         try:
             where = locate_store(self.input.uri(), self.input)
-        except StorageError as e:
-            return f"the store does not answer ({e})"
+        except Exception as e:  # a hint only: never what stops the wait
+            return f"the store does not answer ({type(e).__name__}: {e})"
         why = where.mistake or where.waiting_for
         if why is None:
             why = (

@@ -111,12 +111,11 @@ def check_input(storage, uri: str) -> None:
     """
     from rlrec.errors import UsageError
     from rlrec.store.locate import locate_store
-    from rlrec.store.storage import StorageError
 
     try:
         where = locate_store(uri, storage)
-    except StorageError:
-        return  # unreachable now: the trainer waits for the store
+    except Exception:  # unreachable now (StorageError, a refused credential): the trainer waits for the store
+        return
     if where.mistake:
         raise UsageError(f"--input: {where.mistake}")
 

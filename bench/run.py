@@ -1,6 +1,6 @@
 """The benchmark suite: producer, consumer, memory, trainer and manifest benchmarks, one JSON, one table.
 
-    python bench/run.py [--quick] [--json PATH] [--markdown PATH] [--png PATH] [--readme README.md]
+    python bench/run.py [--quick] [--json PATH] [--markdown PATH] [--png PATH] [--readme docs/BENCHMARKS.md]
                         [--only producer,consumer,memory,trainer,manifest,store] [--keep-logs DIR]
                         [--child-args NAME=ARGS ...] [--merge PREVIOUS.json]
 
@@ -938,7 +938,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", dest="json_path", help="write the run's JSON here")
     ap.add_argument("--markdown", help="write the Markdown table here (printed otherwise)")
     ap.add_argument("--png", help="draw the paced-producer and trainer-freshness results here")
-    ap.add_argument("--readme", help="regenerate this README's benchmark block from the run's JSON")
+    ap.add_argument(
+        "--readme",
+        metavar="PAGE",
+        help="regenerate the benchmark block of this page (docs/BENCHMARKS.md) from the run's JSON",
+    )
     ap.add_argument("--only", default=",".join(BENCHES), help=f"comma-separated subset of {','.join(BENCHES)}")
     ap.add_argument("--keep-logs", metavar="DIR", help="keep each child's log and JSON in DIR")
     ap.add_argument("--merge", metavar="PATH", help="keep this earlier run's results for the benchmarks not run now")

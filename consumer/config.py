@@ -122,6 +122,11 @@ class ConsumerConfig:
         default_factory=dict,
         help="librdkafka setting passed through, e.g. security.protocol=SASL_SSL (a table in a config file)",
     )
+    summary_interval_s: float = option(
+        60.0,
+        help="log what was committed (episodes, steps, shards) and the lag per partition every this many "
+        "seconds, at INFO (0: never; each commit is logged at DEBUG, the first one at INFO)",
+    )
 
     def __post_init__(self) -> None:
         check_choices(self)

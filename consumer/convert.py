@@ -73,6 +73,7 @@ from rlrec.producer.events import POLICY_ID_RE
 from rlrec.producer.spaces import dumps_space, loads_space, space_leaves
 from rlrec.store.commit import ShardCommitter
 from rlrec.store.finished import FinishedEpisode
+from rlrec.store.ownership import release_lease
 from rlrec.store.schema_gate import PICKLED_OBJECT_EXTENSION, ShardSchemaError, open_legacy_tabular
 from rlrec.store.storage import Storage
 
@@ -879,4 +880,6 @@ def convert(
         done += len(chunk)
         if progress:
             progress("write", done, len(todo))
+    # done writing: the partition is free at once for `rlrec compact` (and a consumer)
+    release_lease(storage, opts.topic, 0, writer=committer.log.writer_id or "", epoch=committer.epoch)
     return result

@@ -57,6 +57,7 @@ from rlrec.consumer.config import ConsumerConfig
 from rlrec.consumer.dead_letters import DeadLetterQueue, dead_letter_record
 from rlrec.consumer.metrics import ConsumerMetrics
 from rlrec.consumer.resume import GapError, ResumeFromStore, default_deployment, default_group_id
+from rlrec.consumer.summary import ProgressLog
 from rlrec.consumer.topics import check_reachable, client_settings, create_topics, describe_kafka_error, kafka_logger
 from rlrec.consumer.writer import Compaction, PartitionWriter, Rotation
 from rlrec.errors import UsageError
@@ -151,6 +152,7 @@ class RecorderConsumer(ResumeFromStore):
         self.encoder: ThreadPoolExecutor | None = None
         self.leases: ThreadPoolExecutor | None = None  # owner lease renewals, off the polling thread
         self.metrics = ConsumerMetrics()
+        self.progress = ProgressLog(self.metrics, config.summary_interval_s, config.max_file_age_s)
         self._stop = threading.Event()
         self._pause_reasons: dict[int, set[str]] = {}  # partition -> why it is paused (empty: reading)
         self._registry_retry: dict[int, RetrySchedule] = {}  # partition -> its reads waiting for the registry
@@ -309,6 +311,9 @@ class RecorderConsumer(ResumeFromStore):
             self._commit(force=True)
         except Exception:
             log.exception("final commit failed; uncommitted episodes will be replayed")
+        else:
+            for w in self.writers.values():  # every finished episode is committed: free the partitions
+                w.release_lease()
         try:
             self.consumer.close()  # leaves the group
         except Exception:
@@ -622,6 +627,7 @@ class RecorderConsumer(ResumeFromStore):
         if now - self._last_lag >= 10.0:
             self._last_lag = now
             self._report_lag()
+        self.progress.tick()
 
     def _hold_back_over_budget(self) -> None:
         """Still over max_buffered_bytes after flushing (the storage is failing): read no partition
@@ -748,6 +754,7 @@ class RecorderConsumer(ResumeFromStore):
             w.dead_lettered([fe.episode_id])  # the DLQ holds the position there until acknowledged
         for f in t.flushed:
             self.metrics.on_commit(f.result, f.seconds, f.episodes)
+            self.progress.committed(p, f.result, f.seconds)
         self._sync_pause(p, w)
 
     def _first_unacked(self, p: int) -> int | None:

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import re
-import threading
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from rlrec.errors import RuntimeFailure, UsageError
+from rlrec.producer.kafka_log import KAFKA_LOGGER, kafka_logger
 
 __all__ = [
     "KAFKA_LOGGER",
@@ -28,61 +27,6 @@ __all__ = [
     "dlq_topic_name",
     "kafka_logger",
 ]
-
-#: the logger librdkafka's own log lines go to (``logger=`` of every client we make)
-KAFKA_LOGGER = "rlrec.librdkafka"
-
-
-#: librdkafka's own count of repeats, part of an otherwise identical line
-_SUPPRESSED = re.compile(r", \d+ identical error\(s\) suppressed")
-
-
-class _RepeatFilter(logging.Filter):
-    """Passes a line once per `window_s` seconds: lines that differ only in numbers (client
-    ids, counts, milliseconds) are the same line; the next one that passes says how many were
-    dropped."""
-
-    def __init__(self, window_s: float = 60.0, max_lines: int = 1000) -> None:
-        super().__init__()
-        self.window_s = window_s
-        self.max_lines = max_lines
-        self._lock = threading.Lock()
-        self._seen: dict[str, tuple[float, int]] = {}  # line -> (when passed, dropped since)
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        key = re.sub(r"\d+", "#", _SUPPRESSED.sub("", record.getMessage()))
-        now = time.monotonic()
-        with self._lock:
-            seen = self._seen.get(key)
-            if seen is not None and now - seen[0] < self.window_s:
-                self._seen[key] = (seen[0], seen[1] + 1)
-                return False
-            if len(self._seen) >= self.max_lines:
-                self._seen.clear()
-            self._seen[key] = (now, 0)
-        if seen is not None and seen[1]:
-            record.msg = f"{record.getMessage()} ({seen[1]} like it in the last {self.window_s:.0f} s not shown)"
-            record.args = ()
-        return True
-
-
-def kafka_logger() -> logging.Logger:
-    """The logger for librdkafka's own log lines (pass it as ``logger=`` to a confluent_kafka
-    client): WARNING and above only, a repeated line at most once a minute.
-
-    Without it librdkafka writes every connection retry to stderr itself (hundreds of lines
-    for a broker that cannot be reached).
-
-    Example:
-        >>> from confluent_kafka import Producer
-        >>> p = Producer({"bootstrap.servers": "127.0.0.1:9092", "logger": kafka_logger()})
-    """
-    logger = logging.getLogger(KAFKA_LOGGER)
-    if not any(isinstance(f, _RepeatFilter) for f in logger.filters):
-        logger.addFilter(_RepeatFilter())
-        logger.setLevel(logging.WARNING)
-    return logger
-
 
 #: librdkafka settings that every client of a cluster needs (authentication, encryption)
 SECURITY_PREFIXES = ("security.", "sasl.", "ssl.")

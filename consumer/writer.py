@@ -35,10 +35,11 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from rlrec.consumer.assembly import AssemblyConfig, Counters, PartitionAssembler
+from rlrec.consumer.summary import human_bytes
 from rlrec.store.commit import CommitResult, ShardCommitter
 from rlrec.store.finished import FinishedEpisode
 from rlrec.store.manifest import FencedError
-from rlrec.store.ownership import DEFAULT_LEASE_S, one_attempt, renew_lease
+from rlrec.store.ownership import DEFAULT_LEASE_S, one_attempt, release_lease, renew_lease
 from rlrec.store.retry import RetrySchedule
 from rlrec.store.storage import Storage
 
@@ -557,6 +558,34 @@ class PartitionWriter:
         except RuntimeError:  # the executor is shut down: compact at the next due time
             pass
 
+    def release_lease(self) -> None:
+        """A clean stop, after the last commit: mark the owner lease released, so tools such as
+        ``rlrec compact`` take the partition at once. A renewal in flight is waited for first
+        (it would overwrite the release); a storage error is logged (the lease then expires)."""
+        if self.state not in (WriterState.ACTIVE, WriterState.BACKING_OFF) or self.epoch is None:
+            return
+        if self._renewing is not None:
+            try:
+                self._renewing.result(timeout=10)
+            except Exception:
+                pass
+        try:
+            release_lease(
+                self._lease_storage,
+                self.topic,
+                self.partition,
+                writer=self.committer.log.writer_id or "",
+                epoch=self.epoch,
+                ttl_s=self.lease_s,
+            )
+        except Exception as e:
+            log.warning(
+                "partition %d: cannot release the owner lease (%s); it expires in %.0f s",
+                self.partition,
+                e,
+                self.lease_s,
+            )
+
     def _renew(self, writer: str, epoch: int) -> None:
         try:
             renew_lease(self._lease_storage, self.topic, self.partition, writer=writer, epoch=epoch, ttl_s=self.lease_s)
@@ -605,12 +634,12 @@ class PartitionWriter:
             self._compact_due = min(self._compact_due, time.time() + 1.0)
         if res.written:
             log.info(
-                "partition %d: compacted %d shard(s) (%d bytes) into %d (%d bytes)",
+                "partition %d: compacted %d shard(s) (%s) into %d (%s)",
                 self.partition,
                 res.replaced,
-                res.bytes_before,
+                human_bytes(res.bytes_before),
                 res.written,
-                res.bytes_after,
+                human_bytes(res.bytes_after),
             )
 
     def publish_pending(self) -> int:

@@ -67,6 +67,7 @@ from rlrec.producer.events import (
     schema_header,
     schema_version,
 )
+from rlrec.producer.kafka_log import kafka_logger, repeat_limited
 from rlrec.producer.spaces import Leaf, dumps_space, flatten_value, space_leaves
 
 __all__ = [
@@ -80,6 +81,10 @@ __all__ = [
 ]
 
 log = logging.getLogger("rlrec.producer")
+#: librdkafka's error_cb reports (a broker that cannot be reached reports each retry) and
+#: delivery failures (one per message when an outage outlasts message.timeout.ms): each distinct
+#: line (a delivery failure: each distinct error) at most once a minute, as librdkafka's own lines
+_client_log = repeat_limited(logging.getLogger("rlrec.producer.kafka"))
 
 _KINDS = ("EpisodeStart", "StepBatch", "RewardDelta", "EpisodeAbort")
 # constant Avro fragments of StepBatch (see avro_write)
@@ -468,7 +473,9 @@ class EpisodeRecorder(BatchedCalls):
         observation_space: gymnasium space of the observations (required).
         action_space: gymnasium space of the actions (required).
         env_id: names the environment.
-        kafka_config: librdkafka settings added to (or overriding) the recorder's.
+        kafka_config: librdkafka settings added to (or overriding) the recorder's; librdkafka's own log
+            lines go to the `logging` logger ``rlrec.librdkafka`` (WARNING and up, each distinct line
+            at most once a minute) unless it names its own ``logger``.
         max_buffered_steps: records that may await delivery before `on_overflow` applies.
         on_overflow: "block" (wait for room), "drop" (count and drop the episode's rest) or
             "raise" (`RecorderFullError`).
@@ -574,6 +581,7 @@ class EpisodeRecorder(BatchedCalls):
             "queue.buffering.max.messages": 1_000_000,
         }
         conf.update(kafka_config or {})
+        conf.setdefault("logger", kafka_logger())  # librdkafka's lines through logging, not to stderr
         self._user_error_cb = conf.pop("error_cb", None)
         conf["error_cb"] = self._on_kafka_error
         self._conf = conf
@@ -1263,7 +1271,13 @@ class EpisodeRecorder(BatchedCalls):
                 self._failed += records
                 self._msgs[2] += 1
         if err is not None:
-            log.error("delivery failed for episode %s (%d records): %s", key, records, err)
+            _client_log.error(
+                "delivery failed for episode %s (%d records): %s",
+                key,
+                records,
+                err,
+                extra={"repeat_key": f"delivery failed: {err}"},
+            )
             if self.on_delivery_error is not None:
                 try:
                     self.on_delivery_error(err, key, records)
@@ -1278,7 +1292,7 @@ class EpisodeRecorder(BatchedCalls):
             log.error("fatal producer error, starting a new producer: %s", err)
             self._fatal = err
         else:
-            log.warning("producer error (retried by librdkafka): %s", err)
+            _client_log.warning("producer error (retried by librdkafka): %s", err)
         if self._user_error_cb is not None:
             try:
                 self._user_error_cb(err)

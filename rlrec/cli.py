@@ -63,6 +63,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="rlrec",
+        allow_abbrev=False,
         description="Event-sourced recorder of RL experience: Kafka transitions -> RLlib episode shards -> trainer.",
     )
     parser.add_argument(
@@ -84,7 +85,50 @@ def build_parser() -> argparse.ArgumentParser:
             register(subparsers)
         except Exception as e:  # e.g. two modules registering the same name
             print(f"rlrec: warning: command module {name} failed to register: {e!r}", file=sys.stderr)
+    for p in _all_parsers(parser):  # `--max-second` is no `--max-seconds`: a typo, not an abbreviation
+        p.allow_abbrev = False
     return parser
+
+
+def _all_parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """`parser` and every subcommand's parser below it."""
+    out = [parser]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in dict.fromkeys(action.choices.values()):
+                out += _all_parsers(sub)
+    return out
+
+
+def _command_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The parser of the (sub)command `args` were parsed for (``rlrec topics create``'s)."""
+    while True:
+        action = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+        chosen = None if action is None else action.choices.get(getattr(args, action.dest, None) or "")
+        if chosen is None:
+            return parser
+        parser = chosen
+
+
+def _unrecognized(parser: argparse.ArgumentParser, extras: list[str]) -> str:
+    """The error for arguments `parser` does not take, with the nearest option of the command.
+
+    Example:
+        >>> p = argparse.ArgumentParser(prog="rlrec consume")
+        >>> _ = p.add_argument("--output")
+        >>> _unrecognized(p, ["--ouput", "x"])
+        "unrecognized option '--ouput' (did you mean --output?)"
+    """
+    import difflib
+
+    flags = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
+    for extra in extras:
+        if extra.startswith("--"):
+            name = extra.partition("=")[0]
+            near = difflib.get_close_matches(name, flags, n=1, cutoff=0.6)
+            hint = f" (did you mean {near[0]}?)" if near else ""
+            return f"unrecognized option {name!r}{hint}"
+    return f"unrecognized arguments: {' '.join(extras)}"
 
 
 def command_name(args: argparse.Namespace) -> str:
@@ -105,7 +149,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        sub = _command_parser(parser, args)
+        sub.error(_unrecognized(sub, extras))
     func = getattr(args, "func", None)
     if func is None:
         parser.print_help()

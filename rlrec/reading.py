@@ -29,7 +29,8 @@ def open(
 
     Args:
         uri: the store (a path or URI, or a `Storage`).
-        as_of: the point of the manifest (not with `policy_version`).
+        as_of: the point of the manifest (not with `policy_version`): a UNIX time, a `datetime`, a
+            `date`, an ISO 8601 time ("2026-11-27T04:00:00Z") or a cursor.
         policy_version: a published policy version.
         policies: the publish root of the versions (required with `policy_version`; `rlrec train` publishes
             to ``{checkpoint_dir}/policies`` unless given another).

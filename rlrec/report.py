@@ -426,7 +426,7 @@ def summary(data: ReportData) -> list[tuple[str, str]]:
     """The summary table's (label, value) rows."""
     from rlrec.store.manifest import manifest_totals
 
-    tot = manifest_totals(data.shards)
+    tot = manifest_totals(data.shards if data.live_shards is None else data.live_shards)  # as rlrec inspect
     versions = sorted({v for v in data.episodes.get("policy_version", []) if isinstance(v, int)})
     if not versions:
         versions = sorted(
@@ -580,6 +580,7 @@ def write_report(
     bootstrap_servers: str | None = None,
     dlq_topic: str | None = None,
     policies: str | None = None,
+    public_key: str | None = None,
 ) -> Path:
     """Write the HTML report and return its path.
 
@@ -594,6 +595,7 @@ def write_report(
         bootstrap_servers=bootstrap_servers,
         dlq_topic=dlq_topic,
         policies=policies,
+        public_key=public_key,
     )
     if out is None:
         out = os.path.join(data.demo_dir, "report.html") if data.demo_dir else "report.html"

@@ -54,6 +54,9 @@ class ReportData:
     first_trained: dict[str, float] = field(default_factory=dict)  # shard path -> first trained time
     policies_uri: str | None = None
     lineages: list[dict] = field(default_factory=list)  # per published version (list_lineages rows)
+    #: the shards committed now (a compacted shard by its replacement), as `rlrec inspect` counts
+    #: them; None: the manifest was not read
+    live_shards: list | None = None
     notes: dict[str, list[str]] = field(default_factory=dict)  # section -> notes
 
     def note(self, section: str, text: str) -> None:
@@ -99,12 +102,13 @@ def _episode_columns(storage: Any, entry: Any) -> dict[str, list] | None:
 
 
 def _load_shards(data: ReportData, uri: str) -> None:
-    from rlrec.store.manifest import read_first_commits
+    from rlrec.store.manifest import read_first_commits, read_manifest
 
     try:
         storage = _storage(uri)
         # as first committed: commit times and the paths the trainer logged (compaction aside)
         data.shards = read_first_commits(storage)
+        data.live_shards = read_manifest(storage)
     except Exception as e:
         data.note("shards", f"cannot read the manifest under {uri}: {type(e).__name__}: {e}")
         return
@@ -176,12 +180,12 @@ def _load_trainer(data: ReportData, uri: str) -> None:
                 data.first_trained.setdefault(key, float(t))
 
 
-def _load_lineages(data: ReportData, uri: str) -> None:
+def _load_lineages(data: ReportData, uri: str, public_key: str | None = None) -> None:
     from rlrec.trainer.lineage import LineageError, list_lineages
 
     data.policies_uri = uri
     try:
-        data.lineages = list_lineages(uri)
+        data.lineages = list_lineages(uri, public_key=public_key)
     except LineageError as e:  # no publish root (yet), or one that cannot be listed
         data.note("lineage", str(e))
         return
@@ -240,10 +244,12 @@ def collect(
     bootstrap_servers: str | None = None,
     dlq_topic: str | None = None,
     policies: str | None = None,
+    public_key: str | None = None,
 ) -> ReportData:
     """Gather the report's data. `data_dir`: a demo data dir (layout: demo.json, shards/,
     trainer/, metrics.jsonl) or a shards root; `input_uri`/`checkpoint_dir`/`policies` (the
-    publish root; default ``{checkpoint_dir}/policies``) override."""
+    publish root; default ``{checkpoint_dir}/policies``) override; `public_key` verifies the
+    published versions' lineage (default: ``$RLREC_POLICY_PUBLIC_KEY``)."""
     data = ReportData()
     demo_dir = None
     if data_dir is not None:
@@ -299,7 +305,7 @@ def collect(
         data.note("trainer", "no trainer checkpoint dir given (--checkpoint-dir)")
     policies = policies or (f"{checkpoint_dir.rstrip('/')}/policies" if checkpoint_dir else None)
     if policies:
-        _load_lineages(data, policies)
+        _load_lineages(data, policies, public_key)
     else:
         data.note("lineage", "no publish root (--policies or --checkpoint-dir)")
 

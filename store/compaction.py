@@ -510,6 +510,17 @@ def _entry_time(e: Entry) -> float:
     return e.commit_time if isinstance(e, ShardEntry) else e.time  # type: ignore[union-attr]
 
 
+def _released_by_last_writer(storage: Storage, topic: str, part: int, last: object) -> bool:
+    """Whether the writer of the log's newest entry released the partition since (a clean stop)."""
+    lease = read_lease(storage, topic, part)
+    return (
+        lease is not None
+        and lease.released
+        and lease.writer == getattr(last, "writer", None)
+        and lease.epoch >= (getattr(last, "epoch", None) or 0)
+    )
+
+
 def compact_unowned(
     storage: Storage,
     *,
@@ -569,7 +580,12 @@ def compact_unowned(
         entries = view.load()
         last = entries[-1] if entries else None
         age = time.time() - _entry_time(last) if last is not None else math.inf
-        if not force and age < lease_s and not (getattr(last, "writer", None) or "").startswith(_COMPACTOR):
+        if (
+            not force
+            and age < lease_s
+            and not (getattr(last, "writer", None) or "").startswith(_COMPACTOR)
+            and not _released_by_last_writer(storage, topic, part, last)
+        ):
             refused.append(
                 f"{where} has no owner lease but a consumer wrote to it {max(0.0, age):.0f}s ago "
                 "(a consumer of an rlrec without leases? stop it, or pass --force)"

@@ -7,6 +7,9 @@ it rewrites ``_owners/{topic}/{partition:05d}.json`` (beside the manifest, not i
 manifest readers never look there) every ``ttl_s / 3`` seconds with ``{"writer", "epoch",
 "renewed", "ttl_s"}``, off its polling thread, one storage attempt per renewal.
 
+An owner that stops cleanly (its last shard committed) marks its lease released
+(`release_lease`): the partition is free at once.
+
 Liveness (`judge_leases`) is judged two ways, and a lease is *live* if either says so:
 by the clock (renewed less than ``ttl_s`` ago by the reader's clock; a renewal "in the future"
 counts as live) and without one (read twice ``ttl_s`` apart: a lease that changed meanwhile was
@@ -49,6 +52,7 @@ __all__ = [
     "lease_path",
     "one_attempt",
     "read_lease",
+    "release_lease",
     "renew_lease",
 ]
 
@@ -70,16 +74,20 @@ class Lease:
     epoch: int
     renewed: float
     ttl_s: float
+    #: the owner stopped cleanly and let the partition go (`release_lease`): never live
+    released: bool = False
 
     def live(self, now: float | None = None) -> bool:
         """Whether the lease was renewed less than ``ttl_s`` ago (a renewal "in the future" by
-        this clock counts as live: clock skew errs on the side of leaving the partition alone)."""
+        this clock counts as live: clock skew errs on the side of leaving the partition alone)
+        and not released."""
         now = time.time() if now is None else now
-        return now - self.renewed < self.ttl_s
+        return not self.released and now - self.renewed < self.ttl_s
 
     def describe(self, now: float | None = None) -> str:
         now = time.time() if now is None else now
-        return f"writer {self.writer}, epoch {self.epoch}, renewed {max(0.0, now - self.renewed):.0f}s ago"
+        done = "released" if self.released else "renewed"
+        return f"writer {self.writer}, epoch {self.epoch}, {done} {max(0.0, now - self.renewed):.0f}s ago"
 
 
 def lease_path(topic: str, partition: int) -> str:
@@ -102,6 +110,26 @@ def renew_lease(
     storage.write(lease_path(topic, partition), json.dumps(doc, sort_keys=True).encode())
 
 
+def release_lease(
+    storage: Storage, topic: str, partition: int, *, writer: str, epoch: int, ttl_s: float = DEFAULT_LEASE_S
+) -> None:
+    """Say that `writer` (at `epoch`) stopped cleanly and let the partition go: tools such as
+    ``rlrec compact`` take it at once instead of waiting for the lease to expire (nothing it
+    wrote is left uncommitted). Raises storage errors.
+
+    Example:
+        >>> import tempfile
+        >>> from rlrec.store.storage import Storage
+        >>> st = Storage.from_uri(tempfile.mkdtemp())
+        >>> release_lease(st, "rl", 0, writer="host:1:abc", epoch=3)
+        >>> lease = read_lease(st, "rl", 0)
+        >>> lease.released, lease.live()
+        (True, False)
+    """
+    doc = {"writer": writer, "epoch": epoch, "renewed": time.time(), "ttl_s": ttl_s, "released": True}
+    storage.write(lease_path(topic, partition), json.dumps(doc, sort_keys=True).encode())
+
+
 def read_lease(storage: Storage, topic: str, partition: int) -> Lease | None:
     """The partition's lease, or None (none, or malformed: logged). Raises storage errors."""
     path = lease_path(topic, partition)
@@ -114,14 +142,16 @@ def read_lease(storage: Storage, topic: str, partition: int) -> Lease | None:
             raise ValueError("too large")
         d = json.loads(raw)
         writer, epoch, renewed, ttl = d["writer"], d["epoch"], d["renewed"], d["ttl_s"]
+        released = d.get("released", False)
         ok = (
             isinstance(writer, str)
             and type(epoch) is int
             and all(type(x) in (int, float) and math.isfinite(x) for x in (renewed, ttl))
             and ttl > 0
+            and type(released) is bool
         )
         if ok:
-            return Lease(writer, epoch, float(renewed), float(ttl))
+            return Lease(writer, epoch, float(renewed), float(ttl), released)
     except (ValueError, KeyError, TypeError, UnicodeDecodeError):
         pass
     log.warning("ignoring a malformed owner lease %s", storage.uri(path))
@@ -165,7 +195,7 @@ def judge_leases(
     watched: dict[tuple[str, int], Lease] = {}
     for key in keys:
         lease = read_lease(storage, *key)
-        if lease is None or ignore(lease):
+        if lease is None or lease.released or ignore(lease):
             out[key] = None
         elif lease.live():
             out[key] = lease

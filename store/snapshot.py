@@ -951,6 +951,42 @@ def _read_logs(storage: Storage) -> dict[tuple[str, int], list[Entry]]:
     return {k: PartitionLog(storage, *k).load(strict=True) for k in list_partition_logs(storage)}
 
 
+def _iso(ts: float) -> str:
+    """A UNIX time as ISO 8601 UTC with milliseconds, and the UNIX time itself.
+
+    Example:
+        >>> _iso(0.0)
+        '1970-01-01T00:00:00.000Z (UNIX 0.000)'
+    """
+    from datetime import datetime, timezone
+
+    text = datetime.fromtimestamp(ts, timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    return f"{text} (UNIX {ts:.3f})"
+
+
+def as_of_time(as_of: Any) -> Any:
+    """`as_of` with a time given as a `datetime`, a `date` or an ISO 8601 string (``2026-11-27``,
+    ``2026-11-27T04:00:00Z``; UTC when it names no zone) turned into a UNIX time; anything else
+    unchanged (a cursor string stays one).
+
+    Example:
+        >>> as_of_time("2026-11-27T04:00:00Z"), as_of_time("1970-01-02"), as_of_time("r1~0123456789ab~rl:0=3")
+        (1795752000.0, 86400.0, 'r1~0123456789ab~rl:0=3')
+    """
+    from datetime import date, datetime, timezone
+
+    if isinstance(as_of, str) and re.match(r"\d{4}-\d{2}-\d{2}", as_of.strip()):
+        try:
+            as_of = datetime.fromisoformat(as_of.strip().replace("Z", "+00:00"))
+        except ValueError:
+            return as_of  # not a time: the cursor parser says what is wrong
+    if isinstance(as_of, date) and not isinstance(as_of, datetime):
+        as_of = datetime(as_of.year, as_of.month, as_of.day)
+    if isinstance(as_of, datetime):
+        return (as_of if as_of.tzinfo else as_of.replace(tzinfo=timezone.utc)).timestamp()
+    return as_of
+
+
 def _point_at_time(logs: Mapping[tuple[str, int], list[Entry]], ts: float, storage: Storage) -> dict:
     """The positions of time `ts`: per partition log, the entries before the first one written
     after it. Refused (CursorError) unless `ts` is at least `APPEND_WINDOW_S` in the past: an
@@ -959,16 +995,16 @@ def _point_at_time(logs: Mapping[tuple[str, int], list[Entry]], ts: float, stora
         raise CursorError(f"as_of must be a UNIX time or a cursor, got {ts!r}")
     now = time.time()
     if ts > now:
-        raise CursorError(f"as_of {ts:.3f} is in the future (now {now:.3f}): later commits could still land before it")
+        raise CursorError(f"as_of {_iso(ts)} is in the future (now {_iso(now)}): later commits could still land before it")
     if ts > now - APPEND_WINDOW_S:
         raise CursorError(
-            f"as_of {ts:.3f} is less than {APPEND_WINDOW_S:.0f}s ago (now {now:.3f}): an append stamped before it may "
+            f"as_of {_iso(ts)} is less than {APPEND_WINDOW_S:.0f}s ago (now {_iso(now)}): an append stamped before it may "
             "still land; give an earlier time, or a cursor (rlrec.open(uri).cursor) for the newest point"
         )
     times = [e.commit_time for entries in logs.values() for e in entries if isinstance(e, ShardEntry)]
     if not times or ts < min(times):
-        first = f"the first commit is at {min(times):.3f}" if times else "it has no commits"
-        raise CursorError(f"as_of {ts:.3f} is before any commit of {storage.uri('')} ({first})")
+        first = f"the first commit is at {_iso(min(times))}" if times else "it has no commits"
+        raise CursorError(f"as_of {_iso(ts)} is before any commit of {storage.uri('')} ({first})")
     positions = {}
     for key, entries in logs.items():
         n = len(entries)
@@ -998,9 +1034,10 @@ def open_snapshot(storage: Storage | str, as_of: float | int | str | Cursor | No
 
     Args:
         storage: the store (a `Storage` or its URI: a path, ``s3://bucket/prefix``, ...).
-        as_of: None (the newest point), a UNIX time at least `APPEND_WINDOW_S` ago (float; the
-            entries committed at or before it, per partition log up to the first later one) or
-            a cursor (`Snapshot.cursor`).
+        as_of: None (the newest point), a time at least `APPEND_WINDOW_S` ago (a UNIX time, a
+            `datetime`, a `date` or an ISO 8601 string such as ``"2026-11-27T04:00:00Z"``; the
+            entries committed at or before it, per partition log up to the first later one) or a
+            cursor (`Snapshot.cursor`).
 
     Raises:
         FileNotFoundError: the store holds no manifest (nothing was ever committed there).
@@ -1026,6 +1063,7 @@ def open_snapshot(storage: Storage | str, as_of: float | int | str | Cursor | No
     st = Storage.from_uri(storage) if isinstance(storage, str) else storage
     if not st.exists(MANIFEST_DIR):
         raise FileNotFoundError(f"no rlrec manifest at {st.uri('')} (give the --output of rlrec consume)")
+    as_of = as_of_time(as_of)
     records = read_removals(st)  # before the logs: every record's positions are in them
     logs = _read_logs(st)
     removed = resolve_removals(records, logs)

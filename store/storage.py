@@ -334,6 +334,10 @@ def _clean_rel(path: str) -> str:
     return "/".join(parts)
 
 
+#: the schemes of object stores and file systems written with one slash or none after the colon
+_MALFORMED = re.compile(r"(?i)(s3|s3a|gs|gcs|az|abfs|abfss):(?!//)")
+
+
 def _split_uri(uri: str) -> tuple[str, str]:
     """('scheme', rest) -- scheme '' for plain local paths (incl. Windows drives)."""
     if "://" in uri:
@@ -423,6 +427,9 @@ class Storage:
         """
         uri = os.fspath(uri)
         scheme, _ = _split_uri(uri)
+        bad = _MALFORMED.match(uri)
+        if scheme == "" and bad:  # s3:/bucket/x, gs:bucket: a URI missing a slash, not a local path
+            raise ValueError(f"cannot open {uri!r}: a malformed URI (write {bad.group(1)}://bucket/prefix)")
         if scheme == "" or (len(scheme) == 1 and os.name == "nt"):
             return cls(pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(uri)), retry=retry, **kw)
         if scheme in ("gs", "gcs"):
@@ -434,7 +441,15 @@ class Storage:
             settings = azure.AzureSettings.from_env(account)
             fs = azure.azure_filesystem(settings)
             return cls(fs, path, retry=retry, uri=uri, azure_settings=settings, **kw)
-        fs, path = pafs.FileSystem.from_uri(uri)
+        try:
+            fs, path = pafs.FileSystem.from_uri(uri)
+        except pa.ArrowInvalid as e:
+            if "Unrecognized filesystem type" in str(e):
+                raise ValueError(
+                    f"cannot open {uri!r}: unknown URI scheme {scheme!r} (give a path, file:///path, "
+                    "s3://bucket/prefix, gs://bucket/prefix or az://container/prefix)"
+                ) from None
+            raise ValueError(f"cannot open {uri!r}: {e}") from None
         if fs.type_name == "s3":
             fs = _rebuild_s3(fs, s3_request_attempts)
         return cls(fs, path, retry=retry, uri=uri, **kw)

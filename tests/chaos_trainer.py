@@ -371,7 +371,7 @@ class Run:
             self.kill_trainer()
             return
         self.say(f"SIGTERM: trainer exited with {rc}")
-        if rc != 0:
+        if rc != 143:  # 128 + SIGTERM after the clean stop
             self.problems.append(f"the trainer exited with {rc} on SIGTERM")
 
     def stop_stack(self) -> None:

@@ -135,7 +135,7 @@ def test_compose_services_close_the_loop_on_local_kafka_and_s3(tmp_path):
         # stop in the demo's order: policies, then consumer and trainer (they flush / checkpoint)
         for p in policies:
             assert p.stop(60) == 0, p.text()[-3000:]
-        assert consumer.stop(90) == 0, consumer.text()[-3000:]
+        assert consumer.stop(90) == 143, consumer.text()[-3000:]  # 128 + SIGTERM, after the clean stop
         trainer.stop(120)
 
         # what the compose user would look at: shards, manifest, checkpoints and policies on S3

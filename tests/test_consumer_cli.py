@@ -240,7 +240,10 @@ def test_log_format_json_writes_json_lines(monkeypatch, tmp_path, capsys, restor
         def __init__(self, config):
             seen["config"] = config
 
-        def run(self, max_seconds=None):
+        def stop(self, *_):
+            pass
+
+        def run(self, max_seconds=None, install_signals=True):
             log = logging.getLogger("rlrec.consumer")
             log.info("partition %d: claimed epoch %d", 3, 1)
             try:

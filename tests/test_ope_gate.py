@@ -163,6 +163,12 @@ def test_promotion_gate_option_values():
     assert TrainerConfig(input="x", checkpoint_dir="y", promotion_gate="ope").gate
 
 
+def _without_phases(stderr: str) -> list[str]:
+    """stderr's lines without the phase lines (``rlrec evaluate: loading ...``) said before an error."""
+    lines = stderr.strip().splitlines()
+    return [x for x in lines if not (x.startswith("rlrec evaluate: ") and not x.startswith("rlrec evaluate: error: "))]
+
+
 def test_evaluate_command_json_contract(logged, tmp_path, capsys):
     from rlrec.cli import main
     from rlrec.store.storage import Storage
@@ -209,11 +215,11 @@ def test_evaluate_command_json_contract(logged, tmp_path, capsys):
     assert doc["diagnostics"]["mb"]["refits"] == 2 and doc["diagnostics"]["mb"]["starts"] == min(256, doc["episodes"])
     # latest, default estimators (wdr first), only behaviour version 7: none
     assert main([*args, "--behavior-version", "7"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
+    err = _without_phases(capsys.readouterr().err)
     assert len(err) == 1 and err[0].startswith("rlrec evaluate: error: no held-out episodes")
     for bad in (["--estimators", "dr"], ["--version", "x"], ["--holdout-fraction", "1.5"]):
         assert main([*args, *bad]) == 2, bad
-        err = capsys.readouterr().err.strip().splitlines()
+        err = _without_phases(capsys.readouterr().err)
         assert len(err) == 1 and err[0].startswith("rlrec evaluate: error: "), err
 
 

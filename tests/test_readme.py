@@ -1,4 +1,5 @@
-"""The README is executable: every ```bash and ```python block in README.md runs here.
+"""The README is executable: every ```bash and ```python block in README.md, and in the docs
+pages that parts of it moved to (`PAGES`), runs here.
 
 A block runs as written, or with the substitutions it declares in an HTML comment on the
 line(s) just before it, or not at all with a visible reason::
@@ -28,6 +29,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+#: README.md and the docs pages that parts of it moved to: their blocks run here too
+PAGES = (README, ROOT / "docs" / "BENCHMARKS.md", ROOT / "docs" / "READING.md")
 DIRECTIVE = re.compile(r"^<!--\s*readme-test:\s*(.*?)\s*-->\s*$")
 FENCE = re.compile(r"^```(\w*)\s*$")
 RUN_LANGS = ("bash", "python")
@@ -44,10 +47,12 @@ class Block:
     line: int  # of the opening fence, 1-based
     substitutions: dict[str, str] = field(default_factory=dict)
     not_run: str | None = None  # the reason, when it does not run here
+    page: str = "README.md"  # the file it is in, relative to the repository
 
     @property
     def id(self) -> str:
-        return f"{self.lang}-line{self.line}"
+        prefix = "" if self.page == "README.md" else self.page.replace("/", "-").removesuffix(".md") + "-"
+        return f"{prefix}{self.lang}-line{self.line}"
 
     def tokens(self) -> set[str]:
         return {v for v in self.substitutions.values() if re.fullmatch(r"<\w+>", v)}
@@ -104,7 +109,12 @@ def parse_blocks(text: str) -> list[Block]:
     return blocks
 
 
-BLOCKS = [b for b in parse_blocks(README.read_text()) if b.lang in RUN_LANGS]
+def _page_blocks(path: Path) -> list[Block]:
+    page = str(path.relative_to(ROOT))
+    return [Block(b.lang, b.code, b.line, b.substitutions, b.not_run, page) for b in parse_blocks(path.read_text())]
+
+
+BLOCKS = [b for path in PAGES for b in _page_blocks(path) if b.lang in RUN_LANGS]
 
 
 def test_every_block_runs_or_says_why_not():
@@ -113,8 +123,8 @@ def test_every_block_runs_or_says_why_not():
     assert BLOCKS, "no ```bash or ```python blocks found in README.md"
     for b in BLOCKS:
         for old in b.substitutions:
-            assert old in b.code, f"README.md:{b.line}: substitute {old!r}: not in the block"
-    not_run = [f"README.md:{b.line} ({b.lang}): {b.not_run}" for b in BLOCKS if b.not_run]
+            assert old in b.code, f"{b.page}:{b.line}: substitute {old!r}: not in the block"
+    not_run = [f"{b.page}:{b.line} ({b.lang}): {b.not_run}" for b in BLOCKS if b.not_run]
     print("not run here:\n  " + "\n  ".join(not_run))
     assert any(b.not_run is None and b.lang == "python" for b in BLOCKS)
 
@@ -126,7 +136,7 @@ def _marks(b: Block) -> list:
     if "ray" in b.code:
         marks.append(pytest.mark.system)
     if b.not_run:
-        marks.append(pytest.mark.skip(reason=f"README.md:{b.line}: not run here: {b.not_run}"))
+        marks.append(pytest.mark.skip(reason=f"{b.page}:{b.line}: not run here: {b.not_run}"))
     return marks
 
 
@@ -202,7 +212,7 @@ def test_readme_block(block: Block, request: pytest.FixtureRequest, tmp_path: Pa
             (tmp_path / "tmp").mkdir()
             made[token] = str(tmp_path / "tmp")
         else:
-            pytest.fail(f"README.md:{block.line}: unknown substitution value {token}")
+            pytest.fail(f"{block.page}:{block.line}: unknown substitution value {token}")
     code = block.code
     for old, new in block.substitutions.items():
         code = code.replace(old, made.get(new, new))
@@ -213,5 +223,5 @@ def test_readme_block(block: Block, request: pytest.FixtureRequest, tmp_path: Pa
     env.update(PATH=f"{bindir}{os.pathsep}{env.get('PATH', '')}", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
     cmd = [sys.executable, "-"] if block.lang == "python" else ["bash", "-e", "-s"]
     p = subprocess.run(cmd, input=code, cwd=work, env=env, capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
-    assert p.returncode == 0, f"README.md:{block.line} failed (exit {p.returncode}):\n{code}\n{p.stdout}\n{p.stderr}"
-    assert "Traceback" not in p.stderr, f"README.md:{block.line} printed a traceback:\n{p.stderr}"
+    assert p.returncode == 0, f"{block.page}:{block.line} failed (exit {p.returncode}):\n{code}\n{p.stdout}\n{p.stderr}"
+    assert "Traceback" not in p.stderr, f"{block.page}:{block.line} printed a traceback:\n{p.stderr}"

@@ -238,7 +238,7 @@ def test_two_learners_on_two_nodes_train_on_shards_a_live_consumer_commits(
         finally:
             output = _stop(proc)
         first_run_s = time.time() - t0
-        assert proc.returncode == 0, output[-4000:]
+        assert proc.returncode == 143, output[-4000:]  # 128 + SIGTERM, after the clean stop
         assert "Ray cluster: 2 node(s)" in output
         lines = read_metrics(ck)
         # both Learners took rows from the stream (streaming_split with one-row blocks does not stall)
@@ -262,7 +262,7 @@ def test_two_learners_on_two_nodes_train_on_shards_a_live_consumer_commits(
             )
         finally:
             output = _stop(proc)
-        assert proc.returncode == 0, output[-4000:]
+        assert proc.returncode == 143, output[-4000:]  # 128 + SIGTERM, after the clean stop
         assert f"resumed from checkpoints/ckpt-{latest['iteration']:08d}" in output or "resumed from" in output
         after = read_metrics(ck)
         its = [r["iteration"] for r in after]

@@ -189,6 +189,11 @@ class TrainerConfig:
     wait_for_data: bool = option(
         False, help="train only while fresh shards are waiting (off: keep training on the replay window)"
     )
+    first_shard_timeout_s: float | None = option(
+        None,
+        help="exit (code 1, one error line saying why) when no committed shard appears within this many "
+        "seconds of the start (scripts); default: wait, saying why every 30 s",
+    )
     min_time_s_per_iteration: float = option(1.0, help="RLlib min_time_s_per_iteration")
     fresh_fraction: float = option(0.5, help="share of reads going to fresh shards while a backlog exists (0 < f <= 1)")
     replay_shards: int | None = option(None, help="replay window: the N most recent trained shards")

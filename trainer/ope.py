@@ -393,11 +393,11 @@ class _Prepared:
         cum = cum[self.idx]
         # per-column scaling cancels in every ratio estimator: exp(cum - max over episodes)
         with np.errstate(invalid="ignore"):
-            colmax = np.max(np.where(np.isfinite(cum), cum, -np.inf), axis=0)
+            colmax = np.max(np.where(np.isfinite(cum), cum, -np.inf), axis=0, initial=-np.inf)
         colmax = np.where(np.isfinite(colmax), colmax, 0.0)
         self.w = np.exp(cum - colmax)  # (n, H)
         prev = np.concatenate([np.zeros((len(self.idx), 1)), cum[:, :-1]], axis=1)
-        pmax = np.max(np.where(np.isfinite(prev), prev, -np.inf), axis=0)
+        pmax = np.max(np.where(np.isfinite(prev), prev, -np.inf), axis=0, initial=-np.inf)
         pmax = np.where(np.isfinite(pmax), pmax, 0.0)
         self.w_prev = np.exp(prev - pmax)
         self.r = data.padded(data.rewards)[self.idx]

@@ -172,6 +172,7 @@ class HeldOutReader:
         from rlrec.trainer.episode_check import unusable_reason
 
         if entry.episode_ids and not any(is_held_out(str(i), self.fraction) for i in entry.episode_ids):
+            self.stats.episodes_seen += len(entry.episode_ids)
             return []  # the manifest names its episodes: none is held out, nothing to read
         if entry.format != "episodes":
             raise ValueError(f"{entry.format} shards are not read by the evaluator (episode shards only)")

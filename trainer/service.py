@@ -27,7 +27,15 @@ from rlrec.trainer.lineage import LineageError, add_seq, ranges_doc
 from rlrec.trainer.metrics import TrainerMetrics
 from rlrec.trainer.storage_health import StorageHealth
 
-__all__ = ["ALGORITHMS", "ContinuousTrainer", "StoreTooNew", "TrainerConfig", "TrainerLost", "UnsupportedCombination"]
+__all__ = [
+    "ALGORITHMS",
+    "ContinuousTrainer",
+    "NoFirstShard",
+    "StoreTooNew",
+    "TrainerConfig",
+    "TrainerLost",
+    "UnsupportedCombination",
+]
 
 log = logging.getLogger("rlrec.trainer")
 
@@ -63,6 +71,12 @@ class StoreTooNew(RuntimeError):
 
     #: `rlrec train` prints the message as its one error line
     exit_code = 2
+
+
+class NoFirstShard(RuntimeError):
+    """No committed shard appeared within ``--first-shard-timeout-s`` (exit code 1, one line saying why)."""
+
+    exit_code = 1
 
 
 class UnsupportedCombination(ValueError):
@@ -225,6 +239,8 @@ class ContinuousTrainer:
         )
         last_log = 0.0
         health = StorageHealth(self.input.uri())
+        timeout = self.cfg.first_shard_timeout_s
+        deadline = None if timeout is None else time.monotonic() + timeout
         while not self._stop.is_set():
             try:
                 infos = [i for i in follower.poll(force_discover=True) if i.key not in (skip or ())]
@@ -239,15 +255,34 @@ class ContinuousTrainer:
             if infos:
                 self.fmt = follower.fmt
                 return [follower.entries[i.key] for i in infos]
-            if time.monotonic() - last_log > self.cfg.idle_log_interval_s:
-                log.info(
-                    "waiting for the first committed shard under %s%s",
-                    self.input.uri(),
-                    f" (policy {self.cfg.policy_id})" if self.cfg.policy_id else "",
+            if deadline is not None and time.monotonic() >= deadline:
+                raise NoFirstShard(
+                    f"no committed shard under {self.input.uri()} within {timeout:g} s "
+                    f"(--first-shard-timeout-s): {self._why_no_shard()}"
                 )
+            if time.monotonic() - last_log > self.cfg.idle_log_interval_s:
+                log.info("waiting for the first committed shard under %s: %s", self.input.uri(), self._why_no_shard())
                 last_log = time.monotonic()
             self._stop.wait(max(0.2, self.cfg.poll_interval_s))
         return []
+
+    def _why_no_shard(self) -> str:
+        """What the input lacks before its first shard (for the waiting line)."""
+        from rlrec.store.locate import locate_store
+
+        try:
+            where = locate_store(self.input.uri(), self.input)
+        except Exception as e:  # a hint only: never what stops the wait
+            return f"the store does not answer ({type(e).__name__}: {e})"
+        why = where.mistake or where.waiting_for
+        if why is None:
+            why = (
+                "no shard is committed yet (a consumer commits its first one after --max-file-age-s, "
+                "60 s by default, or --max-episodes-per-file episodes)"
+            )
+        if self.cfg.policy_id:
+            why += f"; only policy {self.cfg.policy_id}'s shards are read (--policy-id)"
+        return why
 
     def _spaces(self, entries: list) -> bool:
         """Set the spaces (from --env, else the first usable shard); False: no usable shard yet."""
@@ -1259,6 +1294,8 @@ class ContinuousTrainer:
             self._watchdog.stop()
         if self.metrics is not None:
             self.metrics.close()
+        if self.algo is not None or self._started_ray:
+            log.info("stopping the algorithm and Ray (a few seconds)")
         if self.algo is not None:
             try:
                 self.algo.offline_data.stop()

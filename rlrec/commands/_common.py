@@ -57,7 +57,7 @@ def open_output(uri: str, option: str = "URI"):
         >>> open_output("foo://bar")
         Traceback (most recent call last):
         ...
-        rlrec.errors.UsageError: URI: cannot open 'foo://bar': ... (give a path, file:///path, s3://bucket/prefix, gs://bucket/prefix or az://container/prefix)
+        rlrec.errors.UsageError: URI: cannot open 'foo://bar': unknown URI scheme 'foo' (give a path, file:///path, s3://bucket/prefix, gs://bucket/prefix or az://container/prefix)
     """
     from rlrec.errors import UsageError
     from rlrec.store.storage import Storage
@@ -66,7 +66,9 @@ def open_output(uri: str, option: str = "URI"):
         raise UsageError(f"{option} is empty: give {URI_FORMS}")
     try:
         return Storage.from_uri(uri)
-    except Exception as e:  # pyarrow: ArrowInvalid for an unknown scheme, ValueError, ...
+    except Exception as e:  # ValueError for a malformed URI or an unknown scheme, ...
+        if str(e).startswith("cannot open "):  # Storage.from_uri's own: it says what to write
+            raise UsageError(f"{option}: {e}") from e
         raise UsageError(f"{option}: cannot open {uri!r}: {e} (give {URI_FORMS})") from e
 
 

@@ -13,7 +13,9 @@ from rlrec.options import OptionSet, option
 class BrokerOptions:
     """Options of `rlrec broker`."""
 
-    port: int | None = option(None, help="listen port (default: a free one)")
+    port: int | None = option(
+        None, help="listen port (default: 9092, Kafka's, when it is free on 127.0.0.1, else a free one, said on stderr)"
+    )
     storage: Literal["memory", "s3"] = option("memory", help="memory, or s3 (a local moto S3 in this process)")
     log_path: str | None = option(None, help="broker log file (default: a temp file)")
     startup_timeout: float = option(20.0, help="seconds to wait for the broker")
@@ -37,6 +39,31 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run, options=OPTIONS)
 
 
+#: Kafka's port, the one `rlrec broker` takes when it is free (snippets say kafka:9092)
+KAFKA_PORT = 9092
+
+
+def default_port(preferred: int = KAFKA_PORT, host: str = "127.0.0.1") -> int | None:
+    """`preferred` when it can be bound on `host` now, else None (the broker takes a free one).
+
+    Example:
+        >>> import socket
+        >>> with socket.socket() as s:
+        ...     s.bind(("127.0.0.1", 0)); s.listen()
+        ...     taken = s.getsockname()[1]
+        ...     default_port(taken) != taken
+        True
+    """
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind((host, preferred))
+        except OSError:
+            return None
+    return preferred
+
+
 def run(args: argparse.Namespace) -> int:
     import signal
     import sys
@@ -53,10 +80,15 @@ def run(args: argparse.Namespace) -> int:
         received.append(signum)
         stop.set()
 
+    port = opts.port
+    if port is None:
+        port = default_port()
+        if port is None:
+            print(f"rlrec broker: port {KAFKA_PORT} is taken: listening on a free port", file=sys.stderr)
     previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     broker = LocalBroker(
         opts.storage,
-        port=opts.port,
+        port=port,
         log_path=opts.log_path,
         startup_timeout=opts.startup_timeout,
     )

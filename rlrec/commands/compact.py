@@ -86,14 +86,23 @@ def run(args: argparse.Namespace) -> int:
 
     storage = open_output(opts.uri)
     require_manifest(storage, opts.uri)
+    from rlrec.consumer.summary import human_bytes
+    from rlrec.store.manifest import list_partition_logs
+
+    print(
+        f"rlrec compact: {len(list_partition_logs(storage)):,} partition log(s) under {opts.uri}: checking their "
+        "owner leases (one that looks expired is watched up to 60 s for a renewal), then merging",
+        file=sys.stderr,
+        flush=True,
+    )
     results, refused = compact_unowned(
         storage, target_bytes=opts.target_bytes, min_age_s=opts.min_age, policy_id=opts.policy, force=opts.force
     )
     for r in results:
         skipped = f"; {len(r.skipped)} run(s) left alone" if r.skipped else ""
         print(
-            f"{r.topic}/{r.partition:05d}: replaced {r.replaced} shard(s) ({r.bytes_before} bytes) "
-            f"with {r.written} ({r.bytes_after} bytes){skipped}"
+            f"{r.topic}/{r.partition:05d}: replaced {r.replaced:,} shard(s) ({human_bytes(r.bytes_before)}) "
+            f"with {r.written:,} ({human_bytes(r.bytes_after)}){skipped}"
         )
         for s in r.skipped:
             print(f"rlrec compact: warning: {r.topic}/{r.partition:05d}: {s}", file=sys.stderr)

@@ -113,17 +113,26 @@ def _run(args: argparse.Namespace) -> int:
 
     logging_args = (opts["log_format"], opts["log_level"])
     setup_logging(*logging_args)
+    from rlrec.commands._signals import StopSignals
     from rlrec.consumer.service import RecorderConsumer
 
     max_seconds = opts["max_seconds"]
+    signals = None
     try:
         if processes > 1:
             from rlrec.supervisor import ConsumerProcesses
 
-            return ConsumerProcesses(config, processes, max_seconds, logging_args).run()
+            supervisor = ConsumerProcesses(config, processes, max_seconds, logging_args)
+            signals = StopSignals(supervisor.stop).install()
+            return signals.exit_code(supervisor.run(install_signals=False))
         freeze_startup_objects()
-        RecorderConsumer(config).run(max_seconds=max_seconds)
+        consumer = RecorderConsumer(config)
+        signals = StopSignals(consumer.stop).install()
+        consumer.run(max_seconds=max_seconds, install_signals=False)
+        return signals.exit_code(0)
     except ConditionalWritesError as e:
         print(f"rlrec consume: error: {e}", file=sys.stderr)
         return 2
-    return 0
+    finally:
+        if signals is not None:
+            signals.restore()

@@ -38,7 +38,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import sys
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from rlrec.options import OptionSet, option
@@ -101,6 +105,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run, options=OPTIONS)
 
 
+def _say(message: str) -> None:
+    """A start-up phase, on stderr as it begins (stdout stays the result's)."""
+    print(f"rlrec evaluate: {message}", file=sys.stderr, flush=True)
+
+
 def _fail(message: str) -> int:
     print(f"rlrec evaluate: error: {message}", file=sys.stderr)
     return 2
@@ -127,8 +136,10 @@ def _run(args: argparse.Namespace) -> int:
         return _fail(f"--compare-to must be a version number or behavior, got {ev.compare_to!r}")
     if ev.gamma is not None and not 0.0 < ev.gamma <= 1.0:
         return _fail(f"--gamma must be in (0, 1], got {ev.gamma}")
+    if not ev.public_key and not os.environ.get("RLREC_POLICY_PUBLIC_KEY") and not ev.allow_unsigned:
+        return _fail(NO_KEY)
     try:
-        result = evaluate_published(ev, ope, names)
+        result = evaluate_published(ev, ope, names, say=_say)
     except _UserError as e:
         return _fail(str(e))
     if ev.json:
@@ -143,25 +154,101 @@ class _UserError(Exception):
     pass
 
 
-def evaluate_published(ev: EvaluateOptions, ope: OPESettings, names: tuple[str, ...]) -> dict:
-    """The result document of `rlrec evaluate` (the ``--json`` contract)."""
+#: the one line for a command line that gives no way to trust a version
+NO_KEY = (
+    "no public key to verify the policy with: give --public-key FILE (the trainer's Ed25519 public key, "
+    "or set RLREC_POLICY_PUBLIC_KEY), or --allow-unsigned to evaluate an unsigned version"
+)
+
+#: the loader's (Python) names of its options -> this command's flags, in its messages
+_FLAG_NAMES = (
+    ("public_key= or RLREC_POLICY_PUBLIC_KEY", "--public-key or RLREC_POLICY_PUBLIC_KEY"),
+    ("allow_unsigned=True", "--allow-unsigned"),
+    ("public_key=", "--public-key"),
+)
+
+
+def _in_flags(message: str) -> str:
+    """A policy loader's message with its keyword names replaced by the command's flags.
+
+    Example:
+        >>> _in_flags("v000003 is not signed: configure (public_key= or RLREC_POLICY_PUBLIC_KEY), or pass allow_unsigned=True")
+        'v000003 is not signed: configure (--public-key or RLREC_POLICY_PUBLIC_KEY), or pass --allow-unsigned'
+    """
+    for name, flag in _FLAG_NAMES:
+        message = message.replace(name, flag)
+    return message
+
+
+def published_versions(policies: str) -> list[int]:
+    """The versions published under `policies` (a publish root, or a checkpoint dir holding
+    ``policies/``), in order; empty when none is (or the root cannot be listed).
+
+    Example:
+        >>> published_versions("/nonexistent")
+        []
+    """
+    from rlrec.store.storage import Storage
+
+    try:
+        storage = Storage.from_uri(policies)
+        if not storage.exists("latest.json") and storage.exists("policies/latest.json"):
+            storage = Storage.from_uri(policies.rstrip("/") + "/policies")
+        names = [f.name for f in storage.list("") if f.is_dir]
+    except Exception:  # unreachable or not a URI: the loader says what is wrong
+        return []
+    return sorted(int(n[1:]) for n in names if re.fullmatch(r"v\d{6}", n))
+
+
+def _ranges(versions: list[int]) -> str:
+    """``[1, 2, 3, 5]`` -> ``"1-3, 5"``."""
+    out: list[str] = []
+    for v in versions:
+        if out and int(out[-1].rpartition("-")[2]) == v - 1:
+            out[-1] = f"{out[-1].partition('-')[0]}-{v}"
+        else:
+            out.append(str(v))
+    return ", ".join(out)
+
+
+def evaluate_published(
+    ev: EvaluateOptions, ope: OPESettings, names: tuple[str, ...], say: Callable[[str], None] = lambda m: None
+) -> dict:
+    """The result document of `rlrec evaluate` (the ``--json`` contract); `say` is told each
+    phase as it begins."""
+    say(
+        f"loading {'the latest version' if ev.version == 'latest' else 'version ' + ev.version} of the policy under {ev.policies}"
+    )
     from rlrec.store.snapshot import CursorError
     from rlrec.store.storage import StorageError
     from rlrec.trainer.ope import FQEConfig, LoggedData, PolicyTarget, compare, evaluate
     from rlrec.trainer.ope_data import HeldOutReader
-    from rlrec.trainer.policy import PolicyLoadError, load_policy
+    from rlrec.trainer.policy import PolicyLoadError, UnsignedPolicyWarning, load_policy
 
+    if ev.version != "latest":
+        versions = published_versions(ev.policies)
+        if int(ev.version) not in versions:
+            published = f"published: {_ranges(versions)}" if versions else "no version is published there"
+            raise _UserError(f"--version {int(ev.version)}: no such version under {ev.policies} ({published})")
     try:
-        policy = load_policy(
-            ev.policies,
-            version=None if ev.version == "latest" else int(ev.version),
-            public_key=ev.public_key,
-            allow_unsigned=ev.allow_unsigned,
-        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", UnsignedPolicyWarning)
+            policy = load_policy(
+                ev.policies,
+                version=None if ev.version == "latest" else int(ev.version),
+                public_key=ev.public_key,
+                allow_unsigned=ev.allow_unsigned,
+            )
     except (PolicyLoadError, ValueError, OSError) as e:
-        raise _UserError(f"cannot load the policy: {e}") from None
+        raise _UserError(f"cannot load the policy: {_in_flags(str(e))}") from None
+    for w in caught:
+        if issubclass(w.category, UnsignedPolicyWarning):
+            print(f"rlrec evaluate: warning: {_in_flags(str(w.message))}", file=sys.stderr)
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     if policy.spec.get("format") != "safetensors":
         raise _UserError("only code-free (safetensors) policy versions can be evaluated")
+    say(f"reading the held-out episodes (--holdout-fraction {ope.holdout_fraction}) under {ev.input}")
     try:
         reader = HeldOutReader(ev.input, ope.holdout_fraction, policy_id=ev.policy_id)
         episodes = reader.refresh(as_of=ev.as_of)
@@ -182,6 +269,7 @@ def evaluate_published(ev: EvaluateOptions, ope: OPESettings, names: tuple[str, 
     obs_dim = int(policy.spec["network"]["input_dim"])
     if data.obs.shape[1] != obs_dim:
         raise _UserError(f"the episodes' observations have {data.obs.shape[1]} values, the policy takes {obs_dim}")
+    say(f"estimating with {', '.join(names)} on {data.n_episodes} episodes ({data.steps} steps)")
     settings = {
         "ci": ope.ope_ci,
         "n_boot": ope.ope_bootstrap,
@@ -201,7 +289,7 @@ def evaluate_published(ev: EvaluateOptions, ope: OPESettings, names: tuple[str, 
                     ev.policies, version=int(ev.compare_to), public_key=ev.public_key, allow_unsigned=ev.allow_unsigned
                 )
             except (PolicyLoadError, ValueError, OSError) as e:
-                raise _UserError(f"cannot load --compare-to {ev.compare_to}: {e}") from None
+                raise _UserError(f"cannot load --compare-to {ev.compare_to}: {_in_flags(str(e))}") from None
         cmp = compare(
             data,
             target,
@@ -270,3 +358,8 @@ def _print(r: dict) -> None:
         else:
             print(f"v{r['version']} - {c['compare_to']} ({c['estimator']}): not estimable: {c['reason']}")
     print(f"cursor: {r['data']['cursor']}")
+    if not d.get("coverage"):
+        print(
+            "no held-out step carries the behaviour's propensity (action_logp): record it with each step "
+            "(Policy.act returns it; EpisodeRecorder.log_step(..., extra_model_outputs={'action_logp': ...}))"
+        )

@@ -121,6 +121,7 @@ def _print_propensities(console, counts: dict) -> None:
     evaluation needs ``action_logp`` at every step), and the shards whose entry does not say."""
     from rich import box
     from rich.table import Table
+    from rich.text import Text
 
     rows = [(pid, v, n) for pid, per in counts["by_policy"].items() for v, n in per.items()]
     if rows:
@@ -128,7 +129,7 @@ def _print_propensities(console, counts: dict) -> None:
         for col in ("policy", "version", "steps"):
             t.add_column(col, justify="left" if col == "policy" else "right")
         for pid, v, n in rows:
-            t.add_row(pid, v, f"[yellow]{n:,}[/yellow]" if n else "0")
+            t.add_row(Text(pid), Text(str(v)), Text(f"{n:,}", style="yellow") if n else "0")
         console.print(t)
     unknown = counts["unknown"]
     if unknown["shards"]:
@@ -159,6 +160,24 @@ def _print_lineages(console, rows: list[dict], policies: str) -> None:
             cursor = Text(cursor)
         t.add_row(str(r["policy_version"]), signed, str(r["shards"] if r["shards"] is not None else "–"), held, cursor)
     console.print(t)
+
+
+def _no_shards_yet(storage) -> str:
+    """What a store with a manifest but no committed shard is waiting for."""
+    from rlrec.store.manifest import PartitionLog, list_partition_logs
+
+    logs = list_partition_logs(storage)
+    if not logs:
+        return "no shard committed yet, and no partition claimed: no consumer has started on this --output"
+    claims = [e for key in logs for e in PartitionLog(storage, *key).load() if not hasattr(e, "episodes")]
+    last = max((getattr(e, "time", 0.0) for e in claims), default=0.0)
+    import time
+
+    ago = f", the last {max(0.0, time.time() - last):,.0f} s ago" if last else ""
+    return (
+        f"no shard committed yet: {len(logs):,} partition(s) claimed{ago}; a consumer commits a partition's "
+        "first shard after --max-file-age-s (60 s by default) or once a shard is full"
+    )
 
 
 @reports_storage_errors("inspect")
@@ -248,41 +267,52 @@ def run(args: argparse.Namespace) -> int:
     topics = sorted({s["topic"] for s in doc["shards"]})
     one_topic = len(topics) == 1
     title = f"committed shards in {root}" + (f", topic {topics[0]}" if one_topic else "")
-    table = Table(title=title, caption="file paths: --json", box=box.SIMPLE_HEAD, padding=(0, 1))
-    for col, kw in [
-        ("policy", {"overflow": "ellipsis", "no_wrap": True, "max_width": 24}),
-        ("part" if one_topic else "topic/part", {"justify": "right", "no_wrap": True}),
-        ("offsets", {"justify": "right", "no_wrap": True}),
-        ("episodes", {"justify": "right", "no_wrap": True}),
-        ("steps", {"justify": "right", "no_wrap": True}),
-        ("bytes", {"justify": "right", "no_wrap": True}),
-        ("committed (UTC)", {"no_wrap": True}),
-    ]:
-        table.add_column(col, **kw)
-    for s in doc["shards"]:
-        t = datetime.fromtimestamp(s["commit_time"], tz=timezone.utc).strftime("%m-%d %H:%M:%S")
-        table.add_row(
+    if not doc["shards"]:
+        console.print(_no_shards_yet(storage))
+    rows = [
+        (
             s["policy_id"],
             str(s["partition"]) if one_topic else f"{s['topic']}/{s['partition']}",
-            f"{s['first_offset']}-{s['last_offset']}",
-            str(s["episodes"]),
-            str(s["steps"]),
+            f"{s['first_offset']}-{s['last_offset']}",  # Kafka offsets: positions, printed as Kafka's tools do
+            f"{s['episodes']:,}",
+            f"{s['steps']:,}",
             _human_bytes(s["bytes"]),
-            t,
+            datetime.fromtimestamp(s["commit_time"], tz=timezone.utc).strftime("%m-%d %H:%M:%S"),
         )
-    console.print(table)
+        for s in doc["shards"]
+    ]
+    table = Table(title=title, caption="file paths: --paths; everything: --json", box=box.SIMPLE_HEAD, padding=(0, 1))
+    headers = [
+        "policy",
+        "part" if one_topic else "topic/part",
+        "offsets",
+        "episodes",
+        "steps",
+        "bytes",
+        "committed (UTC)",
+    ]
+    for i, col in enumerate(headers):
+        if i == 0:  # policy ids may shorten (an ellipsis); numbers never do: their columns keep their width
+            table.add_column(col, overflow="ellipsis", max_width=24, min_width=6)
+        else:
+            widest = max([len(col), *(len(r[i]) for r in rows)])
+            table.add_column(col, justify="left" if i == 6 else "right", no_wrap=True, min_width=widest)
+    for r in rows:
+        table.add_row(Text(r[0]), *r[1:])
+    if rows:
+        console.print(table)
 
     tot = doc["totals"]
     totals = Table(title="totals", box=box.SIMPLE_HEAD)
     for col in ("policy", "shards", "episodes", "steps", "bytes"):
         totals.add_column(col, justify="left" if col == "policy" else "right")
     for pid, t in tot["policies"].items():
-        totals.add_row(pid, str(t["shards"]), str(t["episodes"]), str(t["steps"]), _human_bytes(t["bytes"]))
+        totals.add_row(Text(pid), f"{t['shards']:,}", f"{t['episodes']:,}", f"{t['steps']:,}", _human_bytes(t["bytes"]))
     totals.add_row(
         Text("all", style="bold"),
-        str(tot["shards"]),
-        str(tot["episodes"]),
-        str(tot["steps"]),
+        f"{tot['shards']:,}",
+        f"{tot['episodes']:,}",
+        f"{tot['steps']:,}",
         _human_bytes(tot["bytes"]),
     )
     console.print(totals)
@@ -296,7 +326,7 @@ def run(args: argparse.Namespace) -> int:
         for col in ("column", "count", "mean", "min", "max"):
             st.add_column(col, justify="left" if col == "column" else "right")
         for c, v in summary.items():
-            st.add_row(c, str(v["count"]), f"{v['mean']:.3f}", f"{v['min']:g}", f"{v['max']:g}")
+            st.add_row(Text(c), f"{v['count']:,}", f"{v['mean']:,.3f}", f"{v['min']:,g}", f"{v['max']:,g}")
         console.print(st)
 
     if problems is not None:
@@ -305,5 +335,8 @@ def run(args: argparse.Namespace) -> int:
             for p in problems:
                 console.print(f"  - {p}")
             return 1
-        console.print(Text.assemble(("verify: no problems", "green"), f" in {_verified(tot)}"))
+        if not tot["shards"]:
+            console.print("verify: nothing to verify: no shard is committed yet")
+        else:
+            console.print(Text.assemble(("verify: no problems", "green"), f" in {_verified(tot)}"))
     return 0

@@ -31,6 +31,11 @@ class ReportOptions:
         help="publish root of the policy versions, whose lineage cursors the report shows "
         "(default: {checkpoint-dir}/policies)",
     )
+    public_key: str | None = option(
+        None,
+        metavar="PATH",
+        help="the trainer's Ed25519 public key (PEM) that signed the versions (default: $RLREC_POLICY_PUBLIC_KEY)",
+    )
 
 
 #: the options of `rlrec report`
@@ -85,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
             bootstrap_servers=opts.bootstrap_servers,
             dlq_topic=opts.dlq_topic,
             policies=opts.policies,
+            public_key=opts.public_key,
         )
     except OSError as e:
         print(f"rlrec report: error: {e}", file=sys.stderr)

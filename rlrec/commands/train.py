@@ -23,6 +23,7 @@ variable that is no option of any command, is an error.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from rlrec.logs import LogOptions
@@ -53,6 +54,7 @@ def _run(args: argparse.Namespace) -> int:
     from rlrec.logs import drop_native_notices, quiet_ray_logging, setup_logging
 
     setup_logging(opts["log_format"], opts["log_level"])
+    phase = logging.getLogger("rlrec.train").info  # start-up phases, said as each begins
     from rlrec.trainer.service import ContinuousTrainer, UnsupportedCombination
 
     try:
@@ -60,12 +62,15 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"rlrec train: error: {e}", file=sys.stderr)
         return 2
-    quiet_ray_logging()  # imports RLlib (as the checks below do): after the option errors
     from rlrec.commands._common import open_output
+    from rlrec.commands._signals import exit_code_after
 
     # UsageErrors (exit 2, one line) before Ray starts
-    open_output(cfg.input, "--input")
-    open_output(cfg.checkpoint_dir, "--checkpoint-dir")
+    check_input(open_output(cfg.input, "--input"), cfg.input)
+    make_checkpoint_dir(open_output(cfg.checkpoint_dir, "--checkpoint-dir"))
+    phase("loading Ray and RLlib")
+    quiet_ray_logging()  # imports RLlib (as the checks below do): after the option errors
+    phase("checking --env and --algo-config")
     cfg.check_inputs()
     drop_native_notices()  # Ray's C++ notices, before Ray starts
     try:
@@ -76,8 +81,48 @@ def _run(args: argparse.Namespace) -> int:
     from rlrec.trainer.checkpoints import CheckpointVerificationError, ResumeRefused
     from rlrec.trainer.cluster import ClusterConfigError
 
+    trainer.install_signal_handlers()  # a clean stop from now on (again after ray.init, which sets its own)
+    phase("looking for committed shards under %s", cfg.input)
     try:
-        return trainer.run()
+        rc = trainer.run()
     except (UnsupportedCombination, CheckpointVerificationError, ClusterConfigError, ResumeRefused) as e:
         print(f"rlrec train: error: {e}", file=sys.stderr)
         return 2
+    code = exit_code_after(rc, trainer.stop_reason)
+    if code != rc:
+        phase("stopped by %s after a clean stop: exit code %d", trainer.stop_reason, code)
+    return code
+
+
+def check_input(storage, uri: str) -> None:
+    """UsageError (exit 2) when --input can never hold shards: a folder of published policies, a
+    checkpoint dir, a folder inside a store. A store that is not there yet is waited for (the
+    trainer's waiting line says what it lacks).
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> from rlrec.store.storage import Storage
+        >>> root = pathlib.Path(tempfile.mkdtemp())
+        >>> (root / "policies" / "v000001").mkdir(parents=True)
+        >>> check_input(Storage.from_uri(str(root / "policies")), "ck/policies")
+        Traceback (most recent call last):
+        ...
+        rlrec.errors.UsageError: --input: ck/policies holds published policy versions (v000001/ ...), not shards: give the --output of rlrec consume
+    """
+    from rlrec.errors import UsageError
+    from rlrec.store.locate import locate_store
+
+    try:
+        where = locate_store(uri, storage)
+    except Exception:  # unreachable now (StorageError, a refused credential): the trainer waits for the store
+        return
+    if where.mistake:
+        raise UsageError(f"--input: {where.mistake}")
+
+
+def make_checkpoint_dir(storage) -> None:
+    """Create a local --checkpoint-dir at start (object stores have no folders to create)."""
+    import os
+
+    if storage.kind == "local":
+        os.makedirs(storage.full_path(""), exist_ok=True)

@@ -1,0 +1,145 @@
+"""`rlrec evaluate` as a user meets it: data without propensities, a version that is not
+published, no key, what it read, and its start-up phases said as they begin."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import gymnasium as gym
+import numpy as np
+import pytest
+
+from rlrec.cli import main
+from rlrec.store.commit import ShardCommitter
+from rlrec.store.storage import Storage
+from rlrec.trainer.export import PolicyArtifact, publish_policy
+from rlrec.trainer.holdout import is_held_out
+from rlrec.trainer.synthetic import CONTEXT_BANDIT_ID, linear_policy_artifact, logged_episodes
+
+HOLDOUT = 0.2
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """60 episodes recorded without propensities (no action_logp) in three shards, one of which
+    holds no held-out episode; versions 1-3 published unsigned."""
+    root = tmp_path_factory.mktemp("evaluate")
+    spec, model = linear_policy_artifact(np.eye(3, 4, dtype=np.float32))
+    eps, _ = logged_episodes(CONTEXT_BANDIT_ID, spec, model, 60, seed=0, policy_version=0)
+    for e in eps:
+        e.extra_model_outputs = {}
+    held = [e for e in eps if is_held_out(e.episode_id, HOLDOUT)]
+    kept = [e for e in eps if not is_held_out(e.episode_id, HOLDOUT)]
+    assert held and len(kept) > 10
+    committer = ShardCommitter(str(root / "data"))
+    committer.commit(kept[:10])  # no held-out episode: its manifest entry says so, it is not read
+    committer.commit(kept[10:])
+    committer.commit(held)
+    art = PolicyArtifact(
+        "safetensors", {"model.safetensors": model}, {k: spec[k] for k in ("format", "model", "action_dist", "network")}
+    )
+    for v in (1, 2, 3):
+        publish_policy(
+            Storage.from_uri(str(root / "policies")),
+            algo=None,
+            version=v,
+            algo_name="BC",
+            observation_space=gym.spaces.Box(-1.0, 1.0, (4,), np.float32),
+            action_space=gym.spaces.Discrete(3),
+            iteration=v,
+            timesteps_trained=0,
+            shards=[],
+            new_shards=[],
+            parent_version=None,
+            artifact=art,
+            metadata={"gamma": 0.9},
+        )
+    return root, len(eps)
+
+
+def _args(root, *more):
+    return ["evaluate", "--input", str(root / "data"), "--policies", str(root / "policies"), *more]
+
+
+def _error(capsys) -> str:
+    err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(err) == 1, err
+    return err[0]
+
+
+def test_no_propensities_is_not_estimable_with_a_reason(store, capsys):
+    root, n = store
+    args = _args(root, "--allow-unsigned", "--holdout-fraction", str(HOLDOUT), "--fqe-steps", "20")
+    assert main([*args, "--json", "--ope-bootstrap", "20"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["diagnostics"]["coverage"] == 0.0
+    for name, e in doc["estimates"].items():
+        assert not e["estimable"] and e["value"] is None and "propensit" in e["reason"], (name, e)
+    # every shard's episodes are seen, also those of a shard that holds no held-out episode
+    assert doc["data"]["episodes_seen"] == n and doc["data"]["shards"] == 3
+    assert main([*args, "--ope-bootstrap", "20"]) == 0
+    assert "no held-out step carries the behaviour's propensity (action_logp)" in capsys.readouterr().out
+
+
+def test_a_version_that_is_not_published_is_named_with_those_that_are(store, capsys):
+    root, _ = store
+    assert main(_args(root, "--allow-unsigned", "--version", "7")) == 2
+    line = _error(capsys)
+    assert line == f"rlrec evaluate: error: --version 7: no such version under {root / 'policies'} (published: 1-3)"
+
+
+def test_without_a_key_the_flags_are_named(store, capsys, monkeypatch):
+    root, _ = store
+    monkeypatch.delenv("RLREC_POLICY_PUBLIC_KEY", raising=False)
+    assert main(_args(root)) == 2
+    line = _error(capsys)
+    assert "--public-key" in line and "--allow-unsigned" in line and "=" not in line, line
+
+
+def test_with_a_key_an_unsigned_version_names_the_flag(store, capsys, tmp_path):
+    from rlrec.trainer.signing import generate_keys
+
+    root, _ = store
+    _, pub = generate_keys(tmp_path)
+    assert main(_args(root, "--public-key", str(pub))) == 2
+    line = _error(capsys)
+    assert "v000003 is not signed" in line and "--allow-unsigned" in line and "allow_unsigned=" not in line, line
+
+
+def test_a_phase_line_comes_before_rllib_is_imported(store):
+    """Say what it does as it starts (loading Ray and RLlib takes seconds on a busy machine)."""
+    root, _ = store
+    script = textwrap.dedent(
+        """
+        import sys
+        from importlib.abc import MetaPathFinder
+
+        class Spy(MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name == "ray.rllib":
+                    print("IMPORT ray.rllib", file=sys.stderr, flush=True)
+                    sys.meta_path.remove(self)
+                return None
+
+        sys.meta_path.insert(0, Spy())
+        from rlrec.cli import main
+        sys.exit(main(sys.argv[1:]))
+        """
+    )
+    args = _args(root, "--allow-unsigned", "--holdout-fraction", str(HOLDOUT), "--fqe-steps", "20")
+    r = subprocess.run(
+        [sys.executable, "-c", script, *args, "--ope-bootstrap", "20"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    assert r.returncode == 0, r.stderr
+    lines = r.stderr.splitlines()
+    assert "IMPORT ray.rllib" in lines, r.stderr
+    first_phase = next(i for i, line in enumerate(lines) if line.startswith("rlrec evaluate: loading"))
+    assert first_phase < lines.index("IMPORT ray.rllib"), r.stderr

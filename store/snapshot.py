@@ -995,7 +995,9 @@ def _point_at_time(logs: Mapping[tuple[str, int], list[Entry]], ts: float, stora
         raise CursorError(f"as_of must be a UNIX time or a cursor, got {ts!r}")
     now = time.time()
     if ts > now:
-        raise CursorError(f"as_of {_iso(ts)} is in the future (now {_iso(now)}): later commits could still land before it")
+        raise CursorError(
+            f"as_of {_iso(ts)} is in the future (now {_iso(now)}): later commits could still land before it"
+        )
     if ts > now - APPEND_WINDOW_S:
         raise CursorError(
             f"as_of {_iso(ts)} is less than {APPEND_WINDOW_S:.0f}s ago (now {_iso(now)}): an append stamped before it may "

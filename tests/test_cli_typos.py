@@ -88,9 +88,13 @@ def test_as_of_errors_print_iso_times(store):
     assert "the first commit is at 20" in str(e.value)
 
 
-def test_as_of_takes_iso_times_and_dates(store):
+def test_as_of_takes_iso_times_and_dates(store, monkeypatch):
+    from rlrec.store import snapshot
+
+    monkeypatch.setattr(snapshot, "APPEND_WINDOW_S", 0.05)  # as_of times this far back are fixed points
     newest = rlrec.open(store).cursor
-    now = datetime.datetime.now(datetime.timezone.utc)
+    time.sleep(1.1)  # the second-resolution string below is still after every commit
+    now = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(seconds=0.06)
     assert rlrec.open(store, as_of=now.isoformat()).cursor == newest
     assert rlrec.open(store, as_of=now.strftime("%Y-%m-%dT%H:%M:%SZ")).cursor == newest
     assert rlrec.open(store, as_of=now).cursor == newest

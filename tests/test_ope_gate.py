@@ -511,4 +511,7 @@ def test_the_gate_decides_with_mb_and_states_its_refits(logged, tmp_path, monkey
     assert "offdata_share" in first["candidate_estimate"]["gate"] and first["gate_verdict"] is not None
     assert first["promoted"] or first["reason"]
     bad = gate("bad")
-    assert not bad["promoted"] and bad["reason"]
+    # refused by the decision itself, not by a failed evaluation ("evaluation failed: ...")
+    assert not bad["promoted"] and bad["estimator"] == "mb"
+    assert bad["reason"].startswith(("lower bound ", "not usable for gating: ")), bad["reason"]
+    assert bad["difference"] is not None and bad["difference"] < 0 and bad["ci_low"] < 0

@@ -482,7 +482,7 @@ def test_evaluate_reproduces_a_gate_decision_exactly_from_its_cursor(logged, tmp
     assert doc["data"]["cursor"] == d["data"]["cursor"] and doc["episodes"] == d["data"]["episodes"]
     for key in ("difference", "ci_low", "ci_high", "estimable"):
         assert c[key] == d[key], key
-    assert c["gate"] == d["gate_verdict"]
+    assert c["gate"] == d["gate_verdict"] and c["paired"] == d["paired"] and d["paired"]["t_star"] is None
     assert c["candidate_estimate"] == d["candidate_estimate"] and c["deployed_estimate"] == d["deployed_estimate"]
     assert doc["estimates"]["wdr"] == d["candidate_estimate"]
     # the newest point holds the new episodes: other numbers

@@ -488,7 +488,7 @@ def test_evaluate_reproduces_a_gate_decision_exactly_from_its_cursor(logged, tmp
     assert doc["data"]["cursor"] == d["data"]["cursor"] and doc["episodes"] == d["data"]["episodes"]
     for key in ("difference", "ci_low", "ci_high", "estimable"):
         assert c[key] == d[key], key
-    assert c["gate"] == d["gate_verdict"]
+    assert c["gate"] == d["gate_verdict"] and c["paired"] == d["paired"] and d["paired"]["t_star"] is None
     assert c["candidate_estimate"] == d["candidate_estimate"] and c["deployed_estimate"] == d["deployed_estimate"]
     assert doc["estimates"]["wdr"] == d["candidate_estimate"]
     # the newest point holds the new episodes: other numbers
@@ -517,4 +517,7 @@ def test_the_gate_decides_with_mb_and_states_its_refits(logged, tmp_path, monkey
     assert "offdata_share" in first["candidate_estimate"]["gate"] and first["gate_verdict"] is not None
     assert first["promoted"] or first["reason"]
     bad = gate("bad")
-    assert not bad["promoted"] and bad["reason"]
+    # refused by the decision itself, not by a failed evaluation ("evaluation failed: ...")
+    assert not bad["promoted"] and bad["estimator"] == "mb"
+    assert bad["reason"].startswith(("lower bound ", "not usable for gating: ")), bad["reason"]
+    assert bad["difference"] is not None and bad["difference"] < 0 and bad["ci_low"] < 0

@@ -276,3 +276,101 @@ def test_the_deployed_baseline_is_an_upper_bound_where_it_leaves_the_data():
     # an upper bound of the truth, near the best the rewards allow over the horizon (plus the
     # disagreement penalty, added for the baseline); the model alone may extrapolate beyond it
     assert truth < 0.9 * horizon_max < dep.value <= 1.05 * horizon_max
+
+
+def _hostile(value: float | None, n: int = 40) -> list[Episode]:
+    rng = np.random.default_rng(0)
+    eps = []
+    for i in range(n):
+        obs = rng.normal(size=(21, 2)).astype(np.float32)
+        if i == 3 and value is not None:
+            obs[5, 0] = value
+        a = rng.integers(0, 2, 20)
+        eps.append(Episode(obs, a, np.ones(20), np.log(np.full(20, 0.5)), True, id=f"e{i:03d}"))
+    return eps
+
+
+class _Lean(_Walker):
+    def __init__(self) -> None:
+        super().__init__(lambda s: 0.1 if s > 0 else 0.9)
+
+
+def test_mb_survives_a_hostile_finite_observation_and_refuses_non_finite_data_with_a_reason():
+    """The review's P2 #3: one finite observation of 3e38 made the mean/std scaling NaN (compare:
+    not estimable with reason ''; evaluate: estimable, value NaN, verdict ok). The scaling is now
+    robust (median, inter-quartile range), and what cannot be fitted says why."""
+    from rlrec.trainer.ope_jobs import gate_decision
+
+    tiny = ModelConfig(members=2, steps=40, starts=10, seed=0)
+    clean = compare(LoggedData(_hostile(None)), _Lean(), None, gamma=0.99, estimator="mb", model=tiny, n_boot=50)
+    for value in (1e30, 3e38):
+        data = LoggedData(_hostile(value))
+        c = compare(data, _Lean(), None, gamma=0.99, estimator="mb", model=tiny, n_boot=50)
+        assert c.estimable and np.isfinite(c.difference) and np.isfinite(c.ci_low), value
+        assert c.difference == pytest.approx(clean.difference, abs=2.0)  # one outlier moves little
+        est = evaluate(data, _Lean(), gamma=0.99, estimators=("mb",), model=tiny, n_boot=50).estimates["mb"]
+        assert est.estimable and np.isfinite(est.value)
+    bad = _hostile(None)
+    bad[2].obs[4, 1] = np.inf  # LoggedData built directly (the readers drop such episodes)
+    c = compare(LoggedData(bad), _Lean(), None, gamma=0.99, estimator="mb", model=tiny, n_boot=50)
+    assert not c.estimable and "not all finite numbers" in c.reason
+    assert gate_decision(c, 0.0) == (False, c.reason)
+
+
+def test_mb_disagreement_covers_reward_and_termination_and_coverage_is_on_state_action_pairs():
+    """P2 #4 and #5: the members' disagreement on reward and termination stops a rollout too;
+    an action the data never take (below the largest logged one) is unknown; a deterministic
+    behaviour is refused for mb as for the importance weights."""
+    data = LoggedData(_walk(150, seed=1))
+    stay = _Walker(lambda s: 1.0 if s < 0 else 0.0)
+    for field in ("max_reward_disagreement", "max_termination_disagreement"):
+        cfg = ModelConfig(members=3, hidden=(32, 32), steps=400, seed=0, **{field: 0.0})
+        est = evaluate(data, stay, gamma=0.95, estimators=("mb",), model=cfg, n_boot=50).estimates["mb"]
+        assert not est.gate["ok"] and est.gate["offdata_share"] > 0.9, field
+    # actions 0 (left) and 2 (right) logged, 1 never: a candidate that takes 1 leaves the data at once
+    three = []
+    for ep in _walk(150, seed=2):
+        three.append(Episode(ep.obs, ep.actions * 2, ep.rewards, ep.behavior_logp, ep.terminated, ep.id))
+
+    class Middle(_Walker):
+        def action_probs(self, obs):
+            return np.tile([0.0, 1.0, 0.0], (len(obs), 1))
+
+        def arrays(self, d):
+            from rlrec.trainer.ope import TargetArrays
+
+            probs, nxt = self.action_probs(d.obs), self.action_probs(d.next_obs)
+            with np.errstate(divide="ignore"):
+                return TargetArrays(np.log(probs[np.arange(d.steps), d.actions]), probs=probs, next_probs=nxt)
+
+    from rlrec.trainer.ope import Thresholds
+
+    ev = evaluate(LoggedData(three), Middle(None), gamma=0.95, estimators=("mb",), model=TINY, n_boot=50)
+    assert "support" in ev.estimates["mb"].reason  # the propensities already show it here
+    ev = evaluate(
+        LoggedData(three),
+        Middle(None),
+        gamma=0.95,
+        estimators=("mb",),
+        model=TINY,
+        n_boot=50,
+        thresholds=Thresholds(max_support=1.0),  # the model's own check
+    )
+    assert ev.estimates["mb"].gate["offdata_share"] > 0.99 and not ev.estimates["mb"].gate["ok"]
+    # a deterministic behaviour (action_logp 0 at every step)
+    det = [Episode(e.obs, e.actions, e.rewards, np.zeros(len(e.actions)), e.terminated, e.id) for e in _walk(60, 3)]
+    th = Thresholds(max_support=1.0)  # (the support check would refuse first here)
+    c = compare(LoggedData(det), stay, None, gamma=0.95, estimator="mb", model=TINY, n_boot=50, thresholds=th)
+    assert not c.estimable and "deterministic behaviour" in c.reason and "mb's model" in c.reason
+
+
+def test_mb_refuses_beyond_its_horizon_cap_and_its_wall_time_budget():
+    """P2 #7: gamma 1 rolls out for the longest logged episode; a cap and a budget refuse with a reason."""
+    data = LoggedData(_walk(60, seed=1))
+    stay = _Walker(lambda s: 1.0 if s < 0 else 0.0)
+    cfg = ModelConfig(members=2, hidden=(16,), steps=50, seed=0, max_horizon=20)
+    c = compare(data, stay, None, gamma=1.0, estimator="mb", model=cfg, n_boot=20)
+    assert not c.estimable and "more than its cap of 20" in c.reason
+    cfg = ModelConfig(members=2, hidden=(16,), steps=500, seed=0, max_seconds=0.0)
+    c = compare(data, stay, None, gamma=0.95, estimator="mb", model=cfg, n_boot=20)
+    assert not c.estimable and "budget of 0 s" in c.reason

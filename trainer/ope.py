@@ -498,6 +498,9 @@ class _Prepared:
 
         return gate_verdict(name, value, self.w, self.r, self.g, th.min_step_ess, th.max_tail_share).to_dict()
 
+    def _never_varies(self, th: Thresholds, consequence: str) -> str:
+        return _never_varies_reason(self.data, th, consequence)
+
     def why_not(self, name: str, th: Thresholds, tgt_density: bool) -> str:
         """The first failed diagnostic for estimator `name` ("" if none)."""
         d = self.data
@@ -511,24 +514,17 @@ class _Prepared:
                 f"support: the candidate puts {self.support:.3f} of its probability on actions the behaviour "
                 f"takes with probability < {th.min_propensity} (> {th.max_support})"
             )
-        if name in ("fqe", "mb"):
+        if name == "fqe":
             return ""
+        if name == "mb":  # no propensities needed, but a behaviour that never varies its action
+            return self._never_varies(th, "mb's model of the actions it never took is a guess")
         if not tgt_density:
             return "a deterministic candidate on a continuous action space has no density: importance weights are undefined (use fqe)"
         if d.coverage < th.min_coverage:
             return f"coverage: {d.coverage:.3f} of the steps have a behaviour propensity (< {th.min_coverage})"
-        if d.deterministic_share == 1.0 and int(d.lengths[d.covered].sum()) >= th.greedy_check_steps:
-            return (
-                "the behaviour's propensity is 1 at every step: a deterministic behaviour "
-                "(Policy.act(explore=False) logs action_logp 0.0) never shows what other actions do, and no "
-                "importance weight can correct for that; log with an exploring behaviour"
-            )
-        if d.greedy_share == 1.0 and int(d.lengths[d.covered].sum()) >= th.greedy_check_steps:
-            return (
-                "the behaviour took its most likely action at every step: a greedy behaviour's action_logp "
-                "(e.g. RLlib's log-probability of its greedy action) is not a propensity; log with an "
-                "exploring behaviour"
-            )
+        never = self._never_varies(th, "no importance weight can correct for that")
+        if never:
+            return never
         if name == "wdr":
             return ""
         horizon = float(d.lengths[d.covered].mean())
@@ -539,6 +535,22 @@ class _Prepared:
         if self.max_weight > th.max_weight:
             return f"one episode carries {self.max_weight:.3f} of the weight (> {th.max_weight:g})"
         return ""
+
+
+def _never_varies_reason(d: LoggedData, th: Thresholds, consequence: str) -> str:
+    if d.deterministic_share == 1.0 and int(d.lengths[d.covered].sum()) >= th.greedy_check_steps:
+        return (
+            "the behaviour's propensity is 1 at every step: a deterministic behaviour "
+            f"(Policy.act(explore=False) logs action_logp 0.0) never shows what other actions do, and {consequence}; "
+            "log with an exploring behaviour"
+        )
+    if d.greedy_share == 1.0 and int(d.lengths[d.covered].sum()) >= th.greedy_check_steps:
+        return (
+            "the behaviour took its most likely action at every step: a greedy behaviour's action_logp "
+            "(e.g. RLlib's log-probability of its greedy action) is not a propensity and it never shows what "
+            f"other actions do ({consequence}); log with an exploring behaviour"
+        )
+    return ""
 
 
 def _counts(n: int, n_boot: int, seed: int) -> np.ndarray:

@@ -221,6 +221,8 @@ def _decide(d: dict, job: CandidateJob, cfg: Any, candidate: Any, episodes: list
             "estimable": cmp.estimable,
             "reason": cmp.reason,
             "gate_verdict": cmp.gate,
+            # the importance-weighted difference's data-only bound (comparison.paired in evaluate)
+            "paired": cmp.extra.get("paired"),
             "candidate_estimate": c_est.to_dict(),
             "deployed_estimate": d_est.to_dict(),
             "diagnostics": {"candidate": cmp.candidate.diagnostics, "deployed": cmp.deployed.diagnostics},

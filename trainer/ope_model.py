@@ -39,21 +39,28 @@ Costs: `members` fits of `steps` minibatches each plus ``members x starts x hori
 steps (CartPole, 200 held-out episodes, 5 members of 2x64 units, 1500 steps: see
 docs/TRAINER.md §7).
 
-Example:
-    >>> from rlrec.trainer.ope import LoggedData  # doctest: +SKIP
-    >>> est, diag = mb_values(LoggedData(episodes), policy_target, gamma=0.99)  # doctest: +SKIP
+Example (through `rlrec.trainer.ope`):
+    >>> from rlrec.trainer.ope import LoggedData, PolicyTarget, compare, evaluate  # doctest: +SKIP
+    >>> ev = evaluate(LoggedData(episodes), PolicyTarget(policy, False), gamma=0.99,
+    ...               estimators=("mb",), model=ModelConfig(seed=0))  # doctest: +SKIP
+    >>> ev.estimates["mb"].value, ev.estimates["mb"].gate, ev.diagnostics["mb"]  # doctest: +SKIP
+    >>> c = compare(data, PolicyTarget(candidate, False), PolicyTarget(deployed, False),
+    ...             gamma=0.99, estimator="mb")  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-__all__ = ["ModelConfig", "Rollouts", "fit_ensemble", "rollout"]
+__all__ = ["ModelConfig", "ModelError", "Rollouts", "fit_ensemble", "rollout"]
 
 
 @dataclass
@@ -75,8 +82,16 @@ class ModelConfig:
         penalty: reward penalty per unit of disagreement, times the largest absolute reward.
         max_offdata_share: the gate verdict: most discounted share of the rollouts' horizon after
             leaving the data.
+        max_reward_disagreement: the members disagree beyond this largest deviation of one
+            member's predicted reward from their mean, times the largest absolute reward.
+        max_termination_disagreement: likewise for the predicted probability of termination.
+        max_horizon: the most steps a rollout may need (the longest logged episode, or where
+            ``gamma^t`` < 1e-3 if shorter); beyond it mb refuses (e.g. gamma 1 with very long episodes).
+        max_seconds: the wall-time budget of one fit and of one rollout; beyond it mb refuses.
         seed: the fits' and rollouts' seed.
-        threads: torch CPU threads while fitting and rolling out.
+        threads: torch CPU threads while fitting and rolling out, set only when called from the
+            main thread (torch's thread count is process-wide: from a background thread, e.g. the
+            trainer's evaluation, it is left as it is so the training thread keeps its threads).
     """
 
     members: int = 5
@@ -90,6 +105,10 @@ class ModelConfig:
     max_disagreement: float = 0.5
     penalty: float = 1.0
     max_offdata_share: float = 0.2
+    max_reward_disagreement: float = 0.1
+    max_termination_disagreement: float = 0.2
+    max_horizon: int = 1000
+    max_seconds: float = 900.0
     seed: int = 0
     threads: int = 1
 
@@ -106,12 +125,44 @@ class _Ensemble:
     act_mean: np.ndarray | None
     act_std: np.ndarray | None
     fit_seconds: float
+    logged_actions: np.ndarray | None = None  # the Discrete actions the data show
+    left_out: int = 0  # transitions left out of the fit (beyond FAR)
+
+
+#: transitions whose normalized observation or state change lies beyond this many robust scale
+#: units are left out of the fit
+FAR = 1e3
+
+
+class ModelError(ValueError):
+    """The model cannot be fitted or rolled out on these data (the message says why)."""
+
+
+def _finite(what: str, x: np.ndarray) -> None:
+    if not np.isfinite(np.asarray(x, dtype=np.float64)).all():
+        raise ModelError(
+            f"mb: the {what} are not all finite numbers (an observation too large for float32 arithmetic?): "
+            "no model is fitted on them"
+        )
+
+
+def _robust_scale(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(center, scale)`` per column: the median and the inter-quartile range / 1.349 (the
+    standard deviation of a normal distribution); where that is 0 (a mostly constant column), the
+    mean absolute deviation from the median, else 1."""
+    med = np.median(x, axis=0)
+    q75, q25 = np.percentile(x, [75, 25], axis=0)
+    scale = (q75 - q25) / 1.349
+    mad = np.mean(np.abs(x - med), axis=0) if len(x) else np.zeros_like(med)
+    scale = np.where(scale > 0, scale, np.where(np.isfinite(mad) & (mad > 0), mad, 1.0))
+    return med.astype(np.float32), (scale + 1e-6).astype(np.float32)
 
 
 def _inputs(ens: _Ensemble, obs: Any, act: Any) -> Any:
     import torch
 
     x = (torch.as_tensor(obs, dtype=torch.float32) - torch.as_tensor(ens.obs_mean)) / torch.as_tensor(ens.obs_std)
+    x = x.clamp(-1e4, 1e4)  # far outside the data either way (the coverage check says so): finite arithmetic
     if ens.n_actions is not None:  # an action never logged is encoded as the last logged one (see `rollout`)
         idx = torch.as_tensor(act, dtype=torch.int64).reshape(-1).clamp(0, ens.n_actions - 1)
         a = torch.nn.functional.one_hot(idx, ens.n_actions).float()
@@ -130,11 +181,20 @@ def fit_ensemble(data: Any, cfg: ModelConfig) -> _Ensemble:
 
     t0 = time.time()
     discrete = data.actions.ndim == 1 and np.issubdtype(data.actions.dtype, np.integer)
-    obs_mean, obs_std = data.obs.mean(0), data.obs.std(0) + 1e-6
-    delta = data.next_obs - data.obs
-    d_mean, d_std = delta.mean(0), delta.std(0) + 1e-6
+    obs = data.obs.astype(np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        delta = data.next_obs.astype(np.float64) - obs
+    _finite("observations", obs)
+    _finite("state changes (next observation - observation)", delta)
+    _finite("rewards", data.rewards)
+    # robust scaling (median, inter-quartile range): one hostile observation cannot inflate the
+    # scale and switch off the coverage and disagreement checks
+    obs_mean, obs_std = _robust_scale(obs)
+    d_mean, d_std = _robust_scale(delta)
     r_scale = max(float(np.abs(data.rewards).max()), 1e-8)
     acts = data.actions if discrete else data.actions.reshape(len(data.rewards), -1).astype(np.float32)
+    if not discrete:
+        _finite("actions", acts)
     ens = _Ensemble(
         [],
         obs_mean.astype(np.float32),
@@ -143,12 +203,20 @@ def fit_ensemble(data: Any, cfg: ModelConfig) -> _Ensemble:
         d_std.astype(np.float32),
         r_scale,
         int(max(acts.max() + 1, 2)) if discrete else None,
-        None if discrete else acts.mean(0),
-        None if discrete else acts.std(0) + 1e-6,
+        None if discrete else _robust_scale(acts.astype(np.float64))[0].astype(np.float32),
+        None if discrete else _robust_scale(acts.astype(np.float64))[1].astype(np.float32),
         0.0,
+        np.unique(acts) if discrete else None,
     )
     x_all = _inputs(ens, data.obs, acts)
-    y_d = torch.as_tensor((delta - d_mean) / d_std, dtype=torch.float32)
+    z_d = (delta - d_mean) / d_std
+    # transitions beyond FAR robust scale units (a hostile or broken observation) are left out of
+    # the fit: finite, and no single one can dominate the squared errors
+    keep = (np.abs(x_all.numpy()[:, : obs.shape[1]]) <= FAR).all(1) & (np.abs(z_d) <= FAR).all(1)
+    ens.left_out = int((~keep).sum())
+    if not keep.any():
+        raise ModelError(f"mb: every transition lies beyond {FAR:g} scale units of the data's median: refused")
+    y_d = torch.as_tensor(np.clip(z_d, -FAR, FAR), dtype=torch.float32)
     y_r = torch.as_tensor(data.rewards / r_scale, dtype=torch.float32)
     y_t = torch.as_tensor(data.terminals, dtype=torch.float32)
     n_out = data.obs.shape[1] + 2
@@ -158,6 +226,9 @@ def fit_ensemble(data: Any, cfg: ModelConfig) -> _Ensemble:
         # a bootstrap resample of the episodes: this member's data
         pick = rng.integers(0, data.n_episodes, data.n_episodes)
         rows = np.concatenate([np.arange(data.starts[i], data.starts[i] + data.lengths[i]) for i in pick])
+        rows = rows[keep[rows]]
+        if not len(rows):
+            rows = np.flatnonzero(keep)
         rows_t = torch.as_tensor(rows)
         gen = torch.Generator().manual_seed(seed)
         layers: list[Any] = []
@@ -168,7 +239,12 @@ def fit_ensemble(data: Any, cfg: ModelConfig) -> _Ensemble:
         layers.append(_linear(d, n_out, gen))
         net = torch.nn.Sequential(*layers)
         opt = torch.optim.Adam(net.parameters(), lr=cfg.lr)
-        for _ in range(cfg.steps):
+        for step in range(cfg.steps):
+            if step % 100 == 0 and time.time() - t0 > cfg.max_seconds:
+                raise ModelError(
+                    f"mb: fitting the model took longer than its budget of {cfg.max_seconds:g} s "
+                    f"(member {k + 1} of {cfg.members}, step {step}): refused"
+                )
             idx = rows_t[torch.randint(0, len(rows), (min(cfg.batch_size, len(rows)),), generator=gen)]
             out = net(x_all[idx])
             loss = (
@@ -179,6 +255,8 @@ def fit_ensemble(data: Any, cfg: ModelConfig) -> _Ensemble:
             opt.zero_grad()
             loss.backward()
             opt.step()
+        if not all(bool(torch.isfinite(q).all()) for q in net.parameters()):
+            raise ModelError(f"mb: the fit of ensemble member {k + 1} diverged (non-finite weights): refused")
         ens.nets.append(net.eval())
     ens.fit_seconds = time.time() - t0
     return ens
@@ -196,28 +274,45 @@ def _predict(ens: _Ensemble, obs: np.ndarray, act: np.ndarray) -> tuple[np.ndarr
 
 
 class _Coverage:
-    """Nearest-logged-state distances (normalized observations) and the radius of the data."""
+    """Nearest-logged-(state, action) distances and the radius of the data, on normalized
+    observations and actions: a Box action joins the normalized observation as its normalized
+    value; a Discrete one as a one-hot vector times `SEPARATE`, so only logged pairs with the same
+    action are near (an action the data never take in a region is not covered there)."""
 
-    def __init__(self, obs: np.ndarray, ens: _Ensemble, cfg: ModelConfig) -> None:
+    SEPARATE = 1e3
+
+    def __init__(self, obs: np.ndarray, acts: np.ndarray, ens: _Ensemble, cfg: ModelConfig) -> None:
         import torch
 
+        self.ens = ens
         rng = np.random.default_rng(cfg.seed)
-        obs = np.unique(obs, axis=0)  # repeated states would make the data's radius 0
+        feats = np.unique(self.features(obs, acts), axis=0)  # repeated pairs would make the radius 0
         ref = (
-            obs if len(obs) <= cfg.reference_states else obs[rng.choice(len(obs), cfg.reference_states, replace=False)]
+            feats
+            if len(feats) <= cfg.reference_states
+            else feats[rng.choice(len(feats), cfg.reference_states, replace=False)]
         )
-        self.mean, self.std = ens.obs_mean, ens.obs_std
-        self.ref = torch.as_tensor((ref - self.mean) / self.std, dtype=torch.float32)
+        self.ref = torch.as_tensor(ref, dtype=torch.float32)
         dist = torch.cdist(self.ref, self.ref)
         dist.fill_diagonal_(float("inf"))
         nn = dist.min(1).values.numpy()
-        nn = nn[np.isfinite(nn)]
+        nn = nn[np.isfinite(nn) & (nn < self.SEPARATE / 2)]  # a pair alone with its action has no neighbour
         self.radius = float(np.quantile(nn, 0.99)) * cfg.max_distance if len(nn) else 0.0
 
-    def distance(self, obs: np.ndarray) -> np.ndarray:
+    def features(self, obs: np.ndarray, act: np.ndarray) -> np.ndarray:
+        ens = self.ens
+        x = np.clip((np.asarray(obs, np.float64) - ens.obs_mean) / ens.obs_std, -1e4, 1e4)
+        if ens.n_actions is not None:
+            idx = np.clip(np.asarray(act).reshape(-1).astype(np.int64), 0, ens.n_actions - 1)
+            a = np.eye(ens.n_actions)[idx] * self.SEPARATE
+        else:
+            a = np.clip((np.asarray(act, np.float64).reshape(len(x), -1) - ens.act_mean) / ens.act_std, -1e4, 1e4)
+        return np.concatenate([x, a], axis=1).astype(np.float32)
+
+    def distance(self, obs: np.ndarray, act: np.ndarray) -> np.ndarray:
         import torch
 
-        q = torch.as_tensor((obs - self.mean) / self.std, dtype=torch.float32)
+        q = torch.as_tensor(self.features(obs, act))
         out = np.empty(len(q))
         for s in range(0, len(q), 4096):
             out[s : s + 4096] = torch.cdist(q[s : s + 4096], self.ref).min(1).values.numpy()
@@ -274,6 +369,11 @@ def rollout(
     H = int(data.lengths.max())
     if gamma < 1.0:
         H = min(H, math.ceil(math.log(1e-3) / math.log(gamma)))
+    if cfg.max_horizon < H:
+        raise ModelError(
+            f"mb: the rollouts would need {H} steps (the longest logged episode, gamma {gamma:g}), "
+            f"more than its cap of {cfg.max_horizon}: refused"
+        )
     optimistic = pessimistic == "optimistic"
     # leaving the data: the worst (candidate) or the best (deployed) the rewards allow from there
     r_stop = max(0.0, float(data.rewards.max())) if optimistic else min(0.0, float(data.rewards.min()))
@@ -287,25 +387,47 @@ def rollout(
     survive = np.ones((M, n0))  # the probability that the rollout has not terminated yet
     values = np.zeros((M, n0))
     offdata = np.zeros((M, n0))
+    sign = -1.0 if optimistic else 1.0
     for t in range(H):
         if not alive.any():
             break
+        if time.time() - t0 > cfg.max_seconds:
+            raise ModelError(
+                f"mb: the rollouts took longer than their budget of {cfg.max_seconds:g} s (at step {t} of {H}): refused"
+            )
         mi, si = np.nonzero(alive)
         obs = state[mi, si]
-        if pessimistic:
-            left = cov.distance(obs.astype(np.float32)) > cov.radius
         act = _act(target, obs.astype(np.float32), bool(getattr(target, "explore", False)), rng)
+        if pessimistic:
+            left = cov.distance(obs, act) > cov.radius
         nxt, rew, term = _predict(ens, obs.astype(np.float32), act)
         # member m's world for the rollouts of member m
         world_next = nxt[mi, np.arange(len(mi))]
         world_r = rew[mi, np.arange(len(mi))]
         world_term = term[mi, np.arange(len(mi))]
         if pessimistic:
-            spread = np.abs((nxt - nxt.mean(0, keepdims=True)) / ens.d_std).max(axis=(0, 2)) if M > 1 else 0 * world_r
+            zero = np.zeros(len(mi))
+            # the members' disagreement on every head: next state (in the data's state changes),
+            # reward (in units of the largest reward) and probability of termination
+            spread = np.abs((nxt - nxt.mean(0, keepdims=True)) / ens.d_std).max(axis=(0, 2)) if M > 1 else zero
+            r_dev = np.abs(rew - rew.mean(0, keepdims=True)).max(0) / ens.r_scale if M > 1 else zero
+            t_dev = np.abs(term - term.mean(0, keepdims=True)).max(0) if M > 1 else zero
             # an action the data never show leaves the data too
-            unknown = np.asarray(act).reshape(-1) >= ens.n_actions if ens.n_actions is not None else False
-            stop = left | (spread > cfg.max_disagreement) | unknown
-            world_r = world_r - lam * spread
+            unknown = (
+                ~np.isin(np.asarray(act).reshape(-1), ens.logged_actions)
+                if ens.logged_actions is not None
+                else np.zeros(len(mi), dtype=bool)
+            )
+            stop = (
+                left
+                | (spread > cfg.max_disagreement)
+                | (r_dev > cfg.max_reward_disagreement)
+                | (t_dev > cfg.max_termination_disagreement)
+                | unknown
+            )
+            world_r = world_r - lam * (spread + r_dev)
+            # termination: pessimistic (candidate) or optimistic (baseline) by the members' spread
+            world_term = np.clip(world_term + sign * t_dev, 0.0, 1.0)
             # leaving: the worst the rewards allow from here on; the share of the horizon it cuts off
             ms, ss = mi[stop], si[stop]
             values[ms, ss] += r_stop * tail[t] * survive[ms, ss]
@@ -320,6 +442,8 @@ def rollout(
         # termination in expectation: the member's probability of it, not a threshold
         survive[mk, sk] *= 1.0 - world_term[keep]
         alive[mk, sk] &= survive[mk, sk] > 1e-4
+    if not np.isfinite(values).all():
+        raise ModelError("mb: the model's rollouts are not finite numbers (extreme observations?): refused")
     return Rollouts(values, offdata, H, ens.fit_seconds, time.time() - t0)
 
 
@@ -359,6 +483,7 @@ def _diag(ro: Rollouts, cfg: ModelConfig, ens: _Ensemble, cov: _Coverage) -> dic
         "starts": int(ro.values.shape[1]),
         "horizon": ro.horizon,
         "radius": round(cov.radius, 6),
+        "transitions_left_out": ens.left_out,
         "fit_seconds": round(ens.fit_seconds, 3),
         "rollout_seconds": round(ro.rollout_seconds, 3),
     }
@@ -367,32 +492,40 @@ def _diag(ro: Rollouts, cfg: ModelConfig, ens: _Ensemble, cov: _Coverage) -> dic
 def _model(data: Any, cfg: ModelConfig) -> tuple[_Ensemble, _Coverage]:
     """The ensemble and coverage check fitted on `data` with `cfg` (fitted once per data and
     fit settings: the candidate and the deployed version of a comparison share them)."""
-    import torch
 
     key = (cfg.members, cfg.hidden, cfg.steps, cfg.batch_size, cfg.lr, cfg.reference_states, cfg.max_distance, cfg.seed)
     cache = data.__dict__.setdefault("_mb_models", {})
     if key in cache:
         return cache[key]
 
+    with _threads(cfg):
+        ens = fit_ensemble(data, cfg)
+        acts = data.actions if ens.n_actions is not None else data.actions.reshape(len(data.rewards), -1)
+        cache[key] = (ens, _Coverage(data.obs, acts, ens, cfg))
+        return cache[key]
+
+
+@contextlib.contextmanager
+def _threads(cfg: ModelConfig) -> Iterator[None]:
+    """torch's intra-op threads set to `cfg.threads` while the block runs, only on the main
+    thread: the count is process-wide, and from a background thread (the trainer's evaluation)
+    setting it would take the training thread's threads away; there it is left as it is."""
+    import torch
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
     threads = torch.get_num_threads()
     torch.set_num_threads(max(1, int(cfg.threads)))
     try:
-        ens = fit_ensemble(data, cfg)
-        cache[key] = (ens, _Coverage(data.obs, ens, cfg))
-        return cache[key]
+        yield
     finally:
         torch.set_num_threads(threads)
 
 
 def _roll(data: Any, target: Any, model: tuple, gamma: float, cfg: ModelConfig, pessimistic: bool | str) -> Rollouts:
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, int(cfg.threads)))
-    try:
+    with _threads(cfg):
         return rollout(data, target, model[0], model[1], gamma, cfg, pessimistic)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _needs_policy(target: Any) -> str:
@@ -413,8 +546,11 @@ def estimate_mb(
     why = _needs_policy(target)
     if why:
         return Estimate(None, None, None, False, why), {}
-    model = _model(data, cfg)
-    ro = _roll(data, target, model, gamma, cfg, pessimistic=True)
+    try:
+        model = _model(data, cfg)
+        ro = _roll(data, target, model, gamma, cfg, pessimistic=True)
+    except ModelError as e:
+        return Estimate(None, None, None, False, str(e)), {}
     member, counts = draw(n_boot, len(model[0].nets), ro.values.shape[1], seed)
     lo, hi = _interval(resampled(ro.values, member, counts), ci)
     est = Estimate(float(ro.values.mean()), lo, hi, True, "", _gate(ro, cfg))
@@ -473,8 +609,15 @@ def compare_mb(
         for ev in evals:
             ev.estimates[name] = Estimate(None, None, None, False, "; ".join(why))
         return Comparison(name, None, None, None, False, "; ".join(why), ev_c, ev_d, ci)
-    model = _model(data, cfg)
-    ro_c = _roll(data, candidate, model, gamma, cfg, pessimistic=True)
+    try:
+        model = _model(data, cfg)
+        ro_c = _roll(data, candidate, model, gamma, cfg, pessimistic=True)
+        # the baseline is optimistic where it leaves the data: an upper bound of its value there
+        ro_d = None if deployed is None else _roll(data, deployed, model, gamma, cfg, pessimistic="optimistic")
+    except ModelError as e:
+        for ev in evals:
+            ev.estimates[name] = Estimate(None, None, None, False, str(e))
+        return Comparison(name, None, None, None, False, str(e), ev_c, ev_d, ci)
     n0 = ro_c.values.shape[1]
     member, counts = draw(n_boot, len(model[0].nets), n0, seed)
     c_samples = resampled(ro_c.values, member, counts)
@@ -486,8 +629,6 @@ def compare_mb(
         d_gate = {"ok": True, "reason": "", "behavior_on_policy": True}
         extra["deployed_is_behavior"] = True
     else:
-        # the baseline is optimistic where it leaves the data: an upper bound of its value there
-        ro_d = _roll(data, deployed, model, gamma, cfg, pessimistic="optimistic")
         d_values = ro_d.values
         d_gate = {"ok": True, "reason": "", "optimistic": True, "offdata_share": round(ro_d.offdata_share, 6)}
         ev_d.diagnostics["mb"] = _diag(ro_d, cfg, *model)
@@ -495,4 +636,6 @@ def compare_mb(
     ev_d.estimates[name] = Estimate(float(d_values.mean()), *_interval(d_samples, ci), True, "", d_gate)
     diff = float(ro_c.values.mean() - d_values.mean())
     lo, hi = _interval(c_samples - d_samples, ci)
-    return Comparison(name, diff, lo, hi, lo is not None, "", ev_c, ev_d, ci, extra)
+    if lo is None or not math.isfinite(diff):
+        return Comparison(name, None, None, None, False, "mb: the difference is not a finite number", ev_c, ev_d, ci)
+    return Comparison(name, diff, lo, hi, True, "", ev_c, ev_d, ci, extra)

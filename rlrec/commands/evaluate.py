@@ -308,6 +308,7 @@ def evaluate_published(
             "estimable": cmp.estimable,
             "reason": cmp.reason,
             "gate": cmp.gate,
+            "paired": cmp.extra.get("paired"),  # the importance-weighted difference's data-only bound
             "candidate_estimate": cmp.candidate.estimates[cmp.estimator].to_dict(),
             "deployed_estimate": cmp.deployed.estimates[cmp.estimator].to_dict(),
         }

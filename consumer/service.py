@@ -418,7 +418,7 @@ class RecorderConsumer(ResumeFromStore):
 
     def _claim_writer(self, w: PartitionWriter) -> None:
         """Claim w's partition from the store's position, naming this group and deployment."""
-        w.claim(from_store=True, group=self.group_id, deployment=self.deployment)
+        w.claim(from_store=True, group=self.group_id, deployment=self.deployment, start_at=self._start_at(w.partition))
 
     def _sync_pause(self, p: int, w: PartitionWriter) -> None:
         """The writer's state decides whether its partition is read."""

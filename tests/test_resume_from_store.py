@@ -229,3 +229,69 @@ def test_a_forged_position_no_kafka_offset_can_be_never_crashes_the_consumer(
         t.join(30)
     lines = [r.getMessage() for r in caplog.records if f"partition {newest.partition}:" in r.getMessage()]
     assert any("resume_offset" in m and "2**63-1" in m for m in lines), lines
+
+
+def test_a_partition_missing_from_a_store_that_holds_shards_gets_the_gap_check(
+    broker, topic, tmp_path, recorder_config, monkeypatch
+):
+    """A store restored without one partition's log, whose start retention removed: refused in
+    one line (it read from the earliest offset silently); a store that never held a shard starts
+    at the earliest retained offset, as --start-from earliest says."""
+    ra = recorder(broker, topic)
+    out, fresh = str(tmp_path / "out"), str(tmp_path / "fresh")
+    try:
+        wave1 = record_episodes(ra, 8, seed=81)
+        ra.flush(10)
+        consume_until(recorder_config(out), out, set(wave1))
+    finally:
+        ra.close()
+    storage = Storage.from_uri(out)
+    lost = max(read_manifest(storage), key=lambda e: e.seq).partition
+    storage.delete_tree(f"_manifest/{topic}/{lost:05d}")  # restored without it
+    monkeypatch.setattr(RecorderConsumer, "_low_watermark", lambda self, p: 3 if p == lost else 0)
+    c = RecorderConsumer(recorder_config(out), storage)
+    with pytest.raises(GapError) as info:
+        c.run(max_seconds=40, install_signals=False)
+    assert f"{topic}/{lost}: the store resumes at offset 0 but the topic keeps offsets from 3 on: 3 offsets" in str(
+        info.value
+    )
+    c2, t2 = run_consumer(recorder_config(fresh), Storage.from_uri(fresh))  # holds nothing: no gap
+    try:
+        wait_for(lambda: len(c2.writers) == 4 and all(w.assembler for w in c2.writers.values()), 40, what="claims")
+        assert c2.writers[lost].replay_from == 3  # recorded in its claim
+    finally:
+        c2.stop()
+        t2.join(30)
+    assert c2._refused is None
+
+
+def test_a_log_without_positions_gets_the_gap_check(broker, topic, tmp_path, recorder_config, monkeypatch):
+    """Shards written before manifest format 3 carry no position: if retention removed offsets
+    past the newest shard's last one, that is refused in one line, not read on silently."""
+    ra = recorder(broker, topic)
+    out = str(tmp_path / "out")
+    try:
+        wave1 = record_episodes(ra, 8, seed=91)
+        ra.flush(10)
+        consume_until(recorder_config(out), out, set(wave1))
+    finally:
+        ra.close()
+    storage = Storage.from_uri(out)
+    newest: dict[int, int] = {}
+    for f in storage.list("_manifest", recursive=True):  # rewritten as an rlrec before format 3 wrote them
+        if not f.path.endswith(".json") or f.is_dir:
+            continue
+        doc = json.loads(storage.read(f.path))
+        if doc.get("type") not in ("shard", "claim"):
+            continue
+        for k in ("resume_offset", "group", "deployment", "manifest_version"):
+            doc.pop(k, None)
+        storage.write(f.path, json.dumps(doc).encode())
+        if doc["type"] == "shard":
+            newest[doc["partition"]] = max(newest.get(doc["partition"], -1), doc["last_offset"])
+    p = max(newest)
+    monkeypatch.setattr(RecorderConsumer, "_low_watermark", lambda self, q: newest[p] + 3 if q == p else 0)
+    c = RecorderConsumer(recorder_config(out), storage)
+    with pytest.raises(GapError) as info:
+        c.run(max_seconds=40, install_signals=False)
+    assert f"resumes at offset {newest[p] + 1} but the topic keeps offsets from {newest[p] + 3} on" in str(info.value)

@@ -69,9 +69,10 @@ class Start:
 
 
 def default_group_id(storage: Storage) -> str:
-    """The consumer group of an output when ``--group-id`` is not given: derived from the
-    normalized URI of the store (``/d``, ``./d`` and ``file:///d`` give the same group), so two
-    outputs never share a group by default.
+    """The consumer group of an output when ``--group-id`` is not given: derived from what
+    names the store (`Storage.location`: kind, bucket and prefix; ``/d``, ``./d`` and
+    ``file:///d`` give the same group, so do ``az://`` and ``abfs://``, whatever the query
+    parameters), so two outputs never share a group by default.
 
     Example:
         >>> import tempfile
@@ -81,8 +82,7 @@ def default_group_id(storage: Storage) -> str:
         >>> default_group_id(Storage.from_uri(d)).startswith("rlrec-")
         True
     """
-    uri = storage.uri().rstrip("/")
-    return f"rlrec-{hashlib.sha256(uri.encode()).hexdigest()[:16]}"
+    return f"rlrec-{hashlib.sha256(storage.location().encode()).hexdigest()[:16]}"
 
 
 def default_deployment() -> str:

@@ -322,3 +322,30 @@ def test_a_claims_position_is_parsed_strictly_and_folded():
     for bad in ({"resume_offset": -1}, {"resume_offset": 2**63}, {"manifest_version": 1}):
         with pytest.raises(ManifestError):
             parse_entry({**d, **bad})
+
+
+def test_the_default_group_ignores_query_parameters_and_the_uri_form(local_s3, monkeypatch):
+    """The same bucket and prefix is one output whatever the URI's query parameters (in any
+    order) or trailing slash; another prefix is another output."""
+    for k, v in local_s3.env().items():
+        monkeypatch.setenv(k, v)
+    bucket = local_s3.create_bucket(f"g-{os.urandom(4).hex()}")
+    endpoint = local_s3.env()["AWS_ENDPOINT_URL"].split("://", 1)[1]
+    uris = [
+        f"s3://{bucket}/out",
+        f"s3://{bucket}/out/",
+        f"s3://{bucket}/out?region=us-east-1",
+        f"s3://{bucket}/out?endpoint_override={endpoint}&scheme=http",
+        f"s3://{bucket}/out?scheme=http&endpoint_override={endpoint}",
+    ]
+    assert len({default_group_id(Storage.from_uri(u)) for u in uris}) == 1
+    assert default_group_id(Storage.from_uri(f"s3://{bucket}/other")) != default_group_id(Storage.from_uri(uris[0]))
+
+
+def test_az_and_abfs_name_one_output_one_group(local_azurite, monkeypatch):
+    for k, v in local_azurite.env().items():
+        monkeypatch.setenv(k, v)
+    container = local_azurite.create_container(f"g-{os.urandom(4).hex()}")
+    account = Storage.from_uri(f"az://{container}/out")._azure.settings.account_name
+    same = [f"az://{container}/out", f"abfs://{container}@{account}.dfs.core.windows.net/out/"]
+    assert len({default_group_id(Storage.from_uri(u)) for u in same}) == 1

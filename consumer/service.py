@@ -272,6 +272,12 @@ class RecorderConsumer(ResumeFromStore):
             "auto.offset.reset": "error",
             "logger": kafka_logger(),
         }
+        if "auto.offset.reset" in cfg.kafka_config:
+            log.warning(
+                "--kafka-config auto.offset.reset=%s is overridden: the output store says where each partition "
+                "is read from (--start-from for partitions it holds nothing of)",
+                cfg.kafka_config["auto.offset.reset"],
+            )
         log.info("consumer group %s, deployment %s, output %s", self.group_id, self.deployment, self.storage.uri())
         self._incremental = "cooperative" in str(conf["partition.assignment.strategy"])
         try:

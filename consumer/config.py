@@ -31,7 +31,7 @@ class ConsumerConfig:
     group_id: str | None = option(
         None,
         help="consumer group id; run more processes with the same id to scale out (default: rlrec- and a hash "
-        "of the output's URI, so each output has its own group); one group per output",
+        "of the output's kind, bucket and prefix, so each output has its own group); one group per output",
     )
     start_from: Literal["earliest", "latest"] = option(
         "earliest",
@@ -120,7 +120,8 @@ class ConsumerConfig:
     )
     kafka_config: dict[str, str] = option(
         default_factory=dict,
-        help="librdkafka setting passed through, e.g. security.protocol=SASL_SSL (a table in a config file)",
+        help="librdkafka setting passed through, e.g. security.protocol=SASL_SSL (a table in a config file); "
+        "auto.offset.reset is overridden (error: the output store says where each partition is read from)",
     )
     summary_interval_s: float = option(
         60.0,

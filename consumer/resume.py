@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,9 +69,10 @@ class Start:
 
 
 def default_group_id(storage: Storage) -> str:
-    """The consumer group of an output when ``--group-id`` is not given: derived from the
-    normalized URI of the store (``/d``, ``./d`` and ``file:///d`` give the same group), so two
-    outputs never share a group by default.
+    """The consumer group of an output when ``--group-id`` is not given: derived from what
+    names the store (`Storage.location`: kind, bucket and prefix; ``/d``, ``./d`` and
+    ``file:///d`` give the same group, so do ``az://`` and ``abfs://``, whatever the query
+    parameters), so two outputs never share a group by default.
 
     Example:
         >>> import tempfile
@@ -80,8 +82,7 @@ def default_group_id(storage: Storage) -> str:
         >>> default_group_id(Storage.from_uri(d)).startswith("rlrec-")
         True
     """
-    uri = storage.uri().rstrip("/")
-    return f"rlrec-{hashlib.sha256(uri.encode()).hexdigest()[:16]}"
+    return f"rlrec-{hashlib.sha256(storage.location().encode()).hexdigest()[:16]}"
 
 
 def default_deployment() -> str:
@@ -104,6 +105,8 @@ def start_of(position: int | None, has_shards: bool, start_from: str) -> Start:
         (120, True)
     """
     if position is not None:
+        if not has_shards:
+            return Start(position, "where --start-from put it when the store first claimed the partition")
         return Start(position, "the store's position")
     if has_shards:
         return Start(
@@ -167,6 +170,7 @@ class ResumeFromStore:
 
     config: Any
     consumer: Any
+    storage: Storage
     writers: dict[int, Any]
     group_id: str
     _refused: GapError | None
@@ -197,24 +201,63 @@ class ResumeFromStore:
 
     def _where_to_start(self, p: int, w: Any) -> int:
         lg = w.committer.log
-        start = start_of(w.replay_from, lg.max_last_offset >= 0, self.config.start_from)
+        has_shards = lg.max_last_offset >= 0
+        start = start_of(w.replay_from, has_shards, self.config.start_from)
         warning = foreign_writers(lg.recent_claims(), self.group_id)
         if warning:
             log.warning("partition %d: %s", p, warning)
         offset = start.offset
-        if start.position is not None:
+        # the first offset the store needs; a log written before format 3: past its newest shard
+        needed = start.position if start.position is not None or not has_shards else lg.max_last_offset + 1
+        if needed is not None:
             earliest = self._low_watermark(p)
-            if earliest is not None and earliest > start.position:
-                offset = self._gap(p, start.position, earliest)
+            if earliest is not None and earliest > needed:
+                offset = self._gap(p, needed, earliest)
+            elif earliest is not None and offset == OFFSET_BEGINNING:
+                offset = earliest
         if offset >= 0:  # read from here: until a message comes, the offset to commit (for lag tools)
             w.assembler.next_offset = offset
-        log.info("partition %d: reading from offset %s (%s)", p, offset, start.why)
+            log.info("partition %d: reading from offset %d (%s)", p, offset, start.why)
+        else:
+            where = "earliest" if offset == OFFSET_BEGINNING else "latest"
+            log.info("partition %d: reading from the %s offset (%s)", p, where, start.why)
         return offset
+
+    def _start_at(self, p: int) -> Callable[[], int]:
+        """What a claim asks, only when the store holds nothing of partition p (no shard, no
+        position), for where it starts; recorded in the claim as the partition's position, so
+        that a restart or rebalance before its first shard starts there too (with ``latest``,
+        not at a later end; with ``earliest``, a trimmed topic is then seen as a gap):
+
+        * ``--start-from latest``: the partition's end now;
+        * ``--start-from earliest``: the topic's earliest retained offset -- or 0 where the
+          store already holds shards (a restored store missing this partition, a partition
+          whose first claim came late): the store should hold the partition from its start,
+          so offsets retention removed are a gap, refused in one line (or --accept-gap)."""
+
+        def start() -> int:
+            latest = self.config.start_from == "latest"
+            at = self._watermarks(p)[1] if latest else self._low_watermark(p)
+            if at is None or at < 0:  # raised: the claim fails and is tried again
+                raise RuntimeFailure(f"partition {p}: the broker does not say where the partition starts or ends")
+            if not latest and at > 0 and self._store_holds_shards():
+                return 0
+            return at
+
+        return start
+
+    def _store_holds_shards(self) -> bool:
+        """Whether any shard was ever written to this store (a policy directory exists)."""
+        return any(f.is_dir and not f.name.startswith("_") for f in self.storage.list(""))
+
+    def _watermarks(self, p: int) -> tuple[int, int]:
+        """The broker's (earliest retained, end) offsets of partition p; raises KafkaException."""
+        return self.consumer.get_watermark_offsets(TopicPartition(self.config.topic, p), timeout=5, cached=False)
 
     def _low_watermark(self, p: int) -> int | None:
         """The topic's earliest retained offset of partition p (None: the broker does not say)."""
         try:
-            return self.consumer.get_watermark_offsets(TopicPartition(self.config.topic, p), timeout=5, cached=False)[0]
+            return self._watermarks(p)[0]
         except KafkaException as e:
             log.warning("partition %d: the earliest retained offset is not available (%s)", p, e)
             return None

@@ -274,6 +274,12 @@ class RecorderConsumer(ResumeFromStore):
             "auto.offset.reset": "error",
             "logger": kafka_logger(),
         }
+        if "auto.offset.reset" in cfg.kafka_config:
+            log.warning(
+                "--kafka-config auto.offset.reset=%s is overridden: the output store says where each partition "
+                "is read from (--start-from for partitions it holds nothing of)",
+                cfg.kafka_config["auto.offset.reset"],
+            )
         log.info("consumer group %s, deployment %s, output %s", self.group_id, self.deployment, self.storage.uri())
         self._incremental = "cooperative" in str(conf["partition.assignment.strategy"])
         try:
@@ -423,7 +429,7 @@ class RecorderConsumer(ResumeFromStore):
 
     def _claim_writer(self, w: PartitionWriter) -> None:
         """Claim w's partition from the store's position, naming this group and deployment."""
-        w.claim(from_store=True, group=self.group_id, deployment=self.deployment)
+        w.claim(from_store=True, group=self.group_id, deployment=self.deployment, start_at=self._start_at(w.partition))
 
     def _sync_pause(self, p: int, w: PartitionWriter) -> None:
         """The writer's state decides whether its partition is read."""

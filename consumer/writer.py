@@ -291,15 +291,19 @@ class PartitionWriter:
         from_store: bool = False,
         group: str | None = None,
         deployment: str | None = None,
+        start_at: Callable[[], int] | None = None,
     ) -> None:
         """Claim a new writer epoch (the committer rolls forward unpublished commits and learns
         the committed episode ids that can still be replayed from Kafka offset `replay_from`,
         all if None; with `from_store`, from the store's resume position where it has one:
         `replay_from` then says where reading resumes, None if the store has no position) and
         start a new assembler that asks it. `group` and `deployment` name the writer in its
-        claim. Raises on storage errors (the state stays CLAIMING)."""
+        claim; `start_at` says where a partition the store holds nothing of starts, recorded in
+        the claim (`PartitionLog.claim`). Raises on storage errors (the state stays CLAIMING)."""
         self._discard_encoding()  # before the committer is used here (none is under way: unclaimed() waited)
-        self.committer.claim(replay_from, from_position=from_store, group=group, deployment=deployment)
+        self.committer.claim(
+            replay_from, from_position=from_store, group=group, deployment=deployment, start_at=start_at
+        )
         if from_store:
             replay_from = self.committer.resume_offset
         self.replay_from = replay_from

@@ -31,6 +31,11 @@ log = logging.getLogger(__name__)
 EXIT_CONFIG_ERROR = 2
 #: the supervisor's exit code when a child keeps crashing (`RESTARTS.attempts`)
 EXIT_CRASHING = 1
+#: a child that exits with this code refused a gap in the store (`rlrec.consumer.resume.GapError`,
+#: its one line logged): a sibling given the partition would refuse it too, so the supervisor
+#: stops all and exits with EXIT_GAP_REFUSED (1, as `rlrec consume` without --processes)
+EXIT_GAP = 3
+EXIT_GAP_REFUSED = 1
 #: how long a child waits for its siblings' imports before it subscribes anyway
 START_GATE_S = 120.0
 #: a child that ran this long before it crashed counts as having worked (its next crash is a first)
@@ -127,8 +132,8 @@ def _child_main(
     except ConditionalWritesError as e:
         log.error("%s", e)
         raise SystemExit(EXIT_CONFIG_ERROR) from None
-    except GapError:  # logged by the consumer, in one line; restarted children refuse the same way
-        raise SystemExit(1) from None
+    except GapError:  # logged by the consumer, in one line; the supervisor stops the others
+        raise SystemExit(EXIT_GAP) from None
 
 
 class ConsumerProcesses:
@@ -142,7 +147,8 @@ class ConsumerProcesses:
     partitions to the others, until it crashes `RESTARTS.attempts` times in a row soon after
     starting; children stop gracefully if the supervisor is killed. `run()` returns 0 when every
     child ended by itself (`max_seconds`) or on a signal, `EXIT_CONFIG_ERROR` if a child met a
-    configuration error, `EXIT_CRASHING` if a child kept crashing or crashed too late to restart.
+    configuration error, `EXIT_GAP_REFUSED` if a child refused a gap in the store (all stop at
+    once: no restarts), `EXIT_CRASHING` if a child kept crashing or crashed too late to restart.
     """
 
     def __init__(
@@ -276,6 +282,11 @@ class ConsumerProcesses:
             if code == EXIT_CONFIG_ERROR:
                 log.error("worker %d exited with code %d (configuration); stopping all", i, code)
                 self.rc = self.rc or code
+                self.stop()
+                continue
+            if code == EXIT_GAP:  # its line says which partition and what to do
+                log.error("worker %d refused a gap in the store (above); stopping all", i)
+                self.rc = self.rc or EXIT_GAP_REFUSED
                 self.stop()
                 continue
             what = f"signal {-code}" if code < 0 else f"exit code {code}"

@@ -165,6 +165,7 @@ class ShardCommitter:
         from_position: bool = False,
         group: str | None = None,
         deployment: str | None = None,
+        start_at: Callable[[], int] | None = None,
     ) -> int:
         """Claim a new writer epoch and roll forward unpublished commits; returns the epoch.
 
@@ -173,7 +174,8 @@ class ShardCommitter:
         entries with `last_offset >= replay_from` plus the most recent ones (the newest
         snapshot's segment and after); without it, every committed id (reads the log's whole
         history). With `from_position` the log's own resume position (`resume_offset`) is
-        that offset where it has one. `group` and `deployment` name the writer in its claim.
+        that offset where it has one. `group` and `deployment` name the writer in its claim;
+        `start_at` says where a partition the log holds nothing of starts (`PartitionLog.claim`).
         What an earlier claim of this object held (appends of unknown outcome, seen lengths)
         is dropped: the log says what landed.
         """
@@ -185,6 +187,7 @@ class ShardCommitter:
             from_position=from_position,
             group=group,
             deployment=deployment,
+            start_at=start_at,
         )
         recovered = self.log.recover()
         if recovered:

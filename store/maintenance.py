@@ -300,13 +300,13 @@ def _snapshot_problems(storage: Storage, topic: str, partition: int, entries: li
         if e.seq is None:
             continue
         max_lo_before[e.seq] = max_lo
+        if isinstance(e, (ClaimEntry, ShardEntry)) and e.resume_offset is not None:
+            position = e.resume_offset if position is None else max(position, e.resume_offset)
         if isinstance(e, ClaimEntry):
             if top_claim is None or e.epoch > top_claim.epoch:
                 top_claim = e
         elif isinstance(e, ShardEntry):
             max_lo = max(max_lo, e.last_offset)
-            if e.resume_offset is not None and (position is None or e.resume_offset > position):
-                position = e.resume_offset
             continue
         if not isinstance(e, SnapshotEntry):
             continue

@@ -53,7 +53,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -242,7 +242,7 @@ class PartitionLog:
         self._keep_all = keep_all
         self._last_claim: ClaimEntry | None = None  # the claim with the highest epoch seen
         self._max_last_offset = -1
-        self._resume: int | None = None  # the largest resume_offset of the shard entries read
+        self._resume: int | None = None  # the largest resume_offset of the shard and claim entries read
         self._base: SnapshotEntry | None = None  # the newest snapshot seen
         self._window_from = 0  # ids of entries at/after this seq are kept whatever their offsets
         self._ids: dict[str, ShardEntry] = {}  # committed episode id -> its entry (the skip set)
@@ -409,6 +409,7 @@ class PartitionLog:
         self._next = e.seq + 1
         if isinstance(e, ClaimEntry):
             self._note_claim(e)
+            self._note_resume(e.resume_offset)
         elif isinstance(e, ShardEntry):
             self._max_last_offset = max(self._max_last_offset, e.last_offset)
             self._note_resume(e.resume_offset)
@@ -549,7 +550,8 @@ class PartitionLog:
     @property
     def resume_offset(self) -> int | None:
         """Where the partition resumes: the largest ``resume_offset`` of the shard entries read
-        (directly or folded by a snapshot; a replace entry never moves it). None: no entry
+        and of the claims that recorded where a new partition starts (directly or folded by a
+        snapshot; a replace entry never moves it). None: no entry
         carries one (a new log, or one written without Kafka or by an rlrec before format 3)."""
         return self._resume
 
@@ -609,6 +611,7 @@ class PartitionLog:
         from_position: bool = False,
         group: str | None = None,
         deployment: str | None = None,
+        start_at: Callable[[], int] | None = None,
         max_attempts: int = 100,
     ) -> int:
         """Become the writer of this partition: append a claim with epoch max+1.
@@ -619,7 +622,9 @@ class PartitionLog:
         newest snapshot's segment and after). None keeps every committed id (reads the whole
         chain). ``from_position``: replay from the log's own :attr:`resume_offset` where it has
         one (``replay_from`` otherwise). ``group`` and ``deployment`` are recorded in the claim
-        (the writer's consumer group and deployment name).
+        (the writer's consumer group and deployment name). ``start_at``: asked, only when the
+        log has neither a position nor a shard, for where the partition starts; recorded in the
+        claim as its ``resume_offset`` (the log's position from then on).
         """
         writer = writer_id or default_writer_id()
         with self._lock:
@@ -633,7 +638,17 @@ class PartitionLog:
                 self.forget_before(replay_from)
             for _ in range(max_attempts):
                 seq = self._next
-                entry = ClaimEntry(seq=seq, epoch=self.max_epoch + 1, writer=writer, group=group, deployment=deployment)
+                start = None
+                if start_at is not None and self._resume is None and self._max_last_offset < 0:
+                    start = start_at()
+                entry = ClaimEntry(
+                    seq=seq,
+                    epoch=self.max_epoch + 1,
+                    writer=writer,
+                    group=group,
+                    deployment=deployment,
+                    resume_offset=start,
+                )
                 if self.storage.create_once(self._path(seq), _entry_bytes(entry)):
                     self._add(entry)
                     self._epoch, self._writer = entry.epoch, writer

@@ -16,8 +16,9 @@ wrongly typed values with :class:`ManifestError`; never pickle):
 Manifest format version (:data:`MANIFEST_FORMAT_VERSION`): an entry that needs a reader of
 version 2 or later (a replace entry, a snapshot folding one) says so in its
 ``manifest_version`` field; an entry without it is version 1.  Version 3 adds the resume
-position (a shard entry's ``resume_offset``, folded by snapshots) and the writer's names in
-claims (``group``, ``deployment``): an entry carrying any of them says ``"manifest_version": 3``.
+position (a shard entry's ``resume_offset``, a claim's where ``--start-from latest`` put it,
+folded by snapshots) and the writer's names in claims (``group``, ``deployment``): an entry
+carrying any of them says ``"manifest_version": 3``.
 A reader refuses an entry of a newer version, or of a type it does not know, with
 :class:`UnsupportedManifestError`.
 """
@@ -109,11 +110,14 @@ def _check_keys(d: Mapping[str, Any], required: set[str], optional: set[str], wh
 
 @dataclass(frozen=True, kw_only=True)
 class ClaimEntry:
-    """``{"type": "claim", "seq", "epoch", "writer", "time"[, "group", "deployment"]}``.
+    """``{"type": "claim", "seq", "epoch", "writer", "time"[, "group", "deployment", "resume_offset"]}``.
 
     ``group`` and ``deployment`` (format 3, optional): the Kafka consumer group and the
     deployment name (``rlrec consume --deployment``, default the host) of the claiming writer,
     so that a claim can name another group writing the same partition log.
+    ``resume_offset`` (format 3, optional): where a partition the log holds nothing of starts
+    (``rlrec consume --start-from latest``, resolved to an offset when claimed), so that a
+    restart or rebalance before its first shard starts there too, not at a later end.
     """
 
     epoch: int
@@ -121,16 +125,18 @@ class ClaimEntry:
     time: float = field(default_factory=time.time)
     group: str | None = None
     deployment: str | None = None
+    resume_offset: int | None = None
     seq: int | None = None
 
     type = "claim"
     _REQUIRED = frozenset({"type", "seq", "epoch", "writer", "time"})
-    _OPTIONAL = frozenset({"group", "deployment", "manifest_version"})
+    _OPTIONAL = frozenset({"group", "deployment", "resume_offset", "manifest_version"})
 
     @property
     def manifest_version(self) -> int:
         """The manifest format a reader needs for this entry."""
-        return RESUME_FORMAT_VERSION if self.group is not None or self.deployment is not None else 1
+        new = (self.group, self.deployment, self.resume_offset)
+        return RESUME_FORMAT_VERSION if any(v is not None for v in new) else 1
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -140,7 +146,7 @@ class ClaimEntry:
             "writer": self.writer,
             "time": self.time,
         }
-        for k in ("group", "deployment"):
+        for k in ("group", "deployment", "resume_offset"):
             if getattr(self, k) is not None:
                 d[k] = getattr(self, k)
         if self.manifest_version > 1:
@@ -359,8 +365,8 @@ class SnapshotEntry:
       the shard entries below ``seq`` / below ``folded_from`` (-1: none), so that a claim
       replaying from Kafka offset ``C`` knows where to stop looking for committed ids;
     * ``unpublished``: committed shard entries below ``seq`` not known to be published;
-    * ``resume_offset`` (format 3, optional): the largest ``resume_offset`` of the shard
-      entries below ``seq`` (None: none carries one), where the partition resumes.
+    * ``resume_offset`` (format 3, optional): the largest ``resume_offset`` of the shard and
+      claim entries below ``seq`` (None: none carries one), where the partition resumes.
 
     The folded entries stay on storage, unchanged: a snapshot adds a shortcut, it
     never replaces the record (``verify`` compares the two).
@@ -475,7 +481,9 @@ def _validate_claim(d: Mapping[str, Any]) -> None:
     for k in names:
         if not is_writer_name(_check_type(d, k, (str,))):
             raise ManifestError(f"field {k!r} must be 1-255 printable characters")
-    _check_declared(d, RESUME_FORMAT_VERSION if names else 1, "claim")
+    if "resume_offset" in d:
+        _check_offset(d, "resume_offset")
+    _check_declared(d, RESUME_FORMAT_VERSION if names or "resume_offset" in d else 1, "claim")
 
 
 def _check_offset(d: Mapping[str, Any], key: str, lo: int = 0) -> int:
@@ -636,7 +644,11 @@ def _validate_snapshot(
         raise ManifestError(f"snapshot {seq}: unpublished must be distinct shard entries")
     if any(s >= seq for s in useqs):
         raise ManifestError(f"snapshot {seq}: unpublished entries must be below it")
-    folded = [e.resume_offset for e in parsed if isinstance(e, ShardEntry) and e.resume_offset is not None]
+    folded = [
+        e.resume_offset
+        for e in [*parsed, last_claim]
+        if isinstance(e, (ShardEntry, ClaimEntry)) and e.resume_offset is not None
+    ]
     if "resume_offset" in d:
         if _check_offset(d, "resume_offset") < max([0, *folded]):
             raise ManifestError(f"snapshot {seq}: resume_offset below a folded entry's")
@@ -682,6 +694,7 @@ def parse_entry(data: str | bytes | Mapping[str, Any]) -> Entry:
             time=float(d["time"]),
             group=d.get("group"),
             deployment=d.get("deployment"),
+            resume_offset=d.get("resume_offset"),
         )
     if kind == "shard":
         _validate_shard(d)

@@ -506,6 +506,20 @@ class Storage:
         out = f"{prefix}/{rel}" if rel else prefix
         return f"{out}?{query}" if query else out
 
+    def location(self) -> str:
+        """What names this store, whatever URI opened it: the kind and base path (``s3://``
+        bucket/prefix, ``gcs://``, an absolute local path; Azure's ``abfs://`` with the account,
+        for ``az://`` and ``abfs[s]://`` alike), without query parameters or credentials.
+
+        Example:
+            >>> Storage.from_uri("/tmp/x/").location() == Storage.from_uri("file:///tmp/x").location()
+            True
+        """
+        if self.kind == "local":
+            return self.base
+        account = f"@{self._azure.settings.account_name}" if self._azure is not None else ""
+        return f"{self.kind}://{self.base}{account}"
+
     @property
     def conditional_writes(self) -> bool:
         """True if :meth:`create_once` is atomic on this storage (local, S3, GCS, Azure)."""

@@ -151,6 +151,13 @@ def test_policies_publish_to_the_consumers_topic_on_the_compose_kafka(services, 
     assert policy.steps_per_s > 0, "policies are throttled"
 
 
+def test_the_consumer_sets_no_group_id_so_its_output_names_the_group(services, monkeypatch):
+    """A shared group name (`rlrec-consumer`) is how two outputs end up in one group; the default
+    group is derived from the output (docs/GUARANTEES.md §8)."""
+    consumer = vars(parse_service_command("consumer", services["consumer"], monkeypatch))
+    assert consumer["group_id"] is None
+
+
 def test_the_policies_pin_the_channel_the_trainer_publishes_for(services, monkeypatch):
     policy = parse_service_command("policy", services["policy"], monkeypatch)
     train = parse_service_command("trainer", services["trainer"], monkeypatch)

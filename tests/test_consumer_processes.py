@@ -5,6 +5,7 @@ partitions move, SIGTERM reaching every child, no child outliving a killed super
 
 from __future__ import annotations
 
+import logging
 import signal
 import subprocess
 import sys
@@ -352,3 +353,30 @@ def test_the_start_gate_opens_when_the_supervisor_stops():
     sup._stopping = True  # the children then run with their stop flag set: they end at once
     sup._open_gate()
     assert all(e.poll(1) and e.recv() == "go" for e in ends)
+
+
+def test_a_child_refusing_a_gap_stops_all_without_restarts(caplog):
+    """A gap refused by one child would be refused by every sibling the partition moves to:
+    the supervisor stops all at once (exit 1, one line) instead of restarting it until it
+    gives up as crashing."""
+    from rlrec.supervisor import EXIT_GAP, _Child
+
+    class Ended(_FakeProcess):
+        def close(self):
+            pass
+
+    sibling = subprocess.Popen(["sleep", "60"])
+    try:
+        sup = ConsumerProcesses(ConsumerConfig(bootstrap_servers="b", output="o"), 2)
+        refusing, running = Ended(), Ended()
+        refusing.exitcode = EXIT_GAP
+        running.pid = sibling.pid
+        sup._children = {0: _Child(0, refusing, time.time(), 0, None), 1: _Child(1, running, time.time(), 0, None)}
+        caplog.set_level(logging.ERROR, logger="rlrec.supervisor")
+        sup._reap(time.time())
+        assert sibling.wait(10) == -signal.SIGTERM  # the sibling is told to stop
+        assert sup.rc == 1 and sup._stopping and not sup._restart_at
+        assert [r.getMessage() for r in caplog.records] == ["worker 0 refused a gap in the store (above); stopping all"]
+    finally:
+        sibling.kill()
+        sibling.wait()

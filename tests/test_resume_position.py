@@ -292,3 +292,60 @@ def test_verify_finds_a_snapshot_whose_position_is_not_the_logs(tmp_path):
         f"snapshot seq {snap.seq}: resume_offset {snap.resume_offset + 1000} != {snap.resume_offset}" in p
         for p in problems
     ), problems
+
+
+def test_start_from_latest_is_recorded_at_the_claim(tmp_path):
+    """--start-from latest is resolved when a new store claims the partition and recorded in the
+    claim: an owner claiming again before the first shard (a restart, a rebalance) starts at
+    the same offset, not at the partition's new end (the events in between would be a gap)."""
+    storage = Storage.from_uri(str(tmp_path))
+    ends = iter([100, 250])  # the partition's end at each claim
+    w = PartitionWriter(storage, "rl", 0)
+    w.claim(from_store=True, start_at=lambda: next(ends))
+    assert w.replay_from == 100
+    claim = [e for e in PartitionLog(storage, "rl", 0).load() if isinstance(e, ClaimEntry)][-1]
+    assert claim.resume_offset == 100 and json.loads(claim.to_json())["manifest_version"] == 3
+    w2 = PartitionWriter(storage, "rl", 0)  # the next owner, before any shard
+    w2.claim(from_store=True, start_at=lambda: next(ends))
+    assert w2.replay_from == 100 and start_of(w2.replay_from, False, "latest").offset == 100
+    assert next(ends) == 250  # never asked again: the store has a position
+    w2.assembler.apply(100, start("a"))
+    w2.assembler.apply(101, steps("a", 0, 2, terminated=True))
+    w2.tick(LATER, force=True)
+    assert positions(storage) == [(("a",), 102)]
+    assert verify(storage) == []
+
+
+def test_a_claims_position_is_parsed_strictly_and_folded():
+    d = json.loads(ClaimEntry(seq=0, epoch=1, writer="h:1:u", resume_offset=5).to_json())
+    assert d["manifest_version"] == 3 and parse_entry(d).resume_offset == 5
+    for bad in ({"resume_offset": -1}, {"resume_offset": 2**63}, {"manifest_version": 1}):
+        with pytest.raises(ManifestError):
+            parse_entry({**d, **bad})
+
+
+def test_the_default_group_ignores_query_parameters_and_the_uri_form(local_s3, monkeypatch):
+    """The same bucket and prefix is one output whatever the URI's query parameters (in any
+    order) or trailing slash; another prefix is another output."""
+    for k, v in local_s3.env().items():
+        monkeypatch.setenv(k, v)
+    bucket = local_s3.create_bucket(f"g-{os.urandom(4).hex()}")
+    endpoint = local_s3.env()["AWS_ENDPOINT_URL"].split("://", 1)[1]
+    uris = [
+        f"s3://{bucket}/out",
+        f"s3://{bucket}/out/",
+        f"s3://{bucket}/out?region=us-east-1",
+        f"s3://{bucket}/out?endpoint_override={endpoint}&scheme=http",
+        f"s3://{bucket}/out?scheme=http&endpoint_override={endpoint}",
+    ]
+    assert len({default_group_id(Storage.from_uri(u)) for u in uris}) == 1
+    assert default_group_id(Storage.from_uri(f"s3://{bucket}/other")) != default_group_id(Storage.from_uri(uris[0]))
+
+
+def test_az_and_abfs_name_one_output_one_group(local_azurite, monkeypatch):
+    for k, v in local_azurite.env().items():
+        monkeypatch.setenv(k, v)
+    container = local_azurite.create_container(f"g-{os.urandom(4).hex()}")
+    account = Storage.from_uri(f"az://{container}/out")._azure.settings.account_name
+    same = [f"az://{container}/out", f"abfs://{container}@{account}.dfs.core.windows.net/out/"]
+    assert len({default_group_id(Storage.from_uri(u)) for u in same}) == 1

@@ -10,8 +10,10 @@ shard (read from its /metrics), followed by a replacement; `joins` membership ch
 consumer, or a graceful leave and a new one when 3 run); `storage_faults` windows in which the
 proxy stalls every request and then answers 503 (plus a few ambiguous 503s whose request did
 reach the store); `foreign_outputs` consumers of another output with the same group id, each
-joining between two kills and leaving 3-6 s after it wrote a shard there (the store, not the group's offsets, decides
-where the main output resumes); one broker restart. The moments are drawn from the seed; what is eligible for a
+starting its new store at the partitions' ends (--start-from latest), joining between two kills
+and leaving 3-6 s after it wrote a shard there, once the group's offset of a partition is ahead
+of the main store's position (checked: the store, not the group's offsets, decides where the main
+output resumes); one broker restart. The moments are drawn from the seed; what is eligible for a
 kill at that moment depends on timing, so two runs with one seed are alike, not identical.
 Then: wait for the producers, read the topic, wait until the manifest holds every expected
 episode and the group's offsets reached the end of every partition, stop the consumers
@@ -133,6 +135,9 @@ class Tally:
     storage_faults: int = 0
     dlq_faults: int = 0
     foreign_outputs: int = 0
+    #: partitions whose group offset, set by a consumer of another output, was ahead of the
+    #: store's position when that consumer left (the gap the phase exists to provoke)
+    foreign_ahead: int = 0
     broker_restarts: int = 0
     dead_letters_unacked: int = -1  # pending dead letters of the consumers when the run ends
     faults: list[str] = field(default_factory=list)  # every fault, as logged
@@ -195,7 +200,9 @@ class Chaos:
         self.broker_s3 = S3Process("chaos-broker", self.work / "s3-broker.log")
         self.broker = LocalBroker("s3", s3=self.broker_s3, log_path=self.work / "tansu.log").start()
         n = self.cfg.partitions
-        create_topics(self.broker.bootstrap_servers, {self.topic: n, dlq_topic_name(self.topic): n})
+        create_topics(
+            self.broker.bootstrap_servers, {self.topic: n, dlq_topic_name(self.topic): n, self.foreign_dlq: n}
+        )
         self.say(
             f"stack up: Tansu {self.broker.bootstrap_servers} (s3://{self.broker.bucket}), shard store "
             f"127.0.0.1:{s3_port} behind fault proxy :{self.proxy.port}, topic {self.topic} ({n} partitions)"
@@ -283,13 +290,15 @@ class Chaos:
         ]
         if dlq_topic is not None:
             cmd += ["--dlq-topic", dlq_topic]
+        if output is not None:  # a new store at the partitions' ends: its group commits run ahead of ours
+            cmd += ["--start-from", "latest"]
         for k, v in CONSUMER_KAFKA.items():
             cmd += ["--kafka-config", f"{k}={v}"]
         log = open(self.work / f"consumer-{name}.log", "ab")
         proc = subprocess.Popen(cmd, cwd=REPO, env=self.consumer_env, stdout=log, stderr=log)
         c = ConsumerProc(name, proc, port, foreign=output is not None)
         self.consumers.append(c)
-        what = f" with DLQ {dlq_topic!r}" if dlq_topic else f" of another output {output}" if output else ""
+        what = f" of another output {output}" if output else f" with DLQ {dlq_topic!r}" if dlq_topic else ""
         self.say(f"start consumer {name} (pid {c.proc.pid}){what}")
         return c
 
@@ -362,23 +371,36 @@ class Chaos:
             f"unacknowledged, {m.get('rlrec_dead_letter_failures_total', 0):.0f} failed deliveries"
         )
 
+    @property
+    def foreign_dlq(self) -> str:
+        """The dead-letter topic of the consumers of another output."""
+        return f"{self.topic}.other-output.dlq"
+
     def foreign_output(self) -> None:
         """A consumer of another output joins with the same group id, takes partitions, commits
         the group's offsets past what it writes to its own store, and leaves: the main output's
         consumers resume those partitions from their store's position, not from the group's
         offsets, so nothing is missing from the output under test."""
-        c = self.start_consumer(output=str(self.work / "other-output"))
+        # its own dead-letter topic: it starts mid-episode, and what it dead-letters is not ours
+        c = self.start_consumer(dlq_topic=self.foreign_dlq, output=str(self.work / "other-output"))
         self.tally.rebalances += 1
         self.tally.foreign_outputs += 1
         self._fault(f"consumer {c.name} of another output joins the group")
-        deadline = time.monotonic() + 60  # until it holds partitions and wrote a shard there
+        # until it holds partitions, wrote a shard there and moved the group's offset of a
+        # partition past our store's position (the gap the group's offsets would leave)
+        deadline = time.monotonic() + 60
         while time.monotonic() < deadline and c.alive:
             m = c.metrics()
             if m.get("rlrec_assigned_partitions", 0) > 0 and m.get("rlrec_shards_committed_total", 0) > 0:
                 break
             time.sleep(0.5)
         time.sleep(self.rng.uniform(3, 6))
+        ahead = self._group_ahead_of_store()
+        while not ahead and time.monotonic() < deadline and c.alive:
+            time.sleep(1.0)
+            ahead = self._group_ahead_of_store()
         m = c.metrics()
+        self.tally.foreign_ahead += len(ahead)
         c.proc.send_signal(signal.SIGTERM)
         try:
             c.proc.wait(60)
@@ -388,8 +410,26 @@ class Chaos:
         self.say(
             f"consumer {c.name} of another output leaves (SIGTERM) holding "
             f"{m.get('rlrec_assigned_partitions', 0):.0f} partitions, after committing "
-            f"{m.get('rlrec_episodes_committed_total', 0):.0f} episodes there"
+            f"{m.get('rlrec_episodes_committed_total', 0):.0f} episodes there; the group's offsets were ahead "
+            f"of the store's position on partitions {sorted(ahead)}"
         )
+
+    def _group_ahead_of_store(self) -> dict[int, tuple[int, int]]:
+        """{partition: (the group's committed offset, the store's position)} where the group's
+        offset is ahead: with the group's offsets deciding, a consumer would skip that stretch."""
+        try:
+            offsets = committed_offsets(self.broker.bootstrap_servers, self.group, self.topic, self.cfg.partitions)
+        except Exception as e:  # the broker is restarting: counted as nothing ahead
+            self.say(f"group offsets not available ({type(e).__name__}: {e})")
+            return {}
+        self.committed_ids()  # reads the logs' new entries
+        out = {}
+        for p, off in offsets.items():
+            log = self._logs.get(p)
+            position = log.resume_offset if log is not None else None
+            if position is not None and off > position:
+                out[p] = (off, position)
+        return out
 
     def storage_fault(self) -> None:
         if self._fault_thread is not None:
@@ -578,6 +618,11 @@ class Chaos:
                 problems.append(f"rlrec inspect --verify exited with {verify_rc}")
             if self.tally.kills_skipped:
                 problems.append(f"{self.tally.kills_skipped} kill(s) found no eligible consumer")
+            if self.tally.foreign_outputs and not self.tally.foreign_ahead:
+                problems.append(
+                    "no consumer of another output left the group's offsets ahead of the store's position: "
+                    "the phase tested nothing"
+                )
         except Exception as e:
             problems.append(f"chaos run failed: {type(e).__name__}: {e}")
             self.console.print_exception()
@@ -605,6 +650,7 @@ class Chaos:
             ("storage fault windows (the first longer than 2 episode timeouts)", tl.storage_faults),
             ("consumers with a refused dead-letter topic", tl.dlq_faults),
             ("consumers of another output with the same group id", tl.foreign_outputs),
+            ("  partitions they left with the group's offset ahead of the store's position", tl.foreign_ahead),
             ("offsets a restart reads again (store position to partition end)", v.replay_tail),
             ("broker restarts", tl.broker_restarts),
             (

@@ -269,14 +269,14 @@ def test_a_version_s_data_recorded_as_removed_reopens_within_the_grace(tmp_path)
         rlrec.open(root, policy_version=1, policies=pol, allow_unsigned=True)
 
 
-def _publish_as_read_earlier(monkeypatch, pol, version, root, priv, entries):
+def _publish_as_read_earlier(monkeypatch, pol, version, root, priv, entries, **kw):
     """Publish `version` whose lineage names `entries` (what its trainer read earlier, before a
     retain run), as `rlrec train` publishes one."""
     import tests.test_lineage as tl
 
     monkeypatch.setattr(tl, "open_snapshot", lambda _root: types.SimpleNamespace(entries=entries))
     try:
-        tl._publish_version(pol, version, root, priv, run_id="run-a")
+        tl._publish_version(pol, version, root, priv, run_id="run-a", **kw)
     finally:
         monkeypatch.setattr(tl, "open_snapshot", open_snapshot)
 
@@ -305,6 +305,7 @@ def test_publishing_a_version_whose_data_retention_removed_is_refused_or_re_pinn
     with pytest.raises(LineageError, match="removed by retention before it was published"):
         _publish_as_read_earlier(monkeypatch, str(tmp_path / "pa"), 1, a_root, str(priv), a_read)
     assert not (tmp_path / "pa" / "latest.json").exists()
+    assert not (tmp_path / "pa" / "v000001" / "policy.json").exists()  # refused: its directory pins nothing
     _publish_as_read_earlier(monkeypatch, pol, 1, b_root, str(priv), b_read)  # re-pinned
     assert read_latest(pol)["policy_version"] == 1
 
@@ -316,6 +317,47 @@ def test_publishing_a_version_whose_data_retention_removed_is_refused_or_re_pinn
     v1 = rlrec.open(b_root, policy_version=1, policies=pol, allow_unsigned=True)
     held = rlrec.open(b_root, policy_version=1, policies=pol, allow_unsigned=True, held_out=True)
     assert set(_episodes(v1)) | set(_episodes(held)) == set(b_ids)
+
+
+def test_data_expired_before_the_version_before_never_blocks_later_versions(tmp_path, monkeypatch):
+    """A trainer trained on shard A, published v1, then A expired and was deleted (grace 0, no
+    pins): v2, trained on A and then on B, is published (A is older than v1: not its loss) and
+    deployed; v3, whose data trained since v2 (C) is deleted, is refused and its directory
+    removed -- it never pins data -- and v4 (trained since v3 on D only) is published again."""
+    from rlrec.trainer.lineage import LineageError, ranges_doc
+    from rlrec.trainer.policy import read_latest
+    from rlrec.trainer.signing import generate_keys
+
+    priv, _ = generate_keys(tmp_path / "keys")
+    root, pol = str(tmp_path / "s"), str(tmp_path / "pol")
+    c = ShardCommitter(root, "rl", 0)
+
+    def ranges(entries):
+        return ranges_doc({("rl", 0): [[e.seq, e.seq + 1] for e in entries]})
+
+    _commit(c, 1)
+    a_read = open_snapshot(root).entries
+    _publish_as_read_earlier(monkeypatch, pol, 1, root, str(priv), a_read)
+    time.sleep(0.3)
+    assert len(retain(c.storage, older_than_s=0.2, grace_s=0).deleted) == 1  # A is gone
+    _commit(c, 1, seed0=1)
+    ab_read = open_snapshot(root).entries
+    _publish_as_read_earlier(monkeypatch, pol, 2, root, str(priv), a_read + ab_read, trained_before=ranges(a_read))
+    assert read_latest(pol)["policy_version"] == 2
+    _commit(c, 1, seed0=2)
+    abc_read = a_read + open_snapshot(root).entries
+    time.sleep(0.3)
+    assert len(retain(c.storage, older_than_s=0.2, grace_s=0).deleted) == 2  # B and C are gone
+    with pytest.raises(LineageError, match="trained on since the version before"):
+        _publish_as_read_earlier(
+            monkeypatch, pol, 3, root, str(priv), abc_read, trained_before=ranges(a_read + ab_read)
+        )
+    assert read_latest(pol)["policy_version"] == 2
+    assert not (tmp_path / "pol" / "v000003").exists() or not any((tmp_path / "pol" / "v000003").iterdir())
+    _commit(c, 1, seed0=3)
+    d_read = open_snapshot(root).entries
+    _publish_as_read_earlier(monkeypatch, pol, 4, root, str(priv), abc_read + d_read, trained_before=ranges(abc_read))
+    assert read_latest(pol)["policy_version"] == 4
 
 
 # -- the follower keeps what it was given ---------------------------------------------------------

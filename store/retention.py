@@ -429,7 +429,22 @@ def removed_keys(storage: Storage, logs: Mapping[tuple[str, int], Sequence[Entry
 PinnedEntries = Mapping[tuple[str, int], Sequence[tuple[int, int]]]
 
 
+def _merged(ranges: Iterable[Sequence[int]]) -> list[tuple[int, int]]:
+    """Half-open ranges, any order, overlapping or not, as sorted disjoint ranges (what
+    `_in_ranges` needs: it looks at the nearest range to the left only)."""
+    out: list[tuple[int, int]] = []
+    for a, b in sorted((int(a), int(b)) for a, b in ranges):
+        if a >= b:
+            continue
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
 def _in_ranges(seq: int, ranges: Sequence[tuple[int, int]]) -> bool:
+    """`seq` in one of `ranges` (sorted and disjoint: `_merged`)."""
     i = bisect.bisect_right(ranges, (seq, math.inf)) - 1
     return i >= 0 and ranges[i][0] <= seq < ranges[i][1]
 
@@ -451,7 +466,7 @@ def pinned_live_shards(
         entries = logs.get((topic, part))
         if not entries or not ranges:
             continue
-        ranges = sorted((int(a), int(b)) for a, b in ranges)
+        ranges = _merged(ranges)
         for seq, (shard, held) in live_holders(entries).items():  # live seq -> its shard, the entries it holds
             if any(_in_ranges(h, ranges) for h in (seq, *held)):
                 out[(topic, part, seq)] = shard
@@ -628,10 +643,11 @@ def _kept(
 def _held(files: Iterable[RemovedFile], holds: PinnedEntries) -> set[tuple[str, int, int]]:
     """The keys of `files` whose own entry a live reader holds (`rlrec.store.reader_leases`:
     handed to a trainer, not read yet): their files are read by their path, so they stay."""
+    merged = {k: _merged(rs) for k, rs in holds.items()}  # leases may overlap
     out = set()
     for f in files:
-        rs = holds.get((f.topic, f.partition))
-        if rs and _in_ranges(f.seq, sorted(rs)):
+        rs = merged.get((f.topic, f.partition))
+        if rs and _in_ranges(f.seq, rs):
             out.add(f.key)
     return out
 

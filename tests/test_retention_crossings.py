@@ -446,6 +446,22 @@ def test_a_trainer_behind_keeps_the_shards_it_was_handed_until_it_read_them(tmp_
     assert [i.name for i in st.list("_readers")] == ["stalled.json"]
 
 
+def test_overlapping_reader_leases_keep_every_file_either_holds(tmp_path):
+    """Two trainers' leases overlap (A holds entries 1-6, B holds 2): retention keeps every file
+    A holds, not only those beyond the range B's lease starts (ranges merged before the check)."""
+    from rlrec.store.reader_leases import renew_reader_lease
+
+    root = str(tmp_path / "out")
+    c = ShardCommitter(root, "rl", 0)
+    _commit(c, 6)
+    renew_reader_lease(c.storage, "trainer-a", {("rl", 0): [(1, 7)]})
+    renew_reader_lease(c.storage, "trainer-b", {("rl", 0): [(2, 3)]})
+    time.sleep(0.3)
+    res = retain(c.storage, grace_s=0, older_than_s=0.1)
+    assert res.recorded == [] and res.deleted == []
+    assert sum(1 for _ in _episodes(open_snapshot(root)).elements()) == 12
+
+
 # -- smaller crossings ------------------------------------------------------------------------------
 
 

@@ -703,7 +703,8 @@ def retain(
     keep = _kept(logs, pinned, pinned_entries)
     if pins is not None:  # asked again right before deleting: a version published meanwhile keeps its files
         keep |= _kept(logs, *pins())
-    held = _held((f for _, f in resolved.values()), live_holds(storage))  # and what live trainers still read
+    holds = live_holds(storage, remove_stale=not dry_run)
+    held = _held((f for _, f in resolved.values()), holds)  # and what live trainers still read
     keep |= {f.path for _, f in resolved.values() if f.key in held}
     at = time.time() if given is None else given
     res.deleted = delete_due(storage, resolved, grace_s=grace_s, now=at, dry_run=dry_run, keep=keep)

@@ -462,6 +462,31 @@ def test_overlapping_reader_leases_keep_every_file_either_holds(tmp_path):
     assert sum(1 for _ in _episodes(open_snapshot(root)).elements()) == 12
 
 
+def test_forged_skewed_or_hostile_reader_leases_hold_nothing_and_never_crash_retain(tmp_path, caplog):
+    """A lease renewed far in the future (forged, or a clock far ahead), one stating a ttl of
+    1e300 renewed two hours ago, and one of JSON nested 100,000 deep hold nothing and retain
+    runs (the files expire); a lease expired more than an hour ago is removed by retain."""
+    import logging
+
+    from rlrec.store.reader_leases import READERS_DIR, renew_reader_lease
+
+    root = str(tmp_path / "out")
+    c = ShardCommitter(root, "rl", 0)
+    _commit(c, 2)
+    st = c.storage
+    renew_reader_lease(st, "future", {("rl", 0): [(1, 3)]}, ttl_s=120.0, now=1e18)
+    renew_reader_lease(st, "forever", {("rl", 0): [(1, 3)]}, ttl_s=1e300, now=time.time() - 7300)
+    renew_reader_lease(st, "killed", {("rl", 0): [(1, 3)]}, ttl_s=120.0, now=time.time() - 7300)
+    st.write(f"{READERS_DIR}/deep.json", b"[" * 100_000 + b"]" * 100_000)
+    time.sleep(0.3)
+    with caplog.at_level(logging.WARNING, logger="rlrec.retention"):
+        res = retain(st, grace_s=0, older_than_s=0.1)
+    assert len(res.deleted) == 2
+    assert sum(1 for r in caplog.records if "malformed reader lease" in r.getMessage()) >= 2  # future, deep
+    names = sorted(i.name for i in st.list(READERS_DIR))
+    assert names == ["deep.json", "future.json"]  # expired > 1 h ago: removed; malformed ones are left
+
+
 # -- smaller crossings ------------------------------------------------------------------------------
 
 

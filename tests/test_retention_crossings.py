@@ -579,6 +579,29 @@ def test_a_merged_shard_part_of_which_was_delivered_is_read_for_the_rest_of_its_
     assert sorted(_served_episodes(root, first + second, monkeypatch)) == sorted(a + b)
 
 
+def test_a_recorded_shard_whose_file_is_still_there_is_delivered(tmp_path, monkeypatch):
+    """The follower delivered shard A; B landed; compaction merged A and B into M and one
+    retain (grace 1 h) recorded A and B (replaced) and M (expired), all between two polls. M
+    stands for nothing any more, but B's own file stays for the grace: the next poll delivers B
+    from it, skipping nothing."""
+    from rlrec.trainer.manifest_follower import ManifestFollower
+
+    root = str(tmp_path / "out")
+    st = Storage.from_uri(root)
+    c = ShardCommitter(root, "rl", 0)
+    a = _commit(c, 1)
+    follower = ManifestFollower(st)
+    first = follower.poll(force_discover=True)
+    b = _commit(c, 1, seed0=1)
+    assert compact_partition(c.log, min_age_s=0).replaced == 2
+    time.sleep(0.3)
+    res = retain(c.storage, grace_s=3600, older_than_s=0.1)
+    assert sorted(f.reason for f in res.recorded) == ["expired", "replaced", "replaced"] and res.deleted == []
+    second = follower.poll()
+    assert len(second) == 1 and second[0].episodes is None and follower.removed_skipped == 0
+    assert sorted(_served_episodes(root, first + second, monkeypatch)) == sorted(a + b)
+
+
 @pytest.mark.slow
 def test_a_running_trainer_holds_its_untrained_shards_in_a_reader_lease(ray_cluster, tmp_path):
     """The real trainer (Ray): while it runs, its lease names the shards it was handed and has

@@ -273,9 +273,10 @@ def parse_record(data: bytes, n: int) -> RemovalRecord:
     return RemovalRecord(n, _num(d["time"], "time"), _num(d["grace_s"], "grace_s"), positions, parsed)
 
 
-def read_removals(storage: Storage, start: int = 0) -> list[RemovalRecord]:
+def read_removals(storage: Storage, start: int = 0, *, strict: bool = True) -> list[RemovalRecord]:
     """The removal log's records numbered `start` and above, in order: one listing, one read
-    per record (ManifestError: a malformed record)."""
+    per record (ManifestError: a malformed record; with `strict` False it is logged as an error
+    and left out)."""
     nums = sorted(
         int(m.group(1))
         for i in storage.list(REMOVED_DIR)
@@ -287,7 +288,12 @@ def read_removals(storage: Storage, start: int = 0) -> list[RemovalRecord]:
             data = storage.read(record_path(n), limit=MAX_RECORD_BYTES)
         except FileNotFoundError:
             continue
-        out.append(parse_record(data, n))
+        try:
+            out.append(parse_record(data, n))
+        except ManifestError as e:
+            if strict:
+                raise
+            log.error("ignoring a malformed removal record %s: %s", storage.uri(record_path(n)), e)
     return out
 
 

@@ -506,6 +506,27 @@ def test_a_claim_after_compaction_and_retention_reports_no_lost_shard(tmp_path, 
     _exactly(open_snapshot(root), ids)
 
 
+def test_one_malformed_removal_record_never_stops_a_partition_from_claiming(tmp_path, caplog):
+    """As above, with a malformed removal record after retain's: the next owner claims the
+    partition and ingests (the bad record is logged as an error, the good one still counts:
+    nothing is reported lost)."""
+    import logging
+
+    root = str(tmp_path / "out")
+    c = ShardCommitter(root, "rl", 0, snapshot_every=5)
+    ids = _commit(c, 4)
+    assert compact_partition(c.log, min_age_s=0).replaced == 4
+    assert len(retain(c.storage, grace_s=0).deleted) == 4
+    c.storage.write(retention.record_path(max(r.n for r in read_removals(c.storage)) + 1), b"{not json")
+    with caplog.at_level(logging.INFO, logger="rlrec"):
+        again = ShardCommitter(root, "rl", 0, snapshot_every=5)
+        again.claim()
+        more = [fe.episode_id for fe in again.commit(expert_cartpole_episodes(2, seed=9, max_steps=20)).written]
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "malformed removal record" in errors[0], errors
+    assert len(ids) == 8 and len(more) == 2
+
+
 def test_a_fenced_owner_that_wakes_never_re_creates_a_file_retention_removed(tmp_path, monkeypatch):
     """Owner A committed a shard but could not publish it (kept in memory); B claims the
     partition, publishes it, compacts it away and retention deletes it; A wakes and rolls its

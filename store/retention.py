@@ -682,7 +682,10 @@ def retain(
     handed to it, not read yet) are neither recorded nor deleted; the leases are read right
     before the records are appended and right before the deletes. `now` (tests): the time of
     every step, records included; by default each record is stamped right before it is created
-    and the deletes are judged when they start."""
+    and the deletes are judged before the pins are asked for the last time: a version published
+    before that last read keeps its files however long this call stalled, and one published
+    after it finds its data due (`rlrec.trainer.lineage.removed_data` refuses it) unless its
+    host's clock is more than `rlrec.trainer.lineage.REPIN_MARGIN_S` behind this one."""
     given = now
     now = time.time() if now is None else now
     records = read_removals(storage)  # before the logs: every record's positions are in them
@@ -706,12 +709,12 @@ def retain(
         rec = RemovalRecord(-1, now, grace_s, positions, tuple(res.recorded))
         for f in res.recorded:
             resolved.setdefault(f.key, (rec, f))
+    at = time.time() if given is None else given  # what is due is judged first: the pins read after it count
     keep = _kept(logs, pinned, pinned_entries)
-    if pins is not None:  # asked again right before deleting: a version published meanwhile keeps its files
-        keep |= _kept(logs, *pins())
     holds = live_holds(storage, remove_stale=not dry_run)
     held = _held((f for _, f in resolved.values()), holds)  # and what live trainers still read
     keep |= {f.path for _, f in resolved.values() if f.key in held}
-    at = time.time() if given is None else given
+    if pins is not None:  # asked again last, right before deleting: a version published before keeps its files
+        keep |= _kept(logs, *pins())
     res.deleted = delete_due(storage, resolved, grace_s=grace_s, now=at, dry_run=dry_run, keep=keep)
     return res

@@ -246,6 +246,49 @@ def test_a_version_published_while_retain_runs_keeps_its_data_with_grace_0(tmp_p
     assert set(b) <= {i for e in v2.entries for i in e.episode_ids} and v2.num_steps > 0
 
 
+def test_a_version_published_before_a_retain_that_stalls_past_the_grace_keeps_its_data(tmp_path, monkeypatch):
+    """v1 pins shard B; shard A is recorded as expired (grace 120 s); a retain --policies run
+    asks for the pins, then v2, trained on A and B, is published (2 minutes of grace left: A is
+    re-pinned), then the retain stalls 200 s before it deletes: the pins asked after it judged
+    what is due keep A."""
+    import rlrec
+    import rlrec.trainer.lineage as lineage
+    from rlrec.trainer.retention_pins import lineage_pins
+    from rlrec.trainer.signing import generate_keys
+    from tests.test_lineage import _publish_version
+
+    clock = [time.time()]
+    fake = types.SimpleNamespace(time=lambda: clock[0], monotonic=time.monotonic, sleep=time.sleep)
+    monkeypatch.setattr(retention, "time", fake)
+    monkeypatch.setattr(lineage, "time", fake)
+    root, pol = str(tmp_path / "s"), str(tmp_path / "pol")
+    priv, _ = generate_keys(tmp_path / "keys")
+    c = ShardCommitter(root, "rl", 0)
+    b_ids = _commit(c, 1)
+    _publish_version(pol, 1, root, str(priv), run_id="run-a")  # trained on B
+    a_ids = _commit(c, 1, seed0=1)
+    read = open_snapshot(root).entries  # what v2's trainer reads: A and B
+
+    def pins():
+        p = lineage_pins(c.storage, pol, 3)
+        return p.paths, p.entries
+
+    clock[0] = time.time() + 5
+    assert len(retain(c.storage, older_than_s=1, grace_s=120, pins=pins).recorded) == 1  # A
+    real = retention.live_holds
+
+    def publish_then_stall(*a, **kw):
+        _publish_as_read_earlier(monkeypatch, pol, 2, root, str(priv), read)  # A re-pinned: 2 min of grace left
+        clock[0] += 200
+        return real(*a, **kw)
+
+    monkeypatch.setattr(retention, "live_holds", publish_then_stall)
+    assert retain(c.storage, grace_s=120, pins=pins).deleted == []
+    v2 = rlrec.open(root, policy_version=2, policies=pol, allow_unsigned=True)
+    held = rlrec.open(root, policy_version=2, policies=pol, allow_unsigned=True, held_out=True)
+    assert set(_episodes(v2)) | set(_episodes(held)) == set(a_ids + b_ids)
+
+
 def test_a_version_s_data_recorded_as_removed_reopens_within_the_grace(tmp_path):
     """Lineage reopening honours the grace: data a record names (expired) whose files are still
     there is read, as every point inside the grace reads it; once the files are gone it is

@@ -960,17 +960,24 @@ class PartitionLog:
     def _where(self, e: ShardEntry) -> tuple[str, int, int | None]:
         return self.topic, self.partition, e.seq
 
-    def _removed(self, e: ShardEntry) -> bool:
+    def _removed(self, e: ShardEntry, named: set | None = None) -> bool:
         """Whether retention removed shard `e` (a removal record names exactly its files): then
-        its files are gone by design, not lost. Read only when a listed shard has no file."""
+        its files are gone by design, not lost. Read only when a listed shard has no file;
+        `named`: the files the records name (`_removed_files`), read once for many shards."""
+        if named is None:
+            named = self._removed_files()
+        return (self.topic, self.partition, e.seq, e.path, e.staging_path) in named
+
+    def _removed_files(self) -> set[tuple[str, int, int, str, str]]:
+        """What the removal log's records name (a malformed record is logged and names nothing:
+        its shards count as not removed, so one bad record never stops this partition)."""
         from rlrec.store.retention import read_removals  # retention builds on this module
 
-        return any(
+        return {
             (f.topic, f.partition, f.seq, f.path, f.staging_path)
-            == (self.topic, self.partition, e.seq, e.path, e.staging_path)
-            for r in read_removals(self.storage)
+            for r in read_removals(self.storage, strict=False)
             for f in r.files
-        )
+        }
 
     def recover(self) -> int:
         """Roll forward: publish every committed shard not known to be published whose staging
@@ -984,6 +991,7 @@ class PartitionLog:
         """
         cands, present = self._staging()
         published = 0
+        named: set | None = None  # the files removal records name: read once, when first needed
         for e, listed in cands:
             if e.staging_path in present:
                 try:
@@ -1004,7 +1012,11 @@ class PartitionLog:
                     continue
                 except FileNotFoundError:
                     pass
-            elif not listed or self.storage.exists(e.path) or self._removed(e):
+            elif (
+                not listed
+                or self.storage.exists(e.path)
+                or self._removed(e, named := self._removed_files() if named is None else named)
+            ):
                 with self._lock:
                     self._unknown.pop(e.seq, None)  # type: ignore[arg-type]
                 continue

@@ -13,6 +13,11 @@ and right before it deletes (`rlrec.store.retention.retain`). A reader stopped o
 than ``ttl_s`` holds nothing: its lease is a promise to read soon, not a pin.
 
 Its bytes are data: anything malformed is no lease (logged), so a malformed lease keeps nothing.
+A lease lasts at most `MAX_READER_LEASE_TTL_S` whatever ``ttl_s`` it states, and one renewed more
+than `MAX_CLOCK_SKEW_S` in the future (by the clock of the reader of the leases) is malformed, so
+no lease -- forged, or written by a host whose clock is far ahead -- holds files for ever. Each
+live lease that holds entries is logged with its age. `rlrec retain` removes the leases expired
+for more than `STALE_READER_LEASE_S` (those of trainers killed long ago).
 
 Example::
 
@@ -37,7 +42,10 @@ from rlrec.store.storage import Storage
 
 __all__ = [
     "DEFAULT_READER_LEASE_S",
+    "MAX_CLOCK_SKEW_S",
+    "MAX_READER_LEASE_TTL_S",
     "READERS_DIR",
+    "STALE_READER_LEASE_S",
     "drop_reader_lease",
     "holds_of",
     "live_holds",
@@ -53,6 +61,12 @@ READERS_DIR = "_readers"
 DEFAULT_READER_LEASE_S = 120.0
 #: the most bytes of a lease read; a larger one is malformed
 MAX_READER_LEASE_BYTES = 8 * 1024 * 1024
+#: the longest a lease lasts unless renewed, whatever ``ttl_s`` it states
+MAX_READER_LEASE_TTL_S = 3600.0
+#: a lease renewed further in the future than this (the lease reader's clock) is malformed
+MAX_CLOCK_SKEW_S = 300.0
+#: a lease expired this long ago is removed by `live_holds(..., remove_stale=True)` (rlrec retain)
+STALE_READER_LEASE_S = 3600.0
 _NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 _LEASE_RE = re.compile(r"^([A-Za-z0-9._-]{1,200})\.json$")
 
@@ -110,13 +124,18 @@ def drop_reader_lease(storage: Storage, reader: str) -> None:
     storage.delete(reader_lease_path(reader))
 
 
-def _parse(raw: bytes) -> tuple[float, float, dict[tuple[str, int], list[tuple[int, int]]]]:
+def _parse(raw: bytes, now: float) -> tuple[float, float, dict[tuple[str, int], list[tuple[int, int]]]]:
+    """``(renewed, ttl_s capped at MAX_READER_LEASE_TTL_S, holds)`` of a lease's bytes; raises
+    (any exception) when they are malformed."""
     if len(raw) > MAX_READER_LEASE_BYTES:
         raise ValueError("too large")
     d = json.loads(raw)
     renewed, ttl, holds = d["renewed"], d["ttl_s"], d["holds"]
     if not all(type(x) in (int, float) and math.isfinite(x) for x in (renewed, ttl)) or ttl <= 0:
         raise ValueError("renewed / ttl_s")
+    if renewed > now + MAX_CLOCK_SKEW_S:
+        raise ValueError(f"renewed {renewed - now:.0f} s in the future")
+    ttl = min(ttl, MAX_READER_LEASE_TTL_S)
     out: dict[tuple[str, int], list[tuple[int, int]]] = {}
     for topic, part, rs in holds:
         if not isinstance(topic, str) or type(part) is not int or part < 0:
@@ -128,9 +147,14 @@ def _parse(raw: bytes) -> tuple[float, float, dict[tuple[str, int], list[tuple[i
     return float(renewed), float(ttl), out
 
 
-def live_holds(storage: Storage, now: float | None = None) -> dict[tuple[str, int], list[tuple[int, int]]]:
-    """What the live reader leases hold together: per log, seq ranges (a lease renewed less than
-    its ``ttl_s`` ago by this clock, or "in the future", is live). Raises storage errors."""
+def live_holds(
+    storage: Storage, now: float | None = None, *, remove_stale: bool = False
+) -> dict[tuple[str, int], list[tuple[int, int]]]:
+    """What the live reader leases hold together: per log, seq ranges, sorted (they may overlap:
+    merge them before a bisect). A lease renewed less than its ``ttl_s`` (at most
+    `MAX_READER_LEASE_TTL_S`) ago by this clock, or up to `MAX_CLOCK_SKEW_S` "in the future", is
+    live; each live one holding entries is logged with its age. With `remove_stale`, leases
+    expired more than `STALE_READER_LEASE_S` ago are removed. Raises storage errors."""
     now = time.time() if now is None else now
     out: dict[tuple[str, int], list[tuple[int, int]]] = {}
     for item in storage.list(READERS_DIR):
@@ -142,11 +166,24 @@ def live_holds(storage: Storage, now: float | None = None) -> dict[tuple[str, in
         except FileNotFoundError:
             continue
         try:
-            renewed, ttl, holds = _parse(raw)
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
-            log.warning("ignoring a malformed reader lease %s", storage.uri(path))
+            renewed, ttl, holds = _parse(raw, now)
+        except Exception as e:  # hostile bytes (deep nesting included) are no lease, never a crash
+            log.warning("ignoring a malformed reader lease %s (%s)", storage.uri(path), type(e).__name__)
             continue
-        if now - renewed < ttl:
+        age = now - renewed
+        if age < ttl:
+            n = sum(b - a for rs in holds.values() for a, b in rs)
+            if n:
+                log.info(
+                    "reader lease %s (renewed %.0f s ago, lasts %.0f s) holds %d shard entries",
+                    storage.uri(path),
+                    age,
+                    ttl,
+                    n,
+                )
             for key, rs in holds.items():
                 out.setdefault(key, []).extend(rs)
+        elif remove_stale and age > ttl + STALE_READER_LEASE_S:
+            log.info("removing reader lease %s, expired %.0f s ago", storage.uri(path), age - ttl)
+            storage.delete(path)
     return {k: sorted(rs) for k, rs in sorted(out.items())}

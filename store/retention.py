@@ -273,9 +273,10 @@ def parse_record(data: bytes, n: int) -> RemovalRecord:
     return RemovalRecord(n, _num(d["time"], "time"), _num(d["grace_s"], "grace_s"), positions, parsed)
 
 
-def read_removals(storage: Storage, start: int = 0) -> list[RemovalRecord]:
+def read_removals(storage: Storage, start: int = 0, *, strict: bool = True) -> list[RemovalRecord]:
     """The removal log's records numbered `start` and above, in order: one listing, one read
-    per record (ManifestError: a malformed record)."""
+    per record (ManifestError: a malformed record; with `strict` False it is logged as an error
+    and left out)."""
     nums = sorted(
         int(m.group(1))
         for i in storage.list(REMOVED_DIR)
@@ -287,7 +288,12 @@ def read_removals(storage: Storage, start: int = 0) -> list[RemovalRecord]:
             data = storage.read(record_path(n), limit=MAX_RECORD_BYTES)
         except FileNotFoundError:
             continue
-        out.append(parse_record(data, n))
+        try:
+            out.append(parse_record(data, n))
+        except ManifestError as e:
+            if strict:
+                raise
+            log.error("ignoring a malformed removal record %s: %s", storage.uri(record_path(n)), e)
     return out
 
 
@@ -429,7 +435,22 @@ def removed_keys(storage: Storage, logs: Mapping[tuple[str, int], Sequence[Entry
 PinnedEntries = Mapping[tuple[str, int], Sequence[tuple[int, int]]]
 
 
+def _merged(ranges: Iterable[Sequence[int]]) -> list[tuple[int, int]]:
+    """Half-open ranges, any order, overlapping or not, as sorted disjoint ranges (what
+    `_in_ranges` needs: it looks at the nearest range to the left only)."""
+    out: list[tuple[int, int]] = []
+    for a, b in sorted((int(a), int(b)) for a, b in ranges):
+        if a >= b:
+            continue
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
 def _in_ranges(seq: int, ranges: Sequence[tuple[int, int]]) -> bool:
+    """`seq` in one of `ranges` (sorted and disjoint: `_merged`)."""
     i = bisect.bisect_right(ranges, (seq, math.inf)) - 1
     return i >= 0 and ranges[i][0] <= seq < ranges[i][1]
 
@@ -451,7 +472,7 @@ def pinned_live_shards(
         entries = logs.get((topic, part))
         if not entries or not ranges:
             continue
-        ranges = sorted((int(a), int(b)) for a, b in ranges)
+        ranges = _merged(ranges)
         for seq, (shard, held) in live_holders(entries).items():  # live seq -> its shard, the entries it holds
             if any(_in_ranges(h, ranges) for h in (seq, *held)):
                 out[(topic, part, seq)] = shard
@@ -628,10 +649,11 @@ def _kept(
 def _held(files: Iterable[RemovedFile], holds: PinnedEntries) -> set[tuple[str, int, int]]:
     """The keys of `files` whose own entry a live reader holds (`rlrec.store.reader_leases`:
     handed to a trainer, not read yet): their files are read by their path, so they stay."""
+    merged = {k: _merged(rs) for k, rs in holds.items()}  # leases may overlap
     out = set()
     for f in files:
-        rs = holds.get((f.topic, f.partition))
-        if rs and _in_ranges(f.seq, sorted(rs)):
+        rs = merged.get((f.topic, f.partition))
+        if rs and _in_ranges(f.seq, rs):
             out.add(f.key)
     return out
 
@@ -660,7 +682,10 @@ def retain(
     handed to it, not read yet) are neither recorded nor deleted; the leases are read right
     before the records are appended and right before the deletes. `now` (tests): the time of
     every step, records included; by default each record is stamped right before it is created
-    and the deletes are judged when they start."""
+    and the deletes are judged before the pins are asked for the last time: a version published
+    before that last read keeps its files however long this call stalled, and one published
+    after it finds its data due (`rlrec.trainer.lineage.removed_data` refuses it) unless its
+    host's clock is more than `rlrec.trainer.lineage.REPIN_MARGIN_S` behind this one."""
     given = now
     now = time.time() if now is None else now
     records = read_removals(storage)  # before the logs: every record's positions are in them
@@ -684,11 +709,12 @@ def retain(
         rec = RemovalRecord(-1, now, grace_s, positions, tuple(res.recorded))
         for f in res.recorded:
             resolved.setdefault(f.key, (rec, f))
+    at = time.time() if given is None else given  # what is due is judged first: the pins read after it count
     keep = _kept(logs, pinned, pinned_entries)
-    if pins is not None:  # asked again right before deleting: a version published meanwhile keeps its files
-        keep |= _kept(logs, *pins())
-    held = _held((f for _, f in resolved.values()), live_holds(storage))  # and what live trainers still read
+    holds = live_holds(storage, remove_stale=not dry_run)
+    held = _held((f for _, f in resolved.values()), holds)  # and what live trainers still read
     keep |= {f.path for _, f in resolved.values() if f.key in held}
-    at = time.time() if given is None else given
+    if pins is not None:  # asked again last, right before deleting: a version published before keeps its files
+        keep |= _kept(logs, *pins())
     res.deleted = delete_due(storage, resolved, grace_s=grace_s, now=at, dry_run=dry_run, keep=keep)
     return res

@@ -433,9 +433,11 @@ def _publish_version(
     channel: str = "default",
     fraction: float = HOLDOUT,
     skip: str | None = None,
+    trained_before: list | None = None,
 ) -> None:
     """Publish a signed CartPole BC policy `version` under `pol` whose lineage names every shard
-    of `store` but `skip` at its newest cursor (as `rlrec train` publishes one; no Ray)."""
+    of `store` but `skip` at its newest cursor (as `rlrec train` publishes one; no Ray), and
+    `trained_before` (what the version before had trained on) when given."""
     import gymnasium as gym
     from ray.rllib.core import DEFAULT_MODULE_ID
 
@@ -471,7 +473,11 @@ def _publish_version(
         timesteps_trained=0,
         shards=None,
         new_shards=shards,
-        data={**data, "holdout_fraction": fraction},
+        data={
+            **data,
+            "holdout_fraction": fraction,
+            **({} if trained_before is None else {"trained_before": trained_before}),
+        },
         parent_version=None,
         signing_key=load_private_key(priv),
         artifact=build_artifact(module[DEFAULT_MODULE_ID].eval(), obs, act),

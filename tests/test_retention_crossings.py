@@ -246,6 +246,49 @@ def test_a_version_published_while_retain_runs_keeps_its_data_with_grace_0(tmp_p
     assert set(b) <= {i for e in v2.entries for i in e.episode_ids} and v2.num_steps > 0
 
 
+def test_a_version_published_before_a_retain_that_stalls_past_the_grace_keeps_its_data(tmp_path, monkeypatch):
+    """v1 pins shard B; shard A is recorded as expired (grace 120 s); a retain --policies run
+    asks for the pins, then v2, trained on A and B, is published (2 minutes of grace left: A is
+    re-pinned), then the retain stalls 200 s before it deletes: the pins asked after it judged
+    what is due keep A."""
+    import rlrec
+    import rlrec.trainer.lineage as lineage
+    from rlrec.trainer.retention_pins import lineage_pins
+    from rlrec.trainer.signing import generate_keys
+    from tests.test_lineage import _publish_version
+
+    clock = [time.time()]
+    fake = types.SimpleNamespace(time=lambda: clock[0], monotonic=time.monotonic, sleep=time.sleep)
+    monkeypatch.setattr(retention, "time", fake)
+    monkeypatch.setattr(lineage, "time", fake)
+    root, pol = str(tmp_path / "s"), str(tmp_path / "pol")
+    priv, _ = generate_keys(tmp_path / "keys")
+    c = ShardCommitter(root, "rl", 0)
+    b_ids = _commit(c, 1)
+    _publish_version(pol, 1, root, str(priv), run_id="run-a")  # trained on B
+    a_ids = _commit(c, 1, seed0=1)
+    read = open_snapshot(root).entries  # what v2's trainer reads: A and B
+
+    def pins():
+        p = lineage_pins(c.storage, pol, 3)
+        return p.paths, p.entries
+
+    clock[0] = time.time() + 5
+    assert len(retain(c.storage, older_than_s=1, grace_s=120, pins=pins).recorded) == 1  # A
+    real = retention.live_holds
+
+    def publish_then_stall(*a, **kw):
+        _publish_as_read_earlier(monkeypatch, pol, 2, root, str(priv), read)  # A re-pinned: 2 min of grace left
+        clock[0] += 200
+        return real(*a, **kw)
+
+    monkeypatch.setattr(retention, "live_holds", publish_then_stall)
+    assert retain(c.storage, grace_s=120, pins=pins).deleted == []
+    v2 = rlrec.open(root, policy_version=2, policies=pol, allow_unsigned=True)
+    held = rlrec.open(root, policy_version=2, policies=pol, allow_unsigned=True, held_out=True)
+    assert set(_episodes(v2)) | set(_episodes(held)) == set(a_ids + b_ids)
+
+
 def test_a_version_s_data_recorded_as_removed_reopens_within_the_grace(tmp_path):
     """Lineage reopening honours the grace: data a record names (expired) whose files are still
     there is read, as every point inside the grace reads it; once the files are gone it is
@@ -269,14 +312,14 @@ def test_a_version_s_data_recorded_as_removed_reopens_within_the_grace(tmp_path)
         rlrec.open(root, policy_version=1, policies=pol, allow_unsigned=True)
 
 
-def _publish_as_read_earlier(monkeypatch, pol, version, root, priv, entries):
+def _publish_as_read_earlier(monkeypatch, pol, version, root, priv, entries, **kw):
     """Publish `version` whose lineage names `entries` (what its trainer read earlier, before a
     retain run), as `rlrec train` publishes one."""
     import tests.test_lineage as tl
 
     monkeypatch.setattr(tl, "open_snapshot", lambda _root: types.SimpleNamespace(entries=entries))
     try:
-        tl._publish_version(pol, version, root, priv, run_id="run-a")
+        tl._publish_version(pol, version, root, priv, run_id="run-a", **kw)
     finally:
         monkeypatch.setattr(tl, "open_snapshot", open_snapshot)
 
@@ -305,6 +348,7 @@ def test_publishing_a_version_whose_data_retention_removed_is_refused_or_re_pinn
     with pytest.raises(LineageError, match="removed by retention before it was published"):
         _publish_as_read_earlier(monkeypatch, str(tmp_path / "pa"), 1, a_root, str(priv), a_read)
     assert not (tmp_path / "pa" / "latest.json").exists()
+    assert not (tmp_path / "pa" / "v000001" / "policy.json").exists()  # refused: its directory pins nothing
     _publish_as_read_earlier(monkeypatch, pol, 1, b_root, str(priv), b_read)  # re-pinned
     assert read_latest(pol)["policy_version"] == 1
 
@@ -316,6 +360,47 @@ def test_publishing_a_version_whose_data_retention_removed_is_refused_or_re_pinn
     v1 = rlrec.open(b_root, policy_version=1, policies=pol, allow_unsigned=True)
     held = rlrec.open(b_root, policy_version=1, policies=pol, allow_unsigned=True, held_out=True)
     assert set(_episodes(v1)) | set(_episodes(held)) == set(b_ids)
+
+
+def test_data_expired_before_the_version_before_never_blocks_later_versions(tmp_path, monkeypatch):
+    """A trainer trained on shard A, published v1, then A expired and was deleted (grace 0, no
+    pins): v2, trained on A and then on B, is published (A is older than v1: not its loss) and
+    deployed; v3, whose data trained since v2 (C) is deleted, is refused and its directory
+    removed -- it never pins data -- and v4 (trained since v3 on D only) is published again."""
+    from rlrec.trainer.lineage import LineageError, ranges_doc
+    from rlrec.trainer.policy import read_latest
+    from rlrec.trainer.signing import generate_keys
+
+    priv, _ = generate_keys(tmp_path / "keys")
+    root, pol = str(tmp_path / "s"), str(tmp_path / "pol")
+    c = ShardCommitter(root, "rl", 0)
+
+    def ranges(entries):
+        return ranges_doc({("rl", 0): [[e.seq, e.seq + 1] for e in entries]})
+
+    _commit(c, 1)
+    a_read = open_snapshot(root).entries
+    _publish_as_read_earlier(monkeypatch, pol, 1, root, str(priv), a_read)
+    time.sleep(0.3)
+    assert len(retain(c.storage, older_than_s=0.2, grace_s=0).deleted) == 1  # A is gone
+    _commit(c, 1, seed0=1)
+    ab_read = open_snapshot(root).entries
+    _publish_as_read_earlier(monkeypatch, pol, 2, root, str(priv), a_read + ab_read, trained_before=ranges(a_read))
+    assert read_latest(pol)["policy_version"] == 2
+    _commit(c, 1, seed0=2)
+    abc_read = a_read + open_snapshot(root).entries
+    time.sleep(0.3)
+    assert len(retain(c.storage, older_than_s=0.2, grace_s=0).deleted) == 2  # B and C are gone
+    with pytest.raises(LineageError, match="trained on since the version before"):
+        _publish_as_read_earlier(
+            monkeypatch, pol, 3, root, str(priv), abc_read, trained_before=ranges(a_read + ab_read)
+        )
+    assert read_latest(pol)["policy_version"] == 2
+    assert not (tmp_path / "pol" / "v000003").exists() or not any((tmp_path / "pol" / "v000003").iterdir())
+    _commit(c, 1, seed0=3)
+    d_read = open_snapshot(root).entries
+    _publish_as_read_earlier(monkeypatch, pol, 4, root, str(priv), abc_read + d_read, trained_before=ranges(abc_read))
+    assert read_latest(pol)["policy_version"] == 4
 
 
 # -- the follower keeps what it was given ---------------------------------------------------------
@@ -404,6 +489,47 @@ def test_a_trainer_behind_keeps_the_shards_it_was_handed_until_it_read_them(tmp_
     assert [i.name for i in st.list("_readers")] == ["stalled.json"]
 
 
+def test_overlapping_reader_leases_keep_every_file_either_holds(tmp_path):
+    """Two trainers' leases overlap (A holds entries 1-6, B holds 2): retention keeps every file
+    A holds, not only those beyond the range B's lease starts (ranges merged before the check)."""
+    from rlrec.store.reader_leases import renew_reader_lease
+
+    root = str(tmp_path / "out")
+    c = ShardCommitter(root, "rl", 0)
+    _commit(c, 6)
+    renew_reader_lease(c.storage, "trainer-a", {("rl", 0): [(1, 7)]})
+    renew_reader_lease(c.storage, "trainer-b", {("rl", 0): [(2, 3)]})
+    time.sleep(0.3)
+    res = retain(c.storage, grace_s=0, older_than_s=0.1)
+    assert res.recorded == [] and res.deleted == []
+    assert sum(1 for _ in _episodes(open_snapshot(root)).elements()) == 12
+
+
+def test_forged_skewed_or_hostile_reader_leases_hold_nothing_and_never_crash_retain(tmp_path, caplog):
+    """A lease renewed far in the future (forged, or a clock far ahead), one stating a ttl of
+    1e300 renewed two hours ago, and one of JSON nested 100,000 deep hold nothing and retain
+    runs (the files expire); a lease expired more than an hour ago is removed by retain."""
+    import logging
+
+    from rlrec.store.reader_leases import READERS_DIR, renew_reader_lease
+
+    root = str(tmp_path / "out")
+    c = ShardCommitter(root, "rl", 0)
+    _commit(c, 2)
+    st = c.storage
+    renew_reader_lease(st, "future", {("rl", 0): [(1, 3)]}, ttl_s=120.0, now=1e18)
+    renew_reader_lease(st, "forever", {("rl", 0): [(1, 3)]}, ttl_s=1e300, now=time.time() - 7300)
+    renew_reader_lease(st, "killed", {("rl", 0): [(1, 3)]}, ttl_s=120.0, now=time.time() - 7300)
+    st.write(f"{READERS_DIR}/deep.json", b"[" * 100_000 + b"]" * 100_000)
+    time.sleep(0.3)
+    with caplog.at_level(logging.WARNING, logger="rlrec.retention"):
+        res = retain(st, grace_s=0, older_than_s=0.1)
+    assert len(res.deleted) == 2
+    assert sum(1 for r in caplog.records if "malformed reader lease" in r.getMessage()) >= 2  # future, deep
+    names = sorted(i.name for i in st.list(READERS_DIR))
+    assert names == ["deep.json", "future.json"]  # expired > 1 h ago: removed; malformed ones are left
+
+
 # -- smaller crossings ------------------------------------------------------------------------------
 
 
@@ -421,6 +547,27 @@ def test_a_claim_after_compaction_and_retention_reports_no_lost_shard(tmp_path, 
         ShardCommitter(root, "rl", 0, snapshot_every=5).claim()
     assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     _exactly(open_snapshot(root), ids)
+
+
+def test_one_malformed_removal_record_never_stops_a_partition_from_claiming(tmp_path, caplog):
+    """As above, with a malformed removal record after retain's: the next owner claims the
+    partition and ingests (the bad record is logged as an error, the good one still counts:
+    nothing is reported lost)."""
+    import logging
+
+    root = str(tmp_path / "out")
+    c = ShardCommitter(root, "rl", 0, snapshot_every=5)
+    ids = _commit(c, 4)
+    assert compact_partition(c.log, min_age_s=0).replaced == 4
+    assert len(retain(c.storage, grace_s=0).deleted) == 4
+    c.storage.write(retention.record_path(max(r.n for r in read_removals(c.storage)) + 1), b"{not json")
+    with caplog.at_level(logging.INFO, logger="rlrec"):
+        again = ShardCommitter(root, "rl", 0, snapshot_every=5)
+        again.claim()
+        more = [fe.episode_id for fe in again.commit(expert_cartpole_episodes(2, seed=9, max_steps=20)).written]
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "malformed removal record" in errors[0], errors
+    assert len(ids) == 8 and len(more) == 2
 
 
 def test_a_fenced_owner_that_wakes_never_re_creates_a_file_retention_removed(tmp_path, monkeypatch):
@@ -493,6 +640,29 @@ def test_a_merged_shard_part_of_which_was_delivered_is_read_for_the_rest_of_its_
     assert [f.seq for f in res.recorded] == [2]  # B only: A is held
     second = follower.poll()
     assert len(second) == 1 and second[0].episodes == frozenset(b) and follower.removed_skipped == 0
+    assert sorted(_served_episodes(root, first + second, monkeypatch)) == sorted(a + b)
+
+
+def test_a_recorded_shard_whose_file_is_still_there_is_delivered(tmp_path, monkeypatch):
+    """The follower delivered shard A; B landed; compaction merged A and B into M and one
+    retain (grace 1 h) recorded A and B (replaced) and M (expired), all between two polls. M
+    stands for nothing any more, but B's own file stays for the grace: the next poll delivers B
+    from it, skipping nothing."""
+    from rlrec.trainer.manifest_follower import ManifestFollower
+
+    root = str(tmp_path / "out")
+    st = Storage.from_uri(root)
+    c = ShardCommitter(root, "rl", 0)
+    a = _commit(c, 1)
+    follower = ManifestFollower(st)
+    first = follower.poll(force_discover=True)
+    b = _commit(c, 1, seed0=1)
+    assert compact_partition(c.log, min_age_s=0).replaced == 2
+    time.sleep(0.3)
+    res = retain(c.storage, grace_s=3600, older_than_s=0.1)
+    assert sorted(f.reason for f in res.recorded) == ["expired", "replaced", "replaced"] and res.deleted == []
+    second = follower.poll()
+    assert len(second) == 1 and second[0].episodes is None and follower.removed_skipped == 0
     assert sorted(_served_episodes(root, first + second, monkeypatch)) == sorted(a + b)
 
 

@@ -401,7 +401,7 @@ def write_publication(storage: Storage, pub: Publication, signing_key: Any = Non
     for name in last:
         if name in pub.files:
             storage.write(f"{pub.directory}/{name}", pub.files[name])
-    _check_data_kept(pub)  # the version directory pins its data from here on
+    _check_data_kept(storage, pub)  # the version directory pins its data from here on
     if pointer:
         _write_latest(
             storage,
@@ -417,24 +417,54 @@ def write_publication(storage: Storage, pub: Publication, signing_key: Any = Non
         )
 
 
-def _check_data_kept(pub: Publication) -> None:
+def _remove_refused(storage: Storage, pub: Publication) -> None:
+    """Remove the version directory of a publication `_check_data_kept` refused (policy.json
+    first: a version without it is not loadable nor pinned), so it pins no data."""
+    last = (SPEC, f"{SPEC}{SIG_SUFFIX}")
+    for name in (*last, *(n for n in pub.files if n not in last)):
+        try:
+            storage.delete(f"{pub.directory}/{name}")
+        except Exception as e:  # left for a later publication of the same version to overwrite
+            log.warning("removing %s/%s of refused policy v%d failed: %s", pub.directory, name, pub.version, e)
+
+
+def _check_data_kept(storage: Storage, pub: Publication) -> None:
     """The pin rule at publication (docs/GUARANTEES.md, "Lineage pins"): once the version's
     directory is written, its lineage's data is checked against the removal log of the store it
     names (`rlrec.trainer.lineage.removed_data`). Data recorded as removed whose files stay long
-    enough is re-pinned by the version (a warning); data deleted, or whose grace is about to end,
-    refuses the publication (`LineageError`: ``latest.json`` is not moved to it)."""
-    from rlrec.trainer.lineage import LineageError, _ranges_from_doc, removed_data
+    enough is re-pinned by the version (a warning). Data deleted, or whose grace is about to end,
+    refuses the publication (`LineageError`: ``latest.json`` is not moved to it) only when it was
+    trained on since the version before (the lineage's ``trained`` less its ``trained_before``):
+    data the versions before had trained on that expired since is named in the lineage's
+    ``expired_before_publication`` (a warning here), so one expired shard never blocks the
+    versions after it. A refused version's directory is removed (`_remove_refused`)."""
+    from rlrec.trainer.lineage import LineageError, _ranges_from_doc, ranges_minus, removed_data
 
     doc = json.loads(pub.files.get(LINEAGE, b"{}"))
     if not isinstance(doc.get("input"), str) or "trained" not in doc:
         return
-    trained = _ranges_from_doc(doc["trained"], f"the lineage of policy version {pub.version}")
+    where = f"the lineage of policy version {pub.version}"
+    trained = _ranges_from_doc(doc["trained"], where)
+    before = _ranges_from_doc(doc.get("trained_before") or [], where)
     repinned, lost = removed_data(doc["input"], dict(trained))
     if lost:
-        raise LineageError(
-            f"policy version {pub.version}: {len(lost)} shard(s) of the data it was trained on were removed by "
-            f"retention before it was published (e.g. {lost[0]}): not deployed (raise rlrec retain's --grace above "
-            "how long a trainer takes to publish what it read)"
+        fresh = {k: ranges_minus(rs, before.get(k, ())) for k, rs in trained.items()}
+        _, lost_fresh = removed_data(doc["input"], {k: rs for k, rs in fresh.items() if rs})
+        if lost_fresh:
+            _remove_refused(storage, pub)
+            raise LineageError(
+                f"policy version {pub.version}: {len(lost_fresh)} shard(s) of the data it was trained on since the "
+                f"version before were removed by retention before it was published (e.g. {lost_fresh[0]}): not "
+                "deployed; the next version is checked for the data trained after this one only (raise rlrec "
+                "retain's --grace above the time from training on a shard to publishing the version that holds it, "
+                "gate included)"
+            )
+        log.warning(
+            "policy version %d: %d shard(s) trained on before the version before it were removed by retention "
+            "(e.g. %s); published all the same, its lineage cannot reopen them",
+            pub.version,
+            len(lost),
+            lost[0],
         )
     if repinned:
         log.warning(

@@ -51,6 +51,7 @@ __all__ = [
     "files_needed",
     "list_lineages",
     "open_lineage",
+    "ranges_minus",
     "read_version_lineage",
     "removed_data",
 ]
@@ -113,6 +114,30 @@ def add_seq(ranges: list[list[int]], seq: int) -> None:
         ranges[i][0] = seq
         return
     ranges.insert(i, [seq, seq + 1])
+
+
+def ranges_minus(ranges: Any, minus: Any) -> list[tuple[int, int]]:
+    """The seqs of `ranges` not in `minus` (both half-open ``[start, end)`` ranges, any order), as
+    sorted disjoint ranges.
+
+    Example:
+        >>> ranges_minus([(0, 10), (12, 14)], [(2, 4), (9, 13)])
+        [(0, 2), (4, 9), (13, 14)]
+    """
+    out: list[tuple[int, int]] = []
+    cut = merge_ranges(minus)
+    for a, b in merge_ranges(ranges):
+        for c, d in cut:
+            if d <= a or c >= b:
+                continue
+            if c > a:
+                out.append((a, c))
+            a = max(a, d)
+            if a >= b:
+                break
+        if a < b:
+            out.append((a, b))
+    return out
 
 
 def ranges_doc(ranges: dict[tuple[str, int], list[list[int]]]) -> list:

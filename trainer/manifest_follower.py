@@ -47,7 +47,9 @@ class ManifestFollower:
     since the shards were merged and removed): once, as that shard, whose `covers` entry names
     the shard entries it stands for -- those not delivered before; when others of it were, the
     shard is read for the episodes of those entries only (`ShardInfo.episodes`). Expired data
-    is not delivered: the first such shard is logged, `removed_skipped` counts them. Each poll
+    is not delivered: the first such shard is logged, `removed_skipped` counts them -- unless
+    its own file is still there (a recorded removal whose grace runs): then it is delivered from
+    it, as any shard, and held by the trainer's reader lease. Each poll
     reads the removal records appended since the last (one read).
     """
 
@@ -193,6 +195,10 @@ class ManifestFollower:
         out.sort(key=lambda s: (s.commit_time, s.idx))
         return out
 
+    def _file_there(self, e: ShardEntry) -> bool:
+        """Whether `e`'s file (or its staged copy) is still in the store."""
+        return _exists(self.storage, e)
+
     def _holders(
         self, key: tuple[str, int], plog: PartitionLog, gone: list[ShardEntry], new: list[ShardEntry], removed: set
     ) -> tuple[list[ShardEntry], list[ShardEntry]]:
@@ -222,6 +228,13 @@ class ManifestFollower:
                     covered.update(rest)
                     self.covers[m.path] = (key, rest, tuple(by_seq[s].path for s in rest))
                 continue
+            if e.seq not in delivered and self._file_there(e):
+                # no merged shard to stand for it, but its own file is still there (inside the
+                # grace): delivered from it (and held by the trainer's lease from then on)
+                if self._selected(e):
+                    merged.append(e)
+                    covered.add(e.seq)
+                continue
             self.removed_skipped += 1
             why = "expired" if m is None else "the merged shard holding them was delivered before"
             self._warn_once(
@@ -235,6 +248,13 @@ class ManifestFollower:
                 why,
             )
         return merged, [e for e in new if e.seq not in covered]
+
+
+def _exists(storage: Storage, e: ShardEntry) -> bool:
+    try:
+        return storage.exists(e.path) or storage.exists(e.staging_path)
+    except OSError:  # cannot tell: not delivered now (logged as removed)
+        return False
 
 
 def spaces_from_shard(storage: Storage, entry: ShardEntry):

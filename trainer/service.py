@@ -135,6 +135,11 @@ def _finite(x: Any) -> float | None:
 # ---------------------------------------------------------------------------------- trainer
 
 
+def _ranges_state(doc: Any) -> dict[tuple[str, int], list[list[int]]]:
+    """Per partition log, seq ranges from their JSON form (`rlrec.trainer.lineage.ranges_doc`)."""
+    return {(str(t), int(p)): [[int(a), int(b)] for a, b in rs] for t, p, rs in doc}
+
+
 def shard_places(storage: Storage) -> dict[str, tuple[tuple[str, int], tuple[int, ...]]]:
     """Every shard of a store by path: its partition log and the seqs of the shard entries it
     stands for in a lineage -- a shard entry itself (compacted since or not), a merged shard
@@ -192,6 +197,8 @@ class ContinuousTrainer:
         self._log_firsts: dict = {}  # (topic, partition) -> its first manifest entry's key (lineage cursors)
         #: per partition log (topic, partition): the manifest seq ranges [start, end) of the trained shards
         self.trained_ranges: dict[tuple[str, int], list[list[int]]] = {}
+        #: `trained_ranges` as the last version prepared recorded them (its lineage's ``trained``)
+        self.published_ranges: dict[tuple[str, int], list[list[int]]] = {}
         self._lineage_lost: str | None = None  # why the trained data has no cursor (LineageLost at publish)
         self._unplaced: set[str] = set()  # trained shards whose manifest entry is not found yet
 
@@ -443,6 +450,7 @@ class ContinuousTrainer:
             "trained_shards": sorted(self.trained),
             "since_publish": sorted(self.since_publish),
             "trained_ranges": ranges_doc(self.trained_ranges),
+            "published_ranges": ranges_doc(self.published_ranges),
             "trained_unplaced": sorted(self._unplaced),
             "holdout_fraction": float(self.cfg.ope.holdout_fraction),
             "deployed_return": self.deployed_return,
@@ -592,10 +600,27 @@ class ContinuousTrainer:
                 "input": self.input.uri(),
                 "cursor": str(cursor),
                 "trained": ranges_doc(self.trained_ranges),
+                "trained_before": ranges_doc(self.published_ranges),
+                **self._expired_before_publication(),
                 "shards_trained": len(self.trained),
                 "holdout_fraction": float(self.cfg.ope.holdout_fraction),
             },
         }
+
+    def _expired_before_publication(self) -> dict:
+        """``expired_before_publication``: the shards holding data the versions before had trained
+        on (`published_ranges`) that retention removed since (`rlrec.trainer.lineage.removed_data`):
+        the new version's lineage cannot reopen them, and its publication is not refused for them."""
+        from rlrec.trainer.lineage import removed_data
+
+        if not self.published_ranges:
+            return {}
+        try:
+            _, lost = removed_data(self.input, {k: [tuple(r) for r in rs] for k, rs in self.published_ranges.items()})
+        except Exception as e:  # the publication's own check reads the removal log again
+            log.warning("reading the removal log of %s for the lineage failed: %s", self.input.uri(), e)
+            return {}
+        return {"expired_before_publication": sorted(lost)} if lost else {}
 
     def _note_trained(self, keys: Any) -> None:
         """Add the shards `keys` (just trained) to `trained_ranges`, by their manifest
@@ -669,6 +694,7 @@ class ContinuousTrainer:
                 self.last_promotion["promoted"] = False  # not deployed after all
             return False
         self._pending.append(pub)
+        self.published_ranges = _ranges_state(lineage["data"]["trained"])
         self.policy_version = version
         self.since_publish -= set(lineage["new_shards"])
         if self.last_promotion is not None and self.last_promotion["candidate_version"] == version:
@@ -1021,12 +1047,15 @@ class ContinuousTrainer:
 
     def _restore_ranges(self, state: dict) -> None:
         """`trained_ranges` from a checkpoint's state; a checkpoint without them (or with
-        malformed ones) gets them from the input's manifest (`_place_trained`)."""
+        malformed ones) gets them from the input's manifest (`_place_trained`); `published_ranges`
+        too (none kept: the next version checks all its data at publication)."""
         self.trained_ranges = {}
         try:
-            self.trained_ranges = {
-                (str(t), int(p)): [[int(a), int(b)] for a, b in rs] for t, p, rs in state["trained_ranges"]
-            }
+            self.published_ranges = _ranges_state(state.get("published_ranges") or [])
+        except (TypeError, ValueError):
+            self.published_ranges = {}
+        try:
+            self.trained_ranges = _ranges_state(state["trained_ranges"])
             unplaced = {str(k) for k in state.get("trained_unplaced") or ()}
         except (KeyError, TypeError, ValueError):
             if self.trained:

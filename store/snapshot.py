@@ -161,10 +161,11 @@ def _expired(what: str, recs: Iterable[RemovalRecord], count: int) -> ExpiredPoi
     )
 
 
-def _deleted(storage: Storage, rec: RemovalRecord, e: ShardEntry, now: float) -> bool:
-    """Whether removed shard `e` cannot be read any more: its record is past its grace, or its
-    files are gone already (the deleting host's clock may run ahead of this one's)."""
-    return now >= rec.deletable_at or not (storage.exists(e.path) or storage.exists(e.staging_path))
+def _deleted(storage: Storage, e: ShardEntry) -> bool:
+    """Whether removed shard `e` cannot be read any more: its files are gone (deleted after the
+    grace, or earlier by a deleting host whose clock runs ahead of this one's). Past the grace
+    with its files kept (a lineage pin or a reader lease kept them) it is still read."""
+    return not (storage.exists(e.path) or storage.exists(e.staging_path))
 
 
 def counted_records(
@@ -201,11 +202,10 @@ def _apply_removals(
 ) -> list[ShardEntry]:
     """`entries` (the live shards of a point) less the shards removed by a record in effect at
     the point (`dropped`: `counted_records`); ExpiredPointError if others are removed and their
-    record is older than its grace or their files are gone (another host's clock may run
-    ahead), while younger they are read as usual."""
+    files are gone (`_deleted`), while they are there (within the grace, or kept past it by a
+    pin or a reader lease) they are read as usual."""
     kept: list[ShardEntry] = []
     gone: list[RemovalRecord] = []
-    now = time.time()
     for e in entries:
         key = (e.topic, e.partition, e.seq)
         if key in dropped:
@@ -213,7 +213,7 @@ def _apply_removals(
         hit = removed.get(key)  # type: ignore[arg-type]
         if hit is None:
             kept.append(e)
-        elif _deleted(storage, hit[0], e, now):
+        elif _deleted(storage, e):
             gone.append(hit[0])
         else:
             kept.append(e)  # within the grace: read as before
@@ -559,12 +559,11 @@ class Snapshot:
             if key not in by_seq:
                 by_seq[key] = {x.seq: x for x in self._logs.get(key, [])}  # type: ignore[misc]
             new += _new_part(by_seq[key], e.seq, start)  # type: ignore[arg-type]
-        now = time.time()
         gone = [
             hit[0]
             for x in new
             if (hit := self._removed.get((x.topic, x.partition, x.seq))) is not None  # type: ignore[arg-type]
-            and _deleted(self.storage, hit[0], x, now)
+            and _deleted(self.storage, x)
         ]
         held = {(e.topic, e.partition, e.seq) for e in self.entries}
         gone += [  # expired shards committed after `since` that this point no longer holds: never read

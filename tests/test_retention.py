@@ -791,6 +791,9 @@ def test_the_removal_log_view_reads_records_past_a_gap_as_read_removals_does(tmp
     assert view.refresh() == [] and listings == []  # an idle poll: one probe, no listing
     view.list_interval_s = 0.0  # ... until the listing interval has passed
     assert view.refresh() == [] and len(listings) == 1
+    for r in read_removals(st):  # deleted (a recorded shard whose file is still there is delivered)
+        for rf in r.files:
+            st.delete(rf.path)
     f = ManifestFollower(st)
     got = f.poll(force_discover=True)
     assert f.removed_skipped == 2 and len(got) == 2  # the two shards records 0 and 2 named are not removed

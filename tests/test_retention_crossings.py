@@ -158,6 +158,21 @@ def test_an_as_of_time_reads_the_same_before_and_after_later_compaction_and_rete
     assert len(later) == 4
 
 
+def test_a_point_past_the_grace_whose_files_a_pin_kept_reads_them(tmp_path):
+    """Shards recorded as expired (grace 0.2 s) whose files a pin kept past the grace: a cursor
+    taken before the record still reads them, as long as the files are there."""
+    root = str(tmp_path / "out")
+    c = ShardCommitter(root, "rl", 0)
+    ids = _commit(c, 2)
+    before = open_snapshot(root).cursor
+    time.sleep(0.3)
+    paths = [e.path for e in open_snapshot(root).entries]
+    assert len(retain(c.storage, older_than_s=0.1, grace_s=0.2).recorded) == 2
+    time.sleep(0.3)
+    assert retain(c.storage, grace_s=0.2, pinned=paths).deleted == []  # past the grace, kept by a pin
+    _exactly(open_snapshot(root, as_of=before), ids)
+
+
 def test_an_as_of_time_younger_than_the_append_window_is_refused(tmp_path, monkeypatch):
     root = str(tmp_path / "out")
     _commit(ShardCommitter(root, "rl", 0), 1)

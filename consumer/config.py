@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from rlrec.consumer.topics import dlq_topic_name
 from rlrec.options import check_choices, option
 from rlrec.store.manifest_entries import is_writer_name
 
@@ -139,4 +138,6 @@ class ConsumerConfig:
 
     @property
     def dlq(self) -> str:
+        from rlrec.consumer.topics import dlq_topic_name  # Kafka's client: not at `rlrec --help`
+
         return self.dlq_topic or dlq_topic_name(self.topic)

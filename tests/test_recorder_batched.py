@@ -8,7 +8,6 @@ No broker except where marked: the recorder's producer is replaced by one that k
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -18,44 +17,12 @@ from gymnasium import spaces as gs
 from rlrec.producer import EpisodeRecorder, RecorderFullError
 from rlrec.producer import recorder as recorder_module
 from rlrec.producer.events import StepBatch, decode
+from tests.helpers import KeepingProducer
 
 NOWHERE = "127.0.0.1:1"
 OBS = gs.Box(-np.inf, np.inf, (3,), np.float32)
 ACT = gs.Discrete(3)
 DICT_OBS = gs.Dict({"pos": gs.Box(-1, 1, (2,), np.float32), "k": gs.Discrete(4)})
-
-
-class _KeepingProducer:
-    """Stands in for confluent_kafka.Producer: keeps (key, value, headers); delivers when polled."""
-
-    def __init__(self):
-        self.messages: list[tuple] = []
-        self._pending: list = []
-        self._lock = threading.Lock()
-
-    def produce(self, topic, value, key=None, headers=None, on_delivery=None):
-        with self._lock:
-            self.messages.append((key, value, headers))
-            self._pending.append(on_delivery)
-
-    def poll(self, timeout=0):
-        with self._lock:
-            pending, self._pending = self._pending, []
-        for cb in pending:
-            cb(None, None)
-        if not pending and timeout:
-            time.sleep(min(timeout, 0.01))
-        return len(pending)
-
-    def flush(self, timeout=-1):
-        self.poll(0)
-        return 0
-
-    def purge(self):
-        pass
-
-    def __len__(self):
-        return len(self._pending)
 
 
 @pytest.fixture(autouse=True)
@@ -64,11 +31,11 @@ def frozen_clock(monkeypatch):
     monkeypatch.setattr(recorder_module, "_time", lambda: 1_700_000_000.0)
 
 
-def _recorder(**kw) -> tuple[EpisodeRecorder, _KeepingProducer]:
+def _recorder(**kw) -> tuple[EpisodeRecorder, KeepingProducer]:
     kw.setdefault("observation_space", OBS)
     kw.setdefault("action_space", ACT)
     rec = EpisodeRecorder(NOWHERE, "t", kafka_config={"log_level": 0}, max_batch_delay_s=3600, **kw)
-    real, fake = rec._producer, _KeepingProducer()
+    real, fake = rec._producer, KeepingProducer()
     rec._producer = fake
     real.purge()
     return rec, fake
@@ -408,7 +375,7 @@ def test_validate_spaces_checks_every_row_before_recording():
 _STEP_HEADERS = recorder_module.schema_header("StepBatch")
 
 
-class _RefusingProducer(_KeepingProducer):
+class _RefusingProducer(KeepingProducer):
     """Refuses messages as librdkafka may: every 5th call finds its queue full (BufferError: the
     recorder polls and tries again), and one StepBatch is refused for good (KafkaException)."""
 

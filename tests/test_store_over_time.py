@@ -211,7 +211,7 @@ def test_every_episode_read_once_at_every_point_and_trained_new_once_while_a_com
             if run < 2 and compactor.poll() is None:  # kill -9 at a random moment of its work
                 took = now
                 point("during compaction")
-                time.sleep(rng.uniform(0.0, 0.1))
+                time.sleep(rng.uniform(0.0, 0.02))
                 if compactor.poll() is None:
                     compactor.send_signal(signal.SIGKILL)
                     kills += 1

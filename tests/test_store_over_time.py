@@ -173,8 +173,15 @@ def test_every_episode_read_once_at_every_point_and_trained_new_once_while_a_com
         assert n_small >= 10, n_small
         target = 2 * max(e.bytes for e in a_shards().values())  # about two shards per merged one
         stage(f"A committed {n_small} shards; stopping consumer A")
-        cons_a[0].stop()
-        cons_a[1].join(30)
+        # a consumer that dies keeps its lease until it expires (a clean stop releases it): stop A
+        # as if it died, so the first compaction must watch the lease run out
+        from unittest import mock
+
+        from rlrec.consumer.writer import PartitionWriter
+
+        with mock.patch.object(PartitionWriter, "release_lease", lambda self: None):
+            cons_a[0].stop()
+            cons_a[1].join(30)
         assert not cons_a[1].is_alive()
         # A is stopped; its lease stays live for its term (by the clock): compact when it looks expired
         waves = 0
@@ -211,7 +218,7 @@ def test_every_episode_read_once_at_every_point_and_trained_new_once_while_a_com
             if run < 2 and compactor.poll() is None:  # kill -9 at a random moment of its work
                 took = now
                 point("during compaction")
-                time.sleep(rng.uniform(0.0, 0.02))
+                time.sleep(rng.uniform(0.0, 0.1))
                 if compactor.poll() is None:
                     compactor.send_signal(signal.SIGKILL)
                     kills += 1

@@ -435,9 +435,13 @@ def removed_keys(storage: Storage, logs: Mapping[tuple[str, int], Sequence[Entry
 PinnedEntries = Mapping[tuple[str, int], Sequence[tuple[int, int]]]
 
 
-def _merged(ranges: Iterable[Sequence[int]]) -> list[tuple[int, int]]:
-    """Half-open ranges, any order, overlapping or not, as sorted disjoint ranges (what
-    `_in_ranges` needs: it looks at the nearest range to the left only)."""
+def merge_ranges(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Half-open ``(start, end)`` ranges as sorted, disjoint, non-empty ranges covering the same seqs.
+
+    Example:
+        >>> merge_ranges([(5, 9), (1, 3), (2, 4), (4, 4), (9, 10)])
+        [(1, 4), (5, 10)]
+    """
     out: list[tuple[int, int]] = []
     for a, b in sorted((int(a), int(b)) for a, b in ranges):
         if a >= b:
@@ -450,7 +454,7 @@ def _merged(ranges: Iterable[Sequence[int]]) -> list[tuple[int, int]]:
 
 
 def _in_ranges(seq: int, ranges: Sequence[tuple[int, int]]) -> bool:
-    """`seq` in one of `ranges` (sorted and disjoint: `_merged`)."""
+    """`seq` in one of `ranges` (sorted and disjoint: `merge_ranges`)."""
     i = bisect.bisect_right(ranges, (seq, math.inf)) - 1
     return i >= 0 and ranges[i][0] <= seq < ranges[i][1]
 
@@ -472,7 +476,7 @@ def pinned_live_shards(
         entries = logs.get((topic, part))
         if not entries or not ranges:
             continue
-        ranges = _merged(ranges)
+        ranges = merge_ranges(ranges)
         for seq, (shard, held) in live_holders(entries).items():  # live seq -> its shard, the entries it holds
             if any(_in_ranges(h, ranges) for h in (seq, *held)):
                 out[(topic, part, seq)] = shard
@@ -649,7 +653,7 @@ def _kept(
 def _held(files: Iterable[RemovedFile], holds: PinnedEntries) -> set[tuple[str, int, int]]:
     """The keys of `files` whose own entry a live reader holds (`rlrec.store.reader_leases`:
     handed to a trainer, not read yet): their files are read by their path, so they stay."""
-    merged = {k: _merged(rs) for k, rs in holds.items()}  # leases may overlap
+    merged = {k: merge_ranges(rs) for k, rs in holds.items()}  # leases may overlap
     out = set()
     for f in files:
         rs = merged.get((f.topic, f.partition))

@@ -88,7 +88,7 @@ from rlrec.store.manifest import (
     live_holders,
     live_shards,
 )
-from rlrec.store.retention import RemovalRecord, RemovedFile, read_removals, resolve_removals
+from rlrec.store.retention import RemovalRecord, RemovedFile, merge_ranges, read_removals, resolve_removals
 from rlrec.store.schema_gate import TABULAR_FIXED_COLUMNS, ShardSchemaError, open_shard
 from rlrec.store.storage import Storage
 
@@ -1212,24 +1212,6 @@ def open_entries(
         ranges=wanted,
         removed=newest._removed,
     )
-
-
-def merge_ranges(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Half-open ``(start, end)`` ranges as sorted, disjoint, non-empty ranges covering the same seqs.
-
-    Example:
-        >>> merge_ranges([(5, 9), (1, 3), (2, 4), (4, 4), (9, 10)])
-        [(1, 4), (5, 10)]
-    """
-    out: list[tuple[int, int]] = []
-    for a, b in sorted((int(a), int(b)) for a, b in ranges):
-        if a >= b:
-            continue
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        else:
-            out.append((a, b))
-    return out
 
 
 def cursor_covering(

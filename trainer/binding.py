@@ -11,8 +11,14 @@ belong by someone who can write the policies folder but holds no signing key.
 * the signed pointer: ``latest.json`` (``policy_version``, ``path``, ``sha256`` of the version's
   ``policy.json``, ``run_id``, ``channel``, ``time``) plus ``latest.json.sig``, the Ed25519
   signature over its exact bytes.
-* the state file: a small JSON file a service owns, holding the newest version it has loaded,
-  so that a restart never goes below it.
+* the canary pointer: ``canary.json`` (the fields of ``latest.json`` plus ``base_version``, the
+  version ``latest.json`` names while the canary runs, and ``started``, when it began) plus
+  ``canary.json.sig``: a candidate served to a share of episodes (``rlrec train --rollout
+  canary``). It is followed only while ``latest.json`` names its ``base_version``, and the
+  replay check of ``latest.json`` excuses the one version it names.
+* the state file: a small JSON file a service owns, holding the newest version it has loaded
+  through ``latest.json`` (``policy_version``) and the newest canary (``canary_version``), so
+  that a restart never goes below either.
 
 Torch-free and Ray-free (`rlrec.trainer.policy` imports it); gymnasium is imported only when a
 space object is given.
@@ -34,6 +40,7 @@ __all__ = [
     "DEFAULT_CHANNEL",
     "RUN_ID_RE",
     "Pins",
+    "canary_pointer_bytes",
     "canonical_space",
     "check_name",
     "new_run_id",
@@ -182,14 +189,52 @@ def pointer_bytes(
     return json.dumps(doc, sort_keys=True).encode()
 
 
-def write_state_file(path: str, version: int, run_id: str | None, channel: str | None) -> None:
+def canary_pointer_bytes(
+    version: int,
+    path: str,
+    sha256: str,
+    *,
+    base_version: int,
+    started: float,
+    run_id: str | None,
+    channel: str | None,
+    now: float | None = None,
+) -> bytes:
+    """The exact bytes of a ``canary.json`` pointer (the bytes ``canary.json.sig`` signs): the
+    fields of `pointer_bytes` plus ``base_version`` and ``started``.
+
+    Args:
+        version: the candidate version it names.
+        path: its directory (``v00000N``).
+        sha256: the sha256 of that version's ``policy.json``.
+        base_version: the version ``latest.json`` names while the canary runs (0: none yet).
+        started: when the canary began (UNIX time; episodes that began before are not evidence).
+        run_id: the run that published it.
+        channel: the channel it is published for.
+        now: its timestamp (default: the current time).
+
+    Example:
+        >>> doc = json.loads(canary_pointer_bytes(5, "v000005", "0" * 64, base_version=4, started=9.0,
+        ...     run_id="r1", channel="c", now=10.0))
+        >>> doc["base_version"], doc["started"]
+        (4, 9.0)
+    """
+    doc = json.loads(pointer_bytes(version, path, sha256, run_id=run_id, channel=channel, now=now))
+    doc.update({"base_version": int(base_version), "started": float(started)})
+    return json.dumps(doc, sort_keys=True).encode()
+
+
+def write_state_file(
+    path: str, version: int, run_id: str | None, channel: str | None, canary_version: int | None = None
+) -> None:
     """Replace the service's state file atomically (a temporary file beside it, fsync, rename).
 
     Args:
         path: the state file.
-        version: the newest version this service has loaded.
+        version: the newest version this service has loaded through ``latest.json``.
         run_id: that version's run id (informational).
         channel: that version's channel (informational).
+        canary_version: the newest canary version it has loaded (None: none; left out).
 
     Example:
         >>> import tempfile, os
@@ -200,9 +245,10 @@ def write_state_file(path: str, version: int, run_id: str | None, channel: str |
     """
     directory = os.path.dirname(path) or "."
     os.makedirs(directory, exist_ok=True)
-    data = json.dumps(
-        {"policy_version": int(version), "run_id": run_id, "channel": channel, "time": time.time()}, sort_keys=True
-    ).encode()
+    doc: dict[str, Any] = {"policy_version": int(version), "run_id": run_id, "channel": channel, "time": time.time()}
+    if canary_version is not None:
+        doc["canary_version"] = int(canary_version)
+    data = json.dumps(doc, sort_keys=True).encode()
     fd, tmp = tempfile.mkstemp(prefix=".policy-state-", dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:

@@ -56,6 +56,7 @@ def training_settings(config_cls: type) -> set[str]:
 
 Estimator = Literal["auto", "wdr", "fqe", "wpdis", "wis", "mb"]
 PromotionGate = Literal["off", "env", "ope"]
+Rollout = Literal["direct", "canary"]
 
 
 def _gate_value(text: str) -> str:
@@ -283,6 +284,40 @@ class TrainerConfig:
         help="at a stop, wait this long for a running off-policy evaluation (--promotion-gate ope, "
         "--ope-report) and apply it; after that it is dropped and its candidate is not published",
     )
+    rollout: Rollout = option(
+        "direct",
+        help="direct: a candidate that passes the promotion gate moves latest.json; canary: it is published "
+        "to canary.json, served by services that opt in (load_policy(canary_fraction=...)) to a share of "
+        "episodes, and promoted or rolled back by an always-valid sequential test of its discounted returns "
+        "against the deployed version's (docs/DEPLOY.md, 'Canary rollout')",
+    )
+    canary_unjudged: bool = option(
+        False,
+        help="with --rollout canary and --promotion-gate ope: put on canary a candidate the offline gate "
+        "declined to judge (its estimate not valid, e.g. too little overlap) instead of dropping it; a "
+        "candidate the gate judged worse is never put on canary",
+    )
+    canary_alpha: float = option(
+        0.05, help="with --rollout canary: error probability of the canary's test, however often it is checked"
+    )
+    canary_margin: float = option(
+        0.0,
+        help="with --rollout canary: promote when the lower bound of canary - deployed (mean discounted return) "
+        "is at least -margin",
+    )
+    canary_min_episodes: int = option(
+        30, help="with --rollout canary: episodes each arm needs before the test decides on its bound"
+    )
+    canary_max_episodes: int = option(
+        2000, help="with --rollout canary: roll back a canary still undecided after serving this many episodes"
+    )
+    canary_max_wait_s: float = option(
+        3600.0,
+        help="with --rollout canary: roll back a canary that has not got --canary-min-episodes in both arms "
+        "after this many seconds (logged as: no canary traffic)",
+    )
+    canary_look_interval_s: float = 10.0
+    publish_lease_s: float = 30.0
     ope: OPESettings = field(default_factory=OPESettings)
     signing_key: str | None = option(
         None,
@@ -314,6 +349,17 @@ class TrainerConfig:
             raise ValueError("--ope-report estimates the candidates of published checkpoints: not with --no-publish")
         if self.evaluation_wait_s < 0:
             raise ValueError("--evaluation-wait-s must be >= 0")
+        if self.rollout == "canary":
+            if not self.publish:
+                raise ValueError("--rollout canary publishes candidates to the canary pointer: not with --no-publish")
+            if not self.gate:
+                raise ValueError(
+                    "--rollout canary puts on canary the candidates a promotion gate passes: not with "
+                    "--promotion-gate off"
+                )
+            self.canary_rule()  # its own checks
+        elif self.canary_unjudged:
+            raise ValueError("--canary-unjudged needs --rollout canary")
         if self.num_learners < 0:
             raise ValueError("--num-learners must be >= 0")
         if self.num_gpus_per_learner < 0:
@@ -399,6 +445,18 @@ class TrainerConfig:
     def gate(self) -> bool:
         """Whether a promotion gate is on."""
         return self.promotion_gate != "off"
+
+    def canary_rule(self) -> Any:
+        """The canary's test (`rlrec.trainer.sequential.CanaryRule`); ValueError on a bad setting."""
+        from rlrec.trainer.sequential import CanaryRule
+
+        return CanaryRule(
+            alpha=self.canary_alpha,
+            margin=self.canary_margin,
+            min_episodes=self.canary_min_episodes,
+            max_exposure=self.canary_max_episodes,
+            max_wait_s=self.canary_max_wait_s,
+        )
 
     def feed_policy(self) -> FeedPolicy:
         """The shard feed's sampling settings these options give."""

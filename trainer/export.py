@@ -66,7 +66,9 @@ log = logging.getLogger("rlrec.trainer")
 @dataclass
 class Publication:
     """Every file of one version directory, ready to write (`prepare_publication`): weights,
-    ``lineage.json``, ``policy.json`` and, when signed, ``policy.json.sig``."""
+    ``lineage.json``, ``policy.json`` and, when signed, ``policy.json.sig``. ``canary_base``
+    (not None): it goes on canary above that version (`rlrec.trainer.canary_publish.write_canary`),
+    started at ``canary_started``, instead of moving ``latest.json``."""
 
     version: int
     directory: str
@@ -74,6 +76,8 @@ class Publication:
     run_id: str | None = None
     channel: str | None = None
     time: float = 0.0
+    canary_base: int | None = None
+    canary_started: float | None = None
 
     def describe(self) -> dict:
         """JSON-able fields (the files travel separately)."""
@@ -84,6 +88,8 @@ class Publication:
             "run_id": self.run_id,
             "channel": self.channel,
             "time": self.time,
+            "canary_base": self.canary_base,
+            "canary_started": self.canary_started,
         }
 
 
@@ -603,6 +609,7 @@ def republish_policy(
     new_version: int | None = None,
     run_id: str | None = None,
     channel: str | None = None,
+    metadata: dict | None = None,
 ) -> dict:
     """Roll back: publish `version`'s weights again as a new, higher version and point
     ``latest.json`` at it (services never go back to a lower version).
@@ -619,6 +626,9 @@ def republish_policy(
         new_version: the new version number (default: the highest signed version present + 1).
         run_id: the run id to sign it for (default: the old version's).
         channel: the channel to sign it for (default: the old version's).
+        metadata: more keys for the new policy.json (e.g. the canary decision that rolled back).
+            Without `signing_key` (None) the old version is read unverified and the new one
+            is unsigned, as an unsigned trainer publishes.
 
     Returns:
         The new version's policy.json.
@@ -635,7 +645,12 @@ def republish_policy(
     """
     d = version_dir(version)
     try:
-        _spec_bytes, spec = _verified_spec(storage, d, signing_key)
+        if signing_key is None:
+            spec = _json(_read_small(storage, f"{d}/{SPEC}", MAX_BYTES[SPEC]), f"{d}/{SPEC}")
+            if not isinstance(spec, dict) or spec.get("policy_version") != version:
+                raise ValueError(f"{d}/{SPEC} is not the policy.json of {d}")
+        else:
+            _spec_bytes, spec = _verified_spec(storage, d, signing_key)
         files = {name: _read_small(storage, f"{d}/{name}", MAX_BYTES["model"]) for name in spec["files"]}
     except (OSError, SignatureError, ValueError, KeyError, TypeError, PolicyLoadError) as e:
         raise ValueError(f"{d} cannot be republished: {type(e).__name__}: {e}") from None
@@ -648,14 +663,21 @@ def republish_policy(
         raise ValueError(f"the new version must be above v{top}, got v{new}")
     nd = version_dir(new)
     run_id, channel = run_id or spec.get("run_id"), channel or spec.get("channel")
-    new_spec = {**spec, "policy_version": new, "directory": nd, "parent_version": top or None}
+    new_spec = {
+        **{k: v for k, v in spec.items() if k != "rolled_back"},
+        **(metadata or {}),
+        "policy_version": new,
+        "directory": nd,
+        "parent_version": top or None,
+    }
     new_spec.update({"republished_from": version, "time": time.time(), "run_id": run_id, "channel": channel})
     new_spec = {k: v for k, v in new_spec.items() if not (k in ("run_id", "channel") and v is None)}
     spec_bytes = json.dumps(new_spec, indent=1, sort_keys=True).encode()
     for name, data in files.items():
         storage.write(f"{nd}/{name}", data)
     storage.write(f"{nd}/{SPEC}", spec_bytes)
-    storage.write(f"{nd}/{SPEC}{SIG_SUFFIX}", sign(signing_key, spec_bytes))
+    if signing_key is not None:
+        storage.write(f"{nd}/{SPEC}{SIG_SUFFIX}", sign(signing_key, spec_bytes))
     sha = hashlib.sha256(spec_bytes).hexdigest()
     _write_latest(storage, pointer_bytes(new, nd, sha, run_id=run_id, channel=channel), signing_key)
     log.info("republished %s as %s (run %s, channel %s)", d, nd, run_id, channel)

@@ -61,11 +61,13 @@ from typing import Any
 import numpy as np
 
 from rlrec.trainer.binding import RUN_ID_RE, Pins, canonical_space, write_state_file
+from rlrec.trainer.canary import check_canary_fraction, in_canary
 from rlrec.trainer.policy_net import NetworkSpecError, PolicyDistribution, build_network
 from rlrec.trainer.signing import PUBLIC_KEY_ENV, SIG_SUFFIX, SignatureError, load_public_key, verify
 
 __all__ = [
     "ARTIFACT_VERSION",
+    "Assignment",
     "Policy",
     "PolicyLoadError",
     "UnsignedPolicyWarning",
@@ -79,6 +81,9 @@ log = logging.getLogger("rlrec.policy")
 
 LATEST = "latest.json"
 LATEST_SIG = LATEST + SIG_SUFFIX
+#: the canary pointer (`rlrec.trainer.binding`): a candidate served to a share of episodes
+CANARY = "canary.json"
+CANARY_SIG = CANARY + SIG_SUFFIX
 SPEC = "policy.json"
 SAFETENSORS_MODEL = "model.safetensors"
 TORCHSCRIPT_MODEL = "model.pt"
@@ -93,6 +98,7 @@ _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 #: the pointer, the spec and its signature are small JSON; the weights of a policy network
 MAX_BYTES = {
     LATEST: 64 * 1024,
+    CANARY: 64 * 1024,
     SPEC: 1024 * 1024,
     "sig": 4 * 1024,
     LINEAGE: 16 * 1024 * 1024,
@@ -237,25 +243,32 @@ def _json(data: bytes, what: str) -> Any:
         raise PolicyLoadError(f"{what} is not usable JSON: {type(e).__name__}: {str(e)[:200]}") from None
 
 
-def _parse_latest(data: bytes) -> dict:
-    latest = _json(data, LATEST)
+def _parse_latest(data: bytes, name: str = LATEST) -> dict:
+    """A checked pointer (``latest.json``, or ``canary.json`` with its two more fields)."""
+    latest = _json(data, name)
     if not isinstance(latest, dict):
-        raise PolicyLoadError(f"{LATEST} must be a JSON object")
+        raise PolicyLoadError(f"{name} must be a JSON object")
     path, version = latest.get("path"), latest.get("policy_version")
     if not isinstance(path, str) or not VERSION_DIR_RE.match(path):
-        raise PolicyLoadError(f"{LATEST}: path {path!r:.80} is not a version directory (^v\\d{{6}}$)")
+        raise PolicyLoadError(f"{name}: path {path!r:.80} is not a version directory (^v\\d{{6}}$)")
     if type(version) is not int or version != int(path[1:]):
-        raise PolicyLoadError(f"{LATEST}: policy_version {version!r:.40} does not name directory {path}")
+        raise PolicyLoadError(f"{name}: policy_version {version!r:.40} does not name directory {path}")
     sha = latest.get("sha256")
     if sha is not None and (not isinstance(sha, str) or not _SHA256_RE.match(sha)):
-        raise PolicyLoadError(f"{LATEST}: sha256 {sha!r:.80} is not a sha256")
+        raise PolicyLoadError(f"{name}: sha256 {sha!r:.80} is not a sha256")
     for key in ("run_id", "channel"):
         value = latest.get(key)
         if value is not None and (not isinstance(value, str) or not RUN_ID_RE.match(value)):
-            raise PolicyLoadError(f"{LATEST}: {key} {value!r:.80} does not match {RUN_ID_RE.pattern}")
+            raise PolicyLoadError(f"{name}: {key} {value!r:.80} does not match {RUN_ID_RE.pattern}")
     t = latest.get("time")
     if t is not None and (type(t) not in (int, float) or not np.isfinite(t)):
-        raise PolicyLoadError(f"{LATEST}: time {t!r:.40} is not a number")
+        raise PolicyLoadError(f"{name}: time {t!r:.40} is not a number")
+    if name == CANARY:
+        base, started = latest.get("base_version"), latest.get("started")
+        if type(base) is not int or not 0 <= base < version:
+            raise PolicyLoadError(f"{name}: base_version {base!r:.40} is not a version below {version}")
+        if type(started) not in (int, float) or not np.isfinite(started):
+            raise PolicyLoadError(f"{name}: started {started!r:.40} is not a number")
     return latest
 
 
@@ -270,6 +283,7 @@ class _Pointer:
 
     doc: dict
     signed: bool
+    name: str = LATEST
 
     @property
     def version(self) -> int:
@@ -286,6 +300,11 @@ class _Pointer:
     @property
     def channel(self) -> str | None:
         return self.doc.get("channel")
+
+    @property
+    def base_version(self) -> int:
+        """A canary pointer's base version (the version ``latest.json`` names meanwhile)."""
+        return int(self.doc.get("base_version", 0))
 
 
 # ------------------------------------------------------------------------------- trust
@@ -673,31 +692,46 @@ def version_from_artifact(spec: dict, model: bytes) -> _LoadedVersion:
 # ------------------------------------------------------------------------------- bindings
 
 
-def _read_pointer(files: _Files, trust: _Trust, root: str) -> _Pointer:
-    """Read, verify and parse ``latest.json``. With a public key and a ``latest.json.sig``, the
-    signature must verify (both files are re-read a few times first: a publication writes one
-    after the other)."""
+def _read_pointer(files: _Files, trust: _Trust, root: str, name: str = LATEST) -> _Pointer:
+    """Read, verify and parse ``latest.json`` (or ``canary.json``). With a public key and a
+    signature file, the signature must verify (both files are re-read a few times first: a
+    publication writes one after the other). A missing pointer is a PolicyLoadError for
+    ``latest.json``, FileNotFoundError for ``canary.json``."""
     for attempt in range(3):
         try:
-            data = files.read(LATEST, MAX_BYTES[LATEST])
+            data = files.read(name, MAX_BYTES[name])
         except FileNotFoundError:
+            if name != LATEST:
+                raise
             raise PolicyLoadError(f"no policy is published under {root} (no {LATEST})") from None
         if trust.public_key is None:
-            return _Pointer(_parse_latest(data), False)
+            return _Pointer(_parse_latest(data, name), False, name)
         try:
-            sig = files.read(LATEST_SIG, MAX_BYTES["sig"])
+            sig = files.read(name + SIG_SUFFIX, MAX_BYTES["sig"])
         except FileNotFoundError:
-            return _Pointer(_parse_latest(data), False)
+            return _Pointer(_parse_latest(data, name), False, name)
         try:
             verify(trust.public_key, data, sig)
         except SignatureError:
             time.sleep(0.05 * (attempt + 1))
             continue
-        return _Pointer(_parse_latest(data), True)
+        return _Pointer(_parse_latest(data, name), True, name)
     raise PolicyLoadError(
-        f"{LATEST}: its signature ({LATEST_SIG}) does not verify with the configured public key "
+        f"{name}: its signature ({name}{SIG_SUFFIX}) does not verify with the configured public key "
         "(the pointer was changed after signing, or another key signed it)"
     )
+
+
+def _read_canary(files: _Files, trust: _Trust, root: str) -> _Pointer | None:
+    """The checked ``canary.json`` (None: there is none). With a public key it must be signed:
+    an unsigned canary pointer is refused (PolicyLoadError) wherever a key is configured."""
+    try:
+        pointer = _read_pointer(files, trust, root, CANARY)
+    except FileNotFoundError:
+        return None
+    if trust.public_key is not None and not pointer.signed:
+        raise PolicyLoadError(f"{CANARY} is not signed by the configured key ({CANARY_SIG}): not followed")
+    return pointer
 
 
 def _check_pointer_pins(pointer: _Pointer, pins: Pins) -> None:
@@ -706,12 +740,14 @@ def _check_pointer_pins(pointer: _Pointer, pins: Pins) -> None:
         return
     if not pointer.signed:
         raise PolicyLoadError(
-            f"{LATEST} is not signed by the configured key ({LATEST_SIG}): a pinned run id or channel "
-            "needs a signed pointer (rlrec train --signing-key signs it)"
+            f"{pointer.name} is not signed by the configured key ({pointer.name}{SIG_SUFFIX}): a pinned run id or "
+            "channel needs a signed pointer (rlrec train --signing-key signs it)"
         )
     for what, pinned, got in (("run id", pins.run_id, pointer.run_id), ("channel", pins.channel, pointer.channel)):
         if pinned is not None and got != pinned:
-            raise PolicyLoadError(f"{LATEST} is signed for {what} {got!r:.80}, not the pinned {pinned!r}: refused")
+            raise PolicyLoadError(
+                f"{pointer.name} is signed for {what} {got!r:.80}, not the pinned {pinned!r}: refused"
+            )
 
 
 def _stale_reason(pointer: _Pointer, pins: Pins, trust: _Trust, now: float) -> str | None:
@@ -753,13 +789,13 @@ def _check_pointer_matches(spec: dict, rel_dir: str, signed: bool, pointer: _Poi
     if pointer.signed:
         if (pointer.run_id, pointer.channel) != ident:
             raise PolicyLoadError(
-                f"{LATEST} is signed for run {pointer.run_id!r:.40} channel {pointer.channel!r:.40}, but {rel_dir} "
-                f"for run {ident[0]!r:.40} channel {ident[1]!r:.40}: refused"
+                f"{pointer.name} is signed for run {pointer.run_id!r:.40} channel {pointer.channel!r:.40}, but "
+                f"{rel_dir} for run {ident[0]!r:.40} channel {ident[1]!r:.40}: refused"
             )
     elif trust.public_key is not None and signed and ident[0] is not None:
         raise PolicyLoadError(
-            f"{LATEST} is not signed, but {rel_dir} was published with a signed pointer (it carries a run id): "
-            f"a stripped or replaced {LATEST_SIG} is refused"
+            f"{pointer.name} is not signed, but {rel_dir} was published with a signed pointer (it carries a run "
+            f"id): a stripped or replaced {pointer.name}{SIG_SUFFIX} is refused"
         )
 
 
@@ -802,7 +838,9 @@ def _signed_spec(files: _Files, rel_dir: str, trust: _Trust) -> dict | None:
 def _check_not_replayed(files: _Files, trust: _Trust, pointer: _Pointer, spec: dict) -> None:
     """Refuse a pointer naming a version below the highest version present under the root that
     is signed by the configured key for the same channel (a replayed old pointer). Versions of
-    other channels do not count: copying them in cannot stop a service from (re)starting."""
+    other channels do not count: copying them in cannot stop a service from (re)starting. The
+    one version a signed ``canary.json`` of the same channel names while its ``base_version``
+    is the pointer's does not count either: a canary runs above the deployed version."""
     if trust.public_key is None:
         return
     channel = spec.get("channel")
@@ -815,17 +853,34 @@ def _check_not_replayed(files: _Files, trust: _Trust, pointer: _Pointer, spec: d
         raise PolicyLoadError(
             f"{len(newer)} version directories above {pointer.path}, over the limit of {MAX_NEWER_VERSIONS}: refused"
         )
+    excused: str | None = None
     for d in reversed(newer):
         other = _signed_spec(files, d, trust)
         if other is not None and other.get("channel") == channel:
+            if excused is None:
+                excused = _canary_above(files, trust, pointer, channel)
+            if d == excused:
+                continue
             raise PolicyLoadError(
                 f"{LATEST} names {pointer.path}, but {d}, signed for the same channel, exists: "
                 "a replayed old pointer is refused (a rollback is a new, higher version)"
             )
 
 
-def _read_state(path: str) -> int | None:
-    """The newest version recorded in the service's state file (None: no file yet)."""
+def _canary_above(files: _Files, trust: _Trust, pointer: _Pointer, channel: Any) -> str:
+    """The directory a signed ``canary.json`` of `channel` names while it runs above `pointer`
+    (its ``base_version`` is the pointer's version); "" when there is no such canary."""
+    try:
+        canary = _read_canary(files, trust, files.root)
+    except (OSError, PolicyLoadError):
+        return ""
+    if canary is None or not canary.signed or canary.channel != channel or canary.base_version != pointer.version:
+        return ""
+    return canary.path
+
+
+def _read_state(path: str) -> tuple[int, int | None] | None:
+    """The newest version recorded in the service's state file and the newest canary (None: no file yet)."""
     directory, name = os.path.split(path)
     try:
         data = _Files(directory or ".").read(name, MAX_BYTES["state"])
@@ -837,49 +892,123 @@ def _read_state(path: str) -> int | None:
     version = doc.get("policy_version") if isinstance(doc, dict) else None
     if type(version) is not int or version < 0:
         raise PolicyLoadError(f"state file {path} holds no policy_version: refused (delete it to start over)")
-    return version
+    canary = doc.get("canary_version")
+    if canary is not None and (type(canary) is not int or canary < 0):
+        raise PolicyLoadError(f"state file {path}: canary_version {canary!r:.40} is not a version: refused")
+    return version, canary
 
 
-def _check_state(rel_dir: str, pins: Pins) -> None:
+def _check_state(rel_dir: str, pins: Pins, canary: bool = False) -> None:
+    """A version below the newest this service loaded through ``latest.json`` (a canary: below
+    the newest canary it ran) is refused."""
     if pins.state_file is None:
         return
-    newest = _read_state(pins.state_file)
+    state = _read_state(pins.state_file)
+    if state is None:
+        return
+    newest = state[1] if canary else state[0]
     if newest is not None and int(rel_dir[1:]) < newest:
+        what = "the canary " if canary else ""
         raise PolicyLoadError(
-            f"{rel_dir} is older than v{newest:06d}, which this service has loaded before "
+            f"{rel_dir} is older than {what}v{newest:06d}, which this service has loaded before "
             f"(state file {pins.state_file}): refused"
         )
 
 
-def _remember(model: _LoadedVersion, pins: Pins) -> None:
-    """Record a loaded version in the state file (never lowering it)."""
+def _remember(model: _LoadedVersion, pins: Pins, canary: bool = False) -> None:
+    """Record a loaded version (or canary) in the state file (never lowering either)."""
     if pins.state_file is None:
         return
-    newest = _read_state(pins.state_file)
-    if newest is not None and newest >= model.version:
-        return
+    state = _read_state(pins.state_file)
+    newest, newest_canary = state if state is not None else (None, None)
+    if canary:
+        if newest_canary is not None and newest_canary >= model.version:
+            return
+        newest_canary = model.version
+    else:
+        if newest is not None and newest >= model.version:
+            return
+        newest = model.version
     try:
-        write_state_file(pins.state_file, model.version, model.spec.get("run_id"), model.spec.get("channel"))
+        write_state_file(
+            pins.state_file, newest or 0, model.spec.get("run_id"), model.spec.get("channel"), newest_canary
+        )
     except OSError as e:
         raise PolicyLoadError(f"cannot write the state file {pins.state_file}: {e}") from None
 
 
 def _spec_check(files: _Files, trust: _Trust, pins: Pins, pointer: _Pointer | None) -> Any:
-    """The checks of a version's verified policy.json, run before its weights are read."""
+    """The checks of a version's verified policy.json, run before its weights are read (a
+    canary pointer's version is checked against the state file's canary; a canary is not a
+    replay: it is followed only above the version ``latest.json`` names, checked itself)."""
+    canary = pointer is not None and pointer.name == CANARY
 
     def check(spec: dict, rel_dir: str, signed: bool) -> None:
         _check_identity_pins(spec, rel_dir, signed, pins)
         if pointer is not None:
             _check_pointer_matches(spec, rel_dir, signed, pointer, trust)
         _check_spaces(spec, rel_dir, pins)
-        _check_state(rel_dir, pins)
-        if pointer is not None:
+        _check_state(rel_dir, pins, canary)
+        if pointer is not None and not canary:
             _check_not_replayed(files, trust, pointer, spec)
 
     return check
 
 
 # ------------------------------------------------------------------------------- acting
+
+
+class VersionActor:
+    """One loaded version of a `Policy`, to act for the whole of one episode (`Policy.for_episode`).
+
+    Args:
+        policy: the policy it belongs to (its sampling generator and `explore` default).
+        model: the loaded version.
+        canary: whether it is the canary version.
+    """
+
+    def __init__(self, policy: Policy, model: _LoadedVersion, canary: bool) -> None:
+        self._policy = policy
+        self._version = model
+        self.canary = canary
+
+    @property
+    def policy_version(self) -> int:
+        """The version to log for the episode (``begin_episode(policy_version=...)``)."""
+        return self._version.version
+
+    def act(self, obs: Any, explore: bool | None = None) -> tuple[Any, dict]:
+        """As `Policy.act`, with this version.
+
+        Example:
+            >>> action, extra = actor.act(obs)  # doctest: +SKIP
+        """
+        p = self._policy
+        return self._version.act(obs, p.explore if explore is None else explore, p._generator)
+
+    def __repr__(self) -> str:
+        return f"VersionActor(policy_version={self.policy_version}, canary={self.canary})"
+
+
+class Assignment(tuple):
+    """``(actor, policy_version)`` of one episode (`Policy.for_episode`): `actor` is a
+    `VersionActor`, or None for the deployed share before anything is deployed (the service
+    runs what it ran before and logs `policy_version` 0)."""
+
+    def __new__(cls, actor: VersionActor | None, policy_version: int) -> Assignment:
+        return super().__new__(cls, (actor, policy_version))
+
+    @property
+    def actor(self) -> VersionActor | None:
+        return self[0]
+
+    @property
+    def policy_version(self) -> int:
+        return self[1]
+
+    @property
+    def canary(self) -> bool:
+        return self[0] is not None and self[0].canary
 
 
 class Policy:
@@ -891,9 +1020,16 @@ class Policy:
     `PolicyLoadError`); a refused or stale pointer leaves the current version in use; `act`
     uses one version from start to end even while `poll` swaps.
 
+    With ``canary_fraction`` f > 0 it also follows ``canary.json`` (a candidate on trial,
+    ``rlrec train --rollout canary``) while ``latest.json`` names the canary's base version, and
+    `for_episode` serves it to the share f of episodes chosen by `rlrec.trainer.canary.in_canary`;
+    a canary that is refused or ends (promoted, rolled back) leaves the deployed version serving
+    every episode. `act` and the batch methods always use the deployed version.
+
     Readable by the caller: `stale_pointer` (the last poll found the pointer too old),
-    `stale_pointers` (how many polls did), `refusals` (how many polls raised) and
-    `last_refusal` (the last refusal's message)."""
+    `stale_pointers` (how many polls did), `refusals` (how many polls raised),
+    `last_refusal` (the last refusal's message) and `canary_refusals` (canary pointers or
+    versions refused)."""
 
     def __init__(
         self,
@@ -911,9 +1047,20 @@ class Policy:
         action_space: Any = None,
         state_file: Any = None,
         max_pointer_age_s: float | None = None,
+        canary_fraction: float = 0.0,
     ) -> None:
         import torch
 
+        try:
+            self.canary_fraction = check_canary_fraction(canary_fraction)
+        except (TypeError, ValueError) as e:
+            raise PolicyLoadError(str(e)) from None
+        if self.canary_fraction and version is not None:
+            raise PolicyLoadError("canary_fraction follows the pointers: it cannot be used with version=")
+        self._deployed: _LoadedVersion | None = None
+        self._canary: _LoadedVersion | None = None
+        self.canary_refusals = 0
+        self._last_canary_refusal: str | None = None
         self.root = root
         self.explore = explore
         self._files = _Files(root)
@@ -938,6 +1085,11 @@ class Policy:
         self.stale_pointers = 0
         self.refusals = 0
         self.last_refusal: str | None = None
+        if version is None and self.canary_fraction and not self._files.exists(LATEST):
+            self._poll_canary()  # nothing deployed yet: a first version may be on canary
+            if self._canary is None:
+                raise PolicyLoadError(f"no policy is published under {root} (no {LATEST}, no usable {CANARY})")
+            return
         if version is None:
             pointer = self._pointer()
             reason = _stale_reason(pointer, self._pins, self._trust, time.time())
@@ -949,6 +1101,100 @@ class Policy:
             check = _spec_check(self._files, self._trust, self._pins, None)
             self._model = _load_version(self._files, rel_dir, self._trust, check=check)
         _remember(self._model, self._pins)
+        if self.canary_fraction:
+            self._poll_canary()
+
+    @property
+    def _model(self) -> _LoadedVersion:
+        m = self._deployed
+        if m is None:
+            raise PolicyLoadError(
+                f"nothing is deployed under {self.root} yet (only a canary): use for_episode(), whose "
+                "other episodes run what the service ran before"
+            )
+        return m
+
+    @_model.setter
+    def _model(self, model: _LoadedVersion) -> None:
+        self._deployed = model
+
+    @property
+    def canary_version(self) -> int | None:
+        """The canary version served to a share of episodes now (None: no canary)."""
+        c = self._canary
+        return None if c is None else c.version
+
+    def for_episode(self, episode_id: str) -> Assignment:
+        """The version to run for a whole episode, and the version to log for it.
+
+        The episode runs the canary when there is one and `rlrec.trainer.canary.in_canary`
+        (episode_id, canary_fraction) holds: a salted hash of the id, so every replica and
+        every restart choose alike; else the deployed version (``latest.json``'s). Before
+        anything is deployed (only a canary published), the other episodes get ``(None, 0)``:
+        run what the service ran before, and log policy version 0.
+
+        Args:
+            episode_id: the id the episode is recorded with.
+
+        Returns:
+            `Assignment` ``(actor, policy_version)``; keep the actor for the whole episode
+            (a `poll` meanwhile does not change it).
+
+        Example:
+            >>> actor, version = policy.for_episode(eid)  # doctest: +SKIP
+            >>> rec.begin_episode(obs, episode_id=eid, policy_version=version)  # doctest: +SKIP
+            >>> action, extra = actor.act(obs)  # doctest: +SKIP
+        """
+        with self._lock:
+            deployed, canary = self._deployed, self._canary
+        if canary is not None and in_canary(episode_id, self.canary_fraction):
+            return Assignment(VersionActor(self, canary, True), canary.version)
+        if deployed is None:
+            return Assignment(None, 0)
+        return Assignment(VersionActor(self, deployed, False), deployed.version)
+
+    def _poll_canary(self) -> bool:
+        """Follow ``canary.json`` (module docstring); True if the canary changed. A refused
+        canary pointer or version is logged (once per message), counted in `canary_refusals`,
+        and no canary is served."""
+        try:
+            pointer = _read_canary(self._files, self._trust, self.root)
+            if pointer is not None:
+                _check_pointer_pins(pointer, self._pins)
+        except (OSError, PolicyLoadError) as e:
+            return self._refuse_canary(str(e))
+        base = self._deployed.version if self._deployed is not None else 0
+        if pointer is None or pointer.base_version != base or pointer.version <= base:
+            return self._set_canary(None)
+        current = self._canary
+        if current is not None and current.version == pointer.version:
+            return False
+        try:
+            check = _spec_check(self._files, self._trust, self._pins, pointer)
+            model = _load_version(self._files, pointer.path, self._trust, pointer.doc.get("sha256"), check)
+            _remember(model, self._pins, canary=True)
+        except (OSError, PolicyLoadError) as e:
+            return self._refuse_canary(str(e))
+        self._last_canary_refusal = None
+        return self._set_canary(model)
+
+    def _refuse_canary(self, why: str) -> bool:
+        self.canary_refusals += 1
+        if why != self._last_canary_refusal:
+            log.warning("canary refused, the deployed version serves every episode: %s", why)
+        self._last_canary_refusal = why
+        return self._set_canary(None)
+
+    def _set_canary(self, model: _LoadedVersion | None) -> bool:
+        with self._lock:
+            before, self._canary = self._canary, model
+        if (before is None) != (model is None) or (before is not None and before.version != model.version):
+            if model is not None:
+                log.info("canary v%d serves %.3g of episodes", model.version, self.canary_fraction)
+            else:
+                log.info("canary v%d ended: the deployed version serves every episode", before.version)
+            return True
+        return False
 
     def _pointer(self) -> _Pointer:
         pointer = _read_pointer(self._files, self._trust, self.root)
@@ -961,7 +1207,9 @@ class Policy:
 
     @property
     def policy_version(self) -> int:
-        return self._model.version
+        """The deployed version in use (0: none yet, only a canary)."""
+        m = self._deployed
+        return 0 if m is None else m.version
 
     @property
     def run_id(self) -> str | None:
@@ -1099,13 +1347,21 @@ class Policy:
         except PolicyLoadError as e:
             self.refusals += 1
             if str(e) != self.last_refusal:
-                log.warning("policy poll refused, v%d stays in use: %s", self._model.version, e)
+                log.warning("policy poll refused, v%d stays in use: %s", self.policy_version, e)
             self.last_refusal = str(e)
             raise
 
     def _poll(self) -> bool:
+        if self._deployed is None and not self._files.exists(LATEST):
+            return self._poll_canary()
+        switched = self._poll_deployed()
+        if self.canary_fraction:
+            switched = self._poll_canary() or switched
+        return switched
+
+    def _poll_deployed(self) -> bool:
         pointer = self._pointer()
-        current = self._model.version
+        current = self.policy_version
         if pointer.version < current:
             raise PolicyLoadError(f"{LATEST} names v{pointer.version}, older than v{current} in use: rollback refused")
         reason = _stale_reason(pointer, self._pins, self._trust, time.time())
@@ -1120,7 +1376,7 @@ class Policy:
             return False
         model = self._load_pointed(pointer)
         with self._lock:
-            if model.version <= self._model.version:
+            if model.version <= self.policy_version:
                 return False
             _remember(model, self._pins)
             self._model = model
@@ -1162,8 +1418,11 @@ class Policy:
         return _json(data, f"{rel_dir}/{LINEAGE}")
 
     def __repr__(self) -> str:
+        if self._deployed is None:
+            return f"Policy({self.root!r}, policy_version=0, canary_version={self.canary_version})"
+        canary = f", canary_version={self.canary_version}" if self.canary_fraction else ""
         return (
-            f"Policy({self.root!r}, policy_version={self.policy_version}, "
+            f"Policy({self.root!r}, policy_version={self.policy_version}{canary}, "
             f"dist={self._model.dist.kind!r}, signed={self.signed})"
         )
 
@@ -1184,6 +1443,7 @@ def load_policy(
     action_space: Any = None,
     state_file: Any = None,
     max_pointer_age_s: float | None = None,
+    canary_fraction: float = 0.0,
 ) -> Policy:
     """Load the latest (or a given) published policy, checked against what the service pins.
 
@@ -1208,6 +1468,9 @@ def load_policy(
             loaded before (across restarts) is refused; rewritten atomically after each load.
         max_pointer_age_s: a ``latest.json`` older than this is stale: not followed (here a
             `PolicyLoadError`; `Policy.poll` reports it and keeps the current version).
+        canary_fraction: opt in to canaries (``rlrec train --rollout canary``): this share of
+            episodes, chosen by a salted hash of the episode id (`rlrec.trainer.canary`), runs
+            the candidate ``canary.json`` names; act with `Policy.for_episode`. 0: never.
 
     Raises:
         PolicyLoadError: nothing loadable is published, or it fails a check (module docstring;
@@ -1224,7 +1487,7 @@ def load_policy(
     """
     root = os.fspath(uri).rstrip("/")
     files = _Files(root)
-    if not files.exists(LATEST) and files.exists(f"policies/{LATEST}"):
+    if not files.exists(LATEST) and not files.exists(CANARY) and files.exists(f"policies/{LATEST}"):
         root = f"{root}/policies"
     deadline = time.monotonic() + wait_s
     while True:
@@ -1243,6 +1506,7 @@ def load_policy(
                 action_space=action_space,
                 state_file=state_file,
                 max_pointer_age_s=max_pointer_age_s,
+                canary_fraction=canary_fraction,
             )
         except PolicyLoadError:
             if time.monotonic() >= deadline:

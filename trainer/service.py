@@ -201,6 +201,9 @@ class ContinuousTrainer:
         self.published_ranges: dict[tuple[str, int], list[list[int]]] = {}
         self._lineage_lost: str | None = None  # why the trained data has no cursor (LineageLost at publish)
         self._unplaced: set[str] = set()  # trained shards whose manifest entry is not found yet
+        self.canary: Any = None  # the running canary (rlrec.trainer.rollout.CanaryRun), saved in checkpoints
+        self._canary_next_look = 0.0
+        self.publish_lease: Any = None  # rlrec.trainer.publish_lease.PublishLease while publishing
 
     @staticmethod
     def _load_signing_key(path: str | None) -> Any:
@@ -454,6 +457,7 @@ class ContinuousTrainer:
             "trained_unplaced": sorted(self._unplaced),
             "holdout_fraction": float(self.cfg.ope.holdout_fraction),
             "deployed_return": self.deployed_return,
+            "canary": None if self.canary is None else self.canary.to_state(),
             "publications": [p.describe() for p in self._pending],
             "time": time.time(),
         }
@@ -492,13 +496,24 @@ class ContinuousTrainer:
     def _write_publications(self) -> None:
         """Write the committed publications not written yet (oldest first); one that fails stays
         pending (in memory and in every later checkpoint) and is written again later."""
+        from rlrec.trainer.canary_publish import write_canary
         from rlrec.trainer.export import highest_version, write_publication
 
         while self._pending:
             pub = self._pending[0]
+            self._check_lease()
             try:
-                pointer = highest_version(self.publish_storage, self.signing_key) <= pub.version
-                write_publication(self.publish_storage, pub, self.signing_key, pointer=pointer)
+                if pub.canary_base is not None:
+                    write_canary(
+                        self.publish_storage,
+                        pub,
+                        self.signing_key,
+                        base_version=pub.canary_base,
+                        started=float(pub.canary_started or pub.time),
+                    )
+                else:
+                    pointer = highest_version(self.publish_storage, self.signing_key) <= pub.version
+                    write_publication(self.publish_storage, pub, self.signing_key, pointer=pointer)
             except LineageError as e:  # its data is gone: never deployed, not retried
                 log.error("%s", e)
                 self._pending.pop(0)
@@ -507,7 +522,20 @@ class ContinuousTrainer:
                 log.error("publishing policy v%d failed (%s); it is written again later", pub.version, e)
                 return
             self._pending.pop(0)
-            log.info("published policy v%d", pub.version)
+            if pub.canary_base is not None:
+                log.info("published policy v%d on canary above v%d", pub.version, pub.canary_base)
+            else:
+                log.info("published policy v%d", pub.version)
+
+    def _check_lease(self) -> None:
+        """Raise `PublishRootTaken` unless this trainer still holds the publish root's lease."""
+        if self.publish_lease is not None:
+            self.publish_lease.check()
+
+    @property
+    def deployed_version(self) -> int:
+        """The version ``latest.json`` names for this run (a canary's base while one runs)."""
+        return self.canary.base_version if self.canary is not None else self.policy_version
 
     def publish(self, final: bool = False) -> None:
         """Publish the current policy as the next version, or hand it to its gate.
@@ -527,6 +555,13 @@ class ContinuousTrainer:
         """
         from rlrec.trainer.promotion import export_candidate
 
+        if self.canary is not None:
+            log.info(
+                "the candidate of iteration %d is not evaluated: canary v%d is still on trial",
+                self.iteration,
+                self.canary.version,
+            )
+            return
         version = self._next_version()
         if self.run_id is None:
             from rlrec.trainer.binding import new_run_id
@@ -693,12 +728,28 @@ class ContinuousTrainer:
             if self.last_promotion is not None and self.last_promotion["candidate_version"] == version:
                 self.last_promotion["promoted"] = False  # not deployed after all
             return False
+        candidate_return = None
+        if self.last_promotion is not None and self.last_promotion["candidate_version"] == version:
+            candidate_return = self.last_promotion.get("candidate_return")
+        if self.cfg.rollout == "canary":
+            from rlrec.trainer.rollout import CanaryRun
+
+            pub.canary_base, pub.canary_started = self.policy_version, time.time()
+            self.canary = CanaryRun(
+                version=version,
+                base_version=self.policy_version,
+                started=pub.canary_started,
+                gamma=self._gamma() or 0.99,
+                rule=self.cfg.canary_rule(),
+                candidate_return=candidate_return,
+            )
+            self._canary_next_look = 0.0
+        elif candidate_return is not None:
+            self.deployed_return = candidate_return
         self._pending.append(pub)
         self.published_ranges = _ranges_state(lineage["data"]["trained"])
         self.policy_version = version
         self.since_publish -= set(lineage["new_shards"])
-        if self.last_promotion is not None and self.last_promotion["candidate_version"] == version:
-            self.deployed_return = self.last_promotion["candidate_return"]
         return True
 
     def _next_version(self) -> int:
@@ -719,14 +770,15 @@ class ContinuousTrainer:
     def _refresh_pointer(self) -> None:
         """Re-sign the pointer to this run's latest version (a fresh time for services that
         check its age); only with a signing key, after this run has published."""
-        if self.signing_key is None or self.run_id is None or not self.policy_version:
+        if self.signing_key is None or self.run_id is None or not self.deployed_version:
             return
         from rlrec.trainer.export import refresh_latest
 
         try:
+            self._check_lease()
             refresh_latest(
                 self.publish_storage,
-                version=self.policy_version,
+                version=self.deployed_version,
                 run_id=self.run_id,
                 channel=self.cfg.publish_channel,
                 signing_key=self.signing_key,
@@ -857,7 +909,12 @@ class ContinuousTrainer:
         self._job = None
         if job.gating:
             self.last_promotion = d
-            if d.get("promoted"):
+            if not d.get("promoted") and self.cfg.rollout == "canary" and self.cfg.canary_unjudged:
+                from rlrec.trainer.rollout import gate_declined
+
+                if gate_declined(d):
+                    d["canary_unjudged"] = True
+            if d.get("promoted") or d.get("canary_unjudged"):
                 lineage = {
                     k: getattr(job, k) for k in ("iteration", "timesteps_trained", "shards", "new_shards", "data")
                 }
@@ -920,6 +977,98 @@ class ContinuousTrainer:
             late["promotion" if job.gating else "ope_report"] = d
             self.metrics.write(late)
 
+    # ------------------------------------------------------------------ canary rollout
+    def look_canary(self, now: float | None = None) -> dict | None:
+        """Look at the running canary's evidence (at most every ``canary_look_interval_s``) and
+        carry out a decision: promote it, or roll it back (`rlrec.trainer.canary_publish.end_canary`).
+
+        Returns:
+            The decision record (metrics.jsonl's ``canary``), or None while undecided.
+
+        Example:
+            >>> trainer.look_canary()  # doctest: +SKIP
+            {'decision': 'promote', 'canary_version': 5, 'low': 0.4, ...}
+        """
+        run = self.canary
+        now = time.time() if now is None else now
+        if run is None or now < self._canary_next_look:
+            return None
+        self._canary_next_look = now + self.cfg.canary_look_interval_s
+        try:
+            verdict = run.look(self.input, self.cfg.policy_id, now=now)
+        except Exception as e:  # the store does not answer: the next look tries again
+            log.warning("reading canary v%d's evidence failed (%s); looking again later", run.version, e)
+            return None
+        if verdict.decision == "continue":
+            return None
+        record = run.decision_record(verdict, now)
+        self._check_lease()
+        from rlrec.trainer.canary_publish import end_canary
+
+        deployed = end_canary(
+            self.publish_storage,
+            self.signing_key,
+            version=run.version,
+            base_version=run.base_version,
+            promote=verdict.decision == "promote",
+            decision=record,
+            run_id=self.run_id,
+            channel=self.cfg.publish_channel,
+        )
+        record["deployed_version"] = deployed
+        self._log_canary(record)
+        if verdict.decision == "promote" and run.candidate_return is not None:
+            self.deployed_return = run.candidate_return
+        self.policy_version = max(self.policy_version, deployed)
+        self.canary = None
+        return record
+
+    def _log_canary(self, record: dict) -> None:
+        from rlrec.trainer.sequential import NO_TRAFFIC
+
+        level = logging.ERROR if NO_TRAFFIC in record["reason"] else logging.WARNING
+        if record["decision"] == "promote":
+            level = logging.INFO
+        log.log(
+            level,
+            "canary v%d %s after %d canary and %d deployed episodes: %s (canary - deployed %s, bound [%s, %s]); "
+            "v%d is deployed",
+            record["canary_version"],
+            "PROMOTED" if record["decision"] == "promote" else "ROLLED BACK",
+            record["episodes_canary"],
+            record["episodes_deployed"],
+            record["reason"],
+            "-" if record["difference"] is None else f"{record['difference']:.4g}",
+            "-" if record["low"] is None else f"{record['low']:.4g}",
+            "-" if record["high"] is None else f"{record['high']:.4g}",
+            record["deployed_version"],
+        )
+
+    def _restore_canary(self, doc: Any, path: str) -> None:
+        """The checkpoint's running canary, continued (the same test) while ``canary.json`` still
+        names it or its publication is pending; one decided after the checkpoint (the pointer moved
+        on before a kill) is over."""
+        if not doc:
+            return
+        from rlrec.trainer.canary_publish import read_pointer
+        from rlrec.trainer.policy import CANARY
+        from rlrec.trainer.rollout import CanaryRun
+
+        run = CanaryRun.from_state(doc)
+        pointer = read_pointer(self.publish_storage, CANARY)
+        pending = any(p.version == run.version for p in self._pending)
+        if pending or (pointer is not None and pointer["policy_version"] == run.version):
+            self.canary = run
+            log.info(
+                "resumed canary v%d above v%d (started %.0fs ago, %d looks so far): the same test continues",
+                run.version,
+                run.base_version,
+                time.time() - run.started,
+                len(run.history),
+            )
+            return
+        log.info("canary v%d was decided before checkpoint %s's run stopped: it is over", run.version, path)
+
     def _promote_env(self, version: int, artifact: Any) -> bool:
         """The simulator gate: evaluate the candidate `artifact` in --env; True if it is not worse
         than the deployed version (the decision is `last_promotion`)."""
@@ -967,6 +1116,8 @@ class ContinuousTrainer:
                     run_id=d.get("run_id"),
                     channel=d.get("channel"),
                     time=float(d.get("time") or 0.0),
+                    canary_base=None if d.get("canary_base") is None else int(d["canary_base"]),
+                    canary_started=None if d.get("canary_started") is None else float(d["canary_started"]),
                 )
             )
         if self._pending:
@@ -1029,6 +1180,7 @@ class ContinuousTrainer:
             )
             self.policy_version = published
         self._load_publications(path, state.get("publications") or [])
+        self._restore_canary(state.get("canary"), path)
         self.timesteps_trained = int(state["timesteps_trained"])
         self.trained = set(state["trained_shards"])
         self.since_publish = set(state.get("since_publish", ()))
@@ -1068,6 +1220,12 @@ class ContinuousTrainer:
         import ray
 
         resume_from = self._resume_point() if self.cfg.resume else None
+        if self.cfg.publish and self.publish_lease is None:
+            from rlrec.trainer.publish_lease import PublishLease
+
+            lease = PublishLease(self.publish_storage, ttl_s=self.cfg.publish_lease_s)
+            lease.acquire()  # PublishRootTaken: another trainer publishes there (exit 2)
+            self.publish_lease = lease
         if self.cfg.placement.address is not None:  # joining a cluster: check it before waiting for data
             self._connect()
         entries = self._first_shards()
@@ -1224,6 +1382,15 @@ class ContinuousTrainer:
         if done is not None:
             rec["promotion" if job.gating else "ope_report"] = done
             rec["policy_version"] = self.policy_version
+        if self.canary is not None and not self._pending:
+            decided = self.look_canary()
+            if decided is not None:
+                rec["canary"] = decided
+                rec["policy_version"] = self.policy_version
+                rec["checkpoint"] = True  # the decision is carried out: a checkpoint records it
+        if self.canary is not None:
+            rec["canary_version"] = self.canary.version
+            rec["deployed_version"] = self.canary.base_version
         # the iteration's line is written before its checkpoint commits: a crash in between loses
         # the checkpoint, and the resume drops the line with the iterations after the one it restores
         if self.iteration % self.cfg.checkpoint_interval == 0:
@@ -1321,6 +1488,9 @@ class ContinuousTrainer:
     def close(self) -> None:
         if self._watchdog is not None:
             self._watchdog.stop()
+        if self.publish_lease is not None:
+            self.publish_lease.release()
+            self.publish_lease = None
         if self.metrics is not None:
             self.metrics.close()
         if self.algo is not None or self._started_ray:

@@ -1,0 +1,332 @@
+"""Canary rollout, the publication and service sides (real files, a real signing key):
+
+* ``canary.json`` (signed like ``latest.json``) names a candidate above the deployed version; a
+  service that restarts meanwhile is not refused as replaying ``latest.json`` (the anti-rollback
+  check excuses exactly the canary's version), with or without opting in;
+* ``load_policy(canary_fraction=f)`` + ``for_episode`` serve the canary to a deterministic,
+  salted share of episodes, across restarts and through ``poll()``;
+* promotion and rollback keep versions monotonic and every state file satisfied; a rollback is
+  a new, higher version with the deployed weights; each decision is signed in ``rollout.json``;
+* what an attacker who can write the folder (no key) tries: an unsigned or foreign canary
+  pointer, a canary of another base, an old latest/canary pair replayed after a promotion;
+* the publish root's lease: two trainers on one root cannot both publish.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from rlrec.store.storage import Storage  # noqa: E402
+from rlrec.trainer.canary import canary_score, in_canary  # noqa: E402
+from rlrec.trainer.canary_publish import end_canary, write_canary  # noqa: E402
+from rlrec.trainer.export import prepare_publication  # noqa: E402
+from rlrec.trainer.holdout import is_held_out  # noqa: E402
+from rlrec.trainer.policy import PolicyLoadError, load_policy  # noqa: E402
+from rlrec.trainer.publish_lease import PublishLease, PublishRootTaken  # noqa: E402
+from rlrec.trainer.signing import generate_keys, load_private_key, verify  # noqa: E402
+from tests.test_policy_binding import ACT, OBS, RUN_A, artifact, publish  # noqa: E402
+
+OBS_BATCH = np.random.default_rng(0).normal(0, 1, (64, 4)).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    priv, pub = generate_keys(tmp_path_factory.mktemp("keys"))
+    return {"private": load_private_key(priv), "public": str(pub)}
+
+
+def canary(root, version, key, *, base, started=0.0, channel="prod", run_id=RUN_A) -> None:
+    """Put `version` on canary above `base`, as the trainer does (pointer first, then the files)."""
+    pub = prepare_publication(
+        algo=None,
+        version=version,
+        algo_name="BC",
+        observation_space=OBS,
+        action_space=ACT,
+        iteration=version,
+        timesteps_trained=0,
+        shards=[],
+        new_shards=[],
+        parent_version=base or None,
+        signing_key=key,
+        artifact=artifact(2, version),
+        run_id=run_id,
+        channel=channel,
+    )
+    write_canary(Storage.from_uri(str(root)), pub, key, base_version=base, started=started)
+
+
+@pytest.fixture
+def on_canary(tmp_path, keys):
+    """v1..v4 deployed (latest.json names v4), v5 on canary above it."""
+    root = tmp_path / "root"
+    for v in (1, 2, 3, 4):
+        publish(root, v, keys["private"])
+    canary(root, 5, keys["private"], base=4)
+    return root
+
+
+def same_weights(a, b) -> bool:
+    return np.array_equal(a.action_dist_inputs(OBS_BATCH), b.action_dist_inputs(OBS_BATCH))
+
+
+# ------------------------------------------------------------------------------ the split
+
+
+def test_the_canary_split_is_salted_apart_from_the_holdout_split():
+    ids = [f"episode-{i}" for i in range(20_000)]
+    canary_ids = {i for i in ids if in_canary(i, 0.1)}
+    held_out = {i for i in ids if is_held_out(i, 0.1)}
+    assert 1_800 < len(canary_ids) < 2_200
+    # independent splits overlap on about f * f of the episodes; the same hash would overlap fully
+    assert len(canary_ids & held_out) < 0.02 * len(ids)
+    assert {i for i in ids if in_canary(i, 0.05)} <= canary_ids  # a larger share is a superset
+    assert canary_score("episode-1") == canary_score("episode-1")
+
+
+# -------------------------------------------------------------------- restarts and the state file
+
+
+def test_a_restart_during_a_canary_is_not_refused_as_a_replay(on_canary, tmp_path, keys):
+    state = tmp_path / "svc" / "state.json"
+    # a service that does not opt in keeps the deployed version (the replay check used to refuse v4)
+    plain = load_policy(str(on_canary), public_key=keys["public"], channel="prod", state_file=tmp_path / "plain.json")
+    assert (plain.policy_version, plain.canary_version) == (4, None)
+    assert plain.for_episode("e1").policy_version == 4
+
+    p = load_policy(str(on_canary), public_key=keys["public"], channel="prod", state_file=state, canary_fraction=0.2)
+    assert (p.policy_version, p.canary_version) == (4, 5)
+    assert json.loads(state.read_bytes())["policy_version"] == 4
+    assert json.loads(state.read_bytes())["canary_version"] == 5
+    ids = [f"ep-{i}" for i in range(2_000)]
+    served = {i: p.for_episode(i) for i in ids}
+    on = [i for i, a in served.items() if a.policy_version == 5]
+    assert 300 < len(on) < 500
+    assert all(served[i].canary == in_canary(i, 0.2) for i in ids)
+    actor, version = served[on[0]]
+    assert version == actor.policy_version == 5 and actor.canary
+    action, extra = actor.act(OBS_BATCH[0])
+    assert action in (0, 1) and "action_logp" in extra
+    v5 = load_policy(str(on_canary), version=5, public_key=keys["public"])
+    np.testing.assert_array_equal(actor._version.forward(OBS_BATCH).numpy(), v5.action_dist_inputs(OBS_BATCH))
+
+    # restart: the same episodes get the same versions, and the state file is satisfied
+    q = load_policy(str(on_canary), public_key=keys["public"], channel="prod", state_file=state, canary_fraction=0.2)
+    assert {i: q.for_episode(i).policy_version for i in ids} == {i: a.policy_version for i, a in served.items()}
+    assert q.poll() is False
+
+
+def test_promotion_and_rollback_keep_versions_monotonic(on_canary, tmp_path, keys):
+    storage = Storage.from_uri(str(on_canary))
+    state = tmp_path / "state.json"
+    p = load_policy(str(on_canary), public_key=keys["public"], channel="prod", state_file=state, canary_fraction=0.5)
+    v4 = load_policy(str(on_canary), version=4, public_key=keys["public"])
+    decision = {"decision": "rollback", "reason": "the upper bound -1 of canary - deployed is below 0"}
+    deployed = end_canary(
+        storage,
+        keys["private"],
+        version=5,
+        base_version=4,
+        promote=False,
+        decision=decision,
+        run_id=RUN_A,
+        channel="prod",
+    )
+    assert deployed == 6
+    assert not (on_canary / "canary.json").exists()
+    rollout = (on_canary / "v000005" / "rollout.json").read_bytes()
+    verify(keys["private"].public_key(), rollout, (on_canary / "v000005" / "rollout.json.sig").read_bytes())
+    assert json.loads(rollout)["decision"] == "rollback"
+    spec6 = json.loads((on_canary / "v000006" / "policy.json").read_bytes())
+    assert (spec6["republished_from"], spec6["rolled_back"]["version"]) == (4, 5)
+    assert p.poll() is True
+    assert (p.policy_version, p.canary_version) == (6, None)
+    assert same_weights(p, v4)  # the deployed weights, as a new version
+    assert json.loads(state.read_bytes())["policy_version"] == 6
+    # a restart after the rollback: nothing refused
+    q = load_policy(str(on_canary), public_key=keys["public"], channel="prod", state_file=state, canary_fraction=0.5)
+    assert (q.policy_version, q.canary_version) == (6, None)
+    # carrying the decision out again (a resumed trainer) changes nothing
+    assert (
+        end_canary(
+            storage,
+            keys["private"],
+            version=5,
+            base_version=4,
+            promote=False,
+            decision=decision,
+            run_id=RUN_A,
+            channel="prod",
+        )
+        == 6
+    )
+    assert not (on_canary / "v000007").exists()
+
+    # the next canary, then a promotion
+    canary(on_canary, 7, keys["private"], base=6)
+    assert p.poll() is True and (p.policy_version, p.canary_version) == (6, 7)
+    assert (
+        end_canary(
+            storage,
+            keys["private"],
+            version=7,
+            base_version=6,
+            promote=True,
+            decision={"decision": "promote"},
+            run_id=RUN_A,
+            channel="prod",
+        )
+        == 7
+    )
+    assert p.poll() is True and (p.policy_version, p.canary_version) == (7, None)
+    assert json.loads(state.read_bytes())["policy_version"] == 7
+    v7 = load_policy(str(on_canary), version=7, public_key=keys["public"])
+    assert same_weights(p, v7)
+
+
+def test_a_first_version_on_canary_serves_the_rest_what_ran_before(tmp_path, keys):
+    root = tmp_path / "root"
+    canary(root, 1, keys["private"], base=0)
+    with pytest.raises(PolicyLoadError, match=r"no latest\.json"):
+        load_policy(str(root), public_key=keys["public"], channel="prod")
+    p = load_policy(str(root), public_key=keys["public"], channel="prod", canary_fraction=0.3)
+    assert (p.policy_version, p.canary_version) == (0, 1)
+    ids = [f"e{i}" for i in range(300)]
+    assert {p.for_episode(i) for i in ids if not in_canary(i, 0.3)} == {(None, 0)}
+    assert {p.for_episode(i).policy_version for i in ids if in_canary(i, 0.3)} == {1}
+    with pytest.raises(PolicyLoadError, match=r"nothing is deployed .* yet"):
+        p.act(OBS_BATCH[0])
+    end_canary(
+        Storage.from_uri(str(root)),
+        keys["private"],
+        version=1,
+        base_version=0,
+        promote=True,
+        decision={"decision": "promote"},
+        run_id=RUN_A,
+        channel="prod",
+    )
+    assert p.poll() is True and (p.policy_version, p.canary_version) == (1, None)
+    # rolled back with nothing deployed before: the canary pointer goes, nothing is republished
+    canary(root, 2, keys["private"], base=1)
+    assert p.poll() is True and p.canary_version == 2
+
+
+# ----------------------------------------------------------------------------- hostile pointers
+
+
+def test_canary_pointers_an_attacker_can_write_are_not_followed(on_canary, tmp_path, keys, caplog):
+    # unsigned canary pointer (the key is configured): refused, and it excuses nothing
+    good = (on_canary / "canary.json").read_bytes(), (on_canary / "canary.json.sig").read_bytes()
+    (on_canary / "canary.json.sig").unlink()
+    for fraction in (0.0, 0.5):
+        with pytest.raises(PolicyLoadError, match=r"v000005, signed for the same channel, exists"):
+            load_policy(str(on_canary), public_key=keys["public"], channel="prod", canary_fraction=fraction)
+    # a running service keeps serving the deployed version to every episode
+    (on_canary / "canary.json.sig").write_bytes(good[1])
+    p = load_policy(str(on_canary), public_key=keys["public"], channel="prod", canary_fraction=0.5)
+    assert p.canary_version == 5
+    (on_canary / "canary.json.sig").unlink()
+    assert p.poll() is True
+    assert (p.policy_version, p.canary_version, p.canary_refusals) == (4, None, 1)
+    assert "canary.json is not signed by the configured key" in caplog.text
+    # edited after signing
+    (on_canary / "canary.json").write_bytes(good[0].replace(b'"base_version": 4', b'"base_version": 3'))
+    (on_canary / "canary.json.sig").write_bytes(good[1])
+    assert p.poll() is False and p.canary_version is None and "does not verify" in caplog.text
+    # a genuine canary of another channel does not excuse this channel's v5
+    other = tmp_path / "other"
+    for v in (1, 2, 3, 4):
+        publish(other, v, keys["private"], channel="staging")
+    canary(other, 5, keys["private"], base=4, channel="staging")
+    shutil.copy(other / "canary.json", on_canary / "canary.json")
+    shutil.copy(other / "canary.json.sig", on_canary / "canary.json.sig")
+    with pytest.raises(PolicyLoadError, match=r"v000005, signed for the same channel, exists"):
+        load_policy(str(on_canary), public_key=keys["public"], channel="prod")
+    # a canary of another base is not followed
+    (on_canary / "canary.json").write_bytes(good[0])
+    (on_canary / "canary.json.sig").write_bytes(good[1])
+    publish(on_canary, 6, keys["private"])  # latest.json moves past the canary's base
+    p = load_policy(str(on_canary), public_key=keys["public"], channel="prod", canary_fraction=0.5)
+    assert (p.policy_version, p.canary_version) == (6, None)
+
+
+def test_an_old_pointer_pair_replayed_after_a_promotion_is_refused_by_the_state_file(on_canary, tmp_path, keys):
+    state = tmp_path / "state.json"
+    pair = {
+        n: (on_canary / n).read_bytes() for n in ("latest.json", "latest.json.sig", "canary.json", "canary.json.sig")
+    }
+    p = load_policy(str(on_canary), public_key=keys["public"], channel="prod", state_file=state, canary_fraction=0.5)
+    end_canary(
+        Storage.from_uri(str(on_canary)),
+        keys["private"],
+        version=5,
+        base_version=4,
+        promote=True,
+        decision={"decision": "promote"},
+        run_id=RUN_A,
+        channel="prod",
+    )
+    assert p.poll() is True and p.policy_version == 5
+    for name, data in pair.items():  # genuine, signed, old
+        (on_canary / name).write_bytes(data)
+    with pytest.raises(PolicyLoadError, match=r"names v4, older than v5 in use: rollback refused"):
+        p.poll()
+    with pytest.raises(PolicyLoadError, match=r"v000004 is older than v000005, which this service has loaded"):
+        load_policy(str(on_canary), public_key=keys["public"], channel="prod", state_file=state, canary_fraction=0.5)
+
+
+# ------------------------------------------------------------------------------- the lease
+
+
+def test_two_publishers_on_one_root_cannot_both_publish(tmp_path):
+    storage = Storage.from_uri(str(tmp_path / "policies"))
+    first = PublishLease(storage, ttl_s=0.6, writer="first")
+    first.acquire()
+    second = PublishLease(storage, ttl_s=0.6, writer="second")
+    with pytest.raises(PublishRootTaken, match=r"another trainer publishes to .*writer first"):
+        second.acquire()  # the first renews its lease: after waiting, refused
+    first.check()
+    # the first dies without a clean stop (its lease is no longer renewed): the second waits it out
+    first._stop.set()
+    first._thread.join()
+    second.acquire()
+    with pytest.raises(PublishRootTaken, match=r"taken by writer second"):
+        first.check()
+    second.release()
+    third = PublishLease(storage, ttl_s=60.0, writer="third")
+    done = threading.Event()
+    third._sleep = lambda s: done.set()  # a released lease is taken at once: no wait
+    third.acquire()
+    assert not done.is_set()
+    third.release()
+
+
+def test_a_fenced_trainer_publishes_nothing(tmp_path, monkeypatch):
+    from tests.test_policy_binding import _trainer
+
+    keys_dir = tmp_path / "keys"
+    generate_keys(keys_dir)
+    t = _trainer(tmp_path, keys_dir, monkeypatch, resume=False)
+    t.publish_lease = PublishLease(t.publish_storage, ttl_s=30.0, writer="first")
+    t.publish_lease.acquire()
+    t.iteration = 3
+    t.checkpoint()
+    assert (tmp_path / "ckpt" / "policies" / "v000001" / "policy.json").exists()
+    # another trainer takes the root (as it would after judging this one dead)
+    from rlrec.store.ownership import renew_lease
+
+    renew_lease(t.publish_storage, "publisher", 0, writer="second", epoch=2, ttl_s=30.0)
+    t.iteration = 6
+    with pytest.raises(PublishRootTaken, match=r"taken by writer second"):
+        t.checkpoint()
+    assert not (tmp_path / "ckpt" / "policies" / "v000002").exists()
+    assert json.loads((tmp_path / "ckpt" / "policies" / "latest.json").read_bytes())["policy_version"] == 1
+    t.publish_lease._stop.set()

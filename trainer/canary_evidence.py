@@ -1,0 +1,132 @@
+"""A canary's evidence: the discounted returns of its two arms, read from committed shards.
+
+`CanaryEvidence` follows the manifest under the consumer's output root (committed shards only,
+as `rlrec.trainer.ope_data.HeldOutReader` does: sha256 checked, the schema gate before any column,
+episodes decoded without unpickling) and keeps, of each new episode shard, the episodes tagged
+with the canary version or the base (deployed) version whose ``started_ms`` (the producer's
+clock at the episode's start) is at or after the canary's start. Each arm's statistic is the
+mean discounted return ``sum_t gamma^t r_t``. Shards read once; a shard that cannot be read is
+skipped with an error line (its episodes are no evidence). Tabular shards are not read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from typing import Any
+
+import numpy as np
+
+from rlrec.store.storage import Storage
+from rlrec.trainer.sequential import ArmStats
+
+__all__ = ["CanaryEvidence", "discounted_return"]
+
+log = logging.getLogger("rlrec.trainer")
+
+
+def discounted_return(rewards: Any, gamma: float) -> float:
+    """``sum_t gamma**t * rewards[t]``.
+
+    Example:
+        >>> discounted_return([1.0, 1.0, 1.0], 0.5)
+        1.75
+    """
+    r = np.asarray(rewards, dtype=np.float64).reshape(-1)
+    return float(np.sum(r * gamma ** np.arange(r.shape[0], dtype=np.float64)))
+
+
+class CanaryEvidence:
+    """The two arms of one canary (module docstring); `refresh()` reads new shards.
+
+    Args:
+        input_uri: the consumer's output root (or a `Storage`).
+        version: the canary version.
+        base_version: the deployed version meanwhile (0: what services ran before anything was
+            deployed, logged as policy version 0).
+        started: the canary's start (UNIX time).
+        gamma: the discount.
+        policy_id: only shards of this policy id.
+
+    Example:
+        >>> ev = CanaryEvidence("/data/exp", version=5, base_version=4, started=t0, gamma=0.99)  # doctest: +SKIP
+        >>> canary, deployed = ev.refresh()  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        input_uri: Any,
+        *,
+        version: int,
+        base_version: int,
+        started: float,
+        gamma: float,
+        policy_id: str | None = None,
+    ) -> None:
+        self.storage = input_uri if isinstance(input_uri, Storage) else Storage.from_uri(str(input_uri))
+        self.version = int(version)
+        self.base_version = int(base_version)
+        self.started_ms = int(float(started) * 1000)
+        self.gamma = float(gamma)
+        self.policy_id = policy_id
+        self._by_shard: dict[str, dict[int, list[float]]] = {}
+        self._bad: set[str] = set()
+        self.shards_skipped = 0
+
+    def refresh(self) -> tuple[ArmStats, ArmStats]:
+        """Read the shards committed since the last call; (canary, deployed) over every shard
+        still live (a shard compacted into a merged one is read again from it, once)."""
+        from rlrec.store.snapshot import open_snapshot
+
+        snap = open_snapshot(self.storage)
+        live = set()
+        for e in snap.entries:
+            if self.policy_id is not None and e.policy_id != self.policy_id:
+                continue
+            if e.format != "episodes":
+                continue
+            live.add(e.path)
+            if e.path in self._by_shard or e.path in self._bad:
+                continue
+            try:
+                self._by_shard[e.path] = self._read(e)
+            except FileNotFoundError:
+                continue
+            except ValueError as err:
+                self._bad.add(e.path)
+                self.shards_skipped += 1
+                log.error("shard %s cannot be read as canary evidence (%s); skipping it", e.path, err)
+        for key in [k for k in self._by_shard if k not in live]:
+            del self._by_shard[key]
+        arms = {self.version: ArmStats(), self.base_version: ArmStats()}
+        for key in sorted(self._by_shard):
+            for v, returns in self._by_shard[key].items():
+                for x in returns:
+                    arms[v].add(x)
+        return arms[self.version], arms[self.base_version]
+
+    def _read(self, entry: Any) -> dict[int, list[float]]:
+        from rlrec.store.commit import read_committed_shard
+        from rlrec.store.episodes import EpisodeDecodeError, unpack_episode
+        from rlrec.store.schema_gate import open_shard
+
+        if entry.commit_time and entry.commit_time * 1000 < self.started_ms:
+            return {}  # committed before the canary began: every episode in it began before too
+        data = read_committed_shard(self.storage, entry.path, entry.staging_path, entry.bytes)
+        if entry.sha256 and hashlib.sha256(data).hexdigest() != entry.sha256:
+            raise ValueError("sha256 does not match the manifest")
+        table = open_shard(data, fmt="episodes").read(["item", "policy_version", "started_ms"])
+        versions = table.column("policy_version").to_pylist()
+        starts = table.column("started_ms").to_pylist()
+        out: dict[int, list[float]] = {}
+        items = table.column("item")
+        for i, (v, s) in enumerate(zip(versions, starts)):
+            if v not in (self.version, self.base_version) or s is None or s < self.started_ms:
+                continue
+            try:
+                ep = unpack_episode(items[i].as_py())
+            except EpisodeDecodeError as err:
+                log.debug("undecodable episode in %s: %s", entry.path, err)
+                continue
+            out.setdefault(int(v), []).append(discounted_return(ep.get_rewards(), self.gamma))
+        return out

@@ -1,0 +1,167 @@
+"""The trainer's side of a canary: start one, then promote it or roll it back (`rlrec train --rollout canary`).
+
+* start (`write_canary`): ``canary.json`` (+ ``.sig``) is written *before* the version's files,
+  so a service restarting meanwhile finds the higher signed version excused by the canary
+  pointer (`rlrec.trainer.policy`'s replay check) rather than refused as a replay; until the
+  version's ``policy.json`` lands, services simply find the canary not loadable yet.
+* promote (`end_canary` with ``promote=True``): ``latest.json`` is moved to the canary version,
+  then ``canary.json`` is removed (meanwhile it names a version not above ``latest.json``'s, so
+  it is not followed).
+* roll back: the base version's weights are published again as a new, higher version
+  (`rlrec.trainer.export.republish_policy`, which moves ``latest.json``), then ``canary.json`` is
+  removed; versions only grow, and every state file is satisfied. With nothing deployed before
+  (base version 0) only ``canary.json`` is removed: services go back to what they ran before.
+
+Each decision with its evidence is written first, signed, as ``v{N}/rollout.json`` (+ ``.sig``)
+of the canary version (and recorded as ``rolled_back`` in a republished version's policy.json).
+Every step is idempotent: a trainer resuming after a kill -9 between steps finishes the decision.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from typing import Any
+
+from rlrec.store.storage import Storage
+from rlrec.trainer.binding import canary_pointer_bytes, pointer_bytes
+from rlrec.trainer.policy import CANARY, LATEST, MAX_BYTES, SPEC, PolicyLoadError, _json, _parse_latest, version_dir
+from rlrec.trainer.signing import SIG_SUFFIX, sign
+
+__all__ = ["ROLLOUT", "end_canary", "read_pointer", "write_canary"]
+
+log = logging.getLogger("rlrec.trainer")
+
+#: the decision record of a canary version (signed like policy.json)
+ROLLOUT = "rollout.json"
+
+
+def read_pointer(storage: Storage, name: str = LATEST) -> dict | None:
+    """The parsed pointer `name` (``latest.json`` or ``canary.json``) of a publish root, None
+    when absent or unusable (the trainer reads its own pointers; services verify theirs).
+
+    Example:
+        >>> read_pointer(Storage.from_uri("/tmp/rlrec-no-such-root"), CANARY) is None
+        True
+    """
+    from rlrec.trainer.export import _read_small
+
+    try:
+        return _parse_latest(_read_small(storage, name, MAX_BYTES[name]), name)
+    except (OSError, PolicyLoadError):
+        return None
+
+
+def _write_signed(storage: Storage, rel: str, data: bytes, signing_key: Any) -> None:
+    storage.write(rel, data)
+    if signing_key is not None:
+        storage.write(rel + SIG_SUFFIX, sign(signing_key, data))
+    else:
+        storage.delete(rel + SIG_SUFFIX)
+
+
+def write_canary(storage: Storage, pub: Any, signing_key: Any, *, base_version: int, started: float) -> None:
+    """Put the prepared publication `pub` (`rlrec.trainer.export.Publication`) on canary above
+    `base_version`: ``canary.json`` first, then its files (`write_publication` without moving
+    ``latest.json``). Idempotent.
+
+    Args:
+        storage: the publish root.
+        pub: the candidate's publication.
+        signing_key: the trainer's Ed25519 private key (signs the pointer).
+        base_version: the version ``latest.json`` names (0: nothing deployed yet).
+        started: when the canary began (kept across rewrites: episodes before it are no evidence).
+
+    Example:
+        >>> write_canary(storage, pub, key, base_version=4, started=time.time())  # doctest: +SKIP
+    """
+    from rlrec.trainer.export import write_publication
+
+    sha = hashlib.sha256(pub.files[SPEC]).hexdigest()
+    data = canary_pointer_bytes(
+        pub.version,
+        pub.directory,
+        sha,
+        base_version=base_version,
+        started=started,
+        run_id=pub.run_id,
+        channel=pub.channel,
+        now=started,
+    )
+    _write_signed(storage, CANARY, data, signing_key)
+    write_publication(storage, pub, signing_key, pointer=False)
+
+
+def _remove_canary(storage: Storage, version: int) -> None:
+    """Remove ``canary.json`` if it still names `version` (another canary's is left alone)."""
+    current = read_pointer(storage, CANARY)
+    if current is not None and current["policy_version"] != version:
+        return
+    storage.delete(CANARY)
+    storage.delete(CANARY + SIG_SUFFIX)
+
+
+def end_canary(
+    storage: Storage,
+    signing_key: Any,
+    *,
+    version: int,
+    base_version: int,
+    promote: bool,
+    decision: dict,
+    run_id: str | None,
+    channel: str | None,
+) -> int:
+    """Carry out a canary's decision (module docstring); the version ``latest.json`` names after it.
+
+    Args:
+        storage: the publish root.
+        signing_key: the trainer's Ed25519 private key.
+        version: the canary version.
+        base_version: the version deployed while it ran (0: none).
+        promote: True promotes it, False rolls it back.
+        decision: the decision and its evidence (written to ``rollout.json``).
+        run_id: this run's id.
+        channel: this run's channel.
+
+    Returns:
+        The deployed version now (0: nothing deployed).
+
+    Example:
+        >>> end_canary(storage, key, version=5, base_version=4, promote=False,  # doctest: +SKIP
+        ...     decision=d, run_id=run_id, channel="cartpole")
+        6
+    """
+    from rlrec.trainer.export import _read_small, republish_policy
+
+    d = version_dir(version)
+    _write_signed(storage, f"{d}/{ROLLOUT}", json.dumps(decision, sort_keys=True, indent=1).encode(), signing_key)
+    latest = read_pointer(storage, LATEST)
+    deployed = int(latest["policy_version"]) if latest is not None else 0
+    if promote:
+        if deployed < version:
+            spec_bytes = _read_small(storage, f"{d}/{SPEC}", MAX_BYTES[SPEC])
+            sha = hashlib.sha256(spec_bytes).hexdigest()
+            _write_signed(storage, LATEST, pointer_bytes(version, d, sha, run_id=run_id, channel=channel), signing_key)
+            deployed = version
+    elif deployed <= version and base_version:  # not rolled back yet
+        spec = republish_policy(
+            storage,
+            version=base_version,
+            signing_key=signing_key,
+            run_id=run_id,
+            channel=channel,
+            metadata={"rolled_back": {"version": version, "decision": decision.get("decision")}},
+        )
+        deployed = int(spec["policy_version"])
+    _remove_canary(storage, version)
+    spec_doc = _json(_read_small(storage, f"{version_dir(deployed)}/{SPEC}", MAX_BYTES[SPEC]), SPEC) if deployed else {}
+    log.info(
+        "canary v%d %s: v%d is deployed%s",
+        version,
+        "promoted" if promote else "rolled back",
+        deployed,
+        f" (v{base_version}'s weights)" if spec_doc.get("republished_from") else "",
+    )
+    return deployed

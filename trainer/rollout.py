@@ -1,0 +1,146 @@
+"""The trainer's running canary: its identity, its test, and what it has seen so far.
+
+A `CanaryRun` is created when a gated candidate goes on canary (``rlrec train --rollout
+canary``), saved in every checkpoint (`to_state`), and restored by ``--resume``
+(`from_state`), so a trainer killed mid-canary continues the same test: the same start, the
+same rule and the same evidence (re-read from the committed shards since the start), never a
+fresh test that peeks again. `look` reads the new evidence and judges it
+(`rlrec.trainer.sequential.judge`); the trainer carries out a decision
+(`rlrec.trainer.canary_publish.end_canary`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlrec.trainer.sequential import CanaryRule, Verdict, judge
+
+__all__ = ["MAX_HISTORY", "CanaryRun", "gate_declined"]
+
+#: the most looks kept for the report's plot (older ones are thinned out)
+MAX_HISTORY = 500
+
+
+@dataclass
+class CanaryRun:
+    """One canary: `version` on trial above `base_version` since `started` (UNIX time).
+
+    Example:
+        >>> run = CanaryRun(version=5, base_version=4, started=0.0, gamma=0.99, rule=CanaryRule())
+        >>> CanaryRun.from_state(run.to_state()) == run
+        True
+    """
+
+    version: int
+    base_version: int
+    started: float
+    gamma: float
+    rule: CanaryRule
+    candidate_return: float | None = None  # the gate's estimate (deployed_return once promoted)
+    history: list[dict] = field(default_factory=list)
+    _evidence: Any = field(default=None, repr=False, compare=False)
+
+    def to_state(self) -> dict:
+        """JSON-able (the trainer checkpoint's ``canary``)."""
+        return {
+            "version": self.version,
+            "base_version": self.base_version,
+            "started": self.started,
+            "gamma": self.gamma,
+            "rule": self.rule.to_dict(),
+            "candidate_return": self.candidate_return,
+            "history": list(self.history),
+        }
+
+    @classmethod
+    def from_state(cls, doc: dict) -> CanaryRun:
+        """The run a checkpoint saved. Raises ValueError on a malformed record."""
+        try:
+            return cls(
+                version=int(doc["version"]),
+                base_version=int(doc["base_version"]),
+                started=float(doc["started"]),
+                gamma=float(doc["gamma"]),
+                rule=CanaryRule(**doc["rule"]),
+                candidate_return=None if doc.get("candidate_return") is None else float(doc["candidate_return"]),
+                history=[h for h in doc.get("history") or [] if isinstance(h, dict)][-MAX_HISTORY:],
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"a malformed canary record in the checkpoint: {e}") from None
+
+    def look(self, input_storage: Any, policy_id: str | None = None, now: float | None = None) -> Verdict:
+        """Read the evidence committed since the last look and judge it; the look is kept in
+        `history` (time, both arms' counts and means, the bound).
+
+        Args:
+            input_storage: the consumer's output root.
+            policy_id: only episodes of this policy id.
+            now: the time of the look (default: now).
+        """
+        from rlrec.trainer.canary_evidence import CanaryEvidence
+
+        if self._evidence is None:
+            self._evidence = CanaryEvidence(
+                input_storage,
+                version=self.version,
+                base_version=self.base_version,
+                started=self.started,
+                gamma=self.gamma,
+                policy_id=policy_id,
+            )
+        canary, deployed = self._evidence.refresh()
+        now = time.time() if now is None else now
+        verdict = judge(canary, deployed, self.rule, now - self.started)
+        last = self.history[-1] if self.history else None
+        if last is None or (last["n_canary"], last["n_deployed"]) != (canary.n, deployed.n):
+            self.history.append(
+                {
+                    "time": round(now, 3),
+                    "n_canary": canary.n,
+                    "n_deployed": deployed.n,
+                    "mean_canary": canary.mean if canary.n else None,
+                    "mean_deployed": deployed.mean if deployed.n else None,
+                    "low": verdict.low,
+                    "high": verdict.high,
+                }
+            )
+            if len(self.history) > MAX_HISTORY:
+                self.history = self.history[: MAX_HISTORY // 2 : 2] + self.history[MAX_HISTORY // 2 :]
+        return verdict
+
+    def decision_record(self, verdict: Verdict, now: float | None = None) -> dict:
+        """What a decision records (metrics.jsonl's ``canary``, the version's ``rollout.json``)."""
+        now = time.time() if now is None else now
+        return {
+            "canary_version": self.version,
+            "base_version": self.base_version,
+            "started": self.started,
+            "decided": round(now, 3),
+            "gamma": self.gamma,
+            "rule": self.rule.to_dict(),
+            **verdict.to_dict(),
+        }
+
+
+def gate_declined(decision: dict) -> bool:
+    """Whether the offline gate's `decision` (`rlrec.trainer.ope_jobs.evaluate_candidate`)
+    declined to judge the candidate -- no estimable difference, a gate verdict that does not
+    hold, no held-out episodes yet -- rather than judged it worse (``--canary-unjudged`` puts
+    the former on canary, never the latter; a failed evaluation is neither).
+
+    Example:
+        >>> gate_declined({"promoted": False, "estimable": True, "gate_verdict": {"ok": False}})
+        True
+        >>> gate_declined({"promoted": False, "estimable": True, "gate_verdict": {"ok": True}})
+        False
+    """
+    if decision.get("promoted"):
+        return False
+    if decision.get("estimable") is False:
+        return True
+    verdict = decision.get("gate_verdict")
+    if isinstance(verdict, dict) and verdict.get("ok") is False:
+        return True
+    return decision.get("reason") == "no held-out episodes yet"

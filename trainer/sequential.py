@@ -26,6 +26,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
 
 __all__ = ["NO_TRAFFIC", "ArmStats", "CanaryRule", "Verdict", "confidence_radius", "judge"]
 
@@ -76,8 +79,9 @@ def _rho2(alpha: float, n_opt: float) -> float:
     return (la + math.log(1.0 + la)) / float(n_opt)
 
 
-def confidence_radius(n: int, std: float, alpha: float, n_opt: float = 200.0) -> float:
-    """Half-width of an arm's time-uniform interval after `n` episodes (module docstring).
+def confidence_radius(n: Any, std: Any, alpha: float, n_opt: float = 200.0) -> Any:
+    """Half-width of an arm's time-uniform interval after `n` episodes (module docstring);
+    numpy arrays of `n` and `std` give an array (simulations look at every n at once).
 
     Args:
         n: episodes so far.
@@ -91,10 +95,14 @@ def confidence_radius(n: int, std: float, alpha: float, n_opt: float = 200.0) ->
         >>> confidence_radius(1, 1.0, 0.025)
         inf
     """
-    if n < 2 or not math.isfinite(std):
-        return math.inf
+    n_arr = np.asarray(n, dtype=np.float64)
+    std_arr = np.asarray(std, dtype=np.float64)
     r = _rho2(alpha, n_opt)
-    return std * math.sqrt(2.0 * (n * r + 1.0) / (n * n * r) * math.log(math.sqrt(n * r + 1.0) / alpha))
+    ok = (n_arr >= 2) & np.isfinite(std_arr)
+    safe = np.where(ok, n_arr, 2.0)
+    width = std_arr * np.sqrt(2.0 * (safe * r + 1.0) / (safe * safe * r) * np.log(np.sqrt(safe * r + 1.0) / alpha))
+    out = np.where(ok, width, np.inf)
+    return float(out) if out.ndim == 0 else out
 
 
 @dataclass(frozen=True)

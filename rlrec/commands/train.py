@@ -80,12 +80,19 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     from rlrec.trainer.checkpoints import CheckpointVerificationError, ResumeRefused
     from rlrec.trainer.cluster import ClusterConfigError
+    from rlrec.trainer.publish_lease import PublishRootTaken
 
     trainer.install_signal_handlers()  # a clean stop from now on (again after ray.init, which sets its own)
     phase("looking for committed shards under %s", cfg.input)
     try:
         rc = trainer.run()
-    except (UnsupportedCombination, CheckpointVerificationError, ClusterConfigError, ResumeRefused) as e:
+    except (
+        UnsupportedCombination,
+        CheckpointVerificationError,
+        ClusterConfigError,
+        ResumeRefused,
+        PublishRootTaken,
+    ) as e:
         print(f"rlrec train: error: {e}", file=sys.stderr)
         return 2
     code = exit_code_after(rc, trainer.stop_reason)

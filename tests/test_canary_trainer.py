@@ -1,0 +1,161 @@
+"""``rlrec train --rollout canary``, the trainer's side, without Ray (the trainer's checkpoint and
+publication code on a stand-in algorithm, as tests/test_policy_binding.py drives it): a gated
+candidate goes to ``canary.json``, not ``latest.json``; its test reads committed shards; a
+better canary is promoted, a worse one rolled back (a new, higher version with the deployed
+weights); a trainer restarted from its checkpoint mid-canary (``--resume`` after a kill -9)
+continues the same test; no new candidate is judged while a canary runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+
+from rlrec.store.commit import ShardCommitter
+from rlrec.trainer.canary import in_canary
+from rlrec.trainer.policy import load_policy
+from rlrec.trainer.signing import generate_keys
+from tests.test_canary_sequential import _episode
+from tests.test_policy_binding import _trainer
+
+CANARY_KW = {
+    "promotion_gate": "env",
+    "env": "CartPole-v1",
+    "promotion_episodes": 1,
+    "rollout": "canary",
+    "canary_min_episodes": 20,
+    "canary_max_episodes": 400,
+    "canary_max_wait_s": 3600.0,
+    "canary_look_interval_s": 0.0,
+}
+
+
+def _serve(committer, started: float, versions: dict[int, float], n: int, seed: int, share: float = 0.3) -> None:
+    """`n` episodes as services that opt in with `share` log them: each episode's version by the
+    canary hash, its return drawn around the version's mean."""
+    rng = np.random.default_rng(seed)
+    (canary_v, canary_mean), (base_v, base_mean) = sorted(versions.items(), reverse=True)
+    eps = []
+    for i in range(n):
+        eid = f"s{seed}-e{i}"
+        v, mean = (canary_v, canary_mean) if in_canary(eid, share) else (base_v, base_mean)
+        eps.append(_episode(v, [float(rng.normal(mean, 1.0))], int(started * 1000) + 1 + i, eid))
+    committer.commit(eps)
+
+
+@pytest.fixture
+def setup(tmp_path, monkeypatch):
+    keys_dir = tmp_path / "keys"
+    generate_keys(keys_dir)
+    committer = ShardCommitter(str(tmp_path / "in"))
+    committer.claim()
+    return SimpleNamespace(keys_dir=keys_dir, committer=committer, pub=str(keys_dir / "policy-signing.pub"))
+
+
+def _resumed(tmp_path, setup, monkeypatch, **kw):
+    t = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=True, **CANARY_KW, **kw)
+    t.metrics = SimpleNamespace(truncate_after=lambda _i: None)
+    assert t._restore(t._resume_point())
+    return t
+
+
+def test_a_better_canary_is_promoted_and_a_worse_one_rolled_back(tmp_path, setup, monkeypatch):
+    root = tmp_path / "ckpt" / "policies"
+    t = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **CANARY_KW)
+    t.iteration = 3
+    t.checkpoint()
+    # the first version goes on canary above what services ran before (version 0)
+    assert t.canary is not None and (t.canary.version, t.canary.base_version) == (1, 0)
+    assert (root / "canary.json").exists() and not (root / "latest.json").exists()
+    assert t.look_canary() is None  # no evidence yet
+    t.iteration = 6
+    t.checkpoint()  # no new candidate while the canary runs
+    assert t.policy_version == 1 and not (root / "v000002").exists()
+
+    _serve(setup.committer, t.canary.started, {1: 2.0, 0: 0.0}, 300, seed=1)
+    record = t.look_canary()
+    assert record["decision"] == "promote" and record["deployed_version"] == 1
+    assert record["episodes_canary"] >= 20 and record["low"] >= 0
+    assert json.loads((root / "latest.json").read_bytes())["policy_version"] == 1
+    assert not (root / "canary.json").exists()
+    assert json.loads((root / "v000001" / "rollout.json").read_bytes())["decision"] == "promote"
+    assert t.canary is None
+
+    # the next candidate: on canary above v1; services restarting meanwhile load v1 and the canary
+    t.iteration = 9
+    t.checkpoint()
+    assert (t.canary.version, t.canary.base_version) == (2, 1)
+    state = tmp_path / "svc.json"
+    p = load_policy(str(root), public_key=setup.pub, state_file=state, canary_fraction=0.3)
+    assert (p.policy_version, p.canary_version) == (1, 2)
+    _serve(setup.committer, t.canary.started, {2: -2.0, 1: 0.0}, 300, seed=2)
+    record = t.look_canary()
+    assert record["decision"] == "rollback" and "the canary is worse" in record["reason"]
+    assert record["deployed_version"] == 3 and t.policy_version == 3
+    spec3 = json.loads((root / "v000003" / "policy.json").read_bytes())
+    assert (spec3["republished_from"], spec3["rolled_back"]["version"]) == (1, 2)
+    assert p.poll() is True and (p.policy_version, p.canary_version) == (3, None)
+    assert json.loads(state.read_bytes())["policy_version"] == 3
+    # the trainer publishes above the rollback
+    t.iteration = 12
+    t.checkpoint()
+    assert (t.canary.version, t.canary.base_version) == (4, 3)
+
+
+def test_a_restarted_trainer_continues_the_same_canary_test(tmp_path, setup, monkeypatch):
+    root = tmp_path / "ckpt" / "policies"
+    t = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **CANARY_KW)
+    t.iteration = 3
+    t.checkpoint()
+    started = t.canary.started
+    _serve(setup.committer, started, {1: 0.0, 0: 0.0}, 40, seed=3)
+    assert t.look_canary() is None
+    t.iteration = 4
+    t.checkpoint()  # the look is in the checkpoint; then the process is killed (no clean stop)
+
+    r = _resumed(tmp_path, setup, monkeypatch)
+    assert r.canary is not None and r.canary.started == started and r.canary.version == 1
+    assert r.canary.history == t.canary.history  # the same test, its looks so far
+    _serve(setup.committer, started, {1: 3.0, 0: 0.0}, 300, seed=4)
+    record = r.look_canary()
+    assert record["decision"] == "promote" and record["started"] == started
+    assert record["episodes_canary"] + record["episodes_deployed"] == 340  # the evidence from before the kill counts
+
+    # killed after carrying the decision out but before the checkpoint recorded it: the resume sees it is over
+    again = _resumed(tmp_path, setup, monkeypatch)
+    assert again.canary is None and again.policy_version == 1
+    assert json.loads((root / "latest.json").read_bytes())["policy_version"] == 1
+
+
+def test_no_canary_traffic_rolls_back_loudly(tmp_path, setup, monkeypatch, caplog):
+    root = tmp_path / "ckpt" / "policies"
+    t = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **{**CANARY_KW, "canary_max_wait_s": 60.0})
+    t.iteration = 3
+    t.checkpoint()
+    _serve(setup.committer, t.canary.started, {1: 0.0, 0: 0.0}, 5, seed=5)
+    record = t.look_canary(now=t.canary.started + 61)
+    assert record["decision"] == "rollback"
+    assert "no canary traffic: services must opt in with canary_fraction" in caplog.text
+    assert [r.levelname for r in caplog.records if "no canary traffic" in r.getMessage()] == ["ERROR"]
+    assert not (root / "canary.json").exists() and not (root / "latest.json").exists()  # nothing was deployed
+
+
+def test_the_options(tmp_path):
+    from rlrec.trainer.config import TrainerConfig
+
+    base = {"input": str(tmp_path), "checkpoint_dir": str(tmp_path)}
+    with pytest.raises(ValueError, match=r"--rollout canary .* not with --promotion-gate off"):
+        TrainerConfig(**base, rollout="canary", promotion_gate="off")
+    with pytest.raises(ValueError, match=r"--canary-unjudged needs --rollout canary"):
+        TrainerConfig(**base, canary_unjudged=True)
+    with pytest.raises(ValueError, match=r"alpha must be in \(0, 1\)"):
+        TrainerConfig(**base, rollout="canary", promotion_gate="ope", canary_alpha=1.5)
+    cfg = TrainerConfig(**base, rollout="canary", promotion_gate="ope", canary_unjudged=True)
+    assert cfg.canary_rule().alpha == 0.05
+    assert dataclasses.is_dataclass(cfg)

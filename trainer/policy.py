@@ -867,6 +867,16 @@ def _check_not_replayed(files: _Files, trust: _Trust, pointer: _Pointer, spec: d
             )
 
 
+def _canary_applies(canary: _Pointer | None, base_version: int, channel: Any, trust: _Trust) -> bool:
+    """The canary rule (docs/GUARANTEES.md, "Canary rollout"): a version above ``latest.json``'s
+    is served only when it is the one a ``canary.json`` -- signed by the configured key, for the
+    same channel -- names above exactly that base version. The one place that excuses it: the
+    replay check (`_canary_above`) and `Policy._poll_canary` both ask here."""
+    if canary is None or (trust.public_key is not None and not canary.signed):
+        return False
+    return canary.channel == channel and canary.base_version == base_version and canary.version > base_version
+
+
 def _canary_above(files: _Files, trust: _Trust, pointer: _Pointer, channel: Any) -> str:
     """The directory a signed ``canary.json`` of `channel` names while it runs above `pointer`
     (its ``base_version`` is the pointer's version); "" when there is no such canary."""
@@ -874,9 +884,7 @@ def _canary_above(files: _Files, trust: _Trust, pointer: _Pointer, channel: Any)
         canary = _read_canary(files, trust, files.root)
     except (OSError, PolicyLoadError):
         return ""
-    if canary is None or not canary.signed or canary.channel != channel or canary.base_version != pointer.version:
-        return ""
-    return canary.path
+    return canary.path if canary is not None and _canary_applies(canary, pointer.version, channel, trust) else ""
 
 
 def _read_state(path: str) -> tuple[int, int | None] | None:
@@ -1163,8 +1171,10 @@ class Policy:
                 _check_pointer_pins(pointer, self._pins)
         except (OSError, PolicyLoadError) as e:
             return self._refuse_canary(str(e))
-        base = self._deployed.version if self._deployed is not None else 0
-        if pointer is None or pointer.base_version != base or pointer.version <= base:
+        deployed = self._deployed
+        base = deployed.version if deployed is not None else 0
+        channel = deployed.spec.get("channel") if deployed is not None else (pointer and pointer.channel)
+        if not _canary_applies(pointer, base, channel, self._trust):
             return self._set_canary(None)
         current = self._canary
         if current is not None and current.version == pointer.version:

@@ -174,6 +174,8 @@ class Run:
             str(self.ck),
             "--algo",
             "BC",
+            "--promotion-gate",
+            "off",
             "--resume",
             "--num-cpus",
             "2",

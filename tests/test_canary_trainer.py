@@ -153,7 +153,7 @@ def test_the_options(tmp_path):
     with pytest.raises(ValueError, match=r"--rollout canary .* not with --promotion-gate off"):
         TrainerConfig(**base, rollout="canary", promotion_gate="off")
     with pytest.raises(ValueError, match=r"--canary-unjudged needs --rollout canary"):
-        TrainerConfig(**base, canary_unjudged=True)
+        TrainerConfig(**base, promotion_gate="off", canary_unjudged=True)
     with pytest.raises(ValueError, match=r"alpha must be in \(0, 1\)"):
         TrainerConfig(**base, rollout="canary", promotion_gate="ope", canary_alpha=1.5)
     cfg = TrainerConfig(**base, rollout="canary", promotion_gate="ope", canary_unjudged=True)

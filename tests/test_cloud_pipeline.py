@@ -39,6 +39,7 @@ def test_train_publish_load_inspect_gc_and_report_on_the_cloud(kind, tmp_path, m
     keys = {e.path for e in read_manifest(Storage.from_uri(out))}
     priv, pub = generate_keys(tmp_path / "keys")
     cmd = [sys.executable, "-m", "rlrec", "train", "--input", out, "--checkpoint-dir", ck, "--algo", "BC"]
+    cmd += ["--promotion-gate", "off"]  # every checkpoint's policy published
     cmd += ["--env", "CartPole-v1", "--max-iterations", "3", "--checkpoint-interval", "3", "--num-cpus", "2"]
     cmd += ["--algo-config", "train_batch_size_per_learner=256", "--signing-key", str(priv)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=400)

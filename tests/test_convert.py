@@ -411,6 +411,7 @@ def test_trainer_and_stock_bc_train_on_converted_shards(tmp_path):
                 input=str(out),
                 checkpoint_dir=str(ck),
                 algo="BC",
+                promotion_gate="off",
                 max_iterations=2,
                 checkpoint_interval=2,
                 progress=False,

@@ -610,6 +610,7 @@ def _cfg(out, ck, **kw):
         "algo": "BC",
         "poll_interval_s": 0.2,
         "progress": False,
+        "promotion_gate": "off",  # every checkpoint's policy published (the default gates them)
         "cache_ttl_s": 1.0,
         "algo_config": {"train_batch_size_per_learner": 128, "lr": 1e-3},
         "offline_config": {"dataset_num_iters_per_learner": 3},

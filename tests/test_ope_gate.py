@@ -153,7 +153,8 @@ def test_promotion_gate_option_values():
         (["--promotion-gate", "ope"], {}, "ope"),
         ([], {"RLREC_PROMOTION_GATE": "1"}, "env"),
         ([], {"RLREC_PROMOTION_GATE": "ope"}, "ope"),
-        ([], {}, "off"),
+        ([], {}, None),
+        ([], {"RLREC_PROMOTION_GATE": "off"}, "off"),
     ):
         opts = OPTIONS.resolve(p.parse_args(["--input", "x", "--checkpoint-dir", "y", *argv]), environ=env)
         assert opts["promotion_gate"] == want, argv
@@ -161,6 +162,17 @@ def test_promotion_gate_option_values():
         TrainerConfig(input="x", checkpoint_dir="y", promotion_gate="env")
     assert TrainerConfig(input="x", checkpoint_dir="y", promotion_gate=True, env="CartPole-v1").promotion_gate == "env"
     assert TrainerConfig(input="x", checkpoint_dir="y", promotion_gate="ope").gate
+    # without --promotion-gate: env with --env, else ope with the canary; off keeps every checkpoint
+    cfg = TrainerConfig(input="x", checkpoint_dir="y")
+    assert (cfg.promotion_gate, cfg.rollout) == ("ope", "canary") and "default without --env" in cfg.gate_default
+    cfg = TrainerConfig(input="x", checkpoint_dir="y", env="CartPole-v1")
+    assert (cfg.promotion_gate, cfg.rollout) == ("env", "direct")
+    assert (TrainerConfig(input="x", checkpoint_dir="y", promotion_gate="ope").rollout) == "direct"
+    cfg = TrainerConfig(input="x", checkpoint_dir="y", promotion_gate="off")
+    assert (cfg.promotion_gate, cfg.rollout, cfg.gate_default) == ("off", "direct", None)
+    assert TrainerConfig(input="x", checkpoint_dir="y", publish=False).promotion_gate == "off"
+    with pytest.raises(ValueError, match=r"no promotion gate can judge candidates without --env"):
+        TrainerConfig(input="x", checkpoint_dir="y", ope=OPESettings(holdout_fraction=0.0))
 
 
 def _without_phases(stderr: str) -> list[str]:
@@ -434,6 +446,7 @@ def test_ope_report_estimates_each_candidate_beside_the_truth_without_gating(log
         input=out,
         checkpoint_dir=str(tmp_path / "ck"),
         env=CONTEXT_BANDIT_ID,
+        promotion_gate="off",
         ope_report=True,
         promotion_episodes=500,
         seed=0,
@@ -456,7 +469,9 @@ def test_ope_report_estimates_each_candidate_beside_the_truth_without_gating(log
     trainer.publish(final=True)  # the stop's checkpoint: no estimate started (publishing needs a real algo here)
     assert trainer._job is None
     with pytest.raises(ValueError, match="--ope-report needs held-out episodes"):
-        TrainerConfig(input=out, checkpoint_dir="c", ope_report=True, ope=OPESettings(holdout_fraction=0.0))
+        TrainerConfig(
+            input=out, checkpoint_dir="c", promotion_gate="off", ope_report=True, ope=OPESettings(holdout_fraction=0.0)
+        )
 
 
 def test_evaluate_reproduces_a_gate_decision_exactly_from_its_cursor(logged, tmp_path, monkeypatch, capsys):

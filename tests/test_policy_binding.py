@@ -526,6 +526,7 @@ def _trainer(tmp_path, keys_dir, monkeypatch, *, resume: bool, gate_rejects: boo
 
     monkeypatch.setattr(export, "_module_from_algo", lambda algo: None)
     monkeypatch.setattr(export, "build_artifact", lambda module, obs, act: artifact(2, 0))
+    kw.setdefault("promotion_gate", "off")  # every checkpoint's policy published (the default gates them)
     cfg = TrainerConfig(
         input=str(tmp_path / "in"),
         checkpoint_dir=str(tmp_path / "ckpt"),

@@ -67,6 +67,8 @@ def _train(out: str, ck: str, log) -> subprocess.Popen:
         ck,
         "--algo",
         "BC",
+        "--promotion-gate",
+        "off",
         "--num-cpus",
         "2",
         "--checkpoint-interval",

@@ -61,6 +61,7 @@ def cfg(out, ck, **kw):
         "algo": "BC",
         "poll_interval_s": 0.2,
         "progress": False,
+        "promotion_gate": "off",  # every checkpoint's policy published (the default gates them)
         "cache_ttl_s": 1.0,
         "algo_config": {"train_batch_size_per_learner": 256, "lr": 1e-3},
         "offline_config": {"dataset_num_iters_per_learner": 5},
@@ -443,6 +444,8 @@ def cli_run(tmp_path_factory):
             "BC",
             "--env",
             "CartPole-v1",
+            "--promotion-gate",
+            "off",
             "--checkpoint-dir",
             ck,
             "--eval-interval",

@@ -247,15 +247,17 @@ class TrainerConfig:
     )
     seed: int | None = option(None, help="random seed of the algorithm and the shard feed (default: unseeded)")
     idle_log_interval_s: float = 30.0
-    promotion_gate: PromotionGate = option(
-        "off",
+    promotion_gate: PromotionGate | None = option(
+        None,
         const="env",
         normalize=_gate_value,
         help="publish a checkpoint's policy only if it is not worse than the deployed version (the flag alone: "
         "env): env plays it "
         "greedily for --promotion-episodes episodes of --env; ope estimates it off-policy on the held-out "
         "episodes (no simulator): the lower bound of the paired difference candidate - deployed must be "
-        ">= -(--promotion-margin); decisions go to metrics.jsonl and the published policy.json",
+        ">= -(--promotion-margin); decisions go to metrics.jsonl and the published policy.json. Default: env "
+        "when --env is given, else ope with --rollout canary (nothing reaches latest.json unjudged); off "
+        "publishes every checkpoint's policy, the stop's included",
     )
     promotion_baseline: float | None = option(
         None, help="with --promotion-gate env: the return of what is deployed before the first publication"
@@ -284,12 +286,13 @@ class TrainerConfig:
         help="at a stop, wait this long for a running off-policy evaluation (--promotion-gate ope, "
         "--ope-report) and apply it; after that it is dropped and its candidate is not published",
     )
-    rollout: Rollout = option(
-        "direct",
+    rollout: Rollout | None = option(
+        None,
         help="direct: a candidate that passes the promotion gate moves latest.json; canary: it is published "
         "to canary.json, served by services that opt in (load_policy(canary_fraction=...)) to a share of "
         "episodes, and promoted or rolled back by an always-valid sequential test of its discounted returns "
-        "against the deployed version's (docs/DEPLOY.md, 'Canary rollout')",
+        "against the deployed version's (docs/DEPLOY.md, 'Canary rollout'). Default: canary where "
+        "--promotion-gate is not given and resolves to ope, else direct",
     )
     canary_unjudged: bool = option(
         False,
@@ -327,9 +330,23 @@ class TrainerConfig:
     )
 
     def __post_init__(self) -> None:
-        if isinstance(self.promotion_gate, bool) or self.promotion_gate is None:
+        if isinstance(self.promotion_gate, bool):
             self.promotion_gate = "env" if self.promotion_gate else "off"
         check_choices(self)
+        #: why the promotion gate and rollout are what they are (said at start)
+        self.gate_default: str | None = None
+        if self.promotion_gate is None:
+            self.promotion_gate = self._default_gate()
+            self.gate_default = {
+                "off": "--promotion-gate off: nothing is published (--no-publish)",
+                "env": "--promotion-gate env: the default with --env",
+                "ope": "--promotion-gate ope --rollout canary: the default without --env (no simulator: judged "
+                "off-policy, then proved on live traffic; --promotion-gate off publishes every checkpoint)",
+            }[self.promotion_gate]
+            if self.rollout is None and self.promotion_gate == "ope":
+                self.rollout = "canary"
+        if self.rollout is None:
+            self.rollout = "direct"
         if self.checkpoint_interval < 1:
             raise ValueError("checkpoint_interval must be >= 1")
         if self.stall_timeout_s < 0:
@@ -445,6 +462,19 @@ class TrainerConfig:
     def gate(self) -> bool:
         """Whether a promotion gate is on."""
         return self.promotion_gate != "off"
+
+    def _default_gate(self) -> str:
+        """The promotion gate without ``--promotion-gate``: env with ``--env``, else ope (with the canary)."""
+        if not self.publish:
+            return "off"
+        if self.env:
+            return "env"
+        if self.ope.holdout_fraction:
+            return "ope"
+        raise ValueError(
+            "no promotion gate can judge candidates without --env and with --holdout-fraction 0: give --env, "
+            "--holdout-fraction > 0 (the default), or --promotion-gate off to publish every checkpoint's policy"
+        )
 
     def canary_rule(self) -> Any:
         """The canary's test (`rlrec.trainer.sequential.CanaryRule`); ValueError on a bad setting."""

@@ -1220,6 +1220,8 @@ class ContinuousTrainer:
         import ray
 
         resume_from = self._resume_point() if self.cfg.resume else None
+        if self.cfg.gate_default:
+            log.info("promotion gate: %s", self.cfg.gate_default)
         if self.cfg.publish and self.publish_lease is None:
             from rlrec.trainer.publish_lease import PublishLease
 

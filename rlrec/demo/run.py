@@ -295,8 +295,8 @@ class Demo:
             targs += ["--promotion-gate", "--promotion-episodes", str(cfg.promotion_episodes)]
             if baseline is not None:
                 targs += ["--promotion-baseline", f"{baseline:.3f}"]
-        else:
-            targs += ["--eval-interval", str(cfg.checkpoint_interval)]
+        else:  # every checkpoint's policy published, as asked (the trainer's default gates them)
+            targs += ["--promotion-gate", "off", "--eval-interval", str(cfg.checkpoint_interval)]
         if cfg.ope_report:  # fewer FQE steps than the default (shared CPUs), a short wait at the stop
             targs += ["--ope-report", "--fqe-steps", str(DEMO_FQE_STEPS), "--evaluation-wait-s", "10"]
         self.trainer = Child(

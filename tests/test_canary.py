@@ -306,6 +306,23 @@ def test_two_publishers_on_one_root_cannot_both_publish(tmp_path):
     third._sleep = lambda s: done.set()  # a released lease is taken at once: no wait
     third.acquire()
     assert not done.is_set()
+    # a lease of a process of this host that is gone (a trainer killed here) is taken at once
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    from rlrec.store.ownership import renew_lease
+
+    renew_lease(storage, "publisher", 0, writer=f"{socket.gethostname()}:{gone.stdout.strip()}:x", epoch=5, ttl_s=60)
+    fourth = PublishLease(storage, ttl_s=60.0, writer="fourth", sleep=lambda s: done.set())
+    fourth.acquire()
+    assert not done.is_set() and fourth.epoch == 6
+    renew_lease(storage, "publisher", 0, writer=f"{socket.gethostname()}:{os.getppid()}:x", epoch=7, ttl_s=60)
+    with pytest.raises(PublishRootTaken):  # a live process of this host: refused
+        PublishLease(storage, ttl_s=60.0, writer="fifth", sleep=lambda s: None).acquire(max_wait_s=0.0)
+    fourth.release()
     third.release()
 
 

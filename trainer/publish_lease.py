@@ -4,9 +4,9 @@ The lease is the consumer's partition owner lease (`rlrec.store.ownership`), kep
 publish root at ``_owners/publisher/00000.json``: ``{"writer", "epoch", "renewed", "ttl_s"}``,
 renewed every ``ttl_s / 3`` by a daemon thread, released at a clean stop.
 
-* Taking it (`PublishLease.acquire`): a lease that is missing or released is taken at once; a
-  held one is waited on while it may belong to a dead trainer (a kill -9 leaves its lease to
-  expire within ``ttl_s``), judged as `rlrec.store.ownership.judge_leases` judges owners
+* Taking it (`PublishLease.acquire`): a lease that is missing or released is taken at once, and
+  so is one naming a process of this host that no longer runs; any other is waited on while it
+  may belong to a dead trainer (a kill -9 elsewhere leaves its lease to expire within ``ttl_s``), judged as `rlrec.store.ownership.judge_leases` judges owners
   (live by the clock, or changed while watched). One still live after that belongs to a
   running trainer: `PublishRootTaken` (``rlrec train`` exits 2 with one line).
 * Keeping it (`PublishLease.check`): before every write to the root (a version, a pointer, a
@@ -45,6 +45,22 @@ PUBLISH_LEASE_S = 30.0
 
 class PublishRootTaken(RuntimeError):
     """Another trainer publishes to this root (its lease is live), or took it from this one."""
+
+
+def _dead_here(writer: str) -> bool:
+    """Whether `writer` (``host:pid:random``) names a process of this host that no longer runs
+    (a trainer killed here: its successor need not wait for the lease to expire)."""
+    host, _, rest = writer.partition(":")
+    pid_text = rest.partition(":")[0]
+    if host != socket.gethostname() or not pid_text.isdigit() or int(pid_text) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid_text), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # exists, another user's
+        return False
+    return False
 
 
 class PublishLease:
@@ -100,6 +116,9 @@ class PublishLease:
         while True:
             held = read_lease(self.storage, PUBLISHER, 0)
             if held is None or held.released or held.writer == self.writer:
+                break
+            if _dead_here(held.writer):
+                log.info("the publish lease of %s names a process gone from this host: taking it", held.describe())
                 break
             live = judge_leases(
                 self.storage, [(PUBLISHER, 0)], watch_s=min(self.ttl_s / 2, max(0.0, wait)), sleep=self._sleep

@@ -159,3 +159,27 @@ def test_the_options(tmp_path):
     cfg = TrainerConfig(**base, rollout="canary", promotion_gate="ope", canary_unjudged=True)
     assert cfg.canary_rule().alpha == 0.05
     assert dataclasses.is_dataclass(cfg)
+
+
+def test_a_decision_the_publish_store_failed_to_carry_out_is_carried_out_later(tmp_path, setup, monkeypatch):
+    from rlrec.trainer import canary_publish
+
+    root = tmp_path / "ckpt" / "policies"
+    t = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **CANARY_KW)
+    t.iteration = 3
+    t.checkpoint()
+    _serve(setup.committer, t.canary.started, {1: 2.0, 0: 0.0}, 300, seed=6)
+    real = canary_publish.end_canary
+
+    def down(*a, **kw):
+        raise OSError("the publish store does not answer")
+
+    monkeypatch.setattr(canary_publish, "end_canary", down)
+    assert t.look_canary() is None and t.canary is not None
+    assert (root / "canary.json").exists() and not (root / "latest.json").exists()
+    taken = t._canary_decision
+    assert taken["decision"] == "promote"
+    monkeypatch.setattr(canary_publish, "end_canary", real)
+    record = t.look_canary()
+    assert record["decided"] == taken["decided"] and record["deployed_version"] == 1 and t.canary is None
+    assert json.loads((root / "latest.json").read_bytes())["policy_version"] == 1

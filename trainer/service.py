@@ -203,6 +203,7 @@ class ContinuousTrainer:
         self._unplaced: set[str] = set()  # trained shards whose manifest entry is not found yet
         self.canary: Any = None  # the running canary (rlrec.trainer.rollout.CanaryRun), saved in checkpoints
         self._canary_next_look = 0.0
+        self._canary_decision: dict | None = None  # taken, not carried out yet (the publish store failed)
         self.publish_lease: Any = None  # rlrec.trainer.publish_lease.PublishLease while publishing
 
     @staticmethod
@@ -527,6 +528,21 @@ class ContinuousTrainer:
             else:
                 log.info("published policy v%d", pub.version)
 
+    def _latest_version(self) -> int:
+        """The version ``latest.json`` names now (0: none): a canary's base. This run's last
+        version when the pointer cannot be read (it is that version unless its publication was
+        refused)."""
+        from rlrec.trainer.canary_publish import read_pointer
+        from rlrec.trainer.policy import LATEST
+
+        pointer = read_pointer(self.publish_storage, LATEST)
+        if pointer is not None:
+            return int(pointer["policy_version"])
+        try:
+            return 0 if not self.publish_storage.exists(LATEST) else self.policy_version
+        except Exception:
+            return self.policy_version
+
     def _check_lease(self) -> None:
         """Raise `PublishRootTaken` unless this trainer still holds the publish root's lease."""
         if self.publish_lease is not None:
@@ -734,10 +750,10 @@ class ContinuousTrainer:
         if self.cfg.rollout == "canary":
             from rlrec.trainer.rollout import CanaryRun
 
-            pub.canary_base, pub.canary_started = self.policy_version, time.time()
+            pub.canary_base, pub.canary_started = self._latest_version(), time.time()
             self.canary = CanaryRun(
                 version=version,
-                base_version=self.policy_version,
+                base_version=pub.canary_base,
                 started=pub.canary_started,
                 gamma=self._gamma() or 0.99,
                 rule=self.cfg.canary_rule(),
@@ -994,30 +1010,37 @@ class ContinuousTrainer:
         if run is None or now < self._canary_next_look:
             return None
         self._canary_next_look = now + self.cfg.canary_look_interval_s
-        try:
-            verdict = run.look(self.input, self.cfg.policy_id, now=now)
-        except Exception as e:  # the store does not answer: the next look tries again
-            log.warning("reading canary v%d's evidence failed (%s); looking again later", run.version, e)
-            return None
-        if verdict.decision == "continue":
-            return None
-        record = run.decision_record(verdict, now)
+        record = self._canary_decision  # a decision whose carrying out failed: again, unchanged
+        if record is None:
+            try:
+                verdict = run.look(self.input, self.cfg.policy_id, now=now)
+            except Exception as e:  # the store does not answer: the next look tries again
+                log.warning("reading canary v%d's evidence failed (%s); looking again later", run.version, e)
+                return None
+            if verdict.decision == "continue":
+                return None
+            record = self._canary_decision = run.decision_record(verdict, now)
         self._check_lease()
         from rlrec.trainer.canary_publish import end_canary
 
-        deployed = end_canary(
-            self.publish_storage,
-            self.signing_key,
-            version=run.version,
-            base_version=run.base_version,
-            promote=verdict.decision == "promote",
-            decision=record,
-            run_id=self.run_id,
-            channel=self.cfg.publish_channel,
-        )
+        try:
+            deployed = end_canary(
+                self.publish_storage,
+                self.signing_key,
+                version=run.version,
+                base_version=run.base_version,
+                promote=record["decision"] == "promote",
+                decision=record,
+                run_id=self.run_id,
+                channel=self.cfg.publish_channel,
+            )
+        except Exception as e:  # the publish store does not answer: carried out at the next look
+            log.error("carrying out canary v%d's %s failed (%s); trying again", run.version, record["decision"], e)
+            return None
+        self._canary_decision = None
         record["deployed_version"] = deployed
         self._log_canary(record)
-        if verdict.decision == "promote" and run.candidate_return is not None:
+        if record["decision"] == "promote" and run.candidate_return is not None:
             self.deployed_return = run.candidate_return
         self.policy_version = max(self.policy_version, deployed)
         self.canary = None

@@ -8,6 +8,9 @@ Sections, each replaced by a note when its data is absent:
   when the trainer metrics carry them; for ``--promotion-gate ope`` or ``--ope-report`` each
   candidate's off-policy estimate with its interval, beside its true discounted return when the
   trainer had ``--env``, in the plot and in a table below it);
+* with ``--rollout canary``, below it: each canary's two arms (mean discounted returns) and the
+  always-valid bound on their difference over time, its decision marked (``plot-canary``; only
+  when the metrics carry a canary);
 * episode return distribution per policy version (box plots, from the shards' columns);
 * freshness: episode end -> shard commit, shard commit -> first trained on, episode end ->
   first trained on (histograms);
@@ -519,6 +522,84 @@ def lineage_html(data: ReportData) -> list[str]:
     return parts
 
 
+def canary_series(data: ReportData) -> dict[int, dict]:
+    """Per canary version: its looks (``time``, both arms' counts and means, the bound ``low`` /
+    ``high`` of canary - deployed) from the trainer's metrics lines (``canary_look``), and its
+    decision (``canary``), if any.
+
+    Example:
+        >>> d = ReportData()
+        >>> d.trainer = [{"time": 5.0, "canary_version": 3, "canary_look": {"time": 4.0, "low": -1.0}},
+        ...              {"time": 6.0, "canary": {"canary_version": 3, "decision": "promote"}}]
+        >>> s = canary_series(d)[3]
+        >>> len(s["looks"]), s["decision"]["decision"]
+        (1, 'promote')
+    """
+    out: dict[int, dict] = {}
+    for m in data.trainer:
+        look, v = m.get("canary_look"), m.get("canary_version")
+        if isinstance(look, dict) and isinstance(v, int) and _num(look.get("time")) is not None:
+            series = out.setdefault(v, {"looks": [], "decision": None})
+            if not series["looks"] or series["looks"][-1]["time"] != look["time"]:
+                series["looks"].append(look)
+        d = m.get("canary")
+        if isinstance(d, dict) and isinstance(d.get("canary_version"), int):
+            out.setdefault(d["canary_version"], {"looks": [], "decision": None})["decision"] = d
+    return out
+
+
+def plot_canary(data: ReportData) -> str | None:
+    """Each canary: both arms' mean discounted returns and the always-valid bound on their
+    difference over time, its decision marked (None: no canary in the metrics)."""
+    series = canary_series(data)
+    if not series:
+        return None
+    plt = _plt()
+    t0 = _t0(data)
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 5), sharex=True)
+    for v, s in sorted(series.items()):
+        looks = s["looks"]
+        decision = s["decision"]
+        if decision is not None and _num(decision.get("decided")) is not None:
+            looks = [
+                *looks,
+                {
+                    "time": decision["decided"],
+                    **{k: decision.get(k) for k in ("low", "high")},
+                    "mean_canary": decision.get("mean_canary"),
+                    "mean_deployed": decision.get("mean_deployed"),
+                },
+            ]
+        ts = [(float(x["time"]) - t0) / 60 for x in looks]
+        for key, style, label in (("mean_canary", "-", f"canary v{v}"), ("mean_deployed", "--", "deployed")):
+            ys = [_num(x.get(key)) for x in looks]
+            top.plot(ts, [y if y is not None else float("nan") for y in ys], style, marker=".", label=label)
+        lows = [_num(x.get("low")) for x in looks]
+        highs = [_num(x.get("high")) for x in looks]
+        pts = [(t, lo, hi) for t, lo, hi in zip(ts, lows, highs) if lo is not None and hi is not None]
+        if pts:
+            bottom.fill_between(
+                [p[0] for p in pts],
+                [p[1] for p in pts],
+                [p[2] for p in pts],
+                alpha=0.3,
+                label=f"v{v}: canary - deployed, always-valid bound",
+            )
+        if decision is not None and ts:
+            word = "promoted" if decision.get("decision") == "promote" else "rolled back"
+            bottom.axvline(ts[-1], color="tab:green" if word == "promoted" else "tab:red", linestyle=":")
+            bottom.annotate(f"v{v} {word}", (ts[-1], 0), fontsize=7, rotation=90, va="bottom")
+    bottom.axhline(0.0, color="black", linewidth=0.8)
+    top.set_ylabel("mean discounted return")
+    bottom.set_ylabel("canary - deployed")
+    bottom.set_xlabel("minutes")
+    top.legend(fontsize=7)
+    bottom.legend(fontsize=7)
+    top.grid(alpha=0.3)
+    bottom.grid(alpha=0.3)
+    return _png(fig)
+
+
 def render_html(data: ReportData) -> str:
     """The report as one HTML document (no external resources)."""
     e = html.escape
@@ -559,6 +640,10 @@ def render_html(data: ReportData) -> str:
             parts.append(f'<img id="plot-{sid}" alt="{e(title)}" src="data:image/png;base64,{img}">')
         if sid == "eval" and (table := ope_table_html(data)) is not None:
             parts.append(table)
+        if sid == "eval" and (canary := plot_canary(data)) is not None:
+            parts.append(
+                f'<img id="plot-canary" alt="canary rollout: both arms and the bound" src="data:image/png;base64,{canary}">'
+            )
         seen: set[str] = set()
         for key in [sid, *extra_notes.get(sid, [])]:
             for n in data.notes.get(key, []):

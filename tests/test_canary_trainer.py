@@ -183,3 +183,31 @@ def test_a_decision_the_publish_store_failed_to_carry_out_is_carried_out_later(t
     record = t.look_canary()
     assert record["decided"] == taken["decided"] and record["deployed_version"] == 1 and t.canary is None
     assert json.loads((root / "latest.json").read_bytes())["policy_version"] == 1
+
+
+def test_the_report_plots_both_arms_and_the_bound(tmp_path, setup, monkeypatch):
+    import base64
+    import re
+
+    from rlrec.report import render_html
+    from rlrec.report_data import ReportData
+
+    t = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **CANARY_KW)
+    t.iteration = 3
+    t.checkpoint()
+    started = t.canary.started
+    lines = []
+    for k in range(8):
+        _serve(setup.committer, started, {1: 1.5, 0: 0.0}, 60, seed=10 + k)
+        record = t.look_canary(now=started + 10 * (k + 1))
+        if record is not None:
+            lines.append({"time": started + 10 * (k + 1), "canary": record})
+            break
+        lines.append({"time": started + 10 * (k + 1), "canary_version": 1, "canary_look": t.canary.history[-1]})
+    assert lines[-1]["canary"]["decision"] == "promote" and len(lines) >= 2
+    data = ReportData()
+    data.trainer = lines
+    html = render_html(data)
+    (img,) = re.findall(r'<img id="plot-canary"[^>]*src="data:image/png;base64,([A-Za-z0-9+/=]+)"', html)
+    assert base64.b64decode(img).startswith(b"\x89PNG")
+    assert 'id="plot-canary"' not in render_html(ReportData())  # no canary: no plot

@@ -1416,6 +1416,8 @@ class ContinuousTrainer:
         if self.canary is not None:
             rec["canary_version"] = self.canary.version
             rec["deployed_version"] = self.canary.base_version
+            if self.canary.history:  # the last look: both arms and the bound (rlrec report plots them)
+                rec["canary_look"] = self.canary.history[-1]
         # the iteration's line is written before its checkpoint commits: a crash in between loses
         # the checkpoint, and the resume drops the line with the iterations after the one it restores
         if self.iteration % self.cfg.checkpoint_interval == 0:

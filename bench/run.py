@@ -1,7 +1,7 @@
 """The benchmark suite: producer, consumer, memory, trainer and manifest benchmarks, one JSON, one table.
 
     python bench/run.py [--quick] [--json PATH] [--markdown PATH] [--png PATH] [--readme docs/BENCHMARKS.md]
-                        [--only producer,consumer,memory,trainer,manifest,store] [--keep-logs DIR]
+                        [--only producer,consumer,memory,trainer,manifest,store,scaleout,canary] [--keep-logs DIR]
                         [--child-args NAME=ARGS ...] [--merge PREVIOUS.json]
 
 Runs each `bench/<name>.py` in its own child process with `--json` (so each keeps its own broker,
@@ -652,6 +652,30 @@ def scaleout_rows(r: dict, quick: bool) -> list[Row]:
 
 #: run only when named in --only (bench/consumer_scaleout.py; minutes, not part of the default run)
 ARGS["scaleout"], TIMEOUTS["scaleout"], ROWS["scaleout"] = ([], ["--quick"]), (1200, 300), scaleout_rows
+
+
+def canary_rows(r: dict, quick: bool) -> list[Row]:
+    """bench/canary.py: canary episodes served up to a worse canary's rollback and a better one's
+    promotion (reported, never judged: nothing to compare against)."""
+    rows = []
+    for name, what in (("worse", "a worse canary served before its rollback"), ("better", "a better one needed")):
+        s = r[name]
+        exposure = [float(x["canary_episodes"]) for x in s["runs"]]
+        figure = (
+            f"canary: episodes {what} ({'-' if name == 'worse' else '+'}{r['effect']:g} sd, share {r['share']:g}, "
+            f"alpha 0.05; {s['right_decisions']}/{len(exposure)} right decisions)"
+        )
+        rounds = {
+            "ours": exposure,
+            "baseline": None,
+            "spread": {"ours": [min(exposure), max(exposure)], "baseline": None},
+        }
+        rows.append(Row(figure, float(s["canary_episodes_median"]), None, 1.0, "reported", None, rounds))
+    return rows
+
+
+#: run only when named in --only (bench/canary.py: the canary test's exposure on committed shards)
+ARGS["canary"], TIMEOUTS["canary"], ROWS["canary"] = ([], ["--quick"]), (1200, 300), canary_rows
 
 
 def run_child(name: str, quick: bool, workdir: str, extra: list[str] | None = None) -> dict:

@@ -35,8 +35,13 @@ verified ``policy.json`` before the weights are read; a pointer below a version 
 same channel (by any run: a newer run may take a channel over) that is present under the root
 is a replay and refused.
 
+Canary (`rlrec.trainer.binding`, docs/DEPLOY.md "Canary rollout"): with ``canary_fraction`` a
+`Policy` also follows ``canary.json`` and serves it per episode (`Policy.for_episode`); the
+replay check excuses exactly the version a signed same-channel ``canary.json`` names above
+``latest.json``'s version (`_canary_applies`, the one place).
+
 Only this module, `rlrec.trainer.policy_net`, `rlrec.trainer.signing`, `rlrec.trainer.binding`,
-numpy, json, torch, safetensors and cryptography are imported (`rlrec.producer.spaces` and
+`rlrec.trainer.canary`, numpy, json, torch, safetensors and cryptography are imported (`rlrec.producer.spaces` and
 gymnasium when a space object is pinned); URIs other than local paths go through
 `rlrec.store.storage.Storage` (pyarrow's filesystems and, for gs:// and az://, the cloud's
 client library; lazily).
@@ -71,6 +76,7 @@ __all__ = [
     "Policy",
     "PolicyLoadError",
     "UnsignedPolicyWarning",
+    "VersionActor",
     "load_policy",
     "read_latest",
     "read_lineage",

@@ -283,6 +283,59 @@ def test_an_old_pointer_pair_replayed_after_a_promotion_is_refused_by_the_state_
         load_policy(str(on_canary), public_key=keys["public"], channel="prod", state_file=state, canary_fraction=0.5)
 
 
+def test_an_old_pointer_pair_replayed_after_a_promotion_is_refused_without_a_state_file(on_canary, tmp_path, keys):
+    """A new replica (no state file) finds genuine old latest.json(v4) + canary.json(v5 over 4)
+    after v5 was promoted: v5 is marked decided, so it excuses nothing and v4 is a replay."""
+    pair = {
+        n: (on_canary / n).read_bytes() for n in ("latest.json", "latest.json.sig", "canary.json", "canary.json.sig")
+    }
+    end_canary(
+        Storage.from_uri(str(on_canary)),
+        keys["private"],
+        version=5,
+        base_version=4,
+        promote=True,
+        decision={"decision": "promote"},
+        run_id=RUN_A,
+        channel="prod",
+    )
+    assert (on_canary / "v000005" / "canary-ended.json").exists()
+    for name, data in pair.items():
+        (on_canary / name).write_bytes(data)
+    for fraction in (0.0, 0.2):
+        with pytest.raises(PolicyLoadError, match=r"v000005, signed for the same channel, exists: a replayed old"):
+            load_policy(str(on_canary), public_key=keys["public"], channel="prod", canary_fraction=fraction)
+
+
+def test_a_replayed_canary_pointer_of_a_rolled_back_first_version_is_not_served(tmp_path, keys):
+    """A first canary (base 0) rolled back: replaying its signed canary.json serves it neither to
+    a running service nor to one restarted with its state file."""
+    root = tmp_path / "root"
+    canary(root, 1, keys["private"], base=0)
+    old = {n: (root / n).read_bytes() for n in ("canary.json", "canary.json.sig")}
+    state = tmp_path / "svc.json"
+    svc = load_policy(str(root), public_key=keys["public"], channel="prod", canary_fraction=0.2, state_file=state)
+    assert svc.canary_version == 1
+    end_canary(
+        Storage.from_uri(str(root)),
+        keys["private"],
+        version=1,
+        base_version=0,
+        promote=False,
+        decision={"decision": "rollback"},
+        run_id=RUN_A,
+        channel="prod",
+    )
+    svc.poll()
+    assert svc.canary_version is None
+    for name, data in old.items():
+        (root / name).write_bytes(data)
+    svc.poll()
+    assert svc.canary_version is None
+    with pytest.raises(PolicyLoadError, match=r"no policy is published .* no usable canary.json"):
+        load_policy(str(root), public_key=keys["public"], channel="prod", canary_fraction=0.2, state_file=state)
+
+
 # ------------------------------------------------------------------------------- the lease
 
 

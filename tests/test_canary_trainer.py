@@ -211,3 +211,120 @@ def test_the_report_plots_both_arms_and_the_bound(tmp_path, setup, monkeypatch):
     (img,) = re.findall(r'<img id="plot-canary"[^>]*src="data:image/png;base64,([A-Za-z0-9+/=]+)"', html)
     assert base64.b64decode(img).startswith(b"\x89PNG")
     assert 'id="plot-canary"' not in render_html(ReportData())  # no canary: no plot
+
+
+# ---------------------------------------------------------------- what the publish root cannot steer
+
+
+def _two_promotions(tmp_path, setup, monkeypatch, **kw):
+    t = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **{**CANARY_KW, **kw})
+    t.iteration = 3
+    t.checkpoint()
+    _serve(setup.committer, t.canary.started, {1: 1.5, 0: 0.0}, 200, seed=1)
+    assert t.look_canary()["decision"] == "promote"
+    t.iteration = 6
+    t.checkpoint()
+    _serve(setup.committer, t.canary.started, {2: 1.5, 1: 0.0}, 200, seed=2)
+    assert t.look_canary()["decision"] == "promote"
+    return t
+
+
+@pytest.mark.parametrize("attack", ["unsigned", "replayed"])
+def test_a_forged_or_replayed_latest_json_is_no_canary_base(tmp_path, setup, monkeypatch, attack):
+    """Who can write the root without the key writes latest.json naming an old v1 (unsigned, or
+    v1's genuine signed pointer replayed): the next canary's base stays v2, which the trainer
+    deployed, so its rollback republishes v2's weights, never v1's as a new signed version."""
+    root = tmp_path / "ckpt" / "policies"
+    t = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **{**CANARY_KW, "canary_max_wait_s": 60.0})
+    t.iteration = 3
+    t.checkpoint()
+    _serve(setup.committer, t.canary.started, {1: 1.5, 0: 0.0}, 200, seed=1)
+    assert t.look_canary()["decision"] == "promote"
+    old = {n: (root / n).read_bytes() for n in ("latest.json", "latest.json.sig")}
+    t.iteration = 6
+    t.checkpoint()
+    _serve(setup.committer, t.canary.started, {2: 1.5, 1: 0.0}, 200, seed=2)
+    assert t.look_canary()["decision"] == "promote"
+    if attack == "unsigned":
+        doc = json.loads((root / "latest.json").read_bytes())
+        doc.update({"policy_version": 1, "path": "v000001"})
+        doc.pop("sha256", None)
+        (root / "latest.json").write_bytes(json.dumps(doc).encode())
+        (root / "latest.json.sig").unlink()
+    else:
+        for name, data in old.items():
+            (root / name).write_bytes(data)
+    t.iteration = 9
+    t.checkpoint()
+    assert (t.canary.version, t.canary.base_version) == (3, 2)
+    record = t.look_canary(now=t.canary.started + 61)  # no traffic: rolled back
+    assert record["decision"] == "rollback" and record["deployed_version"] == 4
+    spec4 = json.loads((root / "v000004" / "policy.json").read_bytes())
+    assert spec4["republished_from"] == 2
+
+
+def test_an_unreadable_latest_json_after_a_first_rollback_keeps_base_zero(tmp_path, setup, monkeypatch):
+    """After a first canary (base 0) was rolled back, latest.json cannot be read while the next
+    candidate is prepared: its base is what this trainer deployed (nothing), not the rolled-back v1."""
+    from rlrec.trainer import canary_publish
+
+    t = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **{**CANARY_KW, "canary_max_wait_s": 60.0})
+    t.iteration = 3
+    t.checkpoint()
+    _serve(setup.committer, t.canary.started, {1: -3.0, 0: 0.0}, 300, seed=1)
+    rec = t.look_canary()
+    assert rec["decision"] == "rollback" and rec["deployed_version"] == 0
+
+    def unreadable(*a, **k):
+        raise OSError("503 Slow Down")
+
+    monkeypatch.setattr(canary_publish, "read_pointer", unreadable)
+    t.iteration = 6
+    t.checkpoint()
+    monkeypatch.undo()
+    assert (t.canary.version, t.canary.base_version) == (2, 0)
+    rec = t.look_canary(now=t.canary.started + 61)
+    assert rec["decision"] == "rollback" and rec["deployed_version"] == 0
+    assert not (tmp_path / "ckpt" / "policies" / "latest.json").exists()
+
+
+def test_a_kill_between_the_steps_of_a_promotion_carries_the_same_decision_out_at_resume(tmp_path, setup, monkeypatch):
+    """Killed after latest.json moved to the promoted v2 but before canary.json was removed: the
+    resumed trainer carries out the recorded promotion, never judges the (now 100 %) traffic again."""
+    from rlrec.trainer import canary_publish
+
+    root = tmp_path / "ckpt" / "policies"
+    kw = {**CANARY_KW, "canary_max_episodes": 400}
+    t = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **kw)
+    t.iteration = 3
+    t.checkpoint()
+    _serve(setup.committer, t.canary.started, {1: 1.5, 0: 0.0}, 200, seed=1)
+    assert t.look_canary()["decision"] == "promote"
+    t.iteration = 6
+    t.checkpoint()
+    started = t.canary.started
+    _serve(setup.committer, started, {2: 1.5, 1: 0.0}, 200, seed=2)
+
+    class Killed(BaseException):
+        pass
+
+    def killed(*a, **k):
+        raise Killed()
+
+    monkeypatch.setattr(canary_publish, "_remove_canary", killed)
+    with pytest.raises(Killed):
+        t.look_canary()
+    monkeypatch.undo()
+    assert json.loads((root / "latest.json").read_bytes())["policy_version"] == 2
+    r = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=True, **kw)
+    r.metrics = SimpleNamespace(truncate_after=lambda _i: None, write=lambda _r: None)
+    assert r._restore(r._resume_point())
+    rng = np.random.default_rng(5)  # v2 now serves every episode, as good as v1 in truth
+    setup.committer.commit(
+        [_episode(2, [float(rng.normal(0.0, 1.0))], int(started * 1000) + 5000 + i, f"all-{i}") for i in range(600)]
+    )
+    record = r.look_canary()
+    assert record["decision"] == "promote" and record["deployed_version"] == 2 and r.canary is None
+    assert json.loads((root / "latest.json").read_bytes())["policy_version"] == 2
+    assert json.loads((root / "v000002" / "rollout.json").read_bytes())["decision"] == "promote"
+    assert not (root / "canary.json").exists() and not (root / "v000003").exists()

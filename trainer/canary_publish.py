@@ -13,8 +13,12 @@
   (base version 0) only ``canary.json`` is removed: services go back to what they ran before.
 
 Each decision with its evidence is written first, signed, as ``v{N}/rollout.json`` (+ ``.sig``)
-of the canary version (and recorded as ``rolled_back`` in a republished version's policy.json).
-Every step is idempotent: a trainer resuming after a kill -9 between steps finishes the decision.
+of the canary version (and recorded as ``rolled_back`` in a republished version's policy.json):
+a trainer resuming after a kill -9 between the steps carries out exactly that decision, never
+judges again. After the pointers moved, ``v{N}/canary-ended.json`` (signed) marks the canary
+over *before* ``canary.json`` is removed: services never follow a canary pointer whose version
+holds it, so a replayed old ``canary.json`` (or pair with ``latest.json``) cannot bring back a
+decided canary. Every step is idempotent.
 """
 
 from __future__ import annotations
@@ -26,10 +30,20 @@ from typing import Any
 
 from rlrec.store.storage import Storage
 from rlrec.trainer.binding import canary_pointer_bytes, pointer_bytes
-from rlrec.trainer.policy import CANARY, LATEST, MAX_BYTES, SPEC, PolicyLoadError, _json, _parse_latest, version_dir
-from rlrec.trainer.signing import SIG_SUFFIX, sign
+from rlrec.trainer.policy import (
+    CANARY,
+    CANARY_ENDED,
+    LATEST,
+    MAX_BYTES,
+    SPEC,
+    PolicyLoadError,
+    _json,
+    _parse_latest,
+    version_dir,
+)
+from rlrec.trainer.signing import SIG_SUFFIX, SignatureError, sign, verify
 
-__all__ = ["ROLLOUT", "end_canary", "read_pointer", "write_canary"]
+__all__ = ["ROLLOUT", "deployed_version", "end_canary", "read_decision", "read_pointer", "write_canary"]
 
 log = logging.getLogger("rlrec.trainer")
 
@@ -37,9 +51,20 @@ log = logging.getLogger("rlrec.trainer")
 ROLLOUT = "rollout.json"
 
 
-def read_pointer(storage: Storage, name: str = LATEST) -> dict | None:
-    """The parsed pointer `name` (``latest.json`` or ``canary.json``) of a publish root, None
-    when absent or unusable (the trainer reads its own pointers; services verify theirs).
+def read_pointer(storage: Storage, name: str = LATEST, signing_key: Any = None) -> dict | None:
+    """The parsed pointer `name` (``latest.json`` or ``canary.json``) of a publish root; None
+    only when it is absent.
+
+    Args:
+        storage: the publish root.
+        name: ``latest.json`` or ``canary.json``.
+        signing_key: the trainer's Ed25519 private key: the pointer must then carry a valid
+            signature by it (an unsigned or forged pointer raises PolicyLoadError; the root
+            is writable by others, the key is not).
+
+    Raises:
+        OSError: the pointer cannot be read now (absent is not an error).
+        PolicyLoadError: it is malformed, or not signed by `signing_key`.
 
     Example:
         >>> read_pointer(Storage.from_uri("/tmp/rlrec-no-such-root"), CANARY) is None
@@ -48,9 +73,49 @@ def read_pointer(storage: Storage, name: str = LATEST) -> dict | None:
     from rlrec.trainer.export import _read_small
 
     try:
-        return _parse_latest(_read_small(storage, name, MAX_BYTES[name]), name)
-    except (OSError, PolicyLoadError):
+        data = _read_small(storage, name, MAX_BYTES[name])
+    except FileNotFoundError:
         return None
+    if signing_key is not None:
+        try:
+            signature = _read_small(storage, name + SIG_SUFFIX, 1024)
+            verify(signing_key.public_key(), data, signature)
+        except FileNotFoundError:
+            raise PolicyLoadError(f"{name} carries no signature ({name}{SIG_SUFFIX}): not this trainer's") from None
+        except SignatureError:
+            raise PolicyLoadError(f"{name}'s signature is not this trainer's key's: a forged pointer") from None
+    return _parse_latest(data, name)
+
+
+def deployed_version(storage: Storage, signing_key: Any) -> int | None:
+    """The version the signed ``latest.json`` names (0: absent), None when it is unusable
+    (unsigned, forged, malformed: logged as an ERROR). Raises OSError when it cannot be read."""
+    try:
+        pointer = read_pointer(storage, LATEST, signing_key)
+    except PolicyLoadError as e:
+        log.error("%s under %s is not used: %s", LATEST, storage.uri(), e)
+        return None
+    return 0 if pointer is None else int(pointer["policy_version"])
+
+
+def read_decision(storage: Storage, version: int, signing_key: Any) -> dict | None:
+    """The decision `end_canary` recorded for canary `version` (``rollout.json``, signed by
+    `signing_key` when given); None when there is none or it is not this trainer's (logged).
+    Raises OSError when it cannot be read now."""
+    from rlrec.trainer.export import _read_small
+
+    rel = f"{version_dir(version)}/{ROLLOUT}"
+    try:
+        data = _read_small(storage, rel, MAX_BYTES[SPEC])
+        if signing_key is not None:
+            verify(signing_key.public_key(), data, _read_small(storage, rel + SIG_SUFFIX, 1024))
+        doc = _json(data, rel)
+    except FileNotFoundError:
+        return None
+    except (PolicyLoadError, SignatureError) as e:
+        log.error("%s is not this trainer's decision (%s): ignored", rel, e)
+        return None
+    return doc if isinstance(doc, dict) and doc.get("decision") in ("promote", "rollback") else None
 
 
 def _write_signed(storage: Storage, rel: str, data: bytes, signing_key: Any) -> None:
@@ -94,8 +159,12 @@ def write_canary(storage: Storage, pub: Any, signing_key: Any, *, base_version: 
 
 
 def _remove_canary(storage: Storage, version: int) -> None:
-    """Remove ``canary.json`` if it still names `version` (another canary's is left alone)."""
-    current = read_pointer(storage, CANARY)
+    """Remove ``canary.json`` if it still names `version` (another canary's is left alone; an
+    unusable one is removed)."""
+    try:
+        current = read_pointer(storage, CANARY)
+    except PolicyLoadError:
+        current = None
     if current is not None and current["policy_version"] != version:
         return
     storage.delete(CANARY)
@@ -114,6 +183,10 @@ def end_canary(
     channel: str | None,
 ) -> int:
     """Carry out a canary's decision (module docstring); the version ``latest.json`` names after it.
+
+    ``latest.json`` is trusted only when this trainer's key signed it: an unsigned or forged
+    one is taken as "not carried out yet" (a promotion overwrites it, a rollback republishes
+    `base_version`, which the trainer knows from its own state).
 
     Args:
         storage: the publish root.
@@ -137,15 +210,14 @@ def end_canary(
 
     d = version_dir(version)
     _write_signed(storage, f"{d}/{ROLLOUT}", json.dumps(decision, sort_keys=True, indent=1).encode(), signing_key)
-    latest = read_pointer(storage, LATEST)
-    deployed = int(latest["policy_version"]) if latest is not None else 0
+    deployed = deployed_version(storage, signing_key)
     if promote:
-        if deployed < version:
+        if deployed is None or deployed < version:
             spec_bytes = _read_small(storage, f"{d}/{SPEC}", MAX_BYTES[SPEC])
             sha = hashlib.sha256(spec_bytes).hexdigest()
             _write_signed(storage, LATEST, pointer_bytes(version, d, sha, run_id=run_id, channel=channel), signing_key)
             deployed = version
-    elif deployed <= version and base_version:  # not rolled back yet
+    elif (deployed is None or deployed <= version) and base_version:  # not rolled back yet
         spec = republish_policy(
             storage,
             version=base_version,
@@ -155,6 +227,10 @@ def end_canary(
             metadata={"rolled_back": {"version": version, "decision": decision.get("decision")}},
         )
         deployed = int(spec["policy_version"])
+    if deployed is None:
+        deployed = base_version
+    ended = {"canary_version": version, "decision": decision.get("decision"), "deployed_version": deployed}
+    _write_signed(storage, f"{d}/{CANARY_ENDED}", json.dumps(ended, sort_keys=True).encode(), signing_key)
     _remove_canary(storage, version)
     spec_doc = _json(_read_small(storage, f"{version_dir(deployed)}/{SPEC}", MAX_BYTES[SPEC]), SPEC) if deployed else {}
     log.info(

@@ -90,6 +90,9 @@ LATEST_SIG = LATEST + SIG_SUFFIX
 #: the canary pointer (`rlrec.trainer.binding`): a candidate served to a share of episodes
 CANARY = "canary.json"
 CANARY_SIG = CANARY + SIG_SUFFIX
+#: marks a canary version decided (written by the trainer before it removes canary.json): a
+#: canary pointer naming a version that holds it is never followed (a replay of a decided canary)
+CANARY_ENDED = "canary-ended.json"
 SPEC = "policy.json"
 SAFETENSORS_MODEL = "model.safetensors"
 TORCHSCRIPT_MODEL = "model.pt"
@@ -729,14 +732,17 @@ def _read_pointer(files: _Files, trust: _Trust, root: str, name: str = LATEST) -
 
 
 def _read_canary(files: _Files, trust: _Trust, root: str) -> _Pointer | None:
-    """The checked ``canary.json`` (None: there is none). With a public key it must be signed:
-    an unsigned canary pointer is refused (PolicyLoadError) wherever a key is configured."""
+    """The checked ``canary.json`` (None: there is none, or it names a version the trainer marked
+    decided with ``canary-ended.json``). With a public key it must be signed: an unsigned canary
+    pointer is refused (PolicyLoadError) wherever a key is configured."""
     try:
         pointer = _read_pointer(files, trust, root, CANARY)
     except FileNotFoundError:
         return None
     if trust.public_key is not None and not pointer.signed:
         raise PolicyLoadError(f"{CANARY} is not signed by the configured key ({CANARY_SIG}): not followed")
+    if files.exists(f"{pointer.path}/{CANARY_ENDED}"):
+        return None  # decided: a replayed canary pointer is not a canary
     return pointer
 
 

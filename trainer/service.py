@@ -204,6 +204,7 @@ class ContinuousTrainer:
         self.canary: Any = None  # the running canary (rlrec.trainer.rollout.CanaryRun), saved in checkpoints
         self._canary_next_look = 0.0
         self._canary_decision: dict | None = None  # taken, not carried out yet (the publish store failed)
+        self._deployed = 0  # the version latest.json names by this trainer's own writes (checkpointed)
         self.publish_lease: Any = None  # rlrec.trainer.publish_lease.PublishLease while publishing
 
     @staticmethod
@@ -458,7 +459,9 @@ class ContinuousTrainer:
             "trained_unplaced": sorted(self._unplaced),
             "holdout_fraction": float(self.cfg.ope.holdout_fraction),
             "deployed_return": self.deployed_return,
+            "deployed_version": self._deployed,
             "canary": None if self.canary is None else self.canary.to_state(),
+            "canary_decision": self._canary_decision,
             "publications": [p.describe() for p in self._pending],
             "time": time.time(),
         }
@@ -515,6 +518,8 @@ class ContinuousTrainer:
                 else:
                     pointer = highest_version(self.publish_storage, self.signing_key) <= pub.version
                     write_publication(self.publish_storage, pub, self.signing_key, pointer=pointer)
+                    if pointer:
+                        self._deployed = max(self._deployed, pub.version)
             except LineageError as e:  # its data is gone: never deployed, not retried
                 log.error("%s", e)
                 self._pending.pop(0)
@@ -529,19 +534,32 @@ class ContinuousTrainer:
                 log.info("published policy v%d", pub.version)
 
     def _latest_version(self) -> int:
-        """The version ``latest.json`` names now (0: none): a canary's base. This run's last
-        version when the pointer cannot be read (it is that version unless its publication was
-        refused)."""
-        from rlrec.trainer.canary_publish import read_pointer
+        """A canary's base: the version the signed ``latest.json`` names, never below the version
+        this trainer itself deployed (`_deployed`, kept in its checkpoint). An unsigned, forged,
+        older (replayed) or unreadable pointer is no base: the trainer's own record is (logged),
+        so nobody who can write the root without the key can make a rollback republish an old
+        version as a new signed one."""
+        from rlrec.trainer.canary_publish import deployed_version
         from rlrec.trainer.policy import LATEST
 
-        pointer = read_pointer(self.publish_storage, LATEST)
-        if pointer is not None:
-            return int(pointer["policy_version"])
+        known = self._deployed
         try:
-            return 0 if not self.publish_storage.exists(LATEST) else self.policy_version
-        except Exception:
-            return self.policy_version
+            named = deployed_version(self.publish_storage, self.signing_key)
+        except OSError as e:
+            log.warning("cannot read %s (%s): the canary's base is v%d, deployed by this trainer", LATEST, e, known)
+            return known
+        if named is None:
+            return known
+        if named < known:
+            log.error(
+                "%s names v%d, below v%d which this trainer deployed (a replayed pointer?): the canary's base is v%d",
+                LATEST,
+                named,
+                known,
+                known,
+            )
+            return known
+        return named
 
     def _check_lease(self) -> None:
         """Raise `PublishRootTaken` unless this trainer still holds the publish root's lease."""
@@ -1038,6 +1056,7 @@ class ContinuousTrainer:
             log.error("carrying out canary v%d's %s failed (%s); trying again", run.version, record["decision"], e)
             return None
         self._canary_decision = None
+        self._deployed = deployed
         record["deployed_version"] = deployed
         self._log_canary(record)
         if record["decision"] == "promote" and run.candidate_return is not None:
@@ -1067,20 +1086,38 @@ class ContinuousTrainer:
             record["deployed_version"],
         )
 
-    def _restore_canary(self, doc: Any, path: str) -> None:
-        """The checkpoint's running canary, continued (the same test) while ``canary.json`` still
-        names it or its publication is pending; one decided after the checkpoint (the pointer moved
-        on before a kill) is over."""
+    def _restore_canary(self, doc: Any, path: str, decision: Any = None) -> None:
+        """The checkpoint's running canary, continued (the same test) while its publication is
+        pending or ``canary.json`` names it (or cannot be read now). A decision taken before the
+        kill -- the checkpoint's `decision`, or the signed ``rollout.json`` the trainer writes
+        before carrying one out -- is carried out unchanged at the next look, never judged again.
+        One whose decision was carried out and whose pointer is gone is over."""
         if not doc:
             return
-        from rlrec.trainer.canary_publish import read_pointer
-        from rlrec.trainer.policy import CANARY
+        from rlrec.trainer.canary_publish import read_decision, read_pointer
+        from rlrec.trainer.policy import CANARY, CANARY_ENDED, PolicyLoadError, version_dir
         from rlrec.trainer.rollout import CanaryRun
 
         run = CanaryRun.from_state(doc)
-        pointer = read_pointer(self.publish_storage, CANARY)
         pending = any(p.version == run.version for p in self._pending)
-        if pending or (pointer is not None and pointer["policy_version"] == run.version):
+        if not pending and not isinstance(decision, dict):
+            decision = read_decision(self.publish_storage, run.version, self.signing_key)  # OSError: resume fails
+        try:
+            pointer = read_pointer(self.publish_storage, CANARY)
+        except (OSError, PolicyLoadError) as e:
+            log.warning("cannot read %s at resume (%s): canary v%d is taken as running", CANARY, e, run.version)
+            pointer = {"policy_version": run.version}
+        named = pointer is not None and pointer["policy_version"] == run.version
+        ended = self.publish_storage.exists(f"{version_dir(run.version)}/{CANARY_ENDED}")
+        if isinstance(decision, dict) and not pending and (named or not ended):
+            self.canary, self._canary_decision, self._canary_next_look = run, dict(decision), 0.0
+            log.warning(
+                "canary v%d was decided (%s) before the trainer stopped: carrying the decision out, not judging again",
+                run.version,
+                decision.get("decision"),
+            )
+            return
+        if pending or (named and not ended):
             self.canary = run
             log.info(
                 "resumed canary v%d above v%d (started %.0fs ago, %d looks so far): the same test continues",
@@ -1203,13 +1240,14 @@ class ContinuousTrainer:
             )
             self.policy_version = published
         self._load_publications(path, state.get("publications") or [])
-        self._restore_canary(state.get("canary"), path)
+        self._restore_canary(state.get("canary"), path, state.get("canary_decision"))
         self.timesteps_trained = int(state["timesteps_trained"])
         self.trained = set(state["trained_shards"])
         self.since_publish = set(state.get("since_publish", ()))
         self._restore_ranges(state)
         if state.get("deployed_return") is not None:
             self.deployed_return = float(state["deployed_return"])
+        self._deployed = int(state.get("deployed_version") or 0)
         self.metrics.truncate_after(self.iteration)
         log.info(
             "resumed from %s: iteration %d, policy v%d, %d shards trained on",

@@ -385,8 +385,9 @@ def test_a_fenced_trainer_publishes_nothing(tmp_path, monkeypatch):
     keys_dir = tmp_path / "keys"
     generate_keys(keys_dir)
     t = _trainer(tmp_path, keys_dir, monkeypatch, resume=False)
-    t.publish_lease = PublishLease(t.publish_storage, ttl_s=30.0, writer="first")
-    t.publish_lease.acquire()
+    lease = PublishLease(t.publish_storage, ttl_s=30.0, writer="first")
+    lease.acquire()
+    t.hold_publish_lease(lease)
     t.iteration = 3
     t.checkpoint()
     assert (tmp_path / "ckpt" / "policies" / "v000001" / "policy.json").exists()
@@ -400,3 +401,81 @@ def test_a_fenced_trainer_publishes_nothing(tmp_path, monkeypatch):
     assert not (tmp_path / "ckpt" / "policies" / "v000002").exists()
     assert json.loads((tmp_path / "ckpt" / "policies" / "latest.json").read_bytes())["policy_version"] == 1
     t.publish_lease._stop.set()
+
+
+def test_a_trainer_whose_root_was_taken_mid_publication_writes_nothing_more(tmp_path, monkeypatch):
+    """The review's race: trainer A passes its lease check, then its writes slow down and its
+    renewals fail; B, judging A dead, takes the root and publishes v1. Every write of A's after
+    B's claim is refused (the fencing log's create-once), so v1 is B's alone and loadable."""
+    import time
+
+    from rlrec.trainer.export import highest_reserved, highest_version, write_publication
+    from rlrec.trainer.publish_lease import FencedStorage
+    from tests.test_policy_binding import RUN_B
+
+    keys_dir = tmp_path / "keys"
+    priv, pub = generate_keys(keys_dir)
+    key = load_private_key(priv)
+    root = tmp_path / "policies"
+
+    def publication(version, seed, run_id):
+        return prepare_publication(
+            algo=None,
+            version=version,
+            algo_name="BC",
+            observation_space=OBS,
+            action_space=ACT,
+            iteration=version,
+            timesteps_trained=0,
+            shards=[],
+            new_shards=[],
+            parent_version=None,
+            signing_key=key,
+            artifact=artifact(2, seed),
+            run_id=run_id,
+            channel="prod",
+        )
+
+    a_raw = Storage.from_uri(str(root))
+    a_lease = PublishLease(a_raw, ttl_s=30.0, writer="trainer-A")
+    a_lease.acquire()
+    a_lease._stop.set()  # A's renewals stop reaching the store
+    a_lease._thread.join()
+    a_store = FencedStorage(a_raw, a_lease)
+    b_started = threading.Event()
+    real_write = a_raw.write
+
+    def slow(rel, data):
+        if not rel.startswith("_owners/"):
+            b_started.wait(5)
+            time.sleep(0.2)
+        real_write(rel, data)
+
+    monkeypatch.setattr(a_raw, "write", slow)
+    a_lease.check()  # passes: A holds the root
+    failed = []
+
+    def a_publishes():
+        try:
+            write_publication(a_store, publication(1, 1, RUN_A), key)
+        except PublishRootTaken as e:
+            failed.append(e)
+
+    thread = threading.Thread(target=a_publishes)
+    thread.start()
+    b_raw = Storage.from_uri(str(root))
+    from rlrec.store.ownership import release_lease
+
+    release_lease(b_raw, "publisher", 0, writer="trainer-A", epoch=1, ttl_s=30.0)  # A's lease lapsed
+    b_lease = PublishLease(b_raw, ttl_s=30.0, writer="trainer-B")
+    b_lease.acquire()
+    b_started.set()
+    version = max(highest_version(b_raw, key), highest_reserved(b_raw)) + 1  # as the trainer numbers
+    assert version == 2  # A reserved v1 before writing into it
+    write_publication(FencedStorage(b_raw, b_lease), publication(version, 2, RUN_B), key)
+    thread.join()
+    b_lease.release()
+    assert failed, "A went on publishing after B took the root"
+    p = load_policy(str(root), public_key=str(pub), channel="prod")
+    assert p.policy_version == 2 and p.run_id == RUN_B
+    assert not (root / "v000001" / "policy.json").exists()  # A's one write in flight stayed in A's version

@@ -141,9 +141,10 @@ def write_canary(storage: Storage, pub: Any, signing_key: Any, *, base_version: 
     Example:
         >>> write_canary(storage, pub, key, base_version=4, started=time.time())  # doctest: +SKIP
     """
-    from rlrec.trainer.export import write_publication
+    from rlrec.trainer.export import reserve_version, write_publication
 
     sha = hashlib.sha256(pub.files[SPEC]).hexdigest()
+    reserve_version(storage, pub.version, sha.encode())  # before canary.json names it
     data = canary_pointer_bytes(
         pub.version,
         pub.directory,

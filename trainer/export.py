@@ -44,6 +44,7 @@ from rlrec.trainer.policy import (
     _json,
     version_dir,
 )
+from rlrec.trainer.publish_lease import PublishRootTaken
 from rlrec.trainer.signing import SIG_SUFFIX, SignatureError, public_key_fingerprint, sign, verify
 
 __all__ = [
@@ -384,6 +385,52 @@ def prepare_publication(
     return Publication(version=version, directory=d, files=files, run_id=run_id, channel=channel, time=spec["time"])
 
 
+#: one create-once reservation per version number under the publish root
+RESERVED_DIR = "_owners/publisher/versions"
+
+
+class VersionTaken(PublishRootTaken):
+    """Another writer reserved this version number: its directory is not this writer's to fill
+    (a second publisher on the root)."""
+
+
+def reserve_version(storage: Storage, version: int, token: bytes) -> None:
+    """Reserve `version` for the publication identified by `token` (`Storage.create_once`, the
+    conditional create of docs/GUARANTEES.md §6) before writing any of its files, so two writers
+    never fill one version directory (a writer whose lease was taken while a write of its was in
+    flight can only complete that write in its own version). Reserving again with the same
+    token (a retry, a resumed trainer) succeeds.
+
+    Raises:
+        VersionTaken: another publication reserved `version`.
+
+    Example:
+        >>> import tempfile
+        >>> st = Storage.from_uri(tempfile.mkdtemp())
+        >>> reserve_version(st, 1, b"a"); reserve_version(st, 1, b"a")
+        >>> reserve_version(st, 1, b"b")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        rlrec.trainer.export.VersionTaken: v1 is reserved by another publication ...
+    """
+    rel = f"{RESERVED_DIR}/{int(version):012d}"
+    if storage.create_once(rel, token):
+        return
+    if _read_small(storage, rel, 4096) == token:
+        return
+    raise VersionTaken(f"v{version} is reserved by another publication under {storage.uri()}: not written")
+
+
+def highest_reserved(storage: Storage) -> int:
+    """The highest version number reserved under a publish root (0: none)."""
+    names = [i.name for i in storage.list(RESERVED_DIR) if not i.is_dir]
+    return max((int(n) for n in names if n.isdigit()), default=0)
+
+
+def _publication_token(pub: Publication) -> bytes:
+    return hashlib.sha256(pub.files[SPEC]).hexdigest().encode()
+
+
 def write_publication(storage: Storage, pub: Publication, signing_key: Any = None, *, pointer: bool = True) -> None:
     """Write `pub` under the publish root: its files, then ``policy.json`` (which pins their
     sha256, so a version without it is not loadable), its signature, then -- with `pointer` --
@@ -400,6 +447,7 @@ def write_publication(storage: Storage, pub: Publication, signing_key: Any = Non
     Example:
         >>> write_publication(storage, pub, key)  # doctest: +SKIP
     """
+    reserve_version(storage, pub.version, _publication_token(pub))
     last = (SPEC, f"{SPEC}{SIG_SUFFIX}")
     for name, data in pub.files.items():
         if name not in last:
@@ -658,7 +706,7 @@ def republish_policy(
         if hashlib.sha256(data).hexdigest() != spec["files"][name]:
             raise ValueError(f"{d}/{name} does not match the sha256 in its policy.json")
     top = highest_version(storage, signing_key)
-    new = top + 1 if new_version is None else int(new_version)
+    new = max(top, highest_reserved(storage)) + 1 if new_version is None else int(new_version)
     if new <= top:
         raise ValueError(f"the new version must be above v{top}, got v{new}")
     nd = version_dir(new)
@@ -673,6 +721,7 @@ def republish_policy(
     new_spec.update({"republished_from": version, "time": time.time(), "run_id": run_id, "channel": channel})
     new_spec = {k: v for k, v in new_spec.items() if not (k in ("run_id", "channel") and v is None)}
     spec_bytes = json.dumps(new_spec, indent=1, sort_keys=True).encode()
+    reserve_version(storage, new, hashlib.sha256(spec_bytes).hexdigest().encode())
     for name, data in files.items():
         storage.write(f"{nd}/{name}", data)
     storage.write(f"{nd}/{SPEC}", spec_bytes)

@@ -9,19 +9,26 @@ renewed every ``ttl_s / 3`` by a daemon thread, released at a clean stop.
   may belong to a dead trainer (a kill -9 elsewhere leaves its lease to expire within ``ttl_s``), judged as `rlrec.store.ownership.judge_leases` judges owners
   (live by the clock, or changed while watched). One still live after that belongs to a
   running trainer: `PublishRootTaken` (``rlrec train`` exits 2 with one line).
-* Keeping it (`PublishLease.check`): before every write to the root (a version, a pointer, a
-  canary decision) the lease is read again; one that names another writer means this trainer
-  was fenced: `PublishRootTaken`, and nothing is written. A renewal that finds another writer
-  marks the lease lost the same way.
+* Keeping it: taking the root also *claims* the next position of the root's fencing log
+  (``_owners/publisher/fence/{n:012d}.json``, created with `Storage.create_once`, the
+  conditional create the consumer's manifest fences with, docs/GUARANTEES.md §6). Every write
+  the trainer then makes to the root -- a version's files, a pointer, a canary decision, a
+  delete -- goes through `FencedStorage`, which first creates the log's next position
+  (`PublishLease.fence`). A trainer whose next position another trainer's claim took was
+  fenced: `PublishRootTaken`, and that write and every later one are not made. A renewal or
+  a `check` that finds another writer in the lease marks it lost the same way.
 
-So two trainers on one root never both publish: the second waits out a dead first one, and
-refuses a live one. The window between a check and the write after it is not closed (no
-conditional write is needed for that on every store): it is one storage call long, and only
-open when a second trainer takes the root from a first one the lease judged dead.
+So two trainers on one root never both publish: the second waits out a dead first one and
+refuses a live one, and a first one that another took the root from (judged dead while it was
+only slow) is stopped at its next write, whatever it was doing. The one write it had already
+started when the claim landed may still complete (no store can cancel a request in flight);
+every write after it is refused. Entries are small; a trainer deletes its own previous write
+entry as it moves on (claims are kept: a fenced trainer's next position is always a claim).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -29,11 +36,12 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from typing import Any
 
-from rlrec.store.ownership import judge_leases, one_attempt, read_lease, release_lease, renew_lease
+from rlrec.store.ownership import OWNERS_DIR, judge_leases, one_attempt, read_lease, release_lease, renew_lease
 from rlrec.store.storage import Storage
 
-__all__ = ["PUBLISHER", "PUBLISH_LEASE_S", "PublishLease", "PublishRootTaken"]
+__all__ = ["FENCE_DIR", "PUBLISHER", "PUBLISH_LEASE_S", "FencedStorage", "PublishLease", "PublishRootTaken"]
 
 log = logging.getLogger("rlrec.trainer")
 
@@ -41,6 +49,8 @@ log = logging.getLogger("rlrec.trainer")
 PUBLISHER = "publisher"
 #: how long a publisher's lease lasts unless renewed
 PUBLISH_LEASE_S = 30.0
+#: the publish root's fencing log (one create-once entry per claim and per write)
+FENCE_DIR = f"{OWNERS_DIR}/{PUBLISHER}/fence"
 
 
 class PublishRootTaken(RuntimeError):
@@ -99,6 +109,9 @@ class PublishLease:
         self.writer = writer or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.epoch = 0
         self.lost: str | None = None
+        self._claimed: int | None = None  # this trainer's claim in the fencing log
+        self._position: int | None = None  # its last entry there
+        self._fence_lock = threading.Lock()
         self._sleep = sleep
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -144,6 +157,7 @@ class PublishLease:
         self.epoch = (held.epoch + 1) if held is not None else 1
         renew_lease(self.storage, PUBLISHER, 0, writer=self.writer, epoch=self.epoch, ttl_s=self.ttl_s)
         self.lost = None
+        self._claim()
         if self._thread is None:
             self._stop.clear()
             self._thread = threading.Thread(target=self._renew_loop, name="rlrec-publish-lease", daemon=True)
@@ -161,6 +175,45 @@ class PublishLease:
                 renew_lease(single, PUBLISHER, 0, writer=self.writer, epoch=self.epoch, ttl_s=self.ttl_s)
             except Exception as e:  # the next renewal tries again; the lease lasts ttl_s
                 log.warning("renewing the publish lease failed: %s", e)
+
+    def _entry(self, n: int, what: str) -> bytes:
+        doc = {"writer": self.writer, "epoch": self.epoch, "position": n, "what": what[:200], "time": time.time()}
+        return json.dumps(doc, sort_keys=True).encode()
+
+    def _claim(self) -> None:
+        """Claim the fencing log's next position (a trainer at an older one is fenced)."""
+        names = [f.path.rsplit("/", 1)[-1] for f in self.storage.list(FENCE_DIR)]
+        taken = [int(n[:-5]) for n in names if n.endswith(".json") and n[:-5].isdigit()]
+        n = max(taken, default=0) + 1
+        if not self.storage.create_once(f"{FENCE_DIR}/{n:012d}.json", self._entry(n, "claim")):
+            self.lost = f"another trainer claimed the publish root at the same time (fencing entry {n})"
+            raise PublishRootTaken(f"{self.storage.uri()}: {self.lost}")
+        with self._fence_lock:
+            self._claimed = self._position = n
+
+    def fence(self, what: str) -> None:
+        """Before a write to the root: create this trainer's next fencing entry. Raises
+        `PublishRootTaken` (and marks the lease lost) when another trainer's claim took it.
+
+        Args:
+            what: the write about to be made (kept in the entry, for the curious).
+        """
+        with self._fence_lock:
+            if self.lost is not None:
+                raise PublishRootTaken(f"{self.storage.uri()}: {self.lost}; not publishing")
+            if self._position is None:
+                raise PublishRootTaken(f"{self.storage.uri()}: the publish lease is not held; not publishing")
+            n = self._position + 1
+            if not self.storage.create_once(f"{FENCE_DIR}/{n:012d}.json", self._entry(n, what)):
+                self.lost = f"the publish root was taken by another trainer (fencing entry {n} is not this one's)"
+                log.error("%s: this trainer publishes nothing more", self.lost)
+                raise PublishRootTaken(f"{self.storage.uri()}: {self.lost}; not publishing")
+            previous, self._position = self._position, n
+        if previous != self._claimed:  # this trainer's own write entry: no other trainer's next position
+            try:
+                self.storage.delete(f"{FENCE_DIR}/{previous:012d}.json")
+            except Exception as e:
+                log.debug("removing fencing entry %d failed: %s", previous, e)
 
     def check(self) -> None:
         """Raise `PublishRootTaken` unless this trainer still holds the lease (read now)."""
@@ -183,3 +236,59 @@ class PublishLease:
             release_lease(self.storage, PUBLISHER, 0, writer=self.writer, epoch=self.epoch, ttl_s=self.ttl_s)
         except Exception as e:
             log.warning("releasing the publish lease failed (%s): the next trainer waits for it to expire", e)
+
+
+class FencedStorage:
+    """The publish root as the holder of `lease` writes it: each write, create, delete, move,
+    copy or upload first passes `PublishLease.fence`; reads go straight to `storage`.
+
+    Args:
+        storage: the publish root.
+        lease: this trainer's acquired lease on it.
+
+    Example:
+        >>> import tempfile
+        >>> st = Storage.from_uri(tempfile.mkdtemp())
+        >>> lease = PublishLease(st, ttl_s=30.0)
+        >>> lease.acquire()
+        >>> FencedStorage(st, lease).write("x.json", b"{}")
+        >>> lease.release()
+    """
+
+    def __init__(self, storage: Storage, lease: PublishLease) -> None:
+        self.storage = storage
+        self.lease = lease
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.storage, name)
+
+    def __repr__(self) -> str:
+        return f"FencedStorage({self.storage!r})"
+
+    def write(self, path: str, data: bytes) -> None:
+        self.lease.fence(f"write {path}")
+        self.storage.write(path, data)
+
+    def create_once(self, path: str, data: bytes) -> bool:
+        self.lease.fence(f"create {path}")
+        return self.storage.create_once(path, data)
+
+    def delete(self, path: str, **kw: Any) -> bool:
+        self.lease.fence(f"delete {path}")
+        return self.storage.delete(path, **kw)
+
+    def move(self, src: str, dst: str) -> None:
+        self.lease.fence(f"move {src} {dst}")
+        self.storage.move(src, dst)
+
+    def copy(self, src: str, dst: str) -> None:
+        self.lease.fence(f"copy {src} {dst}")
+        self.storage.copy(src, dst)
+
+    def upload_dir(self, local_dir: Any, prefix: str) -> int:
+        self.lease.fence(f"upload {prefix}")
+        return self.storage.upload_dir(local_dir, prefix)
+
+    def delete_tree(self, prefix: str) -> int:
+        self.lease.fence(f"delete {prefix}")
+        return self.storage.delete_tree(prefix)

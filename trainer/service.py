@@ -25,6 +25,7 @@ from rlrec.trainer.checkpoints import STATE_VERSION, CheckpointStore
 from rlrec.trainer.config import TrainerConfig
 from rlrec.trainer.lineage import LineageError, add_seq, ranges_doc
 from rlrec.trainer.metrics import TrainerMetrics
+from rlrec.trainer.publish_lease import PublishRootTaken
 from rlrec.trainer.storage_health import StorageHealth
 
 __all__ = [
@@ -524,6 +525,8 @@ class ContinuousTrainer:
                 log.error("%s", e)
                 self._pending.pop(0)
                 continue
+            except PublishRootTaken:
+                raise
             except Exception as e:
                 log.error("publishing policy v%d failed (%s); it is written again later", pub.version, e)
                 return
@@ -560,6 +563,15 @@ class ContinuousTrainer:
             )
             return known
         return named
+
+    def hold_publish_lease(self, lease: Any) -> None:
+        """Publish under `lease` (an acquired `rlrec.trainer.publish_lease.PublishLease`): every
+        write to the publish root is fenced by it from now on (`FencedStorage`)."""
+        from rlrec.trainer.publish_lease import FencedStorage
+
+        self.publish_lease = lease
+        raw = self.publish_storage.storage if isinstance(self.publish_storage, FencedStorage) else self.publish_storage
+        self.publish_storage = FencedStorage(raw, lease)
 
     def _check_lease(self) -> None:
         """Raise `PublishRootTaken` unless this trainer still holds the publish root's lease."""
@@ -790,10 +802,12 @@ class ContinuousTrainer:
         """One above this run's last version and above every version (signed by this trainer's
         key, when it has one) already under the publish root: a fresh run or a rollback
         republished there is never overwritten."""
-        from rlrec.trainer.export import highest_version
+        from rlrec.trainer.export import highest_reserved, highest_version
 
         try:
-            present = highest_version(self.publish_storage, self.signing_key)
+            present = max(
+                highest_version(self.publish_storage, self.signing_key), highest_reserved(self.publish_storage)
+            )
         except Exception as e:
             log.warning("cannot list the published versions (%s); numbering from v%d", e, self.policy_version)
             present = 0
@@ -1052,6 +1066,8 @@ class ContinuousTrainer:
                 run_id=self.run_id,
                 channel=self.cfg.publish_channel,
             )
+        except PublishRootTaken:
+            raise
         except Exception as e:  # the publish store does not answer: carried out at the next look
             log.error("carrying out canary v%d's %s failed (%s); trying again", run.version, record["decision"], e)
             return None
@@ -1288,7 +1304,7 @@ class ContinuousTrainer:
 
             lease = PublishLease(self.publish_storage, ttl_s=self.cfg.publish_lease_s)
             lease.acquire()  # PublishRootTaken: another trainer publishes there (exit 2)
-            self.publish_lease = lease
+            self.hold_publish_lease(lease)
         if self.cfg.placement.address is not None:  # joining a cluster: check it before waiting for data
             self._connect()
         entries = self._first_shards()

@@ -17,70 +17,121 @@ import math
 import numpy as np
 import pytest
 
-from rlrec.trainer.sequential import NO_TRAFFIC, ArmStats, CanaryRule, confidence_radius, judge
+from rlrec.trainer.sequential import NO_TRAFFIC, ArmStats, CanaryRule, confidence_radius, difference_interval, judge
 
 RULE = CanaryRule(alpha=0.05, margin=0.0, min_episodes=30, max_exposure=2000, max_wait_s=3600.0)
 
 
-def _running(x: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Mean and sample standard deviation of x[:n] for each n (rows: runs)."""
-    s1 = np.cumsum(x, axis=-1)[..., n - 1]
-    s2 = np.cumsum(x * x, axis=-1)[..., n - 1]
-    mean = s1 / n
-    var = np.maximum(s2 - n * mean * mean, 0.0) / np.maximum(n - 1, 1)
-    return mean, np.sqrt(var)
+def _peek_every_episode(
+    canary, deployed, *, lo: float, hi: float, runs: int, n_max: int, share: float, rng, naive=False
+):
+    """Share of runs in which some look promoted, and in which some look rolled back on the bound
+    (a look after every canary episode, from `min_episodes` on), and the first such look.
 
-
-def _peek_every_episode(diff: float, *, runs: int, n_max: int, share: float, rng, naive: bool = False):
-    """Share of runs in which some look promoted, and in which some look rolled back on the bound.
-
-    The canary serves `share` of the episodes; the deployed arm has (1 - share) / share as many.
-    Returns are skewed (exponential, sd 1) so the test does not rely on normal data."""
+    `canary(rng, shape)` / `deployed(rng, shape)` draw returns; the canary serves `share` of the
+    episodes, the deployed arm has (1 - share) / share as many. The returns are clipped into
+    the rule's range [lo, hi] as the trainer clips them."""
+    rule = dataclasses.replace(RULE, return_min=lo, return_max=hi)
     ratio = round((1 - share) / share)
     n = np.arange(1, n_max + 1)
-    c = rng.exponential(1.0, (runs, n_max)) + diff
-    d = rng.exponential(1.0, (runs, n_max * ratio))
-    mc, sc = _running(c, n)
-    md, sd = _running(d, n * ratio)
-    if naive:  # a 95% interval for a fixed sample size, looked at after every episode
+    c = np.clip(canary(rng, (runs, n_max)), lo, hi)
+    d = np.clip(deployed(rng, (runs, n_max * ratio)), lo, hi)
+    mc = np.cumsum(c, axis=1) / n
+    md = (np.cumsum(d, axis=1) / np.arange(1, n_max * ratio + 1))[:, n * ratio - 1]
+    if naive:  # a 95% interval for a fixed sample size, with the sample sd, looked at after every episode
+        sc = np.sqrt(np.maximum(np.cumsum(c * c, axis=1) / n - mc * mc, 0.0))
+        sd = np.sqrt(
+            np.maximum((np.cumsum(d * d, axis=1) / np.arange(1, n_max * ratio + 1))[:, n * ratio - 1] - md**2, 0)
+        )
         half = 1.96 * np.sqrt(sc**2 / n + sd**2 / (n * ratio))
+        low, high = mc - md - half, mc - md + half
     else:
-        half = confidence_radius(n, sc, RULE.alpha / 2) + confidence_radius(n * ratio, sd, RULE.alpha / 2)
-    low, high = mc - md - half, mc - md + half
-    look = n >= RULE.min_episodes
-    promoted = ((low >= -RULE.margin) & look).any(axis=1)
-    rolled_back = ((high < 0) & look).any(axis=1)
-    first_promote = np.where(promoted, np.argmax((low >= -RULE.margin) & look, axis=1) + 1, n_max + 1)
-    first_rollback = np.where(rolled_back, np.argmax((high < 0) & look, axis=1) + 1, n_max + 1)
+        low, high = difference_interval(n, mc, n * ratio, md, rule)
+    look = n >= rule.min_episodes
+    promote, rollback = (low >= -rule.margin) & look, (high < 0) & look
+    first_promote = np.where(promote.any(axis=1), np.argmax(promote, axis=1) + 1, n_max + 1)
+    first_rollback = np.where(rollback.any(axis=1), np.argmax(rollback, axis=1) + 1, n_max + 1)
+    # the first decision counts (a run stops there)
+    promoted = first_promote < np.minimum(first_rollback, n_max + 1)
+    rolled_back = first_rollback < np.minimum(first_promote, n_max + 1)
     return promoted.mean(), rolled_back.mean(), first_promote, first_rollback
+
+
+def _exponential(shift=0.0):
+    return lambda rng, shape: rng.exponential(1.0, shape) + shift
+
+
+CAP = 99.34  # a capped episode's discounted return (CartPole's 500 steps at gamma 0.99)
+
+
+def _capped(fail: float):
+    """Every episode reaches the cap, except `fail` of them that fail early (return 10)."""
+    return lambda rng, shape: np.where(rng.random(shape) < fail, 10.0, CAP)
+
+
+def _sparse(p: float = 0.05):
+    """A sparse reward: 20 with probability `p`, else 0."""
+    return lambda rng, shape: np.where(rng.random(shape) < p, 20.0, 0.0)
 
 
 def test_wrong_decisions_stay_below_alpha_under_continuous_peeking():
     rng = np.random.default_rng(40)
-    # exactly as good as deployed: a rollback on the bound is a wrong decision
-    _, wrong_rollback, _, _ = _peek_every_episode(0.0, runs=400, n_max=2000, share=0.2, rng=rng)
-    # a hair worse than deployed (margin 0): a promotion is a wrong decision
-    wrong_promote, _, _, _ = _peek_every_episode(-1e-6, runs=400, n_max=2000, share=0.2, rng=rng)
-    assert wrong_rollback <= RULE.alpha and wrong_promote <= RULE.alpha
+    # skewed returns, arms exactly as good: any decision on the bound is wrong
+    promoted, rolled_back, _, _ = _peek_every_episode(
+        _exponential(), _exponential(), lo=0.0, hi=8.0, runs=400, n_max=2000, share=0.2, rng=rng
+    )
+    assert promoted + rolled_back <= RULE.alpha
     # the same looks with a fixed-sample interval: the error is far above alpha (what the CS prevents)
     naive_promote, naive_rollback, _, _ = _peek_every_episode(
-        -1e-6, runs=400, n_max=2000, share=0.2, rng=rng, naive=True
+        _exponential(), _exponential(), lo=0.0, hi=8.0, runs=400, n_max=2000, share=0.2, rng=rng, naive=True
     )
     assert naive_promote > 2 * RULE.alpha and naive_rollback > 2 * RULE.alpha
 
 
+def test_a_worse_canary_whose_returns_so_far_are_all_equal_is_not_promoted():
+    """Capped episodes: the deployed version always reaches the cap, the canary fails early in 2 %
+    of episodes (truly 1.79 worse). Its first 30 episodes are all capped in 55 % of runs: a bound
+    built on the sample variance has width 0 there and promotes; a valid one must not."""
+    judged = judge(
+        ArmStats.of([CAP] * 30),
+        ArmStats.of([CAP] * 120),
+        dataclasses.replace(RULE, return_min=0.0, return_max=100.0),
+        1.0,
+    )
+    assert judged.decision == "continue" and judged.low < 0 < judged.high
+    rng = np.random.default_rng(41)
+    promoted, _, _, _ = _peek_every_episode(
+        _capped(0.02), _capped(0.0), lo=0.0, hi=100.0, runs=2000, n_max=2000, share=0.2, rng=rng
+    )
+    assert promoted <= RULE.alpha
+
+
+def test_sparse_returns_of_equal_arms_are_not_decided_more_often_than_alpha():
+    rng = np.random.default_rng(42)
+    for _ in range(3):
+        promoted, rolled_back, _, _ = _peek_every_episode(
+            _sparse(), _sparse(), lo=0.0, hi=20.0, runs=400, n_max=2000, share=0.2, rng=rng
+        )
+        assert promoted + rolled_back <= RULE.alpha
+
+
 def test_a_clearly_worse_canary_is_rolled_back_and_a_better_one_promoted_within_the_exposure():
     rng = np.random.default_rng(7)
-    promoted, rolled_back, _, first_rollback = _peek_every_episode(-0.5, runs=200, n_max=2000, share=0.2, rng=rng)
+    bern = lambda p: lambda rng, shape: (rng.random(shape) < p).astype(np.float64)  # noqa: E731
+    promoted, rolled_back, _, first_rollback = _peek_every_episode(
+        bern(0.3), bern(0.5), lo=0.0, hi=1.0, runs=200, n_max=2000, share=0.2, rng=rng
+    )
     assert promoted == 0.0 and rolled_back == 1.0
     assert np.median(first_rollback) < 300  # canary episodes served before the rollback
-    promoted, rolled_back, first_promote, _ = _peek_every_episode(0.5, runs=200, n_max=2000, share=0.2, rng=rng)
+    promoted, rolled_back, first_promote, _ = _peek_every_episode(
+        bern(0.7), bern(0.5), lo=0.0, hi=1.0, runs=200, n_max=2000, share=0.2, rng=rng
+    )
     assert promoted == 1.0 and rolled_back == 0.0
     assert np.median(first_promote) < 300
 
 
 def test_the_rules_edges():
-    rule = CanaryRule(min_episodes=30, max_exposure=100, max_wait_s=60.0)
+    rule = CanaryRule(min_episodes=30, max_exposure=100, max_wait_s=60.0, return_min=-1.0, return_max=6.0)
     worse, better = ArmStats.of([0.0, 0.1] * 10), ArmStats.of([5.0, 5.1] * 10)
     # clear evidence but below the minimum episodes: no decision
     assert judge(worse, better, rule, 1.0).decision == "continue"
@@ -89,6 +140,16 @@ def test_the_rules_edges():
     assert v.decision == "rollback" and "is below 0: the canary is worse" in v.reason and v.high < 0
     v = judge(big_better, big_worse, rule, 1.0)
     assert v.decision == "promote" and v.low > 0
+    # without a return range there is no bound: never promoted, rolled back at the exposure
+    unranged = dataclasses.replace(rule, return_min=None, return_max=None)
+    many_better, many_worse = ArmStats.of([5.0, 5.1] * 50), ArmStats.of([0.0, 0.1] * 200)
+    v = judge(many_better, many_worse, unranged, 1.0)
+    assert v.decision == "rollback" and v.low is None and "maximum exposure" in v.reason
+    # returns outside the range are clipped and counted
+    clipped = ArmStats()
+    for x in (-5.0, 0.0, 9.0):
+        clipped.add(x, rule.return_min, rule.return_max)
+    assert (clipped.n, clipped.clipped, clipped.mean) == (3, 2, pytest.approx(5.0 / 3))
     # noise only: undecided until the maximum exposure
     rng = np.random.default_rng(0)
     same = ArmStats.of(list(rng.normal(0, 1, 99)))
@@ -102,6 +163,8 @@ def test_the_rules_edges():
     assert judge(ArmStats.of([1.0] * 3), ArmStats.of([1.0] * 500), rule, 59.0).decision == "continue"
     with pytest.raises(ValueError, match=r"maximum exposure \(10\) must be at least its minimum"):
         CanaryRule(min_episodes=30, max_exposure=10)
+    with pytest.raises(ValueError, match=r"needs both its minimum and its maximum"):
+        CanaryRule(return_min=0.0)
     assert math.isinf(confidence_radius(1, 1.0, 0.05))
 
 
@@ -166,3 +229,24 @@ def test_the_evidence_is_the_two_versions_episodes_since_the_start_and_the_test_
     assert v3.decision == "rollback" and v3.reason.startswith(NO_TRAFFIC)
     record = resumed.decision_record(v3, now=t0 + 61)
     assert (record["canary_version"], record["episodes_canary"], record["decision"]) == (5, 2, "rollback")
+
+
+def test_a_test_without_a_stated_range_fixes_one_from_the_episodes_before_its_start(tmp_path):
+    from rlrec.store.commit import ShardCommitter
+    from rlrec.trainer.rollout import CanaryRun
+
+    uri = str(tmp_path / "store")
+    committer = ShardCommitter(uri)
+    committer.claim()
+    t0 = 4_000_000_000.0  # shards committed now are before it
+    committer.commit([_episode(4, [float(i % 5)], 1000 + i, f"h{i}") for i in range(40)])
+    run = CanaryRun(version=5, base_version=4, started=t0, gamma=0.5, rule=CanaryRule(min_episodes=3))
+    run.look(uri, now=t0 + 1)
+    assert (run.rule.return_min, run.rule.return_max) == (-1.0, 5.0)  # [0, 4] widened by a quarter each side
+    assert CanaryRun.from_state(run.to_state()).rule == run.rule  # fixed for the rest of the test
+    few = ShardCommitter(str(tmp_path / "few"))
+    few.claim()
+    few.commit([_episode(4, [1.0], 1000 + i, f"f{i}") for i in range(5)])
+    bare = CanaryRun(version=5, base_version=4, started=t0, gamma=0.5, rule=CanaryRule(min_episodes=3))
+    bare.look(str(tmp_path / "few"), now=t0 + 1)
+    assert not bare.rule.has_range  # too little history: no bound (rolled back by its limits only)

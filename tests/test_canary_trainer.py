@@ -33,6 +33,8 @@ CANARY_KW = {
     "canary_max_episodes": 400,
     "canary_max_wait_s": 3600.0,
     "canary_look_interval_s": 0.0,
+    "canary_return_min": -3.5,  # every return these tests serve lies in it (the test's stated range)
+    "canary_return_max": 2.5,
 }
 
 
@@ -197,8 +199,8 @@ def test_the_report_plots_both_arms_and_the_bound(tmp_path, setup, monkeypatch):
     t.checkpoint()
     started = t.canary.started
     lines = []
-    for k in range(8):
-        _serve(setup.committer, started, {1: 1.5, 0: 0.0}, 60, seed=10 + k)
+    for k in range(12):
+        _serve(setup.committer, started, {1: 2.0, 0: 0.0}, 60, seed=10 + k)
         record = t.look_canary(now=started + 10 * (k + 1))
         if record is not None:
             lines.append({"time": started + 10 * (k + 1), "canary": record})
@@ -220,11 +222,11 @@ def _two_promotions(tmp_path, setup, monkeypatch, **kw):
     t = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **{**CANARY_KW, **kw})
     t.iteration = 3
     t.checkpoint()
-    _serve(setup.committer, t.canary.started, {1: 1.5, 0: 0.0}, 200, seed=1)
+    _serve(setup.committer, t.canary.started, {1: 2.0, 0: 0.0}, 300, seed=1)
     assert t.look_canary()["decision"] == "promote"
     t.iteration = 6
     t.checkpoint()
-    _serve(setup.committer, t.canary.started, {2: 1.5, 1: 0.0}, 200, seed=2)
+    _serve(setup.committer, t.canary.started, {2: 2.0, 1: 0.0}, 300, seed=2)
     assert t.look_canary()["decision"] == "promote"
     return t
 
@@ -238,12 +240,12 @@ def test_a_forged_or_replayed_latest_json_is_no_canary_base(tmp_path, setup, mon
     t = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **{**CANARY_KW, "canary_max_wait_s": 60.0})
     t.iteration = 3
     t.checkpoint()
-    _serve(setup.committer, t.canary.started, {1: 1.5, 0: 0.0}, 200, seed=1)
+    _serve(setup.committer, t.canary.started, {1: 2.0, 0: 0.0}, 300, seed=1)
     assert t.look_canary()["decision"] == "promote"
     old = {n: (root / n).read_bytes() for n in ("latest.json", "latest.json.sig")}
     t.iteration = 6
     t.checkpoint()
-    _serve(setup.committer, t.canary.started, {2: 1.5, 1: 0.0}, 200, seed=2)
+    _serve(setup.committer, t.canary.started, {2: 2.0, 1: 0.0}, 300, seed=2)
     assert t.look_canary()["decision"] == "promote"
     if attack == "unsigned":
         doc = json.loads((root / "latest.json").read_bytes())
@@ -298,12 +300,12 @@ def test_a_kill_between_the_steps_of_a_promotion_carries_the_same_decision_out_a
     t = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **kw)
     t.iteration = 3
     t.checkpoint()
-    _serve(setup.committer, t.canary.started, {1: 1.5, 0: 0.0}, 200, seed=1)
+    _serve(setup.committer, t.canary.started, {1: 2.0, 0: 0.0}, 300, seed=1)
     assert t.look_canary()["decision"] == "promote"
     t.iteration = 6
     t.checkpoint()
     started = t.canary.started
-    _serve(setup.committer, started, {2: 1.5, 1: 0.0}, 200, seed=2)
+    _serve(setup.committer, started, {2: 2.0, 1: 0.0}, 300, seed=2)
 
     class Killed(BaseException):
         pass

@@ -5,8 +5,10 @@ as `rlrec.trainer.ope_data.HeldOutReader` does: sha256 checked, the schema gate 
 episodes decoded without unpickling) and keeps, of each new episode shard, the episodes tagged
 with the canary version or the base (deployed) version whose ``started_ms`` (the producer's
 clock at the episode's start) is at or after the canary's start. Each arm's statistic is the
-mean discounted return ``sum_t gamma^t r_t``. Shards read once; a shard that cannot be read is
-skipped with an error line (its episodes are no evidence). Tabular shards are not read.
+mean discounted return ``sum_t gamma^t r_t``, each return clipped into the test's range (counted).
+Shards read once; a shard that cannot be read is skipped with an error line (its episodes are no
+evidence). Tabular shards are not read. `history_range` fixes a range from the episodes committed
+before the start, for a test whose range the user did not state.
 """
 
 from __future__ import annotations
@@ -20,7 +22,12 @@ import numpy as np
 from rlrec.store.storage import Storage
 from rlrec.trainer.sequential import ArmStats
 
-__all__ = ["CanaryEvidence", "discounted_return"]
+__all__ = ["HISTORY_SHARDS", "MIN_HISTORY", "CanaryEvidence", "discounted_return"]
+
+#: how many of the newest shards committed before a canary's start `history_range` reads
+HISTORY_SHARDS = 20
+#: the fewest episodes before the start from which `history_range` fixes a range
+MIN_HISTORY = 30
 
 log = logging.getLogger("rlrec.trainer")
 
@@ -73,9 +80,39 @@ class CanaryEvidence:
         self._bad: set[str] = set()
         self.shards_skipped = 0
 
-    def refresh(self) -> tuple[ArmStats, ArmStats]:
+    def history_range(self, widen: float = 0.25) -> tuple[float, float, int] | None:
+        """``(low, high, episodes)``: the range of the discounted returns of this policy id's
+        episodes (any version) in the newest `HISTORY_SHARDS` shards committed before the start,
+        widened by `widen` of its span on each side; None with fewer than `MIN_HISTORY` episodes."""
+        from rlrec.store.snapshot import open_snapshot
+
+        snap = open_snapshot(self.storage)
+        before = [
+            e
+            for e in snap.entries
+            if e.format == "episodes"
+            and (self.policy_id is None or e.policy_id == self.policy_id)
+            and e.commit_time
+            and e.commit_time * 1000 < self.started_ms
+        ]
+        before.sort(key=lambda e: e.commit_time)
+        returns: list[float] = []
+        for e in before[-HISTORY_SHARDS:]:
+            try:
+                for values in self._read(e, history=True).values():
+                    returns.extend(values)
+            except (FileNotFoundError, ValueError) as err:
+                log.warning("shard %s cannot be read for the canary's return range (%s)", e.path, err)
+        if len(returns) < MIN_HISTORY:
+            return None
+        lo, hi = min(returns), max(returns)
+        pad = widen * (hi - lo) if hi > lo else max(1.0, abs(lo))
+        return lo - pad, hi + pad, len(returns)
+
+    def refresh(self, low: float | None = None, high: float | None = None) -> tuple[ArmStats, ArmStats]:
         """Read the shards committed since the last call; (canary, deployed) over every shard
-        still live (a shard compacted into a merged one is read again from it, once)."""
+        still live (a shard compacted into a merged one is read again from it, once), each
+        return clipped into ``[low, high]`` when given."""
         from rlrec.store.snapshot import open_snapshot
 
         snap = open_snapshot(self.storage)
@@ -102,15 +139,15 @@ class CanaryEvidence:
         for key in sorted(self._by_shard):
             for v, returns in self._by_shard[key].items():
                 for x in returns:
-                    arms[v].add(x)
+                    arms[v].add(x, low, high)
         return arms[self.version], arms[self.base_version]
 
-    def _read(self, entry: Any) -> dict[int, list[float]]:
+    def _read(self, entry: Any, history: bool = False) -> dict[int, list[float]]:
         from rlrec.store.commit import read_committed_shard
         from rlrec.store.episodes import EpisodeDecodeError, unpack_episode
         from rlrec.store.schema_gate import open_shard
 
-        if entry.commit_time and entry.commit_time * 1000 < self.started_ms:
+        if not history and entry.commit_time and entry.commit_time * 1000 < self.started_ms:
             return {}  # committed before the canary began: every episode in it began before too
         data = read_committed_shard(self.storage, entry.path, entry.staging_path, entry.bytes)
         if entry.sha256 and hashlib.sha256(data).hexdigest() != entry.sha256:
@@ -121,7 +158,7 @@ class CanaryEvidence:
         out: dict[int, list[float]] = {}
         items = table.column("item")
         for i, (v, s) in enumerate(zip(versions, starts)):
-            if v not in (self.version, self.base_version) or s is None or s < self.started_ms:
+            if not history and (v not in (self.version, self.base_version) or s is None or s < self.started_ms):
                 continue
             try:
                 ep = unpack_episode(items[i].as_py())

@@ -319,6 +319,15 @@ class TrainerConfig:
         help="with --rollout canary: roll back a canary that has not got --canary-min-episodes in both arms "
         "after this many seconds (logged as: no canary traffic)",
     )
+    canary_return_min: float | None = option(
+        None,
+        help="with --rollout canary: the least discounted return an episode can have (with --canary-return-max: "
+        "the test's range; returns outside it are clipped and counted). Default: the range of the episodes "
+        "before the canary started, widened by a quarter of it on each side",
+    )
+    canary_return_max: float | None = option(
+        None, help="with --rollout canary: the greatest discounted return an episode can have (see --canary-return-min)"
+    )
     canary_look_interval_s: float = 10.0
     publish_lease_s: float = 30.0
     ope: OPESettings = field(default_factory=OPESettings)
@@ -486,6 +495,8 @@ class TrainerConfig:
             min_episodes=self.canary_min_episodes,
             max_exposure=self.canary_max_episodes,
             max_wait_s=self.canary_max_wait_s,
+            return_min=self.canary_return_min,
+            return_max=self.canary_return_max,
         )
 
     def feed_policy(self) -> FeedPolicy:

@@ -11,11 +11,15 @@ fresh test that peeks again. `look` reads the new evidence and judges it
 
 from __future__ import annotations
 
+import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from rlrec.trainer.canary_evidence import MIN_HISTORY
 from rlrec.trainer.sequential import CanaryRule, Verdict, judge
+
+log = logging.getLogger("rlrec.trainer")
 
 __all__ = ["MAX_HISTORY", "CanaryRun", "gate_declined"]
 
@@ -90,7 +94,9 @@ class CanaryRun:
                 gamma=self.gamma,
                 policy_id=policy_id,
             )
-        canary, deployed = self._evidence.refresh()
+        if not self.rule.has_range:
+            self._fix_range()
+        canary, deployed = self._evidence.refresh(self.rule.return_min, self.rule.return_max)
         now = time.time() if now is None else now
         verdict = judge(canary, deployed, self.rule, now - self.started)
         last = self.history[-1] if self.history else None
@@ -109,6 +115,30 @@ class CanaryRun:
             if len(self.history) > MAX_HISTORY:
                 self.history = self.history[: MAX_HISTORY // 2 : 2] + self.history[MAX_HISTORY // 2 :]
         return verdict
+
+    def _fix_range(self) -> None:
+        """A test without a stated return range takes one from the episodes before the start
+        (fixed before any canary evidence is seen, kept in the checkpoint); without them it has
+        no bound and is decided by its limits only."""
+        found = self._evidence.history_range()
+        if found is None:
+            log.error(
+                "canary v%d: no return range (fewer than %d episodes before its start): its test has no bound and "
+                "it can only be rolled back; state one with --canary-return-min/--canary-return-max",
+                self.version,
+                MIN_HISTORY,
+            )
+            return
+        low, high, n = found
+        self.rule = replace(self.rule, return_min=round(low, 6), return_max=round(high, 6))
+        log.warning(
+            "canary v%d: returns are taken to lie in [%.4g, %.4g] (from %d episodes before its start, widened); "
+            "state the range with --canary-return-min/--canary-return-max",
+            self.version,
+            self.rule.return_min,
+            self.rule.return_max,
+            n,
+        )
 
     def decision_record(self, verdict: Verdict, now: float | None = None) -> dict:
         """What a decision records (metrics.jsonl's ``canary``, the version's ``rollout.json``)."""

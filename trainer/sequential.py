@@ -1,20 +1,27 @@
 """An always-valid two-sample test of a canary: does the candidate's mean return beat the deployed one's?
 
-Each arm's mean return gets a time-uniform confidence sequence: the normal-mixture boundary of
-Robbins, in the asymptotic form of Waudby-Smith, Arbour, Sinha, Kennedy and Ramdas (2021,
-"Time-uniform central limit theory and asymptotic confidence sequences"; the boundary is
-Howard, Ramdas, McAuliffe and Sekhon 2021, eq. (14)). After n episodes with mean m and sample
-standard deviation s, the arm's interval is::
+Returns are bounded: each arm's discounted returns are clipped into a stated range
+``[return_min, return_max]`` (``--canary-return-min/--canary-return-max``, or fixed from the
+episodes before the canary started, `CanaryRun`), and a variable in a range of width ``w`` is
+sub-Gaussian with variance proxy ``(w / 2)**2`` (Hoeffding's lemma). Each arm's mean then gets the
+time-uniform normal-mixture confidence sequence of Robbins for sub-Gaussian increments (Howard,
+Ramdas, McAuliffe and Sekhon 2021, "Time-uniform, nonparametric, nonasymptotic confidence
+sequences", eq. (14)); after n episodes with mean m::
 
-    m +- s * sqrt( 2 (n r + 1) / (n^2 r) * log( sqrt(n r + 1) / a ) ),   r = (-2 log a + log(1 - 2 log a)) / n_opt
+    m +- (w / 2) * sqrt( 2 (n r + 1) / (n^2 r) * log( sqrt(n r + 1) / a ) ),   r = (-2 log a + log(1 - 2 log a)) / n_opt
 
 with a = alpha / 2 per arm, so that both intervals hold at every n at once with probability at
-least 1 - alpha, however often they are looked at. The difference canary - deployed lies in
-``[low_c - high_d, high_c - low_d]``. `n_opt` is the number of episodes per arm where the
-boundary is tightest; any fixed value keeps the guarantee. The guarantee is asymptotic (it
-relies on the mean's central limit behaviour), which is why no decision is taken below
-`CanaryRule.min_episodes` per arm; `tests/test_canary_sequential.py` simulates continuous peeking
-and checks that the rates of wrong decisions stay below alpha.
+least 1 - alpha, however often they are looked at -- **at every n, not only asymptotically**: a
+sample whose returns so far are all equal (a capped episode, a sparse reward that has not fired)
+is not taken as exact, and skewed returns do not break it. The width depends only on n (not on
+the order the episodes arrive in), so re-reading the evidence in another order keeps the
+guarantee. The difference canary - deployed lies in ``[low_c - high_d, high_c - low_d]``. `n_opt`
+is the number of episodes per arm where the boundary is tightest; any fixed value keeps the
+guarantee. The price of validity without a variance estimate: the bound is as wide as the range
+allows (a tight range decides sooner). Without a range no bound is computed and the canary is
+decided only by its limits (rolled back). `tests/test_canary_sequential.py` simulates continuous
+peeking on normal, degenerate (capped) and sparse returns and checks that the rates of wrong
+decisions stay below alpha.
 
 `judge` applies the rules of ``rlrec train --rollout canary``: roll back when the upper bound is
 below 0 (the canary is worse), promote when the lower bound clears ``-margin`` (with at least
@@ -30,7 +37,16 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["NO_TRAFFIC", "ArmStats", "CanaryRule", "Verdict", "confidence_radius", "judge"]
+__all__ = [
+    "NO_TRAFFIC",
+    "ArmStats",
+    "CanaryRule",
+    "Verdict",
+    "confidence_radius",
+    "difference_bounds",
+    "difference_interval",
+    "judge",
+]
 
 #: what a canary rolled back for lack of episodes says (loudly)
 NO_TRAFFIC = "no canary traffic: services must opt in with canary_fraction"
@@ -51,8 +67,14 @@ class ArmStats:
     n: int = 0
     mean: float = 0.0
     m2: float = 0.0
+    clipped: int = 0  # returns outside the rule's range, counted at the nearest end
 
-    def add(self, x: float) -> None:
+    def add(self, x: float, lo: float | None = None, hi: float | None = None) -> None:
+        """Add one return (clipped into ``[lo, hi]`` when given; each clip is counted)."""
+        x = float(x)
+        if lo is not None and hi is not None and not lo <= x <= hi:
+            x = min(max(x, lo), hi)
+            self.clipped += 1
         self.n += 1
         d = float(x) - self.mean
         self.mean += d / self.n
@@ -85,7 +107,7 @@ def confidence_radius(n: Any, std: Any, alpha: float, n_opt: float = 200.0) -> A
 
     Args:
         n: episodes so far.
-        std: their sample standard deviation.
+        std: the sub-Gaussian scale of one return: half the width of the returns' range.
         alpha: the error probability of this arm's sequence (both sides).
         n_opt: where the boundary is tightest.
 
@@ -112,6 +134,9 @@ class CanaryRule:
     Attributes:
         alpha: the probability, over the whole canary however often it is checked, that the
             confidence sequence of the difference misses the truth.
+        return_min: the least discounted return an episode can have (returns below are clipped
+            to it and counted); None: not known yet.
+        return_max: the greatest (likewise).
         margin: promote when the lower bound of canary - deployed is at least ``-margin``.
         min_episodes: no decision on the bound before this many episodes in each arm.
         max_exposure: roll back undecided once the canary served this many episodes.
@@ -125,8 +150,23 @@ class CanaryRule:
     max_exposure: int = 2000
     max_wait_s: float = 3600.0
     n_opt: float = 200.0
+    return_min: float | None = None
+    return_max: float | None = None
+
+    @property
+    def has_range(self) -> bool:
+        return self.return_min is not None and self.return_max is not None
 
     def __post_init__(self) -> None:
+        if (self.return_min is None) != (self.return_max is None):
+            raise ValueError("the canary's return range needs both its minimum and its maximum")
+        if self.has_range and not (
+            math.isfinite(self.return_min) and math.isfinite(self.return_max) and self.return_min < self.return_max
+        ):
+            raise ValueError(
+                f"the canary's return range must be finite with min < max, got [{self.return_min!r}, "
+                f"{self.return_max!r}]"
+            )
         if not 0.0 < self.alpha < 1.0:
             raise ValueError(f"the canary's alpha must be in (0, 1), got {self.alpha!r}")
         if not self.margin >= 0.0:
@@ -176,22 +216,41 @@ class Verdict:
             "difference": self.difference,
             "low": self.low,
             "high": self.high,
+            "clipped_canary": self.canary.clipped,
+            "clipped_deployed": self.deployed.clipped,
         }
 
 
-def difference_bounds(canary: ArmStats, deployed: ArmStats, rule: CanaryRule) -> tuple[float, float]:
-    """The always-valid interval of mean(canary) - mean(deployed) at level 1 - alpha.
+def difference_interval(n_c: Any, mean_c: Any, n_d: Any, mean_d: Any, rule: CanaryRule) -> tuple[Any, Any]:
+    """The always-valid interval of mean(canary) - mean(deployed) at level 1 - alpha from each
+    arm's count and mean of clipped returns (numpy arrays give arrays: simulations); needs the
+    rule's return range.
 
     Example:
-        >>> low, high = difference_bounds(ArmStats.of([1.0, 2.0] * 50), ArmStats.of([0.0, 1.0] * 50), CanaryRule())
-        >>> low > 0, round(high - low, 3)
-        (True, 0.668)
+        >>> rule = CanaryRule(return_min=0.0, return_max=1.0)
+        >>> [round(float(x), 3) for x in difference_interval(400, 0.7, 1600, 0.5, rule)]
+        [0.074, 0.326]
     """
     a = rule.alpha / 2.0
-    rc = confidence_radius(canary.n, math.sqrt(canary.variance), a, rule.n_opt)
-    rd = confidence_radius(deployed.n, math.sqrt(deployed.variance), a, rule.n_opt)
-    diff = canary.mean - deployed.mean
-    return diff - rc - rd, diff + rc + rd
+    scale = (rule.return_max - rule.return_min) / 2.0
+    rc = confidence_radius(n_c, scale, a, rule.n_opt)
+    rd = confidence_radius(n_d, scale, a, rule.n_opt)
+    diff = np.asarray(mean_c, dtype=np.float64) - np.asarray(mean_d, dtype=np.float64)
+    low, high = diff - rc - rd, diff + rc + rd
+    return (float(low), float(high)) if np.ndim(low) == 0 else (low, high)
+
+
+def difference_bounds(canary: ArmStats, deployed: ArmStats, rule: CanaryRule) -> tuple[float, float]:
+    """The always-valid interval of mean(canary) - mean(deployed) at level 1 - alpha (the arms'
+    returns clipped into the rule's range).
+
+    Example:
+        >>> rule = CanaryRule(return_min=-1.0, return_max=3.0)
+        >>> low, high = difference_bounds(ArmStats.of([1.0, 2.0] * 200), ArmStats.of([0.0, 1.0] * 200), rule)
+        >>> low > 0, round(high - low, 3)
+        (True, 1.322)
+    """
+    return difference_interval(canary.n, canary.mean, deployed.n, deployed.mean, rule)
 
 
 def judge(canary: ArmStats, deployed: ArmStats, rule: CanaryRule, elapsed_s: float) -> Verdict:
@@ -204,14 +263,15 @@ def judge(canary: ArmStats, deployed: ArmStats, rule: CanaryRule, elapsed_s: flo
         elapsed_s: seconds since the canary started.
 
     Example:
-        >>> v = judge(ArmStats.of([1.0, 2.0] * 50), ArmStats.of([0.0, 1.0] * 50), CanaryRule(), 60.0)
+        >>> rule = CanaryRule(return_min=-1.0, return_max=3.0)
+        >>> v = judge(ArmStats.of([1.0, 2.0] * 200), ArmStats.of([0.0, 1.0] * 200), rule, 60.0)
         >>> v.decision, v.reason
-        ('promote', 'the lower bound 0.6659 of canary - deployed clears -margin (-0)')
+        ('promote', 'the lower bound 0.3391 of canary - deployed clears -margin (-0)')
         >>> judge(ArmStats(), ArmStats(), CanaryRule(max_wait_s=10.0), 11.0).reason
         'no canary traffic: services must opt in with canary_fraction (0 canary and 0 deployed episodes in 11s)'
     """
     low = high = None
-    if canary.n >= 2 and deployed.n >= 2:
+    if canary.n >= 2 and deployed.n >= 2 and rule.has_range:
         low, high = difference_bounds(canary, deployed, rule)
     enough = canary.n >= rule.min_episodes and deployed.n >= rule.min_episodes
 

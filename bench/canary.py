@@ -32,10 +32,11 @@ sys.path.insert(0, os.path.dirname(HERE))
 SHARD_EPISODES = 20
 
 
-def _episode(version: int, reward: float, started_ms: int, eid: str):
+def _episode(version: int, reward: float, started_ms: int, eid: str, share: float):
     import gymnasium as gym
     import numpy as np
 
+    from rlrec.trainer.canary import assignment_info, in_canary
     from rlrec.trainer.synthetic import _episode as make
 
     ep = make(
@@ -51,7 +52,8 @@ def _episode(version: int, reward: float, started_ms: int, eid: str):
         policy_version=version,
         episode_id=eid,
     )
-    return dataclasses.replace(ep, started_ms=started_ms, ended_ms=started_ms + 1)
+    info = assignment_info(2, share, in_canary(eid, share))  # what a service that opted in logs
+    return dataclasses.replace(ep, started_ms=started_ms, ended_ms=started_ms + 1, infos=[info, *ep.infos[1:]])
 
 
 def one_round(effect: float, share: float, seed: int, workdir: str) -> dict:
@@ -82,7 +84,7 @@ def one_round(effect: float, share: float, seed: int, workdir: str) -> dict:
             v = 2 if in_canary(eid, share) else 1
             served[v] += 1
             mean = effect if v == 2 else 0.0
-            batch.append(_episode(v, float(rng.normal(mean, 1.0)), int(started * 1000) + i, eid))
+            batch.append(_episode(v, float(rng.normal(mean, 1.0)), int(started * 1000) + i, eid, share))
         committer.commit(batch)
         verdict = run.look(uri, now=started + 1.0)
         if verdict.decision != "continue":

@@ -191,6 +191,17 @@ def test_promotion_and_rollback_keep_versions_monotonic(on_canary, tmp_path, key
     assert same_weights(p, v7)
 
 
+def test_each_assignment_carries_what_to_log_while_a_canary_runs(on_canary, keys):
+    from rlrec.trainer.canary import read_assignment
+
+    p = load_policy(str(on_canary), public_key=keys["public"], channel="prod", canary_fraction=0.3)
+    for eid in (f"e{i}" for i in range(50)):
+        a = p.for_episode(eid)
+        assert read_assignment(a.info, eid) == (5, a.canary)
+    plain = load_policy(str(on_canary), public_key=keys["public"], channel="prod")  # not opted in
+    assert plain.for_episode("e1").info == {}
+
+
 def test_a_first_version_on_canary_serves_the_rest_what_ran_before(tmp_path, keys):
     root = tmp_path / "root"
     canary(root, 1, keys["private"], base=0)

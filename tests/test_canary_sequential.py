@@ -17,6 +17,7 @@ import math
 import numpy as np
 import pytest
 
+from rlrec.trainer.canary import assignment_info, in_canary
 from rlrec.trainer.sequential import NO_TRAFFIC, ArmStats, CanaryRule, confidence_radius, difference_interval, judge
 
 RULE = CanaryRule(alpha=0.05, margin=0.0, min_episodes=30, max_exposure=2000, max_wait_s=3600.0)
@@ -171,7 +172,14 @@ def test_the_rules_edges():
 # ------------------------------------------------------------------------ evidence from shards
 
 
-def _episode(version: int, rewards: list[float], started_ms: int, eid: str):
+def _arm_id(prefix: str, canary: bool, share: float = 0.5) -> str:
+    """An episode id the canary hash puts in the canary arm (or not) at `share`."""
+    return next(f"{prefix}-{i}" for i in range(10_000) if in_canary(f"{prefix}-{i}", share) == canary)
+
+
+def _episode(version: int, rewards: list[float], started_ms: int, eid: str, assigned_to=None, share: float = 0.5):
+    """A finished toy episode; `assigned_to`: the canary version whose assignment (by the hash
+    of `eid` at `share`) it logs in its reset info, as a service that opted in does."""
     import gymnasium as gym
 
     from rlrec.trainer.synthetic import _episode as make
@@ -191,6 +199,9 @@ def _episode(version: int, rewards: list[float], started_ms: int, eid: str):
         policy_version=version,
         episode_id=eid,
     )
+    if assigned_to is not None:
+        info = assignment_info(assigned_to, share, in_canary(eid, share))
+        ep = dataclasses.replace(ep, infos=[info, *ep.infos[1:]])
     return dataclasses.replace(ep, started_ms=started_ms, ended_ms=started_ms + 10)
 
 
@@ -202,12 +213,15 @@ def test_the_evidence_is_the_two_versions_episodes_since_the_start_and_the_test_
     committer = ShardCommitter(uri)
     committer.claim()
     t0 = 1_000_000.0
-    before = [_episode(4, [9.0, 9.0], int(t0 * 1000) - 5, "old-deployed")]  # began before the canary
+    before = [_episode(4, [9.0, 9.0], int(t0 * 1000) - 5, _arm_id("old", False), 5)]  # began before the canary
     arms = [
-        _episode(4, [1.0, 1.0], int(t0 * 1000) + 1, "d1"),
-        _episode(4, [1.0, 0.0], int(t0 * 1000) + 2, "d2"),
-        _episode(5, [2.0, 2.0], int(t0 * 1000) + 3, "c1"),
-        _episode(3, [7.0], int(t0 * 1000) + 4, "other-version"),
+        _episode(4, [1.0, 1.0], int(t0 * 1000) + 1, _arm_id("d1", False), 5),
+        _episode(4, [1.0, 0.0], int(t0 * 1000) + 2, _arm_id("d2", False), 5),
+        _episode(5, [2.0, 2.0], int(t0 * 1000) + 3, _arm_id("c1", True), 5),
+        _episode(3, [7.0], int(t0 * 1000) + 4, _arm_id("other", True), 5),  # another version
+        _episode(4, [8.0], int(t0 * 1000) + 5, "opted-out"),  # a service that did not opt in: no assignment
+        _episode(4, [8.0], int(t0 * 1000) + 6, _arm_id("d3", False), 4),  # another canary's assignment
+        _episode(4, [8.0], int(t0 * 1000) + 7, _arm_id("d4", True), 5),  # the hash puts it in the canary arm
     ]
     committer.commit(before + arms)
     run = CanaryRun(version=5, base_version=4, started=t0, gamma=0.5, rule=CanaryRule(min_episodes=3, max_wait_s=60.0))
@@ -220,7 +234,7 @@ def test_the_evidence_is_the_two_versions_episodes_since_the_start_and_the_test_
     # a checkpoint's record, restored by --resume: the same test, the same evidence, one more shard
     resumed = CanaryRun.from_state(run.to_state())
     assert (resumed.started, resumed.rule, resumed.history) == (run.started, run.rule, run.history)
-    committer.commit([_episode(5, [2.0, 2.0], int(t0 * 1000) + 10, "c2")])
+    committer.commit([_episode(5, [2.0, 2.0], int(t0 * 1000) + 10, _arm_id("c2", True), 5)])
     v2 = resumed.look(uri, now=t0 + 2)
     assert (v2.canary.n, v2.deployed.n) == (2, 2)
     assert len(resumed.history) == 2
@@ -250,3 +264,33 @@ def test_a_test_without_a_stated_range_fixes_one_from_the_episodes_before_its_st
     bare = CanaryRun(version=5, base_version=4, started=t0, gamma=0.5, rule=CanaryRule(min_episodes=3))
     bare.look(str(tmp_path / "few"), now=t0 + 1)
     assert not bare.rule.has_range  # too little history: no bound (rolled back by its limits only)
+
+
+def test_only_the_randomized_split_of_services_that_opted_in_is_evidence(tmp_path):
+    """Service A opts in at 0.2; service B does not and has harder traffic (returns 1.0 lower
+    under either version); the canary is 0.3 worse on every episode. Counting every base-version
+    episode as the control compares populations and promotes the worse canary; counting only the
+    episodes that log the canary's assignment compares versions and rolls it back."""
+    from rlrec.store.commit import ShardCommitter
+    from rlrec.trainer.canary_evidence import CanaryEvidence
+
+    uri = str(tmp_path / "store")
+    committer = ShardCommitter(uri)
+    committer.claim()
+    t0 = 1_000_000.0
+    rng = np.random.default_rng(3)
+    eps = []
+    for i in range(4000):
+        eid = f"a{i}"
+        canary = in_canary(eid, 0.2)
+        ret = float(rng.uniform(0.5, 1.5)) - (0.3 if canary else 0.0)
+        eps.append(_episode(2 if canary else 1, [ret], int(t0 * 1000) + i, eid, 2, share=0.2))
+        ret_b = float(rng.uniform(0.5, 1.5)) - 1.0
+        eps.append(_episode(1, [ret_b], int(t0 * 1000) + i, f"b{i}"))  # B: no assignment logged
+    committer.commit(eps)
+    ev = CanaryEvidence(uri, version=2, base_version=1, started=t0, gamma=0.9)
+    canary, deployed = ev.refresh(-1.0, 2.0)
+    assert deployed.n == 4000 - canary.n and ev.unassigned == 4000
+    rule = CanaryRule(return_min=-1.0, return_max=2.0, max_exposure=4000)
+    v = judge(canary, deployed, rule, 10.0)
+    assert v.decision == "rollback" and v.high < 0

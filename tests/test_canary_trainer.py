@@ -40,14 +40,14 @@ CANARY_KW = {
 
 def _serve(committer, started: float, versions: dict[int, float], n: int, seed: int, share: float = 0.3) -> None:
     """`n` episodes as services that opt in with `share` log them: each episode's version by the
-    canary hash, its return drawn around the version's mean."""
+    canary hash (its assignment logged in the reset info), its return drawn around the version's mean."""
     rng = np.random.default_rng(seed)
     (canary_v, canary_mean), (base_v, base_mean) = sorted(versions.items(), reverse=True)
     eps = []
     for i in range(n):
         eid = f"s{seed}-e{i}"
         v, mean = (canary_v, canary_mean) if in_canary(eid, share) else (base_v, base_mean)
-        eps.append(_episode(v, [float(rng.normal(mean, 1.0))], int(started * 1000) + 1 + i, eid))
+        eps.append(_episode(v, [float(rng.normal(mean, 1.0))], int(started * 1000) + 1 + i, eid, canary_v, share))
     committer.commit(eps)
 
 

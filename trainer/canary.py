@@ -13,6 +13,12 @@ Any reader can recompute it::
     import hashlib
     canary = int.from_bytes(hashlib.sha256(b"rlrec-canary:" + eps_id.encode()).digest()[:8], "big") / 2**64 < f
 
+A service that opts in logs each episode's assignment in the episode's reset info
+(`Assignment.info`, under `ASSIGNMENT_KEY`: the canary version, the arm and the fraction); the
+trainer counts as evidence only episodes whose logged assignment is the running canary's and
+agrees with this hash (`read_assignment`): the two arms are then exactly the randomized split
+of the services that opted in, never the traffic of services that did not.
+
 Standard library only.
 """
 
@@ -20,7 +26,18 @@ from __future__ import annotations
 
 import hashlib
 
-__all__ = ["CANARY_SALT", "canary_score", "check_canary_fraction", "in_canary"]
+__all__ = [
+    "ASSIGNMENT_KEY",
+    "CANARY_SALT",
+    "assignment_info",
+    "canary_score",
+    "check_canary_fraction",
+    "in_canary",
+    "read_assignment",
+]
+
+#: the reset-info key under which a service logs an episode's canary assignment
+ASSIGNMENT_KEY = "rlrec_canary"
 
 #: prefixed to the episode id before hashing (the holdout split hashes the bare id)
 CANARY_SALT = b"rlrec-canary:"
@@ -70,3 +87,46 @@ def check_canary_fraction(fraction: float) -> float:
     if not 0.0 <= f <= 1.0:
         raise ValueError(f"canary_fraction must be in [0, 1], got {fraction!r}")
     return f
+
+
+def assignment_info(canary_version: int, fraction: float, canary: bool) -> dict:
+    """The reset-info entry that logs an episode's canary assignment (`Assignment.info`).
+
+    Example:
+        >>> assignment_info(5, 0.2, False)
+        {'rlrec_canary': {'version': 5, 'arm': 'deployed', 'fraction': 0.2}}
+    """
+    return {
+        ASSIGNMENT_KEY: {
+            "version": int(canary_version),
+            "arm": "canary" if canary else "deployed",
+            "fraction": fraction,
+        }
+    }
+
+
+def read_assignment(info: object, episode_id: str) -> tuple[int, bool] | None:
+    """``(canary_version, in the canary arm)`` an episode's reset `info` logs, None when it logs
+    none or one that the hash of `episode_id` contradicts (not a randomized assignment).
+
+    Example:
+        >>> eid = next(f"e{i}" for i in range(100) if not in_canary(f"e{i}", 0.2))
+        >>> read_assignment(assignment_info(5, 0.2, False), eid)
+        (5, False)
+        >>> read_assignment(assignment_info(5, 0.2, True), eid) is None
+        True
+    """
+    if not isinstance(info, dict):
+        return None
+    a = info.get(ASSIGNMENT_KEY)
+    if not isinstance(a, dict) or a.get("arm") not in ("canary", "deployed"):
+        return None
+    version, fraction = a.get("version"), a.get("fraction")
+    if type(version) is not int or isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
+        return None
+    if not 0.0 < float(fraction) <= 1.0:
+        return None
+    canary = a["arm"] == "canary"
+    if in_canary(episode_id, float(fraction)) != canary:
+        return None
+    return version, canary

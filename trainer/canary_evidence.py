@@ -4,7 +4,9 @@
 as `rlrec.trainer.ope_data.HeldOutReader` does: sha256 checked, the schema gate before any column,
 episodes decoded without unpickling) and keeps, of each new episode shard, the episodes tagged
 with the canary version or the base (deployed) version whose ``started_ms`` (the producer's
-clock at the episode's start) is at or after the canary's start. Each arm's statistic is the
+clock at the episode's start) is at or after the canary's start, and that log this canary's
+randomized assignment to that version's arm in their reset info (`rlrec.trainer.canary.
+read_assignment`; services that did not opt in log none and are no evidence). Each arm's statistic is the
 mean discounted return ``sum_t gamma^t r_t``, each return clipped into the test's range (counted).
 Shards read once; a shard that cannot be read is skipped with an error line (its episodes are no
 evidence). Tabular shards are not read. `history_range` fixes a range from the episodes committed
@@ -79,6 +81,7 @@ class CanaryEvidence:
         self._by_shard: dict[str, dict[int, list[float]]] = {}
         self._bad: set[str] = set()
         self.shards_skipped = 0
+        self.unassigned = 0  # episodes of either version without this canary's logged assignment
 
     def history_range(self, widen: float = 0.25) -> tuple[float, float, int] | None:
         """``(low, high, episodes)``: the range of the discounted returns of this policy id's
@@ -142,6 +145,19 @@ class CanaryEvidence:
                     arms[v].add(x, low, high)
         return arms[self.version], arms[self.base_version]
 
+    def _assigned(self, ep: Any, version: int) -> bool:
+        """Whether `ep` logs this canary's randomized assignment to the arm of `version`."""
+        from rlrec.trainer.canary import read_assignment
+
+        try:
+            info = ep.get_infos(0)
+        except (IndexError, KeyError, TypeError):
+            return False
+        got = read_assignment(info, str(ep.id_))
+        if got is None or got[0] != self.version:
+            return False
+        return got[1] == (version == self.version)
+
     def _read(self, entry: Any, history: bool = False) -> dict[int, list[float]]:
         from rlrec.store.commit import read_committed_shard
         from rlrec.store.episodes import EpisodeDecodeError, unpack_episode
@@ -164,6 +180,9 @@ class CanaryEvidence:
                 ep = unpack_episode(items[i].as_py())
             except EpisodeDecodeError as err:
                 log.debug("undecodable episode in %s: %s", entry.path, err)
+                continue
+            if not history and not self._assigned(ep, int(v)):
+                self.unassigned += 1
                 continue
             out.setdefault(int(v), []).append(discounted_return(ep.get_rewards(), self.gamma))
         return out

@@ -66,7 +66,7 @@ from typing import Any
 import numpy as np
 
 from rlrec.trainer.binding import RUN_ID_RE, Pins, canonical_space, write_state_file
-from rlrec.trainer.canary import check_canary_fraction, in_canary
+from rlrec.trainer.canary import assignment_info, check_canary_fraction, in_canary
 from rlrec.trainer.policy_net import NetworkSpecError, PolicyDistribution, build_network
 from rlrec.trainer.signing import PUBLIC_KEY_ENV, SIG_SUFFIX, SignatureError, load_public_key, verify
 
@@ -1013,10 +1013,14 @@ class VersionActor:
 class Assignment(tuple):
     """``(actor, policy_version)`` of one episode (`Policy.for_episode`): `actor` is a
     `VersionActor`, or None for the deployed share before anything is deployed (the service
-    runs what it ran before and logs `policy_version` 0)."""
+    runs what it ran before and logs `policy_version` 0). `info` is what to merge into the
+    episode's reset info while a canary runs (its randomized assignment; the trainer counts only
+    episodes that log one), else ``{}``."""
 
-    def __new__(cls, actor: VersionActor | None, policy_version: int) -> Assignment:
-        return super().__new__(cls, (actor, policy_version))
+    def __new__(cls, actor: VersionActor | None, policy_version: int, info: dict | None = None) -> Assignment:
+        self = super().__new__(cls, (actor, policy_version))
+        self.info = dict(info or {})
+        return self
 
     @property
     def actor(self) -> VersionActor | None:
@@ -1158,20 +1162,28 @@ class Policy:
 
         Returns:
             `Assignment` ``(actor, policy_version)``; keep the actor for the whole episode
-            (a `poll` meanwhile does not change it).
+            (a `poll` meanwhile does not change it). While a canary runs, log its ``info`` in
+            the episode's reset info: only episodes that do are the canary test's evidence.
 
         Example:
-            >>> actor, version = policy.for_episode(eid)  # doctest: +SKIP
-            >>> rec.begin_episode(obs, episode_id=eid, policy_version=version)  # doctest: +SKIP
+            >>> a = policy.for_episode(eid)  # doctest: +SKIP
+            >>> rec.begin_episode(obs, {**info, **a.info}, episode_id=eid, policy_version=a.policy_version)  # doctest: +SKIP
+            >>> action, extra = a.actor.act(obs)  # doctest: +SKIP
             >>> action, extra = actor.act(obs)  # doctest: +SKIP
         """
         with self._lock:
             deployed, canary = self._deployed, self._canary
-        if canary is not None and in_canary(episode_id, self.canary_fraction):
-            return Assignment(VersionActor(self, canary, True), canary.version)
+        if canary is None:
+            if deployed is None:
+                return Assignment(None, 0)
+            return Assignment(VersionActor(self, deployed, False), deployed.version)
+        arm = in_canary(episode_id, self.canary_fraction)
+        info = assignment_info(canary.version, self.canary_fraction, arm)
+        if arm:
+            return Assignment(VersionActor(self, canary, True), canary.version, info)
         if deployed is None:
-            return Assignment(None, 0)
-        return Assignment(VersionActor(self, deployed, False), deployed.version)
+            return Assignment(None, 0, info)
+        return Assignment(VersionActor(self, deployed, False), deployed.version, info)
 
     def _poll_canary(self) -> bool:
         """Follow ``canary.json`` (module docstring); True if the canary changed. A refused

@@ -224,7 +224,8 @@ def test_the_evidence_is_the_two_versions_episodes_since_the_start_and_the_test_
         _episode(4, [8.0], int(t0 * 1000) + 7, _arm_id("d4", True), 5),  # the hash puts it in the canary arm
     ]
     committer.commit(before + arms)
-    run = CanaryRun(version=5, base_version=4, started=t0, gamma=0.5, rule=CanaryRule(min_episodes=3, max_wait_s=60.0))
+    rule = CanaryRule(min_episodes=3, max_wait_s=60.0, episode_max_s=0.0)
+    run = CanaryRun(version=5, base_version=4, started=t0, gamma=0.5, rule=rule)
     v = run.look(uri, now=t0 + 1)
     assert (v.canary.n, v.deployed.n) == (1, 2)
     assert v.canary.mean == pytest.approx(3.0)  # 2 + 0.5 * 2
@@ -294,3 +295,49 @@ def test_only_the_randomized_split_of_services_that_opted_in_is_evidence(tmp_pat
     rule = CanaryRule(return_min=-1.0, return_max=2.0, max_exposure=4000)
     v = judge(canary, deployed, rule, 10.0)
     assert v.decision == "rollback" and v.high < 0
+
+
+@pytest.mark.parametrize("episode_max_s", [3700.0, 0.0])
+def test_slow_failures_are_in_the_evidence_before_a_decision(tmp_path, episode_max_s):
+    """Episodes reach the store when they end, and in RL slow episodes are often the failures:
+    the canary's episodes end after 60 s with return 1.9 (80 %) or hang to the 1-hour limit
+    with -3 (20 %: truly 0.08 worse than deployed's 60-s episodes at 1.0). Looking at whatever
+    has been committed promotes it before the first slow failure ends; counting only complete
+    cohorts (episodes that started at least episode_max_s ago) never does."""
+    from rlrec.store.commit import ShardCommitter
+    from rlrec.trainer.rollout import CanaryRun
+
+    uri = str(tmp_path / "store")
+    committer = ShardCommitter(uri)
+    committer.claim()
+    t0 = 1_000_000.0
+    rng = np.random.default_rng(5)
+    episodes = []  # (end time, episode)
+    for i in range(6000):
+        eid = f"e{i}"
+        start = t0 + i / 2  # two episodes begin every second
+        if in_canary(eid, 0.2):
+            ret, length = (-3.0, 3600.0) if rng.random() < 0.2 else (1.9, 60.0)
+        else:
+            ret, length = float(np.clip(rng.normal(1.0, 0.3), 0.0, 2.0)), 60.0
+        ep = _episode(2 if in_canary(eid, 0.2) else 1, [ret], int(start * 1000), eid, 2, share=0.2)
+        episodes.append((start + length, dataclasses.replace(ep, ended_ms=int((start + length) * 1000))))
+    episodes.sort(key=lambda x: x[0])
+    rule = CanaryRule(min_episodes=30, max_exposure=5000, return_min=-3.0, return_max=2.0, episode_max_s=episode_max_s)
+    run = CanaryRun(version=2, base_version=1, started=t0, gamma=0.9, rule=rule)
+    decision, k = None, 0
+    for now in np.arange(t0 + 120, t0 + 7000, 120.0):
+        batch = []
+        while k < len(episodes) and episodes[k][0] <= now:
+            batch.append(episodes[k][1])
+            k += 1
+        if batch:
+            committer.commit(batch)
+        v = run.look(uri, now=float(now))
+        if v.decision != "continue":
+            decision = (v.decision, float(now - t0))
+            break
+    if episode_max_s:
+        assert decision is None or decision[0] == "rollback"
+    else:  # what looking at whatever has ended does: the worse canary is promoted before its slow failures end
+        assert decision is not None and decision[0] == "promote" and decision[1] < 3600

@@ -35,6 +35,7 @@ CANARY_KW = {
     "canary_look_interval_s": 0.0,
     "canary_return_min": -3.5,  # every return these tests serve lies in it (the test's stated range)
     "canary_return_max": 2.5,
+    "canary_episode_max_s": 0.0,  # these tests' episodes end at once
 }
 
 
@@ -47,7 +48,7 @@ def _serve(committer, started: float, versions: dict[int, float], n: int, seed: 
     for i in range(n):
         eid = f"s{seed}-e{i}"
         v, mean = (canary_v, canary_mean) if in_canary(eid, share) else (base_v, base_mean)
-        eps.append(_episode(v, [float(rng.normal(mean, 1.0))], int(started * 1000) + 1 + i, eid, canary_v, share))
+        eps.append(_episode(v, [float(rng.normal(mean, 1.0))], int(started * 1000) + 1, eid, canary_v, share))
     committer.commit(eps)
 
 

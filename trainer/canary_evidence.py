@@ -78,7 +78,8 @@ class CanaryEvidence:
         self.started_ms = int(float(started) * 1000)
         self.gamma = float(gamma)
         self.policy_id = policy_id
-        self._by_shard: dict[str, dict[int, list[float]]] = {}
+        self._by_shard: dict[str, dict[int, list[tuple[int, int, float]]]] = {}
+        self.longest_s = 0.0  # the longest episode of either arm read so far (start to end)
         self._bad: set[str] = set()
         self.shards_skipped = 0
         self.unassigned = 0  # episodes of either version without this canary's logged assignment
@@ -103,7 +104,7 @@ class CanaryEvidence:
         for e in before[-HISTORY_SHARDS:]:
             try:
                 for values in self._read(e, history=True).values():
-                    returns.extend(values)
+                    returns.extend(x for _s, _d, x in values)
             except (FileNotFoundError, ValueError) as err:
                 log.warning("shard %s cannot be read for the canary's return range (%s)", e.path, err)
         if len(returns) < MIN_HISTORY:
@@ -112,10 +113,24 @@ class CanaryEvidence:
         pad = widen * (hi - lo) if hi > lo else max(1.0, abs(lo))
         return lo - pad, hi + pad, len(returns)
 
-    def refresh(self, low: float | None = None, high: float | None = None) -> tuple[ArmStats, ArmStats]:
+    def refresh(
+        self,
+        low: float | None = None,
+        high: float | None = None,
+        now: float | None = None,
+        episode_max_s: float = 0.0,
+    ) -> tuple[ArmStats, ArmStats]:
         """Read the shards committed since the last call; (canary, deployed) over every shard
         still live (a shard compacted into a merged one is read again from it, once), each
-        return clipped into ``[low, high]`` when given."""
+        return clipped into ``[low, high]`` when given.
+
+        Args:
+            low: the least return (clip).
+            high: the greatest return (clip).
+            now: with it, count only episodes that started by ``now - max(episode_max_s,
+                longest_s)``: a cohort whose episodes have all ended and been committed.
+            episode_max_s: the longest an episode takes from its start to its committed shard.
+        """
         from rlrec.store.snapshot import open_snapshot
 
         snap = open_snapshot(self.storage)
@@ -139,10 +154,15 @@ class CanaryEvidence:
         for key in [k for k in self._by_shard if k not in live]:
             del self._by_shard[key]
         arms = {self.version: ArmStats(), self.base_version: ArmStats()}
+        for by_version in self._by_shard.values():
+            for episodes in by_version.values():
+                self.longest_s = max([self.longest_s, *(d / 1000.0 for _s, d, _x in episodes)])
+        end_ms = None if now is None else (now - max(episode_max_s, self.longest_s)) * 1000.0
         for key in sorted(self._by_shard):
-            for v, returns in self._by_shard[key].items():
-                for x in returns:
-                    arms[v].add(x, low, high)
+            for v, episodes in self._by_shard[key].items():
+                for start, _duration, x in episodes:
+                    if end_ms is None or start <= end_ms:
+                        arms[v].add(x, low, high)
         return arms[self.version], arms[self.base_version]
 
     def _assigned(self, ep: Any, version: int) -> bool:
@@ -158,7 +178,8 @@ class CanaryEvidence:
             return False
         return got[1] == (version == self.version)
 
-    def _read(self, entry: Any, history: bool = False) -> dict[int, list[float]]:
+    def _read(self, entry: Any, history: bool = False) -> dict[int, list[tuple[int, int, float]]]:
+        """Of each kept episode: (started_ms, duration_ms, discounted return), by version."""
         from rlrec.store.commit import read_committed_shard
         from rlrec.store.episodes import EpisodeDecodeError, unpack_episode
         from rlrec.store.schema_gate import open_shard
@@ -168,10 +189,11 @@ class CanaryEvidence:
         data = read_committed_shard(self.storage, entry.path, entry.staging_path, entry.bytes)
         if entry.sha256 and hashlib.sha256(data).hexdigest() != entry.sha256:
             raise ValueError("sha256 does not match the manifest")
-        table = open_shard(data, fmt="episodes").read(["item", "policy_version", "started_ms"])
+        table = open_shard(data, fmt="episodes").read(["item", "policy_version", "started_ms", "ended_ms"])
         versions = table.column("policy_version").to_pylist()
         starts = table.column("started_ms").to_pylist()
-        out: dict[int, list[float]] = {}
+        ends = table.column("ended_ms").to_pylist()
+        out: dict[int, list[tuple[int, int, float]]] = {}
         items = table.column("item")
         for i, (v, s) in enumerate(zip(versions, starts)):
             if not history and (v not in (self.version, self.base_version) or s is None or s < self.started_ms):
@@ -184,5 +206,7 @@ class CanaryEvidence:
             if not history and not self._assigned(ep, int(v)):
                 self.unassigned += 1
                 continue
-            out.setdefault(int(v), []).append(discounted_return(ep.get_rewards(), self.gamma))
+            start = int(s) if s is not None else 0
+            duration = max(0, int(ends[i]) - start) if ends[i] is not None and s is not None else 0
+            out.setdefault(int(v), []).append((start, duration, discounted_return(ep.get_rewards(), self.gamma)))
         return out

@@ -328,6 +328,12 @@ class TrainerConfig:
     canary_return_max: float | None = option(
         None, help="with --rollout canary: the greatest discounted return an episode can have (see --canary-return-min)"
     )
+    canary_episode_max_s: float = option(
+        900.0,
+        help="with --rollout canary: the longest an episode takes from its start until its shard is committed; "
+        "the test counts only episodes that started at least this long ago (a complete cohort, so slow episodes "
+        "-- often the failures -- are not missing from it) and its wall-clock limit counts from there",
+    )
     canary_look_interval_s: float = 10.0
     publish_lease_s: float = 30.0
     ope: OPESettings = field(default_factory=OPESettings)
@@ -497,6 +503,7 @@ class TrainerConfig:
             max_wait_s=self.canary_max_wait_s,
             return_min=self.canary_return_min,
             return_max=self.canary_return_max,
+            episode_max_s=self.canary_episode_max_s,
         )
 
     def feed_policy(self) -> FeedPolicy:

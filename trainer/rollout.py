@@ -45,6 +45,7 @@ class CanaryRun:
     candidate_return: float | None = None  # the gate's estimate (deployed_return once promoted)
     history: list[dict] = field(default_factory=list)
     _evidence: Any = field(default=None, repr=False, compare=False)
+    _warned_long: bool = field(default=False, repr=False, compare=False)
 
     def to_state(self) -> dict:
         """JSON-able (the trainer checkpoint's ``canary``)."""
@@ -96,9 +97,20 @@ class CanaryRun:
             )
         if not self.rule.has_range:
             self._fix_range()
-        canary, deployed = self._evidence.refresh(self.rule.return_min, self.rule.return_max)
         now = time.time() if now is None else now
-        verdict = judge(canary, deployed, self.rule, now - self.started)
+        canary, deployed = self._evidence.refresh(
+            self.rule.return_min, self.rule.return_max, now=now, episode_max_s=self.rule.episode_max_s
+        )
+        if self._evidence.longest_s > self.rule.episode_max_s and not self._warned_long:
+            self._warned_long = True
+            log.warning(
+                "canary v%d: an episode took %.0fs, longer than the stated --canary-episode-max-s %.0fs: the test "
+                "now waits that long for each cohort (state a longer limit)",
+                self.version,
+                self._evidence.longest_s,
+                self.rule.episode_max_s,
+            )
+        verdict = judge(canary, deployed, self.rule, max(0.0, self.cohort_end(now) - self.started))
         last = self.history[-1] if self.history else None
         if last is None or (last["n_canary"], last["n_deployed"]) != (canary.n, deployed.n):
             self.history.append(
@@ -115,6 +127,13 @@ class CanaryRun:
             if len(self.history) > MAX_HISTORY:
                 self.history = self.history[: MAX_HISTORY // 2 : 2] + self.history[MAX_HISTORY // 2 :]
         return verdict
+
+    def cohort_end(self, now: float) -> float:
+        """The latest start an episode counted at `now` may have: every episode that started by
+        then has ended and been committed (``rule.episode_max_s``, or the longest episode seen
+        when longer), so the evidence is a complete cohort, never the fast episodes first."""
+        longest = self._evidence.longest_s if self._evidence is not None else 0.0
+        return now - max(self.rule.episode_max_s, longest)
 
     def _fix_range(self) -> None:
         """A test without a stated return range takes one from the episodes before the start

@@ -137,6 +137,10 @@ class CanaryRule:
         return_min: the least discounted return an episode can have (returns below are clipped
             to it and counted); None: not known yet.
         return_max: the greatest (likewise).
+        episode_max_s: the longest an episode takes from its start until its shard is
+            committed: a look at time t counts only the episodes that started by
+            ``t - episode_max_s`` (a complete cohort: slow episodes, often the failures, are
+            not missing from it), and the wall-clock limit counts from that cohort's end.
         margin: promote when the lower bound of canary - deployed is at least ``-margin``.
         min_episodes: no decision on the bound before this many episodes in each arm.
         max_exposure: roll back undecided once the canary served this many episodes.
@@ -152,6 +156,7 @@ class CanaryRule:
     n_opt: float = 200.0
     return_min: float | None = None
     return_max: float | None = None
+    episode_max_s: float = 900.0
 
     @property
     def has_range(self) -> bool:
@@ -180,6 +185,8 @@ class CanaryRule:
             )
         if not self.max_wait_s > 0:
             raise ValueError(f"the canary's wall-clock limit must be > 0, got {self.max_wait_s!r}")
+        if not (self.episode_max_s >= 0 and math.isfinite(self.episode_max_s)):
+            raise ValueError(f"the canary's longest episode must be >= 0 seconds, got {self.episode_max_s!r}")
         if not self.n_opt > 0:
             raise ValueError(f"n_opt must be > 0, got {self.n_opt!r}")
 

@@ -331,3 +331,34 @@ def test_a_kill_between_the_steps_of_a_promotion_carries_the_same_decision_out_a
     assert json.loads((root / "latest.json").read_bytes())["policy_version"] == 2
     assert json.loads((root / "v000002" / "rollout.json").read_bytes())["decision"] == "promote"
     assert not (root / "canary.json").exists() and not (root / "v000003").exists()
+
+
+def test_an_undecided_canary_whose_traffic_stops_is_rolled_back_and_the_loop_goes_on(tmp_path, setup, monkeypatch):
+    """Both arms have enough episodes, the bound straddles 0, then the canary gets no more
+    episodes (services set canary_fraction back to 0): it is rolled back after --canary-max-wait-s
+    without a new canary episode, loudly, and the next candidate is judged."""
+    root = tmp_path / "ckpt" / "policies"
+    t = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **CANARY_KW)
+    t.iteration = 3
+    t.checkpoint()
+    started = t.canary.started
+    _serve(setup.committer, started, {1: 0.0, 0: 0.0}, 150, seed=3)
+    assert t.look_canary(now=started + 10) is None  # undecided
+    assert t.canary.history[-1]["n_canary"] >= 20 and t.canary.history[-1]["n_deployed"] >= 20
+    assert t.look_canary(now=started + 1800) is None
+    record = t.look_canary(now=started + 3700)
+    assert record["decision"] == "rollback" and "no new canary episode in 3690s" in record["reason"]
+    assert t.canary is None and not (root / "canary.json").exists()
+    t.iteration = 6
+    t.checkpoint()
+    assert t.canary is not None and t.canary.version == 2  # the loop publishes again
+
+
+def test_a_canary_is_never_undecided_past_its_longest_duration():
+    from rlrec.trainer.sequential import ArmStats, CanaryRule, judge
+
+    rule = CanaryRule(min_episodes=2, max_exposure=10_000, max_duration_s=86400.0, return_min=-9.0, return_max=9.0)
+    same = ArmStats.of([0.0, 1.0] * 20)
+    assert judge(same, same, rule, 86399.0, idle_s=0.0).decision == "continue"
+    v = judge(same, same, rule, 86400.0, idle_s=0.0)
+    assert v.decision == "rollback" and "longest canary duration" in v.reason

@@ -317,7 +317,8 @@ class TrainerConfig:
     canary_max_wait_s: float = option(
         3600.0,
         help="with --rollout canary: roll back a canary that has not got --canary-min-episodes in both arms "
-        "after this many seconds (logged as: no canary traffic)",
+        "after this many seconds, or that got no new canary episode for this long after (logged as: no canary "
+        "traffic)",
     )
     canary_return_min: float | None = option(
         None,
@@ -333,6 +334,9 @@ class TrainerConfig:
         help="with --rollout canary: the longest an episode takes from its start until its shard is committed; "
         "the test counts only episodes that started at least this long ago (a complete cohort, so slow episodes "
         "-- often the failures -- are not missing from it) and its wall-clock limit counts from there",
+    )
+    canary_max_duration_s: float = option(
+        7 * 86400.0, help="with --rollout canary: roll back a canary still undecided this long after it started"
     )
     canary_look_interval_s: float = 10.0
     publish_lease_s: float = 30.0
@@ -504,6 +508,7 @@ class TrainerConfig:
             return_min=self.canary_return_min,
             return_max=self.canary_return_max,
             episode_max_s=self.canary_episode_max_s,
+            max_duration_s=self.canary_max_duration_s,
         )
 
     def feed_policy(self) -> FeedPolicy:

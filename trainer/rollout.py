@@ -44,6 +44,7 @@ class CanaryRun:
     rule: CanaryRule
     candidate_return: float | None = None  # the gate's estimate (deployed_return once promoted)
     history: list[dict] = field(default_factory=list)
+    canary_grew: float | None = None  # when a look last found more canary episodes (UNIX time)
     _evidence: Any = field(default=None, repr=False, compare=False)
     _warned_long: bool = field(default=False, repr=False, compare=False)
 
@@ -57,6 +58,7 @@ class CanaryRun:
             "rule": self.rule.to_dict(),
             "candidate_return": self.candidate_return,
             "history": list(self.history),
+            "canary_grew": self.canary_grew,
         }
 
     @classmethod
@@ -71,6 +73,7 @@ class CanaryRun:
                 rule=CanaryRule(**doc["rule"]),
                 candidate_return=None if doc.get("candidate_return") is None else float(doc["candidate_return"]),
                 history=[h for h in doc.get("history") or [] if isinstance(h, dict)][-MAX_HISTORY:],
+                canary_grew=None if doc.get("canary_grew") is None else float(doc["canary_grew"]),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"a malformed canary record in the checkpoint: {e}") from None
@@ -110,8 +113,12 @@ class CanaryRun:
                 self._evidence.longest_s,
                 self.rule.episode_max_s,
             )
-        verdict = judge(canary, deployed, self.rule, max(0.0, self.cohort_end(now) - self.started))
         last = self.history[-1] if self.history else None
+        if canary.n and (last is None or canary.n > last["n_canary"]):
+            self.canary_grew = now
+        elapsed = max(0.0, self.cohort_end(now) - self.started)
+        idle = elapsed if self.canary_grew is None else max(0.0, now - self.canary_grew)
+        verdict = judge(canary, deployed, self.rule, elapsed, idle)
         if last is None or (last["n_canary"], last["n_deployed"]) != (canary.n, deployed.n):
             self.history.append(
                 {

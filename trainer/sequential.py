@@ -144,7 +144,9 @@ class CanaryRule:
         margin: promote when the lower bound of canary - deployed is at least ``-margin``.
         min_episodes: no decision on the bound before this many episodes in each arm.
         max_exposure: roll back undecided once the canary served this many episodes.
-        max_wait_s: roll back when this long passed without `min_episodes` in each arm.
+        max_wait_s: roll back when this long passed without `min_episodes` in each arm, or, once
+            both arms have them, without a new canary episode (its traffic stopped).
+        max_duration_s: roll back a canary still undecided this long after its start.
         n_opt: episodes per arm where the bound is tightest.
     """
 
@@ -157,6 +159,7 @@ class CanaryRule:
     return_min: float | None = None
     return_max: float | None = None
     episode_max_s: float = 900.0
+    max_duration_s: float = 7 * 86400.0
 
     @property
     def has_range(self) -> bool:
@@ -187,6 +190,8 @@ class CanaryRule:
             raise ValueError(f"the canary's wall-clock limit must be > 0, got {self.max_wait_s!r}")
         if not (self.episode_max_s >= 0 and math.isfinite(self.episode_max_s)):
             raise ValueError(f"the canary's longest episode must be >= 0 seconds, got {self.episode_max_s!r}")
+        if not self.max_duration_s > 0:
+            raise ValueError(f"the canary's longest duration must be > 0, got {self.max_duration_s!r}")
         if not self.n_opt > 0:
             raise ValueError(f"n_opt must be > 0, got {self.n_opt!r}")
 
@@ -260,7 +265,9 @@ def difference_bounds(canary: ArmStats, deployed: ArmStats, rule: CanaryRule) ->
     return difference_interval(canary.n, canary.mean, deployed.n, deployed.mean, rule)
 
 
-def judge(canary: ArmStats, deployed: ArmStats, rule: CanaryRule, elapsed_s: float) -> Verdict:
+def judge(
+    canary: ArmStats, deployed: ArmStats, rule: CanaryRule, elapsed_s: float, idle_s: float | None = None
+) -> Verdict:
     """Decide a canary from its arms so far (module docstring; the bound first, then the limits).
 
     Args:
@@ -268,6 +275,7 @@ def judge(canary: ArmStats, deployed: ArmStats, rule: CanaryRule, elapsed_s: flo
         deployed: the deployed version's, over the same time.
         rule: the rule.
         elapsed_s: seconds since the canary started.
+        idle_s: seconds since the canary arm last grew (None: as long as `elapsed_s`).
 
     Example:
         >>> rule = CanaryRule(return_min=-1.0, return_max=3.0)
@@ -302,4 +310,13 @@ def judge(canary: ArmStats, deployed: ArmStats, rule: CanaryRule, elapsed_s: flo
             "rollback",
             f"{NO_TRAFFIC} ({canary.n} canary and {deployed.n} deployed episodes in {elapsed_s:.0f}s)",
         )
+    idle = elapsed_s if idle_s is None else idle_s
+    if enough and idle >= rule.max_wait_s:
+        return verdict(
+            "rollback",
+            f"undecided and {NO_TRAFFIC}: no new canary episode in {idle:.0f}s "
+            f"({canary.n} canary and {deployed.n} deployed episodes)",
+        )
+    if elapsed_s >= rule.max_duration_s:
+        return verdict("rollback", f"undecided after the longest canary duration of {rule.max_duration_s:.0f}s")
     return verdict("continue", "undecided")

@@ -1081,6 +1081,18 @@ class ContinuousTrainer:
         self.canary = None
         return record
 
+    def _look_canary_idle(self) -> None:
+        """Look at the running canary while no data arrives to train on; a decision goes to
+        metrics.jsonl as a late line (the next checkpoint records it)."""
+        if self.canary is None or self._pending:
+            return
+        decided = self.look_canary()
+        if decided is None or self.metrics is None or self.last_record is None:
+            return
+        late = {k: self.last_record.get(k) for k in ("iteration", "timesteps_trained", "shards_total")}
+        late.update({"policy_version": self.policy_version, "time": round(time.time(), 3), "shards_new": 0})
+        self.metrics.write({**late, "late": True, "canary": decided})
+
     def _log_canary(self, record: dict) -> None:
         from rlrec.trainer.sequential import NO_TRAFFIC
 
@@ -1535,6 +1547,7 @@ class ContinuousTrainer:
             ready = od.has_fresh() if self.cfg.wait_for_data else od.has_data()
             if not ready:
                 self._progress()
+                self._look_canary_idle()  # no new data need not stop a canary's limits from applying
                 if time.monotonic() - last_idle_log > self.cfg.idle_log_interval_s:
                     log.info("no %s data; waiting for new shards", "fresh" if self.cfg.wait_for_data else "usable")
                     last_idle_log = time.monotonic()

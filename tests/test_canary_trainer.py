@@ -362,3 +362,33 @@ def test_a_canary_is_never_undecided_past_its_longest_duration():
     assert judge(same, same, rule, 86399.0, idle_s=0.0).decision == "continue"
     v = judge(same, same, rule, 86400.0, idle_s=0.0)
     assert v.decision == "rollback" and "longest canary duration" in v.reason
+
+
+def test_a_canary_publication_refused_for_lost_lineage_is_no_canary(tmp_path, setup, monkeypatch):
+    """write_publication refuses the canary version (its data was removed by retention): its
+    canary.json goes too, the trainer runs no phantom canary, and the next candidate is judged
+    under a new number (the refused one stays reserved)."""
+    from rlrec.trainer import export
+    from rlrec.trainer.lineage import LineageError
+
+    root = tmp_path / "ckpt" / "policies"
+    t = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **{**CANARY_KW, "canary_max_wait_s": 60.0})
+    t.iteration = 3
+    t.checkpoint()
+    _serve(setup.committer, t.canary.started, {1: 2.0, 0: 0.0}, 300, seed=1)
+    assert t.look_canary()["decision"] == "promote"
+    real = export._check_data_kept
+
+    def refused(storage, pub):
+        export._remove_refused(storage, pub)
+        raise LineageError(f"policy version {pub.version}: data removed by retention")
+
+    monkeypatch.setattr(export, "_check_data_kept", refused)
+    t.iteration = 6
+    t.checkpoint()
+    monkeypatch.setattr(export, "_check_data_kept", real)
+    assert not t._pending and t.canary is None and not (root / "canary.json").exists()
+    t.iteration = 9
+    t.checkpoint()
+    assert (t.canary.version, t.canary.base_version) == (3, 1)
+    assert json.loads((root / "canary.json").read_bytes())["policy_version"] == 3

@@ -524,6 +524,8 @@ class ContinuousTrainer:
             except LineageError as e:  # its data is gone: never deployed, not retried
                 log.error("%s", e)
                 self._pending.pop(0)
+                if pub.canary_base is not None:
+                    self._drop_refused_canary(pub.version)
                 continue
             except PublishRootTaken:
                 raise
@@ -535,6 +537,22 @@ class ContinuousTrainer:
                 log.info("published policy v%d on canary above v%d", pub.version, pub.canary_base)
             else:
                 log.info("published policy v%d", pub.version)
+
+    def _drop_refused_canary(self, version: int) -> None:
+        """A canary whose publication was refused is no canary: its pointer goes (if it still
+        names it; retried at the next look otherwise) and the next candidate is judged."""
+        from rlrec.trainer.canary_publish import _remove_canary
+
+        if self.canary is not None and self.canary.version == version:
+            self.canary = None
+        try:
+            _remove_canary(self.publish_storage, version)
+        except PublishRootTaken:
+            raise
+        except Exception as e:
+            log.error(
+                "removing the canary pointer of refused v%d failed (%s): services refuse it meanwhile", version, e
+            )
 
     def _latest_version(self) -> int:
         """A canary's base: the version the signed ``latest.json`` names, never below the version

@@ -392,3 +392,33 @@ def test_a_canary_publication_refused_for_lost_lineage_is_no_canary(tmp_path, se
     t.checkpoint()
     assert (t.canary.version, t.canary.base_version) == (3, 1)
     assert json.loads((root / "canary.json").read_bytes())["policy_version"] == 3
+
+
+def test_a_canary_pending_through_an_outage_starts_when_its_pointer_lands(tmp_path, setup, monkeypatch):
+    """A publish-store outage longer than --canary-max-wait-s keeps the canary's publication
+    pending; its clock starts when canary.json lands, so the first look does not roll it back
+    as 'no canary traffic' for time it was not served."""
+    import time as time_module
+
+    from rlrec.trainer import canary_publish
+
+    root = tmp_path / "ckpt" / "policies"
+    t = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **{**CANARY_KW, "canary_max_wait_s": 600.0})
+    real = canary_publish.write_canary
+
+    def down(*a, **kw):
+        raise OSError("publish store unreachable")
+
+    monkeypatch.setattr(canary_publish, "write_canary", down)
+    t.iteration = 3
+    t.checkpoint()
+    assert t._pending and not (root / "canary.json").exists()
+    prepared = t.canary.started
+    monkeypatch.setattr(canary_publish, "write_canary", real)
+    back = prepared + 660.0  # the store is back 11 minutes later
+    with monkeypatch.context() as m:
+        m.setattr(time_module, "time", lambda: back)
+        t._write_publications()
+    assert json.loads((root / "canary.json").read_bytes())["started"] == pytest.approx(back)
+    assert t.canary.started == pytest.approx(back)
+    assert t.look_canary(now=back + 60) is None  # served 60 s: no verdict yet

@@ -509,6 +509,7 @@ class ContinuousTrainer:
             self._check_lease()
             try:
                 if pub.canary_base is not None:
+                    self._start_canary_clock(pub)
                     write_canary(
                         self.publish_storage,
                         pub,
@@ -537,6 +538,24 @@ class ContinuousTrainer:
                 log.info("published policy v%d on canary above v%d", pub.version, pub.canary_base)
             else:
                 log.info("published policy v%d", pub.version)
+
+    def _start_canary_clock(self, pub: Any) -> None:
+        """A canary starts when its ``canary.json`` lands, not when it was prepared: a
+        publication pending through a publish-store outage (or until a resume) starts now, so
+        its wall-clock limits do not count time it was not served. A rewrite of a pointer that
+        already names it keeps its start."""
+        from rlrec.trainer.canary_publish import read_pointer
+        from rlrec.trainer.policy import CANARY, PolicyLoadError
+
+        try:
+            current = read_pointer(self.publish_storage, CANARY)
+        except (OSError, PolicyLoadError):
+            current = None
+        if current is not None and current.get("policy_version") == pub.version:
+            return
+        pub.canary_started = time.time()
+        if self.canary is not None and self.canary.version == pub.version and not self.canary.history:
+            self.canary.started = pub.canary_started
 
     def _drop_refused_canary(self, version: int) -> None:
         """A canary whose publication was refused is no canary: its pointer goes (if it still

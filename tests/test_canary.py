@@ -378,12 +378,27 @@ def test_two_publishers_on_one_root_cannot_both_publish(tmp_path):
 
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     from rlrec.store.ownership import renew_lease
+    from rlrec.trainer.publish_lease import _process_namespace
 
-    renew_lease(storage, "publisher", 0, writer=f"{socket.gethostname()}:{gone.stdout.strip()}:x", epoch=5, ttl_s=60)
+    here = _process_namespace()
+    # the same pid in another PID namespace (a container sharing the hostname): waited out, not taken
+    renew_lease(
+        storage,
+        "publisher",
+        0,
+        writer=f"{socket.gethostname()}:{gone.stdout.strip()}:x:othernamespace",
+        epoch=4,
+        ttl_s=60,
+    )
+    with pytest.raises(PublishRootTaken):
+        PublishLease(storage, ttl_s=60.0, writer="other-ns", sleep=lambda s: None).acquire(max_wait_s=0.0)
+    renew_lease(
+        storage, "publisher", 0, writer=f"{socket.gethostname()}:{gone.stdout.strip()}:x:{here}", epoch=5, ttl_s=60
+    )
     fourth = PublishLease(storage, ttl_s=60.0, writer="fourth", sleep=lambda s: done.set())
     fourth.acquire()
     assert not done.is_set() and fourth.epoch == 6
-    renew_lease(storage, "publisher", 0, writer=f"{socket.gethostname()}:{os.getppid()}:x", epoch=7, ttl_s=60)
+    renew_lease(storage, "publisher", 0, writer=f"{socket.gethostname()}:{os.getppid()}:x:{here}", epoch=7, ttl_s=60)
     with pytest.raises(PublishRootTaken):  # a live process of this host: refused
         PublishLease(storage, ttl_s=60.0, writer="fifth", sleep=lambda s: None).acquire(max_wait_s=0.0)
     fourth.release()

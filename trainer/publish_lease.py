@@ -5,7 +5,8 @@ publish root at ``_owners/publisher/00000.json``: ``{"writer", "epoch", "renewed
 renewed every ``ttl_s / 3`` by a daemon thread, released at a clean stop.
 
 * Taking it (`PublishLease.acquire`): a lease that is missing or released is taken at once, and
-  so is one naming a process of this host that no longer runs; any other is waited on while it
+  so is one naming a process of this host's boot and PID namespace that no longer runs (a
+  container sharing the hostname has another namespace: never taken at once); any other is waited on while it
   may belong to a dead trainer (a kill -9 elsewhere leaves its lease to expire within ``ttl_s``), judged as `rlrec.store.ownership.judge_leases` judges owners
   (live by the clock, or changed while watched). One still live after that belongs to a
   running trainer: `PublishRootTaken` (``rlrec train`` exits 2 with one line).
@@ -57,11 +58,29 @@ class PublishRootTaken(RuntimeError):
     """Another trainer publishes to this root (its lease is live), or took it from this one."""
 
 
+def _process_namespace() -> str:
+    """This machine's boot and PID namespace, as a short id ("" when unknown): two containers
+    that share a hostname do not share it, so a pid is only compared within one namespace."""
+    import hashlib
+
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            boot = f.read().strip()
+        ns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return ""
+    return hashlib.sha256(f"{boot}:{ns}".encode()).hexdigest()[:12]
+
+
 def _dead_here(writer: str) -> bool:
-    """Whether `writer` (``host:pid:random``) names a process of this host that no longer runs
-    (a trainer killed here: its successor need not wait for the lease to expire)."""
-    host, _, rest = writer.partition(":")
-    pid_text = rest.partition(":")[0]
+    """Whether `writer` (``host:pid:random:namespace``) names a process of this host's boot and
+    PID namespace that no longer runs (a trainer killed here: its successor need not wait for
+    the lease to expire). A writer of another namespace -- a container sharing the hostname --
+    or one without a namespace is never taken for dead: its lease is waited out."""
+    parts = writer.split(":")
+    if len(parts) != 4 or not parts[3] or parts[3] != _process_namespace():
+        return False
+    host, pid_text = parts[0], parts[1]
     if host != socket.gethostname() or not pid_text.isdigit() or int(pid_text) == os.getpid():
         return False
     try:
@@ -79,7 +98,7 @@ class PublishLease:
     Args:
         storage: the publish root.
         ttl_s: how long the lease lasts unless renewed.
-        writer: this trainer's name in the lease (default ``host:pid:random``).
+        writer: this trainer's name in the lease (default ``host:pid:random:namespace``).
         sleep: how to wait (tests).
 
     Example:
@@ -106,7 +125,7 @@ class PublishLease:
     ) -> None:
         self.storage = storage
         self.ttl_s = float(ttl_s)
-        self.writer = writer or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.writer = writer or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}:{_process_namespace()}"
         self.epoch = 0
         self.lost: str | None = None
         self._claimed: int | None = None  # this trainer's claim in the fencing log

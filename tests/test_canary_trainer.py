@@ -422,3 +422,28 @@ def test_a_canary_pending_through_an_outage_starts_when_its_pointer_lands(tmp_pa
     assert json.loads((root / "canary.json").read_bytes())["started"] == pytest.approx(back)
     assert t.canary.started == pytest.approx(back)
     assert t.look_canary(now=back + 60) is None  # served 60 s: no verdict yet
+
+
+def test_an_unreadable_canary_pointer_at_resume_keeps_the_running_test(tmp_path, setup, monkeypatch):
+    """A transient error reading canary.json at --resume is not "the canary is over": the test
+    continues (services keep serving the canary meanwhile, so something must judge it)."""
+    from rlrec.trainer import canary_publish
+
+    t = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **CANARY_KW)
+    t.iteration = 3
+    t.checkpoint()
+    t.iteration = 4
+    t.checkpoint()  # kill -9 after this
+    real = canary_publish.read_pointer
+
+    def flaky(storage, name="latest.json", signing_key=None):
+        if name == "canary.json":
+            raise OSError("503 Slow Down")
+        return real(storage, name, signing_key)
+
+    monkeypatch.setattr(canary_publish, "read_pointer", flaky)
+    r = _resumed(tmp_path, setup, monkeypatch)
+    monkeypatch.setattr(canary_publish, "read_pointer", real)
+    assert r.canary is not None and r.canary.version == 1
+    _serve(setup.committer, r.canary.started, {1: 2.0, 0: 0.0}, 300, seed=8)
+    assert r.look_canary()["decision"] == "promote"

@@ -141,6 +141,11 @@ def test_the_rules_edges():
     assert v.decision == "rollback" and "is below 0: the canary is worse" in v.reason and v.high < 0
     v = judge(big_better, big_worse, rule, 1.0)
     assert v.decision == "promote" and v.low > 0
+    # a canary proven worse by less than the margin is promoted (the margin is what is accepted)
+    within = dataclasses.replace(rule, margin=1.0, max_exposure=10_000)
+    slightly_worse, base = ArmStats.of([2.0] * 4000), ArmStats.of([2.5] * 4000)
+    v = judge(slightly_worse, base, within, 1.0)
+    assert v.high < 0 and v.low >= -1.0 and v.decision == "promote"
     # without a return range there is no bound: never promoted, rolled back at the exposure
     unranged = dataclasses.replace(rule, return_min=None, return_max=None)
     many_better, many_worse = ArmStats.of([5.0, 5.1] * 50), ArmStats.of([0.0, 0.1] * 200)

@@ -23,9 +23,9 @@ decided only by its limits (rolled back). `tests/test_canary_sequential.py` simu
 peeking on normal, degenerate (capped) and sparse returns and checks that the rates of wrong
 decisions stay below alpha.
 
-`judge` applies the rules of ``rlrec train --rollout canary``: roll back when the upper bound is
-below 0 (the canary is worse), promote when the lower bound clears ``-margin`` (with at least
-`min_episodes` per arm), roll back undecided after `max_exposure` canary episodes, and roll back
+`judge` applies the rules of ``rlrec train --rollout canary``: promote when the lower bound clears
+``-margin`` (with at least `min_episodes` per arm; a canary proven worse by less than the margin
+is promoted: the margin is what the user accepts), roll back when the upper bound is below 0, roll back undecided after `max_exposure` canary episodes, and roll back
 when `max_wait_s` passed without enough episodes in either arm. Pure logic: numpy only.
 """
 
@@ -293,10 +293,10 @@ def judge(
     def verdict(decision: str, reason: str) -> Verdict:
         return Verdict(decision, reason, canary, deployed, low, high)
 
+    if enough and low is not None and low >= -rule.margin:  # within the margin: promoted even if below 0
+        return verdict("promote", f"the lower bound {low:.4g} of canary - deployed clears -margin (-{rule.margin:g})")
     if enough and high is not None and high < 0.0:
         return verdict("rollback", f"the upper bound {high:.4g} of canary - deployed is below 0: the canary is worse")
-    if enough and low is not None and low >= -rule.margin:
-        return verdict("promote", f"the lower bound {low:.4g} of canary - deployed clears -margin (-{rule.margin:g})")
     if canary.n >= rule.max_exposure:
         return verdict(
             "rollback",

@@ -1617,6 +1617,12 @@ class ContinuousTrainer:
             self._watchdog.progress()
 
     def close(self) -> None:
+        if self.canary is not None:
+            log.warning(
+                "canary v%d stays on trial with no judge until this trainer runs again with --resume: opted-in "
+                "services keep serving it to their share",
+                self.canary.version,
+            )
         if self._watchdog is not None:
             self._watchdog.stop()
         if self.publish_lease is not None:

@@ -489,6 +489,10 @@ def test_a_trainer_whose_root_was_taken_mid_publication_writes_nothing_more(tmp_
 
     thread = threading.Thread(target=a_publishes)
     thread.start()
+    reserved = root / "_owners" / "publisher" / "versions" / f"{1:012d}"
+    deadline = time.monotonic() + 10
+    while not reserved.exists() and time.monotonic() < deadline:  # A reserved v1, its first file write waits
+        time.sleep(0.01)
     b_raw = Storage.from_uri(str(root))
     from rlrec.store.ownership import release_lease
 
@@ -505,3 +509,23 @@ def test_a_trainer_whose_root_was_taken_mid_publication_writes_nothing_more(tmp_
     p = load_policy(str(root), public_key=str(pub), channel="prod")
     assert p.policy_version == 2 and p.run_id == RUN_B
     assert not (root / "v000001" / "policy.json").exists()  # A's one write in flight stayed in A's version
+
+
+def test_a_publication_whose_number_another_writer_reserved_is_dropped_not_retried(tmp_path, monkeypatch):
+    from rlrec.trainer.export import reserve_version
+    from tests.test_policy_binding import _trainer
+
+    keys_dir = tmp_path / "keys"
+    generate_keys(keys_dir)
+    t = _trainer(tmp_path, keys_dir, monkeypatch, resume=False)
+    root = tmp_path / "ckpt" / "policies"
+    real = t._next_version
+    monkeypatch.setattr(t, "_next_version", lambda: 1)  # numbered before the other writer reserved v1
+    reserve_version(Storage.from_uri(str(root)), 1, b"another writer's publication")
+    t.iteration = 3
+    t.checkpoint()
+    assert not t._pending and not (root / "v000001" / "policy.json").exists()
+    monkeypatch.setattr(t, "_next_version", real)
+    t.iteration = 6
+    t.checkpoint()
+    assert json.loads((root / "latest.json").read_bytes())["policy_version"] == 2

@@ -502,7 +502,7 @@ class ContinuousTrainer:
         """Write the committed publications not written yet (oldest first); one that fails stays
         pending (in memory and in every later checkpoint) and is written again later."""
         from rlrec.trainer.canary_publish import write_canary
-        from rlrec.trainer.export import highest_version, write_publication
+        from rlrec.trainer.export import VersionTaken, highest_version, write_publication
 
         while self._pending:
             pub = self._pending[0]
@@ -527,6 +527,12 @@ class ContinuousTrainer:
                 self._pending.pop(0)
                 if pub.canary_base is not None:
                     self._drop_refused_canary(pub.version)
+                continue
+            except VersionTaken as e:  # another publication holds its number: never written, not retried
+                log.error("%s: policy v%d is dropped; the next version is numbered above it", e, pub.version)
+                self._pending.pop(0)
+                if pub.canary_base is not None and self.canary is not None and self.canary.version == pub.version:
+                    self.canary = None
                 continue
             except PublishRootTaken:
                 raise

@@ -346,3 +346,20 @@ def test_slow_failures_are_in_the_evidence_before_a_decision(tmp_path, episode_m
         assert decision is None or decision[0] == "rollback"
     else:  # what looking at whatever has ended does: the worse canary is promoted before its slow failures end
         assert decision is not None and decision[0] == "promote" and decision[1] < 3600
+
+
+def test_a_consumer_clock_behind_the_trainers_loses_no_evidence(tmp_path):
+    """A shard's commit time is the consumer's clock: one a minute behind the trainer's stamps a
+    shard of episodes that began after the canary's start as committed before it. It is read."""
+    import time
+
+    from rlrec.store.commit import ShardCommitter
+    from rlrec.trainer.canary_evidence import CanaryEvidence
+
+    uri = str(tmp_path / "store")
+    committer = ShardCommitter(uri)
+    committer.claim()
+    started = time.time() + 60.0  # the trainer's clock is a minute ahead of the consumer's
+    committer.commit([_episode(5, [1.0], int(started * 1000) + 1, _arm_id("c", True), 5)])
+    canary, _deployed = CanaryEvidence(uri, version=5, base_version=4, started=started, gamma=0.9).refresh()
+    assert canary.n == 1

@@ -24,12 +24,15 @@ import numpy as np
 from rlrec.store.storage import Storage
 from rlrec.trainer.sequential import ArmStats
 
-__all__ = ["HISTORY_SHARDS", "MIN_HISTORY", "CanaryEvidence", "discounted_return"]
+__all__ = ["CLOCK_SKEW_S", "HISTORY_SHARDS", "MIN_HISTORY", "CanaryEvidence", "discounted_return"]
 
 #: how many of the newest shards committed before a canary's start `history_range` reads
 HISTORY_SHARDS = 20
 #: the fewest episodes before the start from which `history_range` fixes a range
 MIN_HISTORY = 30
+#: how far the consumer's clock (a shard's commit time) may lag the trainer's (the canary's start)
+#: before a shard is skipped unread as committed before the start
+CLOCK_SKEW_S = 600.0
 
 log = logging.getLogger("rlrec.trainer")
 
@@ -184,8 +187,8 @@ class CanaryEvidence:
         from rlrec.store.episodes import EpisodeDecodeError, unpack_episode
         from rlrec.store.schema_gate import open_shard
 
-        if not history and entry.commit_time and entry.commit_time * 1000 < self.started_ms:
-            return {}  # committed before the canary began: every episode in it began before too
+        if not history and entry.commit_time and (entry.commit_time + CLOCK_SKEW_S) * 1000 < self.started_ms:
+            return {}  # committed well before the canary began: every episode in it began before too
         data = read_committed_shard(self.storage, entry.path, entry.staging_path, entry.bytes)
         if entry.sha256 and hashlib.sha256(data).hexdigest() != entry.sha256:
             raise ValueError("sha256 does not match the manifest")

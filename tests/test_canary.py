@@ -529,3 +529,11 @@ def test_a_publication_whose_number_another_writer_reserved_is_dropped_not_retri
     t.iteration = 6
     t.checkpoint()
     assert json.loads((root / "latest.json").read_bytes())["policy_version"] == 2
+
+
+def test_a_checkpoint_directory_finds_a_first_canary(tmp_path, keys):
+    """load_policy(<checkpoint dir>) during a first canary (no latest.json yet) follows
+    policies/canary.json, as it follows policies/latest.json."""
+    canary(tmp_path / "ckpt" / "policies", 1, keys["private"], base=0)
+    p = load_policy(str(tmp_path / "ckpt"), public_key=keys["public"], channel="prod", canary_fraction=0.3)
+    assert p.canary_version == 1

@@ -1521,8 +1521,12 @@ def load_policy(
     """
     root = os.fspath(uri).rstrip("/")
     files = _Files(root)
-    if not files.exists(LATEST) and not files.exists(CANARY) and files.exists(f"policies/{LATEST}"):
-        root = f"{root}/policies"
+    if (
+        not files.exists(LATEST)
+        and not files.exists(CANARY)
+        and (files.exists(f"policies/{LATEST}") or files.exists(f"policies/{CANARY}"))
+    ):
+        root = f"{root}/policies"  # a checkpoint directory: its publish root (a first canary has no latest.json)
     deadline = time.monotonic() + wait_s
     while True:
         try:

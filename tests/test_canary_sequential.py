@@ -363,3 +363,27 @@ def test_a_consumer_clock_behind_the_trainers_loses_no_evidence(tmp_path):
     committer.commit([_episode(5, [1.0], int(started * 1000) + 1, _arm_id("c", True), 5)])
     canary, _deployed = CanaryEvidence(uri, version=5, base_version=4, started=started, gamma=0.9).refresh()
     assert canary.n == 1
+
+
+def test_the_evidence_only_grows_when_shards_are_compacted_or_removed(tmp_path, monkeypatch):
+    """A shard merged into another (its episodes committed again) adds nothing; a shard that
+    retention or compaction removes keeps what it gave: the looked-at samples stay nested."""
+    from types import SimpleNamespace
+
+    from rlrec.store import snapshot
+    from rlrec.store.commit import ShardCommitter
+    from rlrec.trainer.canary_evidence import CanaryEvidence
+
+    uri = str(tmp_path / "store")
+    committer = ShardCommitter(uri)
+    committer.claim()
+    t0 = 1_000_000.0
+    eps = [_episode(5, [1.0], int(t0 * 1000) + i, _arm_id(f"c{i}", True), 5) for i in range(3)]
+    eps += [_episode(4, [0.0], int(t0 * 1000) + i, _arm_id(f"d{i}", False), 5) for i in range(4)]
+    committer.commit(eps)
+    ev = CanaryEvidence(uri, version=5, base_version=4, started=t0, gamma=0.9)
+    assert [a.n for a in ev.refresh()] == [3, 4]
+    committer.commit(eps)  # the same episodes in a merged shard
+    assert [a.n for a in ev.refresh()] == [3, 4]
+    monkeypatch.setattr(snapshot, "open_snapshot", lambda storage: SimpleNamespace(entries=[]))  # all removed
+    assert [a.n for a in ev.refresh()] == [3, 4]

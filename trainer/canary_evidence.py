@@ -81,7 +81,8 @@ class CanaryEvidence:
         self.started_ms = int(float(started) * 1000)
         self.gamma = float(gamma)
         self.policy_id = policy_id
-        self._by_shard: dict[str, dict[int, list[tuple[int, int, float]]]] = {}
+        self._read_shards: set[str] = set()
+        self._episodes: dict[str, tuple[int, int, float]] = {}  # episode id: (version, started_ms, return)
         self.longest_s = 0.0  # the longest episode of either arm read so far (start to end)
         self._bad: set[str] = set()
         self.shards_skipped = 0
@@ -107,7 +108,7 @@ class CanaryEvidence:
         for e in before[-HISTORY_SHARDS:]:
             try:
                 for values in self._read(e, history=True).values():
-                    returns.extend(x for _s, _d, x in values)
+                    returns.extend(x for _e, _s, _d, x in values)
             except (FileNotFoundError, ValueError) as err:
                 log.warning("shard %s cannot be read for the canary's return range (%s)", e.path, err)
         if len(returns) < MIN_HISTORY:
@@ -123,9 +124,10 @@ class CanaryEvidence:
         now: float | None = None,
         episode_max_s: float = 0.0,
     ) -> tuple[ArmStats, ArmStats]:
-        """Read the shards committed since the last call; (canary, deployed) over every shard
-        still live (a shard compacted into a merged one is read again from it, once), each
-        return clipped into ``[low, high]`` when given.
+        """Read the shards committed since the last call; (canary, deployed) over every episode
+        read so far, each counted once by its episode id (a shard compacted into a merged one
+        adds nothing new; one removed by retention or compaction keeps what it gave: the
+        evidence only grows), each return clipped into ``[low, high]`` when given.
 
         Args:
             low: the least return (clip).
@@ -137,35 +139,33 @@ class CanaryEvidence:
         from rlrec.store.snapshot import open_snapshot
 
         snap = open_snapshot(self.storage)
-        live = set()
         for e in snap.entries:
             if self.policy_id is not None and e.policy_id != self.policy_id:
                 continue
             if e.format != "episodes":
                 continue
-            live.add(e.path)
-            if e.path in self._by_shard or e.path in self._bad:
+            if e.path in self._read_shards or e.path in self._bad:
                 continue
             try:
-                self._by_shard[e.path] = self._read(e)
+                by_version = self._read(e)
             except FileNotFoundError:
+                log.warning("shard %s was removed before the canary's evidence read it", e.path)
                 continue
             except ValueError as err:
                 self._bad.add(e.path)
                 self.shards_skipped += 1
                 log.error("shard %s cannot be read as canary evidence (%s); skipping it", e.path, err)
-        for key in [k for k in self._by_shard if k not in live]:
-            del self._by_shard[key]
+                continue
+            self._read_shards.add(e.path)
+            for v, episodes in by_version.items():
+                for eid, start, duration, x in episodes:
+                    self._episodes.setdefault(eid, (v, start, x))
+                    self.longest_s = max(self.longest_s, duration / 1000.0)
         arms = {self.version: ArmStats(), self.base_version: ArmStats()}
-        for by_version in self._by_shard.values():
-            for episodes in by_version.values():
-                self.longest_s = max([self.longest_s, *(d / 1000.0 for _s, d, _x in episodes)])
         end_ms = None if now is None else (now - max(episode_max_s, self.longest_s)) * 1000.0
-        for key in sorted(self._by_shard):
-            for v, episodes in self._by_shard[key].items():
-                for start, _duration, x in episodes:
-                    if end_ms is None or start <= end_ms:
-                        arms[v].add(x, low, high)
+        for v, start, x in self._episodes.values():
+            if end_ms is None or start <= end_ms:
+                arms[v].add(x, low, high)
         return arms[self.version], arms[self.base_version]
 
     def _assigned(self, ep: Any, version: int) -> bool:
@@ -181,8 +181,8 @@ class CanaryEvidence:
             return False
         return got[1] == (version == self.version)
 
-    def _read(self, entry: Any, history: bool = False) -> dict[int, list[tuple[int, int, float]]]:
-        """Of each kept episode: (started_ms, duration_ms, discounted return), by version."""
+    def _read(self, entry: Any, history: bool = False) -> dict[int, list[tuple[str, int, int, float]]]:
+        """Of each kept episode: (episode id, started_ms, duration_ms, discounted return), by version."""
         from rlrec.store.commit import read_committed_shard
         from rlrec.store.episodes import EpisodeDecodeError, unpack_episode
         from rlrec.store.schema_gate import open_shard
@@ -196,7 +196,7 @@ class CanaryEvidence:
         versions = table.column("policy_version").to_pylist()
         starts = table.column("started_ms").to_pylist()
         ends = table.column("ended_ms").to_pylist()
-        out: dict[int, list[tuple[int, int, float]]] = {}
+        out: dict[int, list[tuple[str, int, int, float]]] = {}
         items = table.column("item")
         for i, (v, s) in enumerate(zip(versions, starts)):
             if not history and (v not in (self.version, self.base_version) or s is None or s < self.started_ms):
@@ -211,5 +211,6 @@ class CanaryEvidence:
                 continue
             start = int(s) if s is not None else 0
             duration = max(0, int(ends[i]) - start) if ends[i] is not None and s is not None else 0
-            out.setdefault(int(v), []).append((start, duration, discounted_return(ep.get_rewards(), self.gamma)))
+            ret = discounted_return(ep.get_rewards(), self.gamma)
+            out.setdefault(int(v), []).append((str(ep.id_), start, duration, ret))
         return out

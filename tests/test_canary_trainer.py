@@ -447,3 +447,30 @@ def test_an_unreadable_canary_pointer_at_resume_keeps_the_running_test(tmp_path,
     assert r.canary is not None and r.canary.version == 1
     _serve(setup.committer, r.canary.started, {1: 2.0, 0: 0.0}, 300, seed=8)
     assert r.look_canary()["decision"] == "promote"
+
+
+def test_a_fresh_run_takes_no_replayed_signed_latest_json_as_its_base(tmp_path, setup, monkeypatch):
+    """A trainer started without --resume knows no deployed version of its own: a genuine old
+    latest.json(v1) replayed after v2 was promoted is still no base (v2, signed and no canary,
+    exists above it), so a rollback cannot republish v1's weights as the newest version."""
+    root = tmp_path / "ckpt" / "policies"
+    t = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **{**CANARY_KW, "canary_max_wait_s": 60.0})
+    t.iteration = 3
+    t.checkpoint()
+    _serve(setup.committer, t.canary.started, {1: 2.0, 0: 0.0}, 300, seed=1)
+    assert t.look_canary()["decision"] == "promote"
+    old = {n: (root / n).read_bytes() for n in ("latest.json", "latest.json.sig")}
+    t.iteration = 6
+    t.checkpoint()
+    _serve(setup.committer, t.canary.started, {2: 2.0, 1: 0.0}, 300, seed=2)
+    assert t.look_canary()["decision"] == "promote"
+    for name, data in old.items():
+        (root / name).write_bytes(data)
+    fresh = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **{**CANARY_KW, "canary_max_wait_s": 60.0})
+    fresh.iteration = 3
+    fresh.checkpoint()
+    assert (fresh.canary.version, fresh.canary.base_version) == (3, 2)
+    record = fresh.look_canary(now=fresh.canary.started + 61)
+    assert record["decision"] == "rollback"
+    spec = json.loads((root / f"v{record['deployed_version']:06d}" / "policy.json").read_bytes())
+    assert spec["republished_from"] == 2

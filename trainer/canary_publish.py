@@ -43,7 +43,15 @@ from rlrec.trainer.policy import (
 )
 from rlrec.trainer.signing import SIG_SUFFIX, SignatureError, sign, verify
 
-__all__ = ["ROLLOUT", "deployed_version", "end_canary", "read_decision", "read_pointer", "write_canary"]
+__all__ = [
+    "ROLLOUT",
+    "deployed_version",
+    "end_canary",
+    "read_decision",
+    "read_pointer",
+    "signed_above",
+    "write_canary",
+]
 
 log = logging.getLogger("rlrec.trainer")
 
@@ -96,6 +104,55 @@ def deployed_version(storage: Storage, signing_key: Any) -> int | None:
         log.error("%s under %s is not used: %s", LATEST, storage.uri(), e)
         return None
     return 0 if pointer is None else int(pointer["policy_version"])
+
+
+#: the most version directories above latest.json's that `signed_above` checks
+MAX_ABOVE = 64
+
+
+def _rolled_back(storage: Storage, d: str, signing_key: Any) -> bool:
+    """Whether version directory `d` holds this key's signed record of a canary rolled back."""
+    from rlrec.trainer.export import _read_small
+
+    rel = f"{d}/{CANARY_ENDED}"
+    try:
+        data = _read_small(storage, rel, 4096)
+        verify(signing_key.public_key(), data, _read_small(storage, rel + SIG_SUFFIX, 1024))
+        doc = _json(data, rel)
+    except (FileNotFoundError, SignatureError, PolicyLoadError):
+        return False
+    return isinstance(doc, dict) and doc.get("decision") == "rollback"
+
+
+def signed_above(storage: Storage, signing_key: Any, named: int, channel: str | None) -> int:
+    """The highest version above `named` that `signing_key` signed for `channel` and that is
+    neither a rolled-back canary (a signed ``canary-ended.json`` saying so) nor the one
+    ``canary.json`` names: when
+    there is one, a ``latest.json`` naming `named` is a replayed pointer (services refuse it and
+    keep that version). `named` when there is none (or without a key)."""
+    from rlrec.trainer.export import VERSION_DIR_RE, _verified_spec
+
+    if signing_key is None:
+        return named
+    try:
+        canary = read_pointer(storage, CANARY, signing_key)
+    except (OSError, PolicyLoadError):
+        canary = None
+    running = None if canary is None else int(canary["policy_version"])
+    names = sorted(
+        (i.name for i in storage.list("") if i.is_dir and VERSION_DIR_RE.match(i.name) and int(i.name[1:]) > named),
+        reverse=True,
+    )
+    for d in names[:MAX_ABOVE]:
+        if int(d[1:]) == running or _rolled_back(storage, d, signing_key):
+            continue
+        try:
+            _spec_bytes, spec = _verified_spec(storage, d, signing_key)
+        except (OSError, SignatureError, ValueError, PolicyLoadError):
+            continue
+        if spec.get("channel") == channel:
+            return int(d[1:])
+    return named
 
 
 def read_decision(storage: Storage, version: int, signing_key: Any) -> dict | None:

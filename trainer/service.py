@@ -585,7 +585,7 @@ class ContinuousTrainer:
         older (replayed) or unreadable pointer is no base: the trainer's own record is (logged),
         so nobody who can write the root without the key can make a rollback republish an old
         version as a new signed one."""
-        from rlrec.trainer.canary_publish import deployed_version
+        from rlrec.trainer.canary_publish import deployed_version, signed_above
         from rlrec.trainer.policy import LATEST
 
         known = self._deployed
@@ -605,6 +605,22 @@ class ContinuousTrainer:
                 known,
             )
             return known
+        try:
+            above = signed_above(self.publish_storage, self.signing_key, named, self.cfg.publish_channel)
+        except OSError as e:
+            log.warning("cannot list the versions above v%d (%s): the canary's base is v%d", named, e, named)
+            return named
+        if above > named:
+            log.error(
+                "%s names v%d, but v%d, signed by this key for this channel and no canary, exists (a replayed "
+                "pointer: services refuse it and keep v%d): the canary's base is v%d",
+                LATEST,
+                named,
+                above,
+                above,
+                above,
+            )
+            return above
         return named
 
     def hold_publish_lease(self, lease: Any) -> None:

@@ -76,6 +76,9 @@ MAX_CONSUMERS = 3
 EPISODE_TIMEOUT_S = 15.0
 #: a dead-letter topic name the broker refuses ("Broker: Invalid topic") for the DLQ faults
 REFUSED_DLQ = "bad topic!"
+#: seconds the consumer of another output gets to hold partitions, commit a shard there and move
+#: the group's offsets past the store's position before it leaves
+FOREIGN_WAIT_S = 180.0
 #: seconds a time-limited run keeps for stopping its consumers and checking the result
 FINAL_CHECK_S = 150.0
 #: seconds the drain may see no progress while partitions have no live owner before the
@@ -415,8 +418,9 @@ class Chaos:
         self.tally.foreign_outputs += 1
         self._fault(f"consumer {c.name} of another output joins the group")
         # until it holds partitions, wrote a shard there and moved the group's offset of a
-        # partition past our store's position (the gap the group's offsets would leave)
-        deadline = time.monotonic() + 60
+        # partition past our store's position (the gap the group's offsets would leave); on a
+        # loaded machine a consumer can take over a minute to start, join and commit
+        deadline = time.monotonic() + FOREIGN_WAIT_S
         while time.monotonic() < deadline and c.alive:
             m = c.metrics()
             if m.get("rlrec_assigned_partitions", 0) > 0 and m.get("rlrec_shards_committed_total", 0) > 0:

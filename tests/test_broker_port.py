@@ -40,9 +40,11 @@ def test_the_preferred_port_taken_while_starting_falls_back_to_a_free_one(tmp_pa
         looks = iter([taken])  # the first look finds it free; later looks are real
         monkeypatch.setattr(broker_cmd, "default_port", lambda port=None: next(looks, None) or default_port(port))
 
+        done = threading.Event()
+
         def stop_when_the_second_broker_answers() -> None:
             deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
+            while not done.is_set() and time.monotonic() < deadline:
                 text = log.read_text() if log.exists() else ""
                 if text.count("=== rlrec LocalBroker start") >= 2:
                     port = int(text.rsplit("--listener-url tcp://127.0.0.1:", 1)[1].split()[0])
@@ -51,13 +53,20 @@ def test_the_preferred_port_taken_while_starting_falls_back_to_a_free_one(tmp_pa
                     finally:
                         os.kill(os.getpid(), signal.SIGTERM)  # run()'s handler is installed by now
                     return
-                time.sleep(0.1)
-            os.kill(os.getpid(), signal.SIGTERM)
+                done.wait(0.1)
+            if not done.is_set():
+                os.kill(os.getpid(), signal.SIGTERM)  # a run() that never started a second broker
 
+        # what a SIGTERM that comes after run() restored its predecessor does: nothing
+        previous = signal.signal(signal.SIGTERM, lambda *_: None)
         t = threading.Thread(target=stop_when_the_second_broker_answers, daemon=True)
         t.start()
-        rc = cli.main(["broker", "--log-path", str(log)])
-        t.join(30)
+        try:
+            rc = cli.main(["broker", "--log-path", str(log)])
+        finally:
+            done.set()
+            t.join(30)
+            signal.signal(signal.SIGTERM, previous)
     out, err = capsys.readouterr()
     assert rc == 0, err
     bootstrap = out.splitlines()[0]

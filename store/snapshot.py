@@ -1056,10 +1056,11 @@ def open_snapshot(storage: Storage | str, as_of: float | int | str | Cursor | No
         >>> from rlrec.trainer.synthetic import expert_cartpole_episodes
         >>> root = tempfile.mkdtemp()
         >>> _ = ShardCommitter(root, "rl", 0).commit(expert_cartpole_episodes(1))
-        >>> open_snapshot(root, as_of="r1~0123456789ab~rl:1=3")
-        Traceback (most recent call last):
-        ...
-        rlrec.store.snapshot.CursorError: the cursor names partition log rl/1, which ... does not have (a cursor of another store?)
+        >>> try:
+        ...     open_snapshot(root, as_of="r1~0123456789ab~rl:1=3")
+        ... except CursorError as e:
+        ...     print(e)  # doctest: +ELLIPSIS
+        the cursor names partition log rl/1, which ... does not have (a cursor of another store?)
     """
     st = Storage.from_uri(storage) if isinstance(storage, str) else storage
     if not st.exists(MANIFEST_DIR):

@@ -143,3 +143,25 @@ def test_a_phase_line_comes_before_rllib_is_imported(store):
     assert "IMPORT ray.rllib" in lines, r.stderr
     first_phase = next(i for i, line in enumerate(lines) if line.startswith("rlrec evaluate: loading"))
     assert first_phase < lines.index("IMPORT ray.rllib"), r.stderr
+
+
+def test_counts_are_printed_in_the_one_number_format(capsys):
+    """Thousands separated as `rlrec inspect` prints them (8,310 steps, never 8310)."""
+    from rlrec.commands.evaluate import _print
+
+    _print(
+        {
+            "version": 2,
+            "action_selection": "greedy",
+            "gamma": 0.99,
+            "episodes": 1200,
+            "steps": 8310,
+            "behavior": {"versions": [1], "mean_return": 91.5},
+            "estimates": {},
+            "default_estimator": "wdr",
+            "ci_level": 0.9,
+            "diagnostics": {"coverage": 1.0},
+            "data": {"cursor": "r1~0123456789ab~rl:0=2"},
+        }
+    )
+    assert "on 1,200 held-out episodes (8,310 steps) of behaviour version(s) 1" in capsys.readouterr().out

@@ -1077,6 +1077,8 @@ class ContinuousTrainer:
             entries = self._first_shards(skip=self._skip_logged)
             if not entries:
                 return False
+        if not self._connected:  # start-up phases, said as each begins (each takes seconds)
+            log.info("found %d committed shard(s): starting Ray", len(entries))
         self._connect()
         import ray.data
 
@@ -1084,6 +1086,7 @@ class ContinuousTrainer:
         ctx.enable_progress_bars = False
         ctx.print_on_execution_start = False
         config = self.build_config()
+        log.info("building %s and its Learner(s); the first iteration follows its first batches", self.cfg.algo)
         self.algo = config.build_algo()
         if self.cfg.num_learners:
             self._log_learner_nodes()

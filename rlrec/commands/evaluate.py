@@ -333,8 +333,8 @@ def evaluate_published(
 
 def _print(r: dict) -> None:
     print(
-        f"policy v{r['version']} ({r['action_selection']}), gamma {r['gamma']}, on {r['episodes']} held-out "
-        f"episodes ({r['steps']} steps) of behaviour version(s) {', '.join(map(str, r['behavior']['versions'])) or '?'}"
+        f"policy v{r['version']} ({r['action_selection']}), gamma {r['gamma']}, on {r['episodes']:,} held-out "
+        f"episodes ({r['steps']:,} steps) of behaviour version(s) {', '.join(map(str, r['behavior']['versions'])) or '?'}"
     )
     print(f"behaviour's mean discounted return: {r['behavior']['mean_return']:.4f}")
     for name, e in r["estimates"].items():

@@ -520,4 +520,50 @@ def test_the_gate_decides_with_mb_and_states_its_refits(logged, tmp_path, monkey
     # refused by the decision itself, not by a failed evaluation ("evaluation failed: ...")
     assert not bad["promoted"] and bad["estimator"] == "mb"
     assert bad["reason"].startswith(("lower bound ", "not usable for gating: ")), bad["reason"]
+    assert bad["refusal"]["code"] in ("unproven", "worse", "unjudgeable"), bad["refusal"]
     assert bad["difference"] is not None and bad["difference"] < 0 and bad["ci_low"] < 0
+
+
+def test_a_torn_read_gives_the_gate_and_evaluate_the_same_episodes(logged):
+    """The gate's long-lived reader and `rlrec evaluate`'s fresh one read the same episodes at
+    the same point after a read that failed its checksum: a shard that fails once is read again
+    at once; one that fails through a whole refresh is skipped in that refresh only, not for good
+    (it was remembered as bad, so the gate kept leaving it out while evaluate read it)."""
+    from rlrec.store.snapshot import open_snapshot
+    from rlrec.store.storage import Storage
+    from rlrec.trainer.ope_data import HeldOutReader
+
+    out = logged[0]
+    cursor = open_snapshot(Storage.from_uri(out)).cursor
+    victim = open_snapshot(Storage.from_uri(out)).entries[1].path
+    torn = {"left": 0}
+
+    def reader() -> HeldOutReader:
+        storage = Storage.from_uri(out)
+        read = storage.read
+
+        def tearing(path, *a, **kw):
+            data = read(path, *a, **kw)
+            if path == victim and torn["left"] > 0:
+                torn["left"] -= 1
+                return data[: len(data) // 2]  # a torn read: the checksum fails
+            return data
+
+        storage.read = tearing
+        return HeldOutReader(storage, 0.3)
+
+    def ids(episodes) -> list[str]:
+        return sorted(e.id for e in episodes)
+
+    expected = ids(reader().refresh(as_of=cursor))
+    assert len(expected) > 100
+    torn["left"] = 1  # one torn read: read again at once, nothing left out
+    gate = reader()
+    assert ids(gate.refresh(as_of=cursor)) == expected and gate.stats.shards_skipped == []
+    torn["left"] = 2  # torn twice in a row: skipped in this refresh, and said so
+    gate = reader()
+    first = gate.refresh(as_of=cursor)
+    assert len(first) < len(expected) and [p for p, _ in gate.stats.shards_skipped] == [victim]
+    # the next refresh reads it again, as a fresh reader (evaluate's) does at the same point
+    assert ids(gate.refresh(as_of=cursor)) == expected == ids(reader().refresh(as_of=cursor))
+    assert gate.stats.shards_skipped == [] and gate.cursor == cursor

@@ -164,6 +164,35 @@ def test_the_default_gate_estimator_falls_back_to_mb_where_wdr_rests_on_the_mode
     assert d["estimator"] == "mb" and d["estimator_setting"] == "auto"
     assert d["fallback_from"]["estimator"] == "wdr" and "effective sample size" in d["fallback_from"]["reason"]
     assert "mb" in d["diagnostics"]["candidate"] and not d["promoted"] and d["reason"]
+    # angle leaves the logged states: the data cannot judge it, and the decision says so in a code
+    assert d["refusal"] == {"code": "unjudgeable", "judged": False}, d["reason"]
+
+
+def test_every_refusal_carries_a_code_that_says_whether_the_data_judged_it():
+    """`decision["refusal"]` (machine-readable, for the canary's --canary-unjudged): one code per
+    way the gate refuses; only an interval wholly below -margin counts as judged."""
+    from types import SimpleNamespace as NS
+
+    from rlrec.trainer.ope_jobs import REFUSALS, gate_decision, refusal
+
+    ok = {"ok": True, "reason": ""}
+    paired = {"lower_bound": -3.0, "head_low": 1.0, "t_star": 20, "remainder": 4.0}
+    cases = {
+        "not_estimable": NS(estimable=False, reason="too few episodes", gate=ok),
+        "unjudgeable": NS(estimable=True, reason="", gate={"ok": False, "reason": "state coverage: 40%"}),
+        "unproven": NS(estimable=True, reason="", gate=ok, ci_low=-1.0, ci_high=3.0),
+        "worse": NS(estimable=True, reason="", gate=ok, ci_low=-5.0, ci_high=-2.0),
+        "data_bound": NS(estimable=True, reason="", gate=ok, ci_low=1.0, ci_high=3.0, extra={"paired": paired}),
+        None: NS(estimable=True, reason="", gate=ok, ci_low=0.5, ci_high=3.0, extra={"paired": None}),
+    }
+    for code, cmp in cases.items():
+        got, reason = refusal(cmp, 0.0)
+        assert got == code and bool(reason) == (code is not None), (code, got, reason)
+        assert gate_decision(cmp, 0.0) == (code is None, reason)
+    # a margin moves the line the interval is judged against
+    assert refusal(cases["worse"], 2.5)[0] == "unproven" and refusal(cases["unproven"], 1.0)[0] is None
+    assert {k for k, judged in REFUSALS.items() if judged} == {"worse"}
+    assert set(REFUSALS) >= {c for c in cases if c} | {"no_data", "failed"}
 
 
 class _NearV1:

@@ -843,6 +843,8 @@ class ContinuousTrainer:
         """
         import concurrent.futures
 
+        from rlrec.trainer import ope_jobs
+
         job = self._job
         if job is None:
             return None
@@ -853,7 +855,7 @@ class ContinuousTrainer:
         except Exception as e:  # evaluate_candidate reports its failures; anything else lands here
             d = {"candidate_version": job.version, "reason": f"evaluation failed: {type(e).__name__}: {e}"}
             if job.gating:
-                d.update({"gate": "ope", "promoted": False})
+                d.update({"gate": "ope", "promoted": False, "refusal": ope_jobs.refusal_record("failed")})
         self._job = None
         if job.gating:
             self.last_promotion = d

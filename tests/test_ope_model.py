@@ -189,6 +189,8 @@ def test_every_refusal_carries_a_code_that_says_whether_the_data_judged_it():
         got, reason = refusal(cmp, 0.0)
         assert got == code and bool(reason) == (code is not None), (code, got, reason)
         assert gate_decision(cmp, 0.0) == (code is None, reason)
+    # mb's difference is a pessimistic bound, not an estimate: below -margin it is unproven only
+    assert refusal(NS(**vars(cases["worse"]), estimator="mb"), 0.0)[0] == "unproven"
     # a margin moves the line the interval is judged against
     assert refusal(cases["worse"], 2.5)[0] == "unproven" and refusal(cases["unproven"], 1.0)[0] is None
     assert {k for k, judged in REFUSALS.items() if judged} == {"worse"}

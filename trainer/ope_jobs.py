@@ -289,7 +289,7 @@ REFUSALS = {
     "unjudgeable": False,  # the gate verdict: the difference rests on the model alone / leaves the data
     "data_bound": False,  # the data-only lower bound (head - worst case after t*) below -margin
     "unproven": False,  # the interval straddles -margin: the data do not show it is better
-    "worse": True,  # the whole interval of the difference lies below -margin
+    "worse": True,  # the whole interval of an estimated difference lies below -margin (not mb's bound)
 }
 
 
@@ -318,7 +318,10 @@ def refusal(cmp: Any, margin: float) -> tuple[str | None, str]:
     if not cmp.gate["ok"]:
         return "unjudgeable", f"not usable for gating: {cmp.gate['reason']}"
     if cmp.ci_low < -margin:
-        code = "worse" if cmp.ci_high is not None and cmp.ci_high < -margin else "unproven"
+        # mb's difference is a bound (the candidate pessimistic, the baseline optimistic), not an
+        # estimate: below -margin it does not show the candidate is worse
+        below = cmp.ci_high is not None and cmp.ci_high < -margin
+        code = "worse" if below and getattr(cmp, "estimator", None) != "mb" else "unproven"
         return code, f"lower bound {cmp.ci_low:.4g} of the difference < -margin {-margin:g}"
     paired = (getattr(cmp, "extra", None) or {}).get("paired")
     if paired is not None and paired["lower_bound"] < -margin:

@@ -95,10 +95,11 @@ def test_mb_stays_close_where_the_data_are_and_refuses_a_candidate_that_leaves_t
 
 @pytest.mark.slow
 def test_gate_decisions_against_cartpole_truth_publish_no_worse_candidate():
-    """The trainer's gate rule (`gate_decision`, margin 0, 90 % paired bootstrap, default
+    """The trainer's gate rule (`refusal`, margin 0, 90 % paired bootstrap, default
     thresholds) on CartPole (horizon up to 500, gamma 0.99), logged by v1 served epsilon-greedy
     (0.3) with exact propensities: no candidate truly worse than v1 is published by wdr or mb
-    (before the gate verdict wdr published worse ones: the issue's 5 to 7 of 24)."""
+    (before the gate verdict wdr published worse ones: the issue's 5 to 7 of 24), and the
+    clearly better expert is published or refused with a code that hands it to a canary."""
     import sys
     from pathlib import Path
 
@@ -106,7 +107,7 @@ def test_gate_decisions_against_cartpole_truth_publish_no_worse_candidate():
     from ope_decisions import DEPLOYED, GAMMA, LADDER, controller, log_dataset, truth
 
     from rlrec.trainer.ope import PolicyTarget
-    from rlrec.trainer.ope_jobs import gate_decision
+    from rlrec.trainer.ope_jobs import REFUSALS, refusal
 
     data = LoggedData(log_dataset(150, 0.3, seed=3))
     dep_spec, dep_model, deployed = controller(DEPLOYED)
@@ -128,9 +129,12 @@ def test_gate_decisions_against_cartpole_truth_publish_no_worse_candidate():
                 n_boot=200,
                 model=model,
             )
-            promoted, reason = gate_decision(cmp, 0.0)
+            code, reason = refusal(cmp, 0.0)
+            promoted = code is None
             published[(name, est)] = promoted
             assert promoted or reason, (name, est)
+            if name == "expert" and not promoted:  # clearly better: published, or handed to a canary
+                assert not REFUSALS[code], (est, code, reason)
             if est == "wdr":  # a greedy candidate's weights collapse long before the horizon
                 assert not cmp.gate["ok"] and "effective sample size" in cmp.gate["reason"]
     assert set(worse) == {"angle", "always-left", "ang-velocity+2position"}

@@ -28,9 +28,10 @@ ROW_KEYS = {"figure", "ours", "baseline", "ratio", "target", "pass", "rounds"}
 # trainer (T2 x 2, T1 x 2) x 2 stock configurations + T3 x 2 + T3 p99 while compacting (T4 only in
 # full runs); manifest 3; store: per synthetic store (episode and tabular shards; no demo store in
 # quick runs) files and median size after compaction vs before, 3 readers x 3 paths (local files, S3
-# files, rlrec.open), compaction steps/s
-PREFIXES = {"producer": 17, "consumer": 26, "trainer": 11, "manifest": 3, "store": 24}
-BENCHES = ["producer", "consumer", "memory", "trainer", "manifest", "store"]
+# files, rlrec.open), compaction steps/s; gate: the contextual task at epsilon 0.3 (quick) x (false
+# promotions, clearly better published or refused to the canary, clearly better published)
+PREFIXES = {"producer": 17, "consumer": 26, "trainer": 11, "manifest": 3, "store": 24, "gate": 3}
+BENCHES = ["producer", "consumer", "memory", "trainer", "manifest", "store", "gate"]
 
 
 @pytest.mark.system

@@ -124,7 +124,7 @@ class HeldOutReader:
         self.observation_space = observation_space
         self.action_space = action_space
         self._by_shard: dict[str, list[Episode]] = {}
-        self._bad: set[str] = set()
+        self._reported: set[str] = set()  # shards whose refusal was logged (once per shard)
         self.stats = HeldOutStats()
         #: the manifest point the last `refresh` read (None: not yet): its episodes are the
         #: held-out episodes of the shards at this cursor (of `policy_id`), which
@@ -136,6 +136,12 @@ class HeldOutReader:
         order, of the shards at the manifest point it read (`cursor`). The estimators sort them
         by id (`rlrec.trainer.ope.LoggedData`): the order does not change an estimate.
 
+        The same point gives the same episodes to every reader, fresh or long-lived (the gate's
+        and `rlrec evaluate`'s): a shard that fails its checks (schema gate, checksum, decode) is
+        read a second time at once, and if it fails again it is skipped in this call only
+        (``stats.shards_skipped``) and read again at the next; a storage error (after the
+        storage's own retries) raises, so both fail rather than differ.
+
         Args:
             as_of: read the store at this point (a cursor a decision recorded, or a UNIX time;
                 `rlrec.store.snapshot.open_snapshot`); None: the newest.
@@ -146,24 +152,35 @@ class HeldOutReader:
         ordered = sorted(snap.entries, key=lambda e: (e.commit_time, e.topic, e.partition, e.seq))
         entries = [e for e in ordered if self.policy_id is None or e.policy_id == self.policy_id]
         live = set()
+        skipped: list[tuple[str, str]] = []
         for e in entries:
             key = e.path
             live.add(key)
-            if key in self._by_shard or key in self._bad:
+            if key in self._by_shard:
                 continue
             try:
-                self._by_shard[key] = self._read(e)
+                self._by_shard[key] = self._read_twice(e)
                 self.stats.shards += 1
             except FileNotFoundError:
                 continue  # deleted (retention): nothing to evaluate on
-            except ValueError as err:  # schema gate, checksum, decode
-                self._bad.add(key)
-                self.stats.shards_skipped.append((key, str(err)))
-                log.error("shard %s cannot be used for evaluation (%s); skipping it", key, err)
+            except ValueError as err:  # schema gate, checksum, decode: twice in a row
+                skipped.append((key, str(err)))
+                if key not in self._reported:
+                    self._reported.add(key)
+                    log.error("shard %s cannot be used for evaluation (%s); skipping it", key, err)
         for key in [k for k in self._by_shard if k not in live]:
             del self._by_shard[key]
+        self.stats.shards_skipped = skipped
         self.cursor = snap.cursor
         return [ep for k in self._by_shard for ep in self._by_shard[k]]
+
+    def _read_twice(self, entry: Any) -> list[Episode]:
+        """`_read`, and once more if it fails with a ValueError (a torn read fails its checksum
+        once; a damaged shard fails the same way again)."""
+        try:
+            return self._read(entry)
+        except ValueError:
+            return self._read(entry)
 
     def _read(self, entry: Any) -> list[Episode]:
         from rlrec.store.commit import read_committed_shard

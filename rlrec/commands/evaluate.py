@@ -23,6 +23,8 @@ Examples:
       --estimators wdr,wis --explore
   rlrec evaluate --input /data/exp --policies /ckpt/policies --version 5 --compare-to 4 \\
       --as-of CURSOR --seed 0 --json   # a gate decision again: its data.cursor, its seed
+  rlrec evaluate --input /data/exp --policies /ckpt/policies --candidate candidates/KEY \\
+      --version 5 --compare-to 4 --as-of CURSOR --json   # a refusal again (its refused_candidate)
 
 `--compare-to N` (or `behavior`) adds the gate's question: the paired difference version -
 version N (or - the logged behaviour's own return) under the first estimator, bootstrapped on the
@@ -72,6 +74,12 @@ class EvaluateOptions:
         metavar="N|behavior",
         help="also the paired difference against published version N (or the logged behaviour) under the "
         "first estimator, as the ope promotion gate computes it",
+    )
+    candidate: str | None = option(
+        None,
+        metavar="DIR",
+        help="evaluate a candidate the ope gate refused: its decision's refused_candidate.dir "
+        "(candidates/KEY under the publish root; --version N is its refused_candidate.version)",
     )
     explore: bool = option(
         False,
@@ -130,6 +138,13 @@ def _run(args: argparse.Namespace) -> int:
         return _fail(f"--estimators: unknown {', '.join(bad) or '(none)'} (choose from {', '.join(ESTIMATORS)})")
     if ev.version != "latest" and not ev.version.isdigit():
         return _fail(f"--version must be a number or latest, got {ev.version!r}")
+    if ev.candidate is not None:
+        if not re.fullmatch(CANDIDATE_DIR, ev.candidate):
+            return _fail(
+                f"--candidate must be a decision's refused_candidate.dir (candidates/KEY), got {ev.candidate!r}"
+            )
+        if not ev.version.isdigit():
+            return _fail("--candidate needs --version N (the decision's refused_candidate.version)")
     if not ope.holdout_fraction:
         return _fail("--holdout-fraction 0 holds out no episodes: nothing to evaluate on")
     if ev.compare_to is not None and ev.compare_to != "behavior" and not ev.compare_to.isdigit():
@@ -152,6 +167,26 @@ def _run(args: argparse.Namespace) -> int:
 
 class _UserError(Exception):
     pass
+
+
+#: what --candidate accepts: a refused candidate's folder under the publish root (`rlrec.trainer.refused`)
+CANDIDATE_DIR = r"(candidates/)?\d{10}-[0-9a-f]{12}"
+
+
+def _candidate_root(policies: str, candidate: str) -> str:
+    """The folder holding refused candidate `candidate`'s ``v{N:06d}/`` under the publish root
+    `policies` (or a checkpoint dir holding ``policies/``)."""
+    from rlrec.store.storage import Storage
+    from rlrec.trainer.refused import CANDIDATES
+
+    root = policies.rstrip("/")
+    try:
+        storage = Storage.from_uri(root)
+        if not storage.exists("latest.json") and storage.exists("policies/latest.json"):
+            root = f"{root}/policies"
+    except Exception:  # unreachable or not a URI: the loader says what is wrong
+        pass
+    return f"{root}/{CANDIDATES}/{candidate.rpartition('/')[2]}"
 
 
 #: the one line for a command line that gives no way to trust a version
@@ -217,7 +252,8 @@ def evaluate_published(
     """The result document of `rlrec evaluate` (the ``--json`` contract); `say` is told each
     phase as it begins."""
     say(
-        f"loading {'the latest version' if ev.version == 'latest' else 'version ' + ev.version} of the policy under {ev.policies}"
+        f"loading {'the latest version' if ev.version == 'latest' else 'version ' + ev.version} of the policy under "
+        + (ev.policies if ev.candidate is None else f"{ev.policies} (refused candidate {ev.candidate})")
     )
     from rlrec.store.snapshot import CursorError
     from rlrec.store.storage import StorageError
@@ -225,7 +261,8 @@ def evaluate_published(
     from rlrec.trainer.ope_data import HeldOutReader
     from rlrec.trainer.policy import PolicyLoadError, UnsignedPolicyWarning, load_policy
 
-    if ev.version != "latest":
+    where = ev.policies if ev.candidate is None else _candidate_root(ev.policies, ev.candidate)
+    if ev.version != "latest" and ev.candidate is None:
         versions = published_versions(ev.policies)
         if int(ev.version) not in versions:
             published = f"published: {_ranges(versions)}" if versions else "no version is published there"
@@ -234,7 +271,7 @@ def evaluate_published(
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", UnsignedPolicyWarning)
             policy = load_policy(
-                ev.policies,
+                where,
                 version=None if ev.version == "latest" else int(ev.version),
                 public_key=ev.public_key,
                 allow_unsigned=ev.allow_unsigned,

@@ -62,6 +62,7 @@ import threading
 import zlib
 from collections import OrderedDict
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import gymnasium as gym
@@ -74,9 +75,11 @@ from rlrec.producer.spaces import per_space, space_leaves, unflatten_leaves
 from rlrec.store.finished import FinishedEpisode
 
 __all__ = [
+    "CheckedState",
     "EpisodeDecodeError",
     "UnsafeEpisodeError",
     "check_finished_episode",
+    "checked_state",
     "episode_state",
     "finished_episode_state",
     "import_episode_classes",
@@ -531,15 +534,34 @@ def _buffer_state(b: Any, what: str, budget: _Budget) -> tuple[dict, gym.Space |
         raise EpisodeDecodeError(f"{what}: bad lookback/finalized")
     space = _space(b["space"], budget)
     b = dict(b, space=None)
-    b["data"] = _tuplify(space, b["data"])
+    if not b["finalized"] and isinstance(b["data"], list):  # list form: one value per step
+        b["data"] = [_tuplify(space, x) for x in b["data"]]
+    else:
+        b["data"] = _tuplify(space, b["data"])
     return b, space
 
 
-def unpack_episode(data: bytes):
-    """Safely decode one packed episode (an `item` value) into a `SingleAgentEpisode`.
+@dataclass
+class CheckedState:
+    """A packed episode's state, decoded safely and checked (`checked_state`): every space it
+    holds decoded within the episode's budget and replaced by None in `state`."""
 
-    Raises `UnsafeEpisodeError` for payloads whose decoding would unpickle (object arrays, object
-    space bounds) and `EpisodeDecodeError` (a ValueError) for malformed ones. See module docstring.
+    state: dict
+    observation_space: gym.Space | None
+    action_space: gym.Space | None
+    #: the spaces of the buffers ("observations", "actions", "rewards", "infos")
+    buffer_spaces: dict[str, gym.Space | None]
+    #: the spaces of the extra model outputs' buffers
+    extra_spaces: dict[str, gym.Space | None]
+
+
+def checked_state(data: bytes | bytearray | memoryview) -> CheckedState:
+    """Safely decode one packed episode (an `item` value) into its checked state, without RLlib:
+    what `unpack_episode` builds its `SingleAgentEpisode` from and
+    `rlrec.store.episode_arrays.decode_episode` its arrays.
+
+    Raises `UnsafeEpisodeError` for payloads whose decoding would unpickle (object arrays
+    anywhere, object space bounds) and `EpisodeDecodeError` (a ValueError) for malformed ones.
     """
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise EpisodeDecodeError(f"expected bytes, got {type(data).__name__}")
@@ -580,15 +602,24 @@ def unpack_episode(data: bytes):
     for k in ("is_terminated", "is_truncated"):
         if not isinstance(state[k], bool):
             raise EpisodeDecodeError(f"{k} must be a boolean")
+    return CheckedState(state, obs_space, act_space, spaces, extra_spaces)
 
+
+def unpack_episode(data: bytes):
+    """Safely decode one packed episode (an `item` value) into a `SingleAgentEpisode`.
+
+    Raises `UnsafeEpisodeError` for payloads whose decoding would unpickle (object arrays, object
+    space bounds) and `EpisodeDecodeError` (a ValueError) for malformed ones. See module docstring.
+    """
+    checked = checked_state(data)
     SingleAgentEpisode = _SingleAgentEpisode()
     try:
-        ep = SingleAgentEpisode.from_state(state)  # every space is None here: nothing to np.load
-        ep._observation_space = obs_space
-        ep._action_space = act_space
-        for k, s in spaces.items():
+        ep = SingleAgentEpisode.from_state(checked.state)  # every space is None here: nothing to np.load
+        ep._observation_space = checked.observation_space
+        ep._action_space = checked.action_space
+        for k, s in checked.buffer_spaces.items():
             getattr(ep, k).space = s
-        for k, s in extra_spaces.items():
+        for k, s in checked.extra_spaces.items():
             ep.extra_model_outputs[k].space = s
         n_obs = len(ep.observations)
         if not (

@@ -660,9 +660,36 @@ class Snapshot:
 
         return ds.dataset(self.steps())
 
-    def to_pandas(self):
-        """The steps as a pandas DataFrame (observations and actions: numpy arrays per cell)."""
-        return self.steps().to_pandas()
+    def to_pandas(self, *, arrow_backed: bool = False, **to_pandas_options: Any):
+        """The steps as a pandas DataFrame.
+
+        By default observations and actions are numpy arrays per cell (one Python object per
+        step and column). With ``arrow_backed=True`` every column keeps its Arrow data
+        (``pandas.ArrowDtype``: ``list<float>[pyarrow]`` etc.): no object per cell, several
+        times faster for array columns and zero-copy where Arrow allows; ``df.observation.list``
+        and ``pyarrow.Table.from_pandas`` work on them, and ``df.reward.to_numpy()`` still gives
+        numbers. Other keyword arguments go to `pyarrow.Table.to_pandas` (e.g.
+        ``types_mapper``).
+
+        Args:
+            arrow_backed: keep Arrow types (pandas >= 2.0).
+            **to_pandas_options: passed on to `pyarrow.Table.to_pandas`.
+
+        Example::
+
+            >>> import tempfile
+            >>> from rlrec.store.commit import ShardCommitter
+            >>> from rlrec.trainer.synthetic import expert_cartpole_episodes
+            >>> root = tempfile.mkdtemp()
+            >>> _ = ShardCommitter(root).commit(expert_cartpole_episodes(1, max_steps=5))
+            >>> str(open_snapshot(root).to_pandas(arrow_backed=True).dtypes["observation"])
+            'fixed_size_list<item: float>[4][pyarrow]'
+        """
+        if arrow_backed:
+            import pandas as pd
+
+            to_pandas_options.setdefault("types_mapper", pd.ArrowDtype)
+        return self.steps().to_pandas(**to_pandas_options)
 
     def to_polars(self):
         """The steps as a polars DataFrame (fixed-size lists become polars ``Array`` columns)."""
@@ -876,10 +903,10 @@ def gated_steps(shard: Any, entry: ShardEntry) -> pa.Table:
     """The steps (columns `STEP_COLUMNS`) of one gated shard (`rlrec.store.schema_gate.GatedShard`)
     whose manifest entry is `entry`."""
     if shard.fmt == "episodes":
-        from rlrec.store.episodes import unpack_episode
+        from rlrec.store.episode_arrays import decode_items
 
         table = shard.read(["item", "policy_version"])
-        episodes = [unpack_episode(v.as_py()) for chunk in table.column("item").chunks for v in chunk]
+        episodes = decode_items(table.column("item"))
         if not episodes:
             return empty_steps()
         cols = _episode_columns(episodes)

@@ -52,6 +52,7 @@ from rlrec.producer.events import (
     schema_header,
 )
 from rlrec.producer.spaces import dumps_space
+from rlrec.store.episode_arrays import decode_episode
 from rlrec.store.episodes import (
     EpisodeDecodeError,
     UnsafeEpisodeError,
@@ -724,11 +725,20 @@ PACKED = _packed_seeds()
 @FUZZ
 @given(seed=st.sampled_from(range(len(PACKED))), ops=_ops)
 def test_fuzz_unpack_episode_mutated(seed, ops):
-    """Mutated shard items: an episode or an EpisodeDecodeError, never another exception."""
+    """Mutated shard items: an episode or an EpisodeDecodeError, never another exception, from
+    both safe decoders; what `unpack_episode` refuses, the steps readers' decoder refuses too."""
+    data = _mutate(PACKED[seed], ops)
     try:
-        unpack_episode(_mutate(PACKED[seed], ops))
+        unpack_episode(data)
+        refused = False
+    except EpisodeDecodeError:
+        refused = True
+    try:
+        decode_episode(data)
     except EpisodeDecodeError:
         pass
+    else:
+        assert not refused, "the arrays decoder accepted an item unpack_episode refuses"
 
 
 def _nd_paths(obj, path=()):
@@ -775,8 +785,9 @@ def test_fuzz_unpack_episode_refuses_object_arrays_anywhere(seed, where, form, t
     else:
         evil_state = _replace(state, path, evil)
     data = msgpack.packb(evil_state)
-    with pytest.raises(UnsafeEpisodeError):
-        unpack_episode(data)
+    for decoder in (unpack_episode, decode_episode):
+        with pytest.raises(UnsafeEpisodeError):
+            decoder(data)
     assert not marker.exists()
 
 

@@ -1,0 +1,197 @@
+"""The column-wise steps decoder (`rlrec.store.episode_arrays`): `Snapshot.steps` and the
+evaluator read episode shards into arrays without building `SingleAgentEpisode`s, and give the
+rows the object path gives, on both shard formats; readers of steps work without Ray."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from types import SimpleNamespace
+
+import gymnasium as gym
+import msgpack
+import msgpack_numpy as mnp
+import numpy as np
+import pyarrow as pa
+import pytest
+
+import rlrec
+from rlrec.store.commit import ShardCommitter
+from rlrec.store.episode_arrays import decode_episode, decode_items
+from rlrec.store.episodes import EpisodeDecodeError, pack_episode, to_single_agent_episode, unpack_episode
+from rlrec.store.schema_gate import open_shard
+from rlrec.store.shards import encode_shard
+from rlrec.store.snapshot import STEP_COLUMNS, _episode_columns, gated_steps
+from rlrec.trainer.synthetic import expert_cartpole_episodes
+from tests.test_episodes import CASES, cartpole_case, dict_case
+from tests.test_shards import dict_episodes
+
+ENTRY = SimpleNamespace(policy_id="pol", path="x")
+
+
+def object_path_steps(shard_bytes: bytes) -> pa.Table:
+    """The steps of an episode shard through `SingleAgentEpisode`s (`unpack_episode`): the
+    object path `gated_steps` took before the column-wise decoder."""
+    table = open_shard(shard_bytes, fmt="episodes").read(["item", "policy_version"])
+    episodes = [unpack_episode(v) for v in table.column("item").to_pylist()]
+    cols = _episode_columns(episodes)
+    versions = np.asarray(table.column("policy_version").to_numpy(), dtype=np.int64)
+    cols["policy_version"] = pa.array(np.repeat(versions, [len(ep) for ep in episodes]))
+    cols["policy_id"] = pa.array([ENTRY.policy_id] * len(cols["episode_id"]), pa.string())
+    return pa.table({k: cols[k] for k in STEP_COLUMNS})
+
+
+def _sets():
+    return {
+        "cartpole-logp": expert_cartpole_episodes(5, epsilon=0.2, max_steps=60),
+        "cartpole-no-logp": expert_cartpole_episodes(3, max_steps=30, with_logp=False),
+        "dict-tuple": dict_episodes(4, T=6),
+        "extras": [cartpole_case(True)[0], cartpole_case(False, seed=3)[0]],
+        "nested-action": [dict_case(True)[0]],
+    }
+
+
+@pytest.mark.parametrize("name", list(_sets()))
+def test_decoder_rows_equal_the_object_path_on_both_formats(name):
+    """Same rows, same Arrow types: episode shards through the new decoder and through
+    `SingleAgentEpisode`s, and the tabular shard of the same episodes."""
+    episodes = _sets()[name]
+    shard = encode_shard(episodes, fmt="episodes").data
+    new = gated_steps(open_shard(shard), ENTRY)
+    old = object_path_steps(shard)
+    assert new.schema == old.schema
+    assert new.equals(old)
+    assert new.num_rows == sum(fe.length for fe in episodes)
+    if name != "nested-action":  # a tabular shard holds no Tuple actions with Box leaves as RLlib names them
+        tabular = gated_steps(open_shard(encode_shard(episodes, fmt="tabular").data), ENTRY)
+        assert tabular.equals(new)
+
+
+def test_decoder_reads_rllib_list_form_episodes_like_unpack_episode():
+    """RLlib's own recorder writes list-form episodes (one value per step): the decoder stacks
+    them to the arrays the numpy form holds."""
+    for make in CASES.values():
+        fe, ref = make()
+        numpy_form = decode_episode(pack_episode(ref))
+        from ray.rllib.env.single_agent_episode import SingleAgentEpisode
+
+        listy = SingleAgentEpisode(id_=ref.id_, observation_space=ref.observation_space, action_space=ref.action_space)
+        # rebuild in list form from the per-step values RLlib gives back
+        obs = [ref.get_observations(i) for i in range(len(ref) + 1)]
+        listy.add_env_reset(obs[0], {})
+        for t in range(len(ref)):
+            listy.add_env_step(
+                obs[t + 1],
+                ref.get_actions(t),
+                float(ref.get_rewards(t)),
+                {},
+                terminated=ref.is_terminated and t == len(ref) - 1,
+                truncated=ref.is_truncated and t == len(ref) - 1,
+                extra_model_outputs={k: ref.get_extra_model_outputs(k, t) for k in ref.extra_model_outputs},
+            )
+        assert not listy.is_numpy
+        packed = msgpack.packb(listy.get_state(), default=mnp.encode)
+        list_form = decode_episode(packed)
+        if isinstance(ref.action_space, gym.spaces.Tuple):  # each step's Tuple action back as a tuple
+            assert all(isinstance(a, tuple) for a in unpack_episode(packed).get_actions())
+        for a, b in ((numpy_form.observations, list_form.observations), (numpy_form.actions, list_form.actions)):
+            np.testing.assert_equal(a, b)
+        np.testing.assert_array_equal(numpy_form.rewards, np.asarray(list_form.rewards, np.float64))
+        assert len(list_form) == len(numpy_form) == fe.length
+        assert (list_form.is_terminated, list_form.is_truncated) == (fe.terminated, fe.truncated)
+
+
+def test_decoder_arrays_equal_unpack_episode():
+    for make in CASES.values():
+        fe, _ = make()
+        data = pack_episode(to_single_agent_episode(fe))
+        ep, arrays = unpack_episode(data), decode_episode(data)
+        assert arrays.id_ == ep.id_ and len(arrays) == len(ep) and arrays.is_done
+        np.testing.assert_equal(arrays.get_observations(), ep.get_observations())
+        np.testing.assert_equal(arrays.get_actions(), ep.get_actions())
+        np.testing.assert_array_equal(arrays.get_rewards(), ep.get_rewards())
+        assert set(arrays.extra_model_outputs) == set(ep.extra_model_outputs)
+        for k in arrays.extra_model_outputs:
+            np.testing.assert_array_equal(arrays.get_extra_model_outputs(k), ep.get_extra_model_outputs(k))
+        assert arrays.custom_data == ep.custom_data
+        assert arrays.observation_space == ep.observation_space and arrays.action_space == ep.action_space
+
+
+def test_decoder_refuses_inconsistent_and_non_numeric_buffers():
+    fe, ref = cartpole_case(True)
+    for change in (
+        lambda s: s["rewards"].update(data=s["rewards"]["data"][:-1]),
+        lambda s: s["infos"].update(data=s["infos"]["data"][:-1]),
+        lambda s: s["extra_model_outputs"]["action_logp"].update(
+            data=s["extra_model_outputs"]["action_logp"]["data"][:-1]
+        ),
+        lambda s: s.update(t=s["t"] + 1),
+        lambda s: s["observations"].update(data="not an array"),
+        lambda s: s["actions"].update(data=[{"a": 1}] * len(ref)),
+        lambda s: s["infos"].update(data=7),
+    ):
+        state = to_single_agent_episode(fe).get_state()
+        change(state)
+        data = msgpack.packb(state, default=mnp.encode)
+        with pytest.raises(EpisodeDecodeError):
+            decode_episode(data)
+    with pytest.raises(EpisodeDecodeError, match="NoneType"):
+        decode_items(pa.array([None, pack_episode(ref)], pa.binary()))
+
+
+def test_decode_items_reads_sliced_and_chunked_columns():
+    episodes = expert_cartpole_episodes(4, max_steps=20)
+    items = pa.array([pack_episode(to_single_agent_episode(fe)) for fe in episodes], pa.binary())
+    chunked = pa.chunked_array([items.slice(0, 1), items.slice(1, 3)])
+    assert [e.id_ for e in decode_items(chunked)] == [fe.episode_id for fe in episodes]
+    assert [e.id_ for e in decode_items(items.slice(2))] == [fe.episode_id for fe in episodes[2:]]
+    large = items.cast(pa.large_binary())
+    assert [len(e) for e in decode_items(large)] == [fe.length for fe in episodes]
+
+
+def test_to_pandas_arrow_backed_keeps_arrow_types(tmp_path):
+    pd = pytest.importorskip("pandas")
+    root = str(tmp_path / "out")
+    ShardCommitter(root).commit(expert_cartpole_episodes(3, max_steps=20))
+    snap = rlrec.open(root)
+    plain, arrow = snap.to_pandas(), snap.to_pandas(arrow_backed=True)
+    assert isinstance(plain["observation"].iloc[0], np.ndarray)
+    assert all(isinstance(t, pd.ArrowDtype) for t in arrow.dtypes)
+    assert pa.Table.from_pandas(arrow, preserve_index=False).equals(snap.steps())
+    np.testing.assert_array_equal(arrow["reward"].to_numpy(), plain["reward"].to_numpy())
+    assert arrow.equals(snap.to_pandas(types_mapper=pd.ArrowDtype))
+
+
+def test_reading_steps_and_evaluating_data_need_no_ray(tmp_path):
+    """Steps, pandas, polars, torch and the evaluator's held-out reader with Ray unimportable."""
+    root = str(tmp_path / "out")
+    ShardCommitter(root).commit(expert_cartpole_episodes(6, max_steps=40))
+    code = textwrap.dedent(
+        f"""
+        import sys
+
+        class NoRay:
+            def find_spec(self, name, path=None, target=None):
+                if name == "ray" or name.startswith("ray."):
+                    raise ImportError("ray is blocked in this test")
+
+        sys.meta_path.insert(0, NoRay())
+        import rlrec
+        from rlrec.trainer.ope_data import HeldOutReader
+
+        snap = rlrec.open({root!r})
+        assert snap.steps().num_rows == snap.num_steps > 0
+        assert len(snap.to_pandas(arrow_backed=True)) == snap.num_steps
+        assert next(iter(snap.to_torch()))["observation"].shape == (4,)
+        eps = HeldOutReader({root!r}, 1.0).refresh()
+        assert len(eps) == 6 and eps[0].behavior_logp is not None
+        assert not any(m == "ray" or m.startswith("ray.") for m in sys.modules)
+        print("ok")
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=dict(os.environ)
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]

@@ -534,7 +534,9 @@ def _buffer_state(b: Any, what: str, budget: _Budget) -> tuple[dict, gym.Space |
         raise EpisodeDecodeError(f"{what}: bad lookback/finalized")
     space = _space(b["space"], budget)
     b = dict(b, space=None)
-    if not b["finalized"] and isinstance(b["data"], list):  # list form: one value per step
+    if not isinstance(space, (gym.spaces.Tuple, gym.spaces.Dict)):
+        pass  # nothing to give back
+    elif not b["finalized"] and isinstance(b["data"], list):  # list form: one value per step
         b["data"] = [_tuplify(space, x) for x in b["data"]]
     else:
         b["data"] = _tuplify(space, b["data"])

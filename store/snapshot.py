@@ -872,29 +872,40 @@ def _leaves(space: Any, data: Any) -> list[np.ndarray]:
 
 
 def _episode_columns(episodes: list[Any]) -> dict[str, pa.Array]:
+    """The step columns (but ``policy_version`` and ``policy_id``) of decoded episodes
+    (`rlrec.store.episode_arrays.EpisodeArrays` or `SingleAgentEpisode`s), built column by
+    column: per episode only its arrays are gathered."""
     from rlrec.store.shards import _column as space_column
 
     ep0 = episodes[0]
     obs = [_leaves(ep.observation_space, ep.get_observations()) for ep in episodes]
     acts = [_leaves(ep.action_space, ep.get_actions()) for ep in episodes]
-    lengths = np.array([len(ep) for ep in episodes], dtype=np.int64)
-    last = np.zeros(int(lengths.sum()), dtype=bool)
-    last[np.cumsum(lengths) - 1] = True
-    logps = []
-    for ep, n in zip(episodes, lengths):
+    lengths = np.fromiter((len(ep) for ep in episodes), dtype=np.int64, count=len(episodes))
+    ends = np.cumsum(lengths)
+    n = int(ends[-1]) if len(ends) else 0
+    episode = np.repeat(np.arange(len(episodes)), lengths)  # each step's episode
+    last = np.zeros(n, dtype=bool)
+    last[ends[lengths > 0] - 1] = True
+    logp = np.zeros(n, dtype=np.float64)
+    missing = np.ones(n, dtype=bool)  # null: no propensity logged
+    for ep, end, length in zip(episodes, ends.tolist(), lengths.tolist()):
         if "action_logp" in ep.extra_model_outputs:
-            logps.append(pa.array(np.asarray(ep.get_extra_model_outputs("action_logp"), dtype=np.float64).reshape(n)))
-        else:
-            logps.append(pa.nulls(int(n), pa.float64()))
+            logp[end - length : end] = np.asarray(ep.get_extra_model_outputs("action_logp"), dtype=np.float64).reshape(
+                length
+            )
+            missing[end - length : end] = False
+    ids = pa.array([ep.id_ for ep in episodes], pa.string())
+    terminated = np.array([bool(ep.is_terminated) for ep in episodes])
+    truncated = np.array([bool(ep.is_truncated) for ep in episodes])
     return {
-        "episode_id": pa.array(np.repeat(np.array([ep.id_ for ep in episodes], dtype=object), lengths), pa.string()),
-        "t": pa.array(np.concatenate([np.arange(n, dtype=np.int64) for n in lengths])),
+        "episode_id": ids.take(pa.array(episode)),
+        "t": pa.array(np.arange(n, dtype=np.int64) - np.repeat(ends - lengths, lengths)),
         "observation": space_column(ep0.observation_space, [[x[:-1] for x in o] for o in obs], "nested"),
         "action": space_column(ep0.action_space, acts, "nested"),
         "reward": pa.array(np.concatenate([np.asarray(ep.get_rewards(), dtype=np.float64) for ep in episodes])),
-        "terminated": pa.array(np.repeat(np.array([bool(ep.is_terminated) for ep in episodes]), lengths) & last),
-        "truncated": pa.array(np.repeat(np.array([bool(ep.is_truncated) for ep in episodes]), lengths) & last),
-        "action_logp": pa.concat_arrays(logps),
+        "terminated": pa.array(terminated[episode] & last),
+        "truncated": pa.array(truncated[episode] & last),
+        "action_logp": pa.array(logp, mask=missing) if missing.any() else pa.array(logp),
         "next_observation": space_column(ep0.observation_space, [[x[1:] for x in o] for o in obs], "nested"),
     }
 

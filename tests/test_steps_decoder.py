@@ -23,7 +23,7 @@ from rlrec.store.episode_arrays import decode_episode, decode_items
 from rlrec.store.episodes import EpisodeDecodeError, pack_episode, to_single_agent_episode, unpack_episode
 from rlrec.store.schema_gate import open_shard
 from rlrec.store.shards import encode_shard
-from rlrec.store.snapshot import STEP_COLUMNS, _episode_columns, gated_steps
+from rlrec.store.snapshot import STEP_COLUMNS, gated_steps
 from rlrec.trainer.synthetic import expert_cartpole_episodes
 from tests.test_episodes import CASES, cartpole_case, dict_case
 from tests.test_shards import dict_episodes
@@ -31,12 +31,42 @@ from tests.test_shards import dict_episodes
 ENTRY = SimpleNamespace(policy_id="pol", path="x")
 
 
+def _object_path_columns(episodes: list) -> dict[str, pa.Array]:
+    """The step columns of `SingleAgentEpisode`s, episode by episode: the object path's code."""
+    from rlrec.store.shards import _column as space_column
+    from rlrec.store.snapshot import _leaves
+
+    ep0 = episodes[0]
+    obs = [_leaves(ep.observation_space, ep.get_observations()) for ep in episodes]
+    acts = [_leaves(ep.action_space, ep.get_actions()) for ep in episodes]
+    lengths = np.array([len(ep) for ep in episodes], dtype=np.int64)
+    last = np.zeros(int(lengths.sum()), dtype=bool)
+    last[np.cumsum(lengths) - 1] = True
+    logps = []
+    for ep, n in zip(episodes, lengths):
+        if "action_logp" in ep.extra_model_outputs:
+            logps.append(pa.array(np.asarray(ep.get_extra_model_outputs("action_logp"), dtype=np.float64).reshape(n)))
+        else:
+            logps.append(pa.nulls(int(n), pa.float64()))
+    return {
+        "episode_id": pa.array(np.repeat(np.array([ep.id_ for ep in episodes], dtype=object), lengths), pa.string()),
+        "t": pa.array(np.concatenate([np.arange(n, dtype=np.int64) for n in lengths])),
+        "observation": space_column(ep0.observation_space, [[x[:-1] for x in o] for o in obs], "nested"),
+        "action": space_column(ep0.action_space, acts, "nested"),
+        "reward": pa.array(np.concatenate([np.asarray(ep.get_rewards(), dtype=np.float64) for ep in episodes])),
+        "terminated": pa.array(np.repeat(np.array([bool(ep.is_terminated) for ep in episodes]), lengths) & last),
+        "truncated": pa.array(np.repeat(np.array([bool(ep.is_truncated) for ep in episodes]), lengths) & last),
+        "action_logp": pa.concat_arrays(logps),
+        "next_observation": space_column(ep0.observation_space, [[x[1:] for x in o] for o in obs], "nested"),
+    }
+
+
 def object_path_steps(shard_bytes: bytes) -> pa.Table:
-    """The steps of an episode shard through `SingleAgentEpisode`s (`unpack_episode`): the
-    object path `gated_steps` took before the column-wise decoder."""
+    """The steps of an episode shard through `SingleAgentEpisode`s (`unpack_episode`), episode by
+    episode: the object path `gated_steps` took before the column-wise decoder."""
     table = open_shard(shard_bytes, fmt="episodes").read(["item", "policy_version"])
     episodes = [unpack_episode(v) for v in table.column("item").to_pylist()]
-    cols = _episode_columns(episodes)
+    cols = _object_path_columns(episodes)
     versions = np.asarray(table.column("policy_version").to_numpy(), dtype=np.int64)
     cols["policy_version"] = pa.array(np.repeat(versions, [len(ep) for ep in episodes]))
     cols["policy_id"] = pa.array([ENTRY.policy_id] * len(cols["episode_id"]), pa.string())
@@ -47,6 +77,8 @@ def _sets():
     return {
         "cartpole-logp": expert_cartpole_episodes(5, epsilon=0.2, max_steps=60),
         "cartpole-no-logp": expert_cartpole_episodes(3, max_steps=30, with_logp=False),
+        "some-logp": expert_cartpole_episodes(2, seed=1, max_steps=25)
+        + expert_cartpole_episodes(2, seed=2, max_steps=25, with_logp=False),
         "dict-tuple": dict_episodes(4, T=6),
         "extras": [cartpole_case(True)[0], cartpole_case(False, seed=3)[0]],
         "nested-action": [dict_case(True)[0]],

@@ -69,6 +69,7 @@ import math
 import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,6 +127,11 @@ STEP_COLUMNS = (
     "next_observation",
     "policy_id",
 )
+#: `Snapshot.iter_steps` fetches up to this many shards ahead, in this many threads, holding at
+#: most this many bytes of files ahead (one shard more when a single one is larger)
+READ_AHEAD_SHARDS = 16
+READ_AHEAD_THREADS = 4
+READ_AHEAD_BYTES = 256 * 1024 * 1024
 _CURSOR_VERSION = "r1"
 _CURSOR_RE = re.compile(r"^r1~([0-9a-f]{12})~(.*)$")
 _GROUP_RE = re.compile(r"^([a-zA-Z0-9._-]+):(\d+=\d+(?:,\d+=\d+)*)$")
@@ -370,6 +376,8 @@ class Snapshot:
         # shard's episodes of entries not asked for)
         self._drop: dict[str, frozenset] = {e.path: drop[e.path] for e in self.entries if drop and drop.get(e.path)}
         self._ranges = ranges  # `open_entries`: the seq ranges whose episodes it holds (for `changes`)
+        #: shard path -> its `_fetch` under way (`iter_steps` reads ahead)
+        self._ahead: dict[str, Future] = {}
 
     @property
     def filtered(self) -> bool:
@@ -623,11 +631,17 @@ class Snapshot:
             episodes = [ep for ep in episodes if str(ep.id_) in kept]
         return episodes
 
+    def _fetch(self, entry: ShardEntry) -> tuple[Any, pa.Table]:
+        """A committed shard, gated (`_gated`), and the columns its steps are made of."""
+        shard = self._gated(entry)
+        return shard, shard.read(_STEP_SOURCES.get(shard.fmt))
+
     def shard_steps(self, entry: ShardEntry) -> pa.Table:
         """The steps of one of the snapshot's shards (the columns of `steps`)."""
-        shard = self._gated(entry)
+        ahead = self._ahead.pop(entry.path, None)
+        shard, read = ahead.result() if ahead is not None else self._fetch(entry)
         with _naming(self.storage.uri(entry.path)):
-            table = gated_steps(shard, entry)
+            table = gated_steps(shard, entry, read)
         if not self.filtered or not table.num_rows:
             return table
         ids = table.column("episode_id")
@@ -635,9 +649,34 @@ class Snapshot:
         return table.filter(pc.is_in(ids, value_set=pa.array(kept, pa.string())))
 
     def iter_steps(self) -> Iterator[pa.Table]:
-        """The steps of the snapshot, one table per shard (the columns of `steps`)."""
-        for entry in self.entries:
-            yield self.shard_steps(entry)
+        """The steps of the snapshot, one table per shard (the columns of `steps`), in order.
+
+        The next shards are fetched (read, sha256 checked, gated, their columns read: work that
+        does not hold the GIL) by `READ_AHEAD_THREADS` threads while this one decodes, at most
+        `READ_AHEAD_SHARDS` shards and `READ_AHEAD_BYTES` of files ahead."""
+        entries = list(self.entries)
+        submitted: list[str] = []
+        with ThreadPoolExecutor(READ_AHEAD_THREADS, thread_name_prefix="rlrec-read-ahead") as pool:
+            try:
+                nxt = 1  # the next entry to fetch ahead
+                for i, entry in enumerate(entries):
+                    nxt = max(nxt, i + 1)
+                    ahead = sum(e.bytes for e in entries[i + 1 : nxt])
+                    while (
+                        nxt < len(entries)
+                        and nxt - i <= READ_AHEAD_SHARDS
+                        and (nxt == i + 1 or ahead + entries[nxt].bytes <= READ_AHEAD_BYTES)
+                    ):
+                        self._ahead[entries[nxt].path] = pool.submit(self._fetch, entries[nxt])
+                        submitted.append(entries[nxt].path)
+                        ahead += entries[nxt].bytes
+                        nxt += 1
+                    yield self.shard_steps(entry)
+            finally:
+                for path in submitted:
+                    future = self._ahead.pop(path, None)
+                    if future is not None:
+                        future.cancel()
 
     def steps(self) -> pa.Table:
         """One row per step of every episode (columns: module docstring, docs/FORMAT.md "Steps table").
@@ -910,13 +949,18 @@ def _episode_columns(episodes: list[Any]) -> dict[str, pa.Array]:
     }
 
 
-def gated_steps(shard: Any, entry: ShardEntry) -> pa.Table:
+#: the columns of a shard its steps are made of, per format (None: all)
+_STEP_SOURCES: dict[str, list[str] | None] = {"episodes": ["item", "policy_version"], "tabular": None}
+
+
+def gated_steps(shard: Any, entry: ShardEntry, read: pa.Table | None = None) -> pa.Table:
     """The steps (columns `STEP_COLUMNS`) of one gated shard (`rlrec.store.schema_gate.GatedShard`)
-    whose manifest entry is `entry`."""
+    whose manifest entry is `entry`; `read`: its columns `_STEP_SOURCES` names, if already read
+    (with ``shard.read``)."""
     if shard.fmt == "episodes":
         from rlrec.store.episode_arrays import decode_items
 
-        table = shard.read(["item", "policy_version"])
+        table = read if read is not None else shard.read(_STEP_SOURCES["episodes"])
         episodes = decode_items(table.column("item"))
         if not episodes:
             return empty_steps()
@@ -924,7 +968,7 @@ def gated_steps(shard: Any, entry: ShardEntry) -> pa.Table:
         versions = np.asarray(table.column("policy_version").to_numpy(), dtype=np.int64)
         cols["policy_version"] = pa.array(np.repeat(versions, [len(ep) for ep in episodes]))
     else:
-        table = shard.read()
+        table = read if read is not None else shard.read()
         n = table.num_rows
         cols = {
             "episode_id": _column(table, "eps_id"),

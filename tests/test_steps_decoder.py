@@ -227,3 +227,30 @@ def test_reading_steps_and_evaluating_data_need_no_ray(tmp_path):
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=dict(os.environ)
     )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+def test_reading_ahead_keeps_order_errors_and_stops_with_the_reader(tmp_path, monkeypatch):
+    """iter_steps fetches shards ahead in threads: tables come in the snapshot's order, the first
+    refused shard in that order is the error, and a reader that stops leaves nothing running."""
+    from rlrec.store import snapshot as snapshot_module
+    from rlrec.store.schema_gate import ShardSchemaError
+    from rlrec.store.storage import Storage
+
+    monkeypatch.setattr(snapshot_module, "READ_AHEAD_SHARDS", 2)
+    root = str(tmp_path / "out")
+    c = ShardCommitter(root)
+    for seed in range(6):
+        c.commit(expert_cartpole_episodes(2, seed=seed, max_steps=15))
+    snap = rlrec.open(root)
+    whole = [t.column("episode_id").to_pylist() for t in snap.iter_steps()]
+    assert whole == [snap.shard_steps(e).column("episode_id").to_pylist() for e in snap.entries]
+    it = snap.iter_steps()
+    next(it)
+    assert snap._ahead  # fetched ahead
+    it.close()
+    assert not snap._ahead
+    storage = Storage.from_uri(root)
+    for e in snap.entries[2:]:  # the third and every later shard changed after its commit
+        storage.write(e.path, storage.read(e.path) + b"x")
+    with pytest.raises(ShardSchemaError, match=snap.entries[2].path.split("/")[-1].replace("+", r"\+")):
+        rlrec.open(root).steps()

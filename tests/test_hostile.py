@@ -728,6 +728,16 @@ def test_fuzz_unpack_episode_mutated(seed, ops):
     """Mutated shard items: an episode or an EpisodeDecodeError, never another exception, from
     both safe decoders; what `unpack_episode` refuses, the steps readers' decoder refuses too."""
     data = _mutate(PACKED[seed], ops)
+    from rlrec.store.episodes import _safe_ndarray_hook, unpack_state
+
+    outcomes = []
+    for unpack in (lambda: msgpack.unpackb(data, object_hook=_safe_ndarray_hook), lambda: unpack_state(data)):
+        try:
+            unpack()
+            outcomes.append(None)
+        except Exception as e:  # the same kind of refusal from both
+            outcomes.append(type(e) if isinstance(e, EpisodeDecodeError) else Exception)
+    assert outcomes[0] == outcomes[1], outcomes
     try:
         unpack_episode(data)
         refused = False

@@ -254,3 +254,30 @@ def test_reading_ahead_keeps_order_errors_and_stops_with_the_reader(tmp_path, mo
         storage.write(e.path, storage.read(e.path) + b"x")
     with pytest.raises(ShardSchemaError, match=snap.entries[2].path.split("/")[-1].replace("+", r"\+")):
         rlrec.open(root).steps()
+
+
+def test_the_evaluator_gets_the_same_episodes_and_reasons_from_arrays():
+    """What the held-out reader makes of an episode (`episode_from_rllib`: observations,
+    propensities, the behaviour's probabilities from `action_dist_inputs`) and why one is unusable
+    (`unusable_reason`) are the same from arrays as from `SingleAgentEpisode`s."""
+    from rlrec.trainer.episode_check import unusable_reason
+    from rlrec.trainer.ope_data import episode_from_rllib
+
+    cases = [make()[0] for make in CASES.values()]
+    fe, _ = cartpole_case(True, seed=5)
+    fe.actions = [np.full_like(fe.actions[0], 7)]  # outside Discrete(2)
+    cases.append(fe)
+    for fe in cases:
+        data = pack_episode(to_single_agent_episode(fe))
+        ep, arrays = unpack_episode(data), decode_episode(data)
+        for spaces in ((None, None), (ep.observation_space, ep.action_space), (gym.spaces.Box(-1, 1, (3,)), None)):
+            assert unusable_reason(arrays, *spaces) == unusable_reason(ep, *spaces)
+        if isinstance(ep.observation_space, gym.spaces.Box):
+            a, b = episode_from_rllib(arrays), episode_from_rllib(ep)
+            for field in ("obs", "actions", "rewards", "behavior_logp", "behavior_probs"):
+                np.testing.assert_array_equal(getattr(a, field), getattr(b, field))
+            assert (a.id, a.terminated, a.policy_version) == (b.id, b.terminated, b.policy_version)
+    assert unusable_reason(decode_episode(data), ep.observation_space, ep.action_space)  # the action 7
+    assert (
+        episode_from_rllib(decode_episode(pack_episode(to_single_agent_episode(cases[0])))).behavior_probs is not None
+    )

@@ -7,8 +7,11 @@
 `unpack_episode` uses: the same refusals of pickled payloads (object arrays anywhere, object space
 bounds) and the same budget for what spaces may allocate. What `SingleAgentEpisode.from_state`
 then checks is checked here too (one observation and info more than rewards and actions, every
-extra model output as long as the rewards, ``t - t_started`` steps), so an item this decoder
-accepts is one `unpack_episode` accepts, with the same arrays.
+extra model output as long as the rewards, ``t - t_started`` steps). An item both decoders accept
+gives the same arrays. This decoder also reads items `unpack_episode` refuses or cannot rebuild
+(RLlib list-form Dict/Tuple and zero-step episodes; a map as the infos buffer's data), refuses
+buffer data nested deeper than `MAX_DATA_DEPTH`, and turns any failure to decode one episode into
+an `EpisodeDecodeError`.
 
 `EpisodeArrays` answers the few questions the readers ask of an episode (``len``,
 ``get_observations``, ``get_actions``, ``get_rewards``, ``get_extra_model_outputs``,
@@ -34,6 +37,9 @@ __all__ = ["EpisodeArrays", "decode_episode", "decode_items", "item_views"]
 
 #: dtype kinds an observation or action leaf may have (numbers and booleans)
 _NUMERIC_KINDS = frozenset("biuf")
+#: how deep a buffer's data may nest maps and tuples (a Dict/Tuple space's structure; gymnasium
+#: spaces of real environments nest a few levels): deeper data is refused, not recursed into
+MAX_DATA_DEPTH = 32
 
 
 @dataclass(frozen=True, eq=False)
@@ -92,15 +98,21 @@ class EpisodeArrays:
         return self.extra_model_outputs[key]
 
 
-def _after_lookback(buffer: dict) -> Any:
+def _too_deep(depth: int) -> None:
+    if depth > MAX_DATA_DEPTH:
+        raise EpisodeDecodeError(f"a buffer's data nests deeper than {MAX_DATA_DEPTH} levels (MAX_DATA_DEPTH)")
+
+
+def _after_lookback(buffer: dict, depth: int = 0) -> Any:
     """A buffer state's data after its lookback (per leaf for a struct of arrays)."""
+    _too_deep(depth)
     data, lb = buffer["data"], buffer["lookback"]
     if not lb:
         return data
     if isinstance(data, dict):
-        return {k: _after_lookback({"data": v, "lookback": lb}) for k, v in data.items()}
+        return {k: _after_lookback({"data": v, "lookback": lb}, depth + 1) for k, v in data.items()}
     if isinstance(data, tuple):
-        return tuple(_after_lookback({"data": v, "lookback": lb}) for v in data)
+        return tuple(_after_lookback({"data": v, "lookback": lb}, depth + 1) for v in data)
     try:
         return data[lb:]
     except TypeError:
@@ -113,7 +125,10 @@ def _leaf(values: Any, leaf: gym.Space | None, what: str) -> np.ndarray:
         a = values
     elif isinstance(values, list):
         if not values and leaf is not None:
-            return np.zeros((0, *leaf.shape), dtype=leaf.dtype)
+            try:
+                return np.zeros((0, *leaf.shape), dtype=leaf.dtype)
+            except (ValueError, TypeError, MemoryError) as e:  # a declared shape numpy cannot hold
+                raise EpisodeDecodeError(f"{what}: no steps of shape {leaf.shape}: {e}"[:300]) from None
         try:
             a = np.asarray(values)
         except (ValueError, TypeError) as e:
@@ -147,12 +162,13 @@ def _stacked(space: gym.Space | None, data: Any, what: str) -> Any:
     return _leaf(data, space, what)
 
 
-def _length(struct: Any) -> int:
+def _length(struct: Any, depth: int = 0) -> int:
     """Steps of a struct of stacked arrays (its leaves must agree)."""
+    _too_deep(depth)
     if isinstance(struct, dict):
-        lengths = {_length(v) for v in struct.values()}
+        lengths = {_length(v, depth + 1) for v in struct.values()}
     elif isinstance(struct, tuple):
-        lengths = {_length(v) for v in struct}
+        lengths = {_length(v, depth + 1) for v in struct}
     else:
         return len(struct)
     if len(lengths) != 1:
@@ -172,9 +188,12 @@ def _raw_length(data: Any) -> int:
 def decode_episode(data: bytes | bytearray | memoryview) -> EpisodeArrays:
     """Safely decode one packed episode (an ``item`` value) into `EpisodeArrays`, without RLlib.
 
-    Refuses exactly as `rlrec.store.episodes.unpack_episode` does: `UnsafeEpisodeError` for
-    payloads whose decoding would unpickle, `EpisodeDecodeError` (a ValueError) for malformed
-    ones (and observations or actions that are not numbers stacked by step).
+    Refuses like `rlrec.store.episodes.unpack_episode`: `UnsafeEpisodeError` for payloads whose
+    decoding would unpickle, `EpisodeDecodeError` (a ValueError) for malformed ones, and for
+    observations or actions that are not numbers stacked by step and buffer data nested deeper
+    than `MAX_DATA_DEPTH`. Every failure to decode the one episode is an `EpisodeDecodeError`
+    (one unusable episode), never another exception. It accepts a few items `unpack_episode`
+    refuses or cannot rebuild (RLlib list-form struct episodes, a map as the infos buffer's data).
 
     Args:
         data: the packed episode.
@@ -186,6 +205,15 @@ def decode_episode(data: bytes | bytearray | memoryview) -> EpisodeArrays:
         >>> len(decode_episode(pack_episode(to_single_agent_episode(fe)))) == fe.length  # doctest: +SKIP
         True
     """
+    try:
+        return _decode(data)
+    except EpisodeDecodeError:
+        raise
+    except Exception as e:  # RecursionError, MemoryError, a malformed state's KeyError/TypeError
+        raise EpisodeDecodeError(f"cannot decode the episode: {type(e).__name__}: {e}"[:300]) from None
+
+
+def _decode(data: bytes | bytearray | memoryview) -> EpisodeArrays:
     checked = checked_state(data)
     state = checked.state
     obs_space, act_space = checked.observation_space, checked.action_space

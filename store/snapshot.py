@@ -67,6 +67,7 @@ import json
 import logging
 import math
 import re
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -132,6 +133,9 @@ STEP_COLUMNS = (
 READ_AHEAD_SHARDS = 16
 READ_AHEAD_THREADS = 4
 READ_AHEAD_BYTES = 256 * 1024 * 1024
+#: ... and reading the columns of shards ahead only while what they decode to (their footers'
+#: `GatedShard.decoded_bytes`) adds up to at most this; a shard over it is read when its turn comes
+READ_AHEAD_DECODED_BYTES = 256 * 1024 * 1024
 _CURSOR_VERSION = "r1"
 _CURSOR_RE = re.compile(r"^r1~([0-9a-f]{12})~(.*)$")
 _GROUP_RE = re.compile(r"^([a-zA-Z0-9._-]+):(\d+=\d+(?:,\d+=\d+)*)$")
@@ -631,15 +635,21 @@ class Snapshot:
             episodes = [ep for ep in episodes if str(ep.id_) in kept]
         return episodes
 
-    def _fetch(self, entry: ShardEntry) -> tuple[Any, pa.Table]:
-        """A committed shard, gated (`_gated`), and the columns its steps are made of."""
+    def _fetch(self, entry: ShardEntry, budget: _DecodedBudget | None = None) -> tuple[Any, pa.Table | None]:
+        """A committed shard, gated (`_gated`), and the columns its steps are made of; when read
+        ahead (`budget`), the columns only if what the shard decodes to fits the budget (None:
+        read them when the shard's turn comes)."""
         shard = self._gated(entry)
+        if budget is not None and not budget.take(entry.path, shard.decoded_bytes):
+            return shard, None
         return shard, shard.read(_STEP_SOURCES.get(shard.fmt))
 
     def shard_steps(self, entry: ShardEntry) -> pa.Table:
         """The steps of one of the snapshot's shards (the columns of `steps`)."""
         ahead = self._ahead.pop(entry.path, None)
         shard, read = ahead.result() if ahead is not None else self._fetch(entry)
+        if read is None:
+            read = shard.read(_STEP_SOURCES.get(shard.fmt))
         with _naming(self.storage.uri(entry.path)):
             table = gated_steps(shard, entry, read)
         if not self.filtered or not table.num_rows:
@@ -653,9 +663,11 @@ class Snapshot:
 
         The next shards are fetched (read, sha256 checked, gated, their columns read: work that
         does not hold the GIL) by `READ_AHEAD_THREADS` threads while this one decodes, at most
-        `READ_AHEAD_SHARDS` shards and `READ_AHEAD_BYTES` of files ahead."""
+        `READ_AHEAD_SHARDS` shards and `READ_AHEAD_BYTES` of files ahead; the columns of shards
+        ahead are read only while they decode to at most `READ_AHEAD_DECODED_BYTES` together."""
         entries = list(self.entries)
         submitted: list[str] = []
+        budget = _DecodedBudget(READ_AHEAD_DECODED_BYTES)
         with ThreadPoolExecutor(READ_AHEAD_THREADS, thread_name_prefix="rlrec-read-ahead") as pool:
             try:
                 nxt = 1  # the next entry to fetch ahead
@@ -667,11 +679,13 @@ class Snapshot:
                         and nxt - i <= READ_AHEAD_SHARDS
                         and (nxt == i + 1 or ahead + entries[nxt].bytes <= READ_AHEAD_BYTES)
                     ):
-                        self._ahead[entries[nxt].path] = pool.submit(self._fetch, entries[nxt])
+                        self._ahead[entries[nxt].path] = pool.submit(self._fetch, entries[nxt], budget)
                         submitted.append(entries[nxt].path)
                         ahead += entries[nxt].bytes
                         nxt += 1
-                    yield self.shard_steps(entry)
+                    table = self.shard_steps(entry)
+                    budget.give_back(entry.path)
+                    yield table
             finally:
                 for path in submitted:
                     future = self._ahead.pop(path, None)
@@ -758,6 +772,27 @@ class Snapshot:
         return StepsDataset(self, columns=columns)
 
 
+class _DecodedBudget:
+    """What the shards read ahead by `Snapshot.iter_steps` decode to, bounded (thread-safe)."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self._held: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def take(self, path: str, n: int) -> bool:
+        """Reserve `n` bytes for the shard at `path`; False when they do not fit."""
+        with self._lock:
+            if sum(self._held.values()) + n > self.cap:
+                return False
+            self._held[path] = n
+            return True
+
+    def give_back(self, path: str) -> None:
+        with self._lock:
+            self._held.pop(path, None)
+
+
 def _new_part(by_seq: Mapping[int, Entry], seq: int, start: int) -> list[ShardEntry]:
     """The shards holding the episodes of the live shard committed by entry `seq` that were
     committed at or after entry `start` of its log: that shard if all of them were, else (a
@@ -783,6 +818,8 @@ def _naming(where: str) -> Iterator[None]:
         yield
     except EpisodeDecodeError as e:
         raise type(e)(f"{where}: {e}") from None
+    except pa.ArrowInvalid as e:  # columns of an episode that do not fit together
+        raise ValueError(f"{where}: {e}") from None
 
 
 # ------------------------------------------------------------------------------- steps

@@ -281,3 +281,181 @@ def test_the_evaluator_gets_the_same_episodes_and_reasons_from_arrays():
     assert (
         episode_from_rllib(decode_episode(pack_episode(to_single_agent_episode(cases[0])))).behavior_probs is not None
     )
+
+
+# ----------------------------------------------------------------- hostile items cost one episode
+
+
+def _raw_state(fe) -> dict:
+    """A packed episode's state as plain msgpack values (arrays as msgpack-numpy maps), to mutate."""
+    return msgpack.unpackb(pack_episode(to_single_agent_episode(fe)), strict_map_key=False)
+
+
+def _deep(levels: int) -> object:
+    d: object = [1.0]
+    for _ in range(levels):
+        d = {"a": d}
+    return d
+
+
+def _deep_items() -> dict[str, bytes]:
+    """Valid CartPole episodes but for one buffer's data: a map nested 505 deep (within
+    msgpack.packb's own limit of 512, so a stock packer writes it)."""
+    fe = expert_cartpole_episodes(1, max_steps=5)[0]
+    out = {}
+    s = _raw_state(fe)
+    s["observations"] = dict(s["observations"], data=_deep(505), lookback=1)
+    out["observations"] = msgpack.packb(s)
+    s = _raw_state(fe)
+    s["infos"] = dict(s["infos"], data=_deep(505))
+    out["infos"] = msgpack.packb(s)
+    s = _raw_state(fe)
+    s["extra_model_outputs"] = {"action_logp": dict(s["extra_model_outputs"]["action_logp"], data=_deep(505))}
+    out["extra_model_outputs"] = msgpack.packb(s)
+    return out
+
+
+def _huge_empty_item() -> bytes:
+    """A zero-step episode whose declared observation space numpy cannot shape (MultiBinary
+    2**40 x 2**40): costs nothing to decode, but ``np.zeros((0, *shape))`` raises ValueError."""
+    s = _raw_state(expert_cartpole_episodes(1, max_steps=5)[0])
+    space = {"space": "multi-binary", "n": [2**40, 2**40]}
+    s["_observation_space"] = space
+    s["observations"].update(data=[], space=space, lookback=0)
+    s["infos"].update(data=[], lookback=0)
+    s["actions"].update(data=[], lookback=0)
+    s["rewards"].update(data=[], lookback=0)
+    s["extra_model_outputs"] = None
+    s.update(t=0, t_started=0)
+    return msgpack.packb(s)
+
+
+@pytest.mark.parametrize("where", ["observations", "infos", "extra_model_outputs"])
+def test_deeply_nested_buffer_data_is_one_undecodable_episode(where):
+    with pytest.raises(EpisodeDecodeError):
+        decode_episode(_deep_items()[where])
+
+
+def test_a_declared_shape_numpy_cannot_hold_is_one_undecodable_episode():
+    with pytest.raises(EpisodeDecodeError):
+        decode_episode(_huge_empty_item())
+
+
+def test_decode_failures_other_than_refusals_are_episode_decode_errors(monkeypatch):
+    import rlrec.store.episode_arrays as ea
+
+    def boom(*a, **k):
+        raise MemoryError("out of memory")
+
+    monkeypatch.setattr(ea, "_stacked", boom)
+    with pytest.raises(EpisodeDecodeError, match="MemoryError"):
+        decode_episode(pack_episode(to_single_agent_episode(expert_cartpole_episodes(1, max_steps=5)[0])))
+
+
+def _store_with(root: str, hostile: bytes) -> None:
+    """Two shards of 5 episodes: the first with its last item replaced by `hostile`."""
+    import dataclasses
+    import hashlib
+    import io
+
+    import pyarrow.parquet as pq
+
+    import rlrec.store.commit as C
+
+    real = C.encode_shard
+    state = {"swap": True}
+
+    def patched(eps, **kw):
+        shard = real(eps, **kw)
+        if not state["swap"]:
+            return shard
+        t = pq.read_table(io.BytesIO(bytes(shard.data)))
+        items = t.column("item").to_pylist()
+        items[-1] = hostile
+        t = t.set_column(t.schema.get_field_index("item"), t.schema.field("item"), pa.array(items, pa.binary()))
+        buf = io.BytesIO()
+        pq.write_table(t, buf, compression="zstd")
+        data = buf.getvalue()
+        return dataclasses.replace(shard, data=data, sha256=hashlib.sha256(data).hexdigest())
+
+    C.encode_shard = patched
+    try:
+        committer = C.ShardCommitter(root)
+        committer.commit(expert_cartpole_episodes(5, seed=1, max_steps=20))
+        state["swap"] = False
+        committer.commit(expert_cartpole_episodes(5, seed=2, max_steps=20))
+    finally:
+        C.encode_shard = real
+
+
+@pytest.mark.parametrize("case", ["deep", "huge_empty"])
+def test_a_hostile_item_costs_the_evaluator_one_episode_not_its_shard(tmp_path, case):
+    from rlrec.trainer.ope_data import HeldOutReader
+
+    root = str(tmp_path / "store")
+    _store_with(root, _deep_items()["observations"] if case == "deep" else _huge_empty_item())
+    reader = HeldOutReader(root, 1.0)
+    for _ in range(2):  # a later refresh neither fails nor reads the shard again
+        episodes = reader.refresh()
+        assert len(episodes) == 9
+        assert reader.stats.episodes_held_out == len(episodes)
+        assert reader.stats.episodes_unusable == 1 and reader.stats.shards_skipped == []
+    # the steps readers refuse the shard by name (as unpack_episode's readers do)
+    with pytest.raises(EpisodeDecodeError, match=r"\.parquet"):
+        rlrec.open(root).steps()
+
+
+def test_the_evaluators_counts_are_of_the_episodes_it_returns(tmp_path, monkeypatch):
+    """A shard refused after some of its episodes were read adds nothing to the stats."""
+    import rlrec.trainer.ope_data as od
+
+    root = str(tmp_path / "store")
+    ShardCommitter(root).commit(expert_cartpole_episodes(4, max_steps=20))
+    calls = {"n": 0}
+    real = od.episode_from_rllib
+
+    def fails_on_the_third(ep):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise ValueError("boom")
+        return real(ep)
+
+    monkeypatch.setattr(od, "episode_from_rllib", fails_on_the_third)
+    reader = od.HeldOutReader(root, 1.0)
+    assert reader.refresh() == []
+    assert len(reader.stats.shards_skipped) == 1
+    assert reader.stats.episodes_held_out == 0 and reader.stats.episodes_seen == 0
+
+
+def _read_threads(monkeypatch) -> list[str]:
+    from rlrec.store.schema_gate import GatedShard
+
+    names: list[str] = []
+    real = GatedShard.read
+
+    def read(self, columns=None):
+        import threading
+
+        names.append(threading.current_thread().name)
+        return real(self, columns)
+
+    monkeypatch.setattr(GatedShard, "read", read)
+    return names
+
+
+def test_read_ahead_is_budgeted_by_what_shards_decode_to(tmp_path, monkeypatch):
+    import rlrec.store.snapshot as snapshot_mod
+
+    root = str(tmp_path / "store")
+    committer = ShardCommitter(root)
+    for seed in range(4):
+        committer.commit(expert_cartpole_episodes(2, seed=seed, max_steps=20))
+    expected = rlrec.open(root).steps()
+    names = _read_threads(monkeypatch)
+    assert rlrec.open(root).steps().equals(expected)
+    assert any(n.startswith("rlrec-read-ahead") for n in names)  # read ahead within the budget
+    names.clear()
+    # a budget smaller than one shard decodes to: nothing is read ahead, whatever the file sizes
+    monkeypatch.setattr(snapshot_mod, "READ_AHEAD_DECODED_BYTES", 1, raising=False)
+    assert rlrec.open(root).steps().equals(expected)
+    assert len(names) == 4 and not any(n.startswith("rlrec-read-ahead") for n in names)

@@ -193,13 +193,14 @@ class HeldOutReader:
             raise ValueError("sha256 does not match the manifest")
         table = open_shard(data, fmt="episodes").read(["item"])
         out = []
+        seen = unusable = 0  # counted into the stats once the whole shard is read
         for chunk in table.column("item").chunks:
             for v in item_views(chunk):
-                self.stats.episodes_seen += 1
+                seen += 1
                 try:
                     ep = decode_episode(v)
                 except EpisodeDecodeError as err:
-                    self.stats.episodes_unusable += 1
+                    unusable += 1
                     log.debug("undecodable episode in %s: %s", entry.path, err)
                     continue
                 if not is_held_out(str(ep.id_), self.fraction):
@@ -207,8 +208,10 @@ class HeldOutReader:
                 obs_space = self.observation_space or ep.observation_space
                 act_space = self.action_space or ep.action_space
                 if unusable_reason(ep, obs_space, act_space) is not None:
-                    self.stats.episodes_unusable += 1
+                    unusable += 1
                     continue
-                self.stats.episodes_held_out += 1
                 out.append(episode_from_rllib(ep))
+        self.stats.episodes_seen += seen
+        self.stats.episodes_unusable += unusable
+        self.stats.episodes_held_out += len(out)
         return out

@@ -726,7 +726,9 @@ PACKED = _packed_seeds()
 @given(seed=st.sampled_from(range(len(PACKED))), ops=_ops)
 def test_fuzz_unpack_episode_mutated(seed, ops):
     """Mutated shard items: an episode or an EpisodeDecodeError, never another exception, from
-    both safe decoders; what `unpack_episode` refuses, the steps readers' decoder refuses too."""
+    both safe decoders; what `unpack_episode` refuses, the steps readers' decoder refuses too,
+    for what this mutator makes (the arrays decoder also reads a few items `unpack_episode`
+    cannot rebuild: list-form structs, an infos map; docs/READING.md "How steps are read")."""
     data = _mutate(PACKED[seed], ops)
     from rlrec.store.episodes import _safe_ndarray_hook, unpack_state
 
@@ -928,3 +930,16 @@ def test_fuzz_message_handler_never_raises(ops, seed_kind, fmt, tmp_path_factory
     a = w.assembler
     assert a.committed.committed_offset("good") is not None  # the good episode after the mess landed
     assert a.safe_offset() is not None
+
+
+@pytest.mark.parametrize("where", ["observations", "infos", "extra_model_outputs"])
+def test_buffer_data_nested_deep_is_refused_by_both_decoders(where):
+    """A map nested 505 deep (within msgpack.packb's own limit) as one buffer's data: one
+    undecodable episode for both decoders, never a RecursionError (the mutator above does not
+    build deep maps)."""
+    from tests.test_steps_decoder import _deep_items
+
+    item = _deep_items()[where]
+    for decoder in (unpack_episode, decode_episode):
+        with pytest.raises(EpisodeDecodeError):
+            decoder(item)

@@ -2,20 +2,22 @@
 
 `HeldOutReader` follows the manifest under an output root (committed shards only), reads each
 new shard once (sha256 checked against the manifest, the schema gate `rlrec.store.schema_gate`
-before any column, episodes decoded by `rlrec.store.episodes.unpack_episode`, which refuses
-pickled payloads), keeps the episodes `rlrec.trainer.holdout.is_held_out` selects and turns them
+before any column, episodes decoded into arrays by `rlrec.store.episode_arrays.decode_items`,
+which refuses pickled payloads as `rlrec.store.episodes.unpack_episode` does), keeps the episodes `rlrec.trainer.holdout.is_held_out` selects and turns them
 into `rlrec.trainer.ope.Episode` (behaviour propensity: the ``action_logp`` extra model output;
 behaviour version: the episode's ``policy_version``; for Discrete actions with recorded
 ``action_dist_inputs`` of width n, the behaviour's action probabilities, softmax of them, which
 make the support diagnostic exact). Episodes the trainer could not use either
 (`rlrec.trainer.episode_check.unusable_reason`) are counted and left out. Tabular shards are not
-read (counted in ``shards_skipped``). No Ray cluster (RLlib's episode class is imported).
+read (counted in ``shards_skipped``). Neither Ray nor RLlib is imported: no `SingleAgentEpisode`
+is built.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +38,8 @@ INPUTS = "action_dist_inputs"
 
 
 def episode_from_rllib(ep: Any) -> Episode:
-    """A decoded `SingleAgentEpisode` (numpy or list form) -> `rlrec.trainer.ope.Episode`.
+    """A decoded `SingleAgentEpisode` (numpy or list form) or
+    `rlrec.store.episode_arrays.EpisodeArrays` -> `rlrec.trainer.ope.Episode`.
 
     Args:
         ep: the episode.
@@ -131,7 +134,9 @@ class HeldOutReader:
         #: ``rlrec.open(uri, as_of=cursor)`` reopens
         self.cursor: str | None = None
 
-    def refresh(self, as_of: str | None = None) -> list[Episode]:
+    def refresh(
+        self, as_of: str | None = None, progress: Callable[[int, int, int], None] | None = None
+    ) -> list[Episode]:
         """Read the shards committed since the last call; every held-out episode known, in commit
         order, of the shards at the manifest point it read (`cursor`). The estimators sort them
         by id (`rlrec.trainer.ope.LoggedData`): the order does not change an estimate.
@@ -145,6 +150,8 @@ class HeldOutReader:
         Args:
             as_of: read the store at this point (a cursor a decision recorded, or a UNIX time;
                 `rlrec.store.snapshot.open_snapshot`); None: the newest.
+            progress: called after each shard with (shards done, shards to read, held-out
+                episodes so far).
         """
         from rlrec.store.snapshot import open_snapshot
 
@@ -153,7 +160,9 @@ class HeldOutReader:
         entries = [e for e in ordered if self.policy_id is None or e.policy_id == self.policy_id]
         live = set()
         skipped: list[tuple[str, str]] = []
-        for e in entries:
+        for done, e in enumerate(entries, 1):
+            if progress is not None and done > 1:
+                progress(done - 1, len(entries), self.stats.episodes_held_out)
             key = e.path
             live.add(key)
             if key in self._by_shard:
@@ -168,6 +177,8 @@ class HeldOutReader:
                 if key not in self._reported:
                     self._reported.add(key)
                     log.error("shard %s cannot be used for evaluation (%s); skipping it", key, err)
+        if progress is not None and entries:
+            progress(len(entries), len(entries), self.stats.episodes_held_out)
         for key in [k for k in self._by_shard if k not in live]:
             del self._by_shard[key]
         self.stats.shards_skipped = skipped
@@ -184,7 +195,8 @@ class HeldOutReader:
 
     def _read(self, entry: Any) -> list[Episode]:
         from rlrec.store.commit import read_committed_shard
-        from rlrec.store.episodes import EpisodeDecodeError, unpack_episode
+        from rlrec.store.episode_arrays import decode_episode, item_views
+        from rlrec.store.episodes import EpisodeDecodeError
         from rlrec.store.schema_gate import open_shard
         from rlrec.trainer.episode_check import unusable_reason
 
@@ -198,13 +210,14 @@ class HeldOutReader:
             raise ValueError("sha256 does not match the manifest")
         table = open_shard(data, fmt="episodes").read(["item"])
         out = []
+        seen = unusable = 0  # counted into the stats once the whole shard is read
         for chunk in table.column("item").chunks:
-            for v in chunk:
-                self.stats.episodes_seen += 1
+            for v in item_views(chunk):
+                seen += 1
                 try:
-                    ep = unpack_episode(v.as_py())
+                    ep = decode_episode(v)
                 except EpisodeDecodeError as err:
-                    self.stats.episodes_unusable += 1
+                    unusable += 1
                     log.debug("undecodable episode in %s: %s", entry.path, err)
                     continue
                 if not is_held_out(str(ep.id_), self.fraction):
@@ -212,8 +225,10 @@ class HeldOutReader:
                 obs_space = self.observation_space or ep.observation_space
                 act_space = self.action_space or ep.action_space
                 if unusable_reason(ep, obs_space, act_space) is not None:
-                    self.stats.episodes_unusable += 1
+                    unusable += 1
                     continue
-                self.stats.episodes_held_out += 1
                 out.append(episode_from_rllib(ep))
+        self.stats.episodes_seen += seen
+        self.stats.episodes_unusable += unusable
+        self.stats.episodes_held_out += len(out)
         return out

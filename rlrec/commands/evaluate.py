@@ -39,12 +39,15 @@ environment variables, as for `rlrec train`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
 import sys
+import threading
+import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from rlrec.options import OptionSet, option
@@ -288,7 +291,7 @@ def evaluate_published(
     say(f"reading the held-out episodes (--holdout-fraction {ope.holdout_fraction}) under {ev.input}")
     try:
         reader = HeldOutReader(ev.input, ope.holdout_fraction, policy_id=ev.policy_id)
-        episodes = reader.refresh(as_of=ev.as_of)
+        episodes = reader.refresh(as_of=ev.as_of, progress=_Throttled(say).reading)
     except CursorError as e:
         raise _UserError(f"--as-of: {e}") from None
     except (StorageError, OSError) as e:
@@ -316,7 +319,8 @@ def evaluate_published(
         "model": ope.model(ev.seed),
     }
     target = PolicyTarget(policy, ev.explore, seed=ev.seed)
-    result = evaluate(data, target, gamma=gamma, estimators=names, **settings).to_dict()
+    with _still_running(say, "estimating"):
+        result = evaluate(data, target, gamma=gamma, estimators=names, **settings).to_dict()
     comparison = None
     if ev.compare_to is not None:
         base = None
@@ -327,14 +331,16 @@ def evaluate_published(
                 )
             except (PolicyLoadError, ValueError, OSError) as e:
                 raise _UserError(f"cannot load --compare-to {ev.compare_to}: {_in_flags(str(e))}") from None
-        cmp = compare(
-            data,
-            target,
-            None if base is None else PolicyTarget(base, ev.explore, seed=ev.seed),
-            gamma=gamma,
-            estimator=names[0],
-            **settings,
-        )
+        say(f"comparing with {ev.compare_to} under {names[0]}")
+        with _still_running(say, "comparing"):
+            cmp = compare(
+                data,
+                target,
+                None if base is None else PolicyTarget(base, ev.explore, seed=ev.seed),
+                gamma=gamma,
+                estimator=names[0],
+                **settings,
+            )
         comparison = {
             "compare_to": ev.compare_to,
             "estimator": cmp.estimator,
@@ -366,6 +372,40 @@ def evaluate_published(
     if comparison is not None:
         out["comparison"] = comparison
     return out
+
+
+class _Throttled:
+    """Progress lines of a long phase, at most one every `every` seconds (and the last)."""
+
+    def __init__(self, say: Callable[[str], None], every: float = 2.0) -> None:
+        self.say, self.every = say, every
+        self._last = time.monotonic()
+
+    def reading(self, done: int, total: int, held_out: int) -> None:
+        now = time.monotonic()
+        if done == total or now - self._last >= self.every:
+            self._last = now
+            self.say(f"read {done:,}/{total:,} shard(s): {held_out:,} held-out episode(s)")
+
+
+@contextlib.contextmanager
+def _still_running(say: Callable[[str], None], what: str, every: float = 10.0) -> Iterator[None]:
+    """Say every `every` seconds that `what` is still running, and for how long, until it ends
+    (the fits of fqe, wdr and mb take minutes on large data)."""
+    stop = threading.Event()
+    t0 = time.monotonic()
+
+    def beat() -> None:
+        while not stop.wait(every):
+            say(f"{what}: {time.monotonic() - t0:,.0f} s so far")
+
+    thread = threading.Thread(target=beat, name="rlrec-evaluate-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def _print(r: dict) -> None:

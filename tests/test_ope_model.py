@@ -201,40 +201,6 @@ def test_every_refusal_carries_a_code_that_says_whether_the_data_judged_it():
     assert set(REFUSALS) >= {c for c in cases if c} | {"no_data", "failed"}
 
 
-class _NearV1:
-    """v1 (the benchmark's deployed controller) except that it pushes right whenever the cart's
-    position is beyond `x`: it agrees with v1 for the first ~100 steps of most episodes and is
-    worse (true 53 against v1's 64 at x 0.05) through what happens after them."""
-
-    def __init__(self, w, x: float) -> None:
-        self.spec = {"action_dist": {"type": "categorical"}}
-        self.w, self.x = np.asarray(w, dtype=np.float64), x
-
-    def action_probs(self, obs):
-        obs = np.asarray(obs, dtype=np.float64)
-        a = np.where(obs[:, 0] > self.x, 1, (obs @ self.w > 0).astype(int))
-        p = np.zeros((len(obs), 2))
-        p[np.arange(len(obs)), a] = 1.0
-        return p
-
-
-def _mc(policy, gamma: float, n: int) -> float:
-    import gymnasium as gym
-
-    env = gym.make("CartPole-v1")
-    out = []
-    for i in range(n):
-        o, _ = env.reset(seed=777 + i)
-        g, t, done = 0.0, 0, False
-        while not done:
-            a = int(policy.action_probs(o[None])[0].argmax())
-            o, r, te, tr, _ = env.step(a)
-            g += gamma**t * r
-            t, done = t + 1, te or tr
-        out.append(g)
-    return float(np.mean(out))
-
-
 @pytest.mark.slow
 def test_the_gate_judges_the_paired_difference_not_each_level_near_v1():
     """The attacker review's near-v1 false promotion: a candidate equal to v1 for ~100 steps and
@@ -248,15 +214,15 @@ def test_the_gate_judges_the_paired_difference_not_each_level_near_v1():
     from types import SimpleNamespace
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    from ope_decisions import DEPLOYED, GAMMA, controller, log_dataset
+    from ope_decisions import DEPLOYED, GAMMA, NearV1, controller, log_dataset, mc_truth
 
     from rlrec.trainer import ope_jobs
     from rlrec.trainer.config import OPESettings, TrainerConfig
     from rlrec.trainer.ope import FQEConfig, PolicyTarget
     from rlrec.trainer.ope_jobs import gate_decision
 
-    near, deployed = _NearV1(DEPLOYED, 0.05), controller(DEPLOYED)[2]
-    assert _mc(near, GAMMA, 40) < 0.95 * _mc(deployed, GAMMA, 40)  # truly worse by > 5 %
+    near, deployed = NearV1(0.05), controller(DEPLOYED)[2]
+    assert mc_truth(near, 40) < 0.95 * mc_truth(deployed, 40)  # truly worse by > 5 %
     episodes = log_dataset(200, 0.05, seed=4)
     c = compare(
         LoggedData(episodes),

@@ -143,6 +143,14 @@ class ConsumerProc:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    def stop(self, timeout: float = 60.0) -> None:
+        """SIGTERM, and SIGKILL if it has not exited within `timeout` seconds."""
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
 
 @dataclass
 class Tally:
@@ -371,12 +379,8 @@ class Chaos:
         running = self.alive()
         if len(running) >= MAX_CONSUMERS:
             c = self.rng.choice(running)
-            c.proc.send_signal(signal.SIGTERM)
             self.say(f"consumer {c.name} leaves the group (SIGTERM)")
-            try:
-                c.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                c.proc.kill()
+            c.stop()
             self.tally.rebalances += 1
         self.start_consumer()
         self.tally.rebalances += 1
@@ -391,11 +395,7 @@ class Chaos:
         self._fault(f"consumer {c.name} joins with a dead-letter topic the broker refuses")
         time.sleep(self.rng.uniform(10, 15))
         m = c.metrics()
-        c.proc.send_signal(signal.SIGTERM)
-        try:
-            c.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            c.proc.kill()
+        c.stop()
         self.tally.rebalances += 1
         self.say(
             f"consumer {c.name} leaves (SIGTERM) with {m.get('rlrec_dead_letters_pending', 0):.0f} dead letters "
@@ -433,11 +433,7 @@ class Chaos:
             ahead = self._group_ahead_of_store()
         m = c.metrics()
         self.tally.foreign_ahead += len(ahead)
-        c.proc.send_signal(signal.SIGTERM)
-        try:
-            c.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            c.proc.kill()
+        c.stop()
         self.tally.rebalances += 1
         self.say(
             f"consumer {c.name} of another output leaves (SIGTERM) holding "

@@ -1,18 +1,26 @@
 """Decision benchmark of the ``ope`` promotion gate (issue "An honest offline gate"): does the gate
-publish worse policies, against simulator truth, on a long horizon?
+publish worse policies, against simulator truth, on a long horizon and on a short one?
 
-Task: ``CartPole-v1`` at gamma 0.99. The deployed version v1 is a mediocre greedy linear
-controller (angular velocity minus position); the behaviour that logged the data is v1 served
-epsilon-greedy (epsilon 0.3 and 0.05) with its exact propensities and action probabilities. The
-candidates are a ladder of greedy linear controllers: clearly better (> +10 % of v1's true value),
-about equal (v1 itself, rescaled), worse, clearly worse, and ones that leave the behaviour's
-states (angle only, always left). True values: Monte-Carlo discounted returns
-(`--truth-episodes` episodes, fixed seeds).
+Two tasks (`TASKS`; ``--tasks``), each with a deployed version v1, a behaviour that is v1 served
+epsilon-greedy (epsilon 0.3 and 0.05) with its exact propensities and action probabilities, and a
+ladder of candidates: clearly better (> +10 % of v1's true value), about equal (v1 itself,
+rescaled), worse, clearly worse, and ones that leave the behaviour's states (or, on the
+contextual task, its actions). True values: Monte-Carlo discounted returns (`--truth-episodes`
+episodes, fixed seeds).
+
+* ``cartpole``: ``CartPole-v1`` at gamma 0.99 (horizon up to 500). v1 is a mediocre greedy linear
+  controller (angular velocity minus position); the candidates are greedy linear controllers
+  (`LADDER`) and `NEAR_V1` candidates, which equal v1 for the first ~100 steps and are worse by 5
+  to 20 % after them.
+* ``contextual``: ``rlrec/ContextBandit-v0`` (3 steps, gamma 0.9; action a earns x[a] + noise).
+  v1 takes the better of actions 0 and 1 and never action 2; the candidates (`CONTEXT_LADDER`)
+  range from the best action to the worst, and include ones that take action 2, which the
+  behaviour takes only when it explores.
 
 For every dataset (`--datasets` per epsilon, `--episodes` held-out episodes each) and candidate
 the gate's question is asked as the trainer asks it: `rlrec.trainer.ope.compare` of candidate
 and deployed v1 (paired bootstrap, 90 %, the trainer's thresholds) and the trainer's rule
-`rlrec.trainer.ope_jobs.gate_decision` (margin 0). Rows per rule:
+`rlrec.trainer.ope_jobs.refusal` (margin 0). Rows per rule:
 
 * ``always publish``: every candidate;
 * ``<est> (old rule)``: estimable and lower bound >= 0, ignoring the gate verdict (the rule before
@@ -20,22 +28,21 @@ and deployed v1 (paired bootstrap, 90 %, the trainer's thresholds) and the train
 * ``<est>``: the gate as it is (verdict included); ``mb`` is the pessimistic model-based estimator;
 * ``auto``: the gate's default ``--promotion-estimator auto``: wdr where its verdict holds, else mb,
   decided by the gate's own functions (`rlrec.trainer.ope_jobs.choose_comparison` and
-  ``gate_decision``) on the same comparisons.
+  ``refusal``) on the same comparisons.
 
-Besides the linear ladder, `NEAR_V1` candidates equal v1 for the first ~100 steps and are worse
-by 5 to 20 % after them (truth: `mc_truth`, seeds 777...). The baseline is always the deployed v1
-(never the logged behaviour of a first publication).
+The baseline is always the deployed v1 (never the logged behaviour of a first publication).
 
-Reported per rule: false promotions (a candidate truly worse than v1 by > 5 % published; target
-0), datasets where a clearly better candidate was published (else every clearly better one was
-refused with the stated reason), and the median Spearman rank correlation of the candidates' point
+Reported per task, epsilon and rule: false promotions (a candidate truly worse than v1 by > 5 %
+published; target 0), datasets where a clearly better candidate was published (target: every
+dataset, else every clearly better one refused with a reason whose code hands it to a canary:
+``refusal.judged`` False), and the median Spearman rank correlation of the candidates' point
 estimates with the truth (an estimate without a value counts as a miss: -1 for that dataset).
 d3rlpy's DiscreteFQE is not run here (see docs/measurements/ope-decisions-*.md).
 
 FQE runs `--fqe-steps` (default 1000, below the trainer's 3000 at gamma 0.99, for time) and is
 fitted once per target and dataset (the comparison reuses it: the same numbers as refitting).
 
-Usage: ``python bench/ope_decisions.py [--quick] [--json out.json] [--md out.md]``.
+Usage: ``python bench/ope_decisions.py [--quick] [--tasks cartpole,contextual] [--json out.json] [--md out.md]``.
 """
 
 from __future__ import annotations
@@ -68,6 +75,27 @@ LADDER = {
 NEAR_V1 = {"near-v1 x>0.05": 0.05, "near-v1 x>0.08": 0.08, "near-v1 x>0.1": 0.1}
 ESTIMATORS = ("wdr", "fqe", "wpdis", "wis", "mb")
 
+#: the contextual task's gamma
+CONTEXT_GAMMA = 0.9
+_E = np.eye(3, 4)
+#: the contextual task's deployed v1: the better of actions 0 and 1 (never action 2)
+CONTEXT_DEPLOYED = 4 * np.array([[1, 0, 0, 0], [0, 1, 0, 0], [0, 0, 0, 0]], np.float64)
+_NO2 = np.array([0.0, 0.0, -100.0])  # a bias that rules action 2 out
+#: the contextual candidates: name -> (weights (3, 4), bias, kind)
+CONTEXT_LADDER = {
+    "best": (4 * _E, None, "better, takes action 2 where it is best"),
+    "v1-rescaled": (2 * CONTEXT_DEPLOYED, _NO2, "equal"),
+    "best-or-2-above-0.9": (
+        CONTEXT_DEPLOYED + np.array([[0] * 4, [0] * 4, [0, 0, 40, 0]]),
+        [0, 0, -36],
+        "equal or better",
+    ),
+    "always-0": (np.zeros((3, 4)), [1.0, 0.0, 0.0], "worse"),
+    "always-2": (np.zeros((3, 4)), [0.0, 0.0, 1.0], "worse, leaves the behaviour's actions"),
+    "avoids-best-of-2": (-CONTEXT_DEPLOYED, _NO2, "clearly worse"),
+    "worst": (-4 * _E, None, "clearly worse, takes action 2 where it is worst"),
+}
+
 
 class NearV1:
     """v1 (`DEPLOYED`) except that it pushes right whenever the cart's position is beyond `x`
@@ -88,7 +116,7 @@ class NearV1:
 
 
 def mc_truth(policy, episodes: int, seed: int = 777) -> float:
-    """The greedy `policy`'s mean discounted return over `episodes` simulator episodes."""
+    """The greedy `policy`'s mean discounted return over `episodes` CartPole episodes."""
     env = gym.make(ENV)
     out = []
     for i in range(episodes):
@@ -121,12 +149,19 @@ def controller(w, bias=None):
     return spec, model, version_from_artifact(spec, model)
 
 
-def log_dataset(n: int, eps: float, seed: int):
-    """`n` episodes of v1 served epsilon-greedy, with exact propensities."""
+def log_dataset(n: int, eps: float, seed: int, env_id: str = ENV, greedy=None):
+    """`n` episodes of v1 (`greedy`: obs -> its action; default CartPole's `DEPLOYED`) served
+    epsilon-greedy on `env_id`, with exact propensities."""
     from rlrec.trainer.ope import Episode
 
-    w = np.asarray(DEPLOYED)
-    env = gym.make(ENV)
+    if greedy is None:
+        w = np.asarray(DEPLOYED)
+
+        def greedy(obs):
+            return int(w @ obs > 0)
+
+    env = gym.make(env_id)
+    n_actions = int(env.action_space.n)
     rng = np.random.default_rng(seed)
     out = []
     for i in range(n):
@@ -134,9 +169,9 @@ def log_dataset(n: int, eps: float, seed: int):
         observations, actions, rewards, logps, probs = [obs], [], [], [], []
         done = term = False
         while not done:
-            p = np.full(2, eps / 2)
-            p[int(w @ obs > 0)] += 1 - eps
-            a = int(rng.choice(2, p=p))
+            p = np.full(n_actions, eps / n_actions)
+            p[greedy(obs)] += 1 - eps
+            a = int(rng.choice(n_actions, p=p))
             obs, r, term, trunc, _ = env.step(a)
             observations.append(obs)
             actions.append(a)
@@ -160,22 +195,89 @@ def log_dataset(n: int, eps: float, seed: int):
     return out
 
 
-def truth(spec, model, episodes: int) -> float:
+def truth(spec, model, episodes: int, env_id: str = ENV, gamma: float = GAMMA) -> float:
     from rlrec.trainer.promotion import evaluate_exported
 
-    return evaluate_exported(model, spec, ENV, episodes, seed=777, gamma=GAMMA)
+    return evaluate_exported(model, spec, env_id, episodes, seed=777, gamma=gamma)
 
 
-def decide_dataset(data, targets: dict, deployed, fqe_steps: int, model_cfg, n_boot: int, seed: int, log) -> dict:
+def linear(W, bias=None):
+    """``(spec, model, policy)`` of the greedy linear policy with logits ``W @ obs + bias``."""
+    from rlrec.trainer.policy import version_from_artifact
+    from rlrec.trainer.synthetic import linear_policy_artifact
+
+    spec, model = linear_policy_artifact(
+        np.asarray(W, np.float32), None if bias is None else np.asarray(bias, np.float32)
+    )
+    return spec, model, version_from_artifact(spec, model)
+
+
+def cartpole_task(truth_episodes: int) -> dict:
+    """The CartPole task: deployed v1, the candidates and their true values."""
+    dep_spec, dep_model, deployed = controller(DEPLOYED)
+    targets, true = {}, {}
+    for k, (w, b, _) in LADDER.items():
+        spec, model, policy = controller(w, b)
+        targets[k] = policy
+        true[k] = truth(spec, model, truth_episodes)
+    for k, x in NEAR_V1.items():
+        targets[k] = NearV1(x)
+        true[k] = mc_truth(targets[k], truth_episodes)
+    return {
+        "env": ENV,
+        "gamma": GAMMA,
+        "deployed": deployed,
+        "true_v1": truth(dep_spec, dep_model, truth_episodes),
+        "targets": targets,
+        "true": true,
+        "near": set(NEAR_V1),
+        "greedy": None,
+    }
+
+
+def contextual_task(truth_episodes: int) -> dict:
+    """The contextual task (3 steps): deployed v1, the candidates and their true values."""
+    from rlrec.trainer.synthetic import CONTEXT_BANDIT_ID
+
+    dep_spec, dep_model, deployed = linear(CONTEXT_DEPLOYED, _NO2)
+    targets, true = {}, {}
+    for k, (W, b, _) in CONTEXT_LADDER.items():
+        spec, model, policy = linear(W, b)
+        targets[k] = policy
+        true[k] = truth(spec, model, truth_episodes * 10, CONTEXT_BANDIT_ID, CONTEXT_GAMMA)
+    W = np.asarray(CONTEXT_DEPLOYED, np.float32)
+
+    def greedy(obs):
+        return int(np.argmax(W @ obs + _NO2))
+
+    return {
+        "env": CONTEXT_BANDIT_ID,
+        "gamma": CONTEXT_GAMMA,
+        "deployed": deployed,
+        "true_v1": truth(dep_spec, dep_model, truth_episodes * 10, CONTEXT_BANDIT_ID, CONTEXT_GAMMA),
+        "targets": targets,
+        "true": true,
+        "near": set(),
+        "greedy": greedy,
+    }
+
+
+#: the tasks, by name (``--tasks``)
+TASKS = {"cartpole": cartpole_task, "contextual": contextual_task}
+
+
+def decide_dataset(
+    data, targets: dict, deployed, fqe_steps: int, model_cfg, n_boot: int, seed: int, log, gamma: float = GAMMA
+) -> dict:
     """Every rule's decision and point estimate for every candidate on one dataset."""
     from rlrec.trainer.ope import FQEConfig, PolicyTarget, compare, fit_fqe
-    from rlrec.trainer.ope_jobs import choose_comparison, gate_decision
+    from rlrec.trainer.ope_jobs import REFUSALS, choose_comparison, refusal
 
     fqe = FQEConfig(steps=fqe_steps, seed=seed)
 
     def arrays(policy):
         t = PolicyTarget(policy, explore=False, seed=seed).arrays(data)
-        t.q, t.v = fit_fqe(data, t, GAMMA, fqe)
+        t.q, t.v = fit_fqe(data, t, gamma, fqe)
         return t
 
     t0 = time.time()
@@ -191,16 +293,17 @@ def decide_dataset(data, targets: dict, deployed, fqe_steps: int, model_cfg, n_b
                     data,
                     PolicyTarget(policy, False, seed=seed),
                     PolicyTarget(deployed, False, seed=seed),
-                    gamma=GAMMA,
+                    gamma=gamma,
                     estimator="mb",
                     n_boot=n_boot,
                     seed=seed,
                     model=model_cfg,
                 )
             else:
-                cmp = compare(data, cand_arrays, dep_arrays, gamma=GAMMA, estimator=est, n_boot=n_boot, seed=seed)
+                cmp = compare(data, cand_arrays, dep_arrays, gamma=gamma, estimator=est, n_boot=n_boot, seed=seed)
             cmps[est] = cmp
-            promoted, reason = gate_decision(cmp, 0.0)
+            code, reason = refusal(cmp, 0.0)
+            promoted = code is None
             value = cmp.candidate.estimates[est].value
             row[est] = {
                 "promoted": promoted,
@@ -211,12 +314,14 @@ def decide_dataset(data, targets: dict, deployed, fqe_steps: int, model_cfg, n_b
                 "ci_low": cmp.ci_low,
                 "ci_high": cmp.ci_high,
                 "reason": reason,
+                "refusal": None if promoted else {"code": code, "judged": REFUSALS[code]},
                 "diagnostics": cmp.candidate.diagnostics.get("mb") if est == "mb" else None,
                 "paired": cmp.extra.get("paired"),
             }
         # the gate's default (--promotion-estimator auto), through the gate's own functions
         cmp, fallback = choose_comparison("auto", cmps.__getitem__)
-        promoted, reason = gate_decision(cmp, 0.0)
+        code, reason = refusal(cmp, 0.0)
+        promoted = code is None
         row["auto"] = {
             "promoted": promoted,
             "estimator": cmp.estimator,
@@ -226,6 +331,7 @@ def decide_dataset(data, targets: dict, deployed, fqe_steps: int, model_cfg, n_b
             "ci_low": cmp.ci_low,
             "ci_high": cmp.ci_high,
             "reason": reason,
+            "refusal": None if promoted else {"code": code, "judged": REFUSALS[code]},
         }
         out[name] = row
         log(
@@ -241,15 +347,18 @@ def decide_dataset(data, targets: dict, deployed, fqe_steps: int, model_cfg, n_b
     return out
 
 
-def summarize(results: list[dict], true: dict, true_v1: float) -> dict:
+def summarize(results: list[dict], true: dict, true_v1: float, near_names: set | None = None) -> dict:
+    """Per rule: false promotions, datasets with a clearly better candidate published (else, for
+    the gated rules, whether every clearly better one was refused to the canary: a refusal code
+    with ``judged`` False), Spearman vs truth."""
     names = list(true)
     worse = {k for k in names if true[k] < 0.95 * true_v1}
     better = {k for k in names if true[k] > 1.10 * true_v1}
-    near = worse & set(NEAR_V1)
+    near = worse & set(NEAR_V1 if near_names is None else near_names)
     rules = ["always publish"] + [f"{e} (old rule)" for e in ("wdr", "fqe")] + list(ESTIMATORS) + ["auto"]
     table = {}
     for rule in rules:
-        fp, fp_near, better_pub, refusals, rho, decisions = 0, 0, 0, [], [], 0
+        fp, fp_near, better_pub, to_canary, refusals, rho, decisions = 0, 0, 0, 0, [], [], 0
         for ds in results:
             pub = set()
             for k in names:
@@ -267,7 +376,10 @@ def summarize(results: list[dict], true: dict, true_v1: float) -> dict:
             if pub & better:
                 better_pub += 1
             elif rule in (*ESTIMATORS, "auto"):
-                refusals.append(sorted({ds["decisions"][k][rule]["reason"][:100] for k in better}))
+                refused = [ds["decisions"][k][rule] for k in better]
+                if refused and all(r.get("refusal") and not r["refusal"]["judged"] for r in refused):
+                    to_canary += 1
+                refusals.append(sorted({r["reason"][:100] for r in refused}))
             if rule == "always publish":
                 continue
             est = rule.split()[0]
@@ -286,6 +398,7 @@ def summarize(results: list[dict], true: dict, true_v1: float) -> dict:
             "false_promotions_near_v1": fp_near,
             "near_v1_worse_offered": len(near) * len(results),
             "datasets_with_a_clearly_better_published": better_pub,
+            "datasets_refused_to_the_canary": to_canary,
             "datasets": len(results),
             "spearman_median": None if not rho else float(np.median(rho)),
             "refusal_reasons": refusals[:2],
@@ -294,44 +407,55 @@ def summarize(results: list[dict], true: dict, true_v1: float) -> dict:
 
 
 def markdown(doc: dict) -> str:
-    lines = [
-        f"CartPole-v1, gamma {GAMMA}; deployed v1 true {doc['true_v1']:.1f}; candidates (true): "
-        + ", ".join(f"{k} {v:.1f}" for k, v in doc["true"].items()),
-        "",
-    ]
-    for eps, table in doc["by_epsilon"].items():
+    lines: list[str] = []
+    for name, task in doc["tasks"].items():
         lines += [
-            f"#### logging epsilon {eps} ({doc['datasets']} datasets x {doc['episodes']} held-out episodes)",
+            f"### {name}: {task['env']}, gamma {task['gamma']}; deployed v1 true {task['true_v1']:.2f}; "
+            "candidates (true): " + ", ".join(f"{k} {v:.2f}" for k, v in task["true"].items()),
             "",
-            "| rule | false promotions (worse by > 5 % published) | of them near-v1 (-5..-20 %) | "
-            "datasets with a clearly better one published | Spearman vs truth (median) |",
-            "|---|---|---|---|---|",
         ]
-        for rule, s in table.items():
-            rho = "–" if s["spearman_median"] is None else f"{s['spearman_median']:.2f}"
-            lines.append(
-                f"| {rule} | {s['false_promotions']} of {s['worse_candidates_offered']} | "
-                f"{s['false_promotions_near_v1']} of {s['near_v1_worse_offered']} | "
-                f"{s['datasets_with_a_clearly_better_published']} of {s['datasets']} | {rho} |"
-            )
-        lines.append("")
+        for eps, table in task["by_epsilon"].items():
+            lines += [
+                f"#### {name}, logging epsilon {eps} ({doc['datasets']} datasets x {task['episodes']} held-out episodes)",
+                "",
+                "| rule | false promotions (worse by > 5 % published) | of them near-v1 (-5..-20 %) | "
+                "datasets with a clearly better one published | else refused to the canary | "
+                "Spearman vs truth (median) |",
+                "|---|---|---|---|---|---|",
+            ]
+            for rule, s in table.items():
+                rho = "–" if s["spearman_median"] is None else f"{s['spearman_median']:.2f}"
+                lines.append(
+                    f"| {rule} | {s['false_promotions']} of {s['worse_candidates_offered']} | "
+                    f"{s['false_promotions_near_v1']} of {s['near_v1_worse_offered']} | "
+                    f"{s['datasets_with_a_clearly_better_published']} of {s['datasets']} | "
+                    f"{s['datasets_refused_to_the_canary']} | {rho} |"
+                )
+            lines.append("")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="small datasets (a smoke run)")
+    ap.add_argument("--quick", action="store_true", help="small datasets and fits (a smoke run)")
+    ap.add_argument("--tasks", default="cartpole,contextual", help="comma-separated: " + ", ".join(TASKS))
     ap.add_argument("--datasets", type=int, default=None, help="datasets per epsilon (default 4)")
-    ap.add_argument("--episodes", type=int, default=None, help="held-out episodes per dataset (default 200)")
+    ap.add_argument("--episodes", type=int, default=None, help="held-out episodes per CartPole dataset (default 200)")
+    ap.add_argument(
+        "--context-episodes", type=int, default=None, help="held-out episodes per contextual dataset (default 400)"
+    )
     ap.add_argument("--epsilons", default="0.3,0.05")
     ap.add_argument("--truth-episodes", type=int, default=None)
-    ap.add_argument("--fqe-steps", type=int, default=1000)
+    ap.add_argument("--fqe-steps", type=int, default=None, help="default 1000 (quick: 200)")
     ap.add_argument("--mb-members", type=int, default=5)
-    ap.add_argument("--mb-steps", type=int, default=1500)
-    ap.add_argument("--n-boot", type=int, default=500)
+    ap.add_argument("--mb-steps", type=int, default=None, help="default 1500 (quick: 300)")
+    ap.add_argument("--n-boot", type=int, default=None, help="default 500 (quick: 100)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--md", default=None)
     args = ap.parse_args(argv)
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if not tasks or any(t not in TASKS for t in tasks):
+        ap.error(f"--tasks: choose from {', '.join(TASKS)}")
     import torch
 
     from rlrec.trainer.ope import LoggedData
@@ -342,49 +466,65 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    datasets = args.datasets or (1 if args.quick else 4)
-    episodes = args.episodes or (60 if args.quick else 200)
-    truth_eps = args.truth_episodes or (50 if args.quick else 300)
-    t0 = time.time()
-    dep_spec, dep_model, deployed = controller(DEPLOYED)
-    targets, true = {}, {}
-    for k, (w, b, _) in LADDER.items():
-        spec, model, policy = controller(w, b)
-        targets[k] = policy
-        true[k] = truth(spec, model, truth_eps)
-    for k, x in NEAR_V1.items():
-        targets[k] = NearV1(x)
-        true[k] = mc_truth(targets[k], truth_eps)
-    true_v1 = truth(dep_spec, dep_model, truth_eps)
-    log(f"truth: v1 {true_v1:.1f}, { ({k: round(v, 1) for k, v in true.items()}) } ({time.time() - t0:.0f}s)")
-    doc: dict = {"true": true, "true_v1": true_v1, "datasets": datasets, "episodes": episodes, "by_epsilon": {}}
-    doc["settings"] = {
-        "fqe_steps": args.fqe_steps,
-        "mb_members": args.mb_members,
-        "mb_steps": args.mb_steps,
-        "n_boot": args.n_boot,
-        "truth_episodes": truth_eps,
+    quick = args.quick
+    datasets = args.datasets or (1 if quick else 4)
+    truth_eps = args.truth_episodes or (30 if quick else 300)
+    fqe_steps = args.fqe_steps or (200 if quick else 1000)
+    mb_steps = args.mb_steps or (300 if quick else 1500)
+    n_boot = args.n_boot or (100 if quick else 500)
+    episodes = {
+        "cartpole": args.episodes or (40 if quick else 200),
+        "contextual": args.context_episodes or (200 if quick else 400),
     }
-    doc["raw"] = {}
-    for eps in (float(x) for x in args.epsilons.split(",")):
-        results = []
-        for d in range(datasets):
-            data = LoggedData(log_dataset(episodes, eps, seed=1000 * d + int(eps * 100)))
-            log(f"  epsilon {eps} dataset {d + 1}/{datasets}: {data.n_episodes} episodes, {data.steps} steps")
-            t1 = time.time()
-            decisions = decide_dataset(
-                data,
-                targets,
-                deployed,
-                args.fqe_steps,
-                ModelConfig(members=args.mb_members, steps=args.mb_steps, seed=d),
-                args.n_boot,
-                d,
-                log,
-            )
-            results.append({"decisions": decisions, "steps": data.steps, "seconds": time.time() - t1})
-        doc["by_epsilon"][str(eps)] = summarize(results, true, true_v1)
-        doc["raw"][str(eps)] = results
+    t0 = time.time()
+    doc: dict = {"datasets": datasets, "tasks": {}}
+    doc["settings"] = {
+        "fqe_steps": fqe_steps,
+        "mb_members": args.mb_members,
+        "mb_steps": mb_steps,
+        "n_boot": n_boot,
+        "truth_episodes": truth_eps,
+        "quick": quick,
+    }
+    for name in tasks:
+        task = TASKS[name](truth_eps)
+        true, true_v1 = task["true"], task["true_v1"]
+        log(
+            f"{name} truth: v1 {true_v1:.2f}, { ({k: round(v, 2) for k, v in true.items()}) } ({time.time() - t0:.0f}s)"
+        )
+        out: dict = {
+            "env": task["env"],
+            "gamma": task["gamma"],
+            "true": true,
+            "true_v1": true_v1,
+            "episodes": episodes[name],
+            "by_epsilon": {},
+            "raw": {},
+        }
+        for eps in (float(x) for x in args.epsilons.split(",")):
+            results = []
+            for d in range(datasets):
+                seed = 1000 * d + int(eps * 100)
+                data = LoggedData(log_dataset(episodes[name], eps, seed, task["env"], task["greedy"]))
+                log(
+                    f"  {name} epsilon {eps} dataset {d + 1}/{datasets}: {data.n_episodes} episodes, {data.steps} steps"
+                )
+                t1 = time.time()
+                decisions = decide_dataset(
+                    data,
+                    task["targets"],
+                    task["deployed"],
+                    fqe_steps,
+                    ModelConfig(members=args.mb_members, steps=mb_steps, seed=d),
+                    n_boot,
+                    d,
+                    log,
+                    task["gamma"],
+                )
+                results.append({"decisions": decisions, "steps": data.steps, "seconds": time.time() - t1})
+            out["by_epsilon"][str(eps)] = summarize(results, true, true_v1, task["near"])
+            out["raw"][str(eps)] = results
+        doc["tasks"][name] = out
     doc["seconds"] = time.time() - t0
     text = markdown(doc)
     print(text)

@@ -1,7 +1,7 @@
 """The benchmark suite: producer, consumer, memory, trainer and manifest benchmarks, one JSON, one table.
 
     python bench/run.py [--quick] [--json PATH] [--markdown PATH] [--png PATH] [--readme docs/BENCHMARKS.md]
-                        [--only producer,consumer,memory,trainer,manifest,store,scaleout,canary] [--keep-logs DIR]
+                        [--only producer,consumer,memory,trainer,manifest,store,gate,scaleout,canary] [--keep-logs DIR]
                         [--child-args NAME=ARGS ...] [--merge PREVIOUS.json]
 
 Runs each `bench/<name>.py` in its own child process with `--json` (so each keeps its own broker,
@@ -11,7 +11,9 @@ baseline in the same run, same data, same work, same process conditions, in alte
 
   producer  EpisodeRecorder vs a bare `produce()` of one pre-encoded message per step with the same
             bytes: back-to-back, 64 episodes paced at 2k and 20k steps/s, 84x84x4 at 2k steps/s
-            (CPU µs/step, log_step p99, wire bytes/step, achieved rate)
+            (CPU µs/step, log_step p99, wire bytes/step, achieved rate); and a native
+            CartPoleVectorEnv (N=64) recorded by begin_episodes+log_steps vs N single calls,
+            short and long episodes (CPU µs per sub-env step)
   consumer  RecorderConsumer (fsync, and no fsync) vs (a) the bare poll+decode+assemble+pack loop
             and (c) the same + `ray.data` write_parquet with matched blocks and codec; CartPole-size
             and 84x84x4 (steps/s, peak RSS)
@@ -27,6 +29,11 @@ baseline in the same run, same data, same work, same process conditions, in alte
             median file size, seconds to read it all with pyarrow, polars and DuckDB over the
             files' raw columns (local disk, and from moto's S3 server) and one row per step via
             `rlrec.open`, ABAB rounds; compaction steps/s
+  gate      bench/ope_decisions.py: the ope promotion gate's decisions (the default `auto`) against
+            Monte-Carlo truth, CartPole and a 3-step contextual task, logging epsilon 0.3 and 0.05:
+            false promotions (candidates truly worse by > 5 % published) vs always publishing, and
+            datasets where a clearly better candidate was published or every one was refused to
+            the canary (quick: the contextual task at epsilon 0.3 only)
 
 JSON (`--json PATH`)::
 
@@ -71,7 +78,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
-BENCHES = ("producer", "consumer", "memory", "trainer", "manifest", "store")
+BENCHES = ("producer", "consumer", "memory", "trainer", "manifest", "store", "gate")
 
 #: child arguments per benchmark: (full, quick)
 ARGS = {
@@ -105,6 +112,7 @@ ARGS = {
     ),
     "manifest": ([], ["--quick"]),
     "store": ([], ["--quick"]),
+    "gate": ([], ["--quick", "--tasks", "contextual", "--epsilons", "0.3"]),
 }
 #: seconds a child may take: (full, quick)
 TIMEOUTS = {
@@ -115,6 +123,8 @@ TIMEOUTS = {
     "manifest": (2400, 300),
     # per store (2 synthetic + demo): build ~30 s, 3 compacted copies, 9 readers x before/after x 6 rounds
     "store": (1800, 300),
+    # 2 tasks x 2 epsilons x 4 datasets x 10 candidates x (FQE + 5 estimators): ~20-40 min on 2 shared cores
+    "gate": (5400, 300),
 }
 
 
@@ -183,6 +193,13 @@ PRODUCER_LABELS = {
 }
 
 
+#: the vector rows' episodes (bench/producer.py's traces of a native CartPoleVectorEnv)
+VECTOR_LABELS = {
+    "vector_short": "short episodes (random actions, ~22 steps)",
+    "vector_long": "long episodes (500-step time limit)",
+}
+
+
 def producer_rows(r: dict, quick: bool) -> list[Row]:
     from bench.producer import TARGET_P99_US
 
@@ -233,6 +250,21 @@ def producer_rows(r: dict, quick: bool) -> list[Row]:
             )
             row.rounds = _rounds([x["steps_per_s"] for x in raw_o], [x["steps_per_s"] for x in raw_b])
             rows.append(row)
+    for name, w in (r.get("vector") or {}).items():  # batched calls on a vector env (issue 43)
+        label = VECTOR_LABELS.get(name, name)
+        raw = w["raw"]
+        tgt = w["target_cpu_ratio"]
+        row = _row(
+            f"producer: CPU µs/sub-env step, vector N={w['num_envs']} {label}, "
+            "begin_episodes+log_steps vs N begin_episode/log_step calls",
+            _num(w, "batched_us_per_step"),
+            _num(w, "single_us_per_step"),
+            f"ratio ≤ {tgt:g}",
+            lambda o, q, t=tgt: q <= t,
+            quick,
+        )
+        row.rounds = _rounds(raw["batched"], raw["single"])
+        rows.append(row)
     return rows
 
 
@@ -631,6 +663,53 @@ def store_rows(r: dict, quick: bool) -> list[Row]:
     return rows
 
 
+def gate_rows(r: dict, quick: bool) -> list[Row]:
+    """bench/ope_decisions.py: per task and logging epsilon, the gate's (``auto``) false
+    promotions against always publishing (target 0), and the datasets where it published a
+    clearly better candidate or refused every one with a code that hands it to the canary
+    (target: every dataset; published alone: reported)."""
+    rows = []
+    for task, t in r["tasks"].items():
+        for eps, table in t["by_epsilon"].items():
+            auto, always = table["auto"], table["always publish"]
+            where = f"{task} (gamma {t['gamma']:g}), logging epsilon {eps}, {auto['datasets']} datasets"
+            rows.append(
+                _row(
+                    f"gate: candidates truly worse by > 5 % published, {where}, auto vs always publishing",
+                    float(auto["false_promotions"]),
+                    float(always["false_promotions"]) or None,
+                    "0 (none)",
+                    lambda o, q: o == 0,
+                    quick,
+                    1.0,
+                )
+            )
+            decided = auto["datasets_with_a_clearly_better_published"] + auto["datasets_refused_to_the_canary"]
+            rows.append(
+                _row(
+                    f"gate: datasets with a clearly better candidate published or refused to the canary, {where}",
+                    float(decided),
+                    None,
+                    "= every dataset",
+                    lambda o, q: q >= 1.0,
+                    quick,
+                    float(auto["datasets"]),
+                )
+            )
+            rows.append(
+                _row(
+                    f"gate: datasets with a clearly better candidate published, {where}",
+                    float(auto["datasets_with_a_clearly_better_published"]),
+                    None,
+                    "reported",
+                    lambda o, q: True,
+                    True,
+                    float(auto["datasets"]),
+                )
+            )
+    return rows
+
+
 ROWS = {
     "producer": producer_rows,
     "consumer": consumer_rows,
@@ -638,6 +717,7 @@ ROWS = {
     "trainer": trainer_rows,
     "manifest": manifest_rows,
     "store": store_rows,
+    "gate": gate_rows,
 }
 
 
@@ -683,7 +763,7 @@ def run_child(name: str, quick: bool, workdir: str, extra: list[str] | None = No
     JSON result."""
     out = os.path.join(workdir, f"{name}.json")
     log_path = os.path.join(workdir, f"{name}.log")
-    script = {"scaleout": "consumer_scaleout"}.get(name, name)
+    script = {"scaleout": "consumer_scaleout", "gate": "ope_decisions"}.get(name, name)
     cmd = [sys.executable, os.path.join(HERE, f"{script}.py"), *ARGS[name][quick], *(extra or []), "--json", out]
     timeout = TIMEOUTS[name][quick]
     with open(log_path, "w") as log:

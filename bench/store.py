@@ -39,6 +39,12 @@ paths, each with pyarrow, polars and DuckDB:
                        every episode into one row per step. The per-episode decoding dominates and
                        does not depend on how episodes are spread over files: merging files speeds
                        this path up only by the per-file costs it saves.
+  steps, pandas_arrow  ``rlrec.open(store).steps()`` (the Arrow table itself) and
+                       ``.to_pandas(arrow_backed=True)``; with --object-store s3 also ``s3_steps``:
+                       ``rlrec.open`` of the whole store (manifest and shards) uploaded to the S3
+                       server, ``.steps()``. Issue 47's contract is judged as ratios within each
+                       round (`RATIOS`: steps / files_pyarrow <= 2, pandas_arrow / steps <= 1.2,
+                       s3_steps / s3_pyarrow <= 2), printed and kept as ``reads.ratios``.
   files (raw columns)  the snapshot's file list (``snapshot.files()``, listed before the clock
                        starts) read as stored, each tool in its best configuration:
                        ``pyarrow.dataset.dataset(files).to_table()`` (multithreaded),
@@ -83,10 +89,20 @@ sys.path.insert(0, ROOT)
 
 #: the tools, each read through two paths: one row per step via rlrec.open, and the files' raw columns
 READERS = ("pyarrow", "polars", "duckdb")
+#: rlrec.open(...).steps() and .to_pandas(arrow_backed=True): the steps table itself (issue 47)
+STEPS_SIDES = ("steps", "pandas_arrow")
 #: side names: "pyarrow" etc. via rlrec.open, "files_pyarrow" etc. over snapshot.files()
-SIDES = (*READERS, *(f"files_{r}" for r in READERS))
-#: the same files' raw columns read from an S3 server (--object-store s3)
-S3_SIDES = tuple(f"s3_{r}" for r in READERS)
+SIDES = (*READERS, *STEPS_SIDES, *(f"files_{r}" for r in READERS))
+#: the same files' raw columns read from an S3 server (--object-store s3), and the whole store
+#: (manifest and shards) read there by rlrec.open(...).steps()
+S3_SIDES = (*(f"s3_{r}" for r in READERS), "s3_steps")
+#: issue 47's performance contract, as ratios of two sides' seconds within each round:
+#: (name, side, baseline side, at most)
+RATIOS = (
+    ("steps / raw pyarrow", "steps", "files_pyarrow", 2.0),
+    ("to_pandas(arrow_backed) / steps", "pandas_arrow", "steps", 1.2),
+    ("S3 steps / S3 raw pyarrow", "s3_steps", "s3_pyarrow", 2.0),
+)
 S3_BUCKET = "rlrec-bench"
 #: the target of the "after compaction" rows: reads at least this many times faster
 TARGET_SPEEDUP = 5.0
@@ -258,6 +274,20 @@ class BenchS3:
             "aws_allow_http": "true",
         }
 
+    def upload_store(self, root: str, name: str) -> Any:
+        """Copy the whole store at `root` (manifest and shards) to ``s3://rlrec-bench/<n>-<name>-store/``;
+        a `Storage` of it (what ``rlrec.open`` reads)."""
+        import pyarrow.fs as pafs
+
+        from rlrec.store.storage import Storage
+
+        self._uploads += 1
+        prefix = f"{S3_BUCKET}/{self._uploads}-{name}-store"
+        pafs.copy_files(root, prefix, destination_filesystem=self.fs)
+        for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):  # moto's (the URI cannot carry them)
+            os.environ.setdefault(key, "testing")
+        return Storage.from_uri(f"s3://{prefix}?endpoint_override={self.endpoint}&scheme=http&region=us-east-1")
+
     def dataset(self, uris: list[str]) -> Any:
         """The ``s3://`` files `uris` as one pyarrow dataset on this server."""
         import pyarrow.dataset as ds
@@ -285,11 +315,17 @@ def _raw_duckdb_sql(files: list[str], source: str = "read_parquet(?)") -> str:
 
 
 def read_once(
-    side: str, uri: str, files: list[str], s3: BenchS3 | None = None, s3_files: list[str] | None = None
+    side: str,
+    uri: str,
+    files: list[str],
+    s3: BenchS3 | None = None,
+    s3_files: list[str] | None = None,
+    s3_store: Any = None,
 ) -> tuple[float, int]:
     """Seconds to read every step of `uri` with `side`, and the rows it read (rows of the files'
-    own layout for the ``files_*`` and ``s3_*`` sides: episodes of episode shards, steps of
-    tabular ones). The ``s3_*`` sides read `s3_files` (the same files, uploaded to `s3`)."""
+    own layout for the ``files_*`` and ``s3_*`` raw sides: episodes of episode shards, steps of
+    tabular ones). The ``s3_*`` sides read `s3_files` (the same files, uploaded to `s3`), and
+    ``s3_steps`` the store uploaded whole (`s3_store`)."""
     import duckdb
     import polars as pl
     import pyarrow.dataset as ds
@@ -313,6 +349,12 @@ def read_once(
     elif side == "s3_duckdb":  # DuckDB scans the Arrow dataset (its replacement scan of a Python variable)
         files_on_s3 = s3.dataset(s3_files)  # noqa: F841 -- named in the SQL
         rows = int(duckdb.connect().execute(sql).fetchone()[0])
+    elif side == "s3_steps":
+        rows = rlrec.open(s3_store).steps().num_rows
+    elif side == "steps":
+        rows = rlrec.open(uri).steps().num_rows
+    elif side == "pandas_arrow":
+        rows = len(rlrec.open(uri).to_pandas(arrow_backed=True))
     elif side == "files_pyarrow":
         rows = ds.dataset(files, format="parquet").to_table().num_rows
     elif side == "files_polars":
@@ -335,6 +377,24 @@ def _stats(values: list[dict]) -> dict:
     return {"seconds": statistics.median(secs), "spread": [min(secs), max(secs)], "rows": values[0]["rows"]}
 
 
+def _ratios(raw: dict[str, list[dict]]) -> dict:
+    """`RATIOS` of one store: per round the side's seconds over its baseline's in that round;
+    median, spread and whether the median meets the contract."""
+    out = {}
+    for name, side, base, limit in RATIOS:
+        if raw.get(side) and raw.get(base):
+            per_round = [a["seconds"] / b["seconds"] for a, b in zip(raw[side], raw[base])]
+            median = statistics.median(per_round)
+            out[name] = {
+                "median": median,
+                "spread": [min(per_round), max(per_round)],
+                "rounds": per_round,
+                "at_most": limit,
+                "met": median <= limit,
+            }
+    return out
+
+
 def measure_reads(stores: dict[str, str], rounds: int, s3: BenchS3 | None = None) -> dict:
     """Alternated rounds (one warm-up round first) of every side on every store of `stores`
     (``{"before": uri, "after": uri}``, or before only): per round the sides in a rotating order,
@@ -347,17 +407,19 @@ def measure_reads(stores: dict[str, str], rounds: int, s3: BenchS3 | None = None
     files = {n: rlrec.open(uri).files() for n, uri in stores.items()}
     sides = SIDES + (S3_SIDES if s3 else ())
     s3_files = {n: s3.upload(stores[n], n, files[n]) for n in names} if s3 else {}
+    s3_stores = {n: s3.upload_store(stores[n], n) for n in names} if s3 else {}
     raw: dict[str, dict[str, list[dict]]] = {n: {s: [] for s in sides} for n in names}
     for r in range(rounds + 1):
         order = sides[r % len(sides) :] + sides[: r % len(sides)]
         for side in order:
             for n in names if r % 2 == 0 else reversed(names):
-                seconds, rows = read_once(side, stores[n], files[n], s3, s3_files.get(n))
+                seconds, rows = read_once(side, stores[n], files[n], s3, s3_files.get(n), s3_stores.get(n))
                 if r > 0:
                     raw[n][side].append({"seconds": seconds, "rows": rows})
     out: dict[str, Any] = {}
     for n in names:
         out[n] = {"rounds": raw[n], **{side: _stats(values) for side, values in raw[n].items()}}
+        out[n]["ratios"] = _ratios(raw[n])
         if n != names[0]:  # the same episodes and steps on both sides
             for side in sides:
                 assert out[n][side]["rows"] == out[names[0]][side]["rows"], (side, n)
@@ -470,6 +532,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"{name} {when} compaction: {b['files']} files, median {b['median_bytes'] / 1024:.1f} KiB{comp}; "
                 f"read all: {line}"
             )
+            for rname, r in b["reads"].get("ratios", {}).items():
+                print(
+                    f"  {rname}: {r['median']:.2f}x (rounds {r['spread'][0]:.2f}-{r['spread'][1]:.2f}; "
+                    f"contract <= {r['at_most']:g}x: {'met' if r['met'] else 'MISSED'})"
+                )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)

@@ -62,6 +62,7 @@ import threading
 import zlib
 from collections import OrderedDict
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import gymnasium as gym
@@ -74,9 +75,11 @@ from rlrec.producer.spaces import per_space, space_leaves, unflatten_leaves
 from rlrec.store.finished import FinishedEpisode
 
 __all__ = [
+    "CheckedState",
     "EpisodeDecodeError",
     "UnsafeEpisodeError",
     "check_finished_episode",
+    "checked_state",
     "episode_state",
     "finished_episode_state",
     "import_episode_classes",
@@ -531,20 +534,153 @@ def _buffer_state(b: Any, what: str, budget: _Budget) -> tuple[dict, gym.Space |
         raise EpisodeDecodeError(f"{what}: bad lookback/finalized")
     space = _space(b["space"], budget)
     b = dict(b, space=None)
-    b["data"] = _tuplify(space, b["data"])
+    if not isinstance(space, (gym.spaces.Tuple, gym.spaces.Dict)):
+        pass  # nothing to give back
+    elif not b["finalized"] and isinstance(b["data"], list):  # list form: one value per step
+        b["data"] = [_tuplify(space, x) for x in b["data"]]
+    else:
+        b["data"] = _tuplify(space, b["data"])
     return b, space
 
 
-def unpack_episode(data: bytes):
-    """Safely decode one packed episode (an `item` value) into a `SingleAgentEpisode`.
+class EmptyInfos:
+    """The ``data`` of an infos buffer whose every info is an empty map, not built: its length.
+    `unpack_episode` gives the episode a new empty dict per step (`materialized`)."""
 
-    Raises `UnsafeEpisodeError` for payloads whose decoding would unpickle (object arrays, object
-    space bounds) and `EpisodeDecodeError` (a ValueError) for malformed ones. See module docstring.
+    __slots__ = ("n",)
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def materialized(self) -> list[dict]:
+        return [{} for _ in range(self.n)]
+
+
+def _empty_maps(region: bytes) -> int | None:
+    """n if `region` is a msgpack array of n empty maps, else None."""
+    head = region[0] if region else 0
+    if 0x90 <= head <= 0x9F:
+        n, start = head & 0x0F, 1
+    elif head == 0xDC:
+        n, start = int.from_bytes(region[1:3], "big"), 3
+    elif head == 0xDD:
+        n, start = int.from_bytes(region[1:5], "big"), 5
+    else:
+        return None
+    if len(region) != start + n or region.count(b"\x80", start) != n:
+        return None
+    return n
+
+
+def _check_key(key: Any) -> None:
+    """What msgpack's strict_map_key refuses, when it refuses it: right after the pair's value."""
+    if type(key) not in (str, bytes):
+        raise ValueError(f"{type(key).__name__} is not allowed for map key when strict_map_key=True")
+
+
+def _unpacker(data: Any) -> msgpack.Unpacker:
+    unpacker = msgpack.Unpacker(object_hook=_safe_ndarray_hook, max_buffer_size=max(len(data), 1))
+    unpacker.feed(data)
+    return unpacker
+
+
+def _map_header(unpacker: msgpack.Unpacker) -> int | None:
+    """The size of the map that comes next; None if it is not a map."""
+    try:
+        return unpacker.read_map_header()
+    except EpisodeDecodeError:
+        raise
+    except Exception:
+        return None
+
+
+def _skipped(unpacker: msgpack.Unpacker, data: Any) -> bytes:
+    """The bytes of the value that comes next, skipped (nothing of it built)."""
+    start = unpacker.tell()
+    unpacker.skip()
+    return bytes(data[start : unpacker.tell()])
+
+
+def _infos_buffer(region: bytes) -> Any:
+    """An infos buffer's state, decoded as `unpackb` would, its ``data`` counted (`EmptyInfos`)
+    when every info is an empty map."""
+    unpacker = _unpacker(region)
+    n = _map_header(unpacker)
+    if n is None:
+        return msgpack.unpackb(region, object_hook=_safe_ndarray_hook)
+    buffer = {}
+    for _ in range(n):
+        key = unpacker.unpack()
+        if key == "data":
+            values = _skipped(unpacker, region)
+            count = _empty_maps(values)
+            value = EmptyInfos(count) if count is not None else msgpack.unpackb(values, object_hook=_safe_ndarray_hook)
+        else:
+            value = unpacker.unpack()
+        _check_key(key)
+        buffer[key] = value
+    return _safe_ndarray_hook(buffer)
+
+
+def unpack_state(data: bytes | bytearray | memoryview) -> Any:
+    """`msgpack.unpackb(data, object_hook=_safe_ndarray_hook)` with the same result and the same
+    refusals, except that an infos buffer whose every info is an empty map (the common case:
+    one per step) is counted (`EmptyInfos`), not built. The object hook runs on every other map
+    in `unpackb`'s order; whatever is malformed is decoded by `unpackb` itself.
+
+    Args:
+        data: a packed episode.
+    """
+    try:
+        unpacker = _unpacker(data)
+        n = _map_header(unpacker)
+        if n is None:
+            raise ValueError("not a map")
+        state = {}
+        for _ in range(n):
+            key = unpacker.unpack()
+            value = _infos_buffer(_skipped(unpacker, data)) if key == "infos" else unpacker.unpack()
+            _check_key(key)
+            state[key] = value
+        state = _safe_ndarray_hook(state)
+        if unpacker.tell() != len(data):
+            raise ValueError("extra data after the packed episode")
+        return state
+    except EpisodeDecodeError:  # a hook's refusal, met in unpackb's order
+        raise
+    except Exception:  # malformed: exactly what unpackb makes of it
+        return msgpack.unpackb(data, object_hook=_safe_ndarray_hook)
+
+
+@dataclass
+class CheckedState:
+    """A packed episode's state, decoded safely and checked (`checked_state`): every space it
+    holds decoded within the episode's budget and replaced by None in `state`."""
+
+    state: dict
+    observation_space: gym.Space | None
+    action_space: gym.Space | None
+    #: the spaces of the buffers ("observations", "actions", "rewards", "infos")
+    buffer_spaces: dict[str, gym.Space | None]
+    #: the spaces of the extra model outputs' buffers
+    extra_spaces: dict[str, gym.Space | None]
+
+
+def checked_state(data: bytes | bytearray | memoryview) -> CheckedState:
+    """Safely decode one packed episode (an `item` value) into its checked state, without RLlib:
+    what `unpack_episode` builds its `SingleAgentEpisode` from and
+    `rlrec.store.episode_arrays.decode_episode` its arrays.
+
+    Raises `UnsafeEpisodeError` for payloads whose decoding would unpickle (object arrays
+    anywhere, object space bounds) and `EpisodeDecodeError` (a ValueError) for malformed ones.
     """
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise EpisodeDecodeError(f"expected bytes, got {type(data).__name__}")
     try:
-        state = msgpack.unpackb(data, object_hook=_safe_ndarray_hook)
+        state = unpack_state(data)
     except EpisodeDecodeError:
         raise
     except Exception as e:
@@ -580,15 +716,27 @@ def unpack_episode(data: bytes):
     for k in ("is_terminated", "is_truncated"):
         if not isinstance(state[k], bool):
             raise EpisodeDecodeError(f"{k} must be a boolean")
+    return CheckedState(state, obs_space, act_space, spaces, extra_spaces)
 
+
+def unpack_episode(data: bytes):
+    """Safely decode one packed episode (an `item` value) into a `SingleAgentEpisode`.
+
+    Raises `UnsafeEpisodeError` for payloads whose decoding would unpickle (object arrays, object
+    space bounds) and `EpisodeDecodeError` (a ValueError) for malformed ones. See module docstring.
+    """
+    checked = checked_state(data)
+    infos = checked.state["infos"]
+    if isinstance(infos["data"], EmptyInfos):
+        infos["data"] = infos["data"].materialized()
     SingleAgentEpisode = _SingleAgentEpisode()
     try:
-        ep = SingleAgentEpisode.from_state(state)  # every space is None here: nothing to np.load
-        ep._observation_space = obs_space
-        ep._action_space = act_space
-        for k, s in spaces.items():
+        ep = SingleAgentEpisode.from_state(checked.state)  # every space is None here: nothing to np.load
+        ep._observation_space = checked.observation_space
+        ep._action_space = checked.action_space
+        for k, s in checked.buffer_spaces.items():
             getattr(ep, k).space = s
-        for k, s in extra_spaces.items():
+        for k, s in checked.extra_spaces.items():
             ep.extra_model_outputs[k].space = s
         n_obs = len(ep.observations)
         if not (

@@ -120,13 +120,16 @@ def assert_each_shard_new_exactly_once(lines, keys):
 
 class KeepingProducer:
     """Stands in for confluent_kafka.Producer in a recorder: keeps every (key, value, headers)
-    in produce order and delivers them when polled or flushed."""
+    in produce order and delivers them when polled or flushed. As librdkafka's, `flush` returns
+    once every message's delivery callback has run, also those another thread's `poll` (the
+    recorder's poller) took and is running."""
 
     def __init__(self):
         import threading
 
         self.messages: list[tuple] = []
         self._pending: list = []
+        self._running = 0  # callbacks taken by a poll and not yet run
         self._lock = threading.Lock()
 
     def produce(self, topic, value, key=None, headers=None, on_delivery=None):
@@ -137,21 +140,28 @@ class KeepingProducer:
     def poll(self, timeout=0):
         with self._lock:
             pending, self._pending = self._pending, []
-        for cb in pending:
-            cb(None, None)
+            self._running += len(pending)
+        try:
+            for cb in pending:
+                cb(None, None)
+        finally:
+            with self._lock:
+                self._running -= len(pending)
         if not pending and timeout:
             time.sleep(min(timeout, 0.01))
         return len(pending)
 
     def flush(self, timeout=-1):
-        self.poll(0)
+        deadline = time.monotonic() + 10
+        while self.poll(0) or (len(self) and time.monotonic() < deadline):
+            time.sleep(0.001)
         return 0
 
     def purge(self):
         pass
 
     def __len__(self):
-        return len(self._pending)
+        return len(self._pending) + self._running
 
 
 def keeping_recorder(observation_space, action_space, **kw):

@@ -20,16 +20,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = [pytest.mark.slow, pytest.mark.broker]
 
 ROW_KEYS = {"figure", "ours", "baseline", "ratio", "target", "pass", "rounds"}
-# rows per benchmark: producer 4 workloads x (CPU, p99, wire bytes) + 3 paced achieved rates;
+# rows per benchmark: producer 4 workloads x (CPU, p99, wire bytes) + 3 paced achieved rates + 2
+# vector rows (batched vs single calls, short and long episodes);
 # consumer 2 sizes x 3 sides (1 process fsync / no fsync, 2 processes) x 2 baselines x (steps/s,
 # CPU µs/step) + RSS,
 # + 1 from the memory benchmark;
 # trainer (T2 x 2, T1 x 2) x 2 stock configurations + T3 x 2 + T3 p99 while compacting (T4 only in
 # full runs); manifest 3; store: per synthetic store (episode and tabular shards; no demo store in
 # quick runs) files and median size after compaction vs before, 3 readers x 3 paths (local files, S3
-# files, rlrec.open), compaction steps/s
-PREFIXES = {"producer": 15, "consumer": 26, "trainer": 11, "manifest": 3, "store": 24}
-BENCHES = ["producer", "consumer", "memory", "trainer", "manifest", "store"]
+# files, rlrec.open), compaction steps/s; gate: the contextual task at epsilon 0.3 (quick) x (false
+# promotions, clearly better published or refused to the canary, clearly better published)
+PREFIXES = {"producer": 17, "consumer": 26, "trainer": 11, "manifest": 3, "store": 24, "gate": 3}
+BENCHES = ["producer", "consumer", "memory", "trainer", "manifest", "store", "gate"]
 
 
 @pytest.mark.system
@@ -97,6 +99,13 @@ def test_quick_run_writes_the_documented_json(tmp_path):
     # the fair comparisons are there: paced producer workloads, the consumer's (c) pipeline with
     # both durabilities, the pinned stock trainer
     assert any("paced 20k/s" in f for f in figures) and any("84×84×4 paced 2k/s" in f for f in figures)
+    for episodes in ("short episodes", "long episodes"):  # batched calls against N single calls
+        (row,) = [
+            r
+            for r in rows
+            if r["figure"].startswith("producer: CPU µs/sub-env step, vector") and episodes in r["figure"]
+        ]
+        assert row["target"] == "ratio ≤ 0.5" and row["baseline"] > 0, row
     assert any("(c) same + ray.data write_parquet" in f and "no fsync" in f for f in figures)
     assert any("(c) same + ray.data write_parquet" in f and "--processes 2" in f for f in figures)
     assert any(f.startswith("trainer: (T2)") and "input_read_batch_size=" in f for f in figures)

@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 from rlrec.producer.spaces import flatten_value, space_from_json, space_leaves, space_to_json
+from rlrec.store.episode_arrays import decode_episode
 from rlrec.store.episodes import (
     EpisodeDecodeError,
     UnsafeEpisodeError,
@@ -401,10 +402,15 @@ def _state_with_object_array(marker) -> bytes:
     return msgpack.packb(state, default=mnp.encode)
 
 
+#: the safe decoders of packed episodes: to `SingleAgentEpisode`s and to arrays (the steps readers')
+DECODERS = (unpack_episode, decode_episode)
+
+
 def test_unpack_refuses_object_arrays(tmp_path):
     data = _state_with_object_array(tmp_path / "marker")
-    with pytest.raises(UnsafeEpisodeError):
-        unpack_episode(data)
+    for decoder in DECODERS:
+        with pytest.raises(UnsafeEpisodeError):
+            decoder(data)
     assert not (tmp_path / "marker").exists()
     # the payload is real: RLlib's decoder runs it
     msgpack.unpackb(data, object_hook=mnp.decode)
@@ -423,8 +429,9 @@ def test_unpack_refuses_pickled_space_bounds(tmp_path):
         sp = state["_observation_space"] if where == "episode" else state["observations"]["space"]
         sp["low"] = evil
         data = msgpack.packb(state, default=mnp.encode)
-        with pytest.raises(UnsafeEpisodeError):
-            unpack_episode(data)
+        for decoder in DECODERS:
+            with pytest.raises(UnsafeEpisodeError):
+                decoder(data)
         assert not marker.exists()
     with pytest.raises(ValueError):  # gymnasium's Box then rejects the unpickled bound...
         SingleAgentEpisode.from_state(msgpack.unpackb(data, object_hook=mnp.decode))
@@ -436,8 +443,9 @@ def test_unpack_refuses_other_bad_payloads(tmp_path):
     state = to_single_agent_episode(fe).get_state()
     good = msgpack.packb(state, default=mnp.encode)
     for bad in (b"", b"\x00\x01garbage", good[: len(good) // 2], msgpack.packb([1, 2, 3]), msgpack.packb({"id_": "x"})):
-        with pytest.raises(EpisodeDecodeError):
-            unpack_episode(bad)
+        for decoder in DECODERS:
+            with pytest.raises(EpisodeDecodeError):
+                decoder(bad)
     # an object scalar, a structured dtype, a byte-length lie
     for hooked, error in (
         ({b"nd": False, b"type": "|O", b"data": pickle.dumps(_Marker(str(tmp_path / "m2")))}, UnsafeEpisodeError),
@@ -448,14 +456,16 @@ def test_unpack_refuses_other_bad_payloads(tmp_path):
         ({b"nd": True, b"type": "<f4", b"kind": b"", b"shape": [-1, 2], b"data": b"x" * 8}, EpisodeDecodeError),
     ):
         st = dict(state, custom_data={"x": hooked})
-        with pytest.raises(error):
-            unpack_episode(msgpack.packb(st, default=mnp.encode))
+        for decoder in DECODERS:
+            with pytest.raises(error):
+                decoder(msgpack.packb(st, default=mnp.encode))
     assert not (tmp_path / "m2").exists()
     # inconsistent lengths
     st = to_single_agent_episode(fe).get_state()
     st["rewards"]["data"] = st["rewards"]["data"][:-1]
-    with pytest.raises(EpisodeDecodeError):
-        unpack_episode(msgpack.packb(st, default=mnp.encode))
+    for decoder in DECODERS:
+        with pytest.raises(EpisodeDecodeError):
+            decoder(msgpack.packb(st, default=mnp.encode))
     assert issubclass(UnsafeEpisodeError, EpisodeDecodeError) and issubclass(EpisodeDecodeError, ValueError)
 
 
@@ -504,8 +514,9 @@ def test_a_space_bomb_is_refused_within_the_episode_budget():
         emo[f"bomb{i}"] = dict(emo["action_logp"], space=_box_bomb(n + i))  # distinct: no cache hit
     data = msgpack.packb(state, default=mnp.encode)
     assert len(data) < 2 * 1024 * 1024
-    with pytest.raises(EpisodeDecodeError, match="budget"):
-        unpack_episode(data)
+    for decoder in DECODERS:
+        with pytest.raises(EpisodeDecodeError, match="budget"):
+            decoder(data)
     assert episodes._spaces.nbytes <= episodes.SPACE_CACHE_BYTES
     # two of them fit: decoded, and kept for the next episode within the cache's bytes
     for i in range(2, 8):

@@ -110,36 +110,96 @@ def test_with_a_key_an_unsigned_version_names_the_flag(store, capsys, tmp_path):
     assert "v000003 is not signed" in line and "--allow-unsigned" in line and "allow_unsigned=" not in line, line
 
 
-def test_a_phase_line_comes_before_rllib_is_imported(store):
-    """Say what it does as it starts (loading Ray and RLlib takes seconds on a busy machine)."""
+def _not_in_extra(extra: str) -> set[str]:
+    """The top-level modules that only rlrec's other runtime extras install, not `extra` (with
+    the extras it names) nor the base dependencies: what `pip install 'rlrec[extra]'` lacks."""
+    import re
+    from importlib.metadata import packages_distributions
+    from pathlib import Path
+
+    import tomllib
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+
+    def names(reqs: list[str]) -> set[str]:
+        out = set()
+        for req in reqs:
+            name = re.match(r"[A-Za-z0-9_.-]+", req).group(0)
+            if name == "rlrec":
+                for sub in re.search(r"\[(.*)\]", req).group(1).split(","):
+                    out |= names(extras[sub.strip()])
+            else:
+                out.add(re.sub(r"[-_.]+", "-", name).lower())
+        return out
+
+    allowed = names(project["dependencies"]) | names(extras[extra])
+    others = set().union(*(names(v) for k, v in extras.items() if k not in ("dev", "profile", "all")))
+    blocked = (others - allowed) | {"ray"}
+    modules = set()
+    for module, dists in packages_distributions().items():
+        dists = {re.sub(r"[-_.]+", "-", d).lower() for d in dists}
+        if dists <= blocked:
+            modules.add(module)
+    return modules | {"ray"}
+
+
+def test_evaluate_runs_with_its_extra_only_and_says_its_phases(store):
+    """OPE needs numpy and torch only: with every module that only other extras than
+    `rlrec[evaluate]` install unimportable (ray, rich, boto3, ...: set to None in `sys.modules` of
+    a fresh interpreter, read from pyproject.toml) evaluate reads, fits and answers, saying each phase
+    and the shards it read as it goes. (A fresh venv is the stricter check; building one takes
+    minutes here.)"""
     root, _ = store
+    blocked = sorted(_not_in_extra("evaluate"))
+    assert {"ray", "boto3", "rich"} <= set(blocked)
+    assert "msgpack" not in blocked and "torch" not in blocked
     script = textwrap.dedent(
-        """
+        f"""
         import sys
-        from importlib.abc import MetaPathFinder
 
-        class Spy(MetaPathFinder):
-            def find_spec(self, name, path=None, target=None):
-                if name == "ray.rllib":
-                    print("IMPORT ray.rllib", file=sys.stderr, flush=True)
-                    sys.meta_path.remove(self)
-                return None
-
-        sys.meta_path.insert(0, Spy())
+        BLOCKED = set({blocked!r})
+        for name in BLOCKED:  # as if not installed: import fails, importlib.util.find_spec gives None
+            sys.modules[name] = None
         from rlrec.cli import main
-        sys.exit(main(sys.argv[1:]))
+        code = main(sys.argv[1:])
+        assert not [m for m, mod in sys.modules.items() if mod is not None and m.split(".")[0] in BLOCKED]
+        sys.exit(code)
         """
     )
     args = _args(root, "--allow-unsigned", "--holdout-fraction", str(HOLDOUT), "--fqe-steps", "20")
     r = subprocess.run(
-        [sys.executable, "-c", script, *args, "--ope-bootstrap", "20"],
+        [sys.executable, "-c", script, *args, "--ope-bootstrap", "20", "--compare-to", "behavior"],
         capture_output=True,
         text=True,
         timeout=300,
         env={**os.environ, "PYTHONWARNINGS": "ignore"},
     )
     assert r.returncode == 0, r.stderr
-    lines = r.stderr.splitlines()
-    assert "IMPORT ray.rllib" in lines, r.stderr
-    first_phase = next(i for i, line in enumerate(lines) if line.startswith("rlrec evaluate: loading"))
-    assert first_phase < lines.index("IMPORT ray.rllib"), r.stderr
+    assert "cursor: r1~" in r.stdout, r.stdout
+    phases = [line.split(": ", 1)[1] for line in r.stderr.splitlines() if line.startswith("rlrec evaluate: ")]
+    starts = ["loading", "reading the held-out", "read 3/3 shard(s)", "estimating with", "comparing with"]
+    at = [next(i for i, p in enumerate(phases) if p.startswith(s)) for s in starts]
+    assert at == sorted(at), phases
+
+
+def test_counts_are_printed_in_the_one_number_format(capsys):
+    """Thousands separated as `rlrec inspect` prints them (8,310 steps, never 8310)."""
+    from rlrec.commands.evaluate import _print
+
+    _print(
+        {
+            "version": 2,
+            "action_selection": "greedy",
+            "gamma": 0.99,
+            "episodes": 1200,
+            "steps": 8310,
+            "behavior": {"versions": [1], "mean_return": 91.5},
+            "estimates": {},
+            "default_estimator": "wdr",
+            "ci_level": 0.9,
+            "diagnostics": {"coverage": 1.0},
+            "data": {"cursor": "r1~0123456789ab~rl:0=2"},
+        }
+    )
+    assert "on 1,200 held-out episodes (8,310 steps) of behaviour version(s) 1" in capsys.readouterr().out

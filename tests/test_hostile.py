@@ -52,6 +52,7 @@ from rlrec.producer.events import (
     schema_header,
 )
 from rlrec.producer.spaces import dumps_space
+from rlrec.store.episode_arrays import decode_episode
 from rlrec.store.episodes import (
     EpisodeDecodeError,
     UnsafeEpisodeError,
@@ -724,11 +725,32 @@ PACKED = _packed_seeds()
 @FUZZ
 @given(seed=st.sampled_from(range(len(PACKED))), ops=_ops)
 def test_fuzz_unpack_episode_mutated(seed, ops):
-    """Mutated shard items: an episode or an EpisodeDecodeError, never another exception."""
+    """Mutated shard items: an episode or an EpisodeDecodeError, never another exception, from
+    both safe decoders; what `unpack_episode` refuses, the steps readers' decoder refuses too,
+    for what this mutator makes (the arrays decoder also reads a few items `unpack_episode`
+    cannot rebuild: list-form structs, an infos map; docs/READING.md "How steps are read")."""
+    data = _mutate(PACKED[seed], ops)
+    from rlrec.store.episodes import _safe_ndarray_hook, unpack_state
+
+    outcomes = []
+    for unpack in (lambda: msgpack.unpackb(data, object_hook=_safe_ndarray_hook), lambda: unpack_state(data)):
+        try:
+            unpack()
+            outcomes.append(None)
+        except Exception as e:  # the same kind of refusal from both
+            outcomes.append(type(e) if isinstance(e, EpisodeDecodeError) else Exception)
+    assert outcomes[0] == outcomes[1], outcomes
     try:
-        unpack_episode(_mutate(PACKED[seed], ops))
+        unpack_episode(data)
+        refused = False
+    except EpisodeDecodeError:
+        refused = True
+    try:
+        decode_episode(data)
     except EpisodeDecodeError:
         pass
+    else:
+        assert not refused, "the arrays decoder accepted an item unpack_episode refuses"
 
 
 def _nd_paths(obj, path=()):
@@ -775,8 +797,9 @@ def test_fuzz_unpack_episode_refuses_object_arrays_anywhere(seed, where, form, t
     else:
         evil_state = _replace(state, path, evil)
     data = msgpack.packb(evil_state)
-    with pytest.raises(UnsafeEpisodeError):
-        unpack_episode(data)
+    for decoder in (unpack_episode, decode_episode):
+        with pytest.raises(UnsafeEpisodeError):
+            decoder(data)
     assert not marker.exists()
 
 
@@ -907,3 +930,16 @@ def test_fuzz_message_handler_never_raises(ops, seed_kind, fmt, tmp_path_factory
     a = w.assembler
     assert a.committed.committed_offset("good") is not None  # the good episode after the mess landed
     assert a.safe_offset() is not None
+
+
+@pytest.mark.parametrize("where", ["observations", "infos", "extra_model_outputs"])
+def test_buffer_data_nested_deep_is_refused_by_both_decoders(where):
+    """A map nested 505 deep (within msgpack.packb's own limit) as one buffer's data: one
+    undecodable episode for both decoders, never a RecursionError (the mutator above does not
+    build deep maps)."""
+    from tests.test_steps_decoder import _deep_items
+
+    item = _deep_items()[where]
+    for decoder in (unpack_episode, decode_episode):
+        with pytest.raises(EpisodeDecodeError):
+            decoder(item)

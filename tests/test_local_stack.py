@@ -19,6 +19,7 @@ from rlrec.local import (
     BrokerStartError,
     LocalBroker,
     consumer_test_config,
+    free_port,
     wait_for_broker,
 )
 
@@ -255,7 +256,9 @@ def test_cli_topics_kafka_config_reaches_the_admin_client(broker, capsys):
 def test_cli_broker_prints_bootstrap_and_exits_0_on_sigterm(tmp_path):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rlrec", "broker", "--log-path", str(tmp_path / "b.log")],
+        # an explicit free port: Kafka's 9092 is what every `rlrec broker` on this machine tries
+        # first (tests/test_broker_port.py covers that choice)
+        [sys.executable, "-m", "rlrec", "broker", "--port", str(free_port()), "--log-path", str(tmp_path / "b.log")],
         cwd=REPO,
         env=env,
         stdin=subprocess.DEVNULL,

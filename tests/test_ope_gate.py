@@ -535,4 +535,93 @@ def test_the_gate_decides_with_mb_and_states_its_refits(logged, tmp_path, monkey
     # refused by the decision itself, not by a failed evaluation ("evaluation failed: ...")
     assert not bad["promoted"] and bad["estimator"] == "mb"
     assert bad["reason"].startswith(("lower bound ", "not usable for gating: ")), bad["reason"]
+    assert bad["refusal"]["code"] in ("unproven", "worse", "unjudgeable"), bad["refusal"]
     assert bad["difference"] is not None and bad["difference"] < 0 and bad["ci_low"] < 0
+
+
+def test_a_torn_read_gives_the_gate_and_evaluate_the_same_episodes(logged):
+    """The gate's long-lived reader and `rlrec evaluate`'s fresh one read the same episodes at
+    the same point after a read that failed its checksum: a shard that fails once is read again
+    at once; one that fails through a whole refresh is skipped in that refresh only, not for good
+    (it was remembered as bad, so the gate kept leaving it out while evaluate read it)."""
+    from rlrec.store.snapshot import open_snapshot
+    from rlrec.store.storage import Storage
+    from rlrec.trainer.ope_data import HeldOutReader
+
+    out = logged[0]
+    cursor = open_snapshot(Storage.from_uri(out)).cursor
+    victim = open_snapshot(Storage.from_uri(out)).entries[1].path
+    torn = {"left": 0}
+
+    def reader() -> HeldOutReader:
+        storage = Storage.from_uri(out)
+        read = storage.read
+
+        def tearing(path, *a, **kw):
+            data = read(path, *a, **kw)
+            if path == victim and torn["left"] > 0:
+                torn["left"] -= 1
+                return data[: len(data) // 2]  # a torn read: the checksum fails
+            return data
+
+        storage.read = tearing
+        return HeldOutReader(storage, 0.3)
+
+    def ids(episodes) -> list[str]:
+        return sorted(e.id for e in episodes)
+
+    expected = ids(reader().refresh(as_of=cursor))
+    assert len(expected) > 100
+    torn["left"] = 1  # one torn read: read again at once, nothing left out
+    gate = reader()
+    assert ids(gate.refresh(as_of=cursor)) == expected and gate.stats.shards_skipped == []
+    torn["left"] = 2  # torn twice in a row: skipped in this refresh, and said so
+    gate = reader()
+    first = gate.refresh(as_of=cursor)
+    assert len(first) < len(expected) and [p for p, _ in gate.stats.shards_skipped] == [victim]
+    # the next refresh reads it again, as a fresh reader (evaluate's) does at the same point
+    assert ids(gate.refresh(as_of=cursor)) == expected == ids(reader().refresh(as_of=cursor))
+    assert gate.stats.shards_skipped == [] and gate.cursor == cursor
+
+
+@pytest.mark.timeout(900)  # two gate decisions and an evaluate, each fitting FQE
+def test_evaluate_reproduces_a_refusal_from_the_refused_candidate_it_kept(logged, tmp_path, monkeypatch, capsys):
+    """A refused candidate is kept under candidates/ of the publish root (never served, never a
+    version, pinning nothing) and `rlrec evaluate --candidate DIR --version N --compare-to M
+    --as-of CURSOR` gives the refusal's numbers exactly (evaluate loaded published versions only)."""
+    import shutil
+
+    from rlrec.cli import main
+    from rlrec.commands.evaluate import published_versions
+    from rlrec.trainer.policy import read_latest
+
+    out = str(tmp_path / "store")
+    shutil.copytree(logged[0], out)
+    trainer, gate = _gate_runner(out, tmp_path, monkeypatch, "wdr")
+    assert gate("partial")["promoted"]  # v1
+    d = gate("bad")
+    assert not d["promoted"] and d["refusal"]["code"] in ("worse", "unproven", "unjudgeable"), d
+    assert d["estimable"] and d["difference"] < 0
+    kept = d["refused_candidate"]
+    assert kept["version"] == 2 and kept["dir"].startswith("candidates/")
+    policies = str(tmp_path / "ck" / "policies")
+    # not a version: the pointer, the numbering and retention's pins see v1 only
+    assert published_versions(policies) == [1] and read_latest(policies)["policy_version"] == 1
+    assert trainer._next_version() == 2
+    args = [
+        "evaluate", "--input", out, "--policies", policies, "--allow-unsigned",
+        "--holdout-fraction", "0.3", "--fqe-steps", "600", "--ope-bootstrap", "200", "--seed", "0",
+        "--compare-to", "1", "--estimators", d["estimator"], "--json", "--as-of", d["data"]["cursor"],
+    ]  # fmt: skip
+    # published versions only without --candidate: v2 does not exist
+    assert main([*args, "--version", "2"]) == 2
+    assert "no such version" in capsys.readouterr().err
+    assert main([*args, "--candidate", kept["dir"], "--version", str(kept["version"])]) == 0
+    c = json.loads(capsys.readouterr().out)["comparison"]
+    for key in ("difference", "ci_low", "ci_high", "estimable"):
+        assert c[key] == d[key], key
+    assert c["gate"] == d["gate_verdict"] and c["candidate_estimate"] == d["candidate_estimate"]
+    # a --candidate that is not a refused candidate's folder is a user's mistake, in one line
+    assert main([*args, "--candidate", "../../etc", "--version", "2"]) == 2
+    err = _without_phases(capsys.readouterr().err)
+    assert len(err) == 1 and err[0].startswith("rlrec evaluate: error: --candidate"), err

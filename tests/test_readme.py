@@ -18,10 +18,13 @@ PATH (where ``rlrec`` is), each in a fresh folder.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,12 +33,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 #: README.md and the docs pages that parts of it moved to: their blocks run here too
-PAGES = (README, ROOT / "docs" / "BENCHMARKS.md", ROOT / "docs" / "READING.md")
+PAGES = (README, ROOT / "docs" / "API.md", ROOT / "docs" / "BENCHMARKS.md", ROOT / "docs" / "READING.md")
+#: the README is a first page: what a newcomer needs, the rest in docs/ pages it links to
+README_MAX_LINES = 300
 DIRECTIVE = re.compile(r"^<!--\s*readme-test:\s*(.*?)\s*-->\s*$")
 FENCE = re.compile(r"^```(\w*)\s*$")
 RUN_LANGS = ("bash", "python")
-#: seconds one block may take
-BLOCK_TIMEOUT_S = 300
+#: seconds one block may take (the quick start takes about 4 minutes on 2 busy cores)
+BLOCK_TIMEOUT_S = 540
 
 
 @dataclass
@@ -129,12 +134,46 @@ def test_every_block_runs_or_says_why_not():
     assert any(b.not_run is None and b.lang == "python" for b in BLOCKS)
 
 
+def test_readme_stays_a_first_page():
+    lines = README.read_text().count("\n")
+    assert lines <= README_MAX_LINES, (
+        f"README.md has {lines} lines (at most {README_MAX_LINES}): move details into a docs/ page and link it"
+    )
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading: lower case, punctuation dropped, spaces to dashes."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_links_of_the_pages_point_at_files_and_headings_that_exist():
+    """Every relative link of README.md and its pages names an existing file, and an anchor
+    (``page.md#heading``) names one of that page's headings, so a move leaves no dead link."""
+    dead = []
+    for page in PAGES:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"\w+://", target) or target.startswith("mailto:"):
+                continue
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            if not file.exists():
+                dead.append(f"{page.name}: {target} (no such file)")
+            elif anchor and file.suffix == ".md":
+                headings = re.findall(r"^#+ (.+)$", re.sub(r"```.*?```", "", file.read_text(), flags=re.S), re.M)
+                if anchor not in {_slug(h) for h in headings}:
+                    dead.append(f"{page.name}: {target} (no such heading)")
+    assert not dead, "dead links:\n  " + "\n  ".join(dead)
+
+
 def _marks(b: Block) -> list:
-    marks = [pytest.mark.slow]
+    marks = [pytest.mark.slow, pytest.mark.timeout(BLOCK_TIMEOUT_S + 60)]
     if "<broker>" in b.tokens():
         marks.append(pytest.mark.broker)
     if "ray" in b.code:
         marks.append(pytest.mark.system)
+    if re.search(r"\brlrec (train|evaluate)\b", b.code):  # starts Ray: one at a time (tests/conftest.py)
+        marks.append(pytest.mark.xdist_group("ray"))
     if b.not_run:
         marks.append(pytest.mark.skip(reason=f"{b.page}:{b.line}: not run here: {b.not_run}"))
     return marks
@@ -192,6 +231,51 @@ def _shards(root: Path) -> str:
     return str(out)
 
 
+def _run_block(cmd: list[str], code: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """Run a block in its own process group; past `BLOCK_TIMEOUT_S` the whole group is killed, so
+    nothing it started in the background (the quick start's ``rlrec broker &``) outlives it."""
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, env=env, text=True, start_new_session=True,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        out, err = proc.communicate(code, timeout=BLOCK_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"timed out after {BLOCK_TIMEOUT_S} s:\n{code}\n{out}\n{err}")
+    finally:
+        if proc.poll() is None:  # the test was interrupted (pytest-timeout, Ctrl-C)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def test_a_block_past_its_time_leaves_nothing_running(tmp_path, monkeypatch):
+    """A block that outlives `BLOCK_TIMEOUT_S` fails, and what it started in the background is
+    killed with it (a quick start's broker once kept port 9092 after its test timed out)."""
+    monkeypatch.setattr(sys.modules[__name__], "BLOCK_TIMEOUT_S", 2)
+    pid_file = tmp_path / "pid"
+    code = f"sleep 600 & echo $! > {pid_file}\nwait\n"
+    with pytest.raises(pytest.fail.Exception, match="timed out after 2 s"):
+        _run_block(["bash", "-e", "-s"], code, tmp_path, dict(os.environ))
+    pid = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _alive(pid):
+        time.sleep(0.1)
+    assert not _alive(pid), f"the block's background process {pid} outlived it"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1][:1] != "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return False
+
+
 @pytest.mark.parametrize("block", [pytest.param(b, id=b.id, marks=_marks(b)) for b in BLOCKS])
 def test_readme_block(block: Block, request: pytest.FixtureRequest, tmp_path: Path):
     made: dict[str, str] = {}
@@ -222,6 +306,6 @@ def test_readme_block(block: Block, request: pytest.FixtureRequest, tmp_path: Pa
     env = {k: v for k, v in os.environ.items() if not k.startswith("RLREC_") or k.startswith("RLREC_TEST_")}
     env.update(PATH=f"{bindir}{os.pathsep}{env.get('PATH', '')}", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
     cmd = [sys.executable, "-"] if block.lang == "python" else ["bash", "-e", "-s"]
-    p = subprocess.run(cmd, input=code, cwd=work, env=env, capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
+    p = _run_block(cmd, code, work, env)
     assert p.returncode == 0, f"{block.page}:{block.line} failed (exit {p.returncode}):\n{code}\n{p.stdout}\n{p.stderr}"
     assert "Traceback" not in p.stderr, f"{block.page}:{block.line} printed a traceback:\n{p.stderr}"

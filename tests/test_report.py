@@ -278,3 +278,25 @@ def test_dashboard_shows_the_newest_ope_estimate_beside_the_truth(tmp_path):
     with open(path, "a") as f:
         f.write(json.dumps(lines[1]) + "\n")
     assert "v5 wdr not estimable (support: 0.4)  true 12.0" in compact_line(c.snapshot())
+
+
+def test_the_demo_line_prints_counts_in_the_one_number_format():
+    """The dashboard's line (no terminal) separates thousands as its live view and the demo's summary do."""
+    import time
+
+    from rlrec.demo.dashboard import Snapshot, compact_line
+
+    s = Snapshot(
+        time=time.time(),
+        elapsed_s=97,
+        steps_published=208957,
+        steps_per_s=2375.4,
+        episodes_committed=1588,
+        shards_committed=1113,
+        dead_letters={"decode-error": 1200},
+        trainer_iteration=5,
+        timesteps_trained=56320,
+    )
+    line = compact_line(s)
+    for text in ("steps 208,957 (2,375/s)", "episodes 1,588", "shards 1,113", "dead letters 1,200", "trained 56,320"):
+        assert text in line, line

@@ -148,3 +148,35 @@ def test_consume_exits_128_plus_the_signal_after_its_clean_stop(broker, topic, t
     rc, err = _stop_with(argv, sig, "topics ready")
     assert rc == 128 + sig, err
     assert "shutting down" in err and "committed 0 episodes" in err, err
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("ray")  # starts Ray: one at a time (tests/conftest.py)
+def test_train_says_each_start_up_phase_until_its_first_iteration(tmp_path):
+    """No silent minute between "looking for committed shards" and the first iteration: starting
+    Ray and building the algorithm (each seconds to a minute on a busy machine) are said as they
+    begin, in order."""
+    from rlrec.store.commit import ShardCommitter
+    from rlrec.trainer.synthetic import expert_cartpole_episodes
+
+    store = tmp_path / "data"
+    ShardCommitter(str(store)).commit(expert_cartpole_episodes(4, seed=1, max_steps=100))
+    r = _train(
+        "--input", str(store), "--checkpoint-dir", str(tmp_path / "ck"), "--max-iterations", "1",
+        "--num-cpus", "2", "--algo-config", "train_batch_size_per_learner=64", timeout=400,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stderr.splitlines()
+
+    def first(text: str) -> int:
+        found = [i for i, x in enumerate(lines) if text in x]
+        assert found, f"no line says {text!r}:\n{r.stderr}"
+        return found[0]
+
+    order = [
+        first("rlrec.train: looking for committed shards"),
+        first("rlrec.trainer: found 1 committed shard(s): starting Ray"),
+        first("rlrec.trainer: building BC and its Learner(s)"),
+        first("rlrec.trainer: iter 1 "),
+    ]
+    assert order == sorted(order), r.stderr

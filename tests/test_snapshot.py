@@ -7,7 +7,9 @@ from __future__ import annotations
 import collections
 import doctest
 import importlib
+import sys
 import time
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute
@@ -283,6 +285,20 @@ def test_cli_export_and_paths(store, tmp_path, capsys):
 
 def test_docstring_examples():
     result = doctest.testmod(importlib.import_module("rlrec.store.snapshot"), optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted > 0
+
+
+def test_docstring_examples_pass_when_the_file_is_run_by_path(monkeypatch):
+    """`pytest --doctest-modules store/snapshot.py` imports the file as ``store.snapshot`` and sets
+    no option flags: the examples must not depend on the module's name or on ELLIPSIS."""
+    import importlib.util
+
+    path = Path(importlib.import_module("rlrec.store.snapshot").__file__)
+    spec = importlib.util.spec_from_file_location("store.snapshot", path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "store.snapshot", module)  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    result = doctest.testmod(module)
     assert result.failed == 0 and result.attempted > 0
 
 

@@ -2,20 +2,22 @@
 
 `HeldOutReader` follows the manifest under an output root (committed shards only), reads each
 new shard once (sha256 checked against the manifest, the schema gate `rlrec.store.schema_gate`
-before any column, episodes decoded by `rlrec.store.episodes.unpack_episode`, which refuses
-pickled payloads), keeps the episodes `rlrec.trainer.holdout.is_held_out` selects and turns them
+before any column, episodes decoded into arrays by `rlrec.store.episode_arrays.decode_items`,
+which refuses pickled payloads as `rlrec.store.episodes.unpack_episode` does), keeps the episodes `rlrec.trainer.holdout.is_held_out` selects and turns them
 into `rlrec.trainer.ope.Episode` (behaviour propensity: the ``action_logp`` extra model output;
 behaviour version: the episode's ``policy_version``; for Discrete actions with recorded
 ``action_dist_inputs`` of width n, the behaviour's action probabilities, softmax of them, which
 make the support diagnostic exact). Episodes the trainer could not use either
 (`rlrec.trainer.episode_check.unusable_reason`) are counted and left out. Tabular shards are not
-read (counted in ``shards_skipped``). No Ray cluster (RLlib's episode class is imported).
+read (counted in ``shards_skipped``). Neither Ray nor RLlib is imported: no `SingleAgentEpisode`
+is built.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +38,8 @@ INPUTS = "action_dist_inputs"
 
 
 def episode_from_rllib(ep: Any) -> Episode:
-    """A decoded `SingleAgentEpisode` (numpy or list form) -> `rlrec.trainer.ope.Episode`.
+    """A decoded `SingleAgentEpisode` (numpy or list form) or
+    `rlrec.store.episode_arrays.EpisodeArrays` -> `rlrec.trainer.ope.Episode`.
 
     Args:
         ep: the episode.
@@ -124,21 +127,31 @@ class HeldOutReader:
         self.observation_space = observation_space
         self.action_space = action_space
         self._by_shard: dict[str, list[Episode]] = {}
-        self._bad: set[str] = set()
+        self._reported: set[str] = set()  # shards whose refusal was logged (once per shard)
         self.stats = HeldOutStats()
         #: the manifest point the last `refresh` read (None: not yet): its episodes are the
         #: held-out episodes of the shards at this cursor (of `policy_id`), which
         #: ``rlrec.open(uri, as_of=cursor)`` reopens
         self.cursor: str | None = None
 
-    def refresh(self, as_of: str | None = None) -> list[Episode]:
+    def refresh(
+        self, as_of: str | None = None, progress: Callable[[int, int, int], None] | None = None
+    ) -> list[Episode]:
         """Read the shards committed since the last call; every held-out episode known, in commit
         order, of the shards at the manifest point it read (`cursor`). The estimators sort them
         by id (`rlrec.trainer.ope.LoggedData`): the order does not change an estimate.
 
+        The same point gives the same episodes to every reader, fresh or long-lived (the gate's
+        and `rlrec evaluate`'s): a shard that fails its checks (schema gate, checksum, decode) is
+        read a second time at once, and if it fails again it is skipped in this call only
+        (``stats.shards_skipped``) and read again at the next; a storage error (after the
+        storage's own retries) raises, so both fail rather than differ.
+
         Args:
             as_of: read the store at this point (a cursor a decision recorded, or a UNIX time;
                 `rlrec.store.snapshot.open_snapshot`); None: the newest.
+            progress: called after each shard with (shards done, shards to read, held-out
+                episodes so far).
         """
         from rlrec.store.snapshot import open_snapshot
 
@@ -146,28 +159,44 @@ class HeldOutReader:
         ordered = sorted(snap.entries, key=lambda e: (e.commit_time, e.topic, e.partition, e.seq))
         entries = [e for e in ordered if self.policy_id is None or e.policy_id == self.policy_id]
         live = set()
-        for e in entries:
+        skipped: list[tuple[str, str]] = []
+        for done, e in enumerate(entries, 1):
+            if progress is not None and done > 1:
+                progress(done - 1, len(entries), self.stats.episodes_held_out)
             key = e.path
             live.add(key)
-            if key in self._by_shard or key in self._bad:
+            if key in self._by_shard:
                 continue
             try:
-                self._by_shard[key] = self._read(e)
+                self._by_shard[key] = self._read_twice(e)
                 self.stats.shards += 1
             except FileNotFoundError:
                 continue  # deleted (retention): nothing to evaluate on
-            except ValueError as err:  # schema gate, checksum, decode
-                self._bad.add(key)
-                self.stats.shards_skipped.append((key, str(err)))
-                log.error("shard %s cannot be used for evaluation (%s); skipping it", key, err)
+            except ValueError as err:  # schema gate, checksum, decode: twice in a row
+                skipped.append((key, str(err)))
+                if key not in self._reported:
+                    self._reported.add(key)
+                    log.error("shard %s cannot be used for evaluation (%s); skipping it", key, err)
+        if progress is not None and entries:
+            progress(len(entries), len(entries), self.stats.episodes_held_out)
         for key in [k for k in self._by_shard if k not in live]:
             del self._by_shard[key]
+        self.stats.shards_skipped = skipped
         self.cursor = snap.cursor
         return [ep for k in self._by_shard for ep in self._by_shard[k]]
 
+    def _read_twice(self, entry: Any) -> list[Episode]:
+        """`_read`, and once more if it fails with a ValueError (a torn read fails its checksum
+        once; a damaged shard fails the same way again)."""
+        try:
+            return self._read(entry)
+        except ValueError:
+            return self._read(entry)
+
     def _read(self, entry: Any) -> list[Episode]:
         from rlrec.store.commit import read_committed_shard
-        from rlrec.store.episodes import EpisodeDecodeError, unpack_episode
+        from rlrec.store.episode_arrays import decode_episode, item_views
+        from rlrec.store.episodes import EpisodeDecodeError
         from rlrec.store.schema_gate import open_shard
         from rlrec.trainer.episode_check import unusable_reason
 
@@ -181,13 +210,14 @@ class HeldOutReader:
             raise ValueError("sha256 does not match the manifest")
         table = open_shard(data, fmt="episodes").read(["item"])
         out = []
+        seen = unusable = 0  # counted into the stats once the whole shard is read
         for chunk in table.column("item").chunks:
-            for v in chunk:
-                self.stats.episodes_seen += 1
+            for v in item_views(chunk):
+                seen += 1
                 try:
-                    ep = unpack_episode(v.as_py())
+                    ep = decode_episode(v)
                 except EpisodeDecodeError as err:
-                    self.stats.episodes_unusable += 1
+                    unusable += 1
                     log.debug("undecodable episode in %s: %s", entry.path, err)
                     continue
                 if not is_held_out(str(ep.id_), self.fraction):
@@ -195,8 +225,10 @@ class HeldOutReader:
                 obs_space = self.observation_space or ep.observation_space
                 act_space = self.action_space or ep.action_space
                 if unusable_reason(ep, obs_space, act_space) is not None:
-                    self.stats.episodes_unusable += 1
+                    unusable += 1
                     continue
-                self.stats.episodes_held_out += 1
                 out.append(episode_from_rllib(ep))
+        self.stats.episodes_seen += seen
+        self.stats.episodes_unusable += unusable
+        self.stats.episodes_held_out += len(out)
         return out

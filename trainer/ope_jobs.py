@@ -22,7 +22,16 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["CandidateJob", "choose_comparison", "evaluate_candidate", "gate_decision", "start"]
+__all__ = [
+    "REFUSALS",
+    "CandidateJob",
+    "choose_comparison",
+    "evaluate_candidate",
+    "gate_decision",
+    "refusal",
+    "refusal_record",
+    "start",
+]
 
 log = logging.getLogger("rlrec.trainer")
 
@@ -147,6 +156,8 @@ def evaluate_candidate(
         }
         if not episodes:
             d["reason"] = "no held-out episodes yet"
+            if job.gating:
+                d["refusal"] = refusal_record("no_data")
         elif job.gating:
             _decide(d, job, cfg, candidate, episodes, deployed)
         else:
@@ -167,6 +178,7 @@ def evaluate_candidate(
         d["reason"] = f"evaluation failed: {type(e).__name__}: {e}"
         if job.gating:
             d["promoted"] = False
+            d["refusal"] = refusal_record("failed")
         log.error("evaluating candidate v%d off-policy failed (%s)", job.version, e)
     finally:
         d["seconds"] = round(time.time() - t0, 3)
@@ -229,8 +241,10 @@ def _decide(d: dict, job: CandidateJob, cfg: Any, candidate: Any, episodes: list
         }
     )
     d["data"].update(_data_summary(data, cmp.candidate))
-    d["promoted"], reason = gate_decision(cmp, cfg.promotion_margin)
-    d["reason"] = reason or d["reason"]
+    code, reason = refusal(cmp, cfg.promotion_margin)
+    d["promoted"], d["reason"] = code is None, reason or d["reason"]
+    if code is not None:
+        d["refusal"] = refusal_record(code)
 
 
 def choose_comparison(setting: str, compare_with: Callable[[str], Any]) -> tuple[Any, dict | None]:
@@ -265,37 +279,80 @@ def choose_comparison(setting: str, compare_with: Callable[[str], Any]) -> tuple
     return cmp, fallback
 
 
-def gate_decision(cmp: Any, margin: float) -> tuple[bool, str]:
-    """The ope gate's rule on a `rlrec.trainer.ope.Comparison`: publish only when the difference
-    is estimable, its gate verdict is ok (both levels' and, for the importance-weighted
-    estimators, the paired difference's: ``cmp.extra["paired"]``), its lower bound is at least
-    ``-margin`` and so is the data-only lower bound of the difference (``paired["lower_bound"]``:
-    the weighted rewards up to the step the weights collapse at, minus the worst case the reward
-    range allows after it).
+#: why the ope gate refused a candidate, machine-readable (``decision["refusal"]["code"]``), and
+#: whether the offline data *judged* it (True: the data show it may be worse) or could not judge
+#: it (False: a canary rollout, which is not built yet, may decide)
+REFUSALS = {
+    "no_data": False,  # no held-out episodes yet
+    "failed": False,  # the evaluation raised (the reason names the error)
+    "not_estimable": False,  # no value: propensities missing, too few episodes, the model refused
+    "unjudgeable": False,  # the gate verdict: the difference rests on the model alone / leaves the data
+    "data_bound": False,  # the data-only lower bound (head - worst case after t*) below -margin
+    "unproven": False,  # the interval straddles -margin: the data do not show it is better
+    "worse": True,  # the whole interval of an estimated difference lies below -margin (not mb's bound)
+}
+
+
+def refusal(cmp: Any, margin: float) -> tuple[str | None, str]:
+    """The ope gate's rule on a `rlrec.trainer.ope.Comparison`, with its refusal code: publish
+    only when the difference is estimable, its gate verdict is ok (both levels' and, for the
+    importance-weighted estimators, the paired difference's: ``cmp.extra["paired"]``), its lower
+    bound is at least ``-margin`` and so is the data-only lower bound of the difference
+    (``paired["lower_bound"]``: the weighted rewards up to the step the weights collapse at, minus
+    the worst case the reward range allows after it).
 
     Returns:
-        ``(promoted, reason)``: the reason of a refusal ("" when promoted, or the comparison's
-        own reason when it is not estimable).
+        ``(code, reason)``: code None and reason "" when promoted, else a key of `REFUSALS` and
+        the reason (the comparison's own reason when it is not estimable).
+
+    Example:
+        >>> from types import SimpleNamespace as NS
+        >>> ok = {"ok": True, "reason": ""}
+        >>> refusal(NS(estimable=True, gate=ok, ci_low=-0.5, ci_high=2.0, reason=""), 0.0)[0]
+        'unproven'
+        >>> refusal(NS(estimable=True, gate={"ok": False, "reason": "state coverage"}, reason=""), 0.0)
+        ('unjudgeable', 'not usable for gating: state coverage')
+    """
+    if not cmp.estimable:
+        return "not_estimable", cmp.reason
+    if not cmp.gate["ok"]:
+        return "unjudgeable", f"not usable for gating: {cmp.gate['reason']}"
+    if cmp.ci_low < -margin:
+        # mb's difference is a bound (the candidate pessimistic, the baseline optimistic), not an
+        # estimate: below -margin it does not show the candidate is worse
+        below = cmp.ci_high is not None and cmp.ci_high < -margin
+        code = "worse" if below and getattr(cmp, "estimator", None) != "mb" else "unproven"
+        return code, f"lower bound {cmp.ci_low:.4g} of the difference < -margin {-margin:g}"
+    paired = (getattr(cmp, "extra", None) or {}).get("paired")
+    if paired is not None and paired["lower_bound"] < -margin:
+        return "data_bound", (
+            f"the data-only lower bound of the difference {paired['lower_bound']:.4g} (the weighted rewards' "
+            f"{paired['head_low']:.4g} before step {paired['t_star']}, minus the worst case {paired['remainder']:.4g} "
+            f"after it) < -margin {-margin:g}"
+        )
+    return None, ""
+
+
+def gate_decision(cmp: Any, margin: float) -> tuple[bool, str]:
+    """`refusal` as ``(promoted, reason)``: the reason of a refusal ("" when promoted).
 
     Example:
         >>> from types import SimpleNamespace as NS
         >>> gate_decision(NS(estimable=True, gate={"ok": True, "reason": ""}, ci_low=0.2, reason=""), 0.0)
         (True, '')
     """
-    if not cmp.estimable:
-        return False, cmp.reason
-    if not cmp.gate["ok"]:
-        return False, f"not usable for gating: {cmp.gate['reason']}"
-    if cmp.ci_low < -margin:
-        return False, f"lower bound {cmp.ci_low:.4g} of the difference < -margin {-margin:g}"
-    paired = (getattr(cmp, "extra", None) or {}).get("paired")
-    if paired is not None and paired["lower_bound"] < -margin:
-        return False, (
-            f"the data-only lower bound of the difference {paired['lower_bound']:.4g} (the weighted rewards' "
-            f"{paired['head_low']:.4g} before step {paired['t_star']}, minus the worst case {paired['remainder']:.4g} "
-            f"after it) < -margin {-margin:g}"
-        )
-    return True, ""
+    code, reason = refusal(cmp, margin)
+    return code is None, reason
+
+
+def refusal_record(code: str) -> dict:
+    """``decision["refusal"]``: the code and whether the offline data judged the candidate.
+
+    Example:
+        >>> refusal_record("unjudgeable")
+        {'code': 'unjudgeable', 'judged': False}
+    """
+    return {"code": code, "judged": REFUSALS[code]}
 
 
 def _report(d: dict, job: CandidateJob, cfg: Any, candidate: Any, episodes: list) -> None:

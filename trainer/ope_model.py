@@ -20,7 +20,7 @@ What it does, on the held-out episodes:
    there (for the rest of the probability that it is still running) as a termination would, with
    the worst the rewards allow after it
    (``min(0, r_min)`` per remaining step); below those limits each reward is lowered by
-   ``penalty * disagreement * max|r|`` (a MOPO-style penalty). The deployed version (the gate's
+   ``penalty * disagreement * max|r|`` (a MOPO-style penalty, `ModelConfig.penalty` 0.1). The deployed version (the gate's
    baseline) is rolled out **optimistically** by the same rules: where it leaves the data it gets
    the best the rewards allow (``max(0, r_max)`` per remaining step up to the horizon, no
    termination) and the penalty is added, so the difference candidate - deployed leans towards
@@ -103,10 +103,10 @@ class ModelConfig:
     reference_states: int = 4000
     max_distance: float = 1.0
     max_disagreement: float = 0.5
-    penalty: float = 1.0
+    penalty: float = 0.1
     max_offdata_share: float = 0.2
-    max_reward_disagreement: float = 0.1
-    max_termination_disagreement: float = 0.2
+    max_reward_disagreement: float = 0.3
+    max_termination_disagreement: float = 0.5
     max_horizon: int = 1000
     max_seconds: float = 900.0
     seed: int = 0

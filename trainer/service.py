@@ -1002,6 +1002,8 @@ class ContinuousTrainer:
         """
         import concurrent.futures
 
+        from rlrec.trainer import ope_jobs
+
         job = self._job
         if job is None:
             return None
@@ -1012,7 +1014,7 @@ class ContinuousTrainer:
         except Exception as e:  # evaluate_candidate reports its failures; anything else lands here
             d = {"candidate_version": job.version, "reason": f"evaluation failed: {type(e).__name__}: {e}"}
             if job.gating:
-                d.update({"gate": "ope", "promoted": False})
+                d.update({"gate": "ope", "promoted": False, "refusal": ope_jobs.refusal_record("failed")})
         self._job = None
         if job.gating:
             self.last_promotion = d
@@ -1026,6 +1028,8 @@ class ContinuousTrainer:
                     k: getattr(job, k) for k in ("iteration", "timesteps_trained", "shards", "new_shards", "data")
                 }
                 self._publish(job.version, job.artifact, {"gamma": job.gamma, "promotion": d}, lineage)
+            elif job.artifact is not None and d.get("refusal", {}).get("code") != "no_data":
+                self._keep_refused(job, d)
             self._log_decision(job, d)
         else:
             log.info(
@@ -1038,6 +1042,28 @@ class ContinuousTrainer:
                 f" ({d['reason']})" if d.get("reason") else "",
             )
         return d
+
+    def _keep_refused(self, job: Any, d: dict) -> None:
+        """Keep the refused candidate where `rlrec evaluate --candidate` loads it
+        (`rlrec.trainer.refused`); the decision records where (``refused_candidate``)."""
+        from rlrec.trainer.refused import keep_refused
+
+        try:
+            d["refused_candidate"] = keep_refused(
+                self.publish_storage,
+                job,
+                dict(d),
+                observation_space=self.obs_space,
+                action_space=self.act_space,
+                algo_name=self.cfg.algo,
+                signing_key=self.signing_key,
+                run_id=self.run_id,
+                channel=self.cfg.publish_channel,
+                parent_version=self.policy_version or None,
+            )
+        except Exception as e:  # the decision stands; only its reproduction is lost
+            d["refused_candidate"] = None
+            log.warning("keeping refused candidate v%d for rlrec evaluate failed: %s", job.version, e)
 
     def _log_decision(self, job: Any, d: dict) -> None:
         log.info(
@@ -1385,6 +1411,8 @@ class ContinuousTrainer:
             entries = self._first_shards(skip=self._skip_logged)
             if not entries:
                 return False
+        if not self._connected:  # start-up phases, said as each begins (each takes seconds)
+            log.info("found %d committed shard(s): starting Ray", len(entries))
         self._connect()
         import ray.data
 
@@ -1392,6 +1420,7 @@ class ContinuousTrainer:
         ctx.enable_progress_bars = False
         ctx.print_on_execution_start = False
         config = self.build_config()
+        log.info("building %s and its Learner(s); the first iteration follows its first batches", self.cfg.algo)
         self.algo = config.build_algo()
         if self.cfg.num_learners:
             self._log_learner_nodes()

@@ -86,15 +86,23 @@ def run(args: argparse.Namespace) -> int:
         if port is None:
             print(f"rlrec broker: port {KAFKA_PORT} is taken: listening on a free port", file=sys.stderr)
     previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    broker = LocalBroker(
-        opts.storage,
-        port=port,
-        log_path=opts.log_path,
-        startup_timeout=opts.startup_timeout,
-    )
+
+    def new_broker(port: int | None) -> LocalBroker:
+        return LocalBroker(opts.storage, port=port, log_path=opts.log_path, startup_timeout=opts.startup_timeout)
+
+    broker = new_broker(port)
     try:
         try:
-            broker.start()
+            try:
+                broker.start()
+            except BrokerStartError:
+                # Kafka's port, free when looked at, taken by the time the broker bound it
+                if opts.port is not None or port is None or default_port(port) is not None:
+                    raise
+                print(f"rlrec broker: port {port} was taken while starting: listening on a free port", file=sys.stderr)
+                broker.stop()
+                broker = new_broker(None)
+                broker.start()
         except BrokerStartError as e:
             print(f"rlrec broker: {e}", file=sys.stderr)
             return 1

@@ -23,6 +23,8 @@ Examples:
       --estimators wdr,wis --explore
   rlrec evaluate --input /data/exp --policies /ckpt/policies --version 5 --compare-to 4 \\
       --as-of CURSOR --seed 0 --json   # a gate decision again: its data.cursor, its seed
+  rlrec evaluate --input /data/exp --policies /ckpt/policies --candidate candidates/KEY \\
+      --version 5 --compare-to 4 --as-of CURSOR --json   # a refusal again (its refused_candidate)
 
 `--compare-to N` (or `behavior`) adds the gate's question: the paired difference version -
 version N (or - the logged behaviour's own return) under the first estimator, bootstrapped on the
@@ -37,12 +39,15 @@ environment variables, as for `rlrec train`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
 import sys
+import threading
+import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from rlrec.options import OptionSet, option
@@ -72,6 +77,12 @@ class EvaluateOptions:
         metavar="N|behavior",
         help="also the paired difference against published version N (or the logged behaviour) under the "
         "first estimator, as the ope promotion gate computes it",
+    )
+    candidate: str | None = option(
+        None,
+        metavar="DIR",
+        help="evaluate a candidate the ope gate refused: its decision's refused_candidate.dir "
+        "(candidates/KEY under the publish root; --version N is its refused_candidate.version)",
     )
     explore: bool = option(
         False,
@@ -130,6 +141,13 @@ def _run(args: argparse.Namespace) -> int:
         return _fail(f"--estimators: unknown {', '.join(bad) or '(none)'} (choose from {', '.join(ESTIMATORS)})")
     if ev.version != "latest" and not ev.version.isdigit():
         return _fail(f"--version must be a number or latest, got {ev.version!r}")
+    if ev.candidate is not None:
+        if not re.fullmatch(CANDIDATE_DIR, ev.candidate):
+            return _fail(
+                f"--candidate must be a decision's refused_candidate.dir (candidates/KEY), got {ev.candidate!r}"
+            )
+        if not ev.version.isdigit():
+            return _fail("--candidate needs --version N (the decision's refused_candidate.version)")
     if not ope.holdout_fraction:
         return _fail("--holdout-fraction 0 holds out no episodes: nothing to evaluate on")
     if ev.compare_to is not None and ev.compare_to != "behavior" and not ev.compare_to.isdigit():
@@ -152,6 +170,26 @@ def _run(args: argparse.Namespace) -> int:
 
 class _UserError(Exception):
     pass
+
+
+#: what --candidate accepts: a refused candidate's folder under the publish root (`rlrec.trainer.refused`)
+CANDIDATE_DIR = r"(candidates/)?\d{10}-[0-9a-f]{12}"
+
+
+def _candidate_root(policies: str, candidate: str) -> str:
+    """The folder holding refused candidate `candidate`'s ``v{N:06d}/`` under the publish root
+    `policies` (or a checkpoint dir holding ``policies/``)."""
+    from rlrec.store.storage import Storage
+    from rlrec.trainer.refused import CANDIDATES
+
+    root = policies.rstrip("/")
+    try:
+        storage = Storage.from_uri(root)
+        if not storage.exists("latest.json") and storage.exists("policies/latest.json"):
+            root = f"{root}/policies"
+    except Exception:  # unreachable or not a URI: the loader says what is wrong
+        pass
+    return f"{root}/{CANDIDATES}/{candidate.rpartition('/')[2]}"
 
 
 #: the one line for a command line that gives no way to trust a version
@@ -217,7 +255,8 @@ def evaluate_published(
     """The result document of `rlrec evaluate` (the ``--json`` contract); `say` is told each
     phase as it begins."""
     say(
-        f"loading {'the latest version' if ev.version == 'latest' else 'version ' + ev.version} of the policy under {ev.policies}"
+        f"loading {'the latest version' if ev.version == 'latest' else 'version ' + ev.version} of the policy under "
+        + (ev.policies if ev.candidate is None else f"{ev.policies} (refused candidate {ev.candidate})")
     )
     from rlrec.store.snapshot import CursorError
     from rlrec.store.storage import StorageError
@@ -225,7 +264,8 @@ def evaluate_published(
     from rlrec.trainer.ope_data import HeldOutReader
     from rlrec.trainer.policy import PolicyLoadError, UnsignedPolicyWarning, load_policy
 
-    if ev.version != "latest":
+    where = ev.policies if ev.candidate is None else _candidate_root(ev.policies, ev.candidate)
+    if ev.version != "latest" and ev.candidate is None:
         versions = published_versions(ev.policies)
         if int(ev.version) not in versions:
             published = f"published: {_ranges(versions)}" if versions else "no version is published there"
@@ -234,7 +274,7 @@ def evaluate_published(
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", UnsignedPolicyWarning)
             policy = load_policy(
-                ev.policies,
+                where,
                 version=None if ev.version == "latest" else int(ev.version),
                 public_key=ev.public_key,
                 allow_unsigned=ev.allow_unsigned,
@@ -251,7 +291,7 @@ def evaluate_published(
     say(f"reading the held-out episodes (--holdout-fraction {ope.holdout_fraction}) under {ev.input}")
     try:
         reader = HeldOutReader(ev.input, ope.holdout_fraction, policy_id=ev.policy_id)
-        episodes = reader.refresh(as_of=ev.as_of)
+        episodes = reader.refresh(as_of=ev.as_of, progress=_Throttled(say).reading)
     except CursorError as e:
         raise _UserError(f"--as-of: {e}") from None
     except (StorageError, OSError) as e:
@@ -279,7 +319,8 @@ def evaluate_published(
         "model": ope.model(ev.seed),
     }
     target = PolicyTarget(policy, ev.explore, seed=ev.seed)
-    result = evaluate(data, target, gamma=gamma, estimators=names, **settings).to_dict()
+    with _still_running(say, "estimating"):
+        result = evaluate(data, target, gamma=gamma, estimators=names, **settings).to_dict()
     comparison = None
     if ev.compare_to is not None:
         base = None
@@ -290,14 +331,16 @@ def evaluate_published(
                 )
             except (PolicyLoadError, ValueError, OSError) as e:
                 raise _UserError(f"cannot load --compare-to {ev.compare_to}: {_in_flags(str(e))}") from None
-        cmp = compare(
-            data,
-            target,
-            None if base is None else PolicyTarget(base, ev.explore, seed=ev.seed),
-            gamma=gamma,
-            estimator=names[0],
-            **settings,
-        )
+        say(f"comparing with {ev.compare_to} under {names[0]}")
+        with _still_running(say, "comparing"):
+            cmp = compare(
+                data,
+                target,
+                None if base is None else PolicyTarget(base, ev.explore, seed=ev.seed),
+                gamma=gamma,
+                estimator=names[0],
+                **settings,
+            )
         comparison = {
             "compare_to": ev.compare_to,
             "estimator": cmp.estimator,
@@ -331,10 +374,44 @@ def evaluate_published(
     return out
 
 
+class _Throttled:
+    """Progress lines of a long phase, at most one every `every` seconds (and the last)."""
+
+    def __init__(self, say: Callable[[str], None], every: float = 2.0) -> None:
+        self.say, self.every = say, every
+        self._last = time.monotonic()
+
+    def reading(self, done: int, total: int, held_out: int) -> None:
+        now = time.monotonic()
+        if done == total or now - self._last >= self.every:
+            self._last = now
+            self.say(f"read {done:,}/{total:,} shard(s): {held_out:,} held-out episode(s)")
+
+
+@contextlib.contextmanager
+def _still_running(say: Callable[[str], None], what: str, every: float = 10.0) -> Iterator[None]:
+    """Say every `every` seconds that `what` is still running, and for how long, until it ends
+    (the fits of fqe, wdr and mb take minutes on large data)."""
+    stop = threading.Event()
+    t0 = time.monotonic()
+
+    def beat() -> None:
+        while not stop.wait(every):
+            say(f"{what}: {time.monotonic() - t0:,.0f} s so far")
+
+    thread = threading.Thread(target=beat, name="rlrec-evaluate-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
 def _print(r: dict) -> None:
     print(
-        f"policy v{r['version']} ({r['action_selection']}), gamma {r['gamma']}, on {r['episodes']} held-out "
-        f"episodes ({r['steps']} steps) of behaviour version(s) {', '.join(map(str, r['behavior']['versions'])) or '?'}"
+        f"policy v{r['version']} ({r['action_selection']}), gamma {r['gamma']}, on {r['episodes']:,} held-out "
+        f"episodes ({r['steps']:,} steps) of behaviour version(s) {', '.join(map(str, r['behavior']['versions'])) or '?'}"
     )
     print(f"behaviour's mean discounted return: {r['behavior']['mean_return']:.4f}")
     for name, e in r["estimates"].items():

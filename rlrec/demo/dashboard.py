@@ -261,9 +261,9 @@ def version_name(v: int | None) -> str:
 def compact_line(s: Snapshot) -> str:
     dl = sum(s.dead_letters.values())
     return (
-        f"[{s.elapsed_s:5.0f}s] steps {s.steps_published} ({s.steps_per_s:.0f}/s)  "
-        f"episodes {s.episodes_committed}  shards {s.shards_committed}  dead letters {dl}  "
-        f"iter {_f(s.trainer_iteration, '{}')}  trained {_f(s.timesteps_trained, '{}')}  "
+        f"[{s.elapsed_s:5.0f}s] steps {s.steps_published:,} ({s.steps_per_s:,.0f}/s)  "
+        f"episodes {s.episodes_committed:,}  shards {s.shards_committed:,}  dead letters {dl:,}  "
+        f"iter {_f(s.trainer_iteration, '{}')}  trained {_f(s.timesteps_trained, '{:,}')}  "
         f"newest shard {_f(s.newest_shard_age_s, '{:.1f}s')}  eval {_f(s.eval_return_mean)}  "
         f"published {version_name(s.published_version)}  acting {s.policy_versions_in_use}"
         + (f"  ope {ope_text(s.ope)}" if s.ope is not None else "")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from tests.chaos.controller import Chaos, ChaosConfig
@@ -31,9 +32,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--no-broker-restart", dest="broker_restart", action="store_false", help="don't restart the broker")
     p.add_argument("--workdir", default=None, help="where logs, ground truth and result.json go (default: a temp dir)")
+    p.add_argument(
+        "--time-limit",
+        type=float,
+        default=None,
+        help="seconds the whole run may take: every wait is cut to fit (default: no limit)",
+    )
     a = p.parse_args(argv)
     if a.episodes < 1 or a.kills < 0 or a.producers < 1:
         p.error("--episodes and --producers must be >= 1, --kills >= 0")
+    if a.time_limit is not None and a.time_limit <= 0:
+        p.error("--time-limit must be > 0")
+    # SIGTERM unwinds the run, so its consumers, producers and servers are stopped on the way out
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     cfg = ChaosConfig(
         episodes=a.episodes,
         kills=a.kills,
@@ -47,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         foreign_outputs=a.foreign_outputs,
         broker_restart=a.broker_restart,
         workdir=a.workdir,
+        time_limit=a.time_limit,
     )
     return Chaos(cfg).run()
 

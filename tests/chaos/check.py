@@ -33,11 +33,26 @@ from rlrec.store.shards import read_episodes
 from rlrec.store.storage import Storage
 from tests.chaos.truth import TruthEpisode
 
-__all__ = ["DeadLetters", "TopicScan", "Verdict", "check", "committed_offsets", "scan_dead_letters", "scan_topic"]
+__all__ = [
+    "DeadLetters",
+    "TopicScan",
+    "Verdict",
+    "check",
+    "committed_offsets",
+    "scan_dead_letters",
+    "scan_tail",
+    "scan_topic",
+]
 
 
 def _read_all(
-    bootstrap: str, topic: str, partitions: int, idle_s: float = 6.0, timeout: float = 300.0, at_least: int = 0
+    bootstrap: str,
+    topic: str,
+    partitions: int,
+    idle_s: float = 6.0,
+    timeout: float = 300.0,
+    at_least: int = 0,
+    start: dict[int, int] | None = None,
 ):
     """Every message of `topic` from the beginning, once: yields Kafka messages, partition by
     partition in offset order. Stops when every partition reported its end (or nothing came for
@@ -46,7 +61,7 @@ def _read_all(
     messages exist waits for them (until `timeout`). Such a wrong end also makes a fetch "out of
     range": the reader then goes on from where it was (never from the beginning again, which
     under load re-read a partition's head until the timeout), and a message served twice is
-    yielded once."""
+    yielded once. `start`: the offset to read each partition from (default: its beginning)."""
     c = Consumer(
         consumer_test_config(
             bootstrap,
@@ -54,8 +69,8 @@ def _read_all(
             {"enable.partition.eof": True, "auto.offset.reset": "error"},
         )
     )
-    c.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in range(partitions)])
-    position = dict.fromkeys(range(partitions), 0)  # the next offset to yield, per partition
+    c.assign([TopicPartition(topic, p, OFFSET_BEGINNING if start is None else start[p]) for p in range(partitions)])
+    position = {p: 0 if start is None else start[p] for p in range(partitions)}  # the next offset to yield
     at_end: set[int] = set()
     deadline = time.monotonic() + timeout
     last_msg = time.monotonic()
@@ -97,6 +112,30 @@ class TopicScan:
     undecodable: int = 0
     decisions: int = 0  # EpisodeAborts consumers wrote for their own decisions (timeouts, evictions)
     per_partition: dict[int, int] = field(default_factory=dict)  # messages read per partition
+    #: messages found past the first scan's ends once the consumers stopped (`scan_tail`)
+    tail: int = 0
+
+    def add(self, m) -> None:
+        """Count Kafka message `m` and note where its episode starts and ends."""
+        p, off = m.partition(), m.offset()
+        self.messages += 1
+        self.per_partition[p] = self.per_partition.get(p, 0) + 1
+        self.end_offsets[p] = max(self.end_offsets.get(p, 0), off + 1)
+        try:
+            ev = decode(m.value(), m.headers())
+        except DecodeError:
+            self.undecodable += 1
+            return
+        eid = ev.episode_id
+        if isinstance(ev, EpisodeAbort) and parse_decision(ev.reason) is not None:
+            self.decisions += 1  # a consumer's, not a producer's: not an end the producer chose
+            return
+        if self.partition_of.setdefault(eid, p) != p:
+            self.split.add(eid)
+        if isinstance(ev, EpisodeStart):
+            self.start_offset.setdefault(eid, off)
+        elif isinstance(ev, EpisodeAbort) or (isinstance(ev, StepBatch) and (ev.terminated or ev.truncated)):
+            self.end_offset.setdefault(eid, off)
 
     def summary(self) -> dict:
         """What result.json keeps of the scan (to tell a short read of a partition from data)."""
@@ -105,6 +144,7 @@ class TopicScan:
             "decisions": self.decisions,
             "end_offsets": self.end_offsets,
             "per_partition": self.per_partition,
+            "tail": self.tail,
         }
 
 
@@ -113,26 +153,21 @@ def scan_topic(bootstrap: str, topic: str, partitions: int, at_least: int = 0, t
     for `timeout` seconds at most)."""
     s = TopicScan(end_offsets=dict.fromkeys(range(partitions), 0))
     for m in _read_all(bootstrap, topic, partitions, at_least=at_least, timeout=timeout):
-        p, off = m.partition(), m.offset()
-        s.messages += 1
-        s.per_partition[p] = s.per_partition.get(p, 0) + 1
-        s.end_offsets[p] = max(s.end_offsets[p], off + 1)
-        try:
-            ev = decode(m.value(), m.headers())
-        except DecodeError:
-            s.undecodable += 1
-            continue
-        eid = ev.episode_id
-        if isinstance(ev, EpisodeAbort) and parse_decision(ev.reason) is not None:
-            s.decisions += 1  # a consumer's, not a producer's: not an end the producer chose
-            continue
-        if s.partition_of.setdefault(eid, p) != p:
-            s.split.add(eid)
-        if isinstance(ev, EpisodeStart):
-            s.start_offset.setdefault(eid, off)
-        elif isinstance(ev, EpisodeAbort) or (isinstance(ev, StepBatch) and (ev.terminated or ev.truncated)):
-            s.end_offset.setdefault(eid, off)
+        s.add(m)
     return s
+
+
+def scan_tail(bootstrap: str, topic: str, scan: TopicScan, timeout: float = 120.0) -> int:
+    """Read what came to the topic after `scan` (from its ends on), once the consumers stopped,
+    into `scan`; the number of such messages. The scan runs while the consumers drain, and a
+    consumer that reaches an episode only then can still write a decision abort (a timeout) to
+    the topic: without this read, the check would take the partition's end from before it."""
+    n = 0
+    for m in _read_all(bootstrap, topic, len(scan.end_offsets), idle_s=4.0, timeout=timeout, start=scan.end_offsets):
+        scan.add(m)
+        n += 1
+    scan.tail += n
+    return n
 
 
 @dataclass

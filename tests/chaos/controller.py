@@ -17,7 +17,12 @@ output resumes); one broker restart. The moments are drawn from the seed; what i
 kill at that moment depends on timing, so two runs with one seed are alike, not identical.
 Then: wait for the producers, read the topic, wait until the manifest holds every expected
 episode and the group's offsets reached the end of every partition, stop the consumers
-(SIGTERM), and check (tests.chaos.check) plus `rlrec inspect --verify`.
+(SIGTERM), and check (tests.chaos.check) plus `rlrec inspect --verify`. While draining, a group
+whose live consumers hold fewer than all partitions and that makes no progress for STALL_S seconds
+has its consumers restarted, as an operator would, and the restart is counted (Tansu's group
+coordinator can stall after a broker restart and a kill -9). With a time limit every wait is cut
+to fit it. Consumers and producers die with the controller (parent-death signal); SIGTERM to the
+controller stops them on the way out.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from rich.table import Table
 from rich.text import Text
 
 from rlrec.consumer.topics import create_topics, dlq_topic_name
-from rlrec.local import LocalBroker, free_port
+from rlrec.local import LocalBroker, _make_pdeathsig, free_port
 from rlrec.store.manifest import PartitionLog, ShardEntry
 from rlrec.store.storage import Storage
 from tests.chaos.check import (
@@ -48,6 +53,7 @@ from tests.chaos.check import (
     check,
     committed_offsets,
     scan_dead_letters,
+    scan_tail,
     scan_topic,
 )
 from tests.chaos.s3server import S3Process
@@ -70,6 +76,14 @@ MAX_CONSUMERS = 3
 EPISODE_TIMEOUT_S = 15.0
 #: a dead-letter topic name the broker refuses ("Broker: Invalid topic") for the DLQ faults
 REFUSED_DLQ = "bad topic!"
+#: seconds the consumer of another output gets to hold partitions, commit a shard there and move
+#: the group's offsets past the store's position before it leaves
+FOREIGN_WAIT_S = 180.0
+#: seconds a time-limited run keeps for stopping its consumers and checking the result
+FINAL_CHECK_S = 150.0
+#: seconds the drain may see no progress while partitions have no live owner before the
+#: controller restarts the group's consumers (see `Chaos._restart_stalled_group`)
+STALL_S = 90.0
 
 
 @dataclass
@@ -86,6 +100,9 @@ class ChaosConfig:
     foreign_outputs: int = 1  # consumers of another output with the same group id that join, then leave
     broker_restart: bool = True
     workdir: str | None = None
+    #: seconds the whole run may take (None: no limit); every wait is cut to fit, leaving
+    #: FINAL_CHECK_S for stopping the consumers and the checks
+    time_limit: float | None = None
 
     def __post_init__(self) -> None:
         if self.joins is None:
@@ -126,6 +143,14 @@ class ConsumerProc:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    def stop(self, timeout: float = 60.0) -> None:
+        """SIGTERM, and SIGKILL if it has not exited within `timeout` seconds."""
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
 
 @dataclass
 class Tally:
@@ -139,6 +164,9 @@ class Tally:
     #: store's position when that consumer left (the gap the phase exists to provoke)
     foreign_ahead: int = 0
     broker_restarts: int = 0
+    #: times the drain found partitions without a live owner and no progress for STALL_S, and
+    #: restarted the consumers as an operator would (Tansu's group coordinator stalled)
+    stall_restarts: int = 0
     dead_letters_unacked: int = -1  # pending dead letters of the consumers when the run ends
     faults: list[str] = field(default_factory=list)  # every fault, as logged
 
@@ -177,6 +205,14 @@ class Chaos:
 
     def say(self, msg: str) -> None:
         self.console.print(f"[dim]{time.monotonic() - self.t0:7.1f}s[/dim]  {msg}")
+
+    def budget(self, wanted: float, keep: float = FINAL_CHECK_S) -> float:
+        """`wanted` seconds, cut to what the run's time limit leaves after keeping `keep`
+        seconds for what follows (at least 1 s, so a late step still looks once)."""
+        if self.cfg.time_limit is None:
+            return wanted
+        left = self.t0 + self.cfg.time_limit - keep - time.monotonic()
+        return max(1.0, min(wanted, left))
 
     # -- stack --------------------------------------------------------------------------------
 
@@ -255,7 +291,7 @@ class Chaos:
                 str(self.hold),
             ]
             log = open(self.work / f"producer-{i}.log", "ab")
-            self.producers.append(subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=log))
+            self.producers.append(subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=log, preexec_fn=_make_pdeathsig()))
         self.say(f"{cfg.producers} producers: {cfg.episodes} episodes over {cfg.duration:.0f}s")
 
     def start_consumer(self, dlq_topic: str | None = None, output: str | None = None) -> ConsumerProc:
@@ -295,7 +331,10 @@ class Chaos:
         for k, v in CONSUMER_KAFKA.items():
             cmd += ["--kafka-config", f"{k}={v}"]
         log = open(self.work / f"consumer-{name}.log", "ab")
-        proc = subprocess.Popen(cmd, cwd=REPO, env=self.consumer_env, stdout=log, stderr=log)
+        # a consumer dies with the controller (kill -9 included): none may outlive the run
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, env=self.consumer_env, stdout=log, stderr=log, preexec_fn=_make_pdeathsig()
+        )
         c = ConsumerProc(name, proc, port, foreign=output is not None)
         self.consumers.append(c)
         what = f" of another output {output}" if output else f" with DLQ {dlq_topic!r}" if dlq_topic else ""
@@ -340,12 +379,8 @@ class Chaos:
         running = self.alive()
         if len(running) >= MAX_CONSUMERS:
             c = self.rng.choice(running)
-            c.proc.send_signal(signal.SIGTERM)
             self.say(f"consumer {c.name} leaves the group (SIGTERM)")
-            try:
-                c.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                c.proc.kill()
+            c.stop()
             self.tally.rebalances += 1
         self.start_consumer()
         self.tally.rebalances += 1
@@ -360,11 +395,7 @@ class Chaos:
         self._fault(f"consumer {c.name} joins with a dead-letter topic the broker refuses")
         time.sleep(self.rng.uniform(10, 15))
         m = c.metrics()
-        c.proc.send_signal(signal.SIGTERM)
-        try:
-            c.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            c.proc.kill()
+        c.stop()
         self.tally.rebalances += 1
         self.say(
             f"consumer {c.name} leaves (SIGTERM) with {m.get('rlrec_dead_letters_pending', 0):.0f} dead letters "
@@ -387,8 +418,9 @@ class Chaos:
         self.tally.foreign_outputs += 1
         self._fault(f"consumer {c.name} of another output joins the group")
         # until it holds partitions, wrote a shard there and moved the group's offset of a
-        # partition past our store's position (the gap the group's offsets would leave)
-        deadline = time.monotonic() + 60
+        # partition past our store's position (the gap the group's offsets would leave); on a
+        # loaded machine a consumer can take over a minute to start, join and commit
+        deadline = time.monotonic() + FOREIGN_WAIT_S
         while time.monotonic() < deadline and c.alive:
             m = c.metrics()
             if m.get("rlrec_assigned_partitions", 0) > 0 and m.get("rlrec_shards_committed_total", 0) > 0:
@@ -401,11 +433,7 @@ class Chaos:
             ahead = self._group_ahead_of_store()
         m = c.metrics()
         self.tally.foreign_ahead += len(ahead)
-        c.proc.send_signal(signal.SIGTERM)
-        try:
-            c.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            c.proc.kill()
+        c.stop()
         self.tally.rebalances += 1
         self.say(
             f"consumer {c.name} of another output leaves (SIGTERM) holding "
@@ -515,17 +543,61 @@ class Chaos:
     def _wait_drained(self, expected: set[str], end_offsets: dict[int, int], timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         last_say = 0.0
+        progress, progress_at = None, time.monotonic()
         while time.monotonic() < deadline:
             missing = len(expected - self.committed_ids())
             offsets = committed_offsets(self.broker.bootstrap_servers, self.group, self.topic, self.cfg.partitions)
             behind = sum(offsets.get(p, 0) < end for p, end in end_offsets.items())
             if not missing and not behind:
                 return True
+            if (missing, sum(offsets.values())) != progress:
+                progress, progress_at = (missing, sum(offsets.values())), time.monotonic()
+            elif time.monotonic() - progress_at > STALL_S and self._restart_stalled_group(progress_at):
+                progress_at = time.monotonic()
             if time.monotonic() - last_say > 10:
                 last_say = time.monotonic()
                 self.say(f"draining: {missing} episodes not committed yet, {behind} partitions' offsets behind")
             time.sleep(1)
         return False
+
+    def _restart_stalled_group(self, progress_at: float) -> bool:
+        """If every live consumer answers and together they hold fewer partitions than the topic
+        has, restart them all (SIGTERM, then as many fresh ones) and count it; True if it did.
+
+        Tansu 0.6's group coordinator can keep a kill -9ed member's partitions assigned for good
+        after a broker restart: consumers that join get nothing, the rest never rebalance. An
+        operator restarts the consumers; so does the controller, after STALL_S seconds without
+        progress, and the restart is counted and reported (`stall_restarts`). It changes nothing
+        the check requires: every episode must still be committed exactly once. Consumers that
+        hold every partition yet make no progress, and consumers that do not answer (still
+        starting, or hung), are never restarted: that would hide a consumer's bug.
+        """
+        running = self.alive()
+        metrics = {c.name: c.metrics() for c in running}
+        if not running or not all(metrics.values()):
+            return False
+        held = {name: m.get("rlrec_assigned_partitions", 0) for name, m in metrics.items()}
+        if sum(held.values()) >= self.cfg.partitions:
+            return False
+        self.tally.stall_restarts += 1
+        self._fault(
+            f"stalled group: no progress for {time.monotonic() - progress_at:.0f}s and the live consumers hold "
+            f"{sum(held.values()):.0f} of {self.cfg.partitions} partitions ({held}); restarting them"
+        )
+        for c in running:
+            c.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 60
+        for c in running:
+            try:
+                c.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                c.proc.kill()
+                c.proc.wait(10)
+            self.tally.rebalances += 1
+        for _ in range(max(1, len(running))):
+            self.start_consumer()
+            self.tally.rebalances += 1
+        return True
 
     def run(self) -> int:
         cfg = self.cfg
@@ -558,7 +630,7 @@ class Chaos:
             if self._fault_thread is not None:
                 self._fault_thread.join()
             for i, p in enumerate(self.producers):
-                rc = p.wait(cfg.duration * 3 + 300)
+                rc = p.wait(self.budget(cfg.duration * 3 + 300))
                 if rc != 0:
                     problems.append(f"producer {i} exited with {rc} (see {self.work}/producer-{i}.log)")
             stats = [
@@ -580,16 +652,11 @@ class Chaos:
                 self.topic,
                 cfg.partitions,
                 at_least=delivered,
-                timeout=300 + 0.25 * delivered,
+                timeout=self.budget(300 + 0.25 * delivered, keep=2 * FINAL_CHECK_S),
             )
             self.scan_summary = {**scan.summary(), "producers_delivered": delivered}
-            if scan.messages - scan.decisions != sum(s["messages"] for s in stats):
-                problems.append(
-                    f"the topic holds {scan.messages} messages ({scan.decisions} consumers' decisions), "
-                    f"producers delivered {sum(s['messages'] for s in stats)}"
-                )
             expected = {eid for eid, t in truth.items() if t.committed}
-            if not self._wait_drained(expected, scan.end_offsets, timeout=300 + 0.1 * cfg.episodes):
+            if not self._wait_drained(expected, scan.end_offsets, timeout=self.budget(300 + 0.1 * cfg.episodes)):
                 problems.append("timed out waiting for every episode to commit and offsets to reach the end")
             self.tally.dead_letters_unacked = sum(
                 int(c.metrics().get("rlrec_dead_letters_pending", 0)) for c in self.alive()
@@ -605,6 +672,16 @@ class Chaos:
                     problems.append(f"consumer {c.name} did not stop on SIGTERM within 60 s")
                     c.proc.kill()
             self.say("consumers stopped; checking")
+            decided = scan.decisions
+            tail = scan_tail(self.broker.bootstrap_servers, self.topic, scan, timeout=self.budget(120, keep=60))
+            self.scan_summary = {**scan.summary(), "producers_delivered": delivered}
+            if tail:
+                self.say(f"{tail} messages came after the topic scan ({scan.decisions - decided} consumers' decisions)")
+            if scan.messages - scan.decisions != delivered:
+                problems.append(
+                    f"after the consumers stopped the topic holds {scan.messages} messages ({scan.decisions} "
+                    f"consumers' decisions), producers delivered {delivered}"
+                )
             dlq = scan_dead_letters(self.broker.bootstrap_servers, self.topic, cfg.partitions)
             offsets = committed_offsets(self.broker.bootstrap_servers, self.group, self.topic, cfg.partitions)
             verdict = check(self.storage, truth, scan, dlq, offsets)
@@ -653,6 +730,7 @@ class Chaos:
             ("  partitions they left with the group's offset ahead of the store's position", tl.foreign_ahead),
             ("offsets a restart reads again (store position to partition end)", v.replay_tail),
             ("broker restarts", tl.broker_restarts),
+            ("consumers restarted after a stalled group (Tansu's coordinator)", tl.stall_restarts),
             (
                 "delayed rewards applied / dead-lettered late / both",
                 f"{v.rewards_applied} / {v.rewards_dead_lettered} / {v.rewards_both}",

@@ -19,7 +19,9 @@ pytest.importorskip("torch")
 
 from rlrec.store.commit import ShardCommitter
 from rlrec.trainer.canary import in_canary
+from rlrec.trainer.ope_jobs import REFUSALS, refusal_record
 from rlrec.trainer.policy import load_policy
+from rlrec.trainer.rollout import gate_declined
 from rlrec.trainer.signing import generate_keys
 from tests.test_canary_sequential import _episode
 from tests.test_policy_binding import _trainer
@@ -474,3 +476,12 @@ def test_a_fresh_run_takes_no_replayed_signed_latest_json_as_its_base(tmp_path, 
     assert record["decision"] == "rollback"
     spec = json.loads((root / f"v{record['deployed_version']:06d}" / "policy.json").read_bytes())
     assert spec["republished_from"] == 2
+
+
+@pytest.mark.parametrize("code", sorted(REFUSALS))
+def test_canary_unjudged_follows_the_gates_refusal_code(code):
+    """`--canary-unjudged` takes exactly the refusals the offline data did not judge (a code with
+    ``judged`` false), never a judged-worse candidate nor a failed evaluation -- whatever the
+    decision's other fields say (here a verdict that holds, which alone would read as judged)."""
+    decision = {"promoted": False, "estimable": True, "gate_verdict": {"ok": True}, "refusal": refusal_record(code)}
+    assert gate_declined(decision) is (not REFUSALS[code] and code != "failed")

@@ -281,7 +281,7 @@ def choose_comparison(setting: str, compare_with: Callable[[str], Any]) -> tuple
 
 #: why the ope gate refused a candidate, machine-readable (``decision["refusal"]["code"]``), and
 #: whether the offline data *judged* it (True: the data show it may be worse) or could not judge
-#: it (False: a canary rollout, which is not built yet, may decide)
+#: it (False: `rlrec train --rollout canary --canary-unjudged` may prove it on a canary)
 REFUSALS = {
     "no_data": False,  # no held-out episodes yet
     "failed": False,  # the evaluation raised (the reason names the error)

@@ -186,7 +186,14 @@ def gate_declined(decision: dict) -> bool:
     hold, no held-out episodes yet -- rather than judged it worse (``--canary-unjudged`` puts
     the former on canary, never the latter; a failed evaluation is neither).
 
+    A decision with a refusal code (``rlrec.trainer.ope_jobs.REFUSALS``) is decided by the code:
+    declined when the code is not a judgement (``judged`` false), except ``failed``.
+
     Example:
+        >>> gate_declined({"promoted": False, "refusal": {"code": "unjudgeable", "judged": False}})
+        True
+        >>> gate_declined({"promoted": False, "refusal": {"code": "worse", "judged": True}})
+        False
         >>> gate_declined({"promoted": False, "estimable": True, "gate_verdict": {"ok": False}})
         True
         >>> gate_declined({"promoted": False, "estimable": True, "gate_verdict": {"ok": True}})
@@ -194,6 +201,9 @@ def gate_declined(decision: dict) -> bool:
     """
     if decision.get("promoted"):
         return False
+    refusal = decision.get("refusal")
+    if isinstance(refusal, dict) and "code" in refusal:
+        return refusal.get("judged") is False and refusal.get("code") != "failed"
     if decision.get("estimable") is False:
         return True
     verdict = decision.get("gate_verdict")

@@ -197,7 +197,7 @@ def test_each_assignment_carries_what_to_log_while_a_canary_runs(on_canary, keys
     p = load_policy(str(on_canary), public_key=keys["public"], channel="prod", canary_fraction=0.3)
     for eid in (f"e{i}" for i in range(50)):
         a = p.for_episode(eid)
-        assert read_assignment(a.info, eid) == (5, a.canary)
+        assert read_assignment(a.info, eid) == (5, a.canary, 0.3)
     plain = load_policy(str(on_canary), public_key=keys["public"], channel="prod")  # not opted in
     assert plain.for_episode("e1").info == {}
 

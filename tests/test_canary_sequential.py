@@ -17,7 +17,7 @@ import math
 import numpy as np
 import pytest
 
-from rlrec.trainer.canary import assignment_info, in_canary
+from rlrec.trainer.canary import assignment_info, canary_score, in_canary
 from rlrec.trainer.sequential import NO_TRAFFIC, ArmStats, CanaryRule, confidence_radius, difference_interval, judge
 
 RULE = CanaryRule(alpha=0.05, margin=0.0, min_episodes=30, max_exposure=2000, max_wait_s=3600.0)
@@ -229,7 +229,7 @@ def test_the_evidence_is_the_two_versions_episodes_since_the_start_and_the_test_
         _episode(4, [8.0], int(t0 * 1000) + 7, _arm_id("d4", True), 5),  # the hash puts it in the canary arm
     ]
     committer.commit(before + arms)
-    rule = CanaryRule(min_episodes=3, max_wait_s=60.0, episode_max_s=0.0)
+    rule = CanaryRule(min_episodes=3, max_wait_s=60.0, episode_max_s=0.0, share=0.5)
     run = CanaryRun(version=5, base_version=4, started=t0, gamma=0.5, rule=rule)
     v = run.look(uri, now=t0 + 1)
     assert (v.canary.n, v.deployed.n) == (1, 2)
@@ -286,7 +286,7 @@ def test_only_the_randomized_split_of_services_that_opted_in_is_evidence(tmp_pat
     t0 = 1_000_000.0
     rng = np.random.default_rng(3)
     eps = []
-    for i in range(4000):
+    for i in range(6000):
         eid = f"a{i}"
         canary = in_canary(eid, 0.2)
         ret = float(rng.uniform(0.5, 1.5)) - (0.3 if canary else 0.0)
@@ -294,9 +294,12 @@ def test_only_the_randomized_split_of_services_that_opted_in_is_evidence(tmp_pat
         ret_b = float(rng.uniform(0.5, 1.5)) - 1.0
         eps.append(_episode(1, [ret_b], int(t0 * 1000) + i, f"b{i}"))  # B: no assignment logged
     committer.commit(eps)
-    ev = CanaryEvidence(uri, version=2, base_version=1, started=t0, gamma=0.9)
+    ev = CanaryEvidence(uri, version=2, base_version=1, started=t0, gamma=0.9, share=0.2)
     canary, deployed = ev.refresh(-1.0, 2.0)
-    assert deployed.n == 4000 - canary.n and ev.unassigned == 4000
+    # A's canary episodes all count (score < 0.2), its deployed ones from score 0.5 (the test's band)
+    scores = [canary_score(f"a{i}") for i in range(6000)]
+    assert canary.n == sum(x < 0.2 for x in scores) and deployed.n == sum(x >= 0.5 for x in scores)
+    assert ev.unassigned == 6000 and ev.outside_share == sum(0.2 <= x < 0.5 for x in scores)
     rule = CanaryRule(return_min=-1.0, return_max=2.0, max_exposure=4000)
     v = judge(canary, deployed, rule, 10.0)
     assert v.decision == "rollback" and v.high < 0
@@ -361,7 +364,7 @@ def test_a_consumer_clock_behind_the_trainers_loses_no_evidence(tmp_path):
     committer.claim()
     started = time.time() + 60.0  # the trainer's clock is a minute ahead of the consumer's
     committer.commit([_episode(5, [1.0], int(started * 1000) + 1, _arm_id("c", True), 5)])
-    canary, _deployed = CanaryEvidence(uri, version=5, base_version=4, started=started, gamma=0.9).refresh()
+    canary, _deployed = CanaryEvidence(uri, version=5, base_version=4, started=started, gamma=0.9, share=0.5).refresh()
     assert canary.n == 1
 
 
@@ -381,9 +384,153 @@ def test_the_evidence_only_grows_when_shards_are_compacted_or_removed(tmp_path, 
     eps = [_episode(5, [1.0], int(t0 * 1000) + i, _arm_id(f"c{i}", True), 5) for i in range(3)]
     eps += [_episode(4, [0.0], int(t0 * 1000) + i, _arm_id(f"d{i}", False), 5) for i in range(4)]
     committer.commit(eps)
-    ev = CanaryEvidence(uri, version=5, base_version=4, started=t0, gamma=0.9)
+    ev = CanaryEvidence(uri, version=5, base_version=4, started=t0, gamma=0.9, share=0.5)
     assert [a.n for a in ev.refresh()] == [3, 4]
     committer.commit(eps)  # the same episodes in a merged shard
     assert [a.n for a in ev.refresh()] == [3, 4]
     monkeypatch.setattr(snapshot, "open_snapshot", lambda storage: SimpleNamespace(entries=[]))  # all removed
     assert [a.n for a in ev.refresh()] == [3, 4]
+
+
+def test_services_at_different_fractions_give_both_arms_the_same_population(tmp_path):
+    """Service A (easy traffic) opts in at 0.5, service B (1.0 harder) at 0.05; the canary is 0.3
+    worse on every episode. Pooled as served, the canary arm is mostly A's traffic and the deployed
+    arm mostly B's, and the worse canary is promoted; counted in the test's band (share 0.05) both
+    arms hold A and B alike and it is rolled back."""
+    from rlrec.store.commit import ShardCommitter
+    from rlrec.trainer.canary_evidence import CanaryEvidence
+
+    uri = str(tmp_path / "store")
+    committer = ShardCommitter(uri)
+    committer.claim()
+    t0 = 1_000_000.0
+    rng = np.random.default_rng(3)
+    eps = []
+    for i in range(3000):
+        for svc, frac, shift in (("a", 0.5, 0.0), ("b", 0.05, -1.0)):
+            eid = f"{svc}{i}"
+            canary = in_canary(eid, frac)
+            ret = float(rng.uniform(0.5, 1.5)) + shift - (0.3 if canary else 0.0)
+            eps.append(_episode(2 if canary else 1, [ret], int(t0 * 1000) + i, eid, 2, share=frac))
+    committer.commit(eps)
+    rule = CanaryRule(return_min=-1.0, return_max=2.0, max_exposure=4000, share=0.05)
+    ev = CanaryEvidence(uri, version=2, base_version=1, started=t0, gamma=0.9, share=rule.share)
+    canary, deployed = ev.refresh(rule.return_min, rule.return_max)
+    assert ev.outside_share > 0 and abs(canary.mean - deployed.mean + 0.3) < 0.15  # the true difference
+    assert judge(canary, deployed, rule, 10.0).decision != "promote"
+    # a service whose fraction lies outside [share, 0.5] gives nothing: its arms are not the test's split
+    wide = CanaryEvidence(uri, version=2, base_version=1, started=t0, gamma=0.9, share=0.1)
+    c, d = wide.refresh(rule.return_min, rule.return_max)
+    assert all(e.startswith("a") for e in wide._episodes) and c.n and d.n
+
+
+def test_a_canary_return_below_the_range_rolls_it_back_and_voids_promotion(tmp_path):
+    """The range comes from the deployed version's history (U(0, 10)); the canary returns 10 in
+    97 % of episodes and -1000 in 3 % (true mean -20.3 against 5.0). Clipped to the range's minimum,
+    the -1000s made it look better and it was promoted; a canary return below the range rolls it
+    back at once, and a deployed return above the range forbids promotion."""
+    import time
+
+    from rlrec.store.commit import ShardCommitter
+    from rlrec.trainer.rollout import CanaryRun
+
+    uri = str(tmp_path / "store")
+    committer = ShardCommitter(uri)
+    committer.claim()
+    rng = np.random.default_rng(1)
+    committer.commit([_episode(1, [float(rng.uniform(0, 10))], 1000 + i, f"h{i}") for i in range(200)])
+    time.sleep(0.05)
+    t0 = time.time()
+    eps = []
+    for i in range(4000):
+        eid = f"e{i}"
+        if in_canary(eid, 0.2):
+            ret = -1000.0 if rng.random() < 0.03 else 10.0
+            eps.append(_episode(2, [ret], int(t0 * 1000) + i, eid, 2, share=0.2))
+        else:
+            eps.append(_episode(1, [float(rng.uniform(0, 10))], int(t0 * 1000) + i, eid, 2, share=0.2))
+    committer.commit(eps)
+    run = CanaryRun(version=2, base_version=1, started=t0, gamma=1.0, rule=CanaryRule(episode_max_s=0.0, share=0.2))
+    v = run.look(uri, now=t0 + 100)
+    assert run.rule.return_min > -1000 and v.canary.below > 0
+    assert v.decision == "rollback" and "below the test's range" in v.reason
+    record = run.decision_record(v, now=t0 + 100)
+    assert record["below_range_canary"] == v.canary.below
+
+    rule = CanaryRule(return_min=0.0, return_max=1.0, min_episodes=2)
+    better, deployed = ArmStats(), ArmStats()
+    for x in [1.0] * 500:
+        better.add(x, 0.0, 1.0)
+    for x in [0.0] * 499 + [50.0]:  # one deployed return far above the range
+        deployed.add(x, 0.0, 1.0)
+    v = judge(better, deployed, rule, 10.0)
+    assert v.low > 0 and v.decision == "continue"
+    deployed.above = 0
+    assert judge(better, deployed, rule, 10.0).decision == "promote"
+
+
+@pytest.mark.parametrize("stated_s", [30 * 365 * 86400.0, 6 * 86400.0])
+def test_an_episode_stating_a_huge_length_cannot_stall_the_canary(tmp_path, stated_s):
+    """One deployed-arm episode whose end its producer stamped years (or days, within the longest
+    canary) after its start: the cohort rule waits for the longest episode seen, so no episode
+    counted and the limits, counted from the cohort's end, never fired -- the canary stayed
+    undecided forever. An episode longer than a canary may run is not trusted as the longest, and
+    the limits count on the wall clock: the worse canary is rolled back within a day."""
+    from rlrec.store.commit import ShardCommitter
+    from rlrec.trainer.rollout import CanaryRun
+
+    uri = str(tmp_path / "store")
+    committer = ShardCommitter(uri)
+    committer.claim()
+    t0 = 1_000_000.0
+    rng = np.random.default_rng(0)
+    eps = []
+    for i in range(3000):
+        eid = f"e{i}"
+        canary = in_canary(eid, 0.2)
+        ret = float(np.clip(rng.normal(0.0 if canary else 1.0, 0.3), -2.0, 3.0))  # canary clearly worse
+        eps.append(_episode(2 if canary else 1, [ret], int(t0 * 1000) + i * 100, eid, 2, share=0.2))
+    eid = next(f"x{i}" for i in range(1000) if not in_canary(f"x{i}", 0.2) and canary_score(f"x{i}") >= 0.5)
+    slow = _episode(1, [1.0], int(t0 * 1000) + 5, eid, 2, share=0.2)
+    eps.append(dataclasses.replace(slow, ended_ms=slow.started_ms + int(stated_s * 1000)))
+    committer.commit(eps)
+    run = CanaryRun(
+        version=2, base_version=1, started=t0, gamma=1.0, rule=CanaryRule(return_min=-2.0, return_max=3.0, share=0.2)
+    )
+    decisions = [run.look(uri, now=t0 + days * 86400).decision for days in (0.1, 1.0)]
+    assert decisions[-1] == "rollback", decisions
+
+
+def test_without_a_stated_episode_length_the_cohort_waits_twice_the_longest_history_episode(tmp_path):
+    """The deployed version's episodes sometimes run to a 1-hour time limit: without
+    --canary-episode-max-s the test waits twice the longest episode before the start (7200 s, kept
+    in the checkpoint), not a fixed 900 s that would count the fast episodes before the slow ones
+    end; with no history it waits the floor, 900 s."""
+    import time
+
+    from rlrec.store.commit import ShardCommitter
+    from rlrec.trainer.rollout import CanaryRun
+    from rlrec.trainer.sequential import EPISODE_MAX_S_FLOOR
+
+    uri = str(tmp_path / "store")
+    committer = ShardCommitter(uri)
+    committer.claim()
+    now_ms = int(time.time() * 1000)
+    history = []
+    for i in range(40):
+        ep = _episode(1, [1.0], now_ms - 4_000_000 + i, f"h{i}")
+        length_ms = 3_600_000 if i % 10 == 0 else 60_000
+        history.append(dataclasses.replace(ep, ended_ms=ep.started_ms + length_ms))
+    committer.commit(history)
+    t0 = time.time() + 1.0
+    rule = CanaryRule(return_min=0.0, return_max=2.0)
+    run = CanaryRun(version=2, base_version=1, started=t0, gamma=1.0, rule=rule)
+    run.look(uri, now=t0 + 10)
+    assert run.rule.episode_max_s == pytest.approx(7200.0, abs=1.0)
+    assert CanaryRun.from_state(run.to_state()).rule.episode_max_s == run.rule.episode_max_s
+    assert run.cohort_end(t0 + 8000) == pytest.approx(t0 + 800, abs=1.0)
+
+    ShardCommitter(str(tmp_path / "none")).claim()  # a store with no episodes yet
+    empty = CanaryRun(version=2, base_version=1, started=t0, gamma=1.0, rule=rule)
+    empty.look(str(tmp_path / "none"), now=t0 + 10)
+    assert empty.rule.episode_max_s == EPISODE_MAX_S_FLOOR

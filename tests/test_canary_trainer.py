@@ -35,22 +35,26 @@ CANARY_KW = {
     "canary_max_episodes": 400,
     "canary_max_wait_s": 3600.0,
     "canary_look_interval_s": 0.0,
-    "canary_return_min": -3.5,  # every return these tests serve lies in it (the test's stated range)
-    "canary_return_max": 2.5,
+    "canary_return_min": -3.5,  # every return `_serve` serves lies in it (the test's stated range)
+    "canary_return_max": 3.5,
     "canary_episode_max_s": 0.0,  # these tests' episodes end at once
+    "canary_share": 0.5,  # what `_serve` serves
 }
 
 
-def _serve(committer, started: float, versions: dict[int, float], n: int, seed: int, share: float = 0.3) -> None:
+def _serve(committer, started: float, versions: dict[int, float], n: int, seed: int, share: float = 0.5) -> None:
     """`n` episodes as services that opt in with `share` log them: each episode's version by the
-    canary hash (its assignment logged in the reset info), its return drawn around the version's mean."""
+    canary hash (its assignment logged in the reset info), its return drawn uniformly within 0.5 of
+    the version's mean (within the stated range of `CANARY_KW` for means in [-3, 3])."""
     rng = np.random.default_rng(seed)
     (canary_v, canary_mean), (base_v, base_mean) = sorted(versions.items(), reverse=True)
     eps = []
     for i in range(n):
         eid = f"s{seed}-e{i}"
         v, mean = (canary_v, canary_mean) if in_canary(eid, share) else (base_v, base_mean)
-        eps.append(_episode(v, [float(rng.normal(mean, 1.0))], int(started * 1000) + 1, eid, canary_v, share))
+        eps.append(
+            _episode(v, [float(rng.uniform(mean - 0.5, mean + 0.5))], int(started * 1000) + 1, eid, canary_v, share)
+        )
     committer.commit(eps)
 
 

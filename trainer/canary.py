@@ -16,8 +16,15 @@ Any reader can recompute it::
 A service that opts in logs each episode's assignment in the episode's reset info
 (`Assignment.info`, under `ASSIGNMENT_KEY`: the canary version, the arm and the fraction); the
 trainer counts as evidence only episodes whose logged assignment is the running canary's and
-agrees with this hash (`read_assignment`): the two arms are then exactly the randomized split
-of the services that opted in, never the traffic of services that did not.
+agrees with this hash (`read_assignment`), never the traffic of services that did not opt in.
+Services may opt in at different fractions (a cautious one at 0.01, a bold one at 0.2) or ramp
+theirs: pooled as served, the canary arm would hold mostly the bold service's traffic and the
+deployed arm mostly the cautious one's. So the test counts a fixed band of the score for each arm
+(`in_test_band`): canary episodes with a score below the test's share g (``rlrec train
+--canary-share``), deployed episodes with a score at or above `SHARE_MAX`, of services serving a
+fraction f with g <= f <= `SHARE_MAX`. Every such service and period then gives the same share g
+of its episodes to the canary arm and 1 - `SHARE_MAX` to the deployed arm: the two arms are a
+randomized split of one population again.
 
 Standard library only.
 """
@@ -29,10 +36,12 @@ import hashlib
 __all__ = [
     "ASSIGNMENT_KEY",
     "CANARY_SALT",
+    "SHARE_MAX",
     "assignment_info",
     "canary_score",
     "check_canary_fraction",
     "in_canary",
+    "in_test_band",
     "read_assignment",
 ]
 
@@ -41,6 +50,9 @@ ASSIGNMENT_KEY = "rlrec_canary"
 
 #: prefixed to the episode id before hashing (the holdout split hashes the bare id)
 CANARY_SALT = b"rlrec-canary:"
+
+#: the largest canary fraction whose episodes are evidence; deployed episodes count from this score
+SHARE_MAX = 0.5
 
 
 def canary_score(episode_id: str) -> float:
@@ -105,14 +117,14 @@ def assignment_info(canary_version: int, fraction: float, canary: bool) -> dict:
     }
 
 
-def read_assignment(info: object, episode_id: str) -> tuple[int, bool] | None:
-    """``(canary_version, in the canary arm)`` an episode's reset `info` logs, None when it logs
-    none or one that the hash of `episode_id` contradicts (not a randomized assignment).
+def read_assignment(info: object, episode_id: str) -> tuple[int, bool, float] | None:
+    """``(canary_version, in the canary arm, fraction)`` an episode's reset `info` logs, None when
+    it logs none or one that the hash of `episode_id` contradicts (not a randomized assignment).
 
     Example:
         >>> eid = next(f"e{i}" for i in range(100) if not in_canary(f"e{i}", 0.2))
         >>> read_assignment(assignment_info(5, 0.2, False), eid)
-        (5, False)
+        (5, False, 0.2)
         >>> read_assignment(assignment_info(5, 0.2, True), eid) is None
         True
     """
@@ -129,4 +141,29 @@ def read_assignment(info: object, episode_id: str) -> tuple[int, bool] | None:
     canary = a["arm"] == "canary"
     if in_canary(episode_id, float(fraction)) != canary:
         return None
-    return version, canary
+    return version, canary, float(fraction)
+
+
+def in_test_band(episode_id: str, canary: bool, fraction: float, share: float) -> bool:
+    """Whether an episode a service assigned at `fraction` to the canary arm (`canary`) or the
+    deployed one is evidence of a test at `share` (module docstring): the service's fraction lies
+    in ``[share, SHARE_MAX]`` and the episode's score below `share` (canary) or at or above
+    `SHARE_MAX` (deployed).
+
+    Args:
+        episode_id: the episode id.
+        canary: the arm the service logged (it agrees with the hash: `read_assignment`).
+        fraction: the fraction the service logged.
+        share: the test's share g.
+
+    Example:
+        >>> eid = next(f"e{i}" for i in range(1000) if 0.05 <= canary_score(f"e{i}") < 0.2)
+        >>> in_test_band(eid, True, 0.2, 0.05)  # served the canary, but above the test's share
+        False
+        >>> in_test_band(eid, True, 0.2, 0.2), in_test_band(eid, True, 0.01, 0.01)  # f=0.01: not served it
+        (True, False)
+    """
+    if not share <= fraction <= SHARE_MAX:
+        return False
+    score = canary_score(episode_id)
+    return score < share if canary else score >= SHARE_MAX

@@ -6,7 +6,9 @@ episodes decoded without unpickling) and keeps, of each new episode shard, the e
 with the canary version or the base (deployed) version whose ``started_ms`` (the producer's
 clock at the episode's start) is at or after the canary's start, and that log this canary's
 randomized assignment to that version's arm in their reset info (`rlrec.trainer.canary.
-read_assignment`; services that did not opt in log none and are no evidence). Each arm's statistic is the
+read_assignment`; services that did not opt in log none and are no evidence), in the test's band of
+the score (`rlrec.trainer.canary.in_test_band`: services at different fractions give the
+arms the same shares). Each arm's statistic is the
 mean discounted return ``sum_t gamma^t r_t``, each return clipped into the test's range (counted).
 Shards read once; a shard that cannot be read is skipped with an error line (its episodes are no
 evidence). Tabular shards are not read. `history_range` fixes a range from the episodes committed
@@ -59,6 +61,8 @@ class CanaryEvidence:
         started: the canary's start (UNIX time).
         gamma: the discount.
         policy_id: only shards of this policy id.
+        share: the test's share g: only episodes in its band count
+            (`rlrec.trainer.canary.in_test_band`; the others are counted in `outside_share`).
 
     Example:
         >>> ev = CanaryEvidence("/data/exp", version=5, base_version=4, started=t0, gamma=0.99)  # doctest: +SKIP
@@ -74,6 +78,7 @@ class CanaryEvidence:
         started: float,
         gamma: float,
         policy_id: str | None = None,
+        share: float = 0.05,
     ) -> None:
         self.storage = input_uri if isinstance(input_uri, Storage) else Storage.from_uri(str(input_uri))
         self.version = int(version)
@@ -85,13 +90,33 @@ class CanaryEvidence:
         self._episodes: dict[str, tuple[int, int, float]] = {}  # episode id: (version, started_ms, return)
         self.longest_s = 0.0  # the longest episode of either arm read so far (start to end)
         self._bad: set[str] = set()
+        self._history_read: tuple[list[float], float] | None = None
         self.shards_skipped = 0
         self.unassigned = 0  # episodes of either version without this canary's logged assignment
+        self.share = float(share)
+        self.outside_share = 0  # assigned episodes outside the test's band (a service's fraction, the score)
+        self.overlong = 0  # episodes whose stated duration exceeds the cap `refresh` was given
 
     def history_range(self, widen: float = 0.25) -> tuple[float, float, int] | None:
         """``(low, high, episodes)``: the range of the discounted returns of this policy id's
         episodes (any version) in the newest `HISTORY_SHARDS` shards committed before the start,
         widened by `widen` of its span on each side; None with fewer than `MIN_HISTORY` episodes."""
+        returns, _longest = self._history()
+        if len(returns) < MIN_HISTORY:
+            return None
+        lo, hi = min(returns), max(returns)
+        pad = widen * (hi - lo) if hi > lo else max(1.0, abs(lo))
+        return lo - pad, hi + pad, len(returns)
+
+    def history_longest_s(self) -> float:
+        """The longest of the same episodes, from its start to its end (clamped to its shard's
+        commit time), in seconds; 0.0 without any."""
+        return self._history()[1]
+
+    def _history(self) -> tuple[list[float], float]:
+        """(returns, longest duration in s) of the history episodes (`history_range`), read once."""
+        if self._history_read is not None:
+            return self._history_read
         from rlrec.store.snapshot import open_snapshot
 
         snap = open_snapshot(self.storage)
@@ -105,17 +130,16 @@ class CanaryEvidence:
         ]
         before.sort(key=lambda e: e.commit_time)
         returns: list[float] = []
+        longest_ms = 0
         for e in before[-HISTORY_SHARDS:]:
             try:
                 for values in self._read(e, history=True).values():
                     returns.extend(x for _e, _s, _d, x in values)
+                    longest_ms = max([longest_ms, *(d for _e, _s, d, _x in values)])
             except (FileNotFoundError, ValueError) as err:
                 log.warning("shard %s cannot be read for the canary's return range (%s)", e.path, err)
-        if len(returns) < MIN_HISTORY:
-            return None
-        lo, hi = min(returns), max(returns)
-        pad = widen * (hi - lo) if hi > lo else max(1.0, abs(lo))
-        return lo - pad, hi + pad, len(returns)
+        self._history_read = (returns, longest_ms / 1000.0)
+        return self._history_read
 
     def refresh(
         self,
@@ -123,6 +147,7 @@ class CanaryEvidence:
         high: float | None = None,
         now: float | None = None,
         episode_max_s: float = 0.0,
+        longest_cap_s: float = float("inf"),
     ) -> tuple[ArmStats, ArmStats]:
         """Read the shards committed since the last call; (canary, deployed) over every episode
         read so far, each counted once by its episode id (a shard compacted into a merged one
@@ -135,6 +160,9 @@ class CanaryEvidence:
             now: with it, count only episodes that started by ``now - max(episode_max_s,
                 longest_s)``: a cohort whose episodes have all ended and been committed.
             episode_max_s: the longest an episode takes from its start to its committed shard.
+            longest_cap_s: an episode that took longer (by its producer's clocks, its end
+                clamped to its shard's commit time) does not widen the cohort rule (`longest_s`):
+                it is counted in `overlong` and logged, not trusted.
         """
         from rlrec.store.snapshot import open_snapshot
 
@@ -160,6 +188,17 @@ class CanaryEvidence:
             for v, episodes in by_version.items():
                 for eid, start, duration, x in episodes:
                     self._episodes.setdefault(eid, (v, start, x))
+                    if duration / 1000.0 > longest_cap_s:
+                        self.overlong += 1
+                        log.warning(
+                            "episode %s of v%d took %.0fs by its producer's clock, longer than a canary may run "
+                            "(%.0fs): not trusted as the longest episode",
+                            eid,
+                            v,
+                            duration / 1000.0,
+                            longest_cap_s,
+                        )
+                        continue
                     self.longest_s = max(self.longest_s, duration / 1000.0)
         arms = {self.version: ArmStats(), self.base_version: ArmStats()}
         end_ms = None if now is None else (now - max(episode_max_s, self.longest_s)) * 1000.0
@@ -168,18 +207,23 @@ class CanaryEvidence:
                 arms[v].add(x, low, high)
         return arms[self.version], arms[self.base_version]
 
-    def _assigned(self, ep: Any, version: int) -> bool:
-        """Whether `ep` logs this canary's randomized assignment to the arm of `version`."""
-        from rlrec.trainer.canary import read_assignment
+    def _assigned(self, ep: Any, version: int) -> bool | None:
+        """Whether `ep` logs this canary's randomized assignment to the arm of `version`, in the
+        test's band (False, counted in `outside_share`, when outside it); None when it logs no
+        such assignment."""
+        from rlrec.trainer.canary import in_test_band, read_assignment
 
         try:
             info = ep.get_infos(0)
         except (IndexError, KeyError, TypeError):
-            return False
+            return None
         got = read_assignment(info, str(ep.id_))
-        if got is None or got[0] != self.version:
+        if got is None or got[0] != self.version or got[1] != (version == self.version):
+            return None
+        if not in_test_band(str(ep.id_), got[1], got[2], self.share):
+            self.outside_share += 1
             return False
-        return got[1] == (version == self.version)
+        return True
 
     def _read(self, entry: Any, history: bool = False) -> dict[int, list[tuple[str, int, int, float]]]:
         """Of each kept episode: (episode id, started_ms, duration_ms, discounted return), by version."""
@@ -206,11 +250,17 @@ class CanaryEvidence:
             except EpisodeDecodeError as err:
                 log.debug("undecodable episode in %s: %s", entry.path, err)
                 continue
-            if not history and not self._assigned(ep, int(v)):
-                self.unassigned += 1
-                continue
+            if not history:
+                assigned = self._assigned(ep, int(v))
+                if assigned is None:
+                    self.unassigned += 1
+                if not assigned:
+                    continue
             start = int(s) if s is not None else 0
-            duration = max(0, int(ends[i]) - start) if ends[i] is not None and s is not None else 0
+            end = ends[i]
+            if end is not None and entry.commit_time:
+                end = min(int(end), int(entry.commit_time * 1000))  # it cannot end after its shard's commit
+            duration = max(0, int(end) - start) if end is not None and s is not None else 0
             ret = discounted_return(ep.get_rewards(), self.gamma)
             out.setdefault(int(v), []).append((str(ep.id_), start, duration, ret))
         return out

@@ -297,8 +297,15 @@ class TrainerConfig:
     canary_unjudged: bool = option(
         False,
         help="with --rollout canary and --promotion-gate ope: put on canary a candidate the offline gate "
-        "declined to judge (its estimate not valid, e.g. too little overlap) instead of dropping it; a "
-        "candidate the gate judged worse is never put on canary",
+        "declined to judge (a refusal code with judged false, e.g. too little overlap; not 'failed') instead "
+        "of dropping it; a candidate the gate judged worse is never put on canary",
+    )
+    canary_share: float = option(
+        0.05,
+        help="with --rollout canary: the test's share g of each service's episodes: it counts canary episodes "
+        "whose score is below g and deployed ones whose score is at least 0.5, of services serving a "
+        "canary_fraction between g and 0.5 (so services at different fractions give both arms the same shares); "
+        "set it to the smallest canary_fraction your services serve",
     )
     canary_alpha: float = option(
         0.05, help="with --rollout canary: error probability of the canary's test, however often it is checked"
@@ -323,17 +330,20 @@ class TrainerConfig:
     canary_return_min: float | None = option(
         None,
         help="with --rollout canary: the least discounted return an episode can have (with --canary-return-max: "
-        "the test's range; returns outside it are clipped and counted). Default: the range of the episodes "
+        "the test's range; a canary return below it rolls the canary back, a deployed return above it forbids a "
+        "promotion, other returns outside it are clipped and counted). Default: the range of the episodes "
         "before the canary started, widened by a quarter of it on each side",
     )
     canary_return_max: float | None = option(
         None, help="with --rollout canary: the greatest discounted return an episode can have (see --canary-return-min)"
     )
-    canary_episode_max_s: float = option(
-        900.0,
+    canary_episode_max_s: float | None = option(
+        None,
         help="with --rollout canary: the longest an episode takes from its start until its shard is committed; "
         "the test counts only episodes that started at least this long ago (a complete cohort, so slow episodes "
-        "-- often the failures -- are not missing from it) and its wall-clock limit counts from there",
+        "-- often the failures -- are not missing from it) and its wait for traffic counts from there. Default: "
+        "twice the longest episode before the canary started, at least 900 s; state your episodes' time limit "
+        "plus the consumer's commit delay",
     )
     canary_max_duration_s: float = option(
         7 * 86400.0, help="with --rollout canary: roll back a canary still undecided this long after it started"
@@ -509,6 +519,7 @@ class TrainerConfig:
             return_max=self.canary_return_max,
             episode_max_s=self.canary_episode_max_s,
             max_duration_s=self.canary_max_duration_s,
+            share=self.canary_share,
         )
 
     def feed_policy(self) -> FeedPolicy:

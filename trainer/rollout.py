@@ -16,8 +16,9 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from rlrec.trainer.canary import SHARE_MAX
 from rlrec.trainer.canary_evidence import MIN_HISTORY
-from rlrec.trainer.sequential import CanaryRule, Verdict, judge
+from rlrec.trainer.sequential import EPISODE_MAX_S_FLOOR, CanaryRule, Verdict, judge
 
 log = logging.getLogger("rlrec.trainer")
 
@@ -47,6 +48,7 @@ class CanaryRun:
     canary_grew: float | None = None  # when a look last found more canary episodes (UNIX time)
     _evidence: Any = field(default=None, repr=False, compare=False)
     _warned_long: bool = field(default=False, repr=False, compare=False)
+    _warned_share: bool = field(default=False, repr=False, compare=False)
 
     def to_state(self) -> dict:
         """JSON-able (the trainer checkpoint's ``canary``)."""
@@ -97,12 +99,19 @@ class CanaryRun:
                 started=self.started,
                 gamma=self.gamma,
                 policy_id=policy_id,
+                share=self.rule.share,
             )
+        if self.rule.episode_max_s is None:
+            self._fix_episode_max()
         if not self.rule.has_range:
             self._fix_range()
         now = time.time() if now is None else now
         canary, deployed = self._evidence.refresh(
-            self.rule.return_min, self.rule.return_max, now=now, episode_max_s=self.rule.episode_max_s
+            self.rule.return_min,
+            self.rule.return_max,
+            now=now,
+            episode_max_s=self.rule.episode_max_s,
+            longest_cap_s=self.rule.max_duration_s,
         )
         if self._evidence.longest_s > self.rule.episode_max_s and not self._warned_long:
             self._warned_long = True
@@ -113,12 +122,25 @@ class CanaryRun:
                 self._evidence.longest_s,
                 self.rule.episode_max_s,
             )
+        if self._evidence.outside_share and not self._warned_share:
+            self._warned_share = True
+            log.warning(
+                "canary v%d: %d assigned episodes lie outside the test's band and are not counted: services must "
+                "serve a canary_fraction between --canary-share %g and %g",
+                self.version,
+                self._evidence.outside_share,
+                self.rule.share,
+                SHARE_MAX,
+            )
         last = self.history[-1] if self.history else None
         if canary.n and (last is None or canary.n > last["n_canary"]):
             self.canary_grew = now
-        elapsed = max(0.0, self.cohort_end(now) - self.started)
+        # the limits count on the wall clock from the start (the wait from the stated cohort end),
+        # never from the cohort the evidence allows: an episode's stated length cannot stall them
+        age = max(0.0, now - self.started)
+        elapsed = max(0.0, age - self.rule.episode_max_s)
         idle = elapsed if self.canary_grew is None else max(0.0, now - self.canary_grew)
-        verdict = judge(canary, deployed, self.rule, elapsed, idle)
+        verdict = judge(canary, deployed, self.rule, elapsed, idle, age_s=age)
         if last is None or (last["n_canary"], last["n_deployed"]) != (canary.n, deployed.n):
             self.history.append(
                 {
@@ -140,7 +162,23 @@ class CanaryRun:
         then has ended and been committed (``rule.episode_max_s``, or the longest episode seen
         when longer), so the evidence is a complete cohort, never the fast episodes first."""
         longest = self._evidence.longest_s if self._evidence is not None else 0.0
-        return now - max(self.rule.episode_max_s, longest)
+        return now - max(self.rule.episode_max_s or 0.0, longest)
+
+    def _fix_episode_max(self) -> None:
+        """A test without a stated longest episode takes twice the longest of the episodes
+        before the start (start to commit), at least `EPISODE_MAX_S_FLOOR` (fixed before any
+        canary evidence is seen, kept in the checkpoint)."""
+        longest = self._evidence.history_longest_s()
+        self.rule = replace(self.rule, episode_max_s=round(max(EPISODE_MAX_S_FLOOR, 2.0 * longest), 3))
+        log.warning(
+            "canary v%d: episodes are taken to end and be committed within %.0fs of their start (twice the longest "
+            "before its start, %.0fs, at least %.0fs): the test counts only episodes that started that long ago; "
+            "state your episodes' time limit plus the consumer's commit delay with --canary-episode-max-s",
+            self.version,
+            self.rule.episode_max_s,
+            longest,
+            EPISODE_MAX_S_FLOOR,
+        )
 
     def _fix_range(self) -> None:
         """A test without a stated return range takes one from the episodes before the start
@@ -177,7 +215,14 @@ class CanaryRun:
             "gamma": self.gamma,
             "rule": self.rule.to_dict(),
             **verdict.to_dict(),
+            **self.evidence_counts(),
         }
+
+    def evidence_counts(self) -> dict:
+        """Episodes read but not counted: without this canary's assignment (``unassigned``),
+        outside the test's band (``outside_share``), with a stated length not trusted (``overlong``)."""
+        ev = self._evidence
+        return {k: getattr(ev, k, 0) if ev is not None else 0 for k in ("unassigned", "outside_share", "overlong")}
 
 
 def gate_declined(decision: dict) -> bool:

@@ -2,7 +2,10 @@
 
 Returns are bounded: each arm's discounted returns are clipped into a stated range
 ``[return_min, return_max]`` (``--canary-return-min/--canary-return-max``, or fixed from the
-episodes before the canary started, `CanaryRun`), and a variable in a range of width ``w`` is
+episodes before the canary started, `CanaryRun`). The bound is about the clipped returns, so a
+clip in the canary's favour voids it: a canary return below the range rolls the canary back at
+once (unless the deployed arm had one too), and a deployed return above it forbids a promotion.
+Clips the other way only make a promotion harder. With the range, a variable in a range of width ``w`` is
 sub-Gaussian with variance proxy ``(w / 2)**2`` (Hoeffding's lemma). Each arm's mean then gets the
 time-uniform normal-mixture confidence sequence of Robbins for sub-Gaussian increments (Howard,
 Ramdas, McAuliffe and Sekhon 2021, "Time-uniform, nonparametric, nonasymptotic confidence
@@ -37,7 +40,10 @@ from typing import Any
 
 import numpy as np
 
+from rlrec.trainer.canary import SHARE_MAX
+
 __all__ = [
+    "EPISODE_MAX_S_FLOOR",
     "NO_TRAFFIC",
     "ArmStats",
     "CanaryRule",
@@ -47,6 +53,9 @@ __all__ = [
     "difference_interval",
     "judge",
 ]
+
+#: the least `CanaryRule.episode_max_s` taken from the history when none is stated
+EPISODE_MAX_S_FLOOR = 900.0
 
 #: what a canary rolled back for lack of episodes says (loudly)
 NO_TRAFFIC = "no canary traffic: services must opt in with canary_fraction"
@@ -68,11 +77,17 @@ class ArmStats:
     mean: float = 0.0
     m2: float = 0.0
     clipped: int = 0  # returns outside the rule's range, counted at the nearest end
+    below: int = 0  # of those, below the range's minimum
+    above: int = 0  # of those, above its maximum
+    least: float | None = None  # the least return added, before clipping
 
     def add(self, x: float, lo: float | None = None, hi: float | None = None) -> None:
-        """Add one return (clipped into ``[lo, hi]`` when given; each clip is counted)."""
+        """Add one return (clipped into ``[lo, hi]`` when given; each clip is counted, by side)."""
         x = float(x)
+        self.least = x if self.least is None else min(self.least, x)
         if lo is not None and hi is not None and not lo <= x <= hi:
+            self.below += x < lo
+            self.above += x > hi
             x = min(max(x, lo), hi)
             self.clipped += 1
         self.n += 1
@@ -140,7 +155,9 @@ class CanaryRule:
         episode_max_s: the longest an episode takes from its start until its shard is
             committed: a look at time t counts only the episodes that started by
             ``t - episode_max_s`` (a complete cohort: slow episodes, often the failures, are
-            not missing from it), and the wall-clock limit counts from that cohort's end.
+            not missing from it), and the wait for traffic counts from ``start + episode_max_s``.
+            None: fixed at the first look (`rlrec.trainer.rollout.CanaryRun`) to twice the
+            longest episode before the start, at least `EPISODE_MAX_S_FLOOR`.
         margin: promote when the lower bound of canary - deployed is at least ``-margin``.
         min_episodes: no decision on the bound before this many episodes in each arm.
         max_exposure: roll back undecided once the canary served this many episodes.
@@ -148,6 +165,7 @@ class CanaryRule:
             both arms have them, without a new canary episode (its traffic stopped).
         max_duration_s: roll back a canary still undecided this long after its start.
         n_opt: episodes per arm where the bound is tightest.
+        share: the test's share g of each service's episodes (`rlrec.trainer.canary.in_test_band`).
     """
 
     alpha: float = 0.05
@@ -158,8 +176,9 @@ class CanaryRule:
     n_opt: float = 200.0
     return_min: float | None = None
     return_max: float | None = None
-    episode_max_s: float = 900.0
+    episode_max_s: float | None = None
     max_duration_s: float = 7 * 86400.0
+    share: float = 0.05
 
     @property
     def has_range(self) -> bool:
@@ -188,10 +207,12 @@ class CanaryRule:
             )
         if not self.max_wait_s > 0:
             raise ValueError(f"the canary's wall-clock limit must be > 0, got {self.max_wait_s!r}")
-        if not (self.episode_max_s >= 0 and math.isfinite(self.episode_max_s)):
+        if self.episode_max_s is not None and not (self.episode_max_s >= 0 and math.isfinite(self.episode_max_s)):
             raise ValueError(f"the canary's longest episode must be >= 0 seconds, got {self.episode_max_s!r}")
         if not self.max_duration_s > 0:
             raise ValueError(f"the canary's longest duration must be > 0, got {self.max_duration_s!r}")
+        if not 0.0 < self.share <= SHARE_MAX:
+            raise ValueError(f"the canary's test share must be in (0, {SHARE_MAX:g}], got {self.share!r}")
         if not self.n_opt > 0:
             raise ValueError(f"n_opt must be > 0, got {self.n_opt!r}")
 
@@ -230,6 +251,8 @@ class Verdict:
             "high": self.high,
             "clipped_canary": self.canary.clipped,
             "clipped_deployed": self.deployed.clipped,
+            "below_range_canary": self.canary.below,
+            "above_range_deployed": self.deployed.above,
         }
 
 
@@ -266,7 +289,12 @@ def difference_bounds(canary: ArmStats, deployed: ArmStats, rule: CanaryRule) ->
 
 
 def judge(
-    canary: ArmStats, deployed: ArmStats, rule: CanaryRule, elapsed_s: float, idle_s: float | None = None
+    canary: ArmStats,
+    deployed: ArmStats,
+    rule: CanaryRule,
+    elapsed_s: float,
+    idle_s: float | None = None,
+    age_s: float | None = None,
 ) -> Verdict:
     """Decide a canary from its arms so far (module docstring; the bound first, then the limits).
 
@@ -274,8 +302,9 @@ def judge(
         canary: the canary version's discounted returns.
         deployed: the deployed version's, over the same time.
         rule: the rule.
-        elapsed_s: seconds since the canary started.
+        elapsed_s: seconds the canary has waited for traffic (`max_wait_s`).
         idle_s: seconds since the canary arm last grew (None: as long as `elapsed_s`).
+        age_s: seconds since the canary started (`max_duration_s`; None: `elapsed_s`).
 
     Example:
         >>> rule = CanaryRule(return_min=-1.0, return_max=3.0)
@@ -293,7 +322,17 @@ def judge(
     def verdict(decision: str, reason: str) -> Verdict:
         return Verdict(decision, reason, canary, deployed, low, high)
 
-    if enough and low is not None and low >= -rule.margin:  # within the margin: promoted even if below 0
+    if canary.below and not deployed.below:
+        return verdict(
+            "rollback",
+            f"the canary returned {canary.least:.4g}, below the test's range [{rule.return_min:.4g}, "
+            f"{rule.return_max:.4g}] ({canary.below} such episodes), and the deployed version never did: the "
+            "bound does not hold for it",
+        )
+    # a canary return below the range or a deployed one above it would be clipped in the canary's
+    # favour: the bound no longer holds for the difference, so no promotion (the limits decide)
+    voided = canary.below or deployed.above
+    if enough and low is not None and low >= -rule.margin and not voided:  # within the margin: promoted even if below 0
         return verdict("promote", f"the lower bound {low:.4g} of canary - deployed clears -margin (-{rule.margin:g})")
     if enough and high is not None and high < 0.0:
         return verdict("rollback", f"the upper bound {high:.4g} of canary - deployed is below 0: the canary is worse")
@@ -317,6 +356,6 @@ def judge(
             f"undecided and {NO_TRAFFIC}: no new canary episode in {idle:.0f}s "
             f"({canary.n} canary and {deployed.n} deployed episodes)",
         )
-    if elapsed_s >= rule.max_duration_s:
+    if (elapsed_s if age_s is None else age_s) >= rule.max_duration_s:
         return verdict("rollback", f"undecided after the longest canary duration of {rule.max_duration_s:.0f}s")
     return verdict("continue", "undecided")

@@ -500,7 +500,8 @@ def test_a_trainer_whose_root_was_taken_mid_publication_writes_nothing_more(tmp_
     b_lease = PublishLease(b_raw, ttl_s=30.0, writer="trainer-B")
     b_lease.acquire()
     b_started.set()
-    version = max(highest_version(b_raw, key), highest_reserved(b_raw)) + 1  # as the trainer numbers
+    signed = highest_version(b_raw, key)
+    version = max(signed, highest_reserved(b_raw, signed)) + 1  # as the trainer numbers
     assert version == 2  # A reserved v1 before writing into it
     write_publication(FencedStorage(b_raw, b_lease), publication(version, 2, RUN_B), key)
     thread.join()

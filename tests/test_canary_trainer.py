@@ -489,3 +489,114 @@ def test_canary_unjudged_follows_the_gates_refusal_code(code):
     decision's other fields say (here a verdict that holds, which alone would read as judged)."""
     decision = {"promoted": False, "estimable": True, "gate_verdict": {"ok": True}, "refusal": refusal_record(code)}
     assert gate_declined(decision) is (not REFUSALS[code] and code != "failed")
+
+
+def test_a_replayed_pointer_pair_is_no_canary_base_for_a_fresh_run(tmp_path, setup, monkeypatch):
+    """After v2 was promoted, who can write the root without the key restores the genuine old pair
+    latest.json(v1) + canary.json(v2, base 1): v2's signed canary-ended.json says it was promoted,
+    so a fresh trainer's canary is based on v2 and its rollback republishes v2, never v1."""
+    root = tmp_path / "ckpt" / "policies"
+    kw = {**CANARY_KW, "canary_max_wait_s": 60.0}
+    t = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **kw)
+    t.iteration = 3
+    t.checkpoint()
+    _serve(setup.committer, t.canary.started, {1: 2.0, 0: 0.0}, 300, seed=1)
+    assert t.look_canary()["decision"] == "promote"
+    t.iteration = 6
+    t.checkpoint()  # canary v2 above v1
+    old = {n: (root / n).read_bytes() for n in ("latest.json", "latest.json.sig", "canary.json", "canary.json.sig")}
+    _serve(setup.committer, t.canary.started, {2: 2.0, 1: 0.0}, 300, seed=2)
+    assert t.look_canary()["decision"] == "promote"
+    for name, data in old.items():
+        (root / name).write_bytes(data)
+    fresh = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **kw)
+    fresh.iteration = 3
+    fresh.checkpoint()
+    assert fresh.canary.base_version == 2
+    record = fresh.look_canary(now=fresh.canary.started + 61)
+    assert record["decision"] == "rollback"
+    spec = json.loads((root / f"v{record['deployed_version']:06d}" / "policy.json").read_bytes())
+    assert spec["republished_from"] == 2
+
+
+def test_an_unreadable_canary_json_never_makes_an_undecided_canary_a_base(tmp_path, setup, monkeypatch):
+    """A fresh run finds canary v2 above v1, never decided; reading canary.json fails once while it
+    prepares its candidate. v2 was never deployed: the base stays v1 (services run it), so the
+    rollback of the new canary republishes v1, never the untested v2 to every episode."""
+    from rlrec.trainer import canary_publish
+    from rlrec.trainer.policy import CANARY
+
+    root = tmp_path / "ckpt" / "policies"
+    kw = {**CANARY_KW, "canary_max_wait_s": 60.0}
+    t = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **kw)
+    t.iteration = 3
+    t.checkpoint()
+    _serve(setup.committer, t.canary.started, {1: 2.0, 0: 0.0}, 300, seed=1)
+    assert t.look_canary()["decision"] == "promote"
+    t.iteration = 6
+    t.checkpoint()  # canary v2 above v1; the trainer dies, a fresh run starts
+    real = canary_publish.read_pointer
+
+    def flaky(storage, name=canary_publish.LATEST, signing_key=None):
+        if name == CANARY:
+            raise OSError("503 Slow Down")
+        return real(storage, name, signing_key)
+
+    fresh = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **kw)
+    monkeypatch.setattr(canary_publish, "read_pointer", flaky)
+    fresh.iteration = 3
+    fresh.checkpoint()
+    monkeypatch.setattr(canary_publish, "read_pointer", real)
+    assert fresh.canary.base_version == 1
+    record = fresh.look_canary(now=fresh.canary.started + 61)
+    spec = json.loads((root / f"v{record['deployed_version']:06d}" / "policy.json").read_bytes())
+    assert spec["republished_from"] == 1
+
+
+def test_a_refused_latest_json_does_not_keep_a_rolled_back_canary_served(tmp_path, setup, monkeypatch):
+    """A replayed older latest.json (v1) makes every poll refuse it; the canary pointer is polled
+    all the same, so a canary the trainer rolled back meanwhile is no longer served."""
+    from rlrec.trainer.policy import PolicyLoadError, load_policy
+
+    root = tmp_path / "ckpt" / "policies"
+    t = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **CANARY_KW)
+    t.iteration = 3
+    t.checkpoint()
+    _serve(setup.committer, t.canary.started, {1: 2.0, 0: 0.0}, 300, seed=1)
+    assert t.look_canary()["decision"] == "promote"
+    l1 = {n: (root / n).read_bytes() for n in ("latest.json", "latest.json.sig")}
+    t.iteration = 6
+    t.checkpoint()
+    _serve(setup.committer, t.canary.started, {2: 2.0, 1: 0.0}, 300, seed=2)
+    assert t.look_canary()["decision"] == "promote"
+    t.iteration = 9
+    t.checkpoint()  # canary v3 above v2
+    p = load_policy(str(root), public_key=setup.pub, canary_fraction=0.3)
+    assert (p.policy_version, p.canary_version) == (2, 3)
+    _serve(setup.committer, t.canary.started, {3: -3.0, 2: 0.0}, 300, seed=3)
+    assert t.look_canary()["decision"] == "rollback"
+    for name, data in l1.items():
+        (root / name).write_bytes(data)
+    with pytest.raises(PolicyLoadError):
+        p.poll()
+    eid = next(f"e{i}" for i in range(100) if in_canary(f"e{i}", 0.3))
+    assert p.canary_version is None and p.for_episode(eid).policy_version == 2
+
+
+def test_an_unsigned_reservation_far_above_the_signed_versions_is_ignored(tmp_path, setup, monkeypatch):
+    """The reservation log is not signed: one file `000000999999` left by who can write the root
+    without the key pushed numbering past 999999, so every rollback and publication failed and
+    the worse canary stayed served. A reservation far above the highest signed version is ignored."""
+    root = tmp_path / "ckpt" / "policies"
+    t = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **CANARY_KW)
+    t.iteration = 3
+    t.checkpoint()
+    _serve(setup.committer, t.canary.started, {1: 2.0, 0: 0.0}, 300, seed=1)
+    assert t.look_canary()["decision"] == "promote"
+    t.iteration = 6
+    t.checkpoint()  # canary v2 above v1
+    (root / "_owners" / "publisher" / "versions" / "000000999999").write_bytes(b"")
+    _serve(setup.committer, t.canary.started, {2: -3.0, 1: 0.0}, 300, seed=2)
+    record = t.look_canary()
+    assert record["decision"] == "rollback" and record["deployed_version"] == 3
+    assert not (root / "canary.json").exists()

@@ -110,8 +110,9 @@ def deployed_version(storage: Storage, signing_key: Any) -> int | None:
 MAX_ABOVE = 64
 
 
-def _rolled_back(storage: Storage, d: str, signing_key: Any) -> bool:
-    """Whether version directory `d` holds this key's signed record of a canary rolled back."""
+def _ended(storage: Storage, d: str, signing_key: Any) -> str | None:
+    """The decision of the canary version directory `d` holds this key's signed record of
+    (``canary-ended.json``: "promote" or "rollback"), None without one."""
     from rlrec.trainer.export import _read_small
 
     rel = f"{d}/{CANARY_ENDED}"
@@ -120,31 +121,44 @@ def _rolled_back(storage: Storage, d: str, signing_key: Any) -> bool:
         verify(signing_key.public_key(), data, _read_small(storage, rel + SIG_SUFFIX, 1024))
         doc = _json(data, rel)
     except (FileNotFoundError, SignatureError, PolicyLoadError):
-        return False
-    return isinstance(doc, dict) and doc.get("decision") == "rollback"
+        return None
+    decision = doc.get("decision") if isinstance(doc, dict) else None
+    return decision if decision in ("promote", "rollback") else None
 
 
 def signed_above(storage: Storage, signing_key: Any, named: int, channel: str | None) -> int:
-    """The highest version above `named` that `signing_key` signed for `channel` and that is
-    neither a rolled-back canary (a signed ``canary-ended.json`` saying so) nor the one
-    ``canary.json`` names: when
-    there is one, a ``latest.json`` naming `named` is a replayed pointer (services refuse it and
-    keep that version). `named` when there is none (or without a key)."""
+    """The highest version above `named` that `signing_key` signed for `channel` and that was
+    deployed: not a rolled-back canary (a signed ``canary-ended.json`` saying so), not the
+    undecided one ``canary.json`` names (a canary whose signed ``canary-ended.json`` exists is
+    decided, whatever a replayed ``canary.json`` says). When ``canary.json`` cannot be read, only
+    versions whose signed ``canary-ended.json`` says "promote" count (an undecided canary is never
+    taken for a deployed version). When there is one, a ``latest.json`` naming `named` is a
+    replayed pointer (services refuse it and keep that version). `named` when there is none (or
+    without a key)."""
     from rlrec.trainer.export import VERSION_DIR_RE, _verified_spec
 
     if signing_key is None:
         return named
+    unreadable = False
     try:
         canary = read_pointer(storage, CANARY, signing_key)
-    except (OSError, PolicyLoadError):
-        canary = None
+    except (OSError, PolicyLoadError) as e:
+        canary, unreadable = None, True
+        log.error(
+            "%s under %s cannot be read (%s): only promoted canaries count as deployed above v%d",
+            CANARY,
+            storage.uri(),
+            e,
+            named,
+        )
     running = None if canary is None else int(canary["policy_version"])
     names = sorted(
         (i.name for i in storage.list("") if i.is_dir and VERSION_DIR_RE.match(i.name) and int(i.name[1:]) > named),
         reverse=True,
     )
     for d in names[:MAX_ABOVE]:
-        if int(d[1:]) == running or _rolled_back(storage, d, signing_key):
+        ended = _ended(storage, d, signing_key)
+        if ended == "rollback" or (ended is None and (unreadable or int(d[1:]) == running)):
             continue
         try:
             _spec_bytes, spec = _verified_spec(storage, d, signing_key)

@@ -421,10 +421,41 @@ def reserve_version(storage: Storage, version: int, token: bytes) -> None:
     raise VersionTaken(f"v{version} is reserved by another publication under {storage.uri()}: not written")
 
 
-def highest_reserved(storage: Storage) -> int:
-    """The highest version number reserved under a publish root (0: none)."""
-    names = [i.name for i in storage.list(RESERVED_DIR) if not i.is_dir]
-    return max((int(n) for n in names if n.isdigit()), default=0)
+#: how far above the highest signed version a reservation is believed (reservations are not
+#: signed: one far above it is junk a key-less writer left, not a publication in flight)
+MAX_RESERVED_AHEAD = 100
+
+
+def highest_reserved(storage: Storage, signed_top: int) -> int:
+    """The highest version number reserved under a publish root at most `MAX_RESERVED_AHEAD`
+    above `signed_top` (the highest version signed there; 0: none). A reservation further above,
+    or a name that is not 12 digits, is logged and ignored: the log is not signed, so it cannot
+    push numbering out of range.
+
+    Example:
+        >>> highest_reserved(storage, highest_version(storage, key))  # doctest: +SKIP
+        7
+    """
+    found, ignored = 0, []
+    for item in storage.list(RESERVED_DIR):
+        name = item.name
+        if item.is_dir or len(name) != 12 or not name.isdigit():
+            continue
+        n = int(name)
+        if n > signed_top + MAX_RESERVED_AHEAD:
+            ignored.append(name)
+        else:
+            found = max(found, n)
+    if ignored:
+        log.error(
+            "reservations %s under %s lie more than %d above the highest signed version v%d: ignored (not written "
+            "by a trainer that publishes here)",
+            ", ".join(sorted(ignored)[:5]),
+            RESERVED_DIR,
+            MAX_RESERVED_AHEAD,
+            signed_top,
+        )
+    return found
 
 
 def _publication_token(pub: Publication) -> bytes:
@@ -706,7 +737,7 @@ def republish_policy(
         if hashlib.sha256(data).hexdigest() != spec["files"][name]:
             raise ValueError(f"{d}/{name} does not match the sha256 in its policy.json")
     top = highest_version(storage, signing_key)
-    new = max(top, highest_reserved(storage)) + 1 if new_version is None else int(new_version)
+    new = max(top, highest_reserved(storage, top)) + 1 if new_version is None else int(new_version)
     if new <= top:
         raise ValueError(f"the new version must be above v{top}, got v{new}")
     nd = version_dir(new)

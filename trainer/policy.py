@@ -1388,7 +1388,12 @@ class Policy:
     def _poll(self) -> bool:
         if self._deployed is None and not self._files.exists(LATEST):
             return self._poll_canary()
-        switched = self._poll_deployed()
+        try:
+            switched = self._poll_deployed()
+        except PolicyLoadError:
+            if self.canary_fraction:  # a refused latest.json never keeps serving a canary the trainer ended
+                self._poll_canary()
+            raise
         if self.canary_fraction:
             switched = self._poll_canary() or switched
         return switched

@@ -864,9 +864,8 @@ class ContinuousTrainer:
         from rlrec.trainer.export import highest_reserved, highest_version
 
         try:
-            present = max(
-                highest_version(self.publish_storage, self.signing_key), highest_reserved(self.publish_storage)
-            )
+            signed = highest_version(self.publish_storage, self.signing_key)
+            present = max(signed, highest_reserved(self.publish_storage, signed))
         except Exception as e:
             log.warning("cannot list the published versions (%s); numbering from v%d", e, self.policy_version)
             present = 0

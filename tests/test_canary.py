@@ -198,6 +198,8 @@ def test_each_assignment_carries_what_to_log_while_a_canary_runs(on_canary, keys
     for eid in (f"e{i}" for i in range(50)):
         a = p.for_episode(eid)
         assert read_assignment(a.info, eid) == (5, a.canary, 0.3)
+        # the canary's identity: the sha256 of its policy.json, as the signed canary.json names it
+        assert a.info["rlrec_canary"]["sha256"] == json.loads((on_canary / "canary.json").read_bytes())["sha256"]
     plain = load_policy(str(on_canary), public_key=keys["public"], channel="prod")  # not opted in
     assert plain.for_episode("e1").info == {}
 

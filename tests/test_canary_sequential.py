@@ -182,9 +182,12 @@ def _arm_id(prefix: str, canary: bool, share: float = 0.5) -> str:
     return next(f"{prefix}-{i}" for i in range(10_000) if in_canary(f"{prefix}-{i}", share) == canary)
 
 
-def _episode(version: int, rewards: list[float], started_ms: int, eid: str, assigned_to=None, share: float = 0.5):
+def _episode(
+    version: int, rewards: list[float], started_ms: int, eid: str, assigned_to=None, share: float = 0.5, sha256=None
+):
     """A finished toy episode; `assigned_to`: the canary version whose assignment (by the hash
-    of `eid` at `share`) it logs in its reset info, as a service that opted in does."""
+    of `eid` at `share`; with the canary's `sha256`) it logs in its reset info, as a service that
+    opted in does."""
     import gymnasium as gym
 
     from rlrec.trainer.synthetic import _episode as make
@@ -205,7 +208,7 @@ def _episode(version: int, rewards: list[float], started_ms: int, eid: str, assi
         episode_id=eid,
     )
     if assigned_to is not None:
-        info = assignment_info(assigned_to, share, in_canary(eid, share))
+        info = assignment_info(assigned_to, share, in_canary(eid, share), sha256)
         ep = dataclasses.replace(ep, infos=[info, *ep.infos[1:]])
     return dataclasses.replace(ep, started_ms=started_ms, ended_ms=started_ms + 10)
 
@@ -534,3 +537,29 @@ def test_without_a_stated_episode_length_the_cohort_waits_twice_the_longest_hist
     empty = CanaryRun(version=2, base_version=1, started=t0, gamma=1.0, rule=rule)
     empty.look(str(tmp_path / "none"), now=t0 + 10)
     assert empty.rule.episode_max_s == EPISODE_MAX_S_FLOOR
+
+
+def test_another_roots_canary_of_the_same_number_is_no_evidence(tmp_path):
+    """Prod's and staging's trainers both reach v2; their services record into one store under one
+    policy id. Only episodes whose logged assignment names this canary's identity (the sha256 of
+    its policy.json) count: staging's better v2 cannot promote prod's worse one."""
+    from rlrec.store.commit import ShardCommitter
+    from rlrec.trainer.canary_evidence import CanaryEvidence
+
+    uri = str(tmp_path / "store")
+    committer = ShardCommitter(uri)
+    committer.claim()
+    t0 = 1_000_000.0
+    prod, staging = "a" * 64, "b" * 64
+    eps = []
+    for i in range(400):
+        for who, sha, bonus in (("p", prod, -0.5), ("s", staging, 1.0)):
+            eid = f"{who}{i}"
+            canary = in_canary(eid, 0.5)
+            ret = 1.0 + (bonus if canary else 0.0)
+            eps.append(_episode(2 if canary else 1, [ret], int(t0 * 1000) + i, eid, 2, 0.5, sha))
+    committer.commit(eps)
+    ev = CanaryEvidence(uri, version=2, base_version=1, started=t0, gamma=0.9, share=0.5, sha256=prod)
+    canary, deployed = ev.refresh(0.0, 3.0)
+    assert canary.n + deployed.n == 400 and ev.unassigned == 400
+    assert canary.mean == pytest.approx(0.5) and deployed.mean == pytest.approx(1.0)

@@ -42,8 +42,9 @@ CANARY_KW = {
 }
 
 
-def _serve(committer, started: float, versions: dict[int, float], n: int, seed: int, share: float = 0.5) -> None:
-    """`n` episodes as services that opt in with `share` log them: each episode's version by the
+def _serve(committer, canary, versions: dict[int, float], n: int, seed: int, share: float = 0.5) -> None:
+    """`n` episodes of the trainer's running `canary` (`CanaryRun`: its start and identity) as
+    services that opt in with `share` log them: each episode's version by the
     canary hash (its assignment logged in the reset info), its return drawn uniformly within 0.5 of
     the version's mean (within the stated range of `CANARY_KW` for means in [-3, 3])."""
     rng = np.random.default_rng(seed)
@@ -52,9 +53,8 @@ def _serve(committer, started: float, versions: dict[int, float], n: int, seed: 
     for i in range(n):
         eid = f"s{seed}-e{i}"
         v, mean = (canary_v, canary_mean) if in_canary(eid, share) else (base_v, base_mean)
-        eps.append(
-            _episode(v, [float(rng.uniform(mean - 0.5, mean + 0.5))], int(started * 1000) + 1, eid, canary_v, share)
-        )
+        ret = [float(rng.uniform(mean - 0.5, mean + 0.5))]
+        eps.append(_episode(v, ret, int(canary.started * 1000) + 1, eid, canary_v, share, canary.sha256))
     committer.commit(eps)
 
 
@@ -87,7 +87,7 @@ def test_a_better_canary_is_promoted_and_a_worse_one_rolled_back(tmp_path, setup
     t.checkpoint()  # no new candidate while the canary runs
     assert t.policy_version == 1 and not (root / "v000002").exists()
 
-    _serve(setup.committer, t.canary.started, {1: 2.0, 0: 0.0}, 300, seed=1)
+    _serve(setup.committer, t.canary, {1: 2.0, 0: 0.0}, 300, seed=1)
     record = t.look_canary()
     assert record["decision"] == "promote" and record["deployed_version"] == 1
     assert record["episodes_canary"] >= 20 and record["low"] >= 0
@@ -103,7 +103,7 @@ def test_a_better_canary_is_promoted_and_a_worse_one_rolled_back(tmp_path, setup
     state = tmp_path / "svc.json"
     p = load_policy(str(root), public_key=setup.pub, state_file=state, canary_fraction=0.3)
     assert (p.policy_version, p.canary_version) == (1, 2)
-    _serve(setup.committer, t.canary.started, {2: -2.0, 1: 0.0}, 300, seed=2)
+    _serve(setup.committer, t.canary, {2: -2.0, 1: 0.0}, 300, seed=2)
     record = t.look_canary()
     assert record["decision"] == "rollback" and "the canary is worse" in record["reason"]
     assert record["deployed_version"] == 3 and t.policy_version == 3
@@ -123,7 +123,7 @@ def test_a_restarted_trainer_continues_the_same_canary_test(tmp_path, setup, mon
     t.iteration = 3
     t.checkpoint()
     started = t.canary.started
-    _serve(setup.committer, started, {1: 0.0, 0: 0.0}, 40, seed=3)
+    _serve(setup.committer, t.canary, {1: 0.0, 0: 0.0}, 40, seed=3)
     assert t.look_canary() is None
     t.iteration = 4
     t.checkpoint()  # the look is in the checkpoint; then the process is killed (no clean stop)
@@ -131,7 +131,7 @@ def test_a_restarted_trainer_continues_the_same_canary_test(tmp_path, setup, mon
     r = _resumed(tmp_path, setup, monkeypatch)
     assert r.canary is not None and r.canary.started == started and r.canary.version == 1
     assert r.canary.history == t.canary.history  # the same test, its looks so far
-    _serve(setup.committer, started, {1: 3.0, 0: 0.0}, 300, seed=4)
+    _serve(setup.committer, r.canary, {1: 3.0, 0: 0.0}, 300, seed=4)
     record = r.look_canary()
     assert record["decision"] == "promote" and record["started"] == started
     assert record["episodes_canary"] + record["episodes_deployed"] == 340  # the evidence from before the kill counts
@@ -147,7 +147,7 @@ def test_no_canary_traffic_rolls_back_loudly(tmp_path, setup, monkeypatch, caplo
     t = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **{**CANARY_KW, "canary_max_wait_s": 60.0})
     t.iteration = 3
     t.checkpoint()
-    _serve(setup.committer, t.canary.started, {1: 0.0, 0: 0.0}, 5, seed=5)
+    _serve(setup.committer, t.canary, {1: 0.0, 0: 0.0}, 5, seed=5)
     record = t.look_canary(now=t.canary.started + 61)
     assert record["decision"] == "rollback"
     assert "no canary traffic: services must opt in with canary_fraction" in caplog.text
@@ -177,7 +177,7 @@ def test_a_decision_the_publish_store_failed_to_carry_out_is_carried_out_later(t
     t = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **CANARY_KW)
     t.iteration = 3
     t.checkpoint()
-    _serve(setup.committer, t.canary.started, {1: 2.0, 0: 0.0}, 300, seed=6)
+    _serve(setup.committer, t.canary, {1: 2.0, 0: 0.0}, 300, seed=6)
     real = canary_publish.end_canary
 
     def down(*a, **kw):
@@ -207,7 +207,7 @@ def test_the_report_plots_both_arms_and_the_bound(tmp_path, setup, monkeypatch):
     started = t.canary.started
     lines = []
     for k in range(12):
-        _serve(setup.committer, started, {1: 2.0, 0: 0.0}, 60, seed=10 + k)
+        _serve(setup.committer, t.canary, {1: 2.0, 0: 0.0}, 60, seed=10 + k)
         record = t.look_canary(now=started + 10 * (k + 1))
         if record is not None:
             lines.append({"time": started + 10 * (k + 1), "canary": record})
@@ -229,11 +229,11 @@ def _two_promotions(tmp_path, setup, monkeypatch, **kw):
     t = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **{**CANARY_KW, **kw})
     t.iteration = 3
     t.checkpoint()
-    _serve(setup.committer, t.canary.started, {1: 2.0, 0: 0.0}, 300, seed=1)
+    _serve(setup.committer, t.canary, {1: 2.0, 0: 0.0}, 300, seed=1)
     assert t.look_canary()["decision"] == "promote"
     t.iteration = 6
     t.checkpoint()
-    _serve(setup.committer, t.canary.started, {2: 2.0, 1: 0.0}, 300, seed=2)
+    _serve(setup.committer, t.canary, {2: 2.0, 1: 0.0}, 300, seed=2)
     assert t.look_canary()["decision"] == "promote"
     return t
 
@@ -247,12 +247,12 @@ def test_a_forged_or_replayed_latest_json_is_no_canary_base(tmp_path, setup, mon
     t = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **{**CANARY_KW, "canary_max_wait_s": 60.0})
     t.iteration = 3
     t.checkpoint()
-    _serve(setup.committer, t.canary.started, {1: 2.0, 0: 0.0}, 300, seed=1)
+    _serve(setup.committer, t.canary, {1: 2.0, 0: 0.0}, 300, seed=1)
     assert t.look_canary()["decision"] == "promote"
     old = {n: (root / n).read_bytes() for n in ("latest.json", "latest.json.sig")}
     t.iteration = 6
     t.checkpoint()
-    _serve(setup.committer, t.canary.started, {2: 2.0, 1: 0.0}, 300, seed=2)
+    _serve(setup.committer, t.canary, {2: 2.0, 1: 0.0}, 300, seed=2)
     assert t.look_canary()["decision"] == "promote"
     if attack == "unsigned":
         doc = json.loads((root / "latest.json").read_bytes())
@@ -280,7 +280,7 @@ def test_an_unreadable_latest_json_after_a_first_rollback_keeps_base_zero(tmp_pa
     t = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **{**CANARY_KW, "canary_max_wait_s": 60.0})
     t.iteration = 3
     t.checkpoint()
-    _serve(setup.committer, t.canary.started, {1: -3.0, 0: 0.0}, 300, seed=1)
+    _serve(setup.committer, t.canary, {1: -3.0, 0: 0.0}, 300, seed=1)
     rec = t.look_canary()
     assert rec["decision"] == "rollback" and rec["deployed_version"] == 0
 
@@ -307,12 +307,12 @@ def test_a_kill_between_the_steps_of_a_promotion_carries_the_same_decision_out_a
     t = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **kw)
     t.iteration = 3
     t.checkpoint()
-    _serve(setup.committer, t.canary.started, {1: 2.0, 0: 0.0}, 300, seed=1)
+    _serve(setup.committer, t.canary, {1: 2.0, 0: 0.0}, 300, seed=1)
     assert t.look_canary()["decision"] == "promote"
     t.iteration = 6
     t.checkpoint()
     started = t.canary.started
-    _serve(setup.committer, started, {2: 2.0, 1: 0.0}, 300, seed=2)
+    _serve(setup.committer, t.canary, {2: 2.0, 1: 0.0}, 300, seed=2)
 
     class Killed(BaseException):
         pass
@@ -348,7 +348,7 @@ def test_an_undecided_canary_whose_traffic_stops_is_rolled_back_and_the_loop_goe
     t.iteration = 3
     t.checkpoint()
     started = t.canary.started
-    _serve(setup.committer, started, {1: 0.0, 0: 0.0}, 150, seed=3)
+    _serve(setup.committer, t.canary, {1: 0.0, 0: 0.0}, 150, seed=3)
     assert t.look_canary(now=started + 10) is None  # undecided
     assert t.canary.history[-1]["n_canary"] >= 20 and t.canary.history[-1]["n_deployed"] >= 20
     assert t.look_canary(now=started + 1800) is None
@@ -381,7 +381,7 @@ def test_a_canary_publication_refused_for_lost_lineage_is_no_canary(tmp_path, se
     t = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **{**CANARY_KW, "canary_max_wait_s": 60.0})
     t.iteration = 3
     t.checkpoint()
-    _serve(setup.committer, t.canary.started, {1: 2.0, 0: 0.0}, 300, seed=1)
+    _serve(setup.committer, t.canary, {1: 2.0, 0: 0.0}, 300, seed=1)
     assert t.look_canary()["decision"] == "promote"
     real = export._check_data_kept
 
@@ -451,7 +451,7 @@ def test_an_unreadable_canary_pointer_at_resume_keeps_the_running_test(tmp_path,
     r = _resumed(tmp_path, setup, monkeypatch)
     monkeypatch.setattr(canary_publish, "read_pointer", real)
     assert r.canary is not None and r.canary.version == 1
-    _serve(setup.committer, r.canary.started, {1: 2.0, 0: 0.0}, 300, seed=8)
+    _serve(setup.committer, r.canary, {1: 2.0, 0: 0.0}, 300, seed=8)
     assert r.look_canary()["decision"] == "promote"
 
 
@@ -463,12 +463,12 @@ def test_a_fresh_run_takes_no_replayed_signed_latest_json_as_its_base(tmp_path, 
     t = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **{**CANARY_KW, "canary_max_wait_s": 60.0})
     t.iteration = 3
     t.checkpoint()
-    _serve(setup.committer, t.canary.started, {1: 2.0, 0: 0.0}, 300, seed=1)
+    _serve(setup.committer, t.canary, {1: 2.0, 0: 0.0}, 300, seed=1)
     assert t.look_canary()["decision"] == "promote"
     old = {n: (root / n).read_bytes() for n in ("latest.json", "latest.json.sig")}
     t.iteration = 6
     t.checkpoint()
-    _serve(setup.committer, t.canary.started, {2: 2.0, 1: 0.0}, 300, seed=2)
+    _serve(setup.committer, t.canary, {2: 2.0, 1: 0.0}, 300, seed=2)
     assert t.look_canary()["decision"] == "promote"
     for name, data in old.items():
         (root / name).write_bytes(data)
@@ -500,12 +500,12 @@ def test_a_replayed_pointer_pair_is_no_canary_base_for_a_fresh_run(tmp_path, set
     t = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **kw)
     t.iteration = 3
     t.checkpoint()
-    _serve(setup.committer, t.canary.started, {1: 2.0, 0: 0.0}, 300, seed=1)
+    _serve(setup.committer, t.canary, {1: 2.0, 0: 0.0}, 300, seed=1)
     assert t.look_canary()["decision"] == "promote"
     t.iteration = 6
     t.checkpoint()  # canary v2 above v1
     old = {n: (root / n).read_bytes() for n in ("latest.json", "latest.json.sig", "canary.json", "canary.json.sig")}
-    _serve(setup.committer, t.canary.started, {2: 2.0, 1: 0.0}, 300, seed=2)
+    _serve(setup.committer, t.canary, {2: 2.0, 1: 0.0}, 300, seed=2)
     assert t.look_canary()["decision"] == "promote"
     for name, data in old.items():
         (root / name).write_bytes(data)
@@ -531,7 +531,7 @@ def test_an_unreadable_canary_json_never_makes_an_undecided_canary_a_base(tmp_pa
     t = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **kw)
     t.iteration = 3
     t.checkpoint()
-    _serve(setup.committer, t.canary.started, {1: 2.0, 0: 0.0}, 300, seed=1)
+    _serve(setup.committer, t.canary, {1: 2.0, 0: 0.0}, 300, seed=1)
     assert t.look_canary()["decision"] == "promote"
     t.iteration = 6
     t.checkpoint()  # canary v2 above v1; the trainer dies, a fresh run starts
@@ -562,18 +562,18 @@ def test_a_refused_latest_json_does_not_keep_a_rolled_back_canary_served(tmp_pat
     t = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **CANARY_KW)
     t.iteration = 3
     t.checkpoint()
-    _serve(setup.committer, t.canary.started, {1: 2.0, 0: 0.0}, 300, seed=1)
+    _serve(setup.committer, t.canary, {1: 2.0, 0: 0.0}, 300, seed=1)
     assert t.look_canary()["decision"] == "promote"
     l1 = {n: (root / n).read_bytes() for n in ("latest.json", "latest.json.sig")}
     t.iteration = 6
     t.checkpoint()
-    _serve(setup.committer, t.canary.started, {2: 2.0, 1: 0.0}, 300, seed=2)
+    _serve(setup.committer, t.canary, {2: 2.0, 1: 0.0}, 300, seed=2)
     assert t.look_canary()["decision"] == "promote"
     t.iteration = 9
     t.checkpoint()  # canary v3 above v2
     p = load_policy(str(root), public_key=setup.pub, canary_fraction=0.3)
     assert (p.policy_version, p.canary_version) == (2, 3)
-    _serve(setup.committer, t.canary.started, {3: -3.0, 2: 0.0}, 300, seed=3)
+    _serve(setup.committer, t.canary, {3: -3.0, 2: 0.0}, 300, seed=3)
     assert t.look_canary()["decision"] == "rollback"
     for name, data in l1.items():
         (root / name).write_bytes(data)
@@ -591,12 +591,12 @@ def test_an_unsigned_reservation_far_above_the_signed_versions_is_ignored(tmp_pa
     t = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **CANARY_KW)
     t.iteration = 3
     t.checkpoint()
-    _serve(setup.committer, t.canary.started, {1: 2.0, 0: 0.0}, 300, seed=1)
+    _serve(setup.committer, t.canary, {1: 2.0, 0: 0.0}, 300, seed=1)
     assert t.look_canary()["decision"] == "promote"
     t.iteration = 6
     t.checkpoint()  # canary v2 above v1
     (root / "_owners" / "publisher" / "versions" / "000000999999").write_bytes(b"")
-    _serve(setup.committer, t.canary.started, {2: -3.0, 1: 0.0}, 300, seed=2)
+    _serve(setup.committer, t.canary, {2: -3.0, 1: 0.0}, 300, seed=2)
     record = t.look_canary()
     assert record["decision"] == "rollback" and record["deployed_version"] == 3
     assert not (root / "canary.json").exists()

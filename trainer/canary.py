@@ -101,20 +101,19 @@ def check_canary_fraction(fraction: float) -> float:
     return f
 
 
-def assignment_info(canary_version: int, fraction: float, canary: bool) -> dict:
-    """The reset-info entry that logs an episode's canary assignment (`Assignment.info`).
+def assignment_info(canary_version: int, fraction: float, canary: bool, sha256: str | None = None) -> dict:
+    """The reset-info entry that logs an episode's canary assignment (`Assignment.info`): with
+    `sha256`, the canary's identity (the sha256 of its signed ``policy.json``, as ``canary.json``
+    names it), so the trainer counts no other root's or channel's canary of the same number.
 
     Example:
         >>> assignment_info(5, 0.2, False)
         {'rlrec_canary': {'version': 5, 'arm': 'deployed', 'fraction': 0.2}}
     """
-    return {
-        ASSIGNMENT_KEY: {
-            "version": int(canary_version),
-            "arm": "canary" if canary else "deployed",
-            "fraction": fraction,
-        }
-    }
+    entry = {"version": int(canary_version), "arm": "canary" if canary else "deployed", "fraction": fraction}
+    if sha256 is not None:
+        entry["sha256"] = sha256
+    return {ASSIGNMENT_KEY: entry}
 
 
 def read_assignment(info: object, episode_id: str) -> tuple[int, bool, float] | None:

@@ -63,6 +63,8 @@ class CanaryEvidence:
         policy_id: only shards of this policy id.
         share: the test's share g: only episodes in its band count
             (`rlrec.trainer.canary.in_test_band`; the others are counted in `outside_share`).
+        sha256: the canary's identity (the sha256 of its ``policy.json``): only episodes whose
+            logged assignment names it count (None: not checked).
 
     Example:
         >>> ev = CanaryEvidence("/data/exp", version=5, base_version=4, started=t0, gamma=0.99)  # doctest: +SKIP
@@ -79,6 +81,7 @@ class CanaryEvidence:
         gamma: float,
         policy_id: str | None = None,
         share: float = 0.05,
+        sha256: str | None = None,
     ) -> None:
         self.storage = input_uri if isinstance(input_uri, Storage) else Storage.from_uri(str(input_uri))
         self.version = int(version)
@@ -94,6 +97,7 @@ class CanaryEvidence:
         self.shards_skipped = 0
         self.unassigned = 0  # episodes of either version without this canary's logged assignment
         self.share = float(share)
+        self.sha256 = sha256
         self.outside_share = 0  # assigned episodes outside the test's band (a service's fraction, the score)
         self.overlong = 0  # episodes whose stated duration exceeds the cap `refresh` was given
 
@@ -211,7 +215,7 @@ class CanaryEvidence:
         """Whether `ep` logs this canary's randomized assignment to the arm of `version`, in the
         test's band (False, counted in `outside_share`, when outside it); None when it logs no
         such assignment."""
-        from rlrec.trainer.canary import in_test_band, read_assignment
+        from rlrec.trainer.canary import ASSIGNMENT_KEY, in_test_band, read_assignment
 
         try:
             info = ep.get_infos(0)
@@ -220,6 +224,8 @@ class CanaryEvidence:
         got = read_assignment(info, str(ep.id_))
         if got is None or got[0] != self.version or got[1] != (version == self.version):
             return None
+        if self.sha256 is not None and info[ASSIGNMENT_KEY].get("sha256") != self.sha256:
+            return None  # another root's or channel's canary of the same number
         if not in_test_band(str(ep.id_), got[1], got[2], self.share):
             self.outside_share += 1
             return False

@@ -361,6 +361,7 @@ class _LoadedVersion:
         self.dist = dist
         self.signed = signed
         self.files = files  # name -> sha256 (from the verified policy.json)
+        self.spec_sha256: str | None = None  # of its policy.json, when the pointer that named it pins it
         self.version = int(spec["policy_version"])
         self.obs_shape = tuple(spec["observation_shape"])
         self.input_shape = (
@@ -1178,7 +1179,7 @@ class Policy:
                 return Assignment(None, 0)
             return Assignment(VersionActor(self, deployed, False), deployed.version)
         arm = in_canary(episode_id, self.canary_fraction)
-        info = assignment_info(canary.version, self.canary_fraction, arm)
+        info = assignment_info(canary.version, self.canary_fraction, arm, canary.spec_sha256)
         if arm:
             return Assignment(VersionActor(self, canary, True), canary.version, info)
         if deployed is None:
@@ -1206,6 +1207,7 @@ class Policy:
         try:
             check = _spec_check(self._files, self._trust, self._pins, pointer)
             model = _load_version(self._files, pointer.path, self._trust, pointer.doc.get("sha256"), check)
+            model.spec_sha256 = pointer.doc.get("sha256")  # checked against its policy.json
             _remember(model, self._pins, canary=True)
         except (OSError, PolicyLoadError) as e:
             return self._refuse_canary(str(e))

@@ -44,6 +44,7 @@ class CanaryRun:
     gamma: float
     rule: CanaryRule
     candidate_return: float | None = None  # the gate's estimate (deployed_return once promoted)
+    sha256: str | None = None  # of the canary's policy.json: the identity its episodes log
     history: list[dict] = field(default_factory=list)
     canary_grew: float | None = None  # when a look last found more canary episodes (UNIX time)
     _evidence: Any = field(default=None, repr=False, compare=False)
@@ -61,6 +62,7 @@ class CanaryRun:
             "candidate_return": self.candidate_return,
             "history": list(self.history),
             "canary_grew": self.canary_grew,
+            "sha256": self.sha256,
         }
 
     @classmethod
@@ -76,6 +78,7 @@ class CanaryRun:
                 candidate_return=None if doc.get("candidate_return") is None else float(doc["candidate_return"]),
                 history=[h for h in doc.get("history") or [] if isinstance(h, dict)][-MAX_HISTORY:],
                 canary_grew=None if doc.get("canary_grew") is None else float(doc["canary_grew"]),
+                sha256=None if doc.get("sha256") is None else str(doc["sha256"]),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"a malformed canary record in the checkpoint: {e}") from None
@@ -100,6 +103,7 @@ class CanaryRun:
                 gamma=self.gamma,
                 policy_id=policy_id,
                 share=self.rule.share,
+                sha256=self.sha256,
             )
         if self.rule.episode_max_s is None:
             self._fix_episode_max()

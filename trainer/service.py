@@ -837,6 +837,9 @@ class ContinuousTrainer:
         if self.last_promotion is not None and self.last_promotion["candidate_version"] == version:
             candidate_return = self.last_promotion.get("candidate_return")
         if self.cfg.rollout == "canary":
+            import hashlib
+
+            from rlrec.trainer.policy import SPEC
             from rlrec.trainer.rollout import CanaryRun
 
             pub.canary_base, pub.canary_started = self._latest_version(), time.time()
@@ -847,6 +850,7 @@ class ContinuousTrainer:
                 gamma=self._gamma() or 0.99,
                 rule=self.cfg.canary_rule(),
                 candidate_return=candidate_return,
+                sha256=hashlib.sha256(pub.files[SPEC]).hexdigest(),
             )
             self._canary_next_look = 0.0
         elif candidate_return is not None:

@@ -600,3 +600,33 @@ def test_an_unsigned_reservation_far_above_the_signed_versions_is_ignored(tmp_pa
     record = t.look_canary()
     assert record["decision"] == "rollback" and record["deployed_version"] == 3
     assert not (root / "canary.json").exists()
+
+
+def test_a_fresh_run_over_a_running_canary_ends_it_and_services_still_restart(tmp_path, setup, monkeypatch):
+    """The trainer is killed while canary v2 runs above v1 and a fresh run (no --resume) puts its
+    own candidate on canary: v2, never decided, was left signed above latest.json's v1 and every
+    service (re)start refused latest.json as a replay. The fresh run ends v2 as abandoned (signed
+    canary-ended.json); services restart on v1, and a later fresh run's base is not v2."""
+    from rlrec.trainer.canary_publish import signed_above
+    from rlrec.trainer.policy import load_policy
+    from rlrec.trainer.signing import load_private_key
+
+    root = tmp_path / "ckpt" / "policies"
+    t = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **CANARY_KW)
+    t.iteration = 3
+    t.checkpoint()
+    _serve(setup.committer, t.canary, {1: 2.0, 0: 0.0}, 300, seed=1)
+    assert t.look_canary()["decision"] == "promote"
+    t.iteration = 6
+    t.checkpoint()  # canary v2 above v1; then the trainer is killed and a fresh run starts
+    fresh = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **CANARY_KW)
+    fresh.iteration = 3
+    fresh.checkpoint()
+    assert (fresh.canary.version, fresh.canary.base_version) == (3, 1)
+    ended = json.loads((root / "v000002" / "canary-ended.json").read_bytes())
+    assert ended["decision"] == "abandoned"
+    for frac in (0.0, 0.3):
+        p = load_policy(str(root), public_key=setup.pub, canary_fraction=frac)
+        assert p.policy_version == 1 and p.canary_version == (3 if frac else None)
+    key = load_private_key(str(setup.keys_dir / "policy-signing.key"))
+    assert signed_above(fresh.publish_storage, key, 1, fresh.cfg.publish_channel) == 1

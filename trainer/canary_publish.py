@@ -112,7 +112,7 @@ MAX_ABOVE = 64
 
 def _ended(storage: Storage, d: str, signing_key: Any) -> str | None:
     """The decision of the canary version directory `d` holds this key's signed record of
-    (``canary-ended.json``: "promote" or "rollback"), None without one."""
+    (``canary-ended.json``: "promote", "rollback" or "abandoned"), None without one."""
     from rlrec.trainer.export import _read_small
 
     rel = f"{d}/{CANARY_ENDED}"
@@ -123,7 +123,7 @@ def _ended(storage: Storage, d: str, signing_key: Any) -> str | None:
     except (FileNotFoundError, SignatureError, PolicyLoadError):
         return None
     decision = doc.get("decision") if isinstance(doc, dict) else None
-    return decision if decision in ("promote", "rollback") else None
+    return decision if decision in ("promote", "rollback", "abandoned") else None
 
 
 def signed_above(storage: Storage, signing_key: Any, named: int, channel: str | None) -> int:
@@ -158,7 +158,7 @@ def signed_above(storage: Storage, signing_key: Any, named: int, channel: str | 
     )
     for d in names[:MAX_ABOVE]:
         ended = _ended(storage, d, signing_key)
-        if ended == "rollback" or (ended is None and (unreadable or int(d[1:]) == running)):
+        if ended in ("rollback", "abandoned") or (ended is None and (unreadable or int(d[1:]) == running)):
             continue
         try:
             _spec_bytes, spec = _verified_spec(storage, d, signing_key)
@@ -216,6 +216,7 @@ def write_canary(storage: Storage, pub: Any, signing_key: Any, *, base_version: 
 
     sha = hashlib.sha256(pub.files[SPEC]).hexdigest()
     reserve_version(storage, pub.version, sha.encode())  # before canary.json names it
+    _end_abandoned(storage, pub.version, signing_key)
     data = canary_pointer_bytes(
         pub.version,
         pub.directory,
@@ -228,6 +229,35 @@ def write_canary(storage: Storage, pub: Any, signing_key: Any, *, base_version: 
     )
     _write_signed(storage, CANARY, data, signing_key)
     write_publication(storage, pub, signing_key, pointer=False)
+
+
+def _end_abandoned(storage: Storage, version: int, signing_key: Any) -> None:
+    """Before `version` goes on canary: a signed ``canary.json`` of this key naming another,
+    undecided version is a canary no trainer judges any more (a fresh run over a killed one's);
+    it is marked ended with decision "abandoned" (signed ``canary-ended.json``; logged as an
+    ERROR), so services stop serving it and their replay check does not count it (it was never
+    deployed). Raises OSError when ``canary.json`` cannot be read now (retried later)."""
+    if signing_key is None:
+        return
+    try:
+        current = read_pointer(storage, CANARY, signing_key)
+    except PolicyLoadError:
+        return  # not this key's: services refuse it as well
+    if current is None or int(current["policy_version"]) == version:
+        return
+    other = int(current["policy_version"])
+    d = version_dir(other)
+    if _ended(storage, d, signing_key) is not None or storage.exists(f"{d}/{CANARY_ENDED}"):
+        return
+    base = int(current.get("base_version") or 0)
+    ended = {"canary_version": other, "decision": "abandoned", "deployed_version": base}
+    _write_signed(storage, f"{d}/{CANARY_ENDED}", json.dumps(ended, sort_keys=True).encode(), signing_key)
+    log.error(
+        "canary v%d above v%d was never decided (its trainer is gone): ended as abandoned, v%d goes on canary instead",
+        other,
+        base,
+        version,
+    )
 
 
 def _remove_canary(storage: Storage, version: int) -> None:

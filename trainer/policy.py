@@ -872,12 +872,25 @@ def _check_not_replayed(files: _Files, trust: _Trust, pointer: _Pointer, spec: d
         if other is not None and other.get("channel") == channel:
             if excused is None:
                 excused = _canary_above(files, trust, pointer, channel)
-            if d == excused:
+            if d == excused or _never_deployed(files, trust, d):
                 continue
             raise PolicyLoadError(
                 f"{LATEST} names {pointer.path}, but {d}, signed for the same channel, exists: "
                 "a replayed old pointer is refused (a rollback is a new, higher version)"
             )
+
+
+def _never_deployed(files: _Files, trust: _Trust, rel_dir: str) -> bool:
+    """Whether `rel_dir` holds a ``canary-ended.json`` signed by the configured key whose decision
+    is not "promote" (a canary rolled back or abandoned: never deployed, so a pointer below it
+    is no replay)."""
+    try:
+        data = files.read(f"{rel_dir}/{CANARY_ENDED}", 4096)
+        verify(trust.public_key, data, files.read(f"{rel_dir}/{CANARY_ENDED}{SIG_SUFFIX}", MAX_BYTES["sig"]))
+        doc = _json(data, f"{rel_dir}/{CANARY_ENDED}")
+    except (OSError, PolicyLoadError, SignatureError):
+        return False
+    return isinstance(doc, dict) and doc.get("decision") in ("rollback", "abandoned")
 
 
 def _canary_applies(canary: _Pointer | None, base_version: int, channel: Any, trust: _Trust) -> bool:

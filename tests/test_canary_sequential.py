@@ -563,3 +563,27 @@ def test_another_roots_canary_of_the_same_number_is_no_evidence(tmp_path):
     canary, deployed = ev.refresh(0.0, 3.0)
     assert canary.n + deployed.n == 400 and ev.unassigned == 400
     assert canary.mean == pytest.approx(0.5) and deployed.mean == pytest.approx(1.0)
+
+
+def test_the_maximum_exposure_counts_every_ended_canary_episode(tmp_path):
+    """Episodes of the last --canary-episode-max-s are not in the complete cohort yet, but they
+    were served: the exposure limit counts every canary episode that ended, so an undecided canary
+    is rolled back when it served the stated number, not that plus the cohort's lag."""
+    from rlrec.store.commit import ShardCommitter
+    from rlrec.trainer.rollout import CanaryRun
+
+    uri = str(tmp_path / "store")
+    committer = ShardCommitter(uri)
+    committer.claim()
+    t0 = 1_000_000.0
+    eps = []
+    for i in range(400):
+        eid = f"e{i}"
+        canary = in_canary(eid, 0.5)
+        eps.append(_episode(2 if canary else 1, [1.0], int(t0 * 1000) + 1000 * i, eid, 2, 0.5))
+    committer.commit(eps)
+    rule = CanaryRule(return_min=0.0, return_max=1000.0, max_exposure=150, episode_max_s=300.0, share=0.5)
+    run = CanaryRun(version=2, base_version=1, started=t0, gamma=1.0, rule=rule)
+    v = run.look(uri, now=t0 + 400)  # episodes that started in the first 100 s form the cohort
+    assert v.canary.n < 150 <= sum(in_canary(f"e{i}", 0.5) for i in range(400))
+    assert v.decision == "rollback" and "maximum exposure" in v.reason and "ended" in v.reason

@@ -99,7 +99,8 @@ class CanaryEvidence:
         self.share = float(share)
         self.sha256 = sha256
         self.outside_share = 0  # assigned episodes outside the test's band (a service's fraction, the score)
-        self.overlong = 0  # episodes whose stated duration exceeds the cap `refresh` was given
+        self.overlong = 0
+        self.served_canary = 0  # counted canary episodes that ended, in a complete cohort or not  # episodes whose stated duration exceeds the cap `refresh` was given
 
     def history_range(self, widen: float = 0.25) -> tuple[float, float, int] | None:
         """``(low, high, episodes)``: the range of the discounted returns of this policy id's
@@ -206,7 +207,9 @@ class CanaryEvidence:
                     self.longest_s = max(self.longest_s, duration / 1000.0)
         arms = {self.version: ArmStats(), self.base_version: ArmStats()}
         end_ms = None if now is None else (now - max(episode_max_s, self.longest_s)) * 1000.0
+        self.served_canary = 0
         for v, start, x in self._episodes.values():
+            self.served_canary += v == self.version
             if end_ms is None or start <= end_ms:
                 arms[v].add(x, low, high)
         return arms[self.version], arms[self.base_version]

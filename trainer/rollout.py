@@ -145,6 +145,15 @@ class CanaryRun:
         elapsed = max(0.0, age - self.rule.episode_max_s)
         idle = elapsed if self.canary_grew is None else max(0.0, now - self.canary_grew)
         verdict = judge(canary, deployed, self.rule, elapsed, idle, age_s=age)
+        served = self._evidence.served_canary
+        if verdict.decision == "continue" and served >= self.rule.max_exposure:
+            # the exposure counts every canary episode that ended, not only the complete cohort's
+            verdict = replace(
+                verdict,
+                decision="rollback",
+                reason=f"undecided after the maximum exposure of {self.rule.max_exposure} canary episodes "
+                f"({served} ended, {canary.n} in the complete cohort)",
+            )
         if last is None or (last["n_canary"], last["n_deployed"]) != (canary.n, deployed.n):
             self.history.append(
                 {

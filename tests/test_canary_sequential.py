@@ -250,8 +250,10 @@ def test_the_evidence_is_the_two_versions_episodes_since_the_start_and_the_test_
     # past the wall clock with too few episodes: rolled back, loudly
     v3 = resumed.look(uri, now=t0 + 61)
     assert v3.decision == "rollback" and v3.reason.startswith(NO_TRAFFIC)
+    assert "3 episodes of v5/v4 logged no assignment of this canary" in v3.reason  # what to fix, said
     record = resumed.decision_record(v3, now=t0 + 61)
     assert (record["canary_version"], record["episodes_canary"], record["decision"]) == (5, 2, "rollback")
+    assert record["unassigned"] == 3
 
 
 def test_a_test_without_a_stated_range_fixes_one_from_the_episodes_before_its_start(tmp_path):
@@ -587,3 +589,19 @@ def test_the_maximum_exposure_counts_every_ended_canary_episode(tmp_path):
     v = run.look(uri, now=t0 + 400)  # episodes that started in the first 100 s form the cohort
     assert v.canary.n < 150 <= sum(in_canary(f"e{i}", 0.5) for i in range(400))
     assert v.decision == "rollback" and "maximum exposure" in v.reason and "ended" in v.reason
+
+
+def test_a_nan_return_is_counted_not_added():
+    """A NaN return (finite hostile rewards summing to inf - inf) made an arm's mean NaN for the
+    rest of the canary, so its bound never decided again; it is counted and left out. An
+    infinitely bad return is below any range (the canary is rolled back)."""
+    rule = CanaryRule(return_min=0.0, return_max=1.0, min_episodes=2)
+    canary, deployed = ArmStats(), ArmStats()
+    for x in [1.0] * 300 + [math.nan]:
+        canary.add(x, 0.0, 1.0)
+    for x in [0.0] * 300:
+        deployed.add(x, 0.0, 1.0)
+    assert canary.nan == 1 and canary.n == 300 and canary.mean == 1.0
+    assert judge(canary, deployed, rule, 10.0).decision == "promote"
+    canary.add(-math.inf, 0.0, 1.0)
+    assert judge(canary, deployed, rule, 10.0).decision == "rollback"

@@ -18,7 +18,7 @@ from typing import Any
 
 from rlrec.trainer.canary import SHARE_MAX
 from rlrec.trainer.canary_evidence import MIN_HISTORY
-from rlrec.trainer.sequential import EPISODE_MAX_S_FLOOR, CanaryRule, Verdict, judge
+from rlrec.trainer.sequential import EPISODE_MAX_S_FLOOR, NO_TRAFFIC, CanaryRule, Verdict, judge
 
 log = logging.getLogger("rlrec.trainer")
 
@@ -50,6 +50,7 @@ class CanaryRun:
     _evidence: Any = field(default=None, repr=False, compare=False)
     _warned_long: bool = field(default=False, repr=False, compare=False)
     _warned_share: bool = field(default=False, repr=False, compare=False)
+    _warned_range: bool = field(default=False, repr=False, compare=False)
 
     def to_state(self) -> dict:
         """JSON-able (the trainer checkpoint's ``canary``)."""
@@ -117,10 +118,10 @@ class CanaryRun:
             episode_max_s=self.rule.episode_max_s,
             longest_cap_s=self.rule.max_duration_s,
         )
-        if self._evidence.longest_s > self.rule.episode_max_s and not self._warned_long:
+        if self._evidence.longest_s > self.rule.episode_max_s + 0.5 and not self._warned_long:
             self._warned_long = True
             log.warning(
-                "canary v%d: an episode took %.0fs, longer than the stated --canary-episode-max-s %.0fs: the test "
+                "canary v%d: an episode took %.1fs, longer than the stated --canary-episode-max-s %.1fs: the test "
                 "now waits that long for each cohort (state a longer limit)",
                 self.version,
                 self._evidence.longest_s,
@@ -145,6 +146,14 @@ class CanaryRun:
         elapsed = max(0.0, age - self.rule.episode_max_s)
         idle = elapsed if self.canary_grew is None else max(0.0, now - self.canary_grew)
         verdict = judge(canary, deployed, self.rule, elapsed, idle, age_s=age)
+        if NO_TRAFFIC in verdict.reason and (self._evidence.unassigned or self._evidence.outside_share):
+            verdict = replace(
+                verdict,
+                reason=f"{verdict.reason}; {self._evidence.unassigned} episodes of v{self.version}/v{self.base_version} "
+                f"logged no assignment of this canary (merge Assignment.info into the reset info and record with its "
+                f"episode_id) and {self._evidence.outside_share} lay outside the test's band (--canary-share "
+                f"{self.rule.share:g}..{SHARE_MAX:g})",
+            )
         served = self._evidence.served_canary
         if verdict.decision == "continue" and served >= self.rule.max_exposure:
             # the exposure counts every canary episode that ended, not only the complete cohort's
@@ -199,6 +208,9 @@ class CanaryRun:
         no bound and is decided by its limits only."""
         found = self._evidence.history_range()
         if found is None:
+            if self._warned_range:
+                return
+            self._warned_range = True
             log.error(
                 "canary v%d: no return range (fewer than %d episodes before its start): its test has no bound and "
                 "it can only be rolled back; state one with --canary-return-min/--canary-return-max",

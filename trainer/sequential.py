@@ -80,10 +80,15 @@ class ArmStats:
     below: int = 0  # of those, below the range's minimum
     above: int = 0  # of those, above its maximum
     least: float | None = None  # the least return added, before clipping
+    nan: int = 0  # returns that were NaN: not added (an infinite one is clipped like any other)
 
     def add(self, x: float, lo: float | None = None, hi: float | None = None) -> None:
-        """Add one return (clipped into ``[lo, hi]`` when given; each clip is counted, by side)."""
+        """Add one return (clipped into ``[lo, hi]`` when given; each clip is counted, by side;
+        a NaN return is counted in `nan` and not added)."""
         x = float(x)
+        if math.isnan(x):
+            self.nan += 1
+            return
         self.least = x if self.least is None else min(self.least, x)
         if lo is not None and hi is not None and not lo <= x <= hi:
             self.below += x < lo

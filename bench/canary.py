@@ -70,10 +70,10 @@ def one_round(effect: float, share: float, seed: int, workdir: str) -> dict:
     committer.claim()
     rng = np.random.default_rng(seed)
     started = time.time()
-    # returns N(mean, 1) with |mean| <= 0.5: the stated range holds all but ~1e-5 of them (clipped)
-    run = CanaryRun(
-        version=2, base_version=1, started=started, gamma=0.99, rule=CanaryRule(return_min=-5.0, return_max=5.0)
-    )
+    # returns N(mean, 1) with |mean| <= 0.5: the stated range holds all but ~1e-5 of them (clipped);
+    # the test's share is the services' (every canary episode counts, deployed ones from score 0.5)
+    rule = CanaryRule(return_min=-5.0, return_max=5.0, share=share)
+    run = CanaryRun(version=2, base_version=1, started=started, gamma=0.99, rule=rule)
     served = {1: 0, 2: 0}
     i = 0
     while True:

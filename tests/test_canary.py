@@ -540,3 +540,20 @@ def test_a_checkpoint_directory_finds_a_first_canary(tmp_path, keys):
     canary(tmp_path / "ckpt" / "policies", 1, keys["private"], base=0)
     p = load_policy(str(tmp_path / "ckpt"), public_key=keys["public"], channel="prod", canary_fraction=0.3)
     assert p.canary_version == 1
+
+
+def test_a_canary_pointer_older_than_max_pointer_age_is_not_served(on_canary, keys):
+    """A trainer that died leaves its canary.json behind: services that check pointer ages
+    (max_pointer_age_s, the knob for a dead trainer) stop serving a canary whose pointer its
+    trainer stopped re-signing; the trainer's refresh (`refresh_canary`) keeps a live one served."""
+    from rlrec.store.storage import Storage
+    from rlrec.trainer.canary_publish import refresh_canary
+
+    p = load_policy(
+        str(on_canary), public_key=keys["public"], channel="prod", canary_fraction=0.3, max_pointer_age_s=3600
+    )
+    assert p.policy_version == 4 and p.canary_version is None  # canary.json's time is the start, 1970
+    assert refresh_canary(Storage.from_uri(str(on_canary)), 5, keys["private"])
+    p.poll()
+    assert p.canary_version == 5
+    assert not refresh_canary(Storage.from_uri(str(on_canary)), 6, keys["private"])  # not the running one

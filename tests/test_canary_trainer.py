@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -630,3 +631,18 @@ def test_a_fresh_run_over_a_running_canary_ends_it_and_services_still_restart(tm
         assert p.policy_version == 1 and p.canary_version == (3 if frac else None)
     key = load_private_key(str(setup.keys_dir / "policy-signing.key"))
     assert signed_above(fresh.publish_storage, key, 1, fresh.cfg.publish_channel) == 1
+
+
+def test_the_trainer_re_signs_its_running_canary_pointer(tmp_path, setup, monkeypatch):
+    """The pointer refresh re-signs canary.json with a fresh time while its canary runs (a first
+    canary included, with nothing deployed yet), so services checking pointer ages keep serving it."""
+    root = tmp_path / "ckpt" / "policies"
+    t = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **CANARY_KW)
+    t.iteration = 3
+    t.checkpoint()
+    before = json.loads((root / "canary.json").read_bytes())
+    time.sleep(0.01)
+    t._refresh_pointer()
+    after = json.loads((root / "canary.json").read_bytes())
+    assert after["time"] > before["time"] and after["started"] == before["started"]
+    assert {k: v for k, v in after.items() if k != "time"} == {k: v for k, v in before.items() if k != "time"}

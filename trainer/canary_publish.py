@@ -231,6 +231,34 @@ def write_canary(storage: Storage, pub: Any, signing_key: Any, *, base_version: 
     write_publication(storage, pub, signing_key, pointer=False)
 
 
+def refresh_canary(storage: Storage, version: int, signing_key: Any, now: float | None = None) -> bool:
+    """Re-sign ``canary.json`` with a fresh time while it names `version` (this trainer's running
+    canary): services that check a pointer's age (``max_pointer_age_s``) stop serving the canary
+    of a trainer that stopped judging it. False when it names another version or none.
+
+    Example:
+        >>> refresh_canary(storage, 5, key)  # doctest: +SKIP
+        True
+    """
+    import time
+
+    current = read_pointer(storage, CANARY, signing_key)
+    if current is None or int(current["policy_version"]) != version:
+        return False
+    data = canary_pointer_bytes(
+        version,
+        current["path"],
+        current["sha256"],
+        base_version=int(current.get("base_version") or 0),
+        started=float(current["started"]),
+        run_id=current.get("run_id"),
+        channel=current.get("channel"),
+        now=time.time() if now is None else now,
+    )
+    _write_signed(storage, CANARY, data, signing_key)
+    return True
+
+
 def _end_abandoned(storage: Storage, version: int, signing_key: Any) -> None:
     """Before `version` goes on canary: a signed ``canary.json`` of this key naming another,
     undecided version is a canary no trainer judges any more (a fresh run over a killed one's);

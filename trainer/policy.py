@@ -769,12 +769,12 @@ def _stale_reason(pointer: _Pointer, pins: Pins, trust: _Trust, now: float) -> s
     if limit is None:
         return None
     if trust.public_key is not None and not pointer.signed:
-        return f"{LATEST} is not signed, so its time cannot be trusted (max_pointer_age_s={limit:g})"
+        return f"{pointer.name} is not signed, so its time cannot be trusted (max_pointer_age_s={limit:g})"
     t = pointer.doc.get("time")
     if t is None:
-        return f"{LATEST} carries no time (max_pointer_age_s={limit:g})"
+        return f"{pointer.name} carries no time (max_pointer_age_s={limit:g})"
     if now - t > limit:
-        return f"{LATEST} (v{pointer.version}) is {now - t:.0f} s old, over max_pointer_age_s={limit:g}"
+        return f"{pointer.name} (v{pointer.version}) is {now - t:.0f} s old, over max_pointer_age_s={limit:g}"
     return None
 
 
@@ -1207,6 +1207,9 @@ class Policy:
             pointer = _read_canary(self._files, self._trust, self.root)
             if pointer is not None:
                 _check_pointer_pins(pointer, self._pins)
+                stale = _stale_reason(pointer, self._pins, self._trust, time.time())
+                if stale is not None:  # its trainer stopped re-signing it: nobody judges the canary
+                    raise PolicyLoadError(stale)
         except (OSError, PolicyLoadError) as e:
             return self._refuse_canary(str(e))
         deployed = self._deployed

@@ -878,21 +878,28 @@ class ContinuousTrainer:
         return max(self.policy_version, present) + 1
 
     def _refresh_pointer(self) -> None:
-        """Re-sign the pointer to this run's latest version (a fresh time for services that
-        check its age); only with a signing key, after this run has published."""
-        if self.signing_key is None or self.run_id is None or not self.deployed_version:
+        """Re-sign the pointer to this run's latest version, and ``canary.json`` while this run's
+        canary runs (a fresh time for services that check their age); only with a signing key,
+        after this run has published."""
+        if self.signing_key is None or self.run_id is None:
             return
+        from rlrec.trainer.canary_publish import refresh_canary
         from rlrec.trainer.export import refresh_latest
 
         try:
             self._check_lease()
-            refresh_latest(
-                self.publish_storage,
-                version=self.deployed_version,
-                run_id=self.run_id,
-                channel=self.cfg.publish_channel,
-                signing_key=self.signing_key,
-            )
+            if self.deployed_version:
+                refresh_latest(
+                    self.publish_storage,
+                    version=self.deployed_version,
+                    run_id=self.run_id,
+                    channel=self.cfg.publish_channel,
+                    signing_key=self.signing_key,
+                )
+            if self.canary is not None and not self._pending:
+                refresh_canary(self.publish_storage, self.canary.version, self.signing_key)
+        except PublishRootTaken:
+            raise
         except Exception as e:
             log.error("refreshing the policy pointer failed: %s", e)
 

@@ -646,3 +646,44 @@ def test_the_trainer_re_signs_its_running_canary_pointer(tmp_path, setup, monkey
     after = json.loads((root / "canary.json").read_bytes())
     assert after["time"] > before["time"] and after["started"] == before["started"]
     assert {k: v for k, v in after.items() if k != "time"} == {k: v for k, v in before.items() if k != "time"}
+
+
+def test_a_rollback_whose_republish_fails_stops_serving_the_canary_first(tmp_path, setup, monkeypatch):
+    """A rollback whose republish cannot succeed (the base's weights fail their sha256) kept the
+    proven-worse canary served while every look retried. Services stop serving it first (signed
+    canary-ended.json, canary.json removed); the republish follows once it can, also after a kill
+    -9 between the two steps (the resumed trainer carries it out)."""
+    root = tmp_path / "ckpt" / "policies"
+    t = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **CANARY_KW)
+    t.iteration = 3
+    t.checkpoint()
+    _serve(setup.committer, t.canary, {1: 2.0, 0: 0.0}, 300, seed=1)
+    assert t.look_canary()["decision"] == "promote"
+    t.iteration = 6
+    t.checkpoint()  # canary v2 above v1
+    p = load_policy(str(root), public_key=setup.pub, canary_fraction=0.5)
+    eid = next(f"e{i}" for i in range(100) if in_canary(f"e{i}", 0.5))
+    assert p.for_episode(eid).policy_version == 2
+    weights = {f: f.read_bytes() for f in (root / "v000001").iterdir() if f.suffix not in (".json", ".sig")}
+    for f, data in weights.items():
+        f.write_bytes(data + b"x")  # the base's weights no longer match its policy.json
+    _serve(setup.committer, t.canary, {2: -3.0, 1: 0.0}, 300, seed=2)
+    for _ in range(3):
+        t._canary_next_look = 0.0
+        assert t.look_canary() is None  # the republish fails: tried again at the next look
+    assert t._canary_decision["decision"] == "rollback" and not (root / "canary.json").exists()
+    p.poll()
+    assert p.for_episode(eid).policy_version == 1  # the worse canary is no longer served
+    t.iteration = 7
+    t.checkpoint()
+    r = _resumed(tmp_path, setup, monkeypatch)  # killed meanwhile: the resumed trainer republishes
+    assert r.canary is not None and r._canary_decision["decision"] == "rollback"
+    for f, data in weights.items():
+        f.write_bytes(data)
+    assert load_policy(str(root), public_key=setup.pub, canary_fraction=0.5).for_episode(eid).policy_version == 1
+    r.metrics = SimpleNamespace(truncate_after=lambda _i: None, write=lambda _r: None)
+    record = r.look_canary()
+    assert record["decision"] == "rollback" and record["deployed_version"] == 3 and r.canary is None
+    assert json.loads((root / "latest.json").read_bytes())["policy_version"] == 3
+    p.poll()
+    assert p.for_episode(eid).policy_version == 3

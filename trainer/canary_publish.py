@@ -7,16 +7,20 @@
 * promote (`end_canary` with ``promote=True``): ``latest.json`` is moved to the canary version,
   then ``canary.json`` is removed (meanwhile it names a version not above ``latest.json``'s, so
   it is not followed).
-* roll back: the base version's weights are published again as a new, higher version
-  (`rlrec.trainer.export.republish_policy`, which moves ``latest.json``), then ``canary.json`` is
-  removed; versions only grow, and every state file is satisfied. With nothing deployed before
-  (base version 0) only ``canary.json`` is removed: services go back to what they ran before.
+* roll back: services stop serving the canary first -- its signed ``canary-ended.json`` (decision
+  "rollback") is written and ``canary.json`` removed -- then the base version's weights are
+  published again as a new, higher version (`rlrec.trainer.export.republish_policy`, which moves
+  ``latest.json``); versions only grow, and every state file is satisfied. A republish that keeps
+  failing (the base's weights fail their sha256, the store is down) is retried at every look
+  while the deployed version serves every episode: the proven-worse canary is never served
+  meanwhile (services' replay check does not count a rolled-back version). With nothing deployed
+  before (base version 0) there is nothing to republish: services go back to what they ran before.
 
 Each decision with its evidence is written first, signed, as ``v{N}/rollout.json`` (+ ``.sig``)
 of the canary version (and recorded as ``rolled_back`` in a republished version's policy.json):
 a trainer resuming after a kill -9 between the steps carries out exactly that decision, never
-judges again. After the pointers moved, ``v{N}/canary-ended.json`` (signed) marks the canary
-over *before* ``canary.json`` is removed: services never follow a canary pointer whose version
+judges again. ``v{N}/canary-ended.json`` (signed; after ``latest.json`` moved for a promotion,
+before the republish for a rollback) marks the canary over *before* ``canary.json`` is removed: services never follow a canary pointer whose version
 holds it, so a replayed old ``canary.json`` (or pair with ``latest.json``) cannot bring back a
 decided canary. Every step is idempotent.
 """
@@ -347,7 +351,11 @@ def end_canary(
             sha = hashlib.sha256(spec_bytes).hexdigest()
             _write_signed(storage, LATEST, pointer_bytes(version, d, sha, run_id=run_id, channel=channel), signing_key)
             deployed = version
-    elif (deployed is None or deployed <= version) and base_version:  # not rolled back yet
+    else:  # services stop serving the canary first, so a republish that keeps failing exposes no one
+        stopped = {"canary_version": version, "decision": decision.get("decision"), "deployed_version": base_version}
+        _write_signed(storage, f"{d}/{CANARY_ENDED}", json.dumps(stopped, sort_keys=True).encode(), signing_key)
+        _remove_canary(storage, version)
+    if not promote and (deployed is None or deployed <= version) and base_version:  # not republished yet
         spec = republish_policy(
             storage,
             version=base_version,

@@ -1214,10 +1214,11 @@ class ContinuousTrainer:
         pending or ``canary.json`` names it (or cannot be read now). A decision taken before the
         kill -- the checkpoint's `decision`, or the signed ``rollout.json`` the trainer writes
         before carrying one out -- is carried out unchanged at the next look, never judged again.
-        One whose decision was carried out and whose pointer is gone is over."""
+        One whose decision was carried out and whose pointer is gone is over (a rollback: once
+        ``latest.json`` names a version above it; before, its republish is still to be done)."""
         if not doc:
             return
-        from rlrec.trainer.canary_publish import read_decision, read_pointer
+        from rlrec.trainer.canary_publish import deployed_version, read_decision, read_pointer
         from rlrec.trainer.policy import CANARY, CANARY_ENDED, PolicyLoadError, version_dir
         from rlrec.trainer.rollout import CanaryRun
 
@@ -1232,6 +1233,9 @@ class ContinuousTrainer:
             pointer = {"policy_version": run.version}
         named = pointer is not None and pointer["policy_version"] == run.version
         ended = self.publish_storage.exists(f"{version_dir(run.version)}/{CANARY_ENDED}")
+        if ended and isinstance(decision, dict) and decision.get("decision") != "promote" and run.base_version:
+            deployed = deployed_version(self.publish_storage, self.signing_key)  # OSError: resume fails
+            ended = deployed is not None and deployed > run.version  # else stopped, not yet republished
         if isinstance(decision, dict) and not pending and (named or not ended):
             self.canary, self._canary_decision, self._canary_next_look = run, dict(decision), 0.0
             log.warning(

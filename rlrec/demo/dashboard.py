@@ -35,7 +35,7 @@ class Snapshot:
     timesteps_trained: int | None = None
     newest_shard_age_s: float | None = None
     eval_return_mean: float | None = None
-    policy_version: int | None = None  # newest version a policy process acts with
+    policy_version: int | None = None  # newest deployed version a policy process acts with (not a canary)
     policy_versions_in_use: list = field(default_factory=list)
     published_version: int | None = None  # newest version the trainer published
     deployed_return: float | None = None  # evaluation return of the published version
@@ -43,6 +43,8 @@ class Snapshot:
     rejections: int = 0
     #: the newest off-policy evaluation of a candidate (`latest_ope`), None before the first
     ope: dict | None = None
+    #: the running canary's last look, or the last canary's decision (`TrainerTail.canary`)
+    canary: dict | None = None
     policies: list = field(default_factory=list)  # per process: index, policy_version, steps, return_mean
 
     def to_record(self) -> dict:
@@ -142,6 +144,7 @@ class TrainerTail:
         self.deployed_return: float | None = None
         self.promotions = self.rejections = 0
         self.ope: dict | None = None
+        self.canary: dict | None = None
 
     def poll(self) -> list[dict]:
         try:
@@ -171,6 +174,7 @@ class TrainerTail:
             ope = latest_ope(rec)
             if ope is not None:
                 self.ope = ope
+            self._follow_canary(rec)
             promo = rec.get("promotion")
             if promo:
                 if promo.get("promoted"):
@@ -179,6 +183,54 @@ class TrainerTail:
                 else:
                     self.rejections += 1
         return new
+
+    def _follow_canary(self, rec: dict) -> None:
+        """The canary of a trainer line: its look (``canary_look``) while it runs, its decision
+        (``canary``) once taken (`canary_text` shows either)."""
+        look, decided = rec.get("canary_look"), rec.get("canary")
+        if isinstance(decided, dict) and isinstance(decided.get("canary_version"), int):
+            self.canary = {
+                "version": decided["canary_version"],
+                "base_version": decided.get("base_version"),
+                "n_canary": decided.get("episodes_canary"),
+                "n_deployed": decided.get("episodes_deployed"),
+                "mean_canary": decided.get("mean_canary"),
+                "mean_deployed": decided.get("mean_deployed"),
+                "low": decided.get("low"),
+                "high": decided.get("high"),
+                "decision": decided.get("decision"),
+                "deployed_version": decided.get("deployed_version"),
+            }
+        elif isinstance(look, dict) and isinstance(rec.get("canary_version"), int):
+            self.canary = {"version": rec["canary_version"], "base_version": rec.get("deployed_version"), **look}
+            self.canary["decision"] = None
+
+
+def canary_text(c: dict | None) -> str:
+    """The canary as the dashboard shows it: both arms' mean discounted returns (episodes), the
+    always-valid bound on canary - deployed, and the decision.
+
+    Args:
+        c: `TrainerTail.canary` (None: no canary yet).
+
+    Example:
+        >>> canary_text({"version": 3, "base_version": 2, "n_canary": 40, "n_deployed": 70, "mean_canary": 51.0,
+        ...              "mean_deployed": 33.25, "low": 2.5, "high": 30.0, "decision": "promote", "deployed_version": 3})
+        'v3 51.0 (40 ep) vs v2 33.2 (70 ep), bound [2.5, 30.0]: promoted, v3 deployed'
+    """
+    if c is None:
+        return "-"
+    base = c.get("base_version")
+    arms = (
+        f"v{c['version']} {_f(c.get('mean_canary'))} ({_f(c.get('n_canary'), '{}', '0')} ep) vs "
+        f"{version_name(base)} {_f(c.get('mean_deployed'))} ({_f(c.get('n_deployed'), '{}', '0')} ep), "
+        f"bound [{_f(c.get('low'))}, {_f(c.get('high'))}]"
+    )
+    decision = c.get("decision")
+    if decision is None:
+        return f"{arms}: testing"
+    done = {"promote": "promoted", "rollback": "rolled back"}.get(decision, decision)
+    return f"{arms}: {done}, {version_name(c.get('deployed_version'))} deployed"
 
 
 class Collector:
@@ -206,7 +258,8 @@ class Collector:
             self._rate.pop(0)
         t_old, s_old = self._rate[0]
         rate = (steps - s_old) / (now - t_old) if now > t_old else 0.0
-        versions = sorted({int(s["policy_version"]) for s in st if s.get("policy_version") is not None})
+        deployed = sorted({int(s["policy_version"]) for s in st if s.get("policy_version") is not None})
+        versions = sorted({*deployed, *(int(s["canary_version"]) for s in st if s.get("canary_version") is not None)})
         last = self.trainer.last or {}
         return Snapshot(
             time=now,
@@ -220,17 +273,19 @@ class Collector:
             timesteps_trained=last.get("timesteps_trained"),
             newest_shard_age_s=last.get("newest_shard_age_s"),
             eval_return_mean=self.trainer.eval_return,
-            policy_version=versions[-1] if versions else None,
+            policy_version=deployed[-1] if deployed else None,
             policy_versions_in_use=versions,
             published_version=self.trainer.published_version,
             deployed_return=self.trainer.deployed_return,
             promotions=self.trainer.promotions,
             rejections=self.trainer.rejections,
             ope=self.trainer.ope,
+            canary=self.trainer.canary,
             policies=[
                 {
                     "index": s.get("index"),
                     "policy_version": s.get("policy_version"),
+                    "canary_version": s.get("canary_version"),
                     "steps": s.get("steps"),
                     "episodes": s.get("episodes"),
                     "return_mean": s.get("return_mean"),
@@ -267,6 +322,7 @@ def compact_line(s: Snapshot) -> str:
         f"newest shard {_f(s.newest_shard_age_s, '{:.1f}s')}  eval {_f(s.eval_return_mean)}  "
         f"published {version_name(s.published_version)}  acting {s.policy_versions_in_use}"
         + (f"  ope {ope_text(s.ope)}" if s.ope is not None else "")
+        + (f"  canary {canary_text(s.canary)}" if s.canary is not None else "")
     )
 
 
@@ -338,6 +394,8 @@ class Dashboard:
         ]
         if s.ope is not None:  # discounted returns: not comparable with the evaluation return above
             rows.append(("  off-policy estimate (discounted)", ope_text(s.ope)))
+        if s.canary is not None:  # discounted returns of both arms, the bound on their difference
+            rows.append(("  canary (discounted returns)", canary_text(s.canary)))
         for label, value in rows:
             if isinstance(label, tuple):
                 label = Text.assemble((label[0], "bold"), label[1])
@@ -345,7 +403,11 @@ class Dashboard:
         for p in s.policies:
             t.add_row(
                 Text(f"  policy-{p['index']}"),
-                Text(f"v{p['policy_version']}  {p['episodes']} episodes  return {_f(p['return_mean'])}"),
+                Text(
+                    f"v{p['policy_version']}"
+                    + (f" + canary v{p['canary_version']}" if p.get("canary_version") else "")
+                    + f"  {p['episodes']} episodes  return {_f(p['return_mean'])}"
+                ),
             )
         if self.note:
             t.caption = Text(self.note)

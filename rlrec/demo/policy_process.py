@@ -1,10 +1,13 @@
 """One simulated deployed policy of `rlrec demo` (run as ``python -m rlrec.demo.policy_process``).
 
-Plays CartPole-v1 behind a `RecordingWrapper`, publishing every step through `EpisodeRecorder`.
-It starts as the scripted expert with epsilon-noise (policy version 0) and, between episodes,
-polls the trainer's published policies (`rlrec.load_policy`: torch only, never Ray); it switches
-to every newer version published for its channel (``--channel``) and CartPole's spaces, and the
-episodes it records from then on carry that `policy_version`.
+Plays CartPole-v1, publishing every step through `EpisodeRecorder`. It starts as the scripted
+expert with epsilon-noise (policy version 0) and, between episodes, polls the trainer's published
+policies (`rlrec.load_policy`: torch only, never Ray); it switches to every newer version
+published for its channel (``--channel``) and CartPole's spaces, and the episodes it records from
+then on carry that `policy_version`. With ``--canary-fraction f`` it opts in to the trainer's
+canary (``rlrec train --rollout canary``): each episode's version is `Policy.for_episode`'s (the
+canary for a salted-hash share f of the episode ids), and the episode logs its assignment in
+its reset info, as a service does (docs/DEPLOY.md, "Canary rollout").
 Steps are throttled to `--steps-per-s`. Every second a JSON status line goes to stdout. SIGTERM
 or SIGINT: the current episode is played to its end, the recorder is flushed and closed, exit 0.
 """
@@ -18,6 +21,7 @@ import signal
 import sys
 import threading
 import time
+import uuid
 from collections import deque
 
 POLICY_ID = "cartpole"
@@ -44,6 +48,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         default=os.environ.get("RLREC_POLICY_PUBLIC_KEY"),
         help="the trainer's policy-signing public key (PEM) [$RLREC_POLICY_PUBLIC_KEY]; published "
         "versions must carry its signature",
+    )
+    p.add_argument(
+        "--canary-fraction",
+        type=float,
+        default=0.0,
+        help="the share of episodes that run the trainer's canary while one runs (0: none, at most 0.5)",
     )
     p.add_argument(
         "--channel",
@@ -76,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
 
     from rlrec.commands.record_demo import scripted_action
-    from rlrec.producer import EpisodeRecorder, RecordingWrapper
+    from rlrec.producer import EpisodeRecorder
     from rlrec.trainer.policy import load_policy  # = rlrec.load_policy (torch only); imported now, not mid-episode
 
     stop = threading.Event()
@@ -93,12 +103,11 @@ def run(args: argparse.Namespace) -> int:
         action_space=env.action_space,
         env_id="CartPole-v1",
     )
-    wrapped = RecordingWrapper(env, recorder)
     rng = np.random.default_rng(args.seed)
     throttle = _Throttle(args.steps_per_s)
     policy = None
     last_poll = 0.0
-    steps = episodes = 0
+    steps = episodes = canary_episodes = 0
     returns: deque = deque(maxlen=20)
     last_status = 0.0
     poll_errors = 0
@@ -110,7 +119,9 @@ def run(args: argparse.Namespace) -> int:
                     "index": args.index,
                     "steps": steps,
                     "episodes": episodes,
-                    "policy_version": recorder.policy_version,
+                    "policy_version": policy.policy_version if policy is not None else 0,
+                    "canary_version": policy.canary_version if policy is not None else None,
+                    "canary_episodes": canary_episodes,
                     "return_mean": float(np.mean(returns)) if returns else None,
                     "delivered": recorder.stats.messages_delivered,
                     "final": final,
@@ -133,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
                     channel=args.channel,
                     observation_space=env.observation_space,
                     action_space=env.action_space,
+                    canary_fraction=args.canary_fraction,
                 )
                 switched = True
             else:
@@ -143,26 +155,49 @@ def run(args: argparse.Namespace) -> int:
                 poll_errors += 1
             return
         if switched:
-            recorder.policy_version = policy.policy_version
-            print(f"policy-{args.index}: now acting with policy v{policy.policy_version}", file=sys.stderr, flush=True)
+            canary = f" (canary v{policy.canary_version})" if policy.canary_version else ""
+            print(
+                f"policy-{args.index}: now acting with policy v{policy.policy_version}{canary}",
+                file=sys.stderr,
+                flush=True,
+            )
 
     try:
         k = 0
         while not stop.is_set():
             maybe_switch()
-            obs, _ = wrapped.reset(seed=args.seed * 100_003 + k)
+            obs, info = env.reset(seed=args.seed * 100_003 + k)
             k += 1
+            eid = uuid.uuid4().hex
+            chosen = policy.for_episode(eid) if policy is not None else None  # the whole episode's version
+            actor = chosen.actor if chosen is not None else None
+            canary_episodes += bool(chosen is not None and chosen.canary)
+            recorder.begin_episode(
+                obs,
+                {**info, **(chosen.info if chosen is not None else {})},  # the canary assignment, if any
+                episode_id=eid,
+                policy_version=chosen.policy_version if chosen is not None else 0,
+            )
             total, done = 0.0, False
             while not done:  # a started episode is always finished, even when stopping
-                if policy is None:
+                if actor is None:
                     action, logp = scripted_action(obs, rng, args.epsilon)
                 else:
                     eps = args.policy_epsilon  # epsilon-greedy around the policy's greedy action
-                    greedy, _ = policy.act(obs)
+                    greedy, _ = actor.act(obs)
                     action = int(rng.integers(2)) if rng.random() < eps else int(greedy)
                     logp = float(np.log(max(1 - eps / 2 if action == greedy else eps / 2, 1e-12)))
-                wrapped.set_model_outputs({"action_logp": np.float32(logp)})
-                obs, reward, terminated, truncated, _ = wrapped.step(action)
+                obs, reward, terminated, truncated, info = env.step(action)
+                recorder.log_step(
+                    eid,
+                    action,
+                    reward,
+                    obs,
+                    terminated=terminated,
+                    truncated=truncated,
+                    info=info,
+                    extra_model_outputs={"action_logp": np.float32(logp)},
+                )
                 total += float(reward)
                 steps += 1
                 done = terminated or truncated
@@ -174,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
             episodes += 1
             returns.append(total)
     finally:
-        wrapped.close()
+        env.close()
         left = recorder.close(timeout=30)
         status(final=True)
         if left:

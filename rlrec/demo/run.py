@@ -85,6 +85,12 @@ class DemoConfig:
         help="publish a version only if its evaluation is not worse than the deployed one "
         "(--no-gate: publish every checkpoint's policy)",
     )
+    canary_share: float = option(
+        0.0,
+        help="the policy processes opt in to a canary with this share of their episodes, and the gate puts "
+        "each version it passes on canary (rlrec train --rollout canary): it is promoted or rolled back on "
+        "the test of both arms' discounted returns, which the dashboard shows (0: no canary; at most 0.5)",
+    )
     ope_report: bool = option(
         True,
         help="the trainer also estimates each candidate off-policy on held-out episodes (no gating): the "
@@ -116,6 +122,43 @@ class DemoConfig:
             raise ValueError(f"--duration must be positive, got {self.duration:g}")
         if not (0.0 <= self.epsilon <= 1.0 and 0.0 <= self.policy_epsilon <= 1.0):
             raise ValueError("--epsilon and --policy-epsilon must be in [0, 1]")
+        if not 0.0 <= self.canary_share <= 0.5:
+            raise ValueError(f"--canary-share must be in [0, 0.5], got {self.canary_share:g}")
+        if self.canary_share and not self.promotion_gate:
+            raise ValueError(
+                "--canary-share needs the promotion gate (a canary is what the gate passes): drop --no-gate"
+            )
+
+
+def canary_trainer_args(share: float) -> list[str]:
+    """The trainer's canary options for the demo's CartPole services (none when `share` is 0):
+    the test counts the share the policy processes serve, every discounted CartPole return lies in
+    [0, 100] (reward 1 a step, gamma 0.99), and an episode (under a second at the demo's pace) is
+    committed within 20 s.
+
+    Args:
+        share: the policy processes' ``--canary-fraction`` (the demo's ``--canary-share``).
+
+    Example:
+        >>> canary_trainer_args(0.0), canary_trainer_args(0.3)[:4]
+        ([], ['--rollout', 'canary', '--canary-share', '0.3'])
+    """
+    if not share:
+        return []
+    return [
+        "--rollout",
+        "canary",
+        "--canary-share",
+        f"{share:g}",
+        "--canary-return-min",
+        "0",
+        "--canary-return-max",
+        "100",
+        "--canary-episode-max-s",
+        "20",
+        "--canary-max-wait-s",
+        "120",
+    ]
 
 
 def expert_return(epsilon: float, episodes: int = 20, seed: int = 10_000) -> float:
@@ -295,6 +338,7 @@ class Demo:
             targs += ["--promotion-gate", "--promotion-episodes", str(cfg.promotion_episodes)]
             if baseline is not None:
                 targs += ["--promotion-baseline", f"{baseline:.3f}"]
+            targs += canary_trainer_args(cfg.canary_share)
         else:  # every checkpoint's policy published, as asked (the trainer's default gates them)
             targs += ["--promotion-gate", "off", "--eval-interval", str(cfg.checkpoint_interval)]
         if cfg.ope_report:  # fewer FQE steps than the default (shared CPUs), a short wait at the stop
@@ -330,6 +374,8 @@ class Demo:
                         str(cfg.steps_per_s),
                         "--seed",
                         str(cfg.seed * 1000 + i),
+                        "--canary-fraction",
+                        str(cfg.canary_share),
                     ],
                     os.path.join(logs, f"policy-{i}.log"),
                     penv,

@@ -47,6 +47,12 @@ class InspectOptions:
         "(default: $RLREC_POLICY_PUBLIC_KEY)",
     )
     allow_unsigned: bool = option(False, help="with --policy-version: accept an unsigned version")
+    delta: bool = option(
+        False,
+        help="print each policy's Delta view (rlrec export --to delta): policy, Delta version and the rlrec "
+        "cursor it mirrors (from its txns), one a line",
+    )
+    delta_version: int | None = option(None, metavar="V", help="with --delta: Delta version V instead of the newest")
 
 
 #: the options of `rlrec inspect`
@@ -180,6 +186,28 @@ def _no_shards_yet(storage) -> str:
     )
 
 
+def _print_delta_views(storage, version: int | None) -> int:
+    """``--delta``: each view's version and the cursor it mirrors (`rlrec.delta_view.version_cursor`)."""
+    from rlrec.errors import RuntimeFailure, UsageError
+
+    try:
+        import deltalake  # noqa: F401
+
+        from rlrec.delta_view import ViewError, list_views, version_cursor
+    except ImportError:
+        raise UsageError("--delta needs the deltalake package: pip install 'rlrec[delta]'") from None
+    views = list_views(storage)
+    if not views:
+        raise RuntimeFailure(f"no Delta view in {storage.uri('')} (rlrec export URI URI --to delta)")
+    for policy in views:
+        try:
+            v, cursor = version_cursor(storage, policy, version)
+        except ViewError as e:
+            raise RuntimeFailure(str(e)) from None
+        print(f"{policy}\t{v}\t{cursor}")
+    return 0
+
+
 @reports_storage_errors("inspect")
 def run(args: argparse.Namespace) -> int:
     import json
@@ -201,6 +229,10 @@ def run(args: argparse.Namespace) -> int:
     for flag, given in (("--as-of", opts.as_of is not None), ("--policy-version", opts.policy_version is not None)):
         if given and not opts.paths:
             raise UsageError(f"{flag} needs --paths")
+    if opts.delta_version is not None and not opts.delta:
+        raise UsageError("--delta-version needs --delta")
+    if opts.delta:
+        return _print_delta_views(storage, opts.delta_version)
     if opts.paths:
         from rlrec.reading import open as open_store
 

@@ -1,0 +1,332 @@
+"""`rlrec export URI URI --to delta`: a read-only Delta Lake view of the store (rlrec.delta_view).
+
+Every Delta version is read by polars (`read_delta(version=)`) and DuckDB (over
+`DeltaTable(...).to_pyarrow_dataset()`) and compared with what `rlrec.open` reads at the cursor
+the version's txns map to, through compaction and retention, on local disk and moto S3; engines'
+VACUUM / OPTIMIZE / DELETE on the view leave every shard in place; kill -9 of `--follow`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections import Counter
+
+import pytest
+
+deltalake = pytest.importorskip("deltalake")
+pl = pytest.importorskip("polars")
+duckdb = pytest.importorskip("duckdb")
+
+from rlrec import delta_view  # noqa: E402
+from rlrec.cli import main  # noqa: E402
+from rlrec.delta_view import LOG_DIR, ViewError, export_views, storage_options, version_cursor  # noqa: E402
+from rlrec.store.commit import ShardCommitter  # noqa: E402
+from rlrec.store.compaction import compact_partition  # noqa: E402
+from rlrec.store.retention import retain  # noqa: E402
+from rlrec.store.snapshot import ExpiredPointError, open_snapshot  # noqa: E402
+from rlrec.store.storage import Storage  # noqa: E402
+from rlrec.trainer.synthetic import expert_cartpole_episodes  # noqa: E402
+
+POLICY = "expert"  # expert_cartpole_episodes' policy id
+
+
+def _commit(c: ShardCommitter, shards: int, seed0: int) -> None:
+    for i in range(shards):
+        c.commit(expert_cartpole_episodes(2, seed=seed0 + i, max_steps=15))
+
+
+def _rlrec_ids(uri: str, cursor: str) -> Counter:
+    """{episode id: times read} by `rlrec.open` at `cursor` (this policy's shards)."""
+    t = open_snapshot(uri, as_of=cursor).steps()
+    ids = [e for e, p, step in zip(*(t.column(c).to_pylist() for c in ("episode_id", "policy_id", "t"))) if step == 0]
+    assert all(p == POLICY for p in t.column("policy_id").to_pylist())
+    return Counter(ids)
+
+
+def _delta_ids(uri: str, version: int) -> tuple[Counter, Counter]:
+    """{episode id: rows} of Delta version `version`, as polars and as DuckDB read it."""
+    opts = storage_options(uri)
+    by_polars = Counter(pl.read_delta(uri, version=version, storage_options=opts or None)["episode_id"].to_list())
+    dataset = deltalake.DeltaTable(uri, version=version, storage_options=opts).to_pyarrow_dataset()  # noqa: F841
+    rows = duckdb.sql("select episode_id from dataset").fetchall()
+    return by_polars, Counter(r[0] for r in rows)
+
+
+def _check_every_version(store_uri: str) -> tuple[int, int]:
+    """For every version of the view: polars and DuckDB read exactly the episodes rlrec.open reads
+    at the mapped cursor, or all three refuse the point as expired. Returns (versions checked,
+    versions expired)."""
+    view = f"{store_uri.rstrip('/')}/{POLICY}"
+    newest, _ = version_cursor(store_uri, POLICY)
+    expired = 0
+    for v in range(newest + 1):
+        got_v, cursor = version_cursor(store_uri, POLICY, v)
+        assert got_v == v
+        try:
+            want = _rlrec_ids(store_uri, cursor)
+        except ExpiredPointError:
+            expired += 1
+            with pytest.raises(Exception, match=r"(?i)not found|no such file|does not exist|404"):
+                _delta_ids(view, v)
+            continue
+        by_polars, by_duckdb = _delta_ids(view, v)
+        assert by_polars == want, f"version {v} ({cursor}): polars reads other rows than rlrec.open"
+        assert by_duckdb == want, f"version {v} ({cursor}): DuckDB reads other rows than rlrec.open"
+    return newest + 1, expired
+
+
+def _history(uri: str, storage: Storage) -> None:
+    """Two partitions' commits, exports in between, a compaction, retention of the replaced
+    shards, then of everything (deleted at once): the crossings a view must mirror."""
+    c0, c1 = ShardCommitter(uri, "rl", 0), ShardCommitter(uri, "rl", 1)
+    _commit(c0, 3, 0)
+    export_views(uri)
+    _commit(c1, 2, 10)
+    _commit(c0, 1, 20)
+    assert compact_partition(c0.log, min_age_s=0).replaced == 4
+    export_views(uri)
+    assert len(retain(storage, grace_s=3600).recorded) == 4  # the replaced shards (kept: grace)
+    _commit(c1, 1, 30)
+    export_views(uri)
+    time.sleep(0.3)
+    res = retain(storage, grace_s=0, older_than_s=0.2)  # everything expires, deleted at once
+    assert res.recorded and res.deleted
+    _commit(c0, 1, 40)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_every_version_reads_what_rlrec_open_reads_at_its_cursor(where, tmp_path, request, monkeypatch):
+    if where == "local":
+        uri = str(tmp_path / "out")
+    else:
+        s3 = request.getfixturevalue("local_s3")
+        for k, v in s3.env().items():
+            monkeypatch.setenv(k, v)
+        bucket = s3.create_bucket(f"t-{uuid.uuid4().hex[:10]}")
+        uri = f"s3://{bucket}/out"
+    storage = Storage.from_uri(uri)
+    _history(uri, storage)
+    first = export_views(uri)
+    assert [r.policy_id for r in first] == [POLICY] and first[0].commits > 0
+    assert export_views(uri)[0].commits == 0, "a rerun added commits"
+    assert first[0].cursor == open_snapshot(uri).cursor  # the newest version is the newest point
+    versions, expired = _check_every_version(uri)
+    assert versions >= 10 and 0 < expired < versions
+    # the shards retention deleted: the versions holding them refuse, as rlrec.open does there
+    view = f"{uri}/{POLICY}"
+    assert pl.read_delta(view, storage_options=storage_options(view) or None).height == 2
+
+
+def test_a_view_mirrors_each_entry_with_one_commit_and_the_txns_of_its_point(tmp_path):
+    uri = str(tmp_path / "out")
+    c = ShardCommitter(uri, "rl", 0)
+    _commit(c, 3, 0)
+    [res] = export_views(uri)
+    assert (res.version, res.commits) == (2, 3)  # the first commit creates the table with the first shard
+    assert compact_partition(c.log, min_age_s=0).replaced == 3
+    [res] = export_views(uri)
+    assert (res.version, res.commits) == (3, 1)
+    actions = [json.loads(line) for line in open(tmp_path / "out" / POLICY / LOG_DIR / f"{3:020d}.json")]
+    kinds = Counter(next(iter(a)) for a in actions)
+    assert kinds == {"commitInfo": 1, "remove": 3, "add": 1, "txn": 1}
+    assert all(a[k]["dataChange"] is False for a in actions for k in a if k in ("add", "remove"))
+    [txn] = [a["txn"] for a in actions if "txn" in a]
+    assert txn["appId"] == "rlrec:rl/0" and txn["version"] == c.log.next_seq  # seq + 1 of the replace entry
+    assert version_cursor(uri, POLICY)[1] == open_snapshot(uri).cursor
+    dt = deltalake.DeltaTable(str(tmp_path / "out" / POLICY))
+    assert dt.protocol().writer_features == [delta_view.VIEW_FEATURE] and dt.protocol().min_reader_version == 1
+
+
+def _store_files(root) -> dict[str, bytes]:
+    return {
+        os.path.relpath(os.path.join(d, f), root): open(os.path.join(d, f), "rb").read()
+        for d, _, fs in os.walk(root)
+        if LOG_DIR not in d
+        for f in fs
+    }
+
+
+def test_vacuum_optimize_and_delete_by_an_engine_touch_no_shard(tmp_path, monkeypatch):
+    """delta-rs's vacuum (lite and full, retention 0), optimize and delete on the view are refused
+    by its protocol; every file of the store stays. Without the view's writer feature the same
+    vacuum deletes rlrec's replaced shards: the protection is what keeps them."""
+    uri = str(tmp_path / "out")
+    c = ShardCommitter(uri, "rl", 0)
+    _commit(c, 3, 0)
+    compact_partition(c.log, min_age_s=0)
+    _commit(c, 1, 10)
+    export_views(uri)
+    before = _store_files(uri)
+    dt = deltalake.DeltaTable(f"{uri}/{POLICY}")
+    engines = {
+        "vacuum": lambda: dt.vacuum(retention_hours=0, enforce_retention_duration=False, dry_run=False),
+        "vacuum full": lambda: dt.vacuum(retention_hours=0, enforce_retention_duration=False, dry_run=False, full=True),
+        "optimize": lambda: dt.optimize.compact(),
+        "z-order": lambda: dt.optimize.z_order(["policy_version"]),
+        "delete": lambda: dt.delete("policy_version >= 0"),
+    }
+    for name, run in engines.items():
+        with pytest.raises(Exception, match=delta_view.VIEW_FEATURE):
+            run()
+        assert _store_files(uri) == before, f"{name} changed the store"
+    assert export_views(uri)[0].commits == 0  # and the view is untouched: nothing to do, nothing refused
+
+    # the control: the same view without the feature loses rlrec's replaced shards to a vacuum
+    other = str(tmp_path / "plain")
+    monkeypatch.setattr(delta_view, "PROTOCOL", {"minReaderVersion": 1, "minWriterVersion": 2})
+    c2 = ShardCommitter(other, "rl", 0)
+    _commit(c2, 3, 0)
+    compact_partition(c2.log, min_age_s=0)
+    export_views(other)
+    deleted = deltalake.DeltaTable(f"{other}/{POLICY}").vacuum(
+        retention_hours=0, enforce_retention_duration=False, dry_run=False
+    )
+    assert len(deleted) == 3
+
+
+def test_a_view_another_writer_changed_is_refused_not_extended(tmp_path):
+    uri = str(tmp_path / "out")
+    c = ShardCommitter(uri, "rl", 0)
+    _commit(c, 2, 0)
+    [res] = export_views(uri)
+    log_dir = tmp_path / "out" / POLICY / LOG_DIR
+    name = next(iter(open_snapshot(uri).entries)).path.split("/", 1)[1]
+    foreign = {"remove": {"path": name, "deletionTimestamp": 1, "dataChange": True}}
+    (log_dir / f"{res.version + 1:020d}.json").write_text(json.dumps(foreign) + "\n")
+    _commit(c, 1, 10)
+    with pytest.raises(ViewError, match="no longer mirrors the store"):
+        export_views(uri)
+    # a Delta table of another protocol in a policy directory is not an rlrec view
+    other = tmp_path / "other"
+    ShardCommitter(str(other), "rl", 0).commit(expert_cartpole_episodes(1))
+    import pyarrow as pa
+
+    deltalake.write_deltalake(str(other / POLICY), pa.table({"x": [1]}))
+    with pytest.raises(ViewError, match="not an rlrec view"):
+        export_views(str(other))
+
+
+def test_a_shard_not_published_yet_waits_and_is_mirrored_once_published(tmp_path):
+    uri = str(tmp_path / "out")
+    c = ShardCommitter(uri, "rl", 0)
+    _commit(c, 2, 0)
+    storage = Storage.from_uri(uri)
+    last = open_snapshot(uri).entries[-1]
+    storage.move(last.path, last.staging_path)  # committed, its publication not done yet
+    [res] = export_views(uri)
+    assert (res.commits, res.waiting) == (1, 1)
+    storage.move(last.staging_path, last.path)
+    [res] = export_views(uri)
+    assert (res.commits, res.waiting) == (1, 0)
+    assert res.cursor == open_snapshot(uri).cursor
+
+
+def test_export_as_of_mirrors_up_to_that_point_and_a_later_run_continues(tmp_path):
+    uri = str(tmp_path / "out")
+    c = ShardCommitter(uri, "rl", 0)
+    _commit(c, 2, 0)
+    point = open_snapshot(uri).cursor
+    _commit(c, 2, 10)
+    [res] = export_views(uri, as_of=point)
+    assert res.cursor == point and res.commits == 2
+    [res] = export_views(uri)
+    assert res.commits == 2 and res.cursor == open_snapshot(uri).cursor
+    assert _check_every_version(uri) == (4, 0)
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys, monkeypatch):
+    uri = str(tmp_path / "out")
+    ShardCommitter(uri, "rl", 0).commit(expert_cartpole_episodes(1))
+    cases = [
+        (["export", uri, uri, "--to", "delta", "--follow", "--as-of", "r1~0123456789ab~rl:0=1"], "not both"),
+        (["export", uri, str(tmp_path / "elsewhere"), "--to", "delta"], "a Delta view lives in the store"),
+        (["export", uri, str(tmp_path / "x"), "--to", "parquet", "--follow"], "--follow needs --to delta"),
+    ]
+    for argv, msg in cases:
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("rlrec export: error: ") and msg in err[0], err
+    monkeypatch.setitem(sys.modules, "deltalake", None)  # the extra not installed
+    assert main(["export", uri, uri, "--to", "delta"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "pip install 'rlrec[delta]'" in err[0], err
+    assert not (tmp_path / "out" / POLICY / LOG_DIR).exists()
+
+
+def test_cli_exports_and_inspect_shows_the_version_mapping(tmp_path, capsys):
+    uri = str(tmp_path / "out")
+    _commit(ShardCommitter(uri, "rl", 0), 2, 0)
+    assert main(["export", uri, uri, "--to", "delta"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out == [f"{uri}/{POLICY}\t1\t{open_snapshot(uri).cursor}"]
+    assert main(["inspect", uri, "--delta"]) == 0
+    assert capsys.readouterr().out.strip().splitlines() == [f"{POLICY}\t1\t{open_snapshot(uri).cursor}"]
+    assert main(["inspect", uri, "--delta", "--delta-version", "0"]) == 0
+    [line] = capsys.readouterr().out.strip().splitlines()
+    assert line.split("\t")[:2] == [POLICY, "0"] and line.endswith("rl:0=2")
+
+
+# -- kill -9 of --follow -------------------------------------------------------------------------
+
+
+def _added_and_removed(log_dir) -> tuple[list[str], Counter]:
+    """Every add path in version order, and how often each path was removed."""
+    adds, removes = [], Counter()
+    names = sorted(n for n in os.listdir(log_dir) if n.endswith(".json"))
+    assert names == [f"{v:020d}.json" for v in range(len(names))], "a gap in the Delta log"
+    for n in names:
+        for line in open(os.path.join(log_dir, n)):
+            a = json.loads(line)
+            if "add" in a:
+                adds.append(a["add"]["path"])
+            if "remove" in a:
+                removes[a["remove"]["path"]] += 1
+    return adds, removes
+
+
+@pytest.mark.slow
+def test_kill_9_of_follow_at_random_moments_then_a_rerun_completes_with_no_missing_or_doubled_commit(tmp_path):
+    uri = str(tmp_path / "out")
+    c0, c1 = ShardCommitter(uri, "rl", 0), ShardCommitter(uri, "rl", 1)
+    _commit(c0, 1, 0)
+    done = threading.Event()
+
+    def writer() -> None:
+        for i in range(24):
+            _commit(c0 if i % 2 else c1, 1, 100 + i)
+            if i == 12:
+                compact_partition(c0.log, min_age_s=0)
+            time.sleep(0.05)
+        done.set()
+
+    threading.Thread(target=writer, daemon=True).start()
+    rng = random.Random(48)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "rlrec", "export", uri, uri, "--to", "delta", "--follow", "--interval", "0.02"]
+    kills = 0
+    while not done.is_set() or kills < 4:
+        p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        time.sleep(rng.uniform(1.5, 3.0))  # the interpreter starts in ~1 s: kills land mid-export
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        kills += 1
+    assert export_views(uri)[0].cursor == open_snapshot(uri).cursor  # the rerun completes it
+    assert export_views(uri)[0].commits == 0
+    adds, removes = _added_and_removed(tmp_path / "out" / POLICY / LOG_DIR)
+    assert len(adds) == len(set(adds)), "a shard added twice"
+    committed = {
+        e.path.split("/", 1)[1] for es in (c0.log.entries(), c1.log.entries()) for e in es if hasattr(e, "path")
+    }
+    committed |= {e.shard.path.split("/", 1)[1] for e in c0.log.entries() if hasattr(e, "shard")}
+    assert set(adds) == committed, "a committed shard is missing from the view"
+    assert max(removes.values(), default=1) == 1
+    _check_every_version(uri)

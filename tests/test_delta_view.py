@@ -332,3 +332,25 @@ def test_kill_9_of_follow_at_random_moments_then_a_rerun_completes_with_no_missi
     assert set(adds) == committed, "a committed shard is missing from the view"
     assert max(removes.values(), default=1) == 1
     _check_every_version(uri)
+
+
+def test_checkpoints_keep_the_mapping_when_delta_log_cleanup_drops_the_commits(tmp_path, monkeypatch):
+    """A checkpoint every CHECKPOINT_EVERY versions (delta-rs's writer); once log cleanup deleted the
+    commits below it, the version -> cursor mapping still comes from the txns, a rerun adds nothing,
+    and the newest version reads what rlrec.open reads."""
+    monkeypatch.setattr(delta_view, "CHECKPOINT_EVERY", 4)
+    uri = str(tmp_path / "out")
+    _commit(ShardCommitter(uri, "rl", 0), 10, 0)
+    [res] = export_views(uri)
+    log_dir = tmp_path / "out" / POLICY / LOG_DIR
+    assert res.version == 9
+    assert sorted(n for n in os.listdir(log_dir) if "checkpoint.parquet" in n) == [
+        f"{4:020d}.checkpoint.parquet",
+        f"{8:020d}.checkpoint.parquet",
+    ]
+    for v in range(8):
+        (log_dir / f"{v:020d}.json").unlink()  # what Delta log cleanup does below a checkpoint
+    assert version_cursor(uri, POLICY) == (9, open_snapshot(uri).cursor)
+    assert version_cursor(uri, POLICY, 8)[1].endswith("rl:0=10")  # a claim, then 9 shard entries
+    assert export_views(uri)[0].commits == 0
+    assert _delta_ids(f"{uri}/{POLICY}", 9)[0] == _rlrec_ids(uri, open_snapshot(uri).cursor)

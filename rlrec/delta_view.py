@@ -89,9 +89,11 @@ def app_id(topic: str, partition: int) -> str:
 
 
 def storage_options(uri: str) -> dict[str, str]:
-    """deltalake's ``storage_options`` for a store URI: plain HTTP allowed where the S3 endpoint
-    in the environment is one (a local S3 such as moto or MinIO); the rest comes from the
-    standard environment variables, as for rlrec's own access.
+    """deltalake's ``storage_options`` for a view's URI, from the environment rlrec itself reads:
+    for S3, plain HTTP allowed where ``AWS_ENDPOINT_URL`` is an ``http://`` endpoint (a local S3
+    such as moto or MinIO); for Azure (``az://``, ``abfs://``), the account, endpoint and key or
+    SAS token of ``AZURE_STORAGE_CONNECTION_STRING`` or ``AZURE_STORAGE_*`` (delta-rs does not read
+    connection strings). Otherwise none: delta-rs reads the standard variables itself.
 
     Example:
         >>> storage_options("/tmp/store")
@@ -99,9 +101,24 @@ def storage_options(uri: str) -> dict[str, str]:
     """
     import os
 
-    endpoint = os.environ.get("AWS_ENDPOINT_URL", "")
-    if uri.startswith("s3://") and endpoint.startswith("http://"):
-        return {"AWS_ALLOW_HTTP": "true", "AWS_ENDPOINT_URL": endpoint}
+    if uri.startswith("s3://"):
+        endpoint = os.environ.get("AWS_ENDPOINT_URL", "")
+        return {"AWS_ALLOW_HTTP": "true", "AWS_ENDPOINT_URL": endpoint} if endpoint.startswith("http://") else {}
+    if uri.startswith(("az://", "abfs://", "abfss://")):
+        from rlrec.store.azure import AzureSettings
+
+        try:
+            az = AzureSettings.from_env()
+        except ValueError:  # no account in the environment: delta-rs's own sign-in
+            return {}
+        opts = {"account_name": az.account_name, "azure_storage_endpoint": az.blob_endpoint}
+        if az.blob_endpoint.startswith("http://"):
+            opts["allow_http"] = "true"
+        if az.account_key:
+            opts["account_key"] = az.account_key
+        elif az.sas_token:
+            opts["sas_token"] = az.sas_token
+        return opts
     return {}
 
 

@@ -103,16 +103,21 @@ def _history(uri: str, storage: Storage) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("where", ["local", "s3"])
+@pytest.mark.parametrize("where", ["local", "s3", "azure"])
 def test_every_version_reads_what_rlrec_open_reads_at_its_cursor(where, tmp_path, request, monkeypatch):
     if where == "local":
         uri = str(tmp_path / "out")
-    else:
+    elif where == "s3":
         s3 = request.getfixturevalue("local_s3")
         for k, v in s3.env().items():
             monkeypatch.setenv(k, v)
         bucket = s3.create_bucket(f"t-{uuid.uuid4().hex[:10]}")
         uri = f"s3://{bucket}/out"
+    else:  # Azurite
+        az = request.getfixturevalue("local_azurite")
+        for k, v in az.env().items():
+            monkeypatch.setenv(k, v)
+        uri = f"az://{az.create_container(f't{uuid.uuid4().hex[:10]}')}/out"
     storage = Storage.from_uri(uri)
     _history(uri, storage)
     first = export_views(uri)

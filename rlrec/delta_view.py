@@ -206,6 +206,7 @@ class _View:
         self.schema_json: str | None = None
         self.fmt: str | None = None
         self.logs = logs
+        self._paths_at_load: list[str] = []
         self._load()
 
     # -- the table's state ------------------------------------------------------------------
@@ -243,8 +244,8 @@ class _View:
     def check_mirrors(self, expected: Iterable[ShardEntry]) -> None:
         """ViewError unless the table's files are exactly `expected` (the policy's live shards at
         the point its txns name): another writer (an engine that ignored the protocol) changed it."""
-        want = {self._rel(e): e for e in expected if e.format == self.fmt}
-        got = getattr(self, "_paths_at_load", [])
+        want = {self.rel(e): e for e in expected if e.format == self.fmt}
+        got = self._paths_at_load
         if sorted(want) != got:
             extra, missing = sorted(set(got) - set(want)), sorted(set(want) - set(got))
             raise ViewError(
@@ -254,11 +255,12 @@ class _View:
             )
         self.files = want
 
-    def _rel(self, e: ShardEntry) -> str:
+    def rel(self, e: ShardEntry) -> str:
+        """The add path of shard `e` (relative to the policy directory)."""
         return e.path.split("/", 1)[1]
 
     # -- commits ----------------------------------------------------------------------------
-    def _schema_of(self, e: ShardEntry) -> tuple[str, int] | None:
+    def shard_schema(self, e: ShardEntry) -> tuple[str, int] | None:
         """(Delta schema JSON, rows) of shard `e` from its footer (through the schema gate), or
         None when its published file is not there."""
         from deltalake import Schema
@@ -300,7 +302,7 @@ class _View:
             actions.append(
                 {
                     "remove": {
-                        "path": self._rel(e),
+                        "path": self.rel(e),
                         "deletionTimestamp": now,
                         "dataChange": dc,
                         "extendedFileMetadata": True,
@@ -313,7 +315,7 @@ class _View:
             actions.append(
                 {
                     "add": {
-                        "path": self._rel(e),
+                        "path": self.rel(e),
                         "partitionValues": {},
                         "size": e.bytes,
                         "modificationTime": int(e.commit_time * 1000),
@@ -338,9 +340,9 @@ class _View:
         self.positions.update(moved)
         self.removals = removals
         for e, _ in removes:
-            self.files.pop(self._rel(e), None)
+            self.files.pop(self.rel(e), None)
         for e, _ in adds:
-            self.files[self._rel(e)] = e
+            self.files[self.rel(e)] = e
         if version and version % CHECKPOINT_EVERY == 0:
             self._checkpoint()
 
@@ -460,13 +462,13 @@ def _export_view(walk: _Walk, policy_id: str, stop: Callable[[], bool]) -> ViewR
             e = w.entries[w.pos]
             added, gone = w.changes()
             added = [x for x in added if x.policy_id == policy_id]
-            removes = [(x, not isinstance(e, ReplaceEntry)) for x in gone if view._rel(x) in view.files]
+            removes = [(x, not isinstance(e, ReplaceEntry)) for x in gone if view.rel(x) in view.files]
             rows: list[tuple[ShardEntry, int]] = []
             for x in added:
                 if view.fmt is not None and x.format != view.fmt:
                     res.skipped += 1
                     continue
-                found = view._schema_of(x)
+                found = view.shard_schema(x)
                 if found is None:
                     if (x.topic, x.partition, x.seq) in walk.removed:  # deleted by retention: both refuse it
                         rows.append((x, x.steps if x.format == "tabular" else x.episodes))

@@ -359,3 +359,33 @@ def test_checkpoints_keep_the_mapping_when_delta_log_cleanup_drops_the_commits(t
     assert version_cursor(uri, POLICY, 8)[1].endswith("rl:0=10")  # a claim, then 9 shard entries
     assert export_views(uri)[0].commits == 0
     assert _delta_ids(f"{uri}/{POLICY}", 9)[0] == _rlrec_ids(uri, open_snapshot(uri).cursor)
+
+
+def test_a_second_exporter_at_the_same_time_is_refused_and_the_view_stays_whole(tmp_path):
+    uri = str(tmp_path / "out")
+    _commit(ShardCommitter(uri, "rl", 0), 3, 0)
+    ran = []
+
+    def another_export_runs_first() -> bool:  # asked before the first commit
+        if not ran:
+            ran.append(export_views(uri)[0].commits)
+        return False
+
+    with pytest.raises(ViewError, match="another export writes to it"):
+        export_views(uri, stop=another_export_runs_first)
+    assert ran == [3]
+    adds, removes = _added_and_removed(tmp_path / "out" / POLICY / LOG_DIR)
+    assert len(adds) == len(set(adds)) == 3 and not removes
+    assert export_views(uri)[0].commits == 0
+
+
+def test_follow_stops_cleanly_on_sigterm(tmp_path):
+    uri = str(tmp_path / "out")
+    _commit(ShardCommitter(uri, "rl", 0), 2, 0)
+    cmd = [sys.executable, "-m", "rlrec", "export", uri, uri, "--to", "delta", "--follow", "--interval", "0.1"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = p.stdout.readline()  # the first poll's commits
+    assert line.split("\t")[:2] == [f"{uri}/{POLICY}", "1"], line
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=30) == 143  # 128 + SIGTERM, after a clean stop
+    assert export_views(uri)[0].commits == 0

@@ -52,7 +52,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from rlrec.store.manifest import live_shards, read_partition_logs
+from rlrec.store.manifest import PartitionLog, list_partition_logs, live_shards, shard_files
 from rlrec.store.manifest_entries import ClaimEntry, Entry, ReplaceEntry, ShardEntry, SnapshotEntry
 from rlrec.store.retention import RemovalRecord, read_removals, resolve_removals
 from rlrec.store.snapshot import Cursor, counted_records, cursor_at, open_snapshot
@@ -281,9 +281,13 @@ class _View:
         *,
         data_change: bool = True,
         operation: str,
-    ) -> None:
+    ) -> bool:
         """Append the next version: `adds` (entry, rows), `removes` (entry, dataChange), and the
-        txns of every log whose position moved since the last commit (and of the removal log)."""
+        txns of every log whose position moved since the last commit (and of the removal log).
+        False (nothing written) before the table exists when there is nothing to add: the table
+        is created by its first add, whose txns then name the point."""
+        if self.version < 0 and not adds:
+            return False
         now = int(time.time() * 1000)
         actions: list[dict[str, Any]] = [
             {
@@ -345,6 +349,7 @@ class _View:
             self.files[self.rel(e)] = e
         if version and version % CHECKPOINT_EVERY == 0:
             self._checkpoint()
+        return True
 
     def _create_actions(self, now: int) -> list[dict[str, Any]]:
         return [
@@ -395,7 +400,7 @@ class _Walk:
         if as_of is not None:
             target_cursor = Cursor.parse(open_snapshot(storage, as_of=as_of).cursor)
         records = read_removals(storage)  # before the logs: every record's positions are in them
-        logs = read_partition_logs(storage)
+        logs = {k: PartitionLog(storage, *k).load(strict=True) for k in list_partition_logs(storage)}
         removed = resolve_removals(records, logs)
         if target_cursor is None:
             target = {k: len(es) and int(es[-1].seq) + 1 for k, es in logs.items()}  # type: ignore[arg-type]
@@ -454,6 +459,14 @@ def _export_view(walk: _Walk, policy_id: str, stop: Callable[[], bool]) -> ViewR
     def positions() -> dict[tuple[str, int], int]:
         return {k: w.pos for k, w in walkers.items()}
 
+    def first_schema(fmt: str) -> str | None:
+        """The schema of the policy's first shard of format `fmt` whose file is there."""
+        for es in walk.logs.values():
+            for x in shard_files(es):
+                if x.policy_id == policy_id and x.format == fmt and (found := view.shard_schema(x)):
+                    return found[0]
+        return None
+
     def advance(key: tuple[str, int], to: int) -> bool:
         """Walk log `key` up to `to`, one commit per entry that changes the view; False when an
         entry waits for its shard's publication (the log stops before it)."""
@@ -471,7 +484,10 @@ def _export_view(walk: _Walk, policy_id: str, stop: Callable[[], bool]) -> ViewR
                 found = view.shard_schema(x)
                 if found is None:
                     if (x.topic, x.partition, x.seq) in walk.removed:  # deleted by retention: both refuse it
-                        rows.append((x, x.steps if x.format == "tabular" else x.episodes))
+                        if view.schema_json is None:  # the table's first shard: its schema from another
+                            view.schema_json, view.fmt = first_schema(x.format), x.format
+                        if view.schema_json is not None:  # (none: every shard of the policy is deleted)
+                            rows.append((x, x.steps if x.format == "tabular" else x.episodes))
                         continue
                     res.waiting += 1
                     blocked.add(key)
@@ -486,19 +502,18 @@ def _export_view(walk: _Walk, policy_id: str, stop: Callable[[], bool]) -> ViewR
                     )
                 rows.append((x, n))
             w.step()
-            if rows or removes:
-                view.commit(
-                    rows,
-                    removes,
-                    positions(),
-                    removals,
-                    data_change=not isinstance(e, ReplaceEntry),
-                    operation="rlrec replace" if isinstance(e, ReplaceEntry) else "rlrec shard",
-                )
+            if (rows or removes) and view.commit(
+                rows,
+                removes,
+                positions(),
+                removals,
+                data_change=not isinstance(e, ReplaceEntry),
+                operation="rlrec replace" if isinstance(e, ReplaceEntry) else "rlrec shard",
+            ):
                 res.commits += 1
         return w.pos >= to
 
-    for rec in walk.records[removals : walk.target_removals]:
+    for rec in [r for r in walk.records if removals <= r.n < walk.target_removals]:
         if stop():
             break
         if not all(k in walkers and advance(k, max(n, walkers[k].pos)) for k, n in sorted(rec.positions.items())):
@@ -509,9 +524,9 @@ def _export_view(walk: _Walk, policy_id: str, stop: Callable[[], bool]) -> ViewR
             for e in list(view.files.values())
             if (e.topic, e.partition, e.seq) in gone and e.policy_id == policy_id
         ]
-        removals = rec.n + 1
-        view.commit([], removes, positions(), removals, operation="rlrec retention")
-        res.commits += 1
+        removals = rec.n + 1  # (before the table exists: its first add carries it)
+        if view.commit([], removes, positions(), removals, operation="rlrec retention"):
+            res.commits += 1
     for k in sorted(walkers):
         if k not in blocked and not stop():
             advance(k, walk.target.get(k, 0))
@@ -602,8 +617,6 @@ def version_cursor(storage: Storage | str, policy_id: str, version: int | None =
         dt = DeltaTable(uri, version=version, storage_options=storage_options(uri))
     except Exception as e:
         raise ViewError(f"cannot open version {version} of the Delta view {uri}: {str(e).splitlines()[0]}") from None
-    from rlrec.store.manifest import list_partition_logs
-
     positions = {}
     for key in list_partition_logs(st):
         v = dt.transaction_version(app_id(*key))

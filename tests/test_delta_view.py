@@ -389,3 +389,17 @@ def test_follow_stops_cleanly_on_sigterm(tmp_path):
     p.send_signal(signal.SIGTERM)
     assert p.wait(timeout=30) == 143  # 128 + SIGTERM, after a clean stop
     assert export_views(uri)[0].commits == 0
+
+
+def test_a_view_first_exported_after_retention_deleted_its_first_shards(tmp_path):
+    """The policy's first shards expired and were deleted before the first export: the versions
+    holding them refuse in both readers, the retention commit drops them, the rest reads equal."""
+    uri = str(tmp_path / "out")
+    c = ShardCommitter(uri, "rl", 0)
+    _commit(c, 2, 0)
+    time.sleep(0.3)
+    assert len(retain(c.storage, grace_s=0, older_than_s=0.2).deleted) == 2
+    _commit(c, 1, 10)
+    [res] = export_views(uri)
+    assert res.commits == 4 and res.cursor == open_snapshot(uri).cursor
+    assert _check_every_version(uri) == (4, 2)

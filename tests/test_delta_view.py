@@ -43,44 +43,81 @@ def _commit(c: ShardCommitter, shards: int, seed0: int) -> None:
         c.commit(expert_cartpole_episodes(2, seed=seed0 + i, max_steps=15))
 
 
-def _rlrec_ids(uri: str, cursor: str) -> Counter:
-    """{episode id: times read} by `rlrec.open` at `cursor` (this policy's shards)."""
+def _rlrec_ids(uri: str, cursor: str, policy: str = POLICY, fmt: str = "episodes") -> Counter:
+    """What `rlrec.open` reads at `cursor` of `policy`'s shards: {episode id: episodes} (episode
+    shards: a row per episode) or {episode id: steps} (tabular shards: a row per step)."""
     t = open_snapshot(uri, as_of=cursor).steps()
-    ids = [e for e, p, step in zip(*(t.column(c).to_pylist() for c in ("episode_id", "policy_id", "t"))) if step == 0]
-    assert all(p == POLICY for p in t.column("policy_id").to_pylist())
-    return Counter(ids)
+    rows = zip(*(t.column(c).to_pylist() for c in ("episode_id", "policy_id", "t")))
+    return Counter(e for e, p, step in rows if p == policy and (fmt == "tabular" or step == 0))
 
 
-def _delta_ids(uri: str, version: int) -> tuple[Counter, Counter]:
+def _delta_ids(uri: str, version: int, fmt: str = "episodes") -> tuple[Counter, Counter]:
     """{episode id: rows} of Delta version `version`, as polars and as DuckDB read it."""
+    col = "eps_id" if fmt == "tabular" else "episode_id"
     opts = storage_options(uri)
-    by_polars = Counter(pl.read_delta(uri, version=version, storage_options=opts or None)["episode_id"].to_list())
+    frame = pl.read_delta(
+        uri, version=version, storage_options=opts or None, columns=None if col == "episode_id" else [col]
+    )
+    by_polars = Counter(frame[col].to_list())
     dataset = deltalake.DeltaTable(uri, version=version, storage_options=opts).to_pyarrow_dataset()  # noqa: F841
-    rows = duckdb.sql("select episode_id from dataset").fetchall()
+    rows = duckdb.sql(f"select {col} from dataset").fetchall()
     return by_polars, Counter(r[0] for r in rows)
 
 
-def _check_every_version(store_uri: str) -> tuple[int, int]:
-    """For every version of the view: polars and DuckDB read exactly the episodes rlrec.open reads
-    at the mapped cursor, or all three refuse the point as expired. Returns (versions checked,
-    versions expired)."""
-    view = f"{store_uri.rstrip('/')}/{POLICY}"
-    newest, _ = version_cursor(store_uri, POLICY)
+def _check_every_version(store_uri: str, policy: str = POLICY, fmt: str = "episodes") -> tuple[int, int]:
+    """For every version of `policy`'s view: polars and DuckDB read exactly the rows rlrec.open
+    reads at the mapped cursor, or all three refuse the point as expired. Returns (versions
+    checked, versions expired)."""
+    view = f"{store_uri.rstrip('/')}/{policy}"
+    newest, _ = version_cursor(store_uri, policy)
     expired = 0
     for v in range(newest + 1):
-        got_v, cursor = version_cursor(store_uri, POLICY, v)
+        got_v, cursor = version_cursor(store_uri, policy, v)
         assert got_v == v
         try:
-            want = _rlrec_ids(store_uri, cursor)
+            want = _rlrec_ids(store_uri, cursor, policy, fmt)
         except ExpiredPointError:
+            # rlrec refuses a point once any of its shards is deleted, whatever its policy; the view
+            # refuses once one of *its* shards is: it reads the manifest's episodes of its policy there
+            mine = _policy_shards_at(store_uri, cursor, policy)
+            if all(Storage.from_uri(store_uri).exists(e.path) for e in mine):
+                want = Counter(i for e in mine for i in e.episode_ids)
+                assert fmt == "episodes" and _delta_ids(view, v, fmt) == (want, want), f"{policy} version {v}"
+                continue
             expired += 1
             with pytest.raises(Exception, match=r"(?i)not found|no such file|does not exist|404"):
-                _delta_ids(view, v)
+                _delta_ids(view, v, fmt)
             continue
-        by_polars, by_duckdb = _delta_ids(view, v)
-        assert by_polars == want, f"version {v} ({cursor}): polars reads other rows than rlrec.open"
-        assert by_duckdb == want, f"version {v} ({cursor}): DuckDB reads other rows than rlrec.open"
+        by_polars, by_duckdb = _delta_ids(view, v, fmt)
+        assert by_polars == want, f"{policy} version {v} ({cursor}): polars reads other rows than rlrec.open"
+        assert by_duckdb == want, f"{policy} version {v} ({cursor}): DuckDB reads other rows than rlrec.open"
     return newest + 1, expired
+
+
+def _policy_shards_at(uri: str, cursor: str, policy: str) -> list:
+    """`policy`'s live shards at `cursor` by the manifest's own rules (live_shards less the
+    records in effect), without the check that their files are there."""
+    from rlrec.store.manifest import PartitionLog, live_shards
+    from rlrec.store.retention import read_removals, resolve_removals
+    from rlrec.store.snapshot import Cursor, counted_records
+
+    st = Storage.from_uri(uri)
+    c = Cursor.parse(cursor)
+    logs = {k: PartitionLog(st, *k).load() for k in c.positions}
+    records = read_removals(st)
+    removed = resolve_removals(records, logs)
+    dropped = {
+        f.key
+        for r in counted_records(records, c.positions, c.removals)
+        for f in r.files
+        if f.key in removed and removed[f.key][1].path == f.path
+    }
+    return [
+        e
+        for k, es in logs.items()
+        for e in live_shards(es, below=c.positions[k]).values()
+        if e.policy_id == policy and (e.topic, e.partition, e.seq) not in dropped
+    ]
 
 
 def _history(uri: str, storage: Storage) -> None:
@@ -403,3 +440,45 @@ def test_a_view_first_exported_after_retention_deleted_its_first_shards(tmp_path
     [res] = export_views(uri)
     assert res.commits == 4 and res.cursor == open_snapshot(uri).cursor
     assert _check_every_version(uri) == (4, 2)
+
+
+def _commit_as(c: ShardCommitter, policy: str, seed: int) -> None:
+    c.commit(expert_cartpole_episodes(2, seed=seed, max_steps=15, policy_id=policy))
+
+
+def test_two_policies_each_view_maps_to_points_that_read_its_rows(tmp_path):
+    """Entries of the other policy and retention of its shards move the point of this policy's
+    view through its next commit's txns: every version of both views reads what rlrec.open reads
+    at its cursor (a point where the other policy's deleted shards make rlrec.open refuse would
+    show here)."""
+    uri = str(tmp_path / "out")
+    c0, c1 = ShardCommitter(uri, "rl", 0), ShardCommitter(uri, "rl", 1)
+    for i, (c, p) in enumerate([(c0, "expert"), (c0, "novice"), (c0, "expert"), (c1, "novice"), (c1, "novice")]):
+        _commit_as(c, p, i)
+    export_views(uri)
+    assert compact_partition(c0.log, min_age_s=0).replaced >= 2
+    assert retain(c0.storage, grace_s=3600).recorded
+    _commit_as(c1, "novice", 10)
+    export_views(uri, policy_id="expert")  # one view moves ahead of the other
+    time.sleep(0.3)
+    assert retain(c0.storage, grace_s=0, older_than_s=0.2).deleted
+    _commit_as(c0, "expert", 20)
+    _commit_as(c1, "novice", 21)
+    results = {r.policy_id: r for r in export_views(uri)}
+    assert sorted(results) == ["expert", "novice"]
+    newest = open_snapshot(uri).cursor  # each view's newest version reads the newest point's rows
+    assert all(_rlrec_ids(uri, r.cursor, p) == _rlrec_ids(uri, newest, p) for p, r in results.items())
+    for policy in results:
+        versions, expired = _check_every_version(uri, policy)
+        assert versions >= 3 and expired >= 1, (policy, versions, expired)
+
+
+def test_a_view_of_tabular_shards_reads_a_row_per_step(tmp_path):
+    uri = str(tmp_path / "out")
+    c = ShardCommitter(uri, "rl", 0, fmt="tabular")
+    _commit(c, 3, 0)
+    compact_partition(c.log, min_age_s=0)
+    _commit(c, 1, 10)
+    [res] = export_views(uri)
+    assert res.commits == 5
+    assert _check_every_version(uri, fmt="tabular") == (5, 0)

@@ -315,6 +315,12 @@ def test_cli_exports_and_inspect_shows_the_version_mapping(tmp_path, capsys):
     assert main(["inspect", uri, "--delta", "--delta-version", "0"]) == 0
     [line] = capsys.readouterr().out.strip().splitlines()
     assert line.split("\t")[:2] == [POLICY, "0"] and line.endswith("rl:0=2")
+    # the store's own maintenance leaves the view alone, and accepts it
+    assert main(["inspect", uri, "--verify"]) == 0
+    assert main(["gc", uri, "--older-than", "0s"]) == 0
+    capsys.readouterr()
+    assert main(["export", uri, uri, "--to", "delta"]) == 0
+    assert capsys.readouterr().err.strip().endswith("0 Delta commit(s) to 1 view(s)")
 
 
 # -- kill -9 of --follow -------------------------------------------------------------------------

@@ -190,6 +190,8 @@ class ViewResult:
     commits: int = 0
     waiting: int = 0
     skipped: int = 0
+    #: the view's state after this export (`follow_views` hands it to the next one)
+    state: Any = field(default=None, repr=False, compare=False)
 
 
 class _View:
@@ -445,11 +447,14 @@ def _shards_of(entries: Iterable[Entry]) -> Iterable[ShardEntry]:
             yield e.shard
 
 
-def _export_view(walk: _Walk, policy_id: str, stop: Callable[[], bool]) -> ViewResult:
-    view = _View(walk.storage, policy_id, walk.logs)
+def _export_view(walk: _Walk, policy_id: str, stop: Callable[[], bool], view: _View | None = None) -> ViewResult:
+    """Bring `policy_id`'s view up to `walk.target`; `view`: its state kept from this process's
+    previous export (a follow loop), else read from the table and checked against the store."""
+    if view is None:
+        view = _View(walk.storage, policy_id, walk.logs)
+        if view.version >= 0:
+            view.check_mirrors(walk.expected(policy_id, view.positions, view.removals))
     res = ViewResult(policy_id, view.uri, view.version)
-    if view.version >= 0:
-        view.check_mirrors(walk.expected(policy_id, view.positions, view.removals))
     walkers = {k: _Log(k, es) for k, es in walk.logs.items()}
     for k, w in walkers.items():
         w.seek(view.positions.get(k, 0))
@@ -533,6 +538,7 @@ def _export_view(walk: _Walk, policy_id: str, stop: Callable[[], bool]) -> ViewR
     res.version = view.version
     if view.version >= 0:
         res.cursor = walk.cursor(view.positions, view.removals)
+    res.state = view
     return res
 
 
@@ -542,6 +548,7 @@ def export_views(
     as_of: Any = None,
     policy_id: str | None = None,
     stop: Callable[[], bool] = lambda: False,
+    known: Mapping[str, Any] | None = None,
 ) -> list[ViewResult]:
     """Bring the Delta view of each policy of `storage` up to a point of its manifest (module
     docstring): a rerun writes nothing new; an interrupted run is continued by the next one.
@@ -551,6 +558,8 @@ def export_views(
         as_of: the point to mirror up to (a cursor, a time; None: the newest).
         policy_id: only this policy's view (None: every policy's).
         stop: asked between commits; True stops the export there (a clean stop).
+        known: ``{policy id: ViewResult.state}`` of this process's previous export: those views
+            are not read again (their commits are create-once: another writer is still detected).
 
     Raises:
         ViewError: a view that cannot be exported to (one line).
@@ -569,7 +578,8 @@ def export_views(
     st = Storage.from_uri(storage) if isinstance(storage, str) else storage
     walk = _Walk.read(st, as_of)
     policies = walk.policies() if policy_id is None else [policy_id]
-    return [_export_view(walk, p, stop) for p in policies]
+    known = known or {}
+    return [_export_view(walk, p, stop, known.get(p)) for p in policies]
 
 
 def follow_views(
@@ -590,9 +600,11 @@ def follow_views(
         on_poll: called with each poll's results.
     """
     st = Storage.from_uri(storage) if isinstance(storage, str) else storage
+    known: dict[str, Any] = {}
     while not stop():
         t0 = time.monotonic()
-        results = export_views(st, policy_id=policy_id, stop=stop)
+        results = export_views(st, policy_id=policy_id, stop=stop, known=known)
+        known = {r.policy_id: r.state for r in results}
         if on_poll is not None:
             on_poll(results)
         while not stop() and time.monotonic() - t0 < interval_s:

@@ -385,6 +385,25 @@ class _View:
 
 
 @dataclass
+class ManifestCache:
+    """The store's partition logs and removal records as read before (a follow loop): each poll
+    reads only what was appended since (`PartitionLog.refresh`, records from the next number)."""
+
+    logs: dict[tuple[str, int], PartitionLog] = field(default_factory=dict)
+    records: list[RemovalRecord] = field(default_factory=list)
+    firsts: dict[tuple[str, int], str] = field(default_factory=dict)  # `cursor_at`'s cache
+
+    def read(self, storage: Storage) -> tuple[list[RemovalRecord], dict[tuple[str, int], list[Entry]]]:
+        start = self.records[-1].n + 1 if self.records else 0
+        self.records += read_removals(storage, start)  # before the logs: every record's positions are in them
+        for key in list_partition_logs(storage):
+            if key not in self.logs:
+                self.logs[key] = PartitionLog(storage, *key)
+            self.logs[key].refresh()  # the first time: the whole log, strictly
+        return list(self.records), {k: plog.entries for k, plog in self.logs.items()}
+
+
+@dataclass
 class _Walk:
     """The store's manifest read once, and the point an export goes to."""
 
@@ -397,12 +416,12 @@ class _Walk:
     firsts: dict[tuple[str, int], str] = field(default_factory=dict)
 
     @classmethod
-    def read(cls, storage: Storage, as_of: Any = None) -> _Walk:
+    def read(cls, storage: Storage, as_of: Any = None, cache: ManifestCache | None = None) -> _Walk:
         target_cursor = None
         if as_of is not None:
             target_cursor = Cursor.parse(open_snapshot(storage, as_of=as_of).cursor)
-        records = read_removals(storage)  # before the logs: every record's positions are in them
-        logs = {k: PartitionLog(storage, *k).load(strict=True) for k in list_partition_logs(storage)}
+        cache = cache if cache is not None else ManifestCache()
+        records, logs = cache.read(storage)
         removed = resolve_removals(records, logs)
         if target_cursor is None:
             target = {k: len(es) and int(es[-1].seq) + 1 for k, es in logs.items()}  # type: ignore[arg-type]
@@ -410,7 +429,7 @@ class _Walk:
         else:
             target = {k: target_cursor.positions.get(k, 0) for k in logs}
             target_removals = target_cursor.removals
-        return cls(storage, logs, records, removed, target, target_removals)
+        return cls(storage, logs, records, removed, target, target_removals, cache.firsts)
 
     def policies(self) -> list[str]:
         return sorted({e.policy_id for es in self.logs.values() for e in _shards_of(es)})
@@ -549,6 +568,7 @@ def export_views(
     policy_id: str | None = None,
     stop: Callable[[], bool] = lambda: False,
     known: Mapping[str, Any] | None = None,
+    cache: ManifestCache | None = None,
 ) -> list[ViewResult]:
     """Bring the Delta view of each policy of `storage` up to a point of its manifest (module
     docstring): a rerun writes nothing new; an interrupted run is continued by the next one.
@@ -560,6 +580,7 @@ def export_views(
         stop: asked between commits; True stops the export there (a clean stop).
         known: ``{policy id: ViewResult.state}`` of this process's previous export: those views
             are not read again (their commits are create-once: another writer is still detected).
+        cache: the manifest as this process read it before (only what was appended since is read).
 
     Raises:
         ViewError: a view that cannot be exported to (one line).
@@ -576,7 +597,7 @@ def export_views(
         True
     """
     st = Storage.from_uri(storage) if isinstance(storage, str) else storage
-    walk = _Walk.read(st, as_of)
+    walk = _Walk.read(st, as_of, cache)
     policies = walk.policies() if policy_id is None else [policy_id]
     known = known or {}
     return [_export_view(walk, p, stop, known.get(p)) for p in policies]
@@ -601,9 +622,10 @@ def follow_views(
     """
     st = Storage.from_uri(storage) if isinstance(storage, str) else storage
     known: dict[str, Any] = {}
+    cache = ManifestCache()
     while not stop():
         t0 = time.monotonic()
-        results = export_views(st, policy_id=policy_id, stop=stop, known=known)
+        results = export_views(st, policy_id=policy_id, stop=stop, known=known, cache=cache)
         known = {r.policy_id: r.state for r in results}
         if on_poll is not None:
             on_poll(results)

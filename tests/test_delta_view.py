@@ -120,9 +120,17 @@ def _policy_shards_at(uri: str, cursor: str, policy: str) -> list:
     ]
 
 
-def _history(uri: str, storage: Storage) -> None:
-    """Two partitions' commits, exports in between, a compaction, retention of the replaced
-    shards, then of everything (deleted at once): the crossings a view must mirror."""
+def _history(uri: str, storage: Storage, *, exports: bool = True) -> None:
+    """Two partitions' commits, exports in between (unless `exports` is False: a follower runs),
+    a compaction, retention of the replaced shards, then of everything (deleted at once): the
+    crossings a view must mirror."""
+
+    def export_views(uri: str) -> None:
+        if exports:
+            globals()["export_views"](uri)
+        else:
+            time.sleep(0.5)  # a few polls of the follower
+
     c0, c1 = ShardCommitter(uri, "rl", 0), ShardCommitter(uri, "rl", 1)
     _commit(c0, 3, 0)
     export_views(uri)
@@ -488,3 +496,34 @@ def test_a_view_of_tabular_shards_reads_a_row_per_step(tmp_path):
     [res] = export_views(uri)
     assert res.commits == 5
     assert _check_every_version(uri, fmt="tabular") == (5, 0)
+
+
+def test_follow_mirrors_compaction_and_retention_from_what_it_read_before(tmp_path):
+    """`follow_views` keeps the manifest and the views it read (only what was appended since is
+    read each poll): the versions it writes while commits, a compaction and retention land read
+    what rlrec.open reads at their cursors."""
+    from rlrec.delta_view import follow_views
+
+    uri = str(tmp_path / "out")
+    stop = threading.Event()
+    polls = []
+    follower = threading.Thread(
+        target=follow_views, args=(uri,), kwargs={"interval_s": 0.05, "stop": stop.is_set, "on_poll": polls.append}
+    )
+    c2 = ShardCommitter(uri, "rl", 2)
+    _commit(c2, 1, 90)  # a store to follow
+    follower.start()
+    try:
+        _history(uri, c2.storage, exports=False)  # commits, compaction, retention: replaced, then everything
+        _commit(c2, 1, 50)
+        deadline = time.monotonic() + 60
+        while version_cursor(uri, POLICY)[1] != open_snapshot(uri).cursor:
+            assert time.monotonic() < deadline, "follow did not catch up"
+            time.sleep(0.1)
+    finally:
+        stop.set()
+        follower.join()
+    assert len(polls) > 5
+    assert export_views(uri)[0].commits == 0
+    versions, expired = _check_every_version(uri)
+    assert versions >= 10 and expired > 0

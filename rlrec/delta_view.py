@@ -37,7 +37,7 @@ Example::
     >>> root = tempfile.mkdtemp()
     >>> _ = ShardCommitter(root, "rl", 0).commit(expert_cartpole_episodes(2))
     >>> [(v.policy_id, v.version, v.commits) for v in export_views(root)]
-    [('expert', 1, 2)]
+    [('expert', 0, 1)]
     >>> [v.commits for v in export_views(root)]  # a rerun adds nothing
     [0]
 """

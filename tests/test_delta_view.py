@@ -527,3 +527,10 @@ def test_follow_mirrors_compaction_and_retention_from_what_it_read_before(tmp_pa
     assert export_views(uri)[0].commits == 0
     versions, expired = _check_every_version(uri)
     assert versions >= 10 and expired > 0
+
+
+def test_docstring_examples():
+    import doctest
+
+    result = doctest.testmod(delta_view, optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted > 0

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -435,6 +436,34 @@ def markdown(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def dataset_ids(spec: str | None, epsilons: list[float], datasets: int) -> dict[float, list[int]]:
+    """Dataset indexes per epsilon from ``--dataset-ids`` (``"2,3"`` or ``"0.3=2,3;0.05=1,2,3"``).
+
+    >>> dataset_ids("0.3=2,3;0.05=1", [0.3, 0.05], 4)
+    {0.3: [2, 3], 0.05: [1]}
+    >>> dataset_ids(None, [0.3], 2)
+    {0.3: [0, 1]}
+    """
+    if not spec:
+        return {eps: list(range(datasets)) for eps in epsilons}
+
+    def parse(text: str) -> list[int]:
+        out = [int(x) for x in text.split(",") if x.strip()]
+        if not out or min(out) < 0 or len(set(out)) != len(out):
+            raise ValueError(f"expected distinct indexes >= 0, got {text!r}")
+        return out
+
+    if "=" not in spec:
+        return {eps: parse(spec) for eps in epsilons}
+    ids: dict[float, list[int]] = {}
+    for part in spec.split(";"):
+        eps_text, _, rest = part.partition("=")
+        ids[float(eps_text)] = parse(rest)
+    if set(ids) != set(epsilons):
+        raise ValueError(f"name every epsilon of --epsilons ({', '.join(map(str, epsilons))}) once")
+    return {eps: ids[eps] for eps in epsilons}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small datasets and fits (a smoke run)")
@@ -450,6 +479,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mb-members", type=int, default=5)
     ap.add_argument("--mb-steps", type=int, default=None, help="default 1500 (quick: 300)")
     ap.add_argument("--n-boot", type=int, default=None, help="default 500 (quick: 100)")
+    ap.add_argument(
+        "--dataset-ids",
+        default=None,
+        help="which datasets to run, by index (their seeds derive from it): '2,3' for every epsilon, or "
+        "'0.3=2,3;0.05=1,2,3' per epsilon (default 0..--datasets-1); to add datasets to an earlier run",
+    )
+    ap.add_argument(
+        "--json-each",
+        default=None,
+        metavar="DIR",
+        help="write each dataset's decisions to DIR/{task}-eps{epsilon}-d{index}.json as soon as it finishes",
+    )
     ap.add_argument("--json", default=None)
     ap.add_argument("--md", default=None)
     args = ap.parse_args(argv)
@@ -468,6 +509,11 @@ def main(argv: list[str] | None = None) -> int:
 
     quick = args.quick
     datasets = args.datasets or (1 if quick else 4)
+    epsilons = [float(x) for x in args.epsilons.split(",")]
+    try:
+        ids = dataset_ids(args.dataset_ids, epsilons, datasets)
+    except ValueError as e:
+        ap.error(f"--dataset-ids: {e}")
     truth_eps = args.truth_episodes or (30 if quick else 300)
     fqe_steps = args.fqe_steps or (200 if quick else 1000)
     mb_steps = args.mb_steps or (300 if quick else 1500)
@@ -477,7 +523,11 @@ def main(argv: list[str] | None = None) -> int:
         "contextual": args.context_episodes or (200 if quick else 400),
     }
     t0 = time.time()
-    doc: dict = {"datasets": datasets, "tasks": {}}
+    doc: dict = {
+        "datasets": max(len(v) for v in ids.values()),
+        "dataset_ids": {str(k): v for k, v in ids.items()},
+        "tasks": {},
+    }
     doc["settings"] = {
         "fqe_steps": fqe_steps,
         "mb_members": args.mb_members,
@@ -501,13 +551,14 @@ def main(argv: list[str] | None = None) -> int:
             "by_epsilon": {},
             "raw": {},
         }
-        for eps in (float(x) for x in args.epsilons.split(",")):
+        for eps in epsilons:
             results = []
-            for d in range(datasets):
+            for d in ids[eps]:
                 seed = 1000 * d + int(eps * 100)
                 data = LoggedData(log_dataset(episodes[name], eps, seed, task["env"], task["greedy"]))
                 log(
-                    f"  {name} epsilon {eps} dataset {d + 1}/{datasets}: {data.n_episodes} episodes, {data.steps} steps"
+                    f"  {name} epsilon {eps} dataset {d + 1} (seed {seed}): {data.n_episodes} episodes, "
+                    f"{data.steps} steps"
                 )
                 t1 = time.time()
                 decisions = decide_dataset(
@@ -521,7 +572,15 @@ def main(argv: list[str] | None = None) -> int:
                     log,
                     task["gamma"],
                 )
-                results.append({"decisions": decisions, "steps": data.steps, "seconds": time.time() - t1})
+                result = {"decisions": decisions, "steps": data.steps, "seconds": time.time() - t1, "dataset": d}
+                results.append(result)
+                if args.json_each:
+                    os.makedirs(args.json_each, exist_ok=True)
+                    one = {"task": name, "epsilon": eps, "dataset": d, "seed": seed, "settings": doc["settings"]}
+                    one.update({k: out[k] for k in ("env", "gamma", "true", "true_v1", "episodes")})
+                    one["result"] = result
+                    with open(os.path.join(args.json_each, f"{name}-eps{eps}-d{d}.json"), "w") as fh:
+                        json.dump(one, fh, indent=1, default=float)
             out["by_epsilon"][str(eps)] = summarize(results, true, true_v1, task["near"])
             out["raw"][str(eps)] = results
         doc["tasks"][name] = out

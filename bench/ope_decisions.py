@@ -417,7 +417,8 @@ def markdown(doc: dict) -> str:
         ]
         for eps, table in task["by_epsilon"].items():
             lines += [
-                f"#### {name}, logging epsilon {eps} ({doc['datasets']} datasets x {task['episodes']} held-out episodes)",
+                f"#### {name}, logging epsilon {eps} ({next(iter(table.values()))['datasets']} datasets x "
+                f"{task['episodes']} held-out episodes)",
                 "",
                 "| rule | false promotions (worse by > 5 % published) | of them near-v1 (-5..-20 %) | "
                 "datasets with a clearly better one published | else refused to the canary | "
@@ -433,6 +434,84 @@ def markdown(doc: dict) -> str:
                     f"{s['datasets_refused_to_the_canary']} | {rho} |"
                 )
             lines.append("")
+    return "\n".join(lines)
+
+
+def combine(paths: list[str]) -> dict:
+    """One benchmark document from several runs' JSON: whole runs (``--json``) and single
+    datasets (``--json-each``), grouped by task and epsilon, one result per dataset index (the
+    seeds derive from it). The runs must agree on their settings and truths (else ValueError).
+
+    Args:
+        paths: the JSON files.
+    """
+    tasks: dict = {}
+    settings = None
+    for path in paths:
+        with open(path) as fh:
+            doc = json.load(fh)
+        if "result" in doc:  # one dataset
+            runs = [(doc["task"], doc, {str(doc["epsilon"]): [doc["result"]]}, {str(doc["epsilon"]): [doc["dataset"]]})]
+        else:
+            ids = doc.get("dataset_ids") or {}
+            runs = [(name, t, t["raw"], ids) for name, t in doc["tasks"].items()]
+        for name, t, raw, ids in runs:
+            key = (name, json.dumps(doc["settings"], sort_keys=True))
+            if settings is None:
+                settings = {}
+            if name in settings and settings[name] != key[1]:
+                raise ValueError(f"{path}: {name} ran with other settings ({doc['settings']})")
+            settings[name] = key[1]
+            task = tasks.setdefault(
+                name,
+                {k: t[k] for k in ("env", "gamma", "true", "true_v1", "episodes")} | {"by_dataset": {}},
+            )
+            if task["true"] != t["true"] or task["episodes"] != t["episodes"]:
+                raise ValueError(f"{path}: {name}'s truths or episodes differ from the other runs'")
+            for eps, results in raw.items():
+                for i, r in enumerate(results):
+                    d = r.get("dataset", (ids.get(eps) or list(range(len(results))))[i])
+                    task["by_dataset"].setdefault(eps, {})[d] = dict(r, dataset=d, source=os.path.basename(path))
+    out: dict = {"tasks": {}, "settings": {k: json.loads(v) for k, v in (settings or {}).items()}}
+    out["datasets"] = max((len(v) for t in tasks.values() for v in t["by_dataset"].values()), default=0)
+    for name, task in tasks.items():
+        near = set(NEAR_V1) if name == "cartpole" else set()
+        o = {k: task[k] for k in ("env", "gamma", "true", "true_v1", "episodes")}
+        by_eps = sorted(task["by_dataset"].items(), key=lambda kv: -float(kv[0]))
+        o["raw"] = {eps: [by[d] for d in sorted(by)] for eps, by in by_eps}
+        o["by_epsilon"] = {eps: summarize(rs, task["true"], task["true_v1"], near) for eps, rs in o["raw"].items()}
+        out["tasks"][name] = o
+    return out
+
+
+def per_dataset(doc: dict, rule: str = "auto") -> str:
+    """Per dataset, under `rule`: false promotions, and each clearly better candidate published
+    (difference, lower bound) or refused (the refusal code)."""
+    lines = [
+        f"| task | epsilon | dataset (seed) | steps | false promotions ({rule}) | clearly better: {rule}'s decision |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, task in doc["tasks"].items():
+        true, v1 = task["true"], task["true_v1"]
+        worse = {k for k in true if true[k] < 0.95 * v1}
+        better = [k for k in true if true[k] > 1.10 * v1]
+        for eps, results in task["raw"].items():
+            for r in results:
+                dec = r["decisions"]
+                fp = sorted(k for k in worse if dec[k][rule]["promoted"])
+                outcome = []
+                for k in better:
+                    x = dec[k][rule]
+                    if x["promoted"]:
+                        outcome.append(f"{k}: published, {x['difference']:+.2f} (lower bound {x['ci_low']:.2f})")
+                    else:
+                        code = (x.get("refusal") or {}).get("code", "?")
+                        outcome.append(f"{k}: refused `{code}`")
+                seed = 1000 * r["dataset"] + int(float(eps) * 100)
+                lines.append(
+                    f"| {name} | {eps} | {r['dataset'] + 1} ({seed}) | {r['steps']:,} | "
+                    f"{len(fp)}{' (' + ', '.join(fp) + ')' if fp else ''} | {'; '.join(outcome)} |"
+                )
     return "\n".join(lines)
 
 
@@ -491,9 +570,30 @@ def main(argv: list[str] | None = None) -> int:
         metavar="DIR",
         help="write each dataset's decisions to DIR/{task}-eps{epsilon}-d{index}.json as soon as it finishes",
     )
+    ap.add_argument(
+        "--combine",
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="run nothing: combine earlier runs' --json / --json-each files into one table (per dataset index)",
+    )
     ap.add_argument("--json", default=None)
     ap.add_argument("--md", default=None)
     args = ap.parse_args(argv)
+    if args.combine:
+        try:
+            doc = combine(args.combine)
+        except (OSError, ValueError, KeyError) as e:
+            ap.error(f"--combine: {e}")
+        text = markdown(doc) + "\n\n" + per_dataset(doc)
+        print(text)
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(doc, fh, indent=1, default=float)
+        if args.md:
+            with open(args.md, "w") as fh:
+                fh.write(text + "\n")
+        return 0
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not tasks or any(t not in TASKS for t in tasks):
         ap.error(f"--tasks: choose from {', '.join(TASKS)}")

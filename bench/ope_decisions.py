@@ -587,7 +587,10 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--combine: {e}")
         text = markdown(doc) + "\n\n" + per_dataset(doc)
         print(text)
-        if args.json:
+        if args.json:  # the summaries and the per-dataset table; the decisions stay in the inputs
+            for task in doc["tasks"].values():
+                task["raw"] = {eps: [r["source"] for r in rs] for eps, rs in task["raw"].items()}
+            doc["per_dataset"] = text.rsplit("\n\n", 1)[1]
             with open(args.json, "w") as fh:
                 json.dump(doc, fh, indent=1, default=float)
         if args.md:

@@ -446,7 +446,7 @@ def combine(paths: list[str]) -> dict:
         paths: the JSON files.
     """
     tasks: dict = {}
-    settings = None
+    settings: dict[str, dict] = {}
     for path in paths:
         with open(path) as fh:
             doc = json.load(fh)
@@ -456,12 +456,8 @@ def combine(paths: list[str]) -> dict:
             ids = doc.get("dataset_ids") or {}
             runs = [(name, t, t["raw"], ids) for name, t in doc["tasks"].items()]
         for name, t, raw, ids in runs:
-            key = (name, json.dumps(doc["settings"], sort_keys=True))
-            if settings is None:
-                settings = {}
-            if name in settings and settings[name] != key[1]:
+            if settings.setdefault(name, doc["settings"]) != doc["settings"]:
                 raise ValueError(f"{path}: {name} ran with other settings ({doc['settings']})")
-            settings[name] = key[1]
             task = tasks.setdefault(
                 name,
                 {k: t[k] for k in ("env", "gamma", "true", "true_v1", "episodes")} | {"by_dataset": {}},
@@ -471,8 +467,11 @@ def combine(paths: list[str]) -> dict:
             for eps, results in raw.items():
                 for i, r in enumerate(results):
                     d = r.get("dataset", (ids.get(eps) or list(range(len(results))))[i])
-                    task["by_dataset"].setdefault(eps, {})[d] = dict(r, dataset=d, source=os.path.basename(path))
-    out: dict = {"tasks": {}, "settings": {k: json.loads(v) for k, v in (settings or {}).items()}}
+                    by = task["by_dataset"].setdefault(eps, {})
+                    if d in by:
+                        raise ValueError(f"{path}: {name} epsilon {eps} dataset {d + 1} is also in {by[d]['source']}")
+                    by[d] = dict(r, dataset=d, source=os.path.basename(path))
+    out: dict = {"tasks": {}, "settings": settings}
     out["datasets"] = max((len(v) for t in tasks.values() for v in t["by_dataset"].values()), default=0)
     for name, task in tasks.items():
         near = set(NEAR_V1) if name == "cartpole" else set()

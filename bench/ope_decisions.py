@@ -43,6 +43,10 @@ FQE runs `--fqe-steps` (default 1000, below the trainer's 3000 at gamma 0.99, fo
 fitted once per target and dataset (the comparison reuses it: the same numbers as refitting).
 
 Usage: ``python bench/ope_decisions.py [--quick] [--tasks cartpole,contextual] [--json out.json] [--md out.md]``.
+A long run can be split and resumed: ``--dataset-ids`` runs chosen datasets (their seeds derive
+from the index: dataset d at epsilon e has seed ``1000 d + 100 e``), ``--json-each DIR`` writes
+each dataset's decisions as soon as it finishes, and ``--combine FILE...`` makes one table of
+such files and whole runs (settings and truths must agree; each dataset once).
 """
 
 from __future__ import annotations

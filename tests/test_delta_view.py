@@ -373,15 +373,25 @@ def test_kill_9_of_follow_at_random_moments_then_a_rerun_completes_with_no_missi
     rng = random.Random(48)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "rlrec", "export", uri, uri, "--to", "delta", "--follow", "--interval", "0.02"]
+    log_dir = tmp_path / "out" / POLICY / LOG_DIR
+
+    def written() -> int:
+        return len([n for n in os.listdir(log_dir) if n.endswith(".json")]) if log_dir.exists() else 0
+
     kills, versions = 0, []
     while not done.is_set() or kills < 4:
+        before = written()
         p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        time.sleep(rng.uniform(1.2, 2.5))  # the interpreter starts in ~1 s: kills land mid-export
+        # the interpreter's start-up takes 1 s on an idle machine and far longer on a loaded one: the
+        # kill lands at a random moment after this process wrote its first commit, mid-export
+        deadline = time.monotonic() + 30
+        while not done.is_set() and written() == before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(rng.uniform(0.0, 0.4))
         p.send_signal(signal.SIGKILL)
         p.wait()
         kills += 1
-        log_dir = tmp_path / "out" / POLICY / LOG_DIR
-        versions.append(len([n for n in os.listdir(log_dir) if n.endswith(".json")]) if log_dir.exists() else 0)
+        versions.append(written())
     assert sum(b > a for a, b in zip([0, *versions], versions)) >= 3, f"--follow wrote little between kills: {versions}"
     assert export_views(uri)[0].cursor == open_snapshot(uri).cursor  # the rerun completes it
     assert export_views(uri)[0].commits == 0

@@ -346,7 +346,9 @@ def head_shards(
     return HeadRead(shards, first_entry_key(entries[0] if entries else None), end, None, entries)
 
 
-def write_live_set(storage: Storage, topic: str, partition: int, *, writer: str = "") -> LiveSetEntry | None:
+def write_live_set(
+    storage: Storage, topic: str, partition: int, *, writer: str = "", prev: LiveSetEntry | None = None
+) -> LiveSetEntry | None:
     """Write the live set of one partition log at its current end (create-once; None if the log
     is empty, nothing followed the newest live set, or one exists at that seq already), built
     from its newest live set and what follows it, or from its history; older live sets beyond
@@ -355,8 +357,12 @@ def write_live_set(storage: Storage, topic: str, partition: int, *, writer: str 
     Args:
         storage, topic, partition: the log.
         writer: who writes it (recorded; the partition's writer id, or a tool's name).
+        prev: the newest live set as this caller wrote or read it (not read again while it is
+            still the newest).
     """
-    prev = read_live_set(storage, topic, partition)
+    seqs = live_set_seqs(storage, topic, partition)
+    if prev is None or not seqs or seqs[-1] != prev.seq:
+        prev = read_live_set(storage, topic, partition)
     head = head_shards(storage, topic, partition, None, prev, apply_removals=False)
     if head.end == 0 or (prev is not None and head.end == prev.seq):
         return None

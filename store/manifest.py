@@ -38,7 +38,9 @@ length.  The hint is only a hint: a missing or stale one costs a listing or a lo
 tail, never correctness, because a snapshot is immutable and the tail is probed entry by
 entry.  Whole-history readers (:meth:`PartitionLog.load`, :func:`read_partition_logs`)
 follow the chain of snapshots back (one read per snapshot) instead of listing and reading
-every entry.
+every entry.  Readers of the newest point (:func:`read_manifest`, ``rlrec.open``) read the log's
+newest live set instead (``_live/``, :mod:`rlrec.store.live_set`, written by the writer every
+``LIVE_SET_EVERY`` entries) and the entries after it (:meth:`PartitionLog.entries_from`).
 """
 
 from __future__ import annotations
@@ -242,6 +244,7 @@ class PartitionLog:
         #: newest one (None: `LIVE_SET_EVERY`; 0: never)
         self.live_set_every = live_set_every
         self._live_seq: int | None = None  # the seq of the newest live set (None: not looked yet)
+        self._live_set: Any = None  # the newest live set this writer wrote (not read back)
         self._lock = threading.RLock()
         self._epoch: int | None = None
         self._writer: str | None = None
@@ -936,8 +939,11 @@ class PartitionLog:
                 self._live_seq = max(ls.live_set_seqs(self.storage, self.topic, self.partition), default=0)
             if end - self._live_seq < every:
                 return
-            written = ls.write_live_set(self.storage, self.topic, self.partition, writer=self._writer or "")
+            written = ls.write_live_set(
+                self.storage, self.topic, self.partition, writer=self._writer or "", prev=self._live_set
+            )
             self._live_seq = written.seq if written is not None else end
+            self._live_set = written or self._live_set
         except Exception as err:
             log.warning("%s/%d: no live set at seq %d (%s); tried again later", self.topic, self.partition, end, err)
 

@@ -1195,7 +1195,10 @@ def open_snapshot(storage: Storage | str, as_of: float | int | str | Cursor | No
         as_of: None (the newest point), a time at least `APPEND_WINDOW_S` ago (a UNIX time, a
             `datetime`, a `date` or an ISO 8601 string such as ``"2026-11-27T04:00:00Z"``; the
             entries committed at or before it, per partition log up to the first later one) or a
-            cursor (`Snapshot.cursor`).
+            cursor (`Snapshot.cursor`). The newest point is read through each log's newest
+            live set where it has one (`rlrec.store.live_set`): the same shards, whose entries
+            then carry no ``episode_ids`` (``episodes`` counts them); any other point reads the
+            whole history.
 
     Raises:
         FileNotFoundError: the store holds no manifest (nothing was ever committed there).

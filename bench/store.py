@@ -486,9 +486,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="write the result here")
     args = ap.parse_args(argv)
     if args.head_entries:
-        import store_head
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location(
+            "store_head", os.path.join(os.path.dirname(__file__), "store_head.py")
+        )
+        store_head = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+        spec.loader.exec_module(store_head)  # type: ignore[union-attr]
 
         head_args = ["--entries", str(args.head_entries), "--live", str(args.head_live), "--rounds", str(args.rounds)]
+        head_args += ["--tail", str(min(500, args.head_entries // 10))]
         return store_head.main([*head_args, *(["--json", args.json] if args.json else [])])
     if args.quick:
         args.steps, args.rounds = min(args.steps, 20_000), min(args.rounds, 2)

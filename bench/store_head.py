@@ -191,15 +191,20 @@ def measure(root: str, rounds: int) -> dict:
 
 
 def measure_s3(root: str, live_set_seq: int, rounds: int) -> dict:
-    """The head open on moto's S3 (`store.BenchS3`) with only what it reads uploaded: the live
+    """The head open on moto's S3 (`bench/store.py`'s `BenchS3`) with only what it reads uploaded: the live
     set and the entries from the one below it on (no shard file: a head open reads none). The history is
     not there (a gap): a head open that fell back to it would fail, so one that succeeds read the
     live set. Listing the live files is not measured here (25,000 PUTs to moto take minutes)."""
+    import importlib.util
     import shutil
 
     from rlrec.store.manifest import entry_path
     from rlrec.store.snapshot import open_snapshot
-    from store import BenchS3
+
+    spec = importlib.util.spec_from_file_location("bench_store", os.path.join(os.path.dirname(__file__), "store.py"))
+    bench_store = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(bench_store)  # type: ignore[union-attr]
+    BenchS3 = bench_store.BenchS3
 
     sub = tempfile.mkdtemp(prefix="rlrec-bench-head-s3-")
     s3 = BenchS3()

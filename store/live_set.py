@@ -64,7 +64,7 @@ from rlrec.store.manifest import (
     live_shards,
 )
 from rlrec.store.manifest_entries import _check_type, _check_version, _validate_shard
-from rlrec.store.retention import RemovalRecord, read_removals, resolve_removals
+from rlrec.store.retention import RemovalRecord, read_removals
 from rlrec.store.storage import Storage
 
 __all__ = [
@@ -179,7 +179,8 @@ def parse_live_set(data: bytes | str, topic: str, partition: int, seq: int) -> L
         raise ManifestError(f"live set: missing fields {sorted(missing)}, unknown fields {sorted(unknown)}")
     if d["manifest_version"] != LIVE_SET_FORMAT_VERSION:
         raise ManifestError(f"live set: manifest_version must be {LIVE_SET_FORMAT_VERSION}")
-    if (d["topic"], d["partition"], d["seq"]) != (topic, partition, seq) or type(d["seq"]) is not int:
+    same = (d["topic"], d["partition"], d["seq"]) == (topic, partition, seq)
+    if not same or type(d["seq"]) is not int or type(d["partition"]) is not int:
         raise ManifestError(f"live set is for {d['topic']!r}/{d['partition']!r} seq {d['seq']!r}")
     removals = _check_type(d, "removals", (int,))
     first, writer = _check_type(d, "first", (str,)), _check_type(d, "writer", (str,))
@@ -329,6 +330,8 @@ def head_shards(
         try:
             if live_set.seq > 0 and plog.read_entry(live_set.seq - 1) is None:
                 raise Stale(f"entry {live_set.seq - 1} does not exist")
+            if first_entry_key(plog.read_entry(0)) != live_set.first:
+                raise Stale("its 'first' is not the key of the log's entry 0")
             tail = plog.entries_from(live_set.seq)
             rows = {s.seq: s for s in live_set.shards}
             later = [r for r in records if r.n >= live_set.removals]
@@ -340,8 +343,8 @@ def head_shards(
         if live_set.removals > 0 and apply_removals:
             records = read_removals(storage)  # the history needs every record
     entries = plog.load(strict=strict)
-    removed = resolve_removals(records, {(topic, partition): entries})
-    shards = [s for seq, s in sorted(live_shards(entries).items()) if (topic, partition, seq) not in removed]
+    live = fold(topic, partition, live_shards(entries), [], records)  # type: ignore[arg-type]
+    shards = [live[seq] for seq in sorted(live)]
     end = entries[-1].seq + 1 if entries else 0  # type: ignore[operator]
     return HeadRead(shards, first_entry_key(entries[0] if entries else None), end, None, entries)
 

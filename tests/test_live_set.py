@@ -173,6 +173,7 @@ def _hostile_docs(ls, seq: int) -> dict[str, object]:
         "another log": {**d, "partition": 1},
         "seq not the file's": {**d, "seq": ls.seq},
         "bool seq": {**d, "seq": True},
+        "bool partition": {**d, "partition": False},
         "unknown field": {**d, "extra": 1},
         "missing field": {k: v for k, v in d.items() if k != "first"},
         "row of another partition": {**d, "shards": [{**row, "partition": 1}]},
@@ -213,6 +214,10 @@ def test_a_live_set_past_the_log_end_or_stale_is_ignored(tmp_path):
     assert sorted(_key(s) for s in open_snapshot(root).entries) == want
     assert open_snapshot(root).cursor == open_snapshot(root, as_of=open_snapshot(root).cursor).cursor
     c.storage.delete(live_set_path("rl", 0, 10_000))
+    _plant(c, {**d, "seq": ls.seq + 1, "first": "ClaimEntry:0:forged:1.0"}, seq=ls.seq + 1)  # another store's tag
+    assert head_shards(c.storage, "rl", 0).live_set is None
+    assert open_snapshot(root).cursor == open_snapshot(root, as_of=open_snapshot(root).cursor).cursor
+    c.storage.delete(live_set_path("rl", 0, ls.seq + 1))
     # a live set that lost a shard a later replace entry replaces: stale, the history is read
     _plant(c, {**d, "seq": ls.seq, "shards": d["shards"][1:]}, seq=ls.seq)
     compact_partition(c.log, min_age_s=0, target_bytes=10 * max(e.bytes for e in read_manifest(c.storage)))

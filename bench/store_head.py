@@ -191,10 +191,10 @@ def measure(root: str, rounds: int) -> dict:
 
 
 def measure_s3(root: str, live_set_seq: int, rounds: int) -> dict:
-    """The head open on moto's S3 (`bench/store.py`'s `BenchS3`) with only what it reads uploaded: the live
-    set and the entries from the one below it on (no shard file: a head open reads none). The history is
-    not there (a gap): a head open that fell back to it would fail, so one that succeeds read the
-    live set. Listing the live files is not measured here (25,000 PUTs to moto take minutes)."""
+    """The head open on moto's S3 (`bench/store.py`'s `BenchS3`) with only what it reads uploaded:
+    the live set, entry 0 and the entries from the one below the live set on (no shard file: a
+    head open reads none). The history is not there (a gap below): a head open that fell back to
+    it would fail, so one that succeeds read the live set. Listing the live files is not measured here (25,000 PUTs to moto take minutes)."""
     import importlib.util
     import shutil
 
@@ -211,6 +211,9 @@ def measure_s3(root: str, live_set_seq: int, rounds: int) -> dict:
     try:
         live = os.path.join("_manifest", TOPIC, "00000", "_live")
         shutil.copytree(os.path.join(root, live), os.path.join(sub, live))
+        first = entry_path(TOPIC, 0, 0)  # a reader checks the live set's "first" against it
+        os.makedirs(os.path.dirname(os.path.join(sub, first)), exist_ok=True)
+        shutil.copy(os.path.join(root, first), os.path.join(sub, first))
         seq = live_set_seq - 1
         while os.path.exists(os.path.join(root, entry_path(TOPIC, 0, seq))):
             os.makedirs(os.path.dirname(os.path.join(sub, entry_path(TOPIC, 0, seq))), exist_ok=True)

@@ -399,10 +399,10 @@ def read_heads(
     storage: Storage, *, strict: bool = True
 ) -> tuple[dict[tuple[str, int], HeadRead], int, list[RemovalRecord]]:
     """Every partition log at its head (`head_shards`), the number of removal records that
-    exist (the newest record's number + 1: a head point's ``removals``) and the records read
-    (those from the smallest live set's ``removals``: all of them when a log has none). Reads each log's newest
-    live set, then the removal records from the smallest ``removals`` of them, then each log's
-    entries from its live set on (or its history)."""
+    exist (the newest record's number + 1: a head point's ``removals``) and the records read.
+    Reads each log's newest live set, then the removal records from the smallest ``removals`` of
+    them (all of them when a log has none), then each log's entries from its live set on (or its
+    history)."""
     keys = list_partition_logs(storage)
     sets = dict(zip(keys, _in_parallel(lambda k: read_live_set(storage, *k), keys)))
     start = min((ls.removals if ls is not None else 0 for ls in sets.values()), default=0)

@@ -1110,6 +1110,8 @@ def _open_head(st: Storage) -> Snapshot:
     log.debug("snapshot %s: %d shard(s)", point, len(entries))
     if all(h.entries is not None for h in heads.values()):  # no live set: the history is read already
         logs = {k: h.entries for k, h in heads.items()}
+        if removals and (not records or records[0].n > 0):  # read from a live set's `removals` on
+            records = read_removals(st)
         return Snapshot(st, point, entries, firsts, logs=logs, removed=resolve_removals(records, logs))  # type: ignore[arg-type]
 
     def history() -> tuple[dict[tuple[str, int], list[Entry]], Removed]:

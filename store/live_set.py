@@ -46,6 +46,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -64,7 +65,7 @@ from rlrec.store.manifest import (
     live_shards,
 )
 from rlrec.store.manifest_entries import _check_type, _check_version, _validate_shard
-from rlrec.store.retention import RemovalRecord, read_removals
+from rlrec.store.retention import RemovalRecord, read_removals, record_path
 from rlrec.store.storage import Storage
 
 __all__ = [
@@ -164,7 +165,25 @@ class LiveSetEntry:
 def parse_live_set(data: bytes | str, topic: str, partition: int, seq: int) -> LiveSetEntry:
     """A live set read from `live_set_path(topic, partition, seq)`, checked strictly:
     ManifestError (UnsupportedManifestError for a newer format) if it is not one for that log and
-    seq, or a row is not a shard entry of it below `seq` (rows in seq order, each at most once)."""
+    seq, or a row is not a shard entry of it below `seq` (rows in seq order, each at most once).
+    Whatever the bytes, nothing else is raised (a hostile live set is refused, never a crash:
+    JSON nested too deep, a number too large for a float, a time that is not finite)."""
+    try:
+        return _parse_live_set(data, topic, partition, seq)
+    except ManifestError:
+        raise
+    except Exception as e:  # RecursionError, OverflowError, ...: the bytes are data, hence hostile
+        raise ManifestError(f"live set cannot be parsed: {type(e).__name__}: {str(e)[:200]}") from None
+
+
+def _finite(v: Any, what: str) -> float:
+    f = float(v)
+    if not math.isfinite(f):
+        raise ManifestError(f"live set: {what} is not a finite number")
+    return f
+
+
+def _parse_live_set(data: bytes | str, topic: str, partition: int, seq: int) -> LiveSetEntry:
     if len(data) > MAX_LIVE_SET_BYTES:
         raise ManifestError(f"live set of more than {MAX_LIVE_SET_BYTES} bytes")
     try:
@@ -200,7 +219,7 @@ def parse_live_set(data: bytes | str, topic: str, partition: int, seq: int) -> L
             raise ManifestError(f"live set: row seq {row['seq']} is not of this log, ascending and below {seq}")
         last = row["seq"]
         kw = {k: row[k] for k in row if k not in ("type", "manifest_version")}
-        kw["commit_time"] = float(kw["commit_time"])
+        kw["commit_time"] = _finite(kw["commit_time"], "a row's commit_time")
         shards.append(ShardEntry(**kw, episode_ids=()))
     return LiveSetEntry(
         topic=topic,
@@ -210,7 +229,7 @@ def parse_live_set(data: bytes | str, topic: str, partition: int, seq: int) -> L
         removals=removals,
         shards=tuple(shards),
         writer=writer,
-        time=float(d["time"]),
+        time=_finite(d["time"], "time"),
     )
 
 
@@ -332,6 +351,9 @@ def head_shards(
                 raise Stale(f"entry {live_set.seq - 1} does not exist")
             if first_entry_key(plog.read_entry(0)) != live_set.first:
                 raise Stale("its 'first' is not the key of the log's entry 0")
+            n = live_set.removals - 1  # the newest record it folds must exist (or it skips later ones)
+            if n >= 0 and not any(r.n >= n for r in records) and storage.info(record_path(n)) is None:
+                raise Stale(f"it folds removal records below {live_set.removals}; record {n} does not exist")
             tail = plog.entries_from(live_set.seq)
             rows = {s.seq: s for s in live_set.shards}
             later = [r for r in records if r.n >= live_set.removals]

@@ -185,6 +185,10 @@ def _hostile_docs(ls, seq: int) -> dict[str, object]:
         "row with a bool count": {**d, "shards": [{**row, "episodes": True}]},
         "negative removals": {**d, "removals": -1},
         "huge first": {**d, "first": "x" * 5000},
+        "JSON nested too deep": b"[" * 200_000,
+        "time too large for a float": {**d, "time": 10**400},
+        "row commit_time too large for a float": {**d, "shards": [{**row, "commit_time": 10**400}]},
+        "infinite time": {**d, "time": float("inf")},
     }
 
 
@@ -224,6 +228,79 @@ def test_a_live_set_past_the_log_end_or_stale_is_ignored(tmp_path):
     head = head_shards(c.storage, "rl", 0)
     assert head.live_set is None  # fell back
     assert sorted(_key(s) for s in open_snapshot(root).entries) == _history_head(c.storage)
+
+
+def _replant(c, seq: int, doc: dict) -> None:
+    """Replace the live set at `seq` by `doc` (a forged one: parses, names real shards)."""
+    c.storage.delete(live_set_path("rl", 0, seq))
+    c.storage.create_once(live_set_path("rl", 0, seq), json.dumps(doc).encode())
+
+
+def test_verify_rebuilds_every_live_set_from_the_history(tmp_path):
+    """A forged live set that parses and names real shards -- one hiding a shard, one listing the
+    shards a compaction replaced (every episode twice), one with a row's count changed, one
+    folding removal records that do not exist -- is reported by verify; readers refuse the one
+    past the removal log's end."""
+    root = str(tmp_path / "out")
+    c = ShardCommitter(root, "rl", 0, snapshot_every=3)
+    c.log.live_set_every = 5
+    _commit(c, 12, 0)
+    st = c.storage
+    pre = read_live_set(st, "rl", 0)  # before the compaction: lists the shards it replaces
+    compact_partition(c.log, min_age_s=0, target_bytes=3 * max(e.bytes for e in read_manifest(st)))
+    write_live_set(st, "rl", 0, writer="test")
+    retain(st, grace_s=0)
+    _commit(c, 1, 50)
+    write_live_set(st, "rl", 0, writer="test")
+    _commit(c, 2, 60)
+    assert verify(st) == []  # honest live sets (with replace entries and removal records folded)
+    ls = read_live_set(st, "rl", 0)
+    assert ls.removals > 0 and len(ls.shards) >= 2
+    d = _doc(ls)
+    want = _history_head(st)
+
+    _replant(c, ls.seq, {**d, "shards": d["shards"][1:]})
+    problems = verify(st)
+    assert any(f"live set {ls.seq}: hides live shard seq {ls.shards[0].seq}" in p for p in problems), problems
+
+    replaced = [r for r in _doc(pre)["shards"] if r["seq"] not in {s.seq for s in ls.shards}]
+    assert replaced
+    rows = sorted(d["shards"] + replaced, key=lambda r: r["seq"])
+    _replant(c, ls.seq, {**d, "shards": rows})
+    problems = verify(st)
+    assert sum(f"live set {ls.seq}: lists seq" in p for p in problems) == len(replaced), problems
+
+    _replant(
+        c, ls.seq, {**d, "shards": [{**d["shards"][0], "episodes": d["shards"][0]["episodes"] + 1}, *d["shards"][1:]]}
+    )
+    assert any(f"live set {ls.seq}: row seq {ls.shards[0].seq} differs" in p for p in verify(st))
+
+    _replant(c, ls.seq, {**d, "removals": 10**6})  # would skip every later removal record
+    assert any(f"live set {ls.seq}: folds 1000000 removal records" in p for p in verify(st))
+    assert head_shards(st, "rl", 0).live_set is None  # readers refuse it: the history is read
+    assert sorted(_key(s) for s in open_snapshot(root).entries) == want
+
+    _replant(c, ls.seq, d)
+    assert verify(st) == [] and head_shards(st, "rl", 0).live_set == ls.seq
+
+
+def test_inspect_verify_reports_a_forged_live_set_and_totals_from_the_history(tmp_path, capsys):
+    from rlrec.cli import main
+
+    root = str(tmp_path / "out")
+    c = ShardCommitter(root, "rl", 0, snapshot_every=3)
+    _commit(c, 6, 0)
+    ls = write_live_set(c.storage, "rl", 0, writer="test")
+    d = _doc(ls)
+    _replant(c, ls.seq, {**d, "shards": d["shards"][1:]})  # the head now shows 5 shards, 10 episodes
+    capsys.readouterr()
+    assert main(["inspect", root, "--verify", "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert any("hides live shard" in p for p in doc["problems"]), doc["problems"]
+    assert doc["verified"]["shards"] == 6 and doc["verified"]["episodes"] == 12, doc["verified"]
+    _replant(c, ls.seq, d)
+    assert main(["inspect", root, "--verify", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["verified"]["episodes"] == 12
 
 
 def test_a_live_set_is_bounded_in_what_it_makes_a_reader_read(tmp_path, monkeypatch):

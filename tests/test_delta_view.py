@@ -153,10 +153,16 @@ def _history(uri: str, storage: Storage, *, exports: bool = True) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("where", ["local", "s3", "azure"])
+@pytest.mark.parametrize("where", ["local", "local-live-sets", "s3", "azure"])
 def test_every_version_reads_what_rlrec_open_reads_at_its_cursor(where, tmp_path, request, monkeypatch):
-    if where == "local":
+    if where.startswith("local"):
         uri = str(tmp_path / "out")
+        if where == "local-live-sets":  # head readers read live sets (issue 47); the view, the logs
+            import rlrec.store.commit
+            import rlrec.store.live_set
+
+            monkeypatch.setattr(rlrec.store.commit, "SNAPSHOT_EVERY", 2)
+            monkeypatch.setattr(rlrec.store.live_set, "LIVE_SET_EVERY", 2)
     elif where == "s3":
         s3 = request.getfixturevalue("local_s3")
         for k, v in s3.env().items():
@@ -176,6 +182,12 @@ def test_every_version_reads_what_rlrec_open_reads_at_its_cursor(where, tmp_path
     assert first[0].cursor == open_snapshot(uri).cursor  # the newest version is the newest point
     versions, expired = _check_every_version(uri)
     assert versions >= 10 and 0 < expired < versions
+    if where == "local-live-sets":
+        from rlrec.store.live_set import live_set_seqs
+        from rlrec.store.maintenance import verify
+
+        assert all(live_set_seqs(storage, "rl", p) for p in (0, 1)), "no live set was written"
+        assert verify(storage) == []
     # the shards retention deleted: the versions holding them refuse, as rlrec.open does there
     view = f"{uri}/{POLICY}"
     assert pl.read_delta(view, storage_options=storage_options(view) or None).height == 2

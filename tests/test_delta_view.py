@@ -305,6 +305,9 @@ def test_cli_errors_are_one_line(tmp_path, capsys, monkeypatch):
         (["export", uri, uri, "--to", "delta", "--follow", "--as-of", "r1~0123456789ab~rl:0=1"], "not both"),
         (["export", uri, str(tmp_path / "elsewhere"), "--to", "delta"], "a Delta view lives in the store"),
         (["export", uri, str(tmp_path / "x"), "--to", "parquet", "--follow"], "--follow needs --to delta"),
+        (["export", uri, uri, "--to", "delta", "--follow", "--interval", "nan"], "--interval must be a finite"),
+        (["export", uri, uri, "--to", "delta", "--follow", "--interval", "inf"], "--interval must be a finite"),
+        (["export", uri, uri, "--to", "delta", "--follow", "--interval", "0"], "--interval must be a finite"),
     ]
     for argv, msg in cases:
         assert main(argv) == 2

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
@@ -120,6 +121,18 @@ def storage_options(uri: str) -> dict[str, str]:
             opts["sas_token"] = az.sas_token
         return opts
     return {}
+
+
+#: a file of a Delta log that holds a version: a commit, a checkpoint (or its pointer)
+_LOG_FILE_RE = re.compile(r"^(\d{20}\.(json|checkpoint(\.\d+\.\d+)?\.parquet)|_last_checkpoint)$")
+
+
+def has_view(storage: Storage, policy_id: str) -> bool:
+    """True when `policy_id`'s ``_delta_log/`` holds a version (a commit or a checkpoint). A log
+    folder without one (a kill -9 inside the first commit leaves the folder and a temp file) is
+    no table: the next export creates version 0 there (create-once: a concurrent creator is
+    still refused)."""
+    return any(_LOG_FILE_RE.match(f.name) for f in storage.list(f"{policy_id}/{LOG_DIR}"))
 
 
 def table_uri(storage: Storage, policy_id: str) -> str:
@@ -213,7 +226,7 @@ class _View:
 
     # -- the table's state ------------------------------------------------------------------
     def _load(self) -> None:
-        if not self.storage.exists(f"{self.policy_id}/{LOG_DIR}"):
+        if not has_view(self.storage, self.policy_id):
             return
         from deltalake import DeltaTable
 
@@ -645,7 +658,7 @@ def version_cursor(storage: Storage | str, policy_id: str, version: int | None =
 
     st = Storage.from_uri(storage) if isinstance(storage, str) else storage
     uri = table_uri(st, policy_id)
-    if not st.exists(f"{policy_id}/{LOG_DIR}"):
+    if not has_view(st, policy_id):
         raise ViewError(f"no Delta view of policy {policy_id} at {uri} (rlrec export URI URI --to delta)")
     try:
         dt = DeltaTable(uri, version=version, storage_options=storage_options(uri))
@@ -665,5 +678,5 @@ def list_views(storage: Storage) -> list[str]:
     return sorted(
         top.name
         for top in storage.list("")
-        if top.is_dir and not top.name.startswith(("_", ".")) and storage.exists(f"{top.name}/{LOG_DIR}")
+        if top.is_dir and not top.name.startswith(("_", ".")) and has_view(storage, top.name)
     )

@@ -542,3 +542,18 @@ def test_docstring_examples():
 
     result = doctest.testmod(delta_view, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0
+
+
+def test_a_log_folder_without_a_commit_is_no_table_and_the_next_export_creates_it(tmp_path, capsys):
+    """A kill -9 inside the first commit's create-once leaves `_delta_log/` with only a temp file:
+    the next export creates version 0 there instead of refusing the view."""
+    uri = str(tmp_path / "out")
+    _commit(ShardCommitter(uri, "rl", 0), 2, 0)
+    log_dir = tmp_path / "out" / POLICY / LOG_DIR
+    log_dir.mkdir()
+    (log_dir / f".{0:020d}.json.tmp-abc").write_bytes(b'{"commitInfo":')
+    assert main(["inspect", uri, "--delta"]) == 1  # no view yet
+    assert "no Delta view" in capsys.readouterr().err
+    assert main(["export", uri, uri, "--to", "delta"]) == 0
+    assert capsys.readouterr().out.strip().splitlines() == [f"{uri}/{POLICY}\t1\t{open_snapshot(uri).cursor}"]
+    assert _check_every_version(uri) == (2, 0)

@@ -135,6 +135,30 @@ def has_view(storage: Storage, policy_id: str) -> bool:
     return any(_LOG_FILE_RE.match(f.name) for f in storage.list(f"{policy_id}/{LOG_DIR}"))
 
 
+def _check_point(
+    uri: str,
+    positions: Mapping[tuple[str, int], int],
+    sizes: Mapping[tuple[str, int], int],
+    removals: int,
+    records: int,
+) -> None:
+    """ViewError unless the point a view's txns name is one of the store: each log's position
+    between 0 and its number of entries, the removal log's between 0 and its number of records
+    (a txn out of range was not written by rlrec: no cursor is made of it)."""
+    for (topic, part), n in sorted(positions.items()):
+        if not 0 <= n <= sizes.get((topic, part), 0):
+            raise ViewError(
+                f"the Delta view {uri} names position {n} of log {topic}/{part}, which has "
+                f"{sizes.get((topic, part), 0)} entries: its txn {app_id(topic, part)} is out of range, "
+                f"not written by rlrec; remove its {LOG_DIR}/ and export again"
+            )
+    if not 0 <= removals <= records:
+        raise ViewError(
+            f"the Delta view {uri} names {removals} removal records, the store has {records}: its txn "
+            f"{REMOVALS_APP} is out of range, not written by rlrec; remove its {LOG_DIR}/ and export again"
+        )
+
+
 def table_uri(storage: Storage, policy_id: str) -> str:
     """The URI of policy `policy_id`'s view (its policy directory), as Delta readers open it."""
     return storage.uri(policy_id)
@@ -210,7 +234,9 @@ class ViewResult:
 class _View:
     """One policy's Delta view: its state as the table says (version, txns, files) and its commits."""
 
-    def __init__(self, storage: Storage, policy_id: str, logs: Mapping[tuple[str, int], list[Entry]]) -> None:
+    def __init__(
+        self, storage: Storage, policy_id: str, logs: Mapping[tuple[str, int], list[Entry]], records: int = 0
+    ) -> None:
         self.storage = storage
         self.policy_id = policy_id
         self.uri = table_uri(storage, policy_id)
@@ -222,10 +248,10 @@ class _View:
         self.fmt: str | None = None
         self.logs = logs
         self._paths_at_load: list[str] = []
-        self._load()
+        self._load(records)
 
     # -- the table's state ------------------------------------------------------------------
-    def _load(self) -> None:
+    def _load(self, records: int) -> None:
         if not has_view(self.storage, self.policy_id):
             return
         from deltalake import DeltaTable
@@ -253,6 +279,7 @@ class _View:
             if v:
                 self.positions[key] = int(v)
         self.removals = int(dt.transaction_version(REMOVALS_APP) or 0)
+        _check_point(self.uri, self.positions, {k: len(es) for k, es in self.logs.items()}, self.removals, records)
         paths = dt.get_add_actions(flatten=True).column("path").to_pylist()
         self._paths_at_load = sorted(paths)
 
@@ -483,7 +510,7 @@ def _export_view(walk: _Walk, policy_id: str, stop: Callable[[], bool], view: _V
     """Bring `policy_id`'s view up to `walk.target`; `view`: its state kept from this process's
     previous export (a follow loop), else read from the table and checked against the store."""
     if view is None:
-        view = _View(walk.storage, policy_id, walk.logs)
+        view = _View(walk.storage, policy_id, walk.logs, max((r.n for r in walk.records), default=-1) + 1)
         if view.version >= 0:
             view.check_mirrors(walk.expected(policy_id, view.positions, view.removals))
     res = ViewResult(policy_id, view.uri, view.version)
@@ -670,6 +697,8 @@ def version_cursor(storage: Storage | str, policy_id: str, version: int | None =
         if v:
             positions[key] = int(v)
     removals = int(dt.transaction_version(REMOVALS_APP) or 0)
+    sizes = {key: len(PartitionLog(st, *key).load()) for key in positions}
+    _check_point(uri, positions, sizes, removals, max((r.n for r in read_removals(st)), default=-1) + 1)
     return dt.version(), str(replace(cursor_at(st, positions), removals=removals))
 
 

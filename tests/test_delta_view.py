@@ -557,3 +557,24 @@ def test_a_log_folder_without_a_commit_is_no_table_and_the_next_export_creates_i
     assert main(["export", uri, uri, "--to", "delta"]) == 0
     assert capsys.readouterr().out.strip().splitlines() == [f"{uri}/{POLICY}\t1\t{open_snapshot(uri).cursor}"]
     assert _check_every_version(uri) == (2, 0)
+
+
+@pytest.mark.parametrize(
+    "app, value", [("rlrec:rl/0", -2), ("rlrec:rl/0", 10**15), ("rlrec:_removed", -1), ("rlrec:_removed", 10**12)]
+)
+def test_a_txn_out_of_range_is_refused_not_printed_as_a_cursor(tmp_path, capsys, app, value):
+    """A crafted commit whose txn names no point of the store (a position below 0 or past its
+    log's entries, a removal count past the removal log's records): export and inspect refuse
+    the view in one line instead of printing a cursor made of it."""
+    uri = str(tmp_path / "out")
+    _commit(ShardCommitter(uri, "rl", 0), 3, 0)
+    export_views(uri)
+    (tmp_path / "out" / POLICY / LOG_DIR / f"{3:020d}.json").write_text(
+        json.dumps({"txn": {"appId": app, "version": value}}) + "\n"
+    )
+    for argv in (["inspect", uri, "--delta"], ["export", uri, uri, "--to", "delta"]):
+        assert main(argv) != 0, argv
+        out, err = capsys.readouterr()
+        assert out == "" and len(err.strip().splitlines()) == 1 and "out of range" in err, (argv, out, err)
+    with pytest.raises(ViewError, match="out of range"):
+        version_cursor(uri, POLICY)

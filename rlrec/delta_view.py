@@ -135,6 +135,48 @@ def has_view(storage: Storage, policy_id: str) -> bool:
     return any(_LOG_FILE_RE.match(f.name) for f in storage.list(f"{policy_id}/{LOG_DIR}"))
 
 
+def delta_schema(schema: Any, where: str = "") -> Any:
+    """The Arrow schema a view declares for shards of Arrow schema `schema`: Delta has no unsigned
+    integers, so each is widened to the signed type that holds all its values (uint8 -> int16,
+    uint16 -> int32, uint32 -> int64, uint64 -> decimal(20, 0)); readers cast the files' values to
+    it exactly. ViewError for a type a Delta table cannot hold (float16, time, duration).
+
+    Example:
+        >>> import pyarrow as pa
+        >>> delta_schema(pa.schema([("obs", pa.list_(pa.uint8(), 4)), ("n", pa.uint64())]))
+        obs: fixed_size_list<item: int16>[4]
+          child 0, item: int16
+        n: decimal128(20, 0)
+    """
+    import pyarrow as pa
+
+    widened = {
+        pa.uint8(): pa.int16(),
+        pa.uint16(): pa.int32(),
+        pa.uint32(): pa.int64(),
+        pa.uint64(): pa.decimal128(20, 0),
+    }
+
+    def conv(t: Any, name: str) -> Any:
+        if t in widened:
+            return widened[t]
+        if pa.types.is_float16(t) or pa.types.is_time(t) or pa.types.is_duration(t):
+            raise ViewError(f"shard {where}: column {name} has type {t}, which a Delta table cannot hold")
+        if pa.types.is_fixed_size_list(t):
+            return pa.list_(t.value_field.with_type(conv(t.value_type, name)), t.list_size)
+        if pa.types.is_large_list(t):
+            return pa.large_list(t.value_field.with_type(conv(t.value_type, name)))
+        if pa.types.is_list(t):
+            return pa.list_(t.value_field.with_type(conv(t.value_type, name)))
+        if pa.types.is_struct(t):
+            return pa.struct([f.with_type(conv(f.type, f"{name}.{f.name}")) for f in t])
+        if pa.types.is_map(t):
+            return pa.map_(conv(t.key_type, name), t.item_field.with_type(conv(t.item_type, name)))
+        return t
+
+    return pa.schema([f.with_type(conv(f.type, f.name)) for f in schema], metadata=schema.metadata)
+
+
 def _check_point(
     uri: str,
     positions: Mapping[tuple[str, int], int],
@@ -312,7 +354,13 @@ class _View:
         if not self.storage.exists(e.path):
             return None
         shard = open_shard(self.storage.full_path(e.path), fmt=e.format, filesystem=self.storage.filesystem)
-        return Schema.from_arrow(shard.schema.remove_metadata()).to_json(), shard.num_rows
+        schema = delta_schema(shard.schema.remove_metadata(), e.path)
+        try:
+            return Schema.from_arrow(schema).to_json(), shard.num_rows
+        except Exception as err:  # a type delta-rs has no Delta type for
+            raise ViewError(
+                f"shard {e.path}: its schema has no Delta Lake equivalent ({str(err).splitlines()[0]})"
+            ) from None
 
     def commit(
         self,

@@ -578,3 +578,58 @@ def test_a_txn_out_of_range_is_refused_not_printed_as_a_cursor(tmp_path, capsys,
         assert out == "" and len(err.strip().splitlines()) == 1 and "out of range" in err, (argv, out, err)
     with pytest.raises(ViewError, match="out of range"):
         version_cursor(uri, POLICY)
+
+
+def _image_episodes(dtype, n: int = 2, steps: int = 5) -> list:
+    """Episodes of a `Box(0, 255, (4,), dtype)` observation space (the image case) of policy "img"."""
+    import gymnasium as gym
+    import numpy as np
+
+    from rlrec.trainer.synthetic import _episode
+
+    space = gym.spaces.Box(0, 255, (4,), dtype)
+    values = [200, 255, 3, 128]
+    return [
+        _episode(
+            "Img-v0",
+            space,
+            gym.spaces.Discrete(2),
+            [np.array(values, dtype) for _ in range(steps + 1)],
+            [1] * steps,
+            [1.0] * steps,
+            True,
+            False,
+            policy_id="img",
+            policy_version=1,
+        )
+        for _ in range(n)
+    ]
+
+
+def test_unsigned_int_columns_are_widened_so_every_reader_reads_their_values(tmp_path):
+    """Delta has no unsigned integers: a uint8 image observation is declared int16 (values above
+    127 read as they are by polars and DuckDB, not refused or wrapped)."""
+    import numpy as np
+
+    uri = str(tmp_path / "out")
+    ShardCommitter(uri, "rl", 0, fmt="tabular").commit(_image_episodes(np.uint8))
+    [res] = export_views(uri)
+    assert res.commits == 1
+    obs = open_snapshot(uri).steps().column("observation").to_pylist()
+    assert obs and all(list(o) == [200, 255, 3, 128] for o in obs)
+    view = f"{uri}/img"
+    dataset = deltalake.DeltaTable(view).to_pyarrow_dataset()  # noqa: F841
+    assert [list(r[0]) for r in duckdb.sql("select obs from dataset").fetchall()] == obs
+    assert [list(o) for o in pl.read_delta(view, use_pyarrow=True)["obs"].to_list()] == obs
+    assert _check_every_version(uri, "img", fmt="tabular") == (1, 0)
+
+
+def test_a_column_type_delta_cannot_hold_is_refused_in_one_line(tmp_path, capsys):
+    import numpy as np
+
+    uri = str(tmp_path / "out")
+    ShardCommitter(uri, "rl", 0, fmt="tabular").commit(_image_episodes(np.float16))
+    assert main(["export", uri, uri, "--to", "delta"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "column obs has type halffloat, which a Delta table cannot hold" in err[0], err
+    assert not list((tmp_path / "out" / "img").glob(f"{LOG_DIR}/*.json"))

@@ -557,6 +557,12 @@ def _shards_of(entries: Iterable[Entry]) -> Iterable[ShardEntry]:
 def _export_view(walk: _Walk, policy_id: str, stop: Callable[[], bool], view: _View | None = None) -> ViewResult:
     """Bring `policy_id`'s view up to `walk.target`; `view`: its state kept from this process's
     previous export (a follow loop), else read from the table and checked against the store."""
+    if (
+        view is not None
+        and view.version >= 0
+        and not walk.storage.exists(f"{policy_id}/{LOG_DIR}/{view.version:020d}.json")
+    ):
+        view = None  # its newest commit is gone (the view was deleted): read the table again
     if view is None:
         view = _View(walk.storage, policy_id, walk.logs, max((r.n for r in walk.records), default=-1) + 1)
         if view.version >= 0:

@@ -633,3 +633,45 @@ def test_a_column_type_delta_cannot_hold_is_refused_in_one_line(tmp_path, capsys
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "column obs has type halffloat, which a Delta table cannot hold" in err[0], err
     assert not list((tmp_path / "out" / "img").glob(f"{LOG_DIR}/*.json"))
+
+
+def test_follow_exports_again_a_view_deleted_while_it_runs(tmp_path):
+    """Deleting a view (`_delta_log/`) is safe while `--follow` runs: the follower sees that its
+    newest commit is gone and exports the view again from version 0, instead of appending
+    headless commits (no protocol, no metadata) to the deleted log."""
+    import shutil
+
+    from rlrec.delta_view import follow_views
+
+    uri = str(tmp_path / "out")
+    c = ShardCommitter(uri, "rl", 0)
+    _commit(c, 2, 0)
+    stop = threading.Event()
+    follower = threading.Thread(target=follow_views, args=(uri,), kwargs={"interval_s": 0.05, "stop": stop.is_set})
+    follower.start()
+    log_dir = tmp_path / "out" / POLICY / LOG_DIR
+    try:
+
+        def caught_up() -> bool:
+            try:
+                return version_cursor(uri, POLICY)[1] == open_snapshot(uri).cursor
+            except ViewError:
+                return False
+
+        deadline = time.monotonic() + 60
+        while not caught_up():
+            assert time.monotonic() < deadline, "follow did not catch up"
+            time.sleep(0.05)
+        os.rename(log_dir, tmp_path / "deleted")  # deleted at once (rm -r while a poll lists it is another race)
+        shutil.rmtree(tmp_path / "deleted")
+        _commit(c, 1, 10)
+        deadline = time.monotonic() + 60
+        while not caught_up():
+            assert time.monotonic() < deadline, "follow did not export the deleted view again"
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        follower.join()
+    assert f"{0:020d}.json" in os.listdir(log_dir)
+    assert export_views(uri)[0].commits == 0
+    assert _check_every_version(uri) == (3, 0)

@@ -89,12 +89,14 @@ def app_id(topic: str, partition: int) -> str:
     return f"rlrec:{topic}/{partition}"
 
 
-def storage_options(uri: str) -> dict[str, str]:
-    """deltalake's ``storage_options`` for a view's URI, from the environment rlrec itself reads:
-    for S3, plain HTTP allowed where ``AWS_ENDPOINT_URL`` is an ``http://`` endpoint (a local S3
-    such as moto or MinIO); for Azure (``az://``, ``abfs://``), the account, endpoint and key or
-    SAS token of ``AZURE_STORAGE_CONNECTION_STRING`` or ``AZURE_STORAGE_*`` (delta-rs does not read
-    connection strings). Otherwise none: delta-rs reads the standard variables itself.
+def storage_options(uri: str, storage: Storage | None = None) -> dict[str, str]:
+    """deltalake's ``storage_options`` for a view's URI. For S3: the endpoint, region and keys of
+    `storage` (its URI parameters such as ``?endpoint_override=HOST:PORT&scheme=http``) where
+    given, else of the environment rlrec itself reads (``AWS_ENDPOINT_URL_S3``,
+    ``AWS_ENDPOINT_URL``), plain HTTP allowed for an ``http://`` endpoint (a local S3 such as moto
+    or MinIO); for Azure (``az://``, ``abfs://``), the account, endpoint and key or SAS token of
+    ``AZURE_STORAGE_CONNECTION_STRING`` or ``AZURE_STORAGE_*`` (delta-rs does not read connection
+    strings). Otherwise none: delta-rs reads the standard variables itself.
 
     Example:
         >>> storage_options("/tmp/store")
@@ -103,8 +105,33 @@ def storage_options(uri: str) -> dict[str, str]:
     import os
 
     if uri.startswith("s3://"):
-        endpoint = os.environ.get("AWS_ENDPOINT_URL", "")
-        return {"AWS_ALLOW_HTTP": "true", "AWS_ENDPOINT_URL": endpoint} if endpoint.startswith("http://") else {}
+        settings: dict[str, Any] = {}
+        if storage is not None:
+            try:
+                settings = dict(storage.filesystem.__reduce__()[1][0])
+            except Exception:  # not an S3FileSystem that can be introspected
+                settings = {}
+        endpoint = (
+            settings.get("endpoint_override")
+            or os.environ.get("AWS_ENDPOINT_URL_S3")
+            or os.environ.get("AWS_ENDPOINT_URL")
+            or ""
+        )
+        if endpoint and "://" not in endpoint:
+            endpoint = f"{settings.get('scheme') or 'https'}://{endpoint}"
+        opts: dict[str, str] = {}
+        if endpoint:
+            opts["AWS_ENDPOINT_URL"] = endpoint
+            if endpoint.startswith("http://"):
+                opts["AWS_ALLOW_HTTP"] = "true"
+        if settings.get("region"):
+            opts["AWS_REGION"] = str(settings["region"])
+        if settings.get("access_key"):
+            opts["AWS_ACCESS_KEY_ID"] = str(settings["access_key"])
+            opts["AWS_SECRET_ACCESS_KEY"] = str(settings.get("secret_key") or "")
+            if settings.get("session_token"):
+                opts["AWS_SESSION_TOKEN"] = str(settings["session_token"])
+        return opts
     if uri.startswith(("az://", "abfs://", "abfss://")):
         from rlrec.store.azure import AzureSettings
 
@@ -202,8 +229,23 @@ def _check_point(
 
 
 def table_uri(storage: Storage, policy_id: str) -> str:
-    """The URI of policy `policy_id`'s view (its policy directory), as Delta readers open it."""
-    return storage.uri(policy_id)
+    """The URI of policy `policy_id`'s view (its policy directory), as Delta readers open it:
+    without the store URI's query parameters (no Delta reader takes them; `storage_options`
+    carries them)."""
+    return storage.uri(policy_id).split("?", 1)[0]
+
+
+#: a delta-rs error reading the storage (not the log's content)
+_STORAGE_ERROR_RE = re.compile(r"(?i)generic \w+ error|object ?store|connect|timed? ?out|dns|credential")
+
+
+def _open_error(uri: str, what: str, err: Exception) -> ViewError:
+    """One line for a delta-rs error opening `uri`: a storage error (connection, settings,
+    permissions) is told from a log rlrec cannot read (not an rlrec view)."""
+    first = str(err).splitlines()[0] if str(err) else type(err).__name__
+    if _STORAGE_ERROR_RE.search(first):
+        return ViewError(f"cannot read {what} {uri} from its storage (check the endpoint and credentials): {first}")
+    return ViewError(f"{uri} holds a Delta log rlrec cannot read ({first})")
 
 
 # --------------------------------------------------------------------------------- planning
@@ -299,9 +341,9 @@ class _View:
         from deltalake import DeltaTable
 
         try:
-            dt = DeltaTable(self.uri, storage_options=storage_options(self.uri))
+            dt = DeltaTable(self.uri, storage_options=storage_options(self.uri, self.storage))
         except Exception as e:
-            raise ViewError(f"{self.uri} holds a Delta log rlrec cannot read ({str(e).splitlines()[0]})") from None
+            raise _open_error(self.uri, "the Delta view", e) from None
         proto = dt.protocol()
         found = {
             "minReaderVersion": proto.min_reader_version,
@@ -464,7 +506,7 @@ class _View:
         from deltalake import DeltaTable
 
         try:
-            DeltaTable(self.uri, storage_options=storage_options(self.uri)).create_checkpoint()
+            DeltaTable(self.uri, storage_options=storage_options(self.uri, self.storage)).create_checkpoint()
         except Exception as e:
             log.warning("could not checkpoint the Delta view %s at version %d: %s", self.uri, self.version, e)
 
@@ -742,9 +784,13 @@ def version_cursor(storage: Storage | str, policy_id: str, version: int | None =
     if not has_view(st, policy_id):
         raise ViewError(f"no Delta view of policy {policy_id} at {uri} (rlrec export URI URI --to delta)")
     try:
-        dt = DeltaTable(uri, version=version, storage_options=storage_options(uri))
+        dt = DeltaTable(uri, version=version, storage_options=storage_options(uri, st))
     except Exception as e:
-        raise ViewError(f"cannot open version {version} of the Delta view {uri}: {str(e).splitlines()[0]}") from None
+        what = "the newest version of the Delta view" if version is None else f"version {version} of the Delta view"
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if _STORAGE_ERROR_RE.search(first):
+            raise _open_error(uri, what, e) from None
+        raise ViewError(f"cannot open {what} {uri}: {first}") from None
     positions = {}
     for key in list_partition_logs(st):
         v = dt.transaction_version(app_id(*key))

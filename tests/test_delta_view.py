@@ -675,3 +675,36 @@ def test_follow_exports_again_a_view_deleted_while_it_runs(tmp_path):
     assert f"{0:020d}.json" in os.listdir(log_dir)
     assert export_views(uri)[0].commits == 0
     assert _check_every_version(uri) == (3, 0)
+
+
+def test_s3_settings_given_as_uri_parameters_reach_delta_rs(local_s3, monkeypatch, capsys):
+    """A store opened as ``s3://b/p?endpoint_override=HOST:PORT&scheme=http`` with no endpoint in
+    the environment: delta-rs reads the view with the Storage's own settings (the second export
+    and inspect read what the first wrote), and the view's URI carries no query string."""
+    for k, v in local_s3.env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    bucket = local_s3.create_bucket(f"t-{uuid.uuid4().hex[:10]}")
+    uri = f"s3://{bucket}/out?endpoint_override={local_s3.endpoint}&scheme=http"
+    c = ShardCommitter(uri, "rl", 0)
+    _commit(c, 2, 0)
+    assert main(["export", uri, uri, "--to", "delta"]) == 0
+    assert capsys.readouterr().out.strip().splitlines() == [
+        f"s3://{bucket}/out/{POLICY}\t1\t{open_snapshot(uri).cursor}"
+    ]
+    _commit(c, 1, 10)
+    assert main(["export", uri, uri, "--to", "delta"]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    assert main(["inspect", uri, "--delta"]) == 0, capsys.readouterr().err
+    assert capsys.readouterr().out.strip().splitlines() == [f"{POLICY}\t2\t{open_snapshot(uri).cursor}"]
+    opts = storage_options(f"s3://{bucket}/out/{POLICY}", Storage.from_uri(uri))
+    assert opts["AWS_ENDPOINT_URL"] == local_s3.endpoint_url and opts["AWS_ALLOW_HTTP"] == "true"
+    assert pl.read_delta(f"s3://{bucket}/out/{POLICY}", storage_options=opts).height == 6
+    # a storage delta-rs cannot reach is a storage error, not "a Delta log rlrec cannot read"
+    monkeypatch.setattr(
+        delta_view, "storage_options", lambda u, s=None: {**opts, "AWS_ENDPOINT_URL": "http://127.0.0.1:9"}
+    )
+    assert main(["export", uri, uri, "--to", "delta"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "from its storage" in err[0] and "cannot read" in err[0], err

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
@@ -88,12 +89,14 @@ def app_id(topic: str, partition: int) -> str:
     return f"rlrec:{topic}/{partition}"
 
 
-def storage_options(uri: str) -> dict[str, str]:
-    """deltalake's ``storage_options`` for a view's URI, from the environment rlrec itself reads:
-    for S3, plain HTTP allowed where ``AWS_ENDPOINT_URL`` is an ``http://`` endpoint (a local S3
-    such as moto or MinIO); for Azure (``az://``, ``abfs://``), the account, endpoint and key or
-    SAS token of ``AZURE_STORAGE_CONNECTION_STRING`` or ``AZURE_STORAGE_*`` (delta-rs does not read
-    connection strings). Otherwise none: delta-rs reads the standard variables itself.
+def storage_options(uri: str, storage: Storage | None = None) -> dict[str, str]:
+    """deltalake's ``storage_options`` for a view's URI. For S3: the endpoint, region and keys of
+    `storage` (its URI parameters such as ``?endpoint_override=HOST:PORT&scheme=http``) where
+    given, else of the environment rlrec itself reads (``AWS_ENDPOINT_URL_S3``,
+    ``AWS_ENDPOINT_URL``), plain HTTP allowed for an ``http://`` endpoint (a local S3 such as moto
+    or MinIO); for Azure (``az://``, ``abfs://``), the account, endpoint and key or SAS token of
+    ``AZURE_STORAGE_CONNECTION_STRING`` or ``AZURE_STORAGE_*`` (delta-rs does not read connection
+    strings). Otherwise none: delta-rs reads the standard variables itself.
 
     Example:
         >>> storage_options("/tmp/store")
@@ -102,8 +105,33 @@ def storage_options(uri: str) -> dict[str, str]:
     import os
 
     if uri.startswith("s3://"):
-        endpoint = os.environ.get("AWS_ENDPOINT_URL", "")
-        return {"AWS_ALLOW_HTTP": "true", "AWS_ENDPOINT_URL": endpoint} if endpoint.startswith("http://") else {}
+        settings: dict[str, Any] = {}
+        if storage is not None:
+            try:
+                settings = dict(storage.filesystem.__reduce__()[1][0])
+            except Exception:  # not an S3FileSystem that can be introspected
+                settings = {}
+        endpoint = (
+            settings.get("endpoint_override")
+            or os.environ.get("AWS_ENDPOINT_URL_S3")
+            or os.environ.get("AWS_ENDPOINT_URL")
+            or ""
+        )
+        if endpoint and "://" not in endpoint:
+            endpoint = f"{settings.get('scheme') or 'https'}://{endpoint}"
+        opts: dict[str, str] = {}
+        if endpoint:
+            opts["AWS_ENDPOINT_URL"] = endpoint
+            if endpoint.startswith("http://"):
+                opts["AWS_ALLOW_HTTP"] = "true"
+        if settings.get("region"):
+            opts["AWS_REGION"] = str(settings["region"])
+        if settings.get("access_key"):
+            opts["AWS_ACCESS_KEY_ID"] = str(settings["access_key"])
+            opts["AWS_SECRET_ACCESS_KEY"] = str(settings.get("secret_key") or "")
+            if settings.get("session_token"):
+                opts["AWS_SESSION_TOKEN"] = str(settings["session_token"])
+        return opts
     if uri.startswith(("az://", "abfs://", "abfss://")):
         from rlrec.store.azure import AzureSettings
 
@@ -122,9 +150,102 @@ def storage_options(uri: str) -> dict[str, str]:
     return {}
 
 
+#: a file of a Delta log that holds a version: a commit, a checkpoint (or its pointer)
+_LOG_FILE_RE = re.compile(r"^(\d{20}\.(json|checkpoint(\.\d+\.\d+)?\.parquet)|_last_checkpoint)$")
+
+
+def has_view(storage: Storage, policy_id: str) -> bool:
+    """True when `policy_id`'s ``_delta_log/`` holds a version (a commit or a checkpoint). A log
+    folder without one (a kill -9 inside the first commit leaves the folder and a temp file) is
+    no table: the next export creates version 0 there (create-once: a concurrent creator is
+    still refused)."""
+    return any(_LOG_FILE_RE.match(f.name) for f in storage.list(f"{policy_id}/{LOG_DIR}"))
+
+
+def delta_schema(schema: Any, where: str = "") -> Any:
+    """The Arrow schema a view declares for shards of Arrow schema `schema`: Delta has no unsigned
+    integers, so each is widened to the signed type that holds all its values (uint8 -> int16,
+    uint16 -> int32, uint32 -> int64, uint64 -> decimal(20, 0)); readers cast the files' values to
+    it exactly. ViewError for a type a Delta table cannot hold (float16, time, duration).
+
+    Example:
+        >>> import pyarrow as pa
+        >>> delta_schema(pa.schema([("obs", pa.list_(pa.uint8(), 4)), ("n", pa.uint64())]))
+        obs: fixed_size_list<item: int16>[4]
+          child 0, item: int16
+        n: decimal128(20, 0)
+    """
+    import pyarrow as pa
+
+    widened = {
+        pa.uint8(): pa.int16(),
+        pa.uint16(): pa.int32(),
+        pa.uint32(): pa.int64(),
+        pa.uint64(): pa.decimal128(20, 0),
+    }
+
+    def conv(t: Any, name: str) -> Any:
+        if t in widened:
+            return widened[t]
+        if pa.types.is_float16(t) or pa.types.is_time(t) or pa.types.is_duration(t):
+            raise ViewError(f"shard {where}: column {name} has type {t}, which a Delta table cannot hold")
+        if pa.types.is_fixed_size_list(t):
+            return pa.list_(t.value_field.with_type(conv(t.value_type, name)), t.list_size)
+        if pa.types.is_large_list(t):
+            return pa.large_list(t.value_field.with_type(conv(t.value_type, name)))
+        if pa.types.is_list(t):
+            return pa.list_(t.value_field.with_type(conv(t.value_type, name)))
+        if pa.types.is_struct(t):
+            return pa.struct([f.with_type(conv(f.type, f"{name}.{f.name}")) for f in t])
+        if pa.types.is_map(t):
+            return pa.map_(conv(t.key_type, name), t.item_field.with_type(conv(t.item_type, name)))
+        return t
+
+    return pa.schema([f.with_type(conv(f.type, f.name)) for f in schema], metadata=schema.metadata)
+
+
+def _check_point(
+    uri: str,
+    positions: Mapping[tuple[str, int], int],
+    sizes: Mapping[tuple[str, int], int],
+    removals: int,
+    records: int,
+) -> None:
+    """ViewError unless the point a view's txns name is one of the store: each log's position
+    between 0 and its number of entries, the removal log's between 0 and its number of records
+    (a txn out of range was not written by rlrec: no cursor is made of it)."""
+    for (topic, part), n in sorted(positions.items()):
+        if not 0 <= n <= sizes.get((topic, part), 0):
+            raise ViewError(
+                f"the Delta view {uri} names position {n} of log {topic}/{part}, which has "
+                f"{sizes.get((topic, part), 0)} entries: its txn {app_id(topic, part)} is out of range, "
+                f"not written by rlrec; remove its {LOG_DIR}/ and export again"
+            )
+    if not 0 <= removals <= records:
+        raise ViewError(
+            f"the Delta view {uri} names {removals} removal records, the store has {records}: its txn "
+            f"{REMOVALS_APP} is out of range, not written by rlrec; remove its {LOG_DIR}/ and export again"
+        )
+
+
 def table_uri(storage: Storage, policy_id: str) -> str:
-    """The URI of policy `policy_id`'s view (its policy directory), as Delta readers open it."""
-    return storage.uri(policy_id)
+    """The URI of policy `policy_id`'s view (its policy directory), as Delta readers open it:
+    without the store URI's query parameters (no Delta reader takes them; `storage_options`
+    carries them)."""
+    return storage.uri(policy_id).split("?", 1)[0]
+
+
+#: a delta-rs error reading the storage (not the log's content)
+_STORAGE_ERROR_RE = re.compile(r"(?i)generic \w+ error|object ?store|connect|timed? ?out|dns|credential")
+
+
+def _open_error(uri: str, what: str, err: Exception) -> ViewError:
+    """One line for a delta-rs error opening `uri`: a storage error (connection, settings,
+    permissions) is told from a log rlrec cannot read (not an rlrec view)."""
+    first = str(err).splitlines()[0] if str(err) else type(err).__name__
+    if _STORAGE_ERROR_RE.search(first):
+        return ViewError(f"cannot read {what} {uri} from its storage (check the endpoint and credentials): {first}")
+    return ViewError(f"{uri} holds a Delta log rlrec cannot read ({first})")
 
 
 # --------------------------------------------------------------------------------- planning
@@ -197,7 +318,9 @@ class ViewResult:
 class _View:
     """One policy's Delta view: its state as the table says (version, txns, files) and its commits."""
 
-    def __init__(self, storage: Storage, policy_id: str, logs: Mapping[tuple[str, int], list[Entry]]) -> None:
+    def __init__(
+        self, storage: Storage, policy_id: str, logs: Mapping[tuple[str, int], list[Entry]], records: int = 0
+    ) -> None:
         self.storage = storage
         self.policy_id = policy_id
         self.uri = table_uri(storage, policy_id)
@@ -209,18 +332,18 @@ class _View:
         self.fmt: str | None = None
         self.logs = logs
         self._paths_at_load: list[str] = []
-        self._load()
+        self._load(records)
 
     # -- the table's state ------------------------------------------------------------------
-    def _load(self) -> None:
-        if not self.storage.exists(f"{self.policy_id}/{LOG_DIR}"):
+    def _load(self, records: int) -> None:
+        if not has_view(self.storage, self.policy_id):
             return
         from deltalake import DeltaTable
 
         try:
-            dt = DeltaTable(self.uri, storage_options=storage_options(self.uri))
+            dt = DeltaTable(self.uri, storage_options=storage_options(self.uri, self.storage))
         except Exception as e:
-            raise ViewError(f"{self.uri} holds a Delta log rlrec cannot read ({str(e).splitlines()[0]})") from None
+            raise _open_error(self.uri, "the Delta view", e) from None
         proto = dt.protocol()
         found = {
             "minReaderVersion": proto.min_reader_version,
@@ -240,6 +363,7 @@ class _View:
             if v:
                 self.positions[key] = int(v)
         self.removals = int(dt.transaction_version(REMOVALS_APP) or 0)
+        _check_point(self.uri, self.positions, {k: len(es) for k, es in self.logs.items()}, self.removals, records)
         paths = dt.get_add_actions(flatten=True).column("path").to_pylist()
         self._paths_at_load = sorted(paths)
 
@@ -272,7 +396,13 @@ class _View:
         if not self.storage.exists(e.path):
             return None
         shard = open_shard(self.storage.full_path(e.path), fmt=e.format, filesystem=self.storage.filesystem)
-        return Schema.from_arrow(shard.schema.remove_metadata()).to_json(), shard.num_rows
+        schema = delta_schema(shard.schema.remove_metadata(), e.path)
+        try:
+            return Schema.from_arrow(schema).to_json(), shard.num_rows
+        except Exception as err:  # a type delta-rs has no Delta type for
+            raise ViewError(
+                f"shard {e.path}: its schema has no Delta Lake equivalent ({str(err).splitlines()[0]})"
+            ) from None
 
     def commit(
         self,
@@ -376,7 +506,7 @@ class _View:
         from deltalake import DeltaTable
 
         try:
-            DeltaTable(self.uri, storage_options=storage_options(self.uri)).create_checkpoint()
+            DeltaTable(self.uri, storage_options=storage_options(self.uri, self.storage)).create_checkpoint()
         except Exception as e:
             log.warning("could not checkpoint the Delta view %s at version %d: %s", self.uri, self.version, e)
 
@@ -469,8 +599,14 @@ def _shards_of(entries: Iterable[Entry]) -> Iterable[ShardEntry]:
 def _export_view(walk: _Walk, policy_id: str, stop: Callable[[], bool], view: _View | None = None) -> ViewResult:
     """Bring `policy_id`'s view up to `walk.target`; `view`: its state kept from this process's
     previous export (a follow loop), else read from the table and checked against the store."""
+    if (
+        view is not None
+        and view.version >= 0
+        and not walk.storage.exists(f"{policy_id}/{LOG_DIR}/{view.version:020d}.json")
+    ):
+        view = None  # its newest commit is gone (the view was deleted): read the table again
     if view is None:
-        view = _View(walk.storage, policy_id, walk.logs)
+        view = _View(walk.storage, policy_id, walk.logs, max((r.n for r in walk.records), default=-1) + 1)
         if view.version >= 0:
             view.check_mirrors(walk.expected(policy_id, view.positions, view.removals))
     res = ViewResult(policy_id, view.uri, view.version)
@@ -645,18 +781,24 @@ def version_cursor(storage: Storage | str, policy_id: str, version: int | None =
 
     st = Storage.from_uri(storage) if isinstance(storage, str) else storage
     uri = table_uri(st, policy_id)
-    if not st.exists(f"{policy_id}/{LOG_DIR}"):
+    if not has_view(st, policy_id):
         raise ViewError(f"no Delta view of policy {policy_id} at {uri} (rlrec export URI URI --to delta)")
     try:
-        dt = DeltaTable(uri, version=version, storage_options=storage_options(uri))
+        dt = DeltaTable(uri, version=version, storage_options=storage_options(uri, st))
     except Exception as e:
-        raise ViewError(f"cannot open version {version} of the Delta view {uri}: {str(e).splitlines()[0]}") from None
+        what = "the newest version of the Delta view" if version is None else f"version {version} of the Delta view"
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if _STORAGE_ERROR_RE.search(first):
+            raise _open_error(uri, what, e) from None
+        raise ViewError(f"cannot open {what} {uri}: {first}") from None
     positions = {}
     for key in list_partition_logs(st):
         v = dt.transaction_version(app_id(*key))
         if v:
             positions[key] = int(v)
     removals = int(dt.transaction_version(REMOVALS_APP) or 0)
+    sizes = {key: len(PartitionLog(st, *key).load()) for key in positions}
+    _check_point(uri, positions, sizes, removals, max((r.n for r in read_removals(st)), default=-1) + 1)
     return dt.version(), str(replace(cursor_at(st, positions), removals=removals))
 
 
@@ -665,5 +807,5 @@ def list_views(storage: Storage) -> list[str]:
     return sorted(
         top.name
         for top in storage.list("")
-        if top.is_dir and not top.name.startswith(("_", ".")) and storage.exists(f"{top.name}/{LOG_DIR}")
+        if top.is_dir and not top.name.startswith(("_", ".")) and has_view(storage, top.name)
     )

@@ -317,6 +317,9 @@ def test_cli_errors_are_one_line(tmp_path, capsys, monkeypatch):
         (["export", uri, uri, "--to", "delta", "--follow", "--as-of", "r1~0123456789ab~rl:0=1"], "not both"),
         (["export", uri, str(tmp_path / "elsewhere"), "--to", "delta"], "a Delta view lives in the store"),
         (["export", uri, str(tmp_path / "x"), "--to", "parquet", "--follow"], "--follow needs --to delta"),
+        (["export", uri, uri, "--to", "delta", "--follow", "--interval", "nan"], "--interval must be a finite"),
+        (["export", uri, uri, "--to", "delta", "--follow", "--interval", "inf"], "--interval must be a finite"),
+        (["export", uri, uri, "--to", "delta", "--follow", "--interval", "0"], "--interval must be a finite"),
     ]
     for argv, msg in cases:
         assert main(argv) == 2
@@ -561,3 +564,169 @@ def test_docstring_examples():
 
     result = doctest.testmod(delta_view, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0
+
+
+def test_a_log_folder_without_a_commit_is_no_table_and_the_next_export_creates_it(tmp_path, capsys):
+    """A kill -9 inside the first commit's create-once leaves `_delta_log/` with only a temp file:
+    the next export creates version 0 there instead of refusing the view."""
+    uri = str(tmp_path / "out")
+    _commit(ShardCommitter(uri, "rl", 0), 2, 0)
+    log_dir = tmp_path / "out" / POLICY / LOG_DIR
+    log_dir.mkdir()
+    (log_dir / f".{0:020d}.json.tmp-abc").write_bytes(b'{"commitInfo":')
+    assert main(["inspect", uri, "--delta"]) == 1  # no view yet
+    assert "no Delta view" in capsys.readouterr().err
+    assert main(["export", uri, uri, "--to", "delta"]) == 0
+    assert capsys.readouterr().out.strip().splitlines() == [f"{uri}/{POLICY}\t1\t{open_snapshot(uri).cursor}"]
+    assert _check_every_version(uri) == (2, 0)
+
+
+@pytest.mark.parametrize(
+    "app, value", [("rlrec:rl/0", -2), ("rlrec:rl/0", 10**15), ("rlrec:_removed", -1), ("rlrec:_removed", 10**12)]
+)
+def test_a_txn_out_of_range_is_refused_not_printed_as_a_cursor(tmp_path, capsys, app, value):
+    """A crafted commit whose txn names no point of the store (a position below 0 or past its
+    log's entries, a removal count past the removal log's records): export and inspect refuse
+    the view in one line instead of printing a cursor made of it."""
+    uri = str(tmp_path / "out")
+    _commit(ShardCommitter(uri, "rl", 0), 3, 0)
+    export_views(uri)
+    (tmp_path / "out" / POLICY / LOG_DIR / f"{3:020d}.json").write_text(
+        json.dumps({"txn": {"appId": app, "version": value}}) + "\n"
+    )
+    for argv in (["inspect", uri, "--delta"], ["export", uri, uri, "--to", "delta"]):
+        assert main(argv) != 0, argv
+        out, err = capsys.readouterr()
+        assert out == "" and len(err.strip().splitlines()) == 1 and "out of range" in err, (argv, out, err)
+    with pytest.raises(ViewError, match="out of range"):
+        version_cursor(uri, POLICY)
+
+
+def _image_episodes(dtype, n: int = 2, steps: int = 5) -> list:
+    """Episodes of a `Box(0, 255, (4,), dtype)` observation space (the image case) of policy "img"."""
+    import gymnasium as gym
+    import numpy as np
+
+    from rlrec.trainer.synthetic import _episode
+
+    space = gym.spaces.Box(0, 255, (4,), dtype)
+    values = [200, 255, 3, 128]
+    return [
+        _episode(
+            "Img-v0",
+            space,
+            gym.spaces.Discrete(2),
+            [np.array(values, dtype) for _ in range(steps + 1)],
+            [1] * steps,
+            [1.0] * steps,
+            True,
+            False,
+            policy_id="img",
+            policy_version=1,
+        )
+        for _ in range(n)
+    ]
+
+
+def test_unsigned_int_columns_are_widened_so_every_reader_reads_their_values(tmp_path):
+    """Delta has no unsigned integers: a uint8 image observation is declared int16 (values above
+    127 read as they are by polars and DuckDB, not refused or wrapped)."""
+    import numpy as np
+
+    uri = str(tmp_path / "out")
+    ShardCommitter(uri, "rl", 0, fmt="tabular").commit(_image_episodes(np.uint8))
+    [res] = export_views(uri)
+    assert res.commits == 1
+    obs = open_snapshot(uri).steps().column("observation").to_pylist()
+    assert obs and all(list(o) == [200, 255, 3, 128] for o in obs)
+    view = f"{uri}/img"
+    dataset = deltalake.DeltaTable(view).to_pyarrow_dataset()  # noqa: F841
+    assert [list(r[0]) for r in duckdb.sql("select obs from dataset").fetchall()] == obs
+    assert [list(o) for o in pl.read_delta(view, use_pyarrow=True)["obs"].to_list()] == obs
+    assert _check_every_version(uri, "img", fmt="tabular") == (1, 0)
+
+
+def test_a_column_type_delta_cannot_hold_is_refused_in_one_line(tmp_path, capsys):
+    import numpy as np
+
+    uri = str(tmp_path / "out")
+    ShardCommitter(uri, "rl", 0, fmt="tabular").commit(_image_episodes(np.float16))
+    assert main(["export", uri, uri, "--to", "delta"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "column obs has type halffloat, which a Delta table cannot hold" in err[0], err
+    assert not list((tmp_path / "out" / "img").glob(f"{LOG_DIR}/*.json"))
+
+
+def test_follow_exports_again_a_view_deleted_while_it_runs(tmp_path):
+    """Deleting a view (`_delta_log/`) is safe while `--follow` runs: the follower sees that its
+    newest commit is gone and exports the view again from version 0, instead of appending
+    headless commits (no protocol, no metadata) to the deleted log."""
+    import shutil
+
+    from rlrec.delta_view import follow_views
+
+    uri = str(tmp_path / "out")
+    c = ShardCommitter(uri, "rl", 0)
+    _commit(c, 2, 0)
+    stop = threading.Event()
+    follower = threading.Thread(target=follow_views, args=(uri,), kwargs={"interval_s": 0.05, "stop": stop.is_set})
+    follower.start()
+    log_dir = tmp_path / "out" / POLICY / LOG_DIR
+    try:
+
+        def caught_up() -> bool:
+            try:
+                return version_cursor(uri, POLICY)[1] == open_snapshot(uri).cursor
+            except ViewError:
+                return False
+
+        deadline = time.monotonic() + 60
+        while not caught_up():
+            assert time.monotonic() < deadline, "follow did not catch up"
+            time.sleep(0.05)
+        os.rename(log_dir, tmp_path / "deleted")  # deleted at once (rm -r while a poll lists it is another race)
+        shutil.rmtree(tmp_path / "deleted")
+        _commit(c, 1, 10)
+        deadline = time.monotonic() + 60
+        while not caught_up():
+            assert time.monotonic() < deadline, "follow did not export the deleted view again"
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        follower.join()
+    assert f"{0:020d}.json" in os.listdir(log_dir)
+    assert export_views(uri)[0].commits == 0
+    assert _check_every_version(uri) == (3, 0)
+
+
+def test_s3_settings_given_as_uri_parameters_reach_delta_rs(local_s3, monkeypatch, capsys):
+    """A store opened as ``s3://b/p?endpoint_override=HOST:PORT&scheme=http`` with no endpoint in
+    the environment: delta-rs reads the view with the Storage's own settings (the second export
+    and inspect read what the first wrote), and the view's URI carries no query string."""
+    for k, v in local_s3.env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    bucket = local_s3.create_bucket(f"t-{uuid.uuid4().hex[:10]}")
+    uri = f"s3://{bucket}/out?endpoint_override={local_s3.endpoint}&scheme=http"
+    c = ShardCommitter(uri, "rl", 0)
+    _commit(c, 2, 0)
+    assert main(["export", uri, uri, "--to", "delta"]) == 0
+    assert capsys.readouterr().out.strip().splitlines() == [
+        f"s3://{bucket}/out/{POLICY}\t1\t{open_snapshot(uri).cursor}"
+    ]
+    _commit(c, 1, 10)
+    assert main(["export", uri, uri, "--to", "delta"]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    assert main(["inspect", uri, "--delta"]) == 0, capsys.readouterr().err
+    assert capsys.readouterr().out.strip().splitlines() == [f"{POLICY}\t2\t{open_snapshot(uri).cursor}"]
+    opts = storage_options(f"s3://{bucket}/out/{POLICY}", Storage.from_uri(uri))
+    assert opts["AWS_ENDPOINT_URL"] == local_s3.endpoint_url and opts["AWS_ALLOW_HTTP"] == "true"
+    assert pl.read_delta(f"s3://{bucket}/out/{POLICY}", storage_options=opts).height == 6
+    # a storage delta-rs cannot reach is a storage error, not "a Delta log rlrec cannot read"
+    monkeypatch.setattr(
+        delta_view, "storage_options", lambda u, s=None: {**opts, "AWS_ENDPOINT_URL": "http://127.0.0.1:9"}
+    )
+    assert main(["export", uri, uri, "--to", "delta"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "from its storage" in err[0] and "cannot read" in err[0], err

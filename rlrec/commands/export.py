@@ -4,6 +4,7 @@ store as a read-only Delta Lake view (``--to delta``, `rlrec.delta_view`)."""
 from __future__ import annotations
 
 import argparse
+import math
 import typing
 from dataclasses import dataclass
 
@@ -91,8 +92,8 @@ def _export_delta(opts: ExportOptions) -> int:
         raise UsageError("give --follow or --as-of, not both (a view follows the newest point)")
     if opts.policy_version is not None:
         raise UsageError("--policy-version is not available with --to delta (a view mirrors whole points)")
-    if opts.interval <= 0:
-        raise UsageError(f"--interval must be > 0, got {opts.interval}")
+    if not (math.isfinite(opts.interval) and opts.interval > 0):
+        raise UsageError(f"--interval must be a finite number > 0, got {opts.interval}")
     storage = open_output(opts.uri)
     require_manifest(storage, opts.uri)
     target = open_output(opts.dir, "DIR")

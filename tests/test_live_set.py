@@ -403,3 +403,38 @@ def test_kill_9_of_the_writer_around_the_live_set_write(tmp_path):
     assert codes == [-signal.SIGKILL] * 3 + [0]  # each planted kill was reached
     assert live_set_seqs(open_snapshot(root).storage, "rl", 0)  # the runs after the kills wrote live sets
     assert verify(open_snapshot(root).storage) == []
+
+
+def test_the_evaluator_reads_only_shards_holding_held_out_episodes_through_live_sets(tmp_path, monkeypatch):
+    """The evaluator's reader opens the head through live sets (rows without episode ids) and
+    still skips every shard holding no held-out episode; same episodes as at the cursor read
+    through the history (review-47b finding 4)."""
+    from rlrec.store import commit as commit_mod
+    from rlrec.trainer.holdout import is_held_out
+    from rlrec.trainer.ope_data import HeldOutReader
+
+    root = str(tmp_path / "out")
+    c = ShardCommitter(root, "rl", 0, snapshot_every=3)
+    c.log.live_set_every = 5
+    _commit(c, 16, 0)
+    heads, _, _ = read_heads(c.storage)
+    assert all(h.live_set is not None for h in heads.values())
+    fraction = 0.2
+    hist = open_snapshot(root, as_of=open_snapshot(root).cursor).entries  # with ids
+    holding = {e.path for e in hist if any(is_held_out(str(i), fraction) for i in e.episode_ids)}
+    assert 0 < len(holding) < len(hist), "the test needs shards with and without held-out episodes"
+    real, reads = commit_mod.read_committed_shard, []
+
+    def counting(storage, path, *a, **kw):
+        reads.append(path)
+        return real(storage, path, *a, **kw)
+
+    monkeypatch.setattr(commit_mod, "read_committed_shard", counting)
+    reader = HeldOutReader(root, fraction)
+    eps = reader.refresh()
+    assert set(reads) == holding and len(reads) == len(holding)
+    again = HeldOutReader(root, fraction)
+    reads.clear()
+    assert sorted(e.id for e in again.refresh(as_of=reader.cursor)) == sorted(e.id for e in eps)
+    assert again.stats.episodes_seen == reader.stats.episodes_seen
+    assert again.stats.episodes_held_out == reader.stats.episodes_held_out == len(eps) > 0

@@ -76,6 +76,7 @@ __all__ = [
     "MAX_LIVE_SHARDS",
     "HeadRead",
     "LiveSetEntry",
+    "NeedsHistory",
     "first_entry_key",
     "fold",
     "head_shards",
@@ -259,6 +260,11 @@ class Stale(ManifestError):
     list): the reader reads the log's history instead."""
 
 
+class NeedsHistory(ManifestError):
+    """`head_shards` / `write_live_set` with ``history=False``: the log has no usable live set,
+    so its head can only be had from its whole history, which the caller did not allow."""
+
+
 def fold(
     topic: str,
     partition: int,
@@ -324,6 +330,7 @@ def head_shards(
     *,
     apply_removals: bool = True,
     strict: bool = True,
+    history: bool = True,
 ) -> HeadRead:
     """The live shards of one partition log at its head, less those retention removed: through
     its newest live set where it has a usable one, else from its history.
@@ -337,6 +344,8 @@ def head_shards(
         apply_removals: False: apply no removal record after the live set (or none at all when
             the history is read); `write_live_set` applies them itself.
         strict: False: a gap in the history is logged, not raised (`PartitionLog.load`).
+        history: False: raise `NeedsHistory` instead of reading the whole history (no usable
+            live set).
     """
     if live_set is True:
         live_set = read_live_set(storage, topic, partition)
@@ -361,9 +370,13 @@ def head_shards(
             end = tail[-1].seq + 1 if tail else live_set.seq
             return HeadRead([live[s] for s in sorted(live)], live_set.first, end, live_set.seq)  # type: ignore[index]
         except ManifestError as e:
+            if not history:
+                raise NeedsHistory(f"live set {live_set.seq} cannot be used ({e})") from None
             log.warning("%s/%d: ignoring live set %d (%s): reading its history", topic, partition, live_set.seq, e)
         if live_set.removals > 0 and apply_removals:
             records = read_removals(storage)  # the history needs every record
+    if not history:
+        raise NeedsHistory("no usable live set")
     entries = plog.load(strict=strict)
     live = fold(topic, partition, live_shards(entries), [], records)  # type: ignore[arg-type]
     shards = [live[seq] for seq in sorted(live)]
@@ -372,7 +385,13 @@ def head_shards(
 
 
 def write_live_set(
-    storage: Storage, topic: str, partition: int, *, writer: str = "", prev: LiveSetEntry | None = None
+    storage: Storage,
+    topic: str,
+    partition: int,
+    *,
+    writer: str = "",
+    prev: LiveSetEntry | None = None,
+    history: bool = True,
 ) -> LiveSetEntry | None:
     """Write the live set of one partition log at its current end (create-once; None if the log
     is empty, nothing followed the newest live set, or one exists at that seq already), built
@@ -384,11 +403,13 @@ def write_live_set(
         writer: who writes it (recorded; the partition's writer id, or a tool's name).
         prev: the newest live set as this caller wrote or read it (not read again while it is
             still the newest).
+        history: False: raise `NeedsHistory` rather than build it from the whole history (the
+            log has no usable live set): the writer's commit path never reads the history.
     """
     seqs = live_set_seqs(storage, topic, partition)
     if prev is None or not seqs or seqs[-1] != prev.seq:
         prev = read_live_set(storage, topic, partition)
-    head = head_shards(storage, topic, partition, None, prev, apply_removals=False)
+    head = head_shards(storage, topic, partition, None, prev, apply_removals=False, history=history)
     if head.end == 0 or (prev is not None and head.end == prev.seq):
         return None
     start = prev.removals if prev is not None and head.live_set is not None else 0

@@ -438,3 +438,42 @@ def test_the_evaluator_reads_only_shards_holding_held_out_episodes_through_live_
     assert sorted(e.id for e in again.refresh(as_of=reader.cursor)) == sorted(e.id for e in eps)
     assert again.stats.episodes_seen == reader.stats.episodes_seen
     assert again.stats.episodes_held_out == reader.stats.episodes_held_out == len(eps) > 0
+
+
+def test_a_commit_on_a_long_log_without_a_live_set_never_reads_its_history(tmp_path):
+    """An upgraded store (a long log written before live sets): the writer's commit path reads
+    none of its history; the first live set is built off it (a background thread of the writer),
+    and from then on incrementally in the commit path (review-47b finding 3)."""
+    import threading
+
+    from rlrec.store.manifest import MANIFEST_DIR
+
+    root = str(tmp_path / "out")
+    c = ShardCommitter(root, "rl", 0, snapshot_every=3)
+    c.log.live_set_every = 0  # written before live sets
+    _commit(c, 30, 0)
+    assert live_set_seqs(c.storage, "rl", 0) == []
+    c.log.live_set_every = 5  # the upgraded writer: 31 entries > 2 x 5
+    st, real, reads = c.storage, c.storage.read, []
+    end = len(PartitionLog(st, "rl", 0).load())
+    commit_thread = threading.get_ident()
+
+    def counting(path, *a, **kw):
+        if threading.get_ident() == commit_thread and path.startswith(f"{MANIFEST_DIR}/rl/00000/"):
+            reads.append(path)
+        return real(path, *a, **kw)
+
+    st.read = counting  # type: ignore[method-assign]
+    try:
+        _commit(c, 3, 100)  # past a snapshot, so past the live-set check
+        assert len(reads) <= 2, f"the commit path read {len(reads)} of {end} entries: {reads}"
+        builder = c.log._live_builder
+        assert builder is not None, "the first live set was not handed off"
+        builder.join(60)
+        assert not builder.is_alive()
+    finally:
+        del st.read
+    assert live_set_seqs(st, "rl", 0), "no first live set was built"
+    _commit(c, 6, 200)
+    assert max(live_set_seqs(st, "rl", 0)) > min(live_set_seqs(st, "rl", 0))  # then incremental
+    _assert_head_is_history(root, through_live_set=True)

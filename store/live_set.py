@@ -20,8 +20,9 @@ Readers at the head (`head_shards`: `rlrec.open` / `open_snapshot` without ``as_
 and fold them (`fold`, the one place that does). A live set never hides an entry committed
 after it (every entry from its seq is read) nor brings back a removed shard (every record from
 its ``removals`` is applied). A live set that is missing, malformed, of a newer format, larger
-than `MAX_LIVE_SET_BYTES`, or inconsistent with the entries after it is ignored: the log is read
-from its first entry as before (docs/GUARANTEES.md §3, "Live sets"). Older points (``as_of``),
+than `MAX_LIVE_SET_BYTES`, or inconsistent with the entries after it is ignored: the log is
+read from its first entry as before (docs/GUARANTEES.md §3, "Live sets"); where it is malformed
+or past the log's end, `read_live_set` tries the next older one first. Older points (``as_of``),
 lineage, `Snapshot.changes`, gc, retention and writers' claims read the whole history.
 
 Example:
@@ -241,18 +242,22 @@ def live_set_seqs(storage: Storage, topic: str, partition: int) -> list[int]:
 
 
 def read_live_set(storage: Storage, topic: str, partition: int) -> LiveSetEntry | None:
-    """The log's newest live set (one listing, one read), or None: it has none, or the newest
-    cannot be used (malformed, too large, a newer format: logged, never raised -- the caller
-    reads the history instead)."""
-    try:
-        seqs = live_set_seqs(storage, topic, partition)
-        if not seqs:
-            return None
-        path = live_set_path(topic, partition, seqs[-1])
-        return parse_live_set(storage.read(path, limit=MAX_LIVE_SET_BYTES), topic, partition, seqs[-1])
-    except (ManifestError, FileNotFoundError) as e:
-        log.warning("%s/%d: ignoring its live set (%s): reading its history", topic, partition, e)
-        return None
+    """The log's newest usable live set (one listing, one read, one probe of the entry below
+    it), or None: it has none usable. One that cannot be used (malformed, too large, a newer
+    format, its seq past the log's end: logged, never raised) is passed over for the next older
+    one, up to `KEEP_LIVE_SETS` + 1 of them; then the caller reads the history instead."""
+    seqs = live_set_seqs(storage, topic, partition)
+    for seq in reversed(seqs[-(KEEP_LIVE_SETS + 1) :]):
+        try:
+            ls = parse_live_set(
+                storage.read(live_set_path(topic, partition, seq), limit=MAX_LIVE_SET_BYTES), topic, partition, seq
+            )
+            if seq > 0 and storage.info(PartitionLog(storage, topic, partition)._path(seq - 1)) is None:
+                raise ManifestError(f"live set {seq} is past the log's end (entry {seq - 1} does not exist)")
+            return ls
+        except (ManifestError, FileNotFoundError) as e:
+            log.warning("%s/%d: ignoring its live set %d (%s)", topic, partition, seq, e)
+    return None
 
 
 class Stale(ManifestError):
@@ -431,7 +436,7 @@ def write_live_set(
     )
     if not storage.create_once(live_set_path(topic, partition, ls.seq), ls.to_json().encode()):
         return None
-    for old in live_set_seqs(storage, topic, partition)[:-KEEP_LIVE_SETS]:
+    for old in [q for q in live_set_seqs(storage, topic, partition) if q <= ls.seq][:-KEEP_LIVE_SETS]:
         with contextlib.suppress(FileNotFoundError):
             storage.delete(live_set_path(topic, partition, old))
     log.info("%s/%d: live set at seq %d: %d live shard(s)", topic, partition, ls.seq, len(ls.shards))

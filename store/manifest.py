@@ -949,7 +949,8 @@ class PartitionLog:
             return  # the first live set is being built
         try:
             if self._live_seq is None:
-                self._live_seq = max(ls.live_set_seqs(self.storage, self.topic, self.partition), default=0)
+                seqs = ls.live_set_seqs(self.storage, self.topic, self.partition)
+                self._live_seq = max((q for q in seqs if q <= end), default=0)  # past the end: not ours
             if end - self._live_seq < every:
                 return
             written = ls.write_live_set(

@@ -193,6 +193,8 @@ def _hostile_docs(ls, seq: int) -> dict[str, object]:
 
 
 def test_a_hostile_live_set_is_refused_and_the_history_read(tmp_path):
+    """Each hostile newest live set is refused (the next older, honest one is used); the head is
+    the history's."""
     root, c, ls = _store_with_live_set(tmp_path)
     want = _history_head(c.storage)
     seq = ls.seq + 1
@@ -202,7 +204,7 @@ def test_a_hostile_live_set_is_refused_and_the_history_read(tmp_path):
         with pytest.raises(manifest_entries.ManifestError):
             parse_live_set(data, "rl", 0, seq)
         c.storage.write(path, data)
-        assert read_live_set(c.storage, "rl", 0) is None, name  # refused: never used
+        assert read_live_set(c.storage, "rl", 0) == ls, name  # refused: the next older one is used
         head = open_snapshot(root)
         assert sorted(_key(s) for s in head.entries) == want, name
         assert head.steps().num_rows == open_snapshot(root, as_of=head.cursor).steps().num_rows, name
@@ -476,4 +478,30 @@ def test_a_commit_on_a_long_log_without_a_live_set_never_reads_its_history(tmp_p
     assert live_set_seqs(st, "rl", 0), "no first live set was built"
     _commit(c, 6, 200)
     assert max(live_set_seqs(st, "rl", 0)) > min(live_set_seqs(st, "rl", 0))  # then incremental
+    _assert_head_is_history(root, through_live_set=True)
+
+
+def test_a_live_set_past_the_logs_end_is_passed_over_and_does_not_stop_the_writer(tmp_path):
+    """A live set named with a seq past the log's end (forged, parseable) is ignored by readers,
+    who fall back to the next older one, and neither stops the writer writing new ones nor evicts
+    the honest ones (review-47b finding 5)."""
+    root = str(tmp_path / "out")
+    c = ShardCommitter(root, "rl", 0, snapshot_every=3)
+    c.log.live_set_every = 5
+    _commit(c, 8, 0)
+    st = c.storage
+    honest = live_set_seqs(st, "rl", 0)
+    assert honest
+    doc = json.loads(st.read(live_set_path("rl", 0, honest[-1])))
+    doc["seq"] = big = 999_999_999_999
+    st.create_once(live_set_path("rl", 0, big), json.dumps(doc).encode())
+    assert read_live_set(st, "rl", 0).seq == honest[-1]  # the next older one
+    _assert_head_is_history(root, through_live_set=True)
+    w = ShardCommitter(root, "rl", 0, snapshot_every=3)  # a fresh writer (looks for live sets)
+    w.log.live_set_every = 5
+    _commit(w, 12, 100)
+    seqs = live_set_seqs(st, "rl", 0)
+    assert big in seqs and max(q for q in seqs if q != big) > honest[-1], seqs  # new ones written
+    assert len([q for q in seqs if q != big]) == 3, seqs  # the newest 3 honest ones kept
+    assert read_live_set(st, "rl", 0).seq == max(q for q in seqs if q != big)
     _assert_head_is_history(root, through_live_set=True)

@@ -20,8 +20,9 @@ Readers at the head (`head_shards`: `rlrec.open` / `open_snapshot` without ``as_
 and fold them (`fold`, the one place that does). A live set never hides an entry committed
 after it (every entry from its seq is read) nor brings back a removed shard (every record from
 its ``removals`` is applied). A live set that is missing, malformed, of a newer format, larger
-than `MAX_LIVE_SET_BYTES`, or inconsistent with the entries after it is ignored: the log is read
-from its first entry as before (docs/GUARANTEES.md §3, "Live sets"). Older points (``as_of``),
+than `MAX_LIVE_SET_BYTES`, or inconsistent with the entries after it is ignored: the log is
+read from its first entry as before (docs/GUARANTEES.md §3, "Live sets"); where it is malformed
+or past the log's end, `read_live_set` tries the next older one first. Older points (``as_of``),
 lineage, `Snapshot.changes`, gc, retention and writers' claims read the whole history.
 
 Example:
@@ -76,6 +77,7 @@ __all__ = [
     "MAX_LIVE_SHARDS",
     "HeadRead",
     "LiveSetEntry",
+    "NeedsHistory",
     "first_entry_key",
     "fold",
     "head_shards",
@@ -240,23 +242,32 @@ def live_set_seqs(storage: Storage, topic: str, partition: int) -> list[int]:
 
 
 def read_live_set(storage: Storage, topic: str, partition: int) -> LiveSetEntry | None:
-    """The log's newest live set (one listing, one read), or None: it has none, or the newest
-    cannot be used (malformed, too large, a newer format: logged, never raised -- the caller
-    reads the history instead)."""
-    try:
-        seqs = live_set_seqs(storage, topic, partition)
-        if not seqs:
-            return None
-        path = live_set_path(topic, partition, seqs[-1])
-        return parse_live_set(storage.read(path, limit=MAX_LIVE_SET_BYTES), topic, partition, seqs[-1])
-    except (ManifestError, FileNotFoundError) as e:
-        log.warning("%s/%d: ignoring its live set (%s): reading its history", topic, partition, e)
-        return None
+    """The log's newest usable live set (one listing, one read, one probe of the entry below
+    it), or None: it has none usable. One that cannot be used (malformed, too large, a newer
+    format, its seq past the log's end: logged, never raised) is passed over for the next older
+    one, up to `KEEP_LIVE_SETS` + 1 of them; then the caller reads the history instead."""
+    seqs = live_set_seqs(storage, topic, partition)
+    for seq in reversed(seqs[-(KEEP_LIVE_SETS + 1) :]):
+        try:
+            ls = parse_live_set(
+                storage.read(live_set_path(topic, partition, seq), limit=MAX_LIVE_SET_BYTES), topic, partition, seq
+            )
+            if seq > 0 and storage.info(PartitionLog(storage, topic, partition)._path(seq - 1)) is None:
+                raise ManifestError(f"live set {seq} is past the log's end (entry {seq - 1} does not exist)")
+            return ls
+        except (ManifestError, FileNotFoundError) as e:
+            log.warning("%s/%d: ignoring its live set %d (%s)", topic, partition, seq, e)
+    return None
 
 
 class Stale(ManifestError):
     """A live set does not fit the entries after it (a replace entry names a shard it does not
     list): the reader reads the log's history instead."""
+
+
+class NeedsHistory(ManifestError):
+    """`head_shards` / `write_live_set` with ``history=False``: the log has no usable live set,
+    so its head can only be had from its whole history, which the caller did not allow."""
 
 
 def fold(
@@ -324,6 +335,7 @@ def head_shards(
     *,
     apply_removals: bool = True,
     strict: bool = True,
+    history: bool = True,
 ) -> HeadRead:
     """The live shards of one partition log at its head, less those retention removed: through
     its newest live set where it has a usable one, else from its history.
@@ -337,6 +349,8 @@ def head_shards(
         apply_removals: False: apply no removal record after the live set (or none at all when
             the history is read); `write_live_set` applies them itself.
         strict: False: a gap in the history is logged, not raised (`PartitionLog.load`).
+        history: False: raise `NeedsHistory` instead of reading the whole history (no usable
+            live set).
     """
     if live_set is True:
         live_set = read_live_set(storage, topic, partition)
@@ -361,9 +375,13 @@ def head_shards(
             end = tail[-1].seq + 1 if tail else live_set.seq
             return HeadRead([live[s] for s in sorted(live)], live_set.first, end, live_set.seq)  # type: ignore[index]
         except ManifestError as e:
+            if not history:
+                raise NeedsHistory(f"live set {live_set.seq} cannot be used ({e})") from None
             log.warning("%s/%d: ignoring live set %d (%s): reading its history", topic, partition, live_set.seq, e)
         if live_set.removals > 0 and apply_removals:
             records = read_removals(storage)  # the history needs every record
+    if not history:
+        raise NeedsHistory("no usable live set")
     entries = plog.load(strict=strict)
     live = fold(topic, partition, live_shards(entries), [], records)  # type: ignore[arg-type]
     shards = [live[seq] for seq in sorted(live)]
@@ -372,7 +390,13 @@ def head_shards(
 
 
 def write_live_set(
-    storage: Storage, topic: str, partition: int, *, writer: str = "", prev: LiveSetEntry | None = None
+    storage: Storage,
+    topic: str,
+    partition: int,
+    *,
+    writer: str = "",
+    prev: LiveSetEntry | None = None,
+    history: bool = True,
 ) -> LiveSetEntry | None:
     """Write the live set of one partition log at its current end (create-once; None if the log
     is empty, nothing followed the newest live set, or one exists at that seq already), built
@@ -384,11 +408,13 @@ def write_live_set(
         writer: who writes it (recorded; the partition's writer id, or a tool's name).
         prev: the newest live set as this caller wrote or read it (not read again while it is
             still the newest).
+        history: False: raise `NeedsHistory` rather than build it from the whole history (the
+            log has no usable live set): the writer's commit path never reads the history.
     """
     seqs = live_set_seqs(storage, topic, partition)
     if prev is None or not seqs or seqs[-1] != prev.seq:
         prev = read_live_set(storage, topic, partition)
-    head = head_shards(storage, topic, partition, None, prev, apply_removals=False)
+    head = head_shards(storage, topic, partition, None, prev, apply_removals=False, history=history)
     if head.end == 0 or (prev is not None and head.end == prev.seq):
         return None
     start = prev.removals if prev is not None and head.live_set is not None else 0
@@ -410,7 +436,7 @@ def write_live_set(
     )
     if not storage.create_once(live_set_path(topic, partition, ls.seq), ls.to_json().encode()):
         return None
-    for old in live_set_seqs(storage, topic, partition)[:-KEEP_LIVE_SETS]:
+    for old in [q for q in live_set_seqs(storage, topic, partition) if q <= ls.seq][:-KEEP_LIVE_SETS]:
         with contextlib.suppress(FileNotFoundError):
             storage.delete(live_set_path(topic, partition, old))
     log.info("%s/%d: live set at seq %d: %d live shard(s)", topic, partition, ls.seq, len(ls.shards))

@@ -245,6 +245,8 @@ class PartitionLog:
         self.live_set_every = live_set_every
         self._live_seq: int | None = None  # the seq of the newest live set (None: not looked yet)
         self._live_set: Any = None  # the newest live set this writer wrote (not read back)
+        #: the thread building this log's first live set from its history (off the commit path)
+        self._live_builder: threading.Thread | None = None
         self._lock = threading.RLock()
         self._epoch: int | None = None
         self._writer: str | None = None
@@ -932,20 +934,52 @@ class PartitionLog:
 
     def _maybe_live_set(self, end: int) -> None:
         """Write a live set at `end` if at least ``live_set_every`` entries follow the newest one.
-        Best effort, as snapshots: a failure only postpones it (readers read the history)."""
+        Best effort, as snapshots: a failure only postpones it (readers read the history).
+
+        Built from the newest live set and the entries after it, on the caller's (commit) path.
+        With no usable live set, a log of at most ``2 * live_set_every`` entries is built from its
+        history there too; a longer one (a log written before live sets) is built by one
+        background thread of this writer, so that no commit waits on a whole-history read."""
         from rlrec.store import live_set as ls  # live sets build on this module
 
         every = ls.LIVE_SET_EVERY if self.live_set_every is None else self.live_set_every
         if every <= 0:
             return
+        if self._live_builder is not None and self._live_builder.is_alive():
+            return  # the first live set is being built
         try:
             if self._live_seq is None:
-                self._live_seq = max(ls.live_set_seqs(self.storage, self.topic, self.partition), default=0)
+                seqs = ls.live_set_seqs(self.storage, self.topic, self.partition)
+                self._live_seq = max((q for q in seqs if q <= end), default=0)  # past the end: not ours
             if end - self._live_seq < every:
                 return
             written = ls.write_live_set(
-                self.storage, self.topic, self.partition, writer=self._writer or "", prev=self._live_set
+                self.storage,
+                self.topic,
+                self.partition,
+                writer=self._writer or "",
+                prev=self._live_set,
+                history=end <= 2 * every,
             )
+            self._live_seq = written.seq if written is not None else end
+            self._live_set = written or self._live_set
+        except ls.NeedsHistory:
+            self._live_builder = threading.Thread(
+                target=self._build_first_live_set,
+                args=(end,),
+                name=f"rlrec-live-set-{self.topic}-{self.partition}",
+                daemon=True,
+            )
+            self._live_builder.start()
+        except Exception as err:
+            log.warning("%s/%d: no live set at seq %d (%s); tried again later", self.topic, self.partition, end, err)
+
+    def _build_first_live_set(self, end: int) -> None:
+        """The background build of `_maybe_live_set`: the log's live set from its whole history."""
+        from rlrec.store import live_set as ls
+
+        try:
+            written = ls.write_live_set(self.storage, self.topic, self.partition, writer=self._writer or "")
             self._live_seq = written.seq if written is not None else end
             self._live_set = written or self._live_set
         except Exception as err:

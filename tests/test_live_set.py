@@ -193,6 +193,8 @@ def _hostile_docs(ls, seq: int) -> dict[str, object]:
 
 
 def test_a_hostile_live_set_is_refused_and_the_history_read(tmp_path):
+    """Each hostile newest live set is refused (the next older, honest one is used); the head is
+    the history's."""
     root, c, ls = _store_with_live_set(tmp_path)
     want = _history_head(c.storage)
     seq = ls.seq + 1
@@ -202,7 +204,7 @@ def test_a_hostile_live_set_is_refused_and_the_history_read(tmp_path):
         with pytest.raises(manifest_entries.ManifestError):
             parse_live_set(data, "rl", 0, seq)
         c.storage.write(path, data)
-        assert read_live_set(c.storage, "rl", 0) is None, name  # refused: never used
+        assert read_live_set(c.storage, "rl", 0) == ls, name  # refused: the next older one is used
         head = open_snapshot(root)
         assert sorted(_key(s) for s in head.entries) == want, name
         assert head.steps().num_rows == open_snapshot(root, as_of=head.cursor).steps().num_rows, name
@@ -403,3 +405,103 @@ def test_kill_9_of_the_writer_around_the_live_set_write(tmp_path):
     assert codes == [-signal.SIGKILL] * 3 + [0]  # each planted kill was reached
     assert live_set_seqs(open_snapshot(root).storage, "rl", 0)  # the runs after the kills wrote live sets
     assert verify(open_snapshot(root).storage) == []
+
+
+def test_the_evaluator_reads_only_shards_holding_held_out_episodes_through_live_sets(tmp_path, monkeypatch):
+    """The evaluator's reader opens the head through live sets (rows without episode ids) and
+    still skips every shard holding no held-out episode; same episodes as at the cursor read
+    through the history (review-47b finding 4)."""
+    from rlrec.store import commit as commit_mod
+    from rlrec.trainer.holdout import is_held_out
+    from rlrec.trainer.ope_data import HeldOutReader
+
+    root = str(tmp_path / "out")
+    c = ShardCommitter(root, "rl", 0, snapshot_every=3)
+    c.log.live_set_every = 5
+    _commit(c, 16, 0)
+    heads, _, _ = read_heads(c.storage)
+    assert all(h.live_set is not None for h in heads.values())
+    fraction = 0.2
+    hist = open_snapshot(root, as_of=open_snapshot(root).cursor).entries  # with ids
+    holding = {e.path for e in hist if any(is_held_out(str(i), fraction) for i in e.episode_ids)}
+    assert 0 < len(holding) < len(hist), "the test needs shards with and without held-out episodes"
+    real, reads = commit_mod.read_committed_shard, []
+
+    def counting(storage, path, *a, **kw):
+        reads.append(path)
+        return real(storage, path, *a, **kw)
+
+    monkeypatch.setattr(commit_mod, "read_committed_shard", counting)
+    reader = HeldOutReader(root, fraction)
+    eps = reader.refresh()
+    assert set(reads) == holding and len(reads) == len(holding)
+    again = HeldOutReader(root, fraction)
+    reads.clear()
+    assert sorted(e.id for e in again.refresh(as_of=reader.cursor)) == sorted(e.id for e in eps)
+    assert again.stats.episodes_seen == reader.stats.episodes_seen
+    assert again.stats.episodes_held_out == reader.stats.episodes_held_out == len(eps) > 0
+
+
+def test_a_commit_on_a_long_log_without_a_live_set_never_reads_its_history(tmp_path):
+    """An upgraded store (a long log written before live sets): the writer's commit path reads
+    none of its history; the first live set is built off it (a background thread of the writer),
+    and from then on incrementally in the commit path (review-47b finding 3)."""
+    import threading
+
+    from rlrec.store.manifest import MANIFEST_DIR
+
+    root = str(tmp_path / "out")
+    c = ShardCommitter(root, "rl", 0, snapshot_every=3)
+    c.log.live_set_every = 0  # written before live sets
+    _commit(c, 30, 0)
+    assert live_set_seqs(c.storage, "rl", 0) == []
+    c.log.live_set_every = 5  # the upgraded writer: 31 entries > 2 x 5
+    st, real, reads = c.storage, c.storage.read, []
+    end = len(PartitionLog(st, "rl", 0).load())
+    commit_thread = threading.get_ident()
+
+    def counting(path, *a, **kw):
+        if threading.get_ident() == commit_thread and path.startswith(f"{MANIFEST_DIR}/rl/00000/"):
+            reads.append(path)
+        return real(path, *a, **kw)
+
+    st.read = counting  # type: ignore[method-assign]
+    try:
+        _commit(c, 3, 100)  # past a snapshot, so past the live-set check
+        assert len(reads) <= 2, f"the commit path read {len(reads)} of {end} entries: {reads}"
+        builder = c.log._live_builder
+        assert builder is not None, "the first live set was not handed off"
+        builder.join(60)
+        assert not builder.is_alive()
+    finally:
+        del st.read
+    assert live_set_seqs(st, "rl", 0), "no first live set was built"
+    _commit(c, 6, 200)
+    assert max(live_set_seqs(st, "rl", 0)) > min(live_set_seqs(st, "rl", 0))  # then incremental
+    _assert_head_is_history(root, through_live_set=True)
+
+
+def test_a_live_set_past_the_logs_end_is_passed_over_and_does_not_stop_the_writer(tmp_path):
+    """A live set named with a seq past the log's end (forged, parseable) is ignored by readers,
+    who fall back to the next older one, and neither stops the writer writing new ones nor evicts
+    the honest ones (review-47b finding 5)."""
+    root = str(tmp_path / "out")
+    c = ShardCommitter(root, "rl", 0, snapshot_every=3)
+    c.log.live_set_every = 5
+    _commit(c, 8, 0)
+    st = c.storage
+    honest = live_set_seqs(st, "rl", 0)
+    assert honest
+    doc = json.loads(st.read(live_set_path("rl", 0, honest[-1])))
+    doc["seq"] = big = 999_999_999_999
+    st.create_once(live_set_path("rl", 0, big), json.dumps(doc).encode())
+    assert read_live_set(st, "rl", 0).seq == honest[-1]  # the next older one
+    _assert_head_is_history(root, through_live_set=True)
+    w = ShardCommitter(root, "rl", 0, snapshot_every=3)  # a fresh writer (looks for live sets)
+    w.log.live_set_every = 5
+    _commit(w, 12, 100)
+    seqs = live_set_seqs(st, "rl", 0)
+    assert big in seqs and max(q for q in seqs if q != big) > honest[-1], seqs  # new ones written
+    assert len([q for q in seqs if q != big]) == 3, seqs  # the newest 3 honest ones kept
+    assert read_live_set(st, "rl", 0).seq == max(q for q in seqs if q != big)
+    _assert_head_is_history(root, through_live_set=True)

@@ -22,6 +22,7 @@ episodes recorded under other spaces. Tabular shards are not read (counted in
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 from collections.abc import Callable
@@ -205,6 +206,7 @@ class HeldOutReader:
         entries = [e for e in ordered if self.policy_id is None or e.policy_id == self.policy_id]
         live = set()
         skipped: list[tuple[str, str]] = []
+        entries = self._with_ids(snap, entries)
         for done, e in enumerate(entries, 1):
             if progress is not None and done > 1:
                 progress(done - 1, len(entries), self.stats.episodes_held_out)
@@ -229,6 +231,27 @@ class HeldOutReader:
         self.stats.shards_skipped = skipped
         self.cursor = snap.cursor
         return [ep for k in self._by_shard for ep in self._by_shard[k]]
+
+    def _with_ids(self, snap: Any, entries: list[Any]) -> list[Any]:
+        """`entries` with their episode ids where the head was opened through live sets (rows
+        without ids): the ids are what lets `_read` skip a shard holding no held-out episode. Read
+        from the snapshot's history (the manifest only, once, and only when a shard not read yet
+        lacks them), so that only shards holding held-out episodes are read."""
+        if not any(not e.episode_ids and e.path not in self._by_shard for e in entries):
+            return entries
+        from rlrec.store.manifest import ReplaceEntry, ShardEntry
+
+        ids: dict[str, tuple[str, ...]] = {}
+        for es in (snap._logs or {}).values():
+            for x in es:
+                shard = x.shard if isinstance(x, ReplaceEntry) else x
+                if isinstance(shard, ShardEntry) and shard.episode_ids:
+                    ids[shard.path] = tuple(shard.episode_ids)
+        out = []
+        for e in entries:
+            known = ids.get(e.path, ()) if not e.episode_ids else ()
+            out.append(dataclasses.replace(e, episode_ids=known) if len(known) == e.episodes else e)
+        return out
 
     def _read_twice(self, entry: Any) -> list[Episode]:
         """`_read`, and once more if it fails with a ValueError (a torn read fails its checksum

@@ -594,12 +594,7 @@ def main(argv: list[str] | None = None) -> int:
             for task in doc["tasks"].values():
                 task["raw"] = {eps: [r["source"] for r in rs] for eps, rs in task["raw"].items()}
             doc["per_dataset"] = text.rsplit("\n\n", 1)[1]
-            with open(args.json, "w") as fh:
-                json.dump(doc, fh, indent=1, default=float)
-        if args.md:
-            with open(args.md, "w") as fh:
-                fh.write(text + "\n")
-        return 0
+        return _write(doc, text, args)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not tasks or any(t not in TASKS for t in tasks):
         ap.error(f"--tasks: choose from {', '.join(TASKS)}")
@@ -693,6 +688,11 @@ def main(argv: list[str] | None = None) -> int:
     doc["seconds"] = time.time() - t0
     text = markdown(doc)
     print(text)
+    return _write(doc, text, args)
+
+
+def _write(doc: dict, text: str, args: argparse.Namespace) -> int:
+    """Write the run's JSON (`--json`) and its markdown table (`--md`); the exit code."""
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(doc, fh, indent=1, default=float)

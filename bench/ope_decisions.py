@@ -43,12 +43,17 @@ FQE runs `--fqe-steps` (default 1000, below the trainer's 3000 at gamma 0.99, fo
 fitted once per target and dataset (the comparison reuses it: the same numbers as refitting).
 
 Usage: ``python bench/ope_decisions.py [--quick] [--tasks cartpole,contextual] [--json out.json] [--md out.md]``.
+A long run can be split and resumed: ``--dataset-ids`` runs chosen datasets (their seeds derive
+from the index: dataset d at epsilon e has seed ``1000 d + 100 e``), ``--json-each DIR`` writes
+each dataset's decisions as soon as it finishes, and ``--combine FILE...`` makes one table of
+such files and whole runs (settings and truths must agree; each dataset once).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -416,7 +421,8 @@ def markdown(doc: dict) -> str:
         ]
         for eps, table in task["by_epsilon"].items():
             lines += [
-                f"#### {name}, logging epsilon {eps} ({doc['datasets']} datasets x {task['episodes']} held-out episodes)",
+                f"#### {name}, logging epsilon {eps} ({next(iter(table.values()))['datasets']} datasets x "
+                f"{task['episodes']} held-out episodes)",
                 "",
                 "| rule | false promotions (worse by > 5 % published) | of them near-v1 (-5..-20 %) | "
                 "datasets with a clearly better one published | else refused to the canary | "
@@ -435,6 +441,111 @@ def markdown(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def combine(paths: list[str]) -> dict:
+    """One benchmark document from several runs' JSON: whole runs (``--json``) and single
+    datasets (``--json-each``), grouped by task and epsilon, one result per dataset index (the
+    seeds derive from it). The runs must agree on their settings and truths (else ValueError).
+
+    Args:
+        paths: the JSON files.
+    """
+    tasks: dict = {}
+    settings: dict[str, dict] = {}
+    for path in paths:
+        with open(path) as fh:
+            doc = json.load(fh)
+        if "result" in doc:  # one dataset
+            runs = [(doc["task"], doc, {str(doc["epsilon"]): [doc["result"]]}, {str(doc["epsilon"]): [doc["dataset"]]})]
+        else:
+            ids = doc.get("dataset_ids") or {}
+            runs = [(name, t, t["raw"], ids) for name, t in doc["tasks"].items()]
+        for name, t, raw, ids in runs:
+            if settings.setdefault(name, doc["settings"]) != doc["settings"]:
+                raise ValueError(f"{path}: {name} ran with other settings ({doc['settings']})")
+            task = tasks.setdefault(
+                name,
+                {k: t[k] for k in ("env", "gamma", "true", "true_v1", "episodes")} | {"by_dataset": {}},
+            )
+            if task["true"] != t["true"] or task["episodes"] != t["episodes"]:
+                raise ValueError(f"{path}: {name}'s truths or episodes differ from the other runs'")
+            for eps, results in raw.items():
+                for i, r in enumerate(results):
+                    d = r.get("dataset", (ids.get(eps) or list(range(len(results))))[i])
+                    by = task["by_dataset"].setdefault(eps, {})
+                    if d in by:
+                        raise ValueError(f"{path}: {name} epsilon {eps} dataset {d + 1} is also in {by[d]['source']}")
+                    by[d] = dict(r, dataset=d, source=os.path.basename(path))
+    out: dict = {"tasks": {}, "settings": settings}
+    out["datasets"] = max((len(v) for t in tasks.values() for v in t["by_dataset"].values()), default=0)
+    for name, task in tasks.items():
+        near = set(NEAR_V1) if name == "cartpole" else set()
+        o = {k: task[k] for k in ("env", "gamma", "true", "true_v1", "episodes")}
+        by_eps = sorted(task["by_dataset"].items(), key=lambda kv: -float(kv[0]))
+        o["raw"] = {eps: [by[d] for d in sorted(by)] for eps, by in by_eps}
+        o["by_epsilon"] = {eps: summarize(rs, task["true"], task["true_v1"], near) for eps, rs in o["raw"].items()}
+        out["tasks"][name] = o
+    return out
+
+
+def per_dataset(doc: dict, rule: str = "auto") -> str:
+    """Per dataset, under `rule`: false promotions, and each clearly better candidate published
+    (difference, lower bound) or refused (the refusal code)."""
+    lines = [
+        f"| task | epsilon | dataset (seed) | steps | false promotions ({rule}) | clearly better: {rule}'s decision |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, task in doc["tasks"].items():
+        true, v1 = task["true"], task["true_v1"]
+        worse = {k for k in true if true[k] < 0.95 * v1}
+        better = [k for k in true if true[k] > 1.10 * v1]
+        for eps, results in task["raw"].items():
+            for r in results:
+                dec = r["decisions"]
+                fp = sorted(k for k in worse if dec[k][rule]["promoted"])
+                outcome = []
+                for k in better:
+                    x = dec[k][rule]
+                    if x["promoted"]:
+                        outcome.append(f"{k}: published, {x['difference']:+.2f} (lower bound {x['ci_low']:.2f})")
+                    else:
+                        code = (x.get("refusal") or {}).get("code", "?")
+                        outcome.append(f"{k}: refused `{code}`")
+                seed = 1000 * r["dataset"] + int(float(eps) * 100)
+                lines.append(
+                    f"| {name} | {eps} | {r['dataset'] + 1} ({seed}) | {r['steps']:,} | "
+                    f"{len(fp)}{' (' + ', '.join(fp) + ')' if fp else ''} | {'; '.join(outcome)} |"
+                )
+    return "\n".join(lines)
+
+
+def dataset_ids(spec: str | None, epsilons: list[float], datasets: int) -> dict[float, list[int]]:
+    """Dataset indexes per epsilon from ``--dataset-ids`` (``"2,3"`` or ``"0.3=2,3;0.05=1,2,3"``).
+
+    >>> dataset_ids("0.3=2,3;0.05=1", [0.3, 0.05], 4)
+    {0.3: [2, 3], 0.05: [1]}
+    >>> dataset_ids(None, [0.3], 2)
+    {0.3: [0, 1]}
+    """
+    if not spec:
+        return {eps: list(range(datasets)) for eps in epsilons}
+
+    def parse(text: str) -> list[int]:
+        out = [int(x) for x in text.split(",") if x.strip()]
+        if not out or min(out) < 0 or len(set(out)) != len(out):
+            raise ValueError(f"expected distinct indexes >= 0, got {text!r}")
+        return out
+
+    if "=" not in spec:
+        return {eps: parse(spec) for eps in epsilons}
+    ids: dict[float, list[int]] = {}
+    for part in spec.split(";"):
+        eps_text, _, rest = part.partition("=")
+        ids[float(eps_text)] = parse(rest)
+    if set(ids) != set(epsilons):
+        raise ValueError(f"name every epsilon of --epsilons ({', '.join(map(str, epsilons))}) once")
+    return {eps: ids[eps] for eps in epsilons}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small datasets and fits (a smoke run)")
@@ -450,9 +561,40 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mb-members", type=int, default=5)
     ap.add_argument("--mb-steps", type=int, default=None, help="default 1500 (quick: 300)")
     ap.add_argument("--n-boot", type=int, default=None, help="default 500 (quick: 100)")
+    ap.add_argument(
+        "--dataset-ids",
+        default=None,
+        help="which datasets to run, by index (their seeds derive from it): '2,3' for every epsilon, or "
+        "'0.3=2,3;0.05=1,2,3' per epsilon (default 0..--datasets-1); to add datasets to an earlier run",
+    )
+    ap.add_argument(
+        "--json-each",
+        default=None,
+        metavar="DIR",
+        help="write each dataset's decisions to DIR/{task}-eps{epsilon}-d{index}.json as soon as it finishes",
+    )
+    ap.add_argument(
+        "--combine",
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="run nothing: combine earlier runs' --json / --json-each files into one table (per dataset index)",
+    )
     ap.add_argument("--json", default=None)
     ap.add_argument("--md", default=None)
     args = ap.parse_args(argv)
+    if args.combine:
+        try:
+            doc = combine(args.combine)
+        except (OSError, ValueError, KeyError) as e:
+            ap.error(f"--combine: {e}")
+        text = markdown(doc) + "\n\n" + per_dataset(doc)
+        print(text)
+        if args.json:  # the summaries and the per-dataset table; the decisions stay in the inputs
+            for task in doc["tasks"].values():
+                task["raw"] = {eps: [r["source"] for r in rs] for eps, rs in task["raw"].items()}
+            doc["per_dataset"] = text.rsplit("\n\n", 1)[1]
+        return _write(doc, text, args)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not tasks or any(t not in TASKS for t in tasks):
         ap.error(f"--tasks: choose from {', '.join(TASKS)}")
@@ -468,6 +610,11 @@ def main(argv: list[str] | None = None) -> int:
 
     quick = args.quick
     datasets = args.datasets or (1 if quick else 4)
+    epsilons = [float(x) for x in args.epsilons.split(",")]
+    try:
+        ids = dataset_ids(args.dataset_ids, epsilons, datasets)
+    except ValueError as e:
+        ap.error(f"--dataset-ids: {e}")
     truth_eps = args.truth_episodes or (30 if quick else 300)
     fqe_steps = args.fqe_steps or (200 if quick else 1000)
     mb_steps = args.mb_steps or (300 if quick else 1500)
@@ -477,7 +624,11 @@ def main(argv: list[str] | None = None) -> int:
         "contextual": args.context_episodes or (200 if quick else 400),
     }
     t0 = time.time()
-    doc: dict = {"datasets": datasets, "tasks": {}}
+    doc: dict = {
+        "datasets": max(len(v) for v in ids.values()),
+        "dataset_ids": {str(k): v for k, v in ids.items()},
+        "tasks": {},
+    }
     doc["settings"] = {
         "fqe_steps": fqe_steps,
         "mb_members": args.mb_members,
@@ -501,13 +652,14 @@ def main(argv: list[str] | None = None) -> int:
             "by_epsilon": {},
             "raw": {},
         }
-        for eps in (float(x) for x in args.epsilons.split(",")):
+        for eps in epsilons:
             results = []
-            for d in range(datasets):
+            for d in ids[eps]:
                 seed = 1000 * d + int(eps * 100)
                 data = LoggedData(log_dataset(episodes[name], eps, seed, task["env"], task["greedy"]))
                 log(
-                    f"  {name} epsilon {eps} dataset {d + 1}/{datasets}: {data.n_episodes} episodes, {data.steps} steps"
+                    f"  {name} epsilon {eps} dataset {d + 1} (seed {seed}): {data.n_episodes} episodes, "
+                    f"{data.steps} steps"
                 )
                 t1 = time.time()
                 decisions = decide_dataset(
@@ -521,13 +673,26 @@ def main(argv: list[str] | None = None) -> int:
                     log,
                     task["gamma"],
                 )
-                results.append({"decisions": decisions, "steps": data.steps, "seconds": time.time() - t1})
+                result = {"decisions": decisions, "steps": data.steps, "seconds": time.time() - t1, "dataset": d}
+                results.append(result)
+                if args.json_each:
+                    os.makedirs(args.json_each, exist_ok=True)
+                    one = {"task": name, "epsilon": eps, "dataset": d, "seed": seed, "settings": doc["settings"]}
+                    one.update({k: out[k] for k in ("env", "gamma", "true", "true_v1", "episodes")})
+                    one["result"] = result
+                    with open(os.path.join(args.json_each, f"{name}-eps{eps}-d{d}.json"), "w") as fh:
+                        json.dump(one, fh, indent=1, default=float)
             out["by_epsilon"][str(eps)] = summarize(results, true, true_v1, task["near"])
             out["raw"][str(eps)] = results
         doc["tasks"][name] = out
     doc["seconds"] = time.time() - t0
     text = markdown(doc)
     print(text)
+    return _write(doc, text, args)
+
+
+def _write(doc: dict, text: str, args: argparse.Namespace) -> int:
+    """Write the run's JSON (`--json`) and its markdown table (`--md`); the exit code."""
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(doc, fh, indent=1, default=float)

@@ -758,6 +758,42 @@ def canary_rows(r: dict, quick: bool) -> list[Row]:
 ARGS["canary"], TIMEOUTS["canary"], ROWS["canary"] = ([], ["--quick"]), (1200, 300), canary_rows
 
 
+#: the Delta view's export must stay within this ratio of delta-rs's own commit cost per entry (issue 48)
+TARGET_DELTA_RATIO = 1.2
+#: and `--follow` this many seconds behind a commit at a shard a second
+TARGET_FOLLOW_LAG_S = 2.0
+
+
+def delta_rows(r: dict, quick: bool) -> list[Row]:
+    """bench/delta.py: export seconds per manifest entry vs delta-rs's writer on the same files,
+    and the --follow lag."""
+    label = f"{int(_num(r, 'shards'))} shards, {int(_num(r, 'steps')):,} steps, local dir"
+    export = _row(
+        f"delta view: export s per manifest entry ({label}) vs delta-rs's writer",
+        _num(r, "entry_s", "ours", "median"),
+        _num(r, "entry_s", "baseline", "median"),
+        f"ratio ≤ {TARGET_DELTA_RATIO:g}",
+        lambda o, q: q <= TARGET_DELTA_RATIO,
+        quick,
+    )
+    export.rounds = _rounds(r["raw"]["ours"], r["raw"]["baseline"])
+    lag = _row(
+        "delta view: --follow lag s behind a commit at 1 shard/s (1 s poll)",
+        _num(r, "follow_lag_s", "max"),
+        None,
+        f"max ≤ {TARGET_FOLLOW_LAG_S:g} s",
+        lambda o, q: o <= TARGET_FOLLOW_LAG_S,
+        quick,
+        bound=TARGET_FOLLOW_LAG_S,
+    )
+    lag.rounds = {"ours": r["follow_raw"], "baseline": None, "spread": None}
+    return [export, lag]
+
+
+#: run only when named in --only (bench/delta.py; needs the delta extra)
+ARGS["delta"], TIMEOUTS["delta"], ROWS["delta"] = ([], ["--quick"]), (1800, 300), delta_rows
+
+
 def run_child(name: str, quick: bool, workdir: str, extra: list[str] | None = None) -> dict:
     """Run bench/<name>.py with --json (and `extra` arguments) in a child process; returns its
     JSON result."""

@@ -3,7 +3,11 @@
     python bench/store.py [--steps 1000000] [--steps-per-shard 1800] [--partitions 4] [--rounds 5]
                           [--target-bytes 134217728] [--compact-rounds 3]
                           [--store DIR] [--demo-store URI] [--object-store s3|none] [--quick]
-                          [--json PATH]
+                          [--head-entries N [--head-live 20000]] [--json PATH]
+
+With --head-entries N, the ``head`` row instead (`bench/store_head.py`): opening the head of a
+store whose manifest has N shard entries (--head-live live shards, compacted) through its live set,
+against listing its live files, with the storage calls of one open.
 
 Stores measured:
 
@@ -477,8 +481,22 @@ def main(argv: list[str] | None = None) -> int:
         help="also read the files before and after compaction from this object store: s3 = moto's server "
         "on 127.0.0.1 in a child process [s3]",
     )
+    ap.add_argument("--head-entries", type=int, default=0, help="measure the head row only (bench/store_head.py)")
+    ap.add_argument("--head-live", type=int, default=20_000, help="live shards of the head row's store")
     ap.add_argument("--json", default=None, help="write the result here")
     args = ap.parse_args(argv)
+    if args.head_entries:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location(
+            "store_head", os.path.join(os.path.dirname(__file__), "store_head.py")
+        )
+        store_head = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+        spec.loader.exec_module(store_head)  # type: ignore[union-attr]
+
+        head_args = ["--entries", str(args.head_entries), "--live", str(args.head_live), "--rounds", str(args.rounds)]
+        head_args += ["--tail", str(min(500, args.head_entries // 10))]
+        return store_head.main([*head_args, *(["--json", args.json] if args.json else [])])
     if args.quick:
         args.steps, args.rounds = min(args.steps, 20_000), min(args.rounds, 2)
         args.compact_rounds = min(args.compact_rounds, 1)

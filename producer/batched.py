@@ -14,7 +14,8 @@ import time
 from array import array
 from collections.abc import Mapping, Sequence
 from functools import partial
-from operator import itemgetter
+from itertools import compress
+from operator import itemgetter, or_
 from typing import Any
 
 import numpy as np
@@ -389,6 +390,24 @@ class BatchedCalls:
         self._buffered += live
         now = _r._monotonic()
         limit = self._batch_limit
+        if self._step_bytes is not None and not self._dropped:  # the common case: see below
+            full = []  # the episodes whose buffer reached the batch limit
+            for ep, step in zip(eps, zip(act, rew, obs, infos, extras)):
+                steps = ep.steps
+                if not steps:
+                    ep.first_buffered = now
+                steps += step
+                t = ep.t = ep.t + 1
+                if t - ep.t0 >= limit:
+                    full.append(ep)
+            if full:
+                due = [(ep, te, tr) for ep, te, tr in zip(eps, term, trunc) if te or tr or ep in full]
+            elif True in term or True in trunc:
+                due = [(eps[j], term[j], trunc[j]) for j in compress(range(len(eps)), map(or_, term, trunc))]
+            else:
+                return
+            self._emit_rows(due)
+            return
         if self._step_bytes is not None:  # the batch limit is settled: batches are sent after the loop
             due = []
             for ep, step, te, tr in zip(eps, zip(act, rew, obs, infos, extras), term, trunc):

@@ -193,7 +193,9 @@ def propensity_counts(entries: Iterable[ShardEntry]) -> dict[str, Any]:
     }
 
 
-def verify(storage: Storage, decode_check: DecodeCheck | None = None) -> list[str]:
+def verify(
+    storage: Storage, decode_check: DecodeCheck | None = None, *, totals: dict[str, Any] | None = None
+) -> list[str]:
     """Problems found (empty list: all good).
 
     Checks every committed shard (replaced ones and replacements too): the published file exists (a shard that is
@@ -203,6 +205,13 @@ def verify(storage: Storage, decode_check: DecodeCheck | None = None) -> list[st
     (impossible with conditional writes; a sign of unfenced zombies otherwise).
     With *decode_check* (``(data, entry) -> (episodes, steps) | None``) the
     decoded counts are compared with the entry too (None: not checked).
+
+    Every live set (`rlrec.store.live_set`) is rebuilt from the history it summarizes (the log's
+    entries below its seq, the removal records below its ``removals``) and compared row by row,
+    every field: a live set that hides a shard, lists a replaced or removed one, or claims more
+    removal records or entries than exist is reported (readers at the head trust one they can
+    parse). *totals*, if given, is filled with `manifest_totals` of the live shards at the head as
+    the history says (what was verified, never what a live set says).
     """
     from rlrec.store.retention import read_removals, resolve_removals
 
@@ -217,6 +226,7 @@ def verify(storage: Storage, decode_check: DecodeCheck | None = None) -> list[st
         if seqs != list(range(len(seqs))):
             problems.append(f"manifest log {topic}/{partition:05d} has gaps (seqs {seqs[:5]}...)")
         problems += _snapshot_problems(storage, topic, partition, log_entries)
+        problems += _live_set_problems(storage, topic, partition, log_entries, records)
         max_claim = 0
         for e in log_entries:
             if isinstance(e, SnapshotEntry):
@@ -240,6 +250,9 @@ def verify(storage: Storage, decode_check: DecodeCheck | None = None) -> list[st
         except ManifestError as err:  # a replace entry that breaks the rule of replacement
             problems.append(f"manifest log {topic}/{partition:05d}: {err}")
 
+    if totals is not None:
+        totals.clear()
+        totals.update(manifest_totals(s for s in live.values() if (s.topic, s.partition, s.seq) not in removed))
     seen_ids: dict[str, str] = {}
     for e in sorted(entries, key=lambda e: (e.commit_time, e.topic, e.partition, e.seq)):
         where = f"{e.topic}/{e.partition:05d} seq {e.seq} ({e.path})"
@@ -284,6 +297,65 @@ def verify(storage: Storage, decode_check: DecodeCheck | None = None) -> list[st
                 problems.append(
                     f"{where}: decoded {episodes} episodes/{steps} steps, manifest says {e.episodes}/{e.steps}"
                 )
+    return problems
+
+
+def _live_set_problems(
+    storage: Storage, topic: str, partition: int, entries: list[Entry], records: list[Any]
+) -> list[str]:
+    """Each live set of the log must be what its history says: rebuilt from the entries below
+    its seq and the removal records below its ``removals`` (`rlrec.store.live_set.fold`), row
+    for row, every field but the episode ids."""
+    import dataclasses
+
+    from rlrec.store.live_set import (
+        MAX_LIVE_SET_BYTES,
+        first_entry_key,
+        fold,
+        live_set_path,
+        live_set_seqs,
+        parse_live_set,
+    )
+    from rlrec.store.manifest import UnsupportedManifestError
+
+    problems: list[str] = []
+    count = max((r.n + 1 for r in records), default=0)
+    for seq in live_set_seqs(storage, topic, partition):
+        where = f"{topic}/{partition:05d} live set {seq}"
+        try:
+            ls = parse_live_set(
+                storage.read(live_set_path(topic, partition, seq), limit=MAX_LIVE_SET_BYTES), topic, partition, seq
+            )
+        except FileNotFoundError:
+            continue  # deleted meanwhile by the writer of a newer one
+        except UnsupportedManifestError as e:
+            log.info("%s: of a newer format, not checked (readers of this version ignore it): %s", where, e)
+            continue
+        except ManifestError as e:
+            problems.append(f"{where}: malformed, readers ignore it ({e})")
+            continue
+        below = [e for e in entries if e.seq is not None and e.seq < seq]
+        if seq > len(entries) or [e.seq for e in below] != list(range(seq)):
+            problems.append(f"{where}: the log has no entries 0..{seq - 1}")
+            continue
+        if ls.removals > count:
+            problems.append(f"{where}: folds {ls.removals} removal records, {count} exist")
+            continue
+        if ls.first != first_entry_key(below[0] if below else None):
+            problems.append(f"{where}: 'first' is not the key of the log's entry 0")
+        try:
+            live = fold(topic, partition, live_shards(below), [], [r for r in records if r.n < ls.removals])
+        except ManifestError:
+            continue  # the log itself breaks the rule of replacement: reported with the log
+        want = {q: dataclasses.replace(s, episode_ids=()) for q, s in live.items()}
+        got = {s.seq: s for s in ls.shards}
+        for q in sorted(set(want) | set(got)):
+            if q not in got:
+                problems.append(f"{where}: hides live shard seq {q} ({want[q].path})")
+            elif q not in want:
+                problems.append(f"{where}: lists seq {q} ({got[q].path}), not live there (replaced, removed or none)")
+            elif got[q] != want[q]:
+                problems.append(f"{where}: row seq {q} differs from the shard its entry commits")
     return problems
 
 

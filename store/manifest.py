@@ -38,12 +38,15 @@ length.  The hint is only a hint: a missing or stale one costs a listing or a lo
 tail, never correctness, because a snapshot is immutable and the tail is probed entry by
 entry.  Whole-history readers (:meth:`PartitionLog.load`, :func:`read_partition_logs`)
 follow the chain of snapshots back (one read per snapshot) instead of listing and reading
-every entry.
+every entry.  Readers of the newest point (:func:`read_manifest`, ``rlrec.open``) read the log's
+newest live set instead (``_live/``, :mod:`rlrec.store.live_set`, written by the writer every
+``LIVE_SET_EVERY`` entries) and the entries after it (:meth:`PartitionLog.entries_from`).
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
 import json
 import logging
@@ -219,7 +222,15 @@ class PartitionLog:
     by :meth:`load` / :meth:`refresh`) holds every entry.
     """
 
-    def __init__(self, storage: Storage, topic: str, partition: int, *, snapshot_every: int = SNAPSHOT_EVERY) -> None:
+    def __init__(
+        self,
+        storage: Storage,
+        topic: str,
+        partition: int,
+        *,
+        snapshot_every: int = SNAPSHOT_EVERY,
+        live_set_every: int | None = None,
+    ) -> None:
         if not TOPIC_RE.match(topic) or topic in (".", ".."):
             raise ValueError(f"not a valid Kafka topic name: {topic!r}")
         if not isinstance(partition, int) or isinstance(partition, bool) or not 0 <= partition <= 99999:
@@ -229,6 +240,13 @@ class PartitionLog:
         self.partition = partition
         self.prefix = f"{MANIFEST_DIR}/{topic}/{partition:05d}"
         self.snapshot_every = snapshot_every
+        #: a writer writes a live set (`rlrec.store.live_set`) once this many entries follow the
+        #: newest one (None: `LIVE_SET_EVERY`; 0: never)
+        self.live_set_every = live_set_every
+        self._live_seq: int | None = None  # the seq of the newest live set (None: not looked yet)
+        self._live_set: Any = None  # the newest live set this writer wrote (not read back)
+        #: the thread building this log's first live set from its history (off the commit path)
+        self._live_builder: threading.Thread | None = None
         self._lock = threading.RLock()
         self._epoch: int | None = None
         self._writer: str | None = None
@@ -381,6 +399,48 @@ class PartitionLog:
             chunks.append([p])
             x = p
         return [e for chunk in reversed(chunks) for e in chunk]
+
+    def entries_from(self, lo: int) -> list[Entry]:
+        """Every entry from seq `lo` to the log's end, in order, without reading the history
+        below `lo`: the snapshot the hint names (when at or above `lo`), the chain of snapshots
+        back to `lo`, then the entries after it, probed 16 at a time in parallel up to the first
+        missing one. Nothing is cached; a gap is a ManifestError.
+
+        Args:
+            lo: the first seq wanted (a live set's seq, `rlrec.store.live_set`).
+        """
+        hinted = self._read_hint()
+        base: Entry | None = None
+        if hinted is not None and hinted >= lo:
+            with contextlib.suppress(ManifestError):
+                base = self._read_entry(hinted)
+        chunks: list[list[Entry]] = []
+        x = base if isinstance(base, SnapshotEntry) else None
+        nxt = lo if x is None else x.seq + 1
+        while x is not None:
+            chunks += [[x], list(x.entries)]
+            if x.folded_from <= lo:
+                break
+            start = max(lo, 0 if x.prev is None else x.prev + 1)
+            if start < x.folded_from:
+                chunks.append(self._read_range(start, x.folded_from)[::-1])
+            if x.prev is None or x.prev < lo:
+                break
+            p = self._read_entry(x.prev)
+            if not isinstance(p, SnapshotEntry):
+                raise ManifestError(f"{self.storage.uri(self._path(x.seq))}: prev {x.prev} is not a snapshot")
+            x = p
+        out = sorted((e for c in chunks for e in c if e.seq >= lo), key=lambda e: e.seq)  # type: ignore[arg-type,return-value]
+        while True:  # probe the tail _BACKWARD_BATCH entries at a time, up to the first missing one
+            got = _read_many(self._read_entry, range(nxt, nxt + _BACKWARD_BATCH))
+            ahead = next((i for i, e in enumerate(got) if e is None), len(got))
+            out += got[:ahead]
+            nxt += ahead
+            if ahead < len(got):
+                break
+        if [e.seq for e in out] != list(range(lo, lo + len(out))):
+            raise ManifestError(f"manifest log {self.storage.uri(self.prefix)} has a gap above seq {lo}")
+        return out
 
     def _walk_replayable(self, replay_from: int | None) -> None:
         """Add the committed ids below the newest snapshot's segment that can still be
@@ -869,7 +929,61 @@ class PartitionLog:
         log.info(
             "%s/%d: snapshot at seq %d folds entries %d..%d", self.topic, self.partition, seq, folded_from, seq - 1
         )
+        self._maybe_live_set(seq + 1)
         return snap
+
+    def _maybe_live_set(self, end: int) -> None:
+        """Write a live set at `end` if at least ``live_set_every`` entries follow the newest one.
+        Best effort, as snapshots: a failure only postpones it (readers read the history).
+
+        Built from the newest live set and the entries after it, on the caller's (commit) path.
+        With no usable live set, a log of at most ``2 * live_set_every`` entries is built from its
+        history there too; a longer one (a log written before live sets) is built by one
+        background thread of this writer, so that no commit waits on a whole-history read."""
+        from rlrec.store import live_set as ls  # live sets build on this module
+
+        every = ls.LIVE_SET_EVERY if self.live_set_every is None else self.live_set_every
+        if every <= 0:
+            return
+        if self._live_builder is not None and self._live_builder.is_alive():
+            return  # the first live set is being built
+        try:
+            if self._live_seq is None:
+                seqs = ls.live_set_seqs(self.storage, self.topic, self.partition)
+                self._live_seq = max((q for q in seqs if q <= end), default=0)  # past the end: not ours
+            if end - self._live_seq < every:
+                return
+            written = ls.write_live_set(
+                self.storage,
+                self.topic,
+                self.partition,
+                writer=self._writer or "",
+                prev=self._live_set,
+                history=end <= 2 * every,
+            )
+            self._live_seq = written.seq if written is not None else end
+            self._live_set = written or self._live_set
+        except ls.NeedsHistory:
+            self._live_builder = threading.Thread(
+                target=self._build_first_live_set,
+                args=(end,),
+                name=f"rlrec-live-set-{self.topic}-{self.partition}",
+                daemon=True,
+            )
+            self._live_builder.start()
+        except Exception as err:
+            log.warning("%s/%d: no live set at seq %d (%s); tried again later", self.topic, self.partition, end, err)
+
+    def _build_first_live_set(self, end: int) -> None:
+        """The background build of `_maybe_live_set`: the log's live set from its whole history."""
+        from rlrec.store import live_set as ls
+
+        try:
+            written = ls.write_live_set(self.storage, self.topic, self.partition, writer=self._writer or "")
+            self._live_seq = written.seq if written is not None else end
+            self._live_set = written or self._live_set
+        except Exception as err:
+            log.warning("%s/%d: no live set at seq %d (%s); tried again later", self.topic, self.partition, end, err)
 
     def _snapshot_of(self, seq: int, since: int, folded_from: int, segment: list[Entry]) -> SnapshotEntry:
         """The snapshot at `seq` folding `segment` (entries ``folded_from .. seq-1``; those from
@@ -1201,18 +1315,13 @@ def read_partition_logs(storage: Storage) -> dict[tuple[str, int], list[Entry]]:
 def read_manifest(storage: Storage) -> list[ShardEntry]:
     """The live shards (:func:`live_shards`: compacted ones replaced by their replacement) of all
     topics/partitions at the newest point, less those retention removed
-    (`rlrec.store.retention`), sorted by commit_time: each committed episode in exactly one of them."""
-    from rlrec.store.retention import read_removals, resolve_removals
+    (`rlrec.store.retention`), sorted by commit_time: each committed episode in exactly one of them.
+    Read through each log's live set where it has one (`rlrec.store.live_set.read_heads`): its
+    shards then carry no ``episode_ids`` (``episodes`` counts them)."""
+    from rlrec.store.live_set import read_heads
 
-    records = read_removals(storage)  # before the logs: every record's positions are in them
-    logs = read_partition_logs(storage)
-    removed = resolve_removals(records, logs)
-    shards = [
-        e
-        for (topic, part), entries in logs.items()
-        for e in live_shards(entries).values()
-        if (topic, part, e.seq) not in removed
-    ]
+    heads, _, _ = read_heads(storage, strict=False)
+    shards = [s for h in heads.values() for s in h.shards]
     shards.sort(key=lambda e: (e.commit_time, e.topic, e.partition, e.seq))
     return shards
 

@@ -18,7 +18,8 @@ version 2 or later (a replace entry, a snapshot folding one) says so in its
 ``manifest_version`` field; an entry without it is version 1.  Version 3 adds the resume
 position (a shard entry's ``resume_offset``, a claim's where ``--start-from latest`` put it,
 folded by snapshots) and the writer's names in claims (``group``, ``deployment``): an entry
-carrying any of them says ``"manifest_version": 3``.
+carrying any of them says ``"manifest_version": 3``. Version 4 adds the live set
+(`rlrec.store.live_set`, ``"type": "live_set"``), kept beside a log, never in it.
 A reader refuses an entry of a newer version, or of a type it does not know, with
 :class:`UnsupportedManifestError`.
 """
@@ -58,8 +59,9 @@ _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
 #: the newest manifest format this code reads and writes (1: claim, shard, snapshot; 2: + replace;
-#: 3: + a shard's resume position, a claim's group and deployment)
-MANIFEST_FORMAT_VERSION = 3
+#: 3: + a shard's resume position, a claim's group and deployment; 4: + live sets,
+#: `rlrec.store.live_set`)
+MANIFEST_FORMAT_VERSION = 4
 #: the format version of entries that carry a resume position or a writer's names
 RESUME_FORMAT_VERSION = 3
 #: the largest Kafka offset (int64): an entry's offsets above it are refused, so a forged one
@@ -530,8 +532,24 @@ def check_shard_paths(d: Mapping[str, Any]) -> None:
         )
 
 
-def _validate_shard(d: Mapping[str, Any]) -> None:
+def _validate_shard(d: Mapping[str, Any], *, ids: bool = True) -> None:
+    """Check a shard document; ``ids=False``: one without ``episode_ids`` (a live set's row)."""
+    if not ids:
+        _check_keys(d, set(ShardEntry._REQUIRED) - {"episode_ids"}, set(ShardEntry._OPTIONAL), "live shard")
+        _validate_shard_fields(d)
+        return
     _check_keys(d, set(ShardEntry._REQUIRED), set(ShardEntry._OPTIONAL), "shard")
+    _validate_shard_fields(d)
+    ids_ = _check_type(d, "episode_ids", (list, tuple))
+    if not all(isinstance(i, str) and i for i in ids_):
+        raise ManifestError("field 'episode_ids' must be a list of non-empty strings")
+    if len(set(ids_)) != len(ids_):
+        raise ManifestError("field 'episode_ids' has duplicates")
+    if len(ids_) != d["episodes"]:
+        raise ManifestError(f"field 'episodes' ({d['episodes']}) != len(episode_ids) ({len(ids_)})")
+
+
+def _validate_shard_fields(d: Mapping[str, Any]) -> None:
     _validate_common(d)
     for k in ("path", "staging_path"):
         _check_rel_path(k, _check_type(d, k, (str,)))
@@ -549,13 +567,6 @@ def _validate_shard(d: Mapping[str, Any]) -> None:
     if not _check_type(d, "policy_id", (str,)):
         raise ManifestError("field 'policy_id' must not be empty")
     check_shard_paths(d)
-    ids = _check_type(d, "episode_ids", (list, tuple))
-    if not all(isinstance(i, str) and i for i in ids):
-        raise ManifestError("field 'episode_ids' must be a list of non-empty strings")
-    if len(set(ids)) != len(ids):
-        raise ManifestError("field 'episode_ids' has duplicates")
-    if len(ids) != d["episodes"]:
-        raise ManifestError(f"field 'episodes' ({d['episodes']}) != len(episode_ids) ({len(ids)})")
     if not _SHA_RE.match(_check_type(d, "sha256", (str,))):
         raise ManifestError("field 'sha256' must be 64 lowercase hex digits")
     if not _check_type(d, "format", (str,)):

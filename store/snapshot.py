@@ -79,6 +79,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from rlrec.store.commit import read_committed_shard
+from rlrec.store.live_set import first_entry_key, read_heads
 from rlrec.store.manifest import (
     APPEND_WINDOW_S,
     MANIFEST_DIR,
@@ -311,11 +312,7 @@ def _short(text: Any, n: int = 60) -> str:
     return s if len(s) <= n else s[: n - 3] + "..."
 
 
-def _first_entry_key(entry: Entry | None) -> str:
-    """What identifies a log's first entry (a claim: its writer's unique id)."""
-    if entry is None:
-        return "-"
-    return f"{type(entry).__name__}:{entry.seq}:{getattr(entry, 'writer', '')}:{getattr(entry, 'time', '')}"
+_first_entry_key = first_entry_key
 
 
 def _tag(firsts: Mapping[tuple[str, int], str]) -> str:
@@ -364,12 +361,17 @@ class Snapshot:
         drop: Mapping[str, frozenset] | None = None,
         ranges: Mapping[tuple[str, int], list[tuple[int, int]]] | None = None,
         removed: Removed | None = None,
+        history: Callable[[], tuple[Mapping[tuple[str, int], list[Entry]], Removed]] | None = None,
     ) -> None:
         self.storage = storage
-        self._removed = removed or {}  # what retention removed (`changes` must not read it)
         self._point = point
         self._firsts = firsts  # (topic, partition) -> key of its first entry (store identity)
-        self._logs = logs  # the logs read when it was opened (for `changes` across replacements)
+        # the logs read when it was opened (for `changes` across replacements) and what retention
+        # removed (`changes` must not read it); `history`: reads both when first needed (a head
+        # point opened through live sets, `rlrec.store.live_set`)
+        self._logs_read = logs
+        self._removed_read = removed
+        self._history = history
         self.entries: list[ShardEntry] = sorted(entries, key=lambda e: (e.topic, e.partition, e.seq))
         #: None: every episode of the entries; else the episode ids it keeps (`subset`)
         self.keep_episode = keep_episode
@@ -448,10 +450,9 @@ class Snapshot:
                 self._firsts,
                 self.keep_episode,
                 self.selection,
-                self._logs,
                 drop=self._drop,
                 ranges=self._ranges,
-                removed=self._removed,
+                **self._kept(),
             )
         entries = self.entries
         if paths is not None:
@@ -481,11 +482,26 @@ class Snapshot:
             self._firsts,
             keep,
             digest,
-            self._logs,
             drop=self._drop,
             ranges=ranges,
-            removed=self._removed,
+            **self._kept(),
         )
+
+    @property
+    def _logs(self) -> Mapping[tuple[str, int], list[Entry]] | None:
+        if self._history is not None:
+            self._logs_read, self._removed_read = self._history()
+            self._history = None
+        return self._logs_read
+
+    @property
+    def _removed(self) -> Removed:
+        self._logs  # noqa: B018 -- reads the history if it was not read yet
+        return self._removed_read or {}
+
+    def _kept(self) -> dict[str, Any]:
+        """What a snapshot made from this one shares with it (the history, read or not)."""
+        return {"logs": self._logs_read, "removed": self._removed_read, "history": self._history}
 
     @property
     def cursor(self) -> str:
@@ -1082,6 +1098,30 @@ def _iso(ts: float) -> str:
     return f"{text} (UNIX {ts:.3f})"
 
 
+def _open_head(st: Storage) -> Snapshot:
+    """The newest point, read through each log's live set where it has one
+    (`rlrec.store.live_set.read_heads`); the whole history is read only if `Snapshot.changes` or
+    `open_entries` needs it."""
+    heads, removals, records = read_heads(st)
+    firsts = {k: h.first for k, h in heads.items()}
+    positions = {k: h.end for k, h in heads.items() if h.end > 0}
+    point = Cursor(positions, _tag({k: firsts[k] for k in positions}), removals)
+    entries = [s for h in heads.values() for s in h.shards]
+    log.debug("snapshot %s: %d shard(s)", point, len(entries))
+    if all(h.entries is not None for h in heads.values()):  # no live set: the history is read already
+        logs = {k: h.entries for k, h in heads.items()}
+        if removals and (not records or records[0].n > 0):  # read from a live set's `removals` on
+            records = read_removals(st)
+        return Snapshot(st, point, entries, firsts, logs=logs, removed=resolve_removals(records, logs))  # type: ignore[arg-type]
+
+    def history() -> tuple[dict[tuple[str, int], list[Entry]], Removed]:
+        records = [r for r in read_removals(st) if r.n < removals]
+        logs = _read_logs(st)
+        return logs, resolve_removals(records, logs)
+
+    return Snapshot(st, point, entries, firsts, history=history)
+
+
 def as_of_time(as_of: Any) -> Any:
     """`as_of` with a time given as a `datetime`, a `date` or an ISO 8601 string (``2026-11-27``,
     ``2026-11-27T04:00:00Z``; UTC when it names no zone) turned into a UNIX time; anything else
@@ -1157,7 +1197,10 @@ def open_snapshot(storage: Storage | str, as_of: float | int | str | Cursor | No
         as_of: None (the newest point), a time at least `APPEND_WINDOW_S` ago (a UNIX time, a
             `datetime`, a `date` or an ISO 8601 string such as ``"2026-11-27T04:00:00Z"``; the
             entries committed at or before it, per partition log up to the first later one) or a
-            cursor (`Snapshot.cursor`).
+            cursor (`Snapshot.cursor`). The newest point is read through each log's newest
+            live set where it has one (`rlrec.store.live_set`): the same shards, whose entries
+            then carry no ``episode_ids`` (``episodes`` counts them); any other point reads the
+            whole history.
 
     Raises:
         FileNotFoundError: the store holds no manifest (nothing was ever committed there).
@@ -1185,6 +1228,8 @@ def open_snapshot(storage: Storage | str, as_of: float | int | str | Cursor | No
     if not st.exists(MANIFEST_DIR):
         raise FileNotFoundError(f"no rlrec manifest at {st.uri('')} (give the --output of rlrec consume)")
     as_of = as_of_time(as_of)
+    if as_of is None:
+        return _open_head(st)
     records = read_removals(st)  # before the logs: every record's positions are in them
     logs = _read_logs(st)
     removed = resolve_removals(records, logs)

@@ -48,3 +48,36 @@ def test_gate_rows_judge_false_promotions_and_decided_datasets():
     assert all("logging epsilon " in r.figure for r in rows)
     # quick runs judge nothing
     assert all(r.pass_ is None for r in gate_rows(doc, quick=True))
+
+
+def test_combine_adds_datasets_of_several_runs_and_refuses_a_mix(tmp_path):
+    """bench/ope_decisions.py --combine: datasets of several runs (whole-run and per-dataset
+    JSON) in one summary per task and epsilon, each dataset once, the runs' settings equal."""
+    import json
+
+    import pytest
+
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from ope_decisions import combine, dataset_ids, per_dataset
+
+    m = os.path.join(ROOT, "docs", "measurements")
+    each = os.path.join(m, "ope-decisions-2026-11-29")
+    whole = os.path.join(m, "ope-decisions-2026-11-28-tuned-mb-contextual.json")  # datasets 1, 2
+    new = [os.path.join(each, f"contextual-eps0.3-d{d}.json") for d in (2, 3)]
+    doc = combine([whole, *new])
+    task = doc["tasks"]["contextual"]
+    assert [r["dataset"] for r in task["raw"]["0.3"]] == [0, 1, 2, 3] and len(task["raw"]["0.05"]) == 2
+    assert task["by_epsilon"]["0.3"]["auto"]["datasets"] == 4
+    assert task["by_epsilon"]["0.3"]["always publish"]["false_promotions"] == 16
+    assert "| contextual | 0.3 | 4 (3030) | 1,200 |" in per_dataset(doc)
+    with pytest.raises(ValueError, match="is also in"):
+        combine([whole, new[0], new[0]])
+    other = json.load(open(new[0]))
+    other["settings"]["fqe_steps"] += 1
+    path = tmp_path / "other.json"
+    path.write_text(json.dumps(dict(other, dataset=7)))
+    with pytest.raises(ValueError, match="other settings"):
+        combine([whole, str(path)])
+    assert dataset_ids("0.3=2,3;0.05=1", [0.3, 0.05], 4) == {0.3: [2, 3], 0.05: [1]}
+    with pytest.raises(ValueError):
+        dataset_ids("0.3=2", [0.3, 0.05], 4)

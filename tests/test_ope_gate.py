@@ -521,6 +521,95 @@ def test_evaluate_reproduces_a_gate_decision_exactly_from_its_cursor(logged, tmp
     assert len(err) == 1 and err[0].startswith("rlrec evaluate: error: --as-of")
 
 
+def _foreign_episodes(n: int) -> list:
+    """Episodes of the contextual task recorded under other spaces than the trainer's
+    (Box(4,) observations, Discrete(3) actions): half declare Discrete(4) and take action 3 at
+    their first step (with 4-wide logits), half declare Box(5,) and observe 5 values."""
+    import dataclasses
+
+    spec, model = linear_policy_artifact(1.0 * E)
+    eps, _ = logged_episodes(CONTEXT_BANDIT_ID, spec, model, n, seed=77, policy_version=0)
+    out = []
+    for i, ep in enumerate(eps):
+        if i % 2 == 0:
+            actions = ep.actions[0].copy()
+            actions[0] = 3
+            inputs = ep.extra_model_outputs["action_dist_inputs"]
+            wide = np.concatenate([inputs, np.zeros((len(inputs), 1), np.float32)], axis=1)
+            out.append(
+                dataclasses.replace(
+                    ep,
+                    episode_id=f"foreign-actions-{i}",
+                    action_space=gym.spaces.Discrete(4),
+                    actions=[actions],
+                    extra_model_outputs={**ep.extra_model_outputs, "action_dist_inputs": wide},
+                )
+            )
+        else:
+            obs = ep.observations[0]
+            out.append(
+                dataclasses.replace(
+                    ep,
+                    episode_id=f"foreign-obs-{i}",
+                    observation_space=gym.spaces.Box(-np.inf, np.inf, (5,), np.float32),
+                    observations=[np.concatenate([obs, np.zeros((len(obs), 1), obs.dtype)], axis=1)],
+                )
+            )
+    return out
+
+
+def test_the_gate_and_evaluate_leave_out_the_same_episodes_recorded_under_other_spaces(
+    logged, tmp_path, monkeypatch, capsys
+):
+    """The store holds held-out episodes recorded under other spaces than the policies' (another
+    action space and an action outside the policies', another observation shape). The gate and
+    `rlrec evaluate --as-of CURSOR --compare-to N` check every episode against the judged
+    policy's spaces (its policy.json), so both leave the same episodes out, for the same stated
+    reasons, and their numbers are equal."""
+    import shutil
+
+    from rlrec.cli import main
+    from rlrec.trainer.holdout import is_held_out
+
+    out = str(tmp_path / "store")
+    shutil.copytree(logged[0], out)
+    foreign = _foreign_episodes(80)
+    ShardCommitter(out).commit(foreign)
+    held = [e for e in foreign if is_held_out(e.episode_id, 0.3)]
+    held_actions = sum(e.episode_id.startswith("foreign-actions-") for e in held)
+    assert held_actions >= 3 and len(held) - held_actions >= 3
+    _trainer, gate = _gate_runner(out, tmp_path, monkeypatch, "wdr")
+    assert gate("partial")["promoted"]  # v1
+    d = gate("good")
+    assert d["promoted"] and d["candidate_version"] == 2
+    reasons = d["data"]["unusable_reasons"]
+    assert d["data"]["episodes_unusable"] == len(held) == sum(reasons.values())
+    assert reasons == {
+        "actions holds 3, outside Discrete(3)": held_actions,
+        "observations has shape [4, 5], the space needs [4, 4]": len(held) - held_actions,
+    }
+    args = [
+        "evaluate", "--input", out, "--policies", str(tmp_path / "ck" / "policies"), "--allow-unsigned",
+        "--holdout-fraction", "0.3", "--fqe-steps", "600", "--ope-bootstrap", "200", "--seed", "0",
+        "--version", "2", "--compare-to", "1", "--estimators", "wdr", "--as-of", d["data"]["cursor"],
+    ]  # fmt: skip
+    assert main([*args, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["data"]["cursor"] == d["data"]["cursor"] and doc["episodes"] == d["data"]["episodes"]
+    assert doc["data"]["episodes_unusable"] == d["data"]["episodes_unusable"]
+    assert doc["data"]["unusable_reasons"] == reasons
+    c = doc["comparison"]
+    for key in ("difference", "ci_low", "ci_high", "estimable"):
+        assert c[key] == d[key], key
+    assert c["candidate_estimate"] == d["candidate_estimate"] and c["deployed_estimate"] == d["deployed_estimate"]
+    # the human-readable form states the reasons too
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert (
+        f"{len(held):,} episode(s) left out as unusable: {held_actions:,} actions holds 3, outside Discrete(3)" in text
+    )
+
+
 def test_the_gate_decides_with_mb_and_states_its_refits(logged, tmp_path, monkeypatch):
     """--promotion-estimator mb through the trainer's gate: the decision names the ensemble's
     refits and their wall time, and a truly worse candidate is not published."""

@@ -415,11 +415,11 @@ def test_the_evaluators_counts_are_of_the_episodes_it_returns(tmp_path, monkeypa
     calls = {"n": 0}
     real = od.episode_from_rllib
 
-    def fails_on_the_third(ep):
+    def fails_on_the_third(ep, *args):
         calls["n"] += 1
         if calls["n"] % 3 == 0:
             raise ValueError("boom")
-        return real(ep)
+        return real(ep, *args)
 
     monkeypatch.setattr(od, "episode_from_rllib", fails_on_the_third)
     reader = od.HeldOutReader(root, 1.0)

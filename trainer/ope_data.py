@@ -8,13 +8,21 @@ into `rlrec.trainer.ope.Episode` (behaviour propensity: the ``action_logp`` extr
 behaviour version: the episode's ``policy_version``; for Discrete actions with recorded
 ``action_dist_inputs`` of width n, the behaviour's action probabilities, softmax of them, which
 make the support diagnostic exact). Episodes the trainer could not use either
-(`rlrec.trainer.episode_check.unusable_reason`) are counted and left out. Tabular shards are not
-read (counted in ``shards_skipped``). Neither Ray nor RLlib is imported: no `SingleAgentEpisode`
-is built.
+(`rlrec.trainer.episode_check.unusable_reason`) are counted and left out, with their reasons.
+
+The one rule for which episodes an evaluation may use, shared by the ``ope`` gate and
+`rlrec evaluate`: each held-out episode is checked against the spaces of the policy being judged,
+as its policy.json states them (`policy_spaces`), never against the episode's own spaces; one
+whose data do not fit them (an action outside the action space, observations of another shape)
+is unusable, counted in ``episodes_unusable`` and, by reason, in ``unusable_reasons``. So the
+gate and `rlrec evaluate --as-of CURSOR` read the same episodes even where the store holds
+episodes recorded under other spaces. Tabular shards are not read (counted in
+``shards_skipped``). Neither Ray nor RLlib is imported: no `SingleAgentEpisode` is built.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 from collections.abc import Callable
@@ -27,7 +35,7 @@ from rlrec.store.storage import Storage
 from rlrec.trainer.holdout import is_held_out
 from rlrec.trainer.ope import Episode
 
-__all__ = ["HeldOutReader", "HeldOutStats", "episode_from_rllib"]
+__all__ = ["HeldOutReader", "HeldOutStats", "episode_from_rllib", "policy_spaces"]
 
 log = logging.getLogger("rlrec.trainer.ope")
 
@@ -35,14 +43,41 @@ log = logging.getLogger("rlrec.trainer.ope")
 ACTION_LOGP = "action_logp"
 #: the behaviour's action distribution inputs (categorical: logits), when recorded
 INPUTS = "action_dist_inputs"
+#: distinct unusable-episode reasons kept in `HeldOutStats.unusable_reasons` (the rest: OTHER)
+MAX_REASONS = 8
+OTHER = "other reasons"
 
 
-def episode_from_rllib(ep: Any) -> Episode:
+def policy_spaces(spec: dict) -> tuple[Any, Any]:
+    """The (observation, action) spaces a policy version's policy.json states (None where it
+    states none): the spaces a `HeldOutReader` checks held-out episodes against when that
+    version is judged.
+
+    Args:
+        spec: the policy.json fields (``observation_space``, ``action_space``: JSON spaces).
+
+    Raises:
+        rlrec.producer.spaces.SpaceError: a stated space is malformed.
+
+    Example:
+        >>> policy_spaces({"action_space": {"type": "Discrete", "n": 2, "start": 0, "dtype": "int64"}})
+        (None, Discrete(2))
+    """
+    from rlrec.producer.spaces import space_from_json
+
+    return tuple(
+        None if spec.get(k) is None else space_from_json(spec[k]) for k in ("observation_space", "action_space")
+    )
+
+
+def episode_from_rllib(ep: Any, action_space: Any = None) -> Episode:
     """A decoded `SingleAgentEpisode` (numpy or list form) or
     `rlrec.store.episode_arrays.EpisodeArrays` -> `rlrec.trainer.ope.Episode`.
 
     Args:
         ep: the episode.
+        action_space: the judged policy's action space (the behaviour's action probabilities
+            are read for a Discrete one of the same width); None: the episode's own.
 
     Example:
         >>> from rlrec.store.episodes import to_single_agent_episode  # doctest: +SKIP
@@ -58,7 +93,7 @@ def episode_from_rllib(ep: Any) -> Episode:
         if raw.shape == (T,):
             logp = raw
     probs = None
-    space = getattr(ep, "action_space", None)
+    space = action_space if action_space is not None else getattr(ep, "action_space", None)
     if INPUTS in ep.extra_model_outputs and space is not None and type(space).__name__ == "Discrete":
         logits = np.asarray(ep.get_extra_model_outputs(INPUTS), dtype=np.float64)
         if logits.shape == (T, int(space.n)) and np.isfinite(logits).all():
@@ -79,13 +114,22 @@ def episode_from_rllib(ep: Any) -> Episode:
 
 @dataclass
 class HeldOutStats:
-    """What a `HeldOutReader` read: shards, episodes seen / held out / unusable, skipped shards."""
+    """What a `HeldOutReader` read: shards, episodes seen / held out / unusable (and how many for
+    each reason: at most `MAX_REASONS` distinct ones, the rest under `OTHER`), skipped shards."""
 
     shards: int = 0
     episodes_seen: int = 0
     episodes_held_out: int = 0
     episodes_unusable: int = 0
+    unusable_reasons: dict[str, int] = field(default_factory=dict)
     shards_skipped: list[tuple[str, str]] = field(default_factory=list)
+
+    def count_unusable(self, reasons: dict[str, int]) -> None:
+        """Add one shard's unusable episodes, by reason."""
+        for reason, n in reasons.items():
+            key = reason if reason in self.unusable_reasons or len(self.unusable_reasons) < MAX_REASONS else OTHER
+            self.unusable_reasons[key] = self.unusable_reasons.get(key, 0) + n
+            self.episodes_unusable += n
 
     def to_dict(self) -> dict:
         return {
@@ -93,6 +137,7 @@ class HeldOutStats:
             "episodes_seen": self.episodes_seen,
             "episodes_held_out": self.episodes_held_out,
             "episodes_unusable": self.episodes_unusable,
+            "unusable_reasons": dict(sorted(self.unusable_reasons.items(), key=lambda kv: (-kv[1], kv[0]))),
             "shards_skipped": len(self.shards_skipped),
         }
 
@@ -104,8 +149,9 @@ class HeldOutReader:
         input_uri: the consumer's output root (or a `Storage`).
         fraction: the holdout fraction F (`rlrec.trainer.holdout`).
         policy_id: only shards of this policy id.
-        observation_space: checked against each episode when given (else the shard's spaces).
-        action_space: likewise.
+        observation_space: the judged policy's observation space (`policy_spaces`): each
+            held-out episode's observations must fit it; None: not checked.
+        action_space: likewise for actions.
 
     Example:
         >>> reader = HeldOutReader("/data/exp", 0.1)  # doctest: +SKIP
@@ -160,6 +206,7 @@ class HeldOutReader:
         entries = [e for e in ordered if self.policy_id is None or e.policy_id == self.policy_id]
         live = set()
         skipped: list[tuple[str, str]] = []
+        entries = self._with_ids(snap, entries)
         for done, e in enumerate(entries, 1):
             if progress is not None and done > 1:
                 progress(done - 1, len(entries), self.stats.episodes_held_out)
@@ -184,6 +231,27 @@ class HeldOutReader:
         self.stats.shards_skipped = skipped
         self.cursor = snap.cursor
         return [ep for k in self._by_shard for ep in self._by_shard[k]]
+
+    def _with_ids(self, snap: Any, entries: list[Any]) -> list[Any]:
+        """`entries` with their episode ids where the head was opened through live sets (rows
+        without ids): the ids are what lets `_read` skip a shard holding no held-out episode. Read
+        from the snapshot's history (the manifest only, once, and only when a shard not read yet
+        lacks them), so that only shards holding held-out episodes are read."""
+        if not any(not e.episode_ids and e.path not in self._by_shard for e in entries):
+            return entries
+        from rlrec.store.manifest import ReplaceEntry, ShardEntry
+
+        ids: dict[str, tuple[str, ...]] = {}
+        for es in (snap._logs or {}).values():
+            for x in es:
+                shard = x.shard if isinstance(x, ReplaceEntry) else x
+                if isinstance(shard, ShardEntry) and shard.episode_ids:
+                    ids[shard.path] = tuple(shard.episode_ids)
+        out = []
+        for e in entries:
+            known = ids.get(e.path, ()) if not e.episode_ids else ()
+            out.append(dataclasses.replace(e, episode_ids=known) if len(known) == e.episodes else e)
+        return out
 
     def _read_twice(self, entry: Any) -> list[Episode]:
         """`_read`, and once more if it fails with a ValueError (a torn read fails its checksum
@@ -210,25 +278,25 @@ class HeldOutReader:
             raise ValueError("sha256 does not match the manifest")
         table = open_shard(data, fmt="episodes").read(["item"])
         out = []
-        seen = unusable = 0  # counted into the stats once the whole shard is read
+        seen = 0
+        unusable: dict[str, int] = {}  # counted into the stats once the whole shard is read
         for chunk in table.column("item").chunks:
             for v in item_views(chunk):
                 seen += 1
                 try:
                     ep = decode_episode(v)
                 except EpisodeDecodeError as err:
-                    unusable += 1
+                    unusable["undecodable episode"] = unusable.get("undecodable episode", 0) + 1
                     log.debug("undecodable episode in %s: %s", entry.path, err)
                     continue
                 if not is_held_out(str(ep.id_), self.fraction):
                     continue
-                obs_space = self.observation_space or ep.observation_space
-                act_space = self.action_space or ep.action_space
-                if unusable_reason(ep, obs_space, act_space) is not None:
-                    unusable += 1
+                reason = unusable_reason(ep, self.observation_space, self.action_space)
+                if reason is not None:
+                    unusable[reason] = unusable.get(reason, 0) + 1
                     continue
-                out.append(episode_from_rllib(ep))
+                out.append(episode_from_rllib(ep, self.action_space))
         self.stats.episodes_seen += seen
-        self.stats.episodes_unusable += unusable
+        self.stats.count_unusable(unusable)
         self.stats.episodes_held_out += len(out)
         return out

@@ -915,6 +915,7 @@ class ContinuousTrainer:
         return {
             **artifact.spec,
             "policy_version": version,
+            "observation_space": space_to_json(self.obs_space),
             "action_space": space_to_json(self.act_space),
             "observation_shape": list(self.obs_space.shape),
         }
@@ -984,14 +985,17 @@ class ContinuousTrainer:
             **lineage,
         )
         if self._held_out is None:
-            from rlrec.trainer.ope_data import HeldOutReader
+            from rlrec.trainer.ope_data import HeldOutReader, policy_spaces
 
+            # the candidate's spaces, as its policy.json states them: `rlrec evaluate` checks the
+            # held-out episodes against the evaluated version's the same way
+            obs_space, act_space = policy_spaces(job.spec)
             self._held_out = HeldOutReader(
                 self.input,
                 self.cfg.ope.holdout_fraction,
                 policy_id=self.cfg.policy_id,
-                observation_space=self.obs_space,
-                action_space=self.act_space,
+                observation_space=obs_space,
+                action_space=act_space,
             )
         work = partial(
             ope_jobs.evaluate_candidate, cfg=self.cfg, held_out=self._held_out, deployed=self._deployed_policy

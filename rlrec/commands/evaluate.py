@@ -258,10 +258,11 @@ def evaluate_published(
         f"loading {'the latest version' if ev.version == 'latest' else 'version ' + ev.version} of the policy under "
         + (ev.policies if ev.candidate is None else f"{ev.policies} (refused candidate {ev.candidate})")
     )
+    from rlrec.producer.spaces import SpaceError
     from rlrec.store.snapshot import CursorError
     from rlrec.store.storage import StorageError
     from rlrec.trainer.ope import FQEConfig, LoggedData, PolicyTarget, compare, evaluate
-    from rlrec.trainer.ope_data import HeldOutReader
+    from rlrec.trainer.ope_data import HeldOutReader, policy_spaces
     from rlrec.trainer.policy import PolicyLoadError, UnsignedPolicyWarning, load_policy
 
     where = ev.policies if ev.candidate is None else _candidate_root(ev.policies, ev.candidate)
@@ -288,9 +289,15 @@ def evaluate_published(
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     if policy.spec.get("format") != "safetensors":
         raise _UserError("only code-free (safetensors) policy versions can be evaluated")
+    try:  # the episodes are checked against the evaluated version's spaces, as the ope gate does
+        obs_space, act_space = policy_spaces(policy.spec)
+    except SpaceError as e:
+        raise _UserError(f"cannot load the policy: its policy.json states a malformed space: {e}") from None
     say(f"reading the held-out episodes (--holdout-fraction {ope.holdout_fraction}) under {ev.input}")
     try:
-        reader = HeldOutReader(ev.input, ope.holdout_fraction, policy_id=ev.policy_id)
+        reader = HeldOutReader(
+            ev.input, ope.holdout_fraction, policy_id=ev.policy_id, observation_space=obs_space, action_space=act_space
+        )
         episodes = reader.refresh(as_of=ev.as_of, progress=_Throttled(say).reading)
     except CursorError as e:
         raise _UserError(f"--as-of: {e}") from None
@@ -436,6 +443,11 @@ def _print(r: dict) -> None:
         else:
             print(f"v{r['version']} - {c['compare_to']} ({c['estimator']}): not estimable: {c['reason']}")
     print(f"cursor: {r['data']['cursor']}")
+    if r["data"].get("episodes_unusable"):
+        print(
+            f"{r['data']['episodes_unusable']:,} episode(s) left out as unusable: "
+            + "; ".join(f"{n:,} {why}" for why, n in r["data"]["unusable_reasons"].items())
+        )
     if not d.get("coverage"):
         print(
             "no held-out step carries the behaviour's propensity (action_logp): record it with each step "

@@ -1,8 +1,10 @@
-"""``rlrec export``: the steps of a store at a point of its manifest, as plain Parquet files."""
+"""``rlrec export``: the steps of a store at a point of its manifest, as plain Parquet files, or the
+store as a read-only Delta Lake view (``--to delta``, `rlrec.delta_view`)."""
 
 from __future__ import annotations
 
 import argparse
+import math
 import typing
 from dataclasses import dataclass
 
@@ -17,8 +19,18 @@ class ExportOptions:
     uri: str = option(
         positional=True, metavar="URI", help="output root of rlrec consume: /path, s3://bucket/prefix, ..."
     )
-    dir: str = option(positional=True, metavar="DIR", help="where to write the files (a path or URI; empty or new)")
-    to: typing.Literal["parquet"] = option(help="the file format written: one row per step, plain Arrow types")
+    dir: str = option(
+        positional=True,
+        metavar="DIR",
+        help="where to write the files (a path or URI; empty or new); with --to delta: the store itself "
+        "(URI again), whose policy directories hold the views",
+    )
+    to: typing.Literal["parquet", "delta"] = option(
+        help="parquet: one row per step, plain Arrow types; delta: a read-only Delta Lake view per policy "
+        "referencing the store's shards (needs the delta extra; docs/DELTA.md)"
+    )
+    follow: bool = option(False, help="with --to delta: keep the views up to date until SIGINT/SIGTERM")
+    interval: float = option(1.0, metavar="S", help="with --follow: seconds between polls of the manifest")
     as_of: str | None = option(None, metavar="POINT", help=AS_OF_HELP)
     policy_version: int | None = option(
         None,
@@ -61,10 +73,76 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "again with --as-of CURSOR for the same data. With --policy-version N --policies URI: the "
         "data version N was trained on (--held-out: the episodes it held out), from its signed "
         "lineage; prints the options that export that data again (its cursor alone names the "
-        "whole point, which holds more). See docs/TOOLS.md.",
+        "whole point, which holds more). See docs/TOOLS.md. With --to delta (DIR = URI): a read-only "
+        "Delta Lake view per policy at URI/POLICY_ID/_delta_log, one commit per manifest entry, no data "
+        "copied; --follow keeps it up to date. See docs/DELTA.md.",
     )
     OPTIONS.add_arguments(p)
     p.set_defaults(func=run, options=OPTIONS)
+
+
+def _export_delta(opts: ExportOptions) -> int:
+    """``--to delta``: bring each policy's Delta view up to the point (docs/DELTA.md)."""
+    import sys
+
+    from rlrec.commands._common import open_output, require_manifest
+    from rlrec.errors import RuntimeFailure, UsageError
+
+    if opts.follow and opts.as_of is not None:
+        raise UsageError("give --follow or --as-of, not both (a view follows the newest point)")
+    if opts.policy_version is not None:
+        raise UsageError("--policy-version is not available with --to delta (a view mirrors whole points)")
+    if not (math.isfinite(opts.interval) and opts.interval > 0):
+        raise UsageError(f"--interval must be a finite number > 0, got {opts.interval}")
+    storage = open_output(opts.uri)
+    require_manifest(storage, opts.uri)
+    target = open_output(opts.dir, "DIR")
+    policy = None
+    if target.uri("") != storage.uri(""):
+        parent, _, name = target.uri("").rstrip("/").rpartition("/")
+        if parent != storage.uri("").rstrip("/") or name.startswith(("_", ".")):
+            raise UsageError(
+                f"DIR {opts.dir}: a Delta view lives in the store (give URI again, or URI/POLICY_ID for one "
+                "policy): Delta readers (delta-rs) resolve a file path only below the table's folder"
+            )
+        policy = name
+    try:
+        import deltalake  # noqa: F401
+    except ImportError:
+        raise UsageError("--to delta needs the deltalake package: pip install 'rlrec[delta]'") from None
+    from rlrec.delta_view import ViewError, export_views, follow_views
+    from rlrec.store.schema_gate import ShardSchemaError
+
+    def report(results) -> None:
+        for r in results:
+            if r.commits or not opts.follow:
+                print(f"{r.uri}\t{r.version}\t{r.cursor}", flush=True)
+            for n, what in ((r.waiting, "wait for publication"), (r.skipped, "of another format skipped")):
+                if n:
+                    print(f"rlrec export: {r.policy_id}: {n} shard(s) {what}", file=sys.stderr)
+
+    try:
+        if not opts.follow:
+            results = export_views(storage, as_of=parse_as_of(opts.as_of), policy_id=policy)
+            report(results)
+            print(
+                f"rlrec export: {sum(r.commits for r in results)} Delta commit(s) to {len(results)} view(s)",
+                file=sys.stderr,
+            )
+            return 0
+        from rlrec.commands._signals import StopSignals
+
+        stopping = []
+        signals = StopSignals(lambda: stopping.append(1)).install()
+        try:
+            follow_views(
+                storage, interval_s=opts.interval, policy_id=policy, stop=lambda: bool(stopping), on_poll=report
+            )
+        finally:
+            signals.restore()
+        return signals.exit_code(0)
+    except (ViewError, ShardSchemaError) as e:
+        raise RuntimeFailure(str(e)) from None
 
 
 def _writer(table, schema_meta: dict[bytes, bytes]) -> bytes:
@@ -112,6 +190,12 @@ def run(args: argparse.Namespace) -> int:
     from rlrec.logs import cli_logging
 
     cli_logging()
+    if opts.to == "delta":
+        return _export_delta(opts)
+    if opts.follow:
+        from rlrec.errors import UsageError
+
+        raise UsageError("--follow needs --to delta")
     from rlrec.commands._common import open_output, require_manifest
     from rlrec.errors import RuntimeFailure, UsageError
     from rlrec.store.snapshot import empty_steps

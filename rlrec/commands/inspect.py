@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from typing import Any
 
 from rlrec.commands._common import (
     AS_OF_HELP,
@@ -47,6 +48,12 @@ class InspectOptions:
         "(default: $RLREC_POLICY_PUBLIC_KEY)",
     )
     allow_unsigned: bool = option(False, help="with --policy-version: accept an unsigned version")
+    delta: bool = option(
+        False,
+        help="print each policy's Delta view (rlrec export --to delta): policy, Delta version and the rlrec "
+        "cursor it mirrors (from its txns), one a line",
+    )
+    delta_version: int | None = option(None, metavar="V", help="with --delta: Delta version V instead of the newest")
 
 
 #: the options of `rlrec inspect`
@@ -180,6 +187,28 @@ def _no_shards_yet(storage) -> str:
     )
 
 
+def _print_delta_views(storage, version: int | None) -> int:
+    """``--delta``: each view's version and the cursor it mirrors (`rlrec.delta_view.version_cursor`)."""
+    from rlrec.errors import RuntimeFailure, UsageError
+
+    try:
+        import deltalake  # noqa: F401
+
+        from rlrec.delta_view import ViewError, list_views, version_cursor
+    except ImportError:
+        raise UsageError("--delta needs the deltalake package: pip install 'rlrec[delta]'") from None
+    views = list_views(storage)
+    if not views:
+        raise RuntimeFailure(f"no Delta view in {storage.uri('')} (rlrec export URI URI --to delta)")
+    for policy in views:
+        try:
+            v, cursor = version_cursor(storage, policy, version)
+        except ViewError as e:
+            raise RuntimeFailure(str(e)) from None
+        print(f"{policy}\t{v}\t{cursor}")
+    return 0
+
+
 @reports_storage_errors("inspect")
 def run(args: argparse.Namespace) -> int:
     import json
@@ -201,6 +230,10 @@ def run(args: argparse.Namespace) -> int:
     for flag, given in (("--as-of", opts.as_of is not None), ("--policy-version", opts.policy_version is not None)):
         if given and not opts.paths:
             raise UsageError(f"{flag} needs --paths")
+    if opts.delta_version is not None and not opts.delta:
+        raise UsageError("--delta-version needs --delta")
+    if opts.delta:
+        return _print_delta_views(storage, opts.delta_version)
     if opts.paths:
         from rlrec.reading import open as open_store
 
@@ -245,15 +278,16 @@ def run(args: argparse.Namespace) -> int:
     if summary is not None:
         doc["episode_summary"] = summary
     problems: list[str] | None = None
+    verified: dict[str, Any] = {}  # what verify checked: the head as the history says
     if opts.verify:
-        problems = verify(storage, decode_check=_decode_check(notes))
+        problems = verify(storage, decode_check=_decode_check(notes), totals=verified)
         doc["problems"] = problems
 
     for n in notes:
         print(f"rlrec inspect: {n}", file=sys.stderr)
     if opts.json:
         if problems is not None:
-            doc["verified"] = {k: doc["totals"][k] for k in ("shards", "episodes", "steps", "bytes")}
+            doc["verified"] = {k: verified[k] for k in ("shards", "episodes", "steps", "bytes")}
         json.dump(doc, sys.stdout, indent=2, sort_keys=False)
         sys.stdout.write("\n")
         return 1 if problems else 0
@@ -335,8 +369,8 @@ def run(args: argparse.Namespace) -> int:
             for p in problems:
                 console.print(f"  - {p}")
             return 1
-        if not tot["shards"]:
+        if not verified["shards"]:
             console.print("verify: nothing to verify: no shard is committed yet")
         else:
-            console.print(Text.assemble(("verify: no problems", "green"), f" in {_verified(tot)}"))
+            console.print(Text.assemble(("verify: no problems", "green"), f" in {_verified(verified)}"))
     return 0

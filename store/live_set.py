@@ -1,0 +1,469 @@
+"""Live sets: what a partition log holds at a point, so that opening a store at its head costs its
+live files, not its history.
+
+A live set (``"type": "live_set"``, manifest format 4) is kept beside its partition log, never in
+it::
+
+    _manifest/{topic}/{partition:05d}/_live/{seq:012d}.json   the live set covering entries < seq
+
+It is a pure summary of data that never changes: the log's entries ``0 .. seq-1`` and the removal
+records (`rlrec.store.retention`) numbered below its ``removals``. It lists the live shards at
+that point (`rlrec.store.manifest.live_shards`) less those the folded records remove, one row
+per shard with every field of its shard entry except ``episode_ids``, and the key of the log's
+first entry (so cursors keep their store tag). It is written create-once, so whoever writes a
+live set at ``seq`` writes one that is true; the partition's writer writes one every
+`LIVE_SET_EVERY` entries (`PartitionLog`), anyone may with `write_live_set`.
+
+Readers at the head (`head_shards`: `rlrec.open` / `open_snapshot` without ``as_of``,
+`read_manifest` and so ``rlrec inspect``) read the newest live set, the entries from its seq on
+(through the snapshot the log's hint names) and the removal records from its ``removals`` on,
+and fold them (`fold`, the one place that does). A live set never hides an entry committed
+after it (every entry from its seq is read) nor brings back a removed shard (every record from
+its ``removals`` is applied). A live set that is missing, malformed, of a newer format, larger
+than `MAX_LIVE_SET_BYTES`, or inconsistent with the entries after it is ignored: the log is
+read from its first entry as before (docs/GUARANTEES.md §3, "Live sets"); where it is malformed
+or past the log's end, `read_live_set` tries the next older one first. Older points (``as_of``),
+lineage, `Snapshot.changes`, gc, retention and writers' claims read the whole history.
+
+Example:
+    >>> import tempfile
+    >>> from rlrec.store.commit import ShardCommitter
+    >>> from rlrec.trainer.synthetic import expert_cartpole_episodes
+    >>> root = tempfile.mkdtemp()
+    >>> c = ShardCommitter(root, "rl", 0)
+    >>> for i in range(3):
+    ...     _ = c.commit(expert_cartpole_episodes(2, seed=i))
+    >>> ls = write_live_set(c.storage, "rl", 0)
+    >>> ls.seq, len(ls.shards), ls.shards[0].episode_ids
+    (4, 3, ())
+    >>> head = head_shards(c.storage, "rl", 0)
+    >>> head.live_set == ls.seq, [s.seq for s in head.shards]
+    (True, [1, 2, 3])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import re
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlrec.store.manifest import (
+    MANIFEST_DIR,
+    Entry,
+    ManifestError,
+    PartitionLog,
+    ReplaceEntry,
+    ShardEntry,
+    list_partition_logs,
+    live_shards,
+)
+from rlrec.store.manifest_entries import _check_type, _check_version, _validate_shard
+from rlrec.store.retention import RemovalRecord, read_removals, record_path
+from rlrec.store.storage import Storage
+
+__all__ = [
+    "LIVE_DIR",
+    "LIVE_SET_EVERY",
+    "LIVE_SET_FORMAT_VERSION",
+    "MAX_LIVE_SET_BYTES",
+    "MAX_LIVE_SHARDS",
+    "HeadRead",
+    "LiveSetEntry",
+    "NeedsHistory",
+    "first_entry_key",
+    "fold",
+    "head_shards",
+    "live_set_path",
+    "live_set_seqs",
+    "parse_live_set",
+    "read_heads",
+    "read_live_set",
+    "write_live_set",
+]
+
+log = logging.getLogger("rlrec.live_set")
+
+#: the live sets' directory in each partition's log directory (not an entry: no seq file name)
+LIVE_DIR = "_live"
+#: the manifest format of a live set
+LIVE_SET_FORMAT_VERSION = 4
+#: the partition's writer writes a live set once this many entries follow the newest one
+LIVE_SET_EVERY = 1000
+#: the most bytes of a live set read (about 1 million rows of small shards); a larger one is ignored
+MAX_LIVE_SET_BYTES = 512 * 1024 * 1024
+#: the most rows of a live set
+MAX_LIVE_SHARDS = 2_000_000
+#: live sets kept per log (older ones are deleted by the writer of a new one)
+KEEP_LIVE_SETS = 3
+_NAME_RE = re.compile(r"^(\d{12})\.json$")
+_REQUIRED = frozenset(
+    {"type", "manifest_version", "topic", "partition", "seq", "time", "writer", "first", "removals", "shards"}
+)
+
+
+def live_set_path(topic: str, partition: int, seq: int) -> str:
+    """``_manifest/{topic}/{partition:05d}/_live/{seq:012d}.json``."""
+    return f"{MANIFEST_DIR}/{topic}/{int(partition):05d}/{LIVE_DIR}/{int(seq):012d}.json"
+
+
+def first_entry_key(entry: Entry | None) -> str:
+    """What identifies a log's first entry (a claim: its writer's unique id); a cursor's store
+    tag hashes it (`rlrec.store.snapshot.Cursor`)."""
+    if entry is None:
+        return "-"
+    return f"{type(entry).__name__}:{entry.seq}:{getattr(entry, 'writer', '')}:{getattr(entry, 'time', '')}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class LiveSetEntry:
+    """The live shards of one partition log below ``seq``, less those removed by the removal
+    records numbered below ``removals`` (module docstring).
+
+    ``shards``: shard entries in seq order without their episode ids (``episode_ids`` is ``()``,
+    ``episodes`` is the count), each with the seq of the entry that committed it (a merged
+    shard: its replace entry's). ``first``: `first_entry_key` of the log's entry 0.
+    """
+
+    topic: str
+    partition: int
+    seq: int
+    first: str
+    removals: int
+    shards: tuple[ShardEntry, ...]
+    writer: str = ""
+    time: float = field(default_factory=time.time)
+
+    type = "live_set"
+
+    def to_json(self) -> str:
+        rows = []
+        for s in self.shards:
+            d = s.to_dict()
+            del d["episode_ids"], d["type"]
+            rows.append(d)
+        doc = {
+            "type": "live_set",
+            "manifest_version": LIVE_SET_FORMAT_VERSION,
+            "topic": self.topic,
+            "partition": self.partition,
+            "seq": self.seq,
+            "time": self.time,
+            "writer": self.writer,
+            "first": self.first,
+            "removals": self.removals,
+            "shards": rows,
+        }
+        return json.dumps(doc, sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+
+def parse_live_set(data: bytes | str, topic: str, partition: int, seq: int) -> LiveSetEntry:
+    """A live set read from `live_set_path(topic, partition, seq)`, checked strictly:
+    ManifestError (UnsupportedManifestError for a newer format) if it is not one for that log and
+    seq, or a row is not a shard entry of it below `seq` (rows in seq order, each at most once).
+    Whatever the bytes, nothing else is raised (a hostile live set is refused, never a crash:
+    JSON nested too deep, a number too large for a float, a time that is not finite)."""
+    try:
+        return _parse_live_set(data, topic, partition, seq)
+    except ManifestError:
+        raise
+    except Exception as e:  # RecursionError, OverflowError, ...: the bytes are data, hence hostile
+        raise ManifestError(f"live set cannot be parsed: {type(e).__name__}: {str(e)[:200]}") from None
+
+
+def _finite(v: Any, what: str) -> float:
+    f = float(v)
+    if not math.isfinite(f):
+        raise ManifestError(f"live set: {what} is not a finite number")
+    return f
+
+
+def _parse_live_set(data: bytes | str, topic: str, partition: int, seq: int) -> LiveSetEntry:
+    if len(data) > MAX_LIVE_SET_BYTES:
+        raise ManifestError(f"live set of more than {MAX_LIVE_SET_BYTES} bytes")
+    try:
+        d = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ManifestError(f"live set is not valid JSON: {e}") from None
+    if not isinstance(d, dict) or d.get("type") != "live_set":
+        raise ManifestError("not a live set")
+    _check_version(d)
+    missing, unknown = _REQUIRED - d.keys(), d.keys() - _REQUIRED
+    if missing or unknown:
+        raise ManifestError(f"live set: missing fields {sorted(missing)}, unknown fields {sorted(unknown)}")
+    if d["manifest_version"] != LIVE_SET_FORMAT_VERSION:
+        raise ManifestError(f"live set: manifest_version must be {LIVE_SET_FORMAT_VERSION}")
+    same = (d["topic"], d["partition"], d["seq"]) == (topic, partition, seq)
+    if not same or type(d["seq"]) is not int or type(d["partition"]) is not int:
+        raise ManifestError(f"live set is for {d['topic']!r}/{d['partition']!r} seq {d['seq']!r}")
+    removals = _check_type(d, "removals", (int,))
+    first, writer = _check_type(d, "first", (str,)), _check_type(d, "writer", (str,))
+    _check_type(d, "time", (int, float))
+    if removals < 0 or len(first) > 1024 or len(writer) > 1024:
+        raise ManifestError("live set: removals < 0, or first/writer longer than 1024 characters")
+    rows = _check_type(d, "shards", (list,))
+    if len(rows) > MAX_LIVE_SHARDS:
+        raise ManifestError(f"live set: more than {MAX_LIVE_SHARDS} shards")
+    shards, last = [], -1
+    for row in rows:
+        if not isinstance(row, dict) or "episode_ids" in row or "type" in row:
+            raise ManifestError("live set: a row is not a shard entry without episode_ids")
+        row = {**row, "type": "shard"}
+        _validate_shard(row, ids=False)
+        if (row["topic"], row["partition"]) != (topic, partition) or not last < row["seq"] < seq:
+            raise ManifestError(f"live set: row seq {row['seq']} is not of this log, ascending and below {seq}")
+        last = row["seq"]
+        kw = {k: row[k] for k in row if k not in ("type", "manifest_version")}
+        kw["commit_time"] = _finite(kw["commit_time"], "a row's commit_time")
+        shards.append(ShardEntry(**kw, episode_ids=()))
+    return LiveSetEntry(
+        topic=topic,
+        partition=partition,
+        seq=seq,
+        first=first,
+        removals=removals,
+        shards=tuple(shards),
+        writer=writer,
+        time=_finite(d["time"], "time"),
+    )
+
+
+def live_set_seqs(storage: Storage, topic: str, partition: int) -> list[int]:
+    """The seqs of the log's live sets, ascending (one listing)."""
+    d = live_set_path(topic, partition, 0).rsplit("/", 1)[0]
+    return sorted(int(m.group(1)) for i in storage.list(d) if not i.is_dir and (m := _NAME_RE.match(i.name)))
+
+
+def read_live_set(storage: Storage, topic: str, partition: int) -> LiveSetEntry | None:
+    """The log's newest usable live set (one listing, one read, one probe of the entry below
+    it), or None: it has none usable. One that cannot be used (malformed, too large, a newer
+    format, its seq past the log's end: logged, never raised) is passed over for the next older
+    one, up to `KEEP_LIVE_SETS` + 1 of them; then the caller reads the history instead."""
+    seqs = live_set_seqs(storage, topic, partition)
+    for seq in reversed(seqs[-(KEEP_LIVE_SETS + 1) :]):
+        try:
+            ls = parse_live_set(
+                storage.read(live_set_path(topic, partition, seq), limit=MAX_LIVE_SET_BYTES), topic, partition, seq
+            )
+            if seq > 0 and storage.info(PartitionLog(storage, topic, partition)._path(seq - 1)) is None:
+                raise ManifestError(f"live set {seq} is past the log's end (entry {seq - 1} does not exist)")
+            return ls
+        except (ManifestError, FileNotFoundError) as e:
+            log.warning("%s/%d: ignoring its live set %d (%s)", topic, partition, seq, e)
+    return None
+
+
+class Stale(ManifestError):
+    """A live set does not fit the entries after it (a replace entry names a shard it does not
+    list): the reader reads the log's history instead."""
+
+
+class NeedsHistory(ManifestError):
+    """`head_shards` / `write_live_set` with ``history=False``: the log has no usable live set,
+    so its head can only be had from its whole history, which the caller did not allow."""
+
+
+def fold(
+    topic: str,
+    partition: int,
+    live: Mapping[int, ShardEntry],
+    tail: Iterable[Entry],
+    records: Iterable[RemovalRecord],
+) -> dict[int, ShardEntry]:
+    """The live shards after `tail` (entries in seq order after those `live` summarizes) and
+    `records` (removal records not folded into `live`): the one place a live set and what
+    follows it are combined. A shard a record names is dropped where the live shard at that seq
+    is exactly that file (path and staging path), as `resolve_removals` resolves records.
+
+    Raises `Stale` if a replace entry replaces a seq not in the live shards, or its shard holds
+    another number of episodes than those it replaces (ids are compared where known).
+
+    Example:
+        >>> fold("rl", 0, {}, [], [])
+        {}
+    """
+    out = dict(live)
+    for e in tail:
+        if isinstance(e, ShardEntry):
+            out[e.seq] = e  # type: ignore[index]
+        elif isinstance(e, ReplaceEntry):
+            old = [out.get(r) for r in e.replaces]
+            if any(o is None for o in old):
+                raise Stale(f"replace entry {e.seq} replaces seq {list(e.replaces)}, not all live in the live set")
+            if sum(o.episodes for o in old) != e.shard.episodes:  # type: ignore[union-attr]
+                raise Stale(f"replace entry {e.seq}: its shard's episodes differ from those it replaces")
+            ids = [i for o in old for i in o.episode_ids]  # type: ignore[union-attr]
+            if len(ids) == e.shard.episodes and set(ids) != set(e.shard.episode_ids):
+                raise Stale(f"replace entry {e.seq}: its shard's episode ids are not those it replaces")
+            for r in e.replaces:
+                del out[r]
+            out[e.seq] = e.shard  # type: ignore[index]
+    for rec in records:
+        for f in rec.files:
+            s = out.get(f.seq) if (f.topic, f.partition) == (topic, partition) else None
+            if s is not None and (s.path, s.staging_path) == (f.path, f.staging_path):
+                del out[f.seq]
+    return out
+
+
+@dataclass(frozen=True)
+class HeadRead:
+    """One partition log at its head: ``shards`` (live, less removed, in seq order), ``first``
+    (`first_entry_key` of its entry 0), ``end`` (its next seq), ``live_set`` (the seq of the live
+    set read, None: the whole history was read) and ``entries`` (the whole history when read)."""
+
+    shards: list[ShardEntry]
+    first: str
+    end: int
+    live_set: int | None = None
+    entries: list[Entry] | None = None
+
+
+def head_shards(
+    storage: Storage,
+    topic: str,
+    partition: int,
+    records: Sequence[RemovalRecord] | None = None,
+    live_set: LiveSetEntry | bool | None = True,
+    *,
+    apply_removals: bool = True,
+    strict: bool = True,
+    history: bool = True,
+) -> HeadRead:
+    """The live shards of one partition log at its head, less those retention removed: through
+    its newest live set where it has a usable one, else from its history.
+
+    Args:
+        storage, topic, partition: the log.
+        records: the removal records (at least those from the live set's ``removals`` on), read
+            before this call; None: read here.
+        live_set: the live set to use (as `read_live_set` returned it), True to read it here,
+            False or None to read the history.
+        apply_removals: False: apply no removal record after the live set (or none at all when
+            the history is read); `write_live_set` applies them itself.
+        strict: False: a gap in the history is logged, not raised (`PartitionLog.load`).
+        history: False: raise `NeedsHistory` instead of reading the whole history (no usable
+            live set).
+    """
+    if live_set is True:
+        live_set = read_live_set(storage, topic, partition)
+    if not apply_removals:
+        records = []
+    elif records is None:
+        records = read_removals(storage, start=live_set.removals if live_set else 0)
+    plog = PartitionLog(storage, topic, partition)
+    if live_set:
+        try:
+            if live_set.seq > 0 and plog.read_entry(live_set.seq - 1) is None:
+                raise Stale(f"entry {live_set.seq - 1} does not exist")
+            if first_entry_key(plog.read_entry(0)) != live_set.first:
+                raise Stale("its 'first' is not the key of the log's entry 0")
+            n = live_set.removals - 1  # the newest record it folds must exist (or it skips later ones)
+            if n >= 0 and not any(r.n >= n for r in records) and storage.info(record_path(n)) is None:
+                raise Stale(f"it folds removal records below {live_set.removals}; record {n} does not exist")
+            tail = plog.entries_from(live_set.seq)
+            rows = {s.seq: s for s in live_set.shards}
+            later = [r for r in records if r.n >= live_set.removals]
+            live = fold(topic, partition, rows, tail, later)
+            end = tail[-1].seq + 1 if tail else live_set.seq
+            return HeadRead([live[s] for s in sorted(live)], live_set.first, end, live_set.seq)  # type: ignore[index]
+        except ManifestError as e:
+            if not history:
+                raise NeedsHistory(f"live set {live_set.seq} cannot be used ({e})") from None
+            log.warning("%s/%d: ignoring live set %d (%s): reading its history", topic, partition, live_set.seq, e)
+        if live_set.removals > 0 and apply_removals:
+            records = read_removals(storage)  # the history needs every record
+    if not history:
+        raise NeedsHistory("no usable live set")
+    entries = plog.load(strict=strict)
+    live = fold(topic, partition, live_shards(entries), [], records)  # type: ignore[arg-type]
+    shards = [live[seq] for seq in sorted(live)]
+    end = entries[-1].seq + 1 if entries else 0  # type: ignore[operator]
+    return HeadRead(shards, first_entry_key(entries[0] if entries else None), end, None, entries)
+
+
+def write_live_set(
+    storage: Storage,
+    topic: str,
+    partition: int,
+    *,
+    writer: str = "",
+    prev: LiveSetEntry | None = None,
+    history: bool = True,
+) -> LiveSetEntry | None:
+    """Write the live set of one partition log at its current end (create-once; None if the log
+    is empty, nothing followed the newest live set, or one exists at that seq already), built
+    from its newest live set and what follows it, or from its history; older live sets beyond
+    the newest `KEEP_LIVE_SETS` are deleted.
+
+    Args:
+        storage, topic, partition: the log.
+        writer: who writes it (recorded; the partition's writer id, or a tool's name).
+        prev: the newest live set as this caller wrote or read it (not read again while it is
+            still the newest).
+        history: False: raise `NeedsHistory` rather than build it from the whole history (the
+            log has no usable live set): the writer's commit path never reads the history.
+    """
+    seqs = live_set_seqs(storage, topic, partition)
+    if prev is None or not seqs or seqs[-1] != prev.seq:
+        prev = read_live_set(storage, topic, partition)
+    head = head_shards(storage, topic, partition, None, prev, apply_removals=False, history=history)
+    if head.end == 0 or (prev is not None and head.end == prev.seq):
+        return None
+    start = prev.removals if prev is not None and head.live_set is not None else 0
+    records = read_removals(storage, start=start)
+    # the records it folds: numbered below the first one naming an entry at or after its end
+    beyond = [
+        r.n for r in records if any((f.topic, f.partition) == (topic, partition) and f.seq >= head.end for f in r.files)
+    ]
+    removals = min(beyond) if beyond else max([start, *(r.n + 1 for r in records)])
+    live = fold(topic, partition, {s.seq: s for s in head.shards}, [], [r for r in records if r.n < removals])  # type: ignore[misc]
+    ls = LiveSetEntry(
+        topic=topic,
+        partition=partition,
+        seq=head.end,
+        first=head.first,
+        removals=removals,
+        shards=tuple(dataclasses.replace(live[q], episode_ids=()) for q in sorted(live)),
+        writer=writer,
+    )
+    if not storage.create_once(live_set_path(topic, partition, ls.seq), ls.to_json().encode()):
+        return None
+    for old in [q for q in live_set_seqs(storage, topic, partition) if q <= ls.seq][:-KEEP_LIVE_SETS]:
+        with contextlib.suppress(FileNotFoundError):
+            storage.delete(live_set_path(topic, partition, old))
+    log.info("%s/%d: live set at seq %d: %d live shard(s)", topic, partition, ls.seq, len(ls.shards))
+    return ls
+
+
+def read_heads(
+    storage: Storage, *, strict: bool = True
+) -> tuple[dict[tuple[str, int], HeadRead], int, list[RemovalRecord]]:
+    """Every partition log at its head (`head_shards`), the number of removal records that
+    exist (the newest record's number + 1: a head point's ``removals``) and the records read.
+    Reads each log's newest live set, then the removal records from the smallest ``removals`` of
+    them (all of them when a log has none), then each log's entries from its live set on (or its
+    history)."""
+    keys = list_partition_logs(storage)
+    sets = dict(zip(keys, _in_parallel(lambda k: read_live_set(storage, *k), keys)))
+    start = min((ls.removals if ls is not None else 0 for ls in sets.values()), default=0)
+    records = read_removals(storage, start=start)  # before the entries: every record's positions are in them
+    heads = dict(
+        zip(keys, _in_parallel(lambda k: head_shards(storage, *k, records, sets[k] or False, strict=strict), keys))
+    )
+    count = max([start, *(r.n + 1 for r in records)])
+    return heads, count, records
+
+
+def _in_parallel(fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
+    if len(items) <= 1:
+        return [fn(i) for i in items]
+    with ThreadPoolExecutor(max_workers=min(8, len(items))) as ex:
+        return list(ex.map(fn, items))

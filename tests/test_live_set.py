@@ -1,0 +1,507 @@
+"""Live sets (`rlrec.store.live_set`): a reader at the head reads a log's live set and what follows
+it, and sees exactly what the whole history says -- across commits, compaction, retention and gc,
+after a kill -9 of the writer around the live set's write, and whatever bytes the live set holds.
+Real local storage; the writer is killed with SIGKILL in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from rlrec.store import live_set as ls_mod
+from rlrec.store import manifest_entries
+from rlrec.store.commit import ShardCommitter
+from rlrec.store.compaction import compact_partition
+from rlrec.store.live_set import (
+    head_shards,
+    live_set_path,
+    live_set_seqs,
+    parse_live_set,
+    read_heads,
+    read_live_set,
+    write_live_set,
+)
+from rlrec.store.maintenance import gc, verify
+from rlrec.store.manifest import PartitionLog, UnsupportedManifestError, live_shards, read_manifest
+from rlrec.store.retention import read_removals, resolve_removals, retain
+from rlrec.store.snapshot import ExpiredPointError, open_snapshot
+from rlrec.trainer.synthetic import expert_cartpole_episodes
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _commit(c: ShardCommitter, n: int, seed: int) -> list[str]:
+    ids = []
+    for i in range(n):
+        ids += [fe.episode_id for fe in c.commit(expert_cartpole_episodes(2, seed=seed + i, max_steps=20)).written]
+    return ids
+
+
+def _history_head(st) -> list[tuple]:
+    """The live shards at the head as the whole history says (records, then every entry)."""
+    from rlrec.store.manifest import list_partition_logs
+
+    records = read_removals(st)
+    logs = {k: PartitionLog(st, *k).load() for k in list_partition_logs(st)}
+    removed = resolve_removals(records, logs)
+    return sorted(_key(s) for k, es in logs.items() for s in live_shards(es).values() if (*k, s.seq) not in removed)
+
+
+def _key(s) -> tuple:
+    return (s.topic, s.partition, s.seq, s.path, s.staging_path, s.sha256, s.episodes, s.steps, s.bytes, s.commit_time)
+
+
+def _assert_head_is_history(root: str, *, through_live_set: bool) -> None:
+    """`rlrec.open` at the head, `read_manifest` and the full-history reader at the same cursor
+    name the same shards and read the same rows."""
+    head = open_snapshot(root)
+    st = head.storage
+    heads, _, _ = read_heads(st)
+    assert all((h.live_set is not None) == through_live_set for h in heads.values()), heads
+    want = _history_head(st)
+    assert sorted(_key(s) for s in head.entries) == want
+    assert sorted(_key(s) for s in read_manifest(st)) == want
+    full = open_snapshot(root, as_of=head.cursor)  # a cursor: the whole history is read
+    assert full.cursor == head.cursor
+    assert sorted(_key(s) for s in full.entries) == want
+    assert head.steps().equals(full.steps())
+
+
+def test_head_through_live_sets_is_the_history_across_commits_compaction_retention_and_gc(tmp_path):
+    root = str(tmp_path / "out")
+    c = ShardCommitter(root, "rl", 0, snapshot_every=3)
+    c.log.live_set_every = 5  # the writer writes one every 5 entries (at a snapshot)
+    _commit(c, 12, 0)
+    assert live_set_seqs(c.storage, "rl", 0), "the writer wrote no live set"
+    _assert_head_is_history(root, through_live_set=True)
+    early = open_snapshot(root)
+    compact_partition(c.log, min_age_s=0, target_bytes=3 * max(e.bytes for e in read_manifest(c.storage)))
+    _assert_head_is_history(root, through_live_set=True)  # the replace entries follow the live set
+    write_live_set(c.storage, "rl", 0, writer="test")
+    _assert_head_is_history(root, through_live_set=True)
+    res = retain(c.storage, grace_s=0)  # removes the replaced files: records after the live set
+    assert res.recorded
+    _assert_head_is_history(root, through_live_set=True)
+    _commit(c, 2, 100)
+    res = retain(c.storage, grace_s=0, older_than_s=0)  # every live shard expires, the live set's too
+    assert res.recorded
+    _assert_head_is_history(root, through_live_set=True)
+    assert open_snapshot(root).entries == []  # no removed shard comes back
+    write_live_set(c.storage, "rl", 0, writer="test")  # folds the records
+    assert read_live_set(c.storage, "rl", 0).removals > 0
+    _commit(c, 3, 200)  # never hidden by the live set before them
+    _assert_head_is_history(root, through_live_set=True)
+    assert len(open_snapshot(root).entries) == 3
+    gc(c.storage, 0)
+    _assert_head_is_history(root, through_live_set=True)
+    assert verify(c.storage) == []
+    # a point before the live sets reads as it did, through the whole history
+    with pytest.raises(ExpiredPointError):
+        open_snapshot(root, as_of=early.cursor).steps()
+
+
+def test_an_older_cursor_reads_the_same_after_live_sets(tmp_path):
+    root = str(tmp_path / "out")
+    c = ShardCommitter(root, "rl", 0, snapshot_every=3)
+    _commit(c, 4, 0)
+    before = open_snapshot(root)
+    rows = before.steps()
+    _commit(c, 4, 10)
+    write_live_set(c.storage, "rl", 0)
+    _commit(c, 1, 20)
+    again = open_snapshot(root, as_of=before.cursor)
+    assert again.entries == before.entries  # with their episode ids: read from the history
+    assert again.steps().equals(rows)
+    head = open_snapshot(root)
+    assert head.changes(before.cursor).num_episodes == 10  # `changes` reads the history it needs
+
+
+def test_two_partitions_one_without_a_live_set(tmp_path):
+    root = str(tmp_path / "out")
+    a = ShardCommitter(root, "rl", 0, snapshot_every=3)
+    b = ShardCommitter(root, "rl", 1, snapshot_every=3)
+    _commit(a, 3, 0)
+    _commit(b, 3, 10)
+    write_live_set(a.storage, "rl", 0)
+    _commit(a, 1, 20)
+    heads, _, _ = read_heads(a.storage)
+    assert heads[("rl", 0)].live_set is not None and heads[("rl", 1)].live_set is None
+    head = open_snapshot(root)
+    assert sorted(_key(s) for s in head.entries) == _history_head(a.storage)
+    assert head.cursor == open_snapshot(root, as_of=head.cursor).cursor
+
+
+# -- hostile and stale live sets ------------------------------------------------------------------
+
+
+def _store_with_live_set(tmp_path):
+    root = str(tmp_path / "out")
+    c = ShardCommitter(root, "rl", 0, snapshot_every=3)
+    _commit(c, 4, 0)
+    ls = write_live_set(c.storage, "rl", 0)
+    _commit(c, 1, 10)
+    return root, c, ls
+
+
+def _doc(ls) -> dict:
+    return json.loads(ls.to_json())
+
+
+def _plant(c, doc_or_bytes, seq: int | None = None) -> None:
+    """Plant a newer live set than the real one (seq defaults to one above the newest)."""
+    seq = (max(live_set_seqs(c.storage, "rl", 0)) + 1) if seq is None else seq
+    data = doc_or_bytes if isinstance(doc_or_bytes, bytes) else json.dumps(doc_or_bytes).encode()
+    c.storage.write(live_set_path("rl", 0, seq), data)
+
+
+def _hostile_docs(ls, seq: int) -> dict[str, object]:
+    """Live sets to plant at `seq`, each wrong in one way."""
+    d = {**_doc(ls), "seq": seq}
+    row = d["shards"][0]
+    return {
+        "torn": ls.to_json().encode()[:-40],
+        "not json": b"\x00\xff" * 10,
+        "a list": b"[1, 2]",
+        "newer format": {**d, "manifest_version": 5},
+        "another log": {**d, "partition": 1},
+        "seq not the file's": {**d, "seq": ls.seq},
+        "bool seq": {**d, "seq": True},
+        "bool partition": {**d, "partition": False},
+        "unknown field": {**d, "extra": 1},
+        "missing field": {k: v for k, v in d.items() if k != "first"},
+        "row of another partition": {**d, "shards": [{**row, "partition": 1}]},
+        "row at or above its seq": {**d, "shards": [{**row, "seq": seq}]},
+        "rows out of order": {**d, "shards": d["shards"][::-1]},
+        "row twice": {**d, "shards": [row, row]},
+        "row with episode ids": {**d, "shards": [{**row, "episode_ids": ["x"]}]},
+        "row path outside its policy": {**d, "shards": [{**row, "path": "../../etc/passwd"}]},
+        "row with a bool count": {**d, "shards": [{**row, "episodes": True}]},
+        "negative removals": {**d, "removals": -1},
+        "huge first": {**d, "first": "x" * 5000},
+        "JSON nested too deep": b"[" * 200_000,
+        "time too large for a float": {**d, "time": 10**400},
+        "row commit_time too large for a float": {**d, "shards": [{**row, "commit_time": 10**400}]},
+        "infinite time": {**d, "time": float("inf")},
+    }
+
+
+def test_a_hostile_live_set_is_refused_and_the_history_read(tmp_path):
+    """Each hostile newest live set is refused (the next older, honest one is used); the head is
+    the history's."""
+    root, c, ls = _store_with_live_set(tmp_path)
+    want = _history_head(c.storage)
+    seq = ls.seq + 1
+    path = live_set_path("rl", 0, seq)
+    for name, doc in _hostile_docs(ls, seq).items():
+        data = doc if isinstance(doc, bytes) else json.dumps(doc).encode()
+        with pytest.raises(manifest_entries.ManifestError):
+            parse_live_set(data, "rl", 0, seq)
+        c.storage.write(path, data)
+        assert read_live_set(c.storage, "rl", 0) == ls, name  # refused: the next older one is used
+        head = open_snapshot(root)
+        assert sorted(_key(s) for s in head.entries) == want, name
+        assert head.steps().num_rows == open_snapshot(root, as_of=head.cursor).steps().num_rows, name
+        c.storage.delete(path)
+    assert read_live_set(c.storage, "rl", 0) == ls  # the real one is used again
+
+
+def test_a_live_set_past_the_log_end_or_stale_is_ignored(tmp_path):
+    root, c, ls = _store_with_live_set(tmp_path)
+    want = _history_head(c.storage)
+    d = _doc(ls)
+    _plant(c, {**d, "seq": 10_000}, seq=10_000)  # names entries that do not exist
+    assert sorted(_key(s) for s in open_snapshot(root).entries) == want
+    assert open_snapshot(root).cursor == open_snapshot(root, as_of=open_snapshot(root).cursor).cursor
+    c.storage.delete(live_set_path("rl", 0, 10_000))
+    _plant(c, {**d, "seq": ls.seq + 1, "first": "ClaimEntry:0:forged:1.0"}, seq=ls.seq + 1)  # another store's tag
+    assert head_shards(c.storage, "rl", 0).live_set is None
+    assert open_snapshot(root).cursor == open_snapshot(root, as_of=open_snapshot(root).cursor).cursor
+    c.storage.delete(live_set_path("rl", 0, ls.seq + 1))
+    # a live set that lost a shard a later replace entry replaces: stale, the history is read
+    _plant(c, {**d, "seq": ls.seq, "shards": d["shards"][1:]}, seq=ls.seq)
+    compact_partition(c.log, min_age_s=0, target_bytes=10 * max(e.bytes for e in read_manifest(c.storage)))
+    head = head_shards(c.storage, "rl", 0)
+    assert head.live_set is None  # fell back
+    assert sorted(_key(s) for s in open_snapshot(root).entries) == _history_head(c.storage)
+
+
+def _replant(c, seq: int, doc: dict) -> None:
+    """Replace the live set at `seq` by `doc` (a forged one: parses, names real shards)."""
+    c.storage.delete(live_set_path("rl", 0, seq))
+    c.storage.create_once(live_set_path("rl", 0, seq), json.dumps(doc).encode())
+
+
+def test_verify_rebuilds_every_live_set_from_the_history(tmp_path):
+    """A forged live set that parses and names real shards -- one hiding a shard, one listing the
+    shards a compaction replaced (every episode twice), one with a row's count changed, one
+    folding removal records that do not exist -- is reported by verify; readers refuse the one
+    past the removal log's end."""
+    root = str(tmp_path / "out")
+    c = ShardCommitter(root, "rl", 0, snapshot_every=3)
+    c.log.live_set_every = 5
+    _commit(c, 12, 0)
+    st = c.storage
+    pre = read_live_set(st, "rl", 0)  # before the compaction: lists the shards it replaces
+    compact_partition(c.log, min_age_s=0, target_bytes=3 * max(e.bytes for e in read_manifest(st)))
+    write_live_set(st, "rl", 0, writer="test")
+    retain(st, grace_s=0)
+    _commit(c, 1, 50)
+    write_live_set(st, "rl", 0, writer="test")
+    _commit(c, 2, 60)
+    assert verify(st) == []  # honest live sets (with replace entries and removal records folded)
+    ls = read_live_set(st, "rl", 0)
+    assert ls.removals > 0 and len(ls.shards) >= 2
+    d = _doc(ls)
+    want = _history_head(st)
+
+    _replant(c, ls.seq, {**d, "shards": d["shards"][1:]})
+    problems = verify(st)
+    assert any(f"live set {ls.seq}: hides live shard seq {ls.shards[0].seq}" in p for p in problems), problems
+
+    replaced = [r for r in _doc(pre)["shards"] if r["seq"] not in {s.seq for s in ls.shards}]
+    assert replaced
+    rows = sorted(d["shards"] + replaced, key=lambda r: r["seq"])
+    _replant(c, ls.seq, {**d, "shards": rows})
+    problems = verify(st)
+    assert sum(f"live set {ls.seq}: lists seq" in p for p in problems) == len(replaced), problems
+
+    _replant(
+        c, ls.seq, {**d, "shards": [{**d["shards"][0], "episodes": d["shards"][0]["episodes"] + 1}, *d["shards"][1:]]}
+    )
+    assert any(f"live set {ls.seq}: row seq {ls.shards[0].seq} differs" in p for p in verify(st))
+
+    _replant(c, ls.seq, {**d, "removals": 10**6})  # would skip every later removal record
+    assert any(f"live set {ls.seq}: folds 1000000 removal records" in p for p in verify(st))
+    assert head_shards(st, "rl", 0).live_set is None  # readers refuse it: the history is read
+    assert sorted(_key(s) for s in open_snapshot(root).entries) == want
+
+    _replant(c, ls.seq, d)
+    assert verify(st) == [] and head_shards(st, "rl", 0).live_set == ls.seq
+
+
+def test_inspect_verify_reports_a_forged_live_set_and_totals_from_the_history(tmp_path, capsys):
+    from rlrec.cli import main
+
+    root = str(tmp_path / "out")
+    c = ShardCommitter(root, "rl", 0, snapshot_every=3)
+    _commit(c, 6, 0)
+    ls = write_live_set(c.storage, "rl", 0, writer="test")
+    d = _doc(ls)
+    _replant(c, ls.seq, {**d, "shards": d["shards"][1:]})  # the head now shows 5 shards, 10 episodes
+    capsys.readouterr()
+    assert main(["inspect", root, "--verify", "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert any("hides live shard" in p for p in doc["problems"]), doc["problems"]
+    assert doc["verified"]["shards"] == 6 and doc["verified"]["episodes"] == 12, doc["verified"]
+    _replant(c, ls.seq, d)
+    assert main(["inspect", root, "--verify", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["verified"]["episodes"] == 12
+
+
+def test_a_live_set_is_bounded_in_what_it_makes_a_reader_read(tmp_path, monkeypatch):
+    root, c, ls = _store_with_live_set(tmp_path)
+    want = _history_head(c.storage)
+    size = len(ls.to_json())
+    monkeypatch.setattr(ls_mod, "MAX_LIVE_SET_BYTES", size - 1)
+    reads = []
+    real = type(c.storage).read
+
+    def read(self, path, *a, limit=None, **kw):
+        if "/_live/" in path:
+            reads.append(limit)
+        return real(self, path, *a, limit=limit, **kw)
+
+    monkeypatch.setattr(type(c.storage), "read", read)
+    assert read_live_set(c.storage, "rl", 0) is None
+    assert reads == [size - 1]  # never asked for more than the limit
+    assert sorted(_key(s) for s in open_snapshot(root).entries) == want
+    monkeypatch.setattr(ls_mod, "MAX_LIVE_SET_BYTES", 512 * 1024 * 1024)
+    monkeypatch.setattr(ls_mod, "MAX_LIVE_SHARDS", len(ls.shards) - 1)
+    assert read_live_set(c.storage, "rl", 0) is None
+
+
+def test_an_older_reader_refuses_a_live_set_as_too_new(tmp_path, monkeypatch):
+    """A reader of format 3 never reads `_live/` (it reads the history); handed a live set, it
+    refuses it as too new instead of misreading it."""
+    ls = _store_with_live_set(tmp_path)[2]
+    monkeypatch.setattr(manifest_entries, "MANIFEST_FORMAT_VERSION", 3)
+    with pytest.raises(UnsupportedManifestError, match="format version 4"):
+        parse_live_set(ls.to_json(), "rl", 0, ls.seq)
+    with pytest.raises(UnsupportedManifestError):
+        manifest_entries.parse_entry(ls.to_json())
+
+
+# -- kill -9 of the writer around the live set's write -----------------------------------------------
+
+_WRITER = textwrap.dedent(
+    """
+    import os, signal, sys
+    from rlrec.store import live_set
+    from rlrec.store.commit import ShardCommitter
+    from rlrec.store.storage import Storage
+    from rlrec.trainer.synthetic import expert_cartpole_episodes
+
+    root, crash_at, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    real = Storage.create_once
+
+    def create_once(self, path, data):
+        if "/_live/" in path and crash_at == "before":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if "/_live/" in path and crash_at == "torn":
+            self.write(path + ".tmp-torn", data[: len(data) // 2])
+            os.kill(os.getpid(), signal.SIGKILL)
+        done = real(self, path, data)
+        if "/_live/" in path and crash_at == "after":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return done
+
+    Storage.create_once = create_once
+    c = ShardCommitter(root, "rl", 0, snapshot_every=2)
+    c.log.live_set_every = 4
+    for i in range(12):
+        res = c.commit(expert_cartpole_episodes(2, seed=seed + i, max_steps=20))
+        print(" ".join(fe.episode_id for fe in res.written), flush=True)
+    print("done", flush=True)
+    """
+)
+
+
+def _run_writer(root: str, crash_at: str, seed: int) -> tuple[int, list[str]]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT.parent) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    p = subprocess.run(
+        [sys.executable, "-c", _WRITER, root, crash_at, str(seed)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    lines = p.stdout.split("\n")
+    return p.returncode, [i for line in lines if line and line != "done" for i in line.split()]
+
+
+@pytest.mark.slow
+def test_kill_9_of_the_writer_around_the_live_set_write(tmp_path):
+    root = str(tmp_path / "out")
+    acked: list[str] = []
+    codes = []
+    for n, crash_at in enumerate(["before", "torn", "after", "none"]):
+        code, ids = _run_writer(root, crash_at, 1000 * n)
+        codes.append(code)
+        acked += ids
+        head = open_snapshot(root)
+        assert sorted(_key(s) for s in head.entries) == _history_head(head.storage), crash_at
+        rows = head.steps()
+        got = set(rows.column("episode_id").to_pylist())
+        assert set(acked) <= got  # every acknowledged commit is read (a killed one may be too)
+        assert len(rows) == len(set(zip(rows.column("episode_id").to_pylist(), rows.column("t").to_pylist())))
+        assert head.steps().equals(open_snapshot(root, as_of=head.cursor).steps())
+    assert codes == [-signal.SIGKILL] * 3 + [0]  # each planted kill was reached
+    assert live_set_seqs(open_snapshot(root).storage, "rl", 0)  # the runs after the kills wrote live sets
+    assert verify(open_snapshot(root).storage) == []
+
+
+def test_the_evaluator_reads_only_shards_holding_held_out_episodes_through_live_sets(tmp_path, monkeypatch):
+    """The evaluator's reader opens the head through live sets (rows without episode ids) and
+    still skips every shard holding no held-out episode; same episodes as at the cursor read
+    through the history (review-47b finding 4)."""
+    from rlrec.store import commit as commit_mod
+    from rlrec.trainer.holdout import is_held_out
+    from rlrec.trainer.ope_data import HeldOutReader
+
+    root = str(tmp_path / "out")
+    c = ShardCommitter(root, "rl", 0, snapshot_every=3)
+    c.log.live_set_every = 5
+    _commit(c, 16, 0)
+    heads, _, _ = read_heads(c.storage)
+    assert all(h.live_set is not None for h in heads.values())
+    fraction = 0.2
+    hist = open_snapshot(root, as_of=open_snapshot(root).cursor).entries  # with ids
+    holding = {e.path for e in hist if any(is_held_out(str(i), fraction) for i in e.episode_ids)}
+    assert 0 < len(holding) < len(hist), "the test needs shards with and without held-out episodes"
+    real, reads = commit_mod.read_committed_shard, []
+
+    def counting(storage, path, *a, **kw):
+        reads.append(path)
+        return real(storage, path, *a, **kw)
+
+    monkeypatch.setattr(commit_mod, "read_committed_shard", counting)
+    reader = HeldOutReader(root, fraction)
+    eps = reader.refresh()
+    assert set(reads) == holding and len(reads) == len(holding)
+    again = HeldOutReader(root, fraction)
+    reads.clear()
+    assert sorted(e.id for e in again.refresh(as_of=reader.cursor)) == sorted(e.id for e in eps)
+    assert again.stats.episodes_seen == reader.stats.episodes_seen
+    assert again.stats.episodes_held_out == reader.stats.episodes_held_out == len(eps) > 0
+
+
+def test_a_commit_on_a_long_log_without_a_live_set_never_reads_its_history(tmp_path):
+    """An upgraded store (a long log written before live sets): the writer's commit path reads
+    none of its history; the first live set is built off it (a background thread of the writer),
+    and from then on incrementally in the commit path (review-47b finding 3)."""
+    import threading
+
+    from rlrec.store.manifest import MANIFEST_DIR
+
+    root = str(tmp_path / "out")
+    c = ShardCommitter(root, "rl", 0, snapshot_every=3)
+    c.log.live_set_every = 0  # written before live sets
+    _commit(c, 30, 0)
+    assert live_set_seqs(c.storage, "rl", 0) == []
+    c.log.live_set_every = 5  # the upgraded writer: 31 entries > 2 x 5
+    st, real, reads = c.storage, c.storage.read, []
+    end = len(PartitionLog(st, "rl", 0).load())
+    commit_thread = threading.get_ident()
+
+    def counting(path, *a, **kw):
+        if threading.get_ident() == commit_thread and path.startswith(f"{MANIFEST_DIR}/rl/00000/"):
+            reads.append(path)
+        return real(path, *a, **kw)
+
+    st.read = counting  # type: ignore[method-assign]
+    try:
+        _commit(c, 3, 100)  # past a snapshot, so past the live-set check
+        assert len(reads) <= 2, f"the commit path read {len(reads)} of {end} entries: {reads}"
+        builder = c.log._live_builder
+        assert builder is not None, "the first live set was not handed off"
+        builder.join(60)
+        assert not builder.is_alive()
+    finally:
+        del st.read
+    assert live_set_seqs(st, "rl", 0), "no first live set was built"
+    _commit(c, 6, 200)
+    assert max(live_set_seqs(st, "rl", 0)) > min(live_set_seqs(st, "rl", 0))  # then incremental
+    _assert_head_is_history(root, through_live_set=True)
+
+
+def test_a_live_set_past_the_logs_end_is_passed_over_and_does_not_stop_the_writer(tmp_path):
+    """A live set named with a seq past the log's end (forged, parseable) is ignored by readers,
+    who fall back to the next older one, and neither stops the writer writing new ones nor evicts
+    the honest ones (review-47b finding 5)."""
+    root = str(tmp_path / "out")
+    c = ShardCommitter(root, "rl", 0, snapshot_every=3)
+    c.log.live_set_every = 5
+    _commit(c, 8, 0)
+    st = c.storage
+    honest = live_set_seqs(st, "rl", 0)
+    assert honest
+    doc = json.loads(st.read(live_set_path("rl", 0, honest[-1])))
+    doc["seq"] = big = 999_999_999_999
+    st.create_once(live_set_path("rl", 0, big), json.dumps(doc).encode())
+    assert read_live_set(st, "rl", 0).seq == honest[-1]  # the next older one
+    _assert_head_is_history(root, through_live_set=True)
+    w = ShardCommitter(root, "rl", 0, snapshot_every=3)  # a fresh writer (looks for live sets)
+    w.log.live_set_every = 5
+    _commit(w, 12, 100)
+    seqs = live_set_seqs(st, "rl", 0)
+    assert big in seqs and max(q for q in seqs if q != big) > honest[-1], seqs  # new ones written
+    assert len([q for q in seqs if q != big]) == 3, seqs  # the newest 3 honest ones kept
+    assert read_live_set(st, "rl", 0).seq == max(q for q in seqs if q != big)
+    _assert_head_is_history(root, through_live_set=True)

@@ -208,7 +208,7 @@ def test_the_report_plots_both_arms_and_the_bound(tmp_path, setup, monkeypatch):
     started = t.canary.started
     lines = []
     for k in range(12):
-        _serve(setup.committer, t.canary, {1: 2.0, 0: 0.0}, 60, seed=10 + k)
+        _serve(setup.committer, t.canary, {1: 2.0, 0: 0.0}, 20, seed=10 + k)
         record = t.look_canary(now=started + 10 * (k + 1))
         if record is not None:
             lines.append({"time": started + 10 * (k + 1), "canary": record})

@@ -157,7 +157,9 @@ class CanaryEvidence:
         """Read the shards committed since the last call; (canary, deployed) over every episode
         read so far, each counted once by its episode id (a shard compacted into a merged one
         adds nothing new; one removed by retention or compaction keeps what it gave: the
-        evidence only grows), each return clipped into ``[low, high]`` when given.
+        evidence only grows), each return clipped into ``[low, high]`` when given, each arm in
+        the order its episodes started (then by episode id): the order the sequential test's
+        bound needs (`rlrec.trainer.sequential`, "The order of the episodes").
 
         Args:
             low: the least return (clip).
@@ -208,7 +210,7 @@ class CanaryEvidence:
         arms = {self.version: ArmStats(), self.base_version: ArmStats()}
         end_ms = None if now is None else (now - max(episode_max_s, self.longest_s)) * 1000.0
         self.served_canary = 0
-        for v, start, x in self._episodes.values():
+        for _eid, (v, start, x) in sorted(self._episodes.items(), key=lambda kv: (kv[1][1], kv[0])):  # start order
             self.served_canary += v == self.version
             if end_ms is None or start <= end_ms:
                 arms[v].add(x, low, high)

@@ -557,3 +557,39 @@ def test_a_canary_pointer_older_than_max_pointer_age_is_not_served(on_canary, ke
     p.poll()
     assert p.canary_version == 5
     assert not refresh_canary(Storage.from_uri(str(on_canary)), 6, keys["private"])  # not the running one
+
+
+def test_an_end_record_copied_into_another_version_does_not_excuse_a_replay(tmp_path):
+    """Every rolled-back canary leaves a genuine signed "rollback" ``canary-ended.json``. Copied into
+    the deployed versions' directories (v3, v4) beside the genuine old ``latest.json`` (v1), it made
+    the replay check take them for never deployed: new replicas deployed v1 while v4 was deployed.
+    A record names its version: in another directory it is none, and the replay is refused."""
+    priv, pub = generate_keys(tmp_path / "keys")
+    key = load_private_key(priv)
+    root = tmp_path / "root"
+    st = Storage.from_uri(str(root))
+    publish(root, 1, key)
+    old_pointer = {n: (root / n).read_bytes() for n in ("latest.json", "latest.json.sig")}
+    canary(root, 2, key, base=1)
+    end_canary(
+        st,
+        key,
+        version=2,
+        base_version=1,
+        promote=False,
+        decision={"decision": "rollback"},
+        run_id=RUN_A,
+        channel="prod",
+    )
+    canary(root, 4, key, base=3)
+    end_canary(
+        st, key, version=4, base_version=3, promote=True, decision={"decision": "promote"}, run_id=RUN_A, channel="prod"
+    )
+    assert load_policy(str(root), public_key=str(pub), channel="prod").policy_version == 4
+    for v in (3, 4):
+        for name in ("canary-ended.json", "canary-ended.json.sig"):
+            shutil.copy(root / "v000002" / name, root / f"v{v:06d}" / name)
+    for name, data in old_pointer.items():
+        (root / name).write_bytes(data)
+    with pytest.raises(PolicyLoadError, match="replayed old pointer"):
+        load_policy(str(root), public_key=str(pub), channel="prod")

@@ -687,3 +687,93 @@ def test_a_rollback_whose_republish_fails_stops_serving_the_canary_first(tmp_pat
     assert json.loads((root / "latest.json").read_bytes())["policy_version"] == 3
     p.poll()
     assert p.for_episode(eid).policy_version == 3
+
+
+# ------------------------------------------------------------- records bound to their version (review 40c)
+
+
+def _canary_v2(tmp_path, setup, monkeypatch):
+    """A trainer whose v1 was promoted and whose v2 is on canary above it."""
+    t = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **CANARY_KW)
+    t.iteration = 3
+    t.checkpoint()
+    _serve(setup.committer, t.canary, {1: 2.0, 0: 0.0}, 300, seed=1)
+    assert t.look_canary()["decision"] == "promote"
+    t.iteration = 6
+    t.checkpoint()
+    assert (t.canary.version, t.canary.base_version) == (2, 1)
+    return tmp_path / "ckpt" / "policies", t
+
+
+def test_an_unsigned_end_record_ends_no_canary(tmp_path, setup, monkeypatch):
+    """An empty, unsigned ``v2/canary-ended.json`` (a key-less writer, or a kill between the record
+    and its signature) was trusted by its existence: services dropped the running canary and a
+    resumed trainer took it as over and never signed its end, so every service restart during the
+    next canary was refused as a replay. It is no record: the canary is served and the test goes on."""
+    root, _t = _canary_v2(tmp_path, setup, monkeypatch)
+    p = load_policy(str(root), public_key=setup.pub, canary_fraction=0.3)
+    (root / "v000002" / "canary-ended.json").write_bytes(b"")
+    p.poll()
+    assert p.canary_version == 2
+    resumed = _resumed(tmp_path, setup, monkeypatch)
+    assert resumed.canary is not None and resumed.canary.version == 2
+    assert load_policy(str(root), public_key=setup.pub, canary_fraction=0.3).canary_version == 2
+
+
+def test_a_decision_record_copied_from_another_version_is_not_carried_out(tmp_path, setup, monkeypatch):
+    """A key-less writer copies v1's genuine signed "promote" ``rollout.json`` into the running canary
+    v2's directory (v2 is 3.0 worse so far). A resumed trainer carried it out "unchanged, never
+    judged again" and promoted v2; the record names v1, so it is ignored and v2 is judged on its
+    evidence: rolled back."""
+    import shutil
+
+    root, t = _canary_v2(tmp_path, setup, monkeypatch)
+    _serve(setup.committer, t.canary, {2: -3.0, 1: 0.0}, 100, seed=2)
+    t.iteration = 7
+    t.checkpoint()
+    for name in ("rollout.json", "rollout.json.sig"):
+        shutil.copy(root / "v000001" / name, root / "v000002" / name)
+    record = _resumed(tmp_path, setup, monkeypatch).look_canary()
+    assert record["decision"] == "rollback" and record["canary_version"] == 2
+    assert load_policy(str(root), public_key=setup.pub).policy_version == 3  # v1's weights republished above v2
+
+
+def test_an_input_the_evidence_cannot_read_never_keeps_a_canary_past_its_limits(tmp_path, setup, monkeypatch):
+    """One history shard whose policy_version is null (the schema gate allows it) made every look
+    raise, and the limits live in the look: the canary was served, untested, forever. The shard is
+    skipped; and looks that keep failing roll the canary back after --canary-max-wait-s."""
+    import pyarrow as pa
+
+    import rlrec.store.shards as shards
+    from rlrec.trainer.rollout import CanaryRun
+
+    real = shards.episodes_table
+
+    def null_version(episodes):
+        t = real(episodes)
+        i = t.schema.get_field_index("policy_version")
+        column = pa.array([None] * t.num_rows, pa.int64())
+        return t.set_column(i, t.schema.field(i), column).replace_schema_metadata(t.schema.metadata)
+
+    kw = {k: v for k, v in CANARY_KW.items() if k != "canary_episode_max_s"}  # fixed from the history
+    setup.committer.commit([_episode(0, [1.0], 1000 + i, f"h{i}") for i in range(40)])
+    monkeypatch.setattr(shards, "episodes_table", null_version)
+    setup.committer.commit([_episode(0, [1.0], 2000, "hx")])
+    monkeypatch.setattr(shards, "episodes_table", real)
+    t = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **{**kw, "canary_max_wait_s": 60.0})
+    t.iteration = 3
+    t.checkpoint()
+    record = t.look_canary(now=t.canary.started + 86400)
+    assert record["decision"] == "rollback" and "no canary traffic" in record["reason"]
+
+    t.iteration = 6
+    t.checkpoint()
+    started = t.canary.started
+
+    def failing(self, *args, **kwargs):
+        raise OSError("the store does not answer")
+
+    monkeypatch.setattr(CanaryRun, "look", failing)
+    assert t.look_canary(now=started + 10) is None and t.look_canary(now=started + 40) is None
+    record = t.look_canary(now=started + 75)
+    assert record["decision"] == "rollback" and "could not be read for 65s" in record["reason"]

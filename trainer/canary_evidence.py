@@ -141,7 +141,7 @@ class CanaryEvidence:
                 for values in self._read(e, history=True).values():
                     returns.extend(x for _e, _s, _d, x in values)
                     longest_ms = max([longest_ms, *(d for _e, _s, d, _x in values)])
-            except (FileNotFoundError, ValueError) as err:
+            except (FileNotFoundError, ValueError, KeyError, TypeError) as err:
                 log.warning("shard %s cannot be read for the canary's return range (%s)", e.path, err)
         self._history_read = (returns, longest_ms / 1000.0)
         return self._history_read
@@ -186,7 +186,7 @@ class CanaryEvidence:
             except FileNotFoundError:
                 log.warning("shard %s was removed before the canary's evidence read it", e.path)
                 continue
-            except ValueError as err:
+            except (ValueError, KeyError, TypeError) as err:  # a column missing or null where one is needed
                 self._bad.add(e.path)
                 self.shards_skipped += 1
                 log.error("shard %s cannot be read as canary evidence (%s); skipping it", e.path, err)

@@ -115,18 +115,23 @@ MAX_ABOVE = 64
 
 
 def _ended(storage: Storage, d: str, signing_key: Any) -> str | None:
-    """The decision of the canary version directory `d` holds this key's signed record of
-    (``canary-ended.json``: "promote", "rollback" or "abandoned"), None without one."""
+    """The decision the canary version directory `d` holds a record of (``canary-ended.json``:
+    "promote", "rollback" or "abandoned"): signed by `signing_key` (any record without a key) and
+    naming the version of `d` itself (a record copied from another version's directory is none);
+    None without one. Raises OSError when it cannot be read now."""
     from rlrec.trainer.export import _read_small
 
     rel = f"{d}/{CANARY_ENDED}"
     try:
         data = _read_small(storage, rel, 4096)
-        verify(signing_key.public_key(), data, _read_small(storage, rel + SIG_SUFFIX, 1024))
+        if signing_key is not None:
+            verify(signing_key.public_key(), data, _read_small(storage, rel + SIG_SUFFIX, 1024))
         doc = _json(data, rel)
     except (FileNotFoundError, SignatureError, PolicyLoadError):
         return None
-    decision = doc.get("decision") if isinstance(doc, dict) else None
+    if not isinstance(doc, dict) or type(doc.get("canary_version")) is not int or doc["canary_version"] != int(d[1:]):
+        return None
+    decision = doc.get("decision")
     return decision if decision in ("promote", "rollback", "abandoned") else None
 
 
@@ -190,7 +195,12 @@ def read_decision(storage: Storage, version: int, signing_key: Any) -> dict | No
     except (PolicyLoadError, SignatureError) as e:
         log.error("%s is not this trainer's decision (%s): ignored", rel, e)
         return None
-    return doc if isinstance(doc, dict) and doc.get("decision") in ("promote", "rollback") else None
+    if not isinstance(doc, dict) or doc.get("decision") not in ("promote", "rollback"):
+        return None
+    if doc.get("canary_version") != version or isinstance(doc.get("canary_version"), bool):
+        log.error("%s records the decision of v%s, not of v%d: ignored", rel, doc.get("canary_version"), version)
+        return None
+    return doc
 
 
 def _write_signed(storage: Storage, rel: str, data: bytes, signing_key: Any) -> None:
@@ -279,7 +289,7 @@ def _end_abandoned(storage: Storage, version: int, signing_key: Any) -> None:
         return
     other = int(current["policy_version"])
     d = version_dir(other)
-    if _ended(storage, d, signing_key) is not None or storage.exists(f"{d}/{CANARY_ENDED}"):
+    if _ended(storage, d, signing_key) is not None:  # an unsigned or copied record is none: signed now
         return
     base = int(current.get("base_version") or 0)
     ended = {"canary_version": other, "decision": "abandoned", "deployed_version": base}

@@ -742,7 +742,7 @@ def _read_canary(files: _Files, trust: _Trust, root: str) -> _Pointer | None:
         return None
     if trust.public_key is not None and not pointer.signed:
         raise PolicyLoadError(f"{CANARY} is not signed by the configured key ({CANARY_SIG}): not followed")
-    if files.exists(f"{pointer.path}/{CANARY_ENDED}"):
+    if _end_decision(files, trust, pointer.path, signed=trust.public_key is not None) is not None:
         return None  # decided: a replayed canary pointer is not a canary
     return pointer
 
@@ -880,17 +880,33 @@ def _check_not_replayed(files: _Files, trust: _Trust, pointer: _Pointer, spec: d
             )
 
 
-def _never_deployed(files: _Files, trust: _Trust, rel_dir: str) -> bool:
-    """Whether `rel_dir` holds a ``canary-ended.json`` signed by the configured key whose decision
-    is not "promote" (a canary rolled back or abandoned: never deployed, so a pointer below it
-    is no replay)."""
+def _end_decision(files: _Files, trust: _Trust, rel_dir: str, signed: bool = True) -> str | None:
+    """The decision ("promote", "rollback" or "abandoned") of `rel_dir`'s ``canary-ended.json``:
+    signed by the configured key (with `signed`; else any record), and naming the version of
+    `rel_dir` itself -- a record copied from another version's directory is none. None without
+    such a record (absent, unsigned, not this version's). Raises OSError when it cannot be read now."""
     try:
         data = files.read(f"{rel_dir}/{CANARY_ENDED}", 4096)
-        verify(trust.public_key, data, files.read(f"{rel_dir}/{CANARY_ENDED}{SIG_SUFFIX}", MAX_BYTES["sig"]))
+        if signed:
+            verify(trust.public_key, data, files.read(f"{rel_dir}/{CANARY_ENDED}{SIG_SUFFIX}", MAX_BYTES["sig"]))
         doc = _json(data, f"{rel_dir}/{CANARY_ENDED}")
-    except (OSError, PolicyLoadError, SignatureError):
-        return False
-    return isinstance(doc, dict) and doc.get("decision") in ("rollback", "abandoned")
+    except (FileNotFoundError, PolicyLoadError, SignatureError):
+        return None
+    if not isinstance(doc, dict) or type(doc.get("canary_version")) is not int:
+        return None
+    if doc["canary_version"] != int(rel_dir[1:]) or doc.get("decision") not in ("promote", "rollback", "abandoned"):
+        return None
+    return doc["decision"]
+
+
+def _never_deployed(files: _Files, trust: _Trust, rel_dir: str) -> bool:
+    """Whether `rel_dir` holds a ``canary-ended.json`` of its own version signed by the configured
+    key whose decision is not "promote" (a canary rolled back or abandoned: never deployed, so a
+    pointer below it is no replay)."""
+    try:
+        return trust.public_key is not None and _end_decision(files, trust, rel_dir) in ("rollback", "abandoned")
+    except OSError:
+        return False  # unreadable now: counted as deployed (a pointer below it stays a replay)
 
 
 def _canary_applies(canary: _Pointer | None, base_version: int, channel: Any, trust: _Trust) -> bool:

@@ -12,6 +12,7 @@ fresh test that peeks again. `look` reads the new evidence and judges it
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -219,6 +220,18 @@ class CanaryRun:
             )
             return
         low, high, n = found
+        if not (math.isfinite(low) and math.isfinite(high)):
+            if not self._warned_range:
+                self._warned_range = True
+                log.error(
+                    "canary v%d: the episodes before its start have a return range [%s, %s] that is not finite: its "
+                    "test has no bound and it can only be rolled back; state one with --canary-return-min/"
+                    "--canary-return-max",
+                    self.version,
+                    low,
+                    high,
+                )
+            return
         self.rule = replace(self.rule, return_min=round(low, 6), return_max=round(high, 6))
         log.warning(
             "canary v%d: returns are taken to lie in [%.4g, %.4g] (from %d episodes before its start, widened); "

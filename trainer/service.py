@@ -205,6 +205,7 @@ class ContinuousTrainer:
         self.canary: Any = None  # the running canary (rlrec.trainer.rollout.CanaryRun), saved in checkpoints
         self._canary_next_look = 0.0
         self._canary_decision: dict | None = None  # taken, not carried out yet (the publish store failed)
+        self._canary_failing_since: float | None = None  # the first of the looks failing in a row
         self._deployed = 0  # the version latest.json names by this trainer's own writes (checkpointed)
         self.publish_lease: Any = None  # rlrec.trainer.publish_lease.PublishLease while publishing
 
@@ -1145,9 +1146,11 @@ class ContinuousTrainer:
         if record is None:
             try:
                 verdict = run.look(self.input, self.cfg.policy_id, now=now)
-            except Exception as e:  # the store does not answer: the next look tries again
-                log.warning("reading canary v%d's evidence failed (%s); looking again later", run.version, e)
-                return None
+                self._canary_failing_since = None
+            except Exception as e:  # the store does not answer: the next look tries again, within the limits
+                verdict = self._failed_look(run, e, now)
+                if verdict is None:
+                    return None
             if verdict.decision == "continue":
                 return None
             record = self._canary_decision = run.decision_record(verdict, now)
@@ -1179,6 +1182,22 @@ class ContinuousTrainer:
         self.policy_version = max(self.policy_version, deployed)
         self.canary = None
         return record
+
+    def _failed_look(self, run: Any, error: Exception, now: float) -> Any:
+        """A look that raised: logged, and tried again at the next look -- unless the looks have
+        failed for ``--canary-max-wait-s`` in a row or the canary is past ``--canary-max-duration-s``:
+        then a rollback (a `Verdict`; logged as an ERROR), so an input the evidence cannot read
+        never keeps a canary served, untested, past its limits."""
+        from rlrec.trainer.sequential import ArmStats, Verdict
+
+        self._canary_failing_since = self._canary_failing_since or now
+        failing, age = now - self._canary_failing_since, now - run.started
+        if failing < run.rule.max_wait_s and age < run.rule.max_duration_s:
+            log.warning("reading canary v%d's evidence failed (%s); looking again later", run.version, error)
+            return None
+        log.error("reading canary v%d's evidence failed for %.0fs (%s): rolled back", run.version, failing, error)
+        reason = f"its evidence could not be read for {failing:.0f}s ({type(error).__name__}: {error})"
+        return Verdict("rollback", reason, ArmStats(), ArmStats(), None, None)
 
     def _look_canary_idle(self) -> None:
         """Look at the running canary while no data arrives to train on; a decision goes to
@@ -1222,21 +1241,29 @@ class ContinuousTrainer:
         ``latest.json`` names a version above it; before, its republish is still to be done)."""
         if not doc:
             return
-        from rlrec.trainer.canary_publish import deployed_version, read_decision, read_pointer
-        from rlrec.trainer.policy import CANARY, CANARY_ENDED, PolicyLoadError, version_dir
+        from rlrec.trainer.canary_publish import _ended, deployed_version, read_decision, read_pointer
+        from rlrec.trainer.policy import CANARY, PolicyLoadError, version_dir
         from rlrec.trainer.rollout import CanaryRun
 
         run = CanaryRun.from_state(doc)
         pending = any(p.version == run.version for p in self._pending)
         if not pending and not isinstance(decision, dict):
             decision = read_decision(self.publish_storage, run.version, self.signing_key)  # OSError: resume fails
+            if decision is not None and decision.get("base_version") != run.base_version:
+                log.error(
+                    "%s/rollout.json decides a canary above v%s, not this one (above v%d): ignored",
+                    version_dir(run.version),
+                    decision.get("base_version"),
+                    run.base_version,
+                )
+                decision = None
         try:
             pointer = read_pointer(self.publish_storage, CANARY)
         except (OSError, PolicyLoadError) as e:
             log.warning("cannot read %s at resume (%s): canary v%d is taken as running", CANARY, e, run.version)
             pointer = {"policy_version": run.version}
         named = pointer is not None and pointer["policy_version"] == run.version
-        ended = self.publish_storage.exists(f"{version_dir(run.version)}/{CANARY_ENDED}")
+        ended = _ended(self.publish_storage, version_dir(run.version), self.signing_key) is not None
         if ended and isinstance(decision, dict) and decision.get("decision") != "promote" and run.base_version:
             deployed = deployed_version(self.publish_storage, self.signing_key)  # OSError: resume fails
             ended = deployed is not None and deployed > run.version  # else stopped, not yet republished

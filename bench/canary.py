@@ -9,7 +9,7 @@ every 20 episodes they are committed as one shard (`rlrec.store.commit.ShardComm
 consumer commits them), and the trainer's `rlrec.trainer.rollout.CanaryRun` looks at the
 committed shards after each shard (`CanaryEvidence` reading them, `judge` deciding) with the
 trainer's default rule (alpha 0.05, margin 0, 30 episodes per arm minimum, 2000 maximum
-exposure). A worse canary's mean is ``-effect`` below the deployed one's, a better one's
+exposure) and the stated range [-5, 5] (10 sd); each look counts every episode committed so far. A worse canary's mean is ``-effect`` below the deployed one's, a better one's
 ``+effect`` above (in standard deviations of the returns). Reported per scenario: the decision
 of each round and the canary episodes served up to it (median and spread). Nothing to compare
 against: the rows are reported, not judged. Local disk, no Ray.
@@ -71,8 +71,10 @@ def one_round(effect: float, share: float, seed: int, workdir: str) -> dict:
     rng = np.random.default_rng(seed)
     started = time.time()
     # returns N(mean, 1) with |mean| <= 0.5: the stated range holds all but ~1e-5 of them (clipped);
-    # the test's share is the services' (every canary episode counts, deployed ones from score 0.5)
-    rule = CanaryRule(return_min=-5.0, return_max=5.0, share=share)
+    # the test's share is the services' (every canary episode counts, deployed ones from score 0.5);
+    # an episode starts every millisecond and is committed with its shard (episode_max_s 0: each
+    # look counts every episode committed so far, as a cohort of ended episodes)
+    rule = CanaryRule(return_min=-5.0, return_max=5.0, share=share, episode_max_s=0.0)
     run = CanaryRun(version=2, base_version=1, started=started, gamma=0.99, rule=rule)
     served = {1: 0, 2: 0}
     i = 0
@@ -86,7 +88,7 @@ def one_round(effect: float, share: float, seed: int, workdir: str) -> dict:
             mean = effect if v == 2 else 0.0
             batch.append(_episode(v, float(rng.normal(mean, 1.0)), int(started * 1000) + i, eid, share))
         committer.commit(batch)
-        verdict = run.look(uri, now=started + 1.0)
+        verdict = run.look(uri, now=started + (i + 1) / 1000.0)
         if verdict.decision != "continue":
             return {
                 "decision": verdict.decision,
@@ -116,12 +118,17 @@ def main(argv: list[str] | None = None) -> int:
                 "runs": runs,
                 "expected": "rollback" if effect < 0 else "promote",
                 "right_decisions": sum(r["decision"] == ("rollback" if effect < 0 else "promote") for r in runs),
+                # an undecided canary rolled back at the maximum exposure is no decision of the test
+                "decided_on_the_bound": sum(
+                    r["reason"].startswith(("the upper bound", "the lower bound")) for r in runs
+                ),
                 "canary_episodes_median": statistics.median(exposure),
                 "canary_episodes_spread": [min(exposure), max(exposure)],
             }
             print(
                 f"{name} canary ({effect:+g} sd, share {args.share:g}): {result[name]['right_decisions']}/{rounds} "
-                f"right decisions, canary episodes served: median {result[name]['canary_episodes_median']:g} "
+                f"right decisions ({result[name]['decided_on_the_bound']} on the bound), canary episodes served: "
+                f"median {result[name]['canary_episodes_median']:g} "
                 f"[{min(exposure)}, {max(exposure)}]",
                 flush=True,
             )

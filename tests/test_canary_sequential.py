@@ -190,7 +190,7 @@ def test_a_clearly_worse_canary_is_rolled_back_and_a_better_one_promoted_within_
 
 def test_a_small_lift_with_a_realistic_spread_is_decided_within_300_canary_episodes():
     """The demo's case: CartPole-like discounted returns in [0, 100], canary 99.2 against the
-    deployed 92.2 (sd ~8 and ~1.6 percent of the range). The bound follows the arms' spread: every run promotes
+    deployed 92.2 (sd 2.6 and 16.7). The bound follows the arms' spread: every run promotes
     the better canary, and rolls back the worse one, within 300 canary episodes. The range-width
     bound before it needed a median of ~1,980 (half of the runs undecided at 2,000)."""
     rng = np.random.default_rng(8)

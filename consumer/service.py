@@ -161,6 +161,7 @@ class RecorderConsumer(ResumeFromStore):
         self._newest_ms: dict[int, int] = {}  # partition -> newest message timestamp of the last poll
         self._broker_trouble_at = -1e18
         self._partition_count: int | None = None
+        self._poll_at = 0.0  # when the loop's last poll began
         self._last_partition_check = 0.0
         self._split_suspected_until = 0.0
         self.consumer: Consumer | None = None
@@ -215,6 +216,7 @@ class RecorderConsumer(ResumeFromStore):
             while not self._stop.is_set() and (deadline is None or time.time() < deadline):
                 encoding = any(w.encoding for w in self.writers.values())
                 timeout = POLL_TIMEOUT_ENCODING_S if encoding else POLL_TIMEOUT_S
+                self._poll_at = time.time()
                 msgs = self.consumer.consume(num_messages=POLL_BATCH, timeout=timeout)
                 self._newest_ms = {}
                 held: set[int] = set()  # partitions told to re-read from a message (registry down)
@@ -411,6 +413,7 @@ class RecorderConsumer(ResumeFromStore):
             rotation=self.rotation,
             encoder=self.encoder,
             lease_executor=self.leases,
+            watermark_every_s=self.config.commit_interval_s,
             counters=self.metrics.assembly,
             compaction=Compaction(self.config.compact_after_s, self.config.max_file_bytes)
             if self.config.compact_after_s > 0
@@ -608,6 +611,7 @@ class RecorderConsumer(ResumeFromStore):
             recent = newest is None or newest / 1000.0 >= now - LIVE_LAG_S
             live = recent and broker_ok and not self._pause_reasons.get(p)
             a.live_since = (a.live_since or now) if live else None
+            a.caught_up_at = self._poll_at if live else None  # the partition's watermark with nothing open
             w.publish_pending()  # roll forward committed shards whose publish failed
             w.upkeep(now)  # the owner lease; compaction when due (--compact-after)
             a.split_suspected = now < self._split_suspected_until

@@ -229,3 +229,112 @@ def test_every_ended_episode_can_roll_back_before_the_cohort_is_complete(tmp_pat
     v = run.look(uri, now=t0 + 500)
     assert v.decision == "rollback" and "every ended episode" in v.reason
     assert v.canary.n > 30
+
+
+# -- a consumer killed with a slow episode open, and a second group ------------------------------
+
+
+def _consume(broker, topic: str, output: str, group: str):
+    import subprocess
+    import sys
+
+    from rlrec.local import FAST_GROUP_KAFKA
+
+    args = ["consume", "--bootstrap-servers", broker.bootstrap_servers, "--topic", topic, "--group-id", group]
+    args += ["--output", output, "--no-create-topics", "--max-file-age-s", "0.3", "--commit-interval-s", "0.3"]
+    args += [x for k, v in FAST_GROUP_KAFKA.items() for x in ("--kafka-config", f"{k}={v}")]
+    return subprocess.Popen(
+        [sys.executable, "-m", "rlrec", *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+
+
+@pytest.mark.system
+@pytest.mark.slow
+@pytest.mark.broker
+def test_a_killed_consumer_and_a_second_group_never_move_the_watermark_past_an_open_slow_episode(
+    broker, tmp_path, request
+):
+    """A slow episode stays open while fast ones end around it, on one partition. The watermark
+    the consumer keeps stays at or below the slow episode's start until its shard entry lands --
+    across a kill -9 and restart of the consumer, and while a second consumer group writes the
+    same store (each claim takes the partition from the other; each resumes from the store's
+    position, so each reads the slow episode's start) -- and moves past it once it is committed."""
+    import threading
+    import uuid
+
+    from rlrec.consumer.topics import create_topics, dlq_topic_name
+    from rlrec.producer import EpisodeRecorder
+    from tests.helpers import ACT_SPACE, OBS_SPACE, record_episodes, wait_for
+
+    topic = f"wm-{uuid.uuid4().hex[:8]}"
+    create_topics(broker.bootstrap_servers, {topic: 1, dlq_topic_name(topic): 1})
+    output = str(tmp_path / "out")
+    storage = Storage.from_uri(output)
+    rec = EpisodeRecorder(
+        broker.bootstrap_servers, topic=topic, policy_id="p", observation_space=OBS_SPACE, action_space=ACT_SPACE
+    )
+    seen: list[tuple[float, int, dict]] = []  # (read at, watermark, its document)
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            try:
+                doc = json.loads(storage.read(watermark_path(topic, 0)))
+                seen.append((time.time(), doc["open_since_ms"], doc))
+            except (FileNotFoundError, ValueError):
+                pass
+            time.sleep(0.05)
+
+    def committed() -> set[str]:
+        try:
+            return {
+                i for e in PartitionLog(storage, topic, 0).load() if hasattr(e, "episode_ids") for i in e.episode_ids
+            }
+        except FileNotFoundError:
+            return set()
+
+    procs = []
+    watcher = threading.Thread(target=watch, daemon=True)
+    try:
+        procs.append(_consume(broker, topic, output, "g1"))
+        obs = np.zeros(4, np.float32)
+        slow = rec.begin_episode(obs)
+        rec.log_step(slow, 0, 1.0, obs)
+        slow_by_ms = int(time.time() * 1000)  # its start is at or before this
+        fast = set(record_episodes(rec, 10, seed=1, max_len=5))
+        assert rec.flush(10) == 0
+        watcher.start()
+        wait_for(lambda: fast <= committed(), 90, what="the first fast episodes committed")
+        wait_for(lambda: seen and seen[-1][1] <= slow_by_ms, 30, what="a watermark")
+        procs[0].kill()  # kill -9 with the slow episode open
+        procs[0].wait()
+        restarted = time.time()
+        procs.append(_consume(broker, topic, output, "g1"))
+        fast |= set(record_episodes(rec, 10, seed=2, max_len=5))
+        assert rec.flush(10) == 0
+        wait_for(lambda: fast <= committed(), 90, what="the fast episodes after the restart committed")
+        wait_for(
+            lambda: any(d["time"] > restarted for _t, _w, d in seen), 30, what="the restarted consumer's watermark"
+        )
+        second = time.time()
+        procs.append(_consume(broker, topic, output, "g2"))  # another group, the same store
+        fast |= set(record_episodes(rec, 10, seed=3, max_len=5))
+        assert rec.flush(10) == 0
+        wait_for(lambda: fast <= committed(), 120, what="the fast episodes with two groups committed")
+        wait_for(lambda: any(d["time"] > second + 2 for _t, _w, d in seen), 30, what="a watermark with two groups")
+        assert slow not in committed()
+        rec.log_step(slow, 0, 1.0, obs, terminated=True)
+        assert rec.flush(10) == 0
+        wait_for(lambda: slow in committed(), 120, what="the slow episode committed")
+        wait_for(lambda: seen[-1][1] > slow_by_ms, 30, what="the watermark past the slow episode")
+    finally:
+        stop.set()
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    (landed,) = [e for e in PartitionLog(storage, topic, 0).load() if slow in getattr(e, "episode_ids", ())]
+    early = [(t, w) for t, w, _d in seen if t < landed.commit_time]
+    assert early and all(w <= slow_by_ms for _t, w in early), [x for x in early if x[1] > slow_by_ms][:3]
+    epochs = {d["epoch"] for _t, w, d in seen if w <= slow_by_ms}
+    assert len(epochs) >= 3  # the first consumer's, the restarted one's, the other group's (at least)

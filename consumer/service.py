@@ -607,6 +607,7 @@ class RecorderConsumer(ResumeFromStore):
             a = w.assembler
             if a is None:
                 continue
+            w.topic_partitions = self._partition_count  # written with the partition's watermark
             newest = self._newest_ms.get(p)
             recent = newest is None or newest / 1000.0 >= now - LIVE_LAG_S
             live = recent and broker_ok and not self._pause_reasons.get(p)

@@ -246,6 +246,8 @@ class PartitionWriter:
         self._watermark_due = 0.0  # when the watermark may be written next (wall clock)
         self._watermark: int | None = None  # the value last written by this owner
         self._watermarking: Future | None = None  # a watermark write running on `lease_executor`
+        #: the topic's partition count as the consumer last saw it (written with the watermark)
+        self.topic_partitions: int | None = None
 
     @property
     def epoch(self) -> int | None:
@@ -585,18 +587,26 @@ class PartitionWriter:
         if value is None or value == self._watermark:
             return
         self._watermark_due = now + self.watermark_every_s
-        writer, epoch = self.committer.log.writer_id, self.epoch
+        writer, epoch, n = self.committer.log.writer_id, self.epoch, self.topic_partitions
         if self.lease_executor is None:
-            self._write_watermark(value, writer, epoch)
+            self._write_watermark(value, writer, epoch, n)
             return
         try:
-            self._watermarking = self.lease_executor.submit(self._write_watermark, value, writer, epoch)
+            self._watermarking = self.lease_executor.submit(self._write_watermark, value, writer, epoch, n)
         except RuntimeError:  # the executor is shut down: nothing more to write
             pass
 
-    def _write_watermark(self, value: int, writer: str | None, epoch: int | None) -> None:
+    def _write_watermark(self, value: int, writer: str | None, epoch: int | None, partitions: int | None) -> None:
         try:
-            write_watermark(self._lease_storage, self.topic, self.partition, value, epoch=epoch, writer=writer)
+            write_watermark(
+                self._lease_storage,
+                self.topic,
+                self.partition,
+                value,
+                epoch=epoch,
+                writer=writer,
+                partitions=partitions,
+            )
             self._watermark = value
         except Exception as e:  # a hint: the next due time writes it again
             log.warning("partition %d: cannot write the watermark (%s)", self.partition, e)

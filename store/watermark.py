@@ -6,7 +6,8 @@ earliest start of an episode it has read and not committed, or, with none, when 
 the partition caught up::
 
     _manifest/{topic}/{partition:05d}/.watermark.json
-    {"type": "watermark", "open_since_ms": 1764300000000, "epoch": 3, "writer": "...", "time": ...}
+    {"type": "watermark", "open_since_ms": 1764300000000, "partitions": 12, "epoch": 3, "writer": "...",
+     "time": ...}
 
 It is written after each write's outcome is applied (so it never passes an episode whose entry
 has not landed) and while the partition is idle, at most every ``commit_interval_s``
@@ -21,7 +22,9 @@ It is a hint beside the log, never in it (like the log's ``.head.json``): manife
 every format list only ``{seq:012d}.json`` entries and skip dot-files, gc and retention never
 touch ``_manifest/``, so no manifest format carries it and older rlrec versions ignore it. A
 missing, malformed or oversized one reads as None (unknown); a value in the future is clamped to
-the reader's clock by the reader (docs/GUARANTEES.md, "Watermark").
+the reader's clock by the reader (docs/GUARANTEES.md, "Watermark"). ``partitions`` (optional):
+the topic's partition count as the writer's consumer last saw it, so that a reader also counts
+the partitions that have no log yet.
 
 Example:
     >>> import tempfile
@@ -29,9 +32,9 @@ Example:
     >>> s = Storage.from_uri(tempfile.mkdtemp())
     >>> read_watermark(s, "rl", 0) is None
     True
-    >>> write_watermark(s, "rl", 0, 1_764_300_000_000, epoch=1, writer="w")
+    >>> write_watermark(s, "rl", 0, 1_764_300_000_000, epoch=1, writer="w", partitions=4)
     >>> read_watermark(s, "rl", 0)
-    1764300000000
+    Watermark(open_since_ms=1764300000000, partitions=4)
 """
 
 from __future__ import annotations
@@ -39,11 +42,12 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import dataclass
 
 from rlrec.store.manifest import MANIFEST_DIR
 from rlrec.store.storage import Storage
 
-__all__ = ["WATERMARK_FILE", "read_watermark", "watermark_path", "write_watermark"]
+__all__ = ["WATERMARK_FILE", "Watermark", "read_watermark", "watermark_path", "write_watermark"]
 
 #: the watermark's name in a partition's log directory (dot-prefixed: not an entry)
 WATERMARK_FILE = ".watermark.json"
@@ -51,6 +55,18 @@ WATERMARK_FILE = ".watermark.json"
 MAX_WATERMARK_BYTES = 4096
 #: the largest value taken (Unix ms in the year 2255): above it, malformed
 _MAX_MS = 2**53
+#: the most partitions a watermark may say its topic has (Kafka's practical limit is far below)
+MAX_PARTITIONS = 100_000
+
+
+@dataclass(frozen=True)
+class Watermark:
+    """A partition's watermark as read: the value (Unix ms) and the topic's partition count its
+    writer last saw (None: not said)."""
+
+    open_since_ms: int
+    partitions: int | None = None
+
 
 log = logging.getLogger("rlrec.store")
 
@@ -61,10 +77,18 @@ def watermark_path(topic: str, partition: int) -> str:
 
 
 def write_watermark(
-    storage: Storage, topic: str, partition: int, open_since_ms: int, *, epoch: int | None, writer: str | None
+    storage: Storage,
+    topic: str,
+    partition: int,
+    open_since_ms: int,
+    *,
+    epoch: int | None,
+    writer: str | None,
+    partitions: int | None = None,
 ) -> None:
     """Overwrite the partition's watermark with `open_since_ms` (Unix ms), naming the writer and
-    epoch that decided it. Storage errors are raised (the caller writes it again later)."""
+    epoch that decided it and the topic's `partitions` (None: unknown). Storage errors are raised
+    (the caller writes it again later)."""
     doc = {
         "type": "watermark",
         "open_since_ms": int(open_since_ms),
@@ -72,11 +96,14 @@ def write_watermark(
         "writer": writer,
         "time": time.time(),
     }
+    if partitions is not None:
+        doc["partitions"] = int(partitions)
     storage.write(watermark_path(topic, partition), json.dumps(doc, sort_keys=True).encode())
 
 
-def read_watermark(storage: Storage, topic: str, partition: int) -> int | None:
-    """The partition's watermark (Unix ms), or None: none written, unreadable, malformed (logged)."""
+def read_watermark(storage: Storage, topic: str, partition: int) -> Watermark | None:
+    """The partition's watermark, or None: none written, malformed (logged). Storage errors
+    other than a missing file are raised."""
     path = watermark_path(topic, partition)
     try:
         raw = storage.read(path, limit=MAX_WATERMARK_BYTES)
@@ -87,9 +114,12 @@ def read_watermark(storage: Storage, topic: str, partition: int) -> int | None:
             raise ValueError("too large")
         doc = json.loads(raw)
         v = doc["open_since_ms"]
+        n = doc.get("partitions")
         if doc.get("type") != "watermark" or type(v) is not int or not 0 <= v < _MAX_MS:
             raise ValueError("not a watermark")
-        return v
+        if n is not None and (type(n) is not int or not 0 < n <= MAX_PARTITIONS):
+            raise ValueError("not a partition count")
+        return Watermark(v, n)
     except (ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError) as e:
         log.warning("ignoring a malformed watermark %s (%s)", storage.uri(path), e)
         return None

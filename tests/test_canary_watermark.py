@@ -74,16 +74,16 @@ def test_the_writer_keeps_the_watermark_beside_the_log_and_never_past_an_episode
     a.apply(2, steps("a", 0, 2, terminated=True))
     w.tick(LATER, force=True)
     w.upkeep(LATER)
-    assert read_watermark(storage, "rl", 0) == 5_000  # "a" is committed, "slow" is open
+    assert read_watermark(storage, "rl", 0).open_since_ms == 5_000  # "a" is committed, "slow" is open
     assert [e.episode_ids for e in read_manifest(storage)] == [("a",)]
     a.apply(3, steps("slow", 0, 2, terminated=True))
     w.upkeep(LATER + 1)
-    assert read_watermark(storage, "rl", 0) == 5_000  # finished, not written yet
+    assert read_watermark(storage, "rl", 0).open_since_ms == 5_000  # finished, not written yet
     w.tick(LATER + 2, force=True)
     w.upkeep(LATER + 2)
-    assert read_watermark(storage, "rl", 0) == int((LATER - 10) * 1000)  # nothing open: when caught up
+    assert read_watermark(storage, "rl", 0).open_since_ms == int((LATER - 10) * 1000)  # nothing open: when caught up
     doc = json.loads(storage.read(watermark_path("rl", 0)))
-    assert (doc["epoch"], doc["writer"]) == (w.epoch, w.committer.log.writer_id)
+    assert (doc["epoch"], doc["writer"], doc.get("partitions")) == (w.epoch, w.committer.log.writer_id, None)
 
 
 def test_manifest_readers_ignore_the_watermark(tmp_path):
@@ -101,7 +101,15 @@ def test_manifest_readers_ignore_the_watermark(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "doc", [b"{", b'{"type": "watermark", "open_since_ms": -1}', b'{"open_since_ms": 5}', b"x" * 5000]
+    "doc",
+    [
+        b"{",
+        b'{"type": "watermark", "open_since_ms": -1}',
+        b'{"open_since_ms": 5}',
+        b'{"type": "watermark", "open_since_ms": 5, "partitions": 10000000}',
+        b"[" * 4000,
+        b"x" * 5000,
+    ],
 )
 def test_a_malformed_watermark_reads_as_none(tmp_path, doc):
     storage = Storage.from_uri(str(tmp_path))
@@ -127,6 +135,10 @@ def test_the_cohort_end_is_the_least_partition_watermark_and_a_log_without_one_i
     ev.refresh(now=now, episode_max_s=900.0)
     assert ev.cohort_end == 9_500_000 - WATERMARK_SLACK_S * 1000  # every partition's: the least
     assert ev.watermarked == 3
+    # a consumer says the topic has 4 partitions: the one without a log yet counts as the guess
+    write_watermark(storage, "rl", 2, 9_500_000, epoch=1, writer="w", partitions=4)
+    ev.refresh(now=now, episode_max_s=900.0)
+    assert ev.cohort_end == (now - 900.0) * 1000 and set(ev.marks) == {("rl", p) for p in range(4)}
 
 
 def _slow_failures(seed: int):

@@ -249,12 +249,19 @@ class CanaryEvidence:
         return arms[self.version], arms[self.base_version]
 
     def watermarks(self) -> dict[tuple[str, int], int | None]:
-        """``{(topic, partition): watermark}`` of every partition log of the store
-        (`rlrec.store.watermark.read_watermark`, None: the log has none); storage errors raise."""
+        """``{(topic, partition): watermark}`` (Unix ms; None: none) of every partition log of
+        the store (`rlrec.store.watermark.read_watermark`) and of every partition without a log
+        below the largest partition count its topic's watermarks state; storage errors raise."""
         from rlrec.store.manifest import list_partition_logs
         from rlrec.store.watermark import read_watermark
 
-        return {k: read_watermark(self.storage, *k) for k in list_partition_logs(self.storage)}
+        read = {k: read_watermark(self.storage, *k) for k in list_partition_logs(self.storage)}
+        marks: dict[tuple[str, int], int | None] = {k: None if w is None else w.open_since_ms for k, w in read.items()}
+        counts = [(topic, w.partitions) for (topic, _p), w in read.items() if w is not None and w.partitions]
+        for topic, n in counts:
+            for p in range(n):
+                marks.setdefault((topic, p), None)  # a partition no consumer wrote yet: the guess
+        return marks
 
     def cohort_end_ms(self, marks: dict[tuple[str, int], int | None], now: float, episode_max_s: float) -> float:
         """The cohort end at `now` (Unix ms; module docstring): the least, over the partition logs

@@ -284,6 +284,9 @@ class PartitionAssembler:
         #: when the last poll after which the partition was read live began (its events appended
         #: before then have been read); None: it is not live (`open_since_ms`)
         self.caught_up_at: float | None = None
+        #: the partition ended at or before where its claim started reading (set by the consumer):
+        #: with no event read, there was nothing to replay (`open_since_ms`)
+        self.nothing_to_replay = False
         #: the topic's partition count changed lately: episodes may be split across partitions
         self.split_suspected = False
 
@@ -689,7 +692,7 @@ class PartitionAssembler:
         event's timestamp) of the episodes read and not committed -- open, finished, handed out
         and not confirmed committed --, at most `now`; with none, `caught_up_at` (None while the
         partition is not read live: an episode not read yet may have started earlier). None
-        before any event was read. Episodes ended by ``episode_timeout_s``, evicted or
+        before any event was read, unless the partition had nothing to read (`nothing_to_replay`). Episodes ended by ``episode_timeout_s``, evicted or
         dead-lettered are no longer open. The time form of `safe_offset`: every episode read
         that started before it is committed.
 
@@ -698,7 +701,7 @@ class PartitionAssembler:
             >>> a.open_since_ms(now=100.0) is None  # nothing read
             True
         """
-        if self.next_offset is None:
+        if self.next_offset is None and not self.nothing_to_replay:
             return None
         starts = [ep.start.timestamp_ms for ep in self.open.values()]
         starts += [fe.started_ms for fe in (*self.finished.values(), *self.in_flight.values())]

@@ -613,6 +613,8 @@ class RecorderConsumer(ResumeFromStore):
             live = recent and broker_ok and not self._pause_reasons.get(p)
             a.live_since = (a.live_since or now) if live else None
             a.caught_up_at = self._poll_at if live else None  # the partition's watermark with nothing open
+            if live and a.next_offset is None and not a.nothing_to_replay:
+                a.nothing_to_replay = self._read_to_end(p, w.replay_from)
             w.publish_pending()  # roll forward committed shards whose publish failed
             w.upkeep(now)  # the owner lease; compaction when due (--compact-after)
             a.split_suspected = now < self._split_suspected_until
@@ -639,6 +641,17 @@ class RecorderConsumer(ResumeFromStore):
             self._last_lag = now
             self._report_lag()
         self.progress.tick()
+
+    def _read_to_end(self, p: int, start: int | None) -> bool:
+        """Whether partition `p` ended, by the offsets the consumer last fetched, at or before
+        `start`, where its claim started reading: an idle partition had nothing to replay."""
+        if start is None or self.consumer is None:
+            return False
+        try:
+            _low, high = self.consumer.get_watermark_offsets(TopicPartition(self.config.topic, p), cached=True)
+        except KafkaException:
+            return False
+        return 0 <= high <= start
 
     def _hold_back_over_budget(self) -> None:
         """Still over max_buffered_bytes after flushing (the storage is failing): read no partition

@@ -270,7 +270,8 @@ def test_a_killed_consumer_and_a_second_group_never_move_the_watermark_past_an_o
     the consumer keeps stays at or below the slow episode's start until its shard entry lands --
     across a kill -9 and restart of the consumer, and while a second consumer group writes the
     same store (each claim takes the partition from the other; each resumes from the store's
-    position, so each reads the slow episode's start) -- and moves past it once it is committed."""
+    position, so each reads the slow episode's start) -- and moves past it once it is committed, and
+    on after a restart with nothing new to read."""
     import threading
     import uuid
 
@@ -339,6 +340,12 @@ def test_a_killed_consumer_and_a_second_group_never_move_the_watermark_past_an_o
         assert rec.flush(10) == 0
         wait_for(lambda: slow in committed(), 120, what="the slow episode committed")
         wait_for(lambda: seen[-1][1] > slow_by_ms, 30, what="the watermark past the slow episode")
+        for p in procs:  # a restart with nothing new to read still moves it (an idle partition)
+            p.kill()
+            p.wait()
+        idle = time.time()
+        procs.append(_consume(broker, topic, output, "g1"))
+        wait_for(lambda: seen[-1][1] >= idle * 1000, 60, what="an idle partition's watermark after a restart")
     finally:
         stop.set()
         for p in procs:

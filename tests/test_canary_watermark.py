@@ -219,7 +219,7 @@ def test_a_cohort_end_that_does_not_advance_rolls_the_canary_back(tmp_path):
         if v.decision != "continue":
             break
     when, decision, reason = decisions[-1]
-    assert decision == "rollback" and "has not advanced" in reason and 600 <= when <= 720, decisions[-3:]
+    assert decision == "rollback" and "the complete cohort" in reason and 600 <= when <= 720, decisions[-3:]
     assert run.to_state()["cohort_moved"] == t0 + 60  # kept in the checkpoint
 
 

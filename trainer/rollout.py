@@ -196,9 +196,10 @@ class CanaryRun:
         if end is not None and (self.cohort_furthest is None or end > self.cohort_furthest):
             self.cohort_furthest, self.cohort_moved = end, now
         ended = self._evidence.ended
-        traffic = min(a.n for a in ended) >= self.rule.min_episodes
+        # the cohort, not the services, lacks episodes: both arms ended enough, the cohort holds too few
+        cohort_short = min(verdict.canary.n, verdict.deployed.n) < self.rule.min_episodes <= min(a.n for a in ended)
         if verdict.decision == "promote" or (
-            verdict.decision == "rollback" and not (NO_TRAFFIC in verdict.reason and traffic)
+            verdict.decision == "rollback" and not (NO_TRAFFIC in verdict.reason and cohort_short)
         ):
             return verdict
         if verdict.decision == "continue":
@@ -213,9 +214,10 @@ class CanaryRun:
             return replace(
                 verdict,
                 decision="rollback",
-                reason=f"undecided: the cohort end ({at}) has not advanced in {stuck:.0f}s: an episode that started "
-                f"then is still open, or a partition's consumer stopped writing ({verdict.canary.n} canary and "
-                f"{verdict.deployed.n} deployed episodes in the complete cohort, {ended[0].n} and {ended[1].n} ended)",
+                reason=f"undecided: the complete cohort (episodes that started before {at}, which last moved "
+                f"{stuck:.0f}s ago) holds {verdict.canary.n} canary and {verdict.deployed.n} deployed episodes of the "
+                f"{ended[0].n} and {ended[1].n} that ended: an episode that started then is still open, or a "
+                "partition's consumer stopped writing",
             )
         return verdict
 

@@ -164,7 +164,8 @@ def _slow_failures(seed: int):
 def _run(tmp_path, seed: int, watermark: bool, rule: CanaryRule | None = None):
     """Commit what ended every 120 s as a consumer does -- with `watermark`, writing the
     partition's watermark after each commit: the earliest start of an episode not ended yet --
-    and look; the first decision (kind, seconds after the start) or None."""
+    and look; the first decision (kind, seconds after the start, reason) or None, and how many
+    episodes came after a cohort taken as complete should have held them."""
     t0, episodes = _slow_failures(seed)
     uri = str(tmp_path / f"store-{seed}-{watermark}")
     c = ShardCommitter(uri, "rl", 0)
@@ -184,8 +185,8 @@ def _run(tmp_path, seed: int, watermark: bool, rule: CanaryRule | None = None):
             write_watermark(c.storage, "rl", 0, int(min([now, *still_open]) * 1000), epoch=c.epoch, writer="w")
         v = run.look(uri, now=float(now))
         if v.decision != "continue":
-            return v.decision, float(now - t0), v.reason
-    return None
+            return (v.decision, float(now - t0), v.reason), run.evidence_counts()["late"]
+    return None, run.evidence_counts()["late"]
 
 
 @pytest.mark.slow
@@ -195,9 +196,9 @@ def test_slow_failures_never_promote_at_the_default_flags(tmp_path, seed):
     shorter than the failures' 1 h and the worse canary was promoted on its fast episodes (all 3
     seeds, still so without a watermark). With the consumer's watermark the cohort waits for the
     slow episodes: never promoted."""
-    decision = _run(tmp_path, seed, watermark=True)
-    assert decision is None or decision[0] == "rollback", decision
-    guessed = _run(tmp_path, seed, watermark=False)
+    decision, late = _run(tmp_path, seed, watermark=True)
+    assert (decision is None or decision[0] == "rollback") and late == 0, (decision, late)
+    guessed, _late = _run(tmp_path, seed, watermark=False)  # decided before the first slow failure ended
     assert guessed is not None and guessed[0] == "promote" and guessed[1] < 3600, guessed
 
 
@@ -357,3 +358,18 @@ def test_a_killed_consumer_and_a_second_group_never_move_the_watermark_past_an_o
     assert early and all(w <= slow_by_ms for _t, w in early), [x for x in early if x[1] > slow_by_ms][:3]
     epochs = {d["epoch"] for _t, w, d in seen if w <= slow_by_ms}
     assert len(epochs) >= 3  # the first consumer's, the restarted one's, the other group's (at least)
+
+
+def test_an_episode_read_after_its_cohort_was_taken_as_complete_is_counted_late(tmp_path):
+    """A partition without a watermark is guessed complete after episode_max_s; an episode that
+    started before such a cohort end and lands after it is counted (`late`) and logged."""
+    uri = str(tmp_path)
+    c = ShardCommitter(uri, "rl", 0)
+    t0 = 1_000_000.0
+    ev = CanaryEvidence(uri, version=2, base_version=1, started=t0, gamma=1.0, share=0.5)
+    c.commit([_episode(2, [1.0], int((t0 + 1) * 1000), _arm_id("a", True), 2, share=0.5)])
+    ev.refresh(now=t0 + 1000, episode_max_s=60.0)
+    assert ev.late == 0
+    c.commit([_episode(1, [1.0], int((t0 + 5) * 1000), _arm_id("b", False), 2, share=0.5)])  # began before t0 + 940
+    ev.refresh(now=t0 + 1010, episode_max_s=60.0)
+    assert ev.late == 1

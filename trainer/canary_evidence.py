@@ -126,6 +126,9 @@ class CanaryEvidence:
         self.cohort_end: float | None = None
         #: the partition logs whose cohort end came from their watermark at the last `refresh`
         self.watermarked = 0
+        #: episodes read after a cohort end past their start: a cohort taken as complete lacked
+        #: them (a start event delivered over `WATERMARK_SLACK_S` late, a guessed episode_max_s)
+        self.late = 0
         #: the partition logs' watermarks the last `refresh` with `now` read (`watermarks`)
         self.marks: dict[tuple[str, int], int | None] | None = None
 
@@ -199,6 +202,7 @@ class CanaryEvidence:
         """
         from rlrec.store.snapshot import open_snapshot
 
+        late = self.late
         marks = None if now is None else self.watermarks()  # before the shards it vouches for
         self.marks = marks if marks is not None else self.marks
         snap = open_snapshot(self.storage)
@@ -222,6 +226,8 @@ class CanaryEvidence:
             self._read_shards.add(e.path)
             for v, episodes in by_version.items():
                 for eid, start, duration, x in episodes:
+                    if eid not in self._episodes and self.cohort_end is not None and start < self.cohort_end:
+                        self.late += 1  # a cohort already taken as complete lacked it
                     self._episodes.setdefault(eid, (v, start, x))
                     if duration / 1000.0 > longest_cap_s:
                         self.overlong += 1
@@ -237,6 +243,14 @@ class CanaryEvidence:
                     self.longest_s = max(self.longest_s, duration / 1000.0)
         arms = {self.version: ArmStats(), self.base_version: ArmStats()}
         ended = {self.version: ArmStats(), self.base_version: ArmStats()}
+        if self.late > late:
+            log.warning(
+                "%d canary/deployed episode(s) read only after the cohort end passed their start: cohorts taken as "
+                "complete lacked them (a start event delivered more than %.0fs late, or a partition without a "
+                "watermark whose episodes outlast --canary-episode-max-s)",
+                self.late - late,
+                WATERMARK_SLACK_S,
+            )
         end_ms = None if marks is None else self.cohort_end_ms(marks, now, episode_max_s)
         self.cohort_end = end_ms
         self.served_canary = 0

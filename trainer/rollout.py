@@ -289,9 +289,11 @@ class CanaryRun:
 
     def evidence_counts(self) -> dict:
         """Episodes read but not counted: without this canary's assignment (``unassigned``),
-        outside the test's band (``outside_share``), with a stated length not trusted (``overlong``)."""
+        outside the test's band (``outside_share``), with a stated length not trusted (``overlong``);
+        and those read after a cohort taken as complete should have held them (``late``)."""
         ev = self._evidence
-        return {k: getattr(ev, k, 0) if ev is not None else 0 for k in ("unassigned", "outside_share", "overlong")}
+        keys = ("unassigned", "outside_share", "overlong", "late")
+        return {k: getattr(ev, k, 0) if ev is not None else 0 for k in keys}
 
 
 def gate_declined(decision: dict) -> bool:

@@ -281,6 +281,12 @@ class PartitionAssembler:
         #: since when the partition has been read live (caught up, not paused); None: it is not.
         #: Timeouts count only live time, so an outage never ends an episode early.
         self.live_since: float | None = None
+        #: when the last poll after which the partition was read live began (its events appended
+        #: before then have been read); None: it is not live (`open_since_ms`)
+        self.caught_up_at: float | None = None
+        #: the partition ended at or before where its claim started reading (set by the consumer):
+        #: with no event read, there was nothing to replay (`open_since_ms`)
+        self.nothing_to_replay = False
         #: the topic's partition count changed lately: episodes may be split across partitions
         self.split_suspected = False
 
@@ -679,6 +685,30 @@ class PartitionAssembler:
             if self.in_flight.pop(fe.episode_id, None) is not None:
                 self.finished[fe.episode_id] = fe
                 self.finished_bytes += fe.nbytes()
+
+    def open_since_ms(self, now: float | None = None) -> int | None:
+        """The partition's watermark (`rlrec.store.watermark`; docs/GUARANTEES.md, "Watermark";
+        the one place it is decided), in Unix ms: the earliest start (``started_ms``, the start
+        event's timestamp) of the episodes read and not committed -- open, finished, handed out
+        and not confirmed committed --, at most `now`; with none, `caught_up_at` (None while the
+        partition is not read live: an episode not read yet may have started earlier). None
+        before any event was read, unless the partition had nothing to read (`nothing_to_replay`). Episodes ended by ``episode_timeout_s``, evicted or
+        dead-lettered are no longer open. The time form of `safe_offset`: every episode read
+        that started before it is committed.
+
+        Example:
+            >>> a = PartitionAssembler("t", 0)
+            >>> a.open_since_ms(now=100.0) is None  # nothing read
+            True
+        """
+        if self.next_offset is None and not self.nothing_to_replay:
+            return None
+        starts = [ep.start.timestamp_ms for ep in self.open.values()]
+        starts += [fe.started_ms for fe in (*self.finished.values(), *self.in_flight.values())]
+        now_ms = int((time.time() if now is None else now) * 1000)
+        if starts:
+            return max(0, min(now_ms, *(int(x) for x in starts)))
+        return None if self.caught_up_at is None else min(now_ms, int(self.caught_up_at * 1000))
 
     def safe_offset(self, committing: Iterable[str] = ()) -> int | None:
         """The offset the consumer group may commit for this partition (None: nothing seen);

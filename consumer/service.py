@@ -161,6 +161,7 @@ class RecorderConsumer(ResumeFromStore):
         self._newest_ms: dict[int, int] = {}  # partition -> newest message timestamp of the last poll
         self._broker_trouble_at = -1e18
         self._partition_count: int | None = None
+        self._poll_at = 0.0  # when the loop's last poll began
         self._last_partition_check = 0.0
         self._split_suspected_until = 0.0
         self.consumer: Consumer | None = None
@@ -215,6 +216,7 @@ class RecorderConsumer(ResumeFromStore):
             while not self._stop.is_set() and (deadline is None or time.time() < deadline):
                 encoding = any(w.encoding for w in self.writers.values())
                 timeout = POLL_TIMEOUT_ENCODING_S if encoding else POLL_TIMEOUT_S
+                self._poll_at = time.time()
                 msgs = self.consumer.consume(num_messages=POLL_BATCH, timeout=timeout)
                 self._newest_ms = {}
                 held: set[int] = set()  # partitions told to re-read from a message (registry down)
@@ -411,6 +413,7 @@ class RecorderConsumer(ResumeFromStore):
             rotation=self.rotation,
             encoder=self.encoder,
             lease_executor=self.leases,
+            watermark_every_s=self.config.commit_interval_s,
             counters=self.metrics.assembly,
             compaction=Compaction(self.config.compact_after_s, self.config.max_file_bytes)
             if self.config.compact_after_s > 0
@@ -604,10 +607,14 @@ class RecorderConsumer(ResumeFromStore):
             a = w.assembler
             if a is None:
                 continue
+            w.topic_partitions = self._partition_count  # written with the partition's watermark
             newest = self._newest_ms.get(p)
             recent = newest is None or newest / 1000.0 >= now - LIVE_LAG_S
             live = recent and broker_ok and not self._pause_reasons.get(p)
             a.live_since = (a.live_since or now) if live else None
+            a.caught_up_at = self._poll_at if live else None  # the partition's watermark with nothing open
+            if live and a.next_offset is None and not a.nothing_to_replay:
+                a.nothing_to_replay = self._read_to_end(p, w.replay_from)
             w.publish_pending()  # roll forward committed shards whose publish failed
             w.upkeep(now)  # the owner lease; compaction when due (--compact-after)
             a.split_suspected = now < self._split_suspected_until
@@ -634,6 +641,17 @@ class RecorderConsumer(ResumeFromStore):
             self._last_lag = now
             self._report_lag()
         self.progress.tick()
+
+    def _read_to_end(self, p: int, start: int | None) -> bool:
+        """Whether partition `p` ended, by the offsets the consumer last fetched, at or before
+        `start`, where its claim started reading: an idle partition had nothing to replay."""
+        if start is None or self.consumer is None:
+            return False
+        try:
+            _low, high = self.consumer.get_watermark_offsets(TopicPartition(self.config.topic, p), cached=True)
+        except KafkaException:
+            return False
+        return 0 <= high <= start
 
     def _hold_back_over_budget(self) -> None:
         """Still over max_buffered_bytes after flushing (the storage is failing): read no partition

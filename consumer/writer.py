@@ -42,6 +42,7 @@ from rlrec.store.manifest import FencedError
 from rlrec.store.ownership import DEFAULT_LEASE_S, one_attempt, release_lease, renew_lease
 from rlrec.store.retry import RetrySchedule
 from rlrec.store.storage import Storage
+from rlrec.store.watermark import write_watermark
 
 __all__ = ["Compaction", "Flushed", "PartitionWriter", "Rotation", "Tick", "WriterState"]
 
@@ -190,6 +191,9 @@ class PartitionWriter:
         lease_s: the owner lease it keeps while claimed (`rlrec.store.ownership`; `upkeep`).
         lease_executor: where lease renewals run (None: on the caller's thread). The consumer
             gives one thread shared by its writers, so a slow store never stalls its polling.
+            The partition's watermark is written there too.
+        watermark_every_s: the partition's watermark (`rlrec.store.watermark`) is written at
+            most this often, when it moved (`upkeep`).
     """
 
     def __init__(
@@ -207,6 +211,7 @@ class PartitionWriter:
         compaction: Compaction | None = None,
         lease_s: float = DEFAULT_LEASE_S,
         lease_executor: Executor | None = None,
+        watermark_every_s: float = 5.0,
     ):
         self.storage = storage
         self.topic = topic
@@ -237,6 +242,12 @@ class PartitionWriter:
         self._compaction_view = None  # a reader of this partition's log, refreshed by each compaction
         self._compaction_removals = None  # a reader of the removal log, made with the view
         self._compaction_avoid: set[int] = set()  # seqs of shards found unmergeable (with the view)
+        self.watermark_every_s = watermark_every_s
+        self._watermark_due = 0.0  # when the watermark may be written next (wall clock)
+        self._watermark: int | None = None  # the value last written by this owner
+        self._watermarking: Future | None = None  # a watermark write running on `lease_executor`
+        #: the topic's partition count as the consumer last saw it (written with the watermark)
+        self.topic_partitions: int | None = None
 
     @property
     def epoch(self) -> int | None:
@@ -549,6 +560,7 @@ class PartitionWriter:
                     self._renewing = self.lease_executor.submit(self._renew, writer, epoch)
                 except RuntimeError:  # the executor is shut down: nothing more to renew
                     pass
+        self._keep_watermark(now)
         self._finish_compaction(wait=False)
         c = self.compaction
         if c is None or c.after_s <= 0 or self._compacting is not None or now < self._compact_due:
@@ -561,6 +573,43 @@ class PartitionWriter:
             self._compacting = self.encoder.submit(self._compact)
         except RuntimeError:  # the executor is shut down: compact at the next due time
             pass
+
+    def _keep_watermark(self, now: float) -> None:
+        """Write the partition's watermark (`PartitionAssembler.open_since_ms`) when it moved, at
+        most every `watermark_every_s`, on `lease_executor`. Decided here, on the caller's
+        thread, after every write's outcome is applied: it never passes an episode whose entry
+        has not landed. A storage error is logged; the next due time writes it again."""
+        if self.assembler is None or now < self._watermark_due:
+            return
+        if self._watermarking is not None and not self._watermarking.done():
+            return
+        value = self.assembler.open_since_ms(now)
+        if value is None or value == self._watermark:
+            return
+        self._watermark_due = now + self.watermark_every_s
+        writer, epoch, n = self.committer.log.writer_id, self.epoch, self.topic_partitions
+        if self.lease_executor is None:
+            self._write_watermark(value, writer, epoch, n)
+            return
+        try:
+            self._watermarking = self.lease_executor.submit(self._write_watermark, value, writer, epoch, n)
+        except RuntimeError:  # the executor is shut down: nothing more to write
+            pass
+
+    def _write_watermark(self, value: int, writer: str | None, epoch: int | None, partitions: int | None) -> None:
+        try:
+            write_watermark(
+                self._lease_storage,
+                self.topic,
+                self.partition,
+                value,
+                epoch=epoch,
+                writer=writer,
+                partitions=partitions,
+            )
+            self._watermark = value
+        except Exception as e:  # a hint: the next due time writes it again
+            log.warning("partition %d: cannot write the watermark (%s)", self.partition, e)
 
     def release_lease(self) -> None:
         """A clean stop, after the last commit: mark the owner lease released, so tools such as

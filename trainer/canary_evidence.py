@@ -13,6 +13,14 @@ mean discounted return ``sum_t gamma^t r_t``, each return clipped into the test'
 Shards read once; a shard that cannot be read is skipped with an error line (its episodes are no
 evidence). Tabular shards are not read. `history_range` fixes a range from the episodes committed
 before the start, for a test whose range the user did not state.
+
+The cohort cut (`cohort_end_ms`, the one place it is decided): the arms a promotion may rest on
+hold only the episodes that started before the cohort end, the least over the store's partition
+logs of each log's watermark (`rlrec.store.watermark`, read before the shards, less
+`WATERMARK_SLACK_S`; docs/GUARANTEES.md, "Watermark"), a log without one (an older consumer)
+counting as ``now - episode_max_s``. Every episode that started before it has been committed,
+so a slow episode, often a failure, is never missing from a cohort a promotion rests on. The
+arms over every episode read (`ended`) serve rollbacks and the exposure count.
 """
 
 from __future__ import annotations
@@ -26,7 +34,14 @@ import numpy as np
 from rlrec.store.storage import Storage
 from rlrec.trainer.sequential import ArmStats
 
-__all__ = ["CLOCK_SKEW_S", "HISTORY_SHARDS", "MIN_HISTORY", "CanaryEvidence", "discounted_return"]
+__all__ = [
+    "CLOCK_SKEW_S",
+    "HISTORY_SHARDS",
+    "MIN_HISTORY",
+    "WATERMARK_SLACK_S",
+    "CanaryEvidence",
+    "discounted_return",
+]
 
 #: how many of the newest shards committed before a canary's start `history_range` reads
 HISTORY_SHARDS = 20
@@ -35,6 +50,10 @@ MIN_HISTORY = 30
 #: how far the consumer's clock (a shard's commit time) may lag the trainer's (the canary's start)
 #: before a shard is skipped unread as committed before the start
 CLOCK_SKEW_S = 600.0
+#: what the cohort end stays below a partition's watermark: an episode's start event reaches the
+#: broker after its timestamp (the producer's delivery delay), and a consumer counts as caught
+#: up while it reads events up to 10 s old (`rlrec.consumer.service.LIVE_LAG_S`)
+WATERMARK_SLACK_S = 60.0
 
 log = logging.getLogger("rlrec.trainer")
 
@@ -100,7 +119,18 @@ class CanaryEvidence:
         self.sha256 = sha256
         self.outside_share = 0  # assigned episodes outside the test's band (a service's fraction, the score)
         self.overlong = 0
-        self.served_canary = 0  # counted canary episodes that ended, in a complete cohort or not  # episodes whose stated duration exceeds the cap `refresh` was given
+        self.served_canary = 0  # counted canary episodes that ended, in a complete cohort or not
+        #: (canary, deployed) over every episode read, in a complete cohort or not (rollbacks)
+        self.ended: tuple[ArmStats, ArmStats] = (ArmStats(), ArmStats())
+        #: the cohort end of the last `refresh` with `now` (Unix ms; `cohort_end_ms`)
+        self.cohort_end: float | None = None
+        #: the partition logs whose cohort end came from their watermark at the last `refresh`
+        self.watermarked = 0
+        #: episodes read after a cohort end past their start: a cohort taken as complete lacked
+        #: them (a start event delivered over `WATERMARK_SLACK_S` late, a guessed episode_max_s)
+        self.late = 0
+        #: the partition logs' watermarks the last `refresh` with `now` read (`watermarks`)
+        self.marks: dict[tuple[str, int], int | None] | None = None
 
     def history_range(self, widen: float = 0.25) -> tuple[float, float, int] | None:
         """``(low, high, episodes)``: the range of the discounted returns of this policy id's
@@ -164,15 +194,19 @@ class CanaryEvidence:
         Args:
             low: the least return (clip).
             high: the greatest return (clip).
-            now: with it, count only episodes that started by ``now - max(episode_max_s,
-                longest_s)``: a cohort whose episodes have all ended and been committed.
-            episode_max_s: the longest an episode takes from its start to its committed shard.
+            now: with it, count only episodes that started before the cohort end
+                (`cohort_end_ms`): a cohort whose episodes have all ended and been committed.
+            episode_max_s: the longest an episode takes from its start to its committed shard
+                (for partition logs without a watermark).
             longest_cap_s: an episode that took longer (by its producer's clocks, its end
                 clamped to its shard's commit time) does not widen the cohort rule (`longest_s`):
                 it is counted in `overlong` and logged, not trusted.
         """
         from rlrec.store.snapshot import open_snapshot
 
+        late = self.late
+        marks = None if now is None else self.watermarks()  # before the shards it vouches for
+        self.marks = marks if marks is not None else self.marks
         snap = open_snapshot(self.storage)
         for e in snap.entries:
             if self.policy_id is not None and e.policy_id != self.policy_id:
@@ -194,6 +228,8 @@ class CanaryEvidence:
             self._read_shards.add(e.path)
             for v, episodes in by_version.items():
                 for eid, start, duration, x in episodes:
+                    if eid not in self._episodes and self.cohort_end is not None and start < self.cohort_end:
+                        self.late += 1  # a cohort already taken as complete lacked it
                     self._episodes.setdefault(eid, (v, start, x))
                     if duration / 1000.0 > longest_cap_s:
                         self.overlong += 1
@@ -208,13 +244,57 @@ class CanaryEvidence:
                         continue
                     self.longest_s = max(self.longest_s, duration / 1000.0)
         arms = {self.version: ArmStats(), self.base_version: ArmStats()}
-        end_ms = None if now is None else (now - max(episode_max_s, self.longest_s)) * 1000.0
+        ended = {self.version: ArmStats(), self.base_version: ArmStats()}
+        if self.late > late:
+            log.warning(
+                "%d canary/deployed episode(s) read only after the cohort end passed their start: cohorts taken as "
+                "complete lacked them (a start event delivered more than %.0fs late, or a partition without a "
+                "watermark whose episodes outlast --canary-episode-max-s)",
+                self.late - late,
+                WATERMARK_SLACK_S,
+            )
+        end_ms = None if marks is None else self.cohort_end_ms(marks, now, episode_max_s)
+        self.cohort_end = end_ms
         self.served_canary = 0
         for _eid, (v, start, x) in sorted(self._episodes.items(), key=lambda kv: (kv[1][1], kv[0])):  # start order
             self.served_canary += v == self.version
-            if end_ms is None or start <= end_ms:
+            ended[v].add(x, low, high)
+            if end_ms is None or start < end_ms:
                 arms[v].add(x, low, high)
+        self.ended = (ended[self.version], ended[self.base_version])
         return arms[self.version], arms[self.base_version]
+
+    def watermarks(self) -> dict[tuple[str, int], int | None]:
+        """``{(topic, partition): watermark}`` (Unix ms; None: none) of every partition log of
+        the store (`rlrec.store.watermark.read_watermark`) and of every partition without a log
+        below the largest partition count its topic's watermarks state; storage errors raise."""
+        from rlrec.store.manifest import list_partition_logs
+        from rlrec.store.watermark import read_watermark
+
+        read = {k: read_watermark(self.storage, *k) for k in list_partition_logs(self.storage)}
+        marks: dict[tuple[str, int], int | None] = {k: None if w is None else w.open_since_ms for k, w in read.items()}
+        counts = [(topic, w.partitions) for (topic, _p), w in read.items() if w is not None and w.partitions]
+        for topic, n in counts:
+            for p in range(n):
+                marks.setdefault((topic, p), None)  # a partition no consumer wrote yet: the guess
+        return marks
+
+    def cohort_end_ms(self, marks: dict[tuple[str, int], int | None], now: float, episode_max_s: float) -> float:
+        """The cohort end at `now` (Unix ms; module docstring): the least, over the partition logs
+        of `marks` (`watermarks`), of each log's watermark less `WATERMARK_SLACK_S`, or, for a
+        log without one, ``now - max(episode_max_s, longest_s)``; at most `now`.
+
+        Example:
+            >>> ev = CanaryEvidence("/tmp", version=2, base_version=1, started=0.0, gamma=1.0)
+            >>> ev.cohort_end_ms({("rl", 0): 500_000, ("rl", 1): 900_000}, now=10_000.0, episode_max_s=900.0)
+            440000.0
+            >>> ev.cohort_end_ms({("rl", 0): 500_000, ("rl", 1): None}, now=1_000.0, episode_max_s=900.0)
+            100000.0
+        """
+        guess = (now - max(episode_max_s, self.longest_s)) * 1000.0
+        self.watermarked = sum(v is not None for v in marks.values())
+        ends = [guess if v is None else v - WATERMARK_SLACK_S * 1000.0 for v in marks.values()]
+        return min([now * 1000.0, *ends]) if ends else guess
 
     def _assigned(self, ep: Any, version: int) -> bool | None:
         """Whether `ep` logs this canary's randomized assignment to the arm of `version`, in the

@@ -339,11 +339,12 @@ class TrainerConfig:
     )
     canary_episode_max_s: float | None = option(
         None,
-        help="with --rollout canary: the longest an episode takes from its start until its shard is committed; "
-        "the test counts only episodes that started at least this long ago (a complete cohort, so slow episodes "
-        "-- often the failures -- are not missing from it) and its wait for traffic counts from there. Default: "
-        "twice the longest episode before the canary started, at least 900 s; state your episodes' time limit "
-        "plus the consumer's commit delay",
+        help="with --rollout canary: the longest an episode takes from its start until its shard is committed, "
+        "for partitions whose consumer keeps no watermark (an older rlrec): there the test counts only episodes "
+        "that started at least this long ago (a complete cohort, so slow episodes -- often the failures -- are not "
+        "missing from it); partitions with one count up to their watermark (docs/GUARANTEES.md, 'Watermark'). "
+        "The wait for traffic counts from start + this. Default: twice the longest episode before the canary "
+        "started, at least 900 s",
     )
     canary_max_duration_s: float = option(
         7 * 86400.0, help="with --rollout canary: roll back a canary still undecided this long after it started"

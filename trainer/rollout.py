@@ -48,6 +48,8 @@ class CanaryRun:
     sha256: str | None = None  # of the canary's policy.json: the identity its episodes log
     history: list[dict] = field(default_factory=list)
     canary_grew: float | None = None  # when a look last found more canary episodes (UNIX time)
+    cohort_furthest: float | None = None  # the furthest cohort end a look found (UNIX ms)
+    cohort_moved: float | None = None  # when a look last found it further (UNIX time)
     _evidence: Any = field(default=None, repr=False, compare=False)
     _warned_long: bool = field(default=False, repr=False, compare=False)
     _warned_share: bool = field(default=False, repr=False, compare=False)
@@ -65,6 +67,8 @@ class CanaryRun:
             "history": list(self.history),
             "canary_grew": self.canary_grew,
             "sha256": self.sha256,
+            "cohort_furthest": self.cohort_furthest,
+            "cohort_moved": self.cohort_moved,
         }
 
     @classmethod
@@ -81,6 +85,8 @@ class CanaryRun:
                 history=[h for h in doc.get("history") or [] if isinstance(h, dict)][-MAX_HISTORY:],
                 canary_grew=None if doc.get("canary_grew") is None else float(doc["canary_grew"]),
                 sha256=None if doc.get("sha256") is None else str(doc["sha256"]),
+                cohort_furthest=None if doc.get("cohort_furthest") is None else float(doc["cohort_furthest"]),
+                cohort_moved=None if doc.get("cohort_moved") is None else float(doc["cohort_moved"]),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"a malformed canary record in the checkpoint: {e}") from None
@@ -147,6 +153,7 @@ class CanaryRun:
         elapsed = max(0.0, age - self.rule.episode_max_s)
         idle = elapsed if self.canary_grew is None else max(0.0, now - self.canary_grew)
         verdict = judge(canary, deployed, self.rule, elapsed, idle, age_s=age)
+        verdict = self._rollback_early(verdict, now)
         if NO_TRAFFIC in verdict.reason and (self._evidence.unassigned or self._evidence.outside_share):
             verdict = replace(
                 verdict,
@@ -180,12 +187,49 @@ class CanaryRun:
                 self.history = self.history[: MAX_HISTORY // 2 : 2] + self.history[MAX_HISTORY // 2 :]
         return verdict
 
+    def _rollback_early(self, verdict: Verdict, now: float) -> Verdict:
+        """A verdict to go on with becomes a rollback when every ended episode, in the complete
+        cohort or not, already shows the canary worse (a wrong early rollback is the safe error),
+        or when the cohort end has not moved for ``rule.max_wait_s`` (an episode that never ends,
+        a partition whose consumer stopped writing: the test can never complete a cohort). A
+        rollback for want of traffic while the ended episodes have it says the cohort is why."""
+        end = self._evidence.cohort_end
+        if end is not None and (self.cohort_furthest is None or end > self.cohort_furthest):
+            self.cohort_furthest, self.cohort_moved = end, now
+        ended = self._evidence.ended
+        # the cohort, not the services, lacks episodes: both arms ended enough, the cohort holds too few
+        cohort_short = min(verdict.canary.n, verdict.deployed.n) < self.rule.min_episodes <= min(a.n for a in ended)
+        if verdict.decision == "promote" or (
+            verdict.decision == "rollback" and not (NO_TRAFFIC in verdict.reason and cohort_short)
+        ):
+            return verdict
+        if verdict.decision == "continue":
+            # the bound's verdict only: the limits are the look's (exposure: `served_canary`)
+            every = judge(*ended, replace(self.rule, max_exposure=2**62), 0.0, 0.0, age_s=0.0)
+            if every.decision == "rollback":
+                return replace(every, reason=f"{every.reason} (every ended episode, the complete cohort's not yet)")
+        stuck = now - (self.cohort_moved if self.cohort_moved is not None else self.started)
+        if stuck >= self.rule.max_wait_s or verdict.decision == "rollback":
+            at = self.cohort_furthest
+            at = "none" if at is None else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at / 1000))
+            return replace(
+                verdict,
+                decision="rollback",
+                reason=f"undecided: the complete cohort (episodes that started before {at}, which last moved "
+                f"{stuck:.0f}s ago) holds {verdict.canary.n} canary and {verdict.deployed.n} deployed episodes of the "
+                f"{ended[0].n} and {ended[1].n} that ended: an episode that started then is still open, or a "
+                "partition's consumer stopped writing",
+            )
+        return verdict
+
     def cohort_end(self, now: float) -> float:
-        """The latest start an episode counted at `now` may have: every episode that started by
-        then has ended and been committed (``rule.episode_max_s``, or the longest episode seen
-        when longer), so the evidence is a complete cohort, never the fast episodes first."""
-        longest = self._evidence.longest_s if self._evidence is not None else 0.0
-        return now - max(self.rule.episode_max_s or 0.0, longest)
+        """The latest start (UNIX time) an episode counted at `now` may have, by the partitions'
+        watermarks the last look read (`rlrec.trainer.canary_evidence.CanaryEvidence.
+        cohort_end_ms`); before any look, the guess ``now - rule.episode_max_s``."""
+        ev = self._evidence
+        if ev is None or ev.marks is None:
+            return now - (self.rule.episode_max_s or 0.0)
+        return ev.cohort_end_ms(ev.marks, now, self.rule.episode_max_s or 0.0) / 1000.0
 
     def _fix_episode_max(self) -> None:
         """A test without a stated longest episode takes twice the longest of the episodes
@@ -258,9 +302,11 @@ class CanaryRun:
 
     def evidence_counts(self) -> dict:
         """Episodes read but not counted: without this canary's assignment (``unassigned``),
-        outside the test's band (``outside_share``), with a stated length not trusted (``overlong``)."""
+        outside the test's band (``outside_share``), with a stated length not trusted (``overlong``);
+        and those read after a cohort taken as complete should have held them (``late``)."""
         ev = self._evidence
-        return {k: getattr(ev, k, 0) if ev is not None else 0 for k in ("unassigned", "outside_share", "overlong")}
+        keys = ("unassigned", "outside_share", "overlong", "late")
+        return {k: getattr(ev, k, 0) if ev is not None else 0 for k in keys}
 
 
 def gate_declined(decision: dict) -> bool:

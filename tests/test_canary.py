@@ -139,20 +139,25 @@ def test_promotion_and_rollback_keep_versions_monotonic(on_canary, tmp_path, key
         run_id=RUN_A,
         channel="prod",
     )
-    assert deployed == 6
-    assert not (on_canary / "canary.json").exists()
+    assert deployed == 4  # latest.json stays on the base: nothing is signed again as a new version
+    assert not (on_canary / "canary.json").exists() and not (on_canary / "v000006").exists()
     rollout = (on_canary / "v000005" / "rollout.json").read_bytes()
     verify(keys["private"].public_key(), rollout, (on_canary / "v000005" / "rollout.json.sig").read_bytes())
     assert json.loads(rollout)["decision"] == "rollback"
-    spec6 = json.loads((on_canary / "v000006" / "policy.json").read_bytes())
-    assert (spec6["republished_from"], spec6["rolled_back"]["version"]) == (4, 5)
+    ended = (on_canary / "v000005" / "canary-ended.json").read_bytes()
+    verify(keys["private"].public_key(), ended, (on_canary / "v000005" / "canary-ended.json.sig").read_bytes())
+    assert json.loads(ended) == {"canary_version": 5, "decision": "rollback", "deployed_version": 4}
+    assert json.loads((on_canary / "latest.json").read_bytes())["policy_version"] == 4
     assert p.poll() is True
-    assert (p.policy_version, p.canary_version) == (6, None)
-    assert same_weights(p, v4)  # the deployed weights, as a new version
-    assert json.loads(state.read_bytes())["policy_version"] == 6
-    # a restart after the rollback: nothing refused
-    q = load_policy(str(on_canary), public_key=keys["public"], channel="prod", state_file=state, canary_fraction=0.5)
-    assert (q.policy_version, q.canary_version) == (6, None)
+    assert (p.policy_version, p.canary_version) == (4, None)
+    assert same_weights(p, v4)
+    assert json.loads(state.read_bytes())["policy_version"] == 4
+    # a restart after the rollback: the signed rollback record excuses v5 (no replay), the state file is satisfied
+    for fraction in (0.0, 0.5):
+        q = load_policy(
+            str(on_canary), public_key=keys["public"], channel="prod", state_file=state, canary_fraction=fraction
+        )
+        assert (q.policy_version, q.canary_version) == (4, None)
     # carrying the decision out again (a resumed trainer) changes nothing
     assert (
         end_canary(
@@ -165,30 +170,30 @@ def test_promotion_and_rollback_keep_versions_monotonic(on_canary, tmp_path, key
             run_id=RUN_A,
             channel="prod",
         )
-        == 6
+        == 4
     )
-    assert not (on_canary / "v000007").exists()
+    assert not (on_canary / "v000006").exists()
 
-    # the next canary, then a promotion
-    canary(on_canary, 7, keys["private"], base=6)
-    assert p.poll() is True and (p.policy_version, p.canary_version) == (6, 7)
+    # the next canary, above the rolled-back one, then a promotion
+    canary(on_canary, 6, keys["private"], base=4)
+    assert p.poll() is True and (p.policy_version, p.canary_version) == (4, 6)
     assert (
         end_canary(
             storage,
             keys["private"],
-            version=7,
-            base_version=6,
+            version=6,
+            base_version=4,
             promote=True,
             decision={"decision": "promote"},
             run_id=RUN_A,
             channel="prod",
         )
-        == 7
+        == 6
     )
-    assert p.poll() is True and (p.policy_version, p.canary_version) == (7, None)
-    assert json.loads(state.read_bytes())["policy_version"] == 7
-    v7 = load_policy(str(on_canary), version=7, public_key=keys["public"])
-    assert same_weights(p, v7)
+    assert p.poll() is True and (p.policy_version, p.canary_version) == (6, None)
+    assert json.loads(state.read_bytes())["policy_version"] == 6
+    v6 = load_policy(str(on_canary), version=6, public_key=keys["public"])
+    assert same_weights(p, v6)
 
 
 def test_each_assignment_carries_what_to_log_while_a_canary_runs(on_canary, keys):
@@ -581,6 +586,7 @@ def test_an_end_record_copied_into_another_version_does_not_excuse_a_replay(tmp_
         run_id=RUN_A,
         channel="prod",
     )
+    publish(root, 3, key)
     canary(root, 4, key, base=3)
     end_canary(
         st, key, version=4, base_version=3, promote=True, decision={"decision": "promote"}, run_id=RUN_A, channel="prod"

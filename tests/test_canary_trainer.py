@@ -1,8 +1,8 @@
 """``rlrec train --rollout canary``, the trainer's side, without Ray (the trainer's checkpoint and
 publication code on a stand-in algorithm, as tests/test_policy_binding.py drives it): a gated
 candidate goes to ``canary.json``, not ``latest.json``; its test reads committed shards; a
-better canary is promoted, a worse one rolled back (a new, higher version with the deployed
-weights); a trainer restarted from its checkpoint mid-canary (``--resume`` after a kill -9)
+better canary is promoted, a worse one rolled back (``latest.json`` stays on the deployed
+version); a trainer restarted from its checkpoint mid-canary (``--resume`` after a kill -9)
 continues the same test; no new candidate is judged while a canary runs.
 """
 
@@ -107,15 +107,21 @@ def test_a_better_canary_is_promoted_and_a_worse_one_rolled_back(tmp_path, setup
     _serve(setup.committer, t.canary, {2: -2.0, 1: 0.0}, 300, seed=2)
     record = t.look_canary()
     assert record["decision"] == "rollback" and "the canary is worse" in record["reason"]
-    assert record["deployed_version"] == 3 and t.policy_version == 3
-    spec3 = json.loads((root / "v000003" / "policy.json").read_bytes())
-    assert (spec3["republished_from"], spec3["rolled_back"]["version"]) == (1, 2)
-    assert p.poll() is True and (p.policy_version, p.canary_version) == (3, None)
-    assert json.loads(state.read_bytes())["policy_version"] == 3
-    # the trainer publishes above the rollback
+    # latest.json stays on v1: nothing is republished, the signed rollback record excuses v2
+    assert record["deployed_version"] == 1 and t.policy_version == 1 and not (root / "v000003").exists()
+    assert json.loads((root / "latest.json").read_bytes())["policy_version"] == 1
+    ended = json.loads((root / "v000002" / "canary-ended.json").read_bytes())
+    assert (ended["decision"], ended["deployed_version"]) == ("rollback", 1)
+    p.poll()
+    assert (p.policy_version, p.canary_version) == (1, None)
+    assert json.loads(state.read_bytes())["policy_version"] == 1
+    for fraction in (0.0, 0.3):  # a (re)starting service, with the state file too, loads v1: no replay
+        again = load_policy(str(root), public_key=setup.pub, state_file=state, canary_fraction=fraction)
+        assert (again.policy_version, again.canary_version) == (1, None)
+    # the trainer publishes above the rollback, on canary above v1
     t.iteration = 12
     t.checkpoint()
-    assert (t.canary.version, t.canary.base_version) == (4, 3)
+    assert (t.canary.version, t.canary.base_version) == (3, 1)
 
 
 def test_a_restarted_trainer_continues_the_same_canary_test(tmp_path, setup, monkeypatch):
@@ -239,11 +245,18 @@ def _two_promotions(tmp_path, setup, monkeypatch, **kw):
     return t
 
 
+def _rolled_back_onto(root, record: dict, base: int) -> None:
+    """A rollback leaves `base` deployed and signs nothing new: no version above the canary's."""
+    assert record["decision"] == "rollback" and record["deployed_version"] == base
+    canary = record["canary_version"]
+    assert not [d for d in root.iterdir() if d.name.startswith("v0") and int(d.name[1:]) > canary]
+
+
 @pytest.mark.parametrize("attack", ["unsigned", "replayed"])
 def test_a_forged_or_replayed_latest_json_is_no_canary_base(tmp_path, setup, monkeypatch, attack):
     """Who can write the root without the key writes latest.json naming an old v1 (unsigned, or
     v1's genuine signed pointer replayed): the next canary's base stays v2, which the trainer
-    deployed, so its rollback republishes v2's weights, never v1's as a new signed version."""
+    deployed, and its rollback leaves v2 deployed: v1's weights are never signed as a new version."""
     root = tmp_path / "ckpt" / "policies"
     t = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **{**CANARY_KW, "canary_max_wait_s": 60.0})
     t.iteration = 3
@@ -268,9 +281,7 @@ def test_a_forged_or_replayed_latest_json_is_no_canary_base(tmp_path, setup, mon
     t.checkpoint()
     assert (t.canary.version, t.canary.base_version) == (3, 2)
     record = t.look_canary(now=t.canary.started + 61)  # no traffic: rolled back
-    assert record["decision"] == "rollback" and record["deployed_version"] == 4
-    spec4 = json.loads((root / "v000004" / "policy.json").read_bytes())
-    assert spec4["republished_from"] == 2
+    _rolled_back_onto(root, record, 2)
 
 
 def test_an_unreadable_latest_json_after_a_first_rollback_keeps_base_zero(tmp_path, setup, monkeypatch):
@@ -459,7 +470,7 @@ def test_an_unreadable_canary_pointer_at_resume_keeps_the_running_test(tmp_path,
 def test_a_fresh_run_takes_no_replayed_signed_latest_json_as_its_base(tmp_path, setup, monkeypatch):
     """A trainer started without --resume knows no deployed version of its own: a genuine old
     latest.json(v1) replayed after v2 was promoted is still no base (v2, signed and no canary,
-    exists above it), so a rollback cannot republish v1's weights as the newest version."""
+    exists above it), so a rollback cannot make v1 the deployed version."""
     root = tmp_path / "ckpt" / "policies"
     t = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **{**CANARY_KW, "canary_max_wait_s": 60.0})
     t.iteration = 3
@@ -477,10 +488,7 @@ def test_a_fresh_run_takes_no_replayed_signed_latest_json_as_its_base(tmp_path, 
     fresh.iteration = 3
     fresh.checkpoint()
     assert (fresh.canary.version, fresh.canary.base_version) == (3, 2)
-    record = fresh.look_canary(now=fresh.canary.started + 61)
-    assert record["decision"] == "rollback"
-    spec = json.loads((root / f"v{record['deployed_version']:06d}" / "policy.json").read_bytes())
-    assert spec["republished_from"] == 2
+    _rolled_back_onto(root, fresh.look_canary(now=fresh.canary.started + 61), 2)
 
 
 @pytest.mark.parametrize("code", sorted(REFUSALS))
@@ -495,7 +503,7 @@ def test_canary_unjudged_follows_the_gates_refusal_code(code):
 def test_a_replayed_pointer_pair_is_no_canary_base_for_a_fresh_run(tmp_path, setup, monkeypatch):
     """After v2 was promoted, who can write the root without the key restores the genuine old pair
     latest.json(v1) + canary.json(v2, base 1): v2's signed canary-ended.json says it was promoted,
-    so a fresh trainer's canary is based on v2 and its rollback republishes v2, never v1."""
+    so a fresh trainer's canary is based on v2 and its rollback leaves v2 deployed, never v1."""
     root = tmp_path / "ckpt" / "policies"
     kw = {**CANARY_KW, "canary_max_wait_s": 60.0}
     t = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **kw)
@@ -514,16 +522,13 @@ def test_a_replayed_pointer_pair_is_no_canary_base_for_a_fresh_run(tmp_path, set
     fresh.iteration = 3
     fresh.checkpoint()
     assert fresh.canary.base_version == 2
-    record = fresh.look_canary(now=fresh.canary.started + 61)
-    assert record["decision"] == "rollback"
-    spec = json.loads((root / f"v{record['deployed_version']:06d}" / "policy.json").read_bytes())
-    assert spec["republished_from"] == 2
+    _rolled_back_onto(root, fresh.look_canary(now=fresh.canary.started + 61), 2)
 
 
 def test_an_unreadable_canary_json_never_makes_an_undecided_canary_a_base(tmp_path, setup, monkeypatch):
     """A fresh run finds canary v2 above v1, never decided; reading canary.json fails once while it
     prepares its candidate. v2 was never deployed: the base stays v1 (services run it), so the
-    rollback of the new canary republishes v1, never the untested v2 to every episode."""
+    rollback of the new canary leaves v1 deployed, never the untested v2 for every episode."""
     from rlrec.trainer import canary_publish
     from rlrec.trainer.policy import CANARY
 
@@ -549,9 +554,7 @@ def test_an_unreadable_canary_json_never_makes_an_undecided_canary_a_base(tmp_pa
     fresh.checkpoint()
     monkeypatch.setattr(canary_publish, "read_pointer", real)
     assert fresh.canary.base_version == 1
-    record = fresh.look_canary(now=fresh.canary.started + 61)
-    spec = json.loads((root / f"v{record['deployed_version']:06d}" / "policy.json").read_bytes())
-    assert spec["republished_from"] == 1
+    _rolled_back_onto(root, fresh.look_canary(now=fresh.canary.started + 61), 1)
 
 
 def test_a_refused_latest_json_does_not_keep_a_rolled_back_canary_served(tmp_path, setup, monkeypatch):
@@ -586,8 +589,8 @@ def test_a_refused_latest_json_does_not_keep_a_rolled_back_canary_served(tmp_pat
 
 def test_an_unsigned_reservation_far_above_the_signed_versions_is_ignored(tmp_path, setup, monkeypatch):
     """The reservation log is not signed: one file `000000999999` left by who can write the root
-    without the key pushed numbering past 999999, so every rollback and publication failed and
-    the worse canary stayed served. A reservation far above the highest signed version is ignored."""
+    without the key pushed numbering past 999999, so every publication failed (and, while a
+    rollback republished, the worse canary stayed served). A reservation far above the highest signed version is ignored."""
     root = tmp_path / "ckpt" / "policies"
     t = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **CANARY_KW)
     t.iteration = 3
@@ -599,8 +602,11 @@ def test_an_unsigned_reservation_far_above_the_signed_versions_is_ignored(tmp_pa
     (root / "_owners" / "publisher" / "versions" / "000000999999").write_bytes(b"")
     _serve(setup.committer, t.canary, {2: -3.0, 1: 0.0}, 300, seed=2)
     record = t.look_canary()
-    assert record["decision"] == "rollback" and record["deployed_version"] == 3
+    assert record["decision"] == "rollback" and record["deployed_version"] == 1
     assert not (root / "canary.json").exists()
+    t.iteration = 9
+    t.checkpoint()  # the next publication is numbered above the signed versions, not the reservation
+    assert (t.canary.version, t.canary.base_version) == (3, 1)
 
 
 def test_a_fresh_run_over_a_running_canary_ends_it_and_services_still_restart(tmp_path, setup, monkeypatch):
@@ -648,11 +654,11 @@ def test_the_trainer_re_signs_its_running_canary_pointer(tmp_path, setup, monkey
     assert {k: v for k, v in after.items() if k != "time"} == {k: v for k, v in before.items() if k != "time"}
 
 
-def test_a_rollback_whose_republish_fails_stops_serving_the_canary_first(tmp_path, setup, monkeypatch):
-    """A rollback whose republish cannot succeed (the base's weights fail their sha256) kept the
-    proven-worse canary served while every look retried. Services stop serving it first (signed
-    canary-ended.json, canary.json removed); the republish follows once it can, also after a kill
-    -9 between the two steps (the resumed trainer carries it out)."""
+def test_a_rollback_needs_nothing_of_the_base_and_signs_nothing_new(tmp_path, setup, monkeypatch):
+    """A rollback republished the base's weights as a new version: one whose weights failed their
+    sha256 kept every look retrying. It now only stops the canary (signed canary-ended.json,
+    canary.json removed) and leaves latest.json on the base; a kill -9 after the decision was
+    taken is carried out by the resumed trainer the same way."""
     root = tmp_path / "ckpt" / "policies"
     t = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **CANARY_KW)
     t.iteration = 3
@@ -668,25 +674,17 @@ def test_a_rollback_whose_republish_fails_stops_serving_the_canary_first(tmp_pat
     for f, data in weights.items():
         f.write_bytes(data + b"x")  # the base's weights no longer match its policy.json
     _serve(setup.committer, t.canary, {2: -3.0, 1: 0.0}, 300, seed=2)
-    for _ in range(3):
-        t._canary_next_look = 0.0
-        assert t.look_canary() is None  # the republish fails: tried again at the next look
-    assert t._canary_decision["decision"] == "rollback" and not (root / "canary.json").exists()
+    t._canary_decision = t.canary.decision_record(t.canary.look(t.input, t.cfg.policy_id), time.time())
+    t.iteration = 7
+    t.checkpoint()  # the decision is in the checkpoint; killed before it was carried out
+    r = _resumed(tmp_path, setup, monkeypatch)
+    assert r.canary is not None and r._canary_decision["decision"] == "rollback"
+    r.metrics = SimpleNamespace(truncate_after=lambda _i: None, write=lambda _r: None)
+    _rolled_back_onto(root, r.look_canary(), 1)
+    assert r.canary is None and not (root / "canary.json").exists()
+    assert json.loads((root / "latest.json").read_bytes())["policy_version"] == 1
     p.poll()
     assert p.for_episode(eid).policy_version == 1  # the worse canary is no longer served
-    t.iteration = 7
-    t.checkpoint()
-    r = _resumed(tmp_path, setup, monkeypatch)  # killed meanwhile: the resumed trainer republishes
-    assert r.canary is not None and r._canary_decision["decision"] == "rollback"
-    for f, data in weights.items():
-        f.write_bytes(data)
-    assert load_policy(str(root), public_key=setup.pub, canary_fraction=0.5).for_episode(eid).policy_version == 1
-    r.metrics = SimpleNamespace(truncate_after=lambda _i: None, write=lambda _r: None)
-    record = r.look_canary()
-    assert record["decision"] == "rollback" and record["deployed_version"] == 3 and r.canary is None
-    assert json.loads((root / "latest.json").read_bytes())["policy_version"] == 3
-    p.poll()
-    assert p.for_episode(eid).policy_version == 3
 
 
 # ------------------------------------------------------------- records bound to their version (review 40c)
@@ -735,7 +733,8 @@ def test_a_decision_record_copied_from_another_version_is_not_carried_out(tmp_pa
         shutil.copy(root / "v000001" / name, root / "v000002" / name)
     record = _resumed(tmp_path, setup, monkeypatch).look_canary()
     assert record["decision"] == "rollback" and record["canary_version"] == 2
-    assert load_policy(str(root), public_key=setup.pub).policy_version == 3  # v1's weights republished above v2
+    _rolled_back_onto(root, record, 1)
+    assert load_policy(str(root), public_key=setup.pub).policy_version == 1
 
 
 def test_an_input_the_evidence_cannot_read_never_keeps_a_canary_past_its_limits(tmp_path, setup, monkeypatch):
@@ -777,3 +776,74 @@ def test_an_input_the_evidence_cannot_read_never_keeps_a_canary_past_its_limits(
     assert t.look_canary(now=started + 10) is None and t.look_canary(now=started + 40) is None
     record = t.look_canary(now=started + 75)
     assert record["decision"] == "rollback" and "could not be read for 65s" in record["reason"]
+
+
+# --------------------------------------------------- rollbacks sign nothing new (review 40c C10, C11)
+
+
+def test_another_channels_latest_json_is_no_base_and_a_rollback_signs_nothing(tmp_path, setup, monkeypatch):
+    """A staging run's genuine signed version and latest.json (same key) copied into prod's root:
+    the trainer took the staging v7 as its canary's base, and the no-traffic rollback signed
+    v7's weights again as a new version for channel prod, which every prod-pinned service loaded.
+    Another channel's pointer is no base (the trainer's own v1 is), and a rollback signs nothing."""
+    import shutil
+
+    from rlrec.trainer.signing import load_private_key
+    from tests.test_policy_binding import publish
+
+    root = tmp_path / "ckpt" / "policies"
+    kw = {**CANARY_KW, "channel": "prod", "canary_max_wait_s": 60.0}
+    t = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **kw)
+    t.iteration = 3
+    t.checkpoint()
+    _serve(setup.committer, t.canary, {1: 2.0, 0: 0.0}, 300, seed=1)
+    assert t.look_canary()["decision"] == "promote"  # prod v1 deployed
+    staging = tmp_path / "staging"
+    publish(staging, 7, load_private_key(setup.keys_dir / "policy-signing.key"), channel="staging", seed=777)
+    shutil.copytree(staging / "v000007", root / "v000007")
+    for n in ("latest.json", "latest.json.sig"):
+        shutil.copy(staging / n, root / n)
+    t.iteration = 6
+    t.checkpoint()
+    assert (t.canary.version, t.canary.base_version) == (8, 1)
+    record = t.look_canary(now=t.canary.started + 3600)
+    _rolled_back_onto(root, record, 1)
+    assert not [
+        d for d in root.iterdir() if d.name.startswith("v0") and d.name not in ("v000001", "v000007", "v000008")
+    ]
+
+
+def test_replay_plus_delete_gets_no_old_version_signed_above_the_state_file(tmp_path, setup, monkeypatch):
+    """After v2 was promoted, a key-less writer restores the genuine pair latest.json(v1) +
+    canary.json(v2) and deletes v2's decision records: a fresh trainer based its canary on v1 and
+    its no-traffic rollback signed v1's weights as v4, above every state file, so a service whose
+    state file holds v2 restarted on v1's weights. The rollback signs nothing: that service still
+    refuses the replayed v1 (the state file's defence), and no version above the canary exists."""
+    from rlrec.trainer.policy import PolicyLoadError
+
+    root = tmp_path / "ckpt" / "policies"
+    kw = {**CANARY_KW, "canary_max_wait_s": 60.0}
+    t = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **kw)
+    t.iteration = 3
+    t.checkpoint()
+    _serve(setup.committer, t.canary, {1: 2.0, 0: 0.0}, 300, seed=1)
+    assert t.look_canary()["decision"] == "promote"
+    t.iteration = 6
+    t.checkpoint()  # canary v2 above v1
+    old = {n: (root / n).read_bytes() for n in ("latest.json", "latest.json.sig", "canary.json", "canary.json.sig")}
+    _serve(setup.committer, t.canary, {2: 2.0, 1: 0.0}, 300, seed=2)
+    assert t.look_canary()["decision"] == "promote"
+    state = tmp_path / "svc-state.json"
+    assert load_policy(str(root), public_key=setup.pub, state_file=str(state)).policy_version == 2
+    for name, data in old.items():
+        (root / name).write_bytes(data)
+    for n in ("canary-ended.json", "canary-ended.json.sig", "rollout.json", "rollout.json.sig"):
+        (root / "v000002" / n).unlink()
+    fresh = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **kw)
+    fresh.iteration = 3
+    fresh.checkpoint()
+    record = fresh.look_canary(now=fresh.canary.started + 3600)
+    _rolled_back_onto(root, record, fresh_base := record["deployed_version"])
+    assert fresh_base <= 2
+    with pytest.raises(PolicyLoadError, match="older than v000002"):
+        load_policy(str(root), public_key=setup.pub, state_file=str(state))

@@ -7,22 +7,20 @@
 * promote (`end_canary` with ``promote=True``): ``latest.json`` is moved to the canary version,
   then ``canary.json`` is removed (meanwhile it names a version not above ``latest.json``'s, so
   it is not followed).
-* roll back: services stop serving the canary first -- its signed ``canary-ended.json`` (decision
-  "rollback") is written and ``canary.json`` removed -- then the base version's weights are
-  published again as a new, higher version (`rlrec.trainer.export.republish_policy`, which moves
-  ``latest.json``); versions only grow, and every state file is satisfied. A republish that keeps
-  failing (the base's weights fail their sha256, the store is down) is retried at every look
-  while the deployed version serves every episode: the proven-worse canary is never served
-  meanwhile (services' replay check does not count a rolled-back version). With nothing deployed
-  before (base version 0) there is nothing to republish: services go back to what they ran before.
+* roll back: services stop serving the canary -- its signed ``canary-ended.json`` (decision
+  "rollback") is written, then ``canary.json`` removed -- and ``latest.json`` stays on the base
+  version. The signed rollback record excuses the canary version wherever a version above
+  ``latest.json``'s would refuse it (services' replay check, `signed_above`; the state file keeps
+  a canary apart from the deployed version), so no weights are ever signed again as a new
+  version: a rollback cannot turn an old or another channel's version into a new one. With
+  nothing deployed before (base version 0) services go back to what they ran before.
 
 Each decision with its evidence is written first, signed, as ``v{N}/rollout.json`` (+ ``.sig``)
-of the canary version (and recorded as ``rolled_back`` in a republished version's policy.json):
-a trainer resuming after a kill -9 between the steps carries out exactly that decision, never
-judges again. ``v{N}/canary-ended.json`` (signed; after ``latest.json`` moved for a promotion,
-before the republish for a rollback) marks the canary over *before* ``canary.json`` is removed: services never follow a canary pointer whose version
-holds it, so a replayed old ``canary.json`` (or pair with ``latest.json``) cannot bring back a
-decided canary. Every step is idempotent.
+of the canary version: a trainer resuming after a kill -9 between the steps carries out exactly
+that decision, never judges again. ``v{N}/canary-ended.json`` (signed; after ``latest.json``
+moved for a promotion) marks the canary over *before* ``canary.json`` is removed: services never
+follow a canary pointer whose version holds it, so a replayed old ``canary.json`` (or pair with
+``latest.json``) cannot bring back a decided canary. Every step is idempotent.
 """
 
 from __future__ import annotations
@@ -99,13 +97,23 @@ def read_pointer(storage: Storage, name: str = LATEST, signing_key: Any = None) 
     return _parse_latest(data, name)
 
 
-def deployed_version(storage: Storage, signing_key: Any) -> int | None:
+def deployed_version(storage: Storage, signing_key: Any, channel: str | None = None) -> int | None:
     """The version the signed ``latest.json`` names (0: absent), None when it is unusable
-    (unsigned, forged, malformed: logged as an ERROR). Raises OSError when it cannot be read."""
+    (unsigned, forged, malformed, or -- with a key -- signed for another `channel` than this
+    trainer's: logged as an ERROR). Raises OSError when it cannot be read."""
     try:
         pointer = read_pointer(storage, LATEST, signing_key)
     except PolicyLoadError as e:
         log.error("%s under %s is not used: %s", LATEST, storage.uri(), e)
+        return None
+    if pointer is not None and signing_key is not None and pointer.get("channel") != channel:
+        log.error(
+            "%s under %s is signed for channel %r, not this trainer's %r: not used",
+            LATEST,
+            storage.uri(),
+            pointer.get("channel"),
+            channel,
+        )
         return None
     return 0 if pointer is None else int(pointer["policy_version"])
 
@@ -328,9 +336,9 @@ def end_canary(
 ) -> int:
     """Carry out a canary's decision (module docstring); the version ``latest.json`` names after it.
 
-    ``latest.json`` is trusted only when this trainer's key signed it: an unsigned or forged
-    one is taken as "not carried out yet" (a promotion overwrites it, a rollback republishes
-    `base_version`, which the trainer knows from its own state).
+    ``latest.json`` is trusted only when this trainer's key signed it for `channel`: an unusable
+    one is taken as "not carried out yet" by a promotion (which overwrites it); a rollback
+    leaves it alone (the base version stays deployed; nothing is republished).
 
     Args:
         storage: the publish root.
@@ -343,49 +351,28 @@ def end_canary(
         channel: this run's channel.
 
     Returns:
-        The deployed version now (0: nothing deployed).
+        The deployed version now: the canary's after a promotion, `base_version` after a
+        rollback (0: nothing deployed).
 
     Example:
         >>> end_canary(storage, key, version=5, base_version=4, promote=False,  # doctest: +SKIP
         ...     decision=d, run_id=run_id, channel="cartpole")
-        6
+        4
     """
-    from rlrec.trainer.export import _read_small, republish_policy
+    from rlrec.trainer.export import _read_small
 
     d = version_dir(version)
     _write_signed(storage, f"{d}/{ROLLOUT}", json.dumps(decision, sort_keys=True, indent=1).encode(), signing_key)
-    deployed = deployed_version(storage, signing_key)
+    deployed = base_version
     if promote:
-        if deployed is None or deployed < version:
+        named = deployed_version(storage, signing_key, channel)
+        if named is None or named < version:
             spec_bytes = _read_small(storage, f"{d}/{SPEC}", MAX_BYTES[SPEC])
             sha = hashlib.sha256(spec_bytes).hexdigest()
             _write_signed(storage, LATEST, pointer_bytes(version, d, sha, run_id=run_id, channel=channel), signing_key)
-            deployed = version
-    else:  # services stop serving the canary first, so a republish that keeps failing exposes no one
-        stopped = {"canary_version": version, "decision": decision.get("decision"), "deployed_version": base_version}
-        _write_signed(storage, f"{d}/{CANARY_ENDED}", json.dumps(stopped, sort_keys=True).encode(), signing_key)
-        _remove_canary(storage, version)
-    if not promote and (deployed is None or deployed <= version) and base_version:  # not republished yet
-        spec = republish_policy(
-            storage,
-            version=base_version,
-            signing_key=signing_key,
-            run_id=run_id,
-            channel=channel,
-            metadata={"rolled_back": {"version": version, "decision": decision.get("decision")}},
-        )
-        deployed = int(spec["policy_version"])
-    if deployed is None:
-        deployed = base_version
+        deployed = version if named is None else max(named, version)
     ended = {"canary_version": version, "decision": decision.get("decision"), "deployed_version": deployed}
     _write_signed(storage, f"{d}/{CANARY_ENDED}", json.dumps(ended, sort_keys=True).encode(), signing_key)
     _remove_canary(storage, version)
-    spec_doc = _json(_read_small(storage, f"{version_dir(deployed)}/{SPEC}", MAX_BYTES[SPEC]), SPEC) if deployed else {}
-    log.info(
-        "canary v%d %s: v%d is deployed%s",
-        version,
-        "promoted" if promote else "rolled back",
-        deployed,
-        f" (v{base_version}'s weights)" if spec_doc.get("republished_from") else "",
-    )
+    log.info("canary v%d %s: v%d is deployed", version, "promoted" if promote else "rolled back", deployed)
     return deployed

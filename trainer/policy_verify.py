@@ -601,7 +601,7 @@ def _check_not_replayed(files: _Files, trust: _Trust, pointer: _Pointer, spec: d
                 continue
             raise PolicyLoadError(
                 f"{LATEST} names {pointer.path}, but {d}, signed for the same channel, exists: "
-                "a replayed old pointer is refused (a rollback is a new, higher version)"
+                "a replayed old pointer is refused"
             )
 
 

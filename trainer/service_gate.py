@@ -96,7 +96,7 @@ class GateMixin:
             spec=self._candidate_spec(artifact, version),
             gamma=self._gamma() or 0.99,
             gating=gating,
-            deployed_version=self.policy_version or None,
+            deployed_version=self.deployed_version or None,
             **lineage,
         )
         if self._held_out is None:
@@ -293,7 +293,10 @@ class GateMixin:
         self._log_canary(record)
         if record["decision"] == "promote" and run.candidate_return is not None:
             self.deployed_return = run.candidate_return
-        self.policy_version = max(self.policy_version, deployed)
+        if record["decision"] == "promote":
+            self.policy_version = max(self.policy_version, deployed)
+        else:  # the base stays deployed: the next candidate is judged against it
+            self.policy_version = deployed
         self.canary = None
         return record
 
@@ -351,11 +354,11 @@ class GateMixin:
         pending or ``canary.json`` names it (or cannot be read now). A decision taken before the
         kill -- the checkpoint's `decision`, or the signed ``rollout.json`` the trainer writes
         before carrying one out -- is carried out unchanged at the next look, never judged again.
-        One whose decision was carried out and whose pointer is gone is over (a rollback: once
-        ``latest.json`` names a version above it; before, its republish is still to be done)."""
+        One whose decision was carried out (its signed ``canary-ended.json``) and whose pointer is
+        gone is over."""
         if not doc:
             return
-        from rlrec.trainer.canary_publish import _ended, deployed_version, read_decision, read_pointer
+        from rlrec.trainer.canary_publish import _ended, read_decision, read_pointer
         from rlrec.trainer.policy import CANARY, PolicyLoadError, version_dir
         from rlrec.trainer.rollout import CanaryRun
 
@@ -378,9 +381,6 @@ class GateMixin:
             pointer = {"policy_version": run.version}
         named = pointer is not None and pointer["policy_version"] == run.version
         ended = _ended(self.publish_storage, version_dir(run.version), self.signing_key) is not None
-        if ended and isinstance(decision, dict) and decision.get("decision") != "promote" and run.base_version:
-            deployed = deployed_version(self.publish_storage, self.signing_key)  # OSError: resume fails
-            ended = deployed is not None and deployed > run.version  # else stopped, not yet republished
         if isinstance(decision, dict) and not pending and (named or not ended):
             self.canary, self._canary_decision, self._canary_next_look = run, dict(decision), 0.0
             log.warning(

@@ -106,15 +106,14 @@ class PublishMixin:
     def _latest_version(self) -> int:
         """A canary's base: the version the signed ``latest.json`` names, never below the version
         this trainer itself deployed (`_deployed`, kept in its checkpoint). An unsigned, forged,
-        older (replayed) or unreadable pointer is no base: the trainer's own record is (logged),
-        so nobody who can write the root without the key can make a rollback republish an old
-        version as a new signed one."""
+        older (replayed), another channel's or unreadable pointer is no base: the trainer's own
+        record is (logged)."""
         from rlrec.trainer.canary_publish import deployed_version, signed_above
         from rlrec.trainer.policy import LATEST
 
         known = self._deployed
         try:
-            named = deployed_version(self.publish_storage, self.signing_key)
+            named = deployed_version(self.publish_storage, self.signing_key, self.cfg.publish_channel)
         except OSError as e:
             log.warning("cannot read %s (%s): the canary's base is v%d, deployed by this trainer", LATEST, e, known)
             return known
@@ -163,8 +162,11 @@ class PublishMixin:
 
     @property
     def deployed_version(self) -> int:
-        """The version ``latest.json`` names for this run (a canary's base while one runs)."""
-        return self.canary.base_version if self.canary is not None else self.policy_version
+        """The version ``latest.json`` names for this run (a canary's base while one runs; with
+        ``--rollout canary``, the version this trainer's decisions left deployed)."""
+        if self.canary is not None:
+            return self.canary.base_version
+        return self._deployed if self.cfg.rollout == "canary" else self.policy_version
 
     def publish(self, final: bool = False) -> None:
         """Publish the current policy as the next version, or hand it to its gate.

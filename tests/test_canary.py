@@ -558,10 +558,12 @@ def test_a_canary_pointer_older_than_max_pointer_age_is_not_served(on_canary, ke
         str(on_canary), public_key=keys["public"], channel="prod", canary_fraction=0.3, max_pointer_age_s=3600
     )
     assert p.policy_version == 4 and p.canary_version is None  # canary.json's time is the start, 1970
-    assert refresh_canary(Storage.from_uri(str(on_canary)), 5, keys["private"])
+    kw = {"base_version": 4, "started": 0.0, "channel": "prod"}
+    assert refresh_canary(Storage.from_uri(str(on_canary)), 5, keys["private"], **kw)
     p.poll()
     assert p.canary_version == 5
-    assert not refresh_canary(Storage.from_uri(str(on_canary)), 6, keys["private"])  # not the running one
+    assert not refresh_canary(Storage.from_uri(str(on_canary)), 6, keys["private"], **kw)  # no signed v6
+    assert not refresh_canary(Storage.from_uri(str(on_canary)), 5, keys["private"], **{**kw, "channel": "staging"})
 
 
 def test_an_end_record_copied_into_another_version_does_not_excuse_a_replay(tmp_path):

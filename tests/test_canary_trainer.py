@@ -847,3 +847,65 @@ def test_replay_plus_delete_gets_no_old_version_signed_above_the_state_file(tmp_
     assert fresh_base <= 2
     with pytest.raises(PolicyLoadError, match="older than v000002"):
         load_policy(str(root), public_key=setup.pub, state_file=str(state))
+
+
+# ---------------------------------------------- the trainer's pointers rewritten from its state (review 40c C6, C4a)
+
+
+def test_a_torn_canary_pointer_is_repaired_at_the_next_refresh(tmp_path, setup, monkeypatch):
+    """One failed canary.json.sig write during the periodic re-sign tore the pointer for good (every
+    later refresh read it with the key and failed): running services dropped the canary and every
+    (re)start was refused as a replay. The refresh rewrites it from the trainer's own state."""
+    root, t = _canary_v2(tmp_path, setup, monkeypatch)
+    running = load_policy(str(root), public_key=setup.pub, canary_fraction=0.3)
+    assert running.canary_version == 2
+    real, fails = t.publish_storage.write, {"n": 1}
+
+    def write(path, data):
+        if path == "canary.json.sig" and fails["n"]:
+            fails["n"] -= 1
+            raise OSError("503 Slow Down (after the storage retries)")
+        return real(path, data)
+
+    monkeypatch.setattr(t.publish_storage, "write", write)
+    t.iteration = 7
+    t.checkpoint()  # its refresh tears canary.json once
+    assert fails["n"] == 0
+    t.iteration = 8
+    t.checkpoint()  # the store is healthy again
+    running.poll()
+    assert running.canary_version == 2
+    for fraction in (0.0, 0.3):
+        p = load_policy(str(root), public_key=setup.pub, canary_fraction=fraction)
+        assert (p.policy_version, p.canary_version) == (1, 2 if fraction else None)
+
+
+@pytest.mark.parametrize("damage", ["torn", "junk"])
+def test_a_fresh_run_over_an_unusable_latest_json_bases_on_the_deployed_version_and_repairs_it(
+    tmp_path, setup, monkeypatch, damage
+):
+    """latest.json torn (a kill between it and its .sig) or junk (a key-less writer): a fresh run
+    took base 0 and never repaired it, so every service restart failed and every later canary got
+    no traffic, indefinitely. Its base is the highest deployed version its key signed for its
+    channel (v1), and latest.json is re-pointed at it."""
+    root = tmp_path / "ckpt" / "policies"
+    t = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **CANARY_KW)
+    t.iteration = 3
+    t.checkpoint()
+    _serve(setup.committer, t.canary, {1: 2.0, 0: 0.0}, 300, seed=1)
+    assert t.look_canary()["decision"] == "promote"
+    if damage == "torn":
+        (root / "latest.json.sig").unlink()
+    else:
+        (root / "latest.json").write_bytes(b"{junk")
+    fresh = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **CANARY_KW)
+    fresh.iteration = 3
+    fresh.checkpoint()
+    assert (fresh.canary.version, fresh.canary.base_version) == (2, 1)
+    for fraction in (0.0, 0.3):
+        p = load_policy(str(root), public_key=setup.pub, canary_fraction=fraction)
+        assert (p.policy_version, p.canary_version) == (1, 2 if fraction else None)
+    (root / "latest.json").write_bytes(b"{junk")  # again, while the canary runs: the next refresh repairs it
+    fresh.iteration = 4
+    fresh.checkpoint()
+    assert load_policy(str(root), public_key=setup.pub).policy_version == 1

@@ -51,6 +51,8 @@ __all__ = [
     "end_canary",
     "read_decision",
     "read_pointer",
+    "refresh_canary",
+    "repoint_latest",
     "signed_above",
     "write_canary",
 ]
@@ -253,31 +255,92 @@ def write_canary(storage: Storage, pub: Any, signing_key: Any, *, base_version: 
     write_publication(storage, pub, signing_key, pointer=False)
 
 
-def refresh_canary(storage: Storage, version: int, signing_key: Any, now: float | None = None) -> bool:
-    """Re-sign ``canary.json`` with a fresh time while it names `version` (this trainer's running
-    canary): services that check a pointer's age (``max_pointer_age_s``) stop serving the canary
-    of a trainer that stopped judging it. False when it names another version or none.
+def refresh_canary(
+    storage: Storage,
+    version: int,
+    signing_key: Any,
+    *,
+    base_version: int,
+    started: float,
+    channel: str | None,
+    sha256: str | None = None,
+    now: float | None = None,
+) -> bool:
+    """Rewrite ``canary.json`` (+ ``.sig``) whole for this trainer's running canary `version`,
+    with a fresh time, from the trainer's own state and the version's signed ``policy.json``
+    -- never from the stored pointer, so a torn pair (a failed or killed ``.sig`` write), a
+    replayed or a deleted pointer is repaired at the next refresh. Services that check a
+    pointer's age (``max_pointer_age_s``) stop serving the canary of a trainer that stopped
+    judging it. False (logged) when the version's ``policy.json`` is not signed by this key for
+    `channel` or is not the canary's (`sha256`).
+
+    Args:
+        storage: the publish root.
+        version: the running canary's version.
+        signing_key: the trainer's Ed25519 private key.
+        base_version: the version deployed below it (0: none).
+        started: when the canary began.
+        channel: this trainer's channel.
+        sha256: the canary's policy.json sha256 as the trainer recorded it (None: not recorded).
+        now: the pointer's time (default: now).
 
     Example:
-        >>> refresh_canary(storage, 5, key)  # doctest: +SKIP
+        >>> refresh_canary(storage, 5, key, base_version=4, started=t0, channel="prod")  # doctest: +SKIP
         True
     """
     import time
 
-    current = read_pointer(storage, CANARY, signing_key)
-    if current is None or int(current["policy_version"]) != version:
+    from rlrec.trainer.export import _verified_spec
+
+    d = version_dir(version)
+    try:
+        spec_bytes, spec = _verified_spec(storage, d, signing_key)
+    except (FileNotFoundError, SignatureError, ValueError, PolicyLoadError) as e:
+        log.error("not refreshing %s: %s/%s cannot be verified (%s)", CANARY, d, SPEC, e)
+        return False
+    sha = hashlib.sha256(spec_bytes).hexdigest()
+    if spec.get("channel") != channel or (sha256 is not None and sha != sha256):
+        log.error("not refreshing %s: %s/%s is not this trainer's canary on channel %s", CANARY, d, SPEC, channel)
         return False
     data = canary_pointer_bytes(
         version,
-        current["path"],
-        current["sha256"],
-        base_version=int(current.get("base_version") or 0),
-        started=float(current["started"]),
-        run_id=current.get("run_id"),
-        channel=current.get("channel"),
+        d,
+        sha,
+        base_version=base_version,
+        started=started,
+        run_id=spec.get("run_id"),
+        channel=channel,
         now=time.time() if now is None else now,
     )
     _write_signed(storage, CANARY, data, signing_key)
+    return True
+
+
+def repoint_latest(storage: Storage, version: int, signing_key: Any, channel: str | None) -> bool:
+    """Write ``latest.json`` (+ ``.sig``) whole for `version`, from its ``policy.json`` signed by
+    `signing_key` for `channel` (its run id taken from it): the trainer's repair of a pointer it
+    owns that is torn, junk, or names another version than the one its own state says is
+    deployed. False (logged) when that policy.json is not this key's for `channel`.
+
+    Example:
+        >>> repoint_latest(storage, 4, key, "prod")  # doctest: +SKIP
+        True
+    """
+    from rlrec.trainer.export import _verified_spec, _write_latest
+
+    d = version_dir(version)
+    try:
+        spec_bytes, spec = _verified_spec(storage, d, signing_key)
+    except (FileNotFoundError, SignatureError, ValueError, PolicyLoadError) as e:
+        log.error("not re-pointing %s at %s: its %s cannot be verified (%s)", LATEST, d, SPEC, e)
+        return False
+    if spec.get("channel") != channel:
+        log.error(
+            "not re-pointing %s at %s: it is signed for channel %r, not %r", LATEST, d, spec.get("channel"), channel
+        )
+        return False
+    sha = hashlib.sha256(spec_bytes).hexdigest()
+    _write_latest(storage, pointer_bytes(version, d, sha, run_id=spec.get("run_id"), channel=channel), signing_key)
     return True
 
 

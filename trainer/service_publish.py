@@ -117,8 +117,8 @@ class PublishMixin:
         except OSError as e:
             log.warning("cannot read %s (%s): the canary's base is v%d, deployed by this trainer", LATEST, e, known)
             return known
-        if named is None:
-            return known
+        if named is None:  # unusable: torn, junk, another channel's
+            return self._repair_latest(known)
         if named < known:
             log.error(
                 "%s names v%d, below v%d which this trainer deployed (a replayed pointer?): the canary's base is v%d",
@@ -145,6 +145,25 @@ class PublishMixin:
             )
             return above
         return named
+
+    def _repair_latest(self, known: int) -> int:
+        """The base under an unusable ``latest.json``: the trainer's own record, or above it the
+        highest version its key signed for its channel that was deployed (`signed_above`; a fresh
+        run has no record); ``latest.json`` is re-pointed at it (signed), so services restart
+        again instead of refusing a torn or junk pointer until the next promotion."""
+        from rlrec.trainer.canary_publish import repoint_latest, signed_above
+        from rlrec.trainer.policy import LATEST
+
+        if self.signing_key is None:
+            return known
+        try:
+            base = signed_above(self.publish_storage, self.signing_key, known, self.cfg.publish_channel)
+        except OSError as e:
+            log.warning("cannot list the versions above v%d (%s): the canary's base is v%d", known, e, known)
+            return known
+        if base and repoint_latest(self.publish_storage, base, self.signing_key, self.cfg.publish_channel):
+            log.error("%s was unusable: re-pointed at v%d, the deployed version (the canary's base)", LATEST, base)
+        return base
 
     def hold_publish_lease(self, lease: Any) -> None:
         """Publish under `lease` (an acquired `rlrec.trainer.publish_lease.PublishLease`): every
@@ -409,21 +428,39 @@ class PublishMixin:
         after this run has published."""
         if self.signing_key is None or self.run_id is None:
             return
-        from rlrec.trainer.canary_publish import refresh_canary
+        from rlrec.trainer.canary_publish import deployed_version, refresh_canary, repoint_latest
         from rlrec.trainer.export import refresh_latest
+        from rlrec.trainer.policy import LATEST
 
+        channel = self.cfg.publish_channel
         try:
             self._check_lease()
-            if self.deployed_version:
+            deployed = self.deployed_version
+            if deployed and self.cfg.rollout == "canary":  # the pointers are the trainer's: rewritten from its state
+                named = deployed_version(self.publish_storage, self.signing_key, channel)
+                if named is None or named < deployed:
+                    if repoint_latest(self.publish_storage, deployed, self.signing_key, channel):
+                        log.error("%s named %s: re-pointed at v%d, the deployed version", LATEST, named, deployed)
+                    deployed = 0
+            if deployed:
                 refresh_latest(
                     self.publish_storage,
-                    version=self.deployed_version,
+                    version=deployed,
                     run_id=self.run_id,
-                    channel=self.cfg.publish_channel,
+                    channel=channel,
                     signing_key=self.signing_key,
                 )
-            if self.canary is not None and not self._pending:
-                refresh_canary(self.publish_storage, self.canary.version, self.signing_key)
+            run = self.canary
+            if run is not None and not self._pending:
+                refresh_canary(
+                    self.publish_storage,
+                    run.version,
+                    self.signing_key,
+                    base_version=run.base_version,
+                    started=run.started,
+                    channel=channel,
+                    sha256=run.sha256,
+                )
         except PublishRootTaken:
             raise
         except Exception as e:

@@ -601,3 +601,38 @@ def test_an_end_record_copied_into_another_version_does_not_excuse_a_replay(tmp_
         (root / name).write_bytes(data)
     with pytest.raises(PolicyLoadError, match="replayed old pointer"):
         load_policy(str(root), public_key=str(pub), channel="prod")
+
+
+def test_a_replayed_first_canary_pointer_is_below_the_state_file(tmp_path):
+    """v1 went on canary above nothing (base 0) and was promoted; v2..v5 deployed; a service with a
+    state file loaded v5. A key-less writer deletes latest.json and v1's end record and restores
+    the genuine first canary.json (v1, base 0): the restarting service came up on "nothing
+    deployed", running what it ran before for 95 % of its episodes and v1 for the rest. The state
+    file refuses both: nothing deployed after v5, and a canary below v5."""
+    priv, pub = generate_keys(tmp_path / "keys")
+    key = load_private_key(priv)
+    root = tmp_path / "root"
+    canary(root, 1, key, base=0)
+    old = {n: (root / n).read_bytes() for n in ("canary.json", "canary.json.sig")}
+    st = Storage.from_uri(str(root))
+    end_canary(
+        st, key, version=1, base_version=0, promote=True, decision={"decision": "promote"}, run_id=RUN_A, channel="prod"
+    )
+    for v in (2, 3, 4, 5):
+        publish(root, v, key)
+    state = tmp_path / "svc-state.json"
+    assert load_policy(str(root), public_key=str(pub), channel="prod", state_file=str(state)).policy_version == 5
+    (root / "latest.json").unlink()
+    (root / "latest.json.sig").unlink()
+    (root / "v000001" / "canary-ended.json").unlink()
+    for n, data in old.items():
+        (root / n).write_bytes(data)
+    with pytest.raises(PolicyLoadError, match=r"no latest\.json .* loaded v000005 before"):
+        load_policy(str(root), public_key=str(pub), channel="prod", state_file=str(state), canary_fraction=0.05)
+    # the canary check alone: a canary below the deployed version this service loaded is refused
+    from rlrec.trainer.binding import Pins
+    from rlrec.trainer.policy_verify import _check_state
+
+    with pytest.raises(PolicyLoadError, match="older than v000005"):
+        _check_state("v000001", Pins(state_file=str(state)), canary=True)
+    _check_state("v000006", Pins(state_file=str(state)), canary=True)

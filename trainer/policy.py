@@ -86,6 +86,7 @@ from rlrec.trainer.policy_files import (  # the names other modules and tests im
 from rlrec.trainer.policy_verify import (
     _canary_applies,
     _check_pointer_pins,
+    _check_state_deployed,
     _load_version,
     _LoadedVersion,
     _read_canary,
@@ -249,6 +250,7 @@ class Policy:
         self.refusals = 0
         self.last_refusal: str | None = None
         if version is None and self.canary_fraction and not self._files.exists(LATEST):
+            _check_state_deployed(self.root, self._pins)
             self._poll_canary()  # nothing deployed yet: a first version may be on canary
             if self._canary is None:
                 raise PolicyLoadError(f"no policy is published under {root} (no {LATEST}, no usable {CANARY})")

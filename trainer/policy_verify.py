@@ -674,18 +674,32 @@ def _read_state(path: str) -> tuple[int, int | None] | None:
 
 
 def _check_state(rel_dir: str, pins: Pins, canary: bool = False) -> None:
-    """A version below the newest this service loaded through ``latest.json`` (a canary: below
-    the newest canary it ran) is refused."""
+    """A version below the newest this service loaded through ``latest.json`` is refused; a
+    canary below that or below the newest canary it ran is refused too (a canary runs above the
+    deployed version, so one below what this service deployed is a replayed pointer)."""
     if pins.state_file is None:
         return
     state = _read_state(pins.state_file)
     if state is None:
         return
-    newest = state[1] if canary else state[0]
-    if newest is not None and int(rel_dir[1:]) < newest:
-        what = "the canary " if canary else ""
+    deployed, newest_canary = state
+    newest, what = deployed, ""
+    if canary and newest_canary is not None and newest_canary > deployed:
+        newest, what = newest_canary, "the canary "
+    if int(rel_dir[1:]) < newest:
         raise PolicyLoadError(
             f"{rel_dir} is older than {what}v{newest:06d}, which this service has loaded before "
+            f"(state file {pins.state_file}): refused"
+        )
+
+
+def _check_state_deployed(root: str, pins: Pins) -> None:
+    """Nothing deployed (no ``latest.json``) is refused when the state file records a deployed
+    version: a deleted pointer is no reason to run what the service ran before it."""
+    state = None if pins.state_file is None else _read_state(pins.state_file)
+    if state is not None and state[0] > 0:
+        raise PolicyLoadError(
+            f"no {LATEST} under {root}, but this service has loaded v{state[0]:06d} before "
             f"(state file {pins.state_file}): refused"
         )
 

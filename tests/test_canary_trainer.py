@@ -909,3 +909,36 @@ def test_a_fresh_run_over_an_unusable_latest_json_bases_on_the_deployed_version_
     fresh.iteration = 4
     fresh.checkpoint()
     assert load_policy(str(root), public_key=setup.pub).policy_version == 1
+
+
+def test_a_fresh_run_carries_out_a_promotion_decided_before_the_kill(tmp_path, setup, monkeypatch):
+    """The trainer signed its decision to promote canary v2 (rollout.json), then was killed before
+    latest.json moved. A fresh run ended v2 as "abandoned" (and, killed between latest.json and its
+    .sig, took base 0): the decided promotion was thrown away. The fresh run carries it out: v2 is
+    its base, latest.json names it, and v2's end record says promote."""
+
+    class Killed(BaseException):
+        pass
+
+    root, t = _canary_v2(tmp_path, setup, monkeypatch)
+    _serve(setup.committer, t.canary, {2: 2.0, 1: 0.0}, 300, seed=2)
+    real = t.publish_storage.write
+
+    def write(path, data):
+        if path == "latest.json":
+            raise Killed("kill -9")
+        return real(path, data)
+
+    monkeypatch.setattr(t.publish_storage, "write", write)
+    with pytest.raises(Killed):
+        t.look_canary()
+    assert json.loads((root / "v000002" / "rollout.json").read_bytes())["decision"] == "promote"
+    fresh = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **CANARY_KW)
+    fresh.iteration = 3
+    fresh.checkpoint()
+    assert (fresh.canary.version, fresh.canary.base_version) == (3, 2)
+    assert json.loads((root / "latest.json").read_bytes())["policy_version"] == 2
+    assert json.loads((root / "v000002" / "canary-ended.json").read_bytes())["decision"] == "promote"
+    for fraction in (0.0, 0.3):
+        p = load_policy(str(root), public_key=setup.pub, canary_fraction=fraction)
+        assert (p.policy_version, p.canary_version) == (2, 3 if fraction else None)

@@ -151,7 +151,8 @@ def signed_above(storage: Storage, signing_key: Any, named: int, channel: str | 
     undecided one ``canary.json`` names (a canary whose signed ``canary-ended.json`` exists is
     decided, whatever a replayed ``canary.json`` says). When ``canary.json`` cannot be read, only
     versions whose signed ``canary-ended.json`` says "promote" count (an undecided canary is never
-    taken for a deployed version). When there is one, a ``latest.json`` naming `named` is a
+    taken for a deployed version), unless its signed ``rollout.json`` decided to promote it (a
+    trainer killed before carrying that out). When there is one, a ``latest.json`` naming `named` is a
     replayed pointer (services refuse it and keep that version). `named` when there is none (or
     without a key)."""
     from rlrec.trainer.export import VERSION_DIR_RE, _verified_spec
@@ -177,7 +178,9 @@ def signed_above(storage: Storage, signing_key: Any, named: int, channel: str | 
     )
     for d in names[:MAX_ABOVE]:
         ended = _ended(storage, d, signing_key)
-        if ended in ("rollback", "abandoned") or (ended is None and (unreadable or int(d[1:]) == running)):
+        if ended in ("rollback", "abandoned"):
+            continue
+        if ended is None and (unreadable or int(d[1:]) == running) and not _promoted(storage, d, signing_key):
             continue
         try:
             _spec_bytes, spec = _verified_spec(storage, d, signing_key)
@@ -186,6 +189,14 @@ def signed_above(storage: Storage, signing_key: Any, named: int, channel: str | 
         if spec.get("channel") == channel:
             return int(d[1:])
     return named
+
+
+def _promoted(storage: Storage, d: str, signing_key: Any) -> bool:
+    """Whether canary version directory `d` holds this key's signed decision to promote it
+    (``rollout.json``, `read_decision`): decided, though perhaps not carried out (a trainer
+    killed before ``latest.json`` moved). Raises OSError when it cannot be read now."""
+    decision = read_decision(storage, int(d[1:]), signing_key)
+    return decision is not None and decision.get("decision") == "promote"
 
 
 def read_decision(storage: Storage, version: int, signing_key: Any) -> dict | None:
@@ -363,6 +374,13 @@ def _end_abandoned(storage: Storage, version: int, signing_key: Any) -> None:
     if _ended(storage, d, signing_key) is not None:  # an unsigned or copied record is none: signed now
         return
     base = int(current.get("base_version") or 0)
+    if _promoted(storage, d, signing_key):  # decided before its trainer died: the promotion stands
+        ended = {"canary_version": other, "decision": "promote", "deployed_version": other}
+        _write_signed(storage, f"{d}/{CANARY_ENDED}", json.dumps(ended, sort_keys=True).encode(), signing_key)
+        log.warning(
+            "canary v%d's signed decision was to promote it: it is deployed, v%d goes on canary", other, version
+        )
+        return
     ended = {"canary_version": other, "decision": "abandoned", "deployed_version": base}
     _write_signed(storage, f"{d}/{CANARY_ENDED}", json.dumps(ended, sort_keys=True).encode(), signing_key)
     log.error(

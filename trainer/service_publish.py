@@ -108,7 +108,7 @@ class PublishMixin:
         this trainer itself deployed (`_deployed`, kept in its checkpoint). An unsigned, forged,
         older (replayed), another channel's or unreadable pointer is no base: the trainer's own
         record is (logged)."""
-        from rlrec.trainer.canary_publish import deployed_version, signed_above
+        from rlrec.trainer.canary_publish import deployed_version, repoint_latest, signed_above
         from rlrec.trainer.policy import LATEST
 
         known = self._deployed
@@ -135,14 +135,15 @@ class PublishMixin:
             return named
         if above > named:
             log.error(
-                "%s names v%d, but v%d, signed by this key for this channel and no canary, exists (a replayed "
-                "pointer: services refuse it and keep v%d): the canary's base is v%d",
+                "%s names v%d, but v%d, signed by this key for this channel and no canary, exists (a replayed or "
+                "unfinished pointer: services refuse it): the canary's base is v%d, and %s is re-pointed at it",
                 LATEST,
                 named,
                 above,
                 above,
-                above,
+                LATEST,
             )
+            repoint_latest(self.publish_storage, above, self.signing_key, self.cfg.publish_channel)
             return above
         return named
 

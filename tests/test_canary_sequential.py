@@ -720,3 +720,33 @@ def test_the_evidence_adds_each_arm_in_the_order_its_episodes_started(tmp_path):
     assert canary.values == [0.0, 1.0, 2.0, 3.0]
     restarted, _ = CanaryEvidence(uri, version=5, base_version=4, started=t0, gamma=0.9, share=0.5).refresh()
     assert restarted.values == canary.values
+
+
+def test_the_exposure_counts_every_served_canary_episode_band_or_not(tmp_path):
+    """Services at canary_fraction 0.5 with the test's band at 0.05 serve ten times the canary
+    episodes the test counts: the maximum exposure counted only the band (21,097 served for a
+    stated 2,000), and a return below the range outside the band never rolled the canary back.
+    Every episode of this canary, band or not (and one logging no assignment), is exposure;
+    one below the range anywhere rolls it back."""
+    from rlrec.store.commit import ShardCommitter
+    from rlrec.trainer.canary_evidence import CanaryEvidence
+
+    uri = str(tmp_path / "store")
+    committer = ShardCommitter(uri)
+    committer.claim()
+    t0 = 1_000_000.0
+    eps = []
+    for i in range(2000):
+        eid = f"e{i}"
+        v = 2 if in_canary(eid, 0.5) else 1
+        eps.append(_episode(v, [0.5], int(t0 * 1000) + i, eid, 2, share=0.5))
+    eps.append(_episode(2, [0.5], int(t0 * 1000) + 1, "forgot-info"))  # the canary, no assignment logged
+    committer.commit(eps)
+    ev = CanaryEvidence(uri, version=2, base_version=1, started=t0, gamma=0.9, share=0.05)
+    canary, _deployed = ev.refresh(-1.0, 2.0)
+    served = sum(in_canary(f"e{i}", 0.5) for i in range(2000)) + 1
+    assert canary.n < served / 5 and ev.served_canary == served and ev.below_outside == 0
+    outside = next(f"e{i}" for i in range(2000, 9000) if in_canary(f"e{i}", 0.5) and not in_canary(f"e{i}", 0.05))
+    committer.commit([_episode(2, [-50.0], int(t0 * 1000) + 5, outside, 2, share=0.5)])
+    ev.refresh(-1.0, 2.0)
+    assert ev.below_outside == 1 and ev.served_canary == served + 1

@@ -942,3 +942,23 @@ def test_a_fresh_run_carries_out_a_promotion_decided_before_the_kill(tmp_path, s
     for fraction in (0.0, 0.3):
         p = load_policy(str(root), public_key=setup.pub, canary_fraction=fraction)
         assert (p.policy_version, p.canary_version) == (2, 3 if fraction else None)
+
+
+def test_a_canary_return_below_the_range_outside_the_band_rolls_it_back(tmp_path, setup, monkeypatch):
+    """The "canary return below the range: roll back at once" rule saw only the test's band: with
+    services at canary_fraction 0.5 and the band at 0.05, a catastrophic return in the 90 % of
+    served canary episodes outside the band was ignored. It rolls the canary back too."""
+    root = tmp_path / "ckpt" / "policies"
+    t = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **{**CANARY_KW, "canary_share": 0.05})
+    t.iteration = 3
+    t.checkpoint()
+    run, eps = t.canary, []
+    for i in range(300):
+        eid = f"x{i}"
+        canary = in_canary(eid, 0.5)
+        ret = -5.0 if canary and not in_canary(eid, 0.05) else 0.0  # below -3.5 only outside the band
+        eps.append(_episode(1 if canary else 0, [ret], int(run.started * 1000) + 1, eid, 1, 0.5, run.sha256))
+    setup.committer.commit(eps)
+    record = t.look_canary()
+    assert record["decision"] == "rollback" and "outside the test's band" in record["reason"]
+    assert not (root / "canary.json").exists()

@@ -119,7 +119,11 @@ class CanaryEvidence:
         self.sha256 = sha256
         self.outside_share = 0  # assigned episodes outside the test's band (a service's fraction, the score)
         self.overlong = 0
-        self.served_canary = 0  # counted canary episodes that ended, in a complete cohort or not
+        self.served_canary = 0  # this canary's episodes that ended, in the band or not, in a complete cohort or not
+        #: this canary's episodes outside the test's band, or logging no assignment: episode id -> return
+        #: (not evidence: counted in the exposure `served_canary` and the below-range rollback)
+        self._outside: dict[str, float] = {}
+        self.below_outside = 0  # of those, returns below the range `refresh` was given
         #: (canary, deployed) over every episode read, in a complete cohort or not (rollbacks)
         self.ended: tuple[ArmStats, ArmStats] = (ArmStats(), ArmStats())
         #: the cohort end of the last `refresh` with `now` (Unix ms; `cohort_end_ms`)
@@ -215,8 +219,9 @@ class CanaryEvidence:
                 continue
             if e.path in self._read_shards or e.path in self._bad:
                 continue
+            outside: dict[str, float] = {}
             try:
-                by_version = self._read(e)
+                by_version = self._read(e, outside=outside)
             except FileNotFoundError:
                 log.warning("shard %s was removed before the canary's evidence read it", e.path)
                 continue
@@ -226,6 +231,7 @@ class CanaryEvidence:
                 log.error("shard %s cannot be read as canary evidence (%s); skipping it", e.path, err)
                 continue
             self._read_shards.add(e.path)
+            self._outside.update(outside)
             for v, episodes in by_version.items():
                 for eid, start, duration, x in episodes:
                     if eid not in self._episodes and self.cohort_end is not None and start < self.cohort_end:
@@ -255,7 +261,8 @@ class CanaryEvidence:
             )
         end_ms = None if marks is None else self.cohort_end_ms(marks, now, episode_max_s)
         self.cohort_end = end_ms
-        self.served_canary = 0
+        self.served_canary = len(self._outside)
+        self.below_outside = sum(x < low for x in self._outside.values())
         for _eid, (v, start, x) in sorted(self._episodes.items(), key=lambda kv: (kv[1][1], kv[0])):  # start order
             self.served_canary += v == self.version
             ended[v].add(x, low, high)
@@ -296,28 +303,34 @@ class CanaryEvidence:
         ends = [guess if v is None else v - WATERMARK_SLACK_S * 1000.0 for v in marks.values()]
         return min([now * 1000.0, *ends]) if ends else guess
 
-    def _assigned(self, ep: Any, version: int) -> bool | None:
-        """Whether `ep` logs this canary's randomized assignment to the arm of `version`, in the
-        test's band (False, counted in `outside_share`, when outside it); None when it logs no
-        such assignment."""
+    def _assigned(self, ep: Any, version: int) -> str:
+        """How `ep` logs this canary's randomized assignment to the arm of `version`: "band" (in
+        the test's band), "outside" (outside it, counted in `outside_share`), "none" (it logs no
+        assignment at all) or "other" (another canary's, or the other arm's)."""
         from rlrec.trainer.canary import ASSIGNMENT_KEY, in_test_band, read_assignment
 
         try:
             info = ep.get_infos(0)
         except (IndexError, KeyError, TypeError):
-            return None
+            return "none"
         got = read_assignment(info, str(ep.id_))
-        if got is None or got[0] != self.version or got[1] != (version == self.version):
-            return None
+        if got is None:
+            return "none"
+        if got[0] != self.version or got[1] != (version == self.version):
+            return "other"
         if self.sha256 is not None and info[ASSIGNMENT_KEY].get("sha256") != self.sha256:
-            return None  # another root's or channel's canary of the same number
+            return "other"  # another root's or channel's canary of the same number
         if not in_test_band(str(ep.id_), got[1], got[2], self.share):
             self.outside_share += 1
-            return False
-        return True
+            return "outside"
+        return "band"
 
-    def _read(self, entry: Any, history: bool = False) -> dict[int, list[tuple[str, int, int, float]]]:
-        """Of each kept episode: (episode id, started_ms, duration_ms, discounted return), by version."""
+    def _read(
+        self, entry: Any, history: bool = False, outside: dict[str, float] | None = None
+    ) -> dict[int, list[tuple[str, int, int, float]]]:
+        """Of each kept episode: (episode id, started_ms, duration_ms, discounted return), by
+        version; the canary version's episodes outside the test's band or without an assignment
+        go to `outside` (episode id -> return) instead."""
         from rlrec.store.commit import read_committed_shard
         from rlrec.store.episodes import EpisodeDecodeError, unpack_episode
         from rlrec.store.schema_gate import open_shard
@@ -343,9 +356,11 @@ class CanaryEvidence:
                 continue
             if not history:
                 assigned = self._assigned(ep, int(v))
-                if assigned is None:
+                if assigned in ("none", "other"):
                     self.unassigned += 1
-                if not assigned:
+                if assigned != "band":
+                    if outside is not None and int(v) == self.version and assigned in ("outside", "none"):
+                        outside[str(ep.id_)] = discounted_return(ep.get_rewards(), self.gamma)  # served all the same
                     continue
             start = int(s) if s is not None else 0
             end = ends[i]

@@ -163,6 +163,15 @@ class CanaryRun:
                 f"{self.rule.share:g}..{SHARE_MAX:g})",
             )
         served = self._evidence.served_canary
+        below = self._evidence.below_outside
+        if verdict.decision == "continue" and below and self.rule.has_range and not self._evidence.ended[1].below:
+            verdict = replace(
+                verdict,
+                decision="rollback",
+                reason=f"the canary returned below the test's range [{self.rule.return_min:.4g}, "
+                f"{self.rule.return_max:.4g}] in {below} episodes served outside the test's band, and the deployed "
+                "version never did",
+            )
         if verdict.decision == "continue" and served >= self.rule.max_exposure:
             # the exposure counts every canary episode that ended, not only the complete cohort's
             verdict = replace(

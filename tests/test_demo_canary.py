@@ -144,3 +144,25 @@ def test_the_demo_opts_in_with_a_canary_share():
         DemoConfig(canary_share=0.6)
     with pytest.raises(ValueError, match="needs the promotion gate"):
         DemoConfig(canary_share=0.3, promotion_gate=False)
+
+
+def test_until_return_counts_a_version_served_on_canary_as_in_use(tmp_path):
+    """With --canary-share a version that passed the gate is served on canary, not deployed, until
+    its live test promotes it: the demo ended rc=1 "the evaluation return did not reach 400" while
+    its summary said v1 (evaluated 500) was published. Served on canary, it is in use."""
+    import time
+    from types import SimpleNamespace
+
+    from rlrec.demo.run import Demo
+
+    demo = Demo(DemoConfig(canary_share=0.3, until_return=400, settle_s=0, data_dir=str(tmp_path / "d")))
+    demo.collector = SimpleNamespace(
+        trainer=SimpleNamespace(deployed_return=500.0, eval_return=500.0, published_version=1)
+    )
+    t0 = time.time()
+    assert not demo._target(SimpleNamespace(policy_version=None, policy_versions_in_use=[]), t0)
+    assert demo._target(SimpleNamespace(policy_version=None, policy_versions_in_use=[1]), t0)
+    assert demo.outcome["target_on_canary"] is True
+    plain = Demo(DemoConfig(until_return=400, settle_s=0, data_dir=str(tmp_path / "p")))
+    plain.collector = demo.collector
+    assert not plain._target(SimpleNamespace(policy_version=None, policy_versions_in_use=[1]), t0)

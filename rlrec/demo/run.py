@@ -413,13 +413,16 @@ class Demo:
             if good is not None and good >= r and tail.published_version:
                 self.outcome["target_reached_s"] = round(time.time() - t0, 1)
                 self._target_version = tail.published_version
+        deployed = snap.policy_version is not None and snap.policy_version >= self._target_version
+        # with --canary-share a version that passed the gate is served on canary first: in use there too
+        on_canary = bool(self.cfg.canary_share) and self._target_version in (snap.policy_versions_in_use or ())
         if (
             self.outcome["target_reached_s"] is not None
             and self.outcome["target_used_s"] is None
-            and snap.policy_version is not None
-            and snap.policy_version >= self._target_version
+            and (deployed or on_canary)
         ):
             self.outcome["target_used_s"] = round(time.time() - t0, 1)
+            self.outcome["target_on_canary"] = not deployed
             if self.cfg.settle_s > 0:
                 self.board.note = (
                     f"evaluation return >= {r:g} in use: showing the deployed policies for {self.cfg.settle_s:g} s more"
@@ -635,6 +638,7 @@ class Demo:
             print(
                 f"  evaluation return >= {self.cfg.until_return:g}: published after {o['target_reached_s']} s, "
                 f"in use by a policy after {o['target_used_s']} s"
+                + (" (on canary, not promoted yet)" if o.get("target_on_canary") else "")
             )
         tail = self.collector.trainer if self.collector is not None else None
         if tail is not None and tail.last:

@@ -400,6 +400,7 @@ def test_only_the_randomized_split_of_services_that_opted_in_is_evidence(tmp_pat
     scores = [canary_score(f"a{i}") for i in range(6000)]
     assert canary.n == sum(x < 0.2 for x in scores) and deployed.n == sum(x >= 0.5 for x in scores)
     assert ev.unassigned == 6000 and ev.outside_share == sum(0.2 <= x < 0.5 for x in scores)
+    assert ev.misconfigured == 0  # a service at the test's share: outside the band by design, no warning
     rule = CanaryRule(return_min=-1.0, return_max=2.0, max_exposure=4000)
     v = judge(canary, deployed, rule, 10.0)
     assert v.decision == "rollback" and v.high < 0
@@ -522,6 +523,8 @@ def test_services_at_different_fractions_give_both_arms_the_same_population(tmp_
     wide = CanaryEvidence(uri, version=2, base_version=1, started=t0, gamma=0.9, share=0.1)
     c, d = wide.refresh(rule.return_min, rule.return_max)
     assert all(e.startswith("a") for e in wide._episodes) and c.n and d.n
+    # only that service's episodes are why the trainer warns; services within [share, 0.5] never are
+    assert ev.misconfigured == 0 and wide.misconfigured == 3000  # every episode of B (0.05 < 0.1)
 
 
 def test_a_canary_return_below_the_range_rolls_it_back_and_voids_promotion(tmp_path):

@@ -118,6 +118,7 @@ class CanaryEvidence:
         self.share = float(share)
         self.sha256 = sha256
         self.outside_share = 0  # assigned episodes outside the test's band (a service's fraction, the score)
+        self.misconfigured = 0  # of those, from services whose fraction lies outside [share, SHARE_MAX]
         self.overlong = 0
         self.served_canary = 0  # this canary's episodes that ended, in the band or not, in a complete cohort or not
         #: this canary's episodes outside the test's band, or logging no assignment: episode id -> return
@@ -307,7 +308,7 @@ class CanaryEvidence:
         """How `ep` logs this canary's randomized assignment to the arm of `version`: "band" (in
         the test's band), "outside" (outside it, counted in `outside_share`), "none" (it logs no
         assignment at all) or "other" (another canary's, or the other arm's)."""
-        from rlrec.trainer.canary import ASSIGNMENT_KEY, in_test_band, read_assignment
+        from rlrec.trainer.canary import ASSIGNMENT_KEY, SHARE_MAX, in_test_band, read_assignment
 
         try:
             info = ep.get_infos(0)
@@ -322,6 +323,7 @@ class CanaryEvidence:
             return "other"  # another root's or channel's canary of the same number
         if not in_test_band(str(ep.id_), got[1], got[2], self.share):
             self.outside_share += 1
+            self.misconfigured += not self.share <= got[2] <= SHARE_MAX
             return "outside"
         return "band"
 

@@ -134,13 +134,13 @@ class CanaryRun:
                 self._evidence.longest_s,
                 self.rule.episode_max_s,
             )
-        if self._evidence.outside_share and not self._warned_share:
+        if self._evidence.misconfigured and not self._warned_share:
             self._warned_share = True
             log.warning(
-                "canary v%d: %d assigned episodes lie outside the test's band and are not counted: services must "
-                "serve a canary_fraction between --canary-share %g and %g",
+                "canary v%d: %d assigned episodes come from services serving a canary_fraction outside the test's "
+                "band and are no evidence: services must serve a canary_fraction between --canary-share %g and %g",
                 self.version,
-                self._evidence.outside_share,
+                self._evidence.misconfigured,
                 self.rule.share,
                 SHARE_MAX,
             )

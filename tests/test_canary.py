@@ -636,3 +636,13 @@ def test_a_replayed_first_canary_pointer_is_below_the_state_file(tmp_path):
     with pytest.raises(PolicyLoadError, match="older than v000005"):
         _check_state("v000001", Pins(state_file=str(state)), canary=True)
     _check_state("v000006", Pins(state_file=str(state)), canary=True)
+
+
+@pytest.mark.parametrize("fraction", [0.6, 1.0, -0.1])
+def test_a_canary_fraction_above_the_tests_half_is_refused(on_canary, keys, fraction):
+    """canary_fraction 1.0 was accepted: such a service served the untested canary to all its
+    traffic and gave its test nothing (no episode of it lies in the test's band)."""
+    with pytest.raises(PolicyLoadError, match=r"canary_fraction must be in \[0, 0\.5\]"):
+        load_policy(str(on_canary), public_key=keys["public"], channel="prod", canary_fraction=fraction)
+    p = load_policy(str(on_canary), public_key=keys["public"], channel="prod", canary_fraction=0.5)
+    assert p.canary_version == 5

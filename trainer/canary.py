@@ -89,15 +89,20 @@ def in_canary(episode_id: str, fraction: float) -> bool:
 
 
 def check_canary_fraction(fraction: float) -> float:
-    """`fraction` as a float if it is in [0, 1], else ValueError.
+    """`fraction` as a float if it is in [0, `SHARE_MAX`], else ValueError: a service serving a
+    larger share serves an untested canary to most of its traffic and gives the test nothing
+    (`in_test_band`).
 
     Example:
         >>> check_canary_fraction(0.05)
         0.05
     """
     f = float(fraction)
-    if not 0.0 <= f <= 1.0:
-        raise ValueError(f"canary_fraction must be in [0, 1], got {fraction!r}")
+    if not 0.0 <= f <= SHARE_MAX:
+        raise ValueError(
+            f"canary_fraction must be in [0, {SHARE_MAX:g}], got {fraction!r} (a larger share serves the untested "
+            "canary to most episodes, and none of them is evidence for its test)"
+        )
     return f
 
 

@@ -654,7 +654,8 @@ def load_policy(
             `PolicyLoadError`; `Policy.poll` reports it and keeps the current version).
         canary_fraction: opt in to canaries (``rlrec train --rollout canary``): this share of
             episodes, chosen by a salted hash of the episode id (`rlrec.trainer.canary`), runs
-            the candidate ``canary.json`` names; act with `Policy.for_episode`. 0: never.
+            the candidate ``canary.json`` names; act with `Policy.for_episode`. 0: never; at
+            most 0.5 (the test counts deployed episodes from the other half).
 
     Raises:
         PolicyLoadError: nothing loadable is published, or it fails a check (module docstring;

@@ -646,3 +646,29 @@ def test_a_canary_fraction_above_the_tests_half_is_refused(on_canary, keys, frac
         load_policy(str(on_canary), public_key=keys["public"], channel="prod", canary_fraction=fraction)
     p = load_policy(str(on_canary), public_key=keys["public"], channel="prod", canary_fraction=0.5)
     assert p.canary_version == 5
+
+
+def test_a_fencing_entry_written_by_a_call_that_failed_is_this_trainers_own(tmp_path):
+    """A fencing create-once that was applied but reported failed (a 5xx after the write), retried
+    by the caller with a new entry (another time, another write), compared unequal: the trainer
+    took its own entry for another trainer's and exited 2 "taken by another trainer"."""
+    storage = Storage.from_uri(str(tmp_path / "root"))
+    lease = PublishLease(storage, ttl_s=60.0, writer="first")
+    lease.acquire()
+    real, failed = storage.create_once, {"n": 0}
+
+    def applied_then_failed(path, data):
+        if "fence" in path and not failed["n"]:
+            failed["n"] = 1
+            real(path, data)
+            raise OSError("503 after the write was applied")
+        return real(path, data)
+
+    storage.create_once = applied_then_failed
+    with pytest.raises(OSError):
+        lease.fence("write v000001/policy.json")
+    lease.fence("write v000001/policy.json")  # the caller's retry
+    assert lease.lost is None
+    lease.fence("write latest.json")
+    assert lease.lost is None
+    lease.release()

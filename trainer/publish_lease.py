@@ -199,6 +199,20 @@ class PublishLease:
         doc = {"writer": self.writer, "epoch": self.epoch, "position": n, "what": what[:200], "time": time.time()}
         return json.dumps(doc, sort_keys=True).encode()
 
+    def _own_entry(self, path: str, n: int) -> bool:
+        """Whether the existing fencing entry `path` is this trainer's own at position `n` (an
+        earlier `fence` whose create-once was applied but reported failed, then retried by the
+        caller with another entry): it holds the position, not another trainer."""
+        try:
+            doc = json.loads(self.storage.read(path, limit=4096))
+        except (OSError, ValueError):
+            return False
+        return isinstance(doc, dict) and (doc.get("writer"), doc.get("epoch"), doc.get("position")) == (
+            self.writer,
+            self.epoch,
+            n,
+        )
+
     def _claim(self) -> None:
         """Claim the fencing log's next position (a trainer at an older one is fenced)."""
         names = [f.path.rsplit("/", 1)[-1] for f in self.storage.list(FENCE_DIR)]
@@ -223,7 +237,8 @@ class PublishLease:
             if self._position is None:
                 raise PublishRootTaken(f"{self.storage.uri()}: the publish lease is not held; not publishing")
             n = self._position + 1
-            if not self.storage.create_once(f"{FENCE_DIR}/{n:012d}.json", self._entry(n, what)):
+            path = f"{FENCE_DIR}/{n:012d}.json"
+            if not self.storage.create_once(path, self._entry(n, what)) and not self._own_entry(path, n):
                 self.lost = f"the publish root was taken by another trainer (fencing entry {n} is not this one's)"
                 log.error("%s: this trainer publishes nothing more", self.lost)
                 raise PublishRootTaken(f"{self.storage.uri()}: {self.lost}; not publishing")

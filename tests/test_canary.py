@@ -429,9 +429,11 @@ def test_a_fenced_trainer_publishes_nothing(tmp_path, monkeypatch):
 
     renew_lease(t.publish_storage, "publisher", 0, writer="second", epoch=2, ttl_s=30.0)
     t.iteration = 6
+    committed = t.checkpoints.resume_point(0)
     with pytest.raises(PublishRootTaken, match=r"taken by writer second"):
         t.checkpoint()
     assert not (tmp_path / "ckpt" / "policies" / "v000002").exists()
+    assert t.checkpoints.resume_point(0) == committed  # nor a checkpoint another trainer would resume
     assert json.loads((tmp_path / "ckpt" / "policies" / "latest.json").read_bytes())["policy_version"] == 1
     t.publish_lease._stop.set()
 

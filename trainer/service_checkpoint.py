@@ -39,6 +39,7 @@ class CheckpointMixin:
         iteration's metrics line, the ope gate's in the line of the iteration it arrives at."""
         t0 = time.time()
         self._prepare_checkpoint(final)
+        self._check_lease()  # a trainer fenced off its publish root moves no checkpoint another may resume
         name = self._commit()
         log.info("checkpoint %s (policy v%d) in %.2fs", name, self.policy_version, time.time() - t0)
         return name

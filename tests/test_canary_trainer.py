@@ -962,3 +962,24 @@ def test_a_canary_return_below_the_range_outside_the_band_rolls_it_back(tmp_path
     record = t.look_canary()
     assert record["decision"] == "rollback" and "outside the test's band" in record["reason"]
     assert not (root / "canary.json").exists()
+
+
+def test_a_resumed_canary_that_no_pointer_names_and_nothing_ended_is_dropped_loudly(
+    tmp_path, setup, monkeypatch, caplog
+):
+    """A resume that finds the checkpoint's running canary neither named by canary.json nor ended
+    (resumed onto another --publish-dir, or the pointer removed) dropped it at INFO "it was
+    decided": it was never decided, so the drop is a WARNING that says so."""
+    import logging
+
+    root, t = _canary_v2(tmp_path, setup, monkeypatch)
+    t.iteration = 7
+    t.checkpoint()
+    for n in ("canary.json", "canary.json.sig"):
+        (root / n).unlink()
+    caplog.set_level(logging.INFO, logger="rlrec.trainer")
+    r = _resumed(tmp_path, setup, monkeypatch)
+    assert r.canary is None
+    dropped = [x for x in caplog.records if "dropped unjudged" in x.getMessage()]
+    assert dropped and dropped[0].levelno == logging.WARNING
+    assert not [x for x in caplog.records if "was decided before" in x.getMessage()]

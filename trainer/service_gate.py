@@ -399,7 +399,18 @@ class GateMixin:
                 len(run.history),
             )
             return
-        log.info("canary v%d was decided before checkpoint %s's run stopped: it is over", run.version, path)
+        if ended:
+            log.info("canary v%d was decided before checkpoint %s's run stopped: it is over", run.version, path)
+            return
+        log.warning(
+            "canary v%d of checkpoint %s is neither named by %s under %s nor ended there (a signed %s): dropped "
+            "unjudged; if it runs under another publish root, services there keep serving it",
+            run.version,
+            path,
+            CANARY,
+            self.publish_storage.uri(),
+            "canary-ended.json",
+        )
 
     def _promote_env(self, version: int, artifact: Any) -> bool:
         """The simulator gate: evaluate the candidate `artifact` in --env; True if it is not worse

@@ -139,6 +139,8 @@ def test_the_demo_opts_in_with_a_canary_share():
     args = canary_trainer_args(0.3)
     assert args[:4] == ["--rollout", "canary", "--canary-share", "0.3"]
     assert canary_trainer_args(0.0) == []
+    # the processes get str(share): the trainer's share is the same number, not rounded above it
+    assert float(canary_trainer_args(0.1234567)[3]) == 0.1234567
     assert DemoConfig(canary_share=0.3).canary_share == 0.3
     with pytest.raises(ValueError, match="--canary-share must be in"):
         DemoConfig(canary_share=0.6)

@@ -149,7 +149,7 @@ def canary_trainer_args(share: float) -> list[str]:
         "--rollout",
         "canary",
         "--canary-share",
-        f"{share:g}",
+        repr(float(share)),  # the exact value the policy processes get (str(share)), never rounded
         "--canary-return-min",
         "0",
         "--canary-return-max",

@@ -964,22 +964,35 @@ def test_a_canary_return_below_the_range_outside_the_band_rolls_it_back(tmp_path
     assert not (root / "canary.json").exists()
 
 
-def test_a_resumed_canary_that_no_pointer_names_and_nothing_ended_is_dropped_loudly(
+def test_a_resumed_canary_whose_pointer_was_removed_continues_and_its_pointer_is_rewritten(
     tmp_path, setup, monkeypatch, caplog
 ):
-    """A resume that finds the checkpoint's running canary neither named by canary.json nor ended
-    (resumed onto another --publish-dir, or the pointer removed) dropped it at INFO "it was
-    decided": it was never decided, so the drop is a WARNING that says so."""
+    """canary.json removed by who can write the root, then a resume: the running canary was dropped
+    at INFO "it was decided" though nothing decided it, and v2 stayed signed above latest.json with
+    no end record (every later restart refused as a replay). Its signed files are here: the same
+    test continues and the next checkpoint rewrites the pointer. A canary whose files are not under
+    this root (resumed onto another --publish-dir) is dropped with a WARNING."""
     import logging
+    import shutil
 
     root, t = _canary_v2(tmp_path, setup, monkeypatch)
     t.iteration = 7
     t.checkpoint()
     for n in ("canary.json", "canary.json.sig"):
         (root / n).unlink()
-    caplog.set_level(logging.INFO, logger="rlrec.trainer")
     r = _resumed(tmp_path, setup, monkeypatch)
-    assert r.canary is None
-    dropped = [x for x in caplog.records if "dropped unjudged" in x.getMessage()]
-    assert dropped and dropped[0].levelno == logging.WARNING
+    assert r.canary is not None and r.canary.version == 2
+    r.iteration = 8
+    r.checkpoint()
+    assert json.loads((root / "canary.json").read_bytes())["policy_version"] == 2
+    assert load_policy(str(root), public_key=setup.pub, canary_fraction=0.3).canary_version == 2
+    # the same checkpoint resumed onto a root without v2: dropped, loudly
+    for n in ("canary.json", "canary.json.sig"):
+        (root / n).unlink()
+    shutil.rmtree(root / "v000002")
+    caplog.set_level(logging.INFO, logger="rlrec.trainer")
+    dropped = _resumed(tmp_path, setup, monkeypatch)
+    assert dropped.canary is None
+    warned = [x for x in caplog.records if "dropped unjudged" in x.getMessage()]
+    assert warned and warned[0].levelno == logging.WARNING
     assert not [x for x in caplog.records if "was decided before" in x.getMessage()]

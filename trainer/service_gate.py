@@ -389,6 +389,15 @@ class GateMixin:
                 decision.get("decision"),
             )
             return
+        if not pending and not named and not ended and pointer is None and self._own_canary_here(run):
+            named = True  # its pointer was removed (not by a decision: none is recorded): rewritten at the refresh
+            log.warning(
+                "%s is missing under %s but canary v%d, undecided, is there: the same test continues and the pointer "
+                "is rewritten",
+                CANARY,
+                self.publish_storage.uri(),
+                run.version,
+            )
         if pending or (named and not ended):
             self.canary = run
             log.info(
@@ -411,6 +420,24 @@ class GateMixin:
             self.publish_storage.uri(),
             "canary-ended.json",
         )
+
+    def _own_canary_here(self, run: Any) -> bool:
+        """Whether the publish root holds `run`'s version signed by this trainer's key for its
+        channel, with the sha256 the run recorded (not another root's canary of that number)."""
+        import hashlib
+
+        from rlrec.trainer.export import _verified_spec
+        from rlrec.trainer.policy import PolicyLoadError, version_dir
+        from rlrec.trainer.signing import SignatureError
+
+        if self.signing_key is None:
+            return False
+        try:
+            spec_bytes, spec = _verified_spec(self.publish_storage, version_dir(run.version), self.signing_key)
+        except (OSError, SignatureError, ValueError, PolicyLoadError):
+            return False
+        sha = hashlib.sha256(spec_bytes).hexdigest()
+        return spec.get("channel") == self.cfg.publish_channel and (run.sha256 is None or sha == run.sha256)
 
     def _promote_env(self, version: int, artifact: Any) -> bool:
         """The simulator gate: evaluate the candidate `artifact` in --env; True if it is not worse

@@ -996,3 +996,26 @@ def test_a_resumed_canary_whose_pointer_was_removed_continues_and_its_pointer_is
     warned = [x for x in caplog.records if "dropped unjudged" in x.getMessage()]
     assert warned and warned[0].levelno == logging.WARNING
     assert not [x for x in caplog.records if "was decided before" in x.getMessage()]
+
+
+def test_a_fresh_run_over_an_undecided_canary_whose_pointer_was_removed(tmp_path, setup, monkeypatch):
+    """Canary v2 above v1, its trainer killed, then canary.json removed by who can write the root.
+    A fresh run took v2 -- never tested -- for a deployed version (no pointer named it, no record
+    ended it): its base, and once pointers are repaired from the trainer's state, latest.json.
+    A version signed as a canary is deployed only once a decision promoted it: the base stays v1,
+    v2 is ended as abandoned, and services restart on v1."""
+    root, _t = _canary_v2(tmp_path, setup, monkeypatch)
+    assert json.loads((root / "v000002" / "policy.json").read_bytes())["rollout"] == "canary"
+    for n in ("canary.json", "canary.json.sig"):
+        (root / n).unlink()
+    fresh = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **CANARY_KW)
+    fresh.iteration = 3
+    fresh.checkpoint()
+    assert (fresh.canary.version, fresh.canary.base_version) == (3, 1)
+    assert json.loads((root / "v000002" / "canary-ended.json").read_bytes())["decision"] == "abandoned"
+    fresh.iteration = 4
+    fresh.checkpoint()  # the pointers' refresh
+    assert json.loads((root / "latest.json").read_bytes())["policy_version"] == 1
+    for fraction in (0.0, 0.3):
+        p = load_policy(str(root), public_key=setup.pub, canary_fraction=fraction)
+        assert (p.policy_version, p.canary_version) == (1, 3 if fraction else None)

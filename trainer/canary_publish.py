@@ -187,6 +187,8 @@ def signed_above(storage: Storage, signing_key: Any, named: int, channel: str | 
         except (OSError, SignatureError, ValueError, PolicyLoadError):
             continue
         if spec.get("channel") == channel:
+            if spec.get("rollout") == "canary" and ended != "promote" and not _promoted(storage, d, signing_key):
+                continue  # put on canary and never promoted (its pointer removed or replayed): not deployed
             return int(d[1:])
     return named
 
@@ -252,6 +254,7 @@ def write_canary(storage: Storage, pub: Any, signing_key: Any, *, base_version: 
     sha = hashlib.sha256(pub.files[SPEC]).hexdigest()
     reserve_version(storage, pub.version, sha.encode())  # before canary.json names it
     _end_abandoned(storage, pub.version, signing_key)
+    _end_orphans(storage, pub.version, base_version, signing_key, pub.channel)
     data = canary_pointer_bytes(
         pub.version,
         pub.directory,
@@ -389,6 +392,36 @@ def _end_abandoned(storage: Storage, version: int, signing_key: Any) -> None:
         base,
         version,
     )
+
+
+def _end_orphans(storage: Storage, version: int, base: int, signing_key: Any, channel: str | None) -> None:
+    """Before `version` goes on canary above `base`: versions between them that this key signed
+    for `channel` as canaries (``"rollout": "canary"`` in their policy.json) and that no decision
+    ended -- their ``canary.json`` removed, so `_end_abandoned` does not see them -- are ended as
+    "abandoned" (logged as an ERROR): services' replay check then does not count them, and a
+    restart is not refused for them. A canary whose signed ``rollout.json`` decided to promote it
+    is left alone. Raises OSError when the root cannot be read now (retried later)."""
+    from rlrec.trainer.export import VERSION_DIR_RE, _verified_spec
+
+    if signing_key is None:
+        return
+    names = sorted(
+        i.name
+        for i in storage.list("")
+        if i.is_dir and VERSION_DIR_RE.match(i.name) and base < int(i.name[1:]) < version
+    )
+    for d in names[-MAX_ABOVE:]:
+        if _ended(storage, d, signing_key) is not None or _promoted(storage, d, signing_key):
+            continue
+        try:
+            _spec_bytes, spec = _verified_spec(storage, d, signing_key)
+        except (FileNotFoundError, SignatureError, ValueError, PolicyLoadError):
+            continue
+        if spec.get("channel") != channel or spec.get("rollout") != "canary":
+            continue
+        ended = {"canary_version": int(d[1:]), "decision": "abandoned", "deployed_version": base}
+        _write_signed(storage, f"{d}/{CANARY_ENDED}", json.dumps(ended, sort_keys=True).encode(), signing_key)
+        log.error("canary %s above v%d was never decided and no pointer names it: ended as abandoned", d, base)
 
 
 def _remove_canary(storage: Storage, version: int) -> None:

@@ -355,6 +355,8 @@ class PublishMixin:
         committed by the next checkpoint and written after it (`checkpoint`); True if it was."""
         from rlrec.trainer.export import prepare_publication
 
+        if self.cfg.rollout == "canary":  # signed: a canary is deployed only once a decision promotes it
+            metadata = {**metadata, "rollout": "canary"}
         try:
             pub = prepare_publication(
                 algo=self.algo,

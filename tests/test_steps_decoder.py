@@ -34,7 +34,7 @@ ENTRY = SimpleNamespace(policy_id="pol", path="x")
 def _object_path_columns(episodes: list) -> dict[str, pa.Array]:
     """The step columns of `SingleAgentEpisode`s, episode by episode: the object path's code."""
     from rlrec.store.shards import _column as space_column
-    from rlrec.store.snapshot import _leaves
+    from rlrec.store.steps_table import _leaves
 
     ep0 = episodes[0]
     obs = [_leaves(ep.observation_space, ep.get_observations()) for ep in episodes]

@@ -38,6 +38,7 @@ __all__ = [
     "empty_steps",
     "gated_steps",
     "naming_errors",
+    "repeated_strings",
     "tabular_episodes",
 ]
 
@@ -174,6 +175,41 @@ def tabular_episodes(shard: Any, entry: ShardEntry) -> list[Any]:
     return out
 
 
+def repeated_strings(values: list[str], counts: np.ndarray) -> pa.Array:
+    """A string column holding ``values[i]`` ``counts[i]`` times over, in order, built from its
+    buffers (no Python object per row).
+
+    Args:
+        values: the strings.
+        counts: how often each one repeats (non-negative integers, as many as `values`).
+
+    Example::
+
+        >>> repeated_strings(["a", "bc"], np.array([2, 1])).to_pylist()
+        ['a', 'a', 'bc']
+    """
+    encoded = [v.encode() for v in values]
+    counts = np.asarray(counts, dtype=np.int64)
+    n = int(counts.sum())
+    if len(encoded) == 1 and n * len(encoded[0]) <= _MAX_STRING_BYTES:
+        offsets = np.arange(0, (n + 1) * len(encoded[0]), len(encoded[0]) or 1, dtype=np.int32)
+        if not encoded[0]:
+            offsets = np.zeros(n + 1, dtype=np.int32)
+        data = encoded[0] * n
+    else:
+        sizes = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
+        if int(sizes @ counts) > _MAX_STRING_BYTES:  # past a string column's offsets
+            return pa.array(values, pa.string()).take(pa.array(np.repeat(np.arange(len(values)), counts)))
+        offsets = np.zeros(n + 1, dtype=np.int32)
+        np.cumsum(np.repeat(sizes, counts), out=offsets[1:])
+        data = b"".join(e * c for e, c in zip(encoded, counts.tolist()))
+    return pa.Array.from_buffers(pa.string(), n, [None, pa.py_buffer(offsets), pa.py_buffer(data)])
+
+
+#: the bytes a string column's (int32) offsets can address
+_MAX_STRING_BYTES = np.iinfo(np.int32).max
+
+
 def _logp(values: pa.Array | None, n: int) -> pa.Array:
     if values is None:
         return pa.nulls(n, pa.float64())
@@ -182,15 +218,35 @@ def _logp(values: pa.Array | None, n: int) -> pa.Array:
     return values.cast(pa.float64())
 
 
+_STRUCT_TYPES: dict[type, bool] = {}
+
+
+def _is_struct(space: Any) -> bool:
+    """Whether `space` is a Dict or Tuple space (answered once per type)."""
+    known = _STRUCT_TYPES.get(type(space))
+    if known is None:
+        import gymnasium as gym
+
+        known = _STRUCT_TYPES[type(space)] = issubclass(type(space), (gym.spaces.Dict, gym.spaces.Tuple))
+    return known
+
+
 def _leaves(space: Any, data: Any) -> list[np.ndarray]:
     """The leaf arrays of batched `data` (a value of `space` with a leading time axis)."""
+    if not _is_struct(space):
+        return [np.asarray(data)]
     import gymnasium as gym
 
     if isinstance(space, gym.spaces.Dict):
         return [leaf for k, s in space.spaces.items() for leaf in _leaves(s, data[k])]
-    if isinstance(space, gym.spaces.Tuple):
-        return [leaf for i, s in enumerate(space.spaces) for leaf in _leaves(s, data[i])]
-    return [np.asarray(data)]
+    return [leaf for i, s in enumerate(space.spaces) for leaf in _leaves(s, data[i])]
+
+
+def _last_steps(n: int, ends: np.ndarray, flags: np.ndarray) -> pa.Array:
+    """n booleans, true at ``ends[i] - 1`` where ``flags[i]`` (a flag of an episode's last step)."""
+    out = np.zeros(n, dtype=bool)
+    out[ends[flags] - 1] = True
+    return pa.array(out)
 
 
 def _episode_columns(episodes: list[Any]) -> dict[str, pa.Array]:
@@ -200,34 +256,37 @@ def _episode_columns(episodes: list[Any]) -> dict[str, pa.Array]:
     from rlrec.store.shards import _column as space_column
 
     ep0 = episodes[0]
+    count = len(episodes)
     obs = [_leaves(ep.observation_space, ep.get_observations()) for ep in episodes]
     acts = [_leaves(ep.action_space, ep.get_actions()) for ep in episodes]
-    lengths = np.fromiter((len(ep) for ep in episodes), dtype=np.int64, count=len(episodes))
+    lengths = np.fromiter(map(len, episodes), dtype=np.int64, count=count)
     ends = np.cumsum(lengths)
-    n = int(ends[-1]) if len(ends) else 0
-    episode = np.repeat(np.arange(len(episodes)), lengths)  # each step's episode
-    last = np.zeros(n, dtype=bool)
-    last[ends[lengths > 0] - 1] = True
-    logp = np.zeros(n, dtype=np.float64)
-    missing = np.ones(n, dtype=bool)  # null: no propensity logged
-    for ep, end, length in zip(episodes, ends.tolist(), lengths.tolist()):
-        if "action_logp" in ep.extra_model_outputs:
-            logp[end - length : end] = np.asarray(ep.get_extra_model_outputs("action_logp"), dtype=np.float64).reshape(
-                length
-            )
-            missing[end - length : end] = False
-    ids = pa.array([ep.id_ for ep in episodes], pa.string())
-    terminated = np.array([bool(ep.is_terminated) for ep in episodes])
-    truncated = np.array([bool(ep.is_truncated) for ep in episodes])
+    n = int(ends[-1]) if count else 0
+    logged = [ep for ep in episodes if "action_logp" in ep.extra_model_outputs]
+    if len(logged) == count:  # every episode logged its propensities
+        logps = [np.asarray(ep.get_extra_model_outputs("action_logp"), dtype=np.float64) for ep in episodes]
+        action_logp = pa.array(np.concatenate([p.reshape(k) for p, k in zip(logps, lengths.tolist())]))
+    else:
+        logp = np.zeros(n, dtype=np.float64)
+        missing = np.ones(n, dtype=bool)  # null: no propensity logged
+        for ep, end, length in zip(episodes, ends.tolist(), lengths.tolist()):
+            if "action_logp" in ep.extra_model_outputs:
+                values = np.asarray(ep.get_extra_model_outputs("action_logp"), dtype=np.float64)
+                logp[end - length : end] = values.reshape(length)
+                missing[end - length : end] = False
+        action_logp = pa.array(logp, mask=missing)
+    nonempty = lengths > 0
+    terminated = np.fromiter((ep.is_terminated for ep in episodes), dtype=bool, count=count) & nonempty
+    truncated = np.fromiter((ep.is_truncated for ep in episodes), dtype=bool, count=count) & nonempty
     return {
-        "episode_id": ids.take(pa.array(episode)),
+        "episode_id": repeated_strings([ep.id_ for ep in episodes], lengths),
         "t": pa.array(np.arange(n, dtype=np.int64) - np.repeat(ends - lengths, lengths)),
         "observation": space_column(ep0.observation_space, [[x[:-1] for x in o] for o in obs], "nested"),
         "action": space_column(ep0.action_space, acts, "nested"),
         "reward": pa.array(np.concatenate([np.asarray(ep.get_rewards(), dtype=np.float64) for ep in episodes])),
-        "terminated": pa.array(terminated[episode] & last),
-        "truncated": pa.array(truncated[episode] & last),
-        "action_logp": pa.array(logp, mask=missing) if missing.any() else pa.array(logp),
+        "terminated": _last_steps(n, ends, terminated),
+        "truncated": _last_steps(n, ends, truncated),
+        "action_logp": action_logp,
         "next_observation": space_column(ep0.observation_space, [[x[1:] for x in o] for o in obs], "nested"),
     }
 
@@ -270,7 +329,7 @@ def gated_steps(shard: Any, entry: ShardEntry, read: pa.Table | None = None) -> 
         if cols["t"] is None:
             raise ShardSchemaError(f"{entry.path}: a tabular shard without a t column")
     n = len(cols["episode_id"])
-    cols["policy_id"] = pa.array([entry.policy_id] * n, pa.string())
+    cols["policy_id"] = repeated_strings([entry.policy_id], np.array([n]))
     return pa.table({k: cols[k] for k in STEP_COLUMNS})
 
 

@@ -12,7 +12,8 @@ alternating order:
             fit, bootstrap, diagnostics) on the same held-out episodes with the same settings.
 
 Contract (issue 47): first phase line <= 2 s; cli total <= 2x compute (median of the per-round
-ratios). Usage: ``python bench/evaluate.py [--steps 200000] [--rounds 3] [--store DIR] [--json F]``.
+ratios). Usage: ``python bench/evaluate.py [--steps 200000] [--rounds 3] [--store DIR] [--quick] [--json F]``;
+``bench/run.py --only evaluate`` turns its result into two rows.
 """
 
 from __future__ import annotations
@@ -119,8 +120,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--estimators", default="wdr,fqe,wpdis,wis", help="as rlrec evaluate's (its default)")
     ap.add_argument("--holdout-fraction", type=float, default=0.5)
     ap.add_argument("--store", default=None, help="build (or reuse) the store here (default: a temporary folder)")
+    ap.add_argument("--quick", action="store_true", help="20k steps, 1 round (a smoke run)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if args.quick:
+        args.steps, args.rounds = min(args.steps, 20_000), 1
     root = args.store or tempfile.mkdtemp(prefix="rlrec-bench-evaluate-")
     built = build(root, args.steps, episodes_per_shard=20)
     print(f"store: {built}", file=sys.stderr)

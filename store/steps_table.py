@@ -191,10 +191,8 @@ def repeated_strings(values: list[str], counts: np.ndarray) -> pa.Array:
     encoded = [v.encode() for v in values]
     counts = np.asarray(counts, dtype=np.int64)
     n = int(counts.sum())
-    if len(encoded) == 1 and n * len(encoded[0]) <= _MAX_STRING_BYTES:
-        offsets = np.arange(0, (n + 1) * len(encoded[0]), len(encoded[0]) or 1, dtype=np.int32)
-        if not encoded[0]:
-            offsets = np.zeros(n + 1, dtype=np.int32)
+    if len(encoded) == 1 and n * len(encoded[0]) <= _MAX_STRING_BYTES:  # one value (a policy id)
+        offsets = (np.arange(n + 1, dtype=np.int64) * len(encoded[0])).astype(np.int32)
         data = encoded[0] * n
     else:
         sizes = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))

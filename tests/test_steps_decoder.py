@@ -460,3 +460,17 @@ def test_read_ahead_is_budgeted_by_what_shards_decode_to(tmp_path, monkeypatch):
     monkeypatch.setattr(snapshot_mod, "READ_AHEAD_DECODED_BYTES", 1, raising=False)
     assert rlrec.open(root).steps().equals(expected)
     assert len(names) == 4 and not any(n.startswith("rlrec-read-ahead") for n in names)
+
+
+@pytest.mark.parametrize(
+    ("values", "counts"),
+    [(["é", "", "xyz"], [0, 3, 2]), ([], []), (["pol"], [4]), ([""], [3]), (["x"], [0]), (["a", "bc"], [1, 1])],
+)
+def test_repeated_strings_equal_a_python_list_of_the_rows(values, counts):
+    """The id columns built from buffers hold what a Python list of every row's string gives."""
+    from rlrec.store.steps_table import repeated_strings
+
+    col = repeated_strings(values, np.array(counts, dtype=np.int64))
+    col.validate(full=True)
+    expected = pa.array([v for v, c in zip(values, counts) for _ in range(c)], pa.string())
+    assert col.type == pa.string() and col.equals(expected)

@@ -175,9 +175,9 @@ def tabular_episodes(shard: Any, entry: ShardEntry) -> list[Any]:
     return out
 
 
-def repeated_strings(values: list[str], counts: np.ndarray) -> pa.Array:
+def repeated_strings(values: list[str], counts: np.ndarray) -> pa.Array | pa.ChunkedArray:
     """A string column holding ``values[i]`` ``counts[i]`` times over, in order, built from its
-    buffers (no Python object per row).
+    buffers (no Python object per row; a chunked column past the 2 GiB a string array holds).
 
     Args:
         values: the strings.
@@ -191,21 +191,29 @@ def repeated_strings(values: list[str], counts: np.ndarray) -> pa.Array:
     encoded = [v.encode() for v in values]
     counts = np.asarray(counts, dtype=np.int64)
     n = int(counts.sum())
-    if len(encoded) == 1 and n * len(encoded[0]) <= _MAX_STRING_BYTES:  # one value (a policy id)
-        offsets = (np.arange(n + 1, dtype=np.int64) * len(encoded[0])).astype(np.int32)
-        data = encoded[0] * n
-    else:
-        sizes = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
-        if int(sizes @ counts) > _MAX_STRING_BYTES:  # past a string column's offsets
-            return pa.array(values, pa.string()).take(pa.array(np.repeat(np.arange(len(values)), counts)))
-        offsets = np.zeros(n + 1, dtype=np.int32)
-        np.cumsum(np.repeat(sizes, counts), out=offsets[1:])
-        data = b"".join(e * c for e, c in zip(encoded, counts.tolist()))
+    sizes = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
+    total = int(sizes @ counts)
+    if total > _MAX_STRING_BYTES:  # past a string array's int32 offsets: pyarrow chunks the column
+        return pa.array(np.repeat(np.array(values, dtype=object), counts), pa.string())
+    offsets = np.zeros(n + 1, dtype=np.int32)
+    np.cumsum(np.repeat(sizes, counts), out=offsets[1:])
+    if total <= _JOINED_BYTES:
+        data: Any = b"".join(e * c for e, c in zip(encoded, counts.tolist()))
+    else:  # each value written once into the one buffer (no copy of every repetition first)
+        data = np.empty(total, dtype=np.uint8)
+        pos = 0
+        for e, c in zip(encoded, counts.tolist()):
+            if e and c:
+                data[pos : pos + c * len(e)].reshape(c, len(e))[:] = np.frombuffer(e, dtype=np.uint8)
+                pos += c * len(e)
     return pa.Array.from_buffers(pa.string(), n, [None, pa.py_buffer(offsets), pa.py_buffer(data)])
 
 
-#: the bytes a string column's (int32) offsets can address
+#: the bytes a string array's (int32) offsets can address
 _MAX_STRING_BYTES = np.iinfo(np.int32).max
+#: `repeated_strings` joins repetitions up to this many bytes (fast for a shard's few ids) and
+#: writes each value once into a preallocated buffer above it (peak memory: the column once)
+_JOINED_BYTES = 64 * 1024 * 1024
 
 
 def _logp(values: pa.Array | None, n: int) -> pa.Array:

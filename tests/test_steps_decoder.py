@@ -462,15 +462,21 @@ def test_read_ahead_is_budgeted_by_what_shards_decode_to(tmp_path, monkeypatch):
     assert len(names) == 4 and not any(n.startswith("rlrec-read-ahead") for n in names)
 
 
+@pytest.mark.parametrize("path", ["joined", "written once", "past int32 offsets"])
 @pytest.mark.parametrize(
     ("values", "counts"),
     [(["é", "", "xyz"], [0, 3, 2]), ([], []), (["pol"], [4]), ([""], [3]), (["x"], [0]), (["a", "bc"], [1, 1])],
 )
-def test_repeated_strings_equal_a_python_list_of_the_rows(values, counts):
-    """The id columns built from buffers hold what a Python list of every row's string gives."""
-    from rlrec.store.steps_table import repeated_strings
+def test_repeated_strings_equal_a_python_list_of_the_rows(values, counts, path, monkeypatch):
+    """The id columns built from buffers hold what a Python list of every row's string gives, on
+    each of the builder's paths (the limits lowered to take the larger columns' paths)."""
+    from rlrec.store import steps_table
 
-    col = repeated_strings(values, np.array(counts, dtype=np.int64))
+    if path == "written once":
+        monkeypatch.setattr(steps_table, "_JOINED_BYTES", 0)
+    elif path == "past int32 offsets":
+        monkeypatch.setattr(steps_table, "_MAX_STRING_BYTES", 0)
+    col = steps_table.repeated_strings(values, np.array(counts, dtype=np.int64))
     col.validate(full=True)
     expected = pa.array([v for v, c in zip(values, counts) for _ in range(c)], pa.string())
     assert col.type == pa.string() and col.equals(expected)

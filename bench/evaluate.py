@@ -69,7 +69,13 @@ def run_cli(root: str, estimators: str, holdout: float) -> dict:
     if rc != 0:
         raise RuntimeError(f"rlrec evaluate exited {rc}: {phases}")
     doc = json.loads(out)
-    return {"first_line_s": phases[0][0], "total_s": total, "phases": phases, "steps": doc["steps"]}
+    return {
+        "first_line_s": phases[0][0],
+        "total_s": total,
+        "phases": phases,
+        "cli_steps": doc["steps"],
+        "cli_gamma": doc["gamma"],
+    }
 
 
 def compute(root: str, estimators: str, holdout: float) -> dict:
@@ -97,9 +103,10 @@ def compute(root: str, estimators: str, holdout: float) -> dict:
         "fqe": FQEConfig(steps=ope.fqe_steps, seed=ev.seed),
         "model": ope.model(ev.seed),
     }
+    gamma = ev.gamma if ev.gamma is not None else float(policy.spec.get("gamma") or 0.99)  # as the CLI takes it
     t0 = time.perf_counter()
-    evaluate(data, PolicyTarget(policy, ev.explore, seed=ev.seed), gamma=0.99, estimators=names, **settings)
-    return {"compute_s": time.perf_counter() - t0, "read_s": read_s, "steps": data.steps}
+    evaluate(data, PolicyTarget(policy, ev.explore, seed=ev.seed), gamma=gamma, estimators=names, **settings)
+    return {"compute_s": time.perf_counter() - t0, "read_s": read_s, "steps": data.steps, "gamma": gamma}
 
 
 def _parse(args: list[str]):
@@ -139,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
                 if side == "cli"
                 else compute(root, args.estimators, args.holdout_fraction)
             )
+        if (row["cli_steps"], row["cli_gamma"]) != (row["steps"], row["gamma"]):  # equal work on both sides
+            raise RuntimeError(f"the CLI and the compute side differ: {row}")
         row["ratio"] = row["total_s"] / row["compute_s"]
         rounds.append(row)
         print(

@@ -309,13 +309,13 @@ def _live_set_problems(
     import dataclasses
 
     from rlrec.store.live_set import (
-        MAX_LIVE_SET_BYTES,
         first_entry_key,
         fold,
         live_set_path,
         live_set_seqs,
         parse_live_set,
     )
+    from rlrec.store.live_set_file import size_cap
     from rlrec.store.manifest import UnsupportedManifestError
 
     problems: list[str] = []
@@ -324,7 +324,7 @@ def _live_set_problems(
         where = f"{topic}/{partition:05d} live set {seq}"
         try:
             ls = parse_live_set(
-                storage.read(live_set_path(topic, partition, seq), limit=MAX_LIVE_SET_BYTES), topic, partition, seq
+                storage.read(live_set_path(topic, partition, seq), limit=size_cap(seq)), topic, partition, seq
             )
         except FileNotFoundError:
             continue  # deleted meanwhile by the writer of a newer one
@@ -347,7 +347,7 @@ def _live_set_problems(
             live = fold(topic, partition, live_shards(below), [], [r for r in records if r.n < ls.removals])
         except ManifestError:
             continue  # the log itself breaks the rule of replacement: reported with the log
-        want = {q: dataclasses.replace(s, episode_ids=()) for q, s in live.items()}
+        want = {s.seq: dataclasses.replace(s, episode_ids=()) for s in live}
         got = {s.seq: s for s in ls.shards}
         for q in sorted(set(want) | set(got)):
             if q not in got:

@@ -13,10 +13,11 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
-from rlrec.store import live_set as ls_mod
-from rlrec.store import manifest_entries
+from rlrec.store import live_set_file, manifest_entries
 from rlrec.store.commit import ShardCommitter
 from rlrec.store.compaction import compact_partition
 from rlrec.store.live_set import (
@@ -151,24 +152,57 @@ def _store_with_live_set(tmp_path):
 
 
 def _doc(ls) -> dict:
-    return json.loads(ls.to_json())
+    """A live set as its header's fields and its rows (``"shards"``: column -> value), to forge."""
+    table = pq.read_table(pa.BufferReader(ls.to_bytes()))
+    return {**json.loads(table.schema.metadata[b"rlrec.live_set"]), "shards": table.to_pylist()}
+
+
+def _encode(doc: dict, schema: pa.Schema = live_set_file.SCHEMA, header: bytes | None = None) -> bytes:
+    """A live set file of `doc` (as `_doc` gives), its columns of `schema`, its header `header`."""
+    meta = header if header is not None else json.dumps({k: v for k, v in doc.items() if k != "shards"}).encode()
+    schema = schema.with_metadata({b"rlrec.live_set": meta})
+    table = pa.Table.from_arrays(pa.Table.from_pylist(doc["shards"], schema=schema).columns, schema=schema)
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    return sink.getvalue().to_pybytes()
+
+
+def _bytes(doc_or_bytes) -> bytes:
+    return doc_or_bytes if isinstance(doc_or_bytes, bytes) else _encode(doc_or_bytes)
 
 
 def _plant(c, doc_or_bytes, seq: int | None = None) -> None:
     """Plant a newer live set than the real one (seq defaults to one above the newest)."""
     seq = (max(live_set_seqs(c.storage, "rl", 0)) + 1) if seq is None else seq
-    data = doc_or_bytes if isinstance(doc_or_bytes, bytes) else json.dumps(doc_or_bytes).encode()
-    c.storage.write(live_set_path("rl", 0, seq), data)
+    c.storage.write(live_set_path("rl", 0, seq), _bytes(doc_or_bytes))
+
+
+def _typed(name: str, t: pa.DataType, nullable: bool = False, metadata: dict | None = None) -> pa.Schema:
+    """The live set schema with column `name` of type `t`."""
+    s = live_set_file.SCHEMA
+    return s.set(s.get_field_index(name), pa.field(name, t, nullable=nullable, metadata=metadata))
 
 
 def _hostile_docs(ls, seq: int) -> dict[str, object]:
     """Live sets to plant at `seq`, each wrong in one way."""
     d = {**_doc(ls), "seq": seq}
-    row = d["shards"][0]
+    head = {k: v for k, v in d.items() if k != "shards"}
+    rows = d["shards"]
+    row = rows[0]
+    honest = _encode(d)
+    footer = len(honest) - 8
+    rows_at = {k: (lambda v, k=k: {**d, "shards": [{**row, k: v}, *rows[1:]]}) for k in row}
     return {
-        "torn": ls.to_json().encode()[:-40],
-        "not json": b"\x00\xff" * 10,
-        "a list": b"[1, 2]",
+        "torn": honest[:-40],
+        "truncated to its first half": honest[: len(honest) // 2],
+        "not parquet": b"\x00\xff" * 10,
+        "empty": b"",
+        "a footer said to be huge": honest[:footer] + (2**31 - 1).to_bytes(4, "little") + b"PAR1",
+        "a footer longer than the file": honest[:footer] + (len(honest)).to_bytes(4, "little") + b"PAR1",
+        "header not JSON": _encode(d, header=b"\x00{"),
+        "header a list": _encode(d, header=b"[1, 2]"),
+        "header JSON nested too deep": _encode(d, header=b"[" * 60_000),
+        "header over 64 KiB": _encode(d, header=json.dumps({**head, "writer": "w" * 70_000}).encode()),
         "newer format": {**d, "manifest_version": 5},
         "another log": {**d, "partition": 1},
         "seq not the file's": {**d, "seq": ls.seq},
@@ -176,19 +210,53 @@ def _hostile_docs(ls, seq: int) -> dict[str, object]:
         "bool partition": {**d, "partition": False},
         "unknown field": {**d, "extra": 1},
         "missing field": {k: v for k, v in d.items() if k != "first"},
-        "row of another partition": {**d, "shards": [{**row, "partition": 1}]},
-        "row at or above its seq": {**d, "shards": [{**row, "seq": seq}]},
-        "rows out of order": {**d, "shards": d["shards"][::-1]},
-        "row twice": {**d, "shards": [row, row]},
-        "row with episode ids": {**d, "shards": [{**row, "episode_ids": ["x"]}]},
-        "row path outside its policy": {**d, "shards": [{**row, "path": "../../etc/passwd"}]},
-        "row with a bool count": {**d, "shards": [{**row, "episodes": True}]},
         "negative removals": {**d, "removals": -1},
         "huge first": {**d, "first": "x" * 5000},
-        "JSON nested too deep": b"[" * 200_000,
         "time too large for a float": {**d, "time": 10**400},
-        "row commit_time too large for a float": {**d, "shards": [{**row, "commit_time": 10**400}]},
         "infinite time": {**d, "time": float("inf")},
+        "more rows than entries below its seq": {**d, "shards": [{**row, "seq": i % seq} for i in range(seq + 1)]},
+        "row at or above its seq": rows_at["seq"](seq),
+        "negative row seq": rows_at["seq"](-1),
+        "rows out of order": {**d, "shards": rows[::-1]},
+        "row twice": {**d, "shards": [row, row]},
+        "row name outside its policy": rows_at["name"]("../../etc/passwd"),
+        "row name a path": rows_at["name"]("a/b.parquet"),
+        "row name hidden": rows_at["name"](".b.parquet"),
+        "row name reserved": rows_at["name"]("_staging"),
+        "row name empty": rows_at["name"](""),
+        "row policy not a policy id": rows_at["policy_id"](".."),
+        "row sha256 not hex": rows_at["sha256"]("g" * 64),
+        "row format empty": rows_at["format"](""),
+        "row epoch 0": rows_at["epoch"](0),
+        "row negative bytes": rows_at["bytes"](-1),
+        "row negative steps": rows_at["steps"](-5),
+        "row negative decoded_bytes": rows_at["decoded_bytes"](-1),
+        "row negative resume_offset": rows_at["resume_offset"](-1),
+        "row first_offset above last_offset": rows_at["first_offset"](row["last_offset"] + 1),
+        "row NaN commit_time": rows_at["commit_time"](float("nan")),
+        "row infinite commit_time": rows_at["commit_time"](float("inf")),
+        "row event_schema_versions not JSON": rows_at["event_schema_versions"]("{"),
+        "row event_schema_versions of bools": rows_at["event_schema_versions"]("[true]"),
+        "row event_schema_versions nested too deep": rows_at["event_schema_versions"]("[" * 100_000),
+        "row policy version a float": rows_at["min_policy_version"]("1.5"),
+        "row steps_without_logp negative": rows_at["steps_without_logp"]('{"1": -1}'),
+        "row sha256 null": _encode({**d, "shards": [{**row, "sha256": None}]}, _typed("sha256", pa.string(), True)),
+        "column of another type": _encode(d, _typed("episodes", pa.float64())),
+        "bool count column": _encode(
+            {**d, "shards": [{**r, "episodes": True} for r in rows]}, _typed("episodes", pa.bool_())
+        ),
+        "dictionary column": _encode(d, _typed("policy_id", pa.dictionary(pa.int32(), pa.string()))),
+        "large_string column": _encode(d, _typed("name", pa.large_string())),
+        "column of an extension type": _encode(
+            d, _typed("name", pa.string(), metadata={b"ARROW:extension:name": b"rlrec.test.unregistered"})
+        ),
+        "an extra column (episode ids)": _encode(
+            {**d, "shards": [{**r, "episode_ids": "x"} for r in rows]},
+            live_set_file.SCHEMA.append(pa.field("episode_ids", pa.string())),
+        ),
+        "a column missing": _encode(d, live_set_file.SCHEMA.remove(live_set_file.SCHEMA.get_field_index("writer"))),
+        "decodes to more than its seq allows": rows_at["name"]("a" * 300_000),
+        "larger than its seq allows": rows_at["name"](os.urandom(150_000).hex()),
     }
 
 
@@ -200,9 +268,10 @@ def test_a_hostile_live_set_is_refused_and_the_history_read(tmp_path):
     seq = ls.seq + 1
     path = live_set_path("rl", 0, seq)
     for name, doc in _hostile_docs(ls, seq).items():
-        data = doc if isinstance(doc, bytes) else json.dumps(doc).encode()
+        data = _bytes(doc)
         with pytest.raises(manifest_entries.ManifestError):
             parse_live_set(data, "rl", 0, seq)
+            pytest.fail(name)
         c.storage.write(path, data)
         assert read_live_set(c.storage, "rl", 0) == ls, name  # refused: the next older one is used
         head = open_snapshot(root)
@@ -235,7 +304,7 @@ def test_a_live_set_past_the_log_end_or_stale_is_ignored(tmp_path):
 def _replant(c, seq: int, doc: dict) -> None:
     """Replace the live set at `seq` by `doc` (a forged one: parses, names real shards)."""
     c.storage.delete(live_set_path("rl", 0, seq))
-    c.storage.create_once(live_set_path("rl", 0, seq), json.dumps(doc).encode())
+    c.storage.create_once(live_set_path("rl", 0, seq), _encode(doc))
 
 
 def test_verify_rebuilds_every_live_set_from_the_history(tmp_path):
@@ -306,36 +375,81 @@ def test_inspect_verify_reports_a_forged_live_set_and_totals_from_the_history(tm
 
 
 def test_a_live_set_is_bounded_in_what_it_makes_a_reader_read(tmp_path, monkeypatch):
+    """A reader reads at most what the live set's seq allows (rows <= seq, bytes <= a cap that
+    grows with seq, review-47b finding 6), and reads no live set named past the log's end."""
     root, c, ls = _store_with_live_set(tmp_path)
     want = _history_head(c.storage)
-    size = len(ls.to_json())
-    monkeypatch.setattr(ls_mod, "MAX_LIVE_SET_BYTES", size - 1)
+    size = len(c.storage.read(live_set_path("rl", 0, ls.seq)))
     reads = []
     real = type(c.storage).read
 
     def read(self, path, *a, limit=None, **kw):
         if "/_live/" in path:
-            reads.append(limit)
+            reads.append((path.rsplit("/", 1)[-1], limit))
         return real(self, path, *a, limit=limit, **kw)
 
     monkeypatch.setattr(type(c.storage), "read", read)
+    name = f"{ls.seq:012d}.parquet"
+    assert read_live_set(c.storage, "rl", 0) == ls
+    assert reads == [(name, live_set_file.size_cap(ls.seq))] and size <= live_set_file.size_cap(ls.seq)
+    assert live_set_file.size_cap(ls.seq) < 200_000  # a short log's live set: never 512 MiB
+    _plant(c, {**_doc(ls), "seq": 10**9}, seq=10**9)  # named past the log's end: never read
+    reads.clear()
+    assert read_live_set(c.storage, "rl", 0) == ls and reads == [(name, live_set_file.size_cap(ls.seq))]
+    c.storage.delete(live_set_path("rl", 0, 10**9))
+    monkeypatch.setattr(live_set_file, "MAX_LIVE_SET_BYTES", size - 1)
+    reads.clear()
     assert read_live_set(c.storage, "rl", 0) is None
-    assert reads == [size - 1]  # never asked for more than the limit
+    assert reads == [(name, size - 1)]  # never asked for more than the limit
     assert sorted(_key(s) for s in open_snapshot(root).entries) == want
-    monkeypatch.setattr(ls_mod, "MAX_LIVE_SET_BYTES", 512 * 1024 * 1024)
-    monkeypatch.setattr(ls_mod, "MAX_LIVE_SHARDS", len(ls.shards) - 1)
+    monkeypatch.setattr(live_set_file, "MAX_LIVE_SET_BYTES", 512 * 1024 * 1024)
+    monkeypatch.setattr(live_set_file, "MAX_LIVE_SHARDS", len(ls.shards) - 1)
     assert read_live_set(c.storage, "rl", 0) is None
+
+
+def test_a_symlinked_live_set_is_refused(tmp_path):
+    """A live set (or the `_live` directory) that is a symlink is never followed: refused, the
+    next older live set or the history read, no reader fails."""
+    root, c, ls = _store_with_live_set(tmp_path)
+    want = _history_head(c.storage)
+    live_dir = os.path.dirname(os.path.join(root, live_set_path("rl", 0, ls.seq)))
+    outside = tmp_path / "outside.parquet"
+    outside.write_bytes(_encode({**_doc(ls), "seq": ls.seq + 1, "shards": []}))  # would hide every shard
+    os.symlink(outside, os.path.join(live_dir, f"{ls.seq + 1:012d}.parquet"))
+    assert read_live_set(c.storage, "rl", 0) == ls
+    assert sorted(_key(s) for s in open_snapshot(root).entries) == want
+    os.remove(os.path.join(live_dir, f"{ls.seq + 1:012d}.parquet"))
+    os.rename(live_dir, str(tmp_path / "live-elsewhere"))
+    os.symlink(str(tmp_path / "live-elsewhere"), live_dir)
+    assert read_live_set(c.storage, "rl", 0) is None
+    assert sorted(_key(s) for s in open_snapshot(root).entries) == want
+    assert sorted(_key(s) for s in read_manifest(c.storage)) == want
+
+
+def test_a_json_live_set_of_an_earlier_build_is_ignored_and_removed(tmp_path):
+    """Live sets were JSON files (``.json``) before they were Parquet: a reader never reads one
+    (it reads the newest Parquet live set, else the history); the next writer of a live set
+    deletes them."""
+    root, c, ls = _store_with_live_set(tmp_path)
+    want = _history_head(c.storage)
+    old = live_set_path("rl", 0, ls.seq + 1)[: -len(".parquet")] + ".json"
+    c.storage.write(old, b'{"type": "live_set", "shards": []}')  # would hide every shard if read
+    assert read_live_set(c.storage, "rl", 0) == ls and live_set_seqs(c.storage, "rl", 0) == [ls.seq]
+    assert sorted(_key(s) for s in open_snapshot(root).entries) == want
+    _commit(c, 1, 40)
+    assert write_live_set(c.storage, "rl", 0) is not None
+    assert not c.storage.exists(old)
 
 
 def test_an_older_reader_refuses_a_live_set_as_too_new(tmp_path, monkeypatch):
     """A reader of format 3 never reads `_live/` (it reads the history); handed a live set, it
-    refuses it as too new instead of misreading it."""
+    refuses it as too new, or as no manifest entry, instead of misreading it."""
     ls = _store_with_live_set(tmp_path)[2]
     monkeypatch.setattr(manifest_entries, "MANIFEST_FORMAT_VERSION", 3)
     with pytest.raises(UnsupportedManifestError, match="format version 4"):
-        parse_live_set(ls.to_json(), "rl", 0, ls.seq)
-    with pytest.raises(UnsupportedManifestError):
-        manifest_entries.parse_entry(ls.to_json())
+        parse_live_set(ls.to_bytes(), "rl", 0, ls.seq)
+    with pytest.raises(manifest_entries.ManifestError):
+        manifest_entries.parse_entry(ls.to_bytes())
 
 
 # -- kill -9 of the writer around the live set's write -----------------------------------------------
@@ -492,9 +606,9 @@ def test_a_live_set_past_the_logs_end_is_passed_over_and_does_not_stop_the_write
     st = c.storage
     honest = live_set_seqs(st, "rl", 0)
     assert honest
-    doc = json.loads(st.read(live_set_path("rl", 0, honest[-1])))
+    doc = _doc(read_live_set(st, "rl", 0))
     doc["seq"] = big = 999_999_999_999
-    st.create_once(live_set_path("rl", 0, big), json.dumps(doc).encode())
+    st.create_once(live_set_path("rl", 0, big), _encode(doc))
     assert read_live_set(st, "rl", 0).seq == honest[-1]  # the next older one
     _assert_head_is_history(root, through_live_set=True)
     w = ShardCommitter(root, "rl", 0, snapshot_every=3)  # a fresh writer (looks for live sets)

@@ -3,11 +3,12 @@ against listing the store's live files (the ``head`` row of ``bench/store.py``).
 
     python bench/store_head.py [--entries 100000] [--live 20000] [--tail 500] [--rounds 5] [--json PATH]
 
-One partition log is built on a local directory through `PartitionLog` (snapshots every 100
-entries, as a consumer writes them): ``entries`` shard entries, every ``entries / live`` of them
-merged by a replace entry as compaction does (so ``live`` live shards, one file each; the merged-away
-shards have no files, which opening the head never reads), a live set written
-(`rlrec.store.live_set.write_live_set`), then ``tail`` more shard entries after it. Per round,
+One partition log is built on a local directory: ``entries`` shard entries, every ``entries /
+live`` of them merged by a replace entry as compaction does (so ``live`` live shards, one file
+each; the merged-away shards have no files, which opening the head never reads), a live set
+written (`rlrec.store.live_set.write_live_set`), then ``tail`` more shard entries after it,
+committed through `PartitionLog` as the partition's writer commits them (a claim, then a log
+snapshot every 100 entries). Per round,
 alternating which goes first:
 
   head      ``open_snapshot(root)`` (what ``rlrec.open(root)`` does): the newest live set, the
@@ -92,7 +93,7 @@ def build(root: str, entries: int, live: int, tail: int) -> dict:
     (not through `PartitionLog`, whose checks and snapshots would take an hour at this size on a
     loaded machine): a claim, then shard and replace entries, no log snapshots."""
     from rlrec.store.live_set import write_live_set
-    from rlrec.store.manifest import ClaimEntry, ReplaceEntry, entry_path
+    from rlrec.store.manifest import ClaimEntry, PartitionLog, ReplaceEntry, entry_path
     from rlrec.store.manifest_entries import _dumps
 
     st = Storage.from_uri(root, fsync=False)
@@ -132,13 +133,21 @@ def build(root: str, entries: int, live: int, tail: int) -> dict:
     written = time.perf_counter()
     ls = write_live_set(st, TOPIC, 0, writer="bench")
     live_set_s = time.perf_counter() - written
+    # the tail as the partition's writer commits it: a claim, then shard entries with a log
+    # snapshot every 100 (what a reader of the head reads after the live set)
+    plog = PartitionLog(st, TOPIC, 0, snapshot_every=100)
+    plog.claim("bench-tail")
     for n in range(entries - tail, entries):
-        put(shard(n, True))
+        data = f"shard {n}".encode()
+        e = _shard(n, [f"ep-{n}-{j}" for j in range(4)], data)
+        with open(os.path.join(root, e.path), "wb") as f:
+            f.write(data)
+        plog.append_shard(e)
     return {
-        "entries": seq,
+        "entries": plog.next_seq,
         "shard_entries": entries,
         "live_set_seq": ls.seq if ls else None,
-        "live_set_bytes": len(ls.to_json()) if ls else None,
+        "live_set_bytes": len(ls.to_bytes()) if ls else None,
         "live_set_write_s": live_set_s,
         "live_files": len(os.listdir(os.path.join(root, POLICY))),
         "build_s": time.perf_counter() - t0,
@@ -198,7 +207,7 @@ def measure_s3(root: str, live_set_seq: int, rounds: int) -> dict:
     import importlib.util
     import shutil
 
-    from rlrec.store.manifest import entry_path
+    from rlrec.store.manifest import HEAD_HINT, entry_path
     from rlrec.store.snapshot import open_snapshot
 
     spec = importlib.util.spec_from_file_location("bench_store", os.path.join(os.path.dirname(__file__), "store.py"))
@@ -214,6 +223,9 @@ def measure_s3(root: str, live_set_seq: int, rounds: int) -> dict:
         first = entry_path(TOPIC, 0, 0)  # a reader checks the live set's "first" against it
         os.makedirs(os.path.dirname(os.path.join(sub, first)), exist_ok=True)
         shutil.copy(os.path.join(root, first), os.path.join(sub, first))
+        hint = os.path.join("_manifest", TOPIC, "00000", HEAD_HINT)  # names the newest log snapshot
+        if os.path.exists(os.path.join(root, hint)):
+            shutil.copy(os.path.join(root, hint), os.path.join(sub, hint))
         seq = live_set_seq - 1
         while os.path.exists(os.path.join(root, entry_path(TOPIC, 0, seq))):
             os.makedirs(os.path.dirname(os.path.join(sub, entry_path(TOPIC, 0, seq))), exist_ok=True)

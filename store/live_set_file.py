@@ -34,6 +34,7 @@ import json
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -91,6 +92,17 @@ COLUMNS: tuple[tuple[str, pa.DataType, bool], ...] = (
     ("resume_offset", _INT, True),
 )
 SCHEMA = pa.schema([pa.field(n, t, nullable=null) for n, t, null in COLUMNS])
+_REPEATING = (
+    "writer",
+    "policy_id",
+    "format",
+    "format_version",
+    "epoch",
+    "event_schema_versions",
+    "min_policy_version",
+    "max_policy_version",
+    "steps_without_logp",
+)
 _JSON_COLUMNS = ("event_schema_versions", "min_policy_version", "max_policy_version", "steps_without_logp")
 
 
@@ -140,7 +152,8 @@ def encode(header: Mapping[str, Any], shards: Iterable[ShardEntry]) -> bytes:
     }
     table = pa.table(data, schema=SCHEMA.with_metadata({_META_KEY: _dumps(dict(header)).encode()}))
     sink = pa.BufferOutputStream()
-    pq.write_table(table, sink, compression="zstd", write_statistics=False)
+    # dictionaries only where values repeat; LZ4: decoded fastest (measured against zstd, snappy, none)
+    pq.write_table(table, sink, compression="lz4", write_statistics=False, use_dictionary=list(_REPEATING))
     return sink.getvalue().to_pybytes()
 
 
@@ -324,6 +337,7 @@ def decode(data: bytes, topic: str, partition: int, seq: int) -> tuple[dict[str,
         for k in _JSON_COLUMNS:
             distinct[k] = _distinct(c[k], k, _JSON_CHECKS[k], parse=True)
         distinct["policy_id"] = _distinct(c["policy_id"], "policy_id", _check_policy)
+        distinct["writer"] = _distinct(c["writer"], "writer", _check_any)
         distinct["format"] = _distinct(c["format"], "format", _check_nonempty)
     return header, LiveRows(topic, partition, c, distinct)
 
@@ -355,11 +369,27 @@ def _check_columns(c: Mapping[str, pa.Array], seq: int) -> None:
         raise ManifestError("live set: a row's first_offset is above its last_offset")
     if not _all(pc.is_finite(c["commit_time"])):
         raise ManifestError("live set: a row's commit_time is not a finite number")
-    if not _all(pc.match_substring_regex(c["sha256"], r"^[0-9a-f]{64}$")):
+    offsets, data = _string_bytes(c["sha256"])
+    hexdigit = ((data >= ord("0")) & (data <= ord("9"))) | ((data >= ord("a")) & (data <= ord("f")))
+    if (np.diff(offsets) != 64).any() or not hexdigit.all():
         raise ManifestError("live set: a row's sha256 is not 64 lowercase hex digits")
     # a file name: one path component, not hidden or reserved ('.', '..', '_staging', ...)
-    if not _all(pc.match_substring_regex(c["name"], r"^[^/\\._][^/\\]*$")):
-        raise ManifestError("live set: a row's file name is not one plain path component")
+    offsets, data = _string_bytes(c["name"])
+    if (np.diff(offsets) <= 0).any() or (data == ord("/")).any() or (data == ord("\\")).any():
+        raise ManifestError("live set: a row's file name is empty or not one path component")
+    if np.isin(data[offsets[:-1] - offsets[0]], [ord("."), ord("_")]).any():
+        raise ManifestError("live set: a row's file name starts with '.' or '_'")
+    if (data >= 0x80).any():  # not ASCII: valid UTF-8 (pyarrow does not check it reading Parquet)
+        c["name"].validate(full=True)
+
+
+def _string_bytes(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """(the offsets, the UTF-8 bytes) of a string array without nulls (valid UTF-8: pyarrow
+    checks it when it reads Parquet), read from its buffers: a check of every byte in bulk."""
+    _, off, buf = arr.buffers()
+    offsets = np.frombuffer(off, dtype=np.int32)[arr.offset : arr.offset + len(arr) + 1]
+    data = np.frombuffer(buf, dtype=np.uint8)[offsets[0] : offsets[-1]] if buf is not None else np.zeros(0, np.uint8)
+    return offsets, data
 
 
 def _distinct(col: pa.Array, what: str, check: Callable[[Any, str], Any], parse: bool = False) -> tuple[list, Any]:
@@ -375,6 +405,10 @@ def _check_policy(v: str, what: str) -> str:
 
     if not POLICY_ID_RE.match(v) or v.endswith("\n"):
         raise ManifestError(f"live set: a row's {what} is not a valid policy id: {v[:40]!r}")
+    return v
+
+
+def _check_any(v: str, what: str) -> str:
     return v
 
 

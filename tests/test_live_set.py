@@ -183,6 +183,18 @@ def _typed(name: str, t: pa.DataType, nullable: bool = False, metadata: dict | N
     return s.set(s.get_field_index(name), pa.field(name, t, nullable=nullable, metadata=metadata))
 
 
+def _not_utf8(doc: dict, column: str) -> bytes:
+    """A live set of `doc` whose first row's `column` is bytes that are not UTF-8."""
+    data = pq.read_table(pa.BufferReader(_encode(doc)))
+    values = [v.encode() for v in data.column(column).to_pylist()]
+    values[0] = b"\xff" + values[0]
+    col = pa.array(values, pa.binary()).view(pa.string())
+    table = data.set_column(data.schema.get_field_index(column), data.schema.field(column), col)
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    return sink.getvalue().to_pybytes()
+
+
 def _hostile_docs(ls, seq: int) -> dict[str, object]:
     """Live sets to plant at `seq`, each wrong in one way."""
     d = {**_doc(ls), "seq": seq}
@@ -255,6 +267,9 @@ def _hostile_docs(ls, seq: int) -> dict[str, object]:
             live_set_file.SCHEMA.append(pa.field("episode_ids", pa.string())),
         ),
         "a column missing": _encode(d, live_set_file.SCHEMA.remove(live_set_file.SCHEMA.get_field_index("writer"))),
+        "row name not UTF-8": _not_utf8(d, "name"),
+        "row writer not UTF-8": _not_utf8(d, "writer"),
+        "row policy not UTF-8": _not_utf8(d, "policy_id"),
         "decodes to more than its seq allows": rows_at["name"]("a" * 300_000),
         "larger than its seq allows": rows_at["name"](os.urandom(150_000).hex()),
     }

@@ -261,9 +261,9 @@ class LiveRows(ShardList):
     def _row(self, i: int) -> ShardEntry:
         """Row `i` alone (a fold looking up the few rows a later entry names)."""
         i = range(len(self.seqs))[i]
-        c = self._columns
-        values = {k: c[k][i].as_py() for k in c if k not in self._distinct}
-        for k, (vals, idx) in self._distinct.items():
+        c, distinct = self._columns, self._distinct
+        values = {k: c[k][i].as_py() for k in c if k not in distinct}
+        for k, (vals, idx) in distinct.items():
             j = idx[i].as_py()
             values[k] = None if j is None else vals[j]
         return self._make([values])[0]

@@ -141,9 +141,7 @@ def build(root: str, entries: int, live: int, tail: int) -> dict:
     for n in range(entries - tail, entries):
         data = f"shard {n}".encode()
         e = _shard(n, [f"ep-{n}-{j}" for j in range(4)], data)
-        with open(os.path.join(root, e.path), "wb") as f:
-            f.write(data)
-        plog.append_shard(e)
+        plog.publish(plog.append_shard(e), data)  # as the consumer's committer: commit, then publish
     return {
         "entries": plog.next_seq,
         "shard_entries": entries,

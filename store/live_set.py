@@ -4,10 +4,10 @@ live files, not its history.
 A live set (``"type": "live_set"``, manifest format 4) is kept beside its partition log, never in
 it::
 
-    _manifest/{topic}/{partition:05d}/_live/{seq:012d}.parquet   the live set covering entries < seq
+    _manifest/{topic}/{partition:05d}/_live/{seq:012d}.live   the live set covering entries < seq
 
-A live set is one Parquet file, a row per live shard, read and checked column-wise
-(`rlrec.store.live_set_file`).
+A live set is one file of raw Arrow columns, a row per live shard, read as views of its bytes
+and checked column-wise (`rlrec.store.live_set_file`).
 It is a pure summary of data that never changes: the log's entries ``0 .. seq-1`` and the removal
 records (`rlrec.store.retention`) numbered below its ``removals``. It lists the live shards at
 that point (`rlrec.store.manifest.live_shards`) less those the folded records remove, one row
@@ -112,13 +112,13 @@ LIVE_SET_FORMAT_VERSION = 4
 LIVE_SET_EVERY = 1000
 #: live sets kept per log (older ones are deleted by the writer of a new one)
 KEEP_LIVE_SETS = 3
-_NAME_RE = re.compile(r"^(\d{12})\.parquet$")
+_NAME_RE = re.compile(r"^(\d{12})\.live$")
 _JSON_NAME_RE = re.compile(r"^(\d{12})\.json$")
 
 
 def live_set_path(topic: str, partition: int, seq: int) -> str:
-    """``_manifest/{topic}/{partition:05d}/_live/{seq:012d}.parquet``."""
-    return f"{MANIFEST_DIR}/{topic}/{int(partition):05d}/{LIVE_DIR}/{int(seq):012d}.parquet"
+    """``_manifest/{topic}/{partition:05d}/_live/{seq:012d}.live``."""
+    return f"{MANIFEST_DIR}/{topic}/{int(partition):05d}/{LIVE_DIR}/{int(seq):012d}.live"
 
 
 def first_entry_key(entry: Entry | None) -> str:
@@ -136,7 +136,8 @@ class LiveSetEntry:
 
     ``shards``: shard entries in seq order without their episode ids (``episode_ids`` is ``()``,
     ``episodes`` is the count), each with the seq of the entry that committed it (a merged
-    shard: its replace entry's). ``first``: `first_entry_key` of the log's entry 0.
+    shard: its replace entry's); read from a file (`parse_live_set`), a `LiveRows` whose
+    entries are built when first used. ``first``: `first_entry_key` of the log's entry 0.
     """
 
     topic: str
@@ -165,7 +166,7 @@ class LiveSetEntry:
         }
 
     def to_bytes(self) -> bytes:
-        """The live set's file (Parquet, `rlrec.store.live_set_file`)."""
+        """The live set's file (raw Arrow columns, `rlrec.store.live_set_file`)."""
         return encode(self.header(), self.shards)
 
 

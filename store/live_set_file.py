@@ -1,18 +1,22 @@
-"""The file of a live set (`rlrec.store.live_set`): one Parquet file, one row per live shard,
-checked column by column with ``pyarrow.compute`` so that reading 20,000 rows costs about what
-listing 20,000 files does.
+"""The file of a live set (`rlrec.store.live_set`): its rows as raw Arrow column buffers, read
+as views of the file's bytes and checked column by column with ``pyarrow.compute`` and numpy, so
+that reading 20,000 rows costs about what listing 20,000 files does -- and what a file makes a
+reader allocate is what the file says it holds, checked against its seq before anything is
+decoded (no dictionary, run-length or delta encoding can expand on reading).
 
 Layout (manifest format 4, docs/FORMAT.md "Live sets")::
 
-    schema metadata b"rlrec.live_set": {"type": "live_set", "manifest_version": 4, "topic",
-        "partition", "seq", "time", "writer", "first", "removals"}   (JSON, at most 64 KiB)
-    columns, in this order and of exactly these types (nullable: may be null):
-        seq int64, epoch int64, writer string (nullable), policy_id string, name string,
-        first_offset int64, last_offset int64, episodes int64, steps int64, bytes int64,
-        sha256 string, format string, format_version int64, event_schema_versions string (JSON),
-        commit_time double, min_policy_version string (JSON, nullable),
-        max_policy_version string (JSON, nullable), steps_without_logp string (JSON, nullable),
-        decoded_bytes int64 (nullable), resume_offset int64 (nullable)
+    b"RLRECLS1"                      magic (8 bytes)
+    raw length                       uint64 little-endian: the payload's length
+    the payload, one zstd frame      decompressed to exactly its raw length, else refused
+    payload = the column buffers (8-byte aligned) + header (JSON) + header length (uint32 LE)
+    header  = {"type": "live_set", "manifest_version": 4, "topic", "partition", "seq", "time",
+               "writer", "first", "removals", "rows": n,
+               "buffers": {column: [[offset, length] or null, ...]}}   (at most 64 KiB)
+
+Columns (``COLUMNS``: name, Arrow type, nullable), each of ``n`` rows: an int64 or double column
+is [validity, values], a string column [validity, int32 offsets, UTF-8 bytes] (Arrow's layout);
+validity is null for a column with no nulls (always, for one that is not nullable).
 
 A row is a shard entry of the log without ``episode_ids``: its ``path`` is
 ``{policy_id}/{name}`` and its ``staging_path`` ``{policy_id}/_staging/{name}`` (what
@@ -20,10 +24,11 @@ A row is a shard entry of the log without ``episode_ids``: its ``path`` is
 partition the log's. Fields whose JSON type varies (a list or an object, an int or a string)
 are JSON text, checked once per distinct value.
 
-The bytes are hostile (docs/GUARANTEES.md §3, "Live sets"): `decode` refuses (ManifestError),
-before reading any column, a file larger than `size_cap` of its seq, without the Parquet magic,
-whose footer is over `MAX_FOOTER_BYTES`, whose footer states more rows than its seq or more
-decoded bytes than `size_cap`, or whose schema is not exactly the one above; then every value
+The bytes are hostile (docs/GUARANTEES.md §3, "Live sets"): `decode` refuses (ManifestError) a
+file larger than `size_cap` of its seq or whose raw length is, a frame that does not decompress
+to exactly its raw length, a header over 64 KiB or not of this format, more rows than its seq,
+a buffer outside the payload or not of its column's exact length, offsets that are not
+monotone and in bounds or strings that are not UTF-8 (``validate(full=True)``); then every value
 is checked as `rlrec.store.manifest_entries` checks a shard entry's field (in bulk), and rows
 must have ascending seqs below the file's.
 """
@@ -37,12 +42,10 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from rlrec.store.manifest_entries import ManifestError, ShardEntry, _check_version
 
 __all__ = [
-    "MAX_FOOTER_BYTES",
     "MAX_LIVE_SET_BYTES",
     "MAX_LIVE_SHARDS",
     "SCHEMA",
@@ -57,15 +60,14 @@ __all__ = [
 MAX_LIVE_SET_BYTES = 512 * 1024 * 1024
 #: the most rows of a live set
 MAX_LIVE_SHARDS = 2_000_000
-#: the most bytes of a live set's Parquet footer (schema, row groups, metadata)
-MAX_FOOTER_BYTES = 1024 * 1024
 #: per row of its seq, what a live set may take (file and decoded bytes): rows cannot outnumber
 #: the entries below its seq, so a forged one costs a reader what that log's honest one could
 PER_ROW_BYTES = 4096
 _BASE_BYTES = 64 * 1024
-_META_KEY = b"rlrec.live_set"
-_MAX_META_BYTES = 64 * 1024
+MAGIC = b"RLRECLS1"
+_MAX_HEADER_BYTES = 64 * 1024
 _HEADER = frozenset({"type", "manifest_version", "topic", "partition", "seq", "time", "writer", "first", "removals"})
+_LAYOUT = frozenset({"rows", "buffers"})
 
 _INT, _STR, _F64 = pa.int64(), pa.string(), pa.float64()
 #: (name, type, nullable) of each column, in file order
@@ -92,17 +94,6 @@ COLUMNS: tuple[tuple[str, pa.DataType, bool], ...] = (
     ("resume_offset", _INT, True),
 )
 SCHEMA = pa.schema([pa.field(n, t, nullable=null) for n, t, null in COLUMNS])
-_REPEATING = (
-    "writer",
-    "policy_id",
-    "format",
-    "format_version",
-    "epoch",
-    "event_schema_versions",
-    "min_policy_version",
-    "max_policy_version",
-    "steps_without_logp",
-)
 _JSON_COLUMNS = ("event_schema_versions", "min_policy_version", "max_policy_version", "steps_without_logp")
 
 
@@ -116,7 +107,7 @@ def _dumps(v: Any) -> str:
 
 
 def encode(header: Mapping[str, Any], shards: Iterable[ShardEntry]) -> bytes:
-    """The Parquet bytes of a live set: `header` (the JSON fields, module docstring) and its rows."""
+    """The bytes of a live set: `header` (its fields, module docstring) and its rows."""
     rows = list(shards)
 
     def col(f):
@@ -150,50 +141,103 @@ def encode(header: Mapping[str, Any], shards: Iterable[ShardEntry]) -> bytes:
         "decoded_bytes": col(lambda s: s.decoded_bytes),
         "resume_offset": col(lambda s: s.resume_offset),
     }
-    table = pa.table(data, schema=SCHEMA.with_metadata({_META_KEY: _dumps(dict(header)).encode()}))
-    sink = pa.BufferOutputStream()
-    # dictionaries only where values repeat; LZ4: decoded fastest (measured against zstd, snappy, none)
-    pq.write_table(table, sink, compression="lz4", write_statistics=False, use_dictionary=list(_REPEATING))
-    return sink.getvalue().to_pybytes()
+    return encode_columns(header, {name: pa.array(data[name], t) for name, t, _ in COLUMNS}, len(rows))
 
 
-def header_of(data: bytes, seq: int) -> dict[str, Any]:
-    """The checked footer of a live set's bytes: its header fields (module docstring), with
-    ``"rows"`` (its row count) added; ManifestError if the file is not one a reader may read
-    at `seq` (size, magic, footer size, row count, decoded size, schema)."""
+def encode_columns(header: Mapping[str, Any], columns: Mapping[str, pa.Array], rows: int) -> bytes:
+    """The bytes of a live set of `rows` rows whose columns are `columns` (name -> array, in any
+    order; each written as its Arrow buffers, module docstring)."""
+    payload, specs = bytearray(), {}
+    for name, arr in columns.items():
+        if arr.offset:
+            arr = pa.concat_arrays([arr])  # its buffers from its first row
+        bufs, n = arr.buffers(), len(arr)
+        sizes = [(n + 7) // 8]
+        if pa.types.is_string(arr.type):
+            offsets = np.frombuffer(bufs[1], dtype=np.int32)[: n + 1] if bufs[1] is not None else [0]
+            sizes += [4 * (n + 1), int(offsets[-1])]
+        elif pa.types.is_integer(arr.type) or pa.types.is_floating(arr.type):
+            sizes += [arr.type.bit_width // 8 * n]
+        else:  # no type of the format: its buffers whole (a reader refuses them)
+            sizes += [b.size if b is not None else 0 for b in bufs[1:]]
+        specs[name] = []
+        for i, (buf, size) in enumerate(zip(bufs, sizes)):
+            if i == 0 and (buf is None or not arr.null_count):
+                specs[name].append(None)  # no nulls: no validity
+                continue
+            payload += b"\0" * (-len(payload) % 8)
+            specs[name].append([len(payload), size])
+            payload += buf.to_pybytes()[:size] if buf is not None else bytes(size)
+    head = _dumps({**header, "rows": rows, "buffers": specs}).encode()
+    return pack(bytes(payload) + head + len(head).to_bytes(4, "little"))
+
+
+def pack(raw: bytes) -> bytes:
+    """A live set file around its payload: the magic, the raw length, one zstd frame."""
+    return MAGIC + len(raw).to_bytes(8, "little") + pa.Codec("zstd").compress(raw, asbytes=True)
+
+
+def unpack(data: bytes, cap: int = MAX_LIVE_SET_BYTES) -> bytes:
+    """A live set file's payload (ManifestError: not one, or its raw length is over `cap`)."""
+    if len(data) < 16 or data[:8] != MAGIC:
+        raise ManifestError("not a live set file (no magic)")
+    raw = int.from_bytes(data[8:16], "little")
+    if raw > cap:
+        raise ManifestError(f"live set of {raw} bytes raw (its seq allows {cap})")
+    payload = pa.Codec("zstd").decompress(data[16:], decompressed_size=raw, asbytes=True)
+    if len(payload) != raw:
+        raise ManifestError("live set does not decompress to its raw length")
+    return payload
+
+
+def _open_checked(data: bytes, seq: int) -> tuple[dict[str, Any], dict[str, pa.Array]]:
+    """A live set's bytes opened and checked for their layout: (its header's fields, module
+    docstring; its columns, views of the payload, validated). ManifestError if the file is not
+    one a reader may read at `seq` (sizes, header, row count, buffers, offsets, UTF-8)."""
     cap = size_cap(seq)
     if len(data) > cap:
         raise ManifestError(f"live set of more than {cap} bytes (its seq allows no more)")
-    if len(data) < 12 or data[:4] != b"PAR1" or data[-4:] != b"PAR1":
-        raise ManifestError("live set is not a Parquet file")
-    footer = int.from_bytes(data[-8:-4], "little")
-    if footer > min(MAX_FOOTER_BYTES, len(data) - 12):
-        raise ManifestError(f"live set's Parquet footer of {footer} bytes is too large")
-    pf = pq.ParquetFile(
-        pa.BufferReader(data), thrift_string_size_limit=MAX_FOOTER_BYTES, thrift_container_size_limit=100_000
-    )
-    meta = pf.metadata
-    rows = meta.num_rows
-    if not 0 <= rows <= min(seq, MAX_LIVE_SHARDS):
-        raise ManifestError(f"live set of {rows} rows at seq {seq} (at most one per entry below it)")
-    decoded = sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
-    if decoded > cap:
-        raise ManifestError(f"live set decodes to {decoded} bytes (more than {cap})")
-    schema = pf.schema_arrow
-    fields = [(f.name, f.type) for f in schema]
-    if fields != [(n, t) for n, t, _ in COLUMNS] or any(f.metadata for f in schema):
-        raise ManifestError("live set: its columns are not those of the format (names, order, types)")
-    raw = (schema.metadata or {}).get(_META_KEY)
-    if raw is None or len(raw) > _MAX_META_BYTES:
+    payload = unpack(data, cap)
+    head_len = int.from_bytes(payload[-4:], "little") if len(payload) >= 4 else -1
+    if not 0 < head_len <= min(_MAX_HEADER_BYTES, len(payload) - 4):
         raise ManifestError("live set: no header, or one over 64 KiB")
-    doc = json.loads(raw)
+    body = len(payload) - 4 - head_len  # the column buffers lie below the header
+    doc = json.loads(payload[body:-4])
     if not isinstance(doc, dict) or doc.get("type") != "live_set":
         raise ManifestError("not a live set")
-    _check_version(doc)
-    missing, unknown = _HEADER - doc.keys(), doc.keys() - _HEADER
+    _check_version(doc)  # a newer format (which may have other columns): UnsupportedManifestError
+    missing, unknown = (_HEADER | _LAYOUT) - doc.keys(), doc.keys() - _HEADER - _LAYOUT
     if missing or unknown:
         raise ManifestError(f"live set: missing fields {sorted(missing)}, unknown fields {sorted(unknown)}")
-    return {**doc, "rows": rows, "_file": pf}
+    rows, specs = doc.pop("rows"), doc.pop("buffers")
+    if type(rows) is not int or not 0 <= rows <= min(seq, MAX_LIVE_SHARDS):
+        raise ManifestError(f"live set of {rows!r} rows at seq {seq} (at most one per entry below it)")
+    if not isinstance(specs, dict) or set(specs) != {n for n, _, _ in COLUMNS}:
+        raise ManifestError("live set: its columns are not those of the format")
+    whole = pa.py_buffer(payload)
+    columns = {}
+    for name, t, nullable in COLUMNS:
+        want = [(rows + 7) // 8, *((4 * (rows + 1), None) if t == _STR else (8 * rows,))]
+        spec = specs[name]
+        if not isinstance(spec, list) or len(spec) != len(want):
+            raise ManifestError(f"live set: column {name!r} has not the buffers of its type")
+        bufs = []
+        for i, (b, size) in enumerate(zip(spec, want)):
+            if b is None and i == 0:
+                bufs.append(None)
+                continue
+            ok = isinstance(b, list) and len(b) == 2 and all(type(x) is int for x in b)
+            if not ok or b[0] < 0 or b[1] < 0 or b[0] + b[1] > body or (size is not None and b[1] != size):
+                raise ManifestError(f"live set: a buffer of column {name!r} is not in the file or not its size")
+            if i == 0 and not nullable:
+                raise ManifestError(f"live set: column {name!r} has nulls")
+            bufs.append(whole.slice(b[0], b[1]))
+        if t == _STR and bufs[2] is None:
+            raise ManifestError(f"live set: column {name!r} has no data")
+        arr = pa.Array.from_buffers(t, rows, bufs)
+        arr.validate(full=True)  # offsets monotone and in bounds, UTF-8
+        columns[name] = arr
+    return doc, columns
 
 
 class ShardList(Sequence[ShardEntry]):
@@ -212,7 +256,7 @@ class ShardList(Sequence[ShardEntry]):
         return self._items()[i]
 
     def __eq__(self, other: object) -> bool:
-        if isinstance(other, (Sequence, ShardList)) and not isinstance(other, (str, bytes)):
+        if isinstance(other, Sequence) and not isinstance(other, (str, bytes)):
             return len(self) == len(other) and self._items() == list(other)
         return NotImplemented
 
@@ -320,19 +364,16 @@ class LiveRows(ShardList):
 
 
 def decode(data: bytes, topic: str, partition: int, seq: int) -> tuple[dict[str, Any], LiveRows]:
-    """The header (checked by `header_of`; the caller checks its fields) and the rows of a live
+    """The header (its footer checked by `_open_checked`; the caller checks its fields) and the rows of a live
     set's bytes, as shard entries of log `topic`/`partition` without episode ids, in seq order.
     ManifestError: a value is not what a shard entry of that log below `seq` may hold. Every
     value is checked here; the entries are built when first asked for (`LiveRows`)."""
-    header = header_of(data, seq)
-    table = header.pop("_file").read(use_threads=False)
-    header.pop("rows")
+    header, c = _open_checked(data, seq)
     for name, _, nullable in COLUMNS:
-        if not nullable and table.column(name).null_count:
+        if not nullable and c[name].null_count:
             raise ManifestError(f"live set: column {name!r} has nulls")
-    c = {name: table.column(name).combine_chunks() for name, _, _ in COLUMNS}
     distinct: dict[str, Any] = {}
-    if table.num_rows:
+    if len(c["seq"]):
         _check_columns(c, seq)
         for k in _JSON_COLUMNS:
             distinct[k] = _distinct(c[k], k, _JSON_CHECKS[k], parse=True)
@@ -379,13 +420,13 @@ def _check_columns(c: Mapping[str, pa.Array], seq: int) -> None:
         raise ManifestError("live set: a row's file name is empty or not one path component")
     if np.isin(data[offsets[:-1] - offsets[0]], [ord("."), ord("_")]).any():
         raise ManifestError("live set: a row's file name starts with '.' or '_'")
-    if (data >= 0x80).any():  # not ASCII: valid UTF-8 (pyarrow does not check it reading Parquet)
-        c["name"].validate(full=True)
+    if ((data < 0x20) | (data == 0x7F)).any():  # no file system takes a NUL; no newline in a file name
+        raise ManifestError("live set: a row's file name holds a control character")
 
 
 def _string_bytes(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
-    """(the offsets, the UTF-8 bytes) of a string array without nulls (valid UTF-8: pyarrow
-    checks it when it reads Parquet), read from its buffers: a check of every byte in bulk."""
+    """(the offsets, the UTF-8 bytes) of a string array without nulls (validated by
+    `_open_checked`), read from its buffers: a check of every byte in bulk."""
     _, off, buf = arr.buffers()
     offsets = np.frombuffer(off, dtype=np.int32)[arr.offset : arr.offset + len(arr) + 1]
     data = np.frombuffer(buf, dtype=np.uint8)[offsets[0] : offsets[-1]] if buf is not None else np.zeros(0, np.uint8)

@@ -48,7 +48,6 @@ from rlrec.store.manifest_entries import ManifestError, ShardEntry, _check_versi
 __all__ = [
     "MAX_LIVE_SET_BYTES",
     "MAX_LIVE_SHARDS",
-    "SCHEMA",
     "LiveRows",
     "ShardList",
     "decode",
@@ -93,7 +92,6 @@ COLUMNS: tuple[tuple[str, pa.DataType, bool], ...] = (
     ("decoded_bytes", _INT, True),
     ("resume_offset", _INT, True),
 )
-SCHEMA = pa.schema([pa.field(n, t, nullable=null) for n, t, null in COLUMNS])
 _JSON_COLUMNS = ("event_schema_versions", "min_policy_version", "max_policy_version", "steps_without_logp")
 
 
@@ -177,15 +175,17 @@ def pack(raw: bytes) -> bytes:
     return MAGIC + len(raw).to_bytes(8, "little") + pa.Codec("zstd").compress(raw, asbytes=True)
 
 
-def unpack(data: bytes, cap: int = MAX_LIVE_SET_BYTES) -> bytes:
-    """A live set file's payload (ManifestError: not one, or its raw length is over `cap`)."""
+def unpack(data: bytes, cap: int = MAX_LIVE_SET_BYTES) -> pa.Buffer:
+    """A live set file's payload, decompressed into one buffer of its stated raw length
+    (ManifestError: not a live set file, its raw length is over `cap`, or its frame does not
+    decompress to exactly that length)."""
     if len(data) < 16 or data[:8] != MAGIC:
         raise ManifestError("not a live set file (no magic)")
     raw = int.from_bytes(data[8:16], "little")
     if raw > cap:
         raise ManifestError(f"live set of {raw} bytes raw (its seq allows {cap})")
-    payload = pa.Codec("zstd").decompress(data[16:], decompressed_size=raw, asbytes=True)
-    if len(payload) != raw:
+    payload = pa.Codec("zstd").decompress(data[16:], decompressed_size=raw)
+    if payload.size != raw:
         raise ManifestError("live set does not decompress to its raw length")
     return payload
 
@@ -198,11 +198,12 @@ def _open_checked(data: bytes, seq: int) -> tuple[dict[str, Any], dict[str, pa.A
     if len(data) > cap:
         raise ManifestError(f"live set of more than {cap} bytes (its seq allows no more)")
     payload = unpack(data, cap)
-    head_len = int.from_bytes(payload[-4:], "little") if len(payload) >= 4 else -1
-    if not 0 < head_len <= min(_MAX_HEADER_BYTES, len(payload) - 4):
+    size = payload.size
+    head_len = int.from_bytes(payload.slice(size - 4, 4).to_pybytes(), "little") if size >= 4 else -1
+    if not 0 < head_len <= min(_MAX_HEADER_BYTES, size - 4):
         raise ManifestError("live set: no header, or one over 64 KiB")
-    body = len(payload) - 4 - head_len  # the column buffers lie below the header
-    doc = json.loads(payload[body:-4])
+    body = size - 4 - head_len  # the column buffers lie below the header
+    doc = json.loads(payload.slice(body, head_len).to_pybytes())
     if not isinstance(doc, dict) or doc.get("type") != "live_set":
         raise ManifestError("not a live set")
     _check_version(doc)  # a newer format (which may have other columns): UnsupportedManifestError
@@ -214,7 +215,6 @@ def _open_checked(data: bytes, seq: int) -> tuple[dict[str, Any], dict[str, pa.A
         raise ManifestError(f"live set of {rows!r} rows at seq {seq} (at most one per entry below it)")
     if not isinstance(specs, dict) or set(specs) != {n for n, _, _ in COLUMNS}:
         raise ManifestError("live set: its columns are not those of the format")
-    whole = pa.py_buffer(payload)
     columns = {}
     for name, t, nullable in COLUMNS:
         want = [(rows + 7) // 8, *((4 * (rows + 1), None) if t == _STR else (8 * rows,))]
@@ -231,7 +231,7 @@ def _open_checked(data: bytes, seq: int) -> tuple[dict[str, Any], dict[str, pa.A
                 raise ManifestError(f"live set: a buffer of column {name!r} is not in the file or not its size")
             if i == 0 and not nullable:
                 raise ManifestError(f"live set: column {name!r} has nulls")
-            bufs.append(whole.slice(b[0], b[1]))
+            bufs.append(payload.slice(b[0], b[1]))
         if t == _STR and bufs[2] is None:
             raise ManifestError(f"live set: column {name!r} has no data")
         arr = pa.Array.from_buffers(t, rows, bufs)

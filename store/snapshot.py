@@ -68,7 +68,7 @@ import math
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -78,6 +78,7 @@ import pyarrow.compute as pc
 
 from rlrec.store.commit import read_committed_shard
 from rlrec.store.live_set import first_entry_key, read_heads
+from rlrec.store.live_set_file import ChainedShards, ShardList
 from rlrec.store.manifest import (
     APPEND_WINDOW_S,
     MANIFEST_DIR,
@@ -365,7 +366,10 @@ class Snapshot:
         self._logs_read = logs
         self._removed_read = removed
         self._history = history
-        self.entries: list[ShardEntry] = sorted(entries, key=lambda e: (e.topic, e.partition, e.seq))
+        #: in (topic, partition, seq) order; a head point's entries are built when first used
+        self.entries: Sequence[ShardEntry] = (
+            entries if isinstance(entries, ShardList) else sorted(entries, key=lambda e: (e.topic, e.partition, e.seq))
+        )
         #: None: every episode of the entries; else the episode ids it keeps (`subset`)
         self.keep_episode = keep_episode
         #: None: every entry at the cursor; else the digest naming the part `subset` kept
@@ -373,7 +377,9 @@ class Snapshot:
         self._counts: dict[str, tuple[int, int]] = {}  # shard path -> (episodes, steps) kept
         # shard path -> ids of episodes of that shard it leaves out (`open_entries`: a merged
         # shard's episodes of entries not asked for)
-        self._drop: dict[str, frozenset] = {e.path: drop[e.path] for e in self.entries if drop and drop.get(e.path)}
+        self._drop: dict[str, frozenset] = (
+            {e.path: drop[e.path] for e in self.entries if drop.get(e.path)} if drop else {}
+        )
         self._ranges = ranges  # `open_entries`: the seq ranges whose episodes it holds (for `changes`)
         #: shard path -> its `_fetch` under way (`iter_steps` reads ahead)
         self._ahead: dict[str, Future] = {}
@@ -860,7 +866,7 @@ def _open_head(st: Storage) -> Snapshot:
     firsts = {k: h.first for k, h in heads.items()}
     positions = {k: h.end for k, h in heads.items() if h.end > 0}
     point = Cursor(positions, _tag({k: firsts[k] for k in positions}), removals)
-    entries = [s for h in heads.values() for s in h.shards]
+    entries = ChainedShards(h.shards for h in heads.values())  # sorted: keys in (topic, partition) order
     log.debug("snapshot %s: %d shard(s)", point, len(entries))
     if all(h.entries is not None for h in heads.values()):  # no live set: the history is read already
         logs = {k: h.entries for k, h in heads.items()}

@@ -93,6 +93,17 @@ COLUMNS: tuple[tuple[str, pa.DataType, bool], ...] = (
     ("resume_offset", _INT, True),
 )
 _JSON_COLUMNS = ("event_schema_versions", "min_policy_version", "max_policy_version", "steps_without_logp")
+#: the longest JSON text a value of each column may be: checked on the bytes before any is parsed
+_JSON_VALUE_BYTES = {
+    "event_schema_versions": 4 * 1024,
+    "min_policy_version": 256,
+    "max_policy_version": 256,
+    "steps_without_logp": 64 * 1024,
+}
+#: the most JSON text, over a live set's distinct values, parsed per row (plus one value of each
+#: column): honest rows share a few distinct values, so what parsing builds stays a small
+#: multiple of the file's rows, never of its size cap
+_JSON_BYTES_PER_ROW = 512
 
 
 def size_cap(seq: int) -> int:
@@ -375,8 +386,9 @@ def decode(data: bytes, topic: str, partition: int, seq: int) -> tuple[dict[str,
     distinct: dict[str, Any] = {}
     if len(c["seq"]):
         _check_columns(c, seq)
+        budget = [_JSON_BYTES_PER_ROW * len(c["seq"]) + sum(_JSON_VALUE_BYTES.values())]
         for k in _JSON_COLUMNS:
-            distinct[k] = _distinct(c[k], k, _JSON_CHECKS[k], parse=True)
+            distinct[k] = _distinct(c[k], k, _JSON_CHECKS[k], parse=budget)
         distinct["policy_id"] = _distinct(c["policy_id"], "policy_id", _check_policy)
         distinct["writer"] = _distinct(c["writer"], "writer", _check_any)
         distinct["format"] = _distinct(c["format"], "format", _check_nonempty)
@@ -433,10 +445,25 @@ def _string_bytes(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     return offsets, data
 
 
-def _distinct(col: pa.Array, what: str, check: Callable[[Any, str], Any], parse: bool = False) -> tuple[list, Any]:
-    """(the column's distinct values, each checked once by `check`, JSON text parsed first
-    where `parse`; the per-row indices into them, null where the value is null)."""
+def _distinct(
+    col: pa.Array, what: str, check: Callable[[Any, str], Any], parse: list[int] | None = None
+) -> tuple[list, Any]:
+    """(the column's distinct values, each checked once by `check`; the per-row indices into
+    them, null where the value is null). With `parse` (a one-item list: the JSON bytes left to
+    parse, shared by the columns), each value is JSON text: its length is checked against
+    `_JSON_VALUE_BYTES` and the budget on its bytes before any value is parsed, so what parsing
+    builds is bounded by the rows, not by what the file's bytes decompress to."""
     enc = col.dictionary_encode()
+    if parse is not None:
+        lengths = pc.binary_length(enc.dictionary)
+        longest = pc.max(lengths).as_py() or 0
+        if longest > _JSON_VALUE_BYTES[what]:
+            raise ManifestError(
+                f"live set: a row's {what} is {longest} bytes of JSON (at most {_JSON_VALUE_BYTES[what]})"
+            )
+        parse[0] -= pc.sum(lengths).as_py() or 0
+        if parse[0] < 0:
+            raise ManifestError("live set: its rows hold more distinct JSON text than their number allows")
     values = [None if v is None else check(json.loads(v) if parse else v, what) for v in enc.dictionary.to_pylist()]
     return values, enc.indices
 

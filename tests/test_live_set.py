@@ -286,6 +286,21 @@ def _hostile_docs(ls, seq: int) -> dict[str, object]:
         "row event_schema_versions nested too deep": rows_at["event_schema_versions"]("[" * 100_000),
         "row policy version a float": rows_at["min_policy_version"]("1.5"),
         "row steps_without_logp negative": rows_at["steps_without_logp"]('{"1": -1}'),
+        # JSON text over its column's cap or, over the rows' distinct values, over what their
+        # number allows: refused before it is parsed (review-47h P2-2: parsed, a few-KB file
+        # made readers build GBs of Python objects)
+        "row event_schema_versions over 4 KiB": rows_at["event_schema_versions"]("[" + "1," * 2100 + "1]"),
+        "row policy version over 256 bytes": rows_at["max_policy_version"]('"' + "v" * 300 + '"'),
+        "row steps_without_logp over 64 KiB": rows_at["steps_without_logp"](
+            json.dumps({str(i): 1 for i in range(7000)})
+        ),
+        "rows' distinct steps_without_logp over their JSON budget": {
+            **d,
+            "shards": [
+                {**r, "steps_without_logp": json.dumps({str(i * 10_000 + j): 1 for j in range(3000)})}
+                for i, r in enumerate(rows)
+            ],
+        },
         "row sha256 null (a validity buffer on a column without nulls)": rows_at["sha256"](None),
         "row epoch null": rows_at["epoch"](None),
         "int32 column": _encode(d, {"episodes": pa.int32()}),

@@ -273,6 +273,20 @@ class ShardList(Sequence[ShardEntry]):
 
     __hash__ = None  # type: ignore[assignment]
 
+    def __add__(self, other: Sequence[ShardEntry]) -> list[ShardEntry]:  # as a list's: `entries + more`
+        if isinstance(other, Sequence) and not isinstance(other, (str, bytes)):
+            return self._items() + list(other)
+        return NotImplemented
+
+    def __radd__(self, other: Sequence[ShardEntry]) -> list[ShardEntry]:
+        if isinstance(other, Sequence) and not isinstance(other, (str, bytes)):
+            return list(other) + self._items()
+        return NotImplemented
+
+    def copy(self) -> list[ShardEntry]:
+        """The entries as a new list (as `list.copy`)."""
+        return list(self._items())
+
     def __repr__(self) -> str:
         return repr(self._items())
 

@@ -107,6 +107,22 @@ def test_head_through_live_sets_is_the_history_across_commits_compaction_retenti
         open_snapshot(root, as_of=early.cursor).steps()
 
 
+def test_a_head_snapshots_entries_behave_as_the_list_they_were(tmp_path):
+    """Read through a live set, `Snapshot.entries` builds its entries lazily but still works as
+    the list it was: concatenated either way, copied, sliced, compared (a list of entries read
+    earlier + the head's entries raised TypeError)."""
+    root = str(tmp_path / "out")
+    c = ShardCommitter(root, "rl", 0, snapshot_every=3)
+    _commit(c, 4, 0)
+    write_live_set(c.storage, "rl", 0)
+    _commit(c, 1, 10)
+    head = open_snapshot(root).entries
+    plain = list(head)
+    assert type(head) is not list and len(plain) == 5
+    assert head + head == plain + plain and plain[:1] + head == plain[:1] + plain
+    assert head.copy() == plain and head[1:3] == plain[1:3] and head == plain
+
+
 def test_an_older_cursor_reads_the_same_after_live_sets(tmp_path):
     root = str(tmp_path / "out")
     c = ShardCommitter(root, "rl", 0, snapshot_every=3)

@@ -80,9 +80,9 @@ def run_cli(root: str, estimators: str, holdout: float) -> dict:
 
 def compute(root: str, estimators: str, holdout: float) -> dict:
     """Seconds of the estimators alone on the held-out episodes `rlrec evaluate` reads."""
-    from rlrec.commands.evaluate import OPTIONS, EvaluateOptions
+    from rlrec.commands.evaluate import OPTIONS, EvaluateOptions, estimator_settings
     from rlrec.trainer.config import OPESettings
-    from rlrec.trainer.ope import FQEConfig, LoggedData, PolicyTarget, evaluate
+    from rlrec.trainer.ope import LoggedData, PolicyTarget, evaluate
     from rlrec.trainer.ope_data import HeldOutReader, policy_spaces
     from rlrec.trainer.policy import load_policy
 
@@ -95,14 +95,7 @@ def compute(root: str, estimators: str, holdout: float) -> dict:
     data = LoggedData(reader.refresh())
     read_s = time.perf_counter() - t0
     names = tuple(estimators.split(","))
-    settings = {
-        "ci": ope.ope_ci,
-        "n_boot": ope.ope_bootstrap,
-        "seed": ev.seed,
-        "thresholds": ope.thresholds(),
-        "fqe": FQEConfig(steps=ope.fqe_steps, seed=ev.seed),
-        "model": ope.model(ev.seed),
-    }
+    settings = estimator_settings(ev, ope)  # the CLI's own
     gamma = ev.gamma if ev.gamma is not None else float(policy.spec.get("gamma") or 0.99)  # as the CLI takes it
     t0 = time.perf_counter()
     evaluate(data, PolicyTarget(policy, ev.explore, seed=ev.seed), gamma=gamma, estimators=names, **settings)

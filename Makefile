@@ -22,7 +22,7 @@ XDIST := -n $(TEST_WORKERS) --dist loadgroup
 AZURITE_VERSION ?= 3.35.0
 AZURITE_STAMP := .emulators/.stamp-azurite-$(AZURITE_VERSION)
 
-.PHONY: venv emulators test test-main test-system test-fast lint format demo bench
+.PHONY: venv emulators test test-main test-system test-fast lint format demo bench check-evaluate-extra
 
 venv: $(STAMP)
 
@@ -67,6 +67,10 @@ test-fast: venv emulators
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+
+# `rlrec evaluate` with only `rlrec[evaluate]` installed in a fresh venv (no Ray): .ci/check-evaluate-extra
+check-evaluate-extra: venv
+	PYTHON="$(PYTHON)" TORCH_VERSION="$(TORCH_VERSION)" .ci/check-evaluate-extra
 
 format: venv
 	$(VENV)/bin/ruff check --fix .

@@ -788,6 +788,9 @@ def print_table(r: dict) -> None:
             f"b/c {m['ratio_b_group_c']:.2f}; CPU b/c {m['cpu_ratio_b_c']:.2f} (target <= {TARGET_CPU_VS_PIPELINE}); "
             f"shards {m['shards']}"
         )
+    if not r["freshness_live_episodes"]:
+        print("freshness (live): not measured (the live run is skipped with --quick)")
+        return
     print(
         f"freshness (live, {r['freshness_live_episodes']} episodes at {r['freshness_live_rate_eps_per_s']:g}/s): "
         f"p50 {_fmt(r['freshness_p50_s'], '.3f')} s, p99 {_fmt(r['freshness_p99_s'], '.3f')} s"

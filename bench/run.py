@@ -67,6 +67,7 @@ import json
 import os
 import re
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -792,6 +793,37 @@ def delta_rows(r: dict, quick: bool) -> list[Row]:
 
 #: run only when named in --only (bench/delta.py; needs the delta extra)
 ARGS["delta"], TIMEOUTS["delta"], ROWS["delta"] = ([], ["--quick"]), (1800, 300), delta_rows
+
+
+def evaluate_rows(r: dict, quick: bool) -> list[Row]:
+    """bench/evaluate.py: `rlrec evaluate` end to end on ~100k held-out steps (issue 47): its first
+    phase line, and its whole run against the estimators' own compute in the same round."""
+    steps = int(r["rounds"][0]["steps"])
+    first = _row(
+        f"evaluate: s to the first phase line ({steps:,} held-out steps)",
+        r["first_line_s"]["median"],
+        None,
+        f"≤ {r['first_line_s']['at_most']:g} s",
+        lambda o, q: o <= r["first_line_s"]["at_most"],
+        quick,
+        bound=r["first_line_s"]["at_most"],
+    )
+    first.rounds = {"ours": [x["first_line_s"] for x in r["rounds"]], "baseline": None, "spread": None}
+    whole = _row(
+        f"evaluate: s of the whole run vs the estimators' own compute ({steps:,} held-out steps)",
+        statistics.median(x["total_s"] for x in r["rounds"]),
+        statistics.median(x["compute_s"] for x in r["rounds"]),
+        f"ratio ≤ {r['total_over_compute']['at_most']:g}",
+        lambda o, q: r["total_over_compute"]["median"] <= r["total_over_compute"]["at_most"],
+        quick,
+    )
+    whole.ratio = r["total_over_compute"]["median"]  # the median of the per-round ratios
+    whole.rounds = _rounds([x["total_s"] for x in r["rounds"]], [x["compute_s"] for x in r["rounds"]])
+    return [first, whole]
+
+
+#: run only when named in --only (bench/evaluate.py; ~5 minutes)
+ARGS["evaluate"], TIMEOUTS["evaluate"], ROWS["evaluate"] = ([], ["--quick"]), (2400, 600), evaluate_rows
 
 
 def run_child(name: str, quick: bool, workdir: str, extra: list[str] | None = None) -> dict:

@@ -3,11 +3,12 @@ against listing the store's live files (the ``head`` row of ``bench/store.py``).
 
     python bench/store_head.py [--entries 100000] [--live 20000] [--tail 500] [--rounds 5] [--json PATH]
 
-One partition log is built on a local directory through `PartitionLog` (snapshots every 100
-entries, as a consumer writes them): ``entries`` shard entries, every ``entries / live`` of them
-merged by a replace entry as compaction does (so ``live`` live shards, one file each; the merged-away
-shards have no files, which opening the head never reads), a live set written
-(`rlrec.store.live_set.write_live_set`), then ``tail`` more shard entries after it. Per round,
+One partition log is built on a local directory: ``entries`` shard entries, every ``entries /
+live`` of them merged by a replace entry as compaction does (so ``live`` live shards, one file
+each; the merged-away shards have no files, which opening the head never reads), a live set
+written (`rlrec.store.live_set.write_live_set`), then ``tail`` more shard entries after it,
+committed through `PartitionLog` as the partition's writer commits them (a claim, then a log
+snapshot every 100 entries). Per round,
 alternating which goes first:
 
   head      ``open_snapshot(root)`` (what ``rlrec.open(root)`` does): the newest live set, the
@@ -92,7 +93,7 @@ def build(root: str, entries: int, live: int, tail: int) -> dict:
     (not through `PartitionLog`, whose checks and snapshots would take an hour at this size on a
     loaded machine): a claim, then shard and replace entries, no log snapshots."""
     from rlrec.store.live_set import write_live_set
-    from rlrec.store.manifest import ClaimEntry, ReplaceEntry, entry_path
+    from rlrec.store.manifest import ClaimEntry, PartitionLog, ReplaceEntry, entry_path
     from rlrec.store.manifest_entries import _dumps
 
     st = Storage.from_uri(root, fsync=False)
@@ -132,20 +133,27 @@ def build(root: str, entries: int, live: int, tail: int) -> dict:
     written = time.perf_counter()
     ls = write_live_set(st, TOPIC, 0, writer="bench")
     live_set_s = time.perf_counter() - written
+    # the tail as the partition's writer commits it: a claim, then shard entries with a log
+    # snapshot every 100 (what a reader of the head reads after the live set)
+    plog = PartitionLog(st, TOPIC, 0, snapshot_every=100)
+    plog.claim("bench-tail")
+    plog.recover()  # as a writer does after its claim (the shards read are published: no snapshot lists them)
     for n in range(entries - tail, entries):
-        put(shard(n, True))
+        data = f"shard {n}".encode()
+        e = _shard(n, [f"ep-{n}-{j}" for j in range(4)], data)
+        plog.publish(plog.append_shard(e), data)  # as the consumer's committer: commit, then publish
     return {
-        "entries": seq,
+        "entries": plog.next_seq,
         "shard_entries": entries,
         "live_set_seq": ls.seq if ls else None,
-        "live_set_bytes": len(ls.to_json()) if ls else None,
+        "live_set_bytes": len(ls.to_bytes()) if ls else None,
         "live_set_write_s": live_set_s,
         "live_files": len(os.listdir(os.path.join(root, POLICY))),
         "build_s": time.perf_counter() - t0,
     }
 
 
-def measure(root: str, rounds: int) -> dict:
+def measure(root: str, rounds: int, history: bool = True) -> dict:
     from rlrec.store.snapshot import open_snapshot
 
     times: dict[str, list[float]] = {"head": [], "listing": [], "history": []}
@@ -168,6 +176,8 @@ def measure(root: str, rounds: int) -> dict:
     for r in range(rounds):
         for fn in (run_head, run_listing) if r % 2 == 0 else (run_listing, run_head):
             fn()
+        if not history:
+            continue
         t0 = time.perf_counter()
         full = open_snapshot(root, as_of=cursor)
         times["history"].append(time.perf_counter() - t0)
@@ -178,7 +188,7 @@ def measure(root: str, rounds: int) -> dict:
     return {
         "live_shards": shards,
         "seconds": {
-            k: {"median": statistics.median(v), "spread": [min(v), max(v)], "rounds": v} for k, v in times.items()
+            k: {"median": statistics.median(v), "spread": [min(v), max(v)], "rounds": v} for k, v in times.items() if v
         },
         "head_over_listing": {
             "median": statistics.median(ratios),
@@ -198,7 +208,7 @@ def measure_s3(root: str, live_set_seq: int, rounds: int) -> dict:
     import importlib.util
     import shutil
 
-    from rlrec.store.manifest import entry_path
+    from rlrec.store.manifest import HEAD_HINT, entry_path
     from rlrec.store.snapshot import open_snapshot
 
     spec = importlib.util.spec_from_file_location("bench_store", os.path.join(os.path.dirname(__file__), "store.py"))
@@ -214,6 +224,9 @@ def measure_s3(root: str, live_set_seq: int, rounds: int) -> dict:
         first = entry_path(TOPIC, 0, 0)  # a reader checks the live set's "first" against it
         os.makedirs(os.path.dirname(os.path.join(sub, first)), exist_ok=True)
         shutil.copy(os.path.join(root, first), os.path.join(sub, first))
+        hint = os.path.join("_manifest", TOPIC, "00000", HEAD_HINT)  # names the newest log snapshot
+        if os.path.exists(os.path.join(root, hint)):
+            shutil.copy(os.path.join(root, hint), os.path.join(sub, hint))
         seq = live_set_seq - 1
         while os.path.exists(os.path.join(root, entry_path(TOPIC, 0, seq))):
             os.makedirs(os.path.dirname(os.path.join(sub, entry_path(TOPIC, 0, seq))), exist_ok=True)
@@ -247,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--store", default=None, help="build here (default: a temp dir, removed after)")
     ap.add_argument("--s3", action="store_true", help="also open the head on moto's S3 (measure_s3)")
     ap.add_argument("--reuse", action="store_true", help="--store already holds the built store: measure only")
+    ap.add_argument("--no-history", action="store_true", help="skip the history rounds (a minute each)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     root = args.store or tempfile.mkdtemp(prefix="rlrec-bench-head-")
@@ -257,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         built = build(root, args.entries, args.live, args.tail)
     print(f"built {built}", file=sys.stderr)
-    doc = {"args": vars(args), "built": built, **measure(root, args.rounds)}
+    doc = {"args": vars(args), "built": built, **measure(root, args.rounds, not args.no_history)}
     if args.s3:
         doc["s3"] = measure_s3(root, built["live_set_seq"], args.rounds)
         print(f"S3 (moto): head open {doc['s3']['seconds']['median']:.2f}s, {doc['s3']['requests']} requests")
@@ -265,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"head of {built.get('entries', 0):,} entries, {doc['live_shards']:,} live shards: open {s['head']['median']:.3f}s "
         f"({doc['head_storage_calls']} storage calls), listing {s['listing']['median']:.3f}s, "
-        f"history {s['history']['median']:.2f}s; head/listing {r['median']:.2f}x "
+        f"history {s['history']['median'] if 'history' in s else float('nan'):.2f}s; head/listing {r['median']:.2f}x "
         f"[{r['spread'][0]:.2f}-{r['spread'][1]:.2f}] (contract <= {AT_MOST:g}x: {'met' if r['met'] else 'MISSED'})"
     )
     if args.json:

@@ -506,6 +506,7 @@ def _tuplify(space: gym.Space | None, data: Any) -> Any:
 
 
 _BUFFER_KEYS = ("data", "lookback", "finalized", "space")
+_BUFFER_KEY_SET = frozenset(_BUFFER_KEYS)
 _STATE_KEYS = (
     "id_",
     "agent_id",
@@ -525,10 +526,11 @@ _STATE_KEYS = (
     "_start_time",
     "_last_step_time",
 )
+_STATE_KEY_SET = frozenset(_STATE_KEYS)
 
 
 def _buffer_state(b: Any, what: str, budget: _Budget) -> tuple[dict, gym.Space | None]:
-    if not isinstance(b, dict) or not all(k in b for k in _BUFFER_KEYS):
+    if not isinstance(b, dict) or not b.keys() >= _BUFFER_KEY_SET:
         raise EpisodeDecodeError(f"{what}: not a lookback-buffer state")
     if type(b["lookback"]) is not int or b["lookback"] < 0 or not isinstance(b["finalized"], bool):
         raise EpisodeDecodeError(f"{what}: bad lookback/finalized")
@@ -620,7 +622,8 @@ def _infos_buffer(region: bytes) -> Any:
             value = EmptyInfos(count) if count is not None else msgpack.unpackb(values, object_hook=_safe_ndarray_hook)
         else:
             value = unpacker.unpack()
-        _check_key(key)
+        if type(key) is not str:
+            _check_key(key)
         buffer[key] = value
     return _safe_ndarray_hook(buffer)
 
@@ -643,7 +646,8 @@ def unpack_state(data: bytes | bytearray | memoryview) -> Any:
         for _ in range(n):
             key = unpacker.unpack()
             value = _infos_buffer(_skipped(unpacker, data)) if key == "infos" else unpacker.unpack()
-            _check_key(key)
+            if type(key) is not str:
+                _check_key(key)
             state[key] = value
         state = _safe_ndarray_hook(state)
         if unpacker.tell() != len(data):
@@ -685,7 +689,7 @@ def checked_state(data: bytes | bytearray | memoryview) -> CheckedState:
         raise
     except Exception as e:
         raise EpisodeDecodeError(f"not a msgpack episode: {type(e).__name__}: {e}"[:300]) from None
-    if not isinstance(state, dict) or not all(k in state for k in _STATE_KEYS):
+    if not isinstance(state, dict) or not state.keys() >= _STATE_KEY_SET:
         missing = [k for k in _STATE_KEYS if not isinstance(state, dict) or k not in state]
         raise EpisodeDecodeError(f"not a SingleAgentEpisode state (missing {missing[:5]})")
     if not isinstance(state["id_"], str):

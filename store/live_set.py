@@ -4,8 +4,10 @@ live files, not its history.
 A live set (``"type": "live_set"``, manifest format 4) is kept beside its partition log, never in
 it::
 
-    _manifest/{topic}/{partition:05d}/_live/{seq:012d}.json   the live set covering entries < seq
+    _manifest/{topic}/{partition:05d}/_live/{seq:012d}.live   the live set covering entries < seq
 
+A live set is one file of raw Arrow columns, a row per live shard, read as views of its bytes
+and checked column-wise (`rlrec.store.live_set_file`).
 It is a pure summary of data that never changes: the log's entries ``0 .. seq-1`` and the removal
 records (`rlrec.store.retention`) numbered below its ``removals``. It lists the live shards at
 that point (`rlrec.store.manifest.live_shards`) less those the folded records remove, one row
@@ -20,7 +22,7 @@ Readers at the head (`head_shards`: `rlrec.open` / `open_snapshot` without ``as_
 and fold them (`fold`, the one place that does). A live set never hides an entry committed
 after it (every entry from its seq is read) nor brings back a removed shard (every record from
 its ``removals`` is applied). A live set that is missing, malformed, of a newer format, larger
-than `MAX_LIVE_SET_BYTES`, or inconsistent with the entries after it is ignored: the log is
+than its seq allows (`rlrec.store.live_set_file.size_cap`), or inconsistent with the entries after it is ignored: the log is
 read from its first entry as before (docs/GUARANTEES.md §3, "Live sets"); where it is malformed
 or past the log's end, `read_live_set` tries the next older one first. Older points (``as_of``),
 lineage, `Snapshot.changes`, gc, retention and writers' claims read the whole history.
@@ -43,9 +45,9 @@ Example:
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
-import json
 import logging
 import math
 import re
@@ -55,6 +57,16 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlrec.store.live_set_file import (
+    MAX_LIVE_SET_BYTES,
+    MAX_LIVE_SHARDS,
+    LiveRows,
+    ShardList,
+    decode,
+    encode,
+    size_cap,
+)
+from rlrec.store.localfs import EscapesRoot
 from rlrec.store.manifest import (
     MANIFEST_DIR,
     Entry,
@@ -65,7 +77,7 @@ from rlrec.store.manifest import (
     list_partition_logs,
     live_shards,
 )
-from rlrec.store.manifest_entries import _check_type, _check_version, _validate_shard
+from rlrec.store.manifest_entries import _check_type
 from rlrec.store.retention import RemovalRecord, read_removals, record_path
 from rlrec.store.storage import Storage
 
@@ -76,6 +88,7 @@ __all__ = [
     "MAX_LIVE_SET_BYTES",
     "MAX_LIVE_SHARDS",
     "HeadRead",
+    "HeadShards",
     "LiveSetEntry",
     "NeedsHistory",
     "first_entry_key",
@@ -97,21 +110,15 @@ LIVE_DIR = "_live"
 LIVE_SET_FORMAT_VERSION = 4
 #: the partition's writer writes a live set once this many entries follow the newest one
 LIVE_SET_EVERY = 1000
-#: the most bytes of a live set read (about 1 million rows of small shards); a larger one is ignored
-MAX_LIVE_SET_BYTES = 512 * 1024 * 1024
-#: the most rows of a live set
-MAX_LIVE_SHARDS = 2_000_000
 #: live sets kept per log (older ones are deleted by the writer of a new one)
 KEEP_LIVE_SETS = 3
-_NAME_RE = re.compile(r"^(\d{12})\.json$")
-_REQUIRED = frozenset(
-    {"type", "manifest_version", "topic", "partition", "seq", "time", "writer", "first", "removals", "shards"}
-)
+_NAME_RE = re.compile(r"^(\d{12})\.live$")
+_JSON_NAME_RE = re.compile(r"^(\d{12})\.json$")
 
 
 def live_set_path(topic: str, partition: int, seq: int) -> str:
-    """``_manifest/{topic}/{partition:05d}/_live/{seq:012d}.json``."""
-    return f"{MANIFEST_DIR}/{topic}/{int(partition):05d}/{LIVE_DIR}/{int(seq):012d}.json"
+    """``_manifest/{topic}/{partition:05d}/_live/{seq:012d}.live``."""
+    return f"{MANIFEST_DIR}/{topic}/{int(partition):05d}/{LIVE_DIR}/{int(seq):012d}.live"
 
 
 def first_entry_key(entry: Entry | None) -> str:
@@ -129,7 +136,8 @@ class LiveSetEntry:
 
     ``shards``: shard entries in seq order without their episode ids (``episode_ids`` is ``()``,
     ``episodes`` is the count), each with the seq of the entry that committed it (a merged
-    shard: its replace entry's). ``first``: `first_entry_key` of the log's entry 0.
+    shard: its replace entry's); read from a file (`parse_live_set`), a `LiveRows` whose
+    entries are built when first used. ``first``: `first_entry_key` of the log's entry 0.
     """
 
     topic: str
@@ -137,19 +145,15 @@ class LiveSetEntry:
     seq: int
     first: str
     removals: int
-    shards: tuple[ShardEntry, ...]
+    shards: Sequence[ShardEntry]
     writer: str = ""
     time: float = field(default_factory=time.time)
 
     type = "live_set"
 
-    def to_json(self) -> str:
-        rows = []
-        for s in self.shards:
-            d = s.to_dict()
-            del d["episode_ids"], d["type"]
-            rows.append(d)
-        doc = {
+    def header(self) -> dict[str, Any]:
+        """Its fields but the rows, as the file's header holds them (`rlrec.store.live_set_file`)."""
+        return {
             "type": "live_set",
             "manifest_version": LIVE_SET_FORMAT_VERSION,
             "topic": self.topic,
@@ -159,22 +163,24 @@ class LiveSetEntry:
             "writer": self.writer,
             "first": self.first,
             "removals": self.removals,
-            "shards": rows,
         }
-        return json.dumps(doc, sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+    def to_bytes(self) -> bytes:
+        """The live set's file (raw Arrow columns, `rlrec.store.live_set_file`)."""
+        return encode(self.header(), self.shards)
 
 
-def parse_live_set(data: bytes | str, topic: str, partition: int, seq: int) -> LiveSetEntry:
+def parse_live_set(data: bytes, topic: str, partition: int, seq: int) -> LiveSetEntry:
     """A live set read from `live_set_path(topic, partition, seq)`, checked strictly:
     ManifestError (UnsupportedManifestError for a newer format) if it is not one for that log and
-    seq, or a row is not a shard entry of it below `seq` (rows in seq order, each at most once).
-    Whatever the bytes, nothing else is raised (a hostile live set is refused, never a crash:
-    JSON nested too deep, a number too large for a float, a time that is not finite)."""
+    seq (`rlrec.store.live_set_file.decode`: size, footer, schema, every value), or a row is not
+    a shard entry of it below `seq` (rows in seq order, each at most once). Whatever the bytes,
+    nothing else is raised (a hostile live set is refused, never a crash)."""
     try:
         return _parse_live_set(data, topic, partition, seq)
     except ManifestError:
         raise
-    except Exception as e:  # RecursionError, OverflowError, ...: the bytes are data, hence hostile
+    except Exception as e:  # ArrowInvalid, RecursionError, OverflowError, ...: the bytes are hostile
         raise ManifestError(f"live set cannot be parsed: {type(e).__name__}: {str(e)[:200]}") from None
 
 
@@ -185,19 +191,8 @@ def _finite(v: Any, what: str) -> float:
     return f
 
 
-def _parse_live_set(data: bytes | str, topic: str, partition: int, seq: int) -> LiveSetEntry:
-    if len(data) > MAX_LIVE_SET_BYTES:
-        raise ManifestError(f"live set of more than {MAX_LIVE_SET_BYTES} bytes")
-    try:
-        d = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ManifestError(f"live set is not valid JSON: {e}") from None
-    if not isinstance(d, dict) or d.get("type") != "live_set":
-        raise ManifestError("not a live set")
-    _check_version(d)
-    missing, unknown = _REQUIRED - d.keys(), d.keys() - _REQUIRED
-    if missing or unknown:
-        raise ManifestError(f"live set: missing fields {sorted(missing)}, unknown fields {sorted(unknown)}")
+def _parse_live_set(data: bytes, topic: str, partition: int, seq: int) -> LiveSetEntry:
+    d, shards = decode(data, topic, partition, seq)
     if d["manifest_version"] != LIVE_SET_FORMAT_VERSION:
         raise ManifestError(f"live set: manifest_version must be {LIVE_SET_FORMAT_VERSION}")
     same = (d["topic"], d["partition"], d["seq"]) == (topic, partition, seq)
@@ -208,28 +203,13 @@ def _parse_live_set(data: bytes | str, topic: str, partition: int, seq: int) -> 
     _check_type(d, "time", (int, float))
     if removals < 0 or len(first) > 1024 or len(writer) > 1024:
         raise ManifestError("live set: removals < 0, or first/writer longer than 1024 characters")
-    rows = _check_type(d, "shards", (list,))
-    if len(rows) > MAX_LIVE_SHARDS:
-        raise ManifestError(f"live set: more than {MAX_LIVE_SHARDS} shards")
-    shards, last = [], -1
-    for row in rows:
-        if not isinstance(row, dict) or "episode_ids" in row or "type" in row:
-            raise ManifestError("live set: a row is not a shard entry without episode_ids")
-        row = {**row, "type": "shard"}
-        _validate_shard(row, ids=False)
-        if (row["topic"], row["partition"]) != (topic, partition) or not last < row["seq"] < seq:
-            raise ManifestError(f"live set: row seq {row['seq']} is not of this log, ascending and below {seq}")
-        last = row["seq"]
-        kw = {k: row[k] for k in row if k not in ("type", "manifest_version")}
-        kw["commit_time"] = _finite(kw["commit_time"], "a row's commit_time")
-        shards.append(ShardEntry(**kw, episode_ids=()))
     return LiveSetEntry(
         topic=topic,
         partition=partition,
         seq=seq,
         first=first,
         removals=removals,
-        shards=tuple(shards),
+        shards=shards,
         writer=writer,
         time=_finite(d["time"], "time"),
     )
@@ -241,6 +221,14 @@ def live_set_seqs(storage: Storage, topic: str, partition: int) -> list[int]:
     return sorted(int(m.group(1)) for i in storage.list(d) if not i.is_dir and (m := _NAME_RE.match(i.name)))
 
 
+def _json_live_sets(storage: Storage, topic: str, partition: int, below: int) -> list[str]:
+    """The log's live sets of an earlier build (JSON files, ``{seq:012d}.json``) at or below
+    `below`: readers never read them; the writer of a newer live set deletes them."""
+    d = live_set_path(topic, partition, 0).rsplit("/", 1)[0]
+    found = (m for i in storage.list(d) if not i.is_dir and (m := _JSON_NAME_RE.match(i.name)))
+    return [f"{d}/{m.group(0)}" for m in found if int(m.group(1)) <= below]
+
+
 def read_live_set(storage: Storage, topic: str, partition: int) -> LiveSetEntry | None:
     """The log's newest usable live set (one listing, one read, one probe of the entry below
     it), or None: it has none usable. One that cannot be used (malformed, too large, a newer
@@ -248,14 +236,12 @@ def read_live_set(storage: Storage, topic: str, partition: int) -> LiveSetEntry 
     one, up to `KEEP_LIVE_SETS` + 1 of them; then the caller reads the history instead."""
     seqs = live_set_seqs(storage, topic, partition)
     for seq in reversed(seqs[-(KEEP_LIVE_SETS + 1) :]):
-        try:
-            ls = parse_live_set(
-                storage.read(live_set_path(topic, partition, seq), limit=MAX_LIVE_SET_BYTES), topic, partition, seq
-            )
+        try:  # the log reaches its seq before it is read: what it may cost is bounded by the log's length
             if seq > 0 and storage.info(PartitionLog(storage, topic, partition)._path(seq - 1)) is None:
                 raise ManifestError(f"live set {seq} is past the log's end (entry {seq - 1} does not exist)")
-            return ls
-        except (ManifestError, FileNotFoundError) as e:
+            data = storage.read(live_set_path(topic, partition, seq), limit=size_cap(seq))
+            return parse_live_set(data, topic, partition, seq)
+        except (ManifestError, FileNotFoundError, EscapesRoot) as e:  # EscapesRoot: a symlink
             log.warning("%s/%d: ignoring its live set %d (%s)", topic, partition, seq, e)
     return None
 
@@ -270,29 +256,86 @@ class NeedsHistory(ManifestError):
     so its head can only be had from its whole history, which the caller did not allow."""
 
 
+class HeadShards(ShardList):
+    """The live shards of one log in seq order: a base (a live set's `LiveRows`, or the shards
+    live in the history) less what `fold` dropped, plus what it added, each built only when a
+    reader asks for it."""
+
+    def __init__(self, base: Sequence[ShardEntry], seqs: list[int]) -> None:
+        self._base, self._seqs = base, seqs
+        self._dropped: set[int] = set()  # positions in base
+        self._added: dict[int, ShardEntry] = {}
+        self._built: list[ShardEntry] | None = None
+
+    def __len__(self) -> int:
+        return len(self._seqs) - len(self._dropped) + len(self._added)
+
+    def _pos(self, seq: int) -> int | None:
+        i = bisect.bisect_left(self._seqs, seq)
+        return i if i < len(self._seqs) and self._seqs[i] == seq and i not in self._dropped else None
+
+    def get(self, seq: int) -> ShardEntry | None:
+        """The live shard committed at `seq`, or None."""
+        if seq in self._added:
+            return self._added[seq]
+        i = self._pos(seq)
+        return None if i is None else self._base[i]
+
+    def _drop(self, seq: int) -> None:
+        self._built = None
+        if self._added.pop(seq, None) is None:
+            i = self._pos(seq)
+            if i is not None:
+                self._dropped.add(i)
+
+    def _add(self, e: ShardEntry) -> None:
+        self._drop(e.seq)  # type: ignore[arg-type]
+        self._added[e.seq] = e  # type: ignore[index]
+
+    def _items(self) -> list[ShardEntry]:
+        if self._built is None:
+            base = list(self._base)
+            kept = [e for i, e in enumerate(base) if i not in self._dropped] if self._dropped else base
+            added = [self._added[q] for q in sorted(self._added)]
+            out = kept + added
+            if added and kept and added[0].seq < kept[-1].seq:  # type: ignore[operator]
+                out.sort(key=lambda e: e.seq)  # type: ignore[arg-type,return-value]
+            self._built = out
+        return self._built
+
+
 def fold(
     topic: str,
     partition: int,
-    live: Mapping[int, ShardEntry],
+    live: Mapping[int, ShardEntry] | Sequence[ShardEntry],
     tail: Iterable[Entry],
     records: Iterable[RemovalRecord],
-) -> dict[int, ShardEntry]:
-    """The live shards after `tail` (entries in seq order after those `live` summarizes) and
-    `records` (removal records not folded into `live`): the one place a live set and what
+) -> HeadShards:
+    """The live shards after `tail` (entries in seq order after those `live` summarizes: a
+    mapping seq -> shard, or shards in seq order such as a live set's rows) and `records`
+    (removal records not folded into `live`), in seq order: the one place a live set and what
     follows it are combined. A shard a record names is dropped where the live shard at that seq
-    is exactly that file (path and staging path), as `resolve_removals` resolves records.
+    is exactly that file (path and staging path), as `resolve_removals` resolves records. Only
+    the rows a later entry or record names are looked at (`HeadShards`).
 
     Raises `Stale` if a replace entry replaces a seq not in the live shards, or its shard holds
     another number of episodes than those it replaces (ids are compared where known).
 
     Example:
-        >>> fold("rl", 0, {}, [], [])
-        {}
+        >>> list(fold("rl", 0, {}, [], []))
+        []
     """
-    out = dict(live)
+    if isinstance(live, Mapping):
+        seqs = sorted(live)
+        out = HeadShards([live[q] for q in seqs], seqs)
+    elif isinstance(live, LiveRows):
+        out = HeadShards(live, live.seqs)
+    else:
+        base = list(live)
+        out = HeadShards(base, [e.seq for e in base])  # type: ignore[misc]
     for e in tail:
         if isinstance(e, ShardEntry):
-            out[e.seq] = e  # type: ignore[index]
+            out._add(e)
         elif isinstance(e, ReplaceEntry):
             old = [out.get(r) for r in e.replaces]
             if any(o is None for o in old):
@@ -303,13 +346,13 @@ def fold(
             if len(ids) == e.shard.episodes and set(ids) != set(e.shard.episode_ids):
                 raise Stale(f"replace entry {e.seq}: its shard's episode ids are not those it replaces")
             for r in e.replaces:
-                del out[r]
-            out[e.seq] = e.shard  # type: ignore[index]
+                out._drop(r)
+            out._add(e.shard)
     for rec in records:
         for f in rec.files:
             s = out.get(f.seq) if (f.topic, f.partition) == (topic, partition) else None
             if s is not None and (s.path, s.staging_path) == (f.path, f.staging_path):
-                del out[f.seq]
+                out._drop(f.seq)
     return out
 
 
@@ -319,7 +362,7 @@ class HeadRead:
     (`first_entry_key` of its entry 0), ``end`` (its next seq), ``live_set`` (the seq of the live
     set read, None: the whole history was read) and ``entries`` (the whole history when read)."""
 
-    shards: list[ShardEntry]
+    shards: Sequence[ShardEntry]
     first: str
     end: int
     live_set: int | None = None
@@ -369,11 +412,10 @@ def head_shards(
             if n >= 0 and not any(r.n >= n for r in records) and storage.info(record_path(n)) is None:
                 raise Stale(f"it folds removal records below {live_set.removals}; record {n} does not exist")
             tail = plog.entries_from(live_set.seq)
-            rows = {s.seq: s for s in live_set.shards}
             later = [r for r in records if r.n >= live_set.removals]
-            live = fold(topic, partition, rows, tail, later)
+            live = fold(topic, partition, live_set.shards, tail, later)
             end = tail[-1].seq + 1 if tail else live_set.seq
-            return HeadRead([live[s] for s in sorted(live)], live_set.first, end, live_set.seq)  # type: ignore[index]
+            return HeadRead(live, live_set.first, end, live_set.seq)  # type: ignore[arg-type]
         except ManifestError as e:
             if not history:
                 raise NeedsHistory(f"live set {live_set.seq} cannot be used ({e})") from None
@@ -383,8 +425,7 @@ def head_shards(
     if not history:
         raise NeedsHistory("no usable live set")
     entries = plog.load(strict=strict)
-    live = fold(topic, partition, live_shards(entries), [], records)  # type: ignore[arg-type]
-    shards = [live[seq] for seq in sorted(live)]
+    shards = fold(topic, partition, live_shards(entries), [], records)  # type: ignore[arg-type]
     end = entries[-1].seq + 1 if entries else 0  # type: ignore[operator]
     return HeadRead(shards, first_entry_key(entries[0] if entries else None), end, None, entries)
 
@@ -424,21 +465,24 @@ def write_live_set(
         r.n for r in records if any((f.topic, f.partition) == (topic, partition) and f.seq >= head.end for f in r.files)
     ]
     removals = min(beyond) if beyond else max([start, *(r.n + 1 for r in records)])
-    live = fold(topic, partition, {s.seq: s for s in head.shards}, [], [r for r in records if r.n < removals])  # type: ignore[misc]
+    live = fold(topic, partition, head.shards, [], [r for r in records if r.n < removals])
     ls = LiveSetEntry(
         topic=topic,
         partition=partition,
         seq=head.end,
         first=head.first,
         removals=removals,
-        shards=tuple(dataclasses.replace(live[q], episode_ids=()) for q in sorted(live)),
+        shards=tuple(dataclasses.replace(s, episode_ids=()) if s.episode_ids else s for s in live),
         writer=writer,
     )
-    if not storage.create_once(live_set_path(topic, partition, ls.seq), ls.to_json().encode()):
+    if not storage.create_once(live_set_path(topic, partition, ls.seq), ls.to_bytes()):
         return None
     for old in [q for q in live_set_seqs(storage, topic, partition) if q <= ls.seq][:-KEEP_LIVE_SETS]:
         with contextlib.suppress(FileNotFoundError):
             storage.delete(live_set_path(topic, partition, old))
+    for name in _json_live_sets(storage, topic, partition, ls.seq):
+        with contextlib.suppress(FileNotFoundError):
+            storage.delete(name)
     log.info("%s/%d: live set at seq %d: %d live shard(s)", topic, partition, ls.seq, len(ls.shards))
     return ls
 

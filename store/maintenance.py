@@ -309,37 +309,53 @@ def _live_set_problems(
     import dataclasses
 
     from rlrec.store.live_set import (
-        MAX_LIVE_SET_BYTES,
         first_entry_key,
         fold,
         live_set_path,
         live_set_seqs,
         parse_live_set,
     )
+    from rlrec.store.live_set_file import size_cap
+    from rlrec.store.localfs import EscapesRoot
     from rlrec.store.manifest import UnsupportedManifestError
 
     problems: list[str] = []
     count = max((r.n + 1 for r in records), default=0)
-    for seq in live_set_seqs(storage, topic, partition):
+    try:
+        seqs = live_set_seqs(storage, topic, partition)
+    except EscapesRoot as e:
+        return [f"{topic}/{partition:05d} live sets: the directory is a symlink, readers ignore it ({e})"]
+    for seq in seqs:
         where = f"{topic}/{partition:05d} live set {seq}"
+        if seq > len(entries) or [e.seq for e in entries[:seq]] != list(range(seq)):
+            problems.append(f"{where}: the log has no entries 0..{seq - 1}")  # not read: readers never read it
+            continue
         try:
             ls = parse_live_set(
-                storage.read(live_set_path(topic, partition, seq), limit=MAX_LIVE_SET_BYTES), topic, partition, seq
+                storage.read(live_set_path(topic, partition, seq), limit=size_cap(seq)), topic, partition, seq
             )
         except FileNotFoundError:
             continue  # deleted meanwhile by the writer of a newer one
+        except EscapesRoot as e:
+            problems.append(f"{where}: is a symlink, readers ignore it ({e})")
+            continue
         except UnsupportedManifestError as e:
             log.info("%s: of a newer format, not checked (readers of this version ignore it): %s", where, e)
             continue
         except ManifestError as e:
             problems.append(f"{where}: malformed, readers ignore it ({e})")
             continue
-        below = [e for e in entries if e.seq is not None and e.seq < seq]
-        if seq > len(entries) or [e.seq for e in below] != list(range(seq)):
-            problems.append(f"{where}: the log has no entries 0..{seq - 1}")
-            continue
+        below = entries[:seq]
         if ls.removals > count:
             problems.append(f"{where}: folds {ls.removals} removal records, {count} exist")
+            continue
+        late = [
+            r.n
+            for r in records
+            if r.n < ls.removals and any((f.topic, f.partition) == (topic, partition) and f.seq >= seq for f in r.files)
+        ]
+        if late:  # readers skip it, so the shards it removes at or past the seq would stay live at the head
+            problems.append(f"{where}: folds removal record {late[0]}, which names entries at or past its seq")
             continue
         if ls.first != first_entry_key(below[0] if below else None):
             problems.append(f"{where}: 'first' is not the key of the log's entry 0")
@@ -347,7 +363,7 @@ def _live_set_problems(
             live = fold(topic, partition, live_shards(below), [], [r for r in records if r.n < ls.removals])
         except ManifestError:
             continue  # the log itself breaks the rule of replacement: reported with the log
-        want = {q: dataclasses.replace(s, episode_ids=()) for q, s in live.items()}
+        want = {s.seq: dataclasses.replace(s, episode_ids=()) for s in live}
         got = {s.seq: s for s in ls.shards}
         for q in sorted(set(want) | set(got)):
             if q not in got:

@@ -431,13 +431,14 @@ class PartitionLog:
                 raise ManifestError(f"{self.storage.uri(self._path(x.seq))}: prev {x.prev} is not a snapshot")
             x = p
         out = sorted((e for c in chunks for e in c if e.seq >= lo), key=lambda e: e.seq)  # type: ignore[arg-type,return-value]
-        while True:  # probe the tail _BACKWARD_BATCH entries at a time, up to the first missing one
-            got = _read_many(self._read_entry, range(nxt, nxt + _BACKWARD_BATCH))
-            ahead = next((i for i, e in enumerate(got) if e is None), len(got))
-            out += got[:ahead]
-            nxt += ahead
-            if ahead < len(got):
-                break
+        with ThreadPoolExecutor(max_workers=_READ_WORKERS) as ex:  # one pool for every batch
+            while True:  # probe the tail _BACKWARD_BATCH entries at a time, up to the first missing one
+                got = list(ex.map(self._read_entry, range(nxt, nxt + _BACKWARD_BATCH)))
+                ahead = next((i for i, e in enumerate(got) if e is None), len(got))
+                out += got[:ahead]
+                nxt += ahead
+                if ahead < len(got):
+                    break
         if [e.seq for e in out] != list(range(lo, lo + len(out))):
             raise ManifestError(f"manifest log {self.storage.uri(self.prefix)} has a gap above seq {lo}")
         return out

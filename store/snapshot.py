@@ -61,7 +61,6 @@ Example::
 from __future__ import annotations
 
 import bisect
-import contextlib
 import hashlib
 import json
 import logging
@@ -69,17 +68,17 @@ import math
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from rlrec.store.commit import read_committed_shard
 from rlrec.store.live_set import first_entry_key, read_heads
+from rlrec.store.live_set_file import ChainedShards, ShardList
 from rlrec.store.manifest import (
     APPEND_WINDOW_S,
     MANIFEST_DIR,
@@ -92,7 +91,16 @@ from rlrec.store.manifest import (
     live_shards,
 )
 from rlrec.store.retention import RemovalRecord, RemovedFile, merge_ranges, read_removals, resolve_removals
-from rlrec.store.schema_gate import TABULAR_FIXED_COLUMNS, ShardSchemaError, open_shard
+from rlrec.store.schema_gate import ShardSchemaError, open_shard
+from rlrec.store.steps_table import (
+    STEP_COLUMNS,
+    STEP_SOURCES,
+    column_to_numpy,
+    empty_steps,
+    gated_steps,
+    naming_errors,
+    tabular_episodes,
+)
 from rlrec.store.storage import Storage
 
 __all__ = [
@@ -115,20 +123,6 @@ __all__ = [
 
 log = logging.getLogger("rlrec.snapshot")
 
-#: the columns of `Snapshot.steps`, in order (observation/action types follow the spaces)
-STEP_COLUMNS = (
-    "episode_id",
-    "t",
-    "observation",
-    "action",
-    "reward",
-    "terminated",
-    "truncated",
-    "action_logp",
-    "policy_version",
-    "next_observation",
-    "policy_id",
-)
 #: `Snapshot.iter_steps` fetches up to this many shards ahead, in this many threads, holding at
 #: most this many bytes of files ahead (one shard more when a single one is larger)
 READ_AHEAD_SHARDS = 16
@@ -372,7 +366,10 @@ class Snapshot:
         self._logs_read = logs
         self._removed_read = removed
         self._history = history
-        self.entries: list[ShardEntry] = sorted(entries, key=lambda e: (e.topic, e.partition, e.seq))
+        #: in (topic, partition, seq) order; a head point's entries are built when first used
+        self.entries: Sequence[ShardEntry] = (
+            entries if isinstance(entries, ShardList) else sorted(entries, key=lambda e: (e.topic, e.partition, e.seq))
+        )
         #: None: every episode of the entries; else the episode ids it keeps (`subset`)
         self.keep_episode = keep_episode
         #: None: every entry at the cursor; else the digest naming the part `subset` kept
@@ -380,7 +377,9 @@ class Snapshot:
         self._counts: dict[str, tuple[int, int]] = {}  # shard path -> (episodes, steps) kept
         # shard path -> ids of episodes of that shard it leaves out (`open_entries`: a merged
         # shard's episodes of entries not asked for)
-        self._drop: dict[str, frozenset] = {e.path: drop[e.path] for e in self.entries if drop and drop.get(e.path)}
+        self._drop: dict[str, frozenset] = (
+            {e.path: drop[e.path] for e in self.entries if drop.get(e.path)} if drop else {}
+        )
         self._ranges = ranges  # `open_entries`: the seq ranges whose episodes it holds (for `changes`)
         #: shard path -> its `_fetch` under way (`iter_steps` reads ahead)
         self._ahead: dict[str, Future] = {}
@@ -640,7 +639,7 @@ class Snapshot:
         from rlrec.store.episodes import unpack_episode
 
         shard = self._gated(entry)
-        with _naming(self.storage.uri(entry.path)):
+        with naming_errors(self.storage.uri(entry.path)):
             if shard.fmt == "tabular":
                 episodes = tabular_episodes(shard, entry)
             else:
@@ -658,15 +657,15 @@ class Snapshot:
         shard = self._gated(entry)
         if budget is not None and not budget.take(entry.path, shard.decoded_bytes):
             return shard, None
-        return shard, shard.read(_STEP_SOURCES.get(shard.fmt))
+        return shard, shard.read(STEP_SOURCES.get(shard.fmt))
 
     def shard_steps(self, entry: ShardEntry) -> pa.Table:
         """The steps of one of the snapshot's shards (the columns of `steps`)."""
         ahead = self._ahead.pop(entry.path, None)
         shard, read = ahead.result() if ahead is not None else self._fetch(entry)
         if read is None:
-            read = shard.read(_STEP_SOURCES.get(shard.fmt))
-        with _naming(self.storage.uri(entry.path)):
+            read = shard.read(STEP_SOURCES.get(shard.fmt))
+        with naming_errors(self.storage.uri(entry.path)):
             table = gated_steps(shard, entry, read)
         if not self.filtered or not table.num_rows:
             return table
@@ -824,245 +823,6 @@ def _new_part(by_seq: Mapping[int, Entry], seq: int, start: int) -> list[ShardEn
     return parts
 
 
-@contextlib.contextmanager
-def _naming(where: str) -> Iterator[None]:
-    """Re-raise an episode that cannot be decoded (`EpisodeDecodeError`, `UnsafeEpisodeError`)
-    with the shard's URI in front of the reason."""
-    from rlrec.store.episodes import EpisodeDecodeError
-
-    try:
-        yield
-    except EpisodeDecodeError as e:
-        raise type(e)(f"{where}: {e}") from None
-    except pa.ArrowInvalid as e:  # columns of an episode that do not fit together
-        raise ValueError(f"{where}: {e}") from None
-
-
-# ------------------------------------------------------------------------------- steps
-
-
-def _plain(arr: pa.Array) -> pa.Array:
-    """`arr` with fixed-shape tensors turned into nested fixed-size lists (plain Arrow types)."""
-    t = arr.type
-    if isinstance(t, pa.FixedShapeTensorType):
-        values = arr.storage.flatten()
-        for d in reversed(t.shape):
-            values = pa.FixedSizeListArray.from_arrays(values, d)
-        return values
-    if pa.types.is_struct(t):
-        return pa.StructArray.from_arrays(
-            [_plain(arr.field(i)) for i in range(t.num_fields)], names=[t.field(i).name for i in range(t.num_fields)]
-        )
-    return arr
-
-
-def _column(table: pa.Table, name: str) -> pa.Array:
-    return _plain(table.column(name).combine_chunks())
-
-
-def column_to_numpy(col: pa.Array) -> Any:
-    """A step column as numpy: nested fixed-size lists -> one array of shape ``(n, *shape)``;
-    strings -> a list of str; structs -> a dict of those (float nulls become NaN)."""
-    t = col.type
-    if pa.types.is_struct(t):
-        return {t.field(i).name: column_to_numpy(col.field(i)) for i in range(t.num_fields)}
-    if pa.types.is_string(t) or pa.types.is_large_string(t):
-        return col.to_pylist()
-    shape = []
-    values = col
-    while pa.types.is_fixed_size_list(values.type):
-        shape.append(values.type.list_size)
-        values = values.flatten()
-    return values.to_numpy(zero_copy_only=False).reshape(len(col), *shape)
-
-
-def _arrow_leaves(col: pa.Array) -> list[np.ndarray]:
-    """The leaf arrays of a step column (a struct's fields depth first: the spaces' leaf order)."""
-    t = col.type
-    if pa.types.is_struct(t):
-        return [leaf for i in range(t.num_fields) for leaf in _arrow_leaves(col.field(i))]
-    return [column_to_numpy(col)]
-
-
-#: columns of a tabular shard that are not extra model outputs
-_TABULAR_NOT_EXTRA = frozenset({*TABULAR_FIXED_COLUMNS, "obs", "actions", "new_obs"})
-
-
-def tabular_episodes(shard: Any, entry: ShardEntry) -> list[Any]:
-    """The episodes of a gated tabular shard as `SingleAgentEpisode`s (rows grouped by
-    ``eps_id``, each episode's rows contiguous and ordered by ``t``; ValueError otherwise)."""
-    from rlrec.producer.events import loads_info
-    from rlrec.producer.spaces import loads_space
-    from rlrec.store.episodes import to_single_agent_episode
-    from rlrec.store.finished import EMPTY_INFO, FinishedEpisode
-
-    meta = shard.metadata()
-    if "rlrec.observation_space" not in meta or "rlrec.action_space" not in meta:
-        raise ValueError(f"{entry.path}: a tabular shard without its spaces in the schema metadata")
-    obs_space, act_space = loads_space(meta["rlrec.observation_space"]), loads_space(meta["rlrec.action_space"])
-    table = shard.read()
-    ids = table.column("eps_id").to_pylist()
-    ts = column_to_numpy(_column(table, "t"))
-    cols = {name: _arrow_leaves(_column(table, name)) for name in ("obs", "actions", "new_obs")}
-    rewards = column_to_numpy(_column(table, "rewards")).astype(np.float64)
-    term, trunc = column_to_numpy(_column(table, "terminateds")), column_to_numpy(_column(table, "truncateds"))
-    versions = column_to_numpy(_column(table, "policy_version")) if "policy_version" in table.column_names else None
-    infos = table.column("infos").to_pylist() if "infos" in table.column_names else None
-    extra_names = [k for k in table.column_names if k not in _TABULAR_NOT_EXTRA]
-    extras = {k: column_to_numpy(_column(table, k)) for k in extra_names}
-    missing = {k: table.column(k).is_null().to_numpy(zero_copy_only=False) for k in extra_names}  # null: not logged
-    starts = [i for i in range(len(ids)) if i == 0 or ids[i] != ids[i - 1]]
-    if len(set(ids)) != len(starts):
-        raise ValueError(f"{entry.path}: an episode's rows are not contiguous")
-    out = []
-    for a, b in zip(starts, [*starts[1:], len(ids)]):
-        if not np.array_equal(ts[a:b], np.arange(b - a)):
-            raise ValueError(f"{entry.path}: episode {ids[a]}: t is not 0, 1, 2, ...")
-        fe = FinishedEpisode(
-            episode_id=ids[a],
-            policy_id=entry.policy_id,
-            policy_version=int(versions[a]) if versions is not None else 0,
-            env_id="",
-            observation_space=obs_space,
-            action_space=act_space,
-            observations=[np.concatenate([o[a:b], n[b - 1 : b]]) for o, n in zip(cols["obs"], cols["new_obs"])],
-            actions=[x[a:b] for x in cols["actions"]],
-            rewards=rewards[a:b],
-            infos=[
-                EMPTY_INFO,
-                *(loads_info(i) if i else EMPTY_INFO for i in (infos[a:b] if infos else [None] * (b - a))),
-            ],
-            extra_model_outputs={k: v[a:b] for k, v in extras.items() if not missing[k][a:b].all()},
-            terminated=bool(term[b - 1]),
-            truncated=bool(trunc[b - 1]),
-            first_offset=0,
-            last_offset=0,
-            started_ms=0,
-            ended_ms=0,
-        )
-        out.append(to_single_agent_episode(fe))
-    return out
-
-
-def _logp(values: pa.Array | None, n: int) -> pa.Array:
-    if values is None:
-        return pa.nulls(n, pa.float64())
-    if pa.types.is_fixed_size_list(values.type) or pa.types.is_list(values.type):
-        values = values.flatten()  # a (T, 1) output
-    return values.cast(pa.float64())
-
-
-def _leaves(space: Any, data: Any) -> list[np.ndarray]:
-    """The leaf arrays of batched `data` (a value of `space` with a leading time axis)."""
-    import gymnasium as gym
-
-    if isinstance(space, gym.spaces.Dict):
-        return [leaf for k, s in space.spaces.items() for leaf in _leaves(s, data[k])]
-    if isinstance(space, gym.spaces.Tuple):
-        return [leaf for i, s in enumerate(space.spaces) for leaf in _leaves(s, data[i])]
-    return [np.asarray(data)]
-
-
-def _episode_columns(episodes: list[Any]) -> dict[str, pa.Array]:
-    """The step columns (but ``policy_version`` and ``policy_id``) of decoded episodes
-    (`rlrec.store.episode_arrays.EpisodeArrays` or `SingleAgentEpisode`s), built column by
-    column: per episode only its arrays are gathered."""
-    from rlrec.store.shards import _column as space_column
-
-    ep0 = episodes[0]
-    obs = [_leaves(ep.observation_space, ep.get_observations()) for ep in episodes]
-    acts = [_leaves(ep.action_space, ep.get_actions()) for ep in episodes]
-    lengths = np.fromiter((len(ep) for ep in episodes), dtype=np.int64, count=len(episodes))
-    ends = np.cumsum(lengths)
-    n = int(ends[-1]) if len(ends) else 0
-    episode = np.repeat(np.arange(len(episodes)), lengths)  # each step's episode
-    last = np.zeros(n, dtype=bool)
-    last[ends[lengths > 0] - 1] = True
-    logp = np.zeros(n, dtype=np.float64)
-    missing = np.ones(n, dtype=bool)  # null: no propensity logged
-    for ep, end, length in zip(episodes, ends.tolist(), lengths.tolist()):
-        if "action_logp" in ep.extra_model_outputs:
-            logp[end - length : end] = np.asarray(ep.get_extra_model_outputs("action_logp"), dtype=np.float64).reshape(
-                length
-            )
-            missing[end - length : end] = False
-    ids = pa.array([ep.id_ for ep in episodes], pa.string())
-    terminated = np.array([bool(ep.is_terminated) for ep in episodes])
-    truncated = np.array([bool(ep.is_truncated) for ep in episodes])
-    return {
-        "episode_id": ids.take(pa.array(episode)),
-        "t": pa.array(np.arange(n, dtype=np.int64) - np.repeat(ends - lengths, lengths)),
-        "observation": space_column(ep0.observation_space, [[x[:-1] for x in o] for o in obs], "nested"),
-        "action": space_column(ep0.action_space, acts, "nested"),
-        "reward": pa.array(np.concatenate([np.asarray(ep.get_rewards(), dtype=np.float64) for ep in episodes])),
-        "terminated": pa.array(terminated[episode] & last),
-        "truncated": pa.array(truncated[episode] & last),
-        "action_logp": pa.array(logp, mask=missing) if missing.any() else pa.array(logp),
-        "next_observation": space_column(ep0.observation_space, [[x[1:] for x in o] for o in obs], "nested"),
-    }
-
-
-#: the columns of a shard its steps are made of, per format (None: all)
-_STEP_SOURCES: dict[str, list[str] | None] = {"episodes": ["item", "policy_version"], "tabular": None}
-
-
-def gated_steps(shard: Any, entry: ShardEntry, read: pa.Table | None = None) -> pa.Table:
-    """The steps (columns `STEP_COLUMNS`) of one gated shard (`rlrec.store.schema_gate.GatedShard`)
-    whose manifest entry is `entry`; `read`: its columns `_STEP_SOURCES` names, if already read
-    (with ``shard.read``)."""
-    if shard.fmt == "episodes":
-        from rlrec.store.episode_arrays import decode_items
-
-        table = read if read is not None else shard.read(_STEP_SOURCES["episodes"])
-        episodes = decode_items(table.column("item"))
-        if not episodes:
-            return empty_steps()
-        cols = _episode_columns(episodes)
-        versions = np.asarray(table.column("policy_version").to_numpy(), dtype=np.int64)
-        cols["policy_version"] = pa.array(np.repeat(versions, [len(ep) for ep in episodes]))
-    else:
-        table = read if read is not None else shard.read()
-        n = table.num_rows
-        cols = {
-            "episode_id": _column(table, "eps_id"),
-            "t": _column(table, "t") if "t" in table.column_names else None,
-            "observation": _column(table, "obs"),
-            "action": _column(table, "actions"),
-            "reward": _column(table, "rewards").cast(pa.float64()),
-            "terminated": _column(table, "terminateds"),
-            "truncated": _column(table, "truncateds"),
-            "action_logp": _logp(_column(table, "action_logp") if "action_logp" in table.column_names else None, n),
-            "policy_version": _column(table, "policy_version")
-            if "policy_version" in table.column_names
-            else pa.nulls(n, pa.int64()),
-            "next_observation": _column(table, "new_obs"),
-        }
-        if cols["t"] is None:
-            raise ShardSchemaError(f"{entry.path}: a tabular shard without a t column")
-    n = len(cols["episode_id"])
-    cols["policy_id"] = pa.array([entry.policy_id] * n, pa.string())
-    return pa.table({k: cols[k] for k in STEP_COLUMNS})
-
-
-def empty_steps() -> pa.Table:
-    """The steps of no shard (observation and action of type null)."""
-    return pa.table(
-        {
-            "episode_id": pa.array([], pa.string()),
-            "t": pa.array([], pa.int64()),
-            "observation": pa.array([], pa.null()),
-            "action": pa.array([], pa.null()),
-            "reward": pa.array([], pa.float64()),
-            "terminated": pa.array([], pa.bool_()),
-            "truncated": pa.array([], pa.bool_()),
-            "action_logp": pa.array([], pa.float64()),
-            "policy_version": pa.array([], pa.int64()),
-            "next_observation": pa.array([], pa.null()),
-            "policy_id": pa.array([], pa.string()),
-        }
-    )
-
-
 # --------------------------------------------------------------------------------- opening
 
 
@@ -1106,7 +866,7 @@ def _open_head(st: Storage) -> Snapshot:
     firsts = {k: h.first for k, h in heads.items()}
     positions = {k: h.end for k, h in heads.items() if h.end > 0}
     point = Cursor(positions, _tag({k: firsts[k] for k in positions}), removals)
-    entries = [s for h in heads.values() for s in h.shards]
+    entries = ChainedShards(h.shards for h in heads.values())  # sorted: keys in (topic, partition) order
     log.debug("snapshot %s: %d shard(s)", point, len(entries))
     if all(h.entries is not None for h in heads.values()):  # no live set: the history is read already
         logs = {k: h.entries for k, h in heads.items()}

@@ -148,8 +148,8 @@ def test_evaluate_runs_with_its_extra_only_and_says_its_phases(store):
     """OPE needs numpy and torch only: with every module that only other extras than
     `rlrec[evaluate]` install unimportable (ray, rich, boto3, ...: set to None in `sys.modules` of
     a fresh interpreter, read from pyproject.toml) evaluate reads, fits and answers, saying each phase
-    and the shards it read as it goes. (A fresh venv is the stricter check; building one takes
-    minutes here.)"""
+    and the shards it read as it goes. (The stricter check, `rlrec[evaluate]` alone in a fresh
+    venv, is CI's `make check-evaluate-extra`: it takes minutes.)"""
     root, _ = store
     blocked = sorted(_not_in_extra("evaluate"))
     assert {"ray", "boto3", "rich"} <= set(blocked)

@@ -13,10 +13,10 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 
-from rlrec.store import live_set as ls_mod
-from rlrec.store import manifest_entries
+from rlrec.store import live_set_file, manifest_entries
 from rlrec.store.commit import ShardCommitter
 from rlrec.store.compaction import compact_partition
 from rlrec.store.live_set import (
@@ -107,6 +107,22 @@ def test_head_through_live_sets_is_the_history_across_commits_compaction_retenti
         open_snapshot(root, as_of=early.cursor).steps()
 
 
+def test_a_head_snapshots_entries_behave_as_the_list_they_were(tmp_path):
+    """Read through a live set, `Snapshot.entries` builds its entries lazily but still works as
+    the list it was: concatenated either way, copied, sliced, compared (a list of entries read
+    earlier + the head's entries raised TypeError)."""
+    root = str(tmp_path / "out")
+    c = ShardCommitter(root, "rl", 0, snapshot_every=3)
+    _commit(c, 4, 0)
+    write_live_set(c.storage, "rl", 0)
+    _commit(c, 1, 10)
+    head = open_snapshot(root).entries
+    plain = list(head)
+    assert type(head) is not list and len(plain) == 5
+    assert head + head == plain + plain and plain[:1] + head == plain[:1] + plain
+    assert head.copy() == plain and head[1:3] == plain[1:3] and head == plain
+
+
 def test_an_older_cursor_reads_the_same_after_live_sets(tmp_path):
     root = str(tmp_path / "out")
     c = ShardCommitter(root, "rl", 0, snapshot_every=3)
@@ -151,24 +167,102 @@ def _store_with_live_set(tmp_path):
 
 
 def _doc(ls) -> dict:
-    return json.loads(ls.to_json())
+    """A live set as its header's fields and its rows (``"shards"``: column -> value), to forge."""
+    header, columns = live_set_file._open_checked(ls.to_bytes(), ls.seq)
+    return {**header, "shards": pa.table(columns).to_pylist()}
+
+
+_TYPES = {n: t for n, t, _ in live_set_file.COLUMNS}
+
+
+def _encode(doc: dict, types: dict | None = None, rows: int | None = None) -> bytes:
+    """A live set file of `doc` (as `_doc` gives), its columns of `types` (name -> Arrow type;
+    None drops a column), its header's row count `rows` (default: the rows')."""
+    types = {**_TYPES, **(types or {})}
+    head = {k: v for k, v in doc.items() if k != "shards"}
+    cols = {n: pa.array([r.get(n) for r in doc["shards"]], t) for n, t in types.items() if t is not None}
+    return live_set_file.encode_columns(head, cols, len(doc["shards"]) if rows is None else rows)
+
+
+def _raw_header(header: bytes) -> bytes:
+    """A live set file holding only `header` (bytes) as its header."""
+    return live_set_file.pack(header + len(header).to_bytes(4, "little"))
+
+
+def _patched(data: bytes, change) -> bytes:
+    """A live set file of `data` after `change(header, body)` (its header as a dict and its
+    column buffers as a bytearray, changed in place)."""
+    payload = bytearray(live_set_file.unpack(data))
+    n = int.from_bytes(payload[-4:], "little")
+    head, body = json.loads(bytes(payload[-4 - n : -4])), payload[: -4 - n]
+    change(head, body)
+    h = json.dumps(head).encode()
+    return live_set_file.pack(bytes(body) + h + len(h).to_bytes(4, "little"))
+
+
+def _bytes(doc_or_bytes) -> bytes:
+    return doc_or_bytes if isinstance(doc_or_bytes, bytes) else _encode(doc_or_bytes)
 
 
 def _plant(c, doc_or_bytes, seq: int | None = None) -> None:
     """Plant a newer live set than the real one (seq defaults to one above the newest)."""
     seq = (max(live_set_seqs(c.storage, "rl", 0)) + 1) if seq is None else seq
-    data = doc_or_bytes if isinstance(doc_or_bytes, bytes) else json.dumps(doc_or_bytes).encode()
-    c.storage.write(live_set_path("rl", 0, seq), data)
+    c.storage.write(live_set_path("rl", 0, seq), _bytes(doc_or_bytes))
+
+
+def _not_utf8(doc: dict, column: str) -> bytes:
+    """A live set of `doc` whose first row's `column` is bytes that are not UTF-8."""
+    head = {k: v for k, v in doc.items() if k != "shards"}
+    cols = {n: pa.array([r.get(n) for r in doc["shards"]], t) for n, t in _TYPES.items()}
+    values = [v.encode() for v in cols[column].to_pylist()]
+    values[0] = b"\xff" + values[0]
+    cols[column] = pa.array(values, pa.binary()).view(pa.string())
+    return live_set_file.encode_columns(head, cols, len(doc["shards"]))
+
+
+def _set_buffer(column: str, i: int, value) -> callable:
+    def change(head, body):
+        head["buffers"][column][i] = value
+
+    return change
+
+
+def _swap_offsets(head, body) -> None:
+    """The name column's offsets 1 and 2 swapped (not monotone)."""
+    off = head["buffers"]["name"][1][0]
+    a, b = body[off + 4 : off + 8], body[off + 8 : off + 12]
+    body[off + 4 : off + 8], body[off + 8 : off + 12] = b, a
+
+
+def _last_offset_past_data(head, body) -> None:
+    off, size = head["buffers"]["name"][1]
+    body[off + size - 4 : off + size] = (2**30).to_bytes(4, "little")
 
 
 def _hostile_docs(ls, seq: int) -> dict[str, object]:
     """Live sets to plant at `seq`, each wrong in one way."""
     d = {**_doc(ls), "seq": seq}
-    row = d["shards"][0]
+    head = {k: v for k, v in d.items() if k != "shards"}
+    rows = d["shards"]
+    row = rows[0]
+    honest = _encode(d)
+    raw = int.from_bytes(honest[8:16], "little")
+    rows_at = {k: (lambda v, k=k: {**d, "shards": [{**row, k: v}, *rows[1:]]}) for k in row}
     return {
-        "torn": ls.to_json().encode()[:-40],
-        "not json": b"\x00\xff" * 10,
-        "a list": b"[1, 2]",
+        "torn": honest[:-40],
+        "truncated to its first half": honest[: len(honest) // 2],
+        "not a live set file": b"\x00\xff" * 10,
+        "empty": b"",
+        "a Parquet file": b"PAR1" + b"\x00" * 40 + b"PAR1",
+        "raw length over what its seq allows": honest[:8] + (2**40).to_bytes(8, "little") + honest[16:],
+        "raw length below its frame's": honest[:8] + (raw - 1).to_bytes(8, "little") + honest[16:],
+        "raw length above its frame's": honest[:8] + (raw + 1).to_bytes(8, "little") + honest[16:],
+        "a frame of 64 MiB of zeros": honest[:16] + pa.Codec("zstd").compress(bytes(64 << 20), asbytes=True),
+        "header not JSON": _raw_header(b"\x00{"),
+        "header a list": _raw_header(b"[1, 2]"),
+        "header JSON nested too deep": _raw_header(b"[" * 60_000),
+        "header over 64 KiB": _raw_header(json.dumps({**head, "writer": "w" * 70_000}).encode()),
+        "column buffers cut off": _patched(honest, lambda h, b: b.clear()),
         "newer format": {**d, "manifest_version": 5},
         "another log": {**d, "partition": 1},
         "seq not the file's": {**d, "seq": ls.seq},
@@ -176,19 +270,78 @@ def _hostile_docs(ls, seq: int) -> dict[str, object]:
         "bool partition": {**d, "partition": False},
         "unknown field": {**d, "extra": 1},
         "missing field": {k: v for k, v in d.items() if k != "first"},
-        "row of another partition": {**d, "shards": [{**row, "partition": 1}]},
-        "row at or above its seq": {**d, "shards": [{**row, "seq": seq}]},
-        "rows out of order": {**d, "shards": d["shards"][::-1]},
-        "row twice": {**d, "shards": [row, row]},
-        "row with episode ids": {**d, "shards": [{**row, "episode_ids": ["x"]}]},
-        "row path outside its policy": {**d, "shards": [{**row, "path": "../../etc/passwd"}]},
-        "row with a bool count": {**d, "shards": [{**row, "episodes": True}]},
         "negative removals": {**d, "removals": -1},
         "huge first": {**d, "first": "x" * 5000},
-        "JSON nested too deep": b"[" * 200_000,
         "time too large for a float": {**d, "time": 10**400},
-        "row commit_time too large for a float": {**d, "shards": [{**row, "commit_time": 10**400}]},
-        "infinite time": {**d, "time": float("inf")},
+        "infinite time": _patched(honest, lambda h, b: h.update(time=float("inf"))),
+        "more rows than entries below its seq": {**d, "shards": [{**row, "seq": i % seq} for i in range(seq + 1)]},
+        "row at or above its seq": rows_at["seq"](seq),
+        "negative row seq": rows_at["seq"](-1),
+        "rows out of order": {**d, "shards": rows[::-1]},
+        "row twice": {**d, "shards": [row, row]},
+        "row name outside its policy": rows_at["name"]("../../etc/passwd"),
+        "row name a path": rows_at["name"]("a/b.parquet"),
+        "row name hidden": rows_at["name"](".b.parquet"),
+        "row name reserved": rows_at["name"]("_staging"),
+        "row name empty": rows_at["name"](""),
+        "row name with a NUL": rows_at["name"]("a\x00b.parquet"),
+        "row name with a newline": rows_at["name"]("a\nb.parquet"),
+        "row policy not a policy id": rows_at["policy_id"](".."),
+        "row sha256 not hex": rows_at["sha256"]("g" * 64),
+        "row format empty": rows_at["format"](""),
+        "row epoch 0": rows_at["epoch"](0),
+        "row negative bytes": rows_at["bytes"](-1),
+        "row negative steps": rows_at["steps"](-5),
+        "row negative decoded_bytes": rows_at["decoded_bytes"](-1),
+        "row negative resume_offset": rows_at["resume_offset"](-1),
+        "row first_offset above last_offset": rows_at["first_offset"](row["last_offset"] + 1),
+        "row NaN commit_time": rows_at["commit_time"](float("nan")),
+        "row infinite commit_time": rows_at["commit_time"](float("inf")),
+        "row event_schema_versions not JSON": rows_at["event_schema_versions"]("{"),
+        "row event_schema_versions of bools": rows_at["event_schema_versions"]("[true]"),
+        "row event_schema_versions nested too deep": rows_at["event_schema_versions"]("[" * 100_000),
+        "row policy version a float": rows_at["min_policy_version"]("1.5"),
+        "row steps_without_logp negative": rows_at["steps_without_logp"]('{"1": -1}'),
+        # JSON text over its column's cap or, over the rows' distinct values, over what their
+        # number allows: refused before it is parsed (review-47h P2-2: parsed, a few-KB file
+        # made readers build GBs of Python objects)
+        "row event_schema_versions over 4 KiB": rows_at["event_schema_versions"]("[" + "1," * 2100 + "1]"),
+        "row policy version over 256 bytes": rows_at["max_policy_version"]('"' + "v" * 300 + '"'),
+        "row steps_without_logp over 64 KiB": rows_at["steps_without_logp"](
+            json.dumps({str(i): 1 for i in range(7000)})
+        ),
+        "rows' distinct steps_without_logp over their JSON budget": {
+            **d,
+            "shards": [
+                {**r, "steps_without_logp": json.dumps({str(i * 10_000 + j): 1 for j in range(3000)})}
+                for i, r in enumerate(rows)
+            ],
+        },
+        "row sha256 null (a validity buffer on a column without nulls)": rows_at["sha256"](None),
+        "row epoch null": rows_at["epoch"](None),
+        "int32 column": _encode(d, {"episodes": pa.int32()}),
+        "bool column": _encode({**d, "shards": [{**r, "episodes": True} for r in rows]}, {"episodes": pa.bool_()}),
+        "dictionary column": _encode(d, {"policy_id": pa.dictionary(pa.int32(), pa.string())}),
+        "large_string column": _encode(d, {"name": pa.large_string()}),
+        "an extra column (episode ids)": _encode(
+            {**d, "shards": [{**r, "episode_ids": "x"} for r in rows]}, {"episode_ids": pa.string()}
+        ),
+        "a column missing": _encode(d, {"writer": None}),
+        "header rows above the columns' rows": _encode(d, rows=len(rows) + 1),
+        "header rows below the columns' rows": _encode(d, rows=len(rows) - 1),
+        "header rows not an int": _patched(honest, lambda h, b: h.update(rows=float(len(rows)))),
+        "a buffer past the column buffers": _patched(honest, _set_buffer("seq", 1, [len(honest) * 100, 8 * len(rows)])),
+        "a buffer of another size": _patched(honest, _set_buffer("seq", 1, [0, 8 * len(rows) - 8])),
+        "a buffer at a negative offset": _patched(honest, _set_buffer("seq", 1, [-8, 8 * len(rows)])),
+        "a buffer that is not a pair": _patched(honest, _set_buffer("seq", 1, [0])),
+        "string data missing": _patched(honest, _set_buffer("name", 2, None)),
+        "string offsets not monotone": _patched(honest, _swap_offsets),
+        "string offsets past the data": _patched(honest, _last_offset_past_data),
+        "row name not UTF-8": _not_utf8(d, "name"),
+        "row writer not UTF-8": _not_utf8(d, "writer"),
+        "row policy not UTF-8": _not_utf8(d, "policy_id"),
+        "decodes to more than its seq allows": rows_at["name"]("a" * 300_000),
+        "larger than its seq allows": rows_at["name"](os.urandom(150_000).hex()),
     }
 
 
@@ -200,9 +353,10 @@ def test_a_hostile_live_set_is_refused_and_the_history_read(tmp_path):
     seq = ls.seq + 1
     path = live_set_path("rl", 0, seq)
     for name, doc in _hostile_docs(ls, seq).items():
-        data = doc if isinstance(doc, bytes) else json.dumps(doc).encode()
+        data = _bytes(doc)
         with pytest.raises(manifest_entries.ManifestError):
             parse_live_set(data, "rl", 0, seq)
+            pytest.fail(name)
         c.storage.write(path, data)
         assert read_live_set(c.storage, "rl", 0) == ls, name  # refused: the next older one is used
         head = open_snapshot(root)
@@ -235,7 +389,7 @@ def test_a_live_set_past_the_log_end_or_stale_is_ignored(tmp_path):
 def _replant(c, seq: int, doc: dict) -> None:
     """Replace the live set at `seq` by `doc` (a forged one: parses, names real shards)."""
     c.storage.delete(live_set_path("rl", 0, seq))
-    c.storage.create_once(live_set_path("rl", 0, seq), json.dumps(doc).encode())
+    c.storage.create_once(live_set_path("rl", 0, seq), _encode(doc))
 
 
 def test_verify_rebuilds_every_live_set_from_the_history(tmp_path):
@@ -286,6 +440,24 @@ def test_verify_rebuilds_every_live_set_from_the_history(tmp_path):
     assert verify(st) == [] and head_shards(st, "rl", 0).live_set == ls.seq
 
 
+def test_verify_reports_a_live_set_folding_a_record_that_names_shards_past_its_seq(tmp_path):
+    """A live set whose ``removals`` folds a record removing shards committed at or after its
+    seq would make readers skip that record, so the removed shards stay at the head: the rows
+    below its seq are the history's, and verify still reports it (review-47h P1-2)."""
+    root = str(tmp_path / "out")
+    c = ShardCommitter(root, "rl", 0, snapshot_every=3)
+    _commit(c, 6, 0)
+    ls = write_live_set(c.storage, "rl", 0, writer="test")
+    _commit(c, 4, 20)
+    retain(c.storage, grace_s=3600, older_than_s=0)  # record 0: every shard, those after the live set too
+    assert [r.n for r in read_removals(c.storage)] == [0]
+    assert verify(c.storage) == []
+    d = _doc(ls)
+    _replant(c, ls.seq, {**d, "removals": 1, "shards": []})  # what the history says below its seq
+    problems = verify(c.storage)
+    assert any(f"live set {ls.seq}: folds removal record 0, which names entries at or past" in p for p in problems)
+
+
 def test_inspect_verify_reports_a_forged_live_set_and_totals_from_the_history(tmp_path, capsys):
     from rlrec.cli import main
 
@@ -306,36 +478,126 @@ def test_inspect_verify_reports_a_forged_live_set_and_totals_from_the_history(tm
 
 
 def test_a_live_set_is_bounded_in_what_it_makes_a_reader_read(tmp_path, monkeypatch):
+    """A reader reads at most what the live set's seq allows (rows <= seq, bytes <= a cap that
+    grows with seq, review-47b finding 6), and reads no live set named past the log's end."""
     root, c, ls = _store_with_live_set(tmp_path)
     want = _history_head(c.storage)
-    size = len(ls.to_json())
-    monkeypatch.setattr(ls_mod, "MAX_LIVE_SET_BYTES", size - 1)
+    size = len(c.storage.read(live_set_path("rl", 0, ls.seq)))
     reads = []
     real = type(c.storage).read
 
     def read(self, path, *a, limit=None, **kw):
         if "/_live/" in path:
-            reads.append(limit)
+            reads.append((path.rsplit("/", 1)[-1], limit))
         return real(self, path, *a, limit=limit, **kw)
 
     monkeypatch.setattr(type(c.storage), "read", read)
+    name = live_set_path("rl", 0, ls.seq).rsplit("/", 1)[-1]
+    assert read_live_set(c.storage, "rl", 0) == ls
+    assert reads == [(name, live_set_file.size_cap(ls.seq))] and size <= live_set_file.size_cap(ls.seq)
+    assert live_set_file.size_cap(ls.seq) < 200_000  # a short log's live set: never 512 MiB
+    _plant(c, {**_doc(ls), "seq": 10**9}, seq=10**9)  # named past the log's end: never read
+    reads.clear()
+    assert read_live_set(c.storage, "rl", 0) == ls and reads == [(name, live_set_file.size_cap(ls.seq))]
+    c.storage.delete(live_set_path("rl", 0, 10**9))
+    monkeypatch.setattr(live_set_file, "MAX_LIVE_SET_BYTES", size - 1)
+    reads.clear()
     assert read_live_set(c.storage, "rl", 0) is None
-    assert reads == [size - 1]  # never asked for more than the limit
+    assert reads == [(name, size - 1)]  # never asked for more than the limit
     assert sorted(_key(s) for s in open_snapshot(root).entries) == want
-    monkeypatch.setattr(ls_mod, "MAX_LIVE_SET_BYTES", 512 * 1024 * 1024)
-    monkeypatch.setattr(ls_mod, "MAX_LIVE_SHARDS", len(ls.shards) - 1)
+    monkeypatch.setattr(live_set_file, "MAX_LIVE_SET_BYTES", 512 * 1024 * 1024)
+    monkeypatch.setattr(live_set_file, "MAX_LIVE_SHARDS", len(ls.shards) - 1)
     assert read_live_set(c.storage, "rl", 0) is None
+
+
+_BOMB_READER = textwrap.dedent(
+    """
+    import resource, sys
+    from rlrec.store.live_set import parse_live_set
+    from rlrec.store.manifest import ManifestError
+
+    seq, honest, bomb = int(sys.argv[1]), open(sys.argv[2], "rb").read(), open(sys.argv[3], "rb").read()
+    parse_live_set(honest, "rl", 0, seq)  # imports and pools warmed up
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    try:
+        parse_live_set(bomb, "rl", 0, seq)
+        print("accepted")
+    except ManifestError:
+        print("refused", (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
+    """
+)
+
+
+@pytest.mark.parametrize("route", ["frame of zeros", "raw length claimed huge", "one huge string"])
+def test_a_live_set_bomb_makes_a_reader_allocate_no_more_than_its_seq_allows(tmp_path, route):
+    """A small live set file that would expand to 128 MiB or more (one zstd frame of zeros behind
+    an honest raw length, a raw length claimed past the cap, a row of a 128 MiB string) is
+    refused by a fresh reader process whose peak memory grows by less than 32 MiB (review-47h
+    P1-1: what the bytes say they hold is checked against the seq before anything is decoded)."""
+    ls = _store_with_live_set(tmp_path)[2]
+    seq = ls.seq + 1
+    d = {**_doc(ls), "seq": seq}
+    honest = _encode(d)
+    zeros = pa.Codec("zstd").compress(bytes(128 << 20), asbytes=True)
+    bomb = {
+        "frame of zeros": honest[:16] + zeros,
+        "raw length claimed huge": honest[:8] + (128 << 20).to_bytes(8, "little") + zeros,
+        "one huge string": _encode({**d, "shards": [{**d["shards"][0], "name": "a" * (128 << 20)}]}),
+    }[route]
+    assert len(bomb) < 200_000  # a small file
+    (tmp_path / "honest").write_bytes(honest)
+    (tmp_path / "bomb").write_bytes(bomb)
+    env = {**os.environ, "PYTHONPATH": str(ROOT.parent) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    args = [sys.executable, "-c", _BOMB_READER, str(seq), str(tmp_path / "honest"), str(tmp_path / "bomb")]
+    out = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300).stdout.split()
+    assert out[0] == "refused" and int(out[1]) < 32, out  # MiB more than before the parse
+
+
+def test_a_symlinked_live_set_is_refused(tmp_path):
+    """A live set (or the `_live` directory) that is a symlink is never followed: refused, the
+    next older live set or the history read, no reader fails."""
+    root, c, ls = _store_with_live_set(tmp_path)
+    want = _history_head(c.storage)
+    live_dir = os.path.dirname(os.path.join(root, live_set_path("rl", 0, ls.seq)))
+    outside = tmp_path / "outside.live"
+    outside.write_bytes(_encode({**_doc(ls), "seq": ls.seq + 1, "shards": []}))  # would hide every shard
+    os.symlink(outside, os.path.join(live_dir, live_set_path("rl", 0, ls.seq + 1).rsplit("/", 1)[-1]))
+    assert read_live_set(c.storage, "rl", 0) == ls
+    assert sorted(_key(s) for s in open_snapshot(root).entries) == want
+    assert any(f"live set {ls.seq + 1}: is a symlink" in p for p in verify(c.storage))
+    os.remove(os.path.join(live_dir, live_set_path("rl", 0, ls.seq + 1).rsplit("/", 1)[-1]))
+    os.rename(live_dir, str(tmp_path / "live-elsewhere"))
+    os.symlink(str(tmp_path / "live-elsewhere"), live_dir)
+    assert read_live_set(c.storage, "rl", 0) is None
+    assert sorted(_key(s) for s in open_snapshot(root).entries) == want
+    assert sorted(_key(s) for s in read_manifest(c.storage)) == want
+    assert any("symlink" in p for p in verify(c.storage))  # reported, never a crash (review-47h P2-1)
+
+
+def test_a_json_live_set_of_an_earlier_build_is_ignored_and_removed(tmp_path):
+    """Live sets were JSON files (``.json``) before they were Parquet: a reader never reads one
+    (it reads the newest Parquet live set, else the history); the next writer of a live set
+    deletes them."""
+    root, c, ls = _store_with_live_set(tmp_path)
+    want = _history_head(c.storage)
+    old = live_set_path("rl", 0, ls.seq + 1)[: -len(".live")] + ".json"
+    c.storage.write(old, b'{"type": "live_set", "shards": []}')  # would hide every shard if read
+    assert read_live_set(c.storage, "rl", 0) == ls and live_set_seqs(c.storage, "rl", 0) == [ls.seq]
+    assert sorted(_key(s) for s in open_snapshot(root).entries) == want
+    _commit(c, 1, 40)
+    assert write_live_set(c.storage, "rl", 0) is not None
+    assert not c.storage.exists(old)
 
 
 def test_an_older_reader_refuses_a_live_set_as_too_new(tmp_path, monkeypatch):
     """A reader of format 3 never reads `_live/` (it reads the history); handed a live set, it
-    refuses it as too new instead of misreading it."""
+    refuses it as too new, or as no manifest entry, instead of misreading it."""
     ls = _store_with_live_set(tmp_path)[2]
     monkeypatch.setattr(manifest_entries, "MANIFEST_FORMAT_VERSION", 3)
     with pytest.raises(UnsupportedManifestError, match="format version 4"):
-        parse_live_set(ls.to_json(), "rl", 0, ls.seq)
-    with pytest.raises(UnsupportedManifestError):
-        manifest_entries.parse_entry(ls.to_json())
+        parse_live_set(ls.to_bytes(), "rl", 0, ls.seq)
+    with pytest.raises(manifest_entries.ManifestError):
+        manifest_entries.parse_entry(ls.to_bytes())
 
 
 # -- kill -9 of the writer around the live set's write -----------------------------------------------
@@ -492,9 +754,9 @@ def test_a_live_set_past_the_logs_end_is_passed_over_and_does_not_stop_the_write
     st = c.storage
     honest = live_set_seqs(st, "rl", 0)
     assert honest
-    doc = json.loads(st.read(live_set_path("rl", 0, honest[-1])))
+    doc = _doc(read_live_set(st, "rl", 0))
     doc["seq"] = big = 999_999_999_999
-    st.create_once(live_set_path("rl", 0, big), json.dumps(doc).encode())
+    st.create_once(live_set_path("rl", 0, big), _encode(doc))
     assert read_live_set(st, "rl", 0).seq == honest[-1]  # the next older one
     _assert_head_is_history(root, through_live_set=True)
     w = ShardCommitter(root, "rl", 0, snapshot_every=3)  # a fresh writer (looks for live sets)

@@ -283,8 +283,9 @@ def test_cli_export_and_paths(store, tmp_path, capsys):
     assert capsys.readouterr().err.startswith("rlrec inspect: error: --as-of needs --paths")
 
 
-def test_docstring_examples():
-    result = doctest.testmod(importlib.import_module("rlrec.store.snapshot"), optionflags=doctest.ELLIPSIS)
+@pytest.mark.parametrize("module", ["rlrec.store.snapshot", "rlrec.store.steps_table"])
+def test_docstring_examples(module):
+    result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0
 
 

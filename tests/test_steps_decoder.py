@@ -34,7 +34,7 @@ ENTRY = SimpleNamespace(policy_id="pol", path="x")
 def _object_path_columns(episodes: list) -> dict[str, pa.Array]:
     """The step columns of `SingleAgentEpisode`s, episode by episode: the object path's code."""
     from rlrec.store.shards import _column as space_column
-    from rlrec.store.snapshot import _leaves
+    from rlrec.store.steps_table import _leaves
 
     ep0 = episodes[0]
     obs = [_leaves(ep.observation_space, ep.get_observations()) for ep in episodes]
@@ -460,3 +460,23 @@ def test_read_ahead_is_budgeted_by_what_shards_decode_to(tmp_path, monkeypatch):
     monkeypatch.setattr(snapshot_mod, "READ_AHEAD_DECODED_BYTES", 1, raising=False)
     assert rlrec.open(root).steps().equals(expected)
     assert len(names) == 4 and not any(n.startswith("rlrec-read-ahead") for n in names)
+
+
+@pytest.mark.parametrize("path", ["joined", "written once", "past int32 offsets"])
+@pytest.mark.parametrize(
+    ("values", "counts"),
+    [(["é", "", "xyz"], [0, 3, 2]), ([], []), (["pol"], [4]), ([""], [3]), (["x"], [0]), (["a", "bc"], [1, 1])],
+)
+def test_repeated_strings_equal_a_python_list_of_the_rows(values, counts, path, monkeypatch):
+    """The id columns built from buffers hold what a Python list of every row's string gives, on
+    each of the builder's paths (the limits lowered to take the larger columns' paths)."""
+    from rlrec.store import steps_table
+
+    if path == "written once":
+        monkeypatch.setattr(steps_table, "_JOINED_BYTES", 0)
+    elif path == "past int32 offsets":
+        monkeypatch.setattr(steps_table, "_MAX_STRING_BYTES", 0)
+    col = steps_table.repeated_strings(values, np.array(counts, dtype=np.int64))
+    col.validate(full=True)
+    expected = pa.array([v for v, c in zip(values, counts) for _ in range(c)], pa.string())
+    assert col.type == pa.string() and col.equals(expected)

@@ -249,6 +249,21 @@ def _ranges(versions: list[int]) -> str:
     return ", ".join(out)
 
 
+def estimator_settings(ev: EvaluateOptions, ope: OPESettings) -> dict:
+    """The estimators' settings `rlrec evaluate` passes to `evaluate` and `compare` (with the
+    data, the target, gamma and the estimators' names)."""
+    from rlrec.trainer.ope import FQEConfig
+
+    return {
+        "ci": ope.ope_ci,
+        "n_boot": ope.ope_bootstrap,
+        "seed": ev.seed,
+        "thresholds": ope.thresholds(),
+        "fqe": FQEConfig(steps=ope.fqe_steps, seed=ev.seed),
+        "model": ope.model(ev.seed),
+    }
+
+
 def evaluate_published(
     ev: EvaluateOptions, ope: OPESettings, names: tuple[str, ...], say: Callable[[str], None] = lambda m: None
 ) -> dict:
@@ -261,7 +276,7 @@ def evaluate_published(
     from rlrec.producer.spaces import SpaceError
     from rlrec.store.snapshot import CursorError
     from rlrec.store.storage import StorageError
-    from rlrec.trainer.ope import FQEConfig, LoggedData, PolicyTarget, compare, evaluate
+    from rlrec.trainer.ope import LoggedData, PolicyTarget, compare, evaluate
     from rlrec.trainer.ope_data import HeldOutReader, policy_spaces
     from rlrec.trainer.policy import PolicyLoadError, UnsignedPolicyWarning, load_policy
 
@@ -317,14 +332,7 @@ def evaluate_published(
     if data.obs.shape[1] != obs_dim:
         raise _UserError(f"the episodes' observations have {data.obs.shape[1]} values, the policy takes {obs_dim}")
     say(f"estimating with {', '.join(names)} on {data.n_episodes} episodes ({data.steps} steps)")
-    settings = {
-        "ci": ope.ope_ci,
-        "n_boot": ope.ope_bootstrap,
-        "seed": ev.seed,
-        "thresholds": ope.thresholds(),
-        "fqe": FQEConfig(steps=ope.fqe_steps, seed=ev.seed),
-        "model": ope.model(ev.seed),
-    }
+    settings = estimator_settings(ev, ope)
     target = PolicyTarget(policy, ev.explore, seed=ev.seed)
     with _still_running(say, "estimating"):
         result = evaluate(data, target, gamma=gamma, estimators=names, **settings).to_dict()

@@ -221,12 +221,15 @@ def live_set_seqs(storage: Storage, topic: str, partition: int) -> list[int]:
     return sorted(int(m.group(1)) for i in storage.list(d) if not i.is_dir and (m := _NAME_RE.match(i.name)))
 
 
-def _json_live_sets(storage: Storage, topic: str, partition: int, below: int) -> list[str]:
-    """The log's live sets of an earlier build (JSON files, ``{seq:012d}.json``) at or below
-    `below`: readers never read them; the writer of a newer live set deletes them."""
+def _superseded(storage: Storage, topic: str, partition: int, seq: int) -> list[str]:
+    """What the writer of the live set at `seq` deletes (one listing): the log's live sets at or
+    below it but the newest `KEEP_LIVE_SETS`, and its live sets of an earlier build (JSON files,
+    ``{seq:012d}.json``, which readers never read) at or below it."""
     d = live_set_path(topic, partition, 0).rsplit("/", 1)[0]
-    found = (m for i in storage.list(d) if not i.is_dir and (m := _JSON_NAME_RE.match(i.name)))
-    return [f"{d}/{m.group(0)}" for m in found if int(m.group(1)) <= below]
+    names = [i.name for i in storage.list(d) if not i.is_dir]
+    live = sorted(q for n in names if (m := _NAME_RE.match(n)) and (q := int(m.group(1))) <= seq)
+    old_json = [n for n in names if (m := _JSON_NAME_RE.match(n)) and int(m.group(1)) <= seq]
+    return [live_set_path(topic, partition, q) for q in live[:-KEEP_LIVE_SETS]] + [f"{d}/{n}" for n in old_json]
 
 
 def read_live_set(storage: Storage, topic: str, partition: int) -> LiveSetEntry | None:
@@ -477,10 +480,7 @@ def write_live_set(
     )
     if not storage.create_once(live_set_path(topic, partition, ls.seq), ls.to_bytes()):
         return None
-    for old in [q for q in live_set_seqs(storage, topic, partition) if q <= ls.seq][:-KEEP_LIVE_SETS]:
-        with contextlib.suppress(FileNotFoundError):
-            storage.delete(live_set_path(topic, partition, old))
-    for name in _json_live_sets(storage, topic, partition, ls.seq):
+    for name in _superseded(storage, topic, partition, ls.seq):
         with contextlib.suppress(FileNotFoundError):
             storage.delete(name)
     log.info("%s/%d: live set at seq %d: %d live shard(s)", topic, partition, ls.seq, len(ls.shards))

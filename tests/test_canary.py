@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import threading
@@ -146,7 +147,10 @@ def test_promotion_and_rollback_keep_versions_monotonic(on_canary, tmp_path, key
     assert json.loads(rollout)["decision"] == "rollback"
     ended = (on_canary / "v000005" / "canary-ended.json").read_bytes()
     verify(keys["private"].public_key(), ended, (on_canary / "v000005" / "canary-ended.json.sig").read_bytes())
-    assert json.loads(ended) == {"canary_version": 5, "decision": "rollback", "deployed_version": 4}
+    sha = hashlib.sha256((on_canary / "v000005" / "policy.json").read_bytes()).hexdigest()
+    bound = {"sha256": sha, "channel": "prod", "run_id": json.loads(rollout)["run_id"]}
+    assert json.loads(ended) == {"canary_version": 5, "decision": "rollback", "deployed_version": 4, **bound}
+    assert {k: json.loads(rollout)[k] for k in bound} == bound
     assert json.loads((on_canary / "latest.json").read_bytes())["policy_version"] == 4
     assert p.poll() is True
     assert (p.policy_version, p.canary_version) == (4, None)

@@ -6,6 +6,7 @@ pointers the trainer owns rewritten from its own state. Helpers from tests/test_
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -178,9 +179,10 @@ def test_replay_plus_delete_gets_no_old_version_signed_above_the_state_file(tmp_
     fresh = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **kw)
     fresh.iteration = 3
     fresh.checkpoint()
-    record = fresh.look_canary(now=fresh.canary.started + 3600)
-    _rolled_back_onto(root, record, fresh_base := record["deployed_version"])
-    assert fresh_base <= 2
+    # v2 may have been promoted (review-40d D1): nothing is signed for it, no canary goes on above v1
+    assert not (root / "v000002" / "canary-ended.json").exists() and fresh._pending
+    assert json.loads((root / "canary.json").read_bytes())["policy_version"] == 2
+    assert not any(p.name > "v000002" for p in root.iterdir() if p.name.startswith("v"))
     with pytest.raises(PolicyLoadError, match="older than v000002"):
         load_policy(str(root), public_key=setup.pub, state_file=str(state))
 
@@ -338,8 +340,9 @@ def test_a_fresh_run_over_an_undecided_canary_whose_pointer_was_removed(tmp_path
     """Canary v2 above v1, its trainer killed, then canary.json removed by who can write the root.
     A fresh run took v2 -- never tested -- for a deployed version (no pointer named it, no record
     ended it): its base, and once pointers are repaired from the trainer's state, latest.json.
-    A version signed as a canary is deployed only once a decision promoted it: the base stays v1,
-    v2 is ended as abandoned, and services restart on v1."""
+    A version signed as a canary is deployed only once a decision promoted it: the base stays v1.
+    Nothing proves v2 was never promoted (its records may have been deleted, review-40d D1): the
+    fresh run signs nothing and puts no canary on until an operator deletes v2's directory."""
     root, _t = _canary_v2(tmp_path, setup, monkeypatch)
     assert json.loads((root / "v000002" / "policy.json").read_bytes())["rollout"] == "canary"
     for n in ("canary.json", "canary.json.sig"):
@@ -348,8 +351,13 @@ def test_a_fresh_run_over_an_undecided_canary_whose_pointer_was_removed(tmp_path
     fresh.iteration = 3
     fresh.checkpoint()
     assert (fresh.canary.version, fresh.canary.base_version) == (3, 1)
-    assert json.loads((root / "v000002" / "canary-ended.json").read_bytes())["decision"] == "abandoned"
+    assert fresh._pending and not (root / "canary.json").exists()
+    assert not (root / "v000002" / "canary-ended.json").exists()
+    shutil.rmtree(root / "v000002")  # the operator: v2 was never promoted (docs/TRAINER.md)
     fresh.iteration = 4
+    fresh.checkpoint()  # the pending canary goes on
+    assert not fresh._pending
+    fresh.iteration = 5
     fresh.checkpoint()  # the pointers' refresh
     assert json.loads((root / "latest.json").read_bytes())["policy_version"] == 1
     for fraction in (0.0, 0.3):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import time
 from types import SimpleNamespace
 
@@ -617,8 +618,10 @@ def test_an_unsigned_reservation_far_above_the_signed_versions_is_ignored(tmp_pa
 def test_a_fresh_run_over_a_running_canary_ends_it_and_services_still_restart(tmp_path, setup, monkeypatch):
     """The trainer is killed while canary v2 runs above v1 and a fresh run (no --resume) puts its
     own candidate on canary: v2, never decided, was left signed above latest.json's v1 and every
-    service (re)start refused latest.json as a replay. The fresh run ends v2 as abandoned (signed
-    canary-ended.json); services restart on v1, and a later fresh run's base is not v2."""
+    service (re)start refused latest.json as a replay. Nothing proves v2 was never promoted (its
+    records may have been deleted, review-40d D1): the fresh run signs nothing and waits, services
+    keep restarting on v1 with canary v2; once the operator deletes v2's directory the fresh run's
+    canary goes on, services restart on v1, and a later fresh run's base is not v2."""
     from rlrec.trainer.canary_publish import signed_above
     from rlrec.trainer.policy import load_policy
     from rlrec.trainer.signing import load_private_key
@@ -635,8 +638,14 @@ def test_a_fresh_run_over_a_running_canary_ends_it_and_services_still_restart(tm
     fresh.iteration = 3
     fresh.checkpoint()
     assert (fresh.canary.version, fresh.canary.base_version) == (3, 1)
-    ended = json.loads((root / "v000002" / "canary-ended.json").read_bytes())
-    assert ended["decision"] == "abandoned"
+    assert fresh._pending and not (root / "v000002" / "canary-ended.json").exists()
+    for frac in (0.0, 0.3):
+        p = load_policy(str(root), public_key=setup.pub, canary_fraction=frac)
+        assert p.policy_version == 1 and p.canary_version == (2 if frac else None)
+    shutil.rmtree(root / "v000002")  # the operator: v2 was never promoted (docs/TRAINER.md)
+    fresh.iteration = 4
+    fresh.checkpoint()
+    assert not fresh._pending
     for frac in (0.0, 0.3):
         p = load_policy(str(root), public_key=setup.pub, canary_fraction=frac)
         assert p.policy_version == 1 and p.canary_version == (3 if frac else None)

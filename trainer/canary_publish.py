@@ -37,6 +37,7 @@ from rlrec.trainer.policy import (
     CANARY_ENDED,
     LATEST,
     MAX_BYTES,
+    MAX_NEWER_VERSIONS,
     SPEC,
     PolicyLoadError,
     _json,
@@ -120,8 +121,9 @@ def deployed_version(storage: Storage, signing_key: Any, channel: str | None = N
     return 0 if pointer is None else int(pointer["policy_version"])
 
 
-#: the most version directories above latest.json's that `signed_above` checks
-MAX_ABOVE = 64
+#: the most version directories (of any channel) above latest.json's that the trainer reads, as
+#: services (`rlrec.trainer.policy_files.MAX_NEWER_VERSIONS`): more is refused loudly (OSError)
+MAX_NEWER = MAX_NEWER_VERSIONS
 
 
 def _ended(storage: Storage, d: str, signing_key: Any) -> str | None:
@@ -142,7 +144,9 @@ def _ended(storage: Storage, d: str, signing_key: Any) -> str | None:
     if not isinstance(doc, dict) or type(doc.get("canary_version")) is not int or doc["canary_version"] != int(d[1:]):
         return None
     decision = doc.get("decision")
-    return decision if decision in ("promote", "rollback", "abandoned") else None
+    if decision not in ("promote", "rollback", "abandoned") or not _bound(storage, d, doc, signing_key, rel):
+        return None
+    return decision
 
 
 def signed_above(storage: Storage, signing_key: Any, named: int, channel: str | None) -> int:
@@ -176,20 +180,26 @@ def signed_above(storage: Storage, signing_key: Any, named: int, channel: str | 
         (i.name for i in storage.list("") if i.is_dir and VERSION_DIR_RE.match(i.name) and int(i.name[1:]) > named),
         reverse=True,
     )
-    for d in names[:MAX_ABOVE]:
+    if len(names) > MAX_NEWER:
+        raise OSError(
+            f"{len(names)} version directories above v{named} under {storage.uri()}, over the limit of {MAX_NEWER} "
+            "(services refuse such a root too): the deployed version cannot be found"
+        )
+    for d in names:  # every one: a window of the highest would let copied-in versions hide the deployed one
+        try:
+            _spec_bytes, spec = _verified_spec(storage, d, signing_key)
+        except (OSError, SignatureError, ValueError, PolicyLoadError):
+            continue
+        if spec.get("channel") != channel:
+            continue
         ended = _ended(storage, d, signing_key)
         if ended in ("rollback", "abandoned"):
             continue
         if ended is None and (unreadable or int(d[1:]) == running) and not _promoted(storage, d, signing_key):
             continue
-        try:
-            _spec_bytes, spec = _verified_spec(storage, d, signing_key)
-        except (OSError, SignatureError, ValueError, PolicyLoadError):
-            continue
-        if spec.get("channel") == channel:
-            if spec.get("rollout") == "canary" and ended != "promote" and not _promoted(storage, d, signing_key):
-                continue  # put on canary and never promoted (its pointer removed or replayed): not deployed
-            return int(d[1:])
+        if spec.get("rollout") == "canary" and ended != "promote" and not _promoted(storage, d, signing_key):
+            continue  # put on canary and never promoted (its pointer removed or replayed): not deployed
+        return int(d[1:])
     return named
 
 
@@ -223,7 +233,67 @@ def read_decision(storage: Storage, version: int, signing_key: Any) -> dict | No
     if doc.get("canary_version") != version or isinstance(doc.get("canary_version"), bool):
         log.error("%s records the decision of v%s, not of v%d: ignored", rel, doc.get("canary_version"), version)
         return None
+    if not _bound(storage, version_dir(version), doc, signing_key, rel):
+        return None
     return doc
+
+
+#: the fields that bind a signed decision record to the version it decides
+IDENTITY = ("sha256", "channel", "run_id")
+
+
+def version_identity(storage: Storage, d: str, signing_key: Any) -> dict | None:
+    """What binds a decision record to version directory `d`: the sha256 of its ``policy.json``
+    (signed by `signing_key`, when given), its channel and the run that published it. None when
+    that policy.json cannot be verified (absent, forged, junk). Raises OSError when it cannot be
+    read now.
+
+    Example:
+        >>> version_identity(Storage.from_uri("/tmp/rlrec-no-such-root"), "v000001", None) is None
+        True
+    """
+    from rlrec.trainer.export import _read_small, _verified_spec
+
+    try:
+        if signing_key is not None:
+            spec_bytes, spec = _verified_spec(storage, d, signing_key)
+        else:
+            spec_bytes = _read_small(storage, f"{d}/{SPEC}", MAX_BYTES[SPEC])
+            spec = _json(spec_bytes, f"{d}/{SPEC}")
+    except (FileNotFoundError, SignatureError, ValueError, PolicyLoadError):
+        return None
+    if not isinstance(spec, dict) or spec.get("policy_version") != int(d[1:]):
+        return None
+    return {
+        "sha256": hashlib.sha256(spec_bytes).hexdigest(),
+        "channel": spec.get("channel"),
+        "run_id": spec.get("run_id"),
+    }
+
+
+def _bound(storage: Storage, d: str, doc: dict, signing_key: Any, rel: str) -> bool:
+    """Whether the decision record `doc` (read from `rel`) names the version `d` holds now: the
+    sha256 of its verified policy.json, its channel and its run id (`version_identity`). A record
+    of another version with the same number -- a reused number, another root's or channel's
+    version, a record from before records were bound -- is no record (logged as an ERROR)."""
+    ident = version_identity(storage, d, signing_key)
+    if ident is not None and all(doc.get(k) == ident[k] for k in IDENTITY):
+        return True
+    log.error(
+        "%s decides version sha256 %.12s channel %r run %r, not the %s there now: ignored (no decision)",
+        rel,
+        doc.get("sha256"),
+        doc.get("channel"),
+        doc.get("run_id"),
+        "unverifiable one" if ident is None else f"sha256 {ident['sha256']:.12} channel {ident['channel']!r}",
+    )
+    return False
+
+
+def _write_ended(storage: Storage, d: str, decision: Any, deployed: int, ident: dict, signing_key: Any) -> None:
+    """Write the signed ``canary-ended.json`` of canary directory `d`, bound to its version (`ident`)."""
+    ended = {"canary_version": int(d[1:]), "decision": decision, "deployed_version": deployed, **ident}
+    _write_signed(storage, f"{d}/{CANARY_ENDED}", json.dumps(ended, sort_keys=True).encode(), signing_key)
 
 
 def _write_signed(storage: Storage, rel: str, data: bytes, signing_key: Any) -> None:
@@ -358,12 +428,43 @@ def repoint_latest(storage: Storage, version: int, signing_key: Any, channel: st
     return True
 
 
+class UndecidedCanary(RuntimeError):
+    """A canary version above the deployed one that no signed decision ended and that this
+    trainer cannot prove was never promoted (docs/TRAINER.md, "An undecided canary under the
+    root"): no new canary goes on until an operator settles it."""
+
+
+def _settle(storage: Storage, d: str, signing_key: Any, base: int, why: str) -> None:
+    """Sign the end of undecided canary directory `d` when its own signed ``rollout.json``
+    (bound to it, `read_decision`) decided it -- a trainer killed before carrying the decision
+    out: "promote" stands, "rollback" is finished. Without such a decision nothing proves it
+    was never promoted (its records may have been deleted after a promotion): nothing is
+    signed, and `UndecidedCanary` is raised (logged as an ERROR by the caller)."""
+    version = int(d[1:])
+    ident = version_identity(storage, d, signing_key)
+    if ident is None:
+        return  # no policy.json of this key there (deleted by an operator): nothing to serve or to end
+    decision = read_decision(storage, version, signing_key)
+    if decision is None:
+        raise UndecidedCanary(
+            f"canary v{version} above v{base} {why} and holds no signed decision: this trainer cannot tell a canary "
+            f"whose trainer died undecided from a promoted one whose records were deleted, so it signs nothing and "
+            f"puts no new canary on; resume its trainer (--resume), or, if it was never promoted, delete {d}/ "
+            f"(docs/TRAINER.md, 'An undecided canary under the root')"
+        )
+    promote = decision["decision"] == "promote"
+    deployed = version if promote else int(decision.get("base_version") or 0)
+    _write_ended(storage, d, decision["decision"], deployed, ident, signing_key)
+    log.warning(
+        "canary v%d's signed decision was %s: carried out, the next canary goes on", version, decision["decision"]
+    )
+
+
 def _end_abandoned(storage: Storage, version: int, signing_key: Any) -> None:
     """Before `version` goes on canary: a signed ``canary.json`` of this key naming another,
-    undecided version is a canary no trainer judges any more (a fresh run over a killed one's);
-    it is marked ended with decision "abandoned" (signed ``canary-ended.json``; logged as an
-    ERROR), so services stop serving it and their replay check does not count it (it was never
-    deployed). Raises OSError when ``canary.json`` cannot be read now (retried later)."""
+    undecided version (a fresh run over a killed one's) is settled by `_settle`: its signed
+    decision is carried out, else `UndecidedCanary` (the trainer waits for an operator). Raises
+    OSError when ``canary.json`` cannot be read now (retried later)."""
     if signing_key is None:
         return
     try:
@@ -372,35 +473,18 @@ def _end_abandoned(storage: Storage, version: int, signing_key: Any) -> None:
         return  # not this key's: services refuse it as well
     if current is None or int(current["policy_version"]) == version:
         return
-    other = int(current["policy_version"])
-    d = version_dir(other)
-    if _ended(storage, d, signing_key) is not None:  # an unsigned or copied record is none: signed now
+    d = version_dir(int(current["policy_version"]))
+    if _ended(storage, d, signing_key) is not None:  # an unsigned, copied or unbound record is none
         return
-    base = int(current.get("base_version") or 0)
-    if _promoted(storage, d, signing_key):  # decided before its trainer died: the promotion stands
-        ended = {"canary_version": other, "decision": "promote", "deployed_version": other}
-        _write_signed(storage, f"{d}/{CANARY_ENDED}", json.dumps(ended, sort_keys=True).encode(), signing_key)
-        log.warning(
-            "canary v%d's signed decision was to promote it: it is deployed, v%d goes on canary", other, version
-        )
-        return
-    ended = {"canary_version": other, "decision": "abandoned", "deployed_version": base}
-    _write_signed(storage, f"{d}/{CANARY_ENDED}", json.dumps(ended, sort_keys=True).encode(), signing_key)
-    log.error(
-        "canary v%d above v%d was never decided (its trainer is gone): ended as abandoned, v%d goes on canary instead",
-        other,
-        base,
-        version,
-    )
+    _settle(storage, d, signing_key, int(current.get("base_version") or 0), f"is named by {CANARY}")
 
 
 def _end_orphans(storage: Storage, version: int, base: int, signing_key: Any, channel: str | None) -> None:
     """Before `version` goes on canary above `base`: versions between them that this key signed
     for `channel` as canaries (``"rollout": "canary"`` in their policy.json) and that no decision
-    ended -- their ``canary.json`` removed, so `_end_abandoned` does not see them -- are ended as
-    "abandoned" (logged as an ERROR): services' replay check then does not count them, and a
-    restart is not refused for them. A canary whose signed ``rollout.json`` decided to promote it
-    is left alone. Raises OSError when the root cannot be read now (retried later)."""
+    ended -- their ``canary.json`` removed, so `_end_abandoned` does not see them -- are settled
+    by `_settle` (their signed decision carried out, else `UndecidedCanary`). Raises OSError
+    when the root cannot be read now (retried later)."""
     from rlrec.trainer.export import VERSION_DIR_RE, _verified_spec
 
     if signing_key is None:
@@ -410,18 +494,17 @@ def _end_orphans(storage: Storage, version: int, base: int, signing_key: Any, ch
         for i in storage.list("")
         if i.is_dir and VERSION_DIR_RE.match(i.name) and base < int(i.name[1:]) < version
     )
-    for d in names[-MAX_ABOVE:]:
-        if _ended(storage, d, signing_key) is not None or _promoted(storage, d, signing_key):
-            continue
+    if len(names) > MAX_NEWER:
+        raise OSError(f"{len(names)} version directories between v{base} and v{version}, over the limit of {MAX_NEWER}")
+    for d in names:
         try:
             _spec_bytes, spec = _verified_spec(storage, d, signing_key)
         except (FileNotFoundError, SignatureError, ValueError, PolicyLoadError):
             continue
         if spec.get("channel") != channel or spec.get("rollout") != "canary":
             continue
-        ended = {"canary_version": int(d[1:]), "decision": "abandoned", "deployed_version": base}
-        _write_signed(storage, f"{d}/{CANARY_ENDED}", json.dumps(ended, sort_keys=True).encode(), signing_key)
-        log.error("canary %s above v%d was never decided and no pointer names it: ended as abandoned", d, base)
+        if _ended(storage, d, signing_key) is None:
+            _settle(storage, d, signing_key, base, "is named by no pointer")
 
 
 def _remove_canary(storage: Storage, version: int) -> None:
@@ -447,6 +530,7 @@ def end_canary(
     decision: dict,
     run_id: str | None,
     channel: str | None,
+    sha256: str | None = None,
 ) -> int:
     """Carry out a canary's decision (module docstring); the version ``latest.json`` names after it.
 
@@ -463,6 +547,10 @@ def end_canary(
         decision: the decision and its evidence (written to ``rollout.json``).
         run_id: this run's id.
         channel: this run's channel.
+        sha256: the canary's policy.json sha256 as the trainer recorded it (None: taken from
+            the version's verified policy.json). Both records are bound to it, its channel and
+            run id (`version_identity`); a promotion needs the stored policy.json to be it, a
+            rollback is recorded even when that policy.json is missing or another.
 
     Returns:
         The deployed version now: the canary's after a promotion, `base_version` after a
@@ -476,6 +564,14 @@ def end_canary(
     from rlrec.trainer.export import _read_small
 
     d = version_dir(version)
+    ident = version_identity(storage, d, signing_key)
+    if sha256 is not None and (ident is None or ident["sha256"] != sha256):
+        if promote:
+            raise PolicyLoadError(f"{d}/{SPEC} is not canary v{version}'s (sha256 {sha256:.12}): not promoted")
+        ident = {"sha256": sha256, "channel": channel, "run_id": run_id}  # rolled back as the trainer knows it
+    if ident is None:
+        raise PolicyLoadError(f"{d}/{SPEC} cannot be verified: canary v{version}'s decision cannot be bound to it")
+    decision = {**decision, **ident}
     _write_signed(storage, f"{d}/{ROLLOUT}", json.dumps(decision, sort_keys=True, indent=1).encode(), signing_key)
     deployed = base_version
     if promote:
@@ -485,8 +581,7 @@ def end_canary(
             sha = hashlib.sha256(spec_bytes).hexdigest()
             _write_signed(storage, LATEST, pointer_bytes(version, d, sha, run_id=run_id, channel=channel), signing_key)
         deployed = version if named is None else max(named, version)
-    ended = {"canary_version": version, "decision": decision.get("decision"), "deployed_version": deployed}
-    _write_signed(storage, f"{d}/{CANARY_ENDED}", json.dumps(ended, sort_keys=True).encode(), signing_key)
+    _write_ended(storage, d, decision.get("decision"), deployed, ident, signing_key)
     _remove_canary(storage, version)
     log.info("canary v%d %s: v%d is deployed", version, "promoted" if promote else "rolled back", deployed)
     return deployed

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import logging
 import os
 import time
 import warnings
@@ -40,6 +41,8 @@ from rlrec.trainer.policy_files import (
 )
 from rlrec.trainer.policy_net import NetworkSpecError, PolicyDistribution, build_network
 from rlrec.trainer.signing import PUBLIC_KEY_ENV, SIG_SUFFIX, SignatureError, load_public_key, verify
+
+log = logging.getLogger("rlrec.policy")
 
 # ------------------------------------------------------------------------------- trust
 
@@ -621,7 +624,31 @@ def _end_decision(files: _Files, trust: _Trust, rel_dir: str, signed: bool = Tru
         return None
     if doc["canary_version"] != int(rel_dir[1:]) or doc.get("decision") not in ("promote", "rollback", "abandoned"):
         return None
+    ident = _version_identity(files, trust, rel_dir, signed)
+    if ident is None or any(doc.get(k) != v for k, v in ident.items()):
+        log.warning(
+            "%s/%s is not bound to the version there now (its policy.json sha256, channel, run id): ignored",
+            rel_dir,
+            CANARY_ENDED,
+        )
+        return None
     return doc["decision"]
+
+
+def _version_identity(files: _Files, trust: _Trust, rel_dir: str, signed: bool) -> dict | None:
+    """The sha256 of `rel_dir`'s policy.json (signed by the configured key, with `signed`), its
+    channel and run id: what a decision record names to be bound to that version. None when it
+    cannot be verified. Raises OSError when it cannot be read now."""
+    try:
+        data = files.read(f"{rel_dir}/{SPEC}", MAX_BYTES[SPEC])
+        if signed:
+            verify(trust.public_key, data, files.read(f"{rel_dir}/{SPEC}{SIG_SUFFIX}", MAX_BYTES["sig"]))
+        spec = _json(data, f"{rel_dir}/{SPEC}")
+    except (FileNotFoundError, PolicyLoadError, SignatureError):
+        return None
+    if not isinstance(spec, dict) or spec.get("policy_version") != int(rel_dir[1:]):
+        return None
+    return {"sha256": hashlib.sha256(data).hexdigest(), "channel": spec.get("channel"), "run_id": spec.get("run_id")}
 
 
 def _never_deployed(files: _Files, trust: _Trust, rel_dir: str) -> bool:

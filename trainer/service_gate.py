@@ -281,6 +281,7 @@ class GateMixin:
                 decision=record,
                 run_id=self.run_id,
                 channel=self.cfg.publish_channel,
+                sha256=run.sha256,
             )
         except PublishRootTaken:
             raise
@@ -372,6 +373,14 @@ class GateMixin:
                     version_dir(run.version),
                     decision.get("base_version"),
                     run.base_version,
+                )
+                decision = None
+            elif decision is not None and run.sha256 is not None and decision.get("sha256") != run.sha256:
+                log.error(
+                    "%s/rollout.json decides a version with policy.json sha256 %.12s, not this canary's %.12s: ignored",
+                    version_dir(run.version),
+                    decision.get("sha256"),
+                    run.sha256,
                 )
                 decision = None
         try:

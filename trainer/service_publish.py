@@ -131,7 +131,7 @@ class PublishMixin:
         try:
             above = signed_above(self.publish_storage, self.signing_key, named, self.cfg.publish_channel)
         except OSError as e:
-            log.warning("cannot list the versions above v%d (%s): the canary's base is v%d", named, e, named)
+            log.error("cannot read the versions above v%d (%s): the canary's base is v%d", named, e, named)
             return named
         if above > named:
             log.error(
@@ -160,7 +160,7 @@ class PublishMixin:
         try:
             base = signed_above(self.publish_storage, self.signing_key, known, self.cfg.publish_channel)
         except OSError as e:
-            log.warning("cannot list the versions above v%d (%s): the canary's base is v%d", known, e, known)
+            log.error("cannot read the versions above v%d (%s): the canary's base is v%d", known, e, known)
             return known
         if base and repoint_latest(self.publish_storage, base, self.signing_key, self.cfg.publish_channel):
             log.error("%s was unusable: re-pointed at v%d, the deployed version (the canary's base)", LATEST, base)

@@ -314,6 +314,7 @@ def test_the_state_file_refuses_older_versions_across_restarts(tmp_path, keys):
         "policy_version": 3,
         "run_id": RUN_A,
         "channel": "prod",
+        "sha256": json.loads((root / "latest.json").read_bytes())["sha256"],
         "time": 0,
     }
     assert os.listdir(state.parent) == ["policy-state.json"]  # written atomically: no temporary left

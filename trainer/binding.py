@@ -160,7 +160,14 @@ class Pins:
 
 
 def pointer_bytes(
-    version: int, path: str, sha256: str, *, run_id: str | None, channel: str | None, now: float | None = None
+    version: int,
+    path: str,
+    sha256: str,
+    *,
+    run_id: str | None,
+    channel: str | None,
+    now: float | None = None,
+    canary_floor: int = 0,
 ) -> bytes:
     """The exact bytes of a ``latest.json`` pointer (the bytes ``latest.json.sig`` signs).
 
@@ -171,6 +178,8 @@ def pointer_bytes(
         run_id: the run that published it (None: left out, as before run ids existed).
         channel: the channel it is published for (None: left out).
         now: its timestamp (default: the current time).
+        canary_floor: the highest canary version above `version` that ended without a
+            promotion (0: none; left out): services never serve a ``canary.json`` at or below it.
 
     Example:
         >>> json.loads(pointer_bytes(3, "v000003", "0" * 64, run_id="r1", channel="c", now=5.0))["channel"]
@@ -186,6 +195,8 @@ def pointer_bytes(
         doc["run_id"] = run_id
     if channel is not None:
         doc["channel"] = channel
+    if canary_floor > version:
+        doc["canary_floor"] = int(canary_floor)
     return json.dumps(doc, sort_keys=True).encode()
 
 
@@ -225,7 +236,15 @@ def canary_pointer_bytes(
 
 
 def write_state_file(
-    path: str, version: int, run_id: str | None, channel: str | None, canary_version: int | None = None
+    path: str,
+    version: int,
+    run_id: str | None,
+    channel: str | None,
+    canary_version: int | None = None,
+    *,
+    sha256: str | None = None,
+    canary_sha256: str | None = None,
+    canary_floor: int = 0,
 ) -> None:
     """Replace the service's state file atomically (a temporary file beside it, fsync, rename).
 
@@ -235,6 +254,11 @@ def write_state_file(
         run_id: that version's run id (informational).
         channel: that version's channel (informational).
         canary_version: the newest canary version it has loaded (None: none; left out).
+        sha256: the policy.json sha256 of `version` (None: left out): the same number with
+            other bytes is refused.
+        canary_sha256: the policy.json sha256 of `canary_version` (None: left out).
+        canary_floor: the highest ``canary_floor`` of a ``latest.json`` it trusted (0: left
+            out): a canary at or below it is never served again.
 
     Example:
         >>> import tempfile, os
@@ -248,6 +272,11 @@ def write_state_file(
     doc: dict[str, Any] = {"policy_version": int(version), "run_id": run_id, "channel": channel, "time": time.time()}
     if canary_version is not None:
         doc["canary_version"] = int(canary_version)
+    for key, value in (("sha256", sha256), ("canary_sha256", canary_sha256)):
+        if value is not None:
+            doc[key] = str(value)
+    if canary_floor:
+        doc["canary_floor"] = int(canary_floor)
     data = json.dumps(doc, sort_keys=True).encode()
     fd, tmp = tempfile.mkstemp(prefix=".policy-state-", dir=directory)
     try:

@@ -400,11 +400,15 @@ def refresh_canary(
     return True
 
 
-def repoint_latest(storage: Storage, version: int, signing_key: Any, channel: str | None) -> bool:
+def repoint_latest(
+    storage: Storage, version: int, signing_key: Any, channel: str | None, canary_floor: int = 0
+) -> bool:
     """Write ``latest.json`` (+ ``.sig``) whole for `version`, from its ``policy.json`` signed by
     `signing_key` for `channel` (its run id taken from it): the trainer's repair of a pointer it
     owns that is torn, junk, or names another version than the one its own state says is
-    deployed. False (logged) when that policy.json is not this key's for `channel`.
+    deployed, or the re-sign of a rollback with a raised `canary_floor` (kept with the floor of
+    the signed pointer it rewrites, `rlrec.trainer.export.signed_floor`). False (logged) when
+    that policy.json is not this key's for `channel`.
 
     Example:
         >>> repoint_latest(storage, 4, key, "prod")  # doctest: +SKIP
@@ -423,8 +427,12 @@ def repoint_latest(storage: Storage, version: int, signing_key: Any, channel: st
             "not re-pointing %s at %s: it is signed for channel %r, not %r", LATEST, d, spec.get("channel"), channel
         )
         return False
+    from rlrec.trainer.export import signed_floor
+
     sha = hashlib.sha256(spec_bytes).hexdigest()
-    _write_latest(storage, pointer_bytes(version, d, sha, run_id=spec.get("run_id"), channel=channel), signing_key)
+    floor = max(canary_floor, signed_floor(storage, version, signing_key, channel))
+    pointer = pointer_bytes(version, d, sha, run_id=spec.get("run_id"), channel=channel, canary_floor=floor)
+    _write_latest(storage, pointer, signing_key)
     return True
 
 
@@ -531,6 +539,7 @@ def end_canary(
     run_id: str | None,
     channel: str | None,
     sha256: str | None = None,
+    canary_floor: int = 0,
 ) -> int:
     """Carry out a canary's decision (module docstring); the version ``latest.json`` names after it.
 
@@ -551,6 +560,9 @@ def end_canary(
             the version's verified policy.json). Both records are bound to it, its channel and
             run id (`version_identity`); a promotion needs the stored policy.json to be it, a
             rollback is recorded even when that policy.json is missing or another.
+        canary_floor: the highest canary the trainer ended without a promotion before this
+            one: a rollback re-signs ``latest.json`` (the base) with the floor raised to
+            `version`, so services never serve this canary again, whatever pointer is replayed.
 
     Returns:
         The deployed version now: the canary's after a promotion, `base_version` after a
@@ -581,6 +593,8 @@ def end_canary(
             sha = hashlib.sha256(spec_bytes).hexdigest()
             _write_signed(storage, LATEST, pointer_bytes(version, d, sha, run_id=run_id, channel=channel), signing_key)
         deployed = version if named is None else max(named, version)
+    elif base_version and signing_key is not None:
+        repoint_latest(storage, base_version, signing_key, channel, max(canary_floor, version))
     _write_ended(storage, d, decision.get("decision"), deployed, ident, signing_key)
     _remove_canary(storage, version)
     log.info("canary v%d %s: v%d is deployed", version, "promoted" if promote else "rolled back", deployed)

@@ -42,6 +42,7 @@ from rlrec.trainer.policy import (
     PolicyLoadError,
     _Files,
     _json,
+    _parse_latest,
     version_dir,
 )
 from rlrec.trainer.publish_lease import PublishRootTaken
@@ -585,7 +586,32 @@ def _write_latest(storage: Storage, pointer: bytes, signing_key: Any) -> None:
         storage.delete(f"{LATEST}{SIG_SUFFIX}")
 
 
-def refresh_latest(storage: Storage, *, version: int, run_id: str, channel: str, signing_key: Any) -> bool:
+def signed_floor(storage: Storage, version: int, signing_key: Any, channel: str | None) -> int:
+    """The ``canary_floor`` of the ``latest.json`` under `storage` when it is signed by
+    `signing_key` for `channel` and names `version` (0 otherwise): a rewrite of that pointer
+    keeps it, so a rolled-back canary stays below the floor services trust. Raises OSError when
+    it cannot be read now.
+
+    Example:
+        >>> signed_floor(Storage.from_uri("/tmp/rlrec-no-such-root"), 1, None, None)
+        0
+    """
+    if signing_key is None:
+        return 0
+    try:
+        data = _read_small(storage, LATEST, MAX_BYTES[LATEST])
+        verify(signing_key.public_key(), data, _read_small(storage, f"{LATEST}{SIG_SUFFIX}", MAX_BYTES["sig"]))
+        pointer = _parse_latest(data, LATEST)
+    except (FileNotFoundError, SignatureError, PolicyLoadError):
+        return 0
+    if pointer.get("channel") != channel or pointer["policy_version"] != version:
+        return 0
+    return int(pointer.get("canary_floor") or 0)
+
+
+def refresh_latest(
+    storage: Storage, *, version: int, run_id: str, channel: str, signing_key: Any, canary_floor: int = 0
+) -> bool:
     """Re-sign ``latest.json`` for the published `version` with the current time, so services
     with ``max_pointer_age_s`` see the trainer alive while no new version is published.
 
@@ -599,6 +625,8 @@ def refresh_latest(storage: Storage, *, version: int, run_id: str, channel: str,
         run_id: this run's id.
         channel: this run's channel.
         signing_key: the Ed25519 private key that signed the version.
+        canary_floor: the highest canary the trainer ended without a promotion (kept with the
+            floor of the signed pointer it rewrites, `signed_floor`).
 
     Returns:
         True if the pointer was rewritten.
@@ -624,8 +652,11 @@ def refresh_latest(storage: Storage, *, version: int, run_id: str, channel: str,
     if (spec.get("policy_version"), spec.get("run_id"), spec.get("channel")) != (version, run_id, channel):
         log.error("not refreshing %s: %s/%s is not this run's v%d on channel %s", LATEST, d, SPEC, version, channel)
         return False
-    pointer = pointer_bytes(version, d, hashlib.sha256(spec_bytes).hexdigest(), run_id=run_id, channel=channel)
-    _write_latest(storage, pointer, signing_key)
+    floor = max(canary_floor, signed_floor(storage, version, signing_key, channel))
+    sha = hashlib.sha256(spec_bytes).hexdigest()
+    _write_latest(
+        storage, pointer_bytes(version, d, sha, run_id=run_id, channel=channel, canary_floor=floor), signing_key
+    )
     return True
 
 

@@ -94,6 +94,7 @@ from rlrec.trainer.policy_verify import (
     _remember,
     _spec_check,
     _stale_reason,
+    _state_floor,
     _trust,
     read_lineage,
     version_from_artifact,  # noqa: F401
@@ -249,6 +250,7 @@ class Policy:
         self.stale_pointers = 0
         self.refusals = 0
         self.last_refusal: str | None = None
+        self._canary_floor = _state_floor(self._pins)  # canaries at or below it ended: never served again
         if version is None and self.canary_fraction and not self._files.exists(LATEST):
             _check_state_deployed(self.root, self._pins)
             self._poll_canary()  # nothing deployed yet: a first version may be on canary
@@ -261,11 +263,12 @@ class Policy:
             if reason is not None:
                 raise PolicyLoadError(f"{reason}: a stale pointer is not followed")
             self._model = self._load_pointed(pointer)
+            self._note_floor(pointer)
         else:
             rel_dir = version_dir(int(version))
             check = _spec_check(self._files, self._trust, self._pins, None)
             self._model = _load_version(self._files, rel_dir, self._trust, check=check)
-        _remember(self._model, self._pins)
+        _remember(self._model, self._pins, canary_floor=self._canary_floor)
         if self.canary_fraction:
             self._poll_canary()
 
@@ -344,6 +347,11 @@ class Policy:
         channel = deployed.spec.get("channel") if deployed is not None else (pointer and pointer.channel)
         if not _canary_applies(pointer, base, channel, self._trust):
             return self._set_canary(None)
+        if pointer.version <= self._canary_floor:
+            return self._refuse_canary(
+                f"{CANARY} names v{pointer.version}, at or below the canary floor v{self._canary_floor} of the "
+                f"{LATEST} this service trusted: a canary that ended without a promotion is not served again"
+            )
         current = self._canary
         if current is not None and current.version == pointer.version:
             return False
@@ -382,7 +390,25 @@ class Policy:
 
     def _load_pointed(self, pointer: _Pointer) -> _LoadedVersion:
         check = _spec_check(self._files, self._trust, self._pins, pointer)
-        return _load_version(self._files, pointer.path, self._trust, pointer.doc.get("sha256"), check)
+        model = _load_version(self._files, pointer.path, self._trust, pointer.doc.get("sha256"), check)
+        model.spec_sha256 = pointer.doc.get("sha256")  # checked against its policy.json
+        return model
+
+    def _note_floor(self, pointer: _Pointer) -> None:
+        """Keep the canary floor of a ``latest.json`` this service trusts (signed by the
+        configured key, or no key configured; for the deployed version's channel): canaries at
+        or below it ended without a promotion. The floor only rises (in the state file too), so
+        a replayed older pointer cannot lower it."""
+        if self._trust.public_key is not None and not pointer.signed:
+            return
+        deployed = self._deployed
+        if deployed is not None and (
+            pointer.channel != deployed.spec.get("channel") or pointer.version < deployed.version
+        ):
+            return
+        if pointer.canary_floor > self._canary_floor:
+            self._canary_floor = pointer.canary_floor
+            _remember(None, self._pins, canary_floor=self._canary_floor)
 
     @property
     def policy_version(self) -> int:
@@ -557,6 +583,7 @@ class Policy:
             return False
         self.stale_pointer = False
         if pointer.version == current:
+            self._note_floor(pointer)
             return False
         model = self._load_pointed(pointer)
         with self._lock:
@@ -564,6 +591,7 @@ class Policy:
                 return False
             _remember(model, self._pins)
             self._model = model
+        self._note_floor(pointer)
         return True
 
     def start_polling(self, interval_s: float = 5.0, on_update: Any = None) -> None:

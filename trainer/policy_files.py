@@ -209,6 +209,9 @@ def _parse_latest(data: bytes, name: str = LATEST) -> dict:
     t = latest.get("time")
     if t is not None and (type(t) not in (int, float) or not np.isfinite(t)):
         raise PolicyLoadError(f"{name}: time {t!r:.40} is not a number")
+    floor = latest.get("canary_floor")
+    if floor is not None and (type(floor) is not int or floor <= version):
+        raise PolicyLoadError(f"{name}: canary_floor {floor!r:.40} is not a version above {version}")
     if name == CANARY:
         base, started = latest.get("base_version"), latest.get("started")
         if type(base) is not int or not 0 <= base < version:
@@ -246,6 +249,11 @@ class _Pointer:
     @property
     def channel(self) -> str | None:
         return self.doc.get("channel")
+
+    @property
+    def canary_floor(self) -> int:
+        """A ``latest.json``'s canary floor: canaries at or below it ended without a promotion (0: none)."""
+        return int(self.doc.get("canary_floor", 0))
 
     @property
     def base_version(self) -> int:

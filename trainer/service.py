@@ -103,6 +103,7 @@ class ContinuousTrainer(CheckpointMixin, PublishMixin, GateMixin):
         self._canary_decision: dict | None = None  # taken, not carried out yet (the publish store failed)
         self._canary_failing_since: float | None = None  # the first of the looks failing in a row
         self._deployed = 0  # the version latest.json names by this trainer's own writes (checkpointed)
+        self._canary_floor = 0  # the highest canary this trainer ended without a promotion (checkpointed)
         self.publish_lease: Any = None  # rlrec.trainer.publish_lease.PublishLease while publishing
 
     @staticmethod

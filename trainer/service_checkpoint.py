@@ -73,6 +73,7 @@ class CheckpointMixin:
             "holdout_fraction": float(self.cfg.ope.holdout_fraction),
             "deployed_return": self.deployed_return,
             "deployed_version": self._deployed,
+            "canary_floor": self._canary_floor,
             "canary": None if self.canary is None else self.canary.to_state(),
             "canary_decision": self._canary_decision,
             "publications": [p.describe() for p in self._pending],
@@ -202,6 +203,7 @@ class CheckpointMixin:
         if state.get("deployed_return") is not None:
             self.deployed_return = float(state["deployed_return"])
         self._deployed = int(state.get("deployed_version") or 0)
+        self._canary_floor = int(state.get("canary_floor") or 0)
         self.metrics.truncate_after(self.iteration)
         log.info(
             "resumed from %s: iteration %d, policy v%d, %d shards trained on",

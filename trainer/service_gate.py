@@ -282,6 +282,7 @@ class GateMixin:
                 run_id=self.run_id,
                 channel=self.cfg.publish_channel,
                 sha256=run.sha256,
+                canary_floor=self._canary_floor,
             )
         except PublishRootTaken:
             raise
@@ -298,6 +299,7 @@ class GateMixin:
             self.policy_version = max(self.policy_version, deployed)
         else:  # the base stays deployed: the next candidate is judged against it
             self.policy_version = deployed
+            self._canary_floor = max(self._canary_floor, run.version)
         self.canary = None
         return record
 

@@ -143,7 +143,7 @@ class PublishMixin:
                 above,
                 LATEST,
             )
-            repoint_latest(self.publish_storage, above, self.signing_key, self.cfg.publish_channel)
+            repoint_latest(self.publish_storage, above, self.signing_key, self.cfg.publish_channel, self._canary_floor)
             return above
         return named
 
@@ -162,7 +162,9 @@ class PublishMixin:
         except OSError as e:
             log.error("cannot read the versions above v%d (%s): the canary's base is v%d", known, e, known)
             return known
-        if base and repoint_latest(self.publish_storage, base, self.signing_key, self.cfg.publish_channel):
+        if base and repoint_latest(
+            self.publish_storage, base, self.signing_key, self.cfg.publish_channel, self._canary_floor
+        ):
             log.error("%s was unusable: re-pointed at v%d, the deployed version (the canary's base)", LATEST, base)
         return base
 
@@ -442,7 +444,7 @@ class PublishMixin:
             if deployed and self.cfg.rollout == "canary":  # the pointers are the trainer's: rewritten from its state
                 named = deployed_version(self.publish_storage, self.signing_key, channel)
                 if named is None or named < deployed:
-                    if repoint_latest(self.publish_storage, deployed, self.signing_key, channel):
+                    if repoint_latest(self.publish_storage, deployed, self.signing_key, channel, self._canary_floor):
                         log.error("%s named %s: re-pointed at v%d, the deployed version", LATEST, named, deployed)
                     deployed = 0
             if deployed:
@@ -452,6 +454,7 @@ class PublishMixin:
                     run_id=self.run_id,
                     channel=channel,
                     signing_key=self.signing_key,
+                    canary_floor=self._canary_floor,
                 )
             run = self.canary
             if run is not None and not self._pending:

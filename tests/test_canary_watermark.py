@@ -222,6 +222,26 @@ def test_a_cohort_end_that_does_not_advance_rolls_the_canary_back(tmp_path):
     when, decision, reason = decisions[-1]
     assert decision == "rollback" and "the complete cohort" in reason and 600 <= when <= 720, decisions[-3:]
     assert run.to_state()["cohort_moved"] == t0 + 60  # kept in the checkpoint
+    assert "the lowest watermark is topic 'rl' partition 0's" in reason  # where the operator looks
+
+
+def test_a_watermark_in_the_future_keeps_the_slack_and_partition_counts_cost_one_pass(tmp_path):
+    """Review-40d D4: a watermark ahead of the trainer's clock (a consumer's clock, a hostile
+    file) was clamped to now, so the cut lost its slack; 64 logs each stating 100,000 partitions
+    cost ~1 s of CPU per look (one pass per log)."""
+    uri = str(tmp_path)
+    ShardCommitter(uri, "rl", 0).commit([_episode(1, [1.0], 1_000, "e0")])
+    ev = CanaryEvidence(uri, version=2, base_version=1, started=0.0, gamma=1.0)
+    now = 10_000.0
+    write_watermark(ev.storage, "rl", 0, int((now + 600) * 1000), epoch=1, writer="w")
+    ev.refresh(now=now, episode_max_s=900.0)
+    assert ev.cohort_end == (now - WATERMARK_SLACK_S) * 1000
+    for p in range(1, 65):
+        ShardCommitter(uri, "rl", p).commit([_episode(1, [1.0], 1_000, f"e{p}")])
+        write_watermark(ev.storage, "rl", p, int(now * 1000), epoch=1, writer="w", partitions=100_000)
+    t0 = time.process_time()
+    marks = ev.watermarks()
+    assert len(marks) == 100_000 and time.process_time() - t0 < 0.5
 
 
 def test_every_ended_episode_can_roll_back_before_the_cohort_is_complete(tmp_path):

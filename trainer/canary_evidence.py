@@ -281,16 +281,30 @@ class CanaryEvidence:
 
         read = {k: read_watermark(self.storage, *k) for k in list_partition_logs(self.storage)}
         marks: dict[tuple[str, int], int | None] = {k: None if w is None else w.open_since_ms for k, w in read.items()}
-        counts = [(topic, w.partitions) for (topic, _p), w in read.items() if w is not None and w.partitions]
-        for topic, n in counts:
+        counts: dict[str, int] = {}
+        for (topic, _p), w in read.items():
+            if w is not None and w.partitions:
+                counts[topic] = max(counts.get(topic, 0), w.partitions)
+        for topic, n in counts.items():  # once per topic: many logs stating a count cost one pass
             for p in range(n):
                 marks.setdefault((topic, p), None)  # a partition no consumer wrote yet: the guess
         return marks
 
+    def holding(self, marks: dict[tuple[str, int], int | None], now: float) -> str:
+        """Which partition's watermark holds the cohort end, and how old it is (for the log line
+        of a cohort that does not move: a consumer down, or a retired topic left in the root --
+        docs/TRAINER.md, "The cohort end does not move"); "" when none has a watermark."""
+        known = [(v, k) for k, v in marks.items() if v is not None]
+        if not known:
+            return ""
+        v, (topic, partition) = min(known)
+        return f"; the lowest watermark is topic {topic!r} partition {partition}'s, {now - v / 1000.0:.0f}s old"
+
     def cohort_end_ms(self, marks: dict[tuple[str, int], int | None], now: float, episode_max_s: float) -> float:
         """The cohort end at `now` (Unix ms; module docstring): the least, over the partition logs
-        of `marks` (`watermarks`), of each log's watermark less `WATERMARK_SLACK_S`, or, for a
-        log without one, ``now - max(episode_max_s, longest_s)``; at most `now`.
+        of `marks` (`watermarks`), of each log's watermark (one in the future taken as `now`)
+        less `WATERMARK_SLACK_S`, or, for a log without one, ``now - max(episode_max_s,
+        longest_s)``; at most `now`.
 
         Example:
             >>> ev = CanaryEvidence("/tmp", version=2, base_version=1, started=0.0, gamma=1.0)
@@ -298,10 +312,12 @@ class CanaryEvidence:
             440000.0
             >>> ev.cohort_end_ms({("rl", 0): 500_000, ("rl", 1): None}, now=1_000.0, episode_max_s=900.0)
             100000.0
+            >>> ev.cohort_end_ms({("rl", 0): 99_000_000}, now=1_000.0, episode_max_s=900.0)  # a clock ahead
+            940000.0
         """
         guess = (now - max(episode_max_s, self.longest_s)) * 1000.0
         self.watermarked = sum(v is not None for v in marks.values())
-        ends = [guess if v is None else v - WATERMARK_SLACK_S * 1000.0 for v in marks.values()]
+        ends = [guess if v is None else min(v, now * 1000.0) - WATERMARK_SLACK_S * 1000.0 for v in marks.values()]
         return min([now * 1000.0, *ends]) if ends else guess
 
     def _assigned(self, ep: Any, version: int) -> str:

@@ -227,7 +227,8 @@ class CanaryRun:
                 reason=f"undecided: the complete cohort (episodes that started before {at}, which last moved "
                 f"{stuck:.0f}s ago) holds {verdict.canary.n} canary and {verdict.deployed.n} deployed episodes of the "
                 f"{ended[0].n} and {ended[1].n} that ended: an episode that started then is still open, or a "
-                "partition's consumer stopped writing",
+                "partition's consumer stopped writing"
+                + ("" if self._evidence.marks is None else self._evidence.holding(self._evidence.marks, now)),
             )
         return verdict
 

@@ -207,3 +207,19 @@ def test_a_rolled_back_canary_is_not_served_again_after_a_replay(tmp_path, setup
     assert t.canary.version == 3
     latest = json.loads((root / "latest.json").read_bytes())
     assert (latest["policy_version"], latest["canary_floor"]) == (1, 2)
+
+
+def test_the_state_file_refuses_a_reused_version_number(tmp_path, setup):
+    """The state file compared version numbers only: v1 published again with other weights (a
+    wiped root) loaded on a service that had run the first v1. It records each loaded
+    version's policy.json sha256 and refuses the same number with other bytes."""
+    key = load_private_key(setup.keys_dir / "policy-signing.key")
+    root, state = tmp_path / "root", str(tmp_path / "svc" / "policy-state.json")
+    publish(root, 1, key, seed=1)
+    assert load_policy(str(root), public_key=setup.pub, state_file=state).policy_version == 1
+    assert json.loads((tmp_path / "svc" / "policy-state.json").read_bytes())["sha256"]
+    shutil.rmtree(root)
+    publish(root, 1, key, seed=2)
+    with pytest.raises(PolicyLoadError, match="reused version number"):
+        load_policy(str(root), public_key=setup.pub, state_file=state)
+    assert load_policy(str(root), public_key=setup.pub).policy_version == 1  # without the state file: loads

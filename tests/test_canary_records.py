@@ -223,3 +223,29 @@ def test_the_state_file_refuses_a_reused_version_number(tmp_path, setup):
     with pytest.raises(PolicyLoadError, match="reused version number"):
         load_policy(str(root), public_key=setup.pub, state_file=state)
     assert load_policy(str(root), public_key=setup.pub).policy_version == 1  # without the state file: loads
+
+
+def test_a_rolled_back_first_canary_is_not_served_again_by_a_state_file_service(tmp_path, setup, monkeypatch):
+    """D3 with nothing deployed (base 0): no latest.json carries a floor. A service that saw the
+    canary end (its signed, bound rollback record) keeps its version as the floor, in memory and
+    in the state file, so the replayed canary.json (its end record deleted) is refused."""
+    root = tmp_path / "ckpt" / "policies"
+    t = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **CANARY_KW)
+    t.iteration = 3
+    t.checkpoint()
+    old = {n: (root / n).read_bytes() for n in ("canary.json", "canary.json.sig")}
+    state = tmp_path / "svc-state.json"
+    svc = load_policy(str(root), public_key=setup.pub, state_file=str(state), canary_fraction=0.5)
+    assert svc.canary_version == 1
+    _serve(setup.committer, t.canary, {1: -2.0, 0: 2.0}, 300, seed=3)
+    assert t.look_canary()["decision"] == "rollback"
+    svc.poll()
+    assert svc.canary_version is None and json.loads(state.read_bytes())["canary_floor"] == 1
+    for n, d in old.items():
+        (root / n).write_bytes(d)
+    for n in ("canary-ended.json", "canary-ended.json.sig"):
+        (root / "v000001" / n).unlink()
+    svc.poll()
+    assert svc.canary_version is None
+    with pytest.raises(PolicyLoadError, match="no usable"):
+        load_policy(str(root), public_key=setup.pub, state_file=str(state), canary_fraction=0.5)

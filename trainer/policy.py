@@ -89,6 +89,7 @@ from rlrec.trainer.policy_verify import (
     _check_state_deployed,
     _load_version,
     _LoadedVersion,
+    _never_deployed,
     _read_canary,
     _read_pointer,
     _remember,
@@ -375,6 +376,15 @@ class Policy:
     def _set_canary(self, model: _LoadedVersion | None) -> bool:
         with self._lock:
             before, self._canary = self._canary, model
+        ended = model is None and before is not None and before.version > self._canary_floor
+        if ended and _never_deployed(self._files, self._trust, version_dir(before.version)):
+            # the canary it served ended without a promotion (its signed, bound end record): never
+            # served again here, whatever pointer is replayed (a first canary has no latest.json floor)
+            self._canary_floor = before.version
+            try:
+                _remember(None, self._pins, canary_floor=self._canary_floor)
+            except PolicyLoadError as e:
+                log.warning("the canary floor v%d is not kept in the state file: %s", before.version, e)
         if (before is None) != (model is None) or (before is not None and before.version != model.version):
             if model is not None:
                 log.info("canary v%d serves %.3g of episodes", model.version, self.canary_fraction)

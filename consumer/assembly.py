@@ -284,8 +284,12 @@ class PartitionAssembler:
         #: when the last poll after which the partition was read live began (its events appended
         #: before then have been read); None: it is not live (`open_since_ms`)
         self.caught_up_at: float | None = None
-        #: the partition ended at or before where its claim started reading (set by the consumer):
-        #: with no event read, there was nothing to replay (`open_since_ms`)
+        #: a fetch has answered for the partition since its claim (set by the consumer: a message,
+        #: or the partition's end reached where its claim started reading or later); until then it
+        #: is not read live and has no watermark, whatever offset the claim starts at
+        self.fetched = False
+        #: the partition ended where its claim started reading (set by the consumer from the
+        #: fetched end): with no event read, there was nothing to replay (`open_since_ms`)
         self.nothing_to_replay = False
         #: the topic's partition count changed lately: episodes may be split across partitions
         self.split_suspected = False
@@ -313,6 +317,7 @@ class PartitionAssembler:
     def _apply(self, offset: int, event: Any, now: float | None) -> list[DeadLetter]:
         now = time.time() if now is None else now
         self.next_offset = offset + 1
+        self.fetched = True
         self.counters.events += 1
         eid = event.episode_id
         if isinstance(event, EpisodeAbort):
@@ -692,7 +697,9 @@ class PartitionAssembler:
         event's timestamp) of the episodes read and not committed -- open, finished, handed out
         and not confirmed committed --, at most `now`; with none, `caught_up_at` (None while the
         partition is not read live: an episode not read yet may have started earlier). None
-        before any event was read, unless the partition had nothing to read (`nothing_to_replay`). Episodes ended by ``episode_timeout_s``, evicted or
+        until a fetch answered for the partition (`fetched`: an offset a claim starts at says
+        nothing of what is there), and before any event was read unless the partition had
+        nothing to read (`nothing_to_replay`). Episodes ended by ``episode_timeout_s``, evicted or
         dead-lettered are no longer open. The time form of `safe_offset`: every episode read
         that started before it is committed.
 
@@ -701,7 +708,7 @@ class PartitionAssembler:
             >>> a.open_since_ms(now=100.0) is None  # nothing read
             True
         """
-        if self.next_offset is None and not self.nothing_to_replay:
+        if not self.fetched or (self.next_offset is None and not self.nothing_to_replay):
             return None
         starts = [ep.start.timestamp_ms for ep in self.open.values()]
         starts += [fe.started_ms for fe in (*self.finished.values(), *self.in_flight.values())]

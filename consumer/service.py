@@ -274,6 +274,8 @@ class RecorderConsumer(ResumeFromStore):
             **cfg.kafka_config,
             # a position the topic does not hold is an error (`_out_of_range`), never a silent jump
             "auto.offset.reset": "error",
+            # a partition read to its end says so: until a fetch answered it has no watermark
+            "enable.partition.eof": True,
             "logger": kafka_logger(),
         }
         if "auto.offset.reset" in cfg.kafka_config:
@@ -496,7 +498,9 @@ class RecorderConsumer(ResumeFromStore):
         if err is not None:
             if err.code() == KafkaError._AUTO_OFFSET_RESET:
                 self._out_of_range(m.partition())
-            elif err.code() != KafkaError._PARTITION_EOF:
+            elif err.code() == KafkaError._PARTITION_EOF:
+                self._reached_end(m.partition(), m.offset())
+            else:
                 log.warning("consumer error: %s", err)
                 if err.code() in (KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN):
                     self._broker_trouble_at = time.monotonic()  # not live: no timeouts meanwhile
@@ -506,6 +510,7 @@ class RecorderConsumer(ResumeFromStore):
         if w is None or w.assembler is None or "registry" in self._pause_reasons.get(p, ()):
             return True  # not ours (any more), not claimed, or waiting for the registry: read again later
         a = w.assembler
+        a.fetched = True
         offset = m.offset()
         value = m.value()
         self.metrics.bytes_in.inc(len(value) if value else 0)
@@ -610,11 +615,10 @@ class RecorderConsumer(ResumeFromStore):
             w.topic_partitions = self._partition_count  # written with the partition's watermark
             newest = self._newest_ms.get(p)
             recent = newest is None or newest / 1000.0 >= now - LIVE_LAG_S
-            live = recent and broker_ok and not self._pause_reasons.get(p)
+            # read live: a fetch answered since the claim (a message, or the partition's end)
+            live = a.fetched and recent and broker_ok and not self._pause_reasons.get(p)
             a.live_since = (a.live_since or now) if live else None
             a.caught_up_at = self._poll_at if live else None  # the partition's watermark with nothing open
-            if live and a.next_offset is None and not a.nothing_to_replay:
-                a.nothing_to_replay = self._read_to_end(p, w.replay_from)
             w.publish_pending()  # roll forward committed shards whose publish failed
             w.upkeep(now)  # the owner lease; compaction when due (--compact-after)
             a.split_suspected = now < self._split_suspected_until
@@ -642,16 +646,21 @@ class RecorderConsumer(ResumeFromStore):
             self._report_lag()
         self.progress.tick()
 
-    def _read_to_end(self, p: int, start: int | None) -> bool:
-        """Whether partition `p` ended, by the offsets the consumer last fetched, at or before
-        `start`, where its claim started reading: an idle partition had nothing to replay."""
-        if start is None or self.consumer is None:
-            return False
-        try:
-            _low, high = self.consumer.get_watermark_offsets(TopicPartition(self.config.topic, p), cached=True)
-        except KafkaException:
-            return False
-        return 0 <= high <= start
+    def _reached_end(self, p: int, offset: int) -> None:
+        """A fetch answered that partition `p` ends at `offset` (librdkafka's partition EOF, at
+        the position read to). At or after where its claim started reading, the claim has read
+        all there was when the fetch answered; with no event read, there was nothing to replay.
+        An end before that start is an answer about another claim's reading: ignored."""
+        w = self.writers.get(p)
+        if w is None or w.assembler is None:
+            return
+        a = w.assembler
+        start = a.next_offset if a.next_offset is not None else w.replay_from
+        if start is not None and offset < start:
+            return
+        a.fetched = True
+        if a.next_offset is None:
+            a.nothing_to_replay = True
 
     def _hold_back_over_budget(self) -> None:
         """Still over max_buffered_bytes after flushing (the storage is failing): read no partition

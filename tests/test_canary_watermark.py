@@ -393,3 +393,81 @@ def test_an_episode_read_after_its_cohort_was_taken_as_complete_is_counted_late(
     c.commit([_episode(1, [1.0], int((t0 + 5) * 1000), _arm_id("b", False), 2, share=0.5)])  # began before t0 + 940
     ev.refresh(now=t0 + 1010, episode_max_s=60.0)
     assert ev.late == 1
+
+
+class _SlowFirstFetch:
+    """A consumer whose messages (the partition's end included) reach the loop only `hold_s`
+    after the first one came: a first fetch that answers late, which every claim has."""
+
+    def __init__(self, consumer, hold_s: float):
+        self._consumer, self._hold_s = consumer, hold_s
+        self._held: list = []
+        self._release_at: float | None = None
+
+    def __getattr__(self, name):
+        return getattr(self._consumer, name)
+
+    def consume(self, num_messages: int = 1, timeout: float = -1):
+        msgs = self._consumer.consume(num_messages=num_messages, timeout=timeout)
+        if msgs and self._release_at is None:
+            self._release_at = time.time() + self._hold_s
+        if self._release_at is not None and time.time() < self._release_at:
+            self._held += msgs
+            return []
+        out, self._held = self._held + msgs, []
+        return out
+
+
+@pytest.mark.broker
+@pytest.mark.slow
+def test_a_claimed_partition_has_no_watermark_until_a_fetch_answered_for_it(broker, recorder_config, tmp_path):
+    """The loop runs (polls, ticks, writes watermarks) while the partition's first fetch has not
+    answered: no watermark may say "caught up" then, over an episode still unread. Once the
+    backlog is read the watermark is the open episode's start, and an idle partition's end
+    (read, nothing after it) moves it on."""
+    import threading
+    import uuid
+
+    from rlrec.consumer.service import RecorderConsumer
+    from rlrec.consumer.topics import create_topics, dlq_topic_name
+    from rlrec.producer import EpisodeRecorder
+    from tests.helpers import ACT_SPACE, OBS_SPACE, wait_for
+
+    topic = f"wf-{uuid.uuid4().hex[:8]}"
+    create_topics(broker.bootstrap_servers, {topic: 1, dlq_topic_name(topic): 1})
+    rec = EpisodeRecorder(broker.bootstrap_servers, topic=topic, observation_space=OBS_SPACE, action_space=ACT_SPACE)
+    obs = np.zeros(4, np.float32)
+    slow = rec.begin_episode(obs)
+    rec.log_step(slow, 0, 1.0, obs)
+    slow_by_ms = int(time.time() * 1000)
+    assert rec.flush(10) == 0
+    cfg = recorder_config(tmp_path / "out", topic=topic)
+    storage = Storage.from_uri(cfg.output)
+
+    class SlowFetch(RecorderConsumer):
+        def _make_clients(self):
+            consumer, producer = super()._make_clients()
+            return _SlowFirstFetch(consumer, hold_s=4.0), producer
+
+    c = SlowFetch(cfg, storage)
+    seen: list[tuple[float, int]] = []
+    t = threading.Thread(target=c.run, kwargs={"max_seconds": 30, "install_signals": False}, daemon=True)
+    t.start()
+    try:
+        deadline = time.time() + 25
+        while time.time() < deadline and not (seen and seen[-1][1] <= slow_by_ms and time.time() > seen[0][0] + 5):
+            w = read_watermark(storage, topic, 0)
+            if w is not None:
+                seen.append((time.time(), w.open_since_ms))
+            time.sleep(0.05)
+        assert seen, "no watermark written"
+        assert all(w <= slow_by_ms for _t, w in seen), [x for x in seen if x[1] > slow_by_ms][:3]
+        rec.log_step(slow, 0, 1.0, obs, terminated=True)
+        assert rec.flush(10) == 0
+        wait_for(
+            lambda: read_watermark(storage, topic, 0).open_since_ms > slow_by_ms, 20, what="the watermark moves on"
+        )
+    finally:
+        c.stop()
+        t.join(30)
+        rec.close()

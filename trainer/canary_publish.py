@@ -149,7 +149,7 @@ def _ended(storage: Storage, d: str, signing_key: Any) -> str | None:
     return decision
 
 
-def signed_above(storage: Storage, signing_key: Any, named: int, channel: str | None) -> int:
+def signed_above(storage: Storage, signing_key: Any, named: int, channel: str | None, canary_floor: int = 0) -> int:
     """The highest version above `named` that `signing_key` signed for `channel` and that was
     deployed: not a rolled-back canary (a signed ``canary-ended.json`` saying so), not the
     undecided one ``canary.json`` names (a canary whose signed ``canary-ended.json`` exists is
@@ -158,11 +158,14 @@ def signed_above(storage: Storage, signing_key: Any, named: int, channel: str | 
     taken for a deployed version), unless its signed ``rollout.json`` decided to promote it (a
     trainer killed before carrying that out). When there is one, a ``latest.json`` naming `named` is a
     replayed pointer (services refuse it and keep that version). `named` when there is none (or
-    without a key)."""
-    from rlrec.trainer.export import VERSION_DIR_RE, _verified_spec
+    without a key). Versions at or below the canary floor -- `canary_floor` (the trainer's own)
+    or the signed ``latest.json``'s naming `named` -- ended unpromoted: neither read nor counted
+    against `MAX_NEWER`."""
+    from rlrec.trainer.export import VERSION_DIR_RE, _verified_spec, signed_floor
 
     if signing_key is None:
         return named
+    ended_upto = max(named, canary_floor, signed_floor(storage, named, signing_key, channel))
     unreadable = False
     try:
         canary = read_pointer(storage, CANARY, signing_key)
@@ -177,12 +180,16 @@ def signed_above(storage: Storage, signing_key: Any, named: int, channel: str | 
         )
     running = None if canary is None else int(canary["policy_version"])
     names = sorted(
-        (i.name for i in storage.list("") if i.is_dir and VERSION_DIR_RE.match(i.name) and int(i.name[1:]) > named),
+        (
+            i.name
+            for i in storage.list("")
+            if i.is_dir and VERSION_DIR_RE.match(i.name) and int(i.name[1:]) > ended_upto
+        ),
         reverse=True,
     )
     if len(names) > MAX_NEWER:
         raise OSError(
-            f"{len(names)} version directories above v{named} under {storage.uri()}, over the limit of {MAX_NEWER} "
+            f"{len(names)} version directories above v{ended_upto} under {storage.uri()}, over the limit of {MAX_NEWER} "
             "(services refuse such a root too): the deployed version cannot be found"
         )
     for d in names:  # every one: a window of the highest would let copied-in versions hide the deployed one
@@ -491,19 +498,21 @@ def _end_orphans(storage: Storage, version: int, base: int, signing_key: Any, ch
     """Before `version` goes on canary above `base`: versions between them that this key signed
     for `channel` as canaries (``"rollout": "canary"`` in their policy.json) and that no decision
     ended -- their ``canary.json`` removed, so `_end_abandoned` does not see them -- are settled
-    by `_settle` (their signed decision carried out, else `UndecidedCanary`). Raises OSError
-    when the root cannot be read now (retried later)."""
-    from rlrec.trainer.export import VERSION_DIR_RE, _verified_spec
+    by `_settle` (their signed decision carried out, else `UndecidedCanary`). Versions at or
+    below the canary floor of the signed ``latest.json`` naming `base` ended already. Raises
+    OSError when the root cannot be read now (retried later)."""
+    from rlrec.trainer.export import VERSION_DIR_RE, _verified_spec, signed_floor
 
     if signing_key is None:
         return
+    low = max(base, signed_floor(storage, base, signing_key, channel))
     names = sorted(
         i.name
         for i in storage.list("")
-        if i.is_dir and VERSION_DIR_RE.match(i.name) and base < int(i.name[1:]) < version
+        if i.is_dir and VERSION_DIR_RE.match(i.name) and low < int(i.name[1:]) < version
     )
     if len(names) > MAX_NEWER:
-        raise OSError(f"{len(names)} version directories between v{base} and v{version}, over the limit of {MAX_NEWER}")
+        raise OSError(f"{len(names)} version directories between v{low} and v{version}, over the limit of {MAX_NEWER}")
     for d in names:
         try:
             _spec_bytes, spec = _verified_spec(storage, d, signing_key)

@@ -589,7 +589,9 @@ def _check_not_replayed(files: _Files, trust: _Trust, pointer: _Pointer, spec: d
     is signed by the configured key for the same channel (a replayed old pointer). Versions of
     other channels do not count: copying them in cannot stop a service from (re)starting. The
     one version a signed ``canary.json`` of the same channel names while its ``base_version``
-    is the pointer's does not count either: a canary runs above the deployed version."""
+    is the pointer's does not count either: a canary runs above the deployed version. Nor do
+    versions at or below the pointer's ``canary_floor`` (signed with it: canaries that ended
+    without a promotion), which are not counted against ``MAX_NEWER_VERSIONS`` either."""
     if trust.public_key is None:
         return
     channel = spec.get("channel")
@@ -597,7 +599,9 @@ def _check_not_replayed(files: _Files, trust: _Trust, pointer: _Pointer, spec: d
         names = files.version_dirs()
     except OSError as e:
         raise PolicyLoadError(f"cannot list the versions under {files.root}: {e}") from None
-    newer = [d for d in names if int(d[1:]) > pointer.version]
+    # versions at or below the pointer's signed canary floor are canaries that ended unpromoted:
+    # never deployed, never counted (rollbacks in a row would otherwise fill the window)
+    newer = [d for d in names if int(d[1:]) > max(pointer.version, pointer.canary_floor)]
     if len(newer) > MAX_NEWER_VERSIONS:
         raise PolicyLoadError(
             f"{len(newer)} version directories above {pointer.path}, over the limit of {MAX_NEWER_VERSIONS}: refused"

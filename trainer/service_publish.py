@@ -129,7 +129,9 @@ class PublishMixin:
             )
             return known
         try:
-            above = signed_above(self.publish_storage, self.signing_key, named, self.cfg.publish_channel)
+            above = signed_above(
+                self.publish_storage, self.signing_key, named, self.cfg.publish_channel, self._canary_floor
+            )
         except OSError as e:
             log.error("cannot read the versions above v%d (%s): the canary's base is v%d", named, e, named)
             return named
@@ -158,7 +160,9 @@ class PublishMixin:
         if self.signing_key is None:
             return known
         try:
-            base = signed_above(self.publish_storage, self.signing_key, known, self.cfg.publish_channel)
+            base = signed_above(
+                self.publish_storage, self.signing_key, known, self.cfg.publish_channel, self._canary_floor
+            )
         except OSError as e:
             log.error("cannot read the versions above v%d (%s): the canary's base is v%d", known, e, known)
             return known

@@ -1,0 +1,59 @@
+"""The canary floor (review-40e): rolled-back canaries do not fill the window of version
+directories services and the trainer read above latest.json, the first canary's rollback is
+floored too, a canary whose publication is pending is never judged, and the deployed version's
+pointer stays fresh whichever run of this key published it."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+pytest.importorskip("torch")
+
+from rlrec.trainer.policy import load_policy
+from tests.test_canary_trainer import CANARY_KW, _serve, canary_setup
+from tests.test_policy_binding import _trainer
+
+
+@pytest.fixture
+def setup(tmp_path):
+    return canary_setup(tmp_path)
+
+
+@pytest.mark.slow
+def test_more_rollbacks_in_a_row_than_the_window_leave_services_and_the_trainer_working(tmp_path, setup, monkeypatch):
+    """E4: each rollback leaves its canary's directory above latest.json, and services (and the
+    trainer's signed_above) refused more than MAX_NEWER_VERSIONS (100) of them: after 101
+    rollbacks every service (re)start failed and the next candidate stayed pending for good.
+    Directories at or below the signed pointer's canary floor ended unpromoted: not counted."""
+    from rlrec.trainer.policy_files import MAX_NEWER_VERSIONS
+
+    root = tmp_path / "ckpt" / "policies"
+    t = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **CANARY_KW)
+    t.iteration = 3
+    t.checkpoint()
+    _serve(setup.committer, t.canary, {1: 2.0, 0: 0.0}, 300, seed=1)
+    assert t.look_canary()["decision"] == "promote"
+    state = tmp_path / "svc-state.json"
+    load_policy(str(root), public_key=setup.pub, state_file=str(state))
+    now, rollbacks = time.time(), 0
+    while rollbacks <= MAX_NEWER_VERSIONS:
+        t.iteration += 3
+        t.checkpoint()
+        assert t.canary is not None, f"no canary after {rollbacks} rollbacks"
+        now += CANARY_KW["canary_max_wait_s"] + 200
+        assert t.look_canary(now=now)["decision"] == "rollback"
+        rollbacks += 1
+    assert len([p for p in root.iterdir() if p.name.startswith("v0")]) == MAX_NEWER_VERSIONS + 2
+    for state_file in (str(state), None):  # a service restart
+        svc = load_policy(str(root), public_key=setup.pub, state_file=state_file, canary_fraction=0.5)
+        assert (svc.policy_version, svc.canary_version) == (1, None)
+    t.iteration += 3
+    t.checkpoint()  # the next candidate goes on canary, not pending
+    assert t.canary is not None and t.canary.version == MAX_NEWER_VERSIONS + 3 and not t._pending
+    svc = load_policy(str(root), public_key=setup.pub, state_file=str(state), canary_fraction=0.5)
+    assert svc.canary_version == MAX_NEWER_VERSIONS + 3
+    latest = json.loads((root / "latest.json").read_bytes())
+    assert (latest["policy_version"], latest["canary_floor"]) == (1, MAX_NEWER_VERSIONS + 2)

@@ -57,3 +57,27 @@ def test_more_rollbacks_in_a_row_than_the_window_leave_services_and_the_trainer_
     assert svc.canary_version == MAX_NEWER_VERSIONS + 3
     latest = json.loads((root / "latest.json").read_bytes())
     assert (latest["policy_version"], latest["canary_floor"]) == (1, MAX_NEWER_VERSIONS + 2)
+
+
+def test_a_fresh_run_keeps_an_earlier_runs_deployed_version_fresh(tmp_path, setup, monkeypatch):
+    """E6: with --rollout canary latest.json names an earlier run's version until one of this
+    run's canaries is promoted; refresh_latest re-signed only this run's versions, so services
+    with max_pointer_age_s refused every (re)start while a fresh run was alive and checkpointing."""
+    root = tmp_path / "ckpt" / "policies"
+    t = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **CANARY_KW)
+    t.iteration = 3
+    t.checkpoint()
+    _serve(setup.committer, t.canary, {1: 2.0, 0: 0.0}, 300, seed=1)
+    assert t.look_canary()["decision"] == "promote"
+    before = json.loads((root / "latest.json").read_bytes())
+    fresh = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **CANARY_KW)
+    assert fresh.run_id != t.run_id
+    time.sleep(1.1)
+    for fresh.iteration in (6, 9):
+        fresh.checkpoint()
+    assert fresh.canary is not None and fresh.canary.version == 2
+    after = json.loads((root / "latest.json").read_bytes())
+    assert after["policy_version"] == 1 and after["run_id"] == t.run_id
+    assert after["time"] > before["time"] + 1
+    svc = load_policy(str(root), public_key=setup.pub, max_pointer_age_s=1.0)
+    assert svc.policy_version == 1

@@ -374,7 +374,11 @@ def test_a_stale_pointer_is_reported_and_never_followed(tmp_path, keys, caplog):
     storage = Storage.from_uri(str(root))
     assert refresh_latest(storage, version=3, run_id=RUN_A, channel="prod", signing_key=keys["private"])
     assert p.poll() is True and (p.policy_version, p.stale_pointer) == (3, False)
-    assert not refresh_latest(storage, version=3, run_id=RUN_B, channel="prod", signing_key=keys["private"])
+    # another run of this key and channel (a fresh run while v3 stays deployed) re-signs it too,
+    # keeping v3's run id; another channel's run does not
+    assert refresh_latest(storage, version=3, run_id=RUN_B, channel="prod", signing_key=keys["private"])
+    assert json.loads((root / "latest.json").read_bytes())["run_id"] == RUN_A
+    assert not refresh_latest(storage, version=3, run_id=RUN_B, channel="staging", signing_key=keys["private"])
 
 
 # ------------------------------------------------------------------------- older publications

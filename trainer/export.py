@@ -615,14 +615,15 @@ def refresh_latest(
     """Re-sign ``latest.json`` for the published `version` with the current time, so services
     with ``max_pointer_age_s`` see the trainer alive while no new version is published.
 
-    Only a version this key signed for this run and channel, and only while ``latest.json``
-    names it (a rollback republished above it is left alone), is re-pointed; anything else is
-    logged and left as it is.
+    Only a version this key signed for this channel (by this run or an earlier one: with
+    ``--rollout canary`` an earlier run's version stays deployed until one of this run's
+    canaries is promoted; the pointer keeps that version's run id), and only while
+    ``latest.json`` names it, is re-pointed; anything else is logged and left as it is.
 
     Args:
         storage: the publish root.
         version: the version in use (the trainer's last publication).
-        run_id: this run's id.
+        run_id: this run's id (logged when the version is an earlier run's).
         channel: this run's channel.
         signing_key: the Ed25519 private key that signed the version.
         canary_floor: the highest canary the trainer ended without a promotion (kept with the
@@ -649,14 +650,15 @@ def refresh_latest(
     except (OSError, SignatureError, ValueError, PolicyLoadError) as e:
         log.error("not refreshing %s: %s/%s cannot be verified (%s)", LATEST, d, SPEC, e)
         return False
-    if (spec.get("policy_version"), spec.get("run_id"), spec.get("channel")) != (version, run_id, channel):
-        log.error("not refreshing %s: %s/%s is not this run's v%d on channel %s", LATEST, d, SPEC, version, channel)
+    if (spec.get("policy_version"), spec.get("channel")) != (version, channel):
+        log.error("not refreshing %s: %s/%s is not this key's v%d on channel %s", LATEST, d, SPEC, version, channel)
         return False
+    if spec.get("run_id") != run_id:
+        log.debug("refreshing %s for v%d of an earlier run (%s)", LATEST, version, spec.get("run_id"))
     floor = max(canary_floor, signed_floor(storage, version, signing_key, channel))
     sha = hashlib.sha256(spec_bytes).hexdigest()
-    _write_latest(
-        storage, pointer_bytes(version, d, sha, run_id=run_id, channel=channel, canary_floor=floor), signing_key
-    )
+    pointer = pointer_bytes(version, d, sha, run_id=spec.get("run_id"), channel=channel, canary_floor=floor)
+    _write_latest(storage, pointer, signing_key)
     return True
 
 

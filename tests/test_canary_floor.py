@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from rlrec.trainer.policy import load_policy
+from rlrec.trainer.policy import PolicyLoadError, load_policy
 from tests.test_canary_trainer import CANARY_KW, _serve, canary_setup
 from tests.test_policy_binding import _trainer
 
@@ -81,3 +81,39 @@ def test_a_fresh_run_keeps_an_earlier_runs_deployed_version_fresh(tmp_path, setu
     assert after["time"] > before["time"] + 1
     svc = load_policy(str(root), public_key=setup.pub, max_pointer_age_s=1.0)
     assert svc.policy_version == 1
+
+
+def test_a_canary_whose_publication_is_pending_is_never_judged(tmp_path, setup, monkeypatch):
+    """E3: v2 was promoted; the old latest.json (v1) and canary.json (v2) are replayed and v2's
+    records deleted. A fresh run signs nothing for v2 and keeps its own candidate v3 pending
+    (UndecidedCanary) -- but it judged v3 anyway: one max wait later a "no canary traffic"
+    rollback wrote records into v3/ (no policy.json there) and signed a fresh latest.json (v1),
+    which defeated max_pointer_age_s, the defence against that replay. While its publication is
+    pending nothing is judged and no pointer is signed."""
+    root = tmp_path / "ckpt" / "policies"
+    t = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **CANARY_KW)
+    t.iteration = 3
+    t.checkpoint()
+    _serve(setup.committer, t.canary, {1: 2.0, 0: 0.0}, 300, seed=1)
+    assert t.look_canary()["decision"] == "promote"
+    t.iteration = 6
+    t.checkpoint()
+    old = {n: (root / n).read_bytes() for n in ("latest.json", "latest.json.sig", "canary.json", "canary.json.sig")}
+    _serve(setup.committer, t.canary, {2: 2.0, 1: 0.0}, 300, seed=2)
+    assert t.look_canary()["decision"] == "promote"
+    for n, d in old.items():
+        (root / n).write_bytes(d)
+    for n in ("canary-ended.json", "canary-ended.json.sig", "rollout.json", "rollout.json.sig"):
+        (root / "v000002" / n).unlink()
+    fresh = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **CANARY_KW)
+    for fresh.iteration in (9, 12):
+        fresh.checkpoint()
+    assert fresh.canary is not None and fresh.canary.version == 3 and len(fresh._pending) == 1
+    assert fresh.look_canary(now=time.time() + CANARY_KW["canary_max_wait_s"] + 120) is None
+    fresh.iteration = 15
+    fresh.checkpoint()
+    assert not (root / "v000003").exists() or not any((root / "v000003").glob("rollout.json*"))
+    assert (root / "latest.json").read_bytes() == old["latest.json"]  # not re-signed: its age still tells
+    time.sleep(2.1)
+    with pytest.raises(PolicyLoadError, match="max_pointer_age_s"):
+        load_policy(str(root), public_key=setup.pub, max_pointer_age_s=2)

@@ -310,6 +310,8 @@ def test_an_unreadable_latest_json_after_a_first_rollback_keeps_base_zero(tmp_pa
     t.checkpoint()
     monkeypatch.undo()
     assert (t.canary.version, t.canary.base_version) == (2, 0)
+    assert t.look_canary(now=t.canary.started + 61) is None  # pending (not written): never judged
+    t._write_publications()  # the next iteration writes it
     rec = t.look_canary(now=t.canary.started + 61)
     assert rec["decision"] == "rollback" and rec["deployed_version"] == 0
     assert not (tmp_path / "ckpt" / "policies" / "latest.json").exists()
@@ -533,8 +535,8 @@ def test_a_replayed_pointer_pair_is_no_canary_base_for_a_fresh_run(tmp_path, set
 
 def test_an_unreadable_canary_json_never_makes_an_undecided_canary_a_base(tmp_path, setup, monkeypatch):
     """A fresh run finds canary v2 above v1, never decided; reading canary.json fails once while it
-    prepares its candidate. v2 was never deployed: the base stays v1 (services run it), so the
-    rollback of the new canary leaves v1 deployed, never the untested v2 for every episode."""
+    prepares its candidate. v2 was never deployed: the base stays v1 (services run it), never the
+    untested v2 for every episode; the new canary waits on v2 (UndecidedCanary), unjudged."""
     from rlrec.trainer import canary_publish
     from rlrec.trainer.policy import CANARY
 
@@ -560,7 +562,11 @@ def test_an_unreadable_canary_json_never_makes_an_undecided_canary_a_base(tmp_pa
     fresh.checkpoint()
     monkeypatch.setattr(canary_publish, "read_pointer", real)
     assert fresh.canary.base_version == 1
-    _rolled_back_onto(root, fresh.look_canary(now=fresh.canary.started + 61), 1)
+    fresh._write_publications()  # the next iteration: v2 is undecided, so v3 waits (UndecidedCanary)
+    assert [p.version for p in fresh._pending] == [3]
+    assert fresh.look_canary(now=fresh.canary.started + 61) is None  # a pending canary is never judged
+    assert json.loads((root / "latest.json").read_bytes())["policy_version"] == 1
+    assert not (root / "v000003").exists()
 
 
 def test_a_refused_latest_json_does_not_keep_a_rolled_back_canary_served(tmp_path, setup, monkeypatch):

@@ -243,6 +243,8 @@ class GateMixin:
     def look_canary(self, now: float | None = None) -> dict | None:
         """Look at the running canary's evidence (at most every ``canary_look_interval_s``) and
         carry out a decision: promote it, or roll it back (`rlrec.trainer.canary_publish.end_canary`).
+        A canary whose publication is pending (not written yet: a publish-store outage, or
+        `UndecidedCanary`) is not looked at: no decision, nothing signed.
 
         Returns:
             The decision record (metrics.jsonl's ``canary``), or None while undecided.
@@ -255,6 +257,8 @@ class GateMixin:
         now = time.time() if now is None else now
         if run is None or now < self._canary_next_look:
             return None
+        if any(p.version == run.version for p in self._pending):
+            return None  # not published yet (an outage, an undecided canary under the root): nothing to judge
         self._canary_next_look = now + self.cfg.canary_look_interval_s
         record = self._canary_decision  # a decision whose carrying out failed: again, unchanged
         if record is None:

@@ -18,6 +18,7 @@ import hashlib
 import json
 import shutil
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -43,8 +44,10 @@ def keys(tmp_path_factory):
     return {"private": load_private_key(priv), "public": str(pub)}
 
 
-def canary(root, version, key, *, base, started=0.0, channel="prod", run_id=RUN_A) -> None:
-    """Put `version` on canary above `base`, as the trainer does (pointer first, then the files)."""
+def canary(root, version, key, *, base, started=None, channel="prod", run_id=RUN_A) -> None:
+    """Put `version` on canary above `base`, as the trainer does (pointer first, then the files);
+    `started` (the pointer's time too) defaults to now."""
+    started = time.time() if started is None else started
     pub = prepare_publication(
         algo=None,
         version=version,
@@ -560,11 +563,17 @@ def test_a_canary_pointer_older_than_max_pointer_age_is_not_served(on_canary, ke
     from rlrec.store.storage import Storage
     from rlrec.trainer.canary_publish import refresh_canary
 
-    p = load_policy(
-        str(on_canary), public_key=keys["public"], channel="prod", canary_fraction=0.3, max_pointer_age_s=3600
-    )
-    assert p.policy_version == 4 and p.canary_version is None  # canary.json's time is the start, 1970
     kw = {"base_version": 4, "started": 0.0, "channel": "prod"}
+    assert refresh_canary(Storage.from_uri(str(on_canary)), 5, keys["private"], **kw, now=0.0)  # signed in 1970
+    p = load_policy(
+        str(on_canary),
+        public_key=keys["public"],
+        channel="prod",
+        canary_fraction=0.3,
+        max_pointer_age_s=3600,
+        max_canary_age_s=None,
+    )
+    assert p.policy_version == 4 and p.canary_version is None
     assert refresh_canary(Storage.from_uri(str(on_canary)), 5, keys["private"], **kw)
     p.poll()
     assert p.canary_version == 5

@@ -117,3 +117,65 @@ def test_a_canary_whose_publication_is_pending_is_never_judged(tmp_path, setup, 
     time.sleep(2.1)
     with pytest.raises(PolicyLoadError, match="max_pointer_age_s"):
         load_policy(str(root), public_key=setup.pub, max_pointer_age_s=2)
+
+
+def _an_hour_later(monkeypatch, seconds: float) -> None:
+    """Services' clock `seconds` ahead (the trainer's stays): what a replica sees that long after."""
+    import types
+
+    import rlrec.trainer.policy as policy_module
+
+    real = time.time
+    clock = types.SimpleNamespace(time=lambda: real() + seconds, monotonic=time.monotonic, sleep=time.sleep)
+    monkeypatch.setattr(policy_module, "time", clock)
+
+
+def test_services_refuse_a_replayed_canary_json_past_the_default_canary_age(tmp_path, setup, monkeypatch):
+    """E1: v2 rolled back; the latest.json signed before the rollback (no floor) and v2's
+    canary.json replayed, its end record deleted: a new replica (no state file, nothing seen)
+    served v2 to its canary share, for as long as the replay lasted. By default services refuse
+    a canary.json signed more than MAX_CANARY_AGE_S ago (the trainer re-signs its running
+    canary's well inside that)."""
+    from rlrec.trainer.canary import MAX_CANARY_AGE_S
+
+    root = tmp_path / "ckpt" / "policies"
+    t = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **CANARY_KW)
+    t.iteration = 3
+    t.checkpoint()
+    _serve(setup.committer, t.canary, {1: 2.0, 0: 0.0}, 300, seed=1)
+    assert t.look_canary()["decision"] == "promote"
+    t.iteration = 6
+    t.checkpoint()
+    old = {n: (root / n).read_bytes() for n in ("latest.json", "latest.json.sig", "canary.json", "canary.json.sig")}
+    _serve(setup.committer, t.canary, {2: -2.0, 1: 2.0}, 300, seed=2)
+    assert t.look_canary()["decision"] == "rollback"
+    for n, d in old.items():
+        (root / n).write_bytes(d)
+    for n in ("canary-ended.json", "canary-ended.json.sig"):
+        (root / "v000002" / n).unlink()
+    _an_hour_later(monkeypatch, MAX_CANARY_AGE_S + 60)
+    svc = load_policy(str(root), public_key=setup.pub, canary_fraction=0.5)
+    assert svc.canary_version is None and {svc.for_episode(f"e{i}").policy_version for i in range(200)} == {1}
+    assert "max_canary_age_s" in svc._last_canary_refusal
+    unlimited = load_policy(str(root), public_key=setup.pub, canary_fraction=0.5, max_canary_age_s=None)
+    assert unlimited.canary_version == 2  # what the default stops
+
+
+def test_the_trainer_re_signs_its_running_canary_while_it_looks(tmp_path, setup, monkeypatch):
+    """A trainer that trains rarely checkpoints rarely: its looks re-sign canary.json when it was
+    signed CANARY_RESIGN_S ago, so services' default canary age never drops a judged canary."""
+    from rlrec.trainer.canary import CANARY_RESIGN_S
+
+    root = tmp_path / "ckpt" / "policies"
+    t = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **CANARY_KW)
+    t.iteration = 3
+    t.checkpoint()
+    assert t.look_canary() is None  # the first look signs it
+    signed = json.loads((root / "canary.json").read_bytes())["time"]
+    time.sleep(0.05)
+    assert t.look_canary() is None
+    assert json.loads((root / "canary.json").read_bytes())["time"] == signed  # not due
+    t._canary_signed_at -= CANARY_RESIGN_S
+    assert t.look_canary() is None
+    assert json.loads((root / "canary.json").read_bytes())["time"] > signed
+    assert load_policy(str(root), public_key=setup.pub, canary_fraction=0.5).canary_version == 1

@@ -35,7 +35,9 @@ import hashlib
 
 __all__ = [
     "ASSIGNMENT_KEY",
+    "CANARY_RESIGN_S",
     "CANARY_SALT",
+    "MAX_CANARY_AGE_S",
     "SHARE_MAX",
     "assignment_info",
     "canary_score",
@@ -53,6 +55,14 @@ CANARY_SALT = b"rlrec-canary:"
 
 #: the largest canary fraction whose episodes are evidence; deployed episodes count from this score
 SHARE_MAX = 0.5
+
+#: services refuse a ``canary.json`` signed longer ago than this by default (`load_policy`'s
+#: ``max_canary_age_s``): a replayed pointer of an ended canary, or a dead trainer's canary
+#: that nobody judges, is not served past it
+MAX_CANARY_AGE_S = 3600.0
+#: the trainer re-signs its running canary's ``canary.json`` at least this often while it looks
+#: at it (and at every checkpoint), well inside `MAX_CANARY_AGE_S`
+CANARY_RESIGN_S = 600.0
 
 
 def canary_score(episode_id: str) -> float:

@@ -60,7 +60,7 @@ from typing import Any
 import numpy as np
 
 from rlrec.trainer.binding import Pins
-from rlrec.trainer.canary import assignment_info, check_canary_fraction, in_canary
+from rlrec.trainer.canary import MAX_CANARY_AGE_S, assignment_info, check_canary_fraction, in_canary
 from rlrec.trainer.policy_files import (  # the names other modules and tests import from here stay importable
     ARTIFACT_VERSION,
     CANARY,
@@ -214,6 +214,7 @@ class Policy:
         state_file: Any = None,
         max_pointer_age_s: float | None = None,
         canary_fraction: float = 0.0,
+        max_canary_age_s: float | None = MAX_CANARY_AGE_S,
     ) -> None:
         import torch
 
@@ -242,6 +243,7 @@ class Policy:
             )
         except (TypeError, ValueError) as e:
             raise PolicyLoadError(f"bad pin: {e}") from None
+        self.max_canary_age_s = max_canary_age_s
         self._generator = torch.Generator()
         self._generator.manual_seed(int(seed) if seed is not None else int(np.random.SeedSequence().entropy % 2**63))
         self._lock = threading.Lock()
@@ -340,6 +342,9 @@ class Policy:
                 _check_pointer_pins(pointer, self._pins)
                 stale = _stale_reason(pointer, self._pins, self._trust, time.time())
                 if stale is not None:  # its trainer stopped re-signing it: nobody judges the canary
+                    raise PolicyLoadError(stale)
+                stale = _canary_age_reason(pointer, self.max_canary_age_s, time.time())
+                if stale is not None:
                     raise PolicyLoadError(stale)
         except (OSError, PolicyLoadError) as e:
             return self._refuse_canary(str(e))
@@ -666,6 +671,7 @@ def load_policy(
     state_file: Any = None,
     max_pointer_age_s: float | None = None,
     canary_fraction: float = 0.0,
+    max_canary_age_s: float | None = MAX_CANARY_AGE_S,
 ) -> Policy:
     """Load the latest (or a given) published policy, checked against what the service pins.
 
@@ -694,6 +700,10 @@ def load_policy(
             episodes, chosen by a salted hash of the episode id (`rlrec.trainer.canary`), runs
             the candidate ``canary.json`` names; act with `Policy.for_episode`. 0: never; at
             most 0.5 (the test counts deployed episodes from the other half).
+        max_canary_age_s: a ``canary.json`` signed longer ago than this is not served (default
+            `rlrec.trainer.canary.MAX_CANARY_AGE_S`, an hour; the trainer re-signs its running
+            canary's every `rlrec.trainer.canary.CANARY_RESIGN_S`): a replayed pointer of an
+            ended canary, or a dead trainer's canary, stops being served. None: no limit.
 
     Raises:
         PolicyLoadError: nothing loadable is published, or it fails a check (module docstring;
@@ -734,8 +744,24 @@ def load_policy(
                 state_file=state_file,
                 max_pointer_age_s=max_pointer_age_s,
                 canary_fraction=canary_fraction,
+                max_canary_age_s=max_canary_age_s,
             )
         except PolicyLoadError:
             if time.monotonic() >= deadline:
                 raise
             time.sleep(0.5)
+
+
+def _canary_age_reason(pointer: Any, limit: float | None, now: float) -> str | None:
+    """Why ``canary.json`` is too old to be served (None: it is not, or no limit)."""
+    if limit is None:
+        return None
+    t = pointer.doc.get("time")
+    if not isinstance(t, (int, float)):
+        return f"{pointer.name} (v{pointer.version}) carries no time (max_canary_age_s={limit:g})"
+    if now - t > limit:
+        return (
+            f"{pointer.name} (v{pointer.version}) was signed {now - t:.0f} s ago, over max_canary_age_s={limit:g}: "
+            "its trainer stopped re-signing it (stopped, or the pointer is replayed)"
+        )
+    return None

@@ -100,6 +100,7 @@ class ContinuousTrainer(CheckpointMixin, PublishMixin, GateMixin):
         self._unplaced: set[str] = set()  # trained shards whose manifest entry is not found yet
         self.canary: Any = None  # the running canary (rlrec.trainer.rollout.CanaryRun), saved in checkpoints
         self._canary_next_look = 0.0
+        self._canary_signed_at = 0.0  # when this trainer last re-signed its running canary's canary.json
         self._canary_decision: dict | None = None  # taken, not carried out yet (the publish store failed)
         self._canary_failing_since: float | None = None  # the first of the looks failing in a row
         self._deployed = 0  # the version latest.json names by this trainer's own writes (checkpointed)

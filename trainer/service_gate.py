@@ -270,6 +270,7 @@ class GateMixin:
                 if verdict is None:
                     return None
             if verdict.decision == "continue":
+                self._resign_canary(run)
                 return None
             record = self._canary_decision = run.decision_record(verdict, now)
         self._check_lease()
@@ -322,6 +323,34 @@ class GateMixin:
         log.error("reading canary v%d's evidence failed for %.0fs (%s): rolled back", run.version, failing, error)
         reason = f"its evidence could not be read for {failing:.0f}s ({type(error).__name__}: {error})"
         return Verdict("rollback", reason, ArmStats(), ArmStats(), None, None)
+
+    def _resign_canary(self, run: Any) -> None:
+        """Re-sign the running canary's ``canary.json`` when it was last signed
+        `rlrec.trainer.canary.CANARY_RESIGN_S` ago or more (by wall-clock time): services refuse
+        one older than their ``max_canary_age_s``, and a trainer that trains rarely (little
+        data) checkpoints rarely."""
+        from rlrec.trainer.canary import CANARY_RESIGN_S
+        from rlrec.trainer.canary_publish import refresh_canary
+
+        wall = time.time()
+        if self.signing_key is None or wall - self._canary_signed_at < CANARY_RESIGN_S:
+            return
+        self._check_lease()
+        try:
+            refresh_canary(
+                self.publish_storage,
+                run.version,
+                self.signing_key,
+                base_version=run.base_version,
+                started=run.started,
+                channel=self.cfg.publish_channel,
+                sha256=run.sha256,
+            )
+            self._canary_signed_at = wall
+        except OSError as e:
+            log.error(
+                "re-signing %s for canary v%d failed (%s); tried again at the next look", "canary.json", run.version, e
+            )
 
     def _look_canary_idle(self) -> None:
         """Look at the running canary while no data arrives to train on; a decision goes to

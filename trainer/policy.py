@@ -759,9 +759,9 @@ def _canary_age_reason(pointer: Any, limit: float | None, now: float) -> str | N
     t = pointer.doc.get("time")
     if not isinstance(t, (int, float)):
         return f"{pointer.name} (v{pointer.version}) carries no time (max_canary_age_s={limit:g})"
-    if now - t > limit:
+    if now - t > limit:  # no exact age in the message: it is logged once, not at every poll
         return (
-            f"{pointer.name} (v{pointer.version}) was signed {now - t:.0f} s ago, over max_canary_age_s={limit:g}: "
+            f"{pointer.name} (v{pointer.version}) was signed more than max_canary_age_s={limit:g} s ago: "
             "its trainer stopped re-signing it (stopped, or the pointer is replayed)"
         )
     return None

@@ -179,3 +179,26 @@ def test_the_trainer_re_signs_its_running_canary_while_it_looks(tmp_path, setup,
     assert t.look_canary() is None
     assert json.loads((root / "canary.json").read_bytes())["time"] > signed
     assert load_policy(str(root), public_key=setup.pub, canary_fraction=0.5).canary_version == 1
+
+
+def test_a_floor_noted_without_a_version_keeps_the_state_files_run_and_channel(tmp_path, setup):
+    """E7: a canary floor noted while no version was loaded rewrote the state file with
+    run_id and channel null (what it recorded was lost)."""
+    from rlrec.trainer.policy_state import _remember
+    from rlrec.trainer.policy_verify import Pins
+    from rlrec.trainer.signing import load_private_key
+    from tests.test_policy_binding import publish
+
+    root, state = tmp_path / "root", tmp_path / "svc-state.json"
+    publish(root, 1, load_private_key(setup.keys_dir / "policy-signing.key"))
+    load_policy(str(root), public_key=setup.pub, state_file=str(state))
+    before = json.loads(state.read_bytes())
+    assert before["run_id"] and before["channel"]
+    _remember(None, Pins.of(state_file=str(state)), canary_floor=3)
+    after = json.loads(state.read_bytes())
+    assert after["canary_floor"] == 3
+    assert (after["run_id"], after["channel"], after["policy_version"]) == (
+        before["run_id"],
+        before["channel"],
+        before["policy_version"],
+    )

@@ -23,6 +23,8 @@ class _State:
     sha256: str | None = None
     canary_sha256: str | None = None
     canary_floor: int = 0
+    run_id: str | None = None  # informational: the run and channel of the last version recorded
+    channel: str | None = None
 
 
 def _read_state(path: str) -> _State | None:
@@ -46,7 +48,8 @@ def _read_state(path: str) -> _State | None:
     shas = [doc.get(k) for k in ("sha256", "canary_sha256")]
     if any(v is not None and not (isinstance(v, str) and _SHA256_RE.match(v)) for v in shas):
         raise PolicyLoadError(f"state file {path}: a sha256 is not a sha256: refused")
-    return _State(version, canary, shas[0], shas[1], floor)
+    run_id, channel = (v if isinstance(v, str) else None for v in (doc.get("run_id"), doc.get("channel")))
+    return _State(version, canary, shas[0], shas[1], floor, run_id, channel)
 
 
 def _check_state(rel_dir: str, pins: Pins, canary: bool = False, sha256: str | None = None) -> None:
@@ -112,13 +115,14 @@ def _remember(model: Any, pins: Pins, canary: bool = False, canary_floor: int = 
         new = replace(new, canary_floor=canary_floor)
     if new == state and os.path.exists(pins.state_file):
         return
-    spec = model.spec if model is not None else {}
+    if model is not None:  # a floor noted without a version loaded keeps what the file recorded
+        new = replace(new, run_id=model.spec.get("run_id"), channel=model.spec.get("channel"))
     try:
         write_state_file(
             pins.state_file,
             new.version,
-            spec.get("run_id"),
-            spec.get("channel"),
+            new.run_id,
+            new.channel,
             new.canary,
             sha256=new.sha256,
             canary_sha256=new.canary_sha256,

@@ -202,3 +202,41 @@ def test_a_floor_noted_without_a_version_keeps_the_state_files_run_and_channel(t
         before["channel"],
         before["policy_version"],
     )
+
+
+@pytest.mark.parametrize("torn", ["latest.json", "latest.json.sig"])
+def test_a_fresh_run_finishing_a_rollback_killed_in_its_re_sign_keeps_the_floor(tmp_path, setup, monkeypatch, torn):
+    """E5: killed while the rollback re-signed latest.json (the base) with the floor, after its
+    signed rollout.json: a fresh run repaired the torn pointer without a floor and `_settle`
+    finished the rollback without raising it."""
+
+    class Killed(BaseException):
+        pass
+
+    root = tmp_path / "ckpt" / "policies"
+    t = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **CANARY_KW)
+    t.iteration = 3
+    t.checkpoint()
+    _serve(setup.committer, t.canary, {1: 2.0, 0: 0.0}, 300, seed=1)
+    assert t.look_canary()["decision"] == "promote"
+    t.iteration = 6
+    t.checkpoint()
+    _serve(setup.committer, t.canary, {2: -2.0, 1: 2.0}, 300, seed=2)
+    real = t.publish_storage.write
+
+    def write(path, data):
+        if path == torn:
+            raise Killed("kill -9")
+        return real(path, data)
+
+    monkeypatch.setattr(t.publish_storage, "write", write)
+    with pytest.raises(Killed):
+        t.look_canary()
+    monkeypatch.undo()
+    assert json.loads((root / "v000002" / "rollout.json").read_bytes())["decision"] == "rollback"
+    fresh = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **CANARY_KW)
+    fresh.iteration = 9
+    fresh.checkpoint()
+    assert json.loads((root / "v000002" / "canary-ended.json").read_bytes())["decision"] == "rollback"
+    latest = json.loads((root / "latest.json").read_bytes())
+    assert (latest["policy_version"], latest.get("canary_floor")) == (1, 2)

@@ -452,7 +452,9 @@ class UndecidedCanary(RuntimeError):
 def _settle(storage: Storage, d: str, signing_key: Any, base: int, why: str) -> None:
     """Sign the end of undecided canary directory `d` when its own signed ``rollout.json``
     (bound to it, `read_decision`) decided it -- a trainer killed before carrying the decision
-    out: "promote" stands, "rollback" is finished. Without such a decision nothing proves it
+    out: "promote" stands, "rollback" is finished (its base re-signed with the canary floor
+    raised to it while ``latest.json`` names that base: the kill may have come inside that
+    re-sign). Without such a decision nothing proves it
     was never promoted (its records may have been deleted after a promotion): nothing is
     signed, and `UndecidedCanary` is raised (logged as an ERROR by the caller)."""
     version = int(d[1:])
@@ -469,6 +471,10 @@ def _settle(storage: Storage, d: str, signing_key: Any, base: int, why: str) -> 
         )
     promote = decision["decision"] == "promote"
     deployed = version if promote else int(decision.get("base_version") or 0)
+    channel = ident["channel"]
+    if not promote and deployed and deployed_version(storage, signing_key, channel) == deployed:
+        # the rollback's re-sign of its base with the floor may be what the kill interrupted
+        repoint_latest(storage, deployed, signing_key, channel, version)
     _write_ended(storage, d, decision["decision"], deployed, ident, signing_key)
     log.warning(
         "canary v%d's signed decision was %s: carried out, the next canary goes on", version, decision["decision"]

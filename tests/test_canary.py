@@ -663,6 +663,22 @@ def test_a_canary_fraction_above_the_tests_half_is_refused(on_canary, keys, frac
     assert p.canary_version == 5
 
 
+@pytest.mark.parametrize("limit", ["3600", float("nan"), float("inf"), -1, 0, True])
+def test_a_bad_max_canary_age_is_refused_at_load(on_canary, keys, limit):
+    """max_canary_age_s was not checked (review-40f F5): "3600" loaded and the first poll with a
+    canary on raised a bare TypeError in the service, NaN switched the limit off, -1 refused
+    every canary."""
+    with pytest.raises(PolicyLoadError, match="bad max_canary_age_s: max_canary_age_s must be a positive finite"):
+        load_policy(
+            str(on_canary), public_key=keys["public"], channel="prod", canary_fraction=0.2, max_canary_age_s=limit
+        )
+    for ok in (None, 1, 2.5, np.float32(60)):
+        p = load_policy(
+            str(on_canary), public_key=keys["public"], channel="prod", canary_fraction=0.2, max_canary_age_s=ok
+        )
+        assert p.canary_version == 5
+
+
 def test_a_fencing_entry_written_by_a_call_that_failed_is_this_trainers_own(tmp_path):
     """A fencing create-once that was applied but reported failed (a 5xx after the write), retried
     by the caller with a new entry (another time, another write), compared unequal: the trainer

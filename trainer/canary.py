@@ -32,6 +32,8 @@ Standard library only.
 from __future__ import annotations
 
 import hashlib
+import math
+import numbers
 
 __all__ = [
     "ASSIGNMENT_KEY",
@@ -41,6 +43,7 @@ __all__ = [
     "SHARE_MAX",
     "assignment_info",
     "canary_score",
+    "check_canary_age",
     "check_canary_fraction",
     "in_canary",
     "in_test_band",
@@ -114,6 +117,22 @@ def check_canary_fraction(fraction: float) -> float:
             "canary to most episodes, and none of them is evidence for its test)"
         )
     return f
+
+
+def check_canary_age(limit: object) -> float | None:
+    """`limit` (``max_canary_age_s``) as a float if it is a positive finite number, None if None,
+    else ValueError: a string would fail at the first canary instead of at load, NaN would switch
+    the limit off and a limit <= 0 would refuse every canary.
+
+    Example:
+        >>> check_canary_age(3600)
+        3600.0
+    """
+    if limit is None:
+        return None
+    if isinstance(limit, bool) or not isinstance(limit, numbers.Real) or not math.isfinite(limit) or limit <= 0:
+        raise ValueError(f"max_canary_age_s must be a positive finite number of seconds or None, got {limit!r}")
+    return float(limit)
 
 
 def assignment_info(canary_version: int, fraction: float, canary: bool, sha256: str | None = None) -> dict:

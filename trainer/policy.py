@@ -60,7 +60,13 @@ from typing import Any
 import numpy as np
 
 from rlrec.trainer.binding import Pins
-from rlrec.trainer.canary import MAX_CANARY_AGE_S, assignment_info, check_canary_fraction, in_canary
+from rlrec.trainer.canary import (
+    MAX_CANARY_AGE_S,
+    assignment_info,
+    check_canary_age,
+    check_canary_fraction,
+    in_canary,
+)
 from rlrec.trainer.policy_files import (  # the names other modules and tests import from here stay importable
     ARTIFACT_VERSION,
     CANARY,
@@ -243,7 +249,10 @@ class Policy:
             )
         except (TypeError, ValueError) as e:
             raise PolicyLoadError(f"bad pin: {e}") from None
-        self.max_canary_age_s = max_canary_age_s
+        try:
+            self.max_canary_age_s = check_canary_age(max_canary_age_s)
+        except ValueError as e:
+            raise PolicyLoadError(f"bad max_canary_age_s: {e}") from None
         self._generator = torch.Generator()
         self._generator.manual_seed(int(seed) if seed is not None else int(np.random.SeedSequence().entropy % 2**63))
         self._lock = threading.Lock()
@@ -703,7 +712,8 @@ def load_policy(
         max_canary_age_s: a ``canary.json`` signed longer ago than this is not served (default
             `rlrec.trainer.canary.MAX_CANARY_AGE_S`, an hour; the trainer re-signs its running
             canary's every `rlrec.trainer.canary.CANARY_RESIGN_S`): a replayed pointer of an
-            ended canary, or a dead trainer's canary, stops being served. None: no limit.
+            ended canary, or a dead trainer's canary, stops being served. A positive finite number
+            of seconds (anything else: `PolicyLoadError` at load), or None: no limit.
 
     Raises:
         PolicyLoadError: nothing loadable is published, or it fails a check (module docstring;

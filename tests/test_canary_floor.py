@@ -240,3 +240,35 @@ def test_a_fresh_run_finishing_a_rollback_killed_in_its_re_sign_keeps_the_floor(
     assert json.loads((root / "v000002" / "canary-ended.json").read_bytes())["decision"] == "rollback"
     latest = json.loads((root / "latest.json").read_bytes())
     assert (latest["policy_version"], latest.get("canary_floor")) == (1, 2)
+
+
+def test_a_trainer_without_a_signing_key_keeps_its_canary_pointer_fresh(tmp_path, setup, monkeypatch):
+    """F4: services refuse a canary.json older than max_canary_age_s by default, but without a
+    signing key the trainer never rewrote it: in an unsigned setup every canary stopped being
+    served an hour in, though the trainer was alive and judging it. canary.json is rewritten
+    unsigned, at looks and at checkpoints, as the signed one is re-signed."""
+    from rlrec.trainer.canary import CANARY_RESIGN_S
+
+    root = tmp_path / "ckpt" / "policies"
+    t = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **CANARY_KW)
+    t.signing_key = None  # a trainer run without --signing-key
+    t.iteration = 3
+    t.checkpoint()
+    assert t.canary is not None and not (root / "canary.json.sig").exists()
+
+    def signed_at() -> float:
+        return json.loads((root / "canary.json").read_bytes())["time"]
+
+    first = signed_at()
+    time.sleep(0.05)
+    t._canary_signed_at -= CANARY_RESIGN_S
+    assert t.look_canary() is None  # continue: the look rewrites it
+    at_look = signed_at()
+    assert at_look > first
+    time.sleep(0.05)
+    t.iteration = 4
+    t.checkpoint()  # nothing new to publish while the canary runs: the pointer refresh rewrites it
+    assert signed_at() > at_look and t.canary is not None
+    assert not (root / "canary.json.sig").exists() and not (root / "latest.json").exists()
+    svc = load_policy(str(root), allow_unsigned=True, canary_fraction=0.5, max_canary_age_s=CANARY_RESIGN_S)
+    assert svc.canary_version == t.canary.version

@@ -363,7 +363,8 @@ def refresh_canary(
     replayed or a deleted pointer is repaired at the next refresh. Services that check a
     pointer's age (``max_pointer_age_s``) stop serving the canary of a trainer that stopped
     judging it. False (logged) when the version's ``policy.json`` is not signed by this key for
-    `channel` or is not the canary's (`sha256`).
+    `channel` or is not the canary's (`sha256`). Without a key (an unsigned setup) the pointer
+    is rewritten unsigned, so its time still tells services the trainer is judging it.
 
     Args:
         storage: the publish root.
@@ -381,11 +382,9 @@ def refresh_canary(
     """
     import time
 
-    from rlrec.trainer.export import _verified_spec
-
     d = version_dir(version)
     try:
-        spec_bytes, spec = _verified_spec(storage, d, signing_key)
+        spec_bytes, spec = _canary_spec(storage, d, signing_key)
     except (FileNotFoundError, SignatureError, ValueError, PolicyLoadError) as e:
         log.error("not refreshing %s: %s/%s cannot be verified (%s)", CANARY, d, SPEC, e)
         return False
@@ -405,6 +404,20 @@ def refresh_canary(
     )
     _write_signed(storage, CANARY, data, signing_key)
     return True
+
+
+def _canary_spec(storage: Storage, d: str, signing_key: Any) -> tuple[bytes, dict]:
+    """(bytes, parsed) of ``d/policy.json``: verified with `signing_key`; without a key (an
+    unsigned setup, whose services run with ``allow_unsigned``) read as it is."""
+    from rlrec.trainer.export import _read_small, _verified_spec
+
+    if signing_key is not None:
+        return _verified_spec(storage, d, signing_key)
+    spec_bytes = _read_small(storage, f"{d}/{SPEC}", MAX_BYTES[SPEC])
+    spec = _json(spec_bytes, f"{d}/{SPEC}")
+    if not isinstance(spec, dict) or spec.get("policy_version") != int(d[1:]):
+        raise ValueError(f"{d}/{SPEC} is not the policy.json of {d}")
+    return spec_bytes, spec
 
 
 def repoint_latest(

@@ -333,7 +333,7 @@ class GateMixin:
         from rlrec.trainer.canary_publish import refresh_canary
 
         wall = time.time()
-        if self.signing_key is None or wall - self._canary_signed_at < CANARY_RESIGN_S:
+        if wall - self._canary_signed_at < CANARY_RESIGN_S:  # unsigned too: services check its time
             return
         self._check_lease()
         try:

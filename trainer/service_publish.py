@@ -433,9 +433,10 @@ class PublishMixin:
 
     def _refresh_pointer(self) -> None:
         """Re-sign the pointer to this run's latest version, and ``canary.json`` while this run's
-        canary runs (a fresh time for services that check their age); only with a signing key,
-        after this run has published."""
-        if self.signing_key is None or self.run_id is None:
+        canary runs (a fresh time for services that check their age), after this run has
+        published. Without a signing key only ``canary.json`` is rewritten (unsigned: services
+        refuse an unsigned ``latest.json`` for its age, but check a canary's by default)."""
+        if self.run_id is None:
             return
         from rlrec.trainer.canary_publish import deployed_version, refresh_canary, repoint_latest
         from rlrec.trainer.export import refresh_latest
@@ -444,7 +445,7 @@ class PublishMixin:
         channel = self.cfg.publish_channel
         try:
             self._check_lease()
-            deployed = self.deployed_version
+            deployed = self.deployed_version if self.signing_key is not None else 0
             if deployed and self.cfg.rollout == "canary":  # the pointers are the trainer's: rewritten from its state
                 named = deployed_version(self.publish_storage, self.signing_key, channel)
                 if named is None or named < deployed:

@@ -272,3 +272,37 @@ def test_a_trainer_without_a_signing_key_keeps_its_canary_pointer_fresh(tmp_path
     assert not (root / "canary.json.sig").exists() and not (root / "latest.json").exists()
     svc = load_policy(str(root), allow_unsigned=True, canary_fraction=0.5, max_canary_age_s=CANARY_RESIGN_S)
     assert svc.canary_version == t.canary.version
+
+
+def test_a_rollback_that_cannot_be_carried_out_lets_the_canary_pointer_age_out(tmp_path, setup, monkeypatch):
+    """F3: a canary whose rollback was decided but could not be carried out (its rollout.json
+    cannot be written) was re-signed at every checkpoint: services kept serving the canary judged
+    worse for as long as the trainer lived, and no max_canary_age_s stopped it. A decided canary
+    is not re-signed; the rollback is carried out once the store takes it."""
+    import shutil
+
+    from rlrec.trainer.canary import MAX_CANARY_AGE_S
+
+    root = tmp_path / "ckpt" / "policies"
+    t = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **CANARY_KW)
+    t.iteration = 3
+    t.checkpoint()
+    _serve(setup.committer, t.canary, {1: 2.0, 0: 0.0}, 300, seed=1)
+    assert t.look_canary()["decision"] == "promote"
+    t.iteration = 6
+    t.checkpoint()  # canary v2 above v1
+    (root / "v000002" / "rollout.json").mkdir()  # the decision record cannot be written
+    _serve(setup.committer, t.canary, {2: -2.0, 1: 2.0}, 300, seed=2)
+    assert t.look_canary() is None and t._canary_decision["decision"] == "rollback"  # decided, not carried out
+    pointer = (root / "canary.json").read_bytes()
+    time.sleep(0.05)
+    t._canary_signed_at = 0.0
+    assert t.look_canary(now=time.time() + 60) is None  # tried again, fails again
+    t.iteration = 9
+    t.checkpoint()
+    assert (root / "canary.json").read_bytes() == pointer and t.canary.version == 2  # not re-signed
+    _an_hour_later(monkeypatch, MAX_CANARY_AGE_S + 60)
+    svc = load_policy(str(root), public_key=setup.pub, canary_fraction=0.5)
+    assert svc.canary_version is None and {svc.for_episode(f"e{i}").policy_version for i in range(200)} == {1}
+    shutil.rmtree(root / "v000002" / "rollout.json")
+    assert t.look_canary(now=time.time() + 120)["decision"] == "rollback" and t.canary is None

@@ -433,8 +433,9 @@ class PublishMixin:
 
     def _refresh_pointer(self) -> None:
         """Re-sign the pointer to this run's latest version, and ``canary.json`` while this run's
-        canary runs (a fresh time for services that check their age), after this run has
-        published. Without a signing key only ``canary.json`` is rewritten (unsigned: services
+        canary runs and is still judged (a fresh time for services that check their age; a canary
+        whose decision is held, not carried out yet, is not re-signed, so services stop serving it
+        at their ``max_canary_age_s``), after this run has published. Without a signing key only ``canary.json`` is rewritten (unsigned: services
         refuse an unsigned ``latest.json`` for its age, but check a canary's by default)."""
         if self.run_id is None:
             return
@@ -462,7 +463,7 @@ class PublishMixin:
                     canary_floor=self._canary_floor,
                 )
             run = self.canary
-            if run is not None and not self._pending:
+            if run is not None and not self._pending and self._canary_decision is None:  # a decided canary ages out
                 refresh_canary(
                     self.publish_storage,
                     run.version,

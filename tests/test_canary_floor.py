@@ -306,3 +306,43 @@ def test_a_rollback_that_cannot_be_carried_out_lets_the_canary_pointer_age_out(t
     assert svc.canary_version is None and {svc.for_episode(f"e{i}").policy_version for i in range(200)} == {1}
     shutil.rmtree(root / "v000002" / "rollout.json")
     assert t.look_canary(now=time.time() + 120)["decision"] == "rollback" and t.canary is None
+
+
+@pytest.mark.slow
+def test_more_first_canary_rollbacks_than_the_window_leave_the_trainer_publishing(tmp_path, setup, monkeypatch):
+    """F2: with nothing deployed (no latest.json, so no signed floor) the publication's scan for
+    orphaned canaries counted every rolled-back first canary: after 101 of them (services that
+    never opted in: each ends "no canary traffic") every candidate stayed pending for good. The
+    scan skips what the trainer's own (checkpointed) floor says ended, in this run and after
+    --resume."""
+    from tests.test_canary_trainer import _resumed
+
+    root = tmp_path / "ckpt" / "policies"
+    t = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **CANARY_KW)
+    now = time.time()
+    for k in range(101):
+        t.iteration = 3 * (k + 1)
+        t.checkpoint()
+        assert t.canary is not None and not t._pending
+        now += CANARY_KW["canary_max_wait_s"] + 200
+        assert t.look_canary(now=now)["decision"] == "rollback"
+    assert t._canary_floor == 101 and not (root / "latest.json").exists()
+    t.iteration = 400
+    t.checkpoint()
+    assert t.canary.version == 102 and not t._pending
+    assert json.loads((root / "canary.json").read_bytes())["policy_version"] == 102
+    now += CANARY_KW["canary_max_wait_s"] + 200
+    assert t.look_canary(now=now)["decision"] == "rollback"
+    t.iteration = 403
+    t.checkpoint()  # the floor checkpointed with v103's publication
+    resumed = _resumed(tmp_path, setup, monkeypatch)
+    assert resumed._canary_floor == 102 and resumed.canary.version == 103
+    resumed.iteration = 406
+    resumed.checkpoint()  # v103 written (again) by the resumed run
+    assert not resumed._pending
+    now += CANARY_KW["canary_max_wait_s"] + 200
+    assert resumed.look_canary(now=now)["decision"] == "rollback"
+    resumed.iteration = 409
+    resumed.checkpoint()
+    assert resumed.canary.version == 104 and not resumed._pending
+    assert json.loads((root / "canary.json").read_bytes())["policy_version"] == 104

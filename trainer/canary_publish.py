@@ -311,7 +311,9 @@ def _write_signed(storage: Storage, rel: str, data: bytes, signing_key: Any) -> 
         storage.delete(rel + SIG_SUFFIX)
 
 
-def write_canary(storage: Storage, pub: Any, signing_key: Any, *, base_version: int, started: float) -> None:
+def write_canary(
+    storage: Storage, pub: Any, signing_key: Any, *, base_version: int, started: float, canary_floor: int = 0
+) -> None:
     """Put the prepared publication `pub` (`rlrec.trainer.export.Publication`) on canary above
     `base_version`: ``canary.json`` first, then its files (`write_publication` without moving
     ``latest.json``). Idempotent.
@@ -322,6 +324,8 @@ def write_canary(storage: Storage, pub: Any, signing_key: Any, *, base_version: 
         signing_key: the trainer's Ed25519 private key (signs the pointer).
         base_version: the version ``latest.json`` names (0: nothing deployed yet).
         started: when the canary began (kept across rewrites: episodes before it are no evidence).
+        canary_floor: the highest canary the trainer ended without a promotion (its own,
+            checkpointed): versions at or below it ended and are not read again.
 
     Example:
         >>> write_canary(storage, pub, key, base_version=4, started=time.time())  # doctest: +SKIP
@@ -331,7 +335,7 @@ def write_canary(storage: Storage, pub: Any, signing_key: Any, *, base_version: 
     sha = hashlib.sha256(pub.files[SPEC]).hexdigest()
     reserve_version(storage, pub.version, sha.encode())  # before canary.json names it
     _end_abandoned(storage, pub.version, signing_key)
-    _end_orphans(storage, pub.version, base_version, signing_key, pub.channel)
+    _end_orphans(storage, pub.version, base_version, signing_key, pub.channel, canary_floor)
     data = canary_pointer_bytes(
         pub.version,
         pub.directory,
@@ -513,18 +517,22 @@ def _end_abandoned(storage: Storage, version: int, signing_key: Any) -> None:
     _settle(storage, d, signing_key, int(current.get("base_version") or 0), f"is named by {CANARY}")
 
 
-def _end_orphans(storage: Storage, version: int, base: int, signing_key: Any, channel: str | None) -> None:
+def _end_orphans(
+    storage: Storage, version: int, base: int, signing_key: Any, channel: str | None, canary_floor: int = 0
+) -> None:
     """Before `version` goes on canary above `base`: versions between them that this key signed
     for `channel` as canaries (``"rollout": "canary"`` in their policy.json) and that no decision
     ended -- their ``canary.json`` removed, so `_end_abandoned` does not see them -- are settled
     by `_settle` (their signed decision carried out, else `UndecidedCanary`). Versions at or
-    below the canary floor of the signed ``latest.json`` naming `base` ended already. Raises
+    below the canary floor -- `canary_floor` (the trainer's own: with nothing deployed there is
+    no ``latest.json`` to carry one) or the signed ``latest.json``'s naming `base` -- ended
+    already. Raises
     OSError when the root cannot be read now (retried later)."""
     from rlrec.trainer.export import VERSION_DIR_RE, _verified_spec, signed_floor
 
     if signing_key is None:
         return
-    low = max(base, signed_floor(storage, base, signing_key, channel))
+    low = max(base, canary_floor, signed_floor(storage, base, signing_key, channel))
     names = sorted(
         i.name
         for i in storage.list("")

@@ -40,6 +40,7 @@ class PublishMixin:
                         self.signing_key,
                         base_version=pub.canary_base,
                         started=float(pub.canary_started or pub.time),
+                        canary_floor=self._canary_floor,
                     )
                 else:
                     pointer = highest_version(self.publish_storage, self.signing_key) <= pub.version

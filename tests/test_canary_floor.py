@@ -346,3 +346,36 @@ def test_more_first_canary_rollbacks_than_the_window_leave_the_trainer_publishin
     resumed.checkpoint()
     assert resumed.canary.version == 104 and not resumed._pending
     assert json.loads((root / "canary.json").read_bytes())["policy_version"] == 104
+
+
+@pytest.mark.slow
+def test_a_torn_latest_json_over_more_rollbacks_than_the_window_is_repaired(tmp_path, setup, monkeypatch):
+    """F6: a fresh run that found latest.json torn (a kill -9 between it and its .sig) repaired
+    it by reading every version directory above v0: with more than 100 (rolled-back canaries)
+    that failed, the fresh run based its canary on v0 and never repaired the pointer, so every
+    service (re)start was refused. The repair reads above the floor the newest signed rollback
+    record proves."""
+    root = tmp_path / "ckpt" / "policies"
+    t = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **CANARY_KW)
+    t.iteration = 3
+    t.checkpoint()
+    _serve(setup.committer, t.canary, {1: 2.0, 0: 0.0}, 300, seed=1)
+    assert t.look_canary()["decision"] == "promote"
+    now = time.time()
+    for k in range(101):
+        t.iteration = 3 * (k + 2)
+        t.checkpoint()
+        now += CANARY_KW["canary_max_wait_s"] + 200
+        assert t.look_canary(now=now)["decision"] == "rollback"
+    assert load_policy(str(root), public_key=setup.pub).policy_version == 1
+    (root / "latest.json.sig").write_bytes(b"torn")  # killed between latest.json and its .sig
+    with pytest.raises(PolicyLoadError):
+        load_policy(str(root), public_key=setup.pub)
+    fresh = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **CANARY_KW)
+    fresh.iteration = 400
+    fresh.checkpoint()
+    assert fresh.canary.version == 103 and fresh.canary.base_version == 1 and not fresh._pending
+    latest = json.loads((root / "latest.json").read_bytes())
+    assert latest["policy_version"] == 1 and latest["canary_floor"] == 102
+    svc = load_policy(str(root), public_key=setup.pub, canary_fraction=0.5)
+    assert svc.policy_version == 1 and svc.canary_version == 103

@@ -131,6 +131,12 @@ def _ended(storage: Storage, d: str, signing_key: Any) -> str | None:
     "promote", "rollback" or "abandoned"): signed by `signing_key` (any record without a key) and
     naming the version of `d` itself (a record copied from another version's directory is none);
     None without one. Raises OSError when it cannot be read now."""
+    doc = _ended_record(storage, d, signing_key)
+    return None if doc is None else doc["decision"]
+
+
+def _ended_record(storage: Storage, d: str, signing_key: Any) -> dict | None:
+    """`d`'s ``canary-ended.json`` as `_ended` accepts it (None: no such record)."""
     from rlrec.trainer.export import _read_small
 
     rel = f"{d}/{CANARY_ENDED}"
@@ -146,7 +152,29 @@ def _ended(storage: Storage, d: str, signing_key: Any) -> str | None:
     decision = doc.get("decision")
     if decision not in ("promote", "rollback", "abandoned") or not _bound(storage, d, doc, signing_key, rel):
         return None
-    return decision
+    return doc
+
+
+def floor_from_end_records(storage: Storage, signing_key: Any, channel: str | None) -> tuple[int, int]:
+    """(base, floor) when no signed ``latest.json`` carries the floor (torn, junk): the highest of
+    the newest `MAX_NEWER` version directories holding a signed, bound ``canary-ended.json``
+    "rollback" for `channel` is the floor, and the version it rolled back onto its base. A canary
+    goes on above the deployed version and the base moves only by a promotion, so every version
+    between that base and the floor ended unpromoted. (0, 0) when there is none. Raises OSError
+    when the root cannot be read now."""
+    from rlrec.trainer.export import VERSION_DIR_RE
+
+    if signing_key is None:
+        return 0, 0
+    names = sorted((i.name for i in storage.list("") if i.is_dir and VERSION_DIR_RE.match(i.name)), reverse=True)
+    for d in names[:MAX_NEWER]:
+        doc = _ended_record(storage, d, signing_key)
+        if doc is None or doc["decision"] != "rollback" or doc.get("channel") != channel:
+            continue
+        base = doc.get("deployed_version")
+        if type(base) is int and 0 <= base < int(d[1:]):
+            return base, int(d[1:])
+    return 0, 0
 
 
 def signed_above(storage: Storage, signing_key: Any, named: int, channel: str | None, canary_floor: int = 0) -> int:

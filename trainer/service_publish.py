@@ -154,22 +154,29 @@ class PublishMixin:
         """The base under an unusable ``latest.json``: the trainer's own record, or above it the
         highest version its key signed for its channel that was deployed (`signed_above`; a fresh
         run has no record); ``latest.json`` is re-pointed at it (signed), so services restart
-        again instead of refusing a torn or junk pointer until the next promotion."""
-        from rlrec.trainer.canary_publish import repoint_latest, signed_above
+        again instead of refusing a torn or junk pointer until the next promotion. More version
+        directories above it than the window are read above the floor the newest signed rollback
+        record proves (`floor_from_end_records`): rolled-back canaries never hide the deployed
+        version."""
+        from rlrec.trainer.canary_publish import floor_from_end_records, repoint_latest, signed_above
         from rlrec.trainer.policy import LATEST
 
         if self.signing_key is None:
             return known
+        channel, floor = self.cfg.publish_channel, self._canary_floor
         try:
-            base = signed_above(
-                self.publish_storage, self.signing_key, known, self.cfg.publish_channel, self._canary_floor
-            )
+            try:
+                base = signed_above(self.publish_storage, self.signing_key, known, channel, floor)
+            except OSError:
+                ended_onto, ended = floor_from_end_records(self.publish_storage, self.signing_key, channel)
+                if ended <= floor:
+                    raise
+                floor = ended
+                base = signed_above(self.publish_storage, self.signing_key, max(known, ended_onto), channel, floor)
         except OSError as e:
             log.error("cannot read the versions above v%d (%s): the canary's base is v%d", known, e, known)
             return known
-        if base and repoint_latest(
-            self.publish_storage, base, self.signing_key, self.cfg.publish_channel, self._canary_floor
-        ):
+        if base and repoint_latest(self.publish_storage, base, self.signing_key, channel, floor):
             log.error("%s was unusable: re-pointed at v%d, the deployed version (the canary's base)", LATEST, base)
         return base
 

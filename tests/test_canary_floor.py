@@ -314,7 +314,7 @@ def test_more_first_canary_rollbacks_than_the_window_leave_the_trainer_publishin
     orphaned canaries counted every rolled-back first canary: after 101 of them (services that
     never opted in: each ends "no canary traffic") every candidate stayed pending for good. The
     scan skips what the trainer's own (checkpointed) floor says ended, in this run and after
-    --resume."""
+    --resume; a fresh run takes the floor the newest signed rollback record proves."""
     from tests.test_canary_trainer import _resumed
 
     root = tmp_path / "ckpt" / "policies"
@@ -346,6 +346,13 @@ def test_more_first_canary_rollbacks_than_the_window_leave_the_trainer_publishin
     resumed.checkpoint()
     assert resumed.canary.version == 104 and not resumed._pending
     assert json.loads((root / "canary.json").read_bytes())["policy_version"] == 104
+    now += CANARY_KW["canary_max_wait_s"] + 200
+    assert resumed.look_canary(now=now)["decision"] == "rollback"
+    fresh = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **CANARY_KW)  # no checkpoint, no floor
+    fresh.iteration = 500
+    fresh.checkpoint()  # the newest signed rollback record (v104's) proves the floor
+    assert fresh._canary_floor == 104 and fresh.canary.version == 105 and fresh.canary.base_version == 0
+    assert not fresh._pending and json.loads((root / "canary.json").read_bytes())["policy_version"] == 105
 
 
 @pytest.mark.slow

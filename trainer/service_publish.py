@@ -109,7 +109,7 @@ class PublishMixin:
         this trainer itself deployed (`_deployed`, kept in its checkpoint). An unsigned, forged,
         older (replayed), another channel's or unreadable pointer is no base: the trainer's own
         record is (logged)."""
-        from rlrec.trainer.canary_publish import deployed_version, repoint_latest, signed_above
+        from rlrec.trainer.canary_publish import deployed_version, repoint_latest
         from rlrec.trainer.policy import LATEST
 
         known = self._deployed
@@ -130,9 +130,7 @@ class PublishMixin:
             )
             return known
         try:
-            above = signed_above(
-                self.publish_storage, self.signing_key, named, self.cfg.publish_channel, self._canary_floor
-            )
+            above = self._signed_above(named)
         except OSError as e:
             log.error("cannot read the versions above v%d (%s): the canary's base is v%d", named, e, named)
             return named
@@ -158,27 +156,41 @@ class PublishMixin:
         directories above it than the window are read above the floor the newest signed rollback
         record proves (`floor_from_end_records`): rolled-back canaries never hide the deployed
         version."""
-        from rlrec.trainer.canary_publish import floor_from_end_records, repoint_latest, signed_above
+        from rlrec.trainer.canary_publish import repoint_latest
         from rlrec.trainer.policy import LATEST
 
         if self.signing_key is None:
             return known
-        channel, floor = self.cfg.publish_channel, self._canary_floor
         try:
-            try:
-                base = signed_above(self.publish_storage, self.signing_key, known, channel, floor)
-            except OSError:
-                ended_onto, ended = floor_from_end_records(self.publish_storage, self.signing_key, channel)
-                if ended <= floor:
-                    raise
-                floor = ended
-                base = signed_above(self.publish_storage, self.signing_key, max(known, ended_onto), channel, floor)
+            base = self._signed_above(known)
         except OSError as e:
             log.error("cannot read the versions above v%d (%s): the canary's base is v%d", known, e, known)
             return known
-        if base and repoint_latest(self.publish_storage, base, self.signing_key, channel, floor):
+        if base and repoint_latest(
+            self.publish_storage, base, self.signing_key, self.cfg.publish_channel, self._canary_floor
+        ):
             log.error("%s was unusable: re-pointed at v%d, the deployed version (the canary's base)", LATEST, base)
         return base
+
+    def _signed_above(self, named: int) -> int:
+        """`rlrec.trainer.canary_publish.signed_above` `named` with the trainer's floor; over more
+        version directories than the window, above the floor the newest signed rollback record
+        proves (`floor_from_end_records`), which raises the trainer's floor: rolled-back canaries
+        never hide the deployed version, nor stop a publication (`_end_orphans`), even in a fresh
+        run with no ``latest.json`` to carry a floor. Raises OSError when that cannot be read."""
+        from rlrec.trainer.canary_publish import floor_from_end_records, signed_above
+
+        channel = self.cfg.publish_channel
+        try:
+            return signed_above(self.publish_storage, self.signing_key, named, channel, self._canary_floor)
+        except OSError:
+            ended_onto, ended = floor_from_end_records(self.publish_storage, self.signing_key, channel)
+            if ended <= self._canary_floor:
+                raise
+            above = signed_above(self.publish_storage, self.signing_key, max(named, ended_onto), channel, ended)
+            log.warning("v%d's signed rollback record proves versions up to it ended: the canary floor", ended)
+            self._canary_floor = ended
+            return above
 
     def hold_publish_lease(self, lease: Any) -> None:
         """Publish under `lease` (an acquired `rlrec.trainer.publish_lease.PublishLease`): every

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import dataclasses
 import logging
 import math
 import re
@@ -57,6 +56,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+import pyarrow as pa
+
 from rlrec.store.live_set_file import (
     MAX_LIVE_SET_BYTES,
     MAX_LIVE_SHARDS,
@@ -64,6 +66,8 @@ from rlrec.store.live_set_file import (
     ShardList,
     decode,
     encode,
+    encode_columns,
+    shard_columns,
     size_cap,
 )
 from rlrec.store.localfs import EscapesRoot
@@ -108,8 +112,10 @@ log = logging.getLogger("rlrec.live_set")
 LIVE_DIR = "_live"
 #: the manifest format of a live set
 LIVE_SET_FORMAT_VERSION = 4
-#: the partition's writer writes a live set once this many entries follow the newest one
-LIVE_SET_EVERY = 1000
+#: the partition's writer writes a live set once this many entries follow the newest one: with
+#: its log snapshots (`rlrec.store.manifest.SNAPSHOT_EVERY`), so that a reader of the head reads
+#: at most one snapshot's worth of entries after it
+LIVE_SET_EVERY = 100
 #: live sets kept per log (older ones are deleted by the writer of a new one)
 KEEP_LIVE_SETS = 3
 _NAME_RE = re.compile(r"^(\d{12})\.live$")
@@ -167,6 +173,8 @@ class LiveSetEntry:
 
     def to_bytes(self) -> bytes:
         """The live set's file (raw Arrow columns, `rlrec.store.live_set_file`)."""
+        if isinstance(self.shards, LiveRows):
+            return encode_columns(self.header(), self.shards.columns, len(self.shards))
         return encode(self.header(), self.shards)
 
 
@@ -295,6 +303,29 @@ class HeadShards(ShardList):
         self._drop(e.seq)  # type: ignore[arg-type]
         self._added[e.seq] = e  # type: ignore[index]
 
+    def _copy(self) -> HeadShards:
+        out = HeadShards(self._base, self._seqs)
+        out._dropped, out._added = set(self._dropped), dict(self._added)
+        return out
+
+    def rows(self, topic: str, partition: int) -> LiveRows:
+        """These shards as the rows of a live set of log `topic`/`partition` (episode ids left
+        out): over a live set's rows, its columns less the dropped rows plus the added shards'
+        (no entry built for the rows kept), else built from the entries."""
+        added = [self._added[q] for q in sorted(self._added)]
+        kept = [i for i in range(len(self._seqs) - 1, -1, -1) if i not in self._dropped][:1]
+        if not isinstance(self._base, LiveRows) or (added and kept and self._seqs[kept[0]] > added[0].seq):  # type: ignore[operator]
+            return LiveRows(topic, partition, shard_columns(list(self)))
+        base = self._base.columns
+        if self._dropped:
+            mask = np.ones(len(self._seqs), dtype=bool)
+            mask[list(self._dropped)] = False
+            base = {k: a.filter(pa.array(mask)) for k, a in base.items()}
+        if added:
+            new = shard_columns(added)
+            base = {k: pa.concat_arrays([a, new[k]]) for k, a in base.items()}
+        return LiveRows(topic, partition, base)
+
     def _items(self) -> list[ShardEntry]:
         if self._built is None:
             base = list(self._base)
@@ -331,6 +362,8 @@ def fold(
     if isinstance(live, Mapping):
         seqs = sorted(live)
         out = HeadShards([live[q] for q in seqs], seqs)
+    elif isinstance(live, HeadShards):
+        out = live._copy()
     elif isinstance(live, LiveRows):
         out = HeadShards(live, live.seqs)
     else:
@@ -475,7 +508,7 @@ def write_live_set(
         seq=head.end,
         first=head.first,
         removals=removals,
-        shards=tuple(dataclasses.replace(s, episode_ids=()) if s.episode_ids else s for s in live),
+        shards=live.rows(topic, partition),
         writer=writer,
     )
     if not storage.create_once(live_set_path(topic, partition, ls.seq), ls.to_bytes()):

@@ -403,8 +403,8 @@ class PartitionLog:
     def entries_from(self, lo: int) -> list[Entry]:
         """Every entry from seq `lo` to the log's end, in order, without reading the history
         below `lo`: the snapshot the hint names (when at or above `lo`), the chain of snapshots
-        back to `lo`, then the entries after it, probed 16 at a time in parallel up to the first
-        missing one. Nothing is cached; a gap is a ManifestError.
+        back to `lo`, then the entries after it up to the first missing one (on a remote store
+        probed 16 at a time in parallel; on a local one read in turn). Nothing is cached; a gap is a ManifestError.
 
         Args:
             lo: the first seq wanted (a live set's seq, `rlrec.store.live_set`).
@@ -431,14 +431,19 @@ class PartitionLog:
                 raise ManifestError(f"{self.storage.uri(self._path(x.seq))}: prev {x.prev} is not a snapshot")
             x = p
         out = sorted((e for c in chunks for e in c if e.seq >= lo), key=lambda e: e.seq)  # type: ignore[arg-type,return-value]
-        with ThreadPoolExecutor(max_workers=_READ_WORKERS) as ex:  # one pool for every batch
-            while True:  # probe the tail _BACKWARD_BATCH entries at a time, up to the first missing one
-                got = list(ex.map(self._read_entry, range(nxt, nxt + _BACKWARD_BATCH)))
-                ahead = next((i for i, e in enumerate(got) if e is None), len(got))
-                out += got[:ahead]
-                nxt += ahead
-                if ahead < len(got):
-                    break
+        if self.storage.kind == "local":  # a read is a page-cache copy: threads only contend for the GIL
+            while (e := self._read_entry(nxt)) is not None:
+                out.append(e)
+                nxt += 1
+        else:
+            with ThreadPoolExecutor(max_workers=_READ_WORKERS) as ex:  # one pool for every batch
+                while True:  # probe the tail _BACKWARD_BATCH entries at a time, up to the first missing one
+                    got = list(ex.map(self._read_entry, range(nxt, nxt + _BACKWARD_BATCH)))
+                    ahead = next((i for i, e in enumerate(got) if e is None), len(got))
+                    out += got[:ahead]
+                    nxt += ahead
+                    if ahead < len(got):
+                        break
         if [e.seq for e in out] != list(range(lo, lo + len(out))):
             raise ManifestError(f"manifest log {self.storage.uri(self.prefix)} has a gap above seq {lo}")
         return out

@@ -1,20 +1,24 @@
 """Opening the head of a store with a long manifest history: `rlrec.open(uri)` through live sets
 against listing the store's live files (the ``head`` row of ``bench/store.py``).
 
-    python bench/store_head.py [--entries 100000] [--live 20000] [--tail 500] [--rounds 5] [--json PATH]
+    python bench/store_head.py [--entries 100000] [--live 20000] [--tail 500] [--rounds 5] [--s3] [--json PATH]
+    python bench/store_head.py --store DIR --reuse --extend 50 ...   (more commits by a new writer, then measure)
 
 One partition log is built on a local directory: ``entries`` shard entries, every ``entries /
 live`` of them merged by a replace entry as compaction does (so ``live`` live shards, one file
 each; the merged-away shards have no files, which opening the head never reads), a live set
 written (`rlrec.store.live_set.write_live_set`), then ``tail`` more shard entries after it,
 committed through `PartitionLog` as the partition's writer commits them (a claim, then a log
-snapshot every 100 entries). Per round,
-alternating which goes first:
+snapshot and a live set every 100 entries: what follows the newest live set is what a writer
+leaves, 0 to ~100 entries, reported as ``entries_after_live_set``; ``--extend`` moves it). Per
+round, the order reversed every other round:
 
   head      ``open_snapshot(root)`` (what ``rlrec.open(root)`` does): the newest live set, the
             entries after it, the removal log -- timed in this process, imports done;
   listing   ``os.listdir`` of the policy directory holding the live files (the best a plain
-            reader can do to learn them);
+            reader can do to learn them: names only);
+  listing_pyarrow  pyarrow's ``LocalFileSystem.get_file_info`` of that directory (names and
+            sizes: what a pyarrow reader of the files lists);
   history   ``open_snapshot(root, as_of=cursor)``: the same point through the whole history (as
             before live sets; one round per round, for scale).
 

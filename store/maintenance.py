@@ -73,6 +73,30 @@ def _candidate_files(storage: Storage) -> tuple[dict[str, list[FileInfo]], set[s
     return files, with_staging
 
 
+def _deletable_shape(f: FileInfo) -> bool:
+    """A file gc may delete by its place and name: in ``_staging/``, a ``*.parquet`` or an
+    interrupted temp file (``_candidate_files`` lists only policy-dir candidates)."""
+    return _parent(f.path).endswith(f"/{STAGING_DIR}") or f.name.endswith(".parquet") or _is_temp(f.name)
+
+
+def _unnamed_by_heads(storage: Storage, files: Iterable[FileInfo]) -> list[FileInfo]:
+    """`files` that no shard at the head of any partition log names (path or staging path) nor
+    any removal record read with them (retention deletes those after their grace): read through
+    each log's live set where it has a usable one (`rlrec.store.live_set.read_heads`, the readers'
+    one decision about a live set; the whole history where it has none). A live set can only
+    make a file named here, never unnamed: gc deletes nothing the history has not decided."""
+    from rlrec.store.live_set import read_heads
+
+    try:
+        heads, _, records = read_heads(storage, strict=False)
+    except ManifestError as e:  # a log or record the head cannot fold: the history decides, as before
+        log.warning("gc: the manifest's head cannot be read (%s): reading its history", e)
+        return list(files)
+    named = {p for h in heads.values() for s in h.shards for p in (s.path, s.staging_path)}
+    named |= {p for r in records for f in r.files for p in (f.path, f.staging_path)}
+    return [f for f in files if f.path not in named]
+
+
 def gc(
     storage: Storage,
     older_than_s: float,
@@ -107,9 +131,14 @@ def gc(
     if older_than_s < 0:
         raise ValueError("older_than_s must be >= 0")
     files, with_staging = _candidate_files(storage)  # 1. list files
-    # 2. then read the manifest: every shard an entry names, replaced ones too (retention's)
-    entries = [e for log_entries in read_partition_logs(storage).values() for e in shard_files(log_entries)]
     now = time.time() if now is None else now
+    old = [f for infos in files.values() for f in infos if _deletable_shape(f) and f.mtime is not None]
+    old = [f for f in old if now - f.mtime >= older_than_s]  # type: ignore[operator]
+    # 2. then read the manifest: first its head (live sets), which can only name files as referenced
+    if not old or not _unnamed_by_heads(storage, old):
+        return []
+    # a file the head does not name: every shard an entry names decides, replaced ones too (retention's)
+    entries = [e for log_entries in read_partition_logs(storage).values() for e in shard_files(log_entries)]
     policy_dirs = {e.policy_id for e in entries} | with_staging
     keep = {p for e in entries for p in (e.path, e.staging_path)}  # named by an entry: never garbage
     garbage: list[str] = []

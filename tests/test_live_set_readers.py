@@ -1,0 +1,261 @@
+"""Readers beyond `rlrec.open` that start from the newest live set (`rlrec.store.live_set`): gc
+decides what is referenced from the heads and reads the history only for a file the heads do not
+name; the trainer's start-up discovery reads the heads. Each counts what it reads, and none of
+them decides anything a live set could make wrong: a forged live set, one dropped by a kill -9
+of its writer, or none, ends in the history's answer. Real local storage; writers killed with
+SIGKILL in a subprocess (the harness of tests/test_live_set.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from rlrec.store.commit import ShardCommitter
+from rlrec.store.compaction import compact_partition
+from rlrec.store.live_set import LiveSetEntry, live_set_path, read_live_set, write_live_set
+from rlrec.store.maintenance import gc, inspect, verify
+from rlrec.store.manifest import PartitionLog, live_shards, read_manifest
+from rlrec.store.retention import retain
+from rlrec.trainer.synthetic import expert_cartpole_episodes
+
+from .test_live_set import ROOT, _history_head, _key, _run_writer
+
+
+def _commit(c: ShardCommitter, n: int, seed: int) -> None:
+    for i in range(n):
+        c.commit(expert_cartpole_episodes(2, seed=seed + i, max_steps=20))
+
+
+@pytest.fixture
+def history_loads(monkeypatch) -> list[tuple[str, int]]:
+    """Every whole-history read of a partition log (`PartitionLog.load`) from here on."""
+    calls: list[tuple[str, int]] = []
+    real = PartitionLog.load
+
+    def load(self, **kw):
+        calls.append((self.topic, self.partition))
+        return real(self, **kw)
+
+    monkeypatch.setattr(PartitionLog, "load", load)
+    return calls
+
+
+def _store_with_live_sets(root: str) -> ShardCommitter:
+    """A partition log of 12 shard entries, compacted, the replaced files retained away, and a live
+    set at its end (a few entries after it)."""
+    c = ShardCommitter(root, "rl", 0, snapshot_every=3)
+    c.log.live_set_every = 5
+    _commit(c, 12, 0)
+    compact_partition(c.log, min_age_s=0, target_bytes=3 * max(e.bytes for e in read_manifest(c.storage)))
+    retain(c.storage, grace_s=0)
+    write_live_set(c.storage, "rl", 0, writer="test")
+    _commit(c, 2, 100)
+    return c
+
+
+def _policy_files(root: str) -> set[str]:
+    out = set()
+    for d in Path(root).iterdir():
+        if d.is_dir() and not d.name.startswith(("_", ".")):
+            out |= {str(p.relative_to(root)) for p in d.rglob("*") if p.is_file()}
+    return out
+
+
+def test_gc_reads_no_history_when_the_heads_name_every_file(tmp_path, history_loads):
+    root = str(tmp_path / "out")
+    c = _store_with_live_sets(root)
+    before = _policy_files(root)
+    history_loads.clear()
+    assert gc(c.storage, 0) == []
+    assert history_loads == []  # main read every log's history here
+    assert _policy_files(root) == before
+
+
+def test_gc_reads_the_history_for_a_file_the_heads_do_not_name(tmp_path, history_loads):
+    """Garbage is deleted; a replaced shard retention has not recorded yet (named by the history
+    only, not by the head) and a removed one in its grace are kept, as before live sets."""
+    root = str(tmp_path / "out")
+    c = ShardCommitter(root, "rl", 0, snapshot_every=3)
+    _commit(c, 6, 0)
+    write_live_set(c.storage, "rl", 0)
+    compact_partition(c.log, min_age_s=0, target_bytes=3 * max(e.bytes for e in read_manifest(c.storage)))
+    write_live_set(c.storage, "rl", 0)  # its rows: the merged shards only
+    replaced = [e.path for e in c.log.load() if getattr(e, "path", None) and e.path not in _head_paths(c)]
+    assert replaced
+    retain(c.storage, grace_s=3600)  # recorded, still in their grace
+    ghost = Path(root) / "expert" / "rl+00000+crashed.parquet"
+    ghost.write_bytes(b"a crashed writer's file")
+    staged = Path(root) / "expert" / "_staging" / "rl+00000+orphan.parquet"
+    staged.write_bytes(b"an orphan staging file")
+    history_loads.clear()
+    assert gc(c.storage, 0) == sorted(["expert/rl+00000+crashed.parquet", "expert/_staging/rl+00000+orphan.parquet"])
+    assert history_loads == [("rl", 0)]  # the history decided
+    assert all((Path(root) / p).exists() for p in replaced)
+    assert not ghost.exists() and not staged.exists()
+    assert verify(c.storage) == []
+
+
+def test_the_trainers_start_up_discovery_reads_the_heads_not_the_history(tmp_path, history_loads):
+    from rlrec.trainer.config import TrainerConfig
+    from rlrec.trainer.service import ContinuousTrainer
+
+    root = str(tmp_path / "out")
+    c = _store_with_live_sets(root)
+    svc = ContinuousTrainer(TrainerConfig(input=root, checkpoint_dir=str(tmp_path / "ck")))
+    history_loads.clear()
+    found = svc._first_shards()
+    assert history_loads == []  # main read every log's history here (its follower's first poll)
+    assert sorted(e.path for e in found) == sorted(s.path for s in read_manifest(c.storage))
+    assert svc.fmt == "episodes"
+    skip = {found[0].path}
+    assert sorted(e.path for e in svc._first_shards(skip)) == sorted(e.path for e in found[1:])
+
+
+def test_start_up_discovery_with_a_log_whose_head_cannot_be_read_reads_what_poll_delivers(tmp_path):
+    """A log whose live set does not fit the entries after it and whose history is broken too
+    (a gap): the head read fails, and discovery falls back to the follower's poll, which skips
+    that log with a warning and finds the other log's shards (as before live sets)."""
+    from rlrec.trainer.manifest_follower import ManifestFollower
+
+    root = str(tmp_path / "out")
+    a = ShardCommitter(root, "rl", 0, snapshot_every=100)
+    b = ShardCommitter(root, "rl", 1, snapshot_every=100)
+    _commit(a, 3, 0)
+    _commit(b, 2, 10)
+    write_live_set(b.storage, "rl", 1)
+    _commit(b, 1, 20)
+    os.remove(os.path.join(root, "_manifest", "rl", "00000", "000000000002.json"))  # a gap in log 0
+    got = ManifestFollower(a.storage).live_head()
+    assert sorted(e.path for e in got) == sorted(
+        e.path for e in live_shards(PartitionLog(b.storage, "rl", 1).load()).values()
+    )
+
+
+def _head_paths(c: ShardCommitter) -> set[str]:
+    return {s.path for s in read_manifest(c.storage)}
+
+
+def test_a_forged_live_set_never_makes_gc_delete_a_live_shard(tmp_path):
+    """A live set that parses but hides a live shard (bucket write access) makes gc read the
+    history for that file, which names it: kept. One naming a garbage file only keeps it."""
+    root = str(tmp_path / "out")
+    c = ShardCommitter(root, "rl", 0, snapshot_every=3)
+    _commit(c, 4, 0)
+    live = sorted(live_shards(c.log.load()).values(), key=lambda s: s.seq)
+    hidden = live[1]
+    forged = LiveSetEntry(
+        topic="rl",
+        partition=0,
+        seq=c.log.next_seq,
+        first=_first(c),
+        removals=0,
+        shards=tuple(dataclasses.replace(s, episode_ids=()) for s in live if s is not hidden),
+        writer="forger",
+    )
+    c.storage.write(live_set_path("rl", 0, forged.seq), forged.to_bytes())
+    assert read_live_set(c.storage, "rl", 0).seq == forged.seq  # readers at the head trust it
+    assert hidden.path not in {s.path for s in read_manifest(c.storage)}
+    os.utime(Path(root) / hidden.path, (time.time() - 7200, time.time() - 7200))
+    assert gc(c.storage, 3600) == []
+    assert (Path(root) / hidden.path).exists()
+
+
+def _first(c: ShardCommitter) -> str:
+    from rlrec.store.live_set import first_entry_key
+
+    return first_entry_key(c.log.read_entry(0))
+
+
+def _history_files(st) -> set[str]:
+    """Every file an entry of the history names, and those of the removal records."""
+    from rlrec.store.manifest import list_partition_logs, shard_files
+
+    out = set()
+    for k in list_partition_logs(st):
+        out |= {p for s in shard_files(PartitionLog(st, *k).load()) for p in (s.path, s.staging_path)}
+    return out
+
+
+_COMPACTOR = textwrap.dedent(
+    """
+    import os, signal, sys
+    from rlrec.store.compaction import compact_partition
+    from rlrec.store.manifest import PartitionLog, read_manifest
+    from rlrec.store.storage import Storage
+
+    root, crash_at = sys.argv[1], sys.argv[2]
+    real = Storage.create_once
+
+    def create_once(self, path, data):
+        if "/_live/" in path and crash_at == "before":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if "/_live/" in path and crash_at == "torn":
+            self.write(path + ".tmp-torn", data[: len(data) // 2])
+            os.kill(os.getpid(), signal.SIGKILL)
+        done = real(self, path, data)
+        if "/_live/" in path and crash_at == "after":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return done
+
+    Storage.create_once = create_once
+    st = Storage.from_uri(root)
+    plog = PartitionLog(st, "rl", 0, snapshot_every=1, live_set_every=1)
+    plog.claim("compactor")
+    plog.recover()
+    target = 2 * max(e.bytes for e in read_manifest(st))
+    print(compact_partition(plog, min_age_s=0, target_bytes=target), flush=True)
+    if plog._live_builder is not None:  # a log without a live set: its writer builds one in the background
+        plog._live_builder.join()
+    """
+)
+
+
+def _run_compactor(root: str, crash_at: str) -> int:
+    env = {**os.environ, "PYTHONPATH": str(ROOT.parent) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    p = subprocess.run(
+        [sys.executable, "-c", _COMPACTOR, root, crash_at], capture_output=True, text=True, env=env, timeout=300
+    )
+    return p.returncode
+
+
+@pytest.mark.slow
+def test_kill_9_of_writers_around_the_live_set_write_every_reader_sees_the_history(tmp_path):
+    """The partition's writer killed before, during and after writing a live set, then
+    compaction killed at the same point of its own live set write (and a retention run): after each, `rlrec.open` (through `_history_head`'s
+    comparison), `read_manifest`, `inspect`, the trainer's start-up discovery and gc see exactly
+    the live shards the history gives, and gc deletes no file an entry names."""
+    from rlrec.store.snapshot import open_snapshot
+    from rlrec.trainer.manifest_follower import ManifestFollower
+
+    root = str(tmp_path / "out")
+    codes = []
+    for n, crash_at in enumerate(["before", "torn", "after", "none"]):
+        code, _ = _run_writer(root, crash_at, 1000 * n)
+        codes.append(code)
+        st = open_snapshot(root).storage
+        if crash_at != "none":  # compaction (a new writer of the log) killed at the same point
+            codes.append(_run_compactor(root, crash_at))
+        if n == 2:
+            retain(st, grace_s=0)  # the replaced files recorded and deleted: readers apply the records
+        want = _history_head(st)
+        assert sorted(_key(s) for s in open_snapshot(root).entries) == want, crash_at
+        assert sorted(_key(s) for s in read_manifest(st)) == want, crash_at
+        assert sorted(s["path"] for s in inspect(st)["shards"]) == sorted(st.uri(k[3]) for k in want)
+        found = ManifestFollower(st, fmt="episodes").live_head()
+        assert sorted(e.path for e in found) == sorted(k[3] for k in want), crash_at
+        named = _history_files(st)
+        before = _policy_files(root)
+        gc(st, 0)
+        after = _policy_files(root)
+        assert named & before <= after, crash_at  # gc deleted no file an entry names
+        assert all(k[3] in after or k[4] in after for k in want), crash_at  # published, or staged (killed before)
+    assert codes == [-signal.SIGKILL] * 6 + [0]  # each planted kill was reached
+    assert verify(open_snapshot(root).storage) == []

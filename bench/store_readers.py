@@ -40,7 +40,9 @@ from rlrec.store.storage import Storage  # noqa: E402
 
 
 def _load(name: str) -> Any:
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", os.path.join(os.path.dirname(__file__), f"{name}.py"))
+    spec = importlib.util.spec_from_file_location(
+        f"bench_{name}", os.path.join(os.path.dirname(__file__), f"{name}.py")
+    )
     mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     spec.loader.exec_module(mod)  # type: ignore[union-attr]
     return mod
@@ -149,7 +151,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         built = head.build(root, args.entries, args.live, args.tail)
         print(f"built {built}", file=sys.stderr)
-        doc: dict[str, Any] = {"args": vars(args), "built": built, "local": measure(Storage.from_uri(root), args.rounds)}
+        doc: dict[str, Any] = {
+            "args": vars(args),
+            "built": built,
+            "local": measure(Storage.from_uri(root), args.rounds),
+        }
         print(_line("local", doc["local"]))
         if args.s3:
             s3 = _load("store").BenchS3()

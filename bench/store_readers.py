@@ -5,7 +5,9 @@ logs' live sets (what they do now) against through the whole history (what they 
 
 The store is `bench/store_head.py`'s (one partition log of ``entries`` shard entries merged
 into ``live`` live shards, a live set, then ``tail`` shard entries committed by the partition's
-writer; every live shard has its file). Per round, alternating which goes first:
+writer; every live shard has its file; no log snapshot below the live set, so the history is
+one object per entry) or, with ``--writer``, one made by rlrec's writers (`build_writer`: log
+snapshots every 100 entries, so the history is about one object per 100 entries). Per round, alternating which goes first:
 
   gc        ``gc(storage, 0, dry_run=True)`` (every file old enough): lists the files, then reads the heads (live set,
             tail, removal log); every file is named there, so the history is not read;
@@ -68,6 +70,58 @@ class CountingStorage(Storage):
     def list(self, prefix: str = "", recursive: bool = False):
         self.calls += 1
         return super().list(prefix, recursive)
+
+
+def build_writer(root: str, entries: int, live: int, tail: int) -> dict:
+    """The store as rlrec's own writers make it: every entry through `PartitionLog` (a claim,
+    shard entries each published with its file, a log snapshot every 100 entries, a live set
+    every 1,000), every ``entries / live`` shards merged by a replace entry as compaction
+    commits them, `retain` then recording and deleting the replaced files, a live set written
+    after it (folding its records), then ``tail`` more shard entries. Returns its counts."""
+    import logging
+
+    from rlrec.store.live_set import write_live_set
+    from rlrec.store.manifest import PartitionLog, ReplaceEntry
+    from rlrec.store.retention import retain
+
+    head = _load("store_head")
+    logging.getLogger("rlrec").setLevel(logging.ERROR)  # "published from memory" per shard
+    st = Storage.from_uri(root, fsync=False)
+    group = max(1, (entries - tail) // live)
+    t0 = time.perf_counter()
+    plog = PartitionLog(st, head.TOPIC, 0, snapshot_every=100)
+    plog.claim("bench")
+    pending = []
+
+    def commit(n: int, ids: list[str], tag: str = ""):
+        data = f"shard {n}{tag}".encode()
+        return head._shard(n, ids, data, tag), data
+
+    for n in range(entries):
+        e, data = commit(n, [f"ep-{n}-{j}" for j in range(4)])
+        e = plog.append_shard(e)
+        plog.publish(e, data)
+        if n >= entries - tail:
+            continue
+        pending.append(e)
+        if len(pending) == group or n == entries - tail - 1:
+            merged, data = commit(n, [i for p in pending for i in p.episode_ids], "m")
+            st.write(merged.path, data)
+            plog.append_replace(ReplaceEntry(replaces=tuple(p.seq for p in pending), shard=merged), pending)
+            pending = []
+        if n == entries - tail - 1:
+            retain(st, grace_s=0)
+            write_live_set(st, head.TOPIC, 0, writer="bench")
+    seqs = sorted(
+        int(n.split(".")[0]) for n in os.listdir(os.path.join(root, "_manifest", head.TOPIC, "00000", "_live"))
+    )
+    return {
+        "entries": plog.next_seq,
+        "shard_entries": entries,
+        "live_set_seq": seqs[-1],
+        "live_files": len(os.listdir(os.path.join(root, head.POLICY))),
+        "build_s": time.perf_counter() - t0,
+    }
 
 
 def _runs(storage: Storage) -> dict[str, Callable[[], int]]:
@@ -144,12 +198,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tail", type=int, default=500, help="shard entries after the live set")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--s3", action="store_true", help="also on moto's S3 (the whole store uploaded)")
+    ap.add_argument(
+        "--writer", action="store_true", help="build through rlrec's writers (log snapshots; slower) (build_writer)"
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     head = _load("store_head")
     root = tempfile.mkdtemp(prefix="rlrec-bench-readers-")
     try:
-        built = head.build(root, args.entries, args.live, args.tail)
+        build = build_writer if args.writer else head.build
+        built = build(root, args.entries, args.live, args.tail)
         print(f"built {built}", file=sys.stderr)
         doc: dict[str, Any] = {
             "args": vars(args),

@@ -218,18 +218,37 @@ _COMPACTOR = textwrap.dedent(
 )
 
 
-def _run_compactor(root: str, crash_at: str) -> int:
+_RETAINER = textwrap.dedent(
+    """
+    import os, signal, sys
+    from rlrec.store.retention import retain
+    from rlrec.store.storage import Storage
+
+    real = Storage.create_once
+
+    def create_once(self, path, data):
+        done = real(self, path, data)
+        if "/_removed/" in path:  # its first record is written, no file deleted yet
+            os.kill(os.getpid(), signal.SIGKILL)
+        return done
+
+    Storage.create_once = create_once
+    retain(Storage.from_uri(sys.argv[1]), grace_s=0)
+    """
+)
+
+
+def _run_script(script: str, *args: str) -> int:
     env = {**os.environ, "PYTHONPATH": str(ROOT.parent) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    p = subprocess.run(
-        [sys.executable, "-c", _COMPACTOR, root, crash_at], capture_output=True, text=True, env=env, timeout=300
-    )
+    p = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, env=env, timeout=300)
     return p.returncode
 
 
 @pytest.mark.slow
 def test_kill_9_of_writers_around_the_live_set_write_every_reader_sees_the_history(tmp_path):
     """The partition's writer killed before, during and after writing a live set, then
-    compaction killed at the same point of its own live set write (and a retention run): after each, `rlrec.open` (through `_history_head`'s
+    compaction killed at the same point of its own live set write (and retention killed between
+    its record and its deletes): after each, `rlrec.open` (through `_history_head`'s
     comparison), `read_manifest`, `inspect`, the trainer's start-up discovery and gc see exactly
     the live shards the history gives, and gc deletes no file an entry names."""
     from rlrec.store.snapshot import open_snapshot
@@ -242,9 +261,9 @@ def test_kill_9_of_writers_around_the_live_set_write_every_reader_sees_the_histo
         codes.append(code)
         st = open_snapshot(root).storage
         if crash_at != "none":  # compaction (a new writer of the log) killed at the same point
-            codes.append(_run_compactor(root, crash_at))
-        if n == 2:
-            retain(st, grace_s=0)  # the replaced files recorded and deleted: readers apply the records
+            codes.append(_run_script(_COMPACTOR, root, crash_at))
+        if n == 1:  # retention killed after recording replaced files, before deleting them; the
+            codes.append(_run_script(_RETAINER, root))  # next writer's live sets fold the record
         want = _history_head(st)
         assert sorted(_key(s) for s in open_snapshot(root).entries) == want, crash_at
         assert sorted(_key(s) for s in read_manifest(st)) == want, crash_at
@@ -257,5 +276,6 @@ def test_kill_9_of_writers_around_the_live_set_write_every_reader_sees_the_histo
         after = _policy_files(root)
         assert named & before <= after, crash_at  # gc deleted no file an entry names
         assert all(k[3] in after or k[4] in after for k in want), crash_at  # published, or staged (killed before)
-    assert codes == [-signal.SIGKILL] * 6 + [0]  # each planted kill was reached
+    assert codes == [-signal.SIGKILL] * 7 + [0]  # each planted kill was reached
+    assert read_live_set(st, "rl", 0).removals > 0  # a live set folded the killed retention's record
     assert verify(open_snapshot(root).storage) == []

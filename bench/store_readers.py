@@ -106,8 +106,8 @@ def build_writer(root: str, entries: int, live: int, tail: int) -> dict:
         pending.append(e)
         if len(pending) == group or n == entries - tail - 1:
             merged, data = commit(n, [i for p in pending for i in p.episode_ids], "m")
-            st.write(merged.path, data)
-            plog.append_replace(ReplaceEntry(replaces=tuple(p.seq for p in pending), shard=merged), pending)
+            r = plog.append_replace(ReplaceEntry(replaces=tuple(p.seq for p in pending), shard=merged), pending)
+            plog.publish(r.shard, data)  # as compaction does: commit, then publish
             pending = []
         if n == entries - tail - 1:
             retain(st, grace_s=0)

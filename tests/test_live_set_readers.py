@@ -20,7 +20,7 @@ import pytest
 
 from rlrec.store.commit import ShardCommitter
 from rlrec.store.compaction import compact_partition
-from rlrec.store.live_set import LiveSetEntry, live_set_path, read_live_set, write_live_set
+from rlrec.store.live_set import LiveSetEntry, live_set_path, live_set_seqs, read_live_set, write_live_set
 from rlrec.store.maintenance import gc, inspect, verify
 from rlrec.store.manifest import PartitionLog, live_shards, read_manifest
 from rlrec.store.retention import retain
@@ -117,6 +117,25 @@ def test_the_trainers_start_up_discovery_reads_the_heads_not_the_history(tmp_pat
     assert svc.fmt == "episodes"
     skip = {found[0].path}
     assert sorted(e.path for e in svc._first_shards(skip)) == sorted(e.path for e in found[1:])
+
+
+def test_start_up_discovery_waiting_on_a_store_without_live_sets_reads_its_history_once(tmp_path, history_loads):
+    """Every shard filtered out (another policy), no live set: the trainer waits, polling; the
+    heads are read once, then the follower's incremental polls -- not the history per retry."""
+    from rlrec.trainer.config import TrainerConfig
+    from rlrec.trainer.service import ContinuousTrainer, NoFirstShard
+
+    root = str(tmp_path / "out")
+    c = ShardCommitter(root, "rl", 0, snapshot_every=3)
+    _commit(c, 4, 0)
+    assert not live_set_seqs(c.storage, "rl", 0)
+    cfg = TrainerConfig(input=root, checkpoint_dir=str(tmp_path / "ck"), policy_id="nobody", first_shard_timeout_s=1.5)
+    cfg.poll_interval_s = 0.2
+    svc = ContinuousTrainer(cfg)
+    history_loads.clear()
+    with pytest.raises(NoFirstShard):
+        svc._first_shards()
+    assert history_loads == [("rl", 0), ("rl", 0)]  # the heads' (no live set), then the follower's first poll
 
 
 def test_start_up_discovery_with_a_log_whose_head_cannot_be_read_reads_what_poll_delivers(tmp_path):

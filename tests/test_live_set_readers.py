@@ -298,3 +298,47 @@ def test_kill_9_of_writers_around_the_live_set_write_every_reader_sees_the_histo
     assert codes == [-signal.SIGKILL] * 7 + [0]  # each planted kill was reached
     assert read_live_set(st, "rl", 0).removals > 0  # a live set folded the killed retention's record
     assert verify(open_snapshot(root).storage) == []
+
+
+def test_start_up_discovery_returns_the_oldest_committed_shard_first(tmp_path):
+    """The trainer takes its spaces from the first usable shard discovery returns: the oldest
+    committed one, whichever log it is in (here partition 1's, committed before partition 0's)."""
+    from rlrec.trainer.config import TrainerConfig
+    from rlrec.trainer.service import ContinuousTrainer
+
+    root = str(tmp_path / "out")
+    older = ShardCommitter(root, "rl", 1)
+    _commit(older, 1, 1)
+    time.sleep(0.05)
+    newer = ShardCommitter(root, "rl", 0)
+    _commit(newer, 1, 2)
+    for p in (0, 1):
+        write_live_set(older.storage, "rl", p)
+    found = ContinuousTrainer(TrainerConfig(input=root, checkpoint_dir=str(tmp_path / "ck")))._first_shards()
+    assert [e.partition for e in found] == [1, 0]
+    assert found == sorted(found, key=lambda e: e.commit_time)
+
+
+def test_a_trainer_waiting_for_its_first_shard_reads_each_live_set_once(tmp_path, monkeypatch):
+    """Waiting (no shard of its policy yet) on a store with live sets: the heads are read once,
+    then the follower's incremental polls -- not every log's live set per retry."""
+    from rlrec.store.storage import Storage
+    from rlrec.trainer.config import TrainerConfig
+    from rlrec.trainer.service import ContinuousTrainer, NoFirstShard
+
+    root = str(tmp_path / "out")
+    c = _store_with_live_sets(root)
+    newest = live_set_path("rl", 0, read_live_set(c.storage, "rl", 0).seq)
+    reads: list[str] = []
+    real = Storage.read
+
+    def read(self, path, **kw):
+        reads.append(path)
+        return real(self, path, **kw)
+
+    monkeypatch.setattr(Storage, "read", read)
+    cfg = TrainerConfig(input=root, checkpoint_dir=str(tmp_path / "ck"), policy_id="nobody", first_shard_timeout_s=1.5)
+    cfg.poll_interval_s = 0.2
+    with pytest.raises(NoFirstShard):
+        ContinuousTrainer(cfg)._first_shards()
+    assert [p for p in reads if p.endswith(".live")] == [newest]  # once, not per retry

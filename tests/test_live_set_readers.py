@@ -342,3 +342,58 @@ def test_a_trainer_waiting_for_its_first_shard_reads_each_live_set_once(tmp_path
     with pytest.raises(NoFirstShard):
         ContinuousTrainer(cfg)._first_shards()
     assert [p for p in reads if p.endswith(".live")] == [newest]  # once, not per retry
+
+
+@pytest.fixture
+def storage_calls(monkeypatch) -> list[str]:
+    """Every storage call that reaches the store (read, exists, info, list) from here on."""
+    from rlrec.store.storage import Storage
+
+    calls: list[str] = []
+    for name in ("read", "exists", "info", "list"):
+        real = getattr(Storage, name)
+
+        def counted(self, *a, _real=real, _name=name, **kw):
+            calls.append(_name)
+            return _real(self, *a, **kw)
+
+        monkeypatch.setattr(Storage, name, counted)
+    return calls
+
+
+def _main_gc_calls(storage, calls: list[str]) -> int:
+    """What gc cost before live sets: its listing, then every log's history."""
+    from rlrec.store import maintenance
+    from rlrec.store.manifest import read_partition_logs
+
+    calls.clear()
+    maintenance._candidate_files(storage)
+    read_partition_logs(storage)
+    return len(calls)
+
+
+def test_gc_costs_no_more_storage_calls_than_the_history_where_there_is_garbage(tmp_path, storage_calls):
+    """The states gc runs in: replaced files between a compaction and the next retain run, a
+    crashed writer's staging file: gc reads the history alone there, never the heads as well."""
+    root = str(tmp_path / "out")
+    c = ShardCommitter(root, "rl", 0, snapshot_every=3)
+    c.log.live_set_every = 4
+    _commit(c, 12, 0)
+    retain(c.storage, grace_s=0)
+    write_live_set(c.storage, "rl", 0)
+    assert gc(c.storage, 0) == []
+    compact_partition(c.log, min_age_s=0, target_bytes=3 * max(e.bytes for e in read_manifest(c.storage)))
+    write_live_set(c.storage, "rl", 0)  # folds the compaction: the replaced files are named by the history only
+    before = _policy_files(root)
+    storage_calls.clear()
+    assert gc(c.storage, 0) == []
+    assert len(storage_calls) <= _main_gc_calls(c.storage, storage_calls)
+    assert _policy_files(root) == before
+    retain(c.storage, grace_s=3600)  # recorded, in their grace
+    staged = Path(root) / "expert" / "_staging" / "rl+00000+orphan.parquet"
+    staged.parent.mkdir(exist_ok=True)
+    staged.write_bytes(b"an orphan staging file")
+    storage_calls.clear()
+    assert gc(c.storage, 0) == ["expert/_staging/rl+00000+orphan.parquet"]
+    assert len(storage_calls) <= _main_gc_calls(c.storage, storage_calls)
+    assert _policy_files(root) == before

@@ -25,7 +25,8 @@ its ``removals`` is applied). A live set that is missing, malformed, of a newer 
 than its seq allows (`rlrec.store.live_set_file.size_cap`), or inconsistent with the entries after it is ignored: the log is
 read from its first entry as before (docs/GUARANTEES.md §3, "Live sets"); where it is malformed
 or past the log's end, `read_live_set` tries the next older one first. Older points (``as_of``),
-lineage, `Snapshot.changes`, gc, retention and writers' claims read the whole history.
+lineage, `Snapshot.changes`, retention, the trainer's follower and writers' claims read the
+whole history (gc and the trainer's start-up discovery read the heads: `read_heads`).
 
 Example:
     >>> import tempfile

@@ -29,6 +29,8 @@ from rlrec.producer.rows import (
     checked_id,
     flags,
     new_episode_ids,
+    new_episode_keys,
+    row_slices,
     row_values,
     rows_of,
     select,
@@ -84,6 +86,19 @@ class BatchedCalls:
         """
         if self._unusable:
             self._check_usable()
+        packer = self._obs
+        if (
+            infos is None
+            and episode_ids is None
+            and policy_versions is None
+            and type(observations) is np.ndarray
+            and observations.dtype is packer.dtype
+            and observations.shape[1:] == packer.shape
+            and packer.shape  # not a scalar leaf: each row's kept value is its bytes
+            and not self.validate_spaces
+            and observations.size  # some rows, each of some bytes
+        ):
+            return self._begin_plain(observations)
         n = len(observations) if type(observations) is np.ndarray else batch_len(observations)
         given = infos is not None or episode_ids is not None or policy_versions is not None
         infos = [None] * n if infos is None else select(infos, None)
@@ -94,9 +109,9 @@ class BatchedCalls:
                 if len(col) != n:
                     raise ValueError(f"{what} has {len(col)} rows, observations has {n}")
         if self.validate_spaces:
-            for obs in rows_of(self.observation_space, observations, n, "observations"):
-                if not self.observation_space.contains(obs):
-                    raise ValueError(f"observation {obs!r:.200} is not in {self.observation_space}")
+            for row in rows_of(self.observation_space, observations, n, "observations"):
+                if not self.observation_space.contains(row):
+                    raise ValueError(f"observation {row!r:.200} is not in {self.observation_space}")
         kept = row_values(self._obs, self.observation_space, observations, n, None, "observations")
         out = new_episode_ids(n) if episode_ids is None else [checked_id(e) for e in ids]
         if episode_ids is not None and None in ids:
@@ -105,35 +120,27 @@ class BatchedCalls:
         # the EpisodeStart records (see `_start_value`), what the rows share encoded once
         pid_env, spaces = self._start_avro
         ts = _r._now_ms_bytes()
-        obs = self._obs
         keys = [eid.encode() for eid in out]  # the Kafka keys; with their lengths, the Avro ids
         if set(map(len, keys)) == _ID_LEN:  # e.g. new ids (uuid4 hex)
             avros = [_ID_HEAD + kb for kb in keys]
         else:
             avros = [long_bytes(len(kb)) + kb for kb in keys]
-        one_leaf = obs.single and n and set(map(type, kept)) == {bytes}  # one leaf, each row its wire bytes
+        one_leaf = packer.single and n and set(map(type, kept)) == {bytes}  # one leaf, each row its wire bytes
         if one_leaf and (not given or (versions.count(None) == n and infos.count(None) == n)):
-            # all but the id and the observation's bytes shared by the rows (and by the calls of
-            # one millisecond and policy version: remembered)
-            frame = self._start_frame
-            version, size = self._policy_version, len(kept[0])
-            if frame[0] is not ts or frame[1] != version or frame[2] != size:
-                head = pid_env[0] + long_bytes(version) + pid_env[1] + obs._count + obs._one_heads[0] + long_bytes(size)
-                frame = self._start_frame = (ts, version, size, head, ARRAY_END + string_bytes("") + spaces + ts)
-            head, tail = frame[3], frame[4]
+            head, tail = self._start_parts(ts, len(kept[0]))
             values = [b"".join((avro, head, data, tail)) for avro, data in zip(avros, kept)]
         else:
             no_info = string_bytes("") + spaces + ts
             default = long_bytes(self._policy_version)
             vbytes = [default if v is None else long_bytes(self._check_version(v)) for v in versions]
             if one_leaf:
-                head = obs._count + obs._one_heads[0] + long_bytes(len(kept[0]))
+                head = packer._count + packer._one_heads[0] + long_bytes(len(kept[0]))
                 middle = [(head, data, ARRAY_END) for data in kept]
             else:
                 middle = []
                 for k in kept:
                     obs_parts: list = []
-                    obs.write_kept(obs_parts, k)
+                    packer.write_kept(obs_parts, k)
                     middle.append(obs_parts)
             values = [
                 b"".join(
@@ -167,16 +174,69 @@ class BatchedCalls:
                         self._send_starts(out, keys, avros, values)
                         return out
                     if not self._overflow(None, False):
-                        for eid in out:
-                            ep = _r._Episode(eid)
-                            ep.dropping = True  # nothing of it is sent
-                            self._episodes_begun += 1
-                            episodes[eid] = ep
-                        self._dropped += n - 1  # _overflow counted one
+                        self._drop_starts(out)
                         return out
                 finally:
                     self._busy = False
             time.sleep(_r._WAIT_S)  # on_overflow="block": wait for room without the lock, then look again
+
+    def _start_parts(self, ts: bytes, size: int) -> tuple[bytes, bytes]:
+        """What every EpisodeStart of a `size`-byte single-leaf observation, no info and the
+        recorder's policy version has before and after its id and observation bytes (remembered
+        for the calls of one millisecond, version and size)."""
+        frame = self._start_frame
+        version = self._policy_version
+        if frame[0] is not ts or frame[1] != version or frame[2] != size:
+            (pid, env), spaces = self._start_avro
+            obs = self._obs
+            head = pid + long_bytes(version) + env + obs._count + obs._one_heads[0] + long_bytes(size)
+            frame = self._start_frame = (ts, version, size, head, ARRAY_END + string_bytes("") + spaces + ts)
+        return frame[3], frame[4]
+
+    def _begin_plain(self, observations: np.ndarray) -> list[str]:
+        """`begin_episodes` of the common batch: new ids, the recorder's version, no infos, an
+        array of exactly the single-leaf observation space's dtype and row shape (unvalidated).
+        Every row's EpisodeStart shares all but its id and observation bytes, so the values are
+        the slices of one copy of the batch joined between two shared parts."""
+        n = len(observations)
+        data = observations.tobytes()  # C order: row j is data[j * k:(j + 1) * k]
+        k = len(data) // n
+        out, keys = new_episode_keys(n)
+        avros = [_ID_HEAD + kb for kb in keys]
+        head, tail = self._start_parts(_r._now_ms_bytes(), k)
+        values = [b"".join((avro, head, data[s], tail)) for avro, s in zip(avros, row_slices(n, k))]
+        while True:
+            with self._lock:
+                if self._busy:
+                    raise self._reentry("begin_episodes")
+                self._busy = True
+                try:
+                    if self._closing:
+                        raise _r.RecorderClosed("the recorder is closed")
+                    episodes = self._episodes
+                    for eid in out:
+                        if eid in episodes:
+                            raise ValueError(f"episode {eid} is already open")
+                    buffered = self._buffered
+                    if buffered + n <= self._max_buffered_steps or not buffered:
+                        self._send_starts(out, keys, avros, values)
+                        return out
+                    if not self._overflow(None, False):
+                        self._drop_starts(out)
+                        return out
+                finally:
+                    self._busy = False
+            time.sleep(_r._WAIT_S)  # on_overflow="block": wait for room without the lock, then look again
+
+    def _drop_starts(self, ids: list) -> None:
+        """Register the episodes of a batch `on_overflow="drop"` dropped (`_overflow` counted one)."""
+        episodes = self._episodes
+        for eid in ids:
+            ep = _r._Episode(eid)
+            ep.dropping = True  # nothing of it is sent
+            self._episodes_begun += 1
+            episodes[eid] = ep
+        self._dropped += len(ids) - 1
 
     def _send_starts(self, ids: list, keys: list, avros: list, values: list) -> None:
         """Send the EpisodeStart messages and register the episodes, in row order: what `_send`

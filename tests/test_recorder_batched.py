@@ -7,6 +7,7 @@ No broker except where marked: the recorder's producer is replaced by one that k
 
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
@@ -51,7 +52,11 @@ def _obs_batch(space, rng, n):
         return (rng.integers(0, 3, n), rng.uniform(-1, 1, (n, 2, 2)))
     if isinstance(space, gs.Dict):
         return {"pos": rng.uniform(-1, 1, (n, 2)).astype(np.float32), "k": rng.integers(0, 4, n)}
-    return rng.standard_normal((n, 3)).astype(np.float32)
+    if isinstance(space, gs.Discrete):
+        return rng.integers(0, space.n, n)
+    if space.dtype == np.uint8:
+        return rng.integers(0, 256, (n, *space.shape), dtype=np.uint8)
+    return rng.standard_normal((n, *space.shape)).astype(space.dtype)
 
 
 def _obs_row(batch, i):
@@ -72,18 +77,47 @@ def _actions(space, rng, n):
     return rng.integers(0, 3, n)
 
 
-def _drive(space, outputs: str, seed: int = 0, n: int = 6, steps: int = 40, batch_steps: int = 4, act_space=ACT):
-    """The same random vector trajectory recorded batched and per row; returns both sides."""
+class _RandomSource:
+    """Stands in for os.urandom: one seeded byte stream per side, so that the ids a batched
+    recorder draws for a batch (one call) equal those N `begin_episode` calls draw (N calls)."""
+
+    def __init__(self, seed: int):
+        self.streams = {side: np.random.default_rng(seed) for side in ("batched", "single")}
+        self.side = "batched"
+
+    def __call__(self, size: int) -> bytes:
+        return self.streams[self.side].bytes(size)
+
+
+def _drive(
+    space,
+    outputs: str,
+    seed: int = 0,
+    n: int = 6,
+    steps: int = 40,
+    batch_steps: int = 4,
+    act_space=ACT,
+    new_ids: _RandomSource | None = None,
+):
+    """The same random vector trajectory recorded batched and per row; returns both sides.
+    `new_ids`: episodes begin without ids, infos or versions (the recorders draw new ids from
+    this stand-in for os.urandom); else with given ids, some infos and some versions."""
     batched, fb = _recorder(observation_space=space, action_space=act_space, max_batch_steps=batch_steps)
     single, fs = _recorder(observation_space=space, action_space=act_space, max_batch_steps=batch_steps)
     rng = np.random.default_rng(seed)
     counter = iter(range(10**6))
-    ids = [f"ep-{next(counter)}" for _ in range(n)]
     obs = _obs_batch(space, rng, n)
-    infos = [{"i": i} if i % 2 else None for i in range(n)]
-    assert batched.begin_episodes(obs, infos, episode_ids=ids, policy_versions=[None, 3] * (n // 2)) == ids
-    for i in range(n):
-        single.begin_episode(_obs_row(obs, i), infos[i], episode_id=ids[i], policy_version=[None, 3][i % 2])
+    if new_ids is not None:
+        new_ids.side = "batched"
+        ids = batched.begin_episodes(obs)
+        new_ids.side = "single"
+        assert [single.begin_episode(_obs_row(obs, i)) for i in range(n)] == ids
+    else:
+        ids = [f"ep-{next(counter)}" for _ in range(n)]
+        infos = [{"i": i} if i % 2 else None for i in range(n)]
+        assert batched.begin_episodes(obs, infos, episode_ids=ids, policy_versions=[None, 3] * (n // 2)) == ids
+        for i in range(n):
+            single.begin_episode(_obs_row(obs, i), infos[i], episode_id=ids[i], policy_version=[None, 3][i % 2])
     for _ in range(steps):
         actions = _actions(act_space, rng, n)
         rewards = rng.standard_normal(n)
@@ -117,11 +151,18 @@ def _drive(space, outputs: str, seed: int = 0, n: int = 6, steps: int = 40, batc
             )
         done = np.flatnonzero(rows & (term | trunc))
         if len(done):
-            new = [f"ep-{next(counter)}" for _ in done]
             fresh = _obs_batch(space, rng, len(done))
-            batched.begin_episodes(fresh, episode_ids=new)
+            if new_ids is not None:
+                new_ids.side = "batched"
+                new = batched.begin_episodes(fresh)
+                new_ids.side = "single"
+                assert [single.begin_episode(_obs_row(fresh, j)) for j in range(len(done))] == new
+            else:
+                new = [f"ep-{next(counter)}" for _ in done]
+                batched.begin_episodes(fresh, episode_ids=new)
+                for j in range(len(done)):
+                    single.begin_episode(_obs_row(fresh, j), episode_id=new[j])
             for j, i in enumerate(done):
-                single.begin_episode(_obs_row(fresh, j), episode_id=new[j])
                 ids[i] = new[j]
     batched.flush(0)
     single.flush(0)
@@ -141,6 +182,28 @@ def test_batched_calls_send_the_bytes_of_single_calls(space, act_space, outputs)
         assert fb.messages == fs.messages  # keys, values and headers, byte for byte, in order
         assert _stats(batched) == _stats(single)
         assert any(isinstance(decode(v, h), StepBatch) and decode(v, h).terminated for _, v, h in fb.messages)
+    finally:
+        batched.close(0)
+        single.close(0)
+
+
+@pytest.mark.parametrize(
+    ("space", "act_space"),
+    [(OBS, ACT), (gs.Box(0, 255, (2, 3), np.uint8), BOX_ACT), (gs.Discrete(5), ACT), (DICT_OBS, ACT)],
+    ids=["box", "box-uint8", "discrete", "dict"],
+)
+@pytest.mark.parametrize("seed", range(8))
+def test_new_episodes_send_the_bytes_of_single_calls(monkeypatch, space, act_space, seed):
+    """Episodes begun without ids, infos or versions (a vector env's resets): the same ids,
+    messages and stats as one `begin_episode` per row, batches of 1..n rows."""
+    source = _RandomSource(seed)
+    monkeypatch.setattr(os, "urandom", source)
+    n = 1 + seed % 7
+    batched, fb, single, fs = _drive(space, ["logp", "none"][seed % 2], seed=seed, n=n, steps=60, new_ids=source)
+    try:
+        assert len(fb.messages) > 2 * n
+        assert fb.messages == fs.messages  # keys, values and headers, byte for byte, in order
+        assert _stats(batched) == _stats(single)
     finally:
         batched.close(0)
         single.close(0)

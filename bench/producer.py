@@ -2,6 +2,7 @@
 
     python bench/producer.py [--rounds R] [--seconds S] [--bootstrap-servers B] [--json PATH] [--quick]
                              [--vector also|only|no] [--vector-steps V]
+                             [--vector-producer kafka|stand-in]
 
 Workloads (both sides step the *same* pre-generated observations, in the same order, at the same
 pace, against the same broker with the same producer settings (idempotent, acks=all, lz4,
@@ -44,6 +45,8 @@ per row, from the same arrays split the cheapest way: one ``tolist()`` per colum
 the same messages. Figures: CPU µs per sub-env transition (``time.process_time()`` until
 ``flush()`` returns), median of >= 5 rounds after one warm-up, the per-round ratio's spread, and
 both sides relative to the env's own CPU per sub-env step. Target: batched ≤ 0.5x single.
+``--vector-producer stand-in`` records the vector rows through a stand-in for librdkafka that only
+serves delivery reports (no broker): what the recorder's own Python costs on each side.
 
 Targets: CPU ratio ≤ 1.2 back-to-back and at 20k/s, ≤ 2.0 at 2k/s; ``log_step`` p99 ≤ 50 µs
 back-to-back (reported for the others). The recorder is pure Python (no compiled code on either
@@ -436,20 +439,60 @@ class VectorTrace:
         self.env_us_per_step = cpu / (vector_steps * n) * 1e6
 
 
+#: `bootstrap` of the vector rows' recorders that records through `_StandInProducer`, no broker
+STAND_IN = "stand-in"
+
+
+class _StandInProducer:
+    """Stands in for librdkafka's producer (``--vector-producer stand-in``): takes each message
+    and serves its delivery report (success) on the next poll or flush, nothing else - so the
+    vector rows measure the recorder's own Python, without librdkafka's enqueueing, compression
+    and network threads (the same for both sides: the same messages)."""
+
+    def __init__(self):
+        self._pending: list = []
+
+    def produce(self, topic, value, key=None, headers=None, on_delivery=None):
+        self._pending.append(on_delivery)
+
+    def poll(self, timeout=0):
+        pending, self._pending = self._pending, []  # one swap: the poller and flush() both poll
+        for cb in pending:
+            cb(None, None)
+        if not pending and timeout:
+            time.sleep(min(timeout, 0.01))
+        return len(pending)
+
+    def flush(self, timeout=-1):
+        self.poll(0)
+        return 0
+
+    def __len__(self):
+        return len(self._pending)
+
+    def purge(self, *args):
+        pass
+
+
 def _vector_recorder(bootstrap: str, topic: str):
     import gymnasium as gym
 
     from rlrec.producer import EpisodeRecorder
 
+    stand_in = bootstrap == STAND_IN
     rec = EpisodeRecorder(
-        bootstrap,
+        "127.0.0.1:1" if stand_in else bootstrap,
         topic=topic,
         policy_id="bench",
         observation_space=gym.spaces.Box(-np.inf, np.inf, (4,), np.float32),
         action_space=gym.spaces.Discrete(2),
         env_id="bench",
         max_buffered_steps=1_000_000,
+        kafka_config={"log_level": 0} if stand_in else None,
     )
+    if stand_in:
+        real, rec._producer = rec._producer, _StandInProducer()
+        real.purge()
     warm = rec.begin_episode(np.zeros(4, np.float32))
     rec.log_step(warm, 0, 1.0, np.zeros(4, np.float32), terminated=True)
     rec.flush(10)
@@ -523,6 +566,7 @@ def run_vector(bootstrap: str, rounds: int, warmup: int, vector_steps: int, prog
                 )
         b, s = statistics.median(raw["batched"]), statistics.median(raw["single"])
         out[v.name] = {
+            "producer": "stand-in" if bootstrap == STAND_IN else "kafka",
             "num_envs": v.n,
             "transitions": v.transitions,
             "episodes": v.episodes,
@@ -558,7 +602,7 @@ def print_vector_table(vec: dict) -> None:
 
 def _vector_section(args: argparse.Namespace) -> dict:
     broker = None
-    bootstrap = args.bootstrap_servers
+    bootstrap = STAND_IN if args.vector_producer == "stand-in" else args.bootstrap_servers
     if bootstrap is None:
         from rlrec.local import LocalBroker
 
@@ -592,6 +636,13 @@ def main(argv: list[str] | None = None) -> int:
         "--vector", choices=("also", "only", "no"), default="also", help="batched vector rows: also, only, no [also]"
     )
     ap.add_argument("--vector-steps", type=int, default=1500, help="vector steps (x64 sub-env steps) per trace [1500]")
+    ap.add_argument(
+        "--vector-producer",
+        choices=("kafka", "stand-in"),
+        default="kafka",
+        help="vector rows: librdkafka to the broker, or a stand-in that only serves delivery reports "
+        "(the recorder's own Python) [kafka]",
+    )
     args = ap.parse_args(argv)
     if args.vector != "no":
         vec = _vector_section(args)

@@ -39,6 +39,7 @@ from rlrec.producer.rows import (
 
 __all__ = ["BatchedCalls"]
 
+_EXACT_FLOATS = (np.float32, np.float64)  # rewards whose tolist() equals that of their float64 copy
 _ID_LEN, _ID_HEAD = {32}, long_bytes(32)  # the Avro length of 32-byte episode ids (uuid4 hex)
 
 
@@ -249,24 +250,18 @@ class BatchedCalls:
         self._buffered += n
         self._msgs[0] += n
         Episode = _r._Episode
-        eps = []
+        eps = list(map(Episode, ids, avros))  # registered once their EpisodeStarts are handed over
+        wire = [prefix + v for v in values] if prefix else values
         j = 0
         try:
-            for eid, kb, value, avro in zip(ids, keys, values, avros):
-                produce(
-                    topic,
-                    prefix + value if prefix else value,
-                    kb,
-                    headers=headers,
-                    on_delivery=partial(delivered, eid, 1),
-                )
-                eps.append(Episode(eid, avro))
+            for eid, kb, value in zip(ids, keys, wire):
+                produce(topic, value, kb, headers=headers, on_delivery=partial(delivered, eid, 1))
                 j += 1
         except (BufferError, KafkaException):
             self._buffered -= n - j
             self._msgs[0] -= n - j
             self._episodes_begun += j
-            self._episodes.update(zip(ids, eps))
+            self._episodes.update(zip(ids[:j], eps))
             for eid, value, avro in zip(ids[j:], values[j:], avros[j:]):
                 self._send(eid, value, "EpisodeStart", 1, 1)  # before registering: it may raise
                 self._episodes_begun += 1
@@ -325,7 +320,9 @@ class BatchedCalls:
         if not m:
             return
         if type(rewards) is np.ndarray and rewards.shape == (n,) and rewards.dtype.kind == "f":
-            rew = select(rewards.astype(np.float64, copy=False).tolist(), idx)
+            # float32 and float64 become the same Python floats as through float64
+            exact = rewards.dtype.type in _EXACT_FLOATS
+            rew = select((rewards if exact else rewards.astype(np.float64)).tolist(), idx)
         else:
             if len(rewards) != n:
                 raise ValueError(f"rewards has {len(rewards)} rows, episode_ids has {n}")
@@ -392,7 +389,7 @@ class BatchedCalls:
                 try:
                     episodes = self._episodes
                     try:
-                        eps = [episodes[ids[0]]] if m == 1 else list(itemgetter(*ids)(episodes))
+                        eps = [episodes[ids[0]]] if m == 1 else itemgetter(*ids)(episodes)
                     except (KeyError, TypeError):
                         for e in ids:
                             if episodes.get(e) is None:
@@ -431,7 +428,7 @@ class BatchedCalls:
 
     def _record_rows(
         self,
-        eps: list,
+        eps: Sequence,
         keys: dict,
         live: int,
         act: list,
@@ -463,7 +460,9 @@ class BatchedCalls:
             if full:
                 due = [(ep, te, tr) for ep, te, tr in zip(eps, term, trunc) if te or tr or ep in full]
             elif True in term or True in trunc:
-                due = [(eps[j], term[j], trunc[j]) for j in compress(range(len(eps)), map(or_, term, trunc))]
+                # the done rows (rarely both kinds in one call: then each flag alone marks them)
+                ended = term if True not in trunc else trunc if True not in term else map(or_, term, trunc)
+                due = [(eps[j], term[j], trunc[j]) for j in compress(range(len(eps)), ended)]
             else:
                 return
             self._emit_rows(due)

@@ -314,15 +314,17 @@ class BatchedCalls:
         if self._unusable:
             self._check_usable()
         n = len(episode_ids)
-        idx = selected_rows(rows, n)
+        mask = selected_rows(rows, n)  # arrays take their rows with it, lists with `idx`
+        idx = None if mask is None else mask.tolist()
         ids = select(episode_ids, idx)
         m = len(ids)
         if not m:
             return
         if type(rewards) is np.ndarray and rewards.shape == (n,) and rewards.dtype.kind == "f":
             # float32 and float64 become the same Python floats as through float64
-            exact = rewards.dtype.type in _EXACT_FLOATS
-            rew = select((rewards if exact else rewards.astype(np.float64)).tolist(), idx)
+            if rewards.dtype.type not in _EXACT_FLOATS:
+                rewards = rewards.astype(np.float64)
+            rew = (rewards if mask is None else rewards[mask]).tolist()
         else:
             if len(rewards) != n:
                 raise ValueError(f"rewards has {len(rewards)} rows, episode_ids has {n}")
@@ -341,10 +343,10 @@ class BatchedCalls:
             obs_rows = select(rows_of(self.observation_space, observations, n, "observations"), idx)
             for a, o in zip(act_rows, obs_rows):
                 self._validate(a, o)
-        obs = row_values(self._obs, self.observation_space, observations, n, idx, "observations")
-        act = row_values(self._act, self.action_space, actions, n, idx, "actions")
-        term = flags(terminated, n, idx, "terminated")
-        trunc = flags(truncated, n, idx, "truncated")
+        obs = row_values(self._obs, self.observation_space, observations, n, mask, "observations")
+        act = row_values(self._act, self.action_space, actions, n, mask, "actions")
+        term = flags(terminated, n, mask, "terminated")
+        trunc = flags(truncated, n, mask, "truncated")
         if infos is None:
             info_json = [""] * m
         else:

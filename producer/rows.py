@@ -34,14 +34,16 @@ __all__ = [
 _BOOL = np.dtype(bool)
 
 
-def selected_rows(rows: Any, n: int) -> list[bool] | None:
-    """The boolean mask `rows` as `select` takes it: a list of `n` bools (None: every row)."""
+def selected_rows(rows: Any, n: int) -> np.ndarray | None:
+    """The boolean mask `rows`, checked, as an array of `n` bools (None: every row). Columns
+    that are arrays take their rows with it (``col[mask]``); lists take them with `select` and
+    ``mask.tolist()``."""
     if rows is None:
         return None
     mask = rows if type(rows) is np.ndarray else np.asarray(rows)
     if (mask.dtype is not _BOOL and mask.dtype != np.bool_) or mask.shape != (n,):
         raise ValueError(f"rows must be a boolean mask of shape ({n},), got dtype {mask.dtype} shape {mask.shape}")
-    return mask.tolist()
+    return mask
 
 
 def select(values: Sequence, rows: list[bool] | None) -> list:
@@ -94,8 +96,9 @@ def row_slices(n: int, k: int) -> tuple[slice, ...]:
     return s if len(s) == n else s[:n]
 
 
-def row_values(packer: Any, space: gs.Space, batch: Any, n: int, idx: Any, what: str) -> list:
-    """What the recorder keeps (`_Packer.copy`) of each selected row of `batch`."""
+def row_values(packer: Any, space: gs.Space, batch: Any, n: int, mask: np.ndarray | None, what: str) -> list:
+    """What the recorder keeps (`_Packer.copy`) of each row of `batch` that `mask` (of
+    `selected_rows`) selects."""
     if (
         packer.dtype is not None
         and type(batch) is np.ndarray
@@ -103,27 +106,31 @@ def row_values(packer: Any, space: gs.Space, batch: Any, n: int, idx: Any, what:
         and batch.shape[1:] == packer.shape
         and len(batch) == n
     ):
+        if mask is not None:
+            batch = batch[mask]  # a C-ordered copy of the selected rows, in row order
+            n = len(batch)
         if packer.int_code and not packer.shape:  # Python ints, in range: kept as they are
-            return select(batch.tolist(), idx)
+            return batch.tolist()
         data = batch.tobytes()  # one copy of the whole batch (C order), sliced per row
         k = len(data) // n if n else 0
         if not k:
-            return [b""] * (n if idx is None else idx.count(True))
-        slices = row_slices(n, k)  # (a comprehension: `map(data.__getitem__, ...)` is ~3x slower)
-        return [data[s] for s in (slices if idx is None else compress(slices, idx))]
+            return [b""] * n
+        # (a comprehension: `map(data.__getitem__, ...)` is ~3x slower)
+        return [data[s] for s in row_slices(n, k)]
     rows = rows_of(space, batch, n, what)
     copy = packer.copy
-    return [copy(r) for r in select(rows, idx)]
+    return [copy(r) for r in select(rows, None if mask is None else mask.tolist())]
 
 
-def flags(values: Any, n: int, idx: Any, what: str) -> list[bool]:
-    """The selected rows of a batch of flags, as Python bools."""
+def flags(values: Any, n: int, mask: np.ndarray | None, what: str) -> list[bool]:
+    """The rows of a batch of flags that `mask` (of `selected_rows`) selects, as Python bools."""
     if type(values) is np.ndarray:
         if values.shape != (n,):
             raise ValueError(f"{what} has shape {values.shape}, expected ({n},)")
-        return select(values.astype(bool, copy=False).tolist(), idx)
+        values = values.astype(bool, copy=False)
+        return (values if mask is None else values[mask]).tolist()
     _check_len(values, n, what)
-    return [bool(x) for x in select(values, idx)]
+    return [bool(x) for x in select(values, None if mask is None else mask.tolist())]
 
 
 #: uuid4's fixed bits, set by translating bytes 6 (version 4) and 8 (variant 10) of each id

@@ -98,6 +98,7 @@ def _drive(
     batch_steps: int = 4,
     act_space=ACT,
     new_ids: _RandomSource | None = None,
+    reward_dtype=np.float64,
 ):
     """The same random vector trajectory recorded batched and per row; returns both sides.
     `new_ids`: episodes begin without ids, infos or versions (the recorders draw new ids from
@@ -120,7 +121,7 @@ def _drive(
             single.begin_episode(_obs_row(obs, i), infos[i], episode_id=ids[i], policy_version=[None, 3][i % 2])
     for _ in range(steps):
         actions = _actions(act_space, rng, n)
-        rewards = rng.standard_normal(n)
+        rewards = rng.standard_normal(n).astype(reward_dtype)
         obs = _obs_batch(space, rng, n)
         term = rng.random(n) < 0.08
         trunc = ~term & (rng.random(n) < 0.05)
@@ -199,7 +200,10 @@ def test_new_episodes_send_the_bytes_of_single_calls(monkeypatch, space, act_spa
     source = _RandomSource(seed)
     monkeypatch.setattr(os, "urandom", source)
     n = 1 + seed % 7
-    batched, fb, single, fs = _drive(space, ["logp", "none"][seed % 2], seed=seed, n=n, steps=60, new_ids=source)
+    rewards = [np.float64, np.float32, np.float16][seed % 3]  # float16: taken through a float64 copy
+    batched, fb, single, fs = _drive(
+        space, ["logp", "none"][seed % 2], seed=seed, n=n, steps=60, new_ids=source, reward_dtype=rewards
+    )
     try:
         assert len(fb.messages) > 2 * n
         assert fb.messages == fs.messages  # keys, values and headers, byte for byte, in order

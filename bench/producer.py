@@ -451,20 +451,31 @@ class _StandInProducer:
 
     def __init__(self):
         self._pending: list = []
+        self._running = 0  # reports taken by a poll (the poller's or flush's) and not yet served
+        self._lock = threading.Lock()
 
     def produce(self, topic, value, key=None, headers=None, on_delivery=None):
         self._pending.append(on_delivery)
 
     def poll(self, timeout=0):
-        pending, self._pending = self._pending, []  # one swap: the poller and flush() both poll
-        for cb in pending:
-            cb(None, None)
+        with self._lock:
+            pending, self._pending = self._pending, []
+            self._running += len(pending)
+        try:
+            for cb in pending:
+                cb(None, None)
+        finally:
+            with self._lock:
+                self._running -= len(pending)
         if not pending and timeout:
             time.sleep(min(timeout, 0.01))
         return len(pending)
 
     def flush(self, timeout=-1):
+        """Serves every report, also those the poller took and is serving (as librdkafka's)."""
         self.poll(0)
+        while self._running:
+            time.sleep(0.0005)
         return 0
 
     def __len__(self):

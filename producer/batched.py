@@ -158,6 +158,10 @@ class BatchedCalls:
             ]
         if episode_ids is not None and len(set(out)) != n:  # new ids are random uuid4s, as begin_episode's
             raise ValueError("episode_ids names an episode twice")
+        limit = self._max_start
+        for kb, value in zip(keys, values):
+            if len(kb) + len(value) > limit:
+                self._check_start_size(kb, value)  # raises: a refused row records no row
         while True:
             with self._lock:
                 if self._busy:
@@ -206,6 +210,7 @@ class BatchedCalls:
         avros = [_ID_HEAD + kb for kb in keys]
         head, tail = self._start_parts(_r._now_ms_bytes(), k)
         values = [b"".join((avro, head, data[s], tail)) for avro, s in zip(avros, row_slices(n, k))]
+        self._check_start_size(keys[0], values[0])  # every row the same size
         while True:
             with self._lock:
                 if self._busy:

@@ -515,3 +515,110 @@ def test_refused_produce_calls_equal_single_calls():
     finally:
         batched.close(0)
         single.close(0)
+
+
+_OUTPUT_ORDER_SCRIPT = r"""
+import json
+import numpy as np
+from gymnasium import spaces as gs
+from rlrec.producer import recorder
+from tests.helpers import keeping_recorder
+recorder._time = lambda: 1_700_000_000.0
+stamp = recorder._now_ms_bytes()
+recorder._now_ms_bytes = lambda: stamp
+out = {"vf_preds": np.array([1.0, 2.0], np.float32), "action_logp": np.array([-0.5, -0.25]), "zeta": np.array([3, 4])}
+hexes = []
+for batched in (True, False):
+    rec, fake = keeping_recorder(gs.Box(-1, 1, (2,), np.float32), gs.Discrete(2))
+    obs, ids = np.zeros((2, 2), np.float32), ["a", "b"]
+    if batched:
+        rec.begin_episodes(obs, episode_ids=ids)
+        rec.log_steps(ids, np.array([0, 1]), np.ones(2), obs, np.ones(2, bool), np.zeros(2, bool), extra_model_outputs=out)
+    else:
+        for i, eid in enumerate(ids):
+            rec.begin_episode(obs[i], episode_id=eid)
+        for i, eid in enumerate(ids):
+            rec.log_step(eid, i, 1.0, obs[i], True, False, None, {k: v[i] for k, v in out.items()})
+    rec.close(0)
+    hexes.append([(v.hex(), [(k, h.decode()) for k, h in headers]) for _, v, headers in fake.messages])
+print(json.dumps(hexes))
+"""
+
+
+def test_output_columns_keep_the_callers_key_order_in_every_process():
+    """A StepBatch's extra_model_outputs columns are in the order of the episode's first step's
+    keys, whatever the process's hash seed: one recording, one byte stream (batched or not)."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    streams = set()
+    for seed in ("0", "1", "2"):
+        env = dict(os.environ, PYTHONHASHSEED=seed)
+        run = subprocess.run(
+            [sys.executable, "-c", _OUTPUT_ORDER_SCRIPT], cwd=root, env=env, capture_output=True, text=True
+        )
+        assert run.returncode == 0, run.stderr[-2000:]
+        batched, single = json.loads(run.stdout)
+        assert batched == single
+        streams.add(json.dumps(batched))
+    assert len(streams) == 1
+    events = [decode(bytes.fromhex(v), [(k, h.encode()) for k, h in headers]) for v, headers in batched]
+    batches = [e for e in events if type(e) is StepBatch]
+    assert [list(b.extra_model_outputs) for b in batches] == [["vf_preds", "action_logp", "zeta"]] * 2
+
+
+def _small_limit_recorder(**kw) -> EpisodeRecorder:
+    """A recorder with librdkafka's own producer (no broker) and a 4000-byte message limit."""
+    kw.setdefault("observation_space", OBS)
+    kw.setdefault("action_space", ACT)
+    return EpisodeRecorder(
+        NOWHERE, "t", kafka_config={"log_level": 0, "message.max.bytes": 4000}, max_batch_delay_s=3600, **kw
+    )
+
+
+def test_a_start_too_large_for_the_producer_refuses_the_whole_batch():
+    """One row whose EpisodeStart librdkafka would refuse (a big reset info, or observations
+    too big for any message): nothing of the batch is sent or opened."""
+    rec = _small_limit_recorder()
+    try:
+        before = _stats(rec)
+        infos = [None, {"note": "small"}, {"note": "x" * 6000}]
+        with pytest.raises(ValueError, match=r"message\.max\.bytes"):
+            rec.begin_episodes(np.zeros((3, 3), np.float32), infos)
+        with pytest.raises(ValueError, match=r"message\.max\.bytes"):
+            rec.begin_episodes(
+                np.zeros((3, 3), np.float32), infos, episode_ids=["a", "b", "c"], policy_versions=[1, 2, 3]
+            )
+        assert (_stats(rec), rec.open_episodes) == (before, 0)
+    finally:
+        rec.close(0)
+    big = _small_limit_recorder(observation_space=gs.Box(-1, 1, (1200,), np.float32))
+    try:
+        with pytest.raises(ValueError, match=r"message\.max\.bytes"):
+            big.begin_episodes(np.zeros((4, 1200), np.float32))  # the plain path: 4800-byte rows
+        with pytest.raises(ValueError, match=r"message\.max\.bytes"):
+            big.begin_episode(np.zeros(1200, np.float32))
+        assert (big.stats.produced, big.stats.failed, big.open_episodes) == (0, 0, 0)
+    finally:
+        big.close(0)
+
+
+def test_every_start_the_recorder_lets_through_librdkafka_takes():
+    """Around the limit, a start is refused by the recorder's own check or taken by librdkafka,
+    never refused by librdkafka after the call began sending."""
+    rec = _small_limit_recorder()
+    try:
+        taken = refused = 0
+        for size in range(3200, 3900):
+            try:
+                rec.begin_episodes(np.zeros((2, 3), np.float32), [None, {"n": "x" * size}])
+                taken += 1
+            except ValueError as e:
+                assert "refused by the producer" not in str(e)
+                refused += 1
+            assert rec.stats.failed == 0 and rec.open_episodes == 2 * taken
+        assert taken and refused
+    finally:
+        rec.close(0)

@@ -576,8 +576,10 @@ def run_vector(bootstrap: str, rounds: int, warmup: int, vector_steps: int, prog
                     f"batched {got['batched']:.2f} µs, single {got['single']:.2f} µs per sub-env step"
                 )
         b, s = statistics.median(raw["batched"]), statistics.median(raw["single"])
+        per_round = [x / y for x, y in zip(raw["batched"], raw["single"])]
+        kafka = bootstrap != STAND_IN  # the contract's producer; the stand-in's ratio is informative only
         out[v.name] = {
-            "producer": "stand-in" if bootstrap == STAND_IN else "kafka",
+            "producer": "kafka" if kafka else "stand-in",
             "num_envs": v.n,
             "transitions": v.transitions,
             "episodes": v.episodes,
@@ -585,30 +587,39 @@ def run_vector(bootstrap: str, rounds: int, warmup: int, vector_steps: int, prog
             "batched_us_per_step": b,
             "single_us_per_step": s,
             "cpu_ratio": b / s,
-            "cpu_ratio_per_round": [x / y for x, y in zip(raw["batched"], raw["single"])],
+            "cpu_ratio_per_round": per_round,
+            "cpu_ratio_median_per_round": statistics.median(per_round),
             "spread": {"batched": _spread(raw["batched"]), "single": _spread(raw["single"])},
             "env_us_per_step": v.env_us_per_step,
             "batched_vs_env": b / v.env_us_per_step,
             "single_vs_env": s / v.env_us_per_step,
-            "target_cpu_ratio": VECTOR_TARGET,
-            "pass": b / s <= VECTOR_TARGET,
+            "target_cpu_ratio": VECTOR_TARGET if kafka else None,
+            "pass": b / s <= VECTOR_TARGET if kafka else None,
             "raw": raw,
         }
     return out
 
 
 def print_vector_table(vec: dict) -> None:
+    """The vector rows: per-step CPU (medians), the pooled ratio (what the target judges), the
+    median and range of the per-round ratios, and which producer ran (a stand-in row has no
+    target: it leaves librdkafka's per-message cost out of both sides)."""
     print(
-        f"{'vector (N=64)':<14}{'batched':>9}{'single':>9}{'ratio':>7}{'target':>8}{'spread':>14}"
-        f"{'env µs':>8}{'b/env':>7}{'s/env':>7}{'ep len':>8}"
+        f"{'vector (N=64)':<14}{'producer':>10}{'batched':>9}{'single':>9}{'ratio':>7}{'target':>8}"
+        f"{'round med':>10}{'spread':>12}{'env µs':>8}{'b/env':>7}{'s/env':>7}{'ep len':>8}"
     )
     for name, w in vec.items():
-        lo, hi = min(w["cpu_ratio_per_round"]), max(w["cpu_ratio_per_round"])
+        per_round = w["cpu_ratio_per_round"]
+        lo, hi = min(per_round), max(per_round)
+        target = w["target_cpu_ratio"]
         print(
-            f"{name:<14}{w['batched_us_per_step']:>9.2f}{w['single_us_per_step']:>9.2f}{w['cpu_ratio']:>7.2f}"
-            f"{w['target_cpu_ratio']:>8}{f'{lo:.2f}-{hi:.2f}':>14}{w['env_us_per_step']:>8.2f}"
+            f"{name:<14}{w.get('producer', 'kafka'):>10}{w['batched_us_per_step']:>9.2f}"
+            f"{w['single_us_per_step']:>9.2f}{w['cpu_ratio']:>7.2f}{'-' if target is None else target:>8}"
+            f"{statistics.median(per_round):>10.2f}{f'{lo:.2f}-{hi:.2f}':>12}{w['env_us_per_step']:>8.2f}"
             f"{w['batched_vs_env']:>7.1f}{w['single_vs_env']:>7.1f}{w['mean_episode_len']:>8.1f}"
         )
+    if any(w.get("producer") == "stand-in" for w in vec.values()):
+        print("producer stand-in: not the issue-43 contract's librdkafka rows; its ratios are informative only")
 
 
 def _vector_section(args: argparse.Namespace) -> dict:

@@ -522,7 +522,7 @@ import json
 import numpy as np
 from gymnasium import spaces as gs
 from rlrec.producer import recorder
-from tests.helpers import keeping_recorder
+from tests.helpers import assemble, keeping_recorder
 recorder._time = lambda: 1_700_000_000.0
 stamp = recorder._now_ms_bytes()
 recorder._now_ms_bytes = lambda: stamp
@@ -541,13 +541,15 @@ for batched in (True, False):
             rec.log_step(eid, i, 1.0, obs[i], True, False, None, {k: v[i] for k, v in out.items()})
     rec.close(0)
     hexes.append([(v.hex(), [(k, h.decode()) for k, h in headers]) for _, v, headers in fake.messages])
-print(json.dumps(hexes))
+finished, _ = assemble(fake.messages)
+print(json.dumps(hexes + [[list(fe.extra_model_outputs) for fe in finished.values()]]))
 """
 
 
 def test_output_columns_keep_the_callers_key_order_in_every_process():
     """A StepBatch's extra_model_outputs columns are in the order of the episode's first step's
-    keys, whatever the process's hash seed: one recording, one byte stream (batched or not)."""
+    keys, whatever the process's hash seed: one recording, one byte stream (batched or not), and
+    the consumer's finished episodes keep that order (their shards' bytes follow it)."""
     import json
     import subprocess
     import sys
@@ -560,8 +562,9 @@ def test_output_columns_keep_the_callers_key_order_in_every_process():
             [sys.executable, "-c", _OUTPUT_ORDER_SCRIPT], cwd=root, env=env, capture_output=True, text=True
         )
         assert run.returncode == 0, run.stderr[-2000:]
-        batched, single = json.loads(run.stdout)
+        batched, single, assembled = json.loads(run.stdout)
         assert batched == single
+        assert assembled == [["vf_preds", "action_logp", "zeta"]] * 2  # the consumer's episodes too
         streams.add(json.dumps(batched))
     assert len(streams) == 1
     events = [decode(bytes.fromhex(v), [(k, h.encode()) for k, h in headers]) for v, headers in batched]

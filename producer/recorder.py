@@ -689,7 +689,8 @@ class EpisodeRecorder(BatchedCalls):
         if not eid or len(eid) > 256:
             raise ValueError("episode_id must be 1..256 characters")
         value = self._start_value(eid, version, obs_parts, info_json, _now_ms_bytes())
-        self._check_start_size(eid.encode(), value)
+        if len(value) + 4 * len(eid) > self._max_start:  # UTF-8: at most 4 bytes a character
+            self._check_start_size(eid.encode(), value)
         while True:
             with self._lock:
                 if self._busy:

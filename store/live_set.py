@@ -440,8 +440,7 @@ def head_shards(
     plog = PartitionLog(storage, topic, partition)
     if live_set:
         try:
-            # the log reaches its seq (the entry below it is the writer's log snapshot: probed, not read)
-            if live_set.seq > 0 and storage.info(plog._path(live_set.seq - 1)) is None:
+            if live_set.seq > 0 and plog.read_entry(live_set.seq - 1) is None:
                 raise Stale(f"entry {live_set.seq - 1} does not exist")
             if first_entry_key(plog.read_entry(0)) != live_set.first:
                 raise Stale("its 'first' is not the key of the log's entry 0")

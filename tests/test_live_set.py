@@ -767,3 +767,23 @@ def test_a_live_set_past_the_logs_end_is_passed_over_and_does_not_stop_the_write
     assert len([q for q in seqs if q != big]) == 3, seqs  # the newest 3 honest ones kept
     assert read_live_set(st, "rl", 0).seq == max(q for q in seqs if q != big)
     _assert_head_is_history(root, through_live_set=True)
+
+
+def test_a_live_set_past_the_logs_end_with_any_file_below_it_is_refused(tmp_path):
+    """The entry below a live set's seq is read and checked, not only found: an empty file
+    planted there beside a live set past the log's end does not make the head end past the log
+    (which would hide the writer's next commits from every head reader; review-47o H3)."""
+    root, c, ls = _store_with_live_set(tmp_path)
+    st = c.storage
+    end = c.log.next_seq
+    forged = end + 50
+    _plant(c, {**_doc(ls), "seq": forged}, seq=forged)
+    assert st.create_once(c.log._path(forged - 1), b"")
+    head = open_snapshot(root)
+    assert head.cursor.endswith(f"~rl:0={end}"), head.cursor
+    assert sorted(_key(s) for s in head.entries) == _history_head(st)
+    w = ShardCommitter(root, "rl", 0, snapshot_every=3)
+    _commit(w, 2, 100)
+    after = open_snapshot(root)
+    assert sorted(_key(s) for s in after.entries) == _history_head(st)
+    assert after.cursor.endswith(f"~rl:0={w.log.next_seq}") and w.log.next_seq < forged, after.cursor

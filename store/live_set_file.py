@@ -298,6 +298,11 @@ class ShardList(Sequence[ShardEntry]):
         """The entries as a new list (as `list.copy`)."""
         return list(self._items())
 
+    def paths(self) -> list[str]:
+        """The entries' ``path``s in order; of a live set's rows straight from its columns,
+        without building an entry per row."""
+        return [e.path for e in self._items()]
+
     def __repr__(self) -> str:
         return repr(self._items())
 
@@ -316,6 +321,11 @@ class ChainedShards(ShardList):
         if self._built is None:
             self._built = [e for p in self._parts for e in p]
         return self._built
+
+    def paths(self) -> list[str]:
+        if self._built is not None:
+            return super().paths()
+        return [q for p in self._parts for q in (p.paths() if isinstance(p, ShardList) else [e.path for e in p])]
 
 
 class LiveRows(ShardList):
@@ -345,6 +355,12 @@ class LiveRows(ShardList):
         if self._built is None and isinstance(i, int):
             return self._row(i)
         return self._items()[i]
+
+    def paths(self) -> list[str]:
+        if self._built is not None or not self.seqs:
+            return super().paths()
+        c = self._columns
+        return pc.binary_join_element_wise(c["policy_id"], c["name"], "/").to_pylist()
 
     def _row(self, i: int) -> ShardEntry:
         """Row `i` alone (a fold looking up the few rows a later entry names)."""

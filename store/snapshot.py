@@ -532,7 +532,8 @@ class Snapshot:
         list to give a plain directory reader instead of a policy directory, which holds replaced
         files too. A shard committed moments ago may still be staged; the readers of this class
         read it from staging then, a plain directory reader waits for it."""
-        return [self.storage.uri(e.path) for e in self.entries]
+        paths = self.entries.paths() if isinstance(self.entries, ShardList) else [e.path for e in self.entries]
+        return self.storage.uris(paths)
 
     def changes(self, since: str | Cursor) -> Snapshot:
         """The episodes of this snapshot that the point `since` (a cursor of an earlier snapshot

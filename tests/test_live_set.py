@@ -787,3 +787,29 @@ def test_a_live_set_past_the_logs_end_with_any_file_below_it_is_refused(tmp_path
     after = open_snapshot(root)
     assert sorted(_key(s) for s in after.entries) == _history_head(st)
     assert after.cursor.endswith(f"~rl:0={w.log.next_seq}") and w.log.next_seq < forged, after.cursor
+
+
+def test_a_head_snapshots_files_come_from_the_live_sets_path_column(tmp_path, monkeypatch):
+    """`files()` of a head opened through live sets names the same files as the history at the
+    same cursor, across compaction (dropped and added rows) and shards after the live set, and
+    builds no shard entry for the live set's rows (review-47o H1: the head open is timed
+    producing what a listing produces)."""
+    root = str(tmp_path / "out")
+    c = ShardCommitter(root, "rl", 0, snapshot_every=3)
+    c.log.live_set_every = 4
+    _commit(c, 9, 0)
+    compact_partition(c.log, min_age_s=0, target_bytes=3 * max(e.bytes for e in read_manifest(c.storage)))
+    _commit(c, 2, 50)
+    c2 = ShardCommitter(root, "rl", 1, snapshot_every=3)  # a second log with no live set
+    _commit(c2, 2, 70)
+    head = open_snapshot(root)
+    assert read_heads(c.storage)[0][("rl", 0)].live_set is not None
+    full = open_snapshot(root, as_of=head.cursor)
+    built = []
+    real = live_set_file.LiveRows._make
+    monkeypatch.setattr(live_set_file.LiveRows, "_make", lambda self, rows: built.append(len(rows)) or real(self, rows))
+    files = head.files()
+    assert built == []
+    assert files == full.files() and len(files) == len(full.entries) > 4
+    assert all(os.path.isfile(f) for f in files)
+    assert files == [head.storage.uri(e.path) for e in head.entries]  # and after the entries are built

@@ -326,15 +326,15 @@ class HeadShards(ShardList):
             base = {k: pa.concat_arrays([a, new[k]]) for k, a in base.items()}
         return LiveRows(topic, partition, base)
 
-    def paths(self) -> list[str]:
+    def paths(self, prefix: str = "") -> list[str]:
         if self._built is not None or not isinstance(self._base, ShardList):
-            return super().paths()
-        base, seqs = self._base.paths(), self._seqs
+            return super().paths(prefix)
+        base, seqs = self._base.paths(prefix), self._seqs
         if self._dropped:
             keep = [i for i in range(len(seqs)) if i not in self._dropped]
             base, seqs = [base[i] for i in keep], [seqs[i] for i in keep]
         added = sorted(self._added)
-        paths = [self._added[q].path for q in added]
+        paths = [prefix + self._added[q].path for q in added]
         if added and seqs and added[0] < seqs[-1]:  # interleaved: in seq order
             return [p for _, p in sorted(zip(seqs + added, base + paths))]
         return base + paths

@@ -487,6 +487,7 @@ def write_live_set(
     writer: str = "",
     prev: LiveSetEntry | None = None,
     history: bool = True,
+    from_history: bool = False,
 ) -> LiveSetEntry | None:
     """Write the live set of one partition log at its current end (create-once; None if the log
     is empty, nothing followed the newest live set, or one exists at that seq already), built
@@ -500,10 +501,15 @@ def write_live_set(
             still the newest).
         history: False: raise `NeedsHistory` rather than build it from the whole history (the
             log has no usable live set): the writer's commit path never reads the history.
+        from_history: build it from the whole history, whatever live sets the log has (a
+            writer's first after its claim: it carries forward only live sets it built).
     """
-    seqs = live_set_seqs(storage, topic, partition)
-    if prev is None or not seqs or seqs[-1] != prev.seq:
-        prev = read_live_set(storage, topic, partition)
+    if from_history:
+        prev = None
+    else:
+        seqs = live_set_seqs(storage, topic, partition)
+        if prev is None or not seqs or seqs[-1] != prev.seq:
+            prev = read_live_set(storage, topic, partition)
     head = head_shards(storage, topic, partition, None, prev, apply_removals=False, history=history)
     if head.end == 0 or (prev is not None and head.end == prev.seq):
         return None

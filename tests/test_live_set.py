@@ -813,3 +813,28 @@ def test_a_head_snapshots_files_come_from_the_live_sets_path_column(tmp_path, mo
     assert files == full.files() and len(files) == len(full.entries) > 4
     assert all(os.path.isfile(f) for f in files)
     assert files == [head.storage.uri(e.path) for e in head.entries]  # and after the entries are built
+
+
+def test_a_writer_builds_its_first_live_set_from_the_history_not_a_forged_one(tmp_path):
+    """A forged live set that parses and hides a shard is not carried forward by a writer that
+    claims the log after it: its first live set is built from the history (in its background
+    thread), so the head is the history again from that live set on (review-47o H2)."""
+    root = str(tmp_path / "out")
+    c = ShardCommitter(root, "rl", 0, snapshot_every=3)
+    c.log.live_set_every = 3
+    _commit(c, 10, 0)
+    st = c.storage
+    newest = read_live_set(st, "rl", 0)
+    d = _doc(newest)
+    _replant(c, newest.seq, {**d, "shards": d["shards"][1:]})
+    assert len(read_live_set(st, "rl", 0).shards) == len(newest.shards) - 1  # trusted by readers
+    w = ShardCommitter(root, "rl", 0, snapshot_every=3)  # a restart: a new writer claims the log
+    w.log.live_set_every = 3
+    for i in range(6):
+        _commit(w, 1, 100 + i)
+        if w.log._live_builder is not None:
+            w.log._live_builder.join()
+    seqs = live_set_seqs(st, "rl", 0)
+    assert seqs[-1] > newest.seq
+    _assert_head_is_history(root, through_live_set=True)
+    assert read_heads(st)[0][("rl", 0)].live_set == seqs[-1]

@@ -13,8 +13,10 @@ snapshot and a live set every 100 entries: what follows the newest live set is w
 leaves, 0 to ~100 entries, reported as ``entries_after_live_set``; ``--extend`` moves it). Per
 round, the order reversed every other round:
 
-  head      ``open_snapshot(root)`` (what ``rlrec.open(root)`` does): the newest live set, the
-            entries after it, the removal log -- timed in this process, imports done;
+  head      ``open_snapshot(root).files()`` (what ``rlrec.open(root)`` does, then the live
+            files' paths: what a listing yields): the newest live set, the entries after it, the
+            removal log -- timed in this process, imports done (``head_open_only``: the open
+            alone, for scale);
   listing   ``os.listdir`` of the policy directory holding the live files (the best a plain
             reader can do to learn them: names only);
   listing_pyarrow  pyarrow's ``LocalFileSystem.get_file_info`` of that directory (names and
@@ -22,8 +24,10 @@ round, the order reversed every other round:
   history   ``open_snapshot(root, as_of=cursor)``: the same point through the whole history (as
             before live sets; one round per round, for scale).
 
-Storage calls of one head open are counted (a `Storage` subclass that counts): on S3, GCS or Azure
-each is one request (no listing here reaches 1,000 keys, a listing's page).
+Storage calls of one head open are counted (a `Storage` subclass that counts reads, existence
+probes, listings and ``info`` calls): on S3, GCS or Azure each is one request (no listing here
+reaches 1,000 keys, a listing's page), except that pyarrow may follow a missing key's ``info``
+on S3 with a listing (two requests).
 """
 
 from __future__ import annotations
@@ -64,6 +68,10 @@ class CountingStorage(Storage):
     def list(self, prefix: str = "", recursive: bool = False):
         self.calls += 1
         return super().list(prefix, recursive)
+
+    def info(self, path: str):
+        self.calls += 1
+        return super().info(path)
 
 
 def _shard(i: int, ids: list[str], data: bytes, tag: str = ""):
@@ -172,6 +180,8 @@ def extend(root: str, first: int, count: int, writer: str) -> dict:
         times.append(time.perf_counter() - t0)
         if plog._live_set is not written:
             with_live_set.append(times[-1])
+    if plog._live_builder is not None:  # its first live set, from the history: not measured with it running
+        plog._live_builder.join()
     return {
         "commits": count,
         "median_s": statistics.median(times) if times else None,
@@ -186,7 +196,13 @@ def measure(root: str, rounds: int, history: bool = True) -> dict:
     from rlrec.store.live_set import head_shards
     from rlrec.store.snapshot import open_snapshot
 
-    times: dict[str, list[float]] = {"head": [], "listing": [], "listing_pyarrow": [], "history": []}
+    times: dict[str, list[float]] = {
+        "head": [],
+        "head_open_only": [],
+        "listing": [],
+        "listing_pyarrow": [],
+        "history": [],
+    }
     head = open_snapshot(root)  # warm-up (imports, page cache)
     cursor = head.cursor
     shards = len(head.entries)
@@ -196,8 +212,12 @@ def measure(root: str, rounds: int, history: bool = True) -> dict:
     def run_head() -> None:
         t0 = time.perf_counter()
         snap = open_snapshot(root)
-        times["head"].append(time.perf_counter() - t0)
-        assert len(snap.entries) == shards and snap.cursor == cursor
+        t1 = time.perf_counter()
+        files = snap.files()
+        t2 = time.perf_counter()
+        times["head"].append(t2 - t0)
+        times["head_open_only"].append(t1 - t0)
+        assert len(files) == shards and snap.cursor == cursor
 
     def run_listing() -> None:
         t0 = time.perf_counter()

@@ -327,6 +327,19 @@ class HeadShards(ShardList):
             base = {k: pa.concat_arrays([a, new[k]]) for k, a in base.items()}
         return LiveRows(topic, partition, base)
 
+    def paths(self, prefix: str = "") -> list[str]:
+        if self._built is not None or not isinstance(self._base, ShardList):
+            return super().paths(prefix)
+        base, seqs = self._base.paths(prefix), self._seqs
+        if self._dropped:
+            keep = [i for i in range(len(seqs)) if i not in self._dropped]
+            base, seqs = [base[i] for i in keep], [seqs[i] for i in keep]
+        added = sorted(self._added)
+        paths = [prefix + self._added[q].path for q in added]
+        if added and seqs and added[0] < seqs[-1]:  # interleaved: in seq order
+            return [p for _, p in sorted(zip(seqs + added, base + paths))]
+        return base + paths
+
     def _items(self) -> list[ShardEntry]:
         if self._built is None:
             base = list(self._base)
@@ -441,8 +454,7 @@ def head_shards(
     plog = PartitionLog(storage, topic, partition)
     if live_set:
         try:
-            # the log reaches its seq (the entry below it is the writer's log snapshot: probed, not read)
-            if live_set.seq > 0 and storage.info(plog._path(live_set.seq - 1)) is None:
+            if live_set.seq > 0 and plog.read_entry(live_set.seq - 1) is None:
                 raise Stale(f"entry {live_set.seq - 1} does not exist")
             if first_entry_key(plog.read_entry(0)) != live_set.first:
                 raise Stale("its 'first' is not the key of the log's entry 0")
@@ -476,6 +488,7 @@ def write_live_set(
     writer: str = "",
     prev: LiveSetEntry | None = None,
     history: bool = True,
+    from_history: bool = False,
 ) -> LiveSetEntry | None:
     """Write the live set of one partition log at its current end (create-once; None if the log
     is empty, nothing followed the newest live set, or one exists at that seq already), built
@@ -489,10 +502,15 @@ def write_live_set(
             still the newest).
         history: False: raise `NeedsHistory` rather than build it from the whole history (the
             log has no usable live set): the writer's commit path never reads the history.
+        from_history: build it from the whole history, whatever live sets the log has (a
+            writer's first after its claim: it carries forward only live sets it built).
     """
-    seqs = live_set_seqs(storage, topic, partition)
-    if prev is None or not seqs or seqs[-1] != prev.seq:
-        prev = read_live_set(storage, topic, partition)
+    if from_history:
+        prev = None
+    else:
+        seqs = live_set_seqs(storage, topic, partition)
+        if prev is None or not seqs or seqs[-1] != prev.seq:
+            prev = read_live_set(storage, topic, partition)
     head = head_shards(storage, topic, partition, None, prev, apply_removals=False, history=history)
     if head.end == 0 or (prev is not None and head.end == prev.seq):
         return None

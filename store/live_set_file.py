@@ -298,6 +298,12 @@ class ShardList(Sequence[ShardEntry]):
         """The entries as a new list (as `list.copy`)."""
         return list(self._items())
 
+    def paths(self, prefix: str = "") -> list[str]:
+        """`prefix` + each entry's ``path`` (a clean relative path: checked when its entry or row
+        was read), in order; of a live set's rows straight from its columns, without building an
+        entry per row."""
+        return [prefix + e.path for e in self._items()]
+
     def __repr__(self) -> str:
         return repr(self._items())
 
@@ -316,6 +322,15 @@ class ChainedShards(ShardList):
         if self._built is None:
             self._built = [e for p in self._parts for e in p]
         return self._built
+
+    def paths(self, prefix: str = "") -> list[str]:
+        if self._built is not None:
+            return super().paths(prefix)
+        return [
+            q
+            for p in self._parts
+            for q in (p.paths(prefix) if isinstance(p, ShardList) else [prefix + e.path for e in p])
+        ]
 
 
 class LiveRows(ShardList):
@@ -345,6 +360,12 @@ class LiveRows(ShardList):
         if self._built is None and isinstance(i, int):
             return self._row(i)
         return self._items()[i]
+
+    def paths(self, prefix: str = "") -> list[str]:
+        if self._built is not None or not self.seqs:
+            return super().paths(prefix)
+        c = self._columns
+        return pc.binary_join_element_wise(prefix, c["policy_id"], "/", c["name"], "").to_pylist()
 
     def _row(self, i: int) -> ShardEntry:
         """Row `i` alone (a fold looking up the few rows a later entry names)."""

@@ -942,9 +942,9 @@ class PartitionLog:
         """Write a live set at `end` if at least ``live_set_every`` entries follow the newest one.
         Best effort, as snapshots: a failure only postpones it (readers read the history).
 
-        Built from the newest live set and the entries after it, on the caller's (commit) path.
-        With no usable live set, a log of at most ``2 * live_set_every`` entries is built from its
-        history there too; a longer one (a log written before live sets) is built by one
+        Built from the last one this writer built and the entries after it, on the caller's
+        (commit) path. Its first (after the claim), or one with no usable live set, is built from
+        the history: there too for a log of at most ``2 * live_set_every`` entries, else by one
         background thread of this writer, so that no commit waits on a whole-history read."""
         from rlrec.store import live_set as ls  # live sets build on this module
 
@@ -959,6 +959,8 @@ class PartitionLog:
                 self._live_seq = max((q for q in seqs if q <= end), default=0)  # past the end: not ours
             if end - self._live_seq < every:
                 return
+            if self._live_set is None and end > 2 * every:  # its first: from the history, off the commit path
+                raise ls.NeedsHistory("no live set built by this writer yet")
             written = ls.write_live_set(
                 self.storage,
                 self.topic,
@@ -966,6 +968,7 @@ class PartitionLog:
                 writer=self._writer or "",
                 prev=self._live_set,
                 history=end <= 2 * every,
+                from_history=self._live_set is None,
             )
             self._live_seq = written.seq if written is not None else end
             self._live_set = written or self._live_set
@@ -985,7 +988,9 @@ class PartitionLog:
         from rlrec.store import live_set as ls
 
         try:
-            written = ls.write_live_set(self.storage, self.topic, self.partition, writer=self._writer or "")
+            written = ls.write_live_set(
+                self.storage, self.topic, self.partition, writer=self._writer or "", from_history=True
+            )
             self._live_seq = written.seq if written is not None else end
             self._live_set = written or self._live_set
         except Exception as err:

@@ -162,28 +162,7 @@ class BatchedCalls:
         for kb, value in zip(keys, values):
             if len(kb) + len(value) > limit:
                 self._check_start_size(kb, value)  # raises: a refused row records no row
-        while True:
-            with self._lock:
-                if self._busy:
-                    raise self._reentry("begin_episodes")
-                self._busy = True
-                try:
-                    if self._closing:
-                        raise _r.RecorderClosed("the recorder is closed")
-                    episodes = self._episodes
-                    for eid in out:
-                        if eid in episodes:
-                            raise ValueError(f"episode {eid} is already open")
-                    buffered = self._buffered
-                    if buffered + n <= self._max_buffered_steps or not buffered:
-                        self._send_starts(out, keys, avros, values)
-                        return out
-                    if not self._overflow(None, False):
-                        self._drop_starts(out)
-                        return out
-                finally:
-                    self._busy = False
-            time.sleep(_r._WAIT_S)  # on_overflow="block": wait for room without the lock, then look again
+        return self._admit_starts(out, keys, avros, values)
 
     def _start_parts(self, ts: bytes, size: int) -> tuple[bytes, bytes]:
         """What every EpisodeStart of a `size`-byte single-leaf observation, no info and the
@@ -211,6 +190,13 @@ class BatchedCalls:
         head, tail = self._start_parts(_r._now_ms_bytes(), k)
         values = [b"".join((avro, head, data[s], tail)) for avro, s in zip(avros, row_slices(n, k))]
         self._check_start_size(keys[0], values[0])  # every row the same size
+        return self._admit_starts(out, keys, avros, values)
+
+    def _admit_starts(self, out: list, keys: list, avros: list, values: list) -> list[str]:
+        """Send a checked batch's EpisodeStarts under one lock acquisition, or drop them as the
+        recorder's overflow policy says (`on_overflow="block"`: wait for room without the lock,
+        then look again); an id already open refuses the whole batch."""
+        n = len(out)
         while True:
             with self._lock:
                 if self._busy:
@@ -232,7 +218,7 @@ class BatchedCalls:
                         return out
                 finally:
                     self._busy = False
-            time.sleep(_r._WAIT_S)  # on_overflow="block": wait for room without the lock, then look again
+            time.sleep(_r._WAIT_S)
 
     def _drop_starts(self, ids: list) -> None:
         """Register the episodes of a batch `on_overflow="drop"` dropped (`_overflow` counted one)."""

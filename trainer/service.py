@@ -252,11 +252,11 @@ class ContinuousTrainer:
         while not self._stop.is_set():
             try:
                 if head:
-                    found = [e for e in follower.live_head() if e.path not in (skip or ())]
+                    found = follower.live_head()
                 else:
                     found = [follower.entries[i.key] for i in follower.poll(force_discover=True)]
-                    found = [e for e in found if e.path not in (skip or ())]
                 head = False
+                found = [e for e in found if e.path not in (skip or ())]
             except UnsupportedManifestError as e:
                 raise StoreTooNew(f"{e}; the trainer did not start (restart it once rlrec is upgraded)") from None
             except StorageError as e:  # the store does not answer: wait for it, on the retry schedule

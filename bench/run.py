@@ -255,13 +255,14 @@ def producer_rows(r: dict, quick: bool) -> list[Row]:
         label = VECTOR_LABELS.get(name, name)
         raw = w["raw"]
         tgt = w["target_cpu_ratio"]
+        stand_in = " (stand-in producer)" if w.get("producer") == "stand-in" else ""
         row = _row(
-            f"producer: CPU µs/sub-env step, vector N={w['num_envs']} {label}, "
+            f"producer: CPU µs/sub-env step, vector N={w['num_envs']} {label}{stand_in}, "
             "begin_episodes+log_steps vs N begin_episode/log_step calls",
             _num(w, "batched_us_per_step"),
             _num(w, "single_us_per_step"),
-            f"ratio ≤ {tgt:g}",
-            lambda o, q, t=tgt: q <= t,
+            f"ratio ≤ {tgt:g}" if tgt is not None else "reported",
+            (lambda o, q, t=tgt: q <= t) if tgt is not None else (lambda o, q: None),
             quick,
         )
         row.rounds = _rounds(raw["batched"], raw["single"])

@@ -1,25 +1,33 @@
 """Opening the head of a store with a long manifest history: `rlrec.open(uri)` through live sets
 against listing the store's live files (the ``head`` row of ``bench/store.py``).
 
-    python bench/store_head.py [--entries 100000] [--live 20000] [--tail 500] [--rounds 5] [--json PATH]
+    python bench/store_head.py [--entries 100000] [--live 20000] [--tail 500] [--rounds 5] [--s3] [--json PATH]
+    python bench/store_head.py --store DIR --reuse --extend 50 ...   (more commits by a new writer, then measure)
 
 One partition log is built on a local directory: ``entries`` shard entries, every ``entries /
 live`` of them merged by a replace entry as compaction does (so ``live`` live shards, one file
 each; the merged-away shards have no files, which opening the head never reads), a live set
 written (`rlrec.store.live_set.write_live_set`), then ``tail`` more shard entries after it,
 committed through `PartitionLog` as the partition's writer commits them (a claim, then a log
-snapshot every 100 entries). Per round,
-alternating which goes first:
+snapshot and a live set every 100 entries: what follows the newest live set is what a writer
+leaves, 0 to ~100 entries, reported as ``entries_after_live_set``; ``--extend`` moves it). Per
+round, the order reversed every other round:
 
-  head      ``open_snapshot(root)`` (what ``rlrec.open(root)`` does): the newest live set, the
-            entries after it, the removal log -- timed in this process, imports done;
+  head      ``open_snapshot(root).files()`` (what ``rlrec.open(root)`` does, then the live
+            files' paths: what a listing yields): the newest live set, the entries after it, the
+            removal log -- timed in this process, imports done (``head_open_only``: the open
+            alone, for scale);
   listing   ``os.listdir`` of the policy directory holding the live files (the best a plain
-            reader can do to learn them);
+            reader can do to learn them: names only);
+  listing_pyarrow  pyarrow's ``LocalFileSystem.get_file_info`` of that directory (names and
+            sizes: what a pyarrow reader of the files lists);
   history   ``open_snapshot(root, as_of=cursor)``: the same point through the whole history (as
             before live sets; one round per round, for scale).
 
-Storage calls of one head open are counted (a `Storage` subclass that counts): on S3, GCS or Azure
-each is one request (no listing here reaches 1,000 keys, a listing's page).
+Storage calls of one head open are counted (a `Storage` subclass that counts reads, existence
+probes, listings and ``info`` calls): on S3, GCS or Azure each is one request (no listing here
+reaches 1,000 keys, a listing's page), except that pyarrow may follow a missing key's ``info``
+on S3 with a listing (two requests).
 """
 
 from __future__ import annotations
@@ -61,6 +69,10 @@ class CountingStorage(Storage):
         self.calls += 1
         return super().list(prefix, recursive)
 
+    def info(self, path: str):
+        self.calls += 1
+        return super().info(path)
+
 
 def _shard(i: int, ids: list[str], data: bytes, tag: str = ""):
     from rlrec.store.manifest import ShardEntry
@@ -93,7 +105,7 @@ def build(root: str, entries: int, live: int, tail: int) -> dict:
     (not through `PartitionLog`, whose checks and snapshots would take an hour at this size on a
     loaded machine): a claim, then shard and replace entries, no log snapshots."""
     from rlrec.store.live_set import write_live_set
-    from rlrec.store.manifest import ClaimEntry, PartitionLog, ReplaceEntry, entry_path
+    from rlrec.store.manifest import ClaimEntry, ReplaceEntry, entry_path
     from rlrec.store.manifest_entries import _dumps
 
     st = Storage.from_uri(root, fsync=False)
@@ -135,37 +147,77 @@ def build(root: str, entries: int, live: int, tail: int) -> dict:
     live_set_s = time.perf_counter() - written
     # the tail as the partition's writer commits it: a claim, then shard entries with a log
     # snapshot every 100 (what a reader of the head reads after the live set)
-    plog = PartitionLog(st, TOPIC, 0, snapshot_every=100)
-    plog.claim("bench-tail")
-    plog.recover()  # as a writer does after its claim (the shards read are published: no snapshot lists them)
-    for n in range(entries - tail, entries):
-        data = f"shard {n}".encode()
-        e = _shard(n, [f"ep-{n}-{j}" for j in range(4)], data)
-        plog.publish(plog.append_shard(e), data)  # as the consumer's committer: commit, then publish
+    commits = extend(root, entries - tail, tail, "bench-tail")
     return {
-        "entries": plog.next_seq,
         "shard_entries": entries,
-        "live_set_seq": ls.seq if ls else None,
-        "live_set_bytes": len(ls.to_bytes()) if ls else None,
-        "live_set_write_s": live_set_s,
-        "live_files": len(os.listdir(os.path.join(root, POLICY))),
+        "first_live_set_seq": ls.seq if ls else None,
+        "first_live_set_bytes": len(ls.to_bytes()) if ls else None,
+        "first_live_set_write_s": live_set_s,
+        "tail_commits": commits,
         "build_s": time.perf_counter() - t0,
     }
 
 
+def extend(root: str, first: int, count: int, writer: str) -> dict:
+    """Commit `count` shard entries (numbered from `first`) as the partition's writer commits
+    them: a claim, then each shard committed and published, with a log snapshot every 100
+    entries and a live set every `LIVE_SET_EVERY` (so the entries a reader of the head reads
+    after the newest live set are what a writer leaves). Returns the commits' seconds: median,
+    max, and those of the commits that wrote a live set (on the commit path)."""
+    from rlrec.store.manifest import PartitionLog
+
+    st = Storage.from_uri(root, fsync=False)
+    plog = PartitionLog(st, TOPIC, 0, snapshot_every=100)
+    plog.claim(writer)
+    plog.recover()  # as a writer does after its claim (the shards read are published: no snapshot lists them)
+    times, with_live_set = [], []
+    for n in range(first, first + count):
+        data = f"shard {n}".encode()
+        e = _shard(n, [f"ep-{n}-{j}" for j in range(4)], data)
+        written = plog._live_set
+        t0 = time.perf_counter()
+        plog.publish(plog.append_shard(e), data)  # as the consumer's committer: commit, then publish
+        times.append(time.perf_counter() - t0)
+        if plog._live_set is not written:
+            with_live_set.append(times[-1])
+    if plog._live_builder is not None:  # its first live set, from the history: not measured with it running
+        plog._live_builder.join()
+    return {
+        "commits": count,
+        "median_s": statistics.median(times) if times else None,
+        "max_s": max(times) if times else None,
+        "with_live_set_s": with_live_set,
+    }
+
+
 def measure(root: str, rounds: int, history: bool = True) -> dict:
+    import pyarrow.fs as pafs
+
+    from rlrec.store.live_set import head_shards
     from rlrec.store.snapshot import open_snapshot
 
-    times: dict[str, list[float]] = {"head": [], "listing": [], "history": []}
+    times: dict[str, list[float]] = {
+        "head": [],
+        "head_open_only": [],
+        "listing": [],
+        "listing_pyarrow": [],
+        "history": [],
+    }
     head = open_snapshot(root)  # warm-up (imports, page cache)
     cursor = head.cursor
     shards = len(head.entries)
+    read = head_shards(Storage.from_uri(root), TOPIC, 0)
+    local = pafs.LocalFileSystem()
 
     def run_head() -> None:
         t0 = time.perf_counter()
         snap = open_snapshot(root)
-        times["head"].append(time.perf_counter() - t0)
-        assert len(snap.entries) == shards and snap.cursor == cursor
+        t1 = time.perf_counter()
+        files = snap.files()
+        t2 = time.perf_counter()
+        times["head"].append(t2 - t0)
+        times["head_open_only"].append(t1 - t0)
+        assert len(files) == shards and snap.cursor == cursor
 
     def run_listing() -> None:
         t0 = time.perf_counter()
@@ -173,8 +225,16 @@ def measure(root: str, rounds: int, history: bool = True) -> dict:
         times["listing"].append(time.perf_counter() - t0)
         assert len(names) == shards
 
+    def run_listing_pyarrow() -> None:
+        t0 = time.perf_counter()
+        infos = local.get_file_info(pafs.FileSelector(os.path.join(root, POLICY)))
+        files = [i for i in infos if i.path.endswith(".parquet")]
+        times["listing_pyarrow"].append(time.perf_counter() - t0)
+        assert len(files) == shards
+
     for r in range(rounds):
-        for fn in (run_head, run_listing) if r % 2 == 0 else (run_listing, run_head):
+        order = (run_head, run_listing, run_listing_pyarrow)
+        for fn in order if r % 2 == 0 else order[::-1]:
             fn()
         if not history:
             continue
@@ -185,8 +245,12 @@ def measure(root: str, rounds: int, history: bool = True) -> dict:
     counting = CountingStorage.from_uri(root)
     open_snapshot(counting)
     ratios = [h / max(x, 1e-9) for h, x in zip(times["head"], times["listing"])]
+    ratios_pa = [h / max(x, 1e-9) for h, x in zip(times["head"], times["listing_pyarrow"])]
     return {
         "live_shards": shards,
+        "entries": read.end,
+        "live_set_seq": read.live_set,
+        "entries_after_live_set": read.end - (read.live_set or 0),
         "seconds": {
             k: {"median": statistics.median(v), "spread": [min(v), max(v)], "rounds": v} for k, v in times.items() if v
         },
@@ -195,6 +259,12 @@ def measure(root: str, rounds: int, history: bool = True) -> dict:
             "spread": [min(ratios), max(ratios)],
             "at_most": AT_MOST,
             "met": statistics.median(ratios) <= AT_MOST,
+        },
+        "head_over_listing_pyarrow": {
+            "median": statistics.median(ratios_pa),
+            "spread": [min(ratios_pa), max(ratios_pa)],
+            "at_most": AT_MOST,
+            "met": statistics.median(ratios_pa) <= AT_MOST,
         },
         "head_storage_calls": counting.calls,
     }
@@ -261,24 +331,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--s3", action="store_true", help="also open the head on moto's S3 (measure_s3)")
     ap.add_argument("--reuse", action="store_true", help="--store already holds the built store: measure only")
     ap.add_argument("--no-history", action="store_true", help="skip the history rounds (a minute each)")
+    ap.add_argument("--extend", type=int, default=0, help="with --reuse: commit this many more shard entries first")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     root = args.store or tempfile.mkdtemp(prefix="rlrec-bench-head-")
-    if args.reuse:
-        from rlrec.store.live_set import live_set_seqs
+    from rlrec.store.live_set import live_set_seqs
 
-        built = {"reused": True, "live_set_seq": live_set_seqs(Storage.from_uri(root), TOPIC, 0)[-1]}
+    if args.reuse:
+        built: dict = {"reused": True}
+        if args.extend:
+            first = sum(1 for n in os.listdir(os.path.join(root, POLICY)) if n.endswith(".parquet")) * 10**6
+            built["extended"] = extend(root, first, args.extend, f"bench-extend-{first}")
     else:
         built = build(root, args.entries, args.live, args.tail)
     print(f"built {built}", file=sys.stderr)
     doc = {"args": vars(args), "built": built, **measure(root, args.rounds, not args.no_history)}
     if args.s3:
-        doc["s3"] = measure_s3(root, built["live_set_seq"], args.rounds)
+        doc["s3"] = measure_s3(root, live_set_seqs(Storage.from_uri(root), TOPIC, 0)[-1], args.rounds)
         print(f"S3 (moto): head open {doc['s3']['seconds']['median']:.2f}s, {doc['s3']['requests']} requests")
     s, r = doc["seconds"], doc["head_over_listing"]
+    rp = doc["head_over_listing_pyarrow"]
     print(
-        f"head of {built.get('entries', 0):,} entries, {doc['live_shards']:,} live shards: open {s['head']['median']:.3f}s "
-        f"({doc['head_storage_calls']} storage calls), listing {s['listing']['median']:.3f}s, "
+        f"head of {doc['entries']:,} entries ({doc['entries_after_live_set']} after the live set), "
+        f"{doc['live_shards']:,} live shards: open {s['head']['median']:.3f}s "
+        f"({doc['head_storage_calls']} storage calls), listing {s['listing']['median']:.3f}s "
+        f"(pyarrow.fs {s['listing_pyarrow']['median']:.3f}s: head/that {rp['median']:.2f}x), "
         f"history {s['history']['median'] if 'history' in s else float('nan'):.2f}s; head/listing {r['median']:.2f}x "
         f"[{r['spread'][0]:.2f}-{r['spread'][1]:.2f}] (contract <= {AT_MOST:g}x: {'met' if r['met'] else 'MISSED'})"
     )

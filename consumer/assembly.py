@@ -206,7 +206,8 @@ class OpenEpisode:
     last_offset: int = 0
     last_event_at: float = 0.0
     extra_keys: frozenset | None = None
-    #: (dtype, per-step shape) of each extra model output, from the episode's first batch
+    #: (dtype, per-step shape) of each extra model output, from the episode's first batch, in its
+    #: key order (the order of the finished episode's outputs)
     extra_layout: dict[str, tuple[np.dtype, tuple[int, ...]]] | None = None
     nbytes: int = 0
     decided_at: float | None = None  # when a decision for it was produced (not yet read back)
@@ -764,7 +765,7 @@ def _build(ep: OpenEpisode, terminated: bool, truncated: bool, ended_ms: int, no
     infos: list[Mapping] = [s.info]
     for b in batches:
         infos += b.infos if b.infos is not None else [EMPTY_INFO] * b.n
-    extra = {k: np.concatenate([b.extra_model_outputs[k] for b in batches]) for k in (ep.extra_keys or ())}
+    extra = {k: np.concatenate([b.extra_model_outputs[k] for b in batches]) for k in (ep.extra_layout or ())}
     return FinishedEpisode(
         episode_id=s.episode_id,
         policy_id=s.policy_id,

@@ -29,6 +29,8 @@ from rlrec.producer.rows import (
     checked_id,
     flags,
     new_episode_ids,
+    new_episode_keys,
+    row_slices,
     row_values,
     rows_of,
     select,
@@ -37,6 +39,7 @@ from rlrec.producer.rows import (
 
 __all__ = ["BatchedCalls"]
 
+_EXACT_FLOATS = (np.float32, np.float64)  # rewards whose tolist() equals that of their float64 copy
 _ID_LEN, _ID_HEAD = {32}, long_bytes(32)  # the Avro length of 32-byte episode ids (uuid4 hex)
 
 
@@ -84,6 +87,19 @@ class BatchedCalls:
         """
         if self._unusable:
             self._check_usable()
+        packer = self._obs
+        if (
+            infos is None
+            and episode_ids is None
+            and policy_versions is None
+            and type(observations) is np.ndarray
+            and observations.dtype is packer.dtype
+            and observations.shape[1:] == packer.shape
+            and packer.shape  # not a scalar leaf: each row's kept value is its bytes
+            and not self.validate_spaces
+            and observations.size  # some rows, each of some bytes
+        ):
+            return self._begin_plain(observations)
         n = len(observations) if type(observations) is np.ndarray else batch_len(observations)
         given = infos is not None or episode_ids is not None or policy_versions is not None
         infos = [None] * n if infos is None else select(infos, None)
@@ -94,9 +110,9 @@ class BatchedCalls:
                 if len(col) != n:
                     raise ValueError(f"{what} has {len(col)} rows, observations has {n}")
         if self.validate_spaces:
-            for obs in rows_of(self.observation_space, observations, n, "observations"):
-                if not self.observation_space.contains(obs):
-                    raise ValueError(f"observation {obs!r:.200} is not in {self.observation_space}")
+            for row in rows_of(self.observation_space, observations, n, "observations"):
+                if not self.observation_space.contains(row):
+                    raise ValueError(f"observation {row!r:.200} is not in {self.observation_space}")
         kept = row_values(self._obs, self.observation_space, observations, n, None, "observations")
         out = new_episode_ids(n) if episode_ids is None else [checked_id(e) for e in ids]
         if episode_ids is not None and None in ids:
@@ -105,35 +121,27 @@ class BatchedCalls:
         # the EpisodeStart records (see `_start_value`), what the rows share encoded once
         pid_env, spaces = self._start_avro
         ts = _r._now_ms_bytes()
-        obs = self._obs
         keys = [eid.encode() for eid in out]  # the Kafka keys; with their lengths, the Avro ids
         if set(map(len, keys)) == _ID_LEN:  # e.g. new ids (uuid4 hex)
             avros = [_ID_HEAD + kb for kb in keys]
         else:
             avros = [long_bytes(len(kb)) + kb for kb in keys]
-        one_leaf = obs.single and n and set(map(type, kept)) == {bytes}  # one leaf, each row its wire bytes
+        one_leaf = packer.single and n and set(map(type, kept)) == {bytes}  # one leaf, each row its wire bytes
         if one_leaf and (not given or (versions.count(None) == n and infos.count(None) == n)):
-            # all but the id and the observation's bytes shared by the rows (and by the calls of
-            # one millisecond and policy version: remembered)
-            frame = self._start_frame
-            version, size = self._policy_version, len(kept[0])
-            if frame[0] is not ts or frame[1] != version or frame[2] != size:
-                head = pid_env[0] + long_bytes(version) + pid_env[1] + obs._count + obs._one_heads[0] + long_bytes(size)
-                frame = self._start_frame = (ts, version, size, head, ARRAY_END + string_bytes("") + spaces + ts)
-            head, tail = frame[3], frame[4]
+            head, tail = self._start_parts(ts, len(kept[0]))
             values = [b"".join((avro, head, data, tail)) for avro, data in zip(avros, kept)]
         else:
             no_info = string_bytes("") + spaces + ts
             default = long_bytes(self._policy_version)
             vbytes = [default if v is None else long_bytes(self._check_version(v)) for v in versions]
             if one_leaf:
-                head = obs._count + obs._one_heads[0] + long_bytes(len(kept[0]))
+                head = packer._count + packer._one_heads[0] + long_bytes(len(kept[0]))
                 middle = [(head, data, ARRAY_END) for data in kept]
             else:
                 middle = []
                 for k in kept:
                     obs_parts: list = []
-                    obs.write_kept(obs_parts, k)
+                    packer.write_kept(obs_parts, k)
                     middle.append(obs_parts)
             values = [
                 b"".join(
@@ -150,6 +158,45 @@ class BatchedCalls:
             ]
         if episode_ids is not None and len(set(out)) != n:  # new ids are random uuid4s, as begin_episode's
             raise ValueError("episode_ids names an episode twice")
+        limit = self._max_start
+        for kb, value in zip(keys, values):
+            if len(kb) + len(value) > limit:
+                self._check_start_size(kb, value)  # raises: a refused row records no row
+        return self._admit_starts(out, keys, avros, values)
+
+    def _start_parts(self, ts: bytes, size: int) -> tuple[bytes, bytes]:
+        """What every EpisodeStart of a `size`-byte single-leaf observation, no info and the
+        recorder's policy version has before and after its id and observation bytes (remembered
+        for the calls of one millisecond, version and size)."""
+        frame = self._start_frame
+        version = self._policy_version
+        if frame[0] is not ts or frame[1] != version or frame[2] != size:
+            (pid, env), spaces = self._start_avro
+            obs = self._obs
+            head = pid + long_bytes(version) + env + obs._count + obs._one_heads[0] + long_bytes(size)
+            frame = self._start_frame = (ts, version, size, head, ARRAY_END + string_bytes("") + spaces + ts)
+        return frame[3], frame[4]
+
+    def _begin_plain(self, observations: np.ndarray) -> list[str]:
+        """`begin_episodes` of the common batch: new ids, the recorder's version, no infos, an
+        array of exactly the single-leaf observation space's dtype and row shape (unvalidated).
+        Every row's EpisodeStart shares all but its id and observation bytes, so the values are
+        the slices of one copy of the batch joined between two shared parts."""
+        n = len(observations)
+        data = observations.tobytes()  # C order: row j is data[j * k:(j + 1) * k]
+        k = len(data) // n
+        out, keys = new_episode_keys(n)
+        avros = [_ID_HEAD + kb for kb in keys]
+        head, tail = self._start_parts(_r._now_ms_bytes(), k)
+        values = [b"".join((avro, head, data[s], tail)) for avro, s in zip(avros, row_slices(n, k))]
+        self._check_start_size(keys[0], values[0])  # every row the same size
+        return self._admit_starts(out, keys, avros, values)
+
+    def _admit_starts(self, out: list, keys: list, avros: list, values: list) -> list[str]:
+        """Send a checked batch's EpisodeStarts under one lock acquisition, or drop them as the
+        recorder's overflow policy says (`on_overflow="block"`: wait for room without the lock,
+        then look again); an id already open refuses the whole batch."""
+        n = len(out)
         while True:
             with self._lock:
                 if self._busy:
@@ -167,16 +214,21 @@ class BatchedCalls:
                         self._send_starts(out, keys, avros, values)
                         return out
                     if not self._overflow(None, False):
-                        for eid in out:
-                            ep = _r._Episode(eid)
-                            ep.dropping = True  # nothing of it is sent
-                            self._episodes_begun += 1
-                            episodes[eid] = ep
-                        self._dropped += n - 1  # _overflow counted one
+                        self._drop_starts(out)
                         return out
                 finally:
                     self._busy = False
-            time.sleep(_r._WAIT_S)  # on_overflow="block": wait for room without the lock, then look again
+            time.sleep(_r._WAIT_S)
+
+    def _drop_starts(self, ids: list) -> None:
+        """Register the episodes of a batch `on_overflow="drop"` dropped (`_overflow` counted one)."""
+        episodes = self._episodes
+        for eid in ids:
+            ep = _r._Episode(eid)
+            ep.dropping = True  # nothing of it is sent
+            self._episodes_begun += 1
+            episodes[eid] = ep
+        self._dropped += len(ids) - 1
 
     def _send_starts(self, ids: list, keys: list, avros: list, values: list) -> None:
         """Send the EpisodeStart messages and register the episodes, in row order: what `_send`
@@ -189,24 +241,18 @@ class BatchedCalls:
         self._buffered += n
         self._msgs[0] += n
         Episode = _r._Episode
-        eps = []
+        eps = list(map(Episode, ids, avros))  # registered once their EpisodeStarts are handed over
+        wire = [prefix + v for v in values] if prefix else values
         j = 0
         try:
-            for eid, kb, value, avro in zip(ids, keys, values, avros):
-                produce(
-                    topic,
-                    prefix + value if prefix else value,
-                    kb,
-                    headers=headers,
-                    on_delivery=partial(delivered, eid, 1),
-                )
-                eps.append(Episode(eid, avro))
+            for eid, kb, value in zip(ids, keys, wire):
+                produce(topic, value, kb, headers=headers, on_delivery=partial(delivered, eid, 1))
                 j += 1
         except (BufferError, KafkaException):
             self._buffered -= n - j
             self._msgs[0] -= n - j
             self._episodes_begun += j
-            self._episodes.update(zip(ids, eps))
+            self._episodes.update(zip(ids[:j], eps))
             for eid, value, avro in zip(ids[j:], values[j:], avros[j:]):
                 self._send(eid, value, "EpisodeStart", 1, 1)  # before registering: it may raise
                 self._episodes_begun += 1
@@ -259,13 +305,17 @@ class BatchedCalls:
         if self._unusable:
             self._check_usable()
         n = len(episode_ids)
-        idx = selected_rows(rows, n)
+        mask = selected_rows(rows, n)  # arrays take their rows with it, lists with `idx`
+        idx = None if mask is None else mask.tolist()
         ids = select(episode_ids, idx)
         m = len(ids)
         if not m:
             return
         if type(rewards) is np.ndarray and rewards.shape == (n,) and rewards.dtype.kind == "f":
-            rew = select(rewards.astype(np.float64, copy=False).tolist(), idx)
+            # float32 and float64 become the same Python floats as through float64
+            if rewards.dtype.type not in _EXACT_FLOATS:
+                rewards = rewards.astype(np.float64)
+            rew = (rewards if mask is None else rewards[mask]).tolist()
         else:
             if len(rewards) != n:
                 raise ValueError(f"rewards has {len(rewards)} rows, episode_ids has {n}")
@@ -284,10 +334,10 @@ class BatchedCalls:
             obs_rows = select(rows_of(self.observation_space, observations, n, "observations"), idx)
             for a, o in zip(act_rows, obs_rows):
                 self._validate(a, o)
-        obs = row_values(self._obs, self.observation_space, observations, n, idx, "observations")
-        act = row_values(self._act, self.action_space, actions, n, idx, "actions")
-        term = flags(terminated, n, idx, "terminated")
-        trunc = flags(truncated, n, idx, "truncated")
+        obs = row_values(self._obs, self.observation_space, observations, n, mask, "observations")
+        act = row_values(self._act, self.action_space, actions, n, mask, "actions")
+        term = flags(terminated, n, mask, "terminated")
+        trunc = flags(truncated, n, mask, "truncated")
         if infos is None:
             info_json = [""] * m
         else:
@@ -332,7 +382,7 @@ class BatchedCalls:
                 try:
                     episodes = self._episodes
                     try:
-                        eps = [episodes[ids[0]]] if m == 1 else list(itemgetter(*ids)(episodes))
+                        eps = [episodes[ids[0]]] if m == 1 else itemgetter(*ids)(episodes)
                     except (KeyError, TypeError):
                         for e in ids:
                             if episodes.get(e) is None:
@@ -371,7 +421,7 @@ class BatchedCalls:
 
     def _record_rows(
         self,
-        eps: list,
+        eps: Sequence,
         keys: dict,
         live: int,
         act: list,
@@ -403,7 +453,9 @@ class BatchedCalls:
             if full:
                 due = [(ep, te, tr) for ep, te, tr in zip(eps, term, trunc) if te or tr or ep in full]
             elif True in term or True in trunc:
-                due = [(eps[j], term[j], trunc[j]) for j in compress(range(len(eps)), map(or_, term, trunc))]
+                # the done rows (rarely both kinds in one call: then each flag alone marks them)
+                ended = term if True not in trunc else trunc if True not in term else map(or_, term, trunc)
+                due = [(eps[j], term[j], trunc[j]) for j in compress(range(len(eps)), ended)]
             else:
                 return
             self._emit_rows(due)

@@ -95,6 +95,9 @@ _UNION_0, _UNION_1 = long_bytes(0), long_bytes(1)  # infos: null, or an array of
 _YIELD_BYTES = 64 * 1024
 #: how long a call that found the buffer full (on_overflow="block") sleeps before looking again
 _WAIT_S = 0.005
+#: what librdkafka adds to a message's key and value when it checks them against
+#: message.max.bytes (36 bytes measured with librdkafka 2.x; counted generously)
+_RECORD_OVERHEAD = 64
 
 _recorders: weakref.WeakSet[EpisodeRecorder] = weakref.WeakSet()
 _monotonic = time.monotonic
@@ -160,11 +163,11 @@ LOGP_TOLERANCE = 1e-6
 _NEG_INF = -math.inf
 #: `action_logp` types checked with two comparisons on log_step's hot path
 _FLOAT_TYPES = frozenset({float, np.float64, np.float32, np.float16})
-_LOGP_ONLY = frozenset({"action_logp"})
+_LOGP_ONLY = ("action_logp",)
 #: values per buffered step in `_Episode.steps` (`_encode_batch` slices them by this number)
 _STEP_FIELDS = 5
 _NONE_TYPE = {type(None)}
-_NO_KEYS: frozenset = frozenset()
+_NO_KEYS: tuple = ()
 
 
 def _check_logp(value: Any, episode_id: str) -> None:
@@ -231,14 +234,15 @@ def _kept_outputs(extra: Any, episode_id: str) -> Any:
     return _copy_outputs(extra, episode_id)
 
 
-def _extra_keys(extra: Any) -> frozenset:
-    """The keys of an episode's first step's kept outputs; TypeError for a non-string key or a
-    value of a dtype the wire does not carry."""
+def _extra_keys(extra: Any) -> tuple:
+    """The keys of an episode's first step's kept outputs, in the caller's order (the order of
+    its StepBatches' output columns); TypeError for a non-string key or a value of a dtype the
+    wire does not carry."""
     if extra is None:
         return _NO_KEYS
     if type(extra) in _FLOAT_TYPES:  # only the propensity, kept as its scalar
-        extra = {"action_logp": extra}
-    keys = frozenset(extra or ())
+        return _LOGP_ONLY
+    keys = tuple(extra or ())
     for k, v in (extra or {}).items():
         if not isinstance(k, str):
             raise TypeError(f"extra_model_outputs keys must be strings, got {k!r}")
@@ -436,7 +440,7 @@ class _Episode:
         # scalar (a float or numpy float), not as a dict
         self.steps: list = []
         self.reward_adds: dict[int, float] = {}  # delayed rewards for buffered steps, by t
-        self.extra_keys: frozenset = frozenset()
+        self.extra_keys: tuple = _NO_KEYS
         self.first_buffered = 0.0
         self.dropping = False  # on_overflow="drop" dropped it: its further records are dropped too
 
@@ -585,6 +589,12 @@ class EpisodeRecorder(BatchedCalls):
         self._user_error_cb = conf.pop("error_cb", None)
         conf["error_cb"] = self._on_kafka_error
         self._conf = conf
+        # the largest EpisodeStart (key and value) librdkafka takes: begin_episode(s) refuse a
+        # bigger one before anything is sent
+        prefix, headers = self._wire["EpisodeStart"]
+        head_bytes = sum(len(k) + len(v) + 10 for k, v in headers or ())
+        self._message_max_bytes = int(conf.get("message.max.bytes", 1_000_000))
+        self._max_start = self._message_max_bytes - _RECORD_OVERHEAD - len(prefix) - head_bytes
         self._producer = Producer(conf)
         self._fatal: KafkaError | None = None  # set by error_cb; the poller replaces the producer
         self.producer_restarts = 0
@@ -679,6 +689,8 @@ class EpisodeRecorder(BatchedCalls):
         if not eid or len(eid) > 256:
             raise ValueError("episode_id must be 1..256 characters")
         value = self._start_value(eid, version, obs_parts, info_json, _now_ms_bytes())
+        if len(value) + 4 * len(eid) > self._max_start:  # UTF-8: at most 4 bytes a character
+            self._check_start_size(eid.encode(), value)
         while True:
             with self._lock:
                 if self._busy:
@@ -1020,6 +1032,16 @@ class EpisodeRecorder(BatchedCalls):
         parts += (string_bytes(info_json), spaces, timestamp)
         return b"".join(parts)
 
+    def _check_start_size(self, key: bytes, value: bytes) -> None:
+        """ValueError for an EpisodeStart librdkafka would refuse as too large (checked before
+        anything of the call is sent)."""
+        if len(key) + len(value) > self._max_start:
+            raise ValueError(
+                f"episode {key.decode()!r}: its start (reset observation and info) is {len(value)} bytes, "
+                f"more than message.max.bytes ({self._message_max_bytes}) allows; send a smaller reset "
+                "info or raise message.max.bytes (producer and broker)"
+            )
+
     def _first_step_checks(self, ep: _Episode, extra: Any) -> None:
         ep.extra_keys = _extra_keys(extra)
 
@@ -1191,7 +1213,7 @@ class EpisodeRecorder(BatchedCalls):
                         f"step {ep.t0 + i}: extra_model_outputs is {type(e).__name__}, not a mapping "
                         f"with the episode's first step's keys {sorted(keys)}"
                     )
-                if e.keys() != keys:
+                if e.keys() != set(keys):
                     raise ValueError(
                         f"step {ep.t0 + i}: extra_model_outputs keys {sorted(map(str, e))} differ "
                         f"from the episode's first step {sorted(keys)}"

@@ -9,7 +9,6 @@ its dtype and per-row shape) is copied with one `tobytes()` of the whole batch a
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Mapping, Sequence
 from itertools import compress
@@ -18,20 +17,33 @@ from typing import Any
 import numpy as np
 from gymnasium import spaces as gs
 
-__all__ = ["batch_len", "checked_id", "flags", "new_episode_ids", "row_values", "rows_of", "select", "selected_rows"]
+__all__ = [
+    "batch_len",
+    "checked_id",
+    "flags",
+    "new_episode_ids",
+    "new_episode_keys",
+    "row_slices",
+    "row_values",
+    "rows_of",
+    "select",
+    "selected_rows",
+]
 
 
 _BOOL = np.dtype(bool)
 
 
-def selected_rows(rows: Any, n: int) -> list[bool] | None:
-    """The boolean mask `rows` as `select` takes it: a list of `n` bools (None: every row)."""
+def selected_rows(rows: Any, n: int) -> np.ndarray | None:
+    """The boolean mask `rows`, checked, as an array of `n` bools (None: every row). Columns
+    that are arrays take their rows with it (``col[mask]``); lists take them with `select` and
+    ``mask.tolist()``."""
     if rows is None:
         return None
     mask = rows if type(rows) is np.ndarray else np.asarray(rows)
     if (mask.dtype is not _BOOL and mask.dtype != np.bool_) or mask.shape != (n,):
         raise ValueError(f"rows must be a boolean mask of shape ({n},), got dtype {mask.dtype} shape {mask.shape}")
-    return mask.tolist()
+    return mask
 
 
 def select(values: Sequence, rows: list[bool] | None) -> list:
@@ -69,14 +81,24 @@ def rows_of(space: gs.Space, batch: Any, n: int, what: str) -> list:
     return list(batch)
 
 
-@functools.lru_cache(maxsize=64)
-def _row_slices(n: int, k: int) -> tuple[slice, ...]:
-    """The slices of `n` rows of `k` bytes each (remembered: a vector env has one batch size)."""
-    return tuple(slice(j, j + k) for j in range(0, n * k, k))
+#: row size -> the slices of the most rows asked for so far (fewer rows: a prefix of them)
+_slices: dict[int, tuple[slice, ...]] = {}
 
 
-def row_values(packer: Any, space: gs.Space, batch: Any, n: int, idx: Any, what: str) -> list:
-    """What the recorder keeps (`_Packer.copy`) of each selected row of `batch`."""
+def row_slices(n: int, k: int) -> tuple[slice, ...]:
+    """The slices of `n` rows of `k` items each, of one sequence holding them back to back
+    (remembered per row size: a vector env's batches have one row size and at most N rows)."""
+    s = _slices.get(k)
+    if s is None or len(s) < n:
+        if len(_slices) >= 64:  # a bound on what is remembered: many row sizes forget them all
+            _slices.clear()
+        s = _slices[k] = tuple(slice(j, j + k) for j in range(0, n * k, k))
+    return s if len(s) == n else s[:n]
+
+
+def row_values(packer: Any, space: gs.Space, batch: Any, n: int, mask: np.ndarray | None, what: str) -> list:
+    """What the recorder keeps (`_Packer.copy`) of each row of `batch` that `mask` (of
+    `selected_rows`) selects."""
     if (
         packer.dtype is not None
         and type(batch) is np.ndarray
@@ -84,27 +106,31 @@ def row_values(packer: Any, space: gs.Space, batch: Any, n: int, idx: Any, what:
         and batch.shape[1:] == packer.shape
         and len(batch) == n
     ):
+        if mask is not None:
+            batch = batch[mask]  # a C-ordered copy of the selected rows, in row order
+            n = len(batch)
         if packer.int_code and not packer.shape:  # Python ints, in range: kept as they are
-            return select(batch.tolist(), idx)
+            return batch.tolist()
         data = batch.tobytes()  # one copy of the whole batch (C order), sliced per row
         k = len(data) // n if n else 0
         if not k:
-            return [b""] * (n if idx is None else idx.count(True))
-        slices = _row_slices(n, k)  # (a comprehension: `map(data.__getitem__, ...)` is ~3x slower)
-        return [data[s] for s in (slices if idx is None else compress(slices, idx))]
+            return [b""] * n
+        # (a comprehension: `map(data.__getitem__, ...)` is ~3x slower)
+        return [data[s] for s in row_slices(n, k)]
     rows = rows_of(space, batch, n, what)
     copy = packer.copy
-    return [copy(r) for r in select(rows, idx)]
+    return [copy(r) for r in select(rows, None if mask is None else mask.tolist())]
 
 
-def flags(values: Any, n: int, idx: Any, what: str) -> list[bool]:
-    """The selected rows of a batch of flags, as Python bools."""
+def flags(values: Any, n: int, mask: np.ndarray | None, what: str) -> list[bool]:
+    """The rows of a batch of flags that `mask` (of `selected_rows`) selects, as Python bools."""
     if type(values) is np.ndarray:
         if values.shape != (n,):
             raise ValueError(f"{what} has shape {values.shape}, expected ({n},)")
-        return select(values.astype(bool, copy=False).tolist(), idx)
+        values = values.astype(bool, copy=False)
+        return (values if mask is None else values[mask]).tolist()
     _check_len(values, n, what)
-    return [bool(x) for x in select(values, idx)]
+    return [bool(x) for x in select(values, None if mask is None else mask.tolist())]
 
 
 #: uuid4's fixed bits, set by translating bytes 6 (version 4) and 8 (variant 10) of each id
@@ -112,15 +138,27 @@ _VERSION_4 = bytes((x & 0x0F) | 0x40 for x in range(256))
 _VARIANT = bytes((x & 0x3F) | 0x80 for x in range(256))
 
 
-def new_episode_ids(n: int) -> list[str]:
-    """`n` new episode ids: random uuid4 hex strings, as `begin_episode` makes one (one call to
-    the system's random source for all of them, the version and variant bits set by two
-    translations)."""
+def _new_hex(n: int) -> str:
+    """The hex of `n` random uuid4s, back to back (one call to the system's random source for
+    all of them, the version and variant bits set by two translations)."""
     b = bytearray(os.urandom(16 * n))
     b[6::16] = b[6::16].translate(_VERSION_4)
     b[8::16] = b[8::16].translate(_VARIANT)
-    h = b.hex()
-    return [h[j : j + 32] for j in range(0, 32 * n, 32)]
+    return b.hex()
+
+
+def new_episode_ids(n: int) -> list[str]:
+    """`n` new episode ids: random uuid4 hex strings, as `begin_episode` makes one."""
+    h = _new_hex(n)
+    return [h[s] for s in row_slices(n, 32)]
+
+
+def new_episode_keys(n: int) -> tuple[list[str], list[bytes]]:
+    """`n` new episode ids (as `new_episode_ids`) and their UTF-8 bytes (the Kafka keys)."""
+    h = _new_hex(n)
+    hb = h.encode()
+    slices = row_slices(n, 32)
+    return [h[s] for s in slices], [hb[s] for s in slices]
 
 
 def checked_id(eid: Any) -> Any:

@@ -25,7 +25,8 @@ its ``removals`` is applied). A live set that is missing, malformed, of a newer 
 than its seq allows (`rlrec.store.live_set_file.size_cap`), or inconsistent with the entries after it is ignored: the log is
 read from its first entry as before (docs/GUARANTEES.md §3, "Live sets"); where it is malformed
 or past the log's end, `read_live_set` tries the next older one first. Older points (``as_of``),
-lineage, `Snapshot.changes`, gc, retention and writers' claims read the whole history.
+lineage, `Snapshot.changes`, retention, the trainer's follower and writers' claims read the
+whole history (gc and the trainer's start-up discovery read the heads: `read_heads`).
 
 Example:
     >>> import tempfile
@@ -47,7 +48,6 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import dataclasses
 import logging
 import math
 import re
@@ -57,6 +57,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+import pyarrow as pa
+
 from rlrec.store.live_set_file import (
     MAX_LIVE_SET_BYTES,
     MAX_LIVE_SHARDS,
@@ -64,6 +67,8 @@ from rlrec.store.live_set_file import (
     ShardList,
     decode,
     encode,
+    encode_columns,
+    shard_columns,
     size_cap,
 )
 from rlrec.store.localfs import EscapesRoot
@@ -108,8 +113,10 @@ log = logging.getLogger("rlrec.live_set")
 LIVE_DIR = "_live"
 #: the manifest format of a live set
 LIVE_SET_FORMAT_VERSION = 4
-#: the partition's writer writes a live set once this many entries follow the newest one
-LIVE_SET_EVERY = 1000
+#: the partition's writer writes a live set once this many entries follow the newest one: with
+#: its log snapshots (`rlrec.store.manifest.SNAPSHOT_EVERY`), so that a reader of the head reads
+#: at most one snapshot's worth of entries after it
+LIVE_SET_EVERY = 100
 #: live sets kept per log (older ones are deleted by the writer of a new one)
 KEEP_LIVE_SETS = 3
 _NAME_RE = re.compile(r"^(\d{12})\.live$")
@@ -167,6 +174,8 @@ class LiveSetEntry:
 
     def to_bytes(self) -> bytes:
         """The live set's file (raw Arrow columns, `rlrec.store.live_set_file`)."""
+        if isinstance(self.shards, LiveRows):
+            return encode_columns(self.header(), self.shards.columns, len(self.shards))
         return encode(self.header(), self.shards)
 
 
@@ -295,6 +304,42 @@ class HeadShards(ShardList):
         self._drop(e.seq)  # type: ignore[arg-type]
         self._added[e.seq] = e  # type: ignore[index]
 
+    def _copy(self) -> HeadShards:
+        out = HeadShards(self._base, self._seqs)
+        out._dropped, out._added = set(self._dropped), dict(self._added)
+        return out
+
+    def rows(self, topic: str, partition: int) -> LiveRows:
+        """These shards as the rows of a live set of log `topic`/`partition` (episode ids left
+        out): over a live set's rows, its columns less the dropped rows plus the added shards'
+        (no entry built for the rows kept), else built from the entries."""
+        added = [self._added[q] for q in sorted(self._added)]
+        kept = [i for i in range(len(self._seqs) - 1, -1, -1) if i not in self._dropped][:1]
+        if not isinstance(self._base, LiveRows) or (added and kept and self._seqs[kept[0]] > added[0].seq):  # type: ignore[operator]
+            return LiveRows(topic, partition, shard_columns(list(self)))
+        base = self._base.columns
+        if self._dropped:
+            mask = np.ones(len(self._seqs), dtype=bool)
+            mask[list(self._dropped)] = False
+            base = {k: a.filter(pa.array(mask)) for k, a in base.items()}
+        if added:
+            new = shard_columns(added)
+            base = {k: pa.concat_arrays([a, new[k]]) for k, a in base.items()}
+        return LiveRows(topic, partition, base)
+
+    def paths(self, prefix: str = "") -> list[str]:
+        if self._built is not None or not isinstance(self._base, ShardList):
+            return super().paths(prefix)
+        base, seqs = self._base.paths(prefix), self._seqs
+        if self._dropped:
+            keep = [i for i in range(len(seqs)) if i not in self._dropped]
+            base, seqs = [base[i] for i in keep], [seqs[i] for i in keep]
+        added = sorted(self._added)
+        paths = [prefix + self._added[q].path for q in added]
+        if added and seqs and added[0] < seqs[-1]:  # interleaved: in seq order
+            return [p for _, p in sorted(zip(seqs + added, base + paths))]
+        return base + paths
+
     def _items(self) -> list[ShardEntry]:
         if self._built is None:
             base = list(self._base)
@@ -331,6 +376,8 @@ def fold(
     if isinstance(live, Mapping):
         seqs = sorted(live)
         out = HeadShards([live[q] for q in seqs], seqs)
+    elif isinstance(live, HeadShards):
+        out = live._copy()
     elif isinstance(live, LiveRows):
         out = HeadShards(live, live.seqs)
     else:
@@ -441,6 +488,7 @@ def write_live_set(
     writer: str = "",
     prev: LiveSetEntry | None = None,
     history: bool = True,
+    from_history: bool = False,
 ) -> LiveSetEntry | None:
     """Write the live set of one partition log at its current end (create-once; None if the log
     is empty, nothing followed the newest live set, or one exists at that seq already), built
@@ -454,10 +502,15 @@ def write_live_set(
             still the newest).
         history: False: raise `NeedsHistory` rather than build it from the whole history (the
             log has no usable live set): the writer's commit path never reads the history.
+        from_history: build it from the whole history, whatever live sets the log has (a
+            writer's first after its claim: it carries forward only live sets it built).
     """
-    seqs = live_set_seqs(storage, topic, partition)
-    if prev is None or not seqs or seqs[-1] != prev.seq:
-        prev = read_live_set(storage, topic, partition)
+    if from_history:
+        prev = None
+    else:
+        seqs = live_set_seqs(storage, topic, partition)
+        if prev is None or not seqs or seqs[-1] != prev.seq:
+            prev = read_live_set(storage, topic, partition)
     head = head_shards(storage, topic, partition, None, prev, apply_removals=False, history=history)
     if head.end == 0 or (prev is not None and head.end == prev.seq):
         return None
@@ -475,7 +528,7 @@ def write_live_set(
         seq=head.end,
         first=head.first,
         removals=removals,
-        shards=tuple(dataclasses.replace(s, episode_ids=()) if s.episode_ids else s for s in live),
+        shards=live.rows(topic, partition),
         writer=writer,
     )
     if not storage.create_once(live_set_path(topic, partition, ls.seq), ls.to_bytes()):

@@ -52,6 +52,8 @@ __all__ = [
     "ShardList",
     "decode",
     "encode",
+    "encode_columns",
+    "shard_columns",
     "size_cap",
 ]
 
@@ -118,6 +120,11 @@ def _dumps(v: Any) -> str:
 def encode(header: Mapping[str, Any], shards: Iterable[ShardEntry]) -> bytes:
     """The bytes of a live set: `header` (its fields, module docstring) and its rows."""
     rows = list(shards)
+    return encode_columns(header, shard_columns(rows), len(rows))
+
+
+def shard_columns(rows: Sequence[ShardEntry]) -> dict[str, pa.Array]:
+    """The live set columns (`COLUMNS`) of shard entries, a row each in their order."""
 
     def col(f):
         return [f(s) for s in rows]
@@ -150,13 +157,14 @@ def encode(header: Mapping[str, Any], shards: Iterable[ShardEntry]) -> bytes:
         "decoded_bytes": col(lambda s: s.decoded_bytes),
         "resume_offset": col(lambda s: s.resume_offset),
     }
-    return encode_columns(header, {name: pa.array(data[name], t) for name, t, _ in COLUMNS}, len(rows))
+    return {name: pa.array(data[name], t) for name, t, _ in COLUMNS}
 
 
 def encode_columns(header: Mapping[str, Any], columns: Mapping[str, pa.Array], rows: int) -> bytes:
     """The bytes of a live set of `rows` rows whose columns are `columns` (name -> array, in any
     order; each written as its Arrow buffers, module docstring)."""
-    payload, specs = bytearray(), {}
+    pieces: list[Any] = []
+    at, specs = 0, {}
     for name, arr in columns.items():
         if arr.offset:
             arr = pa.concat_arrays([arr])  # its buffers from its first row
@@ -174,11 +182,14 @@ def encode_columns(header: Mapping[str, Any], columns: Mapping[str, pa.Array], r
             if i == 0 and (buf is None or not arr.null_count):
                 specs[name].append(None)  # no nulls: no validity
                 continue
-            payload += b"\0" * (-len(payload) % 8)
-            specs[name].append([len(payload), size])
-            payload += buf.to_pybytes()[:size] if buf is not None else bytes(size)
+            pad = -at % 8
+            pieces.append(b"\0" * pad)
+            at += pad
+            specs[name].append([at, size])
+            pieces.append(memoryview(buf)[:size] if buf is not None else bytes(size))
+            at += size
     head = _dumps({**header, "rows": rows, "buffers": specs}).encode()
-    return pack(bytes(payload) + head + len(head).to_bytes(4, "little"))
+    return pack(b"".join([*pieces, head, len(head).to_bytes(4, "little")]))
 
 
 def pack(raw: bytes) -> bytes:
@@ -287,6 +298,12 @@ class ShardList(Sequence[ShardEntry]):
         """The entries as a new list (as `list.copy`)."""
         return list(self._items())
 
+    def paths(self, prefix: str = "") -> list[str]:
+        """`prefix` + each entry's ``path`` (a clean relative path: checked when its entry or row
+        was read), in order; of a live set's rows straight from its columns, without building an
+        entry per row."""
+        return [prefix + e.path for e in self._items()]
+
     def __repr__(self) -> str:
         return repr(self._items())
 
@@ -306,15 +323,27 @@ class ChainedShards(ShardList):
             self._built = [e for p in self._parts for e in p]
         return self._built
 
+    def paths(self, prefix: str = "") -> list[str]:
+        if self._built is not None:
+            return super().paths(prefix)
+        return [
+            q
+            for p in self._parts
+            for q in (p.paths(prefix) if isinstance(p, ShardList) else [prefix + e.path for e in p])
+        ]
+
 
 class LiveRows(ShardList):
     """The rows of a decoded live set (`decode`): their ``seqs`` (ascending) at once, each
     `ShardEntry` (episode ids ``()``) built from the checked columns when first asked for."""
 
-    def __init__(self, topic: str, partition: int, columns: Mapping[str, pa.Array], distinct: Mapping[str, Any]):
+    def __init__(
+        self, topic: str, partition: int, columns: Mapping[str, pa.Array], distinct: Mapping[str, Any] | None = None
+    ):
         self.topic, self.partition = topic, partition
         self._columns = dict(columns)
-        self._distinct = dict(distinct)  # column -> (checked distinct values, per-row indices)
+        # column -> (checked distinct values, per-row indices)
+        self._distinct = dict(distinct) if distinct is not None else _distinct_values(self._columns)
         #: the rows' seqs, ascending
         self.seqs: list[int] = self._columns["seq"].to_numpy().tolist() if len(self._columns["seq"]) else []
         self._built: list[ShardEntry] | None = None
@@ -322,10 +351,21 @@ class LiveRows(ShardList):
     def __len__(self) -> int:
         return len(self.seqs)
 
+    @property
+    def columns(self) -> dict[str, pa.Array]:
+        """The rows' columns (`COLUMNS`, as the file holds them: what `encode_columns` writes)."""
+        return dict(self._columns)
+
     def __getitem__(self, i):  # type: ignore[override]
         if self._built is None and isinstance(i, int):
             return self._row(i)
         return self._items()[i]
+
+    def paths(self, prefix: str = "") -> list[str]:
+        if self._built is not None or not self.seqs:
+            return super().paths(prefix)
+        c = self._columns
+        return pc.binary_join_element_wise(prefix, c["policy_id"], "/", c["name"], "").to_pylist()
 
     def _row(self, i: int) -> ShardEntry:
         """Row `i` alone (a fold looking up the few rows a later entry names)."""
@@ -397,16 +437,23 @@ def decode(data: bytes, topic: str, partition: int, seq: int) -> tuple[dict[str,
     for name, _, nullable in COLUMNS:
         if not nullable and c[name].null_count:
             raise ManifestError(f"live set: column {name!r} has nulls")
-    distinct: dict[str, Any] = {}
     if len(c["seq"]):
         _check_columns(c, seq)
+    return header, LiveRows(topic, partition, c, _distinct_values(c))
+
+
+def _distinct_values(c: Mapping[str, pa.Array]) -> dict[str, Any]:
+    """The distinct values of the columns a `LiveRows` reads through them, each checked
+    (`_distinct`): column -> (values, per-row indices); {} for no rows."""
+    distinct: dict[str, Any] = {}
+    if len(c["seq"]):
         budget = [_JSON_BYTES_PER_ROW * len(c["seq"]) + sum(_JSON_VALUE_BYTES.values())]
         for k in _JSON_COLUMNS:
             distinct[k] = _distinct(c[k], k, _JSON_CHECKS[k], parse=budget)
         distinct["policy_id"] = _distinct(c["policy_id"], "policy_id", _check_policy)
         distinct["writer"] = _distinct(c["writer"], "writer", _check_any)
         distinct["format"] = _distinct(c["format"], "format", _check_nonempty)
-    return header, LiveRows(topic, partition, c, distinct)
+    return distinct
 
 
 def _copy(v: Any) -> Any:

@@ -15,8 +15,11 @@
 
 from __future__ import annotations
 
+import bisect
+import collections
 import hashlib
 import logging
+import re
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -73,6 +76,89 @@ def _candidate_files(storage: Storage) -> tuple[dict[str, list[FileInfo]], set[s
     return files, with_staging
 
 
+def _deletable_shape(f: FileInfo) -> bool:
+    """A file gc may delete by its place and name: in ``_staging/``, a ``*.parquet`` or an
+    interrupted temp file (``_candidate_files`` lists only policy-dir candidates)."""
+    return _parent(f.path).endswith(f"/{STAGING_DIR}") or f.name.endswith(".parquet") or _is_temp(f.name)
+
+
+#: A published shard file's name: ``{topic}+{partition:05d}+{first:020d}+{last:020d}+e{epoch}.{suffix}.parquet``,
+#: the suffix ``c{12 hex}`` for compaction's merged shards (`rlrec.store.commit.ShardCommitter`,
+#: `rlrec.store.compaction`): the Kafka offsets its episodes span.
+_SHARD_NAME_RE = re.compile(
+    r"^(?P<tp>.+\+\d{5})\+(?P<first>\d{20})\+(?P<last>\d{20})\+e\d+\.(?P<suffix>[^/]+)\.parquet$"
+)
+_MERGED_SUFFIX_RE = re.compile(r"^c[0-9a-f]{12}$")
+
+
+def _heads_cannot_name(files: dict[str, list[FileInfo]], old: list[FileInfo]) -> bool:
+    """True when the listing alone shows an old file the heads (live shards, recent removal
+    records) are not expected to name, so that only the history can decide and gc reads it
+    alone: a file in ``_staging/`` or an interrupted temp file (a crashed writer's), or a
+    published shard file whose offsets lie within a merged shard's of its policy dir and
+    partition, or equal another shard file's (a file compaction replaced and retention has not
+    deleted, or a fenced writer's attempt). A guess about what to read first, never about what
+    to delete: a wrong one costs the heads' reads or the history's, as before live sets."""
+    if any(not f.name.endswith(".parquet") or _parent(f.path).endswith(f"/{STAGING_DIR}") for f in old):
+        return True
+    old_paths = {f.path for f in old}
+    for d, infos in files.items():
+        shards: dict[str, list[tuple[int, int, bool, str]]] = {}
+        for f in infos:
+            m = _SHARD_NAME_RE.match(f.name)
+            if m and _parent(f.path) == d:
+                merged = bool(_MERGED_SUFFIX_RE.match(m["suffix"]))
+                shards.setdefault(m["tp"], []).append((int(m["first"]), int(m["last"]), merged, f.path))
+        if any(_within_another(group, old_paths) for group in shards.values()):
+            return True
+    return False
+
+
+def _within_another(group: list[tuple[int, int, bool, str]], old_paths: set[str]) -> bool:
+    """Whether the offsets of an old file of `group` (one policy dir's shard files of one
+    partition) equal another file's or lie within a merged one's (n log n)."""
+    same = collections.Counter((lo, hi) for lo, hi, _, _ in group)
+    merged = sorted((lo, hi, p) for lo, hi, m, p in group if m)
+    starts = [lo for lo, _, _ in merged]
+    top: list[tuple[tuple[int, str], tuple[int, str]]] = []  # per prefix: the two widest reaches
+    best, second = (-1, ""), (-1, "")
+    for _, hi, p in merged:
+        if hi > best[0]:
+            best, second = (hi, p), best
+        elif hi > second[0]:
+            second = (hi, p)
+        top.append((best, second))
+    for lo, hi, _, p in group:
+        if p not in old_paths:
+            continue
+        if same[(lo, hi)] > 1:
+            return True
+        i = bisect.bisect_right(starts, lo)  # the merged files starting at or before lo
+        if i:
+            b1, b2 = top[i - 1]
+            if (b1[0] if b1[1] != p else b2[0]) >= hi:
+                return True
+    return False
+
+
+def _unnamed_by_heads(storage: Storage, files: Iterable[FileInfo]) -> list[FileInfo]:
+    """`files` that no shard at the head of any partition log names (path or staging path) nor
+    any removal record read with them (retention deletes those after their grace): read through
+    each log's live set where it has a usable one (`rlrec.store.live_set.read_heads`, the readers'
+    one decision about a live set; the whole history where it has none). A live set can only
+    make a file named here, never unnamed: gc deletes nothing the history has not decided."""
+    from rlrec.store.live_set import read_heads
+
+    try:
+        heads, _, records = read_heads(storage, strict=False)
+    except ManifestError as e:  # a log or record the head cannot fold: the history decides, as before
+        log.warning("gc: the manifest's head cannot be read (%s): reading its history", e)
+        return list(files)
+    named = {p for h in heads.values() for s in h.shards for p in (s.path, s.staging_path)}
+    named |= {p for r in records for f in r.files for p in (f.path, f.staging_path)}
+    return [f for f in files if f.path not in named]
+
+
 def gc(
     storage: Storage,
     older_than_s: float,
@@ -107,9 +193,15 @@ def gc(
     if older_than_s < 0:
         raise ValueError("older_than_s must be >= 0")
     files, with_staging = _candidate_files(storage)  # 1. list files
-    # 2. then read the manifest: every shard an entry names, replaced ones too (retention's)
-    entries = [e for log_entries in read_partition_logs(storage).values() for e in shard_files(log_entries)]
     now = time.time() if now is None else now
+    old = [f for infos in files.values() for f in infos if _deletable_shape(f) and f.mtime is not None]
+    old = [f for f in old if now - f.mtime >= older_than_s]  # type: ignore[operator]
+    # 2. then read the manifest: its head (live sets), which can only name files as referenced,
+    # unless the listing shows a file only the history can decide (then the history alone)
+    if not old or (not _heads_cannot_name(files, old) and not _unnamed_by_heads(storage, old)):
+        return []
+    # a file the head does not name: every shard an entry names decides, replaced ones too (retention's)
+    entries = [e for log_entries in read_partition_logs(storage).values() for e in shard_files(log_entries)]
     policy_dirs = {e.policy_id for e in entries} | with_staging
     keep = {p for e in entries for p in (e.path, e.staging_path)}  # named by an entry: never garbage
     garbage: list[str] = []

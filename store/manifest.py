@@ -403,8 +403,8 @@ class PartitionLog:
     def entries_from(self, lo: int) -> list[Entry]:
         """Every entry from seq `lo` to the log's end, in order, without reading the history
         below `lo`: the snapshot the hint names (when at or above `lo`), the chain of snapshots
-        back to `lo`, then the entries after it, probed 16 at a time in parallel up to the first
-        missing one. Nothing is cached; a gap is a ManifestError.
+        back to `lo`, then the entries after it up to the first missing one (on a remote store
+        probed 16 at a time in parallel; on a local one read in turn). Nothing is cached; a gap is a ManifestError.
 
         Args:
             lo: the first seq wanted (a live set's seq, `rlrec.store.live_set`).
@@ -431,14 +431,19 @@ class PartitionLog:
                 raise ManifestError(f"{self.storage.uri(self._path(x.seq))}: prev {x.prev} is not a snapshot")
             x = p
         out = sorted((e for c in chunks for e in c if e.seq >= lo), key=lambda e: e.seq)  # type: ignore[arg-type,return-value]
-        with ThreadPoolExecutor(max_workers=_READ_WORKERS) as ex:  # one pool for every batch
-            while True:  # probe the tail _BACKWARD_BATCH entries at a time, up to the first missing one
-                got = list(ex.map(self._read_entry, range(nxt, nxt + _BACKWARD_BATCH)))
-                ahead = next((i for i, e in enumerate(got) if e is None), len(got))
-                out += got[:ahead]
-                nxt += ahead
-                if ahead < len(got):
-                    break
+        if self.storage.kind == "local":  # a read is a page-cache copy: threads only contend for the GIL
+            while (e := self._read_entry(nxt)) is not None:
+                out.append(e)
+                nxt += 1
+        else:
+            with ThreadPoolExecutor(max_workers=_READ_WORKERS) as ex:  # one pool for every batch
+                while True:  # probe the tail _BACKWARD_BATCH entries at a time, up to the first missing one
+                    got = list(ex.map(self._read_entry, range(nxt, nxt + _BACKWARD_BATCH)))
+                    ahead = next((i for i, e in enumerate(got) if e is None), len(got))
+                    out += got[:ahead]
+                    nxt += ahead
+                    if ahead < len(got):
+                        break
         if [e.seq for e in out] != list(range(lo, lo + len(out))):
             raise ManifestError(f"manifest log {self.storage.uri(self.prefix)} has a gap above seq {lo}")
         return out
@@ -937,9 +942,9 @@ class PartitionLog:
         """Write a live set at `end` if at least ``live_set_every`` entries follow the newest one.
         Best effort, as snapshots: a failure only postpones it (readers read the history).
 
-        Built from the newest live set and the entries after it, on the caller's (commit) path.
-        With no usable live set, a log of at most ``2 * live_set_every`` entries is built from its
-        history there too; a longer one (a log written before live sets) is built by one
+        Built from the last one this writer built and the entries after it, on the caller's
+        (commit) path. Its first (after the claim), or one with no usable live set, is built from
+        the history: there too for a log of at most ``2 * live_set_every`` entries, else by one
         background thread of this writer, so that no commit waits on a whole-history read."""
         from rlrec.store import live_set as ls  # live sets build on this module
 
@@ -954,6 +959,8 @@ class PartitionLog:
                 self._live_seq = max((q for q in seqs if q <= end), default=0)  # past the end: not ours
             if end - self._live_seq < every:
                 return
+            if self._live_set is None and end > 2 * every:  # its first: from the history, off the commit path
+                raise ls.NeedsHistory("no live set built by this writer yet")
             written = ls.write_live_set(
                 self.storage,
                 self.topic,
@@ -961,6 +968,7 @@ class PartitionLog:
                 writer=self._writer or "",
                 prev=self._live_set,
                 history=end <= 2 * every,
+                from_history=self._live_set is None,
             )
             self._live_seq = written.seq if written is not None else end
             self._live_set = written or self._live_set
@@ -980,7 +988,9 @@ class PartitionLog:
         from rlrec.store import live_set as ls
 
         try:
-            written = ls.write_live_set(self.storage, self.topic, self.partition, writer=self._writer or "")
+            written = ls.write_live_set(
+                self.storage, self.topic, self.partition, writer=self._writer or "", from_history=True
+            )
             self._live_seq = written.seq if written is not None else end
             self._live_set = written or self._live_set
         except Exception as err:

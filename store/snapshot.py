@@ -65,6 +65,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import re
 import threading
 import time
@@ -532,7 +533,11 @@ class Snapshot:
         list to give a plain directory reader instead of a policy directory, which holds replaced
         files too. A shard committed moments ago may still be staged; the readers of this class
         read it from staging then, a plain directory reader waits for it."""
-        return [self.storage.uri(e.path) for e in self.entries]
+        if isinstance(self.entries, ShardList):
+            if self.storage.kind == "local" and os.sep == "/":  # checked clean paths joined to the root
+                return self.entries.paths(os.path.join(self.storage.base, ""))
+            return self.storage.uris(self.entries.paths())
+        return self.storage.uris([e.path for e in self.entries])
 
     def changes(self, since: str | Cursor) -> Snapshot:
         """The episodes of this snapshot that the point `since` (a cursor of an earlier snapshot

@@ -71,7 +71,7 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
@@ -334,6 +334,12 @@ def _clean_rel(path: str) -> str:
     return "/".join(parts)
 
 
+def _unclean_rel(p: str) -> bool:
+    """Whether `_clean_rel` might change or refuse `p` (a component that is empty or starts with
+    a dot, a backslash): then it is passed through `_clean_rel`."""
+    return not p or p[0] in "/." or p[-1] == "/" or "//" in p or "/." in p or "\\" in p
+
+
 #: the schemes of object stores and file systems written with one slash or none after the colon
 _MALFORMED = re.compile(r"(?i)(s3|s3a|gs|gcs|az|abfs|abfss):(?!//)")
 
@@ -505,6 +511,19 @@ class Storage:
             prefix, query = (f"{scheme}://{self.base}" if scheme else self.base), ""
         out = f"{prefix}/{rel}" if rel else prefix
         return f"{out}?{query}" if query else out
+
+    def uris(self, paths: Iterable[str]) -> list[str]:
+        """`uri` of each of `paths`, many at a time (a local store's joined directly where a
+        path is already clean: what `uri` would return for it).
+
+        Example:
+            >>> Storage.from_uri("/tmp/x").uris(["pol/a.parquet"]) == [Storage.from_uri("/tmp/x").uri("pol/a.parquet")]
+            True
+        """
+        if self.kind != "local" or os.sep != "/":
+            return [self.uri(p) for p in paths]
+        prefix = os.path.join(self.base, "")
+        return [self.uri(p) if _unclean_rel(p) else prefix + p for p in paths]
 
     def location(self) -> str:
         """What names this store, whatever URI opened it: the kind and base path (``s3://``

@@ -767,3 +767,74 @@ def test_a_live_set_past_the_logs_end_is_passed_over_and_does_not_stop_the_write
     assert len([q for q in seqs if q != big]) == 3, seqs  # the newest 3 honest ones kept
     assert read_live_set(st, "rl", 0).seq == max(q for q in seqs if q != big)
     _assert_head_is_history(root, through_live_set=True)
+
+
+def test_a_live_set_past_the_logs_end_with_any_file_below_it_is_refused(tmp_path):
+    """The entry below a live set's seq is read and checked, not only found: an empty file
+    planted there beside a live set past the log's end does not make the head end past the log
+    (which would hide the writer's next commits from every head reader; review-47o H3)."""
+    root, c, ls = _store_with_live_set(tmp_path)
+    st = c.storage
+    end = c.log.next_seq
+    forged = end + 50
+    _plant(c, {**_doc(ls), "seq": forged}, seq=forged)
+    assert st.create_once(c.log._path(forged - 1), b"")
+    head = open_snapshot(root)
+    assert head.cursor.endswith(f"~rl:0={end}"), head.cursor
+    assert sorted(_key(s) for s in head.entries) == _history_head(st)
+    w = ShardCommitter(root, "rl", 0, snapshot_every=3)
+    _commit(w, 2, 100)
+    after = open_snapshot(root)
+    assert sorted(_key(s) for s in after.entries) == _history_head(st)
+    assert after.cursor.endswith(f"~rl:0={w.log.next_seq}") and w.log.next_seq < forged, after.cursor
+
+
+def test_a_head_snapshots_files_come_from_the_live_sets_path_column(tmp_path, monkeypatch):
+    """`files()` of a head opened through live sets names the same files as the history at the
+    same cursor, across compaction (dropped and added rows) and shards after the live set, and
+    builds no shard entry for the live set's rows (review-47o H1: the head open is timed
+    producing what a listing produces)."""
+    root = str(tmp_path / "out")
+    c = ShardCommitter(root, "rl", 0, snapshot_every=3)
+    c.log.live_set_every = 4
+    _commit(c, 9, 0)
+    compact_partition(c.log, min_age_s=0, target_bytes=3 * max(e.bytes for e in read_manifest(c.storage)))
+    _commit(c, 2, 50)
+    c2 = ShardCommitter(root, "rl", 1, snapshot_every=3)  # a second log with no live set
+    _commit(c2, 2, 70)
+    head = open_snapshot(root)
+    assert read_heads(c.storage)[0][("rl", 0)].live_set is not None
+    full = open_snapshot(root, as_of=head.cursor)
+    built = []
+    real = live_set_file.LiveRows._make
+    monkeypatch.setattr(live_set_file.LiveRows, "_make", lambda self, rows: built.append(len(rows)) or real(self, rows))
+    files = head.files()
+    assert built == []
+    assert files == full.files() and len(files) == len(full.entries) > 4
+    assert all(os.path.isfile(f) for f in files)
+    assert files == [head.storage.uri(e.path) for e in head.entries]  # and after the entries are built
+
+
+def test_a_writer_builds_its_first_live_set_from_the_history_not_a_forged_one(tmp_path):
+    """A forged live set that parses and hides a shard is not carried forward by a writer that
+    claims the log after it: its first live set is built from the history (in its background
+    thread), so the head is the history again from that live set on (review-47o H2)."""
+    root = str(tmp_path / "out")
+    c = ShardCommitter(root, "rl", 0, snapshot_every=3)
+    c.log.live_set_every = 3
+    _commit(c, 10, 0)
+    st = c.storage
+    newest = read_live_set(st, "rl", 0)
+    d = _doc(newest)
+    _replant(c, newest.seq, {**d, "shards": d["shards"][1:]})
+    assert len(read_live_set(st, "rl", 0).shards) == len(newest.shards) - 1  # trusted by readers
+    w = ShardCommitter(root, "rl", 0, snapshot_every=3)  # a restart: a new writer claims the log
+    w.log.live_set_every = 3
+    for i in range(6):
+        _commit(w, 1, 100 + i)
+        if w.log._live_builder is not None:
+            w.log._live_builder.join()
+    seqs = live_set_seqs(st, "rl", 0)
+    assert seqs[-1] > newest.seq
+    _assert_head_is_history(root, through_live_set=True)
+    assert read_heads(st)[0][("rl", 0)].live_set == seqs[-1]

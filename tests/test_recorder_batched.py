@@ -7,6 +7,7 @@ No broker except where marked: the recorder's producer is replaced by one that k
 
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
@@ -51,7 +52,11 @@ def _obs_batch(space, rng, n):
         return (rng.integers(0, 3, n), rng.uniform(-1, 1, (n, 2, 2)))
     if isinstance(space, gs.Dict):
         return {"pos": rng.uniform(-1, 1, (n, 2)).astype(np.float32), "k": rng.integers(0, 4, n)}
-    return rng.standard_normal((n, 3)).astype(np.float32)
+    if isinstance(space, gs.Discrete):
+        return rng.integers(0, space.n, n)
+    if space.dtype == np.uint8:
+        return rng.integers(0, 256, (n, *space.shape), dtype=np.uint8)
+    return rng.standard_normal((n, *space.shape)).astype(space.dtype)
 
 
 def _obs_row(batch, i):
@@ -72,21 +77,51 @@ def _actions(space, rng, n):
     return rng.integers(0, 3, n)
 
 
-def _drive(space, outputs: str, seed: int = 0, n: int = 6, steps: int = 40, batch_steps: int = 4, act_space=ACT):
-    """The same random vector trajectory recorded batched and per row; returns both sides."""
+class _RandomSource:
+    """Stands in for os.urandom: one seeded byte stream per side, so that the ids a batched
+    recorder draws for a batch (one call) equal those N `begin_episode` calls draw (N calls)."""
+
+    def __init__(self, seed: int):
+        self.streams = {side: np.random.default_rng(seed) for side in ("batched", "single")}
+        self.side = "batched"
+
+    def __call__(self, size: int) -> bytes:
+        return self.streams[self.side].bytes(size)
+
+
+def _drive(
+    space,
+    outputs: str,
+    seed: int = 0,
+    n: int = 6,
+    steps: int = 40,
+    batch_steps: int = 4,
+    act_space=ACT,
+    new_ids: _RandomSource | None = None,
+    reward_dtype=np.float64,
+):
+    """The same random vector trajectory recorded batched and per row; returns both sides.
+    `new_ids`: episodes begin without ids, infos or versions (the recorders draw new ids from
+    this stand-in for os.urandom); else with given ids, some infos and some versions."""
     batched, fb = _recorder(observation_space=space, action_space=act_space, max_batch_steps=batch_steps)
     single, fs = _recorder(observation_space=space, action_space=act_space, max_batch_steps=batch_steps)
     rng = np.random.default_rng(seed)
     counter = iter(range(10**6))
-    ids = [f"ep-{next(counter)}" for _ in range(n)]
     obs = _obs_batch(space, rng, n)
-    infos = [{"i": i} if i % 2 else None for i in range(n)]
-    assert batched.begin_episodes(obs, infos, episode_ids=ids, policy_versions=[None, 3] * (n // 2)) == ids
-    for i in range(n):
-        single.begin_episode(_obs_row(obs, i), infos[i], episode_id=ids[i], policy_version=[None, 3][i % 2])
+    if new_ids is not None:
+        new_ids.side = "batched"
+        ids = batched.begin_episodes(obs)
+        new_ids.side = "single"
+        assert [single.begin_episode(_obs_row(obs, i)) for i in range(n)] == ids
+    else:
+        ids = [f"ep-{next(counter)}" for _ in range(n)]
+        infos = [{"i": i} if i % 2 else None for i in range(n)]
+        assert batched.begin_episodes(obs, infos, episode_ids=ids, policy_versions=[None, 3] * (n // 2)) == ids
+        for i in range(n):
+            single.begin_episode(_obs_row(obs, i), infos[i], episode_id=ids[i], policy_version=[None, 3][i % 2])
     for _ in range(steps):
         actions = _actions(act_space, rng, n)
-        rewards = rng.standard_normal(n)
+        rewards = rng.standard_normal(n).astype(reward_dtype)
         obs = _obs_batch(space, rng, n)
         term = rng.random(n) < 0.08
         trunc = ~term & (rng.random(n) < 0.05)
@@ -117,11 +152,18 @@ def _drive(space, outputs: str, seed: int = 0, n: int = 6, steps: int = 40, batc
             )
         done = np.flatnonzero(rows & (term | trunc))
         if len(done):
-            new = [f"ep-{next(counter)}" for _ in done]
             fresh = _obs_batch(space, rng, len(done))
-            batched.begin_episodes(fresh, episode_ids=new)
+            if new_ids is not None:
+                new_ids.side = "batched"
+                new = batched.begin_episodes(fresh)
+                new_ids.side = "single"
+                assert [single.begin_episode(_obs_row(fresh, j)) for j in range(len(done))] == new
+            else:
+                new = [f"ep-{next(counter)}" for _ in done]
+                batched.begin_episodes(fresh, episode_ids=new)
+                for j in range(len(done)):
+                    single.begin_episode(_obs_row(fresh, j), episode_id=new[j])
             for j, i in enumerate(done):
-                single.begin_episode(_obs_row(fresh, j), episode_id=new[j])
                 ids[i] = new[j]
     batched.flush(0)
     single.flush(0)
@@ -141,6 +183,31 @@ def test_batched_calls_send_the_bytes_of_single_calls(space, act_space, outputs)
         assert fb.messages == fs.messages  # keys, values and headers, byte for byte, in order
         assert _stats(batched) == _stats(single)
         assert any(isinstance(decode(v, h), StepBatch) and decode(v, h).terminated for _, v, h in fb.messages)
+    finally:
+        batched.close(0)
+        single.close(0)
+
+
+@pytest.mark.parametrize(
+    ("space", "act_space"),
+    [(OBS, ACT), (gs.Box(0, 255, (2, 3), np.uint8), BOX_ACT), (gs.Discrete(5), ACT), (DICT_OBS, ACT)],
+    ids=["box", "box-uint8", "discrete", "dict"],
+)
+@pytest.mark.parametrize("seed", range(8))
+def test_new_episodes_send_the_bytes_of_single_calls(monkeypatch, space, act_space, seed):
+    """Episodes begun without ids, infos or versions (a vector env's resets): the same ids,
+    messages and stats as one `begin_episode` per row, batches of 1..n rows."""
+    source = _RandomSource(seed)
+    monkeypatch.setattr(os, "urandom", source)
+    n = 1 + seed % 7
+    rewards = [np.float64, np.float32, np.float16][seed % 3]  # float16: taken through a float64 copy
+    batched, fb, single, fs = _drive(
+        space, ["logp", "none"][seed % 2], seed=seed, n=n, steps=60, new_ids=source, reward_dtype=rewards
+    )
+    try:
+        assert len(fb.messages) > 2 * n
+        assert fb.messages == fs.messages  # keys, values and headers, byte for byte, in order
+        assert _stats(batched) == _stats(single)
     finally:
         batched.close(0)
         single.close(0)
@@ -448,3 +515,113 @@ def test_refused_produce_calls_equal_single_calls():
     finally:
         batched.close(0)
         single.close(0)
+
+
+_OUTPUT_ORDER_SCRIPT = r"""
+import json
+import numpy as np
+from gymnasium import spaces as gs
+from rlrec.producer import recorder
+from tests.helpers import assemble, keeping_recorder
+recorder._time = lambda: 1_700_000_000.0
+stamp = recorder._now_ms_bytes()
+recorder._now_ms_bytes = lambda: stamp
+out = {"vf_preds": np.array([1.0, 2.0], np.float32), "action_logp": np.array([-0.5, -0.25]), "zeta": np.array([3, 4])}
+hexes = []
+for batched in (True, False):
+    rec, fake = keeping_recorder(gs.Box(-1, 1, (2,), np.float32), gs.Discrete(2))
+    obs, ids = np.zeros((2, 2), np.float32), ["a", "b"]
+    if batched:
+        rec.begin_episodes(obs, episode_ids=ids)
+        rec.log_steps(ids, np.array([0, 1]), np.ones(2), obs, np.ones(2, bool), np.zeros(2, bool), extra_model_outputs=out)
+    else:
+        for i, eid in enumerate(ids):
+            rec.begin_episode(obs[i], episode_id=eid)
+        for i, eid in enumerate(ids):
+            rec.log_step(eid, i, 1.0, obs[i], True, False, None, {k: v[i] for k, v in out.items()})
+    rec.close(0)
+    hexes.append([(v.hex(), [(k, h.decode()) for k, h in headers]) for _, v, headers in fake.messages])
+finished, _ = assemble(fake.messages)
+print(json.dumps(hexes + [[list(fe.extra_model_outputs) for fe in finished.values()]]))
+"""
+
+
+def test_output_columns_keep_the_callers_key_order_in_every_process():
+    """A StepBatch's extra_model_outputs columns are in the order of the episode's first step's
+    keys, whatever the process's hash seed: one recording, one byte stream (batched or not), and
+    the consumer's finished episodes keep that order (their shards' bytes follow it)."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    streams = set()
+    for seed in ("0", "1", "2"):
+        env = dict(os.environ, PYTHONHASHSEED=seed)
+        run = subprocess.run(
+            [sys.executable, "-c", _OUTPUT_ORDER_SCRIPT], cwd=root, env=env, capture_output=True, text=True
+        )
+        assert run.returncode == 0, run.stderr[-2000:]
+        batched, single, assembled = json.loads(run.stdout)
+        assert batched == single
+        assert assembled == [["vf_preds", "action_logp", "zeta"]] * 2  # the consumer's episodes too
+        streams.add(json.dumps(batched))
+    assert len(streams) == 1
+    events = [decode(bytes.fromhex(v), [(k, h.encode()) for k, h in headers]) for v, headers in batched]
+    batches = [e for e in events if type(e) is StepBatch]
+    assert [list(b.extra_model_outputs) for b in batches] == [["vf_preds", "action_logp", "zeta"]] * 2
+
+
+def _small_limit_recorder(**kw) -> EpisodeRecorder:
+    """A recorder with librdkafka's own producer (no broker) and a 4000-byte message limit."""
+    kw.setdefault("observation_space", OBS)
+    kw.setdefault("action_space", ACT)
+    return EpisodeRecorder(
+        NOWHERE, "t", kafka_config={"log_level": 0, "message.max.bytes": 4000}, max_batch_delay_s=3600, **kw
+    )
+
+
+def test_a_start_too_large_for_the_producer_refuses_the_whole_batch():
+    """One row whose EpisodeStart librdkafka would refuse (a big reset info, or observations
+    too big for any message): nothing of the batch is sent or opened."""
+    rec = _small_limit_recorder()
+    try:
+        before = _stats(rec)
+        infos = [None, {"note": "small"}, {"note": "x" * 6000}]
+        with pytest.raises(ValueError, match=r"message\.max\.bytes"):
+            rec.begin_episodes(np.zeros((3, 3), np.float32), infos)
+        with pytest.raises(ValueError, match=r"message\.max\.bytes"):
+            rec.begin_episodes(
+                np.zeros((3, 3), np.float32), infos, episode_ids=["a", "b", "c"], policy_versions=[1, 2, 3]
+            )
+        assert (_stats(rec), rec.open_episodes) == (before, 0)
+    finally:
+        rec.close(0)
+    big = _small_limit_recorder(observation_space=gs.Box(-1, 1, (1200,), np.float32))
+    try:
+        with pytest.raises(ValueError, match=r"message\.max\.bytes"):
+            big.begin_episodes(np.zeros((4, 1200), np.float32))  # the plain path: 4800-byte rows
+        with pytest.raises(ValueError, match=r"message\.max\.bytes"):
+            big.begin_episode(np.zeros(1200, np.float32))
+        assert (big.stats.produced, big.stats.failed, big.open_episodes) == (0, 0, 0)
+    finally:
+        big.close(0)
+
+
+def test_every_start_the_recorder_lets_through_librdkafka_takes():
+    """Around the limit, a start is refused by the recorder's own check or taken by librdkafka,
+    never refused by librdkafka after the call began sending."""
+    rec = _small_limit_recorder()
+    try:
+        taken = refused = 0
+        for size in range(3200, 3900):
+            try:
+                rec.begin_episodes(np.zeros((2, 3), np.float32), [None, {"n": "x" * size}])
+                taken += 1
+            except ValueError as e:
+                assert "refused by the producer" not in str(e)
+                refused += 1
+            assert rec.stats.failed == 0 and rec.open_episodes == 2 * taken
+        assert taken and refused
+    finally:
+        rec.close(0)

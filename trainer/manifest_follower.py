@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from rlrec.store.commit import read_committed_shard
+from rlrec.store.live_set import read_heads
 from rlrec.store.manifest import (
     MANIFEST_DIR,
     ManifestError,
@@ -139,6 +140,32 @@ class ManifestFollower:
         if known and (lo is None or emin >= lo) and (hi is None or emax <= hi):  # type: ignore[operator]
             return None
         return (lo, hi)
+
+    def live_head(self) -> list[ShardEntry]:
+        """The selected live shards at the head of every partition log, less those retention
+        removed, oldest commit first (the order of a first `poll`): through each log's newest
+        live set where it has a usable one (`rlrec.store.live_set.read_heads`, the one decision
+        readers make about a live set; its history where it has none) -- what a trainer reads to
+        find a store's first shards and their spaces (the oldest committed usable shard's). It delivers nothing: `poll` still delivers every shard from the start (its
+        entries carry no episode ids, and a merged shard of a live set does not say which shard
+        entries it stands for, which a trainer's lineage and restart need). A log the head cannot
+        be read of (ManifestError but a newer format, or OSError) makes it read what `poll` delivers first.
+
+        Example:
+            >>> import tempfile
+            >>> from rlrec.store.storage import Storage
+            >>> ManifestFollower(Storage.from_uri(tempfile.mkdtemp())).live_head()
+            []
+        """
+        try:
+            heads, _, _ = read_heads(self.storage)
+        except UnsupportedManifestError:
+            raise
+        except (ManifestError, OSError) as e:  # as `poll` treats a log it cannot read
+            self._warn_once(f"head:{e}", "cannot read the manifest's head (%s): reading its history", e)
+            return [self.entries[i.key] for i in self.poll(force_discover=True)]
+        found = [s for h in heads.values() for s in h.shards if self._selected(s)]
+        return sorted(found, key=lambda e: (e.commit_time, e.topic, e.partition, e.seq))
 
     def poll(self, force_discover: bool = False) -> list[ShardInfo]:
         now = time.monotonic()

@@ -153,9 +153,15 @@ class ContinuousTrainer(CheckpointMixin, PublishMixin, GateMixin):
         health = StorageHealth(self.input.uri())
         timeout = self.cfg.first_shard_timeout_s
         deadline = None if timeout is None else time.monotonic() + timeout
+        head = True  # the heads first; while waiting, the follower's incremental polls (one history read)
         while not self._stop.is_set():
             try:
-                infos = [i for i in follower.poll(force_discover=True) if i.key not in (skip or ())]
+                if head:
+                    found = follower.live_head()
+                else:
+                    found = [follower.entries[i.key] for i in follower.poll(force_discover=True)]
+                head = False
+                found = [e for e in found if e.path not in (skip or ())]
             except UnsupportedManifestError as e:
                 raise StoreTooNew(f"{e}; the trainer did not start (restart it once rlrec is upgraded)") from None
             except StorageError as e:  # the store does not answer: wait for it, on the retry schedule
@@ -164,9 +170,9 @@ class ContinuousTrainer(CheckpointMixin, PublishMixin, GateMixin):
                 continue
             self._outage.succeeded()
             health.answered()
-            if infos:
+            if found:
                 self.fmt = follower.fmt
-                return [follower.entries[i.key] for i in infos]
+                return found
             if deadline is not None and time.monotonic() >= deadline:
                 raise NoFirstShard(
                     f"no committed shard under {self.input.uri()} within {timeout:g} s "

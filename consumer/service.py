@@ -35,8 +35,6 @@ leave the group.
 
 from __future__ import annotations
 
-import heapq
-import json
 import logging
 import signal
 import threading
@@ -46,28 +44,25 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
-from rlrec.consumer.assembly import (
-    DECISION_GRACE_S,
-    AssemblyConfig,
-    DeadLetter,
-    Decision,
-    finished_events,
-)
+from rlrec.consumer.assembly import AssemblyConfig, DeadLetter
 from rlrec.consumer.config import ConsumerConfig
-from rlrec.consumer.dead_letters import DeadLetterQueue, dead_letter_record
+from rlrec.consumer.dead_letters import DeadLetterQueue
 from rlrec.consumer.metrics import ConsumerMetrics
 from rlrec.consumer.resume import GapError, ResumeFromStore, default_deployment, default_group_id
+from rlrec.consumer.service_bounds import MAX_PENDING_DEAD_LETTER_BYTES, MemoryBoundsMixin
+from rlrec.consumer.service_letters import DeadLettersMixin
+from rlrec.consumer.service_partitions import CLAIM_RETRY, PartitionsMixin
 from rlrec.consumer.summary import ProgressLog
 from rlrec.consumer.topics import check_reachable, client_settings, create_topics, describe_kafka_error, kafka_logger
-from rlrec.consumer.writer import Compaction, PartitionWriter, Rotation
+from rlrec.consumer.writer import PartitionWriter, Rotation
 from rlrec.errors import UsageError
-from rlrec.producer.events import DecodeError, decode, encode
+from rlrec.producer.events import DecodeError, decode
 from rlrec.producer.registry import RegistryUnavailable
 from rlrec.store.episodes import import_episode_classes
-from rlrec.store.retry import RetryPolicy, RetrySchedule
+from rlrec.store.retry import RetrySchedule
 from rlrec.store.storage import Storage, StorageError, require_conditional_writes
 
-__all__ = ["FAST_FAILOVER_KAFKA", "ConsumerConfig", "RecorderConsumer"]
+__all__ = ["CLAIM_RETRY", "FAST_FAILOVER_KAFKA", "MAX_PENDING_DEAD_LETTER_BYTES", "ConsumerConfig", "RecorderConsumer"]
 
 log = logging.getLogger("rlrec.consumer")
 
@@ -81,8 +76,6 @@ FAST_FAILOVER_KAFKA = {
 
 #: /healthz turns 503 once a failure (storage, registry, DLQ deliveries) lasts this long
 UNHEALTHY_AFTER_S = 60.0
-#: pending (unacknowledged) dead-letter bytes over which no partition is read
-MAX_PENDING_DEAD_LETTER_BYTES = 64 * 1024 * 1024
 #: messages asked of one consume() call
 POLL_BATCH = 1000
 #: how long one consume() call waits for messages; while a shard is being encoded the loop polls
@@ -99,8 +92,6 @@ LIVE_LAG_S = 10.0
 PARTITION_CHECK_S = 30.0
 #: a transport error from the broker makes every partition "not live" for this long
 BROKER_TROUBLE_S = 10.0
-#: a claim on assignment, tried in place before the partition is paused and claimed from the loop
-CLAIM_RETRY = RetryPolicy(attempts=3, base_delay=0.2, max_delay=1.0)
 
 
 def startup_timeout(max_seconds: float | None) -> float:
@@ -114,7 +105,7 @@ def startup_timeout(max_seconds: float | None) -> float:
     return STARTUP_TIMEOUT_S if max_seconds is None else max(1.0, min(STARTUP_TIMEOUT_S, max_seconds))
 
 
-class RecorderConsumer(ResumeFromStore):
+class RecorderConsumer(PartitionsMixin, DeadLettersMixin, MemoryBoundsMixin, ResumeFromStore):
     """Consumes rlrec events and commits every finished episode to exactly one shard.
 
     Guarantees (docs/GUARANTEES.md): the committed Kafka offset of a partition never passes the
@@ -390,105 +381,6 @@ class RecorderConsumer(ResumeFromStore):
             )
         return (not problems, "; ".join(problems) or "ok")
 
-    # -- rebalance callbacks ------------------------------------------------------------------
-
-    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        """Claim each partition and read it from where the store says (explicit offsets)."""
-        for tp in partitions:
-            self._claim(tp.partition)
-            start = self._start_offset(tp.partition)
-            if start is not None:
-                tp.offset = start
-        (consumer.incremental_assign if self._incremental else consumer.assign)(partitions)
-        for tp in partitions:
-            self._sync_pause(tp.partition, self.writers[tp.partition])
-        self.metrics.assigned.set(len(self.writers))
-
-    def _claim(self, p: int) -> None:
-        w = PartitionWriter(
-            self.storage,
-            self.config.topic,
-            p,
-            fmt=self.config.format,
-            compression=self.config.compression,
-            assembly=self.assembly,
-            rotation=self.rotation,
-            encoder=self.encoder,
-            lease_executor=self.leases,
-            watermark_every_s=self.config.commit_interval_s,
-            counters=self.metrics.assembly,
-            compaction=Compaction(self.config.compact_after_s, self.config.max_file_bytes)
-            if self.config.compact_after_s > 0
-            else None,
-        )
-        self.writers[p] = w
-        for attempt in range(CLAIM_RETRY.attempts):
-            try:
-                self._claim_writer(w)
-                return
-            except Exception as e:  # storage unavailable: retried from the loop, partition paused
-                log.warning("partition %d: claim failed (%s), attempt %d", p, e, attempt + 1)
-                time.sleep(CLAIM_RETRY.delay(attempt))
-        log.error("partition %d: could not claim; paused until a claim succeeds", p)
-        w.unclaimed(5.0)
-
-    def _claim_writer(self, w: PartitionWriter) -> None:
-        """Claim w's partition from the store's position, naming this group and deployment."""
-        w.claim(from_store=True, group=self.group_id, deployment=self.deployment, start_at=self._start_at(w.partition))
-
-    def _sync_pause(self, p: int, w: PartitionWriter) -> None:
-        """The writer's state decides whether its partition is read."""
-        if w.paused:
-            self._pause(p, "writer")
-        else:
-            self._resume(p, "writer")
-
-    def _reclaim(self, p: int, w: PartitionWriter) -> None:
-        try:
-            self._claim_writer(w)
-        except Exception as e:
-            log.warning("partition %d: claim failed again (%s)", p, e)
-            w.unclaimed(10.0, w.state)
-            return
-        start = self._start_offset(p)
-        if start is None:  # unclaimed again (logged): the next claim tries again
-            self._sync_pause(p, w)
-            return
-        if self._seek(p, start):
-            log.info("partition %d: claimed again; replaying from offset %s", p, start)
-
-    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        now = time.time()
-        for tp in partitions:
-            if tp.partition in self.writers:
-                try:
-                    self._flush_partition(tp.partition, force=True, now=now)
-                except Exception:
-                    log.exception("partition %d: flush on revoke failed; the next owner replays it", tp.partition)
-        try:
-            if self.dlq is not None:
-                self.dlq.flush(10)
-            self._commit(force=True, only=[tp.partition for tp in partitions])
-        except Exception:
-            log.exception("commit on revoke failed")
-        for tp in partitions:
-            self._drop(tp.partition)
-        self.metrics.assigned.set(len(self.writers))
-
-    def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        for tp in partitions:  # someone else may own them already: write nothing, commit nothing
-            self._drop(tp.partition)
-
-    def _drop(self, p: int) -> None:
-        w = self.writers.pop(p, None)
-        if w is not None:
-            w.drop()
-        # librdkafka keeps a partition's pause across revoke and re-assignment to this consumer:
-        # undo it while the partition is still assigned, or once given back it is never read again
-        self._resume(p, *self._pause_reasons.get(p, ()))
-        self._pause_reasons.pop(p, None)
-        self._registry_retry.pop(p, None)
-
     # -- messages -----------------------------------------------------------------------------
 
     def _on_message(self, m: Any) -> bool:
@@ -540,42 +432,6 @@ class RecorderConsumer(ResumeFromStore):
         for dl in letters:
             self._dead_letter(m if dl.value is None else None, dl, partition=p)
         return True
-
-    def _dead_letter(self, m: Any | None, dl: DeadLetter, partition: int | None = None) -> None:
-        """Send to the DLQ: the original message (m) or a re-encoded event (dl.value)."""
-        cfg = self.config
-        if m is not None:
-            key, value, headers, partition = m.key(), m.value(), m.headers(), m.partition()
-        else:
-            key, value, headers = dl.key, dl.value, dl.headers
-        key, value, headers = dead_letter_record(
-            topic=cfg.topic,
-            partition=partition,
-            offset=dl.offset,
-            reason=dl.reason,
-            detail=dl.detail,
-            key=key,
-            value=value,
-            headers=headers,
-            max_value_bytes=cfg.dlq_max_message_bytes,
-        )
-        self.dlq.send(partition, dl.offset, dl.reason, key, value, headers)
-        self.metrics.dead_letters.labels(dl.reason).inc()
-        log.debug("dead letter %s at %d/%s: %s", dl.reason, partition, dl.offset, dl.detail)
-
-    def _dead_letter_finished(self, p: int, fe: Any, reason: str, detail: str) -> None:
-        """Dead-letter a finished episode that cannot be written: its events, re-encoded."""
-        eid = fe.episode_id
-        try:
-            records = [encode(ev) for ev in finished_events(fe)]
-        except Exception as e:  # not even re-encodable: a summary, so the DLQ still says what was lost
-            summary = {"episode_id": eid, "steps": fe.length, "error": f"{type(e).__name__}: {e}"[:500]}
-            records = [(json.dumps(summary).encode(), [])]
-        # both at the start's offset: until every record is acknowledged, the commit stays
-        # before the episode's first event (a later offset would let an unacknowledged record's
-        # steps fall behind the commit)
-        for value, headers in records:
-            self._dead_letter(None, DeadLetter(reason, detail, fe.first_offset, eid.encode(), value, headers), p)
 
     # -- infrastructure: the schema registry ---------------------------------------------------
 
@@ -662,88 +518,6 @@ class RecorderConsumer(ResumeFromStore):
         if a.next_offset is None:
             a.nothing_to_replay = True
 
-    def _hold_back_over_budget(self) -> None:
-        """Still over max_buffered_bytes after flushing (the storage is failing): read no partition
-        until the finished episodes are written; partitions without a failing flush would otherwise
-        keep filling memory. Resumes them once under the budget."""
-        total = sum(w.buffered_bytes for w in self.writers.values())
-        if total > self.config.max_buffered_bytes:
-            for p in self.writers:
-                self._pause(p, "budget")
-        else:
-            for p in list(self._pause_reasons):
-                self._resume(p, "budget")
-
-    def _hold_back_dead_letters(self) -> None:
-        """Dead letters the broker does not acknowledge stay in memory: past
-        MAX_PENDING_DEAD_LETTER_BYTES read nothing more until they are delivered."""
-        if self.dlq.pending_bytes > MAX_PENDING_DEAD_LETTER_BYTES:
-            for p in self.writers:
-                self._pause(p, "dead-letters")
-        elif self.dlq.pending_bytes < MAX_PENDING_DEAD_LETTER_BYTES // 2:
-            for p in list(self._pause_reasons):
-                self._resume(p, "dead-letters")
-
-    def _enforce_capacity(self) -> None:
-        """Evict the longest-idle open episodes over max_open_episodes or max_open_bytes."""
-        cfg = self.config
-        assemblers = [(p, w.assembler) for p, w in self.writers.items() if w.assembler]
-        # episodes with a timeout decision on its way count as gone already (they go when it is
-        # read back) -- for DECISION_GRACE_S: a decision never read back must not pin memory
-        now = time.time()
-
-        def going_soon(ep: Any) -> bool:
-            return ep.decided_at is not None and now - ep.decided_at < DECISION_GRACE_S
-
-        going = [(p, ep) for p, a in assemblers for ep in a.open.values() if going_soon(ep)]
-        count = sum(len(a.open) for _, a in assemblers) - len(going)
-        nbytes = sum(a.open_nbytes for _, a in assemblers) - sum(ep.nbytes for _, ep in going)
-        if count <= cfg.max_open_episodes and nbytes <= cfg.max_open_bytes:
-            return
-        # the longest-idle first, chosen in one pass (one scan per eviction would be quadratic:
-        # a burst of 100k new episodes against a 20k cap)
-        idle = (
-            (ep.last_event_at, p, eid, ep.nbytes)
-            for p, a in assemblers
-            for eid, ep in a.open.items()
-            if not going_soon(ep)
-        )
-        over_count = count - cfg.max_open_episodes
-        if nbytes <= cfg.max_open_bytes:
-            victims = heapq.nsmallest(over_count, idle)
-        else:
-            victims = []
-            for item in sorted(idle):
-                if len(victims) >= over_count and nbytes <= cfg.max_open_bytes:
-                    break
-                victims.append(item)
-                nbytes -= item[3]
-        for _, p, eid, _n in victims:
-            a = self.writers[p].assembler
-            first_offset = a.open[eid].first_offset
-            d, letters = a.evict_now(eid, "capacity", cfg.on_capacity, now)
-            self._decide(p, d, first_offset)
-            for dl in letters:
-                self._dead_letter(None, dl, partition=p)
-
-    def _decide(self, p: int, d: Decision, first_offset: int) -> None:
-        """Write a decision (an EpisodeAbort with the reason) to the episode's own partition, so
-        a replay ends the episode the same way. Like a dead letter it is kept until acknowledged
-        and holds the partition's commit at the episode's first offset until then."""
-        value, headers = encode(d.abort())
-        self.dlq.send(
-            p,
-            first_offset,
-            f"decision:{d.reason}",
-            d.episode_id.encode(),
-            value,
-            headers,
-            topic=self.config.topic,
-            to_partition=p,
-        )
-        self.metrics.decisions.labels(d.reason).inc()
-        log.debug("partition %d: decided %s (%s) for episode %s", p, d.reason, d.action, d.episode_id)
-
     def _check_partition_count(self, now: float) -> None:
         """Adding partitions re-maps episode keys: parts of open episodes land on other partitions.
         Logged loudly; for two episode timeouts afterwards, unknown-episode dead letters and
@@ -789,34 +563,6 @@ class RecorderConsumer(ResumeFromStore):
             self.metrics.on_commit(f.result, f.seconds, f.episodes)
             self.progress.committed(p, f.result, f.seconds)
         self._sync_pause(p, w)
-
-    def _first_unacked(self, p: int) -> int | None:
-        """Partition p's first dead letter the broker has not acknowledged (None: none): the
-        offset commit stops there, and episodes with dead letters after it wait to be written."""
-        return self.dlq.min_unacked(p) if self.dlq is not None else None
-
-    def _pause(self, p: int, reason: str = "requested") -> None:
-        """Stop reading partition p for `reason`; it is read again once every reason is resumed."""
-        reasons = self._pause_reasons.setdefault(p, set())
-        if reasons or self.consumer is None:
-            reasons.add(reason)
-            return
-        try:
-            self.consumer.pause([TopicPartition(self.config.topic, p)])
-            reasons.add(reason)
-        except KafkaException as e:
-            log.warning("pause of partition %d failed: %s", p, e)
-
-    def _resume(self, p: int, *reasons: str) -> None:
-        current = self._pause_reasons.get(p)
-        if not current or not current.intersection(reasons):
-            return
-        current.difference_update(reasons)
-        if not current and self.consumer is not None:
-            try:
-                self.consumer.resume([TopicPartition(self.config.topic, p)])
-            except KafkaException as e:
-                log.warning("resume of partition %d failed: %s", p, e)
 
     def _commit(self, force: bool = False, only: list[int] | None = None) -> None:
         """Commit the offset each partition's writer hands out (step 5: `PartitionWriter.offset_to_commit`)."""

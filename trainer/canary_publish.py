@@ -48,6 +48,8 @@ from rlrec.trainer.signing import SIG_SUFFIX, SignatureError, sign, verify
 
 __all__ = [
     "ROLLOUT",
+    "TooManyVersions",
+    "deployed_above",
     "deployed_version",
     "end_canary",
     "read_decision",
@@ -124,6 +126,9 @@ def deployed_version(storage: Storage, signing_key: Any, channel: str | None = N
 #: the most version directories (of any channel) above latest.json's that the trainer reads, as
 #: services (`rlrec.trainer.policy_files.MAX_NEWER_VERSIONS`): more is refused loudly (OSError)
 MAX_NEWER = MAX_NEWER_VERSIONS
+#: the most version directories above the version it knows that the trainer reads to repair a
+#: root with more than `MAX_NEWER` (`deployed_above`): more is refused loudly
+MAX_REPAIR_SCAN = 100 * MAX_NEWER
 
 
 def _ended(storage: Storage, d: str, signing_key: Any) -> str | None:
@@ -155,26 +160,9 @@ def _ended_record(storage: Storage, d: str, signing_key: Any) -> dict | None:
     return doc
 
 
-def floor_from_end_records(storage: Storage, signing_key: Any, channel: str | None) -> tuple[int, int]:
-    """(base, floor) when no signed ``latest.json`` carries the floor (torn, junk): the highest of
-    the newest `MAX_NEWER` version directories holding a signed, bound ``canary-ended.json``
-    "rollback" for `channel` is the floor, and the version it rolled back onto its base. A canary
-    goes on above the deployed version and the base moves only by a promotion, so every version
-    between that base and the floor ended unpromoted. (0, 0) when there is none. Raises OSError
-    when the root cannot be read now."""
-    from rlrec.trainer.export import VERSION_DIR_RE
-
-    if signing_key is None:
-        return 0, 0
-    names = sorted((i.name for i in storage.list("") if i.is_dir and VERSION_DIR_RE.match(i.name)), reverse=True)
-    for d in names[:MAX_NEWER]:
-        doc = _ended_record(storage, d, signing_key)
-        if doc is None or doc["decision"] != "rollback" or doc.get("channel") != channel:
-            continue
-        base = doc.get("deployed_version")
-        if type(base) is int and 0 <= base < int(d[1:]):
-            return base, int(d[1:])
-    return 0, 0
+class TooManyVersions(OSError):
+    """More version directories above the deployed version than a reader reads (`MAX_NEWER`,
+    or `MAX_REPAIR_SCAN` for the trainer's repair)."""
 
 
 def signed_above(storage: Storage, signing_key: Any, named: int, channel: str | None, canary_floor: int = 0) -> int:
@@ -188,11 +176,33 @@ def signed_above(storage: Storage, signing_key: Any, named: int, channel: str | 
     replayed pointer (services refuse it and keep that version). `named` when there is none (or
     without a key). Versions at or below the canary floor -- `canary_floor` (the trainer's own)
     or the signed ``latest.json``'s naming `named` -- ended unpromoted: neither read nor counted
-    against `MAX_NEWER`."""
+    against `MAX_NEWER`; more raise `TooManyVersions`."""
+    return _scan_above(storage, signing_key, named, channel, canary_floor, MAX_NEWER)[0]
+
+
+def deployed_above(
+    storage: Storage, signing_key: Any, named: int, channel: str | None, canary_floor: int = 0
+) -> tuple[int, int]:
+    """`signed_above` over up to `MAX_REPAIR_SCAN` version directories (the trainer's repair of
+    a root with more than `MAX_NEWER` above the version it knows: rolled-back canaries in a row,
+    or every checkpoint published), with the floor it proves: (the deployed version, the
+    highest version above it whose signed, bound ``canary-ended.json`` for `channel` says
+    "rollback" or "abandoned" -- below the running canary --, or `canary_floor` if higher).
+    Every directory above the deployed version is read (newest first), so no record steers
+    which version that is: a rolled-back canary's record copied in from another root only raises
+    the floor above the deployed version. Raises OSError when the root cannot be read now,
+    `TooManyVersions` over `MAX_REPAIR_SCAN`."""
+    return _scan_above(storage, signing_key, named, channel, canary_floor, MAX_REPAIR_SCAN)
+
+
+def _scan_above(
+    storage: Storage, signing_key: Any, named: int, channel: str | None, canary_floor: int, window: int
+) -> tuple[int, int]:
+    """(`signed_above`, the floor `deployed_above` proves) over at most `window` directories."""
     from rlrec.trainer.export import VERSION_DIR_RE, _verified_spec, signed_floor
 
     if signing_key is None:
-        return named
+        return named, canary_floor
     ended_upto = max(named, canary_floor, signed_floor(storage, named, signing_key, channel))
     unreadable = False
     try:
@@ -215,11 +225,13 @@ def signed_above(storage: Storage, signing_key: Any, named: int, channel: str | 
         ),
         reverse=True,
     )
-    if len(names) > MAX_NEWER:
-        raise OSError(
-            f"{len(names)} version directories above v{ended_upto} under {storage.uri()}, over the limit of {MAX_NEWER} "
-            "(services refuse such a root too): the deployed version cannot be found"
+    if len(names) > window:
+        raise TooManyVersions(
+            f"{len(names)} version directories above v{ended_upto} under {storage.uri()}, over the limit of {window} "
+            + ("(services refuse such a root too): " if window == MAX_NEWER else "")
+            + "the deployed version cannot be found"
         )
+    floor = canary_floor
     for d in names:  # every one: a window of the highest would let copied-in versions hide the deployed one
         try:
             _spec_bytes, spec = _verified_spec(storage, d, signing_key)
@@ -229,13 +241,15 @@ def signed_above(storage: Storage, signing_key: Any, named: int, channel: str | 
             continue
         ended = _ended(storage, d, signing_key)
         if ended in ("rollback", "abandoned"):
+            if running is None or int(d[1:]) < running:
+                floor = max(floor, int(d[1:]))
             continue
         if ended is None and (unreadable or int(d[1:]) == running) and not _promoted(storage, d, signing_key):
             continue
         if spec.get("rollout") == "canary" and ended != "promote" and not _promoted(storage, d, signing_key):
             continue  # put on canary and never promoted (its pointer removed or replayed): not deployed
-        return int(d[1:])
-    return named
+        return int(d[1:]), floor
+    return named, floor
 
 
 def _promoted(storage: Storage, d: str, signing_key: Any) -> bool:
@@ -609,7 +623,9 @@ def end_canary(
 
     ``latest.json`` is trusted only when this trainer's key signed it for `channel`: an unusable
     one is taken as "not carried out yet" by a promotion (which overwrites it); a rollback
-    leaves it alone (the base version stays deployed; nothing is republished).
+    re-signs the base version (it stays deployed; nothing is republished), or the version the
+    signed ``latest.json`` names when that is above the canary (an operator's
+    `rlrec.trainer.export.republish_policy` while the canary ran: it stays deployed).
 
     Args:
         storage: the publish root.
@@ -629,8 +645,8 @@ def end_canary(
             `version`, so services never serve this canary again, whatever pointer is replayed.
 
     Returns:
-        The deployed version now: the canary's after a promotion, `base_version` after a
-        rollback (0: nothing deployed).
+        The deployed version now: the canary's after a promotion, `base_version` (or the
+        version republished above the canary) after a rollback (0: nothing deployed).
 
     Example:
         >>> end_canary(storage, key, version=5, base_version=4, promote=False,  # doctest: +SKIP
@@ -657,8 +673,12 @@ def end_canary(
             sha = hashlib.sha256(spec_bytes).hexdigest()
             _write_signed(storage, LATEST, pointer_bytes(version, d, sha, run_id=run_id, channel=channel), signing_key)
         deployed = version if named is None else max(named, version)
-    elif base_version and signing_key is not None:
-        repoint_latest(storage, base_version, signing_key, channel, max(canary_floor, version))
+    elif signing_key is not None:
+        named = deployed_version(storage, signing_key, channel)
+        if named is not None and named > version:  # deployed above it meanwhile (an operator's republish_policy)
+            deployed = named
+        if deployed:
+            repoint_latest(storage, deployed, signing_key, channel, max(canary_floor, version))
     _write_ended(storage, d, decision.get("decision"), deployed, ident, signing_key)
     _remove_canary(storage, version)
     log.info("canary v%d %s: v%d is deployed", version, "promoted" if promote else "rolled back", deployed)

@@ -728,7 +728,8 @@ def republish_policy(
 
     The old version's ``policy.json`` must verify with `signing_key` and its files must match
     their sha256; the new one keeps its weights, spec and lineage, and records
-    ``republished_from``. Stop the trainer first: its next publication goes above the highest
+    ``republished_from``; it is deployed, never a canary (an old canary's ``"rollout"`` is not
+    copied). Stop the trainer first: its next publication goes above the highest
     version present.
 
     Args:
@@ -776,7 +777,7 @@ def republish_policy(
     nd = version_dir(new)
     run_id, channel = run_id or spec.get("run_id"), channel or spec.get("channel")
     new_spec = {
-        **{k: v for k, v in spec.items() if k != "rolled_back"},
+        **{k: v for k, v in spec.items() if k not in ("rolled_back", "rollout")},
         **(metadata or {}),
         "policy_version": new,
         "directory": nd,

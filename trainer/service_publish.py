@@ -153,9 +153,8 @@ class PublishMixin:
         highest version its key signed for its channel that was deployed (`signed_above`; a fresh
         run has no record); ``latest.json`` is re-pointed at it (signed), so services restart
         again instead of refusing a torn or junk pointer until the next promotion. More version
-        directories above it than the window are read above the floor the newest signed rollback
-        record proves (`floor_from_end_records`): rolled-back canaries never hide the deployed
-        version."""
+        directories above it than the window are all read (`_signed_above`): rolled-back
+        canaries never hide the deployed version."""
         from rlrec.trainer.canary_publish import repoint_latest
         from rlrec.trainer.policy import LATEST
 
@@ -174,23 +173,26 @@ class PublishMixin:
 
     def _signed_above(self, named: int) -> int:
         """`rlrec.trainer.canary_publish.signed_above` `named` with the trainer's floor; over more
-        version directories than the window, above the floor the newest signed rollback record
-        proves (`floor_from_end_records`), which raises the trainer's floor: rolled-back canaries
+        version directories than its window, `deployed_above` (every directory down to the
+        deployed version read), whose proven floor raises the trainer's: rolled-back canaries
         never hide the deployed version, nor stop a publication (`_end_orphans`), even in a fresh
         run with no ``latest.json`` to carry a floor. Raises OSError when that cannot be read."""
-        from rlrec.trainer.canary_publish import floor_from_end_records, signed_above
+        from rlrec.trainer.canary_publish import TooManyVersions, deployed_above, signed_above
 
         channel = self.cfg.publish_channel
         try:
             return signed_above(self.publish_storage, self.signing_key, named, channel, self._canary_floor)
-        except OSError:
-            ended_onto, ended = floor_from_end_records(self.publish_storage, self.signing_key, channel)
-            if ended <= self._canary_floor:
-                raise
-            above = signed_above(self.publish_storage, self.signing_key, max(named, ended_onto), channel, ended)
-            log.warning("v%d's signed rollback record proves versions up to it ended: the canary floor", ended)
-            self._canary_floor = ended
-            return above
+        except TooManyVersions as e:
+            log.warning("%s: reading every one down to the deployed version", e)
+            above, floor = deployed_above(self.publish_storage, self.signing_key, named, channel, self._canary_floor)
+        if floor > self._canary_floor:
+            log.warning(
+                "versions up to v%d above the deployed v%d ended unpromoted (signed rollback records): the canary floor",
+                floor,
+                above,
+            )
+            self._canary_floor = floor
+        return above
 
     def hold_publish_lease(self, lease: Any) -> None:
         """Publish under `lease` (an acquired `rlrec.trainer.publish_lease.PublishLease`): every

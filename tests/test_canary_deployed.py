@@ -36,12 +36,15 @@ def _promoted_first(tmp_path, setup, monkeypatch):
     return t
 
 
-def test_a_republished_version_is_deployed_and_a_rollback_during_it_keeps_it(tmp_path, setup, monkeypatch):
+@pytest.mark.parametrize("decision", ["rollback", "promote"])
+def test_a_republished_version_is_deployed_and_a_canary_ending_during_it_keeps_it(
+    tmp_path, setup, monkeypatch, decision
+):
     """G3: republish_policy copied a canary's spec whole ("rollout": "canary"), so the trainer
     took the operator's republished version for a canary never promoted; and a rollback of the
     canary running meanwhile re-pointed latest.json at the canary's old base, below the
     republished version (services' restarts refused it as a replay; the next publication
-    told the operator to delete the version they deployed)."""
+    told the operator to delete the version they deployed). A promotion leaves it too."""
     root = tmp_path / "ckpt" / "policies"
     t = _promoted_first(tmp_path, setup, monkeypatch)
     t.iteration = 6
@@ -51,8 +54,8 @@ def test_a_republished_version_is_deployed_and_a_rollback_during_it_keeps_it(tmp
     assert spec["policy_version"] == 3 and "rollout" not in spec
     r = _resumed(tmp_path, setup, monkeypatch)
     assert r.canary is not None and r.canary.version == 2
-    _serve(setup.committer, r.canary, {2: -2.0, 1: 2.0}, 300, seed=2)
-    assert r.look_canary()["decision"] == "rollback"
+    _serve(setup.committer, r.canary, {2: -2.0 if decision == "rollback" else 3.0, 1: 0.0}, 300, seed=2)
+    assert r.look_canary()["decision"] == decision
     assert json.loads((root / "latest.json").read_bytes())["policy_version"] == 3
     ended = json.loads((root / "v000002" / "canary-ended.json").read_bytes())
     assert ended["deployed_version"] == 3

@@ -158,9 +158,16 @@ class LiveSetEntry:
 
     type = "live_set"
 
+    @property
+    def tables(self) -> dict[str, pa.Array] | None:
+        """Its retention tables (held and replaced; `LiveRows.tables`), None if it has none."""
+        return self.shards.tables if isinstance(self.shards, LiveRows) else None
+
     def header(self) -> dict[str, Any]:
         """Its fields but the rows, as the file's header holds them (`rlrec.store.live_set_file`)."""
-        return {
+        t = self.tables
+        counts = {} if t is None else {"held": len(t["held_seq"]), "replaced": len(t["replaced_seq"])}
+        return counts | {
             "type": "live_set",
             "manifest_version": LIVE_SET_FORMAT_VERSION,
             "topic": self.topic,
@@ -175,7 +182,8 @@ class LiveSetEntry:
     def to_bytes(self) -> bytes:
         """The live set's file (raw Arrow columns, `rlrec.store.live_set_file`)."""
         if isinstance(self.shards, LiveRows):
-            return encode_columns(self.header(), self.shards.columns, len(self.shards))
+            columns = self.shards.columns | (self.tables or {})
+            return encode_columns(self.header(), columns, len(self.shards))
         return encode(self.header(), self.shards)
 
 
@@ -268,16 +276,169 @@ class NeedsHistory(ManifestError):
     so its head can only be had from its whole history, which the caller did not allow."""
 
 
+@dataclass
+class Retention:
+    """What retention (`rlrec.store.retention`) needs of one log's live shards at a point besides
+    their entries -- a live set's retention columns (docs/FORMAT.md, "Retention columns"), or the
+    same made from the history (`history_facts`):
+
+    * ``newest``: per live shard, the newest first-commit time of its episodes (its own commit
+      time for a shard entry; for a merged shard the newest of those of the shards it replaced
+      that hold episodes, else its own): when it expires;
+    * ``holds``: per live merged shard, the seqs of the shard entries whose episodes it holds
+      (a shard entry holds itself): what a pin by identity resolves to;
+    * ``replaced``: per shard file replaced below the point and not named by a folded removal
+      record, the entry that committed it: (the replace entry that replaced it, its policy id,
+      its file name): what retention records as ``replaced``.
+
+    ``base_seqs``/``base_newest``: ``newest`` of a live set's rows as its column (sorted seqs),
+    looked up only where ``newest`` has no value.
+    """
+
+    newest: dict[int, float] = field(default_factory=dict)
+    holds: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    replaced: dict[int, tuple[int, str, str]] = field(default_factory=dict)
+    base_seqs: Sequence[int] = ()
+    base_newest: Any = None
+
+    def copy(self) -> Retention:
+        return Retention(dict(self.newest), dict(self.holds), dict(self.replaced), self.base_seqs, self.base_newest)
+
+    def newest_of(self, seq: int) -> float:
+        """The newest first-commit time of the episodes of the live shard committed at `seq`."""
+        if seq in self.newest:
+            return self.newest[seq]
+        i = bisect.bisect_left(self.base_seqs, seq)
+        if i == len(self.base_seqs) or self.base_seqs[i] != seq:
+            raise KeyError(seq)
+        return float(self.base_newest[i])
+
+    def expiring(self, cutoff: float) -> list[int]:
+        """The seqs, ascending, whose newest first-commit time is at or below `cutoff` (of the
+        shards this was built with or added since; the caller checks which are live)."""
+        out = {q for q, t in self.newest.items() if t <= cutoff}
+        if len(self.base_seqs):
+            old = np.asarray(self.base_seqs)[np.asarray(self.base_newest) <= cutoff].tolist()
+            out |= {q for q in old if q not in self.newest}
+        return sorted(out)
+
+    def holds_of(self, seq: int) -> tuple[int, ...]:
+        """The shard entries whose episodes the live shard committed at `seq` holds."""
+        return self.holds.get(seq, (seq,))
+
+    def replaced_file(self, seq: int) -> tuple[str, str]:
+        """(path, staging path) of the replaced shard committed at `seq`."""
+        _, policy, name = self.replaced[seq]
+        return f"{policy}/{name}", f"{policy}/_staging/{name}"
+
+    def add_shard(self, e: ShardEntry) -> None:
+        """A shard entry committed: its episodes first committed with it."""
+        self.newest[e.seq] = float(e.commit_time)  # type: ignore[index]
+
+    def replace(self, e: ReplaceEntry, old: Sequence[ShardEntry]) -> None:
+        """Replace entry `e` merged the live shards `old` (those at ``e.replaces``)."""
+        with_episodes = [self.newest_of(o.seq) for o in old if o.episodes > 0]  # type: ignore[arg-type]
+        self.newest[e.seq] = max(with_episodes) if with_episodes else float(e.shard.commit_time)  # type: ignore[index]
+        self.holds[e.seq] = tuple(sorted(h for o in old for h in self.holds.pop(o.seq, (o.seq,))))  # type: ignore[index,arg-type]
+        for o in old:
+            self.newest.pop(o.seq, None)  # type: ignore[arg-type]
+            self.replaced[o.seq] = (e.seq, o.policy_id, o.path.rsplit("/", 1)[-1])  # type: ignore[index,assignment]
+
+    def record(self, f: Any, dropped: bool) -> None:
+        """A removal record's file `f` (`RemovedFile`) folded: it `dropped` the live shard at its
+        seq, else it may name a replaced file."""
+        if dropped:
+            self.holds.pop(f.seq, None)
+            self.newest.pop(f.seq, None)
+        elif f.seq in self.replaced and self.replaced_file(f.seq) == (f.path, f.staging_path):
+            del self.replaced[f.seq]
+
+    def tables(self) -> dict[str, pa.Array]:
+        """The held and replaced tables (`rlrec.store.live_set_file.HELD_COLUMNS`,
+        ``REPLACED_COLUMNS``; ``holds`` names live shards only: `replace` and `record` drop the
+        others)."""
+        held = sorted((h, by) for by, hs in self.holds.items() for h in hs)
+        rep = sorted(self.replaced.items())
+        i64, s = pa.int64(), pa.string()
+        return {
+            "held_seq": pa.array([h for h, _ in held], i64),
+            "held_by": pa.array([b for _, b in held], i64),
+            "replaced_seq": pa.array([q for q, _ in rep], i64),
+            "replaced_by": pa.array([v[0] for _, v in rep], i64),
+            "replaced_policy_id": pa.array([v[1] for _, v in rep], s),
+            "replaced_name": pa.array([v[2] for _, v in rep], s),
+        }
+
+
+def _facts_of_rows(rows: LiveRows) -> Callable[[], Retention] | None:
+    """Retention's facts of a live set's rows (its retention columns), built when first asked
+    for; None where it has none."""
+    t = rows.tables
+    if t is None:
+        return None
+    built: list[Retention] = []
+
+    def facts() -> Retention:
+        if not built:
+            holds: dict[int, list[int]] = {}
+            for h, by in zip(t["held_seq"].to_numpy().tolist(), t["held_by"].to_numpy().tolist()):
+                holds.setdefault(by, []).append(h)
+            replaced = dict(
+                zip(
+                    t["replaced_seq"].to_numpy().tolist(),
+                    zip(
+                        t["replaced_by"].to_numpy().tolist(),
+                        t["replaced_policy_id"].to_pylist(),
+                        t["replaced_name"].to_pylist(),
+                    ),
+                )
+            )
+            newest = rows.columns["newest_commit"]
+            built.append(
+                Retention(
+                    {},
+                    {k: tuple(v) for k, v in holds.items()},
+                    replaced,  # type: ignore[arg-type]
+                    rows.seqs,
+                    newest.to_numpy() if len(newest) else np.zeros(0),
+                )
+            )
+        return built[0].copy()
+
+    return facts
+
+
+def history_facts(entries: Iterable[Entry]) -> Retention:
+    """`Retention` of one log from its entries (every entry up to a point, in seq order), before
+    any removal record is folded: every shard file replaced counts as replaced."""
+    r = Retention()
+    shards: dict[int, ShardEntry] = {}
+    for e in entries:
+        if isinstance(e, ShardEntry):
+            shards[e.seq] = e  # type: ignore[index]
+            r.add_shard(e)
+        elif isinstance(e, ReplaceEntry):
+            r.replace(e, [shards.pop(q) for q in e.replaces if q in shards])
+            shards[e.seq] = e.shard  # type: ignore[index]
+    return r
+
+
 class HeadShards(ShardList):
     """The live shards of one log in seq order: a base (a live set's `LiveRows`, or the shards
     live in the history) less what `fold` dropped, plus what it added, each built only when a
     reader asks for it."""
 
-    def __init__(self, base: Sequence[ShardEntry], seqs: list[int]) -> None:
+    def __init__(
+        self, base: Sequence[ShardEntry], seqs: list[int], facts: Callable[[], Retention] | None = None
+    ) -> None:
         self._base, self._seqs = base, seqs
         self._dropped: set[int] = set()  # positions in base
         self._added: dict[int, ShardEntry] = {}
         self._built: list[ShardEntry] | None = None
+        # retention's facts of the base (built when asked for; None: not known), and what fold
+        # did since, replayed on them by `retention`
+        self._facts = facts
+        self._ops: list[tuple[Any, ...]] = []
 
     def __len__(self) -> int:
         return len(self._seqs) - len(self._dropped) + len(self._added)
@@ -305,27 +466,52 @@ class HeadShards(ShardList):
         self._added[e.seq] = e  # type: ignore[index]
 
     def _copy(self) -> HeadShards:
-        out = HeadShards(self._base, self._seqs)
-        out._dropped, out._added = set(self._dropped), dict(self._added)
+        out = HeadShards(self._base, self._seqs, self._facts)
+        out._dropped, out._added, out._ops = set(self._dropped), dict(self._added), list(self._ops)
         return out
+
+    def retention(self) -> Retention | None:
+        """What retention needs of these shards besides their entries (`Retention`), None where
+        the base does not say (a live set without retention's columns): then only the history
+        does."""
+        if self._facts is None:
+            return None
+        r = self._facts()
+        for op in self._ops:
+            if op[0] == "shard":
+                r.add_shard(op[1])
+            elif op[0] == "replace":
+                r.replace(op[1], op[2])
+            else:
+                r.record(op[1], op[2])
+        return r
 
     def rows(self, topic: str, partition: int) -> LiveRows:
         """These shards as the rows of a live set of log `topic`/`partition` (episode ids left
-        out): over a live set's rows, its columns less the dropped rows plus the added shards'
-        (no entry built for the rows kept), else built from the entries."""
+        out) with retention's columns where known (`retention`): over a live set's rows, its
+        columns less the dropped rows plus the added shards' (no entry built for the rows
+        kept), else built from the entries."""
+        ret = self.retention()
         added = [self._added[q] for q in sorted(self._added)]
         kept = [i for i in range(len(self._seqs) - 1, -1, -1) if i not in self._dropped][:1]
-        if not isinstance(self._base, LiveRows) or (added and kept and self._seqs[kept[0]] > added[0].seq):  # type: ignore[operator]
-            return LiveRows(topic, partition, shard_columns(list(self)))
+        tables = ret.tables() if ret else None
+        if (
+            not isinstance(self._base, LiveRows)
+            or (added and kept and self._seqs[kept[0]] > added[0].seq)  # type: ignore[operator]
+            or (ret is not None) != (self._base.tables is not None)
+        ):
+            shards = list(self)
+            newest = [ret.newest_of(s.seq) for s in shards] if ret else None  # type: ignore[arg-type]
+            return LiveRows(topic, partition, shard_columns(shards, newest), tables=tables)
         base = self._base.columns
         if self._dropped:
             mask = np.ones(len(self._seqs), dtype=bool)
             mask[list(self._dropped)] = False
             base = {k: a.filter(pa.array(mask)) for k, a in base.items()}
         if added:
-            new = shard_columns(added)
+            new = shard_columns(added, [ret.newest_of(e.seq) for e in added] if ret else None)  # type: ignore[arg-type]
             base = {k: pa.concat_arrays([a, new[k]]) for k, a in base.items()}
-        return LiveRows(topic, partition, base)
+        return LiveRows(topic, partition, base, tables=tables)
 
     def paths(self, prefix: str = "") -> list[str]:
         if self._built is not None or not isinstance(self._base, ShardList):
@@ -358,6 +544,7 @@ def fold(
     live: Mapping[int, ShardEntry] | Sequence[ShardEntry],
     tail: Iterable[Entry],
     records: Iterable[RemovalRecord],
+    facts: Callable[[], Retention] | None = None,
 ) -> HeadShards:
     """The live shards after `tail` (entries in seq order after those `live` summarizes: a
     mapping seq -> shard, or shards in seq order such as a live set's rows) and `records`
@@ -365,6 +552,9 @@ def fold(
     follows it are combined. A shard a record names is dropped where the live shard at that seq
     is exactly that file (path and staging path), as `resolve_removals` resolves records. Only
     the rows a later entry or record names are looked at (`HeadShards`).
+
+    `facts`: retention's facts of `live` (`Retention`, built when asked for; a live set's rows
+    bring their own, `_facts_of_rows`); without them `HeadShards.retention` is None.
 
     Raises `Stale` if a replace entry replaces a seq not in the live shards, or its shard holds
     another number of episodes than those it replaces (ids are compared where known).
@@ -375,17 +565,18 @@ def fold(
     """
     if isinstance(live, Mapping):
         seqs = sorted(live)
-        out = HeadShards([live[q] for q in seqs], seqs)
+        out = HeadShards([live[q] for q in seqs], seqs, facts)
     elif isinstance(live, HeadShards):
         out = live._copy()
     elif isinstance(live, LiveRows):
-        out = HeadShards(live, live.seqs)
+        out = HeadShards(live, live.seqs, facts or _facts_of_rows(live))
     else:
         base = list(live)
-        out = HeadShards(base, [e.seq for e in base])  # type: ignore[misc]
+        out = HeadShards(base, [e.seq for e in base], facts)  # type: ignore[misc]
     for e in tail:
         if isinstance(e, ShardEntry):
             out._add(e)
+            out._ops.append(("shard", e))
         elif isinstance(e, ReplaceEntry):
             old = [out.get(r) for r in e.replaces]
             if any(o is None for o in old):
@@ -398,11 +589,16 @@ def fold(
             for r in e.replaces:
                 out._drop(r)
             out._add(e.shard)
+            out._ops.append(("replace", e, old))
     for rec in records:
         for f in rec.files:
-            s = out.get(f.seq) if (f.topic, f.partition) == (topic, partition) else None
-            if s is not None and (s.path, s.staging_path) == (f.path, f.staging_path):
+            if (f.topic, f.partition) != (topic, partition):
+                continue
+            s = out.get(f.seq)
+            dropped = s is not None and (s.path, s.staging_path) == (f.path, f.staging_path)
+            if dropped:
                 out._drop(f.seq)
+            out._ops.append(("record", f, dropped))
     return out
 
 
@@ -475,7 +671,7 @@ def head_shards(
     if not history:
         raise NeedsHistory("no usable live set")
     entries = plog.load(strict=strict)
-    shards = fold(topic, partition, live_shards(entries), [], records)  # type: ignore[arg-type]
+    shards = fold(topic, partition, live_shards(entries), [], records, lambda: history_facts(entries))  # type: ignore[arg-type]
     end = entries[-1].seq + 1 if entries else 0  # type: ignore[operator]
     return HeadRead(shards, first_entry_key(entries[0] if entries else None), end, None, entries)
 
@@ -511,6 +707,11 @@ def write_live_set(
         seqs = live_set_seqs(storage, topic, partition)
         if prev is None or not seqs or seqs[-1] != prev.seq:
             prev = read_live_set(storage, topic, partition)
+        if prev is not None and prev.tables is None:  # no retention columns to carry forward
+            log.info(
+                "%s/%d: live set %d has no retention columns: the next from the history", topic, partition, prev.seq
+            )
+            prev = None
     head = head_shards(storage, topic, partition, None, prev, apply_removals=False, history=history)
     if head.end == 0 or (prev is not None and head.end == prev.seq):
         return None

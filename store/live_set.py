@@ -104,6 +104,7 @@ __all__ = [
     "parse_live_set",
     "read_heads",
     "read_live_set",
+    "read_live_sets",
     "write_live_set",
 ]
 
@@ -742,15 +743,19 @@ def write_live_set(
 
 
 def read_heads(
-    storage: Storage, *, strict: bool = True
+    storage: Storage,
+    *,
+    strict: bool = True,
+    sets: Mapping[tuple[str, int], LiveSetEntry | None] | None = None,
 ) -> tuple[dict[tuple[str, int], HeadRead], int, list[RemovalRecord]]:
     """Every partition log at its head (`head_shards`), the number of removal records that
     exist (the newest record's number + 1: a head point's ``removals``) and the records read.
     Reads each log's newest live set, then the removal records from the smallest ``removals`` of
     them (all of them when a log has none), then each log's entries from its live set on (or its
-    history)."""
-    keys = list_partition_logs(storage)
-    sets = dict(zip(keys, _in_parallel(lambda k: read_live_set(storage, *k), keys)))
+    history). `sets`: every log's newest live set (`read_live_sets`), read before."""
+    if sets is None:
+        sets = read_live_sets(storage)
+    keys = list(sets)
     start = min((ls.removals if ls is not None else 0 for ls in sets.values()), default=0)
     records = read_removals(storage, start=start)  # before the entries: every record's positions are in them
     heads = dict(
@@ -758,6 +763,12 @@ def read_heads(
     )
     count = max([start, *(r.n + 1 for r in records)])
     return heads, count, records
+
+
+def read_live_sets(storage: Storage) -> dict[tuple[str, int], LiveSetEntry | None]:
+    """Every partition log's newest usable live set (`read_live_set`; None: it has none)."""
+    keys = list_partition_logs(storage)
+    return dict(zip(keys, _in_parallel(lambda k: read_live_set(storage, *k), keys)))
 
 
 def _in_parallel(fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:

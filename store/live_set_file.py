@@ -501,6 +501,11 @@ def decode(data: bytes, topic: str, partition: int, seq: int) -> tuple[dict[str,
 _NULLABLE = {n: nullable for n, _, nullable in (*COLUMNS, NEWEST_COLUMN, *HELD_COLUMNS, *REPLACED_COLUMNS)}
 
 
+def _member(x: np.ndarray, marked: np.ndarray) -> np.ndarray:
+    """Per value of `x` (each checked to lie in ``[0, len(marked))``), whether it is marked."""
+    return marked[x]
+
+
 def _check_retention(c: Mapping[str, pa.Array], seq: int) -> None:
     """Retention's columns (docs/FORMAT.md, "Retention columns") as the history could make them:
     finite newest times; held and replaced seqs ascending, distinct, below `seq` and not live
@@ -508,19 +513,20 @@ def _check_retention(c: Mapping[str, pa.Array], seq: int) -> None:
     replaced files named as a shard entry's."""
     if len(c["newest_commit"]) and not _all(pc.is_finite(c["newest_commit"])):
         raise ManifestError("live set: a row's newest_commit is not a finite number")
-    live = c["seq"].to_numpy()
+    live = np.zeros(seq, dtype=bool)  # one byte per entry below seq: what its size cap allows
+    live[c["seq"].to_numpy()] = True  # the rows' seqs: checked ascending and below seq
     for what in ("held", "replaced"):
         q, by = c[f"{what}_seq"].to_numpy(), c[f"{what}_by"].to_numpy()
         if not len(q):
             continue
-        if (np.diff(q) <= 0).any() or q[0] < 0 or q[-1] >= seq or np.isin(q, live).any() or (by <= q).any():
+        if (np.diff(q) <= 0).any() or q[0] < 0 or q[-1] >= seq or (by <= q).any() or (by >= seq).any():
             raise ManifestError(
-                f"live set: {what} seqs are not ascending, below {seq}, not live, below what holds them"
+                f"live set: {what} seqs are not ascending, below {seq} and below what holds or replaced them"
             )
-        if what == "held" and not np.isin(by, live).all():
+        if _member(q, live).any():
+            raise ManifestError(f"live set: a {what} seq is a live row's")
+        if what == "held" and not _member(by, live).all():
             raise ManifestError("live set: a held entry's holder is not a live row")
-        if what == "replaced" and (by >= seq).any():
-            raise ManifestError(f"live set: a replaced shard's replacement is not below {seq}")
     if len(c["replaced_seq"]):
         _distinct(c["replaced_policy_id"], "replaced_policy_id", _check_policy)
         _check_names(c["replaced_name"])

@@ -112,12 +112,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--live", type=int, default=5_000)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--store", default=None, help="build here (kept) instead of a temporary directory")
+    ap.add_argument("--reuse", action="store_true", help="measure on a copy of --store, built before")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     head = _load("store_head")
     root = args.store or tempfile.mkdtemp(prefix="rlrec-bench-live-commit-")
     t0 = time.perf_counter()
-    built = head.build(root, args.entries, args.live, 0)
+    if args.reuse:  # a copy of the store built before (each run starts from the same log)
+        import shutil
+
+        built = {"reused": args.store}
+        root = tempfile.mkdtemp(prefix="rlrec-bench-live-commit-")
+        shutil.rmtree(root)
+        shutil.copytree(args.store, root)
+    else:
+        built = head.build(root, args.entries, args.live, 0)
     print(f"built {built} in {time.perf_counter() - t0:.0f}s, load {os.getloadavg()[0]:.1f}", file=sys.stderr)
     doc = {"args": vars(args), "built": built, **measure(root, args.rounds)}
     s = doc["summary"]
@@ -132,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
-    if not args.store:
+    if not args.store or args.reuse:
         import shutil
 
         shutil.rmtree(root, ignore_errors=True)

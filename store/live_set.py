@@ -25,8 +25,10 @@ its ``removals`` is applied). A live set that is missing, malformed, of a newer 
 than its seq allows (`rlrec.store.live_set_file.size_cap`), or inconsistent with the entries after it is ignored: the log is
 read from its first entry as before (docs/GUARANTEES.md §3, "Live sets"); where it is malformed
 or past the log's end, `read_live_set` tries the next older one first. Older points (``as_of``),
-lineage, `Snapshot.changes`, retention, the trainer's follower and writers' claims read the
-whole history (gc and the trainer's start-up discovery read the heads: `read_heads`).
+lineage, `Snapshot.changes`, the trainer's follower and writers' claims read the whole history
+(gc, the trainer's start-up discovery and retention read the heads: `read_heads`; retention
+through a live set's retention columns, `Retention`, its candidates confirmed from the entries:
+`rlrec.store.retention_heads`).
 
 Example:
     >>> import tempfile
@@ -283,130 +285,213 @@ class Retention:
     their entries -- a live set's retention columns (docs/FORMAT.md, "Retention columns"), or the
     same made from the history (`history_facts`):
 
-    * ``newest``: per live shard, the newest first-commit time of its episodes (its own commit
-      time for a shard entry; for a merged shard the newest of those of the shards it replaced
-      that hold episodes, else its own): when it expires;
-    * ``holds``: per live merged shard, the seqs of the shard entries whose episodes it holds
-      (a shard entry holds itself): what a pin by identity resolves to;
-    * ``replaced``: per shard file replaced below the point and not named by a folded removal
+    * ``newest_of(seq)``: per live shard, the newest first-commit time of its episodes (its own
+      commit time for a shard entry; for a merged shard the newest of those of the shards it
+      replaced that hold episodes, else its own): when it expires;
+    * ``holds_of(seq)`` (all: `holds`): per live shard, the seqs of the shard entries whose
+      episodes it holds (a shard entry holds itself): what a pin by identity resolves to;
+    * `replaced`: per shard file replaced below the point and not named by a folded removal
       record, the entry that committed it: (the replace entry that replaced it, its policy id,
       its file name): what retention records as ``replaced``.
 
-    ``base_seqs``/``base_newest``: ``newest`` of a live set's rows as its column (sorted seqs),
-    looked up only where ``newest`` has no value.
+    A live set's columns are the base (``base``: arrays, never copied); what a fold changes since
+    is kept beside them (the ``_``-fields), so that carrying a live set forward costs its changes,
+    and `tables` its columns less the rows dropped plus those added (as `HeadShards.rows`).
     """
 
-    newest: dict[int, float] = field(default_factory=dict)
-    holds: dict[int, tuple[int, ...]] = field(default_factory=dict)
-    replaced: dict[int, tuple[int, str, str]] = field(default_factory=dict)
+    base: dict[str, Any] = field(default_factory=dict)
     base_seqs: Sequence[int] = ()
-    base_newest: Any = None
+    _newest: dict[int, float] = field(default_factory=dict)
+    _holds: dict[int, tuple[int, ...]] = field(default_factory=dict)  # merged shards added since
+    _gone: set[int] = field(default_factory=set)  # base holders no longer live
+    _replaced: dict[int, tuple[int, str, str]] = field(default_factory=dict)  # added since
+    _recorded: set[int] = field(default_factory=set)  # base replaced files a folded record names
 
     def copy(self) -> Retention:
-        return Retention(dict(self.newest), dict(self.holds), dict(self.replaced), self.base_seqs, self.base_newest)
+        return Retention(
+            self.base,
+            self.base_seqs,
+            dict(self._newest),
+            dict(self._holds),
+            set(self._gone),
+            dict(self._replaced),
+            set(self._recorded),
+        )
 
     def newest_of(self, seq: int) -> float:
         """The newest first-commit time of the episodes of the live shard committed at `seq`."""
-        if seq in self.newest:
-            return self.newest[seq]
+        if seq in self._newest:
+            return self._newest[seq]
         i = bisect.bisect_left(self.base_seqs, seq)
         if i == len(self.base_seqs) or self.base_seqs[i] != seq:
             raise KeyError(seq)
-        return float(self.base_newest[i])
+        return float(self.base["newest"][i])
 
     def expiring(self, cutoff: float) -> list[int]:
         """The seqs, ascending, whose newest first-commit time is at or below `cutoff` (of the
         shards this was built with or added since; the caller checks which are live)."""
-        out = {q for q, t in self.newest.items() if t <= cutoff}
+        out = {q for q, t in self._newest.items() if t <= cutoff}
         if len(self.base_seqs):
-            old = np.asarray(self.base_seqs)[np.asarray(self.base_newest) <= cutoff].tolist()
-            out |= {q for q in old if q not in self.newest}
+            old = np.asarray(self.base_seqs)[np.asarray(self.base["newest"]) <= cutoff].tolist()
+            out |= {q for q in old if q not in self._newest}
         return sorted(out)
+
+    def _base_holds_map(self) -> dict[int, tuple[int, ...]]:
+        cache = self.base.setdefault("_maps", {})  # type: ignore[attr-defined]
+        if "holds" not in cache:
+            held: dict[int, list[int]] = {}
+            if "held_seq" in self.base:
+                for h, by in zip(self.base["held_seq"].tolist(), self.base["held_by"].tolist()):
+                    held.setdefault(by, []).append(h)
+            cache["holds"] = {k: tuple(v) for k, v in held.items()}
+        return cache["holds"]
+
+    def _base_replaced_map(self) -> dict[int, tuple[int, str, str]]:
+        cache = self.base.setdefault("_maps", {})  # type: ignore[attr-defined]
+        if "replaced" not in cache:
+            b = self.base
+            cache["replaced"] = (
+                dict(
+                    zip(
+                        b["replaced_seq"].tolist(),
+                        zip(
+                            b["replaced_by"].to_pylist(),
+                            b["replaced_policy_id"].to_pylist(),
+                            b["replaced_name"].to_pylist(),
+                        ),
+                    )
+                )
+                if "replaced_seq" in b
+                else {}
+            )
+        return cache["replaced"]
+
+    def seqs(self) -> set[int]:
+        """The seqs of the live shards it knows a newest first-commit time of."""
+        return {q for q in self.base_seqs if q not in self._gone} | set(self._newest)
 
     def holds_of(self, seq: int) -> tuple[int, ...]:
         """The shard entries whose episodes the live shard committed at `seq` holds."""
-        return self.holds.get(seq, (seq,))
+        if seq in self._holds:
+            return self._holds[seq]
+        if seq not in self._gone:
+            return self._base_holds_map().get(seq, (seq,))
+        return (seq,)
 
-    def replaced_file(self, seq: int) -> tuple[str, str]:
-        """(path, staging path) of the replaced shard committed at `seq`."""
-        _, policy, name = self.replaced[seq]
+    @property
+    def holds(self) -> dict[int, tuple[int, ...]]:
+        """Every live merged shard's held shard entries (a new dict)."""
+        out = {k: v for k, v in self._base_holds_map().items() if k not in self._gone}
+        return out | self._holds
+
+    @property
+    def replaced(self) -> dict[int, tuple[int, str, str]]:
+        """The replaced files (module docstring), as a new dict."""
+        out = {k: v for k, v in self._base_replaced_map().items() if k not in self._recorded}
+        return out | self._replaced
+
+    def replaced_file(self, seq: int) -> tuple[str, str] | None:
+        """(path, staging path) of the replaced shard committed at `seq`, None if not listed."""
+        v = self._replaced.get(seq)
+        if v is None and seq not in self._recorded:
+            v = self._base_replaced_map().get(seq)
+        if v is None:
+            return None
+        _, policy, name = v
         return f"{policy}/{name}", f"{policy}/_staging/{name}"
 
     def add_shard(self, e: ShardEntry) -> None:
         """A shard entry committed: its episodes first committed with it."""
-        self.newest[e.seq] = float(e.commit_time)  # type: ignore[index]
+        self._newest[e.seq] = float(e.commit_time)  # type: ignore[index]
 
     def replace(self, e: ReplaceEntry, old: Sequence[ShardEntry]) -> None:
         """Replace entry `e` merged the live shards `old` (those at ``e.replaces``)."""
         with_episodes = [self.newest_of(o.seq) for o in old if o.episodes > 0]  # type: ignore[arg-type]
-        self.newest[e.seq] = max(with_episodes) if with_episodes else float(e.shard.commit_time)  # type: ignore[index]
-        self.holds[e.seq] = tuple(sorted(h for o in old for h in self.holds.pop(o.seq, (o.seq,))))  # type: ignore[index,arg-type]
+        held = []
         for o in old:
-            self.newest.pop(o.seq, None)  # type: ignore[arg-type]
-            self.replaced[o.seq] = (e.seq, o.policy_id, o.path.rsplit("/", 1)[-1])  # type: ignore[index,assignment]
+            held += self.holds_of(o.seq)  # type: ignore[arg-type]
+            self._drop(o.seq)  # type: ignore[arg-type]
+            self._replaced[o.seq] = (e.seq, o.policy_id, o.path.rsplit("/", 1)[-1])  # type: ignore[index,assignment]
+        self._newest[e.seq] = max(with_episodes) if with_episodes else float(e.shard.commit_time)  # type: ignore[index]
+        self._holds[e.seq] = tuple(sorted(held))  # type: ignore[index]
+
+    def _drop(self, seq: int) -> None:
+        self._holds.pop(seq, None)
+        self._newest.pop(seq, None)
+        self._gone.add(seq)
 
     def record(self, f: Any, dropped: bool) -> None:
         """A removal record's file `f` (`RemovedFile`) folded: it `dropped` the live shard at its
         seq, else it may name a replaced file."""
         if dropped:
-            self.holds.pop(f.seq, None)
-            self.newest.pop(f.seq, None)
-        elif f.seq in self.replaced and self.replaced_file(f.seq) == (f.path, f.staging_path):
-            del self.replaced[f.seq]
+            self._drop(f.seq)
+            return
+        named = self.replaced_file(f.seq) == (f.path, f.staging_path)
+        if named and self._replaced.pop(f.seq, None) is None:
+            self._recorded.add(f.seq)  # a base row
 
     def tables(self) -> dict[str, pa.Array]:
         """The held and replaced tables (`rlrec.store.live_set_file.HELD_COLUMNS`,
-        ``REPLACED_COLUMNS``; ``holds`` names live shards only: `replace` and `record` drop the
-        others)."""
-        held = sorted((h, by) for by, hs in self.holds.items() for h in hs)
-        rep = sorted(self.replaced.items())
-        i64, s = pa.int64(), pa.string()
-        return {
-            "held_seq": pa.array([h for h, _ in held], i64),
-            "held_by": pa.array([b for _, b in held], i64),
-            "replaced_seq": pa.array([q for q, _ in rep], i64),
-            "replaced_by": pa.array([v[0] for _, v in rep], i64),
-            "replaced_policy_id": pa.array([v[1] for _, v in rep], s),
-            "replaced_name": pa.array([v[2] for _, v in rep], s),
+        ``REPLACED_COLUMNS``): the base's less what was dropped, plus what was added, in seq
+        order (column-wise: no object per kept row)."""
+        i64, st = pa.int64(), pa.string()
+        b = self.base
+        hs = np.asarray(b["held_seq"]) if "held_seq" in b else np.zeros(0, np.int64)
+        hb = np.asarray(b["held_by"]) if "held_by" in b else np.zeros(0, np.int64)
+        if self._gone and len(hb):
+            keep = ~np.isin(hb, np.fromiter(self._gone, np.int64))
+            hs, hb = hs[keep], hb[keep]
+        add = [(h, by) for by, held in self._holds.items() for h in held]
+        if add:
+            hs = np.concatenate([hs, np.array([h for h, _ in add], np.int64)])
+            hb = np.concatenate([hb, np.array([by for _, by in add], np.int64)])
+        order = np.argsort(hs, kind="stable")
+        rs = np.asarray(b["replaced_seq"]) if "replaced_seq" in b else np.zeros(0, np.int64)
+        rep = {
+            "replaced_seq": pa.array(rs, i64),
+            "replaced_by": b.get("replaced_by", pa.array([], i64)),
+            "replaced_policy_id": b.get("replaced_policy_id", pa.array([], st)),
+            "replaced_name": b.get("replaced_name", pa.array([], st)),
         }
+        if self._recorded and len(rs):
+            mask = pa.array(~np.isin(rs, np.fromiter(self._recorded, np.int64)))
+            rep = {k: v.filter(mask) for k, v in rep.items()}
+        if self._replaced:
+            new = sorted(self._replaced.items())
+            more = {
+                "replaced_seq": pa.array([q for q, _ in new], i64),
+                "replaced_by": pa.array([v[0] for _, v in new], i64),
+                "replaced_policy_id": pa.array([v[1] for _, v in new], st),
+                "replaced_name": pa.array([v[2] for _, v in new], st),
+            }
+            rep = {k: pa.concat_arrays([rep[k], more[k]]) for k in rep}
+            rep = {
+                k: v.take(pa.array(np.argsort(np.asarray(rep["replaced_seq"]), kind="stable"))) for k, v in rep.items()
+            }
+        return {"held_seq": pa.array(hs[order], i64), "held_by": pa.array(hb[order], i64), **rep}
 
 
 def _facts_of_rows(rows: LiveRows) -> Callable[[], Retention] | None:
-    """Retention's facts of a live set's rows (its retention columns), built when first asked
-    for; None where it has none."""
+    """Retention's facts of a live set's rows (its retention columns, used as they are), or
+    None where it has none."""
     t = rows.tables
     if t is None:
         return None
-    built: list[Retention] = []
+    newest = rows.columns["newest_commit"]
 
-    def facts() -> Retention:
-        if not built:
-            holds: dict[int, list[int]] = {}
-            for h, by in zip(t["held_seq"].to_numpy().tolist(), t["held_by"].to_numpy().tolist()):
-                holds.setdefault(by, []).append(h)
-            replaced = dict(
-                zip(
-                    t["replaced_seq"].to_numpy().tolist(),
-                    zip(
-                        t["replaced_by"].to_numpy().tolist(),
-                        t["replaced_policy_id"].to_pylist(),
-                        t["replaced_name"].to_pylist(),
-                    ),
-                )
-            )
-            newest = rows.columns["newest_commit"]
-            built.append(
-                Retention(
-                    {},
-                    {k: tuple(v) for k, v in holds.items()},
-                    replaced,  # type: ignore[arg-type]
-                    rows.seqs,
-                    newest.to_numpy() if len(newest) else np.zeros(0),
-                )
-            )
-        return built[0].copy()
+    def ints(a: pa.Array) -> np.ndarray:
+        return a.to_numpy() if len(a) else np.zeros(0, np.int64)
 
-    return facts
+    base = {
+        "newest": newest.to_numpy() if len(newest) else np.zeros(0),
+        "held_seq": ints(t["held_seq"]),
+        "held_by": ints(t["held_by"]),
+        "replaced_seq": ints(t["replaced_seq"]),
+        "replaced_by": t["replaced_by"],
+        "replaced_policy_id": t["replaced_policy_id"],
+        "replaced_name": t["replaced_name"],
+    }
+    return lambda: Retention(base, rows.seqs)  # the base's maps, built when first needed, are shared
 
 
 def history_facts(entries: Iterable[Entry]) -> Retention:

@@ -476,7 +476,7 @@ def _retention_problems(where: str, want: Any, got: Any) -> list[str]:
     if got is None:
         return []  # none: readers that need them read the history
     out = []
-    for q in sorted(set(want.newest) | {*want.base_seqs}):
+    for q in sorted(want.seqs() | got.seqs()):
         try:
             w, g = want.newest_of(q), got.newest_of(q)
         except KeyError:
@@ -487,9 +487,10 @@ def _retention_problems(where: str, want: Any, got: Any) -> list[str]:
             out.append(
                 f"{where}: row seq {q} holds shard entries {list(got.holds_of(q))}, not {list(want.holds_of(q))}"
             )
-    for q in sorted(set(want.replaced) | set(got.replaced)):
-        if want.replaced.get(q) != got.replaced.get(q):
-            w, g = want.replaced.get(q), got.replaced.get(q)
+    want_replaced, got_replaced = want.replaced, got.replaced
+    for q in sorted(set(want_replaced) | set(got_replaced)):
+        if want_replaced.get(q) != got_replaced.get(q):
+            w, g = want_replaced.get(q), got_replaced.get(q)
             out.append(f"{where}: replaced files: seq {q} is {g or 'not listed'}, the history says {w or 'none'}")
     return out
 

@@ -16,7 +16,9 @@ episode was first committed longer ago than the retention age). A record names a
 
 `retain` runs the three steps of ``rlrec retain`` (docs/GUARANTEES.md, "Retention"):
 
-1. read the removal log, then every partition log (`plan_removals` decides from those);
+1. read the removal log, then every partition log: at its head where its live set has
+   retention columns (`rlrec.store.retention_heads`: candidates confirmed from the entries),
+   else its history (`plan_removals` decides from those);
 2. append the new removals as records (`append_removals`; a process that loses the create-once
    race for record ``n`` reads it, drops the files it already names and tries ``n + 1``);
 3. delete the files of every record older than its grace (`delete_due`, through

@@ -213,11 +213,12 @@ def heads_or_history(
         ranges = merge_ranges((pinned_entries or {}).get(key, ()))
         head = LogHead(storage, topic, part, h.end, facts=facts)
         try:
-            for q in sorted(facts.replaced):
-                path, staging = facts.replaced_file(q)
+            replaced = facts.replaced
+            for q in sorted(replaced):
+                by, policy, name = replaced[q]
+                path, staging = f"{policy}/{name}", f"{policy}/_staging/{name}"
                 if path in pins:
                     continue
-                by = facts.replaced[q][0]
                 head.shard_at(q, path, staging)
                 r = head.entries([by])[by]
                 if not isinstance(r, ReplaceEntry) or q not in r.replaces:

@@ -197,6 +197,7 @@ def heads_or_history(
         log.warning("retain: the manifest's head cannot be read (%s): reading its history", e)
         return {}, read_logs(storage)
     keys = list(heads)
+    named = {f.key for rec in records for f in rec.files}  # recorded before: never recorded again
     out: dict[tuple[str, int], LogHead] = {}
     history: dict[tuple[str, int], list[Entry]] = {}
     pins = set(pinned)
@@ -217,7 +218,7 @@ def heads_or_history(
             for q in sorted(replaced):
                 by, policy, name = replaced[q]
                 path, staging = f"{policy}/{name}", f"{policy}/_staging/{name}"
-                if path in pins:
+                if path in pins or (topic, part, q) in named:
                     continue
                 head.shard_at(q, path, staging)
                 r = head.entries([by])[by]
@@ -227,7 +228,9 @@ def heads_or_history(
             if older_than_s is not None:
                 for q in facts.expiring(now - older_than_s):
                     s = h.shards.get(q)  # type: ignore[attr-defined]
-                    if s is None or now - facts.newest_of(q) <= older_than_s or s.path in pins:
+                    if s is None or (topic, part, q) in named:
+                        continue
+                    if now - facts.newest_of(q) <= older_than_s or s.path in pins:
                         continue  # not expired by the live set's word: kept (it may only keep more)
                     if pinned_by(facts.holds_of(q), q, ranges):
                         continue
@@ -267,7 +270,8 @@ def due_from_heads(
     keep_paths: Collection[str],
     pinned_entries: Mapping[tuple[str, int], Sequence[tuple[int, int]]] | None,
 ) -> tuple[list[str], set[tuple[str, int]]]:
-    """What to delete of the due records' files (`due(record)`) in the logs whose head decides:
+    """What to delete of the files whose first naming record is due (`due(record)`; a later
+    record naming a file again never shortens its grace) in the logs whose head decides:
     (the published and staging paths of the files that still exist, are resolved against the
     entry they name and are not kept; the logs whose history must decide instead: one where a
     file's shard may hold a pinned entry, or a file cannot be checked)."""
@@ -276,12 +280,12 @@ def due_from_heads(
     if not heads:
         return [], set()
     storage = next(iter(heads.values())).storage
-    files: dict[tuple[str, int, int], Any] = {}
+    first: dict[tuple[str, int, int], tuple[Any, Any]] = {}  # the first record naming a file rules its grace
     for rec in records:
-        if due(rec):
-            for f in rec.files:
-                if (f.topic, f.partition) in heads:
-                    files.setdefault(f.key, f)
+        for f in rec.files:
+            if (f.topic, f.partition) in heads:
+                first.setdefault(f.key, (rec, f))
+    files = {k: f for k, (rec, f) in first.items() if due(rec)}
     there = existing(storage, (p for f in files.values() for p in (f.path, f.staging_path)))
     paths: dict[tuple[str, int], list[str]] = {}
     undecided: set[tuple[str, int]] = set()

@@ -196,6 +196,54 @@ def test_forged_retention_rows_are_confirmed_against_the_entries(tmp_path, monke
     assert not set(got[1]) & set(before)  # nor deleted
 
 
+def test_a_forged_live_set_cannot_record_again_what_a_removal_record_names(tmp_path, monkeypatch):
+    """A live set listing as replaced the files an earlier record (a day's grace) already names:
+    retain from the heads records nothing again and deletes nothing a minute later, as retain
+    from the history does (it re-recorded them with grace 0 and deleted them at once)."""
+    root, c, _ = _store(tmp_path)
+    _commit(c, 6, 0)
+    compact_partition(c.log, min_age_s=0, target_bytes=1 << 30)
+    _commit(c, 3, 50)
+    ls1 = write_live_set(c.storage, "rl", 0, writer="test")
+    _, cols1 = live_set_file._open_checked(ls1.to_bytes(), ls1.seq)
+    assert len(cols1["replaced_seq"]) == 6
+    t0 = time.time()
+    first = retain(c.storage, grace_s=86400, now=t0)  # the 6 replaced files, a day's grace
+    assert len(first.recorded) == 6 and first.deleted == []
+    _commit(c, 1, 90)
+    ls2 = write_live_set(c.storage, "rl", 0, writer="test") or read_live_set(c.storage, "rl", 0)
+    header, cols = live_set_file._open_checked(ls2.to_bytes(), ls2.seq)
+    assert len(cols["replaced_seq"]) == 0  # the record folded in
+    forged = dict(cols)
+    for k in ("replaced_seq", "replaced_by", "replaced_policy_id", "replaced_name"):
+        forged[k] = cols1[k]  # the rows from before the record put back
+    header = {**header, "replaced": len(cols1["replaced_seq"])}
+    c.storage.delete(live_set_path("rl", 0, ls2.seq))
+    c.storage.write(live_set_path("rl", 0, ls2.seq), live_set_file.encode_columns(header, forged, len(cols["seq"])))
+    assert read_live_set(c.storage, "rl", 0).seq == ls2.seq  # readers take it
+    got, _ = _both(tmp_path, root, monkeypatch, "rerecord", grace_s=0, now=t0 + 60)
+    assert got[0] == [] and got[1] == []
+
+
+def test_a_second_record_naming_a_file_does_not_shorten_the_first_ones_grace(tmp_path, monkeypatch):
+    """Two records name the same files (two retains racing): the first one's grace (a day) rules
+    from the heads as from the history, not the second's (0)."""
+    from rlrec.store.retention import append_removals
+
+    root, c, _ = _store(tmp_path)
+    _commit(c, 6, 0)
+    compact_partition(c.log, min_age_s=0, target_bytes=1 << 30)
+    _commit(c, 3, 50)
+    t0 = time.time()
+    first = retain(c.storage, grace_s=86400, now=t0)
+    assert len(first.recorded) == 6
+    append_removals(c.storage, {("rl", 0): c.log.next_seq, ("rl", 1): 0}, first.recorded, grace_s=0, now=t0 + 1)
+    _commit(c, 1, 90)
+    write_live_set(c.storage, "rl", 0, writer="test")
+    got, _ = _both(tmp_path, root, monkeypatch, "twice", grace_s=0, now=t0 + 60)
+    assert got[1] == []  # nothing deleted a minute into the first record's day
+
+
 @pytest.mark.slow
 def test_retain_from_the_heads_after_kill_9_of_the_writer_around_its_live_set_writes(tmp_path, monkeypatch):
     """The writer killed before, during (a torn temp file) and after its live set's create-once,

@@ -472,7 +472,7 @@ def _live_set_problems(
 
 def _retention_problems(where: str, want: Any, got: Any) -> list[str]:
     """How a live set's retention columns (`got`, None: it has none) differ from the history's
-    (`want`, `rlrec.store.live_set.Retention`)."""
+    (`want`, `rlrec.store.live_set_retention.Retention`)."""
     if got is None:
         return []  # none: readers that need them read the history
     out = []

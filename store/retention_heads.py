@@ -2,7 +2,7 @@
 record as removed, and which removed files to delete, without reading a log's history where its
 head can decide -- and never deciding differently from the history but by keeping more.
 
-Per log, the head is its newest live set with retention's columns (`rlrec.store.live_set.Retention`:
+Per log, the head is its newest live set with retention's columns (`rlrec.store.live_set_retention.Retention`:
 each live shard's newest first-commit time and the shard entries it holds, the replaced files no
 folded removal record names), the entries after it and the removal records after it. From it:
 
@@ -132,7 +132,7 @@ class LogHead:
 
     def tree(self, seq: int) -> tuple[float, tuple[int, ...]]:
         """(the newest first-commit time of its episodes, the shard entries it holds) of the shard
-        entry `seq` commits, from its merge tree (`rlrec.store.live_set.Retention`'s rule; the rule
+        entry `seq` commits, from its merge tree (`rlrec.store.live_set_retention.Retention`'s rule; the rule
         of replacement checked on the way: each replace entry's episode ids are exactly its
         children's)."""
         level, nodes = [seq], {}

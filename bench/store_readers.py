@@ -1,8 +1,9 @@
-"""gc and the trainer's start-up discovery on a store with a long manifest history: through the
-logs' live sets (what they do now) against through the whole history (what they did before).
+"""gc, the trainer's start-up discovery and `rlrec retain` on a store with a long manifest history:
+through the logs' live sets (what they do now) against through the whole history (what they did
+before).
 
     python bench/store_readers.py [--entries 20000] [--live 4000] [--tail 500] [--rounds 3] [--s3] [--raw-log]
-                                  [--json PATH]
+                                  [--readers gc,discovery,retain] [--json PATH]
 
 The store is one rlrec's writers build (`build_writer`: one partition log, log snapshots every
 100 entries, so the history is about one object per 100 entries; compaction's merged shards,
@@ -17,7 +18,11 @@ entry: the worst history, not what a writer leaves). Per round, alternating whic
   discovery ``ManifestFollower(storage).live_head()`` (``ContinuousTrainer._first_shards``);
   discovery-history ``ManifestFollower(storage).poll(force_discover=True)`` (what it was: it
             finds every shard entry, those compaction merged away too, where discovery finds the
-            live shards -- the same shards a trainer then reads first, ``found`` counts both).
+            live shards -- the same shards a trainer then reads first, ``found`` counts both);
+  retain    ``retain(storage, grace_s=3600, older_than_s=RETAIN_AGE_S, dry_run=True)``: from the heads
+            (`rlrec.store.retention_heads`: live sets with retention columns, confirmed candidates);
+  retain-history  the same call deciding from the whole history (main's retain); both must find
+            the same (files to record, files to delete).
 
 Then gc and gc-history again, locally, in the states gc runs in (`add_garbage`, cumulative):
 ``compacted`` (10 live shards merged, no `retain` since: replaced files only the history names)
@@ -151,6 +156,10 @@ def _as_merged(e: Any, run: list) -> Any:
     )
 
 
+#: retain's age in the bench: nothing expires (the calls and reads of a run that records nothing
+#: but replaced files are what is measured; with an age every live shard's time is read either way)
+RETAIN_AGE_S = 10 * 365 * 86400.0
+
 GARBAGE = {"compacted": "compacted, not yet retained", "orphan": "and an orphan staging file"}
 
 
@@ -183,7 +192,7 @@ def add_garbage(root: str, state: str) -> None:
 
 def _runs(storage: Storage) -> dict[str, Callable[[], int]]:
     """Each measured call; returns what it found (checked equal between a pair)."""
-    from rlrec.store import maintenance
+    from rlrec.store import maintenance, retention, retention_heads
     from rlrec.trainer.manifest_follower import ManifestFollower
 
     def gc_heads() -> int:
@@ -203,7 +212,26 @@ def _runs(storage: Storage) -> dict[str, Callable[[], int]]:
     def discovery_history() -> int:
         return len(ManifestFollower(storage).poll(force_discover=True))
 
-    return {"gc": gc_heads, "gc-history": gc_history, "discovery": discovery, "discovery-history": discovery_history}
+    def retain_heads() -> tuple[int, int]:
+        res = retention.retain(storage, grace_s=3600, older_than_s=RETAIN_AGE_S, dry_run=True)
+        return len(res.recorded), len(res.deleted)
+
+    def retain_history() -> tuple[int, int]:
+        real = retention_heads.heads_or_history
+        retention_heads.heads_or_history = lambda st, records, **kw: ({}, retention.read_logs(st))  # main's retain
+        try:
+            return retain_heads()
+        finally:
+            retention_heads.heads_or_history = real
+
+    return {
+        "gc": gc_heads,
+        "gc-history": gc_history,
+        "discovery": discovery,
+        "discovery-history": discovery_history,
+        "retain": retain_heads,
+        "retain-history": retain_history,
+    }
 
 
 def measure(storage: Storage, rounds: int, readers: tuple[str, ...] = ("gc", "discovery")) -> dict:
@@ -211,7 +239,8 @@ def measure(storage: Storage, rounds: int, readers: tuple[str, ...] = ("gc", "di
     runs = {k: fn for k, fn in _runs(storage).items() if k.split("-")[0] in readers}
     times: dict[str, list[float]] = {k: [] for k in runs}
     found = {k: fn() for k, fn in runs.items()}  # warm-up (imports, page cache)
-    assert found["gc"] == found["gc-history"], found  # the same decision
+    for k in ("gc", "retain"):
+        assert found.get(k) == found.get(f"{k}-history"), found  # the same decision
     # discovery finds the live shards; a history poll every shard entry, merged-away ones too
     for r in range(rounds):
         for a, b in pairs:
@@ -240,17 +269,15 @@ def measure(storage: Storage, rounds: int, readers: tuple[str, ...] = ("gc", "di
 
 def _line(where: str, doc: dict) -> str:
     s, c = doc["seconds"], doc["storage_calls"]
-    out = (
-        f"{where}: gc {s['gc']['median']:.3f}s ({c['gc']} calls) vs history {s['gc-history']['median']:.3f}s "
-        f"({c['gc-history']} calls), {doc['gc_speedup']['median']:.1f}x"
-    )
-    if "discovery" in s:
-        out += (
-            f"; discovery {s['discovery']['median']:.3f}s ({c['discovery']} calls) vs history "
-            f"{s['discovery-history']['median']:.3f}s ({c['discovery-history']} calls), "
-            f"{doc['discovery_speedup']['median']:.1f}x"
-        )
-    return out
+    parts = []
+    for k in ("gc", "discovery", "retain"):
+        if k in s:
+            sp = doc[f"{k}_speedup"]
+            parts.append(
+                f"{k} {s[k]['median']:.3f}s ({c[k]} calls) vs history {s[f'{k}-history']['median']:.3f}s "
+                f"({c[f'{k}-history']} calls), {sp['median']:.1f}x ({sp['spread'][0]:.1f}-{sp['spread'][1]:.1f}x)"
+            )
+    return f"{where}: " + "; ".join(parts)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -266,8 +293,10 @@ def main(argv: list[str] | None = None) -> int:
         help="bench/store_head.py's store (no log snapshots: a history of one object per entry) instead of "
         "the one rlrec's writers build (build_writer)",
     )
+    ap.add_argument("--readers", default="gc,discovery", help="of gc, discovery, retain (comma-separated)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    readers = tuple(args.readers.split(","))
     head = _load("store_head")
     root = tempfile.mkdtemp(prefix="rlrec-bench-readers-")
     try:
@@ -277,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         doc: dict[str, Any] = {
             "args": vars(args),
             "built": built,
-            "local": measure(Storage.from_uri(root), args.rounds),
+            "local": measure(Storage.from_uri(root), args.rounds, readers),
         }
         print(_line("local", doc["local"]))
         if args.s3:
@@ -286,13 +315,15 @@ def main(argv: list[str] | None = None) -> int:
                 t0 = time.perf_counter()
                 st = s3.upload_store(root, "readers")
                 doc["s3_upload_s"] = time.perf_counter() - t0
-                doc["s3"] = measure(st, args.rounds)
+                doc["s3"] = measure(st, args.rounds, readers)
                 print(_line("S3 (moto)", doc["s3"]))
             finally:
                 s3.close()
-        for state in ("compacted", "orphan"):  # the states gc runs in (cumulative), local
+        for state in ("compacted", "orphan"):  # the states gc and retain run in (cumulative), local
             add_garbage(root, state)
-            doc[f"local_{state}"] = measure(Storage.from_uri(root), args.rounds, ("gc",))
+            doc[f"local_{state}"] = measure(
+                Storage.from_uri(root), args.rounds, tuple(r for r in readers if r != "discovery")
+            )
             print(_line(f"local, {GARBAGE[state]}", doc[f"local_{state}"]))
     finally:
         import shutil

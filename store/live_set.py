@@ -25,8 +25,10 @@ its ``removals`` is applied). A live set that is missing, malformed, of a newer 
 than its seq allows (`rlrec.store.live_set_file.size_cap`), or inconsistent with the entries after it is ignored: the log is
 read from its first entry as before (docs/GUARANTEES.md §3, "Live sets"); where it is malformed
 or past the log's end, `read_live_set` tries the next older one first. Older points (``as_of``),
-lineage, `Snapshot.changes`, retention, the trainer's follower and writers' claims read the
-whole history (gc and the trainer's start-up discovery read the heads: `read_heads`).
+lineage, `Snapshot.changes`, the trainer's follower and writers' claims read the whole history
+(gc, the trainer's start-up discovery and retention read the heads: `read_heads`; retention
+through a live set's retention columns, `Retention`, its candidates confirmed from the entries:
+`rlrec.store.retention_heads`).
 
 Example:
     >>> import tempfile
@@ -71,6 +73,7 @@ from rlrec.store.live_set_file import (
     shard_columns,
     size_cap,
 )
+from rlrec.store.live_set_retention import Retention, facts_of_rows, history_facts
 from rlrec.store.localfs import EscapesRoot
 from rlrec.store.manifest import (
     MANIFEST_DIR,
@@ -96,14 +99,17 @@ __all__ = [
     "HeadShards",
     "LiveSetEntry",
     "NeedsHistory",
+    "Retention",
     "first_entry_key",
     "fold",
     "head_shards",
+    "history_facts",
     "live_set_path",
     "live_set_seqs",
     "parse_live_set",
     "read_heads",
     "read_live_set",
+    "read_live_sets",
     "write_live_set",
 ]
 
@@ -158,9 +164,16 @@ class LiveSetEntry:
 
     type = "live_set"
 
+    @property
+    def tables(self) -> dict[str, pa.Array] | None:
+        """Its retention tables (held and replaced; `LiveRows.tables`), None if it has none."""
+        return self.shards.tables if isinstance(self.shards, LiveRows) else None
+
     def header(self) -> dict[str, Any]:
         """Its fields but the rows, as the file's header holds them (`rlrec.store.live_set_file`)."""
-        return {
+        t = self.tables
+        counts = {} if t is None else {"held": len(t["held_seq"]), "replaced": len(t["replaced_seq"])}
+        return counts | {
             "type": "live_set",
             "manifest_version": LIVE_SET_FORMAT_VERSION,
             "topic": self.topic,
@@ -175,7 +188,8 @@ class LiveSetEntry:
     def to_bytes(self) -> bytes:
         """The live set's file (raw Arrow columns, `rlrec.store.live_set_file`)."""
         if isinstance(self.shards, LiveRows):
-            return encode_columns(self.header(), self.shards.columns, len(self.shards))
+            columns = self.shards.columns | (self.tables or {})
+            return encode_columns(self.header(), columns, len(self.shards))
         return encode(self.header(), self.shards)
 
 
@@ -273,11 +287,17 @@ class HeadShards(ShardList):
     live in the history) less what `fold` dropped, plus what it added, each built only when a
     reader asks for it."""
 
-    def __init__(self, base: Sequence[ShardEntry], seqs: list[int]) -> None:
+    def __init__(
+        self, base: Sequence[ShardEntry], seqs: list[int], facts: Callable[[], Retention] | None = None
+    ) -> None:
         self._base, self._seqs = base, seqs
         self._dropped: set[int] = set()  # positions in base
         self._added: dict[int, ShardEntry] = {}
         self._built: list[ShardEntry] | None = None
+        # retention's facts of the base (built when asked for; None: not known), and what fold
+        # did since, replayed on them by `retention`
+        self._facts = facts
+        self._ops: list[tuple[Any, ...]] = []
 
     def __len__(self) -> int:
         return len(self._seqs) - len(self._dropped) + len(self._added)
@@ -305,27 +325,52 @@ class HeadShards(ShardList):
         self._added[e.seq] = e  # type: ignore[index]
 
     def _copy(self) -> HeadShards:
-        out = HeadShards(self._base, self._seqs)
-        out._dropped, out._added = set(self._dropped), dict(self._added)
+        out = HeadShards(self._base, self._seqs, self._facts)
+        out._dropped, out._added, out._ops = set(self._dropped), dict(self._added), list(self._ops)
         return out
+
+    def retention(self) -> Retention | None:
+        """What retention needs of these shards besides their entries (`Retention`), None where
+        the base does not say (a live set without retention's columns): then only the history
+        does."""
+        if self._facts is None:
+            return None
+        r = self._facts()
+        for op in self._ops:
+            if op[0] == "shard":
+                r.add_shard(op[1])
+            elif op[0] == "replace":
+                r.replace(op[1], op[2])
+            else:
+                r.record(op[1], op[2])
+        return r
 
     def rows(self, topic: str, partition: int) -> LiveRows:
         """These shards as the rows of a live set of log `topic`/`partition` (episode ids left
-        out): over a live set's rows, its columns less the dropped rows plus the added shards'
-        (no entry built for the rows kept), else built from the entries."""
+        out) with retention's columns where known (`retention`): over a live set's rows, its
+        columns less the dropped rows plus the added shards' (no entry built for the rows
+        kept), else built from the entries."""
+        ret = self.retention()
         added = [self._added[q] for q in sorted(self._added)]
         kept = [i for i in range(len(self._seqs) - 1, -1, -1) if i not in self._dropped][:1]
-        if not isinstance(self._base, LiveRows) or (added and kept and self._seqs[kept[0]] > added[0].seq):  # type: ignore[operator]
-            return LiveRows(topic, partition, shard_columns(list(self)))
+        tables = ret.tables() if ret else None
+        if (
+            not isinstance(self._base, LiveRows)
+            or (added and kept and self._seqs[kept[0]] > added[0].seq)  # type: ignore[operator]
+            or (ret is not None) != (self._base.tables is not None)
+        ):
+            shards = list(self)
+            newest = [ret.newest_of(s.seq) for s in shards] if ret else None  # type: ignore[arg-type]
+            return LiveRows(topic, partition, shard_columns(shards, newest), tables=tables)
         base = self._base.columns
         if self._dropped:
             mask = np.ones(len(self._seqs), dtype=bool)
             mask[list(self._dropped)] = False
             base = {k: a.filter(pa.array(mask)) for k, a in base.items()}
         if added:
-            new = shard_columns(added)
+            new = shard_columns(added, [ret.newest_of(e.seq) for e in added] if ret else None)  # type: ignore[arg-type]
             base = {k: pa.concat_arrays([a, new[k]]) for k, a in base.items()}
-        return LiveRows(topic, partition, base)
+        return LiveRows(topic, partition, base, tables=tables)
 
     def paths(self, prefix: str = "") -> list[str]:
         if self._built is not None or not isinstance(self._base, ShardList):
@@ -358,6 +403,7 @@ def fold(
     live: Mapping[int, ShardEntry] | Sequence[ShardEntry],
     tail: Iterable[Entry],
     records: Iterable[RemovalRecord],
+    facts: Callable[[], Retention] | None = None,
 ) -> HeadShards:
     """The live shards after `tail` (entries in seq order after those `live` summarizes: a
     mapping seq -> shard, or shards in seq order such as a live set's rows) and `records`
@@ -365,6 +411,9 @@ def fold(
     follows it are combined. A shard a record names is dropped where the live shard at that seq
     is exactly that file (path and staging path), as `resolve_removals` resolves records. Only
     the rows a later entry or record names are looked at (`HeadShards`).
+
+    `facts`: retention's facts of `live` (`Retention`, built when asked for; a live set's rows
+    bring their own, `rlrec.store.live_set_retention.facts_of_rows`); without them `HeadShards.retention` is None.
 
     Raises `Stale` if a replace entry replaces a seq not in the live shards, or its shard holds
     another number of episodes than those it replaces (ids are compared where known).
@@ -375,17 +424,18 @@ def fold(
     """
     if isinstance(live, Mapping):
         seqs = sorted(live)
-        out = HeadShards([live[q] for q in seqs], seqs)
+        out = HeadShards([live[q] for q in seqs], seqs, facts)
     elif isinstance(live, HeadShards):
         out = live._copy()
     elif isinstance(live, LiveRows):
-        out = HeadShards(live, live.seqs)
+        out = HeadShards(live, live.seqs, facts or facts_of_rows(live))
     else:
         base = list(live)
-        out = HeadShards(base, [e.seq for e in base])  # type: ignore[misc]
+        out = HeadShards(base, [e.seq for e in base], facts)  # type: ignore[misc]
     for e in tail:
         if isinstance(e, ShardEntry):
             out._add(e)
+            out._ops.append(("shard", e))
         elif isinstance(e, ReplaceEntry):
             old = [out.get(r) for r in e.replaces]
             if any(o is None for o in old):
@@ -398,11 +448,16 @@ def fold(
             for r in e.replaces:
                 out._drop(r)
             out._add(e.shard)
+            out._ops.append(("replace", e, old))
     for rec in records:
         for f in rec.files:
-            s = out.get(f.seq) if (f.topic, f.partition) == (topic, partition) else None
-            if s is not None and (s.path, s.staging_path) == (f.path, f.staging_path):
+            if (f.topic, f.partition) != (topic, partition):
+                continue
+            s = out.get(f.seq)
+            dropped = s is not None and (s.path, s.staging_path) == (f.path, f.staging_path)
+            if dropped:
                 out._drop(f.seq)
+            out._ops.append(("record", f, dropped))
     return out
 
 
@@ -475,7 +530,7 @@ def head_shards(
     if not history:
         raise NeedsHistory("no usable live set")
     entries = plog.load(strict=strict)
-    shards = fold(topic, partition, live_shards(entries), [], records)  # type: ignore[arg-type]
+    shards = fold(topic, partition, live_shards(entries), [], records, lambda: history_facts(entries))  # type: ignore[arg-type]
     end = entries[-1].seq + 1 if entries else 0  # type: ignore[operator]
     return HeadRead(shards, first_entry_key(entries[0] if entries else None), end, None, entries)
 
@@ -511,6 +566,11 @@ def write_live_set(
         seqs = live_set_seqs(storage, topic, partition)
         if prev is None or not seqs or seqs[-1] != prev.seq:
             prev = read_live_set(storage, topic, partition)
+        if prev is not None and prev.tables is None:  # no retention columns to carry forward
+            log.info(
+                "%s/%d: live set %d has no retention columns: the next from the history", topic, partition, prev.seq
+            )
+            prev = None
     head = head_shards(storage, topic, partition, None, prev, apply_removals=False, history=history)
     if head.end == 0 or (prev is not None and head.end == prev.seq):
         return None
@@ -541,15 +601,19 @@ def write_live_set(
 
 
 def read_heads(
-    storage: Storage, *, strict: bool = True
+    storage: Storage,
+    *,
+    strict: bool = True,
+    sets: Mapping[tuple[str, int], LiveSetEntry | None] | None = None,
 ) -> tuple[dict[tuple[str, int], HeadRead], int, list[RemovalRecord]]:
     """Every partition log at its head (`head_shards`), the number of removal records that
     exist (the newest record's number + 1: a head point's ``removals``) and the records read.
     Reads each log's newest live set, then the removal records from the smallest ``removals`` of
     them (all of them when a log has none), then each log's entries from its live set on (or its
-    history)."""
-    keys = list_partition_logs(storage)
-    sets = dict(zip(keys, _in_parallel(lambda k: read_live_set(storage, *k), keys)))
+    history). `sets`: every log's newest live set (`read_live_sets`), read before."""
+    if sets is None:
+        sets = read_live_sets(storage)
+    keys = list(sets)
     start = min((ls.removals if ls is not None else 0 for ls in sets.values()), default=0)
     records = read_removals(storage, start=start)  # before the entries: every record's positions are in them
     heads = dict(
@@ -557,6 +621,12 @@ def read_heads(
     )
     count = max([start, *(r.n + 1 for r in records)])
     return heads, count, records
+
+
+def read_live_sets(storage: Storage) -> dict[tuple[str, int], LiveSetEntry | None]:
+    """Every partition log's newest usable live set (`read_live_set`; None: it has none)."""
+    keys = list_partition_logs(storage)
+    return dict(zip(keys, _in_parallel(lambda k: read_live_set(storage, *k), keys)))
 
 
 def _in_parallel(fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:

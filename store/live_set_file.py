@@ -14,6 +14,11 @@ Layout (manifest format 4, docs/FORMAT.md "Live sets")::
                "writer", "first", "removals", "rows": n,
                "buffers": {column: [[offset, length] or null, ...]}}   (at most 64 KiB)
 
+With retention's columns (docs/FORMAT.md, "Retention columns"; all or none) the header also has
+``"held"`` and ``"replaced"`` (row counts of two more tables, ``HELD_COLUMNS`` and
+``REPLACED_COLUMNS``) and the rows ``NEWEST_COLUMN``; ``decode`` checks them as the rows
+(`_check_retention`) and hands them to `LiveRows` (``tables``).
+
 Columns (``COLUMNS``: name, Arrow type, nullable), each of ``n`` rows: an int64 or double column
 is [validity, values], a string column [validity, int32 offsets, UTF-8 bytes] (Arrow's layout);
 validity is null for a column with no nulls (always, for one that is not nullable).
@@ -46,8 +51,12 @@ import pyarrow.compute as pc
 from rlrec.store.manifest_entries import ManifestError, ShardEntry, _check_version
 
 __all__ = [
+    "HELD_COLUMNS",
     "MAX_LIVE_SET_BYTES",
     "MAX_LIVE_SHARDS",
+    "NEWEST_COLUMN",
+    "REPLACED_COLUMNS",
+    "RETENTION_FIELDS",
     "LiveRows",
     "ShardList",
     "decode",
@@ -94,6 +103,21 @@ COLUMNS: tuple[tuple[str, pa.DataType, bool], ...] = (
     ("decoded_bytes", _INT, True),
     ("resume_offset", _INT, True),
 )
+#: retention's columns (docs/FORMAT.md, "Retention columns"): present all together or not at all.
+#: A live row's newest first-commit time of its episodes (with the rows' columns)
+NEWEST_COLUMN = ("newest_commit", _F64, False)
+#: one row per shard entry a live merged shard holds: its seq, the merged shard's row seq
+HELD_COLUMNS: tuple[tuple[str, pa.DataType, bool], ...] = (("held_seq", _INT, False), ("held_by", _INT, False))
+#: one row per shard file replaced below the live set's seq and not named by a folded removal
+#: record: the entry that committed it, the replace entry that replaced it, its file
+REPLACED_COLUMNS: tuple[tuple[str, pa.DataType, bool], ...] = (
+    ("replaced_seq", _INT, False),
+    ("replaced_by", _INT, False),
+    ("replaced_policy_id", _STR, False),
+    ("replaced_name", _STR, False),
+)
+#: the header fields of retention's columns: the rows of the held and the replaced table
+RETENTION_FIELDS = frozenset({"held", "replaced"})
 _JSON_COLUMNS = ("event_schema_versions", "min_policy_version", "max_policy_version", "steps_without_logp")
 #: the longest JSON text a value of each column may be: checked on the bytes before any is parsed
 _JSON_VALUE_BYTES = {
@@ -123,8 +147,9 @@ def encode(header: Mapping[str, Any], shards: Iterable[ShardEntry]) -> bytes:
     return encode_columns(header, shard_columns(rows), len(rows))
 
 
-def shard_columns(rows: Sequence[ShardEntry]) -> dict[str, pa.Array]:
-    """The live set columns (`COLUMNS`) of shard entries, a row each in their order."""
+def shard_columns(rows: Sequence[ShardEntry], newest: Sequence[float] | None = None) -> dict[str, pa.Array]:
+    """The live set columns (`COLUMNS`) of shard entries, a row each in their order; with
+    `newest` (each row's newest first-commit time), `NEWEST_COLUMN` too."""
 
     def col(f):
         return [f(s) for s in rows]
@@ -157,7 +182,10 @@ def shard_columns(rows: Sequence[ShardEntry]) -> dict[str, pa.Array]:
         "decoded_bytes": col(lambda s: s.decoded_bytes),
         "resume_offset": col(lambda s: s.resume_offset),
     }
-    return {name: pa.array(data[name], t) for name, t, _ in COLUMNS}
+    out = {name: pa.array(data[name], t) for name, t, _ in COLUMNS}
+    if newest is not None:
+        out["newest_commit"] = pa.array([float(x) for x in newest], _F64)
+    return out
 
 
 def encode_columns(header: Mapping[str, Any], columns: Mapping[str, pa.Array], rows: int) -> bytes:
@@ -229,37 +257,49 @@ def _open_checked(data: bytes, seq: int) -> tuple[dict[str, Any], dict[str, pa.A
     if not isinstance(doc, dict) or doc.get("type") != "live_set":
         raise ManifestError("not a live set")
     _check_version(doc)  # a newer format (which may have other columns): UnsupportedManifestError
-    missing, unknown = (_HEADER | _LAYOUT) - doc.keys(), doc.keys() - _HEADER - _LAYOUT
+    header = _HEADER | (RETENTION_FIELDS if RETENTION_FIELDS & doc.keys() else frozenset())
+    missing, unknown = (header | _LAYOUT) - doc.keys(), doc.keys() - header - _LAYOUT
     if missing or unknown:
         raise ManifestError(f"live set: missing fields {sorted(missing)}, unknown fields {sorted(unknown)}")
     rows, specs = doc.pop("rows"), doc.pop("buffers")
-    if type(rows) is not int or not 0 <= rows <= min(seq, MAX_LIVE_SHARDS):
-        raise ManifestError(f"live set of {rows!r} rows at seq {seq} (at most one per entry below it)")
-    if not isinstance(specs, dict) or set(specs) != {n for n, _, _ in COLUMNS}:
+    groups = [(rows, "rows", COLUMNS)]
+    if "held" in doc:  # retention's columns
+        groups = [(rows, "rows", (*COLUMNS, NEWEST_COLUMN)), (doc["held"], "held", HELD_COLUMNS)]
+        groups.append((doc["replaced"], "replaced", REPLACED_COLUMNS))
+    for n, what, _ in groups:
+        if type(n) is not int or not 0 <= n <= min(seq, MAX_LIVE_SHARDS):
+            raise ManifestError(f"live set of {n!r} {what} at seq {seq} (at most one per entry below it)")
+    if not isinstance(specs, dict) or set(specs) != {c for _, _, cols in groups for c, _, _ in cols}:
         raise ManifestError("live set: its columns are not those of the format")
     columns = {}
-    for name, t, nullable in COLUMNS:
-        want = [(rows + 7) // 8, *((4 * (rows + 1), None) if t == _STR else (8 * rows,))]
-        spec = specs[name]
-        if not isinstance(spec, list) or len(spec) != len(want):
-            raise ManifestError(f"live set: column {name!r} has not the buffers of its type")
-        bufs = []
-        for i, (b, size) in enumerate(zip(spec, want)):
-            if b is None and i == 0:
-                bufs.append(None)
-                continue
-            ok = isinstance(b, list) and len(b) == 2 and all(type(x) is int for x in b)
-            if not ok or b[0] < 0 or b[1] < 0 or b[0] + b[1] > body or (size is not None and b[1] != size):
-                raise ManifestError(f"live set: a buffer of column {name!r} is not in the file or not its size")
-            if i == 0 and not nullable:
-                raise ManifestError(f"live set: column {name!r} has nulls")
-            bufs.append(payload.slice(b[0], b[1]))
-        if t == _STR and bufs[2] is None:
-            raise ManifestError(f"live set: column {name!r} has no data")
-        arr = pa.Array.from_buffers(t, rows, bufs)
-        arr.validate(full=True)  # offsets monotone and in bounds, UTF-8
-        columns[name] = arr
+    for n, _, cols in groups:
+        for name, t, nullable in cols:
+            columns[name] = _column(payload, body, specs[name], name, t, nullable, n)
     return doc, columns
+
+
+def _column(payload: pa.Buffer, body: int, spec: Any, name: str, t: pa.DataType, nullable: bool, rows: int) -> pa.Array:
+    """Column `name` of `rows` rows from its buffers' `spec` (``[offset, length]`` each, within
+    the first `body` bytes of `payload`), validated (ManifestError: not its type's exact layout)."""
+    want = [(rows + 7) // 8, *((4 * (rows + 1), None) if t == _STR else (8 * rows,))]
+    if not isinstance(spec, list) or len(spec) != len(want):
+        raise ManifestError(f"live set: column {name!r} has not the buffers of its type")
+    bufs = []
+    for i, (b, size) in enumerate(zip(spec, want)):
+        if b is None and i == 0:
+            bufs.append(None)
+            continue
+        ok = isinstance(b, list) and len(b) == 2 and all(type(x) is int for x in b)
+        if not ok or b[0] < 0 or b[1] < 0 or b[0] + b[1] > body or (size is not None and b[1] != size):
+            raise ManifestError(f"live set: a buffer of column {name!r} is not in the file or not its size")
+        if i == 0 and not nullable:
+            raise ManifestError(f"live set: column {name!r} has nulls")
+        bufs.append(payload.slice(b[0], b[1]))
+    if t == _STR and bufs[2] is None:
+        raise ManifestError(f"live set: column {name!r} has no data")
+    arr = pa.Array.from_buffers(t, rows, bufs)
+    arr.validate(full=True)  # offsets monotone and in bounds, UTF-8
+    return arr
 
 
 class ShardList(Sequence[ShardEntry]):
@@ -338,10 +378,18 @@ class LiveRows(ShardList):
     `ShardEntry` (episode ids ``()``) built from the checked columns when first asked for."""
 
     def __init__(
-        self, topic: str, partition: int, columns: Mapping[str, pa.Array], distinct: Mapping[str, Any] | None = None
+        self,
+        topic: str,
+        partition: int,
+        columns: Mapping[str, pa.Array],
+        distinct: Mapping[str, Any] | None = None,
+        tables: Mapping[str, pa.Array] | None = None,
     ):
         self.topic, self.partition = topic, partition
         self._columns = dict(columns)
+        #: retention's held and replaced tables (`HELD_COLUMNS`, `REPLACED_COLUMNS`; the rows'
+        #: ``newest_commit`` is among `columns`), None where the live set has no retention columns
+        self.tables: dict[str, pa.Array] | None = dict(tables) if tables is not None else None
         # column -> (checked distinct values, per-row indices)
         self._distinct = dict(distinct) if distinct is not None else _distinct_values(self._columns)
         #: the rows' seqs, ascending
@@ -353,7 +401,8 @@ class LiveRows(ShardList):
 
     @property
     def columns(self) -> dict[str, pa.Array]:
-        """The rows' columns (`COLUMNS`, as the file holds them: what `encode_columns` writes)."""
+        """The rows' columns (`COLUMNS`, and `NEWEST_COLUMN` with retention's columns), as the
+        file holds them."""
         return dict(self._columns)
 
     def __getitem__(self, i):  # type: ignore[override]
@@ -371,7 +420,7 @@ class LiveRows(ShardList):
         """Row `i` alone (a fold looking up the few rows a later entry names)."""
         i = range(len(self.seqs))[i]
         c, distinct = self._columns, self._distinct
-        values = {k: c[k][i].as_py() for k in c if k not in distinct}
+        values = {k: c[k][i].as_py() for k in c if k not in distinct and k != "newest_commit"}
         for k, (vals, idx) in distinct.items():
             j = idx[i].as_py()
             values[k] = None if j is None else vals[j]
@@ -382,6 +431,8 @@ class LiveRows(ShardList):
             c, n = self._columns, len(self.seqs)
             values: dict[str, list[Any]] = {}
             for k, arr in c.items():
+                if k == "newest_commit":
+                    continue
                 if k in self._distinct:
                     vals, idx = self._distinct[k]
                     rows = idx.to_pylist() if idx.null_count else idx.to_numpy().tolist()
@@ -432,14 +483,53 @@ def decode(data: bytes, topic: str, partition: int, seq: int) -> tuple[dict[str,
     """The header (its footer checked by `_open_checked`; the caller checks its fields) and the rows of a live
     set's bytes, as shard entries of log `topic`/`partition` without episode ids, in seq order.
     ManifestError: a value is not what a shard entry of that log below `seq` may hold. Every
-    value is checked here; the entries are built when first asked for (`LiveRows`)."""
+    value is checked here; the entries are built when first asked for (`LiveRows`); retention's
+    columns, where the file has them, are the rows' `LiveRows.retention`."""
     header, c = _open_checked(data, seq)
-    for name, _, nullable in COLUMNS:
-        if not nullable and c[name].null_count:
+    for name, arr in c.items():
+        if arr.null_count and not _NULLABLE[name]:
             raise ManifestError(f"live set: column {name!r} has nulls")
     if len(c["seq"]):
         _check_columns(c, seq)
-    return header, LiveRows(topic, partition, c, _distinct_values(c))
+    tables = None
+    if "held" in header:
+        _check_retention(c, seq)
+        tables = {k: c.pop(k) for k, _, _ in (*HELD_COLUMNS, *REPLACED_COLUMNS)}
+    return header, LiveRows(topic, partition, c, _distinct_values(c), tables)
+
+
+_NULLABLE = {n: nullable for n, _, nullable in (*COLUMNS, NEWEST_COLUMN, *HELD_COLUMNS, *REPLACED_COLUMNS)}
+
+
+def _member(x: np.ndarray, marked: np.ndarray) -> np.ndarray:
+    """Per value of `x` (each checked to lie in ``[0, len(marked))``), whether it is marked."""
+    return marked[x]
+
+
+def _check_retention(c: Mapping[str, pa.Array], seq: int) -> None:
+    """Retention's columns (docs/FORMAT.md, "Retention columns") as the history could make them:
+    finite newest times; held and replaced seqs ascending, distinct, below `seq` and not live
+    rows; each held by a live row after it, each replaced by an entry after it and below `seq`;
+    replaced files named as a shard entry's."""
+    if len(c["newest_commit"]) and not _all(pc.is_finite(c["newest_commit"])):
+        raise ManifestError("live set: a row's newest_commit is not a finite number")
+    live = np.zeros(seq, dtype=bool)  # one byte per entry below seq: what its size cap allows
+    live[c["seq"].to_numpy()] = True  # the rows' seqs: checked ascending and below seq
+    for what in ("held", "replaced"):
+        q, by = c[f"{what}_seq"].to_numpy(), c[f"{what}_by"].to_numpy()
+        if not len(q):
+            continue
+        if (np.diff(q) <= 0).any() or q[0] < 0 or q[-1] >= seq or (by <= q).any() or (by >= seq).any():
+            raise ManifestError(
+                f"live set: {what} seqs are not ascending, below {seq} and below what holds or replaced them"
+            )
+        if _member(q, live).any():
+            raise ManifestError(f"live set: a {what} seq is a live row's")
+        if what == "held" and not _member(by, live).all():
+            raise ManifestError("live set: a held entry's holder is not a live row")
+    if len(c["replaced_seq"]):
+        _distinct(c["replaced_policy_id"], "replaced_policy_id", _check_policy)
+        _check_names(c["replaced_name"])
 
 
 def _distinct_values(c: Mapping[str, pa.Array]) -> dict[str, Any]:
@@ -487,8 +577,12 @@ def _check_columns(c: Mapping[str, pa.Array], seq: int) -> None:
     hexdigit = ((data >= ord("0")) & (data <= ord("9"))) | ((data >= ord("a")) & (data <= ord("f")))
     if (np.diff(offsets) != 64).any() or not hexdigit.all():
         raise ManifestError("live set: a row's sha256 is not 64 lowercase hex digits")
-    # a file name: one path component, not hidden or reserved ('.', '..', '_staging', ...)
-    offsets, data = _string_bytes(c["name"])
+    _check_names(c["name"])
+
+
+def _check_names(names: pa.Array) -> None:
+    """File names: one path component, not hidden or reserved ('.', '..', '_staging', ...)."""
+    offsets, data = _string_bytes(names)
     if (np.diff(offsets) <= 0).any() or (data == ord("/")).any() or (data == ord("\\")).any():
         raise ManifestError("live set: a row's file name is empty or not one path component")
     if np.isin(data[offsets[:-1] - offsets[0]], [ord("."), ord("_")]).any():

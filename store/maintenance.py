@@ -403,6 +403,7 @@ def _live_set_problems(
     from rlrec.store.live_set import (
         first_entry_key,
         fold,
+        history_facts,
         live_set_path,
         live_set_seqs,
         parse_live_set,
@@ -452,9 +453,11 @@ def _live_set_problems(
         if ls.first != first_entry_key(below[0] if below else None):
             problems.append(f"{where}: 'first' is not the key of the log's entry 0")
         try:
-            live = fold(topic, partition, live_shards(below), [], [r for r in records if r.n < ls.removals])
+            folded = [r for r in records if r.n < ls.removals]
+            live = fold(topic, partition, live_shards(below), [], folded, lambda below=below: history_facts(below))
         except ManifestError:
             continue  # the log itself breaks the rule of replacement: reported with the log
+        problems += _retention_problems(where, live.retention(), fold(topic, partition, ls.shards, [], []).retention())
         want = {s.seq: dataclasses.replace(s, episode_ids=()) for s in live}
         got = {s.seq: s for s in ls.shards}
         for q in sorted(set(want) | set(got)):
@@ -465,6 +468,31 @@ def _live_set_problems(
             elif got[q] != want[q]:
                 problems.append(f"{where}: row seq {q} differs from the shard its entry commits")
     return problems
+
+
+def _retention_problems(where: str, want: Any, got: Any) -> list[str]:
+    """How a live set's retention columns (`got`, None: it has none) differ from the history's
+    (`want`, `rlrec.store.live_set_retention.Retention`)."""
+    if got is None:
+        return []  # none: readers that need them read the history
+    out = []
+    for q in sorted(want.seqs() | got.seqs()):
+        try:
+            w, g = want.newest_of(q), got.newest_of(q)
+        except KeyError:
+            continue  # not a live row of both: reported with the rows
+        if w != g:
+            out.append(f"{where}: row seq {q}'s newest_commit is {g}, its episodes' newest first commit is {w}")
+        if want.holds_of(q) != got.holds_of(q):
+            out.append(
+                f"{where}: row seq {q} holds shard entries {list(got.holds_of(q))}, not {list(want.holds_of(q))}"
+            )
+    want_replaced, got_replaced = want.replaced, got.replaced
+    for q in sorted(set(want_replaced) | set(got_replaced)):
+        if want_replaced.get(q) != got_replaced.get(q):
+            w, g = want_replaced.get(q), got_replaced.get(q)
+            out.append(f"{where}: replaced files: seq {q} is {g or 'not listed'}, the history says {w or 'none'}")
+    return out
 
 
 def _snapshot_problems(storage: Storage, topic: str, partition: int, entries: list[Entry]) -> list[str]:

@@ -16,7 +16,9 @@ episode was first committed longer ago than the retention age). A record names a
 
 `retain` runs the three steps of ``rlrec retain`` (docs/GUARANTEES.md, "Retention"):
 
-1. read the removal log, then every partition log (`plan_removals` decides from those);
+1. read the removal log, then every partition log: at its head where its live set has
+   retention columns (`rlrec.store.retention_heads`: candidates confirmed from the entries),
+   else its history (`plan_removals` decides from those);
 2. append the new removals as records (`append_removals`; a process that loses the create-once
    race for record ``n`` reads it, drops the files it already names and tries ``n + 1``);
 3. delete the files of every record older than its grace (`delete_due`, through
@@ -690,35 +692,80 @@ def retain(
     before that last read keeps its files however long this call stalled, and one published
     after it finds its data due (`rlrec.trainer.lineage.removed_data` refuses it) unless its
     host's clock is more than `rlrec.trainer.lineage.REPIN_MARGIN_S` behind this one."""
+    from rlrec.store.retention_heads import due_from_heads, heads_or_history, pinned_by
+
     given = now
     now = time.time() if now is None else now
     records = read_removals(storage)  # before the logs: every record's positions are in them
-    logs = read_logs(storage)
-    resolved = resolve_removals(records, logs)
+    heads, logs = heads_or_history(
+        storage, records, older_than_s=older_than_s, now=now, pinned=pinned, pinned_entries=pinned_entries
+    )
+    resolved = resolve_removals(_naming(records, logs), logs)
     res = RetainResult()
     res.recorded = plan_removals(
         logs, set(resolved), older_than_s=older_than_s, now=now, pinned=pinned, pinned_entries=pinned_entries
     )
-    positions = {k: (es[-1].seq + 1 if es else 0) for k, es in logs.items()}
+    holds_of = {c.key: held for h in heads.values() for c, held in h.candidates}
+    res.recorded = sorted([*res.recorded, *(c for h in heads.values() for c, _ in h.candidates)], key=_order)
+    positions = {k: (es[-1].seq + 1 if es else 0) for k, es in logs.items()} | {k: h.end for k, h in heads.items()}
     if res.recorded and pins is not None:  # a version published since the plan keeps its data
-        res.recorded = _unpinned(res.recorded, logs, *pins())
+        paths, entries = pins()
+        ranges = {k: merge_ranges(r) for k, r in (entries or {}).items()}
+        res.recorded = [
+            f
+            for f in _unpinned(res.recorded, logs, paths, entries)
+            if f.key not in holds_of
+            or f.reason != "expired"
+            or not pinned_by(holds_of[f.key], f.seq, ranges.get((f.topic, f.partition), []))
+        ]
     if res.recorded:  # what live trainers were handed and have not read yet (asked right before recording)
         held = _held(res.recorded, live_holds(storage))
         res.recorded = [f for f in res.recorded if f.key not in held]
+    would: list[RemovalRecord] = []
     if res.recorded and not dry_run:
         res.records = append_removals(storage, positions, res.recorded, grace_s=grace_s, now=given)
-        resolved = resolve_removals([*records, *res.records], logs)
     elif dry_run and grace_s <= 0:  # what a real run would delete at once
-        resolved = dict(resolved)
-        rec = RemovalRecord(-1, now, grace_s, positions, tuple(res.recorded))
-        for f in res.recorded:
-            resolved.setdefault(f.key, (rec, f))
+        would = [RemovalRecord(-1, now, grace_s, positions, tuple(res.recorded))]
+    every = [*records, *res.records, *would]
+    resolved = resolve_removals(_naming(every, logs), logs)
     at = time.time() if given is None else given  # what is due is judged first: the pins read after it count
     keep = _kept(logs, pinned, pinned_entries)
     holds = live_holds(storage, remove_stale=not dry_run)
     held = _held((f for _, f in resolved.values()), holds)  # and what live trainers still read
     keep |= {f.path for _, f in resolved.values() if f.key in held}
-    if pins is not None:  # asked again last, right before deleting: a version published before keeps its files
-        keep |= _kept(logs, *pins())
+    now_paths, now_entries = pins() if pins is not None else ((), None)  # asked again last, right before deleting
+    keep |= _kept(logs, now_paths, now_entries)
     res.deleted = delete_due(storage, resolved, grace_s=grace_s, now=at, dry_run=dry_run, keep=keep)
+    if heads:  # the logs whose heads decide: the due files that still exist, resolved and unpinned
+        entry_pins = {k: [*(pinned_entries or {}).get(k, ()), *(now_entries or {}).get(k, ())] for k in heads}
+        named = [f for r in every for f in r.files if (f.topic, f.partition) in heads]
+        leased_keys = _held(named, holds)
+        leased = {f.path for f in named if f.key in leased_keys}
+        paths, undecided = due_from_heads(
+            heads,
+            every,
+            lambda r: at >= r.time + max(r.grace_s, grace_s),
+            set(pinned) | set(now_paths) | leased,
+            entry_pins,
+        )
+        if undecided:  # their history decides, as above
+            more = {k: PartitionLog(storage, *k).load(strict=True) for k in sorted(undecided)}
+            r2 = resolve_removals(_naming(every, more), more)
+            keep2 = _kept(more, pinned, pinned_entries) | _kept(more, now_paths, now_entries) | leased
+            res.deleted += delete_due(storage, r2, grace_s=grace_s, now=at, dry_run=dry_run, keep=keep2)
+        res.deleted = sorted(res.deleted + delete_files(storage, paths, dry_run=dry_run, who="retain"))
     return res
+
+
+def _order(f: RemovedFile) -> tuple[str, int, int]:
+    return f.key
+
+
+def _naming(records: Iterable[RemovalRecord], logs: Mapping[tuple[str, int], Any]) -> list[RemovalRecord]:
+    """`records` with only their files that name a log of `logs` (the others are decided from
+    their log's head, `rlrec.store.retention_heads`)."""
+    out = []
+    for r in records:
+        files = tuple(f for f in r.files if (f.topic, f.partition) in logs)
+        out.append(r if len(files) == len(r.files) else RemovalRecord(r.n, r.time, r.grace_s, r.positions, files))
+    return out

@@ -167,9 +167,11 @@ def _store_with_live_set(tmp_path):
 
 
 def _doc(ls) -> dict:
-    """A live set as its header's fields and its rows (``"shards"``: column -> value), to forge."""
+    """A live set as its header's fields and its rows (``"shards"``: column -> value), to forge
+    (without retention's columns: `tests/test_live_set_retention.py` forges those)."""
     header, columns = live_set_file._open_checked(ls.to_bytes(), ls.seq)
-    return {**header, "shards": pa.table(columns).to_pylist()}
+    header = {k: v for k, v in header.items() if k not in live_set_file.RETENTION_FIELDS}
+    return {**header, "shards": pa.table({k: columns[k] for k in _TYPES}).to_pylist()}
 
 
 _TYPES = {n: t for n, t, _ in live_set_file.COLUMNS}

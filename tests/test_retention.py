@@ -697,7 +697,8 @@ def test_a_pin_by_entry_follows_its_episodes_into_a_merged_shard(tmp_path):
 def test_lineage_pins_taken_before_a_compaction_still_keep_the_version_s_data(tmp_path, monkeypatch):
     """`rlrec retain --policies` computes the pins, then a compaction merges the deployed
     version's only shard with an old unpinned one before retain reads the logs: the merged shard
-    holds the pinned entry, so it is kept and the version's data still reopens."""
+    holds the pinned entry, so it is kept and the version's data (both sides of its held-out
+    split, whichever side each episode's random id falls on) still reopens, step for step."""
     import rlrec
     import rlrec.trainer.retention_pins as retention_pins
     from rlrec.cli import main
@@ -712,6 +713,15 @@ def test_lineage_pins_taken_before_a_compaction_still_keep_the_version_s_data(tm
     old_path = open_snapshot(root).entries[0].path
     pinned = _commit(c, 1, seed0=1)
     _publish_version(pol, 1, root, str(priv), run_id="run-a", skip=old_path)  # trained on the 2nd shard only
+
+    def version_steps() -> list[Counter]:  # the trained side, then the held-out side
+        sides = (False, True)
+        return [
+            _steps(rlrec.open(root, policy_version=1, policies=pol, allow_unsigned=True, held_out=h)) for h in sides
+        ]
+
+    before = version_steps()
+    assert {i for i, _ in before[0] + before[1]} == set(pinned)  # the pinned shard's episodes, all read
     _sleep_past(max(e.commit_time for e in _replaced(root)) + 0.3)
     real = retention_pins.lineage_pins
 
@@ -729,8 +739,7 @@ def test_lineage_pins_taken_before_a_compaction_still_keep_the_version_s_data(tm
     live = open_snapshot(root).entries
     assert len(live) == 1 and os.path.exists(os.path.join(root, live[0].path))  # the merged shard stays
     assert set(live[0].episode_ids) == set(old + pinned)
-    v1 = rlrec.open(root, policy_version=1, policies=pol, allow_unsigned=True)
-    assert {i for e in v1.entries for i in e.episode_ids} >= set(pinned) and v1.num_steps > 0
+    assert version_steps() == before  # every step of the version's data, on the same side of the split
 
 
 def test_a_merge_of_a_part_retention_expires_meanwhile_is_not_committed(tmp_path, monkeypatch):

@@ -627,9 +627,9 @@ def test_lineage_pins_keep_the_deployed_version_and_its_rollback_candidates(tmp_
     a1 = _commit(c, 1)
     _publish_version(pol, 1, root, str(priv), run_id="run-a")
     a1_path = open_snapshot(root).entries[0].path
-    _commit(c, 1, seed0=1)
+    a2 = _commit(c, 1, seed0=1)
     _publish_version(pol, 2, root, str(priv), run_id="run-a", skip=a1_path)
-    _commit(c, 1, seed0=2)
+    a3 = _commit(c, 1, seed0=2)
     _publish_version(pol, 3, root, str(priv), run_id="run-a", skip=a1_path)
     pins2, versions2 = pinned_files(Storage.from_uri(root), pol, 2)
     assert versions2.versions == (1, 2, 3) and versions2.deployed == 3 and a1_path in pins2
@@ -646,7 +646,9 @@ def test_lineage_pins_keep_the_deployed_version_and_its_rollback_candidates(tmp_
     assert retain(st, older_than_s=0.5, pinned=pins2, dry_run=True, now=t + 0.1).recorded == []  # fresh: too young
     assert not os.path.exists(os.path.join(root, a1_path))
     v3 = rlrec.open(root, policy_version=3, policies=pol, allow_unsigned=True)
-    assert v3.num_steps > 0 and a1_path not in {e.path for e in v3.entries}
+    held3 = rlrec.open(root, policy_version=3, policies=pol, allow_unsigned=True, held_out=True)
+    assert {i for i, _ in _steps(v3) + _steps(held3)} == set(a2 + a3)  # either side of the split: ids are random
+    assert a1_path not in {e.path for e in v3.entries}
     with pytest.raises(ExpiredPointError):
         rlrec.open(root, policy_version=1, policies=pol, allow_unsigned=True)
     assert set(fresh) <= {i for e in open_snapshot(root).entries for i in e.episode_ids}

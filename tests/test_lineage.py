@@ -571,8 +571,9 @@ def test_export_of_a_version_reads_each_shard_once_and_prints_how_to_export_it_a
 
     root = str(tmp_path / "s")
     c = ShardCommitter(root)
-    for i in range(3):
-        c.commit(expert_cartpole_episodes(4, seed=i, max_steps=20))
+    ids: list[str] = []
+    while len(ids) < 12 or not any(is_held_out(i, HOLDOUT) for i in ids):  # ids are random: 1.4% hold none out
+        ids += [fe.episode_id for fe in c.commit(expert_cartpole_episodes(4, seed=len(ids) // 4, max_steps=20)).written]
     priv, pub = generate_keys(tmp_path / "keys")
     pol = str(tmp_path / "pol")
     _publish_version(pol, 1, root, str(priv), run_id="run-a")

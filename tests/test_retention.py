@@ -627,9 +627,9 @@ def test_lineage_pins_keep_the_deployed_version_and_its_rollback_candidates(tmp_
     a1 = _commit(c, 1)
     _publish_version(pol, 1, root, str(priv), run_id="run-a")
     a1_path = open_snapshot(root).entries[0].path
-    _commit(c, 1, seed0=1)
+    a2 = _commit(c, 1, seed0=1)
     _publish_version(pol, 2, root, str(priv), run_id="run-a", skip=a1_path)
-    _commit(c, 1, seed0=2)
+    a3 = _commit(c, 1, seed0=2)
     _publish_version(pol, 3, root, str(priv), run_id="run-a", skip=a1_path)
     pins2, versions2 = pinned_files(Storage.from_uri(root), pol, 2)
     assert versions2.versions == (1, 2, 3) and versions2.deployed == 3 and a1_path in pins2
@@ -646,7 +646,9 @@ def test_lineage_pins_keep_the_deployed_version_and_its_rollback_candidates(tmp_
     assert retain(st, older_than_s=0.5, pinned=pins2, dry_run=True, now=t + 0.1).recorded == []  # fresh: too young
     assert not os.path.exists(os.path.join(root, a1_path))
     v3 = rlrec.open(root, policy_version=3, policies=pol, allow_unsigned=True)
-    assert v3.num_steps > 0 and a1_path not in {e.path for e in v3.entries}
+    held3 = rlrec.open(root, policy_version=3, policies=pol, allow_unsigned=True, held_out=True)
+    assert {i for i, _ in _steps(v3) + _steps(held3)} == set(a2 + a3)  # either side of the split: ids are random
+    assert a1_path not in {e.path for e in v3.entries}
     with pytest.raises(ExpiredPointError):
         rlrec.open(root, policy_version=1, policies=pol, allow_unsigned=True)
     assert set(fresh) <= {i for e in open_snapshot(root).entries for i in e.episode_ids}
@@ -697,7 +699,8 @@ def test_a_pin_by_entry_follows_its_episodes_into_a_merged_shard(tmp_path):
 def test_lineage_pins_taken_before_a_compaction_still_keep_the_version_s_data(tmp_path, monkeypatch):
     """`rlrec retain --policies` computes the pins, then a compaction merges the deployed
     version's only shard with an old unpinned one before retain reads the logs: the merged shard
-    holds the pinned entry, so it is kept and the version's data still reopens."""
+    holds the pinned entry, so it is kept and the version's data (both sides of its held-out
+    split, whichever side each episode's random id falls on) still reopens, step for step."""
     import rlrec
     import rlrec.trainer.retention_pins as retention_pins
     from rlrec.cli import main
@@ -712,6 +715,15 @@ def test_lineage_pins_taken_before_a_compaction_still_keep_the_version_s_data(tm
     old_path = open_snapshot(root).entries[0].path
     pinned = _commit(c, 1, seed0=1)
     _publish_version(pol, 1, root, str(priv), run_id="run-a", skip=old_path)  # trained on the 2nd shard only
+
+    def version_steps() -> list[Counter]:  # the trained side, then the held-out side
+        sides = (False, True)
+        return [
+            _steps(rlrec.open(root, policy_version=1, policies=pol, allow_unsigned=True, held_out=h)) for h in sides
+        ]
+
+    before = version_steps()
+    assert {i for i, _ in before[0] + before[1]} == set(pinned)  # the pinned shard's episodes, all read
     _sleep_past(max(e.commit_time for e in _replaced(root)) + 0.3)
     real = retention_pins.lineage_pins
 
@@ -729,8 +741,7 @@ def test_lineage_pins_taken_before_a_compaction_still_keep_the_version_s_data(tm
     live = open_snapshot(root).entries
     assert len(live) == 1 and os.path.exists(os.path.join(root, live[0].path))  # the merged shard stays
     assert set(live[0].episode_ids) == set(old + pinned)
-    v1 = rlrec.open(root, policy_version=1, policies=pol, allow_unsigned=True)
-    assert {i for e in v1.entries for i in e.episode_ids} >= set(pinned) and v1.num_steps > 0
+    assert version_steps() == before  # every step of the version's data, on the same side of the split
 
 
 def test_a_merge_of_a_part_retention_expires_meanwhile_is_not_committed(tmp_path, monkeypatch):

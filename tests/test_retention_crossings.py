@@ -258,7 +258,8 @@ def test_a_version_published_while_retain_runs_keeps_its_data_with_grace_0(tmp_p
     assert code == 0
     assert read_removals(Storage.from_uri(root)) == []  # the pins asked again before recording: nothing expires
     v2 = rlrec.open(root, policy_version=2, policies=pol, allow_unsigned=True)
-    assert set(b) <= {i for e in v2.entries for i in e.episode_ids} and v2.num_steps > 0
+    held = rlrec.open(root, policy_version=2, policies=pol, allow_unsigned=True, held_out=True)
+    assert set(b) <= set(_episodes(v2)) | set(_episodes(held))  # either side of the split: ids are random
 
 
 def test_a_version_published_before_a_retain_that_stalls_past_the_grace_keeps_its_data(tmp_path, monkeypatch):
@@ -321,7 +322,7 @@ def test_a_version_s_data_recorded_as_removed_reopens_within_the_grace(tmp_path)
     assert len(retain(c.storage, older_than_s=0.2, grace_s=3600).recorded) == 2  # no pins given: recorded
     v1 = rlrec.open(root, policy_version=1, policies=pol, allow_unsigned=True)
     held = rlrec.open(root, policy_version=1, policies=pol, allow_unsigned=True, held_out=True)
-    assert set(_episodes(v1)) | set(_episodes(held)) == set(ids) and v1.num_episodes > 0
+    assert set(_episodes(v1)) | set(_episodes(held)) == set(ids)
     retain(c.storage, grace_s=0, now=time.time() + 3601)  # the grace is over: deleted
     with pytest.raises(ExpiredPointError):
         rlrec.open(root, policy_version=1, policies=pol, allow_unsigned=True)

@@ -108,13 +108,17 @@ class PublishMixin:
         """A canary's base: the version the signed ``latest.json`` names, never below the version
         this trainer itself deployed (`_deployed`, kept in its checkpoint). An unsigned, forged,
         older (replayed), another channel's or unreadable pointer is no base: the trainer's own
-        record is (logged)."""
-        from rlrec.trainer.canary_publish import deployed_version, repoint_latest
+        record is (logged).
+
+        Raises:
+            BaseUnknown: the deployed version cannot be known (`_repair`): nothing is signed."""
+        from rlrec.trainer.canary_publish import deployed_version
         from rlrec.trainer.policy import LATEST
 
         known = self._deployed
+        channel = self.cfg.publish_channel
         try:
-            named = deployed_version(self.publish_storage, self.signing_key, self.cfg.publish_channel)
+            named = deployed_version(self.publish_storage, self.signing_key, channel)
         except OSError as e:
             log.warning("cannot read %s (%s): the canary's base is v%d, deployed by this trainer", LATEST, e, known)
             return known
@@ -129,24 +133,11 @@ class PublishMixin:
                 known,
             )
             return known
-        try:
-            above = self._signed_above(named)
-        except OSError as e:
-            log.error("cannot read the versions above v%d (%s): the canary's base is v%d", named, e, named)
-            return named
-        if above > named:
-            log.error(
-                "%s names v%d, but v%d, signed by this key for this channel and no canary, exists (a replayed or "
-                "unfinished pointer: services refuse it): the canary's base is v%d, and %s is re-pointed at it",
-                LATEST,
-                named,
-                above,
-                above,
-                LATEST,
-            )
-            repoint_latest(self.publish_storage, above, self.signing_key, self.cfg.publish_channel, self._canary_floor)
-            return above
-        return named
+        return self._repair(
+            named,
+            f"{LATEST} names v{named}, but v%d, signed by this key for this channel and no "
+            "canary, exists (a replayed or unfinished pointer: services refuse it)",
+        )
 
     def _repair_latest(self, known: int) -> int:
         """The base under an unusable ``latest.json``: the trainer's own record, or above it the
@@ -154,45 +145,73 @@ class PublishMixin:
         run has no record); ``latest.json`` is re-pointed at it (signed), so services restart
         again instead of refusing a torn or junk pointer until the next promotion. More version
         directories above it than the window are all read (`_signed_above`): rolled-back
-        canaries never hide the deployed version."""
-        from rlrec.trainer.canary_publish import repoint_latest
+        canaries never hide the deployed version.
+
+        Raises:
+            BaseUnknown: the deployed version cannot be known (`_repair`): nothing is signed."""
         from rlrec.trainer.policy import LATEST
 
         if self.signing_key is None:
             return known
+        return self._repair(known, f"{LATEST} was unusable: v%d is the deployed version", unusable=True)
+
+    def _repair(self, named: int, why: str, unusable: bool = False) -> int:
+        """The deployed version at or above `named` (`_signed_above`); ``latest.json`` is
+        re-pointed at it (signed) when it is above `named` or the pointer is `unusable` (`why` %
+        it, logged) -- never, above `named`, below a canary that nothing proves was never
+        promoted: then nothing is signed.
+
+        Raises:
+            BaseUnknown: an undecided canary lies above that version (`UndecidedCanary`'s text)."""
+        from rlrec.trainer.canary_publish import BaseUnknown, repoint_latest, undecided_text
+        from rlrec.trainer.policy import LATEST
+
         try:
-            base = self._signed_above(known)
+            found = self._signed_above(named)
+        except BaseUnknown:
+            raise
         except OSError as e:
-            log.error("cannot read the versions above v%d (%s): the canary's base is v%d", known, e, known)
-            return known
-        if base and repoint_latest(
-            self.publish_storage, base, self.signing_key, self.cfg.publish_channel, self._canary_floor
-        ):
-            log.error("%s was unusable: re-pointed at v%d, the deployed version (the canary's base)", LATEST, base)
-        return base
+            log.error("cannot read the versions above v%d (%s): the canary's base is v%d", named, e, named)
+            return named
+        if found.deployed <= named and not (unusable and found.deployed):
+            return found.deployed
+        if found.deployed > named and found.undecided > found.deployed:
+            raise BaseUnknown(
+                f"not re-pointing {LATEST} at v{found.deployed}: "
+                + undecided_text(found.undecided, found.deployed, "lies above it")
+            )
+        log.error("%s: the canary's base, and %s is re-pointed at it", why % found.deployed, LATEST)
+        repoint_latest(
+            self.publish_storage, found.deployed, self.signing_key, self.cfg.publish_channel, self._canary_floor
+        )
+        return found.deployed
 
-    def _signed_above(self, named: int) -> int:
-        """`rlrec.trainer.canary_publish.signed_above` `named` with the trainer's floor; over more
-        version directories than its window, `deployed_above` (every directory down to the
-        deployed version read), whose proven floor raises the trainer's: rolled-back canaries
-        never hide the deployed version, nor stop a publication (`_end_orphans`), even in a fresh
-        run with no ``latest.json`` to carry a floor. Raises OSError when that cannot be read."""
-        from rlrec.trainer.canary_publish import TooManyVersions, deployed_above, signed_above
+    def _signed_above(self, named: int) -> Any:
+        """`rlrec.trainer.canary_publish.scan_above` `named` with the trainer's floor (an
+        `Above`); over more version directories than its window, every directory down to the
+        deployed version is read (`deployed_above`), whose proven floor raises the trainer's:
+        rolled-back canaries never hide the deployed version, nor stop a publication
+        (`_end_orphans`), even in a fresh run with no ``latest.json`` to carry a floor.
 
-        channel = self.cfg.publish_channel
+        Raises:
+            OSError: the root cannot be read now (more than `MAX_REPAIR_SCAN` version
+                directories above `named`: `TooManyVersions`)."""
+        from rlrec.trainer.canary_publish import MAX_NEWER, MAX_REPAIR_SCAN, TooManyVersions, scan_above
+
+        storage, key, channel = self.publish_storage, self.signing_key, self.cfg.publish_channel
         try:
-            return signed_above(self.publish_storage, self.signing_key, named, channel, self._canary_floor)
+            return scan_above(storage, key, named, channel, self._canary_floor, MAX_NEWER)
         except TooManyVersions as e:
             log.warning("%s: reading every one down to the deployed version", e)
-            above, floor = deployed_above(self.publish_storage, self.signing_key, named, channel, self._canary_floor)
-        if floor > self._canary_floor:
+        found = scan_above(storage, key, named, channel, self._canary_floor, MAX_REPAIR_SCAN)
+        if found.floor > self._canary_floor:
             log.warning(
                 "versions up to v%d above the deployed v%d ended unpromoted (signed rollback records): the canary floor",
-                floor,
-                above,
+                found.floor,
+                found.deployed,
             )
-            self._canary_floor = floor
-        return above
+            self._canary_floor = found.floor
+        return found
 
     def hold_publish_lease(self, lease: Any) -> None:
         """Publish under `lease` (an acquired `rlrec.trainer.publish_lease.PublishLease`): every
@@ -415,10 +434,15 @@ class PublishMixin:
         if self.cfg.rollout == "canary":
             import hashlib
 
+            from rlrec.trainer.canary_publish import BaseUnknown
             from rlrec.trainer.policy import SPEC
             from rlrec.trainer.rollout import CanaryRun
 
-            pub.canary_base, pub.canary_started = self._latest_version(), time.time()
+            try:
+                pub.canary_base, pub.canary_started = self._latest_version(), time.time()
+            except BaseUnknown as e:
+                log.error("not publishing policy v%d: %s", version, e)
+                return False
             self.canary = CanaryRun(
                 version=version,
                 base_version=pub.canary_base,
@@ -438,19 +462,20 @@ class PublishMixin:
         return True
 
     def _next_version(self) -> int:
-        """One above this run's last version and above every version (signed by this trainer's
-        key, when it has one) already under the publish root: a fresh run or a rollback
-        republished there is never overwritten."""
+        """One above this run's last version, above every version (signed by this trainer's key,
+        when it has one) already under the publish root -- a fresh run or a rollback republished
+        there is never overwritten."""
         from rlrec.trainer.export import highest_reserved, highest_version
 
+        storage = self.publish_storage
         try:
-            signed = highest_version(self.publish_storage, self.signing_key)
-            present = max(signed, highest_reserved(self.publish_storage, signed))
+            signed = highest_version(storage, self.signing_key)
+            present = max(signed, highest_reserved(storage, signed))
         except Exception as e:
             log.warning("cannot list the published versions (%s); numbering from v%d", e, self.policy_version)
             present = 0
         if present > self.policy_version:
-            log.info("v%d is published already under %s: publishing above it", present, self.publish_storage.uri())
+            log.info("v%d is published already under %s: publishing above it", present, storage.uri())
         return max(self.policy_version, present) + 1
 
     def _refresh_pointer(self) -> None:

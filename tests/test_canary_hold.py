@@ -1,0 +1,91 @@
+"""When the canary trainer cannot know which version is deployed, it signs nothing and holds
+(review-40h): a deleted ``latest.json`` over a canary nothing proves was never promoted, more
+version directories than the repair reads; a signed pointer naming a version that is not
+deployed here (copied from another root) is never kept; new versions are numbered above every
+canary floor the trainer knows and never into an existing directory."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+pytest.importorskip("torch")
+
+from rlrec.trainer.policy import PolicyLoadError, load_policy
+from tests.test_canary_trainer import CANARY_KW, _resumed, _serve, canary_setup
+from tests.test_policy_binding import _trainer
+
+
+@pytest.fixture
+def setup(tmp_path):
+    return canary_setup(tmp_path)
+
+
+def _promoted_first(tmp_path, setup, monkeypatch):
+    t = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **CANARY_KW)
+    t.iteration = 3
+    t.checkpoint()
+    _serve(setup.committer, t.canary, {1: 2.0, 0: 0.0}, 300, seed=1)
+    assert t.look_canary()["decision"] == "promote"
+    return t
+
+
+def _errors(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+@pytest.mark.parametrize("pointer", ["deleted", "torn"])
+def test_a_fresh_run_signs_no_pointer_below_a_canary_nothing_proves_was_never_promoted(
+    tmp_path, setup, monkeypatch, caplog, pointer
+):
+    """H5: v1 -> canary v2 -> promoted. A key-less writer restores the old canary.json(v2),
+    deletes v2's decision records and deletes (or tears) latest.json. A fresh run re-signed
+    latest.json at v1 with a fresh time (a new replica served v1 though v2 was promoted), and
+    only then refused its own canary as UndecidedCanary."""
+    root = tmp_path / "ckpt" / "policies"
+    t = _promoted_first(tmp_path, setup, monkeypatch)
+    t.iteration = 6
+    t.checkpoint()  # canary v2 above v1
+    old = {n: (root / n).read_bytes() for n in ("canary.json", "canary.json.sig")}
+    _serve(setup.committer, t.canary, {2: 2.0, 1: 0.0}, 300, seed=2)
+    assert t.look_canary()["decision"] == "promote"
+    for n, data in old.items():
+        (root / n).write_bytes(data)
+    for n in ("canary-ended.json", "canary-ended.json.sig", "rollout.json", "rollout.json.sig"):
+        (root / "v000002" / n).unlink()
+    if pointer == "deleted":
+        (root / "latest.json").unlink()
+        (root / "latest.json.sig").unlink()
+    else:
+        (root / "latest.json.sig").write_bytes(b"torn")
+    before = (root / "latest.json").read_bytes() if pointer == "torn" else None
+    fresh = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **CANARY_KW)
+    for fresh.iteration in (9, 12):
+        fresh.checkpoint()
+    if pointer == "deleted":
+        assert not (root / "latest.json").exists()
+    else:
+        assert (root / "latest.json").read_bytes() == before
+    assert fresh.canary is None and not fresh._pending
+    assert not (root / "v000003").exists()
+    assert json.loads((root / "canary.json").read_bytes())["policy_version"] == 2  # untouched
+    held = [m for m in _errors(caplog) if "not re-pointing latest.json at v1" in m]
+    assert held and "canary v2 above v1" in held[-1] and "holds no signed decision" in held[-1]
+    with pytest.raises(PolicyLoadError):  # nothing signed: no service starts on v1
+        load_policy(str(root), public_key=setup.pub, channel=fresh.cfg.publish_channel)
+
+
+def test_a_resumed_trainer_still_repairs_its_deployed_pointer(tmp_path, setup, monkeypatch):
+    """H5's hold is for a fresh run only: a trainer that deployed v1 itself re-signs it."""
+    root = tmp_path / "ckpt" / "policies"
+    t = _promoted_first(tmp_path, setup, monkeypatch)
+    t.iteration = 6
+    t.checkpoint()  # canary v2 above v1, stopped here
+    (root / "latest.json.sig").write_bytes(b"torn")
+    r = _resumed(tmp_path, setup, monkeypatch)
+    assert r.canary is not None and r.canary.version == 2
+    r.iteration = 9
+    r.checkpoint()
+    assert load_policy(str(root), public_key=setup.pub).policy_version == 1

@@ -89,3 +89,52 @@ def test_a_resumed_trainer_still_repairs_its_deployed_pointer(tmp_path, setup, m
     r.iteration = 9
     r.checkpoint()
     assert load_policy(str(root), public_key=setup.pub).policy_version == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pointer", ["deleted", "torn"])
+def test_over_the_repair_cap_the_canary_is_held_not_based_on_v0(tmp_path, setup, monkeypatch, caplog, pointer):
+    """H2: over MAX_REPAIR_SCAN directories the repair's TooManyVersions was taken as "base v0":
+    a fresh run signed canary.json v3 (into the junk v000003/) based on v0 while v2 was deployed,
+    and a new replica served it against nothing."""
+    from rlrec.trainer.canary_publish import MAX_REPAIR_SCAN
+
+    root = tmp_path / "ckpt" / "policies"
+    old = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False)  # ungated: v1, v2 deployed
+    for old.iteration in (3, 6):
+        old.checkpoint()
+    for n in range(3, MAX_REPAIR_SCAN + 4):
+        (root / f"v{n:06d}").mkdir()
+    if pointer == "deleted":
+        (root / "latest.json").unlink()
+        (root / "latest.json.sig").unlink()
+    else:
+        (root / "latest.json.sig").write_bytes(b"torn")
+    fresh = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **CANARY_KW)
+    fresh.iteration = 400
+    fresh.checkpoint()
+    assert fresh.canary is None and not fresh._pending
+    assert not (root / "canary.json").exists()
+    assert not any((root / "v000003").iterdir())
+    held = [m for m in _errors(caplog) if "not publishing policy" in m]
+    assert held and f"over the limit of {MAX_REPAIR_SCAN}: the deployed version cannot be found" in held[-1]
+    assert "remove the version directories" in held[-1]
+    if pointer == "deleted":
+        assert not (root / "latest.json").exists()
+
+
+def test_a_new_version_is_never_written_into_an_existing_directory(tmp_path, setup, monkeypatch):
+    """H2: numbering counted only signed directories, so a canary was written into a junk one."""
+    root = tmp_path / "ckpt" / "policies"
+    old = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False)
+    for old.iteration in (3, 6):
+        old.checkpoint()
+    (root / "v000003").mkdir()
+    (root / "v000004").mkdir()
+    (root / "v000004" / "junk").write_bytes(b"x")
+    fresh = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **CANARY_KW)
+    fresh.iteration = 9
+    fresh.checkpoint()
+    assert fresh.canary is not None and (fresh.canary.version, fresh.canary.base_version) == (5, 2)
+    assert not any((root / "v000003").iterdir())
+    assert [p.name for p in (root / "v000004").iterdir()] == ["junk"]

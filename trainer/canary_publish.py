@@ -246,9 +246,9 @@ def scan_above(
     )
     if len(names) > window:
         raise TooManyVersions(
-            f"{len(names)} version directories above v{ended_upto} under {storage.uri()}, over the limit of {window} "
-            + ("(services refuse such a root too): " if window == MAX_NEWER else "")
-            + "the deployed version cannot be found"
+            f"{len(names)} version directories above v{ended_upto} under {storage.uri()}, over the limit of {window}"
+            + (" (services refuse such a root too)" if window == MAX_NEWER else "")
+            + ": the deployed version cannot be found"
         )
     floor, undecided = canary_floor, 0
     for d in names:  # every one: a window of the highest would let copied-in versions hide the deployed one

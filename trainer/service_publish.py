@@ -162,7 +162,8 @@ class PublishMixin:
         promoted: then nothing is signed.
 
         Raises:
-            BaseUnknown: an undecided canary lies above that version (`UndecidedCanary`'s text)."""
+            BaseUnknown: an undecided canary lies above that version (`UndecidedCanary`'s text),
+                or the versions above `named` are more than the trainer reads."""
         from rlrec.trainer.canary_publish import BaseUnknown, repoint_latest, undecided_text
         from rlrec.trainer.policy import LATEST
 
@@ -194,16 +195,29 @@ class PublishMixin:
         (`_end_orphans`), even in a fresh run with no ``latest.json`` to carry a floor.
 
         Raises:
-            OSError: the root cannot be read now (more than `MAX_REPAIR_SCAN` version
-                directories above `named`: `TooManyVersions`)."""
-        from rlrec.trainer.canary_publish import MAX_NEWER, MAX_REPAIR_SCAN, TooManyVersions, scan_above
+            OSError: the root cannot be read now.
+            BaseUnknown: more than `MAX_REPAIR_SCAN` version directories lie above `named`."""
+        from rlrec.trainer.canary_publish import (
+            MAX_NEWER,
+            MAX_REPAIR_SCAN,
+            BaseUnknown,
+            TooManyVersions,
+            scan_above,
+        )
 
         storage, key, channel = self.publish_storage, self.signing_key, self.cfg.publish_channel
         try:
             return scan_above(storage, key, named, channel, self._canary_floor, MAX_NEWER)
         except TooManyVersions as e:
             log.warning("%s: reading every one down to the deployed version", e)
-        found = scan_above(storage, key, named, channel, self._canary_floor, MAX_REPAIR_SCAN)
+        try:
+            found = scan_above(storage, key, named, channel, self._canary_floor, MAX_REPAIR_SCAN)
+        except TooManyVersions as e:
+            raise BaseUnknown(
+                f"{e}, so no canary goes on and no pointer is signed: remove the version directories under "
+                f"{storage.uri()} that hold no policy.json signed by this trainer's key (junk, copies from other "
+                f"roots) or old rolled-back canaries, until at most {MAX_REPAIR_SCAN} lie above v{named}"
+            ) from None
         if found.floor > self._canary_floor:
             log.warning(
                 "versions up to v%d above the deployed v%d ended unpromoted (signed rollback records): the canary floor",
@@ -464,19 +478,30 @@ class PublishMixin:
     def _next_version(self) -> int:
         """One above this run's last version, above every version (signed by this trainer's key,
         when it has one) already under the publish root -- a fresh run or a rollback republished
-        there is never overwritten."""
-        from rlrec.trainer.export import highest_reserved, highest_version
+        there is never overwritten; a number whose directory exists already (even unsigned junk)
+        is skipped."""
+        from rlrec.trainer.export import VERSION_DIR_RE, highest_reserved, highest_version
+        from rlrec.trainer.policy import version_dir
 
         storage = self.publish_storage
         try:
             signed = highest_version(storage, self.signing_key)
             present = max(signed, highest_reserved(storage, signed))
+            taken = {i.name for i in storage.list("") if i.is_dir and VERSION_DIR_RE.match(i.name)}
         except Exception as e:
             log.warning("cannot list the published versions (%s); numbering from v%d", e, self.policy_version)
-            present = 0
+            present, taken = 0, set()
         if present > self.policy_version:
             log.info("v%d is published already under %s: publishing above it", present, storage.uri())
-        return max(self.policy_version, present) + 1
+        version = max(self.policy_version, present) + 1
+        while version_dir(version) in taken:
+            log.warning(
+                "%s/ exists already under %s (not a version of this key): numbering above it",
+                version_dir(version),
+                storage.uri(),
+            )
+            version += 1
+        return version
 
     def _refresh_pointer(self) -> None:
         """Re-sign the pointer to this run's latest version, and ``canary.json`` while this run's

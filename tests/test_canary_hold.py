@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
+import time
 
 import pytest
 
 pytest.importorskip("torch")
 
+from rlrec.store.commit import ShardCommitter
 from rlrec.trainer.policy import PolicyLoadError, load_policy
 from tests.test_canary_trainer import CANARY_KW, _resumed, _serve, canary_setup
 from tests.test_policy_binding import _trainer
@@ -138,3 +141,73 @@ def test_a_new_version_is_never_written_into_an_existing_directory(tmp_path, set
     assert fresh.canary is not None and (fresh.canary.version, fresh.canary.base_version) == (5, 2)
     assert not any((root / "v000003").iterdir())
     assert [p.name for p in (root / "v000004").iterdir()] == ["junk"]
+
+
+def _staging_pointer(tmp_path, setup, monkeypatch, version: int):
+    """The signed latest.json (and .sig) of a staging root of the same key and channel that
+    published `version` ungated."""
+    b_dir = tmp_path / "b"
+    b_dir.mkdir()
+    ShardCommitter(str(b_dir / "in")).claim()
+    b = _trainer(b_dir, setup.keys_dir, monkeypatch, resume=False)
+    b.policy_version = version - 1
+    b.iteration = 3
+    b.checkpoint()
+    return b_dir / "ckpt" / "policies"
+
+
+def test_a_rollback_does_not_keep_a_pointer_copied_from_another_root(tmp_path, setup, monkeypatch, caplog):
+    """H1: a rollback kept a signed latest.json naming v900 (copied from staging; absent here)
+    because it was above the canary: it signed canary-ended.json with deployed_version 900, the
+    trainer's next canary was based on v900, and every service restart was refused."""
+    prod = tmp_path / "ckpt" / "policies"
+    t = _promoted_first(tmp_path, setup, monkeypatch)
+    t.iteration = 6
+    t.checkpoint()  # canary v2 above v1
+    staging = _staging_pointer(tmp_path, setup, monkeypatch, 900)
+    for n in ("latest.json", "latest.json.sig"):
+        shutil.copy(staging / n, prod / n)
+    rec = t.look_canary(now=time.time() + CANARY_KW["canary_max_wait_s"] + 200)  # no canary traffic
+    assert rec["decision"] == "rollback"
+    assert json.loads((prod / "latest.json").read_bytes())["policy_version"] == 1
+    assert json.loads((prod / "v000002" / "canary-ended.json").read_bytes())["deployed_version"] == 1
+    assert t._deployed == 1
+    assert load_policy(str(prod), public_key=setup.pub, channel=t.cfg.publish_channel).policy_version == 1
+    t.iteration = 9
+    t.checkpoint()
+    assert t.canary is not None and t.canary.base_version == 1
+
+
+def test_a_promotion_does_not_keep_a_pointer_copied_from_another_root(tmp_path, setup, monkeypatch):
+    """H1: the promote branch kept max(named, canary) for the same copied pointer."""
+    prod = tmp_path / "ckpt" / "policies"
+    t = _promoted_first(tmp_path, setup, monkeypatch)
+    t.iteration = 6
+    t.checkpoint()
+    staging = _staging_pointer(tmp_path, setup, monkeypatch, 900)
+    for n in ("latest.json", "latest.json.sig"):
+        shutil.copy(staging / n, prod / n)
+    _serve(setup.committer, t.canary, {2: 3.0, 1: 0.0}, 300, seed=2)
+    assert t.look_canary()["decision"] == "promote"
+    assert json.loads((prod / "latest.json").read_bytes())["policy_version"] == 2
+    assert json.loads((prod / "v000002" / "canary-ended.json").read_bytes())["deployed_version"] == 2
+    assert t._deployed == 2
+    assert load_policy(str(prod), public_key=setup.pub, channel=t.cfg.publish_channel).policy_version == 2
+
+
+def test_a_fresh_run_does_not_base_its_canary_on_a_pointer_copied_from_another_root(
+    tmp_path, setup, monkeypatch, caplog
+):
+    """H1: `_latest_version` took the copied pointer's v900 as the base of a fresh run's canary."""
+    prod = tmp_path / "ckpt" / "policies"
+    _promoted_first(tmp_path, setup, monkeypatch)
+    staging = _staging_pointer(tmp_path, setup, monkeypatch, 900)
+    for n in ("latest.json", "latest.json.sig"):
+        shutil.copy(staging / n, prod / n)
+    fresh = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **CANARY_KW)
+    fresh.iteration = 9
+    fresh.checkpoint()
+    assert fresh.canary is not None and fresh.canary.base_version == 1
+    assert json.loads((prod / "latest.json").read_bytes())["policy_version"] == 1
+    assert any("names v900, which is no version deployed" in m for m in _errors(caplog))
+    assert load_policy(str(prod), public_key=setup.pub, channel=fresh.cfg.publish_channel).policy_version == 1

@@ -52,6 +52,7 @@ __all__ = [
     "Above",
     "BaseUnknown",
     "TooManyVersions",
+    "deployable",
     "deployed_above",
     "deployed_version",
     "end_canary",
@@ -273,6 +274,34 @@ def scan_above(
                 continue  # put on canary and never promoted (its pointer removed or replayed): not deployed
         return Above(version, floor, undecided)
     return Above(named, floor, undecided)
+
+
+def deployable(storage: Storage, signing_key: Any, version: int, channel: str | None) -> bool:
+    """Whether `version` is a deployed version here as `signed_above` counts one: its
+    ``policy.json`` verifies under this root with `signing_key` for `channel`, and it is no
+    canary ended unpromoted nor one never promoted. A signed pointer naming another (copied from
+    another root of the key and channel) names no deployed version. True without a key (an
+    unsigned setup trusts its root). Raises OSError when it cannot be read now.
+
+    Example:
+        >>> deployable(Storage.from_uri("/tmp/rlrec-no-such-root"), None, 3, "prod")
+        True
+    """
+    from rlrec.trainer.export import _verified_spec
+
+    if signing_key is None:
+        return True
+    d = version_dir(version)
+    try:
+        _spec_bytes, spec = _verified_spec(storage, d, signing_key)
+    except (FileNotFoundError, SignatureError, ValueError, PolicyLoadError):
+        return False
+    if spec.get("channel") != channel:
+        return False
+    ended = _ended(storage, d, signing_key)
+    if ended in ("rollback", "abandoned"):
+        return False
+    return spec.get("rollout") != "canary" or ended == "promote" or _promoted(storage, d, signing_key)
 
 
 def _promoted(storage: Storage, d: str, signing_key: Any) -> bool:
@@ -658,8 +687,9 @@ def end_canary(
     ``latest.json`` is trusted only when this trainer's key signed it for `channel`: an unusable
     one is taken as "not carried out yet" by a promotion (which overwrites it); a rollback
     re-signs the base version (it stays deployed; nothing is republished), or the version the
-    signed ``latest.json`` names when that is above the canary (an operator's
-    `rlrec.trainer.export.republish_policy` while the canary ran: it stays deployed).
+    signed ``latest.json`` names when that is above the canary and deployed here (`deployable`:
+    an operator's `rlrec.trainer.export.republish_policy` while the canary ran stays deployed; a
+    pointer copied from another root, naming a version absent or not deployed here, is not kept).
 
     Args:
         storage: the publish root.
@@ -700,15 +730,24 @@ def end_canary(
     decision = {**decision, **ident}
     _write_signed(storage, f"{d}/{ROLLOUT}", json.dumps(decision, sort_keys=True, indent=1).encode(), signing_key)
     deployed = base_version
+    named = deployed_version(storage, signing_key, channel) if promote or signing_key is not None else None
+    if named is not None and named > version and not deployable(storage, signing_key, named, channel):
+        log.error(
+            "%s names v%d, which is no version deployed under %s (a pointer copied from another root?): "
+            "not kept by canary v%d's decision",
+            LATEST,
+            named,
+            storage.uri(),
+            version,
+        )
+        named = None
     if promote:
-        named = deployed_version(storage, signing_key, channel)
         if named is None or named < version:
             spec_bytes = _read_small(storage, f"{d}/{SPEC}", MAX_BYTES[SPEC])
             sha = hashlib.sha256(spec_bytes).hexdigest()
             _write_signed(storage, LATEST, pointer_bytes(version, d, sha, run_id=run_id, channel=channel), signing_key)
         deployed = version if named is None else max(named, version)
     elif signing_key is not None:
-        named = deployed_version(storage, signing_key, channel)
         if named is not None and named > version:  # deployed above it meanwhile (an operator's republish_policy)
             deployed = named
         if deployed:

@@ -108,21 +108,35 @@ class PublishMixin:
         """A canary's base: the version the signed ``latest.json`` names, never below the version
         this trainer itself deployed (`_deployed`, kept in its checkpoint). An unsigned, forged,
         older (replayed), another channel's or unreadable pointer is no base: the trainer's own
-        record is (logged).
+        record is (logged); nor is one naming a version above it that does not verify here as a
+        deployed version (`deployable`: a pointer copied from another root).
 
         Raises:
             BaseUnknown: the deployed version cannot be known (`_repair`): nothing is signed."""
-        from rlrec.trainer.canary_publish import deployed_version
+        from rlrec.trainer.canary_publish import deployable, deployed_version
         from rlrec.trainer.policy import LATEST
 
         known = self._deployed
         channel = self.cfg.publish_channel
         try:
             named = deployed_version(self.publish_storage, self.signing_key, channel)
+            if (
+                named is not None
+                and named > known
+                and not deployable(self.publish_storage, self.signing_key, named, channel)
+            ):
+                log.error(
+                    "%s names v%d, which is no version deployed under %s (absent, not this key's for this channel, "
+                    "or a canary never promoted: a pointer copied from another root?): not the canary's base",
+                    LATEST,
+                    named,
+                    self.publish_storage.uri(),
+                )
+                named = None
         except OSError as e:
             log.warning("cannot read %s (%s): the canary's base is v%d, deployed by this trainer", LATEST, e, known)
             return known
-        if named is None:  # unusable: torn, junk, another channel's
+        if named is None:  # unusable: torn, junk, another channel's, another root's
             return self._repair_latest(known)
         if named < known:
             log.error(

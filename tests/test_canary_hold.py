@@ -16,7 +16,10 @@ import pytest
 pytest.importorskip("torch")
 
 from rlrec.store.commit import ShardCommitter
+from rlrec.store.storage import Storage
+from rlrec.trainer.canary_publish import repoint_latest
 from rlrec.trainer.policy import PolicyLoadError, load_policy
+from rlrec.trainer.signing import load_private_key
 from tests.test_canary_trainer import CANARY_KW, _resumed, _serve, canary_setup
 from tests.test_policy_binding import _trainer
 
@@ -211,3 +214,19 @@ def test_a_fresh_run_does_not_base_its_canary_on_a_pointer_copied_from_another_r
     assert json.loads((prod / "latest.json").read_bytes())["policy_version"] == 1
     assert any("names v900, which is no version deployed" in m for m in _errors(caplog))
     assert load_policy(str(prod), public_key=setup.pub, channel=fresh.cfg.publish_channel).policy_version == 1
+
+
+def test_a_fresh_run_numbers_its_canary_above_the_signed_canary_floor(tmp_path, setup, monkeypatch):
+    """H3: a floor signed into latest.json (a rolled-back canary v500 whose directory is gone)
+    was ignored by numbering: the fresh run's canary v3 was at or below it, refused by every
+    service, and rolled back for "no canary traffic" -- about 500 times."""
+    prod = tmp_path / "ckpt" / "policies"
+    t = _promoted_first(tmp_path, setup, monkeypatch)
+    key = load_private_key(setup.keys_dir / "policy-signing.key")
+    assert repoint_latest(Storage.from_uri(str(prod)), 1, key, t.cfg.publish_channel, canary_floor=500)
+    fresh = _trainer(tmp_path, setup.keys_dir, monkeypatch, resume=False, **CANARY_KW)
+    fresh.iteration = 9
+    fresh.checkpoint()
+    assert fresh.canary is not None and (fresh.canary.version, fresh.canary.base_version) == (501, 1)
+    svc = load_policy(str(prod), public_key=setup.pub, channel=fresh.cfg.publish_channel, canary_fraction=0.5)
+    assert {svc.for_episode(f"e{i}")[1] for i in range(200)} == {1, 501}

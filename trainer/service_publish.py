@@ -492,19 +492,21 @@ class PublishMixin:
     def _next_version(self) -> int:
         """One above this run's last version, above every version (signed by this trainer's key,
         when it has one) already under the publish root -- a fresh run or a rollback republished
-        there is never overwritten; a number whose directory exists already (even unsigned junk)
-        is skipped."""
+        there is never overwritten -- and above every canary floor it knows (its own, and the
+        signed ``latest.json``'s: services refuse a canary at or below it); a number whose
+        directory exists already (even unsigned junk) is skipped."""
         from rlrec.trainer.export import VERSION_DIR_RE, highest_reserved, highest_version
         from rlrec.trainer.policy import version_dir
 
         storage = self.publish_storage
         try:
             signed = highest_version(storage, self.signing_key)
-            present = max(signed, highest_reserved(storage, signed))
+            present = max(signed, highest_reserved(storage, signed), self._pointer_floor())
             taken = {i.name for i in storage.list("") if i.is_dir and VERSION_DIR_RE.match(i.name)}
         except Exception as e:
             log.warning("cannot list the published versions (%s); numbering from v%d", e, self.policy_version)
             present, taken = 0, set()
+        present = max(present, self._canary_floor)
         if present > self.policy_version:
             log.info("v%d is published already under %s: publishing above it", present, storage.uri())
         version = max(self.policy_version, present) + 1
@@ -516,6 +518,22 @@ class PublishMixin:
             )
             version += 1
         return version
+
+    def _pointer_floor(self) -> int:
+        """The ``canary_floor`` of the ``latest.json`` this trainer's key signed for its channel
+        (0: none, or no key). Raises OSError when it cannot be read now."""
+        from rlrec.trainer.canary_publish import read_pointer
+        from rlrec.trainer.policy import LATEST, PolicyLoadError
+
+        if self.signing_key is None:
+            return 0
+        try:
+            pointer = read_pointer(self.publish_storage, LATEST, self.signing_key)
+        except PolicyLoadError:
+            return 0
+        if pointer is None or pointer.get("channel") != self.cfg.publish_channel:
+            return 0
+        return int(pointer.get("canary_floor") or 0)
 
     def _refresh_pointer(self) -> None:
         """Re-sign the pointer to this run's latest version, and ``canary.json`` while this run's

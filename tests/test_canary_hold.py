@@ -75,6 +75,7 @@ def test_a_fresh_run_signs_no_pointer_below_a_canary_nothing_proves_was_never_pr
     else:
         assert (root / "latest.json").read_bytes() == before
     assert fresh.canary is None and not fresh._pending
+    assert fresh.last_promotion is not None and fresh.last_promotion["promoted"] is False  # not deployed
     assert not (root / "v000003").exists()
     assert json.loads((root / "canary.json").read_bytes())["policy_version"] == 2  # untouched
     held = [m for m in _errors(caplog) if "not re-pointing latest.json at v1" in m]

@@ -470,6 +470,8 @@ class PublishMixin:
                 pub.canary_base, pub.canary_started = self._latest_version(), time.time()
             except BaseUnknown as e:
                 log.error("not publishing policy v%d: %s", version, e)
+                if self.last_promotion is not None and self.last_promotion["candidate_version"] == version:
+                    self.last_promotion["promoted"] = False  # not deployed after all
                 return False
             self.canary = CanaryRun(
                 version=version,

@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from rlrec.store.storage import Storage
@@ -48,7 +49,10 @@ from rlrec.trainer.signing import SIG_SUFFIX, SignatureError, sign, verify
 
 __all__ = [
     "ROLLOUT",
+    "Above",
+    "BaseUnknown",
     "TooManyVersions",
+    "deployable",
     "deployed_above",
     "deployed_version",
     "end_canary",
@@ -56,6 +60,7 @@ __all__ = [
     "read_pointer",
     "refresh_canary",
     "repoint_latest",
+    "scan_above",
     "signed_above",
     "write_canary",
 ]
@@ -177,7 +182,7 @@ def signed_above(storage: Storage, signing_key: Any, named: int, channel: str | 
     without a key). Versions at or below the canary floor -- `canary_floor` (the trainer's own)
     or the signed ``latest.json``'s naming `named` -- ended unpromoted: neither read nor counted
     against `MAX_NEWER`; more raise `TooManyVersions`."""
-    return _scan_above(storage, signing_key, named, channel, canary_floor, MAX_NEWER)[0]
+    return scan_above(storage, signing_key, named, channel, canary_floor, MAX_NEWER).deployed
 
 
 def deployed_above(
@@ -192,17 +197,32 @@ def deployed_above(
     which version that is: a rolled-back canary's record copied in from another root only raises
     the floor above the deployed version. Raises OSError when the root cannot be read now,
     `TooManyVersions` over `MAX_REPAIR_SCAN`."""
-    return _scan_above(storage, signing_key, named, channel, canary_floor, MAX_REPAIR_SCAN)
+    found = scan_above(storage, signing_key, named, channel, canary_floor, MAX_REPAIR_SCAN)
+    return found.deployed, found.floor
 
 
-def _scan_above(
+@dataclass(frozen=True)
+class Above:
+    """What `scan_above` found above a version: the deployed version (`signed_above`), the floor
+    the rollback records above it prove (`deployed_above`), and the highest undecided canary
+    above it (0: none): a canary version this key signed for the channel that neither a signed
+    ``canary-ended.json`` nor a signed ``rollout.json`` decided -- nothing proves it was never
+    promoted, so no pointer below it may be signed (`UndecidedCanary`)."""
+
+    deployed: int
+    floor: int
+    undecided: int = 0
+
+
+def scan_above(
     storage: Storage, signing_key: Any, named: int, channel: str | None, canary_floor: int, window: int
-) -> tuple[int, int]:
-    """(`signed_above`, the floor `deployed_above` proves) over at most `window` directories."""
+) -> Above:
+    """`signed_above` and `deployed_above` over at most `window` directories, with the highest
+    undecided canary above the deployed version (`Above`)."""
     from rlrec.trainer.export import VERSION_DIR_RE, _verified_spec, signed_floor
 
     if signing_key is None:
-        return named, canary_floor
+        return Above(named, canary_floor)
     ended_upto = max(named, canary_floor, signed_floor(storage, named, signing_key, channel))
     unreadable = False
     try:
@@ -227,11 +247,11 @@ def _scan_above(
     )
     if len(names) > window:
         raise TooManyVersions(
-            f"{len(names)} version directories above v{ended_upto} under {storage.uri()}, over the limit of {window} "
-            + ("(services refuse such a root too): " if window == MAX_NEWER else "")
-            + "the deployed version cannot be found"
+            f"{len(names)} version directories above v{ended_upto} under {storage.uri()}, over the limit of {window}"
+            + (" (services refuse such a root too)" if window == MAX_NEWER else "")
+            + ": the deployed version cannot be found"
         )
-    floor = canary_floor
+    floor, undecided = canary_floor, 0
     for d in names:  # every one: a window of the highest would let copied-in versions hide the deployed one
         try:
             _spec_bytes, spec = _verified_spec(storage, d, signing_key)
@@ -239,17 +259,49 @@ def _scan_above(
             continue
         if spec.get("channel") != channel:
             continue
+        version = int(d[1:])
         ended = _ended(storage, d, signing_key)
         if ended in ("rollback", "abandoned"):
-            if running is None or int(d[1:]) < running:
-                floor = max(floor, int(d[1:]))
+            if running is None or version < running:
+                floor = max(floor, version)
             continue
-        if ended is None and (unreadable or int(d[1:]) == running) and not _promoted(storage, d, signing_key):
-            continue
-        if spec.get("rollout") == "canary" and ended != "promote" and not _promoted(storage, d, signing_key):
-            continue  # put on canary and never promoted (its pointer removed or replayed): not deployed
-        return int(d[1:]), floor
-    return named, floor
+        canary = version == running or spec.get("rollout") == "canary"
+        if ended is None and (unreadable or canary):
+            decision = read_decision(storage, version, signing_key)
+            if decision is None or decision.get("decision") != "promote":
+                if decision is None and canary and not undecided:
+                    undecided = version  # the highest: names are read newest first
+                continue  # put on canary and never promoted (its pointer removed or replayed): not deployed
+        return Above(version, floor, undecided)
+    return Above(named, floor, undecided)
+
+
+def deployable(storage: Storage, signing_key: Any, version: int, channel: str | None) -> bool:
+    """Whether `version` is a deployed version here as `signed_above` counts one: its
+    ``policy.json`` verifies under this root with `signing_key` for `channel`, and it is no
+    canary ended unpromoted nor one never promoted. A signed pointer naming another (copied from
+    another root of the key and channel) names no deployed version. True without a key (an
+    unsigned setup trusts its root). Raises OSError when it cannot be read now.
+
+    Example:
+        >>> deployable(Storage.from_uri("/tmp/rlrec-no-such-root"), None, 3, "prod")
+        True
+    """
+    from rlrec.trainer.export import _verified_spec
+
+    if signing_key is None:
+        return True
+    d = version_dir(version)
+    try:
+        _spec_bytes, spec = _verified_spec(storage, d, signing_key)
+    except (FileNotFoundError, SignatureError, ValueError, PolicyLoadError):
+        return False
+    if spec.get("channel") != channel:
+        return False
+    ended = _ended(storage, d, signing_key)
+    if ended in ("rollback", "abandoned"):
+        return False
+    return spec.get("rollout") != "canary" or ended == "promote" or _promoted(storage, d, signing_key)
 
 
 def _promoted(storage: Storage, d: str, signing_key: Any) -> bool:
@@ -508,6 +560,22 @@ class UndecidedCanary(RuntimeError):
     root"): no new canary goes on until an operator settles it."""
 
 
+class BaseUnknown(RuntimeError):
+    """The trainer cannot tell which version is deployed under its publish root (an undecided
+    canary above the one it would re-sign, or more version directories than it reads): it
+    signs no pointer and puts no canary on until an operator settles the root."""
+
+
+def undecided_text(version: int, base: int, why: str) -> str:
+    """What `UndecidedCanary` says of undecided canary `version` above `base` (`why`: what names it)."""
+    return (
+        f"canary v{version} above v{base} {why} and holds no signed decision: this trainer cannot tell a canary "
+        f"whose trainer died undecided from a promoted one whose records were deleted, so it signs nothing and "
+        f"puts no new canary on; resume its trainer (--resume), or, if it was never promoted, delete "
+        f"{version_dir(version)}/ (docs/TRAINER.md, 'An undecided canary under the root')"
+    )
+
+
 def _settle(storage: Storage, d: str, signing_key: Any, base: int, why: str) -> None:
     """Sign the end of undecided canary directory `d` when its own signed ``rollout.json``
     (bound to it, `read_decision`) decided it -- a trainer killed before carrying the decision
@@ -522,12 +590,7 @@ def _settle(storage: Storage, d: str, signing_key: Any, base: int, why: str) -> 
         return  # no policy.json of this key there (deleted by an operator): nothing to serve or to end
     decision = read_decision(storage, version, signing_key)
     if decision is None:
-        raise UndecidedCanary(
-            f"canary v{version} above v{base} {why} and holds no signed decision: this trainer cannot tell a canary "
-            f"whose trainer died undecided from a promoted one whose records were deleted, so it signs nothing and "
-            f"puts no new canary on; resume its trainer (--resume), or, if it was never promoted, delete {d}/ "
-            f"(docs/TRAINER.md, 'An undecided canary under the root')"
-        )
+        raise UndecidedCanary(undecided_text(version, base, why))
     promote = decision["decision"] == "promote"
     deployed = version if promote else int(decision.get("base_version") or 0)
     channel = ident["channel"]
@@ -624,8 +687,9 @@ def end_canary(
     ``latest.json`` is trusted only when this trainer's key signed it for `channel`: an unusable
     one is taken as "not carried out yet" by a promotion (which overwrites it); a rollback
     re-signs the base version (it stays deployed; nothing is republished), or the version the
-    signed ``latest.json`` names when that is above the canary (an operator's
-    `rlrec.trainer.export.republish_policy` while the canary ran: it stays deployed).
+    signed ``latest.json`` names when that is above the canary and deployed here (`deployable`:
+    an operator's `rlrec.trainer.export.republish_policy` while the canary ran stays deployed; a
+    pointer copied from another root, naming a version absent or not deployed here, is not kept).
 
     Args:
         storage: the publish root.
@@ -666,15 +730,24 @@ def end_canary(
     decision = {**decision, **ident}
     _write_signed(storage, f"{d}/{ROLLOUT}", json.dumps(decision, sort_keys=True, indent=1).encode(), signing_key)
     deployed = base_version
+    named = deployed_version(storage, signing_key, channel) if promote or signing_key is not None else None
+    if named is not None and named > version and not deployable(storage, signing_key, named, channel):
+        log.error(
+            "%s names v%d, which is no version deployed under %s (a pointer copied from another root?): "
+            "not kept by canary v%d's decision",
+            LATEST,
+            named,
+            storage.uri(),
+            version,
+        )
+        named = None
     if promote:
-        named = deployed_version(storage, signing_key, channel)
         if named is None or named < version:
             spec_bytes = _read_small(storage, f"{d}/{SPEC}", MAX_BYTES[SPEC])
             sha = hashlib.sha256(spec_bytes).hexdigest()
             _write_signed(storage, LATEST, pointer_bytes(version, d, sha, run_id=run_id, channel=channel), signing_key)
         deployed = version if named is None else max(named, version)
     elif signing_key is not None:
-        named = deployed_version(storage, signing_key, channel)
         if named is not None and named > version:  # deployed above it meanwhile (an operator's republish_policy)
             deployed = named
         if deployed:

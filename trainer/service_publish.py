@@ -108,17 +108,35 @@ class PublishMixin:
         """A canary's base: the version the signed ``latest.json`` names, never below the version
         this trainer itself deployed (`_deployed`, kept in its checkpoint). An unsigned, forged,
         older (replayed), another channel's or unreadable pointer is no base: the trainer's own
-        record is (logged)."""
-        from rlrec.trainer.canary_publish import deployed_version, repoint_latest
+        record is (logged); nor is one naming a version above it that does not verify here as a
+        deployed version (`deployable`: a pointer copied from another root).
+
+        Raises:
+            BaseUnknown: the deployed version cannot be known (`_repair`): nothing is signed."""
+        from rlrec.trainer.canary_publish import deployable, deployed_version
         from rlrec.trainer.policy import LATEST
 
         known = self._deployed
+        channel = self.cfg.publish_channel
         try:
-            named = deployed_version(self.publish_storage, self.signing_key, self.cfg.publish_channel)
+            named = deployed_version(self.publish_storage, self.signing_key, channel)
+            if (
+                named is not None
+                and named > known
+                and not deployable(self.publish_storage, self.signing_key, named, channel)
+            ):
+                log.error(
+                    "%s names v%d, which is no version deployed under %s (absent, not this key's for this channel, "
+                    "or a canary never promoted: a pointer copied from another root?): not the canary's base",
+                    LATEST,
+                    named,
+                    self.publish_storage.uri(),
+                )
+                named = None
         except OSError as e:
             log.warning("cannot read %s (%s): the canary's base is v%d, deployed by this trainer", LATEST, e, known)
             return known
-        if named is None:  # unusable: torn, junk, another channel's
+        if named is None:  # unusable: torn, junk, another channel's, another root's
             return self._repair_latest(known)
         if named < known:
             log.error(
@@ -129,24 +147,11 @@ class PublishMixin:
                 known,
             )
             return known
-        try:
-            above = self._signed_above(named)
-        except OSError as e:
-            log.error("cannot read the versions above v%d (%s): the canary's base is v%d", named, e, named)
-            return named
-        if above > named:
-            log.error(
-                "%s names v%d, but v%d, signed by this key for this channel and no canary, exists (a replayed or "
-                "unfinished pointer: services refuse it): the canary's base is v%d, and %s is re-pointed at it",
-                LATEST,
-                named,
-                above,
-                above,
-                LATEST,
-            )
-            repoint_latest(self.publish_storage, above, self.signing_key, self.cfg.publish_channel, self._canary_floor)
-            return above
-        return named
+        return self._repair(
+            named,
+            f"{LATEST} names v{named}, but v%d, signed by this key for this channel and no "
+            "canary, exists (a replayed or unfinished pointer: services refuse it)",
+        )
 
     def _repair_latest(self, known: int) -> int:
         """The base under an unusable ``latest.json``: the trainer's own record, or above it the
@@ -154,45 +159,87 @@ class PublishMixin:
         run has no record); ``latest.json`` is re-pointed at it (signed), so services restart
         again instead of refusing a torn or junk pointer until the next promotion. More version
         directories above it than the window are all read (`_signed_above`): rolled-back
-        canaries never hide the deployed version."""
-        from rlrec.trainer.canary_publish import repoint_latest
+        canaries never hide the deployed version.
+
+        Raises:
+            BaseUnknown: the deployed version cannot be known (`_repair`): nothing is signed."""
         from rlrec.trainer.policy import LATEST
 
         if self.signing_key is None:
             return known
+        return self._repair(known, f"{LATEST} was unusable: v%d is the deployed version", unusable=True)
+
+    def _repair(self, named: int, why: str, unusable: bool = False) -> int:
+        """The deployed version at or above `named` (`_signed_above`); ``latest.json`` is
+        re-pointed at it (signed) when it is above `named` or the pointer is `unusable` (`why` %
+        it, logged) -- never, above `named`, below a canary that nothing proves was never
+        promoted: then nothing is signed.
+
+        Raises:
+            BaseUnknown: an undecided canary lies above that version (`UndecidedCanary`'s text),
+                or the versions above `named` are more than the trainer reads."""
+        from rlrec.trainer.canary_publish import BaseUnknown, repoint_latest, undecided_text
+        from rlrec.trainer.policy import LATEST
+
         try:
-            base = self._signed_above(known)
+            found = self._signed_above(named)
+        except BaseUnknown:
+            raise
         except OSError as e:
-            log.error("cannot read the versions above v%d (%s): the canary's base is v%d", known, e, known)
-            return known
-        if base and repoint_latest(
-            self.publish_storage, base, self.signing_key, self.cfg.publish_channel, self._canary_floor
-        ):
-            log.error("%s was unusable: re-pointed at v%d, the deployed version (the canary's base)", LATEST, base)
-        return base
+            log.error("cannot read the versions above v%d (%s): the canary's base is v%d", named, e, named)
+            return named
+        if found.deployed <= named and not (unusable and found.deployed):
+            return found.deployed
+        if found.deployed > named and found.undecided > found.deployed:
+            raise BaseUnknown(
+                f"not re-pointing {LATEST} at v{found.deployed}: "
+                + undecided_text(found.undecided, found.deployed, "lies above it")
+            )
+        log.error("%s: the canary's base, and %s is re-pointed at it", why % found.deployed, LATEST)
+        repoint_latest(
+            self.publish_storage, found.deployed, self.signing_key, self.cfg.publish_channel, self._canary_floor
+        )
+        return found.deployed
 
-    def _signed_above(self, named: int) -> int:
-        """`rlrec.trainer.canary_publish.signed_above` `named` with the trainer's floor; over more
-        version directories than its window, `deployed_above` (every directory down to the
-        deployed version read), whose proven floor raises the trainer's: rolled-back canaries
-        never hide the deployed version, nor stop a publication (`_end_orphans`), even in a fresh
-        run with no ``latest.json`` to carry a floor. Raises OSError when that cannot be read."""
-        from rlrec.trainer.canary_publish import TooManyVersions, deployed_above, signed_above
+    def _signed_above(self, named: int) -> Any:
+        """`rlrec.trainer.canary_publish.scan_above` `named` with the trainer's floor (an
+        `Above`); over more version directories than its window, every directory down to the
+        deployed version is read (`deployed_above`), whose proven floor raises the trainer's:
+        rolled-back canaries never hide the deployed version, nor stop a publication
+        (`_end_orphans`), even in a fresh run with no ``latest.json`` to carry a floor.
 
-        channel = self.cfg.publish_channel
+        Raises:
+            OSError: the root cannot be read now.
+            BaseUnknown: more than `MAX_REPAIR_SCAN` version directories lie above `named`."""
+        from rlrec.trainer.canary_publish import (
+            MAX_NEWER,
+            MAX_REPAIR_SCAN,
+            BaseUnknown,
+            TooManyVersions,
+            scan_above,
+        )
+
+        storage, key, channel = self.publish_storage, self.signing_key, self.cfg.publish_channel
         try:
-            return signed_above(self.publish_storage, self.signing_key, named, channel, self._canary_floor)
+            return scan_above(storage, key, named, channel, self._canary_floor, MAX_NEWER)
         except TooManyVersions as e:
             log.warning("%s: reading every one down to the deployed version", e)
-            above, floor = deployed_above(self.publish_storage, self.signing_key, named, channel, self._canary_floor)
-        if floor > self._canary_floor:
+        try:
+            found = scan_above(storage, key, named, channel, self._canary_floor, MAX_REPAIR_SCAN)
+        except TooManyVersions as e:
+            raise BaseUnknown(
+                f"{e}, so no canary goes on and no pointer is signed: remove the version directories under "
+                f"{storage.uri()} that hold no policy.json signed by this trainer's key (junk, copies from other "
+                f"roots) or old rolled-back canaries, until at most {MAX_REPAIR_SCAN} lie above v{named}"
+            ) from None
+        if found.floor > self._canary_floor:
             log.warning(
                 "versions up to v%d above the deployed v%d ended unpromoted (signed rollback records): the canary floor",
-                floor,
-                above,
+                found.floor,
+                found.deployed,
             )
-            self._canary_floor = floor
-        return above
+            self._canary_floor = found.floor
+        return found
 
     def hold_publish_lease(self, lease: Any) -> None:
         """Publish under `lease` (an acquired `rlrec.trainer.publish_lease.PublishLease`): every
@@ -415,10 +462,17 @@ class PublishMixin:
         if self.cfg.rollout == "canary":
             import hashlib
 
+            from rlrec.trainer.canary_publish import BaseUnknown
             from rlrec.trainer.policy import SPEC
             from rlrec.trainer.rollout import CanaryRun
 
-            pub.canary_base, pub.canary_started = self._latest_version(), time.time()
+            try:
+                pub.canary_base, pub.canary_started = self._latest_version(), time.time()
+            except BaseUnknown as e:
+                log.error("not publishing policy v%d: %s", version, e)
+                if self.last_promotion is not None and self.last_promotion["candidate_version"] == version:
+                    self.last_promotion["promoted"] = False  # not deployed after all
+                return False
             self.canary = CanaryRun(
                 version=version,
                 base_version=pub.canary_base,
@@ -438,20 +492,50 @@ class PublishMixin:
         return True
 
     def _next_version(self) -> int:
-        """One above this run's last version and above every version (signed by this trainer's
-        key, when it has one) already under the publish root: a fresh run or a rollback
-        republished there is never overwritten."""
-        from rlrec.trainer.export import highest_reserved, highest_version
+        """One above this run's last version, above every version (signed by this trainer's key,
+        when it has one) already under the publish root -- a fresh run or a rollback republished
+        there is never overwritten -- and above every canary floor it knows (its own, and the
+        signed ``latest.json``'s: services refuse a canary at or below it); a number whose
+        directory exists already (even unsigned junk) is skipped."""
+        from rlrec.trainer.export import VERSION_DIR_RE, highest_reserved, highest_version
+        from rlrec.trainer.policy import version_dir
 
+        storage = self.publish_storage
         try:
-            signed = highest_version(self.publish_storage, self.signing_key)
-            present = max(signed, highest_reserved(self.publish_storage, signed))
+            signed = highest_version(storage, self.signing_key)
+            present = max(signed, highest_reserved(storage, signed), self._pointer_floor())
+            taken = {i.name for i in storage.list("") if i.is_dir and VERSION_DIR_RE.match(i.name)}
         except Exception as e:
             log.warning("cannot list the published versions (%s); numbering from v%d", e, self.policy_version)
-            present = 0
+            present, taken = 0, set()
+        present = max(present, self._canary_floor)
         if present > self.policy_version:
-            log.info("v%d is published already under %s: publishing above it", present, self.publish_storage.uri())
-        return max(self.policy_version, present) + 1
+            log.info("v%d is published already under %s: publishing above it", present, storage.uri())
+        version = max(self.policy_version, present) + 1
+        while version_dir(version) in taken:
+            log.warning(
+                "%s/ exists already under %s (not a version of this key): numbering above it",
+                version_dir(version),
+                storage.uri(),
+            )
+            version += 1
+        return version
+
+    def _pointer_floor(self) -> int:
+        """The ``canary_floor`` of the ``latest.json`` this trainer's key signed for its channel
+        (0: none, or no key). Raises OSError when it cannot be read now."""
+        from rlrec.trainer.canary_publish import read_pointer
+        from rlrec.trainer.policy import LATEST, PolicyLoadError
+
+        if self.signing_key is None:
+            return 0
+        try:
+            pointer = read_pointer(self.publish_storage, LATEST, self.signing_key)
+        except PolicyLoadError:
+            return 0
+        if pointer is None or pointer.get("channel") != self.cfg.publish_channel:
+            return 0
+        return int(pointer.get("canary_floor") or 0)
 
     def _refresh_pointer(self) -> None:
         """Re-sign the pointer to this run's latest version, and ``canary.json`` while this run's

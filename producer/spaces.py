@@ -59,7 +59,7 @@ class SpaceError(ValueError):
 class Leaf:
     """One array-valued part of a space: its dtype and per-step shape; for Discrete,
     MultiDiscrete and MultiBinary also the inclusive integer range of its values (`low`, `high`,
-    arrays of the leaf's shape; None for Box, whose bounds rlrec does not enforce)."""
+    arrays that broadcast to the leaf's shape; None for Box, whose bounds rlrec does not enforce)."""
 
     dtype: np.dtype
     shape: tuple[int, ...]
@@ -306,9 +306,8 @@ def space_leaves(space: gs.Space) -> list[Leaf]:
     if isinstance(space, gs.MultiDiscrete):
         low = np.asarray(space.start, dtype=np.int64)
         return [Leaf(np.dtype(space.dtype), tuple(space.shape), low, low + np.asarray(space.nvec, np.int64) - 1)]
-    if isinstance(space, gs.MultiBinary):
-        shape = tuple(space.shape)
-        return [Leaf(np.dtype(space.dtype), shape, np.zeros(shape, np.int64), np.ones(shape, np.int64))]
+    if isinstance(space, gs.MultiBinary):  # 0/1 broadcast: no arrays of a shape a tiny text can name
+        return [Leaf(np.dtype(space.dtype), tuple(space.shape), np.zeros((), np.int64), np.ones((), np.int64))]
     if isinstance(space, gs.Box):
         return [Leaf(np.dtype(space.dtype), tuple(space.shape))]
     raise SpaceError(f"space type {type(space).__name__} is not supported")

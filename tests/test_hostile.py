@@ -943,3 +943,33 @@ def test_buffer_data_nested_deep_is_refused_by_both_decoders(where):
     for decoder in (unpack_episode, decode_episode):
         with pytest.raises(EpisodeDecodeError):
             decoder(item)
+
+
+def test_a_small_start_of_multibinary_spaces_cannot_make_a_reader_allocate_much():
+    """A MultiBinary's JSON names only its shape (up to 2^24 elements) and a reader's leaves held
+    0/1 bound arrays of that shape (16 bytes an element): a 257-byte EpisodeStart of a Dict of two
+    such spaces cost a consumer 512 MiB. The bounds broadcast now; the 0/1 range still holds."""
+    import tracemalloc
+
+    from rlrec.producer import events as events_module
+    from rlrec.producer.events import check_values, parse_space
+
+    mb = {"type": "MultiBinary", "shape": [4096, 4096], "dtype": "int8"}
+    value = encode_record(
+        "EpisodeStart",
+        start_rec("e1", observation_space=json.dumps({"type": "Dict", "spaces": [["a", mb], ["b", mb]]})),
+    )
+    cache, events_module._SPACES = events_module._SPACES, events_module._SpaceCache()  # a fresh consumer
+    tracemalloc.start()
+    try:
+        with pytest.raises(DecodeError) as e:
+            decode(value, schema_header("EpisodeStart"))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+        events_module._SPACES = cache
+    assert e.value.reason == "space-mismatch" and peak < 2**22, (e.value.reason, peak)  # the obs does not fit
+    leaves = parse_space(json.dumps({"type": "MultiBinary", "shape": [2, 3], "dtype": "int8"}))[1]
+    check_values([np.ones((2, 3), np.int8)], leaves, "obs")
+    with pytest.raises(DecodeError, match="out-of-space"):
+        check_values([np.full((2, 3), 2, np.int8)], leaves, "obs")

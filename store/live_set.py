@@ -605,17 +605,22 @@ def read_heads(
     *,
     strict: bool = True,
     sets: Mapping[tuple[str, int], LiveSetEntry | None] | None = None,
+    removals: Sequence[RemovalRecord] | None = None,
 ) -> tuple[dict[tuple[str, int], HeadRead], int, list[RemovalRecord]]:
     """Every partition log at its head (`head_shards`), the number of removal records that
     exist (the newest record's number + 1: a head point's ``removals``) and the records read.
     Reads each log's newest live set, then the removal records from the smallest ``removals`` of
     them (all of them when a log has none), then each log's entries from its live set on (or its
-    history). `sets`: every log's newest live set (`read_live_sets`), read before."""
+    history). `sets`: every log's newest live set (`read_live_sets`), read before; `removals`:
+    every removal record (`read_removals` from 0), read before `sets` -- then not read again."""
     if sets is None:
         sets = read_live_sets(storage)
     keys = list(sets)
     start = min((ls.removals if ls is not None else 0 for ls in sets.values()), default=0)
-    records = read_removals(storage, start=start)  # before the entries: every record's positions are in them
+    if removals is not None:
+        records = [r for r in removals if r.n >= start]
+    else:
+        records = read_removals(storage, start=start)  # before the entries: every record's positions are in them
     heads = dict(
         zip(keys, _in_parallel(lambda k: head_shards(storage, *k, records, sets[k] or False, strict=strict), keys))
     )

@@ -192,7 +192,7 @@ def heads_or_history(
     if not any(ls is not None and ls.tables is not None for ls in sets.values()):
         return {}, read_logs(storage)  # no head can decide: the history, as before live sets
     try:
-        heads, _, _ = read_heads(storage, sets=sets)
+        heads, _, _ = read_heads(storage, sets=sets, removals=records)
     except ManifestError as e:  # a record or log the heads cannot fold: the history decides
         log.warning("retain: the manifest's head cannot be read (%s): reading its history", e)
         return {}, read_logs(storage)

@@ -53,7 +53,6 @@ __all__ = [
     "BaseUnknown",
     "TooManyVersions",
     "deployable",
-    "deployed_above",
     "deployed_version",
     "end_canary",
     "read_decision",
@@ -132,7 +131,7 @@ def deployed_version(storage: Storage, signing_key: Any, channel: str | None = N
 #: services (`rlrec.trainer.policy_files.MAX_NEWER_VERSIONS`): more is refused loudly (OSError)
 MAX_NEWER = MAX_NEWER_VERSIONS
 #: the most version directories above the version it knows that the trainer reads to repair a
-#: root with more than `MAX_NEWER` (`deployed_above`): more is refused loudly
+#: root with more than `MAX_NEWER` (`scan_above` with this window): more is refused loudly
 MAX_REPAIR_SCAN = 100 * MAX_NEWER
 
 
@@ -185,26 +184,10 @@ def signed_above(storage: Storage, signing_key: Any, named: int, channel: str | 
     return scan_above(storage, signing_key, named, channel, canary_floor, MAX_NEWER).deployed
 
 
-def deployed_above(
-    storage: Storage, signing_key: Any, named: int, channel: str | None, canary_floor: int = 0
-) -> tuple[int, int]:
-    """`signed_above` over up to `MAX_REPAIR_SCAN` version directories (the trainer's repair of
-    a root with more than `MAX_NEWER` above the version it knows: rolled-back canaries in a row,
-    or every checkpoint published), with the floor it proves: (the deployed version, the
-    highest version above it whose signed, bound ``canary-ended.json`` for `channel` says
-    "rollback" or "abandoned" -- below the running canary --, or `canary_floor` if higher).
-    Every directory above the deployed version is read (newest first), so no record steers
-    which version that is: a rolled-back canary's record copied in from another root only raises
-    the floor above the deployed version. Raises OSError when the root cannot be read now,
-    `TooManyVersions` over `MAX_REPAIR_SCAN`."""
-    found = scan_above(storage, signing_key, named, channel, canary_floor, MAX_REPAIR_SCAN)
-    return found.deployed, found.floor
-
-
 @dataclass(frozen=True)
 class Above:
     """What `scan_above` found above a version: the deployed version (`signed_above`), the floor
-    the rollback records above it prove (`deployed_above`), and the highest undecided canary
+    the rollback records above it prove (over up to `MAX_REPAIR_SCAN` directories: every one above the deployed version is read, so no record steers which version that is), and the highest undecided canary
     above it (0: none): a canary version this key signed for the channel that neither a signed
     ``canary-ended.json`` nor a signed ``rollout.json`` decided -- nothing proves it was never
     promoted, so no pointer below it may be signed (`UndecidedCanary`)."""
@@ -217,7 +200,7 @@ class Above:
 def scan_above(
     storage: Storage, signing_key: Any, named: int, channel: str | None, canary_floor: int, window: int
 ) -> Above:
-    """`signed_above` and `deployed_above` over at most `window` directories, with the highest
+    """`signed_above` and the floor the rollback records prove over at most `window` directories, with the highest
     undecided canary above the deployed version (`Above`)."""
     from rlrec.trainer.export import VERSION_DIR_RE, _verified_spec, signed_floor
 
@@ -250,6 +233,15 @@ def scan_above(
             f"{len(names)} version directories above v{ended_upto} under {storage.uri()}, over the limit of {window}"
             + (" (services refuse such a root too)" if window == MAX_NEWER else "")
             + ": the deployed version cannot be found"
+        )
+    if window > MAX_NEWER and len(names) > MAX_NEWER:
+        log.warning(
+            "%d version directories above v%d under %s, over the limit of %d (services refuse such a root too): "
+            "reading every one down to the deployed version",
+            len(names),
+            ended_upto,
+            storage.uri(),
+            MAX_NEWER,
         )
     floor, undecided = canary_floor, 0
     for d in names:  # every one: a window of the highest would let copied-in versions hide the deployed one

@@ -203,16 +203,15 @@ class PublishMixin:
 
     def _signed_above(self, named: int) -> Any:
         """`rlrec.trainer.canary_publish.scan_above` `named` with the trainer's floor (an
-        `Above`); over more version directories than its window, every directory down to the
-        deployed version is read (`deployed_above`), whose proven floor raises the trainer's:
-        rolled-back canaries never hide the deployed version, nor stop a publication
+        `Above`): every version directory down to the deployed version is read (up to
+        `MAX_REPAIR_SCAN`, with a warning over the services' `MAX_NEWER`), and the floor it proves
+        raises the trainer's: rolled-back canaries never hide the deployed version, nor stop a publication
         (`_end_orphans`), even in a fresh run with no ``latest.json`` to carry a floor.
 
         Raises:
             OSError: the root cannot be read now.
             BaseUnknown: more than `MAX_REPAIR_SCAN` version directories lie above `named`."""
         from rlrec.trainer.canary_publish import (
-            MAX_NEWER,
             MAX_REPAIR_SCAN,
             BaseUnknown,
             TooManyVersions,
@@ -220,10 +219,6 @@ class PublishMixin:
         )
 
         storage, key, channel = self.publish_storage, self.signing_key, self.cfg.publish_channel
-        try:
-            return scan_above(storage, key, named, channel, self._canary_floor, MAX_NEWER)
-        except TooManyVersions as e:
-            log.warning("%s: reading every one down to the deployed version", e)
         try:
             found = scan_above(storage, key, named, channel, self._canary_floor, MAX_REPAIR_SCAN)
         except TooManyVersions as e:

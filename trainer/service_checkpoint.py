@@ -188,6 +188,8 @@ class CheckpointMixin:
                 state.get("channel"),
                 self.cfg.publish_channel,
             )
+        self._deployed = int(state.get("deployed_version") or 0)  # before what reads or raises them below
+        self._canary_floor = int(state.get("canary_floor") or 0)
         published = self._next_version() - 1  # the highest version present, bounded reads
         if published > self.policy_version:  # published (by a late gate decision) after the checkpoint
             log.info(
@@ -202,8 +204,6 @@ class CheckpointMixin:
         self._restore_ranges(state)
         if state.get("deployed_return") is not None:
             self.deployed_return = float(state["deployed_return"])
-        self._deployed = int(state.get("deployed_version") or 0)
-        self._canary_floor = int(state.get("canary_floor") or 0)
         self.metrics.truncate_after(self.iteration)
         log.info(
             "resumed from %s: iteration %d, policy v%d, %d shards trained on",

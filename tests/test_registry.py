@@ -192,14 +192,17 @@ def test_consumer_pauses_while_the_registry_fails_and_loses_nothing(broker, topi
     )
     truth = record_episodes(rec, 12, seed=8)
     assert rec.flush(10) == 0
-    registry.fail_gets_until = time.monotonic() + 4.0
+    # the registry fails until the consumer has been seen paused, however long its start takes
+    registry.fail_gets_until = float("inf")
     output = str(tmp_path / "out")
     storage = Storage.from_uri(output)
     cfg = recorder_config(output, schema_registry_url=registry.url)
     c, t = run_consumer(cfg, storage)
     try:
         wait_for(lambda: c.metrics.registry_failures._value.get() >= 1, 30, what="a registry failure")
-        wait_for(lambda: c._paused, 5, interval=0.05, what="a partition paused while the registry fails")
+        wait_for(lambda: c._paused, 30, interval=0.05, what="a partition paused while the registry fails")
+        assert committed_episodes(storage) == 0
+        registry.fail_gets_until = 0.0  # the registry recovers
         wait_for(lambda: committed_episodes(storage) >= len(truth), 60, what="every episode committed")
         assert t.is_alive()
         dead = sum(s.value for m in c.metrics.dead_letters.collect() for s in m.samples if s.name.endswith("_total"))

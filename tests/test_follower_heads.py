@@ -8,8 +8,8 @@ two partition logs and two policies, so that reading the first poll from the man
 
 from __future__ import annotations
 
-import time
 import re
+import time
 from types import SimpleNamespace
 
 import pytest

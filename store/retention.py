@@ -317,12 +317,12 @@ class RemovalLogView:
         ([], set())
     """
 
-    def __init__(self, storage: Storage, list_interval_s: float = 60.0) -> None:
+    def __init__(self, storage: Storage, list_interval_s: float = 60.0, start: int = 0) -> None:
         self.storage = storage
         self.list_interval_s = list_interval_s
         self._listed_at: float | None = None  # monotonic time of the last listing
         self.records: list[RemovalRecord] = []
-        self._next = 0  # the next record number to probe
+        self._next = start  # the next record number to probe (`start`: the records below are not read)
         # per log: seqs resolved against its entries, and those named but not resolved yet
         self._resolved: dict[tuple[str, int], set[int]] = {}
         self._pending: dict[tuple[str, int], dict[int, list[tuple[RemovalRecord, RemovedFile]]]] = {}

@@ -8,7 +8,15 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from rlrec.store.commit import read_committed_shard
-from rlrec.store.live_set import HeadRead, LiveSetEntry, fold, head_shards, read_heads, read_live_set
+from rlrec.store.live_set import (
+    HeadRead,
+    LiveSetEntry,
+    fold,
+    head_shards,
+    read_heads,
+    read_live_set,
+    read_live_sets,
+)
 from rlrec.store.manifest import (
     MANIFEST_DIR,
     Entry,
@@ -100,6 +108,7 @@ class ManifestFollower:
         self.from_heads = True
         self._polled = False  # a poll succeeded
         self._heads: dict[tuple[str, int], HeadRead] = {}  # the logs the first poll read from their heads
+        self._sets_read: dict[tuple[str, int], LiveSetEntry | None] = {}  # by `live_head`, for the first poll
 
     def _discover(self) -> None:
         for t in self.storage.list(MANIFEST_DIR):
@@ -162,10 +171,10 @@ class ManifestFollower:
         removed, oldest commit first (the order of a first `poll`): through each log's newest
         live set where it has a usable one (`rlrec.store.live_set.read_heads`, the one decision
         readers make about a live set; its history where it has none) -- what a trainer reads to
-        find a store's first shards and their spaces (the oldest committed usable shard's). It delivers nothing: `poll` still delivers every shard from the start (its
-        entries carry no episode ids, and a merged shard of a live set does not say which shard
-        entries it stands for, which a trainer's lineage and restart need). A log the head cannot
-        be read of (ManifestError but a newer format, or OSError) makes it read what `poll` delivers first.
+        find a store's first shards and their spaces (the oldest committed usable shard's). It
+        delivers nothing; the first `poll` starts from the live sets it read (not read again). A
+        log the head cannot be read of (ManifestError but a newer format, or OSError) makes it
+        read what `poll` delivers first.
 
         Example:
             >>> import tempfile
@@ -174,7 +183,8 @@ class ManifestFollower:
             []
         """
         try:
-            heads, _, _ = read_heads(self.storage)
+            self._sets_read = read_live_sets(self.storage)  # the first poll starts from them too
+            heads, _, _ = read_heads(self.storage, sets=self._sets_read)
         except UnsupportedManifestError:
             raise
         except (ManifestError, OSError) as e:  # as `poll` treats a log it cannot read
@@ -276,9 +286,10 @@ class ManifestFollower:
     def _live_sets(self) -> dict[tuple[str, int], LiveSetEntry]:
         """The newest live set of each known log that a first poll can start from: with
         retention's columns, folding only records whose grace had ended."""
+        read, self._sets_read = self._sets_read, {}  # those `live_head` read, once
         keys = list(self.logs)
         with ThreadPoolExecutor(max_workers=max(1, min(8, len(keys)))) as ex:
-            got = list(ex.map(lambda k: _quiet(read_live_set, self.storage, *k), keys))
+            got = list(ex.map(lambda k: read[k] if k in read else _quiet(read_live_set, self.storage, *k), keys))
         return {k: ls for k, ls in zip(keys, got) if ls is not None and ls.tables is not None and ls.folds_ended_grace}
 
     def _head_starts(

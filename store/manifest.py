@@ -569,21 +569,20 @@ class PartitionLog:
             self._add(e)
             new.append(e)
 
-    def follow_from(self, entries: Sequence[Entry]) -> None:
-        """Hold `entries` (every entry from some seq to the log's end, in order, as `entries_from`
+    def follow_from(self, lo: int, entries: Sequence[Entry]) -> None:
+        """Hold `entries` (every entry from seq `lo` to the log's end, in order, as `entries_from`
         read them) as a reader that has read the log up to their end: `refresh` reads only what
-        follows, and the history below them is never read (a reader starting from a live set).
+        follows, and the history below `lo` is never read (a reader starting from a live set).
 
         Example:
             >>> import tempfile
             >>> log = PartitionLog(Storage.from_uri(tempfile.mkdtemp()), "rl", 0)
-            >>> log.follow_from([]); log.next_seq, log.refresh()
-            (0, [])
+            >>> log.follow_from(5, []); log.next_seq, log.refresh()
+            (5, [])
         """
         with self._lock:
             self._reset(keep_all=True)
-            if entries:
-                self._next = int(entries[0].seq)  # type: ignore[arg-type]
+            self._next = lo
             for e in entries:
                 self._add(e)
             self._loaded = True

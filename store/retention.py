@@ -355,6 +355,13 @@ class RemovalLogView:
         for f in rec.files:
             self._pending.setdefault((f.topic, f.partition), {}).setdefault(f.seq, []).append((rec, f))
 
+    def forget_below(self, topic: str, partition: int, seq: int) -> None:
+        """Stop resolving the records' files that name entries of log (topic, partition) below
+        `seq` (a reader that started from the log's head there: it has seen them)."""
+        pending = self._pending.get((topic, partition))
+        for q in [q for q in pending or () if q < seq]:
+            del pending[q]  # type: ignore[index]
+
     def seqs(self, topic: str, partition: int, entries: Sequence[Entry]) -> set[int]:
         """The seqs of the entries of log (topic, partition) whose shard files the records read so
         far remove: where the entry at the seq a record names commits exactly the file it names.

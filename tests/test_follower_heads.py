@@ -248,3 +248,40 @@ def test_a_followers_first_poll_reads_the_heads_not_the_history(tmp_path, storag
     assert not folded & {p for name, p in storage_calls if name == "read"}  # (its newest probed: it exists)
     assert len(storage_calls) <= 30
     assert read_live_set(st, "rl", 0).seq == ls.seq
+
+
+def _seen(f: ManifestFollower, infos) -> list[tuple]:
+    return [(s.key, f.covers.get(s.key, (None, None))[:2], s.episodes, s.rows) for s in infos]
+
+
+def test_followers_from_the_heads_and_from_the_history_go_on_alike(tmp_path):
+    """Followers started from the heads (one with entries after the live set, one at its very
+    end) and from the history poll alike as the store goes on: new shards, then a compaction
+    merging delivered and new shards whose replaced files are removed before the next poll
+    (the merged shard stands for the new entries only, read for their episodes)."""
+    root = str(tmp_path / "out")
+    _build(root, [])
+    st = Storage.from_uri(root)
+    pairs = []
+    for at_end in (False, True):
+        if at_end:
+            for p in (0, 1):
+                write_live_set(st, "rl", p, writer="test")
+        heads, history = ManifestFollower(st), ManifestFollower(st)
+        history.from_heads = False
+        assert _seen(heads, heads.poll(force_discover=True)) == _seen(history, history.poll(force_discover=True))
+        assert set(heads._heads) == {("rl", 0), ("rl", 1)} and not history._heads
+        pairs.append((heads, history))
+    c = ShardCommitter(st, "rl", 0)
+    new = _commit(c, 2, 80)
+    for heads, history in pairs:
+        got = heads.poll(force_discover=True)
+        assert [s.key for s in got] == new and _seen(heads, got) == _seen(history, history.poll(force_discover=True))
+    more = _commit(c, 3, 90)
+    assert compact_partition(c.log, min_age_s=0, target_bytes=1 << 30, policy_id="expert").written == 1
+    retain(st, grace_s=0)
+    for heads, history in pairs:
+        got = heads.poll(force_discover=True)
+        assert _seen(heads, got) == _seen(history, history.poll(force_discover=True))
+        assert len(got) == 1 and got[0].episodes == frozenset(i for p in more for i in _episode_ids(st, p))
+        assert heads.poll() == [] and history.poll() == []

@@ -221,18 +221,20 @@ class ManifestFollower:
             self._removals.refresh()
         except (ManifestError, OSError) as e:  # the records read so far still count
             self._warn_once(f"removals:{e}", "cannot read the removal log: %s", e)
-        starts = self._head_starts(sets)
-        if first > 0 and len(starts) < len(sets):  # a log read from its history needs every record
-            self._removals = RemovalLogView(self.storage)
-            try:
-                self._removals.refresh()
-            except (ManifestError, OSError) as e:
-                self._warn_once(f"removals:{e}", "cannot read the removal log: %s", e)
+        starts: dict[tuple[str, int], tuple[HeadRead, HeadStart]] = {}
         for key, plog in list(self.logs.items()):
-            if key in starts:
-                head, start = starts[key]
-                found.append((key, head.end, start.new, start.skipped))
-                continue
+            if key in sets:
+                got = self._head_start(key, sets[key])
+                if got is not None:
+                    starts[key] = got
+                    found.append((key, got[0].end, got[1].new, got[1].skipped))
+                    continue
+                if first > 0:  # read from its history, which needs every removal record
+                    first, self._removals = 0, RemovalLogView(self.storage)
+                    try:
+                        self._removals.refresh()
+                    except (ManifestError, OSError) as e:
+                        self._warn_once(f"removals:{e}", "cannot read the removal log: %s", e)
             try:
                 plog.refresh()
             except UnsupportedManifestError as e:
@@ -258,7 +260,8 @@ class ManifestFollower:
         if unsupported is not None:
             raise unsupported
         for key, (head, start) in starts.items():  # from now on, these logs are read from their heads
-            self.logs[key].follow_from(head.tail or [])
+            self.logs[key].follow_from(head.live_set, head.tail or [])  # type: ignore[arg-type]
+            self._removals.forget_below(*key, head.end)  # records naming entries below: seen
             self._heads[key] = head
             for path, (seqs, paths) in start.covers.items():
                 self.covers[path] = (key, seqs, paths)
@@ -292,34 +295,26 @@ class ManifestFollower:
             got = list(ex.map(lambda k: read[k] if k in read else _quiet(read_live_set, self.storage, *k), keys))
         return {k: ls for k, ls in zip(keys, got) if ls is not None and ls.tables is not None and ls.folds_ended_grace}
 
-    def _head_starts(
-        self, sets: dict[tuple[str, int], LiveSetEntry]
-    ) -> dict[tuple[str, int], tuple[HeadRead, HeadStart]]:
-        """Each log of `sets` at its head and what a first poll delivers of it
-        (`deliveries_from_head`); a log it cannot be had for is left to its history."""
-        out = {}
-        for key, ls in sets.items():
-            try:
-                head = head_shards(self.storage, *key, None, ls, apply_removals=False, history=False)
-                plog = self.logs[key]
-                start = deliveries_from_head(
-                    key,
-                    head,
-                    [r for r in self._removals.records if r.n >= ls.removals],
-                    selected=self._selected,
-                    file_there=self._file_there,
-                    read_entry=plog.read_entry,
-                )
-            except UnsupportedManifestError:
-                continue  # its history says so, and stops the poll
-            except (ManifestError, OSError) as e:
-                log.info("%s/%05d: reading its history (its head cannot be read: %s)", key[0], key[1], e)
-                continue
-            if start is None:
-                log.info("%s/%05d: reading its history (its live set does not say what to deliver)", key[0], key[1])
-                continue
-            out[key] = (head, start)
-        return out
+    def _head_start(self, key: tuple[str, int], ls: LiveSetEntry) -> tuple[HeadRead, HeadStart] | None:
+        """Log `key` at its head through live set `ls`, and what a first poll delivers of it
+        (`deliveries_from_head`); None: it is read from its history."""
+        try:
+            head = head_shards(self.storage, *key, None, ls, apply_removals=False, history=False)
+            start = deliveries_from_head(
+                key,
+                head,
+                [r for r in self._removals.records if r.n >= ls.removals],
+                selected=self._selected,
+                file_there=self._file_there,
+                read_entry=self.logs[key].read_entry,
+            )
+        except (ManifestError, OSError) as e:  # a newer format too: its history says so, and stops the poll
+            log.info("%s/%05d: reading its history (its head cannot be read: %s)", key[0], key[1], e)
+            return None
+        if start is None:
+            log.info("%s/%05d: reading its history (its live set does not say what to deliver)", key[0], key[1])
+            return None
+        return head, start
 
     def _warn_removed(self, key: tuple[str, int], path: str, seq: Any, why: str) -> None:
         self._warn_once(
@@ -343,8 +338,8 @@ class ManifestFollower:
             return {seq: held for seq, (_, held) in live.items()}, lambda q: live[q][0] if q in live else None
         now = fold(key[0], key[1], head.shards, plog.entries_since(head.end), [])
         ret = now.retention()
-        holds = ret.holds if ret is not None else {}
-        return holds | {s.seq: (s.seq,) for s in now if s.seq not in holds}, now.get
+        # merged shards only: a removed shard entry is no holder (its seq is among the removed)
+        return (ret.holds if ret is not None else {}), now.get
 
     def _entry(self, plog: PartitionLog, by_seq: dict[int, Entry], seq: int) -> ShardEntry | None:
         e = by_seq.get(seq) or plog.read_entry(seq)  # below a head-read log's live set: read

@@ -216,7 +216,7 @@ def storage_calls(monkeypatch) -> list[tuple[str, str]]:
 
 
 def test_a_followers_first_poll_reads_the_heads_not_the_history(tmp_path, storage_calls):
-    """A log of ~300 entries with a live set near its end and removal records before it: the
+    """A log of ~250 entries with a live set near its end and removal records before it: the
     first poll reads the live set, the entries after it and the removal records it does not
     fold -- no older entry or snapshot, no removal record it folds -- and delivers what the
     history does."""

@@ -3,7 +3,7 @@ through the logs' live sets (what they do now) against through the whole history
 before).
 
     python bench/store_readers.py [--entries 20000] [--live 4000] [--tail 500] [--rounds 3] [--s3] [--raw-log]
-                                  [--readers gc,discovery,retain] [--json PATH]
+                                  [--readers gc,discovery,retain,follower] [--json PATH]
 
 The store is one rlrec's writers build (`build_writer`: one partition log, log snapshots every
 100 entries, so the history is about one object per 100 entries; compaction's merged shards,
@@ -16,13 +16,17 @@ entry: the worst history, not what a writer leaves). Per round, alternating whic
             heads (live set, tail, removal log); every file is named there, so the history is not read;
   gc-history  the same call reading the history alone (main's gc);
   discovery ``ManifestFollower(storage).live_head()`` (``ContinuousTrainer._first_shards``);
-  discovery-history ``ManifestFollower(storage).poll(force_discover=True)`` (what it was: it
+  discovery-history ``ManifestFollower(storage).poll(force_discover=True)`` from the history (what it was: it
             finds every shard entry, those compaction merged away too, where discovery finds the
             live shards -- the same shards a trainer then reads first, ``found`` counts both);
   retain    ``retain(storage, grace_s=3600, older_than_s=RETAIN_AGE_S, dry_run=True)``: from the heads
             (`rlrec.store.retention_heads`: live sets with retention columns, confirmed candidates);
   retain-history  the same call deciding from the whole history (main's retain); both must find
-            the same (files to record, files to delete).
+            the same (files to record, files to delete);
+  follower  a new trainer's first manifest poll, ``ManifestFollower(storage).poll(force_discover=True)``,
+            from the heads (`rlrec.trainer.follower_heads`);
+  follower-history  the same poll with ``from_heads = False`` (what it was); both must deliver the
+            same shards, covers and episode filters.
 
 Then gc and gc-history again, locally, in the states gc runs in (`add_garbage`, cumulative):
 ``compacted`` (10 live shards merged, no `retain` since: replaced files only the history names)
@@ -36,6 +40,7 @@ more than 1,000 keys is one request per 1,000). ``--s3`` runs the same on moto's
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
 import json
 import os
@@ -210,7 +215,16 @@ def _runs(storage: Storage) -> dict[str, Callable[[], int]]:
         return len(ManifestFollower(storage).live_head())
 
     def discovery_history() -> int:
-        return len(ManifestFollower(storage).poll(force_discover=True))
+        f = ManifestFollower(storage)
+        f.from_heads = False  # the poll from the history
+        return len(f.poll(force_discover=True))
+
+    def follower(from_heads: bool = True) -> tuple[int, str]:
+        f = ManifestFollower(storage)
+        f.from_heads = from_heads
+        got = f.poll(force_discover=True)
+        keys = "\n".join(f"{s.key} {f.covers.get(s.key, (None, None))[1]} {s.episodes}" for s in got)
+        return len(got), hashlib.sha256(keys.encode()).hexdigest()[:16]
 
     def retain_heads() -> tuple[int, int]:
         res = retention.retain(storage, grace_s=3600, older_than_s=RETAIN_AGE_S, dry_run=True)
@@ -231,6 +245,8 @@ def _runs(storage: Storage) -> dict[str, Callable[[], int]]:
         "discovery-history": discovery_history,
         "retain": retain_heads,
         "retain-history": retain_history,
+        "follower": follower,
+        "follower-history": lambda: follower(from_heads=False),
     }
 
 
@@ -239,8 +255,8 @@ def measure(storage: Storage, rounds: int, readers: tuple[str, ...] = ("gc", "di
     runs = {k: fn for k, fn in _runs(storage).items() if k.split("-")[0] in readers}
     times: dict[str, list[float]] = {k: [] for k in runs}
     found = {k: fn() for k, fn in runs.items()}  # warm-up (imports, page cache)
-    for k in ("gc", "retain"):
-        assert found.get(k) == found.get(f"{k}-history"), found  # the same decision
+    for k in ("gc", "retain", "follower"):
+        assert found.get(k) == found.get(f"{k}-history"), found  # the same decision, the same deliveries
     # discovery finds the live shards; a history poll every shard entry, merged-away ones too
     for r in range(rounds):
         for a, b in pairs:
@@ -270,7 +286,7 @@ def measure(storage: Storage, rounds: int, readers: tuple[str, ...] = ("gc", "di
 def _line(where: str, doc: dict) -> str:
     s, c = doc["seconds"], doc["storage_calls"]
     parts = []
-    for k in ("gc", "discovery", "retain"):
+    for k in ("gc", "discovery", "retain", "follower"):
         if k in s:
             sp = doc[f"{k}_speedup"]
             parts.append(
@@ -293,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         help="bench/store_head.py's store (no log snapshots: a history of one object per entry) instead of "
         "the one rlrec's writers build (build_writer)",
     )
-    ap.add_argument("--readers", default="gc,discovery", help="of gc, discovery, retain (comma-separated)")
+    ap.add_argument("--readers", default="gc,discovery", help="of gc, discovery, retain, follower (comma-separated)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     readers = tuple(args.readers.split(","))

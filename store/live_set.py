@@ -9,7 +9,9 @@ it::
 A live set is one file of raw Arrow columns, a row per live shard, read as views of its bytes
 and checked column-wise (`rlrec.store.live_set_file`).
 It is a pure summary of data that never changes: the log's entries ``0 .. seq-1`` and the removal
-records (`rlrec.store.retention`) numbered below its ``removals``. It lists the live shards at
+records (`rlrec.store.retention`) numbered below its ``removals`` -- which `write_live_set`
+keeps below the first record whose grace had not ended (``folds_ended_grace``), so that a record
+whose files may still be there is always read after the live set. It lists the live shards at
 that point (`rlrec.store.manifest.live_shards`) less those the folded records remove, one row
 per shard with every field of its shard entry except ``episode_ids``, and the key of the log's
 first entry (so cursors keep their store tag). It is written create-once, so whoever writes a
@@ -63,6 +65,7 @@ import numpy as np
 import pyarrow as pa
 
 from rlrec.store.live_set_file import (
+    GRACE_FIELD,
     MAX_LIVE_SET_BYTES,
     MAX_LIVE_SHARDS,
     LiveRows,
@@ -161,6 +164,10 @@ class LiveSetEntry:
     shards: Sequence[ShardEntry]
     writer: str = ""
     time: float = field(default_factory=time.time)
+    #: it folds only removal records whose grace had ended, by its writer's clock, when it was
+    #: written (`write_live_set`): a record whose files may still be there is read after it, never
+    #: folded (what the trainer's follower needs to deliver them from their files)
+    folds_ended_grace: bool = False
 
     type = "live_set"
 
@@ -173,6 +180,7 @@ class LiveSetEntry:
         """Its fields but the rows, as the file's header holds them (`rlrec.store.live_set_file`)."""
         t = self.tables
         counts = {} if t is None else {"held": len(t["held_seq"]), "replaced": len(t["replaced_seq"])}
+        counts |= {GRACE_FIELD: True} if self.folds_ended_grace else {}
         return counts | {
             "type": "live_set",
             "manifest_version": LIVE_SET_FORMAT_VERSION,
@@ -235,6 +243,7 @@ def _parse_live_set(data: bytes, topic: str, partition: int, seq: int) -> LiveSe
         shards=shards,
         writer=writer,
         time=_finite(d["time"], "time"),
+        folds_ended_grace=d.get(GRACE_FIELD, False),
     )
 
 
@@ -465,13 +474,15 @@ def fold(
 class HeadRead:
     """One partition log at its head: ``shards`` (live, less removed, in seq order), ``first``
     (`first_entry_key` of its entry 0), ``end`` (its next seq), ``live_set`` (the seq of the live
-    set read, None: the whole history was read) and ``entries`` (the whole history when read)."""
+    set read, None: the whole history was read), ``entries`` (the whole history when read) and
+    ``tail`` (the entries from the live set's seq on, when a live set was read)."""
 
     shards: Sequence[ShardEntry]
     first: str
     end: int
     live_set: int | None = None
     entries: list[Entry] | None = None
+    tail: list[Entry] | None = None
 
 
 def head_shards(
@@ -520,7 +531,7 @@ def head_shards(
             later = [r for r in records if r.n >= live_set.removals]
             live = fold(topic, partition, live_set.shards, tail, later)
             end = tail[-1].seq + 1 if tail else live_set.seq
-            return HeadRead(live, live_set.first, end, live_set.seq)  # type: ignore[arg-type]
+            return HeadRead(live, live_set.first, end, live_set.seq, tail=tail)  # type: ignore[arg-type]
         except ManifestError as e:
             if not history:
                 raise NeedsHistory(f"live set {live_set.seq} cannot be used ({e})") from None
@@ -566,9 +577,14 @@ def write_live_set(
         seqs = live_set_seqs(storage, topic, partition)
         if prev is None or not seqs or seqs[-1] != prev.seq:
             prev = read_live_set(storage, topic, partition)
-        if prev is not None and prev.tables is None:  # no retention columns to carry forward
+        if prev is not None and (prev.tables is None or not prev.folds_ended_grace):
+            # no retention columns, or records folded inside their grace: not carried forward
             log.info(
-                "%s/%d: live set %d has no retention columns: the next from the history", topic, partition, prev.seq
+                "%s/%d: live set %d has no retention columns or folds records inside their grace: the next from "
+                "the history",
+                topic,
+                partition,
+                prev.seq,
             )
             prev = None
     head = head_shards(storage, topic, partition, None, prev, apply_removals=False, history=history)
@@ -576,11 +592,16 @@ def write_live_set(
         return None
     start = prev.removals if prev is not None and head.live_set is not None else 0
     records = read_removals(storage, start=start)
-    # the records it folds: numbered below the first one naming an entry at or after its end
+    # the records it folds: numbered below the first one naming an entry at or after its end, and
+    # below the first one whose grace has not ended (its files may still be there: readers read it)
+    now = time.time()
     beyond = [
-        r.n for r in records if any((f.topic, f.partition) == (topic, partition) and f.seq >= head.end for f in r.files)
+        r.n
+        for r in records
+        if any((f.topic, f.partition) == (topic, partition) and f.seq >= head.end for f in r.files)
+        or r.deletable_at > now
     ]
-    removals = min(beyond) if beyond else max([start, *(r.n + 1 for r in records)])
+    removals = max(start, min(beyond)) if beyond else max([start, *(r.n + 1 for r in records)])
     live = fold(topic, partition, head.shards, [], [r for r in records if r.n < removals])
     ls = LiveSetEntry(
         topic=topic,
@@ -590,6 +611,8 @@ def write_live_set(
         removals=removals,
         shards=live.rows(topic, partition),
         writer=writer,
+        time=now,
+        folds_ended_grace=True,
     )
     if not storage.create_once(live_set_path(topic, partition, ls.seq), ls.to_bytes()):
         return None

@@ -569,6 +569,24 @@ class PartitionLog:
             self._add(e)
             new.append(e)
 
+    def follow_from(self, lo: int, entries: Sequence[Entry]) -> None:
+        """Hold `entries` (every entry from seq `lo` to the log's end, in order, as `entries_from`
+        read them) as a reader that has read the log up to their end: `refresh` reads only what
+        follows, and the history below `lo` is never read (a reader starting from a live set).
+
+        Example:
+            >>> import tempfile
+            >>> log = PartitionLog(Storage.from_uri(tempfile.mkdtemp()), "rl", 0)
+            >>> log.follow_from(5, []); log.next_seq, log.refresh()
+            (5, [])
+        """
+        with self._lock:
+            self._reset(keep_all=True)
+            self._next = lo
+            for e in entries:
+                self._add(e)
+            self._loaded = True
+
     def refresh(self) -> list[Entry]:
         """Read only entries appended since the last load/refresh; returns them.  The first
         call on a fresh log loads the whole log (:meth:`load`) and returns every entry."""

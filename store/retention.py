@@ -317,12 +317,12 @@ class RemovalLogView:
         ([], set())
     """
 
-    def __init__(self, storage: Storage, list_interval_s: float = 60.0) -> None:
+    def __init__(self, storage: Storage, list_interval_s: float = 60.0, start: int = 0) -> None:
         self.storage = storage
         self.list_interval_s = list_interval_s
         self._listed_at: float | None = None  # monotonic time of the last listing
         self.records: list[RemovalRecord] = []
-        self._next = 0  # the next record number to probe
+        self._next = start  # the next record number to probe (`start`: the records below are not read)
         # per log: seqs resolved against its entries, and those named but not resolved yet
         self._resolved: dict[tuple[str, int], set[int]] = {}
         self._pending: dict[tuple[str, int], dict[int, list[tuple[RemovalRecord, RemovedFile]]]] = {}
@@ -354,6 +354,13 @@ class RemovalLogView:
         self._next = rec.n + 1
         for f in rec.files:
             self._pending.setdefault((f.topic, f.partition), {}).setdefault(f.seq, []).append((rec, f))
+
+    def forget_below(self, topic: str, partition: int, seq: int) -> None:
+        """Stop resolving the records' files that name entries of log (topic, partition) below
+        `seq` (a reader that started from the log's head there: it has seen them)."""
+        pending = self._pending.get((topic, partition))
+        for q in [q for q in pending or () if q < seq]:
+            del pending[q]  # type: ignore[index]
 
     def seqs(self, topic: str, partition: int, entries: Sequence[Entry]) -> set[int]:
         """The seqs of the entries of log (topic, partition) whose shard files the records read so

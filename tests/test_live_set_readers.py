@@ -23,7 +23,7 @@ from rlrec.store.compaction import compact_partition
 from rlrec.store.live_set import LiveSetEntry, live_set_path, live_set_seqs, read_live_set, write_live_set
 from rlrec.store.maintenance import gc, inspect, verify
 from rlrec.store.manifest import PartitionLog, live_shards, read_manifest
-from rlrec.store.retention import retain
+from rlrec.store.retention import read_removals, retain
 from rlrec.trainer.synthetic import expert_cartpole_episodes
 
 from .test_live_set import ROOT, _history_head, _key, _run_writer
@@ -275,6 +275,7 @@ def test_kill_9_of_writers_around_the_live_set_write_every_reader_sees_the_histo
 
     root = str(tmp_path / "out")
     codes = []
+    from_heads: list[bool] = []
     for n, crash_at in enumerate(["before", "torn", "after", "none"]):
         code, _ = _run_writer(root, crash_at, 1000 * n)
         codes.append(code)
@@ -283,12 +284,24 @@ def test_kill_9_of_writers_around_the_live_set_write_every_reader_sees_the_histo
             codes.append(_run_script(_COMPACTOR, root, crash_at))
         if n == 1:  # retention killed after recording replaced files, before deleting them; the
             codes.append(_run_script(_RETAINER, root))  # next writer's live sets fold the record
+        if n == 2:  # replaced files recorded inside their grace: no live set folds the record
+            plog = PartitionLog(st, "rl", 0)
+            plog.claim("test-compactor")
+            plog.recover()
+            assert compact_partition(
+                plog, min_age_s=0, target_bytes=2 * max(e.bytes for e in read_manifest(st))
+            ).written
+            assert retain(st, grace_s=3600).recorded
         want = _history_head(st)
         assert sorted(_key(s) for s in open_snapshot(root).entries) == want, crash_at
         assert sorted(_key(s) for s in read_manifest(st)) == want, crash_at
         assert sorted(s["path"] for s in inspect(st)["shards"]) == sorted(st.uri(k[3]) for k in want)
         found = ManifestFollower(st, fmt="episodes").live_head()
         assert sorted(e.path for e in found) == sorted(k[3] for k in want), crash_at
+        heads, history = ManifestFollower(st), ManifestFollower(st)
+        history.from_heads = False
+        assert _delivered(heads) == _delivered(history), crash_at  # the trainer's first poll
+        from_heads.append(bool(heads._heads))
         named = _history_files(st)
         before = _policy_files(root)
         gc(st, 0)
@@ -297,7 +310,16 @@ def test_kill_9_of_writers_around_the_live_set_write_every_reader_sees_the_histo
         assert all(k[3] in after or k[4] in after for k in want), crash_at  # published, or staged (killed before)
     assert codes == [-signal.SIGKILL] * 7 + [0]  # each planted kill was reached
     assert read_live_set(st, "rl", 0).removals > 0  # a live set folded the killed retention's record
+    assert read_live_set(st, "rl", 0).removals < len(read_removals(st))  # not the one inside its grace
+    assert from_heads[-1]  # the last first poll read the log from its head
     assert verify(open_snapshot(root).storage) == []
+
+
+def _delivered(f) -> list[tuple]:
+    """A follower's first poll: each shard delivered (oldest commit first), the shard entries it
+    stands for and its episode filter."""
+    got = f.poll(force_discover=True)
+    return [(s.key, f.covers.get(s.key, (None, None))[:2], s.episodes) for s in got]
 
 
 def test_start_up_discovery_returns_the_oldest_committed_shard_first(tmp_path):

@@ -226,6 +226,8 @@ def _hostile(h: dict, cols: dict) -> dict[str, bytes]:
         "retention fields without their columns": live_set_file.encode_columns(
             {**h, "held": 0, "replaced": 0}, {k: pa.array(cols[k], _TYPES[k]) for k in _PLAIN}, len(live)
         ),
+        "folds_ended_grace false": _encode({**h, "folds_ended_grace": False}, cols),
+        "folds_ended_grace not a boolean": _encode({**h, "folds_ended_grace": "yes"}, cols),
         "retention columns without their fields": live_set_file.encode_columns(
             {k: v for k, v in h.items() if k not in ("held", "replaced")},
             {k: pa.array(v, _TYPES[k]) for k, v in cols.items()},
@@ -259,6 +261,26 @@ def test_an_older_reader_refuses_a_live_set_with_retention_columns_and_reads_the
         parse_live_set(ls.to_bytes(), "rl", 0, ls.seq)
     got = head_shards(c.storage, "rl", 0)
     assert got.live_set is None and [s.seq for s in got.shards] == sorted(live_shards(c.log.load()))
+
+
+def test_an_older_reader_refuses_a_live_set_folding_only_ended_graces_and_reads_the_history(merged_store, monkeypatch):
+    """A reader from before ``folds_ended_grace`` (its header fields exactly its own) refuses a
+    live set that has it, and so reads the history; one without it is read, and not carried
+    forward by its writer (the next is built from the history, with the field)."""
+    c, ls, h, cols = merged_store
+    assert h["folds_ended_grace"] is True
+    monkeypatch.setattr(live_set_file, "GRACE_FIELD", "no such field")
+    with pytest.raises(live_set_file.ManifestError, match="unknown fields"):
+        parse_live_set(ls.to_bytes(), "rl", 0, ls.seq)
+    monkeypatch.undo()
+    without = _encode({k: v for k, v in h.items() if k != "folds_ended_grace"}, cols)
+    assert parse_live_set(without, "rl", 0, ls.seq).folds_ended_grace is False
+    c.storage.delete(live_set_path("rl", 0, ls.seq))
+    c.storage.write(live_set_path("rl", 0, ls.seq), without)
+    assert head_shards(c.storage, "rl", 0).live_set == ls.seq  # read by the head's readers
+    _commit(c, 1, 80)
+    nxt = write_live_set(c.storage, "rl", 0, writer="test")
+    assert nxt is not None and nxt.folds_ended_grace and nxt.seq > ls.seq
 
 
 def test_verify_reports_retention_columns_that_differ_from_the_history(merged_store):

@@ -213,11 +213,11 @@ def test_a_forged_live_set_cannot_record_again_what_a_removal_record_names(tmp_p
     _commit(c, 1, 90)
     ls2 = write_live_set(c.storage, "rl", 0, writer="test") or read_live_set(c.storage, "rl", 0)
     header, cols = live_set_file._open_checked(ls2.to_bytes(), ls2.seq)
-    assert len(cols["replaced_seq"]) == 0  # the record folded in
+    assert ls2.removals == 0 and len(cols["replaced_seq"]) == 6  # the record, in its grace, is not folded
     forged = dict(cols)
     for k in ("replaced_seq", "replaced_by", "replaced_policy_id", "replaced_name"):
-        forged[k] = cols1[k]  # the rows from before the record put back
-    header = {**header, "replaced": len(cols1["replaced_seq"])}
+        forged[k] = cols1[k]  # the rows from before the record
+    header = {**header, "removals": 1, "replaced": len(cols1["replaced_seq"])}  # forged: it folds the record
     c.storage.delete(live_set_path("rl", 0, ls2.seq))
     c.storage.write(live_set_path("rl", 0, ls2.seq), live_set_file.encode_columns(header, forged, len(cols["seq"])))
     assert read_live_set(c.storage, "rl", 0).seq == ls2.seq  # readers take it

@@ -164,6 +164,9 @@ class ManifestOfflineData(OfflineData):
             return
         self._trained_keys = set(trained_keys)
         self._trained_ranges = {k: [tuple(r) for r in rs] for k, rs in (trained_ranges or {}).items()}
+        # trained shards named by path only: a merged shard's covers must name its entries' paths,
+        # which only the history has (`ManifestFollower.from_heads`)
+        self.follower.from_heads = not self._trained_keys or bool(self._trained_ranges)
         self._started = True
         self.refresh(force_discover=True)
         self._thread = threading.Thread(target=self._poll_loop, name="rlrec-manifest", daemon=True)

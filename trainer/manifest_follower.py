@@ -4,12 +4,22 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from rlrec.store.commit import read_committed_shard
-from rlrec.store.live_set import read_heads
+from rlrec.store.live_set import (
+    HeadRead,
+    LiveSetEntry,
+    fold,
+    head_shards,
+    read_heads,
+    read_live_set,
+    read_live_sets,
+)
 from rlrec.store.manifest import (
     MANIFEST_DIR,
+    Entry,
     ManifestError,
     PartitionLog,
     ShardEntry,
@@ -19,6 +29,7 @@ from rlrec.store.manifest import (
 from rlrec.store.retention import RemovalLogView
 from rlrec.store.storage import Storage
 from rlrec.trainer.feed import ShardInfo
+from rlrec.trainer.follower_heads import HeadStart, deliveries_from_head
 
 __all__ = ["ManifestFollower", "spaces_from_shard"]
 
@@ -52,6 +63,14 @@ class ManifestFollower:
     its own file is still there (a recorded removal whose grace runs): then it is delivered from
     it, as any shard, and held by the trainer's reader lease. Each poll
     reads the removal records appended since the last (one read).
+
+    The first poll reads each log from its head where it can (``from_heads``; `rlrec.trainer.
+    follower_heads`): its newest live set, the entries after it and the removal records it does
+    not fold -- not the log's history -- and delivers what the history gives, but for shard
+    entries a record removed whose grace had ended before the live set was written (not
+    delivered, not counted) and the paths in ``covers`` of the entries such a record removed
+    (""). A log without a usable live set (none, malformed, stale, without retention's columns,
+    folding records inside their grace) is read from its history.
     """
 
     def __init__(
@@ -84,6 +103,12 @@ class ManifestFollower:
         self._removals = RemovalLogView(storage)
         #: a merged shard delivered for part of the entries it holds -> the ids of their episodes
         self._only: dict[str, frozenset[str]] = {}
+        #: the first poll reads the logs from their heads (False: from their histories, as a
+        #: resumed trainer whose checkpoint names trained shards by path only needs)
+        self.from_heads = True
+        self._polled = False  # a poll succeeded
+        self._heads: dict[tuple[str, int], HeadRead] = {}  # the logs the first poll read from their heads
+        self._sets_read: dict[tuple[str, int], LiveSetEntry | None] = {}  # by `live_head`, for the first poll
 
     def _discover(self) -> None:
         for t in self.storage.list(MANIFEST_DIR):
@@ -146,10 +171,10 @@ class ManifestFollower:
         removed, oldest commit first (the order of a first `poll`): through each log's newest
         live set where it has a usable one (`rlrec.store.live_set.read_heads`, the one decision
         readers make about a live set; its history where it has none) -- what a trainer reads to
-        find a store's first shards and their spaces (the oldest committed usable shard's). It delivers nothing: `poll` still delivers every shard from the start (its
-        entries carry no episode ids, and a merged shard of a live set does not say which shard
-        entries it stands for, which a trainer's lineage and restart need). A log the head cannot
-        be read of (ManifestError but a newer format, or OSError) makes it read what `poll` delivers first.
+        find a store's first shards and their spaces (the oldest committed usable shard's). It
+        delivers nothing; the first `poll` starts from the live sets it read (not read again). A
+        log the head cannot be read of (ManifestError but a newer format, or OSError) makes it
+        read what `poll` delivers first.
 
         Example:
             >>> import tempfile
@@ -158,7 +183,8 @@ class ManifestFollower:
             []
         """
         try:
-            heads, _, _ = read_heads(self.storage)
+            self._sets_read = read_live_sets(self.storage)  # the first poll starts from them too
+            heads, _, _ = read_heads(self.storage, sets=self._sets_read)
         except UnsupportedManifestError:
             raise
         except (ManifestError, OSError) as e:  # as `poll` treats a log it cannot read
@@ -168,6 +194,15 @@ class ManifestFollower:
         return sorted(found, key=lambda e: (e.commit_time, e.topic, e.partition, e.seq))
 
     def poll(self, force_discover: bool = False) -> list[ShardInfo]:
+        """The `ShardInfo`s of the shards committed since the last poll that pass the filters,
+        oldest commit first (class docstring).
+
+        Example:
+            >>> import tempfile
+            >>> from rlrec.store.storage import Storage
+            >>> ManifestFollower(Storage.from_uri(tempfile.mkdtemp())).poll(force_discover=True)
+            []
+        """
         now = time.monotonic()
         if force_discover or now - self._last_discover >= self.discover_interval_s:
             self._discover()
@@ -176,11 +211,30 @@ class ManifestFollower:
         # read stops the whole poll, and the next one finds the other logs' new shards again
         found: list[tuple[tuple[str, int], int, list[ShardEntry], int]] = []
         unsupported: UnsupportedManifestError | None = None
+        sets = self._live_sets() if self.from_heads and not self._polled else {}
+        first = 0  # the first removal record read: the oldest a head-read log does not fold
+        if sets and len(sets) == len(self.logs):
+            first = min(ls.removals for ls in sets.values())
+        if not self._polled:
+            self._removals = RemovalLogView(self.storage, start=first)
         try:
             self._removals.refresh()
         except (ManifestError, OSError) as e:  # the records read so far still count
             self._warn_once(f"removals:{e}", "cannot read the removal log: %s", e)
+        starts: dict[tuple[str, int], tuple[HeadRead, HeadStart]] = {}
         for key, plog in list(self.logs.items()):
+            if key in sets:
+                got = self._head_start(key, sets[key])
+                if got is not None:
+                    starts[key] = got
+                    found.append((key, got[0].end, got[1].new, got[1].skipped))
+                    continue
+                if first > 0:  # read from its history, which needs every removal record
+                    first, self._removals = 0, RemovalLogView(self.storage)
+                    try:
+                        self._removals.refresh()
+                    except (ManifestError, OSError) as e:
+                        self._warn_once(f"removals:{e}", "cannot read the removal log: %s", e)
             try:
                 plog.refresh()
             except UnsupportedManifestError as e:
@@ -205,6 +259,16 @@ class ManifestFollower:
             found.append((key, plog.next_seq, new, skipped))
         if unsupported is not None:
             raise unsupported
+        for key, (head, start) in starts.items():  # from now on, these logs are read from their heads
+            self.logs[key].follow_from(head.live_set, head.tail or [])  # type: ignore[arg-type]
+            self._removals.forget_below(*key, head.end)  # records naming entries below: seen
+            self._heads[key] = head
+            for path, (seqs, paths) in start.covers.items():
+                self.covers[path] = (key, seqs, paths)
+            for e, q, why in start.gone:
+                self.removed_skipped += 1
+                self._warn_removed(key, e.path if e is not None else "?", q, why)
+        self._polled = True
         out: list[ShardInfo] = []
         for key, done, new, skipped in found:
             for e in new:
@@ -222,6 +286,65 @@ class ManifestFollower:
         out.sort(key=lambda s: (s.commit_time, s.idx))
         return out
 
+    def _live_sets(self) -> dict[tuple[str, int], LiveSetEntry]:
+        """The newest live set of each known log that a first poll can start from: with
+        retention's columns, folding only records whose grace had ended."""
+        read, self._sets_read = self._sets_read, {}  # those `live_head` read, once
+        keys = list(self.logs)
+        with ThreadPoolExecutor(max_workers=max(1, min(8, len(keys)))) as ex:
+            got = list(ex.map(lambda k: read[k] if k in read else _quiet(read_live_set, self.storage, *k), keys))
+        return {k: ls for k, ls in zip(keys, got) if ls is not None and ls.tables is not None and ls.folds_ended_grace}
+
+    def _head_start(self, key: tuple[str, int], ls: LiveSetEntry) -> tuple[HeadRead, HeadStart] | None:
+        """Log `key` at its head through live set `ls`, and what a first poll delivers of it
+        (`deliveries_from_head`); None: it is read from its history."""
+        try:
+            head = head_shards(self.storage, *key, None, ls, apply_removals=False, history=False)
+            start = deliveries_from_head(
+                key,
+                head,
+                [r for r in self._removals.records if r.n >= ls.removals],
+                selected=self._selected,
+                file_there=self._file_there,
+                read_entry=self.logs[key].read_entry,
+            )
+        except (ManifestError, OSError) as e:  # a newer format too: its history says so, and stops the poll
+            log.info("%s/%05d: reading its history (its head cannot be read: %s)", key[0], key[1], e)
+            return None
+        if start is None:
+            log.info("%s/%05d: reading its history (its live set does not say what to deliver)", key[0], key[1])
+            return None
+        return head, start
+
+    def _warn_removed(self, key: tuple[str, int], path: str, seq: Any, why: str) -> None:
+        self._warn_once(
+            "removed",
+            "not delivering shards retention removed (first: %s, seq %s of %s/%05d, %s): their episodes are "
+            "not trained as new",
+            path,
+            seq,
+            key[0],
+            key[1],
+            why,
+        )
+
+    def _holdings(self, key: tuple[str, int], plog: PartitionLog) -> tuple[dict[int, tuple[int, ...]], Any]:
+        """The log's live shards' held shard entries (seq -> seqs) and a lookup of a live shard by
+        seq: from its history, or from its head and the entries since (a log the first poll read
+        from its head)."""
+        head = self._heads.get(key)
+        if head is None:
+            live = live_holders(plog.entries_since(0))
+            return {seq: held for seq, (_, held) in live.items()}, lambda q: live[q][0] if q in live else None
+        now = fold(key[0], key[1], head.shards, plog.entries_since(head.end), [])
+        ret = now.retention()
+        # merged shards only: a removed shard entry is no holder (its seq is among the removed)
+        return (ret.holds if ret is not None else {}), now.get
+
+    def _entry(self, plog: PartitionLog, by_seq: dict[int, Entry], seq: int) -> ShardEntry | None:
+        e = by_seq.get(seq) or plog.read_entry(seq)  # below a head-read log's live set: read
+        return e if isinstance(e, ShardEntry) else None
+
     def _file_there(self, e: ShardEntry) -> bool:
         """Whether `e`'s file (or its staged copy) is still in the store."""
         return _exists(self.storage, e)
@@ -231,10 +354,8 @@ class ManifestFollower:
     ) -> tuple[list[ShardEntry], list[ShardEntry]]:
         """The merged shards to deliver for the removed shard entries `gone` of one log, and
         `new` without the entries one of them stands for (their episodes are in it)."""
-        entries = plog.entries_since(0)
-        by_seq = {e.seq: e for e in entries}
-        live = live_holders(entries)  # live seq -> (its shard, the shard entries' seqs it holds)
-        holds = {seq: held for seq, (_, held) in live.items()}
+        by_seq = {e.seq: e for e in plog.entries_since(0)}
+        holds, shard_at = self._holdings(key, plog)  # live seq -> the shard entries' seqs it holds
         holder_of = {s: h for h, held in holds.items() for s in held}
         delivered = self._delivered.get(key, set())
         merged: list[ShardEntry] = []
@@ -243,17 +364,18 @@ class ManifestFollower:
             if e.seq in covered:
                 continue
             h = holder_of.get(e.seq)  # type: ignore[arg-type]
-            m = live[h][0] if h is not None and h not in removed else None
+            m = shard_at(h) if h is not None and h not in removed else None
             if m is not None and m.path not in self.entries:
                 if self._selected(m):
                     # the entries it holds that were not delivered: the merged shard stands for
                     # them, read for their episodes only when others of it were delivered before
                     rest = tuple(s for s in holds[h] if s not in delivered)
+                    parts = [self._entry(plog, by_seq, s) for s in rest]
                     if len(rest) < len(holds[h]):
-                        self._only[m.path] = frozenset(i for s in rest for i in by_seq[s].episode_ids)
+                        self._only[m.path] = frozenset(i for p in parts if p is not None for i in p.episode_ids)
                     merged.append(m)
                     covered.update(rest)
-                    self.covers[m.path] = (key, rest, tuple(by_seq[s].path for s in rest))
+                    self.covers[m.path] = (key, rest, tuple(p.path if p is not None else "" for p in parts))
                 continue
             if e.seq not in delivered and self._file_there(e):
                 # no merged shard to stand for it, but its own file is still there (inside the
@@ -264,17 +386,16 @@ class ManifestFollower:
                 continue
             self.removed_skipped += 1
             why = "expired" if m is None else "the merged shard holding them was delivered before"
-            self._warn_once(
-                "removed",
-                "not delivering shards retention removed (first: %s, seq %s of %s/%05d, %s): their episodes are "
-                "not trained as new",
-                e.path,
-                e.seq,
-                key[0],
-                key[1],
-                why,
-            )
+            self._warn_removed(key, e.path, e.seq, why)
         return merged, [e for e in new if e.seq not in covered]
+
+
+def _quiet(fn: Any, *args: Any) -> Any:
+    """`fn(*args)`, None where the store does not answer (the history is read instead)."""
+    try:
+        return fn(*args)
+    except OSError:
+        return None
 
 
 def _exists(storage: Storage, e: ShardEntry) -> bool:

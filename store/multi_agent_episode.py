@@ -20,7 +20,7 @@ from typing import Any
 import msgpack
 import msgpack_numpy
 
-from rlrec.store.episodes import EpisodeDecodeError, _safe_ndarray_hook
+from rlrec.store.episodes import EpisodeDecodeError, UnsafeEpisodeError, _safe_ndarray_hook
 
 __all__ = [
     "MAX_RECORD_BYTES",
@@ -128,7 +128,8 @@ def unpack_record(data: bytes | bytearray | memoryview) -> tuple[dict, dict[str,
         data: the column's value.
 
     Raises:
-        MultiAgentRecordError: malformed, too large, or holding what would be unpickled.
+        MultiAgentRecordError: malformed or too large.
+        rlrec.store.episodes.UnsafeEpisodeError: it holds what would be unpickled.
     """
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise _fail(f"expected bytes, got {type(data).__name__}")
@@ -136,6 +137,8 @@ def unpack_record(data: bytes | bytearray | memoryview) -> tuple[dict, dict[str,
         raise _fail(f"{len(data)} bytes, over MAX_RECORD_BYTES ({MAX_RECORD_BYTES})")
     try:
         outer = msgpack.unpackb(data, object_hook=_safe_ndarray_hook)  # limits: the input's length
+    except UnsafeEpisodeError:
+        raise
     except EpisodeDecodeError as e:
         raise MultiAgentRecordError(f"multi-agent record: {e}") from None
     except Exception as e:

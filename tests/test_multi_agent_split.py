@@ -130,3 +130,44 @@ def test_recordings_rllib_refuses_are_data_errors(steps, kwargs, reason):
     with pytest.raises(MultiAgentDataError) as e:
         split_recording(rec)
     assert e.value.reason == reason
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        "rlrec.consumer.multi_agent_reference",
+        "rlrec.consumer.multi_agent_split",
+        "rlrec.store.multi_agent_episode",
+        "rlrec.store.multi_agent_shards",
+    ],
+)
+def test_docstring_examples(module):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(module))
+    assert result.failed == 0 and result.attempted > 0
+
+
+@pytest.mark.parametrize(
+    "steps",
+    [
+        # a leaves first (terminated), b next (truncated), c ends the episode with __all__
+        [
+            ("abc", "abc", "abc", {"a": True}, {}),
+            ("bc", "bc", "bc", {}, {"b": True}),
+            ("c", "c", "c", {"__all__": True}, {}),
+        ],
+        # no __all__: the last agents' own flags end it (mixed: RLlib says terminated)
+        [("abc", "abc", "abc", {}, {"b": True}), ("ac", "ac", "ac", {"a": True}, {"c": True})],
+        # __all__ truncated while every agent runs
+        [("abc", "abc", "abc", {}, {}), ("abc", "abc", "abc", {}, {"__all__": True})],
+    ],
+    ids=["leave-one-by-one", "own-flags-only", "all-truncated"],
+)
+def test_direct_recordings_with_early_exits_equal_the_replay(steps):
+    rec = _rec(steps)
+    assert is_direct(rec)
+    split = split_recording(rec)
+    assert split.direct and not split.carried
+    cases.assert_same(cases.comparable_state(reference_episode(rec)), cases.comparable_state(_rebuilt(split, "ep-x")))

@@ -23,6 +23,7 @@ import hashlib
 from collections.abc import Callable
 from typing import Any
 
+from rlrec.producer.events import POLICY_ID_RE
 from rlrec.producer.multi_agent_recording import MultiAgentRecording
 
 __all__ = [
@@ -35,7 +36,7 @@ __all__ = [
     "reference_episode",
 ]
 
-#: agent ids longer than this are refused (an agent id is part of paths of nothing, but of every row)
+#: the longest agent id accepted (agent ids are stored in every row of their agent)
 MAX_AGENT_ID_CHARS = 128
 
 
@@ -43,8 +44,10 @@ class MultiAgentDataError(ValueError):
     """A multi-agent recording RLlib's `MultiAgentEpisode` cannot hold; `reason` is a short code.
 
     Args:
-        reason: one of ``no_agents``, ``bad_agent_id``, ``unknown_agent``, ``not_done``,
-            ``rllib_refused`` (RLlib's `MultiAgentEnvError` or assertion), ``inconsistent``.
+        reason: one of ``no_agents``, ``bad_agent_id``, ``bad_module_id`` (``{policy_id}.{module_id}``
+            cannot name a directory), ``unknown_agent``, ``not_done``, ``rllib_refused`` (RLlib's
+            `MultiAgentEnvError` or assertion), ``inconsistent`` (a step after the end),
+            ``no_agent_steps`` (no agent finished a step: nothing to store as a row).
         detail: what was wrong, for the dead letter.
 
     Example:
@@ -111,8 +114,12 @@ def check_recording(rec: MultiAgentRecording) -> None:
     for aid, mid in rec.agent_modules.items():
         if not isinstance(aid, str) or not 0 < len(aid) <= MAX_AGENT_ID_CHARS or aid == "__all__":
             raise MultiAgentDataError("bad_agent_id", f"episode {rec.episode_id}: agent id {aid!r:.80}")
-        if not isinstance(mid, str) or not mid or "/" in mid or mid.startswith(".") or len(mid) > MAX_AGENT_ID_CHARS:
-            raise MultiAgentDataError("bad_agent_id", f"episode {rec.episode_id}: module id {mid!r:.80}")
+        # a module's rows are stored under the policy id {policy_id}.{module_id}: a directory name
+        if not isinstance(mid, str) or not mid or not POLICY_ID_RE.match(f"{rec.policy_id}.{mid}"):
+            raise MultiAgentDataError(
+                "bad_module_id",
+                f"episode {rec.episode_id}: {rec.policy_id!r:.60}.{mid!r:.60} is no policy id ({POLICY_ID_RE.pattern})",
+            )
     unknown = _agent_ids_of(rec) - set(rec.agent_modules)
     if unknown:
         raise MultiAgentDataError(

@@ -265,8 +265,7 @@ def split_recording(rec: MultiAgentRecording, mapping_fn: Callable | None = None
         (True, ['a', 'b'], [0, 1])
     """
     if not is_direct(rec):
-        split = split_episode(reference_episode(rec, mapping_fn), rec)
-        return split
+        return split_episode(reference_episode(rec, mapping_fn), rec)
     check_recording(rec)
     episodes, record = _direct(rec)
     for sa in episodes.values():

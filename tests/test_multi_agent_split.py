@@ -171,3 +171,31 @@ def test_direct_recordings_with_early_exits_equal_the_replay(steps):
     split = split_recording(rec)
     assert split.direct and not split.carried
     cases.assert_same(cases.comparable_state(reference_episode(rec)), cases.comparable_state(_rebuilt(split, "ep-x")))
+
+
+@pytest.mark.parametrize(
+    "modules, reason",
+    [
+        ({"a": "m/x"}, "bad_module_id"),
+        ({"a": "m" * 200}, "bad_module_id"),
+        ({"a" * 129: "m"}, "bad_agent_id"),
+        ({}, "no_agents"),
+    ],
+)
+def test_ids_that_cannot_be_stored_are_data_errors(modules, reason):
+    o = np.zeros(1)
+    rec = MultiAgentRecording(
+        "e",
+        "pol",
+        0,
+        modules,
+        MultiAgentReset(dict.fromkeys(modules, o)),
+        [
+            MultiAgentEnvStep(
+                dict.fromkeys(modules, 0), dict.fromkeys(modules, 0.0), dict.fromkeys(modules, o), {"__all__": True}
+            )
+        ],
+    )
+    with pytest.raises(MultiAgentDataError) as e:
+        split_recording(rec)
+    assert e.value.reason == reason

@@ -205,3 +205,24 @@ def test_rows_whose_records_differ_are_refused(tmp_path):
         list(open_snapshot(st).multi_agent_episodes())
     # the store itself stays readable as single-agent rows
     assert len(list(open_snapshot(st).episodes())) == 3
+
+
+def test_compaction_merges_a_modules_shards_and_episodes_still_rebuild(tmp_path):
+    from rlrec.store.compaction import compact_partition
+
+    recs = [cases.simple_spread(f"s{i}", seed=i) for i in range(3)]
+    st = Storage.from_uri(str(tmp_path / "out"), fsync=False)
+    log = PartitionLog(st, "rl", 0)
+    log.claim("w")
+    log.recover()
+    for i, r in enumerate(recs):
+        (enc,) = encode_multi_agent_shards([shard_episode(r, i)]).values()
+        _commit(log, "pol.spread", enc, i)
+    result = compact_partition(log, min_age_s=0)
+    assert (result.replaced, result.written) == (3, 1)
+    snap = open_snapshot(st)
+    assert [(e.format, e.format_version, e.episodes) for e in snap.entries] == [("episodes", 2, 9)]
+    got = {e.id_: e for e in snap.multi_agent_episodes()}
+    assert sorted(got) == ["s0", "s1", "s2"]
+    for r in recs:
+        cases.assert_same(cases.comparable_state(reference_episode(r)), cases.comparable_state(got[r.episode_id]))

@@ -177,6 +177,10 @@ def assemble_episode(
         sa = agent_episodes[a]
         if sa.agent_id != a or sa.multi_agent_episode_id != episode_id or sa.module_id != record["modules"].get(a):
             raise _fail(f"episode {episode_id}: agent {a!r:.40}'s episode does not belong to it")
+        steps = record["env_t_to_agent_t"].get(a, {"data": []})["data"]
+        last = len(sa) + record["agent_t_started"].get(a, 0)
+        if any(t != SKIP and t > last for t in steps):
+            raise _fail(f"episode {episode_id}: agent {a!r:.40}'s env-step map points past its {last} steps")
     modules = dict(record["modules"])
     if mapping_fn is None:
         mapping_fn = lambda agent_id, episode=None: modules[agent_id]  # noqa: E731

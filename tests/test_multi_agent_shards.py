@@ -19,7 +19,7 @@ from rlrec.consumer.multi_agent_split import split_recording
 from rlrec.store import schema_gate
 from rlrec.store.episodes import EpisodeDecodeError, UnsafeEpisodeError, pack_episode
 from rlrec.store.manifest import PartitionLog, ShardEntry
-from rlrec.store.multi_agent_episode import MultiAgentRecordError, pack_record, unpack_record
+from rlrec.store.multi_agent_episode import MultiAgentRecordError, assemble_episode, pack_record, unpack_record
 from rlrec.store.multi_agent_shards import (
     MultiAgentShardEpisode,
     encode_multi_agent_shards,
@@ -124,6 +124,12 @@ def test_hostile_rows_are_refused():
         o["record"].update(bad)
         with pytest.raises(MultiAgentRecordError, match=why):
             unpack_record(msgpack.packb(o))
+    o = msgpack.unpackb(record)
+    o["record"]["env_t_to_agent_t"]["agent_0"]["data"][-1] = 99  # past the agent's 25 steps
+    rows = {r.agent_id: r.episode for r in read_agent_rows(open_shard(enc.data, fmt="episodes"))}
+    bad_record, _ = unpack_record(msgpack.packb(o))
+    with pytest.raises(MultiAgentRecordError, match="points past its 25 steps"):
+        assemble_episode(rows, bad_record, "spread-0")
     with pytest.raises(MultiAgentRecordError, match="not msgpack"):
         unpack_record(record[:-3])
     # a row whose ids disagree with its packed episode

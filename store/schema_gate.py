@@ -45,6 +45,8 @@ import pyarrow.parquet as pq
 __all__ = [
     "ALLOWED_EXTENSIONS",
     "EPISODE_COLUMNS",
+    "MULTI_AGENT_COLUMNS",
+    "MULTI_AGENT_SHARD_FORMAT_VERSION",
     "PICKLED_OBJECT_EXTENSION",
     "RESERVED_TABULAR_NAMES",
     "SHARD_FORMATS",
@@ -60,6 +62,8 @@ __all__ = [
 ]
 
 SHARD_FORMAT_VERSION = 1
+#: the `episodes` format version of multi-agent rows (docs/FORMAT.md, "Multi-agent rows")
+MULTI_AGENT_SHARD_FORMAT_VERSION = 2
 SHARD_FORMATS = ("episodes", "tabular")
 PICKLED_OBJECT_EXTENSION = "ray.data.arrow_pickled_object"
 FIXED_SHAPE_TENSOR = "arrow.fixed_shape_tensor"
@@ -87,6 +91,15 @@ EPISODE_COLUMNS: dict[str, pa.DataType] = {
     "last_offset": pa.int64(),
     "started_ms": pa.int64(),
     "ended_ms": pa.int64(),
+}
+#: the columns an `episodes` shard of multi-agent rows (version 2) adds, all required
+MULTI_AGENT_COLUMNS: dict[str, pa.DataType] = {
+    "multi_agent_episode_id": pa.string(),
+    "agent_id": pa.string(),
+    "module_id": pa.string(),
+    "env_terminated": pa.bool_(),
+    "env_truncated": pa.bool_(),
+    "multi_agent_record": pa.binary(),
 }
 #: the fixed (non-array) columns of a `tabular` shard, RLlib's names
 TABULAR_FIXED_COLUMNS: dict[str, pa.DataType] = {
@@ -258,6 +271,11 @@ SHARD_SCHEMAS: dict[tuple[str, int], list[_ColumnRule]] = {
         _ColumnRule("`item`", "binary", True, _exact(pa.binary())),
         *(_ColumnRule(f"`{n}`", str(t), False, _exact(t)) for n, t in EPISODE_COLUMNS.items()),
     ],
+    ("episodes", MULTI_AGENT_SHARD_FORMAT_VERSION): [
+        _ColumnRule("`item`", "binary", True, _exact(pa.binary())),
+        *(_ColumnRule(f"`{n}`", str(t), False, _exact(t)) for n, t in EPISODE_COLUMNS.items()),
+        *(_ColumnRule(f"`{n}`", str(t), True, _exact(t)) for n, t in MULTI_AGENT_COLUMNS.items()),
+    ],
     ("tabular", 1): [
         *(_ColumnRule(f"`{n}`", str(t), n in TABULAR_REQUIRED, _exact(t)) for n, t in TABULAR_FIXED_COLUMNS.items()),
         *(
@@ -281,7 +299,9 @@ def _format_of(schema: pa.Schema, expected: str | None) -> tuple[str, int]:
         raise ShardSchemaError(f"the file is an {fmt!r} shard, its manifest entry says {expected!r}")
     if not version.isdigit() or (fmt, int(version)) not in SHARD_SCHEMAS:
         known = ", ".join(f"{f} v{v}" for f, v in SHARD_SCHEMAS)
-        raise ShardSchemaError(f"unknown shard format {fmt!r} version {version!r} (this reader knows {known})")
+        newer = version.isdigit() and any(f == fmt and int(version) > v for f, v in SHARD_SCHEMAS)
+        hint = ": upgrade rlrec to read it" if newer else ""
+        raise ShardSchemaError(f"unknown shard format {fmt!r} version {version!r} (this reader knows {known}){hint}")
     return fmt, int(version)
 
 

@@ -637,6 +637,22 @@ class Snapshot:
         for entry in self.entries:
             yield from self.shard_episodes(entry)
 
+    def multi_agent_episodes(self, mapping_fn: Callable | None = None) -> Iterator[Any]:
+        """Every multi-agent episode of the snapshot whose agent rows are all in it, as an RLlib
+        `MultiAgentEpisode` (`rlrec.store.multi_agent_read`). Imports RLlib.
+
+        Args:
+            mapping_fn: the episodes' `agent_to_module_mapping_fn`; None: their recorded modules.
+
+        Example:
+            >>> import rlrec  # doctest: +SKIP
+            >>> for ep in rlrec.open("file:///data/rl").multi_agent_episodes():  # doctest: +SKIP
+            ...     print(ep.id_, sorted(ep.agent_episodes), ep.env_t)
+        """
+        from rlrec.store.multi_agent_read import multi_agent_episodes
+
+        return multi_agent_episodes(self, mapping_fn)
+
     def shard_episodes(self, entry: ShardEntry) -> list[Any]:
         """The episodes of one of the snapshot's shards as `SingleAgentEpisode`s: decoded safely
         from an episode shard (`rlrec.store.episodes.unpack_episode`), rebuilt from the rows of a

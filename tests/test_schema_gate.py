@@ -106,7 +106,9 @@ def test_the_allow_list_is_exact():
         check_shard_schema(t.set_column(0, "item", t.column("item").cast(pa.large_binary())).schema)
     with pytest.raises(ShardSchemaError, match="needs column"):
         check_shard_schema(t.drop_columns(["item"]).schema)
-    with pytest.raises(ShardSchemaError, match="unknown shard format"):
+    with pytest.raises(ShardSchemaError, match=r"unknown shard format.*upgrade rlrec"):
+        check_shard_schema(t.schema.with_metadata({b"rlrec.format": b"episodes", b"rlrec.schema_version": b"3"}))
+    with pytest.raises(ShardSchemaError, match=r"v2 shard needs column.*multi_agent_record"):  # multi-agent rows
         check_shard_schema(t.schema.with_metadata({b"rlrec.format": b"episodes", b"rlrec.schema_version": b"2"}))
     with pytest.raises(ShardSchemaError, match=r"no rlrec\.format"):
         check_shard_schema(t.schema.with_metadata({}))

@@ -159,7 +159,11 @@ class _Folder:
         if d.t >= len(self.rec.steps):
             raise DecodeError("bad-value", f"a delayed reward for env step {d.t} of {len(self.rec.steps)}")
         rewards = self.rec.steps[d.t].rewards
-        rewards[d.agent_id] = rewards.get(d.agent_id, 0.0) + d.reward
+        if d.agent_id not in rewards:
+            raise DecodeError(
+                "bad-value", f"a delayed reward for agent {d.agent_id[:60]!r}, which got none at env step {d.t}"
+            )
+        rewards[d.agent_id] += d.reward
 
 
 def fold_multi_agent(events: Iterable[Any], *, validate_values: bool = True) -> MultiAgentRecording:

@@ -87,6 +87,8 @@ class BatchedCalls:
         """
         if self._unusable:
             self._check_usable()
+        if self._multi_agent_only:
+            raise TypeError(_r._MULTI_AGENT_ONLY)
         packer = self._obs
         if (
             infos is None

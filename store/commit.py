@@ -32,6 +32,7 @@ from rlrec.store.manifest import (
     ShardEntry,
     default_writer_id,
 )
+from rlrec.store.multi_agent_finished import FinishedAgentRow, encode_agent_rows
 from rlrec.store.retry import RetrySchedule
 from rlrec.store.shards import EncodedShard, encode_shard
 from rlrec.store.storage import Storage
@@ -353,7 +354,7 @@ class ShardCommitter:
         fail go to `unwritable` and the rest make the shard (or, if only together they
         fail -- e.g. tabular episodes whose spaces give different column types -- a shard each)."""
         try:
-            return [(eps, encode_shard(eps, fmt=self.fmt, compression=self.compression))]
+            return [(eps, self._encode_one(eps))]
         except MemoryError:  # the machine's fault, not the data's
             raise
         except Exception as e:
@@ -366,7 +367,7 @@ class ShardCommitter:
         alone = []
         for fe in eps:
             try:
-                alone.append(([fe], encode_shard([fe], fmt=self.fmt, compression=self.compression)))
+                alone.append(([fe], self._encode_one([fe])))
             except MemoryError:
                 raise
             except Exception as e:
@@ -374,10 +375,17 @@ class ShardCommitter:
         good = [group[0][0] for group in alone]
         if 1 < len(good) < len(eps):
             try:
-                return [(good, encode_shard(good, fmt=self.fmt, compression=self.compression))]
+                return [(good, self._encode_one(good))]
             except Exception:
                 pass
         return alone
+
+    def _encode_one(self, eps: list[FinishedEpisode]) -> EncodedShard:
+        """A shard of one policy's episodes: multi-agent rows in the version-2 ``episodes``
+        format whatever `fmt` is (they have no tabular form), others in `fmt`."""
+        if isinstance(eps[0], FinishedAgentRow):
+            return encode_agent_rows(eps, compression=self.compression)
+        return encode_shard(eps, fmt=self.fmt, compression=self.compression)
 
     def _name(self, eps: list[FinishedEpisode], shard: EncodedShard) -> tuple[str, EncodedShard]:
         """The shard's file name, from (topic, partition, offset range, writer epoch, attempt):

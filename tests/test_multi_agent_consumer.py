@@ -1,0 +1,153 @@
+"""Multi-agent episodes through the consumer: recorder calls -> a real Tansu broker -> the real
+consumer service (`RecorderConsumer`, as `rlrec consume` runs it) -> version-2 agent rows ->
+`rlrec.open(out).multi_agent_episodes()`, equal field by field to RLlib's replay of the same
+recordings (simple_spread, pistonball, tic-tac-toe, join/leave), alone and mixed with
+single-agent traffic on one topic; poison multi-agent messages become dead letters only."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlrec.consumer.assembly import PartitionAssembler
+from rlrec.producer import EpisodeRecorder
+from rlrec.producer.events import RewardDelta
+from rlrec.producer.multi_agent_events import decode_event
+from rlrec.store.storage import Storage
+from tests.helpers import ACT_SPACE, OBS_SPACE, record_episodes, wait_for
+from tests.multi_agent_cases import CASES
+from tests.multi_agent_consume import agent_rows_committed, assert_store_equals_reference, expected_rows, send_all
+from tests.test_consumer_e2e import committed_episodes, drain_dlq, read_all, run_consumer
+from tests.test_recorder import read_messages
+
+pytestmark = pytest.mark.broker
+
+
+def _cases() -> list:
+    pytest.importorskip("mpe2")
+    pytest.importorskip("pettingzoo.butterfly")
+    return [
+        CASES["simple_spread"]("spread-1", seed=1, max_cycles=6),
+        CASES["simple_spread"]("spread-2", seed=2, max_cycles=4),
+        CASES["pistonball"]("piston-1"),
+        CASES["tictactoe"]("ttt-1", seed=1),
+        CASES["tictactoe"]("ttt-2", seed=5),
+        CASES["join_leave"]("join-1"),
+    ]
+
+
+def _consume_until(cfg, storage, rows: int, single: int = 0):
+    c, t = run_consumer(cfg, storage)
+    try:
+        wait_for(lambda: agent_rows_committed(storage) >= rows, 60, what=f"{rows} agent rows committed")
+        if single:
+            wait_for(lambda: committed_episodes(storage) - agent_rows_committed(storage) >= single, 30)
+    finally:
+        c.stop()
+        t.join(30)
+    assert not t.is_alive()
+
+
+def test_recorded_cases_consumed_equal_rllibs_replay(broker, topic, tmp_path, recorder_config):
+    recs = _cases()
+    send_all(broker.bootstrap_servers, topic, recs)
+    output = str(tmp_path / "out")
+    storage = Storage.from_uri(output)
+    _consume_until(recorder_config(output), storage, expected_rows(recs))
+    assert agent_rows_committed(storage) == expected_rows(recs)
+    assert_store_equals_reference(output, recs)
+    assert drain_dlq(broker.bootstrap_servers, topic) == []
+
+
+def test_mixed_single_and_multi_agent_traffic_on_one_topic(broker, topic, tmp_path, recorder_config):
+    recs = _cases()[:4]
+    sa = EpisodeRecorder(
+        broker.bootstrap_servers, topic, policy_id="single", observation_space=OBS_SPACE, action_space=ACT_SPACE
+    )
+    truth = {}
+    for i in range(len(recs)):
+        truth.update(record_episodes(sa, 3, seed=10 + i))
+        send_all(broker.bootstrap_servers, topic, recs[i : i + 1])
+    assert sa.flush(10) == 0
+    sa.close()
+    output = str(tmp_path / "out")
+    storage = Storage.from_uri(output)
+    _consume_until(recorder_config(output), storage, expected_rows(recs), single=len(truth))
+    assert_store_equals_reference(output, recs)
+    single = {eid: ep for eid, (ep, e) in read_all(storage).items() if e.format_version == 1}
+    assert sorted(single) == sorted(truth)
+    assert drain_dlq(broker.bootstrap_servers, topic) == []
+
+
+def _events(broker, topic, recs) -> list:
+    """The recordings' messages decoded, in partition order per episode key."""
+    n = send_all(broker.bootstrap_servers, topic, recs)
+    return [
+        (m, decode_event(m.value(), m.headers(), key=m.key()))
+        for m in read_messages(broker.bootstrap_servers, topic, n)
+    ]
+
+
+def test_a_replay_after_a_commit_of_some_modules_writes_only_the_rest(broker, topic):
+    """A crash between two modules' shard commits: the replay re-assembles the episode and hands
+    out only the agent rows not committed; events of a wholly committed episode whose start is
+    not replayed are skipped."""
+    recs = [CASES["tictactoe"]("ttt-r", seed=3)]  # two modules? one module per agent below
+    recs[0].agent_modules = {a: f"m{i}" for i, a in enumerate(recs[0].agent_modules)}
+    events = _events(broker, topic, recs)
+    a = PartitionAssembler(topic, 0)
+    for m, ev in events:
+        assert a.apply(m.offset(), ev, now=0.0) == []
+    rows = a.ready(force=True)
+    assert len(rows) == 2 and {r.policy_id for r in rows} == {"pol.m0", "pol.m1"}
+
+    class OneCommitted:  # the first module's entry landed, the second's did not
+        def committed_offset(self, eid):
+            return events[-1][0].offset() if eid == rows[0].episode_id else None
+
+        def committed_length(self, eid):
+            return None
+
+    b = PartitionAssembler(topic, 0, committed=OneCommitted())
+    for m, ev in events:
+        assert b.apply(m.offset(), ev, now=0.0) == []
+    again = b.ready(force=True)
+    assert [r.episode_id for r in again] == [rows[1].episode_id]
+    assert b.safe_offset() == events[0][0].offset()  # the resume point stays at the episode's start
+    assert b.counters.duplicates == 1
+
+    class AllCommitted(OneCommitted):
+        def committed_offset(self, eid):
+            return events[-1][0].offset()
+
+    c = PartitionAssembler(topic, 0, committed=AllCommitted())
+    for m, ev in events[1:]:  # resumed after the start: the episode is committed whole
+        assert c.apply(m.offset(), ev, now=0.0) == []
+    assert c.ready(force=True) == [] and c.counters.replay_skipped == len(events) - 1
+
+
+def test_poison_multi_agent_messages_are_dead_letters_only(broker, topic, tmp_path, recorder_config):
+    """An undecodable multi-agent message, a step batch of an episode never started, a delayed
+    reward after its episode ended: one dead letter each with its reason; the good episodes are
+    stored whole and the consumer keeps going."""
+    from confluent_kafka import Producer
+
+    from rlrec.producer.multi_agent_events import encode_event
+
+    recs = _cases()[:2]
+    good = _events(broker, topic, recs)
+    batch = next(ev for _, ev in good if type(ev).__name__ == "MultiAgentStepBatch")
+    p = Producer({"bootstrap.servers": broker.bootstrap_servers})
+    bad_batch = batch.__class__(**{**batch.__dict__, "episode_id": "ghost"})
+    value, headers = encode_event(bad_batch)
+    p.produce(topic, value, key=b"ghost", headers=headers)
+    p.produce(topic, b"\x00garbage", key=b"x", headers=[("rlrec-schema", b"MultiAgentStepBatch/1")])
+    value, headers = encode_event(RewardDelta(recs[0].episode_id, 999, 1.0, 0, agent_id="agent_0"))
+    p.produce(topic, value, key=recs[0].episode_id.encode(), headers=headers)
+    p.flush(10)
+    output = str(tmp_path / "out")
+    storage = Storage.from_uri(output)
+    _consume_until(recorder_config(output), storage, expected_rows(recs))
+    assert_store_equals_reference(output, recs)
+    reasons = sorted(dict(m.headers())["rlrec-dlq-reason"].decode() for m in drain_dlq(broker.bootstrap_servers, topic))
+    assert len(reasons) == 3, reasons
+    assert reasons == ["late-reward", "malformed", "unknown-episode"], reasons

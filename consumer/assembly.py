@@ -28,14 +28,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from rlrec.consumer.multi_agent_assembly import (
-    MultiAgentRefused,
-    agent_rows,
-    batch_nbytes,
-    event_agent_ids,
-    start_hash,
-    start_nbytes,
-)
+from rlrec.consumer.multi_agent_assembly import MultiAgentAssembly
 from rlrec.producer.bounded import OldestHalfDict
 from rlrec.producer.events import (
     DecodeError,
@@ -81,14 +74,6 @@ CONSUMER_REASONS = {
     "episode-too-large": "an open episode over max_episode_bytes (with on_episode_too_large='dead-letter')",
     "unwritable": "a finished episode the shard format cannot encode (found when its shard was written)",
     "internal": "data that made rlrec's own code fail (the exception class is in the detail): a bug to report",
-    "multi-agent-no-agents": "a multi-agent episode with no agent",
-    "multi-agent-bad-agent-id": "a multi-agent episode with an agent id RLlib cannot hold",
-    "multi-agent-bad-module-id": "a module id that cannot make the policy id {policy_id}.{module_id}",
-    "multi-agent-unknown-agent": "a multi-agent step for an agent that is not a possible agent",
-    "multi-agent-not-done": "a multi-agent episode that ended without RLlib seeing it done",
-    "multi-agent-rllib-refused": "a multi-agent episode RLlib's MultiAgentEpisode refuses (MultiAgentEnvError)",
-    "multi-agent-inconsistent": "a multi-agent step after the episode's end",
-    "multi-agent-no-agent-steps": "a multi-agent episode in which no agent finished a step (no row to store)",
 }
 
 #: --validate-spaces: what an event is checked against before it is applied
@@ -257,7 +242,7 @@ def _space_nbytes(space: Any) -> int:
     return n
 
 
-class PartitionAssembler:
+class PartitionAssembler(MultiAgentAssembly):
     """Applies one partition's events in offset order.
 
     Guarantees: an episode is handed out (`take_ready`) at most once and only when complete;
@@ -413,148 +398,6 @@ class PartitionAssembler:
 
         reason = self.evicted.get(eid) or ("partition-change" if self.split_suspected else "unknown-episode")
         return [DeadLetter(reason, f"{type(event).__name__} for episode {eid} not open on this partition", offset)]
-
-    def _multi_agent(self, event: Any) -> bool:
-        """A delayed reward with an agent id, or an abort of a multi-agent episode."""
-        if isinstance(event, RewardDelta):
-            return bool(event.agent_id)
-        eid = event.episode_id
-        ep = self.open.get(eid)
-        return (ep is not None and isinstance(ep.start, MultiAgentEpisodeStart)) or eid in self.multi_agent_ended
-
-    def _apply_multi_agent(self, offset: int, event: Any, now: float) -> list[DeadLetter]:
-        """A multi-agent event. An open episode takes its events whatever is committed: its
-        start was read, so this pass assembles it whole (a replay after a crash between two of
-        its modules' commits rebuilds the same rows, and `_finish` keeps only the uncommitted).
-        Without an open episode, the event's agents' committed rows say whether the episode is
-        committed: the partition resumes before the start of an episode not wholly committed."""
-        eid = event.episode_id
-        ep = self.open.get(eid)
-        if ep is not None:
-            ep.last_event_at = now
-            if isinstance(event, MultiAgentStepBatch):
-                return self._on_multi_agent_steps(ep, offset, event, now)
-            if isinstance(event, RewardDelta):
-                if event.t >= ep.t:
-                    return [
-                        DeadLetter(
-                            "bad-reward-t", f"episode {eid} has {ep.t} env steps; reward for t={event.t}", offset
-                        )
-                    ]
-                ep.rewards_later.append(event)
-                ep.reward_offsets.append(offset)
-                ep.last_offset = offset
-                self.counters.rewards_applied += 1
-                return []
-            if isinstance(event, EpisodeAbort):
-                ep.last_offset = offset
-                return self._finish(ep, terminated=False, truncated=True, ended_ms=event.timestamp_ms, now=now)
-            return self._on_multi_agent_start(offset, event, now)
-        ended = self.multi_agent_ended.get(eid)
-        if isinstance(event, MultiAgentEpisodeStart):
-            if ended is not None:
-                return [DeadLetter("duplicate-start", f"multi-agent episode {eid} already ended", offset)]
-            return self._on_multi_agent_start(offset, event, now)
-        from rlrec.consumer.multi_agent_reference import agent_episode_id
-
-        offsets = [self.committed.committed_offset(agent_episode_id(eid, a)) for a in event_agent_ids(event)]
-        last = max((o for o in offsets if o is not None), default=None)
-        if last is not None and offset <= last:
-            self.counters.replay_skipped += 1
-            return []
-        if ended is None and last is None:
-            reason = self.evicted.get(eid) or ("partition-change" if self.split_suspected else "unknown-episode")
-            return [DeadLetter(reason, f"{type(event).__name__} for episode {eid} not open on this partition", offset)]
-        if isinstance(event, RewardDelta):
-            return [DeadLetter("late-reward", f"multi-agent episode {eid} has ended (its rows are built)", offset)]
-        if isinstance(event, EpisodeAbort) or (
-            isinstance(event, MultiAgentStepBatch) and ended is not None and event.t0 + event.n <= ended
-        ):
-            self.counters.duplicates += 1
-            return []
-        reason = self.evicted.get(eid, "step-after-end")
-        return [DeadLetter(reason, f"multi-agent episode {eid} has ended; t0={event.t0}", offset)]
-
-    def _on_multi_agent_start(self, offset: int, ev: MultiAgentEpisodeStart, now: float) -> list[DeadLetter]:
-        h = start_hash(ev)
-        ep = self.open.get(ev.episode_id)
-        if ep is not None:
-            if ep.start_hash == h:
-                self.counters.duplicates += 1
-                return []
-            return [
-                DeadLetter("duplicate-start", f"episode {ev.episode_id} is already open with a different start", offset)
-            ]
-        nbytes = start_nbytes(ev)
-        if nbytes > self.config.max_episode_bytes:
-            self._remember_evicted(ev.episode_id, "episode-too-large")
-            return [DeadLetter("episode-too-large", f"start holds {nbytes} bytes", offset)]
-        self.evicted.pop(ev.episode_id, None)
-        self.open[ev.episode_id] = OpenEpisode(ev, offset, h, last_offset=offset, last_event_at=now, nbytes=nbytes)
-        self.open_nbytes += nbytes
-        return []
-
-    def _on_multi_agent_steps(
-        self, ep: OpenEpisode, offset: int, b: MultiAgentStepBatch, now: float
-    ) -> list[DeadLetter]:
-        """Env steps of an open multi-agent episode: in order, within max_episode_bytes; their
-        content is checked by the fold when the episode ends (a bad value spoils the episode)."""
-        eid = ep.start.episode_id
-        if b.t0 > ep.t:
-            return [DeadLetter("gap", f"episode {eid} expects env step {ep.t}, got t0={b.t0}", offset)]
-        if b.t0 < ep.t:
-            if b.t0 + b.n <= ep.t:
-                self.counters.duplicates += 1
-                return []
-            return [
-                DeadLetter("backwards-t", f"episode {eid} at t={ep.t}, batch covers {b.t0}..{b.t0 + b.n - 1}", offset)
-            ]
-        unknown = [c.agent_id for c in b.agents if c.agent_id not in ep.start.agents]
-        if unknown:
-            return self._poison(
-                ep, offset, "unknown-agent", f"episode {eid}: agent {unknown[0][:60]!r} is not possible"
-            )
-        nbytes = batch_nbytes(b)
-        if ep.nbytes + nbytes > self.config.max_episode_bytes:
-            return self._too_large(ep, offset, ep.nbytes + nbytes, now)
-        ep.batches.append(b)
-        ep.batch_offsets.append(offset)
-        ep.t += b.n
-        ep.last_offset = offset
-        ep.nbytes += nbytes
-        self.open_nbytes += nbytes
-        if b.ended:
-            return self._finish(ep, terminated=True, truncated=False, ended_ms=b.timestamp_ms, now=now)
-        return []
-
-    def _finish_multi_agent(self, ep: OpenEpisode, *, aborted: bool, ended_ms: int, now: float) -> list[DeadLetter]:
-        """Rows of an ended multi-agent episode into `finished`, except those already committed
-        (a replay's re-assembly of an episode committed in part or whole)."""
-        eid = ep.start.episode_id
-        try:
-            rows = agent_rows(
-                ep.start,
-                [*zip(ep.batch_offsets, ep.batches), *zip(ep.reward_offsets, ep.rewards_later)],
-                aborted=aborted,
-                first_offset=ep.first_offset,
-                last_offset=ep.last_offset,
-                ended_ms=ended_ms,
-                finished_at=now,
-                validate_values=self.config.validate_spaces == "strict",
-            )
-        except MultiAgentRefused as e:
-            return self._dead_letter_episode(ep, e.reason, e.detail)
-        except Exception as e:  # a data case the checks missed: the episode, not the consumer
-            return self._dead_letter_episode(ep, "internal", f"building episode {eid}: {type(e).__name__}: {e}")
-        self.multi_agent_ended[eid] = ep.t
-        self.counters.episodes_finished += 1
-        for row in rows:
-            if self.committed.committed_offset(row.episode_id) is not None:
-                self.counters.duplicates += 1
-                continue
-            self.finished[row.episode_id] = row
-            self.finished_bytes += row.nbytes()
-        return []
 
     def _on_start(self, offset: int, ev: EpisodeStart, now: float) -> list[DeadLetter]:
         h = _start_hash(ev)

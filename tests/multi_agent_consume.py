@@ -74,12 +74,13 @@ def assert_store_equals_reference(output: str, recs: list[MultiAgentRecording]) 
         assert_same(comparable_state(got[rec.episode_id]), comparable_state(reference_episode(rec)), rec.episode_id)
 
 
-def send_all(bootstrap: str, topic: str, recs: list[MultiAgentRecording], policy_id: str = "pol") -> int:
+def send_all(bootstrap: str, topic: str, recs: list[MultiAgentRecording], policy_id: str = "pol", **kw) -> int:
     """Send `recs` through one recorder per env id (a recorder's ``env_id`` names what every
-    episode it records ran in); returns the messages produced."""
+    episode it records ran in; `kw`: more `EpisodeRecorder` options); returns the messages
+    produced."""
     n = 0
     for env_id in dict.fromkeys(r.env_id for r in recs):
-        recorder = EpisodeRecorder(bootstrap, topic, policy_id=policy_id, env_id=env_id)
+        recorder = EpisodeRecorder(bootstrap, topic, policy_id=policy_id, env_id=env_id, **kw)
         for rec in recs:
             if rec.env_id == env_id:
                 send(recorder, rec)

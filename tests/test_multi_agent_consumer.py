@@ -14,7 +14,7 @@ from rlrec.producer.events import RewardDelta
 from rlrec.producer.multi_agent_events import decode_event
 from rlrec.store.storage import Storage
 from tests.helpers import ACT_SPACE, OBS_SPACE, record_episodes, wait_for
-from tests.multi_agent_cases import CASES
+from tests.multi_agent_cases import CASES, assert_same
 from tests.multi_agent_consume import agent_rows_committed, assert_store_equals_reference, expected_rows, send_all
 from tests.test_consumer_e2e import committed_episodes, drain_dlq, read_all, run_consumer
 from tests.test_recorder import read_messages
@@ -49,7 +49,7 @@ def _consume_until(cfg, storage, rows: int, single: int = 0):
 
 def test_recorded_cases_consumed_equal_rllibs_replay(broker, topic, tmp_path, recorder_config):
     recs = _cases()
-    send_all(broker.bootstrap_servers, topic, recs)
+    send_all(broker.bootstrap_servers, topic, recs, max_batch_steps=4)
     output = str(tmp_path / "out")
     storage = Storage.from_uri(output)
     _consume_until(recorder_config(output), storage, expected_rows(recs))
@@ -80,7 +80,7 @@ def test_mixed_single_and_multi_agent_traffic_on_one_topic(broker, topic, tmp_pa
 
 def _events(broker, topic, recs) -> list:
     """The recordings' messages decoded, in partition order per episode key."""
-    n = send_all(broker.bootstrap_servers, topic, recs)
+    n = send_all(broker.bootstrap_servers, topic, recs, max_batch_steps=3)  # several batches an episode
     return [
         (m, decode_event(m.value(), m.headers(), key=m.key()))
         for m in read_messages(broker.bootstrap_servers, topic, n)
@@ -151,3 +151,78 @@ def test_poison_multi_agent_messages_are_dead_letters_only(broker, topic, tmp_pa
     reasons = sorted(dict(m.headers())["rlrec-dlq-reason"].decode() for m in drain_dlq(broker.bootstrap_servers, topic))
     assert len(reasons) == 3, reasons
     assert reasons == ["late-reward", "malformed", "unknown-episode"], reasons
+
+
+def _agent_states(episodes: dict) -> dict:
+    out = {}
+    for a, sa in episodes.items():
+        state = dict(sa.get_state())
+        state.pop("_start_time")
+        state.pop("_last_step_time")
+        out[a] = state
+    return out
+
+
+def test_an_idle_multi_agent_episode_times_out_as_an_abort(broker, topic):
+    """episode_timeout_s: the consumer's decision (an EpisodeAbort read back) ends an open
+    multi-agent episode truncated where it stands; its rows equal RLlib's replay of the steps
+    so far ended by an abort; the episode's start holds the safe offset until then."""
+    import dataclasses
+
+    from rlrec.consumer.assembly import AssemblyConfig
+    from rlrec.consumer.multi_agent_reference import reference_episode
+
+    rec = CASES["simple_spread"]("spread-t", seed=4, max_cycles=8)
+    events = _events(broker, topic, [rec])
+    a = PartitionAssembler(topic, 0, config=AssemblyConfig(episode_timeout_s=5.0))
+    cut = [(m, ev) for m, ev in events if not getattr(ev, "ended", False)]  # the last batch never came
+    assert len(cut) < len(events)
+    for m, ev in cut:
+        assert a.apply(m.offset(), ev, now=0.0) == []
+    steps = a.open[rec.episode_id].t
+    assert 0 < steps < len(rec.steps) and a.safe_offset() == events[0][0].offset()
+    a.live_since = 0.0
+    (decision,) = a.decide_timeouts(now=10.0)
+    assert a.apply(cut[-1][0].offset() + 1, decision.abort(), now=10.0) == []
+    rows = {r.agent_id: r.agent_episode for r in a.ready(force=True)}
+    want = reference_episode(dataclasses.replace(rec, steps=rec.steps[:steps], aborted=True))
+    assert_same(_agent_states(rows), _agent_states(dict(want.agent_episodes)))
+
+
+def test_multi_agent_episode_over_max_episode_bytes_is_dead_lettered_whole(broker, topic):
+    from rlrec.consumer.assembly import AssemblyConfig
+
+    rec = CASES["pistonball"]("piston-big")
+    events = _events(broker, topic, [rec])
+    a = PartitionAssembler(topic, 0, config=AssemblyConfig(max_episode_bytes=300_000))
+    letters = []
+    for m, ev in events:
+        letters += a.apply(m.offset(), ev, now=0.0)
+    assert a.open == {} and a.ready(force=True) == []
+    assert {dl.reason for dl in letters} == {"episode-too-large"}
+    # every event received is in the DLQ once (the episode's so far re-encoded, then the rest)
+    assert sorted(dl.offset for dl in letters) == [m.offset() for m, _ in events]
+    assert all(decode_event(dl.value, dl.headers) is not None for dl in letters if dl.value is not None)
+
+
+def test_a_refused_multi_agent_episode_is_dead_lettered_with_the_folds_reason(broker, topic):
+    """A data error found when the episode ends (here the fold's: a delayed reward for an agent
+    that got no reward at that env step) dead-letters each of the episode's events with the
+    reason code; a delayed reward for an agent that is not possible is one dead letter alone;
+    the partition goes on (its safe offset passes the episode)."""
+    rec = CASES["tictactoe"]("ttt-bad", seed=1)
+    events = _events(broker, topic, [rec])
+    a = PartitionAssembler(topic, 0)
+    end = events[-1][0].offset()
+    letters = []
+    for m, ev in events[:-1]:
+        letters += a.apply(m.offset(), ev, now=0.0)
+    assert letters == []
+    stray = a.apply(end, RewardDelta(rec.episode_id, 0, 1.0, 0, agent_id="nobody"), now=0.0)
+    assert [dl.reason for dl in stray] == ["unknown-agent"]
+    assert "player_1" not in rec.steps[0].rewards
+    assert a.apply(end + 1, RewardDelta(rec.episode_id, 0, 1.0, 0, agent_id="player_1"), now=0.0) == []
+    letters = a.apply(end + 2, events[-1][1], now=0.0)  # the last batch, after the two rewards
+    assert {dl.reason for dl in letters} == {"bad-value"}
+    assert sorted(dl.offset for dl in letters) == [*(m.offset() for m, _ in events[:-1]), end + 1, end + 2]
+    assert a.ready(force=True) == [] and a.safe_offset() == end + 3

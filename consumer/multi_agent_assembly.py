@@ -29,6 +29,7 @@ __all__ = [
     "MultiAgentRefused",
     "agent_rows",
     "batch_nbytes",
+    "canonical_record",
     "event_agent_ids",
     "start_hash",
     "start_nbytes",
@@ -109,7 +110,7 @@ def agent_rows(
         policy_version=rec.policy_version,
         env_id=rec.env_id,
         rows=split.rows,
-        record=pack_record(split.record, {a: pack_episode(e) for a, e in split.carried.items()}),
+        record=pack_record(canonical_record(split.record), {a: pack_episode(e) for a, e in split.carried.items()}),
         env_flags=split.env_flags,
         first_offset=first_offset,
         last_offset=last_offset,
@@ -117,6 +118,40 @@ def agent_rows(
         ended_ms=ended_ms,
     )
     return agent_rows_of(episode, finished_at)
+
+
+#: the record's maps keyed by agent id
+_AGENT_MAPS = (
+    "agent_t_started",
+    "env_t_to_agent_t",
+    "modules",
+    "hanging_actions_end",
+    "hanging_extra_model_outputs_end",
+    "hanging_rewards_end",
+    "hanging_rewards_begin",
+)
+
+
+def canonical_record(record: dict) -> dict:
+    """`record` with its agent-keyed maps in one order (the record's ``agents``, then any other
+    key sorted): RLlib fills some of them (``_agent_to_module_mapping``) in an order that
+    follows string hashing, which differs between processes, and every assembly of an episode
+    -- a replay after a crash among them -- must write the same record bytes into its rows.
+
+    Args:
+        record: a `MultiAgentSplit.record`.
+
+    Example:
+        >>> canonical_record({"agents": ["b", "a"], "modules": {"a": "m", "b": "m"}})["modules"]
+        {'b': 'm', 'a': 'm'}
+    """
+    order = {a: i for i, a in enumerate(record.get("agents", ()))}
+    out = dict(record)
+    for name in _AGENT_MAPS:
+        d = record.get(name)
+        if isinstance(d, dict):
+            out[name] = {k: d[k] for k in sorted(d, key=lambda k: (order.get(k, len(order)), str(k)))}
+    return out
 
 
 def event_agent_ids(event: Any) -> list[str]:

@@ -13,17 +13,23 @@ from rlrec.store.storage import Storage
 from tests.multi_agent_cases import assert_same, comparable_state
 
 
-def send(recorder: EpisodeRecorder, rec: MultiAgentRecording) -> None:
-    """`rec` recorded through `EpisodeRecorder.begin_multi_agent_episode` / `log_multi_agent_step`.
-    Its ``action_logp`` outputs (random normals in `tests.multi_agent_cases`) are made log
-    propensities (``-|x|``, which the recorder requires) and its rewards Python floats (the
-    wire's float64; tic-tac-toe returns ints) in place first, so the reference replay of `rec`
-    sees what was sent."""
+def recordable(rec: MultiAgentRecording) -> MultiAgentRecording:
+    """`rec` as the recorder takes it, changed in place (again: no change): its ``action_logp``
+    outputs (random normals in `tests.multi_agent_cases`) made log propensities (``-|x|``) and its
+    rewards Python floats (the wire's float64; tic-tac-toe returns ints), so the reference replay
+    of `rec` sees what is sent."""
     for s in rec.steps:
         s.rewards = {a: float(r) for a, r in s.rewards.items()}
         for out in s.extra_model_outputs.values():
             if "action_logp" in out:
                 out["action_logp"] = -np.abs(out["action_logp"])
+    return rec
+
+
+def send(recorder: EpisodeRecorder, rec: MultiAgentRecording) -> None:
+    """`rec` recorded through `EpisodeRecorder.begin_multi_agent_episode` / `log_multi_agent_step`
+    (made `recordable` first)."""
+    recordable(rec)
     recorder.begin_multi_agent_episode(
         rec.reset.observations,
         rec.reset.infos,

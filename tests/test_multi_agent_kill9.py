@@ -18,7 +18,13 @@ from rlrec.store.manifest import read_manifest
 from rlrec.store.storage import Storage
 from tests.helpers import wait_for
 from tests.multi_agent_cases import CASES, assert_same, comparable_state
-from tests.multi_agent_consume import agent_rows_committed, assert_store_equals_reference, expected_rows, send_all
+from tests.multi_agent_consume import (
+    agent_rows_committed,
+    assert_store_equals_reference,
+    expected_rows,
+    recordable,
+    send_all,
+)
 from tests.test_consumer_faults import _consume_cmd
 
 pytestmark = [pytest.mark.broker, pytest.mark.system, pytest.mark.slow]
@@ -65,9 +71,11 @@ def test_kill9_keeps_every_multi_agent_episode_exactly_once(broker, topic, tmp_p
         for i in range(40):
             if i >= 8 and kills_done.is_set():
                 break
-            recs = _wave(i)
-            send_all(broker.bootstrap_servers, topic, recs)
+            recs = [recordable(r) for r in _wave(i)]
+            for rec in recs:  # known before any of it can be stored
+                by_id[rec.episode_id] = (rec, reference_episode(rec))
             sent.extend(recs)
+            send_all(broker.bootstrap_servers, topic, recs, max_batch_steps=2)
             time.sleep(0.3)
         produced.set()
 
@@ -85,9 +93,6 @@ def test_kill9_keeps_every_multi_agent_episode_exactly_once(broker, topic, tmp_p
             proc.send_signal(signal.SIGKILL)
             proc.wait(10)
             kills += 1
-            for rec in list(sent):
-                if rec.episode_id not in by_id:
-                    by_id[rec.episode_id] = (rec, reference_episode(rec))
             reads += _no_partial_episode(output, by_id)  # a reader between two commits
             proc = subprocess.Popen(_consume_cmd(cfg), stdout=log, stderr=log)
         kills_done.set()

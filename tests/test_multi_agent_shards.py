@@ -116,7 +116,7 @@ def test_hostile_rows_are_refused():
     for bad, why in [
         ({"env_t": -1}, "env_t"),
         ({"agents": ["a", "a"]}, "distinct"),
-        ({"env_t_to_agent_t": {"a": {"data": list(range(10_000)), "lookback": 0}}}, "length"),
+        ({"env_t_to_agent_t": {"agent_0": {"data": list(range(10_000)), "lookback": 0}}}, "one entry per env step"),
         ({"hanging_rewards_begin": {"a": "1"}}, "floats"),
         ({"v": 2}, "upgrade rlrec"),
     ]:
@@ -143,6 +143,37 @@ def test_hostile_rows_are_refused():
     pq.write_table(t, buf)
     with pytest.raises(ShardSchemaError, match="'extra' is not allowed"):
         open_shard(buf.getvalue().to_pybytes(), fmt="episodes")
+
+
+def test_forged_records_whose_maps_disagree_with_the_rows_are_refused():
+    rec = cases.simple_spread()
+    (enc,) = encode_multi_agent_shards([shard_episode(rec)]).values()
+    rows = {r.agent_id: r.episode for r in read_agent_rows(open_shard(enc.data, fmt="episodes"))}
+    raw = next(iter(read_agent_rows(open_shard(enc.data, fmt="episodes")))).record
+    assert assemble_episode(rows, unpack_record(raw)[0], "spread-0").get_actions(5, env_steps=True) == (
+        reference_episode(rec).get_actions(5, env_steps=True)
+    )
+
+    def forged(change):
+        o = msgpack.unpackb(raw)
+        change(o["record"])
+        return msgpack.packb(o)
+
+    for change, why in [
+        (lambda r: r["env_t_to_agent_t"]["agent_0"]["data"].reverse(), "agent steps must increase"),
+        (lambda r: r["env_t_to_agent_t"]["agent_0"].update(lookback=10**15), "lookback must be 0"),
+        (lambda r: r.update(env_t=10**12), "one entry per env step"),
+        (lambda r: r.update(env_t=23), "one entry per env step"),
+        (lambda r: r["env_t_to_agent_t"].update(ghost={"data": [0] * 26, "lookback": 0}), "not one of its agents"),
+        (lambda r: r["modules"].pop("agent_1"), "has no module"),
+        (lambda r: r.update(env_t_started=30), "before env_t_started"),
+    ]:
+        with pytest.raises(MultiAgentRecordError, match=why):
+            unpack_record(forged(change))
+    # a map that passes alone but skips one of the agent's steps: refused against its row
+    shifted = unpack_record(forged(lambda r: r["env_t_to_agent_t"]["agent_0"]["data"].__setitem__(3, "S")))[0]
+    with pytest.raises(MultiAgentRecordError, match=r"does not cover its steps 0\.\.25 once each"):
+        assemble_episode(rows, shifted, "spread-0")
 
 
 def _commit(log: PartitionLog, policy: str, enc, first: int) -> None:

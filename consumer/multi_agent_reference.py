@@ -47,7 +47,9 @@ class MultiAgentDataError(ValueError):
         reason: one of ``no_agents``, ``bad_agent_id``, ``bad_module_id`` (``{policy_id}.{module_id}``
             cannot name a directory), ``unknown_agent``, ``not_done``, ``rllib_refused`` (RLlib's
             `MultiAgentEnvError` or assertion), ``inconsistent`` (a step after the end),
-            ``no_agent_steps`` (no agent finished a step: nothing to store as a row).
+            ``no_agent_steps`` (no agent finished a step: nothing to store as a row),
+            ``record_too_large`` (the record with its carried agents is over
+            `rlrec.store.multi_agent_episode.MAX_RECORD_BYTES`).
         detail: what was wrong, for the dead letter.
 
     Example:

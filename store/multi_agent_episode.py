@@ -27,6 +27,7 @@ __all__ = [
     "MAX_RECORD_BYTES",
     "RECORD_VERSION",
     "MultiAgentRecordError",
+    "RecordTooLargeError",
     "assemble_episode",
     "pack_record",
     "unpack_record",
@@ -54,6 +55,13 @@ class MultiAgentRecordError(EpisodeDecodeError):
     """A stored multi-agent record is malformed (or would need pickle to decode)."""
 
 
+class RecordTooLargeError(MultiAgentRecordError):
+    """A record over `MAX_RECORD_BYTES` (its carried agent episodes included): readers refuse it,
+    so the writer does not store it; ``reason`` is ``record_too_large`` (a data error)."""
+
+    reason = "record_too_large"
+
+
 def pack_record(record: Mapping[str, Any], carried: Mapping[str, bytes] | None = None) -> bytes:
     """The ``multi_agent_record`` bytes: msgpack of ``{"record": record, "carried": {agent id:
     packed SingleAgentEpisode}}`` (arrays in msgpack-numpy form).
@@ -62,6 +70,9 @@ def pack_record(record: Mapping[str, Any], carried: Mapping[str, bytes] | None =
         record: the multi-agent fields (`rlrec.consumer.multi_agent_split.MultiAgentSplit.record`).
         carried: agent id -> `rlrec.store.episodes.pack_episode` bytes of an agent episode that
             is not a row.
+
+    Raises:
+        RecordTooLargeError: the bytes would be over `MAX_RECORD_BYTES`.
 
     Example:
         >>> rec = {"v": 1, "env_t_started": 0, "env_t": 1, "agent_t_started": {"a": 0},
@@ -72,7 +83,13 @@ def pack_record(record: Mapping[str, Any], carried: Mapping[str, bytes] | None =
         >>> unpack_record(pack_record(rec))[0] == rec
         True
     """
-    return msgpack.packb({"record": dict(record), "carried": dict(carried or {})}, default=msgpack_numpy.encode)
+    data = msgpack.packb({"record": dict(record), "carried": dict(carried or {})}, default=msgpack_numpy.encode)
+    if len(data) > MAX_RECORD_BYTES:
+        raise RecordTooLargeError(
+            f"multi-agent record: {len(data)} bytes (carried agents {sorted(carried or {})[:5]}), "
+            f"over MAX_RECORD_BYTES ({MAX_RECORD_BYTES})"
+        )
+    return data
 
 
 def _fail(what: str) -> MultiAgentRecordError:

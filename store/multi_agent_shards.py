@@ -26,6 +26,7 @@ import numpy as np
 import pyarrow as pa
 
 from rlrec.store.episodes import pack_episode, unpack_episode
+from rlrec.store.multi_agent_episode import MAX_RECORD_BYTES, RecordTooLargeError
 from rlrec.store.schema_gate import (
     EPISODE_COLUMNS,
     MULTI_AGENT_COLUMNS,
@@ -132,6 +133,8 @@ def encode_multi_agent_shards(
 
     Raises:
         ValueError: an agent episode is not done or empty, or an id appears twice.
+        rlrec.store.multi_agent_episode.RecordTooLargeError: an episode's record is over
+            `MAX_RECORD_BYTES` (readers refuse it): a data error.
 
     Example:
         >>> # see tests/test_multi_agent_shards.py: built from `split_recording` of a real env
@@ -139,6 +142,11 @@ def encode_multi_agent_shards(
     by_policy: dict[str, list[dict]] = defaultdict(list)
     seen: set[str] = set()
     for ma in episodes:
+        if len(ma.record) > MAX_RECORD_BYTES:
+            raise RecordTooLargeError(
+                f"episode {ma.episode_id}: multi-agent record of {len(ma.record)} bytes, over MAX_RECORD_BYTES "
+                f"({MAX_RECORD_BYTES})"
+            )
         for agent_id, sa in ma.rows.items():
             row = _row(ma, agent_id, sa)
             if row["episode_id"] in seen:

@@ -176,6 +176,45 @@ def test_forged_records_whose_maps_disagree_with_the_rows_are_refused():
         assemble_episode(rows, shifted, "spread-0")
 
 
+def carried_recording(episode_id: str = "big-1", steps: int = 70, obs_bytes: int = 1024):
+    """Agent b acts `steps` times and is absent from the last (``__all__``) step: RLlib leaves it
+    not done, so its whole episode is carried in the record (FORMAT.md, "Multi-agent rows")."""
+    import numpy as np
+
+    from rlrec.producer.multi_agent_recording import MultiAgentEnvStep, MultiAgentRecording, MultiAgentReset
+
+    big = np.arange(obs_bytes, dtype=np.uint8)
+    small = np.zeros(2, np.float32)
+    body = [MultiAgentEnvStep({"a": 0, "b": 0}, {"a": 1.0, "b": 1.0}, {"a": small, "b": big}, {})] * steps
+    last = MultiAgentEnvStep({"a": 0}, {"a": 1.0}, {"a": small}, {"__all__": True})
+    modules = {"a": "m_a", "b": "m_b"}
+    return MultiAgentRecording(episode_id, "pol", 0, modules, MultiAgentReset({"a": small, "b": big}), [*body, last])
+
+
+def test_the_writer_refuses_a_record_over_max_record_bytes_as_a_data_error(monkeypatch):
+    from rlrec.consumer.multi_agent_reference import MultiAgentDataError
+    from rlrec.consumer.multi_agent_split import pack_split
+    from rlrec.store import multi_agent_episode, multi_agent_shards
+    from rlrec.store.multi_agent_episode import RecordTooLargeError
+
+    rec = carried_recording()
+    split = split_recording(rec)
+    assert (sorted(split.rows), {a: len(e) for a, e in split.carried.items()}) == (["a"], {"b": 70})
+    size = len(pack_split(split))
+    assert size > 70 * 1024  # the carried agent's observations are in the record
+    monkeypatch.setattr(multi_agent_episode, "MAX_RECORD_BYTES", size - 1)
+    with pytest.raises(MultiAgentDataError) as e:
+        pack_split(split)
+    assert e.value.reason == "record_too_large"
+    ma = shard_episode(carried_recording("small-1", steps=1, obs_bytes=4))
+    big = MultiAgentShardEpisode(**{**ma.__dict__, "episode_id": "big-1", "record": b"x" * size})
+    monkeypatch.setattr(multi_agent_shards, "MAX_RECORD_BYTES", size - 1)
+    with pytest.raises(RecordTooLargeError, match="over MAX_RECORD_BYTES") as e2:
+        encode_multi_agent_shards([ma, big])
+    assert e2.value.reason == "record_too_large"
+    assert encode_multi_agent_shards([ma])["pol.m_a"].episodes == 1
+
+
 def _commit(log: PartitionLog, policy: str, enc, first: int) -> None:
     name = f"rl+00000+{first:020d}+{first:020d}+e1.{first}.parquet"
     entry = ShardEntry(

@@ -96,6 +96,7 @@ EPISODE_COLUMNS: dict[str, pa.DataType] = {
 #: the columns an `episodes` shard of multi-agent rows (version 2) adds, all required
 MULTI_AGENT_COLUMNS: dict[str, pa.DataType] = {
     "multi_agent_episode_id": pa.string(),
+    "multi_agent_policy_id": pa.string(),
     "agent_id": pa.string(),
     "module_id": pa.string(),
     "env_terminated": pa.bool_(),

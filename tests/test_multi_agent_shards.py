@@ -215,13 +215,13 @@ def test_the_writer_refuses_a_record_over_max_record_bytes_as_a_data_error(monke
     assert encode_multi_agent_shards([ma])["pol.m_a"].episodes == 1
 
 
-def _commit(log: PartitionLog, policy: str, enc, first: int) -> None:
-    name = f"rl+00000+{first:020d}+{first:020d}+e1.{first}.parquet"
+def _commit(log: PartitionLog, policy: str, enc, first: int, *, format_version: int | None = None) -> None:
+    name = f"{log.topic}+{log.partition:05d}+{first:020d}+{first:020d}+e1.{first}.parquet"
     entry = ShardEntry(
         path=f"{policy}/{name}",
         staging_path=f"{policy}/_staging/{name}",
-        topic="rl",
-        partition=0,
+        topic=log.topic,
+        partition=log.partition,
         policy_id=policy,
         first_offset=first,
         last_offset=first,
@@ -231,10 +231,30 @@ def _commit(log: PartitionLog, policy: str, enc, first: int) -> None:
         bytes=len(enc.data),
         sha256=hashlib.sha256(enc.data).hexdigest(),
         format="episodes",
-        format_version=enc.schema_version,
+        format_version=enc.schema_version if format_version is None else format_version,
     )
     log.storage.write(entry.staging_path, enc.data)
     log.publish(log.append_shard(entry), enc.data)
+
+
+def _log(st: Storage, topic: str = "rl", partition: int = 0) -> PartitionLog:
+    log = PartitionLog(st, topic, partition)
+    log.claim("w")
+    log.recover()
+    return log
+
+
+def test_an_entry_whose_version_is_not_its_files_is_refused(tmp_path):
+    shards = encode_multi_agent_shards([shard_episode(cases.join_leave())])
+    st = Storage.from_uri(str(tmp_path / "out"), fsync=False)
+    log = _log(st)
+    for i, (policy, enc) in enumerate(sorted(shards.items())):
+        _commit(log, policy, enc, i, format_version=1)
+    snap = open_snapshot(st)
+    assert [e.format_version for e in snap.entries] == [1, 1, 1]
+    for read in (lambda: list(snap.episodes()), lambda: list(snap.multi_agent_episodes())):
+        with pytest.raises(ShardSchemaError, match="the file is episodes version 2, its manifest entry says version 1"):
+            read()
 
 
 def test_a_reader_between_two_modules_commits_sees_no_partial_episode(tmp_path):
@@ -277,8 +297,8 @@ def test_rows_whose_records_differ_are_refused(tmp_path):
     _commit(log, "pol.m_a", shards["pol.m_a"], 0)
     _commit(log, "pol.m_b", shards["pol.m_b"], 1)
     _commit(log, "pol.m_c", forged, 2)
-    with pytest.raises(MultiAgentRecordError, match="different record"):
-        list(open_snapshot(st).multi_agent_episodes())
+    got = open_snapshot(st).multi_agent_episodes()
+    assert list(got) == [] and got.refused == 1 and "different record" in got.refusals[0][1]
     # the store itself stays readable as single-agent rows
     assert len(list(open_snapshot(st).episodes())) == 3
 

@@ -46,6 +46,7 @@ MULTI_AGENT_REASONS = {
     "multi-agent-rllib-refused": "a multi-agent episode RLlib's MultiAgentEpisode refuses (MultiAgentEnvError)",
     "multi-agent-inconsistent": "a multi-agent step after the episode's end",
     "multi-agent-no-agent-steps": "a multi-agent episode in which no agent finished a step (no row to store)",
+    "multi-agent-record-too-large": "a multi-agent episode whose record is over MAX_RECORD_BYTES",
 }
 
 

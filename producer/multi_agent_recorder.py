@@ -64,7 +64,9 @@ class _MultiAgentEpisode:
 
     __slots__ = (
         "act_packers",
+        "agent_set",
         "agents",
+        "all_set",
         "dropping",
         "env_t",
         "extra_keys",
@@ -82,6 +84,8 @@ class _MultiAgentEpisode:
         self.id = eid
         self.id_avro = string_bytes(eid)
         self.agents = agents  # possible agents, in order
+        self.agent_set = frozenset(agents)
+        self.all_set = self.agent_set | {_ALL}  # what terminateds and truncateds may name
         self.obs_packers, self.act_packers = obs_packers, act_packers
         self.rules = MultiAgentRules()
         self.rules.reset(observations)
@@ -162,8 +166,8 @@ class MultiAgentCalls:
                 raise ValueError(f"agent {a!r}: {e.detail}") from None
         version = self._policy_version if policy_version is None else self._check_version(policy_version)
         infos = dict(infos or {})
-        self._check_agents(agents, observations, "observations")
-        self._check_agents(agents, infos, "infos")
+        self._check_agents(frozenset(agents), observations, "observations")
+        self._check_agents(frozenset(agents), infos, "infos")
         texts: dict[str, int] = {}
         specs = []
         for a in agents:
@@ -272,12 +276,12 @@ class MultiAgentCalls:
             raise self._not_open(episode_id)
         infos = infos or {}
         extras = extra_model_outputs or {}
-        agents = ep.agents
+        agents, names = ep.agents, ep.agent_set
         for what, d in (("observations", observations), ("actions", actions), ("rewards", rewards), ("infos", infos)):
-            self._check_agents(agents, d, what)
-        for what, d in (("terminateds", terminateds), ("truncateds", truncateds)):
-            self._check_agents((*agents, _ALL), d, what)
-        self._check_agents(agents, extras, "extra_model_outputs")
+            self._check_agents(names, d, what)
+        self._check_agents(ep.all_set, terminateds, "terminateds")
+        self._check_agents(ep.all_set, truncateds, "truncateds")
+        self._check_agents(names, extras, "extra_model_outputs")
         for a in extras:
             if a not in actions:
                 raise ValueError(f"extra_model_outputs for agent {a!r}, which did not act")
@@ -304,7 +308,8 @@ class MultiAgentCalls:
                 e = extras.get(a)
                 if e:
                     extra = _r._copy_outputs(e, episode_id)
-                    _r._extra_keys(extra)  # TypeError for keys and dtypes the wire cannot carry
+                    if a not in ep.extra_keys:  # the agent's first action: its names and dtypes
+                        _r._extra_keys(extra)  # TypeError for what the wire cannot carry
             if a in rewards:
                 rew = rewards[a]
                 if type(rew) is not float:
@@ -432,15 +437,19 @@ class MultiAgentCalls:
     # -- internals (with the lock held unless said otherwise) -----------------------------------
 
     @staticmethod
-    def _check_agents(agents: tuple, d: Any, what: str) -> None:
-        """ValueError unless `d` is a mapping of possible agents to values that are not None."""
-        if not isinstance(d, Mapping):
+    def _check_agents(agents: Any, d: Any, what: str) -> None:
+        """ValueError unless `d` is a mapping of possible agents (a set or tuple) to values that
+        are not None."""
+        if type(d) is not dict and not isinstance(d, Mapping):
             raise TypeError(f"{what} must be a dict keyed by agent id, got {type(d).__name__}")
-        for a, v in d.items():
-            if a not in agents:
-                raise ValueError(f"{what}: {a!r} is not a possible agent of the episode")
+        if not d:
+            return
+        if not agents.issuperset(d) if type(agents) is frozenset else any(a not in agents for a in d):
+            bad = next(a for a in d if a not in agents)
+            raise ValueError(f"{what}: {bad!r} is not a possible agent of the episode")
+        for bad, v in d.items():
             if v is None:
-                raise ValueError(f"{what}[{a!r}] is None: leave the agent out instead")
+                raise ValueError(f"{what}[{bad!r}] is None: leave the agent out instead")
 
     @staticmethod
     def _leaves(packer: Any, value: Any) -> list[dict]:

@@ -42,7 +42,6 @@ from rlrec.producer.arrays import ArrayError, array_from_wire, array_to_wire
 from rlrec.producer.events import (
     MAX_KEY_BYTES,
     DecodeError,
-    RewardDelta,
     _has_header,
     _parse_header,
     _read_body,
@@ -83,7 +82,6 @@ __all__ = [
     "check_module_id",
     "decode_event",
     "encode_event",
-    "is_multi_agent",
 ]
 
 MULTI_AGENT_KINDS = ("MultiAgentEpisodeStart", "MultiAgentStepBatch")
@@ -493,10 +491,3 @@ def decode_event(
         raise
     except (ValueError, TypeError, OverflowError, MemoryError, RecursionError) as e:  # defensive: DecodeError only
         raise DecodeError("malformed", f"{kind}/{version}: {type(e).__name__}: {e}"[:300]) from None
-
-
-def is_multi_agent(ev: Any) -> bool:
-    """True for the events only multi-agent episodes have (a RewardDelta with an agent_id too)."""
-    return isinstance(ev, (MultiAgentEpisodeStart, MultiAgentStepBatch)) or (
-        isinstance(ev, RewardDelta) and bool(ev.agent_id)
-    )

@@ -306,6 +306,8 @@ class MultiAgentCalls:
                 act = ep.act_packers[a].copy(actions[a])
                 p |= ACTION
                 e = extras.get(a)
+                if e is not None and not isinstance(e, Mapping):
+                    raise TypeError(f"extra_model_outputs[{a!r}] must be a dict of outputs, got {type(e).__name__}")
                 if e:
                     extra = _r._copy_outputs(e, episode_id)
                     if a not in ep.extra_keys:  # the agent's first action: its names and dtypes

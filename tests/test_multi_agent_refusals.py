@@ -268,6 +268,8 @@ def test_a_refused_multi_agent_call_records_nothing():
         for args in refused:
             with pytest.raises((ValueError, TypeError)):
                 rec.log_multi_agent_step(eid, *args)
+        with pytest.raises(TypeError, match="dict of outputs"):
+            rec.log_multi_agent_step(eid, {"a": zero}, {"a": 1}, {"a": 1.0}, {}, {}, extra_model_outputs={"a": -1.0})
         with pytest.raises(ValueError, match="did not act"):
             rec.log_multi_agent_step(eid, {"a": zero}, {}, {}, {}, {}, extra_model_outputs={"a": {"action_logp": -1.0}})
         assert rec.stats.produced == before

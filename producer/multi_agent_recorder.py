@@ -69,7 +69,6 @@ class _MultiAgentEpisode:
         "all_set",
         "dropping",
         "env_t",
-        "extra_keys",
         "first_buffered",
         "id",
         "id_avro",
@@ -92,7 +91,6 @@ class _MultiAgentEpisode:
         self.env_t = 0  # env steps logged so far
         self.t0 = 0  # env step of the first buffered one
         self.steps: list = []  # buffered env steps: (env flag byte, {agent: cell})
-        self.extra_keys: dict[str, tuple] = {}  # agent -> the output names of its first action
         self.first_buffered = 0.0
         self.dropping = False
         self.limit = 0  # env steps per batch, set at the first env step
@@ -257,8 +255,9 @@ class MultiAgentCalls:
             terminateds: agent id (or ``"__all__"``) -> bool.
             truncateds: agent id (or ``"__all__"``) -> bool.
             infos: agent id -> info dict.
-            extra_model_outputs: agent id -> {name: value}, only for agents that acted; every
-                action of an agent carries the same names (``action_logp``: its log-propensity).
+            extra_model_outputs: agent id -> {name: value}, only for agents that acted
+                (``action_logp``: the log-propensity of its action); RLlib refuses names that
+                change within an agent's episode, and so does this call.
 
         Raises:
             ValueError: the episode is not open, or the step is invalid or refused by RLlib's rules.
@@ -310,8 +309,7 @@ class MultiAgentCalls:
                     raise TypeError(f"extra_model_outputs[{a!r}] must be a dict of outputs, got {type(e).__name__}")
                 if e:
                     extra = _r._copy_outputs(e, episode_id)
-                    if a not in ep.extra_keys:  # the agent's first action: its names and dtypes
-                        _r._extra_keys(extra)  # TypeError for what the wire cannot carry
+                    _r._extra_keys(extra)  # TypeError for names and dtypes the wire cannot carry
             if a in rewards:
                 rew = rewards[a]
                 if type(rew) is not float:
@@ -343,10 +341,8 @@ class MultiAgentCalls:
                     if self._episodes.get(episode_id) is not ep:
                         raise self._not_open(episode_id)
                     state = ep.rules.check_step(observations, actions, rewards, infos, terminateds, truncateds, extras)
-                    self._check_extra_keys(ep, cells)
                     if not ep.dropping and self._buffered < self._max_buffered_steps:
                         ep.rules.accept(state)
-                        self._keep_extra_keys(ep, cells)
                         if not ep.steps:
                             ep.first_buffered = _r._monotonic()
                             if not ep.limit:
@@ -463,23 +459,6 @@ class MultiAgentCalls:
             out.append(array_to_wire(a.reshape(leaf.shape)))
         return out
 
-    @staticmethod
-    def _check_extra_keys(ep: _MultiAgentEpisode, cells: dict) -> None:
-        for a, cell in cells.items():
-            if cell[0] & ACTION:
-                keys = tuple(cell[5] or ())
-                first = ep.extra_keys.get(a)
-                if first is not None and set(first) != set(keys):
-                    raise ValueError(
-                        f"agent {a!r}: extra_model_outputs {sorted(keys)} differ from its first action's {sorted(first)}"
-                    )
-
-    @staticmethod
-    def _keep_extra_keys(ep: _MultiAgentEpisode, cells: dict) -> None:
-        for a, cell in cells.items():
-            if cell[0] & ACTION and a not in ep.extra_keys:
-                ep.extra_keys[a] = tuple(cell[5] or ())
-
     def _ma_batch_limit(self, ep: _MultiAgentEpisode, cells: dict) -> int:
         """Env steps per batch: `max_batch_steps`, fewer for big env steps (about
         `max_batch_bytes` a batch), within the decoder's limits."""
@@ -551,17 +530,33 @@ class MultiAgentCalls:
                 parts.append(long_bytes(len(infos)))
                 parts += map(string_bytes, infos)
             parts.append(ARRAY_END)
-            keys = ep.extra_keys.get(a) or ()
-            if keys and acts:
-                parts.append(long_bytes(len(keys)))
-                for key in keys:
-                    w = array_to_wire(np.asarray([c[5][key] for c in acts]))
-                    parts.append(string_bytes(key))
-                    array_parts(parts, w["dtype"], w["shape"], w["data"])
-            parts.append(ARRAY_END)
+            self._ma_extras(parts, [c[5] or {} for c in acts])
         parts.append(ARRAY_END)
         parts += (bool_byte(ended), _r._now_ms_bytes())
         return b"".join(parts)
+
+    @staticmethod
+    def _ma_extras(parts: list, outputs: list[dict]) -> None:
+        """The column's `extra_model_outputs` and `extra_rows` maps: per name (in the order the
+        actions gave them) its values stacked over the actions that have it, and the row mask of
+        a name only some of them have."""
+        names = list(dict.fromkeys(k for o in outputs for k in o))
+        masks = []
+        if names:
+            parts.append(long_bytes(len(names)))
+            for name in names:
+                rows = [name in o for o in outputs]
+                w = array_to_wire(np.asarray([o[name] for o in outputs if name in o]))
+                parts.append(string_bytes(name))
+                array_parts(parts, w["dtype"], w["shape"], w["data"])
+                if not all(rows):
+                    masks.append((name, bytes(rows)))
+        parts.append(ARRAY_END)
+        if masks:
+            parts.append(long_bytes(len(masks)))
+            for name, mask in masks:
+                parts += (string_bytes(name), long_bytes(len(mask)), mask)
+        parts.append(ARRAY_END)
 
     @staticmethod
     def _ma_write(parts: list, packer: Any, col: list) -> None:

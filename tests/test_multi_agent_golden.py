@@ -66,6 +66,7 @@ def expected_event(doc: dict):
                 _array(c["rewards"]),
                 [_info(i) for i in c["infos"]],
                 {k: _array(v) for k, v in c["extra_model_outputs"].items()},
+                {k: np.array(v, dtype=np.uint8) for k, v in c["extra_rows"].items()},
             )
             for c in f["agents"]
         ]
@@ -103,7 +104,15 @@ def test_multi_agent_golden_decodes_to_its_json(name):
         assert_same(ev.env_flags, want.env_flags)
         assert [c.agent_id for c in ev.agents] == [c.agent_id for c in want.agents]
         for got, exp in zip(ev.agents, want.agents):
-            for attr in ("presence", "observations", "actions", "rewards", "infos", "extra_model_outputs"):
+            for attr in (
+                "presence",
+                "observations",
+                "actions",
+                "rewards",
+                "infos",
+                "extra_model_outputs",
+                "extra_rows",
+            ):
                 assert_same(getattr(got, attr), getattr(exp, attr))
     else:
         assert ev == want and ev.agent_id == "a1"

@@ -328,14 +328,14 @@ def test_random_step_sequences_recorded_replay_to_the_episode_rllib_builds_direc
     from tests.test_multi_agent_rules import AGENTS, _random_step, _rllib_accepts, _rllib_episode
 
     box = gs.Box(-1.0, 1.0, (), np.float32)
-    spaces = {"observation_spaces": {a: box for a in AGENTS}, "action_spaces": {a: gs.Discrete(3) for a in AGENTS}}
+    spaces = {"observation_spaces": dict.fromkeys(AGENTS, box), "action_spaces": {a: gs.Discrete(3) for a in AGENTS}}
     rec = EpisodeRecorder(broker.bootstrap_servers, topic, max_batch_steps=7)
     direct = {}
     refused = 0
     for seed in range(25):
         rng = random.Random(1000 + seed)
         reset = {a: np.float32(0.0) for a in AGENTS if rng.random() < 0.7}
-        eid = rec.begin_multi_agent_episode(reset, **spaces, agent_modules={a: "m" for a in AGENTS})
+        eid = rec.begin_multi_agent_episode(reset, **spaces, agent_modules=dict.fromkeys(AGENTS, "m"))
         ep = _rllib_episode(reset, [])
         accepted = []
         ended = False

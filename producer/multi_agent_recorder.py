@@ -308,8 +308,9 @@ class MultiAgentCalls:
                 if e is not None and not isinstance(e, Mapping):
                     raise TypeError(f"extra_model_outputs[{a!r}] must be a dict of outputs, got {type(e).__name__}")
                 if e:
-                    extra = _r._copy_outputs(e, episode_id)
-                    _r._extra_keys(extra)  # TypeError for names and dtypes the wire cannot carry
+                    extra = _r._copy_outputs(e, episode_id)  # checks an action_logp
+                    if len(extra) != 1 or type(extra.get("action_logp")) not in _r._FLOAT_TYPES:
+                        _r._extra_keys(extra)  # TypeError for names and dtypes the wire cannot carry
             if a in rewards:
                 rew = rewards[a]
                 if type(rew) is not float:

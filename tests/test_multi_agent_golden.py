@@ -130,3 +130,20 @@ def test_compact_bound_is_on_the_wire():
     text = doc["fields"]["agents"][1]["observation_space_json"]
     assert json.loads(text)["low"] == [0] and json.loads(text)["high"] == [255]
     assert loads_space(dumps_space(_space(text))).shape == (2, 2)  # the full form of the same space
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        "rlrec.producer.multi_agent_events",
+        "rlrec.producer.multi_agent_rules",
+        "rlrec.producer.multi_agent_recording",
+        "rlrec.consumer.multi_agent_fold",
+    ],
+)
+def test_module_examples_run(module):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0

@@ -112,6 +112,13 @@ def test_compact_space_bounds_are_counted_before_anything_is_built():
         (lambda r: r["agents"].append(dict(r["agents"][0])), "bad-value"),  # two columns, one agent
         (lambda r: r["agents"][0]["rewards"].update(data=np.array([np.nan]).tobytes()), "non-finite-reward"),
         (lambda r: r["agents"][0].update(infos=["[1]"]), "bad-shape"),
+        (lambda r: r["agents"][0].update(extra_rows={"nope": b"\x01"}), "bad-shape"),  # a mask of no output
+        (  # two values of an output for one action
+            lambda r: r["agents"][0]["extra_model_outputs"].update(
+                x={"dtype": "float64", "shape": [2], "data": bytes(16)}
+            ),
+            "bad-shape",
+        ),
     ],
 )
 def test_hostile_batches_are_refused(change, reason):

@@ -10,16 +10,15 @@ the fold or of RLlib is a `MultiAgentRefused` with the reason code the dead lett
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from typing import Any
 
 from rlrec.consumer.multi_agent_fold import fold_multi_agent
 from rlrec.consumer.multi_agent_reference import MultiAgentDataError, agent_episode_id
-from rlrec.consumer.multi_agent_split import split_recording
+from rlrec.consumer.multi_agent_split import pack_split, split_recording
 from rlrec.producer.events import DecodeError, EpisodeAbort, RewardDelta, info_nbytes
 from rlrec.producer.multi_agent_events import MultiAgentEpisodeStart, MultiAgentStepBatch, encode_event
-from rlrec.store.episodes import pack_episode
-from rlrec.store.multi_agent_episode import pack_record
 from rlrec.store.multi_agent_finished import FinishedAgentRow, agent_rows_of
 from rlrec.store.multi_agent_shards import MultiAgentShardEpisode
 
@@ -105,13 +104,17 @@ def agent_rows(
         split = split_recording(rec)
     except MultiAgentDataError as e:
         raise MultiAgentRefused(f"multi-agent-{e.reason}".replace("_", "-"), str(e)) from None
+    try:
+        record = pack_split(dataclasses.replace(split, record=canonical_record(split.record)))
+    except MultiAgentDataError as e:
+        raise MultiAgentRefused(f"multi-agent-{e.reason}".replace("_", "-"), str(e)) from None
     episode = MultiAgentShardEpisode(
         episode_id=rec.episode_id,
         policy_id=rec.policy_id,
         policy_version=rec.policy_version,
         env_id=rec.env_id,
         rows=split.rows,
-        record=pack_record(canonical_record(split.record), {a: pack_episode(e) for a, e in split.carried.items()}),
+        record=record,
         env_flags=split.env_flags,
         first_offset=first_offset,
         last_offset=last_offset,

@@ -119,6 +119,8 @@ class _Folder:
             check_values(col.actions, spec.action_leaves, f"{what} actions")
         self.check_extra(spec, col)
         rewards = col.rewards.tolist()
+        extras = col.extra_model_outputs
+        at = dict.fromkeys(col.extra_rows, 0)  # per masked name: its next stacked row
         io = ia = ir = ii = 0
         for i, p in enumerate(presence.tolist()):
             if not p:
@@ -129,8 +131,17 @@ class _Folder:
                 io += 1
             if p & ACTION:
                 step.actions[aid] = _value(spec.action_space, col.actions, ia)
-                if col.extra_model_outputs:
-                    step.extra_model_outputs[aid] = {k: v[ia] for k, v in col.extra_model_outputs.items()}
+                if extras:
+                    out = {}
+                    for k, v in extras.items():
+                        mask = col.extra_rows.get(k)
+                        if mask is None:
+                            out[k] = v[ia]
+                        elif mask[ia]:
+                            out[k] = v[at[k]]
+                            at[k] += 1
+                    if out:
+                        step.extra_model_outputs[aid] = out
                 ia += 1
             if p & REWARD:
                 step.rewards[aid] = rewards[ir]

@@ -1,4 +1,5 @@
-"""The event contract: four Avro record kinds, their encoding and their safe decoding.
+"""The event contract: the four single-agent Avro record kinds, their encoding and their safe
+decoding (the multi-agent kinds: `rlrec.producer.multi_agent_events`).
 
 Wire format (docs/FORMAT.md):
   * Kafka key   = episode id, UTF-8. All events of an episode go to one partition, in order.

@@ -42,7 +42,6 @@ from rlrec.producer.arrays import ArrayError, array_from_wire, array_to_wire
 from rlrec.producer.events import (
     MAX_KEY_BYTES,
     DecodeError,
-    RewardDelta,
     _has_header,
     _parse_header,
     _read_body,
@@ -83,7 +82,6 @@ __all__ = [
     "check_module_id",
     "decode_event",
     "encode_event",
-    "is_multi_agent",
 ]
 
 MULTI_AGENT_KINDS = ("MultiAgentEpisodeStart", "MultiAgentStepBatch")
@@ -186,7 +184,9 @@ class AgentColumn:
         actions: action leaves of the env steps with `ACTION`, stacked.
         rewards: float64 rewards of the env steps with `REWARD`.
         infos: infos of the env steps with `INFO`.
-        extra_model_outputs: name -> values of the env steps with `ACTION`, stacked.
+        extra_model_outputs: name -> its values on the env steps with `ACTION` that have it, stacked.
+        extra_rows: name -> uint8, one per env step with `ACTION`, 1 where that action has the
+            name; a name not here is on every action.
     """
 
     agent_id: str
@@ -196,6 +196,7 @@ class AgentColumn:
     rewards: np.ndarray
     infos: list[dict] = field(default_factory=list)
     extra_model_outputs: dict[str, np.ndarray] = field(default_factory=dict)
+    extra_rows: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 @dataclass
@@ -284,6 +285,7 @@ def _batch_record(ev: MultiAgentStepBatch) -> dict:
                 "rewards": array_to_wire(np.asarray(c.rewards, np.float64)),
                 "infos": [dumps_info(i) for i in c.infos],
                 "extra_model_outputs": {k: array_to_wire(np.asarray(v)) for k, v in c.extra_model_outputs.items()},
+                "extra_rows": {k: np.asarray(v, np.uint8).tobytes() for k, v in c.extra_rows.items()},
             }
             for c in ev.agents
         ],
@@ -441,11 +443,20 @@ def _decode_batch(rec: dict, eid: str, ts: int) -> MultiAgentStepBatch:
         if len(c["infos"]) != k_info:
             raise DecodeError("bad-shape", f"{what}: {len(c['infos'])} infos for {k_info} env steps with one")
         infos = [loads_info(s) for s in c["infos"]]
+        rows = {}
+        for name, mask in c["extra_rows"].items():
+            m = np.frombuffer(mask, dtype=np.uint8)
+            if name not in c["extra_model_outputs"] or m.shape[0] != k_act or (m > 1).any():
+                raise DecodeError(
+                    "bad-shape", f"{what} extra_rows[{name[:60]!r}]: not {k_act} bytes of 0/1 for an output"
+                )
+            rows[name] = m
         extra = {}
         for name, r in c["extra_model_outputs"].items():
             extra[name] = _arrays([r], f"{what} extra_model_outputs[{name[:60]!r}]")[0]
-        _stacked(list(extra.values()), k_act, f"{what} extra_model_outputs")
-        columns.append(AgentColumn(aid, presence, observations, actions, rewards, infos, extra))
+            k = k_act if name not in rows else int(np.count_nonzero(rows[name]))
+            _stacked([extra[name]], k, f"{what} extra_model_outputs[{name[:60]!r}]")
+        columns.append(AgentColumn(aid, presence, observations, actions, rewards, infos, extra, rows))
     return MultiAgentStepBatch(eid, rec["t0"], flags, columns, rec["ended"], ts)
 
 
@@ -493,10 +504,3 @@ def decode_event(
         raise
     except (ValueError, TypeError, OverflowError, MemoryError, RecursionError) as e:  # defensive: DecodeError only
         raise DecodeError("malformed", f"{kind}/{version}: {type(e).__name__}: {e}"[:300]) from None
-
-
-def is_multi_agent(ev: Any) -> bool:
-    """True for the events only multi-agent episodes have (a RewardDelta with an agent_id too)."""
-    return isinstance(ev, (MultiAgentEpisodeStart, MultiAgentStepBatch)) or (
-        isinstance(ev, RewardDelta) and bool(ev.agent_id)
-    )

@@ -64,10 +64,11 @@ class _MultiAgentEpisode:
 
     __slots__ = (
         "act_packers",
+        "agent_set",
         "agents",
+        "all_set",
         "dropping",
         "env_t",
-        "extra_keys",
         "first_buffered",
         "id",
         "id_avro",
@@ -82,13 +83,14 @@ class _MultiAgentEpisode:
         self.id = eid
         self.id_avro = string_bytes(eid)
         self.agents = agents  # possible agents, in order
+        self.agent_set = frozenset(agents)
+        self.all_set = self.agent_set | {_ALL}  # what terminateds and truncateds may name
         self.obs_packers, self.act_packers = obs_packers, act_packers
         self.rules = MultiAgentRules()
         self.rules.reset(observations)
         self.env_t = 0  # env steps logged so far
         self.t0 = 0  # env step of the first buffered one
         self.steps: list = []  # buffered env steps: (env flag byte, {agent: cell})
-        self.extra_keys: dict[str, tuple] = {}  # agent -> the output names of its first action
         self.first_buffered = 0.0
         self.dropping = False
         self.limit = 0  # env steps per batch, set at the first env step
@@ -162,8 +164,8 @@ class MultiAgentCalls:
                 raise ValueError(f"agent {a!r}: {e.detail}") from None
         version = self._policy_version if policy_version is None else self._check_version(policy_version)
         infos = dict(infos or {})
-        self._check_agents(agents, observations, "observations")
-        self._check_agents(agents, infos, "infos")
+        self._check_agents(frozenset(agents), observations, "observations")
+        self._check_agents(frozenset(agents), infos, "infos")
         texts: dict[str, int] = {}
         specs = []
         for a in agents:
@@ -253,8 +255,9 @@ class MultiAgentCalls:
             terminateds: agent id (or ``"__all__"``) -> bool.
             truncateds: agent id (or ``"__all__"``) -> bool.
             infos: agent id -> info dict.
-            extra_model_outputs: agent id -> {name: value}, only for agents that acted; every
-                action of an agent carries the same names (``action_logp``: its log-propensity).
+            extra_model_outputs: agent id -> {name: value}, only for agents that acted
+                (``action_logp``: the log-propensity of its action); RLlib refuses names that
+                change within an agent's episode, and so does this call.
 
         Raises:
             ValueError: the episode is not open, or the step is invalid or refused by RLlib's rules.
@@ -272,12 +275,12 @@ class MultiAgentCalls:
             raise self._not_open(episode_id)
         infos = infos or {}
         extras = extra_model_outputs or {}
-        agents = ep.agents
+        agents, names = ep.agents, ep.agent_set
         for what, d in (("observations", observations), ("actions", actions), ("rewards", rewards), ("infos", infos)):
-            self._check_agents(agents, d, what)
-        for what, d in (("terminateds", terminateds), ("truncateds", truncateds)):
-            self._check_agents((*agents, _ALL), d, what)
-        self._check_agents(agents, extras, "extra_model_outputs")
+            self._check_agents(names, d, what)
+        self._check_agents(ep.all_set, terminateds, "terminateds")
+        self._check_agents(ep.all_set, truncateds, "truncateds")
+        self._check_agents(names, extras, "extra_model_outputs")
         for a in extras:
             if a not in actions:
                 raise ValueError(f"extra_model_outputs for agent {a!r}, which did not act")
@@ -302,9 +305,12 @@ class MultiAgentCalls:
                 act = ep.act_packers[a].copy(actions[a])
                 p |= ACTION
                 e = extras.get(a)
+                if e is not None and not isinstance(e, Mapping):
+                    raise TypeError(f"extra_model_outputs[{a!r}] must be a dict of outputs, got {type(e).__name__}")
                 if e:
-                    extra = _r._copy_outputs(e, episode_id)
-                    _r._extra_keys(extra)  # TypeError for keys and dtypes the wire cannot carry
+                    extra = _r._copy_outputs(e, episode_id)  # checks an action_logp
+                    if len(extra) != 1 or type(extra.get("action_logp")) not in _r._FLOAT_TYPES:
+                        _r._extra_keys(extra)  # TypeError for names and dtypes the wire cannot carry
             if a in rewards:
                 rew = rewards[a]
                 if type(rew) is not float:
@@ -336,10 +342,8 @@ class MultiAgentCalls:
                     if self._episodes.get(episode_id) is not ep:
                         raise self._not_open(episode_id)
                     state = ep.rules.check_step(observations, actions, rewards, infos, terminateds, truncateds, extras)
-                    self._check_extra_keys(ep, cells)
                     if not ep.dropping and self._buffered < self._max_buffered_steps:
                         ep.rules.accept(state)
-                        self._keep_extra_keys(ep, cells)
                         if not ep.steps:
                             ep.first_buffered = _r._monotonic()
                             if not ep.limit:
@@ -432,15 +436,19 @@ class MultiAgentCalls:
     # -- internals (with the lock held unless said otherwise) -----------------------------------
 
     @staticmethod
-    def _check_agents(agents: tuple, d: Any, what: str) -> None:
-        """ValueError unless `d` is a mapping of possible agents to values that are not None."""
-        if not isinstance(d, Mapping):
+    def _check_agents(agents: Any, d: Any, what: str) -> None:
+        """ValueError unless `d` is a mapping of possible agents (a set or tuple) to values that
+        are not None."""
+        if type(d) is not dict and not isinstance(d, Mapping):
             raise TypeError(f"{what} must be a dict keyed by agent id, got {type(d).__name__}")
-        for a, v in d.items():
-            if a not in agents:
-                raise ValueError(f"{what}: {a!r} is not a possible agent of the episode")
+        if not d:
+            return
+        if not agents.issuperset(d) if type(agents) is frozenset else any(a not in agents for a in d):
+            bad = next(a for a in d if a not in agents)
+            raise ValueError(f"{what}: {bad!r} is not a possible agent of the episode")
+        for bad, v in d.items():
             if v is None:
-                raise ValueError(f"{what}[{a!r}] is None: leave the agent out instead")
+                raise ValueError(f"{what}[{bad!r}] is None: leave the agent out instead")
 
     @staticmethod
     def _leaves(packer: Any, value: Any) -> list[dict]:
@@ -451,23 +459,6 @@ class MultiAgentCalls:
             a = np.asarray(v, dtype=leaf.dtype) if type(v) is not bytes else np.frombuffer(v, leaf.dtype)
             out.append(array_to_wire(a.reshape(leaf.shape)))
         return out
-
-    @staticmethod
-    def _check_extra_keys(ep: _MultiAgentEpisode, cells: dict) -> None:
-        for a, cell in cells.items():
-            if cell[0] & ACTION:
-                keys = tuple(cell[5] or ())
-                first = ep.extra_keys.get(a)
-                if first is not None and set(first) != set(keys):
-                    raise ValueError(
-                        f"agent {a!r}: extra_model_outputs {sorted(keys)} differ from its first action's {sorted(first)}"
-                    )
-
-    @staticmethod
-    def _keep_extra_keys(ep: _MultiAgentEpisode, cells: dict) -> None:
-        for a, cell in cells.items():
-            if cell[0] & ACTION and a not in ep.extra_keys:
-                ep.extra_keys[a] = tuple(cell[5] or ())
 
     def _ma_batch_limit(self, ep: _MultiAgentEpisode, cells: dict) -> int:
         """Env steps per batch: `max_batch_steps`, fewer for big env steps (about
@@ -540,17 +531,33 @@ class MultiAgentCalls:
                 parts.append(long_bytes(len(infos)))
                 parts += map(string_bytes, infos)
             parts.append(ARRAY_END)
-            keys = ep.extra_keys.get(a) or ()
-            if keys and acts:
-                parts.append(long_bytes(len(keys)))
-                for key in keys:
-                    w = array_to_wire(np.asarray([c[5][key] for c in acts]))
-                    parts.append(string_bytes(key))
-                    array_parts(parts, w["dtype"], w["shape"], w["data"])
-            parts.append(ARRAY_END)
+            self._ma_extras(parts, [c[5] or {} for c in acts])
         parts.append(ARRAY_END)
         parts += (bool_byte(ended), _r._now_ms_bytes())
         return b"".join(parts)
+
+    @staticmethod
+    def _ma_extras(parts: list, outputs: list[dict]) -> None:
+        """The column's `extra_model_outputs` and `extra_rows` maps: per name (in the order the
+        actions gave them) its values stacked over the actions that have it, and the row mask of
+        a name only some of them have."""
+        names = list(dict.fromkeys(k for o in outputs for k in o))
+        masks = []
+        if names:
+            parts.append(long_bytes(len(names)))
+            for name in names:
+                rows = [name in o for o in outputs]
+                w = array_to_wire(np.asarray([o[name] for o in outputs if name in o]))
+                parts.append(string_bytes(name))
+                array_parts(parts, w["dtype"], w["shape"], w["data"])
+                if not all(rows):
+                    masks.append((name, bytes(rows)))
+        parts.append(ARRAY_END)
+        if masks:
+            parts.append(long_bytes(len(masks)))
+            for name, mask in masks:
+                parts += (string_bytes(name), long_bytes(len(mask)), mask)
+        parts.append(ARRAY_END)
 
     @staticmethod
     def _ma_write(parts: list, packer: Any, col: list) -> None:

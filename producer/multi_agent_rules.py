@@ -31,6 +31,7 @@ from typing import Any
 __all__ = ["AgentState", "MultiAgentRules"]
 
 _ALL = "__all__"
+_NO_KEYS: frozenset = frozenset()
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,8 @@ class MultiAgentRules:
             obs, act = a in observations, a in actions
             term = bool(terminateds.get(a, False)) or is_term
             trunc = bool(truncateds.get(a, False)) or is_trunc
-            keys = frozenset(extra_model_outputs.get(a) or ())
+            e = extra_model_outputs.get(a)
+            keys = frozenset(e) if e else _NO_KEYS
             if s.has_episode and s.done and (obs or act or a in rewards or a in infos or a in extra_model_outputs):
                 raise ValueError(f"agent {a!r} is done but got data in a later env step (MultiAgentEnvError)")
             added: frozenset | None = None  # extra output names of a step added to its episode
@@ -164,11 +166,14 @@ class MultiAgentRules:
                             f"agent {a!r}: extra model outputs {sorted(added or ())} after {sorted(s.episode_keys)} "
                             "(RLlib's episode validation fails)"
                         )
-                    s = replace(s, episode_keys=added, done=term or trunc)
-                s = replace(s, in_map=True)
-            if term or trunc:
+                    if s.episode_keys != added or s.done != (term or trunc):
+                        s = replace(s, episode_keys=added, done=term or trunc)
+                if not s.in_map:
+                    s = replace(s, in_map=True)
+            if (term or trunc) and s.hanging:
                 s = replace(s, hanging=False, hanging_keys=frozenset())
-            out[a] = s
+            if s is not self.agents.get(a):
+                out[a] = s
         return out, is_term, is_trunc
 
     def accept(self, state: tuple[dict[str, AgentState], bool, bool]) -> None:

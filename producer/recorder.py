@@ -481,8 +481,9 @@ class EpisodeRecorder(BatchedCalls, MultiAgentCalls):
         topic: the topic every event goes to.
         policy_id: names the policy (the consumer files episodes under it).
         policy_version: version of the policy that acts; only grows (also per episode).
-        observation_space: gymnasium space of the observations (required).
-        action_space: gymnasium space of the actions (required).
+        observation_space: gymnasium space of the observations (required, unless the recorder
+            records multi-agent episodes only: give neither space then).
+        action_space: gymnasium space of the actions (required, as `observation_space`).
         env_id: names the environment.
         kafka_config: librdkafka settings added to (or overriding) the recorder's; librdkafka's own log
             lines go to the `logging` logger ``rlrec.librdkafka`` (WARNING and up, each distinct line

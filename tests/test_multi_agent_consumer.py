@@ -229,15 +229,16 @@ def test_a_refused_multi_agent_episode_is_dead_lettered_with_the_folds_reason(br
 
 
 _RECORD_DIGEST = """
-import hashlib, sys
+import dataclasses, hashlib
 from rlrec.consumer.multi_agent_assembly import canonical_record
-from rlrec.consumer.multi_agent_split import split_recording
-from rlrec.store.multi_agent_episode import pack_record
+from rlrec.consumer.multi_agent_split import pack_split, split_recording
+
 from tests.multi_agent_cases import CASES
 from tests.multi_agent_consume import recordable
 for name in ("join_leave", "tictactoe", "simple_spread"):
     rec = recordable(CASES[name](name, seed=6))
-    data = pack_record(canonical_record(split_recording(rec).record))
+    s = split_recording(rec)
+    data = pack_split(dataclasses.replace(s, record=canonical_record(s.record)))
     print(name, hashlib.sha256(data).hexdigest())
 """
 

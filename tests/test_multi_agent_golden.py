@@ -66,6 +66,7 @@ def expected_event(doc: dict):
                 _array(c["rewards"]),
                 [_info(i) for i in c["infos"]],
                 {k: _array(v) for k, v in c["extra_model_outputs"].items()},
+                {k: np.array(v, dtype=np.uint8) for k, v in c["extra_rows"].items()},
             )
             for c in f["agents"]
         ]
@@ -103,7 +104,15 @@ def test_multi_agent_golden_decodes_to_its_json(name):
         assert_same(ev.env_flags, want.env_flags)
         assert [c.agent_id for c in ev.agents] == [c.agent_id for c in want.agents]
         for got, exp in zip(ev.agents, want.agents):
-            for attr in ("presence", "observations", "actions", "rewards", "infos", "extra_model_outputs"):
+            for attr in (
+                "presence",
+                "observations",
+                "actions",
+                "rewards",
+                "infos",
+                "extra_model_outputs",
+                "extra_rows",
+            ):
                 assert_same(getattr(got, attr), getattr(exp, attr))
     else:
         assert ev == want and ev.agent_id == "a1"
@@ -121,3 +130,20 @@ def test_compact_bound_is_on_the_wire():
     text = doc["fields"]["agents"][1]["observation_space_json"]
     assert json.loads(text)["low"] == [0] and json.loads(text)["high"] == [255]
     assert loads_space(dumps_space(_space(text))).shape == (2, 2)  # the full form of the same space
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        "rlrec.producer.multi_agent_events",
+        "rlrec.producer.multi_agent_rules",
+        "rlrec.producer.multi_agent_recording",
+        "rlrec.consumer.multi_agent_fold",
+    ],
+)
+def test_module_examples_run(module):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0

@@ -112,6 +112,13 @@ def test_compact_space_bounds_are_counted_before_anything_is_built():
         (lambda r: r["agents"].append(dict(r["agents"][0])), "bad-value"),  # two columns, one agent
         (lambda r: r["agents"][0]["rewards"].update(data=np.array([np.nan]).tobytes()), "non-finite-reward"),
         (lambda r: r["agents"][0].update(infos=["[1]"]), "bad-shape"),
+        (lambda r: r["agents"][0].update(extra_rows={"nope": b"\x01"}), "bad-shape"),  # a mask of no output
+        (  # two values of an output for one action
+            lambda r: r["agents"][0]["extra_model_outputs"].update(
+                x={"dtype": "float64", "shape": [2], "data": bytes(16)}
+            ),
+            "bad-shape",
+        ),
     ],
 )
 def test_hostile_batches_are_refused(change, reason):
@@ -268,6 +275,8 @@ def test_a_refused_multi_agent_call_records_nothing():
         for args in refused:
             with pytest.raises((ValueError, TypeError)):
                 rec.log_multi_agent_step(eid, *args)
+        with pytest.raises(TypeError, match="dict of outputs"):
+            rec.log_multi_agent_step(eid, {"a": zero}, {"a": 1}, {"a": 1.0}, {}, {}, extra_model_outputs={"a": -1.0})
         with pytest.raises(ValueError, match="did not act"):
             rec.log_multi_agent_step(eid, {"a": zero}, {}, {}, {}, {}, extra_model_outputs={"a": {"action_logp": -1.0}})
         assert rec.stats.produced == before

@@ -162,7 +162,8 @@ def events() -> dict[str, Any]:
 
 def multi_agent_events() -> dict[str, Any]:
     """A two-agent episode: a1 gets a reward before its first observation, a0 acts without an
-    immediate observation at env step 3, both are done at env step 4 (a compact Box bound)."""
+    immediate observation at env step 3, both are done at env step 4 (a compact Box bound); one
+    extra output of a0 is on its second action only (`extra_rows`)."""
     obs, act = gs.Box(-1.0, 1.0, (2,), np.float32), gs.Discrete(3)
     img = gs.Box(0, 255, (2, 2), np.uint8)
     eid = "golden-multi-0001"
@@ -189,7 +190,8 @@ def multi_agent_events() -> dict[str, Any]:
                     [np.array([2, 0], dtype=np.int64)],
                     np.array([1.0, 0.5, -2.0]),
                     [{"why": "goal"}],
-                    {"action_logp": _f32(-1.0986123, -0.5)},
+                    {"action_logp": _f32(-1.0986123, -0.5), "vf_preds": _f32(0.75)},
+                    {"vf_preds": np.array([0, 1], dtype=np.uint8)},  # only the second action has it
                 ),
                 AgentColumn(
                     "a1",
@@ -304,6 +306,7 @@ def fields_json(ev: Any) -> dict:
                     "infos": [info_json(i) for i in c.infos],
                     "infos_json": [dumps_info(i) for i in c.infos],
                     "extra_model_outputs": {k: array_json(v) for k, v in c.extra_model_outputs.items()},
+                    "extra_rows": {k: np.asarray(v).tolist() for k, v in c.extra_rows.items()},
                 }
                 for c in ev.agents
             ],

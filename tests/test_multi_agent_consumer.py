@@ -266,3 +266,49 @@ def test_the_record_bytes_are_the_same_in_every_process():
             ).stdout
         )
     assert len(outs) == 1 and outs.pop().count("\n") == 3
+
+
+def test_multi_agent_recording_wrapper_through_the_consumer(broker, topic, tmp_path, recorder_config):
+    """PettingZoo simple_spread wrapped by `MultiAgentRecordingWrapper` -> broker -> consumer ->
+    `multi_agent_episodes()`: equal to RLlib's replay of the dicts the env itself returned."""
+    pytest.importorskip("mpe2")
+    from mpe2 import simple_spread_v3
+
+    from rlrec.producer import MultiAgentRecordingWrapper
+    from rlrec.producer.multi_agent_recording import MultiAgentEnvStep, MultiAgentRecording, MultiAgentReset
+    from tests.test_multi_agent_recording import run_parallel
+
+    recorder = EpisodeRecorder(broker.bootstrap_servers, topic, policy_id="pol", max_batch_steps=3)
+    raw = simple_spread_v3.parallel_env(N=3, max_cycles=5)
+    env = MultiAgentRecordingWrapper(raw, recorder)
+    recs = []
+    for seed in range(3):
+        eid, (obs, infos), steps = run_parallel(env, seed)
+        rec = MultiAgentRecording(
+            eid,
+            "pol",
+            recorder.policy_version,
+            dict.fromkeys(raw.possible_agents, "default_policy"),
+            MultiAgentReset(obs, {a: i for a, i in infos.items() if a in obs}),
+            observation_spaces={a: raw.observation_space(a) for a in raw.possible_agents},
+            action_spaces={a: raw.action_space(a) for a in raw.possible_agents},
+        )
+        for actions, o, r, te, tr, i in steps:
+            rec.steps.append(
+                MultiAgentEnvStep(
+                    actions,
+                    {a: float(x) for a, x in r.items()},
+                    o,
+                    te,
+                    tr,
+                    {a: x for a, x in i.items() if a in o},
+                    {a: {"action_logp": -1.5} for a in actions},
+                )
+            )
+        recs.append(rec)
+    env.close()
+    recorder.close()
+    output = str(tmp_path / "out")
+    storage = Storage.from_uri(output)
+    _consume_until(recorder_config(output), storage, expected_rows(recs))
+    assert_store_equals_reference(output, recs)

@@ -72,10 +72,13 @@ class _MultiAgentEpisode:
         "first_buffered",
         "id",
         "id_avro",
+        "index",
         "limit",
         "obs_packers",
+        "rewarded",
         "rules",
         "steps",
+        "stride",
         "t0",
     )
 
@@ -84,6 +87,9 @@ class _MultiAgentEpisode:
         self.id_avro = string_bytes(eid)
         self.agents = agents  # possible agents, in order
         self.agent_set = frozenset(agents)
+        self.index = {a: i for i, a in enumerate(agents)}
+        self.stride = (len(agents) + 7) // 8  # bytes of one env step's reward bitmap
+        self.rewarded = bytearray()  # per env step logged: which agents got a reward (bit index[a])
         self.all_set = self.agent_set | {_ALL}  # what terminateds and truncateds may name
         self.obs_packers, self.act_packers = obs_packers, act_packers
         self.rules = MultiAgentRules()
@@ -97,9 +103,35 @@ class _MultiAgentEpisode:
 
     @property
     def t(self) -> int:
-        raise ValueError(
+        raise self.wrong_call()
+
+    def wrong_call(self) -> ValueError:
+        """The error of a single-agent call on this episode."""
+        return ValueError(
             f"episode {self.id!r} is a multi-agent episode: use log_multi_agent_step / log_multi_agent_reward"
         )
+
+    def note_rewards(self, cells: dict) -> None:
+        """Remember which agents got a reward at the env step just logged (for delayed rewards)."""
+        m = 0
+        for a, c in cells.items():
+            if c[0] & REWARD:
+                m |= 1 << self.index[a]
+        self.rewarded += m.to_bytes(self.stride, "little")
+
+    def finished(self) -> _FinishedMultiAgent:
+        """What `log_multi_agent_reward` checks once the episode has ended."""
+        return _FinishedMultiAgent(self.env_t, self.index, self.stride, bytes(self.rewarded))
+
+
+class _FinishedMultiAgent:
+    """A finished multi-agent episode, as the recorder remembers it: its length, its agents and
+    which of them got a reward at each env step."""
+
+    __slots__ = ("env_t", "index", "rewarded", "stride")
+
+    def __init__(self, env_t: int, index: dict, stride: int, rewarded: bytes | bytearray) -> None:
+        self.env_t, self.index, self.stride, self.rewarded = env_t, index, stride, rewarded
 
 
 def _flag(d: Mapping, key: str, what: str) -> bool:
@@ -218,11 +250,13 @@ class MultiAgentCalls:
                         self._send(eid, value, "MultiAgentEpisodeStart", 1, 1)
                         self._episodes_begun += 1
                         self._episodes[eid] = ep
+                        self._ma_open += 1
                         return eid
                     if not self._overflow(None, False):
                         ep.dropping = True
                         self._episodes_begun += 1
                         self._episodes[eid] = ep
+                        self._ma_open += 1
                         return eid
                 finally:
                     self._busy = False
@@ -349,6 +383,7 @@ class MultiAgentCalls:
                             if not ep.limit:
                                 ep.limit = self._ma_batch_limit(ep, cells)
                         ep.steps.append(step)
+                        ep.note_rewards(cells)
                         ep.env_t += 1
                         self._buffered += 1
                         if ep.rules.done:
@@ -359,10 +394,13 @@ class MultiAgentCalls:
                             self._emit(ep, False, False)
                         return False
                     ended = state[1] or state[2]
-                    if not self._overflow(ep, ended):  # dropped (on_overflow="drop")
+                    if ep.dropping or self.on_overflow == "drop":  # dropped: counted before _overflow ends it
                         ep.rules.accept(state)
+                        ep.note_rewards(cells)
                         ep.env_t += 1
+                        self._overflow(ep, ended)
                         return ended
+                    self._overflow(ep, ended)  # raises for "raise"; "block": wait below
                 finally:
                     self._busy = False
             time.sleep(_r._WAIT_S)  # on_overflow="block": wait for room without the lock, then look again
@@ -402,19 +440,26 @@ class MultiAgentCalls:
                     if self._closing:
                         raise _r.RecorderClosed("the recorder is closed")
                     ep = self._episodes.get(episode_id)
-                    if ep is not None and type(ep) is not _MultiAgentEpisode:
+                    known = ep if ep is not None else self._finished.get(episode_id)
+                    if known is not None and type(known) not in (_MultiAgentEpisode, _FinishedMultiAgent):
                         raise ValueError(f"episode {episode_id!r} is not a multi-agent episode: use log_reward")
-                    length = ep.env_t if ep is not None else self._finished.get(episode_id)
-                    if length is not None and t >= length:
-                        raise ValueError(f"episode {episode_id} has {length} env steps; no env step t={t}")
-                    if ep is not None and agent_id not in ep.agents:
-                        raise ValueError(f"agent {agent_id!r} is not a possible agent of episode {episode_id}")
+                    if known is not None:  # what the fold will check, checked here (unknown: long gone)
+                        if agent_id not in known.index:
+                            raise ValueError(f"agent {agent_id!r} is not a possible agent of episode {episode_id}")
+                        if t >= known.env_t:
+                            raise ValueError(f"episode {episode_id} has {known.env_t} env steps; no env step t={t}")
+                        i = known.index[agent_id]
+                        if not known.rewarded[t * known.stride + i // 8] >> (i % 8) & 1:
+                            raise ValueError(f"agent {agent_id!r} got no reward at env step {t} to add to")
                     if ep is not None and t >= ep.t0 and not ep.dropping:  # still buffered: no message needed
                         cells = ep.steps[t - ep.t0][1]
-                        cell = cells.get(agent_id)
-                        if cell is None or not cell[0] & REWARD:
-                            raise ValueError(f"agent {agent_id!r} got no reward at env step {t} to add to")
-                        cells[agent_id] = (*cell[:3], cell[3] + r, *cell[4:])
+                        cell = cells[agent_id]
+                        total = cell[3] + r
+                        if not math.isfinite(total):
+                            raise ValueError(
+                                f"reward {cell[3]} + {r} of agent {agent_id!r} at env step {t} is not finite"
+                            )
+                        cells[agent_id] = (*cell[:3], total, *cell[4:])
                         return
                     if self._buffered < self._max_buffered_steps:
                         rec = {

@@ -620,6 +620,7 @@ class EpisodeRecorder(BatchedCalls, MultiAgentCalls):
         self._in_close = False
         self._episodes: dict[str, _Episode] = {}
         self._finished = OldestHalfDict(10_000)  # recent finished episode -> length, for log_reward checks
+        self._ma_open = 0  # open multi-agent episodes (log_steps checks episode kinds only when some are)
         self._delivered = self._failed = self._dropped = 0  # produced = delivered + failed + buffered
         self._buffered = 0
         self._episodes_begun = 0
@@ -881,6 +882,8 @@ class EpisodeRecorder(BatchedCalls, MultiAgentCalls):
                         raise RecorderClosed("the recorder is closed")
                     ep = self._episodes.get(episode_id)
                     length = ep.t if ep is not None else self._finished.get(episode_id)
+                    if length is not None and type(length) is not int:  # a finished multi-agent episode
+                        raise ValueError(f"episode {episode_id!r} is a multi-agent episode: use log_multi_agent_reward")
                     if length is not None and t >= length:
                         raise ValueError(f"episode {episode_id} has {length} steps; no step t={t}")
                     if ep is not None and t >= ep.t0 and not ep.dropping:
@@ -1248,7 +1251,8 @@ class EpisodeRecorder(BatchedCalls, MultiAgentCalls):
 
     def _abort(self, ep: _Episode, reason: str) -> None:
         if ep.dropping:
-            self._episodes.pop(ep.id, None)
+            if self._episodes.pop(ep.id, None) is not None and type(ep) is not _Episode:
+                self._ma_open -= 1
             return
         if ep.steps:
             self._emit(ep, False, False)  # raises after aborting the episode itself when it fails
@@ -1270,8 +1274,9 @@ class EpisodeRecorder(BatchedCalls, MultiAgentCalls):
         self._send(ep.id, encode_record("EpisodeAbort", rec), "EpisodeAbort", 1, 1)
 
     def _end(self, ep: _Episode) -> None:
-        self._episodes.pop(ep.id, None)
-        self._finished[ep.id] = ep.t if type(ep) is _Episode else ep.env_t
+        if self._episodes.pop(ep.id, None) is not None and type(ep) is not _Episode:
+            self._ma_open -= 1
+        self._finished[ep.id] = ep.t if type(ep) is _Episode else ep.finished()
 
     def _send(self, key: str, value: bytes, kind: str, records: int, new: int) -> None:
         """Hand one message of `records` records to librdkafka; `new` of them are counted as

@@ -63,6 +63,7 @@ class _MultiAgentEpisode:
     lingering batches, aborts, close) handles it as it handles `recorder._Episode`."""
 
     __slots__ = (
+        "act_bytes",
         "act_packers",
         "agent_set",
         "agents",
@@ -74,6 +75,8 @@ class _MultiAgentEpisode:
         "id_avro",
         "index",
         "limit",
+        "nbytes",
+        "obs_bytes",
         "obs_packers",
         "rewarded",
         "rules",
@@ -92,6 +95,8 @@ class _MultiAgentEpisode:
         self.rewarded = bytearray()  # per env step logged: which agents got a reward (bit index[a])
         self.all_set = self.agent_set | {_ALL}  # what terminateds and truncateds may name
         self.obs_packers, self.act_packers = obs_packers, act_packers
+        self.obs_bytes = {a: _leaf_bytes(p) for a, p in obs_packers.items()}  # per value on the wire
+        self.act_bytes = {a: _leaf_bytes(p) for a, p in act_packers.items()}
         self.rules = MultiAgentRules()
         self.rules.reset(observations)
         self.env_t = 0  # env steps logged so far
@@ -99,7 +104,8 @@ class _MultiAgentEpisode:
         self.steps: list = []  # buffered env steps: (env flag byte, {agent: cell})
         self.first_buffered = 0.0
         self.dropping = False
-        self.limit = 0  # env steps per batch, set at the first env step
+        self.limit = 0  # env steps per batch at most (set by the recorder)
+        self.nbytes = 0  # about how many bytes the buffered env steps take in a message
 
     @property
     def t(self) -> int:
@@ -132,6 +138,10 @@ class _FinishedMultiAgent:
 
     def __init__(self, env_t: int, index: dict, stride: int, rewarded: bytes | bytearray) -> None:
         self.env_t, self.index, self.stride, self.rewarded = env_t, index, stride, rewarded
+
+
+def _leaf_bytes(packer: Any) -> int:
+    return sum(lf.dtype.itemsize * math.prod(lf.shape) for lf in packer.leaves)
 
 
 def _flag(d: Mapping, key: str, what: str) -> bool:
@@ -236,6 +246,7 @@ class MultiAgentCalls:
         self._ma_wire("MultiAgentStepBatch")
         self._check_start_size(eid.encode(), value)
         ep = _MultiAgentEpisode(eid, agents, obs_packers, act_packers, observations)
+        ep.limit = max(1, min(self.max_batch_steps, MAX_BATCH_ENV_STEPS, MAX_BATCH_CELLS // len(agents)))
         while True:
             with self._lock:
                 if self._busy:
@@ -324,6 +335,7 @@ class MultiAgentCalls:
         if _ALL in truncateds:
             flags |= ALL_TRUNCATED | (ALL_TRUNCATED_TRUE if _flag(truncateds, _ALL, "truncateds") else 0)
         cells = {}
+        size = 16  # about what this env step adds to a MultiAgentStepBatch
         for a in agents:
             p = 0
             obs = act = info = extra = None
@@ -364,7 +376,14 @@ class MultiAgentCalls:
                 p |= TRUNCATED | (TRUNCATED_TRUE if _flag(truncateds, a, "truncateds") else 0)
             if p:
                 cells[a] = (p, obs, act, rew, info, extra)
+                size += self._ma_cell_bytes(ep, a, p, info, extra)
         step = (flags, cells)
+        batch_bytes = min(self.max_batch_bytes, self._max_start)
+        if size > self._max_start:
+            raise ValueError(
+                f"env step of about {size} bytes: more than message.max.bytes ({self._message_max_bytes}) allows; "
+                "raise message.max.bytes (producer and broker)"
+            )
         while True:
             with self._lock:
                 if self._busy:
@@ -377,12 +396,13 @@ class MultiAgentCalls:
                         raise self._not_open(episode_id)
                     state = ep.rules.check_step(observations, actions, rewards, infos, terminateds, truncateds, extras)
                     if not ep.dropping and self._buffered < self._max_buffered_steps:
+                        if ep.steps and ep.nbytes + size > batch_bytes:  # this step starts the next batch
+                            self._emit(ep, False, False)  # raises after aborting the episode when it fails
                         ep.rules.accept(state)
                         if not ep.steps:
                             ep.first_buffered = _r._monotonic()
-                            if not ep.limit:
-                                ep.limit = self._ma_batch_limit(ep, cells)
                         ep.steps.append(step)
+                        ep.nbytes += size
                         ep.note_rewards(cells)
                         ep.env_t += 1
                         self._buffered += 1
@@ -390,7 +410,7 @@ class MultiAgentCalls:
                             self._emit(ep, True, False)
                             self._end(ep)
                             return True
-                        if len(ep.steps) >= ep.limit:
+                        if len(ep.steps) >= ep.limit or ep.nbytes >= batch_bytes:
                             self._emit(ep, False, False)
                         return False
                     ended = state[1] or state[2]
@@ -505,23 +525,20 @@ class MultiAgentCalls:
             out.append(array_to_wire(a.reshape(leaf.shape)))
         return out
 
-    def _ma_batch_limit(self, ep: _MultiAgentEpisode, cells: dict) -> int:
-        """Env steps per batch: `max_batch_steps`, fewer for big env steps (about
-        `max_batch_bytes` a batch), within the decoder's limits."""
-        size = 16
-        for a, cell in cells.items():
-            for packer, bit in ((ep.obs_packers[a], OBSERVATION), (ep.act_packers[a], ACTION)):
-                if cell[0] & bit:
-                    size += sum(lf.dtype.itemsize * math.prod(lf.shape) for lf in packer.leaves)
-        return max(
-            1,
-            min(
-                self.max_batch_steps,
-                MAX_BATCH_ENV_STEPS,
-                MAX_BATCH_CELLS // len(ep.agents),
-                self.max_batch_bytes // size,
-            ),
-        )
+    @staticmethod
+    def _ma_cell_bytes(ep: _MultiAgentEpisode, a: str, p: int, info: str | None, extra: dict | None) -> int:
+        """About what one agent's cell adds to a MultiAgentStepBatch (leaves, info, extras)."""
+        n = 24 + len(a)
+        if p & OBSERVATION:
+            n += ep.obs_bytes[a]
+        if p & ACTION:
+            n += ep.act_bytes[a]
+        if info is not None:
+            n += len(info) + 4
+        if extra:
+            for k, v in extra.items():
+                n += 16 + len(k) + (v.nbytes if isinstance(v, np.ndarray) else 8)
+        return n
 
     def _ma_emit(self, ep: _MultiAgentEpisode, ended: bool) -> None:
         """Send the episode's buffered env steps as one MultiAgentStepBatch (see `_emit`)."""
@@ -531,6 +548,7 @@ class MultiAgentCalls:
             value = self._ma_encode(ep, ended)
         except (ValueError, TypeError) as e:
             ep.steps = []
+            ep.nbytes = 0
             self._buffered -= n
             self._failed += n
             self._abort(ep, "encode-error")
@@ -538,6 +556,7 @@ class MultiAgentCalls:
                 f"episode {ep.id}: env steps {t0}..{t1 - 1} could not be encoded and the episode was aborted: {e}"
             ) from e
         ep.steps = []
+        ep.nbytes = 0
         ep.t0 = t1
         try:
             self._send(ep.id, value, "MultiAgentStepBatch", n, 0)
@@ -631,6 +650,7 @@ class MultiAgentCalls:
         n = len(ep.steps)
         ep.dropping = True
         ep.steps = []
+        ep.nbytes = 0
         self._dropped += n
         self._buffered -= n
         rec = {"episode_id": ep.id, "reason": "dropped", "timestamp_ms": int(time.time() * 1000)}

@@ -52,6 +52,7 @@ __all__ = ["DEFAULT_MODULE_ID", "MultiAgentCalls"]
 #: the module id of every agent when `agent_modules` is not given (RLlib's default module id)
 DEFAULT_MODULE_ID = "default_policy"
 _ALL = "__all__"
+_COMMON = "__common__"  # RLlib's infos key for all/no agents; its MultiAgentEpisode keeps none of it
 _space_text = per_space(lambda s: dumps_space(s, compact=True))
 _obs_packer = per_space(lambda s: _r._Packer(s, "observation"))
 _act_packer = per_space(lambda s: _r._Packer(s, "action"))
@@ -169,7 +170,8 @@ class MultiAgentCalls:
 
         Args:
             observations: agent id -> reset observation (the agents reset returned one for).
-            infos: agent id -> reset info.
+            infos: agent id -> reset info; RLlib's ``"__common__"`` entry is accepted and not
+                recorded (RLlib's `MultiAgentEpisode` keeps none of it either).
             episode_id: the episode's id (default: a new uuid4 hex); the key of all its events.
             policy_version: the acting policy's version (default: the recorder's).
             observation_spaces: every possible agent id -> its observation space (in order).
@@ -206,6 +208,7 @@ class MultiAgentCalls:
                 raise ValueError(f"agent {a!r}: {e.detail}") from None
         version = self._policy_version if policy_version is None else self._check_version(policy_version)
         infos = dict(infos or {})
+        infos.pop(_COMMON, None)  # as RLlib's MultiAgentEpisode: not recorded
         self._check_agents(frozenset(agents), observations, "observations")
         self._check_agents(frozenset(agents), infos, "infos")
         texts: dict[str, int] = {}
@@ -299,7 +302,7 @@ class MultiAgentCalls:
             rewards: agent id -> reward (a finite number).
             terminateds: agent id (or ``"__all__"``) -> bool.
             truncateds: agent id (or ``"__all__"``) -> bool.
-            infos: agent id -> info dict.
+            infos: agent id -> info dict (a ``"__common__"`` entry: accepted, not recorded).
             extra_model_outputs: agent id -> {name: value}, only for agents that acted
                 (``action_logp``: the log-propensity of its action); RLlib refuses names that
                 change within an agent's episode, and so does this call.
@@ -319,6 +322,8 @@ class MultiAgentCalls:
         if type(ep) is not _MultiAgentEpisode:
             raise self._not_open(episode_id)
         infos = infos or {}
+        if _COMMON in infos:  # as RLlib's MultiAgentEpisode: not recorded
+            infos = {a: v for a, v in infos.items() if a != _COMMON}
         extras = extra_model_outputs or {}
         agents, names = ep.agents, ep.agent_set
         for what, d in (("observations", observations), ("actions", actions), ("rewards", rewards), ("infos", infos)):

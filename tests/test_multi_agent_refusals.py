@@ -5,6 +5,7 @@ episode is aborted, single-agent `RecordingWrapper` included)."""
 
 from __future__ import annotations
 
+import json
 import random
 import tracemalloc
 from collections import defaultdict
@@ -433,3 +434,21 @@ def test_rllib_common_infos_are_accepted_and_not_recorded_as_rllib_does(broker, 
     r = fold_multi_agent(evs)
     assert len(r.steps) == 3 and not r.aborted and r.steps[-1].terminateds == {"__all__": True}
     assert r.reset.infos == {"a": {"r": 0}} and all(s.infos == {"a": {}} for s in r.steps)
+
+
+def test_spaces_are_parsed_once_per_text_and_shared_by_later_starts():
+    n = (64 * 2**20 - 64) // 4  # uint8: 2 bounds + 2 masks per element, just under the per-start cap
+    text = json.dumps({"type": "Box", "shape": [n], "dtype": "uint8", "low": [0], "high": [1]})
+    value = encode_record("MultiAgentEpisodeStart", _start_record([text]))
+    assert len(value) < 1000
+    header = schema_header("MultiAgentEpisodeStart")
+    first = decode_event(value, header)
+    tracemalloc.start()
+    try:
+        again = [decode_event(value, header) for _ in range(4)]
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2**20, peak  # 64 MiB each if it were built again
+    spaces = {id(ev.agents["a0"].observation_space) for ev in [first, *again]}
+    assert len(spaces) == 1 and first.agents["a0"].observation_space.shape == (n,)

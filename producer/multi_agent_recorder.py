@@ -437,11 +437,18 @@ class MultiAgentCalls:
         Args:
             episode_id: the multi-agent episode's id.
             t: the env step (0-based).
-            agent_id: a possible agent of the episode (when it is still open: checked).
+            agent_id: a possible agent of the episode.
             reward: a finite number.
 
+        While the recorder remembers the episode (open, or among its last 10,000 finished ones)
+        it checks what the consumer's fold checks: the episode is a multi-agent one, `agent_id`
+        is one of its agents and got a reward at env step `t`; the bitmap of who got a reward
+        costs ceil(agents / 8) bytes per env step.
+
         Raises:
-            ValueError: a reward that is not finite, a step or agent the episode is known not to have.
+            ValueError: a reward that is not finite (or that makes a buffered reward so), a
+                single-agent episode, an env step or agent the episode does not have, an agent
+                that got no reward at `t`; nothing is recorded.
             RecorderClosed: `close()` was called.
 
         Example:

@@ -340,7 +340,9 @@ class MultiAgentCalls:
         if _ALL in truncateds:
             flags |= ALL_TRUNCATED | (ALL_TRUNCATED_TRUE if _flag(truncateds, _ALL, "truncateds") else 0)
         cells = {}
-        size = 16  # about what this env step adds to a MultiAgentStepBatch
+        # about what this env step adds to a MultiAgentStepBatch: its flag, a presence byte per
+        # agent column (counted for every agent), its cells; and the batch's own fields
+        size = 32 + len(ep.id_avro) + len(agents)
         for a in agents:
             p = 0
             obs = act = info = extra = None

@@ -6,7 +6,9 @@ an `agent_id`, at most one `EpisodeAbort`) and returns the `MultiAgentRecording`
 the reset dicts and one `MultiAgentEnvStep` per env step, each value rebuilt from its leaves as
 the space nests it. A `RewardDelta` is added to that env step's reward for that agent; an
 `EpisodeAbort` sets `aborted`. An inconsistent sequence raises `DecodeError` with a reason code
-(docs/FORMAT.md, "Multi-agent episodes").
+(docs/FORMAT.md, "Multi-agent episodes"), and so do env steps RLlib's `MultiAgentEpisode` would
+refuse (`MultiAgentRules`) and an `ended` that disagrees with RLlib's done-ness: a recording this
+returns replays through RLlib.
 
 Example:
     >>> import numpy as np
@@ -51,6 +53,7 @@ from rlrec.producer.multi_agent_events import (
     MultiAgentStepBatch,
 )
 from rlrec.producer.multi_agent_recording import MultiAgentEnvStep, MultiAgentRecording, MultiAgentReset
+from rlrec.producer.multi_agent_rules import MultiAgentRules
 from rlrec.producer.spaces import unflatten_leaves
 
 __all__ = ["fold_multi_agent"]
@@ -84,6 +87,8 @@ class _Folder:
             env_id=start.env_id,
         )
         self.ended = False
+        self.rules = MultiAgentRules()  # what RLlib's MultiAgentEpisode accepts
+        self.rules.reset(start.observations)
 
     def batch(self, b: MultiAgentStepBatch) -> None:
         steps = self.rec.steps
@@ -101,8 +106,30 @@ class _Folder:
                 new[i].truncateds["__all__"] = bool(f & ALL_TRUNCATED_TRUE)
         for col in b.agents:
             self.column(col, new)
+        self.check_rules(b, new)
         steps += new
         self.ended = bool(b.ended)
+
+    def check_rules(self, b: MultiAgentStepBatch, new: list[MultiAgentEnvStep]) -> None:
+        """DecodeError unless RLlib's `MultiAgentEpisode` accepts every env step and is done
+        exactly at the last one of a batch marked `ended`."""
+        rules = self.rules
+        for i, s in enumerate(new):
+            if rules.done:
+                raise DecodeError("out-of-order", f"episode {b.episode_id}: env step {b.t0 + i} after its last")
+            try:
+                state = rules.check_step(
+                    s.observations, s.actions, s.rewards, s.infos, s.terminateds, s.truncateds, s.extra_model_outputs
+                )
+            except ValueError as e:
+                raise DecodeError("bad-value", f"env step {b.t0 + i}: {str(e)[:200]}") from None
+            rules.accept(state)
+        if rules.done != bool(b.ended):
+            raise DecodeError(
+                "bad-value",
+                f"episode {b.episode_id}: ended={bool(b.ended)} but RLlib's rules say "
+                f"{'done' if rules.done else 'not done'} after env step {b.t0 + b.n - 1}",
+            )
 
     def column(self, col: AgentColumn, new: list[MultiAgentEnvStep]) -> None:
         aid = col.agent_id
@@ -174,7 +201,10 @@ class _Folder:
             raise DecodeError(
                 "bad-value", f"a delayed reward for agent {d.agent_id[:60]!r}, which got none at env step {d.t}"
             )
-        rewards[d.agent_id] += d.reward
+        total = rewards[d.agent_id] + d.reward
+        if not np.isfinite(total):
+            raise DecodeError("non-finite-reward", f"agent {d.agent_id[:60]!r}: reward {total} at env step {d.t}")
+        rewards[d.agent_id] = total
 
 
 def fold_multi_agent(events: Iterable[Any], *, validate_values: bool = True) -> MultiAgentRecording:

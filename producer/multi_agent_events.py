@@ -11,7 +11,10 @@ held for that agent; the values present are stacked over the env steps that hold
 and raises only `DecodeError`. What a message can make it allocate is bounded before anything
 is built: spaces by `space_json_nbytes` against `MAX_START_SPACE_BYTES`, agents by
 `MAX_AGENTS`, env steps and agent cells of a batch by `MAX_BATCH_ENV_STEPS` and
-`MAX_BATCH_CELLS`; arrays are views of the message's bytes.
+`MAX_BATCH_CELLS`; arrays are views of the message's bytes. Parsed spaces are kept by their
+JSON text in one cache per process (`MAX_CACHED_SPACE_BYTES`, least recently used out), so
+episodes with the same spaces share one parsed copy and a start whose spaces are cached builds
+nothing.
 
 Example:
     >>> import numpy as np
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import io
 import json
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +43,7 @@ import numpy as np
 from gymnasium import spaces as gs
 
 from rlrec.producer.arrays import ArrayError, array_from_wire, array_to_wire
+from rlrec.producer.bounded import ByteBoundedLRU
 from rlrec.producer.events import (
     MAX_KEY_BYTES,
     DecodeError,
@@ -102,6 +107,10 @@ MAX_BATCH_ENV_STEPS = 4096
 MAX_BATCH_CELLS = 1 << 18
 
 _SPACE_TABLE_MAX = 2 * MAX_AGENTS
+#: what the parsed spaces kept for later starts may cost in all (space_json_nbytes each)
+MAX_CACHED_SPACE_BYTES = 128 * 2**20
+_parsed_spaces: ByteBoundedLRU[str, tuple[gs.Space, tuple[Leaf, ...]]] = ByteBoundedLRU(MAX_CACHED_SPACE_BYTES)
+_parsed_lock = threading.Lock()
 _PRESENCE_VALUES = np.zeros(256, dtype=bool)  # valid presence bytes: a "true" bit needs its "given" bit
 for _b in range(256):
     _PRESENCE_VALUES[_b] = not (
@@ -337,25 +346,31 @@ def _parse_spaces(texts: list[str]) -> list[tuple[gs.Space, tuple[Leaf, ...]]]:
     """Every space of a start, its cost counted against MAX_START_SPACE_BYTES before any is built."""
     if len(texts) > _SPACE_TABLE_MAX:
         raise DecodeError("bad-space", f"{len(texts)} spaces > {_SPACE_TABLE_MAX}")
-    parsed, total = [], 0
+    with _parsed_lock:
+        out = [_parsed_spaces.get(text) if type(text) is str else None for text in texts]
+    parsed, total = {}, 0  # index of a space not cached -> (its JSON, its cost)
     for i, text in enumerate(texts):
+        if out[i] is not None:
+            continue
         try:
             d = json.loads(text)
-            total += space_json_nbytes(d)
+            cost = space_json_nbytes(d)
         except (ValueError, RecursionError) as e:
             raise DecodeError("bad-space", f"spaces[{i}]: {e}"[:300]) from None
+        total += cost
         if total > MAX_START_SPACE_BYTES:
             raise DecodeError("bad-space", f"the spaces would take over {MAX_START_SPACE_BYTES} bytes")
-        parsed.append(d)
-    out = []
-    for i, d in enumerate(parsed):
+        parsed[i] = (d, cost)
+    for i, (d, cost) in parsed.items():
         try:
             space = space_from_json(d, broadcast=True)
-            out.append((space, tuple(space_leaves(space))))
+            out[i] = (space, tuple(space_leaves(space)))
         except SpaceError as e:
             raise DecodeError("bad-space", f"spaces[{i}]: {e}"[:300]) from None
         except RecursionError:
             raise DecodeError("bad-space", f"spaces[{i}]: nested too deeply") from None
+        with _parsed_lock:
+            _parsed_spaces.put(texts[i], out[i], cost + len(texts[i]))
     return out
 
 

@@ -52,6 +52,7 @@ __all__ = ["DEFAULT_MODULE_ID", "MultiAgentCalls"]
 #: the module id of every agent when `agent_modules` is not given (RLlib's default module id)
 DEFAULT_MODULE_ID = "default_policy"
 _ALL = "__all__"
+_COMMON = "__common__"  # RLlib's infos key for all/no agents; its MultiAgentEpisode keeps none of it
 _space_text = per_space(lambda s: dumps_space(s, compact=True))
 _obs_packer = per_space(lambda s: _r._Packer(s, "observation"))
 _act_packer = per_space(lambda s: _r._Packer(s, "action"))
@@ -63,6 +64,7 @@ class _MultiAgentEpisode:
     lingering batches, aborts, close) handles it as it handles `recorder._Episode`."""
 
     __slots__ = (
+        "act_bytes",
         "act_packers",
         "agent_set",
         "agents",
@@ -74,6 +76,8 @@ class _MultiAgentEpisode:
         "id_avro",
         "index",
         "limit",
+        "nbytes",
+        "obs_bytes",
         "obs_packers",
         "rewarded",
         "rules",
@@ -92,6 +96,8 @@ class _MultiAgentEpisode:
         self.rewarded = bytearray()  # per env step logged: which agents got a reward (bit index[a])
         self.all_set = self.agent_set | {_ALL}  # what terminateds and truncateds may name
         self.obs_packers, self.act_packers = obs_packers, act_packers
+        self.obs_bytes = {a: _leaf_bytes(p) for a, p in obs_packers.items()}  # per value on the wire
+        self.act_bytes = {a: _leaf_bytes(p) for a, p in act_packers.items()}
         self.rules = MultiAgentRules()
         self.rules.reset(observations)
         self.env_t = 0  # env steps logged so far
@@ -99,7 +105,8 @@ class _MultiAgentEpisode:
         self.steps: list = []  # buffered env steps: (env flag byte, {agent: cell})
         self.first_buffered = 0.0
         self.dropping = False
-        self.limit = 0  # env steps per batch, set at the first env step
+        self.limit = 0  # env steps per batch at most (set by the recorder)
+        self.nbytes = 0  # about how many bytes the buffered env steps take in a message
 
     @property
     def t(self) -> int:
@@ -134,6 +141,10 @@ class _FinishedMultiAgent:
         self.env_t, self.index, self.stride, self.rewarded = env_t, index, stride, rewarded
 
 
+def _leaf_bytes(packer: Any) -> int:
+    return sum(lf.dtype.itemsize * math.prod(lf.shape) for lf in packer.leaves)
+
+
 def _flag(d: Mapping, key: str, what: str) -> bool:
     v = d[key]
     if not isinstance(v, (bool, np.bool_)):
@@ -159,7 +170,8 @@ class MultiAgentCalls:
 
         Args:
             observations: agent id -> reset observation (the agents reset returned one for).
-            infos: agent id -> reset info.
+            infos: agent id -> reset info; RLlib's ``"__common__"`` entry is accepted and not
+                recorded (RLlib's `MultiAgentEpisode` keeps none of it either).
             episode_id: the episode's id (default: a new uuid4 hex); the key of all its events.
             policy_version: the acting policy's version (default: the recorder's).
             observation_spaces: every possible agent id -> its observation space (in order).
@@ -196,6 +208,7 @@ class MultiAgentCalls:
                 raise ValueError(f"agent {a!r}: {e.detail}") from None
         version = self._policy_version if policy_version is None else self._check_version(policy_version)
         infos = dict(infos or {})
+        infos.pop(_COMMON, None)  # as RLlib's MultiAgentEpisode: not recorded
         self._check_agents(frozenset(agents), observations, "observations")
         self._check_agents(frozenset(agents), infos, "infos")
         texts: dict[str, int] = {}
@@ -236,6 +249,7 @@ class MultiAgentCalls:
         self._ma_wire("MultiAgentStepBatch")
         self._check_start_size(eid.encode(), value)
         ep = _MultiAgentEpisode(eid, agents, obs_packers, act_packers, observations)
+        ep.limit = max(1, min(self.max_batch_steps, MAX_BATCH_ENV_STEPS, MAX_BATCH_CELLS // len(agents)))
         while True:
             with self._lock:
                 if self._busy:
@@ -288,7 +302,7 @@ class MultiAgentCalls:
             rewards: agent id -> reward (a finite number).
             terminateds: agent id (or ``"__all__"``) -> bool.
             truncateds: agent id (or ``"__all__"``) -> bool.
-            infos: agent id -> info dict.
+            infos: agent id -> info dict (a ``"__common__"`` entry: accepted, not recorded).
             extra_model_outputs: agent id -> {name: value}, only for agents that acted
                 (``action_logp``: the log-propensity of its action); RLlib refuses names that
                 change within an agent's episode, and so does this call.
@@ -308,6 +322,8 @@ class MultiAgentCalls:
         if type(ep) is not _MultiAgentEpisode:
             raise self._not_open(episode_id)
         infos = infos or {}
+        if _COMMON in infos:  # as RLlib's MultiAgentEpisode: not recorded
+            infos = {a: v for a, v in infos.items() if a != _COMMON}
         extras = extra_model_outputs or {}
         agents, names = ep.agents, ep.agent_set
         for what, d in (("observations", observations), ("actions", actions), ("rewards", rewards), ("infos", infos)):
@@ -324,6 +340,9 @@ class MultiAgentCalls:
         if _ALL in truncateds:
             flags |= ALL_TRUNCATED | (ALL_TRUNCATED_TRUE if _flag(truncateds, _ALL, "truncateds") else 0)
         cells = {}
+        # about what this env step adds to a MultiAgentStepBatch: its flag, a presence byte per
+        # agent column (counted for every agent), its cells; and the batch's own fields
+        size = 32 + len(ep.id_avro) + len(agents)
         for a in agents:
             p = 0
             obs = act = info = extra = None
@@ -364,7 +383,14 @@ class MultiAgentCalls:
                 p |= TRUNCATED | (TRUNCATED_TRUE if _flag(truncateds, a, "truncateds") else 0)
             if p:
                 cells[a] = (p, obs, act, rew, info, extra)
+                size += self._ma_cell_bytes(ep, a, p, info, extra)
         step = (flags, cells)
+        batch_bytes = min(self.max_batch_bytes, self._max_start)
+        if size > self._max_start:
+            raise ValueError(
+                f"env step of about {size} bytes: more than message.max.bytes ({self._message_max_bytes}) allows; "
+                "raise message.max.bytes (producer and broker)"
+            )
         while True:
             with self._lock:
                 if self._busy:
@@ -377,12 +403,13 @@ class MultiAgentCalls:
                         raise self._not_open(episode_id)
                     state = ep.rules.check_step(observations, actions, rewards, infos, terminateds, truncateds, extras)
                     if not ep.dropping and self._buffered < self._max_buffered_steps:
+                        if ep.steps and ep.nbytes + size > batch_bytes:  # this step starts the next batch
+                            self._emit(ep, False, False)  # raises after aborting the episode when it fails
                         ep.rules.accept(state)
                         if not ep.steps:
                             ep.first_buffered = _r._monotonic()
-                            if not ep.limit:
-                                ep.limit = self._ma_batch_limit(ep, cells)
                         ep.steps.append(step)
+                        ep.nbytes += size
                         ep.note_rewards(cells)
                         ep.env_t += 1
                         self._buffered += 1
@@ -390,7 +417,7 @@ class MultiAgentCalls:
                             self._emit(ep, True, False)
                             self._end(ep)
                             return True
-                        if len(ep.steps) >= ep.limit:
+                        if len(ep.steps) >= ep.limit or ep.nbytes >= batch_bytes:
                             self._emit(ep, False, False)
                         return False
                     ended = state[1] or state[2]
@@ -412,11 +439,18 @@ class MultiAgentCalls:
         Args:
             episode_id: the multi-agent episode's id.
             t: the env step (0-based).
-            agent_id: a possible agent of the episode (when it is still open: checked).
+            agent_id: a possible agent of the episode.
             reward: a finite number.
 
+        While the recorder remembers the episode (open, or among its last 10,000 finished ones)
+        it checks what the consumer's fold checks: the episode is a multi-agent one, `agent_id`
+        is one of its agents and got a reward at env step `t`; the bitmap of who got a reward
+        costs ceil(agents / 8) bytes per env step.
+
         Raises:
-            ValueError: a reward that is not finite, a step or agent the episode is known not to have.
+            ValueError: a reward that is not finite (or that makes a buffered reward so), a
+                single-agent episode, an env step or agent the episode does not have, an agent
+                that got no reward at `t`; nothing is recorded.
             RecorderClosed: `close()` was called.
 
         Example:
@@ -505,23 +539,20 @@ class MultiAgentCalls:
             out.append(array_to_wire(a.reshape(leaf.shape)))
         return out
 
-    def _ma_batch_limit(self, ep: _MultiAgentEpisode, cells: dict) -> int:
-        """Env steps per batch: `max_batch_steps`, fewer for big env steps (about
-        `max_batch_bytes` a batch), within the decoder's limits."""
-        size = 16
-        for a, cell in cells.items():
-            for packer, bit in ((ep.obs_packers[a], OBSERVATION), (ep.act_packers[a], ACTION)):
-                if cell[0] & bit:
-                    size += sum(lf.dtype.itemsize * math.prod(lf.shape) for lf in packer.leaves)
-        return max(
-            1,
-            min(
-                self.max_batch_steps,
-                MAX_BATCH_ENV_STEPS,
-                MAX_BATCH_CELLS // len(ep.agents),
-                self.max_batch_bytes // size,
-            ),
-        )
+    @staticmethod
+    def _ma_cell_bytes(ep: _MultiAgentEpisode, a: str, p: int, info: str | None, extra: dict | None) -> int:
+        """About what one agent's cell adds to a MultiAgentStepBatch (leaves, info, extras)."""
+        n = 24 + len(a)
+        if p & OBSERVATION:
+            n += ep.obs_bytes[a]
+        if p & ACTION:
+            n += ep.act_bytes[a]
+        if info is not None:
+            n += len(info) + 4
+        if extra:
+            for k, v in extra.items():
+                n += 16 + len(k) + (v.nbytes if isinstance(v, np.ndarray) else 8)
+        return n
 
     def _ma_emit(self, ep: _MultiAgentEpisode, ended: bool) -> None:
         """Send the episode's buffered env steps as one MultiAgentStepBatch (see `_emit`)."""
@@ -531,6 +562,7 @@ class MultiAgentCalls:
             value = self._ma_encode(ep, ended)
         except (ValueError, TypeError) as e:
             ep.steps = []
+            ep.nbytes = 0
             self._buffered -= n
             self._failed += n
             self._abort(ep, "encode-error")
@@ -538,6 +570,7 @@ class MultiAgentCalls:
                 f"episode {ep.id}: env steps {t0}..{t1 - 1} could not be encoded and the episode was aborted: {e}"
             ) from e
         ep.steps = []
+        ep.nbytes = 0
         ep.t0 = t1
         try:
             self._send(ep.id, value, "MultiAgentStepBatch", n, 0)
@@ -631,6 +664,7 @@ class MultiAgentCalls:
         n = len(ep.steps)
         ep.dropping = True
         ep.steps = []
+        ep.nbytes = 0
         self._dropped += n
         self._buffered -= n
         rec = {"episode_id": ep.id, "reason": "dropped", "timestamp_ms": int(time.time() * 1000)}

@@ -1467,7 +1467,10 @@ class EpisodeRecorder(BatchedCalls, MultiAgentCalls):
                 self._busy = True
                 try:
                     if due(ep) and self._episodes.get(ep.id) is ep:  # not sent, ended or dropped meanwhile
-                        big = len(ep.steps) // _STEP_FIELDS * (self._step_bytes or 0) >= _YIELD_BYTES
+                        if type(ep) is _Episode:
+                            big = len(ep.steps) // _STEP_FIELDS * (self._step_bytes or 0) >= _YIELD_BYTES
+                        else:  # a multi-agent episode counts its buffered bytes
+                            big = ep.nbytes >= _YIELD_BYTES
                         try:
                             self._emit(ep, False, False)
                         except ValueError as e:

@@ -131,3 +131,25 @@ def test_multi_agent_events_framed_for_a_schema_registry(broker, topic, registry
     evs = _episodes(broker, topic, rec, registry=SchemaRegistry(registry.url))[eid]
     r = fold_multi_agent(evs)
     assert r.steps[0].rewards == {"a": 2.0, "b": 1.5} and len(r.steps) == 2
+
+
+def test_batches_follow_the_message_size_as_agents_join_late(broker, topic):
+    img = gs.Box(0, 255, (64, 64, 3), np.uint8)  # 12 KiB a value
+    agents = [f"p{i}" for i in range(6)]
+    spaces = {"observation_spaces": dict.fromkeys(agents, img), "action_spaces": dict.fromkeys(agents, gs.Discrete(2))}
+    frame = np.zeros((64, 64, 3), np.uint8)
+    limit = 100_000
+    rec = EpisodeRecorder(broker.bootstrap_servers, topic, kafka_config={"message.max.bytes": limit})
+    eid = rec.begin_multi_agent_episode({"p0": frame}, **spaces)
+    rec.log_multi_agent_step(eid, {}, {"p0": 0}, {}, {}, {})  # a small first env step: p0's action hangs
+    for t in range(1, 12):  # then every agent observes (~74 KiB an env step)
+        acts = dict.fromkeys(agents, 1) if t > 1 else {"p0": 1}
+        rec.log_multi_agent_step(eid, dict.fromkeys(agents, frame + t), acts, dict.fromkeys(acts, 1.0), {}, {})
+    assert rec.log_multi_agent_step(eid, {}, {}, {}, {"__all__": True}, {}) is True
+    rec.close()
+    assert rec.stats.failed == 0 and rec.stats.delivered == rec.stats.produced == 1 + 13
+    msgs = read_messages(broker.bootstrap_servers, topic, rec.stats.messages_produced)
+    assert max(len(m.value()) for m in msgs) < limit
+    r = fold_multi_agent([decode_event(m.value(), m.headers()) for m in msgs])
+    assert len(r.steps) == 13 and not r.aborted
+    assert [int(r.steps[t].observations["p5"][0, 0, 0]) for t in range(1, 12)] == list(range(1, 12))

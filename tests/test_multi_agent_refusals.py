@@ -5,6 +5,7 @@ episode is aborted, single-agent `RecordingWrapper` included)."""
 
 from __future__ import annotations
 
+import json
 import random
 import tracemalloc
 from collections import defaultdict
@@ -19,6 +20,8 @@ from rlrec.producer import EpisodeRecorder, MultiAgentRecordingWrapper, Recordin
 from rlrec.producer.events import DecodeError, EpisodeAbort, RewardDelta, decode, encode_record, schema_header
 from rlrec.producer.multi_agent_events import (
     ACTION,
+    ALL_TERMINATED,
+    ALL_TERMINATED_TRUE,
     OBSERVATION,
     REWARD,
     AgentColumn,
@@ -186,7 +189,9 @@ def test_mutated_golden_vectors_raise_only_decode_error(name):
 def test_fold_refuses_inconsistent_sequences():
     start = _start()
     b0 = _batch(0, [_col("a0", [OAR], 1, 1, 1)])
-    end = _batch(1, [_col("a0", [OAR], 1, 1, 1)], ended=True)
+    end = MultiAgentStepBatch(
+        "ep", 1, np.array([ALL_TERMINATED | ALL_TERMINATED_TRUE], np.uint8), [_col("a0", [OAR], 1, 1, 1)], True
+    )
     cases = {
         "out-of-order": [
             [b0],
@@ -397,3 +402,53 @@ def test_multi_agent_wrapper_aborts_the_episode_when_a_step_is_refused(broker, t
     assert evs[2].reason == "refused-step"
     r = fold_multi_agent(evs)
     assert r.aborted and len(r.steps) == 1
+
+
+def test_rllib_common_infos_are_accepted_and_not_recorded_as_rllib_does(broker, topic):
+    from ray.rllib.env.multi_agent_env import MultiAgentEnv
+
+    class Common(MultiAgentEnv):
+        def __init__(self):
+            super().__init__()
+            self.possible_agents = self.agents = ["a"]
+            self.observation_spaces, self.action_spaces = {"a": BOX}, {"a": ACT}
+
+        def reset(self, *, seed=None, options=None):
+            self.t = 0
+            return {"a": np.zeros(2, np.float32)}, {"a": {"r": 0}, "__common__": {"x": 0}}
+
+        def step(self, actions):
+            self.t += 1
+            obs = {"a": np.zeros(2, np.float32)}
+            return obs, {"a": 1.0}, {"__all__": self.t >= 3}, {"__all__": False}, {"a": {}, "__common__": {"t": self.t}}
+
+    rec = EpisodeRecorder(broker.bootstrap_servers, topic)
+    env = MultiAgentRecordingWrapper(Common(), rec)
+    env.reset()
+    eid = env.episode_id
+    for _ in range(3):
+        env.step({"a": 1})
+    rec.close()
+    evs = [decode_event(m.value(), m.headers()) for m in _events(broker, topic, rec.stats.messages_produced)[eid]]
+    assert [type(e).__name__ for e in evs] == ["MultiAgentEpisodeStart", "MultiAgentStepBatch"]
+    r = fold_multi_agent(evs)
+    assert len(r.steps) == 3 and not r.aborted and r.steps[-1].terminateds == {"__all__": True}
+    assert r.reset.infos == {"a": {"r": 0}} and all(s.infos == {"a": {}} for s in r.steps)
+
+
+def test_spaces_are_parsed_once_per_text_and_shared_by_later_starts():
+    n = (64 * 2**20 - 64) // 4  # uint8: 2 bounds + 2 masks per element, just under the per-start cap
+    text = json.dumps({"type": "Box", "shape": [n], "dtype": "uint8", "low": [0], "high": [1]})
+    value = encode_record("MultiAgentEpisodeStart", _start_record([text]))
+    assert len(value) < 1000
+    header = schema_header("MultiAgentEpisodeStart")
+    first = decode_event(value, header)
+    tracemalloc.start()
+    try:
+        again = [decode_event(value, header) for _ in range(4)]
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2**20, peak  # 64 MiB each if it were built again
+    spaces = {id(ev.agents["a0"].observation_space) for ev in [first, *again]}
+    assert len(spaces) == 1 and first.agents["a0"].observation_space.shape == (n,)

@@ -14,6 +14,8 @@ import dataclasses
 import hashlib
 from typing import Any
 
+import numpy as np
+
 from rlrec.consumer.multi_agent_fold import fold_multi_agent
 from rlrec.consumer.multi_agent_reference import MultiAgentDataError, agent_episode_id
 from rlrec.consumer.multi_agent_split import pack_split, split_recording
@@ -30,6 +32,7 @@ __all__ = [
     "batch_nbytes",
     "canonical_record",
     "event_agent_ids",
+    "space_nbytes",
     "start_hash",
     "start_nbytes",
 ]
@@ -173,9 +176,32 @@ def start_hash(start: MultiAgentEpisodeStart) -> bytes:
     return hashlib.blake2b(encode_event(start)[0], digest_size=16).digest()
 
 
+def space_nbytes(space: Any) -> int:
+    """What a built space's arrays cost, counted as `rlrec.producer.spaces.space_json_nbytes`
+    counts its JSON (Box: two bounds of its dtype and two boolean masks; MultiDiscrete: nvec and
+    start as int64; 64 bytes a node).
+
+    Example:
+        >>> import gymnasium as gym, numpy as np
+        >>> space_nbytes(gym.spaces.Box(-1, 1, (1000,), np.float64))
+        18064
+    """
+    subs = getattr(space, "spaces", None)
+    if subs is not None:
+        return 64 + sum(space_nbytes(c) for c in (subs.values() if isinstance(subs, dict) else subs))
+    kind = type(space).__name__
+    if kind == "Box":
+        return 64 + int(np.prod(space.shape)) * (2 * space.dtype.itemsize + 2)
+    if kind == "MultiDiscrete":
+        return 64 + 16 * int(np.prod(space.shape))
+    return 64
+
+
 def start_nbytes(start: MultiAgentEpisodeStart) -> int:
-    """Memory a multi-agent start holds: reset observations, infos, spaces (a fixed estimate each)."""
-    n = 1000 + 1000 * len(start.agents)
+    """Memory a multi-agent start holds: reset observations, infos, and its spaces at what they
+    cost built (`space_nbytes`; each distinct space object once)."""
+    spaces = {id(s): s for a in start.agents.values() for s in (a.observation_space, a.action_space)}
+    n = 1000 + 200 * len(start.agents) + sum(space_nbytes(s) for s in spaces.values())
     n += sum(a.nbytes for leaves in start.observations.values() for a in leaves)
     return n + sum(info_nbytes(i) for i in start.infos.values() if i)
 
@@ -198,12 +224,15 @@ class MultiAgentAssembly:
     decisions, capacity eviction, memory caps and `safe_offset` apply to it unchanged)."""
 
     def _multi_agent(self, event: Any) -> bool:
-        """A delayed reward with an agent id, or an abort of a multi-agent episode."""
-        if isinstance(event, RewardDelta):
-            return bool(event.agent_id)
+        """An event for an open or ended multi-agent episode, or a delayed reward with an agent
+        id for no open episode (what an open episode is decides, not the event's kind)."""
         eid = event.episode_id
         ep = self.open.get(eid)
-        return (ep is not None and isinstance(ep.start, MultiAgentEpisodeStart)) or eid in self.multi_agent_ended
+        if ep is not None:
+            return isinstance(ep.start, MultiAgentEpisodeStart) or (
+                isinstance(event, RewardDelta) and bool(event.agent_id)
+            )
+        return eid in self.multi_agent_ended or (isinstance(event, RewardDelta) and bool(event.agent_id))
 
     def _apply_multi_agent(self, offset: int, event: Any, now: float) -> list[_a.DeadLetter]:
         """A multi-agent event. An open episode takes its events whatever is committed: its
@@ -214,6 +243,9 @@ class MultiAgentAssembly:
         eid = event.episode_id
         ep = self.open.get(eid)
         if ep is not None:
+            mismatch = _kind_mismatch(ep, event)
+            if mismatch:
+                return [_a.DeadLetter("kind-mismatch", f"episode {eid}: {mismatch}", offset)]
             ep.last_event_at = now
             if isinstance(event, MultiAgentStepBatch):
                 return self._on_multi_agent_steps(ep, offset, event, now)
@@ -263,23 +295,30 @@ class MultiAgentAssembly:
         return [_a.DeadLetter(reason, f"multi-agent episode {eid} has ended; t0={event.t0}", offset)]
 
     def _on_multi_agent_start(self, offset: int, ev: MultiAgentEpisodeStart, now: float) -> list[_a.DeadLetter]:
+        """Open a multi-agent episode. Its agents' committed rows say whether this is a replay
+        of an episode committed in part (a committed entry reaching past this start: its rows
+        are owed, no limit re-judges it) or a reused id (every committed row before it: a
+        `duplicate-start`, as for a single-agent episode)."""
+        eid = ev.episode_id
         h = start_hash(ev)
-        ep = self.open.get(ev.episode_id)
+        ep = self.open.get(eid)
         if ep is not None:
             if ep.start_hash == h:
                 self.counters.duplicates += 1
                 return []
-            return [
-                _a.DeadLetter(
-                    "duplicate-start", f"episode {ev.episode_id} is already open with a different start", offset
-                )
-            ]
+            return [_a.DeadLetter("duplicate-start", f"episode {eid} is already open with a different start", offset)]
+        committed = [self.committed.committed_offset(agent_episode_id(eid, a)) for a in ev.agents]
+        committed = [o for o in committed if o is not None]
+        if committed and max(committed) < offset:
+            self._remember_evicted(eid, "duplicate-start")
+            return [_a.DeadLetter("duplicate-start", f"multi-agent episode {eid} is already committed", offset)]
+        owed = bool(committed)
         nbytes = start_nbytes(ev)
-        if nbytes > self.config.max_episode_bytes:
-            self._remember_evicted(ev.episode_id, "episode-too-large")
+        if nbytes > self.config.max_episode_bytes and not owed:
+            self._remember_evicted(eid, "episode-too-large")
             return [_a.DeadLetter("episode-too-large", f"start holds {nbytes} bytes", offset)]
-        self.evicted.pop(ev.episode_id, None)
-        self.open[ev.episode_id] = _a.OpenEpisode(ev, offset, h, last_offset=offset, last_event_at=now, nbytes=nbytes)
+        self.evicted.pop(eid, None)
+        self.open[eid] = _a.OpenEpisode(ev, offset, h, last_offset=offset, last_event_at=now, nbytes=nbytes, owed=owed)
         self.open_nbytes += nbytes
         return []
 
@@ -306,8 +345,10 @@ class MultiAgentAssembly:
                 ep, offset, "unknown-agent", f"episode {eid}: agent {unknown[0][:60]!r} is not possible"
             )
         nbytes = batch_nbytes(b)
-        if ep.nbytes + nbytes > self.config.max_episode_bytes:
-            return self._too_large(ep, offset, ep.nbytes + nbytes, now)
+        if ep.nbytes + nbytes > self.config.max_episode_bytes and not ep.owed:
+            # never truncated: where it would be cut is a limit a replay may not share
+            detail = f"episode {eid} would hold {ep.nbytes + nbytes} bytes > max_episode_bytes"
+            return self._poison(ep, offset, "episode-too-large", f"{detail} {self.config.max_episode_bytes}")
         ep.batches.append(b)
         ep.batch_offsets.append(offset)
         ep.t += b.n
@@ -339,6 +380,17 @@ class MultiAgentAssembly:
             return self._dead_letter_episode(ep, e.reason, e.detail)
         except Exception as e:  # a data case the checks missed: the episode, not the consumer
             return self._dead_letter_episode(ep, "internal", f"building episode {eid}: {type(e).__name__}: {e}")
+        for row in rows:
+            rid = row.episode_id
+            last = self.committed.committed_offset(rid)
+            if (
+                rid in self.open
+                or rid in self.finished
+                or rid in self.in_flight
+                or (last is not None and last < ep.first_offset)
+            ):
+                detail = f"multi-agent episode {eid}: agent {row.agent_id[:60]!r}'s row id {rid} is another episode's"
+                return self._dead_letter_episode(ep, "id-collision", detail)
         self.multi_agent_ended[eid] = ep.t
         self.counters.episodes_finished += 1
         for row in rows:
@@ -348,6 +400,22 @@ class MultiAgentAssembly:
             self.finished[row.episode_id] = row
             self.finished_bytes += row.nbytes()
         return []
+
+
+def _kind_mismatch(ep: Any, event: Any) -> str:
+    """Why `event` cannot be an event of open episode `ep` ("" if it can): a multi-agent event
+    for a single-agent episode, or a single-agent one for a multi-agent episode."""
+    if isinstance(event, EpisodeAbort):
+        return ""
+    multi = isinstance(ep.start, MultiAgentEpisodeStart)
+    if isinstance(event, RewardDelta):
+        event_multi = bool(event.agent_id)
+    else:
+        event_multi = isinstance(event, (MultiAgentEpisodeStart, MultiAgentStepBatch))
+    if event_multi == multi:
+        return ""
+    kind = type(event).__name__ + (f"/{2 if event_multi else 1}" if isinstance(event, RewardDelta) else "")
+    return f"a {kind} for a {'multi' if multi else 'single'}-agent episode"
 
 
 # the assembler mixes this class in: imported after it is defined (either module may be imported first)

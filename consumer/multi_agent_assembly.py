@@ -274,6 +274,9 @@ class MultiAgentAssembly:
             if ended is not None:
                 return [_a.DeadLetter("duplicate-start", f"multi-agent episode {eid} already ended", offset)]
             return self._on_multi_agent_start(offset, event, now)
+        if ended is None and eid in self.evicted:  # ended early on this pass: its rest is dead-lettered
+            reason = self.evicted[eid]
+            return [_a.DeadLetter(reason, f"{type(event).__name__} for episode {eid}, ended early ({reason})", offset)]
         offsets = [self.committed.committed_offset(agent_episode_id(eid, a)) for a in event_agent_ids(event)]
         last = max((o for o in offsets if o is not None), default=None)
         if last is not None and offset <= last:

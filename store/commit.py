@@ -262,6 +262,7 @@ class ShardCommitter:
         for fe in episodes:
             by_policy[fe.policy_id].append(fe)
         todo = [eps for group in by_policy.values() for eps in self._encode(group, result.unwritable)]
+        todo = self._without_unwritable_siblings(todo, result.unwritable)
         while todo:
             # 1. encode the episodes into one Parquet shard, in memory (done above, and again
             #    for the rest after a conflict); an append of unknown outcome is retried as it
@@ -379,6 +380,31 @@ class ShardCommitter:
             except Exception:
                 pass
         return alone
+
+    def _without_unwritable_siblings(
+        self,
+        todo: list[tuple[list[FinishedEpisode], EncodedShard]],
+        unwritable: list[tuple[FinishedEpisode, str]],
+    ) -> list[tuple[list[FinishedEpisode], EncodedShard]]:
+        """A multi-agent episode one of whose agent rows is unwritable is unwritable whole: its
+        other rows join `unwritable` before anything is appended (no partial episode), and the
+        shards are encoded again without them."""
+        bad = {fe.multi_agent_episode_id for fe, _ in unwritable if isinstance(fe, FinishedAgentRow)}
+        if not bad:
+            return todo
+        out = []
+        for eps, shard in todo:
+            keep = [fe for fe in eps if not (isinstance(fe, FinishedAgentRow) and fe.multi_agent_episode_id in bad)]
+            for fe in eps:
+                if fe not in keep:
+                    unwritable.append(
+                        (fe, f"multi-agent episode {fe.multi_agent_episode_id}: a sibling row is unwritable")
+                    )
+            if len(keep) == len(eps):
+                out.append((eps, shard))
+            elif keep:
+                out += self._encode(keep, unwritable)
+        return out
 
     def _encode_one(self, eps: list[FinishedEpisode]) -> EncodedShard:
         """A shard of one policy's episodes: multi-agent rows in the version-2 ``episodes``

@@ -280,3 +280,29 @@ def test_a_start_is_counted_with_its_spaces_built():
     a = PartitionAssembler("t", 0, config=AssemblyConfig(max_episode_bytes=1_000_000))
     assert [d.reason for d in a.apply(0, start, now=0.0)] == ["episode-too-large"]
     assert a.open == {} and a.open_nbytes == 0
+
+
+def test_an_unwritable_agent_row_makes_its_episode_unwritable_whole(tmp_path):
+    from rlrec.consumer.service_letters import agent_row_records
+    from rlrec.store.commit import ShardCommitter
+    from rlrec.store.episodes import unpack_episode
+
+    a = PartitionAssembler("t", 0)
+    _apply(a, [_start("ma-u"), _batch("ma-u", 0, 2, last=True), _start("ma-ok"), _batch("ma-ok", 0, 1, last=True)])
+    rows = a.ready(force=True)
+    bad = next(r for r in rows if r.multi_agent_episode_id == "ma-u" and r.policy_id == "pol.m1")
+    bad.agent_episode.is_terminated = False  # a row the shard format refuses (not done)
+    c = ShardCommitter(str(tmp_path), topic="t", partition=0)
+    c.claim()
+    result = c.commit(rows, resume_offset=lambda eps: 0)
+    assert sorted((fe.multi_agent_episode_id, fe.policy_id) for fe, _ in result.unwritable) == [
+        ("ma-u", "pol.m0"),
+        ("ma-u", "pol.m1"),
+    ]
+    for r in rows:
+        assert (c.committed_offset(r.episode_id) is None) == (r.multi_agent_episode_id == "ma-u")
+    records = [rec for fe, _ in result.unwritable for rec in agent_row_records(fe)]
+    schemas = sorted(dict(h)["rlrec-schema"] for _, h in records)
+    assert schemas == [b"AgentEpisodeItem/1", b"AgentEpisodeItem/1", b"MultiAgentRecord/1"]
+    items = [unpack_episode(v) for v, h in records if dict(h)["rlrec-schema"] == b"AgentEpisodeItem/1"]
+    assert sorted(len(e) for e in items) == [2, 2]

@@ -16,6 +16,8 @@ between the two reads is caught by reading the published path again).
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
@@ -46,6 +48,31 @@ __all__ = [
 ]
 
 log = logging.getLogger("rlrec.store")
+
+
+#: tests only (tests/test_multi_agent_kill9.py): a marker file path; the first time an entry is
+#: appended while a sibling row of one of its multi-agent episodes is not committed yet, the
+#: process writes the episode id there and kills itself with SIGKILL (a crash between two
+#: modules' entries, deterministically)
+_KILL_BETWEEN_ENTRIES = "RLREC_TEST_KILL_BETWEEN_ENTRIES"
+
+
+def _kill_between_entries(eps: list[FinishedEpisode], committed: Callable[[str], int | None]) -> None:
+    """The `_KILL_BETWEEN_ENTRIES` fault hook, after `eps`' entry landed: `committed` answers
+    `ShardCommitter.committed_offset`."""
+    marker = os.environ[_KILL_BETWEEN_ENTRIES]
+    split = sorted(
+        fe.multi_agent_episode_id
+        for fe in eps
+        if isinstance(fe, FinishedAgentRow) and any(committed(sa.id_) is None for sa in fe.episode.rows.values())
+    )
+    if split and not os.path.exists(marker):
+        with open(marker, "w", encoding="utf-8") as f:
+            f.write(split[0])
+            f.flush()
+            os.fsync(f.fileno())
+        os.kill(os.getpid(), signal.SIGKILL)
+
 
 #: newest event schema version per kind, recorded in every shard entry
 EVENT_SCHEMA_VERSIONS = dict(sorted(load_schemas()))
@@ -316,6 +343,8 @@ class ShardCommitter:
             except Exception as e:
                 self._pending[entry.seq] = (entry, shard.data)
                 log.error("partition %d: publish of %s failed (%s); retried next cycle", self.partition, path, e)
+            if _KILL_BETWEEN_ENTRIES in os.environ:
+                _kill_between_entries(eps, self.committed_offset)
         return result
 
     def publish_pending(self, *, force: bool = False) -> int:

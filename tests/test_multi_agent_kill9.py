@@ -2,10 +2,12 @@
 (real broker, the real consumer process): after restarts every multi-agent episode is stored
 exactly once (each agent row once, whole episodes equal to RLlib's replay), and a reader
 opened between two commits never sees a partial episode. Agents of one episode map to two
-modules, so an episode's rows are two shard commits: a kill may land between them."""
+modules, so an episode's rows are two shard commits: a kill may land between them, and one kill
+(the committer's test fault hook) certainly does."""
 
 from __future__ import annotations
 
+import os
 import random
 import signal
 import subprocess
@@ -14,6 +16,7 @@ import time
 
 import pytest
 
+import rlrec
 from rlrec.store.manifest import read_manifest
 from rlrec.store.storage import Storage
 from tests.helpers import wait_for
@@ -45,8 +48,6 @@ def _wave(i: int) -> list:
 
 def _no_partial_episode(output: str, by_id: dict) -> int:
     """Every episode a reader sees now is whole: equal to the reference of its recording."""
-    import rlrec
-
     n = 0
     for ep in rlrec.open(output).multi_agent_episodes():
         assert_same(comparable_state(ep), comparable_state(by_id[ep.id_][1]), ep.id_)
@@ -68,7 +69,7 @@ def test_kill9_keeps_every_multi_agent_episode_exactly_once(broker, topic, tmp_p
     produced = threading.Event()
 
     def produce():
-        for i in range(40):
+        for i in range(200):  # until the kills are done (at least 8 waves)
             if i >= 8 and kills_done.is_set():
                 break
             recs = [recordable(r) for r in _wave(i)]
@@ -95,6 +96,19 @@ def test_kill9_keeps_every_multi_agent_episode_exactly_once(broker, topic, tmp_p
             kills += 1
             reads += _no_partial_episode(output, by_id)  # a reader between two commits
             proc = subprocess.Popen(_consume_cmd(cfg), stdout=log, stderr=log)
+        # and one kill certainly between two modules' entries of one episode: the committer's
+        # fault hook kills the process right after the first of them landed
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+        marker = tmp_path / "split-episode"
+        env = {**os.environ, "RLREC_TEST_KILL_BETWEEN_ENTRIES": str(marker)}
+        proc = subprocess.Popen(_consume_cmd(cfg), stdout=log, stderr=log, env=env)
+        assert proc.wait(120) == -signal.SIGKILL and marker.exists()
+        split_id = marker.read_text()
+        snapshot = rlrec.open(output).multi_agent_episodes()
+        assert split_id not in {ep.id_ for ep in snapshot} and snapshot.partial >= 1  # a module's row only
+        kills += 1
+        proc = subprocess.Popen(_consume_cmd(cfg), stdout=log, stderr=log)
         kills_done.set()
         assert produced.wait(300)
         want = expected_rows(sent)
@@ -105,7 +119,8 @@ def test_kill9_keeps_every_multi_agent_episode_exactly_once(broker, topic, tmp_p
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
-    assert kills == 4 and reads > 0 and len(sent) >= 80
+    assert kills == 5 and reads > 0 and len(sent) >= 80
+    assert split_id in {ep.id_ for ep in rlrec.open(output).multi_agent_episodes()}  # whole after the restart
     ids = [i for e in read_manifest(storage) if e.format_version == 2 for i in e.episode_ids]
     assert len(ids) == len(set(ids)) == expected_rows(sent)  # every agent row exactly once
     assert_store_equals_reference(output, sent)

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from rlrec.consumer.multi_agent_assembly import MultiAgentAssembly, batch_nbytes
 from rlrec.producer.bounded import OldestHalfDict
 from rlrec.producer.events import (
     DecodeError,
@@ -37,11 +38,13 @@ from rlrec.producer.events import (
     StepBatch,
     check_leaves,
     check_values,
-    encode,
     info_nbytes,
 )
+from rlrec.producer.multi_agent_events import MultiAgentEpisodeStart, MultiAgentStepBatch
+from rlrec.producer.multi_agent_events import encode_event as encode
 from rlrec.producer.spaces import Leaf, space_leaves
 from rlrec.store.finished import EMPTY_INFO, FinishedEpisode
+from rlrec.store.multi_agent_finished import FinishedAgentRow
 
 __all__ = [
     "CONSUMER_REASONS",
@@ -72,6 +75,8 @@ CONSUMER_REASONS = {
     "episode-too-large": "an open episode over max_episode_bytes (with on_episode_too_large='dead-letter')",
     "unwritable": "a finished episode the shard format cannot encode (found when its shard was written)",
     "internal": "data that made rlrec's own code fail (the exception class is in the detail): a bug to report",
+    "kind-mismatch": "a single-agent event for a multi-agent episode, or a multi-agent event for a single-agent one",
+    "id-collision": "a multi-agent episode whose agent row id is the id of another episode read or committed",
 }
 
 #: --validate-spaces: what an event is checked against before it is applied
@@ -211,6 +216,10 @@ class OpenEpisode:
     extra_layout: dict[str, tuple[np.dtype, tuple[int, ...]]] | None = None
     nbytes: int = 0
     decided_at: float | None = None  # when a decision for it was produced (not yet read back)
+    #: a multi-agent episode some of whose agent rows are committed (a replay): no limit
+    #: re-judges it, its remaining rows are owed (docs/GUARANTEES.md, "Multi-agent episodes
+    #: exactly once")
+    owed: bool = False
 
 
 def _batch_nbytes(b: StepBatch) -> int:
@@ -220,6 +229,11 @@ def _batch_nbytes(b: StepBatch) -> int:
     if b.infos is not None:
         n += sum(info_nbytes(i) for i in b.infos if i)
     return n
+
+
+def _held_nbytes(b: StepBatch | MultiAgentStepBatch) -> int:
+    """Memory a step batch of either kind holds."""
+    return batch_nbytes(b) if isinstance(b, MultiAgentStepBatch) else _batch_nbytes(b)
 
 
 def _start_nbytes(ev: EpisodeStart) -> int:
@@ -240,7 +254,7 @@ def _space_nbytes(space: Any) -> int:
     return n
 
 
-class PartitionAssembler:
+class PartitionAssembler(MultiAgentAssembly):
     """Applies one partition's events in offset order.
 
     Guarantees: an episode is handed out (`take_ready`) at most once and only when complete;
@@ -272,6 +286,9 @@ class PartitionAssembler:
         self.finished: dict[str, FinishedEpisode] = {}  # in finish order
         self.in_flight: dict[str, FinishedEpisode] = {}  # handed out, commit not yet confirmed
         self.evicted: OldestHalfDict = OldestHalfDict(100_000)  # episode id -> reason
+        #: multi-agent episode id -> its env steps, for those that ended on this pass (their rows
+        #: are keyed by agent episode id in `finished` and `in_flight`)
+        self.multi_agent_ended: OldestHalfDict = OldestHalfDict(100_000)
         #: episode id -> offset of the latest dead letter made from its events while it was open
         #: or finished (see `may_write`)
         self.letters_upto: dict[str, int] = {}
@@ -312,7 +329,7 @@ class PartitionAssembler:
         committed episode up to its shard's last offset, dead-lettered ones included: so an
         episode whose own events made dead letters waits until they are all acknowledged, else
         the next owner would skip, not re-send, a dead letter that was never delivered."""
-        upto = self.letters_upto.get(fe.episode_id)
+        upto = self.letters_upto.get(getattr(fe, "multi_agent_episode_id", fe.episode_id))
         return upto is None or first_unacked is None or upto < first_unacked
 
     def _apply(self, offset: int, event: Any, now: float | None) -> list[DeadLetter]:
@@ -325,6 +342,9 @@ class PartitionAssembler:
             decision = parse_decision(event.reason)
             if decision is not None:
                 return self._on_decision(offset, event, *decision, now=now)
+
+        if isinstance(event, (MultiAgentEpisodeStart, MultiAgentStepBatch)) or self._multi_agent(event):
+            return self._apply_multi_agent(offset, event, now)
 
         last = self.committed.committed_offset(eid)
         if last is not None:
@@ -368,6 +388,8 @@ class PartitionAssembler:
             raise TypeError(type(event))
 
         fe = self.finished.get(eid) or self.in_flight.get(eid)
+        if isinstance(fe, FinishedAgentRow):
+            return [DeadLetter("kind-mismatch", f"{type(event).__name__}: {eid} is an agent row id", offset)]
         if fe is not None:
             if isinstance(event, RewardDelta):
                 if eid in self.in_flight:  # being written right now: too late for this shard
@@ -394,6 +416,10 @@ class PartitionAssembler:
     def _on_start(self, offset: int, ev: EpisodeStart, now: float) -> list[DeadLetter]:
         h = _start_hash(ev)
         ep = self.open.get(ev.episode_id)
+        if isinstance(self.finished.get(ev.episode_id) or self.in_flight.get(ev.episode_id), FinishedAgentRow):
+            return [
+                DeadLetter("id-collision", f"episode {ev.episode_id} is an agent row of a multi-agent episode", offset)
+            ]
         if ep is not None or ev.episode_id in self.finished or ev.episode_id in self.in_flight:
             same = ep.start_hash == h if ep is not None else True
             if same:
@@ -488,6 +514,8 @@ class PartitionAssembler:
             return self._dead_letter_episode(
                 ep, "empty-episode", f"episode {eid} ended ({reason}) before its first step"
             )
+        if isinstance(ep.start, MultiAgentEpisodeStart):
+            return self._finish_multi_agent(ep, aborted=truncated, ended_ms=ended_ms, now=now)
         try:
             fe = _build(ep, terminated, truncated, ended_ms, now)
         except Exception as e:  # a data case the checks above missed: the episode, not the consumer
@@ -562,8 +590,8 @@ class PartitionAssembler:
             else:
                 value, headers = encode(b)
                 out.append(DeadLetter(reason, f"after the cut at t={cut_t}", o, eid.encode(), value, headers))
-                ep.nbytes -= _batch_nbytes(b)
-                self.open_nbytes -= _batch_nbytes(b)
+                ep.nbytes -= _held_nbytes(b)
+                self.open_nbytes -= _held_nbytes(b)
         ep.batches, ep.batch_offsets = keep_b, keep_o
         ep.t = sum(b.n for b in keep_b)
         keep_r, keep_ro = [], []
@@ -589,8 +617,10 @@ class PartitionAssembler:
         the episode the same way) and the dead letters."""
         now = time.time() if now is None else now
         ep = self.open[eid]
-        if action == "dead-letter":
-            return Decision(eid, reason, action), self.evict(eid, reason, truncate=False)
+        if action == "dead-letter" or isinstance(ep.start, MultiAgentEpisodeStart):
+            # a multi-agent episode is never cut by a limit: its rows could be committed before
+            # the decision is durable, and a replay could end it differently
+            return Decision(eid, reason, "dead-letter"), self.evict(eid, reason, truncate=False)
         self.counters.evicted += 1
         decision = Decision(eid, reason, action, cut_t=ep.t)
         self._remember_evicted(eid, reason)
@@ -676,14 +706,23 @@ class PartitionAssembler:
         """These handed-out episodes are committed (`committed` answers for them from now on)."""
         for fe in episodes:
             self.in_flight.pop(fe.episode_id, None)
-            self.letters_upto.pop(fe.episode_id, None)
+            self._forget_letters(fe)
 
     def drop_unwritable(self, fe: FinishedEpisode) -> None:
         """A handed-out episode the shard format cannot encode (dead-lettered by the caller): it
         leaves for good; its later events are dead-lettered `unwritable` too."""
         self.in_flight.pop(fe.episode_id, None)
-        self.letters_upto.pop(fe.episode_id, None)
+        self._forget_letters(fe)
         self._remember_evicted(fe.episode_id, "unwritable")
+
+    def _forget_letters(self, fe: FinishedEpisode) -> None:
+        """`letters_upto` of an episode gone from this assembler: a single-agent episode's, or a
+        multi-agent episode's once none of its agent rows is still finished or handed out."""
+        self.letters_upto.pop(fe.episode_id, None)
+        if isinstance(fe, FinishedAgentRow):
+            siblings = [r.id_ for r in fe.episode.rows.values()]
+            if not any(s in self.finished or s in self.in_flight for s in siblings):
+                self.letters_upto.pop(fe.multi_agent_episode_id, None)
 
     def give_back(self, episodes: Iterable[FinishedEpisode]) -> None:
         """A write failed: the episodes wait for the next attempt (rewards apply again)."""

@@ -74,11 +74,15 @@ class ConsumerConfig:
         "the longest-idle is evicted as --on-capacity says",
     )
     on_capacity: OnOverflow = option(
-        "dead-letter", help="what eviction does: dead-letter (reason capacity) or truncate"
+        "dead-letter",
+        help="what eviction does: dead-letter (reason capacity) or truncate (single-agent episodes; a "
+        "multi-agent one is dead-lettered)",
     )
     max_episode_bytes: int = option(64 * 1024 * 1024, help="memory budget of one open episode")
     on_episode_too_large: OnOverflow = option(
-        "dead-letter", help="an episode over --max-episode-bytes: dead-letter (reason episode-too-large) or truncate"
+        "dead-letter",
+        help="an episode over --max-episode-bytes: dead-letter (reason episode-too-large) or truncate "
+        "(single-agent episodes; a multi-agent one is dead-lettered)",
     )
     validate_spaces: Literal["strict", "shape", "off"] = option(
         "strict",

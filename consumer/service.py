@@ -56,7 +56,8 @@ from rlrec.consumer.summary import ProgressLog
 from rlrec.consumer.topics import check_reachable, client_settings, create_topics, describe_kafka_error, kafka_logger
 from rlrec.consumer.writer import PartitionWriter, Rotation
 from rlrec.errors import UsageError
-from rlrec.producer.events import DecodeError, decode
+from rlrec.producer.events import DecodeError
+from rlrec.producer.multi_agent_events import decode_event
 from rlrec.producer.registry import RegistryUnavailable
 from rlrec.store.episodes import import_episode_classes
 from rlrec.store.retry import RetrySchedule
@@ -407,7 +408,7 @@ class RecorderConsumer(PartitionsMixin, DeadLettersMixin, MemoryBoundsMixin, Res
         value = m.value()
         self.metrics.bytes_in.inc(len(value) if value else 0)
         try:
-            event = decode(
+            event = decode_event(
                 value, m.headers(), max_bytes=self.config.max_message_bytes, registry=self.registry, key=m.key()
             )
         except DecodeError as e:  # data

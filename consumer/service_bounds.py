@@ -41,7 +41,7 @@ class MemoryBoundsMixin:
             (ep.last_event_at, p, eid, ep.nbytes)
             for p, a in assemblers
             for eid, ep in a.open.items()
-            if not going_soon(ep)
+            if not going_soon(ep) and not ep.owed
         )
         over_count = count - cfg.max_open_episodes
         if nbytes <= cfg.max_open_bytes:

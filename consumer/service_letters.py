@@ -13,6 +13,8 @@ from typing import Any
 from rlrec.consumer.assembly import DeadLetter, Decision, finished_events
 from rlrec.consumer.dead_letters import dead_letter_record
 from rlrec.producer.events import encode
+from rlrec.store.episodes import pack_episode
+from rlrec.store.multi_agent_finished import FinishedAgentRow
 
 log = logging.getLogger("rlrec.consumer")
 
@@ -46,7 +48,11 @@ class DeadLettersMixin:
         """Dead-letter a finished episode that cannot be written: its events, re-encoded."""
         eid = fe.episode_id
         try:
-            records = [encode(ev) for ev in finished_events(fe)]
+            records = (
+                agent_row_records(fe)
+                if isinstance(fe, FinishedAgentRow)
+                else [encode(ev) for ev in finished_events(fe)]
+            )
         except Exception as e:  # not even re-encodable: a summary, so the DLQ still says what was lost
             summary = {"episode_id": eid, "steps": fe.length, "error": f"{type(e).__name__}: {e}"[:500]}
             records = [(json.dumps(summary).encode(), [])]
@@ -78,3 +84,24 @@ class DeadLettersMixin:
         """Partition p's first dead letter the broker has not acknowledged (None: none): the
         offset commit stops there, and episodes with dead letters after it wait to be written."""
         return self.dlq.min_unacked(p) if self.dlq is not None else None
+
+
+def agent_row_records(row: FinishedAgentRow) -> list[tuple[bytes, list[tuple[str, bytes]]]]:
+    """An unwritable agent row as dead-letter records: its agent episode packed as its shard
+    row's ``item`` would be (`rlrec.store.episodes.pack_episode`), and, with the episode's first
+    agent's row, the multi-agent record (``multi_agent_record``): with every row of the episode
+    dead-lettered (`ShardCommitter` makes a row's siblings unwritable with it), the episode is
+    whole in the DLQ.
+
+    Args:
+        row: the unwritable `FinishedAgentRow`.
+
+    Example:
+        >>> # see tests/test_multi_agent_replay_rules.py (an unwritable agent row)
+    """
+    ma_id = row.multi_agent_episode_id.encode()
+    head = [("rlrec-multi-agent-episode-id", ma_id), ("rlrec-agent-id", row.agent_id.encode()[:256])]
+    out = [(pack_episode(row.agent_episode), [("rlrec-schema", b"AgentEpisodeItem/1"), *head])]
+    if row.agent_id == next(iter(row.episode.rows)):
+        out.append((row.episode.record, [("rlrec-schema", b"MultiAgentRecord/1"), *head]))
+    return out

@@ -2,9 +2,11 @@
 
 from rlrec.producer import EpisodeRecorder, RecordingWrapper      # or: from rlrec import ...
 from rlrec.producer import RecordingVectorWrapper                 # a gymnasium vector env
+from rlrec.producer import MultiAgentRecordingWrapper             # PettingZoo, RLlib MultiAgentEnv
 """
 
 from rlrec.producer.events import DecodeError, EpisodeAbort, EpisodeStart, RewardDelta, StepBatch, decode, encode
+from rlrec.producer.multi_agent_wrapper import MultiAgentRecordingWrapper
 from rlrec.producer.recorder import (
     EpisodeRecorder,
     RecorderClosed,
@@ -21,6 +23,7 @@ __all__ = [
     "EpisodeAbort",
     "EpisodeRecorder",
     "EpisodeStart",
+    "MultiAgentRecordingWrapper",
     "RecorderClosed",
     "RecorderForkedError",
     "RecorderFullError",

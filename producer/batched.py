@@ -87,6 +87,8 @@ class BatchedCalls:
         """
         if self._unusable:
             self._check_usable()
+        if self._multi_agent_only:
+            raise TypeError(_r._MULTI_AGENT_ONLY)
         packer = self._obs
         if (
             infos is None
@@ -390,6 +392,8 @@ class BatchedCalls:
                         raise
                     if len(set(ids)) != m:
                         raise ValueError("episode_ids names an episode twice; log its steps in separate calls")
+                    if self._ma_open and any(type(e) is not _r._Episode for e in eps):  # before anything counts
+                        raise next(e for e in eps if type(e) is not _r._Episode).wrong_call()
                     keys = {}
                     if extras[0] is not None or extras.count(None) != m:  # some outputs given
                         ts = list(map(_r._t_of, eps))

@@ -1,4 +1,5 @@
-"""The event contract: four Avro record kinds, their encoding and their safe decoding.
+"""The event contract: the four single-agent Avro record kinds, their encoding and their safe
+decoding (the multi-agent kinds: `rlrec.producer.multi_agent_events`).
 
 Wire format (docs/FORMAT.md):
   * Kafka key   = episode id, UTF-8. All events of an episode go to one partition, in order.
@@ -88,6 +89,8 @@ DECODE_REASONS = {
     "extra-output-mismatch": "an extra model output whose dtype or trailing shape differs from the episode's first batch",
     "out-of-space": "an action outside the declared action space (Discrete/MultiDiscrete/MultiBinary range)",
     "non-finite-value": "an observation or action with NaN or infinite values",
+    "unknown-agent": "a multi-agent value for an agent that is not among the episode's possible agents",
+    "out-of-order": "a multi-agent event out of sequence (no start first, a gap in env steps, a step after the end)",
 }
 
 #: `policy_id` names a directory of the output: one safe path component, never hidden or reserved
@@ -131,14 +134,21 @@ def _latest() -> dict[str, tuple[int, dict]]:
     return latest
 
 
+#: kinds whose producers write an older version than the newest one by default: a single-agent
+#: `RewardDelta` stays version 1 (version 2 adds the multi-agent `agent_id`)
+_WRITE_VERSION = {"RewardDelta": 1}
+
+
 def schema_version(kind: str) -> int:
-    """The newest shipped version of an event kind (what producers write)."""
-    return _latest()[kind][0]
+    """The version producers write for an event kind: the newest shipped one, except where
+    `_WRITE_VERSION` keeps an older one (single-agent `RewardDelta` is version 1)."""
+    return _WRITE_VERSION.get(kind) or _latest()[kind][0]
 
 
-def schema_header(kind: str) -> list[tuple[str, bytes]]:
-    """The header list for a kind at the newest version (reuse it: it is immutable by convention)."""
-    return [(SCHEMA_HEADER, f"{kind}/{_latest()[kind][0]}".encode())]
+def schema_header(kind: str, version: int | None = None) -> list[tuple[str, bytes]]:
+    """The header list for a kind at `version` (default: `schema_version(kind)`); reuse it: it is
+    immutable by convention."""
+    return [(SCHEMA_HEADER, f"{kind}/{version or schema_version(kind)}".encode())]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -307,12 +317,14 @@ class StepBatch:
 
 @dataclass
 class RewardDelta:
-    """A delayed reward, added to step `t` of the episode."""
+    """A delayed reward, added to step `t` of the episode (in a multi-agent episode: to
+    `agent_id`'s reward at env step `t`; single-agent deltas have ``agent_id == ""``)."""
 
     episode_id: str
     t: int
     reward: float
     timestamp_ms: int = 0
+    agent_id: str = ""
     KIND = "RewardDelta"
 
 
@@ -334,10 +346,11 @@ _KINDS = {c.KIND: c for c in (EpisodeStart, StepBatch, RewardDelta, EpisodeAbort
 # encoding
 
 
-def encode_record(kind: str, record: dict) -> bytes:
-    """Avro body of a raw record dict of `kind` (the producer's fast path)."""
+def encode_record(kind: str, record: dict, version: int | None = None) -> bytes:
+    """Avro body of a raw record dict of `kind` at `version` (default: `schema_version(kind)`),
+    the producer's fast path."""
     buf = io.BytesIO()
-    fastavro.schemaless_writer(buf, _latest()[kind][1], record)
+    fastavro.schemaless_writer(buf, load_schemas()[(kind, version or schema_version(kind))], record)
     return buf.getvalue()
 
 
@@ -375,20 +388,25 @@ def _to_record(ev: Event) -> dict:
             "timestamp_ms": int(ev.timestamp_ms),
         }
     if isinstance(ev, RewardDelta):
-        return {
+        rec = {
             "episode_id": ev.episode_id,
             "t": int(ev.t),
             "reward": float(ev.reward),
             "timestamp_ms": int(ev.timestamp_ms),
         }
+        if ev.agent_id:
+            rec["agent_id"] = ev.agent_id
+        return rec
     if isinstance(ev, EpisodeAbort):
         return {"episode_id": ev.episode_id, "reason": ev.reason, "timestamp_ms": int(ev.timestamp_ms)}
     raise TypeError(f"not an event: {type(ev).__name__}")
 
 
 def encode(ev: Event) -> tuple[bytes, list[tuple[str, bytes]]]:
-    """(value, headers) of an event; the key is `ev.episode_id.encode()`."""
-    return encode_record(ev.KIND, _to_record(ev)), schema_header(ev.KIND)
+    """(value, headers) of an event; the key is `ev.episode_id.encode()`. A `RewardDelta` with an
+    `agent_id` is written as version 2, one without as version 1."""
+    version = 2 if isinstance(ev, RewardDelta) and ev.agent_id else None
+    return encode_record(ev.KIND, _to_record(ev), version), schema_header(ev.KIND, version)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -610,6 +628,9 @@ def decode(
             raise DecodeError("bad-value", f"negative t {rec['t']}")
         if not math.isfinite(rec["reward"]):
             raise DecodeError("non-finite-reward", f"episode {eid} t={rec['t']}: {rec['reward']}")
-        return RewardDelta(eid, rec["t"], rec["reward"], ts)
+        agent_id = rec["agent_id"]
+        if agent_id:
+            _id(agent_id, "agent_id")
+        return RewardDelta(eid, rec["t"], rec["reward"], ts, agent_id)
 
     return EpisodeAbort(eid, rec["reason"], ts)

@@ -68,6 +68,7 @@ from rlrec.producer.events import (
     schema_version,
 )
 from rlrec.producer.kafka_log import kafka_logger, repeat_limited
+from rlrec.producer.multi_agent_recorder import MultiAgentCalls
 from rlrec.producer.spaces import Leaf, dumps_space, flatten_value, space_leaves
 
 __all__ = [
@@ -100,6 +101,12 @@ _WAIT_S = 0.005
 _RECORD_OVERHEAD = 64
 
 _recorders: weakref.WeakSet[EpisodeRecorder] = weakref.WeakSet()
+#: the spaces of a recorder created without any (multi-agent episodes only); never recorded
+_NO_SPACE = gs.Discrete(1)
+_MULTI_AGENT_ONLY = (
+    "this recorder was created without observation_space and action_space: it records multi-agent "
+    "episodes only (begin_multi_agent_episode)"
+)
 _monotonic = time.monotonic
 #: what `EpisodeRecorder.close()` waits for delivery at most when given no timeout, in seconds: a
 #: service shutting down with its broker unreachable is not held up longer than this
@@ -445,7 +452,7 @@ class _Episode:
         self.dropping = False  # on_overflow="drop" dropped it: its further records are dropped too
 
 
-class EpisodeRecorder(BatchedCalls):
+class EpisodeRecorder(BatchedCalls, MultiAgentCalls):
     """Publishes the episodes of one policy to a Kafka topic as rlrec events.
 
     Guarantees: every record is either delivered to the broker (idempotent producer, acks=all),
@@ -474,8 +481,9 @@ class EpisodeRecorder(BatchedCalls):
         topic: the topic every event goes to.
         policy_id: names the policy (the consumer files episodes under it).
         policy_version: version of the policy that acts; only grows (also per episode).
-        observation_space: gymnasium space of the observations (required).
-        action_space: gymnasium space of the actions (required).
+        observation_space: gymnasium space of the observations (required, unless the recorder
+            records multi-agent episodes only: give neither space then).
+        action_space: gymnasium space of the actions (required, as `observation_space`).
         env_id: names the environment.
         kafka_config: librdkafka settings added to (or overriding) the recorder's; librdkafka's own log
             lines go to the `logging` logger ``rlrec.librdkafka`` (WARNING and up, each distinct line
@@ -528,10 +536,15 @@ class EpisodeRecorder(BatchedCalls):
         on_delivery_error: Callable[[KafkaError, str, int], None] | None = None,
         schema_registry_url: str | None = None,
     ):
-        if observation_space is None or action_space is None:
+        if (observation_space is None) != (action_space is None):
             raise TypeError(
-                "observation_space and action_space are required (the consumer rebuilds episodes with them)"
+                "observation_space and action_space are required (the consumer rebuilds episodes with them); "
+                "give neither for a recorder of multi-agent episodes only"
             )
+        #: no spaces given: only multi-agent episodes (their spaces come with each episode)
+        self._multi_agent_only = observation_space is None
+        if self._multi_agent_only:
+            observation_space = action_space = _NO_SPACE
         if on_overflow not in ("block", "drop", "raise"):
             raise ValueError(f"on_overflow must be 'block', 'drop' or 'raise', got {on_overflow!r}")
         for check, value in ((check_policy_id, policy_id), (check_env_id, env_id)):
@@ -559,9 +572,10 @@ class EpisodeRecorder(BatchedCalls):
         if schema_registry_url:
             from rlrec.producer.registry import SchemaRegistry, frame
 
-            reg = SchemaRegistry(schema_registry_url)
+            reg = self._registry = SchemaRegistry(schema_registry_url)
             self._wire = {k: (frame(reg.schema_id(k, schema_version(k)), b""), None) for k in _KINDS}
         else:
+            self._registry = None
             self._wire = {k: (b"", schema_header(k)) for k in _KINDS}
         self._obs = _Packer(observation_space, "observation")
         self._act = _Packer(action_space, "action")
@@ -606,6 +620,7 @@ class EpisodeRecorder(BatchedCalls):
         self._in_close = False
         self._episodes: dict[str, _Episode] = {}
         self._finished = OldestHalfDict(10_000)  # recent finished episode -> length, for log_reward checks
+        self._ma_open = 0  # open multi-agent episodes (log_steps checks episode kinds only when some are)
         self._delivered = self._failed = self._dropped = 0  # produced = delivered + failed + buffered
         self._buffered = 0
         self._episodes_begun = 0
@@ -677,6 +692,8 @@ class EpisodeRecorder(BatchedCalls):
             RecorderFullError: `on_overflow="raise"` and the buffer is full.
         """
         self._check_usable()
+        if self._multi_agent_only:
+            raise TypeError(_MULTI_AGENT_ONLY)
         version = self._policy_version if policy_version is None else self._check_version(policy_version)
         if self.validate_spaces and not self.observation_space.contains(observation):
             raise ValueError(f"observation {observation!r:.200} is not in {self.observation_space}")
@@ -865,6 +882,8 @@ class EpisodeRecorder(BatchedCalls):
                         raise RecorderClosed("the recorder is closed")
                     ep = self._episodes.get(episode_id)
                     length = ep.t if ep is not None else self._finished.get(episode_id)
+                    if length is not None and type(length) is not int:  # a finished multi-agent episode
+                        raise ValueError(f"episode {episode_id!r} is a multi-agent episode: use log_multi_agent_reward")
                     if length is not None and t >= length:
                         raise ValueError(f"episode {episode_id} has {length} steps; no step t={t}")
                     if ep is not None and t >= ep.t0 and not ep.dropping:
@@ -1122,6 +1141,8 @@ class EpisodeRecorder(BatchedCalls):
                     log.error("%s", e)
 
     def _emit(self, ep: _Episode, terminated: bool, truncated: bool) -> None:
+        if type(ep) is not _Episode:  # a multi-agent episode (producer/multi_agent_recorder.py)
+            return self._ma_emit(ep, terminated or truncated)
         n = len(ep.steps) // _STEP_FIELDS
         t0, t1 = ep.t0, ep.t
         try:
@@ -1230,7 +1251,8 @@ class EpisodeRecorder(BatchedCalls):
 
     def _abort(self, ep: _Episode, reason: str) -> None:
         if ep.dropping:
-            self._episodes.pop(ep.id, None)
+            if self._episodes.pop(ep.id, None) is not None and type(ep) is not _Episode:
+                self._ma_open -= 1
             return
         if ep.steps:
             self._emit(ep, False, False)  # raises after aborting the episode itself when it fails
@@ -1241,6 +1263,8 @@ class EpisodeRecorder(BatchedCalls):
 
     def _abort_dropping(self, ep: _Episode) -> None:
         """An episode hit the full buffer in drop mode: discard its unsent steps, close what was sent."""
+        if type(ep) is not _Episode:
+            return self._ma_abort_dropping(ep)
         n = len(ep.steps) // _STEP_FIELDS
         ep.dropping = True
         ep.steps, ep.reward_adds = [], {}
@@ -1250,8 +1274,9 @@ class EpisodeRecorder(BatchedCalls):
         self._send(ep.id, encode_record("EpisodeAbort", rec), "EpisodeAbort", 1, 1)
 
     def _end(self, ep: _Episode) -> None:
-        self._episodes.pop(ep.id, None)
-        self._finished[ep.id] = ep.t
+        if self._episodes.pop(ep.id, None) is not None and type(ep) is not _Episode:
+            self._ma_open -= 1
+        self._finished[ep.id] = ep.t if type(ep) is _Episode else ep.finished()
 
     def _send(self, key: str, value: bytes, kind: str, records: int, new: int) -> None:
         """Hand one message of `records` records to librdkafka; `new` of them are counted as
@@ -1442,7 +1467,10 @@ class EpisodeRecorder(BatchedCalls):
                 self._busy = True
                 try:
                     if due(ep) and self._episodes.get(ep.id) is ep:  # not sent, ended or dropped meanwhile
-                        big = len(ep.steps) // _STEP_FIELDS * (self._step_bytes or 0) >= _YIELD_BYTES
+                        if type(ep) is _Episode:
+                            big = len(ep.steps) // _STEP_FIELDS * (self._step_bytes or 0) >= _YIELD_BYTES
+                        else:  # a multi-agent episode counts its buffered bytes
+                            big = ep.nbytes >= _YIELD_BYTES
                         try:
                             self._emit(ep, False, False)
                         except ValueError as e:

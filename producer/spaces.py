@@ -42,6 +42,7 @@ __all__ = [
     "loads_space",
     "per_space",
     "space_from_json",
+    "space_json_nbytes",
     "space_leaves",
     "space_to_json",
     "unflatten_leaves",
@@ -93,15 +94,30 @@ def _dtype_name(dtype: Any) -> str:
     return dt.name
 
 
-def space_to_json(space: gs.Space) -> dict:
-    """Describe a gymnasium space as JSON-compatible data (see module docstring)."""
+def _bound(a: np.ndarray, compact: bool) -> list:
+    """A Box bound as a flat list; with `compact`, one value when every element equals it."""
+    a = np.asarray(a)
+    if compact and a.size > 1:
+        first = a.reshape(-1)[:1]
+        same = np.isnan(a).all() if np.isnan(first).any() else (a == first).all()
+        if same:
+            return _flat(first)
+    return _flat(a)
+
+
+def space_to_json(space: gs.Space, compact: bool = False) -> dict:
+    """Describe a gymnasium space as JSON-compatible data (see module docstring).
+
+    With `compact`, a Box bound whose elements are all equal is written as one value (``[0]``
+    for an image's low): the form multi-agent events use, read with ``broadcast=True``.
+    """
     if isinstance(space, gs.Box):
         return {
             "type": "Box",
             "shape": list(space.shape),
             "dtype": _dtype_name(space.dtype),
-            "low": _flat(space.low),
-            "high": _flat(space.high),
+            "low": _bound(space.low, compact),
+            "high": _bound(space.high, compact),
         }
     if isinstance(space, gs.Discrete):
         return {"type": "Discrete", "n": int(space.n), "start": int(space.start), "dtype": _dtype_name(space.dtype)}
@@ -116,17 +132,18 @@ def space_to_json(space: gs.Space) -> dict:
     if isinstance(space, gs.MultiBinary):
         return {"type": "MultiBinary", "shape": list(space.shape), "dtype": _dtype_name(space.dtype)}
     if isinstance(space, gs.Dict):
-        return {"type": "Dict", "spaces": [[str(k), space_to_json(v)] for k, v in space.spaces.items()]}
+        return {"type": "Dict", "spaces": [[str(k), space_to_json(v, compact)] for k, v in space.spaces.items()]}
     if isinstance(space, gs.Tuple):
-        return {"type": "Tuple", "spaces": [space_to_json(s) for s in space.spaces]}
+        return {"type": "Tuple", "spaces": [space_to_json(s, compact) for s in space.spaces]}
     raise SpaceError(
         f"space type {type(space).__name__} is not supported; use Box, Discrete, MultiDiscrete, "
         "MultiBinary, Dict or Tuple"
     )
 
 
-def dumps_space(space: gs.Space) -> str:
-    return json.dumps(space_to_json(space), separators=(",", ":"), allow_nan=False)
+def dumps_space(space: gs.Space, compact: bool = False) -> str:
+    """The space JSON text of `space` (`compact`: see `space_to_json`)."""
+    return json.dumps(space_to_json(space, compact), separators=(",", ":"), allow_nan=False)
 
 
 class per_space:
@@ -207,8 +224,10 @@ def _shape(v: Any, what: str) -> tuple[int, ...]:
     return tuple(v)
 
 
-def _array(v: Any, shape: tuple[int, ...], dtype: Any, what: str) -> np.ndarray:
+def _array(v: Any, shape: tuple[int, ...], dtype: Any, what: str, broadcast: bool = False) -> np.ndarray:
     dtype = np.dtype(dtype)  # callers pass dtypes and scalar types (np.int64) alike
+    if broadcast and isinstance(v, list) and len(v) == 1 and math.prod(shape) != 1:
+        return np.broadcast_to(_array(v, (), dtype, what), shape)
     if not isinstance(v, list) or len(v) != math.prod(shape):
         raise SpaceError(f"{what}: expected a flat list of {math.prod(shape)} values")
     vals = [_unnum(x, what) for x in v]
@@ -228,8 +247,36 @@ def _dtype(v: Any, what: str) -> np.dtype:
     return np.dtype(v)
 
 
-def space_from_json(d: Any, _depth: int = 0) -> gs.Space:
-    """Rebuild a gymnasium space from its JSON description; raises `SpaceError` on bad input."""
+def space_json_nbytes(d: Any, _depth: int = 0) -> int:
+    """Bytes the arrays of the space `d` (parsed JSON) cost once built, counted from the shapes
+    alone, before anything is built: Box 2 bounds of its dtype plus 2 boolean masks, MultiDiscrete
+    nvec and start as int64. A budget checked with this bounds what a compact text (one value
+    per bound, see `space_to_json`) can make a reader allocate. SpaceError on a malformed shape."""
+    if _depth > MAX_SPACE_DEPTH:
+        raise SpaceError("space nesting is too deep")
+    if not isinstance(d, dict):
+        raise SpaceError(f"a space must be an object with a 'type', got {type(d).__name__}")
+    kind = d.get("type")
+    if kind in ("Dict", "Tuple"):
+        items = d.get("spaces")
+        if not isinstance(items, list):
+            raise SpaceError(f"{kind}: 'spaces' must be a list")
+        children = [p[1] if kind == "Dict" and isinstance(p, list) and len(p) == 2 else p for p in items]
+        return 64 + sum(space_json_nbytes(c, _depth + 1) for c in children)
+    if kind == "Box":
+        n = math.prod(_shape(d.get("shape"), "Box"))
+        return 64 + n * (2 * _dtype(d.get("dtype"), "Box").itemsize + 2)
+    if kind == "MultiDiscrete":
+        return 64 + 16 * math.prod(_shape(d.get("shape"), "MultiDiscrete"))
+    return 64
+
+
+def space_from_json(d: Any, _depth: int = 0, broadcast: bool = False) -> gs.Space:
+    """Rebuild a gymnasium space from its JSON description; raises `SpaceError` on bad input.
+
+    With `broadcast`, a Box bound may be one value for the whole shape (the compact form of
+    `space_to_json`); check `space_json_nbytes` against a budget first.
+    """
     if _depth > MAX_SPACE_DEPTH:
         raise SpaceError("space nesting is too deep")
     if not isinstance(d, dict) or not isinstance(d.get("type"), str):
@@ -239,8 +286,8 @@ def space_from_json(d: Any, _depth: int = 0) -> gs.Space:
         if kind == "Box":
             shape = _shape(d.get("shape"), "Box")
             dtype = _dtype(d.get("dtype"), "Box")
-            low = _array(d.get("low"), shape, dtype, "Box.low")
-            high = _array(d.get("high"), shape, dtype, "Box.high")
+            low = _array(d.get("low"), shape, dtype, "Box.low", broadcast)
+            high = _array(d.get("high"), shape, dtype, "Box.high", broadcast)
             return gs.Box(low=low, high=high, shape=shape, dtype=dtype)
         if kind == "Discrete":
             n, start = d.get("n"), d.get("start", 0)
@@ -265,7 +312,7 @@ def space_from_json(d: Any, _depth: int = 0) -> gs.Space:
             keys = [k for k, _ in items]
             if len(set(keys)) != len(keys):
                 raise SpaceError("Dict: duplicate keys")
-            children = {k: space_from_json(v, _depth + 1) for k, v in items}
+            children = {k: space_from_json(v, _depth + 1, broadcast) for k, v in items}
             space = gs.Dict(children)
             if list(space.spaces) != keys:  # gymnasium sorts plain dicts: keep the sender's order
                 space.spaces = {k: children[k] for k in keys}
@@ -274,7 +321,7 @@ def space_from_json(d: Any, _depth: int = 0) -> gs.Space:
             items = d.get("spaces")
             if not isinstance(items, list):
                 raise SpaceError("Tuple: 'spaces' must be a list")
-            return gs.Tuple([space_from_json(v, _depth + 1) for v in items])
+            return gs.Tuple([space_from_json(v, _depth + 1, broadcast) for v in items])
     except SpaceError:
         raise
     except (ValueError, TypeError, AssertionError, OverflowError) as e:

@@ -16,7 +16,10 @@ What a sub-env's stream means depends on the vector env's `autoreset_mode`:
 An episode is begun (its EpisodeStart sent) at its first step, so an episode that never steps -
 reset and then closed, or reset again - records nothing, and the consumer has nothing to
 dead-letter. A full `reset()` aborts every open episode (reason ``reset``), `close()` too (reason
-``close``); the consumer stores them truncated.
+``close``); the consumer stores them truncated. A vector step the recorder refuses (a value it
+cannot record; nothing of the step is recorded) aborts the episodes of the rows logged in it
+(reason ``refused-step``), records nothing more of them, and raises; their sub-envs' next
+episodes are recorded again.
 
 Infos are taken from gymnasium's batched info dict (``info[k][i]`` where ``info["_" + k][i]``):
 as faithful as gymnasium's batching, which gives a key the dtype of the first sub-env that set
@@ -165,6 +168,7 @@ class RecordingVectorWrapper(VectorWrapper):
         self._unbegun = 0  # episodes with an id that are not begun yet
         self._starts: list[tuple | None] = [None] * n  # unbegun: (observation batch, row, info)
         self._resetting = np.zeros(n, bool)  # NEXT_STEP: the next step call resets these rows
+        self._refused = np.zeros(n, bool)  # rows whose current episode a refused step aborted
         self._pending_outputs: Mapping[str, Any] | None = None
         self._reset_called = False
 
@@ -206,9 +210,13 @@ class RecordingVectorWrapper(VectorWrapper):
                 real = ~resetting
         elif mode is _DISABLED and None in ids:  # finished rows not reset yet: nothing to record
             real = np.array([e is not None for e in ids])
+        refused = self._refused
+        logged = real
+        if refused.any():  # rows whose episode was aborted: nothing more of it is recorded
+            logged = ~refused if real is None else real & ~refused
         if self._unbegun:
             self._begin(
-                [i for i in range(n) if not self._begun[i] and ids[i] is not None and (real is None or real[i])]
+                [i for i in range(n) if not self._begun[i] and ids[i] is not None and (logged is None or logged[i])]
             )
         rows_info = info_rows(info, n) if info else None
         log_obs, log_infos = obs, rows_info
@@ -222,18 +230,38 @@ class RecordingVectorWrapper(VectorWrapper):
             log_infos = list(rows_info) if rows_info is not None else [None] * n
             for i in ended:
                 log_infos[i] = final[i] if final is not None else None
-        self.recorder.log_steps(ids, actions, rewards, log_obs, term, trunc, log_infos, outputs, rows=real)
+        error = None
+        if logged is None or logged.any():
+            try:
+                self.recorder.log_steps(ids, actions, rewards, log_obs, term, trunc, log_infos, outputs, rows=logged)
+            except (ValueError, TypeError, BufferError) as e:  # refused: nothing of this step was recorded
+                error = e
+                self._refuse(range(n) if logged is None else np.flatnonzero(logged).tolist())
         # what the step ended and began
         ended_now = done if real is None else done & real
         for i in np.flatnonzero(ended_now).tolist():
             ids[i], self._begun[i] = None, False
+            refused[i] = False
         if mode is _NEXT:
             if real is not None:  # the reset rows begin the sub-envs' next episodes
                 self._new_episodes(np.flatnonzero(~real).tolist(), obs, rows_info)
             self._resetting = ended_now
         elif mode is _SAME and ended_now.any():
             self._new_episodes(np.flatnonzero(ended_now).tolist(), obs, rows_info)
+        if error is not None:
+            raise error
         return obs, rewards, terminated, truncated, info
+
+    def _refuse(self, rows: Any) -> None:
+        """The recorder refused a step of `rows`: abort their episodes; record no more of them."""
+        for i in rows:
+            if self._begun[i]:
+                try:
+                    self.recorder.abort_episode(self.episode_ids[i], reason="refused-step")
+                except (ValueError, RecorderClosed):  # the recorder ended or aborted it already
+                    pass
+                self._begun[i] = False
+            self._refused[i] = True
 
     def close(self, **kwargs: Any) -> Any:
         """Abort the open episodes (reason ``close``; stored truncated) and close the vector env."""
@@ -245,6 +273,7 @@ class RecordingVectorWrapper(VectorWrapper):
             pass
         self.episode_ids = [None] * self.num_envs
         self._begun = [False] * self.num_envs
+        self._refused[:] = False
         self._starts = [None] * self.num_envs
         self._unbegun = 0
         self._reset_called = False
@@ -258,10 +287,11 @@ class RecordingVectorWrapper(VectorWrapper):
             return
         src = _copy_batch(obs)  # the vector env may reuse its buffer
         for i, eid in zip(rows, new_episode_ids(len(rows))):
-            if not self._begun[i] and self.episode_ids[i] is not None:
+            if not self._begun[i] and self.episode_ids[i] is not None and not self._refused[i]:
                 self._unbegun -= 1
             self.episode_ids[i] = eid
             self._begun[i] = False
+            self._refused[i] = False
             self._starts[i] = (src, i, infos[i] if infos is not None else None)
             self._unbegun += 1
 

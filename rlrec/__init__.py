@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "EpisodeRecorder": "rlrec.producer.recorder",
     "RecordingWrapper": "rlrec.producer.wrapper",
+    "MultiAgentRecordingWrapper": "rlrec.producer.multi_agent_wrapper",
     "RecordingVectorWrapper": "rlrec.producer.vector",
     "RecorderStats": "rlrec.producer.recorder",
     "RecorderFullError": "rlrec.producer.recorder",

@@ -16,6 +16,8 @@ between the two reads is caught by reading the published path again).
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
@@ -32,6 +34,7 @@ from rlrec.store.manifest import (
     ShardEntry,
     default_writer_id,
 )
+from rlrec.store.multi_agent_finished import FinishedAgentRow, encode_agent_rows
 from rlrec.store.retry import RetrySchedule
 from rlrec.store.shards import EncodedShard, encode_shard
 from rlrec.store.storage import Storage
@@ -45,6 +48,31 @@ __all__ = [
 ]
 
 log = logging.getLogger("rlrec.store")
+
+
+#: tests only (tests/test_multi_agent_kill9.py): a marker file path; the first time an entry is
+#: appended while a sibling row of one of its multi-agent episodes is not committed yet, the
+#: process writes the episode id there and kills itself with SIGKILL (a crash between two
+#: modules' entries, deterministically)
+_KILL_BETWEEN_ENTRIES = "RLREC_TEST_KILL_BETWEEN_ENTRIES"
+
+
+def _kill_between_entries(eps: list[FinishedEpisode], committed: Callable[[str], int | None]) -> None:
+    """The `_KILL_BETWEEN_ENTRIES` fault hook, after `eps`' entry landed: `committed` answers
+    `ShardCommitter.committed_offset`."""
+    marker = os.environ[_KILL_BETWEEN_ENTRIES]
+    split = sorted(
+        fe.multi_agent_episode_id
+        for fe in eps
+        if isinstance(fe, FinishedAgentRow) and any(committed(sa.id_) is None for sa in fe.episode.rows.values())
+    )
+    if split and not os.path.exists(marker):
+        with open(marker, "w", encoding="utf-8") as f:
+            f.write(split[0])
+            f.flush()
+            os.fsync(f.fileno())
+        os.kill(os.getpid(), signal.SIGKILL)
+
 
 #: newest event schema version per kind, recorded in every shard entry
 EVENT_SCHEMA_VERSIONS = dict(sorted(load_schemas()))
@@ -261,6 +289,7 @@ class ShardCommitter:
         for fe in episodes:
             by_policy[fe.policy_id].append(fe)
         todo = [eps for group in by_policy.values() for eps in self._encode(group, result.unwritable)]
+        todo = self._without_unwritable_siblings(todo, result.unwritable)
         while todo:
             # 1. encode the episodes into one Parquet shard, in memory (done above, and again
             #    for the rest after a conflict); an append of unknown outcome is retried as it
@@ -314,6 +343,8 @@ class ShardCommitter:
             except Exception as e:
                 self._pending[entry.seq] = (entry, shard.data)
                 log.error("partition %d: publish of %s failed (%s); retried next cycle", self.partition, path, e)
+            if _KILL_BETWEEN_ENTRIES in os.environ:
+                _kill_between_entries(eps, self.committed_offset)
         return result
 
     def publish_pending(self, *, force: bool = False) -> int:
@@ -353,7 +384,7 @@ class ShardCommitter:
         fail go to `unwritable` and the rest make the shard (or, if only together they
         fail -- e.g. tabular episodes whose spaces give different column types -- a shard each)."""
         try:
-            return [(eps, encode_shard(eps, fmt=self.fmt, compression=self.compression))]
+            return [(eps, self._encode_one(eps))]
         except MemoryError:  # the machine's fault, not the data's
             raise
         except Exception as e:
@@ -366,7 +397,7 @@ class ShardCommitter:
         alone = []
         for fe in eps:
             try:
-                alone.append(([fe], encode_shard([fe], fmt=self.fmt, compression=self.compression)))
+                alone.append(([fe], self._encode_one([fe])))
             except MemoryError:
                 raise
             except Exception as e:
@@ -374,10 +405,42 @@ class ShardCommitter:
         good = [group[0][0] for group in alone]
         if 1 < len(good) < len(eps):
             try:
-                return [(good, encode_shard(good, fmt=self.fmt, compression=self.compression))]
+                return [(good, self._encode_one(good))]
             except Exception:
                 pass
         return alone
+
+    def _without_unwritable_siblings(
+        self,
+        todo: list[tuple[list[FinishedEpisode], EncodedShard]],
+        unwritable: list[tuple[FinishedEpisode, str]],
+    ) -> list[tuple[list[FinishedEpisode], EncodedShard]]:
+        """A multi-agent episode one of whose agent rows is unwritable is unwritable whole: its
+        other rows join `unwritable` before anything is appended (no partial episode), and the
+        shards are encoded again without them."""
+        bad = {fe.multi_agent_episode_id for fe, _ in unwritable if isinstance(fe, FinishedAgentRow)}
+        if not bad:
+            return todo
+        out = []
+        for eps, shard in todo:
+            keep = [fe for fe in eps if not (isinstance(fe, FinishedAgentRow) and fe.multi_agent_episode_id in bad)]
+            for fe in eps:
+                if fe not in keep:
+                    unwritable.append(
+                        (fe, f"multi-agent episode {fe.multi_agent_episode_id}: a sibling row is unwritable")
+                    )
+            if len(keep) == len(eps):
+                out.append((eps, shard))
+            elif keep:
+                out += self._encode(keep, unwritable)
+        return out
+
+    def _encode_one(self, eps: list[FinishedEpisode]) -> EncodedShard:
+        """A shard of one policy's episodes: multi-agent rows in the version-2 ``episodes``
+        format whatever `fmt` is (they have no tabular form), others in `fmt`."""
+        if isinstance(eps[0], FinishedAgentRow):
+            return encode_agent_rows(eps, compression=self.compression)
+        return encode_shard(eps, fmt=self.fmt, compression=self.compression)
 
     def _name(self, eps: list[FinishedEpisode], shard: EncodedShard) -> tuple[str, EncodedShard]:
         """The shard's file name, from (topic, partition, offset range, writer epoch, attempt):

@@ -621,21 +621,44 @@ class Snapshot:
 
     # ---------------------------------------------------------------- reading shards
     def _gated(self, entry: ShardEntry):
-        """A committed shard's `GatedShard` once its bytes match the manifest's sha256."""
+        """A committed shard's `GatedShard` once its bytes match the manifest's sha256 and its
+        format version the entry's."""
         where = self.storage.uri(entry.path)
         data = read_committed_shard(self.storage, entry.path, entry.staging_path, entry.bytes)
         if entry.sha256 and hashlib.sha256(data).hexdigest() != entry.sha256:
             raise ShardSchemaError(f"{where}: sha256 differs from the manifest's: refused")
         try:
-            return open_shard(data, fmt=entry.format)
+            shard = open_shard(data, fmt=entry.format)
         except ShardSchemaError as e:
             raise ShardSchemaError(f"{where}: {e.reason}") from None
+        if entry.format_version is not None and shard.version != entry.format_version:
+            raise ShardSchemaError(
+                f"{where}: the file is {shard.fmt} version {shard.version}, its manifest entry says version "
+                f"{entry.format_version}: refused"
+            )
+        return shard
 
     def episodes(self) -> Iterator[Any]:
         """Every episode of the snapshot as an RLlib `SingleAgentEpisode`, shard by shard
         (`shard_episodes`). Imports RLlib (~2 s the first time)."""
         for entry in self.entries:
             yield from self.shard_episodes(entry)
+
+    def multi_agent_episodes(self, mapping_fn: Callable | None = None) -> Iterator[Any]:
+        """Every multi-agent episode of the snapshot whose agent rows are all in it, as an RLlib
+        `MultiAgentEpisode` (`rlrec.store.multi_agent_read`). Imports RLlib.
+
+        Args:
+            mapping_fn: the episodes' `agent_to_module_mapping_fn`; None: their recorded modules.
+
+        Example:
+            >>> import rlrec  # doctest: +SKIP
+            >>> for ep in rlrec.open("file:///data/rl").multi_agent_episodes():  # doctest: +SKIP
+            ...     print(ep.id_, sorted(ep.agent_episodes), ep.env_t)
+        """
+        from rlrec.store.multi_agent_read import multi_agent_episodes
+
+        return multi_agent_episodes(self, mapping_fn)
 
     def shard_episodes(self, entry: ShardEntry) -> list[Any]:
         """The episodes of one of the snapshot's shards as `SingleAgentEpisode`s: decoded safely

@@ -1028,13 +1028,16 @@ def test_decode_reasons_documented():
         "extra-output-mismatch",
         "out-of-space",
         "non-finite-value",
+        "unknown-agent",
+        "out-of-order",
     }
     fmt = (Path(__file__).resolve().parents[1] / "docs" / "FORMAT.md").read_text()
     assert [r for r in DECODE_REASONS if f"| `{r}` |" not in fmt] == []  # each has its row in FORMAT.md
     with pytest.raises(AssertionError):
         DecodeError("not-a-reason", "x")
     assert issubclass(DecodeError, ValueError)
-    assert set(load_schemas()) == {(k, 1) for k in KINDS}
+    multi = {("MultiAgentEpisodeStart", 1), ("MultiAgentStepBatch", 1), ("RewardDelta", 2)}
+    assert set(load_schemas()) == {(k, 1) for k in KINDS} | multi
 
 
 def test_per_space_remembers_per_object_holds_no_space_and_is_byte_bounded():

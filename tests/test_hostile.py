@@ -492,6 +492,8 @@ def test_hostile_topic_dead_letters_everything_and_good_episodes_land(broker, to
     elsewhere = {"timeout", "capacity", "unwritable", "internal", "episode-too-large", "bad-policy-id", "bad-env-id"}
     elsewhere.add("partition-change")
     elsewhere |= {"bad-info", "key-too-large", "extra-output-mismatch", "out-of-space", "non-finite-value"}
+    elsewhere |= {"unknown-agent", "out-of-order"}  # multi-agent folding: tests/test_multi_agent_fold.py
+    elsewhere |= {"kind-mismatch", "id-collision"}  # tests/test_multi_agent_replay_rules.py
     assert set(expected.values()) == (set(DECODE_REASONS) | set(CONSUMER_REASONS)) - elsewhere
 
     assert not os.path.exists(marker), "a pickle payload was executed"

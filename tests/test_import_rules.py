@@ -162,9 +162,9 @@ def test_importing_every_module_loads_no_top_level_copy(tmp_path):
 def test_policy_side_import_needs_neither_ray_nor_torch(tmp_path):
     code = (
         "import json, sys\n"
-        "from rlrec import EpisodeRecorder, RecordingVectorWrapper, RecordingWrapper\n"
+        "from rlrec import EpisodeRecorder, MultiAgentRecordingWrapper, RecordingVectorWrapper, RecordingWrapper\n"
         "import rlrec.producer\n"
-        "print(json.dumps({'heavy': sorted(m for m in ('ray', 'torch', 'pyarrow') if m in sys.modules),\n"
+        "print(json.dumps({'heavy': sorted(m for m in ('ray', 'torch', 'pyarrow', 'pettingzoo') if m in sys.modules),\n"
         f"                  'old': [m for m in sys.modules if m.split('.')[0] in {OLD_TOP_LEVEL!r}],\n"
         "                  'file': rlrec.producer.__file__}))\n"
     )

@@ -342,3 +342,35 @@ def test_rllib_env_runner_episodes_equal_ours():
         assert [dict(i) for i in fe.infos] == [dict(i) for i in ep.get_infos()]
         assert (fe.terminated, fe.truncated) == (bool(ep.is_terminated), bool(ep.is_truncated))
         assert fe.observation_space == ep.observation_space and fe.action_space == ep.action_space
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_refused_step_aborts_its_rows_episodes_and_records_no_more_of_them(mode):
+    from rlrec.producer.events import EpisodeAbort, decode
+
+    envs = SyncVectorEnv([make(lim) for lim in LIMITS], autoreset_mode=mode)
+    rec, fake = keeping_recorder(OBS_SPACE, ACT_SPACE)
+    w = RecordingVectorWrapper(envs, rec)
+    w.reset(seed=SEEDS)
+    first = list(w.episode_ids)
+    for _ in range(3):
+        w.step(np.zeros(3, np.int64))
+    before = rec.stats.produced
+    w.set_model_outputs({"action_logp": np.array([-0.1, float("nan"), -0.1])})  # row 1 is refused
+    with pytest.raises(ValueError):
+        w.step(np.zeros(3, np.int64))
+    assert rec.stats.produced == before + 3  # the three aborts, no step
+    for _ in range(40):  # the aborted episodes go on unrecorded; the next ones are recorded
+        _obs, _r, term, trunc, _info = w.step(np.zeros(3, np.int64))
+        if mode is AutoresetMode.DISABLED and (term | trunc).any():
+            w.reset(options={"reset_mask": term | trunc})
+    w.close()
+    rec.flush(0)
+    aborts = [decode(v, h) for _, v, h in fake.messages if isinstance(decode(v, h), EpisodeAbort)]
+    assert [a.episode_id for a in aborts[:3]] == first and {a.reason for a in aborts[:3]} == {"refused-step"}
+    finished, letters = assemble(list(fake.messages))
+    rec.close(0)
+    assert letters == []
+    assert all(finished[e].truncated and finished[e].length == 3 for e in first)
+    later = [fe for e, fe in finished.items() if e not in first]
+    assert later and any(not fe.truncated or fe.length > 3 for fe in later)

@@ -30,7 +30,14 @@ from typing import Any
 import numpy as np
 from gymnasium import spaces as gs
 
-from rlrec.producer.events import EpisodeAbort, EpisodeStart, RewardDelta, StepBatch, dumps_info, encode
+from rlrec.producer.events import EpisodeAbort, EpisodeStart, RewardDelta, StepBatch, dumps_info
+from rlrec.producer.multi_agent_events import (
+    AgentColumn,
+    AgentSpec,
+    MultiAgentEpisodeStart,
+    MultiAgentStepBatch,
+    encode_event,
+)
 from rlrec.producer.spaces import dumps_space, unflatten_leaves
 
 HERE = Path(__file__).resolve().parent
@@ -149,6 +156,57 @@ def events() -> dict[str, Any]:
             },
             TS + 1240,
         ),
+        **multi_agent_events(),
+    }
+
+
+def multi_agent_events() -> dict[str, Any]:
+    """A two-agent episode: a1 gets a reward before its first observation, a0 acts without an
+    immediate observation at env step 3, both are done at env step 4 (a compact Box bound); one
+    extra output of a0 is on its second action only (`extra_rows`)."""
+    obs, act = gs.Box(-1.0, 1.0, (2,), np.float32), gs.Discrete(3)
+    img = gs.Box(0, 255, (2, 2), np.uint8)
+    eid = "golden-multi-0001"
+    return {
+        "multi_agent_episode_start": MultiAgentEpisodeStart(
+            eid,
+            "golden-policy",
+            5,
+            {"a0": AgentSpec("a0", "walker", obs, act), "a1": AgentSpec("a1", "camera", img, act)},
+            {"a0": [_f32(0.25, -0.5)]},
+            {"a0": {"seed": 3}},
+            "Relay-v0",
+            TS + 2000,
+        ),
+        "multi_agent_step_batch": MultiAgentStepBatch(
+            eid,
+            2,
+            np.array([0, 0, 1 | 2 | 4], dtype=np.uint8),
+            [
+                AgentColumn(
+                    "a0",
+                    np.array([1 | 2 | 4, 2 | 4, 1 | 4 | 8 | 16 | 32 | 64], dtype=np.uint8),
+                    [np.array([[0.5, 0.5], [-1.0, 1.0]], dtype=np.float32)],
+                    [np.array([2, 0], dtype=np.int64)],
+                    np.array([1.0, 0.5, -2.0]),
+                    [{"why": "goal"}],
+                    {"action_logp": _f32(-1.0986123, -0.5), "vf_preds": _f32(0.75)},
+                    {"vf_preds": np.array([0, 1], dtype=np.uint8)},  # only the second action has it
+                ),
+                AgentColumn(
+                    "a1",
+                    np.array([4, 1 | 8, 1 | 2 | 4 | 16 | 64 | 128], dtype=np.uint8),
+                    [np.array([[[0, 255], [7, 9]], [[1, 2], [3, 4]]], dtype=np.uint8)],
+                    [np.array([1], dtype=np.int64)],
+                    np.array([0.25, 1.5]),
+                    [{"frame": 1}],
+                    {"action_logp": _f32(-0.25)},
+                ),
+            ],
+            True,
+            TS + 2240,
+        ),
+        "reward_delta_agent": RewardDelta(eid, 3, 0.75, TS + 2300, "a1"),
     }
 
 
@@ -210,7 +268,51 @@ def fields_json(ev: Any) -> dict:
             "timestamp_ms": ev.timestamp_ms,
         }
     if isinstance(ev, RewardDelta):
-        return {"episode_id": ev.episode_id, "t": ev.t, "reward": ev.reward, "timestamp_ms": ev.timestamp_ms}
+        out = {"episode_id": ev.episode_id, "t": ev.t, "reward": ev.reward, "timestamp_ms": ev.timestamp_ms}
+        return {**out, "agent_id": ev.agent_id} if ev.agent_id else out
+    if isinstance(ev, MultiAgentEpisodeStart):
+        return {
+            "episode_id": ev.episode_id,
+            "policy_id": ev.policy_id,
+            "policy_version": ev.policy_version,
+            "env_id": ev.env_id,
+            "agents": [
+                {
+                    "agent_id": a.agent_id,
+                    "module_id": a.module_id,
+                    "observation_space_json": dumps_space(a.observation_space, compact=True),
+                    "action_space_json": dumps_space(a.action_space, compact=True),
+                }
+                for a in ev.agents.values()
+            ],
+            "observations": {k: [array_json(x) for x in v] for k, v in ev.observations.items()},
+            "infos": {k: info_json(v) for k, v in ev.infos.items()},
+            "infos_json": {k: dumps_info(v) for k, v in ev.infos.items()},
+            "timestamp_ms": ev.timestamp_ms,
+        }
+    if isinstance(ev, MultiAgentStepBatch):
+        return {
+            "episode_id": ev.episode_id,
+            "t0": ev.t0,
+            "n": ev.n,
+            "env_flags": ev.env_flags.tolist(),
+            "agents": [
+                {
+                    "agent_id": c.agent_id,
+                    "presence": c.presence.tolist(),
+                    "observations": [array_json(a) for a in c.observations],
+                    "actions": [array_json(a) for a in c.actions],
+                    "rewards": array_json(c.rewards),
+                    "infos": [info_json(i) for i in c.infos],
+                    "infos_json": [dumps_info(i) for i in c.infos],
+                    "extra_model_outputs": {k: array_json(v) for k, v in c.extra_model_outputs.items()},
+                    "extra_rows": {k: np.asarray(v).tolist() for k, v in c.extra_rows.items()},
+                }
+                for c in ev.agents
+            ],
+            "ended": ev.ended,
+            "timestamp_ms": ev.timestamp_ms,
+        }
     return {"episode_id": ev.episode_id, "reason": ev.reason, "timestamp_ms": ev.timestamp_ms}
 
 
@@ -253,7 +355,7 @@ def build() -> dict[str, bytes]:
     evs = events()
     _check_values(evs)
     for name, ev in evs.items():
-        value, headers = encode(ev)
+        value, headers = encode_event(ev)
         kind, version = headers[0][1].decode().split("/")
         doc = {
             "kind": kind,

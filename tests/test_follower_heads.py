@@ -234,7 +234,9 @@ def test_a_followers_first_poll_reads_the_heads_not_the_history(tmp_path, storag
     ls = write_live_set(st, "rl", 0, writer="test")
     assert ls is not None and ls.tables is not None
     tail = _commit(c, 3, 900)
-    expected = [s.key for s in ManifestFollower(st).poll(force_discover=True)]
+    history = ManifestFollower(st)
+    history.from_heads = False
+    expected = [s.key for s in history.poll(force_discover=True)]
     assert len(expected) == 3 * 15 + 3
     folded = {record_path(r.n) for r in read_removals(st) if r.n < ls.removals}
     assert folded
@@ -285,3 +287,38 @@ def test_followers_from_the_heads_and_from_the_history_go_on_alike(tmp_path):
         assert _seen(heads, got) == _seen(history, history.poll(force_discover=True))
         assert len(got) == 1 and got[0].episodes == frozenset(i for p in more for i in _episode_ids(st, p))
         assert heads.poll() == [] and history.poll() == []
+
+
+def test_a_checkpoint_with_ranges_and_shards_placed_by_path_only_reads_the_history(tmp_path):
+    """A checkpoint holds ranges for one log and a trained shard of another known by path only
+    (``trained_unplaced``); that shard was compacted into M and its file retained away. From
+    the heads M's covers would not name the path, and M would be trained as new a second time:
+    the first poll reads the history, and M is taken as trained before."""
+    from rlrec.trainer.data import ManifestOfflineData, first_poll_from_heads
+
+    root = str(tmp_path / "out")
+    a = ShardCommitter(root, "rl", 0, snapshot_every=3)
+    a.log.live_set_every = 10**9
+    b = ShardCommitter(a.storage, "rl", 1, snapshot_every=3)
+    b.log.live_set_every = 10**9
+    st = a.storage
+    parts = _commit(a, 3, 0)
+    other = _commit(b, 2, 50)
+    _compact(a, 3)
+    retain(st, grace_s=0)
+    write_live_set(st, "rl", 0, writer="test")
+    write_live_set(st, "rl", 1, writer="test")
+    merged = _merged(st, "rl", 0)[0].shard.path
+    trained_keys = {parts[0], *other}
+    trained_ranges = {("rl", 1): [(0, 10)]}
+    assert first_poll_from_heads(trained_keys, trained_ranges, {parts[0]}) is False
+    assert first_poll_from_heads(trained_keys, trained_ranges, None) is False
+    assert first_poll_from_heads(trained_keys, trained_ranges, set()) is True
+    f = ManifestFollower(st)
+    f.from_heads = first_poll_from_heads(trained_keys, trained_ranges, {parts[0]})
+    got = f.poll(force_discover=True)
+    assert not f._heads
+    assert sorted(s.key for s in got) == sorted([*other, merged])
+    assert f.covers[merged][2] == tuple(parts)
+    od = SimpleNamespace(follower=f, _trained_keys=trained_keys, _trained_ranges=trained_ranges)
+    assert ManifestOfflineData._trained_before(od, merged) is True

@@ -322,3 +322,31 @@ def test_a_checkpoint_with_ranges_and_shards_placed_by_path_only_reads_the_histo
     assert f.covers[merged][2] == tuple(parts)
     od = SimpleNamespace(follower=f, _trained_keys=trained_keys, _trained_ranges=trained_ranges)
     assert ManifestOfflineData._trained_before(od, merged) is True
+
+
+def test_records_naming_entries_below_a_head_read_later_are_not_kept_pending(tmp_path):
+    """Removal records retention writes after the first poll from the heads, naming entries
+    below the live set, are forgotten by the poll that reads them (as the first poll does), not
+    held to be resolved on every later poll; followers from the heads and from the history
+    deliver alike."""
+    root = str(tmp_path / "out")
+    a = ShardCommitter(root, "rl", 0, snapshot_every=3)
+    a.log.live_set_every = 10**9
+    st = a.storage
+    _commit(a, 6, 0)
+    write_live_set(st, "rl", 0, writer="test")
+    heads, history = ManifestFollower(st), ManifestFollower(st)
+    history.from_heads = False
+    assert _seen(heads, heads.poll(force_discover=True)) == _seen(history, history.poll(force_discover=True))
+    assert set(heads._heads) == {("rl", 0)}
+    new = _commit(a, 1, 100)
+    _compact(a, 6)  # merges the entries below the live set
+    retain(st, grace_s=0)  # records naming them, read by the next polls
+    assert any(f.seq < heads._heads[("rl", 0)].end for r in read_removals(st) for f in r.files)
+    for _ in range(3):
+        for f in (heads, history):
+            f._removals._listed_at = None  # list the removal log now
+        got = heads.poll(force_discover=True)
+        assert _seen(heads, got) == _seen(history, history.poll(force_discover=True))
+        assert heads._removals._pending.get(("rl", 0), {}) == {}
+    assert new[0] in heads.entries

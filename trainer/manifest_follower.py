@@ -244,6 +244,8 @@ class ManifestFollower:
                 self._warn_once(f"refresh:{key}:{e}", "cannot read manifest log %s/%05d: %s", key[0], key[1], e)
                 continue
             new, skipped, gone = [], 0, []
+            if key in self._heads:  # records naming entries below its head, read by any poll: seen
+                self._removals.forget_below(*key, self._heads[key].end)
             removed = self._removals.seqs(*key, plog.entries)  # resolved against the log, as readers do
             for e in plog.entries_since(self._done.get(key, 0)):
                 if isinstance(e, ShardEntry) and e.path not in self.entries:

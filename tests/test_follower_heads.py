@@ -350,3 +350,47 @@ def test_records_naming_entries_below_a_head_read_later_are_not_kept_pending(tmp
         assert _seen(heads, got) == _seen(history, history.poll(force_discover=True))
         assert heads._removals._pending.get(("rl", 0), {}) == {}
     assert new[0] in heads.entries
+
+
+@pytest.mark.parametrize("skew_s, grace_s", [(120.0, 60.0), (0.0, 0.2)])
+def test_a_live_set_folds_a_record_only_once_its_files_are_gone_whatever_the_clocks(
+    tmp_path, monkeypatch, skew_s, grace_s
+):
+    """Expired shards recorded by retention, their files still there: inside the record's grace
+    by retention's clock but past it by the live set writer's (ahead by `skew_s`), or past the
+    grace with no retention run since. The live set does not fold the record, and a fresh
+    follower's first poll from the heads delivers the shards from their files, as the history
+    does; once retention deleted them, the next live set folds it, and neither delivers them."""
+    root = str(tmp_path / "out")
+    a = ShardCommitter(root, "rl", 0, snapshot_every=3)
+    a.log.live_set_every = 10**9
+    st = a.storage
+    old = _commit(a, 3, 0, policy="old")
+    time.sleep(0.3)
+    cut = time.time()
+    new = _commit(a, 3, 10)
+    retain(st, grace_s=grace_s, older_than_s=time.time() - cut)
+    assert [len(r.files) for r in read_removals(st)] == [3] and all(st.exists(p) for p in old)
+    time.sleep(2 * grace_s if grace_s < 1 else 0)  # a short grace has ended; no retain since
+    real = time.time
+    with monkeypatch.context() as m:
+        m.setattr(time, "time", lambda: real() + skew_s)  # the writer's clock
+        ls = write_live_set(st, "rl", 0, writer="test")
+    assert ls is not None and ls.folds_deleted_only and ls.removals == 0
+    heads, history = ManifestFollower(st), ManifestFollower(st)
+    history.from_heads = False
+    got = heads.poll(force_discover=True)
+    assert set(heads._heads) == {("rl", 0)}
+    assert _seen(heads, got) == _seen(history, history.poll(force_discover=True))
+    assert sorted(s.key for s in got) == sorted(old + new)
+    if grace_s >= 1:
+        return
+    assert sorted(retain(st, grace_s=0).deleted) == sorted(old)  # the grace ended: deleted
+    more = _commit(a, 1, 20)
+    ls2 = write_live_set(st, "rl", 0, writer="test")
+    assert ls2 is not None and ls2.removals == 1
+    heads, history = ManifestFollower(st), ManifestFollower(st)
+    history.from_heads = False
+    got = heads.poll(force_discover=True)
+    assert set(heads._heads) == {("rl", 0)}
+    assert sorted(s.key for s in got) == sorted(new + more) == sorted(s.key for s in history.poll(force_discover=True))

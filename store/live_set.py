@@ -625,22 +625,35 @@ def _fold_end(
     path (a reader of the history delivers a removed shard from its file while it is there;
     `rlrec retain` deletes both). No clock decides: a deleted file never comes back, so what it
     folds stays folded for every later reader. Costs one or two existence checks per file of
-    the log the records name, stopping at the first file there (a storage error counts as
-    there: not folded)."""
+    the log the records name, stopping at the first file there; past `_CHECKS_BY_PATH` files,
+    one listing of each directory they lie in instead (a writer's first live set after a claim
+    checks every record's). A storage error counts as there: not folded."""
+    files: list[tuple[int, list[str]]] = []  # per record up to the first naming an entry >= end
     for r in records:
-        for f in r.files:
-            if (f.topic, f.partition) != (topic, partition):
-                continue
-            if f.seq >= end or _still_there(storage, f.path) or _still_there(storage, f.staging_path):
-                return max(start, r.n)
-    return max([start, *(r.n + 1 for r in records)])
+        mine = [f for f in r.files if (f.topic, f.partition) == (topic, partition)]
+        if any(f.seq >= end for f in mine):
+            return _first_there(storage, files, r.n, start)
+        files.append((r.n, [p for f in mine for p in (f.path, f.staging_path)]))
+    return _first_there(storage, files, max([start, *(r.n + 1 for r in records)]), start)
 
 
-def _still_there(storage: Storage, path: str) -> bool:
+#: the most shard file paths `_fold_end` checks one by one before it lists their directories
+_CHECKS_BY_PATH = 64
+
+
+def _first_there(storage: Storage, files: list[tuple[int, list[str]]], beyond: int, start: int) -> int:
+    """The number of the first record in `files` (number, its paths) with a path that exists,
+    else `beyond` (at least `start`)."""
+    from rlrec.store.retention_heads import existing
+
+    paths = [p for _, ps in files for p in ps]
     try:
-        return storage.exists(path)
-    except (OSError, StorageError):  # cannot tell: kept unfolded
-        return True
+        if len(paths) > _CHECKS_BY_PATH:
+            there = existing(storage, paths)
+            return max(start, next((n for n, ps in files if any(p in there for p in ps)), beyond))
+        return max(start, next((n for n, ps in files if any(storage.exists(p) for p in ps)), beyond))
+    except (OSError, StorageError):  # cannot tell: nothing more folded
+        return start if not files else max(start, files[0][0])
 
 
 def read_heads(

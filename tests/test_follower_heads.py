@@ -352,15 +352,20 @@ def test_records_naming_entries_below_a_head_read_later_are_not_kept_pending(tmp
     assert new[0] in heads.entries
 
 
-@pytest.mark.parametrize("skew_s, grace_s", [(120.0, 60.0), (0.0, 0.2)])
+@pytest.mark.parametrize("skew_s, grace_s, by_listing", [(120.0, 60.0, False), (0.0, 0.2, False), (0.0, 0.2, True)])
 def test_a_live_set_folds_a_record_only_once_its_files_are_gone_whatever_the_clocks(
-    tmp_path, monkeypatch, skew_s, grace_s
+    tmp_path, monkeypatch, skew_s, grace_s, by_listing
 ):
     """Expired shards recorded by retention, their files still there: inside the record's grace
     by retention's clock but past it by the live set writer's (ahead by `skew_s`), or past the
     grace with no retention run since. The live set does not fold the record, and a fresh
     follower's first poll from the heads delivers the shards from their files, as the history
-    does; once retention deleted them, the next live set folds it, and neither delivers them."""
+    does; once retention deleted them, the next live set folds it, and neither delivers them.
+    `by_listing`: the writer lists the files' directories rather than checking each file."""
+    from rlrec.store import live_set
+
+    if by_listing:
+        monkeypatch.setattr(live_set, "_CHECKS_BY_PATH", 0)
     root = str(tmp_path / "out")
     a = ShardCommitter(root, "rl", 0, snapshot_every=3)
     a.log.live_set_every = 10**9

@@ -625,8 +625,8 @@ def _fold_end(
     path (a reader of the history delivers a removed shard from its file while it is there;
     `rlrec retain` deletes both). No clock decides: a deleted file never comes back, so what it
     folds stays folded for every later reader. Costs one or two existence checks per file of
-    the log the records name, stopping at the first file there; past `_CHECKS_BY_PATH` files,
-    one listing of each directory they lie in instead (a writer's first live set after a claim
+    the log the records name, stopping at the first file there; past `_CHECKS_BY_PATH` paths,
+    one listing of each directory the rest lie in (a writer's first live set after a claim
     checks every record's). A storage error counts as there: not folded."""
     files: list[tuple[int, list[str]]] = []  # per record up to the first naming an entry >= end
     for r in records:
@@ -643,17 +643,22 @@ _CHECKS_BY_PATH = 64
 
 def _first_there(storage: Storage, files: list[tuple[int, list[str]]], beyond: int, start: int) -> int:
     """The number of the first record in `files` (number, its paths) with a path that exists,
-    else `beyond` (at least `start`)."""
+    else `beyond` (at least `start`): the first `_CHECKS_BY_PATH` paths checked one by one, the
+    rest, if it comes to them, by one listing of each directory they lie in."""
     from rlrec.store.retention_heads import existing
 
-    paths = [p for _, ps in files for p in ps]
+    checked, n = 0, start
     try:
-        if len(paths) > _CHECKS_BY_PATH:
-            there = existing(storage, paths)
-            return max(start, next((n for n, ps in files if any(p in there for p in ps)), beyond))
-        return max(start, next((n for n, ps in files if any(storage.exists(p) for p in ps)), beyond))
-    except (OSError, StorageError):  # cannot tell: nothing more folded
-        return start if not files else max(start, files[0][0])
+        for i, (n, ps) in enumerate(files):
+            if checked + len(ps) > _CHECKS_BY_PATH:  # many paths: list their directories once
+                there = existing(storage, [p for _, rest in files[i:] for p in rest])
+                return max(start, next((m for m, rest in files[i:] if any(p in there for p in rest)), beyond))
+            checked += len(ps)
+            if any(storage.exists(p) for p in ps):
+                return max(start, n)
+    except (OSError, StorageError):  # cannot tell: this record and the later ones are not folded
+        return max(start, n)
+    return max(start, beyond)
 
 
 def read_heads(

@@ -10,8 +10,9 @@ A live set is one file of raw Arrow columns, a row per live shard, read as views
 and checked column-wise (`rlrec.store.live_set_file`).
 It is a pure summary of data that never changes: the log's entries ``0 .. seq-1`` and the removal
 records (`rlrec.store.retention`) numbered below its ``removals`` -- which `write_live_set`
-keeps below the first record whose grace had not ended (``folds_ended_grace``), so that a record
-whose files may still be there is always read after the live set. It lists the live shards at
+keeps below the first record naming a shard file of the log still in the store
+(``folds_deleted_only``), so that a record whose files are there is always read after the live
+set, whatever any clock says. It lists the live shards at
 that point (`rlrec.store.manifest.live_shards`) less those the folded records remove, one row
 per shard with every field of its shard entry except ``episode_ids``, and the key of the log's
 first entry (so cursors keep their store tag). It is written create-once, so whoever writes a
@@ -65,7 +66,7 @@ import numpy as np
 import pyarrow as pa
 
 from rlrec.store.live_set_file import (
-    GRACE_FIELD,
+    DELETED_ONLY_FIELD,
     MAX_LIVE_SET_BYTES,
     MAX_LIVE_SHARDS,
     LiveRows,
@@ -90,7 +91,7 @@ from rlrec.store.manifest import (
 )
 from rlrec.store.manifest_entries import _check_type
 from rlrec.store.retention import RemovalRecord, read_removals, record_path
-from rlrec.store.storage import Storage
+from rlrec.store.storage import Storage, StorageError
 
 __all__ = [
     "LIVE_DIR",
@@ -164,10 +165,10 @@ class LiveSetEntry:
     shards: Sequence[ShardEntry]
     writer: str = ""
     time: float = field(default_factory=time.time)
-    #: it folds only removal records whose grace had ended, by its writer's clock, when it was
-    #: written (`write_live_set`): a record whose files may still be there is read after it, never
-    #: folded (what the trainer's follower needs to deliver them from their files)
-    folds_ended_grace: bool = False
+    #: it folds only removal records whose shard files of its log were gone when it was written
+    #: (`write_live_set`): a record whose files are there is read after it, never folded (what
+    #: the trainer's follower needs to deliver them from their files, as the history does)
+    folds_deleted_only: bool = False
 
     type = "live_set"
 
@@ -180,7 +181,7 @@ class LiveSetEntry:
         """Its fields but the rows, as the file's header holds them (`rlrec.store.live_set_file`)."""
         t = self.tables
         counts = {} if t is None else {"held": len(t["held_seq"]), "replaced": len(t["replaced_seq"])}
-        counts |= {GRACE_FIELD: True} if self.folds_ended_grace else {}
+        counts |= {DELETED_ONLY_FIELD: True} if self.folds_deleted_only else {}
         return counts | {
             "type": "live_set",
             "manifest_version": LIVE_SET_FORMAT_VERSION,
@@ -243,7 +244,7 @@ def _parse_live_set(data: bytes, topic: str, partition: int, seq: int) -> LiveSe
         shards=shards,
         writer=writer,
         time=_finite(d["time"], "time"),
-        folds_ended_grace=d.get(GRACE_FIELD, False),
+        folds_deleted_only=d.get(DELETED_ONLY_FIELD, False),
     )
 
 
@@ -577,11 +578,11 @@ def write_live_set(
         seqs = live_set_seqs(storage, topic, partition)
         if prev is None or not seqs or seqs[-1] != prev.seq:
             prev = read_live_set(storage, topic, partition)
-        if prev is not None and (prev.tables is None or not prev.folds_ended_grace):
-            # no retention columns, or records folded inside their grace: not carried forward
+        if prev is not None and (prev.tables is None or not prev.folds_deleted_only):
+            # no retention columns, or records folded whose files may be there: not carried forward
             log.info(
-                "%s/%d: live set %d has no retention columns or folds records inside their grace: the next from "
-                "the history",
+                "%s/%d: live set %d has no retention columns or may fold records whose files are there: the next "
+                "from the history",
                 topic,
                 partition,
                 prev.seq,
@@ -592,16 +593,8 @@ def write_live_set(
         return None
     start = prev.removals if prev is not None and head.live_set is not None else 0
     records = read_removals(storage, start=start)
-    # the records it folds: numbered below the first one naming an entry at or after its end, and
-    # below the first one whose grace has not ended (its files may still be there: readers read it)
+    removals = _fold_end(storage, topic, partition, records, head.end, start)
     now = time.time()
-    beyond = [
-        r.n
-        for r in records
-        if any((f.topic, f.partition) == (topic, partition) and f.seq >= head.end for f in r.files)
-        or r.deletable_at > now
-    ]
-    removals = max(start, min(beyond)) if beyond else max([start, *(r.n + 1 for r in records)])
     live = fold(topic, partition, head.shards, [], [r for r in records if r.n < removals])
     ls = LiveSetEntry(
         topic=topic,
@@ -612,7 +605,7 @@ def write_live_set(
         shards=live.rows(topic, partition),
         writer=writer,
         time=now,
-        folds_ended_grace=True,
+        folds_deleted_only=True,
     )
     if not storage.create_once(live_set_path(topic, partition, ls.seq), ls.to_bytes()):
         return None
@@ -621,6 +614,51 @@ def write_live_set(
             storage.delete(name)
     log.info("%s/%d: live set at seq %d: %d live shard(s)", topic, partition, ls.seq, len(ls.shards))
     return ls
+
+
+def _fold_end(
+    storage: Storage, topic: str, partition: int, records: Sequence[RemovalRecord], end: int, start: int
+) -> int:
+    """The ``removals`` of the live set of log (topic, partition) at `end`: it folds the records
+    (in number order, from `start`) below the first one that names an entry of the log at or
+    after `end`, or a shard file of the log still in the store -- its published or its staging
+    path (a reader of the history delivers a removed shard from its file while it is there;
+    `rlrec retain` deletes both). No clock decides: a deleted file never comes back, so what it
+    folds stays folded for every later reader. Costs one or two existence checks per file of
+    the log the records name, stopping at the first file there; past `_CHECKS_BY_PATH` paths,
+    one listing of each directory the rest lie in (a writer's first live set after a claim
+    checks every record's). A storage error counts as there: not folded."""
+    files: list[tuple[int, list[str]]] = []  # per record up to the first naming an entry >= end
+    for r in records:
+        mine = [f for f in r.files if (f.topic, f.partition) == (topic, partition)]
+        if any(f.seq >= end for f in mine):
+            return _first_there(storage, files, r.n, start)
+        files.append((r.n, [p for f in mine for p in (f.path, f.staging_path)]))
+    return _first_there(storage, files, max([start, *(r.n + 1 for r in records)]), start)
+
+
+#: the most shard file paths `_fold_end` checks one by one before it lists their directories
+_CHECKS_BY_PATH = 64
+
+
+def _first_there(storage: Storage, files: list[tuple[int, list[str]]], beyond: int, start: int) -> int:
+    """The number of the first record in `files` (number, its paths) with a path that exists,
+    else `beyond` (at least `start`): the first `_CHECKS_BY_PATH` paths checked one by one, the
+    rest, if it comes to them, by one listing of each directory they lie in."""
+    from rlrec.store.retention_heads import existing
+
+    checked, n = 0, start
+    try:
+        for i, (n, ps) in enumerate(files):
+            if checked + len(ps) > _CHECKS_BY_PATH:  # many paths: list their directories once
+                there = existing(storage, [p for _, rest in files[i:] for p in rest])
+                return max(start, next((m for m, rest in files[i:] if any(p in there for p in rest)), beyond))
+            checked += len(ps)
+            if any(storage.exists(p) for p in ps):
+                return max(start, n)
+    except (OSError, StorageError):  # cannot tell: this record and the later ones are not folded
+        return max(start, n)
+    return max(start, beyond)
 
 
 def read_heads(

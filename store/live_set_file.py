@@ -14,8 +14,8 @@ Layout (manifest format 4, docs/FORMAT.md "Live sets")::
                "writer", "first", "removals", "rows": n,
                "buffers": {column: [[offset, length] or null, ...]}}   (at most 64 KiB)
 
-A live set whose writer folded only the removal records whose grace had ended has
-``"folds_ended_grace": true`` in its header (docs/FORMAT.md, "Grace-ended folding").
+A live set whose writer folded only the removal records whose files (of its log) were gone has
+``"folds_deleted_only": true`` in its header (docs/FORMAT.md, "Deleted-only folding").
 With retention's columns (docs/FORMAT.md, "Retention columns"; all or none) the header also has
 ``"held"`` and ``"replaced"`` (row counts of two more tables, ``HELD_COLUMNS`` and
 ``REPLACED_COLUMNS``) and the rows ``NEWEST_COLUMN``; ``decode`` checks them as the rows
@@ -53,7 +53,7 @@ import pyarrow.compute as pc
 from rlrec.store.manifest_entries import ManifestError, ShardEntry, _check_version
 
 __all__ = [
-    "GRACE_FIELD",
+    "DELETED_ONLY_FIELD",
     "HELD_COLUMNS",
     "MAX_LIVE_SET_BYTES",
     "MAX_LIVE_SHARDS",
@@ -121,9 +121,9 @@ REPLACED_COLUMNS: tuple[tuple[str, pa.DataType, bool], ...] = (
 )
 #: the header fields of retention's columns: the rows of the held and the replaced table
 RETENTION_FIELDS = frozenset({"held", "replaced"})
-#: the header field of a live set that folds only removal records whose grace had ended when it
-#: was written (docs/FORMAT.md, "Grace-ended folding"): ``true``, or absent
-GRACE_FIELD = "folds_ended_grace"
+#: the header field of a live set that folds only removal records whose files of its log were
+#: gone when it was written (docs/FORMAT.md, "Deleted-only folding"): ``true``, or absent
+DELETED_ONLY_FIELD = "folds_deleted_only"
 _JSON_COLUMNS = ("event_schema_versions", "min_policy_version", "max_policy_version", "steps_without_logp")
 #: the longest JSON text a value of each column may be: checked on the bytes before any is parsed
 _JSON_VALUE_BYTES = {
@@ -264,10 +264,10 @@ def _open_checked(data: bytes, seq: int) -> tuple[dict[str, Any], dict[str, pa.A
         raise ManifestError("not a live set")
     _check_version(doc)  # a newer format (which may have other columns): UnsupportedManifestError
     header = _HEADER | (RETENTION_FIELDS if RETENTION_FIELDS & doc.keys() else frozenset())
-    if GRACE_FIELD in doc:
-        if doc[GRACE_FIELD] is not True:
-            raise ManifestError(f"live set: {GRACE_FIELD} must be true where present")
-        header |= {GRACE_FIELD}
+    if DELETED_ONLY_FIELD in doc:
+        if doc[DELETED_ONLY_FIELD] is not True:
+            raise ManifestError(f"live set: {DELETED_ONLY_FIELD} must be true where present")
+        header |= {DELETED_ONLY_FIELD}
     missing, unknown = (header | _LAYOUT) - doc.keys(), doc.keys() - header - _LAYOUT
     if missing or unknown:
         raise ManifestError(f"live set: missing fields {sorted(missing)}, unknown fields {sorted(unknown)}")

@@ -234,7 +234,9 @@ def test_a_followers_first_poll_reads_the_heads_not_the_history(tmp_path, storag
     ls = write_live_set(st, "rl", 0, writer="test")
     assert ls is not None and ls.tables is not None
     tail = _commit(c, 3, 900)
-    expected = [s.key for s in ManifestFollower(st).poll(force_discover=True)]
+    history = ManifestFollower(st)
+    history.from_heads = False
+    expected = [s.key for s in history.poll(force_discover=True)]
     assert len(expected) == 3 * 15 + 3
     folded = {record_path(r.n) for r in read_removals(st) if r.n < ls.removals}
     assert folded
@@ -285,3 +287,115 @@ def test_followers_from_the_heads_and_from_the_history_go_on_alike(tmp_path):
         assert _seen(heads, got) == _seen(history, history.poll(force_discover=True))
         assert len(got) == 1 and got[0].episodes == frozenset(i for p in more for i in _episode_ids(st, p))
         assert heads.poll() == [] and history.poll() == []
+
+
+def test_a_checkpoint_with_ranges_and_shards_placed_by_path_only_reads_the_history(tmp_path):
+    """A checkpoint holds ranges for one log and a trained shard of another known by path only
+    (``trained_unplaced``); that shard was compacted into M and its file retained away. From
+    the heads M's covers would not name the path, and M would be trained as new a second time:
+    the first poll reads the history, and M is taken as trained before."""
+    from rlrec.trainer.data import ManifestOfflineData, first_poll_from_heads
+
+    root = str(tmp_path / "out")
+    a = ShardCommitter(root, "rl", 0, snapshot_every=3)
+    a.log.live_set_every = 10**9
+    b = ShardCommitter(a.storage, "rl", 1, snapshot_every=3)
+    b.log.live_set_every = 10**9
+    st = a.storage
+    parts = _commit(a, 3, 0)
+    other = _commit(b, 2, 50)
+    _compact(a, 3)
+    retain(st, grace_s=0)
+    write_live_set(st, "rl", 0, writer="test")
+    write_live_set(st, "rl", 1, writer="test")
+    merged = _merged(st, "rl", 0)[0].shard.path
+    trained_keys = {parts[0], *other}
+    trained_ranges = {("rl", 1): [(0, 10)]}
+    assert first_poll_from_heads(trained_keys, trained_ranges, {parts[0]}) is False
+    assert first_poll_from_heads(trained_keys, trained_ranges, None) is False
+    assert first_poll_from_heads(trained_keys, trained_ranges, set()) is True
+    f = ManifestFollower(st)
+    f.from_heads = first_poll_from_heads(trained_keys, trained_ranges, {parts[0]})
+    got = f.poll(force_discover=True)
+    assert not f._heads
+    assert sorted(s.key for s in got) == sorted([*other, merged])
+    assert f.covers[merged][2] == tuple(parts)
+    od = SimpleNamespace(follower=f, _trained_keys=trained_keys, _trained_ranges=trained_ranges)
+    assert ManifestOfflineData._trained_before(od, merged) is True
+
+
+def test_records_naming_entries_below_a_head_read_later_are_not_kept_pending(tmp_path):
+    """Removal records retention writes after the first poll from the heads, naming entries
+    below the live set, are forgotten by the poll that reads them (as the first poll does), not
+    held to be resolved on every later poll; followers from the heads and from the history
+    deliver alike."""
+    root = str(tmp_path / "out")
+    a = ShardCommitter(root, "rl", 0, snapshot_every=3)
+    a.log.live_set_every = 10**9
+    st = a.storage
+    _commit(a, 6, 0)
+    write_live_set(st, "rl", 0, writer="test")
+    heads, history = ManifestFollower(st), ManifestFollower(st)
+    history.from_heads = False
+    assert _seen(heads, heads.poll(force_discover=True)) == _seen(history, history.poll(force_discover=True))
+    assert set(heads._heads) == {("rl", 0)}
+    new = _commit(a, 1, 100)
+    _compact(a, 6)  # merges the entries below the live set
+    retain(st, grace_s=0)  # records naming them, read by the next polls
+    assert any(f.seq < heads._heads[("rl", 0)].end for r in read_removals(st) for f in r.files)
+    for _ in range(3):
+        for f in (heads, history):
+            f._removals._listed_at = None  # list the removal log now
+        got = heads.poll(force_discover=True)
+        assert _seen(heads, got) == _seen(history, history.poll(force_discover=True))
+        assert heads._removals._pending.get(("rl", 0), {}) == {}
+    assert new[0] in heads.entries
+
+
+@pytest.mark.parametrize("skew_s, grace_s, by_listing", [(120.0, 60.0, False), (0.0, 0.2, False), (0.0, 0.2, True)])
+def test_a_live_set_folds_a_record_only_once_its_files_are_gone_whatever_the_clocks(
+    tmp_path, monkeypatch, skew_s, grace_s, by_listing
+):
+    """Expired shards recorded by retention, their files still there: inside the record's grace
+    by retention's clock but past it by the live set writer's (ahead by `skew_s`), or past the
+    grace with no retention run since. The live set does not fold the record, and a fresh
+    follower's first poll from the heads delivers the shards from their files, as the history
+    does; once retention deleted them, the next live set folds it, and neither delivers them.
+    `by_listing`: the writer lists the files' directories rather than checking each file."""
+    from rlrec.store import live_set
+
+    if by_listing:
+        monkeypatch.setattr(live_set, "_CHECKS_BY_PATH", 0)
+    root = str(tmp_path / "out")
+    a = ShardCommitter(root, "rl", 0, snapshot_every=3)
+    a.log.live_set_every = 10**9
+    st = a.storage
+    old = _commit(a, 3, 0, policy="old")
+    time.sleep(0.3)
+    cut = time.time()
+    new = _commit(a, 3, 10)
+    retain(st, grace_s=grace_s, older_than_s=time.time() - cut)
+    assert [len(r.files) for r in read_removals(st)] == [3] and all(st.exists(p) for p in old)
+    time.sleep(2 * grace_s if grace_s < 1 else 0)  # a short grace has ended; no retain since
+    real = time.time
+    with monkeypatch.context() as m:
+        m.setattr(time, "time", lambda: real() + skew_s)  # the writer's clock
+        ls = write_live_set(st, "rl", 0, writer="test")
+    assert ls is not None and ls.folds_deleted_only and ls.removals == 0
+    heads, history = ManifestFollower(st), ManifestFollower(st)
+    history.from_heads = False
+    got = heads.poll(force_discover=True)
+    assert set(heads._heads) == {("rl", 0)}
+    assert _seen(heads, got) == _seen(history, history.poll(force_discover=True))
+    assert sorted(s.key for s in got) == sorted(old + new)
+    if grace_s >= 1:
+        return
+    assert sorted(retain(st, grace_s=0).deleted) == sorted(old)  # the grace ended: deleted
+    more = _commit(a, 1, 20)
+    ls2 = write_live_set(st, "rl", 0, writer="test")
+    assert ls2 is not None and ls2.removals == 1
+    heads, history = ManifestFollower(st), ManifestFollower(st)
+    history.from_heads = False
+    got = heads.poll(force_discover=True)
+    assert set(heads._heads) == {("rl", 0)}
+    assert sorted(s.key for s in got) == sorted(new + more) == sorted(s.key for s in history.poll(force_discover=True))

@@ -282,9 +282,10 @@ def test_kill_9_of_writers_around_the_live_set_write_every_reader_sees_the_histo
         st = open_snapshot(root).storage
         if crash_at != "none":  # compaction (a new writer of the log) killed at the same point
             codes.append(_run_script(_COMPACTOR, root, crash_at))
-        if n == 1:  # retention killed after recording replaced files, before deleting them; the
-            codes.append(_run_script(_RETAINER, root))  # next writer's live sets fold the record
-        if n == 2:  # replaced files recorded inside their grace: no live set folds the record
+        if n == 1:  # retention killed after recording replaced files, before deleting them: no
+            codes.append(_run_script(_RETAINER, root))  # live set folds the record while they are there
+        if n == 2:  # its re-run deletes them (later live sets fold the record); then replaced files
+            assert retain(st, grace_s=0).deleted  # recorded inside their grace: no live set folds that one
             plog = PartitionLog(st, "rl", 0)
             plog.claim("test-compactor")
             plog.recover()
@@ -309,7 +310,7 @@ def test_kill_9_of_writers_around_the_live_set_write_every_reader_sees_the_histo
         assert named & before <= after, crash_at  # gc deleted no file an entry names
         assert all(k[3] in after or k[4] in after for k in want), crash_at  # published, or staged (killed before)
     assert codes == [-signal.SIGKILL] * 7 + [0]  # each planted kill was reached
-    assert read_live_set(st, "rl", 0).removals > 0  # a live set folded the killed retention's record
+    assert read_live_set(st, "rl", 0).removals > 0  # a live set folded the killed retention's record, once re-run
     assert read_live_set(st, "rl", 0).removals < len(read_removals(st))  # not the one inside its grace
     assert from_heads[-1]  # the last first poll read the log from its head
     assert verify(open_snapshot(root).storage) == []

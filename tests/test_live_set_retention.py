@@ -226,8 +226,11 @@ def _hostile(h: dict, cols: dict) -> dict[str, bytes]:
         "retention fields without their columns": live_set_file.encode_columns(
             {**h, "held": 0, "replaced": 0}, {k: pa.array(cols[k], _TYPES[k]) for k in _PLAIN}, len(live)
         ),
-        "folds_ended_grace false": _encode({**h, "folds_ended_grace": False}, cols),
-        "folds_ended_grace not a boolean": _encode({**h, "folds_ended_grace": "yes"}, cols),
+        "folds_deleted_only false": _encode({**h, "folds_deleted_only": False}, cols),
+        "folds_deleted_only not a boolean": _encode({**h, "folds_deleted_only": "yes"}, cols),
+        "an earlier build's folds_ended_grace (folding by a clock)": _encode(
+            {**{k: v for k, v in h.items() if k != "folds_deleted_only"}, "folds_ended_grace": True}, cols
+        ),
         "retention columns without their fields": live_set_file.encode_columns(
             {k: v for k, v in h.items() if k not in ("held", "replaced")},
             {k: pa.array(v, _TYPES[k]) for k, v in cols.items()},
@@ -263,24 +266,24 @@ def test_an_older_reader_refuses_a_live_set_with_retention_columns_and_reads_the
     assert got.live_set is None and [s.seq for s in got.shards] == sorted(live_shards(c.log.load()))
 
 
-def test_an_older_reader_refuses_a_live_set_folding_only_ended_graces_and_reads_the_history(merged_store, monkeypatch):
-    """A reader from before ``folds_ended_grace`` (its header fields exactly its own) refuses a
+def test_an_older_reader_refuses_a_live_set_folding_only_deleted_files_and_reads_the_history(merged_store, monkeypatch):
+    """A reader from before ``folds_deleted_only`` (its header fields exactly its own) refuses a
     live set that has it, and so reads the history; one without it is read, and not carried
     forward by its writer (the next is built from the history, with the field)."""
     c, ls, h, cols = merged_store
-    assert h["folds_ended_grace"] is True
-    monkeypatch.setattr(live_set_file, "GRACE_FIELD", "no such field")
+    assert h["folds_deleted_only"] is True
+    monkeypatch.setattr(live_set_file, "DELETED_ONLY_FIELD", "no such field")
     with pytest.raises(live_set_file.ManifestError, match="unknown fields"):
         parse_live_set(ls.to_bytes(), "rl", 0, ls.seq)
     monkeypatch.undo()
-    without = _encode({k: v for k, v in h.items() if k != "folds_ended_grace"}, cols)
-    assert parse_live_set(without, "rl", 0, ls.seq).folds_ended_grace is False
+    without = _encode({k: v for k, v in h.items() if k != "folds_deleted_only"}, cols)
+    assert parse_live_set(without, "rl", 0, ls.seq).folds_deleted_only is False
     c.storage.delete(live_set_path("rl", 0, ls.seq))
     c.storage.write(live_set_path("rl", 0, ls.seq), without)
     assert head_shards(c.storage, "rl", 0).live_set == ls.seq  # read by the head's readers
     _commit(c, 1, 80)
     nxt = write_live_set(c.storage, "rl", 0, writer="test")
-    assert nxt is not None and nxt.folds_ended_grace and nxt.seq > ls.seq
+    assert nxt is not None and nxt.folds_deleted_only and nxt.seq > ls.seq
 
 
 def test_verify_reports_retention_columns_that_differ_from_the_history(merged_store):

@@ -88,6 +88,36 @@ DEFAULT_MAP_BATCHES_KWARGS = {"concurrency": 1, "zero_copy_batch": True}
 # OfflineData
 
 
+def first_poll_from_heads(
+    trained_keys: Iterable[str], trained_ranges: Mapping[tuple[str, int], list], unplaced: Iterable[str] | None
+) -> bool:
+    """Whether a trainer's first manifest poll may read the logs from their heads
+    (`ManifestFollower.from_heads`). A merged shard delivered for removed entries names them,
+    from the heads, by seq only (its covers' paths are ""), so every trained shard must be
+    placed by `trained_ranges`; a trained shard named by path only (`unplaced`, or any when
+    the ranges or the unplaced keys are not known) needs the history, which names the paths.
+
+    Args:
+        trained_keys: the shards trained before this start (paths).
+        trained_ranges: per log, the ``[start, end)`` seq ranges of the trained shard entries.
+        unplaced: the trained keys no range holds; None when not known.
+
+    Example:
+        >>> first_poll_from_heads([], {}, None)
+        True
+        >>> first_poll_from_heads(["a.parquet"], {("rl", 0): [(0, 1)]}, [])
+        True
+        >>> first_poll_from_heads(["a.parquet", "b.parquet"], {("rl", 0): [(0, 1)]}, ["b.parquet"])
+        False
+        >>> first_poll_from_heads(["a.parquet"], {}, None)
+        False
+    """
+    keys = set(trained_keys)
+    if not keys:
+        return True
+    return bool(trained_ranges) and unplaced is not None and not keys & set(unplaced)
+
+
 class ManifestOfflineData(OfflineData):
     """`OfflineData` that follows the manifest and streams shards through one pipeline.
 
@@ -155,18 +185,20 @@ class ManifestOfflineData(OfflineData):
 
     # ------------------------------------------------------------------ manifest
     def start(
-        self, trained_keys: Iterable[str] = (), trained_ranges: Mapping[tuple[str, int], list] | None = None
+        self,
+        trained_keys: Iterable[str] = (),
+        trained_ranges: Mapping[tuple[str, int], list] | None = None,
+        unplaced: Iterable[str] | None = None,
     ) -> None:
         """Load the manifest (shards in `trained_keys`, or standing for shard entries in
         `trained_ranges` -- per log, ``[start, end)`` seq ranges -- are history, the rest fresh)
-        and start polling."""
+        and start polling. `unplaced`: the trained keys `trained_ranges` does not hold (None:
+        not known); see `first_poll_from_heads`."""
         if self._started:
             return
         self._trained_keys = set(trained_keys)
         self._trained_ranges = {k: [tuple(r) for r in rs] for k, rs in (trained_ranges or {}).items()}
-        # trained shards named by path only: a merged shard's covers must name its entries' paths,
-        # which only the history has (`ManifestFollower.from_heads`)
-        self.follower.from_heads = not self._trained_keys or bool(self._trained_ranges)
+        self.follower.from_heads = first_poll_from_heads(self._trained_keys, self._trained_ranges, unplaced)
         self._started = True
         self.refresh(force_discover=True)
         self._thread = threading.Thread(target=self._poll_loop, name="rlrec-manifest", daemon=True)

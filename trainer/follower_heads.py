@@ -8,11 +8,12 @@ merged shard holding them (standing for every shard entry it holds), or their ow
 is still there. A live set with retention's columns says all of it but the replaced files'
 entries (``replaced``: their file names only) -- those are read one by one, up to a budget
 (`max_entry_reads`), else the log's history is read. It must fold only removal records whose
-grace had ended (``folds_ended_grace``): a shard retention removed whose file may still be there
-is then in its rows or its replaced table, named by a record read after it. A shard entry a
-folded record removed is not seen (its grace had ended: it is not delivered and not counted in
-``removed_skipped``) unless a live merged shard holds it -- and a merged shard's ``covers``
-names such entries by seq, with an empty path (the live set does not say it).
+files of the log were gone when it was written (``folds_deleted_only``): a shard retention
+removed whose file is still there is then in its rows or its replaced table, named by a record
+read after it. A shard entry a folded record removed is not seen (its files are gone, so the
+history does not deliver it either; it is not counted in ``removed_skipped``) unless a live
+merged shard holds it -- and a merged shard's ``covers`` names such entries by seq, with an
+empty path (the live set does not say it).
 
 Example:
     >>> max_entry_reads(1000)

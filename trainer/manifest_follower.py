@@ -66,11 +66,12 @@ class ManifestFollower:
 
     The first poll reads each log from its head where it can (``from_heads``; `rlrec.trainer.
     follower_heads`): its newest live set, the entries after it and the removal records it does
-    not fold -- not the log's history -- and delivers what the history gives, but for shard
-    entries a record removed whose grace had ended before the live set was written (not
-    delivered, not counted) and the paths in ``covers`` of the entries such a record removed
-    (""). A log without a usable live set (none, malformed, stale, without retention's columns,
-    folding records inside their grace) is read from its history.
+    not fold -- not the log's history -- and delivers what the history gives (the live set
+    folds only records whose files were gone: shards the history would not deliver either),
+    but for ``removed_skipped`` and the log line, which do not count the shards of the records
+    it folds, and the paths in ``covers`` of the entries such a record removed (""). A log
+    without a usable live set (none, malformed, stale, without retention's columns, not
+    ``folds_deleted_only``) is read from its history.
     """
 
     def __init__(
@@ -244,6 +245,8 @@ class ManifestFollower:
                 self._warn_once(f"refresh:{key}:{e}", "cannot read manifest log %s/%05d: %s", key[0], key[1], e)
                 continue
             new, skipped, gone = [], 0, []
+            if key in self._heads:  # records naming entries below its head, read by any poll: seen
+                self._removals.forget_below(*key, self._heads[key].end)
             removed = self._removals.seqs(*key, plog.entries)  # resolved against the log, as readers do
             for e in plog.entries_since(self._done.get(key, 0)):
                 if isinstance(e, ShardEntry) and e.path not in self.entries:
@@ -288,12 +291,12 @@ class ManifestFollower:
 
     def _live_sets(self) -> dict[tuple[str, int], LiveSetEntry]:
         """The newest live set of each known log that a first poll can start from: with
-        retention's columns, folding only records whose grace had ended."""
+        retention's columns, folding only records whose files were gone."""
         read, self._sets_read = self._sets_read, {}  # those `live_head` read, once
         keys = list(self.logs)
         with ThreadPoolExecutor(max_workers=max(1, min(8, len(keys)))) as ex:
             got = list(ex.map(lambda k: read[k] if k in read else _quiet(read_live_set, self.storage, *k), keys))
-        return {k: ls for k, ls in zip(keys, got) if ls is not None and ls.tables is not None and ls.folds_ended_grace}
+        return {k: ls for k, ls in zip(keys, got) if ls is not None and ls.tables is not None and ls.folds_deleted_only}
 
     def _head_start(self, key: tuple[str, int], ls: LiveSetEntry) -> tuple[HeadRead, HeadStart] | None:
         """Log `key` at its head through live set `ls`, and what a first poll delivers of it

@@ -361,7 +361,7 @@ class ContinuousTrainer(CheckpointMixin, PublishMixin, GateMixin):
                     self.out.uri(),
                 )
             self.metrics.truncate_after(None)
-        self.algo.offline_data.start(self.trained, self.trained_ranges)
+        self.algo.offline_data.start(self.trained, self.trained_ranges, self._unplaced)
         return True
 
     def _connect(self) -> None:

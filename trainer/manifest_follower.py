@@ -63,9 +63,12 @@ class ManifestFollower:
         max_policy_version: int | None = None,
         fmt: str | None = None,
         discover_interval_s: float = 2.0,
+        multi_agent: bool = False,
     ) -> None:
         self.storage = storage
         self.policy_id = policy_id
+        #: select multi-agent rows (every module folder ``{policy_id}.{module_id}``), else only single-agent shards
+        self.multi_agent = multi_agent
         self.min_policy_version = min_policy_version
         self.max_policy_version = max_policy_version
         self.fmt = fmt
@@ -105,7 +108,7 @@ class ManifestFollower:
             log.warning(msg, *args)
 
     def _selected(self, e: ShardEntry) -> bool:
-        if self.policy_id is not None and e.policy_id != self.policy_id:
+        if not self._kind_selected(e):
             return False
         lo, hi = e.min_policy_version, e.max_policy_version
         if self.min_policy_version is not None and isinstance(hi, int) and hi < self.min_policy_version:
@@ -128,6 +131,22 @@ class ManifestFollower:
             )
             return False
         return True
+
+    def _kind_selected(self, e: ShardEntry) -> bool:
+        """Single-agent shards for a single-agent trainer, every module's multi-agent rows (of
+        ``--policy-id``'s modules, if given) for a multi-agent one."""
+        from rlrec.store.schema_gate import MULTI_AGENT_SHARD_FORMAT_VERSION
+
+        rows = e.format == "episodes" and e.format_version == MULTI_AGENT_SHARD_FORMAT_VERSION
+        if rows != self.multi_agent:
+            kind = "multi-agent rows (train them with --multi-agent)" if rows else "single-agent shards"
+            self._warn_once(f"kind:{rows}", "skipping %s, e.g. %s", kind, e.path)
+            return False
+        if self.policy_id is None:
+            return True
+        if self.multi_agent:
+            return e.policy_id.startswith(f"{self.policy_id}.")
+        return e.policy_id == self.policy_id
 
     def _row_filter(self, e: ShardEntry) -> tuple[int | None, int | None] | None:
         """The version bounds the read task applies to `e`'s rows, episode by episode: None when

@@ -56,6 +56,9 @@ class SafeOfflinePreLearner(OfflinePreLearner):
         self._rlrec_mode = spec.get("prelearner_mode", "episodes")
         #: episodes held out for evaluation (rlrec.trainer.holdout) are never trained on
         self._rlrec_holdout = float(spec.get("holdout_fraction") or 0.0)
+        #: multi-agent rows (`rlrec.trainer.multi_agent`): each agent episode checked against its own module
+        self._rlrec_multi_agent = bool(spec.get("multi_agent"))
+        self._rlrec_env_flags = spec.get("multi_agent_flags") == "env"
         self.rlrec_held_out = 0
         self.rlrec_skipped = 0
         #: (episode id, or "#<row in the chunk>" if undecodable; why) of each episode the last call
@@ -70,10 +73,17 @@ class SafeOfflinePreLearner(OfflinePreLearner):
         if self.rlrec_skipped <= 10:  # the driver logs once per shard, after the iteration
             log.error("skipping an episode the trainer cannot use: %s", reason)
 
-    def _rlrec_module_spaces(self) -> tuple[Any, Any]:
+    def _rlrec_module_spaces(self, module_id: str | None = None) -> tuple[Any, Any]:
         """The spaces the RLModule is built for: the config's, else the module's. (The PreLearner's
         own `observation_space` can be the batched space of a vector env, e.g. Box(1, 3) for
-        Pendulum with CQL, which no recorded episode fits.)"""
+        Pendulum with CQL, which no recorded episode fits.) With a `module_id` (an agent episode
+        of multi-agent rows): that module's own, or (None, None) if no module has that id."""
+        if module_id is not None:
+            try:
+                module = self._module[module_id]
+            except (KeyError, TypeError):
+                return None, None
+            return module.observation_space, module.action_space
         obs, act = self.config.observation_space, self.config.action_space
         if obs is None or act is None:
             try:
@@ -86,12 +96,15 @@ class SafeOfflinePreLearner(OfflinePreLearner):
         return obs, act
 
     def _held_out(self, ep: Any) -> bool:
-        """Whether `ep` belongs to the held-out evaluation data (then it is not trained on)."""
+        """Whether `ep` belongs to the held-out evaluation data (then it is not trained on). An
+        agent episode of multi-agent rows is held out with its multi-agent episode (by that id):
+        no episode's agents are on both sides."""
         if not self._rlrec_holdout:
             return False
         from rlrec.trainer.holdout import is_held_out
 
-        if is_held_out(str(getattr(ep, "id_", "")), self._rlrec_holdout):
+        key = getattr(ep, "multi_agent_episode_id", None) or getattr(ep, "id_", "")
+        if is_held_out(str(key), self._rlrec_holdout):
             self.rlrec_held_out += 1
             return True
         return False
@@ -99,8 +112,12 @@ class SafeOfflinePreLearner(OfflinePreLearner):
     def _usable(self, ep: Any) -> bool:
         from rlrec.trainer.episode_check import unusable_reason
 
-        obs_space, act_space = self._rlrec_module_spaces()
-        reason = unusable_reason(ep, obs_space, act_space)
+        module_id = getattr(ep, "module_id", None) if self._rlrec_multi_agent else None
+        obs_space, act_space = self._rlrec_module_spaces(module_id)
+        if obs_space is None and module_id is not None:
+            reason = f"module {module_id!r:.40} is not one this trainer trains"
+        else:
+            reason = unusable_reason(ep, obs_space, act_space)
         if reason is not None:
             self._skip(str(getattr(ep, "id_", "?")), f"episode {getattr(ep, 'id_', '?')}: {reason}")
             return False
@@ -117,6 +134,9 @@ class SafeOfflinePreLearner(OfflinePreLearner):
             except EpisodeDecodeError as e:
                 self._skip(f"#{i}", f"cannot be decoded safely: {e}")
                 continue
+            if self._rlrec_env_flags:  # the env's own last flags, not RLlib's; not terminated: truncated
+                ep.is_terminated = bool(batch["env_terminated"][i])
+                ep.is_truncated = not ep.is_terminated
             if not self._usable(ep) or self._held_out(ep):  # unusable ones are counted, held out or not
                 continue
             for k in [k for k in ep.extra_model_outputs if k not in self._rlrec_keep]:

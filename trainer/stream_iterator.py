@@ -50,6 +50,15 @@ class _RowBuffer:
         return {k: v[idx] for k, v in self.cols.items()}
 
 
+def _by_module(batch: dict[str, np.ndarray]) -> dict[str, dict[str, np.ndarray]]:
+    """A PreLearner batch's flat columns (``{module_id}/{column}``) grouped by module: each
+    module's rows line up with each other, not with another module's."""
+    out: dict[str, dict[str, np.ndarray]] = {}
+    for k, v in batch.items():
+        out.setdefault(k.partition("/")[0] if "/" in k else "", {})[k] = v
+    return out
+
+
 class StreamIterator:
     """What the Learner(s) iterate: a `ray.data.DataIterator` of PreLearner envelopes, unpacked
     and re-batched to exactly `batch_size` rows (``iter_torch_batches`` for the iterator path,
@@ -88,14 +97,14 @@ class StreamIterator:
         self._buffer = None
         # rows pulled from the stream but not trained yet: kept here, not in a generator, so
         # the rows a Learner's iteration leaves when it stops iterating are the next one's first
-        self._pending: list[dict[str, np.ndarray]] = []
-        self._n_pending = 0
+        self._pending: dict[str, list[dict[str, np.ndarray]]] = {}  # per module (the flat keys' prefix)
+        self._n_pending: dict[str, int] = {}
         self.stats = {"rows_streamed": 0, "rows_replayed": 0}
 
     def __getstate__(self) -> dict:
         d = dict(self.__dict__)
         d.update(
-            _feed=None, _thread=None, _queue=None, _stop=None, _buffer=None, _done=False, _pending=[], _n_pending=0
+            _feed=None, _thread=None, _queue=None, _stop=None, _buffer=None, _done=False, _pending={}, _n_pending={}
         )
         d.pop("_unsent", None)
         return d
@@ -206,10 +215,10 @@ class StreamIterator:
         cap = int(self._spec.get("learner_buffer_rows") or 0) or 64 * B
         cap = max(cap, int(local_shuffle_buffer_size or 0), 2 * B)
         if self._buffer is None:
-            self._buffer = _RowBuffer(cap, local_shuffle_seed)
-        buf = self._buffer
+            self._buffer = {}
+        bufs: dict[str, _RowBuffer] = self._buffer  # module -> its rows (one module unless multi-agent)
         max_fresh = max(1, round(self._spec["fresh_share"] * B))
-        pending, n_pending = self._pending, self._n_pending
+        pending, n_pending = self._pending, self._n_pending  # module -> its rows not trained yet
         wait = 0.0
         while True:
             # everything that arrived (non-blocking); block only while nothing can be trained
@@ -217,7 +226,7 @@ class StreamIterator:
                 try:
                     d = self._queue.get_nowait()
                 except queue.Empty:
-                    if n_pending or buf.size >= B or self._done:
+                    if any(n_pending.values()) or any(b.size >= B for b in bufs.values()) or self._done:
                         break
                     t0 = time.perf_counter()
                     d = self._queue.get()
@@ -225,43 +234,59 @@ class StreamIterator:
                 if d is None:
                     self._done = True
                     break
-                pending.append(d)
-                n_pending += row_count(d)
-            if self._done and not n_pending:
+                for m, part in _by_module(d).items():
+                    n = row_count(part)
+                    if n:
+                        pending.setdefault(m, []).append(part)
+                        n_pending[m] = n_pending.get(m, 0) + n
+            if self._done and not any(n_pending.values()):
                 return
-            if pending:
-                keys = set(pending[0])
-                for p in pending[1:]:
-                    keys &= set(p)
-                merged = {
-                    k: np.concatenate([p[k] for p in pending]) if len(pending) > 1 else pending[0][k] for k in keys
-                }
-            else:
-                merged = {}
-            # fresh rows first: all of them while the buffer is cold, else up to max_fresh
-            take = min(n_pending, B if buf.size < B else max_fresh)
-            fresh = {k: v[:take] for k, v in merged.items()}
-            rest = {k: v[take:] for k, v in merged.items()}
-            pending, n_pending = ([rest], n_pending - take) if n_pending > take else ([], 0)
-            self._pending, self._n_pending = pending, n_pending
-            if take:
-                buf.add(fresh)
-            if take < B:
-                if buf.size == 0:
-                    continue
-                fill = buf.sample(B - take)
-                out = {k: np.concatenate([fresh[k], fill[k]]) for k in fill} if take else fill
-            else:
-                out = fresh
-            self.stats["rows_streamed"] += take
-            self.stats["rows_replayed"] += B - take
+            out: dict[str, np.ndarray] = {}
+            took = 0
+            for i, m in enumerate(sorted(set(pending) | set(bufs))):
+                if m not in bufs:
+                    seed = None if local_shuffle_seed is None else int(local_shuffle_seed) + i
+                    bufs[m] = _RowBuffer(cap, seed)
+                part, take = self._module_batch(m, bufs[m], B, max_fresh)
+                out.update(part)
+                took += take
+                if part:
+                    self.stats["rows_streamed"] += take
+                    self.stats["rows_replayed"] += B - take
+            if not out:
+                continue
             counts: dict[int, int] = {}
             for k in [k for k in out if k == TAG or k.endswith("/" + TAG)]:
                 vals, cnts = np.unique(out.pop(k), return_counts=True)
                 for v, c in zip(vals.tolist(), cnts.tolist()):
                     counts[int(v)] = counts.get(int(v), 0) + int(c)
-            yield out, (counts, wait, take)  # acknowledged when handed to the Learner
+            yield out, (counts, wait, took)  # acknowledged when handed to the Learner
             wait = 0.0
+
+    def _module_batch(self, m: str, buf: _RowBuffer, B: int, max_fresh: int) -> tuple[dict, int]:
+        """One module's B rows of the next minibatch, and how many came fresh from the stream:
+        its fresh rows first (all of them while its buffer is cold, else up to max_fresh),
+        filled up from its buffer; ({}, 0) while it has no row at all."""
+        pend, n = self._pending.get(m, []), self._n_pending.get(m, 0)
+        if pend:
+            keys = set(pend[0])
+            for p in pend[1:]:
+                keys &= set(p)
+            merged = {k: np.concatenate([p[k] for p in pend]) if len(pend) > 1 else pend[0][k] for k in keys}
+        else:
+            merged = {}
+        take = min(n, B if buf.size < B else max_fresh)
+        fresh = {k: v[:take] for k, v in merged.items()}
+        rest = {k: v[take:] for k, v in merged.items()}
+        self._pending[m], self._n_pending[m] = ([rest], n - take) if n > take else ([], 0)
+        if take:
+            buf.add(fresh)
+        if take >= B:
+            return fresh, take
+        if buf.size == 0:
+            return {}, 0
+        fill = buf.sample(B - take)
+        return ({k: np.concatenate([fresh[k], fill[k]]) for k in fill} if take else fill), take
 
     def iter_batches(self, *, batch_size: int, _collate_fn: Any = None, **kwargs: Any):
         for b in self._batches(batch_size, **kwargs):

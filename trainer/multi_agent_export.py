@@ -17,9 +17,9 @@ def _modules_from_algo(algo: Any) -> dict[str, Any]:
     multi = algo.config.get_multi_rl_module_spec().build()
     multi.set_state(algo.learner_group.get_weights())
     out = {}
-    for m in multi.keys():
-        multi[m].eval()
-        out[m] = multi[m]
+    for m, module in multi.items():
+        module.eval()
+        out[m] = module
     return out
 
 

@@ -1,0 +1,216 @@
+"""``rlrec train --multi-agent``: BC and MARWIL train both modules of a simple_spread store whose
+agent_0 follows a script (module ``scripted``) and agent_1 acts at random (module ``random``);
+one published version holds both modules and loads per module and whole, without Ray; a kill -9
+and ``--resume`` train every shard as new exactly once."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip("mpe2")
+
+from rlrec.trainer.config import TrainerConfig
+from rlrec.trainer.holdout import is_held_out
+from tests.helpers import assert_each_shard_new_exactly_once, read_metrics, wait_for
+from tests.multi_agent_stores import commit_spread, script, scripted_spread
+
+HOLDOUT = 0.1
+EPISODES = 20  # per commit (each commit: one shard per module)
+
+
+def cfg(out, ck, **kw):
+    base = {
+        "input": out,
+        "checkpoint_dir": ck,
+        "algo": "BC",
+        "multi_agent": True,
+        "poll_interval_s": 0.2,
+        "progress": False,
+        "promotion_gate": "off",
+        "cache_ttl_s": 1.0,
+        "holdout_fraction": HOLDOUT,
+        "algo_config": {"train_batch_size_per_learner": 256, "lr": 1e-3},
+        "offline_config": {"dataset_num_iters_per_learner": 20},
+    }
+    base.update(kw)
+    if "holdout_fraction" in base:
+        from rlrec.trainer.config import OPESettings
+
+        base["ope"] = OPESettings(holdout_fraction=base.pop("holdout_fraction"))
+    return TrainerConfig(**base)
+
+
+# ----------------------------------------------------------------------------------- refusals
+
+
+@pytest.mark.parametrize(
+    "kw,msg",
+    [
+        ({"algo": "CQL"}, "--multi-agent trains BC or MARWIL; CQL is not supported"),
+        ({"algo": "IQL"}, "--multi-agent trains BC or MARWIL; IQL is not supported"),
+        ({"promotion_gate": "ope"}, "--promotion-gate ope is single-agent only"),
+        ({"promotion_gate": "env", "env": "CartPole-v1"}, "--promotion-gate env is single-agent only"),
+        ({"prelearner_mode": "buffer"}, "drops the agent and module ids"),
+    ],
+)
+def test_what_multi_agent_cannot_do_yet_is_refused_in_one_line(kw, msg):
+    with pytest.raises(ValueError, match=msg) as e:
+        cfg("in", "ck", **kw)
+    assert "\n" not in str(e.value)
+
+
+def test_the_default_gate_of_a_multi_agent_trainer_is_off():
+    c = TrainerConfig(input="in", checkpoint_dir="ck", multi_agent=True)
+    assert c.promotion_gate == "off" and c.rollout == "direct"
+
+
+def test_the_cli_refuses_cql_with_multi_agent_in_one_line(tmp_path):
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rlrec",
+            "train",
+            "--input",
+            str(tmp_path),
+            "--checkpoint-dir",
+            str(tmp_path / "ck"),
+            "--multi-agent",
+            "--algo",
+            "CQL",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode != 0
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert lines[-1].startswith("rlrec train: error: --multi-agent trains BC or MARWIL"), r.stderr
+    assert "Traceback" not in r.stderr
+
+
+# ----------------------------------------------------------------------------------- training
+
+
+def _held_out_observations():
+    """agent_0's and agent_1's observations and agent_1's actions in the held-out episodes of
+    the store `commit_spread` writes (its seeds, the trainer's held-out rule)."""
+    obs0, obs1, act1 = [], [], []
+    for seed in range(4 * EPISODES):
+        if not is_held_out(f"ma-{seed}", HOLDOUT):
+            continue
+        rec = scripted_spread(f"ma-{seed}", seed)
+        prev = rec.reset.observations
+        for st in rec.steps:
+            obs0.append(prev["agent_0"])
+            obs1.append(prev["agent_1"])
+            act1.append(int(st.actions["agent_1"]))
+            prev = st.observations
+    return np.array(obs0), np.array(obs1), np.array(act1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo", ["BC", "MARWIL"])
+def test_both_modules_train_and_publish_as_one_version(tmp_path, algo):
+    from rlrec.trainer.policy import load_policy
+    from rlrec.trainer.service import ContinuousTrainer
+
+    out, ck = str(tmp_path / "out"), str(tmp_path / "ck")
+    keys = commit_spread(out, 4, EPISODES)
+    assert sorted({k.split("/")[0] for k in keys}) == ["spread.random", "spread.scripted"]
+    tr = ContinuousTrainer(cfg(out, ck, algo=algo, max_iterations=4, checkpoint_interval=4, num_cpus=2))
+    assert tr.run() == 0
+    lines = read_metrics(ck)
+    assert [r["iteration"] for r in lines] == [1, 2, 3, 4]
+    for r in lines:  # a finite policy loss for both modules every iteration
+        assert sorted(r["learners"]) == ["random", "scripted"]
+        for m in r["learners"].values():
+            assert math.isfinite(m["policy_loss"])
+    assert_each_shard_new_exactly_once(lines, keys)
+    # the random module learns the uniform distribution: its loss stays near ln 5
+    assert abs(lines[-1]["learners"]["random"]["policy_loss"] - math.log(5)) < 0.15
+    assert lines[-1]["learners"]["scripted"]["policy_loss"] < 0.5
+
+    obs0, obs1, act1 = _held_out_observations()
+    assert len(obs0) >= 100
+    scripted = load_policy(ck, allow_unsigned=True, module_id="scripted")
+    rand = load_policy(ck, allow_unsigned=True, module_id="random")
+    whole = load_policy(ck, allow_unsigned=True)
+    assert scripted.policy_version == rand.policy_version == whole.policy_version == 1
+    greedy0 = np.array([int(scripted.act(o)[0]) for o in obs0])
+    agreement = float(np.mean(greedy0 == np.array([script(o) for o in obs0])))
+    assert agreement >= 0.9, agreement
+    rand_agreement = float(np.mean([int(rand.act(o)[0]) == a for o, a in zip(obs1, act1)]))
+    assert rand_agreement < 0.4, rand_agreement  # chance: 0.2
+    probs = rand.action_probs(obs1)
+    assert probs.max() < 0.5, probs.max()  # near uniform, never confident
+    acts, extras = whole.act({"agent_0": obs0[0], "agent_1": obs1[0]})
+    assert int(acts["agent_0"]) == greedy0[0] and int(acts["agent_1"]) == int(rand.act(obs1[0])[0])
+    assert set(extras) == {"agent_0", "agent_1"}
+    # the whole version loads without Ray
+    code = (
+        "import sys; from rlrec.trainer.policy import load_policy\n"
+        f"p = load_policy({ck!r}, allow_unsigned=True)\n"
+        f"a, _ = p.act({{'agent_0': {obs0[0].tolist()!r}, 'agent_1': {obs1[0].tolist()!r}}})\n"
+        "assert 'ray' not in sys.modules, 'ray imported'\n"
+        "print(int(a['agent_0']), int(a['agent_1']))\n"
+    )
+    r = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [str(int(acts["agent_0"])), str(int(acts["agent_1"]))]
+
+
+@pytest.mark.slow
+def test_kill_9_and_resume_train_every_shard_as_new_exactly_once(tmp_path):
+    out, ck = str(tmp_path / "out"), str(tmp_path / "ck")
+    keys = commit_spread(out, 2, 10)
+    cmd = [sys.executable, "-m", "rlrec", "train", "--input", out, "--checkpoint-dir", ck, "--multi-agent"]
+    cmd += ["--algo", "BC", "--promotion-gate", "off", "--checkpoint-interval", "2", "--num-cpus", "2"]
+    cmd += ["--algo-config", "train_batch_size_per_learner=128", "--min-time-s-per-iteration", "0.5"]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    log = open(tmp_path / "a.log", "wb")
+    a = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        wait_for(lambda: os.path.exists(os.path.join(ck, "checkpoints", "latest.json")), 180, what="a first checkpoint")
+        keys += commit_spread(out, 1, 10, first_seed=100)  # committed while it trains
+        done = len(read_metrics(ck))
+        wait_for(lambda: len(read_metrics(ck)) >= done + 1, 60, what="an iteration after the checkpoint")
+    finally:
+        a.send_signal(signal.SIGKILL)
+        a.wait(30)
+    keys += commit_spread(out, 1, 10, first_seed=200)  # committed while it is down
+    b = subprocess.Popen([*cmd, "--resume"], stdout=open(tmp_path / "b.log", "wb"), stderr=subprocess.STDOUT, env=env)
+    try:
+        wait_for(
+            lambda: set().union(*(set(r["new_shards"]) for r in read_metrics(ck))) >= set(keys),
+            180,
+            what="every shard trained after the resume",
+        )
+        b.send_signal(signal.SIGTERM)
+        assert b.wait(120) == 0, (tmp_path / "b.log").read_text()[-3000:]
+    finally:
+        if b.poll() is None:
+            b.kill()
+    lines = read_metrics(ck)
+    assert [r["iteration"] for r in lines] == list(range(1, len(lines) + 1))
+    assert_each_shard_new_exactly_once(lines, keys)
+    for r in lines:
+        assert all(math.isfinite(m["policy_loss"]) for m in r["learners"].values())
+
+
+def test_a_learner_side_stream_keeps_each_modules_rows_apart():
+    from rlrec.trainer.envelopes import row_count
+    from rlrec.trainer.stream_iterator import _by_module
+
+    batch = {"a/obs": np.zeros((3, 2)), "a/actions": np.zeros(3), "b/obs": np.zeros((5, 2)), "b/actions": np.zeros(5)}
+    assert row_count(batch) == 8
+    parts = _by_module(batch)
+    assert {m: row_count(p) for m, p in parts.items()} == {"a": 3, "b": 5}
+    assert row_count({"default_policy/obs": np.zeros((4, 1))}) == 4

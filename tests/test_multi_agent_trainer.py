@@ -23,6 +23,8 @@ from tests.multi_agent_stores import commit_spread, script, scripted_spread
 
 HOLDOUT = 0.1
 EPISODES = 20  # per commit (each commit: one shard per module)
+#: MARWIL's advantage weights (simple_spread's reward is shared: noise to each agent) slow it down
+ITERATIONS = {"BC": 4, "MARWIL": 24}
 
 
 def cfg(out, ck, **kw):
@@ -125,18 +127,19 @@ def test_both_modules_train_and_publish_as_one_version(tmp_path, algo):
     out, ck = str(tmp_path / "out"), str(tmp_path / "ck")
     keys = commit_spread(out, 4, EPISODES)
     assert sorted({k.split("/")[0] for k in keys}) == ["spread.random", "spread.scripted"]
-    tr = ContinuousTrainer(cfg(out, ck, algo=algo, max_iterations=4, checkpoint_interval=4, num_cpus=2))
+    n = ITERATIONS[algo]
+    tr = ContinuousTrainer(cfg(out, ck, algo=algo, max_iterations=n, checkpoint_interval=n, num_cpus=2))
     assert tr.run() == 0
     lines = read_metrics(ck)
-    assert [r["iteration"] for r in lines] == [1, 2, 3, 4]
+    assert [r["iteration"] for r in lines] == list(range(1, n + 1))
     for r in lines:  # a finite policy loss for both modules every iteration
         assert sorted(r["learners"]) == ["random", "scripted"]
         for m in r["learners"].values():
             assert math.isfinite(m["policy_loss"])
     assert_each_shard_new_exactly_once(lines, keys)
-    # the random module learns the uniform distribution: its loss stays near ln 5
-    assert abs(lines[-1]["learners"]["random"]["policy_loss"] - math.log(5)) < 0.15
-    assert lines[-1]["learners"]["scripted"]["policy_loss"] < 0.5
+    if algo == "BC":  # cross-entropy: the random module's stays near ln 5 (MARWIL's is advantage-weighted)
+        assert abs(lines[-1]["learners"]["random"]["policy_loss"] - math.log(5)) < 0.15
+        assert lines[-1]["learners"]["scripted"]["policy_loss"] < 0.5
 
     obs0, obs1, act1 = _held_out_observations()
     assert len(obs0) >= 100

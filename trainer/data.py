@@ -578,6 +578,7 @@ def configure_continuous(
         "read_tasks": int(read_tasks),
         "holdout_fraction": float(holdout_fraction),
         "multi_agent": bool(multi_agent),
+        "modules": sorted(config.policies) if multi_agent else None,
         "multi_agent_flags": multi_agent_flags,
     }
     config.learners(learner_config_dict={LEARNER_CONFIG_KEY: spec})

@@ -86,6 +86,7 @@ class StreamIterator:
             "learner_buffer_rows": spec.get("learner_buffer_rows"),
             "fresh_share": float(spec.get("fresh_share", 0.5)),
             "device_prefetch": spec.get("device_prefetch"),  # None: one batch ahead on CUDA only
+            "modules": spec.get("modules"),  # multi-agent: the module ids the Learner trains
         }
         self.iter_id = uuid.uuid4().hex
         self.seq = 0
@@ -226,7 +227,8 @@ class StreamIterator:
                 try:
                     d = self._queue.get_nowait()
                 except queue.Empty:
-                    if any(n_pending.values()) or any(b.size >= B for b in bufs.values()) or self._done:
+                    ready = any(n_pending.values()) or any(b.size >= B for b in bufs.values())
+                    if (ready and not self._waiting_for_modules()) or self._done:
                         break
                     t0 = time.perf_counter()
                     d = self._queue.get()
@@ -262,6 +264,15 @@ class StreamIterator:
                     counts[int(v)] = counts.get(int(v), 0) + int(c)
             yield out, (counts, wait, took)  # acknowledged when handed to the Learner
             wait = 0.0
+
+    def _waiting_for_modules(self) -> bool:
+        """Whether a module the Learner trains (multi-agent: ``spec["modules"]``) has no row yet:
+        the first minibatch waits for a row of every module, so every module trains from the
+        first iteration on."""
+        if not self._spec.get("modules"):
+            return False
+        have = set(self._buffer or ()) | {m for m, n in self._n_pending.items() if n}
+        return not set(self._spec["modules"]) <= have
 
     def _module_batch(self, m: str, buf: _RowBuffer, B: int, max_fresh: int) -> tuple[dict, int]:
         """One module's B rows of the next minibatch, and how many came fresh from the stream:

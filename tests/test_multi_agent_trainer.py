@@ -217,3 +217,46 @@ def test_a_learner_side_stream_keeps_each_modules_rows_apart():
     parts = _by_module(batch)
     assert {m: row_count(p) for m, p in parts.items()} == {"a": 3, "b": 5}
     assert row_count({"default_policy/obs": np.zeros((4, 1))}) == 4
+
+
+def test_the_follower_selects_module_folders_for_a_multi_agent_trainer_only(tmp_path):
+    from rlrec.store.storage import Storage
+    from rlrec.trainer.manifest_follower import ManifestFollower
+    from rlrec.trainer.multi_agent import modules_from_shards
+
+    out = str(tmp_path / "out")
+    keys = commit_spread(out, 1, 2)
+    st = Storage.from_uri(out)
+    assert ManifestFollower(st).live_head() == []  # a single-agent trainer skips multi-agent rows
+    for policy_id in (None, "spread"):
+        found = ManifestFollower(st, multi_agent=True, policy_id=policy_id).live_head()
+        assert sorted(e.path for e in found) == sorted(keys)
+    assert ManifestFollower(st, multi_agent=True, policy_id="spread.random").live_head() == []
+    assert ManifestFollower(st, multi_agent=True, policy_id="other").live_head() == []
+    mods = modules_from_shards(st, ManifestFollower(st, multi_agent=True).live_head())
+    assert mods.agents == {"agent_0": "scripted", "agent_1": "random"}
+    assert {m: (s[0].shape, s[1].n) for m, s in mods.spaces.items()} == {"scripted": ((12,), 5), "random": ((12,), 5)}
+
+
+@pytest.mark.parametrize(
+    "change,msg",
+    [
+        ({"modules": {}}, "not a multi-module version"),
+        ({"modules": {"../x": {"format": "safetensors"}}}, "is not a module entry"),
+        ({"modules": {"a": {"format": "safetensors", "files": {}}}}, "is not a module entry"),
+        ({"modules": {"a": {"format": "torchscript"}}}, "is not a safetensors network"),
+        ({"agent_modules": {"agent_0": 3}}, "'agent_modules' must map agent ids to module ids"),
+    ],
+)
+def test_a_hostile_multi_module_spec_is_refused(change, msg):
+    from rlrec.trainer.policy_files import PolicyLoadError
+    from rlrec.trainer.policy_modules import MULTI_MODULE, _modules_of
+
+    spec = {"format": MULTI_MODULE, "modules": {"a": {"format": "safetensors"}}, "agent_modules": {"agent_0": "a"}}
+    assert _modules_of(spec, "v000001")[1] == {"agent_0": "a"}
+    with pytest.raises(PolicyLoadError, match=msg):
+        _modules_of({**spec, **change}, "v000001")
+    with pytest.raises(ValueError, match="cannot name a file"):
+        from rlrec.trainer.policy_modules import module_file
+
+        module_file("../evil")

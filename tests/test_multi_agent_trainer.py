@@ -153,7 +153,9 @@ def test_both_modules_train_and_publish_as_one_version(tmp_path, algo):
     rand_agreement = float(np.mean([int(rand.act(o)[0]) == a for o, a in zip(obs1, act1)]))
     assert rand_agreement < 0.4, rand_agreement  # chance: 0.2
     probs = rand.action_probs(obs1)
-    assert probs.max() < 0.5, probs.max()  # near uniform, never confident
+    confidence = float(probs.max(axis=1).mean())
+    assert confidence < 0.4, confidence  # near uniform (0.2); the scripted module's is near 1
+    assert float(scripted.action_probs(obs0).max(axis=1).mean()) > 0.6
     acts, extras = whole.act({"agent_0": obs0[0], "agent_1": obs1[0]})
     assert int(acts["agent_0"]) == greedy0[0] and int(acts["agent_1"]) == int(rand.act(obs1[0])[0])
     assert set(extras) == {"agent_0", "agent_1"}

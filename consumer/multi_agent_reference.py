@@ -19,12 +19,12 @@ hanging, an episode that never ends, an agent the recording does not map to a mo
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from typing import Any
 
 from rlrec.producer.events import POLICY_ID_RE
 from rlrec.producer.multi_agent_recording import MultiAgentRecording
+from rlrec.store.multi_agent_shards import agent_episode_id
 
 __all__ = [
     "MAX_AGENT_ID_CHARS",
@@ -45,9 +45,11 @@ class MultiAgentDataError(ValueError):
 
     Args:
         reason: one of ``no_agents``, ``bad_agent_id``, ``bad_module_id`` (``{policy_id}.{module_id}``
-            cannot name a directory), ``unknown_agent``, ``not_done``, ``rllib_refused`` (RLlib's
+            cannot name a directory, or the module id holds a ``.``), ``unknown_agent``, ``not_done``, ``rllib_refused`` (RLlib's
             `MultiAgentEnvError` or assertion), ``inconsistent`` (a step after the end),
-            ``no_agent_steps`` (no agent finished a step: nothing to store as a row).
+            ``no_agent_steps`` (no agent finished a step: nothing to store as a row),
+            ``record_too_large`` (the record with its carried agents is over
+            `rlrec.store.multi_agent_episode.MAX_RECORD_BYTES`).
         detail: what was wrong, for the dead letter.
 
     Example:
@@ -59,28 +61,6 @@ class MultiAgentDataError(ValueError):
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(f"{reason}: {detail}"[:1000])
         self.reason = reason
-
-
-def agent_episode_id(multi_agent_episode_id: str, agent_id: str) -> str:
-    """The deterministic `SingleAgentEpisode.id_` of one agent of a multi-agent episode: 64 hex
-    characters of sha256 over both ids (RLlib draws a random one; a row needs a stable id).
-
-    Args:
-        multi_agent_episode_id: the multi-agent episode's id.
-        agent_id: the agent's id.
-
-    Example:
-        >>> agent_episode_id("ep-1", "a0") == agent_episode_id("ep-1", "a0") != agent_episode_id("ep-1", "a1")
-        True
-        >>> len(agent_episode_id("ep-1", "a0"))
-        64
-    """
-    h = hashlib.sha256()
-    for part in (multi_agent_episode_id, agent_id):
-        raw = part.encode("utf-8")
-        h.update(len(raw).to_bytes(8, "big"))
-        h.update(raw)
-    return h.hexdigest()
 
 
 def _agent_ids_of(rec: MultiAgentRecording) -> set[str]:
@@ -115,10 +95,11 @@ def check_recording(rec: MultiAgentRecording) -> None:
         if not isinstance(aid, str) or not 0 < len(aid) <= MAX_AGENT_ID_CHARS or aid == "__all__":
             raise MultiAgentDataError("bad_agent_id", f"episode {rec.episode_id}: agent id {aid!r:.80}")
         # a module's rows are stored under the policy id {policy_id}.{module_id}: a directory name
-        if not isinstance(mid, str) or not mid or not POLICY_ID_RE.match(f"{rec.policy_id}.{mid}"):
+        # (no '.' in a module id: else policy "a.b" module "c" and policy "a" module "b.c" share a folder)
+        if not isinstance(mid, str) or not mid or "." in mid or not POLICY_ID_RE.match(f"{rec.policy_id}.{mid}"):
             raise MultiAgentDataError(
                 "bad_module_id",
-                f"episode {rec.episode_id}: {rec.policy_id!r:.60}.{mid!r:.60} is no policy id ({POLICY_ID_RE.pattern})",
+                f"episode {rec.episode_id}: {rec.policy_id!r:.60}.{mid!r:.60} is no policy id ({POLICY_ID_RE.pattern}) or the module id holds a '.'",
             )
     unknown = _agent_ids_of(rec) - set(rec.agent_modules)
     if unknown:

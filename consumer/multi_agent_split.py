@@ -33,12 +33,14 @@ from rlrec.consumer.multi_agent_reference import (
     reference_episode,
 )
 from rlrec.producer.multi_agent_recording import MultiAgentRecording
-from rlrec.store.multi_agent_episode import RECORD_VERSION, SKIP
+from rlrec.store.episodes import pack_episode
+from rlrec.store.multi_agent_episode import RECORD_VERSION, SKIP, RecordTooLargeError, pack_record
 
 __all__ = [
     "RECORD_VERSION",
     "MultiAgentSplit",
     "is_direct",
+    "pack_split",
     "split_episode",
     "split_recording",
 ]
@@ -277,3 +279,29 @@ def split_recording(rec: MultiAgentRecording, mapping_fn: Callable | None = None
     }
     rows, carried = _partition(episodes)
     return MultiAgentSplit(rows, carried, record, _env_flags(rec, list(episodes)), direct=True)
+
+
+def pack_split(split: MultiAgentSplit) -> bytes:
+    """The ``multi_agent_record`` bytes of `split`: its record with its carried agent episodes.
+
+    Args:
+        split: what `split_recording` returned.
+
+    Raises:
+        MultiAgentDataError: ``record_too_large``: over
+            `rlrec.store.multi_agent_episode.MAX_RECORD_BYTES` (readers would refuse it).
+
+    Example:
+        >>> import numpy as np
+        >>> from rlrec.producer.multi_agent_recording import (
+        ...     MultiAgentEnvStep, MultiAgentRecording, MultiAgentReset)
+        >>> o = np.zeros(1, np.float32)
+        >>> rec = MultiAgentRecording("e", "p", 0, {"a": "m"}, MultiAgentReset({"a": o}),
+        ...     [MultiAgentEnvStep({"a": 0}, {"a": 1.0}, {"a": o}, {"__all__": True})])
+        >>> len(pack_split(split_recording(rec))) > 0
+        True
+    """
+    try:
+        return pack_record(split.record, {a: pack_episode(e) for a, e in split.carried.items()})
+    except RecordTooLargeError as e:
+        raise MultiAgentDataError("record_too_large", str(e)) from None

@@ -13,6 +13,7 @@ field's type (`MultiAgentRecordError` otherwise), and `assemble_episode` rebuild
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -26,6 +27,7 @@ __all__ = [
     "MAX_RECORD_BYTES",
     "RECORD_VERSION",
     "MultiAgentRecordError",
+    "RecordTooLargeError",
     "assemble_episode",
     "pack_record",
     "unpack_record",
@@ -53,6 +55,13 @@ class MultiAgentRecordError(EpisodeDecodeError):
     """A stored multi-agent record is malformed (or would need pickle to decode)."""
 
 
+class RecordTooLargeError(MultiAgentRecordError):
+    """A record over `MAX_RECORD_BYTES` (its carried agent episodes included): readers refuse it,
+    so the writer does not store it; ``reason`` is ``record_too_large`` (a data error)."""
+
+    reason = "record_too_large"
+
+
 def pack_record(record: Mapping[str, Any], carried: Mapping[str, bytes] | None = None) -> bytes:
     """The ``multi_agent_record`` bytes: msgpack of ``{"record": record, "carried": {agent id:
     packed SingleAgentEpisode}}`` (arrays in msgpack-numpy form).
@@ -61,6 +70,9 @@ def pack_record(record: Mapping[str, Any], carried: Mapping[str, bytes] | None =
         record: the multi-agent fields (`rlrec.consumer.multi_agent_split.MultiAgentSplit.record`).
         carried: agent id -> `rlrec.store.episodes.pack_episode` bytes of an agent episode that
             is not a row.
+
+    Raises:
+        RecordTooLargeError: the bytes would be over `MAX_RECORD_BYTES`.
 
     Example:
         >>> rec = {"v": 1, "env_t_started": 0, "env_t": 1, "agent_t_started": {"a": 0},
@@ -71,7 +83,13 @@ def pack_record(record: Mapping[str, Any], carried: Mapping[str, bytes] | None =
         >>> unpack_record(pack_record(rec))[0] == rec
         True
     """
-    return msgpack.packb({"record": dict(record), "carried": dict(carried or {})}, default=msgpack_numpy.encode)
+    data = msgpack.packb({"record": dict(record), "carried": dict(carried or {})}, default=msgpack_numpy.encode)
+    if len(data) > MAX_RECORD_BYTES:
+        raise RecordTooLargeError(
+            f"multi-agent record: {len(data)} bytes (carried agents {sorted(carried or {})[:5]}), "
+            f"over MAX_RECORD_BYTES ({MAX_RECORD_BYTES})"
+        )
+    return data
 
 
 def _fail(what: str) -> MultiAgentRecordError:
@@ -109,15 +127,30 @@ def _check(record: Any) -> dict:
             raise _fail(f"{k} values must be floats")
     if not all(isinstance(v, dict) for v in record["hanging_extra_model_outputs_end"].values()):
         raise _fail("hanging_extra_model_outputs_end values must be maps")
-    limit = 2 * (record["env_t"] + 1)  # RLlib may tag a step skipped and then add it (done, no observation)
+    n = record["env_t"] - record["env_t_started"]
+    if n < 0:
+        raise _fail("env_t is before env_t_started")
+    agents_set = set(agents)
+    if not agents_set <= set(record["modules"]):
+        raise _fail("an agent has no module")
+    if not set(record["env_t_to_agent_t"]) <= agents_set or not set(record["agent_t_started"]) <= agents_set:
+        raise _fail("env_t_to_agent_t or agent_t_started names an agent that is not one of its agents")
+    longest = 0
     for a, m in record["env_t_to_agent_t"].items():
         if not isinstance(m, dict) or set(m) != {"data", "lookback"}:
             raise _fail(f"env_t_to_agent_t[{a!r:.40}] must be a map of data and lookback")
         data, lookback = m["data"], m["lookback"]
-        if type(lookback) is not int or lookback < 0 or not isinstance(data, list) or len(data) > limit + lookback:
-            raise _fail(f"env_t_to_agent_t[{a!r:.40}]: bad lookback or length")
-        if not all((type(t) is int and t >= 0) or t == SKIP for t in data):
+        # one entry per env step (RLlib may tag a step skipped and then add it: done, no observation)
+        if lookback != 0 or type(lookback) is not int or not isinstance(data, list) or len(data) not in (n + 1, n + 2):
+            raise _fail(f"env_t_to_agent_t[{a!r:.40}]: lookback must be 0 and data one entry per env step")
+        steps = [t for t in data if t != SKIP]
+        if not all(type(t) is int and t >= 0 for t in steps) or len(steps) + data.count(SKIP) != len(data):
             raise _fail(f"env_t_to_agent_t[{a!r:.40}]: values must be agent steps or {SKIP!r}")
+        if any(b <= a_ for a_, b in itertools.pairwise(steps)):
+            raise _fail(f"env_t_to_agent_t[{a!r:.40}]: agent steps must increase")
+        longest = max(longest, len(data))
+    if record["env_t_to_agent_t"] and longest < n + 1:
+        raise _fail("env_t is past the env steps its map records")
     return record
 
 
@@ -177,10 +210,15 @@ def assemble_episode(
         sa = agent_episodes[a]
         if sa.agent_id != a or sa.multi_agent_episode_id != episode_id or sa.module_id != record["modules"].get(a):
             raise _fail(f"episode {episode_id}: agent {a!r:.40}'s episode does not belong to it")
-        steps = record["env_t_to_agent_t"].get(a, {"data": []})["data"]
-        last = len(sa) + record["agent_t_started"].get(a, 0)
-        if any(t != SKIP and t > last for t in steps):
+        steps = [t for t in record["env_t_to_agent_t"].get(a, {"data": []})["data"] if t != SKIP]
+        first = record["agent_t_started"].get(a, 0)
+        last = len(sa) + first
+        if any(t > last for t in steps):
             raise _fail(f"episode {episode_id}: agent {a!r:.40}'s env-step map points past its {last} steps")
+        if steps and (steps[0] != first or steps[-1] != last or len(steps) != len(sa) + 1):
+            raise _fail(
+                f"episode {episode_id}: agent {a!r:.40}'s env-step map does not cover its steps {first}..{last} once each"
+            )
     modules = dict(record["modules"])
     if mapping_fn is None:
         mapping_fn = lambda agent_id, episode=None: modules[agent_id]  # noqa: E731

@@ -3,8 +3,9 @@
 A multi-agent episode's agents become rows of the `episodes` shape (docs/FORMAT.md, "Multi-agent
 rows"): ``item`` is the agent's packed `SingleAgentEpisode` (what RLlib's `MultiAgentEpisode`
 holds for it), the metadata columns are the agent episode's (``episode_id`` its deterministic
-id, ``policy_id`` its module's policy id ``{policy_id}.{module_id}``), and six columns follow:
-``multi_agent_episode_id``, ``agent_id``, ``module_id``, ``env_terminated`` / ``env_truncated``
+id, ``policy_id`` its module's policy id ``{policy_id}.{module_id}``), and seven columns follow:
+``multi_agent_episode_id``, ``multi_agent_policy_id``, ``agent_id``, ``module_id``,
+``env_terminated`` / ``env_truncated``
 (the env's own last flags for the agent; RLlib's are in ``item``) and ``multi_agent_record``
 (`rlrec.store.multi_agent_episode.pack_record`, the same bytes in every row of the episode).
 
@@ -26,6 +27,7 @@ import numpy as np
 import pyarrow as pa
 
 from rlrec.store.episodes import pack_episode, unpack_episode
+from rlrec.store.multi_agent_episode import MAX_RECORD_BYTES, RecordTooLargeError
 from rlrec.store.schema_gate import (
     EPISODE_COLUMNS,
     MULTI_AGENT_COLUMNS,
@@ -38,10 +40,33 @@ from rlrec.store.shards import META_FORMAT, META_VERSION, EncodedShard, _write
 __all__ = [
     "AgentRow",
     "MultiAgentShardEpisode",
+    "agent_episode_id",
     "encode_multi_agent_shards",
     "module_policy_id",
     "read_agent_rows",
 ]
+
+
+def agent_episode_id(multi_agent_episode_id: str, agent_id: str) -> str:
+    """The deterministic `SingleAgentEpisode.id_` of one agent of a multi-agent episode: 64 hex
+    characters of sha256 over both ids (RLlib draws a random one; a row needs a stable id).
+
+    Args:
+        multi_agent_episode_id: the multi-agent episode's id.
+        agent_id: the agent's id.
+
+    Example:
+        >>> agent_episode_id("ep-1", "a0") == agent_episode_id("ep-1", "a0") != agent_episode_id("ep-1", "a1")
+        True
+        >>> len(agent_episode_id("ep-1", "a0"))
+        64
+    """
+    h = hashlib.sha256()
+    for part in (multi_agent_episode_id, agent_id):
+        raw = part.encode("utf-8")
+        h.update(len(raw).to_bytes(8, "big"))
+        h.update(raw)
+    return h.hexdigest()
 
 
 def module_policy_id(policy_id: str, module_id: str) -> str:
@@ -51,10 +76,16 @@ def module_policy_id(policy_id: str, module_id: str) -> str:
         policy_id: the multi-agent episode's policy id.
         module_id: the module's id.
 
+    Raises:
+        ValueError: the module id holds a ``.`` (policy ``a.b`` module ``c`` and policy ``a``
+            module ``b.c`` would share a folder).
+
     Example:
         >>> module_policy_id("traffic", "cars")
         'traffic.cars'
     """
+    if "." in module_id:
+        raise ValueError(f"module id {module_id!r:.60} holds a '.': its rows' folder would be ambiguous")
     return f"{policy_id}.{module_id}"
 
 
@@ -108,6 +139,7 @@ def _row(ma: MultiAgentShardEpisode, agent_id: str, sa: Any) -> dict:
         "started_ms": int(ma.started_ms),
         "ended_ms": int(ma.ended_ms),
         "multi_agent_episode_id": ma.episode_id,
+        "multi_agent_policy_id": ma.policy_id,
         "agent_id": agent_id,
         "module_id": sa.module_id,
         "env_terminated": bool(term),
@@ -132,6 +164,8 @@ def encode_multi_agent_shards(
 
     Raises:
         ValueError: an agent episode is not done or empty, or an id appears twice.
+        rlrec.store.multi_agent_episode.RecordTooLargeError: an episode's record is over
+            `MAX_RECORD_BYTES` (readers refuse it): a data error.
 
     Example:
         >>> # see tests/test_multi_agent_shards.py: built from `split_recording` of a real env
@@ -139,6 +173,11 @@ def encode_multi_agent_shards(
     by_policy: dict[str, list[dict]] = defaultdict(list)
     seen: set[str] = set()
     for ma in episodes:
+        if len(ma.record) > MAX_RECORD_BYTES:
+            raise RecordTooLargeError(
+                f"episode {ma.episode_id}: multi-agent record of {len(ma.record)} bytes, over MAX_RECORD_BYTES "
+                f"({MAX_RECORD_BYTES})"
+            )
         for agent_id, sa in ma.rows.items():
             row = _row(ma, agent_id, sa)
             if row["episode_id"] in seen:
@@ -166,7 +205,8 @@ def encode_multi_agent_shards(
 
 @dataclass
 class AgentRow:
-    """One agent episode read back from a multi-agent shard."""
+    """One agent episode read back from a multi-agent shard (``index``: its row in the shard,
+    ``item_bytes``: its packed size)."""
 
     multi_agent_episode_id: str
     agent_id: str
@@ -175,25 +215,63 @@ class AgentRow:
     record: bytes
     env_terminated: bool
     env_truncated: bool
+    episode_id: str = ""
+    policy_id: str = ""
+    multi_agent_policy_id: str = ""
+    index: int = -1
+    item_bytes: int = 0
 
 
 _READ = [
     "item",
+    "episode_id",
+    "policy_id",
     "multi_agent_episode_id",
+    "multi_agent_policy_id",
     "agent_id",
     "module_id",
     "env_terminated",
     "env_truncated",
     "multi_agent_record",
 ]
+_IDS = ["episode_id", "multi_agent_episode_id", "agent_id"]
 
 
-def read_agent_rows(shard: GatedShard) -> list[AgentRow]:
-    """The agent rows of a gated multi-agent shard, each ``item`` decoded safely
-    (`rlrec.store.episodes.unpack_episode`) and checked against its row's ids.
+def _records(column: pa.ChunkedArray) -> list[bytes | None]:
+    """The record of every row, each distinct value one `bytes` (read as a dictionary array: a
+    record repeated in an episode's rows is decoded once)."""
+    out: list[bytes | None] = []
+    for chunk in column.chunks:
+        if isinstance(chunk, pa.DictionaryArray):
+            values = chunk.dictionary.to_pylist()
+            out += [None if i is None else values[i] for i in chunk.indices.to_pylist()]
+        else:
+            out += chunk.to_pylist()
+    return out
+
+
+def read_agent_ids(shard: GatedShard) -> list[tuple[str, str, str]]:
+    """(episode_id, multi_agent_episode_id, agent_id) of every row of a gated multi-agent shard,
+    reading only those columns.
 
     Args:
         shard: an ``episodes`` shard of version 2 that passed the schema gate.
+    """
+    if shard.fmt != "episodes" or shard.version != MULTI_AGENT_SHARD_FORMAT_VERSION:
+        raise ShardSchemaError(f"not a multi-agent shard ({shard.fmt} v{shard.version})")
+    table = shard.read(_IDS)
+    return list(zip(*(table.column(n).to_pylist() for n in _IDS), strict=True))
+
+
+def read_agent_rows(shard: GatedShard, rows: Iterable[int] | None = None) -> list[AgentRow]:
+    """The agent rows of a gated multi-agent shard, each ``item`` decoded safely
+    (`rlrec.store.episodes.unpack_episode`) and checked against its row's ids: the agent,
+    module and multi-agent ids, ``episode_id`` = `agent_episode_id` of them, and ``policy_id`` =
+    `module_policy_id` of ``multi_agent_policy_id`` and ``module_id``.
+
+    Args:
+        shard: an ``episodes`` shard of version 2 that passed the schema gate.
+        rows: the row indexes to decode (None: all).
 
     Raises:
         ShardSchemaError: the shard is not a multi-agent shard.
@@ -203,29 +281,39 @@ def read_agent_rows(shard: GatedShard) -> list[AgentRow]:
         raise ShardSchemaError(f"not a multi-agent shard ({shard.fmt} v{shard.version})")
     from rlrec.store.episodes import EpisodeDecodeError
 
-    table = shard.read(_READ)
-    cols = {name: table.column(name) for name in _READ}
-    rows = []
-    for i in range(table.num_rows):
+    table = shard.read(_READ, dictionary=["multi_agent_record"])
+    wanted = range(table.num_rows) if rows is None else sorted(set(rows))
+    records = _records(table.column("multi_agent_record"))
+    cols = {name: table.column(name) for name in _READ if name not in ("item", "multi_agent_record")}
+    items = table.column("item")
+    out = []
+    for i in wanted:
         values = {name: col[i].as_py() for name, col in cols.items()}
-        if any(v is None for v in values.values()):
+        item = items[i].as_py()
+        if item is None or records[i] is None or any(v is None for v in values.values()):
             raise EpisodeDecodeError(f"row {i}: a multi-agent column is null")
-        ep = unpack_episode(values["item"])
-        if (ep.agent_id, ep.module_id, ep.multi_agent_episode_id) != (
-            values["agent_id"],
-            values["module_id"],
-            values["multi_agent_episode_id"],
-        ):
+        ma_id, agent, module = values["multi_agent_episode_id"], values["agent_id"], values["module_id"]
+        ep = unpack_episode(item)
+        if (ep.agent_id, ep.module_id, ep.multi_agent_episode_id) != (agent, module, ma_id):
             raise EpisodeDecodeError(f"row {i}: its episode's agent, module or multi-agent id differs from its row's")
-        rows.append(
+        if not values["episode_id"] == ep.id_ == agent_episode_id(ma_id, agent):
+            raise EpisodeDecodeError(f"row {i}: its episode id is not the agent episode id of its ids")
+        if "." in module or values["policy_id"] != f"{values['multi_agent_policy_id']}.{module}":
+            raise EpisodeDecodeError(f"row {i}: its policy id is not {{multi_agent_policy_id}}.{{module_id}}")
+        out.append(
             AgentRow(
-                values["multi_agent_episode_id"],
-                values["agent_id"],
-                values["module_id"],
+                ma_id,
+                agent,
+                module,
                 ep,
-                values["multi_agent_record"],
+                records[i],
                 values["env_terminated"],
                 values["env_truncated"],
+                values["episode_id"],
+                values["policy_id"],
+                values["multi_agent_policy_id"],
+                i,
+                len(item),
             )
         )
-    return rows
+    return out

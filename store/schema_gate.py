@@ -35,11 +35,12 @@ tests/test_schema_gate.py keeps it current).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 __all__ = [
@@ -95,6 +96,7 @@ EPISODE_COLUMNS: dict[str, pa.DataType] = {
 #: the columns an `episodes` shard of multi-agent rows (version 2) adds, all required
 MULTI_AGENT_COLUMNS: dict[str, pa.DataType] = {
     "multi_agent_episode_id": pa.string(),
+    "multi_agent_policy_id": pa.string(),
     "agent_id": pa.string(),
     "module_id": pa.string(),
     "env_terminated": pa.bool_(),
@@ -347,18 +349,42 @@ def check_legacy_tabular_schema(schema: pa.Schema, allow_pickle: bool = False) -
 # ---------------------------------------------------------------------------------- opening
 
 
-def _parquet(source: Any, filesystem: Any = None) -> pq.ParquetFile:
+def _parquet(source: Any, filesystem: Any = None, **options: Any) -> pq.ParquetFile:
     _refuse_unsafe_environment()
-    if isinstance(source, (bytes, bytearray, memoryview)):
-        source = pa.BufferReader(bytes(source))
+    if isinstance(source, (bytes, bytearray, memoryview, pa.Buffer)):
+        source = pa.BufferReader(source if isinstance(source, pa.Buffer) else pa.py_buffer(bytes(source)))
     elif filesystem is not None:
         source = filesystem.open_input_file(source)
     try:
-        return pq.ParquetFile(source)
+        return pq.ParquetFile(source, **options)
     except (pa.ArrowInvalid, OSError) as e:
         if isinstance(e, FileNotFoundError):
             raise
         raise ShardSchemaError(f"not a readable Parquet file: {e}") from None
+
+
+def _variable_length(t: pa.DataType) -> bool:
+    return pa.types.is_binary(t) or pa.types.is_string(t) or pa.types.is_large_binary(t) or pa.types.is_large_string(t)
+
+
+def _dictionary_columns(pf: pq.ParquetFile) -> dict[str, tuple[int, int]]:
+    """Top-level binary and string columns with a dictionary page in some row group -> (what
+    their footer says they decode to, a value counted once; the most they can decode to dense:
+    each row group's rows times its chunk's size)."""
+    meta, schema = pf.metadata, pf.schema_arrow
+    names = {f.name for f in schema if _variable_length(f.type)}
+    out: dict[str, tuple[int, int]] = {}
+    for i in range(meta.num_row_groups):
+        rg = meta.row_group(i)
+        for j in range(rg.num_columns):
+            col = rg.column(j)
+            if col.path_in_schema in names and col.has_dictionary_page:
+                size, most = out.get(col.path_in_schema, (0, 0))
+                out[col.path_in_schema] = (
+                    size + col.total_uncompressed_size,
+                    most + rg.num_rows * col.total_uncompressed_size,
+                )
+    return out
 
 
 class GatedShard:
@@ -367,14 +393,50 @@ class GatedShard:
     Guarantees: `read` returns only allowed columns (that the schema check covered) of a file
     whose every column passed the allow-list of `fmt` / `version`."""
 
-    def __init__(self, pf: pq.ParquetFile, fmt: str, version: int) -> None:
+    def __init__(self, pf: pq.ParquetFile, fmt: str, version: int, reopen: Callable[..., Any] | None = None) -> None:
         self._pf = pf
+        self._reopen = reopen  # opens the same file again with ParquetFile options (read_dictionary)
         self.fmt = fmt
         self.version = version
         self.schema = pf.schema_arrow
         self.num_rows = pf.metadata.num_rows
         #: what its columns decode to, as its footer states (`MAX_SHARD_DECODED_BYTES` limits it)
         self.decoded_bytes = _decoded_bytes(pf.metadata)
+        self._dictionary = _dictionary_columns(pf)  # name -> footer bytes, until its dense size is known
+        self._dense: dict[str, int] = {}  # name -> what the dictionary column decodes to, dense
+
+    def _dictionary_read(self, names: list[str], columns: list[str] | None = None) -> pa.Table:
+        pf = self._reopen(read_dictionary=names)  # type: ignore[misc]
+        try:
+            return pf.read(columns=names if columns is None else columns)
+        except (pa.ArrowInvalid, OSError) as e:
+            raise ShardSchemaError(f"not a readable Parquet file: {e}") from None
+
+    def _check_dense(self, names: Iterable[str]) -> None:
+        """Refuse, before they are decoded dense, dictionary-encoded binary or string columns whose
+        rows repeat their values past `MAX_SHARD_DECODED_BYTES` (the footer counts a dictionary
+        value once): each column's size dense is summed from its indices and value lengths."""
+        todo = [n for n in names if n in self._dictionary and n not in self._dense]
+        if not todo or self._reopen is None:
+            return
+        if self.decoded_bytes + sum(self._dictionary[n][1] for n in self._dictionary) <= MAX_SHARD_DECODED_BYTES:
+            return  # even every row holding the largest value fits: nothing to read
+        table = self._dictionary_read(todo)
+        for name in todo:
+            dense = 0
+            for chunk in table.column(name).chunks:
+                if isinstance(chunk, pa.DictionaryArray):
+                    lengths = pc.binary_length(chunk.dictionary)
+                    dense += pc.sum(pc.take(lengths, chunk.indices)).as_py() or 0
+                else:
+                    dense += chunk.nbytes
+            self._dense[name] = dense
+        total = self.decoded_bytes + sum(max(0, d - self._dictionary[n][0]) for n, d in self._dense.items())
+        if total > MAX_SHARD_DECODED_BYTES:
+            raise ShardSchemaError(
+                f"the shard decodes to {total} bytes once its dictionary columns are expanded, over the limit "
+                f"of {MAX_SHARD_DECODED_BYTES} (MAX_SHARD_DECODED_BYTES): refused before reading them"
+            )
 
     @property
     def names(self) -> list[str]:
@@ -385,16 +447,28 @@ class GatedShard:
         meta = self.schema.metadata or {}
         return {k.decode(): v.decode() for k, v in meta.items() if k.startswith(b"rlrec.")}
 
-    def read(self, columns: list[str] | None = None) -> pa.Table:
-        """The named columns that exist (all with None) as a table."""
-        cols = None if columns is None else [c for c in columns if c in self.schema.names]
+    def read(self, columns: list[str] | None = None, *, dictionary: Iterable[str] = ()) -> pa.Table:
+        """The named columns that exist (all with None) as a table; those named in `dictionary`
+        as Arrow dictionary arrays (a value repeated in many rows held once).
+
+        Raises:
+            ShardSchemaError: unreadable, or its dense columns would decode past
+                `MAX_SHARD_DECODED_BYTES` (checked before they are read).
+        """
+        cols = list(self.schema.names) if columns is None else [c for c in columns if c in self.schema.names]
+        as_dict = [c for c in cols if c in set(dictionary)]
+        self._check_dense([c for c in cols if c not in as_dict])
+        if as_dict and self._reopen is not None:
+            return self._dictionary_read(as_dict, cols)
+        self._check_dense(as_dict)
         try:
-            return self._pf.read(columns=cols)
+            return self._pf.read(columns=None if columns is None else cols)
         except (pa.ArrowInvalid, OSError) as e:
             raise ShardSchemaError(f"not a readable Parquet file: {e}") from None
 
     def row_groups(self) -> Iterator[pa.Table]:
         """Every column, one row group at a time, in order (for copying a shard in bounded memory)."""
+        self._check_dense(self.schema.names)
         for i in range(self._pf.num_row_groups):
             try:
                 yield self._pf.read_row_group(i)
@@ -415,6 +489,8 @@ def _decoded_bytes(meta: pq.FileMetaData) -> int:
 def open_shard(source: Any, *, fmt: str | None = None, filesystem: Any = None) -> GatedShard:
     """Open a shard (path, or its bytes) and check its schema and its decoded size; `fmt` = what
     the manifest says."""
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        source = pa.py_buffer(bytes(source) if not isinstance(source, bytes) else source)
     pf = _parquet(source, filesystem)
     found, version = check_shard_schema(pf.schema_arrow, fmt)
     meta = pf.metadata
@@ -424,7 +500,7 @@ def open_shard(source: Any, *, fmt: str | None = None, filesystem: Any = None) -
             f"the shard decodes to {decoded} bytes, over the limit of {MAX_SHARD_DECODED_BYTES} "
             "(MAX_SHARD_DECODED_BYTES): refused before reading"
         )
-    return GatedShard(pf, found, version)
+    return GatedShard(pf, found, version, lambda **options: _parquet(source, filesystem, **options))
 
 
 def open_legacy_tabular(source: Any, *, allow_pickle: bool = False, filesystem: Any = None) -> pq.ParquetFile:

@@ -621,15 +621,22 @@ class Snapshot:
 
     # ---------------------------------------------------------------- reading shards
     def _gated(self, entry: ShardEntry):
-        """A committed shard's `GatedShard` once its bytes match the manifest's sha256."""
+        """A committed shard's `GatedShard` once its bytes match the manifest's sha256 and its
+        format version the entry's."""
         where = self.storage.uri(entry.path)
         data = read_committed_shard(self.storage, entry.path, entry.staging_path, entry.bytes)
         if entry.sha256 and hashlib.sha256(data).hexdigest() != entry.sha256:
             raise ShardSchemaError(f"{where}: sha256 differs from the manifest's: refused")
         try:
-            return open_shard(data, fmt=entry.format)
+            shard = open_shard(data, fmt=entry.format)
         except ShardSchemaError as e:
             raise ShardSchemaError(f"{where}: {e.reason}") from None
+        if entry.format_version is not None and shard.version != entry.format_version:
+            raise ShardSchemaError(
+                f"{where}: the file is {shard.fmt} version {shard.version}, its manifest entry says version "
+                f"{entry.format_version}: refused"
+            )
+        return shard
 
     def episodes(self) -> Iterator[Any]:
         """Every episode of the snapshot as an RLlib `SingleAgentEpisode`, shard by shard

@@ -116,7 +116,7 @@ def test_hostile_rows_are_refused():
     for bad, why in [
         ({"env_t": -1}, "env_t"),
         ({"agents": ["a", "a"]}, "distinct"),
-        ({"env_t_to_agent_t": {"a": {"data": list(range(10_000)), "lookback": 0}}}, "length"),
+        ({"env_t_to_agent_t": {"agent_0": {"data": list(range(10_000)), "lookback": 0}}}, "one entry per env step"),
         ({"hanging_rewards_begin": {"a": "1"}}, "floats"),
         ({"v": 2}, "upgrade rlrec"),
     ]:
@@ -145,13 +145,83 @@ def test_hostile_rows_are_refused():
         open_shard(buf.getvalue().to_pybytes(), fmt="episodes")
 
 
-def _commit(log: PartitionLog, policy: str, enc, first: int) -> None:
-    name = f"rl+00000+{first:020d}+{first:020d}+e1.{first}.parquet"
+def test_forged_records_whose_maps_disagree_with_the_rows_are_refused():
+    rec = cases.simple_spread()
+    (enc,) = encode_multi_agent_shards([shard_episode(rec)]).values()
+    rows = {r.agent_id: r.episode for r in read_agent_rows(open_shard(enc.data, fmt="episodes"))}
+    raw = next(iter(read_agent_rows(open_shard(enc.data, fmt="episodes")))).record
+    assert assemble_episode(rows, unpack_record(raw)[0], "spread-0").get_actions(5, env_steps=True) == (
+        reference_episode(rec).get_actions(5, env_steps=True)
+    )
+
+    def forged(change):
+        o = msgpack.unpackb(raw)
+        change(o["record"])
+        return msgpack.packb(o)
+
+    for change, why in [
+        (lambda r: r["env_t_to_agent_t"]["agent_0"]["data"].reverse(), "agent steps must increase"),
+        (lambda r: r["env_t_to_agent_t"]["agent_0"].update(lookback=10**15), "lookback must be 0"),
+        (lambda r: r.update(env_t=10**12), "one entry per env step"),
+        (lambda r: r.update(env_t=23), "one entry per env step"),
+        (lambda r: r["env_t_to_agent_t"].update(ghost={"data": [0] * 26, "lookback": 0}), "not one of its agents"),
+        (lambda r: r["modules"].pop("agent_1"), "has no module"),
+        (lambda r: r.update(env_t_started=30), "before env_t_started"),
+    ]:
+        with pytest.raises(MultiAgentRecordError, match=why):
+            unpack_record(forged(change))
+    # a map that passes alone but skips one of the agent's steps: refused against its row
+    shifted = unpack_record(forged(lambda r: r["env_t_to_agent_t"]["agent_0"]["data"].__setitem__(3, "S")))[0]
+    with pytest.raises(MultiAgentRecordError, match=r"does not cover its steps 0\.\.25 once each"):
+        assemble_episode(rows, shifted, "spread-0")
+
+
+def carried_recording(episode_id: str = "big-1", steps: int = 70, obs_bytes: int = 1024):
+    """Agent b acts `steps` times and is absent from the last (``__all__``) step: RLlib leaves it
+    not done, so its whole episode is carried in the record (FORMAT.md, "Multi-agent rows")."""
+    import numpy as np
+
+    from rlrec.producer.multi_agent_recording import MultiAgentEnvStep, MultiAgentRecording, MultiAgentReset
+
+    big = np.arange(obs_bytes, dtype=np.uint8)
+    small = np.zeros(2, np.float32)
+    body = [MultiAgentEnvStep({"a": 0, "b": 0}, {"a": 1.0, "b": 1.0}, {"a": small, "b": big}, {})] * steps
+    last = MultiAgentEnvStep({"a": 0}, {"a": 1.0}, {"a": small}, {"__all__": True})
+    modules = {"a": "m_a", "b": "m_b"}
+    return MultiAgentRecording(episode_id, "pol", 0, modules, MultiAgentReset({"a": small, "b": big}), [*body, last])
+
+
+def test_the_writer_refuses_a_record_over_max_record_bytes_as_a_data_error(monkeypatch):
+    from rlrec.consumer.multi_agent_reference import MultiAgentDataError
+    from rlrec.consumer.multi_agent_split import pack_split
+    from rlrec.store import multi_agent_episode, multi_agent_shards
+    from rlrec.store.multi_agent_episode import RecordTooLargeError
+
+    rec = carried_recording()
+    split = split_recording(rec)
+    assert (sorted(split.rows), {a: len(e) for a, e in split.carried.items()}) == (["a"], {"b": 70})
+    size = len(pack_split(split))
+    assert size > 70 * 1024  # the carried agent's observations are in the record
+    monkeypatch.setattr(multi_agent_episode, "MAX_RECORD_BYTES", size - 1)
+    with pytest.raises(MultiAgentDataError) as e:
+        pack_split(split)
+    assert e.value.reason == "record_too_large"
+    ma = shard_episode(carried_recording("small-1", steps=1, obs_bytes=4))
+    big = MultiAgentShardEpisode(**{**ma.__dict__, "episode_id": "big-1", "record": b"x" * size})
+    monkeypatch.setattr(multi_agent_shards, "MAX_RECORD_BYTES", size - 1)
+    with pytest.raises(RecordTooLargeError, match="over MAX_RECORD_BYTES") as e2:
+        encode_multi_agent_shards([ma, big])
+    assert e2.value.reason == "record_too_large"
+    assert encode_multi_agent_shards([ma])["pol.m_a"].episodes == 1
+
+
+def _commit(log: PartitionLog, policy: str, enc, first: int, *, format_version: int | None = None) -> None:
+    name = f"{log.topic}+{log.partition:05d}+{first:020d}+{first:020d}+e1.{first}.parquet"
     entry = ShardEntry(
         path=f"{policy}/{name}",
         staging_path=f"{policy}/_staging/{name}",
-        topic="rl",
-        partition=0,
+        topic=log.topic,
+        partition=log.partition,
         policy_id=policy,
         first_offset=first,
         last_offset=first,
@@ -161,10 +231,30 @@ def _commit(log: PartitionLog, policy: str, enc, first: int) -> None:
         bytes=len(enc.data),
         sha256=hashlib.sha256(enc.data).hexdigest(),
         format="episodes",
-        format_version=enc.schema_version,
+        format_version=enc.schema_version if format_version is None else format_version,
     )
     log.storage.write(entry.staging_path, enc.data)
     log.publish(log.append_shard(entry), enc.data)
+
+
+def _log(st: Storage, topic: str = "rl", partition: int = 0) -> PartitionLog:
+    log = PartitionLog(st, topic, partition)
+    log.claim("w")
+    log.recover()
+    return log
+
+
+def test_an_entry_whose_version_is_not_its_files_is_refused(tmp_path):
+    shards = encode_multi_agent_shards([shard_episode(cases.join_leave())])
+    st = Storage.from_uri(str(tmp_path / "out"), fsync=False)
+    log = _log(st)
+    for i, (policy, enc) in enumerate(sorted(shards.items())):
+        _commit(log, policy, enc, i, format_version=1)
+    snap = open_snapshot(st)
+    assert [e.format_version for e in snap.entries] == [1, 1, 1]
+    for read in (lambda: list(snap.episodes()), lambda: list(snap.multi_agent_episodes())):
+        with pytest.raises(ShardSchemaError, match="the file is episodes version 2, its manifest entry says version 1"):
+            read()
 
 
 def test_a_reader_between_two_modules_commits_sees_no_partial_episode(tmp_path):
@@ -207,8 +297,8 @@ def test_rows_whose_records_differ_are_refused(tmp_path):
     _commit(log, "pol.m_a", shards["pol.m_a"], 0)
     _commit(log, "pol.m_b", shards["pol.m_b"], 1)
     _commit(log, "pol.m_c", forged, 2)
-    with pytest.raises(MultiAgentRecordError, match="different record"):
-        list(open_snapshot(st).multi_agent_episodes())
+    got = open_snapshot(st).multi_agent_episodes()
+    assert list(got) == [] and got.refused == 1 and "different record" in got.refusals[0][1]
     # the store itself stays readable as single-agent rows
     assert len(list(open_snapshot(st).episodes())) == 3
 

@@ -90,6 +90,46 @@ def test_a_shard_whose_columns_decode_past_the_limit_is_refused_before_reading(m
     assert open_shard(data, fmt="episodes").num_rows == 2
 
 
+def _dictionary_bomb(rows: int, value_mib: int) -> bytes:
+    """A single-agent shard whose `item` is one big value repeated in every row, dictionary
+    encoded: a few KB on disk, a footer counting the value once, `rows` x `value_mib` MiB dense."""
+    t = pq.read_table(io.BytesIO(encode_shard(expert_cartpole_episodes(1, max_steps=5)).data))
+    t = pa.concat_tables([t] * rows)
+    t = t.set_column(t.schema.get_field_index("item"), "item", pa.array([b"\0" * (value_mib << 20)] * rows))
+    buf = io.BytesIO()
+    pq.write_table(t, buf, compression="zstd", dictionary_pagesize_limit=1 << 30, data_page_size=1 << 30)
+    return buf.getvalue()
+
+
+def test_a_dictionary_column_that_expands_past_the_limit_is_refused_before_it_is_decoded():
+    import resource
+
+    from rlrec.store import schema_gate
+
+    data = _dictionary_bomb(600, 2)  # 1.2 GiB dense, over MAX_SHARD_DECODED_BYTES (1 GiB)
+    shard = open_shard(data, fmt="episodes")
+    assert len(data) < 100_000 and shard.decoded_bytes < 10 << 20  # the footer alone lets it through
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    for read in (lambda: shard.read(["item"]), lambda: list(shard.row_groups()), lambda: read_episodes(data)):
+        with pytest.raises(ShardSchemaError, match=r"dictionary columns are expanded.*MAX_SHARD_DECODED_BYTES"):
+            read()
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200_000  # KiB: never decoded dense
+    assert schema_gate.MAX_SHARD_DECODED_BYTES == 1 << 30
+    # below the limit the same values read (dense), and as a dictionary array when asked
+    small = open_shard(_dictionary_bomb(3, 1), fmt="episodes")
+    assert small.read(["item"]).column("item").to_pylist() == [b"\0" * (1 << 20)] * 3
+    col = small.read(["item"], dictionary=["item"]).column("item")
+    assert pa.types.is_dictionary(col.type) and len(col.chunk(0).dictionary) == 1
+
+
+def test_shards_rlrec_writes_store_item_plain_so_the_gate_reads_nothing_extra():
+    for fmt in ("episodes", "tabular"):
+        data = encode_shard(expert_cartpole_episodes(3, max_steps=20), fmt=fmt).data
+        shard = open_shard(data, fmt=fmt)
+        assert "item" not in shard._dictionary
+        assert shard.read().num_rows == (3 if fmt == "episodes" else 60)
+
+
 def _table(fmt: str) -> pa.Table:
     data = encode_shard(expert_cartpole_episodes(1, max_steps=10), fmt=fmt).data
     return pq.read_table(io.BytesIO(data))

@@ -96,15 +96,16 @@ class SafeOfflinePreLearner(OfflinePreLearner):
         return obs, act
 
     def _held_out(self, ep: Any) -> bool:
-        """Whether `ep` belongs to the held-out evaluation data (then it is not trained on). An
-        agent episode of multi-agent rows is held out with its multi-agent episode (by that id):
-        no episode's agents are on both sides."""
+        """Whether `ep` belongs to the held-out evaluation data (then it is not trained on),
+        split by `rlrec.trainer.holdout.holdout_key`: an agent episode of multi-agent rows (a
+        ``--multi-agent`` trainer reads only those) with its multi-agent episode, so no episode's
+        agents are on both sides; any other episode by its own id."""
         if not self._rlrec_holdout:
             return False
-        from rlrec.trainer.holdout import is_held_out
+        from rlrec.trainer.holdout import holdout_key, is_held_out
 
-        key = getattr(ep, "multi_agent_episode_id", None) or getattr(ep, "id_", "")
-        if is_held_out(str(key), self._rlrec_holdout):
+        ma_id = getattr(ep, "multi_agent_episode_id", None) if self._rlrec_multi_agent else None
+        if is_held_out(holdout_key(getattr(ep, "id_", ""), ma_id), self._rlrec_holdout):
             self.rlrec_held_out += 1
             return True
         return False

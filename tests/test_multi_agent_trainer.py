@@ -60,12 +60,24 @@ def cfg(out, ck, **kw):
         ({"promotion_gate": "ope"}, "--promotion-gate ope is single-agent only"),
         ({"promotion_gate": "env", "env": "CartPole-v1"}, "--promotion-gate env is single-agent only"),
         ({"prelearner_mode": "buffer"}, "drops the agent and module ids"),
+        ({"offline_config": {"input_read_episodes": False}}, "reads tabular shards.*not with --multi-agent"),
+        (
+            {"offline_config": {"prelearner_class": "rlrec.trainer.prelearner.SafeOfflinePreLearner"}},
+            "prelearner_class.*not with --multi-agent",
+        ),
     ],
 )
 def test_what_multi_agent_cannot_do_yet_is_refused_in_one_line(kw, msg):
     with pytest.raises(ValueError, match=msg) as e:
         cfg("in", "ck", **kw)
     assert "\n" not in str(e.value)
+
+
+def test_multi_agent_flags_without_multi_agent_are_refused_in_one_line():
+    with pytest.raises(ValueError, match="--multi-agent-flags env sets the flags of multi-agent rows: it needs") as e:
+        TrainerConfig(input="in", checkpoint_dir="ck", multi_agent_flags="env")
+    assert "\n" not in str(e.value)
+    assert TrainerConfig(input="in", checkpoint_dir="ck", multi_agent=True, multi_agent_flags="env").multi_agent
 
 
 def test_the_default_gate_of_a_multi_agent_trainer_is_off():

@@ -379,6 +379,10 @@ class TrainerConfig:
         self.gate_default: str | None = None
         if self.multi_agent:
             self._check_multi_agent()
+        elif self.multi_agent_flags != "rllib":
+            raise ValueError(
+                f"--multi-agent-flags {self.multi_agent_flags} sets the flags of multi-agent rows: it needs --multi-agent"
+            )
         if self.promotion_gate is None:
             self.promotion_gate = self._default_gate()
             self.gate_default = {
@@ -540,6 +544,16 @@ class TrainerConfig:
             )
         if self.rollout == "canary" or self.ope_report:
             raise ValueError("--rollout canary and --ope-report are single-agent only: not with --multi-agent")
+        if not self.offline_config.get("input_read_episodes", True):
+            raise ValueError(
+                "--offline-config input_read_episodes=false reads tabular shards; multi-agent rows are episode "
+                "rows: not with --multi-agent"
+            )
+        if self.offline_config.get("prelearner_class") is not None:
+            raise ValueError(
+                "--offline-config prelearner_class: --multi-agent reads its rows with rlrec's own PreLearner "
+                "(per-module checks, held-out split, env flags): not with --multi-agent"
+            )
 
     def canary_rule(self) -> Any:
         """The canary's test (`rlrec.trainer.sequential.CanaryRule`); ValueError on a bad setting."""

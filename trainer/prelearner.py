@@ -58,7 +58,7 @@ class SafeOfflinePreLearner(OfflinePreLearner):
         self._rlrec_holdout = float(spec.get("holdout_fraction") or 0.0)
         #: multi-agent rows (`rlrec.trainer.multi_agent`): each agent episode checked against its own module
         self._rlrec_multi_agent = bool(spec.get("multi_agent"))
-        self._rlrec_env_flags = spec.get("multi_agent_flags") == "env"
+        self._rlrec_env_flags = self._rlrec_multi_agent and spec.get("multi_agent_flags") == "env"
         self.rlrec_held_out = 0
         self.rlrec_skipped = 0
         #: (episode id, or "#<row in the chunk>" if undecodable; why) of each episode the last call

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -231,6 +232,65 @@ def test_a_learner_side_stream_keeps_each_modules_rows_apart():
     parts = _by_module(batch)
     assert {m: row_count(p) for m, p in parts.items()} == {"a": 3, "b": 5}
     assert row_count({"default_policy/obs": np.zeros((4, 1))}) == 4
+
+
+class _OneModuleStream:
+    """A Learner's data iterator whose stream carries module a's rows only (module b's are all held
+    out), then stays open as a continuous trainer's does."""
+
+    def __init__(self, chunks: int, rows: int = 100) -> None:
+        self.chunks, self.rows = chunks, rows
+        self.open = threading.Event()
+
+    def iter_batches(self, **kw):
+        from rlrec.trainer.envelopes import ENVELOPE, pack_columns
+
+        for i in range(self.chunks):
+            d = {"a/obs": np.full((self.rows, 4), i, np.float32), "a/rlrec_tag": np.full(self.rows, i, np.int64)}
+            yield {ENVELOPE: np.array([pack_columns(d)], dtype=object)}
+        self.open.wait(600)
+
+
+def _first_minibatch(spec: dict, stream: _OneModuleStream, batch: int = 32):
+    from rlrec.trainer.stream_iterator import StreamIterator
+
+    it = StreamIterator(stream, {"fresh_share": 0.5, **spec})
+    got: list = []
+
+    def consume() -> None:
+        for b in it._raw_batches(batch):
+            got.append(b)
+            return
+
+    t = threading.Thread(target=consume, daemon=True)
+    t.start()
+    t.join(30)
+    it.close()
+    stream.open.set()
+    return it, got
+
+
+def test_a_module_without_rows_stops_no_other_module_after_a_bounded_wait(caplog):
+    caplog.set_level("WARNING", logger="rlrec.trainer")
+    it, got = _first_minibatch({"modules": ["a", "b"], "modules_wait_s": 0.5}, _OneModuleStream(3))
+    assert len(got) == 1
+    out, (counts, _wait, took) = got[0]
+    assert sorted(out) == ["a/obs"] and len(out["a/obs"]) == 32 and took == 32
+    assert "modules without a trainable row" in caplog.text and "'b'" in caplog.text
+
+
+def test_the_rows_a_module_holds_while_waiting_for_the_others_are_bounded():
+    # the wait is long, but module a's rows reach the buffer's size (learner_buffer_rows) first
+    spec = {"modules": ["a", "b"], "modules_wait_s": 600, "learner_buffer_rows": 1000}
+    it, got = _first_minibatch(spec, _OneModuleStream(300))
+    assert len(got) == 1
+    assert it._n_pending["a"] <= 1000 + 100  # the buffer's size, and the chunk that reached it
+    assert it.stats["rows_streamed"] == 32
+
+
+def test_the_first_minibatch_waits_for_every_module_while_their_rows_come():
+    it, got = _first_minibatch({"modules": ["a"], "modules_wait_s": 600}, _OneModuleStream(2))
+    assert len(got) == 1 and sorted(got[0][0]) == ["a/obs"]
 
 
 def test_the_follower_selects_module_folders_for_a_multi_agent_trainer_only(tmp_path):

@@ -16,6 +16,9 @@ from rlrec.trainer.feed_actor import get_feed
 
 log = logging.getLogger("rlrec.trainer")
 
+#: how long the first minibatch of a multi-agent Learner waits for a row of every module (seconds)
+MODULES_WAIT_S = 60.0
+
 
 class _RowBuffer:
     """A ring buffer of processed rows (flat dict of arrays) for re-sampling on the Learner."""
@@ -87,6 +90,7 @@ class StreamIterator:
             "fresh_share": float(spec.get("fresh_share", 0.5)),
             "device_prefetch": spec.get("device_prefetch"),  # None: one batch ahead on CUDA only
             "modules": spec.get("modules"),  # multi-agent: the module ids the Learner trains
+            "modules_wait_s": float(spec.get("modules_wait_s", MODULES_WAIT_S)),
         }
         self.iter_id = uuid.uuid4().hex
         self.seq = 0
@@ -100,6 +104,9 @@ class StreamIterator:
         # the rows a Learner's iteration leaves when it stops iterating are the next one's first
         self._pending: dict[str, list[dict[str, np.ndarray]]] = {}  # per module (the flat keys' prefix)
         self._n_pending: dict[str, int] = {}
+        #: the first minibatch's wait for every module (`_waiting_for_modules`): since when; over
+        self._modules_wait_since: float | None = None
+        self._modules_wait_over = False
         self.stats = {"rows_streamed": 0, "rows_replayed": 0}
 
     def __getstate__(self) -> dict:
@@ -224,15 +231,22 @@ class StreamIterator:
         while True:
             # everything that arrived (non-blocking); block only while nothing can be trained
             while True:
+                if self._spec["modules"] and max(n_pending.values(), default=0) >= cap:
+                    self._waiting_for_modules(cap)  # a module holds `cap` untrained rows: pull no more (ends a wait)
+                    break
                 try:
                     d = self._queue.get_nowait()
                 except queue.Empty:
                     ready = any(n_pending.values()) or any(b.size >= B for b in bufs.values())
-                    if (ready and not self._waiting_for_modules()) or self._done:
+                    if (ready and not self._waiting_for_modules(cap)) or self._done:
                         break
                     t0 = time.perf_counter()
-                    d = self._queue.get()
-                    wait += time.perf_counter() - t0
+                    try:  # while waiting for modules, look again at the wait's bounds now and then
+                        d = self._queue.get(timeout=0.5 if ready else None)
+                    except queue.Empty:
+                        continue
+                    finally:
+                        wait += time.perf_counter() - t0
                 if d is None:
                     self._done = True
                     break
@@ -265,14 +279,36 @@ class StreamIterator:
             yield out, (counts, wait, took)  # acknowledged when handed to the Learner
             wait = 0.0
 
-    def _waiting_for_modules(self) -> bool:
-        """Whether a module the Learner trains (multi-agent: ``spec["modules"]``) has no row yet:
-        the first minibatch waits for a row of every module, so every module trains from the
-        first iteration on."""
-        if not self._spec.get("modules"):
+    def _waiting_for_modules(self, cap: int) -> bool:
+        """Whether the first minibatch still waits for a module the Learner trains (multi-agent:
+        ``spec["modules"]``) that has no row yet, so that every module trains from the first
+        iteration on. The wait is bounded: it ends after ``spec["modules_wait_s"]`` (default
+        `MODULES_WAIT_S`) or once a module holds `cap` rows not trained yet; then the modules
+        that have rows train, and those without any are logged (a module joins the minibatches
+        once its rows come)."""
+        if not self._spec.get("modules") or self._modules_wait_over:
             return False
         have = set(self._buffer or ()) | {m for m, n in self._n_pending.items() if n}
-        return not set(self._spec["modules"]) <= have
+        missing = sorted(set(self._spec["modules"]) - have)
+        if not missing:
+            return False
+        now = time.monotonic()
+        if self._modules_wait_since is None:
+            self._modules_wait_since = now
+        waited = now - self._modules_wait_since
+        full = max(self._n_pending.values(), default=0) >= cap
+        if waited < self._spec["modules_wait_s"] and not full:
+            return True
+        self._modules_wait_over = True
+        log.warning(
+            "modules without a trainable row after %.0f s (%s): training the others; these join once their rows "
+            "come: %s",
+            waited,
+            "a module's rows reached the buffer's size" if full else "waited long enough",
+            ", ".join(repr(m)[:42] for m in missing[:10])
+            + (f" and {len(missing) - 10} more" if len(missing) > 10 else ""),
+        )
+        return False
 
     def _module_batch(self, m: str, buf: _RowBuffer, B: int, max_fresh: int) -> tuple[dict, int]:
         """One module's B rows of the next minibatch, and how many came fresh from the stream:

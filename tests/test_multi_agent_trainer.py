@@ -272,9 +272,10 @@ def _first_minibatch(spec: dict, stream: _OneModuleStream, batch: int = 32):
 
 def test_a_module_without_rows_stops_no_other_module_after_a_bounded_wait(caplog):
     caplog.set_level("WARNING", logger="rlrec.trainer")
-    it, got = _first_minibatch({"modules": ["a", "b"], "modules_wait_s": 0.5}, _OneModuleStream(3))
+    _, got = _first_minibatch({"modules": ["a", "b"], "modules_wait_s": 0.5}, _OneModuleStream(3))
     assert len(got) == 1
     out, (counts, _wait, took) = got[0]
+    assert counts == {0: 32}  # the first chunk's rows, acknowledged by their tag
     assert sorted(out) == ["a/obs"] and len(out["a/obs"]) == 32 and took == 32
     assert "modules without a trainable row" in caplog.text and "'b'" in caplog.text
 
@@ -289,7 +290,7 @@ def test_the_rows_a_module_holds_while_waiting_for_the_others_are_bounded():
 
 
 def test_the_first_minibatch_waits_for_every_module_while_their_rows_come():
-    it, got = _first_minibatch({"modules": ["a"], "modules_wait_s": 600}, _OneModuleStream(2))
+    _, got = _first_minibatch({"modules": ["a"], "modules_wait_s": 600}, _OneModuleStream(2))
     assert len(got) == 1 and sorted(got[0][0]) == ["a/obs"]
 
 
@@ -334,3 +335,47 @@ def test_a_hostile_multi_module_spec_is_refused(change, msg):
         from rlrec.trainer.policy_modules import module_file
 
         module_file("../evil")
+
+
+def _agent_rows(tmp_path):
+    from rlrec.store.multi_agent_shards import read_agent_rows
+    from rlrec.store.schema_gate import open_shard
+    from rlrec.store.storage import Storage
+
+    paths = commit_spread(str(tmp_path), 1, 2)
+    st = Storage.from_uri(str(tmp_path))
+    return [r for p in paths for r in read_agent_rows(open_shard(st.read(p), fmt="episodes"))]
+
+
+@pytest.mark.parametrize(
+    "change,reason",
+    [
+        ({}, None),
+        ({"module_id": "random"}, "its episode's module 'scripted' is not its row's 'random'"),
+        ({"policy_id": "spread.random"}, "its row's policy id 'spread.random' is not 'spread'.'scripted'"),
+        ({"rlrec_folder": "spread.random"}, "it lies in folder 'spread.random', not its own 'spread.scripted'"),
+        ({"only": "spread3"}, "its multi-agent policy 'spread' is not --policy-id 'spread3'"),
+    ],
+)
+def test_a_rows_module_is_checked_against_its_columns_and_folder_at_training(tmp_path, change, reason):
+    import types
+
+    from rlrec.trainer.prelearner import SafeOfflinePreLearner
+
+    row = next(r for r in _agent_rows(tmp_path) if r.module_id == "scripted")
+    cols = {
+        "module_id": row.module_id,
+        "policy_id": row.policy_id,
+        "multi_agent_policy_id": row.multi_agent_policy_id,
+        "rlrec_folder": row.policy_id,
+    }
+    only = change.pop("only", None)
+    cols.update(change)
+    batch = {k: np.array([v], dtype=object) for k, v in cols.items()}
+    pre = types.SimpleNamespace(_rlrec_policy_id=only, rlrec_skipped=0, rlrec_last_skips=[])
+    pre._skip = types.MethodType(SafeOfflinePreLearner._skip, pre)
+    kept = SafeOfflinePreLearner._module_agrees(pre, row.episode, batch, 0)
+    assert kept == (reason is None)
+    assert pre.rlrec_skipped == (0 if reason is None else 1)
+    if reason is not None:
+        assert pre.rlrec_last_skips == [(row.episode_id, f"agent episode {row.episode_id}: {reason}")]

@@ -13,23 +13,61 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["AgentModules", "StoredModules", "configure_modules", "modules_from_shards", "row_columns"]
+__all__ = [
+    "AgentModules",
+    "StoredModules",
+    "configure_modules",
+    "modules_from_shards",
+    "row_columns",
+    "row_module_mismatch",
+]
 
 #: the row columns the PreLearner reads besides ``item`` when the learner gets the env's own flags
 ENV_FLAG_COLUMNS = ["env_terminated", "env_truncated"]
+#: the row columns each agent episode's module is checked against (`row_module_mismatch`)
+ID_COLUMNS = ["module_id", "policy_id", "multi_agent_policy_id"]
+#: not a shard column: the read task adds it, the folder (manifest policy id) the row was read from
+FOLDER = "rlrec_folder"
 
 
 def row_columns(spec: dict) -> list[str]:
-    """The shard columns a multi-agent PreLearner reads, for the trainer's data spec.
+    """The shard columns a multi-agent PreLearner reads, for the trainer's data spec (`FOLDER`
+    is added by the read task).
 
     Args:
         spec: ``learner_config_dict["rlrec"]`` (`rlrec.trainer.data.configure_continuous`).
 
     Example:
         >>> row_columns({"multi_agent_flags": "env"})
-        ['item', 'env_terminated', 'env_truncated']
+        ['item', 'module_id', 'policy_id', 'multi_agent_policy_id', 'rlrec_folder', 'env_terminated', 'env_truncated']
     """
-    return ["item", *ENV_FLAG_COLUMNS] if spec.get("multi_agent_flags") == "env" else ["item"]
+    flags = ENV_FLAG_COLUMNS if spec.get("multi_agent_flags") == "env" else []
+    return ["item", *ID_COLUMNS, FOLDER, *flags]
+
+
+def row_module_mismatch(
+    episode_module: Any, module_id: Any, policy_id: Any, multi_agent_policy_id: Any, folder: Any, only_policy: Any
+) -> str | None:
+    """Why an agent row's module disagrees with its columns or its folder (None: it agrees): its
+    episode's ``module_id``, the row's ``module_id`` column, its ``policy_id`` column =
+    ``{multi_agent_policy_id}.{module_id}``, and the folder it was read from; with
+    `only_policy` (``--policy-id``), ``multi_agent_policy_id`` must be it.
+
+    Example:
+        >>> row_module_mismatch("a", "a", "P.a", "P", "P.a", None) is None
+        True
+        >>> row_module_mismatch("b", "a", "P.a", "P", "P.a", None)
+        "its episode's module 'b' is not its row's 'a'"
+    """
+    if episode_module != module_id:
+        return f"its episode's module {episode_module!r:.40} is not its row's {module_id!r:.40}"
+    if policy_id != f"{multi_agent_policy_id}.{module_id}":
+        return f"its row's policy id {policy_id!r:.80} is not {multi_agent_policy_id!r:.40}.{module_id!r:.40}"
+    if folder != policy_id:
+        return f"it lies in folder {folder!r:.80}, not its own {policy_id!r:.80}"
+    if only_policy is not None and multi_agent_policy_id != only_policy:
+        return f"its multi-agent policy {multi_agent_policy_id!r:.40} is not --policy-id {only_policy!r:.40}"
+    return None
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,8 @@ class SafeOfflinePreLearner(OfflinePreLearner):
         #: multi-agent rows (`rlrec.trainer.multi_agent`): each agent episode checked against its own module
         self._rlrec_multi_agent = bool(spec.get("multi_agent"))
         self._rlrec_env_flags = self._rlrec_multi_agent and spec.get("multi_agent_flags") == "env"
+        #: multi-agent: only rows of this multi-agent policy (``--policy-id``; None: any)
+        self._rlrec_policy_id = spec.get("policy_id") if self._rlrec_multi_agent else None
         self.rlrec_held_out = 0
         self.rlrec_skipped = 0
         #: (episode id, or "#<row in the chunk>" if undecodable; why) of each episode the last call
@@ -124,6 +126,22 @@ class SafeOfflinePreLearner(OfflinePreLearner):
             return False
         return True
 
+    def _module_agrees(self, ep: Any, batch: dict[str, np.ndarray], i: int) -> bool:
+        """Whether agent row `i`'s module agrees with its row's columns and the folder it was read
+        from (`rlrec.trainer.multi_agent.row_module_mismatch`); else it is skipped and counted."""
+        from rlrec.trainer.multi_agent import FOLDER, ID_COLUMNS, row_module_mismatch
+
+        missing = [c for c in (*ID_COLUMNS, FOLDER) if c not in batch]
+        if missing:
+            reason = f"its row lacks {missing[0]!r}"
+        else:
+            values = [batch[c][i] for c in (*ID_COLUMNS, FOLDER)]
+            reason = row_module_mismatch(getattr(ep, "module_id", None), *values, self._rlrec_policy_id)
+        if reason is None:
+            return True
+        self._skip(str(getattr(ep, "id_", "?")), f"agent episode {getattr(ep, 'id_', '?')}: {reason}")
+        return False
+
     def _decode(self, batch: dict[str, np.ndarray]) -> list:
         from rlrec.store.episodes import EpisodeDecodeError, unpack_episode
 
@@ -134,6 +152,8 @@ class SafeOfflinePreLearner(OfflinePreLearner):
                 ep = unpack_episode(bytes(item))
             except EpisodeDecodeError as e:
                 self._skip(f"#{i}", f"cannot be decoded safely: {e}")
+                continue
+            if self._rlrec_multi_agent and not self._module_agrees(ep, batch, i):
                 continue
             if self._rlrec_env_flags:  # the env's own last flags, not RLlib's; not terminated: truncated
                 ep.is_terminated = bool(batch["env_terminated"][i])

@@ -311,6 +311,34 @@ def test_the_follower_selects_module_folders_for_a_multi_agent_trainer_only(tmp_
     mods = modules_from_shards(st, ManifestFollower(st, multi_agent=True).live_head())
     assert mods.agents == {"agent_0": "scripted", "agent_1": "random"}
     assert {m: (s[0].shape, s[1].n) for m, s in mods.spaces.items()} == {"scripted": ((12,), 5), "random": ((12,), 5)}
+    assert mods.policies == {"spread"}
+
+
+def test_policy_id_selects_exactly_its_module_folders_and_two_policies_need_it(tmp_path, monkeypatch):
+    import tests.multi_agent_stores as stores
+    from rlrec.store.storage import Storage
+    from rlrec.trainer.manifest_follower import ManifestFollower
+    from rlrec.trainer.multi_agent import modules_from_shards
+
+    out = str(tmp_path / "out")
+    first = commit_spread(out, 1, 2)
+    monkeypatch.setattr(stores, "POLICY", "spread.v2")  # a legal policy id that extends "spread."
+    second = commit_spread(out, 1, 2, first_seed=100)
+    st = Storage.from_uri(out)
+    chosen = {
+        p: {e.path for e in ManifestFollower(st, multi_agent=True, policy_id=p).live_head()}
+        for p in ("spread", "spread.v2")
+    }
+    assert chosen == {"spread": set(first), "spread.v2": set(second)}
+    every = ManifestFollower(st, multi_agent=True).live_head()
+    with pytest.raises(
+        ValueError, match=r"the store holds 2 multi-agent policies \('spread', 'spread.v2'\): give --policy-id"
+    ) as e:
+        modules_from_shards(st, every)
+    assert "\n" not in str(e.value)
+    assert modules_from_shards(st, [x for x in every if x.path in chosen["spread.v2"]], "spread.v2").policies == {
+        "spread.v2"
+    }
 
 
 @pytest.mark.parametrize(

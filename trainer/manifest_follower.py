@@ -144,8 +144,9 @@ class ManifestFollower:
             return False
         if self.policy_id is None:
             return True
-        if self.multi_agent:
-            return e.policy_id.startswith(f"{self.policy_id}.")
+        if self.multi_agent:  # exactly the folders {policy_id}.{module} (a module id holds no '.')
+            prefix = f"{self.policy_id}."
+            return e.policy_id.startswith(prefix) and "." not in e.policy_id[len(prefix) :]
         return e.policy_id == self.policy_id
 
     def _row_filter(self, e: ShardEntry) -> tuple[int | None, int | None] | None:

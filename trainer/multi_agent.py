@@ -109,12 +109,15 @@ class StoredModules:
 
     spaces: dict[str, tuple[Any, Any]] = field(default_factory=dict)
     agents: dict[str, str] = field(default_factory=dict)
+    #: the multi-agent policy ids of the rows read
+    policies: set[str] = field(default_factory=set)
 
     def add_shard(self, rows: list) -> None:
         """Learn from one shard's `rlrec.store.multi_agent_shards.AgentRow`s: each module's spaces
         (its first episode's) and each agent's module (ValueError: an agent under two modules, or
         a module whose episodes' spaces differ)."""
         for r in rows:
+            self.policies.add(r.multi_agent_policy_id)
             known = self.agents.setdefault(r.agent_id, r.module_id)
             if known != r.module_id:
                 raise ValueError(
@@ -128,16 +131,18 @@ class StoredModules:
                 raise ValueError(f"module {r.module_id!r:.40}: its episodes' spaces differ ({have} and {spaces})")
 
 
-def modules_from_shards(storage: Any, entries: list) -> StoredModules:
+def modules_from_shards(storage: Any, entries: list, policy_id: str | None = None) -> StoredModules:
     """Read one shard of every module folder among `entries` (manifest `ShardEntry`s of
     multi-agent rows) and return what they say.
 
     Args:
         storage: the input `rlrec.store.storage.Storage`.
         entries: committed shard entries (each module's first one is read).
+        policy_id: ``--policy-id`` (None: the rows must be of one multi-agent policy).
 
     Raises:
-        ValueError: a shard is refused by the schema gate or its rows contradict each other.
+        ValueError: a shard is refused by the schema gate or its rows contradict each other; the
+            rows are of several multi-agent policies and no `policy_id` chooses one.
         FileNotFoundError: a shard is gone (retention).
 
     Example:
@@ -158,6 +163,14 @@ def modules_from_shards(storage: Any, entries: list) -> StoredModules:
         seen.add(e.policy_id)
         shard = open_shard(read_committed_shard(storage, e.path, e.staging_path, e.bytes), fmt=e.format)
         out.add_shard(read_agent_rows(shard))
+    if policy_id is None and len(out.policies) > 1:
+        names = sorted(out.policies)
+        raise ValueError(
+            f"the store holds {len(names)} multi-agent policies ("
+            + ", ".join(repr(n)[:42] for n in names[:5])
+            + (", ..." if len(names) > 5 else "")
+            + "): give --policy-id to train one"
+        )
     return out
 
 

@@ -252,7 +252,7 @@ class ContinuousTrainer(CheckpointMixin, PublishMixin, GateMixin):
         from rlrec.trainer.multi_agent import modules_from_shards
 
         try:
-            self.modules = modules_from_shards(self.input, entries)
+            self.modules = modules_from_shards(self.input, entries, self.cfg.policy_id)
         except StorageError as e:  # unreachable, not unusable: try again after a wait
             wait = self._outage.failed(time.monotonic())
             log.warning(
@@ -269,6 +269,14 @@ class ContinuousTrainer(CheckpointMixin, PublishMixin, GateMixin):
                 raise UnsupportedCombination(f"module {module_id}: {e}") from None
         log.info("multi-agent modules %s; agents %s", sorted(self.modules.spaces), self.modules.agents)
         return True
+
+    def _read_policy_id(self) -> str | None:
+        """The policy whose shards are read: ``--policy-id``; a multi-agent trainer without it
+        reads the one multi-agent policy its first shards hold (`_module_spaces`), so another one
+        committed later is not mixed into its modules."""
+        if self.cfg.policy_id or not self.cfg.multi_agent or self.modules is None:
+            return self.cfg.policy_id
+        return next(iter(self.modules.policies)) if len(self.modules.policies) == 1 else None
 
     def _skip_shard(self, key: str, why: str) -> None:
         """Count a shard the trainer cannot use; log it once."""
@@ -336,7 +344,7 @@ class ContinuousTrainer(CheckpointMixin, PublishMixin, GateMixin):
             cfg.input,
             fmt=self.fmt or "episodes",
             feed_policy=cfg.feed_policy(),
-            policy_id=cfg.policy_id,
+            policy_id=self._read_policy_id(),
             min_policy_version=cfg.min_policy_version,
             max_policy_version=cfg.max_policy_version,
             poll_interval_s=cfg.poll_interval_s,

@@ -407,3 +407,51 @@ def test_a_rows_module_is_checked_against_its_columns_and_folder_at_training(tmp
     assert pre.rlrec_skipped == (0 if reason is None else 1)
     if reason is not None:
         assert pre.rlrec_last_skips == [(row.episode_id, f"agent episode {row.episode_id}: {reason}")]
+
+
+def test_a_module_that_appears_later_is_not_delivered_and_is_said_loudly(tmp_path, monkeypatch, caplog):
+    import tests.multi_agent_stores as stores
+    from rlrec.store.storage import Storage
+    from rlrec.trainer.manifest_follower import ManifestFollower
+    from rlrec.trainer.multi_agent import modules_from_shards
+
+    out = str(tmp_path / "out")
+    first = commit_spread(out, 1, 2)
+    monkeypatch.setattr(stores, "MODULES", {"agent_0": "scripted", "agent_1": "late"})
+    later = commit_spread(out, 1, 2, first_seed=100)
+    st = Storage.from_uri(out)
+    caplog.set_level("ERROR", logger="rlrec.trainer")
+    found = ManifestFollower(st, multi_agent=True, modules=["random", "scripted"]).live_head()
+    assert {e.path for e in found} == set(first) | {p for p in later if p.startswith("spread.scripted/")}
+    assert "module 'late' appeared after this trainer started" in caplog.text
+    # a per-episode mapping (agent_1 under two modules) is refused in one line
+    with pytest.raises(
+        ValueError, match=r"per-episode agent -> module mapping, e\.g\. self-play, is not supported"
+    ) as e:
+        modules_from_shards(st, ManifestFollower(st, multi_agent=True).live_head())
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "then,now,refused",
+    [
+        (["random", "scripted"], ["random", "scripted"], False),
+        (None, None, False),
+        (["random", "scripted"], ["scripted"], True),
+        (["random", "scripted"], ["newmod", "random", "scripted"], True),
+        (None, ["scripted"], True),
+    ],
+)
+def test_resume_with_another_module_set_is_refused_in_one_line(then, now, refused):
+    import types
+
+    from rlrec.trainer.checkpoints import ResumeRefused
+    from rlrec.trainer.service_checkpoint import CheckpointMixin
+
+    svc = types.SimpleNamespace(modules=None if now is None else types.SimpleNamespace(spaces=dict.fromkeys(now)))
+    if not refused:
+        CheckpointMixin._check_resume_modules(svc, {"modules": then}, "ck/1")
+        return
+    with pytest.raises(ResumeRefused, match=r"--resume: checkpoint ck/1 trained modules .*start a new run") as e:
+        CheckpointMixin._check_resume_modules(svc, {"modules": then}, "ck/1")
+    assert "\n" not in str(e.value) and repr(now[0]) in str(e.value)

@@ -135,6 +135,7 @@ class ManifestOfflineData(OfflineData):
             max_policy_version=spec.get("max_policy_version"),
             fmt="episodes" if config.input_read_episodes else "tabular",
             multi_agent=bool(spec.get("multi_agent")),
+            modules=spec.get("modules"),
         )
         self.feed = ShardFeed.options(name=spec["feed"], namespace=spec["namespace"], get_if_exists=True).remote(
             spec["feed_policy"]

@@ -64,8 +64,12 @@ class ManifestFollower:
         fmt: str | None = None,
         discover_interval_s: float = 2.0,
         multi_agent: bool = False,
+        modules: list[str] | None = None,
     ) -> None:
         self.storage = storage
+        #: multi-agent: the modules the trainer trains (None: any); another module's folder is not
+        #: delivered (its shards stay untrained, for a new run to train), and said once
+        self.modules = None if modules is None else frozenset(modules)
         self.policy_id = policy_id
         #: select multi-agent rows (every module folder ``{policy_id}.{module_id}``), else only single-agent shards
         self.multi_agent = multi_agent
@@ -141,6 +145,18 @@ class ManifestFollower:
         if rows != self.multi_agent:
             kind = "multi-agent rows (train them with --multi-agent)" if rows else "single-agent shards"
             self._warn_once(f"kind:{rows}", "skipping %s, e.g. %s", kind, e.path)
+            return False
+        if rows and self.modules is not None and e.policy_id.rpartition(".")[2] not in self.modules:
+            module = e.policy_id.rpartition(".")[2]
+            if f"module:{module}" not in self._warned:
+                self._warned.add(f"module:{module}")
+                log.error(
+                    "module %.40r appeared after this trainer started (it trains %s): its shards are not trained, "
+                    "e.g. %s; train it in a new run (another --checkpoint-dir)",
+                    module,
+                    ", ".join(sorted(self.modules)),
+                    e.path,
+                )
             return False
         if self.policy_id is None:
             return True

@@ -121,7 +121,8 @@ class StoredModules:
             known = self.agents.setdefault(r.agent_id, r.module_id)
             if known != r.module_id:
                 raise ValueError(
-                    f"agent {r.agent_id!r:.40} is stored under modules {known!r:.40} and {r.module_id!r:.40}"
+                    f"agent {r.agent_id!r:.40} is stored under modules {known!r:.40} and {r.module_id!r:.40} (a "
+                    "per-episode agent -> module mapping, e.g. self-play, is not supported yet)"
                 )
             spaces = (r.episode.observation_space, r.episode.action_space)
             if None in spaces:

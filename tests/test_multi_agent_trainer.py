@@ -341,28 +341,54 @@ def test_policy_id_selects_exactly_its_module_folders_and_two_policies_need_it(t
     }
 
 
+_A = {"a": {"format": "safetensors", "model": "model.a.safetensors"}}
+
+
 @pytest.mark.parametrize(
     "change,msg",
     [
         ({"modules": {}}, "not a multi-module version"),
         ({"modules": {"../x": {"format": "safetensors"}}}, "is not a module entry"),
         ({"modules": {"a": {"format": "safetensors", "files": {}}}}, "is not a module entry"),
-        ({"modules": {"a": {"format": "torchscript"}}}, "is not a safetensors network"),
+        ({"modules": {"a": {"format": "torchscript", "model": "model.a.safetensors"}}}, "is not a safetensors network"),
         ({"agent_modules": {"agent_0": 3}}, "'agent_modules' must map agent ids to module ids"),
+        ({"agent_modules": {"agent_0": "a", "agent_1": "gone"}}, "names module 'gone', which it does not hold"),
+        (
+            {"modules": {**_A, "b": {"format": "safetensors", "model": "model.a.safetensors"}}},
+            r"module 'b''s model is not model\.b\.safetensors",
+        ),
+        ({"modules": {"a\n": {"format": "safetensors", "model": "model.a\n.safetensors"}}}, "is not a module entry"),
+        (
+            {"modules": {f"m{i}": {"format": "safetensors", "model": f"model.m{i}.safetensors"} for i in range(65)}},
+            "lists 65 modules, over the limit of 64",
+        ),
     ],
 )
 def test_a_hostile_multi_module_spec_is_refused(change, msg):
     from rlrec.trainer.policy_files import PolicyLoadError
     from rlrec.trainer.policy_modules import MULTI_MODULE, _modules_of
 
-    spec = {"format": MULTI_MODULE, "modules": {"a": {"format": "safetensors"}}, "agent_modules": {"agent_0": "a"}}
+    spec = {"format": MULTI_MODULE, "modules": _A, "agent_modules": {"agent_0": "a"}}
     assert _modules_of(spec, "v000001")[1] == {"agent_0": "a"}
     with pytest.raises(PolicyLoadError, match=msg):
         _modules_of({**spec, **change}, "v000001")
-    with pytest.raises(ValueError, match="cannot name a file"):
-        from rlrec.trainer.policy_modules import module_file
+    from rlrec.trainer.policy_modules import module_file
 
-        module_file("../evil")
+    for bad in ("../evil", "scripted\n"):
+        with pytest.raises(ValueError, match="cannot name a file"):
+            module_file(bad)
+
+
+def test_a_whole_versions_networks_are_bounded_together(tmp_path):
+    from rlrec.trainer.policy_files import PolicyLoadError, _Files
+    from rlrec.trainer.policy_modules import _Budget
+
+    for name in ("a", "b"):
+        (tmp_path / name).write_bytes(b"x" * 600)
+    budget = _Budget(_Files(str(tmp_path)), 1000)
+    assert len(budget.read("a", 10_000)) == 600
+    with pytest.raises(PolicyLoadError, match="over its limit of 400"):
+        budget.read("b", 10_000)
 
 
 def _agent_rows(tmp_path):

@@ -132,8 +132,9 @@ def _held_out_observations():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algo", ["BC", "MARWIL"])
-def test_both_modules_train_and_publish_as_one_version(tmp_path, algo):
+@pytest.mark.parametrize("algo,flags", [("BC", "rllib"), ("MARWIL", "env")])
+def test_both_modules_train_and_publish_as_one_version(tmp_path, algo, flags):
+    from rlrec.trainer.lineage import open_lineage
     from rlrec.trainer.policy import load_policy
     from rlrec.trainer.service import ContinuousTrainer
 
@@ -141,7 +142,9 @@ def test_both_modules_train_and_publish_as_one_version(tmp_path, algo):
     keys = commit_spread(out, 4, EPISODES)
     assert sorted({k.split("/")[0] for k in keys}) == ["spread.random", "spread.scripted"]
     n = ITERATIONS[algo]
-    tr = ContinuousTrainer(cfg(out, ck, algo=algo, max_iterations=n, checkpoint_interval=n, num_cpus=2))
+    tr = ContinuousTrainer(
+        cfg(out, ck, algo=algo, max_iterations=n, checkpoint_interval=n, num_cpus=2, multi_agent_flags=flags)
+    )
     assert tr.run() == 0
     lines = read_metrics(ck)
     assert [r["iteration"] for r in lines] == list(range(1, n + 1))
@@ -153,6 +156,14 @@ def test_both_modules_train_and_publish_as_one_version(tmp_path, algo):
     if algo == "BC":  # cross-entropy: the random module's stays near ln 5 (MARWIL's is advantage-weighted)
         assert abs(lines[-1]["learners"]["random"]["policy_loss"] - math.log(5)) < 0.15
         assert lines[-1]["learners"]["scripted"]["policy_loss"] < 0.5
+
+    # lineage splits the version's rows as the trainer did: by multi-agent episode, none on both sides
+    sides = {}
+    for held in (False, True):
+        snap = open_lineage(out, f"{ck}/policies", 1, held_out=held, allow_unsigned=True)
+        sides[held] = {ep.multi_agent_episode_id for ep in snap.episodes()}
+    assert sides[True] and sides[False] and not sides[True] & sides[False]
+    assert sides[True] == {f"ma-{i}" for i in range(4 * EPISODES) if is_held_out(f"ma-{i}", HOLDOUT)}
 
     obs0, obs1, act1 = _held_out_observations()
     assert len(obs0) >= 100

@@ -241,7 +241,14 @@ def _file_hashes(spec: dict, rel_dir: str) -> dict[str, str]:
         for k, v in files.items()
     ):
         raise PolicyLoadError(f"{rel_dir}/{SPEC}: 'files' must map file names to sha256 digests")
-    if spec.get("model") not in files:
+    from rlrec.trainer.policy_modules import MULTI_MODULE
+
+    modules = spec.get("modules") if spec.get("format") == MULTI_MODULE else None
+    if isinstance(modules, dict):  # a multi-module version: every module's model file
+        models = [e.get("model") if isinstance(e, dict) else None for e in modules.values()]
+    else:
+        models = [spec.get("model")]
+    if not models or any(m not in files for m in models):
         raise PolicyLoadError(f"{rel_dir}/{SPEC}: the model file is not pinned in 'files'")
     return files
 

@@ -142,8 +142,20 @@ def test_both_modules_train_and_publish_as_one_version(tmp_path, algo, flags):
     keys = commit_spread(out, 4, EPISODES)
     assert sorted({k.split("/")[0] for k in keys}) == ["spread.random", "spread.scripted"]
     n = ITERATIONS[algo]
+    from rlrec.trainer.signing import generate_keys
+
+    priv, pub = generate_keys(tmp_path / "keys")
     tr = ContinuousTrainer(
-        cfg(out, ck, algo=algo, max_iterations=n, checkpoint_interval=n, num_cpus=2, multi_agent_flags=flags)
+        cfg(
+            out,
+            ck,
+            algo=algo,
+            max_iterations=n,
+            checkpoint_interval=n,
+            num_cpus=2,
+            multi_agent_flags=flags,
+            signing_key=str(priv),
+        )
     )
     assert tr.run() == 0
     lines = read_metrics(ck)
@@ -160,16 +172,17 @@ def test_both_modules_train_and_publish_as_one_version(tmp_path, algo, flags):
     # lineage splits the version's rows as the trainer did: by multi-agent episode, none on both sides
     sides = {}
     for held in (False, True):
-        snap = open_lineage(out, f"{ck}/policies", 1, held_out=held, allow_unsigned=True)
+        snap = open_lineage(out, f"{ck}/policies", 1, held_out=held, public_key=pub)
         sides[held] = {ep.multi_agent_episode_id for ep in snap.episodes()}
     assert sides[True] and sides[False] and not sides[True] & sides[False]
     assert sides[True] == {f"ma-{i}" for i in range(4 * EPISODES) if is_held_out(f"ma-{i}", HOLDOUT)}
 
     obs0, obs1, act1 = _held_out_observations()
     assert len(obs0) >= 100
-    scripted = load_policy(ck, allow_unsigned=True, module_id="scripted")
-    rand = load_policy(ck, allow_unsigned=True, module_id="random")
-    whole = load_policy(ck, allow_unsigned=True)
+    scripted = load_policy(ck, public_key=pub, module_id="scripted")
+    rand = load_policy(ck, public_key=pub, module_id="random")
+    whole = load_policy(ck, public_key=pub)
+    assert whole.signed and scripted.signed and rand.signed
     assert scripted.policy_version == rand.policy_version == whole.policy_version == 1
     greedy0 = np.array([int(scripted.act(o)[0]) for o in obs0])
     agreement = float(np.mean(greedy0 == np.array([script(o) for o in obs0])))
@@ -186,7 +199,7 @@ def test_both_modules_train_and_publish_as_one_version(tmp_path, algo, flags):
     # the whole version loads without Ray
     code = (
         "import sys; from rlrec.trainer.policy import load_policy\n"
-        f"p = load_policy({ck!r}, allow_unsigned=True)\n"
+        f"p = load_policy({ck!r}, public_key={str(pub)!r})\n"
         f"a, _ = p.act({{'agent_0': {obs0[0].tolist()!r}, 'agent_1': {obs1[0].tolist()!r}}})\n"
         "assert 'ray' not in sys.modules, 'ray imported'\n"
         "print(int(a['agent_0']), int(a['agent_1']))\n"

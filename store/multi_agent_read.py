@@ -152,7 +152,11 @@ class MultiAgentEpisodes(Iterator[Any]):
             with naming_errors(snap.storage.uri(entry.path)):
                 rows = read_agent_rows(shard)
             if snap.filtered:
-                kept = set(snap._keeps(entry, [r.episode_id for r in rows]))
+                kept = set(
+                    snap._keeps(
+                        entry, [r.episode_id for r in rows], {r.episode_id: r.multi_agent_episode_id for r in rows}
+                    )
+                )
                 rows = [r for r in rows if r.episode_id in kept]
             digests: dict[int, bytes] = {}
             counts = Counter((r.multi_agent_episode_id, r.agent_id) for r in rows)

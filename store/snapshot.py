@@ -92,7 +92,7 @@ from rlrec.store.manifest import (
     live_shards,
 )
 from rlrec.store.retention import RemovalRecord, RemovedFile, merge_ranges, read_removals, resolve_removals
-from rlrec.store.schema_gate import ShardSchemaError, open_shard
+from rlrec.store.schema_gate import MULTI_AGENT_SHARD_FORMAT_VERSION, ShardSchemaError, open_shard
 from rlrec.store.steps_table import (
     STEP_COLUMNS,
     STEP_SOURCES,
@@ -331,6 +331,22 @@ class _BothKept:
         return self.outer(episode_id) and self.inner(episode_id)
 
 
+def _wants_groups(keep: Callable) -> bool:
+    if isinstance(keep, _BothKept):
+        return _wants_groups(keep.outer) or _wants_groups(keep.inner)
+    return bool(getattr(keep, "by_multi_agent_episode", False))
+
+
+def _kept(keep: Callable, episode_id: str, groups: Mapping[str, str] | None) -> bool:
+    """Whether `keep` keeps the episode: a filter that splits by multi-agent episode is also
+    given the row's multi-agent episode id (None for a single-agent episode)."""
+    if isinstance(keep, _BothKept):
+        return _kept(keep.outer, episode_id, groups) and _kept(keep.inner, episode_id, groups)
+    if getattr(keep, "by_multi_agent_episode", False):
+        return keep(episode_id, (groups or {}).get(episode_id))
+    return keep(episode_id)
+
+
 class Snapshot:
     """Committed shard entries of a store pinned to a cursor (see module docstring).
 
@@ -391,10 +407,24 @@ class Snapshot:
         then its counts come from reading the shards."""
         return self.keep_episode is not None or bool(self._drop)
 
-    def _keeps(self, entry: ShardEntry, ids: Iterable[str]) -> list[str]:
-        """Which of `ids` (episode ids of `entry`'s shard) it holds."""
+    def _keeps(self, entry: ShardEntry, ids: Iterable[str], groups: Mapping[str, str] | None = None) -> list[str]:
+        """Which of `ids` (episode ids of `entry`'s shard) it holds. A filter with a true
+        ``by_multi_agent_episode`` attribute (the held-out split) gets an agent row's multi-agent
+        episode id as its second argument (`groups`: agent episode id -> it; None: read from the
+        shard when it is a multi-agent one)."""
         drop, keep = self._drop.get(entry.path, frozenset()), self.keep_episode
-        return [i for i in ids if i not in drop and (keep is None or keep(i))]
+        if keep is not None and _wants_groups(keep) and groups is None:
+            groups = self._multi_agent_ids(entry)
+        return [i for i in ids if i not in drop and (keep is None or _kept(keep, i, groups))]
+
+    def _multi_agent_ids(self, entry: ShardEntry) -> dict[str, str]:
+        """Agent episode id -> multi-agent episode id of `entry`'s rows ({}: not a multi-agent shard)."""
+        if entry.format != "episodes" or entry.format_version != MULTI_AGENT_SHARD_FORMAT_VERSION:
+            return {}
+        shard = self._gated(entry)
+        from rlrec.store.multi_agent_shards import read_agent_ids
+
+        return {eid: ma_id for eid, ma_id, _ in read_agent_ids(shard)}
 
     def __repr__(self) -> str:
         if self.selection is None:
@@ -674,7 +704,12 @@ class Snapshot:
                 items = shard.read(["item"]).column("item")
                 episodes = [unpack_episode(v.as_py()) for chunk in items.chunks for v in chunk]
         if self.filtered:
-            kept = set(self._keeps(entry, [str(ep.id_) for ep in episodes]))
+            groups = (
+                {str(ep.id_): ep.multi_agent_episode_id for ep in episodes}
+                if shard.version == MULTI_AGENT_SHARD_FORMAT_VERSION
+                else {}
+            )
+            kept = set(self._keeps(entry, [str(ep.id_) for ep in episodes], groups))
             episodes = [ep for ep in episodes if str(ep.id_) in kept]
         return episodes
 

@@ -205,6 +205,18 @@ class TrainerConfig:
         help="episodes: every timestep of each read chunk, shuffled at the Learner; buffer: RLlib's "
         "PreLearner episode-buffer sampling",
     )
+    multi_agent: bool = option(
+        False,
+        help="train every module of multi-agent episodes (BC, MARWIL): the modules, their spaces and the "
+        "agent->module mapping come from the store's {policy}.{module} folders (docs/TRAINER.md, 'Multi-agent "
+        "training'); one published version holds all modules",
+    )
+    multi_agent_flags: Literal["rllib", "env"] = option(
+        "rllib",
+        help="with --multi-agent, the ending flags the learner sees: rllib, RLlib's per-agent flags (an agent "
+        "the env left is terminated); env, terminated only where the env terminated the agent, else truncated "
+        "(MARWIL's GAE reads them)",
+    )
     poll_interval_s: float = 0.5
     cache_ttl_s: float = 30.0
     stall_timeout_s: float = option(
@@ -365,6 +377,12 @@ class TrainerConfig:
         check_choices(self)
         #: why the promotion gate and rollout are what they are (said at start)
         self.gate_default: str | None = None
+        if self.multi_agent:
+            self._check_multi_agent()
+        elif self.multi_agent_flags != "rllib":
+            raise ValueError(
+                f"--multi-agent-flags {self.multi_agent_flags} sets the flags of multi-agent rows: it needs --multi-agent"
+            )
         if self.promotion_gate is None:
             self.promotion_gate = self._default_gate()
             self.gate_default = {
@@ -497,6 +515,8 @@ class TrainerConfig:
         """The promotion gate without ``--promotion-gate``: env with ``--env``, else ope (with the canary)."""
         if not self.publish:
             return "off"
+        if self.multi_agent:
+            return "off"
         if self.env:
             return "env"
         if self.ope.holdout_fraction:
@@ -505,6 +525,35 @@ class TrainerConfig:
             "no promotion gate can judge candidates without --env and with --holdout-fraction 0: give --env, "
             "--holdout-fraction > 0 (the default), or --promotion-gate off to publish every checkpoint's policy"
         )
+
+    def _check_multi_agent(self) -> None:
+        """What ``--multi-agent`` cannot do yet: one ValueError line each."""
+        if self.algo not in ("BC", "MARWIL"):
+            raise ValueError(f"--multi-agent trains BC or MARWIL; {self.algo} is not supported with it yet")
+        if self.promotion_gate in ("ope", "env"):
+            raise ValueError(
+                f"--promotion-gate {self.promotion_gate} is single-agent only: not with --multi-agent "
+                "(give --promotion-gate off to publish every checkpoint's policy, or --no-publish)"
+            )
+        if self.env or self.eval_interval:
+            raise ValueError("--env and --eval-interval are single-agent only: not with --multi-agent")
+        if self.prelearner_mode == "buffer":
+            raise ValueError(
+                "--prelearner-mode buffer samples through RLlib's episode buffer, which drops the agent and "
+                "module ids: not with --multi-agent (the default, episodes, keeps them)"
+            )
+        if self.rollout == "canary" or self.ope_report:
+            raise ValueError("--rollout canary and --ope-report are single-agent only: not with --multi-agent")
+        if not self.offline_config.get("input_read_episodes", True):
+            raise ValueError(
+                "--offline-config input_read_episodes=false reads tabular shards; multi-agent rows are episode "
+                "rows: not with --multi-agent"
+            )
+        if self.offline_config.get("prelearner_class") is not None:
+            raise ValueError(
+                "--offline-config prelearner_class: --multi-agent reads its rows with rlrec's own PreLearner "
+                "(per-module checks, held-out split, env flags): not with --multi-agent"
+            )
 
     def canary_rule(self) -> Any:
         """The canary's test (`rlrec.trainer.sequential.CanaryRule`); ValueError on a bad setting."""

@@ -132,11 +132,13 @@ class ManifestOfflineData(OfflineData):
         # tests/test_offline_data_parity.py fails when an RLlib upgrade adds one.
         self.config = config
         self.is_multi_agent = config.is_multi_agent
-        if self.is_multi_agent:
-            raise ValueError("the continuous trainer supports single-agent data only")
         spec = (config.learner_config_dict or {}).get(LEARNER_CONFIG_KEY)
         if not spec:
             raise ValueError("ManifestOfflineData needs rlrec.trainer.data.configure_continuous(config, ...)")
+        if self.is_multi_agent != bool(spec.get("multi_agent")):
+            raise ValueError(
+                "a multi-agent config trains multi-agent rows: configure_continuous(..., multi_agent=True)"
+            )
         self.spec = spec
         self.path = spec["input"]
         self.storage = Storage.from_uri(spec["input"])
@@ -162,6 +164,8 @@ class ManifestOfflineData(OfflineData):
             min_policy_version=spec.get("min_policy_version"),
             max_policy_version=spec.get("max_policy_version"),
             fmt="episodes" if config.input_read_episodes else "tabular",
+            multi_agent=bool(spec.get("multi_agent")),
+            modules=spec.get("modules"),
         )
         self.feed = ShardFeed.options(name=spec["feed"], namespace=spec["namespace"], get_if_exists=True).remote(
             spec["feed_policy"]
@@ -414,7 +418,9 @@ class ManifestOfflineData(OfflineData):
 
     def _columns(self) -> list[str] | None:
         if self.config.input_read_episodes:
-            return ["item"]
+            from rlrec.trainer.multi_agent import row_columns
+
+            return row_columns(self.spec) if self.spec.get("multi_agent") else ["item"]
         cols = self.data_read_method_kwargs.get("columns")
         return list(cols) if cols else None
 
@@ -517,6 +523,8 @@ def configure_continuous(
     fresh_share: float = 0.5,
     read_tasks: int = 1,
     holdout_fraction: float = 0.0,
+    multi_agent: bool = False,
+    multi_agent_flags: str = "rllib",
 ) -> Any:
     """Make an RLlib offline `config` (BC, MARWIL, CQL, IQL, ...) train continuously on the
     shards committed under `input_uri`. Returns the config (changed in place).
@@ -532,6 +540,9 @@ def configure_continuous(
     decoding shards, not the PreLearner, limits fresh-data throughput).
     `holdout_fraction` F: episodes with `rlrec.trainer.holdout.is_held_out(id, F)` are dropped
     by the PreLearner and never trained on (they are `rlrec evaluate`'s data).
+    `multi_agent`: train the multi-agent rows of every module folder (`rlrec.trainer.multi_agent`;
+    the config must be multi-agent, its policies the modules); held out by multi-agent episode id;
+    `multi_agent_flags` ``"env"`` gives each agent episode the env's own last flags.
     """
     if fmt not in ("episodes", "tabular"):
         raise ValueError(f"fmt must be 'episodes' or 'tabular', got {fmt!r}")
@@ -602,6 +613,9 @@ def configure_continuous(
         "fresh_share": float(fresh_share),
         "read_tasks": int(read_tasks),
         "holdout_fraction": float(holdout_fraction),
+        "multi_agent": bool(multi_agent),
+        "modules": sorted(config.policies) if multi_agent else None,
+        "multi_agent_flags": multi_agent_flags,
     }
     config.learners(learner_config_dict={LEARNER_CONFIG_KEY: spec})
     return config

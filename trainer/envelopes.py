@@ -60,4 +60,9 @@ def unpack_columns(data: bytes) -> dict[str, np.ndarray]:
 
 
 def row_count(batch: dict[str, np.ndarray]) -> int:
-    return len(next(iter(batch.values()))) if batch else 0
+    """Rows of a PreLearner batch: per module (flat keys ``{module_id}/{column}``) its first
+    column's length, summed (multi-agent batches hold modules of different lengths)."""
+    first: dict[str, int] = {}
+    for k, v in batch.items():
+        first.setdefault(k.partition("/")[0] if "/" in k else "", len(v))
+    return sum(first.values())

@@ -331,7 +331,8 @@ def prepare_publication(
         >>> pub.directory, sorted(pub.files)  # doctest: +SKIP
         ('v000003', ['lineage.json', 'model.safetensors', 'policy.json', 'policy.json.sig'])
     """
-    if not isinstance(observation_space, gym.spaces.Box):
+    multi = artifact is not None and artifact.spec.get("format") == "multi_module"  # spaces per module
+    if not multi and not isinstance(observation_space, gym.spaces.Box):
         raise ValueError(f"publishing needs a Box observation space, got {observation_space}")
     for what, value in (("run_id", run_id), ("channel", channel)):
         if value is not None:
@@ -364,9 +365,15 @@ def prepare_publication(
         "directory": d,
         "algo": algo_name,
         **artifact.spec,
-        "observation_space": space_to_json(observation_space),
-        "observation_shape": list(observation_space.shape),
-        "action_space": space_to_json(action_space),
+        **(
+            {}
+            if multi
+            else {
+                "observation_space": space_to_json(observation_space),
+                "observation_shape": list(observation_space.shape),
+                "action_space": space_to_json(action_space),
+            }
+        ),
         "files": {name: hashlib.sha256(data).hexdigest() for name, data in sorted(files.items())},
         "iteration": iteration,
         "timesteps_trained": timesteps_trained,

@@ -6,6 +6,11 @@ depends on nothing but the id and F, so it is stable across restarts, replays, s
 processes, and a larger F holds out a superset of a smaller one. ``rlrec train --holdout-fraction F``
 never trains on held-out episodes; ``rlrec evaluate --holdout-fraction F`` reads only them.
 
+The id split is `holdout_key`'s: an agent row of a multi-agent shard (format version 2) is split by
+its ``multi_agent_episode_id``, so all agents of one multi-agent episode fall on one side; every
+other episode by its own id. The trainer's PreLearner, lineage (`rlrec.trainer.lineage.HoldoutSplit`)
+and the evaluator all split through it.
+
 A stock RLlib reader applies the same split with::
 
     import hashlib
@@ -18,10 +23,27 @@ from __future__ import annotations
 
 import hashlib
 
-__all__ = ["DEFAULT_HOLDOUT_FRACTION", "check_fraction", "holdout_score", "is_held_out"]
+__all__ = ["DEFAULT_HOLDOUT_FRACTION", "check_fraction", "holdout_key", "holdout_score", "is_held_out"]
 
 #: the default of ``--holdout-fraction`` for ``rlrec train`` and ``rlrec evaluate``
 DEFAULT_HOLDOUT_FRACTION = 0.1
+
+
+def holdout_key(episode_id: str | None, multi_agent_episode_id: str | None = None) -> str:
+    """The id an episode is held out by: the multi-agent episode id of an agent row of a
+    multi-agent shard, else the episode's own id (a null id as its text "None").
+
+    Args:
+        episode_id: the episode's id (``SingleAgentEpisode.id_``, the ``eps_id`` column).
+        multi_agent_episode_id: the row's ``multi_agent_episode_id`` when the row is an agent row of a
+            multi-agent shard (format version 2); None for every other episode, whatever its
+            `SingleAgentEpisode.multi_agent_episode_id` says.
+
+    Example:
+        >>> holdout_key("agent-ep-1", "ma-ep-1"), holdout_key("ep-1")
+        ('ma-ep-1', 'ep-1')
+    """
+    return str(multi_agent_episode_id) if multi_agent_episode_id else str(episode_id)
 
 
 def holdout_score(episode_id: str) -> float:

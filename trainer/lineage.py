@@ -40,7 +40,7 @@ from typing import Any
 
 from rlrec.store.snapshot import Snapshot, merge_ranges, open_entries, open_snapshot
 from rlrec.store.storage import Storage
-from rlrec.trainer.holdout import is_held_out
+from rlrec.trainer.holdout import holdout_key, is_held_out
 
 __all__ = [
     "REPIN_MARGIN_S",
@@ -76,8 +76,10 @@ class LineageError(ValueError):
 @dataclass(frozen=True)
 class HoldoutSplit:
     """One side of the held-out split as an episode filter (`Snapshot.subset`): keeps the
-    episodes with ``is_held_out(id, fraction) == held_out``. Picklable (DataLoader workers), and
-    its ``repr`` names it in the subset's `Snapshot.selection` the same way in every process.
+    episodes with ``is_held_out(holdout_key(id, multi_agent_id), fraction) == held_out`` (the
+    snapshot hands it the multi-agent episode id of an agent row: ``by_multi_agent_episode``).
+    Picklable (DataLoader workers), and its ``repr`` names it in the subset's `Snapshot.selection`
+    the same way in every process.
 
     Example:
         >>> HoldoutSplit(0.0, held_out=False)("episode-1"), HoldoutSplit(0.0, held_out=True)("episode-1")
@@ -86,10 +88,12 @@ class HoldoutSplit:
 
     fraction: float
     held_out: bool
+    #: `rlrec.store.snapshot.Snapshot` passes an agent row's multi-agent episode id as 2nd argument
+    by_multi_agent_episode = True
 
-    def __call__(self, episode_id: str | None) -> bool:
+    def __call__(self, episode_id: str | None, multi_agent_episode_id: str | None = None) -> bool:
         # a null id (a tabular shard's eps_id) is split as the trainer splits it: by its text "None"
-        return is_held_out(str(episode_id), self.fraction) == self.held_out
+        return is_held_out(holdout_key(episode_id, multi_agent_episode_id), self.fraction) == self.held_out
 
 
 def add_seq(ranges: list[list[int]], seq: int) -> None:

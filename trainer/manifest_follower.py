@@ -83,9 +83,16 @@ class ManifestFollower:
         max_policy_version: int | None = None,
         fmt: str | None = None,
         discover_interval_s: float = 2.0,
+        multi_agent: bool = False,
+        modules: list[str] | None = None,
     ) -> None:
         self.storage = storage
+        #: multi-agent: the modules the trainer trains (None: any); another module's folder is not
+        #: delivered (its shards stay untrained, for a new run to train), and said once
+        self.modules = None if modules is None else frozenset(modules)
         self.policy_id = policy_id
+        #: select multi-agent rows (every module folder ``{policy_id}.{module_id}``), else only single-agent shards
+        self.multi_agent = multi_agent
         self.min_policy_version = min_policy_version
         self.max_policy_version = max_policy_version
         self.fmt = fmt
@@ -131,7 +138,7 @@ class ManifestFollower:
             log.warning(msg, *args)
 
     def _selected(self, e: ShardEntry) -> bool:
-        if self.policy_id is not None and e.policy_id != self.policy_id:
+        if not self._kind_selected(e):
             return False
         lo, hi = e.min_policy_version, e.max_policy_version
         if self.min_policy_version is not None and isinstance(hi, int) and hi < self.min_policy_version:
@@ -154,6 +161,35 @@ class ManifestFollower:
             )
             return False
         return True
+
+    def _kind_selected(self, e: ShardEntry) -> bool:
+        """Single-agent shards for a single-agent trainer, every module's multi-agent rows (of
+        ``--policy-id``'s modules, if given) for a multi-agent one."""
+        from rlrec.store.schema_gate import MULTI_AGENT_SHARD_FORMAT_VERSION
+
+        rows = e.format == "episodes" and e.format_version == MULTI_AGENT_SHARD_FORMAT_VERSION
+        if rows != self.multi_agent:
+            kind = "multi-agent rows (train them with --multi-agent)" if rows else "single-agent shards"
+            self._warn_once(f"kind:{rows}", "skipping %s, e.g. %s", kind, e.path)
+            return False
+        if rows and self.modules is not None and e.policy_id.rpartition(".")[2] not in self.modules:
+            module = e.policy_id.rpartition(".")[2]
+            if f"module:{module}" not in self._warned:
+                self._warned.add(f"module:{module}")
+                log.error(
+                    "module %.40r appeared after this trainer started (it trains %s): its shards are not trained, "
+                    "e.g. %s; train it in a new run (another --checkpoint-dir)",
+                    module,
+                    ", ".join(sorted(self.modules)),
+                    e.path,
+                )
+            return False
+        if self.policy_id is None:
+            return True
+        if self.multi_agent:  # exactly the folders {policy_id}.{module} (a module id holds no '.')
+            prefix = f"{self.policy_id}."
+            return e.policy_id.startswith(prefix) and "." not in e.policy_id[len(prefix) :]
+        return e.policy_id == self.policy_id
 
     def _row_filter(self, e: ShardEntry) -> tuple[int | None, int | None] | None:
         """The version bounds the read task applies to `e`'s rows, episode by episode: None when

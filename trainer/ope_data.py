@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from rlrec.store.storage import Storage
-from rlrec.trainer.holdout import is_held_out
+from rlrec.trainer.holdout import holdout_key, is_held_out
 from rlrec.trainer.ope import Episode
 
 __all__ = ["HeldOutReader", "HeldOutStats", "episode_from_rllib", "policy_spaces"]
@@ -265,10 +265,15 @@ class HeldOutReader:
         from rlrec.store.commit import read_committed_shard
         from rlrec.store.episode_arrays import decode_episode, item_views
         from rlrec.store.episodes import EpisodeDecodeError
-        from rlrec.store.schema_gate import open_shard
+        from rlrec.store.schema_gate import MULTI_AGENT_SHARD_FORMAT_VERSION, open_shard
         from rlrec.trainer.episode_check import unusable_reason
 
-        if entry.episode_ids and not any(is_held_out(str(i), self.fraction) for i in entry.episode_ids):
+        multi_agent = entry.format_version == MULTI_AGENT_SHARD_FORMAT_VERSION  # split by multi-agent id
+        if (
+            not multi_agent
+            and entry.episode_ids
+            and not any(is_held_out(str(i), self.fraction) for i in entry.episode_ids)
+        ):
             self.stats.episodes_seen += len(entry.episode_ids)
             return []  # the manifest names its episodes: none is held out, nothing to read
         if entry.format != "episodes":
@@ -276,7 +281,10 @@ class HeldOutReader:
         data = read_committed_shard(self.storage, entry.path, entry.staging_path, entry.bytes)
         if entry.sha256 and hashlib.sha256(data).hexdigest() != entry.sha256:
             raise ValueError("sha256 does not match the manifest")
-        table = open_shard(data, fmt="episodes").read(["item"])
+        shard = open_shard(data, fmt="episodes")
+        multi_agent = shard.version == MULTI_AGENT_SHARD_FORMAT_VERSION
+        table = shard.read(["item", "multi_agent_episode_id"] if multi_agent else ["item"])
+        ma_ids = table.column("multi_agent_episode_id").to_pylist() if multi_agent else None
         out = []
         seen = 0
         unusable: dict[str, int] = {}  # counted into the stats once the whole shard is read
@@ -289,7 +297,8 @@ class HeldOutReader:
                     unusable["undecodable episode"] = unusable.get("undecodable episode", 0) + 1
                     log.debug("undecodable episode in %s: %s", entry.path, err)
                     continue
-                if not is_held_out(str(ep.id_), self.fraction):
+                ma_id = ma_ids[seen - 1] if ma_ids is not None else None
+                if not is_held_out(holdout_key(ep.id_, ma_id), self.fraction):
                     continue
                 reason = unusable_reason(ep, self.observation_space, self.action_space)
                 if reason is not None:

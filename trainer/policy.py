@@ -41,7 +41,7 @@ replay check excuses exactly the version a signed same-channel ``canary.json`` n
 ``latest.json``'s version (`_canary_applies`, the one place).
 
 Only this module, `rlrec.trainer.policy_files` (the root's files and pointers), `rlrec.trainer.policy_verify`
-(verifying a version), `rlrec.trainer.policy_net`, `rlrec.trainer.signing`, `rlrec.trainer.binding`,
+(verifying a version), `rlrec.trainer.policy_modules` (multi-module versions), `rlrec.trainer.policy_net`, `rlrec.trainer.signing`, `rlrec.trainer.binding`,
 `rlrec.trainer.canary`, numpy, json, torch, safetensors and cryptography are imported (`rlrec.producer.spaces` and
 gymnasium when a space object is pinned); URIs other than local paths go through
 `rlrec.store.storage.Storage` (pyarrow's filesystems and, for gs:// and az://, the cloud's
@@ -50,6 +50,7 @@ client library; lazily).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -221,6 +222,7 @@ class Policy:
         max_pointer_age_s: float | None = None,
         canary_fraction: float = 0.0,
         max_canary_age_s: float | None = MAX_CANARY_AGE_S,
+        module_id: str | None = None,
     ) -> None:
         import torch
 
@@ -237,7 +239,7 @@ class Policy:
         self.root = root
         self.explore = explore
         self._files = _Files(root)
-        self._trust = _trust(public_key, allow_unsigned, allow_unsigned_code)
+        self._trust = dataclasses.replace(_trust(public_key, allow_unsigned, allow_unsigned_code), module_id=module_id)
         try:
             self._pins = Pins.of(
                 run_id=run_id,
@@ -681,6 +683,7 @@ def load_policy(
     max_pointer_age_s: float | None = None,
     canary_fraction: float = 0.0,
     max_canary_age_s: float | None = MAX_CANARY_AGE_S,
+    module_id: str | None = None,
 ) -> Policy:
     """Load the latest (or a given) published policy, checked against what the service pins.
 
@@ -714,6 +717,10 @@ def load_policy(
             canary's every `rlrec.trainer.canary.CANARY_RESIGN_S`): a replayed pointer of an
             ended canary, or a dead trainer's canary, stops being served. A positive finite number
             of seconds (anything else: `PolicyLoadError` at load), or None: no limit.
+        module_id: of a multi-module version (``rlrec train --multi-agent``): serve this module's
+            network as a single policy; without it such a version's `Policy.act` takes
+            ``{agent_id: observation}`` and returns per-agent actions and extras, each agent
+            acted for by its recorded module (`rlrec.trainer.policy_modules`).
 
     Raises:
         PolicyLoadError: nothing loadable is published, or it fails a check (module docstring;
@@ -755,6 +762,7 @@ def load_policy(
                 max_pointer_age_s=max_pointer_age_s,
                 canary_fraction=canary_fraction,
                 max_canary_age_s=max_canary_age_s,
+                module_id=module_id,
             )
         except PolicyLoadError:
             if time.monotonic() >= deadline:

@@ -62,6 +62,8 @@ class _Trust:
     public_key: Any
     allow_unsigned: bool
     allow_unsigned_code: bool
+    #: the module a loader serves of a multi-module version (`rlrec.trainer.policy_modules`); None: all
+    module_id: str | None = None
 
 
 def _trust(public_key: Any, allow_unsigned: bool, allow_unsigned_code: bool) -> _Trust:
@@ -239,7 +241,14 @@ def _file_hashes(spec: dict, rel_dir: str) -> dict[str, str]:
         for k, v in files.items()
     ):
         raise PolicyLoadError(f"{rel_dir}/{SPEC}: 'files' must map file names to sha256 digests")
-    if spec.get("model") not in files:
+    from rlrec.trainer.policy_modules import MULTI_MODULE
+
+    modules = spec.get("modules") if spec.get("format") == MULTI_MODULE else None
+    if isinstance(modules, dict):  # a multi-module version: every module's model file
+        models = [e.get("model") if isinstance(e, dict) else None for e in modules.values()]
+    else:
+        models = [spec.get("model")]
+    if not models or any(m not in files for m in models):
         raise PolicyLoadError(f"{rel_dir}/{SPEC}: the model file is not pinned in 'files'")
     return files
 
@@ -407,6 +416,15 @@ def _load_version(
     """Verify and load one version directory (see the module docstring for the order of checks);
     `check(spec, rel_dir, signed)` runs on the verified policy.json before the weights are read."""
     spec, signed = _verified_spec(files, rel_dir, trust, expected_sha256)
+    from rlrec.trainer.policy_modules import MULTI_MODULE, load_modules
+
+    if spec.get("format") == MULTI_MODULE or trust.module_id is not None:
+        return load_modules(files, rel_dir, spec, signed, trust, check)
+    return _load_verified(files, rel_dir, spec, signed, trust, check)
+
+
+def _load_verified(files: _Files, rel_dir: str, spec: dict, signed: bool, trust: _Trust, check: Any) -> _LoadedVersion:
+    """Load one network of a version whose policy.json (`spec`) is verified."""
     fmt = spec.get("format", "torchscript") if spec.get("artifact_version") is not None else "torchscript"
     _check_allowed(spec, fmt, rel_dir, signed, trust)
     if check is not None:

@@ -56,6 +56,11 @@ class SafeOfflinePreLearner(OfflinePreLearner):
         self._rlrec_mode = spec.get("prelearner_mode", "episodes")
         #: episodes held out for evaluation (rlrec.trainer.holdout) are never trained on
         self._rlrec_holdout = float(spec.get("holdout_fraction") or 0.0)
+        #: multi-agent rows (`rlrec.trainer.multi_agent`): each agent episode checked against its own module
+        self._rlrec_multi_agent = bool(spec.get("multi_agent"))
+        self._rlrec_env_flags = self._rlrec_multi_agent and spec.get("multi_agent_flags") == "env"
+        #: multi-agent: only rows of this multi-agent policy (``--policy-id``; None: any)
+        self._rlrec_policy_id = spec.get("policy_id") if self._rlrec_multi_agent else None
         self.rlrec_held_out = 0
         self.rlrec_skipped = 0
         #: (episode id, or "#<row in the chunk>" if undecodable; why) of each episode the last call
@@ -70,10 +75,17 @@ class SafeOfflinePreLearner(OfflinePreLearner):
         if self.rlrec_skipped <= 10:  # the driver logs once per shard, after the iteration
             log.error("skipping an episode the trainer cannot use: %s", reason)
 
-    def _rlrec_module_spaces(self) -> tuple[Any, Any]:
+    def _rlrec_module_spaces(self, module_id: str | None = None) -> tuple[Any, Any]:
         """The spaces the RLModule is built for: the config's, else the module's. (The PreLearner's
         own `observation_space` can be the batched space of a vector env, e.g. Box(1, 3) for
-        Pendulum with CQL, which no recorded episode fits.)"""
+        Pendulum with CQL, which no recorded episode fits.) With a `module_id` (an agent episode
+        of multi-agent rows): that module's own, or (None, None) if no module has that id."""
+        if module_id is not None:
+            try:
+                module = self._module[module_id]
+            except (KeyError, TypeError):
+                return None, None
+            return module.observation_space, module.action_space
         obs, act = self.config.observation_space, self.config.action_space
         if obs is None or act is None:
             try:
@@ -86,12 +98,16 @@ class SafeOfflinePreLearner(OfflinePreLearner):
         return obs, act
 
     def _held_out(self, ep: Any) -> bool:
-        """Whether `ep` belongs to the held-out evaluation data (then it is not trained on)."""
+        """Whether `ep` belongs to the held-out evaluation data (then it is not trained on),
+        split by `rlrec.trainer.holdout.holdout_key`: an agent episode of multi-agent rows (a
+        ``--multi-agent`` trainer reads only those) with its multi-agent episode, so no episode's
+        agents are on both sides; any other episode by its own id."""
         if not self._rlrec_holdout:
             return False
-        from rlrec.trainer.holdout import is_held_out
+        from rlrec.trainer.holdout import holdout_key, is_held_out
 
-        if is_held_out(str(getattr(ep, "id_", "")), self._rlrec_holdout):
+        ma_id = getattr(ep, "multi_agent_episode_id", None) if self._rlrec_multi_agent else None
+        if is_held_out(holdout_key(getattr(ep, "id_", ""), ma_id), self._rlrec_holdout):
             self.rlrec_held_out += 1
             return True
         return False
@@ -99,12 +115,32 @@ class SafeOfflinePreLearner(OfflinePreLearner):
     def _usable(self, ep: Any) -> bool:
         from rlrec.trainer.episode_check import unusable_reason
 
-        obs_space, act_space = self._rlrec_module_spaces()
-        reason = unusable_reason(ep, obs_space, act_space)
+        module_id = getattr(ep, "module_id", None) if self._rlrec_multi_agent else None
+        obs_space, act_space = self._rlrec_module_spaces(module_id)
+        if obs_space is None and module_id is not None:
+            reason = f"module {module_id!r:.40} is not one this trainer trains"
+        else:
+            reason = unusable_reason(ep, obs_space, act_space)
         if reason is not None:
             self._skip(str(getattr(ep, "id_", "?")), f"episode {getattr(ep, 'id_', '?')}: {reason}")
             return False
         return True
+
+    def _module_agrees(self, ep: Any, batch: dict[str, np.ndarray], i: int) -> bool:
+        """Whether agent row `i`'s module agrees with its row's columns and the folder it was read
+        from (`rlrec.trainer.multi_agent.row_module_mismatch`); else it is skipped and counted."""
+        from rlrec.trainer.multi_agent import FOLDER, ID_COLUMNS, row_module_mismatch
+
+        missing = [c for c in (*ID_COLUMNS, FOLDER) if c not in batch]
+        if missing:
+            reason = f"its row lacks {missing[0]!r}"
+        else:
+            values = [batch[c][i] for c in (*ID_COLUMNS, FOLDER)]
+            reason = row_module_mismatch(getattr(ep, "module_id", None), *values, self._rlrec_policy_id)
+        if reason is None:
+            return True
+        self._skip(str(getattr(ep, "id_", "?")), f"agent episode {getattr(ep, 'id_', '?')}: {reason}")
+        return False
 
     def _decode(self, batch: dict[str, np.ndarray]) -> list:
         from rlrec.store.episodes import EpisodeDecodeError, unpack_episode
@@ -117,6 +153,11 @@ class SafeOfflinePreLearner(OfflinePreLearner):
             except EpisodeDecodeError as e:
                 self._skip(f"#{i}", f"cannot be decoded safely: {e}")
                 continue
+            if self._rlrec_multi_agent and not self._module_agrees(ep, batch, i):
+                continue
+            if self._rlrec_env_flags:  # the env's own last flags, not RLlib's; not terminated: truncated
+                ep.is_terminated = bool(batch["env_terminated"][i])
+                ep.is_truncated = not ep.is_terminated
             if not self._usable(ep) or self._held_out(ep):  # unusable ones are counted, held out or not
                 continue
             for k in [k for k in ep.extra_model_outputs if k not in self._rlrec_keep]:

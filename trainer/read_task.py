@@ -21,6 +21,7 @@ from rlrec.store.storage import Storage, StorageError, is_refusal
 from rlrec.trainer.envelopes import ENVELOPE, table_to_ipc
 from rlrec.trainer.feed import TAG, ShardInfo
 from rlrec.trainer.feed_actor import get_feed
+from rlrec.trainer.multi_agent import FOLDER
 
 log = logging.getLogger("rlrec.trainer")
 
@@ -148,10 +149,13 @@ def _read_stream(spec: dict) -> Iterable[pa.Table]:
     storage = Storage.from_uri(spec["input"])
     cache = _TableCache(int(spec.get("cache_bytes", 256 << 20)), float(spec.get("cache_ttl_s", 30.0)))
     columns = spec.get("columns")
+    if columns and FOLDER in columns:  # not read: each chunk gets its shard's folder
+        columns = [c for c in columns if c != FOLDER]
+        spec = {**spec, "folder": True}
     verify = bool(spec.get("verify_checksums", True))
     feed.reader.remote(1)
     try:
-        yield from _serve(feed, storage, cache, columns, verify)
+        yield from _serve(feed, storage, cache, columns, verify, folder=bool(spec.get("folder")))
     finally:
         try:
             feed.reader.remote(-1)
@@ -166,6 +170,7 @@ def _serve(
     columns: list[str] | None,
     verify: bool,
     policy: RetryPolicy = BACKGROUND,
+    folder: bool = False,
 ):
     """Serve the feed's work until it closes.
 
@@ -235,6 +240,8 @@ def _serve(
                 feed.processed.remote([w.tag], 0)
                 continue
         n = chunk.num_rows
+        if folder:
+            chunk = chunk.append_column(FOLDER, pa.array([s.policy_id] * n, pa.string()))
         chunk = chunk.append_column(TAG, pa.array(np.full(n, w.tag, dtype=np.int64)))
         yield pa.table(
             {ENVELOPE: pa.array([table_to_ipc(chunk)], type=pa.binary()), TAG: pa.array([w.tag], type=pa.int64())}

@@ -78,6 +78,7 @@ class ContinuousTrainer(CheckpointMixin, PublishMixin, GateMixin):
         self._started_ray = False
         self._connected = False
         self.obs_space = self.act_space = None
+        self.modules: Any = None  # --multi-agent: rlrec.trainer.multi_agent.StoredModules
         self.fmt: str | None = None
         self.last_record: dict | None = None
         self.deployed_return: float | None = cfg.promotion_baseline  # promotion gate state
@@ -148,6 +149,7 @@ class ContinuousTrainer(CheckpointMixin, PublishMixin, GateMixin):
             min_policy_version=self.cfg.min_policy_version,
             max_policy_version=self.cfg.max_policy_version,
             fmt=fmt,
+            multi_agent=self.cfg.multi_agent,
         )
         last_log = 0.0
         health = StorageHealth(self.input.uri())
@@ -206,6 +208,8 @@ class ContinuousTrainer(CheckpointMixin, PublishMixin, GateMixin):
         """Set the spaces (from --env, else the first usable shard); False: no usable shard yet."""
         from rlrec.trainer.manifest_follower import spaces_from_shard
 
+        if self.cfg.multi_agent:
+            return self._module_spaces(entries)
         shard_spaces = None
         for e in entries:
             try:
@@ -242,6 +246,38 @@ class ContinuousTrainer(CheckpointMixin, PublishMixin, GateMixin):
         _check_spaces(self.cfg.algo, self.obs_space, self.act_space)
         return True
 
+    def _module_spaces(self, entries: list) -> bool:
+        """--multi-agent: the modules, their spaces and the agent -> module mapping from one shard of
+        each module folder among `entries` (`rlrec.trainer.multi_agent.modules_from_shards`)."""
+        from rlrec.trainer.multi_agent import modules_from_shards
+
+        try:
+            self.modules = modules_from_shards(self.input, entries, self.cfg.policy_id)
+        except StorageError as e:  # unreachable, not unusable: try again after a wait
+            wait = self._outage.failed(time.monotonic())
+            log.warning(
+                "storage %s: reading the module shards failed (%s); retrying in %.1fs", self.input.uri(), e, wait
+            )
+            self._stop.wait(wait)
+            return False
+        except (FileNotFoundError, ValueError) as e:
+            raise UnsupportedCombination(f"the multi-agent rows cannot be trained: {e}") from None
+        for module_id, (obs, act) in sorted(self.modules.spaces.items()):
+            try:
+                _check_spaces(self.cfg.algo, obs, act)
+            except UnsupportedCombination as e:
+                raise UnsupportedCombination(f"module {module_id}: {e}") from None
+        log.info("multi-agent modules %s; agents %s", sorted(self.modules.spaces), self.modules.agents)
+        return True
+
+    def _read_policy_id(self) -> str | None:
+        """The policy whose shards are read: ``--policy-id``; a multi-agent trainer without it
+        reads the one multi-agent policy its first shards hold (`_module_spaces`), so another one
+        committed later is not mixed into its modules."""
+        if self.cfg.policy_id or not self.cfg.multi_agent or self.modules is None:
+            return self.cfg.policy_id
+        return next(iter(self.modules.policies)) if len(self.modules.policies) == 1 else None
+
     def _skip_shard(self, key: str, why: str) -> None:
         """Count a shard the trainer cannot use; log it once."""
         if key in self._skip_logged:
@@ -259,6 +295,10 @@ class ContinuousTrainer(CheckpointMixin, PublishMixin, GateMixin):
         config = config_cls()
         # spaces always (RLlib requires them whenever no evaluation runs); env for evaluation
         config.environment(env=cfg.env, observation_space=self.obs_space, action_space=self.act_space)
+        if cfg.multi_agent:
+            from rlrec.trainer.multi_agent import configure_modules
+
+            configure_modules(config, self.modules)
         config.env_runners(num_env_runners=0)
         config.learners(num_learners=cfg.num_learners, num_gpus_per_learner=cfg.num_gpus_per_learner)
         config.reporting(min_time_s_per_iteration=cfg.min_time_s_per_iteration)
@@ -304,7 +344,7 @@ class ContinuousTrainer(CheckpointMixin, PublishMixin, GateMixin):
             cfg.input,
             fmt=self.fmt or "episodes",
             feed_policy=cfg.feed_policy(),
-            policy_id=cfg.policy_id,
+            policy_id=self._read_policy_id(),
             min_policy_version=cfg.min_policy_version,
             max_policy_version=cfg.max_policy_version,
             poll_interval_s=cfg.poll_interval_s,
@@ -312,6 +352,8 @@ class ContinuousTrainer(CheckpointMixin, PublishMixin, GateMixin):
             cache_ttl_s=cfg.cache_ttl_s,
             read_tasks=cfg.read_tasks,
             holdout_fraction=cfg.ope.holdout_fraction,
+            multi_agent=cfg.multi_agent,
+            multi_agent_flags=cfg.multi_agent_flags,
         )
         return config
 
@@ -412,6 +454,14 @@ class ContinuousTrainer(CheckpointMixin, PublishMixin, GateMixin):
         now = time.time()
         ages = [now - e.commit_time for k in st.seen if (e := od.entry(k)) is not None]
         loss = _finite(_result_get(result, "learners", DEFAULT_MODULE_ID, "total_loss"))
+        modules = None
+        if self.cfg.multi_agent:  # per module: its losses; learner_loss their mean
+            modules = {
+                m: {k: _finite(_result_get(result, "learners", m, k)) for k in ("total_loss", "policy_loss")}
+                for m in sorted(self.modules.spaces)
+            }
+            totals = [v["total_loss"] for v in modules.values() if v["total_loss"] is not None]
+            loss = sum(totals) / len(totals) if totals else None
         rec: dict[str, Any] = {
             "iteration": self.iteration,
             "policy_version": self.policy_version,
@@ -421,6 +471,8 @@ class ContinuousTrainer(CheckpointMixin, PublishMixin, GateMixin):
             "newest_shard_age_s": round(min(ages), 3) if ages else None,
             "learner_loss": loss,
         }
+        if modules is not None:
+            rec["learners"] = modules
         ev = _finite(_result_get(result, "evaluation", "env_runners", "episode_return_mean"))
         if ev is not None:
             rec["eval_return_mean"] = ev

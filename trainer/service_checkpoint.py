@@ -71,6 +71,7 @@ class CheckpointMixin:
             "published_ranges": ranges_doc(self.published_ranges),
             "trained_unplaced": sorted(self._unplaced),
             "holdout_fraction": float(self.cfg.ope.holdout_fraction),
+            "modules": None if self.modules is None else sorted(self.modules.spaces),
             "deployed_return": self.deployed_return,
             "deployed_version": self._deployed,
             "canary_floor": self._canary_floor,
@@ -151,6 +152,22 @@ class CheckpointMixin:
             self._check_resume_holdout(self.checkpoints.read_state(latest["path"]), latest["path"])
         return latest
 
+    def _check_resume_modules(self, state: dict, path: str) -> None:
+        """Refuse (`ResumeRefused`) to resume a multi-agent run whose store's modules now differ
+        from the checkpoint's: a module of the checkpoint would vanish from the next version, a
+        new one start from scratch inside a version line that never had it."""
+        from rlrec.trainer.checkpoints import ResumeRefused
+
+        then = state.get("modules")
+        now = None if self.modules is None else sorted(self.modules.spaces)
+        if then is None and now is None:
+            return
+        if then != now:
+            raise ResumeRefused(
+                f"--resume: checkpoint {path} trained modules {_names(then)}, the store now holds {_names(now)}: "
+                "start a new run in another --checkpoint-dir"
+            )
+
     def _check_resume_holdout(self, state: dict, path: str) -> None:
         """Refuse (`ResumeRefused`) to resume with another ``--holdout-fraction`` than the
         checkpoint's: the shards trained so far were split with its fraction, and every later
@@ -177,6 +194,7 @@ class CheckpointMixin:
         state = self.checkpoints.read_state(path)
         if state.get("algo") != self.cfg.algo:
             raise ValueError(f"the checkpoint was written by {state.get('algo')}, not {self.cfg.algo}")
+        self._check_resume_modules(state, path)
         self.checkpoints.restore_learner_group(self.algo, path)
         self.iteration = int(state["iteration"])
         self.algo._iteration = self.iteration
@@ -231,3 +249,11 @@ class CheckpointMixin:
                 log.info("the checkpoint keeps no manifest ranges: finding its %d trained shards", len(self.trained))
             unplaced = set(self.trained)
         self._note_trained(unplaced & self.trained)
+
+
+def _names(modules: list | None) -> str:
+    """Module ids for a one-line message (none: single-agent)."""
+    if modules is None:
+        return "none (single-agent)"
+    names = [repr(str(m))[:42] for m in modules[:10]]
+    return "[" + ", ".join(names) + (f", and {len(modules) - 10} more" if len(modules) > 10 else "") + "]"

@@ -428,6 +428,10 @@ class PublishMixin:
         if self.cfg.rollout == "canary":  # signed: a canary is deployed only once a decision promotes it
             metadata = {**metadata, "rollout": "canary"}
         try:
+            if artifact is None and self.cfg.multi_agent:  # every module in one version
+                from rlrec.trainer.multi_agent_export import build_modules_artifact
+
+                artifact = build_modules_artifact(self.algo, self.modules)
             pub = prepare_publication(
                 algo=self.algo,
                 version=version,

@@ -16,6 +16,9 @@ from rlrec.trainer.feed_actor import get_feed
 
 log = logging.getLogger("rlrec.trainer")
 
+#: how long the first minibatch of a multi-agent Learner waits for a row of every module (seconds)
+MODULES_WAIT_S = 60.0
+
 
 class _RowBuffer:
     """A ring buffer of processed rows (flat dict of arrays) for re-sampling on the Learner."""
@@ -50,6 +53,15 @@ class _RowBuffer:
         return {k: v[idx] for k, v in self.cols.items()}
 
 
+def _by_module(batch: dict[str, np.ndarray]) -> dict[str, dict[str, np.ndarray]]:
+    """A PreLearner batch's flat columns (``{module_id}/{column}``) grouped by module: each
+    module's rows line up with each other, not with another module's."""
+    out: dict[str, dict[str, np.ndarray]] = {}
+    for k, v in batch.items():
+        out.setdefault(k.partition("/")[0] if "/" in k else "", {})[k] = v
+    return out
+
+
 class StreamIterator:
     """What the Learner(s) iterate: a `ray.data.DataIterator` of PreLearner envelopes, unpacked
     and re-batched to exactly `batch_size` rows (``iter_torch_batches`` for the iterator path,
@@ -77,6 +89,8 @@ class StreamIterator:
             "learner_buffer_rows": spec.get("learner_buffer_rows"),
             "fresh_share": float(spec.get("fresh_share", 0.5)),
             "device_prefetch": spec.get("device_prefetch"),  # None: one batch ahead on CUDA only
+            "modules": spec.get("modules"),  # multi-agent: the module ids the Learner trains
+            "modules_wait_s": float(spec.get("modules_wait_s", MODULES_WAIT_S)),
         }
         self.iter_id = uuid.uuid4().hex
         self.seq = 0
@@ -88,14 +102,17 @@ class StreamIterator:
         self._buffer = None
         # rows pulled from the stream but not trained yet: kept here, not in a generator, so
         # the rows a Learner's iteration leaves when it stops iterating are the next one's first
-        self._pending: list[dict[str, np.ndarray]] = []
-        self._n_pending = 0
+        self._pending: dict[str, list[dict[str, np.ndarray]]] = {}  # per module (the flat keys' prefix)
+        self._n_pending: dict[str, int] = {}
+        #: the first minibatch's wait for every module (`_waiting_for_modules`): since when; over
+        self._modules_wait_since: float | None = None
+        self._modules_wait_over = False
         self.stats = {"rows_streamed": 0, "rows_replayed": 0}
 
     def __getstate__(self) -> dict:
         d = dict(self.__dict__)
         d.update(
-            _feed=None, _thread=None, _queue=None, _stop=None, _buffer=None, _done=False, _pending=[], _n_pending=0
+            _feed=None, _thread=None, _queue=None, _stop=None, _buffer=None, _done=False, _pending={}, _n_pending={}
         )
         d.pop("_unsent", None)
         return d
@@ -206,62 +223,117 @@ class StreamIterator:
         cap = int(self._spec.get("learner_buffer_rows") or 0) or 64 * B
         cap = max(cap, int(local_shuffle_buffer_size or 0), 2 * B)
         if self._buffer is None:
-            self._buffer = _RowBuffer(cap, local_shuffle_seed)
-        buf = self._buffer
+            self._buffer = {}
+        bufs: dict[str, _RowBuffer] = self._buffer  # module -> its rows (one module unless multi-agent)
         max_fresh = max(1, round(self._spec["fresh_share"] * B))
-        pending, n_pending = self._pending, self._n_pending
+        pending, n_pending = self._pending, self._n_pending  # module -> its rows not trained yet
         wait = 0.0
         while True:
             # everything that arrived (non-blocking); block only while nothing can be trained
             while True:
+                if self._spec["modules"] and max(n_pending.values(), default=0) >= cap:
+                    self._waiting_for_modules(cap)  # a module holds `cap` untrained rows: pull no more (ends a wait)
+                    break
                 try:
                     d = self._queue.get_nowait()
                 except queue.Empty:
-                    if n_pending or buf.size >= B or self._done:
+                    ready = any(n_pending.values()) or any(b.size >= B for b in bufs.values())
+                    if (ready and not self._waiting_for_modules(cap)) or self._done:
                         break
                     t0 = time.perf_counter()
-                    d = self._queue.get()
-                    wait += time.perf_counter() - t0
+                    try:  # while waiting for modules, look again at the wait's bounds now and then
+                        d = self._queue.get(timeout=0.5 if ready else None)
+                    except queue.Empty:
+                        continue
+                    finally:
+                        wait += time.perf_counter() - t0
                 if d is None:
                     self._done = True
                     break
-                pending.append(d)
-                n_pending += row_count(d)
-            if self._done and not n_pending:
+                for m, part in _by_module(d).items():
+                    n = row_count(part)
+                    if n:
+                        pending.setdefault(m, []).append(part)
+                        n_pending[m] = n_pending.get(m, 0) + n
+            if self._done and not any(n_pending.values()):
                 return
-            if pending:
-                keys = set(pending[0])
-                for p in pending[1:]:
-                    keys &= set(p)
-                merged = {
-                    k: np.concatenate([p[k] for p in pending]) if len(pending) > 1 else pending[0][k] for k in keys
-                }
-            else:
-                merged = {}
-            # fresh rows first: all of them while the buffer is cold, else up to max_fresh
-            take = min(n_pending, B if buf.size < B else max_fresh)
-            fresh = {k: v[:take] for k, v in merged.items()}
-            rest = {k: v[take:] for k, v in merged.items()}
-            pending, n_pending = ([rest], n_pending - take) if n_pending > take else ([], 0)
-            self._pending, self._n_pending = pending, n_pending
-            if take:
-                buf.add(fresh)
-            if take < B:
-                if buf.size == 0:
-                    continue
-                fill = buf.sample(B - take)
-                out = {k: np.concatenate([fresh[k], fill[k]]) for k in fill} if take else fill
-            else:
-                out = fresh
-            self.stats["rows_streamed"] += take
-            self.stats["rows_replayed"] += B - take
+            out: dict[str, np.ndarray] = {}
+            took = 0
+            for i, m in enumerate(sorted(set(pending) | set(bufs))):
+                if m not in bufs:
+                    seed = None if local_shuffle_seed is None else int(local_shuffle_seed) + i
+                    bufs[m] = _RowBuffer(cap, seed)
+                part, take = self._module_batch(m, bufs[m], B, max_fresh)
+                out.update(part)
+                took += take
+                if part:
+                    self.stats["rows_streamed"] += take
+                    self.stats["rows_replayed"] += B - take
+            if not out:
+                continue
             counts: dict[int, int] = {}
             for k in [k for k in out if k == TAG or k.endswith("/" + TAG)]:
                 vals, cnts = np.unique(out.pop(k), return_counts=True)
                 for v, c in zip(vals.tolist(), cnts.tolist()):
                     counts[int(v)] = counts.get(int(v), 0) + int(c)
-            yield out, (counts, wait, take)  # acknowledged when handed to the Learner
+            yield out, (counts, wait, took)  # acknowledged when handed to the Learner
             wait = 0.0
+
+    def _waiting_for_modules(self, cap: int) -> bool:
+        """Whether the first minibatch still waits for a module the Learner trains (multi-agent:
+        ``spec["modules"]``) that has no row yet, so that every module trains from the first
+        iteration on. The wait is bounded: it ends after ``spec["modules_wait_s"]`` (default
+        `MODULES_WAIT_S`) or once a module holds `cap` rows not trained yet; then the modules
+        that have rows train, and those without any are logged (a module joins the minibatches
+        once its rows come)."""
+        if not self._spec.get("modules") or self._modules_wait_over:
+            return False
+        have = set(self._buffer or ()) | {m for m, n in self._n_pending.items() if n}
+        missing = sorted(set(self._spec["modules"]) - have)
+        if not missing:
+            return False
+        now = time.monotonic()
+        if self._modules_wait_since is None:
+            self._modules_wait_since = now
+        waited = now - self._modules_wait_since
+        full = max(self._n_pending.values(), default=0) >= cap
+        if waited < self._spec["modules_wait_s"] and not full:
+            return True
+        self._modules_wait_over = True
+        log.warning(
+            "modules without a trainable row after %.0f s (%s): training the others; these join once their rows "
+            "come: %s",
+            waited,
+            "a module's rows reached the buffer's size" if full else "waited long enough",
+            ", ".join(repr(m)[:42] for m in missing[:10])
+            + (f" and {len(missing) - 10} more" if len(missing) > 10 else ""),
+        )
+        return False
+
+    def _module_batch(self, m: str, buf: _RowBuffer, B: int, max_fresh: int) -> tuple[dict, int]:
+        """One module's B rows of the next minibatch, and how many came fresh from the stream:
+        its fresh rows first (all of them while its buffer is cold, else up to max_fresh),
+        filled up from its buffer; ({}, 0) while it has no row at all."""
+        pend, n = self._pending.get(m, []), self._n_pending.get(m, 0)
+        if pend:
+            keys = set(pend[0])
+            for p in pend[1:]:
+                keys &= set(p)
+            merged = {k: np.concatenate([p[k] for p in pend]) if len(pend) > 1 else pend[0][k] for k in keys}
+        else:
+            merged = {}
+        take = min(n, B if buf.size < B else max_fresh)
+        fresh = {k: v[:take] for k, v in merged.items()}
+        rest = {k: v[take:] for k, v in merged.items()}
+        self._pending[m], self._n_pending[m] = ([rest], n - take) if n > take else ([], 0)
+        if take:
+            buf.add(fresh)
+        if take >= B:
+            return fresh, take
+        if buf.size == 0:
+            return {}, 0
+        fill = buf.sample(B - take)
+        return ({k: np.concatenate([fresh[k], fill[k]]) for k in fill} if take else fill), take
 
     def iter_batches(self, *, batch_size: int, _collate_fn: Any = None, **kwargs: Any):
         for b in self._batches(batch_size, **kwargs):

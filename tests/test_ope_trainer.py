@@ -32,11 +32,11 @@ def test_prelearner_drops_held_out_episodes():
     from rlrec.trainer.prelearner import SafeOfflinePreLearner
 
     ids = [f"ep-{i}" for i in range(200)]
-    stub = SimpleNamespace(_rlrec_holdout=0.25, rlrec_held_out=0)
+    stub = SimpleNamespace(_rlrec_holdout=0.25, rlrec_held_out=0, _rlrec_multi_agent=False)
     kept = [i for i in ids if not SafeOfflinePreLearner._held_out(stub, SimpleNamespace(id_=i))]
     assert set(kept) == {i for i in ids if not is_held_out(i, 0.25)}
     assert stub.rlrec_held_out == 200 - len(kept) > 20
-    off = SimpleNamespace(_rlrec_holdout=0.0, rlrec_held_out=0)
+    off = SimpleNamespace(_rlrec_holdout=0.0, rlrec_held_out=0, _rlrec_multi_agent=False)
     assert not any(SafeOfflinePreLearner._held_out(off, SimpleNamespace(id_=i)) for i in ids)
 
 

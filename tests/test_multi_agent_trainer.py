@@ -150,16 +150,30 @@ def test_both_modules_train_and_publish_as_one_version(tmp_path, algo, flags):
             out,
             ck,
             algo=algo,
-            max_iterations=n,
-            checkpoint_interval=n,
+            max_iterations=20 * n,
+            checkpoint_interval=1000,  # one publication: the checkpoint at the stop below
             num_cpus=2,
             multi_agent_flags=flags,
             signing_key=str(priv),
         )
     )
-    assert tr.run() == 0
+    # at least n iterations, and until every shard was trained on: a loaded machine's reads can
+    # lag the Learner, which trains on the rows it has meanwhile
+    box: dict = {}
+    t = threading.Thread(target=lambda: box.setdefault("rc", tr.run()), daemon=True)
+    t.start()
+
+    def done() -> bool:
+        lines = read_metrics(ck)
+        trained = {k for r in lines for k in r.get("new_shards", ())}
+        return bool(lines) and lines[-1]["iteration"] >= n and trained >= set(keys)
+
+    wait_for(done, 600, what="every shard trained on, after at least n iterations")
+    tr.stop("test")
+    t.join(120)
+    assert not t.is_alive() and box.get("rc") == 0, box
     lines = read_metrics(ck)
-    assert [r["iteration"] for r in lines] == list(range(1, n + 1))
+    assert [r["iteration"] for r in lines] == list(range(1, len(lines) + 1)) and len(lines) >= n
     for r in lines:  # a finite policy loss for both modules every iteration
         assert sorted(r["learners"]) == ["random", "scripted"]
         for m in r["learners"].values():

@@ -216,7 +216,9 @@ def test_reading_steps_and_evaluating_data_need_no_ray(tmp_path):
         snap = rlrec.open({root!r})
         assert snap.steps().num_rows == snap.num_steps > 0
         assert len(snap.to_pandas(arrow_backed=True)) == snap.num_steps
-        assert next(iter(snap.to_torch()))["observation"].shape == (4,)
+        batches = iter(snap.to_torch())
+        assert next(batches)["observation"].shape == (4,)
+        batches.close()  # stops its read-ahead threads before the interpreter exits
         eps = HeldOutReader({root!r}, 1.0).refresh()
         assert len(eps) == 6 and eps[0].behavior_logp is not None
         assert not any(m == "ray" or m.startswith("ray.") for m in sys.modules)

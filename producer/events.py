@@ -94,7 +94,7 @@ DECODE_REASONS = {
 }
 
 #: `policy_id` names a directory of the output: one safe path component, never hidden or reserved
-POLICY_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+POLICY_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}\Z")
 MAX_ENV_ID_CHARS = 256
 MAX_KEY_BYTES = 1024
 _INT_MIN, _UINT_MAX = -(2**63), 2**64 - 1

@@ -810,7 +810,8 @@ def test_bad_values():
 
 
 @pytest.mark.parametrize(
-    "policy_id", ["../x", "/x", ".", "..", "a//b", "a/b", "x\0y", "a" * 201, "_manifest", ".hidden", "-x", "a b", "é"]
+    "policy_id",
+    ["../x", "/x", ".", "..", "a//b", "a/b", "x\0y", "a" * 201, "_manifest", ".hidden", "-x", "a b", "é", "pol\n"],
 )
 def test_policy_ids_that_cannot_name_a_directory_are_refused(policy_id):
     """Today's main accepted all of these; the flush then failed on every retry (or wrote outside

@@ -32,24 +32,25 @@ Example:
 
 from __future__ import annotations
 
-import io
 import json
 import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-import fastavro
 import numpy as np
 from gymnasium import spaces as gs
 
-from rlrec.producer.arrays import ArrayError, array_from_wire, array_to_wire
+from rlrec.producer.arrays import array_to_wire
 from rlrec.producer.bounded import ByteBoundedLRU
 from rlrec.producer.events import (
     MAX_KEY_BYTES,
     DecodeError,
+    _arrays,
     _has_header,
+    _id,
     _parse_header,
     _read_body,
+    _wire_leaves,
     check_env_id,
     check_leaves,
     check_policy_id,
@@ -57,6 +58,7 @@ from rlrec.producer.events import (
     decode,
     dumps_info,
     encode,
+    encode_record,
     loads_info,
     schema_header,
 )
@@ -238,10 +240,6 @@ class MultiAgentStepBatch:
 # encoding
 
 
-def _wire_leaves(leaves: Any) -> list[dict]:
-    return [array_to_wire(np.asarray(x)) for x in leaves]
-
-
 def _start_record(ev: MultiAgentEpisodeStart) -> dict:
     texts: dict[str, int] = {}
 
@@ -303,15 +301,6 @@ def _batch_record(ev: MultiAgentStepBatch) -> dict:
     }
 
 
-def encode_record(kind: str, record: dict) -> bytes:
-    """Avro body of a raw multi-agent record dict of `kind`."""
-    from rlrec.producer.events import load_schemas, schema_version
-
-    buf = io.BytesIO()
-    fastavro.schemaless_writer(buf, load_schemas()[(kind, schema_version(kind))], record)
-    return buf.getvalue()
-
-
 def encode_event(ev: Any) -> tuple[bytes, list[tuple[str, bytes]]]:
     """(value, headers) of any rlrec event; the key is ``ev.episode_id.encode()``.
 
@@ -327,19 +316,6 @@ def encode_event(ev: Any) -> tuple[bytes, list[tuple[str, bytes]]]:
 
 # ---------------------------------------------------------------------------------------------
 # decoding (untrusted input)
-
-
-def _id(s: str, what: str) -> str:
-    if not s or len(s) > 256:
-        raise DecodeError("bad-value", f"{what} must be 1..256 characters")
-    return s
-
-
-def _arrays(recs: list[dict], what: str) -> list[np.ndarray]:
-    try:
-        return [array_from_wire(r) for r in recs]
-    except ArrayError as e:
-        raise DecodeError(e.reason, f"{what}: {e}") from None
 
 
 def _parse_spaces(texts: list[str]) -> list[tuple[gs.Space, tuple[Leaf, ...]]]:

@@ -1251,8 +1251,7 @@ class EpisodeRecorder(BatchedCalls, MultiAgentCalls):
 
     def _abort(self, ep: _Episode, reason: str) -> None:
         if ep.dropping:
-            if self._episodes.pop(ep.id, None) is not None and type(ep) is not _Episode:
-                self._ma_open -= 1
+            self._forget(ep)
             return
         if ep.steps:
             self._emit(ep, False, False)  # raises after aborting the episode itself when it fails
@@ -1273,9 +1272,13 @@ class EpisodeRecorder(BatchedCalls, MultiAgentCalls):
         rec = {"episode_id": ep.id, "reason": "dropped", "timestamp_ms": int(_time() * 1000)}
         self._send(ep.id, encode_record("EpisodeAbort", rec), "EpisodeAbort", 1, 1)
 
-    def _end(self, ep: _Episode) -> None:
+    def _forget(self, ep: _Episode) -> None:
+        """Drop `ep` from the open episodes (and from the count of open multi-agent ones)."""
         if self._episodes.pop(ep.id, None) is not None and type(ep) is not _Episode:
             self._ma_open -= 1
+
+    def _end(self, ep: _Episode) -> None:
+        self._forget(ep)
         self._finished[ep.id] = ep.t if type(ep) is _Episode else ep.finished()
 
     def _send(self, key: str, value: bytes, kind: str, records: int, new: int) -> None:

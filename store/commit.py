@@ -423,12 +423,14 @@ class ShardCommitter:
             return todo
         out = []
         for eps, shard in todo:
-            keep = [fe for fe in eps if not (isinstance(fe, FinishedAgentRow) and fe.multi_agent_episode_id in bad)]
+            keep = []
             for fe in eps:
-                if fe not in keep:
+                if isinstance(fe, FinishedAgentRow) and fe.multi_agent_episode_id in bad:
                     unwritable.append(
                         (fe, f"multi-agent episode {fe.multi_agent_episode_id}: a sibling row is unwritable")
                     )
+                else:
+                    keep.append(fe)
             if len(keep) == len(eps):
                 out.append((eps, shard))
             elif keep:

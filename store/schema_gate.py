@@ -460,7 +460,6 @@ class GatedShard:
         self._check_dense([c for c in cols if c not in as_dict])
         if as_dict and self._reopen is not None:
             return self._dictionary_read(as_dict, cols)
-        self._check_dense(as_dict)
         try:
             return self._pf.read(columns=None if columns is None else cols)
         except (pa.ArrowInvalid, OSError) as e:

@@ -252,12 +252,7 @@ class ManifestFollower:
         first = 0  # the first removal record read: the oldest a head-read log does not fold
         if sets and len(sets) == len(self.logs):
             first = min(ls.removals for ls in sets.values())
-        if not self._polled:
-            self._removals = RemovalLogView(self.storage, start=first)
-        try:
-            self._removals.refresh()
-        except (ManifestError, OSError) as e:  # the records read so far still count
-            self._warn_once(f"removals:{e}", "cannot read the removal log: %s", e)
+        self._refresh_removals(None if self._polled else first)
         starts: dict[tuple[str, int], tuple[HeadRead, HeadStart]] = {}
         for key, plog in list(self.logs.items()):
             if key in sets:
@@ -267,11 +262,8 @@ class ManifestFollower:
                     found.append((key, got[0].end, got[1].new, got[1].skipped))
                     continue
                 if first > 0:  # read from its history, which needs every removal record
-                    first, self._removals = 0, RemovalLogView(self.storage)
-                    try:
-                        self._removals.refresh()
-                    except (ManifestError, OSError) as e:
-                        self._warn_once(f"removals:{e}", "cannot read the removal log: %s", e)
+                    first = 0
+                    self._refresh_removals(0)
             try:
                 plog.refresh()
             except UnsupportedManifestError as e:
@@ -383,6 +375,17 @@ class ManifestFollower:
     def _entry(self, plog: PartitionLog, by_seq: dict[int, Entry], seq: int) -> ShardEntry | None:
         e = by_seq.get(seq) or plog.read_entry(seq)  # below a head-read log's live set: read
         return e if isinstance(e, ShardEntry) else None
+
+    def _refresh_removals(self, start: int | None = None) -> None:
+        """Read the removal records appended since the last read; with `start`, in a new view
+        that reads from record `start` on. A record it cannot read is warned about once: the
+        records read so far still count."""
+        if start is not None:
+            self._removals = RemovalLogView(self.storage, start=start)
+        try:
+            self._removals.refresh()
+        except (ManifestError, OSError) as e:
+            self._warn_once(f"removals:{e}", "cannot read the removal log: %s", e)
 
     def _file_there(self, e: ShardEntry) -> bool:
         """Whether `e`'s file (or its staged copy) is still in the store."""

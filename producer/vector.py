@@ -265,6 +265,8 @@ class RecordingVectorWrapper(VectorWrapper):
 
     def close(self, **kwargs: Any) -> Any:
         """Abort the open episodes (reason ``close``; stored truncated) and close the vector env."""
+        if "episode_ids" not in vars(self):  # __init__ refused the env: nothing was recorded
+            return self.env.close(**kwargs)
         try:
             for i, eid in enumerate(self.episode_ids):
                 if eid is not None and self._begun[i]:

@@ -151,6 +151,9 @@ def test_a_vector_env_that_declares_no_mode_is_refused():
     try:
         with pytest.raises(ValueError, match="declares no metadata\\['autoreset_mode'\\]; pass autoreset_mode="):
             RecordingVectorWrapper(envs, rec)
+        refused = RecordingVectorWrapper.__new__(RecordingVectorWrapper)
+        gym.vector.VectorWrapper.__init__(refused, envs)
+        refused.close()  # what gymnasium's __del__ calls on a wrapper whose __init__ raised
         w = RecordingVectorWrapper(envs, rec, autoreset_mode="NEXT_STEP")
         assert w.autoreset_mode is AutoresetMode.NEXT_STEP
     finally:

@@ -141,8 +141,10 @@ def test_an_rllib_multi_agent_env_with_other_agent_ids_is_refused(tmp_path):
 def test_the_cli_refuses_an_env_with_an_unmapped_agent_in_one_line(tmp_path):
     out, _ = _stored_modules(tmp_path)
     r = subprocess.run(
-        [sys.executable, "-m", "rlrec", "train", "--input", out, "--checkpoint-dir", str(tmp_path / "ck")]
-        + ["--multi-agent", "--env", SPREAD, "--env-config", "N=3", "--env-config", "continuous_actions=false"],
+        [
+            *(sys.executable, "-m", "rlrec", "train", "--input", out, "--checkpoint-dir", str(tmp_path / "ck")),
+            *("--multi-agent", "--env", SPREAD, "--env-config", "N=3", "--env-config", "continuous_actions=false"),
+        ],
         capture_output=True,
         text=True,
         timeout=300,
@@ -161,7 +163,8 @@ def test_the_cli_refuses_an_env_with_an_unmapped_agent_in_one_line(tmp_path):
 class _Scripted:
     """agent_0 follows the store's script, agent_1 always takes action 3 (modules as stored)."""
 
-    agent_modules = dict(MODULES)
+    def __init__(self):
+        self.agent_modules = dict(MODULES)
 
     def act(self, obs, explore, generator):
         return {a: (script(o) if a == "agent_0" else 3) for a, o in obs.items()}, {}

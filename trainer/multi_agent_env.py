@@ -127,10 +127,11 @@ def check_env_modules(env: Any, spec: str, agent_modules: dict[str, str], spaces
     Example:
         >>> env = make_env("pettingzoo:mpe2.simple_spread_v3", {"N": 3})
         >>> obs, act = env.get_observation_space("agent_0"), env.get_action_space("agent_0")
-        >>> check_env_modules(env, "spread", {"agent_0": "a", "agent_1": "a"}, {"a": (obs, act)})
-        Traceback (most recent call last):
-        ...
-        rlrec.trainer.multi_agent_env.EnvSpecError: --env 'spread': agent 'agent_2' has no module in the stored agent -> module mapping (it maps agent_0, agent_1)
+        >>> try:
+        ...     check_env_modules(env, "spread", {"agent_0": "a", "agent_1": "a"}, {"a": (obs, act)})
+        ... except EnvSpecError as e:
+        ...     print(e)
+        --env 'spread': agent 'agent_2' has no module in the stored agent -> module mapping (it maps agent_0, agent_1)
     """
     agents = _agents(env)
     if not agents:

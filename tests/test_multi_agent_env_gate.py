@@ -200,6 +200,43 @@ def test_the_return_is_the_sum_over_agents_and_each_modules_the_sum_over_its_age
     assert len(set(got.episodes)) == 3  # three seeds, three starts
 
 
+class _LeftAndBalance:
+    """An RLlib MultiAgentCartPole played by two modules: agent 0 always pushes left (it falls
+    within ~10 steps), agent 1 balances (500 steps)."""
+
+    def __init__(self):
+        self.agent_modules = {0: "left", 1: "balance"}
+
+    @staticmethod
+    def action(module, o):
+        return 0 if module == "left" else int(o[2] + o[3] > 0)
+
+    def act(self, obs, explore, generator):
+        return {a: self.action(self.agent_modules[a], o) for a, o in obs.items()}, {}
+
+
+def test_each_agent_acts_by_its_module_until_it_is_done():
+    import warnings
+
+    import gymnasium as gym
+
+    env = make_env("ray.rllib.examples.envs.classes.multi_agent:MultiAgentCartPole", {"num_agents": 2})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # gymnasium warns when a done env is stepped again
+        got = evaluate_modules(_LeftAndBalance(), env, 3, seed=1)
+    for k in range(3):  # each sub-env is CartPole-v1 reset on the episode's seed: stepped by hand
+        for module in ("left", "balance"):
+            raw = gym.make("CartPole-v1")
+            o, _ = raw.reset(seed=1 + k)
+            total, over = 0.0, False
+            while not over:
+                o, r, term, trunc, _ = raw.step(_LeftAndBalance.action(module, o))
+                total, over = total + r, term or trunc
+            assert got.modules[module][k] == total
+        assert got.episodes[k] == got.modules["left"][k] + got.modules["balance"][k]
+    assert max(got.modules["left"]) < 20 and got.modules["balance"] == [500.0] * 3
+
+
 # ----------------------------------------------------------------------------------- the gate in a trainer
 
 

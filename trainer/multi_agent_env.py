@@ -174,7 +174,9 @@ class MultiAgentReturns:
 
 def evaluate_modules(policy: Any, env: Any, episodes: int, seed: int = 0, explore: bool = False) -> MultiAgentReturns:
     """Play `policy` (a `rlrec.trainer.policy_modules.MultiModuleVersion`: each agent acted for
-    by its module) in the multi-agent `env` for `episodes` episodes on seeds ``seed + k``.
+    by its module) in the multi-agent `env` for `episodes` episodes on seeds ``seed + k``, as
+    RLlib steps a MultiAgentEnv: only agents not yet terminated or truncated act; an episode
+    ends at ``__all__`` (or after `MAX_EPISODE_STEPS` steps).
 
     Args:
         policy: the candidate (its ``act`` takes ``{agent_id: observation}``).
@@ -196,15 +198,18 @@ def evaluate_modules(policy: Any, env: Any, episodes: int, seed: int = 0, explor
     for k in range(max(1, int(episodes))):
         obs, _ = env.reset(seed=seed + k)
         per_module = dict.fromkeys(modules, 0.0)
+        done: set = set()  # agents that terminated or truncated: their last observation is not acted on
         for _step in range(MAX_EPISODE_STEPS):
-            if not obs:
+            live = {a: o for a, o in obs.items() if a not in done}
+            if not live:
                 break
-            actions, _ = policy.act(obs, explore, generator)
+            actions, _ = policy.act(live, explore, generator)
             obs, rewards, terminateds, truncateds, _ = env.step(actions)
             for a, r in rewards.items():
                 per_module[policy.agent_modules[a]] += float(r)
             if terminateds.get("__all__") or truncateds.get("__all__"):
                 break
+            done |= {a for a, t in terminateds.items() if t} | {a for a, t in truncateds.items() if t}
         out.episodes.append(float(sum(per_module.values())))
         for m, r in per_module.items():
             out.modules[m].append(r)

@@ -23,7 +23,15 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["EnvSpecError", "MultiAgentReturns", "check_env_modules", "evaluate_modules", "make_env", "parse_env"]
+__all__ = [
+    "EnvSpecError",
+    "MultiAgentReturns",
+    "candidate_policy",
+    "check_env_modules",
+    "evaluate_modules",
+    "make_env",
+    "parse_env",
+]
 
 #: the spec prefixes of PettingZoo envs: (the module's factory, RLlib's wrapper class)
 PETTINGZOO = {
@@ -206,7 +214,10 @@ def evaluate_modules(policy: Any, env: Any, episodes: int, seed: int = 0, explor
             actions, _ = policy.act(live, explore, generator)
             obs, rewards, terminateds, truncateds, _ = env.step(actions)
             for a, r in rewards.items():
-                per_module[policy.agent_modules[a]] += float(r)
+                m = policy.agent_modules.get(a)
+                if m is None:  # an agent the env did not list in possible_agents
+                    raise EnvSpecError(f"agent {a!r:.40} was rewarded but has no module in the stored mapping")
+                per_module[m] += float(r)
             if terminateds.get("__all__") or truncateds.get("__all__"):
                 break
             done |= {a for a, t in terminateds.items() if t} | {a for a, t in truncateds.items() if t}
@@ -219,7 +230,18 @@ def evaluate_modules(policy: Any, env: Any, episodes: int, seed: int = 0, explor
 def candidate_policy(artifact: Any, version: int) -> Any:
     """The multi-module candidate `artifact` (`rlrec.trainer.multi_agent_export.build_modules_artifact`)
     loaded as a deployed service would load it, without signature or file checks (this process
-    built it): a `rlrec.trainer.policy_modules.MultiModuleVersion`."""
+    built it): a `rlrec.trainer.policy_modules.MultiModuleVersion`.
+
+    Args:
+        artifact: the `rlrec.trainer.export.PolicyArtifact` of format ``multi_module``.
+        version: the version number it would be published as.
+
+    Example:
+        >>> from rlrec.trainer.multi_agent_export import build_modules_artifact
+        >>> policy = candidate_policy(build_modules_artifact(trainer.algo, trainer.modules), 3)  # doctest: +SKIP
+        >>> sorted(policy.modules), policy.agent_modules  # doctest: +SKIP
+        (['random', 'scripted'], {'agent_0': 'scripted', 'agent_1': 'random'})
+    """
     from rlrec.trainer.policy_modules import MultiModuleVersion
     from rlrec.trainer.policy_verify import version_from_artifact
 

@@ -240,11 +240,11 @@ def test_each_agent_acts_by_its_module_until_it_is_done():
 # ----------------------------------------------------------------------------------- the gate in a trainer
 
 
-def _train(tmp_path, **kw):
+def _train(tmp_path, first_seed=0, **kw):
     from rlrec.trainer.service import ContinuousTrainer
 
     out, ck = str(tmp_path / "out"), str(tmp_path / "ck")
-    commit_spread(out, 2, 10)
+    commit_spread(out, 2, 10, first_seed=first_seed)
     tr = ContinuousTrainer(
         cfg(out, ck, env=SPREAD, env_config=SPREAD_2, promotion_gate="env", num_cpus=2, seed=3, **kw)
     )
@@ -261,8 +261,11 @@ def _train(tmp_path, **kw):
 @pytest.mark.slow
 def test_the_env_gate_plays_every_module_and_decides_by_the_single_agent_rule(tmp_path):
     from rlrec.trainer.policy import load_policy
+    from rlrec.trainer.signing import generate_keys
 
-    ck, decisions = _train(tmp_path, max_iterations=6, checkpoint_interval=2, promotion_episodes=4)
+    priv, pub = generate_keys(tmp_path / "keys")
+    kw = {"checkpoint_interval": 2, "promotion_episodes": 4, "signing_key": str(priv)}
+    ck, decisions = _train(tmp_path, max_iterations=6, **kw)
     assert len(decisions) == 3
     deployed = None
     for d in decisions:
@@ -280,7 +283,8 @@ def test_the_env_gate_plays_every_module_and_decides_by_the_single_agent_rule(tm
 
     # the published version is the candidate the gate played: the same returns, replayed from the store
     promoted = [d for d in decisions if d["promoted"]]
-    whole = load_policy(ck, allow_unsigned=True)  # as a service serves it (greedy)
+    whole = load_policy(ck, public_key=pub)  # as a service serves it (greedy)
+    assert whole.signed
     assert whole.policy_version == promoted[-1]["candidate_version"]
     assert whole.spec["promotion"]["module_returns"] == promoted[-1]["module_returns"]
     assert whole.spec["agent_modules"] == MODULES
@@ -288,6 +292,14 @@ def test_the_env_gate_plays_every_module_and_decides_by_the_single_agent_rule(tm
     again = evaluate_modules(served, make_env(SPREAD, SPREAD_2), 4, seed=3)
     assert again.episodes == pytest.approx(promoted[-1]["episode_returns"], abs=1e-5)
     assert again.module_means() == pytest.approx(promoted[-1]["module_returns"])
+
+    # --resume (with new shards) judges the next candidate against the deployed return it restored
+    _, resumed = _train(tmp_path, first_seed=100, max_iterations=8, resume=True, **kw)
+    assert len(resumed) == 4 and resumed[:3] == decisions
+    last = resumed[-1]
+    assert last["deployed_return"] == promoted[-1]["candidate_return"]
+    assert last["deployed_version"] == promoted[-1]["candidate_version"]
+    assert last["promoted"] == (last["candidate_return"] >= last["deployed_return"])
 
 
 @pytest.mark.slow

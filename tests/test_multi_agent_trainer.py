@@ -59,7 +59,7 @@ def cfg(out, ck, **kw):
         ({"algo": "CQL"}, "--multi-agent trains BC or MARWIL; CQL is not supported"),
         ({"algo": "IQL"}, "--multi-agent trains BC or MARWIL; IQL is not supported"),
         ({"promotion_gate": "ope"}, "--promotion-gate ope is single-agent only"),
-        ({"promotion_gate": "env", "env": "CartPole-v1"}, "--promotion-gate env is single-agent only"),
+        ({"env": "pettingzoo:mpe2.simple_spread_v3", "eval_interval": 1}, "--eval-interval is single-agent only"),
         ({"prelearner_mode": "buffer"}, "drops the agent and module ids"),
         ({"offline_config": {"input_read_episodes": False}}, "reads tabular shards.*not with --multi-agent"),
         (

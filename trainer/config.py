@@ -156,7 +156,15 @@ class TrainerConfig:
     checkpoint_dir: str = option(help="URI or path for checkpoints, metrics.jsonl and policies")
     algo: Algorithm = option("BC", help="the RLlib offline algorithm (any case)", normalize=str.upper)
     env: str | None = option(
-        None, help="gymnasium env id for evaluation rollouts (spaces otherwise come from the shards)"
+        None,
+        help="gymnasium env id for evaluation rollouts (spaces otherwise come from the shards); with "
+        "--multi-agent: pettingzoo:MODULE (a PettingZoo Parallel env), pettingzoo-aec:MODULE or "
+        "MODULE:CLASS (an RLlib MultiAgentEnv)",
+    )
+    env_config: dict[str, Any] = option(
+        default_factory=dict,
+        help="with --multi-agent --env: the env's keyword arguments, e.g. N=2 (the config dict of a "
+        "MultiAgentEnv class; a table in a config file)",
     )
     resume: bool = option(False, help="continue from the latest checkpoint in --checkpoint-dir")
     num_learners: int = option(0, help="remote Learner actors (0: train in this process)")
@@ -383,6 +391,8 @@ class TrainerConfig:
             raise ValueError(
                 f"--multi-agent-flags {self.multi_agent_flags} sets the flags of multi-agent rows: it needs --multi-agent"
             )
+        elif self.env_config:
+            raise ValueError("--env-config gives a multi-agent env its arguments: it needs --multi-agent")
         if self.promotion_gate is None:
             self.promotion_gate = self._default_gate()
             self.gate_default = {
@@ -469,7 +479,14 @@ class TrainerConfig:
                 check_holdout_prelearner(_import(pre) if isinstance(pre, str) else pre, self.ope.holdout_fraction)
             except (ImportError, AttributeError, ValueError) as e:
                 raise UsageError(f"--offline-config prelearner_class: {e}") from None
-        if self.env:
+        if self.env and self.multi_agent:
+            from rlrec.trainer.multi_agent_env import EnvSpecError, make_env
+
+            try:
+                make_env(self.env, self.env_config).close()
+            except EnvSpecError as e:
+                raise UsageError(str(e)) from None
+        elif self.env:
             import importlib
 
             import gymnasium as gym
@@ -515,10 +532,10 @@ class TrainerConfig:
         """The promotion gate without ``--promotion-gate``: env with ``--env``, else ope (with the canary)."""
         if not self.publish:
             return "off"
-        if self.multi_agent:
-            return "off"
         if self.env:
             return "env"
+        if self.multi_agent:
+            return "off"
         if self.ope.holdout_fraction:
             return "ope"
         raise ValueError(
@@ -530,13 +547,16 @@ class TrainerConfig:
         """What ``--multi-agent`` cannot do yet: one ValueError line each."""
         if self.algo not in ("BC", "MARWIL"):
             raise ValueError(f"--multi-agent trains BC or MARWIL; {self.algo} is not supported with it yet")
-        if self.promotion_gate in ("ope", "env"):
+        if self.promotion_gate == "ope":
             raise ValueError(
-                f"--promotion-gate {self.promotion_gate} is single-agent only: not with --multi-agent "
-                "(give --promotion-gate off to publish every checkpoint's policy, or --no-publish)"
+                "--promotion-gate ope is single-agent only: not with --multi-agent (give --env and "
+                "--promotion-gate env, or --promotion-gate off to publish every checkpoint's policy)"
             )
-        if self.env or self.eval_interval:
-            raise ValueError("--env and --eval-interval are single-agent only: not with --multi-agent")
+        if self.eval_interval:
+            raise ValueError(
+                "--eval-interval is single-agent only: with --multi-agent, --promotion-gate env evaluates each "
+                "checkpoint's candidate in --env"
+            )
         if self.prelearner_mode == "buffer":
             raise ValueError(
                 "--prelearner-mode buffer samples through RLlib's episode buffer, which drops the agent and "

@@ -267,6 +267,17 @@ class ContinuousTrainer(CheckpointMixin, PublishMixin, GateMixin):
                 _check_spaces(self.cfg.algo, obs, act)
             except UnsupportedCombination as e:
                 raise UnsupportedCombination(f"module {module_id}: {e}") from None
+        if self.cfg.env:  # its agents and spaces must be the stored modules': refused before training
+            from rlrec.trainer.multi_agent_env import EnvSpecError, check_env_modules, make_env
+
+            try:
+                env = make_env(self.cfg.env, self.cfg.env_config)
+                try:
+                    check_env_modules(env, self.cfg.env, self.modules.agents, self.modules.spaces)
+                finally:
+                    env.close()
+            except EnvSpecError as e:
+                raise UnsupportedCombination(str(e)) from None
         log.info("multi-agent modules %s; agents %s", sorted(self.modules.spaces), self.modules.agents)
         return True
 
@@ -294,7 +305,9 @@ class ContinuousTrainer(CheckpointMixin, PublishMixin, GateMixin):
         config_cls = _import(ALGORITHMS[cfg.algo][0])
         config = config_cls()
         # spaces always (RLlib requires them whenever no evaluation runs); env for evaluation
-        config.environment(env=cfg.env, observation_space=self.obs_space, action_space=self.act_space)
+        # (a multi-agent --env is played by the env gate only: `rlrec.trainer.multi_agent_env`)
+        env = None if cfg.multi_agent else cfg.env
+        config.environment(env=env, observation_space=self.obs_space, action_space=self.act_space)
         if cfg.multi_agent:
             from rlrec.trainer.multi_agent import configure_modules
 

@@ -489,6 +489,8 @@ class GateMixin:
         from rlrec.trainer.promotion import decide, evaluate_exported
 
         self._progress()  # evaluating a candidate in the simulator: its episodes are not a stall
+        if self.cfg.multi_agent:
+            return self._promote_multi_agent_env(version, artifact)
         t0 = time.time()
         try:
             spec = self._candidate_spec(artifact, version)
@@ -503,6 +505,43 @@ class GateMixin:
             "promotion gate: candidate v%d return %.1f vs deployed %s return %s: %s (%.2fs)",
             version,
             ret,
+            f"v{self.policy_version}" if self.policy_version else "(baseline)",
+            "-" if d.deployed_return is None else f"{d.deployed_return:.1f}",
+            "promoted" if d.promoted else "kept the deployed version",
+            time.time() - t0,
+        )
+        return d.promoted
+
+    def _promote_multi_agent_env(self, version: int, artifact: Any) -> bool:
+        """The simulator gate of a multi-module candidate: each agent of the multi-agent --env
+        played by its module (`rlrec.trainer.multi_agent_env`); decided on the mean episode return
+        (the sum over agents) by the single-agent gate's rule, the per-module returns recorded."""
+        from rlrec.trainer.multi_agent_env import candidate_policy, evaluate_modules, make_env
+        from rlrec.trainer.promotion import decide
+
+        t0 = time.time()
+        try:
+            policy = candidate_policy(artifact, version)
+            env = make_env(self.cfg.env, self.cfg.env_config)
+            try:
+                returns = evaluate_modules(policy, env, self.cfg.promotion_episodes, seed=self.cfg.seed or 0)
+            finally:
+                env.close()
+        except Exception as e:
+            log.error("evaluating candidate v%d failed (%s): not promoted", version, e)
+            return False
+        d = decide(version, returns.mean, self.policy_version or None, self.deployed_return)
+        modules = returns.module_means()
+        self.last_promotion = {
+            **d.to_dict(),
+            "module_returns": modules,
+            "episode_returns": [round(r, 6) for r in returns.episodes],
+        }
+        log.info(
+            "promotion gate: candidate v%d return %.1f (%s) vs deployed %s return %s: %s (%.2fs)",
+            version,
+            returns.mean,
+            ", ".join(f"{m} {r:.1f}" for m, r in modules.items()),
             f"v{self.policy_version}" if self.policy_version else "(baseline)",
             "-" if d.deployed_return is None else f"{d.deployed_return:.1f}",
             "promoted" if d.promoted else "kept the deployed version",

@@ -300,7 +300,12 @@ class PublishMixin:
         report = self.cfg.ope_report and not final
         if self.cfg.promotion_gate == "env" or report:
             try:
-                artifact = export_candidate(self.algo, self.obs_space, self.act_space)
+                if self.cfg.multi_agent:  # every module in one version (the env gate plays them all)
+                    from rlrec.trainer.multi_agent_export import build_modules_artifact
+
+                    artifact = build_modules_artifact(self.algo, self.modules)
+                else:
+                    artifact = export_candidate(self.algo, self.obs_space, self.act_space)
             except Exception as e:
                 log.error("exporting candidate v%d failed (%s): not published", version, e)
                 return

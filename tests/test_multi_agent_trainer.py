@@ -315,6 +315,25 @@ def test_buffer_mode_samples_every_module_with_its_ids_which_rllibs_buffer_drops
         assert sum(len(e) for e in sampled if e.module_id == module) >= 32
 
 
+@pytest.mark.parametrize("mode,per_call", [("episodes", 256), ("buffer", 2 * 256)])
+def test_the_feed_counts_a_buffer_calls_rows_for_every_module(tmp_path, mode, per_call):
+    import gymnasium as gym
+    from ray.rllib.algorithms.bc import BCConfig
+
+    from rlrec.trainer.data import configure_continuous
+    from rlrec.trainer.feed import FeedPolicy
+    from rlrec.trainer.multi_agent import StoredModules, configure_modules
+
+    space = (gym.spaces.Box(-1, 1, (2,)), gym.spaces.Discrete(3))
+    config = configure_modules(
+        BCConfig().training(train_batch_size_per_learner=256),
+        StoredModules({"a": space, "b": space}, {"agent_0": "a", "agent_1": "b"}),
+    )
+    feed = FeedPolicy()
+    configure_continuous(config, str(tmp_path), feed_policy=feed, prelearner_mode=mode, multi_agent=True)
+    assert feed.batch_rows == per_call  # a buffer-mode call samples 256 timesteps of each module
+
+
 def test_a_learner_side_stream_keeps_each_modules_rows_apart():
     from rlrec.trainer.envelopes import row_count
     from rlrec.trainer.stream_iterator import _by_module

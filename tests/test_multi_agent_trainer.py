@@ -235,12 +235,14 @@ def test_both_modules_train_and_publish_as_one_version(tmp_path, algo, flags, mo
 
 
 @pytest.mark.slow
-def test_kill_9_and_resume_train_every_shard_as_new_exactly_once(tmp_path):
+@pytest.mark.parametrize("mode", ["episodes", "buffer"])
+def test_kill_9_and_resume_train_every_shard_as_new_exactly_once(tmp_path, mode):
     out, ck = str(tmp_path / "out"), str(tmp_path / "ck")
     keys = commit_spread(out, 2, 10)
     cmd = [sys.executable, "-m", "rlrec", "train", "--input", out, "--checkpoint-dir", ck, "--multi-agent"]
     cmd += ["--algo", "BC", "--promotion-gate", "off", "--checkpoint-interval", "2", "--num-cpus", "2"]
     cmd += ["--algo-config", "train_batch_size_per_learner=128", "--min-time-s-per-iteration", "0.5"]
+    cmd += ["--prelearner-mode", mode]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     log = open(tmp_path / "a.log", "wb")
     a = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)

@@ -60,7 +60,6 @@ def cfg(out, ck, **kw):
         ({"algo": "IQL"}, "--multi-agent trains BC or MARWIL; IQL is not supported"),
         ({"promotion_gate": "ope"}, "--promotion-gate ope is single-agent only"),
         ({"env": "pettingzoo:mpe2.simple_spread_v3", "eval_interval": 1}, "--eval-interval is single-agent only"),
-        ({"prelearner_mode": "buffer"}, "drops the agent and module ids"),
         ({"offline_config": {"input_read_episodes": False}}, "reads tabular shards.*not with --multi-agent"),
         (
             {"offline_config": {"prelearner_class": "rlrec.trainer.prelearner.SafeOfflinePreLearner"}},
@@ -132,8 +131,16 @@ def _held_out_observations():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algo,flags", [("BC", "rllib"), ("MARWIL", "env")])
-def test_both_modules_train_and_publish_as_one_version(tmp_path, algo, flags):
+@pytest.mark.parametrize(
+    "algo,flags,mode",
+    [
+        ("BC", "rllib", "episodes"),
+        ("MARWIL", "env", "episodes"),
+        ("BC", "rllib", "buffer"),
+        ("MARWIL", "env", "buffer"),
+    ],
+)
+def test_both_modules_train_and_publish_as_one_version(tmp_path, algo, flags, mode):
     from rlrec.trainer.lineage import open_lineage
     from rlrec.trainer.policy import load_policy
     from rlrec.trainer.service import ContinuousTrainer
@@ -154,6 +161,7 @@ def test_both_modules_train_and_publish_as_one_version(tmp_path, algo, flags):
             checkpoint_interval=1000,  # one publication: the checkpoint at the stop below
             num_cpus=2,
             multi_agent_flags=flags,
+            prelearner_mode=mode,
             signing_key=str(priv),
         )
     )
@@ -205,7 +213,10 @@ def test_both_modules_train_and_publish_as_one_version(tmp_path, algo, flags):
     assert rand_agreement < 0.4, rand_agreement  # chance: 0.2
     probs = rand.action_probs(obs1)
     confidence = float(probs.max(axis=1).mean())
-    assert confidence < 0.4, confidence  # near uniform (0.2); the scripted module's is near 1
+    # near uniform (0.2); the scripted module's is near 1. Buffer mode resamples each transition many
+    # times, so MARWIL's advantage weights (for the random agent: noise of the shared reward) pull
+    # its module further from uniform (measured 0.43)
+    assert confidence < (0.5 if (algo, mode) == ("MARWIL", "buffer") else 0.4), confidence
     assert float(scripted.action_probs(obs0).max(axis=1).mean()) > 0.6
     acts, extras = whole.act({"agent_0": obs0[0], "agent_1": obs1[0]})
     assert int(acts["agent_0"]) == greedy0[0] and int(acts["agent_1"]) == int(rand.act(obs1[0])[0])
@@ -224,12 +235,14 @@ def test_both_modules_train_and_publish_as_one_version(tmp_path, algo, flags):
 
 
 @pytest.mark.slow
-def test_kill_9_and_resume_train_every_shard_as_new_exactly_once(tmp_path):
+@pytest.mark.parametrize("mode", ["episodes", "buffer"])
+def test_kill_9_and_resume_train_every_shard_as_new_exactly_once(tmp_path, mode):
     out, ck = str(tmp_path / "out"), str(tmp_path / "ck")
     keys = commit_spread(out, 2, 10)
     cmd = [sys.executable, "-m", "rlrec", "train", "--input", out, "--checkpoint-dir", ck, "--multi-agent"]
     cmd += ["--algo", "BC", "--promotion-gate", "off", "--checkpoint-interval", "2", "--num-cpus", "2"]
     cmd += ["--algo-config", "train_batch_size_per_learner=128", "--min-time-s-per-iteration", "0.5"]
+    cmd += ["--prelearner-mode", mode]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     log = open(tmp_path / "a.log", "wb")
     a = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -259,6 +272,68 @@ def test_kill_9_and_resume_train_every_shard_as_new_exactly_once(tmp_path):
     assert_each_shard_new_exactly_once(lines, keys)
     for r in lines:
         assert all(math.isfinite(m["policy_loss"]) for m in r["learners"].values())
+
+
+def _agent_episode(i: int, agent: str, module: str):
+    from ray.rllib.env.single_agent_episode import SingleAgentEpisode
+
+    return SingleAgentEpisode(
+        id_=f"{agent}-{i}",
+        agent_id=agent,
+        module_id=module,
+        multi_agent_episode_id=f"ma-{i}",
+        observations=[np.float32([i, t]) for t in range(4)],
+        actions=[0, 1, 0],
+        rewards=[0.0, 1.0, 0.5],
+        terminated=True,
+        len_lookback_buffer=0,
+    )
+
+
+def test_buffer_mode_samples_every_module_with_its_ids_which_rllibs_buffer_drops():
+    from ray.rllib.utils.replay_buffers.episode_replay_buffer import EpisodeReplayBuffer
+
+    from rlrec.trainer.multi_agent_buffer import ModuleEpisodeBuffers
+
+    eps = [_agent_episode(i, a, m) for i in range(6) for a, m in (("agent_0", "scripted"), ("agent_1", "random"))]
+    kw = {"num_items": 32, "n_step": 1, "sample_episodes": True, "include_extra_model_outputs": True}
+    stock = EpisodeReplayBuffer(capacity=1000)
+    stock.add(eps)
+    assert {(e.agent_id, e.module_id, e.multi_agent_episode_id) for e in stock.sample(**kw)} == {(None, None, None)}
+
+    bufs = ModuleEpisodeBuffers(lambda: EpisodeReplayBuffer(capacity=12))  # 4 episodes of 3 steps each
+    bufs.add(eps)
+    bufs.add(eps[-2:])  # repeats of held episodes (a replayed shard) are not added twice
+    assert bufs.get_num_timesteps() == 24
+    sampled = bufs.sample(**kw)
+    by_module: dict = {}
+    for e in sampled:
+        by_module.setdefault(e.module_id, set()).add((e.agent_id, e.multi_agent_episode_id, e.id_))
+    assert sorted(by_module) == ["random", "scripted"]
+    for module, agent in (("scripted", "agent_0"), ("random", "agent_1")):
+        # the ids of the episode each sample was cut from; only the 4 newest episodes stay (capacity)
+        assert {(a, ma) for a, ma, _ in by_module[module]} <= {(agent, f"ma-{i}") for i in range(2, 6)}
+        assert all(eid == f"{agent}-{ma[3:]}" for _, ma, eid in by_module[module])
+        assert sum(len(e) for e in sampled if e.module_id == module) >= 32
+
+
+@pytest.mark.parametrize("mode,per_call", [("episodes", 256), ("buffer", 2 * 256)])
+def test_the_feed_counts_a_buffer_calls_rows_for_every_module(tmp_path, mode, per_call):
+    import gymnasium as gym
+    from ray.rllib.algorithms.bc import BCConfig
+
+    from rlrec.trainer.data import configure_continuous
+    from rlrec.trainer.feed import FeedPolicy
+    from rlrec.trainer.multi_agent import StoredModules, configure_modules
+
+    space = (gym.spaces.Box(-1, 1, (2,)), gym.spaces.Discrete(3))
+    config = configure_modules(
+        BCConfig().training(train_batch_size_per_learner=256),
+        StoredModules({"a": space, "b": space}, {"agent_0": "a", "agent_1": "b"}),
+    )
+    feed = FeedPolicy()
+    configure_continuous(config, str(tmp_path), feed_policy=feed, prelearner_mode=mode, multi_agent=True)
+    assert feed.batch_rows == per_call  # a buffer-mode call samples 256 timesteps of each module
 
 
 def test_a_learner_side_stream_keeps_each_modules_rows_apart():

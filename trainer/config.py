@@ -557,11 +557,6 @@ class TrainerConfig:
                 "--eval-interval is single-agent only: with --multi-agent, --promotion-gate env evaluates each "
                 "checkpoint's candidate in --env"
             )
-        if self.prelearner_mode == "buffer":
-            raise ValueError(
-                "--prelearner-mode buffer samples through RLlib's episode buffer, which drops the agent and "
-                "module ids: not with --multi-agent (the default, episodes, keeps them)"
-            )
         if self.rollout == "canary" or self.ope_report:
             raise ValueError("--rollout canary and --ope-report are single-agent only: not with --multi-agent")
         if not self.offline_config.get("input_read_episodes", True):

@@ -564,7 +564,8 @@ def configure_continuous(
         feed_policy = FeedPolicy(**feed_policy)
     feed_policy = feed_policy or FeedPolicy()
     B = int(config.train_batch_size_per_learner or config.train_batch_size or 512)
-    feed_policy.batch_rows = B
+    # rows a "buffer"-mode PreLearner call returns: B sampled timesteps (multi-agent rows: B per module)
+    feed_policy.batch_rows = B * (len(config.policies) if multi_agent and prelearner_mode == "buffer" else 1)
     feed_policy.prelearner_mode = prelearner_mode
     if config.input_read_batch_size:
         feed_policy.chunk_rows = int(config.input_read_batch_size)

@@ -122,7 +122,7 @@ class FeedPolicy:
     replay_policy_versions: int | None = None
     chunk_steps: int | None = None
     chunk_rows: int | None = None
-    batch_rows: int = 512  # rows per PreLearner call in "buffer" mode (train_batch_size_per_learner)
+    batch_rows: int = 512  # rows per PreLearner call in "buffer" mode (train_batch_size_per_learner, per module)
     prelearner_mode: str = "episodes"  # "episodes": a chunk's rows = its timesteps; "buffer": batch_rows
     max_ahead_rows: int = 4096
     redeliver_after_s: float = 30.0

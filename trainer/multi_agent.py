@@ -5,7 +5,8 @@ multi-agent RLlib config they give.
 Each module's rows lie under ``{policy_id}.{module_id}/``; every row names its agent and module
 and holds the agent's `SingleAgentEpisode` (which keeps ``agent_id``, ``module_id`` and
 ``multi_agent_episode_id``), so RLlib's multi-agent learner connector routes each one to its own
-module without the replay buffer that drops those ids.
+module (in ``--prelearner-mode buffer`` through per-module buffers that keep those ids:
+`rlrec.trainer.multi_agent_buffer`).
 """
 
 from __future__ import annotations

@@ -61,6 +61,12 @@ class SafeOfflinePreLearner(OfflinePreLearner):
         self._rlrec_env_flags = self._rlrec_multi_agent and spec.get("multi_agent_flags") == "env"
         #: multi-agent: only rows of this multi-agent policy (``--policy-id``; None: any)
         self._rlrec_policy_id = spec.get("policy_id") if self._rlrec_multi_agent else None
+        #: multi-agent "buffer" mode: one episode buffer per module, ids kept (`ModuleEpisodeBuffers`)
+        self._rlrec_module_buffers = None
+        if self._rlrec_multi_agent and self._rlrec_mode == "buffer":
+            from rlrec.trainer.multi_agent_buffer import ModuleEpisodeBuffers
+
+            self._rlrec_module_buffers = ModuleEpisodeBuffers(self._rlrec_new_buffer)
         self.rlrec_held_out = 0
         self.rlrec_skipped = 0
         #: (episode id, or "#<row in the chunk>" if undecodable; why) of each episode the last call
@@ -68,6 +74,18 @@ class SafeOfflinePreLearner(OfflinePreLearner):
         self.rlrec_last_skips: list[tuple[str, str]] = []
         #: episodes of the last call's chunk left to train on (None: not known)
         self.rlrec_last_usable: int | None = None
+
+    def _rlrec_new_buffer(self) -> Any:
+        """An episode buffer like the one RLlib's PreLearner built (its class and arguments)."""
+        kwargs = {
+            "capacity": self.config.train_batch_size_per_learner * 10,
+            "batch_size_B": self.config.train_batch_size_per_learner,
+        } | self.config.prelearner_buffer_kwargs
+        return type(self.episode_buffer)(**kwargs)
+
+    def _rlrec_buffer(self) -> Any:
+        """The buffer "buffer" mode samples: multi-agent rows' per-module ones, else RLlib's."""
+        return self.episode_buffer if self._rlrec_module_buffers is None else self._rlrec_module_buffers
 
     def _skip(self, episode: str, reason: str) -> None:
         self.rlrec_skipped += 1
@@ -170,15 +188,18 @@ class SafeOfflinePreLearner(OfflinePreLearner):
     def _postprocess_and_sample(self, episodes: list) -> list:
         """RLlib's version, except that sampled transitions keep their extra model outputs
         (RLlib drops them: ``include_extra_model_outputs`` defaults to False), so the tag
-        survives. All other extra outputs were removed in `_decode` unless kept on purpose."""
-        episodes = self._validate_episodes(episodes)
+        survives. All other extra outputs were removed in `_decode` unless kept on purpose.
+        Multi-agent rows go to per-module buffers that keep the agent and module ids
+        (`rlrec.trainer.multi_agent_buffer.ModuleEpisodeBuffers`; they drop repeats themselves)."""
+        buffer = self._rlrec_buffer()
+        episodes = episodes if buffer is self._rlrec_module_buffers else self._validate_episodes(episodes)
         if self._module.is_stateful() and not self.config.prelearner_use_recorded_module_states:
             from ray.rllib.core.columns import Columns
 
             for eps in episodes:
                 eps.extra_model_outputs.pop(Columns.STATE_OUT, None)
                 eps.extra_model_outputs.pop(Columns.STATE_IN, None)
-        self.episode_buffer.add(episodes)
+        buffer.add(episodes)
         batch_length_T = self.config.model_config.get("max_seq_len", 0) if self._module.is_stateful() else None
         kw = {
             "num_items": self.config.train_batch_size_per_learner,
@@ -190,9 +211,9 @@ class SafeOfflinePreLearner(OfflinePreLearner):
             "min_batch_length_T": getattr(self.config, "burnin_len", 0),
         }
         try:
-            return self.episode_buffer.sample(include_extra_model_outputs=True, **kw)
+            return buffer.sample(include_extra_model_outputs=True, **kw)
         except TypeError:  # a custom buffer class without that option (no shard tracking then)
-            return self.episode_buffer.sample(**kw)
+            return buffer.sample(**kw)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         self.rlrec_last_skips = []
@@ -201,7 +222,7 @@ class SafeOfflinePreLearner(OfflinePreLearner):
             episodes = self._decode(batch)
             self.rlrec_last_usable = len(episodes)
             if self._rlrec_mode == "buffer":
-                if episodes or self.episode_buffer.get_num_timesteps() > 0:
+                if episodes or self._rlrec_buffer().get_num_timesteps() > 0:
                     episodes = self._postprocess_and_sample(episodes)
             elif self._module.is_stateful() and not self.config.prelearner_use_recorded_module_states:
                 from ray.rllib.core.columns import Columns

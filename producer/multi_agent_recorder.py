@@ -69,6 +69,7 @@ class _MultiAgentEpisode:
         "agent_set",
         "agents",
         "all_set",
+        "cell_bytes",
         "dropping",
         "env_t",
         "first_buffered",
@@ -81,6 +82,7 @@ class _MultiAgentEpisode:
         "obs_packers",
         "rewarded",
         "rules",
+        "step_bytes",
         "steps",
         "stride",
         "t0",
@@ -98,6 +100,10 @@ class _MultiAgentEpisode:
         self.obs_packers, self.act_packers = obs_packers, act_packers
         self.obs_bytes = {a: _leaf_bytes(p) for a, p in obs_packers.items()}  # per value on the wire
         self.act_bytes = {a: _leaf_bytes(p) for a, p in act_packers.items()}
+        # about what an env step adds to a MultiAgentStepBatch: its own fields and a presence
+        # byte per agent, and per agent cell its fixed part (leaves, info, extras come on top)
+        self.step_bytes = 32 + len(self.id_avro) + len(agents)
+        self.cell_bytes = tuple(24 + len(a) for a in agents)
         self.rules = MultiAgentRules()
         self.rules.reset(observations)
         self.env_t = 0  # env steps logged so far
@@ -118,13 +124,10 @@ class _MultiAgentEpisode:
             f"episode {self.id!r} is a multi-agent episode: use log_multi_agent_step / log_multi_agent_reward"
         )
 
-    def note_rewards(self, cells: dict) -> None:
-        """Remember which agents got a reward at the env step just logged (for delayed rewards)."""
-        m = 0
-        for a, c in cells.items():
-            if c[0] & REWARD:
-                m |= 1 << self.index[a]
-        self.rewarded += m.to_bytes(self.stride, "little")
+    def note_rewards(self, mask: int) -> None:
+        """Remember which agents got a reward at the env step just logged (bit index[a] of
+        `mask`), for delayed rewards."""
+        self.rewarded += mask.to_bytes(self.stride, "little")
 
     def finished(self) -> _FinishedMultiAgent:
         """What `log_multi_agent_reward` checks once the episode has ended."""
@@ -145,11 +148,40 @@ def _leaf_bytes(packer: Any) -> int:
     return sum(lf.dtype.itemsize * math.prod(lf.shape) for lf in packer.leaves)
 
 
-def _flag(d: Mapping, key: str, what: str) -> bool:
-    v = d[key]
+def _flag(v: Any, key: str, what: str) -> bool:
+    """`what[key]`, the value `v`, as a bool (ValueError for None, TypeError for a non-bool)."""
+    if v is None:
+        raise _none(what, key)
     if not isinstance(v, (bool, np.bool_)):
         raise TypeError(f"{what}[{key!r}] must be a bool, got {type(v).__name__}")
     return bool(v)
+
+
+def _none(what: str, key: str) -> ValueError:
+    return ValueError(f"{what}[{key!r}] is None: leave the agent out instead")
+
+
+def _copy_agent_outputs(a: str, e: Any, episode_id: str) -> dict | None:
+    """What the recorder keeps of agent `a`'s extra model outputs `e` (see `_r._copy_outputs`);
+    None for an empty mapping."""
+    if not isinstance(e, Mapping):
+        raise TypeError(f"extra_model_outputs[{a!r}] must be a dict of outputs, got {type(e).__name__}")
+    if not e:
+        return None
+    extra = _r._copy_outputs(e, episode_id)  # checks an action_logp
+    if len(extra) != 1 or type(extra.get("action_logp")) not in _r._FLOAT_TYPES:
+        _r._extra_keys(extra)  # TypeError for names and dtypes the wire cannot carry
+    return extra
+
+
+def _extra_bytes(extra: dict | None) -> int:
+    """About what kept extra model outputs add to a MultiAgentStepBatch."""
+    if not extra:
+        return 0
+    return sum(16 + len(k) + (v.nbytes if isinstance(v, np.ndarray) else 8) for k, v in extra.items())
+
+
+_LOGP_CELL_BYTES = _extra_bytes({"action_logp": 0.0})
 
 
 class MultiAgentCalls:
@@ -325,65 +357,112 @@ class MultiAgentCalls:
         if _COMMON in infos:  # as RLlib's MultiAgentEpisode: not recorded
             infos = {a: v for a, v in infos.items() if a != _COMMON}
         extras = extra_model_outputs or {}
-        agents, names = ep.agents, ep.agent_set
-        for what, d in (("observations", observations), ("actions", actions), ("rewards", rewards), ("infos", infos)):
-            self._check_agents(names, d, what)
-        self._check_agents(ep.all_set, terminateds, "terminateds")
-        self._check_agents(ep.all_set, truncateds, "truncateds")
-        self._check_agents(names, extras, "extra_model_outputs")
-        for a in extras:
-            if a not in actions:
-                raise ValueError(f"extra_model_outputs for agent {a!r}, which did not act")
+        agents, names, all_set = ep.agents, ep.agent_set, ep.all_set
+        if not (
+            type(observations) is type(actions) is type(rewards) is type(infos) is dict
+            and type(terminateds) is type(truncateds) is type(extras) is dict
+            and names.issuperset(observations)
+            and names.issuperset(actions)
+            and names.issuperset(rewards)
+            and names.issuperset(infos)
+            and all_set.issuperset(terminateds)
+            and all_set.issuperset(truncateds)
+            and names.issuperset(extras)
+        ):  # the usual dicts are checked for None values in the loop below
+            for what, d in (("observations", observations), ("actions", actions), ("rewards", rewards)):
+                self._check_agents(names, d, what)
+            self._check_agents(names, infos, "infos")
+            self._check_agents(all_set, terminateds, "terminateds")
+            self._check_agents(all_set, truncateds, "truncateds")
+            self._check_agents(names, extras, "extra_model_outputs")
+        if not extras.keys() <= actions.keys():
+            a = next(a for a in extras if a not in actions)
+            raise ValueError(f"extra_model_outputs for agent {a!r}, which did not act")
         flags = 0
         if _ALL in terminateds:
-            flags |= ALL_TERMINATED | (ALL_TERMINATED_TRUE if _flag(terminateds, _ALL, "terminateds") else 0)
+            flags |= ALL_TERMINATED | (ALL_TERMINATED_TRUE if _flag(terminateds[_ALL], _ALL, "terminateds") else 0)
         if _ALL in truncateds:
-            flags |= ALL_TRUNCATED | (ALL_TRUNCATED_TRUE if _flag(truncateds, _ALL, "truncateds") else 0)
+            flags |= ALL_TRUNCATED | (ALL_TRUNCATED_TRUE if _flag(truncateds[_ALL], _ALL, "truncateds") else 0)
         cells = {}
+        rewarded = 0  # which agents got a reward (bit index[a])
+        validate = self.validate_spaces
         # about what this env step adds to a MultiAgentStepBatch: its flag, a presence byte per
-        # agent column (counted for every agent), its cells; and the batch's own fields
-        size = 32 + len(ep.id_avro) + len(agents)
-        for a in agents:
+        # agent column (counted for every agent), its cells; and the batch's
+        # own fields
+        size = ep.step_bytes
+        for i, a in enumerate(agents):
             p = 0
             obs = act = info = extra = None
             rew = 0.0
+            n = ep.cell_bytes[i]
             if a in observations:
-                if self.validate_spaces and not ep.obs_packers[a].space.contains(observations[a]):
-                    raise ValueError(f"observation of {a!r} is not in {ep.obs_packers[a].space}")
-                obs = ep.obs_packers[a].copy(observations[a])
-                p |= OBSERVATION
+                packer = ep.obs_packers[a]
+                v = observations[a]
+                if v is None:
+                    raise _none("observations", a)
+                if validate and not packer.space.contains(v):
+                    raise ValueError(f"observation of {a!r} is not in {packer.space}")
+                obs = packer.copy(v)
+                p = OBSERVATION
+                n += ep.obs_bytes[a]
             if a in actions:
-                if self.validate_spaces and not ep.act_packers[a].space.contains(actions[a]):
-                    raise ValueError(f"action of {a!r} is not in {ep.act_packers[a].space}")
-                act = ep.act_packers[a].copy(actions[a])
+                packer = ep.act_packers[a]
+                v = actions[a]
+                if v is None:
+                    raise _none("actions", a)
+                if validate and not packer.space.contains(v):
+                    raise ValueError(f"action of {a!r} is not in {packer.space}")
+                act = packer.copy(v)
                 p |= ACTION
+                n += ep.act_bytes[a]
                 e = extras.get(a)
-                if e is not None and not isinstance(e, Mapping):
-                    raise TypeError(f"extra_model_outputs[{a!r}] must be a dict of outputs, got {type(e).__name__}")
-                if e:
-                    extra = _r._copy_outputs(e, episode_id)  # checks an action_logp
-                    if len(extra) != 1 or type(extra.get("action_logp")) not in _r._FLOAT_TYPES:
-                        _r._extra_keys(extra)  # TypeError for names and dtypes the wire cannot carry
+                if type(e) is dict and len(e) == 1 and type(lp := e.get("action_logp")) in _r._FLOAT_TYPES:
+                    # only the propensity, the usual case: kept and checked as `_copy_outputs` would
+                    if not (_r._NEG_INF < (lp if type(lp) is float else float(lp)) <= _r.LOGP_TOLERANCE):
+                        _r._check_logp(lp, episode_id)
+                    extra = {"action_logp": lp}
+                    n += _LOGP_CELL_BYTES
+                elif e is None:
+                    if a in extras:
+                        raise _none("extra_model_outputs", a)
+                else:
+                    extra = _copy_agent_outputs(a, e, episode_id)
+                    n += _extra_bytes(extra)
             if a in rewards:
                 rew = rewards[a]
                 if type(rew) is not float:
+                    if rew is None:
+                        raise _none("rewards", a)
                     try:
                         rew = float(rew)
                     except (TypeError, ValueError):
                         raise TypeError(f"rewards[{a!r}] must be a number, got {type(rew).__name__}") from None
-                if not math.isfinite(rew):
+                if rew - rew != 0.0:  # NaN or +-inf
                     raise ValueError(f"rewards[{a!r}] must be finite, got {rew} (episode {episode_id})")
                 p |= REWARD
+                rewarded |= 1 << i
             if a in infos:
-                info = dumps_info(infos[a])
+                v = infos[a]
+                if v is None:
+                    raise _none("infos", a)
+                info = dumps_info(v)
                 p |= INFO
-            if a in terminateds:
-                p |= TERMINATED | (TERMINATED_TRUE if _flag(terminateds, a, "terminateds") else 0)
-            if a in truncateds:
-                p |= TRUNCATED | (TRUNCATED_TRUE if _flag(truncateds, a, "truncateds") else 0)
+                n += len(info) + 4
+            v = terminateds.get(a)
+            if v is not None:
+                p |= TERMINATED | (
+                    TERMINATED_TRUE if v is True or (v is not False and _flag(v, a, "terminateds")) else 0
+                )
+            elif a in terminateds:
+                raise _none("terminateds", a)
+            v = truncateds.get(a)
+            if v is not None:
+                p |= TRUNCATED | (TRUNCATED_TRUE if v is True or (v is not False and _flag(v, a, "truncateds")) else 0)
+            elif a in truncateds:
+                raise _none("truncateds", a)
             if p:
                 cells[a] = (p, obs, act, rew, info, extra)
-                size += self._ma_cell_bytes(ep, a, p, info, extra)
+                size += n
         step = (flags, cells)
         batch_bytes = min(self.max_batch_bytes, self._max_start)
         if size > self._max_start:
@@ -410,7 +489,7 @@ class MultiAgentCalls:
                             ep.first_buffered = _r._monotonic()
                         ep.steps.append(step)
                         ep.nbytes += size
-                        ep.note_rewards(cells)
+                        ep.note_rewards(rewarded)
                         ep.env_t += 1
                         self._buffered += 1
                         if ep.rules.done:
@@ -423,7 +502,7 @@ class MultiAgentCalls:
                     ended = state[1] or state[2]
                     if ep.dropping or self.on_overflow == "drop":  # dropped: counted before _overflow ends it
                         ep.rules.accept(state)
-                        ep.note_rewards(cells)
+                        ep.note_rewards(rewarded)
                         ep.env_t += 1
                         self._overflow(ep, ended)
                         return ended
@@ -538,21 +617,6 @@ class MultiAgentCalls:
             a = np.asarray(v, dtype=leaf.dtype) if type(v) is not bytes else np.frombuffer(v, leaf.dtype)
             out.append(array_to_wire(a.reshape(leaf.shape)))
         return out
-
-    @staticmethod
-    def _ma_cell_bytes(ep: _MultiAgentEpisode, a: str, p: int, info: str | None, extra: dict | None) -> int:
-        """About what one agent's cell adds to a MultiAgentStepBatch (leaves, info, extras)."""
-        n = 24 + len(a)
-        if p & OBSERVATION:
-            n += ep.obs_bytes[a]
-        if p & ACTION:
-            n += ep.act_bytes[a]
-        if info is not None:
-            n += len(info) + 4
-        if extra:
-            for k, v in extra.items():
-                n += 16 + len(k) + (v.nbytes if isinstance(v, np.ndarray) else 8)
-        return n
 
     def _ma_emit(self, ep: _MultiAgentEpisode, ended: bool) -> None:
         """Send the episode's buffered env steps as one MultiAgentStepBatch (see `_emit`)."""

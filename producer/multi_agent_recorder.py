@@ -359,8 +359,13 @@ class MultiAgentCalls:
         extras = extra_model_outputs or {}
         agents, names, all_set = ep.agents, ep.agent_set, ep.all_set
         if not (
-            type(observations) is type(actions) is type(rewards) is type(infos) is dict
-            and type(terminateds) is type(truncateds) is type(extras) is dict
+            isinstance(observations, dict)
+            and isinstance(actions, dict)
+            and isinstance(rewards, dict)
+            and isinstance(infos, dict)
+            and isinstance(terminateds, dict)
+            and isinstance(truncateds, dict)
+            and isinstance(extras, dict)
             and names.issuperset(observations)
             and names.issuperset(actions)
             and names.issuperset(rewards)

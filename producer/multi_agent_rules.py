@@ -110,13 +110,14 @@ class MultiAgentRules:
         observation (none hanging), is not done, and gives the extra output names its episode
         holds; no agent and not ``"__all__"`` is terminated or truncated (infos play no part:
         RLlib only refuses them for agents that are done)."""
-        if self.done or not observations or type(observations) is not dict:
+        if self.done or not observations:
             return None
         keys = observations.keys()
-        if not (keys == actions.keys() == rewards.keys() and keys >= terminateds.keys() - _ALL_ONLY):
+        if keys != actions.keys() or keys != rewards.keys() or any(terminateds.values()) or any(truncateds.values()):
             return None
-        if not keys >= truncateds.keys() - _ALL_ONLY or any(terminateds.values()) or any(truncateds.values()):
-            return None
+        for d in (terminateds, truncateds):  # every agent they name (but "__all__") has data
+            if not d.keys() <= keys and d.keys() - keys != _ALL_ONLY:
+                return None
         agents = self.agents
         for a in keys:
             s = agents.get(a)

@@ -15,9 +15,10 @@ treat multi-agent episodes as they treat single-agent ones.
 from __future__ import annotations
 
 import math
+import struct
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -57,6 +58,10 @@ _space_text = per_space(lambda s: dumps_space(s, compact=True))
 _obs_packer = per_space(lambda s: _r._Packer(s, "observation"))
 _act_packer = per_space(lambda s: _r._Packer(s, "action"))
 _REWARDS_HEAD = string_bytes("float64") + long_bytes(1)
+#: a column's extra outputs when they are only float propensities: one name, then its float64 (k,) array up to k
+_LOGP_ONLY_HEAD = long_bytes(1) + string_bytes("action_logp") + _REWARDS_HEAD
+_EMPTY_STRING = string_bytes("")
+_DATA = OBSERVATION | ACTION | REWARD | INFO  # the flags of a cell that say which values it has
 
 
 class _MultiAgentEpisode:
@@ -425,7 +430,7 @@ class MultiAgentCalls:
                     # only the propensity, the usual case: kept and checked as `_copy_outputs` would
                     if not (_r._NEG_INF < (lp if type(lp) is float else float(lp)) <= _r.LOGP_TOLERANCE):
                         _r._check_logp(lp, episode_id)
-                    extra = {"action_logp": lp}
+                    extra = lp  # immutable: kept as it is (`_ma_extras`)
                     n += _LOGP_CELL_BYTES
                 elif e is None:
                     if a in extras:
@@ -653,7 +658,7 @@ class MultiAgentCalls:
         """The Avro body of a MultiAgentStepBatch of the buffered env steps (see `avro_write`)."""
         steps = ep.steps
         n = len(steps)
-        flags = bytes(f for f, _ in steps)
+        flags = bytes([f for f, _ in steps])
         parts = [ep.id_avro, long_bytes(ep.t0), long_bytes(n), flags]
         columns = []
         for a in ep.agents:
@@ -663,31 +668,51 @@ class MultiAgentCalls:
         if columns:
             parts.append(long_bytes(len(columns)))
         for a, col in columns:
-            presence = bytes(c[0] if c else 0 for c in col)
+            if None not in col and len({c[0] & _DATA for c in col}) == 1:
+                # the agent has the same fields at every env step: its column is a transpose
+                ps, obs, acts, rewards, infos, outputs = zip(*col)
+                p = ps[0]
+                presence = bytes(ps)
+                obs = obs if p & OBSERVATION else ()
+                if not p & ACTION:
+                    acts = outputs = ()
+                rewards = rewards if p & REWARD else ()
+                infos = infos if p & INFO else ()
+            else:
+                presence = bytes([c[0] if c else 0 for c in col])
+                obs = [c[1] for c in col if c and c[0] & OBSERVATION]
+                acting = [c for c in col if c and c[0] & ACTION]
+                acts = [c[2] for c in acting]
+                outputs = [c[5] for c in acting]
+                rewards = [c[3] for c in col if c and c[0] & REWARD]
+                infos = [c[4] for c in col if c and c[0] & INFO]
             parts += (string_bytes(a), long_bytes(n), presence)
-            obs = [c[1] for c in col if c and c[0] & OBSERVATION]
-            acts = [c for c in col if c and c[0] & ACTION]
             self._ma_write(parts, ep.obs_packers[a], obs)
-            self._ma_write(parts, ep.act_packers[a], [c[2] for c in acts])
-            rewards = [c[3] for c in col if c and c[0] & REWARD]
+            self._ma_write(parts, ep.act_packers[a], acts)
             k = len(rewards)
-            data = np.asarray(rewards, dtype="<f8").tobytes()
-            parts += (_REWARDS_HEAD, long_bytes(k), ARRAY_END, long_bytes(len(data)), data)
-            infos = [c[4] for c in col if c and c[0] & INFO]
+            parts += (_REWARDS_HEAD, long_bytes(k), ARRAY_END, long_bytes(8 * k), struct.pack(f"<{k}d", *rewards))
             if infos:
                 parts.append(long_bytes(len(infos)))
-                parts += map(string_bytes, infos)
+                parts += [string_bytes(x) if x else _EMPTY_STRING for x in infos]
             parts.append(ARRAY_END)
-            self._ma_extras(parts, [c[5] or {} for c in acts])
+            self._ma_extras(parts, outputs)
         parts.append(ARRAY_END)
         parts += (bool_byte(ended), _r._now_ms_bytes())
         return b"".join(parts)
 
     @staticmethod
-    def _ma_extras(parts: list, outputs: list[dict]) -> None:
+    def _ma_extras(parts: list, kept: Sequence) -> None:
         """The column's `extra_model_outputs` and `extra_rows` maps: per name (in the order the
         actions gave them) its values stacked over the actions that have it, and the row mask of
-        a name only some of them have."""
+        a name only some of them have. `kept`: per action what the recorder kept of its outputs
+        (None, a dict, or only the propensity as its scalar)."""
+        k = len(kept)
+        if k and list(map(type, kept)).count(float) == k:  # only float propensities, at every action
+            parts += (_LOGP_ONLY_HEAD, long_bytes(k), ARRAY_END, long_bytes(8 * k), struct.pack(f"<{k}d", *kept))
+            parts += (ARRAY_END, ARRAY_END)
+            return
+        outputs = [o if type(o) not in _r._FLOAT_TYPES else {"action_logp": o} for o in kept]
+        outputs = [o or {} for o in outputs]
         names = list(dict.fromkeys(k for o in outputs for k in o))
         masks = []
         if names:

@@ -61,7 +61,58 @@ _REWARDS_HEAD = string_bytes("float64") + long_bytes(1)
 #: a column's extra outputs when they are only float propensities: one name, then its float64 (k,) array up to k
 _LOGP_ONLY_HEAD = long_bytes(1) + string_bytes("action_logp") + _REWARDS_HEAD
 _EMPTY_STRING = string_bytes("")
+_UNION_NULL, _UNION_SECOND = long_bytes(0), long_bytes(1)  # which branch of a ["null", T] union
 _DATA = OBSERVATION | ACTION | REWARD | INFO  # the flags of a cell that say which values it has
+
+
+class _Layout:
+    """What every episode of the same possible agents, spaces and modules shares: the agents'
+    order, sets and bit positions, their packers, what their values take on the wire, and the
+    Avro bytes of a MultiAgentEpisodeStart's ``spaces`` and ``agents`` fields. `key` (the
+    policy id and per agent its id, the ids of its space objects and its module; `spaces` keeps
+    those objects alive, so the ids name them while the layout is kept) says which episodes
+    share it."""
+
+    __slots__ = (
+        "act_bytes",
+        "act_packers",
+        "agent_set",
+        "agents",
+        "all_set",
+        "cell_bytes",
+        "head",
+        "index",
+        "key",
+        "obs_bytes",
+        "obs_packers",
+        "spaces",
+        "stride",
+    )
+
+    def __init__(self, key: tuple, modules: Mapping, observation_spaces: Mapping, action_spaces: Mapping) -> None:
+        self.key = key
+        agents = tuple(observation_spaces)
+        self.spaces = tuple((observation_spaces[a], action_spaces[a]) for a in agents)
+        self.agents = agents  # possible agents, in order
+        self.agent_set = frozenset(agents)
+        self.all_set = self.agent_set | {_ALL}  # what terminateds and truncateds may name
+        self.index = {a: i for i, a in enumerate(agents)}
+        self.stride = (len(agents) + 7) // 8  # bytes of one env step's reward bitmap
+        self.obs_packers = {a: _obs_packer(observation_spaces[a]) for a in agents}
+        self.act_packers = {a: _act_packer(action_spaces[a]) for a in agents}
+        self.obs_bytes = {a: _leaf_bytes(p) for a, p in self.obs_packers.items()}  # per value on the wire
+        self.act_bytes = {a: _leaf_bytes(p) for a, p in self.act_packers.items()}
+        # about what an agent's cell adds to a MultiAgentStepBatch (leaves, info, extras on top)
+        self.cell_bytes = tuple(24 + len(a) for a in agents)
+        texts: dict[str, int] = {}
+        specs = []
+        for a in agents:
+            o = texts.setdefault(_space_text(observation_spaces[a]), len(texts))
+            c = texts.setdefault(_space_text(action_spaces[a]), len(texts))
+            specs.append(string_bytes(a) + string_bytes(modules[a]) + long_bytes(o) + long_bytes(c))
+        self.head = b"".join(
+            [long_bytes(len(texts)), *map(string_bytes, texts), ARRAY_END, long_bytes(len(specs)), *specs, ARRAY_END]
+        )
 
 
 class _MultiAgentEpisode:
@@ -93,22 +144,16 @@ class _MultiAgentEpisode:
         "t0",
     )
 
-    def __init__(self, eid: str, agents: tuple, obs_packers: dict, act_packers: dict, observations: Mapping) -> None:
+    def __init__(self, eid: str, layout: _Layout, observations: Mapping) -> None:
         self.id = eid
         self.id_avro = string_bytes(eid)
-        self.agents = agents  # possible agents, in order
-        self.agent_set = frozenset(agents)
-        self.index = {a: i for i, a in enumerate(agents)}
-        self.stride = (len(agents) + 7) // 8  # bytes of one env step's reward bitmap
+        self.agents, self.agent_set, self.all_set = layout.agents, layout.agent_set, layout.all_set
+        self.index, self.stride = layout.index, layout.stride
         self.rewarded = bytearray()  # per env step logged: which agents got a reward (bit index[a])
-        self.all_set = self.agent_set | {_ALL}  # what terminateds and truncateds may name
-        self.obs_packers, self.act_packers = obs_packers, act_packers
-        self.obs_bytes = {a: _leaf_bytes(p) for a, p in obs_packers.items()}  # per value on the wire
-        self.act_bytes = {a: _leaf_bytes(p) for a, p in act_packers.items()}
-        # about what an env step adds to a MultiAgentStepBatch: its own fields and a presence
-        # byte per agent, and per agent cell its fixed part (leaves, info, extras come on top)
-        self.step_bytes = 32 + len(self.id_avro) + len(agents)
-        self.cell_bytes = tuple(24 + len(a) for a in agents)
+        self.obs_packers, self.act_packers = layout.obs_packers, layout.act_packers
+        self.obs_bytes, self.act_bytes, self.cell_bytes = layout.obs_bytes, layout.act_bytes, layout.cell_bytes
+        # about what an env step adds to a MultiAgentStepBatch: its own fields and a presence byte per agent
+        self.step_bytes = 32 + len(self.id_avro) + len(self.agents)
         self.rules = MultiAgentRules()
         self.rules.reset(observations)
         self.env_t = 0  # env steps logged so far
@@ -238,54 +283,47 @@ class MultiAgentCalls:
         modules = dict.fromkeys(agents, DEFAULT_MODULE_ID) if agent_modules is None else dict(agent_modules)
         if set(modules) != set(agents):
             raise ValueError(f"agent_modules must map exactly the agents {sorted(agents)}, got {sorted(modules)}")
-        for a, m in modules.items():
-            try:
-                check_module_id(self.policy_id, m)
-            except DecodeError as e:
-                raise ValueError(f"agent {a!r}: {e.detail}") from None
+        layout = self._ma_layout(modules, observation_spaces, action_spaces)
         version = self._policy_version if policy_version is None else self._check_version(policy_version)
         infos = dict(infos or {})
         infos.pop(_COMMON, None)  # as RLlib's MultiAgentEpisode: not recorded
-        self._check_agents(frozenset(agents), observations, "observations")
-        self._check_agents(frozenset(agents), infos, "infos")
-        texts: dict[str, int] = {}
-        specs = []
-        for a in agents:
-            o = texts.setdefault(_space_text(observation_spaces[a]), len(texts))
-            c = texts.setdefault(_space_text(action_spaces[a]), len(texts))
-            specs.append({"agent_id": a, "module_id": modules[a], "observation_space": o, "action_space": c})
-        obs_packers = {a: _obs_packer(observation_spaces[a]) for a in agents}
-        act_packers = {a: _act_packer(action_spaces[a]) for a in agents}
-        reset = []
+        self._check_agents(layout.agent_set, observations, "observations")
+        self._check_agents(layout.agent_set, infos, "infos")
+        reset = []  # the Avro records of the `reset` field
+        n_reset = 0
         for a in agents:
             if a in observations or a in infos:
-                if self.validate_spaces and a in observations and not observation_spaces[a].contains(observations[a]):
-                    raise ValueError(f"observation of {a!r} is not in {observation_spaces[a]}")
-                reset.append(
-                    {
-                        "agent_id": a,
-                        "observation": None if a not in observations else self._leaves(obs_packers[a], observations[a]),
-                        "info": None if a not in infos else dumps_info(infos[a]),
-                    }
-                )
+                n_reset += 1
+                reset.append(string_bytes(a))
+                if a in observations:
+                    packer = layout.obs_packers[a]
+                    if self.validate_spaces and not packer.space.contains(observations[a]):
+                        raise ValueError(f"observation of {a!r} is not in {packer.space}")
+                    reset.append(_UNION_SECOND)
+                    packer.write_one(reset, observations[a])
+                else:
+                    reset.append(_UNION_NULL)
+                reset.append(_UNION_NULL if a not in infos else _UNION_SECOND + string_bytes(dumps_info(infos[a])))
         eid = uuid.uuid4().hex if episode_id is None else str.__str__(str(episode_id))
         if not 1 <= len(eid) <= 256:
             raise ValueError("episode_id must be 1..256 characters")
-        record = {
-            "episode_id": eid,
-            "policy_id": self.policy_id,
-            "policy_version": version,
-            "env_id": self.env_id,
-            "spaces": list(texts),
-            "agents": specs,
-            "reset": reset,
-            "timestamp_ms": int(time.time() * 1000),
-        }
-        value = encode_record("MultiAgentEpisodeStart", record)
+        value = b"".join(
+            [
+                string_bytes(eid),
+                string_bytes(self.policy_id),
+                long_bytes(version),
+                string_bytes(self.env_id),
+                layout.head,
+                long_bytes(n_reset) if n_reset else b"",
+                *reset,
+                ARRAY_END,
+                _r._now_ms_bytes(),
+            ]
+        )
         self._ma_wire("MultiAgentEpisodeStart")
         self._ma_wire("MultiAgentStepBatch")
         self._check_start_size(eid.encode(), value)
-        ep = _MultiAgentEpisode(eid, agents, obs_packers, act_packers, observations)
+        ep = _MultiAgentEpisode(eid, layout, observations)
         ep.limit = max(1, min(self.max_batch_steps, MAX_BATCH_ENV_STEPS, MAX_BATCH_CELLS // len(agents)))
         while True:
             with self._lock:
@@ -601,6 +639,26 @@ class MultiAgentCalls:
                     self._busy = False
             time.sleep(_r._WAIT_S)
 
+    def _ma_layout(self, modules: Mapping, observation_spaces: Mapping, action_spaces: Mapping) -> _Layout:
+        """The `_Layout` of these agents, spaces and modules: the last one made again when it has
+        the same key (the same space objects). ValueError for a module id the policy cannot have.
+        Without the lock."""
+        key = (
+            self.policy_id,
+            tuple((a, id(observation_spaces[a]), id(action_spaces[a]), modules[a]) for a in observation_spaces),
+        )
+        layout = self._ma_last_layout
+        if layout is not None and layout.key == key:
+            return layout
+        for a, m in modules.items():
+            try:
+                check_module_id(self.policy_id, m)
+            except DecodeError as e:
+                raise ValueError(f"agent {a!r}: {e.detail}") from None
+        layout = _Layout(key, modules, observation_spaces, action_spaces)
+        self._ma_last_layout = layout
+        return layout
+
     # -- internals (with the lock held unless said otherwise) -----------------------------------
 
     @staticmethod
@@ -617,16 +675,6 @@ class MultiAgentCalls:
         for bad, v in d.items():
             if v is None:
                 raise ValueError(f"{what}[{bad!r}] is None: leave the agent out instead")
-
-    @staticmethod
-    def _leaves(packer: Any, value: Any) -> list[dict]:
-        kept = packer.copy(value)
-        values = [kept] if packer.single else list(kept)
-        out = []
-        for v, leaf in zip(values, packer.leaves):
-            a = np.asarray(v, dtype=leaf.dtype) if type(v) is not bytes else np.frombuffer(v, leaf.dtype)
-            out.append(array_to_wire(a.reshape(leaf.shape)))
-        return out
 
     def _ma_emit(self, ep: _MultiAgentEpisode, ended: bool) -> None:
         """Send the episode's buffered env steps as one MultiAgentStepBatch (see `_emit`)."""

@@ -74,16 +74,14 @@ class _Layout:
     share it."""
 
     __slots__ = (
-        "act_bytes",
         "act_packers",
         "agent_set",
         "agents",
         "all_set",
-        "cell_bytes",
+        "columns",
         "head",
         "index",
         "key",
-        "obs_bytes",
         "obs_packers",
         "spaces",
         "stride",
@@ -100,10 +98,21 @@ class _Layout:
         self.stride = (len(agents) + 7) // 8  # bytes of one env step's reward bitmap
         self.obs_packers = {a: _obs_packer(observation_spaces[a]) for a in agents}
         self.act_packers = {a: _act_packer(action_spaces[a]) for a in agents}
-        self.obs_bytes = {a: _leaf_bytes(p) for a, p in self.obs_packers.items()}  # per value on the wire
-        self.act_bytes = {a: _leaf_bytes(p) for a, p in self.act_packers.items()}
-        # about what an agent's cell adds to a MultiAgentStepBatch (leaves, info, extras on top)
-        self.cell_bytes = tuple(24 + len(a) for a in agents)
+        # per agent, for `log_multi_agent_step`: its id, its bit in a reward bitmap, about what its
+        # cell adds to a MultiAgentStepBatch (info and extras come on top), its observation packer
+        # and what an observation adds, its action packer and what an action adds
+        self.columns = tuple(
+            (
+                a,
+                1 << i,
+                24 + len(a),
+                self.obs_packers[a],
+                _leaf_bytes(self.obs_packers[a]),
+                self.act_packers[a],
+                _leaf_bytes(self.act_packers[a]),
+            )
+            for i, a in enumerate(agents)
+        )
         texts: dict[str, int] = {}
         specs = []
         for a in agents:
@@ -120,12 +129,11 @@ class _MultiAgentEpisode:
     lingering batches, aborts, close) handles it as it handles `recorder._Episode`."""
 
     __slots__ = (
-        "act_bytes",
         "act_packers",
         "agent_set",
         "agents",
         "all_set",
-        "cell_bytes",
+        "columns",
         "dropping",
         "env_t",
         "first_buffered",
@@ -134,7 +142,6 @@ class _MultiAgentEpisode:
         "index",
         "limit",
         "nbytes",
-        "obs_bytes",
         "obs_packers",
         "rewarded",
         "rules",
@@ -151,7 +158,7 @@ class _MultiAgentEpisode:
         self.index, self.stride = layout.index, layout.stride
         self.rewarded = bytearray()  # per env step logged: which agents got a reward (bit index[a])
         self.obs_packers, self.act_packers = layout.obs_packers, layout.act_packers
-        self.obs_bytes, self.act_bytes, self.cell_bytes = layout.obs_bytes, layout.act_bytes, layout.cell_bytes
+        self.columns = layout.columns
         # about what an env step adds to a MultiAgentStepBatch: its own fields and a presence byte per agent
         self.step_bytes = 32 + len(self.id_avro) + len(self.agents)
         self.rules = MultiAgentRules()
@@ -400,7 +407,7 @@ class MultiAgentCalls:
         if _COMMON in infos:  # as RLlib's MultiAgentEpisode: not recorded
             infos = {a: v for a, v in infos.items() if a != _COMMON}
         extras = extra_model_outputs or {}
-        agents, names, all_set = ep.agents, ep.agent_set, ep.all_set
+        names, all_set = ep.agent_set, ep.all_set
         if not (
             isinstance(observations, dict)
             and isinstance(actions, dict)
@@ -434,37 +441,35 @@ class MultiAgentCalls:
         cells = {}
         rewarded = 0  # which agents got a reward (bit index[a])
         validate = self.validate_spaces
+        float_types = _r._FLOAT_TYPES
         # about what this env step adds to a MultiAgentStepBatch: its flag, a presence byte per
         # agent column (counted for every agent), its cells; and the batch's
         # own fields
         size = ep.step_bytes
-        for i, a in enumerate(agents):
+        for a, bit, n, obs_packer, obs_bytes, act_packer, act_bytes in ep.columns:
             p = 0
             obs = act = info = extra = None
             rew = 0.0
-            n = ep.cell_bytes[i]
             if a in observations:
-                packer = ep.obs_packers[a]
                 v = observations[a]
                 if v is None:
                     raise _none("observations", a)
-                if validate and not packer.space.contains(v):
-                    raise ValueError(f"observation of {a!r} is not in {packer.space}")
-                obs = packer.copy(v)
+                if validate and not obs_packer.space.contains(v):
+                    raise ValueError(f"observation of {a!r} is not in {obs_packer.space}")
+                obs = obs_packer.copy(v)
                 p = OBSERVATION
-                n += ep.obs_bytes[a]
+                n += obs_bytes
             if a in actions:
-                packer = ep.act_packers[a]
                 v = actions[a]
                 if v is None:
                     raise _none("actions", a)
-                if validate and not packer.space.contains(v):
-                    raise ValueError(f"action of {a!r} is not in {packer.space}")
-                act = packer.copy(v)
+                if validate and not act_packer.space.contains(v):
+                    raise ValueError(f"action of {a!r} is not in {act_packer.space}")
+                act = act_packer.copy(v)
                 p |= ACTION
-                n += ep.act_bytes[a]
+                n += act_bytes
                 e = extras.get(a)
-                if type(e) is dict and len(e) == 1 and type(lp := e.get("action_logp")) in _r._FLOAT_TYPES:
+                if type(e) is dict and len(e) == 1 and type(lp := e.get("action_logp")) in float_types:
                     # only the propensity, the usual case: kept and checked as `_copy_outputs` would
                     if not (_r._NEG_INF < (lp if type(lp) is float else float(lp)) <= _r.LOGP_TOLERANCE):
                         _r._check_logp(lp, episode_id)
@@ -488,12 +493,12 @@ class MultiAgentCalls:
                 if rew - rew != 0.0:  # NaN or +-inf
                     raise ValueError(f"rewards[{a!r}] must be finite, got {rew} (episode {episode_id})")
                 p |= REWARD
-                rewarded |= 1 << i
+                rewarded |= bit
             if a in infos:
                 v = infos[a]
                 if v is None:
                     raise _none("infos", a)
-                info = dumps_info(v)
+                info = dumps_info(v) if v else ""
                 p |= INFO
                 n += len(info) + 4
             v = terminateds.get(a)

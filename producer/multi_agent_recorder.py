@@ -746,7 +746,10 @@ class MultiAgentCalls:
             parts += (_REWARDS_HEAD, long_bytes(k), ARRAY_END, long_bytes(8 * k), struct.pack(f"<{k}d", *rewards))
             if infos:
                 parts.append(long_bytes(len(infos)))
-                parts += [string_bytes(x) if x else _EMPTY_STRING for x in infos]
+                if any(infos):
+                    parts += [string_bytes(x) if x else _EMPTY_STRING for x in infos]
+                else:  # only empty infos (an env's {} at every step)
+                    parts.append(_EMPTY_STRING * len(infos))
             parts.append(ARRAY_END)
             self._ma_extras(parts, outputs)
         parts.append(ARRAY_END)

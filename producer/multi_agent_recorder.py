@@ -443,8 +443,7 @@ class MultiAgentCalls:
         validate = self.validate_spaces
         float_types = _r._FLOAT_TYPES
         # about what this env step adds to a MultiAgentStepBatch: its flag, a presence byte per
-        # agent column (counted for every agent), its cells; and the batch's
-        # own fields
+        # agent column (counted for every agent), its cells; and the batch's own fields
         size = ep.step_bytes
         for a, bit, n, obs_packer, obs_bytes, act_packer, act_bytes in ep.columns:
             p = 0

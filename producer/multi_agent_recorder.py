@@ -15,18 +15,17 @@ treat multi-agent episodes as they treat single-agent ones.
 from __future__ import annotations
 
 import math
-import struct
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from rlrec.producer import recorder as _r
-from rlrec.producer.arrays import array_to_wire
-from rlrec.producer.avro_write import ARRAY_END, array_parts, bool_byte, long_bytes, string_bytes
+from rlrec.producer.avro_write import ARRAY_END, long_bytes, string_bytes
 from rlrec.producer.events import DecodeError, dumps_info, encode_record, schema_header, schema_version
+from rlrec.producer.multi_agent_batch import encode_step_batch
 from rlrec.producer.multi_agent_events import (
     ACTION,
     ALL_TERMINATED,
@@ -57,12 +56,7 @@ _COMMON = "__common__"  # RLlib's infos key for all/no agents; its MultiAgentEpi
 _space_text = per_space(lambda s: dumps_space(s, compact=True))
 _obs_packer = per_space(lambda s: _r._Packer(s, "observation"))
 _act_packer = per_space(lambda s: _r._Packer(s, "action"))
-_REWARDS_HEAD = string_bytes("float64") + long_bytes(1)
-#: a column's extra outputs when they are only float propensities: one name, then its float64 (k,) array up to k
-_LOGP_ONLY_HEAD = long_bytes(1) + string_bytes("action_logp") + _REWARDS_HEAD
-_EMPTY_STRING = string_bytes("")
 _UNION_NULL, _UNION_SECOND = long_bytes(0), long_bytes(1)  # which branch of a ["null", T] union
-_DATA = OBSERVATION | ACTION | REWARD | INFO  # the flags of a cell that say which values it has
 
 
 class _Layout:
@@ -472,7 +466,7 @@ class MultiAgentCalls:
                     # only the propensity, the usual case: kept and checked as `_copy_outputs` would
                     if not (_r._NEG_INF < (lp if type(lp) is float else float(lp)) <= _r.LOGP_TOLERANCE):
                         _r._check_logp(lp, episode_id)
-                    extra = lp  # immutable: kept as it is (`_ma_extras`)
+                    extra = lp  # immutable: kept as it is (`multi_agent_batch`)
                     n += _LOGP_CELL_BYTES
                 elif e is None:
                     if a in extras:
@@ -685,7 +679,7 @@ class MultiAgentCalls:
         n = len(ep.steps)
         t0, t1 = ep.t0, ep.env_t
         try:
-            value = self._ma_encode(ep, ended)
+            value = encode_step_batch(ep, ended)
         except (ValueError, TypeError) as e:
             ep.steps = []
             ep.nbytes = 0
@@ -705,97 +699,6 @@ class MultiAgentCalls:
             raise ValueError(
                 f"episode {ep.id}: env steps {t0}..{t1 - 1} could not be sent and the episode was aborted: {e}"
             ) from e
-
-    def _ma_encode(self, ep: _MultiAgentEpisode, ended: bool) -> bytes:
-        """The Avro body of a MultiAgentStepBatch of the buffered env steps (see `avro_write`)."""
-        steps = ep.steps
-        n = len(steps)
-        flags = bytes([f for f, _ in steps])
-        parts = [ep.id_avro, long_bytes(ep.t0), long_bytes(n), flags]
-        columns = []
-        for a in ep.agents:
-            col = [cells.get(a) for _, cells in steps]
-            if any(col):
-                columns.append((a, col))
-        if columns:
-            parts.append(long_bytes(len(columns)))
-        for a, col in columns:
-            if None not in col and len({c[0] & _DATA for c in col}) == 1:
-                # the agent has the same fields at every env step: its column is a transpose
-                ps, obs, acts, rewards, infos, outputs = zip(*col)
-                p = ps[0]
-                presence = bytes(ps)
-                obs = obs if p & OBSERVATION else ()
-                if not p & ACTION:
-                    acts = outputs = ()
-                rewards = rewards if p & REWARD else ()
-                infos = infos if p & INFO else ()
-            else:
-                presence = bytes([c[0] if c else 0 for c in col])
-                obs = [c[1] for c in col if c and c[0] & OBSERVATION]
-                acting = [c for c in col if c and c[0] & ACTION]
-                acts = [c[2] for c in acting]
-                outputs = [c[5] for c in acting]
-                rewards = [c[3] for c in col if c and c[0] & REWARD]
-                infos = [c[4] for c in col if c and c[0] & INFO]
-            parts += (string_bytes(a), long_bytes(n), presence)
-            self._ma_write(parts, ep.obs_packers[a], obs)
-            self._ma_write(parts, ep.act_packers[a], acts)
-            k = len(rewards)
-            parts += (_REWARDS_HEAD, long_bytes(k), ARRAY_END, long_bytes(8 * k), struct.pack(f"<{k}d", *rewards))
-            if infos:
-                parts.append(long_bytes(len(infos)))
-                if any(infos):
-                    parts += [string_bytes(x) if x else _EMPTY_STRING for x in infos]
-                else:  # only empty infos (an env's {} at every step)
-                    parts.append(_EMPTY_STRING * len(infos))
-            parts.append(ARRAY_END)
-            self._ma_extras(parts, outputs)
-        parts.append(ARRAY_END)
-        parts += (bool_byte(ended), _r._now_ms_bytes())
-        return b"".join(parts)
-
-    @staticmethod
-    def _ma_extras(parts: list, kept: Sequence) -> None:
-        """The column's `extra_model_outputs` and `extra_rows` maps: per name (in the order the
-        actions gave them) its values stacked over the actions that have it, and the row mask of
-        a name only some of them have. `kept`: per action what the recorder kept of its outputs
-        (None, a dict, or only the propensity as its scalar)."""
-        k = len(kept)
-        if k and list(map(type, kept)).count(float) == k:  # only float propensities, at every action
-            parts += (_LOGP_ONLY_HEAD, long_bytes(k), ARRAY_END, long_bytes(8 * k), struct.pack(f"<{k}d", *kept))
-            parts += (ARRAY_END, ARRAY_END)
-            return
-        outputs = [o if type(o) not in _r._FLOAT_TYPES else {"action_logp": o} for o in kept]
-        outputs = [o or {} for o in outputs]
-        names = list(dict.fromkeys(k for o in outputs for k in o))
-        masks = []
-        if names:
-            parts.append(long_bytes(len(names)))
-            for name in names:
-                rows = [name in o for o in outputs]
-                w = array_to_wire(np.asarray([o[name] for o in outputs if name in o]))
-                parts.append(string_bytes(name))
-                array_parts(parts, w["dtype"], w["shape"], w["data"])
-                if not all(rows):
-                    masks.append((name, bytes(rows)))
-        parts.append(ARRAY_END)
-        if masks:
-            parts.append(long_bytes(len(masks)))
-            for name, mask in masks:
-                parts += (string_bytes(name), long_bytes(len(mask)), mask)
-        parts.append(ARRAY_END)
-
-    @staticmethod
-    def _ma_write(parts: list, packer: Any, col: list) -> None:
-        """The Avro array of the stacked leaves of `col` (kept values), also when it is empty."""
-        if col:
-            packer.write(parts, col)
-            return
-        parts.append(packer._count)
-        for head, tail in packer._heads:
-            parts += (head, long_bytes(0), tail, long_bytes(0), b"")
-        parts.append(ARRAY_END)
 
     def _ma_wire(self, kind: str, version: int | None = None) -> None:
         """Make sure `_send` knows how to frame `kind` (at `version`: the key ``kind/version``)."""

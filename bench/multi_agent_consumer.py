@@ -113,10 +113,15 @@ def main() -> None:
         "rounds": a.rounds,
     }
     for s in names:
-        out[s] = {"median_us": statistics.median(per[s]), "min_us": min(per[s]), "max_us": max(per[s])}
+        out[s] = {
+            "median_us": statistics.median(per[s]),
+            "min_us": min(per[s]),
+            "max_us": max(per[s]),
+            "rounds": per[s],
+        }
     for k, v in out.items():
         if isinstance(v, dict):
-            print(f"{k:>22}: " + "  ".join(f"{m}={x:.2f}" for m, x in v.items()))
+            print(f"{k:>22}: " + "  ".join(f"{m}={x:.2f}" for m, x in v.items() if m != "rounds"))
         else:
             print(f"{k:>22}: {v}")
     if a.json:

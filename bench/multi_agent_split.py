@@ -80,13 +80,18 @@ def main() -> None:
                 per[n].append(us)
     out = {"agent_steps_per_round": agent_steps, "episodes": a.episodes, "rounds": a.rounds}
     for n in names:
-        out[n] = {"median_us": statistics.median(per[n]), "min_us": min(per[n]), "max_us": max(per[n])}
+        out[n] = {
+            "median_us": statistics.median(per[n]),
+            "min_us": min(per[n]),
+            "max_us": max(per[n]),
+            "rounds": per[n],
+        }
     for base, other in (("fast", "replay"), ("fast+pack", "replay+pack")):
         ratios = [o / b for b, o in zip(per[base], per[other])]
         out[f"{other}/{base}"] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
     for k, v in out.items():
         if isinstance(v, dict):
-            print(f"{k:>22}: " + "  ".join(f"{m}={x:.2f}" for m, x in v.items()))
+            print(f"{k:>22}: " + "  ".join(f"{m}={x:.2f}" for m, x in v.items() if m != "rounds"))
         else:
             print(f"{k:>22}: {v}")
     if a.json:

@@ -1,7 +1,7 @@
 """The benchmark suite: producer, consumer, memory, trainer and manifest benchmarks, one JSON, one table.
 
     python bench/run.py [--quick] [--json PATH] [--markdown PATH] [--png PATH] [--readme docs/BENCHMARKS.md]
-                        [--only producer,consumer,memory,trainer,manifest,store,gate,scaleout,canary] [--keep-logs DIR]
+                        [--only producer,consumer,memory,trainer,manifest,store,gate,scaleout,canary,...] [--keep-logs DIR]
                         [--child-args NAME=ARGS ...] [--merge PREVIOUS.json]
 
 Runs each `bench/<name>.py` in its own child process with `--json` (so each keeps its own broker,
@@ -34,6 +34,12 @@ baseline in the same run, same data, same work, same process conditions, in alte
             false promotions (candidates truly worse by > 5 % published) vs always publishing, and
             datasets where a clearly better candidate was published or every one was refused to
             the canary (quick: the contextual task at epsilon 0.3 only)
+
+Run only when named in `--only`: scaleout, canary, delta, evaluate, and the multi-agent rows -
+``multi_agent_producer`` (`log_multi_agent_step` on simple_spread vs the same values as three
+single-agent episodes: CPU µs per env step, call p99), ``multi_agent_consumer`` (CPU µs per agent
+step, decode+assemble and with the commit) and ``multi_agent_split`` (the fast split vs RLlib's
+replay, CPU µs per agent step).
 
 JSON (`--json PATH`)::
 
@@ -825,6 +831,92 @@ def evaluate_rows(r: dict, quick: bool) -> list[Row]:
 
 #: run only when named in --only (bench/evaluate.py; ~5 minutes)
 ARGS["evaluate"], TIMEOUTS["evaluate"], ROWS["evaluate"] = ([], ["--quick"]), (2400, 600), evaluate_rows
+
+
+#: log_multi_agent_step's CPU per env step may be at most this multiple of recording the same
+#: values as one single-agent episode per agent (bench/multi_agent_producer.py)
+TARGET_MA_PRODUCER_RATIO = 1.5
+
+
+def _reported(figure: str, ours: list[float], base: list[float] | None) -> Row:
+    """A reported row (never judged) from raw rounds: medians, ratio ours/baseline (1.0 without one)."""
+    o = statistics.median(ours)
+    b = statistics.median(base) if base else None
+    return Row(figure, o, b, o / b if b else 1.0, "reported", None, _rounds(ours, base))
+
+
+def multi_agent_producer_rows(r: dict, quick: bool) -> list[Row]:
+    """bench/multi_agent_producer.py: the recorder's CPU per env step of simple_spread (3 agents)
+    through `log_multi_agent_step` vs the same values as three single-agent episodes, and the
+    p99 of one call."""
+    rounds = r["rounds"]
+    ma = [x["multi_agent"]["cpu_us_per_env_step"] for x in rounds]
+    single = [x["three_single"]["cpu_us_per_env_step"] for x in rounds]
+    tgt = TARGET_MA_PRODUCER_RATIO
+    cpu = _row(
+        "producer: CPU µs/env step, simple_spread (3 agents), log_multi_agent_step vs the same values as "
+        "3 single-agent episodes (log_step)",
+        statistics.median(ma),
+        statistics.median(single),
+        f"ratio ≤ {tgt:g}",
+        lambda o, q: q <= tgt,
+        quick,
+    )
+    cpu.rounds = _rounds(ma, single)
+    p99 = _reported(
+        "producer: log_multi_agent_step p99 µs, simple_spread (3 agents; a batch is sent at each episode's end)",
+        [x["multi_agent"]["call_p99_us"] for x in rounds],
+        None,
+    )
+    return [cpu, p99]
+
+
+def multi_agent_consumer_rows(r: dict, quick: bool) -> list[Row]:
+    """bench/multi_agent_consumer.py: the consumer's CPU per agent step on simple_spread, decoding
+    and assembling (no write), and the same with every partition's rows committed."""
+    what = f"simple_spread ({r['episodes']} episodes, 3 agents on 2 modules)"
+    return [
+        _reported(
+            f"consumer: CPU µs/agent step, multi-agent {what}, decode+assemble (fold, fast split, rows; no write)",
+            r["assemble"]["rounds"],
+            None,
+        ),
+        _reported(
+            f"consumer: CPU µs/agent step, multi-agent {what}, decode+assemble+commit (v2 shards, zstd, fsync) "
+            "vs decode+assemble",
+            r["assemble+commit"]["rounds"],
+            r["assemble"]["rounds"],
+        ),
+    ]
+
+
+def multi_agent_split_rows(r: dict, quick: bool) -> list[Row]:
+    """bench/multi_agent_split.py: the fast split of a multi-agent recording into agent rows vs
+    RLlib's replay (`add_env_reset`/`add_env_step`, then the split), without and with packing."""
+    what = f"simple_spread ({r['episodes']} episodes, 3 agents)"
+    return [
+        _reported(
+            f"consumer: CPU µs/agent step, multi-agent rows of {what}, fast split vs RLlib's replay",
+            r["fast"]["rounds"],
+            r["replay"]["rounds"],
+        ),
+        _reported(
+            f"consumer: CPU µs/agent step, multi-agent rows of {what} packed for a shard, fast split vs RLlib's replay",
+            r["fast+pack"]["rounds"],
+            r["replay+pack"]["rounds"],
+        ),
+    ]
+
+
+#: run only when named in --only (bench/multi_agent_*.py: the recorder, the consumer and the split
+#: on multi-agent episodes; each under 2 minutes)
+_MA_QUICK = ["--episodes", "10", "--rounds", "1"]
+for _name, _rows in (
+    ("multi_agent_producer", multi_agent_producer_rows),
+    ("multi_agent_consumer", multi_agent_consumer_rows),
+    ("multi_agent_split", multi_agent_split_rows),
+):
+    ARGS[_name], TIMEOUTS[_name], ROWS[_name] = ([], _MA_QUICK), (900, 300), _rows
 
 
 def run_child(name: str, quick: bool, workdir: str, extra: list[str] | None = None) -> dict:

@@ -23,9 +23,9 @@ from typing import Any
 import numpy as np
 
 from rlrec.producer import recorder as _r
-from rlrec.producer.arrays import array_to_wire
-from rlrec.producer.avro_write import ARRAY_END, array_parts, bool_byte, long_bytes, string_bytes
+from rlrec.producer.avro_write import ARRAY_END, long_bytes, string_bytes
 from rlrec.producer.events import DecodeError, dumps_info, encode_record, schema_header, schema_version
+from rlrec.producer.multi_agent_batch import encode_step_batch
 from rlrec.producer.multi_agent_events import (
     ACTION,
     ALL_TERMINATED,
@@ -56,7 +56,66 @@ _COMMON = "__common__"  # RLlib's infos key for all/no agents; its MultiAgentEpi
 _space_text = per_space(lambda s: dumps_space(s, compact=True))
 _obs_packer = per_space(lambda s: _r._Packer(s, "observation"))
 _act_packer = per_space(lambda s: _r._Packer(s, "action"))
-_REWARDS_HEAD = string_bytes("float64") + long_bytes(1)
+_UNION_NULL, _UNION_SECOND = long_bytes(0), long_bytes(1)  # which branch of a ["null", T] union
+
+
+class _Layout:
+    """What every episode of the same possible agents, spaces and modules shares: the agents'
+    order, sets and bit positions, their packers, what their values take on the wire, and the
+    Avro bytes of a MultiAgentEpisodeStart's ``spaces`` and ``agents`` fields. `key` (the
+    policy id and per agent its id, the ids of its space objects and its module; `spaces` keeps
+    those objects alive, so the ids name them while the layout is kept) says which episodes
+    share it."""
+
+    __slots__ = (
+        "act_packers",
+        "agent_set",
+        "agents",
+        "all_set",
+        "columns",
+        "head",
+        "index",
+        "key",
+        "obs_packers",
+        "spaces",
+        "stride",
+    )
+
+    def __init__(self, key: tuple, modules: Mapping, observation_spaces: Mapping, action_spaces: Mapping) -> None:
+        self.key = key
+        agents = tuple(observation_spaces)
+        self.spaces = tuple((observation_spaces[a], action_spaces[a]) for a in agents)
+        self.agents = agents  # possible agents, in order
+        self.agent_set = frozenset(agents)
+        self.all_set = self.agent_set | {_ALL}  # what terminateds and truncateds may name
+        self.index = {a: i for i, a in enumerate(agents)}
+        self.stride = (len(agents) + 7) // 8  # bytes of one env step's reward bitmap
+        self.obs_packers = {a: _obs_packer(observation_spaces[a]) for a in agents}
+        self.act_packers = {a: _act_packer(action_spaces[a]) for a in agents}
+        # per agent, for `log_multi_agent_step`: its id, its bit in a reward bitmap, about what its
+        # cell adds to a MultiAgentStepBatch (info and extras come on top), its observation packer
+        # and what an observation adds, its action packer and what an action adds
+        self.columns = tuple(
+            (
+                a,
+                1 << i,
+                24 + len(a),
+                self.obs_packers[a],
+                _leaf_bytes(self.obs_packers[a]),
+                self.act_packers[a],
+                _leaf_bytes(self.act_packers[a]),
+            )
+            for i, a in enumerate(agents)
+        )
+        texts: dict[str, int] = {}
+        specs = []
+        for a in agents:
+            o = texts.setdefault(_space_text(observation_spaces[a]), len(texts))
+            c = texts.setdefault(_space_text(action_spaces[a]), len(texts))
+            specs.append(string_bytes(a) + string_bytes(modules[a]) + long_bytes(o) + long_bytes(c))
+        self.head = b"".join(
+            [long_bytes(len(texts)), *map(string_bytes, texts), ARRAY_END, long_bytes(len(specs)), *specs, ARRAY_END]
+        )
 
 
 class _MultiAgentEpisode:
@@ -64,11 +123,11 @@ class _MultiAgentEpisode:
     lingering batches, aborts, close) handles it as it handles `recorder._Episode`."""
 
     __slots__ = (
-        "act_bytes",
         "act_packers",
         "agent_set",
         "agents",
         "all_set",
+        "columns",
         "dropping",
         "env_t",
         "first_buffered",
@@ -77,27 +136,25 @@ class _MultiAgentEpisode:
         "index",
         "limit",
         "nbytes",
-        "obs_bytes",
         "obs_packers",
         "rewarded",
         "rules",
+        "step_bytes",
         "steps",
         "stride",
         "t0",
     )
 
-    def __init__(self, eid: str, agents: tuple, obs_packers: dict, act_packers: dict, observations: Mapping) -> None:
+    def __init__(self, eid: str, layout: _Layout, observations: Mapping) -> None:
         self.id = eid
         self.id_avro = string_bytes(eid)
-        self.agents = agents  # possible agents, in order
-        self.agent_set = frozenset(agents)
-        self.index = {a: i for i, a in enumerate(agents)}
-        self.stride = (len(agents) + 7) // 8  # bytes of one env step's reward bitmap
+        self.agents, self.agent_set, self.all_set = layout.agents, layout.agent_set, layout.all_set
+        self.index, self.stride = layout.index, layout.stride
         self.rewarded = bytearray()  # per env step logged: which agents got a reward (bit index[a])
-        self.all_set = self.agent_set | {_ALL}  # what terminateds and truncateds may name
-        self.obs_packers, self.act_packers = obs_packers, act_packers
-        self.obs_bytes = {a: _leaf_bytes(p) for a, p in obs_packers.items()}  # per value on the wire
-        self.act_bytes = {a: _leaf_bytes(p) for a, p in act_packers.items()}
+        self.obs_packers, self.act_packers = layout.obs_packers, layout.act_packers
+        self.columns = layout.columns
+        # about what an env step adds to a MultiAgentStepBatch: its own fields and a presence byte per agent
+        self.step_bytes = 32 + len(self.id_avro) + len(self.agents)
         self.rules = MultiAgentRules()
         self.rules.reset(observations)
         self.env_t = 0  # env steps logged so far
@@ -118,13 +175,10 @@ class _MultiAgentEpisode:
             f"episode {self.id!r} is a multi-agent episode: use log_multi_agent_step / log_multi_agent_reward"
         )
 
-    def note_rewards(self, cells: dict) -> None:
-        """Remember which agents got a reward at the env step just logged (for delayed rewards)."""
-        m = 0
-        for a, c in cells.items():
-            if c[0] & REWARD:
-                m |= 1 << self.index[a]
-        self.rewarded += m.to_bytes(self.stride, "little")
+    def note_rewards(self, mask: int) -> None:
+        """Remember which agents got a reward at the env step just logged (bit index[a] of
+        `mask`), for delayed rewards."""
+        self.rewarded += mask.to_bytes(self.stride, "little")
 
     def finished(self) -> _FinishedMultiAgent:
         """What `log_multi_agent_reward` checks once the episode has ended."""
@@ -145,11 +199,40 @@ def _leaf_bytes(packer: Any) -> int:
     return sum(lf.dtype.itemsize * math.prod(lf.shape) for lf in packer.leaves)
 
 
-def _flag(d: Mapping, key: str, what: str) -> bool:
-    v = d[key]
+def _flag(v: Any, key: str, what: str) -> bool:
+    """`what[key]`, the value `v`, as a bool (ValueError for None, TypeError for a non-bool)."""
+    if v is None:
+        raise _none(what, key)
     if not isinstance(v, (bool, np.bool_)):
         raise TypeError(f"{what}[{key!r}] must be a bool, got {type(v).__name__}")
     return bool(v)
+
+
+def _none(what: str, key: str) -> ValueError:
+    return ValueError(f"{what}[{key!r}] is None: leave the agent out instead")
+
+
+def _copy_agent_outputs(a: str, e: Any, episode_id: str) -> dict | None:
+    """What the recorder keeps of agent `a`'s extra model outputs `e` (see `_r._copy_outputs`);
+    None for an empty mapping."""
+    if not isinstance(e, Mapping):
+        raise TypeError(f"extra_model_outputs[{a!r}] must be a dict of outputs, got {type(e).__name__}")
+    if not e:
+        return None
+    extra = _r._copy_outputs(e, episode_id)  # checks an action_logp
+    if len(extra) != 1 or type(extra.get("action_logp")) not in _r._FLOAT_TYPES:
+        _r._extra_keys(extra)  # TypeError for names and dtypes the wire cannot carry
+    return extra
+
+
+def _extra_bytes(extra: dict | None) -> int:
+    """About what kept extra model outputs add to a MultiAgentStepBatch."""
+    if not extra:
+        return 0
+    return sum(16 + len(k) + (v.nbytes if isinstance(v, np.ndarray) else 8) for k, v in extra.items())
+
+
+_LOGP_CELL_BYTES = _extra_bytes({"action_logp": 0.0})
 
 
 class MultiAgentCalls:
@@ -201,54 +284,47 @@ class MultiAgentCalls:
         modules = dict.fromkeys(agents, DEFAULT_MODULE_ID) if agent_modules is None else dict(agent_modules)
         if set(modules) != set(agents):
             raise ValueError(f"agent_modules must map exactly the agents {sorted(agents)}, got {sorted(modules)}")
-        for a, m in modules.items():
-            try:
-                check_module_id(self.policy_id, m)
-            except DecodeError as e:
-                raise ValueError(f"agent {a!r}: {e.detail}") from None
+        layout = self._ma_layout(modules, observation_spaces, action_spaces)
         version = self._policy_version if policy_version is None else self._check_version(policy_version)
         infos = dict(infos or {})
         infos.pop(_COMMON, None)  # as RLlib's MultiAgentEpisode: not recorded
-        self._check_agents(frozenset(agents), observations, "observations")
-        self._check_agents(frozenset(agents), infos, "infos")
-        texts: dict[str, int] = {}
-        specs = []
-        for a in agents:
-            o = texts.setdefault(_space_text(observation_spaces[a]), len(texts))
-            c = texts.setdefault(_space_text(action_spaces[a]), len(texts))
-            specs.append({"agent_id": a, "module_id": modules[a], "observation_space": o, "action_space": c})
-        obs_packers = {a: _obs_packer(observation_spaces[a]) for a in agents}
-        act_packers = {a: _act_packer(action_spaces[a]) for a in agents}
-        reset = []
+        self._check_agents(layout.agent_set, observations, "observations")
+        self._check_agents(layout.agent_set, infos, "infos")
+        reset = []  # the Avro records of the `reset` field
+        n_reset = 0
         for a in agents:
             if a in observations or a in infos:
-                if self.validate_spaces and a in observations and not observation_spaces[a].contains(observations[a]):
-                    raise ValueError(f"observation of {a!r} is not in {observation_spaces[a]}")
-                reset.append(
-                    {
-                        "agent_id": a,
-                        "observation": None if a not in observations else self._leaves(obs_packers[a], observations[a]),
-                        "info": None if a not in infos else dumps_info(infos[a]),
-                    }
-                )
+                n_reset += 1
+                reset.append(string_bytes(a))
+                if a in observations:
+                    packer = layout.obs_packers[a]
+                    if self.validate_spaces and not packer.space.contains(observations[a]):
+                        raise ValueError(f"observation of {a!r} is not in {packer.space}")
+                    reset.append(_UNION_SECOND)
+                    packer.write_one(reset, observations[a])
+                else:
+                    reset.append(_UNION_NULL)
+                reset.append(_UNION_NULL if a not in infos else _UNION_SECOND + string_bytes(dumps_info(infos[a])))
         eid = uuid.uuid4().hex if episode_id is None else str.__str__(str(episode_id))
         if not 1 <= len(eid) <= 256:
             raise ValueError("episode_id must be 1..256 characters")
-        record = {
-            "episode_id": eid,
-            "policy_id": self.policy_id,
-            "policy_version": version,
-            "env_id": self.env_id,
-            "spaces": list(texts),
-            "agents": specs,
-            "reset": reset,
-            "timestamp_ms": int(time.time() * 1000),
-        }
-        value = encode_record("MultiAgentEpisodeStart", record)
+        value = b"".join(
+            [
+                string_bytes(eid),
+                string_bytes(self.policy_id),
+                long_bytes(version),
+                string_bytes(self.env_id),
+                layout.head,
+                long_bytes(n_reset) if n_reset else b"",
+                *reset,
+                ARRAY_END,
+                _r._now_ms_bytes(),
+            ]
+        )
         self._ma_wire("MultiAgentEpisodeStart")
         self._ma_wire("MultiAgentStepBatch")
         self._check_start_size(eid.encode(), value)
-        ep = _MultiAgentEpisode(eid, agents, obs_packers, act_packers, observations)
+        ep = _MultiAgentEpisode(eid, layout, observations)
         ep.limit = max(1, min(self.max_batch_steps, MAX_BATCH_ENV_STEPS, MAX_BATCH_CELLS // len(agents)))
         while True:
             with self._lock:
@@ -325,65 +401,114 @@ class MultiAgentCalls:
         if _COMMON in infos:  # as RLlib's MultiAgentEpisode: not recorded
             infos = {a: v for a, v in infos.items() if a != _COMMON}
         extras = extra_model_outputs or {}
-        agents, names = ep.agents, ep.agent_set
-        for what, d in (("observations", observations), ("actions", actions), ("rewards", rewards), ("infos", infos)):
-            self._check_agents(names, d, what)
-        self._check_agents(ep.all_set, terminateds, "terminateds")
-        self._check_agents(ep.all_set, truncateds, "truncateds")
-        self._check_agents(names, extras, "extra_model_outputs")
-        for a in extras:
-            if a not in actions:
-                raise ValueError(f"extra_model_outputs for agent {a!r}, which did not act")
+        names, all_set = ep.agent_set, ep.all_set
+        if not (
+            isinstance(observations, dict)
+            and isinstance(actions, dict)
+            and isinstance(rewards, dict)
+            and isinstance(infos, dict)
+            and isinstance(terminateds, dict)
+            and isinstance(truncateds, dict)
+            and isinstance(extras, dict)
+            and names.issuperset(observations)
+            and names.issuperset(actions)
+            and names.issuperset(rewards)
+            and names.issuperset(infos)
+            and all_set.issuperset(terminateds)
+            and all_set.issuperset(truncateds)
+            and names.issuperset(extras)
+        ):  # the usual dicts are checked for None values in the loop below
+            for what, d in (("observations", observations), ("actions", actions), ("rewards", rewards)):
+                self._check_agents(names, d, what)
+            self._check_agents(names, infos, "infos")
+            self._check_agents(all_set, terminateds, "terminateds")
+            self._check_agents(all_set, truncateds, "truncateds")
+            self._check_agents(names, extras, "extra_model_outputs")
+        if not extras.keys() <= actions.keys():
+            a = next(a for a in extras if a not in actions)
+            raise ValueError(f"extra_model_outputs for agent {a!r}, which did not act")
         flags = 0
         if _ALL in terminateds:
-            flags |= ALL_TERMINATED | (ALL_TERMINATED_TRUE if _flag(terminateds, _ALL, "terminateds") else 0)
+            flags |= ALL_TERMINATED | (ALL_TERMINATED_TRUE if _flag(terminateds[_ALL], _ALL, "terminateds") else 0)
         if _ALL in truncateds:
-            flags |= ALL_TRUNCATED | (ALL_TRUNCATED_TRUE if _flag(truncateds, _ALL, "truncateds") else 0)
+            flags |= ALL_TRUNCATED | (ALL_TRUNCATED_TRUE if _flag(truncateds[_ALL], _ALL, "truncateds") else 0)
         cells = {}
+        rewarded = 0  # which agents got a reward (bit index[a])
+        validate = self.validate_spaces
+        float_types = _r._FLOAT_TYPES
         # about what this env step adds to a MultiAgentStepBatch: its flag, a presence byte per
         # agent column (counted for every agent), its cells; and the batch's own fields
-        size = 32 + len(ep.id_avro) + len(agents)
-        for a in agents:
+        size = ep.step_bytes
+        for a, bit, n, obs_packer, obs_bytes, act_packer, act_bytes in ep.columns:
             p = 0
             obs = act = info = extra = None
             rew = 0.0
             if a in observations:
-                if self.validate_spaces and not ep.obs_packers[a].space.contains(observations[a]):
-                    raise ValueError(f"observation of {a!r} is not in {ep.obs_packers[a].space}")
-                obs = ep.obs_packers[a].copy(observations[a])
-                p |= OBSERVATION
+                v = observations[a]
+                if v is None:
+                    raise _none("observations", a)
+                if validate and not obs_packer.space.contains(v):
+                    raise ValueError(f"observation of {a!r} is not in {obs_packer.space}")
+                obs = obs_packer.copy(v)
+                p = OBSERVATION
+                n += obs_bytes
             if a in actions:
-                if self.validate_spaces and not ep.act_packers[a].space.contains(actions[a]):
-                    raise ValueError(f"action of {a!r} is not in {ep.act_packers[a].space}")
-                act = ep.act_packers[a].copy(actions[a])
+                v = actions[a]
+                if v is None:
+                    raise _none("actions", a)
+                if validate and not act_packer.space.contains(v):
+                    raise ValueError(f"action of {a!r} is not in {act_packer.space}")
+                act = act_packer.copy(v)
                 p |= ACTION
+                n += act_bytes
                 e = extras.get(a)
-                if e is not None and not isinstance(e, Mapping):
-                    raise TypeError(f"extra_model_outputs[{a!r}] must be a dict of outputs, got {type(e).__name__}")
-                if e:
-                    extra = _r._copy_outputs(e, episode_id)  # checks an action_logp
-                    if len(extra) != 1 or type(extra.get("action_logp")) not in _r._FLOAT_TYPES:
-                        _r._extra_keys(extra)  # TypeError for names and dtypes the wire cannot carry
+                if type(e) is dict and len(e) == 1 and type(lp := e.get("action_logp")) in float_types:
+                    # only the propensity, the usual case: kept and checked as `_copy_outputs` would
+                    if not (_r._NEG_INF < (lp if type(lp) is float else float(lp)) <= _r.LOGP_TOLERANCE):
+                        _r._check_logp(lp, episode_id)
+                    extra = lp  # immutable: kept as it is (`multi_agent_batch`)
+                    n += _LOGP_CELL_BYTES
+                elif e is None:
+                    if a in extras:
+                        raise _none("extra_model_outputs", a)
+                else:
+                    extra = _copy_agent_outputs(a, e, episode_id)
+                    n += _extra_bytes(extra)
             if a in rewards:
                 rew = rewards[a]
                 if type(rew) is not float:
+                    if rew is None:
+                        raise _none("rewards", a)
                     try:
                         rew = float(rew)
                     except (TypeError, ValueError):
                         raise TypeError(f"rewards[{a!r}] must be a number, got {type(rew).__name__}") from None
-                if not math.isfinite(rew):
+                if rew - rew != 0.0:  # NaN or +-inf
                     raise ValueError(f"rewards[{a!r}] must be finite, got {rew} (episode {episode_id})")
                 p |= REWARD
+                rewarded |= bit
             if a in infos:
-                info = dumps_info(infos[a])
+                v = infos[a]
+                if v is None:
+                    raise _none("infos", a)
+                info = dumps_info(v) if v else ""
                 p |= INFO
-            if a in terminateds:
-                p |= TERMINATED | (TERMINATED_TRUE if _flag(terminateds, a, "terminateds") else 0)
-            if a in truncateds:
-                p |= TRUNCATED | (TRUNCATED_TRUE if _flag(truncateds, a, "truncateds") else 0)
+                n += len(info) + 4
+            v = terminateds.get(a)
+            if v is not None:
+                p |= TERMINATED | (
+                    TERMINATED_TRUE if v is True or (v is not False and _flag(v, a, "terminateds")) else 0
+                )
+            elif a in terminateds:
+                raise _none("terminateds", a)
+            v = truncateds.get(a)
+            if v is not None:
+                p |= TRUNCATED | (TRUNCATED_TRUE if v is True or (v is not False and _flag(v, a, "truncateds")) else 0)
+            elif a in truncateds:
+                raise _none("truncateds", a)
             if p:
                 cells[a] = (p, obs, act, rew, info, extra)
-                size += self._ma_cell_bytes(ep, a, p, info, extra)
+                size += n
         step = (flags, cells)
         batch_bytes = min(self.max_batch_bytes, self._max_start)
         if size > self._max_start:
@@ -410,7 +535,7 @@ class MultiAgentCalls:
                             ep.first_buffered = _r._monotonic()
                         ep.steps.append(step)
                         ep.nbytes += size
-                        ep.note_rewards(cells)
+                        ep.note_rewards(rewarded)
                         ep.env_t += 1
                         self._buffered += 1
                         if ep.rules.done:
@@ -423,7 +548,7 @@ class MultiAgentCalls:
                     ended = state[1] or state[2]
                     if ep.dropping or self.on_overflow == "drop":  # dropped: counted before _overflow ends it
                         ep.rules.accept(state)
-                        ep.note_rewards(cells)
+                        ep.note_rewards(rewarded)
                         ep.env_t += 1
                         self._overflow(ep, ended)
                         return ended
@@ -512,6 +637,26 @@ class MultiAgentCalls:
                     self._busy = False
             time.sleep(_r._WAIT_S)
 
+    def _ma_layout(self, modules: Mapping, observation_spaces: Mapping, action_spaces: Mapping) -> _Layout:
+        """The `_Layout` of these agents, spaces and modules: the last one made again when it has
+        the same key (the same space objects). ValueError for a module id the policy cannot have.
+        Without the lock."""
+        key = (
+            self.policy_id,
+            tuple((a, id(observation_spaces[a]), id(action_spaces[a]), modules[a]) for a in observation_spaces),
+        )
+        layout = self._ma_last_layout
+        if layout is not None and layout.key == key:
+            return layout
+        for a, m in modules.items():
+            try:
+                check_module_id(self.policy_id, m)
+            except DecodeError as e:
+                raise ValueError(f"agent {a!r}: {e.detail}") from None
+        layout = _Layout(key, modules, observation_spaces, action_spaces)
+        self._ma_last_layout = layout
+        return layout
+
     # -- internals (with the lock held unless said otherwise) -----------------------------------
 
     @staticmethod
@@ -529,37 +674,12 @@ class MultiAgentCalls:
             if v is None:
                 raise ValueError(f"{what}[{bad!r}] is None: leave the agent out instead")
 
-    @staticmethod
-    def _leaves(packer: Any, value: Any) -> list[dict]:
-        kept = packer.copy(value)
-        values = [kept] if packer.single else list(kept)
-        out = []
-        for v, leaf in zip(values, packer.leaves):
-            a = np.asarray(v, dtype=leaf.dtype) if type(v) is not bytes else np.frombuffer(v, leaf.dtype)
-            out.append(array_to_wire(a.reshape(leaf.shape)))
-        return out
-
-    @staticmethod
-    def _ma_cell_bytes(ep: _MultiAgentEpisode, a: str, p: int, info: str | None, extra: dict | None) -> int:
-        """About what one agent's cell adds to a MultiAgentStepBatch (leaves, info, extras)."""
-        n = 24 + len(a)
-        if p & OBSERVATION:
-            n += ep.obs_bytes[a]
-        if p & ACTION:
-            n += ep.act_bytes[a]
-        if info is not None:
-            n += len(info) + 4
-        if extra:
-            for k, v in extra.items():
-                n += 16 + len(k) + (v.nbytes if isinstance(v, np.ndarray) else 8)
-        return n
-
     def _ma_emit(self, ep: _MultiAgentEpisode, ended: bool) -> None:
         """Send the episode's buffered env steps as one MultiAgentStepBatch (see `_emit`)."""
         n = len(ep.steps)
         t0, t1 = ep.t0, ep.env_t
         try:
-            value = self._ma_encode(ep, ended)
+            value = encode_step_batch(ep, ended)
         except (ValueError, TypeError) as e:
             ep.steps = []
             ep.nbytes = 0
@@ -579,74 +699,6 @@ class MultiAgentCalls:
             raise ValueError(
                 f"episode {ep.id}: env steps {t0}..{t1 - 1} could not be sent and the episode was aborted: {e}"
             ) from e
-
-    def _ma_encode(self, ep: _MultiAgentEpisode, ended: bool) -> bytes:
-        """The Avro body of a MultiAgentStepBatch of the buffered env steps (see `avro_write`)."""
-        steps = ep.steps
-        n = len(steps)
-        flags = bytes(f for f, _ in steps)
-        parts = [ep.id_avro, long_bytes(ep.t0), long_bytes(n), flags]
-        columns = []
-        for a in ep.agents:
-            col = [cells.get(a) for _, cells in steps]
-            if any(col):
-                columns.append((a, col))
-        if columns:
-            parts.append(long_bytes(len(columns)))
-        for a, col in columns:
-            presence = bytes(c[0] if c else 0 for c in col)
-            parts += (string_bytes(a), long_bytes(n), presence)
-            obs = [c[1] for c in col if c and c[0] & OBSERVATION]
-            acts = [c for c in col if c and c[0] & ACTION]
-            self._ma_write(parts, ep.obs_packers[a], obs)
-            self._ma_write(parts, ep.act_packers[a], [c[2] for c in acts])
-            rewards = [c[3] for c in col if c and c[0] & REWARD]
-            k = len(rewards)
-            data = np.asarray(rewards, dtype="<f8").tobytes()
-            parts += (_REWARDS_HEAD, long_bytes(k), ARRAY_END, long_bytes(len(data)), data)
-            infos = [c[4] for c in col if c and c[0] & INFO]
-            if infos:
-                parts.append(long_bytes(len(infos)))
-                parts += map(string_bytes, infos)
-            parts.append(ARRAY_END)
-            self._ma_extras(parts, [c[5] or {} for c in acts])
-        parts.append(ARRAY_END)
-        parts += (bool_byte(ended), _r._now_ms_bytes())
-        return b"".join(parts)
-
-    @staticmethod
-    def _ma_extras(parts: list, outputs: list[dict]) -> None:
-        """The column's `extra_model_outputs` and `extra_rows` maps: per name (in the order the
-        actions gave them) its values stacked over the actions that have it, and the row mask of
-        a name only some of them have."""
-        names = list(dict.fromkeys(k for o in outputs for k in o))
-        masks = []
-        if names:
-            parts.append(long_bytes(len(names)))
-            for name in names:
-                rows = [name in o for o in outputs]
-                w = array_to_wire(np.asarray([o[name] for o in outputs if name in o]))
-                parts.append(string_bytes(name))
-                array_parts(parts, w["dtype"], w["shape"], w["data"])
-                if not all(rows):
-                    masks.append((name, bytes(rows)))
-        parts.append(ARRAY_END)
-        if masks:
-            parts.append(long_bytes(len(masks)))
-            for name, mask in masks:
-                parts += (string_bytes(name), long_bytes(len(mask)), mask)
-        parts.append(ARRAY_END)
-
-    @staticmethod
-    def _ma_write(parts: list, packer: Any, col: list) -> None:
-        """The Avro array of the stacked leaves of `col` (kept values), also when it is empty."""
-        if col:
-            packer.write(parts, col)
-            return
-        parts.append(packer._count)
-        for head, tail in packer._heads:
-            parts += (head, long_bytes(0), tail, long_bytes(0), b"")
-        parts.append(ARRAY_END)
 
     def _ma_wire(self, kind: str, version: int | None = None) -> None:
         """Make sure `_send` knows how to frame `kind` (at `version`: the key ``kind/version``)."""

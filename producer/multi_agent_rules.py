@@ -32,6 +32,7 @@ __all__ = ["AgentState", "MultiAgentRules"]
 
 _ALL = "__all__"
 _NO_KEYS: frozenset = frozenset()
+_ALL_ONLY = frozenset({_ALL})
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,54 @@ class MultiAgentRules:
         Raises:
             ValueError: RLlib would refuse the step (a `MultiAgentEnvError` or a failed assertion).
         """
+        steady = self.steady_step(observations, actions, rewards, terminateds, truncateds, extra_model_outputs)
+        if steady is not None:
+            return steady
+        return self.any_step(observations, actions, rewards, infos, terminateds, truncateds, extra_model_outputs)
+
+    def steady_step(
+        self,
+        observations: Mapping[str, Any],
+        actions: Mapping[str, Any],
+        rewards: Mapping[str, Any],
+        terminateds: Mapping[str, Any],
+        truncateds: Mapping[str, Any],
+        extra_model_outputs: Mapping[str, Mapping],
+    ) -> tuple[dict[str, AgentState], bool, bool] | None:
+        """`any_step`'s answer for the usual env step, which changes no agent's state, else None:
+        the same agents observe, act and get a reward; each has its episode, acted since its last
+        observation (none hanging), is not done, and gives the extra output names its episode
+        holds; no agent and not ``"__all__"`` is terminated or truncated (infos play no part:
+        RLlib only refuses them for agents that are done)."""
+        if self.done or not observations:
+            return None
+        keys = observations.keys()
+        if keys != actions.keys() or keys != rewards.keys() or any(terminateds.values()) or any(truncateds.values()):
+            return None
+        for d in (terminateds, truncateds):  # every agent they name (but "__all__") has data
+            if not d.keys() <= keys and d.keys() - keys != _ALL_ONLY:
+                return None
+        agents = self.agents
+        for a in keys:
+            s = agents.get(a)
+            if s is None or not s.has_episode or not s.in_map or s.done or s.hanging or s.episode_keys is None:
+                return None
+            e = extra_model_outputs.get(a)
+            if (e and type(e) is not dict) or (e.keys() if e else _NO_KEYS) != s.episode_keys:
+                return None
+        return agents, False, False
+
+    def any_step(
+        self,
+        observations: Mapping[str, Any],
+        actions: Mapping[str, Any],
+        rewards: Mapping[str, Any],
+        infos: Mapping[str, Any],
+        terminateds: Mapping[str, Any],
+        truncateds: Mapping[str, Any],
+        extra_model_outputs: Mapping[str, Mapping],
+    ) -> tuple[dict[str, AgentState], bool, bool]:
+        """`check_step` for any env step (`RLlib`'s rules in full)."""
         if self.done:
             raise ValueError("the episode is done: RLlib accepts no further env step")
         is_term = bool(terminateds.get(_ALL, False))

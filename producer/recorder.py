@@ -621,6 +621,7 @@ class EpisodeRecorder(BatchedCalls, MultiAgentCalls):
         self._episodes: dict[str, _Episode] = {}
         self._finished = OldestHalfDict(10_000)  # recent finished episode -> length, for log_reward checks
         self._ma_open = 0  # open multi-agent episodes (log_steps checks episode kinds only when some are)
+        self._ma_last_layout = None  # the last multi-agent episode's layout (multi_agent_recorder._Layout)
         self._delivered = self._failed = self._dropped = 0  # produced = delivered + failed + buffered
         self._buffered = 0
         self._episodes_begun = 0

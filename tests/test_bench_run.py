@@ -176,3 +176,45 @@ def test_merge_keeps_earlier_benchmarks_and_says_where_each_came_from():
     assert f"producer, memory, trainer from the run started {old['run']['started']} UTC" in block
     again = merge(doc, new, quick=False)  # merging onto a merged JSON keeps its sources
     assert again["run"]["sources"] == doc["run"]["sources"]
+
+
+@pytest.mark.system
+@pytest.mark.timeout(300)
+def test_quick_multi_agent_rows(tmp_path):
+    """`--only multi_agent_producer,multi_agent_consumer,multi_agent_split`: the multi-agent rows,
+    each with its raw rounds; the producer's CPU row is the one with a target."""
+    pytest.importorskip("mpe2")
+    out = tmp_path / "ma.json"
+    names = ["multi_agent_producer", "multi_agent_consumer", "multi_agent_split"]
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "bench", "run.py"),
+            "--quick",
+            "--only",
+            ",".join(names),
+            "--json",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert list(doc["results"]) == names
+    rows = doc["rows"]
+    assert [r["figure"].split(",")[0] for r in rows] == [
+        "producer: CPU µs/env step",
+        "producer: log_multi_agent_step p99 µs",
+        *["consumer: CPU µs/agent step"] * 4,
+    ]
+    assert [r["target"] for r in rows] == ["ratio ≤ 1.5"] + ["reported"] * 5
+    for r in rows:
+        assert set(r) == ROW_KEYS and r["pass"] is None and r["ours"] > 0, r
+        assert r["rounds"]["ours"] and min(r["rounds"]["ours"]) <= r["ours"] <= max(r["rounds"]["ours"]), r
+        if r["baseline"] is not None:
+            assert math.isclose(r["ratio"], r["ours"] / r["baseline"]), r
+    producer = doc["results"]["multi_agent_producer"]["rounds"]
+    assert rows[0]["rounds"]["baseline"] == [x["three_single"]["cpu_us_per_env_step"] for x in producer]

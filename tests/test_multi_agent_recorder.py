@@ -153,3 +153,33 @@ def test_batches_follow_the_message_size_as_agents_join_late(broker, topic):
     r = fold_multi_agent([decode_event(m.value(), m.headers()) for m in msgs])
     assert len(r.steps) == 13 and not r.aborted
     assert [int(r.steps[t].observations["p5"][0, 0, 0]) for t in range(1, 12)] == list(range(1, 12))
+
+
+def test_each_episode_records_its_own_spaces_and_modules_when_the_agents_stay(broker, topic):
+    """Episodes of the same agent ids with other space objects (even equal ones) or other modules
+    record their own spaces and modules, also when they alternate (the recorder keeps the last
+    episode's encoded spaces)."""
+    wide = gs.Box(-2.0, 2.0, (2,), np.float32)
+    rec = EpisodeRecorder(broker.bootstrap_servers, topic, policy_id="p")
+    kinds = [
+        (SPACES["observation_spaces"], None),
+        ({"a": wide, "b": BOX}, None),
+        ({"a": gs.Box(-1.0, 1.0, (2,), np.float32), "b": BOX}, {"a": "m1", "b": "m2"}),
+        (SPACES["observation_spaces"], {"a": "m1", "b": "m2"}),
+        (SPACES["observation_spaces"], None),
+        ({"a": wide, "b": BOX}, None),
+    ]
+    eids = [
+        rec.begin_multi_agent_episode(
+            {"a": Z, "b": Z}, observation_spaces=obs, action_spaces=SPACES["action_spaces"], agent_modules=mods
+        )
+        for obs, mods in kinds
+    ]
+    rec.close()
+    got = _episodes(broker, topic, rec)
+    for eid, (obs, mods) in zip(eids, kinds):
+        start = got[eid][0]  # then the abort close() sends
+        assert {a: s.observation_space for a, s in start.agents.items()} == obs
+        assert {a: s.module_id for a, s in start.agents.items()} == (mods or dict.fromkeys("ab", "default_policy"))
+    assert got[eids[1]][0].agents["a"].observation_space.high.tolist() == [2.0, 2.0]
+    assert got[eids[0]][0].agents["a"].observation_space.high.tolist() == [1.0, 1.0]

@@ -22,7 +22,7 @@ from gymnasium import spaces as gs
 
 from rlrec.consumer.multi_agent_fold import fold_multi_agent
 from rlrec.producer import EpisodeRecorder, MultiAgentRecordingWrapper
-from rlrec.producer.multi_agent_events import decode_event
+from rlrec.producer.multi_agent_events import decode_event, encode_event
 from rlrec.producer.multi_agent_recording import MultiAgentRecording
 from tests.test_recorder import read_messages
 
@@ -73,10 +73,14 @@ def assert_recording_equals(rec: MultiAgentRecording, reset: tuple, steps: list[
 
 
 def recordings(bootstrap: str, topic: str, n_messages: int) -> dict[str, MultiAgentRecording]:
-    """Every multi-agent episode on `topic`, decoded and folded (all its events share a key)."""
+    """Every multi-agent episode on `topic`, decoded and folded (all its events share a key).
+    Each message is the reference encoding (`encode_event`) of what it decodes to, byte for byte:
+    the recorder's own encoding writes exactly the wire format."""
     by_key: dict[bytes, list] = defaultdict(list)
     for m in read_messages(bootstrap, topic, n_messages, timeout=30):
-        by_key[m.key()].append(decode_event(m.value(), m.headers(), key=m.key()))
+        ev = decode_event(m.value(), m.headers(), key=m.key())
+        assert encode_event(ev) == (m.value(), m.headers()), ev
+        by_key[m.key()].append(ev)
     return {k.decode(): fold_multi_agent(evs) for k, evs in by_key.items()}
 
 
@@ -325,7 +329,7 @@ def test_random_step_sequences_recorded_replay_to_the_episode_rllib_builds_direc
     pytest.importorskip("ray.rllib")
     from ray.rllib.env.multi_agent_episode import MultiAgentEpisode
 
-    from tests.test_multi_agent_rules import AGENTS, _random_step, _rllib_accepts, _rllib_episode
+    from tests.test_multi_agent_rules import AGENTS, _full_step, _random_step, _rllib_accepts, _rllib_episode
 
     box = gs.Box(-1.0, 1.0, (), np.float32)
     spaces = {"observation_spaces": dict.fromkeys(AGENTS, box), "action_spaces": {a: gs.Discrete(3) for a in AGENTS}}
@@ -340,7 +344,10 @@ def test_random_step_sequences_recorded_replay_to_the_episode_rllib_builds_direc
         accepted = []
         ended = False
         for _ in range(40):
-            step = _random_step(rng, with_extras=seed % 2 == 0)
+            if seed % 3 == 2 and rng.random() < 0.7:  # mostly the usual env step (the recorder's fast path)
+                step = _full_step(rng, seed % 2 == 0, sorted(reset) if rng.random() < 0.8 else AGENTS)
+            else:
+                step = _random_step(rng, with_extras=seed % 2 == 0)
             want = _rllib_accepts(ep, step)
             try:
                 ended = rec.log_multi_agent_step(

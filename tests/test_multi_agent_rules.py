@@ -107,3 +107,58 @@ def test_rules_accept_exactly_what_rllib_accepts(seed):
             refused += 1
             ep = _rllib_episode(reset, accepted)
     assert len(accepted) + refused > 0
+
+
+def _full_step(rng: random.Random, with_extras: bool, agents: list) -> dict:
+    """The usual env step: `agents` observe, act and get a reward; nobody is done."""
+    flags = {a: False for a in agents if rng.random() < 0.5}
+    if rng.random() < 0.3:
+        flags["__all__"] = False
+    return {
+        "observations": {a: np.float32(rng.random()) for a in agents},
+        "actions": {a: rng.randrange(3) for a in agents},
+        "rewards": dict.fromkeys(agents, 1.0),
+        "infos": {a: {} for a in agents if rng.random() < 0.3},
+        "terminateds": flags,
+        "truncateds": dict(flags) if rng.random() < 0.5 else {},
+        "extra_model_outputs": {a: {"action_logp": np.float32(-0.5)} for a in agents} if with_extras else {},
+    }
+
+
+def test_steady_step_answers_as_the_full_rules_and_as_rllib():
+    steady = sum(_steady_run(seed) for seed in range(40))
+    assert steady > 200, f"only {steady} env steps took the steady path"
+
+
+def _steady_run(seed: int) -> int:
+    """Env steps of one random sequence that `steady_step` answered (each checked against the
+    full rules and RLlib)."""
+    rng = random.Random(seed)
+    with_extras = seed % 3 != 0
+    reset = {a: np.float32(0.0) for a in AGENTS if rng.random() < 0.8}
+    rules = MultiAgentRules()
+    rules.reset(reset)
+    ep = _rllib_episode(reset, [])
+    accepted: list[dict] = []
+    steady = 0
+    for i in range(60):
+        agents = sorted(reset) if rng.random() < 0.5 else [a for a in AGENTS if rng.random() < 0.8]
+        step = _full_step(rng, with_extras, agents) if rng.random() < 0.7 else _random_step(rng, with_extras)
+        want = _rllib_accepts(ep, step)
+        fast = rules.steady_step(**{k: v for k, v in step.items() if k != "infos"})
+        try:
+            full = rules.any_step(**step)
+        except ValueError:
+            full = None
+        if fast is not None:
+            steady += 1
+            assert fast == full and fast[0] is rules.agents, (seed, i, step)
+        assert (full is not None) == want, (seed, i, step)
+        if want:
+            rules.accept(full)
+            accepted.append(step)
+            if ep.is_done:
+                break
+        else:
+            ep = _rllib_episode(reset, accepted)
+    return steady

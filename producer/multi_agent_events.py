@@ -43,23 +43,21 @@ from gymnasium import spaces as gs
 from rlrec.producer.arrays import array_to_wire
 from rlrec.producer.bounded import ByteBoundedLRU
 from rlrec.producer.events import (
-    MAX_KEY_BYTES,
     DecodeError,
     _arrays,
-    _has_header,
     _id,
-    _parse_header,
     _read_body,
     _wire_leaves,
     check_env_id,
     check_leaves,
     check_policy_id,
     check_values,
-    decode,
+    decode_body,
     dumps_info,
     encode,
     encode_record,
     loads_info,
+    read_header,
     schema_header,
 )
 from rlrec.producer.spaces import Leaf, SpaceError, dumps_space, space_from_json, space_json_nbytes, space_leaves
@@ -456,7 +454,7 @@ def decode_event(
 ) -> Any:
     """Decode one Kafka message of any rlrec kind, or raise `DecodeError` (and nothing else).
 
-    Multi-agent kinds are decoded here; the single-agent ones by `rlrec.producer.events.decode`
+    Multi-agent kinds are decoded here; the single-agent ones by `rlrec.producer.events.decode_body`
     (a `RewardDelta` of version 2 carries `agent_id`). Whether a batch matches its episode's
     agents and spaces needs the episode: see `rlrec.consumer.multi_agent_fold`.
 
@@ -467,24 +465,9 @@ def decode_event(
         registry: a `rlrec.producer.registry.SchemaRegistry` for Confluent-framed values.
         key: the message key, refused over `MAX_KEY_BYTES`.
     """
-    if registry is not None and not _has_header(headers):
-        from rlrec.producer.registry import unframe
-
-        if value is None:
-            raise DecodeError("malformed", "empty (tombstone) message")
-        schema_id, body = unframe(bytes(value))
-        kind, version = registry.kind_of(schema_id)
-    else:
-        kind, version = (None, None) if not _has_header(headers) else _parse_header(headers)
-        body = value
+    kind, version, body = read_header(value, headers, max_bytes=max_bytes, registry=registry, key=key)
     if kind not in MULTI_AGENT_KINDS:
-        return decode(value, headers, max_bytes=max_bytes, registry=registry, key=key)
-    if key is not None and len(key) > MAX_KEY_BYTES:
-        raise DecodeError("key-too-large", f"{len(key)}-byte key > {MAX_KEY_BYTES}")
-    if body is None:
-        raise DecodeError("malformed", "empty (tombstone) message")
-    if max_bytes is not None and len(value) > max_bytes:
-        raise DecodeError("oversize", f"{len(value)} bytes > limit {max_bytes}")
+        return decode_body(kind, version, body)
     rec = _read_body(kind, version, bytes(body))
     eid = _id(rec["episode_id"], "episode_id")
     try:

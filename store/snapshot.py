@@ -70,13 +70,14 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from rlrec.store.at_exit import close_at_exit, read_ahead_pool
 from rlrec.store.commit import read_committed_shard
 from rlrec.store.live_set import first_entry_key, read_heads
 from rlrec.store.live_set_file import ChainedShards, ShardList
@@ -725,7 +726,10 @@ class Snapshot:
     def shard_steps(self, entry: ShardEntry) -> pa.Table:
         """The steps of one of the snapshot's shards (the columns of `steps`)."""
         ahead = self._ahead.pop(entry.path, None)
-        shard, read = ahead.result() if ahead is not None else self._fetch(entry)
+        try:
+            shard, read = ahead.result() if ahead is not None else self._fetch(entry)
+        except CancelledError:  # interpreter shutdown cancelled the read ahead (rlrec.store.at_exit)
+            shard, read = self._fetch(entry)
         if read is None:
             read = shard.read(STEP_SOURCES.get(shard.fmt))
         with naming_errors(self.storage.uri(entry.path)):
@@ -742,33 +746,44 @@ class Snapshot:
         The next shards are fetched (read, sha256 checked, gated, their columns read: work that
         does not hold the GIL) by `READ_AHEAD_THREADS` threads while this one decodes, at most
         `READ_AHEAD_SHARDS` shards and `READ_AHEAD_BYTES` of files ahead; the columns of shards
-        ahead are read only while they decode to at most `READ_AHEAD_DECODED_BYTES` together."""
+        ahead are read only while they decode to at most `READ_AHEAD_DECODED_BYTES` together.
+        Close the iterator to stop them early; one left open stops them when the interpreter
+        exits (`rlrec.store.at_exit`)."""
+        return close_at_exit(self._iter_steps())
+
+    def _iter_steps(self) -> Iterator[pa.Table]:
         entries = list(self.entries)
         submitted: list[str] = []
         budget = _DecodedBudget(READ_AHEAD_DECODED_BYTES)
-        with ThreadPoolExecutor(READ_AHEAD_THREADS, thread_name_prefix="rlrec-read-ahead") as pool:
-            try:
-                nxt = 1  # the next entry to fetch ahead
-                for i, entry in enumerate(entries):
-                    nxt = max(nxt, i + 1)
-                    ahead = sum(e.bytes for e in entries[i + 1 : nxt])
-                    while (
-                        nxt < len(entries)
-                        and nxt - i <= READ_AHEAD_SHARDS
-                        and (nxt == i + 1 or ahead + entries[nxt].bytes <= READ_AHEAD_BYTES)
-                    ):
-                        self._ahead[entries[nxt].path] = pool.submit(self._fetch, entries[nxt], budget)
-                        submitted.append(entries[nxt].path)
-                        ahead += entries[nxt].bytes
-                        nxt += 1
-                    table = self.shard_steps(entry)
-                    budget.give_back(entry.path)
-                    yield table
-            finally:
-                for path in submitted:
-                    future = self._ahead.pop(path, None)
-                    if future is not None:
-                        future.cancel()
+        pool = read_ahead_pool(READ_AHEAD_THREADS, "rlrec-read-ahead")
+        try:
+            nxt = 1  # the next entry to fetch ahead
+            for i, entry in enumerate(entries):
+                nxt = max(nxt, i + 1)
+                ahead = sum(e.bytes for e in entries[i + 1 : nxt])
+                while (
+                    nxt < len(entries)
+                    and nxt - i <= READ_AHEAD_SHARDS
+                    and (nxt == i + 1 or ahead + entries[nxt].bytes <= READ_AHEAD_BYTES)
+                ):
+                    try:
+                        future = pool.submit(self._fetch, entries[nxt], budget)
+                    except RuntimeError:  # the pool was shut down at interpreter exit: read inline
+                        nxt = len(entries)
+                        break
+                    self._ahead[entries[nxt].path] = future
+                    submitted.append(entries[nxt].path)
+                    ahead += entries[nxt].bytes
+                    nxt += 1
+                table = self.shard_steps(entry)
+                budget.give_back(entry.path)
+                yield table
+        finally:
+            for path in submitted:
+                future = self._ahead.pop(path, None)
+                if future is not None:
+                    future.cancel()
+            pool.shutdown(wait=True)
 
     def steps(self) -> pa.Table:
         """One row per step of every episode (columns: module docstring, docs/FORMAT.md "Steps table").

@@ -408,24 +408,27 @@ class Snapshot:
         then its counts come from reading the shards."""
         return self.keep_episode is not None or bool(self._drop)
 
-    def _keeps(self, entry: ShardEntry, ids: Iterable[str], groups: Mapping[str, str] | None = None) -> list[str]:
+    def _keeps(
+        self, entry: ShardEntry, ids: Iterable[str], groups: Mapping[str, str] | None = None, shard: Any = None
+    ) -> list[str]:
         """Which of `ids` (episode ids of `entry`'s shard) it holds. A filter with a true
         ``by_multi_agent_episode`` attribute (the held-out split) gets an agent row's multi-agent
         episode id as its second argument (`groups`: agent episode id -> it; None: read from the
-        shard when it is a multi-agent one)."""
+        shard when it is a multi-agent one: from `shard`, the entry's gated shard, where the
+        caller has it, else read again)."""
         drop, keep = self._drop.get(entry.path, frozenset()), self.keep_episode
         if keep is not None and _wants_groups(keep) and groups is None:
-            groups = self._multi_agent_ids(entry)
+            groups = self._multi_agent_ids(entry, shard)
         return [i for i in ids if i not in drop and (keep is None or _kept(keep, i, groups))]
 
-    def _multi_agent_ids(self, entry: ShardEntry) -> dict[str, str]:
-        """Agent episode id -> multi-agent episode id of `entry`'s rows ({}: not a multi-agent shard)."""
+    def _multi_agent_ids(self, entry: ShardEntry, shard: Any = None) -> dict[str, str]:
+        """Agent episode id -> multi-agent episode id of `entry`'s rows ({}: not a multi-agent
+        shard), from `shard` (its gated shard; None: read it)."""
         if entry.format != "episodes" or entry.format_version != MULTI_AGENT_SHARD_FORMAT_VERSION:
             return {}
-        shard = self._gated(entry)
         from rlrec.store.multi_agent_shards import read_agent_ids
 
-        return {eid: ma_id for eid, ma_id, _ in read_agent_ids(shard)}
+        return {eid: ma_id for eid, ma_id, _ in read_agent_ids(shard if shard is not None else self._gated(entry))}
 
     def __repr__(self) -> str:
         if self.selection is None:
@@ -737,7 +740,7 @@ class Snapshot:
         if not self.filtered or not table.num_rows:
             return table
         ids = table.column("episode_id")
-        kept = self._keeps(entry, set(ids.to_pylist()))
+        kept = self._keeps(entry, set(ids.to_pylist()), shard=shard)
         return table.filter(pc.is_in(ids, value_set=pa.array(kept, pa.string())))
 
     def iter_steps(self) -> Iterator[pa.Table]:

@@ -463,9 +463,11 @@ def _arrays(recs: list[dict], what: str) -> list[np.ndarray]:
 
 
 class _SpaceCache:
-    """Parsed spaces by their JSON text, least recently used first out, bounded by bytes: an entry
-    costs about 8x its text (the parsed space and its leaves), texts over `max_entry_chars` are
-    parsed every time and never cached. Thread-safe."""
+    """Parsed spaces by their JSON text, least recently used first out, bounded by bytes. `get`
+    parses a text it misses (an entry costs about 8x its text: the parsed space and its leaves;
+    texts over `max_entry_chars` are parsed every time and never cached); `cached` and `keep`
+    serve a caller that budgets and builds the spaces itself
+    (`rlrec.producer.multi_agent_events`). Thread-safe."""
 
     def __init__(self, max_bytes: int = 64 * 1024 * 1024, max_entry_chars: int = 256 * 1024) -> None:
         self.max_entry_chars = max_entry_chars
@@ -476,9 +478,19 @@ class _SpaceCache:
     def _cost(text: str) -> int:
         return 8 * len(text) + 1024
 
-    def get(self, text: str, what: str) -> tuple[gs.Space, tuple[Leaf, ...]]:
+    def cached(self, texts: list[Any]) -> list[tuple[gs.Space, tuple[Leaf, ...]] | None]:
+        """The parsed space of each text, None where it is not cached (or not a str)."""
         with self._lock:
-            hit = self._entries.get(text)
+            return [self._entries.get(text) if type(text) is str else None for text in texts]
+
+    def keep(self, text: str, parsed: tuple[gs.Space, tuple[Leaf, ...]], cost: int) -> None:
+        """Cache `parsed` under `text` at `cost` bytes (a text cached already is left as it is)."""
+        with self._lock:
+            if text not in self._entries:
+                self._entries.put(text, parsed, cost)
+
+    def get(self, text: str, what: str) -> tuple[gs.Space, tuple[Leaf, ...]]:
+        hit = self.cached([text])[0]
         if hit is not None:
             return hit
         try:
@@ -489,9 +501,7 @@ class _SpaceCache:
         except RecursionError:
             raise DecodeError("bad-space", f"{what}: nested too deeply") from None
         if len(text) <= self.max_entry_chars:
-            with self._lock:
-                if text not in self._entries:
-                    self._entries.put(text, parsed, self._cost(text))
+            self.keep(text, parsed, self._cost(text))
         return parsed
 
 

@@ -33,7 +33,6 @@ Example:
 from __future__ import annotations
 
 import json
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,12 +40,12 @@ import numpy as np
 from gymnasium import spaces as gs
 
 from rlrec.producer.arrays import array_to_wire
-from rlrec.producer.bounded import ByteBoundedLRU
 from rlrec.producer.events import (
     DecodeError,
     _arrays,
     _id,
     _read_body,
+    _SpaceCache,
     _wire_leaves,
     check_env_id,
     check_leaves,
@@ -109,8 +108,7 @@ MAX_BATCH_CELLS = 1 << 18
 _SPACE_TABLE_MAX = 2 * MAX_AGENTS
 #: what the parsed spaces kept for later starts may cost in all (space_json_nbytes each)
 MAX_CACHED_SPACE_BYTES = 128 * 2**20
-_parsed_spaces: ByteBoundedLRU[str, tuple[gs.Space, tuple[Leaf, ...]]] = ByteBoundedLRU(MAX_CACHED_SPACE_BYTES)
-_parsed_lock = threading.Lock()
+_parsed_spaces = _SpaceCache(MAX_CACHED_SPACE_BYTES)
 _PRESENCE_VALUES = np.zeros(256, dtype=bool)  # valid presence bytes: a "true" bit needs its "given" bit
 for _b in range(256):
     _PRESENCE_VALUES[_b] = not (
@@ -320,8 +318,7 @@ def _parse_spaces(texts: list[str]) -> list[tuple[gs.Space, tuple[Leaf, ...]]]:
     """Every space of a start, its cost counted against MAX_START_SPACE_BYTES before any is built."""
     if len(texts) > _SPACE_TABLE_MAX:
         raise DecodeError("bad-space", f"{len(texts)} spaces > {_SPACE_TABLE_MAX}")
-    with _parsed_lock:
-        out = [_parsed_spaces.get(text) if type(text) is str else None for text in texts]
+    out = _parsed_spaces.cached(texts)
     parsed, total = {}, 0  # index of a space not cached -> (its JSON, its cost)
     for i, text in enumerate(texts):
         if out[i] is not None:
@@ -343,8 +340,7 @@ def _parse_spaces(texts: list[str]) -> list[tuple[gs.Space, tuple[Leaf, ...]]]:
             raise DecodeError("bad-space", f"spaces[{i}]: {e}"[:300]) from None
         except RecursionError:
             raise DecodeError("bad-space", f"spaces[{i}]: nested too deeply") from None
-        with _parsed_lock:
-            _parsed_spaces.put(texts[i], out[i], cost + len(texts[i]))
+        _parsed_spaces.keep(texts[i], out[i], cost + len(texts[i]))
     return out
 
 

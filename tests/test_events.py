@@ -1108,3 +1108,24 @@ def test_per_space_remembers_per_object_holds_no_space_and_is_byte_bounded():
     del held
     gc.collect()
     assert len(memo._memo) == 1 and memo.nbytes < 1000
+
+
+def test_multi_agent_starts_share_parsed_spaces_through_the_bounded_space_cache():
+    from rlrec.producer import multi_agent_events as mae
+    from rlrec.producer.events import _SpaceCache
+
+    box = gs.Box(-1.0, 1.0, (3,), np.float32)
+    start = mae.MultiAgentEpisodeStart(
+        "ep-x",
+        "default",
+        1,
+        {"a0": mae.AgentSpec("a0", "m0", box, gs.Discrete(4))},
+        observations={"a0": [np.zeros(3, np.float32)]},
+    )
+    value, headers = mae.encode_event(start)
+    one, two = mae.decode_event(value, headers), mae.decode_event(value, headers)
+    assert one.agents["a0"].observation_space is two.agents["a0"].observation_space == box
+    assert isinstance(mae._parsed_spaces, _SpaceCache)
+    texts = [mae.dumps_space(box, compact=True), "not cached"]
+    assert mae._parsed_spaces.cached(texts)[0][0] is one.agents["a0"].observation_space
+    assert mae._parsed_spaces.cached(texts)[1] is None

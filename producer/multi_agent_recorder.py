@@ -642,11 +642,8 @@ class MultiAgentCalls:
         """The Avro array of the stacked leaves of `col` (kept values), also when it is empty."""
         if col:
             packer.write(parts, col)
-            return
-        parts.append(packer._count)
-        for head, tail in packer._heads:
-            parts += (head, long_bytes(0), tail, long_bytes(0), b"")
-        parts.append(ARRAY_END)
+        else:
+            packer.write_empty(parts)
 
     def _ma_wire(self, kind: str, version: int | None = None) -> None:
         """Make sure `_send` knows how to frame `kind` (at `version`: the key ``kind/version``)."""

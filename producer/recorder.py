@@ -399,6 +399,13 @@ class _Packer:
                 self._write_leaf(parts, i, leaf_col, n)
         parts.append(ARRAY_END)
 
+    def write_empty(self, parts: list) -> None:
+        """Append the Avro array of the leaves stacked zero deep (`write` of no values) to `parts`."""
+        parts.append(self._count)
+        for head, tail in self._heads:
+            parts += (head, long_bytes(0), tail, long_bytes(0), b"")
+        parts.append(ARRAY_END)
+
     def _write_leaf(self, parts: list, i: int, col: Sequence, n: int) -> None:
         head, tail = self._heads[i]
         code = self.int_code

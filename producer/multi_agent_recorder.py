@@ -495,18 +495,7 @@ class MultiAgentCalls:
                             )
                         cells[agent_id] = (*cell[:3], total, *cell[4:])
                         return
-                    if self._buffered < self._max_buffered_steps:
-                        rec = {
-                            "episode_id": episode_id,
-                            "t": t,
-                            "reward": r,
-                            "timestamp_ms": int(time.time() * 1000),
-                            "agent_id": agent_id,
-                        }
-                        self._ma_wire("RewardDelta", 2)
-                        self._send(episode_id, encode_record("RewardDelta", rec, 2), "RewardDelta/2", 1, 1)
-                        return
-                    if not self._overflow(None, False):
+                    if self._send_reward(episode_id, t, r, agent_id):
                         return
                 finally:
                     self._busy = False

@@ -896,15 +896,26 @@ class EpisodeRecorder(BatchedCalls, MultiAgentCalls):
                     if ep is not None and t >= ep.t0 and not ep.dropping:
                         ep.reward_adds[t] = ep.reward_adds.get(t, 0.0) + r  # still buffered: no message needed
                         return
-                    if self._buffered < self._max_buffered_steps:
-                        rec = {"episode_id": episode_id, "t": t, "reward": r, "timestamp_ms": int(_time() * 1000)}
-                        self._send(episode_id, encode_record("RewardDelta", rec), "RewardDelta", 1, 1)
-                        return
-                    if not self._overflow(None, False):
+                    if self._send_reward(episode_id, t, r):
                         return
                 finally:
                     self._busy = False
             time.sleep(_WAIT_S)
+
+    def _send_reward(self, episode_id: str, t: int, reward: float, agent_id: str | None = None) -> bool:
+        """(Lock held.) Send a `RewardDelta` for a step no longer buffered (version 2 with
+        `agent_id`) when the buffer has room. True: done with it (sent, or dropped by
+        `on_overflow`); False: wait and try again."""
+        if self._buffered >= self._max_buffered_steps:
+            return not self._overflow(None, False)
+        rec = {"episode_id": episode_id, "t": t, "reward": reward, "timestamp_ms": int(_time() * 1000)}
+        if agent_id is None:
+            self._send(episode_id, encode_record("RewardDelta", rec), "RewardDelta", 1, 1)
+        else:
+            rec["agent_id"] = agent_id
+            self._ma_wire("RewardDelta", 2)
+            self._send(episode_id, encode_record("RewardDelta", rec, 2), "RewardDelta/2", 1, 1)
+        return True
 
     def abort_episode(self, episode_id: str, reason: str = "") -> None:
         """End an open episode without a terminal step; the consumer finalizes it as truncated.

@@ -391,6 +391,15 @@ class PartitionAssembler(MultiAgentAssembly):
         reason = self.evicted.get(eid) or ("partition-change" if self.split_suspected else "unknown-episode")
         return [DeadLetter(reason, f"{type(event).__name__} for episode {eid} not open on this partition", offset)]
 
+    def _keep_batch(self, ep: Any, offset: int, b: StepBatch | MultiAgentStepBatch, nbytes: int) -> None:
+        """Add step batch `b` (holding `nbytes`) to an open episode of either kind."""
+        ep.batches.append(b)
+        ep.batch_offsets.append(offset)
+        ep.t += b.n
+        ep.last_offset = offset
+        ep.nbytes += nbytes
+        self.open_nbytes += nbytes
+
     def _open_reward(self, ep: Any, offset: int, event: RewardDelta, steps: str) -> list[DeadLetter]:
         """A reward for step `event.t` of an open episode (single- or multi-agent, its steps
         counted in `steps`): kept to add when the episode finishes, or `bad-reward-t` past its end."""
@@ -492,12 +501,7 @@ class PartitionAssembler(MultiAgentAssembly):
         nbytes = _batch_nbytes(b)
         if ep.nbytes + nbytes > self.config.max_episode_bytes:
             return self._too_large(ep, offset, ep.nbytes + nbytes, now)
-        ep.batches.append(b)
-        ep.batch_offsets.append(offset)
-        ep.t += b.n
-        ep.last_offset = offset
-        ep.nbytes += nbytes
-        self.open_nbytes += nbytes
+        self._keep_batch(ep, offset, b, nbytes)
         if b.terminated or b.truncated:
             return self._finish(ep, terminated=b.terminated, truncated=b.truncated, ended_ms=b.timestamp_ms, now=now)
         return []

@@ -318,12 +318,7 @@ class MultiAgentAssembly:
             # never truncated: where it would be cut is a limit a replay may not share
             detail = f"episode {eid} would hold {ep.nbytes + nbytes} bytes > max_episode_bytes"
             return self._poison(ep, offset, "episode-too-large", f"{detail} {self.config.max_episode_bytes}")
-        ep.batches.append(b)
-        ep.batch_offsets.append(offset)
-        ep.t += b.n
-        ep.last_offset = offset
-        ep.nbytes += nbytes
-        self.open_nbytes += nbytes
+        self._keep_batch(ep, offset, b, nbytes)
         if b.ended:
             return self._finish(ep, terminated=True, truncated=False, ended_ms=b.timestamp_ms, now=now)
         return []

@@ -457,12 +457,7 @@ class MultiAgentCalls:
             >>> rec.log_multi_agent_reward(eid, 3, "a1", 0.75)  # doctest: +SKIP
         """
         self._check_usable()
-        r = float(reward)
-        if not math.isfinite(r):
-            raise ValueError(f"reward must be finite, got {r}")
-        t = int(t)
-        if t < 0:
-            raise ValueError(f"t must be >= 0, got {t}")
+        t, r = _r.reward_args(t, reward)
         if type(agent_id) is not str or not 1 <= len(agent_id) <= 256:
             raise ValueError(f"agent_id must be a string of 1..256 characters, got {agent_id!r}")
         while True:

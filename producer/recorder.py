@@ -325,6 +325,18 @@ class RecorderStats:
     messages_failed: int
 
 
+def reward_args(t: Any, reward: Any) -> tuple[int, float]:
+    """The env step and reward of a delayed reward call (`log_reward`, `log_multi_agent_reward`),
+    or ValueError: a reward that is not finite, a negative step."""
+    r = float(reward)
+    if not math.isfinite(r):
+        raise ValueError(f"reward must be finite, got {r}")
+    t = int(t)
+    if t < 0:
+        raise ValueError(f"t must be >= 0, got {t}")
+    return t, r
+
+
 class _Packer:
     """Per-space copying of step values into their wire bytes, and column-wise joining."""
 
@@ -873,12 +885,7 @@ class EpisodeRecorder(BatchedCalls, MultiAgentCalls):
             ValueError: the episode is known to have no step `t`, or the reward is not finite.
         """
         self._check_usable()
-        r = float(reward)
-        if not math.isfinite(r):
-            raise ValueError(f"reward must be finite, got {r}")
-        t = int(t)
-        if t < 0:
-            raise ValueError(f"t must be >= 0, got {t}")
+        t, r = reward_args(t, reward)
         while True:
             with self._lock:
                 if self._busy:

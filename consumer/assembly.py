@@ -42,7 +42,7 @@ from rlrec.producer.events import (
 )
 from rlrec.producer.multi_agent_events import MultiAgentEpisodeStart, MultiAgentStepBatch
 from rlrec.producer.multi_agent_events import encode_event as encode
-from rlrec.producer.spaces import Leaf, space_leaves
+from rlrec.producer.spaces import Leaf, space_leaves, space_nbytes
 from rlrec.store.finished import EMPTY_INFO, FinishedEpisode
 from rlrec.store.multi_agent_finished import FinishedAgentRow
 
@@ -238,20 +238,7 @@ def _held_nbytes(b: StepBatch | MultiAgentStepBatch) -> int:
 
 def _start_nbytes(ev: EpisodeStart) -> int:
     n = sum(a.nbytes for a in ev.observation) + (info_nbytes(ev.info) if ev.info else 0) + 1000
-    return n + _space_nbytes(ev.observation_space) + _space_nbytes(ev.action_space)
-
-
-def _space_nbytes(space: Any) -> int:
-    """Memory a space object holds (its bound arrays dominate: a Box of a million elements holds
-    8 MB). Counted for every episode even where episodes share one space object: an upper bound."""
-    n = 500
-    for name in ("low", "high", "nvec", "start"):
-        v = getattr(space, name, None)
-        if isinstance(v, np.ndarray):
-            n += v.nbytes
-    for sub in getattr(space, "spaces", None) or ():
-        n += _space_nbytes(space.spaces[sub] if isinstance(space.spaces, dict) else sub)
-    return n
+    return n + space_nbytes(ev.observation_space) + space_nbytes(ev.action_space)
 
 
 class PartitionAssembler(MultiAgentAssembly):
@@ -373,18 +360,9 @@ class PartitionAssembler(MultiAgentAssembly):
             if isinstance(event, StepBatch):
                 return self._on_steps(ep, offset, event, now)
             if isinstance(event, RewardDelta):
-                if event.t >= ep.t:
-                    return [
-                        DeadLetter("bad-reward-t", f"episode {eid} has {ep.t} steps; reward for t={event.t}", offset)
-                    ]
-                ep.rewards_later.append(event)
-                ep.reward_offsets.append(offset)
-                ep.last_offset = offset
-                self.counters.rewards_applied += 1
-                return []
+                return self._open_reward(ep, offset, event, "steps")
             if isinstance(event, EpisodeAbort):
-                ep.last_offset = offset
-                return self._finish(ep, terminated=False, truncated=True, ended_ms=event.timestamp_ms, now=now)
+                return self._open_abort(ep, offset, event, now)
             raise TypeError(type(event))
 
         fe = self.finished.get(eid) or self.in_flight.get(eid)
@@ -412,6 +390,35 @@ class PartitionAssembler(MultiAgentAssembly):
 
         reason = self.evicted.get(eid) or ("partition-change" if self.split_suspected else "unknown-episode")
         return [DeadLetter(reason, f"{type(event).__name__} for episode {eid} not open on this partition", offset)]
+
+    def _keep_batch(self, ep: Any, offset: int, b: StepBatch | MultiAgentStepBatch, nbytes: int) -> None:
+        """Add step batch `b` (holding `nbytes`) to an open episode of either kind."""
+        ep.batches.append(b)
+        ep.batch_offsets.append(offset)
+        ep.t += b.n
+        ep.last_offset = offset
+        ep.nbytes += nbytes
+        self.open_nbytes += nbytes
+
+    def _open_reward(self, ep: Any, offset: int, event: RewardDelta, steps: str) -> list[DeadLetter]:
+        """A reward for step `event.t` of an open episode (single- or multi-agent, its steps
+        counted in `steps`): kept to add when the episode finishes, or `bad-reward-t` past its end."""
+        if event.t >= ep.t:
+            return [
+                DeadLetter(
+                    "bad-reward-t", f"episode {event.episode_id} has {ep.t} {steps}; reward for t={event.t}", offset
+                )
+            ]
+        ep.rewards_later.append(event)
+        ep.reward_offsets.append(offset)
+        ep.last_offset = offset
+        self.counters.rewards_applied += 1
+        return []
+
+    def _open_abort(self, ep: Any, offset: int, event: EpisodeAbort, now: float) -> list[DeadLetter]:
+        """An open episode (single- or multi-agent) aborted: finished, truncated at its last step."""
+        ep.last_offset = offset
+        return self._finish(ep, terminated=False, truncated=True, ended_ms=event.timestamp_ms, now=now)
 
     def _on_start(self, offset: int, ev: EpisodeStart, now: float) -> list[DeadLetter]:
         h = _start_hash(ev)
@@ -494,12 +501,7 @@ class PartitionAssembler(MultiAgentAssembly):
         nbytes = _batch_nbytes(b)
         if ep.nbytes + nbytes > self.config.max_episode_bytes:
             return self._too_large(ep, offset, ep.nbytes + nbytes, now)
-        ep.batches.append(b)
-        ep.batch_offsets.append(offset)
-        ep.t += b.n
-        ep.last_offset = offset
-        ep.nbytes += nbytes
-        self.open_nbytes += nbytes
+        self._keep_batch(ep, offset, b, nbytes)
         if b.terminated or b.truncated:
             return self._finish(ep, terminated=b.terminated, truncated=b.truncated, ended_ms=b.timestamp_ms, now=now)
         return []

@@ -14,13 +14,12 @@ import dataclasses
 import hashlib
 from typing import Any
 
-import numpy as np
-
 from rlrec.consumer.multi_agent_fold import fold_multi_agent
 from rlrec.consumer.multi_agent_reference import MultiAgentDataError, agent_episode_id
 from rlrec.consumer.multi_agent_split import pack_split, split_recording
 from rlrec.producer.events import DecodeError, EpisodeAbort, RewardDelta, info_nbytes
 from rlrec.producer.multi_agent_events import MultiAgentEpisodeStart, MultiAgentStepBatch, encode_event
+from rlrec.producer.spaces import space_nbytes
 from rlrec.store.multi_agent_finished import FinishedAgentRow, agent_rows_of
 from rlrec.store.multi_agent_shards import MultiAgentShardEpisode
 
@@ -32,7 +31,6 @@ __all__ = [
     "batch_nbytes",
     "canonical_record",
     "event_agent_ids",
-    "space_nbytes",
     "start_hash",
     "start_nbytes",
 ]
@@ -176,27 +174,6 @@ def start_hash(start: MultiAgentEpisodeStart) -> bytes:
     return hashlib.blake2b(encode_event(start)[0], digest_size=16).digest()
 
 
-def space_nbytes(space: Any) -> int:
-    """What a built space's arrays cost, counted as `rlrec.producer.spaces.space_json_nbytes`
-    counts its JSON (Box: two bounds of its dtype and two boolean masks; MultiDiscrete: nvec and
-    start as int64; 64 bytes a node).
-
-    Example:
-        >>> import gymnasium as gym, numpy as np
-        >>> space_nbytes(gym.spaces.Box(-1, 1, (1000,), np.float64))
-        18064
-    """
-    subs = getattr(space, "spaces", None)
-    if subs is not None:
-        return 64 + sum(space_nbytes(c) for c in (subs.values() if isinstance(subs, dict) else subs))
-    kind = type(space).__name__
-    if kind == "Box":
-        return 64 + int(np.prod(space.shape)) * (2 * space.dtype.itemsize + 2)
-    if kind == "MultiDiscrete":
-        return 64 + 16 * int(np.prod(space.shape))
-    return 64
-
-
 def start_nbytes(start: MultiAgentEpisodeStart) -> int:
     """Memory a multi-agent start holds: reset observations, infos, and its spaces at what they
     cost built (`space_nbytes`; each distinct space object once)."""
@@ -254,20 +231,9 @@ class MultiAgentAssembly:
                     return [
                         _a.DeadLetter("unknown-agent", f"episode {eid}: a reward for {event.agent_id[:60]!r}", offset)
                     ]
-                if event.t >= ep.t:
-                    return [
-                        _a.DeadLetter(
-                            "bad-reward-t", f"episode {eid} has {ep.t} env steps; reward for t={event.t}", offset
-                        )
-                    ]
-                ep.rewards_later.append(event)
-                ep.reward_offsets.append(offset)
-                ep.last_offset = offset
-                self.counters.rewards_applied += 1
-                return []
+                return self._open_reward(ep, offset, event, "env steps")
             if isinstance(event, EpisodeAbort):
-                ep.last_offset = offset
-                return self._finish(ep, terminated=False, truncated=True, ended_ms=event.timestamp_ms, now=now)
+                return self._open_abort(ep, offset, event, now)
             return self._on_multi_agent_start(offset, event, now)
         ended = self.multi_agent_ended.get(eid)
         if isinstance(event, MultiAgentEpisodeStart):
@@ -352,12 +318,7 @@ class MultiAgentAssembly:
             # never truncated: where it would be cut is a limit a replay may not share
             detail = f"episode {eid} would hold {ep.nbytes + nbytes} bytes > max_episode_bytes"
             return self._poison(ep, offset, "episode-too-large", f"{detail} {self.config.max_episode_bytes}")
-        ep.batches.append(b)
-        ep.batch_offsets.append(offset)
-        ep.t += b.n
-        ep.last_offset = offset
-        ep.nbytes += nbytes
-        self.open_nbytes += nbytes
+        self._keep_batch(ep, offset, b, nbytes)
         if b.ended:
             return self._finish(ep, terminated=True, truncated=False, ended_ms=b.timestamp_ms, now=now)
         return []

@@ -56,12 +56,14 @@ __all__ = [
     "check_policy_id",
     "check_values",
     "decode",
+    "decode_body",
     "dumps_info",
     "encode",
     "encode_record",
     "info_nbytes",
     "load_schemas",
     "loads_info",
+    "read_header",
     "schema_header",
     "schema_version",
 ]
@@ -413,14 +415,22 @@ def encode(ev: Event) -> tuple[bytes, list[tuple[str, bytes]]]:
 # decoding (untrusted input)
 
 
-def _parse_header(headers: Any) -> tuple[str, int]:
-    value = None
+_NO_HEADER = object()
+
+
+def _schema_header(headers: Any) -> Any:
+    """The value of the last ``rlrec-schema`` header, or `_NO_HEADER` where there is none."""
+    value = _NO_HEADER
     if headers:
         items = headers.items() if isinstance(headers, Mapping) else headers
         for k, v in items:
             if k == SCHEMA_HEADER:
                 value = v
-    if value is None:
+    return value
+
+
+def _parse_header(value: Any) -> tuple[str, int]:
+    if value is _NO_HEADER or value is None:
         raise DecodeError("bad-header", f"no {SCHEMA_HEADER} header")
     try:
         text = value.decode("ascii") if isinstance(value, (bytes, bytearray)) else str(value)
@@ -453,9 +463,11 @@ def _arrays(recs: list[dict], what: str) -> list[np.ndarray]:
 
 
 class _SpaceCache:
-    """Parsed spaces by their JSON text, least recently used first out, bounded by bytes: an entry
-    costs about 8x its text (the parsed space and its leaves), texts over `max_entry_chars` are
-    parsed every time and never cached. Thread-safe."""
+    """Parsed spaces by their JSON text, least recently used first out, bounded by bytes. `get`
+    parses a text it misses (an entry costs about 8x its text: the parsed space and its leaves;
+    texts over `max_entry_chars` are parsed every time and never cached); `cached` and `keep`
+    serve a caller that budgets and builds the spaces itself
+    (`rlrec.producer.multi_agent_events`). Thread-safe."""
 
     def __init__(self, max_bytes: int = 64 * 1024 * 1024, max_entry_chars: int = 256 * 1024) -> None:
         self.max_entry_chars = max_entry_chars
@@ -466,9 +478,19 @@ class _SpaceCache:
     def _cost(text: str) -> int:
         return 8 * len(text) + 1024
 
-    def get(self, text: str, what: str) -> tuple[gs.Space, tuple[Leaf, ...]]:
+    def cached(self, texts: list[Any]) -> list[tuple[gs.Space, tuple[Leaf, ...]] | None]:
+        """The parsed space of each text, None where it is not cached (or not a str)."""
         with self._lock:
-            hit = self._entries.get(text)
+            return [self._entries.get(text) if type(text) is str else None for text in texts]
+
+    def keep(self, text: str, parsed: tuple[gs.Space, tuple[Leaf, ...]], cost: int) -> None:
+        """Cache `parsed` under `text` at `cost` bytes (a text cached already is left as it is)."""
+        with self._lock:
+            if text not in self._entries:
+                self._entries.put(text, parsed, cost)
+
+    def get(self, text: str, what: str) -> tuple[gs.Space, tuple[Leaf, ...]]:
+        hit = self.cached([text])[0]
         if hit is not None:
             return hit
         try:
@@ -479,9 +501,7 @@ class _SpaceCache:
         except RecursionError:
             raise DecodeError("bad-space", f"{what}: nested too deeply") from None
         if len(text) <= self.max_entry_chars:
-            with self._lock:
-                if text not in self._entries:
-                    self._entries.put(text, parsed, self._cost(text))
+            self.keep(text, parsed, self._cost(text))
         return parsed
 
 
@@ -527,11 +547,41 @@ def _id(s: str, what: str = "episode_id") -> str:
     return s
 
 
-def _has_header(headers: Any) -> bool:
-    if not headers:
-        return False
-    items = headers.items() if isinstance(headers, Mapping) else headers
-    return any(k == SCHEMA_HEADER for k, _ in items)
+def read_header(
+    value: bytes, headers: Any = None, *, max_bytes: int | None = None, registry: Any = None, key: bytes | None = None
+) -> tuple[str, int, bytes]:
+    """The kind, schema version and Avro body of one Kafka message of any rlrec kind, or raise
+    `DecodeError`; `decode_body` (or `rlrec.producer.multi_agent_events.decode_event`) decodes the body.
+
+    Args:
+        value: the message value.
+        headers: the message headers (the ``rlrec-schema`` header names the kind and version).
+        max_bytes: refuse larger values (`oversize`).
+        registry: a `rlrec.producer.registry.SchemaRegistry`: values without the header are read as
+            Confluent-framed; its `RegistryUnavailable` (not the message's fault) propagates.
+        key: the message key, refused over `MAX_KEY_BYTES` (`key-too-large`).
+
+    Example:
+        >>> from rlrec.producer.events import EpisodeAbort, encode, read_header
+        >>> value, headers = encode(EpisodeAbort("ep-1", "crash", 0))
+        >>> read_header(value, headers, key=b"ep-1")[:2]
+        ('EpisodeAbort', 1)
+    """
+    if key is not None and len(key) > MAX_KEY_BYTES:
+        raise DecodeError("key-too-large", f"{len(key)}-byte key > {MAX_KEY_BYTES}")
+    if value is None:
+        raise DecodeError("malformed", "empty (tombstone) message")
+    if max_bytes is not None and len(value) > max_bytes:
+        raise DecodeError("oversize", f"{len(value)} bytes > limit {max_bytes}")
+    header = _schema_header(headers)
+    if header is _NO_HEADER and registry is not None:  # Confluent framing (rlrec.producer.registry)
+        from rlrec.producer.registry import unframe
+
+        schema_id, body = unframe(bytes(value))
+        kind, version = registry.kind_of(schema_id)
+        return kind, version, body
+    kind, version = _parse_header(header)
+    return kind, version, value
 
 
 def decode(
@@ -546,22 +596,27 @@ def decode(
     `rlrec.producer.registry.SchemaRegistry`), values without the rlrec-schema header are read as
     Confluent-framed; its `RegistryUnavailable` (not the message's fault) propagates.
     """
-    if key is not None and len(key) > MAX_KEY_BYTES:
-        raise DecodeError("key-too-large", f"{len(key)}-byte key > {MAX_KEY_BYTES}")
-    if value is None:
-        raise DecodeError("malformed", "empty (tombstone) message")
-    if max_bytes is not None and len(value) > max_bytes:
-        raise DecodeError("oversize", f"{len(value)} bytes > limit {max_bytes}")
-    if registry is not None and not _has_header(headers):  # Confluent framing (rlrec.producer.registry)
-        from rlrec.producer.registry import unframe
+    return decode_body(*read_header(value, headers, max_bytes=max_bytes, registry=registry, key=key))
 
-        schema_id, value = unframe(bytes(value))
-        kind, version = registry.kind_of(schema_id)
-    else:
-        kind, version = _parse_header(headers)
+
+def decode_body(kind: str, version: int, body: bytes) -> Event:
+    """Decode the Avro body of a single-agent event whose kind and version `read_header` gave, or
+    raise `DecodeError` (`unknown-schema` for a kind that is not single-agent).
+
+    Args:
+        kind: the event kind, e.g. ``"StepBatch"``.
+        version: its schema version.
+        body: the Avro body (the value without any Confluent framing).
+
+    Example:
+        >>> from rlrec.producer.events import EpisodeAbort, decode_body, encode, read_header
+        >>> value, headers = encode(EpisodeAbort("ep-1", "crash", 0))
+        >>> decode_body(*read_header(value, headers)).reason
+        'crash'
+    """
     if kind not in _KINDS:
         raise DecodeError("unknown-schema", f"unknown event kind {kind!r}")
-    rec = _read_body(kind, version, bytes(value))
+    rec = _read_body(kind, version, bytes(body))
     eid = _id(rec["episode_id"])
     ts = rec["timestamp_ms"]
 

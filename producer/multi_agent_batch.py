@@ -120,8 +120,5 @@ def _write(parts: list, packer: Any, col: Sequence) -> None:
     """The Avro array of the stacked leaves of `col` (kept values), also when it is empty."""
     if col:
         packer.write(parts, col)
-        return
-    parts.append(packer._count)
-    for head, tail in packer._heads:
-        parts += (head, long_bytes(0), tail, long_bytes(0), b"")
-    parts.append(ARRAY_END)
+    else:
+        packer.write_empty(parts)

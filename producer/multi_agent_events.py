@@ -33,7 +33,6 @@ Example:
 from __future__ import annotations
 
 import json
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,25 +40,23 @@ import numpy as np
 from gymnasium import spaces as gs
 
 from rlrec.producer.arrays import array_to_wire
-from rlrec.producer.bounded import ByteBoundedLRU
 from rlrec.producer.events import (
-    MAX_KEY_BYTES,
     DecodeError,
     _arrays,
-    _has_header,
     _id,
-    _parse_header,
     _read_body,
+    _SpaceCache,
     _wire_leaves,
     check_env_id,
     check_leaves,
     check_policy_id,
     check_values,
-    decode,
+    decode_body,
     dumps_info,
     encode,
     encode_record,
     loads_info,
+    read_header,
     schema_header,
 )
 from rlrec.producer.spaces import Leaf, SpaceError, dumps_space, space_from_json, space_json_nbytes, space_leaves
@@ -111,8 +108,7 @@ MAX_BATCH_CELLS = 1 << 18
 _SPACE_TABLE_MAX = 2 * MAX_AGENTS
 #: what the parsed spaces kept for later starts may cost in all (space_json_nbytes each)
 MAX_CACHED_SPACE_BYTES = 128 * 2**20
-_parsed_spaces: ByteBoundedLRU[str, tuple[gs.Space, tuple[Leaf, ...]]] = ByteBoundedLRU(MAX_CACHED_SPACE_BYTES)
-_parsed_lock = threading.Lock()
+_parsed_spaces = _SpaceCache(MAX_CACHED_SPACE_BYTES)
 _PRESENCE_VALUES = np.zeros(256, dtype=bool)  # valid presence bytes: a "true" bit needs its "given" bit
 for _b in range(256):
     _PRESENCE_VALUES[_b] = not (
@@ -322,8 +318,7 @@ def _parse_spaces(texts: list[str]) -> list[tuple[gs.Space, tuple[Leaf, ...]]]:
     """Every space of a start, its cost counted against MAX_START_SPACE_BYTES before any is built."""
     if len(texts) > _SPACE_TABLE_MAX:
         raise DecodeError("bad-space", f"{len(texts)} spaces > {_SPACE_TABLE_MAX}")
-    with _parsed_lock:
-        out = [_parsed_spaces.get(text) if type(text) is str else None for text in texts]
+    out = _parsed_spaces.cached(texts)
     parsed, total = {}, 0  # index of a space not cached -> (its JSON, its cost)
     for i, text in enumerate(texts):
         if out[i] is not None:
@@ -345,8 +340,7 @@ def _parse_spaces(texts: list[str]) -> list[tuple[gs.Space, tuple[Leaf, ...]]]:
             raise DecodeError("bad-space", f"spaces[{i}]: {e}"[:300]) from None
         except RecursionError:
             raise DecodeError("bad-space", f"spaces[{i}]: nested too deeply") from None
-        with _parsed_lock:
-            _parsed_spaces.put(texts[i], out[i], cost + len(texts[i]))
+        _parsed_spaces.keep(texts[i], out[i], cost + len(texts[i]))
     return out
 
 
@@ -456,7 +450,7 @@ def decode_event(
 ) -> Any:
     """Decode one Kafka message of any rlrec kind, or raise `DecodeError` (and nothing else).
 
-    Multi-agent kinds are decoded here; the single-agent ones by `rlrec.producer.events.decode`
+    Multi-agent kinds are decoded here; the single-agent ones by `rlrec.producer.events.decode_body`
     (a `RewardDelta` of version 2 carries `agent_id`). Whether a batch matches its episode's
     agents and spaces needs the episode: see `rlrec.consumer.multi_agent_fold`.
 
@@ -467,24 +461,9 @@ def decode_event(
         registry: a `rlrec.producer.registry.SchemaRegistry` for Confluent-framed values.
         key: the message key, refused over `MAX_KEY_BYTES`.
     """
-    if registry is not None and not _has_header(headers):
-        from rlrec.producer.registry import unframe
-
-        if value is None:
-            raise DecodeError("malformed", "empty (tombstone) message")
-        schema_id, body = unframe(bytes(value))
-        kind, version = registry.kind_of(schema_id)
-    else:
-        kind, version = (None, None) if not _has_header(headers) else _parse_header(headers)
-        body = value
+    kind, version, body = read_header(value, headers, max_bytes=max_bytes, registry=registry, key=key)
     if kind not in MULTI_AGENT_KINDS:
-        return decode(value, headers, max_bytes=max_bytes, registry=registry, key=key)
-    if key is not None and len(key) > MAX_KEY_BYTES:
-        raise DecodeError("key-too-large", f"{len(key)}-byte key > {MAX_KEY_BYTES}")
-    if body is None:
-        raise DecodeError("malformed", "empty (tombstone) message")
-    if max_bytes is not None and len(value) > max_bytes:
-        raise DecodeError("oversize", f"{len(value)} bytes > limit {max_bytes}")
+        return decode_body(kind, version, body)
     rec = _read_body(kind, version, bytes(body))
     eid = _id(rec["episode_id"], "episode_id")
     try:

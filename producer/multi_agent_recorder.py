@@ -582,12 +582,7 @@ class MultiAgentCalls:
             >>> rec.log_multi_agent_reward(eid, 3, "a1", 0.75)  # doctest: +SKIP
         """
         self._check_usable()
-        r = float(reward)
-        if not math.isfinite(r):
-            raise ValueError(f"reward must be finite, got {r}")
-        t = int(t)
-        if t < 0:
-            raise ValueError(f"t must be >= 0, got {t}")
+        t, r = _r.reward_args(t, reward)
         if type(agent_id) is not str or not 1 <= len(agent_id) <= 256:
             raise ValueError(f"agent_id must be a string of 1..256 characters, got {agent_id!r}")
         while True:
@@ -620,18 +615,7 @@ class MultiAgentCalls:
                             )
                         cells[agent_id] = (*cell[:3], total, *cell[4:])
                         return
-                    if self._buffered < self._max_buffered_steps:
-                        rec = {
-                            "episode_id": episode_id,
-                            "t": t,
-                            "reward": r,
-                            "timestamp_ms": int(time.time() * 1000),
-                            "agent_id": agent_id,
-                        }
-                        self._ma_wire("RewardDelta", 2)
-                        self._send(episode_id, encode_record("RewardDelta", rec, 2), "RewardDelta/2", 1, 1)
-                        return
-                    if not self._overflow(None, False):
+                    if self._send_reward(episode_id, t, r, agent_id):
                         return
                 finally:
                     self._busy = False

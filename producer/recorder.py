@@ -325,6 +325,18 @@ class RecorderStats:
     messages_failed: int
 
 
+def reward_args(t: Any, reward: Any) -> tuple[int, float]:
+    """The env step and reward of a delayed reward call (`log_reward`, `log_multi_agent_reward`),
+    or ValueError: a reward that is not finite, a negative step."""
+    r = float(reward)
+    if not math.isfinite(r):
+        raise ValueError(f"reward must be finite, got {r}")
+    t = int(t)
+    if t < 0:
+        raise ValueError(f"t must be >= 0, got {t}")
+    return t, r
+
+
 class _Packer:
     """Per-space copying of step values into their wire bytes, and column-wise joining."""
 
@@ -397,6 +409,13 @@ class _Packer:
         else:
             for i, leaf_col in enumerate(zip(*col)):
                 self._write_leaf(parts, i, leaf_col, n)
+        parts.append(ARRAY_END)
+
+    def write_empty(self, parts: list) -> None:
+        """Append the Avro array of the leaves stacked zero deep (`write` of no values) to `parts`."""
+        parts.append(self._count)
+        for head, tail in self._heads:
+            parts += (head, long_bytes(0), tail, long_bytes(0), b"")
         parts.append(ARRAY_END)
 
     def _write_leaf(self, parts: list, i: int, col: Sequence, n: int) -> None:
@@ -867,12 +886,7 @@ class EpisodeRecorder(BatchedCalls, MultiAgentCalls):
             ValueError: the episode is known to have no step `t`, or the reward is not finite.
         """
         self._check_usable()
-        r = float(reward)
-        if not math.isfinite(r):
-            raise ValueError(f"reward must be finite, got {r}")
-        t = int(t)
-        if t < 0:
-            raise ValueError(f"t must be >= 0, got {t}")
+        t, r = reward_args(t, reward)
         while True:
             with self._lock:
                 if self._busy:
@@ -890,15 +904,26 @@ class EpisodeRecorder(BatchedCalls, MultiAgentCalls):
                     if ep is not None and t >= ep.t0 and not ep.dropping:
                         ep.reward_adds[t] = ep.reward_adds.get(t, 0.0) + r  # still buffered: no message needed
                         return
-                    if self._buffered < self._max_buffered_steps:
-                        rec = {"episode_id": episode_id, "t": t, "reward": r, "timestamp_ms": int(_time() * 1000)}
-                        self._send(episode_id, encode_record("RewardDelta", rec), "RewardDelta", 1, 1)
-                        return
-                    if not self._overflow(None, False):
+                    if self._send_reward(episode_id, t, r):
                         return
                 finally:
                     self._busy = False
             time.sleep(_WAIT_S)
+
+    def _send_reward(self, episode_id: str, t: int, reward: float, agent_id: str | None = None) -> bool:
+        """(Lock held.) Send a `RewardDelta` for a step no longer buffered (version 2 with
+        `agent_id`) when the buffer has room. True: done with it (sent, or dropped by
+        `on_overflow`); False: wait and try again."""
+        if self._buffered >= self._max_buffered_steps:
+            return not self._overflow(None, False)
+        rec = {"episode_id": episode_id, "t": t, "reward": reward, "timestamp_ms": int(_time() * 1000)}
+        if agent_id is None:
+            self._send(episode_id, encode_record("RewardDelta", rec), "RewardDelta", 1, 1)
+        else:
+            rec["agent_id"] = agent_id
+            self._ma_wire("RewardDelta", 2)
+            self._send(episode_id, encode_record("RewardDelta", rec, 2), "RewardDelta/2", 1, 1)
+        return True
 
     def abort_episode(self, episode_id: str, reason: str = "") -> None:
         """End an open episode without a terminal step; the consumer finalizes it as truncated.

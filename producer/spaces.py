@@ -44,6 +44,7 @@ __all__ = [
     "space_from_json",
     "space_json_nbytes",
     "space_leaves",
+    "space_nbytes",
     "space_to_json",
     "unflatten_leaves",
 ]
@@ -268,6 +269,28 @@ def space_json_nbytes(d: Any, _depth: int = 0) -> int:
         return 64 + n * (2 * _dtype(d.get("dtype"), "Box").itemsize + 2)
     if kind == "MultiDiscrete":
         return 64 + 16 * math.prod(_shape(d.get("shape"), "MultiDiscrete"))
+    return 64
+
+
+def space_nbytes(space: Any) -> int:
+    """What a built space's arrays cost, counted as `space_json_nbytes`
+    counts its JSON (Box: two bounds of its dtype and two boolean masks; MultiDiscrete: nvec and
+    start as int64; 64 bytes a node).
+
+    Example:
+        >>> import gymnasium as gym
+        >>> import numpy as np
+        >>> space_nbytes(gym.spaces.Box(-1, 1, (1000,), np.float64))
+        18064
+    """
+    subs = getattr(space, "spaces", None)
+    if subs is not None:
+        return 64 + sum(space_nbytes(c) for c in (subs.values() if isinstance(subs, dict) else subs))
+    kind = type(space).__name__
+    if kind == "Box":
+        return 64 + int(np.prod(space.shape)) * (2 * space.dtype.itemsize + 2)
+    if kind == "MultiDiscrete":
+        return 64 + 16 * int(np.prod(space.shape))
     return 64
 
 

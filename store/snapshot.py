@@ -70,13 +70,14 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from rlrec.store.at_exit import close_at_exit, read_ahead_pool
 from rlrec.store.commit import read_committed_shard
 from rlrec.store.live_set import first_entry_key, read_heads
 from rlrec.store.live_set_file import ChainedShards, ShardList
@@ -407,24 +408,27 @@ class Snapshot:
         then its counts come from reading the shards."""
         return self.keep_episode is not None or bool(self._drop)
 
-    def _keeps(self, entry: ShardEntry, ids: Iterable[str], groups: Mapping[str, str] | None = None) -> list[str]:
+    def _keeps(
+        self, entry: ShardEntry, ids: Iterable[str], groups: Mapping[str, str] | None = None, shard: Any = None
+    ) -> list[str]:
         """Which of `ids` (episode ids of `entry`'s shard) it holds. A filter with a true
         ``by_multi_agent_episode`` attribute (the held-out split) gets an agent row's multi-agent
         episode id as its second argument (`groups`: agent episode id -> it; None: read from the
-        shard when it is a multi-agent one)."""
+        shard when it is a multi-agent one: from `shard`, the entry's gated shard, where the
+        caller has it, else read again)."""
         drop, keep = self._drop.get(entry.path, frozenset()), self.keep_episode
         if keep is not None and _wants_groups(keep) and groups is None:
-            groups = self._multi_agent_ids(entry)
+            groups = self._multi_agent_ids(entry, shard)
         return [i for i in ids if i not in drop and (keep is None or _kept(keep, i, groups))]
 
-    def _multi_agent_ids(self, entry: ShardEntry) -> dict[str, str]:
-        """Agent episode id -> multi-agent episode id of `entry`'s rows ({}: not a multi-agent shard)."""
+    def _multi_agent_ids(self, entry: ShardEntry, shard: Any = None) -> dict[str, str]:
+        """Agent episode id -> multi-agent episode id of `entry`'s rows ({}: not a multi-agent
+        shard), from `shard` (its gated shard; None: read it)."""
         if entry.format != "episodes" or entry.format_version != MULTI_AGENT_SHARD_FORMAT_VERSION:
             return {}
-        shard = self._gated(entry)
         from rlrec.store.multi_agent_shards import read_agent_ids
 
-        return {eid: ma_id for eid, ma_id, _ in read_agent_ids(shard)}
+        return {eid: ma_id for eid, ma_id, _ in read_agent_ids(shard if shard is not None else self._gated(entry))}
 
     def __repr__(self) -> str:
         if self.selection is None:
@@ -725,7 +729,10 @@ class Snapshot:
     def shard_steps(self, entry: ShardEntry) -> pa.Table:
         """The steps of one of the snapshot's shards (the columns of `steps`)."""
         ahead = self._ahead.pop(entry.path, None)
-        shard, read = ahead.result() if ahead is not None else self._fetch(entry)
+        try:
+            shard, read = ahead.result() if ahead is not None else self._fetch(entry)
+        except CancelledError:  # interpreter shutdown cancelled the read ahead (rlrec.store.at_exit)
+            shard, read = self._fetch(entry)
         if read is None:
             read = shard.read(STEP_SOURCES.get(shard.fmt))
         with naming_errors(self.storage.uri(entry.path)):
@@ -733,7 +740,7 @@ class Snapshot:
         if not self.filtered or not table.num_rows:
             return table
         ids = table.column("episode_id")
-        kept = self._keeps(entry, set(ids.to_pylist()))
+        kept = self._keeps(entry, set(ids.to_pylist()), shard=shard)
         return table.filter(pc.is_in(ids, value_set=pa.array(kept, pa.string())))
 
     def iter_steps(self) -> Iterator[pa.Table]:
@@ -742,33 +749,44 @@ class Snapshot:
         The next shards are fetched (read, sha256 checked, gated, their columns read: work that
         does not hold the GIL) by `READ_AHEAD_THREADS` threads while this one decodes, at most
         `READ_AHEAD_SHARDS` shards and `READ_AHEAD_BYTES` of files ahead; the columns of shards
-        ahead are read only while they decode to at most `READ_AHEAD_DECODED_BYTES` together."""
+        ahead are read only while they decode to at most `READ_AHEAD_DECODED_BYTES` together.
+        Close the iterator to stop them early; one left open stops them when the interpreter
+        exits (`rlrec.store.at_exit`)."""
+        return close_at_exit(self._iter_steps())
+
+    def _iter_steps(self) -> Iterator[pa.Table]:
         entries = list(self.entries)
         submitted: list[str] = []
         budget = _DecodedBudget(READ_AHEAD_DECODED_BYTES)
-        with ThreadPoolExecutor(READ_AHEAD_THREADS, thread_name_prefix="rlrec-read-ahead") as pool:
-            try:
-                nxt = 1  # the next entry to fetch ahead
-                for i, entry in enumerate(entries):
-                    nxt = max(nxt, i + 1)
-                    ahead = sum(e.bytes for e in entries[i + 1 : nxt])
-                    while (
-                        nxt < len(entries)
-                        and nxt - i <= READ_AHEAD_SHARDS
-                        and (nxt == i + 1 or ahead + entries[nxt].bytes <= READ_AHEAD_BYTES)
-                    ):
-                        self._ahead[entries[nxt].path] = pool.submit(self._fetch, entries[nxt], budget)
-                        submitted.append(entries[nxt].path)
-                        ahead += entries[nxt].bytes
-                        nxt += 1
-                    table = self.shard_steps(entry)
-                    budget.give_back(entry.path)
-                    yield table
-            finally:
-                for path in submitted:
-                    future = self._ahead.pop(path, None)
-                    if future is not None:
-                        future.cancel()
+        pool = read_ahead_pool(READ_AHEAD_THREADS, "rlrec-read-ahead")
+        try:
+            nxt = 1  # the next entry to fetch ahead
+            for i, entry in enumerate(entries):
+                nxt = max(nxt, i + 1)
+                ahead = sum(e.bytes for e in entries[i + 1 : nxt])
+                while (
+                    nxt < len(entries)
+                    and nxt - i <= READ_AHEAD_SHARDS
+                    and (nxt == i + 1 or ahead + entries[nxt].bytes <= READ_AHEAD_BYTES)
+                ):
+                    try:
+                        future = pool.submit(self._fetch, entries[nxt], budget)
+                    except RuntimeError:  # the pool was shut down at interpreter exit: read inline
+                        nxt = len(entries)
+                        break
+                    self._ahead[entries[nxt].path] = future
+                    submitted.append(entries[nxt].path)
+                    ahead += entries[nxt].bytes
+                    nxt += 1
+                table = self.shard_steps(entry)
+                budget.give_back(entry.path)
+                yield table
+        finally:
+            for path in submitted:
+                future = self._ahead.pop(path, None)
+                if future is not None:
+                    future.cancel()
+            pool.shutdown(wait=True)
 
     def steps(self) -> pa.Table:
         """One row per step of every episode (columns: module docstring, docs/FORMAT.md "Steps table").

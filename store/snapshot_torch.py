@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from rlrec.store.at_exit import close_at_exit
 from rlrec.store.snapshot import STEP_COLUMNS, Snapshot, column_to_numpy
 
 __all__ = ["StepsDataset"]
@@ -91,6 +92,9 @@ class StepsDataset(IterableDataset):
         self._position = pos  # (a filtered snapshot's steps are counted by reading: checked while iterating)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        return close_at_exit(self._rows())  # one left open releases its tables at exit (rlrec.store.at_exit)
+
+    def _rows(self) -> Iterator[dict[str, Any]]:
         info = get_worker_info()
         workers, me = (1, 0) if info is None else (info.num_workers, info.id)
         skip = self._position if workers == 1 else 0

@@ -337,3 +337,25 @@ def test_propensity_on_a_later_step_only_aborts_the_episode():
     finally:
         rec.close(0)
     assert kinds == ["EpisodeStart", "EpisodeAbort"]
+
+
+@pytest.mark.parametrize(
+    "space",
+    [
+        gs.Box(-1.0, 1.0, (3,), np.float32),
+        gs.Discrete(4),
+        gs.Dict({"a": gs.Box(0, 255, (2, 2), np.uint8), "b": gs.MultiDiscrete([3, 4])}),
+    ],
+)
+def test_an_empty_column_is_what_fastavro_writes_for_leaves_stacked_zero_deep(space):
+    from rlrec.producer.events import _wire_leaves
+    from rlrec.producer.recorder import _Packer
+
+    parts: list = []
+    _Packer(space, "observation").write_empty(parts)
+    leaves = [np.zeros((0, *leaf.shape), leaf.dtype) for leaf in space_leaves(space)]
+    # the schema's first array-of-leaves field defines rlrec.Array inline
+    arrays = next(f["type"] for f in _latest()["StepBatch"][1]["fields"] if f["name"] == "actions")
+    buf = io.BytesIO()
+    fastavro.schemaless_writer(buf, arrays, _wire_leaves(leaves))
+    assert b"".join(parts) == buf.getvalue()

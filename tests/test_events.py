@@ -576,6 +576,40 @@ def test_header_forms():
     assert isinstance(decode(value, [("a", b"b"), *headers]), StepBatch)  # other headers are ignored
 
 
+class _CountedHeaders(list):
+    """Headers that count how often they are read through."""
+
+    scans = 0
+
+    def __iter__(self):
+        self.scans += 1
+        return super().__iter__()
+
+
+def test_decode_event_reads_the_header_once_and_decodes_as_decode_does():
+    from rlrec.producer.multi_agent_events import decode_event
+
+    for value, headers in VALID:
+        counted = _CountedHeaders([("a", b"b"), *headers])
+        got, want = decode_event(value, counted, key=b"e"), decode(value, headers)
+        assert counted.scans == 1
+        assert type(got) is type(want) and got.episode_id == want.episode_id
+        assert got.timestamp_ms == want.timestamp_ms
+    value = VALID[1][0]
+    for headers, kw in (
+        (None, {}),
+        ([(SCHEMA_HEADER, None)], {}),
+        ([(SCHEMA_HEADER, b"Foo/1")], {}),
+        ([(SCHEMA_HEADER, b"StepBatch/7")], {}),
+        (VALID[1][1], {"max_bytes": 3}),
+        (VALID[1][1], {"key": b"k" * 1025}),
+        ([(SCHEMA_HEADER, b"nonsense")], {"key": b"k" * 1025}),
+    ):
+        with pytest.raises(DecodeError) as ei:
+            decode_event(value, headers, **kw)
+        assert ei.value.reason == reason_of(value, headers, **kw), (headers, kw)
+
+
 @pytest.mark.parametrize("hv", [b"Foo/1", b"stepbatch/1", b"Array/1", b"DecodeError/1"])
 def test_unknown_kind(hv):
     assert reason_of(VALID[1][0], [(SCHEMA_HEADER, hv)]) == "unknown-schema"
@@ -1074,3 +1108,24 @@ def test_per_space_remembers_per_object_holds_no_space_and_is_byte_bounded():
     del held
     gc.collect()
     assert len(memo._memo) == 1 and memo.nbytes < 1000
+
+
+def test_multi_agent_starts_share_parsed_spaces_through_the_bounded_space_cache():
+    from rlrec.producer import multi_agent_events as mae
+    from rlrec.producer.events import _SpaceCache
+
+    box = gs.Box(-1.0, 1.0, (3,), np.float32)
+    start = mae.MultiAgentEpisodeStart(
+        "ep-x",
+        "default",
+        1,
+        {"a0": mae.AgentSpec("a0", "m0", box, gs.Discrete(4))},
+        observations={"a0": [np.zeros(3, np.float32)]},
+    )
+    value, headers = mae.encode_event(start)
+    one, two = mae.decode_event(value, headers), mae.decode_event(value, headers)
+    assert one.agents["a0"].observation_space is two.agents["a0"].observation_space == box
+    assert isinstance(mae._parsed_spaces, _SpaceCache)
+    texts = [mae.dumps_space(box, compact=True), "not cached"]
+    assert mae._parsed_spaces.cached(texts)[0][0] is one.agents["a0"].observation_space
+    assert mae._parsed_spaces.cached(texts)[1] is None

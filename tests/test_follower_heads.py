@@ -399,3 +399,30 @@ def test_a_live_set_folds_a_record_only_once_its_files_are_gone_whatever_the_clo
     got = heads.poll(force_discover=True)
     assert set(heads._heads) == {("rl", 0)}
     assert sorted(s.key for s in got) == sorted(new + more) == sorted(s.key for s in history.poll(force_discover=True))
+
+
+def test_stand_ins_serve_the_first_poll_and_later_polls_alike():
+    """One rule for both callers: a live merged shard stands for the entries it holds that were
+    not delivered, unless delivered itself or removed; else an entry's own file while it is
+    there; else it is lost (with the holder found, if any)."""
+    from rlrec.trainer.follower_heads import stand_ins
+
+    holds = {9: (1, 2, 3), 8: (4,)}
+    live = {9: "m9", 8: "m8"}.get
+    gone = [(1, "e1"), (2, "e2"), (4, "e4"), (5, "e5"), (6, None)]
+    first = stand_ins(gone, holds, live, removed={8}, selected=lambda e: True, file_there=lambda e: e != "e5")
+    assert first.merged == ["m9", "e4"] and first.covered == {1, 2, 3, 4}
+    assert first.covers == [("m9", 9, (1, 2, 3))] and first.lost == [(5, "e5", None), (6, None, None)]
+    later = stand_ins(
+        gone,
+        holds,
+        live,
+        removed=set(),
+        selected=lambda e: e != "m8",
+        file_there=lambda e: True,
+        delivered={1},
+        fresh=lambda m: m != "m9",
+    )
+    # m9 was delivered before: e2 comes from its own file, e1 (delivered) is lost with its holder
+    assert later.merged == ["e2", "e5"] and later.covered == {2, 5}
+    assert later.lost == [(1, "e1", "m9"), (6, None, None)] and later.covers == []

@@ -80,3 +80,24 @@ def test_a_single_agent_episode_is_held_out_by_its_own_id():
     assert held == [is_held_out(ep.id_, F) for ep in eps]
     assert held == [HoldoutSplit(F, held_out=True)(ep.id_) for ep in eps]
     assert held != [is_held_out(ep.multi_agent_episode_id, F) for ep in eps]
+
+
+def test_held_out_steps_read_each_multi_agent_shard_once(spread, monkeypatch):
+    """The split by multi-agent episode takes its ids from the shard the steps came from."""
+    from collections import Counter
+
+    from rlrec.store.snapshot import Snapshot
+
+    root, rows = spread
+    reads: Counter[str] = Counter()
+    gated = Snapshot._gated
+
+    def counted(self, entry):
+        reads[entry.path] += 1
+        return gated(self, entry)
+
+    monkeypatch.setattr(Snapshot, "_gated", counted)
+    snap = open_snapshot(root).subset(keep_episode=HoldoutSplit(F, held_out=True))
+    held = set(snap.steps()["episode_id"].to_pylist())
+    assert held and held < {r.episode_id for r in rows}
+    assert sorted(reads) == sorted(e.path for e in snap.entries) and set(reads.values()) == {1}

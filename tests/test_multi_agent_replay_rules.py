@@ -10,7 +10,7 @@ import gymnasium.spaces as gs
 import numpy as np
 
 from rlrec.consumer.assembly import AssemblyConfig, Decision, PartitionAssembler
-from rlrec.consumer.multi_agent_assembly import space_nbytes, start_nbytes
+from rlrec.consumer.multi_agent_assembly import start_nbytes
 from rlrec.consumer.multi_agent_reference import agent_episode_id
 from rlrec.consumer.service_bounds import MemoryBoundsMixin
 from rlrec.producer.events import EpisodeAbort, EpisodeStart, RewardDelta, StepBatch
@@ -28,6 +28,7 @@ from rlrec.producer.multi_agent_events import (
     decode_event,
     encode_event,
 )
+from rlrec.producer.spaces import space_nbytes
 
 OBS = gs.Box(-1.0, 1.0, (2,), np.float32)
 ACT = gs.Discrete(2)
@@ -280,6 +281,13 @@ def test_a_start_is_counted_with_its_spaces_built():
     a = PartitionAssembler("t", 0, config=AssemblyConfig(max_episode_bytes=1_000_000))
     assert [d.reason for d in a.apply(0, start, now=0.0)] == ["episode-too-large"]
     assert a.open == {} and a.open_nbytes == 0
+    # a single-agent start's spaces are counted by the same estimator
+    sa = EpisodeStart("sa-space", "default", 1, [np.zeros(400_000)], big, gs.Discrete(2))
+    b = PartitionAssembler("t", 0, config=AssemblyConfig(max_episode_bytes=1_000_000))
+    assert [d.reason for d in b.apply(0, sa, now=0.0)] == ["episode-too-large"]
+    b = PartitionAssembler("t", 0, config=AssemblyConfig(max_episode_bytes=20_000_000))
+    assert b.apply(0, sa, now=0.0) == []
+    assert b.open_nbytes == 1000 + 400_000 * 8 + space_nbytes(big) + space_nbytes(gs.Discrete(2))
 
 
 def test_an_unwritable_agent_row_makes_its_episode_unwritable_whole(tmp_path):

@@ -522,6 +522,7 @@ def _agent_rows(tmp_path):
         ({"policy_id": "spread.random"}, "its row's policy id 'spread.random' is not 'spread'.'scripted'"),
         ({"rlrec_folder": "spread.random"}, "it lies in folder 'spread.random', not its own 'spread.scripted'"),
         ({"only": "spread3"}, "its multi-agent policy 'spread' is not --policy-id 'spread3'"),
+        ({"drop": "rlrec_folder"}, "its row lacks 'rlrec_folder'"),
     ],
 )
 def test_a_rows_module_is_checked_against_its_columns_and_folder_at_training(tmp_path, change, reason):
@@ -537,11 +538,13 @@ def test_a_rows_module_is_checked_against_its_columns_and_folder_at_training(tmp
         "rlrec_folder": row.policy_id,
     }
     only = change.pop("only", None)
+    cols.pop(change.pop("drop", None), None)
     cols.update(change)
     batch = {k: np.array([v], dtype=object) for k, v in cols.items()}
     pre = types.SimpleNamespace(_rlrec_policy_id=only, rlrec_skipped=0, rlrec_last_skips=[])
     pre._skip = types.MethodType(SafeOfflinePreLearner._skip, pre)
-    kept = SafeOfflinePreLearner._module_agrees(pre, row.episode, batch, 0)
+    columns = SafeOfflinePreLearner._module_columns(batch)  # once per batch
+    kept = SafeOfflinePreLearner._module_agrees(pre, row.episode, columns, 0)
     assert kept == (reason is None)
     assert pre.rlrec_skipped == (0 if reason is None else 1)
     if reason is not None:

@@ -95,6 +95,13 @@ def test_framed_values_decode_through_the_registry(registry):
     assert e.value.reason == "unknown-schema"
     with pytest.raises(DecodeError):  # a registry reader still needs a frame or a header
         decode(body, None, registry=reg)
+    from rlrec.producer.multi_agent_events import decode_event
+
+    assert decode_event(value, None, registry=reg).n == 2  # the multi-agent entry point unframes once too
+    for d in (decode, decode_event):  # a header without a value is a bad header, not a framed value
+        with pytest.raises(DecodeError) as e:
+            d(value, [("rlrec-schema", None)], registry=reg)
+        assert e.value.reason == "bad-header"
 
 
 def test_unreachable_registry_is_not_the_messages_fault():

@@ -22,7 +22,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -30,7 +30,7 @@ from rlrec.store.live_set import HeadRead
 from rlrec.store.manifest import Entry, ReplaceEntry, ShardEntry
 from rlrec.store.retention import RemovalRecord
 
-__all__ = ["HeadStart", "deliveries_from_head", "max_entry_reads"]
+__all__ = ["HeadStart", "StandIns", "deliveries_from_head", "max_entry_reads", "stand_ins"]
 
 
 def max_entry_reads(seq: int) -> int:
@@ -118,27 +118,84 @@ def deliveries_from_head(
                 out.skipped += 1
     # removed: those a record after the live set names, and the held entries a folded one did
     gone = sorted({q for q in visible if q in out.removed} | {h for hs in holds.values() for h in hs} - set(visible))
+    stand = stand_ins(
+        [(q, visible.get(q)) for q in gone],
+        holds,
+        live.get,  # type: ignore[attr-defined]
+        removed=out.removed,
+        selected=selected,
+        file_there=file_there,
+    )
+    for m, _, rest in stand.covers:
+        out.covers[m.path] = (rest, tuple(visible[s].path if s in visible else "" for s in rest))
+    out.gone += [(e, q, "expired") for q, e, _ in stand.lost]
+    out.new = [e for e in new if e.seq not in stand.covered] + stand.merged
+    return out
+
+
+@dataclass
+class StandIns:
+    """What a follower delivers for shard entries retention removed (`stand_ins`): ``merged``
+    (the live merged shards standing for them, or their own files, in order), ``covered`` (the
+    seqs delivered so), ``covers`` ((merged shard, its seq, the seqs it stands for) each) and
+    ``lost`` ((seq, its entry or None, the holder found or None) of each that nothing delivers)."""
+
+    merged: list[ShardEntry] = field(default_factory=list)
+    covered: set[int] = field(default_factory=set)
+    covers: list[tuple[ShardEntry, int, tuple[int, ...]]] = field(default_factory=list)
+    lost: list[tuple[int, ShardEntry | None, ShardEntry | None]] = field(default_factory=list)
+
+
+def stand_ins(
+    gone: Sequence[tuple[int, ShardEntry | None]],
+    holds: Mapping[int, tuple[int, ...]],
+    shard_at: Callable[[int], ShardEntry | None],
+    *,
+    removed: Container[int],
+    selected: Callable[[ShardEntry], bool],
+    file_there: Callable[[ShardEntry], bool],
+    delivered: Container[int] = frozenset(),
+    fresh: Callable[[ShardEntry], bool] = lambda m: True,
+) -> StandIns:
+    """What stands for removed shard entries: for each (in order) the live merged shard holding
+    it, if `fresh` (not delivered before) and no record removed it, standing for the entries it
+    holds that were not `delivered`; else the entry's own file while it is still there; else
+    nothing (``lost``). A merged shard or file `selected` refuses is not delivered, nor lost.
+
+    Args:
+        gone: (seq, its shard entry or None where unknown) of each removed shard entry.
+        holds: a live merged shard's seq -> the seqs of the shard entries it holds.
+        shard_at: the live shard at a seq (None: none).
+        removed: seqs a removal record names (a merged shard among them stands for nothing).
+        selected: the follower's filter.
+        file_there: whether a shard's own file is still in the store.
+        delivered: seqs delivered before.
+        fresh: whether a merged shard was not delivered before.
+
+    Example:
+        >>> got = stand_ins([(1, None), (2, None), (5, None)], {9: (1, 2)}, {9: "merged shard 9"}.get,
+        ...                 removed=(), selected=lambda e: True, file_there=lambda e: False)
+        >>> got.merged, sorted(got.covered), [q for q, _, _ in got.lost]
+        (['merged shard 9'], [1, 2], [5])
+    """
     holder_of = {s: h for h, held in holds.items() for s in held}
-    merged: list[ShardEntry] = []
-    covered: set[int] = set()
-    for q in gone:
-        if q in covered:
+    out = StandIns()
+    for q, e in gone:
+        if q in out.covered:
             continue
         h = holder_of.get(q)
-        m = live.get(h) if h is not None and h not in out.removed else None  # type: ignore[attr-defined]
-        if m is not None:
+        m = shard_at(h) if h is not None and h not in removed else None
+        if m is not None and fresh(m):
             if selected(m):
-                rest = holds[h]  # type: ignore[index]
-                out.covers[m.path] = (rest, tuple(visible[s].path if s in visible else "" for s in rest))
-                merged.append(m)
-                covered.update(rest)
+                rest = tuple(s for s in holds[h] if s not in delivered)  # type: ignore[index]
+                out.covers.append((m, h, rest))  # type: ignore[arg-type]
+                out.merged.append(m)
+                out.covered.update(rest)
             continue
-        e = visible.get(q)
-        if e is not None and file_there(e):
+        if e is not None and q not in delivered and file_there(e):
             if selected(e):
-                merged.append(e)
-                covered.add(q)
+                out.merged.append(e)
+                out.covered.add(q)
             continue
-        out.gone.append((e, q, "expired"))
-    out.new = [e for e in new if e.seq not in covered] + merged
+        out.lost.append((q, e, m))
     return out

@@ -29,7 +29,7 @@ from rlrec.store.manifest import (
 from rlrec.store.retention import RemovalLogView
 from rlrec.store.storage import Storage
 from rlrec.trainer.feed import ShardInfo
-from rlrec.trainer.follower_heads import HeadStart, deliveries_from_head
+from rlrec.trainer.follower_heads import HeadStart, deliveries_from_head, stand_ins
 
 __all__ = ["ManifestFollower", "spaces_from_shard"]
 
@@ -398,38 +398,29 @@ class ManifestFollower:
         `new` without the entries one of them stands for (their episodes are in it)."""
         by_seq = {e.seq: e for e in plog.entries_since(0)}
         holds, shard_at = self._holdings(key, plog)  # live seq -> the shard entries' seqs it holds
-        holder_of = {s: h for h, held in holds.items() for s in held}
         delivered = self._delivered.get(key, set())
-        merged: list[ShardEntry] = []
-        covered: set[int] = set()
-        for e in gone:
-            if e.seq in covered:
-                continue
-            h = holder_of.get(e.seq)  # type: ignore[arg-type]
-            m = shard_at(h) if h is not None and h not in removed else None
-            if m is not None and m.path not in self.entries:
-                if self._selected(m):
-                    # the entries it holds that were not delivered: the merged shard stands for
-                    # them, read for their episodes only when others of it were delivered before
-                    rest = tuple(s for s in holds[h] if s not in delivered)
-                    parts = [self._entry(plog, by_seq, s) for s in rest]
-                    if len(rest) < len(holds[h]):
-                        self._only[m.path] = frozenset(i for p in parts if p is not None for i in p.episode_ids)
-                    merged.append(m)
-                    covered.update(rest)
-                    self.covers[m.path] = (key, rest, tuple(p.path if p is not None else "" for p in parts))
-                continue
-            if e.seq not in delivered and self._file_there(e):
-                # no merged shard to stand for it, but its own file is still there (inside the
-                # grace): delivered from it (and held by the trainer's lease from then on)
-                if self._selected(e):
-                    merged.append(e)
-                    covered.add(e.seq)
-                continue
+        stand = stand_ins(
+            [(e.seq, e) for e in gone],  # type: ignore[misc]
+            holds,
+            shard_at,
+            removed=removed,
+            selected=self._selected,
+            file_there=self._file_there,
+            delivered=delivered,
+            fresh=lambda m: m.path not in self.entries,
+        )
+        for m, h, rest in stand.covers:
+            # the entries it holds that were not delivered: the merged shard stands for them,
+            # read for their episodes only when others of it were delivered before
+            parts = [self._entry(plog, by_seq, s) for s in rest]
+            if len(rest) < len(holds[h]):
+                self._only[m.path] = frozenset(i for p in parts if p is not None for i in p.episode_ids)
+            self.covers[m.path] = (key, rest, tuple(p.path if p is not None else "" for p in parts))
+        for _, e, m in stand.lost:  # no merged shard or own file (inside the grace) stands for it
             self.removed_skipped += 1
             why = "expired" if m is None else "the merged shard holding them was delivered before"
-            self._warn_removed(key, e.path, e.seq, why)
-        return merged, [e for e in new if e.seq not in covered]
+            self._warn_removed(key, e.path, e.seq, why)  # type: ignore[union-attr]
+        return stand.merged, [e for e in new if e.seq not in stand.covered]
 
 
 def _quiet(fn: Any, *args: Any) -> Any:

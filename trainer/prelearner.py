@@ -144,16 +144,27 @@ class SafeOfflinePreLearner(OfflinePreLearner):
             return False
         return True
 
-    def _module_agrees(self, ep: Any, batch: dict[str, np.ndarray], i: int) -> bool:
-        """Whether agent row `i`'s module agrees with its row's columns and the folder it was read
-        from (`rlrec.trainer.multi_agent.row_module_mismatch`); else it is skipped and counted."""
-        from rlrec.trainer.multi_agent import FOLDER, ID_COLUMNS, row_module_mismatch
+    @staticmethod
+    def _module_columns(batch: dict[str, np.ndarray]) -> list[np.ndarray] | str:
+        """The columns an agent row's module is checked against (`_module_agrees`), taken once per
+        batch: its id columns and folder, or why every row of it fails (a column it lacks)."""
+        from rlrec.trainer.multi_agent import FOLDER, ID_COLUMNS
 
         missing = [c for c in (*ID_COLUMNS, FOLDER) if c not in batch]
         if missing:
-            reason = f"its row lacks {missing[0]!r}"
+            return f"its row lacks {missing[0]!r}"
+        return [batch[c] for c in (*ID_COLUMNS, FOLDER)]
+
+    def _module_agrees(self, ep: Any, columns: list[np.ndarray] | str, i: int) -> bool:
+        """Whether agent row `i`'s module agrees with its row's `columns` (`_module_columns`) and
+        the folder it was read from (`rlrec.trainer.multi_agent.row_module_mismatch`); else it is
+        skipped and counted."""
+        from rlrec.trainer.multi_agent import row_module_mismatch
+
+        if isinstance(columns, str):
+            reason: str | None = columns
         else:
-            values = [batch[c][i] for c in (*ID_COLUMNS, FOLDER)]
+            values = [c[i] for c in columns]
             reason = row_module_mismatch(getattr(ep, "module_id", None), *values, self._rlrec_policy_id)
         if reason is None:
             return True
@@ -164,6 +175,7 @@ class SafeOfflinePreLearner(OfflinePreLearner):
         from rlrec.store.episodes import EpisodeDecodeError, unpack_episode
 
         tags = batch.get(TAG)
+        module_columns = self._module_columns(batch) if self._rlrec_multi_agent else []
         episodes = []
         for i, item in enumerate(batch["item"]):
             try:
@@ -171,7 +183,7 @@ class SafeOfflinePreLearner(OfflinePreLearner):
             except EpisodeDecodeError as e:
                 self._skip(f"#{i}", f"cannot be decoded safely: {e}")
                 continue
-            if self._rlrec_multi_agent and not self._module_agrees(ep, batch, i):
+            if self._rlrec_multi_agent and not self._module_agrees(ep, module_columns, i):
                 continue
             if self._rlrec_env_flags:  # the env's own last flags, not RLlib's; not terminated: truncated
                 ep.is_terminated = bool(batch["env_terminated"][i])

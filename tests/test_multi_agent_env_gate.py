@@ -101,7 +101,7 @@ def test_the_options_around_a_multi_agent_env():
     [
         (
             {"N": 3, "continuous_actions": False},
-            r"agent 'agent_2' has no module in the stored agent -> module mapping \(it maps agent_0, agent_1\)",
+            r"agent 'agent_2' has no module in the stored agent -> module mapping \(it maps 'agent_0', 'agent_1'\)",
         ),
         (
             {"N": 2, "continuous_actions": True},

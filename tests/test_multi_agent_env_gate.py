@@ -110,7 +110,7 @@ def test_the_options_around_a_multi_agent_env():
         ),
     ],
 )
-def test_an_env_the_stored_modules_do_not_cover_is_refused_in_one_line(tmp_path, env_config, msg):
+def test_an_env_the_stored_modules_do_not_cover_is_refused_in_one_line(tmp_path, monkeypatch, env_config, msg):
     out, mods = _stored_modules(tmp_path)
     env = make_env(SPREAD, env_config)
     with pytest.raises(EnvSpecError, match=msg) as e:
@@ -119,15 +119,26 @@ def test_an_env_the_stored_modules_do_not_cover_is_refused_in_one_line(tmp_path,
     check_env_modules(make_env(SPREAD, SPREAD_2), SPREAD, mods.agents, mods.spaces)  # the store's own env fits
 
     # the trainer refuses it before training: before Ray starts
-    import ray
+    _refused_before_ray(tmp_path, monkeypatch, out, msg, env=SPREAD, env_config=env_config)
 
+
+def _refused_before_ray(tmp_path, monkeypatch, out, msg, **kw):
     from rlrec.trainer.service import ContinuousTrainer, UnsupportedCombination
 
-    was_up = ray.is_initialized()
-    tr = ContinuousTrainer(cfg(out, str(tmp_path / "ck"), env=SPREAD, env_config=env_config, promotion_gate="env"))
+    started = []  # Ray is started or joined in _connect (and only there)
+    monkeypatch.setattr(ContinuousTrainer, "_connect", lambda self: started.append(1))
+    tr = ContinuousTrainer(cfg(out, str(tmp_path / "ck"), promotion_gate="env", **kw))
     with pytest.raises(UnsupportedCombination, match=msg):
         tr.run()
-    assert tr.iteration == 0 and ray.is_initialized() == was_up
+    assert tr.iteration == 0 and started == []
+
+
+def test_promotion_return_names_a_stored_module(tmp_path, monkeypatch):
+    out, _ = _stored_modules(tmp_path)
+    msg = r"--promotion-return module:'nope': the stored modules are random, scripted"
+    _refused_before_ray(
+        tmp_path, monkeypatch, out, msg, env=SPREAD, env_config=SPREAD_2, promotion_return="module:nope"
+    )
 
 
 def test_an_rllib_multi_agent_env_with_other_agent_ids_is_refused(tmp_path):

@@ -19,6 +19,7 @@ episode return, or one module's) by `rlrec.trainer.promotion.decide`.
 from __future__ import annotations
 
 import importlib
+import logging
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,10 +34,13 @@ __all__ = [
     "candidate_policy",
     "check_env_modules",
     "evaluate_modules",
+    "gate_verdict",
     "judged",
     "make_env",
     "parse_env",
 ]
+
+log = logging.getLogger("rlrec.trainer")
 
 #: the spec prefixes of PettingZoo envs: (the module's factory, RLlib's wrapper class)
 PETTINGZOO = {
@@ -300,6 +304,80 @@ def judged(returns: MultiAgentReturns, what: str) -> float:
     if what == "sum":
         return returns.mean
     return float(np.mean(returns.modules[what.partition(":")[2]]))
+
+
+def gate_verdict(
+    returns: MultiAgentReturns,
+    what: str,
+    version: int,
+    deployed_version: int | None,
+    deployed_return: float | None,
+    seconds: float = 0.0,
+) -> dict:
+    """The env gate's decision on a candidate's `returns` (logged): the single-agent gate's rule
+    (`rlrec.trainer.promotion.decide`) on what `what` (``--promotion-return``) names, with the
+    per-module returns, every episode's return and the count of capped episodes. Judged by the
+    sum, a candidate whose summed return is 0 in every episode while its agents' are not (a
+    zero-sum env) is refused: the sum cannot judge it.
+
+    Args:
+        returns: the candidate's evaluation (`evaluate_modules`).
+        what: ``sum`` or ``module:ID``.
+        version: the candidate's version.
+        deployed_version: the deployed version (None: the baseline).
+        deployed_return: its return (None: nothing to beat).
+        seconds: how long the evaluation took (for the log line).
+
+    Returns:
+        The ``promotion`` record: `rlrec.trainer.promotion.Promotion`'s fields, ``module_returns``,
+        ``episode_returns``, ``capped_episodes``, ``promotion_return`` (and ``refused`` when refused).
+
+    Example:
+        >>> r = MultiAgentReturns([0.0, 0.0], {"p1": [1.0, 1.0], "p2": [-1.0, -1.0]}, {"x": [1.0, 1.0]})
+        >>> gate_verdict(r, "module:p1", 2, 1, 0.5)["promoted"]
+        True
+        >>> gate_verdict(r, "sum", 2, 1, 0.5)["refused"]
+        'zero-sum'
+    """
+    from rlrec.trainer.promotion import decide
+
+    modules = returns.module_means()
+    record = {
+        "module_returns": modules,
+        "episode_returns": [round(r, 6) for r in returns.episodes],
+        "capped_episodes": returns.capped,
+        "promotion_return": what,
+    }
+    if returns.capped:
+        log.warning(
+            "promotion gate: %d of candidate v%d's %d episodes were cut at %d steps (the env did not end them)",
+            returns.capped,
+            version,
+            len(returns.episodes),
+            MAX_EPISODE_STEPS,
+        )
+    if what == "sum" and returns.zero_sum():
+        log.error(
+            "promotion gate refused candidate v%d: its summed return is 0 in every episode while its agents' are "
+            "not (a zero-sum env): the sum cannot judge it; give --promotion-return module:ID",
+            version,
+        )
+        d = decide(version, 0.0, deployed_version, deployed_return).to_dict()
+        return {**d, "promoted": False, "refused": "zero-sum", **record}
+    ret = judged(returns, what)
+    d = decide(version, ret, deployed_version, deployed_return)
+    log.info(
+        "promotion gate: candidate v%d return %.1f (%s; %s) vs deployed %s return %s: %s (%.2fs)",
+        version,
+        ret,
+        what,
+        ", ".join(f"{m} {r:.1f}" for m, r in modules.items()),
+        f"v{deployed_version}" if deployed_version else "(baseline)",
+        "-" if d.deployed_return is None else f"{d.deployed_return:.1f}",
+        "promoted" if d.promoted else "kept the deployed version",
+        seconds,
+    )
+    return {**d.to_dict(), **record}
 
 
 class _GlobalSeeds:

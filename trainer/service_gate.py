@@ -519,18 +519,16 @@ class GateMixin:
         An agent the start-up check could not see that does not fit, or a summed return that
         cannot judge (a zero-sum env), refuses the candidate in one line."""
         from rlrec.trainer.multi_agent_env import (
-            MAX_EPISODE_STEPS,
             EnvSpecError,
             candidate_policy,
             check_agent,
             evaluate_modules,
-            judged,
+            gate_verdict,
             make_env,
         )
-        from rlrec.trainer.promotion import decide
 
         t0 = time.time()
-        cfg, what = self.cfg, self.cfg.promotion_return
+        cfg = self.cfg
         try:
             policy = candidate_policy(artifact, version)
             env = make_env(cfg.env, cfg.env_config)
@@ -551,45 +549,7 @@ class GateMixin:
         except Exception as e:
             log.error("evaluating candidate v%d failed (%s): not promoted", version, e)
             return False
-        modules = returns.module_means()
-        record = {"module_returns": modules, "episode_returns": [round(r, 6) for r in returns.episodes]}
-        record.update(capped_episodes=returns.capped, promotion_return=what)
-        if returns.capped:
-            log.warning(
-                "promotion gate: %d of candidate v%d's %d episodes were cut at %d steps (the env did not end them)",
-                returns.capped,
-                version,
-                len(returns.episodes),
-                MAX_EPISODE_STEPS,
-            )
-        if what == "sum" and returns.zero_sum():
-            log.error(
-                "promotion gate refused candidate v%d: its summed return is 0 in every episode while its agents' "
-                "are not (a zero-sum env): the sum cannot judge it; give --promotion-return module:ID",
-                version,
-            )
-            self.last_promotion = {
-                "candidate_version": version,
-                "candidate_return": 0.0,
-                "deployed_version": self.policy_version or None,
-                "deployed_return": self.deployed_return,
-                "promoted": False,
-                "refused": "zero-sum",
-                **record,
-            }
-            return False
-        ret = judged(returns, what)
-        d = decide(version, ret, self.policy_version or None, self.deployed_return)
-        self.last_promotion = {**d.to_dict(), **record}
-        log.info(
-            "promotion gate: candidate v%d return %.1f (%s; %s) vs deployed %s return %s: %s (%.2fs)",
-            version,
-            ret,
-            what,
-            ", ".join(f"{m} {r:.1f}" for m, r in modules.items()),
-            f"v{self.policy_version}" if self.policy_version else "(baseline)",
-            "-" if d.deployed_return is None else f"{d.deployed_return:.1f}",
-            "promoted" if d.promoted else "kept the deployed version",
-            time.time() - t0,
+        self.last_promotion = gate_verdict(
+            returns, cfg.promotion_return, version, self.policy_version or None, self.deployed_return, time.time() - t0
         )
-        return d.promoted
+        return self.last_promotion["promoted"]

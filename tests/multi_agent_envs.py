@@ -6,6 +6,7 @@ never ends, one whose spaces lack an agent, and one that does not say its possib
 from __future__ import annotations
 
 import functools
+from typing import ClassVar
 
 import numpy as np
 from gymnasium.spaces import Box, Discrete
@@ -20,13 +21,13 @@ class LateJoin(ParallelEnv):
     """possible_agents a0 and a1; only a0 is alive at reset, a1 joins at step 2 (`late_obs`: a1's
     observation space). Reward 1 per alive agent per step, `steps` steps."""
 
-    metadata = {"name": "latejoin_v0"}
+    metadata: ClassVar[dict] = {"name": "latejoin_v0"}
 
     def __init__(self, steps: int = 5, late_obs: int = 3):
         self.possible_agents = ["a0", "a1"]
         self.steps, self.late = steps, Box(-1.0, 1.0, (late_obs,), np.float32)
 
-    @functools.lru_cache(maxsize=None)  # noqa: B019 (PettingZoo's idiom; the env lives for a test)
+    @functools.cache  # noqa: B019 (PettingZoo's idiom; the env lives for a test)
     def observation_space(self, agent):
         return self.late if agent == "a1" else OBS
 

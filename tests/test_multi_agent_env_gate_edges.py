@@ -56,10 +56,8 @@ def _smart(o):  # win if it can, else block, else the centre, else the first fre
 class _TicTacToe:
     """player1 by module p1 (`_smart` or `_first_free`), player2 by module p2 (`_first_free`)."""
 
-    agent_modules = {"player1": "p1", "player2": "p2"}
-
     def __init__(self, p1):
-        self.p1 = p1
+        self.p1, self.agent_modules = p1, {"player1": "p1", "player2": "p2"}
 
     def act(self, obs, explore, generator):
         return {a: (self.p1(o) if a == "player1" else _first_free(o)) for a, o in obs.items()}, {}
@@ -121,9 +119,9 @@ def test_promotion_return_is_sum_or_a_stored_module():
     kw = {"input": "in", "checkpoint_dir": "ck"}
     assert TrainerConfig(**kw).promotion_return == "sum"
     for bad in ("module:", "mean", "modules:p1"):
-        with pytest.raises(ValueError, match="--promotion-return .* is sum or module:ID"):
+        with pytest.raises(ValueError, match=r"--promotion-return .* is sum or module:ID"):
             TrainerConfig(**kw, multi_agent=True, promotion_return=bad)
-    with pytest.raises(ValueError, match="--promotion-return module:ID judges one module .*: it needs --multi-agent"):
+    with pytest.raises(ValueError, match=r"--promotion-return module:ID judges one module .*: it needs --multi-agent"):
         TrainerConfig(**kw, promotion_return="module:p1")
 
 

@@ -352,5 +352,5 @@ def test_every_rlrec_variable_the_package_reads_is_known_to_the_options():
 
 @pytest.mark.parametrize("value", ["[" * 100_000, "[" * 5000 + "]" * 5000])
 def test_a_value_nested_too_deeply_is_one_option_error(value):
-    with pytest.raises(OptionError, match="^--env-config N: the value nests too deeply$"):
+    with pytest.raises(OptionError, match=r"^--env-config N: the value nests too deeply$"):
         parse_key_values([f"N={value}"], "--env-config", literal=True)

@@ -251,13 +251,13 @@ def test_each_agent_acts_by_its_module_until_it_is_done():
 # ----------------------------------------------------------------------------------- the gate in a trainer
 
 
-def _train(tmp_path, first_seed=0, **kw):
+def _train(tmp_path, first_seed=0, env_config=SPREAD_2, **kw):
     from rlrec.trainer.service import ContinuousTrainer
 
     out, ck = str(tmp_path / "out"), str(tmp_path / "ck")
     commit_spread(out, 2, 10, first_seed=first_seed)
     tr = ContinuousTrainer(
-        cfg(out, ck, env=SPREAD, env_config=SPREAD_2, promotion_gate="env", num_cpus=2, seed=3, **kw)
+        cfg(out, ck, env=SPREAD, env_config=env_config, promotion_gate="env", num_cpus=2, seed=3, **kw)
     )
     box: dict = {}
     t = threading.Thread(target=lambda: box.setdefault("rc", tr.run()), daemon=True)
@@ -311,6 +311,12 @@ def test_the_env_gate_plays_every_module_and_decides_by_the_single_agent_rule(tm
     assert last["deployed_return"] == promoted[-1]["candidate_return"]
     assert last["deployed_version"] == promoted[-1]["candidate_version"]
     assert last["promoted"] == (last["candidate_return"] >= last["deployed_return"])
+
+    # --resume in another env config: the stored deployed return was measured elsewhere, not compared
+    longer = {**SPREAD_2, "max_cycles": 50}
+    _, again = _train(tmp_path, first_seed=200, env_config=longer, max_iterations=10, resume=True, **kw)
+    assert len(again) == 5 and again[:4] == resumed
+    assert again[-1]["deployed_return"] is None and again[-1]["promoted"] is True
 
 
 @pytest.mark.slow

@@ -254,3 +254,35 @@ def test_a_deployed_return_measured_on_another_env_is_not_compared_on_resume(cap
     old = _Resumed(**{**first, "seed": 11})  # a checkpoint written before the measure was recorded
     old.restore({"deployed_return": 9.0})
     assert old.deployed_return == 9.0
+
+
+class _Gate:
+    """What `GateMixin._promote_multi_agent_env` reads: a config, the stored modules, the deployed
+    state and the progress beat."""
+
+    def __init__(self, modules, **kw):
+        from types import SimpleNamespace
+
+        from rlrec.trainer.service_gate import GateMixin
+
+        self.cfg = TrainerConfig(input="in", checkpoint_dir="ck", multi_agent=True, promotion_episodes=2, **kw)
+        self.modules = SimpleNamespace(agents=dict(modules), spaces={"m": (OBS, ACT)})
+        self.policy_version, self.deployed_return, self.last_promotion, self.beats = 1, 5.0, None, 0
+        self.promote = GateMixin._promote_multi_agent_env.__get__(self)
+
+    def _progress(self):
+        self.beats += 1
+
+
+def test_the_gate_refuses_a_candidate_when_an_unlisted_agent_does_not_fit_in_one_line(monkeypatch, caplog):
+    modules = {"a0": "m", "a1": "m"}
+    monkeypatch.setattr(multi_agent_env, "candidate_policy", lambda artifact, version: _Zeros(modules))
+    gate = _Gate(modules, env="tests.multi_agent_envs:Unlisted", env_config={"obs": 4})
+    with caplog.at_level(logging.INFO, logger="rlrec.trainer"):
+        assert gate.promote(2, None) is False
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith("promotion gate refused candidate v2: the env does not fit the stored modules: ")
+    assert "agent 'a1' has observation space Box(-1.0, 1.0, (4,), float32)" in line and gate.last_promotion is None
+    fits = _Gate(modules, env="tests.multi_agent_envs:Unlisted")
+    assert fits.promote(2, None) is True and fits.beats == 2  # 7 >= 5, one beat per episode
+    assert fits.last_promotion["episode_returns"] == [7.0, 7.0] and fits.last_promotion["deployed_return"] == 5.0

@@ -151,7 +151,7 @@ def parse_key_values(items: Iterable[str] | None, flag: str = "KEY=VALUE", *, li
         literal: parse each value as JSON, then as a Python literal, else keep the text.
 
     Raises:
-        OptionError: an item without ``=`` or with an empty key.
+        OptionError: an item without ``=`` or with an empty key, or a value nested too deeply.
 
     Example:
         >>> parse_key_values(["lr=1e-3", "m={'h': [64]}", "x=abc"], "--algo-config", literal=True)
@@ -173,6 +173,10 @@ def parse_key_values(items: Iterable[str] | None, flag: str = "KEY=VALUE", *, li
                     continue
                 except (ValueError, SyntaxError):
                     pass
+                except (RecursionError, MemoryError):
+                    raise OptionError(f"{flag} {key}: the value nests too deeply") from None
+            except RecursionError:
+                raise OptionError(f"{flag} {key}: the value nests too deeply") from None
         out[key] = value
     return out
 

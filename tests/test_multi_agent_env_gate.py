@@ -101,7 +101,7 @@ def test_the_options_around_a_multi_agent_env():
     [
         (
             {"N": 3, "continuous_actions": False},
-            r"agent 'agent_2' has no module in the stored agent -> module mapping \(it maps agent_0, agent_1\)",
+            r"agent 'agent_2' has no module in the stored agent -> module mapping \(it maps 'agent_0', 'agent_1'\)",
         ),
         (
             {"N": 2, "continuous_actions": True},
@@ -110,7 +110,7 @@ def test_the_options_around_a_multi_agent_env():
         ),
     ],
 )
-def test_an_env_the_stored_modules_do_not_cover_is_refused_in_one_line(tmp_path, env_config, msg):
+def test_an_env_the_stored_modules_do_not_cover_is_refused_in_one_line(tmp_path, monkeypatch, env_config, msg):
     out, mods = _stored_modules(tmp_path)
     env = make_env(SPREAD, env_config)
     with pytest.raises(EnvSpecError, match=msg) as e:
@@ -119,15 +119,26 @@ def test_an_env_the_stored_modules_do_not_cover_is_refused_in_one_line(tmp_path,
     check_env_modules(make_env(SPREAD, SPREAD_2), SPREAD, mods.agents, mods.spaces)  # the store's own env fits
 
     # the trainer refuses it before training: before Ray starts
-    import ray
+    _refused_before_ray(tmp_path, monkeypatch, out, msg, env=SPREAD, env_config=env_config)
 
+
+def _refused_before_ray(tmp_path, monkeypatch, out, msg, **kw):
     from rlrec.trainer.service import ContinuousTrainer, UnsupportedCombination
 
-    was_up = ray.is_initialized()
-    tr = ContinuousTrainer(cfg(out, str(tmp_path / "ck"), env=SPREAD, env_config=env_config, promotion_gate="env"))
+    started = []  # Ray is started or joined in _connect (and only there)
+    monkeypatch.setattr(ContinuousTrainer, "_connect", lambda self: started.append(1))
+    tr = ContinuousTrainer(cfg(out, str(tmp_path / "ck"), promotion_gate="env", **kw))
     with pytest.raises(UnsupportedCombination, match=msg):
         tr.run()
-    assert tr.iteration == 0 and ray.is_initialized() == was_up
+    assert tr.iteration == 0 and started == []
+
+
+def test_promotion_return_names_a_stored_module(tmp_path, monkeypatch):
+    out, _ = _stored_modules(tmp_path)
+    msg = r"--promotion-return module:'nope': the stored modules are random, scripted"
+    _refused_before_ray(
+        tmp_path, monkeypatch, out, msg, env=SPREAD, env_config=SPREAD_2, promotion_return="module:nope"
+    )
 
 
 def test_an_rllib_multi_agent_env_with_other_agent_ids_is_refused(tmp_path):
@@ -240,13 +251,13 @@ def test_each_agent_acts_by_its_module_until_it_is_done():
 # ----------------------------------------------------------------------------------- the gate in a trainer
 
 
-def _train(tmp_path, first_seed=0, **kw):
+def _train(tmp_path, first_seed=0, env_config=SPREAD_2, **kw):
     from rlrec.trainer.service import ContinuousTrainer
 
     out, ck = str(tmp_path / "out"), str(tmp_path / "ck")
     commit_spread(out, 2, 10, first_seed=first_seed)
     tr = ContinuousTrainer(
-        cfg(out, ck, env=SPREAD, env_config=SPREAD_2, promotion_gate="env", num_cpus=2, seed=3, **kw)
+        cfg(out, ck, env=SPREAD, env_config=env_config, promotion_gate="env", num_cpus=2, seed=3, **kw)
     )
     box: dict = {}
     t = threading.Thread(target=lambda: box.setdefault("rc", tr.run()), daemon=True)
@@ -300,6 +311,12 @@ def test_the_env_gate_plays_every_module_and_decides_by_the_single_agent_rule(tm
     assert last["deployed_return"] == promoted[-1]["candidate_return"]
     assert last["deployed_version"] == promoted[-1]["candidate_version"]
     assert last["promoted"] == (last["candidate_return"] >= last["deployed_return"])
+
+    # --resume in another env config: the stored deployed return was measured elsewhere, not compared
+    longer = {**SPREAD_2, "max_cycles": 50}
+    _, again = _train(tmp_path, first_seed=200, env_config=longer, max_iterations=10, resume=True, **kw)
+    assert len(again) == 5 and again[:4] == resumed
+    assert again[-1]["deployed_return"] is None and again[-1]["promoted"] is True
 
 
 @pytest.mark.slow

@@ -348,3 +348,9 @@ def test_every_rlrec_variable_the_package_reads_is_known_to_the_options():
     assert read, "the scan found nothing: the pattern is wrong"
     unknown = {v for v in read if v not in OTHER_ENV and v not in known_env_vars() and not v.startswith("RLREC_TEST_")}
     assert not unknown, unknown
+
+
+@pytest.mark.parametrize("value", ["[" * 100_000, "[" * 5000 + "]" * 5000])
+def test_a_value_nested_too_deeply_is_one_option_error(value):
+    with pytest.raises(OptionError, match=r"^--env-config N: the value nests too deeply$"):
+        parse_key_values([f"N={value}"], "--env-config", literal=True)

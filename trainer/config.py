@@ -283,6 +283,12 @@ class TrainerConfig:
         None, help="with --promotion-gate env: the return of what is deployed before the first publication"
     )
     promotion_episodes: int = option(10, help="episodes per promotion evaluation")
+    promotion_return: str = option(
+        "sum",
+        help="with --multi-agent --promotion-gate env: the return the gate judges: sum (every agent's rewards; "
+        "refused when it is 0 in every episode while the agents' are not: a zero-sum env) or module:ID (that "
+        "module's agents' rewards)",
+    )
     promotion_estimator: Estimator = option(
         "auto",
         help="with --promotion-gate ope: the off-policy estimator; auto: wdr where its gate verdict holds "
@@ -393,10 +399,21 @@ class TrainerConfig:
             )
         elif self.env_config:
             raise ValueError("--env-config gives a multi-agent env its arguments: it needs --multi-agent")
+        if self.env_config and not self.env:
+            raise ValueError("--env-config gives --env its arguments: it needs --env")
+        head, _, module = self.promotion_return.partition(":")
+        if not (self.promotion_return == "sum" or (head == "module" and module)):
+            raise ValueError(f"--promotion-return {self.promotion_return!r:.60} is sum or module:ID")
+        if self.promotion_return != "sum" and not self.multi_agent:
+            raise ValueError(
+                "--promotion-return module:ID judges one module of a multi-agent env: it needs --multi-agent"
+            )
         if self.promotion_gate is None:
             self.promotion_gate = self._default_gate()
             self.gate_default = {
-                "off": "--promotion-gate off: nothing is published (--no-publish)",
+                "off": "--promotion-gate off: every checkpoint's policy is published (--multi-agent without --env)"
+                if self.publish
+                else "--promotion-gate off: nothing is published (--no-publish)",
                 "env": "--promotion-gate env: the default with --env",
                 "ope": "--promotion-gate ope --rollout canary: the default without --env (no simulator: judged "
                 "off-policy, then proved on live traffic; --promotion-gate off publishes every checkpoint)",

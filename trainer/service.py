@@ -273,11 +273,22 @@ class ContinuousTrainer(CheckpointMixin, PublishMixin, GateMixin):
             try:
                 env = make_env(self.cfg.env, self.cfg.env_config)
                 try:
-                    check_env_modules(env, self.cfg.env, self.modules.agents, self.modules.spaces)
+                    whole = check_env_modules(env, self.cfg.env, self.modules.agents, self.modules.spaces)
                 finally:
                     env.close()
             except EnvSpecError as e:
                 raise UnsupportedCombination(str(e)) from None
+            if not whole:
+                log.warning(
+                    "--env %.80r does not say its possible agents: each is checked when it first appears in the "
+                    "gate's episodes (a candidate is refused if one does not fit)",
+                    self.cfg.env,
+                )
+        module = self.cfg.promotion_return.partition(":")[2]
+        if module and module not in self.modules.spaces:
+            raise UnsupportedCombination(
+                f"--promotion-return module:{module!r:.40}: the stored modules are {', '.join(sorted(self.modules.spaces))}"
+            )
         log.info("multi-agent modules %s; agents %s", sorted(self.modules.spaces), self.modules.agents)
         return True
 

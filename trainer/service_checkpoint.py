@@ -5,6 +5,7 @@ point), and restoring the state, the publications it committed to and the shard 
 
 from __future__ import annotations
 
+import json
 import time
 
 from rlrec.store.retry import RetrySchedule
@@ -73,6 +74,7 @@ class CheckpointMixin:
             "holdout_fraction": float(self.cfg.ope.holdout_fraction),
             "modules": None if self.modules is None else sorted(self.modules.spaces),
             "deployed_return": self.deployed_return,
+            "deployed_measure": self._gate_measure(),
             "deployed_version": self._deployed,
             "canary_floor": self._canary_floor,
             "canary": None if self.canary is None else self.canary.to_state(),
@@ -220,8 +222,7 @@ class CheckpointMixin:
         self.trained = set(state["trained_shards"])
         self.since_publish = set(state.get("since_publish", ()))
         self._restore_ranges(state)
-        if state.get("deployed_return") is not None:
-            self.deployed_return = float(state["deployed_return"])
+        self._restore_deployed_return(state)
         self.metrics.truncate_after(self.iteration)
         log.info(
             "resumed from %s: iteration %d, policy v%d, %d shards trained on",
@@ -231,6 +232,39 @@ class CheckpointMixin:
             len(self.trained),
         )
         return True
+
+    def _gate_measure(self) -> dict | None:
+        """What the env gate's returns are measured on (a return measured on another is not
+        comparable); None for the other gates."""
+        cfg = self.cfg
+        if cfg.promotion_gate != "env":
+            return None
+        return {
+            "env": cfg.env,
+            "env_config": json.loads(json.dumps(cfg.env_config, sort_keys=True, default=str)),
+            "seed": cfg.seed or 0,
+            "promotion_episodes": cfg.promotion_episodes,
+            "promotion_return": cfg.promotion_return,
+        }
+
+    def _restore_deployed_return(self, state: dict) -> None:
+        """The deployed return of the checkpoint, unless it was measured on another env, env
+        config, seed, episode count or judged return than this run's gate measures on: then it
+        is unknown (--promotion-baseline, if given, is what the next candidate must reach)."""
+        if state.get("deployed_return") is None:
+            return
+        then, now = state.get("deployed_measure"), self._gate_measure()
+        if "deployed_measure" in state and then != now:
+            changed = sorted(k for k in set(then or {}) | set(now or {}) if (then or {}).get(k) != (now or {}).get(k))
+            log.warning(
+                "--resume: the deployed return %.4g was measured on other %s than this run's gate: it is not "
+                "compared; the next candidate is judged against %s",
+                float(state["deployed_return"]),
+                ", ".join(changed) or "gate settings",
+                "nothing (promoted)" if self.cfg.promotion_baseline is None else "--promotion-baseline",
+            )
+            return
+        self.deployed_return = float(state["deployed_return"])
 
     def _restore_ranges(self, state: dict) -> None:
         """`trained_ranges` from a checkpoint's state; a checkpoint without them (or with

@@ -514,37 +514,42 @@ class GateMixin:
 
     def _promote_multi_agent_env(self, version: int, artifact: Any) -> bool:
         """The simulator gate of a multi-module candidate: each agent of the multi-agent --env
-        played by its module (`rlrec.trainer.multi_agent_env`); decided on the mean episode return
-        (the sum over agents) by the single-agent gate's rule, the per-module returns recorded."""
-        from rlrec.trainer.multi_agent_env import candidate_policy, evaluate_modules, make_env
-        from rlrec.trainer.promotion import decide
+        played by its module (`rlrec.trainer.multi_agent_env`); decided on what
+        --promotion-return names by the single-agent gate's rule, the per-module returns recorded.
+        An agent the start-up check could not see that does not fit, or a summed return that
+        cannot judge (a zero-sum env), refuses the candidate in one line."""
+        from rlrec.trainer.multi_agent_env import (
+            EnvSpecError,
+            candidate_policy,
+            check_agent,
+            evaluate_modules,
+            gate_verdict,
+            make_env,
+        )
 
         t0 = time.time()
+        cfg = self.cfg
         try:
             policy = candidate_policy(artifact, version)
-            env = make_env(self.cfg.env, self.cfg.env_config)
+            env = make_env(cfg.env, cfg.env_config)
             try:
-                returns = evaluate_modules(policy, env, self.cfg.promotion_episodes, seed=self.cfg.seed or 0)
+                returns = evaluate_modules(
+                    policy,
+                    env,
+                    cfg.promotion_episodes,
+                    seed=cfg.seed or 0,
+                    check=lambda a: check_agent(env, cfg.env, a, self.modules.agents, self.modules.spaces),
+                    progress=self._progress,
+                )
             finally:
                 env.close()
+        except EnvSpecError as e:
+            log.error("promotion gate refused candidate v%d: the env does not fit the stored modules: %s", version, e)
+            return False
         except Exception as e:
             log.error("evaluating candidate v%d failed (%s): not promoted", version, e)
             return False
-        d = decide(version, returns.mean, self.policy_version or None, self.deployed_return)
-        modules = returns.module_means()
-        self.last_promotion = {
-            **d.to_dict(),
-            "module_returns": modules,
-            "episode_returns": [round(r, 6) for r in returns.episodes],
-        }
-        log.info(
-            "promotion gate: candidate v%d return %.1f (%s) vs deployed %s return %s: %s (%.2fs)",
-            version,
-            returns.mean,
-            ", ".join(f"{m} {r:.1f}" for m, r in modules.items()),
-            f"v{self.policy_version}" if self.policy_version else "(baseline)",
-            "-" if d.deployed_return is None else f"{d.deployed_return:.1f}",
-            "promoted" if d.promoted else "kept the deployed version",
-            time.time() - t0,
+        self.last_promotion = gate_verdict(
+            returns, cfg.promotion_return, version, self.policy_version or None, self.deployed_return, time.time() - t0
         )
-        return d.promoted
+        return self.last_promotion["promoted"]

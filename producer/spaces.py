@@ -35,6 +35,7 @@ from gymnasium import spaces as gs
 from rlrec.producer.arrays import ALLOWED_DTYPES
 
 __all__ = [
+    "SPACE_NODE_NBYTES",
     "Leaf",
     "SpaceError",
     "dumps_space",
@@ -248,11 +249,17 @@ def _dtype(v: Any, what: str) -> np.dtype:
     return np.dtype(v)
 
 
+#: what one built space node (a gymnasium space object and its attributes) holds beside its arrays
+SPACE_NODE_NBYTES = 500
+
+
 def space_json_nbytes(d: Any, _depth: int = 0) -> int:
     """Bytes the arrays of the space `d` (parsed JSON) cost once built, counted from the shapes
     alone, before anything is built: Box 2 bounds of its dtype plus 2 boolean masks, MultiDiscrete
     nvec and start as int64. A budget checked with this bounds what a compact text (one value
-    per bound, see `space_to_json`) can make a reader allocate. SpaceError on a malformed shape."""
+    per bound, see `space_to_json`) can make a reader allocate; each node adds
+    `SPACE_NODE_NBYTES` (a built Discrete holds ~400-500 bytes, a Box ~900 with its arrays'
+    headers). SpaceError on a malformed shape."""
     if _depth > MAX_SPACE_DEPTH:
         raise SpaceError("space nesting is too deep")
     if not isinstance(d, dict):
@@ -263,35 +270,35 @@ def space_json_nbytes(d: Any, _depth: int = 0) -> int:
         if not isinstance(items, list):
             raise SpaceError(f"{kind}: 'spaces' must be a list")
         children = [p[1] if kind == "Dict" and isinstance(p, list) and len(p) == 2 else p for p in items]
-        return 64 + sum(space_json_nbytes(c, _depth + 1) for c in children)
+        return SPACE_NODE_NBYTES + sum(space_json_nbytes(c, _depth + 1) for c in children)
     if kind == "Box":
         n = math.prod(_shape(d.get("shape"), "Box"))
-        return 64 + n * (2 * _dtype(d.get("dtype"), "Box").itemsize + 2)
+        return SPACE_NODE_NBYTES + n * (2 * _dtype(d.get("dtype"), "Box").itemsize + 2)
     if kind == "MultiDiscrete":
-        return 64 + 16 * math.prod(_shape(d.get("shape"), "MultiDiscrete"))
-    return 64
+        return SPACE_NODE_NBYTES + 16 * math.prod(_shape(d.get("shape"), "MultiDiscrete"))
+    return SPACE_NODE_NBYTES
 
 
 def space_nbytes(space: Any) -> int:
     """What a built space's arrays cost, counted as `space_json_nbytes`
     counts its JSON (Box: two bounds of its dtype and two boolean masks; MultiDiscrete: nvec and
-    start as int64; 64 bytes a node).
+    start as int64; `SPACE_NODE_NBYTES` a node).
 
     Example:
         >>> import gymnasium as gym
         >>> import numpy as np
         >>> space_nbytes(gym.spaces.Box(-1, 1, (1000,), np.float64))
-        18064
+        18500
     """
     subs = getattr(space, "spaces", None)
     if subs is not None:
-        return 64 + sum(space_nbytes(c) for c in (subs.values() if isinstance(subs, dict) else subs))
+        return SPACE_NODE_NBYTES + sum(space_nbytes(c) for c in (subs.values() if isinstance(subs, dict) else subs))
     kind = type(space).__name__
     if kind == "Box":
-        return 64 + int(np.prod(space.shape)) * (2 * space.dtype.itemsize + 2)
+        return SPACE_NODE_NBYTES + int(np.prod(space.shape)) * (2 * space.dtype.itemsize + 2)
     if kind == "MultiDiscrete":
-        return 64 + 16 * int(np.prod(space.shape))
-    return 64
+        return SPACE_NODE_NBYTES + 16 * int(np.prod(space.shape))
+    return SPACE_NODE_NBYTES
 
 
 def space_from_json(d: Any, _depth: int = 0, broadcast: bool = False) -> gs.Space:

@@ -18,7 +18,7 @@ Example:
     >>> pool.submit(sum, [1, 2]).result()
     3
     >>> pool.shutdown()
-    >>> rows = close_at_exit(iter(range(3)))
+    >>> rows = close_at_exit(x for x in range(3))
     >>> next(rows)
     0
 """

@@ -9,6 +9,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from rlrec.store.commit import ShardCommitter
 from rlrec.store.snapshot import READ_AHEAD_SHARDS, READ_AHEAD_THREADS
 from rlrec.trainer.synthetic import expert_cartpole_episodes
@@ -59,3 +61,12 @@ def test_abandoned_iterators_stop_reading_ahead_and_exit_cleanly(tmp_path):
         # what had not started when shutdown began was cancelled (without: all READ_AHEAD_SHARDS)
         assert lines.count("fetched-ahead") <= READ_AHEAD_THREADS < READ_AHEAD_SHARDS, (run, lines)
         assert lines[-1] == "ahead-at-exit 0", (run, lines)  # the abandoned iterator was closed
+
+
+@pytest.mark.parametrize("module", ["rlrec.store.at_exit", "rlrec.producer.spaces"])
+def test_docstring_examples(module):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted > 0

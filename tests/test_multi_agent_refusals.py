@@ -31,6 +31,7 @@ from rlrec.producer.multi_agent_events import (
     decode_event,
     encode_event,
 )
+from rlrec.producer.spaces import SPACE_NODE_NBYTES
 from tests.test_golden import GOLDEN
 from tests.test_recorder import NOWHERE, QUIET, read_messages
 
@@ -437,7 +438,7 @@ def test_rllib_common_infos_are_accepted_and_not_recorded_as_rllib_does(broker, 
 
 
 def test_spaces_are_parsed_once_per_text_and_shared_by_later_starts():
-    n = (64 * 2**20 - 64) // 4  # uint8: 2 bounds + 2 masks per element, just under the per-start cap
+    n = (64 * 2**20 - SPACE_NODE_NBYTES) // 4  # uint8: 2 bounds + 2 masks per element, just under the per-start cap
     text = json.dumps({"type": "Box", "shape": [n], "dtype": "uint8", "low": [0], "high": [1]})
     value = encode_record("MultiAgentEpisodeStart", _start_record([text]))
     assert len(value) < 1000

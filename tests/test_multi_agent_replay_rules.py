@@ -28,7 +28,7 @@ from rlrec.producer.multi_agent_events import (
     decode_event,
     encode_event,
 )
-from rlrec.producer.spaces import space_nbytes
+from rlrec.producer.spaces import SPACE_NODE_NBYTES, space_nbytes
 
 OBS = gs.Box(-1.0, 1.0, (2,), np.float32)
 ACT = gs.Discrete(2)
@@ -274,7 +274,7 @@ def test_letters_upto_of_a_committed_multi_agent_episode_is_freed():
 
 def test_a_start_is_counted_with_its_spaces_built():
     big = gs.Box(-1.0, 1.0, (400_000,), np.float64)
-    assert space_nbytes(big) == 64 + 400_000 * 18
+    assert space_nbytes(big) == SPACE_NODE_NBYTES + 400_000 * 18
     start = _start("ma-space", obs_space=big)
     assert start_nbytes(start) >= 400_000 * 18  # one shared space object, counted once
     assert start_nbytes(start) < 2 * 400_000 * 18
@@ -314,3 +314,22 @@ def test_an_unwritable_agent_row_makes_its_episode_unwritable_whole(tmp_path):
     assert schemas == [b"AgentEpisodeItem/1", b"AgentEpisodeItem/1", b"MultiAgentRecord/1"]
     items = [unpack_episode(v) for v, h in records if dict(h)["rlrec-schema"] == b"AgentEpisodeItem/1"]
     assert sorted(len(e) for e in items) == [2, 2]
+
+
+def test_a_start_of_many_small_spaces_is_counted_at_least_near_what_it_holds():
+    """Built space nodes hold hundreds of bytes each: a start of thousands of small spaces is
+    counted within 2x of what building them allocates (charged 64 bytes a node, it was ~10x
+    under and passed the byte budgets)."""
+    import json
+    import tracemalloc
+
+    from rlrec.producer.spaces import space_from_json, space_json_nbytes, space_to_json
+
+    for make in (gs.Discrete, lambda i: gs.Box(-1.0, 1.0, (1,), np.float32), lambda i: gs.MultiBinary(2)):
+        text = json.dumps(space_to_json(gs.Dict({f"k{i}": make(2) for i in range(2000)})))
+        tracemalloc.start()
+        built = space_from_json(json.loads(text))
+        held, _ = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        assert space_nbytes(built) == space_json_nbytes(json.loads(text))
+        assert space_nbytes(built) * 2 >= held, (space_nbytes(built), held)

@@ -146,8 +146,10 @@ class SafeOfflinePreLearner(OfflinePreLearner):
 
     def _module_agrees(self, ep: Any, batch: dict[str, np.ndarray], i: int) -> bool:
         """Whether agent row `i`'s module agrees with its row's columns and the folder it was read
-        from (`rlrec.trainer.multi_agent.row_module_mismatch`); else it is skipped and counted."""
-        from rlrec.trainer.multi_agent import FOLDER, ID_COLUMNS, row_module_mismatch
+        from (`rlrec.trainer.multi_agent.row_module_mismatch`), and its episode id with its agent
+        and multi-agent episode ids (`rlrec.trainer.multi_agent.agent_id_mismatch`); else it is
+        skipped and counted."""
+        from rlrec.trainer.multi_agent import FOLDER, ID_COLUMNS, agent_id_mismatch, row_module_mismatch
 
         missing = [c for c in (*ID_COLUMNS, FOLDER) if c not in batch]
         if missing:
@@ -155,6 +157,9 @@ class SafeOfflinePreLearner(OfflinePreLearner):
         else:
             values = [batch[c][i] for c in (*ID_COLUMNS, FOLDER)]
             reason = row_module_mismatch(getattr(ep, "module_id", None), *values, self._rlrec_policy_id)
+            reason = reason or agent_id_mismatch(
+                getattr(ep, "id_", None), getattr(ep, "multi_agent_episode_id", None), getattr(ep, "agent_id", None)
+            )
         if reason is None:
             return True
         self._skip(str(getattr(ep, "id_", "?")), f"agent episode {getattr(ep, 'id_', '?')}: {reason}")

@@ -84,7 +84,10 @@ def _env(tmp_path: Path, path_first: Path | None = None) -> dict:
     if path_first is not None:
         path = f"{path_first}{os.pathsep}{path}"
     (tmp_path / "tmp").mkdir(exist_ok=True)
-    return {**os.environ, "PATH": path, "TMPDIR": str(tmp_path / "tmp")}  # the block's mktemp -d lands here
+    # the block's mktemp -d lands under tmp_path; Ray's sockets stay under a short path (107 bytes at most)
+    env = {**os.environ, "PATH": path, "TMPDIR": str(tmp_path / "tmp")}
+    env.setdefault("RAY_TMPDIR", os.environ.get("TMPDIR", "/tmp"))
+    return env
 
 
 def test_the_block_exits_when_the_broker_does_not_start_instead_of_waiting(tmp_path):
@@ -121,7 +124,8 @@ def test_the_documented_multi_agent_loop_runs_end_to_end(tmp_path):
     assert "recorded 80 episodes" in out and ", 0 undelivered" in out, out[-4000:]
     # 80 multi-agent episodes of 2 agents: 160 agent rows, none dead-lettered
     assert re.search(r"committed 160 episodes \(4,000 steps\) in \d+ shards .*; 0 dead letters", out), out[-4000:]
-    [work] = list((tmp_path / "tmp").iterdir())  # the block's own directory; nothing in the start directory
+    # the block's own directory (mktemp -d); nothing in the directory it started from
+    [work] = [d for d in (tmp_path / "tmp").iterdir() if (d / "broker.txt").exists()]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["examples", "tmp"]
     assert sorted(p.name for p in (work / "data").iterdir() if not p.name.startswith("_")) == [
         "spread.random",

@@ -42,8 +42,9 @@ def make_env():
     return simple_spread_v3.parallel_env(N=2, max_cycles=25, continuous_actions=False)
 
 
-def record(bootstrap_servers: str, topic: str, episodes: int) -> None:
-    """Record `episodes` episodes of simple_spread into `topic` through the wrapper."""
+def record(bootstrap_servers: str, topic: str, episodes: int, flush_timeout_s: float = 30.0) -> None:
+    """Record `episodes` episodes of simple_spread into `topic` through the wrapper; exits
+    (code 1, one line) if a message is still undelivered `flush_timeout_s` after the last step."""
     from rlrec import EpisodeRecorder
     from rlrec.producer import MultiAgentRecordingWrapper
 
@@ -56,9 +57,12 @@ def record(bootstrap_servers: str, topic: str, episodes: int) -> None:
             actions = {a: script(o) if a == "agent_0" else int(rng.integers(5)) for a, o in obs.items()}
             obs, _, _, _, _ = env.step(actions)
     env.close()
-    undelivered = recorder.flush(30)
-    recorder.close()
-    print(f"recorded {episodes} episodes, {recorder.stats.messages_produced} messages, {undelivered} undelivered")
+    undelivered = recorder.flush(flush_timeout_s)
+    recorder.close(flush_timeout_s)
+    line = f"recorded {episodes} episodes, {recorder.stats.messages_produced} messages, {undelivered} undelivered"
+    if undelivered:
+        raise SystemExit(f"multi_agent_spread.py record: error: {line} (is the broker at {bootstrap_servers} up?)")
+    print(line)
 
 
 def act(policies: str, public_key: str, episodes: int) -> None:
@@ -93,13 +97,14 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--bootstrap-servers", required=True)
     r.add_argument("--topic", default="spread")
     r.add_argument("--episodes", type=int, default=80)
+    r.add_argument("--flush-timeout-s", type=float, default=30.0, help="wait this long for delivery, then fail")
     a = sub.add_parser("act", help="play episodes with the published version")
     a.add_argument("--policies", required=True)
     a.add_argument("--public-key", required=True)
     a.add_argument("--episodes", type=int, default=20)
     args = p.parse_args(argv)
     if args.cmd == "record":
-        record(args.bootstrap_servers, args.topic, args.episodes)
+        record(args.bootstrap_servers, args.topic, args.episodes, args.flush_timeout_s)
     else:
         act(args.policies, args.public_key, args.episodes)
     return 0

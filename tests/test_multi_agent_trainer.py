@@ -213,9 +213,10 @@ def test_both_modules_train_and_publish_as_one_version(tmp_path, algo, flags, mo
     assert rand_agreement < 0.4, rand_agreement  # chance: 0.2
     probs = rand.action_probs(obs1)
     confidence = float(probs.max(axis=1).mean())
-    # near uniform (0.2); the scripted module's is near 1. Buffer mode resamples each transition many
-    # times, so MARWIL's advantage weights (for the random agent: noise of the shared reward) pull
-    # its module further from uniform (measured 0.43)
+    # near uniform (0.2); the scripted module's is near 1. MARWIL in buffer mode: one run measured
+    # 0.43 on this data (fixed seeds), so 0.5 is only 0.07 above a single value, not a measured
+    # spread; the suspected cause (each transition resampled many times, re-weighted by its noise
+    # advantage) is a hypothesis. The greedy rand_agreement < 0.4 above is the near-chance check.
     assert confidence < (0.5 if (algo, mode) == ("MARWIL", "buffer") else 0.4), confidence
     assert float(scripted.action_probs(obs0).max(axis=1).mean()) > 0.6
     acts, extras = whole.act({"agent_0": obs0[0], "agent_1": obs1[0]})
@@ -317,6 +318,53 @@ def test_buffer_mode_samples_every_module_with_its_ids_which_rllibs_buffer_drops
         assert sum(len(e) for e in sampled if e.module_id == module) >= 32
 
 
+def test_a_failed_buffer_add_keeps_no_ids_so_the_redelivered_episodes_are_added():
+    from ray.rllib.utils.replay_buffers.episode_replay_buffer import EpisodeReplayBuffer
+
+    from rlrec.trainer.multi_agent_buffer import ModuleEpisodeBuffers
+
+    class FailsOnce(EpisodeReplayBuffer):
+        failed = False
+
+        def add(self, episodes):
+            if not FailsOnce.failed:
+                FailsOnce.failed = True
+                raise MemoryError("transient")
+            super().add(episodes)
+
+    eps = [_agent_episode(i, "agent_0", "scripted") for i in range(2)]
+    bufs = ModuleEpisodeBuffers(lambda: FailsOnce(capacity=100))
+    with pytest.raises(MemoryError):
+        bufs.add(eps)
+    assert bufs.get_num_timesteps() == 0
+    bufs.add(eps)  # the shard, redelivered
+    assert bufs.get_num_timesteps() == 6
+    sampled = bufs.sample(num_items=8, n_step=1, sample_episodes=True)
+    assert {(e.agent_id, e.multi_agent_episode_id) for e in sampled} <= {("agent_0", "ma-0"), ("agent_0", "ma-1")}
+
+
+@pytest.mark.parametrize(
+    "value,msg",
+    [
+        ("PrioritizedEpisodeReplayBuffer", "is a PrioritizedEpisodeReplayBuffer: each module's buffer"),
+        ("MultiAgentEpisodeReplayBuffer", "is a MultiAgentEpisodeReplayBuffer: each module's buffer"),
+        ("MultiAgentPrioritizedEpisodeReplayBuffer", "is a PrioritizedEpisodeReplayBuffer"),
+        ("a string", "'ray.rllib:EpisodeReplayBuffer' is not a class"),
+    ],
+)
+def test_buffer_classes_whose_samples_lose_the_ids_are_refused_in_buffer_mode(value, msg):
+    import ray.rllib.utils.replay_buffers as rb
+
+    cls = "ray.rllib:EpisodeReplayBuffer" if value == "a string" else getattr(rb, value)
+    kw = {"prelearner_mode": "buffer", "offline_config": {"prelearner_buffer_class": cls}}
+    with pytest.raises(ValueError, match="prelearner_buffer_class with --multi-agent --prelearner-mode buffer: ") as e:
+        cfg("in", "ck", **kw)
+    assert msg in str(e.value) and "\n" not in str(e.value)
+    assert cfg("in", "ck", prelearner_mode="episodes", offline_config={"prelearner_buffer_class": cls})
+    ok = {"prelearner_buffer_class": rb.EpisodeReplayBuffer}
+    assert cfg("in", "ck", prelearner_mode="buffer", offline_config=ok).prelearner_mode == "buffer"
+
+
 @pytest.mark.parametrize("mode,per_call", [("episodes", 256), ("buffer", 2 * 256)])
 def test_the_feed_counts_a_buffer_calls_rows_for_every_module(tmp_path, mode, per_call):
     import gymnasium as gym
@@ -334,6 +382,26 @@ def test_the_feed_counts_a_buffer_calls_rows_for_every_module(tmp_path, mode, pe
     feed = FeedPolicy()
     configure_continuous(config, str(tmp_path), feed_policy=feed, prelearner_mode=mode, multi_agent=True)
     assert feed.batch_rows == per_call  # a buffer-mode call samples 256 timesteps of each module
+
+
+def test_a_buffer_mode_feed_lets_a_call_of_every_module_and_two_more_be_in_flight(tmp_path):
+    import gymnasium as gym
+    from ray.rllib.algorithms.bc import BCConfig
+
+    from rlrec.trainer.data import configure_continuous
+    from rlrec.trainer.feed import FeedPolicy
+    from rlrec.trainer.multi_agent import StoredModules, configure_modules
+
+    space = (gym.spaces.Box(-1, 1, (2,)), gym.spaces.Discrete(3))
+    mods = dict.fromkeys("abcd", space)
+    config = configure_modules(
+        BCConfig().training(train_batch_size_per_learner=2048),
+        StoredModules(mods, {f"agent_{m}": m for m in mods}),
+    )
+    feed = FeedPolicy()
+    configure_continuous(config, str(tmp_path), feed_policy=feed, prelearner_mode="buffer", multi_agent=True)
+    assert feed.batch_rows == 4 * 2048
+    assert feed.max_ahead_rows == 3 * 4 * 2048  # one call's rows being read + two more
 
 
 def test_a_learner_side_stream_keeps_each_modules_rows_apart():
@@ -523,6 +591,10 @@ def _agent_rows(tmp_path):
         ({"rlrec_folder": "spread.random"}, "it lies in folder 'spread.random', not its own 'spread.scripted'"),
         ({"only": "spread3"}, "its multi-agent policy 'spread' is not --policy-id 'spread3'"),
         ({"drop": "rlrec_folder"}, "its row lacks 'rlrec_folder'"),
+        # an agent episode's id must be the one the consumer writes for its agent of its episode: a
+        # second episode with an id its module's buffer holds would be dropped there without a count
+        ({"id_": "X"}, "its episode id 'X' is not the one of agent 'agent_0' of multi-agent episode"),
+        ({"agent_id": "agent_1"}, "is not the one of agent 'agent_1' of multi-agent episode"),
     ],
 )
 def test_a_rows_module_is_checked_against_its_columns_and_folder_at_training(tmp_path, change, reason):
@@ -539,6 +611,8 @@ def test_a_rows_module_is_checked_against_its_columns_and_folder_at_training(tmp
     }
     only = change.pop("only", None)
     cols.pop(change.pop("drop", None), None)
+    for k in [k for k in ("id_", "agent_id") if k in change]:
+        setattr(row.episode, k, change.pop(k))
     cols.update(change)
     batch = {k: np.array([v], dtype=object) for k, v in cols.items()}
     pre = types.SimpleNamespace(_rlrec_policy_id=only, rlrec_skipped=0, rlrec_last_skips=[])
@@ -548,7 +622,8 @@ def test_a_rows_module_is_checked_against_its_columns_and_folder_at_training(tmp
     assert kept == (reason is None)
     assert pre.rlrec_skipped == (0 if reason is None else 1)
     if reason is not None:
-        assert pre.rlrec_last_skips == [(row.episode_id, f"agent episode {row.episode_id}: {reason}")]
+        [(eid, why)] = pre.rlrec_last_skips
+        assert eid == row.episode.id_ and why.startswith(f"agent episode {eid}: ") and reason in why, why
 
 
 def test_a_module_that_appears_later_is_not_delivered_and_is_said_loudly(tmp_path, monkeypatch, caplog):

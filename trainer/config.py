@@ -586,6 +586,12 @@ class TrainerConfig:
                 "--offline-config prelearner_class: --multi-agent reads its rows with rlrec's own PreLearner "
                 "(per-module checks, held-out split, env flags): not with --multi-agent"
             )
+        if self.prelearner_mode == "buffer":
+            why = _module_buffer_class_refusal(self.offline_config.get("prelearner_buffer_class"))
+            if why is not None:
+                raise ValueError(
+                    f"--offline-config prelearner_buffer_class with --multi-agent --prelearner-mode buffer: {why}"
+                )
 
     def canary_rule(self) -> Any:
         """The canary's test (`rlrec.trainer.sequential.CanaryRule`); ValueError on a bad setting."""
@@ -613,3 +619,36 @@ class TrainerConfig:
             replay_policy_versions=self.replay_policy_versions,
             seed=self.seed,
         )
+
+
+def _module_buffer_class_refusal(cls: Any) -> str | None:
+    """Why `cls` cannot be a module's buffer in multi-agent buffer mode (None: it can): the ids
+    are restored by the sampled episode's ``id_``, which only `EpisodeReplayBuffer`'s own
+    sampling keeps (prioritized buffers build samples with fresh ids; multi-agent buffers take
+    `MultiAgentEpisode`s, and a module's buffer gets agent episodes).
+
+    Example:
+        >>> _module_buffer_class_refusal(None) is None
+        True
+        >>> _module_buffer_class_refusal("pkg.mod:Buffer")
+        "'pkg.mod:Buffer' is not a class: give an EpisodeReplayBuffer subclass (Python API) or leave it unset"
+    """
+    if cls is None:
+        return None
+    if not isinstance(cls, type):
+        return f"{cls!r:.80} is not a class: give an EpisodeReplayBuffer subclass (Python API) or leave it unset"
+    from ray.rllib.utils.replay_buffers import (
+        EpisodeReplayBuffer,
+        MultiAgentEpisodeReplayBuffer,
+        PrioritizedEpisodeReplayBuffer,
+    )
+
+    if not issubclass(cls, EpisodeReplayBuffer):
+        return f"{cls.__name__:.80} is not an EpisodeReplayBuffer"
+    for bad in (PrioritizedEpisodeReplayBuffer, MultiAgentEpisodeReplayBuffer):
+        if issubclass(cls, bad):
+            return (
+                f"{cls.__name__:.80} is a {bad.__name__}: each module's buffer must be an EpisodeReplayBuffer "
+                "that keeps a sampled episode's id (its agent and module ids are restored by it)"
+            )
+    return None

@@ -572,13 +572,14 @@ def configure_continuous(
     if feed_policy.chunk_steps is None and feed_policy.chunk_rows is None:
         feed_policy.chunk_steps = 4 * B  # fewer, larger PreLearner calls (measured: ~1.5x rows/s vs 1*B)
     chunk = int(feed_policy.chunk_steps or feed_policy.chunk_rows or B)
+    batch = B
     if prelearner_mode == "buffer" and fmt == "episodes":
-        chunk = B
+        chunk = batch = feed_policy.batch_rows  # a call samples every module's buffer: B rows each
     n_learners = max(1, int(config.num_learners or 0))
     # rows in flight between the feed and the Learner: one chunk being read + two minibatches.
     # The Learner never waits on the pipeline (it re-samples its buffer), so a short pipeline
     # costs no throughput and keeps a fresh chunk from queueing behind older ones.
-    floor = n_learners * (chunk + 2 * B)
+    floor = n_learners * (chunk + 2 * batch)
     if feed_policy.max_ahead_rows < floor:
         feed_policy.max_ahead_rows = floor
     mb = dict(DEFAULT_MAP_BATCHES_KWARGS)

@@ -17,6 +17,7 @@ from typing import Any
 __all__ = [
     "AgentModules",
     "StoredModules",
+    "agent_id_mismatch",
     "configure_modules",
     "modules_from_shards",
     "row_columns",
@@ -69,6 +70,30 @@ def row_module_mismatch(
     if only_policy is not None and multi_agent_policy_id != only_policy:
         return f"its multi-agent policy {multi_agent_policy_id!r:.40} is not --policy-id {only_policy!r:.40}"
     return None
+
+
+def agent_id_mismatch(episode_id: Any, multi_agent_episode_id: Any, agent_id: Any) -> str | None:
+    """Why an agent episode's ``id_`` is not the one the consumer writes for its agent of its
+    multi-agent episode (`rlrec.store.multi_agent_shards.agent_episode_id`; None: it is): two
+    agent episodes of one module then never share an id (the buffer mode's per-module buffers
+    tell episodes apart by it).
+
+    Example:
+        >>> from rlrec.store.multi_agent_shards import agent_episode_id
+        >>> agent_id_mismatch(agent_episode_id("ma", "a0"), "ma", "a0") is None
+        True
+        >>> agent_id_mismatch("X", "ma", "a0")
+        "its episode id 'X' is not the one of agent 'a0' of multi-agent episode 'ma'"
+    """
+    from rlrec.store.multi_agent_shards import agent_episode_id
+
+    ids_are_str = isinstance(multi_agent_episode_id, str) and isinstance(agent_id, str)
+    if ids_are_str and episode_id == agent_episode_id(multi_agent_episode_id, agent_id):
+        return None
+    return (
+        f"its episode id {episode_id!r:.80} is not the one of agent {agent_id!r:.40} "
+        f"of multi-agent episode {multi_agent_episode_id!r:.80}"
+    )
 
 
 @dataclass(frozen=True)

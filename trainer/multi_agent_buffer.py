@@ -50,23 +50,25 @@ class ModuleEpisodeBuffers:
 
     def add(self, episodes: list) -> None:
         """Add agent episodes, each to its module's buffer; one its buffer already holds (by id),
-        or a repeat in `episodes`, is not added again (RLlib's PreLearner does the same)."""
-        by_module: dict[str, list] = {}
+        or a repeat in `episodes`, is not added again (RLlib's PreLearner does the same). The ids
+        kept are those of the episodes the buffer holds after the add, even if the add raised."""
+        by_module: dict[str, dict[str, Any]] = {}
         for ep in episodes:
-            module = ep.module_id
-            buf = self._buffers.get(module)
-            ids = self._ids.setdefault(module, {})
-            if ep.id_ in ids or (buf is not None and ep.id_ in buf.episode_id_to_index):
+            buf = self._buffers.get(ep.module_id)
+            if buf is not None and ep.id_ in buf.episode_id_to_index:
                 continue
-            ids[ep.id_] = (ep.agent_id, ep.multi_agent_episode_id)
-            by_module.setdefault(module, []).append(ep)
-        for module, eps in by_module.items():
+            by_module.setdefault(ep.module_id, {}).setdefault(ep.id_, ep)
+        for module, new in by_module.items():
             buf = self._buffers.get(module)
             if buf is None:
                 buf = self._buffers[module] = self._make()
-            buf.add(eps)
-            held = buf.episode_id_to_index
-            self._ids[module] = {k: v for k, v in self._ids[module].items() if k in held}  # evicted ones go
+            try:
+                buf.add(list(new.values()))
+            finally:  # evicted ones go; added ones (all, or those a raising add got in) come
+                held = buf.episode_id_to_index
+                ids = {k: v for k, v in self._ids.get(module, {}).items() if k in held}
+                ids.update({k: (ep.agent_id, ep.multi_agent_episode_id) for k, ep in new.items() if k in held})
+                self._ids[module] = ids
 
     def sample(self, **kwargs: Any) -> list:
         """Sample every module's buffer with `kwargs` (`EpisodeReplayBuffer.sample`'s); the

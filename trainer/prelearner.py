@@ -157,15 +157,19 @@ class SafeOfflinePreLearner(OfflinePreLearner):
 
     def _module_agrees(self, ep: Any, columns: list[np.ndarray] | str, i: int) -> bool:
         """Whether agent row `i`'s module agrees with its row's `columns` (`_module_columns`) and
-        the folder it was read from (`rlrec.trainer.multi_agent.row_module_mismatch`); else it is
-        skipped and counted."""
-        from rlrec.trainer.multi_agent import row_module_mismatch
+        the folder it was read from (`rlrec.trainer.multi_agent.row_module_mismatch`), and its
+        episode id with its agent and multi-agent episode ids
+        (`rlrec.trainer.multi_agent.agent_id_mismatch`); else it is skipped and counted."""
+        from rlrec.trainer.multi_agent import agent_id_mismatch, row_module_mismatch
 
         if isinstance(columns, str):
             reason: str | None = columns
         else:
             values = [c[i] for c in columns]
             reason = row_module_mismatch(getattr(ep, "module_id", None), *values, self._rlrec_policy_id)
+            reason = reason or agent_id_mismatch(
+                getattr(ep, "id_", None), getattr(ep, "multi_agent_episode_id", None), getattr(ep, "agent_id", None)
+            )
         if reason is None:
             return True
         self._skip(str(getattr(ep, "id_", "?")), f"agent episode {getattr(ep, 'id_', '?')}: {reason}")

@@ -535,7 +535,8 @@ class EpisodeRecorder(BatchedCalls, MultiAgentCalls):
         max_batch_steps: at most this many steps per StepBatch event.
         max_batch_delay_s: a buffered step is sent at most this late.
         max_batch_bytes: about this many bytes per StepBatch event.
-        validate_spaces: check every value with `space.contains` (slow).
+        validate_spaces: check every value with `space.contains` and refuse NaN or ±inf in it (what
+            a consumer with `--validate-spaces strict` dead-letters; `space_problem`; slow).
         on_delivery_error: called as (error, episode_id, records) for records that failed.
         schema_registry_url: frame events for a Confluent Schema Registry instead of headers.
 

@@ -71,6 +71,9 @@ class _Folder:
         self.validate_values = validate_values
         self.extra: dict[str, dict[str, tuple]] = {}  # agent -> name -> (dtype, per-step shape)
         agents = start.agents
+        if validate_values:  # the reset observations as the env steps' (`column`)
+            for a, leaves in start.observations.items():
+                check_values(leaves, agents[a].observation_leaves, f"reset observation of {a[:60]!r}")
         self.rec = MultiAgentRecording(
             episode_id=start.episode_id,
             policy_id=start.policy_id,

@@ -113,8 +113,8 @@ class BatchedCalls:
                     raise ValueError(f"{what} has {len(col)} rows, observations has {n}")
         if self.validate_spaces:
             for row in rows_of(self.observation_space, observations, n, "observations"):
-                if not self.observation_space.contains(row):
-                    raise ValueError(f"observation {row!r:.200} is not in {self.observation_space}")
+                if bad := _r.space_problem(self.observation_space, row):
+                    raise ValueError(f"observation {row!r:.200} {bad}")
         kept = row_values(self._obs, self.observation_space, observations, n, None, "observations")
         out = new_episode_ids(n) if episode_ids is None else [checked_id(e) for e in ids]
         if episode_ids is not None and None in ids:
@@ -323,10 +323,7 @@ class BatchedCalls:
                 raise ValueError(f"rewards has {len(rewards)} rows, episode_ids has {n}")
             rew = []
             for r in select(rewards, idx):
-                try:
-                    rew.append(r if type(r) is float else float(r))
-                except (TypeError, ValueError):
-                    raise TypeError(f"reward must be a number, got {type(r).__name__}") from None
+                rew.append(r if type(r) is float else _r._reward_float(r))
         if (s := sum(rew)) - s != 0.0:  # some reward is NaN or +-inf (or the sum overflowed)
             for r, eid in zip(rew, ids):
                 if r - r != 0.0:

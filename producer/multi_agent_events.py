@@ -50,7 +50,6 @@ from rlrec.producer.events import (
     check_env_id,
     check_leaves,
     check_policy_id,
-    check_values,
     decode_body,
     dumps_info,
     encode,
@@ -376,7 +375,6 @@ def _decode_start(rec: dict, eid: str, ts: int) -> MultiAgentEpisodeStart:
         if r["observation"] is not None:
             obs = _arrays(r["observation"], f"reset observation of {aid[:60]!r}")
             check_leaves(obs, agents[aid].observation_leaves, None, f"reset observation of {aid[:60]!r}")
-            check_values(obs, agents[aid].observation_leaves, f"reset observation of {aid[:60]!r}")
             observations[aid] = obs
         if r["info"] is not None:
             infos[aid] = loads_info(r["info"])

@@ -23,7 +23,8 @@ from typing import Any
 import numpy as np
 
 from rlrec.producer import recorder as _r
-from rlrec.producer.avro_write import ARRAY_END, long_bytes, string_bytes
+from rlrec.producer.arrays import array_to_wire
+from rlrec.producer.avro_write import string_bytes
 from rlrec.producer.events import DecodeError, dumps_info, encode_record, schema_header, schema_version
 from rlrec.producer.multi_agent_batch import encode_step_batch
 from rlrec.producer.multi_agent_events import (
@@ -56,13 +57,12 @@ _COMMON = "__common__"  # RLlib's infos key for all/no agents; its MultiAgentEpi
 _space_text = per_space(lambda s: dumps_space(s, compact=True))
 _obs_packer = per_space(lambda s: _r._Packer(s, "observation"))
 _act_packer = per_space(lambda s: _r._Packer(s, "action"))
-_UNION_NULL, _UNION_SECOND = long_bytes(0), long_bytes(1)  # which branch of a ["null", T] union
 
 
 class _Layout:
     """What every episode of the same possible agents, spaces and modules shares: the agents'
-    order, sets and bit positions, their packers, what their values take on the wire, and the
-    Avro bytes of a MultiAgentEpisodeStart's ``spaces`` and ``agents`` fields. `key` (the
+    order, sets and bit positions, their packers, what their values take on the wire, and a
+    MultiAgentEpisodeStart's ``spaces`` and ``agents`` fields. `key` (the
     policy id and per agent its id, the ids of its space objects and its module; `spaces` keeps
     those objects alive, so the ids name them while the layout is kept) says which episodes
     share it."""
@@ -73,12 +73,13 @@ class _Layout:
         "agents",
         "all_set",
         "columns",
-        "head",
         "index",
         "key",
         "obs_packers",
         "spaces",
+        "specs",
         "stride",
+        "texts",
     )
 
     def __init__(self, key: tuple, modules: Mapping, observation_spaces: Mapping, action_spaces: Mapping) -> None:
@@ -112,10 +113,9 @@ class _Layout:
         for a in agents:
             o = texts.setdefault(_space_text(observation_spaces[a]), len(texts))
             c = texts.setdefault(_space_text(action_spaces[a]), len(texts))
-            specs.append(string_bytes(a) + string_bytes(modules[a]) + long_bytes(o) + long_bytes(c))
-        self.head = b"".join(
-            [long_bytes(len(texts)), *map(string_bytes, texts), ARRAY_END, long_bytes(len(specs)), *specs, ARRAY_END]
-        )
+            specs.append({"agent_id": a, "module_id": modules[a], "observation_space": o, "action_space": c})
+        self.texts = tuple(texts)  # the start's `spaces`
+        self.specs = tuple(specs)  # the start's `agents` (fastavro only reads them)
 
 
 class _MultiAgentEpisode:
@@ -193,6 +193,17 @@ class _FinishedMultiAgent:
 
     def __init__(self, env_t: int, index: dict, stride: int, rewarded: bytes | bytearray) -> None:
         self.env_t, self.index, self.stride, self.rewarded = env_t, index, stride, rewarded
+
+
+def _leaves(packer: Any, value: Any) -> list[dict]:
+    """One value's leaves as the Avro records of a `NdArray` array (raises as `packer.copy`)."""
+    kept = packer.copy(value)
+    values = [kept] if packer.single else list(kept)
+    out = []
+    for v, leaf in zip(values, packer.leaves):
+        a = np.asarray(v, dtype=leaf.dtype) if type(v) is not bytes else np.frombuffer(v, leaf.dtype)
+        out.append(array_to_wire(a.reshape(leaf.shape)))
+    return out
 
 
 def _leaf_bytes(packer: Any) -> int:
@@ -290,37 +301,32 @@ class MultiAgentCalls:
         infos.pop(_COMMON, None)  # as RLlib's MultiAgentEpisode: not recorded
         self._check_agents(layout.agent_set, observations, "observations")
         self._check_agents(layout.agent_set, infos, "infos")
-        reset = []  # the Avro records of the `reset` field
-        n_reset = 0
+        reset = []
         for a in agents:
             if a in observations or a in infos:
-                n_reset += 1
-                reset.append(string_bytes(a))
+                obs = None
                 if a in observations:
                     packer = layout.obs_packers[a]
-                    if self.validate_spaces and not packer.space.contains(observations[a]):
-                        raise ValueError(f"observation of {a!r} is not in {packer.space}")
-                    reset.append(_UNION_SECOND)
-                    packer.write_one(reset, observations[a])
-                else:
-                    reset.append(_UNION_NULL)
-                reset.append(_UNION_NULL if a not in infos else _UNION_SECOND + string_bytes(dumps_info(infos[a])))
+                    if self.validate_spaces and (bad := _r.space_problem(packer.space, observations[a])):
+                        raise ValueError(f"observation of {a!r} {bad}")
+                    obs = _leaves(packer, observations[a])
+                info = None if a not in infos else dumps_info(infos[a])
+                reset.append({"agent_id": a, "observation": obs, "info": info})
         eid = uuid.uuid4().hex if episode_id is None else str.__str__(str(episode_id))
         if not 1 <= len(eid) <= 256:
             raise ValueError("episode_id must be 1..256 characters")
-        value = b"".join(
-            [
-                string_bytes(eid),
-                string_bytes(self.policy_id),
-                long_bytes(version),
-                string_bytes(self.env_id),
-                layout.head,
-                long_bytes(n_reset) if n_reset else b"",
-                *reset,
-                ARRAY_END,
-                _r._now_ms_bytes(),
-            ]
-        )
+        record = {
+            "episode_id": eid,
+            "policy_id": self.policy_id,
+            "policy_version": version,
+            "env_id": self.env_id,
+            "spaces": list(layout.texts),
+            "agents": list(layout.specs),
+            "reset": reset,
+            "timestamp_ms": int(time.time() * 1000),
+        }
+        # once per episode: fastavro, with its type and range checks (the per-step path is hand-written)
+        value = encode_record("MultiAgentEpisodeStart", record)
         self._ma_wire("MultiAgentEpisodeStart")
         self._ma_wire("MultiAgentStepBatch")
         self._check_start_size(eid.encode(), value)
@@ -447,8 +453,8 @@ class MultiAgentCalls:
                 v = observations[a]
                 if v is None:
                     raise _none("observations", a)
-                if validate and not obs_packer.space.contains(v):
-                    raise ValueError(f"observation of {a!r} is not in {obs_packer.space}")
+                if validate and (bad := _r.space_problem(obs_packer.space, v)):
+                    raise ValueError(f"observation of {a!r} {bad}")
                 obs = obs_packer.copy(v)
                 p = OBSERVATION
                 n += obs_bytes
@@ -456,17 +462,15 @@ class MultiAgentCalls:
                 v = actions[a]
                 if v is None:
                     raise _none("actions", a)
-                if validate and not act_packer.space.contains(v):
-                    raise ValueError(f"action of {a!r} is not in {act_packer.space}")
+                if validate and (bad := _r.space_problem(act_packer.space, v)):
+                    raise ValueError(f"action of {a!r} {bad}")
                 act = act_packer.copy(v)
                 p |= ACTION
                 n += act_bytes
                 e = extras.get(a)
-                if type(e) is dict and len(e) == 1 and type(lp := e.get("action_logp")) in float_types:
-                    # only the propensity, the usual case: kept and checked as `_copy_outputs` would
-                    if not (_r._NEG_INF < (lp if type(lp) is float else float(lp)) <= _r.LOGP_TOLERANCE):
-                        _r._check_logp(lp, episode_id)
-                    extra = lp  # immutable: kept as it is (`multi_agent_batch`)
+                if type(e) is dict and len(e) == 1 and type(e.get("action_logp")) in float_types:
+                    # only the propensity, the usual case: kept as its scalar (`multi_agent_batch`)
+                    extra = _r._kept_outputs(e, episode_id)
                     n += _LOGP_CELL_BYTES
                 elif e is None:
                     if a in extras:
@@ -479,10 +483,7 @@ class MultiAgentCalls:
                 if type(rew) is not float:
                     if rew is None:
                         raise _none("rewards", a)
-                    try:
-                        rew = float(rew)
-                    except (TypeError, ValueError):
-                        raise TypeError(f"rewards[{a!r}] must be a number, got {type(rew).__name__}") from None
+                    rew = _r._reward_float(rew, f"rewards[{a!r}]")
                 if rew - rew != 0.0:  # NaN or +-inf
                     raise ValueError(f"rewards[{a!r}] must be finite, got {rew} (episode {episode_id})")
                 p |= REWARD

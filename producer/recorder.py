@@ -167,6 +167,7 @@ def _dtype_allowed(dt: np.dtype) -> bool:
 
 #: the largest `action_logp` the recorder accepts: log-propensities are <= 0, up to rounding
 LOGP_TOLERANCE = 1e-6
+_VERSION_END = 2**63  # policy versions are Avro longs: 0 <= v < 2**63
 _NEG_INF = -math.inf
 #: `action_logp` types checked with two comparisons on log_step's hot path
 _FLOAT_TYPES = frozenset({float, np.float64, np.float32, np.float16})
@@ -210,6 +211,46 @@ def _check_logp(value: Any, episode_id: str) -> None:
             "extra_model_outputs['action_logp'] must be the behaviour policy's log-propensity of the action "
             f"it took (a finite number <= 0), got {value!r}{why} (episode {episode_id})"
         )
+
+
+def _reward_float(r: Any, what: str = "reward") -> float:
+    """A reward `r` that is not a float, as one: TypeError for what is no number, ValueError for
+    a number beyond the float range (``10**400``: not finite as a float)."""
+    try:
+        return float(r)
+    except OverflowError:
+        raise ValueError(f"{what} must be finite, got a {type(r).__name__} beyond the float range") from None
+    except (TypeError, ValueError):
+        raise TypeError(f"{what} must be a number, got {type(r).__name__}") from None
+
+
+def space_problem(space: gs.Space, value: Any) -> str | None:
+    """What `validate_spaces=True` refuses in one value, or None: not in `space`
+    (``space.contains``), or holding NaN or ±inf, which an unbounded Box contains but a consumer
+    with ``--validate-spaces strict`` (the default) dead-letters the episode for
+    (``non-finite-value``).
+
+    Args:
+        space: the value's gymnasium space.
+        value: an observation or action.
+
+    Returns:
+        The end of the error message (``"is not in Box(...)"``), or None for a good value.
+
+    Example:
+        >>> import numpy as np; from gymnasium import spaces as gs
+        >>> space_problem(gs.Box(-np.inf, np.inf, (2,)), np.array([np.inf, 0.0], np.float32))
+        'holds NaN or ±inf: a consumer with --validate-spaces strict dead-letters the episode'
+        >>> space_problem(gs.Discrete(3), 1) is None
+        True
+    """
+    if not space.contains(value):
+        return f"is not in {space}"
+    for x in flatten_value(space, value):
+        a = np.asarray(x)
+        if a.dtype.kind in "fc" and not np.isfinite(a).all():
+            return "holds NaN or ±inf: a consumer with --validate-spaces strict dead-letters the episode"
+    return None
 
 
 def _copy_outputs(extra: Any, episode_id: str) -> Any:
@@ -327,8 +368,8 @@ class RecorderStats:
 
 def reward_args(t: Any, reward: Any) -> tuple[int, float]:
     """The env step and reward of a delayed reward call (`log_reward`, `log_multi_agent_reward`),
-    or ValueError: a reward that is not finite, a negative step."""
-    r = float(reward)
+    or ValueError: a reward that is not finite, a negative step (TypeError: one that is no number)."""
+    r = _reward_float(reward)
     if not math.isfinite(r):
         raise ValueError(f"reward must be finite, got {r}")
     t = int(t)
@@ -513,7 +554,8 @@ class EpisodeRecorder(BatchedCalls, MultiAgentCalls):
         max_batch_steps: at most this many steps per StepBatch event.
         max_batch_delay_s: a buffered step is sent at most this late.
         max_batch_bytes: about this many bytes per StepBatch event.
-        validate_spaces: check every value with `space.contains` (slow).
+        validate_spaces: check every value with `space.contains` and refuse NaN or ±inf in it (what
+            a consumer with `--validate-spaces strict` dead-letters; `space_problem`; slow).
         on_delivery_error: called as (error, episode_id, records) for records that failed.
         schema_registry_url: frame events for a Confluent Schema Registry instead of headers.
 
@@ -715,8 +757,8 @@ class EpisodeRecorder(BatchedCalls, MultiAgentCalls):
         if self._multi_agent_only:
             raise TypeError(_MULTI_AGENT_ONLY)
         version = self._policy_version if policy_version is None else self._check_version(policy_version)
-        if self.validate_spaces and not self.observation_space.contains(observation):
-            raise ValueError(f"observation {observation!r:.200} is not in {self.observation_space}")
+        if self.validate_spaces and (bad := space_problem(self.observation_space, observation)):
+            raise ValueError(f"observation {observation!r:.200} {bad}")
         obs_parts: list = []
         self._obs.write_one(obs_parts, observation)
         info_json = dumps_info(info)
@@ -807,10 +849,7 @@ class EpisodeRecorder(BatchedCalls, MultiAgentCalls):
         if self._unusable:
             self._check_usable()
         if type(reward) is not float:
-            try:
-                reward = float(reward)
-            except (TypeError, ValueError):
-                raise TypeError(f"reward must be a number, got {type(reward).__name__}") from None
+            reward = _reward_float(reward)
         if reward - reward != 0.0:  # NaN or +-inf (cheaper than math.isfinite)
             raise ValueError(f"reward must be finite, got {reward} (episode {episode_id})")
         if self.validate_spaces:
@@ -827,18 +866,7 @@ class EpisodeRecorder(BatchedCalls, MultiAgentCalls):
         if not (type(action) is int and self._act_lo <= action <= self._act_hi):
             action = self._act.copy(action)
         if extra_model_outputs:
-            if (
-                type(extra_model_outputs) is dict
-                and len(extra_model_outputs) == 1
-                and type(lp := extra_model_outputs.get("action_logp")) in _FLOAT_TYPES
-            ):
-                # the common case, only the propensity: kept as the scalar itself (immutable;
-                # see `_Episode.steps`); numpy scalars compare slowly: float() first
-                if not (_NEG_INF < (lp if type(lp) is float else float(lp)) <= LOGP_TOLERANCE):
-                    _check_logp(lp, episode_id)
-                extra_model_outputs = lp
-            else:
-                extra_model_outputs = _copy_outputs(extra_model_outputs, episode_id)
+            extra_model_outputs = _kept_outputs(extra_model_outputs, episode_id)
         step = (action, reward, observation, dumps_info(info) if info else "", extra_model_outputs)
         with self._lock:
             if self._busy:
@@ -1035,8 +1063,9 @@ class EpisodeRecorder(BatchedCalls, MultiAgentCalls):
 
     @staticmethod
     def _check_version(v: Any) -> int:
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
-            raise ValueError(f"policy_version must be a non-negative integer, got {v!r}")
+        """`v` as a policy version: an int in 0..2**63-1 (an Avro long), else ValueError."""
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= v < _VERSION_END:
+            raise ValueError(f"policy_version must be a non-negative integer below 2**63, got {v!r}")
         return int(v)
 
     def _set_batch_limit(self, step_bytes: int) -> None:
@@ -1065,10 +1094,10 @@ class EpisodeRecorder(BatchedCalls, MultiAgentCalls):
         return ValueError(f"episode {episode_id!r} is not open (never begun, already ended or aborted)")
 
     def _validate(self, action: Any, observation: Any) -> None:
-        if not self.action_space.contains(action):
-            raise ValueError(f"action {action!r:.200} is not in {self.action_space}")
-        if not self.observation_space.contains(observation):
-            raise ValueError(f"observation {observation!r:.200} is not in {self.observation_space}")
+        if bad := space_problem(self.action_space, action):
+            raise ValueError(f"action {action!r:.200} {bad}")
+        if bad := space_problem(self.observation_space, observation):
+            raise ValueError(f"observation {observation!r:.200} {bad}")
 
     def _start_value(self, eid: str, version: int, obs_parts: list, info_json: str, timestamp: bytes) -> bytes:
         """The EpisodeStart record (see avro_write), its constant fields encoded once."""

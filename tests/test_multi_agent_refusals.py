@@ -453,3 +453,143 @@ def test_spaces_are_parsed_once_per_text_and_shared_by_later_starts():
     assert peak < 2**20, peak  # 64 MiB each if it were built again
     spaces = {id(ev.agents["a0"].observation_space) for ev in [first, *again]}
     assert len(spaces) == 1 and first.agents["a0"].observation_space.shape == (n,)
+
+
+# ------------------------------------------- values every begin and step call refuses alike
+
+UNBOUNDED = gs.Box(-np.inf, np.inf, (2,), np.float32)  # contains ±inf
+
+
+def _both_kinds(**kw) -> EpisodeRecorder:
+    return EpisodeRecorder(NOWHERE, "t", observation_space=UNBOUNDED, action_space=ACT, kafka_config=QUIET, **kw)
+
+
+def test_a_policy_version_beyond_an_avro_long_is_refused_by_every_begin():
+    rec = _both_kinds()
+    ma = {"observation_spaces": {"a": BOX}, "action_spaces": {"a": ACT}}
+    zero = np.zeros(2, np.float32)
+    try:
+        for v in (2**63, 2**64 + 5, 2**70):  # wrapped, the varint would read as -1, 4, 64
+            with pytest.raises(ValueError, match=r"below 2\*\*63"):
+                rec.begin_episode(zero, policy_version=v)
+            with pytest.raises(ValueError, match=r"below 2\*\*63"):
+                rec.begin_episodes(zero[None], policy_versions=[v])
+            with pytest.raises(ValueError, match=r"below 2\*\*63"):
+                rec.begin_multi_agent_episode({"a": zero}, policy_version=v, **ma)
+            with pytest.raises(ValueError, match=r"below 2\*\*63"):
+                rec.policy_version = v
+            with pytest.raises(ValueError, match=r"below 2\*\*63"):
+                EpisodeRecorder(NOWHERE, "t", policy_version=v, kafka_config=QUIET)
+        assert rec.stats.produced == 0 and rec.policy_version == 1
+        rec.begin_episode(zero, policy_version=2**63 - 1)
+        eid = rec.begin_multi_agent_episode({"a": zero}, policy_version=np.uint64(2**63 - 1), **ma)
+        assert rec.stats.produced == 2 and rec.open_episodes == 2
+        assert "a" in rec._episodes[eid].agent_set
+    finally:
+        rec.close(timeout=0)
+
+
+def test_a_reward_beyond_the_float_range_is_a_value_error_in_every_call():
+    rec = _both_kinds()
+    zero = np.zeros(2, np.float32)
+    try:
+        eid = rec.begin_episode(zero)
+        rec.log_step(eid, 1, 1.0, zero)
+        mid = rec.begin_multi_agent_episode({"a": zero}, observation_spaces={"a": BOX}, action_spaces={"a": ACT})
+        rec.log_multi_agent_step(mid, {"a": zero}, {"a": 1}, {"a": 1.0}, {}, {})
+        before = rec.stats.produced
+        for huge in (10**400, -(10**400)):
+            with pytest.raises(ValueError, match="finite"):
+                rec.log_step(eid, 1, huge, zero)
+            with pytest.raises(ValueError, match="finite"):
+                rec.log_steps([eid], [1], [huge], zero[None], [False], [False])
+            with pytest.raises(ValueError, match="finite"):
+                rec.log_reward(eid, 0, huge)
+            with pytest.raises(ValueError, match=r"rewards\['a'\] must be finite"):
+                rec.log_multi_agent_step(mid, {"a": zero}, {"a": 1}, {"a": huge}, {}, {})
+            with pytest.raises(ValueError, match="finite"):
+                rec.log_multi_agent_reward(mid, 0, "a", huge)
+        with pytest.raises(TypeError, match="must be a number"):
+            rec.log_multi_agent_step(mid, {"a": zero}, {"a": 1}, {"a": "x"}, {}, {})
+        assert rec.stats.produced == before
+        rec.log_step(eid, 1, 10**300, zero)  # an int a float holds is a reward
+        assert rec.stats.produced == before + 1
+    finally:
+        rec.close(timeout=0)
+
+
+def test_validate_spaces_refuses_the_nan_and_inf_a_strict_consumer_dead_letters():
+    rec = _both_kinds(validate_spaces=True)
+    ma = {"observation_spaces": {"a": UNBOUNDED}, "action_spaces": {"a": UNBOUNDED}}
+    zero = np.zeros(2, np.float32)
+    try:
+        assert UNBOUNDED.contains(np.array([np.inf, 0], np.float32))  # what `contains` alone lets through
+        for bad in (np.array([np.inf, 0], np.float32), np.array([0, np.nan], np.float32)):
+            with pytest.raises(ValueError, match=r"NaN or ±inf|is not in"):  # NaN: `contains` says no
+                rec.begin_episode(bad)
+            with pytest.raises(ValueError, match=r"NaN or ±inf|is not in"):
+                rec.begin_episodes(bad[None])
+            with pytest.raises(ValueError, match=r"NaN or ±inf|is not in"):
+                rec.begin_multi_agent_episode({"a": bad}, **ma)
+        eid = rec.begin_episode(zero)
+        mid = rec.begin_multi_agent_episode({"a": zero}, **ma)
+        before = rec.stats.produced
+        inf = np.array([-np.inf, 1], np.float32)
+        with pytest.raises(ValueError, match="NaN or ±inf"):
+            rec.log_step(eid, 1, 1.0, inf)
+        with pytest.raises(ValueError, match="NaN or ±inf"):
+            rec.log_steps([eid], [1], [1.0], inf[None], [False], [False])
+        with pytest.raises(ValueError, match="observation of 'a' holds NaN or ±inf"):
+            rec.log_multi_agent_step(mid, {"a": inf}, {"a": zero}, {"a": 1.0}, {}, {})
+        with pytest.raises(ValueError, match="action of 'a' holds NaN or ±inf"):
+            rec.log_multi_agent_step(mid, {"a": zero}, {"a": inf}, {"a": 1.0}, {}, {})
+        assert rec.stats.produced == before
+        rec.log_multi_agent_step(mid, {"a": zero}, {"a": np.full(2, 1e38, np.float32)}, {"a": 1.0}, {}, {})
+        assert rec.stats.produced == before + 1
+    finally:
+        rec.close(timeout=0)
+
+
+def test_a_reset_observation_is_judged_as_an_env_steps_by_the_consumer():
+    inf = np.array([np.inf, 0], np.float32)
+    agents = {"a": AgentSpec("a", "m", UNBOUNDED, ACT)}
+    start = MultiAgentEpisodeStart("ep", "p", 1, agents, {"a": [inf]})
+    col = AgentColumn("a", np.array([OAR], np.uint8), [inf[None]], [np.ones(1, np.int64)], np.full(1, 0.5))
+    batch = MultiAgentStepBatch("ep", 0, np.zeros(1, np.uint8), [col], False)
+    events = [_roundtrip(start), _roundtrip(batch)]  # decoding judges neither value
+    with pytest.raises(DecodeError) as e:  # --validate-spaces strict: the episode as a whole
+        fold_multi_agent(events[:1])
+    assert e.value.reason == "non-finite-value" and "reset observation of 'a'" in e.value.detail
+    with pytest.raises(DecodeError) as e:
+        fold_multi_agent(
+            [_roundtrip(MultiAgentEpisodeStart("ep", "p", 1, agents, {"a": [np.zeros(2, np.float32)]})), *events[1:]]
+        )
+    assert e.value.reason == "non-finite-value" and "observations" in e.value.detail
+    rec = fold_multi_agent(events, validate_values=False)  # shape / off: kept as recorded
+    np.testing.assert_array_equal(rec.reset.observations["a"], inf)
+    np.testing.assert_array_equal(rec.steps[0].observations["a"], inf)
+
+
+def test_single_and_multi_agent_steps_keep_and_refuse_the_same_propensities():
+    rec = _both_kinds()
+    zero = np.zeros(2, np.float32)
+    try:
+        eid = rec.begin_episode(zero)
+        mid = rec.begin_multi_agent_episode({"a": zero}, observation_spaces={"a": BOX}, action_spaces={"a": ACT})
+        for lp in (1e-5, np.inf, np.nan, np.float32(0.5), -np.inf, np.float16(np.nan)):
+            before = rec.stats.produced
+            with pytest.raises(ValueError, match="action_logp"):
+                rec.log_step(eid, 1, 1.0, zero, extra_model_outputs={"action_logp": lp})
+            with pytest.raises(ValueError, match="action_logp"):
+                rec.log_multi_agent_step(
+                    mid, {"a": zero}, {"a": 1}, {"a": 1.0}, {}, {}, extra_model_outputs={"a": {"action_logp": lp}}
+                )
+            assert rec.stats.produced == before
+        for lp in (0.0, -1.0, 1e-7, np.float16(-0.5), np.float64(-2.0)):
+            rec.log_step(eid, 1, 1.0, zero, extra_model_outputs={"action_logp": lp})
+            rec.log_multi_agent_step(
+                mid, {"a": zero}, {"a": 1}, {"a": 1.0}, {}, {}, extra_model_outputs={"a": {"action_logp": lp}}
+            )
+        assert rec._episodes[mid].steps[-1][1]["a"][5] == np.float64(-2.0)
+    finally:
+        rec.close(timeout=0)

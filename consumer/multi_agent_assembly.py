@@ -20,6 +20,7 @@ from rlrec.consumer.multi_agent_split import pack_split, split_recording
 from rlrec.producer.events import DecodeError, EpisodeAbort, RewardDelta, info_nbytes
 from rlrec.producer.multi_agent_events import MultiAgentEpisodeStart, MultiAgentStepBatch, encode_event
 from rlrec.producer.spaces import space_nbytes
+from rlrec.store.multi_agent_episode import AGENT_MAPS
 from rlrec.store.multi_agent_finished import FinishedAgentRow, agent_rows_of
 from rlrec.store.multi_agent_shards import MultiAgentShardEpisode
 
@@ -125,18 +126,6 @@ def agent_rows(
     return agent_rows_of(episode, finished_at)
 
 
-#: the record's maps keyed by agent id
-_AGENT_MAPS = (
-    "agent_t_started",
-    "env_t_to_agent_t",
-    "modules",
-    "hanging_actions_end",
-    "hanging_extra_model_outputs_end",
-    "hanging_rewards_end",
-    "hanging_rewards_begin",
-)
-
-
 def canonical_record(record: dict) -> dict:
     """`record` with its agent-keyed maps in one order (the record's ``agents``, then any other
     key sorted): RLlib fills some of them (``_agent_to_module_mapping``) in an order that
@@ -152,7 +141,7 @@ def canonical_record(record: dict) -> dict:
     """
     order = {a: i for i, a in enumerate(record.get("agents", ()))}
     out = dict(record)
-    for name in _AGENT_MAPS:
+    for name in AGENT_MAPS:
         d = record.get(name)
         if isinstance(d, dict):
             out[name] = {k: d[k] for k in sorted(d, key=lambda k: (order.get(k, len(order)), str(k)))}

@@ -24,6 +24,7 @@ import msgpack_numpy
 from rlrec.store.episodes import EpisodeDecodeError, UnsafeEpisodeError, _safe_ndarray_hook
 
 __all__ = [
+    "AGENT_MAPS",
     "MAX_RECORD_BYTES",
     "RECORD_VERSION",
     "MultiAgentRecordError",
@@ -39,7 +40,8 @@ MAX_RECORD_BYTES = 64 * 1024 * 1024
 _MAX_AGENTS = 100_000
 SKIP = "S"
 
-_DICT_FIELDS = (
+#: the multi-agent record's maps keyed by agent id
+AGENT_MAPS = (
     "agent_t_started",
     "env_t_to_agent_t",
     "modules",
@@ -47,8 +49,8 @@ _DICT_FIELDS = (
     "hanging_extra_model_outputs_end",
     "hanging_rewards_end",
     "hanging_rewards_begin",
-    "custom_data",
 )
+_DICT_FIELDS = (*AGENT_MAPS, "custom_data")
 
 
 class MultiAgentRecordError(EpisodeDecodeError):

@@ -289,9 +289,11 @@ def test_kill_9_of_writers_around_the_live_set_write_every_reader_sees_the_histo
             plog = PartitionLog(st, "rl", 0)
             plog.claim("test-compactor")
             plog.recover()
-            assert compact_partition(
-                plog, min_age_s=0, target_bytes=2 * max(e.bytes for e in read_manifest(st))
-            ).written
+            # a target no live shard reaches: how much the killed compactions merged before
+            # depends on when their background live set build ran, so a target sized from the
+            # live shards could leave no run of two (CI saw written == 0)
+            assert len(read_manifest(st)) >= 2
+            assert compact_partition(plog, min_age_s=0, target_bytes=1 << 30).written
             assert retain(st, grace_s=3600).recorded
         want = _history_head(st)
         assert sorted(_key(s) for s in open_snapshot(root).entries) == want, crash_at

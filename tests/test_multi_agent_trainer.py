@@ -187,8 +187,14 @@ def test_both_modules_train_and_publish_as_one_version(tmp_path, algo, flags, mo
         for m in r["learners"].values():
             assert math.isfinite(m["policy_loss"])
     assert_each_shard_new_exactly_once(lines, keys)
-    if algo == "BC":  # cross-entropy: the random module's stays near ln 5 (MARWIL's is advantage-weighted)
-        assert abs(lines[-1]["learners"]["random"]["policy_loss"] - math.log(5)) < 0.15
+    if algo == "BC":  # cross-entropy (MARWIL's is advantage-weighted)
+        # the random module's near ln 5 where each row is trained on about once; buffer mode
+        # resamples its rows until every shard was read (many iterations on a loaded machine),
+        # so its in-sample loss falls as it memorizes them (CI: 1.29) -- the held-out
+        # cross-entropy below is the check that holds in both modes
+        random_loss = lines[-1]["learners"]["random"]["policy_loss"]
+        if mode == "episodes":
+            assert abs(random_loss - math.log(5)) < 0.15, (random_loss, len(lines))
         assert lines[-1]["learners"]["scripted"]["policy_loss"] < 0.5
 
     # lineage splits the version's rows as the trainer did: by multi-agent episode, none on both sides
@@ -212,12 +218,19 @@ def test_both_modules_train_and_publish_as_one_version(tmp_path, algo, flags, mo
     rand_agreement = float(np.mean([int(rand.act(o)[0]) == a for o, a in zip(obs1, act1)]))
     assert rand_agreement < 0.4, rand_agreement  # chance: 0.2
     probs = rand.action_probs(obs1)
+    # uniform random actions cannot be predicted: a held-out cross-entropy well below ln 5 means
+    # the held-out rows were trained on (memorizing only the training rows raises it)
+    held_out_ce = float(-np.mean(np.log(probs[np.arange(len(act1)), act1] + 1e-12)))
+    assert held_out_ce > math.log(5) - 0.15, (held_out_ce, len(lines))
     confidence = float(probs.max(axis=1).mean())
-    # near uniform (0.2); the scripted module's is near 1. MARWIL in buffer mode: one run measured
-    # 0.43 on this data (fixed seeds), so 0.5 is only 0.07 above a single value, not a measured
-    # spread; the suspected cause (each transition resampled many times, re-weighted by its noise
-    # advantage) is a hypothesis. The greedy rand_agreement < 0.4 above is the near-chance check.
-    assert confidence < (0.5 if (algo, mode) == ("MARWIL", "buffer") else 0.4), confidence
+    # near uniform (0.2) where each row is trained on about once; buffer mode resamples its rows
+    # for as many iterations as the reads take (a loaded machine: many), and a module memorizing
+    # random actions grows confident on unseen observations too (measured here: 0.43 after 25
+    # iterations, 0.29 after 5), so there the bound is looser and the check that the random
+    # module did not learn the scripted agent's rows is its agreement with the script itself
+    assert confidence < (0.4 if mode == "episodes" else 0.6), (confidence, len(lines))
+    script_agreement = float(np.mean([int(rand.act(o)[0]) == script(o) for o in obs1]))
+    assert script_agreement < 0.5, (script_agreement, len(lines))
     assert float(scripted.action_probs(obs0).max(axis=1).mean()) > 0.6
     acts, extras = whole.act({"agent_0": obs0[0], "agent_1": obs1[0]})
     assert int(acts["agent_0"]) == greedy0[0] and int(acts["agent_1"]) == int(rand.act(obs1[0])[0])

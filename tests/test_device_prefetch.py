@@ -1,10 +1,10 @@
-"""The host -> device prefetch of the Learner side, on CPU (no GPU here).
+"""The host -> device prefetch of the Learner side.
 
-What runs: the look-ahead path of `DevicePrefetcher` (order, tags, values, one batch ahead) and
+On CPU (CI): the look-ahead path of `DevicePrefetcher` (order, tags, values, one batch ahead) and
 `StreamIterator.iter_torch_batches` acknowledging a minibatch when the Learner gets it, never
-when it is prefetched. What cannot run here: pinned memory, the side CUDA stream and the event
-the Learner's stream waits on (CPU builds of torch raise on ``pin_memory()``; the prefetcher
-never calls it without CUDA, which these tests prove by running).
+when it is prefetched; the prefetcher never pins memory without CUDA (CPU builds of torch raise
+on ``pin_memory()``), which these tests prove by running. Where CUDA is (bench/gpu_trainer.py's
+machine), the last test runs the pinned copy, the side stream and the event wait.
 """
 
 from __future__ import annotations
@@ -94,3 +94,34 @@ def test_rows_an_iteration_leaves_pulled_are_the_next_ones_first_and_every_chunk
         assert acked == set(range(1, 13))
     finally:
         it.close()
+
+
+def test_on_cuda_batches_arrive_pinned_copied_on_a_side_stream_in_order_with_their_values():
+    """Runs only where CUDA is (bench/gpu_trainer.py runs it on a GPU machine): the pinned,
+    non-blocking copy on the side stream, the event the current stream waits on, and values
+    that a kernel on the current stream reads right after the hand-out (a missing wait would
+    read a half-copied buffer now and then: 200 batches, each checked on the device)."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    p = DevicePrefetcher("cuda")
+    assert p.cuda and p.pins_memory and p.ahead and p.stream is not None
+    rng = np.random.default_rng(0)
+    sent = []
+
+    def pairs():
+        for i in range(200):
+            obs = rng.standard_normal((2048, 64)).astype(np.float32)
+            obs.flags.writeable = i % 2 == 0  # read-only arrays (viewed from Arrow) are copied first
+            sent.append(obs)
+            yield {"obs": obs, "a": np.full(2048, i, np.int64)}, i
+
+    seen = []
+    for tensors, tag in p.iterate(pairs()):
+        assert tensors["obs"].is_cuda and tensors["a"].is_cuda
+        assert len(sent) <= tag + 2  # one batch staged ahead
+        # compare on the current stream: it must see the whole copy
+        want = torch.from_numpy(sent[tag].copy()).to("cuda")
+        assert bool(torch.equal(tensors["obs"], want)) and bool((tensors["a"] == tag).all())
+        seen.append(tag)
+    assert seen == list(range(200))

@@ -170,6 +170,23 @@ def test_train_unknown_algo_config_key_before_ray(tmp_path, capsys):
     assert not ray.is_initialized()
 
 
+@pytest.mark.parametrize("extra", [[], ["--multi-agent"], ["--prelearner-mode", "buffer"]])
+def test_train_buffer_class_given_as_a_name_is_one_line_before_ray(tmp_path, capsys, extra):
+    """RLlib's own validation raised a TypeError traceback from issubclass() on a string, in
+    either mode; nothing is imported from the name."""
+    argv = ["train", "--input", str(tmp_path), "--checkpoint-dir", str(tmp_path / "ck"), "--promotion-gate", "off"]
+    argv += ["--offline-config", "prelearner_buffer_class=ray.rllib.utils.replay_buffers:EpisodeReplayBuffer", *extra]
+    assert main(argv) == 2
+    line = _one_error_line(capsys.readouterr().err, "train")
+    assert (
+        "--offline-config prelearner_buffer_class: 'ray.rllib.utils.replay_buffers:EpisodeReplayBuffer' is not a class"
+        in line
+    )
+    import ray
+
+    assert not ray.is_initialized()
+
+
 @pytest.mark.parametrize("algo", ["BC", "MARWIL", "CQL", "IQL"])
 def test_train_accepts_every_training_setting(tmp_path, algo):
     from rlrec.trainer.config import TrainerConfig

@@ -391,6 +391,12 @@ class TrainerConfig:
         check_choices(self)
         #: why the promotion gate and rollout are what they are (said at start)
         self.gate_default: str | None = None
+        buffer_class = self.offline_config.get("prelearner_buffer_class")
+        if buffer_class is not None and not isinstance(buffer_class, type):  # RLlib's validate: a TypeError
+            raise ValueError(
+                f"--offline-config prelearner_buffer_class: {buffer_class!r:.80} is not a class: give an "
+                "EpisodeReplayBuffer subclass (Python API) or leave it unset"
+            )
         if self.multi_agent:
             self._check_multi_agent()
         elif self.multi_agent_flags != "rllib":
@@ -630,13 +636,9 @@ def _module_buffer_class_refusal(cls: Any) -> str | None:
     Example:
         >>> _module_buffer_class_refusal(None) is None
         True
-        >>> _module_buffer_class_refusal("pkg.mod:Buffer")
-        "'pkg.mod:Buffer' is not a class: give an EpisodeReplayBuffer subclass (Python API) or leave it unset"
     """
     if cls is None:
         return None
-    if not isinstance(cls, type):
-        return f"{cls!r:.80} is not a class: give an EpisodeReplayBuffer subclass (Python API) or leave it unset"
     from ray.rllib.utils.replay_buffers import (
         EpisodeReplayBuffer,
         MultiAgentEpisodeReplayBuffer,

@@ -419,6 +419,34 @@ def test_algorithms_and_formats(ray_cluster, tmp_path, algo, fmt):
     assert np.isfinite(extra["action_logp"])
 
 
+def test_single_agent_buffer_mode_trains_every_shard_as_new_once(ray_cluster, tmp_path):
+    """`--prelearner-mode buffer` without --multi-agent (RLlib's PreLearner keeping an episode
+    replay buffer): it trains, every shard counts as new exactly once, and the policy acts."""
+    from rlrec.trainer.policy import load_policy
+    from rlrec.trainer.service import ContinuousTrainer
+
+    out, ck = str(tmp_path / "out"), str(tmp_path / "ck")
+    c = ShardCommitter(out)
+    for i in range(3):
+        c.commit(expert_cartpole_episodes(3, seed=i, max_steps=200))
+    keys = [e.path for e in read_manifest(Storage.from_uri(out))]
+    tr = ContinuousTrainer(cfg(out, ck, prelearner_mode="buffer", max_iterations=40))
+    t, box = run_in_thread(tr)
+    wait_for(
+        lambda: {k for r in read_metrics(ck) for k in r.get("new_shards", ())} >= set(keys),
+        300,
+        what="every shard trained on",
+    )
+    tr.stop("test")
+    t.join(120)
+    assert not t.is_alive() and box.get("rc") == 0, box
+    lines = read_metrics(ck)
+    assert all(r["learner_loss"] is not None and np.isfinite(r["learner_loss"]) for r in lines)
+    assert_each_shard_new_exactly_once(lines, keys)
+    a, _ = load_policy(ck, allow_unsigned=True).act(np.zeros(4, np.float32))
+    assert a in (0, 1)
+
+
 # ------------------------------------------------------------------------------------- CLI
 
 

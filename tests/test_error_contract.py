@@ -187,6 +187,16 @@ def test_train_buffer_class_given_as_a_name_is_one_line_before_ray(tmp_path, cap
     assert not ray.is_initialized()
 
 
+@pytest.mark.parametrize(
+    "flag,value", [("--promotion-episodes", "0"), ("--eval-episodes", "-3"), ("--promotion-episodes", "100001")]
+)
+def test_train_evaluation_episode_counts_out_of_range_are_one_line(tmp_path, capsys, flag, value):
+    argv = ["train", "--input", str(tmp_path), "--checkpoint-dir", str(tmp_path / "ck"), flag, value]
+    assert main(argv) == 2
+    line = _one_error_line(capsys.readouterr().err, "train")
+    assert f"{flag} must be between 1 and 100,000, got {value}" in line
+
+
 @pytest.mark.parametrize("algo", ["BC", "MARWIL", "CQL", "IQL"])
 def test_train_accepts_every_training_setting(tmp_path, algo):
     from rlrec.trainer.config import TrainerConfig

@@ -18,6 +18,8 @@ __all__ = ["ALGORITHM_NAMES", "OPESettings", "TrainerConfig", "training_settings
 Algorithm = Literal["BC", "MARWIL", "CQL", "IQL"]
 #: the algorithms `rlrec train` can run (their RLlib classes: ``rlrec.trainer.service.ALGORITHMS``)
 ALGORITHM_NAMES: tuple[str, ...] = Algorithm.__args__
+#: the most episodes one evaluation (--eval-episodes, --promotion-episodes) plays
+MAX_EVALUATION_EPISODES = 100_000
 
 
 #: common names for RLlib settings that difflib would not find
@@ -458,6 +460,9 @@ class TrainerConfig:
             self.canary_rule()  # its own checks
         elif self.canary_unjudged:
             raise ValueError("--canary-unjudged needs --rollout canary")
+        for flag, n in (("--promotion-episodes", self.promotion_episodes), ("--eval-episodes", self.eval_episodes)):
+            if not 1 <= n <= MAX_EVALUATION_EPISODES:  # 0 judges on nothing; a huge one never ends
+                raise ValueError(f"{flag} must be between 1 and {MAX_EVALUATION_EPISODES:,}, got {n}")
         if self.num_learners < 0:
             raise ValueError("--num-learners must be >= 0")
         if self.num_gpus_per_learner < 0:

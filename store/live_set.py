@@ -140,7 +140,7 @@ def live_set_path(topic: str, partition: int, seq: int) -> str:
 
 def first_entry_key(entry: Entry | None) -> str:
     """What identifies a log's first entry (a claim: its writer's unique id); a cursor's store
-    tag hashes it (`rlrec.store.snapshot.Cursor`)."""
+    tag hashes it (`rlrec.store.cursor.Cursor`)."""
     if entry is None:
         return "-"
     return f"{type(entry).__name__}:{entry.seq}:{getattr(entry, 'writer', '')}:{getattr(entry, 'time', '')}"

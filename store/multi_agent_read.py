@@ -294,7 +294,7 @@ class MultiAgentEpisodes(Iterator[Any]):
         return shard
 
     def _removed(self, entry: ShardEntry) -> bool:
-        from rlrec.store.snapshot import _deleted
+        from rlrec.store.point_removals import _deleted
 
         snap = self._snapshot
         return (entry.topic, entry.partition, entry.seq) in snap._removed and _deleted(snap.storage, entry)
@@ -305,7 +305,7 @@ def multi_agent_episodes(snapshot: Any, mapping_fn: Callable | None = None) -> M
     order its last row is read (those completed from rows committed before its entries last).
 
     Args:
-        snapshot: a `rlrec.store.snapshot.Snapshot`.
+        snapshot: a `rlrec.store.snapshot_reader.Snapshot`.
         mapping_fn: each episode's `agent_to_module_mapping_fn` (RLlib's ``fn(agent_id,
             episode)``); None: the modules the episode recorded.
 

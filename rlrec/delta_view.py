@@ -54,7 +54,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from rlrec.store.cursor import Cursor, cursor_at
-from rlrec.store.manifest import PartitionLog, list_partition_logs, live_shards, shard_files
+from rlrec.store.log_shards import live_shards, shard_files
+from rlrec.store.manifest import PartitionLog, list_partition_logs
 from rlrec.store.manifest_entries import ClaimEntry, Entry, ReplaceEntry, ShardEntry, SnapshotEntry
 from rlrec.store.point_removals import counted_records
 from rlrec.store.retention import RemovalRecord, read_removals, resolve_removals

@@ -27,7 +27,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from rlrec.store.episodes import EpisodeDecodeError, unpack_episode
-from rlrec.store.manifest import ShardEntry, live_holders
+from rlrec.store.log_shards import live_holders
+from rlrec.store.manifest import ShardEntry
 from rlrec.store.multi_agent_episode import MultiAgentRecordError, assemble_episode, unpack_record
 from rlrec.store.multi_agent_shards import AgentRow, agent_episode_id, read_agent_ids, read_agent_rows
 from rlrec.store.schema_gate import MULTI_AGENT_SHARD_FORMAT_VERSION, ShardSchemaError

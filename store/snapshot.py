@@ -16,7 +16,7 @@ reader opened at the same cursor, now or in a year, gets the same files and the 
 
 Guarantees (docs/GUARANTEES.md, "As-of reads"): a snapshot's file list is fixed when it is
 opened; every episode of a committed shard entry at or before its point is read exactly once
-(the snapshot holds the *live* shards at its point, `rlrec.store.manifest.live_shards`: a
+(the snapshot holds the *live* shards at its point, `rlrec.store.log_shards.live_shards`: a
 compacted shard is read from its replacement once the replace entry is at or before the point,
 from its own file before); `Snapshot.changes` between two cursors of one store holds exactly
 the episodes of the later one that the earlier one lacks (a replacement that merged shards from
@@ -86,16 +86,8 @@ from rlrec.store.cursor import (
 )
 from rlrec.store.live_set import read_heads
 from rlrec.store.live_set_file import ChainedShards
-from rlrec.store.manifest import (
-    APPEND_WINDOW_S,
-    MANIFEST_DIR,
-    Entry,
-    PartitionLog,
-    ShardEntry,
-    list_partition_logs,
-    live_holders,
-    live_shards,
-)
+from rlrec.store.log_shards import live_holders, live_shards
+from rlrec.store.manifest import APPEND_WINDOW_S, MANIFEST_DIR, Entry, PartitionLog, ShardEntry, list_partition_logs
 from rlrec.store.point_removals import Removed, _apply_removals, _dropped, counted_records
 from rlrec.store.retention import RemovalRecord, merge_ranges, read_removals, resolve_removals
 from rlrec.store.snapshot_reader import (

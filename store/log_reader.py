@@ -367,6 +367,7 @@ class LogReader:
 
         Example:
             >>> import tempfile
+            >>> from rlrec.store.manifest import PartitionLog
             >>> log = PartitionLog(Storage.from_uri(tempfile.mkdtemp()), "rl", 0)
             >>> log.follow_from(5, []); log.next_seq, log.refresh()
             (5, [])

@@ -53,10 +53,13 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from rlrec.store.manifest import PartitionLog, list_partition_logs, live_shards, shard_files
+from rlrec.store.cursor import Cursor, cursor_at
+from rlrec.store.log_shards import live_shards, shard_files
+from rlrec.store.manifest import PartitionLog, list_partition_logs
 from rlrec.store.manifest_entries import ClaimEntry, Entry, ReplaceEntry, ShardEntry, SnapshotEntry
+from rlrec.store.point_removals import counted_records
 from rlrec.store.retention import RemovalRecord, read_removals, resolve_removals
-from rlrec.store.snapshot import Cursor, counted_records, cursor_at, open_snapshot
+from rlrec.store.snapshot import open_snapshot
 from rlrec.store.storage import Storage
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ def open(
     run_id: str | None = None,
     channel: str | None = None,
 ):
-    """A `rlrec.store.snapshot.Snapshot` of the store at `uri`.
+    """A `rlrec.store.snapshot_reader.Snapshot` of the store at `uri`.
 
     Either ``as_of`` (None: the newest point; a UNIX time; a cursor: `rlrec.store.snapshot.open_snapshot`)
     or ``policy_version=N, policies=URI``: the data published version N was trained on, reopened

@@ -3,7 +3,7 @@
 A writer that owns a partition (it holds the newest claim of its manifest log) compacts it in
 four steps, each safe to interrupt at any point (kill -9 included):
 
-1. plan: read the whole log, take its *live* shards (`rlrec.store.manifest.live_shards`) and pick
+1. plan: read the whole log, take its *live* shards (`rlrec.store.log_shards.live_shards`) and pick
    runs of small ones (`plan_runs`: same policy, format and event schema versions, each older than
    ``min_age_s``, a run's total at most ``target_bytes`` on disk and `decode_budget` decoded,
    at least two shards);
@@ -59,6 +59,7 @@ import pyarrow.parquet as pq
 
 from rlrec.store import schema_gate
 from rlrec.store.commit import read_committed_shard
+from rlrec.store.log_shards import live_shards
 from rlrec.store.manifest import (
     ConflictError,
     Entry,
@@ -69,7 +70,6 @@ from rlrec.store.manifest import (
     ShardEntry,
     default_writer_id,
     list_partition_logs,
-    live_shards,
 )
 from rlrec.store.ownership import DEFAULT_LEASE_S, judge_leases, lease_path, read_lease, renew_lease
 from rlrec.store.retention import RemovalLogView

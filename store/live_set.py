@@ -13,7 +13,7 @@ records (`rlrec.store.retention`) numbered below its ``removals`` -- which `writ
 keeps below the first record naming a shard file of the log still in the store
 (``folds_deleted_only``), so that a record whose files are there is always read after the live
 set, whatever any clock says. It lists the live shards at
-that point (`rlrec.store.manifest.live_shards`) less those the folded records remove, one row
+that point (`rlrec.store.log_shards.live_shards`) less those the folded records remove, one row
 per shard with every field of its shard entry except ``episode_ids``, and the key of the log's
 first entry (so cursors keep their store tag). It is written create-once, so whoever writes a
 live set at ``seq`` writes one that is true; the partition's writer writes one every
@@ -79,6 +79,7 @@ from rlrec.store.live_set_file import (
 )
 from rlrec.store.live_set_retention import Retention, facts_of_rows, history_facts
 from rlrec.store.localfs import EscapesRoot
+from rlrec.store.log_shards import live_shards
 from rlrec.store.manifest import (
     MANIFEST_DIR,
     Entry,
@@ -87,7 +88,6 @@ from rlrec.store.manifest import (
     ReplaceEntry,
     ShardEntry,
     list_partition_logs,
-    live_shards,
 )
 from rlrec.store.manifest_entries import _check_type
 from rlrec.store.retention import RemovalRecord, read_removals, record_path
@@ -140,7 +140,7 @@ def live_set_path(topic: str, partition: int, seq: int) -> str:
 
 def first_entry_key(entry: Entry | None) -> str:
     """What identifies a log's first entry (a claim: its writer's unique id); a cursor's store
-    tag hashes it (`rlrec.store.snapshot.Cursor`)."""
+    tag hashes it (`rlrec.store.cursor.Cursor`)."""
     if entry is None:
         return "-"
     return f"{type(entry).__name__}:{entry.seq}:{getattr(entry, 'writer', '')}:{getattr(entry, 'time', '')}"

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from rlrec.store.deletion import STAGING_DIR, delete_files
+from rlrec.store.log_shards import live_shards, shard_files
 from rlrec.store.manifest import (
     ClaimEntry,
     Entry,
@@ -32,11 +33,9 @@ from rlrec.store.manifest import (
     PartitionLog,
     ShardEntry,
     SnapshotEntry,
-    live_shards,
     manifest_totals,
     read_manifest,
     read_partition_logs,
-    shard_files,
 )
 from rlrec.store.storage import FileInfo, Storage
 

@@ -307,7 +307,7 @@ class ReplaceEntry:
 
     ``{"type": "replace", "manifest_version": 2, "seq", "epoch", "writer", "time", "replaces":
     [seq, ...], "shard": {a shard entry with this entry's seq, epoch and writer}}``.  Rule (the
-    log's per-episode id check, :func:`rlrec.store.manifest.live_shards`): every replaced entry
+    log's per-episode id check, :func:`rlrec.store.log_shards.live_shards`): every replaced entry
     is live (not replaced before), and the new shard's episode ids are exactly the union of the
     replaced shards' ids -- the one case where a committed id is named again.  Build it without
     ``seq``/``epoch``/``writer``; :meth:`PartitionLog.append_replace` fills them in.

@@ -27,7 +27,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from rlrec.store.episodes import EpisodeDecodeError, unpack_episode
-from rlrec.store.manifest import ShardEntry, live_holders
+from rlrec.store.log_shards import live_holders
+from rlrec.store.manifest import ShardEntry
 from rlrec.store.multi_agent_episode import MultiAgentRecordError, assemble_episode, unpack_record
 from rlrec.store.multi_agent_shards import AgentRow, agent_episode_id, read_agent_ids, read_agent_rows
 from rlrec.store.schema_gate import MULTI_AGENT_SHARD_FORMAT_VERSION, ShardSchemaError
@@ -294,7 +295,7 @@ class MultiAgentEpisodes(Iterator[Any]):
         return shard
 
     def _removed(self, entry: ShardEntry) -> bool:
-        from rlrec.store.snapshot import _deleted
+        from rlrec.store.point_removals import _deleted
 
         snap = self._snapshot
         return (entry.topic, entry.partition, entry.seq) in snap._removed and _deleted(snap.storage, entry)
@@ -305,7 +306,7 @@ def multi_agent_episodes(snapshot: Any, mapping_fn: Callable | None = None) -> M
     order its last row is read (those completed from rows committed before its entries last).
 
     Args:
-        snapshot: a `rlrec.store.snapshot.Snapshot`.
+        snapshot: a `rlrec.store.snapshot_reader.Snapshot`.
         mapping_fn: each episode's `agent_to_module_mapping_fn` (RLlib's ``fn(agent_id,
             episode)``); None: the modules the episode recorded.
 

@@ -1,5 +1,5 @@
 """A resumable torch `IterableDataset` over a snapshot's steps (imports torch: load it lazily,
-through `rlrec.store.snapshot.Snapshot.to_torch`)."""
+through `rlrec.store.snapshot_reader.Snapshot.to_torch`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from rlrec.store.at_exit import close_at_exit
-from rlrec.store.snapshot import STEP_COLUMNS, Snapshot, column_to_numpy
+from rlrec.store.snapshot_reader import Snapshot
+from rlrec.store.steps_table import STEP_COLUMNS, column_to_numpy
 
 __all__ = ["StepsDataset"]
 

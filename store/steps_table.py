@@ -5,7 +5,7 @@ the columns `STEP_COLUMNS`: an episode shard's ``item`` column through the colum
 (`rlrec.store.episode_arrays`, no `SingleAgentEpisode`), a tabular shard's columns directly.
 `tabular_episodes` rebuilds `SingleAgentEpisode`s from a tabular shard for `Snapshot.episodes`;
 `column_to_numpy` turns a step column into numpy for the torch and evaluator readers. Which
-shards, in which order, read ahead how far: `rlrec.store.snapshot`.
+shards, in which order, read ahead how far: `rlrec.store.snapshot_reader`.
 
 Example::
 

@@ -539,7 +539,15 @@ def test_a_consumer_compacts_its_own_partitions_while_it_commits(broker, topic, 
 
 
 @pytest.mark.parametrize(
-    "module", ["rlrec.store.compaction", "rlrec.store.ownership", "rlrec.store.manifest", "rlrec.commands.compact"]
+    "module",
+    [
+        "rlrec.store.compaction",
+        "rlrec.store.ownership",
+        "rlrec.store.manifest",
+        "rlrec.store.log_reader",
+        "rlrec.store.log_shards",
+        "rlrec.commands.compact",
+    ],
 )
 def test_docstring_examples(module):
     import doctest

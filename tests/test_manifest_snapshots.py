@@ -397,13 +397,15 @@ def test_a_writer_never_appends_an_entry_its_readers_refuse(tmp_path: Path, monk
     """Entries over MAX_ENTRY_BYTES: a shard entry is refused before it is written (the log goes
     on), and a snapshot folds only the newest entries that fit, so that every reader of the log
     -- a new claim, read_manifest, the follower -- still reads all of it."""
+    import rlrec.store.log_reader as log_reader
     import rlrec.store.manifest as manifest
 
     store = Storage.from_uri(str(tmp_path / "out"), fsync=False)
     log = PartitionLog(store, TOPIC, 0, snapshot_every=10)
     log.claim("w0")
     one = len(append(log, 0, ids=3).to_json())
-    monkeypatch.setattr(manifest, "MAX_ENTRY_BYTES", one * 6)  # a snapshot of 10 such entries would not fit
+    for module in (manifest, log_reader):  # its writers and its readers
+        monkeypatch.setattr(module, "MAX_ENTRY_BYTES", one * 6)  # a snapshot of 10 such entries would not fit
     with pytest.raises(ManifestError, match="over MAX_ENTRY_BYTES"):
         append(log, 1, ids=1000)
     assert log.read_entry(2) is None  # nothing written at its seq
@@ -422,13 +424,15 @@ def test_a_writer_never_appends_an_entry_its_readers_refuse(tmp_path: Path, monk
 def test_a_committer_splits_a_shard_whose_entry_would_be_too_large(tmp_path: Path, monkeypatch) -> None:
     """The consumer's commit of a shard whose entry would be over MAX_ENTRY_BYTES: nothing is
     appended for it, the episodes go in smaller shards, every one committed once."""
+    import rlrec.store.log_reader as log_reader
     import rlrec.store.manifest as manifest
     from rlrec.trainer.synthetic import expert_cartpole_episodes
 
     store = Storage.from_uri(str(tmp_path / "out"), fsync=False)
     c = ShardCommitter(store, TOPIC, 0)
     one = c.commit(expert_cartpole_episodes(2, seed=0, max_steps=5)).entries[0]
-    monkeypatch.setattr(manifest, "MAX_ENTRY_BYTES", len(one.to_json()) + 400)  # room for ~2 more ids
+    for module in (manifest, log_reader):  # its writers and its readers
+        monkeypatch.setattr(module, "MAX_ENTRY_BYTES", len(one.to_json()) + 400)  # room for ~2 more ids
     res = c.commit(expert_cartpole_episodes(16, seed=1, max_steps=5))
     assert res.episodes == 16 and res.shards > 1 and not res.unwritable
     entries = read_manifest(store)

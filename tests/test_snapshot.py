@@ -283,7 +283,15 @@ def test_cli_export_and_paths(store, tmp_path, capsys):
     assert capsys.readouterr().err.startswith("rlrec inspect: error: --as-of needs --paths")
 
 
-@pytest.mark.parametrize("module", ["rlrec.store.snapshot", "rlrec.store.steps_table"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "rlrec.store.snapshot",
+        "rlrec.store.snapshot_reader",
+        "rlrec.store.cursor",
+        "rlrec.store.steps_table",
+    ],
+)
 def test_docstring_examples(module):
     result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0

@@ -453,7 +453,7 @@ def _read_threads(monkeypatch) -> list[str]:
 
 
 def test_read_ahead_is_budgeted_by_what_shards_decode_to(tmp_path, monkeypatch):
-    import rlrec.store.snapshot as snapshot_mod
+    import rlrec.store.snapshot_reader as snapshot_mod
 
     root = str(tmp_path / "store")
     committer = ShardCommitter(root)

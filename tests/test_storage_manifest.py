@@ -877,15 +877,14 @@ def test_manifest_objects_over_their_budget_are_refused_without_being_read_whole
     """A log entry, a removal record, the head hint and an owner lease padded past their byte
     budgets (valid JSON otherwise): each reader asks storage for at most budget + 1 bytes and
     refuses the object as malformed, whatever its size on storage."""
-    import rlrec.store.manifest as manifest
-    from rlrec.store import ownership, retention
+    from rlrec.store import log_reader, ownership, retention
 
     store.write("big.bin", b"x" * 10_000)
     assert len(store.read("big.bin", limit=100)) == 101 and len(store.read("big.bin")) == 10_000
     assert store.read("big.bin", limit=20_000) == b"x" * 10_000
 
     budget = 1_000
-    for module, name in ((manifest, "MAX_ENTRY_BYTES"), (manifest, "MAX_HINT_BYTES"),
+    for module, name in ((log_reader, "MAX_ENTRY_BYTES"), (log_reader, "MAX_HINT_BYTES"),
                          (retention, "MAX_RECORD_BYTES"), (ownership, "MAX_LEASE_BYTES")):  # fmt: skip
         monkeypatch.setattr(module, name, budget)
     got: list[int] = []

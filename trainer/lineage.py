@@ -9,7 +9,7 @@ version) it records what was trained and where that data is:
   a lineage written before ranges lists their paths as ``shards``), and ``shards_trained``;
 * ``input``: the store the trainer read (its URI);
 * ``cursor``: the smallest point of that store's manifest holding every trained shard
-  (`rlrec.store.snapshot.cursor_at`; a trainer follows the manifest and trains shards
+  (`rlrec.store.cursor.cursor_at`; a trainer follows the manifest and trains shards
   as they land, so this is the point up to which it had trained when it exported the version);
 * ``holdout_fraction``: F of the held-out split (`rlrec.trainer.holdout`): the episodes of
   those shards with ``is_held_out(id, F)`` were held out, never trained on.
@@ -38,7 +38,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from rlrec.store.snapshot import Snapshot, merge_ranges, open_entries, open_snapshot
+from rlrec.store.snapshot import merge_ranges, open_entries, open_snapshot
+from rlrec.store.snapshot_reader import Snapshot
 from rlrec.store.storage import Storage
 from rlrec.trainer.holdout import holdout_key, is_held_out
 
@@ -88,7 +89,7 @@ class HoldoutSplit:
 
     fraction: float
     held_out: bool
-    #: `rlrec.store.snapshot.Snapshot` passes an agent row's multi-agent episode id as 2nd argument
+    #: `rlrec.store.snapshot_reader.Snapshot` passes an agent row's multi-agent episode id as 2nd argument
     by_multi_agent_episode = True
 
     def __call__(self, episode_id: str | None, multi_agent_episode_id: str | None = None) -> bool:
@@ -224,7 +225,7 @@ class Lineage:
         where = f"the lineage of policy version {version}"
         cursor, f = doc.get("cursor"), doc.get("holdout_fraction", 0.0)
         if cursor is not None:
-            from rlrec.store.snapshot import Cursor, CursorError
+            from rlrec.store.cursor import Cursor, CursorError
 
             try:
                 Cursor.parse(cursor if isinstance(cursor, str) else repr(cursor)[:80])

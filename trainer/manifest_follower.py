@@ -17,15 +17,8 @@ from rlrec.store.live_set import (
     read_live_set,
     read_live_sets,
 )
-from rlrec.store.manifest import (
-    MANIFEST_DIR,
-    Entry,
-    ManifestError,
-    PartitionLog,
-    ShardEntry,
-    UnsupportedManifestError,
-    live_holders,
-)
+from rlrec.store.log_shards import live_holders
+from rlrec.store.manifest import MANIFEST_DIR, Entry, ManifestError, PartitionLog, ShardEntry, UnsupportedManifestError
 from rlrec.store.retention import RemovalLogView
 from rlrec.store.storage import Storage
 from rlrec.trainer.feed import ShardInfo

@@ -118,8 +118,9 @@ def _ranges_state(doc: Any) -> dict[tuple[str, int], list[list[int]]]:
 def shard_places(storage: Storage) -> dict[str, tuple[tuple[str, int], tuple[int, ...]]]:
     """Every shard of a store by path: its partition log and the seqs of the shard entries it
     stands for in a lineage -- a shard entry itself (compacted since or not), a merged shard
-    the entries it holds (`rlrec.store.manifest.merged_shards`)."""
-    from rlrec.store.manifest import merged_shards, read_partition_logs
+    the entries it holds (`rlrec.store.log_shards.merged_shards`)."""
+    from rlrec.store.log_shards import merged_shards
+    from rlrec.store.manifest import read_partition_logs
 
     places: dict[str, tuple[tuple[str, int], tuple[int, ...]]] = {}
     for key, entries in read_partition_logs(storage).items():

@@ -330,13 +330,13 @@ class PublishMixin:
         the shards new since the last version, and ``data``: the input store, the shards trained
         on (at least one row of each in a gradient step) as manifest seq ranges per partition
         log (``trained``; `trained_ranges`, kept in the checkpoint) and their number, the
-        manifest cursor holding them (`rlrec.store.snapshot.cursor_at`) and the holdout
+        manifest cursor holding them (`rlrec.store.cursor.cursor_at`) and the holdout
         fraction whose held-out episodes of those shards were not trained on.
 
         Raises:
             LineageLost: a trained shard is in no partition log of the input (the trainer stops).
             StorageError: the store does not answer (a later checkpoint publishes)."""
-        from rlrec.store.snapshot import CursorError, cursor_at
+        from rlrec.store.cursor import CursorError, cursor_at
 
         if self._lineage_lost is not None:
             raise LineageLost(

@@ -274,7 +274,7 @@ def evaluate_published(
         + (ev.policies if ev.candidate is None else f"{ev.policies} (refused candidate {ev.candidate})")
     )
     from rlrec.producer.spaces import SpaceError
-    from rlrec.store.snapshot import CursorError
+    from rlrec.store.cursor import CursorError
     from rlrec.store.storage import StorageError
     from rlrec.trainer.ope import LoggedData, PolicyTarget, compare, evaluate
     from rlrec.trainer.ope_data import HeldOutReader, policy_spaces

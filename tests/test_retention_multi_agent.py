@@ -1,0 +1,186 @@
+"""Retention x multi-agent episodes: a multi-agent episode's rows live in one shard per module
+(`{policy_id}.{module_id}/`), each committed by its own shard entry, and compaction merges each
+module's folder on its own. Whatever `--older-than` cut or compaction comes first, every reader
+-- the newest point (`multi_agent_episodes()`, `steps()`), an as-of reader, the trainer's
+follower -- must see each multi-agent episode whole or not at all (docs/GUARANTEES.md,
+"Retention"). History path and heads path (live sets with retention columns). Real local
+storage, real simple_spread episodes (tests/multi_agent_stores.py)."""
+
+from __future__ import annotations
+
+import shutil
+from collections import defaultdict
+
+import pyarrow.parquet as pq
+import pytest
+
+import rlrec
+from rlrec.store.compaction import compact_partition
+from rlrec.store.live_set import write_live_set
+from rlrec.store.manifest import PartitionLog, ShardEntry
+from rlrec.store.multi_agent_shards import agent_episode_id
+from rlrec.store.retention import read_removals, retain
+from rlrec.store.retention_heads import heads_or_history
+from rlrec.store.snapshot import ExpiredPointError
+from rlrec.store.storage import Storage
+from rlrec.trainer.manifest_follower import ManifestFollower
+from tests.multi_agent_stores import MODULES, commit_spread
+
+COMMITS, PER_COMMIT = 3, 2
+MA_IDS = [f"ma-{i}" for i in range(COMMITS * PER_COMMIT)]
+#: an agent row's episode id -> (its multi-agent episode id, its agent id)
+ROW_OF = {agent_episode_id(m, a): (m, a) for m in MA_IDS for a in MODULES}
+
+PARTIAL_REASON = (
+    "retention judges each module's shard by its own entries' first-commit times, so an "
+    "--older-than cut between two modules' shard entries of one multi-agent episode (or a "
+    "compaction that merged one module's shards with younger ones) removes one module's rows "
+    "and keeps the other's: the episode is lost from multi_agent_episodes() and its orphan rows "
+    "stay in steps() and in what the trainer's follower delivers"
+)
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory) -> str:
+    """3 commits x 2 simple_spread episodes, one shard per module per commit (random first)."""
+    root = str(tmp_path_factory.mktemp("ma-template") / "out")
+    commit_spread(root, COMMITS, PER_COMMIT)
+    return root
+
+
+@pytest.fixture
+def root(template, tmp_path) -> str:
+    out = str(tmp_path / "out")
+    shutil.copytree(template, out)
+    return out
+
+
+def _shards(root: str) -> list[ShardEntry]:
+    return [e for e in PartitionLog(Storage.from_uri(root), "rl", 0).load() if isinstance(e, ShardEntry)]
+
+
+def _between(a: ShardEntry, b: ShardEntry) -> float:
+    """A first-commit time strictly between two entries' (their commit order)."""
+    assert a.commit_time < b.commit_time
+    return (a.commit_time + b.commit_time) / 2
+
+
+def _rows(snap) -> dict[str, set[str]]:
+    """Multi-agent episode id -> the agents whose rows `snap.steps()` holds."""
+    out: dict[str, set[str]] = defaultdict(set)
+    for eid in set(snap.steps().column("episode_id").to_pylist()):
+        ma, agent = ROW_OF[eid]
+        out[ma].add(agent)
+    return dict(out)
+
+
+def _whole_or_gone(snap) -> set[str]:
+    """Assert the invariant on one point: every multi-agent episode with a row in it has every
+    agent's row there and is returned by `multi_agent_episodes()` (nothing partial); returns the
+    episodes it holds."""
+    eps = snap.multi_agent_episodes()
+    got = sorted(ep.id_ for ep in eps)
+    rows = _rows(snap)
+    orphans = {m: agents for m, agents in rows.items() if agents != set(MODULES)}
+    assert orphans == {}, f"episodes with only some agents' rows: {orphans}"
+    assert eps.partial == 0
+    assert got == sorted(rows)
+    return set(got)
+
+
+def _delivered_whole(root: str) -> set[str]:
+    """What a fresh trainer's follower (`rlrec train --multi-agent`) delivers: every multi-agent
+    episode it hands over has every agent's row among the delivered shards; returns them."""
+    follower = ManifestFollower(Storage.from_uri(root), multi_agent=True)
+    agents: dict[str, set[str]] = defaultdict(set)
+    for info in follower.poll(force_discover=True):
+        t = pq.read_table(f"{root}/{info.path}", columns=["multi_agent_episode_id", "agent_id"])
+        for m, a in zip(t.column("multi_agent_episode_id").to_pylist(), t.column("agent_id").to_pylist()):
+            agents[m].add(a)
+    orphans = {m: a for m, a in agents.items() if a != set(MODULES)}
+    assert orphans == {}, f"the trainer would train on orphan rows of {sorted(orphans)}"
+    return set(agents)
+
+
+def test_the_store_holds_each_episode_in_two_module_shards(root):
+    es = _shards(root)
+    assert [e.policy_id for e in es] == ["spread.random", "spread.scripted"] * COMMITS
+    assert all(e.format_version == 2 for e in es)
+    snap = rlrec.open(root)
+    assert _whole_or_gone(snap) == set(MA_IDS)
+    assert _delivered_whole(root) == set(MA_IDS)
+
+
+def test_a_cut_between_commits_removes_the_older_episodes_whole(root):
+    """The control: a cut after both module entries of the first commit expires both."""
+    es = _shards(root)
+    cut = _between(es[1], es[2])
+    res = retain(Storage.from_uri(root), older_than_s=1000, grace_s=0, now=cut + 1000)
+    assert sorted(f.path for f in res.recorded) == sorted(e.path for e in es[:2])
+    assert {f.reason for f in res.recorded} == {"expired"}
+    assert _whole_or_gone(rlrec.open(root)) == set(MA_IDS[PER_COMMIT:])
+    assert _delivered_whole(root) == set(MA_IDS[PER_COMMIT:])
+
+
+@pytest.mark.xfail(strict=True, reason=PARTIAL_REASON)
+def test_a_cut_between_the_module_entries_of_one_commit_keeps_the_episodes_whole(root):
+    es = _shards(root)
+    before = rlrec.open(root).cursor
+    cut = _between(es[0], es[1])  # random's shard of commit 1 is older, scripted's younger
+    st = Storage.from_uri(root)
+    retain(st, older_than_s=1000, grace_s=3600, now=cut + 1000)
+    assert _whole_or_gone(rlrec.open(root, as_of=before)) == set(MA_IDS)  # within the grace
+    assert _whole_or_gone(rlrec.open(root)) == set(MA_IDS)  # keep more, never less
+    assert _delivered_whole(root) == set(MA_IDS)
+    retain(st, older_than_s=1000, grace_s=0, now=cut + 1000 + 3601)  # past the grace
+    assert _whole_or_gone(rlrec.open(root)) == set(MA_IDS)
+    try:
+        assert _whole_or_gone(rlrec.open(root, as_of=before)) == set(MA_IDS)
+    except ExpiredPointError:
+        pass  # an expired point fails whole, never reads a part
+
+
+@pytest.mark.xfail(strict=True, reason=PARTIAL_REASON)
+def test_one_module_compacted_then_a_cut_between_commits_keeps_the_episodes_whole(root):
+    """Compaction merges the random module's first two shards (its newest first commit: commit
+    2); the scripted module's stay apart. A cut between commit 1 and commit 2 expires the
+    scripted shard of commit 1 but not the merged random shard holding the same episodes."""
+    es = _shards(root)
+    st = Storage.from_uri(root)
+    log = PartitionLog(st, "rl", 0)
+    log.claim("compactor")
+    log.recover()
+    res = compact_partition(log, min_age_s=0, policy_id="spread.random", target_bytes=es[0].bytes + es[2].bytes)
+    assert res.written == 1 and res.replaced == 2
+    cut = _between(es[1], es[2])
+    retain(st, older_than_s=1000, grace_s=0, now=cut + 1000)
+    assert _whole_or_gone(rlrec.open(root)) == set(MA_IDS)
+    assert _delivered_whole(root) == set(MA_IDS)
+
+
+@pytest.mark.xfail(strict=True, reason=PARTIAL_REASON)
+def test_from_the_heads_a_cut_between_module_entries_keeps_the_episodes_whole(root):
+    es = _shards(root)
+    st = Storage.from_uri(root)
+    assert write_live_set(st, "rl", 0, writer="test") is not None
+    cut = _between(es[0], es[1])
+    now = cut + 1000
+    heads, logs = heads_or_history(st, read_removals(st), older_than_s=1000, now=now)
+    assert ("rl", 0) in heads and ("rl", 0) not in logs  # the live set decides
+    retain(st, older_than_s=1000, grace_s=0, now=now)
+    assert _whole_or_gone(rlrec.open(root)) == set(MA_IDS)
+    assert _delivered_whole(root) == set(MA_IDS)
+
+
+def test_from_the_heads_a_cut_between_commits_removes_the_older_episodes_whole(root):
+    es = _shards(root)
+    st = Storage.from_uri(root)
+    assert write_live_set(st, "rl", 0, writer="test") is not None
+    now = _between(es[1], es[2]) + 1000
+    heads, logs = heads_or_history(st, read_removals(st), older_than_s=1000, now=now)
+    assert ("rl", 0) in heads and ("rl", 0) not in logs  # the live set decides
+    res = retain(st, older_than_s=1000, grace_s=0, now=now)
+    assert sorted(f.path for f in res.recorded) == sorted(e.path for e in es[:2])
+    assert sorted(res.deleted) == sorted(e.path for e in es[:2])
+    assert _whole_or_gone(rlrec.open(root)) == set(MA_IDS[PER_COMMIT:])
+    assert _delivered_whole(root) == set(MA_IDS[PER_COMMIT:])

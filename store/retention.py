@@ -75,6 +75,7 @@ from rlrec.store.manifest import (
 )
 from rlrec.store.manifest_entries import TOPIC_RE, check_shard_paths
 from rlrec.store.reader_leases import live_holds
+from rlrec.store.retention_episodes import IdsOf, multi_agent_ids, whole_episodes
 from rlrec.store.storage import Storage
 
 __all__ = [
@@ -500,6 +501,7 @@ def plan_removals(
     now: float,
     pinned: Collection[str] = (),
     pinned_entries: PinnedEntries | None = None,
+    ids_of: IdsOf | None = None,
 ) -> list[RemovedFile]:
     """What to remove now, from `logs` (every entry of each partition log, at the newest point):
 
@@ -511,7 +513,9 @@ def plan_removals(
     Left out: shards in `already` (removed by an earlier record), shards whose manifest path is
     in `pinned`, and live shards holding episodes of the shard entries `pinned_entries` names
     (`pinned_live_shards`, from these same `logs`: a pin by identity follows the episodes into
-    whatever shard compaction merged them into).
+    whatever shard compaction merged them into). A multi-agent episode's shards expire together
+    or not at all (`rlrec.store.retention_episodes.whole_episodes`; `ids_of` reads a shard's
+    multi-agent episode ids, `multi_agent_ids`; None: unknown, every overlapping shard shares).
 
     Example:
         >>> plan_removals({}, set(), older_than_s=None, now=0.0)
@@ -537,7 +541,7 @@ def plan_removals(
                 newest = max((first.get(i, s.commit_time) for i in s.episode_ids), default=s.commit_time)
                 if now - newest > older_than_s:
                     out.append(RemovedFile.of(s, "expired"))
-    return out
+    return whole_episodes(out, logs, already, ids_of or (lambda s: None))
 
 
 # ------------------------------------------------------------------------------ writing
@@ -709,8 +713,15 @@ def retain(
     )
     resolved = resolve_removals(_naming(records, logs), logs)
     res = RetainResult()
+    ids_of = multi_agent_ids(storage)
     res.recorded = plan_removals(
-        logs, set(resolved), older_than_s=older_than_s, now=now, pinned=pinned, pinned_entries=pinned_entries
+        logs,
+        set(resolved),
+        older_than_s=older_than_s,
+        now=now,
+        pinned=pinned,
+        pinned_entries=pinned_entries,
+        ids_of=ids_of,
     )
     holds_of = {c.key: held for h in heads.values() for c, held in h.candidates}
     res.recorded = sorted([*res.recorded, *(c for h in heads.values() for c, _ in h.candidates)], key=_order)
@@ -728,6 +739,7 @@ def retain(
     if res.recorded:  # what live trainers were handed and have not read yet (asked right before recording)
         held = _held(res.recorded, live_holds(storage))
         res.recorded = [f for f in res.recorded if f.key not in held]
+        res.recorded = whole_episodes(res.recorded, logs, set(resolved), ids_of)  # what the pins and leases keep
     would: list[RemovalRecord] = []
     if res.recorded and not dry_run:
         res.records = append_removals(storage, positions, res.recorded, grace_s=grace_s, now=given)

@@ -19,6 +19,7 @@ from rlrec.store.compaction import compact_partition
 from rlrec.store.live_set import write_live_set
 from rlrec.store.manifest import PartitionLog, ShardEntry
 from rlrec.store.multi_agent_shards import agent_episode_id
+from rlrec.store.reader_leases import renew_reader_lease
 from rlrec.store.retention import read_removals, retain
 from rlrec.store.retention_heads import heads_or_history
 from rlrec.store.snapshot import ExpiredPointError
@@ -30,14 +31,6 @@ COMMITS, PER_COMMIT = 3, 2
 MA_IDS = [f"ma-{i}" for i in range(COMMITS * PER_COMMIT)]
 #: an agent row's episode id -> (its multi-agent episode id, its agent id)
 ROW_OF = {agent_episode_id(m, a): (m, a) for m in MA_IDS for a in MODULES}
-
-PARTIAL_REASON = (
-    "retention judges each module's shard by its own entries' first-commit times, so an "
-    "--older-than cut between two modules' shard entries of one multi-agent episode (or a "
-    "compaction that merged one module's shards with younger ones) removes one module's rows "
-    "and keeps the other's: the episode is lost from multi_agent_episodes() and its orphan rows "
-    "stay in steps() and in what the trainer's follower delivers"
-)
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +115,6 @@ def test_a_cut_between_commits_removes_the_older_episodes_whole(root):
     assert _delivered_whole(root) == set(MA_IDS[PER_COMMIT:])
 
 
-@pytest.mark.xfail(strict=True, reason=PARTIAL_REASON)
 def test_a_cut_between_the_module_entries_of_one_commit_keeps_the_episodes_whole(root):
     es = _shards(root)
     before = rlrec.open(root).cursor
@@ -132,7 +124,7 @@ def test_a_cut_between_the_module_entries_of_one_commit_keeps_the_episodes_whole
     assert _whole_or_gone(rlrec.open(root, as_of=before)) == set(MA_IDS)  # within the grace
     assert _whole_or_gone(rlrec.open(root)) == set(MA_IDS)  # keep more, never less
     assert _delivered_whole(root) == set(MA_IDS)
-    retain(st, older_than_s=1000, grace_s=0, now=cut + 1000 + 3601)  # past the grace
+    retain(st, older_than_s=1000 + 3601, grace_s=0, now=cut + 1000 + 3601)  # the same cut, past the grace
     assert _whole_or_gone(rlrec.open(root)) == set(MA_IDS)
     try:
         assert _whole_or_gone(rlrec.open(root, as_of=before)) == set(MA_IDS)
@@ -140,7 +132,6 @@ def test_a_cut_between_the_module_entries_of_one_commit_keeps_the_episodes_whole
         pass  # an expired point fails whole, never reads a part
 
 
-@pytest.mark.xfail(strict=True, reason=PARTIAL_REASON)
 def test_one_module_compacted_then_a_cut_between_commits_keeps_the_episodes_whole(root):
     """Compaction merges the random module's first two shards (its newest first commit: commit
     2); the scripted module's stay apart. A cut between commit 1 and commit 2 expires the
@@ -153,12 +144,70 @@ def test_one_module_compacted_then_a_cut_between_commits_keeps_the_episodes_whol
     res = compact_partition(log, min_age_s=0, policy_id="spread.random", target_bytes=es[0].bytes + es[2].bytes)
     assert res.written == 1 and res.replaced == 2
     cut = _between(es[1], es[2])
-    retain(st, older_than_s=1000, grace_s=0, now=cut + 1000)
+    res = retain(st, older_than_s=1000, grace_s=0, now=cut + 1000)
+    assert sorted(f.path for f in res.recorded) == sorted([es[0].path, es[2].path])  # the replaced ones
+    assert {f.reason for f in res.recorded} == {"replaced"}
+    assert _whole_or_gone(rlrec.open(root)) == set(MA_IDS)
+    assert _delivered_whole(root) == set(MA_IDS)
+    # once commit 2 is old too, the merged shard and both scripted shards go, together
+    cut = _between(es[3], es[4])
+    res = retain(st, older_than_s=1000, grace_s=0, now=cut + 1000)
+    assert {f.path.split("/")[0] for f in res.recorded} == {"spread.random", "spread.scripted"}
+    assert {f.reason for f in res.recorded} == {"expired"} and len(res.recorded) == 3
+    assert _whole_or_gone(rlrec.open(root)) == set(MA_IDS[2 * PER_COMMIT :])
+    assert _delivered_whole(root) == set(MA_IDS[2 * PER_COMMIT :])
+
+
+@pytest.mark.parametrize("hold", ["pinned_entries", "pins", "reader_lease"])
+def test_a_module_shard_kept_by_a_pin_or_a_lease_keeps_its_episodes_other_shards(root, hold):
+    """A cut after commit 1 expires both its shards, but the scripted one is kept by a lineage
+    pin (given, or asked again right before recording) or a trainer's reader lease: the random
+    shard holding the same episodes stays with it."""
+    es = _shards(root)
+    st = Storage.from_uri(root)
+    held = {("rl", 0): [(es[1].seq, es[1].seq + 1)]}
+    kw: dict = {}
+    if hold == "pinned_entries":
+        kw["pinned_entries"] = held
+    elif hold == "pins":
+        kw["pins"] = lambda: ((), held)
+    else:
+        renew_reader_lease(st, "trainer-feed", held, ttl_s=3600)
+    res = retain(st, older_than_s=1000, grace_s=0, now=_between(es[1], es[2]) + 1000, **kw)
+    assert res.recorded == [] and res.deleted == []
     assert _whole_or_gone(rlrec.open(root)) == set(MA_IDS)
     assert _delivered_whole(root) == set(MA_IDS)
 
 
-@pytest.mark.xfail(strict=True, reason=PARTIAL_REASON)
+@pytest.fixture
+def overlapping(tmp_path) -> str:
+    """3 commits x 1 episode whose shards' offset ranges all overlap (as long interleaved
+    episodes make them): only their files tell which shards share an episode."""
+    out = str(tmp_path / "overlapping")
+    commit_spread(out, 3, 1, first_offset=0)
+    return out
+
+
+def test_overlapping_shards_that_share_no_episode_expire_on_their_own(overlapping):
+    es = _shards(overlapping)
+    assert all(e.first_offset == 0 for e in es)
+    res = retain(Storage.from_uri(overlapping), older_than_s=1000, grace_s=0, now=_between(es[1], es[2]) + 1000)
+    assert sorted(f.path for f in res.recorded) == sorted(e.path for e in es[:2])
+    assert _whole_or_gone(rlrec.open(overlapping)) == {"ma-1", "ma-2"}
+
+
+def test_a_shard_whose_episodes_cannot_be_read_keeps_every_shard_it_overlaps(overlapping, caplog):
+    es = _shards(overlapping)
+    path = f"{overlapping}/{es[3].path}"  # commit 2's scripted shard: not its checksum's bytes any more
+    with open(path, "r+b") as f:
+        f.seek(100)
+        f.write(b"\0" * 16)
+    with caplog.at_level("WARNING", logger="rlrec.retention"):
+        res = retain(Storage.from_uri(overlapping), older_than_s=1000, grace_s=0, now=_between(es[1], es[2]) + 1000)
+    assert res.recorded == []  # keep more, never less
+    assert "cannot read its multi-agent episode ids" in caplog.text
+
+
 def test_from_the_heads_a_cut_between_module_entries_keeps_the_episodes_whole(root):
     es = _shards(root)
     st = Storage.from_uri(root)
@@ -166,7 +215,7 @@ def test_from_the_heads_a_cut_between_module_entries_keeps_the_episodes_whole(ro
     cut = _between(es[0], es[1])
     now = cut + 1000
     heads, logs = heads_or_history(st, read_removals(st), older_than_s=1000, now=now)
-    assert ("rl", 0) in heads and ("rl", 0) not in logs  # the live set decides
+    assert ("rl", 0) in logs and ("rl", 0) not in heads  # a multi-agent shard expiring: its history decides
     retain(st, older_than_s=1000, grace_s=0, now=now)
     assert _whole_or_gone(rlrec.open(root)) == set(MA_IDS)
     assert _delivered_whole(root) == set(MA_IDS)
@@ -178,7 +227,8 @@ def test_from_the_heads_a_cut_between_commits_removes_the_older_episodes_whole(r
     assert write_live_set(st, "rl", 0, writer="test") is not None
     now = _between(es[1], es[2]) + 1000
     heads, logs = heads_or_history(st, read_removals(st), older_than_s=1000, now=now)
-    assert ("rl", 0) in heads and ("rl", 0) not in logs  # the live set decides
+    assert ("rl", 0) in logs and ("rl", 0) not in heads  # a multi-agent shard expiring: its history decides
+    assert heads_or_history(st, read_removals(st), older_than_s=1000, now=es[0].commit_time + 999)[0]  # none: heads
     res = retain(st, older_than_s=1000, grace_s=0, now=now)
     assert sorted(f.path for f in res.recorded) == sorted(e.path for e in es[:2])
     assert sorted(res.deleted) == sorted(e.path for e in es[:2])

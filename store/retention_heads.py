@@ -238,11 +238,11 @@ def heads_or_history(
                         continue  # not expired by the live set's word: kept (it may only keep more)
                     if pinned_by(facts.holds_of(q), q, ranges):
                         continue
+                    if is_multi_agent(s):  # its episodes' other shards: `plan_removals` keeps them whole
+                        raise Undecided(f"{s.path} holds multi-agent rows")
                     head.shard_at(q, s.path, s.staging_path)
                     newest, held = head.tree(q)
                     if now - newest > older_than_s and not pinned_by(held, q, ranges):
-                        if is_multi_agent(s):  # its episodes' other shards: `plan_removals` keeps them whole
-                            raise Undecided(f"{s.path} holds multi-agent rows")
                         head.candidates.append((RemovedFile.of(s, "expired"), held))
             head.candidates.sort(key=lambda c: c[0].seq)
             out[key] = head

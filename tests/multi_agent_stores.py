@@ -65,7 +65,11 @@ def scripted_spread(episode_id: str, seed: int, max_cycles: int = 25) -> MultiAg
 
 
 def commit_spread(
-    root: str, commits: int, episodes_per_commit: int, first_seed: int = 0, first_offset: int | None = None
+    root: str,
+    commits: int,
+    episodes_per_commit: int,
+    first_seed: int = 0,
+    first_offset: int | None = None,
 ) -> list[str]:
     """Commit `commits` x (one shard per module) of `episodes_per_commit` episodes each under
     `root`; returns the committed shard paths (2 per commit). `first_offset`: every shard

@@ -53,7 +53,7 @@ def _shards(root: str) -> list[ShardEntry]:
 
 
 def _between(a: ShardEntry, b: ShardEntry) -> float:
-    """A first-commit time strictly between two entries' (their commit order)."""
+    """A first-commit time strictly between two entries' (stamped as each lands, in order)."""
     assert a.commit_time < b.commit_time
     return (a.commit_time + b.commit_time) / 2
 
@@ -107,12 +107,21 @@ def test_the_store_holds_each_episode_in_two_module_shards(root):
 def test_a_cut_between_commits_removes_the_older_episodes_whole(root):
     """The control: a cut after both module entries of the first commit expires both."""
     es = _shards(root)
+    before = rlrec.open(root).cursor
     cut = _between(es[1], es[2])
-    res = retain(Storage.from_uri(root), older_than_s=1000, grace_s=0, now=cut + 1000)
+    st = Storage.from_uri(root)
+    res = retain(st, older_than_s=1000, grace_s=3600, now=cut + 1000)
     assert sorted(f.path for f in res.recorded) == sorted(e.path for e in es[:2])
-    assert {f.reason for f in res.recorded} == {"expired"}
+    assert {f.reason for f in res.recorded} == {"expired"} and res.deleted == []
+    assert _whole_or_gone(rlrec.open(root)) == set(MA_IDS[PER_COMMIT:])
+    assert _whole_or_gone(rlrec.open(root, as_of=before)) == set(MA_IDS)  # within the grace
+    assert _delivered_whole(root) == set(MA_IDS)  # a new trainer still gets them (their files are there)
+    res = retain(st, grace_s=0, now=cut + 1000 + 3601)  # past the grace: deleted
+    assert sorted(res.deleted) == sorted(e.path for e in es[:2])
     assert _whole_or_gone(rlrec.open(root)) == set(MA_IDS[PER_COMMIT:])
     assert _delivered_whole(root) == set(MA_IDS[PER_COMMIT:])
+    with pytest.raises(ExpiredPointError):
+        rlrec.open(root, as_of=before).steps()
 
 
 def test_a_cut_between_the_module_entries_of_one_commit_keeps_the_episodes_whole(root):

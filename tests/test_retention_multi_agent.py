@@ -243,3 +243,44 @@ def test_from_the_heads_a_cut_between_commits_removes_the_older_episodes_whole(r
     assert sorted(res.deleted) == sorted(e.path for e in es[:2])
     assert _whole_or_gone(rlrec.open(root)) == set(MA_IDS[PER_COMMIT:])
     assert _delivered_whole(root) == set(MA_IDS[PER_COMMIT:])
+
+
+def test_consumer_shards_of_interleaved_episodes_expire_whole_and_on_their_own(tmp_path):
+    """The consumer's own assembly and commit (`PartitionAssembler`, `ShardCommitter`): episode A
+    starts, B starts, A ends (committed: one shard per module), B ends (committed). Every shard
+    holding a row of an episode covers that episode's offsets, so shards sharing an episode
+    overlap (what `whole_episodes` compares); A's and B's shards overlap too, yet share none."""
+    from rlrec.consumer.assembly import PartitionAssembler
+    from rlrec.store.commit import ShardCommitter
+    from tests.test_multi_agent_replay_rules import _apply, _batch, _start
+
+    root = str(tmp_path / "out")
+    a = PartitionAssembler("rl", 0)
+    c = ShardCommitter(root, topic="rl", partition=0)
+    c.claim()
+    _apply(a, [_start("A"), _start("B"), _batch("A", 0, 2, last=True)])
+    c.commit([r for r in a.ready(force=True) if r.multi_agent_episode_id == "A"], resume_offset=lambda eps: 0)
+    _apply(a, [_batch("B", 0, 3, last=True)], first=3)
+    c.commit([r for r in a.ready(force=True) if r.multi_agent_episode_id == "B"], resume_offset=lambda eps: 0)
+    es = _shards(root)
+    assert [(e.policy_id, e.first_offset, e.last_offset) for e in es] == [
+        ("pol.m0", 0, 2),
+        ("pol.m1", 0, 2),
+        ("pol.m0", 1, 3),
+        ("pol.m1", 1, 3),
+    ]
+    st = Storage.from_uri(root)
+
+    def episodes() -> set[str]:
+        eps = rlrec.open(root).multi_agent_episodes()
+        got = {ep.id_ for ep in eps}
+        assert eps.partial == 0
+        return got
+
+    assert episodes() == {"A", "B"}
+    res = retain(st, older_than_s=1000, grace_s=0, now=_between(es[0], es[1]) + 1000)
+    assert res.recorded == [] and episodes() == {"A", "B"}  # A's m0 shard waits for its m1 shard
+    res = retain(st, older_than_s=1000, grace_s=0, now=_between(es[1], es[2]) + 1000)
+    assert sorted(f.path for f in res.recorded) == sorted(e.path for e in es[:2])  # B's overlap keeps nothing
+    assert episodes() == {"B"}
+    assert rlrec.open(root).steps().num_rows == 2 * 3  # B's two agents' rows only

@@ -117,7 +117,7 @@ def _kept(live: Mapping[int, ShardEntry], going: set[int], staying: set[int], id
     changed = bool(going)
     while changed:
         changed = False
-        for x in sorted(going - kept):
+        for x in sorted(going - kept, reverse=True):  # newest first: a chain of shared episodes in one pass
             end = bisect.bisect_right(by_first, (live[x].last_offset, math.inf))
             if any(shares(live[x], live[k]) for _, k in by_first[:end]):
                 kept.add(x)

@@ -75,7 +75,7 @@ from rlrec.store.manifest import (
 )
 from rlrec.store.manifest_entries import TOPIC_RE, check_shard_paths
 from rlrec.store.reader_leases import live_holds
-from rlrec.store.retention_episodes import IdsOf, multi_agent_ids, whole_episodes
+from rlrec.store.retention_episodes import IdsOf, episode_groups, multi_agent_ids, whole_episodes
 from rlrec.store.storage import Storage
 
 __all__ = [
@@ -90,6 +90,7 @@ __all__ = [
     "RetainResult",
     "append_removals",
     "delete_due",
+    "fitting",
     "parse_record",
     "pinned_live_shards",
     "plan_removals",
@@ -552,16 +553,52 @@ def _next_number(storage: Storage) -> int:
     return max(nums, default=-1) + 1
 
 
-def _chunk(files: list[RemovedFile]) -> tuple[list[RemovedFile], list[RemovedFile]]:
+def _size(f: RemovedFile) -> int:
+    return len(json.dumps(f.to_dict())) + 1
+
+
+def _chunk(
+    files: list[RemovedFile], together: Mapping[tuple[str, int, int], Any] | None = None
+) -> tuple[list[RemovedFile], list[RemovedFile]]:
     """(the files of the next record, the rest): at most `MAX_FILES_PER_RECORD`, and at most
-    half of `MAX_RECORD_BYTES` of file descriptions (long policy ids and topics fit too)."""
-    size, i = 0, 0
+    half of `MAX_RECORD_BYTES` of file descriptions (long policy ids and topics fit too), cut
+    only between files of different groups (`together`: a file's key -> its group; adjacent in
+    `files`). ValueError where the first group alone is over that (`fitting` leaves such out)."""
+    together = together or {}
+    size, i, cut = 0, 0, 0
     while i < min(len(files), MAX_FILES_PER_RECORD):
-        size += len(json.dumps(files[i].to_dict())) + 1
+        size += _size(files[i])
         if i and size > MAX_RECORD_BYTES // 2:
             break
         i += 1
-    return files[:i], files[i:]
+        if i == len(files) or together.get(files[i - 1].key, files[i - 1]) is not together.get(files[i].key, files[i]):
+            cut = i
+    if not cut and files:
+        raise ValueError(
+            f"a group of files that must be recorded together is over one record's limit ({files[0].path})"
+        )
+    return files[:cut], files[cut:]
+
+
+def fitting(groups: Sequence[Sequence[RemovedFile]]) -> list[list[RemovedFile]]:
+    """`groups` (`rlrec.store.retention_episodes.episode_groups`) less those one removal record
+    cannot hold (over `MAX_FILES_PER_RECORD` files or half of `MAX_RECORD_BYTES`): kept, not
+    removed this run (keep more, never less), with one warning."""
+    out, over = [], []
+    for g in groups:
+        if len(g) > MAX_FILES_PER_RECORD or (len(g) > 1 and sum(map(_size, g)) > MAX_RECORD_BYTES // 2):
+            over.append(g)
+        else:
+            out.append(list(g))
+    if over:
+        log.warning(
+            "retain: %d group(s) of shards sharing multi-agent episodes (%d files, e.g. %s) are over one removal "
+            "record's limit: kept",
+            len(over),
+            sum(map(len, over)),
+            over[0][0].path,
+        )
+    return out
 
 
 def append_removals(
@@ -572,18 +609,31 @@ def append_removals(
     grace_s: float,
     now: float | None = None,
     max_attempts: int = 100,
+    groups: Sequence[Sequence[RemovedFile]] = (),
 ) -> list[RemovalRecord]:
     """Append `files` to the removal log as records of at most `MAX_FILES_PER_RECORD` files
-    and half of `MAX_RECORD_BYTES` each (create-once at the next free number; a lost race reads the winner's record, drops
-    the files it names and tries the next number). Returns the records written. `now`: every
-    record's time (default: each record is stamped right before its create-once, so an
-    ``as_of`` time counts it only once it may exist: `rlrec.store.snapshot`)."""
+    and half of `MAX_RECORD_BYTES` each (create-once at the next free number; a lost race reads
+    the winner's record, drops the files it names and tries the next number). The files of each
+    of `groups` (`fitting` ones: shards sharing multi-agent episodes) are named by one record.
+    Returns the records written. `now`: every record's time (default: each record is stamped
+    right before its create-once, so an ``as_of`` time counts it only once it may exist:
+    `rlrec.store.snapshot`)."""
+    together: dict[tuple[str, int, int], Any] = {}
+    for g in groups:
+        for f in g:
+            together[f.key] = g
+    unit: dict[int, list[RemovedFile]] = {}  # each group's files next to each other, at its first file
+    first: dict[int, int] = {}
+    for i, f in enumerate(files):
+        g = together.get(f.key)
+        first.setdefault(id(g) if g is not None else -1 - i, i)
+        unit.setdefault(first[id(g) if g is not None else -1 - i], []).append(f)
+    pending = [f for _, fs in sorted(unit.items()) for f in fs]
     written: list[RemovalRecord] = []
-    pending = list(files)
     n = _next_number(storage)
     attempts = 0
     while pending:
-        chunk, rest = _chunk(pending)
+        chunk, rest = _chunk(pending, together)
         stamp = time.time() if now is None else now  # right before its create-once (as_of times count it then)
         rec = RemovalRecord(n, stamp, grace_s, dict(positions), tuple(chunk))
         if storage.create_once(record_path(n), rec.to_json().encode()):
@@ -739,10 +789,11 @@ def retain(
     if res.recorded:  # what live trainers were handed and have not read yet (asked right before recording)
         held = _held(res.recorded, live_holds(storage))
         res.recorded = [f for f in res.recorded if f.key not in held]
-        res.recorded = whole_episodes(res.recorded, logs, set(resolved), ids_of)  # what the pins and leases keep
+    groups = fitting(episode_groups(res.recorded, logs, set(resolved), ids_of))  # what the pins and leases keep
+    res.recorded = sorted((f for g in groups for f in g), key=_order)
     would: list[RemovalRecord] = []
     if res.recorded and not dry_run:
-        res.records = append_removals(storage, positions, res.recorded, grace_s=grace_s, now=given)
+        res.records = append_removals(storage, positions, res.recorded, grace_s=grace_s, now=given, groups=groups)
     elif dry_run and grace_s <= 0:  # what a real run would delete at once
         would = [RemovalRecord(-1, now, grace_s, positions, tuple(res.recorded))]
     every = [*records, *res.records, *would]

@@ -8,7 +8,8 @@ folded removal record names), the entries after it and the removal records after
 
 * **candidates**: the replaced files it lists, and the live shards older than the retention age,
   less what the pins keep (by manifest path, or by shard entry through the shards' holdings);
-* an expiring shard of multi-agent rows sends the log to its history, where
+* an expiring shard of multi-agent rows (as its confirmed entry says; a live set whose format
+  differs from the entry's is not trusted) sends the log to its history, where
   `rlrec.store.retention.plan_removals` keeps each multi-agent episode's shards together
   (`rlrec.store.retention_episodes`);
 * each candidate is **confirmed from the immutable entries** before it is recorded: a replaced
@@ -238,9 +239,11 @@ def heads_or_history(
                         continue  # not expired by the live set's word: kept (it may only keep more)
                     if pinned_by(facts.holds_of(q), q, ranges):
                         continue
-                    if is_multi_agent(s):  # its episodes' other shards: `plan_removals` keeps them whole
+                    e = head.shard_at(q, s.path, s.staging_path)
+                    if (e.format, e.format_version) != (s.format, s.format_version):
+                        raise Undecided(f"{s.path}: the live set's format differs from its entry's")
+                    if is_multi_agent(e):  # its episodes' other shards: `plan_removals` keeps them whole
                         raise Undecided(f"{s.path} holds multi-agent rows")
-                    head.shard_at(q, s.path, s.staging_path)
                     newest, held = head.tree(q)
                     if now - newest > older_than_s and not pinned_by(held, q, ranges):
                         head.candidates.append((RemovedFile.of(s, "expired"), held))

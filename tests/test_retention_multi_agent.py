@@ -284,3 +284,139 @@ def test_consumer_shards_of_interleaved_episodes_expire_whole_and_on_their_own(t
     assert sorted(f.path for f in res.recorded) == sorted(e.path for e in es[:2])  # B's overlap keeps nothing
     assert episodes() == {"B"}
     assert rlrec.open(root).steps().num_rows == 2 * 3  # B's two agents' rows only
+
+
+def test_a_removal_over_several_records_names_each_episodes_shards_in_one_record(root, monkeypatch):
+    """Records hold 3 files here (1,000 in use): a cut after every commit expires 6 shards, 2 per
+    commit sharing its episodes. A reader between two records, and the store after a run that
+    fails before its second record, see every episode whole; a later run with a pin on one
+    module's shard of commit 2 keeps commit 2's other shard with it."""
+    import rlrec.store.retention as retention
+    from rlrec.store.storage import StorageError
+
+    monkeypatch.setattr(retention, "MAX_FILES_PER_RECORD", 3)
+    es = _shards(root)
+    st = Storage.from_uri(root)
+    real, between = Storage.create_once, []
+
+    def create_once(self, path, data, *a, **k):
+        if "/_removed/" in path and read_removals(st):  # the second record: a reader looks first, then it fails
+            between.append((_whole_or_gone(rlrec.open(root)), rlrec.open(root).cursor))
+            raise StorageError("the store refused the second record")
+        return real(self, path, data, *a, **k)
+
+    monkeypatch.setattr(Storage, "create_once", create_once)
+    now = es[-1].commit_time + 2000
+    with pytest.raises(StorageError):
+        retain(st, older_than_s=1000, grace_s=3600, now=now)
+    monkeypatch.setattr(Storage, "create_once", real)
+    assert [sorted(f.seq for f in r.files) for r in read_removals(st)] == [[es[0].seq, es[1].seq]]
+    assert between[0][0] == set(MA_IDS[PER_COMMIT:])
+    assert _whole_or_gone(rlrec.open(root)) == set(MA_IDS[PER_COMMIT:])
+    pin = {("rl", 0): [(es[3].seq, es[3].seq + 1)]}  # commit 2's scripted shard, pinned before the rerun
+    res = retain(st, older_than_s=1000, grace_s=3600, now=now + 3601, pinned_entries=pin)
+    assert sorted(f.seq for f in res.recorded) == [es[4].seq, es[5].seq]
+    assert sorted(res.deleted) == sorted(p for e in es[:2] for p in (e.path, e.staging_path) if p in res.deleted)
+    assert {e.path for e in es[:2]} <= set(res.deleted)
+    assert _whole_or_gone(rlrec.open(root)) == set(MA_IDS[PER_COMMIT : 2 * PER_COMMIT])
+    assert _whole_or_gone(rlrec.open(root, as_of=between[0][1])) == set(MA_IDS[PER_COMMIT:])
+    assert _delivered_whole(root) == set(MA_IDS[PER_COMMIT:])
+
+
+def test_shards_sharing_episodes_that_one_record_cannot_hold_are_kept(root, monkeypatch, caplog):
+    import rlrec.store.retention as retention
+
+    monkeypatch.setattr(retention, "MAX_FILES_PER_RECORD", 1)
+    es = _shards(root)
+    with caplog.at_level("WARNING", logger="rlrec.retention"):
+        res = retain(Storage.from_uri(root), older_than_s=1000, grace_s=0, now=es[-1].commit_time + 2000)
+    assert res.recorded == [] and res.records == [] and res.deleted == []
+    assert "3 group(s) of shards sharing multi-agent episodes (6 files" in caplog.text
+    assert _whole_or_gone(rlrec.open(root)) == set(MA_IDS)
+
+
+def test_from_the_heads_a_live_set_saying_single_agent_cannot_expire_one_module_shard(root, monkeypatch):
+    """A live set is data: one whose format_version column says 1 for the multi-agent shards
+    (their entries say 2) must not let the head expire commit 1's random shard alone."""
+    import pyarrow as pa
+
+    import rlrec.store.live_set as live_set
+
+    es = _shards(root)
+    st = Storage.from_uri(root)
+    real = live_set.shard_columns
+
+    def forged(rows, newest=None):
+        out = real(rows, newest)
+        out["format_version"] = pa.array([1] * len(rows), out["format_version"].type)
+        return out
+
+    monkeypatch.setattr(live_set, "shard_columns", forged)
+    assert write_live_set(st, "rl", 0, writer="hostile") is not None
+    monkeypatch.setattr(live_set, "shard_columns", real)
+    now = _between(es[0], es[1]) + 1000  # commit 1's random shard is old, its scripted shard is not
+    heads, logs = heads_or_history(st, read_removals(st), older_than_s=1000, now=now)
+    assert ("rl", 0) in logs and ("rl", 0) not in heads
+    res = retain(st, older_than_s=1000, grace_s=0, now=now)
+    assert res.recorded == [] and res.deleted == []
+    for p in st.list("_manifest/rl/00000/_live"):  # readers refuse the forged live set: the history then
+        st.delete(p.path)
+    assert _whole_or_gone(rlrec.open(root)) == set(MA_IDS)
+
+
+@pytest.mark.parametrize("error", ["StorageError", "StorageAccessError"])
+def test_a_storage_error_reading_a_shard_fails_the_run_in_one_line_and_records_nothing(
+    root, monkeypatch, capsys, error
+):
+    """Only data errors make a shard's ids unknown (kept with what it overlaps); a storage error
+    reading one (after the storage's retries, or a refused permission) fails `rlrec retain`."""
+    from rlrec.cli import main
+    from rlrec.store import storage as storage_mod
+
+    real = Storage.read
+
+    def read(self, path, *a, **k):
+        if path.endswith(".parquet"):
+            raise getattr(storage_mod, error)(f"{path}: refused by the store")
+        return real(self, path, *a, **k)
+
+    monkeypatch.setattr(Storage, "read", read)
+    st = Storage.from_uri(root)
+    with pytest.raises(getattr(storage_mod, error)):
+        retain(st, older_than_s=1e-3, grace_s=0)
+    code = main(["retain", root, "--older-than", "0.001s", "--grace", "0", "--no-lineage-pins"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and err.startswith(f"rlrec retain: error: {error}:"), err
+    monkeypatch.setattr(Storage, "read", real)
+    assert read_removals(st) == []
+    assert _whole_or_gone(rlrec.open(root)) == set(MA_IDS)
+
+
+def test_a_chain_of_shared_episodes_is_decided_reading_each_shard_once():
+    """Merged shards of two modules compacted at different boundaries share episodes pairwise
+    along the history; a pin on the oldest keeps them all, each shard's ids read once."""
+    from rlrec.store.retention import RemovedFile
+    from rlrec.store.retention_episodes import episode_groups
+
+    def entry(seq, lo, hi):
+        mod = "random" if seq % 2 else "scripted"
+        return ShardEntry(
+            path=f"spread.{mod}/s{seq}.parquet", staging_path=f"spread.{mod}/_staging/s{seq}.parquet", topic="rl",
+            partition=0, policy_id=f"spread.{mod}", first_offset=lo, last_offset=hi, episode_ids=[f"x{seq}"],
+            episodes=1, steps=1, bytes=1, sha256="", format="episodes", format_version=2, seq=seq, commit_time=0.0,
+        )  # fmt: skip
+
+    n = 60
+    es = [entry(i, i, i + 1) for i in range(n)]
+    reads: list[int] = []
+
+    def ids_of(s):
+        reads.append(s.seq)
+        return frozenset({f"ma-{s.seq}", f"ma-{s.seq + 1}"})
+
+    files = [RemovedFile.of(e, "expired") for e in es[1:]]
+    assert episode_groups(files, {("rl", 0): es}, set(), ids_of) == []  # es[0] stays: the chain keeps all
+    assert sorted(reads) == list(range(n))
+    reads.clear()
+    groups = episode_groups(files, {("rl", 0): es}, {("rl", 0, 0)}, ids_of)  # es[0] removed before: all go
+    assert groups == [files] and sorted(reads) == list(range(1, n))

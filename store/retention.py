@@ -12,7 +12,8 @@ log, the entries it had read; a point counts the record only at or above those p
 the (topic, partition, seq) of the entry that committed each, and why: ``replaced`` -- not a
 live shard at that point, compaction merged it -- or ``expired`` -- a live shard whose every
 episode was first committed longer ago than the retention age). A record names at most
-`MAX_FILES_PER_RECORD` files (a big removal is several records).
+`MAX_FILES_PER_RECORD` files (a big removal is several records; the shards of one multi-agent
+episode are named by one record, `rlrec.store.retention_episodes.episode_groups`).
 
 `retain` runs the three steps of ``rlrec retain`` (docs/GUARANTEES.md, "Retention"):
 

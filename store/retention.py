@@ -584,7 +584,16 @@ def _chunk(
 def fitting(groups: Sequence[Sequence[RemovedFile]]) -> list[list[RemovedFile]]:
     """`groups` (`rlrec.store.retention_episodes.episode_groups`) less those one removal record
     cannot hold (over `MAX_FILES_PER_RECORD` files or half of `MAX_RECORD_BYTES`): kept, not
-    removed this run (keep more, never less), with one warning."""
+    removed this run (keep more, never less), with one warning.
+
+    Args:
+        groups: the files to record, grouped: each group to be named by one record.
+
+    Example:
+        >>> f = RemovedFile("rl", 0, 1, "p/a.parquet", "p/_staging/a.parquet", "expired")
+        >>> fitting([[f]]) == [[f]], fitting([[f] * (MAX_FILES_PER_RECORD + 1)])
+        (True, [])
+    """
     out, over = [], []
     for g in groups:
         if len(g) > MAX_FILES_PER_RECORD or (len(g) > 1 and sum(map(_size, g)) > MAX_RECORD_BYTES // 2):
@@ -623,13 +632,10 @@ def append_removals(
     for g in groups:
         for f in g:
             together[f.key] = g
-    unit: dict[int, list[RemovedFile]] = {}  # each group's files next to each other, at its first file
-    first: dict[int, int] = {}
+    units: dict[Any, list[RemovedFile]] = {}  # each group's files next to each other, at its first file
     for i, f in enumerate(files):
-        g = together.get(f.key)
-        first.setdefault(id(g) if g is not None else -1 - i, i)
-        unit.setdefault(first[id(g) if g is not None else -1 - i], []).append(f)
-    pending = [f for _, fs in sorted(unit.items()) for f in fs]
+        units.setdefault(id(together[f.key]) if f.key in together else ("alone", i), []).append(f)
+    pending = [f for fs in units.values() for f in fs]
     written: list[RemovalRecord] = []
     n = _next_number(storage)
     attempts = 0

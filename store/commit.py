@@ -45,6 +45,7 @@ __all__ = [
     "CommitResult",
     "ShardCommitter",
     "read_committed_shard",
+    "read_gated_shard",
 ]
 
 log = logging.getLogger("rlrec.store")
@@ -528,3 +529,41 @@ def read_committed_shard(storage: Storage, path: str, staging_path: str | None, 
     except FileNotFoundError:
         pass
     return storage.read(path, limit=limit)  # published meanwhile (publishing moves staging -> path)
+
+
+def read_gated_shard(storage: Storage, entry: ShardEntry):
+    """A committed shard (`read_committed_shard`) opened as a `rlrec.store.schema_gate.GatedShard`
+    once its bytes match the entry's sha256, pass the schema gate and are the format version the
+    entry says. Data errors are `rlrec.store.schema_gate.ShardSchemaError` (FileNotFoundError:
+    neither file exists); storage errors are raised as the storage raises them.
+
+    Args:
+        storage: the store.
+        entry: the shard entry committing the file.
+
+    Example:
+        >>> import tempfile
+        >>> from rlrec.trainer.synthetic import expert_cartpole_episodes
+        >>> c = ShardCommitter(tempfile.mkdtemp(), "rl", 0)
+        >>> entry = c.commit(expert_cartpole_episodes(2, seed=0)).entries[0]
+        >>> read_gated_shard(c.storage, entry).version == entry.format_version
+        True
+    """
+    import hashlib
+
+    from rlrec.store.schema_gate import ShardSchemaError, open_shard
+
+    where = storage.uri(entry.path)
+    data = read_committed_shard(storage, entry.path, entry.staging_path, entry.bytes)
+    if entry.sha256 and hashlib.sha256(data).hexdigest() != entry.sha256:
+        raise ShardSchemaError(f"{where}: sha256 differs from the manifest's: refused")
+    try:
+        shard = open_shard(data, fmt=entry.format)
+    except ShardSchemaError as e:
+        raise ShardSchemaError(f"{where}: {e.reason}") from None
+    if entry.format_version is not None and shard.version != entry.format_version:
+        raise ShardSchemaError(
+            f"{where}: the file is {shard.fmt} version {shard.version}, its manifest entry says version "
+            f"{entry.format_version}: refused"
+        )
+    return shard

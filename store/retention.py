@@ -12,7 +12,8 @@ log, the entries it had read; a point counts the record only at or above those p
 the (topic, partition, seq) of the entry that committed each, and why: ``replaced`` -- not a
 live shard at that point, compaction merged it -- or ``expired`` -- a live shard whose every
 episode was first committed longer ago than the retention age). A record names at most
-`MAX_FILES_PER_RECORD` files (a big removal is several records).
+`MAX_FILES_PER_RECORD` files (a big removal is several records; the shards of one multi-agent
+episode are named by one record, `rlrec.store.retention_episodes.episode_groups`).
 
 `retain` runs the three steps of ``rlrec retain`` (docs/GUARANTEES.md, "Retention"):
 
@@ -75,6 +76,7 @@ from rlrec.store.manifest import (
 )
 from rlrec.store.manifest_entries import TOPIC_RE, check_shard_paths
 from rlrec.store.reader_leases import live_holds
+from rlrec.store.retention_episodes import IdsOf, episode_groups, multi_agent_ids, whole_episodes
 from rlrec.store.storage import Storage
 
 __all__ = [
@@ -89,6 +91,7 @@ __all__ = [
     "RetainResult",
     "append_removals",
     "delete_due",
+    "fitting",
     "parse_record",
     "pinned_live_shards",
     "plan_removals",
@@ -500,6 +503,7 @@ def plan_removals(
     now: float,
     pinned: Collection[str] = (),
     pinned_entries: PinnedEntries | None = None,
+    ids_of: IdsOf | None = None,
 ) -> list[RemovedFile]:
     """What to remove now, from `logs` (every entry of each partition log, at the newest point):
 
@@ -511,7 +515,9 @@ def plan_removals(
     Left out: shards in `already` (removed by an earlier record), shards whose manifest path is
     in `pinned`, and live shards holding episodes of the shard entries `pinned_entries` names
     (`pinned_live_shards`, from these same `logs`: a pin by identity follows the episodes into
-    whatever shard compaction merged them into).
+    whatever shard compaction merged them into). A multi-agent episode's shards expire together
+    or not at all (`rlrec.store.retention_episodes.whole_episodes`; `ids_of` reads a shard's
+    multi-agent episode ids, `multi_agent_ids`; None: unknown, every overlapping shard shares).
 
     Example:
         >>> plan_removals({}, set(), older_than_s=None, now=0.0)
@@ -537,7 +543,7 @@ def plan_removals(
                 newest = max((first.get(i, s.commit_time) for i in s.episode_ids), default=s.commit_time)
                 if now - newest > older_than_s:
                     out.append(RemovedFile.of(s, "expired"))
-    return out
+    return whole_episodes(out, logs, already, ids_of or (lambda s: None))
 
 
 # ------------------------------------------------------------------------------ writing
@@ -548,16 +554,61 @@ def _next_number(storage: Storage) -> int:
     return max(nums, default=-1) + 1
 
 
-def _chunk(files: list[RemovedFile]) -> tuple[list[RemovedFile], list[RemovedFile]]:
+def _size(f: RemovedFile) -> int:
+    return len(json.dumps(f.to_dict())) + 1
+
+
+def _chunk(
+    files: list[RemovedFile], together: Mapping[tuple[str, int, int], Any] | None = None
+) -> tuple[list[RemovedFile], list[RemovedFile]]:
     """(the files of the next record, the rest): at most `MAX_FILES_PER_RECORD`, and at most
-    half of `MAX_RECORD_BYTES` of file descriptions (long policy ids and topics fit too)."""
-    size, i = 0, 0
+    half of `MAX_RECORD_BYTES` of file descriptions (long policy ids and topics fit too), cut
+    only between files of different groups (`together`: a file's key -> its group; adjacent in
+    `files`). ValueError where the first group alone is over that (`fitting` leaves such out)."""
+    together = together or {}
+    size, i, cut = 0, 0, 0
     while i < min(len(files), MAX_FILES_PER_RECORD):
-        size += len(json.dumps(files[i].to_dict())) + 1
+        size += _size(files[i])
         if i and size > MAX_RECORD_BYTES // 2:
             break
         i += 1
-    return files[:i], files[i:]
+        if i == len(files) or together.get(files[i - 1].key, files[i - 1]) is not together.get(files[i].key, files[i]):
+            cut = i
+    if not cut and files:
+        raise ValueError(
+            f"a group of files that must be recorded together is over one record's limit ({files[0].path})"
+        )
+    return files[:cut], files[cut:]
+
+
+def fitting(groups: Sequence[Sequence[RemovedFile]]) -> list[list[RemovedFile]]:
+    """`groups` (`rlrec.store.retention_episodes.episode_groups`) less those one removal record
+    cannot hold (over `MAX_FILES_PER_RECORD` files or half of `MAX_RECORD_BYTES`): kept, not
+    removed this run (keep more, never less), with one warning.
+
+    Args:
+        groups: the files to record, grouped: each group to be named by one record.
+
+    Example:
+        >>> f = RemovedFile("rl", 0, 1, "p/a.parquet", "p/_staging/a.parquet", "expired")
+        >>> fitting([[f]]) == [[f]], fitting([[f] * (MAX_FILES_PER_RECORD + 1)])
+        (True, [])
+    """
+    out, over = [], []
+    for g in groups:
+        if len(g) > MAX_FILES_PER_RECORD or (len(g) > 1 and sum(map(_size, g)) > MAX_RECORD_BYTES // 2):
+            over.append(g)
+        else:
+            out.append(list(g))
+    if over:
+        log.warning(
+            "retain: %d group(s) of shards sharing multi-agent episodes (%d files, e.g. %s) are over one removal "
+            "record's limit: kept",
+            len(over),
+            sum(map(len, over)),
+            over[0][0].path,
+        )
+    return out
 
 
 def append_removals(
@@ -568,18 +619,28 @@ def append_removals(
     grace_s: float,
     now: float | None = None,
     max_attempts: int = 100,
+    groups: Sequence[Sequence[RemovedFile]] = (),
 ) -> list[RemovalRecord]:
     """Append `files` to the removal log as records of at most `MAX_FILES_PER_RECORD` files
-    and half of `MAX_RECORD_BYTES` each (create-once at the next free number; a lost race reads the winner's record, drops
-    the files it names and tries the next number). Returns the records written. `now`: every
-    record's time (default: each record is stamped right before its create-once, so an
-    ``as_of`` time counts it only once it may exist: `rlrec.store.snapshot`)."""
+    and half of `MAX_RECORD_BYTES` each (create-once at the next free number; a lost race reads
+    the winner's record, drops the files it names and tries the next number). The files of each
+    of `groups` (`fitting` ones: shards sharing multi-agent episodes) are named by one record.
+    Returns the records written. `now`: every record's time (default: each record is stamped
+    right before its create-once, so an ``as_of`` time counts it only once it may exist:
+    `rlrec.store.snapshot`)."""
+    together: dict[tuple[str, int, int], Any] = {}
+    for g in groups:
+        for f in g:
+            together[f.key] = g
+    units: dict[Any, list[RemovedFile]] = {}  # each group's files next to each other, at its first file
+    for i, f in enumerate(files):
+        units.setdefault(id(together[f.key]) if f.key in together else ("alone", i), []).append(f)
+    pending = [f for fs in units.values() for f in fs]
     written: list[RemovalRecord] = []
-    pending = list(files)
     n = _next_number(storage)
     attempts = 0
     while pending:
-        chunk, rest = _chunk(pending)
+        chunk, rest = _chunk(pending, together)
         stamp = time.time() if now is None else now  # right before its create-once (as_of times count it then)
         rec = RemovalRecord(n, stamp, grace_s, dict(positions), tuple(chunk))
         if storage.create_once(record_path(n), rec.to_json().encode()):
@@ -709,8 +770,15 @@ def retain(
     )
     resolved = resolve_removals(_naming(records, logs), logs)
     res = RetainResult()
+    ids_of = multi_agent_ids(storage)
     res.recorded = plan_removals(
-        logs, set(resolved), older_than_s=older_than_s, now=now, pinned=pinned, pinned_entries=pinned_entries
+        logs,
+        set(resolved),
+        older_than_s=older_than_s,
+        now=now,
+        pinned=pinned,
+        pinned_entries=pinned_entries,
+        ids_of=ids_of,
     )
     holds_of = {c.key: held for h in heads.values() for c, held in h.candidates}
     res.recorded = sorted([*res.recorded, *(c for h in heads.values() for c, _ in h.candidates)], key=_order)
@@ -728,9 +796,11 @@ def retain(
     if res.recorded:  # what live trainers were handed and have not read yet (asked right before recording)
         held = _held(res.recorded, live_holds(storage))
         res.recorded = [f for f in res.recorded if f.key not in held]
+    groups = fitting(episode_groups(res.recorded, logs, set(resolved), ids_of))  # what the pins and leases keep
+    res.recorded = sorted((f for g in groups for f in g), key=_order)
     would: list[RemovalRecord] = []
     if res.recorded and not dry_run:
-        res.records = append_removals(storage, positions, res.recorded, grace_s=grace_s, now=given)
+        res.records = append_removals(storage, positions, res.recorded, grace_s=grace_s, now=given, groups=groups)
     elif dry_run and grace_s <= 0:  # what a real run would delete at once
         would = [RemovalRecord(-1, now, grace_s, positions, tuple(res.recorded))]
     every = [*records, *res.records, *would]

@@ -8,6 +8,10 @@ folded removal record names), the entries after it and the removal records after
 
 * **candidates**: the replaced files it lists, and the live shards older than the retention age,
   less what the pins keep (by manifest path, or by shard entry through the shards' holdings);
+* an expiring shard of multi-agent rows (as its confirmed entry says; a live set whose format
+  differs from the entry's is not trusted) sends the log to its history, where
+  `rlrec.store.retention.plan_removals` keeps each multi-agent episode's shards together
+  (`rlrec.store.retention_episodes`);
 * each candidate is **confirmed from the immutable entries** before it is recorded: a replaced
   file's entry commits exactly that file and its replace entry replaces that seq; an expiring
   shard's entry commits exactly that file, and its merge tree (the replace entries down to the
@@ -47,6 +51,7 @@ from rlrec.store.manifest import (
     ReplaceEntry,
     ShardEntry,
 )
+from rlrec.store.retention_episodes import is_multi_agent
 from rlrec.store.storage import Storage
 
 __all__ = ["LogHead", "heads_or_history", "history_cost"]
@@ -234,7 +239,11 @@ def heads_or_history(
                         continue  # not expired by the live set's word: kept (it may only keep more)
                     if pinned_by(facts.holds_of(q), q, ranges):
                         continue
-                    head.shard_at(q, s.path, s.staging_path)
+                    e = head.shard_at(q, s.path, s.staging_path)
+                    if (e.format, e.format_version) != (s.format, s.format_version):
+                        raise Undecided(f"{s.path}: the live set's format differs from its entry's")
+                    if is_multi_agent(e):  # its episodes' other shards: `plan_removals` keeps them whole
+                        raise Undecided(f"{s.path} holds multi-agent rows")
                     newest, held = head.tree(q)
                     if now - newest > older_than_s and not pinned_by(held, q, ranges):
                         head.candidates.append((RemovedFile.of(s, "expired"), held))

@@ -23,12 +23,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from rlrec.store.at_exit import close_at_exit, read_ahead_pool
-from rlrec.store.commit import read_committed_shard
+from rlrec.store.commit import read_gated_shard
 from rlrec.store.cursor import Cursor, CursorError, _as_cursor, _check_store, _expired, _short
 from rlrec.store.live_set_file import ShardList
 from rlrec.store.manifest import Entry, ReplaceEntry, ShardEntry
 from rlrec.store.point_removals import Removed, _deleted
-from rlrec.store.schema_gate import MULTI_AGENT_SHARD_FORMAT_VERSION, ShardSchemaError, open_shard
+from rlrec.store.schema_gate import MULTI_AGENT_SHARD_FORMAT_VERSION
 from rlrec.store.steps_table import STEP_SOURCES, empty_steps, gated_steps, naming_errors, tabular_episodes
 from rlrec.store.storage import Storage
 
@@ -388,21 +388,8 @@ class Snapshot:
     # ---------------------------------------------------------------- reading shards
     def _gated(self, entry: ShardEntry):
         """A committed shard's `GatedShard` once its bytes match the manifest's sha256 and its
-        format version the entry's."""
-        where = self.storage.uri(entry.path)
-        data = read_committed_shard(self.storage, entry.path, entry.staging_path, entry.bytes)
-        if entry.sha256 and hashlib.sha256(data).hexdigest() != entry.sha256:
-            raise ShardSchemaError(f"{where}: sha256 differs from the manifest's: refused")
-        try:
-            shard = open_shard(data, fmt=entry.format)
-        except ShardSchemaError as e:
-            raise ShardSchemaError(f"{where}: {e.reason}") from None
-        if entry.format_version is not None and shard.version != entry.format_version:
-            raise ShardSchemaError(
-                f"{where}: the file is {shard.fmt} version {shard.version}, its manifest entry says version "
-                f"{entry.format_version}: refused"
-            )
-        return shard
+        format version the entry's (`rlrec.store.commit.read_gated_shard`)."""
+        return read_gated_shard(self.storage, entry)
 
     def episodes(self) -> Iterator[Any]:
         """Every episode of the snapshot as an RLlib `SingleAgentEpisode`, shard by shard

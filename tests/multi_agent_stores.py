@@ -64,9 +64,17 @@ def scripted_spread(episode_id: str, seed: int, max_cycles: int = 25) -> MultiAg
     return rec
 
 
-def commit_spread(root: str, commits: int, episodes_per_commit: int, first_seed: int = 0) -> list[str]:
+def commit_spread(
+    root: str,
+    commits: int,
+    episodes_per_commit: int,
+    first_seed: int = 0,
+    first_offset: int | None = None,
+) -> list[str]:
     """Commit `commits` x (one shard per module) of `episodes_per_commit` episodes each under
-    `root`; returns the committed shard paths (2 per commit)."""
+    `root`; returns the committed shard paths (2 per commit). `first_offset`: every shard
+    entry's (default: its own commit's offset; a lower one makes the commits' offset ranges
+    overlap, as long interleaved episodes do)."""
     st = Storage.from_uri(root, fsync=False)
     log = PartitionLog(st, "rl", 0)
     log.claim("test-writer")
@@ -88,7 +96,7 @@ def commit_spread(root: str, commits: int, episodes_per_commit: int, first_seed:
                 topic="rl",
                 partition=0,
                 policy_id=policy,
-                first_offset=offset,
+                first_offset=offset if first_offset is None else first_offset,
                 last_offset=offset,
                 episode_ids=list(enc.episode_ids),
                 episodes=enc.episodes,

@@ -645,6 +645,8 @@ _WRITER = textwrap.dedent(
     for i in range(12):
         res = c.commit(expert_cartpole_episodes(2, seed=seed + i, max_steps=20))
         print(" ".join(fe.episode_id for fe in res.written), flush=True)
+    if c.log._live_builder is not None:  # a first live set built in the background reaches its write
+        c.log._live_builder.join()
     print("done", flush=True)
     """
 )

@@ -183,6 +183,42 @@ def keeping_recorder(observation_space, action_space, **kw):
     return rec, fake
 
 
+class RecorderClock:
+    """A stand-in for the recorder's monotonic clock that stands still until `run()`: while it
+    stands, no buffered step ages (however slowly a busy machine runs the test), so only a
+    batch's size or its episode's end sends it; after `run()` it is the real clock again.
+
+    Example:
+        >>> clock = RecorderClock()
+        >>> clock() == clock() == clock.frozen_at
+        True
+        >>> clock.run()
+        >>> clock() >= clock.frozen_at
+        True
+    """
+
+    def __init__(self) -> None:
+        self.frozen_at = time.monotonic()
+        self._running = False
+
+    def __call__(self) -> float:
+        return time.monotonic() if self._running else self.frozen_at
+
+    def run(self) -> None:
+        """From now on the real clock: steps buffered meanwhile age from `frozen_at`."""
+        self._running = True
+
+
+def frozen_recorder_clock(monkeypatch) -> RecorderClock:
+    """Put a standing `RecorderClock` in place of `rlrec.producer.recorder`'s clock (batch ages,
+    the poller's schedule, close and flush deadlines) for the rest of the test; returns it."""
+    from rlrec.producer import recorder
+
+    clock = RecorderClock()
+    monkeypatch.setattr(recorder, "_monotonic", clock)
+    return clock
+
+
 def assemble(messages) -> tuple[dict, list]:
     """Run kept messages through the consumer's assembly (one partition, in order): the finished
     episodes by id (`FinishedEpisode`, in finish order) and the dead letters."""

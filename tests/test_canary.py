@@ -489,7 +489,7 @@ def test_a_trainer_whose_root_was_taken_mid_publication_writes_nothing_more(tmp_
 
     def slow(rel, data):
         if not rel.startswith("_owners/"):
-            b_started.wait(5)
+            b_started.wait(60)
             time.sleep(0.2)
         real_write(rel, data)
 
@@ -506,7 +506,7 @@ def test_a_trainer_whose_root_was_taken_mid_publication_writes_nothing_more(tmp_
     thread = threading.Thread(target=a_publishes)
     thread.start()
     reserved = root / "_owners" / "publisher" / "versions" / f"{1:012d}"
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while not reserved.exists() and time.monotonic() < deadline:  # A reserved v1, its first file write waits
         time.sleep(0.01)
     b_raw = Storage.from_uri(str(root))

@@ -360,7 +360,7 @@ def test_metrics_and_healthz_are_served(broker, topic, tmp_path):
     c, t = _run_consumer(cfg)
     rec = _recorder(broker, topic)
     try:
-        port = wait_for(lambda: c.metrics_port, 10, 0.05, what="the metrics server")
+        port = wait_for(lambda: c.metrics_port, 60, 0.05, what="the metrics server")
         assert port > 0
         status, body = _get(f"http://127.0.0.1:{port}/healthz")
         assert (status, body) == (200, "ok\n")

@@ -52,7 +52,7 @@ def test_partition_paused_at_revoke_is_read_after_reassignment(broker, topic, tm
         rec.flush(10)
         wait_for(lambda: committed_episodes(storage) >= 20 and len(a.writers) == 4, 60, what="A owns everything")
         a.pause_all = True  # what a failing flush does to its partition
-        wait_for(lambda: a._paused == {0, 1, 2, 3}, 10, what="A paused its partitions")
+        wait_for(lambda: a._paused == {0, 1, 2, 3}, 60, what="A paused its partitions")
         # a member joins and leaves: every partition of A is revoked, and assigned back to A
         b, tb = run_consumer(cfg, storage)
         wait_for(lambda: len(b.writers) > 0, 60, what="B got partitions")

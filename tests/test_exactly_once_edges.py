@@ -226,7 +226,7 @@ def test_encoding_on_another_thread_keeps_episodes_in_flight_until_committed(tmp
         w.tick(later, force=False)
         w.drop()
         gate.set()
-        pool.submit(lambda: None).result(timeout=10)
+        pool.submit(lambda: None).result(timeout=60)
         assert w.tick(later, force=True).flushed == [] and w.buffered_bytes == 0
         assert sorted(i for e in read_manifest(storage) for i in e.episode_ids) == ["a", "b"]
 
@@ -254,10 +254,10 @@ def test_encoding_on_another_thread_keeps_episodes_in_flight_until_committed(tmp
             a3.apply(2 * i + 1, steps(eid, 0, 1, terminated=True))
         w3.tick(later)
         assert list(a3.in_flight) == ["f"] and list(a3.finished) == ["g"]
-        assert pool.submit(lambda: None).result(timeout=10) is None and w3.due(later)
+        assert pool.submit(lambda: None).result(timeout=60) is None and w3.due(later)
         assert [fe.episode_id for f in w3.tick(later).flushed for fe in f.episodes] == ["f"]
         w3.tick(later)
-        assert pool.submit(lambda: None).result(timeout=10) is None and w3.due(later)
+        assert pool.submit(lambda: None).result(timeout=60) is None and w3.due(later)
         assert [fe.episode_id for f in w3.tick(later).flushed for fe in f.episodes] == ["g"]
     finally:
         gate.set()

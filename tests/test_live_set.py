@@ -44,6 +44,19 @@ def _commit(c: ShardCommitter, n: int, seed: int) -> list[str]:
     return ids
 
 
+def _commit_settled(c: ShardCommitter, n: int, seed: int) -> list[str]:
+    """`_commit`, one shard at a time, each followed by the end of the writer's background build
+    of its first live set if one started: what a writer wrote no longer depends on when that
+    thread got the CPU (a busy machine runs it commits later)."""
+    ids = []
+    for i in range(n):
+        ids += _commit(c, 1, seed + i)
+        if c.log._live_builder is not None:
+            c.log._live_builder.join(60)
+            assert not c.log._live_builder.is_alive()
+    return ids
+
+
 def _history_head(st) -> list[tuple]:
     """The live shards at the head as the whole history says (records, then every entry)."""
     from rlrec.store.manifest import list_partition_logs
@@ -632,6 +645,8 @@ _WRITER = textwrap.dedent(
     for i in range(12):
         res = c.commit(expert_cartpole_episodes(2, seed=seed + i, max_steps=20))
         print(" ".join(fe.episode_id for fe in res.written), flush=True)
+    if c.log._live_builder is not None:  # a first live set built in the background reaches its write
+        c.log._live_builder.join()
     print("done", flush=True)
     """
 )
@@ -763,7 +778,7 @@ def test_a_live_set_past_the_logs_end_is_passed_over_and_does_not_stop_the_write
     _assert_head_is_history(root, through_live_set=True)
     w = ShardCommitter(root, "rl", 0, snapshot_every=3)  # a fresh writer (looks for live sets)
     w.log.live_set_every = 5
-    _commit(w, 12, 100)
+    _commit_settled(w, 12, 100)  # its first live set is built in the background
     seqs = live_set_seqs(st, "rl", 0)
     assert big in seqs and max(q for q in seqs if q != big) > honest[-1], seqs  # new ones written
     assert len([q for q in seqs if q != big]) == 3, seqs  # the newest 3 honest ones kept

@@ -16,6 +16,7 @@ from rlrec.consumer.multi_agent_fold import fold_multi_agent
 from rlrec.producer import EpisodeRecorder, RecorderFullError
 from rlrec.producer.multi_agent_events import decode_event
 from rlrec.producer.registry import SchemaRegistry
+from tests.helpers import frozen_recorder_clock
 from tests.test_recorder import NOWHERE, QUIET, read_messages
 from tests.test_registry import registry  # noqa: F401 (the fixture)
 
@@ -37,7 +38,9 @@ def _episodes(broker, topic, rec, **decode_kw) -> dict:
 
 
 def test_delayed_rewards_fold_into_buffered_steps_or_travel_as_reward_delta_2(broker, topic):
-    rec = EpisodeRecorder(broker.bootstrap_servers, topic, max_batch_steps=4)
+    # batches by size only (a 0.2 s age would send env steps 4-5 early on a busy machine, and the
+    # reward for env step 5 would travel as a RewardDelta instead of folding in)
+    rec = EpisodeRecorder(broker.bootstrap_servers, topic, max_batch_steps=4, max_batch_delay_s=3600)
     eid = rec.begin_multi_agent_episode({"a": Z, "b": Z}, **SPACES)
     for t in range(6):
         rec.log_multi_agent_step(eid, *_both(t))
@@ -64,19 +67,22 @@ def test_delayed_rewards_fold_into_buffered_steps_or_travel_as_reward_delta_2(br
     np.testing.assert_array_equal(r.steps[3].observations["a"], np.full(2, 0.03, np.float32))
 
 
-def test_big_env_steps_are_batched_under_max_batch_bytes_and_old_ones_sent_by_age(broker, topic):
+def test_big_env_steps_are_batched_under_max_batch_bytes_and_old_ones_sent_by_age(broker, topic, monkeypatch):
     img = gs.Box(0, 255, (64, 64, 3), np.uint8)  # 12 KiB a value, two agents
     spaces = {"observation_spaces": {"a": img, "b": img}, "action_spaces": {"a": gs.Discrete(2), "b": gs.Discrete(2)}}
     frame = np.zeros((64, 64, 3), np.uint8)
+    clock = frozen_recorder_clock(monkeypatch)  # while the steps are logged only their size batches them
     rec = EpisodeRecorder(broker.bootstrap_servers, topic, max_batch_bytes=64 * 1024, max_batch_delay_s=0.2)
     eid = rec.begin_multi_agent_episode({"a": frame, "b": frame}, **spaces)
     for t in range(5):
         rec.log_multi_agent_step(eid, {"a": frame + t, "b": frame}, {"a": 0, "b": 1}, {"a": 1.0, "b": 1.0}, {}, {})
     assert rec.stats.messages_produced == 1 + 2  # 2 env steps (~49 KiB) a batch; the fifth waits
-    deadline = time.monotonic() + 5
+    clock.run()  # time runs again: only its age can send the fifth (no flush, no close)
+    deadline = time.monotonic() + 60
     while rec.stats.messages_produced < 4 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert rec.stats.messages_produced == 4  # sent by the poller once 0.2 s old
+    assert time.monotonic() - clock.frozen_at >= 0.2
     rec.abort_episode(eid)
     rec.close()
     r = fold_multi_agent(_episodes(broker, topic, rec)[eid])

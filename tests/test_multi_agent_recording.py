@@ -267,7 +267,8 @@ def _relay_env_class():
 
 def test_rllib_env_agents_join_late_leave_early_and_act_without_observation(broker, topic):
     pytest.importorskip("ray.rllib")
-    rec = EpisodeRecorder(broker.bootstrap_servers, topic, max_batch_steps=2)  # 3 batches
+    # 3 batches, by size only (a 0.2 s age could split them on a busy machine)
+    rec = EpisodeRecorder(broker.bootstrap_servers, topic, max_batch_steps=2, max_batch_delay_s=3600)
     env = MultiAgentRecordingWrapper(_relay_env_class()(), rec, agent_modules={"a0": "m0", "a1": "m1", "a2": "m1"})
     obs, infos = env.reset()
     eid = env.episode_id

@@ -342,8 +342,12 @@ def _events(broker, topic, n):
 
 
 def test_single_agent_wrapper_aborts_the_episode_when_a_step_is_refused(broker, topic):
-    rec = EpisodeRecorder(
-        broker.bootstrap_servers, topic, observation_space=_NanAtStep.observation_space, action_space=gs.Discrete(2)
+    rec = EpisodeRecorder(  # batches end only with their episode (no 0.2 s age splits one on a busy machine)
+        broker.bootstrap_servers,
+        topic,
+        observation_space=_NanAtStep.observation_space,
+        action_space=gs.Discrete(2),
+        max_batch_delay_s=3600,
     )
     env = RecordingWrapper(_NanAtStep(), rec)
     env.reset()

@@ -389,7 +389,7 @@ def test_ope_gate_evaluates_off_the_training_thread_and_applies_the_decision_lat
     assert "still running" in caplog.text and calls == [1]
     assert trainer.collect_evaluation(0.05) is None and trainer.policy_version == 0
     release.set()
-    d = trainer.collect_evaluation(10)
+    d = trainer.collect_evaluation(60)
     assert d["promoted"] and trainer.policy_version == 1 and trainer.last_promotion is d
     assert trainer.since_publish == {"s3"}  # trained on after the candidate was exported
     assert not (tmp_path / "ck" / "policies" / "v000001").exists()  # written once a checkpoint commits it
@@ -429,7 +429,7 @@ def test_a_stop_waits_a_bounded_time_for_the_evaluation_then_drops_it(tmp_path, 
     assert trainer._job is None and trainer.policy_version == 0
     release.set()
     # finished within the wait: applied and recorded in a late metrics line
-    trainer.cfg.evaluation_wait_s = 10
+    trainer.cfg.evaluation_wait_s = 60
     trainer.publish()
     trainer._finish_evaluation_at_stop()
     trainer.metrics.close()

@@ -40,7 +40,7 @@ from rlrec.producer.events import (
     decode,
 )
 from rlrec.producer.spaces import flatten_value, space_leaves, unflatten_leaves
-from tests.helpers import wait_for
+from tests.helpers import frozen_recorder_clock, wait_for
 
 NOWHERE = "127.0.0.1:1"  # nothing listens there: records stay buffered until they time out
 QUIET = {"log_level": 0}  # librdkafka would log every refused connection to stderr
@@ -490,18 +490,22 @@ def test_small_max_batch_steps_splits_episode(broker, topic, recorders):
 
 
 @pytest.mark.broker
-def test_max_batch_delay_sends_partial_batch(broker, topic, recorders):
+def test_max_batch_delay_sends_partial_batch(broker, topic, recorders, monkeypatch):
+    clock = frozen_recorder_clock(monkeypatch)
     rec = recorders(broker.bootstrap_servers, topic, max_batch_steps=100, max_batch_delay_s=0.2)
     eid = rec.begin_episode(np.zeros(3, np.float32))
     for _t in range(3):
         rec.log_step(eid, 1, 1.0, np.ones(3, np.float32))
-    t0 = time.monotonic()
-    msgs = read_messages(broker.bootstrap_servers, topic, 2, timeout=2.5, settle=0.0)  # no flush()
-    assert time.monotonic() - t0 < 2.5
+    assert rec.stats.messages_produced == 1  # the steps wait while the clock stands
+    clock.run()  # no flush(), no close(): only their age sends them
+    msgs = read_messages(broker.bootstrap_servers, topic, 2, timeout=60, settle=0.0)
+    assert time.monotonic() - clock.frozen_at >= 0.2
     s = decode_all(msgs)[eid]
     assert s.kinds == ["EpisodeStart", "StepBatch"]
     assert (s.batches[0].t0, s.batches[0].n, s.batches[0].terminated) == (0, 3, False)
-    assert rec.open_episodes == 1 and rec.stats.buffered == 0
+    # read back, but its delivery report reaches the recorder on the poller's next poll
+    wait_for(lambda: rec.stats.buffered == 0, 60, what="the batch's delivery report")
+    assert rec.open_episodes == 1 and rec.stats.delivered == 4
 
 
 # ------------------------------------------------------------------------------ overflow

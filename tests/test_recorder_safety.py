@@ -486,7 +486,7 @@ def test_stress_threads_logging_aborting_and_closing_deliver_what_stats_says(bro
     for th in threads:
         th.start()
     time.sleep(1.5)
-    done, left = _in_thread(lambda: rec.close(10), 30)
+    done, left = _in_thread(lambda: rec.close(60), 90)  # close returns once all is delivered
     assert done and left == 0, left
     stop.set()
     for th in threads:

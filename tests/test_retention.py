@@ -146,12 +146,15 @@ def test_expired_shards_are_removed_newest_and_later_points_read_the_rest_older_
     c = ShardCommitter(root, "rl", 0)
     _commit(c, 2)
     at_old = open_snapshot(root).cursor
+    old_done = time.time()
     time.sleep(2.0)
+    new_started = time.time()
     new = _commit(c, 2, seed0=10)
     at_both = open_snapshot(root).cursor
     before_retain = time.time()
     time.sleep(0.01)
-    res = retain(c.storage, older_than_s=1.5, grace_s=0)
+    # the cut midway between the two commits, however long the second one took (a loaded machine)
+    res = retain(c.storage, older_than_s=time.time() - (old_done + new_started) / 2, grace_s=0)
     assert [f.reason for f in res.recorded] == ["expired", "expired"]
     assert len(res.deleted) == 2  # two published files (their staging files are gone already)
     _assert_exactly(open_snapshot(root), new)

@@ -168,3 +168,12 @@ def test_python_m_rlrec_and_the_console_script_end_through_run():
     assert "finalized" not in p.stderr, p.stderr
     pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
     assert '\nrlrec = "rlrec.cli:run"\n' in pyproject
+
+
+@pytest.mark.parametrize("module", ["rlrec.process_exit", "rlrec.cli"])
+def test_docstring_examples(module):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted > 0

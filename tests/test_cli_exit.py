@@ -116,6 +116,7 @@ def store(tmp_path_factory):
     return str(root), steps
 
 
+@pytest.mark.slow  # two fresh interpreters importing torch per case
 @pytest.mark.parametrize(
     "case, code",
     [
@@ -147,6 +148,7 @@ def test_with_torch_imported_the_program_prints_and_exits_as_without(case, code,
         assert len(json.loads(torch.stdout)["shards"]) == 3, torch.stdout
 
 
+@pytest.mark.slow
 def test_files_the_program_wrote_are_complete(store, tmp_path):
     store, steps = store
     out = tmp_path / "steps"
@@ -158,6 +160,7 @@ def test_files_the_program_wrote_are_complete(store, tmp_path):
     assert sum(pq.read_table(f).num_rows for f in files) == steps > 0
 
 
+@pytest.mark.slow
 def test_python_m_rlrec_and_the_console_script_end_through_run():
     """`python -m rlrec` (run as a module after torch was imported) ends through exit_process;
     the console script `rlrec` calls `rlrec.cli:run`."""

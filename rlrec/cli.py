@@ -177,8 +177,8 @@ def run() -> int:
     """The ``rlrec`` program (the console script, ``python -m rlrec``): :func:`main` on
     ``sys.argv``, its exit code returned for ``sys.exit``; once torch was imported, the process
     ends here instead, through :func:`rlrec.process_exit.exit_process` (every Python exit hook
-    runs, output is flushed, the exit code is the same; the native teardown, where torch and
-    pyarrow may abort, is skipped).
+    runs, output is flushed, the exit code and an escaping exception's traceback are the same;
+    the native teardown, where torch and pyarrow may abort, is skipped).
 
     Example:
         >>> import subprocess, sys
@@ -189,12 +189,12 @@ def run() -> int:
     """
     try:
         code = main()
-    except SystemExit as e:  # argparse: --help (0), bad arguments (2)
+    except BaseException as e:  # argparse's SystemExit (--help: 0, bad arguments: 2), or any other
         if "torch" not in sys.modules:
             raise
-        from rlrec.process_exit import system_exit_code
+        from rlrec.process_exit import exit_uncaught
 
-        code = system_exit_code(e)
+        exit_uncaught(e)  # the code and the traceback the interpreter would give
     if "torch" in sys.modules:
         from rlrec.process_exit import exit_process
 

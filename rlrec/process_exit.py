@@ -26,13 +26,16 @@ from __future__ import annotations
 
 import atexit
 import os
+import signal
 import sys
 import threading
+import traceback
+import types
 import typing
 
-__all__ = ["exit_process", "system_exit_code"]
+__all__ = ["exit_process", "exit_uncaught", "system_exit_code"]
 
-#: the exit code of a process whose stdout could not be flushed at exit, as the interpreter's
+#: the exit code of a process whose stdout or stderr could not be flushed at exit, as the interpreter's
 FLUSH_FAILED = 120
 
 
@@ -60,7 +63,12 @@ def exit_process(code: int) -> typing.NoReturn:
     teardown (see the module's docstring). Call it from the main thread, as the last thing.
 
     Args:
-        code: the exit code (0-255).
+        code: the exit code; the process ends with ``code & 0xFF``, as the OS reports any int
+            given to ``sys.exit`` (120 instead if stdout or stderr could not be flushed).
+
+    Raises:
+        RuntimeError: called from a thread other than the main one (the exit work joins every
+            non-daemon thread, the calling one included).
 
     Example:
         >>> import subprocess, sys
@@ -69,27 +77,94 @@ def exit_process(code: int) -> typing.NoReturn:
         >>> p.returncode, len(p.stdout)
         (0, 100000)
     """
+    _require_main_thread()
+    os._exit(_exit_work(code) & 0xFF)
+
+
+def exit_uncaught(e: BaseException) -> typing.NoReturn:
+    """End the process as the interpreter ends one that `e` escaped from, without its native
+    teardown: a SystemExit's code; a KeyboardInterrupt's traceback, then death by SIGINT; any
+    other exception's traceback (``sys.excepthook``), then exit code 1. Call it from the main
+    thread, in the ``except`` block that caught `e` at the top of the program.
+
+    Args:
+        e: the exception that would otherwise end the program.
+
+    Raises:
+        RuntimeError: called from a thread other than the main one.
+
+    Example:
+        >>> import subprocess, sys
+        >>> script = "from rlrec.process_exit import exit_uncaught\\ntry:\\n    1 / 0\\n" \\
+        ...     "except BaseException as e:\\n    exit_uncaught(e)"
+        >>> p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+        >>> p.returncode, p.stderr.splitlines()[-1]
+        (1, 'ZeroDivisionError: division by zero')
+    """
+    _require_main_thread()
+    if isinstance(e, SystemExit):
+        exit_process(system_exit_code(e))
+    e.__traceback__ = _from_the_top(e.__traceback__)  # the hook prints the exception's own
+    sys.excepthook(type(e), e, e.__traceback__)
+    if not isinstance(e, KeyboardInterrupt):
+        exit_process(1)
+    _exit_work(0)
+    if os.name == "posix":  # as the interpreter: the parent (a shell) sees the user's Ctrl-C
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    os._exit(128 + signal.SIGINT)
+
+
+def _require_main_thread() -> None:
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError("exit_process: call it from the main thread")
+
+
+def _from_the_top(tb: types.TracebackType | None) -> types.TracebackType | None:
+    """`tb` (of an exception caught in some frame) with that frame's callers in front, as the
+    traceback of an exception that reached the top of the program through them reads."""
+    frame = tb.tb_frame.f_back if tb is not None else None
+    while frame is not None:
+        tb = types.TracebackType(tb, frame, frame.f_lasti, frame.f_lineno)
+        frame = frame.f_back
+    return tb
+
+
+def _exit_work(code: int) -> int:
+    """Run threading's exit hooks and joins, then the atexit handlers, then flush: `code`, or
+    FLUSH_FAILED if stdout or stderr could not be flushed."""
     shutdown = getattr(threading, "_shutdown", None)
     if shutdown is None:  # an interpreter without it: its own exit, teardown included
         sys.exit(code)
-    shutdown()  # threading's exit hooks, then every non-daemon thread joined
+    try:
+        shutdown()  # threading's exit hooks, then every non-daemon thread joined
+    except BaseException as e:  # the interpreter reports it and goes on with the exit
+        _report_unraisable(threading, e, e.__traceback__.tb_next if e.__traceback__ else None)
     atexit._run_exitfuncs()
-    os._exit(_flushed(code))
+    return _flushed(code)
 
 
 def _flushed(code: int) -> int:
-    """`code` once stdout, stderr and C's stdio are flushed; FLUSH_FAILED if stdout's flush
-    failed (a closed pipe), as the interpreter reports it."""
+    """`code` once stdout, stderr and C's stdio are flushed; FLUSH_FAILED if the flush of stdout or
+    stderr failed (a closed pipe), as the interpreter reports it. Closed streams are skipped; the
+    original streams are flushed too when sys.stdout or sys.stderr was replaced."""
     for name in ("stdout", "stderr"):
         stream = getattr(sys, name)
-        if stream is None:
+        if stream is None or getattr(stream, "closed", False):
             continue
         try:
             stream.flush()
         except Exception as e:
+            code = FLUSH_FAILED
             if name == "stdout":
-                code = FLUSH_FAILED
-                _ignored(stream, e)
+                _report_unraisable(stream, e, None)
+    for stream in (sys.__stdout__, sys.__stderr__):
+        if stream is None or stream in (sys.stdout, sys.stderr) or getattr(stream, "closed", False):
+            continue
+        try:
+            stream.flush()
+        except Exception:  # as at an ordinary exit: the code is that of sys.stdout and sys.stderr
+            pass
     try:
         import ctypes
 
@@ -99,10 +174,18 @@ def _flushed(code: int) -> int:
     return code
 
 
-def _ignored(stream: typing.TextIO, e: Exception) -> None:
-    """Say on stderr, as the interpreter does, that flushing `stream` failed."""
+def _report_unraisable(obj: object, e: BaseException, tb: types.TracebackType | None) -> None:
+    """Say on stderr that `e`, raised in `obj`, was ignored, in the words of the interpreter's
+    default ``sys.unraisablehook``."""
+    kind = type(e)
+    module = kind.__module__
+    name = kind.__qualname__ if module in ("builtins", "__main__") else f"{module}.{kind.__qualname__}"
+    lines = [f"Exception ignored in: {obj!r}\n"]
+    if tb is not None:
+        lines += ["Traceback (most recent call last):\n", *traceback.format_tb(tb)]
+    lines.append(f"{name}: {e}\n")
     try:
-        sys.stderr.write(f"Exception ignored in: {stream!r}\n{type(e).__name__}: {e}\n")
+        sys.stderr.write("".join(lines))
         sys.stderr.flush()
     except Exception:
         pass

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -69,16 +70,66 @@ def test_exit_process_runs_the_exit_work_and_skips_the_teardown(tmp_path):
     assert "finalized" not in p.stderr, p.stderr  # the interpreter's teardown did not run
 
 
-def test_a_closed_stdout_ends_with_the_interpreters_code():
-    """stdout's last flush fails (its file is gone): exit code 120, as an ordinary exit's."""
-    script = "import os, sys\nfrom rlrec.process_exit import exit_process\nprint('held')\nos.close(1)\n"
-    codes = []
-    for end in ("exit_process(0)", "sys.exit(0)"):
-        argv = [sys.executable, "-c", script + end]
+#: programs whose end is compared between exit_process(code) and sys.exit(code): the last flush
+#: fails or is skipped, the standard streams were replaced, threading's exit work raises, the code
+#: is beyond a C int; (script, code, the exit code an ordinary exit gives)
+AT_THE_EDGES = {
+    "stdout's file gone": ("print('held')\nos.close(1)\n", 0, 120),
+    "stdout closed by the program": ("print('out', flush=True)\nsys.stdout.close()\n", 0, 0),
+    "stderr cannot be flushed": ("print('out')\nsys.stderr.write('partial')\nos.close(2)\n", 0, 120),
+    "sys.stdout replaced": ("print('held in the real stdout')\nsys.stdout = io.StringIO()\n", 0, 0),
+    "sys.stderr replaced": ("sys.stderr.write('held in the real stderr')\nsys.stderr = io.StringIO()\n", 5, 5),
+    "a threading exit hook raises": (
+        "atexit.register(print, 'atexit ran')\n"
+        "def second_signal():\n    raise KeyboardInterrupt\n"
+        "threading._register_atexit(second_signal)\nprint('out')\n",
+        143,
+        143,
+    ),
+    "a code beyond a C int": ("print('out')\n", 2**32 + 3, 3),
+    "a negative code": ("print('out')\n", -1, 255),
+}
+
+
+@pytest.mark.parametrize("case", AT_THE_EDGES)
+def test_at_the_edges_the_end_is_the_interpreters(case):
+    """exit code, stdout and stderr are those of sys.exit on the same program."""
+    body, code, expected = AT_THE_EDGES[case]
+    head = "import atexit, io, os, sys, threading\nfrom rlrec.process_exit import exit_process\n" + body
+    ends = []
+    for end in (f"exit_process({code})", f"sys.exit({code})"):
+        argv = [sys.executable, "-c", head + end]
         p = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=_buffered_env())
-        assert "Exception ignored in: <_io.TextIOWrapper name='<stdout>'" in p.stderr, (end, p.stderr)
-        codes.append(p.returncode)
-    assert codes == [120, 120]
+        ends.append((p.returncode, p.stdout, p.stderr))
+    assert ends[0] == ends[1]
+    assert ends[0][0] == expected, ends[0]
+    if case == "a threading exit hook raises":  # reported as ignored, the exit work went on
+        assert ends[0][2].startswith("Exception ignored in: <module 'threading'"), ends[0][2]
+        assert ends[0][2].endswith("KeyboardInterrupt: \n") and ends[0][1] == "out\natexit ran\n", ends[0]
+    if case.endswith("replaced"):
+        assert "held in the real" in ends[0][1] + ends[0][2], ends[0]
+
+
+def test_exit_process_refuses_a_thread_other_than_the_main_one():
+    """The exit work joins every non-daemon thread: from another thread it would wait for itself."""
+    script = textwrap.dedent(
+        """
+        import threading
+        from rlrec.process_exit import exit_process
+        refused = []
+        def end():
+            try:
+                exit_process(4)
+            except RuntimeError as e:
+                refused.append(str(e))
+        t = threading.Thread(target=end)
+        t.start()
+        t.join()
+        print(refused)
+        """
+    )
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert (p.returncode, p.stdout) == (0, "['exit_process: call it from the main thread']\n"), p.stderr
 
 
 #: `rlrec ARGV` through `rlrec.cli.run` (as the console script and `python -m rlrec` call it),
@@ -171,6 +222,41 @@ def test_python_m_rlrec_and_the_console_script_end_through_run():
     assert "finalized" not in p.stderr, p.stderr
     pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
     assert '\nrlrec = "rlrec.cli:run"\n' in pyproject
+
+
+#: `rlrec` through `rlrec.cli.run` when an exception other than Exception escapes `main` (an async
+#: client's CancelledError, a Ctrl-C outside the command), torch imported first or not
+ESCAPING = FINALIZED + textwrap.dedent(
+    """
+    import asyncio, sys
+    if sys.argv[1] == "torch":
+        import torch
+    import rlrec.cli
+
+    def command():
+        raise {"cancelled": asyncio.CancelledError, "ctrl-c": KeyboardInterrupt}[sys.argv[2]]()
+
+    rlrec.cli.main = command
+    sys.exit(rlrec.cli.run())
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case, code", [("cancelled", 1), ("ctrl-c", -signal.SIGINT)])
+def test_an_exception_escaping_main_ends_as_without_torch(case, code):
+    """The traceback and the exit code (1; death by SIGINT for a Ctrl-C) are the interpreter's."""
+    ends = []
+    for flag in ("plain", "torch"):
+        argv = [sys.executable, "-c", ESCAPING, flag, case]
+        ends.append(subprocess.run(argv, capture_output=True, text=True, timeout=300, env=_buffered_env()))
+    plain, torch = ends
+    assert torch.returncode == plain.returncode == code, (plain.stderr[-2000:], torch.stderr[-2000:])
+    assert "finalized" not in torch.stderr, torch.stderr  # it ended through exit_process
+    assert torch.stderr == plain.stderr.replace("finalized\n", "")
+    lines = torch.stderr.splitlines()
+    assert lines[0] == "Traceback (most recent call last):" and 'File "<string>"' in lines[1], lines
+    assert lines[-1] == {"cancelled": "asyncio.exceptions.CancelledError", "ctrl-c": "KeyboardInterrupt"}[case]
 
 
 @pytest.mark.parametrize("module", ["rlrec.process_exit", "rlrec.cli"])

@@ -10,8 +10,9 @@ shutdown, ``logging.shutdown``, ``weakref.finalize``), the flush of stdout, stde
 the native static destructors after it are skipped. Files must be closed by then (a ``with``
 block); objects' ``__del__`` do not run at exit.
 
-The ``rlrec`` program ends this way when torch was imported (:func:`rlrec.cli.run`); a script
-that embeds rlrec can end with ``exit_process(0)`` the same way.
+The ``rlrec`` program ends this way when torch was imported (:func:`rlrec.cli.run`), through
+:func:`exit_uncaught` when an exception escapes it; a script that embeds rlrec can end with
+``exit_process(0)`` the same way.
 
 Example:
     >>> import subprocess, sys

@@ -2,6 +2,6 @@
 
 import sys
 
-from rlrec.cli import main
+from rlrec.cli import run
 
-sys.exit(main())
+sys.exit(run())

@@ -173,5 +173,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     return int(rc or 0)
 
 
+def run() -> int:
+    """The ``rlrec`` program (the console script, ``python -m rlrec``): :func:`main` on
+    ``sys.argv``, its exit code returned for ``sys.exit``; once torch was imported, the process
+    ends here instead, through :func:`rlrec.process_exit.exit_process` (every Python exit hook
+    runs, output is flushed, the exit code and an escaping exception's traceback are the same;
+    the native teardown, where torch and pyarrow may abort, is skipped).
+
+    Example:
+        >>> import subprocess, sys
+        >>> script = "import sys; from rlrec.cli import run; sys.argv = ['rlrec', '--help']; sys.exit(run())"
+        >>> p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+        >>> p.returncode, p.stdout.startswith("usage: rlrec")
+        (0, True)
+    """
+    try:
+        code = main()
+    except BaseException as e:  # argparse's SystemExit (--help: 0, bad arguments: 2), or any other
+        if "torch" not in sys.modules:
+            raise
+        from rlrec.process_exit import exit_uncaught
+
+        exit_uncaught(e)  # the code and the traceback the interpreter would give
+    if "torch" in sys.modules:
+        from rlrec.process_exit import exit_process
+
+        exit_process(code)
+    return code
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())

@@ -563,7 +563,7 @@ def test_the_build_context_holds_what_the_dockerfile_copies_and_the_package_buil
     # the wheel's top level holds only rlrec (no generic `producer`/`consumer`/`trainer` packages)
     assert {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")} == {"rlrec"}
     entry = next(n for n in names if n.endswith("entry_points.txt"))
-    assert "rlrec = rlrec.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()
+    assert "rlrec = rlrec.cli:run" in zipfile.ZipFile(wheel).read(entry).decode()
 
 
 def test_the_dependency_step_builds_from_the_metadata_alone(tmp_path):

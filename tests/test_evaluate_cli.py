@@ -162,9 +162,10 @@ def test_evaluate_runs_with_its_extra_only_and_says_its_phases(store):
         for name in BLOCKED:  # as if not installed: import fails, importlib.util.find_spec gives None
             sys.modules[name] = None
         from rlrec.cli import main
+        from rlrec.process_exit import exit_process
         code = main(sys.argv[1:])
         assert not [m for m, mod in sys.modules.items() if mod is not None and m.split(".")[0] in BLOCKED]
-        sys.exit(code)
+        exit_process(code)  # as the rlrec program ends (torch is imported)
         """
     )
     args = _args(root, "--allow-unsigned", "--holdout-fraction", str(HOLDOUT), "--fqe-steps", "20")

@@ -34,8 +34,9 @@ _SPY = textwrap.dedent(
             return None
 
     sys.meta_path.insert(0, Spy())
-    from rlrec.cli import main
-    sys.exit(main(sys.argv[1:]))
+    from rlrec.cli import run
+    sys.argv = ["rlrec", *sys.argv[1:]]
+    sys.exit(run())
     """
 )
 

@@ -38,19 +38,20 @@ import time
 from pathlib import Path
 
 
-def _gpu_memory_by_pid() -> dict[int, int]:
-    """``{pid: used MiB}`` of the GPU's compute processes (nvidia-smi), {} when it cannot say."""
+def _nvidia_smi(*query: str) -> str:
+    """nvidia-smi's CSV answer (no header, no units) to `query`; "" when it cannot answer."""
     try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            timeout=10,
+        return subprocess.run(
+            ["nvidia-smi", *query, "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10
         ).stdout
     except (OSError, subprocess.TimeoutExpired):
-        return {}
+        return ""
+
+
+def _gpu_memory_by_pid() -> dict[int, int]:
+    """``{pid: used MiB}`` of the GPU's compute processes, {} when nvidia-smi cannot say."""
     got = {}
-    for line in out.splitlines():
+    for line in _nvidia_smi("--query-compute-apps=pid,used_memory").splitlines():
         parts = [p.strip() for p in line.split(",")]
         if len(parts) == 2 and parts[0].isdigit() and parts[1].isdigit():
             got[int(parts[0])] = int(parts[1])
@@ -58,16 +59,9 @@ def _gpu_memory_by_pid() -> dict[int, int]:
 
 
 def _total_gpu_memory_used() -> int | None:
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout
-        return int(out.split()[0])
-    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
-        return None
+    """MiB in use on the first GPU, None when nvidia-smi cannot say."""
+    first = _nvidia_smi("--query-gpu=memory.used").split()
+    return int(first[0]) if first and first[0].isdigit() else None
 
 
 def _greedy_return(ck: str, episodes: int = 10) -> float:

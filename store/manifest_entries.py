@@ -248,6 +248,14 @@ class ShardEntry:
     _OPTIONAL = frozenset({"writer", "steps_without_logp", "decoded_bytes", "resume_offset", "manifest_version"})
 
     @property
+    def multi_agent(self) -> bool:
+        """Whether this shard holds multi-agent rows (`episodes` format version 2, one row per
+        agent episode: docs/FORMAT.md, "Multi-agent rows")."""
+        from rlrec.store.schema_gate import MULTI_AGENT_SHARD_FORMAT_VERSION
+
+        return self.format == "episodes" and self.format_version == MULTI_AGENT_SHARD_FORMAT_VERSION
+
+    @property
     def manifest_version(self) -> int:
         """The manifest format a reader needs for this entry."""
         return RESUME_FORMAT_VERSION if self.resume_offset is not None else 1

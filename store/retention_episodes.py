@@ -37,27 +37,12 @@ from rlrec.store.log_shards import live_shards
 from rlrec.store.manifest import Entry, ShardEntry
 from rlrec.store.storage import Storage
 
-__all__ = ["episode_groups", "is_multi_agent", "multi_agent_ids", "whole_episodes"]
+__all__ = ["episode_groups", "multi_agent_ids", "whole_episodes"]
 
 log = logging.getLogger("rlrec.retention")
 
 #: a shard's multi-agent episode ids (None: unknown, it may share an episode with any shard it overlaps)
 IdsOf = Callable[[ShardEntry], "frozenset[str] | None"]
-
-
-def is_multi_agent(s: ShardEntry) -> bool:
-    """Whether `s` commits multi-agent rows (`episodes` format version 2).
-
-    Example:
-        >>> from rlrec.store.manifest import ShardEntry
-        >>> is_multi_agent(ShardEntry(path="p.m/x.parquet", staging_path="p.m/_staging/x.parquet", topic="rl",
-        ...     partition=0, policy_id="p.m", first_offset=0, last_offset=0, episode_ids=[], episodes=0, steps=0,
-        ...     bytes=0, sha256="", format="episodes", format_version=2))
-        True
-    """
-    from rlrec.store.schema_gate import MULTI_AGENT_SHARD_FORMAT_VERSION
-
-    return s.format == "episodes" and s.format_version == MULTI_AGENT_SHARD_FORMAT_VERSION
 
 
 def multi_agent_ids(storage: Storage) -> IdsOf:
@@ -212,7 +197,7 @@ def episode_groups(
         mine = {f.seq for f in files if (f.topic, f.partition) == (topic, part) and f.reason == "expired"}
         if not mine:
             continue
-        live = {q: s for q, s in live_shards(entries).items() if is_multi_agent(s)}
+        live = {q: s for q, s in live_shards(entries).items() if s.multi_agent}
         going = {q for q in mine if q in live}
         staying = {q for q in live if q not in going and (topic, part, q) not in gone}
         root_of = _components(live, going, staying, ids_of)

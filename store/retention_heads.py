@@ -51,7 +51,6 @@ from rlrec.store.manifest import (
     ReplaceEntry,
     ShardEntry,
 )
-from rlrec.store.retention_episodes import is_multi_agent
 from rlrec.store.storage import Storage
 
 __all__ = ["LogHead", "heads_or_history", "history_cost"]
@@ -242,7 +241,7 @@ def heads_or_history(
                     e = head.shard_at(q, s.path, s.staging_path)
                     if (e.format, e.format_version) != (s.format, s.format_version):
                         raise Undecided(f"{s.path}: the live set's format differs from its entry's")
-                    if is_multi_agent(e):  # its episodes' other shards: `plan_removals` keeps them whole
+                    if e.multi_agent:  # its episodes' other shards: `plan_removals` keeps them whole
                         raise Undecided(f"{s.path} holds multi-agent rows")
                     newest, held = head.tree(q)
                     if now - newest > older_than_s and not pinned_by(held, q, ranges):

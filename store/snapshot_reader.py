@@ -153,7 +153,7 @@ class Snapshot:
     def _multi_agent_ids(self, entry: ShardEntry, shard: Any = None) -> dict[str, str]:
         """Agent episode id -> multi-agent episode id of `entry`'s rows ({}: not a multi-agent
         shard), from `shard` (its gated shard; None: read it)."""
-        if entry.format != "episodes" or entry.format_version != MULTI_AGENT_SHARD_FORMAT_VERSION:
+        if not entry.multi_agent:
             return {}
         from rlrec.store.multi_agent_shards import read_agent_ids
 

@@ -158,9 +158,7 @@ class ManifestFollower:
     def _kind_selected(self, e: ShardEntry) -> bool:
         """Single-agent shards for a single-agent trainer, every module's multi-agent rows (of
         ``--policy-id``'s modules, if given) for a multi-agent one."""
-        from rlrec.store.schema_gate import MULTI_AGENT_SHARD_FORMAT_VERSION
-
-        rows = e.format == "episodes" and e.format_version == MULTI_AGENT_SHARD_FORMAT_VERSION
+        rows = e.multi_agent
         if rows != self.multi_agent:
             kind = "multi-agent rows (train them with --multi-agent)" if rows else "single-agent shards"
             self._warn_once(f"kind:{rows}", "skipping %s, e.g. %s", kind, e.path)
